@@ -1,0 +1,21 @@
+"""Built-in data: every step's global batch is a deterministic function of (seed, step)."""
+from psarch.data.markov import MarkovSource
+from psarch.data.text import TextSource
+
+__all__ = ["MarkovSource", "TextSource", "step_generator", "shard_rows"]
+
+import torch
+
+
+def step_generator(seed: int, step: int, stream: int = 0) -> torch.Generator:
+    """A generator for step `step`: independent of the world size, so every backend sees the same data."""
+    return torch.Generator().manual_seed((seed * 1_000_003 + step * 7919 + stream) % (2**63 - 1))
+
+
+def shard_rows(batch: torch.Tensor, shard: int, num_shards: int) -> torch.Tensor:
+    """Rows [shard*B/n, (shard+1)*B/n) of a global batch."""
+    rows = batch.shape[0]
+    if rows % num_shards:
+        raise ValueError(f"global batch of {rows} rows does not split into {num_shards} equal shards")
+    per = rows // num_shards
+    return batch[shard * per:(shard + 1) * per]

@@ -1,0 +1,174 @@
+"""Start every rank of a run: spawned on this machine (`psarch run`), or one rank under torchrun.
+
+A rank that fails stops the whole run with that rank's error; nothing is left running."""
+from __future__ import annotations
+
+import json
+import multiprocessing as mp
+import os
+import sys
+import traceback
+from datetime import timedelta
+from multiprocessing.connection import wait
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from psarch import outputs
+from psarch.config import Config, from_dict
+from psarch.dist import init_rank, shutdown, under_torchrun
+from psarch.registry import trainer_class
+from psarch.runner import run_rank
+
+
+class RunError(RuntimeError):
+    """A rank (or a service such as a parameter server) failed; the message carries its error."""
+
+
+def run(cfg: Config, out: str | Path | None = None, echo: bool = True) -> dict[str, Any]:
+    """Run one experiment and return its summary. Every rank (and service) is started here."""
+    out_dir = Path(out or cfg.out or Path("runs") / cfg.name)
+    cls = trainer_class(cfg.backend.kind)
+    if under_torchrun():
+        return _run_under_torchrun(cfg, cls, out_dir, echo)
+    outputs.prepare(out_dir, cfg)
+    services = cls.start_services(cfg, out_dir) if hasattr(cls, "start_services") else None
+    try:
+        info = services.info if services is not None else {}
+        n = cfg.backend.world_size
+        if n == 1:
+            _run_in_process(cfg, cls, out_dir, info, echo)
+        else:
+            _spawn(cfg, cls, out_dir, info, echo, services)
+        extra = services.finish() if services is not None else None
+    finally:
+        if services is not None:
+            services.stop()
+    return outputs.finalize(out_dir, cfg, extra, echo)
+
+
+def _needs_group(cls: type, cfg: Config) -> bool:
+    return getattr(cls, "needs_process_group", cfg.backend.kind != "single")
+
+
+def _threads(world: int) -> int:
+    env = os.environ.get("PSARCH_THREADS")
+    return int(env) if env else max(1, (os.cpu_count() or 1) // world)
+
+
+def _run_in_process(cfg: Config, cls: type, out: Path, info: dict, echo: bool) -> None:
+    store = None
+    if _needs_group(cls, cfg):
+        store = dist.TCPStore("127.0.0.1", 0, 1, is_master=True, wait_for_workers=False,
+                              timeout=timedelta(seconds=cfg.backend.timeout_s))
+    ctx = init_rank(cfg, 0, 1, 0, 1, store, needs_group=store is not None)
+    ctx.services = info
+    try:
+        outputs.save_record(out, run_rank(cfg, ctx, echo=echo))
+    finally:
+        shutdown(ctx)
+
+
+def _rank_main(cfg_dict: dict, rank: int, world: int, port: int, out: str, info: dict, threads: int,
+               needs_group: bool, echo: bool) -> None:
+    out_dir = Path(out)
+    try:
+        torch.set_num_threads(threads)
+        cfg = from_dict(cfg_dict)
+        store = dist.TCPStore("127.0.0.1", port, world, is_master=False,
+                              timeout=timedelta(seconds=cfg.backend.timeout_s)) if needs_group else None
+        ctx = init_rank(cfg, rank, world, rank, world, store, needs_group=needs_group)
+        ctx.services = info
+        outputs.save_record(out_dir, run_rank(cfg, ctx, echo=echo))
+        shutdown(ctx)
+    except BaseException as e:  # report every failure, KeyboardInterrupt included, then exit non-zero
+        (out_dir / outputs.RANKS_DIR / f"rank{rank}.error").write_text(
+            f"{type(e).__name__}: {e}\n\n{traceback.format_exc()}")
+        sys.stdout.flush()
+        os._exit(1)
+
+
+def _spawn(cfg: Config, cls: type, out: Path, info: dict, echo: bool, services: Any) -> None:
+    n = cfg.backend.world_size
+    needs_group = _needs_group(cls, cfg)
+    store = dist.TCPStore("127.0.0.1", 0, n + 1, is_master=True, wait_for_workers=False,
+                          timeout=timedelta(seconds=cfg.backend.timeout_s)) if needs_group else None
+    port = store.port if store is not None else 0
+    ctx = mp.get_context("spawn")
+    procs = [ctx.Process(target=_rank_main, name=f"psarch-rank{r}",
+                         args=(cfg.to_dict(), r, n, port, str(out), info, _threads(n), needs_group, echo))
+             for r in range(n)]
+    try:
+        for p in procs:
+            p.start()
+        alive = list(procs)
+        while alive:
+            wait([p.sentinel for p in alive], timeout=0.5)
+            for p in list(alive):
+                if p.exitcode is None:
+                    continue
+                alive.remove(p)
+                if p.exitcode != 0:
+                    tolerate = getattr(cls, "tolerates_lost_workers", None)
+                    if tolerate is not None and tolerate(cfg) and services is not None:
+                        services.worker_lost(procs.index(p), _rank_error(out, procs.index(p), p.exitcode))
+                        continue
+                    raise RunError(_rank_error(out, procs.index(p), p.exitcode))
+            if services is not None:
+                services.check()
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.terminate()
+        for p in procs:
+            p.join(timeout=5)
+            if p.is_alive():
+                p.kill()
+                p.join()
+
+
+def _rank_error(out: Path, rank: int, code: int) -> str:
+    err = out / outputs.RANKS_DIR / f"rank{rank}.error"
+    if err.exists():
+        text = err.read_text()
+        return f"rank {rank} failed: {text.splitlines()[0]}\n{text}"
+    return f"rank {rank} exited with code {code} (killed: out of memory, or a signal?)"
+
+
+def _run_under_torchrun(cfg: Config, cls: type, out: Path, echo: bool) -> dict[str, Any]:
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    if world != cfg.backend.world_size:
+        raise RunError(f"backend.world_size = {cfg.backend.world_size}: torchrun started WORLD_SIZE = {world} ranks")
+    local_rank = int(os.environ.get("LOCAL_RANK", rank))
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+    if rank == 0:
+        outputs.prepare(out, cfg)
+    ctx = init_rank(cfg, rank, world, local_rank, local_world, None, launched_by="torchrun",
+                    needs_group=True)
+    try:
+        record = run_rank(cfg, ctx, echo=echo)
+        state = record.pop("model_state", None)
+        records = _gather_json(ctx, record)
+        if rank == 0:
+            outputs.save_record(out, dict(records[0], model_state=state))
+            for r in records[1:]:
+                outputs.save_record(out, r)
+    finally:
+        shutdown(ctx)
+    return outputs.finalize(out, cfg, None, echo) if rank == 0 else {}
+
+
+def _gather_json(ctx: Any, obj: dict) -> list[dict]:
+    """Every rank's JSON-able dict, on every rank (JSON over all_gather: no pickle on the wire)."""
+    dev = ctx.device if ctx.dist_backend == "nccl" else torch.device("cpu")
+    data = torch.frombuffer(bytearray(json.dumps(obj).encode()), dtype=torch.uint8).to(dev)
+    sizes = [torch.zeros(1, dtype=torch.int64, device=dev) for _ in range(ctx.world_size)]
+    dist.all_gather(sizes, torch.tensor([data.numel()], dtype=torch.int64, device=dev))
+    longest = int(max(s.item() for s in sizes))
+    padded = torch.zeros(longest, dtype=torch.uint8, device=dev)
+    padded[:data.numel()] = data
+    bufs = [torch.empty(longest, dtype=torch.uint8, device=dev) for _ in range(ctx.world_size)]
+    dist.all_gather(bufs, padded)
+    return [json.loads(bytes(b[:int(s.item())].cpu().numpy())) for b, s in zip(bufs, sizes)]

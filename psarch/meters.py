@@ -1,0 +1,65 @@
+"""Meters: bytes on the wire, bytes held by tensors, peak memory."""
+from __future__ import annotations
+
+import resource
+import sys
+import threading
+from typing import Iterable
+
+import torch
+
+from psarch.trainer import OpTraffic, TrafficReport
+
+
+class TrafficMeter:
+    """Counts bytes sent and received, by operation. Safe to update from a communication thread."""
+
+    def __init__(self, modelled: bool = False) -> None:
+        self.modelled = modelled
+        self._ops: dict[str, OpTraffic] = {}
+        self._lock = threading.Lock()
+
+    def add(self, op: str, sent: int, received: int, calls: int = 1) -> None:
+        with self._lock:
+            o = self._ops.setdefault(op, OpTraffic())
+            o.sent += int(sent)
+            o.received += int(received)
+            o.calls += calls
+
+    def report(self) -> TrafficReport:
+        with self._lock:
+            ops = {k: OpTraffic(v.sent, v.received, v.calls) for k, v in self._ops.items()}
+        return TrafficReport(ops=ops, modelled=self.modelled)
+
+    def reset(self) -> None:
+        with self._lock:
+            self._ops.clear()
+
+
+def tensor_bytes(tensors: Iterable[torch.Tensor | None]) -> int:
+    """Bytes of the storage the given tensors occupy (each storage counted once)."""
+    seen: set[int] = set()
+    total = 0
+    for t in tensors:
+        if t is None:
+            continue
+        st = t.untyped_storage()
+        key = st.data_ptr()
+        if key in seen or st.nbytes() == 0:
+            continue
+        seen.add(key)
+        total += st.nbytes()
+    return total
+
+
+def optimizer_state_bytes(opt: torch.optim.Optimizer) -> int:
+    """Bytes of every tensor in an optimizer's state (moments, momentum buffers, step counters)."""
+    return tensor_bytes(v for s in opt.state.values() for v in s.values() if torch.is_tensor(v))
+
+
+def peak_memory(device: torch.device) -> tuple[int, str]:
+    """Peak memory of this process: CUDA max allocated on a GPU, else peak resident set size."""
+    if device.type == "cuda":
+        return int(torch.cuda.max_memory_allocated(device)), "cuda_max_allocated"
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return int(rss if sys.platform == "darwin" else rss * 1024), "rss"

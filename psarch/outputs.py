@@ -1,0 +1,154 @@
+"""A run folder: config.json, metrics.jsonl, summary.json, model.pt, report.txt."""
+from __future__ import annotations
+
+import json
+import statistics
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from psarch import theory
+from psarch.config import Config
+from psarch.runner import warmup_steps
+
+RANKS_DIR = "ranks"
+
+
+def prepare(out: Path, cfg: Config) -> None:
+    """Create the run folder, write the resolved config, clear per-rank leftovers of an earlier run."""
+    (out / RANKS_DIR).mkdir(parents=True, exist_ok=True)
+    for f in (out / RANKS_DIR).iterdir():
+        f.unlink()
+    for name in ("summary.json", "metrics.jsonl", "model.pt", "report.txt"):
+        (out / name).unlink(missing_ok=True)
+    (out / "config.json").write_text(json.dumps(cfg.to_dict(), indent=2) + "\n")
+
+
+def save_record(out: Path, record: dict[str, Any]) -> None:
+    """Write one rank's record; rank 0 also writes the consolidated model."""
+    record = dict(record)
+    state = record.pop("model_state", None)
+    if state is not None:
+        torch.save(state, out / "model.pt")
+    (out / RANKS_DIR / f"rank{record['rank']}.json").write_text(json.dumps(record))
+
+
+def variant(cfg: Config) -> str:
+    b = cfg.backend
+    return {"single": "", "ddp": b.comm, "zero": f"stage{b.stage}/{b.comm}", "ps": b.mode}[b.kind]
+
+
+def predicted(cfg: Config, phi: int) -> dict[str, Any]:
+    b, t = cfg.backend, cfg.train
+    wire = theory.BYTES[t.precision]
+    mem = theory.memory_per_rank(b.kind, phi, b.world_size, t.precision, t.optimizer, t.momentum, b.stage)
+    out: dict[str, Any] = {"memory_per_rank": mem.to_dict(),
+                           "traffic_per_step": theory.traffic_per_step(b.kind, phi * wire, b.world_size, b.stage,
+                                                                       b.servers)}
+    if b.kind == "ps":
+        out["server_memory"] = theory.ps_server_memory(phi, b.servers, t.optimizer, t.momentum)
+    return out
+
+
+def finalize(out: Path, cfg: Config, extra: dict[str, Any] | None = None, echo: bool = True) -> dict[str, Any]:
+    """Merge the ranks' records into metrics.jsonl, summary.json and report.txt."""
+    records = sorted((json.loads(p.read_text()) for p in (out / RANKS_DIR).glob("rank*.json")),
+                     key=lambda r: r["rank"])
+    if not records:
+        raise RuntimeError(f"{out}: no rank left a record")
+    steps = cfg.train.steps
+    with open(out / "metrics.jsonl", "w") as f:
+        for s in range(steps):
+            per = [r["rows"][s] for r in records if s < len(r["rows"])]
+            if not per:
+                continue
+            row = {"step": s, "loss": statistics.fmean(p["loss"] for p in per),
+                   "step_time_s": max(p["step_time_s"] for p in per),
+                   "sent": sum(p["sent"] for p in per), "received": sum(p["received"] for p in per),
+                   "skipped": any(p.get("skipped") for p in per)}
+            if per[0].get("loss_scale") is not None:
+                row["loss_scale"] = per[0]["loss_scale"]
+            if len(per) > 1:
+                row["workers"] = per
+            f.write(json.dumps(row) + "\n")
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    w = warmup_steps(cfg)
+    timed = [r["step_time_s"] for r in rows[w:]] or [r["step_time_s"] for r in rows]
+    step_time = statistics.median(timed)
+    phi = records[0]["params"]
+    floor = records[0]["entropy_floor"]
+    final_loss = rows[-1]["loss"]
+    per_step = max(1, len(rows))
+    summary: dict[str, Any] = {
+        "name": cfg.name, "backend": cfg.backend.kind, "variant": variant(cfg),
+        "world_size": cfg.backend.world_size, "servers": cfg.backend.servers if cfg.backend.kind == "ps" else 0,
+        "workload": records[0]["workload"], "precision": cfg.train.precision, "optimizer": cfg.train.optimizer,
+        "params": phi, "steps": len(rows), "global_batch": cfg.train.global_batch,
+        "final_loss": final_loss, "entropy_floor": floor,
+        "gap": final_loss - floor if floor is not None else None,
+        "step_time_s": step_time, "samples_per_s": cfg.train.global_batch / step_time,
+        "comm_s": statistics.median([statistics.fmean(r["rows"][s]["comm_s"] for r in records if s < len(r["rows"]))
+                                     for s in range(w, len(rows))] or [0.0]),
+        "skipped_steps": sum(1 for r in rows if r["skipped"]),
+        "device": records[0]["device"], "dist_backend": records[0]["dist_backend"],
+        "memory": {"per_rank": [dict(r["memory"], rank=r["rank"]) for r in records]},
+        "traffic": {"per_rank": [dict(r["traffic"], rank=r["rank"],
+                                      sent_per_step=r["traffic"]["sent"] / per_step,
+                                      received_per_step=r["traffic"]["received"] / per_step) for r in records]},
+        "predicted": predicted(cfg, phi),
+        "lost_workers": [],
+    }
+    for r in records:
+        for k, v in (r.get("extra") or {}).items():
+            summary.setdefault("extra", {}).setdefault(k, []).append(v)
+    if extra:
+        for k, v in extra.items():
+            if isinstance(v, dict) and isinstance(summary.get(k), dict):
+                summary[k].update(v)
+            else:
+                summary[k] = v
+    (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    text = report(summary)
+    (out / "report.txt").write_text(text)
+    if echo:
+        print(text, end="", flush=True)
+    return summary
+
+
+def _b(n: float | None) -> str:
+    if n is None:
+        return "-"
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
+        n /= 1024
+    return str(n)
+
+
+def report(s: dict[str, Any]) -> str:
+    """The short human-readable report of one run."""
+    p = s["predicted"]
+    kind = s["backend"] + (f" ({s['variant']})" if s["variant"] else "")
+    gap = f"  (gap to entropy floor {s['gap']:.4f})" if s.get("gap") is not None else ""
+    lines = [
+        f"== {s['name']}: {kind}, N={s['world_size']}" + (f", servers={s['servers']}" if s["servers"] else "")
+        + f", {s['workload']}, {s['params']:,} params, {s['precision']}, {s['optimizer']}",
+        f"final loss      {s['final_loss']:.4f}{gap}   skipped steps {s['skipped_steps']}",
+        f"step time       {s['step_time_s'] * 1e3:.2f} ms median   {s['samples_per_s']:.1f} samples/s"
+        + (f"   comm wait {s['comm_s'] * 1e3:.2f} ms" if s.get("comm_s") else ""),
+        "",
+        f"{'rank':>4}  {'params':>11} {'grads':>11} {'optimizer':>11} {'total':>11} {'predicted':>11}"
+        f" {'peak':>11}  {'sent/step':>11} {'predicted':>11}",
+    ]
+    pm, pt = p["memory_per_rank"], p["traffic_per_step"]
+    for m, t in zip(s["memory"]["per_rank"], s["traffic"]["per_rank"]):
+        modelled = " (modelled)" if t.get("modelled") else ""
+        lines.append(f"{m['rank']:>4}  {_b(m['params']):>11} {_b(m['grads']):>11} {_b(m['optimizer']):>11} "
+                     f"{_b(m['total']):>11} {_b(pm['total']):>11} {_b(m.get('peak')):>11}  "
+                     f"{_b(t['sent_per_step']):>11} {_b(pt['worker_sent']):>11}{modelled}")
+    for srv in s.get("traffic", {}).get("servers", []) or []:
+        lines.append(f"server {srv.get('server', '?')}: sent {_b(srv['sent'])}, received {_b(srv['received'])}")
+    if s.get("lost_workers"):
+        lines.append(f"lost workers: {s['lost_workers']}")
+    return "\n".join(lines) + "\n"

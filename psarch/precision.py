@@ -1,0 +1,143 @@
+"""Mixed precision shared by every backend: compute dtype, fp32 master weights, dynamic loss scaling."""
+from __future__ import annotations
+
+from typing import Iterable, Sequence
+
+import torch
+
+from psarch.meters import optimizer_state_bytes
+from psarch.optim import build_optimizer
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def compute_dtype(precision: str) -> torch.dtype:
+    return DTYPES[precision]
+
+
+class LossScaler:
+    """Dynamic loss scaling for fp16 (as in Megatron/DeepSpeed): start at 2^16; on inf/nan gradients
+    skip the step and, after `hysteresis` such steps, halve the scale (never below `min_scale`);
+    after `growth_interval` clean steps in a row, double it. Disabled (scale 1) for fp32 and bf16."""
+
+    def __init__(self, enabled: bool, init_scale: float = 2.0**16, growth_interval: int = 1000,
+                 hysteresis: int = 2, min_scale: float = 1.0) -> None:
+        self.enabled = enabled
+        self.scale = float(init_scale) if enabled else 1.0
+        self.growth_interval, self.hysteresis, self.min_scale = growth_interval, hysteresis, min_scale
+        self._good_steps = 0
+        self._hysteresis_left = hysteresis
+
+    def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
+        return loss * self.scale if self.enabled else loss
+
+    def update(self, found_inf: bool) -> None:
+        """Record one step's outcome and adjust the scale."""
+        if not self.enabled:
+            return
+        if found_inf:
+            self._good_steps = 0
+            self._hysteresis_left -= 1
+            if self._hysteresis_left <= 0:
+                self.scale = max(self.scale / 2.0, self.min_scale)
+                self._hysteresis_left = self.hysteresis
+        else:
+            self._good_steps += 1
+            if self._good_steps % self.growth_interval == 0:
+                self.scale *= 2.0
+                self._hysteresis_left = self.hysteresis
+
+    def state_dict(self) -> dict:
+        return {"scale": self.scale, "good_steps": self._good_steps, "hysteresis_left": self._hysteresis_left}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.scale = float(state["scale"])
+        self._good_steps = int(state["good_steps"])
+        self._hysteresis_left = int(state["hysteresis_left"])
+
+
+def has_inf_or_nan(tensors: Iterable[torch.Tensor]) -> torch.Tensor:
+    """A 0-dim float tensor: 1.0 if any element of any tensor is inf or nan (stays on device, no sync)."""
+    flags = [(~torch.isfinite(t)).any() for t in tensors if t.numel()]
+    if not flags:
+        return torch.zeros(())
+    return torch.stack(flags).any().float()
+
+
+class MasterWeights:
+    """fp32 master copies of (possibly low-precision) model tensors; the optimizer steps on the masters.
+
+    In fp32 the model tensors are their own masters: no copy is made and no memory is spent.
+    """
+
+    def __init__(self, model_tensors: Sequence[torch.Tensor]) -> None:
+        self.model_tensors = list(model_tensors)
+        self.copies = any(t.dtype != torch.float32 for t in self.model_tensors)
+        if self.copies:
+            self.masters = [torch.nn.Parameter(t.detach().float().clone()) for t in self.model_tensors]
+        else:
+            self.masters = [t if isinstance(t, torch.nn.Parameter) else torch.nn.Parameter(t, requires_grad=True)
+                            for t in self.model_tensors]
+
+    def set_grads(self, grads: Sequence[torch.Tensor], inv_scale: float = 1.0) -> None:
+        """Give each master its gradient in fp32, multiplied by `inv_scale` (1 / loss scale)."""
+        for m, g in zip(self.masters, grads):
+            if self.copies:
+                g = g.float()  # a fresh fp32 tensor: transient, freed after the step
+            if inv_scale != 1.0:
+                g.mul_(inv_scale)
+            m.grad = g
+
+    def copy_to_model(self) -> None:
+        """After the optimizer step: write the updated masters back into the model's dtype."""
+        if self.copies:
+            with torch.no_grad():
+                for t, m in zip(self.model_tensors, self.masters):
+                    t.copy_(m)
+
+    def bytes(self) -> int:
+        """Bytes of master copies beyond the model's own tensors (0 in fp32)."""
+        return sum(m.numel() * 4 for m in self.masters) if self.copies else 0
+
+
+class MixedPrecisionOptimizer:
+    """An optimizer over fp32 masters of model tensors, with dynamic loss scaling for fp16.
+
+    Backends hand it the (already synchronised) gradients of the tensors they own; it skips the step
+    when any gradient is inf/nan (the caller passes `found_inf` when only a global check is valid)."""
+
+    def __init__(self, model_tensors: Sequence[torch.Tensor], train_cfg, precision: str) -> None:
+        self.master = MasterWeights(model_tensors)
+        self.optimizer = build_optimizer(self.master.masters, train_cfg)
+        self.scaler = LossScaler(enabled=(precision == "fp16"))
+
+    def step(self, grads: Sequence[torch.Tensor], found_inf: bool | None = None) -> bool:
+        """Unscale, step, write back to the model tensors. Returns True if the step was skipped."""
+        if found_inf is None:
+            found_inf = self.scaler.enabled and bool(has_inf_or_nan(grads).item())
+        if not found_inf:
+            self.master.set_grads(grads, 1.0 / self.scaler.scale)
+            self.optimizer.step()
+            self.master.copy_to_model()
+            if self.master.copies:
+                for m in self.master.masters:
+                    m.grad = None  # the fp32 gradient copies are transient
+        self.scaler.update(found_inf)
+        return found_inf
+
+    def state_bytes(self) -> int:
+        """Optimizer state plus fp32 master copies, in bytes."""
+        return optimizer_state_bytes(self.optimizer) + self.master.bytes()
+
+    def state_dict(self) -> dict:
+        return {"optimizer": self.optimizer.state_dict(), "scaler": self.scaler.state_dict(),
+                "masters": [m.detach().clone() for m in self.master.masters] if self.master.copies else None}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.scaler.load_state_dict(state["scaler"])
+        if state.get("masters") is not None:
+            with torch.no_grad():
+                for m, s in zip(self.master.masters, state["masters"]):
+                    m.copy_(s)
+            self.master.copy_to_model()

@@ -1,0 +1,23 @@
+"""The one place the core names backends: `backend.kind` -> trainer class, imported on first use."""
+from __future__ import annotations
+
+import importlib
+
+BACKENDS = {
+    "single": "psarch.single:SingleTrainer",
+    "ddp": "collective.ddp:DDPTrainer",
+    "zero": "zero.trainer:ZeroTrainer",
+    "ps": "psarch.ps.trainer:PSTrainer",
+}
+
+
+def trainer_class(kind: str) -> type:
+    """The trainer class for a backend kind. A trainer class may also define
+    `start_services(cfg, out_dir) -> Services` (e.g. parameter servers) that the launcher runs first."""
+    if kind not in BACKENDS:
+        raise ValueError(f"backend.kind = {kind!r}: allowed values are {', '.join(BACKENDS)}")
+    module, _, name = BACKENDS[kind].partition(":")
+    try:
+        return getattr(importlib.import_module(module), name)
+    except ImportError as e:
+        raise RuntimeError(f"backend.kind = {kind!r}: its implementation ({BACKENDS[kind]}) is not available: {e}") from e

@@ -1,0 +1,90 @@
+"""The backend-agnostic step loop of one rank: data shard, timing, logging, the rank's record."""
+from __future__ import annotations
+
+import statistics
+import time
+from typing import Any
+
+import torch
+
+from psarch.config import Config
+from psarch.dist import DistContext
+from psarch.registry import trainer_class
+from psarch.workload import Workload, build_workload
+
+
+def to_device(batch: Any, device: torch.device) -> Any:
+    if torch.is_tensor(batch):
+        return batch.to(device, non_blocking=True)
+    if isinstance(batch, (list, tuple)):
+        return type(batch)(to_device(b, device) for b in batch)
+    if isinstance(batch, dict):
+        return {k: to_device(v, device) for k, v in batch.items()}
+    return batch
+
+
+def warmup_steps(cfg: Config) -> int:
+    w = cfg.train.warmup_steps
+    return min(5, cfg.train.steps // 5) if w < 0 else min(w, cfg.train.steps - 1)
+
+
+def run_rank(cfg: Config, ctx: DistContext, workload: Workload | None = None, echo: bool = True) -> dict[str, Any]:
+    """Train for `train.steps` steps on this rank; returns the rank's record (rows, memory, traffic, model)."""
+    workload = workload or build_workload(cfg)
+    trainer = trainer_class(cfg.backend.kind)(workload, cfg, ctx)
+    sync = ctx.device.type == "cuda"
+    rows: list[dict[str, Any]] = []
+    log_every, steps = cfg.train.log_every, cfg.train.steps
+    last_sent = last_recv = 0
+    interval_t0 = time.perf_counter()
+    try:
+        for step in range(steps):
+            batch = to_device(workload.batch(step, ctx.rank, ctx.world_size), ctx.device)
+            if sync:
+                torch.cuda.synchronize(ctx.device)
+            t0 = time.perf_counter()
+            stats = trainer.step(batch)
+            if sync:
+                torch.cuda.synchronize(ctx.device)
+            dt = time.perf_counter() - t0
+            tr = trainer.traffic()
+            rows.append({"step": step, "rank": ctx.rank, "loss": stats.loss, "step_time_s": dt,
+                         "comm_s": stats.comm_s, "sent": tr.sent - last_sent, "received": tr.received - last_recv,
+                         "skipped": stats.skipped, "loss_scale": stats.loss_scale, **stats.extra})
+            last_sent, last_recv = tr.sent, tr.received
+            if (step + 1) % log_every == 0 or step + 1 == steps:
+                interval = rows[-((step % log_every) + 1):]
+                loss = statistics.fmean(r["loss"] for r in interval)
+                if getattr(trainer, "synchronous", False):
+                    loss = ctx.mean_across_ranks(loss)
+                if echo and ctx.rank == 0:
+                    elapsed = time.perf_counter() - interval_t0
+                    _progress(step, steps, loss, workload.entropy_floor, len(interval) * cfg.train.global_batch / elapsed,
+                              statistics.fmean(r["sent"] for r in interval), stats)
+                interval_t0 = time.perf_counter()
+        model_state = trainer.full_state_dict()
+        memory = trainer.memory().to_dict()
+        traffic = trainer.traffic().to_dict()
+        extra = trainer.summary_extra() if hasattr(trainer, "summary_extra") else {}
+    finally:
+        trainer.close()
+    return {"rank": ctx.rank, "rows": rows, "memory": memory, "traffic": traffic, "extra": extra,
+            "device": str(ctx.device), "dist_backend": ctx.dist_backend,
+            "entropy_floor": workload.entropy_floor, "params": sum(p.numel() for p in workload.model.parameters()),
+            "workload": workload.name, "model_state": model_state if ctx.rank == 0 else None}
+
+
+def _progress(step: int, steps: int, loss: float, floor: float | None, samples_per_s: float,
+              bytes_per_step: float, stats: Any) -> None:
+    gap = f"  gap {loss - floor:7.4f}" if floor is not None else ""
+    scale = f"  scale {stats.loss_scale:g}" if stats.loss_scale not in (None, 1.0) else ""
+    print(f"step {step + 1:>6}/{steps}  loss {loss:8.4f}{gap}  {samples_per_s:9.1f} samples/s  "
+          f"{_fmt_bytes(bytes_per_step)}/step sent{scale}", flush=True)
+
+
+def _fmt_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(n) < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
+        n /= 1024
+    return f"{n:.2f} GiB"

@@ -1,0 +1,69 @@
+"""The `single` backend: one process, the whole global batch, plain PyTorch. The reference."""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from psarch.config import Config
+from psarch.dist import DistContext
+from psarch.meters import TrafficMeter, peak_memory, tensor_bytes
+from psarch.precision import MixedPrecisionOptimizer, compute_dtype
+from psarch.trainer import MemoryReport, StepStats, TrafficReport
+from psarch.workload import Workload
+
+
+class SingleTrainer:
+    """Forward, backward, optimizer step: nothing moves anywhere."""
+
+    synchronous = True
+
+    def __init__(self, workload: Workload, cfg: Config, ctx: DistContext) -> None:
+        self.ctx = ctx
+        self.model = workload.model.to(ctx.device, compute_dtype(cfg.train.precision))
+        self.loss_fn = workload.loss_fn
+        self.params = [p for p in self.model.parameters() if p.requires_grad]
+        self.optim = MixedPrecisionOptimizer(self.params, cfg.train, cfg.train.precision)
+
+    def step(self, batch: Any) -> StepStats:
+        for p in self.params:
+            if p.grad is not None:
+                p.grad.zero_()
+        loss = self.loss_fn(self.model, batch)
+        self.optim.scaler.scale_loss(loss).backward()
+        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self.params]
+        skipped = self.optim.step(grads)
+        return StepStats(float(loss.item()), skipped=skipped, loss_scale=self.optim.scaler.scale)
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        return consolidated_state(self.model, dict(zip((id(p) for p in self.params), self.optim.master.masters)))
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"model": self.model.state_dict(), "optim": self.optim.state_dict()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.model.load_state_dict(state["model"])
+        self.optim.load_state_dict(state["optim"])
+
+    def memory(self) -> MemoryReport:
+        peak, kind = peak_memory(self.ctx.device)
+        return MemoryReport(params=tensor_bytes(self.params), grads=tensor_bytes(p.grad for p in self.params),
+                            optimizer=self.optim.state_bytes(), peak=peak, peak_kind=kind)
+
+    def traffic(self) -> TrafficReport:
+        return TrafficMeter().report()
+
+    def close(self) -> None:
+        pass
+
+
+def consolidated_state(model: torch.nn.Module, masters: dict[int, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The model's state_dict in fp32 on the CPU, taking each parameter from its fp32 master where given."""
+    out = {}
+    by_name = dict(model.named_parameters())
+    for name, value in model.state_dict().items():
+        p = by_name.get(name)
+        src = masters.get(id(p), value) if p is not None else value
+        out[name] = src.detach().reshape(value.shape).float().cpu().clone() if src.is_floating_point() \
+            else src.detach().cpu().clone()
+    return out

@@ -1,0 +1,85 @@
+"""The Trainer protocol every backend implements, and the records it returns."""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any, Protocol, runtime_checkable
+
+import torch
+
+
+@dataclass
+class StepStats:
+    """What one worker's step produced."""
+
+    loss: float                      # mean loss over this worker's shard of the global batch
+    skipped: bool = False            # fp16: inf/nan gradients, the update was skipped
+    loss_scale: float | None = None  # fp16 loss scale after this step
+    comm_s: float = 0.0              # time spent blocked on communication, where the backend can tell
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class MemoryReport:
+    """Model-state bytes one rank holds, by category, from the tensors themselves."""
+
+    params: int = 0
+    grads: int = 0
+    optimizer: int = 0               # optimizer state, fp32 master weights included
+    buffers: int = 0                 # communication buffers / padding beyond the three categories
+    working: int = 0                 # peak of transient gathered state (ZeRO-3 units)
+    peak: int | None = None          # peak device memory (CUDA) or peak RSS (CPU), in bytes
+    peak_kind: str | None = None     # "cuda_max_allocated" or "rss"
+    padding: int = 0                 # bytes of the categories above that are padding
+
+    @property
+    def total(self) -> int:
+        return self.params + self.grads + self.optimizer + self.buffers
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["total"] = self.total
+        return d
+
+
+@dataclass
+class OpTraffic:
+    sent: int = 0
+    received: int = 0
+    calls: int = 0
+
+
+@dataclass
+class TrafficReport:
+    """Bytes sent and received by one rank, by operation; `modelled` when not seen on the wire."""
+
+    ops: dict[str, OpTraffic] = field(default_factory=dict)
+    modelled: bool = False
+
+    @property
+    def sent(self) -> int:
+        return sum(o.sent for o in self.ops.values())
+
+    @property
+    def received(self) -> int:
+        return sum(o.received for o in self.ops.values())
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "sent": self.sent,
+            "received": self.received,
+            "modelled": self.modelled,
+            "ops": {k: asdict(v) for k, v in self.ops.items()},
+        }
+
+
+@runtime_checkable
+class Trainer(Protocol):
+    """One worker of a backend; the runner drives every backend through these methods."""
+
+    def step(self, batch: Any) -> StepStats: ...
+    def full_state_dict(self) -> dict[str, torch.Tensor]: ...
+    def state_dict(self) -> dict[str, Any]: ...
+    def load_state_dict(self, state: dict[str, Any]) -> None: ...
+    def memory(self) -> MemoryReport: ...
+    def traffic(self) -> TrafficReport: ...
+    def close(self) -> None: ...

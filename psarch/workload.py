@@ -1,0 +1,76 @@
+"""A workload is what gets trained: a model, a loss, and a deterministic batch per step."""
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from psarch.config import Config, ConfigError
+from psarch.data import MarkovSource, TextSource, shard_rows, step_generator
+from psarch.models import GPT, MLP
+
+
+@dataclass
+class Workload:
+    """`batch(step, shard, num_shards)` returns shard `shard` of step `step`'s global batch; the global
+    batch depends only on (seed, step), never on the number of shards."""
+
+    model: nn.Module
+    loss_fn: Callable[[nn.Module, Any], torch.Tensor]
+    batch: Callable[[int, int, int], Any]
+    entropy_floor: float | None = None   # best achievable loss, where the data source knows it
+    name: str = "custom"
+
+
+def next_token_loss(model: nn.Module, tokens: torch.Tensor) -> torch.Tensor:
+    """Mean cross-entropy of predicting tokens[:, 1:] from tokens[:, :-1]."""
+    logits = model(tokens[:, :-1])
+    return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), tokens[:, 1:].reshape(-1))
+
+
+def build_workload(cfg: Config) -> Workload:
+    """The workload a config names: a user's factory, or a built-in model on built-in data."""
+    w = cfg.workload
+    if w.factory:
+        return _from_factory(cfg)
+    source = (MarkovSource(w.markov.vocab_size, w.markov.branching, cfg.seed, w.markov.concentration)
+              if w.data == "markov" else TextSource(w.text.path))
+    torch.manual_seed(cfg.seed)  # the same initial model on every rank and every backend
+    if w.model == "gpt":
+        g = w.gpt
+        model: nn.Module = GPT(source.vocab_size, w.seq_len, g.n_layer, g.n_embd, g.n_head, g.mlp_ratio)
+    else:
+        m = w.mlp
+        model = MLP(source.vocab_size, m.n_embd, m.hidden, m.n_layer)
+    global_batch, length, seed = cfg.train.global_batch, w.seq_len + 1, cfg.seed
+
+    def batch(step: int, shard: int, num_shards: int) -> torch.Tensor:
+        return shard_rows(source.sample(global_batch, length, step_generator(seed, step)), shard, num_shards)
+
+    return Workload(model, next_token_loss, batch, source.entropy_rate, f"{w.model}/{w.data}")
+
+
+def _from_factory(cfg: Config) -> Workload:
+    spec = cfg.workload.factory
+    module_name, _, fn_name = spec.partition(":")
+    try:
+        fn = getattr(importlib.import_module(module_name), fn_name)
+    except (ImportError, AttributeError) as e:
+        raise ConfigError(f"workload.factory = \"{spec}\": cannot import ({e})") from None
+    torch.manual_seed(cfg.seed)
+    wl = fn(cfg) if _takes_arg(fn) else fn()
+    if not isinstance(wl, Workload):
+        raise ConfigError(f"workload.factory = \"{spec}\": returned {type(wl).__name__}, expected psarch.Workload")
+    return wl
+
+
+def _takes_arg(fn: Callable) -> bool:
+    import inspect
+    try:
+        return len(inspect.signature(fn).parameters) >= 1
+    except (TypeError, ValueError):
+        return False
