@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 from psarch.config import ConfigError, describe, load_config
@@ -33,8 +34,10 @@ def main(argv: list[str] | None = None) -> int:
 
         try:
             run(cfg, args.out, echo=not args.quiet)
-        except (RunError, ConfigError) as e:
+        except (RunError, ConfigError, RuntimeError, OSError, ValueError) as e:
             print(f"psarch: run {cfg.name!r} failed: {e}", file=sys.stderr)
+            if os.environ.get("PSARCH_DEBUG"):
+                raise
             return 1
         except KeyboardInterrupt:
             print("psarch: interrupted", file=sys.stderr)

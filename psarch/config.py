@@ -100,7 +100,8 @@ class TrainConfig:
 class BackendConfig:
     """How workers synchronise. Options not used by the chosen kind are ignored."""
 
-    kind: str = _f("single", "backend", choices=("single", "ddp", "zero", "ps"))
+    kind: str = _f("single", "backend ('torch_*': PyTorch's own implementation, the peer)",
+                   choices=("single", "ddp", "zero", "ps", "torch_ddp"))
     world_size: int = _f(1, "number of workers", min=1)
     device: str = _f("auto", "where ranks compute ('auto': cuda if available)", choices=("auto", "cpu", "cuda"))
     dist_backend: str = _f("auto", "torch.distributed backend ('auto': nccl when each rank has its own GPU, else gloo)",

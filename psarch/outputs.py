@@ -36,7 +36,7 @@ def save_record(out: Path, record: dict[str, Any]) -> None:
 
 def variant(cfg: Config) -> str:
     b = cfg.backend
-    return {"single": "", "ddp": b.comm, "zero": f"stage{b.stage}/{b.comm}", "ps": b.mode}[b.kind]
+    return {"ddp": b.comm, "zero": f"stage{b.stage}/{b.comm}", "ps": b.mode}.get(b.kind, "")
 
 
 def predicted(cfg: Config, phi: int) -> dict[str, Any]:
@@ -79,7 +79,6 @@ def finalize(out: Path, cfg: Config, extra: dict[str, Any] | None = None, echo: 
     phi = records[0]["params"]
     floor = records[0]["entropy_floor"]
     final_loss = rows[-1]["loss"]
-    per_step = max(1, len(rows))
     summary: dict[str, Any] = {
         "name": cfg.name, "backend": cfg.backend.kind, "variant": variant(cfg),
         "world_size": cfg.backend.world_size, "servers": cfg.backend.servers if cfg.backend.kind == "ps" else 0,
@@ -93,9 +92,11 @@ def finalize(out: Path, cfg: Config, extra: dict[str, Any] | None = None, echo: 
         "skipped_steps": sum(1 for r in rows if r["skipped"]),
         "device": records[0]["device"], "dist_backend": records[0]["dist_backend"],
         "memory": {"per_rank": [dict(r["memory"], rank=r["rank"]) for r in records]},
+        # per-step figures from the steps alone (set-up broadcasts and the final gather left out)
         "traffic": {"per_rank": [dict(r["traffic"], rank=r["rank"],
-                                      sent_per_step=r["traffic"]["sent"] / per_step,
-                                      received_per_step=r["traffic"]["received"] / per_step) for r in records]},
+                                      sent_per_step=statistics.fmean(x["sent"] for x in r["rows"]),
+                                      received_per_step=statistics.fmean(x["received"] for x in r["rows"]))
+                                 for r in records]},
         "predicted": predicted(cfg, phi),
         "lost_workers": [],
     }

@@ -8,6 +8,8 @@ BACKENDS = {
     "ddp": "collective.ddp:DDPTrainer",
     "zero": "zero.trainer:ZeroTrainer",
     "ps": "psarch.ps.trainer:PSTrainer",
+    # PyTorch's own implementations, run by the same runner: the peers for parity and benchmarks
+    "torch_ddp": "collective.torch_ddp:TorchDDPTrainer",
 }
 
 

@@ -35,7 +35,8 @@ def run_rank(cfg: Config, ctx: DistContext, workload: Workload | None = None, ec
     sync = ctx.device.type == "cuda"
     rows: list[dict[str, Any]] = []
     log_every, steps = cfg.train.log_every, cfg.train.steps
-    last_sent = last_recv = 0
+    tr0 = trainer.traffic()  # set-up traffic (e.g. the initial broadcast) is not any step's
+    last_sent, last_recv = tr0.sent, tr0.received
     interval_t0 = time.perf_counter()
     try:
         for step in range(steps):

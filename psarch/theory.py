@@ -54,7 +54,7 @@ def traffic_per_step(kind: str, payload_bytes: float, n: int, stage: int = 0, se
     s = payload_bytes
     if kind in ("single",) or n == 1 and kind != "ps":
         return {"worker_sent": 0.0, "worker_received": 0.0}
-    if kind == "ddp":
+    if kind in ("ddp", "torch_ddp"):
         v = 2 * (n - 1) / n * s
     elif kind == "zero":
         v = (3 if stage == 3 else 2) * (n - 1) / n * s

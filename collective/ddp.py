@@ -1,0 +1,120 @@
+"""Data-parallel training over a Communicator: bucketed gradient all-reduce overlapped with backward.
+
+Gradients live in one flat buffer (parameters' `.grad` are views into it), split into buckets of
+`bucket_cap_mb`. A post-accumulate-grad hook marks each parameter ready; a full bucket is divided by N
+and its all-reduce launched at once, in bucket order on every rank (as torch DDP's reducer does), while
+backward goes on. With `overlap_comm = false` and `bucket_cap_mb = 0` this is the plain algorithm:
+one all-reduce per parameter after backward.
+"""
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import torch
+
+from collective import make_communicator
+from collective.bucket import Bucket, assign_buckets
+from collective.flat import FlatParams
+from psarch.config import Config
+from psarch.dist import DistContext
+from psarch.meters import peak_memory, tensor_bytes
+from psarch.precision import MixedPrecisionOptimizer, compute_dtype
+from psarch.single import consolidated_state
+from psarch.trainer import MemoryReport, StepStats, TrafficReport
+from psarch.workload import Workload
+
+
+class DDPTrainer:
+    """Every rank holds the whole model; gradients are averaged by all-reduce each step."""
+
+    synchronous = True
+
+    def __init__(self, workload: Workload, cfg: Config, ctx: DistContext) -> None:
+        self.ctx, self.cfg = ctx, cfg
+        self.n = ctx.world_size
+        self.model = workload.model.to(ctx.device, compute_dtype(cfg.train.precision))
+        self.loss_fn = workload.loss_fn
+        self.comm = make_communicator(cfg.backend.comm, ctx.group)
+        # Grads become ready roughly in reverse registration order: lay the buffer out that way so
+        # each bucket is one contiguous slice that fills early.
+        params = [p for p in self.model.parameters() if p.requires_grad][::-1]
+        self.flat = FlatParams(params)
+        self.comm.broadcast(self.flat.data, src=0)
+        self.buckets = assign_buckets(params, self.flat.offsets, cfg.backend.bucket_cap_mb * 2**20)
+        self._bucket_of = {i: b for b in self.buckets for i in b.params}
+        self.overlap = cfg.backend.overlap_comm
+        self._next = 0
+        self._handles: list[Any] = []
+        self._hooks = [p.register_post_accumulate_grad_hook(self._hook(i)) for i, p in enumerate(params)]
+        self.optim = MixedPrecisionOptimizer([self.flat.data], cfg.train, cfg.train.precision)
+
+    def _hook(self, i: int):
+        def on_grad_ready(param: torch.Tensor) -> None:
+            bucket = self._bucket_of[i]
+            if i in bucket.ready:
+                raise RuntimeError("DDP: a parameter received its gradient twice in one backward "
+                                   "(shared or reused parameters are not supported)")
+            bucket.ready.add(i)
+            if self.overlap:
+                self._launch_ready()
+        return on_grad_ready
+
+    def _launch_ready(self) -> None:
+        """Launch every full bucket from the next one on, in order, so all ranks issue the same sequence."""
+        while self._next < len(self.buckets) and self.buckets[self._next].full:
+            self._launch(self.buckets[self._next])
+
+    def _launch(self, bucket: Bucket) -> None:
+        grad = self.flat.grad[bucket.start:bucket.end]
+        grad.div_(self.n)  # average by pre-dividing, as torch DDP does (keeps fp16 sums in range)
+        self._handles.append(self.comm.all_reduce(grad, async_op=True))
+        self._next += 1
+
+    def step(self, batch: Any) -> StepStats:
+        self.flat.zero_grad()
+        for b in self.buckets:
+            b.ready.clear()
+        self._next = 0
+        loss = self.loss_fn(self.model, batch)
+        self.optim.scaler.scale_loss(loss).backward()
+        t0 = time.perf_counter()
+        while self._next < len(self.buckets):  # buckets whose parameters got no gradient, or no overlap
+            self._launch(self.buckets[self._next])
+        for h in self._handles:
+            if h is not None:
+                h.wait()
+        self._handles.clear()
+        comm_s = time.perf_counter() - t0
+        # After the all-reduce every rank holds the same gradients, so the inf/nan check agrees everywhere.
+        skipped = self.optim.step([self.flat.grad])
+        return StepStats(float(loss.item()), skipped=skipped, loss_scale=self.optim.scaler.scale, comm_s=comm_s)
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        masters = self.flat.views(self.optim.master.masters[0])
+        return consolidated_state(self.model, {id(p): m for p, m in zip(self.flat.params, masters)})
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"flat": self.flat.data.clone(), "optim": self.optim.state_dict()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        flat = state["flat"]
+        if flat.shape != self.flat.data.shape:
+            raise ValueError(f"DDP state: flat parameters of shape {tuple(flat.shape)}, "
+                             f"this model has {tuple(self.flat.data.shape)}")
+        with torch.no_grad():
+            self.flat.data.copy_(flat)
+        self.optim.load_state_dict(state["optim"])
+
+    def memory(self) -> MemoryReport:
+        peak, kind = peak_memory(self.ctx.device)
+        return MemoryReport(params=tensor_bytes([self.flat.data]), grads=tensor_bytes([self.flat.grad]),
+                            optimizer=self.optim.state_bytes(), peak=peak, peak_kind=kind)
+
+    def traffic(self) -> TrafficReport:
+        return self.comm.traffic.report()
+
+    def close(self) -> None:
+        for h in self._hooks:
+            h.remove()
+        self.comm.close()

@@ -1,0 +1,65 @@
+"""PyTorch's own DistributedDataParallel as a backend (`backend.kind = "torch_ddp"`): the peer that
+psarch's DDP is checked against for parity and speed, driven by the same runner on the same data."""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch.nn.parallel import DistributedDataParallel
+
+from psarch.config import Config
+from psarch.dist import DistContext
+from psarch.meters import TrafficMeter, peak_memory, tensor_bytes
+from psarch.precision import MixedPrecisionOptimizer, compute_dtype
+from psarch.single import consolidated_state
+from psarch.trainer import MemoryReport, StepStats, TrafficReport
+from psarch.workload import Workload
+
+
+class TorchDDPTrainer:
+    """torch DDP with its defaults, `bucket_cap_mb` from the config; traffic is the ring volume, modelled."""
+
+    synchronous = True
+
+    def __init__(self, workload: Workload, cfg: Config, ctx: DistContext) -> None:
+        self.ctx = ctx
+        module = workload.model.to(ctx.device, compute_dtype(cfg.train.precision))
+        self.model = DistributedDataParallel(module, device_ids=[ctx.device] if ctx.device.type == "cuda" else None,
+                                             process_group=ctx.group, bucket_cap_mb=cfg.backend.bucket_cap_mb)
+        self.loss_fn = workload.loss_fn
+        self.params = [p for p in module.parameters() if p.requires_grad]
+        self.optim = MixedPrecisionOptimizer(self.params, cfg.train, cfg.train.precision)
+        self.meter = TrafficMeter(modelled=True)
+        self.payload = sum(p.numel() * p.element_size() for p in self.params)
+
+    def step(self, batch: Any) -> StepStats:
+        for p in self.params:
+            p.grad = None
+        loss = self.loss_fn(self.model, batch)
+        self.optim.scaler.scale_loss(loss).backward()  # DDP's reducer all-reduces (averages) during backward
+        n = self.ctx.world_size
+        volume = 2 * (n - 1) * self.payload // n
+        self.meter.add("all_reduce", volume, volume)
+        skipped = self.optim.step([p.grad for p in self.params])
+        return StepStats(float(loss.item()), skipped=skipped, loss_scale=self.optim.scaler.scale)
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        return consolidated_state(self.model.module, dict(zip((id(p) for p in self.params), self.optim.master.masters)))
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"model": self.model.module.state_dict(), "optim": self.optim.state_dict()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.model.module.load_state_dict(state["model"])
+        self.optim.load_state_dict(state["optim"])
+
+    def memory(self) -> MemoryReport:
+        peak, kind = peak_memory(self.ctx.device)
+        return MemoryReport(params=tensor_bytes(self.params), grads=tensor_bytes(p.grad for p in self.params),
+                            optimizer=self.optim.state_bytes(), peak=peak, peak_kind=kind)
+
+    def traffic(self) -> TrafficReport:
+        return self.meter.report()
+
+    def close(self) -> None:
+        pass
