@@ -1,0 +1,53 @@
+"""User-style workload factories the tests name through `workload.factory = "factories:..."`."""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import psarch
+from psarch.data import shard_rows, step_generator
+
+
+class TinyRegressor(nn.Module):
+    """A user's own model, unlike anything built in."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 1))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net(x)
+
+
+def regression(cfg, scale: float = 1.0) -> psarch.Workload:
+    """Noisy linear regression: the best achievable MSE is the noise variance (0.01 * scale^2)."""
+    w_true = torch.linspace(-1, 1, 6) * scale
+    global_batch = cfg.train.global_batch
+
+    def batch(step: int, shard: int, num_shards: int):
+        g = step_generator(cfg.seed, step)
+        x = torch.randn(global_batch, 6, generator=g)
+        y = x @ w_true + 0.1 * scale * torch.randn(global_batch, generator=g)
+        return shard_rows(x, shard, num_shards), shard_rows(y, shard, num_shards)
+
+    def loss_fn(model: nn.Module, b) -> torch.Tensor:
+        x, y = b
+        return F.mse_loss(model(x.to(next(model.parameters()).dtype)).squeeze(-1).float(), y.float())
+
+    return psarch.Workload(TinyRegressor(), loss_fn, batch, entropy_floor=0.01 * scale**2, name="regression")
+
+
+def overflow_at_steps_3_and_4(cfg) -> psarch.Workload:
+    """Small-valued regression (fp16 gradients fit under a 2^16 loss scale) whose loss at steps 3 and 4
+    is blown up so that fp16 gradients overflow."""
+    wl = regression(cfg, scale=1e-3)
+    calls = {"n": 0}
+    base_loss = wl.loss_fn
+
+    def loss_fn(model: nn.Module, b) -> torch.Tensor:
+        loss = base_loss(model, b)
+        calls["n"] += 1
+        return loss * 1e30 if calls["n"] in (4, 5) else loss
+
+    return psarch.Workload(wl.model, loss_fn, wl.batch, wl.entropy_floor, "overflow")
