@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import tomllib
 import typing
 from dataclasses import dataclass, field
@@ -101,7 +102,7 @@ class BackendConfig:
     """How workers synchronise. Options not used by the chosen kind are ignored."""
 
     kind: str = _f("single", "backend ('torch_*': PyTorch's own implementation, the peer)",
-                   choices=("single", "ddp", "zero", "ps", "torch_ddp"))
+                   choices=("single", "ddp", "zero", "ps", "torch_ddp", "torch_zero", "torch_fsdp"))
     world_size: int = _f(1, "number of workers", min=1)
     device: str = _f("auto", "where ranks compute ('auto': cuda if available)", choices=("auto", "cpu", "cuda"))
     dist_backend: str = _f("auto", "torch.distributed backend ('auto': nccl when each rank has its own GPU, else gloo)",
@@ -146,6 +147,11 @@ def _type_name(tp: Any) -> str:
     return {int: "an integer", float: "a number", str: "a string", bool: "true or false", list: "a list"}.get(tp, str(tp))
 
 
+def _show(value: Any) -> str:
+    """A value as the user wrote it, on one line (TOML dates and times included)."""
+    return json.dumps(value, default=str)
+
+
 def _coerce(key: str, value: Any, f: dataclasses.Field) -> Any:
     tp = f.type if not isinstance(f.type, str) else eval(f.type, globals())  # annotations are postponed
     ok = (isinstance(value, bool) if tp is bool else
@@ -153,14 +159,16 @@ def _coerce(key: str, value: Any, f: dataclasses.Field) -> Any:
           isinstance(value, (int, float)) and not isinstance(value, bool) if tp is float else
           isinstance(value, tp))
     if not ok:
-        raise ConfigError(f"{key} = {json.dumps(value)}: expected {_type_name(tp)}")
+        raise ConfigError(f"{key} = {_show(value)}: expected {_type_name(tp)}")
     if tp is float:
         value = float(value)
+        if not math.isfinite(value):
+            raise ConfigError(f"{key} = {_show(value)}: expected a finite number")
     choices, lo = f.metadata.get("choices"), f.metadata.get("min")
     if choices is not None and value not in choices:
-        raise ConfigError(f"{key} = {json.dumps(value)}: allowed values are {', '.join(json.dumps(c) for c in choices)}")
+        raise ConfigError(f"{key} = {_show(value)}: allowed values are {', '.join(json.dumps(c) for c in choices)}")
     if lo is not None and value < lo:
-        raise ConfigError(f"{key} = {json.dumps(value)}: must be >= {lo:g}")
+        raise ConfigError(f"{key} = {_show(value)}: must be >= {lo:g}")
     return value
 
 
@@ -175,7 +183,7 @@ def _build(cls: type, data: dict[str, Any], prefix: str) -> Any:
         f = fields[k]
         if dataclasses.is_dataclass(f.default_factory if f.default_factory is not dataclasses.MISSING else None):
             if not isinstance(v, dict):
-                raise ConfigError(f"{key} = {json.dumps(v)}: expected a table [{key}]")
+                raise ConfigError(f"{key} = {_show(v)}: expected a table [{key}]")
             kwargs[k] = _build(f.default_factory, v, key + ".")
         else:
             kwargs[k] = _coerce(key, v, f)
@@ -183,9 +191,10 @@ def _build(cls: type, data: dict[str, Any], prefix: str) -> Any:
 
 
 def _merge(base: dict, top: dict) -> dict:
-    out = dict(base)
+    """top's keys over base's, tables merged key by key; a new dict all the way down (inputs untouched)."""
+    out = {k: _merge(v, {}) if isinstance(v, dict) else v for k, v in base.items()}
     for k, v in top.items():
-        out[k] = _merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
+        out[k] = _merge(out[k] if isinstance(out.get(k), dict) else {}, v) if isinstance(v, dict) else v
     return out
 
 
@@ -204,7 +213,7 @@ def _read_toml(path: Path, seen: tuple[Path, ...] = ()) -> dict[str, Any]:
     if base is None:
         return data
     if not isinstance(base, str):
-        raise ConfigError(f"base = {json.dumps(base)}: expected a path string")
+        raise ConfigError(f"base = {_show(base)}: expected a path string")
     return _merge(_read_toml(path.parent / base, seen + (path,)), data)
 
 
@@ -245,13 +254,16 @@ def validate(cfg: Config) -> Config:
         raise ConfigError(f"train.global_batch = {t.global_batch}: must be divisible by backend.world_size = {b.world_size}")
     if b.kind == "single" and b.world_size != 1:
         raise ConfigError(f"backend.world_size = {b.world_size}: backend.kind = \"single\" runs exactly 1 worker")
-    if len(t.betas) != 2 or not all(isinstance(x, (int, float)) and 0 <= x < 1 for x in t.betas):
-        raise ConfigError(f"train.betas = {json.dumps(t.betas)}: expected two numbers in [0, 1)")
+    if len(t.betas) != 2 or not all(isinstance(x, (int, float)) and not isinstance(x, bool) and 0 <= x < 1 for x in t.betas):
+        raise ConfigError(f"train.betas = {_show(t.betas)}: expected two numbers in [0, 1)")
     t.betas = [float(x) for x in t.betas]
     if t.nesterov and (t.optimizer != "sgd" or t.momentum <= 0):
         raise ConfigError("train.nesterov = true: needs train.optimizer = \"sgd\" and train.momentum > 0")
     if w.model == "gpt" and w.gpt.n_embd % w.gpt.n_head and not w.factory:
         raise ConfigError(f"workload.gpt.n_head = {w.gpt.n_head}: must divide workload.gpt.n_embd = {w.gpt.n_embd}")
+    if w.data == "markov" and not w.factory and w.markov.branching > w.markov.vocab_size:
+        raise ConfigError(f"workload.markov.branching = {w.markov.branching}: must be <= workload.markov.vocab_size "
+                          f"= {w.markov.vocab_size}")
     if w.data == "text" and not w.factory and not w.text.path:
         raise ConfigError("workload.text.path = \"\": data = \"text\" needs the path of a text file")
     if w.factory and ":" not in w.factory:

@@ -17,8 +17,9 @@ def compute_dtype(precision: str) -> torch.dtype:
 
 class LossScaler:
     """Dynamic loss scaling for fp16 (as in Megatron/DeepSpeed): start at 2^16; on inf/nan gradients
-    skip the step and, after `hysteresis` such steps, halve the scale (never below `min_scale`);
-    after `growth_interval` clean steps in a row, double it. Disabled (scale 1) for fp32 and bf16."""
+    skip the step and, from the `hysteresis`-th such step since the start or the last growth on, halve
+    the scale (never below `min_scale`); after `growth_interval` clean steps in a row, double it (and
+    re-arm the hysteresis). Disabled (scale 1) for fp32 and bf16."""
 
     def __init__(self, enabled: bool, init_scale: float = 2.0**16, growth_interval: int = 1000,
                  hysteresis: int = 2, min_scale: float = 1.0) -> None:
@@ -39,8 +40,9 @@ class LossScaler:
             self._good_steps = 0
             self._hysteresis_left -= 1
             if self._hysteresis_left <= 0:
+                # as Megatron's DynamicGradScaler: hysteresis is re-armed only by growth, so once spent,
+                # every further overflow halves the scale
                 self.scale = max(self.scale / 2.0, self.min_scale)
-                self._hysteresis_left = self.hysteresis
         else:
             self._good_steps += 1
             if self._good_steps % self.growth_interval == 0:

@@ -10,6 +10,8 @@ BACKENDS = {
     "ps": "psarch.ps.trainer:PSTrainer",
     # PyTorch's own implementations, run by the same runner: the peers for parity and benchmarks
     "torch_ddp": "collective.torch_ddp:TorchDDPTrainer",
+    "torch_zero": "zero.torch_peers:TorchZeroTrainer",     # DDP + ZeroRedundancyOptimizer (ZeRO-1)
+    "torch_fsdp": "zero.torch_peers:TorchFSDPTrainer",     # FSDP2 fully_shard (ZeRO-3)
 }
 
 

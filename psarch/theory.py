@@ -33,6 +33,7 @@ def memory_per_rank(kind: str, phi: float, n: int, precision: str = "fp32", opti
     (optimizer, gradients, parameters) over n ranks; a PS worker holds parameters and gradients only."""
     b = BYTES[precision]
     k = optimizer_bytes_per_param(optimizer, precision, momentum)
+    kind, stage = {"torch_zero": ("zero", 1), "torch_fsdp": ("zero", 3)}.get(kind, (kind, stage))
     if kind == "zero":
         return MemoryPrediction(params=b * phi / n if stage >= 3 else b * phi,
                                 grads=b * phi / n if stage >= 2 else b * phi,
@@ -52,9 +53,10 @@ def traffic_per_step(kind: str, payload_bytes: float, n: int, stage: int = 0, se
 
     payload_bytes is S: the gradients' (or parameters') size in the wire dtype."""
     s = payload_bytes
+    kind, stage = {"torch_zero": ("zero", 1), "torch_fsdp": ("zero", 3), "torch_ddp": ("ddp", 0)}.get(kind, (kind, stage))
     if kind in ("single",) or n == 1 and kind != "ps":
         return {"worker_sent": 0.0, "worker_received": 0.0}
-    if kind in ("ddp", "torch_ddp"):
+    if kind == "ddp":
         v = 2 * (n - 1) / n * s
     elif kind == "zero":
         v = (3 if stage == 3 else 2) * (n - 1) / n * s

@@ -19,8 +19,8 @@ class TextSource:
         self.data = torch.frombuffer(bytearray(p.read_bytes()), dtype=torch.uint8)
 
     def sample(self, rows: int, length: int, gen: torch.Generator) -> torch.Tensor:
-        if self.data.numel() <= length:
-            raise ValueError(f"text file has {self.data.numel()} bytes; sequences need more than {length}")
-        starts = torch.randint(0, self.data.numel() - length, (rows,), generator=gen)
+        if self.data.numel() < length:
+            raise ValueError(f"text file has {self.data.numel()} bytes; sequences need {length}")
+        starts = torch.randint(0, self.data.numel() - length + 1, (rows,), generator=gen)  # the last byte too
         idx = starts[:, None] + torch.arange(length)
         return self.data[idx].long()
