@@ -53,7 +53,9 @@ def traffic_per_step(kind: str, payload_bytes: float, n: int, stage: int = 0, se
 
     payload_bytes is S: the gradients' (or parameters') size in the wire dtype."""
     s = payload_bytes
-    kind, stage = {"torch_zero": ("zero", 1), "torch_fsdp": ("zero", 3), "torch_ddp": ("ddp", 0)}.get(kind, (kind, stage))
+    # torch's ZeroRedundancyOptimizer sits on DDP: a full all-reduce, then each rank broadcasts its
+    # updated shard (an all-gather's volume): 3(N-1)/N, unlike ZeRO-1's reduce-scatter + all-gather.
+    kind, stage = {"torch_zero": ("zero", 3), "torch_fsdp": ("zero", 3), "torch_ddp": ("ddp", 0)}.get(kind, (kind, stage))
     if kind in ("single",) or n == 1 and kind != "ps":
         return {"worker_sent": 0.0, "worker_received": 0.0}
     if kind == "ddp":
