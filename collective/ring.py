@@ -1,0 +1,195 @@
+"""The pipelined ring: the plain ring's schedule, with each chunk cut into segments kept in flight."""
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+import torch.distributed as dist
+
+from collective.comm import (Communicator, Handle, SerialExecutor, check_flat, check_scatter_pair, check_src,
+                             exchange, ring_chunk, stage_on_host)
+
+# One ring step: (chunk this rank sends, chunk it receives, whether the received chunk is added or copied).
+Step = tuple[int, int, bool]
+
+
+class RingCommunicator(Communicator):
+    """Ring collectives over point-to-point, pipelined in segments so transfers overlap the reduction.
+
+    Segments of `segment_bytes` move through the ring; up to `window` of them are in flight per direction,
+    and a segment is sent on to the next rank as soon as it has been reduced. The summation order is the
+    plain ring's, so results are bitwise equal to PlainRingCommunicator's. bf16/fp16 are added in their
+    own dtype: each ring step adds two values and rounds once, exactly what the plain ring and gloo do, so
+    accumulating a step in fp32 would change nothing (the partial sum must be rounded to go on the wire).
+    """
+
+    def __init__(self, group: dist.ProcessGroup | None = None, segment_bytes: int = 1 << 20, window: int = 8) -> None:
+        super().__init__(group, modelled=False)
+        if segment_bytes <= 0 or window <= 0:
+            raise ValueError(f"segment_bytes and window must be positive, got {segment_bytes} and {window}")
+        self.segment_bytes = segment_bytes
+        self.window = window
+        n = self.world_size
+        self._next = self.global_rank((self.rank + 1) % n)
+        self._prev = self.global_rank((self.rank - 1) % n)
+        self._exec = SerialExecutor(f"ring-rank{self.rank}")
+
+    # ---- public collectives: validate here, run on the communicator thread in FIFO order
+
+    def all_reduce(self, tensor: torch.Tensor, async_op: bool = False) -> Handle | None:
+        check_flat(tensor, "tensor")
+        return self._exec.submit(lambda: self._run("all_reduce", self._all_reduce, [tensor], [0]), async_op, tensor)
+
+    def reduce_scatter(self, output: torch.Tensor, input: torch.Tensor, async_op: bool = False) -> Handle | None:
+        check_scatter_pair(input, output, self.world_size, "input", "output")
+        return self._exec.submit(lambda: self._run("reduce_scatter", self._reduce_scatter, [output, input], [0]),
+                                 async_op, input)
+
+    def all_gather(self, output: torch.Tensor, input: torch.Tensor, async_op: bool = False) -> Handle | None:
+        check_scatter_pair(output, input, self.world_size, "output", "input")
+        return self._exec.submit(lambda: self._run("all_gather", self._all_gather, [output, input], [0]),
+                                 async_op, input)
+
+    def broadcast(self, tensor: torch.Tensor, src: int = 0, async_op: bool = False) -> Handle | None:
+        check_flat(tensor, "tensor")
+        check_src(src, self.world_size)
+        return self._exec.submit(lambda: self._run("broadcast", lambda t: self._broadcast(t, src), [tensor], [0]),
+                                 async_op, tensor)
+
+    def barrier(self) -> None:
+        self._exec.submit(lambda: dist.barrier(group=self.group), False, torch.empty(0))
+
+    def close(self) -> None:
+        self._exec.close()
+
+    # ---- the collectives in ring steps (communicator thread)
+
+    def _run(self, op: str, fn, tensors: list[torch.Tensor], written: list[int]) -> None:
+        sent = received = 0
+        if tensors[-1].numel() > 0:  # world size 1 runs too: zero ring steps, copy semantics kept
+            host, finish = stage_on_host(self.backend, tensors, written)
+            sent, received = fn(*host)
+            finish()
+        self.traffic.add(op, sent, received)
+
+    def _rs_steps(self) -> list[Step]:
+        n, r = self.world_size, self.rank  # after these, chunk r holds the sum (the plain ring's indices)
+        return [((r - s - 1) % n, (r - s - 2) % n, True) for s in range(n - 1)]
+
+    def _ag_steps(self) -> list[Step]:
+        n, r = self.world_size, self.rank  # chunk r travels round the ring
+        return [((r - s) % n, (r - s - 1) % n, False) for s in range(n - 1)]
+
+    def _all_reduce(self, tensor: torch.Tensor) -> tuple[int, int]:
+        n, numel = self.world_size, tensor.numel()
+        c = ring_chunk(numel, n)
+        if n * c == numel:
+            return self._pipeline(tensor, c, self._rs_steps() + self._ag_steps())
+        buf = torch.zeros(n * c, dtype=tensor.dtype, device=tensor.device)  # padding: sums of zeros stay zero
+        buf[:numel].copy_(tensor)
+        counts = self._pipeline(buf, c, self._rs_steps() + self._ag_steps())
+        tensor.copy_(buf[:numel])
+        return counts
+
+    def _reduce_scatter(self, output: torch.Tensor, input: torch.Tensor) -> tuple[int, int]:
+        c = output.numel()
+        buf = input.clone()  # the caller's input is left as it was
+        counts = self._pipeline(buf, c, self._rs_steps())
+        output.copy_(buf[self.rank * c:(self.rank + 1) * c])
+        return counts
+
+    def _all_gather(self, output: torch.Tensor, input: torch.Tensor) -> tuple[int, int]:
+        c = input.numel()
+        output[self.rank * c:(self.rank + 1) * c].copy_(input)
+        return self._pipeline(output, c, self._ag_steps())
+
+    def _segments(self, numel: int, itemsize: int) -> list[tuple[int, int]]:
+        seg = max(1, self.segment_bytes // itemsize)
+        return [(lo, min(numel, lo + seg)) for lo in range(0, numel, seg)]
+
+    def _pipeline(self, buf: torch.Tensor, c: int, steps: Sequence[Step]) -> tuple[int, int]:
+        """Run ring steps over buf's chunks of c elements, segment by segment; returns bytes (sent, received).
+
+        Unit u = (step u // K, segment u % K). Its send needs unit u - K (the same segment one step earlier)
+        received and reduced; posting unit u + W right after finishing unit u, with W <= K, guarantees that,
+        and sends each segment on as soon as it is ready when W = K.
+        """
+        if not steps:  # world size 1
+            return 0, 0
+        bounds = self._segments(c, buf.element_size())
+        k = len(bounds)
+        units = len(steps) * k
+        w = min(k, self.window)
+        seg = bounds[0][1]
+        incoming = torch.empty(w * seg, dtype=buf.dtype, device=buf.device) if steps[0][2] else None
+        in_flight: dict[int, tuple[dist.Work, torch.Tensor]] = {}
+        reading: dict[tuple[int, int], list[dist.Work]] = {}  # sends still reading a region of buf
+        sent = received = 0
+
+        def region(chunk: int, j: int) -> torch.Tensor:
+            lo, hi = bounds[j]
+            return buf[chunk * c + lo:chunk * c + hi]
+
+        def post(u: int) -> None:
+            nonlocal sent, received
+            s, j = divmod(u, k)
+            send_chunk, recv_chunk, reduce = steps[s]
+            out = region(send_chunk, j)
+            if reduce:  # received into a window slot, then added; the slot's last user was unit u - w
+                slot = u % w
+                into = incoming[slot * seg:slot * seg + out.numel()]
+            else:  # received in place, once this rank's earlier sends from there have gone
+                into = region(recv_chunk, j)
+                for work in reading.pop((recv_chunk, j), []):
+                    work.wait()
+            send_work, recv_work = exchange(out, self._next, into, self._prev, self.group)
+            reading.setdefault((send_chunk, j), []).append(send_work)
+            in_flight[u] = (recv_work, into)
+            sent += out.numel() * out.element_size()
+            received += into.numel() * into.element_size()
+
+        for u in range(w):
+            post(u)
+        for u in range(units):
+            recv_work, into = in_flight.pop(u)
+            recv_work.wait()
+            s, j = divmod(u, k)
+            if steps[s][2]:
+                region(steps[s][1], j).add_(into)
+            if u + w < units:
+                post(u + w)
+        for works in reading.values():
+            for work in works:
+                work.wait()
+        return sent, received
+
+    def _broadcast(self, tensor: torch.Tensor, src: int) -> tuple[int, int]:
+        """A chain src -> src+1 -> ... -> src-1, each segment passed on as soon as it has arrived."""
+        n = self.world_size
+        pos = (self.rank - src) % n
+        bounds = self._segments(tensor.numel(), tensor.element_size())
+        w = min(len(bounds), self.window)
+        recvs: dict[int, dist.Work] = {}
+        sends: list[dist.Work] = []
+        sent = received = 0
+
+        def post_recv(j: int) -> None:
+            nonlocal received
+            lo, hi = bounds[j]
+            recvs[j] = dist.irecv(tensor[lo:hi], self._prev, self.group)
+            received += (hi - lo) * tensor.element_size()
+
+        if pos > 0:
+            for j in range(w):
+                post_recv(j)
+        for j, (lo, hi) in enumerate(bounds):
+            if pos > 0:
+                recvs.pop(j).wait()
+                if j + w < len(bounds):
+                    post_recv(j + w)
+            if pos < n - 1:
+                sends.append(dist.isend(tensor[lo:hi], self._next, self.group))
+                sent += (hi - lo) * tensor.element_size()
+        for work in sends:
+            work.wait()
+        return sent, received
