@@ -6,6 +6,7 @@ Every mistake stops the run before any process starts, with one line naming key,
 from __future__ import annotations
 
 import dataclasses
+import importlib
 import json
 import math
 import tomllib
@@ -115,6 +116,9 @@ class BackendConfig:
     allgather_bucket_size: int = _f(5 * 10**8, "zero: elements per parameter all-gather bucket", min=1)
     prefetch_bucket_size: int = _f(5 * 10**7, "zero-3: elements gathered ahead of use", min=0)
     activation_checkpointing: bool = _f(False, "zero: recompute each unit's activations in backward")
+    zero_units: str = _f("blocks", "zero: attribute of the model holding the nn.ModuleList whose children are "
+                                   "the units (gathered one by one in stage 3, checkpointed one by one); "
+                                   "'' for the whole model as one unit")
     mode: str = _f("sync", "ps update mode", choices=("sync", "async", "geo", "ssp"))
     servers: int = _f(1, "ps: number of server processes", min=1)
     k_steps: int = _f(4, "ps geo: local steps between pushes", min=1)
@@ -123,6 +127,8 @@ class BackendConfig:
     staleness_compensation: str = _f("none", "ps async: remedy for stale gradients", choices=("none", "lr", "dc"))
     dc_lambda: float = _f(0.04, "ps async dc: delay-compensation strength", min=0.0)
     host: str = _f("127.0.0.1", "ps: address servers bind to")
+    server_addresses: list = _f([], "ps: 'tcp://host:port' of each server started with `psarch server` "
+                                    "(empty: `psarch run` starts the servers itself)")
     timeout_s: float = _f(60.0, "seconds a rank or server waits for a peer before the run stops with an error", min=0.1)
 
 
@@ -131,7 +137,7 @@ class Config:
     """One experiment."""
 
     name: str = _f("", "run name (default: the config file's stem)")
-    seed: int = _f(0, "global seed: model init and every step's global batch derive from it")
+    seed: int = _f(0, "global seed: model init and every step's global batch derive from it", min=0)
     out: str = _f("", "run folder (default: runs/<name>)")
     workload: WorkloadConfig = _sub(WorkloadConfig)
     train: TrainConfig = _sub(TrainConfig)
@@ -178,7 +184,7 @@ def _build(cls: type, data: dict[str, Any], prefix: str) -> Any:
     for k, v in data.items():
         key = f"{prefix}{k}"
         if k not in fields:
-            raise ConfigError(f"{key}: unknown key; allowed keys{' in [' + prefix[:-1] + ']' if prefix else ''} are "
+            raise ConfigError(f"{key} = {_show(v)}: unknown key; allowed keys{' in [' + prefix[:-1] + ']' if prefix else ''} are "
                               f"{', '.join(sorted(fields))}")
         f = fields[k]
         if dataclasses.is_dataclass(f.default_factory if f.default_factory is not dataclasses.MISSING else None):
@@ -266,11 +272,30 @@ def validate(cfg: Config) -> Config:
                           f"= {w.markov.vocab_size}")
     if w.data == "text" and not w.factory and not w.text.path:
         raise ConfigError("workload.text.path = \"\": data = \"text\" needs the path of a text file")
-    if w.factory and ":" not in w.factory:
-        raise ConfigError(f"workload.factory = {json.dumps(w.factory)}: expected 'package.module:function'")
+    if w.factory:
+        resolve_factory(w.factory)
+    if b.server_addresses and (len(b.server_addresses) != b.servers
+                               or not all(isinstance(a, str) and a for a in b.server_addresses)):
+        raise ConfigError(f"backend.server_addresses = {_show(b.server_addresses)}: expected backend.servers = "
+                          f"{b.servers} address strings like \"tcp://10.0.0.5:5555\"")
     if b.dist_backend == "nccl" and b.device == "cpu":
         raise ConfigError("backend.dist_backend = \"nccl\": needs backend.device = \"cuda\" (or \"auto\" on a GPU machine)")
     return cfg
+
+
+def resolve_factory(spec: str) -> Any:
+    """The function a `workload.factory` spec names; checked here, before any rank starts."""
+    module_name, _, fn_name = spec.partition(":")
+    if not module_name or not fn_name:
+        raise ConfigError(f"workload.factory = {json.dumps(spec)}: expected 'package.module:function'")
+    try:
+        fn = getattr(importlib.import_module(module_name), fn_name)
+    except Exception as e:  # ImportError, AttributeError, or the module's own error (a SyntaxError, say)
+        raise ConfigError(f"workload.factory = {json.dumps(spec)}: cannot import it ({type(e).__name__}: "
+                          f"{str(e).splitlines()[0] if str(e) else ''})") from None
+    if not callable(fn):
+        raise ConfigError(f"workload.factory = {json.dumps(spec)}: {fn_name} is not a function")
+    return fn
 
 
 def from_dict(data: dict[str, Any], name: str = "") -> Config:

@@ -84,6 +84,7 @@ def _rank_main(cfg_dict: dict, rank: int, world: int, port: int, out: str, info:
         outputs.save_record(out_dir, run_rank(cfg, ctx, echo=echo))
         shutdown(ctx)
     except BaseException as e:  # report every failure, KeyboardInterrupt included, then exit non-zero
+        # the file's mtime says when, so the launcher can tell the first failure from its echoes
         (out_dir / outputs.RANKS_DIR / f"rank{rank}.error").write_text(
             f"{type(e).__name__}: {e}\n\n{traceback.format_exc()}")
         sys.stdout.flush()
@@ -106,9 +107,10 @@ def _spawn(cfg: Config, cls: type, out: Path, info: dict, echo: bool, services: 
         alive = list(procs)
         while alive:
             wait([p.sentinel for p in alive], timeout=0.5)
-            for p in list(alive):
-                if p.exitcode is None:
-                    continue
+            exited = [p for p in alive if p.exitcode is not None]
+            # When one rank fails, its peers soon fail too ("connection reset by peer"): if several are seen
+            # at once, report the first to fail (a rank that left no error file, e.g. killed, counts as first).
+            for p in sorted(exited, key=lambda p: _failed_at(out, procs.index(p))):
                 alive.remove(p)
                 if p.exitcode != 0:
                     tolerate = getattr(cls, "tolerates_lost_workers", None)
@@ -127,6 +129,13 @@ def _spawn(cfg: Config, cls: type, out: Path, info: dict, echo: bool, services: 
             if p.is_alive():
                 p.kill()
                 p.join()
+
+
+def _failed_at(out: Path, rank: int) -> int:
+    try:
+        return (out / outputs.RANKS_DIR / f"rank{rank}.error").stat().st_mtime_ns
+    except OSError:
+        return -1
 
 
 def _rank_error(out: Path, rank: int, code: int) -> str:

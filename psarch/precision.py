@@ -1,6 +1,7 @@
 """Mixed precision shared by every backend: compute dtype, fp32 master weights, dynamic loss scaling."""
 from __future__ import annotations
 
+import copy
 from typing import Iterable, Sequence
 
 import torch
@@ -132,7 +133,7 @@ class MixedPrecisionOptimizer:
         return optimizer_state_bytes(self.optimizer) + self.master.bytes()
 
     def state_dict(self) -> dict:
-        return {"optimizer": self.optimizer.state_dict(), "scaler": self.scaler.state_dict(),
+        return {"optimizer": copy.deepcopy(self.optimizer.state_dict()), "scaler": self.scaler.state_dict(),
                 "masters": [m.detach().clone() for m in self.master.masters] if self.master.copies else None}
 
     def load_state_dict(self, state: dict) -> None:

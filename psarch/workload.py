@@ -1,7 +1,6 @@
 """A workload is what gets trained: a model, a loss, and a deterministic batch per step."""
 from __future__ import annotations
 
-import importlib
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -9,7 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from psarch.config import Config, ConfigError
+from psarch.config import Config, ConfigError, resolve_factory
 from psarch.data import MarkovSource, TextSource, shard_rows, step_generator
 from psarch.models import GPT, MLP
 
@@ -56,11 +55,7 @@ def build_workload(cfg: Config) -> Workload:
 
 def _from_factory(cfg: Config) -> Workload:
     spec = cfg.workload.factory
-    module_name, _, fn_name = spec.partition(":")
-    try:
-        fn = getattr(importlib.import_module(module_name), fn_name)
-    except (ImportError, AttributeError) as e:
-        raise ConfigError(f"workload.factory = \"{spec}\": cannot import ({e})") from None
+    fn = resolve_factory(spec)
     torch.manual_seed(cfg.seed)
     wl = fn(cfg) if _takes_arg(fn) else fn()
     if not isinstance(wl, Workload):

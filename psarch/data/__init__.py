@@ -4,12 +4,14 @@ from psarch.data.text import TextSource
 
 __all__ = ["MarkovSource", "TextSource", "step_generator", "shard_rows"]
 
+import numpy as np
 import torch
 
 
 def step_generator(seed: int, step: int, stream: int = 0) -> torch.Generator:
     """A generator for step `step`: independent of the world size, so every backend sees the same data."""
-    return torch.Generator().manual_seed((seed * 1_000_003 + step * 7919 + stream) % (2**63 - 1))
+    key = np.random.SeedSequence([seed, step, stream]).generate_state(2, np.uint32)  # a hash: no collisions
+    return torch.Generator().manual_seed(int(key[0]) << 31 | int(key[1]) >> 1)
 
 
 def shard_rows(batch: torch.Tensor, shard: int, num_shards: int) -> torch.Tensor:
