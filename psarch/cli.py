@@ -18,12 +18,26 @@ def main(argv: list[str] | None = None) -> int:
     p_run.add_argument("--out", help="run folder (default: runs/<name>)")
     p_run.add_argument("--quiet", action="store_true", help="no progress lines")
     sub.add_parser("keys", help="list every config key with its default and meaning")
+    p_est = sub.add_parser("estimate", help="analytic memory, traffic and step-time model (no processes)")
+    p_est.add_argument("--params", type=float, help="parameter count Φ, e.g. 7.5e9")
+    p_est.add_argument("--world", type=int, default=64, help="number of workers N")
+    p_est.add_argument("--precision", default="bf16", choices=("fp32", "bf16", "fp16"))
+    p_est.add_argument("--optimizer", default="adamw", choices=("sgd", "adamw"))
+    p_est.add_argument("--servers", type=int, default=1, help="parameter servers")
+    p_est.add_argument("--bandwidth", type=float, default=12.5e9, help="link bytes/s per direction")
+    p_est.add_argument("--latency", type=float, default=10e-6, help="seconds per message")
+    p_est.add_argument("--compute-s", type=float, default=0.1, help="compute seconds per step per worker")
+    p_est.add_argument("--overlap", type=float, default=0.0, help="fraction of communication hidden by compute")
+    p_est.add_argument("--budget", type=float, default=32e9, help="device memory for Table 2, bytes")
+    p_est.add_argument("--from", dest="from_run", help="take Φ, N, precision and compute time from a run folder")
     args = parser.parse_args(argv)
 
     if args.command == "keys":
         for key, default, doc in describe():
             print(f"{key:38} {default!r:>14}  {doc}")
         return 0
+    if args.command == "estimate":
+        return _estimate(args)
     if args.command == "run":
         try:
             cfg = load_config(args.config, args.overrides)
@@ -44,6 +58,32 @@ def main(argv: list[str] | None = None) -> int:
             return 130
         return 0
     return 2
+
+
+def _estimate(args: argparse.Namespace) -> int:
+    import json
+    from pathlib import Path
+
+    from psarch.estimate import Cluster, report
+
+    measured = None
+    phi, world, precision, optimizer = args.params, args.world, args.precision, args.optimizer
+    if args.from_run:
+        path = Path(args.from_run) / "summary.json"
+        if not path.is_file():
+            print(f"psarch: estimate --from {args.from_run}: no summary.json there", file=sys.stderr)
+            return 2
+        measured = json.loads(path.read_text())
+        phi = phi or measured["params"]
+        world, precision = measured["world_size"], measured.get("precision", precision)
+        optimizer = measured.get("optimizer", optimizer)
+    if not phi or phi <= 0 or world < 1 or args.servers < 1 or args.bandwidth <= 0 or args.latency < 0:
+        print("psarch: estimate: --params (> 0) or --from is required; --world, --servers >= 1; "
+              "--bandwidth > 0; --latency >= 0", file=sys.stderr)
+        return 2
+    cluster = Cluster(args.bandwidth, args.latency, args.compute_s, args.overlap)
+    print(report(phi, world, precision, optimizer, args.servers, cluster, args.budget, measured), end="")
+    return 0
 
 
 if __name__ == "__main__":

@@ -1,0 +1,78 @@
+"""The analytic estimator reproduces the ZeRO paper (Rajbhandari et al. 2020), Tables 1 and 2.
+
+The paper prints rounded, sometimes truncated, figures: each cell is checked to within 1 in its last
+printed digit."""
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from psarch import estimate
+
+# Table 1: per-device model-state memory (GB) — baseline DDP, Pos, Pos+g, Pos+g+p — by DP degree.
+TABLE1 = {
+    7.5e9: {1: (120, 120, 120, 120), 4: (120, 52.5, 41.3, 30), 16: (120, 35.6, 21.6, 7.5),
+            64: (120, 31.4, 16.6, 1.88), 256: (120, 30.4, 15.4, 0.47), 1024: (120, 30.1, 15.1, 0.12)},
+    128e9: {1: (2048, 2048, 2048, 2048), 4: (2048, 896, 704, 512), 16: (2048, 608, 368, 128),
+            64: (2048, 536, 284, 32), 256: (2048, 518, 263, 8), 1024: (2048, 513, 257, 2)},
+    1e12: {1: (16000, 16000, 16000, 16000), 4: (16000, 7000, 5500, 4000), 16: (16000, 4750, 2875, 1000),
+           64: (16000, 4187, 2218, 250), 256: (16000, 4046, 2054, 62.5), 1024: (16000, 4011, 2013, 15.6)},
+}
+# Table 2: largest model (parameters) for 32 GB V100s, DP = 64, by model-parallel degree.
+TABLE2 = {1: ("2B", "7.6B", "14.4B", "128B"), 2: ("4B", "15.2B", "28.8B", "256B"),
+          4: ("8B", "30.4B", "57.6B", "0.5T"), 8: ("16B", "60.8B", "115.2B", "1T"),
+          16: ("32B", "121.6B", "230.4B", "2T")}
+
+
+def last_digit(printed: float) -> float:
+    """One unit in the last printed digit of a figure as the paper prints it."""
+    text = f"{printed:g}"
+    return 10.0 ** -len(text.split(".")[1]) if "." in text else 1.0
+
+
+@pytest.mark.parametrize("phi", list(TABLE1))
+def test_table1_every_cell(phi):
+    rows = {r["world"]: r for r in estimate.memory_table(phi, list(TABLE1[phi]))}
+    for world, cells in TABLE1[phi].items():
+        for (name, _), paper in zip(estimate.STAGES, cells):
+            ours = rows[world][name] / 1e9
+            assert abs(ours - paper) <= last_digit(paper), f"Φ={phi:g} N={world} {name}: {ours} vs paper {paper}"
+
+
+def test_table2_every_cell():
+    rows = {r["mp"]: r for r in estimate.table2(32e9)}
+    for mp, cells in TABLE2.items():
+        for (name, _), printed in zip(estimate.STAGES, cells):
+            scale = {"B": 1e9, "T": 1e12}[printed[-1]]
+            paper = float(printed[:-1])
+            ours = rows[mp][name] / scale
+            assert abs(ours - paper) <= last_digit(paper), f"MP={mp} {name}: {ours:g} vs paper {printed}"
+            assert abs(ours - paper) <= 0.025 * paper  # "1T" is 1.024T: the paper truncates
+
+
+def test_traffic_and_step_model():
+    c = estimate.Cluster(bandwidth=1e9, alpha=0.0, compute_s=0.0)
+    s = 1e9
+    # ring all-reduce: 2(N-1)/N·S at the link rate; ZeRO-3 3(N-1)/N·S; PS bounded by the busier end
+    assert estimate.comm_time("ddp", s, 4, c) == pytest.approx(2 * 3 / 4)
+    assert estimate.comm_time("zero", s, 4, c, stage=3) == pytest.approx(3 * 3 / 4)
+    assert estimate.comm_time("ps", s, 4, c, servers=1) == pytest.approx(2 * 4)
+    assert estimate.comm_time("ps", s, 4, c, servers=4) == pytest.approx(2 * 1)
+    # with latency, the ring pays 2(N-1) messages and the PS 2: enough servers overtake it at some N
+    lat = estimate.Cluster(bandwidth=1e10, alpha=1e-3, compute_s=0.01)
+    n = estimate.crossover(1e8, lat, "n", [2**k for k in range(11)])
+    assert n is not None and n > 2
+    assert estimate.crossover(1e8, lat, "1", [2**k for k in range(11)]) is None
+
+
+def test_cli_estimate_prints_the_tables():
+    out = subprocess.run([sys.executable, "-m", "psarch.cli", "estimate", "--params", "7.5e9", "--world", "64"],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    line = next(l for l in out.stdout.splitlines() if l.strip().startswith("64 ") and "<-" in l)
+    assert line.split()[1:5] == ["120", "31.4", "16.6", "1.88"]
+    bad = subprocess.run([sys.executable, "-m", "psarch.cli", "estimate", "--world", "4"],
+                         capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 2 and "--params" in bad.stderr
