@@ -18,6 +18,9 @@ def main(argv: list[str] | None = None) -> int:
     p_run.add_argument("--out", help="run folder (default: runs/<name>)")
     p_run.add_argument("--quiet", action="store_true", help="no progress lines")
     sub.add_parser("keys", help="list every config key with its default and meaning")
+    p_cmp = sub.add_parser("compare", help="compare run folders: report.md and plots")
+    p_cmp.add_argument("runs", nargs="+", metavar="RUN_DIR")
+    p_cmp.add_argument("--out", default="compare", help="folder for report.md and the PNG plots")
     p_est = sub.add_parser("estimate", help="analytic memory, traffic and step-time model (no processes)")
     p_est.add_argument("--params", type=float, help="parameter count Φ, e.g. 7.5e9")
     p_est.add_argument("--world", type=int, default=64, help="number of workers N")
@@ -35,6 +38,17 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "keys":
         for key, default, doc in describe():
             print(f"{key:38} {default!r:>14}  {doc}")
+        return 0
+    if args.command == "compare":
+        from psarch.compare import compare
+
+        try:
+            report = compare(args.runs, args.out)
+        except (FileNotFoundError, ValueError, KeyError) as e:
+            print(f"psarch: compare: {e}", file=sys.stderr)
+            return 2
+        print(report.read_text(), end="")
+        print(f"(written to {report.parent})")
         return 0
     if args.command == "estimate":
         return _estimate(args)

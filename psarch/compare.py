@@ -1,0 +1,103 @@
+"""`psarch compare RUN_DIR ... [--out DIR]`: one table of runs, measured beside predicted, and plots."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+
+def load_run(path: Path) -> dict[str, Any]:
+    """A run folder's summary, config and per-step metrics."""
+    summary_path = path / "summary.json"
+    if not summary_path.is_file():
+        raise FileNotFoundError(f"{path}: not a run folder (no summary.json)")
+    rows = [json.loads(line) for line in (path / "metrics.jsonl").read_text().splitlines()] \
+        if (path / "metrics.jsonl").is_file() else []
+    config = json.loads((path / "config.json").read_text()) if (path / "config.json").is_file() else {}
+    return {"path": str(path), "summary": json.loads(summary_path.read_text()), "config": config, "metrics": rows}
+
+
+def label(run: dict[str, Any]) -> str:
+    s = run["summary"]
+    v = f" {s['variant']}" if s.get("variant") else ""
+    servers = f" S={s['servers']}" if s.get("servers") else ""
+    return f"{s['name']}: {s['backend']}{v} N={s['world_size']}{servers}"
+
+
+def comparability_warnings(runs: list[dict[str, Any]]) -> list[str]:
+    """Runs compare fairly only on the same workload, data and global batch."""
+    warnings = []
+
+    def key(run: dict) -> dict:
+        c, s = run["config"], run["summary"]
+        w = c.get("workload", {})
+        return {"workload": s.get("workload"), "params": s.get("params"), "global_batch": s.get("global_batch"),
+                "seq_len": w.get("seq_len"), "data": w.get("markov") if w.get("data") == "markov" else w.get("text"),
+                "seed": c.get("seed")}
+
+    ref = key(runs[0])
+    for run in runs[1:]:
+        k = key(run)
+        for field in ref:
+            if k[field] != ref[field]:
+                warnings.append(f"{label(run)} differs from {label(runs[0])} in {field}: "
+                                f"{json.dumps(k[field])} vs {json.dumps(ref[field])}")
+    return warnings
+
+
+def _b(n: float | None) -> str:
+    if n is None:
+        return "-"
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
+        n /= 1024
+    return str(n)
+
+
+def table(runs: list[dict[str, Any]]) -> str:
+    """The comparison table, in Markdown; rank 0's memory and the mean worker's traffic."""
+    head = ("| run | backend | variant | N | samples/s | step time (ms) | final loss | gap | model states/rank "
+            "measured \\| predicted | sent/worker/step measured \\| predicted | server recv/step measured \\| predicted "
+            "| peak memory |")
+    lines = [head, "|" + "---|" * 12]
+    for run in runs:
+        s = run["summary"]
+        m0 = s["memory"]["per_rank"][0]
+        pm = s["predicted"]["memory_per_rank"]["total"]
+        tr = s["traffic"]["per_rank"]
+        sent = sum(t["sent_per_step"] for t in tr) / len(tr)
+        modelled = " (modelled)" if tr[0].get("modelled") else ""
+        pt = s["predicted"]["traffic_per_step"]
+        servers = s.get("traffic", {}).get("servers") or []
+        steps = max(1, s["steps"])
+        srv = (f"{_b(sum(x['received'] for x in servers) / len(servers) / steps)} \\| "
+               f"{_b(pt.get('server_received'))}") if servers else "-"
+        gap = f"{s['gap']:.4f}" if s.get("gap") is not None else "-"
+        lines.append(f"| {s['name']} | {s['backend']} | {s.get('variant') or '-'} | {s['world_size']} | "
+                     f"{s['samples_per_s']:.1f} | {s['step_time_s'] * 1e3:.2f} | {s['final_loss']:.4f} | {gap} | "
+                     f"{_b(m0['total'])} \\| {_b(pm)} | {_b(sent)}{modelled} \\| {_b(pt['worker_sent'])} | {srv} | "
+                     f"{_b(m0.get('peak'))} |")
+    return "\n".join(lines)
+
+
+def compare(run_dirs: list[str | Path], out: str | Path) -> Path:
+    """Write report.md and the plots for these runs into `out`; returns the report's path."""
+    from psarch import plots
+
+    runs = [load_run(Path(d)) for d in run_dirs]
+    if not runs:
+        raise ValueError("compare: no runs given")
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    figures = plots.all_plots(runs, out)
+    warnings = comparability_warnings(runs)
+    text = ["# psarch comparison", ""]
+    if warnings:
+        text += ["**Warning: these runs are not directly comparable.**", ""] + [f"- {w}" for w in warnings] + [""]
+    text += [table(runs), "", "Memory: rank 0's model states (params + grads + optimizer incl. fp32 masters). "
+             "Traffic: mean over workers; native collectives are modelled, not measured.", ""]
+    text += [f"![{name}]({name}.png)" for name in figures]
+    report = out / "report.md"
+    report.write_text("\n".join(text) + "\n")
+    return report
