@@ -17,6 +17,7 @@ def main(argv: list[str] | None = None) -> int:
                        help="override a config key (repeatable); the value is read as TOML")
     p_run.add_argument("--out", help="run folder (default: runs/<name>)")
     p_run.add_argument("--quiet", action="store_true", help="no progress lines")
+    p_run.add_argument("--rerun", action="store_true", help="sweeps: run points whose outputs already exist")
     sub.add_parser("keys", help="list every config key with its default and meaning")
     p_cmp = sub.add_parser("compare", help="compare run folders: report.md and plots")
     p_cmp.add_argument("runs", nargs="+", metavar="RUN_DIR")
@@ -53,8 +54,14 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "estimate":
         return _estimate(args)
     if args.command == "run":
+        from psarch.sweep import read_sweep, run_sweep
+
         try:
             cfg = load_config(args.config, args.overrides)
+            sweep = read_sweep(args.config)
+            if sweep is not None:
+                points = run_sweep(args.config, sweep, args.overrides, args.out, args.rerun, echo=not args.quiet)
+                return 1 if any(p.status == "failed" for p in points) else 0
         except ConfigError as e:
             print(f"psarch: config error: {e}", file=sys.stderr)
             return 2

@@ -51,3 +51,17 @@ def overflow_at_steps_3_and_4(cfg) -> psarch.Workload:
         return loss * 1e30 if calls["n"] in (4, 5) else loss
 
     return psarch.Workload(wl.model, loss_fn, wl.batch, wl.entropy_floor, "overflow")
+
+
+def fails_at_step_2(cfg) -> psarch.Workload:
+    """Regression whose loss raises on the third call: a point of a sweep that fails."""
+    wl = regression(cfg)
+    calls = {"n": 0}
+
+    def loss_fn(model: nn.Module, b) -> torch.Tensor:
+        calls["n"] += 1
+        if calls["n"] == 3:
+            raise RuntimeError("deliberate failure at step 2")
+        return wl.loss_fn(model, b)
+
+    return psarch.Workload(wl.model, loss_fn, wl.batch, wl.entropy_floor, "fails")

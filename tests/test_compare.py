@@ -1,0 +1,97 @@
+"""Sweeps and `psarch compare`: every point runs (a failing one is reported), the report holds the runs'
+numbers and every plot is a non-empty PNG."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from psarch.sweep import expand, read_sweep, run_sweep
+
+TINY = """
+name = "sw"
+[workload]
+seq_len = 8
+[workload.gpt]
+n_layer = 1
+n_embd = 16
+n_head = 2
+[train]
+steps = 4
+global_batch = 4
+log_every = 2
+"""
+SWEEP = """
+[sweep]
+backend = ["single", "ddp"]
+"backend.comm" = ["ring", "native"]
+points = [{}, { "workload.factory" = "factories:fails_at_step_2" }]
+"""
+
+
+@pytest.fixture(scope="module")
+def sweep_run(tmp_path_factory):
+    root = tmp_path_factory.mktemp("sweep")
+    (root / "sw.toml").write_text(TINY + SWEEP)
+    points = run_sweep(root / "sw.toml", read_sweep(root / "sw.toml"), out=root / "out", echo=False)
+    return root, points
+
+
+def test_sweep_runs_every_point_and_reports_the_failing_ones(sweep_run):
+    root, points = sweep_run
+    status = {p.name: p.status for p in points}
+    # comm does not apply to single: its two points are one
+    assert status == {"single": "done", "ddp-commring": "done", "ddp-commnative": "done",
+                      "factoryfactories_fails_at_step_2-single": "failed",
+                      "factoryfactories_fails_at_step_2-ddp-commring": "failed",
+                      "factoryfactories_fails_at_step_2-ddp-commnative": "failed"}
+    failed = next(p for p in points if p.status == "failed")
+    assert "deliberate failure at step 2" in failed.detail
+    recorded = json.loads((root / "out" / "sweep.json").read_text())
+    assert {r["name"]: r["status"] for r in recorded} == status
+    for name in ("single", "ddp-commring", "ddp-commnative"):
+        assert (root / "out" / name / "summary.json").is_file()
+
+
+def test_sweep_skips_finished_points_unless_rerun(sweep_run):
+    root, _ = sweep_run
+    again = run_sweep(root / "sw.toml", read_sweep(root / "sw.toml"), out=root / "out", echo=False)
+    assert {p.name: p.status for p in again if "fails" not in p.name} == \
+        {"single": "skipped", "ddp-commring": "skipped", "ddp-commnative": "skipped"}
+
+
+def test_sweep_axes_must_be_lists(tmp_path):
+    (tmp_path / "bad.toml").write_text(TINY + '[sweep]\n"backend.world_size" = 2\n')
+    with pytest.raises(Exception, match="sweep.backend.world_size = 2: expected a non-empty list"):
+        expand(tmp_path / "bad.toml", read_sweep(tmp_path / "bad.toml"))
+
+
+def test_compare_writes_report_and_plots(sweep_run, tmp_path):
+    root, points = sweep_run
+    runs = [str(root / "out" / n) for n in ("single", "ddp-commring", "ddp-commnative")]
+    out = tmp_path / "cmp"
+    res = subprocess.run([sys.executable, "-m", "psarch.cli", "compare", *runs, "--out", str(out)],
+                         capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0, res.stderr
+    report = (out / "report.md").read_text()
+    for run in runs:
+        s = json.loads((root / "out" / run.split("/")[-1] / "summary.json").read_text())
+        row = next(line for line in report.splitlines() if f"| {s['name']} |" in line)
+        assert f"{s['final_loss']:.4f}" in row and f"{s['samples_per_s']:.1f}" in row
+    assert "not directly comparable" not in report
+    for name in ("loss", "memory", "traffic", "throughput"):
+        data = (out / f"{name}.png").read_bytes()
+        assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 5000, name
+        assert f"![{name}]({name}.png)" in report
+
+
+def test_compare_warns_when_runs_are_not_comparable(sweep_run, tmp_path):
+    root, _ = sweep_run
+    (tmp_path / "other.toml").write_text(TINY.replace("global_batch = 4", "global_batch = 8"))
+    from psarch import load_config, run
+    run(load_config(tmp_path / "other.toml"), out=tmp_path / "other", echo=False)
+    from psarch.compare import compare
+    report = compare([root / "out" / "single", tmp_path / "other"], tmp_path / "cmp").read_text()
+    assert "not directly comparable" in report and "global_batch: 8 vs 4" in report
