@@ -1,4 +1,4 @@
-"""`psarch run | compare | estimate | keys`."""
+"""`psarch run | compare | estimate | keys | server`."""
 from __future__ import annotations
 
 import argparse
@@ -19,6 +19,12 @@ def main(argv: list[str] | None = None) -> int:
     p_run.add_argument("--quiet", action="store_true", help="no progress lines")
     p_run.add_argument("--rerun", action="store_true", help="sweeps: run points whose outputs already exist")
     sub.add_parser("keys", help="list every config key with its default and meaning")
+    p_srv = sub.add_parser("server", help="run one parameter server standalone (multi-machine ps runs)")
+    p_srv.add_argument("config")
+    p_srv.add_argument("--index", type=int, required=True, help="which server (0 .. backend.servers-1)")
+    p_srv.add_argument("--port", type=int, required=True, help="TCP port to bind")
+    p_srv.add_argument("--host", help="address to bind (default: backend.host, 127.0.0.1)")
+    p_srv.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE")
     p_cmp = sub.add_parser("compare", help="compare run folders: report.md and plots")
     p_cmp.add_argument("runs", nargs="+", metavar="RUN_DIR")
     p_cmp.add_argument("--out", default="compare", help="folder for report.md and the PNG plots")
@@ -53,6 +59,10 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.command == "estimate":
         return _estimate(args)
+    if args.command == "server":
+        from psarch.ps.standalone import serve
+
+        return serve(args.config, args.index, args.port, args.host, args.overrides)
     if args.command == "run":
         from psarch.sweep import read_sweep, run_sweep
 

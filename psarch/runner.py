@@ -31,6 +31,7 @@ def warmup_steps(cfg: Config) -> int:
 def run_rank(cfg: Config, ctx: DistContext, workload: Workload | None = None, echo: bool = True) -> dict[str, Any]:
     """Train for `train.steps` steps on this rank; returns the rank's record (rows, memory, traffic, model)."""
     workload = workload or build_workload(cfg)
+    params = sum(p.numel() for p in workload.model.parameters())  # before a backend shards the model
     trainer = trainer_class(cfg.backend.kind)(workload, cfg, ctx)
     sync = ctx.device.type == "cuda"
     rows: list[dict[str, Any]] = []
@@ -71,7 +72,7 @@ def run_rank(cfg: Config, ctx: DistContext, workload: Workload | None = None, ec
         trainer.close()
     return {"rank": ctx.rank, "rows": rows, "memory": memory, "traffic": traffic, "extra": extra,
             "device": str(ctx.device), "dist_backend": ctx.dist_backend,
-            "entropy_floor": workload.entropy_floor, "params": sum(p.numel() for p in workload.model.parameters()),
+            "entropy_floor": workload.entropy_floor, "params": params,
             "workload": workload.name, "model_state": model_state if ctx.rank == 0 else None}
 
 
