@@ -1,9 +1,10 @@
 """All-reduce benchmark: the ring communicator against torch.distributed's, side by side in one run.
 
-    python -m collective.bench_allreduce [--world-size 2] [--iters 50] [--max-mib 64] [--segment-kib 1024]
+    python -m collective.bench_allreduce [--world-size 2] [--iters 50] [--max-mib 64] [--segment-kib 1024] [--repeat 1]
 
 Ranks are local processes over gloo. Per size the kinds alternate iteration by iteration, so both see the
 same machine load; the time is rank 0's median after warm-up, each iteration starting after a barrier.
+With --repeat R the whole run is repeated R times (fresh ranks each) and the medians over runs are shown.
 """
 from __future__ import annotations
 
@@ -84,6 +85,21 @@ def bench_allreduce(world_size: int = 2, sizes: Sequence[int] = DEFAULT_SIZES, i
     return rows
 
 
+def median_rows(runs: list[list[dict]], kinds: Sequence[str] = ("ring", "native")) -> list[dict]:
+    """Rows of several runs folded into one: per size, the median time of each kind and the median ratio."""
+    rows = []
+    for same in zip(*runs):
+        row = dict(same[0])
+        for k in kinds:
+            t = statistics.median(r[k]["time_s"] for r in same)
+            row[k] = {"time_s": t, "algbw": row["bytes"] / t,
+                      "busbw": row["bytes"] / t * 2 * (row["world_size"] - 1) / row["world_size"]}
+        if "ring/native" in row:
+            row["ring/native"] = statistics.median(r["ring/native"] for r in same)
+        rows.append(row)
+    return rows
+
+
 def format_table(rows: list[dict], kinds: Sequence[str] = ("ring", "native")) -> str:
     """The rows as a fixed-width table (times in ms, bandwidths in GB/s)."""
     head = f"{'size':>9} {'iters':>5}" + "".join(f" {k + ' ms':>10} {k + ' algbw':>12} {k + ' busbw':>12}"
@@ -108,12 +124,16 @@ def main(argv: Sequence[str] | None = None) -> None:
     ap.add_argument("--iters", type=int, default=50)
     ap.add_argument("--max-mib", type=int, default=64, help="largest size, MiB (sizes grow by 4x from 4 KiB)")
     ap.add_argument("--segment-kib", type=int, default=1024, help="ring pipeline segment size, KiB")
+    ap.add_argument("--repeat", type=int, default=1, help="runs to take the median over (the machine is noisy)")
     args = ap.parse_args(argv)
     sizes = [s for s in DEFAULT_SIZES if s <= args.max_mib << 20]
     t0 = time.perf_counter()
-    rows = bench_allreduce(args.world_size, sizes, args.iters, segment_bytes=args.segment_kib << 10)
-    print(f"all_reduce, fp32, world size {args.world_size}, gloo on this machine "
-          f"(median of rank 0; algbw = bytes/time, busbw = algbw*2(N-1)/N; bandwidths in GB/s)")
+    runs = [bench_allreduce(args.world_size, sizes, args.iters, segment_bytes=args.segment_kib << 10)
+            for _ in range(args.repeat)]
+    rows = median_rows(runs)
+    print(f"all_reduce, fp32, world size {args.world_size}, gloo on this machine (median of rank 0"
+          f"{f', then median of {args.repeat} runs' if args.repeat > 1 else ''}; algbw = bytes/time, "
+          f"busbw = algbw*2(N-1)/N; bandwidths in GB/s)")
     print(format_table(rows))
     print(f"({time.perf_counter() - t0:.0f} s)")
 

@@ -167,6 +167,9 @@ def stage_on_host(backend: str, tensors: Sequence[torch.Tensor],
 def exchange(send: torch.Tensor, dst: int, recv: torch.Tensor, src: int,
              group: dist.ProcessGroup | None) -> tuple[dist.Work, dist.Work]:
     """Post a send to global rank `dst` and a receive from global rank `src`; returns (send work, recv work)."""
+    if dist.get_backend(group) == "gloo":  # unbatched cannot deadlock on gloo and costs less; receive posted first
+        recv_work = dist.irecv(recv, src, group)
+        return dist.isend(send, dst, group), recv_work
     # Posted as one batch: on NCCL an unbatched send and receive to the same peer (a ring of 2) deadlock.
     works = dist.batch_isend_irecv([dist.P2POp(dist.isend, send, dst, group),
                                     dist.P2POp(dist.irecv, recv, src, group)])

@@ -21,6 +21,8 @@ class RingCommunicator(Communicator):
     plain ring's, so results are bitwise equal to PlainRingCommunicator's. bf16/fp16 are added in their
     own dtype: each ring step adds two values and rounds once, exactly what the plain ring and gloo do, so
     accumulating a step in fp32 would change nothing (the partial sum must be rounded to go on the wire).
+    At world size 2, all-reduces of up to four segments swap whole buffers instead (see _swap): same sums,
+    same bytes, one round trip. Scratch space is kept from call to call: max(window, 8) segments per dtype.
     """
 
     def __init__(self, group: dist.ProcessGroup | None = None, segment_bytes: int = 1 << 20, window: int = 8) -> None:
@@ -33,6 +35,7 @@ class RingCommunicator(Communicator):
         self._next = self.global_rank((self.rank + 1) % n)
         self._prev = self.global_rank((self.rank - 1) % n)
         self._exec = SerialExecutor(f"ring-rank{self.rank}")
+        self._spare: dict[torch.dtype, torch.Tensor] = {}  # scratch for the communicator thread, see _scratch
 
     # ---- public collectives: validate here, run on the communicator thread in FIFO order
 
@@ -81,15 +84,43 @@ class RingCommunicator(Communicator):
         return [((r - s) % n, (r - s - 1) % n, False) for s in range(n - 1)]
 
     def _all_reduce(self, tensor: torch.Tensor) -> tuple[int, int]:
-        n, numel = self.world_size, tensor.numel()
-        c = ring_chunk(numel, n)
-        if n * c == numel:
-            return self._pipeline(tensor, c, self._rs_steps() + self._ag_steps())
-        buf = torch.zeros(n * c, dtype=tensor.dtype, device=tensor.device)  # padding: sums of zeros stay zero
-        buf[:numel].copy_(tensor)
-        counts = self._pipeline(buf, c, self._rs_steps() + self._ag_steps())
-        tensor.copy_(buf[:numel])
-        return counts
+        n = self.world_size
+        c = ring_chunk(tensor.numel(), n)
+        if n == 2 and 2 * c * tensor.element_size() <= 4 * self.segment_bytes:
+            return self._swap(tensor, c)
+        return self._pipeline(tensor, c, self._rs_steps() + self._ag_steps())
+
+    def _swap(self, tensor: torch.Tensor, c: int) -> tuple[int, int]:
+        """World size 2, chunks of at most two segments: one exchange of whole buffers, not two ring steps.
+
+        The pipeline would overlap little at these sizes; this saves a round trip and moves the same bytes.
+        Each rank adds both chunks in the ring's operand order: its own as own + peer's (the reduce step), the
+        other as peer's + own (the sum the peer would send back in the gather step): bitwise the ring's sums.
+        """
+        numel = tensor.numel()
+        space = self._scratch(4 * c, tensor)
+        incoming, buf = space[:2 * c], (tensor if numel == 2 * c else space[2 * c:])
+        if buf is not tensor:  # padded to two equal chunks
+            buf[:numel].copy_(tensor)
+            buf[numel:].zero_()
+        for work in exchange(buf, self._next, incoming, self._prev, self.group):
+            work.wait()
+        mine, other = slice(self.rank * c, (self.rank + 1) * c), slice((1 - self.rank) * c, (2 - self.rank) * c)
+        buf[mine].add_(incoming[mine])
+        torch.add(incoming[other], buf[other], out=buf[other])
+        if buf is not tensor:
+            tensor.copy_(buf[:numel])
+        nbytes = buf.numel() * buf.element_size()
+        return nbytes, nbytes
+
+    def _scratch(self, numel: int, like: torch.Tensor) -> torch.Tensor:
+        """A host buffer kept from call to call: a fresh one faults its pages in every time (ms per 8 MiB)."""
+        if like.is_cuda:  # the caching allocator reuses memory already, and knows about streams
+            return torch.empty(numel, dtype=like.dtype, device=like.device)
+        spare = self._spare.get(like.dtype)
+        if spare is None or spare.numel() < numel:
+            spare = self._spare[like.dtype] = torch.empty(numel, dtype=like.dtype)
+        return spare[:numel]
 
     def _reduce_scatter(self, output: torch.Tensor, input: torch.Tensor) -> tuple[int, int]:
         c = output.numel()
@@ -110,6 +141,9 @@ class RingCommunicator(Communicator):
     def _pipeline(self, buf: torch.Tensor, c: int, steps: Sequence[Step]) -> tuple[int, int]:
         """Run ring steps over buf's chunks of c elements, segment by segment; returns bytes (sent, received).
 
+        buf counts as zero-padded to n * c elements: segments reaching past its end are worked on in padded
+        copies, written back at the end, so the tensor itself is never copied whole.
+
         Unit u = (step u // K, segment u % K). Its send needs unit u - K (the same segment one step earlier)
         received and reduced; posting unit u + W right after finishing unit u, with W <= K, guarantees that,
         and sends each segment on as soon as it is ready when W = K.
@@ -121,14 +155,20 @@ class RingCommunicator(Communicator):
         units = len(steps) * k
         w = min(k, self.window)
         seg = bounds[0][1]
-        incoming = torch.empty(w * seg, dtype=buf.dtype, device=buf.device) if steps[0][2] else None
+        incoming = self._scratch(w * seg, buf) if steps[0][2] else None
         in_flight: dict[int, tuple[dist.Work, torch.Tensor]] = {}
         reading: dict[tuple[int, int], list[dist.Work]] = {}  # sends still reading a region of buf
+        padded: dict[int, torch.Tensor] = {}  # start -> padded copy of a segment past buf's end
         sent = received = 0
 
         def region(chunk: int, j: int) -> torch.Tensor:
-            lo, hi = bounds[j]
-            return buf[chunk * c + lo:chunk * c + hi]
+            lo, hi = chunk * c + bounds[j][0], chunk * c + bounds[j][1]
+            if hi <= buf.numel():
+                return buf[lo:hi]
+            if lo not in padded:
+                padded[lo] = torch.zeros(hi - lo, dtype=buf.dtype, device=buf.device)
+                padded[lo][:len(buf[lo:])].copy_(buf[lo:])  # empty past the end: all padding
+            return padded[lo]
 
         def post(u: int) -> None:
             nonlocal sent, received
@@ -161,6 +201,8 @@ class RingCommunicator(Communicator):
         for works in reading.values():
             for work in works:
                 work.wait()
+        for lo, part in padded.items():
+            buf[lo:].copy_(part[:len(buf[lo:])])
         return sent, received
 
     def _broadcast(self, tensor: torch.Tensor, src: int) -> tuple[int, int]:
