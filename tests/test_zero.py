@@ -1,0 +1,363 @@
+"""ZeRO parity, memory and traffic: stages 1-3 end with the same model as `single`, DDP and PyTorch's peers.
+
+Tolerance: as tests/test_ddp.py (fp32, rtol 1e-4 / atol 1e-5 on every parameter after 6 steps; AdamW
+eps 1e-6): the runs differ only in the order per-sample gradients are summed. A missing or wrong
+reduce-scatter, a stale all-gather or an optimizer stepping the wrong chunk moves parameters by about
+one learning rate (1e-2), 1000x the tolerance. The model has Φ = 7232 parameters: not a multiple of 3, so
+N = 3 pads; reduce_bucket_size = 600 gives stages 1-2 about a dozen buckets, each padded on its own.
+Each world size runs every variant inside one spawned process group (start-up is the expensive part).
+"""
+from __future__ import annotations
+
+import copy
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from dist_utils import run_ranks
+from psarch import theory
+from psarch.config import from_dict
+from psarch.dist import DistContext
+from psarch.runner import run_rank
+from psarch.workload import build_workload
+from zero.partition import Partition, bucket_params
+from zero.units import find_units
+
+TINY_GPT = {
+    "seed": 3,
+    "workload": {"model": "gpt", "data": "markov", "seq_len": 8,
+                 "gpt": {"n_layer": 2, "n_embd": 16, "n_head": 2}, "markov": {"vocab_size": 16, "branching": 3}},
+    "train": {"steps": 6, "global_batch": 12, "log_every": 100},
+}
+OPTIMIZERS = {
+    "sgd": {"optimizer": "sgd", "lr": 0.1, "momentum": 0.9, "weight_decay": 0.01},
+    "adamw": {"optimizer": "adamw", "lr": 1e-2, "weight_decay": 0.1, "eps": 1e-6},
+}
+RTOL, ATOL = 1e-4, 1e-5
+ZERO = {"kind": "zero", "reduce_bucket_size": 600, "allgather_bucket_size": 1500, "prefetch_bucket_size": 1500}
+STAGES = (1, 2, 3)
+COMMS = ("ring", "native")
+
+
+def overflow_in_one_chunk(cfg):
+    """fp16 regression whose gradient overflows at steps 3 and 4 in one element only (the output bias),
+    which after the reduce-scatter lies in a single rank's chunk: only a global inf check skips on all."""
+    from factories import regression
+
+    wl = regression(cfg, scale=1e-3)
+    calls, extra = {"n": 0}, {}
+
+    def add_term(module, args, out):  # inside forward, where ZeRO-3 has the parameter gathered
+        if calls["n"] in (4, 5):      # d/d(bias) = 1e5, times the 2^16 loss scale: inf in fp16, nothing else
+            extra["term"] = 1e5 * module.bias.float().sum()
+
+    wl.model.net[2].register_forward_hook(add_term)
+
+    def loss_fn(model, b):
+        calls["n"] += 1
+        extra.clear()
+        loss = wl.loss_fn(model, b)
+        return loss + extra["term"] if "term" in extra else loss
+
+    return type(wl)(wl.model, loss_fn, wl.batch, wl.entropy_floor, "overflow-one-chunk")
+
+
+def config(name: str, **sections) -> dict:
+    data = json.loads(json.dumps(TINY_GPT))
+    for section, values in sections.items():
+        data.setdefault(section, {}).update(values)
+    data["name"] = name
+    return data
+
+
+def train(rank: int, n: int, data: dict, out: str) -> dict:
+    """Run one config on this rank inside the existing process group; rank 0 saves the model."""
+    cfg = from_dict(data)
+    record = run_rank(cfg, DistContext(rank, n, rank, torch.device("cpu"), "gloo"), echo=False)
+    if rank == 0:
+        torch.save(record["model_state"], Path(out) / f"{cfg.name}.pt")
+    return {"traffic": record["traffic"], "memory": record["memory"], "params": record["params"],
+            "extra": record["extra"],
+            "rows": [{k: r.get(k) for k in ("loss", "sent", "received", "skipped", "loss_scale",
+                                            "saved_activation_bytes")} for r in record["rows"]]}
+
+
+def resume(rank: int, n: int, stage: int, precision: str) -> float:
+    """Train 3 steps, save this rank's state, train 3 more; a fresh trainer loaded from the state and
+    trained the same 3 steps must end bitwise equal. Returns the largest difference (rank 0)."""
+    from zero.trainer import ZeroTrainer
+
+    cfg = from_dict(config("resume", train=dict(OPTIMIZERS["adamw"], precision=precision),
+                           backend=dict(ZERO, stage=stage, world_size=n)))
+    ctx = DistContext(rank, n, rank, torch.device("cpu"), "gloo")
+    finals = []
+    for fresh in (False, True):
+        wl = build_workload(cfg)
+        trainer = ZeroTrainer(wl, cfg, ctx)
+        if fresh:
+            trainer.load_state_dict(state)
+        else:
+            for step in range(3):
+                trainer.step(wl.batch(step, rank, n))
+            state = copy.deepcopy(trainer.state_dict())  # a snapshot: the live optimizer goes on stepping
+        for step in range(3, 6):
+            trainer.step(wl.batch(step, rank, n))
+        finals.append(trainer.full_state_dict())
+        trainer.close()
+    return max(((a - finals[1][k]).abs().max().item() for k, a in finals[0].items()), default=0.0)
+
+
+def all_variants(rank: int, n: int, out: str) -> dict:
+    results = {}
+    if n == 2:
+        results["resume"] = {f"{stage}-{precision}": resume(rank, n, stage, precision)
+                             for stage in STAGES for precision in ("fp32", "bf16")}
+    for opt, hp in OPTIMIZERS.items():
+        results[f"ddp-{opt}-{n}"] = train(rank, n, config(f"ddp-{opt}-{n}", train=hp,
+                                                          backend={"kind": "ddp", "world_size": n}), out)
+        for stage in STAGES:
+            for comm in COMMS:
+                name = f"zero{stage}-{comm}-{opt}-{n}"
+                results[name] = train(rank, n, config(name, train=hp, backend=dict(
+                    ZERO, stage=stage, comm=comm, world_size=n)), out)
+        for peer in ("torch_zero", "torch_fsdp"):
+            results[f"{peer}-{opt}-{n}"] = train(rank, n, config(f"{peer}-{opt}-{n}", train=hp,
+                                                                 backend={"kind": peer, "world_size": n}), out)
+    if n == 2:
+        adamw = OPTIMIZERS["adamw"]
+        plain = {"overlap_comm": False, "reduce_bucket_size": 10**6, "prefetch_bucket_size": 0}
+        for stage in STAGES:
+            results[f"plain{stage}"] = train(rank, n, config(f"plain{stage}", train=adamw, backend=dict(
+                ZERO, stage=stage, world_size=n, **plain)), out)
+        for stage in (2, 3):
+            results[f"ckpt{stage}"] = train(rank, n, config(f"ckpt{stage}", train=adamw, backend=dict(
+                ZERO, stage=stage, world_size=n, activation_checkpointing=True)), out)
+        for stage in STAGES:
+            for precision in ("bf16", "fp16"):
+                results[f"{precision}-{stage}"] = train(rank, n, config(
+                    f"{precision}-{stage}", train={"optimizer": "adamw", "lr": 1e-2, "steps": 40, "precision": precision},
+                    workload={"model": "mlp"}, backend=dict(ZERO, stage=stage, world_size=n)), out)
+            results[f"overflow-{stage}"] = train(rank, n, config(
+                f"overflow-{stage}", train={"optimizer": "sgd", "lr": 0.05, "steps": 6, "precision": "fp16",
+                                            "global_batch": 8},
+                workload={"factory": "test_zero:overflow_in_one_chunk"},
+                backend={"kind": "zero", "stage": stage, "world_size": n}), out)
+    return results
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    out = tmp_path_factory.mktemp("zero")
+    for opt, hp in OPTIMIZERS.items():
+        train(0, 1, config(f"single-{opt}", train=hp), str(out))
+    results = {}
+    for n in (2, 3):
+        for rank, res in enumerate(run_ranks(all_variants, n, str(out), timeout=300)):
+            for name, r in res.items():
+                results.setdefault(name, {})[rank] = r
+    return out, results
+
+
+def model(out: Path, name: str) -> dict[str, torch.Tensor]:
+    return torch.load(out / f"{name}.pt", weights_only=True)
+
+
+def assert_same_model(a: dict, b: dict, what: str, rtol: float = RTOL, atol: float = ATOL) -> None:
+    assert a.keys() == b.keys()
+    for k in a:
+        torch.testing.assert_close(a[k], b[k], rtol=rtol, atol=atol, msg=lambda m: f"{what}: {k}: {m}")
+
+
+# ---- unit tests of the partition arithmetic (no processes)
+
+
+def test_partition_pads_each_group_to_equal_chunks():
+    params = [torch.nn.Parameter(torch.zeros(k)) for k in (5, 3, 7, 1)]
+    part = Partition(bucket_params(params, 8), 3)
+    assert [[p.numel() for p in g.params] for g in part.groups] == [[5, 3], [7, 1]]
+    assert [(g.numel, g.padded, g.chunk, g.flat_start, g.shard_start) for g in part.groups] == \
+        [(8, 9, 3, 0, 0), (8, 9, 3, 9, 3)]
+    assert part.padded_numel == 18 and part.shard_numel == 6 and part.padding == 2
+    assert [part.shard_padding(r) for r in range(3)] == [0, 0, 2]   # padding sits in the last chunks
+    flat = torch.arange(18.0)
+    assert part.flat_chunk(part.groups[1], flat, 2).tolist() == [15.0, 16.0, 17.0]
+
+
+def test_units_are_the_blocks_plus_a_root():
+    gpt = build_workload(from_dict(TINY_GPT)).model
+    units = find_units(gpt)
+    assert [u.name for u in units] == ["root", "blocks.0", "blocks.1"]
+    assert {id(p) for u in units for p in u.params} == {id(p) for p in gpt.parameters()}
+    assert [p.shape for p in units[0].params] == [gpt.embed.weight.shape, gpt.pos.weight.shape,
+                                                  gpt.ln_f.weight.shape, gpt.ln_f.bias.shape, gpt.head.weight.shape]
+    assert [u.name for u in find_units(gpt, "")] == ["root"]
+    with pytest.raises(ValueError, match="no attribute 'layers'"):
+        find_units(gpt, "layers")
+
+
+# ---- parity
+
+
+@pytest.mark.parametrize("opt", ["sgd", "adamw"])
+@pytest.mark.parametrize("n", [2, 3])
+def test_zero_equals_single_and_ddp(runs, opt, n):
+    out, _ = runs
+    ref = model(out, f"single-{opt}")
+    init = build_workload(from_dict(TINY_GPT)).model.state_dict()
+    assert max((ref[k] - v).abs().max().item() for k, v in init.items()) > 100 * ATOL, "reference barely trained"
+    ddp = model(out, f"ddp-{opt}-{n}")
+    for stage in STAGES:
+        for comm in COMMS:
+            mine = model(out, f"zero{stage}-{comm}-{opt}-{n}")
+            assert_same_model(mine, ref, f"ZeRO-{stage} {comm} N={n} vs single")
+            assert_same_model(mine, ddp, f"ZeRO-{stage} {comm} N={n} vs DDP")
+
+
+@pytest.mark.parametrize("opt", ["sgd", "adamw"])
+@pytest.mark.parametrize("n", [2, 3])
+def test_zero_equals_torch_peers(runs, opt, n):
+    """Stage 1 = DDP + ZeroRedundancyOptimizer, stage 3 = FSDP2 fully_shard (per block, then root)."""
+    out, _ = runs
+    assert_same_model(model(out, f"zero1-ring-{opt}-{n}"), model(out, f"torch_zero-{opt}-{n}"),
+                      f"ZeRO-1 N={n} vs ZeroRedundancyOptimizer")
+    assert_same_model(model(out, f"zero3-ring-{opt}-{n}"), model(out, f"torch_fsdp-{opt}-{n}"),
+                      f"ZeRO-3 N={n} vs FSDP2")
+
+
+@pytest.mark.parametrize("stage", STAGES)
+def test_overlapped_bucketed_prefetched_equals_plain(runs, stage):
+    """Buckets reduced from hooks during backward / units prefetched == one bucket after backward, no
+    prefetch. At N = 2 every sum has two terms, so the order cannot matter: the models are bitwise equal."""
+    out, results = runs
+    assert_same_model(model(out, f"zero{stage}-ring-adamw-2"), model(out, f"plain{stage}"),
+                      f"ZeRO-{stage} fast vs plain", rtol=0, atol=0)
+    fast, plain = results[f"zero{stage}-ring-adamw-2"][0]["extra"], results[f"plain{stage}"][0]["extra"]
+    steps = TINY_GPT["train"]["steps"]
+    assert plain["zero_groups"] == (1 if stage < 3 else 3) and fast["zero_groups"] > 1
+    if stage == 1:  # overlap: buckets reduced from the hooks while backward runs, not after it
+        assert fast["zero_reduced_in_backward"] == steps * fast["zero_groups"] and plain["zero_reduced_in_backward"] == 0
+    if stage == 3:  # the next unit's gather started ahead of its use, forward and backward
+        assert fast["zero_prefetched"] == steps * 2 * 2 and plain["zero_prefetched"] == 0
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_activation_checkpointing_changes_memory_not_the_model(runs, stage):
+    """Recomputing each unit in backward gives the same model, bitwise; the activations kept for backward
+    (autograd's saved tensors + the inputs checkpointed units keep) shrink to a fraction."""
+    out, results = runs
+    assert_same_model(model(out, f"ckpt{stage}"), model(out, f"zero{stage}-ring-adamw-2"),
+                      f"ZeRO-{stage} checkpointed vs not", rtol=0, atol=0)
+    saved = results[f"zero{stage}-ring-adamw-2"][0]["rows"][-1]["saved_activation_bytes"]
+    saved_ckpt = results[f"ckpt{stage}"][0]["rows"][-1]["saved_activation_bytes"]
+    assert 0 < saved_ckpt < saved / 2, (saved_ckpt, saved)
+
+
+def test_state_dict_resumes_exactly(runs):
+    _, results = runs
+    diffs = results["resume"][0]
+    assert diffs == {k: 0.0 for k in diffs} and len(diffs) == 6, diffs
+
+
+# ---- memory: the ZeRO formulas, exactly
+
+
+def _counters(stage: int, opt: str, groups: int) -> int:
+    """AdamW keeps a 4-byte step counter per tensor it steps: one per bucket chunk (stages 1-2), one shard (3)."""
+    return 0 if opt == "sgd" else 4 * (1 if stage == 3 else groups)
+
+
+def _check_memory(results: dict, name: str, stage: int, n: int, precision: str, opt: str) -> None:
+    momentum = OPTIMIZERS["sgd"]["momentum"] if opt == "sgd" else 0.0
+    b = theory.BYTES[precision]
+    k = theory.optimizer_bytes_per_param(opt, precision, momentum)
+    ranks = results[name]
+    phi = ranks[0]["params"]
+    padded, groups = ranks[0]["extra"]["zero_padded_params"], ranks[0]["extra"]["zero_groups"]
+    assert padded % n == 0 and 0 <= padded - phi <= groups * (n - 1)
+    # per rank: the formula with the padded count P, plus AdamW's step counters
+    want = theory.memory_per_rank("zero", padded, n, precision, opt, momentum, stage)
+    for r in ranks.values():
+        m = r["memory"]
+        assert (m["params"], m["grads"], m["optimizer"] - _counters(stage, opt, groups)) == \
+            (want.params, want.grads, want.optimizer), (name, m, want)
+    # over all ranks: with the padding taken out, exactly the formula in Φ (times N where replicated)
+    pad = padded - phi
+    replicated = {1: 2 * b, 2: b, 3: 0}[stage]          # bytes per element held in full on every rank
+    sharded = {1: 0, 2: b, 3: 2 * b}[stage] + k         # bytes per element split over the ranks
+    assert sum(r["memory"]["padding"] for r in ranks.values()) == n * replicated * pad + sharded * pad
+    total = sum(r["memory"]["total"] - r["memory"]["padding"] - _counters(stage, opt, groups) for r in ranks.values())
+    assert total == n * replicated * phi + sharded * phi
+
+
+@pytest.mark.parametrize("opt", ["sgd", "adamw"])
+@pytest.mark.parametrize("n", [2, 3])
+def test_memory_fp32_is_the_zero_formula(runs, opt, n):
+    """fp32 AdamW (K = 8): stage 1 8Φ + 8Φ/N, stage 2 4Φ + 12Φ/N, stage 3 16Φ/N; SGD momentum K = 4."""
+    _, results = runs
+    for stage in STAGES:
+        _check_memory(results, f"zero{stage}-ring-{opt}-{n}", stage, n, "fp32", opt)
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp16"])
+def test_memory_mixed_precision_adam_is_the_zero_formula(runs, precision):
+    """Mixed precision AdamW (K = 12): stage 1 4Φ + 12Φ/N, stage 2 2Φ + 14Φ/N, stage 3 16Φ/N."""
+    _, results = runs
+    for stage in STAGES:
+        _check_memory(results, f"{precision}-{stage}", stage, 2, precision, "adamw")
+
+
+def test_stage3_gathered_units_are_working_memory(runs):
+    """Stage 3 holds 1/N of the model for good; gathered units (and their gradient buffers) come and go:
+    reported as working peak, at least root + one block, well under the whole model's params + grads."""
+    _, results = runs
+    for r in results["zero3-ring-adamw-2"].values():
+        sizes = r["extra"]["zero_group_numel"]     # [root, block 0, block 1]
+        working = r["memory"]["working"]
+        assert 4 * (sizes[0] + max(sizes[1:])) <= working < 2 * 4 * r["params"], (working, sizes)
+
+
+# ---- traffic: 2(N-1)/N and 3(N-1)/N of the padded bytes, exactly, on the ring
+
+
+@pytest.mark.parametrize("n", [2, 3])
+def test_traffic_per_step_is_the_zero_volume(runs, n):
+    """Ring (measured) and native (modelled): per step reduce-scatter + all-gather = 2(N-1)/N·P·4 bytes
+    (stages 1-2), all-gather twice + reduce-scatter = 3(N-1)/N·P·4 (stage 3), P the padded count: the
+    formula in Φ plus at most N-1 padding elements per group."""
+    _, results = runs
+    for stage in STAGES:
+        for comm in COMMS:
+            for r in results[f"zero{stage}-{comm}-sgd-{n}"].values():
+                assert r["traffic"]["modelled"] is (comm == "native")
+                padded = r["extra"]["zero_padded_params"]
+                factor = 3 if stage == 3 else 2
+                exact = factor * (n - 1) * padded * 4 // n
+                predicted = theory.traffic_per_step("zero", r["params"] * 4, n, stage)["worker_sent"]
+                assert predicted <= exact <= predicted + factor * (n - 1) * (padded - r["params"]) * 4 / n + 1
+                for row in r["rows"]:
+                    assert row["sent"] == row["received"] == exact, (stage, comm, row)
+                ops = r["traffic"]["ops"]
+                assert set(ops) == {"broadcast", "reduce_scatter", "all_gather", "export_all_gather"}
+
+
+# ---- mixed precision
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp16"])
+@pytest.mark.parametrize("stage", STAGES)
+def test_low_precision_converges(runs, precision, stage):
+    _, results = runs
+    for r in results[f"{precision}-{stage}"].values():
+        losses = [x["loss"] for x in r["rows"]]
+        assert losses[0] - losses[-1] > 1.0, f"{precision} ZeRO-{stage} did not learn: {losses[0]:.3f} -> {losses[-1]:.3f}"
+
+
+@pytest.mark.parametrize("stage", STAGES)
+def test_fp16_overflow_skips_the_step_and_lowers_the_scale(runs, stage):
+    """Each rank sees only its gradient chunk; the inf check is all-reduced, so every rank skips alike."""
+    _, results = runs
+    for r in results[f"overflow-{stage}"].values():
+        assert [x["skipped"] for x in r["rows"]] == [False, False, False, True, True, False]
+        assert [x["loss_scale"] for x in r["rows"]] == [2.0**16] * 4 + [2.0**15] * 2

@@ -1,0 +1,250 @@
+"""ZeRO stage 3: each rank keeps only its shard of the parameters; a unit is gathered when it is used.
+
+Each unit (zero.units: the model's blocks, plus the root holding everything else) is one group of the
+partition: a flat buffer of the unit's parameters padded to N chunks. A rank holds its chunk of every
+unit (`shard`, 1/N of the model) and the matching gradient chunk (`shard_grad`). The unit's full flat
+buffer exists only while the unit is in use: its storage is resized to 0 when freed and back when
+gathered (parameters are views into it, so modules and autograd's saved tensors see it re-appear).
+
+Schedule of one step, as DeepSpeed's and FSDP's:
+  forward:  gather root (model pre-hook); for each unit: gather (waiting for its prefetch), prefetch
+            the next units up to `prefetch_bucket_size` elements, run, free.  Free root after forward.
+  backward: when the gradient of the model's output arrives, gather root again and prefetch the last
+            units; when the gradient of a unit's output arrives (a tensor hook: before any of the unit's
+            backward runs), gather it, give its parameters gradient views into a transient unit-sized
+            buffer, prefetch the units before it. When all of a unit's gradients have accumulated, free
+            its parameters, pre-divide by N and reduce-scatter the buffer into `shard_grad`.
+So every unit moves twice as an all-gather and once as a reduce-scatter: 3(N-1)/N of the padded bytes.
+With overlap_comm = false the reduce-scatters block in the hook; prefetch_bucket_size = 0 turns
+prefetching off (every gather then waits where the unit is needed): the plain schedule.
+All collectives are issued in the same order on every rank (they follow the model's execution, which is
+the same everywhere), and the ring runs them FIFO on its thread, overlapping the main thread's compute.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils._pytree import tree_flatten
+
+from collective.comm import Communicator, Handle
+from zero.export import gather_fp32
+from zero.partition import Partition
+from zero.stage12 import MAX_IN_FLIGHT
+from zero.units import Unit
+
+FREE, GATHERING, GATHERED = "free", "gathering", "gathered"
+
+
+class Stage3:
+    """Sharded parameters, gathered unit by unit around forward and backward, on one rank."""
+
+    def __init__(self, model: nn.Module, units: list[Unit], comm: Communicator, prefetch_numel: int,
+                 overlap_comm: bool) -> None:
+        self.comm, self.rank, self.n = comm, comm.rank, comm.world_size
+        self.units, self.prefetch_numel, self.overlap = units, prefetch_numel, overlap_comm
+        self.part = Partition([u.params for u in units], self.n)
+        first = units[0].params[0] if units[0].params else units[1].params[0]
+        dtype, device = first.dtype, first.device
+        self.shard = torch.zeros(self.part.shard_numel, dtype=dtype, device=device)
+        self.shard_grad = torch.zeros_like(self.shard)
+        self.full: list[torch.Tensor] = []
+        with torch.no_grad():
+            for g in self.part.groups:
+                full = torch.zeros(g.padded, dtype=dtype, device=device)
+                for p, view in zip(g.params, self.part.group_views(g, full)):
+                    view.copy_(p.data)
+                    p.data = view
+                comm.broadcast(full, src=0)  # every rank starts from rank 0's parameters
+                self.part.shard_chunk(g, self.shard).copy_(self.part.group_chunk(g, full, self.rank))
+                full.untyped_storage().resize_(0)
+                self.full.append(full)
+        self.state = [FREE] * len(units)
+        self._gathers: dict[int, Handle] = {}
+        self._grads: dict[int, torch.Tensor] = {}
+        self._pending: list[tuple[Handle | None, int]] = []
+        self._group_of = {id(p): g for g in self.part.groups for p in g.params}
+        self._index_in_group = {id(p): i for g in self.part.groups for i, p in enumerate(g.params)}
+        self.forward_order = list(range(1, len(units)))          # blocks, as registered
+        self.backward_order = [0] + self.forward_order[::-1]      # the order units start backward
+        self.reduce_order = self.forward_order[::-1] + [0]        # the order their gradients complete
+        self._next = 0
+        self._bwd_started: set[int] = set()
+        self.phase = "idle"
+        self.working = self.working_peak = 0
+        self.prefetched = 0            # gathers started ahead of their unit's use
+        self.reduced_in_backward = 0   # reduce-scatters launched from gradient hooks
+        self._hooks = [model.register_forward_pre_hook(self._model_pre), model.register_forward_hook(self._model_post)]
+        for i, u in enumerate(units):
+            if u.module is not None:
+                self._hooks += [u.module.register_forward_pre_hook(self._unit_pre(i)),
+                                u.module.register_forward_hook(self._unit_post(i))]
+        self._hooks += [p.register_post_accumulate_grad_hook(self._on_grad) for g in self.part.groups for p in g.params]
+
+    # ---- gather and free one unit
+
+    def _track(self, nbytes: int) -> None:
+        self.working += nbytes
+        self.working_peak = max(self.working_peak, self.working)
+
+    def _gather(self, i: int, async_op: bool) -> None:
+        g, full = self.part.groups[i], self.full[i]
+        full.untyped_storage().resize_(g.padded * full.element_size())
+        self._track(g.padded * full.element_size())
+        self.state[i] = GATHERING
+        self._gathers[i] = self.comm.all_gather(full, self.part.shard_chunk(g, self.shard), async_op=True)
+        if not async_op:
+            self._wait(i)
+
+    def _wait(self, i: int) -> None:
+        if self.state[i] == GATHERING:
+            self._gathers.pop(i).wait()
+            self.state[i] = GATHERED
+
+    def ensure(self, i: int) -> None:
+        """Unit i's full parameters, here and complete."""
+        if self.state[i] == FREE:
+            self._gather(i, async_op=False)
+        self._wait(i)
+
+    def free(self, i: int) -> None:
+        if self.state[i] == FREE:
+            return
+        self._wait(i)
+        full = self.full[i]
+        self.working -= full.untyped_storage().nbytes()
+        full.untyped_storage().resize_(0)
+        self.state[i] = FREE
+
+    def _prefetch(self, order: list[int]) -> None:
+        """Start gathering the next units of `order`, up to prefetch_bucket_size elements (at least one)."""
+        budget = self.prefetch_numel
+        for i in order:
+            if budget <= 0:
+                return
+            if self.state[i] == FREE:
+                self._gather(i, async_op=True)
+                self.prefetched += 1
+            budget -= self.part.groups[i].padded
+
+    # ---- forward hooks
+
+    def _model_pre(self, module: nn.Module, args: Any) -> None:
+        if self.phase != "idle":
+            return
+        self.phase = "forward"
+        self.ensure(0)
+        self._prefetch(self.forward_order)
+
+    def _unit_pre(self, i: int):
+        def hook(module: nn.Module, args: Any) -> None:
+            if self.phase == "forward":
+                self.ensure(i)
+                pos = self.forward_order.index(i)
+                self._prefetch(self.forward_order[pos + 1:])
+        return hook
+
+    def _unit_post(self, i: int):
+        def hook(module: nn.Module, args: Any, output: Any) -> None:
+            if self.phase == "forward":
+                self.free(i)
+                self._on_output_grad(output, i)
+        return hook
+
+    def _model_post(self, module: nn.Module, args: Any, output: Any) -> None:
+        if self.phase == "forward":
+            self.free(0)
+            self._on_output_grad(output, 0)
+            self.phase = "between"
+
+    def _on_output_grad(self, output: Any, i: int) -> None:
+        for t in tree_flatten(output)[0]:
+            if torch.is_tensor(t) and t.requires_grad:
+                t.register_hook(lambda grad, i=i: self._pre_backward(i))
+
+    # ---- backward
+
+    def _pre_backward(self, i: int) -> None:
+        if i in self._bwd_started:
+            return
+        self._bwd_started.add(i)
+        self.phase = "backward"
+        self.ensure(i)
+        g = self.part.groups[i]
+        buf = self._grads[i] = torch.zeros(g.padded, dtype=self.shard.dtype, device=self.shard.device)
+        self._track(buf.numel() * buf.element_size())
+        for p, view in zip(g.params, self.part.group_views(g, buf)):
+            p.grad = view  # autograd accumulates in place into the unit's gradient buffer
+        pos = self.backward_order.index(i)
+        self._prefetch(self.backward_order[pos + 1:])
+
+    def _on_grad(self, p: torch.Tensor) -> None:
+        g = self._group_of[id(p)]
+        i = self._index_in_group[id(p)]
+        if i in g.ready:
+            raise RuntimeError("ZeRO-3: a parameter received its gradient twice in one backward "
+                               "(reused parameters are not supported)")
+        g.ready.add(i)
+        while self._next < len(self.reduce_order) and self.part.groups[self.reduce_order[self._next]].full:
+            self._reduce(self.reduce_order[self._next])
+            self.reduced_in_backward += 1
+
+    def _reduce(self, i: int) -> None:
+        self._next += 1
+        g = self.part.groups[i]
+        buf = self._grads.get(i)
+        if buf is None:  # no gradient reached this unit: reduce zeros, as every rank does
+            buf = self._grads[i] = torch.zeros(g.padded, dtype=self.shard.dtype, device=self.shard.device)
+            self._track(buf.numel() * buf.element_size())
+        for p in g.params:
+            p.grad = None
+        self.free(i)
+        buf.div_(self.n)
+        handle = self.comm.reduce_scatter(self.part.shard_chunk(g, self.shard_grad), buf, async_op=self.overlap)
+        self._pending.append((handle, i))
+        self._reap(keep=MAX_IN_FLIGHT)
+
+    def _reap(self, keep: int) -> None:
+        while self._pending:
+            handle, i = self._pending[0]
+            if handle is not None:
+                if len(self._pending) <= keep and not handle.is_completed():
+                    return
+                handle.wait()
+            self._pending.pop(0)
+            buf = self._grads.pop(i)
+            self.working -= buf.numel() * buf.element_size()
+
+    def begin_step(self) -> None:
+        for g in self.part.groups:
+            g.ready.clear()
+        self._next = 0
+        self._bwd_started.clear()
+        self.phase = "idle"
+
+    def reduce_gradients(self) -> None:
+        """After backward: reduce the units left, wait for every reduce-scatter, free every unit."""
+        while self._next < len(self.reduce_order):
+            self._reduce(self.reduce_order[self._next])
+        self._reap(keep=0)
+        for i in range(len(self.units)):
+            self.free(i)
+        self.phase = "idle"
+
+    # ---- the optimizer's view, and export
+
+    def param_shards(self) -> list[torch.Tensor]:
+        return [self.shard]
+
+    def grad_shards(self) -> list[torch.Tensor]:
+        return [self.shard_grad]
+
+    def full_params(self, masters: list[torch.Tensor], keep: bool) -> dict[int, torch.Tensor]:
+        """fp32 parameters (id -> tensor) on ranks with `keep`, gathered one unit at a time. Collective."""
+        (master,) = masters
+        return gather_fp32(self.comm, self.part, [self.part.shard_chunk(g, master) for g in self.part.groups], keep)
+
+    def close(self) -> None:
+        for h in self._hooks:
+            h.remove()

@@ -1,0 +1,161 @@
+"""PyTorch's own ZeRO implementations as backends, the peers psarch's ZeRO is checked and timed against:
+
+- `torch_zero`: torch DDP + `torch.distributed.optim.ZeroRedundancyOptimizer` (ZeRO-1: each rank keeps
+  the optimizer state of its share of the parameters; after its local step each rank broadcasts its
+  updated parameters). DDP all-reduces gradients in full, so its traffic is 3(N-1)/N S, not ZeRO-1's 2.
+- `torch_fsdp`: FSDP2 `fully_shard` on every unit (zero.units: the model's blocks), then on the root
+  (ZeRO-3). Gloo on CPU works; NCCL on GPUs.
+
+Both run fp32 (what parity and the benchmark need), with the optimizer class and hyper-parameters of
+psarch.optim.build_optimizer. Traffic is the algorithm's volume, marked modelled: the wire is torch's.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch.nn.parallel import DistributedDataParallel
+
+from psarch.config import Config
+from psarch.dist import DistContext
+from psarch.meters import TrafficMeter, optimizer_state_bytes, peak_memory, tensor_bytes
+from psarch.optim import build_optimizer
+from psarch.single import consolidated_state
+from psarch.trainer import MemoryReport, StepStats, TrafficReport
+from psarch.workload import Workload
+from zero.units import find_units
+
+
+def _require_fp32(cfg: Config) -> None:
+    if cfg.train.precision != "fp32":
+        raise ValueError(f"train.precision = \"{cfg.train.precision}\": backend.kind = \"{cfg.backend.kind}\" "
+                         f"(a PyTorch peer) runs fp32 only; use backend.kind = \"zero\" for bf16/fp16")
+
+
+def optimizer_spec(cfg: Config) -> tuple[type[torch.optim.Optimizer], dict[str, Any]]:
+    """The class and keyword arguments build_optimizer would use (for optimizers that build their own)."""
+    import inspect
+
+    probe = build_optimizer([torch.zeros(1, requires_grad=True)], cfg.train)
+    accepted = inspect.signature(type(probe).__init__).parameters  # defaults may hold internal keys
+    return type(probe), {k: v for k, v in probe.defaults.items() if k in accepted}
+
+
+class TorchZeroTrainer:
+    """torch DDP with ZeroRedundancyOptimizer over build_optimizer's optimizer."""
+
+    synchronous = True
+
+    def __init__(self, workload: Workload, cfg: Config, ctx: DistContext) -> None:
+        from torch.distributed.optim import ZeroRedundancyOptimizer
+
+        _require_fp32(cfg)
+        self.ctx = ctx
+        module = workload.model.to(ctx.device)
+        self.model = DistributedDataParallel(module, device_ids=[ctx.device] if ctx.device.type == "cuda" else None,
+                                             process_group=ctx.group, bucket_cap_mb=cfg.backend.bucket_cap_mb)
+        self.loss_fn = workload.loss_fn
+        self.params = [p for p in module.parameters() if p.requires_grad]
+        cls, kwargs = optimizer_spec(cfg)
+        self.optim = ZeroRedundancyOptimizer(self.params, optimizer_class=cls, process_group=ctx.group, **kwargs)
+        self.meter = TrafficMeter(modelled=True)
+        self.payload = sum(p.numel() * p.element_size() for p in self.params)
+
+    def step(self, batch: Any) -> StepStats:
+        for p in self.params:
+            p.grad = None
+        loss = self.loss_fn(self.model, batch)
+        loss.backward()        # DDP all-reduces (averages) the gradients during backward
+        self.optim.step()      # local step on this rank's parameters, then each rank broadcasts its own
+        n = self.ctx.world_size
+        self.meter.add("all_reduce", 2 * (n - 1) * self.payload // n, 2 * (n - 1) * self.payload // n)
+        self.meter.add("broadcast", (n - 1) * self.payload // n, (n - 1) * self.payload // n)
+        return StepStats(float(loss.item()))
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        return consolidated_state(self.model.module, {}) if self.ctx.rank == 0 else {}
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"model": self.model.module.state_dict(), "optim_local": self.optim.optim.state_dict()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.model.module.load_state_dict(state["model"])
+        self.optim.optim.load_state_dict(state["optim_local"])
+
+    def memory(self) -> MemoryReport:
+        peak, kind = peak_memory(self.ctx.device)
+        return MemoryReport(params=tensor_bytes(self.params), grads=tensor_bytes(p.grad for p in self.params),
+                            optimizer=optimizer_state_bytes(self.optim.optim), peak=peak, peak_kind=kind)
+
+    def traffic(self) -> TrafficReport:
+        return self.meter.report()
+
+    def close(self) -> None:
+        pass
+
+
+def _local(t: torch.Tensor | None) -> torch.Tensor | None:
+    return t.to_local() if t is not None and hasattr(t, "to_local") else t
+
+
+class TorchFSDPTrainer:
+    """FSDP2: fully_shard per unit, then the root; build_optimizer over the sharded (DTensor) parameters."""
+
+    synchronous = True
+
+    def __init__(self, workload: Workload, cfg: Config, ctx: DistContext) -> None:
+        from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+
+        _require_fp32(cfg)
+        self.ctx = ctx
+        self.model = workload.model.to(ctx.device)
+        mesh = (DeviceMesh.from_group(ctx.group, ctx.device.type) if ctx.group is not None
+                else init_device_mesh(ctx.device.type, (ctx.world_size,)))
+        for unit in find_units(self.model, cfg.backend.zero_units)[1:]:
+            fully_shard(unit.module, mesh=mesh)
+        fully_shard(self.model, mesh=mesh)
+        self.loss_fn = workload.loss_fn
+        self.params = [p for p in self.model.parameters() if p.requires_grad]
+        self.optim = build_optimizer(self.params, cfg.train)
+        self.meter = TrafficMeter(modelled=True)
+        self.payload = sum(p.numel() * p.element_size() for p in self.params)
+
+    def step(self, batch: Any) -> StepStats:
+        self.optim.zero_grad(set_to_none=True)
+        loss = self.loss_fn(self.model, batch)
+        loss.backward()        # FSDP reduce-scatters (averages) gradients per unit during backward
+        self.optim.step()
+        n, s = self.ctx.world_size, self.payload
+        self.meter.add("all_gather", 2 * (n - 1) * s // n, 2 * (n - 1) * s // n, calls=2)
+        self.meter.add("reduce_scatter", (n - 1) * s // n, (n - 1) * s // n)
+        return StepStats(float(loss.item()))
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """Each tensor gathered in turn (a collective); rank 0 keeps the fp32 copies."""
+        out = {}
+        for name, value in self.model.state_dict().items():
+            full = value.full_tensor() if hasattr(value, "full_tensor") else value
+            if self.ctx.rank == 0:
+                out[name] = full.detach().float().cpu().clone() if full.is_floating_point() else full.detach().cpu().clone()
+        return out
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"model": self.model.state_dict(), "optim": self.optim.state_dict()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.model.load_state_dict(state["model"])
+        self.optim.load_state_dict(state["optim"])
+
+    def memory(self) -> MemoryReport:
+        peak, kind = peak_memory(self.ctx.device)
+        state = [_local(v) for s in self.optim.state.values() for v in s.values() if torch.is_tensor(v)]
+        return MemoryReport(params=tensor_bytes(_local(p) for p in self.params),
+                            grads=tensor_bytes(_local(p.grad) for p in self.params),
+                            optimizer=tensor_bytes(state), peak=peak, peak_kind=kind)
+
+    def traffic(self) -> TrafficReport:
+        return self.meter.report()
+
+    def close(self) -> None:
+        pass

@@ -1,0 +1,163 @@
+"""The `zero` backend: ZeRO stages 1, 2 and 3 over a psarch communicator (ring or native).
+
+One trainer for the three stages; what differs lives in the engines: zero.stage12.Stage12 (full
+parameters, partitioned gradients) and zero.stage3.Stage3 (partitioned parameters gathered per unit).
+Either hands the optimizer this rank's chunks only, so fp32 master weights and optimizer state exist for
+1/N of the model. Mixed precision is psarch's MixedPrecisionOptimizer over those chunks; since a rank
+sees only its gradient chunk, the fp16 overflow check is made global by all-reducing one flag (4 bytes
+counted on the wire, fp16 only) so every rank skips the same steps and keeps the same loss scale.
+"""
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import torch
+
+from collective import make_communicator
+from psarch.config import Config
+from psarch.dist import DistContext
+from psarch.meters import peak_memory, tensor_bytes
+from psarch.precision import MixedPrecisionOptimizer, compute_dtype, has_inf_or_nan
+from psarch.single import consolidated_state
+from psarch.trainer import MemoryReport, StepStats, TrafficReport
+from psarch.workload import Workload
+from zero.stage3 import Stage3
+from zero.stage12 import Stage12
+from zero.units import SavedActivationMeter, checkpoint_units, find_units
+
+
+class ZeroTrainer:
+    """ZeRO data parallelism: optimizer state (stage 1), + gradients (2), + parameters (3) partitioned."""
+
+    synchronous = True
+
+    def __init__(self, workload: Workload, cfg: Config, ctx: DistContext) -> None:
+        b = cfg.backend
+        self.ctx, self.cfg, self.stage = ctx, cfg, b.stage
+        self.model = workload.model.to(ctx.device, compute_dtype(cfg.train.precision))
+        self.loss_fn = workload.loss_fn
+        self.comm = make_communicator(b.comm, ctx.group)
+        self.units = find_units(self.model, b.zero_units)
+        self.params = [p for u in self.units for p in u.params]
+        self.phi = sum(p.numel() for p in self.params)
+        if b.activation_checkpointing:
+            checkpoint_units(self.units)
+        if self.stage == 3:
+            self.engine: Stage12 | Stage3 = Stage3(self.model, self.units, self.comm, b.prefetch_bucket_size,
+                                                   b.overlap_comm)
+        else:
+            self.engine = Stage12([p for p in self.model.parameters() if p.requires_grad], self.comm, self.stage,
+                                  b.reduce_bucket_size, b.overlap_comm, b.allgather_bucket_size)
+        self.optim = MixedPrecisionOptimizer(self.engine.param_shards(), cfg.train, cfg.train.precision)
+        self.activations = SavedActivationMeter(self._param_storages)
+        self._hooks = []
+        if b.activation_checkpointing:  # a checkpointed unit keeps its inputs: count them as saved
+            for u in self.units:
+                if u.module is not None:
+                    self._hooks.append(u.module.register_forward_pre_hook(
+                        lambda m, args: self.activations.count_inputs(args) if self._metering else None))
+        self._metering = False
+
+    def _param_storages(self) -> set[int]:
+        if self.stage == 3:
+            return {f.untyped_storage().data_ptr() for f in self.engine.full if f.untyped_storage().nbytes()}
+        return {self.engine.flat.untyped_storage().data_ptr()}
+
+    def step(self, batch: Any) -> StepStats:
+        self.engine.begin_step()
+        self._metering = True
+        with self.activations:
+            loss = self.loss_fn(self.model, batch)
+        self._metering = False
+        self.optim.scaler.scale_loss(loss).backward()
+        t0 = time.perf_counter()
+        self.engine.reduce_gradients()
+        grads = self.engine.grad_shards()
+        found_inf = self._found_inf_anywhere(grads) if self.optim.scaler.enabled else False
+        skipped = self.optim.step(grads, found_inf=found_inf)
+        if not skipped and self.stage < 3:
+            self.engine.gather_params()
+        comm_s = time.perf_counter() - t0
+        return StepStats(float(loss.item()), skipped=skipped, loss_scale=self.optim.scaler.scale, comm_s=comm_s,
+                         extra={"saved_activation_bytes": self.activations.bytes})
+
+    def _found_inf_anywhere(self, grads: list[torch.Tensor]) -> bool:
+        flag = has_inf_or_nan(grads).reshape(1).to(torch.float32)
+        self.comm.all_reduce(flag)
+        return bool(flag.item() > 0)
+
+    # ---- checkpoints
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """Consolidated fp32 model on rank 0 ({} elsewhere); a collective call, one group at a time."""
+        before = self.comm.traffic.report().ops.get("all_gather")
+        values = self.engine.full_params(self.optim.master.masters, keep=self.ctx.rank == 0)
+        after = self.comm.traffic.report().ops.get("all_gather")
+        if after is not None:  # book the export under its own name: it is no training step's traffic
+            s, r, c = (after.sent - before.sent, after.received - before.received, after.calls - before.calls) \
+                if before is not None else (after.sent, after.received, after.calls)
+            self.comm.traffic.add("all_gather", -s, -r, -c)
+            self.comm.traffic.add("export_all_gather", s, r, c)
+        return consolidated_state(self.model, values) if self.ctx.rank == 0 else {}
+
+    def state_dict(self) -> dict[str, Any]:
+        held = self.engine.shard if self.stage == 3 else self.engine.flat
+        return {"stage": self.stage, "world_size": self.ctx.world_size, "rank": self.ctx.rank,
+                "params": held.clone(), "optim": self.optim.state_dict()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        held = self.engine.shard if self.stage == 3 else self.engine.flat
+        got = (state.get("stage"), state.get("world_size"), state.get("rank"))
+        if got != (self.stage, self.ctx.world_size, self.ctx.rank) or state["params"].shape != held.shape:
+            raise ValueError(f"ZeRO state of (stage, world_size, rank) = {got} with {tuple(state['params'].shape)} "
+                             f"elements cannot be loaded into ({self.stage}, {self.ctx.world_size}, {self.ctx.rank}) "
+                             f"with {tuple(held.shape)}; resume with the same stage and world size, or start "
+                             f"from the consolidated model.pt")
+        with torch.no_grad():
+            held.copy_(state["params"])
+        self.optim.load_state_dict(state["optim"])
+
+    # ---- reports
+
+    def memory(self) -> MemoryReport:
+        e, rank = self.engine, self.ctx.rank
+        item = e.shard.element_size() if self.stage == 3 else e.flat.element_size()
+        pad_full, pad_shard = e.part.padding * item, e.part.shard_padding(rank) * item
+        if self.stage == 3:
+            params, grads = tensor_bytes([e.shard]), tensor_bytes([e.shard_grad])
+            padding = 2 * pad_shard
+        else:
+            params = tensor_bytes([e.flat])
+            grads = tensor_bytes([e.grad]) if self.stage == 1 else tensor_bytes([e.shard_grad])
+            padding = pad_full + (pad_full if self.stage == 1 else pad_shard)
+        peak, kind = peak_memory(self.ctx.device)
+        return MemoryReport(params=params, grads=grads, optimizer=self.optim.state_bytes(), working=e.working_peak,
+                            peak=peak, peak_kind=kind, padding=padding + self._optimizer_padding())
+
+    def _optimizer_padding(self) -> int:
+        """Bytes of optimizer state (masters included) that belong to padding elements of this rank's chunks."""
+        e, rank = self.engine, self.ctx.rank
+        chunks = [e.part.shard_padding(rank)] if self.stage == 3 else [g.chunk_padding(rank) for g in e.part.groups]
+        total = 0
+        for m, pad in zip(self.optim.master.masters, chunks):
+            state = self.optim.optimizer.state.get(m, {})
+            per_element = sum(v.element_size() for v in state.values() if torch.is_tensor(v) and v.dim() > 0)
+            total += pad * (per_element + (4 if self.optim.master.copies else 0))
+        return total
+
+    def traffic(self) -> TrafficReport:
+        return self.comm.traffic.report()
+
+    def summary_extra(self) -> dict[str, Any]:
+        e = self.engine
+        return {"zero_groups": len(e.part.groups), "zero_padded_params": e.part.padded_numel,
+                "zero_group_numel": [g.numel for g in e.part.groups], "zero_working_peak": e.working_peak,
+                "zero_reduced_in_backward": e.reduced_in_backward, "zero_prefetched": getattr(e, "prefetched", 0),
+                "saved_activation_bytes": self.activations.bytes}
+
+    def close(self) -> None:
+        for h in self._hooks:
+            h.remove()
+        self.engine.close()
+        self.comm.close()
