@@ -1,0 +1,36 @@
+"""Each backend's measured memory and traffic agree with the estimator's prediction for the same run.
+
+Measured model-state bytes lie in [predicted, predicted + padding + 64 B]: padding is what each backend
+adds to split buffers evenly (reported in `memory.padding`), 64 B covers optimizer step counters (4 B
+per stepped tensor). Measured bytes per step (ring: counted on the wire; PS: every frame) lie in
+[predicted, 1.01 x predicted + 64 B]: padding to multiples of N, and message headers for the PS."""
+from __future__ import annotations
+
+import pytest
+
+import psarch
+from psarch.config import from_dict
+
+TINY = {"seed": 2, "workload": {"model": "gpt", "seq_len": 8, "gpt": {"n_layer": 2, "n_embd": 16, "n_head": 2},
+                                "markov": {"vocab_size": 16}},
+        "train": {"steps": 3, "global_batch": 6, "optimizer": "adamw", "log_every": 100}}
+POINTS = {"ddp": {"kind": "ddp", "comm": "ring"}, "zero1": {"kind": "zero", "stage": 1},
+          "zero2": {"kind": "zero", "stage": 2}, "zero3": {"kind": "zero", "stage": 3},
+          "ps": {"kind": "ps", "mode": "sync", "servers": 2}}
+
+
+@pytest.mark.parametrize("point", list(POINTS))
+def test_measured_agrees_with_prediction(tmp_path, point):
+    cfg = from_dict(dict(TINY, name=point, backend=dict(POINTS[point], world_size=3)))
+    s = psarch.run(cfg, out=tmp_path / point, echo=False)
+    predicted_mem = s["predicted"]["memory_per_rank"]["total"]
+    for m in s["memory"]["per_rank"]:
+        assert predicted_mem <= m["total"] <= predicted_mem + m["padding"] + 64, (point, m, predicted_mem)
+    predicted_sent = s["predicted"]["traffic_per_step"]["worker_sent"]
+    for t in s["traffic"]["per_rank"]:
+        assert predicted_sent <= t["sent_per_step"] <= 1.01 * predicted_sent + 64, (point, t, predicted_sent)
+    if point == "ps":
+        servers = s["traffic"]["servers"]
+        per_server = s["predicted"]["traffic_per_step"]["server_received"]
+        for srv in servers:
+            assert per_server * 0.9 <= srv["received"] / s["steps"] <= 1.01 * per_server * 1.1 + 64
