@@ -43,11 +43,16 @@ def predicted(cfg: Config, phi: int) -> dict[str, Any]:
     b, t = cfg.backend, cfg.train
     wire = theory.BYTES[t.precision]
     mem = theory.memory_per_rank(b.kind, phi, b.world_size, t.precision, t.optimizer, t.momentum, b.stage)
+    if b.kind == "ps" and b.mode == "geo":  # GEO workers run a local optimizer: a DDP rank's model state
+        mem = theory.memory_per_rank("ddp", phi, b.world_size, t.precision, t.optimizer, t.momentum)
     out: dict[str, Any] = {"memory_per_rank": mem.to_dict(),
                            "traffic_per_step": theory.traffic_per_step(b.kind, phi * wire, b.world_size, b.stage,
                                                                        b.servers)}
     if b.kind == "ps":
         out["server_memory"] = theory.ps_server_memory(phi, b.servers, t.optimizer, t.momentum)
+        if b.mode == "geo":  # one push and one pull every k_steps steps (the mean per step); no server optimizer
+            out["traffic_per_step"] = {k: v / b.k_steps for k, v in out["traffic_per_step"].items()}
+            out["server_memory"] = 4 * phi / b.servers
     return out
 
 
@@ -150,6 +155,9 @@ def report(s: dict[str, Any]) -> str:
                      f"{_b(t['sent_per_step']):>11} {_b(pt['worker_sent']):>11}{modelled}")
     for srv in s.get("traffic", {}).get("servers", []) or []:
         lines.append(f"server {srv.get('server', '?')}: sent {_b(srv['sent'])}, received {_b(srv['received'])}")
+    if s.get("staleness"):
+        st = s["staleness"]
+        lines.append(f"staleness histogram {st['histogram']} (mean {st['mean']:.2f}, max {st['max']})")
     if s.get("lost_workers"):
         lines.append(f"lost workers: {s['lost_workers']}")
     return "\n".join(lines) + "\n"

@@ -1,0 +1,93 @@
+"""The worker's side of the wire: one DEALER per server; requests go to every server before any reply
+is awaited, so pushes (and pulls) to all servers travel in parallel. Every frame is counted."""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+import torch
+import zmq
+
+from psarch.meters import TrafficMeter
+from psarch.ps import wire
+from psarch.ps.server import PSError
+
+# What each request is answered with.
+REPLY_TO = {"init": "ack", "push": "ack", "pull": "params", "pushpull": "params", "fetch": "params", "done": "ack"}
+
+
+@dataclass
+class Request:
+    """One request to one server; a `params` reply is decoded straight into `into` when given."""
+
+    header: dict[str, Any]
+    tensor: torch.Tensor | None = None
+    into: torch.Tensor | None = None
+    reply: dict[str, Any] = field(default_factory=dict)
+
+
+class PSClient:
+    """A worker's connections to the servers (addresses like 'tcp://127.0.0.1:5555')."""
+
+    def __init__(self, addresses: Sequence[str], worker: int, timeout_s: float) -> None:
+        self.addresses = list(addresses)
+        self.worker = worker
+        self.timeout_s = timeout_s
+        self.meter = TrafficMeter()
+        self.zctx = zmq.Context()
+        self.socks = []
+        for addr in self.addresses:
+            s = self.zctx.socket(zmq.DEALER)
+            s.setsockopt(zmq.LINGER, 0)
+            s.connect(addr)
+            self.socks.append(s)
+        self.poller = zmq.Poller()
+        for s in self.socks:
+            self.poller.register(s, zmq.POLLIN)
+
+    def exchange(self, requests: Sequence[Sequence[Request]], timeout_s: float | None = None) -> None:
+        """Send requests[i] to server i (all servers first), then wait for every reply. Replies land in
+        each Request's `reply` (header) and `into` (payload). Raises PSError on an error reply or when a
+        server does not answer within the timeout."""
+        for i, reqs in enumerate(requests):
+            for r in reqs:
+                frames = wire.encode(dict(r.header, worker=self.worker), r.tensor)
+                self.meter.add(r.header["op"], wire.frames_bytes(frames), 0)
+                self.socks[i].send_multipart(frames, copy=False)
+        left = {i: list(reqs) for i, reqs in enumerate(requests) if reqs}
+        limit = self.timeout_s + 5.0 if timeout_s is None else timeout_s  # a server's own timeout fires first
+        deadline = time.monotonic() + limit
+        while left:
+            wait_ms = max(0, int((deadline - time.monotonic()) * 1000))
+            events = dict(self.poller.poll(wait_ms))
+            if not events and time.monotonic() >= deadline:
+                names = ", ".join(f"server {i} ({self.addresses[i]})" for i in left)
+                raise PSError(f"worker {self.worker}: no reply from {names} within {limit:g} s")
+            for i in list(left):
+                sock = self.socks[i]
+                # drain what has arrived (asking EVENTS is much cheaper than a NOBLOCK recv raising Again)
+                while i in left and sock in events and sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+                    self._receive(i, left[i].pop(0), sock.recv_multipart(copy=False))
+                    if not left[i]:
+                        del left[i]
+
+    def _receive(self, i: int, req: Request, frames: list) -> None:
+        op = req.header["op"]
+        self.meter.add(op, 0, wire.frames_bytes(frames), calls=0)
+        try:
+            msg = wire.decode(frames)
+        except wire.WireError as e:
+            raise PSError(f"worker {self.worker}: bad reply from server {i} to {op!r}: {e}") from None
+        if msg.op == "error":
+            raise PSError(f"{op} refused by {msg.header['message']}")
+        if msg.op != REPLY_TO[op]:
+            raise PSError(f"worker {self.worker}: server {i} answered {op!r} with {msg.op!r}")
+        if msg.op == "params":
+            req.into = msg.tensor(req.into)
+        req.reply = msg.header
+
+    def close(self) -> None:
+        for s in self.socks:
+            s.close(linger=0)
+        self.zctx.term()

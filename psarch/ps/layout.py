@@ -1,0 +1,52 @@
+"""How the flat parameter vector is laid out and split over servers; shared by workers and servers."""
+from __future__ import annotations
+
+import threading
+
+import torch
+
+from psarch.config import Config
+from psarch.precision import compute_dtype
+from psarch.single import consolidated_state
+
+
+def server_ranges(numel: int, servers: int) -> list[tuple[int, int]]:
+    """Contiguous, balanced [lo, hi) ranges of a flat vector of `numel` elements, one per server
+    (sizes differ by at most one element)."""
+    if servers < 1:
+        raise ValueError(f"backend.servers = {servers}: must be >= 1")
+    if numel < servers:
+        raise ValueError(f"backend.servers = {servers}: the model has only {numel} parameters, "
+                         f"fewer than one per server")
+    return [(i * numel // servers, (i + 1) * numel // servers) for i in range(servers)]
+
+
+def trainable(model: torch.nn.Module) -> list[torch.nn.Parameter]:
+    """The parameters that travel, in the order of the flat vector (registration order)."""
+    return [p for p in model.parameters() if p.requires_grad]
+
+
+def state_from_flat(model: torch.nn.Module, flat: torch.Tensor) -> dict[str, torch.Tensor]:
+    """The model's consolidated fp32 state_dict, trainable parameters taken from the flat vector."""
+    params = trainable(model)
+    masters, pos = {}, 0
+    for p in params:
+        masters[id(p)] = flat[pos:pos + p.numel()].view(p.shape)
+        pos += p.numel()
+    if pos != flat.numel():
+        raise ValueError(f"flat parameter vector of {flat.numel()} elements, the model has {pos}")
+    return consolidated_state(model, masters)
+
+
+_SEED_LOCK = threading.Lock()
+
+
+def initial_flat(cfg: Config) -> torch.Tensor:
+    """The run's initial parameters as one fp32 vector, built from the config exactly as every worker
+    builds its model (same seed; rounded to the compute dtype, as the workers' fp32 masters are). Servers
+    start from it, so no worker has to send the model."""
+    from psarch.workload import build_workload
+
+    with _SEED_LOCK:  # build_workload seeds torch's global generator: servers run as threads must take turns
+        model = build_workload(cfg).model.to(compute_dtype(cfg.train.precision))
+    return torch.cat([p.detach().reshape(-1).float() for p in trainable(model)])

@@ -1,0 +1,328 @@
+"""One parameter server: a ZeroMQ ROUTER that owns range [lo, hi) of the flat fp32 parameter vector.
+
+The servers of a run build the initial parameters from the config themselves (`initialize`; the range
+follows from the total size and this server's index). Requests (see wire.py): `init` (only for a
+server started without parameters: a client sends them), `push` (gradients, or deltas in geo),
+`pull` (the parameters for the worker's next step; answered when the mode allows), `pushpull` (both
+in one message: what workers send each step), `fetch` (an fp32 snapshot at once), `done`.
+Every request gets exactly one reply, in order: `ack`, `params` or `error`. A request that fails any
+check gets an error reply and changes nothing; only the sync/ssp/geo-barrier timeouts fail the server.
+
+When a pull is answered, per mode:
+- sync, geo with barrier: once round `step` is complete, i.e. every live worker pushed it;
+- ssp: once the slowest live worker has pushed at least `step - staleness_bound` steps;
+- async, geo: at once.
+A pull that waits more than `backend.timeout_s` fails the server with an error naming the workers it
+waits for; every waiting and later request then gets that error, and the launcher stops the run.
+"""
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import zmq
+
+from psarch.config import Config
+from psarch.meters import TrafficMeter
+from psarch.precision import compute_dtype
+from psarch.ps import wire
+from psarch.ps.control import ServerControl
+from psarch.ps.layout import server_ranges
+from psarch.ps.updates import RangeState
+
+MAX_FRAME = wire.CHUNK + wire.MAX_HEADER   # larger frames make ZeroMQ drop the connection
+TRACE_LIMIT = 100_000
+
+
+class PSError(RuntimeError):
+    """A request the server refused (the message says why), or a failed server."""
+
+
+@dataclass
+class _Pull:
+    """A pull waiting until the mode lets `worker` have the parameters for `step`."""
+
+    ident: bytes
+    op: str
+    worker: int
+    step: int
+    since: float
+    extra: dict[str, Any]       # pushpull: what the push's ack would have said
+
+
+class ParameterServer(ServerControl):
+    """Serve one range of the parameters until `stop()` (or a `stop` command on the control pipe)."""
+
+    def __init__(self, index: int, cfg: Config, host: str = "127.0.0.1", port: int = 0,
+                 control: Any = None, exit_when_done: bool = False) -> None:
+        b = cfg.backend
+        self.index, self.cfg, self.workers, self.mode = index, cfg, b.world_size, b.mode
+        self.barrier = b.mode == "sync" or (b.mode == "geo" and b.geo_barrier)
+        self.timeout_s = b.timeout_s
+        self.wire_dtype = wire.DTYPE_NAMES[compute_dtype(cfg.train.precision)]
+        self.zctx = zmq.Context()
+        self.sock = self.zctx.socket(zmq.ROUTER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME)
+        if port:
+            self.sock.bind(f"tcp://{host}:{port}")
+            self.port = port
+        else:
+            self.port = self.sock.bind_to_random_port(f"tcp://{host}")
+        self.address = f"tcp://{host}:{self.port}"
+        self.control = control
+        self.meter = TrafficMeter()
+        self.state: RangeState | None = None
+        self.lo = self.hi = 0
+        self.scratch: torch.Tensor | None = None
+        self.round_pushed: set[int] = set()
+        self.round_since = 0.0
+        self.round_inf = False
+        self.last_skipped = False
+        self.clock = [0] * self.workers            # pushes applied per worker (ssp, async)
+        self.lost: set[int] = set()
+        self.done: set[int] = set()
+        self.pending: list[_Pull] = []
+        self.failure: str | None = None
+        self.rejected = 0
+        self.max_ahead = 0
+        # ssp: [0, worker, steps pushed] per push, [1, worker, step] per pull granted
+        self.trace: list[list[int]] = []
+        self.stopping = False
+        self.exit_when_done = exit_when_done     # standalone: stop once every worker is done (or 10 s after a failure)
+        self.failed_at: float | None = None
+
+    # ------------------------------------------------------------------ loop
+
+    def serve(self) -> None:
+        poller = zmq.Poller()
+        poller.register(self.sock, zmq.POLLIN)
+        if self.control is not None:
+            poller.register(self.control.fileno(), zmq.POLLIN)
+        while not self.stopping:
+            events = dict(poller.poll(100))
+            if self.sock in events:
+                # a burst, then look at the control pipe and the clock again
+                for _ in range(64):
+                    if not self.sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+                        break
+                    self.handle(self.sock.recv_multipart(copy=False))
+            if self.control is not None and self.control.poll():
+                self._control(json.loads(self.control.recv_bytes()))
+            self._check_deadlines()
+        self.close()
+
+    def stop(self) -> None:
+        self.stopping = True
+
+    def close(self) -> None:
+        self.sock.close(linger=500)  # let the last replies (a standalone server's final acks) leave
+        self.zctx.term()
+
+    # ------------------------------------------------------------------ requests
+
+    def handle(self, frames: list) -> None:
+        """Handle one message from the ROUTER (identity frame first)."""
+        ident, body = frames[0].bytes if hasattr(frames[0], "bytes") else bytes(frames[0]), frames[1:]
+        size = wire.frames_bytes(body)
+        try:
+            msg = wire.decode(body)
+        except Exception as e:  # WireError; anything else is a decoder bug, but never a reason to crash
+            self.meter.add("invalid", 0, size)
+            text = str(e) if isinstance(e, wire.WireError) else f"undecodable message ({type(e).__name__}: {e})"
+            return self._error(ident, "invalid", text)
+        self.meter.add(msg.op, 0, size)
+        try:
+            if self.failure is not None:
+                raise PSError(self.failure)
+            handler = getattr(self, f"_on_{msg.op}", None)
+            if handler is None:
+                raise PSError(f"op {msg.op!r} is a reply, not a request")
+            handler(ident, msg)
+        except (PSError, wire.WireError) as e:
+            self._error(ident, msg.op, str(e))
+
+    def _send(self, ident: bytes, op: str, header: dict[str, Any], tensor: torch.Tensor | None = None) -> None:
+        frames = wire.encode(header, tensor)
+        self.meter.add(op, wire.frames_bytes(frames), 0, calls=0)
+        self.sock.send_multipart([ident, *frames], copy=False)
+
+    def _error(self, ident: bytes, op: str, text: str) -> None:
+        self.rejected += self.failure is None
+        self._send(ident, op, {"op": "error", "message": f"server {self.index}: {text}"[:4000]})
+
+    def _worker(self, msg: wire.Message) -> int:
+        w = msg.header["worker"]
+        if w >= self.workers:
+            raise PSError(f"worker {w}: this run has workers 0..{self.workers - 1}")
+        if w in self.lost:
+            raise PSError(f"worker {w} was declared lost")
+        return w
+
+    def _check_tensor(self, msg: wire.Message, dtype: str) -> None:
+        h = msg.header
+        if h["offset"] != self.lo or msg.shape != (self.hi - self.lo,):
+            raise PSError(f"op {msg.op!r}: range offset {h['offset']} shape {list(msg.shape)}, this server owns "
+                          f"[{self.lo}, {self.hi}) (offset {self.lo}, shape [{self.hi - self.lo}])")
+        if h["dtype"] != dtype:
+            raise PSError(f"op {msg.op!r}: dtype {h['dtype']}, this run's wire dtype is {dtype}")
+
+    def initialize(self, flat: torch.Tensor) -> None:
+        """Start from the whole initial parameter vector (servers of a run build it from the config)."""
+        self.lo, self.hi = server_ranges(flat.numel(), self.cfg.backend.servers)[self.index]
+        self.state = RangeState(flat[self.lo:self.hi], self.cfg, self.workers)
+        self.scratch = torch.empty(self.hi - self.lo, dtype=compute_dtype(self.cfg.train.precision))
+
+    def _on_init(self, ident: bytes, msg: wire.Message) -> None:
+        """A server started without parameters (benchmarks, tests) takes them from one `init`."""
+        self._worker(msg)
+        if self.state is not None:
+            raise PSError("init: the parameters are already initialised")
+        try:
+            self.lo, self.hi = server_ranges(msg.header["numel"], self.cfg.backend.servers)[self.index]
+        except ValueError as e:
+            raise PSError(f"init: {e}") from None
+        try:
+            self._check_tensor(msg, "float32")
+        except PSError:
+            self.lo = self.hi = 0
+            raise
+        self.state = RangeState(msg.tensor(), self.cfg, self.workers)
+        self.scratch = torch.empty(self.hi - self.lo, dtype=compute_dtype(self.cfg.train.precision))
+        self._send(ident, "init", {"op": "ack", "version": 0})
+        self._serve_pending()
+
+    def _on_push(self, ident: bytes, msg: wire.Message) -> None:
+        reply = self._apply_push(msg)
+        self._send(ident, "push", dict(reply, op="ack", version=self.state.version))
+        self._complete_round()
+        self._serve_pending()
+
+    def _on_pushpull(self, ident: bytes, msg: wire.Message) -> None:
+        """A push, then a pull for the next step, answered by one `params` reply (half the messages)."""
+        extra = self._apply_push(msg)
+        self.pending.append(_Pull(ident, "pushpull", msg.header["worker"], msg.header["step"] + 1,
+                                  time.monotonic(), extra))
+        self._complete_round()
+        self._serve_pending()
+
+    def _apply_push(self, msg: wire.Message) -> dict[str, Any]:
+        """Validate a push (raise PSError, changing nothing) and apply it; returns the ack's fields."""
+        w, h, st = self._worker(msg), msg.header, self.state
+        if st is None:
+            raise PSError("push before init: no parameters yet")
+        self._check_tensor(msg, self.wire_dtype)
+        if h["version"] > st.version:
+            raise PSError(f"push: version {h['version']} is ahead of this server's version {st.version}")
+        if self.barrier:
+            if h["step"] != st.version:
+                raise PSError(f"push: worker {w} sent step {h['step']}, the current round is step {st.version}")
+            if w in self.round_pushed:
+                raise PSError(f"push: worker {w} already pushed step {h['step']}")
+        elif self.mode in ("async", "ssp") and h["step"] != self.clock[w]:
+            raise PSError(f"push: worker {w} sent step {h['step']}, its next step is {self.clock[w]}")
+        # every check passed: from here on the message is applied
+        first = self.barrier and not self.round_pushed
+        data = msg.tensor(st.acc if first and st.acc.dtype == self.scratch.dtype else self.scratch)
+        found_inf = bool(h.get("found_inf", False))
+        staleness = st.version - h["version"]
+        skipped = None
+        if self.barrier:
+            if first and data is not st.acc:  # the first push of a round overwrites acc
+                st.acc.copy_(data)
+            elif not first:
+                st.acc.add_(data)
+            self.round_inf |= found_inf
+            if not self.round_pushed:
+                self.round_since = time.monotonic()
+            self.round_pushed.add(w)
+        elif self.mode == "geo":
+            st.apply_delta(data, staleness)
+        else:
+            skipped = st.apply_gradient(data, staleness, w, float(h.get("scale", 1.0)), found_inf)
+        self.clock[w] = h["step"] + 1
+        if self.mode == "ssp" and len(self.trace) < TRACE_LIMIT:
+            self.trace.append([0, w, self.clock[w]])
+        reply: dict[str, Any] = {}
+        if not self.barrier:
+            reply["staleness"] = staleness
+        if skipped is not None:
+            reply["skipped"] = skipped
+        return reply
+
+    def _complete_round(self) -> None:
+        st = self.state
+        if not self.barrier or not self.round_pushed or not self.round_pushed >= self._live():
+            return
+        if self.mode == "sync":
+            self.last_skipped = st.apply_mean(self.workers, self.round_inf)
+        else:
+            st.apply_sum()
+        self.round_pushed.clear()
+        self.round_inf = False
+
+    def _on_pull(self, ident: bytes, msg: wire.Message) -> None:
+        self._worker(msg)
+        if msg.header["want"] != self.wire_dtype:
+            raise PSError(f"pull: dtype {msg.header['want']!r:.40}, this run's wire dtype is {self.wire_dtype}")
+        self.pending.append(_Pull(ident, "pull", msg.header["worker"], msg.header["step"], time.monotonic(), {}))
+        self._serve_pending()
+
+    def _on_fetch(self, ident: bytes, msg: wire.Message) -> None:
+        self._worker(msg)
+        if self.state is None:
+            raise PSError("fetch before init: no parameters yet")
+        self._send(ident, "fetch", {"op": "params", "version": self.state.version, "offset": self.lo},
+                   self.state.params.detach().clone())
+
+    def _on_done(self, ident: bytes, msg: wire.Message) -> None:
+        self.done.add(self._worker(msg))
+        self._send(ident, "done", {"op": "ack", "version": self.state.version if self.state else 0})
+        if self.exit_when_done and self.done >= self._live():
+            self.stopping = True
+
+    # ------------------------------------------------------------------ pulls and time
+
+    def _live(self) -> set[int]:
+        return set(range(self.workers)) - self.lost
+
+    def _slowest(self) -> int:
+        live = self._live()
+        return min((self.clock[w] for w in live), default=0)
+
+    def _ready(self, p: _Pull) -> bool:
+        if self.state is None:
+            return False
+        if self.barrier:
+            return self.state.version >= p.step
+        if self.mode == "ssp":
+            return p.step - self._slowest() <= self.cfg.backend.staleness_bound
+        return True
+
+    def _serve_pending(self) -> None:
+        waiting = []
+        for p in self.pending:
+            if not self._ready(p):
+                waiting.append(p)
+                continue
+            st, w, step = self.state, p.worker, p.step
+            header: dict[str, Any] = dict(p.extra, op="params", version=st.version, offset=self.lo, scale=st.scale)
+            if self.mode == "ssp":
+                ahead = max(0, step - self._slowest())
+                self.max_ahead = max(self.max_ahead, ahead)
+                header["ahead"] = ahead
+                if len(self.trace) < TRACE_LIMIT:
+                    self.trace.append([1, w, step])
+            if self.mode == "sync" and st.version:
+                header["skipped"] = self.last_skipped or header.get("skipped", False)
+            data = st.params.detach()
+            # Zero-copy send: in the barrier modes the parameters cannot change before every worker has
+            # pushed again, i.e. received this reply. Elsewhere another push may land at once: send a copy.
+            data = data.to(self.scratch.dtype) if data.dtype != self.scratch.dtype else (
+                data if self.barrier else data.clone())
+            st.remember_sent(w)
+            self._send(p.ident, p.op, header, data)
+        self.pending = waiting

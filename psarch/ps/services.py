@@ -1,0 +1,246 @@
+"""Start the parameter servers of a local run, watch them, gather what they measured, stop them.
+
+The launcher calls `start_services(cfg, out_dir)` before it spawns the workers and hands
+`services.info` ({"addresses": [...]}) to every rank. Each server is a spawned process (or, for tests,
+a thread) that talks to the launcher over a pipe carrying JSON and raw bytes only (no pickle):
+"ready"/"failed"/"stats" events one way, "lost"/"stats"/"stop" commands the other. `check()` raises
+when a server failed (e.g. a sync timeout naming the missing worker) or died; `finish()` returns the
+servers' traffic, memory and staleness for summary.json and writes model.pt from the servers' final
+parameters (so a run whose rank 0 was lost still has its model); `stop()` always ends every server.
+
+With `backend.server_addresses` set, the servers were started elsewhere (`psarch server`): nothing is
+started or stopped here, and the summary has only what the workers measured.
+"""
+from __future__ import annotations
+
+import json
+import multiprocessing as mp
+import os
+import threading
+import time
+import traceback
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from psarch.config import Config, from_dict
+from psarch.launch import RunError
+
+START_TIMEOUT_S = 120.0
+
+
+class ServiceError(RunError):
+    """A parameter server failed or died; the message says which and why."""
+
+
+def _server_main(index: int, cfg_dict: dict, host: str, conn: Any, threads: int | None, build: bool) -> None:
+    """Entry point of one server (process or thread)."""
+    server = None
+    try:
+        if threads:
+            torch.set_num_threads(threads)
+        from psarch.ps.layout import initial_flat
+        from psarch.ps.server import ParameterServer
+        cfg = from_dict(cfg_dict)
+        server = ParameterServer(index, cfg, host, 0, control=conn)
+        if build:
+            server.initialize(initial_flat(cfg))
+        conn.send_bytes(json.dumps({"event": "ready", "address": server.address}).encode())
+        server.serve()
+    except BaseException as e:  # report, never hang the launcher
+        try:
+            conn.send_bytes(json.dumps({"event": "failed", "server": index,
+                                        "message": f"server {index} crashed: {type(e).__name__}: {e}\n"
+                                                   f"{traceback.format_exc()}"}).encode())
+        except OSError:
+            pass
+        if threads is not None:  # a process: exit non-zero
+            os._exit(1)
+
+
+class LocalServers:
+    """S servers on this machine, one process each (threads=True: threads of this process, for tests)."""
+
+    def __init__(self, cfg: Config, out_dir: str | Path | None = None, threads: bool = False,
+                 build_model: bool = True) -> None:
+        self.cfg, self.out_dir = cfg, Path(out_dir) if out_dir is not None else None
+        self.lost: list[dict[str, Any]] = []
+        self.failure: str | None = None
+        self.conns, self.workers = [], []
+        host = cfg.backend.host
+        ctx = mp.get_context("spawn")
+        try:
+            for i in range(cfg.backend.servers):
+                parent, child = mp.Pipe()
+                if threads:
+                    w: Any = threading.Thread(target=_server_main, name=f"psarch-server{i}", daemon=True,
+                                              args=(i, cfg.to_dict(), host, child, None, build_model))
+                else:
+                    w = ctx.Process(target=_server_main, name=f"psarch-server{i}",
+                                    args=(i, cfg.to_dict(), host, child, 1, build_model))
+                w.start()
+                if not threads:
+                    child.close()  # the server holds its end: a dead server is then EOF here, and vice versa
+                self.conns.append(parent)
+                self.workers.append(w)
+            addresses = [self._wait_event(i, "ready", START_TIMEOUT_S)["address"] for i in range(len(self.conns))]
+        except BaseException:
+            self.stop()
+            raise
+        self.info = {"addresses": addresses}
+
+    def _wait_event(self, i: int, kind: str, timeout: float) -> dict[str, Any]:
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                event = (json.loads(self.conns[i].recv_bytes())
+                         if self.conns[i].poll(min(0.2, max(0.0, deadline - time.monotonic()))) else None)
+            except (EOFError, OSError):
+                self.workers[i].join(1)
+                raise ServiceError(f"server {i} exited (code {getattr(self.workers[i], 'exitcode', None)}) "
+                                   f"before it was {kind}") from None
+            if event is not None:
+                if event["event"] == kind:
+                    return event
+                if event["event"] == "failed":
+                    self.failure = self.failure or event["message"]
+                    raise ServiceError(event["message"])
+            elif not self._alive(i):
+                raise ServiceError(f"server {i} exited (code {getattr(self.workers[i], 'exitcode', None)}) "
+                                   f"before it was {kind}")
+            if time.monotonic() > deadline:
+                raise ServiceError(f"server {i}: no {kind!r} within {timeout:g} s")
+
+    def _alive(self, i: int) -> bool:
+        return self.workers[i].is_alive()
+
+    def _send(self, i: int, cmd: dict[str, Any]) -> None:
+        try:
+            self.conns[i].send_bytes(json.dumps(cmd).encode())
+        except OSError:
+            pass
+
+    def check(self) -> None:
+        """Raise ServiceError if a server reported a failure or died."""
+        for i, conn in enumerate(self.conns):
+            try:
+                while conn.poll():
+                    event = json.loads(conn.recv_bytes())
+                    if event["event"] == "failed":
+                        self.failure = self.failure or event["message"]
+            except (EOFError, OSError):
+                pass  # the pipe closed: the process is gone, found just below
+            if self.failure is None and not self._alive(i):
+                self.failure = f"server {i} died (exit code {getattr(self.workers[i], 'exitcode', None)})"
+        if self.failure is not None:
+            raise ServiceError(self.failure)
+
+    def worker_lost(self, rank: int, error: str) -> None:
+        """A worker died in a mode that goes on without it: servers stop waiting for it."""
+        self.lost.append({"rank": rank, "error": error.splitlines()[0] if error else ""})
+        for i in range(len(self.conns)):
+            self._send(i, {"cmd": "lost", "worker": rank})
+
+    def finish(self) -> dict[str, Any]:
+        """Gather every server's measurements (and final parameters, written as model.pt)."""
+        self.check()
+        stats, parts = [], []
+        for i in range(len(self.conns)):
+            self._send(i, {"cmd": "stats"})
+            s = self._wait_event(i, "stats", START_TIMEOUT_S)
+            raw = self.conns[i].recv_bytes()
+            s.pop("event")
+            stats.append(s)
+            parts.append(torch.frombuffer(bytearray(raw), dtype=torch.float32) if raw else torch.empty(0))
+        out = summarize(stats, self.lost)
+        if self.out_dir is not None:
+            self._write_outputs(out, parts)
+        return out
+
+    def _write_outputs(self, out: dict[str, Any], parts: list[torch.Tensor]) -> None:
+        """model.pt from the servers' final parameters; the ssp trace beside the summary."""
+        if "ssp" in out:
+            (self.out_dir / "ssp_trace.json").write_text(json.dumps(out["ssp"].pop("trace")))
+            out["ssp"]["trace_file"] = "ssp_trace.json"
+        if not all(p.numel() for p in parts):
+            return  # no worker ever sent init: rank 0's record (if any) is all there is
+        from psarch.ps.layout import state_from_flat
+        from psarch.workload import build_workload
+        try:
+            model = build_workload(self.cfg).model
+            torch.save(state_from_flat(model, torch.cat(parts)), self.out_dir / "model.pt")
+        except Exception as e:  # keep rank 0's model.pt, say why the servers' could not be written
+            out["model_from_servers_error"] = f"{type(e).__name__}: {e}"
+
+    def stop(self) -> None:
+        """End every server: ask, then terminate (processes), then kill; close the pipes."""
+        for i in range(len(self.conns)):
+            self._send(i, {"cmd": "stop"})
+        deadline = time.monotonic() + 5
+        for w in self.workers:
+            w.join(max(0.1, deadline - time.monotonic()))
+        for w in self.workers:
+            if isinstance(w, mp.process.BaseProcess) and w.is_alive():
+                w.terminate()
+                w.join(5)
+                if w.is_alive():
+                    w.kill()
+                    w.join()
+        for c in self.conns:
+            c.close()
+        self.conns = []
+
+
+class RemoteServers:
+    """Servers started elsewhere (`psarch server`), listed in backend.server_addresses."""
+
+    def __init__(self, cfg: Config) -> None:
+        self.info = {"addresses": list(cfg.backend.server_addresses)}
+        self.lost: list[dict[str, Any]] = []
+
+    def check(self) -> None:
+        pass
+
+    def worker_lost(self, rank: int, error: str) -> None:
+        self.lost.append({"rank": rank, "error": error.splitlines()[0] if error else ""})
+
+    def finish(self) -> dict[str, Any]:
+        return {"lost_workers": self.lost}
+
+    def stop(self) -> None:
+        pass
+
+
+def start_services(cfg: Config, out_dir: Any = None, threads: bool = False,
+                   build_model: bool = True) -> LocalServers | RemoteServers:
+    """The servers of a run (build_model=False: servers that wait for an `init`, for benchmarks)."""
+    if cfg.backend.server_addresses:
+        return RemoteServers(cfg)
+    return LocalServers(cfg, out_dir, threads, build_model)
+
+
+def summarize(stats: list[dict[str, Any]], lost: list[dict[str, Any]]) -> dict[str, Any]:
+    """The summary.json entries of the servers: traffic, memory, staleness, lost workers."""
+    hist: Counter[int] = Counter()
+    for s in stats:
+        hist.update({int(k): v for k, v in s["staleness_histogram"].items()})
+    total = sum(hist.values())
+    out: dict[str, Any] = {
+        "traffic": {"servers": [{"server": s["server"], "sent": s["sent"], "received": s["received"],
+                                 "ops": s["traffic"]["ops"]} for s in stats]},
+        "memory": {"servers": [dict(s["memory"], server=s["server"], range=s["range"]) for s in stats]},
+        "lost_workers": lost,
+        "servers_detail": [{k: s[k] for k in ("server", "address", "range", "version", "rejected", "lost",
+                                               "skipped_updates", "failure")} for s in stats],
+    }
+    if total:
+        out["staleness"] = {"histogram": {str(k): v for k, v in sorted(hist.items())},
+                            "updates": total, "mean": sum(k * v for k, v in hist.items()) / total,
+                            "max": max(hist), "counted": "per update of one server's range"}
+    ssp = [s["ssp"] for s in stats if "ssp" in s]
+    if ssp:
+        out["ssp"] = {"staleness_bound": ssp[0]["staleness_bound"],
+                      "max_ahead": max(x["max_ahead"] for x in ssp), "trace": ssp[0]["trace"]}
+    return out

@@ -1,0 +1,101 @@
+"""What a server does to its parameter range: the update rules of the PS modes, without any sockets.
+
+- sync: the mean of the N workers' gradients, one optimizer step (= DDP).
+- async / ssp: one optimizer step per gradient as it arrives, optionally compensated for staleness τ:
+  `lr`: learning rate / max(1, τ) (Zhang et al. 2016, "staleness-aware async SGD");
+  `dc`: g + λ·g⊙g⊙(w_now − w_bak) (Zheng et al. 2017, DC-ASGD), where w_bak is the copy of the
+  parameters this server last sent to that worker, kept per worker (N copies of the range, reported
+  as server memory), exactly as the paper's server does.
+- geo: the worker's delta is added to the parameters (no optimizer on the server).
+"""
+from __future__ import annotations
+
+from collections import Counter
+
+import torch
+
+from psarch.config import Config
+from psarch.meters import tensor_bytes
+from psarch.precision import MixedPrecisionOptimizer
+
+
+class RangeState:
+    """A server's fp32 parameter range, the optimizer state for it, and its version (updates applied)."""
+
+    def __init__(self, init: torch.Tensor, cfg: Config, workers: int) -> None:
+        b = cfg.backend
+        self.params = torch.nn.Parameter(init.detach().float().clone(), requires_grad=True)
+        self.version = 0
+        self.mode, self.compensation, self.dc_lambda = b.mode, b.staleness_compensation, b.dc_lambda
+        self.optim = None if b.mode == "geo" else MixedPrecisionOptimizer([self.params], cfg.train,
+                                                                          cfg.train.precision)
+        # sum of a round's gradients / deltas (barrier modes only; the first push of a round overwrites it)
+        barrier = b.mode == "sync" or (b.mode == "geo" and b.geo_barrier)
+        self.acc = torch.zeros_like(self.params.data) if barrier else torch.empty(0)
+        self.backup = ([torch.zeros_like(self.params.data) for _ in range(workers)]
+                       if b.mode in ("async", "ssp") and b.staleness_compensation == "dc" else None)
+        self.staleness: Counter[int] = Counter()
+        self.skipped = 0
+
+    @property
+    def scale(self) -> float:
+        return self.optim.scaler.scale if self.optim is not None else 1.0
+
+    def _step(self, grad: torch.Tensor, found_inf: bool) -> bool:
+        skipped = self.optim.step([grad], found_inf=found_inf)
+        self.skipped += int(skipped)
+        return skipped
+
+    def apply_mean(self, workers: int, found_inf: bool) -> bool:
+        """sync: one optimizer step on the mean of the round's summed gradients; returns skipped."""
+        self.acc.div_(workers)
+        skipped = self._step(self.acc, found_inf)
+        self.version += 1
+        return skipped
+
+    def apply_sum(self) -> None:
+        """geo with barrier: add the round's summed deltas."""
+        with torch.no_grad():
+            self.params.add_(self.acc)
+        self.version += 1
+
+    def apply_delta(self, delta: torch.Tensor, staleness: int) -> None:
+        """geo without barrier: add one worker's delta at once."""
+        with torch.no_grad():
+            self.params.add_(delta.float())
+        self.staleness[staleness] += 1
+        self.version += 1
+
+    def apply_gradient(self, grad: torch.Tensor, staleness: int, worker: int, push_scale: float,
+                       found_inf: bool) -> bool:
+        """async/ssp: one optimizer step on one worker's gradient, compensated for its staleness."""
+        g = grad.float() if grad.dtype != torch.float32 else grad
+        if push_scale != self.scale and not found_inf:
+            g = g * (self.scale / push_scale)  # the worker scaled its loss with an older loss scale
+        if self.compensation == "dc" and not found_inf:
+            unscaled = g / self.scale
+            # DC-ASGD: first-order Taylor correction of the gradient for the parameters' drift since the pull
+            g = g + self.scale * self.dc_lambda * unscaled * unscaled * (self.params.data - self.backup[worker])
+        group = self.optim.optimizer.param_groups[0]
+        lr = group["lr"]
+        if self.compensation == "lr":
+            group["lr"] = lr / max(1, staleness)
+        try:
+            skipped = self._step(g, found_inf)
+        finally:
+            group["lr"] = lr
+        self.staleness[staleness] += 1
+        self.version += 1
+        return skipped
+
+    def remember_sent(self, worker: int) -> None:
+        """dc: the parameters this worker now computes its next gradient at."""
+        if self.backup is not None:
+            self.backup[worker].copy_(self.params.data)
+
+    def memory(self) -> dict[str, int]:
+        """Bytes this range holds, by category (from the tensors)."""
+        params = tensor_bytes([self.params])
+        optim = self.optim.state_bytes() if self.optim is not None else 0
+        buffers = tensor_bytes([self.acc] + (self.backup or []))
+        return {"params": params, "optimizer": optim, "buffers": buffers, "total": params + optim + buffers}

@@ -1,0 +1,195 @@
+"""The PS wire format: one msgpack header frame, then the raw bytes of at most one tensor.
+
+    frame 0     msgpack map: {"op": str, "worker": int, ..., "dtype": str, "shape": [int],
+                              "frames": int}          (dtype/shape/frames only when a tensor follows)
+    frame 1..k  the tensor's bytes in C order, split into frames of CHUNK bytes (the last one shorter);
+                an empty tensor has no payload frames
+
+Payload frames are handed to ZeroMQ without copying (pyzmq copies frames under its copy_threshold,
+64 KiB, itself). `decode` trusts nothing: an unknown op, a missing or ill-typed field, an unknown
+dtype, a shape whose byte size differs from the payload, missing or extra frames, or bytes that are
+not msgpack all raise WireError with a message that says what was wrong. No pickle anywhere.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import msgpack
+import numpy as np
+import torch
+
+CHUNK = 4 * 2**20                 # payload frame size
+MAX_HEADER = 64 * 2**10           # a header is a few dozen bytes; anything this big is hostile
+MAX_NDIM = 8
+MAX_INT = 2**62
+
+DTYPES: dict[str, torch.dtype] = {
+    "float32": torch.float32, "float64": torch.float64, "float16": torch.float16, "bfloat16": torch.bfloat16,
+    "int8": torch.int8, "uint8": torch.uint8, "int16": torch.int16, "int32": torch.int32,
+    "int64": torch.int64, "bool": torch.bool,
+}
+DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
+
+# op -> (required fields, optional fields, tensor: "required" | "forbidden")
+# Requests (worker -> server): init, push, pull, pushpull (= push + pull in one message), fetch, done.
+# Replies: ack, params, error.
+_INT, _FLOAT, _STR, _BOOL = "int", "float", "str", "bool"
+SCHEMA: dict[str, tuple[dict[str, str], dict[str, str], str]] = {
+    "init": ({"worker": _INT, "numel": _INT, "offset": _INT}, {}, "required"),
+    "push": ({"worker": _INT, "step": _INT, "version": _INT, "offset": _INT},
+             {"scale": _FLOAT, "found_inf": _BOOL}, "required"),
+    "pushpull": ({"worker": _INT, "step": _INT, "version": _INT, "offset": _INT},
+                 {"scale": _FLOAT, "found_inf": _BOOL}, "required"),
+    "pull": ({"worker": _INT, "step": _INT, "want": _STR}, {}, "forbidden"),
+    "fetch": ({"worker": _INT}, {}, "forbidden"),
+    "done": ({"worker": _INT}, {}, "forbidden"),
+    "ack": ({"version": _INT}, {"staleness": _INT, "skipped": _BOOL}, "forbidden"),
+    "params": ({"version": _INT, "offset": _INT},
+               {"scale": _FLOAT, "ahead": _INT, "skipped": _BOOL, "staleness": _INT}, "required"),
+    "error": ({"message": _STR}, {}, "forbidden"),
+}
+_TENSOR_FIELDS = {"dtype", "shape", "frames"}
+
+
+class WireError(ValueError):
+    """A message that does not follow the wire format; the text says what was wrong."""
+
+
+@dataclass
+class Message:
+    """A decoded message: its header, and (when it carries a tensor) the raw payload frames."""
+
+    op: str
+    header: dict[str, Any]
+    payload: list[memoryview]
+
+    @property
+    def dtype(self) -> torch.dtype | None:
+        return DTYPES[self.header["dtype"]] if "dtype" in self.header else None
+
+    @property
+    def shape(self) -> tuple[int, ...] | None:
+        return tuple(self.header["shape"]) if "shape" in self.header else None
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape) if self.shape is not None else 0
+
+    def tensor(self, out: torch.Tensor | None = None) -> torch.Tensor:
+        """The payload as a tensor: copied into `out` (same dtype and element count) or a new tensor."""
+        if self.shape is None:
+            raise WireError(f"op {self.op!r} carries no tensor")
+        dtype, shape = self.dtype, self.shape
+        if out is None:
+            out = torch.empty(shape, dtype=dtype)
+        elif out.dtype != dtype or out.numel() != self.numel or not out.is_contiguous():
+            raise WireError(f"op {self.op!r}: payload is {self.header['dtype']} {list(shape)}, the destination "
+                            f"is {DTYPE_NAMES.get(out.dtype, out.dtype)} {list(out.shape)}"
+                            + ("" if out.is_contiguous() else " (not contiguous)"))
+        if self.numel:
+            dst = _bytes_view(out)
+            pos = 0
+            for frame in self.payload:
+                n = len(frame)
+                dst[pos:pos + n] = np.frombuffer(frame, dtype=np.uint8)
+                pos += n
+        return out
+
+
+def _bytes_view(t: torch.Tensor) -> np.ndarray:
+    """The bytes of a contiguous tensor as a uint8 numpy array sharing its memory."""
+    flat = t.reshape(-1)
+    if flat.dtype != torch.uint8:
+        flat = flat.view(torch.uint8)
+    return flat.numpy()
+
+
+def encode(header: dict[str, Any], tensor: torch.Tensor | None = None) -> list[bytes | memoryview]:
+    """Frames of one message: the header (with dtype/shape/frames added) and the tensor's bytes, uncopied
+    when the tensor is contiguous (a non-contiguous one is copied once to C order)."""
+    header = dict(header)
+    payload: list[memoryview] = []
+    if tensor is not None:
+        if tensor.dtype not in DTYPE_NAMES:
+            raise WireError(f"dtype {tensor.dtype} cannot travel on the PS wire; supported: {', '.join(DTYPES)}")
+        if tensor.device.type != "cpu":
+            tensor = tensor.cpu()
+        t = tensor.detach().contiguous()
+        data = memoryview(_bytes_view(t)) if t.numel() else memoryview(b"")
+        payload = [data[i:i + CHUNK] for i in range(0, len(data), CHUNK)]
+        header.update(dtype=DTYPE_NAMES[t.dtype], shape=list(t.shape), frames=len(payload))
+    return [msgpack.packb(header, use_bin_type=True), *payload]
+
+
+def _check_field(op: str, key: str, value: Any, kind: str) -> None:
+    ok = (isinstance(value, int) and not isinstance(value, bool) and 0 <= value <= MAX_INT if kind == _INT else
+          isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) if kind == _FLOAT
+          else isinstance(value, str) and len(value) <= 4096 if kind == _STR else isinstance(value, bool))
+    if not ok:
+        want = {_INT: f"an integer in [0, {MAX_INT}]", _FLOAT: "a finite number", _STR: "a string",
+                _BOOL: "true or false"}[kind]
+        raise WireError(f"op {op!r}: field {key!r} = {value!r:.80}: expected {want}")
+
+
+def decode(frames: Sequence[Any]) -> Message:
+    """Validate and decode one message (header frame + payload frames; zmq Frames, bytes or buffers)."""
+    if not frames:
+        raise WireError("empty message: expected a header frame")
+    head = memoryview(frames[0])
+    if len(head) > MAX_HEADER:
+        raise WireError(f"header frame of {len(head)} bytes: at most {MAX_HEADER}")
+    try:
+        header = msgpack.unpackb(head, raw=False, strict_map_key=True, use_list=True,
+                                 max_str_len=MAX_HEADER, max_bin_len=0, max_array_len=64, max_map_len=32,
+                                 max_ext_len=0)
+    except Exception as e:  # msgpack raises many types for bad bytes; all mean the same here
+        raise WireError(f"header is not valid msgpack ({type(e).__name__}: {e})") from None
+    if not isinstance(header, dict):
+        raise WireError(f"header is a msgpack {type(header).__name__}, expected a map")
+    op = header.get("op")
+    if not isinstance(op, str) or op not in SCHEMA:
+        raise WireError(f"unknown op {op!r:.80}: expected one of {', '.join(SCHEMA)}")
+    required, optional, tensor = SCHEMA[op]
+    for key, kind in required.items():
+        if key not in header:
+            raise WireError(f"op {op!r}: missing field {key!r}")
+        _check_field(op, key, header[key], kind)
+    for key, value in header.items():
+        if key in required or key == "op" or (tensor == "required" and key in _TENSOR_FIELDS):
+            continue
+        if key not in optional:
+            raise WireError(f"op {op!r}: unexpected field {key!r:.80}")
+        _check_field(op, key, value, optional[key])
+    payload = [memoryview(f) for f in frames[1:]]
+    if tensor == "forbidden":
+        if payload:
+            raise WireError(f"op {op!r} carries no tensor, got {len(payload)} extra frame(s)")
+        return Message(op, header, [])
+    dtype, shape, n = header.get("dtype"), header.get("shape"), header.get("frames")
+    if not isinstance(dtype, str) or dtype not in DTYPES:
+        raise WireError(f"op {op!r}: dtype {dtype!r:.80}: expected one of {', '.join(DTYPES)}")
+    if not isinstance(shape, list) or len(shape) > MAX_NDIM or not all(
+            isinstance(d, int) and not isinstance(d, bool) and 0 <= d <= MAX_INT for d in shape):
+        raise WireError(f"op {op!r}: shape {shape!r:.80}: expected a list of at most {MAX_NDIM} sizes >= 0")
+    _check_field(op, "frames", n, _INT)
+    nbytes = math.prod(shape) * DTYPES[dtype].itemsize
+    if nbytes > MAX_INT:
+        raise WireError(f"op {op!r}: shape {shape} is too large")
+    expected = -(-nbytes // CHUNK)
+    if n != len(payload):
+        raise WireError(f"op {op!r}: header announces {n} payload frame(s), {len(payload)} arrived")
+    if n != expected:
+        raise WireError(f"op {op!r}: {dtype} {shape} is {nbytes} bytes = {expected} frame(s), header says {n}")
+    for i, f in enumerate(payload):
+        want = min(CHUNK, nbytes - i * CHUNK)
+        if len(f) != want:
+            raise WireError(f"op {op!r}: payload frame {i} has {len(f)} bytes, expected {want} "
+                            f"for {dtype} {shape}")
+    return Message(op, header, payload)
+
+
+def frames_bytes(frames: Sequence[Any]) -> int:
+    """Bytes in a list of frames (what the traffic meters count)."""
+    return sum(len(memoryview(f)) for f in frames)
