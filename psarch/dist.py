@@ -83,6 +83,7 @@ def init_rank(cfg: Config, rank: int, world_size: int, local_rank: int, local_wo
 
 def shutdown(ctx: DistContext) -> None:
     if ctx.distributed and dist.is_initialized():
+        dist.barrier(group=ctx.group)  # no rank tears its sockets down while a peer still talks to it
         dist.destroy_process_group()
         ctx.dist_backend = None
 
