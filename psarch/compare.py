@@ -5,6 +5,8 @@ import json
 from pathlib import Path
 from typing import Any
 
+from psarch.outputs import fmt_bytes
+
 
 def load_run(path: Path) -> dict[str, Any]:
     """A run folder's summary, config and per-step metrics."""
@@ -45,16 +47,6 @@ def comparability_warnings(runs: list[dict[str, Any]]) -> list[str]:
     return warnings
 
 
-def _b(n: float | None) -> str:
-    if n is None:
-        return "-"
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
-        n /= 1024
-    return str(n)
-
-
 def table(runs: list[dict[str, Any]]) -> str:
     """The comparison table, in Markdown; rank 0's memory and the mean worker's traffic."""
     head = ("| run | backend | variant | N | samples/s | step time (ms) | final loss | gap | model states/rank "
@@ -71,13 +63,13 @@ def table(runs: list[dict[str, Any]]) -> str:
         pt = s["predicted"]["traffic_per_step"]
         servers = s.get("traffic", {}).get("servers") or []
         steps = max(1, s["steps"])
-        srv = (f"{_b(sum(x['received'] for x in servers) / len(servers) / steps)} \\| "
-               f"{_b(pt.get('server_received'))}") if servers else "-"
+        srv = (f"{fmt_bytes(sum(x['received'] for x in servers) / len(servers) / steps)} \\| "
+               f"{fmt_bytes(pt.get('server_received'))}") if servers else "-"
         gap = f"{s['gap']:.4f}" if s.get("gap") is not None else "-"
         lines.append(f"| {s['name']} | {s['backend']} | {s.get('variant') or '-'} | {s['world_size']} | "
                      f"{s['samples_per_s']:.1f} | {s['step_time_s'] * 1e3:.2f} | {s['final_loss']:.4f} | {gap} | "
-                     f"{_b(m0['total'])} \\| {_b(pm)} | {_b(sent)}{modelled} \\| {_b(pt['worker_sent'])} | {srv} | "
-                     f"{_b(m0.get('peak'))} |")
+                     f"{fmt_bytes(m0['total'])} \\| {fmt_bytes(pm)} | {fmt_bytes(sent)}{modelled} \\| {fmt_bytes(pt['worker_sent'])} | {srv} | "
+                     f"{fmt_bytes(m0.get('peak'))} |")
     return "\n".join(lines)
 
 

@@ -122,7 +122,8 @@ def finalize(out: Path, cfg: Config, extra: dict[str, Any] | None = None, echo: 
     return summary
 
 
-def _b(n: float | None) -> str:
+def fmt_bytes(n: float | None) -> str:
+    """Bytes for people: B, KiB, MiB, GiB, TiB."""
     if n is None:
         return "-"
     for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
@@ -150,11 +151,11 @@ def report(s: dict[str, Any]) -> str:
     pm, pt = p["memory_per_rank"], p["traffic_per_step"]
     for m, t in zip(s["memory"]["per_rank"], s["traffic"]["per_rank"]):
         modelled = " (modelled)" if t.get("modelled") else ""
-        lines.append(f"{m['rank']:>4}  {_b(m['params']):>11} {_b(m['grads']):>11} {_b(m['optimizer']):>11} "
-                     f"{_b(m['total']):>11} {_b(pm['total']):>11} {_b(m.get('peak')):>11}  "
-                     f"{_b(t['sent_per_step']):>11} {_b(pt['worker_sent']):>11}{modelled}")
+        lines.append(f"{m['rank']:>4}  {fmt_bytes(m['params']):>11} {fmt_bytes(m['grads']):>11} {fmt_bytes(m['optimizer']):>11} "
+                     f"{fmt_bytes(m['total']):>11} {fmt_bytes(pm['total']):>11} {fmt_bytes(m.get('peak')):>11}  "
+                     f"{fmt_bytes(t['sent_per_step']):>11} {fmt_bytes(pt['worker_sent']):>11}{modelled}")
     for srv in s.get("traffic", {}).get("servers", []) or []:
-        lines.append(f"server {srv.get('server', '?')}: sent {_b(srv['sent'])}, received {_b(srv['received'])}")
+        lines.append(f"server {srv.get('server', '?')}: sent {fmt_bytes(srv['sent'])}, received {fmt_bytes(srv['received'])}")
     if s.get("staleness"):
         st = s["staleness"]
         lines.append(f"staleness histogram {st['histogram']} (mean {st['mean']:.2f}, max {st['max']})")

@@ -18,6 +18,7 @@ import pytest
 import torch
 
 from dist_utils import run_ranks
+from parity import ATOL, assert_same_model, model
 from psarch.config import from_dict
 from psarch.dist import DistContext
 from psarch.runner import run_rank
@@ -33,7 +34,6 @@ OPTIMIZERS = {
     "sgd": {"optimizer": "sgd", "lr": 0.1, "momentum": 0.9, "weight_decay": 0.01},
     "adamw": {"optimizer": "adamw", "lr": 1e-2, "weight_decay": 0.1, "eps": 1e-6},
 }
-RTOL, ATOL = 1e-4, 1e-5
 VARIANTS = [("torch_ddp", {}), ("ddp", {"comm": "ring", "bucket_cap_mb": 0.01}),
             ("ddp", {"comm": "native", "bucket_cap_mb": 0.01})]
 
@@ -88,16 +88,6 @@ def runs(tmp_path_factory):
             for name, r in res.items():
                 results.setdefault(name, {})[rank] = r
     return out, results
-
-
-def model(out: Path, name: str) -> dict[str, torch.Tensor]:
-    return torch.load(out / f"{name}.pt", weights_only=True)
-
-
-def assert_same_model(a: dict, b: dict, what: str) -> None:
-    assert a.keys() == b.keys()
-    for k in a:
-        torch.testing.assert_close(a[k], b[k], rtol=RTOL, atol=ATOL, msg=lambda m: f"{what}: {k}: {m}")
 
 
 @pytest.mark.parametrize("opt", ["sgd", "adamw"])

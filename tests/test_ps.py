@@ -27,6 +27,7 @@ import zmq
 
 import psarch
 from dist_utils import run_ranks
+from parity import ATOL, assert_same_model, model
 from psarch.config import from_dict
 from psarch.dist import DistContext
 from psarch.launch import RunError
@@ -47,7 +48,6 @@ OPTIMIZERS = {
     "adamw": {"optimizer": "adamw", "lr": 1e-2, "weight_decay": 0.1, "eps": 1e-6},
     "plain_sgd": {"optimizer": "sgd", "lr": 0.1},
 }
-RTOL, ATOL = 1e-4, 1e-5
 HEADER_BOUND = 128
 
 
@@ -128,16 +128,6 @@ def parity(tmp_path_factory):
             for name, v in r.items():
                 results.setdefault(name, {})[rank] = v
     return out, results, server_stats
-
-
-def model(out: Path, name: str) -> dict[str, torch.Tensor]:
-    return torch.load(out / f"{name}.pt", weights_only=True)
-
-
-def assert_same_model(a: dict, b: dict, what: str) -> None:
-    assert a.keys() == b.keys()
-    for k in a:
-        torch.testing.assert_close(a[k], b[k], rtol=RTOL, atol=ATOL, msg=lambda m: f"{what}: {k}: {m}")
 
 
 @pytest.mark.parametrize("opt", ["sgd", "adamw"])

@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from dist_utils import run_ranks
+from parity import ATOL, assert_same_model, model
 from psarch import theory
 from psarch.config import from_dict
 from psarch.dist import DistContext
@@ -35,7 +36,6 @@ OPTIMIZERS = {
     "sgd": {"optimizer": "sgd", "lr": 0.1, "momentum": 0.9, "weight_decay": 0.01},
     "adamw": {"optimizer": "adamw", "lr": 1e-2, "weight_decay": 0.1, "eps": 1e-6},
 }
-RTOL, ATOL = 1e-4, 1e-5
 ZERO = {"kind": "zero", "reduce_bucket_size": 600, "allgather_bucket_size": 1500, "prefetch_bucket_size": 1500}
 STAGES = (1, 2, 3)
 COMMS = ("ring", "native")
@@ -158,16 +158,6 @@ def runs(tmp_path_factory):
             for name, r in res.items():
                 results.setdefault(name, {})[rank] = r
     return out, results
-
-
-def model(out: Path, name: str) -> dict[str, torch.Tensor]:
-    return torch.load(out / f"{name}.pt", weights_only=True)
-
-
-def assert_same_model(a: dict, b: dict, what: str, rtol: float = RTOL, atol: float = ATOL) -> None:
-    assert a.keys() == b.keys()
-    for k in a:
-        torch.testing.assert_close(a[k], b[k], rtol=rtol, atol=atol, msg=lambda m: f"{what}: {k}: {m}")
 
 
 # ---- unit tests of the partition arithmetic (no processes)
