@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 
 from psarch import outputs
-from psarch.config import Config, from_dict
+from psarch.config import Config, check_machine, from_dict
 from psarch.dist import init_rank, shutdown, under_torchrun
 from psarch.registry import trainer_class
 from psarch.runner import run_rank
@@ -29,6 +29,7 @@ class RunError(RuntimeError):
 
 def run(cfg: Config, out: str | Path | None = None, echo: bool = True) -> dict[str, Any]:
     """Run one experiment and return its summary. Every rank (and service) is started here."""
+    check_machine(cfg)  # a missing GPU or text file: one ConfigError now, not a traceback in every rank
     out_dir = Path(out or cfg.out or Path("runs") / cfg.name)
     cls = trainer_class(cfg.backend.kind)
     if under_torchrun():
@@ -147,26 +148,58 @@ def _rank_error(out: Path, rank: int, code: int) -> str:
 
 
 def _run_under_torchrun(cfg: Config, cls: type, out: Path, echo: bool) -> dict[str, Any]:
+    """One rank of a torchrun job. Services (the parameter servers of `ps` without
+    backend.server_addresses) are started by rank 0, which is also worker 0, as `psarch run` starts
+    them; their addresses reach every rank as JSON over the process group (no pickle) before any
+    trainer is built. A rank that fails prints its error and exits at once: a barrier here would
+    only wait for peers stuck in a collective and replace the error with its own timeout."""
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     if world != cfg.backend.world_size:
         raise RunError(f"backend.world_size = {cfg.backend.world_size}: torchrun started WORLD_SIZE = {world} ranks")
     local_rank = int(os.environ.get("LOCAL_RANK", rank))
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world))
-    if rank == 0:
-        outputs.prepare(out, cfg)
-    ctx = init_rank(cfg, rank, world, local_rank, local_world, None, launched_by="torchrun",
-                    needs_group=True)
+    services = None
     try:
+        if rank == 0:
+            outputs.prepare(out, cfg)
+        ctx = init_rank(cfg, rank, world, local_rank, local_world, None, launched_by="torchrun",
+                        needs_group=True)
+        if hasattr(cls, "start_services"):
+            info: dict[str, Any] = {}
+            if rank == 0:
+                services = cls.start_services(cfg, out)
+                info = dict(services.info)
+                if "addresses" in info:
+                    info["addresses"] = [_reachable(a) for a in info["addresses"]]
+            ctx.services = _gather_json(ctx, info)[0]
         record = run_rank(cfg, ctx, echo=echo)
         state = record.pop("model_state", None)
-        records = _gather_json(ctx, record)
+        records = _gather_json(ctx, record)   # every rank is done with the servers past this point
+        extra = None
         if rank == 0:
             outputs.save_record(out, dict(records[0], model_state=state))
             for r in records[1:]:
                 outputs.save_record(out, r)
-    finally:
-        shutdown(ctx)
-    return outputs.finalize(out, cfg, None, echo) if rank == 0 else {}
+            if services is not None:
+                extra = services.finish()   # the servers' measurements; model.pt from their parameters
+                services.stop()
+                services = None
+    except BaseException as e:  # say why, then leave without the teardown barrier (torchrun stops the peers)
+        print(f"rank {rank} failed: {type(e).__name__}: {e}\n{traceback.format_exc()}", file=sys.stderr, flush=True)
+        if services is not None:
+            services.stop()
+        sys.stdout.flush()
+        os._exit(1)
+    shutdown(ctx)
+    return outputs.finalize(out, cfg, extra, echo) if rank == 0 else {}
+
+
+def _reachable(address: str) -> str:
+    """A server bound to every interface (backend.host = 0.0.0.0) is reached at rank 0's host, which
+    torchrun names in MASTER_ADDR."""
+    scheme, _, rest = address.partition("://")
+    host, _, port = rest.rpartition(":")
+    return f"{scheme}://{os.environ['MASTER_ADDR']}:{port}" if host in ("0.0.0.0", "*") else address
 
 
 def _gather_json(ctx: Any, obj: dict) -> list[dict]:

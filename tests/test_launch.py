@@ -6,6 +6,7 @@ import os
 import socket
 import subprocess
 import sys
+import time
 
 import torch
 
@@ -63,3 +64,51 @@ def test_torchrun_world_size_mismatch_is_an_error(tmp_path):
                         cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
     assert tr.returncode != 0
     assert "backend.world_size = 4" in tr.stderr and "WORLD_SIZE = 2" in tr.stderr
+
+
+def torchrun(tmp_path, *args, timeout=180, env_extra=None):
+    env = dict(os.environ, PSARCH_THREADS="1", OMP_NUM_THREADS="1", **(env_extra or {}))
+    return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
+                           "--master_addr", "127.0.0.1", "--master_port", str(free_port()),
+                           "-m", "psarch.cli", "run", *args],
+                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=timeout)
+
+
+def test_torchrun_ps_rank0_starts_the_servers_and_matches_the_local_launch(tmp_path):
+    """kind = "ps" with no backend.server_addresses: under torchrun rank 0 starts the servers (and is
+    worker 0); every rank learns their addresses over the process group. Sync PS with 2 workers sums
+    two gradients (commutative), so both launches end with the same model bit for bit."""
+    (tmp_path / "ps.toml").write_text(TINY.replace('kind = "ddp"', 'kind = "ps"\nmode = "sync"\nservers = 2'))
+    env = dict(os.environ, PSARCH_THREADS="1", OMP_NUM_THREADS="1")
+    local = subprocess.run([sys.executable, "-m", "psarch.cli", "run", "ps.toml", "--out", "local"],
+                           cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+    assert local.returncode == 0, local.stderr
+    tr = torchrun(tmp_path, "ps.toml", "--out", "torchrun")
+    assert tr.returncode == 0, tr.stderr[-3000:]
+    a = torch.load(tmp_path / "local" / "model.pt", weights_only=True)
+    b = torch.load(tmp_path / "torchrun" / "model.pt", weights_only=True)
+    assert a.keys() == b.keys()
+    for k in a:
+        assert torch.equal(a[k], b[k]), k
+    s = json.loads((tmp_path / "torchrun" / "summary.json").read_text())
+    assert s["backend"] == "ps" and s["steps"] == 4 and len(s["traffic"]["per_rank"]) == 2
+    servers = s["traffic"]["servers"]   # the servers' own measurements reached the summary
+    assert [x["server"] for x in servers] == [0, 1]
+    assert sum(x["received"] for x in servers) == sum(r["sent"] for r in s["traffic"]["per_rank"])
+
+
+def test_torchrun_failing_rank_reports_its_error_without_waiting_for_the_timeout(tmp_path):
+    """Rank 1 raises at step 2 while rank 0 waits in that step's all-reduce: rank 1 prints its error and
+    exits at once (no teardown barrier, whose timeout would replace the error), torchrun stops rank 0."""
+    from test_cli import FAILING_FACTORY
+
+    (tmp_path / "failing_factory.py").write_text(FAILING_FACTORY)
+    (tmp_path / "tiny.toml").write_text(TINY.replace("world_size = 2", "world_size = 2\ntimeout_s = 60.0"))
+    t0 = time.monotonic()
+    tr = torchrun(tmp_path, "tiny.toml", "--out", "fail", "--set", "workload.factory=failing_factory:make",
+                  env_extra={"PYTHONPATH": str(tmp_path)})
+    elapsed = time.monotonic() - t0
+    assert tr.returncode != 0
+    assert "rank 1 failed: RuntimeError: injected failure at step 2" in tr.stderr, tr.stderr[-3000:]
+    assert elapsed < 40, f"took {elapsed:.0f} s: the failure waited for backend.timeout_s"
+    assert not (tmp_path / "fail" / "summary.json").exists()

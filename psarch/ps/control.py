@@ -22,6 +22,14 @@ class ServerControl:
             return
         now = time.monotonic()
         t = self.timeout_s
+        # first: a silent worker is a lost one, so the waits below blame no one for a worker that died
+        if self.last_seen is not None:
+            waiting = {p.worker for p in self.pending}   # a worker waiting on a pull is waiting on us
+            for w in sorted(self._live() - self.done - waiting):
+                if now - self.last_seen[w] > t:
+                    self._lose(w, f"no message from it for more than backend.timeout_s = {t:g} s")
+            if self.stopping:
+                return
         if self.barrier and self.round_pushed and now - self.round_since > t:
             missing = sorted(self._live() - self.round_pushed)
             what = "gradients" if self.mode == "sync" else "deltas"
@@ -51,11 +59,7 @@ class ServerControl:
 
     def _control(self, cmd: dict[str, Any]) -> None:
         if cmd.get("cmd") == "lost":
-            self.lost.add(int(cmd["worker"]))
-            self.pending = [p for p in self.pending if p.worker not in self.lost]
-            if self.state is not None and self.failure is None:
-                self._complete_round()
-                self._serve_pending()
+            self._lose(int(cmd["worker"]), "its process died")
         elif cmd.get("cmd") == "stats":
             self._notify({"event": "stats", **self.stats()})
             if self.state is not None:

@@ -6,7 +6,14 @@ server started without parameters: a client sends them), `push` (gradients, or d
 `pull` (the parameters for the worker's next step; answered when the mode allows), `pushpull` (both
 in one message: what workers send each step), `fetch` (an fp32 snapshot at once), `done`.
 Every request gets exactly one reply, in order: `ack`, `params` or `error`. A request that fails any
-check gets an error reply and changes nothing; only the sync/ssp/geo-barrier timeouts fail the server.
+check gets an error reply and changes nothing; only the sync/ssp/geo-barrier timeouts fail the server
+(and a bug caught while a request was being applied: the state can no longer be trusted).
+
+The server, not the worker, is the authority on what a worker may send: a push must be that worker's
+next step and name the version this server last sent it (staleness is computed from the server's own
+record); a pull may ask for no step beyond the worker's next one, and a worker waits for one pull at a
+time. In fp16 a push carries the loss scale it was computed with (a power of two >= the scaler's
+minimum, in sync exactly the server's) and its inf/nan verdict, which the server checks on its range.
 
 When a pull is answered, per mode:
 - sync, geo with barrier: once round `step` is complete, i.e. every live worker pushed it;
@@ -14,11 +21,22 @@ When a pull is answered, per mode:
 - async, geo: at once.
 A pull that waits more than `backend.timeout_s` fails the server with an error naming the workers it
 waits for; every waiting and later request then gets that error, and the launcher stops the run.
+A worker is lost when the launcher says its process died, or (a standalone server, which has no
+launcher, in the modes that go on without it) when nothing came from it for `backend.timeout_s`
+while it had no pull waiting; the server then stops waiting for it, and exits once every worker is
+done or lost.
+
+Not bounded: ZeroMQ hands over a multipart message only once all of it has arrived, and MAXMSGSIZE
+limits each frame, not the frames of a message, so a peer can make a server buffer a message of many
+4 MiB frames before decode refuses it. Servers belong on a network only workers reach.
 """
 from __future__ import annotations
 
 import json
+import math
+import sys
 import time
+import traceback
 from dataclasses import dataclass
 from typing import Any
 
@@ -63,6 +81,8 @@ class ParameterServer(ServerControl):
         self.barrier = b.mode == "sync" or (b.mode == "geo" and b.geo_barrier)
         self.timeout_s = b.timeout_s
         self.wire_dtype = wire.DTYPE_NAMES[compute_dtype(cfg.train.precision)]
+        # pushes carry a loss scale and an inf/nan verdict only where a server optimizer scales the loss
+        self.loss_scaling = cfg.train.precision == "fp16" and b.mode != "geo"
         self.zctx = zmq.Context()
         self.sock = self.zctx.socket(zmq.ROUTER)
         self.sock.setsockopt(zmq.LINGER, 0)
@@ -82,7 +102,8 @@ class ParameterServer(ServerControl):
         self.round_since = 0.0
         self.round_inf = False
         self.last_skipped = False
-        self.clock = [0] * self.workers            # pushes applied per worker (ssp, async)
+        self.clock = [0] * self.workers            # pushes applied per worker (= its next step)
+        self.sent_version = [0] * self.workers     # the version of the parameters last sent to each worker
         self.lost: set[int] = set()
         self.done: set[int] = set()
         self.pending: list[_Pull] = []
@@ -94,6 +115,11 @@ class ParameterServer(ServerControl):
         self.stopping = False
         self.exit_when_done = exit_when_done     # standalone: stop once every worker is done (or 10 s after a failure)
         self.failed_at: float | None = None
+        # standalone, modes that go on without a worker: when each worker was last heard from (None until
+        # the first worker speaks, so that workers started long after the server are not lost at once)
+        self.watch_silence = exit_when_done and b.mode != "sync"
+        self.last_seen: list[float] | None = None
+        self.changing = False                    # the current request has started to change the state
 
     # ------------------------------------------------------------------ loop
 
@@ -135,6 +161,8 @@ class ParameterServer(ServerControl):
             text = str(e) if isinstance(e, wire.WireError) else f"undecodable message ({type(e).__name__}: {e})"
             return self._error(ident, "invalid", text)
         self.meter.add(msg.op, 0, size)
+        self._heard(msg.header["worker"] if "worker" in msg.header else None)
+        self.changing = False
         try:
             if self.failure is not None:
                 raise PSError(self.failure)
@@ -144,6 +172,23 @@ class ParameterServer(ServerControl):
             handler(ident, msg)
         except (PSError, wire.WireError) as e:
             self._error(ident, msg.op, str(e))
+        except Exception as e:  # a bug: no request may end the serve loop, and none may hide a bug either
+            print(f"psarch server {self.index}: internal error handling {msg.op!r} of worker "
+                  f"{msg.header.get('worker')}:\n{traceback.format_exc()}", file=sys.stderr, flush=True)
+            text = f"internal error: {type(e).__name__}: {e}"
+            queued = any(p.ident == ident for p in self.pending)
+            if self.changing:  # the state may be half-updated: fail rather than serve from it
+                self._fail(f"{text} (while applying {msg.op!r} of worker {msg.header.get('worker')})")
+            if not (self.changing and queued):  # _fail answered the request if it was waiting
+                self._error(ident, msg.op, text)
+
+    def _heard(self, worker: Any) -> None:
+        if not self.watch_silence or not isinstance(worker, int) or not 0 <= worker < self.workers:
+            return
+        now = time.monotonic()
+        if self.last_seen is None:
+            self.last_seen = [now] * self.workers   # the run has begun: every worker's silence counts from now
+        self.last_seen[worker] = now
 
     def _send(self, ident: bytes, op: str, header: dict[str, Any], tensor: torch.Tensor | None = None) -> None:
         frames = wire.encode(header, tensor)
@@ -190,6 +235,7 @@ class ParameterServer(ServerControl):
         except PSError:
             self.lo = self.hi = 0
             raise
+        self.changing = True
         self.state = RangeState(msg.tensor(), self.cfg, self.workers)
         self.scratch = torch.empty(self.hi - self.lo, dtype=compute_dtype(self.cfg.train.precision))
         self._send(ident, "init", {"op": "ack", "version": 0})
@@ -203,11 +249,19 @@ class ParameterServer(ServerControl):
 
     def _on_pushpull(self, ident: bytes, msg: wire.Message) -> None:
         """A push, then a pull for the next step, answered by one `params` reply (half the messages)."""
+        self._check_one_pull(self._worker(msg), "pushpull")
         extra = self._apply_push(msg)
         self.pending.append(_Pull(ident, "pushpull", msg.header["worker"], msg.header["step"] + 1,
                                   time.monotonic(), extra))
         self._complete_round()
         self._serve_pending()
+
+    def _check_one_pull(self, w: int, op: str) -> None:
+        """A worker waits for one pull at a time: the waiting queue holds at most one pull per worker."""
+        for p in self.pending:
+            if p.worker == w:
+                raise PSError(f"{op}: worker {w} already has a pull waiting (for step {p.step}); "
+                              f"a worker waits for one pull at a time")
 
     def _apply_push(self, msg: wire.Message) -> dict[str, Any]:
         """Validate a push (raise PSError, changing nothing) and apply it; returns the ack's fields."""
@@ -215,20 +269,25 @@ class ParameterServer(ServerControl):
         if st is None:
             raise PSError("push before init: no parameters yet")
         self._check_tensor(msg, self.wire_dtype)
-        if h["version"] > st.version:
-            raise PSError(f"push: version {h['version']} is ahead of this server's version {st.version}")
+        if h["version"] != self.sent_version[w]:
+            raise PSError(f"push: worker {w} says it computed on version {h['version']}, this server last sent "
+                          f"it version {self.sent_version[w]}")
         if self.barrier:
             if h["step"] != st.version:
                 raise PSError(f"push: worker {w} sent step {h['step']}, the current round is step {st.version}")
             if w in self.round_pushed:
                 raise PSError(f"push: worker {w} already pushed step {h['step']}")
-        elif self.mode in ("async", "ssp") and h["step"] != self.clock[w]:
+        elif h["step"] != self.clock[w]:
             raise PSError(f"push: worker {w} sent step {h['step']}, its next step is {self.clock[w]}")
-        # every check passed: from here on the message is applied
+        self._check_scale(w, h)
         first = self.barrier and not self.round_pushed
         data = msg.tensor(st.acc if first and st.acc.dtype == self.scratch.dtype else self.scratch)
         found_inf = bool(h.get("found_inf", False))
-        staleness = st.version - h["version"]
+        if self.loss_scaling and not found_inf and not bool(torch.isfinite(data).all()):
+            raise PSError(f"push: worker {w} says found_inf = false, but its gradient holds inf/nan")
+        # every check passed: from here on the message is applied
+        self.changing = True
+        staleness = st.version - self.sent_version[w]
         skipped = None
         if self.barrier:
             if first and data is not st.acc:  # the first push of a round overwrites acc
@@ -240,7 +299,7 @@ class ParameterServer(ServerControl):
                 self.round_since = time.monotonic()
             self.round_pushed.add(w)
         elif self.mode == "geo":
-            st.apply_delta(data, staleness)
+            st.apply_delta(data, staleness, self.workers / len(self._live()))
         else:
             skipped = st.apply_gradient(data, staleness, w, float(h.get("scale", 1.0)), found_inf)
         self.clock[w] = h["step"] + 1
@@ -253,21 +312,45 @@ class ParameterServer(ServerControl):
             reply["skipped"] = skipped
         return reply
 
+    def _check_scale(self, w: int, h: dict[str, Any]) -> None:
+        """`scale` and `found_inf` belong to fp16 runs whose server optimizer scales the loss."""
+        sent = [k for k in ("scale", "found_inf") if k in h]
+        if not self.loss_scaling:
+            if sent:
+                raise PSError(f"push: field {sent[0]!r} is sent only in fp16 runs with a server optimizer "
+                              f"(this run: train.precision = {self.cfg.train.precision!r}, mode {self.mode!r})")
+            return
+        if "scale" not in h:
+            raise PSError(f"push: worker {w} sent no 'scale': an fp16 push names the loss scale it was computed with")
+        scale, st = h["scale"], self.state
+        # every scale a server hands out is a power of two >= the scaler's minimum (2^16, halved, doubled)
+        if scale < st.optim.scaler.min_scale or math.frexp(scale)[0] != 0.5:
+            raise PSError(f"push: scale {scale!r}: expected a power of two >= {st.optim.scaler.min_scale:g}, "
+                          f"a loss scale this server could have sent")
+        if self.barrier and scale != st.scale:
+            raise PSError(f"push: scale {scale:g}, this server's loss scale for step {st.version} is {st.scale:g}")
+
     def _complete_round(self) -> None:
         st = self.state
         if not self.barrier or not self.round_pushed or not self.round_pushed >= self._live():
             return
         if self.mode == "sync":
             self.last_skipped = st.apply_mean(self.workers, self.round_inf)
-        else:
-            st.apply_sum()
+        else:  # workers divide their deltas by N: the mean over the deltas this round actually has
+            st.apply_sum(self.workers / len(self.round_pushed))
         self.round_pushed.clear()
         self.round_inf = False
 
     def _on_pull(self, ident: bytes, msg: wire.Message) -> None:
-        self._worker(msg)
+        w, step = self._worker(msg), msg.header["step"]
         if msg.header["want"] != self.wire_dtype:
             raise PSError(f"pull: dtype {msg.header['want']!r:.40}, this run's wire dtype is {self.wire_dtype}")
+        # a pull beyond the worker's next step could only wait until the timeout and fail the run
+        if step > self.clock[w]:
+            raise PSError(f"pull: worker {w} asked for step {step}, but has pushed {self.clock[w]} step(s): "
+                          f"its next step is {self.clock[w]}")
+        self._check_one_pull(w, "pull")
+        self.changing = True
         self.pending.append(_Pull(ident, "pull", msg.header["worker"], msg.header["step"], time.monotonic(), {}))
         self._serve_pending()
 
@@ -281,8 +364,24 @@ class ParameterServer(ServerControl):
     def _on_done(self, ident: bytes, msg: wire.Message) -> None:
         self.done.add(self._worker(msg))
         self._send(ident, "done", {"op": "ack", "version": self.state.version if self.state else 0})
+        self._exit_if_over()
+
+    def _exit_if_over(self) -> None:
         if self.exit_when_done and self.done >= self._live():
             self.stopping = True
+
+    def _lose(self, w: int, why: str) -> None:
+        """Go on without worker w: drop its waiting pulls, finish what waited for it."""
+        if w in self.lost:
+            return
+        self.lost.add(w)
+        self.pending = [p for p in self.pending if p.worker != w]
+        if self.exit_when_done:
+            print(f"psarch server {self.index}: worker {w} lost: {why}", file=sys.stderr, flush=True)
+        if self.state is not None and self.failure is None:
+            self._complete_round()
+            self._serve_pending()
+        self._exit_if_over()
 
     # ------------------------------------------------------------------ pulls and time
 
@@ -324,5 +423,6 @@ class ParameterServer(ServerControl):
             data = data.to(self.scratch.dtype) if data.dtype != self.scratch.dtype else (
                 data if self.barrier else data.clone())
             st.remember_sent(w)
+            self.sent_version[w] = st.version
             self._send(p.ident, p.op, header, data)
         self.pending = waiting

@@ -16,8 +16,11 @@ then start the workers with the servers listed in the config, e.g. under torchru
 (or `psarch run exp.toml` to start every worker on one machine). Each server builds the initial
 parameters from the config (the workload must be importable there too, as on the workers).
 A server prints `psarch server I: listening on ADDRESS`, serves until every worker has said it is done
-(or 10 s after a failure such as a sync timeout, which it reports), then prints its measurements as one
-JSON line (traffic, memory, staleness) and exits: 0 after a clean run, 1 after a failure.
+or is lost (or 10 s after a failure such as a sync timeout, which it reports), then prints its
+measurements as one JSON line (traffic, memory, staleness) and exits: 0 after a clean run, 1 after a
+failure. No launcher tells it that a worker died: in async, geo and ssp a worker it has not heard from
+for backend.timeout_s (while no pull of it waits), counted from the first message of any worker, is
+lost (printed on stderr) and the others go on; in sync the round's timeout fails the run instead.
 Servers bind to 127.0.0.1 unless `--host` (or backend.host) says otherwise.
 """
 from __future__ import annotations

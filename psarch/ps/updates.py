@@ -6,7 +6,10 @@
   `dc`: g + λ·g⊙g⊙(w_now − w_bak) (Zheng et al. 2017, DC-ASGD), where w_bak is the copy of the
   parameters this server last sent to that worker, kept per worker (N copies of the range, reported
   as server memory), exactly as the paper's server does.
-- geo: the worker's delta is added to the parameters (no optimizer on the server).
+- geo: the worker's delta is added to the parameters (no optimizer on the server). Workers divide
+  their deltas by N; after a worker was lost the server scales them by N / (workers whose deltas
+  count), so the model still moves by the mean delta of the workers that are left (with the barrier:
+  of the round's deltas; without: of the live workers), not by a fraction of it.
 """
 from __future__ import annotations
 
@@ -53,16 +56,16 @@ class RangeState:
         self.version += 1
         return skipped
 
-    def apply_sum(self) -> None:
-        """geo with barrier: add the round's summed deltas."""
+    def apply_sum(self, factor: float = 1.0) -> None:
+        """geo with barrier: add the round's summed deltas (times `factor`)."""
         with torch.no_grad():
-            self.params.add_(self.acc)
+            self.params.add_(self.acc, alpha=factor)
         self.version += 1
 
-    def apply_delta(self, delta: torch.Tensor, staleness: int) -> None:
-        """geo without barrier: add one worker's delta at once."""
+    def apply_delta(self, delta: torch.Tensor, staleness: int, factor: float = 1.0) -> None:
+        """geo without barrier: add one worker's delta (times `factor`) at once."""
         with torch.no_grad():
-            self.params.add_(delta.float())
+            self.params.add_(delta.float(), alpha=factor)
         self.staleness[staleness] += 1
         self.version += 1
 
