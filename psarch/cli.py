@@ -64,31 +64,48 @@ def main(argv: list[str] | None = None) -> int:
 
         return serve(args.config, args.index, args.port, args.host, args.overrides)
     if args.command == "run":
-        from psarch.sweep import read_sweep, run_sweep
-
         try:
-            cfg = load_config(args.config, args.overrides)
-            sweep = read_sweep(args.config)
-            if sweep is not None:
-                points = run_sweep(args.config, sweep, args.overrides, args.out, args.rerun, echo=not args.quiet)
-                return 1 if any(p.status == "failed" for p in points) else 0
-        except ConfigError as e:
-            print(f"psarch: config error: {e}", file=sys.stderr)
-            return 2
-        from psarch.launch import RunError, run
-
-        try:
-            run(cfg, args.out, echo=not args.quiet)
-        except (RunError, ConfigError, RuntimeError, OSError, ValueError) as e:
-            print(f"psarch: run {cfg.name!r} failed: {e}", file=sys.stderr)
-            if os.environ.get("PSARCH_DEBUG"):
-                raise
-            return 1
+            return _run(args)
         except KeyboardInterrupt:
             print("psarch: interrupted", file=sys.stderr)
             return 130
-        return 0
+        except Exception as e:  # a failure nobody foresaw: one line; the traceback on request
+            if os.environ.get("PSARCH_DEBUG"):
+                raise
+            print(f"psarch: run failed: {_one_line(e)} (PSARCH_DEBUG=1 shows the traceback)", file=sys.stderr)
+            return 1
     return 2
+
+
+def _one_line(e: BaseException) -> str:
+    text = str(e).strip()
+    return f"{type(e).__name__}: {text.splitlines()[0]}" if text else type(e).__name__
+
+
+def _run(args: argparse.Namespace) -> int:
+    """`psarch run`: exit 2 on a config error (before any process starts), 1 when the run fails."""
+    from psarch.config import check_machine
+    from psarch.sweep import read_sweep, run_sweep
+
+    try:
+        cfg = check_machine(load_config(args.config, args.overrides))
+        sweep = read_sweep(args.config)
+        if sweep is not None:
+            points = run_sweep(args.config, sweep, args.overrides, args.out, args.rerun, echo=not args.quiet)
+            return 1 if any(p.status == "failed" for p in points) else 0
+    except ConfigError as e:
+        print(f"psarch: config error: {e}", file=sys.stderr)
+        return 2
+    from psarch.launch import RunError, run
+
+    try:
+        run(cfg, args.out, echo=not args.quiet)
+    except (RunError, ConfigError, RuntimeError, OSError, ValueError) as e:
+        print(f"psarch: run {cfg.name!r} failed: {e}", file=sys.stderr)
+        if os.environ.get("PSARCH_DEBUG"):
+            raise
+        return 1
+    return 0
 
 
 def _estimate(args: argparse.Namespace) -> int:

@@ -9,6 +9,8 @@ import dataclasses
 import importlib
 import json
 import math
+import os
+import sys
 import tomllib
 import typing
 from dataclasses import dataclass, field
@@ -20,8 +22,9 @@ class ConfigError(ValueError):
     """A bad configuration: the message is one line naming the key, the value and what is allowed."""
 
 
-def _f(default: Any, doc: str, choices: tuple | None = None, min: float | None = None) -> Any:
-    meta = {"doc": doc, "choices": choices, "min": min}
+def _f(default: Any, doc: str, choices: tuple | None = None, min: float | None = None,
+       max: float | None = None) -> Any:
+    meta = {"doc": doc, "choices": choices, "min": min, "max": max}
     if isinstance(default, (list, dict)):
         return field(default_factory=lambda d=default: type(d)(d), metadata=meta)
     return field(default=default, metadata=meta)
@@ -54,7 +57,8 @@ class MLPConfig:
 class MarkovConfig:
     """Synthetic tokens from a random sparse Markov chain whose entropy rate is known exactly."""
 
-    vocab_size: int = _f(64, "number of states (tokens)", min=2)
+    # Every rank builds the chain (O(vocab_size * branching)); 2^16 is a large real tokenizer's vocabulary.
+    vocab_size: int = _f(64, "number of states (tokens)", min=2, max=2**16)
     branching: int = _f(4, "successors per state (sparsity of the transition matrix)", min=1)
     concentration: float = _f(1.0, "Dirichlet concentration of each row's probabilities", min=1e-6)
 
@@ -170,11 +174,13 @@ def _coerce(key: str, value: Any, f: dataclasses.Field) -> Any:
         value = float(value)
         if not math.isfinite(value):
             raise ConfigError(f"{key} = {_show(value)}: expected a finite number")
-    choices, lo = f.metadata.get("choices"), f.metadata.get("min")
+    choices, lo, hi = f.metadata.get("choices"), f.metadata.get("min"), f.metadata.get("max")
     if choices is not None and value not in choices:
         raise ConfigError(f"{key} = {_show(value)}: allowed values are {', '.join(json.dumps(c) for c in choices)}")
     if lo is not None and value < lo:
         raise ConfigError(f"{key} = {_show(value)}: must be >= {lo:g}")
+    if hi is not None and value > hi:
+        raise ConfigError(f"{key} = {_show(value)}: must be <= {hi:g}")
     return value
 
 
@@ -211,7 +217,10 @@ def _read_toml(path: Path, seen: tuple[Path, ...] = ()) -> dict[str, Any]:
     if not path.is_file():
         raise ConfigError(f"config file {json.dumps(str(path))}: no such file")
     try:
-        data = tomllib.loads(path.read_text())
+        data = tomllib.loads(path.read_text(encoding="utf-8"))
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"config file {json.dumps(str(path))}: not UTF-8 text (byte {e.start}); "
+                          f"TOML files are UTF-8") from None
     except tomllib.TOMLDecodeError as e:
         raise ConfigError(f"config file {json.dumps(str(path))}: not valid TOML ({e})") from None
     base = data.pop("base", None)
@@ -256,6 +265,11 @@ def apply_overrides(data: dict[str, Any], overrides: list[str] | dict[str, Any])
 def validate(cfg: Config) -> Config:
     """Checks that need several keys at once."""
     b, t, w = cfg.backend, cfg.train, cfg.workload
+    name = Path(cfg.name)
+    if name.is_absolute() or ".." in name.parts or not name.parts:
+        # the run folder is runs/<name>: a name must stay inside runs/ ('sweep/point' is fine)
+        raise ConfigError(f"name = {_show(cfg.name)}: expected a relative name without '..' parts, "
+                          f"e.g. \"baseline\" or \"sweep/point\"")
     if t.global_batch % b.world_size:
         raise ConfigError(f"train.global_batch = {t.global_batch}: must be divisible by backend.world_size = {b.world_size}")
     if b.kind == "single" and b.world_size != 1:
@@ -280,6 +294,32 @@ def validate(cfg: Config) -> Config:
                           f"{b.servers} address strings like \"tcp://10.0.0.5:5555\"")
     if b.dist_backend == "nccl" and b.device == "cpu":
         raise ConfigError("backend.dist_backend = \"nccl\": needs backend.device = \"cuda\" (or \"auto\" on a GPU machine)")
+    if b.kind in ("torch_zero", "torch_fsdp") and t.precision != "fp32":
+        raise ConfigError(f"train.precision = \"{t.precision}\": backend.kind = \"{b.kind}\" (a PyTorch peer) runs "
+                          f"fp32 only; use backend.kind = \"zero\" for bf16/fp16")
+    return cfg
+
+
+def check_machine(cfg: Config) -> Config:
+    """Checks against this machine, made before any process starts: the device and the text file.
+    Not part of validate(): a config written for GPU ranks stays valid on a CPU-only machine that only
+    loads it (a standalone parameter server, a test reading config.json)."""
+    b, w = cfg.backend, cfg.workload
+    if b.device == "cuda" or b.dist_backend == "nccl":
+        import torch
+
+        if not torch.cuda.is_available():
+            key, value = ("backend.device", "cuda") if b.device == "cuda" else ("backend.dist_backend", "nccl")
+            raise ConfigError(f"{key} = \"{value}\": no CUDA device is visible on this machine; "
+                              f"use backend.device = \"cpu\" (or \"auto\") and backend.dist_backend = \"gloo\" (or \"auto\")")
+    if w.data == "text" and not w.factory:
+        path = Path(w.text.path)
+        if not path.is_file():
+            raise ConfigError(f"workload.text.path = {_show(w.text.path)}: no such file")
+        size, need = path.stat().st_size, w.seq_len + 1  # a sequence and its next-token target
+        if size < need:
+            raise ConfigError(f"workload.text.path = {_show(w.text.path)}: the file has {size} bytes; "
+                              f"workload.seq_len = {w.seq_len} needs at least {need}")
     return cfg
 
 
@@ -288,6 +328,10 @@ def resolve_factory(spec: str) -> Any:
     module_name, _, fn_name = spec.partition(":")
     if not module_name or not fn_name:
         raise ConfigError(f"workload.factory = {json.dumps(spec)}: expected 'package.module:function'")
+    # A module next to the config finds itself as under `python -m`: the `psarch` console script's
+    # sys.path[0] is its bin folder, not the working directory. Spawned ranks inherit sys.path.
+    if os.getcwd() not in sys.path and "" not in sys.path:
+        sys.path.append(os.getcwd())
     try:
         fn = getattr(importlib.import_module(module_name), fn_name)
     except Exception as e:  # ImportError, AttributeError, or the module's own error (a SyntaxError, say)

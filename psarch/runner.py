@@ -9,17 +9,23 @@ import torch
 
 from psarch.config import Config
 from psarch.dist import DistContext
+from psarch.precision import compute_dtype
 from psarch.registry import trainer_class
 from psarch.workload import Workload, build_workload
 
 
-def to_device(batch: Any, device: torch.device) -> Any:
+def to_device(batch: Any, device: torch.device, dtype: torch.dtype | None = None) -> Any:
+    """The batch on `device`; with `dtype`, its floating-point tensors cast to it (the model's compute dtype
+    in bf16/fp16, as DeepSpeed casts inputs and FSDP's MixedPrecision(cast_forward_inputs=True) does), so a
+    user's loss_fn need not. Integer tensors (tokens, labels) are never cast."""
     if torch.is_tensor(batch):
+        if dtype is not None and batch.is_floating_point():
+            return batch.to(device, dtype, non_blocking=True)
         return batch.to(device, non_blocking=True)
     if isinstance(batch, (list, tuple)):
-        return type(batch)(to_device(b, device) for b in batch)
+        return type(batch)(to_device(b, device, dtype) for b in batch)
     if isinstance(batch, dict):
-        return {k: to_device(v, device) for k, v in batch.items()}
+        return {k: to_device(v, device, dtype) for k, v in batch.items()}
     return batch
 
 
@@ -33,6 +39,7 @@ def run_rank(cfg: Config, ctx: DistContext, workload: Workload | None = None, ec
     workload = workload or build_workload(cfg)
     params = sum(p.numel() for p in workload.model.parameters())  # before a backend shards the model
     trainer = trainer_class(cfg.backend.kind)(workload, cfg, ctx)
+    cast = None if cfg.train.precision == "fp32" else compute_dtype(cfg.train.precision)  # fp32: batches as given
     sync = ctx.device.type == "cuda"
     rows: list[dict[str, Any]] = []
     log_every, steps = cfg.train.log_every, cfg.train.steps
@@ -41,7 +48,7 @@ def run_rank(cfg: Config, ctx: DistContext, workload: Workload | None = None, ec
     interval_t0 = time.perf_counter()
     try:
         for step in range(steps):
-            batch = to_device(workload.batch(step, ctx.rank, ctx.world_size), ctx.device)
+            batch = to_device(workload.batch(step, ctx.rank, ctx.world_size), ctx.device, cast)
             if sync:
                 torch.cuda.synchronize(ctx.device)
             t0 = time.perf_counter()
@@ -62,7 +69,8 @@ def run_rank(cfg: Config, ctx: DistContext, workload: Workload | None = None, ec
                 if echo and ctx.rank == 0:
                     elapsed = time.perf_counter() - interval_t0
                     _progress(step, steps, loss, workload.entropy_floor, len(interval) * cfg.train.global_batch / elapsed,
-                              statistics.fmean(r["sent"] for r in interval), stats)
+                              statistics.fmean(r["sent"] for r in interval), sum(r["skipped"] for r in interval),
+                              stats)
                 interval_t0 = time.perf_counter()
         model_state = trainer.full_state_dict()
         memory = trainer.memory().to_dict()
@@ -77,11 +85,13 @@ def run_rank(cfg: Config, ctx: DistContext, workload: Workload | None = None, ec
 
 
 def _progress(step: int, steps: int, loss: float, floor: float | None, samples_per_s: float,
-              bytes_per_step: float, stats: Any) -> None:
+              bytes_per_step: float, skipped: int, stats: Any) -> None:
     gap = f"  gap {loss - floor:7.4f}" if floor is not None else ""
+    # fp16 steps dropped for inf/nan gradients: the loss above moved without an update
+    skip = f"  skipped {skipped}" if skipped else ""
     scale = f"  scale {stats.loss_scale:g}" if stats.loss_scale not in (None, 1.0) else ""
     print(f"step {step + 1:>6}/{steps}  loss {loss:8.4f}{gap}  {samples_per_s:9.1f} samples/s  "
-          f"{_fmt_bytes(bytes_per_step)}/step sent{scale}", flush=True)
+          f"{_fmt_bytes(bytes_per_step)}/step sent{skip}{scale}", flush=True)
 
 
 def _fmt_bytes(n: float) -> str:

@@ -9,7 +9,8 @@
 Points = explicit points (or one empty point) x the matrix. Keys that do not apply to a point's backend
 (e.g. `backend.stage` for ddp) are dropped, so duplicates run once. Each point writes its own run folder
 under the sweep's folder; a point whose summary.json exists is skipped unless rerun; a failed point is
-reported and the others still run; the comparison of all finished points is written at the end.
+reported and the others still run; the comparison of all finished points is written at the end. A point
+with a config error stops the sweep before any point runs.
 """
 from __future__ import annotations
 
@@ -22,7 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from psarch.config import ConfigError, load_config
+from psarch.config import ConfigError, check_machine, load_config
 
 # Options that only some backends read; elsewhere they are dropped from a point.
 APPLIES_TO = {
@@ -40,7 +41,7 @@ ALIASES = {"backend": "backend.kind"}
 class Point:
     name: str
     overrides: dict[str, Any]
-    error: str | None = None          # a config error found before anything ran
+    error: str | None = None          # a config error (run_sweep refuses to start while any point has one)
     status: str = "pending"           # pending | done | skipped | failed
     detail: str = ""
     summary: dict[str, Any] = field(default_factory=dict)
@@ -49,10 +50,14 @@ class Point:
 def read_sweep(path: str | Path) -> dict[str, Any] | None:
     """The `[sweep]` table of a config file (not of its bases), or None."""
     try:
-        data = tomllib.loads(Path(path).read_text())
-    except (OSError, tomllib.TOMLDecodeError):
+        data = tomllib.loads(Path(path).read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError):
         return None  # load_config reports these properly
-    return data.get("sweep")
+    sweep = data.get("sweep")
+    if sweep is not None and not isinstance(sweep, dict):
+        raise ConfigError(f"sweep = {json.dumps(sweep, default=str)}: expected a table [sweep] whose keys are "
+                          f"config keys with lists of values (and optional points = [{{...}}, ...])")
+    return sweep
 
 
 def _point_name(ov: dict[str, Any]) -> str:
@@ -88,7 +93,7 @@ def expand(path: str | Path, sweep: dict[str, Any], overrides: list[str] | None 
                 continue
             seen.add(name)
             try:
-                load_config(path, point_overrides(overrides, ov))
+                check_machine(load_config(path, point_overrides(overrides, ov)))
                 points.append(Point(name, ov))
             except ConfigError as e:
                 points.append(Point(name, ov, error=str(e)))
@@ -114,14 +119,16 @@ def run_sweep(path: str | Path, sweep: dict[str, Any], overrides: list[str] | No
     base = load_config(path, overrides)
     root = Path(out or base.out or Path("runs") / base.name)
     points = expand(path, sweep, overrides)
+    bad = [p for p in points if p.error]
+    if bad:  # as for a single run: a config error stops everything before any process starts
+        more = f" (and {len(bad) - 1} more points with config errors)" if len(bad) > 1 else ""
+        raise ConfigError(f"sweep point {bad[0].name}: {bad[0].error}{more}")
     root.mkdir(parents=True, exist_ok=True)
     for i, p in enumerate(points):
         folder = root / p.name
         if echo:
             print(f"\n{_bar(i, len(points))}  point {p.name}", flush=True)
-        if p.error:
-            p.status, p.detail = "failed", f"config error: {p.error}"
-        elif (folder / "summary.json").is_file() and not rerun:
+        if (folder / "summary.json").is_file() and not rerun:
             p.status, p.detail = "skipped", "outputs exist (rerun to replace)"
             p.summary = json.loads((folder / "summary.json").read_text())
         else:

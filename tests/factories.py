@@ -65,3 +65,33 @@ def fails_at_step_2(cfg) -> psarch.Workload:
         return wl.loss_fn(model, b)
 
     return psarch.Workload(wl.model, loss_fn, wl.batch, wl.entropy_floor, "fails")
+
+
+def readme_example(cfg) -> psarch.Workload:
+    """The README's "Bring your own model" factory, verbatim: its loss_fn does not cast the batch, so it
+    runs in bf16/fp16 only because the runner casts floating-point batches to the compute dtype."""
+    model = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.ReLU(), torch.nn.Linear(32, 1))
+
+    def batch(step, shard, num_shards):           # the shard of step `step`'s global batch
+        g = step_generator(cfg.seed, step)
+        x = torch.randn(cfg.train.global_batch, 8, generator=g)
+        return shard_rows(x, shard, num_shards), shard_rows(x.sum(1, keepdim=True), shard, num_shards)
+
+    def loss_fn(model, b):
+        x, y = b
+        return F.mse_loss(model(x), y)
+
+    return psarch.Workload(model, loss_fn, batch)
+
+
+def perturbed_by_rank(cfg) -> psarch.Workload:
+    """Regression whose initial model differs on every rank (rank r adds r * 0.5 to every parameter):
+    only the trainer's start-of-training broadcast from rank 0 makes the ranks agree."""
+    import torch.distributed as dist
+
+    wl = regression(cfg)
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    with torch.no_grad():
+        for p in wl.model.parameters():
+            p.add_(0.5 * rank)
+    return wl

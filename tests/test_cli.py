@@ -7,6 +7,7 @@ import json
 import math
 import os
 import re
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -55,7 +56,9 @@ def psarch(cwd: Path, *args: str, timeout: float = 120) -> subprocess.CompletedP
     return subprocess.run(cli_args(*args), cwd=cwd, env=ENV, capture_output=True, text=True, timeout=timeout)
 
 
-PROGRESS = re.compile(r"^step\s+\d+/\d+\s+loss\s")
+# step, mean loss, gap to the entropy floor, throughput, bytes sent per step (then skipped steps, loss scale)
+PROGRESS = re.compile(r"^step\s+\d+/\d+\s+loss\s+\d+\.\d{4}\s+gap\s+-?\d+\.\d{4}\s+\d+\.\d\s+samples/s"
+                      r"\s+\d+(\.\d\d)?\s(B|KiB|MiB|GiB)/step sent(\s+skipped \d+)?(\s+scale \S+)?$")
 
 
 def rows_of(run_dir: Path) -> list[dict]:
@@ -199,10 +202,21 @@ def test_ddp_run_end_to_end(ddp_run, single_run):
 @pytest.mark.parametrize("overrides, key", [
     (["train.stepz=5"], "train.stepz"),                                       # unknown key
     (["train.steps=0"], "train.steps"),                                       # bad value
+    (['train.steps="5"'], "train.steps"),                                     # wrong type
+    (["name=../../x"], "name"),                                               # a run folder outside runs/
+    (["name=/tmp/psarch-x"], "name"),
+    (["workload.markov.vocab_size=100000"], "workload.markov.vocab_size"),    # the chain would not fit
+    (["workload.data=text", "workload.text.path=absent.txt"], "workload.text.path"),
+    (["workload.data=text", "workload.text.path=short.txt"], "workload.text.path"),  # 5 bytes < seq_len + 1
+    pytest.param(["backend.device=cuda"], "backend.device",
+                 marks=pytest.mark.skipif(torch.cuda.is_available(), reason="needs a CPU-only machine")),
+    pytest.param(["backend.kind=ddp", "backend.world_size=2", "backend.dist_backend=nccl"], "backend.dist_backend",
+                 marks=pytest.mark.skipif(torch.cuda.is_available(), reason="needs a CPU-only machine")),
     (["backend.kind=ddp", "backend.world_size=3"], "train.global_batch"),     # 4 samples over 3 workers
 ])
 def test_config_error_exits_2_before_anything_starts(tmp_path, overrides, key):
     (tmp_path / "tiny.toml").write_text(TINY)
+    (tmp_path / "short.txt").write_text("12345")
     args = ["run", "tiny.toml", "--out", "out/x"]
     for o in overrides:
         args += ["--set", o]
@@ -213,6 +227,22 @@ def test_config_error_exits_2_before_anything_starts(tmp_path, overrides, key):
     assert key in lines[0] and "config error" in lines[0]
     assert proc.stdout == ""
     assert not (tmp_path / "out").exists() and not (tmp_path / "runs").exists()
+
+
+@pytest.mark.parametrize("text, what", [
+    (TINY.replace("seed = 1", "seed = 1 # caf\xe9").encode("latin-1"), "not UTF-8"),
+    (b"sweep = 3\n" + TINY.encode(), "sweep = 3"),
+    (TINY.encode() + b'[[sweep]]\nbackend = ["single"]\n', "sweep = ["),
+    # one bad point stops the sweep before any point runs
+    (TINY.encode() + b'[sweep]\n"train.steps" = [2, 0]\n', "sweep point steps0: train.steps = 0"),
+])
+def test_bad_config_file_exits_2_before_anything_starts(tmp_path, text, what):
+    (tmp_path / "tiny.toml").write_bytes(text)
+    proc = psarch(tmp_path, "run", "tiny.toml", timeout=60)
+    assert proc.returncode == 2, (proc.returncode, proc.stdout, proc.stderr)
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("psarch: config error: ") and what in lines[0], proc.stderr
+    assert proc.stdout == "" and not (tmp_path / "runs").exists()
 
 
 def test_missing_config_file_exits_2(tmp_path):
@@ -346,3 +376,67 @@ def test_failing_rank_stops_the_run_with_its_error(tmp_path):
         time.sleep(0.1)
     left = sorted(p for p in seen | rank_pids if _alive(p))
     assert not left, f"processes left running after the run failed: {left}"
+
+
+# ---------------------------------------------------------------- a factory next to the config; unforeseen errors
+
+CWD_FACTORY = textwrap.dedent('''
+    import torch
+    from psarch import Workload
+
+    def make(cfg):
+        def batch(step, shard, num_shards):
+            x = torch.randn(4, 3, generator=torch.Generator().manual_seed(step))
+            per = 4 // num_shards
+            return x[shard * per:(shard + 1) * per]
+        return Workload(torch.nn.Linear(3, 1), lambda model, x: model(x).pow(2).mean(), batch, name="cwd")
+
+    def broken(cfg):
+        wl = make(cfg)
+        return Workload(wl.model, lambda model, x: {}["no such key"], wl.batch, name="broken")
+''')
+
+
+@pytest.mark.parametrize("backend", [["backend.kind=single"], ["backend.kind=ddp", "backend.world_size=2"]])
+def test_console_script_imports_a_factory_from_the_working_directory(tmp_path, backend):
+    """The `psarch` script's sys.path[0] is its bin folder; the factory module sits in the working
+    directory, as it does for `python -m psarch.cli`. Spawned ranks (ddp) must import it too."""
+    script = shutil.which("psarch")
+    assert script, "the psarch console script is not installed"
+    (tmp_path / "my_cwd_factory.py").write_text(CWD_FACTORY)
+    (tmp_path / "tiny.toml").write_text(TINY)
+    args = [script, "run", "tiny.toml", "--quiet", "--out", "out", "--set", "workload.factory=my_cwd_factory:make"]
+    for o in backend:
+        args += ["--set", o]
+    env = {k: v for k, v in ENV.items() if k != "PYTHONPATH"}
+    proc = subprocess.run(args, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads((tmp_path / "out" / "summary.json").read_text())["workload"] == "cwd"
+
+
+def test_unforeseen_error_is_one_line_and_a_traceback_with_psarch_debug(tmp_path):
+    (tmp_path / "my_cwd_factory.py").write_text(CWD_FACTORY)
+    (tmp_path / "tiny.toml").write_text(TINY)
+    args = ["run", "tiny.toml", "--quiet", "--set", "workload.factory=my_cwd_factory:broken"]
+    proc = psarch(tmp_path, *args, timeout=60)
+    assert proc.returncode == 1, proc.stderr
+    assert proc.stderr.strip().splitlines() == [
+        "psarch: run failed: KeyError: 'no such key' (PSARCH_DEBUG=1 shows the traceback)"], proc.stderr
+    debug = subprocess.run(cli_args(*args), cwd=tmp_path, env=dict(ENV, PSARCH_DEBUG="1"), capture_output=True,
+                           text=True, timeout=60)
+    assert debug.returncode != 0 and "Traceback" in debug.stderr and "KeyError" in debug.stderr
+
+
+def test_progress_line_counts_skipped_steps(capsys):
+    """fp16 overflow at steps 3 and 4 (rows 3, 4): the intervals ending at steps 4 and 6 each skipped one."""
+    from psarch.dist import DistContext
+    from psarch.runner import run_rank
+
+    cfg = from_dict({"workload": {"factory": "factories:overflow_at_steps_3_and_4"},
+                     "train": {"steps": 6, "global_batch": 8, "optimizer": "sgd", "lr": 0.05, "precision": "fp16",
+                               "log_every": 2}})
+    run_rank(cfg, DistContext(), echo=True)
+    lines = capsys.readouterr().out.splitlines()
+    assert len(lines) == 3 and all(PROGRESS.match(line) for line in lines), lines
+    assert ["skipped" in line for line in lines] == [False, True, True], lines
+    assert all(re.search(r"/step sent  skipped 1  scale \d+$", line) for line in lines[1:]), lines

@@ -4,12 +4,15 @@ Pure unit tests: no processes."""
 from __future__ import annotations
 
 import dataclasses
+import os
+import sys
 from pathlib import Path
 
 import pytest
+import torch
 
-from psarch.config import (Config, ConfigError, apply_overrides, describe, from_dict, load_config,
-                           parse_override)
+from psarch.config import (Config, ConfigError, apply_overrides, check_machine, describe, from_dict, load_config,
+                           parse_override, resolve_factory)
 
 
 def write(path: Path, text: str) -> Path:
@@ -229,6 +232,27 @@ def test_below_minimum(override, key, value, bound):
     assert_names(msg, f"{key} = {value}", "must be", bound)
 
 
+def test_above_maximum():
+    msg = error(None, ["workload.markov.vocab_size=100000"])
+    assert_names(msg, "workload.markov.vocab_size = 100000", "must be <= 65536")
+    assert load_config(None, ["workload.markov.vocab_size=65536"]).workload.markov.vocab_size == 65536
+
+
+@pytest.mark.parametrize("name", ["../../x", "a/../../x", "..", "/tmp/x", "."])
+def test_run_name_must_stay_under_runs(name):
+    assert_names(error(None, [f'name="{name}"']), f'name = "{name}"', "relative", "..")
+
+
+def test_run_name_may_have_a_folder():
+    assert load_config(None, ['name="sweep/point"']).name == "sweep/point"  # how sweep points are named
+
+
+def test_torch_peers_run_fp32_only():
+    msg = error(None, ["backend.kind=torch_fsdp", "backend.world_size=2", "train.precision=bf16"])
+    assert_names(msg, 'train.precision = "bf16"', "torch_fsdp", "fp32 only")
+    load_config(None, ["backend.kind=torch_ddp", "backend.world_size=2", "train.precision=bf16"])  # it casts
+
+
 def test_global_batch_not_divisible_by_world_size():
     msg = error(None, ["backend.kind=ddp", "backend.world_size=3", "train.global_batch=16"])
     assert_names(msg, "train.global_batch = 16", "divisible", "backend.world_size = 3")
@@ -296,6 +320,12 @@ def test_missing_file(tmp_path):
     assert_names(msg, "absent.toml", "no such file")
 
 
+def test_config_file_not_utf8(tmp_path):
+    p = tmp_path / "latin1.toml"
+    p.write_bytes("name = \"caf\u00e9\"\n".encode("latin-1"))
+    assert_names(error(p), "latin1.toml", "not UTF-8")
+
+
 def test_wrong_type_in_file_names_the_nested_key(tmp_path):
     p = write(tmp_path / "w.toml", '[workload.markov]\nbranching = "four"\n')
     assert_names(error(p), 'workload.markov.branching = "four"', "expected an integer")
@@ -309,3 +339,47 @@ def test_to_dict_round_trips():
     again = from_dict(cfg.to_dict())
     assert again == cfg
     assert dataclasses.asdict(again) == cfg.to_dict()
+
+
+# ---------------------------------------------------------------- this machine: devices and files
+
+def machine_error(overrides: list[str]) -> str:
+    cfg = load_config(None, overrides)  # valid as a config: the machine is what lacks
+    with pytest.raises(ConfigError) as info:
+        check_machine(cfg)
+    msg = str(info.value)
+    assert msg and "\n" not in msg
+    return msg
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a CPU-only machine")
+def test_cuda_asked_for_on_a_cpu_machine():
+    assert_names(machine_error(["backend.device=cuda"]), 'backend.device = "cuda"', "no CUDA device", '"cpu"')
+    msg = machine_error(["backend.kind=ddp", "backend.world_size=2", "backend.dist_backend=nccl"])
+    assert_names(msg, 'backend.dist_backend = "nccl"', "no CUDA device", '"gloo"')
+
+
+def test_text_file_must_exist_and_hold_one_sequence(tmp_path):
+    text = tmp_path / "t.txt"
+    base = ["workload.data=text", f"workload.text.path={text}", "workload.seq_len=8"]
+    assert_names(machine_error(base), f'workload.text.path = "{text}"', "no such file")
+    text.write_bytes(b"")
+    assert_names(machine_error(base), "has 0 bytes", "workload.seq_len = 8", "at least 9")
+    text.write_bytes(b"12345678")
+    assert_names(machine_error(base), "has 8 bytes", "at least 9")
+    text.write_bytes(b"123456789")
+    check_machine(load_config(None, base))  # one sequence and its target: enough
+    check_machine(load_config(None, ["workload.data=text", "workload.text.path=nowhere.txt",
+                                     "workload.factory=psarch.workload:build_workload"]))  # a factory replaces data
+
+
+def test_factory_module_in_the_working_directory(tmp_path, monkeypatch):
+    """As under `python -m`: the console script's sys.path[0] is its bin folder, not the working directory."""
+    (tmp_path / "psarch_cwd_factory_mod.py").write_text("def make():\n    return 1\n")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "path", [p for p in sys.path if p not in ("", os.getcwd())])
+    try:
+        assert resolve_factory("psarch_cwd_factory_mod:make")() == 1
+        assert str(tmp_path) in sys.path
+    finally:
+        sys.modules.pop("psarch_cwd_factory_mod", None)

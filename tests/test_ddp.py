@@ -34,6 +34,7 @@ OPTIMIZERS = {
     "sgd": {"optimizer": "sgd", "lr": 0.1, "momentum": 0.9, "weight_decay": 0.01},
     "adamw": {"optimizer": "adamw", "lr": 1e-2, "weight_decay": 0.1, "eps": 1e-6},
 }
+PERTURBED = {"factory": "factories:perturbed_by_rank"}  # every rank builds a different initial model
 VARIANTS = [("torch_ddp", {}), ("ddp", {"comm": "ring", "bucket_cap_mb": 0.01}),
             ("ddp", {"comm": "native", "bucket_cap_mb": 0.01})]
 
@@ -62,6 +63,10 @@ def all_variants(rank: int, n: int, out: str) -> dict:
         for kind, backend in VARIANTS:
             name = f"{kind}-{backend.get('comm', '')}-{opt}-{n}"
             results[name] = train(rank, n, config(name, train=hp, backend=dict(backend, kind=kind, world_size=n)), out)
+    for kind, backend in VARIANTS:
+        name = f"perturbed-{kind}-{backend.get('comm', '')}-{n}"
+        results[name] = train(rank, n, config(name, train=OPTIMIZERS["sgd"], workload=PERTURBED,
+                                              backend=dict(backend, kind=kind, world_size=n)), out)
     if n == 2:
         for name, backend in (("plain", {"bucket_cap_mb": 0, "overlap_comm": False}),
                               ("fast", {"bucket_cap_mb": 0.005, "overlap_comm": True})):
@@ -82,6 +87,7 @@ def runs(tmp_path_factory):
     out = tmp_path_factory.mktemp("ddp")
     for opt, hp in OPTIMIZERS.items():
         train(0, 1, config(f"single-{opt}", train=hp), str(out))
+    train(0, 1, config("perturbed-single", train=OPTIMIZERS["sgd"], workload=PERTURBED), str(out))  # rank 0's model
     results = {}
     for n in (2, 3):
         for rank, res in enumerate(run_ranks(all_variants, n, str(out), timeout=300)):
@@ -103,6 +109,18 @@ def test_ddp_equals_single_and_torch_ddp(runs, opt, n):
         mine = model(out, f"ddp-{comm}-{opt}-{n}")
         assert_same_model(mine, ref, f"psarch DDP {comm} N={n} vs single")
         assert_same_model(mine, torch_ddp, f"psarch DDP {comm} N={n} vs torch DDP")
+
+
+@pytest.mark.parametrize("n", [2, 3])
+def test_ddp_starts_from_rank_0s_model(runs, n):
+    """Every rank builds a different initial model (rank r's is shifted by 0.5 r); the broadcast at
+    construction gives every rank rank 0's, so DDP ends where `single` started from rank 0's model ends.
+    Without it the ranks' gradients come from different models and rank 0 ends ~lr away."""
+    out, _ = runs
+    ref = model(out, "perturbed-single")
+    for kind, backend in VARIANTS:
+        mine = model(out, f"perturbed-{kind}-{backend.get('comm', '')}-{n}")
+        assert_same_model(mine, ref, f"{kind} {backend} N={n} from perturbed ranks vs single from rank 0")
 
 
 def test_bucketed_overlapped_equals_plain_per_parameter(runs):

@@ -11,7 +11,7 @@ from factories import TinyRegressor
 from psarch.config import from_dict
 from psarch.dist import DistContext
 from psarch.registry import BACKENDS
-from psarch.runner import run_rank
+from psarch.runner import run_rank, to_device
 
 BASE = {"seed": 1, "workload": {"factory": "factories:regression"},
         "train": {"steps": 30, "global_batch": 16, "optimizer": "adamw", "lr": 0.03, "log_every": 100}}
@@ -49,3 +49,40 @@ def test_factory_workload_trains_under_every_backend(tmp_path):
         assert s["final_loss"] < 0.3 * rows[0]["loss"], run
         state = torch.load(tmp_path / run / "model.pt", weights_only=True)
         TinyRegressor().load_state_dict(state)  # strict: the plain model loads it
+
+
+# ---------------------------------------------------------------- low precision: the runner casts float batches
+
+README = {"seed": 1, "workload": {"factory": "factories:readme_example"},
+          "train": {"steps": 30, "global_batch": 16, "optimizer": "adamw", "lr": 0.03, "log_every": 100,
+                    "precision": "bf16"}}
+README_DDP = [{"comm": "ring"}, {"comm": "native"}]
+
+
+def readme_losses(rank: int, n: int) -> dict:
+    out = {}
+    for backend in README_DDP:
+        cfg = from_dict(dict(README, name="ddp", backend=dict(backend, kind="ddp", world_size=n)))
+        rows = run_rank(cfg, DistContext(rank, n, rank, torch.device("cpu"), "gloo"), echo=False)["rows"]
+        out[backend["comm"]] = [r["loss"] for r in rows]
+    return out
+
+
+def test_readme_factory_trains_in_bf16_without_casting_its_input():
+    """The README's factory feeds float32 x to a bf16 model (no cast in its loss_fn): without the runner's
+    cast, the first forward raises "mat1 and mat2 must have the same dtype"."""
+    single = run_rank(from_dict(dict(README, name="single")), DistContext(), echo=False)
+    runs = {"single": [r["loss"] for r in single["rows"]], **run_ranks(readme_losses, 2, timeout=300)[0]}
+    for name, losses in runs.items():
+        assert losses[-1] < 0.3 * losses[0], f"{name} bf16 did not learn: {losses[0]:.3f} -> {losses[-1]:.3f}"
+
+
+def test_to_device_casts_floating_tensors_only():
+    ints, floats = torch.arange(6).reshape(2, 3), torch.randn(2, 3, dtype=torch.float64)
+    batch = {"tokens": ints, "pair": (floats, [floats.float()]), "n": 3}
+    cast = to_device(batch, torch.device("cpu"), torch.bfloat16)
+    assert cast["tokens"].dtype == torch.int64 and torch.equal(cast["tokens"], ints)   # tokens untouched
+    assert cast["pair"][0].dtype == torch.bfloat16 and cast["pair"][1][0].dtype == torch.bfloat16
+    assert isinstance(cast["pair"], tuple) and isinstance(cast["pair"][1], list) and cast["n"] == 3
+    same = to_device(batch, torch.device("cpu"))                                      # fp32 runs: as given
+    assert same["pair"][0].dtype == torch.float64 and torch.equal(same["pair"][0], floats)

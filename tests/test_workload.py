@@ -73,6 +73,54 @@ def test_markov_entropy_rate_matches_empirical_conditional_entropy():
     assert np.abs(first - src.stationary.numpy()).max() < 0.05
 
 
+def dense_stationary(p: np.ndarray) -> np.ndarray:
+    """pi P = pi, sum pi = 1, by a dense least-squares solve (the reference; O(v^3))."""
+    v = p.shape[0]
+    a = np.vstack([p.T - np.eye(v), np.ones((1, v))])
+    return np.linalg.lstsq(a, np.r_[np.zeros(v), 1.0], rcond=None)[0]
+
+
+@pytest.mark.parametrize("vocab, branching, concentration", [
+    (16, 4, 1.0), (200, 4, 1.0), (300, 2, 1e-6),   # 1e-6: rows nearly deterministic, the slowest mixing allowed
+    (12, 12, 0.3), (50, 1, 1.0)])
+def test_markov_stationary_distribution_matches_a_dense_solve(vocab, branching, concentration):
+    src = MarkovSource(vocab, branching, seed=5, concentration=concentration)
+    p = transition_matrix(src)
+    ref = dense_stationary(p)
+    pi = src.stationary.numpy()
+    assert np.abs(pi - ref).sum() < 1e-9
+    logp = np.log(np.where(p > 0, p, 1.0))
+    assert src.entropy_rate == pytest.approx(float(-(ref[:, None] * p * logp).sum()), abs=1e-10)
+
+
+def test_markov_stationary_distribution_of_a_periodic_chain():
+    """A chain of period 2 (even -> odd -> even): plain power iteration oscillates; the lazy chain converges."""
+    succ = np.array([[1, 3], [2, 0], [3, 1], [0, 2]])
+    probs = np.array([[0.9, 0.1], [0.3, 0.7], [0.5, 0.5], [0.2, 0.8]])
+    p = np.zeros((4, 4))
+    for s in range(4):
+        p[s, succ[s]] = probs[s]
+    np.testing.assert_allclose(MarkovSource._stationary(succ, probs), dense_stationary(p), atol=1e-12)
+
+
+def test_markov_chain_is_unchanged_by_the_fast_construction():
+    """The O(v * branching) construction draws the same chain as the earlier O(v^2) one: the entropy
+    floors of runs already recorded stay valid (reference values from that construction)."""
+    assert MarkovSource(64, 4, seed=0).entropy_rate == pytest.approx(1.0792797301192985, abs=1e-12)
+    assert MarkovSource(200, 3, 5, 1e-6).entropy_rate == pytest.approx(0.015785937351260056, abs=1e-12)
+    assert MarkovSource(12, 12, 3, 0.3).entropy_rate == pytest.approx(1.6182730881089857, abs=1e-12)
+
+
+def test_markov_large_vocabulary_is_sparse_and_quick():
+    """The largest vocabulary the config allows: a dense v x v solve would need 32 GiB and hours."""
+    v = 2**16
+    src = MarkovSource(v, 4, seed=0)
+    pi, succ, probs = src.stationary.numpy(), src.successors.numpy(), src.probs.numpy()
+    moved = np.bincount(succ.ravel(), weights=(pi[:, None] * probs).ravel(), minlength=v)  # pi P, sparse
+    assert np.abs(moved - pi).sum() < 1e-12 and pi.sum() == pytest.approx(1.0, abs=1e-12)
+    assert 0 < src.entropy_rate < math.log(4)
+
+
 def test_markov_samples_are_deterministic_and_in_range():
     src = MarkovSource(16, 4, seed=0)
     a = src.sample(4, 9, torch.Generator().manual_seed(5))
