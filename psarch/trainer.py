@@ -26,7 +26,9 @@ class MemoryReport:
     grads: int = 0
     optimizer: int = 0               # optimizer state, fp32 master weights included
     buffers: int = 0                 # communication buffers / padding beyond the three categories
-    working: int = 0                 # peak of transient gathered state (ZeRO-3 units)
+    working: int = 0                 # peak of all transient buffers together (outside total)
+    gathered_peak: int = 0           # peak of gathered parameters alone (ZeRO-3 units), part of working
+    grad_buffer_peak: int = 0        # peak of transient gradient buffers alone (buckets, unit grads), part of working
     peak: int | None = None          # peak device memory (CUDA) or peak RSS (CPU), in bytes
     peak_kind: str | None = None     # "cuda_max_allocated" or "rss"
     padding: int = 0                 # bytes of the categories above that are padding

@@ -12,6 +12,7 @@ from __future__ import annotations
 import copy
 import json
 from pathlib import Path
+from unittest import mock
 
 import pytest
 import torch
@@ -19,11 +20,15 @@ import torch
 from dist_utils import run_ranks
 from parity import ATOL, assert_same_model, model
 from psarch import theory
+from collective.comm import ring_bytes
 from psarch.config import from_dict
 from psarch.dist import DistContext
+from psarch.meters import tensor_bytes
+from psarch.registry import trainer_class
 from psarch.runner import run_rank
 from psarch.workload import build_workload
 from zero.partition import Partition, bucket_params
+from zero.stage12 import MAX_IN_FLIGHT
 from zero.units import find_units
 
 TINY_GPT = {
@@ -72,27 +77,117 @@ def config(name: str, **sections) -> dict:
     return data
 
 
+class Probe:
+    """Watches a ZeroTrainer from outside, through the tensors it holds and the collectives it issues
+    (not through the engine's own byte counters, which a regression could get wrong together with the
+    buffers they count):
+    - stage 2: right after each gradient hook, p.grad must be None (the full gradient is dropped at
+      once), and the gradient buckets held (filling or being reduced) are measured;
+    - stage 3: after each step every parameter's storage is empty (0 bytes: only the shard stays), and
+      inside each module's backward (a backward pre-hook) the storage of its parameters is the full unit;
+    - asynchronous reduce-scatters issued inside backward (from autograd hooks): the overlap;
+    - the largest buffer all-gathered during full_state_dict (the export's peak)."""
+
+    def __init__(self, trainer) -> None:
+        self.trainer, self.stage = trainer, trainer.stage
+        self.grads_kept = 0            # stage 2: gradients found alive after their hook
+        self.bucket_peak = 0           # stage 2: bytes of gradient buckets held, peak over hooks
+        self.held_after_step = 0       # stage 3: parameter storage bytes found after a step, summed
+        self.backward_checks = 0       # stage 3: parameters seen inside their module's backward
+        self.backward_not_full = 0     # ... whose unit was not fully gathered there
+        self.async_rs_in_backward = 0
+        self.export_gather_peak = 0
+        self._exporting = False
+        comm, step, export = trainer.comm, trainer.step, trainer.full_state_dict
+        reduce_scatter, all_gather = comm.reduce_scatter, comm.all_gather
+
+        def counted_reduce_scatter(output, input, async_op=False):
+            if async_op and torch._C._current_autograd_node() is not None:
+                self.async_rs_in_backward += 1
+            return reduce_scatter(output, input, async_op=async_op)
+
+        def measured_all_gather(output, input, async_op=False):
+            if self._exporting:
+                self.export_gather_peak = max(self.export_gather_peak, output.numel() * output.element_size())
+            return all_gather(output, input, async_op=async_op)
+
+        def checked_step(batch):
+            stats = step(batch)
+            if trainer.stage == 3:
+                self.held_after_step += sum(p.untyped_storage().nbytes() for p in trainer.params)
+            return stats
+
+        def measured_export():
+            self._exporting = True
+            try:
+                return export()
+            finally:
+                self._exporting = False
+
+        comm.reduce_scatter, comm.all_gather = counted_reduce_scatter, measured_all_gather
+        trainer.step, trainer.full_state_dict = checked_step, measured_export
+        if trainer.stage == 2:  # registered after the engine's hooks, so these run right after them
+            for p in trainer.params:
+                p.register_post_accumulate_grad_hook(self._after_grad_hook)
+        if trainer.stage == 3:
+            for m in trainer.model.modules():
+                if any(True for _ in m.parameters(recurse=False)):
+                    m.register_full_backward_pre_hook(self._in_backward)
+
+    def _after_grad_hook(self, p: torch.Tensor) -> None:
+        e = self.trainer.engine
+        self.grads_kept += p.grad is not None
+        held = list(e._buffers.values()) + [buf for _, _, buf in e._pending]
+        self.bucket_peak = max(self.bucket_peak, tensor_bytes(held))
+
+    def _in_backward(self, module, grad_output) -> None:
+        e = self.trainer.engine
+        for p in module.parameters(recurse=False):
+            g = e._group_of[id(p)]
+            self.backward_checks += 1
+            self.backward_not_full += p.untyped_storage().nbytes() != g.padded * p.element_size()
+
+    def report(self) -> dict:
+        return {k: v for k, v in vars(self).items() if not k.startswith("_") and k != "trainer"}
+
+
 def train(rank: int, n: int, data: dict, out: str) -> dict:
-    """Run one config on this rank inside the existing process group; rank 0 saves the model."""
+    """Run one config on this rank inside the existing process group; rank 0 saves the model. A ZeRO
+    trainer runs under a Probe, whose findings come back as "probe"."""
     cfg = from_dict(data)
-    record = run_rank(cfg, DistContext(rank, n, rank, torch.device("cpu"), "gloo"), echo=False)
+    probes = []
+
+    def probed(kind):
+        cls = trainer_class(kind)
+        if kind != "zero":
+            return cls
+
+        def build(*args):
+            trainer = cls(*args)
+            probes.append(Probe(trainer))
+            return trainer
+        return build
+
+    with mock.patch("psarch.runner.trainer_class", probed):
+        record = run_rank(cfg, DistContext(rank, n, rank, torch.device("cpu"), "gloo"), echo=False)
     if rank == 0:
         torch.save(record["model_state"], Path(out) / f"{cfg.name}.pt")
     return {"traffic": record["traffic"], "memory": record["memory"], "params": record["params"],
-            "extra": record["extra"],
+            "extra": record["extra"], "probe": probes[0].report() if probes else None,
             "rows": [{k: r.get(k) for k in ("loss", "sent", "received", "skipped", "loss_scale",
                                             "saved_activation_bytes")} for r in record["rows"]]}
 
 
-def resume(rank: int, n: int, stage: int, precision: str) -> float:
+def resume(rank: int, n: int, stage: int, precision: str) -> dict:
     """Train 3 steps, save this rank's state, train 3 more; a fresh trainer loaded from the state and
-    trained the same 3 steps must end bitwise equal. Returns the largest difference (rank 0)."""
+    trained the same 3 steps must end bitwise equal, with the same loss-scaler state (fp16: scale,
+    clean-step count, hysteresis). Returns the largest difference (rank 0) and both scaler states."""
     from zero.trainer import ZeroTrainer
 
     cfg = from_dict(config("resume", train=dict(OPTIMIZERS["adamw"], precision=precision),
                            backend=dict(ZERO, stage=stage, world_size=n)))
     ctx = DistContext(rank, n, rank, torch.device("cpu"), "gloo")
-    finals = []
+    finals, scalers = [], []
     for fresh in (False, True):
         wl = build_workload(cfg)
         trainer = ZeroTrainer(wl, cfg, ctx)
@@ -105,15 +200,17 @@ def resume(rank: int, n: int, stage: int, precision: str) -> float:
         for step in range(3, 6):
             trainer.step(wl.batch(step, rank, n))
         finals.append(trainer.full_state_dict())
+        scalers.append(trainer.optim.scaler.state_dict())
         trainer.close()
-    return max(((a - finals[1][k]).abs().max().item() for k, a in finals[0].items()), default=0.0)
+    diff = max(((a - finals[1][k]).abs().max().item() for k, a in finals[0].items()), default=0.0)
+    return {"diff": diff, "scalers": scalers}
 
 
 def all_variants(rank: int, n: int, out: str) -> dict:
     results = {}
-    if n == 2:
-        results["resume"] = {f"{stage}-{precision}": resume(rank, n, stage, precision)
-                             for stage in STAGES for precision in ("fp32", "bf16")}
+    precisions = ("fp32", "bf16", "fp16") if n == 2 else ("fp32", "fp16")
+    results[f"resume-{n}"] = {f"{stage}-{precision}": resume(rank, n, stage, precision)
+                         for stage in STAGES for precision in precisions}
     for opt, hp in OPTIMIZERS.items():
         results[f"ddp-{opt}-{n}"] = train(rank, n, config(f"ddp-{opt}-{n}", train=hp,
                                                           backend={"kind": "ddp", "world_size": n}), out)
@@ -125,6 +222,11 @@ def all_variants(rank: int, n: int, out: str) -> dict:
         for peer in ("torch_zero", "torch_fsdp"):
             results[f"{peer}-{opt}-{n}"] = train(rank, n, config(f"{peer}-{opt}-{n}", train=hp,
                                                                  backend={"kind": peer, "world_size": n}), out)
+    if n == 3:  # mixed precision where groups do not divide by N: padding in every category
+        for stage in STAGES:
+            results[f"bf16-{stage}-n3"] = train(rank, n, config(
+                f"bf16-{stage}-n3", train=dict(OPTIMIZERS["adamw"], precision="bf16"),
+                backend=dict(ZERO, stage=stage, world_size=n)), out)
     if n == 2:
         adamw = OPTIMIZERS["adamw"]
         plain = {"overlap_comm": False, "reduce_bucket_size": 10**6, "prefetch_bucket_size": 0}
@@ -187,6 +289,22 @@ def test_units_are_the_blocks_plus_a_root():
         find_units(gpt, "layers")
 
 
+def test_report_shows_padding_and_transient_peaks_where_present():
+    from psarch.outputs import report
+
+    mem = {"rank": 0, "params": 10, "grads": 10, "optimizer": 40, "total": 60, "peak": None}
+    summary = {"name": "z", "backend": "zero", "variant": "stage3/ring", "world_size": 2, "servers": 0,
+               "workload": "gpt", "params": 20, "precision": "fp32", "optimizer": "adamw", "final_loss": 1.0,
+               "skipped_steps": 0, "step_time_s": 0.01, "samples_per_s": 1.0,
+               "predicted": {"memory_per_rank": {"total": 60}, "traffic_per_step": {"worker_sent": 1}},
+               "memory": {"per_rank": [dict(mem, padding=4, gathered_peak=3000, grad_buffer_peak=2000, working=4000)]},
+               "traffic": {"per_rank": [{"sent_per_step": 1}]}}
+    head, row = report(summary).splitlines()[-2:]
+    assert head.split()[6:10] == ["padding", "gathered", "grad", "bufs"] and "2.93 KiB" in row and "4 B" in row
+    summary["memory"]["per_rank"] = [mem]  # a backend without them: no empty columns
+    assert "padding" not in report(summary) and "gathered" not in report(summary)
+
+
 # ---- parity
 
 
@@ -225,9 +343,17 @@ def test_overlapped_bucketed_prefetched_equals_plain(runs, stage):
                       f"ZeRO-{stage} fast vs plain", rtol=0, atol=0)
     fast, plain = results[f"zero{stage}-ring-adamw-2"][0]["extra"], results[f"plain{stage}"][0]["extra"]
     steps = TINY_GPT["train"]["steps"]
-    assert plain["zero_groups"] == (1 if stage < 3 else 3) and fast["zero_groups"] > 1
-    if stage == 1:  # overlap: buckets reduced from the hooks while backward runs, not after it
-        assert fast["zero_reduced_in_backward"] == steps * fast["zero_groups"] and plain["zero_reduced_in_backward"] == 0
+    # one bucket per unit, in reverse order: the root's head and final norm, block 1, block 0, the root's
+    # embeddings (buckets never span two units)
+    assert plain["zero_groups"] == (4 if stage < 3 else 3) and fast["zero_groups"] > (4 if stage < 3 else 2)
+    # overlap: asynchronous reduce-scatters issued from autograd hooks while backward runs, one per group
+    # and step, counted at the communicator; with overlap_comm = false none (stage 2 and 3 still reduce in
+    # the hook, blocking)
+    for rank in (0, 1):
+        fast_rs = results[f"zero{stage}-ring-adamw-2"][rank]["probe"]["async_rs_in_backward"]
+        plain_rs = results[f"plain{stage}"][rank]["probe"]["async_rs_in_backward"]
+        assert (fast_rs, plain_rs) == (steps * fast["zero_groups"], 0), (stage, rank, fast_rs, plain_rs)
+    assert fast["zero_reduced_in_backward"] == steps * fast["zero_groups"] and plain["zero_reduced_in_backward"] == 0
     if stage == 3:  # the next unit's gather started ahead of its use, forward and backward
         assert fast["zero_prefetched"] == steps * 2 * 2 and plain["zero_prefetched"] == 0
 
@@ -244,10 +370,81 @@ def test_activation_checkpointing_changes_memory_not_the_model(runs, stage):
     assert 0 < saved_ckpt < saved / 2, (saved_ckpt, saved)
 
 
-def test_state_dict_resumes_exactly(runs):
+@pytest.mark.parametrize("n", [2, 3])
+def test_state_dict_resumes_exactly(runs, n):
+    """Parameters, optimizer and (fp16) loss-scaler state round-trip: the resumed run is bitwise the same."""
     _, results = runs
-    diffs = results["resume"][0]
-    assert diffs == {k: 0.0 for k in diffs} and len(diffs) == 6, diffs
+    for rank, res in results[f"resume-{n}"].items():
+        assert len(res) == 3 * (3 if n == 2 else 2), res.keys()
+        for variant, r in res.items():
+            if rank == 0:
+                assert r["diff"] == 0.0, (n, variant, r["diff"])
+            before, after = r["scalers"]
+            assert before == after, (n, variant, before, after)
+            if variant.endswith("fp16"):  # a scaler reset on load would count 3 clean steps, not 6
+                assert before["good_steps"] == 6, before
+
+
+# ---- what each stage frees, seen from outside the engine (tests.test_zero.Probe)
+
+
+def _stage_runs(results: dict, stage: int) -> list[str]:
+    return [name for name, ranks in results.items()
+            if isinstance(ranks.get(0), dict) and (ranks[0].get("probe") or {}).get("stage") == stage]
+
+
+def test_stage2_drops_each_full_gradient_at_once(runs):
+    """Right after its gradient hook no parameter keeps a .grad (the full gradient is never held), and
+    the gradient buckets held at any hook (filling, or in flight: at most MAX_IN_FLIGHT) stay within
+    (MAX_IN_FLIGHT + 1) buckets, well under the full gradient."""
+    _, results = runs
+    names = _stage_runs(results, 2)
+    assert len(names) >= 10, names
+    for name in names:
+        for rank, r in results[name].items():
+            probe, m = r["probe"], r["memory"]
+            assert probe["grads_kept"] == 0, (name, rank, probe)
+            item = m["params"] // r["extra"]["zero_padded_params"]     # the compute dtype's bytes
+            n = len(results[name])
+            largest = max(-(-k // n) * n for k in r["extra"]["zero_group_numel"]) * item
+            assert 0 < probe["bucket_peak"] <= m["grad_buffer_peak"] <= (MAX_IN_FLIGHT + 1) * largest, (name, rank, probe, m)
+            if r["extra"]["zero_groups"] > MAX_IN_FLIGHT + 1:
+                assert m["grad_buffer_peak"] < m["params"], (name, m)
+
+
+def test_stage3_keeps_only_its_parameter_slice(runs):
+    """After every step each parameter's storage is empty (0 bytes: the rank keeps only its shard), and
+    inside each module's backward its parameters are the full, gathered unit."""
+    _, results = runs
+    names = _stage_runs(results, 3)
+    assert len(names) >= 10, names
+    for name in names:
+        for rank, r in results[name].items():
+            probe = r["probe"]
+            assert probe["held_after_step"] == 0, (name, rank, probe)
+            assert probe["backward_checks"] > 0 and probe["backward_not_full"] == 0, (name, rank, probe)
+
+
+def test_export_gathers_one_unit_at_a_time(runs):
+    """full_state_dict all-gathers group by group and every group lies within one unit, so the largest
+    buffer gathered is at most the largest unit's padded fp32 size, for every stage, even with a bucket
+    size that would hold the whole model (plain: 10^6 elements); the model exported that way equals the
+    reference, and is fp32 on the CPU whatever the compute dtype."""
+    out, results = runs
+    gpt = build_workload(from_dict(TINY_GPT)).model
+    unit_numels = [sum(p.numel() for p in u.params) for u in find_units(gpt)]
+    ref = model(out, "single-adamw")
+    for stage in STAGES:
+        for name, n in [(f"plain{stage}", 2)] + [(f"zero{stage}-{c}-adamw-{n}", n) for c in COMMS for n in (2, 3)]:
+            bound = max(-(-k // n) * n for k in unit_numels) * 4
+            for rank, r in results[name].items():
+                peak = r["probe"]["export_gather_peak"]
+                assert 0 < peak <= bound, (name, rank, peak, bound)
+                if name.startswith("plain"):  # one bucket per unit: the largest unit is gathered whole
+                    assert peak == bound, (name, peak, bound)
+        assert_same_model(model(out, f"plain{stage}"), ref, f"ZeRO-{stage} one bucket per unit vs single")
+        for t in model(out, f"bf16-{stage}").values():
+            assert t.dtype == torch.float32 and t.device.type == "cpu"
 
 
 # ---- memory: the ZeRO formulas, exactly
@@ -272,10 +469,16 @@ def _check_memory(results: dict, name: str, stage: int, n: int, precision: str, 
         m = r["memory"]
         assert (m["params"], m["grads"], m["optimizer"] - _counters(stage, opt, groups)) == \
             (want.params, want.grads, want.optimizer), (name, m, want)
-    # over all ranks: with the padding taken out, exactly the formula in Φ (times N where replicated)
+    # padding, exactly: the full flat buffer's in every replicated category, the rank's own chunks' in the
+    # sharded ones (padding sits at the end of each group, so the last ranks' chunks hold it)
     pad = padded - phi
     replicated = {1: 2 * b, 2: b, 3: 0}[stage]          # bytes per element held in full on every rank
     sharded = {1: 0, 2: b, 3: 2 * b}[stage] + k         # bytes per element split over the ranks
+    part = Partition([[torch.empty(numel)] for numel in ranks[0]["extra"]["zero_group_numel"]], n)
+    assert part.padded_numel == padded
+    for rank, r in ranks.items():
+        assert r["memory"]["padding"] == replicated * pad + sharded * part.shard_padding(rank), (name, rank)
+    # over all ranks: with the padding taken out, exactly the formula in Φ (times N where replicated)
     assert sum(r["memory"]["padding"] for r in ranks.values()) == n * replicated * pad + sharded * pad
     total = sum(r["memory"]["total"] - r["memory"]["padding"] - _counters(stage, opt, groups) for r in ranks.values())
     assert total == n * replicated * phi + sharded * phi
@@ -290,12 +493,17 @@ def test_memory_fp32_is_the_zero_formula(runs, opt, n):
         _check_memory(results, f"zero{stage}-ring-{opt}-{n}", stage, n, "fp32", opt)
 
 
-@pytest.mark.parametrize("precision", ["bf16", "fp16"])
-def test_memory_mixed_precision_adam_is_the_zero_formula(runs, precision):
-    """Mixed precision AdamW (K = 12): stage 1 4Φ + 12Φ/N, stage 2 2Φ + 14Φ/N, stage 3 16Φ/N."""
+@pytest.mark.parametrize("precision,n", [("bf16", 2), ("fp16", 2), ("bf16", 3)])
+def test_memory_mixed_precision_adam_is_the_zero_formula(runs, precision, n):
+    """Mixed precision AdamW (K = 12): stage 1 4Φ + 12Φ/N, stage 2 2Φ + 14Φ/N, stage 3 16Φ/N; at N = 3 the
+    groups do not divide evenly, so the padding of every category is checked too."""
     _, results = runs
     for stage in STAGES:
-        _check_memory(results, f"{precision}-{stage}", stage, 2, precision, "adamw")
+        name = f"{precision}-{stage}" if n == 2 else f"{precision}-{stage}-n3"
+        if n == 3:
+            extra = results[name][0]["extra"]
+            assert extra["zero_padded_params"] > results[name][0]["params"], "N = 3 run without padding"
+        _check_memory(results, name, stage, n, precision, "adamw")
 
 
 def test_stage3_gathered_units_are_working_memory(runs):
@@ -306,6 +514,25 @@ def test_stage3_gathered_units_are_working_memory(runs):
         sizes = r["extra"]["zero_group_numel"]     # [root, block 0, block 1]
         working = r["memory"]["working"]
         assert 4 * (sizes[0] + max(sizes[1:])) <= working < 2 * 4 * r["params"], (working, sizes)
+
+
+@pytest.mark.parametrize("name,n,prefetch_units", [("plain3", 2, 0), ("zero3-ring-adamw-2", 2, 1),
+                                                   ("zero3-ring-adamw-3", 3, 1), ("bf16-3-n3", 3, 1)])
+def test_stage3_gathered_peak_is_root_plus_units_in_use(runs, name, n, prefetch_units):
+    """Gathered parameters, reported on their own: the root is held through forward and through backward,
+    next to the unit in use and the units prefetched (prefetch_bucket_size 1500 elements: one 3280-element
+    block; 0: none). So root + largest block <= gathered peak <= root + (1 + prefetch) x largest block,
+    padded, in the compute dtype; with prefetch off a unit left gathered breaks the upper bound."""
+    _, results = runs
+    for r in results[name].values():
+        b = 2 if name.startswith("bf16") else 4
+        padded = [-(-k // n) * n * b for k in r["extra"]["zero_group_numel"]]   # [root, block 0, block 1]
+        root, largest = padded[0], max(padded[1:])
+        m = r["memory"]
+        assert root + largest <= m["gathered_peak"] <= root + (1 + prefetch_units) * largest, (name, m, padded)
+        # the root's gradient buffer lives through backward, next to the block's being accumulated
+        assert root + largest <= m["grad_buffer_peak"], (name, m, padded)
+        assert max(m["gathered_peak"], m["grad_buffer_peak"]) <= m["working"] <= m["gathered_peak"] + m["grad_buffer_peak"]
 
 
 # ---- traffic: 2(N-1)/N and 3(N-1)/N of the padded bytes, exactly, on the ring
@@ -330,6 +557,29 @@ def test_traffic_per_step_is_the_zero_volume(runs, n):
                     assert row["sent"] == row["received"] == exact, (stage, comm, row)
                 ops = r["traffic"]["ops"]
                 assert set(ops) == {"broadcast", "reduce_scatter", "all_gather", "export_all_gather"}
+
+
+@pytest.mark.parametrize("precision,n", [("bf16", 2), ("fp16", 2), ("bf16", 3)])
+def test_traffic_per_step_mixed_precision(runs, precision, n):
+    """The wire carries the compute dtype, theory.BYTES[precision] per element. fp16 adds the global
+    inf-flag all-reduce: one fp32 element, which the ring pads to N one-element chunks, so each rank sends
+    (and receives) ring_bytes = 2(N-1)·4 bytes for it. A skipped fp16 step skips stages 1-2's all-gather."""
+    _, results = runs
+    b = theory.BYTES[precision]
+    flag = ring_bytes("all_reduce", 1, 4, n)[0] if precision == "fp16" else 0
+    assert flag == (2 * (n - 1) * 4 if precision == "fp16" else 0)
+    for stage in STAGES:
+        name = f"{precision}-{stage}" if n == 2 else f"{precision}-{stage}-n3"
+        for r in results[name].values():
+            padded = r["extra"]["zero_padded_params"]
+            one_pass = (n - 1) * padded * b // n          # one reduce-scatter or one all-gather of everything
+            predicted = theory.traffic_per_step("zero", r["params"] * b, n, stage)["worker_sent"]
+            assert predicted <= (3 if stage == 3 else 2) * one_pass <= predicted + 3 * (padded - r["params"]) * b
+            for row in r["rows"]:
+                gathers = 2 if stage == 3 else (0 if row["skipped"] else 1)
+                exact = one_pass + gathers * one_pass + flag
+                assert row["sent"] == row["received"] == exact, (name, row, exact)
+            assert ("all_reduce" in r["traffic"]["ops"]) is (precision == "fp16")
 
 
 # ---- mixed precision

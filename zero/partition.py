@@ -1,7 +1,7 @@
 """Partitioning arithmetic: parameter groups flattened, each padded to N equal chunks, chunk r on rank r.
 
-A *group* is what one collective moves: a gradient bucket of `reduce_bucket_size` elements (stages 1
-and 2) or a unit such as a transformer block (stage 3). Each group is padded to a multiple of N on its
+A *group* is what one collective moves: a gradient bucket of at most `reduce_bucket_size` elements,
+never spanning two units (stages 1 and 2), or a unit such as a transformer block (stage 3). Each group is padded to a multiple of N on its
 own, as FSDP pads each flat parameter, so its reduce-scatter and all-gather are single equal-chunk
 collectives; a rank's *shard* is its chunk of every group, concatenated. Padding is at most N - 1
 elements per group and is reported as such. Pure arithmetic, no processes: unit-tested directly.
@@ -98,13 +98,19 @@ class Partition:
         return shard[group.shard_start:group.shard_start + group.chunk]
 
 
-def bucket_params(params: Sequence[torch.nn.Parameter], cap_numel: int) -> list[list[torch.nn.Parameter]]:
-    """Consecutive params in groups of at most `cap_numel` elements (a larger parameter gets its own)."""
+def bucket_params(params: Sequence[torch.nn.Parameter], cap_numel: int,
+                  unit_of: dict[int, int] | None = None) -> list[list[torch.nn.Parameter]]:
+    """Consecutive params in groups of at most `cap_numel` elements (a larger parameter gets its own).
+
+    With `unit_of` (id(param) -> unit), a group never holds parameters of two units: every group is then
+    part of one unit, so moving the model group by group (checkpoint export) never holds more than one
+    unit's parameters at once, whatever `cap_numel` is."""
     groups: list[list[torch.nn.Parameter]] = []
     cur: list[torch.nn.Parameter] = []
     size = 0
     for p in params:
-        if cur and size + p.numel() > cap_numel:
+        other_unit = unit_of is not None and cur and unit_of[id(p)] != unit_of[id(cur[-1])]
+        if cur and (size + p.numel() > cap_numel or other_unit):
             groups.append(cur)
             cur, size = [], 0
         cur.append(p)

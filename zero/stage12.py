@@ -1,7 +1,9 @@
 """ZeRO stages 1 and 2: every rank holds the full parameters; gradients are reduce-scattered to their owners.
 
 Parameters live in one flat buffer, in reverse registration order (gradients become ready roughly in
-that order), cut into buckets of `reduce_bucket_size` elements; each bucket is padded to a multiple of N
+that order), cut into buckets of at most `reduce_bucket_size` elements, and also where one unit's
+parameters end and another's begin (zero.units), so that checkpoint export, which moves the model bucket
+by bucket, never holds more than one unit's full parameters at once; each bucket is padded to a multiple of N
 and rank r owns chunk r of every bucket (zero.partition). After backward each rank holds the averaged
 gradient of its chunks only, its optimizer updates them, and the updated chunks are all-gathered back
 into every rank's full buffer: reduce-scatter + all-gather = 2(N-1)/N of the (padded) bytes, per step.
@@ -13,7 +15,8 @@ then serves as the optimizer's gradient (so gradients stay 1x the model, no extr
 Stage 2 keeps only a shard-sized gradient buffer: each gradient autograd produces is copied into its
 bucket's transient buffer and dropped at once; a full bucket is reduce-scattered straight into the
 shard (asynchronously with overlap_comm, which DeepSpeed runs on a side stream; here the communicator's
-thread), and its buffer is freed when that finishes. Transient buffers are reported as working memory.
+thread), and its buffer is freed when that finishes. Transient buffers are reported as working memory,
+gradient buckets also on their own (`Transient`).
 """
 from __future__ import annotations
 
@@ -30,18 +33,38 @@ from zero.partition import Group, Partition, bucket_params
 MAX_IN_FLIGHT = 2
 
 
+class Transient:
+    """Bytes of transient buffers held now and their peak, by kind ('gathered' parameters, 'grads' buffers,
+    'send' copies) and over all kinds together ('working'): a gathered unit and a gradient bucket are
+    different costs, so each is reported on its own as well as in the sum."""
+
+    def __init__(self) -> None:
+        self.now: dict[str, int] = {}
+        self.peak: dict[str, int] = {}
+
+    def add(self, kind: str, nbytes: int) -> None:
+        for k in (kind, "working"):
+            self.now[k] = self.now.get(k, 0) + nbytes
+            self.peak[k] = max(self.peak.get(k, 0), self.now[k])
+
+    def sub(self, kind: str, nbytes: int) -> None:
+        for k in (kind, "working"):
+            self.now[k] -= nbytes
+
+
 class Stage12:
     """Flat full parameters and partitioned gradients for ZeRO stage 1 or 2 on one rank."""
 
     def __init__(self, params: list[torch.nn.Parameter], comm: Communicator, stage: int,
-                 reduce_bucket_size: int, overlap_comm: bool, allgather_bucket_size: int = 5 * 10**8) -> None:
+                 reduce_bucket_size: int, overlap_comm: bool, allgather_bucket_size: int = 5 * 10**8,
+                 unit_of: dict[int, int] | None = None) -> None:
         if stage not in (1, 2):
             raise ValueError(f"Stage12 runs stage 1 or 2, got {stage}")
         self.comm, self.stage, self.overlap = comm, stage, overlap_comm
         self.allgather_numel = allgather_bucket_size
         self.rank, self.n = comm.rank, comm.world_size
         params = params[::-1]
-        self.part = Partition(bucket_params(params, reduce_bucket_size), self.n)
+        self.part = Partition(bucket_params(params, reduce_bucket_size, unit_of), self.n)
         dtype, device = params[0].dtype, params[0].device
         self.flat = torch.zeros(self.part.padded_numel, dtype=dtype, device=device)
         with torch.no_grad():
@@ -63,8 +86,8 @@ class Stage12:
         self._buffers: dict[int, torch.Tensor] = {}       # stage 2: buckets being filled
         self._pending: list[tuple[Any, Group, torch.Tensor]] = []
         self._next = 0
-        self.working = self.working_peak = 0
-        self.reduced_in_backward = 0   # reduce-scatters launched from gradient hooks (overlap evidence)
+        self.transient = Transient()
+        self.reduced_in_backward = 0   # asynchronous reduce-scatters launched from gradient hooks: the overlap
 
     # ---- what the optimizer sees: this rank's chunks
 
@@ -85,14 +108,17 @@ class Stage12:
             g.ready.clear()
         self._next = 0
 
-    def _alloc(self, numel: int, like: torch.Tensor) -> torch.Tensor:
+    @property
+    def working_peak(self) -> int:
+        return self.transient.peak.get("working", 0)
+
+    def _alloc(self, numel: int, like: torch.Tensor, kind: str = "grads") -> torch.Tensor:
         t = torch.empty(numel, dtype=like.dtype, device=like.device)  # callers fill or zero what they use
-        self.working += t.numel() * t.element_size()
-        self.working_peak = max(self.working_peak, self.working)
+        self.transient.add(kind, t.numel() * t.element_size())
         return t
 
-    def _release(self, t: torch.Tensor) -> None:
-        self.working -= t.numel() * t.element_size()
+    def _release(self, t: torch.Tensor, kind: str = "grads") -> None:
+        self.transient.sub(kind, t.numel() * t.element_size())
 
     def _on_grad(self, p: torch.Tensor) -> None:
         g = self._group_of[id(p)]
@@ -113,7 +139,8 @@ class Stage12:
         if self.overlap or self.stage == 2:
             launched = self._next
             self._launch_ready()
-            self.reduced_in_backward += self._next - launched
+            if self.overlap:
+                self.reduced_in_backward += self._next - launched
 
     def _launch_ready(self) -> None:
         groups = self.part.groups
@@ -168,7 +195,7 @@ class Stage12:
                 self._finish_gathers(handles)
                 in_flight = 0
             # a copy of the chunk as input: the output region contains it, and not every backend allows aliasing
-            mine = self._alloc(g.chunk, self.flat)
+            mine = self._alloc(g.chunk, self.flat, "send")
             mine.copy_(self.part.flat_chunk(g, self.flat, self.rank))
             handles.append((self.comm.all_gather(self.part.flat_region(g, self.flat), mine, async_op=True), mine))
             in_flight += g.padded
@@ -177,12 +204,13 @@ class Stage12:
     def _finish_gathers(self, handles: list[tuple[Any, torch.Tensor]]) -> None:
         for h, mine in handles:
             h.wait()
-            self._release(mine)
+            self._release(mine, "send")
         handles.clear()
 
     def full_params(self, masters: list[torch.Tensor], keep: bool) -> dict[int, torch.Tensor]:
-        """fp32 values of every parameter (id -> tensor), gathered bucket by bucket from the ranks' fp32
-        chunks (`masters`, one per bucket); only a rank with `keep` (rank 0) keeps them. Collective."""
+        """fp32 CPU copies of every parameter (id -> tensor), gathered bucket by bucket (each within one
+        unit) from the ranks' fp32 chunks (`masters`, one per bucket); only a rank with `keep` (rank 0)
+        keeps them. Collective."""
         return gather_fp32(self.comm, self.part, masters, keep)
 
     def close(self) -> None:

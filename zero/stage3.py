@@ -31,7 +31,7 @@ from torch.utils._pytree import tree_flatten
 from collective.comm import Communicator, Handle
 from zero.export import gather_fp32
 from zero.partition import Partition
-from zero.stage12 import MAX_IN_FLIGHT
+from zero.stage12 import MAX_IN_FLIGHT, Transient
 from zero.units import Unit
 
 FREE, GATHERING, GATHERED = "free", "gathering", "gathered"
@@ -72,9 +72,9 @@ class Stage3:
         self._next = 0
         self._bwd_started: set[int] = set()
         self.phase = "idle"
-        self.working = self.working_peak = 0
+        self.transient = Transient()   # gathered units ('gathered') and unit gradient buffers ('grads')
         self.prefetched = 0            # gathers started ahead of their unit's use
-        self.reduced_in_backward = 0   # reduce-scatters launched from gradient hooks
+        self.reduced_in_backward = 0   # asynchronous reduce-scatters launched from gradient hooks: the overlap
         self._hooks = [model.register_forward_pre_hook(self._model_pre), model.register_forward_hook(self._model_post)]
         for i, u in enumerate(units):
             if u.module is not None:
@@ -84,14 +84,13 @@ class Stage3:
 
     # ---- gather and free one unit
 
-    def _track(self, nbytes: int) -> None:
-        self.working += nbytes
-        self.working_peak = max(self.working_peak, self.working)
+    @property
+    def working_peak(self) -> int:
+        return self.transient.peak.get("working", 0)
 
     def _gather(self, i: int, async_op: bool) -> None:
         g, full = self.part.groups[i], self.full[i]
-        full.untyped_storage().resize_(g.padded * full.element_size())
-        self._track(g.padded * full.element_size())
+        self._resize(i, g.padded * full.element_size())
         self.state[i] = GATHERING
         self._gathers[i] = self.comm.all_gather(full, self.part.shard_chunk(g, self.shard), async_op=True)
         if not async_op:
@@ -112,10 +111,16 @@ class Stage3:
         if self.state[i] == FREE:
             return
         self._wait(i)
-        full = self.full[i]
-        self.working -= full.untyped_storage().nbytes()
-        full.untyped_storage().resize_(0)
+        self._resize(i, 0)
         self.state[i] = FREE
+
+    def _resize(self, i: int, nbytes: int) -> None:
+        """Resize unit i's full buffer, booking the change of its storage as measured before and after,
+        so a unit left allocated stays in the gathered count."""
+        st = self.full[i].untyped_storage()
+        before = st.nbytes()
+        st.resize_(nbytes)
+        self.transient.add("gathered", st.nbytes() - before)
 
     def _prefetch(self, order: list[int]) -> None:
         """Start gathering the next units of `order`, up to prefetch_bucket_size elements (at least one)."""
@@ -173,7 +178,7 @@ class Stage3:
         self.ensure(i)
         g = self.part.groups[i]
         buf = self._grads[i] = torch.zeros(g.padded, dtype=self.shard.dtype, device=self.shard.device)
-        self._track(buf.numel() * buf.element_size())
+        self.transient.add("grads", buf.numel() * buf.element_size())
         for p, view in zip(g.params, self.part.group_views(g, buf)):
             p.grad = view  # autograd accumulates in place into the unit's gradient buffer
         pos = self.backward_order.index(i)
@@ -188,7 +193,8 @@ class Stage3:
         g.ready.add(i)
         while self._next < len(self.reduce_order) and self.part.groups[self.reduce_order[self._next]].full:
             self._reduce(self.reduce_order[self._next])
-            self.reduced_in_backward += 1
+            if self.overlap:  # a blocking reduce-scatter in the hook overlaps nothing
+                self.reduced_in_backward += 1
 
     def _reduce(self, i: int) -> None:
         self._next += 1
@@ -196,7 +202,7 @@ class Stage3:
         buf = self._grads.get(i)
         if buf is None:  # no gradient reached this unit: reduce zeros, as every rank does
             buf = self._grads[i] = torch.zeros(g.padded, dtype=self.shard.dtype, device=self.shard.device)
-            self._track(buf.numel() * buf.element_size())
+            self.transient.add("grads", buf.numel() * buf.element_size())
         for p in g.params:
             p.grad = None
         self.free(i)
@@ -214,7 +220,7 @@ class Stage3:
                 handle.wait()
             self._pending.pop(0)
             buf = self._grads.pop(i)
-            self.working -= buf.numel() * buf.element_size()
+            self.transient.sub("grads", buf.numel() * buf.element_size())
 
     def begin_step(self) -> None:
         for g in self.part.groups:
@@ -241,7 +247,8 @@ class Stage3:
         return [self.shard_grad]
 
     def full_params(self, masters: list[torch.Tensor], keep: bool) -> dict[int, torch.Tensor]:
-        """fp32 parameters (id -> tensor) on ranks with `keep`, gathered one unit at a time. Collective."""
+        """fp32 CPU copies of the parameters (id -> tensor) on ranks with `keep`, gathered one unit at a
+        time. Collective."""
         (master,) = masters
         return gather_fp32(self.comm, self.part, [self.part.shard_chunk(g, master) for g in self.part.groups], keep)
 

@@ -4,8 +4,9 @@ One trainer for the three stages; what differs lives in the engines: zero.stage1
 parameters, partitioned gradients) and zero.stage3.Stage3 (partitioned parameters gathered per unit).
 Either hands the optimizer this rank's chunks only, so fp32 master weights and optimizer state exist for
 1/N of the model. Mixed precision is psarch's MixedPrecisionOptimizer over those chunks; since a rank
-sees only its gradient chunk, the fp16 overflow check is made global by all-reducing one flag (4 bytes
-counted on the wire, fp16 only) so every rank skips the same steps and keeps the same loss scale.
+sees only its gradient chunk, the fp16 overflow check is made global by all-reducing one fp32 flag (fp16
+only) so every rank skips the same steps and keeps the same loss scale. On the ring that one element is
+padded to N chunks of one element: 2(N-1)·4 bytes sent per rank per step, counted on the wire.
 """
 from __future__ import annotations
 
@@ -19,9 +20,9 @@ from psarch.config import Config
 from psarch.dist import DistContext
 from psarch.meters import peak_memory, tensor_bytes
 from psarch.precision import MixedPrecisionOptimizer, compute_dtype, has_inf_or_nan
-from psarch.single import consolidated_state
 from psarch.trainer import MemoryReport, StepStats, TrafficReport
 from psarch.workload import Workload
+from zero.export import model_state
 from zero.stage3 import Stage3
 from zero.stage12 import Stage12
 from zero.units import SavedActivationMeter, checkpoint_units, find_units
@@ -47,8 +48,9 @@ class ZeroTrainer:
             self.engine: Stage12 | Stage3 = Stage3(self.model, self.units, self.comm, b.prefetch_bucket_size,
                                                    b.overlap_comm)
         else:
+            unit_of = {id(p): i for i, u in enumerate(self.units) for p in u.params}
             self.engine = Stage12([p for p in self.model.parameters() if p.requires_grad], self.comm, self.stage,
-                                  b.reduce_bucket_size, b.overlap_comm, b.allgather_bucket_size)
+                                  b.reduce_bucket_size, b.overlap_comm, b.allgather_bucket_size, unit_of)
         self.optim = MixedPrecisionOptimizer(self.engine.param_shards(), cfg.train, cfg.train.precision)
         self.activations = SavedActivationMeter(self._param_storages)
         self._hooks = []
@@ -90,7 +92,8 @@ class ZeroTrainer:
     # ---- checkpoints
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
-        """Consolidated fp32 model on rank 0 ({} elsewhere); a collective call, one group at a time."""
+        """Consolidated fp32 CPU model on rank 0 ({} elsewhere); a collective call, one group (within one
+        unit) at a time."""
         before = self.comm.traffic.report().ops.get("all_gather")
         values = self.engine.full_params(self.optim.master.masters, keep=self.ctx.rank == 0)
         after = self.comm.traffic.report().ops.get("all_gather")
@@ -99,7 +102,7 @@ class ZeroTrainer:
                 if before is not None else (after.sent, after.received, after.calls)
             self.comm.traffic.add("all_gather", -s, -r, -c)
             self.comm.traffic.add("export_all_gather", s, r, c)
-        return consolidated_state(self.model, values) if self.ctx.rank == 0 else {}
+        return model_state(self.model, values) if self.ctx.rank == 0 else {}
 
     def state_dict(self) -> dict[str, Any]:
         held = self.engine.shard if self.stage == 3 else self.engine.flat
@@ -133,6 +136,8 @@ class ZeroTrainer:
             padding = pad_full + (pad_full if self.stage == 1 else pad_shard)
         peak, kind = peak_memory(self.ctx.device)
         return MemoryReport(params=params, grads=grads, optimizer=self.optim.state_bytes(), working=e.working_peak,
+                            gathered_peak=e.transient.peak.get("gathered", 0),
+                            grad_buffer_peak=e.transient.peak.get("grads", 0),
                             peak=peak, peak_kind=kind, padding=padding + self._optimizer_padding())
 
     def _optimizer_padding(self) -> int:
