@@ -42,9 +42,7 @@ def variant(cfg: Config) -> str:
 def predicted(cfg: Config, phi: int) -> dict[str, Any]:
     b, t = cfg.backend, cfg.train
     wire = theory.BYTES[t.precision]
-    mem = theory.memory_per_rank(b.kind, phi, b.world_size, t.precision, t.optimizer, t.momentum, b.stage)
-    if b.kind == "ps" and b.mode == "geo":  # GEO workers run a local optimizer: a DDP rank's model state
-        mem = theory.memory_per_rank("ddp", phi, b.world_size, t.precision, t.optimizer, t.momentum)
+    mem = theory.memory_per_rank(b.kind, phi, b.world_size, t.precision, t.optimizer, t.momentum, b.stage, b.mode)
     out: dict[str, Any] = {"memory_per_rank": mem.to_dict(),
                            "traffic_per_step": theory.traffic_per_step(b.kind, phi * wire, b.world_size, b.stage,
                                                                        b.servers)}
@@ -138,6 +136,12 @@ def report(s: dict[str, Any]) -> str:
     p = s["predicted"]
     kind = s["backend"] + (f" ({s['variant']})" if s["variant"] else "")
     gap = f"  (gap to entropy floor {s['gap']:.4f})" if s.get("gap") is not None else ""
+    # padding (inside total) and transient peaks (outside it: gathered units, gradient buffers, both
+    # together as working) get a column only where some rank has them, so other backends' reports stay narrow
+    per_rank = s["memory"]["per_rank"]
+    optional = [(k, head) for k, head in (("padding", "padding"), ("gathered_peak", "gathered"),
+                                          ("grad_buffer_peak", "grad bufs"), ("working", "working"))
+                if any(m.get(k) for m in per_rank)]
     lines = [
         f"== {s['name']}: {kind}, N={s['world_size']}" + (f", servers={s['servers']}" if s["servers"] else "")
         + f", {s['workload']}, {s['params']:,} params, {s['precision']}, {s['optimizer']}",
@@ -146,13 +150,16 @@ def report(s: dict[str, Any]) -> str:
         + (f"   comm wait {s['comm_s'] * 1e3:.2f} ms" if s.get("comm_s") else ""),
         "",
         f"{'rank':>4}  {'params':>11} {'grads':>11} {'optimizer':>11} {'total':>11} {'predicted':>11}"
-        f" {'peak':>11}  {'sent/step':>11} {'predicted':>11}",
+        + "".join(f" {head:>11}" for _, head in optional)
+        + f" {'peak':>11}  {'sent/step':>11} {'predicted':>11}",
     ]
     pm, pt = p["memory_per_rank"], p["traffic_per_step"]
-    for m, t in zip(s["memory"]["per_rank"], s["traffic"]["per_rank"]):
+    for m, t in zip(per_rank, s["traffic"]["per_rank"]):
         modelled = " (modelled)" if t.get("modelled") else ""
         lines.append(f"{m['rank']:>4}  {fmt_bytes(m['params']):>11} {fmt_bytes(m['grads']):>11} {fmt_bytes(m['optimizer']):>11} "
-                     f"{fmt_bytes(m['total']):>11} {fmt_bytes(pm['total']):>11} {fmt_bytes(m.get('peak')):>11}  "
+                     f"{fmt_bytes(m['total']):>11} {fmt_bytes(pm['total']):>11}"
+                     + "".join(f" {fmt_bytes(m.get(k, 0)):>11}" for k, _ in optional)
+                     + f" {fmt_bytes(m.get('peak')):>11}  "
                      f"{fmt_bytes(t['sent_per_step']):>11} {fmt_bytes(pt['worker_sent']):>11}{modelled}")
     for srv in s.get("traffic", {}).get("servers", []) or []:
         lines.append(f"server {srv.get('server', '?')}: sent {fmt_bytes(srv['sent'])}, received {fmt_bytes(srv['received'])}")

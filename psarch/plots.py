@@ -11,7 +11,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 
 from psarch.compare import label  # noqa: E402
 
-CATEGORIES = ("params", "grads", "optimizer")
+CATEGORIES = ("params", "grads", "optimizer", "buffers")
 
 
 def _save(fig: Any, out: Path, name: str) -> str:
@@ -19,6 +19,13 @@ def _save(fig: Any, out: Path, name: str) -> str:
     fig.savefig(out / f"{name}.png", dpi=110)
     plt.close(fig)
     return name
+
+
+def _legend(ax: Any) -> None:
+    """One legend entry per label (bars repeat their labels run after run)."""
+    handles, labels = ax.get_legend_handles_labels()
+    unique = dict(zip(labels, handles))
+    ax.legend(unique.values(), unique.keys(), fontsize=7)
 
 
 def loss_curves(runs: list[dict], out: Path) -> str:
@@ -45,20 +52,21 @@ def loss_curves(runs: list[dict], out: Path) -> str:
 
 def memory(runs: list[dict], out: Path) -> str:
     fig, ax = plt.subplots(figsize=(max(6, 1.2 * len(runs) + 2), 4.5))
-    colors = {"params": "tab:blue", "grads": "tab:orange", "optimizer": "tab:green"}
+    colors = {"params": "tab:blue", "grads": "tab:orange", "optimizer": "tab:green", "buffers": "tab:gray"}
     for i, run in enumerate(runs):
         m = run["summary"]["memory"]["per_rank"][0]
         p = run["summary"]["predicted"]["memory_per_rank"]
         bottom = bottom_p = 0.0
         for c in CATEGORIES:
-            ax.bar(i - 0.2, m[c] / 2**20, 0.38, bottom=bottom, color=colors[c], label=c if i == 0 else None)
-            ax.bar(i + 0.2, p[c] / 2**20, 0.38, bottom=bottom_p, color=colors[c], alpha=0.45, hatch="//",
-                   label=f"{c} (formula)" if i == 0 else None)
-            bottom += m[c] / 2**20
-            bottom_p += p[c] / 2**20
+            mc, pc = m.get(c, 0) / 2**20, p.get(c, 0) / 2**20
+            ax.bar(i - 0.2, mc, 0.38, bottom=bottom, color=colors[c], label=c if mc else None)
+            ax.bar(i + 0.2, pc, 0.38, bottom=bottom_p, color=colors[c], alpha=0.45, hatch="//",
+                   label=f"{c} (formula)" if pc else None)
+            bottom += mc
+            bottom_p += pc
     ax.set_xticks(range(len(runs)), [label(r) for r in runs], rotation=30, ha="right", fontsize=7)
     ax.set_ylabel("MiB per rank (rank 0): measured | formula")
-    ax.legend(fontsize=7)
+    _legend(ax)
     return _save(fig, out, "memory")
 
 
@@ -79,9 +87,7 @@ def traffic(runs: list[dict], out: Path) -> str:
                    color="tab:red", alpha=0.45, hatch="//", label="server (formula)")
     ax.set_xticks(range(len(runs)), [label(r) for r in runs], rotation=30, ha="right", fontsize=7)
     ax.set_ylabel("MiB per step")
-    handles, labels = ax.get_legend_handles_labels()
-    unique = dict(zip(labels, handles))
-    ax.legend(unique.values(), unique.keys(), fontsize=7)
+    _legend(ax)
     return _save(fig, out, "traffic")
 
 

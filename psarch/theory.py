@@ -18,19 +18,22 @@ class MemoryPrediction:
     params: float
     grads: float
     optimizer: float
+    buffers: float = 0.0     # model state outside the three categories (a GEO worker's last synced copy)
 
     @property
     def total(self) -> float:
-        return self.params + self.grads + self.optimizer
+        return self.params + self.grads + self.optimizer + self.buffers
 
     def to_dict(self) -> dict[str, float]:
-        return {"params": self.params, "grads": self.grads, "optimizer": self.optimizer, "total": self.total}
+        return {"params": self.params, "grads": self.grads, "optimizer": self.optimizer,
+                "buffers": self.buffers, "total": self.total}
 
 
 def memory_per_rank(kind: str, phi: float, n: int, precision: str = "fp32", optimizer: str = "adamw",
-                    momentum: float = 0.0, stage: int = 0) -> MemoryPrediction:
+                    momentum: float = 0.0, stage: int = 0, mode: str = "sync") -> MemoryPrediction:
     """Model-state bytes per rank: single/ddp replicate everything; ZeRO stage s shards the first s of
-    (optimizer, gradients, parameters) over n ranks; a PS worker holds parameters and gradients only."""
+    (optimizer, gradients, parameters) over n ranks; a PS worker holds parameters and gradients only,
+    except in GEO mode, where it runs a local optimizer and keeps the last synced fp32 model for its delta."""
     b = BYTES[precision]
     k = optimizer_bytes_per_param(optimizer, precision, momentum)
     kind, stage = {"torch_zero": ("zero", 1), "torch_fsdp": ("zero", 3)}.get(kind, (kind, stage))
@@ -38,6 +41,8 @@ def memory_per_rank(kind: str, phi: float, n: int, precision: str = "fp32", opti
         return MemoryPrediction(params=b * phi / n if stage >= 3 else b * phi,
                                 grads=b * phi / n if stage >= 2 else b * phi,
                                 optimizer=k * phi / n)
+    if kind == "ps" and mode == "geo":
+        return MemoryPrediction(params=b * phi, grads=b * phi, optimizer=k * phi, buffers=4 * phi)
     if kind == "ps":
         return MemoryPrediction(params=b * phi, grads=b * phi, optimizer=0.0)
     return MemoryPrediction(params=b * phi, grads=b * phi, optimizer=k * phi)

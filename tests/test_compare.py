@@ -95,3 +95,43 @@ def test_compare_warns_when_runs_are_not_comparable(sweep_run, tmp_path):
     from psarch.compare import compare
     report = compare([root / "out" / "single", tmp_path / "other"], tmp_path / "cmp").read_text()
     assert "not directly comparable" in report and "global_batch: 8 vs 4" in report
+
+
+@pytest.fixture(scope="module")
+def async_run(sweep_run):
+    """A parameter-server async run on the sweep's workload: server traffic and a staleness histogram."""
+    root, _ = sweep_run
+    (root / "ps.toml").write_text(TINY.replace('name = "sw"', 'name = "psasync"')
+                                  + '[backend]\nkind = "ps"\nmode = "async"\nworld_size = 2\n')
+    from psarch import load_config, run
+    run(load_config(root / "ps.toml"), out=root / "psasync", echo=False)
+    return root / "psasync"
+
+
+def test_compare_shows_server_traffic_and_staleness(sweep_run, async_run, tmp_path):
+    root, _ = sweep_run
+    from psarch.compare import compare
+    from psarch.outputs import fmt_bytes
+    report = compare([root / "out" / "single", async_run], tmp_path / "cmp").read_text()
+    s = json.loads((async_run / "summary.json").read_text())
+    assert sum(s["staleness"]["histogram"].values()) == s["staleness"]["updates"] > 0
+    row = next(line for line in report.splitlines() if "| psasync |" in line)
+    recv = s["traffic"]["servers"][0]["received"] / s["steps"]
+    assert f"{fmt_bytes(recv)} \\| {fmt_bytes(s['predicted']['traffic_per_step']['server_received'])}" in row
+    data = (tmp_path / "cmp" / "staleness.png").read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 5000
+    assert "![staleness](staleness.png)" in report
+
+
+def test_estimate_from_a_measured_run(async_run):
+    out = subprocess.run([sys.executable, "-m", "psarch.cli", "estimate", "--from", str(async_run)],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    s = json.loads((async_run / "summary.json").read_text())
+    assert f"== measured run {s['name']} (ps async, N = 2)" in out.stdout
+    assert f"step time  measured {s['step_time_s'] * 1e3:.2f} ms" in out.stdout
+    sent = sum(t["sent_per_step"] for t in s["traffic"]["per_rank"]) / 2
+    assert f"sent/step  measured {sent:,.0f} B   model {s['params'] * 4:,.0f} B" in out.stdout
+    missing = subprocess.run([sys.executable, "-m", "psarch.cli", "estimate", "--from", str(async_run.parent)],
+                             capture_output=True, text=True, timeout=60)
+    assert missing.returncode == 2 and "no summary.json" in missing.stderr
