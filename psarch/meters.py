@@ -58,8 +58,19 @@ def optimizer_state_bytes(opt: torch.optim.Optimizer) -> int:
 
 
 def peak_memory(device: torch.device) -> tuple[int, str]:
-    """Peak memory of this process: CUDA max allocated on a GPU, else peak resident set size."""
+    """Peak memory of this process: CUDA max allocated on a GPU, else peak resident set size.
+
+    On Linux the peak RSS is VmHWM, the high-water mark of this process's own address space:
+    getrusage's ru_maxrss survives fork + exec, so a rank spawned by a launcher holding 300 MiB would
+    report at least the launcher's 300 MiB, whatever the rank itself used."""
     if device.type == "cuda":
         return int(torch.cuda.max_memory_allocated(device)), "cuda_max_allocated"
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024, "rss"
+    except OSError:
+        pass
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return int(rss if sys.platform == "darwin" else rss * 1024), "rss"

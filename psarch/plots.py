@@ -1,6 +1,8 @@
 """The comparison plots (matplotlib, written as PNG files)."""
 from __future__ import annotations
 
+import math
+import re
 from pathlib import Path
 from typing import Any
 
@@ -28,25 +30,75 @@ def _legend(ax: Any) -> None:
     ax.legend(unique.values(), unique.keys(), fontsize=7)
 
 
+def _short_names(runs: list[dict]) -> list[str]:
+    """Run names without their common sweep prefix ("sweep/"), for legends."""
+    names = [r["summary"]["name"] for r in runs]
+    prefixes = {n.rsplit("/", 1)[0] for n in names if "/" in n}
+    if len(prefixes) == 1 and all("/" in n for n in names):
+        return [n.rsplit("/", 1)[1] for n in names]
+    return names
+
+
+def _smooth(values: list[float], window: int) -> list[float]:
+    """Trailing mean over `window` steps: per-step losses of a small batch are too noisy to compare by eye."""
+    out, acc = [], []
+    for v in values:
+        acc.append(v)
+        if len(acc) > window:
+            acc.pop(0)
+        out.append(sum(acc) / len(acc))
+    return out
+
+
+def _styles(runs: list[dict]) -> list[tuple[str, dict[str, Any]]]:
+    """(legend name, line style) per run: one colour per configuration, one line style per N."""
+    names = _short_names(runs)
+    worlds = sorted({r["summary"]["world_size"] for r in runs})
+    configs: list[str] = []
+    out = []
+    for run, name in zip(runs, names):
+        n = run["summary"]["world_size"]
+        config = re.sub(r"-?world_size\d+", "", name) or name
+        if config not in configs:
+            configs.append(config)
+        text = name + (f" N={n}" if f"world_size{n}" not in name else "")
+        out.append((text, dict(color=f"C{configs.index(config) % 10}", ls=("-", "--", ":", "-.")[worlds.index(n) % 4],
+                               lw=1.2)))
+    return out
+
+
 def loss_curves(runs: list[dict], out: Path) -> str:
-    fig, (a, b) = plt.subplots(1, 2, figsize=(12, 4.5))
+    """Every run on one chart, against step and against wall-clock time: one colour per configuration,
+    one line style per N; the y range ends above the runs' starting loss, and a run that went past it
+    (or to inf/nan) is marked diverged in the legend."""
+    fig, (a, b) = plt.subplots(1, 2, figsize=(13, 5))
+    steps_max = max((len(r["metrics"]) for r in runs), default=1)
+    window = max(1, steps_max // 40)
+    top = 0.0
     for run in runs:
+        first = [r["loss"] for r in run["metrics"][:window] if math.isfinite(r["loss"])]
+        top = max(top, max(first, default=0.0))
+    floor = runs[0]["summary"].get("entropy_floor")
+    for run, (name, style) in zip(runs, _styles(runs)):
         rows = run["metrics"]
-        steps = [r["step"] for r in rows]
         clock, t = [], 0.0
         for r in rows:
             t += r["step_time_s"]
             clock.append(t)
-        losses = [r["loss"] for r in rows]
-        a.plot(steps, losses, label=label(run))
-        b.plot(clock, losses, label=label(run))
-    floor = runs[0]["summary"].get("entropy_floor")
+        losses = _smooth([r["loss"] for r in rows], window)
+        diverged = any(not math.isfinite(v) or v > 1.1 * top for v in losses)
+        a.plot([r["step"] for r in rows], losses, label=name + (" (diverged)" if diverged else ""), **style)
+        b.plot(clock, losses, **style)
     for ax, xlabel in ((a, "step"), (b, "wall-clock time of steps (s)")):
         if floor is not None:
-            ax.axhline(floor, color="k", ls=":", lw=1, label="entropy floor")
+            ax.axhline(floor, color="k", ls=":", lw=1, label="entropy floor" if ax is a else None)
         ax.set_xlabel(xlabel)
-        ax.set_ylabel("loss")
-    a.legend(fontsize=7)
+        ax.set_ylabel(f"loss ({window}-step mean)" if window > 1 else "loss")
+        if top > 0:
+            bottom = floor if floor is not None else min(
+                (r["loss"] for run in runs for r in run["metrics"] if math.isfinite(r["loss"])), default=0.0)
+            ax.set_ylim(bottom - 0.05 * (top - bottom), 1.1 * top - 0.1 * bottom)
+    a.legend(fontsize=6, ncol=2 if len(runs) > 10 else 1)
     return _save(fig, out, "loss")
 
 
@@ -108,19 +160,25 @@ def throughput(runs: list[dict], out: Path) -> str:
 
 
 def staleness(runs: list[dict], out: Path) -> str | None:
-    hists = [(label(r), r["summary"]["staleness"]) for r in runs if r["summary"].get("staleness")]
+    """Each async run's staleness distribution as a line (fraction of its updates), so that runs with
+    different numbers of updates compare; the x range ends where every run has < 1% of its updates (the legend gives each maximum)."""
+    hists = [(name, style, r["summary"]["staleness"]) for r, (name, style) in zip(runs, _styles(runs))
+             if r["summary"].get("staleness")]
     if not hists:
         return None
-    fig, ax = plt.subplots(figsize=(7, 4.5))
-    width = 0.8 / len(hists)
-    for i, (name, h) in enumerate(hists):
-        hist = h.get("histogram", h)
-        xs = sorted(int(k) for k in hist)
-        ax.bar([x + i * width for x in xs], [hist[str(x)] if str(x) in hist else hist[x] for x in xs], width,
-               label=name)
+    fig, ax = plt.subplots(figsize=(9, 5))
+    right = 1
+    for name, style, h in hists:
+        hist = {int(k): v for k, v in h.get("histogram", h).items()}
+        total = sum(hist.values()) or 1
+        xs = list(range(max(hist) + 1))
+        fracs = [hist.get(x, 0) / total for x in xs]
+        right = max(right, max((x for x, f in zip(xs, fracs) if f >= 1e-2), default=1))
+        ax.plot(xs, fracs, marker=".", ms=3, label=f"{name} (mean {h.get('mean', 0):.2f}, max {max(hist)})", **style)
+    ax.set_xlim(-0.5, right + 0.5)
     ax.set_xlabel("staleness (server version at apply - version the gradient was computed on)")
-    ax.set_ylabel("updates")
-    ax.legend(fontsize=7)
+    ax.set_ylabel("fraction of updates")
+    ax.legend(fontsize=6)
     return _save(fig, out, "staleness")
 
 
