@@ -28,6 +28,8 @@ def main(argv: list[str] | None = None) -> int:
     p_cmp = sub.add_parser("compare", help="compare run folders: report.md and plots")
     p_cmp.add_argument("runs", nargs="+", metavar="RUN_DIR")
     p_cmp.add_argument("--out", default="compare", help="folder for report.md and the PNG plots")
+    p_cmp.add_argument("--target-gap", type=float, default=0.25,
+                       help="convergence table: steps and time until the gap to the entropy floor falls below this")
     p_est = sub.add_parser("estimate", help="analytic memory, traffic and step-time model (no processes)")
     p_est.add_argument("--params", type=float, help="parameter count Φ, e.g. 7.5e9")
     p_est.add_argument("--world", type=int, default=64, help="number of workers N")
@@ -50,7 +52,7 @@ def main(argv: list[str] | None = None) -> int:
         from psarch.compare import compare
 
         try:
-            report = compare(args.runs, args.out)
+            report = compare(args.runs, args.out, args.target_gap)
         except (FileNotFoundError, ValueError, KeyError) as e:
             print(f"psarch: compare: {e}", file=sys.stderr)
             return 2

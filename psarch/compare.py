@@ -2,6 +2,8 @@
 from __future__ import annotations
 
 import json
+import math
+import statistics
 from pathlib import Path
 from typing import Any
 
@@ -73,7 +75,35 @@ def table(runs: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
-def compare(run_dirs: list[str | Path], out: str | Path) -> Path:
+def convergence(runs: list[dict[str, Any]], target_gap: float = 0.25, last: int = 20, window: int = 10) -> str:
+    """How fast each run converged, in Markdown: the gap to the entropy floor as the mean of the last
+    `last` steps (one small batch's loss is too noisy to rank runs by), and the first step and wall-clock
+    time of steps at which the `window`-step mean gap fell below `target_gap`. Empty without a floor."""
+    lines = [f"| run | N | gap, mean of last {last} steps | steps to gap < {target_gap:g} | "
+             f"time to gap < {target_gap:g} (s) | staleness mean / max |", "|---|---|---|---|---|---|"]
+    for run in runs:
+        s, rows = run["summary"], run["metrics"]
+        floor = s.get("entropy_floor")
+        if floor is None or not rows:
+            return ""
+        losses = [r["loss"] for r in rows]
+        gap = statistics.fmean(losses[-last:]) - floor
+        clock, t, hit = [], 0.0, None
+        for i, r in enumerate(rows):
+            t += r["step_time_s"]
+            clock.append(t)
+            if hit is None and statistics.fmean(losses[max(0, i - window + 1):i + 1]) - floor < target_gap:
+                hit = i
+        nan_at = next((r["step"] for r in rows if not math.isfinite(r["loss"])), None)
+        shown = f"{gap:.4f}" if math.isfinite(gap) else f"diverged (non-finite from step {nan_at})"
+        st = s.get("staleness")
+        steps, secs = (str(hit + 1), f"{clock[hit]:.2f}") if hit is not None else ("-", "-")
+        stale = f"{st['mean']:.2f} / {st['max']}" if st else "-"
+        lines.append(f"| {s['name']} | {s['world_size']} | {shown} | {steps} | {secs} | {stale} |")
+    return "\n".join(lines)
+
+
+def compare(run_dirs: list[str | Path], out: str | Path, target_gap: float = 0.25) -> Path:
     """Write report.md and the plots for these runs into `out`; returns the report's path."""
     from psarch import plots
 
@@ -89,6 +119,10 @@ def compare(run_dirs: list[str | Path], out: str | Path) -> Path:
         text += ["**Warning: these runs are not directly comparable.**", ""] + [f"- {w}" for w in warnings] + [""]
     text += [table(runs), "", "Memory: rank 0's model states (params + grads + optimizer incl. fp32 masters). "
              "Traffic: mean over workers; native collectives are modelled, not measured.", ""]
+    conv = convergence(runs, target_gap)
+    if conv:
+        text += ["## Convergence", "", conv, "", f"Steps and time (summed step times) until the 10-step mean "
+                 f"gap to the entropy floor first fell below {target_gap:g}.", ""]
     text += [f"![{name}]({name}.png)" for name in figures]
     report = out / "report.md"
     report.write_text("\n".join(text) + "\n")

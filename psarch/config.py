@@ -57,7 +57,8 @@ class MLPConfig:
 class MarkovConfig:
     """Synthetic tokens from a random sparse Markov chain whose entropy rate is known exactly."""
 
-    # Every rank builds the chain (O(vocab_size * branching)); 2^16 is a large real tokenizer's vocabulary.
+    # Every rank builds the chain: O(vocab_size * branching) per power-iteration step, ~1 s at 2^16 states
+    # with the default concentration, up to a minute for slow-mixing chains (concentration near 1e-6).
     vocab_size: int = _f(64, "number of states (tokens)", min=2, max=2**16)
     branching: int = _f(4, "successors per state (sparsity of the transition matrix)", min=1)
     concentration: float = _f(1.0, "Dirichlet concentration of each row's probabilities", min=1e-6)

@@ -161,7 +161,8 @@ def throughput(runs: list[dict], out: Path) -> str:
 
 def staleness(runs: list[dict], out: Path) -> str | None:
     """Each async run's staleness distribution as a line (fraction of its updates), so that runs with
-    different numbers of updates compare; the x range ends where every run has < 1% of its updates (the legend gives each maximum)."""
+    different numbers of updates compare; the x range ends where every run has < 1% of its updates
+    (the legend gives each maximum)."""
     hists = [(name, style, r["summary"]["staleness"]) for r, (name, style) in zip(runs, _styles(runs))
              if r["summary"].get("staleness")]
     if not hists:

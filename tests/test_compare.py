@@ -118,6 +118,13 @@ def test_compare_shows_server_traffic_and_staleness(sweep_run, async_run, tmp_pa
     row = next(line for line in report.splitlines() if "| psasync |" in line)
     recv = s["traffic"]["servers"][0]["received"] / s["steps"]
     assert f"{fmt_bytes(recv)} \\| {fmt_bytes(s['predicted']['traffic_per_step']['server_received'])}" in row
+    # the convergence table: the last steps' mean gap, and the async run's staleness
+    losses = [json.loads(line)["loss"] for line in (async_run / "metrics.jsonl").read_text().splitlines()]
+    gap = sum(losses[-20:]) / len(losses[-20:]) - s["entropy_floor"]
+    conv = report.split("## Convergence")[1]
+    row = next(line for line in conv.splitlines() if "| psasync |" in line)
+    assert f"| psasync | 2 | {gap:.4f} |" in row
+    assert row.endswith(f"| {s['staleness']['mean']:.2f} / {s['staleness']['max']} |")
     data = (tmp_path / "cmp" / "staleness.png").read_bytes()
     assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 5000
     assert "![staleness](staleness.png)" in report

@@ -274,3 +274,18 @@ def test_traffic_formulas():
     assert theory.traffic_per_step("ps", s, 1)["worker_sent"] == s  # a single PS worker still talks to servers
     with pytest.raises(ValueError, match="unknown backend"):
         theory.traffic_per_step("horovod", s, 2)
+
+
+def test_consolidated_state_takes_the_master_under_every_name_of_a_tied_weight():
+    """model.pt holds the fp32 master of a tied weight under each of its names, never the bf16 copy."""
+    from psarch.single import consolidated_state
+
+    emb, head = torch.nn.Embedding(5, 3), torch.nn.Linear(3, 5, bias=False)
+    head.weight = emb.weight
+    model = torch.nn.Sequential(emb, head).to(torch.bfloat16)
+    master = torch.randn(5, 3) / 3  # fp32 values a bf16 copy cannot hold exactly
+    for copy in (True, False):
+        out = consolidated_state(model, {id(emb.weight): master}, copy=copy)
+        assert set(out) == {"0.weight", "1.weight"}
+        for name, value in out.items():
+            assert value.dtype == torch.float32 and value.device.type == "cpu" and torch.equal(value, master), name

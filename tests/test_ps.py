@@ -545,6 +545,17 @@ def dies_on_rank1_at_step3(cfg) -> psarch.Workload:
     return _with_batch_hook(cfg, lambda step, shard: os._exit(3) if (shard, step) == (1, 3) else None)
 
 
+def dies_on_rank1_at_step3_rank0_pauses_at_step5(cfg) -> psarch.Workload:
+    """Rank 1 dies at step 3; rank 0 (which ssp holds at step 5 until rank 1 is lost) then pauses 0.5 s:
+    the silence of a worker the server kept waiting counts from its release, not from its last message."""
+    def hook(step: int, shard: int) -> None:
+        if (shard, step) == (1, 3):
+            os._exit(3)
+        if (shard, step) == (0, 5):
+            time.sleep(0.5)
+    return _with_batch_hook(cfg, hook)
+
+
 def dies_on_rank0_at_step3(cfg) -> psarch.Workload:
     return _with_batch_hook(cfg, lambda step, shard: os._exit(3) if (shard, step) == (0, 3) else None)
 
@@ -712,7 +723,7 @@ def test_standalone_server_goes_on_without_a_silent_worker_and_exits(tmp_path, m
     import sys
 
     toml = tmp_path / "remote.toml"
-    toml.write_text('seed = 3\n[workload]\nfactory = "test_ps:dies_on_rank1_at_step3"\n'
+    toml.write_text('seed = 3\n[workload]\nfactory = "test_ps:dies_on_rank1_at_step3_rank0_pauses_at_step5"\n'
                     '[train]\nsteps = 8\nglobal_batch = 12\noptimizer = "sgd"\nlr = 0.1\nlog_every = 100\n'
                     f'[backend]\nkind = "ps"\nworld_size = 2\nmode = "{mode}"\nstaleness_bound = 1\n'
                     'timeout_s = 3.0\n')
@@ -729,7 +740,8 @@ def test_standalone_server_goes_on_without_a_silent_worker_and_exits(tmp_path, m
         out, err = proc.communicate(timeout=30)   # no `done` will ever come from worker 1
         assert proc.returncode == 0, err
         assert time.monotonic() - t0 < 30
-        assert "worker 1 lost: no message from it for more than backend.timeout_s = 3 s" in err
+        assert "worker 1 lost: no message from it for more than 3 s (backend.timeout_s)" in err
+        assert "worker 0 lost" not in err
         stats = json.loads(out.strip().splitlines()[-1])
         assert stats["lost"] == [1] and stats["failure"] is None and stats["version"] == 3 + 8
     finally:

@@ -1,10 +1,11 @@
 """Each backend's measured memory and traffic agree with the estimator's prediction for the same run.
 
-Measured model-state bytes lie in [predicted, predicted + padding + 64 B]: padding is what each backend
-adds to split buffers evenly (reported in `memory.padding`), plus AdamW's step counters: 4 B per stepped
-tensor, at most one per parameter tensor (flat backends step one or a few). Measured bytes per step (ring: counted on the wire; PS: every frame) lie in
-[predicted, 1.01 x predicted + 64 B]: padding to multiples of N, and message headers for the PS (about
-100 B per message against S = 8.6 KB here). GEO pushes once every k steps: its prediction is S/k per step."""
+Measured model-state bytes lie in [predicted, predicted + padding + counters]: padding is what each
+backend adds to split buffers evenly (reported in `memory.padding`), counters AdamW's step counters,
+4 B per stepped tensor, at most one per parameter tensor (flat backends step one or a few). Measured
+bytes per step (ring: counted on the wire; PS: every frame) lie in [predicted, 1.01 x predicted + 64 B]:
+padding to multiples of N, and message headers for the PS (about 100 B per message against S = 8.6 KB
+here). GEO pushes once every k steps: its prediction is S/k per step."""
 from __future__ import annotations
 
 import pytest

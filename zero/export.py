@@ -3,11 +3,10 @@
 Every group lies within one unit (stage 3: a group is a unit; stages 1-2: buckets are cut at unit
 boundaries), so no rank ever holds more than one unit's full parameters beyond rank 0's output, and
 rank 0 holds that output once: each parameter is copied out of the gathered group straight to the CPU
-(model.pt is a CPU fp32 state_dict) and used as it is."""
+(model.pt is a CPU fp32 state_dict) and used as it is (psarch.single.consolidated_state, copy=False)."""
 from __future__ import annotations
 
 import torch
-from torch import nn
 
 from collective.comm import Communicator
 from zero.partition import Partition
@@ -27,16 +26,3 @@ def gather_fp32(comm: Communicator, part: Partition, chunks: list[torch.Tensor],
         del full
     return out
 
-
-def model_state(model: nn.Module, values: dict[int, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """The model's state_dict in fp32 on the CPU: parameters are the tensors in `values` (id -> fp32 CPU
-    copy, not copied again), everything else (buffers, frozen parameters) is copied from the model."""
-    params = dict(model.named_parameters(remove_duplicate=False))  # tied weights: every name
-    out = {}
-    for name, t in model.state_dict().items():
-        p = params.get(name)
-        if p is not None and id(p) in values:
-            out[name] = values[id(p)].view(t.shape)
-        else:
-            out[name] = t.detach().to("cpu", torch.float32 if t.is_floating_point() else t.dtype, copy=True)
-    return out

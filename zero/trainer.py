@@ -20,9 +20,9 @@ from psarch.config import Config
 from psarch.dist import DistContext
 from psarch.meters import peak_memory, tensor_bytes
 from psarch.precision import MixedPrecisionOptimizer, compute_dtype, has_inf_or_nan
+from psarch.single import consolidated_state
 from psarch.trainer import MemoryReport, StepStats, TrafficReport
 from psarch.workload import Workload
-from zero.export import model_state
 from zero.stage3 import Stage3
 from zero.stage12 import Stage12
 from zero.units import SavedActivationMeter, checkpoint_units, find_units
@@ -102,7 +102,7 @@ class ZeroTrainer:
                 if before is not None else (after.sent, after.received, after.calls)
             self.comm.traffic.add("all_gather", -s, -r, -c)
             self.comm.traffic.add("export_all_gather", s, r, c)
-        return model_state(self.model, values) if self.ctx.rank == 0 else {}
+        return consolidated_state(self.model, values, copy=False) if self.ctx.rank == 0 else {}
 
     def state_dict(self) -> dict[str, Any]:
         held = self.engine.shard if self.stage == 3 else self.engine.flat

@@ -26,8 +26,9 @@ class ServerControl:
         if self.last_seen is not None:
             waiting = {p.worker for p in self.pending}   # a worker waiting on a pull is waiting on us
             for w in sorted(self._live() - self.done - waiting):
-                if now - self.last_seen[w] > t:
-                    self._lose(w, f"no message from it for more than backend.timeout_s = {t:g} s")
+                if now - self.last_seen[w] > self.silence_s:
+                    self._lose(w, f"no message from it for more than {self.silence_s:g} s (backend.timeout_s"
+                                  + (" x backend.k_steps)" if self.mode == "geo" else ")"))
             if self.stopping:
                 return
         if self.barrier and self.round_pushed and now - self.round_since > t:

@@ -118,8 +118,12 @@ class ParameterServer(ServerControl):
         # standalone, modes that go on without a worker: when each worker was last heard from (None until
         # the first worker speaks, so that workers started long after the server are not lost at once)
         self.watch_silence = exit_when_done and b.mode != "sync"
+        # a GEO worker speaks once per k_steps local steps: its silence may last k_steps times longer
+        self.silence_s = b.timeout_s * (b.k_steps if b.mode == "geo" else 1)
         self.last_seen: list[float] | None = None
         self.changing = False                    # the current request has started to change the state
+        self.current: bytes | None = None        # the identity of the request being handled
+        self.current_answered = False            # ... and whether it has had its one reply
 
     # ------------------------------------------------------------------ loop
 
@@ -163,6 +167,7 @@ class ParameterServer(ServerControl):
         self.meter.add(msg.op, 0, size)
         self._heard(msg.header["worker"] if "worker" in msg.header else None)
         self.changing = False
+        self.current, self.current_answered = ident, False
         try:
             if self.failure is not None:
                 raise PSError(self.failure)
@@ -176,10 +181,9 @@ class ParameterServer(ServerControl):
             print(f"psarch server {self.index}: internal error handling {msg.op!r} of worker "
                   f"{msg.header.get('worker')}:\n{traceback.format_exc()}", file=sys.stderr, flush=True)
             text = f"internal error: {type(e).__name__}: {e}"
-            queued = any(p.ident == ident for p in self.pending)
             if self.changing:  # the state may be half-updated: fail rather than serve from it
                 self._fail(f"{text} (while applying {msg.op!r} of worker {msg.header.get('worker')})")
-            if not (self.changing and queued):  # _fail answered the request if it was waiting
+            if not self.current_answered:  # every request gets exactly one reply
                 self._error(ident, msg.op, text)
 
     def _heard(self, worker: Any) -> None:
@@ -191,6 +195,8 @@ class ParameterServer(ServerControl):
         self.last_seen[worker] = now
 
     def _send(self, ident: bytes, op: str, header: dict[str, Any], tensor: torch.Tensor | None = None) -> None:
+        if ident == self.current:
+            self.current_answered = True
         frames = wire.encode(header, tensor)
         self.meter.add(op, wire.frames_bytes(frames), 0, calls=0)
         self.sock.send_multipart([ident, *frames], copy=False)
@@ -402,10 +408,8 @@ class ParameterServer(ServerControl):
         return True
 
     def _serve_pending(self) -> None:
-        waiting = []
-        for p in self.pending:
+        for p in list(self.pending):
             if not self._ready(p):
-                waiting.append(p)
                 continue
             st, w, step = self.state, p.worker, p.step
             header: dict[str, Any] = dict(p.extra, op="params", version=st.version, offset=self.lo, scale=st.scale)
@@ -424,5 +428,7 @@ class ParameterServer(ServerControl):
                 data if self.barrier else data.clone())
             st.remember_sent(w)
             self.sent_version[w] = st.version
+            self.pending.remove(p)   # before the reply: an error past this point must not answer it again
             self._send(p.ident, p.op, header, data)
-        self.pending = waiting
+            if self.last_seen is not None:  # it waited on us until now: its silence starts here
+                self.last_seen[w] = time.monotonic()

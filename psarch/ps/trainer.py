@@ -167,20 +167,17 @@ class PSTrainer:
                 "synced": self.synced.clone() if self.synced is not None else None}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        with torch.no_grad():
-            self.flat.data.copy_(state["flat"])
-        self.versions, self.steps, self.rounds = list(state["versions"]), state["steps"], state["rounds"]
-        self.loss_scale = state["loss_scale"]
-        if self.local is not None:
-            self.local.load_state_dict(state["local"])
-            self.synced.copy_(state["synced"])
+        # The servers hold the parameters, the optimizer state and the versions every push must name:
+        # a worker's own state cannot resume a run without theirs.
+        raise NotImplementedError("backend.kind = \"ps\": a worker cannot resume on its own (the servers hold the "
+                                  "parameters, optimizer state and versions); start the run again")
 
     def memory(self) -> MemoryReport:
         peak, kind = peak_memory(self.ctx.device)
-        buffers = [self.synced] + ([self.host] if self.host is not self.flat.data else [])
+        # a GPU worker's host staging copy for the wire is host memory, not model state on the device
         return MemoryReport(params=tensor_bytes([self.flat.data]), grads=tensor_bytes([self.flat.grad]),
                             optimizer=self.local.state_bytes() if self.local is not None else 0,
-                            buffers=tensor_bytes(buffers), peak=peak, peak_kind=kind)
+                            buffers=tensor_bytes([self.synced]), peak=peak, peak_kind=kind)
 
     def traffic(self) -> TrafficReport:
         return self.client.meter.report()
