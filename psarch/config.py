@@ -12,7 +12,6 @@ import math
 import os
 import sys
 import tomllib
-import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any

@@ -138,7 +138,7 @@ def report(phi: float, world: int, precision: str = "bf16", optimizer: str = "ad
     out += ["", f"== step time (s), compute {c.compute_s:g} s/step/worker (weak scaling), link "
                 f"{c.bandwidth / 1e9:g} GB/s, latency {c.alpha * 1e6:g} us, overlap {c.overlap:g}",
             f"{'N':>6} {'ddp':>9} {'zero-3':>9} " + " ".join(f"{'ps/' + s:>9}" for s in cols)
-            + f"   (ps/n: one server per worker)"]
+            + "   (ps/n: one server per worker)"]
     for row in scaling_table(payload, c, worlds, cols):
         out.append(f"{row['world']:>6} {row['ddp']:>9.4f} {row['zero-3']:>9.4f} "
                    + " ".join(f"{row['ps/' + s]:>9.4f}" for s in cols))

@@ -1,6 +1,8 @@
 """User-style workload factories the tests name through `workload.factory = "factories:..."`."""
 from __future__ import annotations
 
+import textwrap
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -95,3 +97,37 @@ def perturbed_by_rank(cfg) -> psarch.Workload:
         for p in wl.model.parameters():
             p.add_(0.5 * rank)
     return wl
+
+
+# The source of a factory module written next to a config (so a spawned rank or torchrun imports it from the
+# working directory): rank 1 raises at step 2; each process records its pid in $PSARCH_TEST_PIDDIR.
+FAILING_FACTORY = textwrap.dedent('''
+    import os
+    import torch
+    import torch.distributed as dist
+    from psarch import Workload
+
+    def make(cfg):
+        piddir = os.environ.get("PSARCH_TEST_PIDDIR")
+        if piddir:
+            open(os.path.join(piddir, str(os.getpid())), "w").close()
+        calls = [0]
+        model = torch.nn.Linear(4, 1)
+
+        def loss_fn(model, batch):
+            step = calls[0]
+            calls[0] += 1
+            if dist.is_initialized() and dist.get_rank() == 1 and step == 2:
+                raise RuntimeError("injected failure at step 2")
+            x, y = batch
+            return ((model(x) - y) ** 2).mean()
+
+        def batch(step, shard, num_shards):
+            g = torch.Generator().manual_seed(step)
+            x = torch.randn(4, 4, generator=g)
+            per = 4 // num_shards
+            x = x[shard * per:(shard + 1) * per]
+            return x, x.sum(1, keepdim=True)
+
+        return Workload(model, loss_fn, batch, name="failing")
+''')

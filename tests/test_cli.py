@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from factories import FAILING_FACTORY
 from psarch.config import from_dict, load_config
 from psarch.workload import build_workload
 
@@ -254,36 +255,6 @@ def test_missing_config_file_exits_2(tmp_path):
 
 # ---------------------------------------------------------------- (d) a failing rank
 
-FAILING_FACTORY = textwrap.dedent('''
-    import os
-    import torch
-    import torch.distributed as dist
-    from psarch import Workload
-
-    def make(cfg):
-        piddir = os.environ.get("PSARCH_TEST_PIDDIR")
-        if piddir:
-            open(os.path.join(piddir, str(os.getpid())), "w").close()
-        calls = [0]
-        model = torch.nn.Linear(4, 1)
-
-        def loss_fn(model, batch):
-            step = calls[0]
-            calls[0] += 1
-            if dist.is_initialized() and dist.get_rank() == 1 and step == 2:
-                raise RuntimeError("injected failure at step 2")
-            x, y = batch
-            return ((model(x) - y) ** 2).mean()
-
-        def batch(step, shard, num_shards):
-            g = torch.Generator().manual_seed(step)
-            x = torch.randn(4, 4, generator=g)
-            per = 4 // num_shards
-            x = x[shard * per:(shard + 1) * per]
-            return x, x.sum(1, keepdim=True)
-
-        return Workload(model, loss_fn, batch, name="failing")
-''')
 
 
 def _proc_table() -> dict[int, tuple[int, str]]:

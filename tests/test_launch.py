@@ -10,6 +10,8 @@ import time
 
 import torch
 
+from factories import FAILING_FACTORY
+
 TINY = """
 name = "tiny"
 seed = 5
@@ -100,7 +102,6 @@ def test_torchrun_ps_rank0_starts_the_servers_and_matches_the_local_launch(tmp_p
 def test_torchrun_failing_rank_reports_its_error_without_waiting_for_the_timeout(tmp_path):
     """Rank 1 raises at step 2 while rank 0 waits in that step's all-reduce: rank 1 prints its error and
     exits at once (no teardown barrier, whose timeout would replace the error), torchrun stops rank 0."""
-    from test_cli import FAILING_FACTORY
 
     (tmp_path / "failing_factory.py").write_text(FAILING_FACTORY)
     (tmp_path / "tiny.toml").write_text(TINY.replace("world_size = 2", "world_size = 2\ntimeout_s = 60.0"))

@@ -1,0 +1,324 @@
+"""A parameter server refuses every malformed or out-of-turn message and changes nothing: fuzzing over
+every mode, and single requests a PSClient would never send, spoken to a live server (threads of the
+test process) over a raw DEALER socket."""
+from __future__ import annotations
+
+import random
+import time
+
+import msgpack
+import pytest
+import torch
+import zmq
+
+from psarch.config import from_dict
+from psarch.ps import wire
+from psarch.ps.client import PSClient, Request
+from psarch.ps.layout import server_ranges
+from psarch.ps.server import PSError
+from psarch.ps.services import start_services
+from psarch.workload import build_workload
+from ps_setup import config, ps
+
+
+def _malformed(rng: random.Random, count: int, n: int) -> list[list[bytes]]:
+    """`count` messages a server owning `n` parameters must refuse, of many kinds; each push differs from
+    a valid one (worker 0, step 0, version 0) in one respect. Worker 1 has pushed step 0 already, so
+    its repeated or out-of-order pushes and pulls beyond either worker's next step are refused too."""
+    good = {"op": "push", "worker": 0, "step": 0, "version": 0, "offset": 0, "dtype": "float32", "shape": [n],
+            "frames": 1}
+    payload = bytes(4 * n)
+
+    def push(**over):
+        h = dict(good)
+        for k, v in over.items():
+            if v is None:
+                h.pop(k, None)
+            else:
+                h[k] = v
+        return msgpack.packb(h)
+
+    def pull(worker, step):
+        return [msgpack.packb({"op": "pull", "worker": worker, "step": step, "want": "float32"})]
+
+    kinds = [
+        lambda: [rng.randbytes(rng.randint(1, 300))],
+        lambda: [rng.randbytes(rng.randint(0, 50)) for _ in range(rng.randint(2, 6))],
+        lambda: [msgpack.packb({"op": rng.choice(["", "PUSH", "shutdown", "stop", "stats", "ack", "params",
+                                                  "error", "lost", rng.randbytes(4).hex()]), "worker": 0})],
+        lambda: [push(dtype=rng.choice(["float16", "bfloat16", "int64", "float64", "bool"])), payload],
+        lambda: [push(shape=[n + rng.choice([-1, 1, 7])]), payload],
+        lambda: [push(shape=[n], offset=rng.randint(1, 10**6)), payload],
+        lambda: [push(frames=rng.choice([0, 2, 5])), payload],
+        lambda: [push()],
+        lambda: [push(), payload, rng.randbytes(8)],
+        lambda: [push(), payload[:rng.randint(0, len(payload) - 1)]],
+        lambda: [push(**{rng.choice(["worker", "step", "version", "offset", "op"]): None}), payload],
+        lambda: [push(**{rng.choice(["worker", "step", "version"]): rng.choice([-1, 1.5, "x", True, [1]])}), payload],
+        lambda: [push(worker=rng.randint(2, 1000)), payload],
+        lambda: [push(version=rng.randint(1, 100)), payload],
+        lambda: [push(step=rng.randint(1, 100)), payload],
+        lambda: [push(colour="blue"), payload],
+        lambda: [push(op="pushpull", **{rng.choice(["dtype", "shape", "version"]): rng.choice(["int8", [3], 99])}),
+                 payload],
+        lambda: [push(op="pushpull", worker=rng.randint(2, 99)), payload],
+        lambda: [msgpack.packb(rng.choice([[1, 2], 7, "push", None, b"\x00"]))],
+        lambda: [msgpack.packb({"op": "init", "worker": 0, "numel": n, "offset": 0, "dtype": "float32",
+                                "shape": [n], "frames": 1}), payload],
+        lambda: [msgpack.packb({"op": "pull", "worker": 1, "step": 0, "want": rng.choice(["float16", "x", ""])})],
+        lambda: [msgpack.packb({"op": "fetch", "worker": 9})],
+        # semantic: well-formed, but not what this worker may send now
+        lambda: [push(worker=1, op=rng.choice(["push", "pushpull"])), payload],          # repeated push
+        lambda: [push(worker=1, step=rng.choice([2, 3, 99])), payload],                  # skips a step
+        lambda: pull(0, rng.choice([1, 2, 10**6, 2**62])),                                # future pull
+        lambda: pull(1, rng.choice([2, 3, 10**6])),
+        lambda: [push(scale=rng.choice([0.0, -1.0, 1e-300, 3.0, 1.0, 65536.0, 0])), payload],  # fp32: no scale
+        lambda: [push(found_inf=rng.choice([True, False])), payload],
+    ]
+    return [rng.choice(kinds)() for _ in range(count)]
+
+
+FUZZ_MODES = {"sync": {}, "async": {}, "ssp": {"staleness_bound": 0}, "geo": {}, "geo-barrier": {"geo_barrier": True}}
+
+
+@pytest.mark.parametrize("mode", list(FUZZ_MODES))
+def test_fuzzed_messages_are_refused_and_change_nothing(mode):
+    """Malformed, random and out-of-turn messages to a live server (worker 1 has pushed step 0): each
+    gets an error reply, the parameters do not move, the server then serves a normal worker (and
+    survives a frame over its size limit). Plain SGD, lr 0.5, so the final update is known."""
+    extra, count = FUZZ_MODES[mode], 1200
+    cfg = from_dict(config("fuzz", train={"optimizer": "sgd", "lr": 0.5},
+                           backend=ps(2, mode.split("-")[0], timeout_s=60.0, **extra)))
+    services = start_services(cfg, None, threads=True)
+    addr = services.info["addresses"]
+    zctx = zmq.Context()
+    fuzzer, big = zctx.socket(zmq.DEALER), zctx.socket(zmq.DEALER)
+    w0, w1 = PSClient(addr, 0, 10.0), PSClient(addr, 1, 10.0)
+    try:
+        for sock in (fuzzer, big):
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.connect(addr[0])
+        numel = sum(p.numel() for p in build_workload(cfg).model.parameters())
+        init, base = torch.empty(numel), torch.empty(numel)
+        w0.exchange([[Request({"op": "fetch"}, into=init)]])   # the server built the model itself
+        g1 = torch.randn(numel)
+        w1.exchange([[Request({"op": "push", "step": 0, "version": 0, "offset": 0}, g1)]])
+        w0.exchange([[Request({"op": "fetch"}, into=base)]])
+        messages = _malformed(random.Random(0), count, numel)
+        t0 = time.monotonic()
+        for frames in messages:
+            fuzzer.send_multipart(frames)
+            assert fuzzer.poll(5000), f"no reply to {frames!r:.200}"
+            reply = wire.decode(fuzzer.recv_multipart())
+            assert reply.op == "error", frames
+        assert time.monotonic() - t0 < 30
+        big.send_multipart([b"x" * (wire.CHUNK + wire.MAX_HEADER + 1)])   # over MAXMSGSIZE: dropped
+        now = torch.empty(numel)
+        w0.exchange([[Request({"op": "fetch"}, into=now)]])
+        assert torch.equal(now, base), "a refused message changed the parameters"
+        # a normal worker is still served: its gradient (or delta) is applied
+        g0 = torch.randn(numel)
+        w0.exchange([[Request({"op": "push", "step": 0, "version": 0, "offset": 0}, g0),
+                      Request({"op": "pull", "step": 1, "want": "float32"}, into=now)]])
+        expected = {"sync": init - 0.5 * (g1 + g0) / 2, "async": base - 0.5 * g0, "ssp": base - 0.5 * g0,
+                    "geo": base + g0, "geo-barrier": init + g1 + g0}[mode]
+        torch.testing.assert_close(now, expected)
+        detail = services.finish()["servers_detail"][0]
+        assert detail["rejected"] == len(messages) and detail["version"] == (1 if mode in ("sync", "geo-barrier")
+                                                                              else 2)
+    finally:
+        for c in (w0, w1):
+            c.close()
+        fuzzer.close(linger=0)
+        big.close(linger=0)
+        zctx.term()
+        services.stop()
+
+
+class Raw:
+    """One DEALER speaking the wire directly to a server, for requests a PSClient would never send."""
+
+    def __init__(self, zctx: zmq.Context, address: str) -> None:
+        self.sock = zctx.socket(zmq.DEALER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.connect(address)
+
+    def send(self, header: dict, tensor: torch.Tensor | None = None) -> None:
+        self.sock.send_multipart(wire.encode(header, tensor))
+
+    def reply(self, timeout_ms: int = 5000) -> wire.Message | None:
+        return wire.decode(self.sock.recv_multipart()) if self.sock.poll(timeout_ms) else None
+
+    def ask(self, header: dict, tensor: torch.Tensor | None = None) -> wire.Message:
+        self.send(header, tensor)
+        r = self.reply()
+        assert r is not None, f"no reply to {header}"
+        return r
+
+
+@pytest.fixture
+def server():
+    """server(mode, precision, workers, servers, **backend) -> (services, numel); everything stopped after."""
+    started, zctx = [], zmq.Context()
+
+    def make(mode: str, precision: str = "fp32", workers: int = 2, servers: int = 1, **extra):
+        cfg = from_dict(config("srv", train={"optimizer": "sgd", "lr": 0.5, "precision": precision},
+                               workload={"model": "mlp"}, backend=ps(workers, mode, servers, **extra)))
+        started.append(start_services(cfg, None, threads=True))
+        return started[-1], sum(p.numel() for p in build_workload(cfg).model.parameters())
+
+    make.raw = lambda address: Raw(zctx, address)
+    yield make
+    for s in started:
+        s.stop()
+    zctx.destroy(linger=0)
+
+
+def _fetch(raw: Raw) -> torch.Tensor:
+    r = raw.ask({"op": "fetch", "worker": 0})
+    assert r.op == "params", r.header
+    return r.tensor().clone()
+
+
+@pytest.mark.parametrize("mode", ["sync", "async", "ssp"])
+def test_fp16_pushes_with_a_bad_loss_scale_are_refused(server, mode):
+    """A loss scale of 0 once crashed an async server (ZeroDivisionError). A scale must be a power of two
+    >= 1 (in sync: the server's own, 2^16 at first); found_inf = false with inf in the gradient is a lie."""
+    services, numel = server(mode, "fp16")
+    raw = server.raw(services.info["addresses"][0])
+    before = _fetch(raw)
+    g = torch.full((numel,), 0.5, dtype=torch.float16)
+    push = {"op": "push", "worker": 0, "step": 0, "version": 0, "offset": 0}
+    bad = [dict(push, scale=s, found_inf=False) for s in (0.0, 0, -1.0, 1e-300, 3.0, 0.5, 2.0**-3)]
+    bad.append(dict(push, found_inf=False))                               # no scale at all
+    if mode == "sync":
+        bad.append(dict(push, scale=2.0**15, found_inf=False))            # not the server's scale
+    for header in bad:
+        r = raw.ask(header, g)
+        assert r.op == "error" and "scale" in r.header["message"], (header, r.header)
+    inf = g.clone()
+    inf[3] = float("inf")
+    r = raw.ask(dict(push, scale=2.0**16, found_inf=False), inf)
+    assert r.op == "error" and "inf/nan" in r.header["message"]
+    assert torch.equal(_fetch(raw), before)
+    r = raw.ask(dict(push, scale=2.0**16, found_inf=False), g)           # the server still serves
+    assert r.op == "ack", r.header
+    if mode != "sync":   # applied at once: -lr * g (scale 2^16 unscaled by the same 2^16)
+        torch.testing.assert_close(_fetch(raw), before - 0.5 * g.float() / 2**16)
+
+
+def test_a_bug_in_a_handler_is_answered_logged_and_fails_the_server_only_if_state_changed(server, capsys):
+    """A last resort: an unexpected exception gets an `internal error` reply and a traceback on stderr
+    instead of ending the serve loop. Before the state changed the server goes on; after (here: the
+    optimizer step raising mid-update) it fails, rather than serve parameters it cannot trust."""
+    import threading
+
+    from psarch.ps.layout import initial_flat
+    from psarch.ps.server import ParameterServer
+
+    cfg = from_dict(config("bug", train={"optimizer": "sgd", "lr": 0.5}, workload={"model": "mlp"},
+                           backend=ps(2, "async")))
+    srv = ParameterServer(0, cfg)
+    srv.initialize(initial_flat(cfg))
+    srv._on_fetch = lambda ident, msg: 1 / 0                    # a bug before any change
+    thread = threading.Thread(target=srv.serve, daemon=True)
+    thread.start()
+    raw = server.raw(srv.address)
+    try:
+        r = raw.ask({"op": "fetch", "worker": 0})
+        assert r.op == "error" and "internal error: ZeroDivisionError" in r.header["message"]
+        g = torch.randn(srv.hi - srv.lo)
+        assert raw.ask({"op": "push", "worker": 0, "step": 0, "version": 0, "offset": 0}, g).op == "ack"
+        assert srv.failure is None and srv.state.version == 1
+        srv.state.optim.optimizer.step = lambda: 1 / 0             # a bug in the middle of an update
+        r = raw.ask({"op": "push", "worker": 1, "step": 0, "version": 0, "offset": 0}, g)
+        assert r.op == "error" and "internal error: ZeroDivisionError" in r.header["message"]
+        assert srv.failure is not None and "while applying 'push' of worker 1" in srv.failure
+        r = raw.ask({"op": "pull", "worker": 0, "step": 1, "want": "float32"})
+        assert r.op == "error" and "internal error" in r.header["message"]   # every later request hears it
+        assert thread.is_alive()
+    finally:
+        srv.stop()
+        thread.join(5)
+    err = capsys.readouterr().err
+    assert err.count("Traceback") == 2 and "internal error handling 'push' of worker 1" in err
+
+
+def test_a_worker_waits_for_one_pull_at_a_time(server):
+    """sync: worker 1's pull for step 1 waits for worker 0; a second one is refused at once (the waiting
+    queue cannot grow), and the first is answered when the round completes."""
+    services, numel = server("sync")
+    addr = services.info["addresses"][0]
+    w0, w1 = server.raw(addr), server.raw(addr)
+    g0, g1 = torch.randn(numel), torch.randn(numel)
+    before = _fetch(w0)
+    assert w1.ask({"op": "push", "worker": 1, "step": 0, "version": 0, "offset": 0}, g1).op == "ack"
+    w1.send({"op": "pull", "worker": 1, "step": 1, "want": "float32"})
+    assert w1.reply(300) is None                                   # waits for worker 0's gradient
+    r = w1.ask({"op": "pull", "worker": 1, "step": 1, "want": "float32"})
+    assert r.op == "error" and "already has a pull waiting" in r.header["message"]
+    r = w1.ask({"op": "pushpull", "worker": 1, "step": 1, "version": 0, "offset": 0}, g1)
+    assert r.op == "error"
+    assert w0.ask({"op": "push", "worker": 0, "step": 0, "version": 0, "offset": 0}, g0).op == "ack"
+    r = w1.reply()
+    assert r is not None and r.op == "params" and r.header["version"] == 1
+    torch.testing.assert_close(r.tensor(), before - 0.5 * (g0 + g1) / 2)
+
+
+def test_dc_asgd_compensates_a_stale_gradient_of_a_second_worker(server):
+    """Two workers pull w0; worker 0's gradient moves the parameters to w1; worker 1's gradient (stale by
+    one) is compensated: w1 - lr·(g + λ·g⊙g⊙(w1 − w0)), with w1 − w0 = −lr·g_0 ≠ 0. Two servers, each
+    compensating its own range with what it last sent worker 1; λ = 0 gives plain async (the term matters)."""
+    lam, lr = 0.5, 0.5
+    results = {}
+    for lam_ in (lam, 0.0):
+        services, numel = server("async", servers=2, staleness_compensation="dc", dc_lambda=lam_)
+        client = {w: PSClient(services.info["addresses"], w, 10.0) for w in (0, 1)}
+        try:
+            w0 = torch.empty(numel)
+            for w in (0, 1):   # both pull version 0
+                client[w].exchange([[Request({"op": "pull", "step": 0, "want": "float32"}, into=w0[lo:hi])]
+                                    for lo, hi in server_ranges(numel, 2)])
+            g0 = torch.randn(numel, generator=torch.Generator().manual_seed(1))
+            g1 = 4 * torch.randn(numel, generator=torch.Generator().manual_seed(2))
+            for w, g in ((0, g0), (1, g1)):
+                if w == 1:  # the server is the authority on staleness: claiming a fresher version is refused
+                    lo, hi = server_ranges(numel, 2)[0]
+                    with pytest.raises(PSError, match="says it computed on version 1, this server last sent it "
+                                                      "version 0"):
+                        client[1].exchange([[Request({"op": "push", "step": 0, "version": 1, "offset": lo},
+                                                     g[lo:hi])], []])
+                # worker 0 pulls again after its push: only worker 1's own record (w0) may be used for it
+                reqs = [[Request({"op": "push", "step": 0, "version": 0, "offset": lo}, g[lo:hi]),
+                         Request({"op": "pull", "step": 1, "want": "float32"}, into=torch.empty(hi - lo))]
+                        for lo, hi in server_ranges(numel, 2)]
+                client[w].exchange(reqs)
+                assert [r[0].reply["staleness"] for r in reqs] == [w, w]
+            final = torch.empty(numel)
+            client[0].exchange([[Request({"op": "fetch"}, into=final[lo:hi])] for lo, hi in server_ranges(numel, 2)])
+            results[lam_] = final
+        finally:
+            for c in client.values():
+                c.close()
+    w1 = w0 - lr * g0
+    torch.testing.assert_close(results[lam], w1 - lr * (g1 + lam * g1 * g1 * (w1 - w0)))
+    torch.testing.assert_close(results[0.0], w1 - lr * g1)
+    assert (results[lam] - results[0.0]).abs().max() > 1e-3, "the compensation term did not matter"
+
+
+@pytest.mark.parametrize("barrier", [True, False])
+def test_geo_after_a_lost_worker_moves_by_the_mean_delta_of_the_others(server, barrier):
+    """Workers push delta/N; with worker 2 of 3 lost the server scales the deltas by N/2, so the model
+    moves by the mean of the two deltas left (not by 2/3 of it). Pushes of a lost worker are refused."""
+    services, numel = server("geo", workers=3, geo_barrier=barrier)
+    addr = services.info["addresses"][0]
+    raw = {w: server.raw(addr) for w in range(3)}
+    before = _fetch(raw[0])
+    services.worker_lost(2, "killed by the test")
+    time.sleep(0.3)   # the launcher's pipe is read between requests
+    d = [torch.randn(numel) for _ in range(2)]
+    r = raw[2].ask({"op": "push", "worker": 2, "step": 0, "version": 0, "offset": 0}, d[0] / 3)
+    assert r.op == "error" and "lost" in r.header["message"]
+    for w in (0, 1):
+        assert raw[w].ask({"op": "push", "worker": w, "step": 0, "version": 0, "offset": 0}, d[w] / 3).op == "ack"
+    torch.testing.assert_close(_fetch(raw[0]), before + (d[0] + d[1]) / 2)
