@@ -1,6 +1,7 @@
 """`psarch compare RUN_DIR ... [--out DIR]`: one table of runs, measured beside predicted, and plots."""
 from __future__ import annotations
 
+import itertools
 import json
 import math
 import statistics
@@ -75,6 +76,16 @@ def table(runs: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+def trailing_mean(values: list[float], window: int) -> list[float]:
+    """Mean of each value and the window - 1 before it: one small batch's loss is too noisy to read alone."""
+    return [statistics.fmean(values[max(0, i - window + 1):i + 1]) for i in range(len(values))]
+
+
+def step_clock(rows: list[dict[str, Any]]) -> list[float]:
+    """Wall-clock time of steps: the running sum of each metrics row's step time."""
+    return list(itertools.accumulate(r["step_time_s"] for r in rows))
+
+
 def convergence(runs: list[dict[str, Any]], target_gap: float = 0.25, last: int = 20, window: int = 10) -> str:
     """How fast each run converged, in Markdown: the gap to the entropy floor as the mean of the last
     `last` steps (one small batch's loss is too noisy to rank runs by), and the first step and wall-clock
@@ -88,12 +99,8 @@ def convergence(runs: list[dict[str, Any]], target_gap: float = 0.25, last: int 
             return ""
         losses = [r["loss"] for r in rows]
         gap = statistics.fmean(losses[-last:]) - floor
-        clock, t, hit = [], 0.0, None
-        for i, r in enumerate(rows):
-            t += r["step_time_s"]
-            clock.append(t)
-            if hit is None and statistics.fmean(losses[max(0, i - window + 1):i + 1]) - floor < target_gap:
-                hit = i
+        clock = step_clock(rows)
+        hit = next((i for i, m in enumerate(trailing_mean(losses, window)) if m - floor < target_gap), None)
         nan_at = next((r["step"] for r in rows if not math.isfinite(r["loss"])), None)
         shown = f"{gap:.4f}" if math.isfinite(gap) else f"diverged (non-finite from step {nan_at})"
         st = s.get("staleness")

@@ -36,6 +36,25 @@ class TrafficMeter:
             self._ops.clear()
 
 
+class Transient:
+    """Bytes of transient buffers held now and their peak, by kind (ZeRO: 'gathered' parameters, 'grads'
+    buffers, 'send' copies) and over all kinds together ('working'): a gathered unit and a gradient bucket
+    are different costs, so each is reported on its own as well as in the sum."""
+
+    def __init__(self) -> None:
+        self.now: dict[str, int] = {}
+        self.peak: dict[str, int] = {}
+
+    def add(self, kind: str, nbytes: int) -> None:
+        for k in (kind, "working"):
+            self.now[k] = self.now.get(k, 0) + nbytes
+            self.peak[k] = max(self.peak.get(k, 0), self.now[k])
+
+    def sub(self, kind: str, nbytes: int) -> None:
+        for k in (kind, "working"):
+            self.now[k] -= nbytes
+
+
 def tensor_bytes(tensors: Iterable[torch.Tensor | None]) -> int:
     """Bytes of the storage the given tensors occupy (each storage counted once)."""
     seen: set[int] = set()

@@ -11,7 +11,7 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
-from psarch.compare import label  # noqa: E402
+from psarch.compare import label, step_clock, trailing_mean  # noqa: E402
 
 CATEGORIES = ("params", "grads", "optimizer", "buffers")
 
@@ -37,17 +37,6 @@ def _short_names(runs: list[dict]) -> list[str]:
     if len(prefixes) == 1 and all("/" in n for n in names):
         return [n.rsplit("/", 1)[1] for n in names]
     return names
-
-
-def _smooth(values: list[float], window: int) -> list[float]:
-    """Trailing mean over `window` steps: per-step losses of a small batch are too noisy to compare by eye."""
-    out, acc = [], []
-    for v in values:
-        acc.append(v)
-        if len(acc) > window:
-            acc.pop(0)
-        out.append(sum(acc) / len(acc))
-    return out
 
 
 def _styles(runs: list[dict]) -> list[tuple[str, dict[str, Any]]]:
@@ -81,11 +70,8 @@ def loss_curves(runs: list[dict], out: Path) -> str:
     floor = runs[0]["summary"].get("entropy_floor")
     for run, (name, style) in zip(runs, _styles(runs)):
         rows = run["metrics"]
-        clock, t = [], 0.0
-        for r in rows:
-            t += r["step_time_s"]
-            clock.append(t)
-        losses = _smooth([r["loss"] for r in rows], window)
+        clock = step_clock(rows)
+        losses = trailing_mean([r["loss"] for r in rows], window)
         diverged = any(not math.isfinite(v) or v > 1.1 * top for v in losses)
         a.plot([r["step"] for r in rows], losses, label=name + (" (diverged)" if diverged else ""), **style)
         b.plot(clock, losses, **style)

@@ -16,7 +16,7 @@ Stage 2 keeps only a shard-sized gradient buffer: each gradient autograd produce
 bucket's transient buffer and dropped at once; a full bucket is reduce-scattered straight into the
 shard (asynchronously with overlap_comm, which DeepSpeed runs on a side stream; here the communicator's
 thread), and its buffer is freed when that finishes. Transient buffers are reported as working memory,
-gradient buckets also on their own (`Transient`).
+gradient buckets also on their own (psarch.meters.Transient).
 """
 from __future__ import annotations
 
@@ -25,31 +25,13 @@ from typing import Any
 import torch
 
 from collective.comm import Communicator
+from psarch.meters import Transient
 from zero.export import gather_fp32
 from zero.partition import Group, Partition, bucket_params
 
 # Reduce-scatters left in flight when a new one is launched; beyond that the oldest is waited for. Bounds
 # the transient gradient buffers, as DeepSpeed bounds its reduction buckets by double-buffering them.
 MAX_IN_FLIGHT = 2
-
-
-class Transient:
-    """Bytes of transient buffers held now and their peak, by kind ('gathered' parameters, 'grads' buffers,
-    'send' copies) and over all kinds together ('working'): a gathered unit and a gradient bucket are
-    different costs, so each is reported on its own as well as in the sum."""
-
-    def __init__(self) -> None:
-        self.now: dict[str, int] = {}
-        self.peak: dict[str, int] = {}
-
-    def add(self, kind: str, nbytes: int) -> None:
-        for k in (kind, "working"):
-            self.now[k] = self.now.get(k, 0) + nbytes
-            self.peak[k] = max(self.peak.get(k, 0), self.now[k])
-
-    def sub(self, kind: str, nbytes: int) -> None:
-        for k in (kind, "working"):
-            self.now[k] -= nbytes
 
 
 class Stage12:
@@ -107,10 +89,6 @@ class Stage12:
         for g in self.part.groups:
             g.ready.clear()
         self._next = 0
-
-    @property
-    def working_peak(self) -> int:
-        return self.transient.peak.get("working", 0)
 
     def _alloc(self, numel: int, like: torch.Tensor, kind: str = "grads") -> torch.Tensor:
         t = torch.empty(numel, dtype=like.dtype, device=like.device)  # callers fill or zero what they use

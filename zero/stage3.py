@@ -29,9 +29,10 @@ from torch import nn
 from torch.utils._pytree import tree_flatten
 
 from collective.comm import Communicator, Handle
+from psarch.meters import Transient
 from zero.export import gather_fp32
 from zero.partition import Partition
-from zero.stage12 import MAX_IN_FLIGHT, Transient
+from zero.stage12 import MAX_IN_FLIGHT
 from zero.units import Unit
 
 FREE, GATHERING, GATHERED = "free", "gathering", "gathered"
@@ -83,10 +84,6 @@ class Stage3:
         self._hooks += [p.register_post_accumulate_grad_hook(self._on_grad) for g in self.part.groups for p in g.params]
 
     # ---- gather and free one unit
-
-    @property
-    def working_peak(self) -> int:
-        return self.transient.peak.get("working", 0)
 
     def _gather(self, i: int, async_op: bool) -> None:
         g, full = self.part.groups[i], self.full[i]

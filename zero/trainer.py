@@ -135,7 +135,7 @@ class ZeroTrainer:
             grads = tensor_bytes([e.grad]) if self.stage == 1 else tensor_bytes([e.shard_grad])
             padding = pad_full + (pad_full if self.stage == 1 else pad_shard)
         peak, kind = peak_memory(self.ctx.device)
-        return MemoryReport(params=params, grads=grads, optimizer=self.optim.state_bytes(), working=e.working_peak,
+        return MemoryReport(params=params, grads=grads, optimizer=self.optim.state_bytes(), working=e.transient.peak.get("working", 0),
                             gathered_peak=e.transient.peak.get("gathered", 0),
                             grad_buffer_peak=e.transient.peak.get("grads", 0),
                             peak=peak, peak_kind=kind, padding=padding + self._optimizer_padding())
@@ -157,7 +157,7 @@ class ZeroTrainer:
     def summary_extra(self) -> dict[str, Any]:
         e = self.engine
         return {"zero_groups": len(e.part.groups), "zero_padded_params": e.part.padded_numel,
-                "zero_group_numel": [g.numel for g in e.part.groups], "zero_working_peak": e.working_peak,
+                "zero_group_numel": [g.numel for g in e.part.groups], "zero_working_peak": e.transient.peak.get("working", 0),
                 "zero_reduced_in_backward": e.reduced_in_backward, "zero_prefetched": getattr(e, "prefetched", 0),
                 "saved_activation_bytes": self.activations.bytes}
 

@@ -45,7 +45,7 @@ import zmq
 
 from psarch.config import Config
 from psarch.meters import TrafficMeter
-from psarch.precision import compute_dtype
+from psarch.precision import compute_dtype, has_inf_or_nan
 from psarch.ps import wire
 from psarch.ps.control import ServerControl
 from psarch.ps.layout import server_ranges
@@ -103,7 +103,6 @@ class ParameterServer(ServerControl):
         self.round_inf = False
         self.last_skipped = False
         self.clock = [0] * self.workers            # pushes applied per worker (= its next step)
-        self.sent_version = [0] * self.workers     # the version of the parameters last sent to each worker
         self.lost: set[int] = set()
         self.done: set[int] = set()
         self.pending: list[_Pull] = []
@@ -195,11 +194,11 @@ class ParameterServer(ServerControl):
         self.last_seen[worker] = now
 
     def _send(self, ident: bytes, op: str, header: dict[str, Any], tensor: torch.Tensor | None = None) -> None:
-        if ident == self.current:
-            self.current_answered = True
         frames = wire.encode(header, tensor)
         self.meter.add(op, wire.frames_bytes(frames), 0, calls=0)
         self.sock.send_multipart([ident, *frames], copy=False)
+        if ident == self.current:
+            self.current_answered = True
 
     def _error(self, ident: bytes, op: str, text: str) -> None:
         self.rejected += self.failure is None
@@ -275,9 +274,9 @@ class ParameterServer(ServerControl):
         if st is None:
             raise PSError("push before init: no parameters yet")
         self._check_tensor(msg, self.wire_dtype)
-        if h["version"] != self.sent_version[w]:
+        if h["version"] != st.sent_version[w]:
             raise PSError(f"push: worker {w} says it computed on version {h['version']}, this server last sent "
-                          f"it version {self.sent_version[w]}")
+                          f"it version {st.sent_version[w]}")
         if self.barrier:
             if h["step"] != st.version:
                 raise PSError(f"push: worker {w} sent step {h['step']}, the current round is step {st.version}")
@@ -289,11 +288,11 @@ class ParameterServer(ServerControl):
         first = self.barrier and not self.round_pushed
         data = msg.tensor(st.acc if first and st.acc.dtype == self.scratch.dtype else self.scratch)
         found_inf = bool(h.get("found_inf", False))
-        if self.loss_scaling and not found_inf and not bool(torch.isfinite(data).all()):
+        if self.loss_scaling and not found_inf and bool(has_inf_or_nan([data])):
             raise PSError(f"push: worker {w} says found_inf = false, but its gradient holds inf/nan")
         # every check passed: from here on the message is applied
         self.changing = True
-        staleness = st.version - self.sent_version[w]
+        staleness = st.version - st.sent_version[w]
         skipped = None
         if self.barrier:
             if first and data is not st.acc:  # the first push of a round overwrites acc
@@ -427,7 +426,6 @@ class ParameterServer(ServerControl):
             data = data.to(self.scratch.dtype) if data.dtype != self.scratch.dtype else (
                 data if self.barrier else data.clone())
             st.remember_sent(w)
-            self.sent_version[w] = st.version
             self.pending.remove(p)   # before the reply: an error past this point must not answer it again
             self._send(p.ident, p.op, header, data)
             if self.last_seen is not None:  # it waited on us until now: its silence starts here

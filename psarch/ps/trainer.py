@@ -29,6 +29,10 @@ from psarch.trainer import MemoryReport, StepStats, TrafficReport
 from psarch.workload import Workload
 
 
+NO_RESUME = ("backend.kind = \"ps\": a worker cannot save or resume a run on its own (the servers hold the "
+             "parameters, optimizer state and versions); start the run again")
+
+
 class PSTrainer:
     """One PS worker (modes sync, async, ssp, geo; see psarch/ps/server.py for what servers do)."""
 
@@ -160,17 +164,13 @@ class PSTrainer:
         self.client.exchange([[Request({"op": "done"})] for _ in self.ranges])
         return state
 
+    # The servers hold the parameters, the optimizer state and the versions every push must name: a
+    # worker's own state can neither be saved nor resumed as a run's state without theirs.
     def state_dict(self) -> dict[str, Any]:
-        return {"flat": self.flat.data.clone(), "versions": list(self.versions), "steps": self.steps,
-                "rounds": self.rounds, "loss_scale": self.loss_scale,
-                "local": self.local.state_dict() if self.local is not None else None,
-                "synced": self.synced.clone() if self.synced is not None else None}
+        raise NotImplementedError(NO_RESUME)
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        # The servers hold the parameters, the optimizer state and the versions every push must name:
-        # a worker's own state cannot resume a run without theirs.
-        raise NotImplementedError("backend.kind = \"ps\": a worker cannot resume on its own (the servers hold the "
-                                  "parameters, optimizer state and versions); start the run again")
+        raise NotImplementedError(NO_RESUME)
 
     def memory(self) -> MemoryReport:
         peak, kind = peak_memory(self.ctx.device)

@@ -29,6 +29,7 @@ class RangeState:
         b = cfg.backend
         self.params = torch.nn.Parameter(init.detach().float().clone(), requires_grad=True)
         self.version = 0
+        self.sent_version = [0] * workers    # the version last sent to each worker: pushes must name it
         self.mode, self.compensation, self.dc_lambda = b.mode, b.staleness_compensation, b.dc_lambda
         self.optim = None if b.mode == "geo" else MixedPrecisionOptimizer([self.params], cfg.train,
                                                                           cfg.train.precision)
@@ -92,7 +93,8 @@ class RangeState:
         return skipped
 
     def remember_sent(self, worker: int) -> None:
-        """dc: the parameters this worker now computes its next gradient at."""
+        """This worker now computes its next gradient at the current version (dc: at these parameters)."""
+        self.sent_version[worker] = self.version
         if self.backup is not None:
             self.backup[worker].copy_(self.params.data)
 
