@@ -125,6 +125,17 @@ def test_compare_shows_server_traffic_and_staleness(sweep_run, async_run, tmp_pa
     row = next(line for line in conv.splitlines() if "| psasync |" in line)
     assert f"| psasync | 2 | {gap:.4f} |" in row
     assert row.endswith(f"| {s['staleness']['mean']:.2f} / {s['staleness']['max']} |")
+    # steps and time to a target gap: a target this run first crosses at step k, from the 10-step means
+    # computed here, so both columns are checked against an independent count
+    rows = [json.loads(line) for line in (async_run / "metrics.jsonl").read_text().splitlines()]
+    means = [sum(losses[max(0, i - 9):i + 1]) / len(losses[max(0, i - 9):i + 1]) - s["entropy_floor"]
+             for i in range(len(losses))]
+    k = next((i for i in range(1, len(means)) if means[i] < min(means[:i])), 0)
+    target = (means[k] + min(means[:k])) / 2 if k else means[0] + 1.0
+    clock = [sum(r["step_time_s"] for r in rows[:i + 1]) for i in range(len(rows))]
+    conv = compare([async_run], tmp_path / "conv", target_gap=target).read_text().split("## Convergence")[1]
+    row = next(line for line in conv.splitlines() if "| psasync |" in line)
+    assert f"| {k + 1} | {clock[k]:.2f} |" in row, (k, target, row)
     data = (tmp_path / "cmp" / "staleness.png").read_bytes()
     assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 5000
     assert "![staleness](staleness.png)" in report

@@ -259,6 +259,7 @@ def test_a_worker_waits_for_one_pull_at_a_time(server):
     assert r.op == "error" and "already has a pull waiting" in r.header["message"]
     r = w1.ask({"op": "pushpull", "worker": 1, "step": 1, "version": 0, "offset": 0}, g1)
     assert r.op == "error"
+    assert "already has a pull waiting" in r.header["message"]   # refused for the waiting pull, before the step
     assert w0.ask({"op": "push", "worker": 0, "step": 0, "version": 0, "offset": 0}, g0).op == "ack"
     r = w1.reply()
     assert r is not None and r.op == "params" and r.header["version"] == 1

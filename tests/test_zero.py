@@ -77,6 +77,8 @@ def test_report_shows_padding_and_transient_peaks_where_present():
                "traffic": {"per_rank": [{"sent_per_step": 1}]}}
     head, row = report(summary).splitlines()[-2:]
     assert head.split()[6:10] == ["padding", "gathered", "grad", "bufs"] and "2.93 KiB" in row and "4 B" in row
+    # each figure under its own column: padding, gathered, grad bufs, working
+    assert row.split()[11:19] == ["4", "B", "2.93", "KiB", "1.95", "KiB", "3.91", "KiB"]
     summary["memory"]["per_rank"] = [mem]  # a backend without them: no empty columns
     assert "padding" not in report(summary) and "gathered" not in report(summary)
 
