@@ -1,15 +1,37 @@
-"""What every parity test shares: the tolerance, and how saved models are compared.
+"""What every parity test shares: the tolerance, the tiny workload and optimizers, and how saved models
+are compared.
 
 fp32, rtol 1e-4 / atol 1e-5 on every parameter after a few steps: backends differ only in the order
 per-sample gradients are summed (~1e-7 relative per step); a missing or wrong synchronisation moves
 parameters by about one learning rate (1e-2), 1000x the tolerance. See tests/test_ddp.py's docstring."""
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import torch
 
 RTOL, ATOL = 1e-4, 1e-5
+
+TINY_GPT = {
+    "seed": 3,
+    "workload": {"model": "gpt", "data": "markov", "seq_len": 8,
+                 "gpt": {"n_layer": 1, "n_embd": 16, "n_head": 2}, "markov": {"vocab_size": 16, "branching": 3}},
+    "train": {"steps": 6, "global_batch": 12, "log_every": 100},
+}
+OPTIMIZERS = {
+    "sgd": {"optimizer": "sgd", "lr": 0.1, "momentum": 0.9, "weight_decay": 0.01},
+    "adamw": {"optimizer": "adamw", "lr": 1e-2, "weight_decay": 0.1, "eps": 1e-6},
+}
+
+
+def config(name: str, base: dict = TINY_GPT, **sections) -> dict:
+    """A run config as a dict: `base` (a fresh copy) with each section's keys updated, named `name`."""
+    data = json.loads(json.dumps(base))
+    for section, values in sections.items():
+        data.setdefault(section, {}).update(values)
+    data["name"] = name
+    return data
 
 
 def model(out: Path, name: str) -> dict[str, torch.Tensor]:

@@ -11,40 +11,21 @@ expensive part on 2 cores); the launcher itself is tested end to end in test_cli
 """
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
 import torch
 
 from dist_utils import run_ranks
-from parity import ATOL, assert_same_model, model
+from parity import ATOL, OPTIMIZERS, TINY_GPT, assert_same_model, config, model
 from psarch.config import from_dict
 from psarch.dist import DistContext
 from psarch.runner import run_rank
 from psarch.workload import build_workload
 
-TINY_GPT = {
-    "seed": 3,
-    "workload": {"model": "gpt", "data": "markov", "seq_len": 8,
-                 "gpt": {"n_layer": 1, "n_embd": 16, "n_head": 2}, "markov": {"vocab_size": 16, "branching": 3}},
-    "train": {"steps": 6, "global_batch": 12, "log_every": 100},
-}
-OPTIMIZERS = {
-    "sgd": {"optimizer": "sgd", "lr": 0.1, "momentum": 0.9, "weight_decay": 0.01},
-    "adamw": {"optimizer": "adamw", "lr": 1e-2, "weight_decay": 0.1, "eps": 1e-6},
-}
 PERTURBED = {"factory": "factories:perturbed_by_rank"}  # every rank builds a different initial model
 VARIANTS = [("torch_ddp", {}), ("ddp", {"comm": "ring", "bucket_cap_mb": 0.01}),
             ("ddp", {"comm": "native", "bucket_cap_mb": 0.01})]
-
-
-def config(name: str, **sections) -> dict:
-    data = json.loads(json.dumps(TINY_GPT))
-    for section, values in sections.items():
-        data.setdefault(section, {}).update(values)
-    data["name"] = name
-    return data
 
 
 def train(rank: int, n: int, data: dict, out: str) -> dict:

@@ -10,6 +10,8 @@ from unittest import mock
 
 import torch
 
+import parity
+from parity import OPTIMIZERS
 from psarch.config import from_dict
 from psarch.dist import DistContext
 from psarch.meters import tensor_bytes
@@ -17,16 +19,8 @@ from psarch.registry import trainer_class
 from psarch.runner import run_rank
 from psarch.workload import build_workload
 
-TINY_GPT = {
-    "seed": 3,
-    "workload": {"model": "gpt", "data": "markov", "seq_len": 8,
-                 "gpt": {"n_layer": 2, "n_embd": 16, "n_head": 2}, "markov": {"vocab_size": 16, "branching": 3}},
-    "train": {"steps": 6, "global_batch": 12, "log_every": 100},
-}
-OPTIMIZERS = {
-    "sgd": {"optimizer": "sgd", "lr": 0.1, "momentum": 0.9, "weight_decay": 0.01},
-    "adamw": {"optimizer": "adamw", "lr": 1e-2, "weight_decay": 0.1, "eps": 1e-6},
-}
+TINY_GPT = json.loads(json.dumps(parity.TINY_GPT))
+TINY_GPT["workload"]["gpt"]["n_layer"] = 2   # two blocks: ZeRO-3 gathers unit by unit
 ZERO = {"kind": "zero", "reduce_bucket_size": 600, "allgather_bucket_size": 1500, "prefetch_bucket_size": 1500}
 STAGES = (1, 2, 3)
 COMMS = ("ring", "native")
@@ -56,11 +50,7 @@ def overflow_in_one_chunk(cfg):
 
 
 def config(name: str, **sections) -> dict:
-    data = json.loads(json.dumps(TINY_GPT))
-    for section, values in sections.items():
-        data.setdefault(section, {}).update(values)
-    data["name"] = name
-    return data
+    return parity.config(name, TINY_GPT, **sections)
 
 
 class Probe:
