@@ -11,19 +11,20 @@ import json
 import math
 import os
 import sys
-import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-
-class ConfigError(ValueError):
-    """A bad configuration: the message is one line naming the key, the value and what is allowed."""
+# ConfigError, parse_override and apply_overrides are part of this module's interface too
+from psarch.config_files import (ConfigError, apply_overrides, explicit_keys, parse_override,  # noqa: F401
+                                 read_toml, show, top_table)
 
 
 def _f(default: Any, doc: str, choices: tuple | None = None, min: float | None = None,
-       max: float | None = None) -> Any:
-    meta = {"doc": doc, "choices": choices, "min": min, "max": max}
+       max: float | None = None, applies: dict[str, tuple | None] | None = None) -> Any:
+    """A config field. `applies` says which backends read it: {kind: None (every variant) or the variants
+    (VARIANT_KEY) that do}; None means every backend."""
+    meta = {"doc": doc, "choices": choices, "min": min, "max": max, "applies": applies}
     if isinstance(default, (list, dict)):
         return field(default_factory=lambda d=default: type(d)(d), metadata=meta)
     return field(default=default, metadata=meta)
@@ -102,38 +103,53 @@ class TrainConfig:
     warmup_steps: int = _f(-1, "steps left out of timing medians (-1: min(5, steps // 5))", min=-1)
 
 
+# Which backends read an option (the `applies` of _f): one place for the launcher's check, the sweep's
+# de-duplication and `psarch keys`. VARIANT_KEY names the option that selects a kind's variant.
+VARIANT_KEY = {"ps": "mode", "zero": "stage"}
+_PS: dict[str, tuple | None] = {"ps": None}
+_GROUPED = {k: None for k in ("ddp", "zero", "ps", "torch_ddp", "torch_zero", "torch_fsdp")}  # not single
+_DDP_ZERO = {"ddp": None, "zero": None}
+
+
 @dataclass
 class BackendConfig:
-    """How workers synchronise. Options not used by the chosen kind are ignored."""
+    """How workers synchronise. An option set explicitly must apply to the chosen backend (see applies())."""
 
     kind: str = _f("single", "backend ('torch_*': PyTorch's own implementation, the peer)",
                    choices=("single", "ddp", "zero", "ps", "torch_ddp", "torch_zero", "torch_fsdp"))
     world_size: int = _f(1, "number of workers", min=1)
     device: str = _f("auto", "where ranks compute ('auto': cuda if available)", choices=("auto", "cpu", "cuda"))
     dist_backend: str = _f("auto", "torch.distributed backend ('auto': nccl when each rank has its own GPU, else gloo)",
-                           choices=("auto", "gloo", "nccl"))
-    comm: str = _f("ring", "ddp/zero communicator", choices=("ring", "native"))
-    bucket_cap_mb: float = _f(25.0, "ddp: gradient bucket size in MiB", min=0.0)
-    overlap_comm: bool = _f(True, "ddp/zero: start communication from autograd hooks during backward")
-    stage: int = _f(1, "zero: 1 (optimizer state), 2 (+gradients), 3 (+parameters)", choices=(1, 2, 3))
-    reduce_bucket_size: int = _f(5 * 10**8, "zero: elements per gradient reduce-scatter bucket", min=1)
-    allgather_bucket_size: int = _f(5 * 10**8, "zero: elements per parameter all-gather bucket", min=1)
-    prefetch_bucket_size: int = _f(5 * 10**7, "zero-3: elements gathered ahead of use", min=0)
-    activation_checkpointing: bool = _f(False, "zero: recompute each unit's activations in backward")
-    zero_units: str = _f("blocks", "zero: attribute of the model holding the nn.ModuleList whose children are "
+                           choices=("auto", "gloo", "nccl"), applies=_GROUPED)
+    comm: str = _f("ring", "communicator", choices=("ring", "native"), applies=_DDP_ZERO)
+    bucket_cap_mb: float = _f(25.0, "gradient bucket size in MiB", min=0.0,
+                              applies={"ddp": None, "torch_ddp": None, "torch_zero": None})
+    overlap_comm: bool = _f(True, "start communication from autograd hooks during backward", applies=_DDP_ZERO)
+    stage: int = _f(1, "1 (optimizer state), 2 (+gradients), 3 (+parameters)", choices=(1, 2, 3),
+                    applies={"zero": None})
+    reduce_bucket_size: int = _f(5 * 10**8, "elements per gradient reduce-scatter bucket", min=1,
+                                 applies={"zero": (1, 2)})
+    allgather_bucket_size: int = _f(5 * 10**8, "elements per parameter all-gather bucket", min=1,
+                                    applies={"zero": (1, 2)})
+    prefetch_bucket_size: int = _f(5 * 10**7, "elements gathered ahead of use", min=0, applies={"zero": (3,)})
+    activation_checkpointing: bool = _f(False, "recompute each unit's activations in backward", applies={"zero": None})
+    zero_units: str = _f("blocks", "attribute of the model holding the nn.ModuleList whose children are "
                                    "the units (gathered one by one in stage 3, checkpointed one by one); "
-                                   "'' for the whole model as one unit")
-    mode: str = _f("sync", "ps update mode", choices=("sync", "async", "geo", "ssp"))
-    servers: int = _f(1, "ps: number of server processes", min=1)
-    k_steps: int = _f(4, "ps geo: local steps between pushes", min=1)
-    geo_barrier: bool = _f(False, "ps geo: every round waits for all workers (Local SGD)")
-    staleness_bound: int = _f(2, "ps ssp: most steps a worker may run ahead of the slowest", min=0)
-    staleness_compensation: str = _f("none", "ps async: remedy for stale gradients", choices=("none", "lr", "dc"))
-    dc_lambda: float = _f(0.04, "ps async dc: delay-compensation strength", min=0.0)
-    host: str = _f("127.0.0.1", "ps: address servers bind to")
-    server_addresses: list = _f([], "ps: 'tcp://host:port' of each server started with `psarch server` "
-                                    "(empty: `psarch run` starts the servers itself)")
-    timeout_s: float = _f(60.0, "seconds a rank or server waits for a peer before the run stops with an error", min=0.1)
+                                   "'' for the whole model as one unit", applies={"zero": None, "torch_fsdp": None})
+    mode: str = _f("sync", "update mode", choices=("sync", "async", "geo", "ssp"), applies=_PS)
+    servers: int = _f(1, "number of server processes", min=1, applies=_PS)
+    k_steps: int = _f(4, "local steps between pushes", min=1, applies={"ps": ("geo",)})
+    geo_barrier: bool = _f(False, "every round waits for all workers (Local SGD)", applies={"ps": ("geo",)})
+    staleness_bound: int = _f(2, "most steps a worker may run ahead of the slowest", min=0, applies={"ps": ("ssp",)})
+    staleness_compensation: str = _f("none", "remedy for stale gradients", choices=("none", "lr", "dc"),
+                                     applies={"ps": ("async", "ssp")})
+    dc_lambda: float = _f(0.04, "delay-compensation strength (staleness_compensation = 'dc')", min=0.0,
+                          applies={"ps": ("async", "ssp")})
+    host: str = _f("127.0.0.1", "address servers bind to", applies=_PS)
+    server_addresses: list = _f([], "'tcp://host:port' of each server started with `psarch server` "
+                                    "(empty: `psarch run` starts the servers itself)", applies=_PS)
+    timeout_s: float = _f(60.0, "seconds a rank or server waits for a peer before the run stops with an error",
+                          min=0.1, applies=_GROUPED)
 
 
 @dataclass
@@ -157,11 +173,6 @@ def _type_name(tp: Any) -> str:
     return {int: "an integer", float: "a number", str: "a string", bool: "true or false", list: "a list"}.get(tp, str(tp))
 
 
-def _show(value: Any) -> str:
-    """A value as the user wrote it, on one line (TOML dates and times included)."""
-    return json.dumps(value, default=str)
-
-
 def _coerce(key: str, value: Any, f: dataclasses.Field) -> Any:
     tp = f.type if not isinstance(f.type, str) else eval(f.type, globals())  # annotations are postponed
     ok = (isinstance(value, bool) if tp is bool else
@@ -169,18 +180,18 @@ def _coerce(key: str, value: Any, f: dataclasses.Field) -> Any:
           isinstance(value, (int, float)) and not isinstance(value, bool) if tp is float else
           isinstance(value, tp))
     if not ok:
-        raise ConfigError(f"{key} = {_show(value)}: expected {_type_name(tp)}")
+        raise ConfigError(f"{key} = {show(value)}: expected {_type_name(tp)}")
     if tp is float:
         value = float(value)
         if not math.isfinite(value):
-            raise ConfigError(f"{key} = {_show(value)}: expected a finite number")
+            raise ConfigError(f"{key} = {show(value)}: expected a finite number")
     choices, lo, hi = f.metadata.get("choices"), f.metadata.get("min"), f.metadata.get("max")
     if choices is not None and value not in choices:
-        raise ConfigError(f"{key} = {_show(value)}: allowed values are {', '.join(json.dumps(c) for c in choices)}")
+        raise ConfigError(f"{key} = {show(value)}: allowed values are {', '.join(json.dumps(c) for c in choices)}")
     if lo is not None and value < lo:
-        raise ConfigError(f"{key} = {_show(value)}: must be >= {lo:g}")
+        raise ConfigError(f"{key} = {show(value)}: must be >= {lo:g}")
     if hi is not None and value > hi:
-        raise ConfigError(f"{key} = {_show(value)}: must be <= {hi:g}")
+        raise ConfigError(f"{key} = {show(value)}: must be <= {hi:g}")
     return value
 
 
@@ -190,76 +201,16 @@ def _build(cls: type, data: dict[str, Any], prefix: str) -> Any:
     for k, v in data.items():
         key = f"{prefix}{k}"
         if k not in fields:
-            raise ConfigError(f"{key} = {_show(v)}: unknown key; allowed keys{' in [' + prefix[:-1] + ']' if prefix else ''} are "
+            raise ConfigError(f"{key} = {show(v)}: unknown key; allowed keys{' in [' + prefix[:-1] + ']' if prefix else ''} are "
                               f"{', '.join(sorted(fields))}")
         f = fields[k]
         if dataclasses.is_dataclass(f.default_factory if f.default_factory is not dataclasses.MISSING else None):
             if not isinstance(v, dict):
-                raise ConfigError(f"{key} = {_show(v)}: expected a table [{key}]")
+                raise ConfigError(f"{key} = {show(v)}: expected a table [{key}]")
             kwargs[k] = _build(f.default_factory, v, key + ".")
         else:
             kwargs[k] = _coerce(key, v, f)
     return cls(**kwargs)
-
-
-def _merge(base: dict, top: dict) -> dict:
-    """top's keys over base's, tables merged key by key; a new dict all the way down (inputs untouched)."""
-    out = {k: _merge(v, {}) if isinstance(v, dict) else v for k, v in base.items()}
-    for k, v in top.items():
-        out[k] = _merge(out[k] if isinstance(out.get(k), dict) else {}, v) if isinstance(v, dict) else v
-    return out
-
-
-def _read_toml(path: Path, seen: tuple[Path, ...] = ()) -> dict[str, Any]:
-    path = path.resolve()
-    if path in seen:
-        raise ConfigError(f"base = {json.dumps(str(path))}: inheritance cycle ({' -> '.join(p.name for p in seen + (path,))})")
-    if not path.is_file():
-        raise ConfigError(f"config file {json.dumps(str(path))}: no such file")
-    try:
-        data = tomllib.loads(path.read_text(encoding="utf-8"))
-    except UnicodeDecodeError as e:
-        raise ConfigError(f"config file {json.dumps(str(path))}: not UTF-8 text (byte {e.start}); "
-                          f"TOML files are UTF-8") from None
-    except tomllib.TOMLDecodeError as e:
-        raise ConfigError(f"config file {json.dumps(str(path))}: not valid TOML ({e})") from None
-    base = data.pop("base", None)
-    data.pop("sweep", None)  # a sweep matrix is expanded by the sweep runner, not here
-    if base is None:
-        return data
-    if not isinstance(base, str):
-        raise ConfigError(f"base = {_show(base)}: expected a path string")
-    return _merge(_read_toml(path.parent / base, seen + (path,)), data)
-
-
-def parse_override(text: str) -> tuple[list[str], Any]:
-    """`section.key=value` -> (['section', 'key'], value); the value is read as TOML, else as a string."""
-    if "=" not in text:
-        raise ConfigError(f"--set {text}: expected section.key=value")
-    key, raw = text.split("=", 1)
-    key = key.strip()
-    if not key or any(not part for part in key.split(".")):
-        raise ConfigError(f"--set {text}: expected section.key=value")
-    try:
-        value = tomllib.loads(f"v = {raw}")["v"]
-    except tomllib.TOMLDecodeError:
-        value = raw
-    return key.split("."), value
-
-
-def apply_overrides(data: dict[str, Any], overrides: list[str] | dict[str, Any]) -> dict[str, Any]:
-    """Apply `section.key=value` strings (or a {dotted key: value} dict) on top of raw config data."""
-    items = [parse_override(o) for o in overrides] if isinstance(overrides, list) else \
-        [(k.split("."), v) for k, v in overrides.items()]
-    data = _merge({}, data)
-    for path, value in items:
-        node = data
-        for p in path[:-1]:
-            node = node.setdefault(p, {})
-            if not isinstance(node, dict):
-                raise ConfigError(f"{'.'.join(path)}: {p} is not a table")
-        node[path[-1]] = value
-    return data
 
 
 def validate(cfg: Config) -> Config:
@@ -268,14 +219,14 @@ def validate(cfg: Config) -> Config:
     name = Path(cfg.name)
     if name.is_absolute() or ".." in name.parts or not name.parts:
         # the run folder is runs/<name>: a name must stay inside runs/ ('sweep/point' is fine)
-        raise ConfigError(f"name = {_show(cfg.name)}: expected a relative name without '..' parts, "
+        raise ConfigError(f"name = {show(cfg.name)}: expected a relative name without '..' parts, "
                           f"e.g. \"baseline\" or \"sweep/point\"")
     if t.global_batch % b.world_size:
         raise ConfigError(f"train.global_batch = {t.global_batch}: must be divisible by backend.world_size = {b.world_size}")
     if b.kind == "single" and b.world_size != 1:
         raise ConfigError(f"backend.world_size = {b.world_size}: backend.kind = \"single\" runs exactly 1 worker")
     if len(t.betas) != 2 or not all(isinstance(x, (int, float)) and not isinstance(x, bool) and 0 <= x < 1 for x in t.betas):
-        raise ConfigError(f"train.betas = {_show(t.betas)}: expected two numbers in [0, 1)")
+        raise ConfigError(f"train.betas = {show(t.betas)}: expected two numbers in [0, 1)")
     t.betas = [float(x) for x in t.betas]
     if t.nesterov and (t.optimizer != "sgd" or t.momentum <= 0):
         raise ConfigError("train.nesterov = true: needs train.optimizer = \"sgd\" and train.momentum > 0")
@@ -290,7 +241,7 @@ def validate(cfg: Config) -> Config:
         resolve_factory(w.factory)
     if b.server_addresses and (len(b.server_addresses) != b.servers
                                or not all(isinstance(a, str) and a for a in b.server_addresses)):
-        raise ConfigError(f"backend.server_addresses = {_show(b.server_addresses)}: expected backend.servers = "
+        raise ConfigError(f"backend.server_addresses = {show(b.server_addresses)}: expected backend.servers = "
                           f"{b.servers} address strings like \"tcp://10.0.0.5:5555\"")
     if b.dist_backend == "nccl" and b.device == "cpu":
         raise ConfigError("backend.dist_backend = \"nccl\": needs backend.device = \"cuda\" (or \"auto\" on a GPU machine)")
@@ -315,10 +266,10 @@ def check_machine(cfg: Config) -> Config:
     if w.data == "text" and not w.factory:
         path = Path(w.text.path)
         if not path.is_file():
-            raise ConfigError(f"workload.text.path = {_show(w.text.path)}: no such file")
+            raise ConfigError(f"workload.text.path = {show(w.text.path)}: no such file")
         size, need = path.stat().st_size, w.seq_len + 1  # a sequence and its next-token target
         if size < need:
-            raise ConfigError(f"workload.text.path = {_show(w.text.path)}: the file has {size} bytes; "
+            raise ConfigError(f"workload.text.path = {show(w.text.path)}: the file has {size} bytes; "
                               f"workload.seq_len = {w.seq_len} needs at least {need}")
     return cfg
 
@@ -351,11 +302,66 @@ def from_dict(data: dict[str, Any], name: str = "") -> Config:
 
 
 def load_config(path: str | Path | None = None, overrides: list[str] | dict[str, Any] | None = None) -> Config:
-    """Load a TOML experiment (following `base`), apply overrides, validate. Raises ConfigError."""
-    data = _read_toml(Path(path)) if path is not None else {}
+    """Load a TOML experiment (following `base`), apply overrides, validate. Raises ConfigError.
+
+    Every option set in the file itself or by an override must apply to the chosen backend. Options from a
+    `base` file are shared defaults (one base may serve every backend) and are not checked; nor are the
+    options of a file with a [sweep] table, which the sweep checks against its points."""
+    top = top_table(Path(path)) if path is not None else {}
+    data = read_toml(Path(path)) if path is not None else {}
     if overrides:
         data = apply_overrides(data, overrides)
-    return from_dict(data, Path(path).stem if path is not None else "run")
+    cfg = from_dict(data, Path(path).stem if path is not None else "run")
+    if "sweep" not in top:
+        check_applies(cfg, explicit_keys(top, overrides))
+    return cfg
+
+
+def _field(key: str) -> dataclasses.Field:
+    cls, parts = Config, key.split(".")
+    for i, part in enumerate(parts):
+        f = next((f for f in dataclasses.fields(cls) if f.name == part), None)
+        if f is None:
+            raise ConfigError(f"{key}: unknown key")
+        if i + 1 < len(parts):
+            cls = f.default_factory  # a section: the sub-config's class
+    return f
+
+
+def applies(key: str, cfg: Config) -> bool:
+    """Whether the backend cfg chooses reads option `key` (dotted, e.g. "backend.k_steps")."""
+    where = _field(key).metadata.get("applies")
+    if where is None:
+        return True
+    kind = cfg.backend.kind
+    return kind in where and (where[kind] is None or getattr(cfg.backend, VARIANT_KEY[kind]) in where[kind])
+
+
+def applies_to(key: str) -> str:
+    """Where option `key` applies, in words, e.g. 'backend.kind = "ps" with backend.mode = "geo"'."""
+    where = _field(key).metadata.get("applies")
+    if where is None:
+        return "every backend"
+    plain = [json.dumps(k) for k, variants in where.items() if variants is None]
+    parts = [f"backend.kind = {', '.join(plain)}"] if plain else []
+    parts += [f"backend.kind = {json.dumps(k)} with backend.{VARIANT_KEY[k]} = {', '.join(json.dumps(v) for v in vs)}"
+              for k, vs in where.items() if vs is not None]
+    return " or ".join(parts)
+
+
+def check_applies(cfg: Config, keys: list[str]) -> None:
+    """A ConfigError for the first of `keys` that the chosen backend does not read."""
+    for key in keys:
+        if not applies(key, cfg):
+            value = cfg
+            for part in key.split("."):
+                value = getattr(value, part)
+            kind = cfg.backend.kind
+            this = f"backend.kind = {json.dumps(kind)}" + (
+                f", backend.{VARIANT_KEY[kind]} = {show(getattr(cfg.backend, VARIANT_KEY[kind]))}"
+                if kind in VARIANT_KEY else "")
+            raise ConfigError(f"{key} = {show(value)}: applies only to {applies_to(key)}; this run has {this} "
+                              f"(remove the option or choose a backend that reads it)")
 
 
 def describe(cls: type = Config, prefix: str = "") -> list[tuple[str, Any, str]]:

@@ -7,7 +7,9 @@
     points = [{ "backend.kind" = "single", "backend.world_size" = 1 }]   # optional explicit points
 
 Points = explicit points (or one empty point) x the matrix. Keys that do not apply to a point's backend
-(e.g. `backend.stage` for ddp) are dropped, so duplicates run once. Each point writes its own run folder
+(e.g. `backend.stage` for ddp, `backend.k_steps` for ps sync: psarch.config.applies) are dropped, and points
+that are then identical run once (the sweep says which). Every option the file itself, --set, an axis or a
+point names must apply to at least one point. Each point writes its own run folder
 under the sweep's folder; a point whose summary.json exists is skipped unless rerun; a failed point is
 reported and the others still run; the comparison of all finished points is written at the end. A point
 with a config error stops the sweep before any point runs.
@@ -23,17 +25,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from psarch.config import ConfigError, check_machine, load_config
+from psarch.config import ConfigError, applies, applies_to, check_machine, explicit_keys, load_config, top_table
 
-# Options that only some backends read; elsewhere they are dropped from a point.
-APPLIES_TO = {
-    "backend.comm": {"ddp", "zero"},
-    "backend.bucket_cap_mb": {"ddp", "torch_ddp", "torch_zero"},
-    "backend.stage": {"zero"}, "backend.reduce_bucket_size": {"zero"}, "backend.allgather_bucket_size": {"zero"},
-    "backend.prefetch_bucket_size": {"zero"}, "backend.activation_checkpointing": {"zero"},
-    "backend.mode": {"ps"}, "backend.servers": {"ps"}, "backend.k_steps": {"ps"}, "backend.geo_barrier": {"ps"},
-    "backend.staleness_bound": {"ps"}, "backend.staleness_compensation": {"ps"}, "backend.dc_lambda": {"ps"},
-}
 ALIASES = {"backend": "backend.kind"}
 
 
@@ -44,6 +37,7 @@ class Point:
     error: str | None = None          # a config error (run_sweep refuses to start while any point has one)
     status: str = "pending"           # pending | done | skipped | failed
     detail: str = ""
+    same_as: list[str] = field(default_factory=list)   # combinations that are this point once dropped keys go
     summary: dict[str, Any] = field(default_factory=dict)
 
 
@@ -80,24 +74,41 @@ def expand(path: str | Path, sweep: dict[str, Any], overrides: list[str] | None 
             raise ConfigError(f"sweep.{k} = {json.dumps(v, default=str)}: expected a non-empty list of values")
     if not isinstance(explicit, list) or not all(isinstance(p, dict) for p in explicit):
         raise ConfigError("sweep.points: expected a list of tables of overrides")
-    default_kind = load_config(path, overrides).backend.kind
-    points, seen = [], set()
+    points: dict[str, Point] = {}  # by the point's kept overrides
+    used: dict[str, bool] = {k: False for k in explicit_keys(top_table(Path(path)), overrides)}
     for base in explicit:
         base = {ALIASES.get(k, k): v for k, v in base.items()}
         for combo in itertools.product(*axes.values()):
             ov = {**base, **dict(zip(axes, combo))}
-            kind = ov.get("backend.kind", default_kind)
-            ov = {k: v for k, v in ov.items() if kind in APPLIES_TO.get(k, {kind})}
-            name = _point_name(ov)
-            if name in seen:
-                continue
-            seen.add(name)
             try:
-                check_machine(load_config(path, point_overrides(overrides, ov)))
-                points.append(Point(name, ov))
+                cfg = load_config(path, point_overrides(overrides, ov))
+            except ConfigError as e:  # reported as the point's error; it still counts as a point
+                points.setdefault(json.dumps(ov, sort_keys=True, default=str), Point(_point_name(ov), ov, error=str(e)))
+                continue
+            for k in list(used) + list(ov):
+                used[k] = used.get(k, False) or applies(k, cfg)
+            kept = {k: v for k, v in ov.items() if applies(k, cfg)}
+            key = json.dumps(kept, sort_keys=True, default=str)
+            if key in points:
+                if kept != ov:
+                    points[key].same_as.append(_point_name(ov))
+                continue
+            points[key] = Point(_point_name(kept), kept)
+            try:
+                check_machine(load_config(path, point_overrides(overrides, kept)))
             except ConfigError as e:
-                points.append(Point(name, ov, error=str(e)))
-    return points
+                points[key].error = str(e)
+    unused = [k for k, hit in used.items() if not hit]
+    if unused and not any(p.error for p in points.values()):  # a point's own error says more
+        raise ConfigError(f"{unused[0]}: applies only to {applies_to(unused[0])}; no point of this sweep runs such "
+                          f"a backend (remove the option or add such a point)")
+    return list(points.values())
+
+
+def duplicates_note(points: list[Point]) -> str:
+    """One line naming the combinations that ran as another point (options that do not apply dropped)."""
+    same = [f"{', '.join(p.same_as)} = {p.name}" for p in points if p.same_as]
+    return f"identical once options that do not apply are dropped, run once: {'; '.join(same)}" if same else ""
 
 
 def point_overrides(overrides: list[str] | None, ov: dict[str, Any]) -> list[str]:
@@ -124,6 +135,8 @@ def run_sweep(path: str | Path, sweep: dict[str, Any], overrides: list[str] | No
         more = f" (and {len(bad) - 1} more points with config errors)" if len(bad) > 1 else ""
         raise ConfigError(f"sweep point {bad[0].name}: {bad[0].error}{more}")
     root.mkdir(parents=True, exist_ok=True)
+    if echo and duplicates_note(points):
+        print(f"sweep: {len(points)} points; {duplicates_note(points)}", flush=True)
     for i, p in enumerate(points):
         folder = root / p.name
         if echo:
@@ -145,7 +158,8 @@ def run_sweep(path: str | Path, sweep: dict[str, Any], overrides: list[str] | No
         if echo:
             print(f"{_bar(i + 1, len(points))}  point {p.name}: {p.status} ({p.detail})", flush=True)
     (root / "sweep.json").write_text(json.dumps(
-        [{"name": p.name, "overrides": p.overrides, "status": p.status, "detail": p.detail} for p in points],
+        [{"name": p.name, "overrides": p.overrides, "status": p.status, "detail": p.detail, "same_as": p.same_as}
+         for p in points],
         indent=2) + "\n")
     finished = [root / p.name for p in points if p.status in ("done", "skipped")]
     if finished:

@@ -1,0 +1,103 @@
+"""Which option applies to which backend, declared once on each config field: the check of explicit options
+(file and --set) and the sweep's dropping of options and duplicate points both read it.
+
+Pure unit tests: no processes."""
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import pytest
+
+from psarch.config import VARIANT_KEY, BackendConfig, ConfigError, applies, load_config
+from psarch.sweep import duplicates_note, expand, read_sweep
+
+
+def error(path=None, overrides=None) -> str:
+    with pytest.raises(ConfigError) as info:
+        load_config(path, overrides)
+    msg = str(info.value)
+    assert "\n" not in msg, msg
+    return msg
+
+
+def test_applies_by_kind_and_variant():
+    def cfg(*ov):
+        return load_config(None, ["backend.world_size=2", *ov])
+    geo, sync, ddp = cfg("backend.kind=ps", "backend.mode=geo"), cfg("backend.kind=ps"), cfg("backend.kind=ddp")
+    assert applies("backend.k_steps", geo) and not applies("backend.k_steps", sync)
+    assert not applies("backend.k_steps", ddp) and not applies("backend.mode", ddp)
+    assert applies("backend.comm", ddp) and not applies("backend.comm", sync)
+    z3 = cfg("backend.kind=zero", "backend.stage=3")
+    assert applies("backend.prefetch_bucket_size", z3) and not applies("backend.reduce_bucket_size", z3)
+    assert applies("train.lr", ddp) and applies("backend.world_size", sync)   # fields without a declaration
+
+
+def test_every_declaration_names_real_kinds_and_variants():
+    kinds = dataclasses.fields(BackendConfig)[0].metadata["choices"]
+    for f in dataclasses.fields(BackendConfig):
+        for kind, variants in (f.metadata.get("applies") or {}).items():
+            assert kind in kinds, (f.name, kind)
+            if variants is not None:
+                choices = next(g for g in dataclasses.fields(BackendConfig) if g.name == VARIANT_KEY[kind])
+                assert set(variants) <= set(choices.metadata["choices"]), f.name
+
+
+def test_an_explicit_option_the_backend_does_not_read_is_an_error():
+    msg = error(None, ["backend.kind=ddp", "backend.world_size=2", "backend.mode=async"])
+    assert 'backend.mode = "async"' in msg and 'backend.kind = "ps"' in msg and '"ddp"' in msg
+    msg = error(None, ["backend.kind=ps", "backend.world_size=2", "backend.k_steps=8"])
+    assert "backend.k_steps = 8" in msg and 'backend.mode = "geo"' in msg and '"sync"' in msg
+    load_config(None, ["backend.kind=ps", "backend.world_size=2", "backend.mode=geo", "backend.k_steps=8"])
+
+
+def test_a_base_file_may_set_options_for_other_backends_but_the_top_file_may_not(tmp_path):
+    (tmp_path / "base.toml").write_text('[backend]\nworld_size = 2\nk_steps = 8\nstage = 3\n')
+    (tmp_path / "ddp.toml").write_text('base = "base.toml"\n[backend]\nkind = "ddp"\n')
+    assert load_config(tmp_path / "ddp.toml").backend.kind == "ddp"   # the base's k_steps and stage: defaults
+    (tmp_path / "bad.toml").write_text('base = "base.toml"\n[backend]\nkind = "ddp"\nservers = 2\n')
+    assert "backend.servers = 2" in error(tmp_path / "bad.toml")
+    assert "backend.stage = 3" in error(tmp_path / "ddp.toml", ["backend.stage=3"])
+
+
+SWEEP = """
+name = "sw"
+[backend]
+kind = "ps"
+world_size = 2
+[sweep]
+"backend.mode" = ["sync", "geo"]
+"backend.k_steps" = [1, 4, 16]
+"""
+
+
+def test_sweep_runs_points_identical_once_inapplicable_options_go_once(tmp_path):
+    (tmp_path / "sw.toml").write_text(SWEEP)
+    points = expand(tmp_path / "sw.toml", read_sweep(tmp_path / "sw.toml"))
+    assert [p.overrides for p in points] == [{"backend.mode": "sync"}] + [
+        {"backend.mode": "geo", "backend.k_steps": k} for k in (1, 4, 16)]
+    assert points[0].same_as == ["modesync-k_steps4", "modesync-k_steps16"]
+    assert "modesync-k_steps4, modesync-k_steps16 = modesync" in duplicates_note(points)
+
+
+def test_sweep_template_options_must_apply_to_some_point(tmp_path):
+    # the file's options are a template for its points: k_steps is read by the geo point only
+    (tmp_path / "ok.toml").write_text('[backend]\nkind = "ps"\nworld_size = 2\nk_steps = 8\n'
+                                      '[sweep]\n"backend.mode" = ["sync", "geo"]\n')
+    assert len(expand(tmp_path / "ok.toml", read_sweep(tmp_path / "ok.toml"))) == 2
+    for text, key in (('[backend]\nkind = "ps"\nworld_size = 2\nstage = 2\n[sweep]\n"backend.mode" = ["sync"]\n',
+                       "backend.stage"),
+                      ('[backend]\nkind = "ps"\nworld_size = 2\n[sweep]\n"backend.comm" = ["ring", "native"]\n',
+                       "backend.comm")):
+        (tmp_path / "bad.toml").write_text(text)
+        with pytest.raises(ConfigError, match=f"{key}: applies only to .*no point of this sweep"):
+            expand(tmp_path / "bad.toml", read_sweep(tmp_path / "bad.toml"))
+    with pytest.raises(ConfigError, match="backend.staleness_bound: applies only to"):   # --set counts too
+        expand(tmp_path / "ok.toml", read_sweep(tmp_path / "ok.toml"), ["backend.staleness_bound=3"])
+
+
+def test_shipped_experiments_keep_their_point_names():
+    root = Path(__file__).parent.parent / "experiments"
+    points = expand(root / "architectures.toml", read_sweep(root / "architectures.toml"))
+    assert [p.name for p in points] == ["single-world_size1", "ddp-commring", "ddp-commnative", "zero-stage1",
+                                        "zero-stage2", "zero-stage3", "ps-modesync", "ps-modeasync", "ps-modegeo"]
