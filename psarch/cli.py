@@ -34,7 +34,7 @@ def main(argv: list[str] | None = None) -> int:
     p_est.add_argument("--params", type=float, help="parameter count Φ, e.g. 7.5e9")
     p_est.add_argument("--world", type=int, default=64, help="number of workers N")
     p_est.add_argument("--precision", default="bf16", choices=("fp32", "bf16", "fp16"))
-    p_est.add_argument("--optimizer", default="adamw", choices=("sgd", "adamw"))
+    p_est.add_argument("--optimizer", default="adamw", choices=("sgd", "adamw", "adagrad"))
     p_est.add_argument("--servers", type=int, default=1, help="parameter servers")
     p_est.add_argument("--bandwidth", type=float, default=12.5e9, help="link bytes/s per direction")
     p_est.add_argument("--latency", type=float, default=10e-6, help="seconds per message")

@@ -54,6 +54,31 @@ class MLPConfig:
 
 
 @dataclass
+class DLRMConfig:
+    """DLRM: an embedding bag per sparse feature, a bottom MLP over dense features, a dot or concat
+    interaction, a top MLP to one click logit (binary cross-entropy). Needs data = 'clicks'."""
+
+    num_tables: int = _f(4, "embedding tables (sparse features)", min=1)
+    rows: int = _f(10_000, "rows (ids) per table", min=1, max=10**8)
+    dim: int = _f(16, "embedding width, also the bottom MLP's output width", min=1)
+    bag: int = _f(1, "ids per table per sample (mean-pooled)", min=1)
+    bottom_mlp: list = _f([64], "hidden widths of the bottom MLP (dense features -> dim)")
+    top_mlp: list = _f([64], "hidden widths of the top MLP (interaction -> click logit)")
+    interaction: str = _f("dot", "how the bottom MLP's output and the embeddings meet: pairwise dot "
+                                 "products (plus the bottom output), or their concatenation", choices=("dot", "cat"))
+
+
+@dataclass
+class ClicksConfig:
+    """Synthetic clicks: Zipf-distributed ids, Gaussian dense features, labels from a hidden logistic
+    model, so the best achievable loss is known. Table sizes come from [workload.dlrm]."""
+
+    zipf: float = _f(1.0, "Zipf exponent of id popularity (0: uniform); hot ids scattered by a seeded "
+                          "permutation", min=0.0, max=4.0)
+    dense: int = _f(13, "dense features per sample", min=1)
+
+
+@dataclass
 class MarkovConfig:
     """Synthetic tokens from a random sparse Markov chain whose entropy rate is known exactly."""
 
@@ -75,14 +100,16 @@ class TextConfig:
 class WorkloadConfig:
     """What is trained: a built-in model and data, or a user's factory."""
 
-    model: str = _f("gpt", "built-in model", choices=("gpt", "mlp"))
-    data: str = _f("markov", "built-in data", choices=("markov", "text"))
+    model: str = _f("gpt", "built-in model ('dlrm' needs data = 'clicks')", choices=("gpt", "mlp", "dlrm"))
+    data: str = _f("markov", "built-in data ('clicks' needs model = 'dlrm')", choices=("markov", "text", "clicks"))
     factory: str = _f("", "'package.module:function' returning a psarch.Workload; replaces model and data")
     seq_len: int = _f(32, "tokens per sequence", min=1)
     gpt: GPTConfig = _sub(GPTConfig)
     mlp: MLPConfig = _sub(MLPConfig)
+    dlrm: DLRMConfig = _sub(DLRMConfig)
     markov: MarkovConfig = _sub(MarkovConfig)
     text: TextConfig = _sub(TextConfig)
+    clicks: ClicksConfig = _sub(ClicksConfig)
 
 
 @dataclass
@@ -91,13 +118,14 @@ class TrainConfig:
 
     steps: int = _f(20, "optimizer steps to run", min=1)
     global_batch: int = _f(16, "samples per step across all workers", min=1)
-    optimizer: str = _f("adamw", "optimizer", choices=("sgd", "adamw"))
+    optimizer: str = _f("adamw", "optimizer", choices=("sgd", "adamw", "adagrad"))
     lr: float = _f(1e-3, "learning rate", min=0.0)
     momentum: float = _f(0.0, "SGD momentum", min=0.0)
     nesterov: bool = _f(False, "SGD Nesterov momentum")
-    weight_decay: float = _f(0.0, "weight decay (decoupled for AdamW)", min=0.0)
+    weight_decay: float = _f(0.0, "weight decay (decoupled for AdamW, L2 for SGD and Adagrad)", min=0.0)
     betas: list = _f([0.9, 0.999], "AdamW betas [beta1, beta2]")
-    eps: float = _f(1e-8, "AdamW epsilon", min=0.0)
+    eps: float = _f(1e-8, "AdamW/Adagrad epsilon", min=0.0)
+    initial_accumulator_value: float = _f(0.0, "Adagrad: starting value of every squared-gradient sum", min=0.0)
     precision: str = _f("fp32", "compute precision; bf16/fp16 keep fp32 master weights", choices=("fp32", "bf16", "fp16"))
     log_every: int = _f(10, "print a progress line every this many steps", min=1)
     warmup_steps: int = _f(-1, "steps left out of timing medians (-1: min(5, steps // 5))", min=-1)
@@ -148,6 +176,9 @@ class BackendConfig:
     host: str = _f("127.0.0.1", "address servers bind to", applies=_PS)
     server_addresses: list = _f([], "'tcp://host:port' of each server started with `psarch server` "
                                     "(empty: `psarch run` starts the servers itself)", applies=_PS)
+    embeddings: str = _f("dense", "how embedding tables move: as ordinary parameters ('dense'), only the "
+                                  "touched rows ('rows'), or row-sharded over ranks ('sharded', ddp)",
+                         choices=("dense", "rows", "sharded"), applies=_GROUPED)
     timeout_s: float = _f(60.0, "seconds a rank or server waits for a peer before the run stops with an error",
                           min=0.1, applies=_GROUPED)
 
@@ -235,6 +266,18 @@ def validate(cfg: Config) -> Config:
     if w.data == "markov" and not w.factory and w.markov.branching > w.markov.vocab_size:
         raise ConfigError(f"workload.markov.branching = {w.markov.branching}: must be <= workload.markov.vocab_size "
                           f"= {w.markov.vocab_size}")
+    if not w.factory and (w.model == "dlrm") != (w.data == "clicks"):
+        key, value = ("workload.model", w.model) if w.model == "dlrm" else ("workload.data", w.data)
+        raise ConfigError(f"{key} = \"{value}\": model \"dlrm\" and data \"clicks\" go together "
+                          f"(a click model on click data)")
+    for key in ("bottom_mlp", "top_mlp"):
+        widths = getattr(w.dlrm, key)
+        if not all(isinstance(x, int) and not isinstance(x, bool) and x >= 1 for x in widths):
+            raise ConfigError(f"workload.dlrm.{key} = {_show(widths)}: expected a list of widths >= 1, e.g. [64, 32]")
+    if b.embeddings != "dense":
+        what = {"rows": "moving only the touched rows", "sharded": "row-sharded tables with all-to-all"}[b.embeddings]
+        raise ConfigError(f"backend.embeddings = \"{b.embeddings}\": {what} is not built yet (issue 11); only "
+                          f"\"dense\" (embedding tables as ordinary parameters) runs today")
     if w.data == "text" and not w.factory and not w.text.path:
         raise ConfigError("workload.text.path = \"\": data = \"text\" needs the path of a text file")
     if w.factory:

@@ -9,7 +9,7 @@ BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 
 def optimizer_bytes_per_param(optimizer: str, precision: str, momentum: float = 0.0) -> int:
     """K in the ZeRO paper: optimizer state per parameter, fp32 master copy included where kept."""
-    state = 8 if optimizer == "adamw" else (4 if momentum > 0 else 0)
+    state = {"adamw": 8, "adagrad": 4}.get(optimizer, 4 if momentum > 0 else 0)
     return state + (0 if precision == "fp32" else 4)
 
 

@@ -9,8 +9,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from psarch.config import Config, ConfigError, resolve_factory
-from psarch.data import MarkovSource, TextSource, shard_rows, step_generator
-from psarch.models import GPT, MLP
+from psarch.data import ClickSource, MarkovSource, TextSource, shard_rows, step_generator
+from psarch.models import DLRM, GPT, MLP
+from psarch.models.dlrm import click_loss
 
 
 @dataclass
@@ -36,6 +37,8 @@ def build_workload(cfg: Config) -> Workload:
     w = cfg.workload
     if w.factory:
         return _from_factory(cfg)
+    if w.model == "dlrm":
+        return _click_workload(cfg)
     source = (MarkovSource(w.markov.vocab_size, w.markov.branching, cfg.seed, w.markov.concentration)
               if w.data == "markov" else TextSource(w.text.path))
     torch.manual_seed(cfg.seed)  # the same initial model on every rank and every backend
@@ -51,6 +54,19 @@ def build_workload(cfg: Config) -> Workload:
         return shard_rows(source.sample(global_batch, length, step_generator(seed, step)), shard, num_shards)
 
     return Workload(model, next_token_loss, batch, source.entropy_rate, f"{w.model}/{w.data}")
+
+
+def _click_workload(cfg: Config) -> Workload:
+    """DLRM on synthetic clicks: the batch is (dense features, ids, clicks), each sharded by rows."""
+    d, c, seed, global_batch = cfg.workload.dlrm, cfg.workload.clicks, cfg.seed, cfg.train.global_batch
+    source = ClickSource(d.num_tables, d.rows, d.bag, c.dense, c.zipf, seed)
+    torch.manual_seed(seed)
+    model = DLRM(c.dense, d.num_tables, d.rows, d.dim, d.bottom_mlp, d.top_mlp, d.interaction)
+
+    def batch(step: int, shard: int, num_shards: int) -> tuple[torch.Tensor, ...]:
+        return shard_rows(source.sample(global_batch, step_generator(seed, step)), shard, num_shards)
+
+    return Workload(model, click_loss, batch, source.entropy_rate, "dlrm/clicks")
 
 
 def _from_factory(cfg: Config) -> Workload:
