@@ -1,0 +1,163 @@
+"""Click data: the Zipf sampler against its law, the loss floor (against an exact sum, against the true
+model's loss on sampled clicks, and approached by training), and batches that do not depend on the
+world size."""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+from psarch.config import ConfigError, from_dict
+from psarch.data import ClickSource, step_generator
+from psarch.data.clicks import DENSE_STD, ZipfSampler
+from psarch.models import DLRM
+from psarch.optim import build_optimizer
+from psarch.workload import build_workload
+
+
+@pytest.mark.parametrize("exponent", [0.0, 1.2])
+def test_zipf_frequencies_follow_the_law(exponent):
+    """200k draws over 30 ids: each id's frequency within 5 standard errors of its law's probability,
+    and the hot ids are where the permutation put them, not at the front of the table."""
+    rows, n = 30, 200_000
+    perm = torch.randperm(rows, generator=torch.Generator().manual_seed(4)).view(1, rows)
+    sampler = ZipfSampler(rows, exponent, perm)
+    law = np.arange(1, rows + 1, dtype=np.float64) ** -exponent
+    law /= law.sum()
+    np.testing.assert_allclose(sampler.probs, law, rtol=1e-12)
+    ids = sampler.sample(n, 1, torch.Generator().manual_seed(5)).view(-1).numpy()
+    freq_by_rank = np.bincount(ids, minlength=rows)[perm[0].numpy()] / n
+    se = np.sqrt(law * (1 - law) / n)
+    assert (np.abs(freq_by_rank - law) < 5 * se).all(), np.abs(freq_by_rank - law) / se
+    if exponent > 0:
+        assert np.bincount(ids, minlength=rows).argmax() == perm[0, 0] != 0
+
+
+def _dense_integral(s: np.ndarray, bias: float) -> np.ndarray:
+    """E over u ~ N(0, DENSE_STD²) of h(sigmoid(bias + s + u)) by a fine trapezoid rule (not quadrature)."""
+    u = np.linspace(-10 * DENSE_STD, 10 * DENSE_STD, 4001)
+    density = np.exp(-0.5 * (u / DENSE_STD) ** 2) / (DENSE_STD * math.sqrt(2 * math.pi))
+    p = 1 / (1 + np.exp(-(bias + s[:, None] + u)))
+    h = -p * np.log(p) - (1 - p) * np.log1p(-p)
+    return np.trapezoid(h * density, u, axis=1)
+
+
+def test_floor_equals_the_exact_conditional_entropy():
+    """Two tables of 12 rows: the floor summed exactly over all 144 id pairs agrees with the source's
+    Monte-Carlo floor within 4 of its stated standard errors, and that error is below 1e-3 nats."""
+    src = ClickSource(num_tables=2, rows=12, bag=1, dense=3, zipf=1.5, seed=9)
+    p = src.sampler.probs
+    w0, w1 = (src.row_weights[t, src.sampler.perm[t]].numpy() for t in range(2))  # weights by rank
+    s = (w0[:, None] + w1[None, :]).ravel()
+    exact = float((np.outer(p, p).ravel() * _dense_integral(s, src.bias)).sum())
+    assert 0 < src.floor_stderr < 1e-3
+    assert abs(src.entropy_rate - exact) < 4 * src.floor_stderr, (src.entropy_rate, exact, src.floor_stderr)
+    assert exact < math.log(2) - 0.1  # the ids carry real signal
+
+
+def true_model(src: ClickSource, dim: int = 4) -> DLRM:
+    """A DLRM (cat, no hidden layers: a logistic model) set to the source's hidden model."""
+    model = DLRM(src.dense, src.num_tables, src.rows, dim, [], [], "cat").double()
+    bottom, top = model.blocks[0][0], model.blocks[1][0]
+    with torch.no_grad():
+        for p in model.parameters():
+            p.zero_()
+        bottom.weight[0] = src.dense_weights           # coordinate 0 of the bottom output is v·x
+        top.weight[0, 0] = 1.0
+        top.bias[0] = src.bias
+        for t, table in enumerate(model.tables):       # coordinate 0 of table t's vector is w_t[id]
+            table.weight[:, 0] = src.row_weights[t]
+            top.weight[0, (t + 1) * dim] = 1.0
+    return model
+
+
+def test_the_true_model_reaches_the_floor():
+    """The hidden model's mean loss on 2^16 sampled clicks (bags of 3 ids) is the floor within 4 standard
+    errors of that mean; a model at half its weights is clearly above it."""
+    src = ClickSource(num_tables=3, rows=50, bag=3, dense=5, zipf=1.1, seed=2)
+    dense, ids, clicks = src.sample(2**16, step_generator(2, 0))
+    with torch.no_grad():
+        logits = true_model(src)(dense.double(), ids)
+    torch.testing.assert_close(logits, src.true_logits(dense, ids))
+    losses = F.binary_cross_entropy_with_logits(logits, clicks.double(), reduction="none")
+    se = float(losses.std() / math.sqrt(losses.numel()))
+    assert abs(float(losses.mean()) - src.entropy_rate) < 4 * se + 4 * src.floor_stderr
+    half = F.binary_cross_entropy_with_logits(logits.sub(src.bias).mul(0.5).add(src.bias), clicks.double())
+    assert float(half) > src.entropy_rate + 0.02
+
+
+def expected_gap(wl, src_cfg: dict, steps=range(10**6, 10**6 + 8)) -> float:
+    """Mean KL(true || model) over held-out batches: the expected loss above the floor, free of label noise."""
+    src = ClickSource(**src_cfg)
+    gaps = []
+    with torch.no_grad():
+        for step in steps:
+            dense, ids, _ = wl.batch(step, 0, 1)
+            p, z = torch.sigmoid(src.true_logits(dense, ids)), wl.model(dense, ids).double()
+            log_q, log_1q = F.logsigmoid(z), F.logsigmoid(-z)
+            kl = p * (torch.log(p) - log_q) + (1 - p) * (torch.log1p(-p) - log_1q)
+            gaps.append(float(kl.mean()))
+    return float(np.mean(gaps))
+
+
+def test_a_trained_model_approaches_the_floor():
+    """A small DLRM trained with Adagrad on uniform ids (every row seen often) closes most of the gap."""
+    torch.set_num_threads(1)
+    d = {"num_tables": 2, "rows": 20, "dim": 8, "bottom_mlp": [16], "top_mlp": [16], "interaction": "cat"}
+    cfg = from_dict({"seed": 5, "workload": {"model": "dlrm", "data": "clicks", "dlrm": d,
+                                             "clicks": {"zipf": 0.0, "dense": 4}},
+                     "train": {"optimizer": "adagrad", "lr": 0.1, "global_batch": 256}})
+    wl = build_workload(cfg)
+    src_cfg = {"num_tables": 2, "rows": 20, "bag": 1, "dense": 4, "zipf": 0.0, "seed": 5}
+    before = expected_gap(wl, src_cfg)
+    opt = build_optimizer(wl.model.parameters(), cfg.train)
+    for step in range(300):
+        opt.zero_grad()
+        wl.loss_fn(wl.model, wl.batch(step, 0, 1)).backward()
+        opt.step()
+    after = expected_gap(wl, src_cfg)
+    assert before > 0.1 and after < 0.02, (before, after)
+
+
+def test_batches_are_the_same_at_every_world_size():
+    cfg = from_dict({"seed": 7, "workload": {"model": "dlrm", "data": "clicks", "dlrm": {"rows": 100, "bag": 2}},
+                     "train": {"global_batch": 12}})
+    a, b = build_workload(cfg), build_workload(cfg)
+    whole = a.batch(3, 0, 1)
+    assert [x.shape for x in whole] == [(12, 13), (12, 4, 2), (12,)]
+    assert whole[1].max() < 100 and set(whole[2].unique().tolist()) <= {0.0, 1.0}
+    for n in (2, 3, 4):
+        shards = [b.batch(3, r, n) for r in range(n)]
+        for i in range(3):
+            assert torch.equal(torch.cat([s[i] for s in shards]), whole[i])
+    assert not torch.equal(a.batch(4, 0, 1)[1], whole[1])
+    assert a.entropy_floor == b.entropy_floor
+
+
+@pytest.mark.parametrize("overrides, message", [
+    ({"workload.model": "dlrm"}, 'workload.model = "dlrm": model "dlrm" and data "clicks" go together'),
+    ({"workload.data": "clicks"}, 'workload.data = "clicks": model "dlrm" and data "clicks" go together'),
+    ({"workload.model": "dlrm", "workload.data": "clicks", "workload.dlrm.bottom_mlp": [8, 0]},
+     "workload.dlrm.bottom_mlp = [8, 0]: expected a list of widths >= 1"),
+    ({"workload.model": "dlrm", "workload.data": "clicks", "workload.dlrm.top_mlp": ["a"]},
+     'workload.dlrm.top_mlp = ["a"]: expected a list of widths >= 1'),
+    ({"workload.clicks.zipf": -1.0}, "workload.clicks.zipf = -1.0: must be >= 0"),
+    ({"backend.embeddings": "rows"}, 'backend.embeddings = "rows": moving only the touched rows is not built yet'),
+    ({"backend.embeddings": "sharded"}, 'backend.embeddings = "sharded": row-sharded tables with all-to-all is not'),
+])
+def test_bad_click_configs_are_refused_in_one_line(overrides, message):
+    from psarch.config import apply_overrides
+    with pytest.raises(ConfigError) as e:
+        from_dict(apply_overrides({}, overrides))
+    assert message in str(e.value) and "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("kwargs, message", [({"rows": 0}, "rows = 0"), ({"zipf": -0.5}, "zipf = -0.5"),
+                                             ({"bag": 0}, "bag = 0")])
+def test_bad_click_source_arguments(kwargs, message):
+    args = dict(num_tables=1, rows=5, bag=1, dense=2, zipf=1.0, seed=0) | kwargs
+    with pytest.raises(ValueError, match=message):
+        ClickSource(**args)
