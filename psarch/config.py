@@ -273,7 +273,7 @@ def validate(cfg: Config) -> Config:
     for key in ("bottom_mlp", "top_mlp"):
         widths = getattr(w.dlrm, key)
         if not all(isinstance(x, int) and not isinstance(x, bool) and x >= 1 for x in widths):
-            raise ConfigError(f"workload.dlrm.{key} = {_show(widths)}: expected a list of widths >= 1, e.g. [64, 32]")
+            raise ConfigError(f"workload.dlrm.{key} = {show(widths)}: expected a list of widths >= 1, e.g. [64, 32]")
     if b.embeddings != "dense":
         what = {"rows": "moving only the touched rows", "sharded": "row-sharded tables with all-to-all"}[b.embeddings]
         raise ConfigError(f"backend.embeddings = \"{b.embeddings}\": {what} is not built yet (issue 11); only "
