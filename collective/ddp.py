@@ -15,9 +15,9 @@ import torch
 
 from collective import make_communicator
 from collective.bucket import Bucket, assign_buckets
-from collective.flat import FlatParams
 from psarch.config import Config
 from psarch.dist import DistContext
+from psarch.flat import FlatParams
 from psarch.meters import peak_memory, tensor_bytes
 from psarch.precision import MixedPrecisionOptimizer, compute_dtype
 from psarch.single import consolidated_state

@@ -60,47 +60,74 @@ class LossScaler:
 
 
 def has_inf_or_nan(tensors: Iterable[torch.Tensor]) -> torch.Tensor:
-    """A 0-dim float tensor: 1.0 if any element of any tensor is inf or nan (stays on device, no sync)."""
-    flags = [(~torch.isfinite(t)).any() for t in tensors if t.numel()]
-    if not flags:
+    """A 0-dim float tensor: 1.0 if any element of any tensor is inf or nan (stays on device, no sync).
+
+    One foreach max-norm over all tensors (nan and inf propagate through it), not a check per tensor."""
+    tensors = [t for t in tensors if t.numel()]
+    if not tensors:
         return torch.zeros(())
-    return torch.stack(flags).any().float()
+    norms = torch._foreach_norm(tensors, float("inf"))
+    return (~torch.isfinite(torch.stack(norms))).any().float()
 
 
 class MasterWeights:
-    """fp32 master copies of (possibly low-precision) model tensors; the optimizer steps on the masters.
+    """fp32 master weights of (possibly low-precision) model tensors; the optimizer steps on `params`.
 
-    In fp32 the model tensors are their own masters: no copy is made and no memory is spent.
+    With low-precision model tensors the masters are one flat fp32 buffer (`masters` are views into it,
+    shaped like the model tensors), so gradients go in with one cast and the update comes back with one
+    copy. In fp32 the model tensors are their own masters: no copy is made and no memory is spent (give
+    them as one flat tensor, as every backend does, for one fused optimizer kernel over one tensor).
     """
 
     def __init__(self, model_tensors: Sequence[torch.Tensor]) -> None:
         self.model_tensors = list(model_tensors)
         self.copies = any(t.dtype != torch.float32 for t in self.model_tensors)
         if self.copies:
-            self.masters = [torch.nn.Parameter(t.detach().float().clone()) for t in self.model_tensors]
+            self.numel = sum(t.numel() for t in self.model_tensors)
+            self.flat = torch.nn.Parameter(torch.cat([t.detach().reshape(-1).float() for t in self.model_tensors]))
+            pieces = self.flat.detach().split([t.numel() for t in self.model_tensors])
+            self.masters = [m.view(t.shape) for m, t in zip(pieces, self.model_tensors)]
+            self.params: list[torch.Tensor] = [self.flat]
         else:
             self.masters = [t if isinstance(t, torch.nn.Parameter) else torch.nn.Parameter(t, requires_grad=True)
                             for t in self.model_tensors]
+            self.params = self.masters
 
     def set_grads(self, grads: Sequence[torch.Tensor], inv_scale: float = 1.0) -> None:
-        """Give each master its gradient in fp32, multiplied by `inv_scale` (1 / loss scale)."""
-        for m, g in zip(self.masters, grads):
-            if self.copies:
-                g = g.float()  # a fresh fp32 tensor: transient, freed after the step
+        """Give the optimizer its gradients in fp32, multiplied by `inv_scale` (1 / loss scale)."""
+        if not self.copies:
             if inv_scale != 1.0:
-                g.mul_(inv_scale)
-            m.grad = g
+                torch._foreach_mul_(list(grads), inv_scale)
+            for m, g in zip(self.masters, grads):
+                m.grad = g
+            return
+        # one fresh fp32 buffer: transient, freed after the step (so it is no model state)
+        g32 = torch.empty(self.numel, dtype=torch.float32, device=self.flat.device)
+        if len(grads) == 1:
+            g32.copy_(grads[0].reshape(-1))
+        else:
+            torch.cat([g.reshape(-1) for g in grads], out=g32)
+        if inv_scale != 1.0:
+            g32.mul_(inv_scale)  # after the cast: scaling in fp16 could underflow
+        self.flat.grad = g32
+
+    def clear_grads(self) -> None:
+        """Drop the transient fp32 gradient (low precision; in fp32 the gradients are the caller's)."""
+        if self.copies:
+            self.flat.grad = None
 
     def copy_to_model(self) -> None:
         """After the optimizer step: write the updated masters back into the model's dtype."""
         if self.copies:
             with torch.no_grad():
-                for t, m in zip(self.model_tensors, self.masters):
-                    t.copy_(m)
+                if len(self.model_tensors) == 1:
+                    self.model_tensors[0].copy_(self.masters[0])
+                else:
+                    torch._foreach_copy_(self.model_tensors, self.masters)
 
     def bytes(self) -> int:
         """Bytes of master copies beyond the model's own tensors (0 in fp32)."""
-        return sum(m.numel() * 4 for m in self.masters) if self.copies else 0
+        return self.numel * 4 if self.copies else 0
 
 
 class MixedPrecisionOptimizer:
@@ -111,7 +138,7 @@ class MixedPrecisionOptimizer:
 
     def __init__(self, model_tensors: Sequence[torch.Tensor], train_cfg, precision: str) -> None:
         self.master = MasterWeights(model_tensors)
-        self.optimizer = build_optimizer(self.master.masters, train_cfg)
+        self.optimizer = build_optimizer(self.master.params, train_cfg)
         self.scaler = LossScaler(enabled=(precision == "fp16"))
 
     def step(self, grads: Sequence[torch.Tensor], found_inf: bool | None = None) -> bool:
@@ -122,15 +149,19 @@ class MixedPrecisionOptimizer:
             self.master.set_grads(grads, 1.0 / self.scaler.scale)
             self.optimizer.step()
             self.master.copy_to_model()
-            if self.master.copies:
-                for m in self.master.masters:
-                    m.grad = None  # the fp32 gradient copies are transient
+            self.master.clear_grads()
         self.scaler.update(found_inf)
         return found_inf
 
     def state_bytes(self) -> int:
         """Optimizer state plus fp32 master copies, in bytes."""
         return optimizer_state_bytes(self.optimizer) + self.master.bytes()
+
+    def state_bytes_per_element(self) -> int:
+        """Optimizer state (moments, momentum) plus fp32 master bytes held for each element stepped on."""
+        state = next(iter(self.optimizer.state.values()), {})
+        per = sum(v.element_size() for v in state.values() if torch.is_tensor(v) and v.dim() > 0)
+        return per + (4 if self.master.copies else 0)
 
     def state_dict(self) -> dict:
         return {"optimizer": copy.deepcopy(self.optimizer.state_dict()), "scaler": self.scaler.state_dict(),

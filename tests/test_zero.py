@@ -228,9 +228,10 @@ def test_export_gathers_one_unit_at_a_time(runs):
 # ---- memory: the ZeRO formulas, exactly
 
 
-def _counters(stage: int, opt: str, groups: int) -> int:
-    """AdamW keeps a 4-byte step counter per tensor it steps: one per bucket chunk (stages 1-2), one shard (3)."""
-    return 0 if opt == "sgd" else 4 * (1 if stage == 3 else groups)
+def _counters(stage: int, opt: str, groups: int, precision: str) -> int:
+    """AdamW keeps a 4-byte step counter per tensor it steps: in fp32 the model's own chunks, one per bucket
+    (stages 1-2) or one shard (3); in bf16/fp16 the one flat fp32 master buffer of the rank's chunks."""
+    return 0 if opt == "sgd" else 4 * (1 if stage == 3 or precision != "fp32" else groups)
 
 
 def _check_memory(results: dict, name: str, stage: int, n: int, precision: str, opt: str) -> None:
@@ -245,7 +246,7 @@ def _check_memory(results: dict, name: str, stage: int, n: int, precision: str, 
     want = theory.memory_per_rank("zero", padded, n, precision, opt, momentum, stage)
     for r in ranks.values():
         m = r["memory"]
-        assert (m["params"], m["grads"], m["optimizer"] - _counters(stage, opt, groups)) == \
+        assert (m["params"], m["grads"], m["optimizer"] - _counters(stage, opt, groups, precision)) == \
             (want.params, want.grads, want.optimizer), (name, m, want)
     # padding, exactly: the full flat buffer's in every replicated category, the rank's own chunks' in the
     # sharded ones (padding sits at the end of each group, so the last ranks' chunks hold it)
@@ -258,7 +259,7 @@ def _check_memory(results: dict, name: str, stage: int, n: int, precision: str, 
         assert r["memory"]["padding"] == replicated * pad + sharded * part.shard_padding(rank), (name, rank)
     # over all ranks: with the padding taken out, exactly the formula in Φ (times N where replicated)
     assert sum(r["memory"]["padding"] for r in ranks.values()) == n * replicated * pad + sharded * pad
-    total = sum(r["memory"]["total"] - r["memory"]["padding"] - _counters(stage, opt, groups) for r in ranks.values())
+    total = sum(r["memory"]["total"] - r["memory"]["padding"] - _counters(stage, opt, groups, precision) for r in ranks.values())
     assert total == n * replicated * phi + sharded * phi
 
 

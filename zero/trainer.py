@@ -144,12 +144,7 @@ class ZeroTrainer:
         """Bytes of optimizer state (masters included) that belong to padding elements of this rank's chunks."""
         e, rank = self.engine, self.ctx.rank
         chunks = [e.part.shard_padding(rank)] if self.stage == 3 else [g.chunk_padding(rank) for g in e.part.groups]
-        total = 0
-        for m, pad in zip(self.optim.master.masters, chunks):
-            state = self.optim.optimizer.state.get(m, {})
-            per_element = sum(v.element_size() for v in state.values() if torch.is_tensor(v) and v.dim() > 0)
-            total += pad * (per_element + (4 if self.optim.master.copies else 0))
-        return total
+        return sum(chunks) * self.optim.state_bytes_per_element()
 
     def traffic(self) -> TrafficReport:
         return self.comm.traffic.report()

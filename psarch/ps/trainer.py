@@ -17,9 +17,9 @@ from typing import Any
 
 import torch
 
-from collective.flat import FlatParams
 from psarch.config import Config
 from psarch.dist import DistContext
+from psarch.flat import FlatParams
 from psarch.meters import peak_memory, tensor_bytes
 from psarch.precision import MixedPrecisionOptimizer, compute_dtype, has_inf_or_nan
 from psarch.ps import wire

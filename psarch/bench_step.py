@@ -1,0 +1,187 @@
+"""Step time of psarch's trainers against a hand-written PyTorch loop, same model and batches, one process.
+
+    python -m psarch.bench_step [--device cpu|cuda] [--precision fp32,bf16] [--backends single,ddp,zero]
+                                [--steps 40] [--warmup 5] [--n-layer 4 --n-embd 256 --seq-len 64 --batch 8]
+
+Pairs, each psarch runner beside the PyTorch program a user would write for the same thing:
+  single     vs  plain loop: AdamW(fused=True); bf16 as autocast over fp32 weights
+  ddp        vs  torch DDP (DistributedDataParallel) + the same loop
+  zero (3)   vs  FSDP2 fully_shard per block, then the root (bf16: MixedPrecisionPolicy(param_dtype=bf16))
+ddp and zero run at world size 1 in this process (gloo on a CPU, NCCL on a GPU): what is measured is
+the framework's own overhead, not communication. Every runner takes one step in turn on the same batch
+(the order rotates each round), so all see the same machine load; the figures are medians after
+warm-up, and each psarch runner's ratio is to its peer's median. A psarch step is Trainer.step, as the
+runner calls it (metrics rows, logging and the runner's loop are not included); every step ends with
+loss.item(), psarch's and the peers'.
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+
+from psarch.config import Config, from_dict
+from psarch.dist import DistContext
+from psarch.precision import compute_dtype
+from psarch.registry import trainer_class
+from psarch.runner import to_device
+from psarch.workload import build_workload
+
+PEER = {"single": "plain loop", "ddp": "torch DDP", "zero": "FSDP2"}
+
+
+def bench_config(args: argparse.Namespace, kind: str, precision: str) -> Config:
+    """~3.2M parameters at the defaults (the GPT of collective.bench): the optimizer is a visible share."""
+    return from_dict({"seed": 0, "workload": {"model": "gpt", "seq_len": args.seq_len, "markov": {"vocab_size": 256},
+                                              "gpt": {"n_layer": args.n_layer, "n_embd": args.n_embd, "n_head": 4}},
+                      "train": {"steps": args.steps, "global_batch": args.batch, "optimizer": "adamw", "lr": 1e-3,
+                                "precision": precision},
+                      "backend": {"kind": kind, "world_size": 1, "stage": 3}})
+
+
+def adamw(params: Any, cfg: Config) -> torch.optim.Optimizer:
+    """What a user writes: torch's fastest AdamW, with psarch's hyper-parameters."""
+    t = cfg.train
+    return torch.optim.AdamW(params, lr=t.lr, betas=tuple(t.betas), eps=t.eps, weight_decay=t.weight_decay, fused=True)
+
+
+def plain_step(model: torch.nn.Module, loss_fn: Callable, opt: torch.optim.Optimizer, precision: str,
+               device: torch.device) -> Callable[[Any], float]:
+    """The hand-written loop: forward (under autocast in bf16), backward, step, zero_grad(set_to_none)."""
+    low = precision != "fp32"
+
+    def step(batch: Any) -> float:
+        with torch.autocast(device.type, dtype=compute_dtype(precision), enabled=low):
+            loss = loss_fn(model, batch)
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return float(loss.item())
+    return step
+
+
+def peer_runner(kind: str, cfg: Config, device: torch.device) -> Callable[[Any], float]:
+    """The PyTorch program beside psarch `kind`, from the same initial model."""
+    w = build_workload(cfg)
+    model = w.model.to(device)  # fp32 weights: autocast (or FSDP's policy) computes in low precision
+    if kind == "ddp":
+        model = torch.nn.parallel.DistributedDataParallel(model, device_ids=[device] if device.type == "cuda" else None)
+    elif kind == "zero":
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+        mesh = init_device_mesh(device.type, (1,))
+        policy = MixedPrecisionPolicy(param_dtype=compute_dtype(cfg.train.precision), reduce_dtype=torch.float32)
+        for block in model.blocks:  # the units psarch's ZeRO-3 gathers (zero.units), then the root
+            fully_shard(block, mesh=mesh, mp_policy=policy)
+        fully_shard(model, mesh=mesh, mp_policy=policy)
+        return plain_step(model, w.loss_fn, adamw(model.parameters(), cfg), "fp32", device)
+    return plain_step(model, w.loss_fn, adamw(model.parameters(), cfg), cfg.train.precision, device)
+
+
+def psarch_runner(kind: str, cfg: Config, ctx: DistContext) -> Callable[[Any], float]:
+    trainer = trainer_class(kind)(build_workload(cfg), cfg, ctx)
+    cast = None if cfg.train.precision == "fp32" else compute_dtype(cfg.train.precision)
+    return lambda batch: trainer.step(to_device(batch, ctx.device, cast)).loss
+
+
+def interleaved(runners: dict[str, Callable[[Any], float]], batches: list[Any], warmup: int,
+                device: torch.device) -> dict[str, float]:
+    """Median step time of each runner, stepping them in turn (rotating the order) on the same batches."""
+    times: dict[str, list[float]] = {name: [] for name in runners}
+    names = list(runners)
+    for i, batch in enumerate(batches):
+        for name in names[i % len(names):] + names[:i % len(names)]:
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            t0 = time.perf_counter()
+            runners[name](batch)
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            if i >= warmup:
+                times[name].append(time.perf_counter() - t0)
+    return {name: statistics.median(v) for name, v in times.items()}
+
+
+def init_group(device: torch.device) -> DistContext:
+    """A world-size-1 process group in this process: gloo on a CPU, NCCL on a GPU."""
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    store = dist.TCPStore("127.0.0.1", 0, 1, is_master=True, wait_for_workers=False)
+    dist.init_process_group(backend, store=store, rank=0, world_size=1,
+                            device_id=device if device.type == "cuda" else None)
+    return DistContext(0, 1, 0, device, backend)
+
+
+def run(args: argparse.Namespace) -> list[dict[str, Any]]:
+    device = torch.device(args.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("--device cuda: no CUDA device is available here; use --device cpu")
+    group = init_group(device) if set(args.backends) - {"single"} else None
+    rows = []
+    for precision in args.precision:
+        runners: dict[str, Callable[[Any], float]] = {}
+        for kind in args.backends:
+            cfg = bench_config(args, kind, precision)
+            ctx = group if kind != "single" else DistContext(0, 1, 0, device)
+            runners[f"psarch {kind}"] = psarch_runner(kind, cfg, ctx)
+            runners[PEER[kind]] = peer_runner(kind, cfg, device)
+        w = build_workload(bench_config(args, "single", precision))
+        params = sum(p.numel() for p in w.model.parameters())
+        batches = [to_device(w.batch(s, 0, 1), device) for s in range(args.steps)]
+        medians = interleaved(runners, batches, args.warmup, device)
+        for kind in args.backends:
+            mine, peer = medians[f"psarch {kind}"], medians[PEER[kind]]
+            rows.append({"precision": precision, "backend": kind, "peer": PEER[kind], "params": params,
+                         "psarch_ms": mine * 1e3, "peer_ms": peer * 1e3, "ratio": mine / peer})
+    if group is not None:
+        dist.destroy_process_group()
+    return rows
+
+
+def format_rows(rows: list[dict[str, Any]]) -> str:
+    lines = [f"{'precision':<10}{'psarch':<10}{'peer':<12}{'psarch ms':>11}{'peer ms':>10}{'ratio':>8}"]
+    for r in rows:
+        lines.append(f"{r['precision']:<10}{r['backend']:<10}{r['peer']:<12}{r['psarch_ms']:>11.2f}"
+                     f"{r['peer_ms']:>10.2f}{r['ratio']:>8.3f}")
+    return "\n".join(lines)
+
+
+def _csv(allowed: tuple[str, ...], what: str) -> Callable[[str], list[str]]:
+    def parse(text: str) -> list[str]:
+        items = [s.strip() for s in text.split(",") if s.strip()]
+        bad = [s for s in items if s not in allowed]
+        if bad or not items:
+            raise argparse.ArgumentTypeError(f"{what} {text!r}: allowed values are {', '.join(allowed)}")
+        return items
+    return parse
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(prog="python -m psarch.bench_step", description=__doc__.split("\n")[0])
+    p.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
+    p.add_argument("--precision", type=_csv(("fp32", "bf16"), "--precision"), default=["fp32", "bf16"])
+    p.add_argument("--backends", type=_csv(tuple(PEER), "--backends"), default=["single", "ddp", "zero"])
+    p.add_argument("--steps", type=int, default=40, help="steps per runner, warm-up included")
+    p.add_argument("--warmup", type=int, default=5)
+    p.add_argument("--threads", type=int, default=0, help="intra-op threads (0: torch's default)")
+    p.add_argument("--n-layer", type=int, default=4)
+    p.add_argument("--n-embd", type=int, default=256)
+    p.add_argument("--seq-len", type=int, default=64)
+    p.add_argument("--batch", type=int, default=8, help="global batch (sequences per step)")
+    args = p.parse_args(argv)
+    if args.steps <= args.warmup:
+        p.error(f"--steps {args.steps} must exceed --warmup {args.warmup} (steps after warm-up are timed)")
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    rows = run(args)
+    print(f"{rows[0]['params'] / 1e6:.2f}M-parameter GPT, global batch {args.batch} x {args.seq_len} tokens, "
+          f"{args.device} ({torch.get_num_threads()} threads), medians of {args.steps - args.warmup} interleaved steps")
+    print(format_rows(rows))
+
+
+if __name__ == "__main__":
+    main()
