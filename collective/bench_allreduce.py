@@ -5,6 +5,10 @@
 Ranks are local processes over gloo. Per size the kinds alternate iteration by iteration, so both see the
 same machine load; the time is rank 0's median after warm-up, each iteration starting after a barrier.
 With --repeat R the whole run is repeated R times (fresh ranks each) and the medians over runs are shown.
+
+Beside them, `p2p`: the ring's traffic without its arithmetic, straight on gloo's point-to-point path
+(2(N-1) rounds of isend to the next rank and irecv from the previous, S/N bytes each). Its busbw is the
+most a ring over gloo's send/recv can reach; ring/p2p near 1 means that path, not the ring, is the bound.
 """
 from __future__ import annotations
 
@@ -25,6 +29,15 @@ from collective import make_communicator
 DEFAULT_SIZES = tuple(4 ** k * 1024 for k in range(1, 9))  # 4 KiB ... 64 MiB
 
 
+def _p2p_schedule(t: torch.Tensor, recv: torch.Tensor, rank: int, n: int) -> None:
+    """The ring all-reduce's sends and receives with no reduction: 2(N-1) rounds of one S/N chunk each way."""
+    chunk = t[:recv.numel()]
+    for _ in range(2 * (n - 1)):
+        reqs = [dist.isend(chunk, (rank + 1) % n), dist.irecv(recv, (rank - 1) % n)]
+        for r in reqs:
+            r.wait()
+
+
 def _rank(rank: int, world_size: int, port: int, sizes: Sequence[int], iters: int, kinds: Sequence[str],
           segment_bytes: int, results: Any) -> None:
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo0" if sys.platform == "darwin" else "lo")
@@ -32,18 +45,22 @@ def _rank(rank: int, world_size: int, port: int, sizes: Sequence[int], iters: in
     store = dist.TCPStore("127.0.0.1", port, world_size + 1, is_master=False, timeout=timedelta(seconds=300))
     dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size, timeout=timedelta(seconds=300))
     try:
-        comms = {k: make_communicator(k, **({"segment_bytes": segment_bytes} if k == "ring" else {})) for k in kinds}
+        comms = {k: make_communicator(k, **({"segment_bytes": segment_bytes} if k == "ring" else {}))
+                 for k in kinds if k != "p2p"}
         rows = []
         for size in sizes:
             t = torch.randn(size // 4)  # fp32
             # Big sizes take long enough that fewer iterations give a steady median within the time budget.
             n_iter = max(5, min(iters, (512 << 20) // size))
             times: dict[str, list[float]] = {k: [] for k in kinds}
+            recv = torch.empty(t.numel() // world_size)
+            ops = {k: (comms[k].all_reduce if k != "p2p" else lambda x: _p2p_schedule(x, recv, rank, world_size))
+                   for k in kinds}
             for i in range(n_iter + 2):  # the first two are warm-up
-                for kind, comm in comms.items():
+                for kind, op in ops.items():
                     dist.barrier()
                     t0 = time.perf_counter()
-                    comm.all_reduce(t)
+                    op(t)
                     if i >= 2:
                         times[kind].append(time.perf_counter() - t0)
                     t.div_(world_size)  # keep values bounded across iterations
@@ -79,8 +96,9 @@ def bench_allreduce(world_size: int = 2, sizes: Sequence[int] = DEFAULT_SIZES, i
         for k in kinds:
             algbw = r["bytes"] / r[k]
             row[k] = {"time_s": r[k], "algbw": algbw, "busbw": algbw * 2 * (world_size - 1) / world_size}
-        if "ring" in kinds and "native" in kinds:
-            row["ring/native"] = r["ring"] / r["native"]  # time ratio: above 1 means the ring is slower
+        for other in ("native", "p2p"):
+            if "ring" in kinds and other in kinds:
+                row[f"ring/{other}"] = r["ring"] / r[other]  # time ratio: above 1 means the ring is slower
         rows.append(row)
     return rows
 
@@ -94,8 +112,9 @@ def median_rows(runs: list[list[dict]], kinds: Sequence[str] = ("ring", "native"
             t = statistics.median(r[k]["time_s"] for r in same)
             row[k] = {"time_s": t, "algbw": row["bytes"] / t,
                       "busbw": row["bytes"] / t * 2 * (row["world_size"] - 1) / row["world_size"]}
-        if "ring/native" in row:
-            row["ring/native"] = statistics.median(r["ring/native"] for r in same)
+        for ratio in ("ring/native", "ring/p2p"):
+            if ratio in row:
+                row[ratio] = statistics.median(r[ratio] for r in same)
         rows.append(row)
     return rows
 
@@ -103,7 +122,9 @@ def median_rows(runs: list[list[dict]], kinds: Sequence[str] = ("ring", "native"
 def format_table(rows: list[dict], kinds: Sequence[str] = ("ring", "native")) -> str:
     """The rows as a fixed-width table (times in ms, bandwidths in GB/s)."""
     head = f"{'size':>9} {'iters':>5}" + "".join(f" {k + ' ms':>10} {k + ' algbw':>12} {k + ' busbw':>12}"
-                                                  for k in kinds) + f" {'ring/native':>11}"
+                                                  for k in kinds)
+    ratios = [r for r in ("ring/native", "ring/p2p") if rows and r in rows[0]]
+    head += "".join(f" {r:>11}" for r in ratios)
     lines = [head]
     for row in rows:
         b = row["bytes"]
@@ -112,7 +133,7 @@ def format_table(rows: list[dict], kinds: Sequence[str] = ("ring", "native")) ->
         for k in kinds:
             m = row[k]
             line += f" {m['time_s'] * 1e3:>10.3f} {m['algbw'] / 1e9:>12.3f} {m['busbw'] / 1e9:>12.3f}"
-        line += f" {row.get('ring/native', float('nan')):>11.2f}"
+        line += "".join(f" {row[r]:>11.2f}" for r in ratios)
         lines.append(line)
     return "\n".join(lines)
 
@@ -125,16 +146,18 @@ def main(argv: Sequence[str] | None = None) -> None:
     ap.add_argument("--max-mib", type=int, default=64, help="largest size, MiB (sizes grow by 4x from 4 KiB)")
     ap.add_argument("--segment-kib", type=int, default=1024, help="ring pipeline segment size, KiB")
     ap.add_argument("--repeat", type=int, default=1, help="runs to take the median over (the machine is noisy)")
+    ap.add_argument("--no-p2p", action="store_true", help="leave out the raw isend/irecv schedule")
     args = ap.parse_args(argv)
+    kinds = ("ring", "native") if args.no_p2p else ("ring", "native", "p2p")
     sizes = [s for s in DEFAULT_SIZES if s <= args.max_mib << 20]
     t0 = time.perf_counter()
-    runs = [bench_allreduce(args.world_size, sizes, args.iters, segment_bytes=args.segment_kib << 10)
+    runs = [bench_allreduce(args.world_size, sizes, args.iters, kinds, segment_bytes=args.segment_kib << 10)
             for _ in range(args.repeat)]
-    rows = median_rows(runs)
+    rows = median_rows(runs, kinds)
     print(f"all_reduce, fp32, world size {args.world_size}, gloo on this machine (median of rank 0"
           f"{f', then median of {args.repeat} runs' if args.repeat > 1 else ''}; algbw = bytes/time, "
           f"busbw = algbw*2(N-1)/N; bandwidths in GB/s)")
-    print(format_table(rows))
+    print(format_table(rows, kinds))
     print(f"({time.perf_counter() - t0:.0f} s)")
 
 

@@ -274,3 +274,21 @@ def test_run_ranks_reports_a_failing_rank_and_stops_the_rest() -> None:
 def test_run_ranks_times_out() -> None:
     with pytest.raises(TimeoutError, match=r"ranks \[0\]"):
         run_ranks(_sleeps, 1, timeout=4)
+
+
+# ---- the benchmark's raw point-to-point schedule: the ring's traffic, no arithmetic
+
+def _p2p_moves_chunks(rank: int, world_size: int) -> dict:
+    from collective.bench_allreduce import _p2p_schedule
+
+    t = torch.full((4 * world_size,), float(rank))
+    recv = torch.empty(4)
+    _p2p_schedule(t, recv, rank, world_size)
+    return {"got": recv.tolist()}
+
+
+@pytest.mark.slow
+def test_p2p_schedule_sends_each_rank_its_predecessors_chunk() -> None:
+    """Each round sends one S/N chunk to the next rank and receives the previous rank's (3 ranks)."""
+    got = [r["got"] for r in run_ranks(_p2p_moves_chunks, 3, timeout=60)]
+    assert got == [[2.0] * 4, [0.0] * 4, [1.0] * 4]
