@@ -117,9 +117,10 @@ def init_group(device: torch.device) -> DistContext:
 
 
 def run(args: argparse.Namespace) -> list[dict[str, Any]]:
-    device = torch.device(args.device)
-    if device.type == "cuda" and not torch.cuda.is_available():
+    if args.device == "cuda" and not torch.cuda.is_available():
         raise SystemExit("--device cuda: no CUDA device is available here; use --device cpu")
+    # NCCL's device_id needs an index
+    device = torch.device("cuda", torch.cuda.current_device()) if args.device == "cuda" else torch.device("cpu")
     group = init_group(device) if set(args.backends) - {"single"} else None
     rows = []
     for precision in args.precision:
