@@ -117,8 +117,8 @@ class TorchFSDPTrainer:
         fully_shard(self.model, mesh=mesh)
         self.loss_fn = workload.loss_fn
         self.params = [p for p in self.model.parameters() if p.requires_grad]
-        # DTensor has a sharding rule for fused AdamW but none for fused SGD: SGD takes the per-tensor loop
-        self.optim = build_optimizer(self.params, cfg.train, fused=cfg.train.optimizer != "sgd")
+        # DTensor has a sharding rule for fused AdamW, none for fused SGD or Adagrad: those take the plain loop
+        self.optim = build_optimizer(self.params, cfg.train, fused=cfg.train.optimizer == "adamw")
         self.meter = TrafficMeter(modelled=True)
         self.payload = sum(p.numel() * p.element_size() for p in self.params)
 
