@@ -161,6 +161,9 @@ class BackendConfig:
                                     applies={"zero": (1, 2)})
     prefetch_bucket_size: int = _f(5 * 10**7, "elements gathered ahead of use", min=0, applies={"zero": (3,)})
     activation_checkpointing: bool = _f(False, "recompute each unit's activations in backward", applies={"zero": None})
+    measure_activations: bool = _f(False, "count the activation bytes kept for backward each step "
+                                          "(saved_activation_bytes); off the hot path unless asked for",
+                                   applies={"zero": None})
     zero_units: str = _f("blocks", "attribute of the model holding the nn.ModuleList whose children are "
                                    "the units (gathered one by one in stage 3, checkpointed one by one); "
                                    "'' for the whole model as one unit", applies={"zero": None, "torch_fsdp": None})

@@ -4,7 +4,8 @@ from __future__ import annotations
 import resource
 import sys
 import threading
-from typing import Iterable
+from contextlib import contextmanager
+from typing import Iterable, Iterator
 
 import torch
 
@@ -12,19 +13,44 @@ from psarch.trainer import OpTraffic, TrafficReport
 
 
 class TrafficMeter:
-    """Counts bytes sent and received, by operation. Safe to update from a communication thread."""
+    """Counts bytes sent and received, by operation. Safe to update from a communication thread.
+
+    Inside `with meter.tagged("export"):` every operation is booked as "export_<op>", so traffic that
+    belongs to no training step (a checkpoint's gather) is kept apart from the step's own."""
 
     def __init__(self, modelled: bool = False) -> None:
         self.modelled = modelled
         self._ops: dict[str, OpTraffic] = {}
         self._lock = threading.Lock()
+        self._tag: str | None = None
 
     def add(self, op: str, sent: int, received: int, calls: int = 1) -> None:
+        if sent < 0 or received < 0 or calls < 0:
+            raise ValueError(f"traffic of {op!r} must be counted up: got sent={sent}, received={received}, "
+                             f"calls={calls}; book traffic that is no step's under `tagged(...)` instead")
         with self._lock:
+            if self._tag is not None:
+                op = f"{self._tag}_{op}"
             o = self._ops.setdefault(op, OpTraffic())
             o.sent += int(sent)
             o.received += int(received)
             o.calls += calls
+
+    @contextmanager
+    def tagged(self, tag: str) -> Iterator[None]:
+        """Book every operation counted while open (from any thread) as "<tag>_<op>". The tag belongs to the
+        meter, not to a call: open it only while no collective of another kind is in flight."""
+        if not tag or not tag.isidentifier():
+            raise ValueError(f"traffic tag must be a name like 'export', got {tag!r}")
+        with self._lock:
+            if self._tag is not None:
+                raise RuntimeError(f"traffic is already tagged {self._tag!r}; tags do not nest (asked for {tag!r})")
+            self._tag = tag
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._tag = None
 
     def report(self) -> TrafficReport:
         with self._lock:

@@ -113,7 +113,7 @@ class Probe:
     def _after_grad_hook(self, p: torch.Tensor) -> None:
         e = self.trainer.engine
         self.grads_kept += p.grad is not None
-        held = list(e._buffers.values()) + [buf for _, _, buf in e._pending]
+        held = list(e._held.values())
         self.bucket_peak = max(self.bucket_peak, tensor_bytes(held))
 
     def _in_backward(self, module, grad_output) -> None:
@@ -193,8 +193,9 @@ def all_variants(rank: int, n: int, out: str) -> dict:
         for stage in STAGES:
             for comm in COMMS:
                 name = f"zero{stage}-{comm}-{opt}-{n}"
+                measured = comm == "ring" and opt == "adamw"   # saved activations: only where asked for
                 results[name] = train(rank, n, config(name, train=hp, backend=dict(
-                    ZERO, stage=stage, comm=comm, world_size=n)), out)
+                    ZERO, stage=stage, comm=comm, world_size=n, measure_activations=measured)), out)
         for peer in ("torch_zero", "torch_fsdp"):
             results[f"{peer}-{opt}-{n}"] = train(rank, n, config(f"{peer}-{opt}-{n}", train=hp,
                                                                  backend={"kind": peer, "world_size": n}), out)
@@ -211,7 +212,7 @@ def all_variants(rank: int, n: int, out: str) -> dict:
                 ZERO, stage=stage, world_size=n, **plain)), out)
         for stage in (2, 3):
             results[f"ckpt{stage}"] = train(rank, n, config(f"ckpt{stage}", train=adamw, backend=dict(
-                ZERO, stage=stage, world_size=n, activation_checkpointing=True)), out)
+                ZERO, stage=stage, world_size=n, activation_checkpointing=True, measure_activations=True)), out)
         for stage in STAGES:
             for precision in ("bf16", "fp16"):
                 results[f"{precision}-{stage}"] = train(rank, n, config(

@@ -9,8 +9,9 @@ in turn, so they see the same machine load; step time is the slowest rank's medi
 model-state bytes the fullest rank's params + grads + optimizer state (fp32 masters included), from the
 tensors held (ZeroRedundancyOptimizer splits parameters whole, so its ranks differ).
 Targets: step time ratio <= 1.1, model-state bytes <= the peer's. One more row: stage 3 with activation
-checkpointing, for its effect on the activation bytes kept for backward (the peak RSS of a process that
-holds every trainer at once says nothing about any one of them, so it is not reported).
+checkpointing, for its step time; its effect on the activation bytes kept for backward is measured apart,
+in fresh processes with `measure_activations` on (the peak RSS of a process that holds every trainer at
+once says nothing about any one of them, and the meter would slow the timed steps).
 """
 from __future__ import annotations
 
@@ -62,24 +63,21 @@ def _rank(rank: int, world_size: int, steps: int) -> dict:
         trainers[label] = trainer_class(backend["kind"])(workloads[label], cfg, ctx)
     times: dict[str, list[float]] = {label: [] for label in VARIANTS}
     sent: dict[str, float] = {}
-    saved: dict[str, int] = {}
     for step in range(steps):
         for label, trainer in trainers.items():
             batch = workloads[label].batch(step, rank, world_size)
             before = trainer.traffic().sent
             t0 = time.perf_counter()
-            stats = trainer.step(batch)
+            trainer.step(batch)
             if step >= 3:  # warm-up
                 times[label].append(time.perf_counter() - t0)
             sent[label] = trainer.traffic().sent - before
-            saved[label] = stats.extra.get("saved_activation_bytes", -1)
     out = {"params": sum(p.numel() for p in next(iter(workloads.values())).model.parameters()), "rows": {}}
     for label, trainer in trainers.items():
         m = trainer.memory()
         out["rows"][label] = {"step_s": statistics.median(times[label]), "model_state": m.total,
                               "params": m.params, "grads": m.grads, "optimizer": m.optimizer, "working": m.working,
-                              "padding": m.padding, "sent": sent[label], "modelled": trainer.traffic().modelled,
-                              "saved_activations": saved[label]}
+                              "padding": m.padding, "sent": sent[label], "modelled": trainer.traffic().modelled}
         trainer.close()
     return out
 
@@ -98,7 +96,7 @@ def _checkpointing_rank(rank: int, world_size: int, checkpointing: bool, batch_p
     base = bench_config(world_size, 3)
     base["train"]["global_batch"] = batch_per_rank * world_size
     cfg = from_dict(dict(base, backend=dict(base["backend"], kind="zero", stage=3, comm="native",
-                                            activation_checkpointing=checkpointing)))
+                                            activation_checkpointing=checkpointing, measure_activations=True)))
     wl = build_workload(cfg)
     trainer = trainer_class("zero")(wl, cfg, DistContext(rank, world_size, rank, torch.device("cpu"), "gloo"))
     saved = 0
@@ -124,7 +122,7 @@ def _mib(n: float) -> str:
 def format_table(r: dict, world_size: int) -> str:
     rows, phi = r["rows"], r["params"]
     head = (f"{'variant':22} {'step ms':>8} {'peer ms':>8} {'ratio':>6}   {'state MiB':>9} {'peer MiB':>9} {'ratio':>6}"
-            f"   {'formula MiB':>11} {'sent/step MiB':>13} {'formula':>8}  {'saved act MiB':>13}")
+            f"   {'formula MiB':>11} {'sent/step MiB':>13} {'formula':>8}")
     lines = [head, "-" * len(head)]
     for label, (backend, peer) in VARIANTS.items():
         x = rows[label]
@@ -136,8 +134,7 @@ def format_table(r: dict, world_size: int) -> str:
             f"{label:22} {x['step_s'] * 1e3:8.1f} {p['step_s'] * 1e3 if p else float('nan'):8.1f} "
             f"{x['step_s'] / p['step_s'] if p else float('nan'):6.2f}   {_mib(x['model_state'])}  "
             f"{_mib(p['model_state']) if p else '       -'} {x['model_state'] / p['model_state'] if p else float('nan'):6.2f}"
-            f"   {_mib(pred):>11} {_mib(x['sent']):>13}{'*' if x['modelled'] else ' '}{_mib(traffic)}  "
-            f"{_mib(x['saved_activations']) if x['saved_activations'] >= 0 else '            -':>13}"
+            f"   {_mib(pred):>11} {_mib(x['sent']):>13}{'*' if x['modelled'] else ' '}{_mib(traffic)}"
             + (f"  {'ok' if x['step_s'] <= 1.1 * p['step_s'] and x['model_state'] <= p['model_state'] else 'MISS'}"
                if p else ""))
     lines.append("* modelled: torch.distributed's wire cannot be seen; the algorithm's volume is shown. "

@@ -1,4 +1,4 @@
-"""ZeRO stages 1 and 2: every rank holds the full parameters; gradients are reduce-scattered to their owners.
+"""What ZeRO stages 1 and 2 share: full flat parameters, gradients reduce-scattered bucket by bucket.
 
 Parameters live in one flat buffer, in reverse registration order (gradients become ready roughly in
 that order), cut into buckets of at most `reduce_bucket_size` elements, and also where one unit's
@@ -9,17 +9,13 @@ gradient of its chunks only, its optimizer updates them, and the updated chunks 
 into every rank's full buffer: reduce-scatter + all-gather = 2(N-1)/N of the (padded) bytes, per step.
 The all-gathers go bucket by bucket, as many in flight as fit in `allgather_bucket_size` elements.
 
-Stage 1 keeps a full flat gradient buffer (`param.grad` are views into it, as in DDP) and reduce-scatters
-each bucket as it fills; the rank's reduced chunk is copied back into its place in that buffer, which
-then serves as the optimizer's gradient (so gradients stay 1x the model, no extra shard buffer).
-Stage 2 keeps only a shard-sized gradient buffer: each gradient autograd produces is copied into its
-bucket's transient buffer and dropped at once; a full bucket is reduce-scattered straight into the
-shard (asynchronously with overlap_comm, which DeepSpeed runs on a side stream; here the communicator's
-thread), and its buffer is freed when that finishes. Transient buffers are reported as working memory,
-gradient buckets also on their own (psarch.meters.Transient).
+Where a bucket's gradient is kept and where its reduced chunk lands is what tells the stages apart:
+zero.stage1.Stage1 (a full gradient buffer) and zero.stage2.Stage2 (a shard-sized one) fill in the
+three steps this class leaves open (`_take_grad`, `_reduce_pair`, `_reduced`).
 """
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from typing import Any
 
 import torch
@@ -34,58 +30,61 @@ from zero.partition import Group, Partition, bucket_params
 MAX_IN_FLIGHT = 2
 
 
-class Stage12:
-    """Flat full parameters and partitioned gradients for ZeRO stage 1 or 2 on one rank."""
+class Stage12(ABC):
+    """Flat full parameters and the bucketed reduce-scatter / all-gather schedule of ZeRO stages 1-2 on
+    one rank; a subclass says where gradients are kept (stage 1 or 2)."""
 
-    def __init__(self, params: list[torch.nn.Parameter], comm: Communicator, stage: int,
-                 reduce_bucket_size: int, overlap_comm: bool, allgather_bucket_size: int = 5 * 10**8,
+    reduce_in_hook: bool  # whether a full bucket is reduced from the gradient hook (else after backward)
+
+    def __init__(self, params: list[torch.nn.Parameter], comm: Communicator, reduce_bucket_size: int,
+                 overlap_comm: bool, allgather_bucket_size: int = 5 * 10**8,
                  unit_of: dict[int, int] | None = None) -> None:
-        if stage not in (1, 2):
-            raise ValueError(f"Stage12 runs stage 1 or 2, got {stage}")
-        self.comm, self.stage, self.overlap = comm, stage, overlap_comm
+        self.comm, self.overlap = comm, overlap_comm
         self.allgather_numel = allgather_bucket_size
         self.rank, self.n = comm.rank, comm.world_size
         params = params[::-1]
         self.part = Partition(bucket_params(params, reduce_bucket_size, unit_of), self.n)
-        dtype, device = params[0].dtype, params[0].device
-        self.flat = torch.zeros(self.part.padded_numel, dtype=dtype, device=device)
+        self.flat = torch.zeros(self.part.padded_numel, dtype=params[0].dtype, device=params[0].device)
         with torch.no_grad():
             for g in self.part.groups:
                 for p, view in zip(g.params, self.part.group_views(g, self.part.flat_region(g, self.flat))):
                     view.copy_(p.data)
                     p.data = view
         comm.broadcast(self.flat, src=0)  # every rank starts from rank 0's parameters
-        if stage == 1:
-            self.grad = torch.zeros_like(self.flat)
-            for g in self.part.groups:
-                for p, view in zip(g.params, self.part.group_views(g, self.part.flat_region(g, self.grad))):
-                    p.grad = view
-        else:
-            self.shard_grad = torch.zeros(self.part.shard_numel, dtype=dtype, device=device)
         self._group_of = {id(p): g for g in self.part.groups for p in g.params}
         self._index_in_group = {id(p): i for g in self.part.groups for i, p in enumerate(g.params)}
         self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad) for p in params]
-        self._buffers: dict[int, torch.Tensor] = {}       # stage 2: buckets being filled
-        self._pending: list[tuple[Any, Group, torch.Tensor]] = []
+        self._pending: list[tuple[Any, Group, torch.Tensor, torch.Tensor]] = []   # (handle, group, input, output)
         self._next = 0
         self.transient = Transient()
         self.reduced_in_backward = 0   # asynchronous reduce-scatters launched from gradient hooks: the overlap
+
+    # ---- what a stage decides
+
+    @abstractmethod
+    def grad_shards(self) -> list[torch.Tensor]:
+        """This rank's reduced gradient chunks, one per bucket (what the optimizer steps with)."""
+
+    @abstractmethod
+    def _take_grad(self, g: Group, i: int, p: torch.Tensor) -> None:
+        """Parameter i of bucket g has its gradient in p.grad: keep it where the bucket is reduced from."""
+
+    @abstractmethod
+    def _reduce_pair(self, g: Group) -> tuple[torch.Tensor, torch.Tensor]:
+        """(input, output) of bucket g's reduce-scatter: its `padded` gradient elements, this rank's chunk."""
+
+    @abstractmethod
+    def _reduced(self, g: Group, input: torch.Tensor, output: torch.Tensor) -> None:
+        """Bucket g's reduce-scatter has finished."""
 
     # ---- what the optimizer sees: this rank's chunks
 
     def param_shards(self) -> list[torch.Tensor]:
         return [self.part.flat_chunk(g, self.flat, self.rank) for g in self.part.groups]
 
-    def grad_shards(self) -> list[torch.Tensor]:
-        if self.stage == 1:
-            return [self.part.flat_chunk(g, self.grad, self.rank) for g in self.part.groups]
-        return [self.part.shard_chunk(g, self.shard_grad) for g in self.part.groups]
-
     # ---- backward: gradients into buckets, full buckets reduce-scattered in bucket order
 
     def begin_step(self) -> None:
-        if self.stage == 1:
-            self.grad.zero_()
         for g in self.part.groups:
             g.ready.clear()
         self._next = 0
@@ -104,17 +103,9 @@ class Stage12:
         if i in g.ready:
             raise RuntimeError("ZeRO: a parameter received its gradient twice in one backward "
                                "(reused parameters are not supported)")
-        if self.stage == 2:
-            buf = self._buffers.get(g.index)
-            if buf is None:
-                buf = self._buffers[g.index] = self._alloc(g.padded, self.flat)
-                buf[g.numel:].zero_()  # padding; each parameter's region is written by its gradient
-            with torch.no_grad():
-                buf[g.offsets[i]:g.offsets[i] + p.numel()].copy_(p.grad.view(-1))
-            p.grad = None  # stage 2 keeps no full gradient
+        self._take_grad(g, i, p)
         g.ready.add(i)
-        # Stage 2 reduces from the hook even without overlap (blocking), so only one bucket is ever held.
-        if self.overlap or self.stage == 2:
+        if self.reduce_in_hook:
             launched = self._next
             self._launch_ready()
             if self.overlap:
@@ -127,34 +118,22 @@ class Stage12:
 
     def _launch(self, g: Group) -> None:
         self._next += 1
-        if self.stage == 1:
-            grad = self.part.flat_region(g, self.grad)
-            out = self._alloc(g.chunk, grad)
-        else:
-            grad = self._buffers.pop(g.index, None)
-            if grad is None:  # no parameter of this bucket got a gradient: reduce zeros, like everyone
-                grad = self._alloc(g.padded, self.flat).zero_()
-            for i, view in enumerate(self.part.group_views(g, grad)):
-                if i not in g.ready:  # a parameter that got no gradient contributes zeros
-                    view.zero_()
-            out = self.part.shard_chunk(g, self.shard_grad)
+        grad, out = self._reduce_pair(g)
         grad.div_(self.n)  # average by pre-dividing (keeps fp16 sums in range), as DDP does
         handle = self.comm.reduce_scatter(out, grad, async_op=self.overlap)
-        self._pending.append((handle, g, out if self.stage == 1 else grad))
+        self._pending.append((handle, g, grad, out))
         self._reap(keep=MAX_IN_FLIGHT)
 
     def _reap(self, keep: int) -> None:
         """Finish reduce-scatters in launch order: those already done, and more until at most `keep` remain."""
         while self._pending:
-            handle, g, buf = self._pending[0]
+            handle, g, grad, out = self._pending[0]
             if handle is not None:
                 if len(self._pending) <= keep and not handle.is_completed():
                     return
                 handle.wait()
             self._pending.pop(0)
-            if self.stage == 1:  # the reduced chunk goes back into its place in the full gradient buffer
-                self.part.flat_chunk(g, self.grad, self.rank).copy_(buf)
-            self._release(buf)
+            self._reduced(g, grad, out)
 
     def reduce_gradients(self) -> None:
         """After backward: reduce what is left, wait for every reduce-scatter."""
@@ -194,4 +173,3 @@ class Stage12:
     def close(self) -> None:
         for h in self._hooks:
             h.remove()
-

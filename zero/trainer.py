@@ -1,12 +1,15 @@
 """The `zero` backend: ZeRO stages 1, 2 and 3 over a psarch communicator (ring or native).
 
-One trainer for the three stages; what differs lives in the engines: zero.stage12.Stage12 (full
-parameters, partitioned gradients) and zero.stage3.Stage3 (partitioned parameters gathered per unit).
+One trainer for the three stages; what differs lives in the engines: zero.stage1.Stage1 and
+zero.stage2.Stage2 (full parameters, partitioned gradients, on zero.stage12's shared schedule) and
+zero.stage3.Stage3 (partitioned parameters gathered per unit).
 Either hands the optimizer this rank's chunks only, so fp32 master weights and optimizer state exist for
 1/N of the model. Mixed precision is psarch's MixedPrecisionOptimizer over those chunks; since a rank
 sees only its gradient chunk, the fp16 overflow check is made global by all-reducing one fp32 flag (fp16
 only) so every rank skips the same steps and keeps the same loss scale. On the ring that one element is
 padded to N chunks of one element: 2(N-1)·4 bytes sent per rank per step, counted on the wire.
+Saved activations are measured only when `backend.measure_activations` asks: the meter hooks every tensor
+autograd saves, which costs step time nobody else should pay.
 """
 from __future__ import annotations
 
@@ -24,7 +27,8 @@ from psarch.single import consolidated_state
 from psarch.trainer import MemoryReport, StepStats, TrafficReport
 from psarch.workload import Workload
 from zero.stage3 import Stage3
-from zero.stage12 import Stage12
+from zero.stage1 import Stage1
+from zero.stage2 import Stage2
 from zero.units import SavedActivationMeter, checkpoint_units, find_units
 
 
@@ -45,17 +49,18 @@ class ZeroTrainer:
         if b.activation_checkpointing:
             checkpoint_units(self.units)
         if self.stage == 3:
-            self.engine: Stage12 | Stage3 = Stage3(self.model, self.units, self.comm, b.prefetch_bucket_size,
+            self.engine: Stage1 | Stage2 | Stage3 = Stage3(self.model, self.units, self.comm, b.prefetch_bucket_size,
                                                    b.overlap_comm)
         else:
             unit_of = {id(p): i for i, u in enumerate(self.units) for p in u.params}
-            self.engine = Stage12([p for p in self.model.parameters() if p.requires_grad], self.comm, self.stage,
-                                  b.reduce_bucket_size, b.overlap_comm, b.allgather_bucket_size, unit_of)
+            self.engine = {1: Stage1, 2: Stage2}[self.stage](
+                [p for p in self.model.parameters() if p.requires_grad], self.comm, b.reduce_bucket_size,
+                b.overlap_comm, b.allgather_bucket_size, unit_of)
         self.optim = MixedPrecisionOptimizer(self.engine.param_shards(), cfg.train, cfg.train.precision)
-        self.activations = SavedActivationMeter(self._param_storages)
+        self.activations = SavedActivationMeter(self._param_storages) if b.measure_activations else None
         self._hooks = []
-        if b.activation_checkpointing:  # a checkpointed unit keeps its inputs: count them as saved
-            for u in self.units:
+        if self.activations is not None and b.activation_checkpointing:
+            for u in self.units:  # a checkpointed unit keeps its inputs: count them as saved
                 if u.module is not None:
                     self._hooks.append(u.module.register_forward_pre_hook(
                         lambda m, args: self.activations.count_inputs(args) if self._metering else None))
@@ -68,10 +73,13 @@ class ZeroTrainer:
 
     def step(self, batch: Any) -> StepStats:
         self.engine.begin_step()
-        self._metering = True
-        with self.activations:
+        if self.activations is None:
             loss = self.loss_fn(self.model, batch)
-        self._metering = False
+        else:
+            self._metering = True
+            with self.activations:
+                loss = self.loss_fn(self.model, batch)
+            self._metering = False
         self.optim.scaler.scale_loss(loss).backward()
         t0 = time.perf_counter()
         self.engine.reduce_gradients()
@@ -82,7 +90,10 @@ class ZeroTrainer:
             self.engine.gather_params()
         comm_s = time.perf_counter() - t0
         return StepStats(float(loss.item()), skipped=skipped, loss_scale=self.optim.scaler.scale, comm_s=comm_s,
-                         extra={"saved_activation_bytes": self.activations.bytes})
+                         extra=self._saved_activations())
+
+    def _saved_activations(self) -> dict[str, int]:
+        return {} if self.activations is None else {"saved_activation_bytes": self.activations.bytes}
 
     def _found_inf_anywhere(self, grads: list[torch.Tensor]) -> bool:
         flag = has_inf_or_nan(grads).reshape(1).to(torch.float32)
@@ -94,14 +105,8 @@ class ZeroTrainer:
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """Consolidated fp32 CPU model on rank 0 ({} elsewhere); a collective call, one group (within one
         unit) at a time."""
-        before = self.comm.traffic.report().ops.get("all_gather")
-        values = self.engine.full_params(self.optim.master.masters, keep=self.ctx.rank == 0)
-        after = self.comm.traffic.report().ops.get("all_gather")
-        if after is not None:  # book the export under its own name: it is no training step's traffic
-            s, r, c = (after.sent - before.sent, after.received - before.received, after.calls - before.calls) \
-                if before is not None else (after.sent, after.received, after.calls)
-            self.comm.traffic.add("all_gather", -s, -r, -c)
-            self.comm.traffic.add("export_all_gather", s, r, c)
+        with self.comm.traffic.tagged("export"):  # no training step's traffic: booked as export_all_gather
+            values = self.engine.full_params(self.optim.master.masters, keep=self.ctx.rank == 0)
         return consolidated_state(self.model, values, copy=False) if self.ctx.rank == 0 else {}
 
     def state_dict(self) -> dict[str, Any]:
@@ -154,7 +159,7 @@ class ZeroTrainer:
         return {"zero_groups": len(e.part.groups), "zero_padded_params": e.part.padded_numel,
                 "zero_group_numel": [g.numel for g in e.part.groups], "zero_working_peak": e.transient.peak.get("working", 0),
                 "zero_reduced_in_backward": e.reduced_in_backward, "zero_prefetched": getattr(e, "prefetched", 0),
-                "saved_activation_bytes": self.activations.bytes}
+                **self._saved_activations()}
 
     def close(self) -> None:
         for h in self._hooks:

@@ -1,0 +1,86 @@
+"""Step time of ZeRO stages 1, 2 and 3 side by side: is each stage as fast as the one it refines?
+
+    python -m zero.bench_stages [--world-size 2] [--steps 30] [--runs 3] [--comm native] [--activations]
+
+The zero.bench model (GPT, ~3.3M parameters), fp32 AdamW. Each run spawns fresh ranks that build every
+variant's trainer side by side and step them in turn, so all see the same machine load; a variant's
+time is the slowest rank's median over the run's steps after 3 warm-up steps. Printed: each run's
+medians, the median over runs, and each variant's ratio to stage 1. `--activations` adds each stage
+again with `backend.measure_activations = true`, to show what measuring saved activations costs.
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from typing import Sequence
+
+import torch
+
+from psarch.config import from_dict
+from psarch.dist import DistContext
+from psarch.registry import trainer_class
+from psarch.spawn import run_ranks
+from psarch.workload import build_workload
+from zero.bench import bench_config
+
+WARMUP = 3
+
+
+def variants(comm: str, activations: bool) -> dict[str, dict]:
+    """label -> backend overrides: the three stages, and with `activations` each again with the meter on."""
+    out = {f"zero-{s} {comm}": {"kind": "zero", "stage": s, "comm": comm} for s in (1, 2, 3)}
+    if activations:
+        out.update({f"{label} +act": dict(b, measure_activations=True) for label, b in list(out.items())})
+    return out
+
+
+def _rank(rank: int, world_size: int, steps: int, backends: dict[str, dict]) -> dict[str, float]:
+    base = bench_config(world_size, steps)
+    ctx = DistContext(rank, world_size, rank, torch.device("cpu"), "gloo")
+    trainers, workloads = {}, {}
+    for label, backend in backends.items():
+        cfg = from_dict(dict(base, backend=dict(base["backend"], **backend)))
+        workloads[label] = build_workload(cfg)
+        trainers[label] = trainer_class("zero")(workloads[label], cfg, ctx)
+    times: dict[str, list[float]] = {label: [] for label in backends}
+    for step in range(steps):
+        for label, trainer in trainers.items():
+            batch = workloads[label].batch(step, rank, world_size)
+            t0 = time.perf_counter()
+            trainer.step(batch)
+            if step >= WARMUP:
+                times[label].append(time.perf_counter() - t0)
+    for trainer in trainers.values():
+        trainer.close()
+    return {label: statistics.median(t) for label, t in times.items()}
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--world-size", type=int, default=2)
+    ap.add_argument("--steps", type=int, default=30)
+    ap.add_argument("--runs", type=int, default=3)
+    ap.add_argument("--comm", choices=("ring", "native"), default="native")
+    ap.add_argument("--activations", action="store_true", help="also each stage with measure_activations = true")
+    args = ap.parse_args(argv)
+    if args.steps <= WARMUP or args.runs < 1:
+        ap.error(f"--steps must exceed the {WARMUP} warm-up steps and --runs be >= 1, got {args.steps} and {args.runs}")
+    backends = variants(args.comm, args.activations)
+    runs = []
+    for _ in range(args.runs):
+        ranks = run_ranks(_rank, args.world_size, args.steps, backends, timeout=900)
+        runs.append({label: max(r[label] for r in ranks) for label in backends})
+    print(f"== ZeRO stages, GPT ~3.3M params, N={args.world_size}, fp32 AdamW, {args.comm}, {args.runs} runs of "
+          f"{args.steps} steps, variants interleaved step by step; ms, slowest rank's median per run")
+    first = next(iter(backends))
+    print(f"{'variant':22} {'runs':>24} {'median':>8} {'vs ' + first:>18}")
+    for label in backends:
+        per_run = [r[label] * 1e3 for r in runs]
+        ratios = [r[label] / r[first] for r in runs]
+        print(f"{label:22} {' '.join(f'{t:7.1f}' for t in per_run):>24} {statistics.median(per_run):8.1f} "
+              f"{statistics.median(ratios):18.3f}")
+
+
+if __name__ == "__main__":
+    main()
