@@ -45,7 +45,8 @@ def test_traffic_tagged_scope_books_apart_and_bytes_only_count_up():
     m.add("all_gather", 1, 1)
     ops = m.report().ops
     assert (ops["all_gather"].sent, ops["all_gather"].received, ops["all_gather"].calls) == (11, 13, 2)
-    assert (ops["export_all_gather"].sent, ops["export_all_gather"].received, ops["export_all_gather"].calls) == (6, 8, 2)
+    export = ops["export_all_gather"]
+    assert (export.sent, export.received, export.calls) == (6, 8, 2)
     assert m.report().sent == 17
     for bad in [(-4, 0, 1), (0, -1, 1), (1, 1, -1)]:
         with pytest.raises(ValueError, match="counted up"):

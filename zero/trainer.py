@@ -49,8 +49,8 @@ class ZeroTrainer:
         if b.activation_checkpointing:
             checkpoint_units(self.units)
         if self.stage == 3:
-            self.engine: Stage1 | Stage2 | Stage3 = Stage3(self.model, self.units, self.comm, b.prefetch_bucket_size,
-                                                   b.overlap_comm)
+            self.engine: Stage1 | Stage2 | Stage3 = Stage3(self.model, self.units, self.comm,
+                                                            b.prefetch_bucket_size, b.overlap_comm)
         else:
             unit_of = {id(p): i for i, u in enumerate(self.units) for p in u.params}
             self.engine = {1: Stage1, 2: Stage2}[self.stage](
