@@ -19,12 +19,9 @@ import torch.distributed as dist
 from psarch import outputs
 from psarch.config import Config, check_machine, from_dict
 from psarch.dist import init_rank, shutdown, under_torchrun
+from psarch.errors import RunError
 from psarch.registry import trainer_class
 from psarch.runner import run_rank
-
-
-class RunError(RuntimeError):
-    """A rank (or a service such as a parameter server) failed; the message carries its error."""
 
 
 def run(cfg: Config, out: str | Path | None = None, echo: bool = True) -> dict[str, Any]:

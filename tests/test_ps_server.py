@@ -15,7 +15,7 @@ from psarch.config import from_dict
 from psarch.ps import wire
 from psarch.ps.client import PSClient, Request
 from psarch.ps.layout import server_ranges
-from psarch.ps.server import PSError
+from psarch.ps.errors import PSError
 from psarch.ps.services import start_services
 from psarch.workload import build_workload
 from ps_setup import config, ps

@@ -11,7 +11,7 @@ import zmq
 
 from psarch.meters import TrafficMeter
 from psarch.ps import wire
-from psarch.ps.server import PSError
+from psarch.ps.errors import PSError
 
 # What each request is answered with.
 REPLY_TO = {"init": "ack", "push": "ack", "pull": "params", "pushpull": "params", "fetch": "params", "done": "ack"}

@@ -48,15 +48,12 @@ from psarch.meters import TrafficMeter
 from psarch.precision import compute_dtype, has_inf_or_nan
 from psarch.ps import wire
 from psarch.ps.control import ServerControl
+from psarch.ps.errors import PSError
 from psarch.ps.layout import server_ranges
 from psarch.ps.updates import RangeState
 
 MAX_FRAME = wire.CHUNK + wire.MAX_HEADER   # larger frames make ZeroMQ drop the connection
 TRACE_LIMIT = 100_000
-
-
-class PSError(RuntimeError):
-    """A request the server refused (the message says why), or a failed server."""
 
 
 @dataclass

@@ -26,13 +26,9 @@ from typing import Any
 import torch
 
 from psarch.config import Config, from_dict
-from psarch.launch import RunError
+from psarch.ps.errors import ServiceError
 
 START_TIMEOUT_S = 120.0
-
-
-class ServiceError(RunError):
-    """A parameter server failed or died; the message says which and why."""
 
 
 def _server_main(index: int, cfg_dict: dict, host: str, conn: Any, threads: int | None, build: bool) -> None:
