@@ -323,3 +323,34 @@ def test_geo_after_a_lost_worker_moves_by_the_mean_delta_of_the_others(server, b
     for w in (0, 1):
         assert raw[w].ask({"op": "push", "worker": w, "step": 0, "version": 0, "offset": 0}, d[w] / 3).op == "ack"
     torch.testing.assert_close(_fetch(raw[0]), before + (d[0] + d[1]) / 2)
+
+
+@pytest.mark.parametrize("mode,precision", [("sync", "fp32"), ("async", "fp32"), ("async", "bf16"),
+                                            ("sync", "fp16"), ("async", "fp16"), ("geo", "fp32"),
+                                            ("geo", "bf16")])
+def test_non_finite_pushes_are_refused_and_counted(server, mode, precision):
+    """A gradient (GEO: delta) holding inf or nan in any mode and precision is refused with code
+    non_finite and counted for its worker; the parameters stay bit-identical. In fp16 a push that
+    declares found_inf = true is the designed skipped step and is accepted."""
+    services, numel = server(mode, precision)
+    raw = server.raw(services.info["addresses"][0])
+    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[precision]
+    fp16 = {"scale": 2.0**16, "found_inf": False} if precision == "fp16" and mode != "geo" else {}
+    before = _fetch(raw)
+    for bad in (float("nan"), float("inf"), -float("inf")):
+        for where in (0, numel // 2, numel - 1):
+            g = torch.full((numel,), 0.25, dtype=dtype)
+            g[where] = bad
+            r = raw.ask(dict({"op": "push", "worker": 1, "step": 0, "version": 0, "offset": 0}, **fp16), g)
+            assert r.op == "error" and r.header.get("code") == "non_finite", r.header
+            assert "worker 1's" in r.header["message"] and "inf/nan" in r.header["message"]
+    assert torch.equal(_fetch(raw), before), "a refused push changed the parameters"
+    g = torch.full((numel,), 0.25, dtype=dtype)
+    r = raw.ask({"op": "push", "worker": 1, "step": 0, "version": 0, "offset": 0, **fp16}, g)
+    assert r.op == "ack", r.header   # the refused pushes did not count as the worker's step
+    stats = services.finish()
+    assert stats["refused_pushes"]["non_finite_per_worker"] == [0, 9]
+    if fp16:   # declared overflow: a skipped step, accepted
+        r = raw.ask({"op": "push", "worker": 0, "step": 0, "version": 0, "offset": 0, "scale": 2.0**16,
+                     "found_inf": True}, torch.full((numel,), float("inf"), dtype=dtype))
+        assert r.op == "ack", r.header

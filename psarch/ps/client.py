@@ -11,7 +11,7 @@ import zmq
 
 from psarch.meters import TrafficMeter
 from psarch.ps import wire
-from psarch.ps.errors import PSError
+from psarch.ps.errors import NonFinitePush, PSError
 
 # What each request is answered with.
 REPLY_TO = {"init": "ack", "push": "ack", "pull": "params", "pushpull": "params", "fetch": "params", "done": "ack"}
@@ -80,7 +80,8 @@ class PSClient:
         except wire.WireError as e:
             raise PSError(f"worker {self.worker}: bad reply from server {i} to {op!r}: {e}") from None
         if msg.op == "error":
-            raise PSError(f"{op} refused by {msg.header['message']}")
+            kind = NonFinitePush if msg.header.get("code") == NonFinitePush.code else PSError
+            raise kind(f"{op} refused by {msg.header['message']}")
         if msg.op != REPLY_TO[op]:
             raise PSError(f"worker {self.worker}: server {i} answered {op!r} with {msg.op!r}")
         if msg.op == "params":

@@ -1,7 +1,7 @@
 """The parameter server's errors, apart from the server so that clients need not import it."""
 from __future__ import annotations
 
-from psarch.errors import RunError
+from psarch.errors import NonFiniteError, RunError
 
 
 class PSError(RuntimeError):
@@ -10,3 +10,9 @@ class PSError(RuntimeError):
 
 class ServiceError(RunError):
     """A parameter server failed or died; the message says which and why."""
+
+
+class NonFinitePush(PSError, NonFiniteError):
+    """A push whose gradient or delta holds inf/nan: refused, nothing applied; it stops the run."""
+
+    code = "non_finite"   # the error reply's `code`, so the worker raises this type again

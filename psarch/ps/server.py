@@ -14,6 +14,9 @@ next step and name the version this server last sent it (staleness is computed f
 record); a pull may ask for no step beyond the worker's next one, and a worker waits for one pull at a
 time. In fp16 a push carries the loss scale it was computed with (a power of two >= the scaler's
 minimum, in sync exactly the server's) and its inf/nan verdict, which the server checks on its range.
+Every push, in every mode and precision, is checked for inf/nan frame by frame as it is decoded, before
+it touches the parameters: one that holds any (outside fp16's declared overflow steps) is refused with
+code "non_finite" and counted for its worker, and the worker stops the run.
 
 When a pull is answered, per mode:
 - sync, geo with barrier: once round `step` is complete, i.e. every live worker pushed it;
@@ -45,10 +48,10 @@ import zmq
 
 from psarch.config import Config
 from psarch.meters import TrafficMeter
-from psarch.precision import compute_dtype, has_inf_or_nan
+from psarch.precision import compute_dtype
 from psarch.ps import wire
 from psarch.ps.control import ServerControl
-from psarch.ps.errors import PSError
+from psarch.ps.errors import NonFinitePush, PSError
 from psarch.ps.layout import server_ranges
 from psarch.ps.updates import RangeState
 
@@ -105,6 +108,7 @@ class ParameterServer(ServerControl):
         self.pending: list[_Pull] = []
         self.failure: str | None = None
         self.rejected = 0
+        self.refused_non_finite = [0] * self.workers   # pushes refused for inf/nan, per worker
         self.max_ahead = 0
         # ssp: [0, worker, steps pushed] per push, [1, worker, step] per pull granted
         self.trace: list[list[int]] = []
@@ -172,7 +176,7 @@ class ParameterServer(ServerControl):
                 raise PSError(f"op {msg.op!r} is a reply, not a request")
             handler(ident, msg)
         except (PSError, wire.WireError) as e:
-            self._error(ident, msg.op, str(e))
+            self._error(ident, msg.op, str(e), getattr(e, "code", None))
         except Exception as e:  # a bug: no request may end the serve loop, and none may hide a bug either
             print(f"psarch server {self.index}: internal error handling {msg.op!r} of worker "
                   f"{msg.header.get('worker')}:\n{traceback.format_exc()}", file=sys.stderr, flush=True)
@@ -197,9 +201,10 @@ class ParameterServer(ServerControl):
         if ident == self.current:
             self.current_answered = True
 
-    def _error(self, ident: bytes, op: str, text: str) -> None:
+    def _error(self, ident: bytes, op: str, text: str, code: str | None = None) -> None:
         self.rejected += self.failure is None
-        self._send(ident, op, {"op": "error", "message": f"server {self.index}: {text}"[:4000]})
+        header = {"op": "error", "message": f"server {self.index}: {text}"[:4000]}
+        self._send(ident, op, dict(header, code=code) if code else header)
 
     def _worker(self, msg: wire.Message) -> int:
         w = msg.header["worker"]
@@ -283,10 +288,17 @@ class ParameterServer(ServerControl):
             raise PSError(f"push: worker {w} sent step {h['step']}, its next step is {self.clock[w]}")
         self._check_scale(w, h)
         first = self.barrier and not self.round_pushed
-        data = msg.tensor(st.acc if first and st.acc.dtype == self.scratch.dtype else self.scratch)
         found_inf = bool(h.get("found_inf", False))
-        if self.loss_scaling and not found_inf and bool(has_inf_or_nan([data])):
-            raise PSError(f"push: worker {w} says found_inf = false, but its gradient holds inf/nan")
+        try:  # poison never reaches the parameters: only fp16's declared overflow steps may hold inf/nan
+            # (a refused first push of a round leaves acc half-written: the next first push overwrites it)
+            data = msg.tensor(st.acc if first and st.acc.dtype == self.scratch.dtype else self.scratch,
+                              finite=not (self.loss_scaling and found_inf))
+        except wire.NonFinitePayload:
+            self.refused_non_finite[w] += 1
+            what = "delta" if self.mode == "geo" else "gradient"
+            said = " (it says found_inf = false)" if self.loss_scaling else ""
+            raise NonFinitePush(f"push: worker {w}'s {what} for step {h['step']} holds inf/nan{said}: "
+                                f"refused, nothing applied") from None
         # every check passed: from here on the message is applied
         self.changing = True
         staleness = st.version - st.sent_version[w]

@@ -228,8 +228,12 @@ def summarize(stats: list[dict[str, Any]], lost: list[dict[str, Any]]) -> dict[s
                                  "ops": s["traffic"]["ops"]} for s in stats]},
         "memory": {"servers": [dict(s["memory"], server=s["server"], range=s["range"]) for s in stats]},
         "lost_workers": lost,
-        "servers_detail": [{k: s[k] for k in ("server", "address", "range", "version", "rejected", "lost",
-                                               "skipped_updates", "failure")} for s in stats],
+        # a push goes to every server in slices: a worker's count is the most any one server refused
+        "refused_pushes": {"non_finite_per_worker": [max(col) for col in zip(*(s["refused_non_finite"]
+                                                                                for s in stats))]},
+        "servers_detail": [{k: s[k] for k in ("server", "address", "range", "version", "rejected",
+                                               "refused_non_finite", "lost", "skipped_updates", "failure")}
+                           for s in stats],
     }
     if total:
         out["staleness"] = {"histogram": {str(k): v for k, v in sorted(hist.items())},
