@@ -15,7 +15,7 @@ class NonFiniteError(RunError):
 
 # A rank that stops for a non-finite loss exits with this code, so that the launcher stops the run even
 # in modes that go on without a lost worker (a worker that dies may be replaced; a poisoned run may not).
-NON_FINITE_EXIT = 3
+NON_FINITE_EXIT = 65   # sysexits.h EX_DATAERR: the data (here: the numbers) went bad
 
 
 def check_loss(step: int, worker: int, loss: float, skipped: bool = False) -> None:
