@@ -116,8 +116,8 @@ class _Raw:
 class _PS:
     """The PS worker's wire path: PSClient pushing a gradient and pulling parameters."""
 
-    def __init__(self, addr: str, n: int, init: bool) -> None:
-        self.client = PSClient([addr], 0, timeout_s=120.0)
+    def __init__(self, addr: str, n: int, init: bool, creds: dict | None = None) -> None:
+        self.client = PSClient([addr], 0, timeout_s=120.0, creds=creds)
         numel = n // 4
         self.grad, self.dst = torch.randn(numel), torch.empty(numel)
         if init:
@@ -168,7 +168,7 @@ def wire_table(max_mib: int) -> list[dict[str, Any]]:
             services = start_services(cfg, None, build_model=False)
             clients = {"raw": _Raw(raw_addr, n), "raw_chunked": _Raw(raw_addr, n, wire.CHUNK),
                        "wire": _PS(wire_addr, n, init=False),
-                       "server": _PS(services.info["addresses"][0], n, init=True)}
+                       "server": _PS(services.info["addresses"][0], n, init=True, creds=services.info["auth"])}
             try:
                 rows.append(dict(mib=n / 2**20, **_interleaved(clients, n)))
             finally:

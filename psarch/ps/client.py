@@ -10,7 +10,8 @@ import torch
 import zmq
 
 from psarch.meters import TrafficMeter
-from psarch.ps import wire
+from psarch.ps import auth, wire
+from psarch.ps.auth import Credentials
 from psarch.ps.errors import NonFinitePush, PSError
 
 # What each request is answered with.
@@ -30,16 +31,22 @@ class Request:
 class PSClient:
     """A worker's connections to the servers (addresses like 'tcp://127.0.0.1:5555')."""
 
-    def __init__(self, addresses: Sequence[str], worker: int, timeout_s: float) -> None:
+    def __init__(self, addresses: Sequence[str], worker: int, timeout_s: float,
+                 creds: Credentials | dict | None = None, heartbeat_s: float = 10.0,
+                 heartbeat_timeout_s: float = 30.0) -> None:
+        """creds: how to authenticate (a Credentials or its dict; None: no auth, loopback servers only)."""
+        creds = creds if isinstance(creds, Credentials) else Credentials.from_dict(creds)
         self.addresses = list(addresses)
         self.worker = worker
         self.timeout_s = timeout_s
         self.meter = TrafficMeter()
         self.zctx = zmq.Context()
         self.socks = []
-        for addr in self.addresses:
+        for i, addr in enumerate(self.addresses):
             s = self.zctx.socket(zmq.DEALER)
             s.setsockopt(zmq.LINGER, 0)
+            auth.bound(s, heartbeat_s, heartbeat_timeout_s)
+            auth.client_socket(s, creds, worker, i)
             s.connect(addr)
             self.socks.append(s)
         self.poller = zmq.Poller()

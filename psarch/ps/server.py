@@ -49,7 +49,8 @@ import zmq
 from psarch.config import Config
 from psarch.meters import TrafficMeter
 from psarch.precision import compute_dtype
-from psarch.ps import wire
+from psarch.ps import auth, wire
+from psarch.ps.auth import Credentials
 from psarch.ps.control import ServerControl
 from psarch.ps.errors import NonFinitePush, PSError
 from psarch.ps.layout import server_ranges
@@ -71,11 +72,36 @@ class _Pull:
     extra: dict[str, Any]       # pushpull: what the push's ack would have said
 
 
+def max_frame(numel: int | None, servers: int) -> int:
+    """The largest frame a worker may send: a header, or a payload frame of at most CHUNK bytes of the
+    largest range in fp32 (init; pushes are no wider)."""
+    if numel is None:
+        return MAX_FRAME
+    return min(wire.CHUNK, 4 * max(hi - lo for lo, hi in server_ranges(numel, servers))) + wire.MAX_HEADER
+
+
+def standalone_credentials(cfg: Config, host: str) -> Credentials:
+    """A server started on its own (`psarch server`) takes credentials from backend.keys, or refuses."""
+    b = cfg.backend
+    mech = auth.mechanism(b.auth, host)
+    if mech == "none":
+        return Credentials("none")
+    if not b.keys:
+        raise auth.AuthError(f"a server bound to {host} with backend.auth = {b.auth!r} ({mech}) needs keys: "
+                             f"{auth.KEYGEN_HINT}" + (" (or backend.auth = \"none\" on loopback)"
+                                                     if auth.is_loopback(host) else ""))
+    auth.check_folder(b.keys, mech, b.world_size, b.servers)
+    return Credentials(mech, b.keys)
+
+
 class ParameterServer(ServerControl):
     """Serve one range of the parameters until `stop()` (or a `stop` command on the control pipe)."""
 
     def __init__(self, index: int, cfg: Config, host: str = "127.0.0.1", port: int = 0,
-                 control: Any = None, exit_when_done: bool = False) -> None:
+                 control: Any = None, exit_when_done: bool = False, creds: Credentials | None = None,
+                 numel: int | None = None) -> None:
+        """creds: who may connect (None: from backend.auth and backend.keys, as a standalone server);
+        numel: the parameter count, when known before the socket binds (caps a frame at this range)."""
         b = cfg.backend
         self.index, self.cfg, self.workers, self.mode = index, cfg, b.world_size, b.mode
         self.barrier = b.mode == "sync" or (b.mode == "geo" and b.geo_barrier)
@@ -83,10 +109,16 @@ class ParameterServer(ServerControl):
         self.wire_dtype = wire.DTYPE_NAMES[compute_dtype(cfg.train.precision)]
         # pushes carry a loss scale and an inf/nan verdict only where a server optimizer scales the loss
         self.loss_scaling = cfg.train.precision == "fp16" and b.mode != "geo"
+        self.creds = creds if creds is not None else standalone_credentials(cfg, host)
         self.zctx = zmq.Context()
         self.sock = self.zctx.socket(zmq.ROUTER)
         self.sock.setsockopt(zmq.LINGER, 0)
-        self.sock.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME)
+        # ZeroMQ drops a connection whose frame exceeds this as the frame's size arrives, before buffering it
+        self.sock.setsockopt(zmq.MAXMSGSIZE, max_frame(numel, b.servers))
+        auth.bound(self.sock, b.heartbeat_s, b.heartbeat_timeout_s)
+        auth.server_socket(self.sock, self.creds, index)
+        self.zap = auth.ZapHandler(self.zctx, self.sock, self.creds, self.workers,
+                                   b.max_connections or self.workers + 16)
         if port:
             self.sock.bind(f"tcp://{host}:{port}")
             self.port = port
@@ -108,6 +140,7 @@ class ParameterServer(ServerControl):
         self.pending: list[_Pull] = []
         self.failure: str | None = None
         self.rejected = 0
+        self.impostors = 0                             # requests naming a worker other than their connection's
         self.refused_non_finite = [0] * self.workers   # pushes refused for inf/nan, per worker
         self.max_ahead = 0
         # ssp: [0, worker, steps pushed] per push, [1, worker, step] per pull granted
@@ -130,10 +163,13 @@ class ParameterServer(ServerControl):
     def serve(self) -> None:
         poller = zmq.Poller()
         poller.register(self.sock, zmq.POLLIN)
+        for z in self.zap.sockets():
+            poller.register(z, zmq.POLLIN)
         if self.control is not None:
             poller.register(self.control.fileno(), zmq.POLLIN)
         while not self.stopping:
             events = dict(poller.poll(100))
+            self.zap.handle(events)
             if self.sock in events:
                 # a burst, then look at the control pipe and the clock again
                 for _ in range(64):
@@ -149,6 +185,7 @@ class ParameterServer(ServerControl):
         self.stopping = True
 
     def close(self) -> None:
+        self.zap.close()
         self.sock.close(linger=500)  # let the last replies (a standalone server's final acks) leave
         self.zctx.term()
 
@@ -165,6 +202,10 @@ class ParameterServer(ServerControl):
             text = str(e) if isinstance(e, wire.WireError) else f"undecodable message ({type(e).__name__}: {e})"
             return self._error(ident, "invalid", text)
         self.meter.add(msg.op, 0, size)
+        stranger = self._stranger(body, msg)
+        if stranger:   # a worker acts only as itself; the reply tells it nothing of the state
+            self.impostors += 1
+            return self._error(ident, msg.op, stranger)
         self._heard(msg.header["worker"] if "worker" in msg.header else None)
         self.changing = False
         self.current, self.current_answered = ident, False
@@ -185,6 +226,16 @@ class ParameterServer(ServerControl):
                 self._fail(f"{text} (while applying {msg.op!r} of worker {msg.header.get('worker')})")
             if not self.current_answered:  # every request gets exactly one reply
                 self._error(ident, msg.op, text)
+
+    def _stranger(self, body: list, msg: wire.Message) -> str | None:
+        """Why this request may not act as the worker it names (None: it may). Without auth ("none",
+        loopback only) every request may."""
+        if self.creds.mechanism == "none":
+            return None
+        user = body[0].get("User-Id") if hasattr(body[0], "get") else None
+        if not user or str(msg.header.get("worker")) != user:
+            return f"this connection is authenticated as worker {user or '?'}: it may act only as itself"
+        return None
 
     def _heard(self, worker: Any) -> None:
         if not self.watch_silence or not isinstance(worker, int) or not 0 <= worker < self.workers:

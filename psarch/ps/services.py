@@ -26,12 +26,14 @@ from typing import Any
 import torch
 
 from psarch.config import Config, from_dict
+from psarch.ps.auth import KEYGEN_HINT, AuthError, Credentials, check_folder, mechanism, remove, run_credentials
 from psarch.ps.errors import ServiceError
 
 START_TIMEOUT_S = 120.0
 
 
-def _server_main(index: int, cfg_dict: dict, host: str, conn: Any, threads: int | None, build: bool) -> None:
+def _server_main(index: int, cfg_dict: dict, host: str, conn: Any, threads: int | None, build: bool,
+                 creds: dict) -> None:
     """Entry point of one server (process or thread)."""
     server = None
     try:
@@ -40,9 +42,11 @@ def _server_main(index: int, cfg_dict: dict, host: str, conn: Any, threads: int 
         from psarch.ps.layout import initial_flat
         from psarch.ps.server import ParameterServer
         cfg = from_dict(cfg_dict)
-        server = ParameterServer(index, cfg, host, 0, control=conn)
-        if build:
-            server.initialize(initial_flat(cfg))
+        flat = initial_flat(cfg) if build else None
+        server = ParameterServer(index, cfg, host, 0, control=conn, creds=Credentials.from_dict(creds),
+                                 numel=flat.numel() if flat is not None else None)
+        if flat is not None:
+            server.initialize(flat)
         conn.send_bytes(json.dumps({"event": "ready", "address": server.address}).encode())
         server.serve()
     except BaseException as e:  # report, never hang the launcher
@@ -67,15 +71,17 @@ class LocalServers:
         self.conns, self.workers = [], []
         host = cfg.backend.host
         ctx = mp.get_context("spawn")
+        # the folder's path travels (spawn args, services info), never a secret: each process reads its own
+        creds, self.tmp_keys = run_credentials(cfg, host)
         try:
             for i in range(cfg.backend.servers):
                 parent, child = mp.Pipe()
                 if threads:
                     w: Any = threading.Thread(target=_server_main, name=f"psarch-server{i}", daemon=True,
-                                              args=(i, cfg.to_dict(), host, child, None, build_model))
+                                              args=(i, cfg.to_dict(), host, child, None, build_model, creds.to_dict()))
                 else:
                     w = ctx.Process(target=_server_main, name=f"psarch-server{i}",
-                                    args=(i, cfg.to_dict(), host, child, 1, build_model))
+                                    args=(i, cfg.to_dict(), host, child, 1, build_model, creds.to_dict()))
                 w.start()
                 if not threads:
                     child.close()  # the server holds its end: a dead server is then EOF here, and vice versa
@@ -85,7 +91,7 @@ class LocalServers:
         except BaseException:
             self.stop()
             raise
-        self.info = {"addresses": addresses}
+        self.info = {"addresses": addresses, "auth": creds.to_dict()}
 
     def _wait_event(self, i: int, kind: str, timeout: float) -> dict[str, Any]:
         deadline = time.monotonic() + timeout
@@ -187,13 +193,23 @@ class LocalServers:
         for c in self.conns:
             c.close()
         self.conns = []
+        remove(self.tmp_keys)   # per-run credentials end with the run
+        self.tmp_keys = None
 
 
 class RemoteServers:
     """Servers started elsewhere (`psarch server`), listed in backend.server_addresses."""
 
     def __init__(self, cfg: Config) -> None:
-        self.info = {"addresses": list(cfg.backend.server_addresses)}
+        b = cfg.backend
+        host = b.server_addresses[0].partition("://")[2].rpartition(":")[0]
+        creds = Credentials(mechanism(b.auth, host), b.keys)
+        if creds.mechanism != "none":
+            if not b.keys:
+                raise AuthError(f"backend.server_addresses: servers started with `psarch server` need "
+                                f"backend.keys (backend.auth = {b.auth!r}); {KEYGEN_HINT}")
+            check_folder(b.keys, creds.mechanism, b.world_size, b.servers)
+        self.info = {"addresses": list(b.server_addresses), "auth": creds.to_dict()}
         self.lost: list[dict[str, Any]] = []
 
     def check(self) -> None:

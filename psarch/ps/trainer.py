@@ -63,7 +63,8 @@ class PSTrainer:
                                f"({addresses}); run through `psarch run`, or list every server in "
                                f"backend.server_addresses")
         self.ranges = server_ranges(self.flat.numel, b.servers)
-        self.client = PSClient(addresses, ctx.rank, b.timeout_s)
+        self.client = PSClient(addresses, ctx.rank, b.timeout_s, ctx.services.get("auth"), b.heartbeat_s,
+                               b.heartbeat_timeout_s)
         self.wire_dtype = wire.DTYPE_NAMES[self.dtype]
         # the wire is host memory: a GPU worker stages parameters there
         self.host = self.flat.data if ctx.device.type == "cpu" else torch.empty_like(self.flat.data, device="cpu")
