@@ -195,3 +195,48 @@ def test_a_slowloris_peer_is_dropped_within_the_heartbeat_timeout(serve, stage):
         pass
     assert time.monotonic() - t0 < 4 * timeout + 1.0
     peer.close()
+
+
+@pytest.mark.parametrize("signal_name", ["SIGSTOP", "SIGKILL"])
+def test_a_stopped_or_dead_server_is_named(signal_name):
+    """The launcher's check names a server that died, or that has been stopped for backend.timeout_s
+    (before, the run ended with "no rank left a record" once every worker had timed out on it)."""
+    import os
+    import signal
+
+    from psarch.ps.errors import ServiceError
+    from psarch.ps.services import start_services
+
+    cfg = from_dict(config("stop", workload={"model": "mlp"}, backend=ps(1, "async", timeout_s=1.0)))
+    services = start_services(cfg, None)
+    pid = services.workers[0].pid
+    try:
+        services.check()
+        os.kill(pid, getattr(signal, signal_name))
+        deadline = time.monotonic() + 15
+        with pytest.raises(ServiceError, match=r"server 0 (died|\(pid \d+\) has been stopped \(SIGSTOP\?\) for "
+                                               r"more than backend.timeout_s = 1 s)"):
+            while time.monotonic() < deadline:
+                services.check()
+                time.sleep(0.2)
+    finally:
+        if signal_name == "SIGSTOP":
+            os.kill(pid, signal.SIGCONT)
+        services.stop()
+
+
+def test_auth_none_only_on_loopback_and_standalone_servers_need_keys(tmp_path, capsys):
+    """backend.auth = "none" beyond loopback, and a `psarch server` without keys, stop with one line
+    saying what to do; nothing is started."""
+    from psarch.ps.services import start_services
+    from psarch.ps.standalone import serve as standalone
+
+    cfg = from_dict(config("none", workload={"model": "mlp"}, backend=ps(1, "async", auth="none", host="0.0.0.0")))
+    with pytest.raises(auth.AuthError, match=r"backend.auth = \"none\": allowed only on loopback, but servers "
+                                             r"bind '0.0.0.0'"):
+        start_services(cfg, None)
+    toml = tmp_path / "s.toml"
+    toml.write_text('[workload]\nmodel = "mlp"\n[backend]\nkind = "ps"\n')
+    assert standalone(str(toml), 0, 0, "0.0.0.0") == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "psarch keygen DIR" in err and "0.0.0.0" in err and "curve" in err

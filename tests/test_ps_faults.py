@@ -90,6 +90,9 @@ def test_end_to_end_sync_run_writes_server_traffic_and_a_loadable_model(tmp_path
     workers = on_disk["traffic"]["per_rank"]
     assert sum(s["received"] for s in servers) == sum(w["sent"] for w in workers)
     assert sum(s["sent"] for s in servers) == sum(w["received"] for w in workers)
+    # authenticated by default (PLAIN on loopback); no push refused; the per-run credentials are gone
+    assert on_disk["auth"] == "plain" and on_disk["refused_pushes"]["non_finite_per_worker"] == [0, 0]
+    assert "auth: none" not in (out / "report.txt").read_text()
     assert on_disk["variant"] == "sync" and on_disk["servers"] == 2 and on_disk["lost_workers"] == []
     assert [m["optimizer"] for m in on_disk["memory"]["per_rank"]] == [0, 0]
     plain = build_workload(from_dict(TINY_GPT)).model

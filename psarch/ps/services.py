@@ -68,6 +68,7 @@ class LocalServers:
         self.cfg, self.out_dir = cfg, Path(out_dir) if out_dir is not None else None
         self.lost: list[dict[str, Any]] = []
         self.failure: str | None = None
+        self.stopped_since: dict[int, float] = {}
         self.conns, self.workers = [], []
         host = cfg.backend.host
         ctx = mp.get_context("spawn")
@@ -118,6 +119,21 @@ class LocalServers:
     def _alive(self, i: int) -> bool:
         return self.workers[i].is_alive()
 
+    def _stopped_too_long(self, i: int) -> bool:
+        """A stopped server answers no one but is alive: name it once it has been stopped for timeout_s
+        (before every worker times out on it and the run ends with only their errors)."""
+        w = self.workers[i]
+        try:  # Linux: the state letter follows the parenthesised command name; T/t: stopped or traced
+            stopped = isinstance(w, mp.process.BaseProcess) and Path(f"/proc/{w.pid}/stat").read_text(
+                ).rpartition(")")[2].split()[0] in ("T", "t")
+        except (OSError, IndexError):
+            stopped = False
+        if not stopped:
+            self.stopped_since.pop(i, None)
+            return False
+        since = self.stopped_since.setdefault(i, time.monotonic())
+        return time.monotonic() - since > self.cfg.backend.timeout_s
+
     def _send(self, i: int, cmd: dict[str, Any]) -> None:
         try:
             self.conns[i].send_bytes(json.dumps(cmd).encode())
@@ -136,6 +152,9 @@ class LocalServers:
                 pass  # the pipe closed: the process is gone, found just below
             if self.failure is None and not self._alive(i):
                 self.failure = f"server {i} died (exit code {getattr(self.workers[i], 'exitcode', None)})"
+            if self.failure is None and self._stopped_too_long(i):
+                self.failure = (f"server {i} (pid {self.workers[i].pid}) has been stopped (SIGSTOP?) for more than "
+                                f"backend.timeout_s = {self.cfg.backend.timeout_s:g} s")
         if self.failure is not None:
             raise ServiceError(self.failure)
 
@@ -156,7 +175,7 @@ class LocalServers:
             s.pop("event")
             stats.append(s)
             parts.append(torch.frombuffer(bytearray(raw), dtype=torch.float32) if raw else torch.empty(0))
-        out = summarize(stats, self.lost)
+        out = dict(summarize(stats, self.lost), auth=self.info["auth"]["mechanism"])
         if self.out_dir is not None:
             self._write_outputs(out, parts)
         return out
@@ -219,7 +238,7 @@ class RemoteServers:
         self.lost.append({"rank": rank, "error": error.splitlines()[0] if error else ""})
 
     def finish(self) -> dict[str, Any]:
-        return {"lost_workers": self.lost}
+        return {"lost_workers": self.lost, "auth": self.info["auth"]["mechanism"]}
 
     def stop(self) -> None:
         pass
@@ -228,8 +247,14 @@ class RemoteServers:
 def start_services(cfg: Config, out_dir: Any = None, threads: bool = False,
                    build_model: bool = True) -> LocalServers | RemoteServers:
     """The servers of a run (build_model=False: servers that wait for an `init`, for benchmarks)."""
-    if cfg.backend.server_addresses:
+    b = cfg.backend
+    if b.server_addresses:
         return RemoteServers(cfg)
+    world, local = os.environ.get("WORLD_SIZE"), os.environ.get("LOCAL_WORLD_SIZE")
+    if world and local and world != local and not b.keys and mechanism(b.auth, b.host) != "none":
+        # torchrun across machines: fresh per-run credentials would exist on this machine only
+        raise AuthError(f"torchrun across machines (WORLD_SIZE {world}, LOCAL_WORLD_SIZE {local}): the servers' "
+                        f"credentials must be on every machine; {KEYGEN_HINT}")
     return LocalServers(cfg, out_dir, threads, build_model)
 
 
