@@ -29,9 +29,12 @@ launcher, in the modes that go on without it) when nothing came from it for `bac
 while it had no pull waiting; the server then stops waiting for it, and exits once every worker is
 done or lost.
 
-Not bounded: ZeroMQ hands over a multipart message only once all of it has arrived, and MAXMSGSIZE
-limits each frame, not the frames of a message, so a peer can make a server buffer a message of many
-4 MiB frames before decode refuses it. Servers belong on a network only workers reach.
+Who may connect (psarch/ps/auth.py): every connection authenticates (PLAIN or CURVE through ZAP, by
+default), and each request must name the worker its connection authenticated as; one that does not is
+refused before anything else, with an error that carries no state, and counts for nothing (done, fetch,
+silence clocks). Heartbeats drop stalled peers; MAXMSGSIZE caps each frame at the largest legitimate one.
+Still not bounded: ZeroMQ hands over a multipart message only once all of it has arrived, so an
+authenticated worker can make its server buffer a message of many frames before decode refuses it.
 """
 from __future__ import annotations
 
