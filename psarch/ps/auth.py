@@ -32,6 +32,9 @@ import zmq
 import zmq.auth
 from zmq.utils.monitor import parse_monitor_message
 
+from psarch.ps import wire
+from psarch.ps.layout import server_ranges
+
 ZAP_ENDPOINT = "inproc://zeromq.zap.01"
 DOMAIN = b"psarch"
 KEYGEN_HINT = "run `psarch keygen DIR --workers N --servers S`, copy DIR to every machine and set backend.keys = \"DIR\""
@@ -103,6 +106,26 @@ def run_credentials(cfg: Any, host: str) -> tuple[Credentials, str | None]:
     tmp = tempfile.mkdtemp(prefix="psarch-keys-")   # mode 0700
     keygen(tmp, b.world_size, b.servers)
     return Credentials(mech, tmp), tmp
+
+
+def max_frame(numel: int | None, servers: int) -> int:
+    """The largest frame a worker may send: a header, or a payload frame of at most CHUNK bytes of the
+    largest range in fp32 (init; pushes are no wider). numel None (not known yet): a whole CHUNK."""
+    widest = wire.CHUNK if numel is None else 4 * max(hi - lo for lo, hi in server_ranges(numel, servers))
+    return min(wire.CHUNK, widest) + wire.MAX_HEADER
+
+
+def standalone_credentials(cfg: Any, host: str) -> Credentials:
+    """A server started on its own (`psarch server`) takes credentials from backend.keys, or refuses."""
+    b = cfg.backend
+    mech = mechanism(b.auth, host)
+    if mech == "none":
+        return Credentials("none")
+    if not b.keys:
+        raise AuthError(f"a server bound to {host} with backend.auth = {b.auth!r} ({mech}) needs keys: "
+                        f"{KEYGEN_HINT}" + (" (or backend.auth = \"none\" on loopback)" if is_loopback(host) else ""))
+    check_folder(b.keys, mech, b.world_size, b.servers)
+    return Credentials(mech, b.keys)
 
 
 def check_folder(folder: str | Path, mech: str, workers: int, servers: int) -> None:

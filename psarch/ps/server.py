@@ -18,11 +18,7 @@ Every push, in every mode and precision, is checked for inf/nan frame by frame a
 it touches the parameters: one that holds any (outside fp16's declared overflow steps) is refused with
 code "non_finite" and counted for its worker, and the worker stops the run.
 
-When a pull is answered, per mode:
-- sync, geo with barrier: once round `step` is complete, i.e. every live worker pushed it;
-- ssp: once the slowest live worker has pushed at least `step - staleness_bound` steps;
-- async, geo: at once.
-A pull that waits more than `backend.timeout_s` fails the server with an error naming the workers it
+When a pull is answered depends on the mode (pulls.py). A pull that waits more than `backend.timeout_s` fails the server with an error naming the workers it
 waits for; every waiting and later request then gets that error, and the launcher stops the run.
 A worker is lost when the launcher says its process died, or (a standalone server, which has no
 launcher, in the modes that go on without it) when nothing came from it for `backend.timeout_s`
@@ -43,7 +39,6 @@ import math
 import sys
 import time
 import traceback
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -55,49 +50,14 @@ from psarch.precision import compute_dtype
 from psarch.ps import auth, wire
 from psarch.ps.auth import Credentials
 from psarch.ps.control import ServerControl
+from psarch.ps.pulls import TRACE_LIMIT, PullQueue, _Pull
 from psarch.ps.errors import NonFinitePush, PSError
 from psarch.ps.layout import server_ranges
 from psarch.ps.updates import RangeState
 
-MAX_FRAME = wire.CHUNK + wire.MAX_HEADER   # larger frames make ZeroMQ drop the connection
-TRACE_LIMIT = 100_000
 
 
-@dataclass
-class _Pull:
-    """A pull waiting until the mode lets `worker` have the parameters for `step`."""
-
-    ident: bytes
-    op: str
-    worker: int
-    step: int
-    since: float
-    extra: dict[str, Any]       # pushpull: what the push's ack would have said
-
-
-def max_frame(numel: int | None, servers: int) -> int:
-    """The largest frame a worker may send: a header, or a payload frame of at most CHUNK bytes of the
-    largest range in fp32 (init; pushes are no wider)."""
-    if numel is None:
-        return MAX_FRAME
-    return min(wire.CHUNK, 4 * max(hi - lo for lo, hi in server_ranges(numel, servers))) + wire.MAX_HEADER
-
-
-def standalone_credentials(cfg: Config, host: str) -> Credentials:
-    """A server started on its own (`psarch server`) takes credentials from backend.keys, or refuses."""
-    b = cfg.backend
-    mech = auth.mechanism(b.auth, host)
-    if mech == "none":
-        return Credentials("none")
-    if not b.keys:
-        raise auth.AuthError(f"a server bound to {host} with backend.auth = {b.auth!r} ({mech}) needs keys: "
-                             f"{auth.KEYGEN_HINT}" + (" (or backend.auth = \"none\" on loopback)"
-                                                     if auth.is_loopback(host) else ""))
-    auth.check_folder(b.keys, mech, b.world_size, b.servers)
-    return Credentials(mech, b.keys)
-
-
-class ParameterServer(ServerControl):
+class ParameterServer(PullQueue, ServerControl):
     """Serve one range of the parameters until `stop()` (or a `stop` command on the control pipe)."""
 
     def __init__(self, index: int, cfg: Config, host: str = "127.0.0.1", port: int = 0,
@@ -112,12 +72,12 @@ class ParameterServer(ServerControl):
         self.wire_dtype = wire.DTYPE_NAMES[compute_dtype(cfg.train.precision)]
         # pushes carry a loss scale and an inf/nan verdict only where a server optimizer scales the loss
         self.loss_scaling = cfg.train.precision == "fp16" and b.mode != "geo"
-        self.creds = creds if creds is not None else standalone_credentials(cfg, host)
+        self.creds = creds if creds is not None else auth.standalone_credentials(cfg, host)
         self.zctx = zmq.Context()
         self.sock = self.zctx.socket(zmq.ROUTER)
         self.sock.setsockopt(zmq.LINGER, 0)
         # ZeroMQ drops a connection whose frame exceeds this as the frame's size arrives, before buffering it
-        self.sock.setsockopt(zmq.MAXMSGSIZE, max_frame(numel, b.servers))
+        self.sock.setsockopt(zmq.MAXMSGSIZE, auth.max_frame(numel, b.servers))
         auth.bound(self.sock, b.heartbeat_s, b.heartbeat_timeout_s)
         auth.server_socket(self.sock, self.creds, index)
         self.zap = auth.ZapHandler(self.zctx, self.sock, self.creds, self.workers,
@@ -317,13 +277,6 @@ class ParameterServer(ServerControl):
         self._complete_round()
         self._serve_pending()
 
-    def _check_one_pull(self, w: int, op: str) -> None:
-        """A worker waits for one pull at a time: the waiting queue holds at most one pull per worker."""
-        for p in self.pending:
-            if p.worker == w:
-                raise PSError(f"{op}: worker {w} already has a pull waiting (for step {p.step}); "
-                              f"a worker waits for one pull at a time")
-
     def _apply_push(self, msg: wire.Message) -> dict[str, Any]:
         """Validate a push (raise PSError, changing nothing) and apply it; returns the ack's fields."""
         w, h, st = self._worker(msg), msg.header, self.state
@@ -409,19 +362,6 @@ class ParameterServer(ServerControl):
         self.round_pushed.clear()
         self.round_inf = False
 
-    def _on_pull(self, ident: bytes, msg: wire.Message) -> None:
-        w, step = self._worker(msg), msg.header["step"]
-        if msg.header["want"] != self.wire_dtype:
-            raise PSError(f"pull: dtype {msg.header['want']!r:.40}, this run's wire dtype is {self.wire_dtype}")
-        # a pull beyond the worker's next step could only wait until the timeout and fail the run
-        if step > self.clock[w]:
-            raise PSError(f"pull: worker {w} asked for step {step}, but has pushed {self.clock[w]} step(s): "
-                          f"its next step is {self.clock[w]}")
-        self._check_one_pull(w, "pull")
-        self.changing = True
-        self.pending.append(_Pull(ident, "pull", msg.header["worker"], msg.header["step"], time.monotonic(), {}))
-        self._serve_pending()
-
     def _on_fetch(self, ident: bytes, msg: wire.Message) -> None:
         self._worker(msg)
         if self.state is None:
@@ -450,46 +390,3 @@ class ParameterServer(ServerControl):
             self._complete_round()
             self._serve_pending()
         self._exit_if_over()
-
-    # ------------------------------------------------------------------ pulls and time
-
-    def _live(self) -> set[int]:
-        return set(range(self.workers)) - self.lost
-
-    def _slowest(self) -> int:
-        live = self._live()
-        return min((self.clock[w] for w in live), default=0)
-
-    def _ready(self, p: _Pull) -> bool:
-        if self.state is None:
-            return False
-        if self.barrier:
-            return self.state.version >= p.step
-        if self.mode == "ssp":
-            return p.step - self._slowest() <= self.cfg.backend.staleness_bound
-        return True
-
-    def _serve_pending(self) -> None:
-        for p in list(self.pending):
-            if not self._ready(p):
-                continue
-            st, w, step = self.state, p.worker, p.step
-            header: dict[str, Any] = dict(p.extra, op="params", version=st.version, offset=self.lo, scale=st.scale)
-            if self.mode == "ssp":
-                ahead = max(0, step - self._slowest())
-                self.max_ahead = max(self.max_ahead, ahead)
-                header["ahead"] = ahead
-                if len(self.trace) < TRACE_LIMIT:
-                    self.trace.append([1, w, step])
-            if self.mode == "sync" and st.version:
-                header["skipped"] = self.last_skipped or header.get("skipped", False)
-            data = st.params.detach()
-            # Zero-copy send: in the barrier modes the parameters cannot change before every worker has
-            # pushed again, i.e. received this reply. Elsewhere another push may land at once: send a copy.
-            data = data.to(self.scratch.dtype) if data.dtype != self.scratch.dtype else (
-                data if self.barrier else data.clone())
-            st.remember_sent(w)
-            self.pending.remove(p)   # before the reply: an error past this point must not answer it again
-            self._send(p.ident, p.op, header, data)
-            if self.last_seen is not None:  # it waited on us until now: its silence starts here
-                self.last_seen[w] = time.monotonic()
