@@ -79,6 +79,15 @@ def _malformed(rng: random.Random, count: int, n: int) -> list[list[bytes]]:
     return [rng.choice(kinds)() for _ in range(count)]
 
 
+def _named_worker(header: bytes) -> object:
+    """The worker a fuzzed header frame names, if it is a msgpack map naming one."""
+    try:
+        h = msgpack.unpackb(header)
+    except Exception:
+        return None
+    return h.get("worker") if isinstance(h, dict) and isinstance(h.get("worker"), int) else None
+
+
 FUZZ_MODES = {"sync": {}, "async": {}, "ssp": {"staleness_bound": 0}, "geo": {}, "geo-barrier": {"geo_barrier": True}}
 
 
@@ -93,13 +102,16 @@ def test_fuzzed_messages_are_refused_and_change_nothing(mode):
     services = start_services(cfg, None, threads=True)
     addr = services.info["addresses"]
     zctx = zmq.Context()
-    fuzzer, big = zctx.socket(zmq.DEALER), zctx.socket(zmq.DEALER)
+    # authenticated peers that send garbage: the fuzzer of worker w sends the messages naming worker w
+    # (worker 0's sends the rest), so the semantic checks, not only the identity check, are reached
+    fuzzers = {w: zctx.socket(zmq.DEALER) for w in (0, 1)}
+    big = zctx.socket(zmq.DEALER)
     creds = services.info["auth"]
     w0, w1 = PSClient(addr, 0, 10.0, creds), PSClient(addr, 1, 10.0, creds)
     try:
-        for sock in (fuzzer, big):   # authenticated as worker 0: a worker that sends garbage
+        for w, sock in [*fuzzers.items(), (0, big)]:
             sock.setsockopt(zmq.LINGER, 0)
-            auth.client_socket(sock, Credentials.from_dict(creds), 0, 0)
+            auth.client_socket(sock, Credentials.from_dict(creds), w, 0)
             sock.connect(addr[0])
         numel = sum(p.numel() for p in build_workload(cfg).model.parameters())
         init, base = torch.empty(numel), torch.empty(numel)
@@ -110,6 +122,7 @@ def test_fuzzed_messages_are_refused_and_change_nothing(mode):
         messages = _malformed(random.Random(0), count, numel)
         t0 = time.monotonic()
         for frames in messages:
+            fuzzer = fuzzers.get(_named_worker(frames[0]), fuzzers[0])
             fuzzer.send_multipart(frames)
             assert fuzzer.poll(5000), f"no reply to {frames!r:.200}"
             reply = wire.decode(fuzzer.recv_multipart())
@@ -132,7 +145,8 @@ def test_fuzzed_messages_are_refused_and_change_nothing(mode):
     finally:
         for c in (w0, w1):
             c.close()
-        fuzzer.close(linger=0)
+        for sock in fuzzers.values():
+            sock.close(linger=0)
         big.close(linger=0)
         zctx.term()
         services.stop()
