@@ -292,6 +292,9 @@ def validate(cfg: Config) -> Config:
         raise ConfigError("workload.text.path = \"\": data = \"text\" needs the path of a text file")
     if w.factory:
         resolve_factory(w.factory)
+    if b.heartbeat_s and b.heartbeat_timeout_s <= b.heartbeat_s:
+        raise ConfigError(f"backend.heartbeat_timeout_s = {b.heartbeat_timeout_s:g}: must be longer than "
+                          f"backend.heartbeat_s = {b.heartbeat_s:g} (a peer gets at least one PING to answer)")
     if b.server_addresses and (len(b.server_addresses) != b.servers
                                or not all(isinstance(a, str) and a for a in b.server_addresses)):
         raise ConfigError(f"backend.server_addresses = {show(b.server_addresses)}: expected backend.servers = "

@@ -240,3 +240,27 @@ def test_auth_none_only_on_loopback_and_standalone_servers_need_keys(tmp_path, c
     assert standalone(str(toml), 0, 0, "0.0.0.0") == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "psarch keygen DIR" in err and "0.0.0.0" in err and "curve" in err
+
+
+def test_keygen_writes_private_credentials_and_bad_bounds_stop_at_config(tmp_path, capsys):
+    """`psarch keygen` writes a key pair per worker and server and a password per worker, secrets 0600;
+    a heartbeat timeout no longer than the interval is a config error naming both keys."""
+    import os
+
+    from psarch.cli import main
+    from psarch.config import ConfigError
+
+    assert main(["keygen", str(tmp_path / "k"), "--workers", "2", "--servers", "2"]) == 0
+    assert "backend.keys" in capsys.readouterr().out
+    names = sorted(p.name for p in (tmp_path / "k").iterdir())
+    assert names == sorted([f"{r}{i}.{x}" for r in ("worker", "server") for i in (0, 1) for x in ("key", "key_secret")]
+                           + ["worker0.password", "worker1.password"])
+    for name in names:
+        if not name.endswith(".key"):
+            assert os.stat(tmp_path / "k" / name).st_mode & 0o077 == 0, name
+    auth.check_folder(tmp_path / "k", "curve", 2, 2)
+    with pytest.raises(auth.AuthError, match="no worker2.key there; run `psarch keygen"):
+        auth.check_folder(tmp_path / "k", "curve", 3, 2)
+    assert main(["keygen", str(tmp_path / "z"), "--workers", "0"]) == 2
+    with pytest.raises(ConfigError, match=r"backend.heartbeat_timeout_s = 2: must be longer than backend.heartbeat_s = 5"):
+        from_dict(config("hb", backend=ps(1, "async", heartbeat_s=5.0, heartbeat_timeout_s=2.0)))
