@@ -211,8 +211,9 @@ def test_standalone_server_goes_on_without_a_silent_worker_and_exits(tmp_path, m
     toml = tmp_path / "remote.toml"
     toml.write_text('seed = 3\n[workload]\nfactory = "test_ps_faults:dies_on_rank1_at_step3_rank0_pauses_at_step5"\n'
                     '[train]\nsteps = 8\nglobal_batch = 12\noptimizer = "sgd"\nlr = 0.1\nlog_every = 100\n'
-                    f'[backend]\nkind = "ps"\nworld_size = 2\nmode = "{mode}"\nstaleness_bound = 1\n'
-                    f'timeout_s = 3.0\nkeys = "{keygen(tmp_path / "keys", 2, 1)}"\n')
+                    f'[backend]\nkind = "ps"\nworld_size = 2\nmode = "{mode}"\n'
+                    + ('staleness_bound = 1\n' if mode == "ssp" else '')   # an option async does not read is refused
+                    + f'timeout_s = 3.0\nkeys = "{keygen(tmp_path / "keys", 2, 1)}"\n')
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(Path(__file__).parent), os.environ.get("PYTHONPATH", "")]))
     proc = subprocess.Popen([sys.executable, "-m", "psarch.cli", "server", str(toml), "--index", "0", "--port", "0"],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
