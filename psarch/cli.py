@@ -1,4 +1,4 @@
-"""`psarch run | compare | estimate | keys | server`."""
+"""`psarch run | compare | estimate | keys | server | keygen`."""
 from __future__ import annotations
 
 import argparse
@@ -25,6 +25,10 @@ def main(argv: list[str] | None = None) -> int:
     p_srv.add_argument("--port", type=int, required=True, help="TCP port to bind")
     p_srv.add_argument("--host", help="address to bind (default: backend.host, 127.0.0.1)")
     p_srv.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE")
+    p_key = sub.add_parser("keygen", help="write CURVE key pairs and PLAIN passwords for ps servers and workers")
+    p_key.add_argument("dir", help="folder to write (set backend.keys to it)")
+    p_key.add_argument("--workers", type=int, required=True, help="backend.world_size")
+    p_key.add_argument("--servers", type=int, default=1, help="backend.servers")
     p_cmp = sub.add_parser("compare", help="compare run folders: report.md and plots")
     p_cmp.add_argument("runs", nargs="+", metavar="RUN_DIR")
     p_cmp.add_argument("--out", default="compare", help="folder for report.md and the PNG plots")
@@ -61,6 +65,18 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.command == "estimate":
         return _estimate(args)
+    if args.command == "keygen":
+        if args.workers < 1 or args.servers < 1:
+            print(f"psarch: keygen: --workers {args.workers} --servers {args.servers}: both must be >= 1",
+                  file=sys.stderr)
+            return 2
+        from psarch.ps.auth import keygen
+
+        folder = keygen(args.dir, args.workers, args.servers)
+        print(f"psarch: keys for {args.workers} worker(s) and {args.servers} server(s) in {folder}; set "
+              f"backend.keys = \"{folder}\" (servers need server{{j}}.key_secret and every worker{{i}}.key, "
+              f"worker i needs worker{{i}}.key_secret, worker{{i}}.password and every server{{j}}.key)")
+        return 0
     if args.command == "server":
         from psarch.ps.standalone import serve
 

@@ -184,6 +184,16 @@ class BackendConfig:
                          choices=("dense", "rows", "sharded"), applies=_GROUPED)
     timeout_s: float = _f(60.0, "seconds a rank or server waits for a peer before the run stops with an error",
                           min=0.1, applies=_GROUPED)
+    auth: str = _f("auto", "who may talk to a server: 'curve' (CurveZMQ keys), 'plain' (a password per worker), "
+                           "'auto' (plain on loopback, curve when servers bind an address other machines reach), "
+                           "'none' (loopback only)", choices=("auto", "curve", "plain", "none"), applies=_PS)
+    keys: str = _f("", "folder of `psarch keygen` credentials ('': fresh ones per run; `psarch server` needs it)",
+                   applies=_PS)
+    heartbeat_s: float = _f(10.0, "ZeroMQ heartbeat interval; 0 turns heartbeats off", min=0.0, applies=_PS)
+    heartbeat_timeout_s: float = _f(30.0, "a peer silent this long after a heartbeat (or mid-message, or "
+                                          "mid-handshake) is dropped", min=0.1, applies=_PS)
+    max_connections: int = _f(0, "most open connections per server, handshakes included (0: world_size + 16)",
+                              min=0, applies=_PS)
 
 
 @dataclass
@@ -285,6 +295,9 @@ def validate(cfg: Config) -> Config:
         raise ConfigError("workload.text.path = \"\": data = \"text\" needs the path of a text file")
     if w.factory:
         resolve_factory(w.factory)
+    if b.heartbeat_s and b.heartbeat_timeout_s <= b.heartbeat_s:
+        raise ConfigError(f"backend.heartbeat_timeout_s = {b.heartbeat_timeout_s:g}: must be longer than "
+                          f"backend.heartbeat_s = {b.heartbeat_s:g} (a peer gets at least one PING to answer)")
     if b.server_addresses and (len(b.server_addresses) != b.servers
                                or not all(isinstance(a, str) and a for a in b.server_addresses)):
         raise ConfigError(f"backend.server_addresses = {show(b.server_addresses)}: expected backend.servers = "

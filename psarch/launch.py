@@ -19,12 +19,9 @@ import torch.distributed as dist
 from psarch import outputs
 from psarch.config import Config, check_machine, from_dict
 from psarch.dist import init_rank, shutdown, under_torchrun
+from psarch.errors import NON_FINITE_EXIT, NonFiniteError, RunError
 from psarch.registry import trainer_class
 from psarch.runner import run_rank
-
-
-class RunError(RuntimeError):
-    """A rank (or a service such as a parameter server) failed; the message carries its error."""
 
 
 def run(cfg: Config, out: str | Path | None = None, echo: bool = True) -> dict[str, Any]:
@@ -89,7 +86,7 @@ def _rank_main(cfg_dict: dict, rank: int, world: int, port: int, out: str, info:
         (out_dir / outputs.RANKS_DIR / f"rank{rank}.error").write_text(
             f"{type(e).__name__}: {e}\n\n{traceback.format_exc()}")
         sys.stdout.flush()
-        os._exit(1)
+        os._exit(NON_FINITE_EXIT if isinstance(e, NonFiniteError) else 1)
 
 
 def _spawn(cfg: Config, cls: type, out: Path, info: dict, echo: bool, services: Any) -> None:
@@ -111,11 +108,14 @@ def _spawn(cfg: Config, cls: type, out: Path, info: dict, echo: bool, services: 
             exited = [p for p in alive if p.exitcode is not None]
             # When one rank fails, its peers soon fail too ("connection reset by peer"): if several are seen
             # at once, report the first to fail (a rank that left no error file, e.g. killed, counts as first).
-            for p in sorted(exited, key=lambda p: _failed_at(out, procs.index(p))):
+            # A non-finite loss is a root cause: in ddp/zero the all-reduce spreads it, and its peers fail after.
+            for p in sorted(exited, key=lambda p: (p.exitcode != NON_FINITE_EXIT, _failed_at(out, procs.index(p)))):
                 alive.remove(p)
                 if p.exitcode != 0:
                     tolerate = getattr(cls, "tolerates_lost_workers", None)
-                    if tolerate is not None and tolerate(cfg) and services is not None:
+                    # a poisoned worker is never a lost one: the run cannot go on without knowing why
+                    if (tolerate is not None and tolerate(cfg) and services is not None
+                            and p.exitcode != NON_FINITE_EXIT):
                         services.worker_lost(procs.index(p), _rank_error(out, procs.index(p), p.exitcode))
                         continue
                     raise RunError(_rank_error(out, procs.index(p), p.exitcode))

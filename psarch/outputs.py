@@ -168,4 +168,9 @@ def report(s: dict[str, Any]) -> str:
         lines.append(f"staleness histogram {st['histogram']} (mean {st['mean']:.2f}, max {st['max']})")
     if s.get("lost_workers"):
         lines.append(f"lost workers: {s['lost_workers']}")
+    if s.get("auth") == "none":
+        lines.append("auth: none (backend.auth = \"none\": any process on this machine could talk to the servers)")
+    refused = (s.get("refused_pushes") or {}).get("non_finite_per_worker") or []
+    if any(refused):
+        lines.append(f"pushes refused for inf/nan, per worker: {refused}")
     return "\n".join(lines) + "\n"

@@ -9,6 +9,7 @@ import torch
 
 from psarch.config import Config
 from psarch.dist import DistContext
+from psarch.errors import check_loss
 from psarch.precision import compute_dtype
 from psarch.registry import trainer_class
 from psarch.workload import Workload, build_workload
@@ -61,6 +62,7 @@ def run_rank(cfg: Config, ctx: DistContext, workload: Workload | None = None, ec
                          "comm_s": stats.comm_s, "sent": tr.sent - last_sent, "received": tr.received - last_recv,
                          "skipped": stats.skipped, "loss_scale": stats.loss_scale, **stats.extra})
             last_sent, last_recv = tr.sent, tr.received
+            check_loss(step, ctx.rank, stats.loss, stats.skipped)   # after its row: the metrics keep the bad step
             if (step + 1) % log_every == 0 or step + 1 == steps:
                 interval = rows[-((step % log_every) + 1):]
                 loss = statistics.fmean(r["loss"] for r in interval)

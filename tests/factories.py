@@ -131,3 +131,14 @@ FAILING_FACTORY = textwrap.dedent('''
 
         return Workload(model, loss_fn, batch, name="failing")
 ''')
+
+
+def nan_loss_on_last_shard_at_step_3(cfg) -> psarch.Workload:
+    """Regression whose last shard (worker N-1) gets NaN inputs at step 3: its loss, and nobody else's, is NaN."""
+    wl = regression(cfg)
+
+    def batch(step: int, shard: int, num_shards: int):
+        x, y = wl.batch(step, shard, num_shards)
+        return (torch.full_like(x, float("nan")), y) if (step, shard) == (3, num_shards - 1) else (x, y)
+
+    return psarch.Workload(wl.model, wl.loss_fn, batch, wl.entropy_floor, "nan-at-step-3")

@@ -16,6 +16,7 @@ from parity import assert_same_model
 from psarch.config import from_dict
 from psarch.dist import DistContext
 from psarch.launch import RunError
+from psarch.ps.auth import keygen
 from psarch.runner import run_rank
 from psarch.workload import build_workload
 from ps_setup import OPTIMIZERS, TINY_GPT, config, ps
@@ -89,6 +90,9 @@ def test_end_to_end_sync_run_writes_server_traffic_and_a_loadable_model(tmp_path
     workers = on_disk["traffic"]["per_rank"]
     assert sum(s["received"] for s in servers) == sum(w["sent"] for w in workers)
     assert sum(s["sent"] for s in servers) == sum(w["received"] for w in workers)
+    # authenticated by default (PLAIN on loopback); no push refused; the per-run credentials are gone
+    assert on_disk["auth"] == "plain" and on_disk["refused_pushes"]["non_finite_per_worker"] == [0, 0]
+    assert "auth: none" not in (out / "report.txt").read_text()
     assert on_disk["variant"] == "sync" and on_disk["servers"] == 2 and on_disk["lost_workers"] == []
     assert [m["optimizer"] for m in on_disk["memory"]["per_rank"]] == [0, 0]
     plain = build_workload(from_dict(TINY_GPT)).model
@@ -175,7 +179,8 @@ def test_standalone_server_serves_workers_that_find_it_through_the_config(tmp_pa
     toml.write_text('seed = 3\n[workload]\nseq_len = 8\n[workload.gpt]\nn_layer = 1\nn_embd = 16\nn_head = 2\n'
                     '[workload.markov]\nvocab_size = 16\nbranching = 3\n'
                     '[train]\nsteps = 4\nglobal_batch = 12\noptimizer = "sgd"\nlr = 0.1\nlog_every = 100\n'
-                    '[backend]\nkind = "ps"\nmode = "async"\ntimeout_s = 20.0\n')
+                    '[backend]\nkind = "ps"\nmode = "async"\ntimeout_s = 20.0\n'
+                    f'keys = "{keygen(tmp_path / "keys", 1, 1)}"\n')   # `psarch keygen`: the server needs keys
     proc = subprocess.Popen([sys.executable, "-m", "psarch.cli", "server", str(toml), "--index", "0", "--port", "0"],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
@@ -206,8 +211,9 @@ def test_standalone_server_goes_on_without_a_silent_worker_and_exits(tmp_path, m
     toml = tmp_path / "remote.toml"
     toml.write_text('seed = 3\n[workload]\nfactory = "test_ps_faults:dies_on_rank1_at_step3_rank0_pauses_at_step5"\n'
                     '[train]\nsteps = 8\nglobal_batch = 12\noptimizer = "sgd"\nlr = 0.1\nlog_every = 100\n'
-                    f'[backend]\nkind = "ps"\nworld_size = 2\nmode = "{mode}"\nstaleness_bound = 1\n'
-                    'timeout_s = 3.0\n')
+                    f'[backend]\nkind = "ps"\nworld_size = 2\nmode = "{mode}"\n'
+                    + ('staleness_bound = 1\n' if mode == "ssp" else '')   # an option async does not read is refused
+                    + f'timeout_s = 3.0\nkeys = "{keygen(tmp_path / "keys", 2, 1)}"\n')
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(Path(__file__).parent), os.environ.get("PYTHONPATH", "")]))
     proc = subprocess.Popen([sys.executable, "-m", "psarch.cli", "server", str(toml), "--index", "0", "--port", "0"],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)

@@ -12,10 +12,11 @@ import torch
 import zmq
 
 from psarch.config import from_dict
-from psarch.ps import wire
+from psarch.ps import auth, wire
+from psarch.ps.auth import Credentials
 from psarch.ps.client import PSClient, Request
 from psarch.ps.layout import server_ranges
-from psarch.ps.server import PSError
+from psarch.ps.errors import PSError
 from psarch.ps.services import start_services
 from psarch.workload import build_workload
 from ps_setup import config, ps
@@ -78,6 +79,15 @@ def _malformed(rng: random.Random, count: int, n: int) -> list[list[bytes]]:
     return [rng.choice(kinds)() for _ in range(count)]
 
 
+def _named_worker(header: bytes) -> object:
+    """The worker a fuzzed header frame names, if it is a msgpack map naming one."""
+    try:
+        h = msgpack.unpackb(header)
+    except Exception:
+        return None
+    return h.get("worker") if isinstance(h, dict) and isinstance(h.get("worker"), int) else None
+
+
 FUZZ_MODES = {"sync": {}, "async": {}, "ssp": {"staleness_bound": 0}, "geo": {}, "geo-barrier": {"geo_barrier": True}}
 
 
@@ -92,11 +102,16 @@ def test_fuzzed_messages_are_refused_and_change_nothing(mode):
     services = start_services(cfg, None, threads=True)
     addr = services.info["addresses"]
     zctx = zmq.Context()
-    fuzzer, big = zctx.socket(zmq.DEALER), zctx.socket(zmq.DEALER)
-    w0, w1 = PSClient(addr, 0, 10.0), PSClient(addr, 1, 10.0)
+    # authenticated peers that send garbage: the fuzzer of worker w sends the messages naming worker w
+    # (worker 0's sends the rest), so the semantic checks, not only the identity check, are reached
+    fuzzers = {w: zctx.socket(zmq.DEALER) for w in (0, 1)}
+    big = zctx.socket(zmq.DEALER)
+    creds = services.info["auth"]
+    w0, w1 = PSClient(addr, 0, 10.0, creds), PSClient(addr, 1, 10.0, creds)
     try:
-        for sock in (fuzzer, big):
+        for w, sock in [*fuzzers.items(), (0, big)]:
             sock.setsockopt(zmq.LINGER, 0)
+            auth.client_socket(sock, Credentials.from_dict(creds), w, 0)
             sock.connect(addr[0])
         numel = sum(p.numel() for p in build_workload(cfg).model.parameters())
         init, base = torch.empty(numel), torch.empty(numel)
@@ -107,6 +122,7 @@ def test_fuzzed_messages_are_refused_and_change_nothing(mode):
         messages = _malformed(random.Random(0), count, numel)
         t0 = time.monotonic()
         for frames in messages:
+            fuzzer = fuzzers.get(_named_worker(frames[0]), fuzzers[0])
             fuzzer.send_multipart(frames)
             assert fuzzer.poll(5000), f"no reply to {frames!r:.200}"
             reply = wire.decode(fuzzer.recv_multipart())
@@ -129,18 +145,21 @@ def test_fuzzed_messages_are_refused_and_change_nothing(mode):
     finally:
         for c in (w0, w1):
             c.close()
-        fuzzer.close(linger=0)
+        for sock in fuzzers.values():
+            sock.close(linger=0)
         big.close(linger=0)
         zctx.term()
         services.stop()
 
 
 class Raw:
-    """One DEALER speaking the wire directly to a server, for requests a PSClient would never send."""
+    """One DEALER speaking the wire directly to a server, for requests a PSClient would never send;
+    authenticated as `worker` with the run's credentials `creds` (None: no handshake)."""
 
-    def __init__(self, zctx: zmq.Context, address: str) -> None:
+    def __init__(self, zctx: zmq.Context, address: str, creds: dict | None = None, worker: int = 0) -> None:
         self.sock = zctx.socket(zmq.DEALER)
         self.sock.setsockopt(zmq.LINGER, 0)
+        auth.client_socket(self.sock, Credentials.from_dict(creds), worker, 0)
         self.sock.connect(address)
 
     def send(self, header: dict, tensor: torch.Tensor | None = None) -> None:
@@ -167,7 +186,8 @@ def server():
         started.append(start_services(cfg, None, threads=True))
         return started[-1], sum(p.numel() for p in build_workload(cfg).model.parameters())
 
-    make.raw = lambda address: Raw(zctx, address)
+    # a raw peer authenticated as `worker` with the last started servers' credentials
+    make.raw = lambda address, worker=0: Raw(zctx, address, started[-1].info["auth"] if started else None, worker)
     yield make
     for s in started:
         s.stop()
@@ -218,7 +238,7 @@ def test_a_bug_in_a_handler_is_answered_logged_and_fails_the_server_only_if_stat
 
     cfg = from_dict(config("bug", train={"optimizer": "sgd", "lr": 0.5}, workload={"model": "mlp"},
                            backend=ps(2, "async")))
-    srv = ParameterServer(0, cfg)
+    srv = ParameterServer(0, cfg, creds=Credentials("none"))
     srv.initialize(initial_flat(cfg))
     srv._on_fetch = lambda ident, msg: 1 / 0                    # a bug before any change
     thread = threading.Thread(target=srv.serve, daemon=True)
@@ -249,7 +269,7 @@ def test_a_worker_waits_for_one_pull_at_a_time(server):
     queue cannot grow), and the first is answered when the round completes."""
     services, numel = server("sync")
     addr = services.info["addresses"][0]
-    w0, w1 = server.raw(addr), server.raw(addr)
+    w0, w1 = server.raw(addr, 0), server.raw(addr, 1)
     g0, g1 = torch.randn(numel), torch.randn(numel)
     before = _fetch(w0)
     assert w1.ask({"op": "push", "worker": 1, "step": 0, "version": 0, "offset": 0}, g1).op == "ack"
@@ -274,7 +294,7 @@ def test_dc_asgd_compensates_a_stale_gradient_of_a_second_worker(server):
     results = {}
     for lam_ in (lam, 0.0):
         services, numel = server("async", servers=2, staleness_compensation="dc", dc_lambda=lam_)
-        client = {w: PSClient(services.info["addresses"], w, 10.0) for w in (0, 1)}
+        client = {w: PSClient(services.info["addresses"], w, 10.0, services.info["auth"]) for w in (0, 1)}
         try:
             w0 = torch.empty(numel)
             for w in (0, 1):   # both pull version 0
@@ -313,7 +333,7 @@ def test_geo_after_a_lost_worker_moves_by_the_mean_delta_of_the_others(server, b
     moves by the mean of the two deltas left (not by 2/3 of it). Pushes of a lost worker are refused."""
     services, numel = server("geo", workers=3, geo_barrier=barrier)
     addr = services.info["addresses"][0]
-    raw = {w: server.raw(addr) for w in range(3)}
+    raw = {w: server.raw(addr, w) for w in range(3)}
     before = _fetch(raw[0])
     services.worker_lost(2, "killed by the test")
     time.sleep(0.3)   # the launcher's pipe is read between requests
@@ -323,3 +343,34 @@ def test_geo_after_a_lost_worker_moves_by_the_mean_delta_of_the_others(server, b
     for w in (0, 1):
         assert raw[w].ask({"op": "push", "worker": w, "step": 0, "version": 0, "offset": 0}, d[w] / 3).op == "ack"
     torch.testing.assert_close(_fetch(raw[0]), before + (d[0] + d[1]) / 2)
+
+
+@pytest.mark.parametrize("mode,precision", [("sync", "fp32"), ("async", "fp32"), ("async", "bf16"),
+                                            ("sync", "fp16"), ("async", "fp16"), ("geo", "fp32"),
+                                            ("geo", "bf16")])
+def test_non_finite_pushes_are_refused_and_counted(server, mode, precision):
+    """A gradient (GEO: delta) holding inf or nan in any mode and precision is refused with code
+    non_finite and counted for its worker; the parameters stay bit-identical. In fp16 a push that
+    declares found_inf = true is the designed skipped step and is accepted."""
+    services, numel = server(mode, precision)
+    raw, raw1 = server.raw(services.info["addresses"][0]), server.raw(services.info["addresses"][0], 1)
+    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[precision]
+    fp16 = {"scale": 2.0**16, "found_inf": False} if precision == "fp16" and mode != "geo" else {}
+    before = _fetch(raw)
+    for bad in (float("nan"), float("inf"), -float("inf")):
+        for where in (0, numel // 2, numel - 1):
+            g = torch.full((numel,), 0.25, dtype=dtype)
+            g[where] = bad
+            r = raw1.ask(dict({"op": "push", "worker": 1, "step": 0, "version": 0, "offset": 0}, **fp16), g)
+            assert r.op == "error" and r.header.get("code") == "non_finite", r.header
+            assert "worker 1's" in r.header["message"] and "inf/nan" in r.header["message"]
+    assert torch.equal(_fetch(raw), before), "a refused push changed the parameters"
+    g = torch.full((numel,), 0.25, dtype=dtype)
+    r = raw1.ask({"op": "push", "worker": 1, "step": 0, "version": 0, "offset": 0, **fp16}, g)
+    assert r.op == "ack", r.header   # the refused pushes did not count as the worker's step
+    stats = services.finish()
+    assert stats["refused_pushes"]["non_finite_per_worker"] == [0, 9]
+    if fp16:   # declared overflow: a skipped step, accepted
+        r = raw.ask({"op": "push", "worker": 0, "step": 0, "version": 0, "offset": 0, "scale": 2.0**16,
+                     "found_inf": True}, torch.full((numel,), float("inf"), dtype=dtype))
+        assert r.op == "ack", r.header

@@ -9,10 +9,12 @@
      page faults, per message);
    - `ps wire`: the same through psarch.ps.wire and the worker's PSClient (msgpack header, ~4 MiB
      frames, validation), the server only decoding into / encoding from its buffer;
-   - `ps server`: the real ParameterServer (sync, one worker, SGD step on its range every round).
-   The ratio that matters is ps wire / raw pyzmq (target >= 0.8).
-2. Step time of `ps` sync (1 server) against `ddp` (native) on the same small GPT, N = 2: median step
-   time after warm-up from each run's summary.
+   - `ps server`: the real ParameterServer (sync, one worker, SGD step on its range every round), with
+     each `backend.auth`: none, plain (PLAIN handshake, then clear frames) and curve (every frame
+     encrypted and authenticated by CurveZMQ).
+   The ratios that matter are ps wire / raw pyzmq (target >= 0.8) and what CURVE costs (curve / none).
+2. Step time of `ps` sync (1 server) with each auth against `ddp` (native) on the same small GPT, N = 2:
+   median step time after warm-up from each run's summary.
 """
 from __future__ import annotations
 
@@ -31,6 +33,8 @@ import zmq
 
 from psarch.ps import wire
 from psarch.ps.client import PSClient, Request
+
+AUTHS = ("none", "plain", "curve")   # backend.auth values compared (curve: fresh per-run keys)
 
 
 def _raw_server(conn: Any) -> None:
@@ -116,8 +120,8 @@ class _Raw:
 class _PS:
     """The PS worker's wire path: PSClient pushing a gradient and pulling parameters."""
 
-    def __init__(self, addr: str, n: int, init: bool) -> None:
-        self.client = PSClient([addr], 0, timeout_s=120.0)
+    def __init__(self, addr: str, n: int, init: bool, creds: dict | None = None) -> None:
+        self.client = PSClient([addr], 0, timeout_s=120.0, creds=creds)
         numel = n // 4
         self.grad, self.dst = torch.randn(numel), torch.empty(numel)
         if init:
@@ -163,19 +167,21 @@ def wire_table(max_mib: int) -> list[dict[str, Any]]:
     rows = []
     try:
         for n in sizes:
-            cfg = from_dict({"train": {"optimizer": "sgd", "lr": 0.0},
-                             "backend": {"kind": "ps", "world_size": 1, "mode": "sync", "timeout_s": 120.0}})
-            services = start_services(cfg, None, build_model=False)
+            services = {a: start_services(from_dict({"train": {"optimizer": "sgd", "lr": 0.0}, "backend": {
+                "kind": "ps", "world_size": 1, "mode": "sync", "timeout_s": 120.0, "auth": a}}), None,
+                build_model=False) for a in AUTHS}
             clients = {"raw": _Raw(raw_addr, n), "raw_chunked": _Raw(raw_addr, n, wire.CHUNK),
-                       "wire": _PS(wire_addr, n, init=False),
-                       "server": _PS(services.info["addresses"][0], n, init=True)}
+                       "wire": _PS(wire_addr, n, init=False)}
+            clients.update({f"server_{a}": _PS(sv.info["addresses"][0], n, init=True, creds=sv.info["auth"])
+                            for a, sv in services.items()})
             try:
                 rows.append(dict(mib=n / 2**20, **_interleaved(clients, n)))
             finally:
                 last = n == sizes[-1]
                 for c in clients.values():
                     c.close(stop=last and c in (clients["raw"], clients["wire"]))
-                services.stop()
+                for sv in services.values():
+                    sv.stop()
     finally:
         for p in (raw_p, wire_p):
             p.join(10)
@@ -192,8 +198,9 @@ def step_table(steps: int) -> list[dict[str, Any]]:
                                     "gpt": {"n_layer": 2, "n_embd": 64, "n_head": 4}},
             "train": {"steps": steps, "global_batch": 16, "optimizer": "adamw", "lr": 3e-3, "log_every": 10**6}}
     rows = []
-    for label, backend in [("ddp (native)", {"kind": "ddp", "comm": "native"}),
-                           ("ps sync, 1 server", {"kind": "ps", "mode": "sync", "servers": 1})]:
+    runs = [("ddp (native)", {"kind": "ddp", "comm": "native"})] + [
+        (f"ps sync, auth {a}", {"kind": "ps", "mode": "sync", "servers": 1, "auth": a}) for a in AUTHS]
+    for label, backend in runs:
         cfg = from_dict(dict(base, name=label.split()[0], backend=dict(backend, world_size=2)))
         with tempfile.TemporaryDirectory() as out:
             s = psarch.run(cfg, out, echo=False)
@@ -214,13 +221,14 @@ def main(argv: list[str] | None = None) -> int:
     rows = wire_table(args.max_mib)
     print("push+pull throughput, 1 worker <-> 1 server, loopback TCP (GB/s = 1e9 bytes/s, push + pull bytes)")
     print(f"{'size':>8} {'raw pyzmq':>10} {'raw 4MiB':>9} {'ps wire':>8} {'ratio':>6} {'vs 4MiB':>7} "
-          f"{'ps server':>10} {'ratio':>6}")
+          f"{'server none':>12} {'plain':>6} {'curve':>6} {'curve/none':>10}")
     for r in rows:
         print(f"{r['mib']:>4.0f} MiB {r['raw'] / 1e9:>10.2f} {r['raw_chunked'] / 1e9:>9.2f} {r['wire'] / 1e9:>8.2f} "
               f"{r['wire'] / r['raw']:>6.2f} {r['wire'] / r['raw_chunked']:>7.2f} "
-              f"{r['server'] / 1e9:>10.2f} {r['server'] / r['raw']:>6.2f}")
+              f"{r['server_none'] / 1e9:>12.2f} {r['server_plain'] / 1e9:>6.2f} {r['server_curve'] / 1e9:>6.2f} "
+              f"{r['server_curve'] / r['server_none']:>10.2f}")
     print("ratio = ps wire / raw pyzmq (one frame per direction); vs 4MiB = ps wire / raw pyzmq sending the same "
-          "4 MiB frames")
+          "4 MiB frames; server none/plain/curve: the real server with that backend.auth (GB/s)")
     steps = [] if args.skip_steps else step_table(args.steps)
     if steps:
         print(f"\nstep time, N = 2, gpt 2x64 on markov ({steps[0]['params']:,} params), median after warm-up")

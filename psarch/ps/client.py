@@ -10,8 +10,9 @@ import torch
 import zmq
 
 from psarch.meters import TrafficMeter
-from psarch.ps import wire
-from psarch.ps.server import PSError
+from psarch.ps import auth, wire
+from psarch.ps.auth import Credentials
+from psarch.ps.errors import NonFinitePush, PSError
 
 # What each request is answered with.
 REPLY_TO = {"init": "ack", "push": "ack", "pull": "params", "pushpull": "params", "fetch": "params", "done": "ack"}
@@ -30,16 +31,22 @@ class Request:
 class PSClient:
     """A worker's connections to the servers (addresses like 'tcp://127.0.0.1:5555')."""
 
-    def __init__(self, addresses: Sequence[str], worker: int, timeout_s: float) -> None:
+    def __init__(self, addresses: Sequence[str], worker: int, timeout_s: float,
+                 creds: Credentials | dict | None = None, heartbeat_s: float = 10.0,
+                 heartbeat_timeout_s: float = 30.0) -> None:
+        """creds: how to authenticate (a Credentials or its dict; None: no auth, loopback servers only)."""
+        creds = creds if isinstance(creds, Credentials) else Credentials.from_dict(creds)
         self.addresses = list(addresses)
         self.worker = worker
         self.timeout_s = timeout_s
         self.meter = TrafficMeter()
         self.zctx = zmq.Context()
         self.socks = []
-        for addr in self.addresses:
+        for i, addr in enumerate(self.addresses):
             s = self.zctx.socket(zmq.DEALER)
             s.setsockopt(zmq.LINGER, 0)
+            auth.bound(s, heartbeat_s, heartbeat_timeout_s)
+            auth.client_socket(s, creds, worker, i)
             s.connect(addr)
             self.socks.append(s)
         self.poller = zmq.Poller()
@@ -80,7 +87,8 @@ class PSClient:
         except wire.WireError as e:
             raise PSError(f"worker {self.worker}: bad reply from server {i} to {op!r}: {e}") from None
         if msg.op == "error":
-            raise PSError(f"{op} refused by {msg.header['message']}")
+            kind = NonFinitePush if msg.header.get("code") == NonFinitePush.code else PSError
+            raise kind(f"{op} refused by {msg.header['message']}")
         if msg.op != REPLY_TO[op]:
             raise PSError(f"worker {self.worker}: server {i} answered {op!r} with {msg.op!r}")
         if msg.op == "params":

@@ -14,21 +14,23 @@ next step and name the version this server last sent it (staleness is computed f
 record); a pull may ask for no step beyond the worker's next one, and a worker waits for one pull at a
 time. In fp16 a push carries the loss scale it was computed with (a power of two >= the scaler's
 minimum, in sync exactly the server's) and its inf/nan verdict, which the server checks on its range.
+Every push, in every mode and precision, is checked for inf/nan frame by frame as it is decoded, before
+it touches the parameters: one that holds any (outside fp16's declared overflow steps) is refused with
+code "non_finite" and counted for its worker, and the worker stops the run.
 
-When a pull is answered, per mode:
-- sync, geo with barrier: once round `step` is complete, i.e. every live worker pushed it;
-- ssp: once the slowest live worker has pushed at least `step - staleness_bound` steps;
-- async, geo: at once.
-A pull that waits more than `backend.timeout_s` fails the server with an error naming the workers it
+When a pull is answered depends on the mode (pulls.py). A pull that waits more than `backend.timeout_s` fails the server with an error naming the workers it
 waits for; every waiting and later request then gets that error, and the launcher stops the run.
 A worker is lost when the launcher says its process died, or (a standalone server, which has no
 launcher, in the modes that go on without it) when nothing came from it for `backend.timeout_s`
 while it had no pull waiting; the server then stops waiting for it, and exits once every worker is
 done or lost.
 
-Not bounded: ZeroMQ hands over a multipart message only once all of it has arrived, and MAXMSGSIZE
-limits each frame, not the frames of a message, so a peer can make a server buffer a message of many
-4 MiB frames before decode refuses it. Servers belong on a network only workers reach.
+Who may connect (psarch/ps/auth.py): every connection authenticates (PLAIN or CURVE through ZAP, by
+default), and each request must name the worker its connection authenticated as; one that does not is
+refused before anything else, with an error that carries no state, and counts for nothing (done, fetch,
+silence clocks). Heartbeats drop stalled peers; MAXMSGSIZE caps each frame at the largest legitimate one.
+Still not bounded: ZeroMQ hands over a multipart message only once all of it has arrived, so an
+authenticated worker can make its server buffer a message of many frames before decode refuses it.
 """
 from __future__ import annotations
 
@@ -37,7 +39,6 @@ import math
 import sys
 import time
 import traceback
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -45,37 +46,25 @@ import zmq
 
 from psarch.config import Config
 from psarch.meters import TrafficMeter
-from psarch.precision import compute_dtype, has_inf_or_nan
-from psarch.ps import wire
+from psarch.precision import compute_dtype
+from psarch.ps import auth, wire
+from psarch.ps.auth import Credentials
 from psarch.ps.control import ServerControl
+from psarch.ps.pulls import TRACE_LIMIT, PullQueue, _Pull
+from psarch.ps.errors import NonFinitePush, PSError
 from psarch.ps.layout import server_ranges
 from psarch.ps.updates import RangeState
 
-MAX_FRAME = wire.CHUNK + wire.MAX_HEADER   # larger frames make ZeroMQ drop the connection
-TRACE_LIMIT = 100_000
 
 
-class PSError(RuntimeError):
-    """A request the server refused (the message says why), or a failed server."""
-
-
-@dataclass
-class _Pull:
-    """A pull waiting until the mode lets `worker` have the parameters for `step`."""
-
-    ident: bytes
-    op: str
-    worker: int
-    step: int
-    since: float
-    extra: dict[str, Any]       # pushpull: what the push's ack would have said
-
-
-class ParameterServer(ServerControl):
+class ParameterServer(PullQueue, ServerControl):
     """Serve one range of the parameters until `stop()` (or a `stop` command on the control pipe)."""
 
     def __init__(self, index: int, cfg: Config, host: str = "127.0.0.1", port: int = 0,
-                 control: Any = None, exit_when_done: bool = False) -> None:
+                 control: Any = None, exit_when_done: bool = False, creds: Credentials | None = None,
+                 numel: int | None = None) -> None:
+        """creds: who may connect (None: from backend.auth and backend.keys, as a standalone server);
+        numel: the parameter count, when known before the socket binds (caps a frame at this range)."""
         b = cfg.backend
         self.index, self.cfg, self.workers, self.mode = index, cfg, b.world_size, b.mode
         self.barrier = b.mode == "sync" or (b.mode == "geo" and b.geo_barrier)
@@ -83,10 +72,16 @@ class ParameterServer(ServerControl):
         self.wire_dtype = wire.DTYPE_NAMES[compute_dtype(cfg.train.precision)]
         # pushes carry a loss scale and an inf/nan verdict only where a server optimizer scales the loss
         self.loss_scaling = cfg.train.precision == "fp16" and b.mode != "geo"
+        self.creds = creds if creds is not None else auth.standalone_credentials(cfg, host)
         self.zctx = zmq.Context()
         self.sock = self.zctx.socket(zmq.ROUTER)
         self.sock.setsockopt(zmq.LINGER, 0)
-        self.sock.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME)
+        # ZeroMQ drops a connection whose frame exceeds this as the frame's size arrives, before buffering it
+        self.sock.setsockopt(zmq.MAXMSGSIZE, auth.max_frame(numel, b.servers))
+        auth.bound(self.sock, b.heartbeat_s, b.heartbeat_timeout_s)
+        auth.server_socket(self.sock, self.creds, index)
+        self.zap = auth.ZapHandler(self.zctx, self.sock, self.creds, self.workers,
+                                   b.max_connections or self.workers + 16)
         if port:
             self.sock.bind(f"tcp://{host}:{port}")
             self.port = port
@@ -108,6 +103,8 @@ class ParameterServer(ServerControl):
         self.pending: list[_Pull] = []
         self.failure: str | None = None
         self.rejected = 0
+        self.impostors = 0                             # requests naming a worker other than their connection's
+        self.refused_non_finite = [0] * self.workers   # pushes refused for inf/nan, per worker
         self.max_ahead = 0
         # ssp: [0, worker, steps pushed] per push, [1, worker, step] per pull granted
         self.trace: list[list[int]] = []
@@ -129,10 +126,13 @@ class ParameterServer(ServerControl):
     def serve(self) -> None:
         poller = zmq.Poller()
         poller.register(self.sock, zmq.POLLIN)
+        for z in self.zap.sockets():
+            poller.register(z, zmq.POLLIN)
         if self.control is not None:
             poller.register(self.control.fileno(), zmq.POLLIN)
         while not self.stopping:
             events = dict(poller.poll(100))
+            self.zap.handle(events)
             if self.sock in events:
                 # a burst, then look at the control pipe and the clock again
                 for _ in range(64):
@@ -148,6 +148,7 @@ class ParameterServer(ServerControl):
         self.stopping = True
 
     def close(self) -> None:
+        self.zap.close()
         self.sock.close(linger=500)  # let the last replies (a standalone server's final acks) leave
         self.zctx.term()
 
@@ -164,6 +165,10 @@ class ParameterServer(ServerControl):
             text = str(e) if isinstance(e, wire.WireError) else f"undecodable message ({type(e).__name__}: {e})"
             return self._error(ident, "invalid", text)
         self.meter.add(msg.op, 0, size)
+        stranger = self._stranger(body, msg)
+        if stranger:   # a worker acts only as itself; the reply tells it nothing of the state
+            self.impostors += 1
+            return self._error(ident, msg.op, stranger)
         self._heard(msg.header["worker"] if "worker" in msg.header else None)
         self.changing = False
         self.current, self.current_answered = ident, False
@@ -175,7 +180,7 @@ class ParameterServer(ServerControl):
                 raise PSError(f"op {msg.op!r} is a reply, not a request")
             handler(ident, msg)
         except (PSError, wire.WireError) as e:
-            self._error(ident, msg.op, str(e))
+            self._error(ident, msg.op, str(e), getattr(e, "code", None))
         except Exception as e:  # a bug: no request may end the serve loop, and none may hide a bug either
             print(f"psarch server {self.index}: internal error handling {msg.op!r} of worker "
                   f"{msg.header.get('worker')}:\n{traceback.format_exc()}", file=sys.stderr, flush=True)
@@ -184,6 +189,16 @@ class ParameterServer(ServerControl):
                 self._fail(f"{text} (while applying {msg.op!r} of worker {msg.header.get('worker')})")
             if not self.current_answered:  # every request gets exactly one reply
                 self._error(ident, msg.op, text)
+
+    def _stranger(self, body: list, msg: wire.Message) -> str | None:
+        """Why this request may not act as the worker it names (None: it may). Without auth ("none",
+        loopback only) every request may."""
+        if self.creds.mechanism == "none":
+            return None
+        user = body[0].get("User-Id") if hasattr(body[0], "get") else None
+        if not user or str(msg.header.get("worker")) != user:
+            return f"this connection is authenticated as worker {user or '?'}: it may act only as itself"
+        return None
 
     def _heard(self, worker: Any) -> None:
         if not self.watch_silence or not isinstance(worker, int) or not 0 <= worker < self.workers:
@@ -200,9 +215,10 @@ class ParameterServer(ServerControl):
         if ident == self.current:
             self.current_answered = True
 
-    def _error(self, ident: bytes, op: str, text: str) -> None:
+    def _error(self, ident: bytes, op: str, text: str, code: str | None = None) -> None:
         self.rejected += self.failure is None
-        self._send(ident, op, {"op": "error", "message": f"server {self.index}: {text}"[:4000]})
+        header = {"op": "error", "message": f"server {self.index}: {text}"[:4000]}
+        self._send(ident, op, dict(header, code=code) if code else header)
 
     def _worker(self, msg: wire.Message) -> int:
         w = msg.header["worker"]
@@ -261,13 +277,6 @@ class ParameterServer(ServerControl):
         self._complete_round()
         self._serve_pending()
 
-    def _check_one_pull(self, w: int, op: str) -> None:
-        """A worker waits for one pull at a time: the waiting queue holds at most one pull per worker."""
-        for p in self.pending:
-            if p.worker == w:
-                raise PSError(f"{op}: worker {w} already has a pull waiting (for step {p.step}); "
-                              f"a worker waits for one pull at a time")
-
     def _apply_push(self, msg: wire.Message) -> dict[str, Any]:
         """Validate a push (raise PSError, changing nothing) and apply it; returns the ack's fields."""
         w, h, st = self._worker(msg), msg.header, self.state
@@ -286,10 +295,17 @@ class ParameterServer(ServerControl):
             raise PSError(f"push: worker {w} sent step {h['step']}, its next step is {self.clock[w]}")
         self._check_scale(w, h)
         first = self.barrier and not self.round_pushed
-        data = msg.tensor(st.acc if first and st.acc.dtype == self.scratch.dtype else self.scratch)
         found_inf = bool(h.get("found_inf", False))
-        if self.loss_scaling and not found_inf and bool(has_inf_or_nan([data])):
-            raise PSError(f"push: worker {w} says found_inf = false, but its gradient holds inf/nan")
+        try:  # poison never reaches the parameters: only fp16's declared overflow steps may hold inf/nan
+            # (a refused first push of a round leaves acc half-written: the next first push overwrites it)
+            data = msg.tensor(st.acc if first and st.acc.dtype == self.scratch.dtype else self.scratch,
+                              finite=not (self.loss_scaling and found_inf))
+        except wire.NonFinitePayload:
+            self.refused_non_finite[w] += 1
+            what = "delta" if self.mode == "geo" else "gradient"
+            said = " (it says found_inf = false)" if self.loss_scaling else ""
+            raise NonFinitePush(f"push: worker {w}'s {what} for step {h['step']} holds inf/nan{said}: "
+                                f"refused, nothing applied") from None
         # every check passed: from here on the message is applied
         self.changing = True
         staleness = st.version - st.sent_version[w]
@@ -346,19 +362,6 @@ class ParameterServer(ServerControl):
         self.round_pushed.clear()
         self.round_inf = False
 
-    def _on_pull(self, ident: bytes, msg: wire.Message) -> None:
-        w, step = self._worker(msg), msg.header["step"]
-        if msg.header["want"] != self.wire_dtype:
-            raise PSError(f"pull: dtype {msg.header['want']!r:.40}, this run's wire dtype is {self.wire_dtype}")
-        # a pull beyond the worker's next step could only wait until the timeout and fail the run
-        if step > self.clock[w]:
-            raise PSError(f"pull: worker {w} asked for step {step}, but has pushed {self.clock[w]} step(s): "
-                          f"its next step is {self.clock[w]}")
-        self._check_one_pull(w, "pull")
-        self.changing = True
-        self.pending.append(_Pull(ident, "pull", msg.header["worker"], msg.header["step"], time.monotonic(), {}))
-        self._serve_pending()
-
     def _on_fetch(self, ident: bytes, msg: wire.Message) -> None:
         self._worker(msg)
         if self.state is None:
@@ -387,46 +390,3 @@ class ParameterServer(ServerControl):
             self._complete_round()
             self._serve_pending()
         self._exit_if_over()
-
-    # ------------------------------------------------------------------ pulls and time
-
-    def _live(self) -> set[int]:
-        return set(range(self.workers)) - self.lost
-
-    def _slowest(self) -> int:
-        live = self._live()
-        return min((self.clock[w] for w in live), default=0)
-
-    def _ready(self, p: _Pull) -> bool:
-        if self.state is None:
-            return False
-        if self.barrier:
-            return self.state.version >= p.step
-        if self.mode == "ssp":
-            return p.step - self._slowest() <= self.cfg.backend.staleness_bound
-        return True
-
-    def _serve_pending(self) -> None:
-        for p in list(self.pending):
-            if not self._ready(p):
-                continue
-            st, w, step = self.state, p.worker, p.step
-            header: dict[str, Any] = dict(p.extra, op="params", version=st.version, offset=self.lo, scale=st.scale)
-            if self.mode == "ssp":
-                ahead = max(0, step - self._slowest())
-                self.max_ahead = max(self.max_ahead, ahead)
-                header["ahead"] = ahead
-                if len(self.trace) < TRACE_LIMIT:
-                    self.trace.append([1, w, step])
-            if self.mode == "sync" and st.version:
-                header["skipped"] = self.last_skipped or header.get("skipped", False)
-            data = st.params.detach()
-            # Zero-copy send: in the barrier modes the parameters cannot change before every worker has
-            # pushed again, i.e. received this reply. Elsewhere another push may land at once: send a copy.
-            data = data.to(self.scratch.dtype) if data.dtype != self.scratch.dtype else (
-                data if self.barrier else data.clone())
-            st.remember_sent(w)
-            self.pending.remove(p)   # before the reply: an error past this point must not answer it again
-            self._send(p.ident, p.op, header, data)
-            if self.last_seen is not None:  # it waited on us until now: its silence starts here
-                self.last_seen[w] = time.monotonic()

@@ -26,16 +26,14 @@ from typing import Any
 import torch
 
 from psarch.config import Config, from_dict
-from psarch.launch import RunError
+from psarch.ps.auth import KEYGEN_HINT, AuthError, Credentials, check_folder, mechanism, remove, run_credentials
+from psarch.ps.errors import ServiceError
 
 START_TIMEOUT_S = 120.0
 
 
-class ServiceError(RunError):
-    """A parameter server failed or died; the message says which and why."""
-
-
-def _server_main(index: int, cfg_dict: dict, host: str, conn: Any, threads: int | None, build: bool) -> None:
+def _server_main(index: int, cfg_dict: dict, host: str, conn: Any, threads: int | None, build: bool,
+                 creds: dict) -> None:
     """Entry point of one server (process or thread)."""
     server = None
     try:
@@ -44,9 +42,11 @@ def _server_main(index: int, cfg_dict: dict, host: str, conn: Any, threads: int 
         from psarch.ps.layout import initial_flat
         from psarch.ps.server import ParameterServer
         cfg = from_dict(cfg_dict)
-        server = ParameterServer(index, cfg, host, 0, control=conn)
-        if build:
-            server.initialize(initial_flat(cfg))
+        flat = initial_flat(cfg) if build else None
+        server = ParameterServer(index, cfg, host, 0, control=conn, creds=Credentials.from_dict(creds),
+                                 numel=flat.numel() if flat is not None else None)
+        if flat is not None:
+            server.initialize(flat)
         conn.send_bytes(json.dumps({"event": "ready", "address": server.address}).encode())
         server.serve()
     except BaseException as e:  # report, never hang the launcher
@@ -68,18 +68,21 @@ class LocalServers:
         self.cfg, self.out_dir = cfg, Path(out_dir) if out_dir is not None else None
         self.lost: list[dict[str, Any]] = []
         self.failure: str | None = None
+        self.stopped_since: dict[int, float] = {}
         self.conns, self.workers = [], []
         host = cfg.backend.host
         ctx = mp.get_context("spawn")
+        # the folder's path travels (spawn args, services info), never a secret: each process reads its own
+        creds, self.tmp_keys = run_credentials(cfg, host)
         try:
             for i in range(cfg.backend.servers):
                 parent, child = mp.Pipe()
                 if threads:
                     w: Any = threading.Thread(target=_server_main, name=f"psarch-server{i}", daemon=True,
-                                              args=(i, cfg.to_dict(), host, child, None, build_model))
+                                              args=(i, cfg.to_dict(), host, child, None, build_model, creds.to_dict()))
                 else:
                     w = ctx.Process(target=_server_main, name=f"psarch-server{i}",
-                                    args=(i, cfg.to_dict(), host, child, 1, build_model))
+                                    args=(i, cfg.to_dict(), host, child, 1, build_model, creds.to_dict()))
                 w.start()
                 if not threads:
                     child.close()  # the server holds its end: a dead server is then EOF here, and vice versa
@@ -89,7 +92,7 @@ class LocalServers:
         except BaseException:
             self.stop()
             raise
-        self.info = {"addresses": addresses}
+        self.info = {"addresses": addresses, "auth": creds.to_dict()}
 
     def _wait_event(self, i: int, kind: str, timeout: float) -> dict[str, Any]:
         deadline = time.monotonic() + timeout
@@ -116,6 +119,21 @@ class LocalServers:
     def _alive(self, i: int) -> bool:
         return self.workers[i].is_alive()
 
+    def _stopped_too_long(self, i: int) -> bool:
+        """A stopped server answers no one but is alive: name it once it has been stopped for timeout_s
+        (before every worker times out on it and the run ends with only their errors)."""
+        w = self.workers[i]
+        try:  # Linux: the state letter follows the parenthesised command name; T/t: stopped or traced
+            stopped = isinstance(w, mp.process.BaseProcess) and Path(f"/proc/{w.pid}/stat").read_text(
+                ).rpartition(")")[2].split()[0] in ("T", "t")
+        except (OSError, IndexError):
+            stopped = False
+        if not stopped:
+            self.stopped_since.pop(i, None)
+            return False
+        since = self.stopped_since.setdefault(i, time.monotonic())
+        return time.monotonic() - since > self.cfg.backend.timeout_s
+
     def _send(self, i: int, cmd: dict[str, Any]) -> None:
         try:
             self.conns[i].send_bytes(json.dumps(cmd).encode())
@@ -134,6 +152,9 @@ class LocalServers:
                 pass  # the pipe closed: the process is gone, found just below
             if self.failure is None and not self._alive(i):
                 self.failure = f"server {i} died (exit code {getattr(self.workers[i], 'exitcode', None)})"
+            if self.failure is None and self._stopped_too_long(i):
+                self.failure = (f"server {i} (pid {self.workers[i].pid}) has been stopped (SIGSTOP?) for more than "
+                                f"backend.timeout_s = {self.cfg.backend.timeout_s:g} s")
         if self.failure is not None:
             raise ServiceError(self.failure)
 
@@ -154,7 +175,7 @@ class LocalServers:
             s.pop("event")
             stats.append(s)
             parts.append(torch.frombuffer(bytearray(raw), dtype=torch.float32) if raw else torch.empty(0))
-        out = summarize(stats, self.lost)
+        out = dict(summarize(stats, self.lost), auth=self.info["auth"]["mechanism"])
         if self.out_dir is not None:
             self._write_outputs(out, parts)
         return out
@@ -191,13 +212,23 @@ class LocalServers:
         for c in self.conns:
             c.close()
         self.conns = []
+        remove(self.tmp_keys)   # per-run credentials end with the run
+        self.tmp_keys = None
 
 
 class RemoteServers:
     """Servers started elsewhere (`psarch server`), listed in backend.server_addresses."""
 
     def __init__(self, cfg: Config) -> None:
-        self.info = {"addresses": list(cfg.backend.server_addresses)}
+        b = cfg.backend
+        host = b.server_addresses[0].partition("://")[2].rpartition(":")[0]
+        creds = Credentials(mechanism(b.auth, host), b.keys)
+        if creds.mechanism != "none":
+            if not b.keys:
+                raise AuthError(f"backend.server_addresses: servers started with `psarch server` need "
+                                f"backend.keys (backend.auth = {b.auth!r}); {KEYGEN_HINT}")
+            check_folder(b.keys, creds.mechanism, b.world_size, b.servers)
+        self.info = {"addresses": list(b.server_addresses), "auth": creds.to_dict()}
         self.lost: list[dict[str, Any]] = []
 
     def check(self) -> None:
@@ -207,7 +238,7 @@ class RemoteServers:
         self.lost.append({"rank": rank, "error": error.splitlines()[0] if error else ""})
 
     def finish(self) -> dict[str, Any]:
-        return {"lost_workers": self.lost}
+        return {"lost_workers": self.lost, "auth": self.info["auth"]["mechanism"]}
 
     def stop(self) -> None:
         pass
@@ -216,8 +247,14 @@ class RemoteServers:
 def start_services(cfg: Config, out_dir: Any = None, threads: bool = False,
                    build_model: bool = True) -> LocalServers | RemoteServers:
     """The servers of a run (build_model=False: servers that wait for an `init`, for benchmarks)."""
-    if cfg.backend.server_addresses:
+    b = cfg.backend
+    if b.server_addresses:
         return RemoteServers(cfg)
+    world, local = os.environ.get("WORLD_SIZE"), os.environ.get("LOCAL_WORLD_SIZE")
+    if world and local and world != local and not b.keys and mechanism(b.auth, b.host) != "none":
+        # torchrun across machines: fresh per-run credentials would exist on this machine only
+        raise AuthError(f"torchrun across machines (WORLD_SIZE {world}, LOCAL_WORLD_SIZE {local}): the servers' "
+                        f"credentials must be on every machine; {KEYGEN_HINT}")
     return LocalServers(cfg, out_dir, threads, build_model)
 
 
@@ -232,8 +269,12 @@ def summarize(stats: list[dict[str, Any]], lost: list[dict[str, Any]]) -> dict[s
                                  "ops": s["traffic"]["ops"]} for s in stats]},
         "memory": {"servers": [dict(s["memory"], server=s["server"], range=s["range"]) for s in stats]},
         "lost_workers": lost,
-        "servers_detail": [{k: s[k] for k in ("server", "address", "range", "version", "rejected", "lost",
-                                               "skipped_updates", "failure")} for s in stats],
+        # a push goes to every server in slices: a worker's count is the most any one server refused
+        "refused_pushes": {"non_finite_per_worker": [max(col) for col in zip(*(s["refused_non_finite"]
+                                                                                for s in stats))]},
+        "servers_detail": [{k: s[k] for k in ("server", "address", "range", "version", "rejected",
+                                               "refused_non_finite", "lost", "skipped_updates", "failure")}
+                           for s in stats],
     }
     if total:
         out["staleness"] = {"histogram": {str(k): v for k, v in sorted(hist.items())},

@@ -22,6 +22,10 @@ failure. No launcher tells it that a worker died: in async, geo and ssp a worker
 for backend.timeout_s (while no pull of it waits), counted from the first message of any worker, is
 lost (printed on stderr) and the others go on; in sync the round's timeout fails the run instead.
 Servers bind to 127.0.0.1 unless `--host` (or backend.host) says otherwise.
+
+Every connection authenticates (backend.auth, see psarch/ps/auth.py): make the credentials once with
+`psarch keygen KEYS --workers N --servers S`, copy KEYS to every machine and set backend.keys = "KEYS".
+A server without keys refuses to start (on loopback, backend.auth = "none" runs without any).
 """
 from __future__ import annotations
 
@@ -46,12 +50,17 @@ def serve(config: str, index: int, port: int, host: str | None = None, overrides
     if problem:
         print(f"psarch server: {problem}", file=sys.stderr)
         return 2
+    from psarch.ps.auth import AuthError
+    from psarch.ps.layout import initial_flat
     from psarch.ps.server import ParameterServer
 
-    from psarch.ps.layout import initial_flat
-
-    server = ParameterServer(index, cfg, host or b.host, port, exit_when_done=True)
-    server.initialize(initial_flat(cfg))
+    flat = initial_flat(cfg)
+    try:
+        server = ParameterServer(index, cfg, host or b.host, port, exit_when_done=True, numel=flat.numel())
+    except AuthError as e:
+        print(f"psarch server: {e}", file=sys.stderr)
+        return 2
+    server.initialize(flat)
     print(f"psarch server {index}: listening on {server.address}", flush=True)
     try:
         server.serve()

@@ -19,6 +19,7 @@ import torch
 
 from psarch.config import Config
 from psarch.dist import DistContext
+from psarch.errors import check_loss
 from psarch.flat import FlatParams
 from psarch.meters import peak_memory, tensor_bytes
 from psarch.precision import MixedPrecisionOptimizer, compute_dtype, has_inf_or_nan
@@ -62,7 +63,8 @@ class PSTrainer:
                                f"({addresses}); run through `psarch run`, or list every server in "
                                f"backend.server_addresses")
         self.ranges = server_ranges(self.flat.numel, b.servers)
-        self.client = PSClient(addresses, ctx.rank, b.timeout_s)
+        self.client = PSClient(addresses, ctx.rank, b.timeout_s, ctx.services.get("auth"), b.heartbeat_s,
+                               b.heartbeat_timeout_s)
         self.wire_dtype = wire.DTYPE_NAMES[self.dtype]
         # the wire is host memory: a GPU worker stages parameters there
         self.host = self.flat.data if ctx.device.type == "cpu" else torch.empty_like(self.flat.data, device="cpu")
@@ -111,6 +113,8 @@ class PSTrainer:
         t_start = time.time()
         self.flat.zero_grad()
         loss = self.loss_fn(self.model, batch)
+        if not self.fp16:  # before the push: name the bad loss rather than have a server refuse its gradient
+            check_loss(self.steps, self.ctx.rank, float(loss.detach()))
         if self.mode == "geo":
             return self._geo_step(loss, t_start)
         (loss * self.loss_scale if self.fp16 else loss).backward()

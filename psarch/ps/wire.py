@@ -51,13 +51,17 @@ SCHEMA: dict[str, tuple[dict[str, str], dict[str, str], str]] = {
     "ack": ({"version": _INT}, {"staleness": _INT, "skipped": _BOOL}, "forbidden"),
     "params": ({"version": _INT, "offset": _INT},
                {"scale": _FLOAT, "ahead": _INT, "skipped": _BOOL, "staleness": _INT}, "required"),
-    "error": ({"message": _STR}, {}, "forbidden"),
+    "error": ({"message": _STR}, {"code": _STR}, "forbidden"),   # code "non_finite": a refused inf/nan push
 }
 _TENSOR_FIELDS = {"dtype", "shape", "frames"}
 
 
 class WireError(ValueError):
     """A message that does not follow the wire format; the text says what was wrong."""
+
+
+class NonFinitePayload(WireError):
+    """A tensor whose values include inf or nan where only finite values may be sent."""
 
 
 @dataclass
@@ -80,8 +84,10 @@ class Message:
     def numel(self) -> int:
         return math.prod(self.shape) if self.shape is not None else 0
 
-    def tensor(self, out: torch.Tensor | None = None) -> torch.Tensor:
-        """The payload as a tensor: copied into `out` (same dtype and element count) or a new tensor."""
+    def tensor(self, out: torch.Tensor | None = None, finite: bool = False) -> torch.Tensor:
+        """The payload as a tensor: copied into `out` (same dtype and element count) or a new tensor.
+        finite=True: raise NonFinitePayload if a floating-point element is inf or nan (checked frame by
+        frame, while the bytes just copied are still in cache)."""
         if self.shape is None:
             raise WireError(f"op {self.op!r} carries no tensor")
         dtype, shape = self.dtype, self.shape
@@ -93,11 +99,18 @@ class Message:
                             + ("" if out.is_contiguous() else " (not contiguous)"))
         if self.numel:
             dst = _bytes_view(out)
-            pos = 0
+            flat = out.reshape(-1)
+            check = finite and out.is_floating_point()
+            pos = done = 0
             for frame in self.payload:
                 n = len(frame)
                 dst[pos:pos + n] = np.frombuffer(frame, dtype=np.uint8)
                 pos += n
+                if check:  # the whole elements copied so far that were not checked yet
+                    upto = pos // out.element_size()
+                    if not bool(torch.isfinite(flat[done:upto]).all()):
+                        raise NonFinitePayload(f"op {self.op!r}: the {self.header['dtype']} payload holds inf/nan")
+                    done = upto
         return out
 
 

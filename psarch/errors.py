@@ -1,0 +1,26 @@
+"""The errors a run can end with, in a module that imports nothing of psarch, so every layer can raise and catch
+them without importing the layer that defines the machinery (dependencies point one way)."""
+from __future__ import annotations
+
+import math
+
+
+class RunError(RuntimeError):
+    """A rank (or a service such as a parameter server) failed; the message carries its error."""
+
+
+class NonFiniteError(RunError):
+    """A worker's loss or update is inf/nan outside fp16's skipped steps: the run cannot go on."""
+
+
+# A rank that stops for a non-finite loss exits with this code, so that the launcher stops the run even
+# in modes that go on without a lost worker (a worker that dies may be replaced; a poisoned run may not).
+NON_FINITE_EXIT = 65   # sysexits.h EX_DATAERR: the data (here: the numbers) went bad
+
+
+def check_loss(step: int, worker: int, loss: float, skipped: bool = False) -> None:
+    """Raise NonFiniteError naming the step and the worker when `loss` is inf/nan, except on a step that
+    fp16's loss scaling skipped by design."""
+    if not skipped and not math.isfinite(loss):
+        raise NonFiniteError(f"step {step}: worker {worker}'s loss is {loss}: the run stops before the "
+                             f"non-finite value reaches the parameters")
