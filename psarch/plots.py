@@ -11,7 +11,7 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
-from psarch.compare import label, step_clock, trailing_mean  # noqa: E402
+from psarch.runs import label, server_received_per_step, short_names, step_clock, trailing_mean, worker_sent_per_step  # noqa: E402
 
 CATEGORIES = ("params", "grads", "optimizer", "buffers")
 
@@ -30,18 +30,9 @@ def _legend(ax: Any) -> None:
     ax.legend(unique.values(), unique.keys(), fontsize=7)
 
 
-def _short_names(runs: list[dict]) -> list[str]:
-    """Run names without their common sweep prefix ("sweep/"), for legends."""
-    names = [r["summary"]["name"] for r in runs]
-    prefixes = {n.rsplit("/", 1)[0] for n in names if "/" in n}
-    if len(prefixes) == 1 and all("/" in n for n in names):
-        return [n.rsplit("/", 1)[1] for n in names]
-    return names
-
-
 def _styles(runs: list[dict]) -> list[tuple[str, dict[str, Any]]]:
     """(legend name, line style) per run: one colour per configuration, one line style per N."""
-    names = _short_names(runs)
+    names = short_names(runs)
     worlds = sorted({r["summary"]["world_size"] for r in runs})
     configs: list[str] = []
     out = []
@@ -112,14 +103,12 @@ def traffic(runs: list[dict], out: Path) -> str:
     fig, ax = plt.subplots(figsize=(max(6, 1.2 * len(runs) + 2), 4.5))
     for i, run in enumerate(runs):
         s = run["summary"]
-        tr = s["traffic"]["per_rank"]
-        sent = sum(t["sent_per_step"] for t in tr) / len(tr)
+        sent = worker_sent_per_step(s)
         ax.bar(i - 0.3, sent / 2**20, 0.2, color="tab:blue", label="worker sent/step" if i == 0 else None)
         ax.bar(i - 0.1, s["predicted"]["traffic_per_step"]["worker_sent"] / 2**20, 0.2, color="tab:blue",
                alpha=0.45, hatch="//", label="worker (formula)" if i == 0 else None)
-        servers = s.get("traffic", {}).get("servers") or []
-        if servers:
-            recv = sum(x["received"] for x in servers) / len(servers) / max(1, s["steps"])
+        recv = server_received_per_step(s)
+        if recv is not None:
             ax.bar(i + 0.1, recv / 2**20, 0.2, color="tab:red", label="server received/step")
             ax.bar(i + 0.3, s["predicted"]["traffic_per_step"].get("server_received", 0) / 2**20, 0.2,
                    color="tab:red", alpha=0.45, hatch="//", label="server (formula)")

@@ -111,7 +111,7 @@ def async_run(sweep_run):
 def test_compare_shows_server_traffic_and_staleness(sweep_run, async_run, tmp_path):
     root, _ = sweep_run
     from psarch.compare import compare
-    from psarch.outputs import fmt_bytes
+    from psarch.units import fmt_bytes
     report = compare([root / "out" / "single", async_run], tmp_path / "cmp").read_text()
     s = json.loads((async_run / "summary.json").read_text())
     assert sum(s["staleness"]["histogram"].values()) == s["staleness"]["updates"] > 0
