@@ -94,12 +94,17 @@ def predict(cfg: Config, phi: float) -> Prediction:
         # GEO does so once every k_steps steps and keeps a local optimizer and the last synced fp32 model
         every = b.k_steps if b.mode == "geo" else 1
         per_server = n * s / b.servers / every
+        # a server holds its fp32 range and, except in GEO (deltas are added), the optimizer state for it;
+        # barrier modes sum a round's pushes in an fp32 accumulator; delay compensation keeps the version
+        # last sent to each worker
+        server_per_param = 4 + (0 if b.mode == "geo" else optimizer_bytes_per_param(t.optimizer, "fp32", t.momentum))
+        server_per_param += 4 if b.mode == "sync" or (b.mode == "geo" and b.geo_barrier) else 0
+        server_per_param += 4 * n if b.mode in ("async", "ssp") and b.staleness_compensation == "dc" else 0
+        server_mem = server_per_param * phi / b.servers
         if b.mode == "geo":
             mem = MemoryPrediction(params=width * phi, grads=width * phi, optimizer=k * phi, buffers=4 * phi)
-            server_mem = 4 * phi / b.servers   # fp32 parameters only: deltas are added, no server optimizer
         else:
             mem = MemoryPrediction(params=width * phi, grads=width * phi, optimizer=0.0)
-            server_mem = (4 + optimizer_bytes_per_param(t.optimizer, "fp32", t.momentum)) * phi / b.servers
         return Prediction(mem, LinkBytes(s / every, s / every), LinkBytes(per_server, per_server),
                           rounds=2 / every, messages=2 / every, server_memory=server_mem)
     stage, passes = _collective(b)
@@ -114,11 +119,13 @@ def predict(cfg: Config, phi: float) -> Prediction:
 
 
 def config_for(kind: str, n: int, precision: str, optimizer: str, momentum: float = 0.0, stage: int = 1,
-            mode: str = "sync", servers: int = 1, k_steps: int = 1) -> Config:
+               mode: str = "sync", servers: int = 1, k_steps: int = 1, geo_barrier: bool = False,
+               staleness_compensation: str = "none") -> Config:
     """A config holding only what `predict` reads: for tables over kinds and world sizes (estimate, benchmarks)."""
     return Config(train=TrainConfig(precision=precision, optimizer=optimizer, momentum=momentum),
                   backend=BackendConfig(kind=kind, world_size=n, stage=max(stage, 1), mode=mode,
-                                        servers=servers, k_steps=k_steps))
+                                        servers=servers, k_steps=k_steps, geo_barrier=geo_barrier,
+                                        staleness_compensation=staleness_compensation))
 
 
 def memory_per_rank(kind: str, phi: float, n: int, precision: str = "fp32", optimizer: str = "adamw",
@@ -130,7 +137,7 @@ def memory_per_rank(kind: str, phi: float, n: int, precision: str = "fp32", opti
 
 
 def ps_server_memory(phi: float, servers: int, optimizer: str = "adamw", momentum: float = 0.0) -> float:
-    """`predict(...).server_memory` of a sync PS: one server's fp32 parameter range and optimizer state."""
+    """`predict(...).server_memory` of a sync PS: one server's fp32 range, optimizer state and accumulator."""
     return predict(config_for("ps", 1, "fp32", optimizer, momentum, servers=servers), phi).server_memory or 0.0
 
 

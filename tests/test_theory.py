@@ -52,14 +52,24 @@ def test_predict_matches_the_formulas(case):
         every = backend.get("k_steps", 1) if backend["mode"] == "geo" else 1
         # every worker's push reaches the servers, each taking its 1/SERVERS share
         assert (p.server.received, p.server.sent) == pytest.approx((N * S / SERVERS / every,) * 2)
-        # a server keeps fp32 parameters and (except GEO, which adds deltas) AdamW's two fp32 moments
-        assert p.server_memory == pytest.approx((4 if backend["mode"] == "geo" else 12) * PHI / SERVERS)
+        # a server keeps fp32 parameters, (except GEO, which adds deltas) AdamW's two fp32 moments, and in
+        # sync an fp32 accumulator for the round's pushes
+        per_param = {"sync": 4 + 8 + 4, "async": 4 + 8, "ssp": 4 + 8, "geo": 4}[backend["mode"]]
+        assert p.server_memory == pytest.approx(per_param * PHI / SERVERS)
     else:
         assert p.server is None and p.server_memory is None
 
 
 def test_every_registered_backend_kind_is_covered():
     assert {c.split("-")[0].rstrip("123") for c in CASES} == set(BACKENDS)
+
+
+def test_server_buffers_follow_the_mode():
+    """GEO with a barrier sums a round's deltas; delay compensation keeps each worker's last-sent version."""
+    geo = theory.predict(cfg("ps", mode="geo", k_steps=4, geo_barrier=True), PHI)
+    assert geo.server_memory == pytest.approx((4 + 4) * PHI / SERVERS)
+    dc = theory.predict(cfg("ps", mode="async", staleness_compensation="dc"), PHI)
+    assert dc.server_memory == pytest.approx((4 + 8 + 4 * N) * PHI / SERVERS)
 
 
 def test_precision_sets_the_wire_and_the_masters():
@@ -69,7 +79,7 @@ def test_precision_sets_the_wire_and_the_masters():
         pytest.approx((2 * PHI, 2 * PHI / N, 12 * PHI / N))
     assert p.worker.sent == pytest.approx(2 * (N - 1) / N * 2 * PHI)
     ps = theory.predict(cfg("ps", mode="sync", precision="bf16"), PHI)
-    assert ps.worker.sent == 2 * PHI and ps.server_memory == pytest.approx(12 * PHI / SERVERS)
+    assert ps.worker.sent == 2 * PHI and ps.server_memory == pytest.approx(16 * PHI / SERVERS)
 
 
 def test_summary_prediction_is_predict_itself():
