@@ -35,7 +35,7 @@ def comparability_warnings(runs: list[dict[str, Any]]) -> list[str]:
 
 def table(runs: list[dict[str, Any]]) -> str:
     """The comparison table, in Markdown; rank 0's memory and the mean worker's traffic."""
-    head = ("| run | backend | variant | N | samples/s | step time (ms) | final loss | gap | model states/rank "
+    head = ("| run | backend | variant | N | samples/s | step time (ms) | final loss (last step) | gap | model states/rank "
             "measured \\| predicted | sent/worker/step measured \\| predicted | server recv/step measured \\| predicted "
             "| peak memory |")
     lines = [head, "|" + "---|" * 12]
@@ -102,7 +102,8 @@ def compare(run_dirs: list[str | Path], out: str | Path, target_gap: float = 0.2
     if warnings:
         text += ["**Warning: these runs are not directly comparable.**", ""] + [f"- {w}" for w in warnings] + [""]
     text += [table(runs), "", "Memory: rank 0's model states (params + grads + optimizer incl. fp32 masters). "
-             "Traffic: mean over workers; native collectives are modelled, not measured.", ""]
+             "Traffic: mean over workers; native collectives are modelled, not measured. PS servers' memory and the "
+             "whole system's (workers + servers): memory.png. Predictions: theory.predict on each run's config.", ""]
     conv = convergence(runs, target_gap)
     if conv:
         text += ["## Convergence", "", conv, "", f"Steps and time (summed step times) until the 10-step mean "

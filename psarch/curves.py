@@ -74,7 +74,7 @@ def loss_curves(runs: list[dict[str, Any]], out: Path, palette: Palette, axis: s
         panels.setdefault(panel_of(run), []).append(run)
     cols = min(3, len(panels))
     rows_n = -(-len(panels) // cols)
-    fig, axes = plt.subplots(rows_n, cols, figsize=(4.2 * cols, 3.4 * rows_n + 0.4), sharey=True, squeeze=False)
+    fig, axes = plt.subplots(rows_n, cols, figsize=(3.8 * cols, 3.3 * rows_n + 0.4), sharey=True, squeeze=False)
     steps_max = max((len(r["metrics"]) for r in runs), default=1)
     window = max(1, steps_max // 40)
     first = [x["loss"] for r in runs for x in r["metrics"][:window] if math.isfinite(x["loss"])]
@@ -91,13 +91,13 @@ def loss_curves(runs: list[dict[str, Any]], out: Path, palette: Palette, axis: s
         if floor is not None:
             ax.axhline(floor, color="k", ls=":", lw=1)
         ax.set_title(title, fontsize=10)
-        if title == SYNC and len(members) > 1:
+        if title == SYNC and len(members) > 1 and axis == "step":   # in time they differ: each runs at its speed
             ax.text(0.97, 0.97, _coincide_note(members), transform=ax.transAxes, ha="right", va="top", fontsize=7)
         xlabel = "wall-clock time of steps (s)" if axis == "time" else "step"
         if title in ("ps async", "ps ssp") and axis == "step":
             xlabel = "server updates / N (each worker's own losses, by model version)"
         ax.set_xlabel(xlabel, fontsize=8)
-        ax.legend(fontsize=6, loc="lower left" if title == SYNC and len(members) > 1 else "upper right")
+        ax.legend(fontsize=6, loc="center right" if title == SYNC and len(members) > 1 else "upper right")
     for ax in list(axes.flat)[len(panels):]:
         ax.set_visible(False)
     bottom = floor if floor is not None else min((v for v in first), default=0.0)

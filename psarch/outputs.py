@@ -139,8 +139,12 @@ def report(s: dict[str, Any]) -> str:
                      + "".join(f" {fmt_bytes(m.get(k, 0)):>11}" for k, _ in optional)
                      + f" {fmt_bytes(m.get('peak')):>11}  "
                      f"{fmt_bytes(t['sent_per_step']):>11} {fmt_bytes(pt['worker_sent']):>11}{modelled}")
+    mem = {m.get("server"): m for m in s.get("memory", {}).get("servers") or []}
     for srv in s.get("traffic", {}).get("servers", []) or []:
-        lines.append(f"server {srv.get('server', '?')}: sent {fmt_bytes(srv['sent'])}, received {fmt_bytes(srv['received'])}")
+        held = mem.get(srv.get("server"), {}).get("total")
+        lines.append(f"server {srv.get('server', '?')}: sent {fmt_bytes(srv['sent'])}, received "
+                     f"{fmt_bytes(srv['received'])} over the run; holds {fmt_bytes(held)} "
+                     f"(predicted {fmt_bytes(p.get('server_memory'))})")
     if s.get("staleness"):
         st = s["staleness"]
         lines.append(f"staleness histogram {st['histogram']} (mean {st['mean']:.2f}, max {st['max']})")

@@ -27,8 +27,10 @@ class Palette:
     def __init__(self, runs: list[dict[str, Any]]) -> None:
         self.names = short_names(runs)
         configs = list(dict.fromkeys(configuration(n) for n in self.names))
-        cmap = plt.get_cmap("tab10" if len(configs) <= 10 else "tab20")
-        self.colour_of = {c: cmap(i % cmap.N) for i, c in enumerate(configs)}
+        # grey is left out: it draws references (the synchronous curve in other panels)
+        colours = [c for i, c in enumerate(plt.get_cmap("tab10").colors) if i != 7] if len(configs) <= 9 else \
+            [c for i, c in enumerate(plt.get_cmap("tab20").colors) if i not in (14, 15)]
+        self.colour_of = {c: colours[i % len(colours)] for i, c in enumerate(configs)}
         worlds = sorted({r["summary"]["world_size"] for r in runs})
         self.style_of_n = {n: LINE_STYLES[i % len(LINE_STYLES)] for i, n in enumerate(worlds)}
         self.several_n = len(worlds) > 1
@@ -49,7 +51,8 @@ class Palette:
 
 def save(fig: Any, out: Path, name: str) -> str:
     """Write `name`.png at a size that reads at README width; returns the name."""
-    fig.tight_layout()
+    if not fig.get_layout_engine():   # a plot that reserved room for a figure legend laid itself out
+        fig.tight_layout()
     fig.savefig(out / f"{name}.png", dpi=100)
     plt.close(fig)
     return name

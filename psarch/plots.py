@@ -68,7 +68,8 @@ def memory(runs: list[dict[str, Any]], out: Path, palette: Palette) -> str:
     handles, labels = worker_ax.get_legend_handles_labels()
     h2, l2 = system_ax.get_legend_handles_labels()
     keep = dict(zip(labels + l2, handles + h2))
-    worker_ax.legend(keep.values(), keep.keys(), fontsize=7, loc="lower right")
+    fig.legend(keep.values(), keep.keys(), fontsize=8, loc="lower center", ncol=len(keep), frameon=False)
+    fig.tight_layout(rect=(0, 0.06, 1, 1))
     return save(fig, out, "memory")
 
 
@@ -94,7 +95,8 @@ def traffic(runs: list[dict[str, Any]], out: Path, palette: Palette) -> str:
     _run_ticks(axes[0], runs, palette)
     handles, labels = axes[0].get_legend_handles_labels()
     keep = dict(zip(labels, handles))
-    axes[0].legend(keep.values(), keep.keys(), fontsize=7, loc="lower right")
+    fig.legend(keep.values(), keep.keys(), fontsize=8, loc="lower center", ncol=len(keep), frameon=False)
+    fig.tight_layout(rect=(0, 0.08, 1, 1))
     return save(fig, out, "traffic")
 
 

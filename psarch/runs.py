@@ -9,10 +9,12 @@ from pathlib import Path
 from typing import Any
 
 from psarch.config import Config, from_dict
+from psarch.theory import predict
 
 
 def load_run(path: str | Path) -> dict[str, Any]:
-    """A run folder's summary, config (as written) and per-step metrics."""
+    """A run folder's summary, config (as written) and per-step metrics; the summary's `predicted` is
+    theory.predict's for the run's config."""
     path = Path(path)
     summary_path = path / "summary.json"
     if not summary_path.is_file():
@@ -20,7 +22,10 @@ def load_run(path: str | Path) -> dict[str, Any]:
     rows = [json.loads(line) for line in (path / "metrics.jsonl").read_text().splitlines()] \
         if (path / "metrics.jsonl").is_file() else []
     config = json.loads((path / "config.json").read_text()) if (path / "config.json").is_file() else {}
-    return {"path": str(path), "summary": json.loads(summary_path.read_text()), "config": config, "metrics": rows}
+    run = {"path": str(path), "summary": json.loads(summary_path.read_text()), "config": config, "metrics": rows}
+    if config:  # theory as it stands now, not as it stood when the run was made
+        run["summary"]["predicted"] = predict(run_config(run), run["summary"]["params"]).to_dict()
+    return run
 
 
 def run_config(run: dict[str, Any]) -> Config:
