@@ -21,11 +21,11 @@ from psarch.flat import FlatParams
 from psarch.meters import peak_memory, tensor_bytes
 from psarch.precision import MixedPrecisionOptimizer, compute_dtype
 from psarch.single import consolidated_state
-from psarch.trainer import MemoryReport, StepStats, TrafficReport
+from psarch.trainer import MemoryReport, StepStats, Trainer, TrafficReport
 from psarch.workload import Workload
 
 
-class DDPTrainer:
+class DDPTrainer(Trainer):
     """Every rank holds the whole model; gradients are averaged by all-reduce each step."""
 
     synchronous = True

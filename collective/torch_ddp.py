@@ -12,11 +12,11 @@ from psarch.dist import DistContext
 from psarch.meters import TrafficMeter, peak_memory, tensor_bytes
 from psarch.precision import MixedPrecisionOptimizer, compute_dtype
 from psarch.single import consolidated_state
-from psarch.trainer import MemoryReport, StepStats, TrafficReport
+from psarch.trainer import MemoryReport, StepStats, Trainer, TrafficReport
 from psarch.workload import Workload
 
 
-class TorchDDPTrainer:
+class TorchDDPTrainer(Trainer):
     """torch DDP with its defaults, `bucket_cap_mb` from the config; traffic is the ring volume, modelled."""
 
     synchronous = True

@@ -31,7 +31,7 @@ def main(argv: list[str] | None = None) -> int:
     p_key.add_argument("--servers", type=int, default=1, help="backend.servers")
     p_cmp = sub.add_parser("compare", help="compare run folders: report.md and plots")
     p_cmp.add_argument("runs", nargs="+", metavar="RUN_DIR")
-    p_cmp.add_argument("--out", default="compare", help="folder for report.md and the PNG plots")
+    p_cmp.add_argument("--out", help="folder for report.md and the PNG plots (default: runs/compare/<run names>)")
     p_cmp.add_argument("--target-gap", type=float, default=0.25,
                        help="convergence table: steps and time until the gap to the entropy floor falls below this")
     p_est = sub.add_parser("estimate", help="analytic memory, traffic and step-time model (no processes)")
@@ -42,7 +42,8 @@ def main(argv: list[str] | None = None) -> int:
     p_est.add_argument("--servers", type=int, default=1, help="parameter servers")
     p_est.add_argument("--bandwidth", type=float, default=12.5e9, help="link bytes/s per direction")
     p_est.add_argument("--latency", type=float, default=10e-6, help="seconds per message")
-    p_est.add_argument("--compute-s", type=float, default=0.1, help="compute seconds per step per worker")
+    p_est.add_argument("--compute-s", type=float, help="compute seconds per step per worker (default: the --from "
+                       "run's measured compute, else 0.1)")
     p_est.add_argument("--overlap", type=float, default=0.0, help="fraction of communication hidden by compute")
     p_est.add_argument("--budget", type=float, default=32e9, help="device memory for Table 2, bytes")
     p_est.add_argument("--from", dest="from_run", help="take Φ, N, precision and compute time from a run folder")
@@ -53,10 +54,10 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{key:38} {default!r:>14}  {doc}")
         return 0
     if args.command == "compare":
-        from psarch.compare import compare
+        from psarch.compare import compare, default_out
 
         try:
-            report = compare(args.runs, args.out, args.target_gap)
+            report = compare(args.runs, args.out or default_out(args.runs), args.target_gap)
         except (FileNotFoundError, ValueError, KeyError) as e:
             print(f"psarch: compare: {e}", file=sys.stderr)
             return 2
@@ -127,28 +128,32 @@ def _run(args: argparse.Namespace) -> int:
 
 
 def _estimate(args: argparse.Namespace) -> int:
-    import json
-    from pathlib import Path
-
-    from psarch.estimate import Cluster, report
+    from psarch.estimate import Cluster, measured_compute, report
+    from psarch.runs import load_run, run_config
 
     measured = None
     phi, world, precision, optimizer = args.params, args.world, args.precision, args.optimizer
+    compute = args.compute_s
     if args.from_run:
-        path = Path(args.from_run) / "summary.json"
-        if not path.is_file():
-            print(f"psarch: estimate --from {args.from_run}: no summary.json there", file=sys.stderr)
+        try:
+            run = load_run(args.from_run)
+            cfg = run_config(run)
+        except (FileNotFoundError, ConfigError) as e:
+            print(f"psarch: estimate --from {args.from_run}: {e}", file=sys.stderr)
             return 2
-        measured = json.loads(path.read_text())
-        phi = phi or measured["params"]
-        world, precision = measured["world_size"], measured.get("precision", precision)
-        optimizer = measured.get("optimizer", optimizer)
-    if not phi or phi <= 0 or world < 1 or args.servers < 1 or args.bandwidth <= 0 or args.latency < 0:
+        summary = run["summary"]
+        measured = (summary, cfg)
+        phi = phi or summary["params"]
+        world, precision, optimizer = cfg.backend.world_size, cfg.train.precision, cfg.train.optimizer
+        compute = measured_compute(summary) if compute is None else compute
+    if not phi or phi <= 0 or world < 1 or args.servers < 1 or args.bandwidth <= 0 or args.latency < 0 \
+            or (compute is not None and compute < 0):
         print("psarch: estimate: --params (> 0) or --from is required; --world, --servers >= 1; "
-              "--bandwidth > 0; --latency >= 0", file=sys.stderr)
+              "--bandwidth > 0; --latency, --compute-s >= 0", file=sys.stderr)
         return 2
-    cluster = Cluster(args.bandwidth, args.latency, args.compute_s, args.overlap)
-    print(report(phi, world, precision, optimizer, args.servers, cluster, args.budget, measured), end="")
+    cluster = Cluster(args.bandwidth, args.latency, 0.1 if compute is None else compute, args.overlap)
+    source = args.from_run if measured is not None and args.compute_s is None else None
+    print(report(phi, world, precision, optimizer, args.servers, cluster, args.budget, measured, source), end="")
     return 0
 
 

@@ -1,32 +1,15 @@
 """`psarch compare RUN_DIR ... [--out DIR]`: one table of runs, measured beside predicted, and plots."""
 from __future__ import annotations
 
-import itertools
 import json
 import math
 import statistics
 from pathlib import Path
 from typing import Any
 
-from psarch.outputs import fmt_bytes
-
-
-def load_run(path: Path) -> dict[str, Any]:
-    """A run folder's summary, config and per-step metrics."""
-    summary_path = path / "summary.json"
-    if not summary_path.is_file():
-        raise FileNotFoundError(f"{path}: not a run folder (no summary.json)")
-    rows = [json.loads(line) for line in (path / "metrics.jsonl").read_text().splitlines()] \
-        if (path / "metrics.jsonl").is_file() else []
-    config = json.loads((path / "config.json").read_text()) if (path / "config.json").is_file() else {}
-    return {"path": str(path), "summary": json.loads(summary_path.read_text()), "config": config, "metrics": rows}
-
-
-def label(run: dict[str, Any]) -> str:
-    s = run["summary"]
-    v = f" {s['variant']}" if s.get("variant") else ""
-    servers = f" S={s['servers']}" if s.get("servers") else ""
-    return f"{s['name']}: {s['backend']}{v} N={s['world_size']}{servers}"
+from psarch import plots
+from psarch.runs import label, load_run, server_received_per_step, step_clock, trailing_mean, worker_sent_per_step
+from psarch.units import fmt_bytes
 
 
 def comparability_warnings(runs: list[dict[str, Any]]) -> list[str]:
@@ -52,7 +35,7 @@ def comparability_warnings(runs: list[dict[str, Any]]) -> list[str]:
 
 def table(runs: list[dict[str, Any]]) -> str:
     """The comparison table, in Markdown; rank 0's memory and the mean worker's traffic."""
-    head = ("| run | backend | variant | N | samples/s | step time (ms) | final loss | gap | model states/rank "
+    head = ("| run | backend | variant | N | samples/s | step time (ms) | final loss (last step) | gap | model states/rank "
             "measured \\| predicted | sent/worker/step measured \\| predicted | server recv/step measured \\| predicted "
             "| peak memory |")
     lines = [head, "|" + "---|" * 12]
@@ -60,30 +43,17 @@ def table(runs: list[dict[str, Any]]) -> str:
         s = run["summary"]
         m0 = s["memory"]["per_rank"][0]
         pm = s["predicted"]["memory_per_rank"]["total"]
-        tr = s["traffic"]["per_rank"]
-        sent = sum(t["sent_per_step"] for t in tr) / len(tr)
-        modelled = " (modelled)" if tr[0].get("modelled") else ""
+        sent = worker_sent_per_step(s)
+        modelled = " (modelled)" if s["traffic"]["per_rank"][0].get("modelled") else ""
         pt = s["predicted"]["traffic_per_step"]
-        servers = s.get("traffic", {}).get("servers") or []
-        steps = max(1, s["steps"])
-        srv = (f"{fmt_bytes(sum(x['received'] for x in servers) / len(servers) / steps)} \\| "
-               f"{fmt_bytes(pt.get('server_received'))}") if servers else "-"
+        recv = server_received_per_step(s)
+        srv = f"{fmt_bytes(recv)} \\| {fmt_bytes(pt.get('server_received'))}" if recv is not None else "-"
         gap = f"{s['gap']:.4f}" if s.get("gap") is not None else "-"
         lines.append(f"| {s['name']} | {s['backend']} | {s.get('variant') or '-'} | {s['world_size']} | "
                      f"{s['samples_per_s']:.1f} | {s['step_time_s'] * 1e3:.2f} | {s['final_loss']:.4f} | {gap} | "
                      f"{fmt_bytes(m0['total'])} \\| {fmt_bytes(pm)} | {fmt_bytes(sent)}{modelled} \\| {fmt_bytes(pt['worker_sent'])} | {srv} | "
                      f"{fmt_bytes(m0.get('peak'))} |")
     return "\n".join(lines)
-
-
-def trailing_mean(values: list[float], window: int) -> list[float]:
-    """Mean of each value and the window - 1 before it: one small batch's loss is too noisy to read alone."""
-    return [statistics.fmean(values[max(0, i - window + 1):i + 1]) for i in range(len(values))]
-
-
-def step_clock(rows: list[dict[str, Any]]) -> list[float]:
-    """Wall-clock time of steps: the running sum of each metrics row's step time."""
-    return list(itertools.accumulate(r["step_time_s"] for r in rows))
 
 
 def convergence(runs: list[dict[str, Any]], target_gap: float = 0.25, last: int = 20, window: int = 10) -> str:
@@ -110,10 +80,17 @@ def convergence(runs: list[dict[str, Any]], target_gap: float = 0.25, last: int 
     return "\n".join(lines)
 
 
+def default_out(run_dirs: list[str | Path]) -> Path:
+    """Where `psarch compare` writes without --out: runs/compare/<the runs' folder names joined by '+'>."""
+    names = [Path(d).resolve().name for d in run_dirs]
+    joined = "+".join(names)
+    if len(joined) > 80:  # a long list: the first name and how many more
+        joined = f"{names[0]}+{len(names) - 1}-more"
+    return Path("runs") / "compare" / joined
+
+
 def compare(run_dirs: list[str | Path], out: str | Path, target_gap: float = 0.25) -> Path:
     """Write report.md and the plots for these runs into `out`; returns the report's path."""
-    from psarch import plots
-
     runs = [load_run(Path(d)) for d in run_dirs]
     if not runs:
         raise ValueError("compare: no runs given")
@@ -125,7 +102,8 @@ def compare(run_dirs: list[str | Path], out: str | Path, target_gap: float = 0.2
     if warnings:
         text += ["**Warning: these runs are not directly comparable.**", ""] + [f"- {w}" for w in warnings] + [""]
     text += [table(runs), "", "Memory: rank 0's model states (params + grads + optimizer incl. fp32 masters). "
-             "Traffic: mean over workers; native collectives are modelled, not measured.", ""]
+             "Traffic: mean over workers; native collectives are modelled, not measured. PS servers' memory and the "
+             "whole system's (workers + servers): memory.png. Predictions: theory.predict on each run's config.", ""]
     conv = convergence(runs, target_gap)
     if conv:
         text += ["## Convergence", "", conv, "", f"Steps and time (summed step times) until the 10-step mean "

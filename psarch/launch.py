@@ -32,7 +32,7 @@ def run(cfg: Config, out: str | Path | None = None, echo: bool = True) -> dict[s
     if under_torchrun():
         return _run_under_torchrun(cfg, cls, out_dir, echo)
     outputs.prepare(out_dir, cfg)
-    services = cls.start_services(cfg, out_dir) if hasattr(cls, "start_services") else None
+    services = cls.start_services(cfg, out_dir)
     try:
         info = services.info if services is not None else {}
         n = cfg.backend.world_size
@@ -47,10 +47,6 @@ def run(cfg: Config, out: str | Path | None = None, echo: bool = True) -> dict[s
     return outputs.finalize(out_dir, cfg, extra, echo)
 
 
-def _needs_group(cls: type, cfg: Config) -> bool:
-    return getattr(cls, "needs_process_group", cfg.backend.kind != "single")
-
-
 def _threads(world: int) -> int:
     env = os.environ.get("PSARCH_THREADS")
     return int(env) if env else max(1, (os.cpu_count() or 1) // world)
@@ -58,7 +54,7 @@ def _threads(world: int) -> int:
 
 def _run_in_process(cfg: Config, cls: type, out: Path, info: dict, echo: bool) -> None:
     store = None
-    if _needs_group(cls, cfg):
+    if cls.needs_process_group:
         store = dist.TCPStore("127.0.0.1", 0, 1, is_master=True, wait_for_workers=False,
                               timeout=timedelta(seconds=cfg.backend.timeout_s))
     ctx = init_rank(cfg, 0, 1, 0, 1, store, needs_group=store is not None)
@@ -91,7 +87,7 @@ def _rank_main(cfg_dict: dict, rank: int, world: int, port: int, out: str, info:
 
 def _spawn(cfg: Config, cls: type, out: Path, info: dict, echo: bool, services: Any) -> None:
     n = cfg.backend.world_size
-    needs_group = _needs_group(cls, cfg)
+    needs_group = cls.needs_process_group
     store = dist.TCPStore("127.0.0.1", 0, n + 1, is_master=True, wait_for_workers=False,
                           timeout=timedelta(seconds=cfg.backend.timeout_s)) if needs_group else None
     port = store.port if store is not None else 0
@@ -112,9 +108,8 @@ def _spawn(cfg: Config, cls: type, out: Path, info: dict, echo: bool, services: 
             for p in sorted(exited, key=lambda p: (p.exitcode != NON_FINITE_EXIT, _failed_at(out, procs.index(p)))):
                 alive.remove(p)
                 if p.exitcode != 0:
-                    tolerate = getattr(cls, "tolerates_lost_workers", None)
                     # a poisoned worker is never a lost one: the run cannot go on without knowing why
-                    if (tolerate is not None and tolerate(cfg) and services is not None
+                    if (cls.tolerates_lost_workers(cfg) and services is not None
                             and p.exitcode != NON_FINITE_EXIT):
                         services.worker_lost(procs.index(p), _rank_error(out, procs.index(p), p.exitcode))
                         continue
@@ -164,14 +159,14 @@ def _run_under_torchrun(cfg: Config, cls: type, out: Path, echo: bool) -> dict[s
             outputs.prepare(out, cfg)
         ctx = init_rank(cfg, rank, world, local_rank, local_world, None, launched_by="torchrun",
                         needs_group=True)
-        if hasattr(cls, "start_services"):
-            info: dict[str, Any] = {}
-            if rank == 0:
-                services = cls.start_services(cfg, out)
-                info = dict(services.info)
-                if "addresses" in info:
-                    info["addresses"] = [_reachable(a) for a in info["addresses"]]
-            ctx.services = _gather_json(ctx, info)[0]
+        # every rank takes part in the gather: only rank 0 knows whether the backend started services
+        info: dict[str, Any] = {}
+        if rank == 0:
+            services = cls.start_services(cfg, out)
+            info = dict(services.info) if services is not None else {}
+            if "addresses" in info:
+                info["addresses"] = [_reachable(a) for a in info["addresses"]]
+        ctx.services = _gather_json(ctx, info)[0]
         record = run_rank(cfg, ctx, echo=echo)
         state = record.pop("model_state", None)
         records = _gather_json(ctx, record)   # every rank is done with the servers past this point

@@ -11,6 +11,7 @@ import torch
 from psarch import theory
 from psarch.config import Config
 from psarch.runner import warmup_steps
+from psarch.units import fmt_bytes
 
 RANKS_DIR = "ranks"
 
@@ -39,21 +40,6 @@ def variant(cfg: Config) -> str:
     return {"ddp": b.comm, "zero": f"stage{b.stage}/{b.comm}", "ps": b.mode}.get(b.kind, "")
 
 
-def predicted(cfg: Config, phi: int) -> dict[str, Any]:
-    b, t = cfg.backend, cfg.train
-    wire = theory.BYTES[t.precision]
-    mem = theory.memory_per_rank(b.kind, phi, b.world_size, t.precision, t.optimizer, t.momentum, b.stage, b.mode)
-    out: dict[str, Any] = {"memory_per_rank": mem.to_dict(),
-                           "traffic_per_step": theory.traffic_per_step(b.kind, phi * wire, b.world_size, b.stage,
-                                                                       b.servers)}
-    if b.kind == "ps":
-        out["server_memory"] = theory.ps_server_memory(phi, b.servers, t.optimizer, t.momentum)
-        if b.mode == "geo":  # one push and one pull every k_steps steps (the mean per step); no server optimizer
-            out["traffic_per_step"] = {k: v / b.k_steps for k, v in out["traffic_per_step"].items()}
-            out["server_memory"] = 4 * phi / b.servers
-    return out
-
-
 def finalize(out: Path, cfg: Config, extra: dict[str, Any] | None = None, echo: bool = True) -> dict[str, Any]:
     """Merge the ranks' records into metrics.jsonl, summary.json and report.txt."""
     records = sorted((json.loads(p.read_text()) for p in (out / RANKS_DIR).glob("rank*.json")),
@@ -66,14 +52,17 @@ def finalize(out: Path, cfg: Config, extra: dict[str, Any] | None = None, echo: 
             per = [r["rows"][s] for r in records if s < len(r["rows"])]
             if not per:
                 continue
+            # workers_sent/received: bytes all workers together sent/received in this step
             row = {"step": s, "loss": statistics.fmean(p["loss"] for p in per),
                    "step_time_s": max(p["step_time_s"] for p in per),
-                   "sent": sum(p["sent"] for p in per), "received": sum(p["received"] for p in per),
+                   "workers_sent": sum(p["sent"] for p in per), "workers_received": sum(p["received"] for p in per),
                    "skipped": any(p.get("skipped") for p in per)}
             if per[0].get("loss_scale") is not None:
                 row["loss_scale"] = per[0]["loss_scale"]
             if len(per) > 1:
                 row["workers"] = per
+            elif per[0].get("extra"):
+                row["extra"] = per[0]["extra"]
             f.write(json.dumps(row) + "\n")
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     w = warmup_steps(cfg)
@@ -100,7 +89,7 @@ def finalize(out: Path, cfg: Config, extra: dict[str, Any] | None = None, echo: 
                                       sent_per_step=statistics.fmean(x["sent"] for x in r["rows"]),
                                       received_per_step=statistics.fmean(x["received"] for x in r["rows"]))
                                  for r in records]},
-        "predicted": predicted(cfg, phi),
+        "predicted": theory.predict(cfg, phi).to_dict(),
         "lost_workers": [],
     }
     for r in records:
@@ -120,17 +109,6 @@ def finalize(out: Path, cfg: Config, extra: dict[str, Any] | None = None, echo: 
     return summary
 
 
-def fmt_bytes(n: float | None) -> str:
-    """Bytes for people: B, KiB, MiB, GiB, TiB."""
-    if n is None:
-        return "-"
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
-        n /= 1024
-    return str(n)
-
-
 def report(s: dict[str, Any]) -> str:
     """The short human-readable report of one run."""
     p = s["predicted"]
@@ -145,7 +123,7 @@ def report(s: dict[str, Any]) -> str:
     lines = [
         f"== {s['name']}: {kind}, N={s['world_size']}" + (f", servers={s['servers']}" if s["servers"] else "")
         + f", {s['workload']}, {s['params']:,} params, {s['precision']}, {s['optimizer']}",
-        f"final loss      {s['final_loss']:.4f}{gap}   skipped steps {s['skipped_steps']}",
+        f"final loss      {s['final_loss']:.4f} (last step){gap}   skipped steps {s['skipped_steps']}",
         f"step time       {s['step_time_s'] * 1e3:.2f} ms median   {s['samples_per_s']:.1f} samples/s"
         + (f"   comm wait {s['comm_s'] * 1e3:.2f} ms" if s.get("comm_s") else ""),
         "",
@@ -161,8 +139,12 @@ def report(s: dict[str, Any]) -> str:
                      + "".join(f" {fmt_bytes(m.get(k, 0)):>11}" for k, _ in optional)
                      + f" {fmt_bytes(m.get('peak')):>11}  "
                      f"{fmt_bytes(t['sent_per_step']):>11} {fmt_bytes(pt['worker_sent']):>11}{modelled}")
+    mem = {m.get("server"): m for m in s.get("memory", {}).get("servers") or []}
     for srv in s.get("traffic", {}).get("servers", []) or []:
-        lines.append(f"server {srv.get('server', '?')}: sent {fmt_bytes(srv['sent'])}, received {fmt_bytes(srv['received'])}")
+        held = mem.get(srv.get("server"), {}).get("total")
+        lines.append(f"server {srv.get('server', '?')}: sent {fmt_bytes(srv['sent'])}, received "
+                     f"{fmt_bytes(srv['received'])} over the run; holds {fmt_bytes(held)} "
+                     f"(predicted {fmt_bytes(p.get('server_memory'))})")
     if s.get("staleness"):
         st = s["staleness"]
         lines.append(f"staleness histogram {st['histogram']} (mean {st['mean']:.2f}, max {st['max']})")

@@ -1,175 +1,132 @@
-"""The comparison plots (matplotlib, written as PNG files)."""
+"""The comparison plots of `psarch compare` (PNG files): bars of memory, traffic and throughput per run,
+measured beside theory, one colour per configuration; the curves live in psarch/curves.py."""
 from __future__ import annotations
 
-import math
-import re
 from pathlib import Path
 from typing import Any
 
-import matplotlib
+import matplotlib.pyplot as plt
 
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
+from psarch import curves
+from psarch.plot_style import Palette, save
+from psarch.runs import (predicted_system_memory, server_memory, server_received_per_step, system_memory,
+                         worker_sent_per_step)
 
-from psarch.compare import label, step_clock, trailing_mean  # noqa: E402
-
-CATEGORIES = ("params", "grads", "optimizer", "buffers")
-
-
-def _save(fig: Any, out: Path, name: str) -> str:
-    fig.tight_layout()
-    fig.savefig(out / f"{name}.png", dpi=110)
-    plt.close(fig)
-    return name
+CATEGORIES = (("params", ""), ("grads", "//"), ("optimizer", ".."), ("buffers", "xx"))
+MIB = 2**20
 
 
-def _legend(ax: Any) -> None:
-    """One legend entry per label (bars repeat their labels run after run)."""
-    handles, labels = ax.get_legend_handles_labels()
-    unique = dict(zip(labels, handles))
-    ax.legend(unique.values(), unique.keys(), fontsize=7)
+def _bars(runs: list[dict[str, Any]], n_panels: int, width: float = 4.0) -> tuple[Any, Any]:
+    """Horizontal bars, one row per run (top to bottom in the runs' order), panels side by side."""
+    fig, axes = plt.subplots(1, n_panels, figsize=(2.2 + width * n_panels, 0.9 + 0.38 * len(runs)),
+                             sharey=True, squeeze=False)
+    return fig, axes[0]
 
 
-def _short_names(runs: list[dict]) -> list[str]:
-    """Run names without their common sweep prefix ("sweep/"), for legends."""
-    names = [r["summary"]["name"] for r in runs]
-    prefixes = {n.rsplit("/", 1)[0] for n in names if "/" in n}
-    if len(prefixes) == 1 and all("/" in n for n in names):
-        return [n.rsplit("/", 1)[1] for n in names]
-    return names
+def _formula(ax: Any, y: int, value: float | None, first: bool) -> None:
+    """Theory's figure: a black tick across the run's bar."""
+    if value is not None:
+        ax.plot([value, value], [y - 0.4, y + 0.4], color="k", lw=2, label="theory" if first else None)
 
 
-def _styles(runs: list[dict]) -> list[tuple[str, dict[str, Any]]]:
-    """(legend name, line style) per run: one colour per configuration, one line style per N."""
-    names = _short_names(runs)
-    worlds = sorted({r["summary"]["world_size"] for r in runs})
-    configs: list[str] = []
-    out = []
-    for run, name in zip(runs, names):
-        n = run["summary"]["world_size"]
-        config = re.sub(r"-?world_size\d+", "", name) or name
-        if config not in configs:
-            configs.append(config)
-        text = name + (f" N={n}" if f"world_size{n}" not in name else "")
-        out.append((text, dict(color=f"C{configs.index(config) % 10}", ls=("-", "--", ":", "-.")[worlds.index(n) % 4],
-                               lw=1.2)))
-    return out
+def _run_ticks(ax: Any, runs: list[dict[str, Any]], palette: Palette) -> None:
+    ax.set_yticks(range(len(runs)), [palette.name(r) for r in runs], fontsize=8)
+    ax.invert_yaxis()
 
 
-def loss_curves(runs: list[dict], out: Path) -> str:
-    """Every run on one chart, against step and against wall-clock time: one colour per configuration,
-    one line style per N; the y range ends above the runs' starting loss, and a run that went past it
-    (or to inf/nan) is marked diverged in the legend."""
-    fig, (a, b) = plt.subplots(1, 2, figsize=(13, 5))
-    steps_max = max((len(r["metrics"]) for r in runs), default=1)
-    window = max(1, steps_max // 40)
-    top = 0.0
-    for run in runs:
-        first = [r["loss"] for r in run["metrics"][:window] if math.isfinite(r["loss"])]
-        top = max(top, max(first, default=0.0))
-    floor = runs[0]["summary"].get("entropy_floor")
-    for run, (name, style) in zip(runs, _styles(runs)):
-        rows = run["metrics"]
-        clock = step_clock(rows)
-        losses = trailing_mean([r["loss"] for r in rows], window)
-        diverged = any(not math.isfinite(v) or v > 1.1 * top for v in losses)
-        a.plot([r["step"] for r in rows], losses, label=name + (" (diverged)" if diverged else ""), **style)
-        b.plot(clock, losses, **style)
-    for ax, xlabel in ((a, "step"), (b, "wall-clock time of steps (s)")):
-        if floor is not None:
-            ax.axhline(floor, color="k", ls=":", lw=1, label="entropy floor" if ax is a else None)
-        ax.set_xlabel(xlabel)
-        ax.set_ylabel(f"loss ({window}-step mean)" if window > 1 else "loss")
-        if top > 0:
-            bottom = floor if floor is not None else min(
-                (r["loss"] for run in runs for r in run["metrics"] if math.isfinite(r["loss"])), default=0.0)
-            ax.set_ylim(bottom - 0.05 * (top - bottom), 1.1 * top - 0.1 * bottom)
-    a.legend(fontsize=6, ncol=2 if len(runs) > 10 else 1)
-    return _save(fig, out, "loss")
+def memory(runs: list[dict[str, Any]], out: Path, palette: Palette) -> str:
+    """Model states per worker (rank 0) by category, per PS server, and the whole system (every worker and
+    server): a PS worker holds no optimizer state, but its servers do."""
+    has_servers = any(server_memory(r["summary"]) for r in runs)
+    fig, axes = _bars(runs, 3 if has_servers else 2)
+    worker_ax, system_ax = axes[0], axes[-1]
+    for y, run in enumerate(runs):
+        s, colour = run["summary"], palette.colour(run)
+        m, p = s["memory"]["per_rank"][0], s["predicted"]
+        left = 0.0
+        for cat, hatch in CATEGORIES:
+            worker_ax.barh(y, m.get(cat, 0) / MIB, left=left, color=colour, hatch=hatch, edgecolor="white",
+                           label=cat if y == 0 or cat == "buffers" else None)
+            left += m.get(cat, 0) / MIB
+        _formula(worker_ax, y, p["memory_per_rank"]["total"] / MIB, y == 0)
+        servers = server_memory(s)
+        if has_servers and servers:
+            axes[1].barh(y, sum(servers) / len(servers) / MIB, color=colour)
+            _formula(axes[1], y, (p.get("server_memory") or 0) / MIB, False)
+        workers_total = sum(x["total"] for x in s["memory"]["per_rank"]) / MIB
+        system_ax.barh(y, workers_total, color=colour)
+        system_ax.barh(y, system_memory(s) / MIB - workers_total, left=workers_total, color=colour, alpha=0.45,
+                       hatch="oo", edgecolor="white", label="servers" if servers else None)
+        _formula(system_ax, y, predicted_system_memory(s) / MIB, False)
+    worker_ax.set_title("one worker (rank 0), by category", fontsize=9)
+    if has_servers:
+        axes[1].set_title("one PS server (mean over servers)", fontsize=9)
+    system_ax.set_title("whole system: all workers + all servers", fontsize=9)
+    for ax in axes:
+        ax.set_xlabel("model states (MiB)", fontsize=8)
+    _run_ticks(worker_ax, runs, palette)
+    handles, labels = worker_ax.get_legend_handles_labels()
+    h2, l2 = system_ax.get_legend_handles_labels()
+    keep = dict(zip(labels + l2, handles + h2))
+    fig.legend(keep.values(), keep.keys(), fontsize=8, loc="lower center", ncol=len(keep), frameon=False)
+    fig.tight_layout(rect=(0, 0.06, 1, 1))
+    return save(fig, out, "memory")
 
 
-def memory(runs: list[dict], out: Path) -> str:
-    fig, ax = plt.subplots(figsize=(max(6, 1.2 * len(runs) + 2), 4.5))
-    colors = {"params": "tab:blue", "grads": "tab:orange", "optimizer": "tab:green", "buffers": "tab:gray"}
-    for i, run in enumerate(runs):
-        m = run["summary"]["memory"]["per_rank"][0]
-        p = run["summary"]["predicted"]["memory_per_rank"]
-        bottom = bottom_p = 0.0
-        for c in CATEGORIES:
-            mc, pc = m.get(c, 0) / 2**20, p.get(c, 0) / 2**20
-            ax.bar(i - 0.2, mc, 0.38, bottom=bottom, color=colors[c], label=c if mc else None)
-            ax.bar(i + 0.2, pc, 0.38, bottom=bottom_p, color=colors[c], alpha=0.45, hatch="//",
-                   label=f"{c} (formula)" if pc else None)
-            bottom += mc
-            bottom_p += pc
-    ax.set_xticks(range(len(runs)), [label(r) for r in runs], rotation=30, ha="right", fontsize=7)
-    ax.set_ylabel("MiB per rank (rank 0): measured | formula")
-    _legend(ax)
-    return _save(fig, out, "memory")
+def traffic(runs: list[dict[str, Any]], out: Path, palette: Palette) -> str:
+    """Bytes one worker sends per step and one PS server receives per step, beside theory's."""
+    has_servers = any(server_received_per_step(r["summary"]) is not None for r in runs)
+    fig, axes = _bars(runs, 2 if has_servers else 1)
+    for y, run in enumerate(runs):
+        s, colour = run["summary"], palette.colour(run)
+        modelled = s["traffic"]["per_rank"][0].get("modelled")
+        axes[0].barh(y, worker_sent_per_step(s) / MIB, color=colour, hatch="//" if modelled else "",
+                     edgecolor="white", label="modelled, not measured (native collectives)" if modelled else None)
+        _formula(axes[0], y, s["predicted"]["traffic_per_step"]["worker_sent"] / MIB, y == 0)
+        recv = server_received_per_step(s)
+        if recv is not None:
+            axes[1].barh(y, recv / MIB, color=colour)
+            _formula(axes[1], y, s["predicted"]["traffic_per_step"].get("server_received", 0) / MIB, False)
+    axes[0].set_title("one worker: sent per step (mean over workers)", fontsize=9)
+    axes[0].set_xlabel("MiB per step", fontsize=8)
+    if has_servers:
+        axes[1].set_title("one PS server: received per step\n(run total incl. set-up / steps)", fontsize=9)
+        axes[1].set_xlabel("MiB per step", fontsize=8)
+    _run_ticks(axes[0], runs, palette)
+    handles, labels = axes[0].get_legend_handles_labels()
+    keep = dict(zip(labels, handles))
+    fig.legend(keep.values(), keep.keys(), fontsize=8, loc="lower center", ncol=len(keep), frameon=False)
+    fig.tight_layout(rect=(0, 0.08, 1, 1))
+    return save(fig, out, "traffic")
 
 
-def traffic(runs: list[dict], out: Path) -> str:
-    fig, ax = plt.subplots(figsize=(max(6, 1.2 * len(runs) + 2), 4.5))
-    for i, run in enumerate(runs):
+def throughput(runs: list[dict[str, Any]], out: Path, palette: Palette) -> str:
+    """Samples per second of each run, longest bar fastest; theory's figure beside it where it gives one."""
+    fig, axes = _bars(runs, 1, width=6.0)
+    ax = axes[0]
+    predicted_any = False
+    for y, run in enumerate(runs):
         s = run["summary"]
-        tr = s["traffic"]["per_rank"]
-        sent = sum(t["sent_per_step"] for t in tr) / len(tr)
-        ax.bar(i - 0.3, sent / 2**20, 0.2, color="tab:blue", label="worker sent/step" if i == 0 else None)
-        ax.bar(i - 0.1, s["predicted"]["traffic_per_step"]["worker_sent"] / 2**20, 0.2, color="tab:blue",
-               alpha=0.45, hatch="//", label="worker (formula)" if i == 0 else None)
-        servers = s.get("traffic", {}).get("servers") or []
-        if servers:
-            recv = sum(x["received"] for x in servers) / len(servers) / max(1, s["steps"])
-            ax.bar(i + 0.1, recv / 2**20, 0.2, color="tab:red", label="server received/step")
-            ax.bar(i + 0.3, s["predicted"]["traffic_per_step"].get("server_received", 0) / 2**20, 0.2,
-                   color="tab:red", alpha=0.45, hatch="//", label="server (formula)")
-    ax.set_xticks(range(len(runs)), [label(r) for r in runs], rotation=30, ha="right", fontsize=7)
-    ax.set_ylabel("MiB per step")
-    _legend(ax)
-    return _save(fig, out, "traffic")
-
-
-def throughput(runs: list[dict], out: Path) -> str:
-    fig, ax = plt.subplots(figsize=(7, 4.5))
-    series: dict[str, list[tuple[int, float]]] = {}
-    for run in runs:
-        s = run["summary"]
-        name = s["backend"] + (f" {s['variant']}" if s.get("variant") else "")
-        series.setdefault(name, []).append((s["world_size"], s["samples_per_s"]))
-    for name, pts in sorted(series.items()):
-        pts.sort()
-        ax.plot([p[0] for p in pts], [p[1] for p in pts], "o-", label=name)
-    ax.set_xlabel("workers N")
-    ax.set_ylabel("samples/s")
-    ax.legend(fontsize=7)
-    return _save(fig, out, "throughput")
-
-
-def staleness(runs: list[dict], out: Path) -> str | None:
-    """Each async run's staleness distribution as a line (fraction of its updates), so that runs with
-    different numbers of updates compare; the x range ends where every run has < 1% of its updates
-    (the legend gives each maximum)."""
-    hists = [(name, style, r["summary"]["staleness"]) for r, (name, style) in zip(runs, _styles(runs))
-             if r["summary"].get("staleness")]
-    if not hists:
-        return None
-    fig, ax = plt.subplots(figsize=(9, 5))
-    right = 1
-    for name, style, h in hists:
-        hist = {int(k): v for k, v in h.get("histogram", h).items()}
-        total = sum(hist.values()) or 1
-        xs = list(range(max(hist) + 1))
-        fracs = [hist.get(x, 0) / total for x in xs]
-        right = max(right, max((x for x, f in zip(xs, fracs) if f >= 1e-2), default=1))
-        ax.plot(xs, fracs, marker=".", ms=3, label=f"{name} (mean {h.get('mean', 0):.2f}, max {max(hist)})", **style)
-    ax.set_xlim(-0.5, right + 0.5)
-    ax.set_xlabel("staleness (server version at apply - version the gradient was computed on)")
-    ax.set_ylabel("fraction of updates")
-    ax.legend(fontsize=6)
-    return _save(fig, out, "staleness")
+        ax.barh(y, s["samples_per_s"], color=palette.colour(run))
+        ax.text(s["samples_per_s"], y, f" {s['samples_per_s']:.0f}", va="center", fontsize=7)
+        step = s["predicted"].get("step_time_s")
+        if step:
+            predicted_any = True
+            _formula(ax, y, s["global_batch"] / step, True)
+    ax.set_xlabel("samples/s (global batch / median step time)", fontsize=8)
+    ax.set_title("throughput" + ("" if predicted_any else
+                                 " (theory gives no step time for runs on one machine's loopback)"), fontsize=9)
+    _run_ticks(ax, runs, palette)
+    if predicted_any:
+        handles, labels = ax.get_legend_handles_labels()
+        ax.legend(dict(zip(labels, handles)).values(), dict(zip(labels, handles)).keys(), fontsize=7)
+    return save(fig, out, "throughput")
 
 
 def all_plots(runs: list[dict[str, Any]], out: Path) -> list[str]:
-    names = [loss_curves(runs, out), memory(runs, out), traffic(runs, out), throughput(runs, out)]
-    s = staleness(runs, out)
+    """Every plot of a report, in the same colours; returns their names (PNG files in `out`)."""
+    palette = Palette(runs)
+    names = [curves.loss_curves(runs, out, palette), curves.loss_curves(runs, out, palette, axis="time"),
+             memory(runs, out, palette), traffic(runs, out, palette), throughput(runs, out, palette)]
+    s = curves.staleness(runs, out, palette)
     return names + ([s] if s else [])

@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import importlib
 
+from psarch.trainer import Trainer
+
 BACKENDS = {
     "single": "psarch.single:SingleTrainer",
     "ddp": "collective.ddp:DDPTrainer",
@@ -15,13 +17,16 @@ BACKENDS = {
 }
 
 
-def trainer_class(kind: str) -> type:
-    """The trainer class for a backend kind. A trainer class may also define
-    `start_services(cfg, out_dir) -> Services` (e.g. parameter servers) that the launcher runs first."""
+def trainer_class(kind: str) -> type[Trainer]:
+    """The trainer class for a backend kind (a psarch.trainer.Trainer: its members say what the launcher
+    and runner do for it, e.g. `start_services` for parameter servers)."""
     if kind not in BACKENDS:
         raise ValueError(f"backend.kind = {kind!r}: allowed values are {', '.join(BACKENDS)}")
     module, _, name = BACKENDS[kind].partition(":")
     try:
-        return getattr(importlib.import_module(module), name)
+        cls = getattr(importlib.import_module(module), name)
     except ImportError as e:
         raise RuntimeError(f"backend.kind = {kind!r}: its implementation ({BACKENDS[kind]}) is not available: {e}") from e
+    if Trainer not in cls.__mro__:  # the launcher reads the contract's members (and their defaults) from Trainer
+        raise RuntimeError(f"backend.kind = {kind!r}: {BACKENDS[kind]} does not subclass psarch.trainer.Trainer")
+    return cls

@@ -12,6 +12,7 @@ from psarch.dist import DistContext
 from psarch.errors import check_loss
 from psarch.precision import compute_dtype
 from psarch.registry import trainer_class
+from psarch.units import fmt_bytes
 from psarch.workload import Workload, build_workload
 
 
@@ -60,24 +61,24 @@ def run_rank(cfg: Config, ctx: DistContext, workload: Workload | None = None, ec
             tr = trainer.traffic()
             rows.append({"step": step, "rank": ctx.rank, "loss": stats.loss, "step_time_s": dt,
                          "comm_s": stats.comm_s, "sent": tr.sent - last_sent, "received": tr.received - last_recv,
-                         "skipped": stats.skipped, "loss_scale": stats.loss_scale, **stats.extra})
+                         "skipped": stats.skipped, "loss_scale": stats.loss_scale, "extra": stats.extra})
             last_sent, last_recv = tr.sent, tr.received
             check_loss(step, ctx.rank, stats.loss, stats.skipped)   # after its row: the metrics keep the bad step
             if (step + 1) % log_every == 0 or step + 1 == steps:
                 interval = rows[-((step % log_every) + 1):]
                 loss = statistics.fmean(r["loss"] for r in interval)
-                if getattr(trainer, "synchronous", False):
+                if trainer.synchronous:
                     loss = ctx.mean_across_ranks(loss)
                 if echo and ctx.rank == 0:
                     elapsed = time.perf_counter() - interval_t0
-                    _progress(step, steps, loss, workload.entropy_floor, len(interval) * cfg.train.global_batch / elapsed,
+                    _progress(step, steps, len(interval), loss, workload.entropy_floor, len(interval) * cfg.train.global_batch / elapsed,
                               statistics.fmean(r["sent"] for r in interval), sum(r["skipped"] for r in interval),
                               stats)
                 interval_t0 = time.perf_counter()
         model_state = trainer.full_state_dict()
         memory = trainer.memory().to_dict()
         traffic = trainer.traffic().to_dict()
-        extra = trainer.summary_extra() if hasattr(trainer, "summary_extra") else {}
+        extra = trainer.summary_extra()
     finally:
         trainer.close()
     return {"rank": ctx.rank, "rows": rows, "memory": memory, "traffic": traffic, "extra": extra,
@@ -86,19 +87,14 @@ def run_rank(cfg: Config, ctx: DistContext, workload: Workload | None = None, ec
             "workload": workload.name, "model_state": model_state if ctx.rank == 0 else None}
 
 
-def _progress(step: int, steps: int, loss: float, floor: float | None, samples_per_s: float,
+def _progress(step: int, steps: int, window: int, loss: float, floor: float | None, samples_per_s: float,
               bytes_per_step: float, skipped: int, stats: Any) -> None:
+    """One progress line: the loss is the mean over the `window` steps since the last line (and across
+    ranks for synchronous backends), unlike the summary's final loss, which is the last step's."""
     gap = f"  gap {loss - floor:7.4f}" if floor is not None else ""
     # fp16 steps dropped for inf/nan gradients: the loss above moved without an update
     skip = f"  skipped {skipped}" if skipped else ""
     scale = f"  scale {stats.loss_scale:g}" if stats.loss_scale not in (None, 1.0) else ""
-    print(f"step {step + 1:>6}/{steps}  loss {loss:8.4f}{gap}  {samples_per_s:9.1f} samples/s  "
-          f"{_fmt_bytes(bytes_per_step)}/step sent{skip}{scale}", flush=True)
+    print(f"step {step + 1:>6}/{steps}  {window}-step mean loss {loss:8.4f}{gap}  {samples_per_s:9.1f} samples/s  "
+          f"{fmt_bytes(bytes_per_step)}/step sent{skip}{scale}", flush=True)
 
-
-def _fmt_bytes(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if abs(n) < 1024 or unit == "GiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
-        n /= 1024
-    return f"{n:.2f} GiB"

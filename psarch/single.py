@@ -10,18 +10,18 @@ from psarch.dist import DistContext
 from psarch.flat import FlatParams
 from psarch.meters import TrafficMeter, peak_memory, tensor_bytes
 from psarch.precision import MixedPrecisionOptimizer, compute_dtype
-from psarch.trainer import MemoryReport, StepStats, TrafficReport
+from psarch.trainer import MemoryReport, StepStats, Trainer, TrafficReport
 from psarch.workload import Workload
 
 
-class SingleTrainer:
+class SingleTrainer(Trainer):
     """Forward, backward, optimizer step: nothing moves anywhere.
 
     Parameters and gradients are views into flat buffers (as in DDP), so zeroing the gradients, the
     optimizer step (one fused kernel) and, in bf16/fp16, the cast to and from the fp32 masters are one
     operation each, not one per parameter."""
 
-    synchronous = True
+    needs_process_group = False   # one process: nothing to synchronise with
 
     def __init__(self, workload: Workload, cfg: Config, ctx: DistContext) -> None:
         self.ctx = ctx

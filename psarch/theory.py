@@ -1,8 +1,14 @@
-"""What theory predicts: model-state memory per rank (ZeRO paper, Rajbhandari et al. 2020) and the
-bytes each algorithm moves per step. Used beside every measured figure, and by `psarch estimate`."""
+"""What theory predicts for a run, in one place: `predict(cfg, phi)`.
+
+Memory per rank by category (ZeRO paper, Rajbhandari et al. 2020), bytes per step on each worker's and
+each server's link, communication rounds per step, and a PS server's memory. Every output beside a
+measured figure (`outputs`, `compare`, `estimate`) calls `predict`; nothing patches its result afterwards.
+"""
 from __future__ import annotations
 
 from dataclasses import dataclass
+
+from psarch.config import BackendConfig, Config, TrainConfig
 
 BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 
@@ -29,47 +35,116 @@ class MemoryPrediction:
                 "buffers": self.buffers, "total": self.total}
 
 
+@dataclass
+class LinkBytes:
+    """Bytes one node's link carries per step, each way (mean over steps)."""
+
+    sent: float = 0.0
+    received: float = 0.0
+
+
+@dataclass
+class Prediction:
+    """Everything theory says about one run. `worker` and `server` are per-link figures, the input of a
+    step-time model on a cluster (one link per worker, one per PS server)."""
+
+    memory_per_rank: MemoryPrediction   # model states one worker holds
+    worker: LinkBytes                   # one worker's link, per step
+    server: LinkBytes | None            # one PS server's link, per step (None: no servers)
+    rounds: float                       # communication phases per step: a collective pass, a push or a pull
+    messages: float                     # messages in sequence per step, each paying the link latency once
+    server_memory: float | None         # bytes one PS server holds (None: no servers)
+
+    def to_dict(self) -> dict:
+        """The `predicted` entry of summary.json."""
+        traffic = {"worker_sent": self.worker.sent, "worker_received": self.worker.received}
+        if self.server is not None:
+            traffic.update(server_sent=self.server.sent, server_received=self.server.received)
+        out = {"memory_per_rank": self.memory_per_rank.to_dict(), "traffic_per_step": traffic,
+               "rounds_per_step": self.rounds, "messages_per_step": self.messages}
+        if self.server_memory is not None:
+            out["server_memory"] = self.server_memory
+        return out
+
+
+# Which algorithm each collective kind runs: (ZeRO stage for memory, 0 = replicated; ring passes per step).
+# The PyTorch peers are named here and nowhere else: torch_zero is DDP's full all-reduce (2 passes) plus
+# ZeroRedundancyOptimizer's broadcast of each updated shard (an all-gather's volume, 1 pass) over ZeRO-1
+# memory; torch_fsdp (FSDP2) is ZeRO-3: all-gather in forward, again in backward, reduce-scatter.
+COLLECTIVES = {"single": (0, 0), "ddp": (0, 2), "torch_ddp": (0, 2), "torch_zero": (1, 3), "torch_fsdp": (3, 3)}
+
+
+def _collective(b: BackendConfig) -> tuple[int, int]:
+    if b.kind == "zero":
+        return b.stage, 3 if b.stage == 3 else 2
+    if b.kind not in COLLECTIVES:
+        raise ValueError(f"backend.kind = {b.kind!r}: unknown backend kind; theory knows {', '.join([*COLLECTIVES, 'zero', 'ps'])}")
+    return COLLECTIVES[b.kind]
+
+
+def predict(cfg: Config, phi: float) -> Prediction:
+    """What theory predicts for `cfg` with `phi` parameters. S = phi x the wire dtype's bytes (the
+    compute precision), N = backend.world_size."""
+    b, t = cfg.backend, cfg.train
+    n, width = b.world_size, BYTES[t.precision]
+    s = phi * width
+    k = optimizer_bytes_per_param(t.optimizer, t.precision, t.momentum)
+    if b.kind == "ps":
+        # each worker pushes S (gradients; GEO: deltas) and pulls S, split evenly over the servers;
+        # GEO does so once every k_steps steps and keeps a local optimizer and the last synced fp32 model
+        every = b.k_steps if b.mode == "geo" else 1
+        per_server = n * s / b.servers / every
+        # a server holds its fp32 range and, except in GEO (deltas are added), the optimizer state for it;
+        # barrier modes sum a round's pushes in an fp32 accumulator; delay compensation keeps the version
+        # last sent to each worker
+        server_per_param = 4 + (0 if b.mode == "geo" else optimizer_bytes_per_param(t.optimizer, "fp32", t.momentum))
+        server_per_param += 4 if b.mode == "sync" or (b.mode == "geo" and b.geo_barrier) else 0
+        server_per_param += 4 * n if b.mode in ("async", "ssp") and b.staleness_compensation == "dc" else 0
+        server_mem = server_per_param * phi / b.servers
+        if b.mode == "geo":
+            mem = MemoryPrediction(params=width * phi, grads=width * phi, optimizer=k * phi, buffers=4 * phi)
+        else:
+            mem = MemoryPrediction(params=width * phi, grads=width * phi, optimizer=0.0)
+        return Prediction(mem, LinkBytes(s / every, s / every), LinkBytes(per_server, per_server),
+                          rounds=2 / every, messages=2 / every, server_memory=server_mem)
+    stage, passes = _collective(b)
+    mem = MemoryPrediction(params=width * phi / n if stage >= 3 else width * phi,
+                           grads=width * phi / n if stage >= 2 else width * phi,
+                           optimizer=k * phi / n if stage >= 1 else k * phi)
+    if n == 1 or passes == 0:
+        return Prediction(mem, LinkBytes(), None, rounds=0, messages=0, server_memory=None)
+    # a ring pass is N - 1 messages of S/N each way: (N - 1)/N x S per pass per worker
+    v = passes * (n - 1) / n * s
+    return Prediction(mem, LinkBytes(v, v), None, rounds=passes, messages=passes * (n - 1), server_memory=None)
+
+
+def config_for(kind: str, n: int, precision: str, optimizer: str, momentum: float = 0.0, stage: int = 1,
+               mode: str = "sync", servers: int = 1, k_steps: int = 1, geo_barrier: bool = False,
+               staleness_compensation: str = "none") -> Config:
+    """A config holding only what `predict` reads: for tables over kinds and world sizes (estimate, benchmarks)."""
+    return Config(train=TrainConfig(precision=precision, optimizer=optimizer, momentum=momentum),
+                  backend=BackendConfig(kind=kind, world_size=n, stage=max(stage, 1), mode=mode,
+                                        servers=servers, k_steps=k_steps, geo_barrier=geo_barrier,
+                                        staleness_compensation=staleness_compensation))
+
+
 def memory_per_rank(kind: str, phi: float, n: int, precision: str = "fp32", optimizer: str = "adamw",
                     momentum: float = 0.0, stage: int = 0, mode: str = "sync") -> MemoryPrediction:
-    """Model-state bytes per rank: single/ddp replicate everything; ZeRO stage s shards the first s of
-    (optimizer, gradients, parameters) over n ranks; a PS worker holds parameters and gradients only,
-    except in GEO mode, where it runs a local optimizer and keeps the last synced fp32 model for its delta."""
-    b = BYTES[precision]
-    k = optimizer_bytes_per_param(optimizer, precision, momentum)
-    kind, stage = {"torch_zero": ("zero", 1), "torch_fsdp": ("zero", 3)}.get(kind, (kind, stage))
-    if kind == "zero":
-        return MemoryPrediction(params=b * phi / n if stage >= 3 else b * phi,
-                                grads=b * phi / n if stage >= 2 else b * phi,
-                                optimizer=k * phi / n)
-    if kind == "ps" and mode == "geo":
-        return MemoryPrediction(params=b * phi, grads=b * phi, optimizer=k * phi, buffers=4 * phi)
-    if kind == "ps":
-        return MemoryPrediction(params=b * phi, grads=b * phi, optimizer=0.0)
-    return MemoryPrediction(params=b * phi, grads=b * phi, optimizer=k * phi)
+    """`predict(...).memory_per_rank` by kind (benchmarks and tables); zero with stage 0 is DDP."""
+    if kind == "zero" and stage == 0:
+        kind = "ddp"
+    return predict(config_for(kind, n, precision, optimizer, momentum, stage, mode), phi).memory_per_rank
 
 
 def ps_server_memory(phi: float, servers: int, optimizer: str = "adamw", momentum: float = 0.0) -> float:
-    """Bytes one PS server holds: its fp32 parameter range plus the optimizer state for it."""
-    return (4 + optimizer_bytes_per_param(optimizer, "fp32", momentum)) * phi / servers
+    """`predict(...).server_memory` of a sync PS: one server's fp32 range, optimizer state and accumulator."""
+    return predict(config_for("ps", 1, "fp32", optimizer, momentum, servers=servers), phi).server_memory or 0.0
 
 
 def traffic_per_step(kind: str, payload_bytes: float, n: int, stage: int = 0, servers: int = 1) -> dict[str, float]:
-    """Bytes one worker sends (= receives) per step, and for the PS what each server receives (= sends).
+    """`predict(...)`'s traffic for an fp32 run whose payload S is `payload_bytes` (benchmarks and tables)."""
+    if kind == "zero" and stage == 0:
+        kind = "ddp"
+    p = predict(config_for(kind, n, "fp32", "adamw", stage=stage, servers=servers), payload_bytes / BYTES["fp32"])
+    return p.to_dict()["traffic_per_step"]
 
-    payload_bytes is S: the gradients' (or parameters') size in the wire dtype."""
-    s = payload_bytes
-    # torch's ZeroRedundancyOptimizer sits on DDP: a full all-reduce, then each rank broadcasts its
-    # updated shard (an all-gather's volume): 3(N-1)/N, unlike ZeRO-1's reduce-scatter + all-gather.
-    kind, stage = {"torch_zero": ("zero", 3), "torch_fsdp": ("zero", 3), "torch_ddp": ("ddp", 0)}.get(kind, (kind, stage))
-    if kind in ("single",) or n == 1 and kind != "ps":
-        return {"worker_sent": 0.0, "worker_received": 0.0}
-    if kind == "ddp":
-        v = 2 * (n - 1) / n * s
-    elif kind == "zero":
-        v = (3 if stage == 3 else 2) * (n - 1) / n * s
-    elif kind == "ps":
-        return {"worker_sent": s, "worker_received": s, "server_received": n * s / servers,
-                "server_sent": n * s / servers}
-    else:
-        raise ValueError(f"unknown backend kind {kind!r}")
-    return {"worker_sent": v, "worker_received": v}

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
-from typing import Any, Protocol, runtime_checkable
+from typing import Any, ClassVar, Protocol, runtime_checkable
 
 import torch
 
@@ -74,9 +74,27 @@ class TrafficReport:
         }
 
 
+class Services(Protocol):
+    """Processes a backend runs beside its workers (the parameter servers), started by the launcher first."""
+
+    info: dict[str, Any]             # what every rank needs to reach them (JSON-able: addresses)
+
+    def check(self) -> None: ...                          # raise if a service failed
+    def worker_lost(self, rank: int, error: str) -> None: ...  # a worker died in a mode that goes on without it
+    def finish(self) -> dict[str, Any]: ...               # their measurements, merged into summary.json
+    def stop(self) -> None: ...
+
+
 @runtime_checkable
 class Trainer(Protocol):
-    """One worker of a backend; the runner drives every backend through these methods."""
+    """One worker of a backend; the runner drives every backend through these methods. A backend class
+    subclasses Trainer to inherit the defaults of the members below that it does not override."""
+
+    # Every rank steps in lockstep with a process group (the progress line averages loss across ranks).
+    synchronous: ClassVar[bool] = True
+    # The launcher creates a torch.distributed group for the ranks (a PS's workers must not share one:
+    # a group hangs when one member dies, and async modes go on without a lost worker).
+    needs_process_group: ClassVar[bool] = True
 
     def step(self, batch: Any) -> StepStats: ...
     def full_state_dict(self) -> dict[str, torch.Tensor]: ...
@@ -85,3 +103,17 @@ class Trainer(Protocol):
     def memory(self) -> MemoryReport: ...
     def traffic(self) -> TrafficReport: ...
     def close(self) -> None: ...
+
+    def summary_extra(self) -> dict[str, Any]:
+        """Backend-specific figures for summary.json's `extra` (one list entry per rank)."""
+        return {}
+
+    @classmethod
+    def start_services(cls, cfg: Any, out_dir: Any) -> Services | None:
+        """Services to start before the workers (rank 0 under torchrun); None when the backend has none."""
+        return None
+
+    @staticmethod
+    def tolerates_lost_workers(cfg: Any) -> bool:
+        """Whether the run goes on when a worker dies (the services are told, via Services.worker_lost)."""
+        return False

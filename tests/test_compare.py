@@ -81,7 +81,7 @@ def test_compare_writes_report_and_plots(sweep_run, tmp_path):
         row = next(line for line in report.splitlines() if f"| {s['name']} |" in line)
         assert f"{s['final_loss']:.4f}" in row and f"{s['samples_per_s']:.1f}" in row
     assert "not directly comparable" not in report
-    for name in ("loss", "memory", "traffic", "throughput"):
+    for name in ("loss", "loss_time", "memory", "traffic", "throughput"):
         data = (out / f"{name}.png").read_bytes()
         assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 5000, name
         assert f"![{name}]({name}.png)" in report
@@ -111,7 +111,7 @@ def async_run(sweep_run):
 def test_compare_shows_server_traffic_and_staleness(sweep_run, async_run, tmp_path):
     root, _ = sweep_run
     from psarch.compare import compare
-    from psarch.outputs import fmt_bytes
+    from psarch.units import fmt_bytes
     report = compare([root / "out" / "single", async_run], tmp_path / "cmp").read_text()
     s = json.loads((async_run / "summary.json").read_text())
     assert sum(s["staleness"]["histogram"].values()) == s["staleness"]["updates"] > 0
@@ -150,6 +150,20 @@ def test_estimate_from_a_measured_run(async_run):
     assert f"step time  measured {s['step_time_s'] * 1e3:.2f} ms" in out.stdout
     sent = sum(t["sent_per_step"] for t in s["traffic"]["per_rank"]) / 2
     assert f"sent/step  measured {sent:,.0f} B   model {s['params'] * 4:,.0f} B" in out.stdout
+    # the step-time table takes compute from the run: at N = 1 nothing is communicated, so a step is
+    # the run's own step time less its communication wait
+    compute = s["step_time_s"] - s["comm_s"]
+    assert f"compute {compute:g} s/step/worker (measured in {async_run})" in out.stdout
+    row = next(line.split() for line in out.stdout.split("== step time")[1].splitlines() if line.split()[:1] == ["1"])
+    assert row[1] == f"{compute:.4f}", row
     missing = subprocess.run([sys.executable, "-m", "psarch.cli", "estimate", "--from", str(async_run.parent)],
                              capture_output=True, text=True, timeout=60)
     assert missing.returncode == 2 and "no summary.json" in missing.stderr
+
+
+def test_compare_writes_under_runs_by_default(async_run, tmp_path):
+    res = subprocess.run([sys.executable, "-m", "psarch.cli", "compare", str(async_run)], cwd=tmp_path,
+                         capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0, res.stderr
+    assert (tmp_path / "runs" / "compare" / "psasync" / "report.md").is_file()
+    assert not (tmp_path / "compare").exists()

@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from psarch import estimate
+from psarch import estimate, theory
 
 # Table 1: per-device model-state memory (GB) — baseline DDP, Pos, Pos+g, Pos+g+p — by DP degree.
 TABLE1 = {
@@ -54,17 +54,22 @@ def test_table2_every_cell():
 
 def test_traffic_and_step_model():
     c = estimate.Cluster(bandwidth=1e9, alpha=0.0, compute_s=0.0)
-    s = 1e9
-    # ring all-reduce: 2(N-1)/N·S at the link rate; ZeRO-3 3(N-1)/N·S; PS bounded by the busier end
-    assert estimate.comm_time("ddp", s, 4, c) == pytest.approx(2 * 3 / 4)
-    assert estimate.comm_time("zero", s, 4, c, stage=3) == pytest.approx(3 * 3 / 4)
-    assert estimate.comm_time("ps", s, 4, c, servers=1) == pytest.approx(2 * 4)
-    assert estimate.comm_time("ps", s, 4, c, servers=4) == pytest.approx(2 * 1)
+    phi = 1e9 / 4   # S = 1 GB in fp32
+
+    def comm(kind: str, n: int, **backend) -> float:
+        return estimate.comm_time(theory.predict(theory.config_for(kind, n, "fp32", "adamw", **backend), phi), c)
+
+    # ring all-reduce: 2(N-1)/N·S at the link rate; ZeRO-3 and FSDP 3(N-1)/N·S; PS bounded by the busier end
+    assert comm("ddp", 4) == pytest.approx(2 * 3 / 4)
+    assert comm("zero", 4, stage=3) == pytest.approx(3 * 3 / 4)
+    assert comm("torch_fsdp", 4) == pytest.approx(3 * 3 / 4)
+    assert comm("ps", 4, servers=1) == pytest.approx(2 * 4)
+    assert comm("ps", 4, servers=4) == pytest.approx(2 * 1)
     # with latency, the ring pays 2(N-1) messages and the PS 2: enough servers overtake it at some N
     lat = estimate.Cluster(bandwidth=1e10, alpha=1e-3, compute_s=0.01)
-    n = estimate.crossover(1e8, lat, "n", [2**k for k in range(11)])
+    n = estimate.crossover(1e8 / 4, "fp32", lat, "n", [2**k for k in range(11)])
     assert n is not None and n > 2
-    assert estimate.crossover(1e8, lat, "1", [2**k for k in range(11)]) is None
+    assert estimate.crossover(1e8 / 4, "fp32", lat, "1", [2**k for k in range(11)]) is None
 
 
 def test_cli_estimate_prints_the_tables():

@@ -324,7 +324,7 @@ def test_optimizer_bytes_per_param():
 def test_ps_memory():
     w = theory.memory_per_rank("ps", 1000, 4, "fp32", "adamw")
     assert (w.params, w.grads, w.optimizer) == (4000, 4000, 0)
-    assert theory.ps_server_memory(1000, 2, "adamw") == (4 + 8) * 1000 / 2
+    assert theory.ps_server_memory(1000, 2, "adamw") == (4 + 8 + 4) * 1000 / 2   # + the sync accumulator
 
 
 def test_traffic_formulas():

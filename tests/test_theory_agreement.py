@@ -45,3 +45,7 @@ def test_measured_agrees_with_prediction(tmp_path, point):
         per_server = s["predicted"]["traffic_per_step"]["server_received"]
         for srv in servers:
             assert per_server * 0.9 <= srv["received"] / s["steps"] <= 1.01 * per_server * 1.1 + 64
+        # the servers' memory: their ranges, optimizer state and buffers (+ AdamW's 4-byte step counter each)
+        held = sum(m["total"] for m in s["memory"]["servers"])
+        predicted = len(servers) * s["predicted"]["server_memory"]
+        assert predicted <= held <= predicted + 4 * len(servers), (point, held, predicted)

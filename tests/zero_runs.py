@@ -150,8 +150,8 @@ def train(rank: int, n: int, data: dict, out: str) -> dict:
         torch.save(record["model_state"], Path(out) / f"{cfg.name}.pt")
     return {"traffic": record["traffic"], "memory": record["memory"], "params": record["params"],
             "extra": record["extra"], "probe": probes[0].report() if probes else None,
-            "rows": [{k: r.get(k) for k in ("loss", "sent", "received", "skipped", "loss_scale",
-                                            "saved_activation_bytes")} for r in record["rows"]]}
+            "rows": [{**{k: r[k] for k in ("loss", "sent", "received", "skipped", "loss_scale")},
+                      "saved_activation_bytes": r["extra"].get("saved_activation_bytes")} for r in record["rows"]]}
 
 
 def resume(rank: int, n: int, stage: int, precision: str) -> dict:

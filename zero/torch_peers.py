@@ -21,7 +21,7 @@ from psarch.dist import DistContext
 from psarch.meters import TrafficMeter, optimizer_state_bytes, peak_memory, tensor_bytes
 from psarch.optim import build_optimizer
 from psarch.single import consolidated_state
-from psarch.trainer import MemoryReport, StepStats, TrafficReport
+from psarch.trainer import MemoryReport, StepStats, Trainer, TrafficReport
 from psarch.workload import Workload
 from zero.units import find_units
 
@@ -41,7 +41,7 @@ def optimizer_spec(cfg: Config) -> tuple[type[torch.optim.Optimizer], dict[str, 
     return type(probe), {k: v for k, v in probe.defaults.items() if k in accepted}
 
 
-class TorchZeroTrainer:
+class TorchZeroTrainer(Trainer):
     """torch DDP with ZeroRedundancyOptimizer over build_optimizer's optimizer."""
 
     synchronous = True
@@ -98,7 +98,7 @@ def _local(t: torch.Tensor | None) -> torch.Tensor | None:
     return t.to_local() if t is not None and hasattr(t, "to_local") else t
 
 
-class TorchFSDPTrainer:
+class TorchFSDPTrainer(Trainer):
     """FSDP2: fully_shard per unit, then the root; build_optimizer over the sharded (DTensor) parameters."""
 
     synchronous = True

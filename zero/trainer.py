@@ -24,7 +24,7 @@ from psarch.dist import DistContext
 from psarch.meters import peak_memory, tensor_bytes
 from psarch.precision import MixedPrecisionOptimizer, compute_dtype, has_inf_or_nan
 from psarch.single import consolidated_state
-from psarch.trainer import MemoryReport, StepStats, TrafficReport
+from psarch.trainer import MemoryReport, StepStats, Trainer, TrafficReport
 from psarch.workload import Workload
 from zero.stage3 import Stage3
 from zero.stage1 import Stage1
@@ -32,7 +32,7 @@ from zero.stage2 import Stage2
 from zero.units import SavedActivationMeter, checkpoint_units, find_units
 
 
-class ZeroTrainer:
+class ZeroTrainer(Trainer):
     """ZeRO data parallelism: optimizer state (stage 1), + gradients (2), + parameters (3) partitioned."""
 
     synchronous = True

@@ -26,7 +26,7 @@ from psarch.precision import MixedPrecisionOptimizer, compute_dtype, has_inf_or_
 from psarch.ps import wire
 from psarch.ps.client import PSClient, Request
 from psarch.ps.layout import server_ranges, state_from_flat, trainable
-from psarch.trainer import MemoryReport, StepStats, TrafficReport
+from psarch.trainer import MemoryReport, StepStats, Trainer, TrafficReport
 from psarch.workload import Workload
 
 
@@ -34,7 +34,7 @@ NO_RESUME = ("backend.kind = \"ps\": a worker cannot save or resume a run on its
              "parameters, optimizer state and versions); start the run again")
 
 
-class PSTrainer:
+class PSTrainer(Trainer):
     """One PS worker (modes sync, async, ssp, geo; see psarch/ps/server.py for what servers do)."""
 
     synchronous = False           # no process group: the progress line shows rank 0's own loss

@@ -1,0 +1,95 @@
+"""`theory.predict` against the formulas, for every backend kind the registry knows (the PyTorch peers
+included), and every PS mode; each formula is written out here on its own, not through theory's helpers."""
+from __future__ import annotations
+
+import pytest
+
+from psarch import theory
+from psarch.registry import BACKENDS
+
+PHI, N, SERVERS = 1000.0, 4, 2
+
+
+def cfg(kind: str, **backend):
+    precision = backend.pop("precision", "fp32")
+    return theory.config_for(kind, backend.pop("n", N), precision, "adamw", servers=SERVERS, **backend)
+
+
+# kind, backend options -> (params, grads, optimizer, buffers) per rank, worker bytes sent per step, rounds
+# fp32 AdamW: 4 bytes per parameter and gradient, K = 8; S = 4 PHI; a ring pass moves (N-1)/N S
+S = 4 * PHI
+RING = (N - 1) / N * S
+CASES = {
+    "single": ({"n": 1}, (4 * PHI, 4 * PHI, 8 * PHI, 0), 0.0, 0),
+    "ddp": ({}, (4 * PHI, 4 * PHI, 8 * PHI, 0), 2 * RING, 2),
+    "torch_ddp": ({}, (4 * PHI, 4 * PHI, 8 * PHI, 0), 2 * RING, 2),
+    "zero1": ({"stage": 1}, (4 * PHI, 4 * PHI, 8 * PHI / N, 0), 2 * RING, 2),
+    "zero2": ({"stage": 2}, (4 * PHI, 4 * PHI / N, 8 * PHI / N, 0), 2 * RING, 2),
+    "zero3": ({"stage": 3}, (4 * PHI / N, 4 * PHI / N, 8 * PHI / N, 0), 3 * RING, 3),
+    # ZeroRedundancyOptimizer: ZeRO-1 memory, DDP's all-reduce plus a broadcast of every shard
+    "torch_zero": ({}, (4 * PHI, 4 * PHI, 8 * PHI / N, 0), 3 * RING, 3),
+    # FSDP2 fully_shard: ZeRO-3
+    "torch_fsdp": ({}, (4 * PHI / N, 4 * PHI / N, 8 * PHI / N, 0), 3 * RING, 3),
+    # a PS worker holds parameters and gradients; it pushes S and pulls S every step (split over servers)
+    "ps-sync": ({"mode": "sync"}, (4 * PHI, 4 * PHI, 0, 0), S, 2),
+    "ps-async": ({"mode": "async"}, (4 * PHI, 4 * PHI, 0, 0), S, 2),
+    "ps-ssp": ({"mode": "ssp"}, (4 * PHI, 4 * PHI, 0, 0), S, 2),
+    # GEO: a local optimizer and the last synced fp32 model; one push and one pull every k_steps steps
+    "ps-geo": ({"mode": "geo", "k_steps": 4}, (4 * PHI, 4 * PHI, 8 * PHI, 4 * PHI), S / 4, 2 / 4),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_predict_matches_the_formulas(case):
+    backend, memory, sent, rounds = CASES[case]
+    kind = case.split("-")[0].rstrip("123")
+    p = theory.predict(cfg(kind, **dict(backend)), PHI)
+    m = p.memory_per_rank
+    assert (m.params, m.grads, m.optimizer, m.buffers) == pytest.approx(memory), case
+    assert (p.worker.sent, p.worker.received) == pytest.approx((sent, sent)), case
+    assert p.rounds == pytest.approx(rounds), case
+    if kind == "ps":
+        every = backend.get("k_steps", 1) if backend["mode"] == "geo" else 1
+        # every worker's push reaches the servers, each taking its 1/SERVERS share
+        assert (p.server.received, p.server.sent) == pytest.approx((N * S / SERVERS / every,) * 2)
+        # a server keeps fp32 parameters, (except GEO, which adds deltas) AdamW's two fp32 moments, and in
+        # sync an fp32 accumulator for the round's pushes
+        per_param = {"sync": 4 + 8 + 4, "async": 4 + 8, "ssp": 4 + 8, "geo": 4}[backend["mode"]]
+        assert p.server_memory == pytest.approx(per_param * PHI / SERVERS)
+    else:
+        assert p.server is None and p.server_memory is None
+
+
+def test_every_registered_backend_kind_is_covered():
+    assert {c.split("-")[0].rstrip("123") for c in CASES} == set(BACKENDS)
+
+
+def test_server_buffers_follow_the_mode():
+    """GEO with a barrier sums a round's deltas; delay compensation keeps each worker's last-sent version."""
+    geo = theory.predict(cfg("ps", mode="geo", k_steps=4, geo_barrier=True), PHI)
+    assert geo.server_memory == pytest.approx((4 + 4) * PHI / SERVERS)
+    dc = theory.predict(cfg("ps", mode="async", staleness_compensation="dc"), PHI)
+    assert dc.server_memory == pytest.approx((4 + 8 + 4 * N) * PHI / SERVERS)
+
+
+def test_precision_sets_the_wire_and_the_masters():
+    """bf16: 2-byte parameters, gradients and wire; K = 12 with the fp32 master copy; servers stay fp32."""
+    p = theory.predict(cfg("zero", stage=2, precision="bf16"), PHI)
+    assert (p.memory_per_rank.params, p.memory_per_rank.grads, p.memory_per_rank.optimizer) == \
+        pytest.approx((2 * PHI, 2 * PHI / N, 12 * PHI / N))
+    assert p.worker.sent == pytest.approx(2 * (N - 1) / N * 2 * PHI)
+    ps = theory.predict(cfg("ps", mode="sync", precision="bf16"), PHI)
+    assert ps.worker.sent == 2 * PHI and ps.server_memory == pytest.approx(16 * PHI / SERVERS)
+
+
+def test_summary_prediction_is_predict_itself():
+    """summary.json's `predicted` is predict's dict: GEO's k_steps is in it, not patched in afterwards."""
+    d = theory.predict(cfg("ps", mode="geo", k_steps=4), PHI).to_dict()
+    assert d["traffic_per_step"] == {"worker_sent": S / 4, "worker_received": S / 4,
+                                     "server_sent": N * S / SERVERS / 4, "server_received": N * S / SERVERS / 4}
+    assert d["server_memory"] == 4 * PHI / SERVERS and d["rounds_per_step"] == 0.5
+
+
+def test_unknown_kind_is_one_line():
+    with pytest.raises(ValueError, match="backend.kind = 'horovod': unknown backend kind"):
+        theory.predict(cfg("horovod"), PHI)
