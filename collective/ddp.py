@@ -15,6 +15,7 @@ import torch
 
 from collective import make_communicator
 from collective.bucket import Bucket, assign_buckets
+from psarch.checkpoint.fragments import Pieces, master_fragments, restore_optimizer, scaler_state, share_of
 from psarch.config import Config
 from psarch.dist import DistContext
 from psarch.flat import FlatParams
@@ -27,6 +28,8 @@ from psarch.workload import Workload
 
 class DDPTrainer(Trainer):
     """Every rank holds the whole model; gradients are averaged by all-reduce each step."""
+
+    checkpoints = True
 
     synchronous = True
 
@@ -48,6 +51,8 @@ class DDPTrainer(Trainer):
         self._handles: list[Any] = []
         self._hooks = [p.register_post_accumulate_grad_hook(self._hook(i)) for i, p in enumerate(params)]
         self.optim = MixedPrecisionOptimizer([self.flat.data], cfg.train, cfg.train.precision)
+        names = {id(p): n for n, p in self.model.named_parameters()}
+        self._layout = [(names[id(p)], p.shape, o) for p, o in zip(self.flat.params, self.flat.offsets)]
 
     def _hook(self, i: int):
         def on_grad_ready(param: torch.Tensor) -> None:
@@ -105,6 +110,18 @@ class DDPTrainer(Trainer):
         with torch.no_grad():
             self.flat.data.copy_(flat)
         self.optim.load_state_dict(state["optim"])
+
+    def checkpoint_pieces(self, writing: bool = True) -> Pieces:
+        """Every rank holds every parameter; when writing, each writes its share."""
+        frags = self._fragments()
+        return Pieces(share_of(frags, self.ctx.rank, self.n) if writing else frags,
+                      {n: tuple(s) for n, s, _ in self._layout[::-1]}, scaler_state(self.optim.scaler))
+
+    def _fragments(self) -> list:
+        return master_fragments(self.optim, 0, self._layout, 0, self.flat.numel)
+
+    def load_checkpoint(self, ckpt) -> None:
+        restore_optimizer(self.optim, ckpt, self._fragments)
 
     def memory(self) -> MemoryReport:
         peak, kind = peak_memory(self.ctx.device)

@@ -7,6 +7,7 @@ from typing import Any
 import torch
 from torch.nn.parallel import DistributedDataParallel
 
+from psarch.checkpoint.fragments import Pieces, master_fragments, restore_optimizer, scaler_state, share_of
 from psarch.config import Config
 from psarch.dist import DistContext
 from psarch.meters import TrafficMeter, peak_memory, tensor_bytes
@@ -18,6 +19,8 @@ from psarch.workload import Workload
 
 class TorchDDPTrainer(Trainer):
     """torch DDP with its defaults, `bucket_cap_mb` from the config; traffic is the ring volume, modelled."""
+
+    checkpoints = True
 
     synchronous = True
 
@@ -31,6 +34,8 @@ class TorchDDPTrainer(Trainer):
         self.optim = MixedPrecisionOptimizer(self.params, cfg.train, cfg.train.precision)
         self.meter = TrafficMeter(modelled=True)
         self.payload = sum(p.numel() * p.element_size() for p in self.params)
+        names = {id(p): n for n, p in module.named_parameters()}
+        self.named = [(names[id(p)], p) for p in self.params]
 
     def step(self, batch: Any) -> StepStats:
         for p in self.params:
@@ -52,6 +57,19 @@ class TorchDDPTrainer(Trainer):
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.model.module.load_state_dict(state["model"])
         self.optim.load_state_dict(state["optim"])
+
+    def checkpoint_pieces(self, writing: bool = True) -> Pieces:
+        """Replicated, like psarch's DDP: when writing, each rank writes its share."""
+        frags = self._fragments()
+        return Pieces(share_of(frags, self.ctx.rank, self.ctx.world_size) if writing else frags,
+                      {n: tuple(p.shape) for n, p in self.named}, scaler_state(self.optim.scaler))
+
+    def _fragments(self) -> list:
+        return [f for i, (name, p) in enumerate(self.named)
+                for f in master_fragments(self.optim, i, [(name, p.shape, 0)], 0, p.numel())]
+
+    def load_checkpoint(self, ckpt) -> None:
+        restore_optimizer(self.optim, ckpt, self._fragments)
 
     def memory(self) -> MemoryReport:
         peak, kind = peak_memory(self.ctx.device)

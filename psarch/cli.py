@@ -17,6 +17,11 @@ def main(argv: list[str] | None = None) -> int:
                        help="override a config key (repeatable); the value is read as TOML")
     p_run.add_argument("--out", help="run folder (default: runs/<name>)")
     p_run.add_argument("--quiet", action="store_true", help="no progress lines")
+    start = p_run.add_mutually_exclusive_group()
+    start.add_argument("--resume", metavar="RUN_DIR",
+                       help="continue that run from its latest complete checkpoint to train.steps")
+    start.add_argument("--from", dest="start", metavar="CHECKPOINT_DIR",
+                       help="a new run starting from that checkpoint's state and step, under this config")
     p_run.add_argument("--rerun", action="store_true", help="sweeps: run points whose outputs already exist")
     sub.add_parser("keys", help="list every config key with its default and meaning")
     p_srv = sub.add_parser("server", help="run one parameter server standalone (multi-machine ps runs)")
@@ -118,7 +123,7 @@ def _run(args: argparse.Namespace) -> int:
     from psarch.launch import RunError, run
 
     try:
-        run(cfg, args.out, echo=not args.quiet)
+        run(cfg, args.resume or args.out, echo=not args.quiet, resume=args.resume is not None, start=args.start)
     except (RunError, ConfigError, RuntimeError, OSError, ValueError) as e:
         print(f"psarch: run {cfg.name!r} failed: {e}", file=sys.stderr)
         if os.environ.get("PSARCH_DEBUG"):

@@ -129,6 +129,8 @@ class TrainConfig:
     precision: str = _f("fp32", "compute precision; bf16/fp16 keep fp32 master weights", choices=("fp32", "bf16", "fp16"))
     log_every: int = _f(10, "print a progress line every this many steps", min=1)
     warmup_steps: int = _f(-1, "steps left out of timing medians (-1: min(5, steps // 5))", min=-1)
+    checkpoint_every: int = _f(0, "write a checkpoint under <run>/checkpoints/ every this many steps (0: never)", min=0)
+    keep_checkpoints: int = _f(0, "keep only the newest this many checkpoints (0: all)", min=0)
 
 
 # Which backends read an option (the `applies` of _f): one place for the launcher's check, the sweep's

@@ -8,6 +8,7 @@ import multiprocessing as mp
 import os
 import sys
 import traceback
+from dataclasses import dataclass
 from datetime import timedelta
 from multiprocessing.connection import wait
 from pathlib import Path
@@ -17,29 +18,38 @@ import torch
 import torch.distributed as dist
 
 from psarch import outputs
-from psarch.config import Config, check_machine, from_dict
+from psarch.checkpoint.start import CHECKPOINTS, starting_checkpoint
+from psarch.config import Config, ConfigError, check_machine, from_dict
 from psarch.dist import init_rank, shutdown, under_torchrun
 from psarch.errors import NON_FINITE_EXIT, NonFiniteError, RunError
 from psarch.registry import trainer_class
 from psarch.runner import run_rank
 
 
-def run(cfg: Config, out: str | Path | None = None, echo: bool = True) -> dict[str, Any]:
-    """Run one experiment and return its summary. Every rank (and service) is started here."""
+def run(cfg: Config, out: str | Path | None = None, echo: bool = True, resume: bool = False,
+        start: str | Path | None = None) -> dict[str, Any]:
+    """Run one experiment and return its summary. Every rank (and service) is started here. With `resume`,
+    continue the run in `out` from its latest complete checkpoint; with `start`, begin from that checkpoint."""
     check_machine(cfg)  # a missing GPU or text file: one ConfigError now, not a traceback in every rank
     out_dir = Path(out or cfg.out or Path("runs") / cfg.name)
     cls = trainer_class(cfg.backend.kind)
+    if (cfg.train.checkpoint_every or resume or start is not None) and not cls.checkpoints:
+        raise ConfigError(f"backend.kind = {cfg.backend.kind!r} cannot write or read checkpoints yet "
+                          f"(train.checkpoint_every, --resume, --from)")
+    ckpt = starting_checkpoint(cfg, out_dir, resume, start)  # verified before anything is written or started
+    plan = _Plan(out_dir / CHECKPOINTS if cfg.train.checkpoint_every else None,
+                 ckpt.path if ckpt is not None else None, resume)
     if under_torchrun():
-        return _run_under_torchrun(cfg, cls, out_dir, echo)
-    outputs.prepare(out_dir, cfg)
+        return _run_under_torchrun(cfg, cls, out_dir, echo, plan)
+    outputs.prepare(out_dir, cfg, keep_checkpoints=ckpt is not None)
     services = cls.start_services(cfg, out_dir)
     try:
         info = services.info if services is not None else {}
         n = cfg.backend.world_size
         if n == 1:
-            _run_in_process(cfg, cls, out_dir, info, echo)
+            _run_in_process(cfg, cls, out_dir, info, echo, plan)
         else:
-            _spawn(cfg, cls, out_dir, info, echo, services)
+            _spawn(cfg, cls, out_dir, info, echo, services, plan)
         extra = services.finish() if services is not None else None
     finally:
         if services is not None:
@@ -47,12 +57,25 @@ def run(cfg: Config, out: str | Path | None = None, echo: bool = True) -> dict[s
     return outputs.finalize(out_dir, cfg, extra, echo)
 
 
+@dataclass(frozen=True)
+class _Plan:
+    """Where ranks write checkpoints (None: nowhere), the checkpoint they start from (None: step 0), and
+    whether that start resumes the run (its metric rows carried on) or forks it."""
+
+    checkpoints: Path | None
+    start: Path | None
+    resume: bool
+
+    def kwargs(self) -> dict[str, Any]:
+        return {"checkpoints": self.checkpoints, "start": self.start, "resume": self.resume}
+
+
 def _threads(world: int) -> int:
     env = os.environ.get("PSARCH_THREADS")
     return int(env) if env else max(1, (os.cpu_count() or 1) // world)
 
 
-def _run_in_process(cfg: Config, cls: type, out: Path, info: dict, echo: bool) -> None:
+def _run_in_process(cfg: Config, cls: type, out: Path, info: dict, echo: bool, plan: _Plan) -> None:
     store = None
     if cls.needs_process_group:
         store = dist.TCPStore("127.0.0.1", 0, 1, is_master=True, wait_for_workers=False,
@@ -60,13 +83,13 @@ def _run_in_process(cfg: Config, cls: type, out: Path, info: dict, echo: bool) -
     ctx = init_rank(cfg, 0, 1, 0, 1, store, needs_group=store is not None)
     ctx.services = info
     try:
-        outputs.save_record(out, run_rank(cfg, ctx, echo=echo))
+        outputs.save_record(out, run_rank(cfg, ctx, echo=echo, **plan.kwargs()))
     finally:
         shutdown(ctx)
 
 
 def _rank_main(cfg_dict: dict, rank: int, world: int, port: int, out: str, info: dict, threads: int,
-               needs_group: bool, echo: bool) -> None:
+               needs_group: bool, echo: bool, plan: _Plan) -> None:
     out_dir = Path(out)
     try:
         torch.set_num_threads(threads)
@@ -75,7 +98,7 @@ def _rank_main(cfg_dict: dict, rank: int, world: int, port: int, out: str, info:
                               timeout=timedelta(seconds=cfg.backend.timeout_s)) if needs_group else None
         ctx = init_rank(cfg, rank, world, rank, world, store, needs_group=needs_group)
         ctx.services = info
-        outputs.save_record(out_dir, run_rank(cfg, ctx, echo=echo))
+        outputs.save_record(out_dir, run_rank(cfg, ctx, echo=echo, **plan.kwargs()))
         shutdown(ctx)
     except BaseException as e:  # report every failure, KeyboardInterrupt included, then exit non-zero
         # the file's mtime says when, so the launcher can tell the first failure from its echoes
@@ -85,7 +108,7 @@ def _rank_main(cfg_dict: dict, rank: int, world: int, port: int, out: str, info:
         os._exit(NON_FINITE_EXIT if isinstance(e, NonFiniteError) else 1)
 
 
-def _spawn(cfg: Config, cls: type, out: Path, info: dict, echo: bool, services: Any) -> None:
+def _spawn(cfg: Config, cls: type, out: Path, info: dict, echo: bool, services: Any, plan: _Plan) -> None:
     n = cfg.backend.world_size
     needs_group = cls.needs_process_group
     store = dist.TCPStore("127.0.0.1", 0, n + 1, is_master=True, wait_for_workers=False,
@@ -93,7 +116,7 @@ def _spawn(cfg: Config, cls: type, out: Path, info: dict, echo: bool, services: 
     port = store.port if store is not None else 0
     ctx = mp.get_context("spawn")
     procs = [ctx.Process(target=_rank_main, name=f"psarch-rank{r}",
-                         args=(cfg.to_dict(), r, n, port, str(out), info, _threads(n), needs_group, echo))
+                         args=(cfg.to_dict(), r, n, port, str(out), info, _threads(n), needs_group, echo, plan))
              for r in range(n)]
     try:
         for p in procs:
@@ -142,7 +165,7 @@ def _rank_error(out: Path, rank: int, code: int) -> str:
     return f"rank {rank} exited with code {code} (killed: out of memory, or a signal?)"
 
 
-def _run_under_torchrun(cfg: Config, cls: type, out: Path, echo: bool) -> dict[str, Any]:
+def _run_under_torchrun(cfg: Config, cls: type, out: Path, echo: bool, plan: _Plan) -> dict[str, Any]:
     """One rank of a torchrun job. Services (the parameter servers of `ps` without
     backend.server_addresses) are started by rank 0, which is also worker 0, as `psarch run` starts
     them; their addresses reach every rank as JSON over the process group (no pickle) before any
@@ -156,7 +179,7 @@ def _run_under_torchrun(cfg: Config, cls: type, out: Path, echo: bool) -> dict[s
     services = None
     try:
         if rank == 0:
-            outputs.prepare(out, cfg)
+            outputs.prepare(out, cfg, keep_checkpoints=plan.start is not None)
         ctx = init_rank(cfg, rank, world, local_rank, local_world, None, launched_by="torchrun",
                         needs_group=True)
         # every rank takes part in the gather: only rank 0 knows whether the backend started services
@@ -167,7 +190,7 @@ def _run_under_torchrun(cfg: Config, cls: type, out: Path, echo: bool) -> dict[s
             if "addresses" in info:
                 info["addresses"] = [_reachable(a) for a in info["addresses"]]
         ctx.services = _gather_json(ctx, info)[0]
-        record = run_rank(cfg, ctx, echo=echo)
+        record = run_rank(cfg, ctx, echo=echo, **plan.kwargs())
         state = record.pop("model_state", None)
         records = _gather_json(ctx, record)   # every rank is done with the servers past this point
         extra = None

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 import statistics
 from pathlib import Path
 from typing import Any
@@ -16,9 +17,12 @@ from psarch.units import fmt_bytes
 RANKS_DIR = "ranks"
 
 
-def prepare(out: Path, cfg: Config) -> None:
-    """Create the run folder, write the resolved config, clear per-rank leftovers of an earlier run."""
+def prepare(out: Path, cfg: Config, keep_checkpoints: bool = False) -> None:
+    """Create the run folder, write the resolved config, clear per-rank leftovers of an earlier run (and its
+    checkpoints, unless this run starts from one: a later --resume must never pick an older run's)."""
     (out / RANKS_DIR).mkdir(parents=True, exist_ok=True)
+    if not keep_checkpoints:
+        shutil.rmtree(out / "checkpoints", ignore_errors=True)
     for f in (out / RANKS_DIR).iterdir():
         f.unlink()
     for name in ("summary.json", "metrics.jsonl", "model.pt", "report.txt"):
@@ -47,9 +51,10 @@ def finalize(out: Path, cfg: Config, extra: dict[str, Any] | None = None, echo: 
     if not records:
         raise RuntimeError(f"{out}: no rank left a record")
     steps = cfg.train.steps
+    by_step = [{x["step"]: x for x in r["rows"]} for r in records]  # a run started from a checkpoint starts late
     with open(out / "metrics.jsonl", "w") as f:
         for s in range(steps):
-            per = [r["rows"][s] for r in records if s < len(r["rows"])]
+            per = [rows[s] for rows in by_step if s in rows]
             if not per:
                 continue
             # workers_sent/received: bytes all workers together sent/received in this step
@@ -79,8 +84,8 @@ def finalize(out: Path, cfg: Config, extra: dict[str, Any] | None = None, echo: 
         "final_loss": final_loss, "entropy_floor": floor,
         "gap": final_loss - floor if floor is not None else None,
         "step_time_s": step_time, "samples_per_s": cfg.train.global_batch / step_time,
-        "comm_s": statistics.median([statistics.fmean(r["rows"][s]["comm_s"] for r in records if s < len(r["rows"]))
-                                     for s in range(w, len(rows))] or [0.0]),
+        "comm_s": statistics.median([statistics.fmean(b[r["step"]]["comm_s"] for b in by_step if r["step"] in b)
+                                     for r in rows[w:]] or [0.0]),
         "skipped_steps": sum(1 for r in rows if r["skipped"]),
         "device": records[0]["device"], "dist_backend": records[0]["dist_backend"],
         "memory": {"per_rank": [dict(r["memory"], rank=r["rank"]) for r in records]},

@@ -3,10 +3,12 @@ from __future__ import annotations
 
 import statistics
 import time
+from pathlib import Path
 from typing import Any
 
 import torch
 
+from psarch import checkpoint
 from psarch.config import Config
 from psarch.dist import DistContext
 from psarch.errors import check_loss
@@ -36,20 +38,34 @@ def warmup_steps(cfg: Config) -> int:
     return min(5, cfg.train.steps // 5) if w < 0 else min(w, cfg.train.steps - 1)
 
 
-def run_rank(cfg: Config, ctx: DistContext, workload: Workload | None = None, echo: bool = True) -> dict[str, Any]:
-    """Train for `train.steps` steps on this rank; returns the rank's record (rows, memory, traffic, model)."""
+def run_rank(cfg: Config, ctx: DistContext, workload: Workload | None = None, echo: bool = True,
+             checkpoints: Path | None = None, start: Path | None = None, resume: bool = False) -> dict[str, Any]:
+    """Train up to step `train.steps` on this rank, from step 0 or from checkpoint `start`'s step and state
+    (with `resume`, also its metric rows), writing a checkpoint under `checkpoints` every
+    `train.checkpoint_every` steps; returns the rank's record (rows, memory, traffic, model)."""
     workload = workload or build_workload(cfg)
     params = sum(p.numel() for p in workload.model.parameters())  # before a backend shards the model
+    ckpt = None
+    if start is not None:  # the launcher verified sizes and checksums; check the model before building
+        ckpt = checkpoint.Checkpoint(start)
+        ckpt.check_model({n: tuple(p.shape) for n, p in workload.model.named_parameters() if p.requires_grad})
+        ckpt.check_optimizer(cfg.train.optimizer)
     trainer = trainer_class(cfg.backend.kind)(workload, cfg, ctx)
+    first = 0
+    if ckpt is not None:
+        trainer.load_checkpoint(ckpt)
+        ckpt.close()
+        first = ckpt.step  # data is a function of (seed, step): continuing the step continues the data
+    every = cfg.train.checkpoint_every if checkpoints is not None else 0
     cast = None if cfg.train.precision == "fp32" else compute_dtype(cfg.train.precision)  # fp32: batches as given
     sync = ctx.device.type == "cuda"
-    rows: list[dict[str, Any]] = []
+    rows: list[dict[str, Any]] = ckpt.rows(ctx.rank) if ckpt is not None and resume else []
     log_every, steps = cfg.train.log_every, cfg.train.steps
     tr0 = trainer.traffic()  # set-up traffic (e.g. the initial broadcast) is not any step's
     last_sent, last_recv = tr0.sent, tr0.received
     interval_t0 = time.perf_counter()
     try:
-        for step in range(steps):
+        for step in range(first, steps):
             batch = to_device(workload.batch(step, ctx.rank, ctx.world_size), ctx.device, cast)
             if sync:
                 torch.cuda.synchronize(ctx.device)
@@ -75,6 +91,9 @@ def run_rank(cfg: Config, ctx: DistContext, workload: Workload | None = None, ec
                               statistics.fmean(r["sent"] for r in interval), sum(r["skipped"] for r in interval),
                               stats)
                 interval_t0 = time.perf_counter()
+            if every and (step + 1) % every == 0:
+                checkpoint.save(trainer.checkpoint_pieces(), ctx, checkpoints, step + 1, cfg.to_dict(),
+                                cfg.train.keep_checkpoints, rows)
         model_state = trainer.full_state_dict()
         memory = trainer.memory().to_dict()
         traffic = trainer.traffic().to_dict()

@@ -5,6 +5,7 @@ from typing import Any
 
 import torch
 
+from psarch.checkpoint.fragments import Pieces, master_fragments, restore_optimizer, scaler_state
 from psarch.config import Config
 from psarch.dist import DistContext
 from psarch.flat import FlatParams
@@ -21,6 +22,8 @@ class SingleTrainer(Trainer):
     optimizer step (one fused kernel) and, in bf16/fp16, the cast to and from the fp32 masters are one
     operation each, not one per parameter."""
 
+    checkpoints = True
+
     needs_process_group = False   # one process: nothing to synchronise with
 
     def __init__(self, workload: Workload, cfg: Config, ctx: DistContext) -> None:
@@ -30,6 +33,8 @@ class SingleTrainer(Trainer):
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         self.flat = FlatParams(self.params)
         self.optim = MixedPrecisionOptimizer([self.flat.data], cfg.train, cfg.train.precision)
+        names = {id(p): n for n, p in self.model.named_parameters()}
+        self._layout = [(names[id(p)], p.shape, o) for p, o in zip(self.flat.params, self.flat.offsets)]
 
     def step(self, batch: Any) -> StepStats:
         self.flat.zero_grad()
@@ -48,6 +53,17 @@ class SingleTrainer(Trainer):
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.model.load_state_dict(state["model"])
         self.optim.load_state_dict(state["optim"])
+
+    def checkpoint_pieces(self, writing: bool = True) -> Pieces:
+        """Every parameter, from the one flat fp32 master."""
+        return Pieces(self._fragments(), {n: tuple(shape) for n, shape, _ in self._layout},
+                      scaler_state(self.optim.scaler))
+
+    def _fragments(self) -> list:
+        return master_fragments(self.optim, 0, self._layout, 0, self.flat.numel)
+
+    def load_checkpoint(self, ckpt) -> None:
+        restore_optimizer(self.optim, ckpt, self._fragments)
 
     def memory(self) -> MemoryReport:
         peak, kind = peak_memory(self.ctx.device)

@@ -2,9 +2,12 @@
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
-from typing import Any, ClassVar, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, ClassVar, Protocol, runtime_checkable
 
 import torch
+
+if TYPE_CHECKING:
+    from psarch.checkpoint import Checkpoint, Pieces
 
 
 @dataclass
@@ -95,12 +98,18 @@ class Trainer(Protocol):
     # The launcher creates a torch.distributed group for the ranks (a PS's workers must not share one:
     # a group hangs when one member dies, and async modes go on without a lost worker).
     needs_process_group: ClassVar[bool] = True
+    # The backend writes and reads checkpoints (checkpoint_pieces / load_checkpoint below).
+    checkpoints: ClassVar[bool] = False
 
     def step(self, batch: Any) -> StepStats: ...
     def full_state_dict(self) -> dict[str, torch.Tensor]: ...
     def state_dict(self) -> dict[str, Any]: ...
     def load_state_dict(self, state: dict[str, Any]) -> None: ...
     def memory(self) -> MemoryReport: ...
+    # Checkpoints (psarch.checkpoint), by parameter name and flat offset, not by the backend's layout:
+    # the fragments this rank writes (writing=True; replicated state is split among ranks) or holds.
+    def checkpoint_pieces(self, writing: bool = True) -> "Pieces": ...
+    def load_checkpoint(self, ckpt: "Checkpoint") -> None: ...   # fill what this rank holds from any checkpoint
     def traffic(self) -> TrafficReport: ...
     def close(self) -> None: ...
 

@@ -142,3 +142,33 @@ def nan_loss_on_last_shard_at_step_3(cfg) -> psarch.Workload:
         return (torch.full_like(x, float("nan")), y) if (step, shard) == (3, num_shards - 1) else (x, y)
 
     return psarch.Workload(wl.model, wl.loss_fn, batch, wl.entropy_floor, "nan-at-step-3")
+
+
+def overflow_on_steps_2_and_3(cfg) -> psarch.Workload:
+    """Small-valued regression whose targets at steps 2 and 3 are huge, so fp16 gradients overflow there:
+    a function of the step (not of calls), so a run resumed in between overflows at the same steps."""
+    wl = regression(cfg, scale=1e-3)
+
+    def batch(step: int, shard: int, num_shards: int):
+        x, y = wl.batch(step, shard, num_shards)
+        return x, y * 1e30 if step in (2, 3) else y
+
+    return psarch.Workload(wl.model, wl.loss_fn, batch, wl.entropy_floor, "overflow-2-3")
+
+
+def hangs_at_step(cfg) -> psarch.Workload:
+    """Regression that, when $PSARCH_TEST_HANG_AT names a step, touches $PSARCH_TEST_MARKER and sleeps
+    there: a run a test can SIGKILL between checkpoints."""
+    import os
+    import time
+
+    wl = regression(cfg)
+    hang = int(os.environ.get("PSARCH_TEST_HANG_AT", "-1"))
+
+    def batch(step: int, shard: int, num_shards: int):
+        if step == hang:
+            open(os.environ["PSARCH_TEST_MARKER"], "w").close()
+            time.sleep(600)
+        return wl.batch(step, shard, num_shards)
+
+    return psarch.Workload(wl.model, wl.loss_fn, batch, wl.entropy_floor, "hangs")

@@ -16,6 +16,7 @@ from typing import Any
 import torch
 from torch.nn.parallel import DistributedDataParallel
 
+from psarch.checkpoint.fragments import PARAM, Fragment, Pieces, restore, whole_parameters
 from psarch.config import Config
 from psarch.dist import DistContext
 from psarch.meters import TrafficMeter, optimizer_state_bytes, peak_memory, tensor_bytes
@@ -43,6 +44,8 @@ def optimizer_spec(cfg: Config) -> tuple[type[torch.optim.Optimizer], dict[str, 
 
 class TorchZeroTrainer(Trainer):
     """torch DDP with ZeroRedundancyOptimizer over build_optimizer's optimizer."""
+
+    checkpoints = True
 
     synchronous = True
 
@@ -81,6 +84,24 @@ class TorchZeroTrainer(Trainer):
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.model.module.load_state_dict(state["model"])
         self.optim.optim.load_state_dict(state["optim_local"])
+
+    def checkpoint_pieces(self, writing: bool = True) -> Pieces:
+        """Each rank writes the parameters whose optimizer state it owns (ZeroRedundancyOptimizer's
+        partition); it holds every parameter's value besides."""
+        names = {id(p): n for n, p in self.model.module.named_parameters()}
+        owned = self._owned()
+        frags = whole_parameters(self.optim.optim, owned, [(names[id(p)], p) for p in owned])
+        if not writing:
+            mine = {id(p) for p in owned}
+            frags += [Fragment(names[id(p)], tuple(p.shape), 0, {PARAM: p.detach().view(-1)}, holder=-1)
+                      for p in self.params if id(p) not in mine]
+        return Pieces(frags, {names[id(p)]: tuple(p.shape) for p in self.params})
+
+    def _owned(self) -> list[torch.Tensor]:
+        return [p for g in self.optim.optim.param_groups for p in g["params"]]
+
+    def load_checkpoint(self, ckpt) -> None:
+        restore(self.optim.optim, self._owned(), ckpt, lambda: self.checkpoint_pieces(writing=False).fragments)
 
     def memory(self) -> MemoryReport:
         peak, kind = peak_memory(self.ctx.device)

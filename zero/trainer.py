@@ -19,6 +19,7 @@ from typing import Any
 import torch
 
 from collective import make_communicator
+from psarch.checkpoint.fragments import Pieces, master_fragments, restore_optimizer, scaler_state
 from psarch.config import Config
 from psarch.dist import DistContext
 from psarch.meters import peak_memory, tensor_bytes
@@ -34,6 +35,8 @@ from zero.units import SavedActivationMeter, checkpoint_units, find_units
 
 class ZeroTrainer(Trainer):
     """ZeRO data parallelism: optimizer state (stage 1), + gradients (2), + parameters (3) partitioned."""
+
+    checkpoints = True
 
     synchronous = True
 
@@ -57,6 +60,7 @@ class ZeroTrainer(Trainer):
                 [p for p in self.model.parameters() if p.requires_grad], self.comm, b.reduce_bucket_size,
                 b.overlap_comm, b.allgather_bucket_size, unit_of)
         self.optim = MixedPrecisionOptimizer(self.engine.param_shards(), cfg.train, cfg.train.precision)
+        self.names = {id(p): n for n, p in self.model.named_parameters()}
         self.activations = SavedActivationMeter(self._param_storages) if b.measure_activations else None
         self._hooks = []
         if self.activations is not None and b.activation_checkpointing:
@@ -125,6 +129,28 @@ class ZeroTrainer(Trainer):
         with torch.no_grad():
             held.copy_(state["params"])
         self.optim.load_state_dict(state["optim"])
+
+    def checkpoint_pieces(self, writing: bool = True) -> Pieces:
+        """This rank's chunk of every group, by parameter name: each rank writes (and holds) its own shard."""
+        held = {id(p) for p in self.params}
+        params = {n: tuple(p.shape) for n, p in self.model.named_parameters() if id(p) in held}
+        return Pieces(self._fragments(), params, scaler_state(self.optim.scaler))
+
+    def _fragments(self) -> list:
+        part, r = self.engine.part, self.ctx.rank
+        out = []
+        for g in part.groups:
+            layout = [(self.names[id(p)], p.shape, o) for p, o in zip(g.params, g.offsets)]
+            # stages 1-2: the optimizer was given one chunk per group; stage 3: one tensor, the whole shard
+            i, base = (0, g.shard_start) if self.stage == 3 else (g.index, 0)
+            out += master_fragments(self.optim, i, layout, r * g.chunk, (r + 1) * g.chunk, base)
+        return out
+
+    def load_checkpoint(self, ckpt) -> None:
+        """Fill this rank's chunks from any checkpoint; stages 1-2 then all-gather the full parameters (collective)."""
+        restore_optimizer(self.optim, ckpt, self._fragments)
+        if self.stage < 3:
+            self.engine.gather_params()
 
     # ---- reports
 

@@ -1,0 +1,150 @@
+"""Read a checkpoint: verify it against its metadata, check it fits a model, fill any rank's fragments.
+
+The metadata is JSON and the data files raw tensors, so nothing is unpickled, whoever wrote the folder."""
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+from typing import Any, BinaryIO, Iterator
+
+import torch
+
+from psarch.checkpoint.fragments import PARAM, Fragment
+from psarch.checkpoint.writer import FORMAT, METADATA, VERSION
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that is missing, incomplete, corrupted, or does not fit the model."""
+
+
+def latest_complete(root: str | Path) -> Path | None:
+    """The newest `step_*` folder under `root` (a run's checkpoints/ folder) with its metadata written, or None.
+    A kill mid-write leaves only a `.tmp_step_*` folder, which is never picked."""
+    done = sorted(p for p in Path(root).glob("step_*") if (p / METADATA).is_file())
+    return done[-1] if done else None
+
+
+class Checkpoint:
+    """One checkpoint folder, opened by its metadata.json."""
+
+    def __init__(self, path: str | Path) -> None:
+        self.path = Path(path)
+        try:
+            meta = json.loads((self.path / METADATA).read_text())
+        except FileNotFoundError:
+            raise CheckpointError(f"{self.path}: no {METADATA} (not a checkpoint, or one not completely written)") from None
+        except (ValueError, UnicodeDecodeError) as e:
+            raise CheckpointError(f"{self.path / METADATA}: not valid JSON ({e})") from None
+        if meta.get("format") != FORMAT or meta.get("version") != VERSION:
+            raise CheckpointError(f"{self.path}: format {meta.get('format')!r} version {meta.get('version')!r}, "
+                                  f"expected {FORMAT!r} version {VERSION}")
+        self.meta = meta
+        self.step: int = meta["step"]
+        self.params: dict[str, dict[str, Any]] = meta["params"]
+        self.state_keys: list[str] = meta["state_keys"]
+        self.config: dict[str, Any] = meta["config"]
+        self.state: dict[str, Any] = meta["state"]
+        self._index: dict[tuple[str, str], list[dict[str, Any]]] = {}
+        for e in meta["fragments"]:
+            self._index.setdefault((e["name"], e["key"]), []).append(e)
+        for entries in self._index.values():
+            entries.sort(key=lambda e: e["offset"])
+        self._files: dict[str, BinaryIO] = {}
+
+    def verify(self) -> None:
+        """Every data file present, of the size and sha256 the metadata records."""
+        for name, info in self.meta["files"].items():
+            path = self.path / name
+            if not path.is_file():
+                raise CheckpointError(f"{path}: missing (the metadata lists it)")
+            size = path.stat().st_size
+            if size != info["bytes"]:
+                raise CheckpointError(f"{path}: {size} bytes, the metadata records {info['bytes']} (truncated?)")
+            digest = hashlib.sha256()
+            with open(path, "rb") as f:
+                for block in iter(lambda: f.read(1 << 22), b""):
+                    digest.update(block)
+            if digest.hexdigest() != info["sha256"]:
+                raise CheckpointError(f"{path}: sha256 differs from the metadata's (corrupted)")
+
+    def check_model(self, shapes: dict[str, tuple[int, ...]]) -> None:
+        """The model's parameters (name -> shape, in order) are the checkpoint's: else one line naming the first
+        that differs."""
+        for name, shape in shapes.items():
+            if name not in self.params:
+                raise CheckpointError(f"{self.path}: the model's parameter {name!r} is not in the checkpoint")
+            if list(shape) != self.params[name]["shape"]:
+                raise CheckpointError(f"{self.path}: parameter {name!r} has shape {list(shape)} in the model, "
+                                      f"{self.params[name]['shape']} in the checkpoint")
+        for name in self.params:
+            if name not in shapes:
+                raise CheckpointError(f"{self.path}: the checkpoint's parameter {name!r} is not in the model")
+
+    def check_optimizer(self, optimizer: str) -> None:
+        """The optimizer a config names is the one whose state the checkpoint holds."""
+        wrote = self.config.get("train", {}).get("optimizer")
+        if wrote != optimizer:
+            raise CheckpointError(f"train.optimizer = {optimizer!r}: the checkpoint {self.path} holds {wrote!r} state")
+
+    def scalars(self, name: str) -> dict[str, float]:
+        """The optimizer's numbers (AdamW's step) for parameter `name`."""
+        return self.params[name]["scalars"]
+
+    def read(self, name: str, key: str, lo: int, hi: int) -> torch.Tensor:
+        """Elements [lo, hi) of `key` (PARAM or an optimizer state) of the flattened parameter `name`, from
+        every stored fragment that overlaps them."""
+        out: torch.Tensor | None = None
+        filled = 0
+        for e in self._index.get((name, key), ()):
+            a, b = max(lo, e["offset"]), min(hi, e["offset"] + e["numel"])
+            if a >= b:
+                continue
+            dtype = getattr(torch, e["dtype"])
+            size = torch.empty((), dtype=dtype).element_size()
+            f = self._file(e["file"])
+            f.seek(e["byte_offset"] + (a - e["offset"]) * size)
+            data = f.read((b - a) * size)
+            if len(data) != (b - a) * size:
+                raise CheckpointError(f"{self.path / e['file']}: ends inside {name!r} {key} (truncated)")
+            part = torch.frombuffer(bytearray(data), dtype=dtype)
+            if out is None:
+                out = torch.empty(hi - lo, dtype=dtype)
+            out[a - lo:b - lo] = part
+            filled += b - a
+        if out is None or filled != hi - lo:
+            raise CheckpointError(f"{self.path}: {name!r} {key} elements [{lo}, {hi}) are not all stored")
+        return out
+
+    def fill(self, fragment: Fragment) -> None:
+        """Copy the checkpoint's values into every tensor of a fragment a rank holds."""
+        for key, t in fragment.tensors.items():
+            t.copy_(self.read(fragment.name, key, fragment.offset, fragment.offset + t.numel()))
+
+    def rows(self, rank: int) -> list[dict[str, Any]]:
+        """Rank `rank`'s metric rows of the steps before this checkpoint ([] if it wrote none)."""
+        path = self.path / f"rows{rank}.jsonl"
+        return [json.loads(line) for line in path.read_text().splitlines()] if path.is_file() else []
+
+    def close(self) -> None:
+        for f in self._files.values():
+            f.close()
+        self._files.clear()
+
+    def _file(self, name: str) -> BinaryIO:
+        if name not in self._files:
+            self._files[name] = open(self.path / name, "rb")
+        return self._files[name]
+
+
+def consolidated_state_dict(path: str | Path, verify: bool = True) -> Iterator[tuple[str, torch.Tensor]]:
+    """The checkpoint's fp32 parameters as (name, tensor) pairs in the model's order, read one parameter at a
+    time: `dict(consolidated_state_dict(p))` is a plain state_dict a model loads (parameters only)."""
+    ckpt = Checkpoint(path)
+    if verify:
+        ckpt.verify()
+    try:
+        for name, p in ckpt.params.items():
+            yield name, ckpt.read(name, PARAM, 0, p["numel"]).reshape(p["shape"])
+    finally:
+        ckpt.close()

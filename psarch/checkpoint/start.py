@@ -1,0 +1,43 @@
+"""Where a run starts: `--resume RUN_DIR` (its latest complete checkpoint) or `--from CHECKPOINT_DIR` (a fork),
+checked before any rank starts: files against the metadata, parameters against the config's model."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from psarch.checkpoint.reader import Checkpoint, CheckpointError, latest_complete
+from psarch.config import Config
+
+CHECKPOINTS = "checkpoints"   # the folder under a run folder that holds its checkpoints
+
+
+def starting_checkpoint(cfg: Config, run_dir: Path, resume: bool, start: str | Path | None) -> Checkpoint | None:
+    """The verified checkpoint a run starts from, or None for a run from step 0. Raises CheckpointError
+    (one line) when it is missing, incomplete, corrupted, or does not fit the config."""
+    if resume and start is not None:
+        raise CheckpointError("--resume and --from exclude each other: resume a run, or fork a checkpoint")
+    if resume:
+        found = latest_complete(run_dir / CHECKPOINTS)
+        if found is None:
+            raise CheckpointError(f"--resume {run_dir}: no complete checkpoint under {run_dir / CHECKPOINTS}")
+        start = found
+    if start is None:
+        return None
+    ckpt = Checkpoint(start)
+    ckpt.verify()
+    ckpt.check_model(model_shapes(cfg))
+    ckpt.check_optimizer(cfg.train.optimizer)
+    if ckpt.step >= cfg.train.steps:
+        raise CheckpointError(f"train.steps = {cfg.train.steps}: the checkpoint {ckpt.path} is at step {ckpt.step}, "
+                              f"nothing is left to run (raise train.steps)")
+    return ckpt
+
+
+def model_shapes(cfg: Config) -> dict[str, tuple[int, ...]]:
+    """The config's trainable parameters (name -> shape), built on the meta device: no memory, no data."""
+    from psarch.workload import build_workload
+
+    with torch.device("meta"):
+        model = build_workload(cfg).model
+    return {n: tuple(p.shape) for n, p in model.named_parameters() if p.requires_grad}

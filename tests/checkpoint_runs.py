@@ -1,0 +1,82 @@
+"""The runs test_checkpoint.py looks at, one spawned process group per world size (start-up is the cost):
+N=4 writes a ZeRO-3 checkpoint; N=2 checks bit-exact resume of ddp, zero 1-3 and the torch DDP/ZeRO-1 peers (fp32 and fp16 with its
+loss scaler) and forks the N=4 checkpoint onto ddp; N=3 forks a ZeRO-1 N=2 checkpoint onto ZeRO-3."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+import parity
+from parity import OPTIMIZERS
+from psarch.config import from_dict
+from psarch.dist import DistContext
+from psarch.runner import run_rank
+from zero_runs import TINY_GPT
+
+ZERO = {"kind": "zero", "reduce_bucket_size": 600, "allgather_bucket_size": 1500, "prefetch_bucket_size": 1500}
+BACKENDS = {"ddp-ring": {"kind": "ddp", "comm": "ring"}, "ddp-native": {"kind": "ddp", "comm": "native"},
+            **{f"zero{s}": dict(ZERO, stage=s) for s in (1, 2, 3)}, "torch_ddp": {"kind": "torch_ddp"},
+            "torch_zero": {"kind": "torch_zero"}}
+RESUMED = [f"{b}-{p}" for b in BACKENDS for p in ("fp32", "fp16") if (b, p) != ("torch_zero", "fp16")]  # fp32 only
+ROW_KEYS = ("step", "loss", "skipped", "loss_scale")
+
+
+def config(name: str, precision: str, backend: dict, n: int, **train) -> dict:
+    """fp32: the two-block tiny GPT under AdamW; fp16: a regression whose gradients overflow at steps 2 and
+    3, so the loss scaler's hysteresis and scale both matter across a checkpoint at step 3."""
+    if precision == "fp16":
+        backend = dict(backend, zero_units="") if backend["kind"] == "zero" else backend
+        return parity.config(name, TINY_GPT, workload={"factory": "factories:overflow_on_steps_2_and_3"},
+                             train=dict(OPTIMIZERS["sgd"], lr=0.05, precision="fp16", global_batch=8, **train),
+                             backend=dict(backend, world_size=n))
+    return parity.config(name, TINY_GPT, train=dict(OPTIMIZERS["adamw"], **train), backend=dict(backend, world_size=n))
+
+
+def _run(rank: int, n: int, data: dict, out: Path, checkpoints: Path | None = None, start: Path | None = None,
+         resume: bool = False) -> dict:
+    record = run_rank(from_dict(data), DistContext(rank, n, rank, torch.device("cpu"), "gloo"), echo=False,
+                      checkpoints=checkpoints, start=start, resume=resume)
+    if rank == 0:
+        torch.save(record["model_state"], out / f"{data['name']}.pt")
+    return {"rows": [{k: r.get(k) for k in ROW_KEYS} for r in record["rows"]]}
+
+
+def straight_and_resumed(rank: int, n: int, out: Path, name: str, precision: str, backend: dict) -> dict:
+    """6 steps straight with a checkpoint every 3; then from the step-3 checkpoint, resumed, to step 6."""
+    ckpts = out / name / "checkpoints"
+    straight = _run(rank, n, config(name, precision, backend, n, steps=6, checkpoint_every=3), out, ckpts)
+    resumed = _run(rank, n, config(f"{name}-resumed", precision, backend, n, steps=6), out,
+                   start=ckpts / "step_000003", resume=True)
+    return {"straight": straight["rows"], "resumed": resumed["rows"]}
+
+
+def world4(rank: int, n: int, out: str) -> dict:
+    o = Path(out)
+    _run(rank, n, config("z3n4", "fp32", dict(ZERO, stage=3), n, steps=6, checkpoint_every=3), o, o / "z3n4")
+    return {}
+
+
+def world2(rank: int, n: int, out: str) -> dict:
+    o = Path(out)
+    results = {}
+    for name in RESUMED:
+        backend, _, precision = name.rpartition("-")
+        results[name] = straight_and_resumed(rank, n, o, name, precision, BACKENDS[backend])
+    _run(rank, n, config("z3n4-to-ddp2", "fp32", BACKENDS["ddp-ring"], n, steps=6), o,
+         start=o / "z3n4" / "step_000003")
+    return results
+
+
+def world3(rank: int, n: int, out: str) -> dict:
+    o = Path(out)
+    _run(rank, n, config("z1n2-to-z3n3", "fp32", dict(ZERO, stage=3), n, steps=6), o,
+         start=o / "zero1-fp32" / "checkpoints" / "step_000003")
+    return {}
+
+
+def single(out: Path, name: str, start: Path) -> dict[str, torch.Tensor]:
+    """The single-process continuation from a checkpoint to step 6: the reference a fork is checked against."""
+    data = config(name, "fp32", {"kind": "single"}, 1, steps=6)
+    record = run_rank(from_dict(data), DistContext(), echo=False, start=start)
+    return record["model_state"]

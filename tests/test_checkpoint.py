@@ -1,0 +1,222 @@
+"""Checkpoints (psarch.checkpoint): bit-exact resume, resharding onto other backends and world sizes,
+crash recovery, and refusal of a checkpoint that is corrupted or does not fit the model.
+
+Bit-exact means equal bit for bit: a resumed run does the same arithmetic on the same state and data as
+the straight run. A fork onto another layout or world size changes only the order gradients are summed
+in, so it is held to tests/parity.py's tolerance against a single-process continuation."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+import checkpoint_runs as cr
+import parity
+from dist_utils import run_ranks
+from psarch import checkpoint
+from psarch.cli import main
+from psarch.config import from_dict
+from psarch.dist import DistContext
+from psarch.runner import run_rank
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    out = tmp_path_factory.mktemp("ckpt")
+    results = {}
+    for n, fn in ((4, cr.world4), (2, cr.world2), (3, cr.world3)):
+        results[n] = run_ranks(fn, n, str(out), timeout=300)
+    return out, results
+
+
+def _bitwise_equal(a: dict, b: dict) -> bool:
+    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+@pytest.mark.parametrize("name", cr.RESUMED)
+def test_resume_is_bit_exact(runs, name):
+    out, results = runs
+    straight, resumed = torch.load(out / f"{name}.pt"), torch.load(out / f"{name}-resumed.pt")
+    assert _bitwise_equal(straight, resumed), name
+    for rank in (0, 1):  # the same losses, skips and loss scales, and the rows before the checkpoint carried on
+        r = results[2][rank][name]
+        assert [x["step"] for x in r["resumed"]] == list(range(6))
+        assert r["resumed"] == r["straight"], (name, rank)
+    if name.endswith("fp16"):  # the scaler's state mattered: the overflow at step 3 halved the scale
+        assert [x["loss_scale"] for x in results[2][0][name]["straight"]][2:4] == [65536.0, 32768.0]
+
+
+def test_zero3_n4_continues_as_ddp_n2_and_as_single(runs):
+    out, _ = runs
+    reference = cr.single(out, "from-z3n4", out / "z3n4" / "step_000003")
+    parity.assert_same_model(torch.load(out / "z3n4-to-ddp2.pt"), reference, "zero-3 N=4 -> ddp N=2")
+    parity.assert_same_model(torch.load(out / "z3n4.pt"), reference, "zero-3 N=4 straight vs -> single")
+
+
+def test_zero1_n2_continues_as_zero3_n3(runs):
+    out, _ = runs
+    reference = cr.single(out, "from-z1n2", out / "zero1-fp32" / "checkpoints" / "step_000003")
+    parity.assert_same_model(torch.load(out / "z1n2-to-z3n3.pt"), reference, "zero-1 N=2 -> zero-3 N=3")
+
+
+def test_each_zero_rank_writes_its_own_shard(runs):
+    out, _ = runs
+    meta = json.loads((out / "z3n4" / "step_000003" / "metadata.json").read_text())
+    assert sorted(meta["files"]) == [f"rank{r}.bin" for r in range(4)]
+    sizes = [info["bytes"] for info in meta["files"].values()]
+    params = sum(p["numel"] for p in meta["params"].values())
+    # param + exp_avg + exp_avg_sq in fp32 over the model, split four ways (padding is not written)
+    assert sum(sizes) == 3 * 4 * params and max(sizes) < 3 * 4 * params / 4 * 1.5
+
+
+def test_consolidated_state_dict_is_the_model(runs):
+    out, _ = runs
+    state = dict(checkpoint.consolidated_state_dict(out / "z3n4" / "step_000006"))
+    assert _bitwise_equal(state, torch.load(out / "z3n4.pt"))
+    first = next(iter(checkpoint.consolidated_state_dict(out / "z3n4" / "step_000006")))
+    assert first[0] == "embed.weight"   # the model's order, one parameter at a time
+
+
+# ---- single process: the CLI, crash recovery, bad checkpoints
+
+
+@pytest.mark.parametrize("precision, optimizer", [("fp32", "adamw"), ("fp16", "sgd"), ("fp32", "adagrad")])
+def test_single_resume_is_bit_exact(tmp_path, precision, optimizer):
+    data = cr.config(f"single-{precision}", precision, {"kind": "single"}, 1, steps=6, checkpoint_every=3)
+    data["train"].update(optimizer=optimizer)   # adagrad: its `sum` state and step count
+    straight = run_rank(from_dict(data), DistContext(), echo=False, checkpoints=tmp_path)
+    resumed = run_rank(from_dict(data), DistContext(), echo=False, start=tmp_path / "step_000003", resume=True)
+    assert _bitwise_equal(straight["model_state"], resumed["model_state"])
+    keys = ("step", "loss", "skipped", "loss_scale")
+    assert [[r[k] for k in keys] for r in resumed["rows"]] == [[r[k] for k in keys] for r in straight["rows"]]
+
+
+def _toml(path: Path, data: dict) -> Path:
+    def value(v):
+        return json.dumps(v) if not isinstance(v, bool) else str(v).lower()
+    lines = [f"name = {json.dumps(data['name'])}", f"seed = {data['seed']}"]
+    for section in ("workload", "train", "backend"):
+        lines.append(f"[{section}]")
+        lines += [f"{k} = {value(v)}" for k, v in data.get(section, {}).items() if not isinstance(v, dict)]
+        for sub, vals in data.get(section, {}).items():
+            if isinstance(vals, dict):
+                lines.append(f"[{section}.{sub}]")
+                lines += [f"{k} = {value(v)}" for k, v in vals.items()]
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def _regression(name: str, **train) -> dict:
+    return parity.config(name, workload={"factory": "factories:hangs_at_step"},
+                         train=dict(parity.OPTIMIZERS["adamw"], **{"steps": 8, "checkpoint_every": 2, **train}))
+
+
+def test_sigkill_between_checkpoints_then_resume_ends_with_the_same_model(tmp_path):
+    cfg = _toml(tmp_path / "run.toml", _regression("crash"))
+    assert main(["run", str(cfg), "--out", str(tmp_path / "straight"), "--quiet"]) == 0
+    marker = tmp_path / "hung"
+    env = dict(os.environ, PSARCH_TEST_HANG_AT="5", PSARCH_TEST_MARKER=str(marker),
+               PYTHONPATH=os.pathsep.join(sys.path))
+    proc = subprocess.Popen([sys.executable, "-m", "psarch.cli", "run", str(cfg), "--out", str(tmp_path / "killed"),
+                             "--quiet"], env=env, start_new_session=True)
+    try:
+        deadline = time.time() + 120
+        while not marker.exists():
+            assert proc.poll() is None and time.time() < deadline, "the run ended before step 5"
+            time.sleep(0.1)
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+    killed = tmp_path / "killed"
+    assert checkpoint.latest_complete(killed / "checkpoints").name == "step_000004"
+    assert main(["run", str(cfg), "--resume", str(killed), "--quiet"]) == 0
+    assert _bitwise_equal(torch.load(killed / "model.pt"), torch.load(tmp_path / "straight" / "model.pt"))
+    steps = [json.loads(line)["step"] for line in (killed / "metrics.jsonl").read_text().splitlines()]
+    assert steps == list(range(8))
+
+
+def test_an_unfinished_checkpoint_is_never_picked(tmp_path):
+    root = tmp_path / "checkpoints"
+    data = _regression("keep", steps=6, keep_checkpoints=2)
+    run_rank(from_dict(data), DistContext(), echo=False, checkpoints=root)
+    assert sorted(p.name for p in root.iterdir()) == ["step_000004", "step_000006"]   # keep_checkpoints = 2
+    (root / ".tmp_step_000008").mkdir()               # a kill mid-write leaves this
+    (root / ".tmp_step_000008" / "rank0.bin").write_bytes(b"\0" * 8)
+    (root / "step_000010").mkdir()                    # no metadata: never complete
+    assert checkpoint.latest_complete(root).name == "step_000006"
+
+
+@pytest.fixture(scope="module")
+def written(tmp_path_factory):
+    """A tiny GPT checkpoint at step 2."""
+    out = tmp_path_factory.mktemp("written")
+    data = parity.config("w", train=dict(parity.OPTIMIZERS["adamw"], steps=2, checkpoint_every=2))
+    run_rank(from_dict(data), DistContext(), echo=False, checkpoints=out)
+    return out / "step_000002", data
+
+
+def _fork(tmp_path: Path, ckpt: Path, data: dict, capsys) -> tuple[int, str]:
+    cfg = _toml(tmp_path / "fork.toml", dict(data, train=dict(data["train"], steps=4)))
+    rc = main(["run", str(cfg), "--from", str(ckpt), "--out", str(tmp_path / "fork"), "--quiet"])
+    return rc, capsys.readouterr().err
+
+
+def test_fork_continues_the_step_numbering(tmp_path, written, capsys):
+    ckpt, data = written
+    rc, err = _fork(tmp_path, ckpt, data, capsys)
+    assert rc == 0, err
+    steps = [json.loads(line)["step"] for line in (tmp_path / "fork" / "metrics.jsonl").read_text().splitlines()]
+    assert steps == [2, 3]
+
+
+@pytest.mark.parametrize("change, says", [
+    ({"gpt": {"n_layer": 1, "n_embd": 8, "n_head": 2}}, "parameter 'embed.weight' has shape [16, 8]"),
+    ({"factory": "factories:regression"}, "the model's parameter 'net.0.weight' is not in the checkpoint"),
+])
+def test_a_checkpoint_of_another_model_stops_naming_the_first_mismatch(tmp_path, written, capsys, change, says):
+    ckpt, data = written
+    rc, err = _fork(tmp_path, ckpt, dict(data, workload=dict(data["workload"], **change)), capsys)
+    assert rc == 1 and says in err and len(err.strip().splitlines()) == 1, err
+    assert not (tmp_path / "fork").exists()   # the run did not start
+
+
+@pytest.mark.parametrize("damage, says", [("truncate", "truncated"), ("flip", "sha256")])
+def test_a_damaged_checkpoint_is_detected_and_the_run_does_not_start(tmp_path, written, capsys, damage, says):
+    import shutil
+
+    ckpt, data = written
+    copy = tmp_path / "step_000002"
+    shutil.copytree(ckpt, copy)
+    blob = bytearray((copy / "rank0.bin").read_bytes())
+    if damage == "truncate":
+        blob = blob[:-4]
+    else:
+        blob[len(blob) // 2] ^= 1
+    (copy / "rank0.bin").write_bytes(bytes(blob))
+    rc, err = _fork(tmp_path, copy, data, capsys)
+    assert rc == 1 and says in err and len(err.strip().splitlines()) == 1, err
+    assert not (tmp_path / "fork").exists()
+
+
+def test_a_backend_without_checkpoints_is_refused_before_the_run(tmp_path):
+    from psarch.config import ConfigError
+    from psarch.launch import run
+
+    cfg = from_dict(parity.config("ps", train={"checkpoint_every": 2}, backend={"kind": "ps", "world_size": 2}))
+    with pytest.raises(ConfigError, match="backend.kind = 'ps' cannot write or read checkpoints yet"):
+        run(cfg, tmp_path / "ps", echo=False)
+    assert not (tmp_path / "ps").exists()
+
+
+def test_a_fork_into_fp16_starts_a_fresh_loss_scaler(written):
+    ckpt, data = written   # written in fp32, where no scaler is at work
+    forked = dict(data, train=dict(data["train"], steps=3, precision="fp16", checkpoint_every=0))
+    record = run_rank(from_dict(forked), DistContext(), echo=False, start=ckpt)
+    assert [r["step"] for r in record["rows"]] == [2] and record["rows"][0]["loss_scale"] == 2.0**16
