@@ -199,6 +199,19 @@ class BackendConfig:
 
 
 @dataclass
+class ClusterConfig:
+    """An emulated cluster (a network namespace and a shaped link per node; needs root) and stragglers."""
+
+    emulate: bool = _f(False, "every worker and PS server is a node with its own network namespace and link")
+    link_mbps: float = _f(1000.0, "each node's link in Mbit/s, in each direction (full duplex)", min=0.001)
+    server_link_mbps: float = _f(0.0, "PS servers' links in Mbit/s; 0 = same as link_mbps", min=0.0)
+    slow_workers: list = _f([], "ranks of workers that compute slower (works with emulate = false too)")
+    slowdown: float = _f(1.0, "slow workers' compute time is multiplied by this", min=1.0)
+    jitter: float = _f(0.0, "every worker's compute time is multiplied by exp(N(0, jitter)) each step, seeded",
+                       min=0.0)
+
+
+@dataclass
 class Config:
     """One experiment."""
 
@@ -208,6 +221,7 @@ class Config:
     workload: WorkloadConfig = _sub(WorkloadConfig)
     train: TrainConfig = _sub(TrainConfig)
     backend: BackendConfig = _sub(BackendConfig)
+    cluster: ClusterConfig = _sub(ClusterConfig)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -304,6 +318,11 @@ def validate(cfg: Config) -> Config:
                                or not all(isinstance(a, str) and a for a in b.server_addresses)):
         raise ConfigError(f"backend.server_addresses = {show(b.server_addresses)}: expected backend.servers = "
                           f"{b.servers} address strings like \"tcp://10.0.0.5:5555\"")
+    c = cfg.cluster
+    if not all(isinstance(r, int) and not isinstance(r, bool) and 0 <= r < b.world_size for r in c.slow_workers) \
+            or len(set(c.slow_workers)) != len(c.slow_workers):
+        raise ConfigError(f"cluster.slow_workers = {_show(c.slow_workers)}: expected distinct worker ranks "
+                          f"in 0..{b.world_size - 1} (backend.world_size = {b.world_size})")
     if b.dist_backend == "nccl" and b.device == "cpu":
         raise ConfigError("backend.dist_backend = \"nccl\": needs backend.device = \"cuda\" (or \"auto\" on a GPU machine)")
     if b.kind in ("torch_zero", "torch_fsdp") and t.precision != "fp32":
@@ -313,7 +332,8 @@ def validate(cfg: Config) -> Config:
 
 
 def check_machine(cfg: Config) -> Config:
-    """Checks against this machine, made before any process starts: the device and the text file.
+    """Checks against this machine, made before any process starts: the device, the text file, and what an
+    emulated cluster needs (root, iproute2, tbf).
     Not part of validate(): a config written for GPU ranks stays valid on a CPU-only machine that only
     loads it (a standalone parameter server, a test reading config.json)."""
     b, w = cfg.backend, cfg.workload
@@ -324,6 +344,9 @@ def check_machine(cfg: Config) -> Config:
             key, value = ("backend.device", "cuda") if b.device == "cuda" else ("backend.dist_backend", "nccl")
             raise ConfigError(f"{key} = \"{value}\": no CUDA device is visible on this machine; "
                               f"use backend.device = \"cpu\" (or \"auto\") and backend.dist_backend = \"gloo\" (or \"auto\")")
+    if cfg.cluster.emulate:
+        from psarch.cluster.preflight import check
+        check()
     if w.data == "text" and not w.factory:
         path = Path(w.text.path)
         if not path.is_file():

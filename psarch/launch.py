@@ -19,6 +19,7 @@ import torch.distributed as dist
 
 from psarch import outputs
 from psarch.checkpoint.start import CHECKPOINTS, starting_checkpoint
+from psarch.cluster import place
 from psarch.config import Config, ConfigError, check_machine, from_dict
 from psarch.dist import init_rank, shutdown, under_torchrun
 from psarch.errors import NON_FINITE_EXIT, NonFiniteError, RunError
@@ -30,6 +31,9 @@ def run(cfg: Config, out: str | Path | None = None, echo: bool = True, resume: b
         start: str | Path | None = None) -> dict[str, Any]:
     """Run one experiment and return its summary. Every rank (and service) is started here. With `resume`,
     continue the run in `out` from its latest complete checkpoint; with `start`, begin from that checkpoint."""
+    if cfg.cluster.emulate and under_torchrun():
+        raise ConfigError("cluster.emulate = true: not under torchrun, whose machines are the cluster; "
+                          "use `psarch run`, or --set cluster.emulate=false")
     check_machine(cfg)  # a missing GPU or text file: one ConfigError now, not a traceback in every rank
     out_dir = Path(out or cfg.out or Path("runs") / cfg.name)
     cls = trainer_class(cfg.backend.kind)
@@ -42,19 +46,21 @@ def run(cfg: Config, out: str | Path | None = None, echo: bool = True, resume: b
     if under_torchrun():
         return _run_under_torchrun(cfg, cls, out_dir, echo, plan)
     outputs.prepare(out_dir, cfg, keep_checkpoints=ckpt is not None)
-    services = cls.start_services(cfg, out_dir)
-    try:
-        info = services.info if services is not None else {}
-        n = cfg.backend.world_size
-        if n == 1:
-            _run_in_process(cfg, cls, out_dir, info, echo, plan)
-        else:
-            _spawn(cfg, cls, out_dir, info, echo, services, plan)
-        extra = services.finish() if services is not None else None
-    finally:
-        if services is not None:
-            services.stop()
-    return outputs.finalize(out_dir, cfg, extra, echo)
+    with place(cfg) as where:   # loopback, or each process on its node of an emulated cluster
+        services = cls.start_services(cfg, out_dir, where)
+        try:
+            info = services.info if services is not None else {}
+            if cfg.backend.world_size == 1:
+                with where.node("worker", 0):
+                    _run_in_process(cfg, cls, out_dir, info, echo, plan)
+            else:
+                _spawn(cfg, cls, out_dir, info, echo, services, plan, where)
+            extra = services.finish() if services is not None else None
+        finally:
+            if services is not None:
+                services.stop()
+        cluster = where.report()
+    return outputs.finalize(out_dir, cfg, dict(extra or {}, **({"cluster": cluster} if cluster else {})), echo)
 
 
 @dataclass(frozen=True)
@@ -88,13 +94,13 @@ def _run_in_process(cfg: Config, cls: type, out: Path, info: dict, echo: bool, p
         shutdown(ctx)
 
 
-def _rank_main(cfg_dict: dict, rank: int, world: int, port: int, out: str, info: dict, threads: int,
+def _rank_main(cfg_dict: dict, rank: int, world: int, host: str, port: int, out: str, info: dict, threads: int,
                needs_group: bool, echo: bool, plan: _Plan) -> None:
     out_dir = Path(out)
     try:
         torch.set_num_threads(threads)
         cfg = from_dict(cfg_dict)
-        store = dist.TCPStore("127.0.0.1", port, world, is_master=False,
+        store = dist.TCPStore(host, port, world, is_master=False,
                               timeout=timedelta(seconds=cfg.backend.timeout_s)) if needs_group else None
         ctx = init_rank(cfg, rank, world, rank, world, store, needs_group=needs_group)
         ctx.services = info
@@ -108,19 +114,25 @@ def _rank_main(cfg_dict: dict, rank: int, world: int, port: int, out: str, info:
         os._exit(NON_FINITE_EXIT if isinstance(e, NonFiniteError) else 1)
 
 
-def _spawn(cfg: Config, cls: type, out: Path, info: dict, echo: bool, services: Any, plan: _Plan) -> None:
+def _spawn(cfg: Config, cls: type, out: Path, info: dict, echo: bool, services: Any, plan: _Plan,
+           where: Any) -> None:
     n = cfg.backend.world_size
     needs_group = cls.needs_process_group
-    store = dist.TCPStore("127.0.0.1", 0, n + 1, is_master=True, wait_for_workers=False,
-                          timeout=timedelta(seconds=cfg.backend.timeout_s)) if needs_group else None
+    store = None
+    if needs_group:
+        with where.rendezvous():
+            store = dist.TCPStore(where.rendezvous_host, 0, n + 1, is_master=True, wait_for_workers=False,
+                                  timeout=timedelta(seconds=cfg.backend.timeout_s))
     port = store.port if store is not None else 0
     ctx = mp.get_context("spawn")
     procs = [ctx.Process(target=_rank_main, name=f"psarch-rank{r}",
-                         args=(cfg.to_dict(), r, n, port, str(out), info, _threads(n), needs_group, echo, plan))
+                         args=(cfg.to_dict(), r, n, where.rendezvous_host, port, str(out), info, _threads(n),
+                               needs_group, echo, plan))
              for r in range(n)]
     try:
-        for p in procs:
-            p.start()
+        for r, p in enumerate(procs):
+            with where.node("worker", r):
+                p.start()
         alive = list(procs)
         while alive:
             wait([p.sentinel for p in alive], timeout=0.5)

@@ -118,8 +118,9 @@ class Trainer(Protocol):
         return {}
 
     @classmethod
-    def start_services(cls, cfg: Any, out_dir: Any) -> Services | None:
-        """Services to start before the workers (rank 0 under torchrun); None when the backend has none."""
+    def start_services(cls, cfg: Any, out_dir: Any, where: Any = None) -> Services | None:
+        """Services to start before the workers (rank 0 under torchrun); None when the backend has none.
+        `where` places each service (psarch.cluster; None: loopback)."""
         return None
 
     @staticmethod

@@ -25,6 +25,7 @@ from typing import Any
 
 import torch
 
+from psarch.cluster import Loopback
 from psarch.config import Config, from_dict
 from psarch.ps.auth import KEYGEN_HINT, AuthError, Credentials, check_folder, mechanism, remove, run_credentials
 from psarch.ps.errors import ServiceError
@@ -64,26 +65,30 @@ class LocalServers:
     """S servers on this machine, one process each (threads=True: threads of this process, for tests)."""
 
     def __init__(self, cfg: Config, out_dir: str | Path | None = None, threads: bool = False,
-                 build_model: bool = True) -> None:
+                 build_model: bool = True, where: Any = None) -> None:
         self.cfg, self.out_dir = cfg, Path(out_dir) if out_dir is not None else None
         self.lost: list[dict[str, Any]] = []
         self.failure: str | None = None
         self.stopped_since: dict[int, float] = {}
         self.conns, self.workers = [], []
-        host = cfg.backend.host
+        where = where or Loopback()   # an emulated cluster puts each server on its own node
         ctx = mp.get_context("spawn")
         # the folder's path travels (spawn args, services info), never a secret: each process reads its own
-        creds, self.tmp_keys = run_credentials(cfg, host)
+        # backend.host, not a node's address: an emulated cluster's network exists only inside this run's
+        # namespaces, as private as loopback, so auth = "auto" keeps PLAIN there
+        creds, self.tmp_keys = run_credentials(cfg, cfg.backend.host)
         try:
             for i in range(cfg.backend.servers):
                 parent, child = mp.Pipe()
+                host = where.host("server", i, cfg.backend.host)
                 if threads:
                     w: Any = threading.Thread(target=_server_main, name=f"psarch-server{i}", daemon=True,
                                               args=(i, cfg.to_dict(), host, child, None, build_model, creds.to_dict()))
                 else:
                     w = ctx.Process(target=_server_main, name=f"psarch-server{i}",
                                     args=(i, cfg.to_dict(), host, child, 1, build_model, creds.to_dict()))
-                w.start()
+                with where.node("server", i):
+                    w.start()
                 if not threads:
                     child.close()  # the server holds its end: a dead server is then EOF here, and vice versa
                 self.conns.append(parent)
@@ -245,8 +250,9 @@ class RemoteServers:
 
 
 def start_services(cfg: Config, out_dir: Any = None, threads: bool = False,
-                   build_model: bool = True) -> LocalServers | RemoteServers:
-    """The servers of a run (build_model=False: servers that wait for an `init`, for benchmarks)."""
+                   build_model: bool = True, where: Any = None) -> LocalServers | RemoteServers:
+    """The servers of a run (build_model=False: servers that wait for an `init`, for benchmarks;
+    `where`: the run's placement, psarch.cluster)."""
     b = cfg.backend
     if b.server_addresses:
         return RemoteServers(cfg)
@@ -255,7 +261,7 @@ def start_services(cfg: Config, out_dir: Any = None, threads: bool = False,
         # torchrun across machines: fresh per-run credentials would exist on this machine only
         raise AuthError(f"torchrun across machines (WORLD_SIZE {world}, LOCAL_WORLD_SIZE {local}): the servers' "
                         f"credentials must be on every machine; {KEYGEN_HINT}")
-    return LocalServers(cfg, out_dir, threads, build_model)
+    return LocalServers(cfg, out_dir, threads, build_model, where)
 
 
 def summarize(stats: list[dict[str, Any]], lost: list[dict[str, Any]]) -> dict[str, Any]:

@@ -41,9 +41,9 @@ class PSTrainer(Trainer):
     needs_process_group = False   # async workers must not be tied together by a group that hangs when one dies
 
     @classmethod
-    def start_services(cls, cfg: Config, out_dir: Any) -> Any:
+    def start_services(cls, cfg: Config, out_dir: Any, where: Any = None) -> Any:
         from psarch.ps.services import start_services
-        return start_services(cfg, out_dir)
+        return start_services(cfg, out_dir, where=where)
 
     @staticmethod
     def tolerates_lost_workers(cfg: Config) -> bool:

@@ -1,0 +1,104 @@
+"""Where the processes of a run live: on this machine's loopback, or on an emulated cluster.
+
+The launcher's one interface to this package is `place(cfg)`, a context manager giving a placement:
+
+    with place(cfg) as p:
+        with p.rendezvous(): store = TCPStore(...)            # ranks reach it at p.rendezvous_host
+        with p.node("worker", rank): process.start()          # the process starts on its node
+        host = p.host("server", i, cfg.backend.host)          # the address a PS server binds
+        summary["cluster"] = p.report()
+
+Backends never see it: on a node, a rank's sockets simply belong to that node's network.
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+from typing import Any, Iterator
+
+from psarch.config import Config
+
+
+class Loopback:
+    """Every process on this machine's loopback: today's behaviour, and the default."""
+
+    rendezvous_host = "127.0.0.1"
+
+    def rendezvous(self) -> contextlib.AbstractContextManager:
+        return contextlib.nullcontext()
+
+    def node(self, role: str, index: int) -> contextlib.AbstractContextManager:
+        return contextlib.nullcontext()
+
+    def host(self, role: str, index: int, default: str) -> str:
+        return default
+
+    def report(self) -> dict[str, Any]:
+        return {}
+
+    def close(self) -> None:
+        pass
+
+
+class Emulated:
+    """Every worker and PS server on its own emulated node (psarch.cluster.emulated)."""
+
+    def __init__(self, cfg: Config) -> None:
+        from psarch.cluster.emulated import HUB_ADDRESS, EmulatedCluster
+
+        c = cfg.cluster
+        servers = cfg.backend.servers if cfg.backend.kind == "ps" and not cfg.backend.server_addresses else 0
+        self.cluster = EmulatedCluster(cfg.backend.world_size, servers, c.link_mbps, c.server_link_mbps)
+        self.rendezvous_host = HUB_ADDRESS
+        self._start = self.cluster.counters()   # links idle: only the kernel's own chatter so far
+
+    def rendezvous(self) -> contextlib.AbstractContextManager:
+        from psarch.cluster import netns
+        return netns.inside(self.cluster.hub)
+
+    @contextlib.contextmanager
+    def node(self, role: str, index: int) -> Iterator[None]:
+        from psarch.cluster import netns
+        from psarch.cluster.emulated import IFNAME
+
+        before = os.environ.get("GLOO_SOCKET_IFNAME")
+        os.environ["GLOO_SOCKET_IFNAME"] = IFNAME   # gloo uses the node's link, whatever the hostname says
+        try:
+            with netns.inside(self.cluster.node(role, index).ns):
+                yield
+        finally:
+            if before is None:
+                os.environ.pop("GLOO_SOCKET_IFNAME", None)
+            else:
+                os.environ["GLOO_SOCKET_IFNAME"] = before
+
+    def host(self, role: str, index: int, default: str) -> str:
+        return self.cluster.node(role, index).address
+
+    def report(self) -> dict[str, Any]:
+        """Bytes each node's link carried during the run (kernel counters: TCP/IP and Ethernet headers
+        included; rendezvous, initial broadcast and final gather included, unlike per-step meters)."""
+        now = self.cluster.counters()
+        nodes = []
+        for n in self.cluster.nodes:
+            (s0, r0), (s1, r1) = self._start[n.ns], now[n.ns]
+            nodes.append(dict(n.to_dict(), link_sent=s1 - s0, link_received=r1 - r0))
+        return {"emulated": True, "nodes": nodes}
+
+    def close(self) -> None:
+        self.cluster.close()
+
+
+@contextlib.contextmanager
+def place(cfg: Config) -> Iterator[Loopback | Emulated]:
+    """The placement of a run's processes, removed when the block ends (normally or not)."""
+    if not cfg.cluster.emulate:
+        yield Loopback()
+        return
+    import multiprocessing.resource_tracker as rt
+    rt.ensure_running()   # started by the first spawn otherwise: inside a node, and killed with it
+    p = Emulated(cfg)
+    try:
+        yield p
+    finally:
+        p.close()

@@ -1,0 +1,143 @@
+"""An emulated cluster on one Linux machine: a network namespace per node, a veth from each node to one
+bridge, and a token-bucket qdisc (`tbf`) on both ends of each veth so each direction runs at the link rate.
+
+Layout of run <pid>: namespace `psarch-<pid>-hub` holds the bridge `br0` (10.213.0.1, where the launcher
+hosts the rendezvous store) and the bridge end of every veth (`w<i>`, `s<i>`); node namespaces
+`psarch-<pid>-w<i>` (workers, 10.213.1.<i+1>) and `psarch-<pid>-s<i>` (PS servers, 10.213.2.<i+1>) hold
+`eth0`. Nothing is created in the machine's own namespace, and the 10.213/16 addresses exist only inside
+the run's namespaces, so no packet can leave the machine. Latency is not emulated (no `netem` here).
+"""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from psarch.cluster import netns
+
+PREFIX = "psarch-"
+IFNAME = "eth0"                 # every node's interface: GLOO_SOCKET_IFNAME names it
+HUB_ADDRESS = "10.213.0.1"
+MAX_NODES = 250                 # host numbers 1..250 in each of the 10.213.1 and 10.213.2 subnets
+TBF_LATENCY = "200ms"           # queue length as time at the link rate: long enough that TCP is not starved
+
+
+@dataclass(frozen=True)
+class Node:
+    """One emulated machine: a worker or a PS server, its namespace, address and link rate."""
+
+    role: str            # "worker" or "server"
+    index: int           # rank of a worker, index of a server
+    ns: str
+    port: str            # the bridge end of its veth, in the hub namespace
+    address: str
+    mbps: float
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"node": self.ns, "role": self.role, "rank" if self.role == "worker" else "server": self.index,
+                "address": self.address, "link_mbps": self.mbps}
+
+
+def plan(pid: int, workers: int, servers: int, link_mbps: float, server_link_mbps: float) -> list[Node]:
+    """The nodes of run `pid`: names, addresses and link rates (no system call)."""
+    if workers > MAX_NODES or servers > MAX_NODES:
+        raise ValueError(f"an emulated cluster has at most {MAX_NODES} workers and {MAX_NODES} servers; "
+                         f"got {workers} and {servers}")
+    server_mbps = server_link_mbps or link_mbps
+    return ([Node("worker", i, f"{PREFIX}{pid}-w{i}", f"w{i}", f"10.213.1.{i + 1}", link_mbps) for i in range(workers)]
+            + [Node("server", i, f"{PREFIX}{pid}-s{i}", f"s{i}", f"10.213.2.{i + 1}", server_mbps)
+               for i in range(servers)])
+
+
+def tbf_args(mbps: float) -> list[str]:
+    """`tc` arguments of a token bucket at `mbps` Mbit/s; the bucket holds >= 2 ms of traffic (and a
+    64 KiB GSO segment), so the kernel timer's granularity does not cap the rate."""
+    burst = max(64 * 1024, int(mbps * 1e6 / 8 * 0.002))
+    return ["root", "tbf", "rate", f"{mbps * 1000:.0f}kbit", "burst", str(burst), "latency", TBF_LATENCY]
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def remove_stale() -> list[str]:
+    """Remove the namespaces (and what runs in them) of psarch runs whose launcher is gone."""
+    removed = []
+    for ns in netns.names(PREFIX):
+        pid = ns[len(PREFIX):].split("-", 1)[0]
+        if pid.isdigit() and not _alive(int(pid)):
+            netns.remove(ns)
+            removed.append(ns)
+    return removed
+
+
+class EmulatedCluster:
+    """Create the nodes of a run; `close()` removes them. A watcher process removes them if this
+    process dies without closing (SIGKILL); a later run removes any a dead run left (remove_stale)."""
+
+    def __init__(self, workers: int, servers: int, link_mbps: float, server_link_mbps: float = 0.0) -> None:
+        self.pid = os.getpid()
+        self.prefix = f"{PREFIX}{self.pid}-"
+        self.hub = f"{self.prefix}hub"
+        self.nodes = plan(self.pid, workers, servers, link_mbps, server_link_mbps)
+        self._watcher: subprocess.Popen | None = None
+        remove_stale()
+        try:
+            self._watch()
+            self._create()
+        except BaseException:
+            self.close()
+            raise
+
+    def _watch(self) -> None:
+        # Its own session: a Ctrl-C to the launcher's process group must not stop the clean-up too.
+        self._watcher = subprocess.Popen([sys.executable, str(Path(__file__).with_name("watch.py")), self.prefix],
+                                         stdin=subprocess.PIPE, start_new_session=True)
+
+    def _create(self) -> None:
+        hub = self.hub
+        netns.run("ip", "netns", "add", hub)
+        netns.run("ip", "-n", hub, "link", "set", "lo", "up")
+        netns.run("ip", "-n", hub, "link", "add", "br0", "type", "bridge", "stp_state", "0", "forward_delay", "0")
+        netns.run("ip", "-n", hub, "addr", "add", f"{HUB_ADDRESS}/16", "dev", "br0")
+        netns.run("ip", "-n", hub, "link", "set", "br0", "up")
+        for n in self.nodes:
+            netns.run("ip", "netns", "add", n.ns)
+            netns.run("ip", "link", "add", "name", n.port, "netns", hub, "type", "veth",
+                      "peer", "name", IFNAME, "netns", n.ns)
+            netns.run("ip", "-n", hub, "link", "set", n.port, "master", "br0", "up")
+            netns.run("ip", "-n", n.ns, "addr", "add", f"{n.address}/16", "dev", IFNAME)
+            netns.run("ip", "-n", n.ns, "link", "set", IFNAME, "up")
+            netns.run("ip", "-n", n.ns, "link", "set", "lo", "up")
+            netns.run("tc", "-n", n.ns, "qdisc", "add", "dev", IFNAME, *tbf_args(n.mbps))   # node -> bridge
+            netns.run("tc", "-n", hub, "qdisc", "add", "dev", n.port, *tbf_args(n.mbps))    # bridge -> node
+
+    def node(self, role: str, index: int) -> Node:
+        for n in self.nodes:
+            if n.role == role and n.index == index:
+                return n
+        raise KeyError(f"no {role} {index} in this cluster")
+
+    def counters(self) -> dict[str, tuple[int, int]]:
+        """{node namespace: (bytes the node sent, bytes it received)} on its link so far. Read at the
+        bridge end: what the node sends, the bridge end receives, and the other way round."""
+        ports = netns.link_bytes(self.hub)
+        return {n.ns: (ports[n.port][1], ports[n.port][0]) for n in self.nodes}
+
+    def close(self) -> None:
+        """Remove every namespace of this run (killing what still runs there), then end the watcher."""
+        for ns in [n.ns for n in self.nodes] + [self.hub]:
+            netns.remove(ns)
+        if self._watcher is not None:
+            self._watcher.stdin.close()     # EOF: the watcher finds nothing left and exits
+            self._watcher.wait(timeout=30)
+            self._watcher = None

@@ -1,0 +1,45 @@
+"""Can this machine host an emulated cluster? Asked before any process of a run starts."""
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+
+from psarch.config import ConfigError
+
+CAP_NET_ADMIN = 12
+_HOW = "run as root on Linux with iproute2 and the tbf qdisc, or without it: --set cluster.emulate=false"
+
+
+def _capabilities() -> int:
+    """This process's effective capability bits (0 where /proc does not say)."""
+    try:
+        for line in open("/proc/self/status"):
+            if line.startswith("CapEff:"):
+                return int(line.split()[1], 16)
+    except OSError:
+        pass
+    return 0
+
+
+def check(ip: str = "ip", tc: str = "tc", capability: int = CAP_NET_ADMIN) -> None:
+    """Raise ConfigError (one line: what is missing, how to run without [cluster]) unless the binaries
+    exist, this process holds `capability`, and a `tbf` qdisc can be installed in a scratch namespace."""
+    for tool in (ip, tc):
+        if shutil.which(tool) is None:
+            raise ConfigError(f"cluster.emulate = true: `{tool}` (iproute2) is not installed; {_HOW}")
+    if not _capabilities() >> capability & 1:
+        raise ConfigError(f"cluster.emulate = true: needs root (capability {capability}"
+                          f"{' = CAP_NET_ADMIN' if capability == CAP_NET_ADMIN else ''} is missing); {_HOW}")
+    probe = f"psarch-{os.getpid()}-probe"
+    steps = [[ip, "netns", "add", probe], [ip, "-n", probe, "link", "add", "d0", "type", "veth", "peer", "name", "d1"],
+             [tc, "-n", probe, "qdisc", "add", "dev", "d0", "root", "tbf", "rate", "1mbit", "burst", "32kb",
+              "latency", "50ms"]]
+    try:
+        for argv in steps:
+            p = subprocess.run(argv, capture_output=True, text=True)
+            if p.returncode != 0:
+                err = (p.stderr.strip().splitlines() or ["failed"])[-1]
+                raise ConfigError(f"cluster.emulate = true: `{' '.join(argv[:4])}` failed ({err}); {_HOW}")
+    finally:
+        subprocess.run([ip, "netns", "del", probe], capture_output=True)
