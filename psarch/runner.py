@@ -9,6 +9,7 @@ from typing import Any
 import torch
 
 from psarch import checkpoint
+from psarch.cluster.stragglers import slowed, straggler
 from psarch.config import Config
 from psarch.dist import DistContext
 from psarch.errors import check_loss
@@ -43,7 +44,8 @@ def run_rank(cfg: Config, ctx: DistContext, workload: Workload | None = None, ec
     """Train up to step `train.steps` on this rank, from step 0 or from checkpoint `start`'s step and state
     (with `resume`, also its metric rows), writing a checkpoint under `checkpoints` every
     `train.checkpoint_every` steps; returns the rank's record (rows, memory, traffic, model)."""
-    workload = workload or build_workload(cfg)
+    slow = straggler(cfg, ctx.rank)   # cluster.slow_workers / jitter: the backend never knows
+    workload = slowed(workload or build_workload(cfg), slow)
     params = sum(p.numel() for p in workload.model.parameters())  # before a backend shards the model
     ckpt = None
     if start is not None:  # the launcher verified sizes and checksums; check the model before building
@@ -77,7 +79,8 @@ def run_rank(cfg: Config, ctx: DistContext, workload: Workload | None = None, ec
             tr = trainer.traffic()
             rows.append({"step": step, "rank": ctx.rank, "loss": stats.loss, "step_time_s": dt,
                          "comm_s": stats.comm_s, "sent": tr.sent - last_sent, "received": tr.received - last_recv,
-                         "skipped": stats.skipped, "loss_scale": stats.loss_scale, "extra": stats.extra})
+                         "skipped": stats.skipped, "loss_scale": stats.loss_scale, "extra": stats.extra,
+                         **({"slept_s": slow.slept_s} if slow is not None else {})})
             last_sent, last_recv = tr.sent, tr.received
             check_loss(step, ctx.rank, stats.loss, stats.skipped)   # after its row: the metrics keep the bad step
             if (step + 1) % log_every == 0 or step + 1 == steps:

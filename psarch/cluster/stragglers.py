@@ -1,0 +1,74 @@
+"""Stragglers: chosen workers compute slower (cluster.slow_workers, slowdown), every worker's compute time
+varies from step to step (cluster.jitter). Works on loopback and on an emulated cluster alike.
+
+A worker is slowed by sleeping, after its forward pass and before its backward pass, for
+(m - 1) x its compute time, where m = slowdown (1 for the others) x exp(N(0, jitter)) drawn per step
+from a generator seeded by (seed, rank): two runs of one config see the same slow steps. A draw with
+m < 1 sleeps 0 (a worker cannot be made faster). The sleep comes before backward because DDP and ZeRO
+start communicating from gradient hooks during backward: there, "before it communicates" means before
+backward; the PS, which communicates after backward, is delayed by the same amount. (ZeRO-3's forward
+all-gathers are the exception: they run before the sleep.) The compute time is this step's forward time
+plus the previous step's backward time (the current backward has not run yet; on the first step
+2 x forward, the usual ratio), both measured on this worker.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+import random
+import time
+from typing import Any, Callable
+
+import torch
+
+from psarch.config import Config
+from psarch.workload import Workload
+
+
+class Straggler:
+    """Wraps a loss function so that each call sleeps as this worker's compute slowdown says."""
+
+    def __init__(self, slowdown: float, jitter: float, seed: int, rank: int) -> None:
+        self.slowdown, self.jitter = slowdown, jitter
+        self.rng = random.Random(f"psarch-straggler-{seed}-{rank}")   # str seeds are stable across runs
+        self.backward_s: float | None = None
+        self.slept_s = 0.0            # the last step's sleep, reported in metrics.jsonl
+        self._bwd_t0 = 0.0
+
+    def factor(self) -> float:
+        """This step's compute-time multiplier (draws from the seeded generator when jitter > 0)."""
+        return self.slowdown * (math.exp(self.rng.gauss(0.0, self.jitter)) if self.jitter > 0 else 1.0)
+
+    def wrap(self, loss_fn: Callable[[torch.nn.Module, Any], torch.Tensor]) -> Callable:
+        def slowed(model: torch.nn.Module, batch: Any) -> torch.Tensor:
+            t0 = time.perf_counter()
+            loss = loss_fn(model, batch)
+            forward = time.perf_counter() - t0
+            compute = forward + (self.backward_s if self.backward_s is not None else 2 * forward)
+            self.slept_s = max(0.0, self.factor() - 1.0) * compute
+            time.sleep(self.slept_s)
+            if loss.requires_grad:
+                loss.register_hook(self._backward_starts)
+            return loss
+        return slowed
+
+    def _backward_starts(self, grad: torch.Tensor) -> None:
+        self._bwd_t0 = time.perf_counter()
+        torch.autograd.Variable._execution_engine.queue_callback(self._backward_ends)
+
+    def _backward_ends(self) -> None:
+        self.backward_s = time.perf_counter() - self._bwd_t0
+
+
+def straggler(cfg: Config, rank: int) -> Straggler | None:
+    """This worker's Straggler, or None where it computes at its own speed."""
+    c = cfg.cluster
+    slowdown = c.slowdown if rank in c.slow_workers else 1.0
+    if slowdown == 1.0 and c.jitter == 0.0:
+        return None
+    return Straggler(slowdown, c.jitter, cfg.seed, rank)
+
+
+def slowed(workload: Workload, s: Straggler | None) -> Workload:
+    """The workload with its loss function slowed by `s` (unchanged when s is None)."""
+    return workload if s is None else dataclasses.replace(workload, loss_fn=s.wrap(workload.loss_fn))
