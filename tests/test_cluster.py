@@ -1,0 +1,96 @@
+"""The emulated cluster itself: preflight errors, the plan of nodes, real shaping and link counters."""
+from __future__ import annotations
+
+import os
+import socket
+import threading
+import time
+
+import pytest
+
+from cluster_setup import leftovers, needs_root
+from psarch.cluster import netns
+from psarch.cluster.emulated import EmulatedCluster, plan
+from psarch.cluster.preflight import check
+from psarch.config import ConfigError, check_machine, from_dict
+
+
+def test_preflight_names_what_is_missing(tmp_path, monkeypatch):
+    for kwargs, missing in [({"ip": "psarch-no-such-ip"}, "`psarch-no-such-ip` (iproute2) is not installed"),
+                            ({"tc": str(tmp_path / "tc")}, "(iproute2) is not installed"),
+                            ({"capability": 63}, "needs root (capability 63")]:
+        with pytest.raises(ConfigError) as e:
+            check(**kwargs)
+        msg = str(e.value)
+        assert missing in msg and "--set cluster.emulate=false" in msg and "\n" not in msg
+    # psarch run calls it through check_machine, before any process starts
+    monkeypatch.setenv("PATH", str(tmp_path))
+    with pytest.raises(ConfigError, match="cluster.emulate = true: `ip` .* not installed"):
+        check_machine(from_dict({"cluster": {"emulate": True}}))
+    check_machine(from_dict({"cluster": {"emulate": False}}))   # the default needs nothing
+
+
+def test_cluster_keys_are_checked():
+    with pytest.raises(ConfigError, match=r"cluster.slow_workers = \[2\]: expected distinct worker ranks in 0..1"):
+        from_dict({"backend": {"kind": "ddp", "world_size": 2}, "cluster": {"slow_workers": [2]}})
+    with pytest.raises(ConfigError, match=r"cluster.slow_workers = \[0, 0\]"):
+        from_dict({"backend": {"kind": "ddp", "world_size": 2}, "cluster": {"slow_workers": [0, 0]}})
+    with pytest.raises(ConfigError, match="cluster.slowdown = 0.5: must be >= 1"):
+        from_dict({"cluster": {"slowdown": 0.5}})
+    with pytest.raises(ConfigError, match="cluster.link_mbps = 0.0: must be >= 0.001"):
+        from_dict({"cluster": {"link_mbps": 0.0}})
+
+
+def test_plan_names_addresses_and_rates():
+    nodes = plan(42, 3, 2, 100.0, 0.0)
+    assert [n.ns for n in nodes] == [f"psarch-42-{x}" for x in ("w0", "w1", "w2", "s0", "s1")]
+    assert len({n.address for n in nodes}) == 5 and all(n.address.startswith("10.213.") for n in nodes)
+    assert [n.mbps for n in nodes] == [100.0] * 5                 # server_link_mbps = 0: same as link_mbps
+    assert [n.mbps for n in plan(42, 1, 1, 100.0, 400.0)] == [100.0, 400.0]
+    with pytest.raises(ValueError, match="at most 250 workers"):
+        plan(42, 251, 0, 100.0, 0.0)
+
+
+def _serve(ns: str, ready: threading.Event, port: list, got: list) -> None:
+    with netns.inside(ns):
+        srv = socket.create_server(("0.0.0.0", 0))
+    port.append(srv.getsockname()[1])
+    ready.set()
+    conn, _ = srv.accept()
+    n = 0
+    while chunk := conn.recv(1 << 16):
+        n += len(chunk)
+    got.append((n, time.perf_counter()))
+    conn.close()
+    srv.close()
+
+
+@needs_root
+def test_shaping_is_real_and_counted():
+    """X bytes between two nodes at L Mbit/s take at least X*8/L seconds and not much more; the link
+    counters see them, plus TCP/IP headers (about 5% at 1500-byte frames)."""
+    mbps, size = 20.0, 2_500_000            # 1.0 s at the link rate
+    c = EmulatedCluster(2, 0, mbps)
+    try:
+        ready, port, got = threading.Event(), [], []
+        t = threading.Thread(target=_serve, args=(c.nodes[1].ns, ready, port, got), daemon=True)
+        t.start()
+        ready.wait(10)
+        before = c.counters()
+        with netns.inside(c.nodes[0].ns):
+            s = socket.create_connection((c.nodes[1].address, port[0]), timeout=30)
+        t0 = time.perf_counter()
+        s.sendall(os.urandom(size))
+        s.close()
+        t.join(30)
+        n, t1 = got[0]
+        after = c.counters()
+    finally:
+        c.close()
+    ideal = size * 8 / (mbps * 1e6)
+    assert n == size
+    assert ideal * 0.97 <= t1 - t0 <= ideal * 1.3 + 0.2, (t1 - t0, ideal)
+    sent = after[c.nodes[0].ns][0] - before[c.nodes[0].ns][0]
+    received = after[c.nodes[1].ns][1] - before[c.nodes[1].ns][1]
+    assert size < sent < size * 1.08 and size < received < size * 1.08, (sent, received)
+    assert not leftovers(os.getpid())
