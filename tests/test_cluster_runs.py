@@ -1,0 +1,98 @@
+"""Runs on an emulated cluster: emulation changes timing, never results; link counters agree with the
+meters; nothing is left behind after a normal exit, a crashed rank, Ctrl-C or a killed launcher."""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from cluster_setup import leftovers, needs_root, watchers
+from parity import assert_same_model, config, model
+from psarch.config import from_dict
+from psarch.launch import RunError, run
+
+pytestmark = needs_root
+LINK = {"emulate": True, "link_mbps": 200.0}
+BACKENDS = {   # name: backend section; each runs on 2 emulated workers (the PS also on 2 server nodes)
+    "ddp_ring": {"kind": "ddp", "world_size": 2, "comm": "ring"},
+    "zero3": {"kind": "zero", "world_size": 2, "stage": 3},
+    "ps_sync": {"kind": "ps", "world_size": 2, "mode": "sync", "servers": 2},
+    "single": {"kind": "single", "world_size": 1},
+}
+# Headers (Ethernet + IP + TCP, ~66 B per <=1448 B of payload: < 5%), plus the rendezvous, gloo's
+# connection set-up and the closing barrier, which no meter counts.
+HEADERS, SETUP_BYTES = 1.08, 48 * 1024
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> tuple[Path, dict]:
+    out = tmp_path_factory.mktemp("cluster_runs")
+    summaries = {"reference": run(from_dict(config("reference", backend=BACKENDS["single"])), out / "reference",
+                                  echo=False)}
+    for name, backend in BACKENDS.items():
+        summaries[name] = run(from_dict(config(name, backend=backend, cluster=LINK)), out / name, echo=False)
+    return out, summaries
+
+
+@pytest.mark.parametrize("name", list(BACKENDS))
+def test_emulated_run_ends_with_the_same_model(runs, name):
+    out, summaries = runs
+    assert_same_model(model(out / name, "model"), model(out / "reference", "model"), name)
+    nodes = summaries[name]["cluster"]["nodes"]
+    assert [n["role"] for n in nodes] == ["worker"] * BACKENDS[name]["world_size"] + ["server"] * (2 if name == "ps_sync" else 0)
+    assert not leftovers(os.getpid()) and not watchers(os.getpid())
+
+
+@pytest.mark.parametrize("name", ["ddp_ring", "ps_sync"])
+def test_link_counters_agree_with_the_meters(runs, name):
+    """What the ring's and the PS's meters count, the links carried, plus headers and set-up."""
+    s = runs[1][name]
+    nodes = s["cluster"]["nodes"]
+    metered = [(t["sent"], t["received"]) for t in s["traffic"]["per_rank"]]
+    if name == "ps_sync":   # the servers' meters count every frame on their sockets
+        metered += [(t["sent"], t["received"]) for t in s["traffic"]["servers"]]
+    assert len(metered) == len(nodes)
+    for n, (sent, received) in zip(nodes, metered):
+        for link, meter in ((n["link_sent"], sent), (n["link_received"], received)):
+            assert meter <= link <= meter * HEADERS + SETUP_BYTES, (n["node"], link, meter)
+
+
+def test_crashed_rank_leaves_nothing(tmp_path):
+    cfg = from_dict(config("crash", backend=BACKENDS["ddp_ring"], cluster=LINK,
+                           workload={"factory": "factories:fails_at_step_2"}))
+    with pytest.raises(RunError, match="deliberate failure at step 2"):
+        run(cfg, tmp_path / "crash", echo=False)
+    assert not leftovers(os.getpid()) and not watchers(os.getpid())
+
+
+HOLD = """
+import sys, subprocess
+from psarch.cluster import place
+from psarch.config import from_dict
+cfg = from_dict({"backend": {"kind": "ps", "world_size": 2}, "cluster": {"emulate": True}})
+with place(cfg) as where:
+    with where.node("worker", 1):   # a process on a node, as a rank would be
+        p = subprocess.Popen(["sleep", "60"])
+    print(p.pid, flush=True)
+    p.wait()
+"""
+
+
+@pytest.mark.parametrize("how", [signal.SIGINT, signal.SIGKILL])
+def test_interrupted_or_killed_launcher_leaves_nothing(how):
+    """Ctrl-C unwinds the launcher, which removes its cluster; SIGKILL leaves the clean-up to the watcher."""
+    launcher = subprocess.Popen([sys.executable, "-c", HOLD], stdout=subprocess.PIPE, text=True)
+    child = int(launcher.stdout.readline())
+    assert leftovers(launcher.pid)                       # the cluster and its node process are up
+    launcher.send_signal(how)
+    launcher.wait(30)
+    deadline = time.monotonic() + 15
+    while (leftovers(launcher.pid) or watchers(launcher.pid)) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not leftovers(launcher.pid) and not watchers(launcher.pid)
+    assert not os.path.exists(f"/proc/{child}") or open(f"/proc/{child}/stat").read().split()[2] == "Z"
