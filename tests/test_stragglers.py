@@ -1,0 +1,85 @@
+"""Stragglers: a slow worker sleeps (slowdown - 1) x its measured compute time before it communicates;
+jitter is seeded; sync's step time follows the slowest worker, async's throughput the sum of speeds."""
+from __future__ import annotations
+
+import json
+import statistics
+import time
+
+import pytest
+import torch
+
+from parity import config
+from psarch.cluster.stragglers import Straggler, straggler
+from psarch.config import from_dict
+from psarch.launch import run
+
+
+def _loss_taking(seconds: float):
+    w = torch.ones(3, requires_grad=True)
+
+    def loss_fn(model, batch):
+        time.sleep(seconds)            # the "forward pass"
+        return (w * batch).sum()
+    return loss_fn
+
+
+def test_sleep_is_slowdown_minus_one_times_measured_compute():
+    s = Straggler(3.0, 0.0, seed=0, rank=0)
+    loss_fn = s.wrap(_loss_taking(0.02))
+    t0 = time.perf_counter()
+    loss = loss_fn(None, torch.ones(3))
+    assert 2 * 0.06 <= s.slept_s < 2 * 0.06 * 1.5      # first step: backward assumed 2 x forward
+    assert time.perf_counter() - t0 >= 0.02 + s.slept_s
+    loss.backward()
+    assert s.backward_s is not None and s.backward_s < 0.02    # measured: this backward is cheap
+    loss_fn(None, torch.ones(3))
+    assert 2 * 0.02 <= s.slept_s <= 2 * (0.03 + s.backward_s)  # now forward + the measured backward
+
+
+def test_jitter_is_seeded_and_only_slows():
+    def draws(seed: int, rank: int) -> list[float]:
+        s = Straggler(1.0, 0.5, seed, rank)
+        return [s.factor() for _ in range(20)]
+
+    assert draws(1, 0) == draws(1, 0)                     # two runs of one config: the same slow steps
+    assert draws(1, 0) != draws(1, 1) and draws(1, 0) != draws(2, 0)
+    s = Straggler(1.0, 0.5, 1, 0)
+    loss_fn = s.wrap(_loss_taking(0.0))
+    slept = [(loss_fn(None, torch.ones(3)), s.slept_s)[1] for _ in range(20)]
+    assert min(slept) == 0.0 and all(x >= 0 for x in slept)
+
+
+def test_who_is_slowed():
+    cfg = from_dict({"backend": {"kind": "ddp", "world_size": 3}, "train": {"global_batch": 12},
+                    "cluster": {"slow_workers": [1], "slowdown": 2.0}})
+    assert straggler(cfg, 0) is None and straggler(cfg, 1).slowdown == 2.0
+    assert straggler(from_dict({}), 0) is None                          # the default: nobody
+    jittery = from_dict({"backend": {"kind": "ddp", "world_size": 3}, "train": {"global_batch": 12},
+                        "cluster": {"jitter": 0.1}})
+    assert all(straggler(jittery, r).slowdown == 1.0 for r in range(3))
+
+
+def _worker_step_times(out) -> list[float]:
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()][3:]
+    return [statistics.median(r["workers"][w]["step_time_s"] for r in rows) for w in range(2)]
+
+
+def test_sync_follows_the_slowest_async_the_sum(tmp_path):
+    """Worker 0 computes 8x slower. Sync: the fast worker waits, so its step takes >= 70% of the slow one's.
+    Async: the fast worker runs at its own pace (<= 50% of the slow one's step) and the samples/s of
+    both together beat sync's by >= 1.5x (ideally (1 + 8) / 2 = 4.5x)."""
+    times, rates = {}, {}
+    for mode in ("sync", "async"):
+        cfg = from_dict(config(mode, backend={"kind": "ps", "world_size": 2, "mode": mode},
+                               train={"steps": 12, "global_batch": 16},
+                               workload={"gpt": {"n_layer": 2, "n_embd": 64, "n_head": 4}, "seq_len": 32},
+                               cluster={"slow_workers": [0], "slowdown": 8.0}))
+        run(cfg, tmp_path / mode, echo=False)
+        times[mode] = _worker_step_times(tmp_path / mode)
+        rates[mode] = sum(8 / t for t in times[mode])      # each worker's shard is 8 samples
+    slow, fast = times["sync"]
+    assert fast >= 0.7 * slow, times
+    slow, fast = times["async"]
+    assert fast <= 0.5 * slow, times
+    assert rates["async"] >= 1.5 * (16 / max(times["sync"])), (rates, times)
