@@ -31,6 +31,7 @@ class Straggler:
     def __init__(self, slowdown: float, jitter: float, seed: int, rank: int) -> None:
         self.slowdown, self.jitter = slowdown, jitter
         self.rng = random.Random(f"psarch-straggler-{seed}-{rank}")   # str seeds are stable across runs
+        self.forward_s = 0.0
         self.backward_s: float | None = None
         self.slept_s = 0.0            # the last step's sleep, reported in metrics.jsonl
         self._bwd_t0 = 0.0
@@ -43,7 +44,7 @@ class Straggler:
         def slowed(model: torch.nn.Module, batch: Any) -> torch.Tensor:
             t0 = time.perf_counter()
             loss = loss_fn(model, batch)
-            forward = time.perf_counter() - t0
+            self.forward_s = forward = time.perf_counter() - t0
             compute = forward + (self.backward_s if self.backward_s is not None else 2 * forward)
             self.slept_s = max(0.0, self.factor() - 1.0) * compute
             time.sleep(self.slept_s)
