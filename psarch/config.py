@@ -204,7 +204,7 @@ class ClusterConfig:
 
     emulate: bool = _f(False, "every worker and PS server is a node with its own network namespace and link")
     link_mbps: float = _f(1000.0, "each node's link in Mbit/s, in each direction (full duplex)", min=0.001)
-    server_link_mbps: float = _f(0.0, "PS servers' links in Mbit/s; 0 = same as link_mbps", min=0.0)
+    server_link_mbps: float = _f(0.0, "PS servers' links in Mbit/s; 0 = same as link_mbps", min=0.0, applies=_PS)
     slow_workers: list = _f([], "ranks of workers that compute slower (works with emulate = false too)")
     slowdown: float = _f(1.0, "slow workers' compute time is multiplied by this", min=1.0)
     jitter: float = _f(0.0, "every worker's compute time is multiplied by exp(N(0, jitter)) each step, seeded",
@@ -321,7 +321,7 @@ def validate(cfg: Config) -> Config:
     c = cfg.cluster
     if not all(isinstance(r, int) and not isinstance(r, bool) and 0 <= r < b.world_size for r in c.slow_workers) \
             or len(set(c.slow_workers)) != len(c.slow_workers):
-        raise ConfigError(f"cluster.slow_workers = {_show(c.slow_workers)}: expected distinct worker ranks "
+        raise ConfigError(f"cluster.slow_workers = {show(c.slow_workers)}: expected distinct worker ranks "
                           f"in 0..{b.world_size - 1} (backend.world_size = {b.world_size})")
     if b.dist_backend == "nccl" and b.device == "cpu":
         raise ConfigError("backend.dist_backend = \"nccl\": needs backend.device = \"cuda\" (or \"auto\" on a GPU machine)")
