@@ -44,6 +44,21 @@ def variant(cfg: Config) -> str:
     return {"ddp": b.comm, "zero": f"stage{b.stage}/{b.comm}", "ps": b.mode}.get(b.kind, "")
 
 
+def cluster_step(cfg: Config, summary: dict[str, Any]) -> dict[str, float]:
+    """Measured | predicted step time on the emulated cluster: compute (the measured step less its
+    communication wait) plus the α-β time of the bytes each link carries (theory.cluster_step_time)."""
+    b, c = cfg.backend, cfg.cluster
+    compute = summary["step_time_s"] - (summary.get("comm_s") or 0.0)
+    s_bytes = summary["params"] * theory.BYTES[cfg.train.precision]
+    bucket = b.bucket_cap_mb * 2**20 if b.kind == "ddp" else b.reduce_bucket_size * theory.BYTES[cfg.train.precision]
+    pred = theory.cluster_step_time(b.kind, summary["predicted"]["traffic_per_step"], b.world_size, compute,
+                                    c.link_mbps, c.server_link_mbps, summary["cluster"]["alpha_s"], b.stage,
+                                    b.servers, buckets=max(1, -(-int(s_bytes) // max(1, int(bucket)))),
+                                    overlap=b.kind in ("ddp", "zero") and b.overlap_comm)
+    return {"measured_s": summary["step_time_s"], "predicted_s": pred["step_time_s"],
+            "compute_s": compute, "predicted_comm_s": pred["comm_s"]}
+
+
 def finalize(out: Path, cfg: Config, extra: dict[str, Any] | None = None, echo: bool = True) -> dict[str, Any]:
     """Merge the ranks' records into metrics.jsonl, summary.json and report.txt."""
     records = sorted((json.loads(p.read_text()) for p in (out / RANKS_DIR).glob("rank*.json")),
@@ -106,6 +121,8 @@ def finalize(out: Path, cfg: Config, extra: dict[str, Any] | None = None, echo: 
                 summary[k].update(v)
             else:
                 summary[k] = v
+    if summary.get("cluster", {}).get("emulated"):
+        summary["cluster"]["step_time"] = cluster_step(cfg, summary)
     (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     text = report(summary)
     (out / "report.txt").write_text(text)
@@ -160,4 +177,11 @@ def report(s: dict[str, Any]) -> str:
     refused = (s.get("refused_pushes") or {}).get("non_finite_per_worker") or []
     if any(refused):
         lines.append(f"pushes refused for inf/nan, per worker: {refused}")
+    if s.get("cluster", {}).get("emulated"):
+        c, st = s["cluster"], s["cluster"]["step_time"]
+        lines.append(f"emulated cluster: alpha {c['alpha_s'] * 1e6:.0f} us; step time measured {st['measured_s'] * 1e3:.2f} ms"
+                     f" | predicted {st['predicted_s'] * 1e3:.2f} ms (compute {st['compute_s'] * 1e3:.2f} ms)")
+        for n in c["nodes"]:
+            lines.append(f"  {n['role']} {n.get('rank', n.get('server'))} ({n['address']}, {n['link_mbps']:g} Mbit/s): "
+                         f"link sent {fmt_bytes(n['link_sent'])}, received {fmt_bytes(n['link_received'])}")
     return "\n".join(lines) + "\n"

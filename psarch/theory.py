@@ -148,3 +148,29 @@ def traffic_per_step(kind: str, payload_bytes: float, n: int, stage: int = 0, se
     p = predict(config_for(kind, n, "fp32", "adamw", stage=stage, servers=servers), payload_bytes / BYTES["fp32"])
     return p.to_dict()["traffic_per_step"]
 
+
+def cluster_step_time(kind: str, traffic: dict[str, float], n: int, compute_s: float, link_mbps: float,
+                      server_link_mbps: float = 0.0, alpha_s: float = 0.0, stage: int = 1, servers: int = 1,
+                      buckets: int = 1, overlap: bool = False) -> dict[str, float]:
+    """Step time on an emulated cluster: measured compute plus each link's bytes at its rate (α-β model).
+
+    `traffic` is traffic_per_step's dict (one source for the volumes). Ring DDP and ZeRO: every rank
+    sends and receives its volume at once (full duplex) in 2(N-1) rounds (3(N-1) for ZeRO-3). PS: a push
+    phase then a pull phase, each as long as the slower of a worker's link (S) and a server's link
+    (N·S/servers), one round each. Overlap (DDP/ZeRO with overlap_comm and several buckets): only the
+    last bucket's share waits after backward, at least; backward is taken as 2/3 of compute."""
+    worker_rate = link_mbps * 1e6 / 8   # bytes/s
+    if kind in ("single",) or not traffic.get("worker_sent"):
+        return {"compute_s": compute_s, "comm_s": 0.0, "step_time_s": compute_s}
+    if kind == "ps":
+        server_rate = (server_link_mbps or link_mbps) * 1e6 / 8
+        push = max(traffic["worker_sent"] / worker_rate, traffic["server_received"] / server_rate)
+        pull = max(traffic["worker_received"] / worker_rate, traffic["server_sent"] / server_rate)
+        comm = push + pull + 2 * alpha_s
+    else:
+        rounds = (3 if kind in ("zero", "torch_fsdp") and stage == 3 else 2) * (n - 1)
+        comm = traffic["worker_sent"] / worker_rate + rounds * alpha_s
+    exposed = comm
+    if overlap and buckets > 1:
+        exposed = max(comm - 2 / 3 * compute_s, comm / buckets)
+    return {"compute_s": compute_s, "comm_s": exposed, "step_time_s": compute_s + exposed}

@@ -50,6 +50,9 @@ class Emulated:
         servers = cfg.backend.servers if cfg.backend.kind == "ps" and not cfg.backend.server_addresses else 0
         self.cluster = EmulatedCluster(cfg.backend.world_size, servers, c.link_mbps, c.server_link_mbps)
         self.rendezvous_host = HUB_ADDRESS
+        from psarch.cluster.alpha import measure_alpha
+        w0 = self.cluster.node("worker", 0)     # the hub to a node: one link each way, as a ring's hop
+        self.alpha_s = measure_alpha(self.cluster.hub, w0.ns, w0.address)
         self._start = self.cluster.counters()   # links idle: only the kernel's own chatter so far
 
     def rendezvous(self) -> contextlib.AbstractContextManager:
@@ -83,7 +86,7 @@ class Emulated:
         for n in self.cluster.nodes:
             (s0, r0), (s1, r1) = self._start[n.ns], now[n.ns]
             nodes.append(dict(n.to_dict(), link_sent=s1 - s0, link_received=r1 - r0))
-        return {"emulated": True, "nodes": nodes}
+        return {"emulated": True, "alpha_s": self.alpha_s, "nodes": nodes}
 
     def close(self) -> None:
         self.cluster.close()
