@@ -149,21 +149,26 @@ def traffic_per_step(kind: str, payload_bytes: float, n: int, stage: int = 0, se
     return p.to_dict()["traffic_per_step"]
 
 
+# Bytes on an Ethernet link per byte of TCP payload: a 1500-byte MTU frame (1514 B with its Ethernet
+# header, as tbf counts it) carries 1448 B of payload after the IP and TCP (with timestamps) headers.
+WIRE_OVERHEAD = 1514 / 1448
+
+
 def cluster_step_time(kind: str, traffic: dict[str, float], n: int, compute_s: float, link_mbps: float,
                       server_link_mbps: float = 0.0, alpha_s: float = 0.0, stage: int = 1, servers: int = 1,
                       buckets: int = 1, overlap: bool = False) -> dict[str, float]:
     """Step time on an emulated cluster: measured compute plus each link's bytes at its rate (α-β model).
 
-    `traffic` is traffic_per_step's dict (one source for the volumes). Ring DDP and ZeRO: every rank
+    `traffic` is traffic_per_step's dict (one source for the volumes), carried with WIRE_OVERHEAD. Ring DDP and ZeRO: every rank
     sends and receives its volume at once (full duplex) in 2(N-1) rounds (3(N-1) for ZeRO-3). PS: a push
     phase then a pull phase, each as long as the slower of a worker's link (S) and a server's link
     (N·S/servers), one round each. Overlap (DDP/ZeRO with overlap_comm and several buckets): only the
     last bucket's share waits after backward, at least; backward is taken as 2/3 of compute."""
-    worker_rate = link_mbps * 1e6 / 8   # bytes/s
+    worker_rate = link_mbps * 1e6 / 8 / WIRE_OVERHEAD   # payload bytes/s
     if kind in ("single",) or not traffic.get("worker_sent"):
         return {"compute_s": compute_s, "comm_s": 0.0, "step_time_s": compute_s}
     if kind == "ps":
-        server_rate = (server_link_mbps or link_mbps) * 1e6 / 8
+        server_rate = (server_link_mbps or link_mbps) * 1e6 / 8 / WIRE_OVERHEAD
         push = max(traffic["worker_sent"] / worker_rate, traffic["server_received"] / server_rate)
         pull = max(traffic["worker_received"] / worker_rate, traffic["server_sent"] / server_rate)
         comm = push + pull + 2 * alpha_s

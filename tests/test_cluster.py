@@ -97,7 +97,8 @@ def test_shaping_is_real_and_counted():
 
 
 def test_cluster_step_time_by_hand():
-    """S = 1 MB, N = 4, 100 Mbit/s (12.5 MB/s), α = 0.1 ms, compute 50 ms, counted by hand."""
+    """S = 1 MB, N = 4, 100 Mbit/s (12.5 MB/s of frames, 1448/1514 of it payload), α = 0.1 ms, compute
+    50 ms, counted by hand."""
     from psarch.theory import cluster_step_time, traffic_per_step
 
     def step(kind: str, **kw) -> float:
@@ -105,11 +106,13 @@ def test_cluster_step_time_by_hand():
         traffic = traffic_per_step(kind, 1e6, 4, kw.get("stage", 0), servers)
         return cluster_step_time(kind, traffic, 4, 0.05, 100.0, alpha_s=1e-4, servers=servers, **kw)["step_time_s"]
 
-    assert step("ddp") == pytest.approx(0.05 + 1.5e6 / 12.5e6 + 6e-4)                 # ring: 2(N-1)/N·S, 2(N-1) hops
-    assert step("zero", stage=3) == pytest.approx(0.05 + 2.25e6 / 12.5e6 + 9e-4)      # 3(N-1)/N·S, 3(N-1) hops
-    assert step("ps") == pytest.approx(0.05 + 2 * 4e6 / 12.5e6 + 2e-4)               # one server's link: N·S each way
-    assert step("ps", servers=4) == pytest.approx(0.05 + 2 * 1e6 / 12.5e6 + 2e-4)    # N servers: S each
-    assert step("ps", server_link_mbps=400.0) == pytest.approx(0.05 + 2 * 4e6 / 50e6 + 2e-4)
+    rate = 12.5e6 * 1448 / 1514           # payload bytes/s
+    assert step("ddp") == pytest.approx(0.05 + 1.5e6 / rate + 6e-4)   # ring: 2(N-1)/N·S, 2(N-1) hops
+    assert step("zero", stage=3) == pytest.approx(0.05 + 2.25e6 / rate + 9e-4)   # 3(N-1)/N·S, 3(N-1) hops
+    assert step("ps") == pytest.approx(0.05 + 2 * 4e6 / rate + 2e-4)   # one server's link: N·S each way
+    assert step("ps", servers=4) == pytest.approx(0.05 + 2 * 1e6 / rate + 2e-4)   # N servers: S each
+    assert step("ps", server_link_mbps=400.0) == pytest.approx(0.05 + 2 * 4e6 / (4 * rate) + 2e-4)
     assert step("single") == 0.05
     # overlap: with 4 buckets only what backward (2/3 of compute) cannot hide waits, at least one bucket's share
-    assert step("ddp", buckets=4, overlap=True) == pytest.approx(0.05 + max(0.1206 - 0.05 * 2 / 3, 0.1206 / 4))
+    comm = 1.5e6 / rate + 6e-4
+    assert step("ddp", buckets=4, overlap=True) == pytest.approx(0.05 + max(comm - 0.05 * 2 / 3, comm / 4))
