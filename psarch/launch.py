@@ -19,7 +19,7 @@ import torch.distributed as dist
 
 from psarch import outputs
 from psarch.checkpoint.start import CHECKPOINTS, starting_checkpoint
-from psarch.cluster import place
+from psarch.cluster import Placement, place
 from psarch.config import Config, ConfigError, check_machine, from_dict
 from psarch.dist import init_rank, shutdown, under_torchrun
 from psarch.errors import NON_FINITE_EXIT, NonFiniteError, RunError
@@ -115,7 +115,7 @@ def _rank_main(cfg_dict: dict, rank: int, world: int, host: str, port: int, out:
 
 
 def _spawn(cfg: Config, cls: type, out: Path, info: dict, echo: bool, services: Any, plan: _Plan,
-           where: Any) -> None:
+           where: Placement) -> None:
     n = cfg.backend.world_size
     needs_group = cls.needs_process_group
     store = None

@@ -92,8 +92,11 @@ class Emulated:
         self.cluster.close()
 
 
+Placement = Loopback | Emulated   # what the launcher and the PS services are given
+
+
 @contextlib.contextmanager
-def place(cfg: Config) -> Iterator[Loopback | Emulated]:
+def place(cfg: Config) -> Iterator[Placement]:
     """The placement of a run's processes, removed when the block ends (normally or not)."""
     if not cfg.cluster.emulate:
         yield Loopback()

@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from psarch.cluster import Loopback
+from psarch.cluster import Loopback, Placement
 from psarch.config import Config, from_dict
 from psarch.ps.auth import KEYGEN_HINT, AuthError, Credentials, check_folder, mechanism, remove, run_credentials
 from psarch.ps.errors import ServiceError
@@ -65,7 +65,7 @@ class LocalServers:
     """S servers on this machine, one process each (threads=True: threads of this process, for tests)."""
 
     def __init__(self, cfg: Config, out_dir: str | Path | None = None, threads: bool = False,
-                 build_model: bool = True, where: Any = None) -> None:
+                 build_model: bool = True, where: Placement | None = None) -> None:
         self.cfg, self.out_dir = cfg, Path(out_dir) if out_dir is not None else None
         self.lost: list[dict[str, Any]] = []
         self.failure: str | None = None
@@ -250,7 +250,7 @@ class RemoteServers:
 
 
 def start_services(cfg: Config, out_dir: Any = None, threads: bool = False,
-                   build_model: bool = True, where: Any = None) -> LocalServers | RemoteServers:
+                   build_model: bool = True, where: Placement | None = None) -> LocalServers | RemoteServers:
     """The servers of a run (build_model=False: servers that wait for an `init`, for benchmarks;
     `where`: the run's placement, psarch.cluster)."""
     b = cfg.backend
