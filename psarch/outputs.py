@@ -46,7 +46,8 @@ def variant(cfg: Config) -> str:
 
 def cluster_step(cfg: Config, summary: dict[str, Any]) -> dict[str, float]:
     """Measured | predicted step time on the emulated cluster: compute (the measured step less its
-    communication wait) plus the α-β time of the bytes each link carries (theory.cluster_step_time)."""
+    communication wait, which for ZeRO-3 still holds its forward/backward all-gathers) plus the α-β time
+    of the bytes each link carries (theory.cluster_step_time)."""
     b, c = cfg.backend, cfg.cluster
     compute = summary["step_time_s"] - (summary.get("comm_s") or 0.0)
     s_bytes = summary["params"] * theory.BYTES[cfg.train.precision]
@@ -54,7 +55,8 @@ def cluster_step(cfg: Config, summary: dict[str, Any]) -> dict[str, float]:
     pred = theory.cluster_step_time(b.kind, summary["predicted"]["traffic_per_step"], b.world_size, compute,
                                     c.link_mbps, c.server_link_mbps, summary["cluster"]["alpha_s"], b.stage,
                                     b.servers, buckets=max(1, -(-int(s_bytes) // max(1, int(bucket)))),
-                                    overlap=b.kind in ("ddp", "zero") and b.overlap_comm)
+                                    overlap=b.kind in ("ddp", "zero") and b.overlap_comm,
+                                    gathers_in_compute=True)   # compute is step less comm wait, see above
     return {"measured_s": summary["step_time_s"], "predicted_s": pred["step_time_s"],
             "compute_s": compute, "predicted_comm_s": pred["comm_s"]}
 

@@ -156,14 +156,16 @@ WIRE_OVERHEAD = 1514 / 1448
 
 def cluster_step_time(kind: str, traffic: dict[str, float], n: int, compute_s: float, link_mbps: float,
                       server_link_mbps: float = 0.0, alpha_s: float = 0.0, stage: int = 1, servers: int = 1,
-                      buckets: int = 1, overlap: bool = False) -> dict[str, float]:
+                      buckets: int = 1, overlap: bool = False, gathers_in_compute: bool = False) -> dict[str, float]:
     """Step time on an emulated cluster: measured compute plus each link's bytes at its rate (α-β model).
 
     `traffic` is traffic_per_step's dict (one source for the volumes), carried with WIRE_OVERHEAD. Ring DDP and ZeRO: every rank
     sends and receives its volume at once (full duplex) in 2(N-1) rounds (3(N-1) for ZeRO-3). PS: a push
     phase then a pull phase, each as long as the slower of a worker's link (S) and a server's link
     (N·S/servers), one round each. Overlap (DDP/ZeRO with overlap_comm and several buckets): only the
-    last bucket's share waits after backward, at least; backward is taken as 2/3 of compute."""
+    last bucket's share waits after backward, at least; backward is taken as 2/3 of compute.
+    gathers_in_compute (ZeRO-3 whose compute was measured as step time less the wait after backward):
+    the forward and backward all-gathers block inside that compute, so only the reduce-scatter is added."""
     worker_rate = link_mbps * 1e6 / 8 / WIRE_OVERHEAD   # payload bytes/s
     if kind in ("single",) or not traffic.get("worker_sent"):
         return {"compute_s": compute_s, "comm_s": 0.0, "step_time_s": compute_s}
@@ -173,8 +175,9 @@ def cluster_step_time(kind: str, traffic: dict[str, float], n: int, compute_s: f
         pull = max(traffic["worker_received"] / worker_rate, traffic["server_sent"] / server_rate)
         comm = push + pull + 2 * alpha_s
     else:
-        rounds = (3 if kind in ("zero", "torch_fsdp") and stage == 3 else 2) * (n - 1)
-        comm = traffic["worker_sent"] / worker_rate + rounds * alpha_s
+        passes = 3 if kind in ("zero", "torch_fsdp") and stage == 3 else 2   # (N-1)/N·S and N-1 hops each
+        shown = 1 if passes == 3 and gathers_in_compute else passes
+        comm = shown / passes * traffic["worker_sent"] / worker_rate + shown * (n - 1) * alpha_s
     exposed = comm
     if overlap and buckets > 1:
         exposed = max(comm - 2 / 3 * compute_s, comm / buckets)

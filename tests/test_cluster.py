@@ -109,6 +109,7 @@ def test_cluster_step_time_by_hand():
     rate = 12.5e6 * 1448 / 1514           # payload bytes/s
     assert step("ddp") == pytest.approx(0.05 + 1.5e6 / rate + 6e-4)   # ring: 2(N-1)/N·S, 2(N-1) hops
     assert step("zero", stage=3) == pytest.approx(0.05 + 2.25e6 / rate + 9e-4)   # 3(N-1)/N·S, 3(N-1) hops
+    assert step("zero", stage=3, gathers_in_compute=True) == pytest.approx(0.05 + 0.75e6 / rate + 3e-4)
     assert step("ps") == pytest.approx(0.05 + 2 * 4e6 / rate + 2e-4)   # one server's link: N·S each way
     assert step("ps", servers=4) == pytest.approx(0.05 + 2 * 1e6 / rate + 2e-4)   # N servers: S each
     assert step("ps", server_link_mbps=400.0) == pytest.approx(0.05 + 2 * 4e6 / (4 * rate) + 2e-4)
