@@ -1,0 +1,72 @@
+"""Step time on an emulated cluster, measured | predicted, for every run of a sweep folder:
+`python -m psarch.cluster.results runs/cluster_crossover` writes cluster.md and step_time.png there."""
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+from psarch.config import from_dict
+from psarch.outputs import cluster_step
+
+
+def rows(sweep: Path) -> list[dict[str, Any]]:
+    """One row per emulated run under `sweep`: architecture, N, link rate, measured and predicted step time."""
+    out = []
+    for f in sorted(sweep.glob("*/summary.json")):
+        s = json.loads(f.read_text())
+        if not s.get("cluster", {}).get("emulated"):
+            continue
+        cfg = from_dict(json.loads((f.parent / "config.json").read_text()))
+        b, st = cfg.backend, cluster_step(cfg, s)   # recomputed: the theory of this checkout
+        arch = {"ddp": f"DDP ({b.comm})", "zero": f"ZeRO-{b.stage}",
+                "ps": "PS, 1 server" if b.servers == 1 else "PS, N servers" if b.servers == b.world_size
+                else f"PS, {b.servers} servers"}.get(b.kind, b.kind)
+        busiest = max(n["link_sent"] + n["link_received"] for n in s["cluster"]["nodes"]) / s["steps"]
+        out.append({"arch": arch, "n": b.world_size, "mbps": cfg.cluster.link_mbps, "measured": st["measured_s"],
+                    "predicted": st["predicted_s"], "compute": st["compute_s"], "busiest_link": busiest})
+    return sorted(out, key=lambda r: (r["mbps"], r["arch"], r["n"]))
+
+
+def table(rs: list[dict[str, Any]]) -> str:
+    lines = ["| architecture | N | link Mbit/s | step time measured \\| predicted | error | compute (measured) "
+             "| busiest link per step (both ways) |", "|---|---:|---:|---:|---:|---:|---:|"]
+    for r in rs:
+        lines.append(f"| {r['arch']} | {r['n']} | {r['mbps']:g} | {r['measured'] * 1e3:.0f} ms \\| "
+                     f"{r['predicted'] * 1e3:.0f} ms | {(r['predicted'] / r['measured'] - 1) * 100:+.0f}% | "
+                     f"{r['compute'] * 1e3:.0f} ms | {r['busiest_link'] / 1e6:.1f} MB |")
+    return "\n".join(lines) + "\n"
+
+
+def plot(rs: list[dict[str, Any]], path: Path) -> None:
+    """Step time against N per architecture and link rate: measured (solid), predicted (dashed)."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rates = sorted({r["mbps"] for r in rs})
+    fig, axes = plt.subplots(1, len(rates), figsize=(6 * len(rates), 4), squeeze=False)
+    for ax, rate in zip(axes[0], rates):
+        for i, arch in enumerate(sorted({r["arch"] for r in rs})):
+            pts = [r for r in rs if r["arch"] == arch and r["mbps"] == rate]
+            n = [r["n"] for r in pts]
+            ax.plot(n, [r["measured"] for r in pts], "o-", color=f"C{i}", label=f"{arch} measured")
+            ax.plot(n, [r["predicted"] for r in pts], "x--", color=f"C{i}", alpha=0.7, label=f"{arch} predicted")
+        ax.set(title=f"{rate:g} Mbit/s links", xlabel="workers N", ylabel="step time (s)")
+        ax.set_xticks(sorted({r["n"] for r in rs}))
+    axes[0][-1].legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+if __name__ == "__main__":
+    if len(sys.argv) != 2 or not Path(sys.argv[1]).is_dir():
+        sys.exit("usage: python -m psarch.cluster.results SWEEP_FOLDER")
+    folder = Path(sys.argv[1])
+    found = rows(folder)
+    if not found:
+        sys.exit(f"{folder}: no run of an emulated cluster (summary.json with cluster.emulated) in it")
+    (folder / "cluster.md").write_text(table(found))
+    plot(found, folder / "step_time.png")
+    print(table(found), end="")
