@@ -96,3 +96,13 @@ def test_interrupted_or_killed_launcher_leaves_nothing(how):
         time.sleep(0.2)
     assert not leftovers(launcher.pid) and not watchers(launcher.pid)
     assert not os.path.exists(f"/proc/{child}") or open(f"/proc/{child}/stat").read().split()[2] == "Z"
+
+
+def test_results_table_has_every_emulated_run(runs):
+    from psarch.cluster.results import rows, table
+    out, summaries = runs
+    found = rows(out)                                   # the loopback reference is left out
+    assert sorted(r["measured"] for r in found) == sorted(summaries[n]["step_time_s"] for n in BACKENDS)
+    single = next(r for r in found if r["arch"] == "single")
+    assert single["predicted"] == pytest.approx(single["compute"])   # nothing on the wire
+    assert len(table(found).splitlines()) == 2 + len(BACKENDS)
