@@ -73,9 +73,9 @@ class LocalServers:
         self.conns, self.workers = [], []
         where = where or Loopback()   # an emulated cluster puts each server on its own node
         ctx = mp.get_context("spawn")
-        # the folder's path travels (spawn args, services info), never a secret: each process reads its own
         # backend.host, not a node's address: an emulated cluster's network exists only inside this run's
-        # namespaces, as private as loopback, so auth = "auto" keeps PLAIN there
+        # namespaces, as private as loopback, so auth = "auto" keeps PLAIN there.
+        # The folder's path travels (spawn args, services info), never a secret: each process reads its own
         creds, self.tmp_keys = run_credentials(cfg, cfg.backend.host)
         try:
             for i in range(cfg.backend.servers):
