@@ -52,11 +52,10 @@ def cluster_step(cfg: Config, summary: dict[str, Any]) -> dict[str, float]:
     compute = summary["step_time_s"] - (summary.get("comm_s") or 0.0)
     s_bytes = summary["params"] * theory.BYTES[cfg.train.precision]
     bucket = b.bucket_cap_mb * 2**20 if b.kind == "ddp" else b.reduce_bucket_size * theory.BYTES[cfg.train.precision]
-    pred = theory.cluster_step_time(b.kind, summary["predicted"]["traffic_per_step"], b.world_size, compute,
-                                    c.link_mbps, c.server_link_mbps, summary["cluster"]["alpha_s"], b.stage,
-                                    b.servers, buckets=max(1, -(-int(s_bytes) // max(1, int(bucket)))),
+    pred = theory.cluster_step_time(theory.predict(cfg, summary["params"]), compute, c.link_mbps, c.server_link_mbps,
+                                    summary["cluster"]["alpha_s"], buckets=max(1, -(-int(s_bytes) // max(1, int(bucket)))),
                                     overlap=b.kind in ("ddp", "zero") and b.overlap_comm,
-                                    gathers_in_compute=True)   # compute is step less comm wait, see above
+                                    hidden_passes=2 if (b.kind, b.stage) == ("zero", 3) or b.kind == "torch_fsdp" else 0)
     return {"measured_s": summary["step_time_s"], "predicted_s": pred["step_time_s"],
             "compute_s": compute, "predicted_comm_s": pred["comm_s"]}
 

@@ -154,31 +154,27 @@ def traffic_per_step(kind: str, payload_bytes: float, n: int, stage: int = 0, se
 WIRE_OVERHEAD = 1514 / 1448
 
 
-def cluster_step_time(kind: str, traffic: dict[str, float], n: int, compute_s: float, link_mbps: float,
-                      server_link_mbps: float = 0.0, alpha_s: float = 0.0, stage: int = 1, servers: int = 1,
-                      buckets: int = 1, overlap: bool = False, gathers_in_compute: bool = False) -> dict[str, float]:
-    """Step time on an emulated cluster: measured compute plus each link's bytes at its rate (α-β model).
+def cluster_step_time(p: Prediction, compute_s: float, link_mbps: float, server_link_mbps: float = 0.0,
+                      alpha_s: float = 0.0, buckets: int = 1, overlap: bool = False,
+                      hidden_passes: int = 0) -> dict[str, float]:
+    """Step time on an emulated cluster: measured compute plus the bytes `p` puts on each link at its rate
+    (with WIRE_OVERHEAD), plus α per message in sequence (α-β model).
 
-    `traffic` is traffic_per_step's dict (one source for the volumes), carried with WIRE_OVERHEAD. Ring DDP and ZeRO: every rank
-    sends and receives its volume at once (full duplex) in 2(N-1) rounds (3(N-1) for ZeRO-3). PS: a push
-    phase then a pull phase, each as long as the slower of a worker's link (S) and a server's link
-    (N·S/servers), one round each. Overlap (DDP/ZeRO with overlap_comm and several buckets): only the
-    last bucket's share waits after backward, at least; backward is taken as 2/3 of compute.
-    gathers_in_compute (ZeRO-3 whose compute was measured as step time less the wait after backward):
-    the forward and backward all-gathers block inside that compute, so only the reduce-scatter is added."""
+    Collectives: every rank sends and receives its volume at once (full duplex). PS: a push phase then a
+    pull phase, each as long as the slower of a worker's link and a server's link. Overlap (DDP/ZeRO with
+    overlap_comm and several buckets): only what backward (taken as 2/3 of compute) cannot hide waits,
+    at least one bucket's share. hidden_passes: ring passes already inside the measured compute (ZeRO-3's
+    forward and backward all-gathers block there, where the comm wait does not see them)."""
     worker_rate = link_mbps * 1e6 / 8 / WIRE_OVERHEAD   # payload bytes/s
-    if kind in ("single",) or not traffic.get("worker_sent"):
+    if not p.worker.sent and not p.worker.received:
         return {"compute_s": compute_s, "comm_s": 0.0, "step_time_s": compute_s}
-    if kind == "ps":
+    if p.server is not None:
         server_rate = (server_link_mbps or link_mbps) * 1e6 / 8 / WIRE_OVERHEAD
-        push = max(traffic["worker_sent"] / worker_rate, traffic["server_received"] / server_rate)
-        pull = max(traffic["worker_received"] / worker_rate, traffic["server_sent"] / server_rate)
-        comm = push + pull + 2 * alpha_s
+        push = max(p.worker.sent / worker_rate, p.server.received / server_rate)
+        pull = max(p.worker.received / worker_rate, p.server.sent / server_rate)
+        comm = push + pull + p.messages * alpha_s
     else:
-        passes = 3 if kind in ("zero", "torch_fsdp") and stage == 3 else 2   # (N-1)/N·S and N-1 hops each
-        shown = 1 if passes == 3 and gathers_in_compute else passes
-        comm = shown / passes * traffic["worker_sent"] / worker_rate + shown * (n - 1) * alpha_s
-    exposed = comm
-    if overlap and buckets > 1:
-        exposed = max(comm - 2 / 3 * compute_s, comm / buckets)
+        shown = (p.rounds - hidden_passes) / p.rounds
+        comm = shown * (p.worker.sent / worker_rate + p.messages * alpha_s)
+    exposed = max(comm - 2 / 3 * compute_s, comm / buckets) if overlap and buckets > 1 else comm
     return {"compute_s": compute_s, "comm_s": exposed, "step_time_s": compute_s + exposed}

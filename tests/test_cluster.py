@@ -97,21 +97,20 @@ def test_shaping_is_real_and_counted():
 
 
 def test_cluster_step_time_by_hand():
-    """S = 1 MB, N = 4, 100 Mbit/s (12.5 MB/s of frames, 1448/1514 of it payload), α = 0.1 ms, compute
-    50 ms, counted by hand."""
-    from psarch.theory import cluster_step_time, traffic_per_step
+    """S = 1 MB (250,000 fp32 parameters), N = 4, 100 Mbit/s (12.5 MB/s of frames, 1448/1514 of it
+    payload), α = 0.1 ms, compute 50 ms, counted by hand."""
+    from psarch.theory import cluster_step_time, config_for, predict
 
-    def step(kind: str, **kw) -> float:
-        servers = kw.pop("servers", 1)
-        traffic = traffic_per_step(kind, 1e6, 4, kw.get("stage", 0), servers)
-        return cluster_step_time(kind, traffic, 4, 0.05, 100.0, alpha_s=1e-4, servers=servers, **kw)["step_time_s"]
+    def step(kind: str, stage: int = 1, servers: int = 1, **kw) -> float:
+        p = predict(config_for(kind, 4, "fp32", "sgd", stage=stage, servers=servers), 250_000)
+        return cluster_step_time(p, 0.05, 100.0, alpha_s=1e-4, **kw)["step_time_s"]
 
     rate = 12.5e6 * 1448 / 1514           # payload bytes/s
-    assert step("ddp") == pytest.approx(0.05 + 1.5e6 / rate + 6e-4)   # ring: 2(N-1)/N·S, 2(N-1) hops
-    assert step("zero", stage=3) == pytest.approx(0.05 + 2.25e6 / rate + 9e-4)   # 3(N-1)/N·S, 3(N-1) hops
-    assert step("zero", stage=3, gathers_in_compute=True) == pytest.approx(0.05 + 0.75e6 / rate + 3e-4)
-    assert step("ps") == pytest.approx(0.05 + 2 * 4e6 / rate + 2e-4)   # one server's link: N·S each way
-    assert step("ps", servers=4) == pytest.approx(0.05 + 2 * 1e6 / rate + 2e-4)   # N servers: S each
+    assert step("ddp") == pytest.approx(0.05 + 1.5e6 / rate + 6e-4)             # ring: 2(N-1)/N·S, 2(N-1) hops
+    assert step("zero", stage=3) == pytest.approx(0.05 + 2.25e6 / rate + 9e-4)  # 3(N-1)/N·S, 3(N-1) hops
+    assert step("zero", stage=3, hidden_passes=2) == pytest.approx(0.05 + 0.75e6 / rate + 3e-4)
+    assert step("ps") == pytest.approx(0.05 + 2 * 4e6 / rate + 2e-4)           # one server's link: N·S each way
+    assert step("ps", servers=4) == pytest.approx(0.05 + 2 * 1e6 / rate + 2e-4)  # N servers: S each
     assert step("ps", server_link_mbps=400.0) == pytest.approx(0.05 + 2 * 4e6 / (4 * rate) + 2e-4)
     assert step("single") == 0.05
     # overlap: with 4 buckets only what backward (2/3 of compute) cannot hide waits, at least one bucket's share
