@@ -345,8 +345,9 @@ def check_machine(cfg: Config) -> Config:
             raise ConfigError(f"{key} = \"{value}\": no CUDA device is visible on this machine; "
                               f"use backend.device = \"cpu\" (or \"auto\") and backend.dist_backend = \"gloo\" (or \"auto\")")
     if cfg.cluster.emulate:
-        from psarch.cluster.preflight import check
-        check()
+        from psarch.cluster.preflight import missing
+        if problem := missing():
+            raise ConfigError(problem)
     if w.data == "text" and not w.factory:
         path = Path(w.text.path)
         if not path.is_file():

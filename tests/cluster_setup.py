@@ -5,17 +5,12 @@ import subprocess
 
 import pytest
 
-from psarch.config import ConfigError
 
 
 def can_emulate() -> str:
     """'' where an emulated cluster can be built here, else why not."""
-    from psarch.cluster.preflight import check
-    try:
-        check()
-    except ConfigError as e:
-        return str(e)
-    return ""
+    from psarch.cluster.preflight import missing
+    return missing() or ""
 
 
 needs_root = pytest.mark.skipif(bool(can_emulate()), reason="no emulated cluster here: " + can_emulate())

@@ -5,8 +5,6 @@ import os
 import shutil
 import subprocess
 
-from psarch.config import ConfigError
-
 CAP_NET_ADMIN = 12
 _HOW = "run as root on Linux with iproute2 and the tbf qdisc, or without it: --set cluster.emulate=false"
 
@@ -22,15 +20,16 @@ def _capabilities() -> int:
     return 0
 
 
-def check(ip: str = "ip", tc: str = "tc", capability: int = CAP_NET_ADMIN) -> None:
-    """Raise ConfigError (one line: what is missing, how to run without [cluster]) unless the binaries
-    exist, this process holds `capability`, and a `tbf` qdisc can be installed in a scratch namespace."""
+def missing(ip: str = "ip", tc: str = "tc", capability: int = CAP_NET_ADMIN) -> str | None:
+    """None where this machine can emulate; else one line saying what is missing and how to run without
+    [cluster] (the binaries, `capability`, a `tbf` qdisc installed in a scratch namespace). config's
+    check_machine raises it as a ConfigError."""
     for tool in (ip, tc):
         if shutil.which(tool) is None:
-            raise ConfigError(f"cluster.emulate = true: `{tool}` (iproute2) is not installed; {_HOW}")
+            return f"cluster.emulate = true: `{tool}` (iproute2) is not installed; {_HOW}"
     if not _capabilities() >> capability & 1:
-        raise ConfigError(f"cluster.emulate = true: needs root (capability {capability}"
-                          f"{' = CAP_NET_ADMIN' if capability == CAP_NET_ADMIN else ''} is missing); {_HOW}")
+        return (f"cluster.emulate = true: needs root (capability {capability}"
+                f"{' = CAP_NET_ADMIN' if capability == CAP_NET_ADMIN else ''} is missing); {_HOW}")
     probe = f"psarch-{os.getpid()}-probe"
     steps = [[ip, "netns", "add", probe], [ip, "-n", probe, "link", "add", "d0", "type", "veth", "peer", "name", "d1"],
              [tc, "-n", probe, "qdisc", "add", "dev", "d0", "root", "tbf", "rate", "1mbit", "burst", "32kb",
@@ -40,6 +39,7 @@ def check(ip: str = "ip", tc: str = "tc", capability: int = CAP_NET_ADMIN) -> No
             p = subprocess.run(argv, capture_output=True, text=True)
             if p.returncode != 0:
                 err = (p.stderr.strip().splitlines() or ["failed"])[-1]
-                raise ConfigError(f"cluster.emulate = true: `{' '.join(argv[:4])}` failed ({err}); {_HOW}")
+                return f"cluster.emulate = true: `{' '.join(argv[:4])}` failed ({err}); {_HOW}"
     finally:
         subprocess.run([ip, "netns", "del", probe], capture_output=True)
+    return None
