@@ -132,7 +132,7 @@ def test_ssp_no_worker_runs_more_than_the_bound_ahead(tmp_path):
     assert pushed == [10, 10] and grants == 2 * 11   # the initial pull and one per step
     # and the workers' own rows say the same
     rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
-    aheads = [w["ahead"] for r in rows for w in r["workers"]]
+    aheads = [w["extra"]["ahead"] for r in rows for w in r["workers"]]
     assert len(aheads) == 20 and max(aheads) <= bound
 
 
