@@ -2,10 +2,12 @@
 from __future__ import annotations
 
 import argparse
+import json
 import os
+import signal
 import sys
 
-from psarch.config import ConfigError, describe, load_config
+from psarch.config import ConfigError, allowed_values, applies_to, describe, load_config
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -22,8 +24,12 @@ def main(argv: list[str] | None = None) -> int:
                        help="continue that run from its latest complete checkpoint to train.steps")
     start.add_argument("--from", dest="start", metavar="CHECKPOINT_DIR",
                        help="a new run starting from that checkpoint's state and step, under this config")
-    p_run.add_argument("--rerun", action="store_true", help="sweeps: run points whose outputs already exist")
-    sub.add_parser("keys", help="list every config key with its default and meaning")
+    p_run.add_argument("--overwrite", action="store_true",
+                       help="replace a finished run in the run folder (a failed or interrupted one is replaced anyway)")
+    p_run.add_argument("--rerun", action="store_true",
+                       help="sweeps: run every point again (a point whose folder holds a finished run of the "
+                            "same config is skipped otherwise)")
+    sub.add_parser("keys", help="list every config key: default, allowed values, meaning, where it applies")
     p_srv = sub.add_parser("server", help="run one parameter server standalone (multi-machine ps runs)")
     p_srv.add_argument("config")
     p_srv.add_argument("--index", type=int, required=True, help="which server (0 .. backend.servers-1)")
@@ -56,7 +62,9 @@ def main(argv: list[str] | None = None) -> int:
 
     if args.command == "keys":
         for key, default, doc in describe():
-            print(f"{key:38} {default!r:>14}  {doc}")
+            where = applies_to(key)
+            print(f"{key:38} {json.dumps(default):>14}  {allowed_values(key):28}  {doc}"
+                  + ("" if where == "every backend" else f" [only {where}]"))
         return 0
     if args.command == "compare":
         from psarch.compare import compare, default_out
@@ -88,17 +96,33 @@ def main(argv: list[str] | None = None) -> int:
 
         return serve(args.config, args.index, args.port, args.host, args.overrides)
     if args.command == "run":
+        # SIGTERM (kill, timeout, a scheduler) stops a run as Ctrl-C does: ranks stopped, finished steps kept
+        previous = signal.signal(signal.SIGTERM, _interrupt)  # main() runs in the main thread, as a program
         try:
             return _run(args)
-        except KeyboardInterrupt:
-            print("psarch: interrupted", file=sys.stderr)
-            return 130
+        except KeyboardInterrupt as e:
+            print(f"psarch: interrupted{f' ({e})' if str(e) else ''}; finished steps are kept", file=sys.stderr)
+            return 128 + getattr(e, "signum", signal.SIGINT)
         except Exception as e:  # a failure nobody foresaw: one line; the traceback on request
             if os.environ.get("PSARCH_DEBUG"):
                 raise
             print(f"psarch: run failed: {_one_line(e)} (PSARCH_DEBUG=1 shows the traceback)", file=sys.stderr)
             return 1
+        finally:
+            signal.signal(signal.SIGTERM, previous)
     return 2
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM, raised where the launcher is, as Ctrl-C raises KeyboardInterrupt."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(f"stopped by {signal.Signals(signum).name}")
+        self.signum = signum
+
+
+def _interrupt(signum: int, frame: object) -> None:
+    raise Terminated(signum)
 
 
 def _one_line(e: BaseException) -> str:
@@ -121,10 +145,22 @@ def _run(args: argparse.Namespace) -> int:
         print(f"psarch: config error: {e}", file=sys.stderr)
         return 2
     from psarch.launch import RunError, run
+    from psarch.outputs import holds_finished_run, run_folder
 
+    folder = run_folder(cfg, args.out)
+    # a finished experiment is never lost by running a config again (under torchrun rank 0 decides: the
+    # others may already see the folder it prepared)
+    if (holds_finished_run(folder) and not args.overwrite and args.resume is None
+            and os.environ.get("RANK", "0") == "0"):
+        print(f"psarch: {folder} already holds a finished run; pass --overwrite to replace it, or choose another "
+              f"folder with --out", file=sys.stderr)
+        return 2
     try:
         run(cfg, args.resume or args.out, echo=not args.quiet, resume=args.resume is not None, start=args.start)
-    except (RunError, ConfigError, RuntimeError, OSError, ValueError) as e:
+    except ConfigError as e:  # found by the launcher before any rank starts (a factory's return type)
+        print(f"psarch: config error: {e}", file=sys.stderr)
+        return 2
+    except (RunError, RuntimeError, OSError, ValueError) as e:
         print(f"psarch: run {cfg.name!r} failed: {e}", file=sys.stderr)
         if os.environ.get("PSARCH_DEBUG"):
             raise

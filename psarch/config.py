@@ -6,11 +6,8 @@ Every mistake stops the run before any process starts, with one line naming key,
 from __future__ import annotations
 
 import dataclasses
-import importlib
 import json
 import math
-import os
-import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -18,6 +15,7 @@ from typing import Any
 # ConfigError, parse_override and apply_overrides are part of this module's interface too
 from psarch.config_files import (ConfigError, apply_overrides, explicit_keys, parse_override,  # noqa: F401
                                  read_toml, show, top_table)
+from psarch.machine import check_machine, resolve_factory  # noqa: F401  (part of this module's interface)
 
 
 def _f(default: Any, doc: str, choices: tuple | None = None, min: float | None = None,
@@ -233,8 +231,12 @@ def _type_name(tp: Any) -> str:
     return {int: "an integer", float: "a number", str: "a string", bool: "true or false", list: "a list"}.get(tp, str(tp))
 
 
+def _field_type(f: dataclasses.Field) -> type:
+    return f.type if not isinstance(f.type, str) else eval(f.type, globals())  # annotations are postponed
+
+
 def _coerce(key: str, value: Any, f: dataclasses.Field) -> Any:
-    tp = f.type if not isinstance(f.type, str) else eval(f.type, globals())  # annotations are postponed
+    tp = _field_type(f)
     ok = (isinstance(value, bool) if tp is bool else
           isinstance(value, int) and not isinstance(value, bool) if tp is int else
           isinstance(value, (int, float)) and not isinstance(value, bool) if tp is float else
@@ -331,53 +333,6 @@ def validate(cfg: Config) -> Config:
     return cfg
 
 
-def check_machine(cfg: Config) -> Config:
-    """Checks against this machine, made before any process starts: the device, the text file, and what an
-    emulated cluster needs (root, iproute2, tbf).
-    Not part of validate(): a config written for GPU ranks stays valid on a CPU-only machine that only
-    loads it (a standalone parameter server, a test reading config.json)."""
-    b, w = cfg.backend, cfg.workload
-    if b.device == "cuda" or b.dist_backend == "nccl":
-        import torch
-
-        if not torch.cuda.is_available():
-            key, value = ("backend.device", "cuda") if b.device == "cuda" else ("backend.dist_backend", "nccl")
-            raise ConfigError(f"{key} = \"{value}\": no CUDA device is visible on this machine; "
-                              f"use backend.device = \"cpu\" (or \"auto\") and backend.dist_backend = \"gloo\" (or \"auto\")")
-    if cfg.cluster.emulate:
-        from psarch.cluster.preflight import missing
-        if problem := missing():
-            raise ConfigError(problem)
-    if w.data == "text" and not w.factory:
-        path = Path(w.text.path)
-        if not path.is_file():
-            raise ConfigError(f"workload.text.path = {show(w.text.path)}: no such file")
-        size, need = path.stat().st_size, w.seq_len + 1  # a sequence and its next-token target
-        if size < need:
-            raise ConfigError(f"workload.text.path = {show(w.text.path)}: the file has {size} bytes; "
-                              f"workload.seq_len = {w.seq_len} needs at least {need}")
-    return cfg
-
-
-def resolve_factory(spec: str) -> Any:
-    """The function a `workload.factory` spec names; checked here, before any rank starts."""
-    module_name, _, fn_name = spec.partition(":")
-    if not module_name or not fn_name:
-        raise ConfigError(f"workload.factory = {json.dumps(spec)}: expected 'package.module:function'")
-    # A module next to the config finds itself as under `python -m`: the `psarch` console script's
-    # sys.path[0] is its bin folder, not the working directory. Spawned ranks inherit sys.path.
-    if os.getcwd() not in sys.path and "" not in sys.path:
-        sys.path.append(os.getcwd())
-    try:
-        fn = getattr(importlib.import_module(module_name), fn_name)
-    except Exception as e:  # ImportError, AttributeError, or the module's own error (a SyntaxError, say)
-        raise ConfigError(f"workload.factory = {json.dumps(spec)}: cannot import it ({type(e).__name__}: "
-                          f"{str(e).splitlines()[0] if str(e) else ''})") from None
-    if not callable(fn):
-        raise ConfigError(f"workload.factory = {json.dumps(spec)}: {fn_name} is not a function")
-    return fn
-
-
 def from_dict(data: dict[str, Any], name: str = "") -> Config:
     """Build and validate a Config from raw (already merged) data."""
     cfg = _build(Config, data, "")
@@ -411,6 +366,17 @@ def _field(key: str) -> dataclasses.Field:
         if i + 1 < len(parts):
             cls = f.default_factory  # a section: the sub-config's class
     return f
+
+
+def allowed_values(key: str) -> str:
+    """What option `key` accepts, in words: its choices, or its type and bounds (for `psarch keys`)."""
+    m = _field(key).metadata
+    if m.get("choices"):
+        return " | ".join(json.dumps(c) for c in m["choices"])
+    name = {int: "integer", float: "number", str: "string", bool: "true | false", list: "list"}[_field_type(_field(key))]
+    lo, hi = m.get("min"), m.get("max")
+    return (f"{name} in [{lo:g}, {hi:g}]" if lo is not None and hi is not None else
+            f"{name} >= {lo:g}" if lo is not None else f"{name} <= {hi:g}" if hi is not None else name)
 
 
 def applies(key: str, cfg: Config) -> bool:

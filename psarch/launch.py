@@ -7,6 +7,7 @@ import json
 import multiprocessing as mp
 import os
 import sys
+import time
 import traceback
 from dataclasses import dataclass
 from datetime import timedelta
@@ -23,8 +24,13 @@ from psarch.cluster import Placement, place
 from psarch.config import Config, ConfigError, check_machine, from_dict
 from psarch.dist import init_rank, shutdown, under_torchrun
 from psarch.errors import NON_FINITE_EXIT, NonFiniteError, RunError
+from psarch.lifecycle import die_with_parent
 from psarch.registry import trainer_class
 from psarch.runner import run_rank
+from psarch.workload import Workload, build_workload
+
+
+ECHO_GRACE_S = 2.0  # how long the launcher waits, after a rank fails, for its peers' errors before it names one
 
 
 def run(cfg: Config, out: str | Path | None = None, echo: bool = True, resume: bool = False,
@@ -35,7 +41,7 @@ def run(cfg: Config, out: str | Path | None = None, echo: bool = True, resume: b
         raise ConfigError("cluster.emulate = true: not under torchrun, whose machines are the cluster; "
                           "use `psarch run`, or --set cluster.emulate=false")
     check_machine(cfg)  # a missing GPU or text file: one ConfigError now, not a traceback in every rank
-    out_dir = Path(out or cfg.out or Path("runs") / cfg.name)
+    out_dir = outputs.run_folder(cfg, out)
     cls = trainer_class(cfg.backend.kind)
     if (cfg.train.checkpoint_every or resume or start is not None) and not cls.checkpoints:
         raise ConfigError(f"backend.kind = {cfg.backend.kind!r} cannot write or read checkpoints yet "
@@ -45,21 +51,28 @@ def run(cfg: Config, out: str | Path | None = None, echo: bool = True, resume: b
                  ckpt.path if ckpt is not None else None, resume)
     if under_torchrun():
         return _run_under_torchrun(cfg, cls, out_dir, echo, plan)
+    # A user's factory runs here once (no process group yet), so a wrong return type is one ConfigError
+    # before any rank starts; a single in-process rank then trains this very workload.
+    workload = build_workload(cfg) if cfg.workload.factory else None
     outputs.prepare(out_dir, cfg, keep_checkpoints=ckpt is not None)
-    with place(cfg) as where:   # loopback, or each process on its node of an emulated cluster
-        services = cls.start_services(cfg, out_dir, where)
-        try:
-            info = services.info if services is not None else {}
-            if cfg.backend.world_size == 1:
-                with where.node("worker", 0):
-                    _run_in_process(cfg, cls, out_dir, info, echo, plan)
-            else:
-                _spawn(cfg, cls, out_dir, info, echo, services, plan, where)
-            extra = services.finish() if services is not None else None
-        finally:
-            if services is not None:
-                services.stop()
-        cluster = where.report()
+    try:
+        with place(cfg) as where:   # loopback, or each process on its node of an emulated cluster
+            services = cls.start_services(cfg, out_dir, where)
+            try:
+                info = services.info if services is not None else {}
+                if cfg.backend.world_size == 1:
+                    with where.node("worker", 0):
+                        _run_in_process(cfg, cls, out_dir, info, echo, plan, workload)
+                else:
+                    _spawn(cfg, cls, out_dir, info, echo, services, plan, where)
+                extra = services.finish() if services is not None else None
+            finally:
+                if services is not None:
+                    services.stop()
+            cluster = where.report()
+    except BaseException as e:  # failed or interrupted (Ctrl-C, SIGTERM): keep the finished steps, say why
+        _keep_finished_steps(out_dir, cfg, e)
+        raise
     return outputs.finalize(out_dir, cfg, dict(extra or {}, **({"cluster": cluster} if cluster else {})), echo)
 
 
@@ -76,12 +89,22 @@ class _Plan:
         return {"checkpoints": self.checkpoints, "start": self.start, "resume": self.resume}
 
 
+def _keep_finished_steps(out: Path, cfg: Config, e: BaseException) -> None:
+    status = "interrupted" if isinstance(e, KeyboardInterrupt) else "failed"
+    error = str(e) if isinstance(e, RunError) else f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
+    try:
+        outputs.finalize_stopped(out, cfg, status, error)
+    except Exception as w:  # never hide the run's own error behind this one
+        print(f"psarch: could not write the {status} run's summary: {type(w).__name__}: {w}", file=sys.stderr)
+
+
 def _threads(world: int) -> int:
     env = os.environ.get("PSARCH_THREADS")
     return int(env) if env else max(1, (os.cpu_count() or 1) // world)
 
 
-def _run_in_process(cfg: Config, cls: type, out: Path, info: dict, echo: bool, plan: _Plan) -> None:
+def _run_in_process(cfg: Config, cls: type, out: Path, info: dict, echo: bool, plan: _Plan,
+                    workload: Workload | None) -> None:
     store = None
     if cls.needs_process_group:
         store = dist.TCPStore("127.0.0.1", 0, 1, is_master=True, wait_for_workers=False,
@@ -89,13 +112,15 @@ def _run_in_process(cfg: Config, cls: type, out: Path, info: dict, echo: bool, p
     ctx = init_rank(cfg, 0, 1, 0, 1, store, needs_group=store is not None)
     ctx.services = info
     try:
-        outputs.save_record(out, run_rank(cfg, ctx, echo=echo, **plan.kwargs()))
+        outputs.save_record(out, run_rank(cfg, ctx, workload, echo=echo, metrics=outputs.stream_path(out, 0),
+                                          **plan.kwargs()))
     finally:
         shutdown(ctx)
 
 
 def _rank_main(cfg_dict: dict, rank: int, world: int, host: str, port: int, out: str, info: dict, threads: int,
                needs_group: bool, echo: bool, plan: _Plan) -> None:
+    die_with_parent()
     out_dir = Path(out)
     try:
         torch.set_num_threads(threads)
@@ -104,14 +129,45 @@ def _rank_main(cfg_dict: dict, rank: int, world: int, host: str, port: int, out:
                               timeout=timedelta(seconds=cfg.backend.timeout_s)) if needs_group else None
         ctx = init_rank(cfg, rank, world, rank, world, store, needs_group=needs_group)
         ctx.services = info
-        outputs.save_record(out_dir, run_rank(cfg, ctx, echo=echo, **plan.kwargs()))
+        outputs.save_record(out_dir, run_rank(cfg, ctx, echo=echo, metrics=outputs.stream_path(out_dir, rank),
+                                              **plan.kwargs()))
         shutdown(ctx)
     except BaseException as e:  # report every failure, KeyboardInterrupt included, then exit non-zero
-        # the file's mtime says when, so the launcher can tell the first failure from its echoes
-        (out_dir / outputs.RANKS_DIR / f"rank{rank}.error").write_text(
-            f"{type(e).__name__}: {e}\n\n{traceback.format_exc()}")
+        _write_error(out_dir, rank, e)
         sys.stdout.flush()
         os._exit(NON_FINITE_EXIT if isinstance(e, NonFiniteError) else 1)
+
+
+def _write_error(out: Path, rank: int, e: BaseException) -> None:
+    """The rank's error record. `failed_at_ns` is CLOCK_MONOTONIC, one clock for every process of this
+    machine, fine enough to order a failure before the peers' echoes of it (file mtimes are not)."""
+    (out / outputs.RANKS_DIR / f"rank{rank}.error").write_text(json.dumps(
+        {"rank": rank, "error": f"{type(e).__name__}: {e}".splitlines()[0], "failed_at_ns": time.monotonic_ns(),
+         "traceback": traceback.format_exc()}, indent=1) + "\n")
+
+
+def _read_error(out: Path, rank: int) -> dict[str, Any] | None:
+    try:
+        return json.loads((out / outputs.RANKS_DIR / f"rank{rank}.error").read_text())
+    except (OSError, ValueError):
+        return None
+
+
+# How a peer's failure reaches a rank that did nothing wrong: its sockets close, its collectives time out.
+_PEER_ECHOES = ("connection reset by peer", "connection closed by peer", "broken pipe", "connection refused",
+                "end of file", "socket timeout", "timed out", "timeout", "distnetworkerror", "distbackenderror",
+                "gloo", "tcpstore")
+
+
+def _root_cause(out: Path, failed: dict[int, int]) -> int:
+    """Of several failed ranks ({rank: exit code}), the one whose error caused the others': a non-finite
+    loss (in ddp/zero the all-reduce spreads it), then an error that is not a peer's echo, then the
+    earliest; among those, a rank that left no record (killed) comes first."""
+    def key(rank: int) -> tuple[bool, bool, int]:
+        rec = _read_error(out, rank)
+        echo = rec is not None and any(e in rec["error"].lower() for e in _PEER_ECHOES)
+        return (failed[rank] != NON_FINITE_EXIT, echo, rec["failed_at_ns"] if rec is not None else -1)
+    return min(failed, key=key)
 
 
 def _spawn(cfg: Config, cls: type, out: Path, info: dict, echo: bool, services: Any, plan: _Plan,
@@ -129,6 +185,7 @@ def _spawn(cfg: Config, cls: type, out: Path, info: dict, echo: bool, services: 
                          args=(cfg.to_dict(), r, n, where.rendezvous_host, port, str(out), info, _threads(n),
                                needs_group, echo, plan))
              for r in range(n)]
+    tolerant = cls.tolerates_lost_workers(cfg) and services is not None
     try:
         for r, p in enumerate(procs):
             with where.node("worker", r):
@@ -136,19 +193,18 @@ def _spawn(cfg: Config, cls: type, out: Path, info: dict, echo: bool, services: 
         alive = list(procs)
         while alive:
             wait([p.sentinel for p in alive], timeout=0.5)
-            exited = [p for p in alive if p.exitcode is not None]
-            # When one rank fails, its peers soon fail too ("connection reset by peer"): if several are seen
-            # at once, report the first to fail (a rank that left no error file, e.g. killed, counts as first).
-            # A non-finite loss is a root cause: in ddp/zero the all-reduce spreads it, and its peers fail after.
-            for p in sorted(exited, key=lambda p: (p.exitcode != NON_FINITE_EXIT, _failed_at(out, procs.index(p)))):
-                alive.remove(p)
-                if p.exitcode != 0:
-                    # a poisoned worker is never a lost one: the run cannot go on without knowing why
-                    if (cls.tolerates_lost_workers(cfg) and services is not None
-                            and p.exitcode != NON_FINITE_EXIT):
-                        services.worker_lost(procs.index(p), _rank_error(out, procs.index(p), p.exitcode))
-                        continue
-                    raise RunError(_rank_error(out, procs.index(p), p.exitcode))
+            failed = _reap(alive, procs)
+            if failed and tolerant and all(procs[r].exitcode != NON_FINITE_EXIT for r in failed):
+                for r in failed:   # a poisoned worker is never a lost one: the run cannot go on without it
+                    services.worker_lost(r, _rank_error(out, r, procs[r].exitcode))
+            elif failed:
+                # its peers fail moments later ("connection reset by peer"): let them, then name the cause
+                deadline = time.monotonic() + ECHO_GRACE_S
+                while alive and time.monotonic() < deadline:
+                    wait([p.sentinel for p in alive], timeout=max(0.0, deadline - time.monotonic()))
+                    failed += _reap(alive, procs)
+                first = _root_cause(out, {r: procs[r].exitcode for r in failed})
+                raise RunError(_rank_error(out, first, procs[first].exitcode))
             if services is not None:
                 services.check()
     finally:
@@ -162,18 +218,18 @@ def _spawn(cfg: Config, cls: type, out: Path, info: dict, echo: bool, services: 
                 p.join()
 
 
-def _failed_at(out: Path, rank: int) -> int:
-    try:
-        return (out / outputs.RANKS_DIR / f"rank{rank}.error").stat().st_mtime_ns
-    except OSError:
-        return -1
+def _reap(alive: list, procs: list) -> list[int]:
+    """Remove the exited processes from `alive`; the ranks of those that failed."""
+    exited = [p for p in alive if p.exitcode is not None]
+    for p in exited:
+        alive.remove(p)
+    return [procs.index(p) for p in exited if p.exitcode != 0]
 
 
-def _rank_error(out: Path, rank: int, code: int) -> str:
-    err = out / outputs.RANKS_DIR / f"rank{rank}.error"
-    if err.exists():
-        text = err.read_text()
-        return f"rank {rank} failed: {text.splitlines()[0]}\n{text}"
+def _rank_error(out: Path, rank: int, code: int | None) -> str:
+    rec = _read_error(out, rank)
+    if rec is not None:
+        return f"rank {rank} failed: {rec['error']}\n{rec['traceback']}"
     return f"rank {rank} exited with code {code} (killed: out of memory, or a signal?)"
 
 
@@ -202,7 +258,9 @@ def _run_under_torchrun(cfg: Config, cls: type, out: Path, echo: bool, plan: _Pl
             if "addresses" in info:
                 info["addresses"] = [_reachable(a) for a in info["addresses"]]
         ctx.services = _gather_json(ctx, info)[0]
-        record = run_rank(cfg, ctx, echo=echo, **plan.kwargs())
+        # ranks on other machines stream only where the run folder is shared (rank 0 made it before init_rank)
+        stream = outputs.stream_path(out, rank) if (out / outputs.RANKS_DIR).is_dir() else None
+        record = run_rank(cfg, ctx, echo=echo, metrics=stream, **plan.kwargs())
         state = record.pop("model_state", None)
         records = _gather_json(ctx, record)   # every rank is done with the servers past this point
         extra = None

@@ -17,6 +17,19 @@ from psarch.units import fmt_bytes
 RANKS_DIR = "ranks"
 
 
+def run_folder(cfg: Config, out: str | Path | None = None) -> Path:
+    """Where a run writes: `out` if given, else the config's `out`, else runs/<name>."""
+    return Path(out or cfg.out or Path("runs") / cfg.name)
+
+
+def holds_finished_run(folder: Path) -> bool:
+    """Whether this folder holds a run that finished (a failed or interrupted one may be replaced)."""
+    try:
+        return json.loads((folder / "summary.json").read_text()).get("status", "finished") == "finished"
+    except (OSError, ValueError):
+        return False
+
+
 def prepare(out: Path, cfg: Config, keep_checkpoints: bool = False) -> None:
     """Create the run folder, write the resolved config, clear per-rank leftovers of an earlier run (and its
     checkpoints, unless this run starts from one: a later --resume must never pick an older run's)."""
@@ -30,13 +43,74 @@ def prepare(out: Path, cfg: Config, keep_checkpoints: bool = False) -> None:
     (out / "config.json").write_text(json.dumps(cfg.to_dict(), indent=2) + "\n")
 
 
+def stream_path(out: Path, rank: int) -> Path:
+    """Where a rank appends its metric rows as its steps complete (kept when the run fails)."""
+    return out / RANKS_DIR / f"rank{rank}.jsonl"
+
+
 def save_record(out: Path, record: dict[str, Any]) -> None:
-    """Write one rank's record; rank 0 also writes the consolidated model."""
+    """Write one rank's record; rank 0 also writes the consolidated model. Rows the rank streamed to
+    stream_path are read back from there, not stored twice."""
     record = dict(record)
     state = record.pop("model_state", None)
     if state is not None:
         torch.save(state, out / "model.pt")
+    if _streamed_rows(out, record["rank"]) == record["rows"]:
+        record.pop("rows")
     (out / RANKS_DIR / f"rank{record['rank']}.json").write_text(json.dumps(record))
+
+
+def _streamed_rows(out: Path, rank: int) -> list[dict[str, Any]]:
+    try:
+        text = stream_path(out, rank).read_text()
+    except OSError:
+        return []
+    # a rank killed mid-write leaves a partial last line: every complete line is a finished step
+    return [json.loads(line) for line in text.split("\n")[:-1]]
+
+
+def _records(out: Path) -> list[dict[str, Any]]:
+    records = sorted((json.loads(p.read_text()) for p in (out / RANKS_DIR).glob("rank*.json")),
+                     key=lambda r: r["rank"])
+    for r in records:
+        if "rows" not in r:
+            r["rows"] = _streamed_rows(out, r["rank"])
+    return records
+
+
+def _write_metrics(out: Path, per_rank_rows: list[list[dict[str, Any]]]) -> list[dict[str, Any]]:
+    """metrics.jsonl: one row per step, merged over the ranks that finished it; returns the rows."""
+    rows = []
+    by_step = [{x["step"]: x for x in r} for r in per_rank_rows]  # a run started from a checkpoint starts late
+    for s in sorted({step for r in by_step for step in r}):
+        per = [r[s] for r in by_step if s in r]
+        # workers_sent/received: bytes all workers together sent/received in this step
+        row = {"step": s, "loss": statistics.fmean(p["loss"] for p in per),
+               "step_time_s": max(p["step_time_s"] for p in per),
+               "workers_sent": sum(p["sent"] for p in per), "workers_received": sum(p["received"] for p in per),
+               "skipped": any(p.get("skipped") for p in per)}
+        if per[0].get("loss_scale") is not None:
+            row["loss_scale"] = per[0]["loss_scale"]
+        if len(per) > 1:
+            row["workers"] = per
+        elif per[0].get("extra"):
+            row["extra"] = per[0]["extra"]
+        rows.append(row)
+    (out / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return rows
+
+
+def finalize_stopped(out: Path, cfg: Config, status: str, error: str) -> dict[str, Any]:
+    """A run that failed or was interrupted: metrics.jsonl with every step some rank finished, and a
+    summary.json that says so, with the error's first line."""
+    streams = sorted((out / RANKS_DIR).glob("rank*.jsonl"), key=lambda p: int(p.stem[4:]))
+    rows = _write_metrics(out, [_streamed_rows(out, int(p.stem[4:])) for p in streams])
+    summary = {"name": cfg.name, "status": status, "error": error.strip().splitlines()[0] if error.strip() else "",
+               "backend": cfg.backend.kind, "variant": variant(cfg), "world_size": cfg.backend.world_size,
+               "steps": len(rows), "steps_planned": cfg.train.steps,
+               "final_loss": rows[-1]["loss"] if rows else None}
+    (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    return summary
 
 
 def variant(cfg: Config) -> str:
@@ -62,30 +136,10 @@ def cluster_step(cfg: Config, summary: dict[str, Any]) -> dict[str, float]:
 
 def finalize(out: Path, cfg: Config, extra: dict[str, Any] | None = None, echo: bool = True) -> dict[str, Any]:
     """Merge the ranks' records into metrics.jsonl, summary.json and report.txt."""
-    records = sorted((json.loads(p.read_text()) for p in (out / RANKS_DIR).glob("rank*.json")),
-                     key=lambda r: r["rank"])
+    records = _records(out)
     if not records:
         raise RuntimeError(f"{out}: no rank left a record")
-    steps = cfg.train.steps
-    by_step = [{x["step"]: x for x in r["rows"]} for r in records]  # a run started from a checkpoint starts late
-    with open(out / "metrics.jsonl", "w") as f:
-        for s in range(steps):
-            per = [rows[s] for rows in by_step if s in rows]
-            if not per:
-                continue
-            # workers_sent/received: bytes all workers together sent/received in this step
-            row = {"step": s, "loss": statistics.fmean(p["loss"] for p in per),
-                   "step_time_s": max(p["step_time_s"] for p in per),
-                   "workers_sent": sum(p["sent"] for p in per), "workers_received": sum(p["received"] for p in per),
-                   "skipped": any(p.get("skipped") for p in per)}
-            if per[0].get("loss_scale") is not None:
-                row["loss_scale"] = per[0]["loss_scale"]
-            if len(per) > 1:
-                row["workers"] = per
-            elif per[0].get("extra"):
-                row["extra"] = per[0]["extra"]
-            f.write(json.dumps(row) + "\n")
-    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    rows = _write_metrics(out, [[x for x in r["rows"] if x["step"] < cfg.train.steps] for r in records])
     w = warmup_steps(cfg)
     timed = [r["step_time_s"] for r in rows[w:]] or [r["step_time_s"] for r in rows]
     step_time = statistics.median(timed)
@@ -93,7 +147,7 @@ def finalize(out: Path, cfg: Config, extra: dict[str, Any] | None = None, echo: 
     floor = records[0]["entropy_floor"]
     final_loss = rows[-1]["loss"]
     summary: dict[str, Any] = {
-        "name": cfg.name, "backend": cfg.backend.kind, "variant": variant(cfg),
+        "name": cfg.name, "status": "finished", "backend": cfg.backend.kind, "variant": variant(cfg),
         "world_size": cfg.backend.world_size, "servers": cfg.backend.servers if cfg.backend.kind == "ps" else 0,
         "workload": records[0]["workload"], "precision": cfg.train.precision, "optimizer": cfg.train.optimizer,
         "params": phi, "steps": len(rows), "global_batch": cfg.train.global_batch,

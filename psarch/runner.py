@@ -1,6 +1,7 @@
 """The backend-agnostic step loop of one rank: data shard, timing, logging, the rank's record."""
 from __future__ import annotations
 
+import json
 import statistics
 import time
 from pathlib import Path
@@ -40,10 +41,13 @@ def warmup_steps(cfg: Config) -> int:
 
 
 def run_rank(cfg: Config, ctx: DistContext, workload: Workload | None = None, echo: bool = True,
-             checkpoints: Path | None = None, start: Path | None = None, resume: bool = False) -> dict[str, Any]:
+             checkpoints: Path | None = None, start: Path | None = None, resume: bool = False,
+             metrics: Path | None = None) -> dict[str, Any]:
     """Train up to step `train.steps` on this rank, from step 0 or from checkpoint `start`'s step and state
     (with `resume`, also its metric rows), writing a checkpoint under `checkpoints` every
-    `train.checkpoint_every` steps; returns the rank's record (rows, memory, traffic, model)."""
+    `train.checkpoint_every` steps; returns the rank's record (rows, memory, traffic, model). With
+    `metrics`, each step's row is also appended there as the step completes, so a run that fails or is
+    interrupted keeps every finished step."""
     slow = straggler(cfg, ctx.rank)   # cluster.slow_workers / jitter: the backend never knows
     workload = slowed(workload or build_workload(cfg), slow)
     params = sum(p.numel() for p in workload.model.parameters())  # before a backend shards the model
@@ -66,6 +70,7 @@ def run_rank(cfg: Config, ctx: DistContext, workload: Workload | None = None, ec
     tr0 = trainer.traffic()  # set-up traffic (e.g. the initial broadcast) is not any step's
     last_sent, last_recv = tr0.sent, tr0.received
     interval_t0 = time.perf_counter()
+    stream = open(metrics, "a", buffering=1) if metrics is not None else None  # line-buffered: a row per write
     try:
         for step in range(first, steps):
             batch = to_device(workload.batch(step, ctx.rank, ctx.world_size), ctx.device, cast)
@@ -82,6 +87,8 @@ def run_rank(cfg: Config, ctx: DistContext, workload: Workload | None = None, ec
                          "skipped": stats.skipped, "loss_scale": stats.loss_scale, "extra": stats.extra,
                          **({"slept_s": slow.slept_s} if slow is not None else {})})
             last_sent, last_recv = tr.sent, tr.received
+            if stream is not None:
+                stream.write(json.dumps(rows[-1]) + "\n")
             check_loss(step, ctx.rank, stats.loss, stats.skipped)   # after its row: the metrics keep the bad step
             if (step + 1) % log_every == 0 or step + 1 == steps:
                 interval = rows[-((step % log_every) + 1):]
@@ -102,6 +109,8 @@ def run_rank(cfg: Config, ctx: DistContext, workload: Workload | None = None, ec
         traffic = trainer.traffic().to_dict()
         extra = trainer.summary_extra()
     finally:
+        if stream is not None:
+            stream.close()
         trainer.close()
     return {"rank": ctx.rank, "rows": rows, "memory": memory, "traffic": traffic, "extra": extra,
             "device": str(ctx.device), "dist_backend": ctx.dist_backend,

@@ -27,6 +27,8 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
+from psarch.lifecycle import die_with_parent
+
 # Every rank is on this machine: talk over loopback, whatever the hostname resolves to.
 _LOOPBACK = "lo0" if sys.platform == "darwin" else "lo"
 
@@ -38,6 +40,7 @@ class RankError(RuntimeError):
 def _rank_main(fn: Callable[..., Any], rank: int, world_size: int, port: int, timeout: float,
                results: mp.Queue, args: tuple) -> None:
     """Entry point of one spawned rank: join the group, run fn, report ("ok", json) or ("error", traceback)."""
+    die_with_parent()  # a test run that is killed leaves no ranks behind
     try:
         os.environ.setdefault("GLOO_SOCKET_IFNAME", _LOOPBACK)
         torch.set_num_threads(1)

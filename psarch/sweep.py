@@ -10,7 +10,8 @@ Points = explicit points (or one empty point) x the matrix. Keys that do not app
 (e.g. `backend.stage` for ddp, `backend.k_steps` for ps sync: psarch.config.applies) are dropped, and points
 that are then identical run once (the sweep says which). Every option the file itself, --set, an axis or a
 point names must apply to at least one point. Each point writes its own run folder
-under the sweep's folder; a point whose summary.json exists is skipped unless rerun; a failed point is
+under the sweep's folder; a point whose folder holds a finished run of the same resolved config (config.json)
+is skipped unless rerun, and otherwise runs again with the reason printed; a failed point is
 reported and the others still run; the comparison of all finished points is written at the end. A point
 with a config error stops the sweep before any point runs.
 """
@@ -26,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from psarch.config import ConfigError, applies, applies_to, check_machine, explicit_keys, load_config, top_table
+from psarch.outputs import run_folder
 
 ALIASES = {"backend": "backend.kind"}
 
@@ -116,6 +118,31 @@ def point_overrides(overrides: list[str] | None, ov: dict[str, Any]) -> list[str
     return list(overrides or []) + [f"{k}={json.dumps(v)}" for k, v in ov.items()]
 
 
+def _why_run_again(folder: Path, cfg: Any) -> str | None:
+    """None when `folder` holds a finished run of exactly this config; else why the point must run."""
+    try:
+        stored = json.loads((folder / "config.json").read_text())
+        status = json.loads((folder / "summary.json").read_text()).get("status", "finished")
+    except (OSError, ValueError):
+        return "no run yet"
+    if status != "finished":
+        return f"the last run {status}"
+    flat_old, flat_new = _flatten(stored), _flatten(json.loads(json.dumps(cfg.to_dict())))  # as stored
+    changed = sorted(k for k in flat_old.keys() | flat_new.keys() if flat_old.get(k, "?") != flat_new.get(k, "?"))
+    if changed:
+        k = changed[0]
+        more = f" (and {len(changed) - 1} more)" if len(changed) > 1 else ""
+        return f"its config changed: {k} = {json.dumps(flat_old.get(k))} -> {json.dumps(flat_new.get(k))}{more}"
+    return None
+
+
+def _flatten(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for k, v in d.items():
+        out.update(_flatten(v, f"{prefix}{k}.") if isinstance(v, dict) else {prefix + k: v})
+    return out
+
+
 def _bar(done: int, total: int, width: int = 24) -> str:
     filled = int(width * done / max(total, 1))
     return "[" + "#" * filled + "." * (width - filled) + f"] {done}/{total}"
@@ -128,7 +155,7 @@ def run_sweep(path: str | Path, sweep: dict[str, Any], overrides: list[str] | No
     from psarch.launch import run
 
     base = load_config(path, overrides)
-    root = Path(out or base.out or Path("runs") / base.name)
+    root = run_folder(base, out)
     points = expand(path, sweep, overrides)
     bad = [p for p in points if p.error]
     if bad:  # as for a single run: a config error stops everything before any process starts
@@ -141,12 +168,15 @@ def run_sweep(path: str | Path, sweep: dict[str, Any], overrides: list[str] | No
         folder = root / p.name
         if echo:
             print(f"\n{_bar(i, len(points))}  point {p.name}", flush=True)
-        if (folder / "summary.json").is_file() and not rerun:
-            p.status, p.detail = "skipped", "outputs exist (rerun to replace)"
+        cfg = load_config(path, point_overrides(overrides, p.overrides))
+        cfg.name = f"{base.name}/{p.name}"
+        stale = "rerun asked" if rerun else _why_run_again(folder, cfg)
+        if stale is None:
+            p.status, p.detail = "skipped", "finished with the same config (--rerun to run it again)"
             p.summary = json.loads((folder / "summary.json").read_text())
         else:
-            cfg = load_config(path, point_overrides(overrides, p.overrides))
-            cfg.name = f"{base.name}/{p.name}"
+            if echo and stale != "no run yet":
+                print(f"point {p.name}: running it again: {stale}", flush=True)
             t0 = time.perf_counter()
             try:
                 p.summary = run(cfg, folder, echo=echo)

@@ -1,6 +1,7 @@
 """A workload is what gets trained: a model, a loss, and a deterministic batch per step."""
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -73,15 +74,17 @@ def _from_factory(cfg: Config) -> Workload:
     spec = cfg.workload.factory
     fn = resolve_factory(spec)
     torch.manual_seed(cfg.seed)
-    wl = fn(cfg) if _takes_arg(fn) else fn()
+    wl = fn(cfg) if _takes_config(fn) else fn()
     if not isinstance(wl, Workload):
         raise ConfigError(f"workload.factory = \"{spec}\": returned {type(wl).__name__}, expected psarch.Workload")
     return wl
 
 
-def _takes_arg(fn: Callable) -> bool:
-    import inspect
+def _takes_config(fn: Callable) -> bool:
+    """Whether fn has a positional parameter for the config (`def make(cfg)`, `def make(*args)`); a factory
+    with keyword-only parameters or **kwargs (`def make(**options)`) is called with none."""
     try:
-        return len(inspect.signature(fn).parameters) >= 1
-    except (TypeError, ValueError):
+        params = inspect.signature(fn).parameters.values()
+    except (TypeError, ValueError):  # a builtin without a signature: call it as it is
         return False
+    return any(p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD, p.VAR_POSITIONAL) for p in params)

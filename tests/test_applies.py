@@ -101,3 +101,13 @@ def test_shipped_experiments_keep_their_point_names():
     points = expand(root / "architectures.toml", read_sweep(root / "architectures.toml"))
     assert [p.name for p in points] == ["single-world_size1", "ddp-commring", "ddp-commnative", "zero-stage1",
                                         "zero-stage2", "zero-stage3", "ps-modesync", "ps-modeasync", "ps-modegeo"]
+
+
+def test_keys_lists_allowed_values_and_where_each_option_applies(capsys):
+    from psarch.cli import main
+
+    assert main(["keys"]) == 0
+    lines = {line.split()[0]: line for line in capsys.readouterr().out.splitlines()}
+    assert '"sync" | "async" | "geo" | "ssp"' in lines["backend.mode"]
+    assert "integer >= 1" in lines["backend.k_steps"] and 'backend.mode = "geo"' in lines["backend.k_steps"]
+    assert "integer in [2, 65536]" in lines["workload.markov.vocab_size"] and "only" not in lines["train.lr"]

@@ -18,6 +18,7 @@ import pytest
 import torch
 
 from factories import FAILING_FACTORY
+from procs import alive, descendants
 from psarch.config import from_dict, load_config
 from psarch.workload import build_workload
 
@@ -257,43 +258,6 @@ def test_missing_config_file_exits_2(tmp_path):
 
 
 
-def _proc_table() -> dict[int, tuple[int, str]]:
-    """pid -> (ppid, state) for every process, from /proc."""
-    out = {}
-    for d in Path("/proc").iterdir():
-        if not d.name.isdigit():
-            continue
-        try:
-            stat = (d / "stat").read_text()
-        except OSError:
-            continue
-        fields = stat[stat.rindex(")") + 2:].split()
-        out[int(d.name)] = (int(fields[1]), fields[0])
-    return out
-
-
-def _descendants(root: int) -> set[int]:
-    table = _proc_table()
-    kids: dict[int, list[int]] = {}
-    for pid, (ppid, _) in table.items():
-        kids.setdefault(ppid, []).append(pid)
-    found, todo = set(), [root]
-    while todo:
-        for c in kids.get(todo.pop(), []):
-            if c not in found:
-                found.add(c)
-                todo.append(c)
-    return found
-
-
-def _alive(pid: int) -> bool:
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return False
-    return stat[stat.rindex(")") + 2:].split()[0] != "Z"  # a zombie runs nothing
-
-
 @pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="process table read from /proc (Linux)")
 def test_failing_rank_stops_the_run_with_its_error(tmp_path):
     (tmp_path / "failing_factory.py").write_text(FAILING_FACTORY)
@@ -313,13 +277,13 @@ def test_failing_rank_stops_the_run_with_its_error(tmp_path):
         seen: set[int] = set()
         try:
             while proc.poll() is None:
-                seen |= _descendants(proc.pid)
+                seen |= descendants(proc.pid)
                 if time.monotonic() - t0 > 90:
                     raise AssertionError("psarch run did not stop within 90 s after a rank failed (hang)")
                 time.sleep(0.05)
         finally:
             if proc.poll() is None:
-                for pid in _descendants(proc.pid):  # only what this test started
+                for pid in descendants(proc.pid):  # only what this test started
                     try:
                         os.kill(pid, 9)
                     except ProcessLookupError:
@@ -336,16 +300,21 @@ def test_failing_rank_stops_the_run_with_its_error(tmp_path):
     assert "psarch/cli.py" not in stderr and "cli.py\"" not in stderr, stderr
     # the rank that failed left its error; rank 0 got through the steps before the failure
     assert "injected failure" in (tmp_path / "out" / "fail" / "ranks" / "rank1.error").read_text()
-    assert not (tmp_path / "out" / "fail" / "summary.json").exists()
+    # the failed run keeps the steps both ranks finished (0 and 1) and says why it stopped
+    summary = json.loads((tmp_path / "out" / "fail" / "summary.json").read_text())
+    assert summary["status"] == "failed" and summary["steps"] == 2, summary
+    assert summary["error"] == "rank 1 failed: RuntimeError: injected failure at step 2", summary
+    metrics = [json.loads(line) for line in (tmp_path / "out" / "fail" / "metrics.jsonl").read_text().splitlines()]
+    assert [m["step"] for m in metrics] == [0, 1] and all(len(m["workers"]) == 2 for m in metrics), metrics
 
     # nothing left running: every rank (their pids written by the factory) and every process the CLI started
-    rank_pids = {int(p.name) for p in piddir.iterdir()}
+    rank_pids = {int(p.name) for p in piddir.iterdir()} - {proc.pid}  # the launcher checks the factory once
     assert len(rank_pids) == 2, rank_pids
     assert rank_pids <= seen, "the ranks were not children of the CLI?"
     deadline = time.monotonic() + 10
-    while time.monotonic() < deadline and any(_alive(p) for p in seen | rank_pids):
+    while time.monotonic() < deadline and any(alive(p) for p in seen | rank_pids):
         time.sleep(0.1)
-    left = sorted(p for p in seen | rank_pids if _alive(p))
+    left = sorted(p for p in seen | rank_pids if alive(p))
     assert not left, f"processes left running after the run failed: {left}"
 
 

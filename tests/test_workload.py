@@ -176,6 +176,13 @@ FACTORY_MODULE = textwrap.dedent('''
 
     def wrong_type(cfg):
         return {"model": None}
+
+    def make_keyword_only(*, width=3, **options):   # no positional parameter: called with nothing
+        return Workload(torch.nn.Linear(width, 2), lambda m, b: m(b).sum(), lambda s, i, n: torch.ones(1, width))
+
+    def make_var_positional(*args):                 # takes the config through *args
+        CALLS.append(args[0].seed)
+        return make_no_args()
 ''')
 
 
@@ -206,6 +213,13 @@ def test_factory_without_arguments(factory_module):
     assert isinstance(wl.model, torch.nn.Linear) and wl.model.in_features == 2
 
 
+def test_factory_with_keyword_only_parameters_gets_no_config(factory_module):
+    wl = build_workload(load_config(None, [f"workload.factory={factory_module}:make_keyword_only"]))
+    assert wl.model.in_features == 3
+    build_workload(load_config(None, [f"workload.factory={factory_module}:make_var_positional", "seed=4"]))
+    assert sys.modules[factory_module].CALLS == [4]
+
+
 def test_factory_missing_module():
     with pytest.raises(ConfigError) as e:
         build_workload(load_config(None, ["workload.factory=psarch_no_such_module_xyz:make"]))
@@ -226,3 +240,13 @@ def test_factory_wrong_return_type(factory_module):
         build_workload(load_config(None, [f"workload.factory={factory_module}:wrong_type"]))
     msg = str(e.value)
     assert f"{factory_module}:wrong_type" in msg and "returned dict" in msg and "psarch.Workload" in msg
+
+
+def test_factory_wrong_return_type_is_reported_before_any_rank_starts(factory_module, tmp_path):
+    from psarch.launch import run
+
+    cfg = load_config(None, [f"workload.factory={factory_module}:wrong_type", "backend.kind=ddp",
+                             "backend.world_size=2"])
+    with pytest.raises(ConfigError, match="returned dict, expected psarch.Workload"):
+        run(cfg, tmp_path / "out", echo=False)
+    assert not (tmp_path / "out").exists()   # nothing prepared, no rank spawned

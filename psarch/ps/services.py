@@ -27,6 +27,7 @@ import torch
 
 from psarch.cluster import Loopback, Placement
 from psarch.config import Config, from_dict
+from psarch.lifecycle import die_with_parent
 from psarch.ps.auth import KEYGEN_HINT, AuthError, Credentials, check_folder, mechanism, remove, run_credentials
 from psarch.ps.errors import ServiceError
 
@@ -36,6 +37,8 @@ START_TIMEOUT_S = 120.0
 def _server_main(index: int, cfg_dict: dict, host: str, conn: Any, threads: int | None, build: bool,
                  creds: dict) -> None:
     """Entry point of one server (process or thread)."""
+    if threads is not None:  # a process of its own: it must not outlive the launcher
+        die_with_parent()
     server = None
     try:
         if threads:

@@ -1,0 +1,25 @@
+"""Child processes die with their launcher: ranks and parameter servers never outlive `psarch run`,
+even when it is killed with SIGKILL (which it cannot catch)."""
+from __future__ import annotations
+
+import ctypes
+import multiprocessing as mp
+import os
+import signal
+import sys
+
+_PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
+
+
+def die_with_parent() -> None:
+    """Call first thing in a spawned child. On Linux the kernel sends this process SIGKILL when the thread
+    that spawned it ends (the launcher's main thread); elsewhere it does nothing. If the parent died before
+    the signal was armed, exit now: the kernel will not send it any more."""
+    if not sys.platform.startswith("linux"):
+        return
+    parent = mp.parent_process()
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) != 0:
+        return  # not permitted here (a sandbox): the launcher's own clean-up still ends this process
+    if parent is not None and os.getppid() != parent.pid:
+        os._exit(1)
