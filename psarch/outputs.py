@@ -140,6 +140,7 @@ def finalize(out: Path, cfg: Config, extra: dict[str, Any] | None = None, echo: 
     if not records:
         raise RuntimeError(f"{out}: no rank left a record")
     rows = _write_metrics(out, [[x for x in r["rows"] if x["step"] < cfg.train.steps] for r in records])
+    by_step = [{x["step"]: x for x in r["rows"]} for r in records]
     w = warmup_steps(cfg)
     timed = [r["step_time_s"] for r in rows[w:]] or [r["step_time_s"] for r in rows]
     step_time = statistics.median(timed)
