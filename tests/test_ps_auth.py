@@ -264,3 +264,24 @@ def test_keygen_writes_private_credentials_and_bad_bounds_stop_at_config(tmp_pat
     assert main(["keygen", str(tmp_path / "z"), "--workers", "0"]) == 2
     with pytest.raises(ConfigError, match=r"backend.heartbeat_timeout_s = 2: must be longer than backend.heartbeat_s = 5"):
         from_dict(config("hb", backend=ps(1, "async", heartbeat_s=5.0, heartbeat_timeout_s=2.0)))
+
+
+def test_a_non_ascii_plain_password_is_refused_and_the_server_stays_up(serve):
+    """A stranger's PLAIN handshake as worker "0" with a non-ASCII password once raised in the ZAP
+    handler (compare_digest on str) and ended the serve loop; now it is refused and a worker is served."""
+    srv, creds = serve("plain")
+    zctx = zmq.Context()
+    try:
+        stranger = zctx.socket(zmq.DEALER)
+        stranger.setsockopt(zmq.LINGER, 0)
+        stranger.setsockopt(zmq.PLAIN_USERNAME, b"0")
+        stranger.setsockopt(zmq.PLAIN_PASSWORD, "pässwörd".encode())
+        stranger.connect(srv.address)
+        deadline = time.monotonic() + 5
+        while srv.zap.refused < 1 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert srv.zap.refused == 1 and not srv.stopping
+        r = Peer(zctx, srv.address, creds, 0).ask({"op": "fetch", "worker": 0})
+        assert r is not None and r.op == "params"
+    finally:
+        zctx.destroy(linger=0)

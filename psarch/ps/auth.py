@@ -197,8 +197,9 @@ class ZapHandler:
                  max_connections: int) -> None:
         self.mechanism, self.max_connections = creds.mechanism, max_connections
         folder = Path(creds.folder)
-        self.passwords = ({str(i): _read(folder / f"worker{i}.password") for i in range(workers)}
-                          if creds.mechanism == "plain" else {})
+        # bytes on both sides: compare_digest refuses str with non-ASCII characters (a stranger's password)
+        self.passwords = ({str(i).encode(): _read(folder / f"worker{i}.password").encode()
+                           for i in range(workers)} if creds.mechanism == "plain" else {})
         self.curve_keys = ({zmq.utils.z85.decode(_certificate(folder / f"worker{i}.key")[0]): str(i)
                             for i in range(workers)} if creds.mechanism == "curve" else {})
         self.rep = zctx.socket(zmq.REP)
@@ -217,7 +218,14 @@ class ZapHandler:
             event = parse_monitor_message(self.monitor.recv_multipart())["event"]
             self.open += 1 if event == zmq.EVENT_ACCEPTED else -1
         while self.rep.poll(0):
-            self._answer(self.rep.recv_multipart())
+            req = self.rep.recv_multipart()
+            try:
+                self._answer(req)
+            except Exception as e:   # a peer's handshake must never end the server: refuse it (REP owes one reply)
+                self.refused += 1
+                request_id = req[1] if len(req) > 1 else b""
+                self.rep.send_multipart([b"1.0", request_id, b"500", f"ZAP error: {type(e).__name__}".encode(),
+                                         b"", b""])
 
     def _answer(self, req: list[bytes]) -> None:
         if len(req) < 6:
@@ -242,9 +250,9 @@ class ZapHandler:
         if mech == b"NULL" and self.mechanism == "none":
             return ""
         if mech == b"PLAIN" and self.mechanism == "plain" and len(creds) == 2:
-            user, password = (c.decode("utf-8", "replace") for c in creds)
+            user, password = creds
             expected = self.passwords.get(user)
-            return user if expected is not None and secrets.compare_digest(password, expected) else None
+            return user.decode() if expected is not None and secrets.compare_digest(password, expected) else None
         if mech == b"CURVE" and self.mechanism == "curve" and len(creds) == 1:
             return self.curve_keys.get(creds[0])
         return None
