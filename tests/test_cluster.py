@@ -139,3 +139,29 @@ def test_server_link_defaults_to_link():
     assert c.server_mbps == 100.0
     assert from_dict({"backend": {"kind": "ps"}, "cluster": {"link_mbps": 100.0, "server_link_mbps": 400.0}}
                      ).cluster.server_mbps == 400.0
+
+
+def test_machine_checked_once_per_run(tmp_path, monkeypatch):
+    """With cluster.emulate, check_machine creates and deletes a probe namespace: once per run (a single
+    run and each sweep point), never again in `psarch run` or the launcher."""
+    import psarch.cluster.preflight as preflight
+    import psarch.launch as launch
+    from psarch.cli import main
+
+    probes = []
+    monkeypatch.setattr(preflight, "missing", lambda: probes.append(1))   # None: the machine can emulate
+
+    class Stop(RuntimeError):
+        pass
+
+    def stop(cfg):
+        raise Stop("stopped after the checks")
+    monkeypatch.setattr(launch, "place", stop)
+    one = ["--set", "cluster.emulate=true", "--set", "workload.model=mlp", "--quiet"]
+    (tmp_path / "one.toml").write_text('name = "one"\n')
+    assert main(["run", str(tmp_path / "one.toml"), *one, "--out", str(tmp_path / "one")]) == 1   # Stop: failed
+    assert len(probes) == 1
+    probes.clear()
+    (tmp_path / "sweep.toml").write_text('name = "s"\n[sweep]\n"train.lr" = [0.1, 0.2]\n')
+    assert main(["run", str(tmp_path / "sweep.toml"), *one, "--out", str(tmp_path / "sweep")]) == 1
+    assert len(probes) == 2                                                                     # one per point
