@@ -132,11 +132,10 @@ def _one_line(e: BaseException) -> str:
 
 def _run(args: argparse.Namespace) -> int:
     """`psarch run`: exit 2 on a config error (before any process starts), 1 when the run fails."""
-    from psarch.config import check_machine
     from psarch.sweep import read_sweep, run_sweep
 
-    try:
-        cfg = check_machine(load_config(args.config, args.overrides))
+    try:  # the machine is checked once: by run() for one run, by the sweep's expand() for each point
+        cfg = load_config(args.config, args.overrides)
         sweep = read_sweep(args.config)
         if sweep is not None:
             points = run_sweep(args.config, sweep, args.overrides, args.out, args.rerun, echo=not args.quiet)

@@ -120,6 +120,11 @@ class ClusterConfig:
     jitter: float = _f(0.0, "every worker's compute time is multiplied by exp(N(0, jitter)) each step, seeded",
                        min=0.0)
 
+    @property
+    def server_mbps(self) -> float:
+        """A PS server's link rate in Mbit/s (server_link_mbps, or link_mbps where that is 0)."""
+        return self.server_link_mbps or self.link_mbps
+
 
 @dataclass
 class Config:

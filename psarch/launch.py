@@ -34,13 +34,15 @@ ECHO_GRACE_S = 2.0  # how long the launcher waits, after a rank fails, for its p
 
 
 def run(cfg: Config, out: str | Path | None = None, echo: bool = True, resume: bool = False,
-        start: str | Path | None = None) -> dict[str, Any]:
+        start: str | Path | None = None, machine_checked: bool = False) -> dict[str, Any]:
     """Run one experiment and return its summary. Every rank (and service) is started here. With `resume`,
-    continue the run in `out` from its latest complete checkpoint; with `start`, begin from that checkpoint."""
+    continue the run in `out` from its latest complete checkpoint; with `start`, begin from that checkpoint.
+    machine_checked: the caller already ran check_machine(cfg) (a sweep checks every point before the first)."""
     if cfg.cluster.emulate and under_torchrun():
         raise ConfigError("cluster.emulate = true: not under torchrun, whose machines are the cluster; "
                           "use `psarch run`, or --set cluster.emulate=false")
-    check_machine(cfg)  # a missing GPU or text file: one ConfigError now, not a traceback in every rank
+    if not machine_checked:  # once per run: with cluster.emulate it creates and deletes a probe namespace
+        check_machine(cfg)  # a missing GPU or text file: one ConfigError now, not a traceback in every rank
     out_dir = outputs.run_folder(cfg, out)
     cls = trainer_class(cfg.backend.kind)
     if (cfg.train.checkpoint_every or resume or start is not None) and not cls.checkpoints:

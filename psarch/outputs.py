@@ -118,22 +118,6 @@ def variant(cfg: Config) -> str:
     return {"ddp": b.comm, "zero": f"stage{b.stage}/{b.comm}", "ps": b.mode}.get(b.kind, "")
 
 
-def cluster_step(cfg: Config, summary: dict[str, Any]) -> dict[str, float]:
-    """Measured | predicted step time on the emulated cluster: compute (the measured step less its
-    communication wait, which for ZeRO-3 still holds its forward/backward all-gathers) plus the α-β time
-    of the bytes each link carries (theory.cluster_step_time)."""
-    b, c = cfg.backend, cfg.cluster
-    compute = summary["step_time_s"] - (summary.get("comm_s") or 0.0)
-    s_bytes = summary["params"] * theory.BYTES[cfg.train.precision]
-    bucket = b.bucket_cap_mb * 2**20 if b.kind == "ddp" else b.reduce_bucket_size * theory.BYTES[cfg.train.precision]
-    pred = theory.cluster_step_time(theory.predict(cfg, summary["params"]), compute, c.link_mbps, c.server_link_mbps,
-                                    summary["cluster"]["alpha_s"], buckets=max(1, -(-int(s_bytes) // max(1, int(bucket)))),
-                                    overlap=b.kind in ("ddp", "zero") and b.overlap_comm,
-                                    hidden_passes=2 if (b.kind, b.stage) == ("zero", 3) or b.kind == "torch_fsdp" else 0)
-    return {"measured_s": summary["step_time_s"], "predicted_s": pred["step_time_s"],
-            "compute_s": compute, "predicted_comm_s": pred["comm_s"]}
-
-
 def finalize(out: Path, cfg: Config, extra: dict[str, Any] | None = None, echo: bool = True) -> dict[str, Any]:
     """Merge the ranks' records into metrics.jsonl, summary.json and report.txt."""
     records = _records(out)
@@ -178,7 +162,7 @@ def finalize(out: Path, cfg: Config, extra: dict[str, Any] | None = None, echo: 
             else:
                 summary[k] = v
     if summary.get("cluster", {}).get("emulated"):
-        summary["cluster"]["step_time"] = cluster_step(cfg, summary)
+        summary["cluster"]["step_time"] = theory.cluster_step(cfg, summary)
     (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     text = report(summary)
     (out / "report.txt").write_text(text)

@@ -179,7 +179,7 @@ def run_sweep(path: str | Path, sweep: dict[str, Any], overrides: list[str] | No
                 print(f"point {p.name}: running it again: {stale}", flush=True)
             t0 = time.perf_counter()
             try:
-                p.summary = run(cfg, folder, echo=echo)
+                p.summary = run(cfg, folder, echo=echo, machine_checked=True)   # expand checked it
                 p.status, p.detail = "done", f"{time.perf_counter() - t0:.1f} s"
             except Exception as e:  # one failed point must not stop the others
                 p.status = "failed"

@@ -7,6 +7,7 @@ measured figure (`outputs`, `compare`, `estimate`) calls `predict`; nothing patc
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 from psarch.config import BackendConfig, Config, TrainConfig
 
@@ -154,11 +155,12 @@ def traffic_per_step(kind: str, payload_bytes: float, n: int, stage: int = 0, se
 WIRE_OVERHEAD = 1514 / 1448
 
 
-def cluster_step_time(p: Prediction, compute_s: float, link_mbps: float, server_link_mbps: float = 0.0,
+def cluster_step_time(p: Prediction, compute_s: float, link_mbps: float, server_mbps: float,
                       alpha_s: float = 0.0, buckets: int = 1, overlap: bool = False,
                       hidden_passes: int = 0) -> dict[str, float]:
     """Step time on an emulated cluster: measured compute plus the bytes `p` puts on each link at its rate
-    (with WIRE_OVERHEAD), plus α per message in sequence (α-β model).
+    (with WIRE_OVERHEAD), plus α per message in sequence (α-β model). server_mbps: a PS server's link
+    (ClusterConfig.server_mbps); collectives ignore it.
 
     Collectives: every rank sends and receives its volume at once (full duplex). PS: a push phase then a
     pull phase, each as long as the slower of a worker's link and a server's link. Overlap (DDP/ZeRO with
@@ -169,7 +171,7 @@ def cluster_step_time(p: Prediction, compute_s: float, link_mbps: float, server_
     if not p.worker.sent and not p.worker.received:
         return {"compute_s": compute_s, "comm_s": 0.0, "step_time_s": compute_s}
     if p.server is not None:
-        server_rate = (server_link_mbps or link_mbps) * 1e6 / 8 / WIRE_OVERHEAD
+        server_rate = server_mbps * 1e6 / 8 / WIRE_OVERHEAD
         push = max(p.worker.sent / worker_rate, p.server.received / server_rate)
         pull = max(p.worker.received / worker_rate, p.server.sent / server_rate)
         comm = push + pull + p.messages * alpha_s
@@ -178,3 +180,33 @@ def cluster_step_time(p: Prediction, compute_s: float, link_mbps: float, server_
         comm = shown * (p.worker.sent / worker_rate + p.messages * alpha_s)
     exposed = max(comm - 2 / 3 * compute_s, comm / buckets) if overlap and buckets > 1 else comm
     return {"compute_s": compute_s, "comm_s": exposed, "step_time_s": compute_s + exposed}
+
+
+def cluster_model(cfg: Config, phi: float, zero_groups: int | None = None) -> dict[str, Any]:
+    """How a backend's communication meets its compute: buckets (collectives per pass), overlap (whether
+    backward hides them) and hidden_passes (ring passes blocking inside forward/backward, ZeRO-3 and FSDP's
+    all-gathers). zero_groups: the ZeRO engine's group count (summary extra); the stage-3 groups are units."""
+    b = cfg.backend
+    # torch DDP (and torch_zero, which wraps it) always sends its buckets from backward's hooks
+    overlap = b.overlap_comm if b.kind in ("ddp", "zero") else b.kind in ("torch_ddp", "torch_zero")
+    if b.kind == "zero" and zero_groups is not None:
+        buckets = zero_groups
+    elif b.kind == "zero" and b.stage == 3:
+        buckets = 1              # the unit count is a property of the model: unknown here, no overlap credit
+    else:
+        cap = b.reduce_bucket_size * BYTES[cfg.train.precision] if b.kind == "zero" else b.bucket_cap_mb * 2**20
+        buckets = -(-int(phi * BYTES[cfg.train.precision]) // max(1, int(cap)))
+    hidden = 2 if (b.kind, b.stage) == ("zero", 3) or b.kind == "torch_fsdp" else 0
+    return {"buckets": max(1, buckets), "overlap": overlap, "hidden_passes": hidden}
+
+
+def cluster_step(cfg: Config, summary: dict[str, Any]) -> dict[str, float]:
+    """Measured | predicted step time of a finished run on the emulated cluster: compute (the measured step
+    less its communication wait) plus the α-β time of the bytes each link carries (cluster_step_time)."""
+    compute = summary["step_time_s"] - (summary.get("comm_s") or 0.0)
+    groups = (summary.get("extra") or {}).get("zero_groups")
+    m = cluster_model(cfg, summary["params"], groups[0] if groups else None)
+    pred = cluster_step_time(predict(cfg, summary["params"]), compute, cfg.cluster.link_mbps,
+                             cfg.cluster.server_mbps, summary["cluster"]["alpha_s"], **m)
+    return {"measured_s": summary["step_time_s"], "predicted_s": pred["step_time_s"],
+            "compute_s": compute, "predicted_comm_s": pred["comm_s"]}

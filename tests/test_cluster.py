@@ -40,13 +40,13 @@ def test_cluster_keys_are_checked():
 
 
 def test_plan_names_addresses_and_rates():
-    nodes = plan(42, 3, 2, 100.0, 0.0)
+    nodes = plan(42, 3, 2, 100.0, from_dict({"backend": {"kind": "ps"}, "cluster": {"link_mbps": 100.0}}).cluster.server_mbps)
     assert [n.ns for n in nodes] == [f"psarch-42-{x}" for x in ("w0", "w1", "w2", "s0", "s1")]
     assert len({n.address for n in nodes}) == 5 and all(n.address.startswith("10.213.") for n in nodes)
     assert [n.mbps for n in nodes] == [100.0] * 5                 # server_link_mbps = 0: same as link_mbps
     assert [n.mbps for n in plan(42, 1, 1, 100.0, 400.0)] == [100.0, 400.0]
     with pytest.raises(ValueError, match="at most 250 workers"):
-        plan(42, 251, 0, 100.0, 0.0)
+        plan(42, 251, 0, 100.0, 100.0)
 
 
 def _serve(ns: str, ready: threading.Event, port: list, got: list) -> None:
@@ -68,7 +68,7 @@ def test_shaping_is_real_and_counted():
     """X bytes between two nodes at L Mbit/s take at least X*8/L seconds and not much more; the link
     counters see them, plus TCP/IP headers (about 5% at 1500-byte frames)."""
     mbps, size = 20.0, 2_500_000            # 1.0 s at the link rate
-    c = EmulatedCluster(2, 0, mbps)
+    c = EmulatedCluster(2, 0, mbps, mbps)
     try:
         ready, port, got = threading.Event(), [], []
         t = threading.Thread(target=_serve, args=(c.nodes[1].ns, ready, port, got), daemon=True)
@@ -101,7 +101,7 @@ def test_cluster_step_time_by_hand():
 
     def step(kind: str, stage: int = 1, servers: int = 1, **kw) -> float:
         p = predict(config_for(kind, 4, "fp32", "sgd", stage=stage, servers=servers), 250_000)
-        return cluster_step_time(p, 0.05, 100.0, alpha_s=1e-4, **kw)["step_time_s"]
+        return cluster_step_time(p, 0.05, 100.0, kw.pop("server_mbps", 100.0), alpha_s=1e-4, **kw)["step_time_s"]
 
     rate = 12.5e6 * 1448 / 1514           # payload bytes/s
     assert step("ddp") == pytest.approx(0.05 + 1.5e6 / rate + 6e-4)             # ring: 2(N-1)/N·S, 2(N-1) hops
@@ -109,8 +109,59 @@ def test_cluster_step_time_by_hand():
     assert step("zero", stage=3, hidden_passes=2) == pytest.approx(0.05 + 0.75e6 / rate + 3e-4)
     assert step("ps") == pytest.approx(0.05 + 2 * 4e6 / rate + 2e-4)           # one server's link: N·S each way
     assert step("ps", servers=4) == pytest.approx(0.05 + 2 * 1e6 / rate + 2e-4)  # N servers: S each
-    assert step("ps", server_link_mbps=400.0) == pytest.approx(0.05 + 2 * 4e6 / (4 * rate) + 2e-4)
+    assert step("ps", server_mbps=400.0) == pytest.approx(0.05 + 2 * 4e6 / (4 * rate) + 2e-4)
     assert step("single") == 0.05
     # overlap: with 4 buckets only what backward (2/3 of compute) cannot hide waits, at least one bucket's share
     comm = 1.5e6 / rate + 6e-4
     assert step("ddp", buckets=4, overlap=True) == pytest.approx(0.05 + max(comm - 0.05 * 2 / 3, comm / 4))
+
+
+def test_cluster_model_per_backend():
+    """Which backends overlap, their bucket counts and hidden passes: 1 MB of fp32 parameters."""
+    from psarch.theory import cluster_model
+
+    def model(backend: dict, groups: int | None = None) -> dict:
+        return cluster_model(from_dict({"backend": {"world_size": 2, **backend}}), 250_000, groups)
+
+    assert model({"kind": "ddp", "bucket_cap_mb": 0.25}) == {"buckets": 4, "overlap": True, "hidden_passes": 0}
+    assert model({"kind": "ddp", "overlap_comm": False})["overlap"] is False
+    assert model({"kind": "torch_ddp", "bucket_cap_mb": 0.5}) == {"buckets": 2, "overlap": True, "hidden_passes": 0}
+    assert model({"kind": "zero", "reduce_bucket_size": 125_000}) == {"buckets": 2, "overlap": True,
+                                                                      "hidden_passes": 0}
+    # stage 3 reduce-scatters one unit at a time: its groups, never reduce_bucket_size (stages 1-2 only)
+    assert model({"kind": "zero", "stage": 3}, groups=5) == {"buckets": 5, "overlap": True, "hidden_passes": 2}
+    assert model({"kind": "zero", "stage": 3})["buckets"] == 1
+    assert model({"kind": "ps"})["overlap"] is False
+
+
+def test_server_link_defaults_to_link():
+    c = from_dict({"backend": {"kind": "ps"}, "cluster": {"link_mbps": 100.0}}).cluster
+    assert c.server_mbps == 100.0
+    assert from_dict({"backend": {"kind": "ps"}, "cluster": {"link_mbps": 100.0, "server_link_mbps": 400.0}}
+                     ).cluster.server_mbps == 400.0
+
+
+def test_machine_checked_once_per_run(tmp_path, monkeypatch):
+    """With cluster.emulate, check_machine creates and deletes a probe namespace: once per run (a single
+    run and each sweep point), never again in `psarch run` or the launcher."""
+    import psarch.cluster.preflight as preflight
+    import psarch.launch as launch
+    from psarch.cli import main
+
+    probes = []
+    monkeypatch.setattr(preflight, "missing", lambda: probes.append(1))   # None: the machine can emulate
+
+    class Stop(RuntimeError):
+        pass
+
+    def stop(cfg):
+        raise Stop("stopped after the checks")
+    monkeypatch.setattr(launch, "place", stop)
+    one = ["--set", "cluster.emulate=true", "--set", "workload.model=mlp", "--quiet"]
+    (tmp_path / "one.toml").write_text('name = "one"\n')
+    assert main(["run", str(tmp_path / "one.toml"), *one, "--out", str(tmp_path / "one")]) == 1   # Stop: failed
+    assert len(probes) == 1
+    probes.clear()
+    (tmp_path / "sweep.toml").write_text('name = "s"\n[sweep]\n"train.lr" = [0.1, 0.2]\n')
+    assert main(["run", str(tmp_path / "sweep.toml"), *one, "--out", str(tmp_path / "sweep")]) == 1
+    assert len(probes) == 2                                                                     # one per point

@@ -16,7 +16,7 @@ from test_launch import TINY
 def test_torchrun_across_emulated_nodes(tmp_path):
     (tmp_path / "tiny.toml").write_text(TINY)
     env = dict(os.environ, GLOO_SOCKET_IFNAME=IFNAME, OMP_NUM_THREADS="1", PSARCH_THREADS="1")
-    c = EmulatedCluster(2, 0, 200.0)
+    c = EmulatedCluster(2, 0, 200.0, 200.0)
     try:
         before = c.counters()
         procs = [subprocess.Popen(["ip", "netns", "exec", n.ns, sys.executable, "-m", "torch.distributed.run",

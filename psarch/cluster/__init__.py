@@ -48,7 +48,7 @@ class Emulated:
 
         c = cfg.cluster
         servers = cfg.backend.servers if cfg.backend.kind == "ps" and not cfg.backend.server_addresses else 0
-        self.cluster = EmulatedCluster(cfg.backend.world_size, servers, c.link_mbps, c.server_link_mbps)
+        self.cluster = EmulatedCluster(cfg.backend.world_size, servers, c.link_mbps, c.server_mbps)
         self.rendezvous_host = HUB_ADDRESS
         from psarch.cluster.alpha import measure_alpha
         w0 = self.cluster.node("worker", 0)     # the hub to a node: one link each way, as a ring's hop

@@ -41,12 +41,11 @@ class Node:
                 "address": self.address, "link_mbps": self.mbps}
 
 
-def plan(pid: int, workers: int, servers: int, link_mbps: float, server_link_mbps: float) -> list[Node]:
+def plan(pid: int, workers: int, servers: int, link_mbps: float, server_mbps: float) -> list[Node]:
     """The nodes of run `pid`: names, addresses and link rates (no system call)."""
     if workers > MAX_NODES or servers > MAX_NODES:
         raise ValueError(f"an emulated cluster has at most {MAX_NODES} workers and {MAX_NODES} servers; "
                          f"got {workers} and {servers}")
-    server_mbps = server_link_mbps or link_mbps
     return ([Node("worker", i, f"{PREFIX}{pid}-w{i}", f"w{i}", f"10.213.1.{i + 1}", link_mbps) for i in range(workers)]
             + [Node("server", i, f"{PREFIX}{pid}-s{i}", f"s{i}", f"10.213.2.{i + 1}", server_mbps)
                for i in range(servers)])
@@ -84,11 +83,11 @@ class EmulatedCluster:
     """Create the nodes of a run; `close()` removes them. A watcher process removes them if this
     process dies without closing (SIGKILL); a later run removes any a dead run left (remove_stale)."""
 
-    def __init__(self, workers: int, servers: int, link_mbps: float, server_link_mbps: float = 0.0) -> None:
+    def __init__(self, workers: int, servers: int, link_mbps: float, server_mbps: float) -> None:
         self.pid = os.getpid()
         self.prefix = f"{PREFIX}{self.pid}-"
         self.hub = f"{self.prefix}hub"
-        self.nodes = plan(self.pid, workers, servers, link_mbps, server_link_mbps)
+        self.nodes = plan(self.pid, workers, servers, link_mbps, server_mbps)
         self._watcher: subprocess.Popen | None = None
         remove_stale()
         try:

@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from psarch.config import from_dict
-from psarch.outputs import cluster_step
+from psarch.theory import cluster_step
 
 
 def rows(sweep: Path) -> list[dict[str, Any]]:

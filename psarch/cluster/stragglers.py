@@ -10,6 +10,16 @@ backward; the PS, which communicates after backward, is delayed by the same amou
 all-gathers are the exception: they run before the sleep.) The compute time is this step's forward time
 plus the previous step's backward time (the current backward has not run yet; on the first step
 2 x forward, the usual ratio), both measured on this worker.
+
+Bias: these are wall-clock times of forward and backward, so they include any communication a backend
+waits for inside them, which the engines do not time separately (their comm_s starts after backward):
+ZeRO-3's blocking all-gathers (forward and backward; what prefetching does not hide), and the
+reduce-scatters of ZeRO-1/2/3 waited for in backward's hooks (all of them with overlap_comm = false; with
+it, the oldest whenever more than MAX_IN_FLIGHT = 2 are in flight). A slowed ZeRO worker therefore sleeps
+(m - 1) x (compute + those waits): more than m x its compute, the more so the slower the link. With
+jitter, a worker's waits also hold the time it waited for slower peers, so one slow step lengthens the
+next sleeps. DDP (launches only, waits after backward) and the PS (communicates after backward) are
+unaffected.
 """
 from __future__ import annotations
 
