@@ -220,3 +220,27 @@ def test_a_fork_into_fp16_starts_a_fresh_loss_scaler(written):
     forked = dict(data, train=dict(data["train"], steps=3, precision="fp16", checkpoint_every=0))
     record = run_rank(from_dict(forked), DistContext(), echo=False, start=ckpt)
     assert [r["step"] for r in record["rows"]] == [2] and record["rows"][0]["loss_scale"] == 2.0**16
+
+
+def test_checkpoints_are_ordered_by_step_number_not_name(tmp_path):
+    for step in (999_999, 1_000_000):   # by name, step_1000000 sorts first
+        (tmp_path / f"step_{step:06d}").mkdir()
+        (tmp_path / f"step_{step:06d}" / "metadata.json").write_text("{}")
+    assert checkpoint.latest_complete(tmp_path).name == "step_1000000"
+
+
+@pytest.mark.parametrize("field, value, says", [
+    ("file", "../../x.bin", "is not a rankN.bin name"), ("dtype", "Tensor", "dtype 'Tensor'")])
+def test_metadata_naming_a_foreign_file_or_dtype_is_refused(tmp_path, written, field, value, says):
+    import shutil
+
+    ckpt, _ = written
+    copy = tmp_path / "step_000002"
+    shutil.copytree(ckpt, copy)
+    meta = json.loads((copy / "metadata.json").read_text())
+    meta["fragments"][0][field] = value
+    if field == "file":
+        meta["files"][value] = meta["files"].pop("rank0.bin")
+    (copy / "metadata.json").write_text(json.dumps(meta))
+    with pytest.raises(checkpoint.CheckpointError, match=says):
+        checkpoint.Checkpoint(copy)
