@@ -244,3 +244,15 @@ def test_metadata_naming_a_foreign_file_or_dtype_is_refused(tmp_path, written, f
     (copy / "metadata.json").write_text(json.dumps(meta))
     with pytest.raises(checkpoint.CheckpointError, match=says):
         checkpoint.Checkpoint(copy)
+
+
+def test_a_dlrm_checkpoint_forks(tmp_path, capsys):
+    # its click source computes with numpy: only the model may be built on the meta device
+    from test_dlrm import TINY_DLRM
+
+    data = dict(TINY_DLRM, name="dlrm", train=dict(TINY_DLRM["train"], steps=2, checkpoint_every=2))
+    run_rank(from_dict(data), DistContext(), echo=False, checkpoints=tmp_path / "ck")
+    rc, err = _fork(tmp_path, tmp_path / "ck" / "step_000002", data, capsys)
+    assert rc == 0, err
+    steps = [json.loads(line)["step"] for line in (tmp_path / "fork" / "metrics.jsonl").read_text().splitlines()]
+    assert steps == [2, 3]
