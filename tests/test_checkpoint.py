@@ -256,3 +256,13 @@ def test_a_dlrm_checkpoint_forks(tmp_path, capsys):
     assert rc == 0, err
     steps = [json.loads(line)["step"] for line in (tmp_path / "fork" / "metrics.jsonl").read_text().splitlines()]
     assert steps == [2, 3]
+
+
+def test_a_resumed_run_that_fails_keeps_the_steps_before_its_checkpoint(tmp_path):
+    data = parity.config("r", workload={"factory": "factories:regression"},
+                         train=dict(parity.OPTIMIZERS["adamw"], steps=2, checkpoint_every=2))
+    assert main(["run", str(_toml(tmp_path / "a.toml", data)), "--out", str(tmp_path / "r"), "--quiet"]) == 0
+    failing = dict(data, workload={"factory": "factories:fails_at_step_2"}, train=dict(data["train"], steps=6))
+    assert main(["run", str(_toml(tmp_path / "b.toml", failing)), "--resume", str(tmp_path / "r"), "--quiet"]) == 1
+    steps = [json.loads(line)["step"] for line in (tmp_path / "r" / "metrics.jsonl").read_text().splitlines()]
+    assert steps == [0, 1, 2, 3]   # the resumed run fails at its third step, step 4
