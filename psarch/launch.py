@@ -54,7 +54,7 @@ def run(cfg: Config, out: str | Path | None = None, echo: bool = True, resume: b
     # A user's factory runs here once (no process group yet), so a wrong return type is one ConfigError
     # before any rank starts; a single in-process rank then trains this very workload.
     workload = build_workload(cfg) if cfg.workload.factory else None
-    outputs.prepare(out_dir, cfg, keep_checkpoints=ckpt is not None)
+    outputs.prepare(out_dir, cfg, keep_checkpoints=resume)   # a fork must not keep an older run's
     try:
         with place(cfg) as where:   # loopback, or each process on its node of an emulated cluster
             services = cls.start_services(cfg, out_dir, where)
@@ -247,7 +247,7 @@ def _run_under_torchrun(cfg: Config, cls: type, out: Path, echo: bool, plan: _Pl
     services = None
     try:
         if rank == 0:
-            outputs.prepare(out, cfg, keep_checkpoints=plan.start is not None)
+            outputs.prepare(out, cfg, keep_checkpoints=plan.resume)
         ctx = init_rank(cfg, rank, world, local_rank, local_world, None, launched_by="torchrun",
                         needs_group=True)
         # every rank takes part in the gather: only rank 0 knows whether the backend started services

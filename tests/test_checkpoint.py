@@ -266,3 +266,18 @@ def test_a_resumed_run_that_fails_keeps_the_steps_before_its_checkpoint(tmp_path
     assert main(["run", str(_toml(tmp_path / "b.toml", failing)), "--resume", str(tmp_path / "r"), "--quiet"]) == 1
     steps = [json.loads(line)["step"] for line in (tmp_path / "r" / "metrics.jsonl").read_text().splitlines()]
     assert steps == [0, 1, 2, 3]   # the resumed run fails at its third step, step 4
+
+
+def test_a_fork_drops_the_folders_older_checkpoints_and_cannot_start_from_them(tmp_path, written, capsys):
+    import shutil
+
+    ckpt, data = written
+    old = tmp_path / "fork" / "checkpoints" / "step_000009"   # an earlier run's, which a --resume would pick
+    shutil.copytree(ckpt, old)
+    rc, err = _fork(tmp_path, ckpt, data, capsys)
+    assert rc == 0, err
+    assert sorted(p.name for p in (tmp_path / "fork" / "checkpoints").iterdir()) == ["step_000004"]
+    again = ["run", str(tmp_path / "fork.toml"), "--from", str(tmp_path / "fork" / "checkpoints" / "step_000004"),
+             "--out", str(tmp_path / "fork"), "--overwrite", "--quiet"]
+    rc, err = main(again), capsys.readouterr().err
+    assert rc == 1 and "which the fork replaces" in err and len(err.strip().splitlines()) == 1, err

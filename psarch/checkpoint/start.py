@@ -23,6 +23,10 @@ def starting_checkpoint(cfg: Config, run_dir: Path, resume: bool, start: str | P
         start = found
     if start is None:
         return None
+    if not resume and (run_dir / CHECKPOINTS).resolve() in Path(start).resolve().parents:
+        # a fork starts its run folder afresh, checkpoints included: it would delete what it starts from
+        raise CheckpointError(f"--from {start}: it lies under the run folder {run_dir}, which the fork replaces; "
+                              f"use --resume {run_dir}, or another --out")
     ckpt = Checkpoint(start)
     ckpt.verify()
     ckpt.check_model(model_shapes(cfg))
