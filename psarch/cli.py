@@ -179,7 +179,7 @@ def _estimate(args: argparse.Namespace) -> int:
         try:
             run = load_run(args.from_run)
             cfg = run_config(run)
-        except (FileNotFoundError, ConfigError) as e:
+        except (FileNotFoundError, ValueError) as e:   # ConfigError is a ValueError
             print(f"psarch: estimate --from {args.from_run}: {e}", file=sys.stderr)
             return 2
         summary = run["summary"]
