@@ -130,6 +130,16 @@ def _one_line(e: BaseException) -> str:
     return f"{type(e).__name__}: {text.splitlines()[0]}" if text else type(e).__name__
 
 
+def _sweep_flags(args: argparse.Namespace) -> None:
+    """A sweep resumes and replaces points by itself (a finished point of the same config is skipped, any
+    other runs again; --rerun runs all): a single run's --resume, --from or --overwrite would be ignored."""
+    given = [flag for flag, on in (("--resume", args.resume is not None), ("--from", args.start is not None),
+                                   ("--overwrite", args.overwrite)) if on]
+    if given:
+        raise ConfigError(f"{args.config} is a sweep: {', '.join(given)} applies to one run only (a sweep skips its "
+                          f"finished points and reruns the rest; --rerun runs every point again)")
+
+
 def _run(args: argparse.Namespace) -> int:
     """`psarch run`: exit 2 on a config error (before any process starts), 1 when the run fails."""
     from psarch.config import check_machine
@@ -139,6 +149,7 @@ def _run(args: argparse.Namespace) -> int:
         cfg = check_machine(load_config(args.config, args.overrides))
         sweep = read_sweep(args.config)
         if sweep is not None:
+            _sweep_flags(args)
             points = run_sweep(args.config, sweep, args.overrides, args.out, args.rerun, echo=not args.quiet)
             return 1 if any(p.status == "failed" for p in points) else 0
     except ConfigError as e:

@@ -181,3 +181,14 @@ def test_estimate_and_compare_name_a_failed_run_in_one_line(tmp_path, capsys):
     assert main(["compare", str(tmp_path / "f"), "--out", str(tmp_path / "cmp")]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 2 and all("the run failed (" in e and "no figures to load" in e for e in err), err
+
+
+@pytest.mark.parametrize("flag", [["--overwrite"], ["--resume", "x"], ["--from", "x"]])
+def test_a_sweep_refuses_single_run_flags(tmp_path, capsys, flag):
+    from psarch.cli import main
+
+    (tmp_path / "sw.toml").write_text(TINY + SWEEP)
+    assert main(["run", str(tmp_path / "sw.toml"), "--out", str(tmp_path / "out"), "--quiet", *flag]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and f"is a sweep: {flag[0]} applies to one run only" in err[0], err
+    assert not (tmp_path / "out").exists()
