@@ -6,7 +6,9 @@ from __future__ import annotations
 import json
 import multiprocessing as mp
 import os
+import signal
 import sys
+import threading
 import time
 import traceback
 from dataclasses import dataclass
@@ -273,7 +275,11 @@ def _run_under_torchrun(cfg: Config, cls: type, out: Path, echo: bool, plan: _Pl
                 services.stop()
                 services = None
     except BaseException as e:  # say why, then leave without the teardown barrier (torchrun stops the peers)
+        if rank == 0 and threading.current_thread() is threading.main_thread():
+            signal.signal(signal.SIGTERM, signal.SIG_IGN)   # torchrun's stop for the peers must not cut this short
         print(f"rank {rank} failed: {type(e).__name__}: {e}\n{traceback.format_exc()}", file=sys.stderr, flush=True)
+        if rank == 0 and (out / outputs.RANKS_DIR).is_dir():   # the steps streamed so far, as `psarch run` keeps them
+            _keep_finished_steps(out, cfg, e)
         if services is not None:
             services.stop()
         sys.stdout.flush()
