@@ -130,6 +130,16 @@ def _one_line(e: BaseException) -> str:
     return f"{type(e).__name__}: {text.splitlines()[0]}" if text else type(e).__name__
 
 
+def _sweep_flags(args: argparse.Namespace) -> None:
+    """A sweep resumes and replaces points by itself (a finished point of the same config is skipped, any
+    other runs again; --rerun runs all): a single run's --resume, --from or --overwrite would be ignored."""
+    given = [flag for flag, on in (("--resume", args.resume is not None), ("--from", args.start is not None),
+                                   ("--overwrite", args.overwrite)) if on]
+    if given:
+        raise ConfigError(f"{args.config} is a sweep: {', '.join(given)} applies to one run only (a sweep skips its "
+                          f"finished points and reruns the rest; --rerun runs every point again)")
+
+
 def _run(args: argparse.Namespace) -> int:
     """`psarch run`: exit 2 on a config error (before any process starts), 1 when the run fails."""
     from psarch.sweep import read_sweep, run_sweep
@@ -138,6 +148,7 @@ def _run(args: argparse.Namespace) -> int:
         cfg = load_config(args.config, args.overrides)
         sweep = read_sweep(args.config)
         if sweep is not None:
+            _sweep_flags(args)
             points = run_sweep(args.config, sweep, args.overrides, args.out, args.rerun, echo=not args.quiet)
             return 1 if any(p.status == "failed" for p in points) else 0
     except ConfigError as e:
@@ -178,7 +189,7 @@ def _estimate(args: argparse.Namespace) -> int:
         try:
             run = load_run(args.from_run)
             cfg = run_config(run)
-        except (FileNotFoundError, ConfigError) as e:
+        except (FileNotFoundError, ValueError) as e:   # ConfigError is a ValueError
             print(f"psarch: estimate --from {args.from_run}: {e}", file=sys.stderr)
             return 2
         summary = run["summary"]

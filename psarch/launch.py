@@ -6,7 +6,9 @@ from __future__ import annotations
 import json
 import multiprocessing as mp
 import os
+import signal
 import sys
+import threading
 import time
 import traceback
 from dataclasses import dataclass
@@ -56,7 +58,7 @@ def run(cfg: Config, out: str | Path | None = None, echo: bool = True, resume: b
     # A user's factory runs here once (no process group yet), so a wrong return type is one ConfigError
     # before any rank starts; a single in-process rank then trains this very workload.
     workload = build_workload(cfg) if cfg.workload.factory else None
-    outputs.prepare(out_dir, cfg, keep_checkpoints=ckpt is not None)
+    outputs.prepare(out_dir, cfg, keep_checkpoints=resume)   # a fork must not keep an older run's
     try:
         with place(cfg) as where:   # loopback, or each process on its node of an emulated cluster
             services = cls.start_services(cfg, out_dir, where)
@@ -249,7 +251,7 @@ def _run_under_torchrun(cfg: Config, cls: type, out: Path, echo: bool, plan: _Pl
     services = None
     try:
         if rank == 0:
-            outputs.prepare(out, cfg, keep_checkpoints=plan.start is not None)
+            outputs.prepare(out, cfg, keep_checkpoints=plan.resume)
         ctx = init_rank(cfg, rank, world, local_rank, local_world, None, launched_by="torchrun",
                         needs_group=True)
         # every rank takes part in the gather: only rank 0 knows whether the backend started services
@@ -275,7 +277,11 @@ def _run_under_torchrun(cfg: Config, cls: type, out: Path, echo: bool, plan: _Pl
                 services.stop()
                 services = None
     except BaseException as e:  # say why, then leave without the teardown barrier (torchrun stops the peers)
+        if rank == 0 and threading.current_thread() is threading.main_thread():
+            signal.signal(signal.SIGTERM, signal.SIG_IGN)   # torchrun's stop for the peers must not cut this short
         print(f"rank {rank} failed: {type(e).__name__}: {e}\n{traceback.format_exc()}", file=sys.stderr, flush=True)
+        if rank == 0 and (out / outputs.RANKS_DIR).is_dir():   # the steps streamed so far, as `psarch run` keeps them
+            _keep_finished_steps(out, cfg, e)
         if services is not None:
             services.stop()
         sys.stdout.flush()

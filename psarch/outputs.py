@@ -32,7 +32,7 @@ def holds_finished_run(folder: Path) -> bool:
 
 def prepare(out: Path, cfg: Config, keep_checkpoints: bool = False) -> None:
     """Create the run folder, write the resolved config, clear per-rank leftovers of an earlier run (and its
-    checkpoints, unless this run starts from one: a later --resume must never pick an older run's)."""
+    checkpoints, unless this run resumes from them: a later --resume must never pick an older run's)."""
     (out / RANKS_DIR).mkdir(parents=True, exist_ok=True)
     if not keep_checkpoints:
         shutil.rmtree(out / "checkpoints", ignore_errors=True)

@@ -46,8 +46,8 @@ def run_rank(cfg: Config, ctx: DistContext, workload: Workload | None = None, ec
     """Train up to step `train.steps` on this rank, from step 0 or from checkpoint `start`'s step and state
     (with `resume`, also its metric rows), writing a checkpoint under `checkpoints` every
     `train.checkpoint_every` steps; returns the rank's record (rows, memory, traffic, model). With
-    `metrics`, each step's row is also appended there as the step completes, so a run that fails or is
-    interrupted keeps every finished step."""
+    `metrics`, the carried rows and then each step's row as the step completes are also appended there, so a
+    run that fails or is interrupted keeps every finished step."""
     slow = straggler(cfg, ctx.rank)   # cluster.slow_workers / jitter: the backend never knows
     workload = slowed(workload or build_workload(cfg), slow)
     params = sum(p.numel() for p in workload.model.parameters())  # before a backend shards the model
@@ -71,6 +71,8 @@ def run_rank(cfg: Config, ctx: DistContext, workload: Workload | None = None, ec
     last_sent, last_recv = tr0.sent, tr0.received
     interval_t0 = time.perf_counter()
     stream = open(metrics, "a", buffering=1) if metrics is not None else None  # line-buffered: a row per write
+    if stream is not None:   # the carried rows first: a resumed run that then fails still keeps them
+        stream.write("".join(json.dumps(r) + "\n" for r in rows))
     try:
         for step in range(first, steps):
             batch = to_device(workload.batch(step, ctx.rank, ctx.world_size), ctx.device, cast)

@@ -13,8 +13,8 @@ from psarch.theory import predict
 
 
 def load_run(path: str | Path) -> dict[str, Any]:
-    """A run folder's summary, config (as written) and per-step metrics; the summary's `predicted` is
-    theory.predict's for the run's config."""
+    """A finished run folder's summary, config (as written) and per-step metrics; the summary's `predicted` is
+    theory.predict's for the run's config. A failed or interrupted run raises ValueError (one line)."""
     path = Path(path)
     summary_path = path / "summary.json"
     if not summary_path.is_file():
@@ -22,7 +22,11 @@ def load_run(path: str | Path) -> dict[str, Any]:
     rows = [json.loads(line) for line in (path / "metrics.jsonl").read_text().splitlines()] \
         if (path / "metrics.jsonl").is_file() else []
     config = json.loads((path / "config.json").read_text()) if (path / "config.json").is_file() else {}
-    run = {"path": str(path), "summary": json.loads(summary_path.read_text()), "config": config, "metrics": rows}
+    summary = json.loads(summary_path.read_text())
+    if summary.get("status", "finished") != "finished":   # a stopped run's summary has no figures
+        raise ValueError(f"{path}: the run {summary['status']} ({summary.get('error') or 'no error recorded'}); "
+                         f"no figures to load")
+    run = {"path": str(path), "summary": summary, "config": config, "metrics": rows}
     if config:  # theory as it stands now, not as it stood when the run was made
         run["summary"]["predicted"] = predict(run_config(run), run["summary"]["params"]).to_dict()
     return run

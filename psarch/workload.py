@@ -1,6 +1,7 @@
 """A workload is what gets trained: a model, a loss, and a deterministic batch per step."""
 from __future__ import annotations
 
+import contextlib
 import inspect
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -33,22 +34,24 @@ def next_token_loss(model: nn.Module, tokens: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), tokens[:, 1:].reshape(-1))
 
 
-def build_workload(cfg: Config) -> Workload:
-    """The workload a config names: a user's factory, or a built-in model on built-in data."""
+def build_workload(cfg: Config, device: str | None = None) -> Workload:
+    """The workload a config names: a user's factory, or a built-in model on built-in data. `device` ("meta":
+    shapes without memory) places a built-in model's parameters; data sources, and a factory, stay on CPU."""
     w = cfg.workload
     if w.factory:
-        return _from_factory(cfg)
+        return _from_factory(cfg)   # it may make its data eagerly, which the meta device cannot hold
     if w.model == "dlrm":
-        return _click_workload(cfg)
+        return _click_workload(cfg, device)
     source = (MarkovSource(w.markov.vocab_size, w.markov.branching, cfg.seed, w.markov.concentration)
               if w.data == "markov" else TextSource(w.text.path))
     torch.manual_seed(cfg.seed)  # the same initial model on every rank and every backend
-    if w.model == "gpt":
-        g = w.gpt
-        model: nn.Module = GPT(source.vocab_size, w.seq_len, g.n_layer, g.n_embd, g.n_head, g.mlp_ratio)
-    else:
-        m = w.mlp
-        model = MLP(source.vocab_size, m.n_embd, m.hidden, m.n_layer)
+    with _on(device):
+        if w.model == "gpt":
+            g = w.gpt
+            model: nn.Module = GPT(source.vocab_size, w.seq_len, g.n_layer, g.n_embd, g.n_head, g.mlp_ratio)
+        else:
+            m = w.mlp
+            model = MLP(source.vocab_size, m.n_embd, m.hidden, m.n_layer)
     global_batch, length, seed = cfg.train.global_batch, w.seq_len + 1, cfg.seed
 
     def batch(step: int, shard: int, num_shards: int) -> torch.Tensor:
@@ -57,12 +60,17 @@ def build_workload(cfg: Config) -> Workload:
     return Workload(model, next_token_loss, batch, source.entropy_rate, f"{w.model}/{w.data}")
 
 
-def _click_workload(cfg: Config) -> Workload:
+def _on(device: str | None) -> contextlib.AbstractContextManager:
+    return torch.device(device) if device else contextlib.nullcontext()
+
+
+def _click_workload(cfg: Config, device: str | None) -> Workload:
     """DLRM on synthetic clicks: the batch is (dense features, ids, clicks), each sharded by rows."""
     d, c, seed, global_batch = cfg.workload.dlrm, cfg.workload.clicks, cfg.seed, cfg.train.global_batch
     source = ClickSource(d.num_tables, d.rows, d.bag, c.dense, c.zipf, seed)
     torch.manual_seed(seed)
-    model = DLRM(c.dense, d.num_tables, d.rows, d.dim, d.bottom_mlp, d.top_mlp, d.interaction)
+    with _on(device):
+        model = DLRM(c.dense, d.num_tables, d.rows, d.dim, d.bottom_mlp, d.top_mlp, d.interaction)
 
     def batch(step: int, shard: int, num_shards: int) -> tuple[torch.Tensor, ...]:
         return shard_rows(source.sample(global_batch, step_generator(seed, step)), shard, num_shards)

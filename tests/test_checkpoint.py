@@ -220,3 +220,64 @@ def test_a_fork_into_fp16_starts_a_fresh_loss_scaler(written):
     forked = dict(data, train=dict(data["train"], steps=3, precision="fp16", checkpoint_every=0))
     record = run_rank(from_dict(forked), DistContext(), echo=False, start=ckpt)
     assert [r["step"] for r in record["rows"]] == [2] and record["rows"][0]["loss_scale"] == 2.0**16
+
+
+def test_checkpoints_are_ordered_by_step_number_not_name(tmp_path):
+    for step in (999_999, 1_000_000):   # by name, step_1000000 sorts first
+        (tmp_path / f"step_{step:06d}").mkdir()
+        (tmp_path / f"step_{step:06d}" / "metadata.json").write_text("{}")
+    assert checkpoint.latest_complete(tmp_path).name == "step_1000000"
+
+
+@pytest.mark.parametrize("field, value, says", [
+    ("file", "../../x.bin", "is not a rankN.bin name"), ("dtype", "Tensor", "dtype 'Tensor'")])
+def test_metadata_naming_a_foreign_file_or_dtype_is_refused(tmp_path, written, field, value, says):
+    import shutil
+
+    ckpt, _ = written
+    copy = tmp_path / "step_000002"
+    shutil.copytree(ckpt, copy)
+    meta = json.loads((copy / "metadata.json").read_text())
+    meta["fragments"][0][field] = value
+    if field == "file":
+        meta["files"][value] = meta["files"].pop("rank0.bin")
+    (copy / "metadata.json").write_text(json.dumps(meta))
+    with pytest.raises(checkpoint.CheckpointError, match=says):
+        checkpoint.Checkpoint(copy)
+
+
+def test_a_dlrm_checkpoint_forks(tmp_path, capsys):
+    # its click source computes with numpy: only the model may be built on the meta device
+    from test_dlrm import TINY_DLRM
+
+    data = dict(TINY_DLRM, name="dlrm", train=dict(TINY_DLRM["train"], steps=2, checkpoint_every=2))
+    run_rank(from_dict(data), DistContext(), echo=False, checkpoints=tmp_path / "ck")
+    rc, err = _fork(tmp_path, tmp_path / "ck" / "step_000002", data, capsys)
+    assert rc == 0, err
+    steps = [json.loads(line)["step"] for line in (tmp_path / "fork" / "metrics.jsonl").read_text().splitlines()]
+    assert steps == [2, 3]
+
+
+def test_a_resumed_run_that_fails_keeps_the_steps_before_its_checkpoint(tmp_path):
+    data = parity.config("r", workload={"factory": "factories:regression"},
+                         train=dict(parity.OPTIMIZERS["adamw"], steps=2, checkpoint_every=2))
+    assert main(["run", str(_toml(tmp_path / "a.toml", data)), "--out", str(tmp_path / "r"), "--quiet"]) == 0
+    failing = dict(data, workload={"factory": "factories:fails_at_step_2"}, train=dict(data["train"], steps=6))
+    assert main(["run", str(_toml(tmp_path / "b.toml", failing)), "--resume", str(tmp_path / "r"), "--quiet"]) == 1
+    steps = [json.loads(line)["step"] for line in (tmp_path / "r" / "metrics.jsonl").read_text().splitlines()]
+    assert steps == [0, 1, 2, 3]   # the resumed run fails at its third step, step 4
+
+
+def test_a_fork_drops_the_folders_older_checkpoints_and_cannot_start_from_them(tmp_path, written, capsys):
+    import shutil
+
+    ckpt, data = written
+    old = tmp_path / "fork" / "checkpoints" / "step_000009"   # an earlier run's, which a --resume would pick
+    shutil.copytree(ckpt, old)
+    rc, err = _fork(tmp_path, ckpt, data, capsys)
+    assert rc == 0, err
+    assert sorted(p.name for p in (tmp_path / "fork" / "checkpoints").iterdir()) == ["step_000004"]
+    again = ["run", str(tmp_path / "fork.toml"), "--from", str(tmp_path / "fork" / "checkpoints" / "step_000004"),
+             "--out", str(tmp_path / "fork"), "--overwrite", "--quiet"]
+    rc, err = main(again), capsys.readouterr().err
+    assert rc == 1 and "which the fork replaces" in err and len(err.strip().splitlines()) == 1, err

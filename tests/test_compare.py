@@ -167,3 +167,28 @@ def test_compare_writes_under_runs_by_default(async_run, tmp_path):
     assert res.returncode == 0, res.stderr
     assert (tmp_path / "runs" / "compare" / "psasync" / "report.md").is_file()
     assert not (tmp_path / "compare").exists()
+
+
+def test_estimate_and_compare_name_a_failed_run_in_one_line(tmp_path, capsys):
+    from psarch.cli import main
+
+    cfg = tmp_path / "f.toml"
+    cfg.write_text(TINY)
+    assert main(["run", str(cfg), "--set", "workload.factory=factories:fails_at_step_2", "--out",
+                 str(tmp_path / "f"), "--quiet"]) == 1
+    capsys.readouterr()
+    assert main(["estimate", "--from", str(tmp_path / "f")]) == 2
+    assert main(["compare", str(tmp_path / "f"), "--out", str(tmp_path / "cmp")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 2 and all("the run failed (" in e and "no figures to load" in e for e in err), err
+
+
+@pytest.mark.parametrize("flag", [["--overwrite"], ["--resume", "x"], ["--from", "x"]])
+def test_a_sweep_refuses_single_run_flags(tmp_path, capsys, flag):
+    from psarch.cli import main
+
+    (tmp_path / "sw.toml").write_text(TINY + SWEEP)
+    assert main(["run", str(tmp_path / "sw.toml"), "--out", str(tmp_path / "out"), "--quiet", *flag]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and f"is a sweep: {flag[0]} applies to one run only" in err[0], err
+    assert not (tmp_path / "out").exists()

@@ -5,23 +5,29 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 from pathlib import Path
 from typing import Any, BinaryIO, Iterator
 
 import torch
 
 from psarch.checkpoint.fragments import PARAM, Fragment
-from psarch.checkpoint.writer import FORMAT, METADATA, VERSION
+from psarch.checkpoint.writer import FORMAT, METADATA, VERSION, complete_checkpoints
 
 
 class CheckpointError(ValueError):
     """A checkpoint that is missing, incomplete, corrupted, or does not fit the model."""
 
 
+# what the writer ever writes: the metadata names files and dtypes, and a folder may come from anyone
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16, "int64": torch.int64}
+DATA_FILE = re.compile(r"rank\d+\.bin")
+
+
 def latest_complete(root: str | Path) -> Path | None:
     """The newest `step_*` folder under `root` (a run's checkpoints/ folder) with its metadata written, or None.
     A kill mid-write leaves only a `.tmp_step_*` folder, which is never picked."""
-    done = sorted(p for p in Path(root).glob("step_*") if (p / METADATA).is_file())
+    done = complete_checkpoints(Path(root))
     return done[-1] if done else None
 
 
@@ -39,6 +45,15 @@ class Checkpoint:
         if meta.get("format") != FORMAT or meta.get("version") != VERSION:
             raise CheckpointError(f"{self.path}: format {meta.get('format')!r} version {meta.get('version')!r}, "
                                   f"expected {FORMAT!r} version {VERSION}")
+        for name in meta["files"]:
+            if not isinstance(name, str) or not DATA_FILE.fullmatch(name):
+                raise CheckpointError(f"{self.path / METADATA}: data file {name!r} is not a rankN.bin name")
+        for e in meta["fragments"]:
+            if e["file"] not in meta["files"]:
+                raise CheckpointError(f"{self.path / METADATA}: a fragment lies in {e['file']!r}, not a listed file")
+            if e["dtype"] not in DTYPES:
+                raise CheckpointError(f"{self.path / METADATA}: dtype {e['dtype']!r} of {e['name']!r} is not one "
+                                      f"of {sorted(DTYPES)}")
         self.meta = meta
         self.step: int = meta["step"]
         self.params: dict[str, dict[str, Any]] = meta["params"]
@@ -100,7 +115,7 @@ class Checkpoint:
             a, b = max(lo, e["offset"]), min(hi, e["offset"] + e["numel"])
             if a >= b:
                 continue
-            dtype = getattr(torch, e["dtype"])
+            dtype = DTYPES[e["dtype"]]
             size = torch.empty((), dtype=dtype).element_size()
             f = self._file(e["file"])
             f.seek(e["byte_offset"] + (a - e["offset"]) * size)

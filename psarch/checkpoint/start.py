@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import torch
 
 from psarch.checkpoint.reader import Checkpoint, CheckpointError, latest_complete
 from psarch.config import Config
@@ -24,6 +23,10 @@ def starting_checkpoint(cfg: Config, run_dir: Path, resume: bool, start: str | P
         start = found
     if start is None:
         return None
+    if not resume and (run_dir / CHECKPOINTS).resolve() in Path(start).resolve().parents:
+        # a fork starts its run folder afresh, checkpoints included: it would delete what it starts from
+        raise CheckpointError(f"--from {start}: it lies under the run folder {run_dir}, which the fork replaces; "
+                              f"use --resume {run_dir}, or another --out")
     ckpt = Checkpoint(start)
     ckpt.verify()
     ckpt.check_model(model_shapes(cfg))
@@ -35,9 +38,9 @@ def starting_checkpoint(cfg: Config, run_dir: Path, resume: bool, start: str | P
 
 
 def model_shapes(cfg: Config) -> dict[str, tuple[int, ...]]:
-    """The config's trainable parameters (name -> shape), built on the meta device: no memory, no data."""
+    """The config's trainable parameters (name -> shape); a built-in model is made on the meta device (no
+    memory), its data sources on CPU (they compute with numpy, which meta tensors cannot feed)."""
     from psarch.workload import build_workload
 
-    with torch.device("meta"):
-        model = build_workload(cfg).model
+    model = build_workload(cfg, device="meta").model
     return {n: tuple(p.shape) for n, p in model.named_parameters() if p.requires_grad}

@@ -26,6 +26,13 @@ def step_dir(root: Path, step: int) -> Path:
     return root / f"step_{step:06d}"
 
 
+def complete_checkpoints(root: Path) -> list[Path]:
+    """The `step_*` folders under `root` with their metadata written, oldest step first (by number: a name
+    sort would put step_1000000 before step_999999)."""
+    done = [p for p in Path(root).glob("step_*") if p.name[5:].isdigit() and (p / METADATA).is_file()]
+    return sorted(done, key=lambda p: int(p.name[5:]))
+
+
 def save(pieces: Pieces, ctx: DistContext, root: Path, step: int, config: dict[str, Any], keep: int = 0,
          rows: list[dict[str, Any]] | None = None) -> Path:
     """Write this rank's `pieces` (the fragments it must write) and its metric `rows` so far into checkpoint
@@ -46,8 +53,7 @@ def save(pieces: Pieces, ctx: DistContext, root: Path, step: int, config: dict[s
         os.replace(tmp, final)
         _fsync_dir(root)
         if keep > 0:
-            done = sorted(p for p in root.glob("step_*") if (p / METADATA).is_file())
-            for old in done[:-keep]:
+            for old in complete_checkpoints(root)[:-keep]:
                 shutil.rmtree(old, ignore_errors=True)
     _barrier(ctx)  # no rank reports the checkpoint written before it is
     return final
