@@ -5,20 +5,17 @@ values everywhere; initial_accumulator_value = 0.1 keeps a first step on a gradi
 noise from moving a parameter by a whole learning rate (as eps does for AdamW in test_ddp)."""
 from __future__ import annotations
 
-from pathlib import Path
 
 import pytest
 import torch
 
 from dist_utils import run_ranks
-from parity import ATOL, OPTIMIZERS, assert_same_model, config, model
+from parity import ATOL, OPTIMIZERS, assert_same_model, config, model, train
 from psarch import theory
 from psarch.config import from_dict
-from psarch.dist import DistContext
 from psarch.models import DLRM
 from psarch.optim import build_optimizer
 from psarch.ps.services import start_services
-from psarch.runner import run_rank
 from psarch.workload import build_workload
 
 TINY_DLRM = {
@@ -69,18 +66,8 @@ def _data(name: str, opt: str, backend: dict | None = None) -> dict:
                   backend=dict(backend or {"kind": "single"}, world_size=N if backend else 1))
 
 
-def _train(rank: int, n: int, data: dict, info: dict, out: str) -> dict:
-    cfg = from_dict(data)
-    ctx = DistContext(rank, n, rank, torch.device("cpu"), "gloo" if n > 1 else None)
-    ctx.services = info
-    record = run_rank(cfg, ctx, echo=False)
-    if rank == 0:
-        torch.save(record["model_state"], Path(out) / f"{cfg.name}.pt")
-    return {"memory": record["memory"], "params": record["params"]}
-
-
 def _variants(rank: int, n: int, out: str, infos: dict) -> dict:
-    return {name: _train(rank, n, _data(name, opt, backend), infos.get(name, {}), out)
+    return {name: train(rank, n, _data(name, opt, backend), infos.get(name, {}), out)
             for name, (backend, opt) in VARIANTS.items()}
 
 
@@ -89,7 +76,7 @@ def runs(tmp_path_factory):
     torch.set_num_threads(1)
     out = tmp_path_factory.mktemp("dlrm")
     for opt in SPARSE_OPTIMIZERS:
-        _train(0, 1, _data(f"single-{opt}", opt), {}, str(out))
+        train(0, 1, _data(f"single-{opt}", opt), {}, str(out))
     services = {name: start_services(from_dict(_data(name, opt, backend)), None, threads=True)
                 for name, (backend, opt) in VARIANTS.items() if backend["kind"] == "ps"}
     try:

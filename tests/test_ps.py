@@ -14,17 +14,14 @@ much (S: the gradients / parameters in the wire dtype).
 """
 from __future__ import annotations
 
-from pathlib import Path
 
 import pytest
 import torch
 
 from dist_utils import run_ranks
-from parity import ATOL, assert_same_model, model
+from parity import ATOL, assert_same_model, model, train
 from psarch.config import from_dict
-from psarch.dist import DistContext
 from psarch.ps.services import start_services
-from psarch.runner import run_rank
 from psarch.workload import build_workload
 from ps_setup import OPTIMIZERS, TINY_GPT, config, ps
 
@@ -50,18 +47,6 @@ def plan(n: int) -> dict[str, dict]:
             runs[precision] = config(precision, workload={"model": "mlp"}, backend=ps(2, servers=2),
                                      train={"optimizer": "adamw", "lr": 1e-2, "steps": 40, "precision": precision})
     return runs
-
-
-def train(rank: int, n: int, data: dict, info: dict, out: str) -> dict:
-    """Run one config on this rank; rank 0 saves the model. Returns what the tests look at."""
-    cfg = from_dict(data)
-    ctx = DistContext(rank, n, rank, torch.device("cpu"), "gloo" if n > 1 else None)
-    ctx.services = info
-    record = run_rank(cfg, ctx, echo=False)
-    if rank == 0:
-        torch.save(record["model_state"], Path(out) / f"{cfg.name}.pt")
-    return {"traffic": record["traffic"], "memory": record["memory"], "params": record["params"],
-            "rows": [{k: r[k] for k in ("loss", "sent", "received")} for r in record["rows"]]}
 
 
 def all_variants(rank: int, n: int, out: str, runs: dict, infos: dict) -> dict:

@@ -102,8 +102,10 @@ def test_end_to_end_sync_run_writes_server_traffic_and_a_loadable_model(tmp_path
 
 
 def test_async_four_workers_converge_with_stale_gradients(tmp_path):
+    # Every worker sleeps 19x its compute each step (a straggler's sleep, no CPU), so each runs for seconds:
+    # 40 bare steps take ~0.2 s, less than the ranks' start-up skew, and then no two workers overlap at all.
     summary, _ = launch(tmp_path, "async4", train={"optimizer": "adamw", "lr": 1e-2, "steps": 40, "global_batch": 16},
-                        backend=ps(4, "async"))
+                        backend=ps(4, "async"), cluster={"slow_workers": [0, 1, 2, 3], "slowdown": 20.0})
     hist = {int(k): v for k, v in summary["staleness"]["histogram"].items()}
     assert sum(hist.values()) == 4 * 40
     assert sum(v for k, v in hist.items() if k > 0) > 0, f"no stale update at all: {hist}"

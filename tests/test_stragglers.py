@@ -6,7 +6,6 @@ import json
 import statistics
 import time
 
-import pytest
 import torch
 
 from parity import config
