@@ -124,8 +124,9 @@ class ZeroTrainer(Trainer):
         if got != (self.stage, self.ctx.world_size, self.ctx.rank) or state["params"].shape != held.shape:
             raise ValueError(f"ZeRO state of (stage, world_size, rank) = {got} with {tuple(state['params'].shape)} "
                              f"elements cannot be loaded into ({self.stage}, {self.ctx.world_size}, {self.ctx.rank}) "
-                             f"with {tuple(held.shape)}; resume with the same stage and world size, or start "
-                             f"from the consolidated model.pt")
+                             f"with {tuple(held.shape)}: a rank's own state loads only into the same layout; to go on at "
+                             f"another stage or world size, write a checkpoint (train.checkpoint_every) and "
+                             f"start from it with --resume or --from")
         with torch.no_grad():
             held.copy_(state["params"])
         self.optim.load_state_dict(state["optim"])
