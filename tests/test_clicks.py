@@ -161,3 +161,18 @@ def test_bad_click_source_arguments(kwargs, message):
     args = dict(num_tables=1, rows=5, bag=1, dense=2, zipf=1.0, seed=0) | kwargs
     with pytest.raises(ValueError, match=message):
         ClickSource(**args)
+
+
+def test_expected_unique_matches_the_sampler():
+    """E[distinct ids in d draws] = Σ 1 − (1 − p_k)^d, checked against the sampler's own draws."""
+    from psarch.data.clicks import expected_unique
+    from psarch.sparse import unique_ids
+    rows, draws = 2000, 256
+    assert expected_unique(rows, 0.0, 1) == pytest.approx(1.0)
+    assert expected_unique(rows, 0.0, 10**7) == pytest.approx(rows, rel=1e-6)   # every row seen
+    src = ClickSource(2, rows, 1, 3, 1.05, seed=0)
+    gen = torch.Generator().manual_seed(1)
+    counts = [len(u) for _ in range(200) for u in unique_ids(src.sample(draws, gen))]
+    expected = expected_unique(rows, 1.05, draws)
+    assert abs(sum(counts) / len(counts) - expected) < 0.01 * expected
+    assert expected < 0.7 * draws   # skewed ids repeat: fewer rows than draws

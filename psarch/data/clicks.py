@@ -25,14 +25,26 @@ FLOOR_SAMPLES = 2**18
 GH_NODES = 16         # h(sigmoid(.)) is analytic and DENSE_STD small: 16 nodes integrate it to ~1e-12
 
 
+def zipf_probs(rows: int, exponent: float) -> np.ndarray:
+    """P(rank k) for k = 0 .. rows-1, ∝ (k+1)^-exponent (0 is uniform), float64, summing to 1."""
+    w = np.arange(1, rows + 1, dtype=np.float64) ** -exponent
+    return w / w.sum()
+
+
+def expected_unique(rows: int, exponent: float, draws: int) -> float:
+    """Expected number of distinct ids among `draws` independent Zipf draws from one table:
+    Σ_k 1 − (1 − p_k)^draws (each id counts once if drawn at least once)."""
+    p = zipf_probs(rows, exponent)
+    return float(np.sum(-np.expm1(draws * np.log1p(-np.minimum(p, 1.0 - 1e-16)))))
+
+
 class ZipfSampler:
     """Ids in [0, rows) per table: rank k (0-based) has probability ∝ (k+1)^-exponent and is id perm[t, k]."""
 
     def __init__(self, rows: int, exponent: float, perm: torch.Tensor) -> None:
         if perm.dim() != 2 or perm.shape[1] != rows:
             raise ValueError(f"perm of shape {tuple(perm.shape)}: expected (tables, {rows})")
-        w = np.arange(1, rows + 1, dtype=np.float64) ** -exponent
-        self.probs = w / w.sum()              # by rank
+        self.probs = zipf_probs(rows, exponent)   # by rank
         cdf = np.cumsum(self.probs)
         cdf[-1] = 1.0                         # rounding must not leave a gap above the last rank
         self.cdf = torch.from_numpy(cdf)
