@@ -59,4 +59,5 @@ def train(rank: int, n: int, data: dict, info: dict, out: str) -> dict:
     if rank == 0:
         torch.save(record["model_state"], Path(out) / f"{cfg.name}.pt")
     return {"traffic": record["traffic"], "memory": record["memory"], "params": record["params"],
-            "rows": [{k: r[k] for k in ("loss", "sent", "received")} for r in record["rows"]]}
+            "extra": record["extra"], "rows": [{k: r[k] for k in ("loss", "sent", "received", "extra")}
+                                               for r in record["rows"]]}

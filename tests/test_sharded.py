@@ -1,0 +1,80 @@
+"""ddp with `backend.embeddings = "sharded"` (collective/sharded.py): row-sharded tables, all-to-all.
+
+At N = 3 (40 rows: shards of 14, 14 and 12 rows, the last padded) with SGD, Adagrad and AdamW, the run ends
+with the same model as `single` (tests/parity.py tolerances; model.pt holds the whole tables, gathered from
+the shards); each rank holds a third of the tables; the all-to-all bytes of every step equal theory's
+formula given the step's measured id counts. N = 2 is in tests/test_dlrm.py's parity variants."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dist_utils import run_ranks
+from parity import OPTIMIZERS, assert_same_model, config, model, train
+from psarch import theory
+from psarch.config import from_dict
+from test_dlrm import SPARSE_OPTIMIZERS, TINY_DLRM
+
+N = 3
+ROWS, DIM, TABLES = TINY_DLRM["workload"]["dlrm"]["rows"], TINY_DLRM["workload"]["dlrm"]["dim"], 3
+OPTS = {**SPARSE_OPTIMIZERS, "adamw": OPTIMIZERS["adamw"]}   # AdamW: untouched rows move on their moments
+
+
+def _data(name: str, opt: str, n: int) -> dict:
+    backend = {"kind": "ddp", "comm": "ring", "embeddings": "sharded"} if n > 1 else {"kind": "single"}
+    return config(name, base=TINY_DLRM, train=OPTS[opt], backend=dict(backend, world_size=n))
+
+
+def _sharded(rank: int, n: int, out: str) -> dict:
+    return {opt: train(rank, n, _data(f"sharded-{opt}", opt, n), {}, out) for opt in OPTS}
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    torch.set_num_threads(1)
+    out = tmp_path_factory.mktemp("sharded")
+    for opt in OPTS:
+        train(0, 1, _data(f"single-{opt}", opt, 1), {}, str(out))
+    return out, run_ranks(_sharded, N, str(out), timeout=300)
+
+
+@pytest.mark.parametrize("opt", list(OPTS))
+def test_sharded_equals_single(runs, opt):
+    out, _ = runs
+    assert_same_model(model(out, f"sharded-{opt}"), model(out, f"single-{opt}"), f"ddp sharded {opt} N={N}")
+
+
+def test_each_rank_holds_its_shard_of_the_tables(runs):
+    _, results = runs
+    block = -(-ROWS // N)
+    for rank, r in enumerate(results):
+        extra = r["adagrad"]["extra"]
+        assert extra["table_bytes"] == TABLES * ROWS * DIM * 4
+        assert extra["embedding_bytes"] == TABLES * block * DIM * 4    # ceil(rows / N) rows of each table
+        mem = r["adagrad"]["memory"]
+        pad_rows = block - (min((rank + 1) * block, ROWS) - rank * block)
+        # padding rows: fp32 param + grad + Adagrad's sum, each 4 B
+        assert mem["padding"] == TABLES * pad_rows * DIM * 12
+    dense = results[0]["adagrad"]["params"] - TABLES * ROWS * DIM
+    pred = theory.predict(from_dict(_data("p", "adagrad", N)), results[0]["adagrad"]["params"]).memory_per_rank
+    assert pred.params == 4 * (dense + TABLES * block * DIM)
+    # measured: the dense flat, the shard, and Adagrad's sums (+ a 4-byte step counter per stepped tensor)
+    assert 0 <= results[0]["adagrad"]["memory"]["total"] - pred.total <= 4 * 2
+
+
+def test_all_to_all_bytes_equal_the_formula_given_the_counts(runs):
+    _, results = runs
+    steps = TINY_DLRM["train"]["steps"]
+    for r in results:
+        ops = r["sgd"]["traffic"]["ops"]
+        assert ops["all_to_all"]["calls"] == 4 * steps   # counts, ids, rows in forward; gradients in backward
+        ring = ops["all_reduce"]["sent"] / steps
+        for row in r["sgd"]["rows"]:
+            c = row["extra"]
+            assert c["ids_out"] <= c["unique_ids"]
+            sent, received = theory.sharded_bytes(c["ids_out"], c["ids_in"], TABLES, DIM, 4, N)
+            assert (row["sent"] - ring, row["received"] - ring) == (sent, received)
+    # every id one rank sends out, its owner receives
+    for i in range(steps):
+        assert sum(r["sgd"]["rows"][i]["extra"]["ids_out"] for r in results) == \
+            sum(r["sgd"]["rows"][i]["extra"]["ids_in"] for r in results)
