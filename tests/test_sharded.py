@@ -3,8 +3,11 @@
 At N = 3 (40 rows: shards of 14, 14 and 12 rows, the last padded) with SGD, Adagrad and AdamW, the run ends
 with the same model as `single` (tests/parity.py tolerances; model.pt holds the whole tables, gathered from
 the shards); each rank holds a third of the tables; the all-to-all bytes of every step equal theory's
-formula given the step's measured id counts. N = 2 is in tests/test_dlrm.py's parity variants."""
+formula given the step's measured id counts; a checkpoint written by the shards resumes bit-exactly and
+holds the whole tables (single continues it). N = 2 is in tests/test_dlrm.py's parity variants."""
 from __future__ import annotations
+
+from pathlib import Path
 
 import pytest
 import torch
@@ -26,7 +29,17 @@ def _data(name: str, opt: str, n: int) -> dict:
 
 
 def _sharded(rank: int, n: int, out: str) -> dict:
-    return {opt: train(rank, n, _data(f"sharded-{opt}", opt, n), {}, out) for opt in OPTS}
+    """Every optimizer's run; Adagrad's writes a checkpoint at step 3 and is resumed from it."""
+    results = {opt: train(rank, n, _data(f"sharded-{opt}", opt, n), {}, out) for opt in ("sgd", "adamw")}
+    data = _data("sharded-adagrad", "adagrad", n)
+    data["train"]["checkpoint_every"] = 3
+    results["adagrad"] = train(rank, n, data, {}, out, checkpoints=Path(out) / "ckpt")
+    train(rank, n, _data("sharded-adagrad-resumed", "adagrad", n), {}, out, start=_ckpt(out), resume=True)
+    return results
+
+
+def _ckpt(out: str | Path) -> Path:
+    return Path(out) / "ckpt" / "step_000003"
 
 
 @pytest.fixture(scope="module")
@@ -35,13 +48,24 @@ def runs(tmp_path_factory):
     out = tmp_path_factory.mktemp("sharded")
     for opt in OPTS:
         train(0, 1, _data(f"single-{opt}", opt, 1), {}, str(out))
-    return out, run_ranks(_sharded, N, str(out), timeout=300)
+    results = run_ranks(_sharded, N, str(out), timeout=300)
+    # single continues the sharded checkpoint: it holds every row of every table, and their Adagrad sums
+    train(0, 1, _data("single-from-sharded", "adagrad", 1), {}, str(out), start=_ckpt(out))
+    return out, results
 
 
 @pytest.mark.parametrize("opt", list(OPTS))
 def test_sharded_equals_single(runs, opt):
     out, _ = runs
     assert_same_model(model(out, f"sharded-{opt}"), model(out, f"single-{opt}"), f"ddp sharded {opt} N={N}")
+
+
+def test_a_sharded_checkpoint_resumes_bit_exactly_and_holds_the_whole_tables(runs):
+    out, _ = runs
+    straight = model(out, "sharded-adagrad")
+    resumed = model(out, "sharded-adagrad-resumed")
+    assert all(torch.equal(straight[k], resumed[k]) for k in straight), "resume is not bit-exact"
+    assert_same_model(model(out, "single-from-sharded"), straight, "single from a sharded N=3 checkpoint")
 
 
 def test_each_rank_holds_its_shard_of_the_tables(runs):
