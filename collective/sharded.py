@@ -36,6 +36,13 @@ def shard_rows(rows: int, world_size: int) -> int:
     return -(-rows // world_size)
 
 
+def owners(ids: torch.Tensor, rows: int, block: int) -> torch.Tensor:
+    """The rank that owns each id, id // B; an id outside the table is refused before anything moves."""
+    if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= rows):
+        raise ValueError(f"ids from {int(ids.min())} to {int(ids.max())}: a table has rows 0 to {rows - 1}")
+    return torch.div(ids, block, rounding_mode="floor")
+
+
 class PooledRows(nn.Module):
     """Stands in for one table's nn.EmbeddingBag: pools the rows fetched from their owners for this batch."""
 
@@ -111,7 +118,7 @@ class ShardedTables:
         flat = torch.cat(uniq)
         table = torch.repeat_interleave(torch.arange(tables, device=flat.device),
                                         torch.tensor([len(u) for u in uniq], device=flat.device))
-        owner = torch.div(flat, self.block, rounding_mode="floor")
+        owner = owners(flat, self.rows, self.block)
         # owner-major, then table, then id: the order the owners answer in (stable keeps ids sorted)
         order = torch.sort(owner * tables + table, stable=True).indices
         send_counts = torch.bincount(owner * tables + table, minlength=n * tables).view(n, tables)

@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from collective.sharded import owners, shard_rows
 from dist_utils import run_ranks
 from parity import OPTIMIZERS, assert_same_model, config, model, train
 from psarch import theory
@@ -21,6 +22,14 @@ from test_dlrm import SPARSE_OPTIMIZERS, TINY_DLRM
 N = 3
 ROWS, DIM, TABLES = TINY_DLRM["workload"]["dlrm"]["rows"], TINY_DLRM["workload"]["dlrm"]["dim"], 3
 OPTS = {**SPARSE_OPTIMIZERS, "adamw": OPTIMIZERS["adamw"]}   # AdamW: untouched rows move on their moments
+
+
+def test_owners_are_ranges_of_row_ids():
+    assert [shard_rows(40, 3), shard_rows(42, 3), shard_rows(2, 3)] == [14, 14, 1]   # rank 2 of 2 rows: none
+    assert owners(torch.tensor([0, 13, 14, 27, 28, 39]), 40, 14).tolist() == [0, 0, 1, 1, 2, 2]
+    for bad in ([3, 40], [-1, 5]):
+        with pytest.raises(ValueError, match=f"ids from {min(bad)} to {max(bad)}: a table has rows 0 to 39"):
+            owners(torch.tensor(bad), 40, 14)
 
 
 def _data(name: str, opt: str, n: int) -> dict:
