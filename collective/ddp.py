@@ -15,6 +15,7 @@ import torch
 
 from collective import make_communicator
 from collective.bucket import Bucket, assign_buckets
+from collective.sharded import ShardedTables
 from psarch.checkpoint.fragments import Pieces, master_fragments, restore_optimizer, scaler_state, share_of
 from psarch.config import Config
 from psarch.dist import DistContext
@@ -39,6 +40,9 @@ class DDPTrainer(Trainer):
         self.model = workload.model.to(ctx.device, compute_dtype(cfg.train.precision))
         self.loss_fn = workload.loss_fn
         self.comm = make_communicator(cfg.backend.comm, ctx.group)
+        # embeddings = "sharded": the tables leave the model for their row shards (collective/sharded.py)
+        self.sharded = (ShardedTables(self.model, self.comm, cfg.train, cfg.train.precision)
+                        if cfg.backend.embeddings == "sharded" else None)
         # Grads become ready roughly in reverse registration order: lay the buffer out that way so
         # each bucket is one contiguous slice that fills early.
         params = [p for p in self.model.parameters() if p.requires_grad][::-1]
@@ -81,26 +85,42 @@ class DDPTrainer(Trainer):
         for b in self.buckets:
             b.ready.clear()
         self._next = 0
+        t0 = time.perf_counter()
+        if self.sharded is not None:
+            self.sharded.fetch(batch)
+        fetch_s = time.perf_counter() - t0
         loss = self.loss_fn(self.model, batch)
         self.optim.scaler.scale_loss(loss).backward()
         t0 = time.perf_counter()
+        if self.sharded is not None:
+            self.sharded.push_grads()
         while self._next < len(self.buckets):  # buckets whose parameters got no gradient, or no overlap
             self._launch(self.buckets[self._next])
         for h in self._handles:
             if h is not None:
                 h.wait()
         self._handles.clear()
-        comm_s = time.perf_counter() - t0
+        comm_s = time.perf_counter() - t0 + fetch_s
         # After the all-reduce every rank holds the same gradients, so the inf/nan check agrees everywhere.
         skipped = self.optim.step([self.flat.grad])
-        return StepStats(float(loss.item()), skipped=skipped, loss_scale=self.optim.scaler.scale, comm_s=comm_s)
+        extra = {}
+        if self.sharded is not None:  # fp16 is refused with sharded tables: their step never needs a verdict
+            self.sharded.step()
+            extra = self.sharded.counts()
+        return StepStats(float(loss.item()), skipped=skipped, loss_scale=self.optim.scaler.scale, comm_s=comm_s,
+                         extra=extra)
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         masters = self.flat.views(self.optim.master.masters[0])
-        return consolidated_state(self.model, {id(p): m for p, m in zip(self.flat.params, masters)})
+        state = consolidated_state(self.model, {id(p): m for p, m in zip(self.flat.params, masters)})
+        if self.sharded is None:
+            return state
+        tables = self.sharded.full_tables()   # the model holds no tables: put them back under their names
+        return {**tables, **state} if self.ctx.rank == 0 else {}
 
     def state_dict(self) -> dict[str, Any]:
-        return {"flat": self.flat.data.clone(), "optim": self.optim.state_dict()}
+        state = {"flat": self.flat.data.clone(), "optim": self.optim.state_dict()}
+        return state if self.sharded is None else dict(state, sharded=self.sharded.state_dict())
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         flat = state["flat"]
@@ -110,26 +130,42 @@ class DDPTrainer(Trainer):
         with torch.no_grad():
             self.flat.data.copy_(flat)
         self.optim.load_state_dict(state["optim"])
+        if self.sharded is not None:
+            self.sharded.load_state_dict(state["sharded"])
 
     def checkpoint_pieces(self, writing: bool = True) -> Pieces:
         """Every rank holds every parameter; when writing, each writes its share."""
         frags = self._fragments()
-        return Pieces(share_of(frags, self.ctx.rank, self.n) if writing else frags,
-                      {n: tuple(s) for n, s, _ in self._layout[::-1]}, scaler_state(self.optim.scaler))
+        mine = share_of(frags, self.ctx.rank, self.n) if writing else frags
+        params = {n: tuple(s) for n, s, _ in self._layout[::-1]}
+        if self.sharded is not None:  # each rank holds, and writes, its own rows of every table
+            mine, params = mine + self.sharded.fragments(), {**self.sharded.params(), **params}
+        return Pieces(mine, params, scaler_state(self.optim.scaler))
 
     def _fragments(self) -> list:
         return master_fragments(self.optim, 0, self._layout, 0, self.flat.numel)
 
     def load_checkpoint(self, ckpt) -> None:
         restore_optimizer(self.optim, ckpt, self._fragments)
+        if self.sharded is not None:
+            self.sharded.load_checkpoint(ckpt)
 
     def memory(self) -> MemoryReport:
         peak, kind = peak_memory(self.ctx.device)
-        return MemoryReport(params=tensor_bytes([self.flat.data]), grads=tensor_bytes([self.flat.grad]),
-                            optimizer=self.optim.state_bytes(), peak=peak, peak_kind=kind)
+        report = MemoryReport(params=tensor_bytes([self.flat.data]), grads=tensor_bytes([self.flat.grad]),
+                              optimizer=self.optim.state_bytes(), peak=peak, peak_kind=kind)
+        for k, v in (self.sharded.memory() if self.sharded is not None else {}).items():
+            setattr(report, k, getattr(report, k) + v)
+        return report
 
     def traffic(self) -> TrafficReport:
-        return self.comm.traffic.report()
+        report = self.comm.traffic.report()
+        if self.sharded is not None:  # all_to_all is torch's: its bytes are the payload's, so modelled
+            report = TrafficReport({**report.ops, **self.sharded.traffic.report().ops}, modelled=True)
+        return report
+
+    def summary_extra(self) -> dict[str, Any]:
+        return self.sharded.summary() if self.sharded is not None else {}
 
     def close(self) -> None:
         for h in self._hooks:

@@ -222,10 +222,18 @@ def validate(cfg: Config) -> Config:
         widths = getattr(w.dlrm, key)
         if not all(isinstance(x, int) and not isinstance(x, bool) and x >= 1 for x in widths):
             raise ConfigError(f"workload.dlrm.{key} = {show(widths)}: expected a list of widths >= 1, e.g. [64, 32]")
-    if b.embeddings != "dense":
-        what = {"rows": "moving only the touched rows", "sharded": "row-sharded tables with all-to-all"}[b.embeddings]
-        raise ConfigError(f"backend.embeddings = \"{b.embeddings}\": {what} is not built yet (issue 11); only "
-                          f"\"dense\" (embedding tables as ordinary parameters) runs today")
+    if b.embeddings == "rows":
+        raise ConfigError(f"backend.embeddings = \"{b.embeddings}\": moving only the touched rows is not built yet "
+                          f"(issue 11); \"dense\" (embedding tables as ordinary parameters) or \"sharded\" (ddp) run today")
+    if b.embeddings == "sharded" and b.kind != "ddp":
+        raise ConfigError(f"backend.embeddings = \"sharded\": row-sharded tables with all-to-all run on backend.kind "
+                          f"= \"ddp\" only, not \"{b.kind}\"; use \"dense\" there")
+    if b.embeddings == "sharded" and (w.factory or w.model != "dlrm"):
+        raise ConfigError("backend.embeddings = \"sharded\": needs the built-in workload.model = \"dlrm\" (its "
+                          "tables are what is sharded, and theory reads their size from [workload.dlrm])")
+    if b.embeddings == "sharded" and t.precision == "fp16":
+        raise ConfigError("train.precision = \"fp16\": backend.embeddings = \"sharded\" runs fp32 or bf16 (fp16 "
+                          "would need one inf/nan verdict over every rank's shard before a step)")
     if w.data == "text" and not w.factory and not w.text.path:
         raise ConfigError("workload.text.path = \"\": data = \"text\" needs the path of a text file")
     if w.factory:

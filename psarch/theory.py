@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from psarch.config import BackendConfig, Config, TrainConfig
+from psarch.data.clicks import expected_unique
 
 BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 
@@ -109,6 +110,8 @@ def predict(cfg: Config, phi: float) -> Prediction:
         return Prediction(mem, LinkBytes(s / every, s / every), LinkBytes(per_server, per_server),
                           rounds=2 / every, messages=2 / every, server_memory=server_mem)
     stage, passes = _collective(b)
+    if b.kind == "ddp" and b.embeddings == "sharded":
+        return _sharded(cfg, phi, k)
     mem = MemoryPrediction(params=width * phi / n if stage >= 3 else width * phi,
                            grads=width * phi / n if stage >= 2 else width * phi,
                            optimizer=k * phi / n if stage >= 1 else k * phi)
@@ -117,6 +120,37 @@ def predict(cfg: Config, phi: float) -> Prediction:
     # a ring pass is N - 1 messages of S/N each way: (N - 1)/N x S per pass per worker
     v = passes * (n - 1) / n * s
     return Prediction(mem, LinkBytes(v, v), None, rounds=passes, messages=passes * (n - 1), server_memory=None)
+
+
+def sharded_bytes(ids_out: float, ids_in: float, tables: int, dim: int, width: int, n: int) -> tuple[float, float]:
+    """(sent, received) bytes of one rank's all-to-alls in a step with row-sharded tables (collective/sharded.py),
+    from their definitions: the id counts (int64, one per table to each other rank), the ids it asks other
+    owners for (8 B each, `ids_out`) and the rows they answer (dim x width each), the rows it answers for the
+    `ids_in` ids others ask of it, then in backward the gradients of the rows it fetched out to their owners
+    and of its own rows in."""
+    counts = 8 * tables * (n - 1)
+    row = dim * width
+    return (counts + 8 * ids_out + row * ids_in + row * ids_out,
+            counts + 8 * ids_in + row * ids_out + row * ids_in)
+
+
+def _sharded(cfg: Config, phi: float, k: int) -> Prediction:
+    """ddp with sharded tables: each rank holds ceil(rows/N) rows of every table (padding included) beside the
+    whole dense part, all-reduces the dense gradients by ring, and moves rows by all-to-all. A rank's ids per
+    table are u = E[distinct ids] of its global_batch/N x bag Zipf draws, of which (N-1)/N live elsewhere."""
+    n, width, d = cfg.backend.world_size, BYTES[cfg.train.precision], cfg.workload.dlrm
+    dense = phi - d.num_tables * d.rows * d.dim
+    held = dense + d.num_tables * -(-d.rows // n) * d.dim
+    mem = MemoryPrediction(params=width * held, grads=width * held, optimizer=k * held)
+    if n == 1:
+        return Prediction(mem, LinkBytes(), None, rounds=0, messages=0, server_memory=None)
+    u = d.num_tables * expected_unique(d.rows, cfg.workload.clicks.zipf, cfg.train.global_batch // n * d.bag)
+    sent, received = sharded_bytes(u * (n - 1) / n, u * (n - 1) / n, d.num_tables, d.dim, width, n)
+    ring = 2 * (n - 1) / n * dense * width
+    # two ring passes of N - 1 messages in sequence; each all-to-all (counts, ids, rows, gradients) sends
+    # its N - 1 messages at once, paying the latency once
+    return Prediction(mem, LinkBytes(ring + sent, ring + received), None, rounds=2 + 4,
+                      messages=2 * (n - 1) + 4, server_memory=None)
 
 
 def config_for(kind: str, n: int, precision: str, optimizer: str, momentum: float = 0.0, stage: int = 1,

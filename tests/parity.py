@@ -49,14 +49,15 @@ def assert_same_model(a: dict, b: dict, what: str, rtol: float = RTOL, atol: flo
         torch.testing.assert_close(a[k], b[k], rtol=rtol, atol=atol, msg=lambda m: f"{what}: {k}: {m}")
 
 
-def train(rank: int, n: int, data: dict, info: dict, out: str) -> dict:
-    """Run one config on this rank (inside the caller's process group, with its services' info); rank 0
-    saves the model. Returns what the tests look at."""
+def train(rank: int, n: int, data: dict, info: dict, out: str, **run) -> dict:
+    """Run one config on this rank (inside the caller's process group, with its services' info; `run`: run_rank's
+    checkpoint arguments); rank 0 saves the model. Returns what the tests look at."""
     cfg = from_dict(data)
     ctx = DistContext(rank, n, rank, torch.device("cpu"), "gloo" if n > 1 else None)
     ctx.services = info
-    record = run_rank(cfg, ctx, echo=False)
+    record = run_rank(cfg, ctx, echo=False, **run)
     if rank == 0:
         torch.save(record["model_state"], Path(out) / f"{cfg.name}.pt")
     return {"traffic": record["traffic"], "memory": record["memory"], "params": record["params"],
-            "rows": [{k: r[k] for k in ("loss", "sent", "received")} for r in record["rows"]]}
+            "extra": record["extra"], "rows": [{k: r[k] for k in ("loss", "sent", "received", "extra")}
+                                               for r in record["rows"]]}

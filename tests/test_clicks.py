@@ -146,7 +146,11 @@ def test_batches_are_the_same_at_every_world_size():
      'workload.dlrm.top_mlp = ["a"]: expected a list of widths >= 1'),
     ({"workload.clicks.zipf": -1.0}, "workload.clicks.zipf = -1.0: must be >= 0"),
     ({"backend.embeddings": "rows"}, 'backend.embeddings = "rows": moving only the touched rows is not built yet'),
-    ({"backend.embeddings": "sharded"}, 'backend.embeddings = "sharded": row-sharded tables with all-to-all is not'),
+    ({"backend.embeddings": "sharded", "backend.kind": "zero"},
+     'backend.embeddings = "sharded": row-sharded tables with all-to-all run on backend.kind = "ddp" only, not "zero"'),
+    ({"backend.embeddings": "sharded", "backend.kind": "ddp"}, 'backend.embeddings = "sharded": needs the built-in'),
+    ({"backend.embeddings": "sharded", "backend.kind": "ddp", "workload.model": "dlrm", "workload.data": "clicks",
+      "train.precision": "fp16"}, 'train.precision = "fp16": backend.embeddings = "sharded" runs fp32 or bf16'),
 ])
 def test_bad_click_configs_are_refused_in_one_line(overrides, message):
     from psarch.config import apply_overrides

@@ -1,8 +1,9 @@
-"""DLRM on clicks: the model's shapes and errors, and parity: every backend at N = 2, with SGD and with
-Adagrad, ends with the same model as `single` (tolerances of tests/parity.py). Embedding rows that no
-sample touches get an exact zero gradient on every backend, so Adagrad's normalisation sees the same
-values everywhere; initial_accumulator_value = 0.1 keeps a first step on a gradient of pure summation
-noise from moving a parameter by a whole learning rate (as eps does for AdamW in test_ddp)."""
+"""DLRM on clicks: the model's shapes and errors, and parity: every backend at N = 2 (ddp with dense and
+with row-sharded tables), with SGD and with Adagrad, ends with the same model as `single` (tolerances of
+tests/parity.py). Embedding rows that no sample touches get an exact zero gradient on every backend, so
+Adagrad's normalisation sees the same values everywhere; initial_accumulator_value = 0.1 keeps a first step
+on a gradient of pure summation noise from moving a parameter by a whole learning rate (as eps does for
+AdamW in test_ddp)."""
 from __future__ import annotations
 
 
@@ -34,6 +35,9 @@ VARIANTS.update({"torch_ddp-adagrad": ({"kind": "torch_ddp"}, "adagrad"),
                  "zero1-adagrad": ({"kind": "zero", "stage": 1}, "adagrad"),
                  "zero3-adagrad": ({"kind": "zero", "stage": 3}, "adagrad"),
                  "ps-adagrad": ({"kind": "ps", "mode": "sync", "servers": 2, "timeout_s": 60.0}, "adagrad")})
+# row-sharded tables over torch's collectives here; over the ring at N = 3 in tests/test_sharded.py
+VARIANTS.update({f"ddp_sharded-{opt}": ({"kind": "ddp", "comm": "native", "embeddings": "sharded"}, opt)
+                 for opt in SPARSE_OPTIMIZERS})
 
 
 def test_dlrm_shapes_and_bad_ids():
