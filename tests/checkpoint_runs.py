@@ -1,6 +1,6 @@
 """The runs test_checkpoint.py looks at, one spawned process group per world size (start-up is the cost):
-N=4 writes a ZeRO-3 checkpoint; N=2 checks bit-exact resume of ddp, zero 1-3 and the torch DDP/ZeRO-1 peers (fp32 and fp16 with its
-loss scaler) and forks the N=4 checkpoint onto ddp; N=3 forks a ZeRO-1 N=2 checkpoint onto ZeRO-3."""
+N=4 writes a ZeRO-3 checkpoint; N=2 checks bit-exact resume of ddp, zero 1-3 and the torch DDP, ZeRO-1 and FSDP2
+peers (fp32 and fp16 with its loss scaler) and forks the N=4 checkpoint onto ddp and FSDP2; N=3 forks a ZeRO-1 N=2 checkpoint onto ZeRO-3."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -17,8 +17,9 @@ from zero_runs import TINY_GPT
 ZERO = {"kind": "zero", "reduce_bucket_size": 600, "allgather_bucket_size": 1500, "prefetch_bucket_size": 1500}
 BACKENDS = {"ddp-ring": {"kind": "ddp", "comm": "ring"}, "ddp-native": {"kind": "ddp", "comm": "native"},
             **{f"zero{s}": dict(ZERO, stage=s) for s in (1, 2, 3)}, "torch_ddp": {"kind": "torch_ddp"},
-            "torch_zero": {"kind": "torch_zero"}}
-RESUMED = [f"{b}-{p}" for b in BACKENDS for p in ("fp32", "fp16") if (b, p) != ("torch_zero", "fp16")]  # fp32 only
+            "torch_zero": {"kind": "torch_zero"}, "torch_fsdp": {"kind": "torch_fsdp"}}
+FP32_ONLY = ("torch_zero", "torch_fsdp")   # PyTorch's ZeRO peers run fp32 only
+RESUMED = [f"{b}-{p}" for b in BACKENDS for p in ("fp32", "fp16") if p == "fp32" or b not in FP32_ONLY]
 ROW_KEYS = ("step", "loss", "skipped", "loss_scale")
 
 
@@ -63,8 +64,9 @@ def world2(rank: int, n: int, out: str) -> dict:
     for name in RESUMED:
         backend, _, precision = name.rpartition("-")
         results[name] = straight_and_resumed(rank, n, o, name, precision, BACKENDS[backend])
-    _run(rank, n, config("z3n4-to-ddp2", "fp32", BACKENDS["ddp-ring"], n, steps=6), o,
-         start=o / "z3n4" / "step_000003")
+    for fork in ("ddp-ring", "torch_fsdp"):
+        _run(rank, n, config(f"z3n4-to-{fork}2", "fp32", BACKENDS[fork], n, steps=6), o,
+             start=o / "z3n4" / "step_000003")
     return results
 
 

@@ -56,8 +56,15 @@ def test_resume_is_bit_exact(runs, name):
 def test_zero3_n4_continues_as_ddp_n2_and_as_single(runs):
     out, _ = runs
     reference = cr.single(out, "from-z3n4", out / "z3n4" / "step_000003")
-    parity.assert_same_model(torch.load(out / "z3n4-to-ddp2.pt"), reference, "zero-3 N=4 -> ddp N=2")
+    parity.assert_same_model(torch.load(out / "z3n4-to-ddp-ring2.pt"), reference, "zero-3 N=4 -> ddp N=2")
+    parity.assert_same_model(torch.load(out / "z3n4-to-torch_fsdp2.pt"), reference, "zero-3 N=4 -> torch_fsdp N=2")
     parity.assert_same_model(torch.load(out / "z3n4.pt"), reference, "zero-3 N=4 straight vs -> single")
+
+
+def test_torch_fsdp_n2_continues_as_single(runs):
+    out, _ = runs
+    reference = cr.single(out, "from-fsdp2", out / "torch_fsdp-fp32" / "checkpoints" / "step_000003")
+    parity.assert_same_model(torch.load(out / "torch_fsdp-fp32.pt"), reference, "torch_fsdp N=2 -> single")
 
 
 def test_zero1_n2_continues_as_zero3_n3(runs):
