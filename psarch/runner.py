@@ -60,6 +60,7 @@ def run_rank(cfg: Config, ctx: DistContext, workload: Workload | None = None, ec
     first = 0
     if ckpt is not None:
         trainer.load_checkpoint(ckpt)
+        ckpt.restore_rng(ctx.rank, ctx.device)   # dropout goes on drawing where it stopped
         ckpt.close()
         first = ckpt.step  # data is a function of (seed, step): continuing the step continues the data
     every = cfg.train.checkpoint_every if checkpoints is not None else 0
