@@ -77,6 +77,8 @@ def run_rank(cfg: Config, ctx: DistContext, workload: Workload | None = None, ec
     try:
         for step in range(first, steps):
             batch = to_device(workload.batch(step, ctx.rank, ctx.world_size), ctx.device, cast)
+            if slow is not None:
+                slow.step = step
             if sync:
                 torch.cuda.synchronize(ctx.device)
             t0 = time.perf_counter()
