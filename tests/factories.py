@@ -187,7 +187,7 @@ def hangs_at_step(cfg) -> psarch.Workload:
 
         def slow_write(pieces, folder, rank, *args):   # a write still in flight when the kill comes
             write_rank(pieces, folder, rank, *args)
-            if folder.name == f".tmp_{writer.step_dir(folder.parent, in_checkpoint).name}":
+            if folder.name.endswith(writer.step_dir(folder.parent, in_checkpoint).name):   # under its temporary name
                 stop_here(rank)
         writer._write_rank = slow_write
 
