@@ -82,13 +82,6 @@ class TorchZeroTrainer(Trainer):
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         return consolidated_state(self.model.module, {}) if self.ctx.rank == 0 else {}
 
-    def state_dict(self) -> dict[str, Any]:
-        return {"model": self.model.module.state_dict(), "optim_local": self.optim.optim.state_dict()}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.model.module.load_state_dict(state["model"])
-        self.optim.optim.load_state_dict(state["optim_local"])
-
     def checkpoint_pieces(self, writing: bool = True) -> Pieces:
         """Each rank writes the parameters whose optimizer state it owns (ZeroRedundancyOptimizer's
         partition); it holds every parameter's value besides."""
