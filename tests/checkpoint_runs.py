@@ -32,7 +32,8 @@ def config(name: str, precision: str, backend: dict, n: int, **train) -> dict:
     regression through dropout, each rank's generator on its own stream (factories.dropout_regression)."""
     if precision == "dropout":
         return parity.config(name, workload={"factory": "factories:dropout_regression"},
-                             train=dict(OPTIMIZERS["adamw"], global_batch=8, **train), backend=dict(backend, world_size=n))
+                             train=dict(OPTIMIZERS["adamw"], global_batch=8, **train),
+                             backend=dict(backend, world_size=n))
     if precision == "fp16":
         backend = dict(backend, zero_units="") if backend["kind"] == "zero" else backend
         return parity.config(name, TINY_GPT, workload={"factory": "factories:overflow_on_steps_2_and_3"},
