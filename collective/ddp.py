@@ -118,21 +118,6 @@ class DDPTrainer(Trainer):
         tables = self.sharded.full_tables()   # the model holds no tables: put them back under their names
         return {**tables, **state} if self.ctx.rank == 0 else {}
 
-    def state_dict(self) -> dict[str, Any]:
-        state = {"flat": self.flat.data.clone(), "optim": self.optim.state_dict()}
-        return state if self.sharded is None else dict(state, sharded=self.sharded.state_dict())
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        flat = state["flat"]
-        if flat.shape != self.flat.data.shape:
-            raise ValueError(f"DDP state: flat parameters of shape {tuple(flat.shape)}, "
-                             f"this model has {tuple(self.flat.data.shape)}")
-        with torch.no_grad():
-            self.flat.data.copy_(flat)
-        self.optim.load_state_dict(state["optim"])
-        if self.sharded is not None:
-            self.sharded.load_state_dict(state["sharded"])
-
     def checkpoint_pieces(self, writing: bool = True) -> Pieces:
         """Every rank holds every parameter; when writing, each writes its share."""
         frags = self._fragments()

@@ -187,17 +187,6 @@ class ShardedTables:
         """Each table's parameter name and whole shape (what a checkpoint records)."""
         return {name: (self.rows, self.dim) for name in self.names}
 
-    def state_dict(self) -> dict[str, Any]:
-        return {"shard": self.shard.clone(), "optim": self.optim.state_dict()}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        if state["shard"].shape != self.shard.shape:
-            raise ValueError(f"sharded tables: a shard of shape {tuple(state['shard'].shape)}, this rank holds "
-                             f"{tuple(self.shard.shape)}")
-        with torch.no_grad():
-            self.shard.copy_(state["shard"])
-        self.optim.load_state_dict(state["optim"])
-
     def memory(self) -> dict[str, int]:
         """Bytes this rank holds for its shard, by category, and how many of them are padding rows."""
         lo, hi = self._range(self.rank)

@@ -51,13 +51,6 @@ class TorchDDPTrainer(Trainer):
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         return consolidated_state(self.model.module, dict(zip((id(p) for p in self.params), self.optim.master.masters)))
 
-    def state_dict(self) -> dict[str, Any]:
-        return {"model": self.model.module.state_dict(), "optim": self.optim.state_dict()}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.model.module.load_state_dict(state["model"])
-        self.optim.load_state_dict(state["optim"])
-
     def checkpoint_pieces(self, writing: bool = True) -> Pieces:
         """Replicated, like psarch's DDP: when writing, each rank writes its share."""
         frags = self._fragments()

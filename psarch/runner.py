@@ -60,6 +60,7 @@ def run_rank(cfg: Config, ctx: DistContext, workload: Workload | None = None, ec
     first = 0
     if ckpt is not None:
         trainer.load_checkpoint(ckpt)
+        ckpt.restore_rng(ctx.rank, ctx.device)   # dropout goes on drawing where it stopped
         ckpt.close()
         first = ckpt.step  # data is a function of (seed, step): continuing the step continues the data
     every = cfg.train.checkpoint_every if checkpoints is not None else 0
@@ -76,6 +77,8 @@ def run_rank(cfg: Config, ctx: DistContext, workload: Workload | None = None, ec
     try:
         for step in range(first, steps):
             batch = to_device(workload.batch(step, ctx.rank, ctx.world_size), ctx.device, cast)
+            if slow is not None:
+                slow.step = step
             if sync:
                 torch.cuda.synchronize(ctx.device)
             t0 = time.perf_counter()

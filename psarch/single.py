@@ -47,13 +47,6 @@ class SingleTrainer(Trainer):
         masters = self.flat.views(self.optim.master.masters[0])
         return consolidated_state(self.model, {id(p): m for p, m in zip(self.flat.params, masters)})
 
-    def state_dict(self) -> dict[str, Any]:
-        return {"model": self.model.state_dict(), "optim": self.optim.state_dict()}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.model.load_state_dict(state["model"])
-        self.optim.load_state_dict(state["optim"])
-
     def checkpoint_pieces(self, writing: bool = True) -> Pieces:
         """Every parameter, from the one flat fp32 master."""
         return Pieces(self._fragments(), {n: tuple(shape) for n, shape, _ in self._layout},

@@ -1,8 +1,10 @@
 """The runs test_checkpoint.py looks at, one spawned process group per world size (start-up is the cost):
-N=4 writes a ZeRO-3 checkpoint; N=2 checks bit-exact resume of ddp, zero 1-3 and the torch DDP/ZeRO-1 peers (fp32 and fp16 with its
-loss scaler) and forks the N=4 checkpoint onto ddp; N=3 forks a ZeRO-1 N=2 checkpoint onto ZeRO-3."""
+N=4 writes a ZeRO-3 checkpoint; N=2 checks bit-exact resume of ddp, zero 1-3 and the torch DDP, ZeRO-1 and FSDP2
+peers (fp32, fp16 with its loss scaler, and dropout with each rank's generator) and forks the N=4 checkpoint onto
+ddp and FSDP2; N=3 forks a ZeRO-1 N=2 checkpoint onto ZeRO-3. Also the configs and TOML the CLI tests run."""
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import torch
@@ -17,20 +19,49 @@ from zero_runs import TINY_GPT
 ZERO = {"kind": "zero", "reduce_bucket_size": 600, "allgather_bucket_size": 1500, "prefetch_bucket_size": 1500}
 BACKENDS = {"ddp-ring": {"kind": "ddp", "comm": "ring"}, "ddp-native": {"kind": "ddp", "comm": "native"},
             **{f"zero{s}": dict(ZERO, stage=s) for s in (1, 2, 3)}, "torch_ddp": {"kind": "torch_ddp"},
-            "torch_zero": {"kind": "torch_zero"}}
-RESUMED = [f"{b}-{p}" for b in BACKENDS for p in ("fp32", "fp16") if (b, p) != ("torch_zero", "fp16")]  # fp32 only
+            "torch_zero": {"kind": "torch_zero"}, "torch_fsdp": {"kind": "torch_fsdp"}}
+FP32_ONLY = ("torch_zero", "torch_fsdp")   # PyTorch's ZeRO peers run fp32 only
+RESUMED = [f"{b}-{p}" for b in BACKENDS for p in ("fp32", "fp16") if p == "fp32" or b not in FP32_ONLY]
+RESUMED.append("ddp-ring-dropout")   # fp32 with dropout: each rank's generator is carried
 ROW_KEYS = ("step", "loss", "skipped", "loss_scale")
 
 
 def config(name: str, precision: str, backend: dict, n: int, **train) -> dict:
     """fp32: the two-block tiny GPT under AdamW; fp16: a regression whose gradients overflow at steps 2 and
-    3, so the loss scaler's hysteresis and scale both matter across a checkpoint at step 3."""
+    3, so the loss scaler's hysteresis and scale both matter across a checkpoint at step 3; "dropout": fp32
+    regression through dropout, each rank's generator on its own stream (factories.dropout_regression)."""
+    if precision == "dropout":
+        return parity.config(name, workload={"factory": "factories:dropout_regression"},
+                             train=dict(OPTIMIZERS["adamw"], global_batch=8, **train),
+                             backend=dict(backend, world_size=n))
     if precision == "fp16":
         backend = dict(backend, zero_units="") if backend["kind"] == "zero" else backend
         return parity.config(name, TINY_GPT, workload={"factory": "factories:overflow_on_steps_2_and_3"},
                              train=dict(OPTIMIZERS["sgd"], lr=0.05, precision="fp16", global_batch=8, **train),
                              backend=dict(backend, world_size=n))
     return parity.config(name, TINY_GPT, train=dict(OPTIMIZERS["adamw"], **train), backend=dict(backend, world_size=n))
+
+
+def regression(name: str, backend: dict | None = None, **train) -> dict:
+    """A regression (factories.hangs_at_step: a test may stop it) of 8 AdamW steps, a checkpoint every 2."""
+    return parity.config(name, workload={"factory": "factories:hangs_at_step"}, backend=backend or {},
+                         train=dict(OPTIMIZERS["adamw"], **{"steps": 8, "checkpoint_every": 2, **train}))
+
+
+def toml(path: Path, data: dict) -> Path:
+    """`data` (a config dict) written as a TOML file at `path`, for the CLI."""
+    def value(v):
+        return json.dumps(v) if not isinstance(v, bool) else str(v).lower()
+    lines = [f"name = {json.dumps(data['name'])}", f"seed = {data['seed']}"]
+    for section in ("workload", "train", "backend"):
+        lines.append(f"[{section}]")
+        lines += [f"{k} = {value(v)}" for k, v in data.get(section, {}).items() if not isinstance(v, dict)]
+        for sub, vals in data.get(section, {}).items():
+            if isinstance(vals, dict):
+                lines.append(f"[{section}.{sub}]")
+                lines += [f"{k} = {value(v)}" for k, v in vals.items()]
+    path.write_text("\n".join(lines) + "\n")
+    return path
 
 
 def _run(rank: int, n: int, data: dict, out: Path, checkpoints: Path | None = None, start: Path | None = None,
@@ -63,8 +94,9 @@ def world2(rank: int, n: int, out: str) -> dict:
     for name in RESUMED:
         backend, _, precision = name.rpartition("-")
         results[name] = straight_and_resumed(rank, n, o, name, precision, BACKENDS[backend])
-    _run(rank, n, config("z3n4-to-ddp2", "fp32", BACKENDS["ddp-ring"], n, steps=6), o,
-         start=o / "z3n4" / "step_000003")
+    for fork in ("ddp-ring", "torch_fsdp"):
+        _run(rank, n, config(f"z3n4-to-{fork}2", "fp32", BACKENDS[fork], n, steps=6), o,
+             start=o / "z3n4" / "step_000003")
     return results
 
 

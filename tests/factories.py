@@ -157,18 +157,53 @@ def overflow_on_steps_2_and_3(cfg) -> psarch.Workload:
 
 
 def hangs_at_step(cfg) -> psarch.Workload:
-    """Regression that, when $PSARCH_TEST_HANG_AT names a step, touches $PSARCH_TEST_MARKER and sleeps
-    there: a run a test can SIGKILL between checkpoints."""
+    """Regression that a test can SIGKILL at a known point: where $PSARCH_TEST_HANG_AT names a step, each rank
+    writes its pid to $PSARCH_TEST_MARKER + its shard index and sleeps there (between checkpoints); where
+    $PSARCH_TEST_HANG_IN_CHECKPOINT names a step, each rank does so inside that checkpoint's write, after its
+    data file and before the folder is complete."""
     import os
     import time
 
+    from psarch.checkpoint import writer
+
     wl = regression(cfg)
     hang = int(os.environ.get("PSARCH_TEST_HANG_AT", "-1"))
+    in_checkpoint = int(os.environ.get("PSARCH_TEST_HANG_IN_CHECKPOINT", "-1"))
+
+    def stop_here(shard: int) -> None:
+        marker = os.environ["PSARCH_TEST_MARKER"] + str(shard)
+        with open(marker + ".tmp", "w") as f:
+            f.write(str(os.getpid()))
+        os.replace(marker + ".tmp", marker)   # a test reading it sees the whole pid
+        time.sleep(600)
 
     def batch(step: int, shard: int, num_shards: int):
         if step == hang:
-            open(os.environ["PSARCH_TEST_MARKER"], "w").close()
-            time.sleep(600)
+            stop_here(shard)
         return wl.batch(step, shard, num_shards)
 
+    if in_checkpoint >= 0:
+        write_rank = writer._write_rank
+
+        def slow_write(pieces, folder, rank, *args):   # a write still in flight when the kill comes
+            write_rank(pieces, folder, rank, *args)
+            if folder.name.endswith(writer.step_dir(folder.parent, in_checkpoint).name):   # under its temporary name
+                stop_here(rank)
+        writer._write_rank = slow_write
+
     return psarch.Workload(wl.model, wl.loss_fn, batch, wl.entropy_floor, "hangs")
+
+
+def dropout_regression(cfg) -> psarch.Workload:
+    """Regression through a model with dropout, whose workers also draw input noise from torch's generator, as
+    many draws as their shard index + 1: every rank's generator follows its own stream, which a resumed run
+    must continue where each left off."""
+    wl = regression(cfg)
+    model = nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Dropout(0.3), nn.Linear(16, 1))
+
+    def batch(step: int, shard: int, num_shards: int):
+        x, y = wl.batch(step, shard, num_shards)
+        noise = torch.randn(shard + 1, *x.shape)[-1]   # drawn per worker, like a data augmentation
+        return x + 0.01 * noise, y
+
+    return psarch.Workload(model, wl.loss_fn, batch, wl.entropy_floor, "dropout")

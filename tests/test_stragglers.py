@@ -36,17 +36,37 @@ def test_sleep_is_slowdown_minus_one_times_measured_compute():
     assert s.slept_s == 2 * (s.forward_s + s.backward_s)                 # now forward + the measured backward
 
 
-def test_jitter_is_seeded_and_only_slows():
-    def draws(seed: int, rank: int) -> list[float]:
+def test_jitter_is_a_function_of_seed_rank_and_step_and_only_slows():
+    def draws(seed: int, rank: int, steps: range = range(20)) -> list[float]:
         s = Straggler(1.0, 0.5, seed, rank)
-        return [s.factor() for _ in range(20)]
+        return [s.factor(step) for step in steps]
 
     assert draws(1, 0) == draws(1, 0)                     # two runs of one config: the same slow steps
     assert draws(1, 0) != draws(1, 1) and draws(1, 0) != draws(2, 0)
+    assert draws(1, 0, range(12, 20)) == draws(1, 0)[12:]  # a run resumed at step 12 too
+    assert len(set(draws(1, 0))) == 20                    # a new draw each step
     s = Straggler(1.0, 0.5, 1, 0)
     loss_fn = s.wrap(_loss_taking(0.0))
-    slept = [(loss_fn(None, torch.ones(3)), s.slept_s)[1] for _ in range(20)]
+    slept = []
+    for s.step in range(20):
+        loss_fn(None, torch.ones(3))
+        slept.append(s.slept_s)
     assert min(slept) == 0.0 and all(x >= 0 for x in slept)
+
+
+def test_the_runner_draws_each_steps_jitter_resumed_or_not(tmp_path):
+    from unittest import mock
+
+    from psarch.dist import DistContext
+    from psarch.runner import run_rank
+
+    data = config("jitter", workload={"factory": "factories:regression"}, cluster={"jitter": 0.1},
+                  train={"steps": 4, "checkpoint_every": 2})
+    asked = []
+    with mock.patch.object(Straggler, "factor", autospec=True, side_effect=lambda s, step: asked.append(step) or 1.0):
+        run_rank(from_dict(data), DistContext(), echo=False, checkpoints=tmp_path)
+        run_rank(from_dict(data), DistContext(), echo=False, start=tmp_path / "step_000002", resume=True)
+    assert asked == [0, 1, 2, 3, 2, 3]
 
 
 def test_who_is_slowed():

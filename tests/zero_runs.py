@@ -3,7 +3,6 @@ psarch DDP and PyTorch's peers beside them, each ZeRO trainer watched from outsi
 test_zero.py's `runs` fixture, in one spawned process group per world size."""
 from __future__ import annotations
 
-import copy
 import json
 from pathlib import Path
 from unittest import mock
@@ -154,25 +153,29 @@ def train(rank: int, n: int, data: dict, out: str) -> dict:
                       "saved_activation_bytes": r["extra"].get("saved_activation_bytes")} for r in record["rows"]]}
 
 
-def resume(rank: int, n: int, stage: int, precision: str) -> dict:
-    """Train 3 steps, save this rank's state, train 3 more; a fresh trainer loaded from the state and
+def resume(rank: int, n: int, stage: int, precision: str, out: Path) -> dict:
+    """Train 3 steps, write a checkpoint, train 3 more; a fresh trainer loaded from the checkpoint and
     trained the same 3 steps must end bitwise equal, with the same loss-scaler state (fp16: scale,
     clean-step count, hysteresis). Returns the largest difference (rank 0) and both scaler states."""
+    from psarch import checkpoint
     from zero.trainer import ZeroTrainer
 
     cfg = from_dict(config("resume", train=dict(OPTIMIZERS["adamw"], precision=precision),
                            backend=dict(ZERO, stage=stage, world_size=n)))
     ctx = DistContext(rank, n, rank, torch.device("cpu"), "gloo")
-    finals, scalers, state = [], [], None
+    root = out / f"resume-{n}-{stage}-{precision}"
+    finals, scalers = [], []
     for fresh in (False, True):
         wl = build_workload(cfg)
         trainer = ZeroTrainer(wl, cfg, ctx)
         if fresh:
-            trainer.load_state_dict(state)
+            ckpt = checkpoint.Checkpoint(root / "step_000003")
+            trainer.load_checkpoint(ckpt)
+            ckpt.close()
         else:
             for step in range(3):
                 trainer.step(wl.batch(step, rank, n))
-            state = copy.deepcopy(trainer.state_dict())  # a snapshot: the live optimizer goes on stepping
+            checkpoint.save(trainer.checkpoint_pieces(), ctx, root, 3, cfg.to_dict())
         for step in range(3, 6):
             trainer.step(wl.batch(step, rank, n))
         finals.append(trainer.full_state_dict())
@@ -185,7 +188,7 @@ def resume(rank: int, n: int, stage: int, precision: str) -> dict:
 def all_variants(rank: int, n: int, out: str) -> dict:
     results = {}
     precisions = ("fp32", "bf16", "fp16") if n == 2 else ("fp32", "fp16")
-    results[f"resume-{n}"] = {f"{stage}-{precision}": resume(rank, n, stage, precision)
+    results[f"resume-{n}"] = {f"{stage}-{precision}": resume(rank, n, stage, precision, Path(out))
                          for stage in STAGES for precision in precisions}
     for opt, hp in OPTIMIZERS.items():
         results[f"ddp-{opt}-{n}"] = train(rank, n, config(f"ddp-{opt}-{n}", train=hp,

@@ -6,11 +6,15 @@
 - `torch_fsdp`: FSDP2 `fully_shard` on every unit (zero.units: the model's blocks), then on the root
   (ZeRO-3). Gloo on CPU works; NCCL on GPUs.
 
+Both checkpoint by parameter name and flat offset (psarch.checkpoint): torch_zero's ranks write the
+parameters whose optimizer state they own, torch_fsdp's ranks their DTensors' local shards.
+
 Both run fp32 (what parity and the benchmark need), with the optimizer class and hyper-parameters of
 psarch.optim.build_optimizer. Traffic is the algorithm's volume, marked modelled: the wire is torch's.
 """
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
@@ -78,13 +82,6 @@ class TorchZeroTrainer(Trainer):
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         return consolidated_state(self.model.module, {}) if self.ctx.rank == 0 else {}
 
-    def state_dict(self) -> dict[str, Any]:
-        return {"model": self.model.module.state_dict(), "optim_local": self.optim.optim.state_dict()}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.model.module.load_state_dict(state["model"])
-        self.optim.optim.load_state_dict(state["optim_local"])
-
     def checkpoint_pieces(self, writing: bool = True) -> Pieces:
         """Each rank writes the parameters whose optimizer state it owns (ZeroRedundancyOptimizer's
         partition); it holds every parameter's value besides."""
@@ -119,8 +116,26 @@ def _local(t: torch.Tensor | None) -> torch.Tensor | None:
     return t.to_local() if t is not None and hasattr(t, "to_local") else t
 
 
+def _row_offset(name: str, p: torch.Tensor) -> int:
+    """The flat offset of this rank's FSDP2 shard of `p`: FSDP2 shards dim 0 as torch.chunk does (ceil(d0/N) rows a
+    rank, the last ranks fewer or none), so a rank holds rows [r * chunk, r * chunk + local rows)."""
+    from torch.distributed.tensor import Shard
+
+    if tuple(p.placements) != (Shard(0),):
+        raise ValueError(f"torch_fsdp checkpoint: parameter {name!r} is placed {p.placements}, not sharded on dim 0 "
+                         f"over a 1-D mesh; such a layout cannot be written")
+    n, rows = p.device_mesh.size(), p.shape[0]
+    start = min(p.device_mesh.get_local_rank() * -(-rows // n), rows)
+    if start + p.to_local().shape[0] > rows:
+        raise ValueError(f"torch_fsdp checkpoint: parameter {name!r} holds {p.to_local().shape[0]} rows from row "
+                         f"{start} of {rows}, not torch.chunk's shard")
+    return start * math.prod(p.shape[1:])
+
+
 class TorchFSDPTrainer(Trainer):
     """FSDP2: fully_shard per unit, then the root; build_optimizer over the sharded (DTensor) parameters."""
+
+    checkpoints = True
 
     synchronous = True
 
@@ -137,7 +152,8 @@ class TorchFSDPTrainer(Trainer):
             fully_shard(unit.module, mesh=mesh)
         fully_shard(self.model, mesh=mesh)
         self.loss_fn = workload.loss_fn
-        self.params = [p for p in self.model.parameters() if p.requires_grad]
+        self.named = [(n, p) for n, p in self.model.named_parameters() if p.requires_grad]
+        self.params = [p for _, p in self.named]
         # DTensor has a sharding rule for fused AdamW, none for fused SGD or Adagrad: those take the plain loop
         self.optim = build_optimizer(self.params, cfg.train, fused=cfg.train.optimizer == "adamw")
         self.meter = TrafficMeter(modelled=True)
@@ -162,12 +178,28 @@ class TorchFSDPTrainer(Trainer):
                 out[name] = full.detach().float().cpu().clone() if full.is_floating_point() else full.detach().cpu().clone()
         return out
 
-    def state_dict(self) -> dict[str, Any]:
-        return {"model": self.model.state_dict(), "optim": self.optim.state_dict()}
+    def checkpoint_pieces(self, writing: bool = True) -> Pieces:
+        """Each rank writes (and holds) its own FSDP2 shard of every parameter: its DTensor's local rows."""
+        return Pieces(self._fragments(), {n: tuple(p.shape) for n, p in self.named})
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.model.load_state_dict(state["model"])
-        self.optim.load_state_dict(state["optim"])
+    def _fragments(self) -> list[Fragment]:
+        out = []
+        for i, (name, p) in enumerate(self.named):
+            local = _local(p).detach()
+            if local.numel() == 0:   # a rank past the last row of a small parameter holds none of it
+                continue
+            tensors, scalars = {PARAM: local.view(-1)}, {}
+            for k, v in self.optim.state.get(p, {}).items():
+                if torch.is_tensor(v) and v.dim() > 0:
+                    tensors[k] = _local(v).view(-1)
+                else:
+                    scalars[k] = float(v)
+            out.append(Fragment(name, tuple(p.shape), _row_offset(name, p), tensors, scalars, i))
+        return out
+
+    def load_checkpoint(self, ckpt) -> None:
+        """Fill this rank's shard (parameters and optimizer state) from a checkpoint of any backend and size."""
+        restore(self.optim, self.params, ckpt, self._fragments)
 
     def memory(self) -> MemoryReport:
         peak, kind = peak_memory(self.ctx.device)

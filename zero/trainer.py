@@ -113,24 +113,6 @@ class ZeroTrainer(Trainer):
             values = self.engine.full_params(self.optim.master.masters, keep=self.ctx.rank == 0)
         return consolidated_state(self.model, values, copy=False) if self.ctx.rank == 0 else {}
 
-    def state_dict(self) -> dict[str, Any]:
-        held = self.engine.shard if self.stage == 3 else self.engine.flat
-        return {"stage": self.stage, "world_size": self.ctx.world_size, "rank": self.ctx.rank,
-                "params": held.clone(), "optim": self.optim.state_dict()}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        held = self.engine.shard if self.stage == 3 else self.engine.flat
-        got = (state.get("stage"), state.get("world_size"), state.get("rank"))
-        if got != (self.stage, self.ctx.world_size, self.ctx.rank) or state["params"].shape != held.shape:
-            raise ValueError(f"ZeRO state of (stage, world_size, rank) = {got} with {tuple(state['params'].shape)} "
-                             f"elements cannot be loaded into ({self.stage}, {self.ctx.world_size}, {self.ctx.rank}) "
-                             f"with {tuple(held.shape)}: a rank's own state loads only into the same layout; to go on at "
-                             f"another stage or world size, write a checkpoint (train.checkpoint_every) and "
-                             f"start from it with --resume or --from")
-        with torch.no_grad():
-            held.copy_(state["params"])
-        self.optim.load_state_dict(state["optim"])
-
     def checkpoint_pieces(self, writing: bool = True) -> Pieces:
         """This rank's chunk of every group, by parameter name: each rank writes (and holds) its own shard."""
         held = {id(p) for p in self.params}

@@ -11,6 +11,7 @@ from typing import Any, BinaryIO, Iterator
 
 import torch
 
+from psarch.checkpoint import rng
 from psarch.checkpoint.fragments import PARAM, Fragment
 from psarch.checkpoint.writer import FORMAT, METADATA, VERSION, complete_checkpoints
 
@@ -135,6 +136,18 @@ class Checkpoint:
         """Copy the checkpoint's values into every tensor of a fragment a rank holds."""
         for key, t in fragment.tensors.items():
             t.copy_(self.read(fragment.name, key, fragment.offset, fragment.offset + t.numel()))
+
+    def restore_rng(self, rank: int, device: torch.device) -> bool:
+        """Set this process's generators to rank `rank`'s at the checkpoint; False where it holds none for that
+        rank (a fork onto more ranks: those keep their seeded start)."""
+        state = self.meta.get("rng", {}).get(str(rank))
+        if state is None:
+            return False
+        try:
+            rng.restore(state, device)
+        except ValueError as e:
+            raise CheckpointError(f"{self.path / METADATA}: rank {rank}'s {e}") from None
+        return True
 
     def rows(self, rank: int) -> list[dict[str, Any]]:
         """Rank `rank`'s metric rows of the steps before this checkpoint ([] if it wrote none)."""

@@ -15,6 +15,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from psarch.checkpoint import rng
 from psarch.checkpoint.fragments import PARAM, Pieces
 from psarch.dist import DistContext
 
@@ -42,7 +43,7 @@ def save(pieces: Pieces, ctx: DistContext, root: Path, step: int, config: dict[s
         shutil.rmtree(tmp, ignore_errors=True)  # an earlier attempt's leftovers
         tmp.mkdir(parents=True)
     _barrier(ctx)
-    _write_rank(pieces, tmp, ctx.rank)
+    _write_rank(pieces, tmp, ctx.rank, rng.capture(ctx.device))
     # the rows a resumed run starts its metrics with, so none is lost or repeated
     (tmp / f"rows{ctx.rank}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows or []))
     _barrier(ctx)
@@ -64,8 +65,9 @@ def _barrier(ctx: DistContext) -> None:
         dist.barrier(group=ctx.group)
 
 
-def _write_rank(pieces: Pieces, folder: Path, rank: int) -> None:
-    """rank{r}.bin: the fragments' tensors back to back, raw; rank{r}.json: where each lies, size, sha256."""
+def _write_rank(pieces: Pieces, folder: Path, rank: int, generators: dict[str, str]) -> None:
+    """rank{r}.bin: the fragments' tensors back to back, raw; rank{r}.json: where each lies, size, sha256,
+    and the rank's generator states."""
     name = f"rank{rank}.bin"
     digest, pos, entries = hashlib.sha256(), 0, []
     with open(folder / name, "wb") as f:
@@ -81,15 +83,17 @@ def _write_rank(pieces: Pieces, folder: Path, rank: int) -> None:
         os.fsync(f.fileno())
     scalars = {frag.name: frag.scalars for frag in pieces.fragments}
     (folder / f"rank{rank}.json").write_text(json.dumps(
-        {"file": name, "bytes": pos, "sha256": digest.hexdigest(), "entries": entries, "scalars": scalars}))
+        {"file": name, "bytes": pos, "sha256": digest.hexdigest(), "entries": entries, "scalars": scalars,
+         "rng": generators}))
 
 
 def _merge(folder: Path, world_size: int, step: int, config: dict[str, Any], pieces: Pieces) -> None:
     """metadata.json from the ranks' indices, after checking every parameter is covered exactly once."""
-    files, entries, scalars = {}, [], {}
+    files, entries, scalars, generators = {}, [], {}, {}
     for r in range(world_size):
         part = json.loads((folder / f"rank{r}.json").read_text())
         files[part["file"]] = {"bytes": part["bytes"], "sha256": part["sha256"]}
+        generators[str(r)] = part["rng"]
         entries += part["entries"]
         scalars.update(part["scalars"])
     dtypes = {e["name"]: e["dtype"] for e in entries if e["key"] == PARAM}
@@ -107,7 +111,7 @@ def _merge(folder: Path, world_size: int, step: int, config: dict[str, Any], pie
                                f"{p['numel']} elements written")
     meta = {"format": FORMAT, "version": VERSION, "step": step, "world_size": world_size,
             "state_keys": sorted(keys - {PARAM}), "params": params, "files": files, "state": pieces.state,
-            "config": config, "fragments": entries}
+            "rng": generators, "config": config, "fragments": entries}
     with open(folder / METADATA, "w") as f:
         f.write(json.dumps(meta, indent=1) + "\n")
         f.flush()

@@ -2,8 +2,9 @@
 varies from step to step (cluster.jitter). Works on loopback and on an emulated cluster alike.
 
 A worker is slowed by sleeping, after its forward pass and before its backward pass, for
-(m - 1) x its compute time, where m = slowdown (1 for the others) x exp(N(0, jitter)) drawn per step
-from a generator seeded by (seed, rank): two runs of one config see the same slow steps. A draw with
+(m - 1) x its compute time, where m = slowdown (1 for the others) x exp(N(0, jitter)) drawn for each step
+from a generator seeded by (seed, rank, step): two runs of one config, and a run resumed from a checkpoint,
+see the same slow steps. A draw with
 m < 1 sleeps 0 (a worker cannot be made faster). The sleep comes before backward because DDP and ZeRO
 start communicating from gradient hooks during backward: there, "before it communicates" means before
 backward; the PS, which communicates after backward, is delayed by the same amount. (ZeRO-3's forward
@@ -39,16 +40,20 @@ class Straggler:
     """Wraps a loss function so that each call sleeps as this worker's compute slowdown says."""
 
     def __init__(self, slowdown: float, jitter: float, seed: int, rank: int) -> None:
-        self.slowdown, self.jitter = slowdown, jitter
-        self.rng = random.Random(f"psarch-straggler-{seed}-{rank}")   # str seeds are stable across runs
+        self.slowdown, self.jitter, self.seed, self.rank = slowdown, jitter, seed, rank
+        self.step = 0                 # the step being run, set by the runner: the jitter drawn is this step's
         self.forward_s = 0.0
         self.backward_s: float | None = None
         self.slept_s = 0.0            # the last step's sleep, reported in metrics.jsonl
         self._bwd_t0 = 0.0
 
-    def factor(self) -> float:
-        """This step's compute-time multiplier (draws from the seeded generator when jitter > 0)."""
-        return self.slowdown * (math.exp(self.rng.gauss(0.0, self.jitter)) if self.jitter > 0 else 1.0)
+    def factor(self, step: int) -> float:
+        """Step `step`'s compute-time multiplier: a function of (seed, rank, step), not of the steps run before
+        (a resumed run starts its draws at the checkpoint's step)."""
+        if self.jitter == 0:
+            return self.slowdown
+        draw = random.Random(f"psarch-straggler-{self.seed}-{self.rank}-{step}")   # str seeds: stable across runs
+        return self.slowdown * math.exp(draw.gauss(0.0, self.jitter))
 
     def wrap(self, loss_fn: Callable[[torch.nn.Module, Any], torch.Tensor]) -> Callable:
         def slowed(model: torch.nn.Module, batch: Any) -> torch.Tensor:
@@ -56,7 +61,7 @@ class Straggler:
             loss = loss_fn(model, batch)
             self.forward_s = forward = time.perf_counter() - t0
             compute = forward + (self.backward_s if self.backward_s is not None else 2 * forward)
-            self.slept_s = max(0.0, self.factor() - 1.0) * compute
+            self.slept_s = max(0.0, self.factor(self.step) - 1.0) * compute
             time.sleep(self.slept_s)
             if loss.requires_grad:
                 loss.register_hook(self._backward_starts)
