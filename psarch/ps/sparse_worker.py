@@ -1,0 +1,115 @@
+"""A PS worker whose embedding tables stay on the servers (`backend.embeddings = "rows"`).
+
+The worker holds the dense parameters (flat, pushed and pulled as by PSTrainer) and, per step, only the
+rows its batch reads: for each table the distinct ids of the batch (u_t of them), pulled from their
+servers as one compact (u_t, dim) table; the batch's ids are remapped to positions in it, forward and
+backward run on it, and the rows' gradients are pushed back with their keys (psarch/ps/rows.py). A step
+sends, per worker: rowpull (8·u bytes of keys) and rowpush (8·u of keys + u·dim·b of gradients), and
+receives u·dim·b of rows, beside the dense push and pull (psarch.theory.ps_rows_traffic).
+
+The full tables exist on a worker only while the workload builds its model (the model's constructor
+makes them; they are dropped before the first step) and on rank 0 at the end, for model.pt.
+"""
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import torch
+from torch import nn
+
+from psarch.config import Config
+from psarch.dist import DistContext
+from psarch.errors import check_loss
+from psarch.ps.client import Request
+from psarch.ps.rows import gather_shards, join_model, key_space
+from psarch.ps.trainer import PSTrainer
+from psarch.sparse import batch_ids, embedding_tables
+from psarch.trainer import MemoryReport, StepStats
+from psarch.workload import Workload
+
+
+class RowPSTrainer(PSTrainer):
+    """A PS worker that pulls and pushes only the embedding rows each step touches."""
+
+    def __init__(self, workload: Workload, cfg: Config, ctx: DistContext) -> None:
+        self.space = key_space(cfg)
+        self.tables = [t for _, t in embedding_tables(workload.model)]
+        for t in self.tables:   # an empty, frozen placeholder: the flat vector holds the dense part only
+            t.weight = nn.Parameter(t.weight.new_empty(0, self.space.dim), requires_grad=False)
+        super().__init__(workload, cfg, ctx)
+        if self.mode == "geo":
+            raise NotImplementedError("backend.mode = \"geo\" with backend.embeddings = \"rows\" is not built")
+        self.offsets = self.space.offsets()
+        self.held = self.held_peak = 0     # bytes of embedding rows (and their gradients) held now / at most
+
+    def _keys(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
+        """(the batch's distinct keys, sorted; ids remapped to rows of the compact tables; u_t per table)."""
+        local = torch.empty_like(ids)
+        keys = []
+        for t, rows in enumerate(self.space.rows):
+            uniq, inverse = torch.unique(ids[:, t], return_inverse=True)
+            if uniq[0] < 0 or uniq[-1] >= rows:
+                raise ValueError(f"table {t}: ids from {int(uniq[0])} to {int(uniq[-1])}, the table has {rows} rows")
+            local[:, t] = inverse
+            keys.append(uniq + self.offsets[t])
+        return torch.cat(keys), local, [k.numel() for k in keys]
+
+    def _pull_rows(self, keys: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """The rows of `keys` from their servers, in the order of `keys`; and each server's positions."""
+        where = self.space.split(keys)
+        reqs = [[Request({"op": "rowpull", "step": self.steps, "want": self.wire_dtype}, keys[pos])] for pos in where]
+        self.client.exchange(reqs)
+        rows = torch.empty(keys.numel(), self.space.dim, dtype=self.dtype)
+        for pos, (r,) in zip(where, reqs):
+            rows[pos] = r.into
+        return rows.to(self.ctx.device), where
+
+    def step(self, batch: Any) -> StepStats:
+        t_start = time.time()
+        dense, ids, clicks = batch
+        keys, local, sizes = self._keys(batch_ids(batch).cpu())
+        t0 = time.perf_counter()
+        rows, where = self._pull_rows(keys)
+        pulled_s = time.perf_counter() - t0
+        weights = [nn.Parameter(r) for r in rows.split(sizes)]
+        for table, w in zip(self.tables, weights):
+            table.weight = w
+        self.flat.zero_grad()
+        loss = self.loss_fn(self.model, (dense, local.to(ids.device), clicks))
+        check_loss(self.steps, self.ctx.rank, float(loss.detach()))
+        loss.backward()
+        grads = torch.cat([w.grad for w in weights]).cpu()
+        self.held = 2 * rows.numel() * rows.element_size()
+        self.held_peak = max(self.held_peak, self.held)
+        pushes = [Request({"op": "rowpush", "step": self.steps, "version": self.versions[i]}, grads[pos],
+                          keys=keys[pos]) for i, pos in enumerate(where)]
+        self.steps += 1
+        info = self._exchange(self.flat.grad, self.steps, {}, before=pushes)
+        info["comm_s"] += pulled_s
+        stats = self._stats(loss, info, t_start)
+        stats.extra["unique_ids"] = int(keys.numel())
+        return stats
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """Rank 0: the servers' dense ranges and rows, as the model's state_dict. Every rank then tells
+        the servers it is done."""
+        state: dict[str, torch.Tensor] = {}
+        if self.ctx.rank == 0:
+            dense = torch.empty(self.flat.numel, dtype=torch.float32)
+            reqs = [[Request({"op": "fetch"}, into=dense[lo:hi]), Request({"op": "rowfetch"})] for lo, hi in self.ranges]
+            self.client.exchange(reqs)
+            state = join_model(self.model, self.space, dense, gather_shards(self.space, [r[1].into for r in reqs]))
+        self.client.exchange([[Request({"op": "done"})] for _ in self.ranges])
+        return state
+
+    def memory(self) -> MemoryReport:
+        m = super().memory()
+        half = self.held // 2   # the last step's rows, and as much again for their gradients
+        m.params += half
+        m.grads += half
+        return m
+
+    def summary_extra(self) -> dict[str, Any]:
+        return dict(super().summary_extra(), embedding_bytes_held_peak=self.held_peak,
+                    embedding_table_bytes=self.space.total * self.space.dim * 4)
