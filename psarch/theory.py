@@ -91,6 +91,8 @@ def predict(cfg: Config, phi: float) -> Prediction:
     n, width = b.world_size, BYTES[t.precision]
     s = phi * width
     k = optimizer_bytes_per_param(t.optimizer, t.precision, t.momentum)
+    if b.kind == "ps" and b.embeddings == "rows":
+        return _ps_rows(cfg, phi)
     if b.kind == "ps":
         # each worker pushes S (gradients; GEO: deltas) and pulls S, split evenly over the servers;
         # GEO does so once every k_steps steps and keeps a local optimizer and the last synced fp32 model
@@ -151,6 +153,43 @@ def _sharded(cfg: Config, phi: float, k: int) -> Prediction:
     # its N - 1 messages at once, paying the latency once
     return Prediction(mem, LinkBytes(ring + sent, ring + received), None, rounds=2 + 4,
                       messages=2 * (n - 1) + 4, server_memory=None)
+
+
+def expected_unique_ids(cfg: Config) -> float:
+    """E[u], the distinct rows one worker's batch reads, over all tables (clicks data's Zipf law; draws =
+    local batch x bag per table)."""
+    from psarch.data.clicks import expected_unique
+    d = cfg.workload.dlrm
+    draws = cfg.train.global_batch // cfg.backend.world_size * d.bag
+    return d.num_tables * expected_unique(d.rows, cfg.workload.clicks.zipf, draws)
+
+
+def ps_rows_traffic(u: float, dim: int, dense: float, width: int) -> LinkBytes:
+    """One PS worker's bytes per step with embedding rows: it sends the keys of its u distinct rows twice
+    (8 B each, with the row pull and with the row push, which names its rows) and u rows of gradients,
+    receives u rows, and pushes and pulls the dense parameters as a dense PS does (headers not counted)."""
+    return LinkBytes(sent=u * dim * width + 16 * u + dense * width, received=u * dim * width + dense * width)
+
+
+def _ps_rows(cfg: Config, phi: float) -> Prediction:
+    """PS with the embedding tables sharded by row over the servers (psarch/ps/rows.py): a worker holds the
+    dense parameters and the u rows of its step (and their gradients); each server a 1/S share of both the
+    dense part and of every table, with the optimizer state of each; traffic from ps_rows_traffic with the
+    expected u, spread evenly over the servers (keys are hashed to servers)."""
+    b, t, d = cfg.backend, cfg.train, cfg.workload.dlrm
+    width, n = BYTES[t.precision], b.world_size
+    table = d.num_tables * d.rows * d.dim
+    dense, u = phi - table, expected_unique_ids(cfg)
+    link = ps_rows_traffic(u, d.dim, dense, width)
+    k = optimizer_bytes_per_param(t.optimizer, "fp32", t.momentum)
+    barrier = 4 if b.mode == "sync" else 0      # the dense range's round accumulator (rows: only during a round)
+    steps = 8 * d.num_tables * d.rows if t.optimizer == "adamw" else 0   # lazy AdamW's int64 step per row
+    server_mem = ((4 + k + barrier) * dense + (4 + k) * table + steps) / b.servers
+    rows = u * d.dim * width
+    mem = MemoryPrediction(params=dense * width + rows, grads=dense * width + rows, optimizer=0.0)
+    # a server receives what workers send and sends what they receive; phases: row pull, rows, push, pull
+    return Prediction(mem, link, LinkBytes(sent=n * link.received / b.servers, received=n * link.sent / b.servers),
+                      rounds=4, messages=4, server_memory=server_mem)
 
 
 def config_for(kind: str, n: int, precision: str, optimizer: str, momentum: float = 0.0, stage: int = 1,

@@ -16,6 +16,8 @@ from psarch import theory
 from psarch.config import from_dict
 from psarch.ps.services import start_services
 from psarch.workload import build_workload
+from psarch.dist import DistContext
+from psarch.runner import run_rank
 
 ROWS_DLRM = {
     "seed": 5,
@@ -27,7 +29,9 @@ ROWS_DLRM = {
 OPTIMIZERS = {"sgd": {"optimizer": "sgd", "lr": 0.5},
               "adagrad": {"optimizer": "adagrad", "lr": 0.1, "eps": 1e-6, "initial_accumulator_value": 0.1}}
 SIZES = (2, 3)
-HEADER_BOUND = 128     # bytes of one message's header frame, at most (test_ps.py)
+# Header bytes per server per step (measured: a worker sends rowpull 67 + rowpush 72 + pushpull 76 and
+# receives rows 49 + ack 17 + params 75, a few bytes more or less with the integers' msgpack sizes)
+SENT_HEADERS, RECEIVED_HEADERS = (195, 240), (125, 165)
 
 
 def _data(name: str, opt: str, n: int = 1, **backend) -> dict:
@@ -40,8 +44,19 @@ def _plan(n: int) -> dict[str, dict]:
     return {f"rows-{opt}-{n}": _data(f"rows-{opt}-{n}", opt, n) for opt in OPTIMIZERS}
 
 
+def _train(rank: int, n: int, data: dict, info: dict, out: str) -> dict:
+    """parity.train, keeping each step's `extra` and the summary's extra."""
+    cfg = from_dict(data)
+    ctx = DistContext(rank, n, rank, torch.device("cpu"), "gloo")
+    ctx.services = info
+    record = run_rank(cfg, ctx, echo=False)
+    if rank == 0:
+        torch.save(record["model_state"], f"{out}/{cfg.name}.pt")
+    return {k: record[k] for k in ("traffic", "memory", "params", "extra", "rows")}
+
+
 def _variants(rank: int, n: int, out: str, runs: dict, infos: dict) -> dict:
-    return {name: train(rank, n, data, infos[name], out) for name, data in runs.items()}
+    return {name: _train(rank, n, data, infos[name], out) for name, data in runs.items()}
 
 
 @pytest.fixture(scope="module")
@@ -74,3 +89,49 @@ def test_sync_rows_equal_single(runs, opt, n):
     init = build_workload(from_dict(ROWS_DLRM)).model.state_dict()
     assert max((ref[k] - v).abs().max().item() for k, v in init.items()) > 100 * ATOL, "reference barely trained"
     assert_same_model(model(out, f"rows-{opt}-{n}"), ref, f"ps rows {opt} N={n} vs single")
+
+
+def test_traffic_per_step_is_the_formula_with_the_measured_unique_ids(runs):
+    """Each step's bytes equal theory.ps_rows_traffic with that step's measured u, plus the headers: per
+    server a worker sends rowpull, rowpush, pushpull and receives rows, ack, params (a miscount of the
+    keys, 8 bytes per row, would leave these bounds)."""
+    _, results, _ = runs
+    d = ROWS_DLRM["workload"]["dlrm"]
+    for name, ranks in results.items():
+        dense = ranks[0]["params"] - d["num_tables"] * d["rows"] * d["dim"]
+        for rank in ranks:
+            for row in rank["rows"]:
+                want = theory.ps_rows_traffic(row["extra"]["unique_ids"], d["dim"], dense, 4)
+                servers = 2
+                lo, hi = SENT_HEADERS
+                assert servers * lo <= row["sent"] - want.sent <= servers * hi, (name, row, want)
+                lo, hi = RECEIVED_HEADERS
+                assert servers * lo <= row["received"] - want.received <= servers * hi, (name, row, want)
+
+
+def test_measured_unique_ids_agree_with_the_zipf_expectation(runs):
+    _, results, _ = runs
+    for n in SIZES:
+        u = [row["extra"]["unique_ids"] for rank in results[f"rows-sgd-{n}"] for row in rank["rows"]]
+        expected = theory.expected_unique_ids(from_dict(_data("x", "sgd", n)))
+        assert abs(sum(u) / len(u) - expected) < 0.15 * expected, (u, expected)
+
+
+def test_a_worker_holds_a_small_part_of_the_tables_and_the_servers_hold_them(runs):
+    _, results, servers = runs
+    d = ROWS_DLRM["workload"]["dlrm"]
+    table = d["num_tables"] * d["rows"] * d["dim"] * 4
+    for name, ranks in results.items():
+        phi = ranks[0]["params"]
+        dense = phi - table // 4
+        for rank in ranks:
+            assert rank["extra"]["embedding_table_bytes"] == table
+            held = rank["extra"]["embedding_bytes_held_peak"]
+            assert 0 < held < table / 10, (name, held, table)
+            last_u = rank["rows"][-1]["extra"]["unique_ids"]
+            assert rank["memory"]["params"] == 4 * (dense + last_u * d["dim"])
+        mem = servers[name]["memory"]["servers"]
+        assert sum(m["embedding_bytes"] for m in mem) == table
+        predicted = theory.predict(from_dict(_data(name, name.split("-")[1], int(name[-1]))), phi).server_memory
+        for m in mem:   # + a step counter per optimizer tensor
+            assert predicted - 4 * d["dim"] * 4 <= m["total"] <= predicted + 4 * d["dim"] * 4 + 64, (name, m, predicted)
