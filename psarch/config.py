@@ -267,7 +267,6 @@ def _check_ps_rows(cfg: Config) -> None:
            or cfg.workload.factory else
            f"train.precision = \"{t.precision}\": rows move and are updated in fp32 only (no bf16/fp16 row "
            f"pulls, no loss scaling of pushed rows)" if t.precision != "fp32" else
-           "backend.mode = \"geo\": GEO row deltas are not built" if b.mode == "geo" else
            f"backend.staleness_compensation = \"{b.staleness_compensation}\": rows are updated without "
            f"compensation" if b.staleness_compensation != "none" else
            f"train.momentum = {t.momentum:g}: row-wise SGD has no momentum (it would move untouched rows)"

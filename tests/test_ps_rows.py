@@ -30,8 +30,9 @@ OPTIMIZERS = {"sgd": {"optimizer": "sgd", "lr": 0.5},
               "adagrad": {"optimizer": "adagrad", "lr": 0.1, "eps": 1e-6, "initial_accumulator_value": 0.1}}
 SIZES = (2, 3)
 # Header bytes per server per step (measured: a worker sends rowpull 67 + rowpush 72 + pushpull 76 and
-# receives rows 49 + ack 17 + params 75, a few bytes more or less with the integers' msgpack sizes)
-SENT_HEADERS, RECEIVED_HEADERS = (195, 240), (125, 165)
+# receives rows 49 + ack 17 + params 75, a few bytes more or less with the integers' msgpack sizes;
+# async and ssp replies also name staleness and how far ahead)
+SENT_HEADERS, RECEIVED_HEADERS = (195, 240), (125, 185)
 
 
 def _data(name: str, opt: str, n: int = 1, **backend) -> dict:
@@ -40,8 +41,18 @@ def _data(name: str, opt: str, n: int = 1, **backend) -> dict:
     return config(name, base=ROWS_DLRM, train=OPTIMIZERS[opt], backend=dict(b, world_size=n))
 
 
+# the other modes, at N = 2: GEO with the barrier and k = 1 is sync SGD (each worker adds -lr·g/N)
+MODES = {"geo1-sgd": ("sgd", {"mode": "geo", "k_steps": 1, "geo_barrier": True}),
+         "async-adagrad": ("adagrad", {"mode": "async"}),
+         "ssp-adagrad": ("adagrad", {"mode": "ssp", "staleness_bound": 1}),
+         "geo-adagrad": ("adagrad", {"mode": "geo", "k_steps": 2})}
+
+
 def _plan(n: int) -> dict[str, dict]:
-    return {f"rows-{opt}-{n}": _data(f"rows-{opt}-{n}", opt, n) for opt in OPTIMIZERS}
+    plan = {f"rows-{opt}-{n}": _data(f"rows-{opt}-{n}", opt, n) for opt in OPTIMIZERS}
+    if n == 2:
+        plan.update({f"rows-{m}-{n}": _data(f"rows-{m}-{n}", opt, n, **b) for m, (opt, b) in MODES.items()})
+    return plan
 
 
 def _train(rank: int, n: int, data: dict, info: dict, out: str) -> dict:
@@ -91,6 +102,24 @@ def test_sync_rows_equal_single(runs, opt, n):
     assert_same_model(model(out, f"rows-{opt}-{n}"), ref, f"ps rows {opt} N={n} vs single")
 
 
+def test_geo_with_barrier_and_k1_equals_single_sgd(runs):
+    out, _, _ = runs
+    assert_same_model(model(out, "rows-geo1-sgd-2"), model(out, "single-sgd"), "ps rows geo k=1 barrier vs single")
+
+
+@pytest.mark.parametrize("mode", ["async-adagrad", "ssp-adagrad", "geo-adagrad"])
+def test_other_modes_train_on_rows(runs, mode):
+    """async, ssp and geo (k = 2, no barrier) run every step; the model moved from its start and is finite."""
+    out, results, servers = runs
+    init = build_workload(from_dict(ROWS_DLRM)).model.state_dict()
+    final = model(out, f"rows-{mode}-2")
+    assert all(torch.isfinite(v).all() for v in final.values())
+    assert max((final[k] - v).abs().max().item() for k, v in init.items()) > 100 * ATOL
+    for rank in results[f"rows-{mode}-2"]:
+        assert len(rank["rows"]) == ROWS_DLRM["train"]["steps"]
+    assert sum(s["version"] for s in servers[f"rows-{mode}-2"]["servers_detail"]) > 0
+
+
 def test_traffic_per_step_is_the_formula_with_the_measured_unique_ids(runs):
     """Each step's bytes equal theory.ps_rows_traffic with that step's measured u, plus the headers: per
     server a worker sends rowpull, rowpush, pushpull and receives rows, ack, params (a miscount of the
@@ -98,6 +127,8 @@ def test_traffic_per_step_is_the_formula_with_the_measured_unique_ids(runs):
     _, results, _ = runs
     d = ROWS_DLRM["workload"]["dlrm"]
     for name, ranks in results.items():
+        if "geo" in name:   # a GEO step pulls only uncached rows and pushes once every k steps
+            continue
         dense = ranks[0]["params"] - d["num_tables"] * d["rows"] * d["dim"]
         for rank in ranks:
             for row in rank["rows"]:
@@ -127,11 +158,16 @@ def test_a_worker_holds_a_small_part_of_the_tables_and_the_servers_hold_them(run
         for rank in ranks:
             assert rank["extra"]["embedding_table_bytes"] == table
             held = rank["extra"]["embedding_bytes_held_peak"]
-            assert 0 < held < table / 10, (name, held, table)
+            # GEO holds k = 2 batches' rows three times over (values, pulled copies, Adagrad sums)
+            assert 0 < held < table / (4 if "geo" in name else 10), (name, held, table)
+            if "geo" in name:   # the rows of the last k steps' batches, pulled copies and optimizer state
+                continue
             last_u = rank["rows"][-1]["extra"]["unique_ids"]
             assert rank["memory"]["params"] == 4 * (dense + last_u * d["dim"])
         mem = servers[name]["memory"]["servers"]
         assert sum(m["embedding_bytes"] for m in mem) == table
+        if name not in (f"rows-{opt}-{n}" for opt in OPTIMIZERS for n in SIZES):
+            continue
         predicted = theory.predict(from_dict(_data(name, name.split("-")[1], int(name[-1]))), phi).server_memory
         for m in mem:   # + a step counter per optimizer tensor
             assert predicted - 4 * d["dim"] * 4 <= m["total"] <= predicted + 4 * d["dim"] * 4 + 64, (name, m, predicted)

@@ -37,6 +37,13 @@ class RowOptimizer:
             self.state.update(exp_avg=torch.zeros_like(table), exp_avg_sq=torch.zeros_like(table),
                               step=torch.zeros(table.shape[0], dtype=torch.int64))
 
+    def extend(self, rows: torch.Tensor) -> None:
+        """Append rows (a GEO worker's cache grows): they start with fresh optimizer state."""
+        self.table = torch.cat([self.table, rows.float()])
+        fresh = {"sum": self.t.initial_accumulator_value, "exp_avg": 0.0, "exp_avg_sq": 0.0, "step": 0}
+        for k, v in self.state.items():
+            self.state[k] = torch.cat([v, torch.full((rows.shape[0], *v.shape[1:]), fresh[k], dtype=v.dtype)])
+
     def step(self, idx: torch.Tensor, grad: torch.Tensor) -> None:
         """Apply one update to rows `idx` (distinct) with their gradients `grad` (len(idx), dim), fp32."""
         t, p = self.t, self.table[idx]

@@ -11,7 +11,7 @@ more requests:
   that step's dense push on the same connection, so ZeroMQ delivers it first: when a sync round's last
   dense push arrives, every row of the round is in. Sync sums the round's rows over workers and applies
   the mean once with the dense update; async / ssp apply each push at once (row-wise optimizer, no
-  staleness compensation);
+  staleness compensation); geo adds each worker's row deltas at once (or, with the barrier, the round's);
 - `rowfetch` -> `rows`: this server's whole shard in fp32 (the final model).
 
 Keys must be int64, one-dimensional, strictly increasing and owned by this server; values must be the
@@ -78,7 +78,8 @@ class RowServer(ParameterServer):
         if self.barrier:
             self.shard.add_to_round(w, idx, values)
         else:
-            self.shard.apply(idx, values)
+            # geo: workers divide their deltas by N; after a loss, the mean over the live workers' deltas
+            self.shard.apply(idx, values, self.workers / len(self._live()))
         self.row_step[w] = h["step"]
         self._send(ident, "rowpush", {"op": "ack", "version": st.version})
 

@@ -134,10 +134,10 @@ class RowShard:
     def gather(self, idx: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         return self.rows[idx].to(dtype)
 
-    def apply(self, idx: torch.Tensor, values: torch.Tensor) -> None:
-        """async / ssp: one row-wise optimizer step; geo: add the deltas."""
+    def apply(self, idx: torch.Tensor, values: torch.Tensor, factor: float = 1.0) -> None:
+        """async / ssp: one row-wise optimizer step; geo: add the deltas (times `factor`)."""
         if self.geo:
-            self.rows.index_add_(0, idx, values.float())
+            self.rows.index_add_(0, idx, values.float(), alpha=factor)
         else:
             self.optim.step(idx, values.float())
 

@@ -5,7 +5,8 @@ rows its batch reads: for each table the distinct ids of the batch (u_t of them)
 servers as one compact (u_t, dim) table; the batch's ids are remapped to positions in it, forward and
 backward run on it, and the rows' gradients are pushed back with their keys (psarch/ps/rows.py). A step
 sends, per worker: rowpull (8·u bytes of keys) and rowpush (8·u of keys + u·dim·b of gradients), and
-receives u·dim·b of rows, beside the dense push and pull (psarch.theory.ps_rows_traffic).
+receives u·dim·b of rows, beside the dense push and pull (psarch.theory.ps_rows_traffic). GEO keeps the
+rows it reads between syncs in a RowCache (row_cache.py) and pushes their deltas with the dense delta.
 
 The full tables exist on a worker only while the workload builds its model (the model's constructor
 makes them; they are dropped before the first step) and on rank 0 at the end, for model.pt.
@@ -22,6 +23,7 @@ from psarch.config import Config
 from psarch.dist import DistContext
 from psarch.errors import check_loss
 from psarch.ps.client import Request
+from psarch.ps.row_cache import RowCache
 from psarch.ps.rows import gather_shards, join_model, key_space
 from psarch.ps.trainer import PSTrainer
 from psarch.sparse import batch_ids, embedding_tables
@@ -37,11 +39,11 @@ class RowPSTrainer(PSTrainer):
         self.tables = [t for _, t in embedding_tables(workload.model)]
         for t in self.tables:   # an empty, frozen placeholder: the flat vector holds the dense part only
             t.weight = nn.Parameter(t.weight.new_empty(0, self.space.dim), requires_grad=False)
+        self.geo_pushes: list[Request] | None = None   # a GEO sync's row deltas, sent before its dense push
         super().__init__(workload, cfg, ctx)
-        if self.mode == "geo":
-            raise NotImplementedError("backend.mode = \"geo\" with backend.embeddings = \"rows\" is not built")
         self.offsets = self.space.offsets()
         self.held = self.held_peak = 0     # bytes of embedding rows (and their gradients) held now / at most
+        self.cache = RowCache(self.space.dim, cfg.train) if self.mode == "geo" else None
 
     def _keys(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
         """(the batch's distinct keys, sorted; ids remapped to rows of the compact tables; u_t per table)."""
@@ -65,12 +67,20 @@ class RowPSTrainer(PSTrainer):
             rows[pos] = r.into
         return rows.to(self.ctx.device), where
 
+    def _cached_rows(self, keys: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """GEO: the rows of `keys` from the cache, pulling the ones not cached yet; and their positions."""
+        new = self.cache.missing(keys)
+        if new.numel():
+            self.cache.add(new, self._pull_rows(new)[0].cpu())
+        pos = self.cache.positions(keys)
+        return self.cache.rows[pos].to(self.ctx.device, self.dtype), pos
+
     def step(self, batch: Any) -> StepStats:
         t_start = time.time()
         dense, ids, clicks = batch
         keys, local, sizes = self._keys(batch_ids(batch).cpu())
         t0 = time.perf_counter()
-        rows, where = self._pull_rows(keys)
+        rows, where = self._pull_rows(keys) if self.cache is None else self._cached_rows(keys)
         pulled_s = time.perf_counter() - t0
         weights = [nn.Parameter(r) for r in rows.split(sizes)]
         for table, w in zip(self.tables, weights):
@@ -80,20 +90,55 @@ class RowPSTrainer(PSTrainer):
         check_loss(self.steps, self.ctx.rank, float(loss.detach()))
         loss.backward()
         grads = torch.cat([w.grad for w in weights]).cpu()
-        self.held = 2 * rows.numel() * rows.element_size()
-        self.held_peak = max(self.held_peak, self.held)
-        pushes = [Request({"op": "rowpush", "step": self.steps, "version": self.versions[i]}, grads[pos],
-                          keys=keys[pos]) for i, pos in enumerate(where)]
-        self.steps += 1
-        info = self._exchange(self.flat.grad, self.steps, {}, before=pushes)
+        if self.cache is not None:
+            info = self._geo_local_step(where, grads)
+        else:
+            pushes = [Request({"op": "rowpush", "step": self.steps, "version": self.versions[i]}, grads[pos],
+                              keys=keys[pos]) for i, pos in enumerate(where)]
+            self.steps += 1
+            info = self._exchange(self.flat.grad, self.steps, {}, before=pushes)
+            self._hold(2 * rows.numel() * rows.element_size())
         info["comm_s"] += pulled_s
         stats = self._stats(loss, info, t_start)
         stats.extra["unique_ids"] = int(keys.numel())
         return stats
 
+    def _hold(self, nbytes: int) -> None:
+        self.held = nbytes
+        self.held_peak = max(self.held_peak, nbytes)
+
+    def _geo_local_step(self, pos: torch.Tensor, grads: torch.Tensor) -> dict[str, Any]:
+        """GEO: a local optimizer step on the dense part and on the cached rows; a sync every k_steps."""
+        self.local.step([self.flat.grad])
+        self.cache.optim.step(pos, grads.float())
+        self._hold(self.cache.nbytes())
+        self.steps += 1
+        info: dict[str, Any] = {"comm_s": 0.0, "skipped": False}
+        if self.steps % self.cfg.backend.k_steps == 0:
+            info.update(self._geo_round())
+        return info
+
+    def _geo_round(self) -> dict[str, Any]:
+        """Push the changed rows' deltas (before the dense delta, on each connection), then empty the cache."""
+        keys, deltas = self.cache.deltas(self.n)
+        self.geo_pushes = [Request({"op": "rowpush", "step": self.rounds, "version": self.versions[i]},
+                                   deltas[pos].to(self.dtype), keys=keys[pos])
+                           for i, pos in enumerate(self.space.split(keys))]
+        try:
+            return super()._geo_round()
+        finally:
+            self.geo_pushes = None
+            self.cache.clear()
+
+    def _exchange(self, pushed: torch.Tensor | None, step: int, header: dict[str, Any],
+                  before: list[Request] | None = None) -> dict[str, Any]:
+        return super()._exchange(pushed, step, header, before if before is not None else self.geo_pushes)
+
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """Rank 0: the servers' dense ranges and rows, as the model's state_dict. Every rank then tells
         the servers it is done."""
+        if self.cache is not None and self.steps % self.cfg.backend.k_steps:
+            self._geo_round()
         state: dict[str, torch.Tensor] = {}
         if self.ctx.rank == 0:
             dense = torch.empty(self.flat.numel, dtype=torch.float32)
@@ -105,9 +150,13 @@ class RowPSTrainer(PSTrainer):
 
     def memory(self) -> MemoryReport:
         m = super().memory()
-        half = self.held // 2   # the last step's rows, and as much again for their gradients
-        m.params += half
-        m.grads += half
+        if self.cache is not None:   # GEO: the cached rows, their pulled copies and their optimizer state
+            m.params += 4 * self.cache.rows.numel()
+            m.buffers += 4 * self.cache.synced.numel() + 8 * self.cache.keys.numel()
+            m.optimizer += self.cache.optim.state_bytes()
+        else:                        # the last step's rows, and as much again for their gradients
+            m.params += self.held // 2
+            m.grads += self.held // 2
         return m
 
     def summary_extra(self) -> dict[str, Any]:
