@@ -40,8 +40,10 @@ class RowPSTrainer(PSTrainer):
         for t in self.tables:   # an empty, frozen placeholder: the flat vector holds the dense part only
             t.weight = nn.Parameter(t.weight.new_empty(0, self.space.dim), requires_grad=False)
         self.geo_pushes: list[Request] | None = None   # a GEO sync's row deltas, sent before its dense push
+        self.cache_peak = (0, 0, 0, 0)    # GEO: the largest cache's (rows, params, optimizer, buffers bytes)
         super().__init__(workload, cfg, ctx)
         self.offsets = self.space.offsets()
+        self.step_rows = 0                 # GEO: bytes of the last step's rows' gradients
         self.held = self.held_peak = 0     # bytes of embedding rows (and their gradients) held now / at most
         self.cache = RowCache(self.space.dim, cfg.train) if self.mode == "geo" else None
 
@@ -91,6 +93,7 @@ class RowPSTrainer(PSTrainer):
         loss.backward()
         grads = torch.cat([w.grad for w in weights]).cpu()
         if self.cache is not None:
+            self.step_rows = grads.numel() * grads.element_size()
             info = self._geo_local_step(where, grads)
         else:
             pushes = [Request({"op": "rowpush", "step": self.steps, "version": self.versions[i]}, grads[pos],
@@ -120,6 +123,9 @@ class RowPSTrainer(PSTrainer):
 
     def _geo_round(self) -> dict[str, Any]:
         """Push the changed rows' deltas (before the dense delta, on each connection), then empty the cache."""
+        c = self.cache
+        if c.keys.numel() >= self.cache_peak[0]:   # memory(): the cache at its largest, just before a sync
+            self.cache_peak = (c.keys.numel(), 4 * c.rows.numel(), c.optim.state_bytes(), 4 * c.synced.numel() + 8 * c.keys.numel())
         keys, deltas = self.cache.deltas(self.n)
         self.geo_pushes = [Request({"op": "rowpush", "step": self.rounds, "version": self.versions[i]},
                                    deltas[pos].to(self.dtype), keys=keys[pos])
@@ -150,10 +156,10 @@ class RowPSTrainer(PSTrainer):
 
     def memory(self) -> MemoryReport:
         m = super().memory()
-        if self.cache is not None:   # GEO: the cached rows, their pulled copies and their optimizer state
-            m.params += 4 * self.cache.rows.numel()
-            m.buffers += 4 * self.cache.synced.numel() + 8 * self.cache.keys.numel()
-            m.optimizer += self.cache.optim.state_bytes()
+        if self.cache is not None:   # GEO: the largest cache (rows, optimizer state, pulled copies and keys)
+            _, params, optimizer, buffers = self.cache_peak
+            m.params, m.optimizer, m.buffers = m.params + params, m.optimizer + optimizer, m.buffers + buffers
+            m.grads += self.step_rows   # the last step's rows' gradients
         else:                        # the last step's rows, and as much again for their gradients
             m.params += self.held // 2
             m.grads += self.held // 2
