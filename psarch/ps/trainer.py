@@ -49,12 +49,6 @@ class PSTrainer(Trainer):
     def tolerates_lost_workers(cfg: Config) -> bool:
         return cfg.backend.mode != "sync"
 
-    def __new__(cls, workload: Workload, cfg: Config, ctx: DistContext) -> "PSTrainer":
-        if cls is PSTrainer and cfg.backend.embeddings == "rows":   # tables sharded by row on the servers
-            from psarch.ps.sparse_worker import RowPSTrainer
-            cls = RowPSTrainer
-        return super().__new__(cls)
-
     def __init__(self, workload: Workload, cfg: Config, ctx: DistContext) -> None:
         b = cfg.backend
         self.cfg, self.ctx, self.mode, self.n = cfg, ctx, b.mode, b.world_size
