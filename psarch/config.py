@@ -263,8 +263,8 @@ def validate(cfg: Config) -> Config:
 def _check_ps_rows(cfg: Config) -> None:
     """What the parameter server's embedding rows (psarch/ps/rows.py) do not do (yet)."""
     b, t = cfg.backend, cfg.train
-    why = (f"workload.model = \"{cfg.workload.model}\": the tables live in the dlrm model" if cfg.workload.model != "dlrm"
-           or cfg.workload.factory else
+    why = ("workload.factory: the tables live in the built-in dlrm model" if cfg.workload.factory else
+           f"workload.model = \"{cfg.workload.model}\": the tables live in the dlrm model" if cfg.workload.model != "dlrm" else
            f"train.precision = \"{t.precision}\": rows move and are updated in fp32 only (no bf16/fp16 row "
            f"pulls, no loss scaling of pushed rows)" if t.precision != "fp32" else
            f"backend.staleness_compensation = \"{b.staleness_compensation}\": rows are updated without "

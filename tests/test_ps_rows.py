@@ -24,7 +24,7 @@ ROWS_DLRM = {
     "workload": {"model": "dlrm", "data": "clicks",
                  "dlrm": {"num_tables": 2, "rows": 1000, "dim": 8, "bag": 2, "bottom_mlp": [8], "top_mlp": [8]},
                  "clicks": {"zipf": 1.05, "dense": 4}},
-    "train": {"steps": 5, "global_batch": 24, "log_every": 100},
+    "train": {"steps": 4, "global_batch": 24, "log_every": 100},
 }
 OPTIMIZERS = {"sgd": {"optimizer": "sgd", "lr": 0.5},
               "adagrad": {"optimizer": "adagrad", "lr": 0.1, "eps": 1e-6, "initial_accumulator_value": 0.1}}
@@ -33,6 +33,8 @@ SIZES = (2, 3)
 # receives rows 49 + ack 17 + params 75, a few bytes more or less with the integers' msgpack sizes;
 # async and ssp replies also name staleness and how far ahead)
 SENT_HEADERS, RECEIVED_HEADERS = (195, 240), (125, 185)
+# per request: (its header's bytes, its reply header's bytes), lowest and highest (geo replies name staleness)
+HEADERS = {"rowpull": ((60, 75), (45, 55)), "rowpush": ((65, 80), (15, 35)), "pushpull": ((70, 85), (70, 100))}
 
 
 def _data(name: str, opt: str, n: int = 1, **backend) -> dict:
@@ -171,3 +173,25 @@ def test_a_worker_holds_a_small_part_of_the_tables_and_the_servers_hold_them(run
         predicted = theory.predict(from_dict(_data(name, name.split("-")[1], int(name[-1]))), phi).server_memory
         for m in mem:   # + a step counter per optimizer tensor
             assert predicted - 4 * d["dim"] * 4 <= m["total"] <= predicted + 4 * d["dim"] * 4 + 64, (name, m, predicted)
+
+
+def test_geo_traffic_is_the_rows_it_pulled_and_pushed(runs):
+    """GEO: each op's bytes over the run are its payload (8 B per key, dim x 4 B per row, the dense part
+    once per sync) plus one header per call; a sync pushes exactly the rows pulled since the last one
+    (every row read changes under Adagrad), the u_k of theory's GEO prediction."""
+    _, results, _ = runs
+    d = ROWS_DLRM["workload"]["dlrm"]
+    for rank in results["rows-geo-adagrad-2"]:
+        steps, ops = rank["rows"], rank["traffic"]["ops"]
+        dense = rank["params"] - d["num_tables"] * d["rows"] * d["dim"]
+        pulled = sum(r["extra"]["rows_pulled"] for r in steps)
+        pushed = [r["extra"]["rows_pushed"] for r in steps if "rows_pushed" in r["extra"]]
+        assert pushed == [sum(r["extra"]["rows_pulled"] for r in steps[i:i + 2]) for i in (0, 2)]
+        payload = {"rowpull": (8 * pulled, 4 * d["dim"] * pulled),
+                   "rowpush": (sum(pushed) * (8 + 4 * d["dim"]), 0),
+                   "pushpull": (4 * dense * len(pushed), 4 * dense * len(pushed))}
+        for op, (sent, received) in payload.items():
+            calls, (sent_header, received_header) = ops[op]["calls"], HEADERS[op]
+            assert calls * sent_header[0] <= ops[op]["sent"] - sent <= calls * sent_header[1], (op, ops[op], sent)
+            assert calls * received_header[0] <= ops[op]["received"] - received <= calls * received_header[1], (
+                op, ops[op], received)

@@ -40,6 +40,7 @@ class RowPSTrainer(PSTrainer):
         for t in self.tables:   # an empty, frozen placeholder: the flat vector holds the dense part only
             t.weight = nn.Parameter(t.weight.new_empty(0, self.space.dim), requires_grad=False)
         self.geo_pushes: list[Request] | None = None   # a GEO sync's row deltas, sent before its dense push
+        self.row_counts: dict[str, int] = {}
         self.cache_peak = (0, 0, 0, 0)    # GEO: the largest cache's (rows, params, optimizer, buffers bytes)
         super().__init__(workload, cfg, ctx)
         self.offsets = self.space.offsets()
@@ -72,6 +73,7 @@ class RowPSTrainer(PSTrainer):
     def _cached_rows(self, keys: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """GEO: the rows of `keys` from the cache, pulling the ones not cached yet; and their positions."""
         new = self.cache.missing(keys)
+        self.row_counts["rows_pulled"] = new.numel()
         if new.numel():
             self.cache.add(new, self._pull_rows(new)[0].cpu())
         pos = self.cache.positions(keys)
@@ -104,6 +106,8 @@ class RowPSTrainer(PSTrainer):
         info["comm_s"] += pulled_s
         stats = self._stats(loss, info, t_start)
         stats.extra["unique_ids"] = int(keys.numel())
+        stats.extra.update(self.row_counts)   # GEO: rows pulled this step (not cached), rows pushed at a sync
+        self.row_counts = {}
         return stats
 
     def _hold(self, nbytes: int) -> None:
@@ -127,6 +131,7 @@ class RowPSTrainer(PSTrainer):
         if c.keys.numel() >= self.cache_peak[0]:   # memory(): the cache at its largest, just before a sync
             self.cache_peak = (c.keys.numel(), 4 * c.rows.numel(), c.optim.state_bytes(), 4 * c.synced.numel() + 8 * c.keys.numel())
         keys, deltas = self.cache.deltas(self.n)
+        self.row_counts["rows_pushed"] = keys.numel()
         self.geo_pushes = [Request({"op": "rowpush", "step": self.rounds, "version": self.versions[i]},
                                    deltas[pos].to(self.dtype), keys=keys[pos])
                            for i, pos in enumerate(self.space.split(keys))]
