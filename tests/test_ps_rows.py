@@ -147,6 +147,7 @@ def test_measured_unique_ids_agree_with_the_zipf_expectation(runs):
     for n in SIZES:
         u = [row["extra"]["unique_ids"] for rank in results[f"rows-sgd-{n}"] for row in rank["rows"]]
         expected = theory.expected_unique_ids(from_dict(_data("x", "sgd", n)))
+        assert all(rank["extra"]["unique_ids_expected"] == expected for rank in results[f"rows-sgd-{n}"])
         assert abs(sum(u) / len(u) - expected) < 0.15 * expected, (u, expected)
 
 

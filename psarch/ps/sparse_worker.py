@@ -27,6 +27,7 @@ from psarch.ps.row_cache import RowCache
 from psarch.ps.rows import gather_shards, join_model, key_space
 from psarch.ps.trainer import PSTrainer
 from psarch.sparse import batch_ids, embedding_tables
+from psarch.theory import expected_unique_ids
 from psarch.trainer import MemoryReport, StepStats
 from psarch.workload import Workload
 
@@ -171,5 +172,7 @@ class RowPSTrainer(PSTrainer):
         return m
 
     def summary_extra(self) -> dict[str, Any]:
+        # E[u] per step beside each step's measured `unique_ids` (metrics.jsonl)
         return dict(super().summary_extra(), embedding_bytes_held_peak=self.held_peak,
-                    embedding_table_bytes=self.space.total * self.space.dim * 4)
+                    embedding_table_bytes=self.space.total * self.space.dim * 4,
+                    unique_ids_expected=expected_unique_ids(self.cfg))
