@@ -222,9 +222,11 @@ def validate(cfg: Config) -> Config:
         widths = getattr(w.dlrm, key)
         if not all(isinstance(x, int) and not isinstance(x, bool) and x >= 1 for x in widths):
             raise ConfigError(f"workload.dlrm.{key} = {show(widths)}: expected a list of widths >= 1, e.g. [64, 32]")
-    if b.embeddings == "rows":
-        raise ConfigError(f"backend.embeddings = \"{b.embeddings}\": moving only the touched rows is not built yet "
-                          f"(issue 11); \"dense\" (embedding tables as ordinary parameters) or \"sharded\" (ddp) run today")
+    if b.embeddings == "rows" and b.kind == "ps":
+        _check_ps_rows(cfg)
+    elif b.embeddings == "rows":
+        raise ConfigError(f"backend.embeddings = \"rows\": moving only the touched rows runs on backend.kind = "
+                          f"\"ps\" only so far (issue 11), not \"{b.kind}\"; \"dense\" or \"sharded\" (ddp) run there")
     if b.embeddings == "sharded" and b.kind != "ddp":
         raise ConfigError(f"backend.embeddings = \"sharded\": row-sharded tables with all-to-all run on backend.kind "
                           f"= \"ddp\" only, not \"{b.kind}\"; use \"dense\" there")
@@ -256,6 +258,22 @@ def validate(cfg: Config) -> Config:
         raise ConfigError(f"train.precision = \"{t.precision}\": backend.kind = \"{b.kind}\" (a PyTorch peer) runs "
                           f"fp32 only; use backend.kind = \"zero\" for bf16/fp16")
     return cfg
+
+
+def _check_ps_rows(cfg: Config) -> None:
+    """What the parameter server's embedding rows (psarch/ps/rows.py) do not do (yet)."""
+    b, t = cfg.backend, cfg.train
+    why = ("workload.factory: the tables live in the built-in dlrm model" if cfg.workload.factory else
+           f"workload.model = \"{cfg.workload.model}\": the tables live in the dlrm model" if cfg.workload.model != "dlrm" else
+           f"train.precision = \"{t.precision}\": rows move and are updated in fp32 only (no bf16/fp16 row "
+           f"pulls, no loss scaling of pushed rows)" if t.precision != "fp32" else
+           f"backend.staleness_compensation = \"{b.staleness_compensation}\": rows are updated without "
+           f"compensation" if b.staleness_compensation != "none" else
+           f"train.momentum = {t.momentum:g}: row-wise SGD has no momentum (it would move untouched rows)"
+           if t.optimizer == "sgd" and t.momentum else
+           "backend.server_addresses: `psarch server` does not hold rows" if b.server_addresses else None)
+    if why:
+        raise ConfigError(f"backend.embeddings = \"rows\" with {why}")
 
 
 def from_dict(data: dict[str, Any], name: str = "") -> Config:

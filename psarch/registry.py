@@ -9,7 +9,7 @@ BACKENDS = {
     "single": "psarch.single:SingleTrainer",
     "ddp": "collective.ddp:DDPTrainer",
     "zero": "zero.trainer:ZeroTrainer",
-    "ps": "psarch.ps.trainer:PSTrainer",
+    "ps": "psarch.ps.worker:PSWorker",
     # PyTorch's own implementations, run by the same runner: the peers for parity and benchmarks
     "torch_ddp": "collective.torch_ddp:TorchDDPTrainer",
     "torch_zero": "zero.torch_peers:TorchZeroTrainer",     # DDP + ZeroRedundancyOptimizer (ZeRO-1)

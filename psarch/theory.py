@@ -91,6 +91,8 @@ def predict(cfg: Config, phi: float) -> Prediction:
     n, width = b.world_size, BYTES[t.precision]
     s = phi * width
     k = optimizer_bytes_per_param(t.optimizer, t.precision, t.momentum)
+    if b.kind == "ps" and b.embeddings == "rows":
+        return _ps_rows(cfg, phi)
     if b.kind == "ps":
         # each worker pushes S (gradients; GEO: deltas) and pulls S, split evenly over the servers;
         # GEO does so once every k_steps steps and keeps a local optimizer and the last synced fp32 model
@@ -144,13 +146,60 @@ def _sharded(cfg: Config, phi: float, k: int) -> Prediction:
     mem = MemoryPrediction(params=width * held, grads=width * held, optimizer=k * held)
     if n == 1:
         return Prediction(mem, LinkBytes(), None, rounds=0, messages=0, server_memory=None)
-    u = d.num_tables * expected_unique(d.rows, cfg.workload.clicks.zipf, cfg.train.global_batch // n * d.bag)
+    u = expected_unique_ids(cfg)
     sent, received = sharded_bytes(u * (n - 1) / n, u * (n - 1) / n, d.num_tables, d.dim, width, n)
     ring = 2 * (n - 1) / n * dense * width
     # two ring passes of N - 1 messages in sequence; each all-to-all (counts, ids, rows, gradients) sends
     # its N - 1 messages at once, paying the latency once
     return Prediction(mem, LinkBytes(ring + sent, ring + received), None, rounds=2 + 4,
                       messages=2 * (n - 1) + 4, server_memory=None)
+
+
+def expected_unique_ids(cfg: Config, steps: int = 1) -> float:
+    """E[u], the distinct rows one worker's batches of `steps` steps read, over all tables (clicks data's
+    Zipf law; draws = steps x local batch x bag per table)."""
+    d = cfg.workload.dlrm
+    draws = steps * cfg.train.global_batch // cfg.backend.world_size * d.bag
+    return d.num_tables * expected_unique(d.rows, cfg.workload.clicks.zipf, draws)
+
+
+def ps_rows_traffic(u: float, dim: int, dense: float, width: int) -> LinkBytes:
+    """One PS worker's bytes per exchange with embedding rows: it sends the keys of its u distinct rows
+    twice (8 B each, with the row pull and with the row push, which names its rows) and u rows of
+    gradients (GEO: deltas), receives u rows, and pushes and pulls the dense part (headers not counted)."""
+    return LinkBytes(sent=u * dim * width + 16 * u + dense * width, received=u * dim * width + dense * width)
+
+
+def _ps_rows(cfg: Config, phi: float) -> Prediction:
+    """PS with the embedding tables sharded by row over the servers (psarch/ps/rows.py): a worker holds the
+    dense parameters and the u rows of its step (and their gradients); each server a 1/S share of the dense
+    part and of every table, with their optimizer state; traffic from ps_rows_traffic with the expected u,
+    spread evenly over the servers (keys are hashed to servers). GEO exchanges once every k steps the rows
+    its k batches read (u_k of them: each is pulled once, when first read, and its delta pushed at the sync),
+    and keeps them, their pulled copies and their local optimizer state."""
+    b, t, d = cfg.backend, cfg.train, cfg.workload.dlrm
+    width, n, geo = BYTES[t.precision], b.world_size, b.mode == "geo"
+    every = b.k_steps if geo else 1
+    table = d.num_tables * d.rows * d.dim
+    dense, u = phi - table, expected_unique_ids(cfg, every)
+    once = ps_rows_traffic(u, d.dim, dense, width)
+    link = LinkBytes(once.sent / every, once.received / every)
+    k = 0 if geo else optimizer_bytes_per_param(t.optimizer, "fp32", t.momentum)
+    # the dense range's round accumulator (a round's rows are held only until the round ends)
+    barrier = 4 if b.mode == "sync" or (geo and b.geo_barrier) else 0
+    steps = 8 * d.num_tables * d.rows if t.optimizer == "adamw" and not geo else 0   # lazy AdamW's step per row
+    server_mem = ((4 + k + barrier) * dense + (4 + k) * table + steps) / b.servers
+    rows = u * d.dim * width
+    if geo:   # + the dense part's local optimizer and last synced copy, as a dense GEO worker
+        kl = optimizer_bytes_per_param(t.optimizer, t.precision, t.momentum)
+        u1 = expected_unique_ids(cfg)
+        mem = MemoryPrediction(params=(dense + u * d.dim) * width, grads=(dense + u1 * d.dim) * width,
+                               optimizer=kl * (dense + u * d.dim), buffers=4 * (dense + u * d.dim) + 8 * u)
+    else:
+        mem = MemoryPrediction(params=dense * width + rows, grads=dense * width + rows, optimizer=0.0)
+    # a server receives what workers send and sends what they receive; phases: row pull, rows, push, pull
+    return Prediction(mem, link, LinkBytes(sent=n * link.received / b.servers, received=n * link.sent / b.servers),
+                      rounds=4 / every, messages=4 / every, server_memory=server_mem)
 
 
 def config_for(kind: str, n: int, precision: str, optimizer: str, momentum: float = 0.0, stage: int = 1,

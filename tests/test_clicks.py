@@ -145,7 +145,7 @@ def test_batches_are_the_same_at_every_world_size():
     ({"workload.model": "dlrm", "workload.data": "clicks", "workload.dlrm.top_mlp": ["a"]},
      'workload.dlrm.top_mlp = ["a"]: expected a list of widths >= 1'),
     ({"workload.clicks.zipf": -1.0}, "workload.clicks.zipf = -1.0: must be >= 0"),
-    ({"backend.embeddings": "rows"}, 'backend.embeddings = "rows": moving only the touched rows is not built yet'),
+    ({"backend.embeddings": "rows"}, 'backend.embeddings = "rows": moving only the touched rows runs on backend.kind = "ps" only'),
     ({"backend.embeddings": "sharded", "backend.kind": "zero"},
      'backend.embeddings = "sharded": row-sharded tables with all-to-all run on backend.kind = "ddp" only, not "zero"'),
     ({"backend.embeddings": "sharded", "backend.kind": "ddp"}, 'backend.embeddings = "sharded": needs the built-in'),

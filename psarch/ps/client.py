@@ -15,16 +15,19 @@ from psarch.ps.auth import Credentials
 from psarch.ps.errors import NonFinitePush, PSError
 
 # What each request is answered with.
-REPLY_TO = {"init": "ack", "push": "ack", "pull": "params", "pushpull": "params", "fetch": "params", "done": "ack"}
+REPLY_TO = {"init": "ack", "push": "ack", "pull": "params", "pushpull": "params", "fetch": "params", "done": "ack",
+            "rowpull": "rows", "rowpush": "ack", "rowfetch": "rows"}
 
 
 @dataclass
 class Request:
-    """One request to one server; a `params` reply is decoded straight into `into` when given."""
+    """One request to one server; a `params` or `rows` reply is decoded straight into `into` when given
+    (else into a new tensor, left in `into`). `keys`: the int64 keys of a keyed request (rowpush)."""
 
     header: dict[str, Any]
     tensor: torch.Tensor | None = None
     into: torch.Tensor | None = None
+    keys: torch.Tensor | None = None
     reply: dict[str, Any] = field(default_factory=dict)
 
 
@@ -59,7 +62,7 @@ class PSClient:
         server does not answer within the timeout."""
         for i, reqs in enumerate(requests):
             for r in reqs:
-                frames = wire.encode(dict(r.header, worker=self.worker), r.tensor)
+                frames = wire.encode(dict(r.header, worker=self.worker), r.tensor, r.keys)
                 self.meter.add(r.header["op"], wire.frames_bytes(frames), 0)
                 self.socks[i].send_multipart(frames, copy=False)
         left = {i: list(reqs) for i, reqs in enumerate(requests) if reqs}
@@ -91,7 +94,7 @@ class PSClient:
             raise kind(f"{op} refused by {msg.header['message']}")
         if msg.op != REPLY_TO[op]:
             raise PSError(f"worker {self.worker}: server {i} answered {op!r} with {msg.op!r}")
-        if msg.op == "params":
+        if msg.op in ("params", "rows"):
             req.into = msg.tensor(req.into)
         req.reply = msg.header
 

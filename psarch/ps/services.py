@@ -46,11 +46,15 @@ def _server_main(index: int, cfg_dict: dict, host: str, conn: Any, threads: int 
         from psarch.ps.layout import initial_flat
         from psarch.ps.server import ParameterServer
         cfg = from_dict(cfg_dict)
-        flat = initial_flat(cfg) if build else None
-        server = ParameterServer(index, cfg, host, 0, control=conn, creds=Credentials.from_dict(creds),
-                                 numel=flat.numel() if flat is not None else None)
-        if flat is not None:
-            server.initialize(flat)
+        if cfg.backend.embeddings == "rows":   # embedding tables sharded by row (psarch/ps/row_server.py)
+            from psarch.ps.row_server import row_server
+            server = row_server(index, cfg, host, 0, control=conn, creds=Credentials.from_dict(creds))
+        else:
+            flat = initial_flat(cfg) if build else None
+            server = ParameterServer(index, cfg, host, 0, control=conn, creds=Credentials.from_dict(creds),
+                                     numel=flat.numel() if flat is not None else None)
+            if flat is not None:
+                server.initialize(flat)
         conn.send_bytes(json.dumps({"event": "ready", "address": server.address}).encode())
         server.serve()
     except BaseException as e:  # report, never hang the launcher
@@ -196,10 +200,13 @@ class LocalServers:
         if not all(p.numel() for p in parts):
             return  # no worker ever sent init: rank 0's record (if any) is all there is
         from psarch.ps.layout import state_from_flat
+        from psarch.ps.rows import join_parts, key_space
         from psarch.workload import build_workload
         try:
             model = build_workload(self.cfg).model
-            torch.save(state_from_flat(model, torch.cat(parts)), self.out_dir / "model.pt")
+            state = (join_parts(model, key_space(self.cfg), parts) if self.cfg.backend.embeddings == "rows"
+                     else state_from_flat(model, torch.cat(parts)))
+            torch.save(state, self.out_dir / "model.pt")
         except Exception as e:  # keep rank 0's model.pt, say why the servers' could not be written
             out["model_from_servers_error"] = f"{type(e).__name__}: {e}"
 

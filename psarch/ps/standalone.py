@@ -46,7 +46,9 @@ def serve(config: str, index: int, port: int, host: str | None = None, overrides
     problem = (f"backend.kind = {b.kind!r}: a server needs \"ps\"" if b.kind != "ps" else
                f"--index {index}: must be in 0..{b.servers - 1} (backend.servers = {b.servers})"
                if not 0 <= index < b.servers else
-               f"--port {port}: must be in 0..65535 (0: any free port)" if not 0 <= port < 65536 else None)
+               f"--port {port}: must be in 0..65535 (0: any free port)" if not 0 <= port < 65536 else
+               "backend.embeddings = \"rows\": a standalone server holds no rows yet; use `psarch run`"
+               if b.embeddings == "rows" else None)
     if problem:
         print(f"psarch server: {problem}", file=sys.stderr)
         return 2

@@ -80,17 +80,18 @@ class PSTrainer(Trainer):
 
     # ------------------------------------------------------------------ wire
 
-    def _exchange(self, pushed: torch.Tensor | None, step: int, header: dict[str, Any]) -> dict[str, Any]:
+    def _exchange(self, pushed: torch.Tensor | None, step: int, header: dict[str, Any],
+                  before: list[Request] | None = None) -> dict[str, Any]:
         """Push `pushed`'s slices (if given) and pull the parameters for `step` from every server, in
-        parallel, one `pushpull` request per server; the parameters land in the flat buffer. Returns
-        what the replies said."""
+        parallel, one `pushpull` request per server (after `before[i]`, if given); the parameters land
+        in the flat buffer. Returns what the replies said."""
         t0 = time.perf_counter()
         reqs = [Request({"op": "pull", "step": step, "want": self.wire_dtype}, into=self.host[lo:hi])
                 if pushed is None else
                 Request(dict(header, op="pushpull", step=step - 1, version=self.versions[i], offset=lo),
                         pushed[lo:hi], into=self.host[lo:hi])
                 for i, (lo, hi) in enumerate(self.ranges)]
-        self.client.exchange([[r] for r in reqs])
+        self.client.exchange([[r] if before is None else [before[i], r] for i, r in enumerate(reqs)])
         if self.host is not self.flat.data:
             self.flat.data.copy_(self.host, non_blocking=False)
         replies = [r.reply for r in reqs]

@@ -5,6 +5,9 @@
     frame 1..k  the tensor's bytes in C order, split into frames of CHUNK bytes (the last one shorter);
                 an empty tensor has no payload frames
 
+A keyed message (`rowpush`: the rows of embedding tables, ps-lite's keys + values) has `"keys": n` in its
+header and the n int64 row keys, framed the same way, before the tensor's frames; the tensor is (n, dim).
+
 Payload frames are handed to ZeroMQ without copying (pyzmq copies frames under its copy_threshold,
 64 KiB, itself). `decode` trusts nothing: an unknown op, a missing or ill-typed field, an unknown
 dtype, a shape whose byte size differs from the payload, missing or extra frames, or bytes that are
@@ -13,7 +16,7 @@ not msgpack all raise WireError with a message that says what was wrong. No pick
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Sequence
 
 import msgpack
@@ -35,9 +38,10 @@ DTYPES: dict[str, torch.dtype] = {
 }
 DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
 
-# op -> (required fields, optional fields, tensor: "required" | "forbidden")
-# Requests (worker -> server): init, push, pull, pushpull (= push + pull in one message), fetch, done.
-# Replies: ack, params, error.
+# op -> (required fields, optional fields, tensor: "required" | "forbidden" | "keyed" (keys, then the tensor))
+# Requests (worker -> server): init, push, pull, pushpull (= push + pull in one message), fetch, done;
+# with backend.embeddings = "rows" (psarch/ps/rows.py): rowpull (the tensor is the int64 keys wanted),
+# rowpush (keyed: keys + their rows' gradients or deltas), rowfetch. Replies: ack, params, rows, error.
 _INT, _FLOAT, _STR, _BOOL = "int", "float", "str", "bool"
 SCHEMA: dict[str, tuple[dict[str, str], dict[str, str], str]] = {
     "init": ({"worker": _INT, "numel": _INT, "offset": _INT}, {}, "required"),
@@ -47,6 +51,10 @@ SCHEMA: dict[str, tuple[dict[str, str], dict[str, str], str]] = {
                  {"scale": _FLOAT, "found_inf": _BOOL}, "required"),
     "pull": ({"worker": _INT, "step": _INT, "want": _STR}, {}, "forbidden"),
     "fetch": ({"worker": _INT}, {}, "forbidden"),
+    "rowpull": ({"worker": _INT, "step": _INT, "want": _STR}, {}, "required"),
+    "rowpush": ({"worker": _INT, "step": _INT, "version": _INT}, {}, "keyed"),
+    "rowfetch": ({"worker": _INT}, {}, "forbidden"),
+    "rows": ({"version": _INT}, {}, "required"),
     "done": ({"worker": _INT}, {}, "forbidden"),
     "ack": ({"version": _INT}, {"staleness": _INT, "skipped": _BOOL}, "forbidden"),
     "params": ({"version": _INT, "offset": _INT},
@@ -54,6 +62,7 @@ SCHEMA: dict[str, tuple[dict[str, str], dict[str, str], str]] = {
     "error": ({"message": _STR}, {"code": _STR}, "forbidden"),   # code "non_finite": a refused inf/nan push
 }
 _TENSOR_FIELDS = {"dtype", "shape", "frames"}
+_KEYED_FIELDS = _TENSOR_FIELDS | {"keys"}
 
 
 class WireError(ValueError):
@@ -71,6 +80,16 @@ class Message:
     op: str
     header: dict[str, Any]
     payload: list[memoryview]
+    key_frames: list[memoryview] = field(default_factory=list)   # keyed messages: the int64 keys
+
+    def keys(self) -> torch.Tensor:
+        """The int64 keys of a keyed message (a new tensor)."""
+        if "keys" not in self.header:
+            raise WireError(f"op {self.op!r} carries no keys")
+        out = torch.empty(self.header["keys"], dtype=torch.int64)
+        if out.numel():
+            _bytes_view(out)[:] = np.frombuffer(b"".join(self.key_frames), dtype=np.uint8)
+        return out
 
     @property
     def dtype(self) -> torch.dtype | None:
@@ -122,20 +141,31 @@ def _bytes_view(t: torch.Tensor) -> np.ndarray:
     return flat.numpy()
 
 
-def encode(header: dict[str, Any], tensor: torch.Tensor | None = None) -> list[bytes | memoryview]:
-    """Frames of one message: the header (with dtype/shape/frames added) and the tensor's bytes, uncopied
-    when the tensor is contiguous (a non-contiguous one is copied once to C order)."""
+def _frames(tensor: torch.Tensor) -> list[memoryview]:
+    """A tensor's bytes in C order as frames of at most CHUNK bytes (uncopied when contiguous)."""
+    if tensor.dtype not in DTYPE_NAMES:
+        raise WireError(f"dtype {tensor.dtype} cannot travel on the PS wire; supported: {', '.join(DTYPES)}")
+    t = tensor.detach().cpu().contiguous()
+    data = memoryview(_bytes_view(t)) if t.numel() else memoryview(b"")
+    return [data[i:i + CHUNK] for i in range(0, len(data), CHUNK)]
+
+
+def encode(header: dict[str, Any], tensor: torch.Tensor | None = None,
+           keys: torch.Tensor | None = None) -> list[bytes | memoryview]:
+    """Frames of one message: the header (with dtype/shape/frames added), the keys' bytes (a keyed
+    message: int64, one per row of the tensor) and the tensor's bytes, uncopied when the tensor is
+    contiguous (a non-contiguous one is copied once to C order)."""
     header = dict(header)
     payload: list[memoryview] = []
+    if keys is not None:
+        if keys.dtype != torch.int64 or keys.dim() != 1:
+            raise WireError(f"keys of dtype {keys.dtype} and shape {list(keys.shape)}: expected int64 of one dimension")
+        payload = _frames(keys)
+        header["keys"] = keys.numel()
     if tensor is not None:
-        if tensor.dtype not in DTYPE_NAMES:
-            raise WireError(f"dtype {tensor.dtype} cannot travel on the PS wire; supported: {', '.join(DTYPES)}")
-        if tensor.device.type != "cpu":
-            tensor = tensor.cpu()
-        t = tensor.detach().contiguous()
-        data = memoryview(_bytes_view(t)) if t.numel() else memoryview(b"")
-        payload = [data[i:i + CHUNK] for i in range(0, len(data), CHUNK)]
-        header.update(dtype=DTYPE_NAMES[t.dtype], shape=list(t.shape), frames=len(payload))
+        values = _frames(tensor)
+        payload += values
+        header.update(dtype=DTYPE_NAMES[tensor.dtype], shape=list(tensor.shape), frames=len(values))
     return [msgpack.packb(header, use_bin_type=True), *payload]
 
 
@@ -173,7 +203,8 @@ def decode(frames: Sequence[Any]) -> Message:
             raise WireError(f"op {op!r}: missing field {key!r}")
         _check_field(op, key, header[key], kind)
     for key, value in header.items():
-        if key in required or key == "op" or (tensor == "required" and key in _TENSOR_FIELDS):
+        if key in required or key == "op" or (tensor == "required" and key in _TENSOR_FIELDS) or (
+                tensor == "keyed" and key in _KEYED_FIELDS):
             continue
         if key not in optional:
             raise WireError(f"op {op!r}: unexpected field {key!r:.80}")
@@ -183,6 +214,16 @@ def decode(frames: Sequence[Any]) -> Message:
         if payload:
             raise WireError(f"op {op!r} carries no tensor, got {len(payload)} extra frame(s)")
         return Message(op, header, [])
+    key_frames: list[memoryview] = []
+    if tensor == "keyed":
+        _check_field(op, "keys", header.get("keys"), _INT)
+        key_bytes = header["keys"] * 8
+        k = -(-key_bytes // CHUNK)
+        key_frames, payload = payload[:k], payload[k:]
+        if sum(len(f) for f in key_frames) != key_bytes or any(len(f) != min(CHUNK, key_bytes - i * CHUNK)
+                                                                  for i, f in enumerate(key_frames)):
+            raise WireError(f"op {op!r}: {header['keys']} keys are {key_bytes} bytes in {k} frame(s); "
+                            f"the message's frames do not hold them")
     dtype, shape, n = header.get("dtype"), header.get("shape"), header.get("frames")
     if not isinstance(dtype, str) or dtype not in DTYPES:
         raise WireError(f"op {op!r}: dtype {dtype!r:.80}: expected one of {', '.join(DTYPES)}")
@@ -203,7 +244,10 @@ def decode(frames: Sequence[Any]) -> Message:
         if len(f) != want:
             raise WireError(f"op {op!r}: payload frame {i} has {len(f)} bytes, expected {want} "
                             f"for {dtype} {shape}")
-    return Message(op, header, payload)
+    if tensor == "keyed" and (len(shape) != 2 or shape[0] != header["keys"]):
+        raise WireError(f"op {op!r}: {header['keys']} keys and values of shape {shape}: expected "
+                        f"[{header['keys']}, dim], one row per key")
+    return Message(op, header, payload, key_frames)
 
 
 def frames_bytes(frames: Sequence[Any]) -> int:

@@ -1,0 +1,171 @@
+"""The embedding rows' wire (keyed messages) and a row server's refusals: every malformed or out-of-turn
+rowpull / rowpush gets an error reply and changes nothing, then a normal worker is served. No spawned
+processes: servers are threads of the test process, spoken to over raw DEALER sockets."""
+from __future__ import annotations
+
+import random
+
+import msgpack
+import pytest
+import torch
+import zmq
+
+from psarch.config import from_dict
+from psarch.ps import auth, wire
+from psarch.ps.auth import Credentials
+from psarch.ps.client import PSClient, Request
+from psarch.ps.layout import server_ranges
+from psarch.ps.rows import dense_params
+from psarch.ps.services import start_services
+from psarch.workload import build_workload
+from ps_setup import config, ps
+
+DIM, ROWS, TABLES = 4, 50, 2        # keys 0..99; server 0 of 2 owns the even ones
+
+
+def _keyed(keys: torch.Tensor, values: torch.Tensor, **header) -> list[bytes]:
+    h = dict({"op": "rowpush", "worker": 0, "step": 0, "version": 0}, **header)
+    return [bytes(f) for f in wire.encode(h, values, keys)]
+
+
+def test_keyed_roundtrip_and_large_keys_split_into_chunks():
+    keys = torch.arange(0, 2 * (wire.CHUNK // 8) + 5, dtype=torch.int64)   # 3 frames of keys
+    values = torch.randn(keys.numel(), 1)
+    frames = _keyed(keys, values)
+    assert msgpack.unpackb(frames[0])["keys"] == keys.numel() and len(frames) == 1 + 3 + 2   # header, keys, values (CHUNK + 20 bytes)
+    msg = wire.decode(frames)
+    assert torch.equal(msg.keys(), keys) and torch.equal(msg.tensor(), values)
+    empty = wire.decode(_keyed(torch.empty(0, dtype=torch.int64), torch.empty(0, 3)))
+    assert empty.keys().numel() == 0 and empty.tensor().shape == (0, 3)
+
+
+def _with(frames: list[bytes], **over) -> list[bytes]:
+    h = msgpack.unpackb(frames[0])
+    for k, v in over.items():
+        h.pop(k) if v is KeyError else h.__setitem__(k, v)
+    return [msgpack.packb(h), *frames[1:]]
+
+
+GOOD = _keyed(torch.tensor([0, 2, 4]), torch.ones(3, DIM))
+
+
+@pytest.mark.parametrize("frames, match", [
+    (_with(GOOD, keys=KeyError), "field 'keys'"),
+    (_with(GOOD, keys=-1), "field 'keys'"),
+    (_with(GOOD, keys=2), "2 keys are 16 bytes"),
+    (_with(GOOD, keys=4), "4 keys are 32 bytes"),
+    (_with(GOOD, shape=[2, DIM * 3 // 2]), "3 keys and values of shape \\[2, 6\\]"),
+    (_with(GOOD, shape=[3 * DIM]), "expected \\[3, dim\\]"),
+    (GOOD[:2], "announces 1 payload frame\\(s\\), 0 arrived"),
+    (_with([msgpack.packb({"op": "rowpull", "worker": 0, "step": 0, "want": "float32", "keys": 1}), b"x" * 8]),
+     "unexpected field 'keys'"),
+])
+def test_decode_rejects_malformed_keyed_messages(frames, match):
+    with pytest.raises(wire.WireError, match=match):
+        wire.decode(frames)
+
+
+def test_encode_refuses_keys_that_are_not_int64_of_one_dimension():
+    for keys in (torch.tensor([0, 1], dtype=torch.int32), torch.zeros(2, 1, dtype=torch.int64)):
+        with pytest.raises(wire.WireError, match="expected int64 of one dimension"):
+            wire.encode({"op": "rowpush", "worker": 0, "step": 0, "version": 0}, torch.ones(2, DIM), keys)
+
+
+def _bad_requests(rng: random.Random, count: int) -> list[list[bytes]]:
+    """Requests server 0 (even keys 0..98, dim 4) must refuse; worker 1 has pushed its rows of step 0."""
+    def pull(keys, dtype=torch.int64, **h):
+        return [bytes(f) for f in wire.encode(dict({"op": "rowpull", "worker": 0, "step": 0, "want": "float32"}, **h),
+                                              torch.tensor(keys).to(dtype))]
+
+    def push(keys, values=None, **h):
+        k = torch.tensor(keys, dtype=torch.int64)
+        return _keyed(k, torch.ones(k.numel(), DIM) if values is None else values, **h)
+
+    kinds = [
+        lambda: pull([0, 2, rng.choice([100, 102, 10**9])]),                 # out of range
+        lambda: pull([-2, 0]),
+        lambda: pull([2, 2, 4]),                                             # duplicates
+        lambda: pull([4, 2]),                                                # not sorted
+        lambda: pull([1, 2]),                                                # server 1's key
+        lambda: pull([0, 2], rng.choice([torch.int32, torch.float64, torch.uint8])),   # wrong dtype
+        lambda: [bytes(f) for f in wire.encode({"op": "rowpull", "worker": 0, "step": 0, "want": "float32"},
+                                               torch.zeros(2, 2, dtype=torch.int64))],   # 2-D keys
+        lambda: pull([0, 2], want=rng.choice(["float16", "x"])),
+        lambda: push([0, 2, 2]),
+        lambda: push([0, 2, 3]),
+        lambda: push([0, 200]),
+        lambda: push([0, 2], torch.ones(2, DIM + 1)),                         # wrong dim
+        lambda: push([0, 2], torch.ones(2, DIM, dtype=torch.float64)),        # wrong dtype
+        lambda: push([0, 2], torch.tensor([[1.0, float("nan"), 0, 0], [0, 0, 0, 0]])),
+        lambda: push([0, 2], step=rng.randint(1, 9)),                        # not its next step
+        lambda: push([0, 2], version=rng.randint(1, 9)),
+        lambda: push([0, 2], worker=1),                                      # worker 1 pushed its rows of step 0
+        lambda: push([0], worker=rng.randint(2, 50)),
+        lambda: _with(push([0, 2]), keys=3),                                  # mismatched lengths
+        lambda: [msgpack.packb({"op": "rowfetch", "worker": 7})],
+    ]
+    return [rng.choice(kinds)() for _ in range(count)]
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_bad_row_requests_are_refused_and_change_nothing(mode):
+    cfg = from_dict(config("rowfuzz", base={"seed": 1, "workload": {
+        "model": "dlrm", "data": "clicks", "dlrm": {"num_tables": TABLES, "rows": ROWS, "dim": DIM, "bottom_mlp": [4],
+                                                     "top_mlp": [4]}, "clicks": {"dense": 3}},
+        "train": {"steps": 1, "global_batch": 4}}, train={"optimizer": "sgd", "lr": 0.5},
+        backend=ps(2, mode, servers=2, embeddings="rows")))
+    services = start_services(cfg, None, threads=True)
+    addr, creds = services.info["addresses"], services.info["auth"]
+    zctx = zmq.Context()
+    socks = {}
+    w0, w1 = PSClient(addr, 0, 10.0, creds), PSClient(addr, 1, 10.0, creds)
+    try:
+        for w in (0, 1):
+            socks[w] = zctx.socket(zmq.DEALER)
+            socks[w].setsockopt(zmq.LINGER, 0)
+            auth.client_socket(socks[w], Credentials.from_dict(creds), w, 0)
+            socks[w].connect(addr[0])
+
+        def rows() -> torch.Tensor:
+            req = Request({"op": "rowfetch"})
+            w0.exchange([[req], []])
+            return req.into.clone()
+
+        init = rows()
+        g1 = torch.randn(2, DIM)
+        w1.exchange([[Request({"op": "rowpush", "step": 0, "version": 0}, g1, keys=torch.tensor([0, 6]))], []])
+        base = rows()
+        for frames in _bad_requests(random.Random(0), 300):
+            h = msgpack.unpackb(frames[0])
+            sock = socks.get(h.get("worker"), socks[0])
+            sock.send_multipart(frames)
+            assert sock.poll(5000), f"no reply to {frames!r:.200}"
+            assert wire.decode(sock.recv_multipart()).op == "error", h
+        assert torch.equal(rows(), base), "a refused request changed the rows"
+        # a well-formed rowpull is answered with the rows asked for, in the keys' order
+        pulled = Request({"op": "rowpull", "step": 0, "want": "float32"}, torch.tensor([0, 6, 98]))
+        w0.exchange([[pulled], []])
+        torch.testing.assert_close(pulled.into, base[[0, 3, 49]])
+        # worker 0's rows are applied: at once (async), or summed with worker 1's when the round ends (sync)
+        g0 = torch.randn(2, DIM)
+        w0.exchange([[Request({"op": "rowpush", "step": 0, "version": 0}, g0, keys=torch.tensor([6, 8]))], []])
+        want = base.clone()
+        if mode == "async":
+            want[[3, 4]] -= 0.5 * g0
+        torch.testing.assert_close(rows(), want)
+        if mode == "sync":   # the dense pushes of both workers end the round: the mean of the rows is applied
+            numel = sum(p.numel() for p in dense_params(build_workload(cfg).model))
+            for w, client in ((1, w1), (0, w0)):
+                client.exchange([[Request({"op": "push", "step": 0, "version": 0, "offset": lo}, torch.zeros(hi - lo))]
+                                 for lo, hi in server_ranges(numel, 2)])
+            want = init.clone()
+            want[[0, 3]] -= 0.5 * g1 / 2
+            want[[3, 4]] -= 0.5 * g0 / 2
+            torch.testing.assert_close(rows(), want)
+    finally:
+        for c in (w0, w1):
+            c.close()
+        for s in socks.values():
+            s.close(linger=0)
+        zctx.term()
+        services.stop()
