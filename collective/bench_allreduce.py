@@ -43,13 +43,12 @@ def _p2p_schedule(t: torch.Tensor, recv: torch.Tensor, rank: int, n: int) -> Non
 
 
 def _rank(rank: int, world_size: int, port: int, sizes: Sequence[int], iters: int, kinds: Sequence[str],
-          segment_bytes: int | None, results: Any) -> None:
+          ring_options: dict[str, int], results: Any) -> None:
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo0" if sys.platform == "darwin" else "lo")
     torch.set_num_threads(1)
     store = dist.TCPStore("127.0.0.1", port, world_size + 1, is_master=False, timeout=timedelta(seconds=300))
     dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size, timeout=timedelta(seconds=300))
     try:
-        ring_options = {} if segment_bytes is None else {"segment_bytes": segment_bytes}
         comms = {k: make_communicator(k, **(ring_options if k == "ring" else {})) for k in kinds if k != "p2p"}
         rows = []
         for size in sizes:
@@ -83,15 +82,15 @@ def _rank(rank: int, world_size: int, port: int, sizes: Sequence[int], iters: in
 
 
 def bench_allreduce(world_size: int = 2, sizes: Sequence[int] = DEFAULT_SIZES, iters: int = 50,
-                    kinds: Sequence[str] = ("ring", "native"), segment_bytes: int | None = None) -> list[dict]:
+                    kinds: Sequence[str] = ("ring", "native"), **ring_options: int) -> list[dict]:
     """Median all-reduce time per size and kind; rows with algbw, busbw (bytes/s), CPU time and time ratios.
 
-    segment_bytes None keeps the ring communicator's own default."""
+    ring_options (segment_bytes, window) go to the ring communicator; left out, its defaults hold."""
     ctx = mp.get_context("spawn")
     store = dist.TCPStore("127.0.0.1", 0, world_size + 1, is_master=True, wait_for_workers=False)
     results = ctx.Queue()
     procs = [ctx.Process(target=_rank, args=(r, world_size, store.port, tuple(sizes), iters, tuple(kinds),
-                                             segment_bytes, results), daemon=True) for r in range(world_size)]
+                                             ring_options, results), daemon=True) for r in range(world_size)]
     for p in procs:
         p.start()
     try:
@@ -165,24 +164,28 @@ def main(argv: Sequence[str] | None = None) -> None:
     ap.add_argument("--max-mib", type=int, default=64, help="largest size, MiB")
     ap.add_argument("--segment-kib", type=int, default=None, help="ring pipeline segment size, KiB "
                     "(default: the ring communicator's)")
+    ap.add_argument("--window", type=int, default=None, help="ring segments in flight (default: the ring's)")
     ap.add_argument("--repeat", type=int, default=1, help="runs to take the median over (the machine is noisy)")
     ap.add_argument("--no-p2p", action="store_true", help="leave out the raw isend/irecv schedule")
     args = ap.parse_args(argv)
     for name, value in (("--world-size", args.world_size), ("--iters", args.iters), ("--repeat", args.repeat),
-                        ("--min-kib", args.min_kib), ("--max-mib", args.max_mib), ("--segment-kib", args.segment_kib)):
+                        ("--min-kib", args.min_kib), ("--max-mib", args.max_mib), ("--segment-kib", args.segment_kib),
+                        ("--window", args.window)):
         if value is not None and value < (2 if name == "--world-size" else 1):
             ap.error(f"{name} must be at least {2 if name == '--world-size' else 1}, got {value}")
     kinds = ("ring", "native") if args.no_p2p else ("ring", "native", "p2p")
     sizes = [s for s in DEFAULT_SIZES if args.min_kib << 10 <= s <= args.max_mib << 20]
     if not sizes:
         ap.error(f"no size in {args.min_kib} KiB .. {args.max_mib} MiB; sizes are 4 KiB * 4^k up to 64 MiB")
-    segment = None if args.segment_kib is None else args.segment_kib << 10
+    ring_options = {k: v for k, v in (("segment_bytes", None if args.segment_kib is None else args.segment_kib << 10),
+                                      ("window", args.window)) if v is not None}
     t0, load0 = time.perf_counter(), os.getloadavg()[0]
-    runs = [bench_allreduce(args.world_size, sizes, args.iters, kinds, segment_bytes=segment)
+    runs = [bench_allreduce(args.world_size, sizes, args.iters, kinds, **ring_options)
             for _ in range(args.repeat)]
     rows = median_rows(runs, kinds)
-    print(f"all_reduce, fp32, world size {args.world_size}, gloo on this machine ({os.cpu_count()} cores; median "
-          f"of rank 0{f', then median of {args.repeat} runs' if args.repeat > 1 else ''}; busbw = "
+    ring = ", ".join(f"{k} {v}" for k, v in ring_options.items()) or "defaults"
+    print(f"all_reduce, fp32, world size {args.world_size}, gloo on this machine ({os.cpu_count()} cores; "
+          f"ring {ring}; median of rank 0{f', then median of {args.repeat} runs' if args.repeat > 1 else ''}; busbw = "
           f"bytes/time*2(N-1)/N in GB/s; cpu = CPU ms summed over ranks; ratios are times unless named cpu)")
     print(format_table(rows, kinds))
     print(f"({time.perf_counter() - t0:.0f} s; 1-minute load average {load0:.1f} at start, "
