@@ -100,6 +100,11 @@ def bench_allreduce(world_size: int = 2, sizes: Sequence[int] = DEFAULT_SIZES, i
             p.join(10)
             if p.is_alive():
                 p.kill()
+    return measured_rows(raw, world_size, kinds)
+
+
+def measured_rows(raw: list[dict], world_size: int, kinds: Sequence[str]) -> list[dict]:
+    """Rank 0's medians per size ({"bytes", "iters", kind: seconds, "<kind> cpu": seconds}) as table rows."""
     rows = []
     for r in raw:
         row: dict[str, Any] = {"bytes": r["bytes"], "iters": r["iters"], "world_size": world_size}
