@@ -25,9 +25,10 @@ class RingCommunicator(Communicator):
     same bytes, one round trip. Scratch space is kept from call to call: max(window, 2) segments per dtype.
 
     Why 4 MiB segments and a window of 4: each message on gloo's point-to-point path costs a rendezvous and
-    thread wake-ups (tens of µs of CPU), and where ranks share cores CPU is the bound; 4 MiB segments took
-    10-20% less CPU than 1 MiB ones at N = 2-8 (experiments/results/bench_allreduce/), and 4 in flight
-    keep a connection busy while one segment is added.
+    thread wake-ups (~100 µs of CPU on a 2-core machine), and where ranks share cores CPU is the bound;
+    against 1 MiB segments they cut the ring's CPU by 7-17% relative to gloo's at N = 2-8, 16-64 MiB
+    (experiments/results/bench_allreduce/cpu_p2p.md), and 4 in flight keep a connection busy while one
+    segment is added.
     """
 
     def __init__(self, group: dist.ProcessGroup | None = None, segment_bytes: int = 4 << 20, window: int = 4) -> None:
