@@ -192,7 +192,7 @@ def _all_checks(rank: int, world_size: int) -> list[str]:
         comms: dict[str, Communicator] = {
             "plain": PlainRingCommunicator(group),
             "ring": make_communicator("ring", group),                     # 4 MiB segments: one per chunk here
-            "ring-seg256": RingCommunicator(group, segment_bytes=256),    # many segments, window 8
+            "ring-seg256": RingCommunicator(group, segment_bytes=256),    # many segments, window 4
             "ring-seg250-w3": RingCommunicator(group, segment_bytes=250, window=3),  # odd size, window < segments
             "native": NativeCommunicator(group),
         }
