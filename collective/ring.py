@@ -21,11 +21,17 @@ class RingCommunicator(Communicator):
     plain ring's, so results are bitwise equal to PlainRingCommunicator's. bf16/fp16 are added in their
     own dtype: each ring step adds two values and rounds once, exactly what the plain ring and gloo do, so
     accumulating a step in fp32 would change nothing (the partial sum must be rounded to go on the wire).
-    At world size 2, all-reduces of up to four segments swap whole buffers instead (see _swap): same sums,
-    same bytes, one round trip. Scratch space is kept from call to call: max(window, 8) segments per dtype.
+    At world size 2, all-reduces of up to one segment swap whole buffers instead (see _swap): same sums,
+    same bytes, one round trip. Scratch space is kept from call to call: max(window, 2) segments per dtype.
+
+    Why 4 MiB segments and a window of 4: each message on gloo's point-to-point path costs a rendezvous and
+    thread wake-ups (130-190 µs of CPU on a 2-core machine), and where ranks share cores CPU is the bound;
+    against 1 MiB segments they cut the ring's CPU by 7-17% relative to gloo's at N = 2-8, 16-64 MiB
+    (experiments/results/bench_allreduce/cpu_p2p.md), and 4 in flight keep a connection busy while one
+    segment is added.
     """
 
-    def __init__(self, group: dist.ProcessGroup | None = None, segment_bytes: int = 1 << 20, window: int = 8) -> None:
+    def __init__(self, group: dist.ProcessGroup | None = None, segment_bytes: int = 4 << 20, window: int = 4) -> None:
         super().__init__(group, modelled=False)
         if segment_bytes <= 0 or window <= 0:
             raise ValueError(f"segment_bytes and window must be positive, got {segment_bytes} and {window}")
@@ -86,12 +92,12 @@ class RingCommunicator(Communicator):
     def _all_reduce(self, tensor: torch.Tensor) -> tuple[int, int]:
         n = self.world_size
         c = ring_chunk(tensor.numel(), n)
-        if n == 2 and 2 * c * tensor.element_size() <= 4 * self.segment_bytes:
+        if n == 2 and 2 * c * tensor.element_size() <= self.segment_bytes:
             return self._swap(tensor, c)
         return self._pipeline(tensor, c, self._rs_steps() + self._ag_steps())
 
     def _swap(self, tensor: torch.Tensor, c: int) -> tuple[int, int]:
-        """World size 2, chunks of at most two segments: one exchange of whole buffers, not two ring steps.
+        """World size 2, a buffer of at most one segment: one exchange of whole buffers, not two ring steps.
 
         The pipeline would overlap little at these sizes; this saves a round trip and moves the same bytes.
         Each rank adds both chunks in the ring's operand order: its own as own + peer's (the reduce step), the

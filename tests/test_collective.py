@@ -191,8 +191,8 @@ def _all_checks(rank: int, world_size: int) -> list[str]:
             continue
         comms: dict[str, Communicator] = {
             "plain": PlainRingCommunicator(group),
-            "ring": make_communicator("ring", group),                     # 1 MiB segments: one per chunk here
-            "ring-seg256": RingCommunicator(group, segment_bytes=256),    # many segments, window 8
+            "ring": make_communicator("ring", group),                     # 4 MiB segments: one per chunk here
+            "ring-seg256": RingCommunicator(group, segment_bytes=256),    # many segments, window 4
             "ring-seg250-w3": RingCommunicator(group, segment_bytes=250, window=3),  # odd size, window < segments
             "native": NativeCommunicator(group),
         }
@@ -292,3 +292,21 @@ def test_p2p_schedule_sends_each_rank_its_predecessors_chunk() -> None:
     """Each round sends one S/N chunk to the next rank and receives the previous rank's (3 ranks)."""
     got = [r["got"] for r in run_ranks(_p2p_moves_chunks, 3, timeout=60)]
     assert got == [[2.0] * 4, [0.0] * 4, [1.0] * 4]
+
+
+def test_bench_rows_take_the_median_of_per_run_ratios() -> None:
+    """Each run's ratio pairs times taken under the same load; the fold takes their median, not a ratio of medians."""
+    from collective.bench_allreduce import format_table, measured_rows, median_rows
+
+    kinds = ("ring", "native", "p2p")
+    runs = [measured_rows([{"bytes": 1 << 20, "iters": 5, "ring": ring, "native": native, "p2p": p2p,
+                            "ring cpu": 2 * ring, "native cpu": 3 * native, "p2p cpu": p2p}], 4, kinds)
+            for ring, native, p2p in ((1.0, 2.0, 1.0), (4.0, 1.0, 3.0), (9.0, 3.0, 4.0))]
+    row = median_rows(runs, kinds)[0]
+    assert row["ring/native"] == 3.0  # per-run ratios 0.5, 4, 3; the ratio of the median times would be 4 / 2
+    assert row["ring/p2p"] == 4.0 / 3.0 and row["p2p/native"] == 4.0 / 3.0  # 1, 4/3, 9/4 and 1/2, 3, 4/3
+    assert row["cpu ring/native"] == 2.0  # cpu 2, 8, 18 against 6, 3, 9
+    assert row["ring"]["time_s"] == 4.0 and row["native"]["cpu_s"] == 6.0
+    assert row["ring"]["busbw"] == (1 << 20) / 4.0 * 2 * 3 / 4
+    head = format_table([row], kinds).splitlines()[0]
+    assert all(name in head for name in ("ring cpu", "p2p/native", "cpu ring/native"))
