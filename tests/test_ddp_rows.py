@@ -46,7 +46,7 @@ def _train(rank: int, n: int, data: dict, out: str) -> dict:
     record = run_rank(cfg, DistContext(rank, n, rank, torch.device("cpu"), "gloo" if n > 1 else None), echo=False)
     if rank == 0:
         torch.save(record["model_state"], Path(out) / f"{cfg.name}.pt")
-    return {"params": record["params"], "traffic": record["traffic"],
+    return {"params": record["params"], "traffic": record["traffic"], "memory": record["memory"],
             "rows": [{k: r[k] for k in ("sent", "received", "extra")} for r in record["rows"]]}
 
 
@@ -116,3 +116,17 @@ def test_prediction_is_the_formula_at_the_expected_unique_ids(runs):
     assert theory.predict(cfg, phi).worker.sent == pytest.approx(want)
     measured = [r["extra"]["unique_ids"] for rank in results[2] for r in rank["torch_ddp-sgd0"]["rows"]]
     assert sum(measured) / len(measured) == pytest.approx(u, rel=0.25)
+
+
+@pytest.mark.parametrize("n", (2, 3))
+def test_torch_ddp_holds_sparse_table_gradients(runs, n):
+    """After gloo's sparse all-reduce each table's gradient is one (int64 id, row) per distinct id of the
+    last global batch, beside the dense layers' gradients: torch DDP really ran the sparse path."""
+    _, results = runs
+    cfg = from_dict(_data("m", "sgd0", VARIANTS["torch_ddp-sgd0"][0], n))
+    w = build_workload(cfg)
+    last = w.batch(cfg.train.steps - 1, 0, 1)
+    touched = sum(len(torch.unique(last[1][:, t])) for t in range(3))
+    dense = results[n][0]["torch_ddp-sgd0"]["params"] - 3 * 40 * 4
+    for rank in range(n):
+        assert results[n][rank]["torch_ddp-sgd0"]["memory"]["grads"] == 4 * dense + touched * (8 + 4 * 4)
