@@ -34,6 +34,8 @@ class TorchDDPTrainer(Trainer):
         self.tables = [t for _, t in embedding_tables(module)] if cfg.backend.embeddings == "rows" else []
         for t in self.tables:
             t.sparse = True
+        if self.tables:  # torch's sparse Adagrad builds its tensors unchecked: say so once, not warn every step
+            torch.sparse.check_sparse_tensor_invariants.disable()
         self.model = DistributedDataParallel(module, device_ids=[ctx.device] if ctx.device.type == "cuda" else None,
                                              process_group=ctx.group, bucket_cap_mb=cfg.backend.bucket_cap_mb)
         self.loss_fn = workload.loss_fn
