@@ -5,7 +5,9 @@ rank then sums the rows of all ranks (duplicate ids add up) into the table's gra
 stay zero. The result is the all-reduced dense gradient, so SGD, Adagrad and AdamW take exactly the
 update of `embeddings = "dense"` (AdamW and momentum still move untouched rows, as they do dense).
 This is what torch DDP does with `sparse=True` embeddings on gloo (its sparse all-reduce all-gathers
-indices and values), on psarch's communicators and with its own bytes counted.
+indices and values), on psarch's communicators and with its own bytes counted. The tables are made
+`sparse=True` too, so backward adds only the batch's rows into the flat gradient (O(batch), not a dense
+table-sized gradient); the optimizer still steps the whole flat buffer, as dense ddp does.
 
 Wire, per step and rank, three all-gathers on the communicator (which moves flat float buffers; an
 all-gather only copies, so int64 travels bit-exact as float64 views):
@@ -32,7 +34,10 @@ class RowExchange:
 
     def __init__(self, comm: Communicator, model: nn.Module) -> None:
         self.comm = comm
-        self.weights = [t.weight for _, t in embedding_tables(model)]
+        tables = [t for _, t in embedding_tables(model)]
+        for t in tables:  # backward adds the batch's rows into the (flat, dense) gradient: O(batch), not O(table)
+            t.sparse = True
+        self.weights = [t.weight for t in tables]
         self.dims = [w.shape[1] for w in self.weights]
 
     def exchange(self, batch: Any, grads: Sequence[torch.Tensor]) -> list[int]:
@@ -53,8 +58,8 @@ class RowExchange:
         all_rows = torch.empty(n * row_width, dtype=dtype, device=device)
         self.comm.all_gather(all_rows, _pad(rows, row_width, 0))
         all_rows = all_rows.view(n, row_width)
-        for g in grads:
-            g.zero_()
+        for g, i in zip(grads, ids):  # the gradient was zero but for this rank's rows
+            g.index_fill_(0, i, 0)
         for r, c in enumerate(every):
             at = row_at = 0
             for g, u, d in zip(grads, c, self.dims):

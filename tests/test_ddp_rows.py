@@ -53,7 +53,8 @@ def _train(rank: int, n: int, data: dict, out: str) -> dict:
 def _variants(rank: int, n: int, out: str) -> dict:
     torch.set_num_threads(1)
     chosen = {**VARIANTS, **(ONLY_N2 if n == 2 else {})}
-    return {name: _train(rank, n, _data(f"{name}-n{n}", opt, backend, n), out) for name, (backend, opt) in chosen.items()}
+    return {name: _train(rank, n, _data(f"{name}-n{n}", opt, backend, n), out)
+            for name, (backend, opt) in chosen.items()}
 
 
 @pytest.fixture(scope="module")
