@@ -92,7 +92,8 @@ class BackendConfig:
     server_addresses: list = _f([], "'tcp://host:port' of each server started with `psarch server` "
                                     "(empty: `psarch run` starts the servers itself)", applies=_PS)
     embeddings: str = _f("dense", "how embedding tables move: as ordinary parameters ('dense'), only the "
-                                  "touched rows ('rows'), or row-sharded over ranks ('sharded', ddp)",
+                                  "touched rows' gradients ('rows', ddp and torch_ddp), or row-sharded over "
+                                  "ranks ('sharded', ddp)",
                          choices=("dense", "rows", "sharded"), applies=_GROUPED)
     timeout_s: float = _f(60.0, "seconds a rank or server waits for a peer before the run stops with an error",
                           min=0.1, applies=_GROUPED)
