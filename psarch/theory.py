@@ -202,6 +202,14 @@ def _ps_rows(cfg: Config, phi: float) -> Prediction:
     # a server receives what workers send and sends what they receive; phases: row pull, rows, push, pull
     return Prediction(mem, link, LinkBytes(sent=n * link.received / b.servers, received=n * link.sent / b.servers),
                       rounds=4 / every, messages=4 / every, server_memory=server_mem)
+
+
+def _table_params(cfg: Config) -> int:
+    """Parameters in the dlrm model's embedding tables ([workload.dlrm])."""
+    d = cfg.workload.dlrm
+    return d.num_tables * d.rows * d.dim
+
+
 def rows_all_gather_bytes(n: int, tables: int, ids: float, row_elements: float, itemsize: int) -> float:
     """Bytes one rank sends (and receives) per step all-gathering its embedding gradients as (ids, rows):
     (N-1) x (8 B per table's id count + 8 B per id + itemsize per row element). ddp pays for the busiest
@@ -215,8 +223,7 @@ def _rows(cfg: Config, phi: float, k: int) -> Prediction:
     batch (ddp pads to the busiest rank's u, so its measured bytes sit a little above)."""
     b, t, d = cfg.backend, cfg.train, cfg.workload.dlrm
     n, width = b.world_size, BYTES[t.precision]
-    table = d.num_tables * d.rows * d.dim
-    dense = phi - table
+    dense = phi - _table_params(cfg)
     grads = width * phi
     if b.kind == "torch_ddp":  # sparse gradients: after gloo's sum, one (id, row) per id the global batch touched
         touched = d.num_tables * expected_unique(d.rows, cfg.workload.clicks.zipf, t.global_batch * d.bag)
@@ -306,7 +313,9 @@ def cluster_model(cfg: Config, phi: float, zero_groups: int | None = None) -> di
         buckets = 1              # the unit count is a property of the model: unknown here, no overlap credit
     else:
         cap = b.reduce_bucket_size * BYTES[cfg.train.precision] if b.kind == "zero" else b.bucket_cap_mb * 2**20
-        buckets = -(-int(phi * BYTES[cfg.train.precision]) // max(1, int(cap)))
+        # with embeddings "rows" or "sharded" only the dense layers go through the bucketed all-reduce
+        reduced = phi if b.embeddings == "dense" else phi - _table_params(cfg)
+        buckets = -(-int(reduced * BYTES[cfg.train.precision]) // max(1, int(cap)))
     hidden = 2 if (b.kind, b.stage) == ("zero", 3) or b.kind == "torch_fsdp" else 0
     return {"buckets": max(1, buckets), "overlap": overlap, "hidden_passes": hidden}
 

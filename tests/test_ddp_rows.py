@@ -131,3 +131,14 @@ def test_torch_ddp_holds_sparse_table_gradients(runs, n):
     dense = results[n][0]["torch_ddp-sgd0"]["params"] - 3 * 40 * 4
     for rank in range(n):
         assert results[n][rank]["torch_ddp-sgd0"]["memory"]["grads"] == 4 * dense + touched * (8 + 4 * 4)
+
+
+def test_cluster_model_counts_buckets_of_the_dense_layers_only():
+    """With rows, the tables leave the bucketed all-reduce: at 4 x 10^6 x 16 (256 MB) dense ddp fills
+    ceil(256 MB / 25 MiB) = 10 buckets, ddp rows one (its ~20 KB of dense layers)."""
+    def buckets(embeddings: str) -> int:
+        cfg = from_dict({"workload": {"model": "dlrm", "data": "clicks", "dlrm": {"rows": 10**6}},
+                         "train": {"optimizer": "adagrad"},
+                         "backend": {"kind": "ddp", "world_size": 4, "embeddings": embeddings}})
+        return theory.cluster_model(cfg, 4 * 10**6 * 16 + 20_000)["buckets"]
+    assert buckets("dense") == 10 and buckets("rows") == 1
