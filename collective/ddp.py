@@ -16,6 +16,7 @@ import torch
 from collective import make_communicator
 from collective.bucket import Bucket, assign_buckets
 from collective.sharded import ShardedTables
+from collective.rows import RowExchange
 from psarch.checkpoint.fragments import Pieces, master_fragments, restore_optimizer, scaler_state, share_of
 from psarch.config import Config
 from psarch.dist import DistContext
@@ -43,10 +44,13 @@ class DDPTrainer(Trainer):
         # embeddings = "sharded": the tables leave the model for their row shards (collective/sharded.py)
         self.sharded = (ShardedTables(self.model, self.comm, cfg.train, cfg.train.precision)
                         if cfg.backend.embeddings == "sharded" else None)
+        # embeddings = "rows": the tables' gradients move as (ids, rows) (collective/rows.py), not in buckets
+        self.rows = RowExchange(self.comm, self.model) if cfg.backend.embeddings == "rows" else None
+        tables = {id(w) for w in self.rows.weights} if self.rows else set()
         # Grads become ready roughly in reverse registration order: lay the buffer out that way so
-        # each bucket is one contiguous slice that fills early.
-        params = [p for p in self.model.parameters() if p.requires_grad][::-1]
-        self.flat = FlatParams(params)
+        # each bucket is one contiguous slice that fills early (tables, if apart, after the buckets).
+        params = [p for p in self.model.parameters() if p.requires_grad and id(p) not in tables][::-1]
+        self.flat = FlatParams(params + (self.rows.weights if self.rows else []))
         self.comm.broadcast(self.flat.data, src=0)
         self.buckets = assign_buckets(params, self.flat.offsets, cfg.backend.bucket_cap_mb * 2**20)
         self._bucket_of = {i: b for b in self.buckets for i in b.params}
@@ -96,6 +100,10 @@ class DDPTrainer(Trainer):
             self.sharded.push_grads()
         while self._next < len(self.buckets):  # buckets whose parameters got no gradient, or no overlap
             self._launch(self.buckets[self._next])
+        extra: dict[str, Any] = {}
+        if self.rows:  # queued behind the buckets' all-reduces: every rank issues the same sequence
+            u = self.rows.exchange(batch, self.flat.views(self.flat.grad)[-len(self.rows.weights):])
+            extra["unique_ids"] = sum(u)   # over all tables, as ddp sharded reports it
         for h in self._handles:
             if h is not None:
                 h.wait()
@@ -103,10 +111,9 @@ class DDPTrainer(Trainer):
         comm_s = time.perf_counter() - t0 + fetch_s
         # After the all-reduce every rank holds the same gradients, so the inf/nan check agrees everywhere.
         skipped = self.optim.step([self.flat.grad])
-        extra = {}
         if self.sharded is not None:  # fp16 is refused with sharded tables: their step never needs a verdict
             self.sharded.step()
-            extra = self.sharded.counts()
+            extra.update(self.sharded.counts())
         return StepStats(float(loss.item()), skipped=skipped, loss_scale=self.optim.scaler.scale, comm_s=comm_s,
                          extra=extra)
 

@@ -92,7 +92,8 @@ class BackendConfig:
     server_addresses: list = _f([], "'tcp://host:port' of each server started with `psarch server` "
                                     "(empty: `psarch run` starts the servers itself)", applies=_PS)
     embeddings: str = _f("dense", "how embedding tables move: as ordinary parameters ('dense'), only the "
-                                  "touched rows ('rows'), or row-sharded over ranks ('sharded', ddp)",
+                                  "touched rows' gradients ('rows', ddp and torch_ddp), or row-sharded over "
+                                  "ranks ('sharded', ddp)",
                          choices=("dense", "rows", "sharded"), applies=_GROUPED)
     timeout_s: float = _f(60.0, "seconds a rank or server waits for a peer before the run stops with an error",
                           min=0.1, applies=_GROUPED)
@@ -224,9 +225,12 @@ def validate(cfg: Config) -> Config:
             raise ConfigError(f"workload.dlrm.{key} = {show(widths)}: expected a list of widths >= 1, e.g. [64, 32]")
     if b.embeddings == "rows" and b.kind == "ps":
         _check_ps_rows(cfg)
-    elif b.embeddings == "rows":
+    elif b.embeddings == "rows" and b.kind not in ("ddp", "torch_ddp"):
         raise ConfigError(f"backend.embeddings = \"rows\": moving only the touched rows runs on backend.kind = "
-                          f"\"ps\" only so far (issue 11), not \"{b.kind}\"; \"dense\" or \"sharded\" (ddp) run there")
+                          f"\"ps\", \"ddp\" or \"torch_ddp\" so far (issue 11), not \"{b.kind}\"; \"dense\" runs there")
+    elif b.embeddings == "rows" and (w.factory or w.model != "dlrm"):
+        raise ConfigError("backend.embeddings = \"rows\": needs the built-in workload.model = \"dlrm\" (its tables "
+                          "are what moves as rows, and theory reads their size from [workload.dlrm])")
     if b.embeddings == "sharded" and b.kind != "ddp":
         raise ConfigError(f"backend.embeddings = \"sharded\": row-sharded tables with all-to-all run on backend.kind "
                           f"= \"ddp\" only, not \"{b.kind}\"; use \"dense\" there")
@@ -236,6 +240,17 @@ def validate(cfg: Config) -> Config:
     if b.embeddings == "sharded" and t.precision == "fp16":
         raise ConfigError("train.precision = \"fp16\": backend.embeddings = \"sharded\" runs fp32 or bf16 (fp16 "
                           "would need one inf/nan verdict over every rank's shard before a step)")
+    if b.embeddings == "rows" and b.kind == "torch_ddp":
+        # the tables' gradients are torch sparse tensors, which torch's optimizers take only so
+        why = ("train.optimizer = \"adamw\": torch's AdamW refuses sparse gradients; use \"sgd\" or \"adagrad\""
+               if t.optimizer == "adamw" else
+               f"train.weight_decay = {t.weight_decay:g}: torch's {t.optimizer} refuses weight decay on sparse "
+               f"gradients; use 0" if t.weight_decay else
+               f"train.precision = \"{t.precision}\": sparse gradients step in fp32 only" if t.precision != "fp32"
+               else "")
+        if why:
+            raise ConfigError(f"{why} (backend.kind = \"torch_ddp\" with backend.embeddings = \"rows\" gives the "
+                              f"tables sparse gradients; backend.kind = \"ddp\" takes any optimizer)")
     if w.data == "text" and not w.factory and not w.text.path:
         raise ConfigError("workload.text.path = \"\": data = \"text\" needs the path of a text file")
     if w.factory:

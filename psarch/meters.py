@@ -88,6 +88,9 @@ def tensor_bytes(tensors: Iterable[torch.Tensor | None]) -> int:
     for t in tensors:
         if t is None:
             continue
+        if t.is_sparse:  # a sparse gradient (torch_ddp with embeddings = "rows") holds its ids and rows
+            total += tensor_bytes([t._indices(), t._values()])
+            continue
         st = t.untyped_storage()
         key = st.data_ptr()
         if key in seen or st.nbytes() == 0:

@@ -114,8 +114,11 @@ def finalize_stopped(out: Path, cfg: Config, status: str, error: str) -> dict[st
 
 
 def variant(cfg: Config) -> str:
+    """The algorithm within a backend, e.g. "ring", "stage2/native", "sync"; "/rows" where the embedding
+    tables move as rows (backend.embeddings), which changes the traffic more than the algorithm does."""
     b = cfg.backend
-    return {"ddp": b.comm, "zero": f"stage{b.stage}/{b.comm}", "ps": b.mode}.get(b.kind, "")
+    v = {"ddp": b.comm, "zero": f"stage{b.stage}/{b.comm}", "ps": b.mode}.get(b.kind, "")
+    return v if b.embeddings == "dense" else "/".join(x for x in (v, b.embeddings) if x)
 
 
 def finalize(out: Path, cfg: Config, extra: dict[str, Any] | None = None, echo: bool = True) -> dict[str, Any]:

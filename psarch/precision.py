@@ -136,9 +136,9 @@ class MixedPrecisionOptimizer:
     Backends hand it the (already synchronised) gradients of the tensors they own; it skips the step
     when any gradient is inf/nan (the caller passes `found_inf` when only a global check is valid)."""
 
-    def __init__(self, model_tensors: Sequence[torch.Tensor], train_cfg, precision: str) -> None:
+    def __init__(self, model_tensors: Sequence[torch.Tensor], train_cfg, precision: str, fused: bool = True) -> None:
         self.master = MasterWeights(model_tensors)
-        self.optimizer = build_optimizer(self.master.params, train_cfg)
+        self.optimizer = build_optimizer(self.master.params, train_cfg, fused)
         self.scaler = LossScaler(enabled=(precision == "fp16"))
 
     def step(self, grads: Sequence[torch.Tensor], found_inf: bool | None = None) -> bool:

@@ -114,6 +114,8 @@ def predict(cfg: Config, phi: float) -> Prediction:
     stage, passes = _collective(b)
     if b.kind == "ddp" and b.embeddings == "sharded":
         return _sharded(cfg, phi, k)
+    if b.embeddings == "rows":
+        return _rows(cfg, phi, k)
     mem = MemoryPrediction(params=width * phi / n if stage >= 3 else width * phi,
                            grads=width * phi / n if stage >= 2 else width * phi,
                            optimizer=k * phi / n if stage >= 1 else k * phi)
@@ -202,6 +204,39 @@ def _ps_rows(cfg: Config, phi: float) -> Prediction:
                       rounds=4 / every, messages=4 / every, server_memory=server_mem)
 
 
+def _table_params(cfg: Config) -> int:
+    """Parameters in the dlrm model's embedding tables ([workload.dlrm])."""
+    d = cfg.workload.dlrm
+    return d.num_tables * d.rows * d.dim
+
+
+def rows_all_gather_bytes(n: int, tables: int, ids: float, row_elements: float, itemsize: int) -> float:
+    """Bytes one rank sends (and receives) per step all-gathering its embedding gradients as (ids, rows):
+    (N-1) x (8 B per table's id count + 8 B per id + itemsize per row element). ddp pays for the busiest
+    rank's ids and rows (collective/rows.py pads to them); torch's gloo all-gathers each rank's own."""
+    return (n - 1) * (8 * tables + 8 * ids + itemsize * row_elements)
+
+
+def _rows(cfg: Config, phi: float, k: int) -> Prediction:
+    """ddp / torch_ddp with embeddings = "rows": the dense layers ring all-reduced, the tables' touched rows
+    all-gathered; u per table is its expectation under the Zipf law (clicks.expected_unique) for one rank's
+    batch (ddp pads to the busiest rank's u, so its measured bytes sit a little above)."""
+    b, t, d = cfg.backend, cfg.train, cfg.workload.dlrm
+    n, width = b.world_size, BYTES[t.precision]
+    dense = phi - _table_params(cfg)
+    grads = width * phi
+    if b.kind == "torch_ddp":  # sparse gradients: after gloo's sum, one (id, row) per id the global batch touched
+        touched = d.num_tables * expected_unique(d.rows, cfg.workload.clicks.zipf, t.global_batch * d.bag)
+        grads = width * dense + touched * (8 + width * d.dim)
+    mem = MemoryPrediction(params=width * phi, grads=grads, optimizer=k * phi)
+    if n == 1:
+        return Prediction(mem, LinkBytes(), None, rounds=0, messages=0, server_memory=None)
+    u = expected_unique_ids(cfg)
+    v = 2 * (n - 1) / n * dense * width + rows_all_gather_bytes(n, d.num_tables, u, u * d.dim, width)
+    # a ring all-reduce (2 passes), then three all-gathers: id counts, ids, rows
+    return Prediction(mem, LinkBytes(v, v), None, rounds=5, messages=5 * (n - 1), server_memory=None)
+
+
 def config_for(kind: str, n: int, precision: str, optimizer: str, momentum: float = 0.0, stage: int = 1,
                mode: str = "sync", servers: int = 1, k_steps: int = 1, geo_barrier: bool = False,
                staleness_compensation: str = "none") -> Config:
@@ -278,7 +313,9 @@ def cluster_model(cfg: Config, phi: float, zero_groups: int | None = None) -> di
         buckets = 1              # the unit count is a property of the model: unknown here, no overlap credit
     else:
         cap = b.reduce_bucket_size * BYTES[cfg.train.precision] if b.kind == "zero" else b.bucket_cap_mb * 2**20
-        buckets = -(-int(phi * BYTES[cfg.train.precision]) // max(1, int(cap)))
+        # with embeddings "rows" or "sharded" only the dense layers go through the bucketed all-reduce
+        reduced = phi if b.embeddings == "dense" else phi - _table_params(cfg)
+        buckets = -(-int(reduced * BYTES[cfg.train.precision]) // max(1, int(cap)))
     hidden = 2 if (b.kind, b.stage) == ("zero", 3) or b.kind == "torch_fsdp" else 0
     return {"buckets": max(1, buckets), "overlap": overlap, "hidden_passes": hidden}
 

@@ -145,12 +145,23 @@ def test_batches_are_the_same_at_every_world_size():
     ({"workload.model": "dlrm", "workload.data": "clicks", "workload.dlrm.top_mlp": ["a"]},
      'workload.dlrm.top_mlp = ["a"]: expected a list of widths >= 1'),
     ({"workload.clicks.zipf": -1.0}, "workload.clicks.zipf = -1.0: must be >= 0"),
-    ({"backend.embeddings": "rows"}, 'backend.embeddings = "rows": moving only the touched rows runs on backend.kind = "ps" only'),
+    ({"backend.kind": "zero", "backend.world_size": 2, "backend.embeddings": "rows"},
+     'backend.embeddings = "rows": moving only the touched rows runs on backend.kind = "ps", "ddp" or "torch_ddp" '
+     'so far (issue 11), not "zero"'),
+    ({"backend.kind": "ddp", "backend.world_size": 2, "backend.embeddings": "rows"},
+     'backend.embeddings = "rows": needs the built-in workload.model = "dlrm"'),
     ({"backend.embeddings": "sharded", "backend.kind": "zero"},
      'backend.embeddings = "sharded": row-sharded tables with all-to-all run on backend.kind = "ddp" only, not "zero"'),
     ({"backend.embeddings": "sharded", "backend.kind": "ddp"}, 'backend.embeddings = "sharded": needs the built-in'),
     ({"backend.embeddings": "sharded", "backend.kind": "ddp", "workload.model": "dlrm", "workload.data": "clicks",
       "train.precision": "fp16"}, 'train.precision = "fp16": backend.embeddings = "sharded" runs fp32 or bf16'),
+    *[({"workload.model": "dlrm", "workload.data": "clicks", "backend.kind": "torch_ddp", "backend.world_size": 2,
+        "backend.embeddings": "rows", **train}, message) for train, message in (
+        ({"train.optimizer": "adamw"}, 'train.optimizer = "adamw": torch\'s AdamW refuses sparse gradients'),
+        ({"train.optimizer": "adagrad", "train.weight_decay": 0.01},
+         "train.weight_decay = 0.01: torch's adagrad refuses weight decay on sparse gradients"),
+        ({"train.optimizer": "sgd", "train.precision": "bf16"},
+         'train.precision = "bf16": sparse gradients step in fp32 only'))],
 ])
 def test_bad_click_configs_are_refused_in_one_line(overrides, message):
     from psarch.config import apply_overrides
