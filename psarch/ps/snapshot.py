@@ -107,8 +107,9 @@ class ServerSnapshots:
         if not self.saves:
             self.save_step, self.save_since = step, time.monotonic()
         self.saves.append((ident, w))
-        self.current_answered = True   # answered once every worker has asked (or with an error)
         self._save_if_all()
+        # still waiting: answered once every worker has asked (or with an error), not by handle()
+        self.current_answered |= any(i == ident for i, _ in self.saves)
 
     def _save_if_all(self) -> None:
         """Write this server's part once every live worker waits in `save`, then ack them all."""
@@ -168,7 +169,9 @@ class ServerSnapshots:
         ps = exact_records(ckpt, self.cfg)
         if ps is None:
             pushes = pushes_by(self.cfg, ckpt.step)
-            st.version, st.sent_version, self.clock = pushes, [pushes] * n, [pushes] * n
+            # version counts updates: one per round with a barrier, one per push without (N per step)
+            version = pushes if self.barrier else pushes * n
+            st.version, st.sent_version, self.clock = version, [version] * n, [pushes] * n
             for b in st.backup or []:
                 b.copy_(st.params.detach())   # DC: each worker's backup is the model it pulls
             return
