@@ -1,7 +1,7 @@
 """The runs test_ps_checkpoint.py looks at: two workers, two servers (threads of the test process), a tiny GPT.
 Stage 1 runs every case 6 steps with a checkpoint every 3. Stage 2 resumes the sync cases from step 3 to 6,
 restores each timing-dependent case (async with DC-ASGD, SSP, GEO mid-round) and writes the restored state
-again as checkpoint 3 of another folder, and forks the sync checkpoint onto ddp."""
+again as checkpoint 3 of another folder, and forks the sync checkpoint onto ddp, async and GEO."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -26,6 +26,7 @@ CASES = {"sync-fp32": ("fp32", {}), "sync-fp16": ("fp16", {}),
          "geo": ("fp32", {"mode": "geo", "k_steps": 2})}   # checkpoint 3 falls mid-round: local != synced
 EXACT = [c for c in CASES if c.startswith("sync")]
 RESTORED = [c for c in CASES if c not in EXACT]
+FORKS = {"sync-to-async": "async-dc", "sync-to-geo": "geo"}   # sync-fp32's checkpoint continued in these modes
 
 
 def config(name: str, case: str, **train: Any) -> dict:
@@ -86,6 +87,9 @@ def resumed(rank: int, n: int, out: str, infos: dict) -> dict:
         results[case] = _rows(record)
     for case in RESTORED:
         results[case] = _restore_and_save(rank, o, case, infos[case])
+    for fork, case in FORKS.items():   # to step 6, checkpointed there
+        run_rank(from_dict(config(fork, case, checkpoint_every=AT)), _ctx(rank, infos[fork]), echo=False,
+                 start=checkpoint(o, "sync-fp32"), checkpoints=o / fork / "checkpoints")
     # the sync checkpoint forks onto ddp (this group is a gloo group)
     data = cr.config("ps-to-ddp", "fp32", {"kind": "ddp", "comm": "ring", "world_size": N}, N, steps=STEPS)
     record = run_rank(from_dict(data), _ctx(rank, {}, group=True), echo=False, start=checkpoint(o, "sync-fp32"))
@@ -97,6 +101,10 @@ def resumed(rank: int, n: int, out: str, infos: dict) -> dict:
 def servers(out: Path, stage: str) -> dict:
     """Each case's servers for a stage, started from step 3's checkpoint in stage 2."""
     started = {}
+    if stage != "straight":
+        for fork, case in FORKS.items():
+            started[fork] = start_services(from_dict(config(fork, case, checkpoint_every=AT)), out / fork,
+                                           threads=True, start=checkpoint(out, "sync-fp32"))
     for case in CASES if stage == "straight" else EXACT + RESTORED:
         folder, start = (case, None) if stage == "straight" else (
             f"{case}-resumed" if case in EXACT else f"{case}-again", checkpoint(out, case))

@@ -92,6 +92,16 @@ def test_a_ps_checkpoint_forks_onto_ddp_and_single(runs):
     parity.assert_same_model(parity.model(out, "sync-fp32"), reference, "ps sync straight vs -> single")
 
 
+def test_a_sync_checkpoint_forks_onto_async_and_geo(runs):
+    """Each worker starts from the checkpoint's model as if it had just pulled: at step 6 the servers' records
+    count the pushes since step 3 on top of the checkpoint's, a version per update (async: N per step)."""
+    out, _, _ = runs
+    for fork, pushes, version in (("sync-to-async", 6, 2 * 6), ("sync-to-geo", 6 // 2, 2 * (6 // 2))):
+        state = Checkpoint(out / fork / "checkpoints" / "step_000006").state["ps"]
+        assert [s["clock"] for s in state["servers"]] == [[pushes] * pr.N] * pr.SERVERS, fork
+        assert [s["version"] for s in state["servers"]] == [version] * pr.SERVERS, fork
+
+
 def test_each_server_writes_its_range_and_each_worker_its_model(runs):
     out, _, _ = runs
     meta = json.loads((pr.checkpoint(out, "sync-fp32") / "metadata.json").read_text())
