@@ -113,8 +113,8 @@ class ServerSnapshots:
 
     def _save_if_all(self) -> None:
         """Write this server's part once every live worker waits in `save`, then ack them all."""
-        if not self.saves or {w for _, w in self.saves} < self._live():
-            return
+        if not self.saves or not self._live() <= {w for _, w in self.saves}:
+            return   # (a worker lost while it waited still counts as asked: its part is written)
         waiting, self.saves = self.saves, []
         folder = self.checkpoints / f".tmp_step_{self.save_step:06d}"
         try:
