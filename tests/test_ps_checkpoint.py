@@ -111,6 +111,7 @@ def test_each_server_writes_its_range_and_each_worker_its_model(runs):
     assert sum(server_bytes) == 3 * 4 * params   # param, exp_avg, exp_avg_sq in fp32, split over the servers
     assert meta["state_keys"] == ["exp_avg", "exp_avg_sq"]   # the workers' records are no optimizer state
     assert [s["version"] for s in meta["state"]["ps"]["servers"]] == [pr.AT, pr.AT]
+    assert sorted(meta["rng"]) == ["0", "1"]   # each worker's generators (dropout); servers draw none
 
 
 def _serve(tmp_path: Path, every: int):

@@ -30,6 +30,7 @@ from typing import Any
 
 import torch
 
+from psarch.checkpoint import rng
 from psarch.checkpoint.fragments import PARAM, Fragment, Pieces, fragments_in, load_scaler, restore, restore_optimizer
 from psarch.checkpoint.writer import merge, part_state, publish, step_dir, write_part, write_rows
 from psarch.config import Config
@@ -215,7 +216,7 @@ def save_worker(tr: Any, root: Path, step: int, config: dict[str, Any], keep: in
 
     rank, tmp = tr.ctx.rank, Path(root) / f".tmp_step_{step:06d}"
     tmp.mkdir(parents=True, exist_ok=True)
-    write_part(worker_pieces(tr), tmp, f"rank{rank}")
+    write_part(worker_pieces(tr), tmp, f"rank{rank}", rng.capture(tr.ctx.device))   # dropout's stream goes on
     write_rows(tmp, rank, rows)
     tr.client.exchange([[Request({"op": "save", "step": step, "path": str(tmp)})] for _ in tr.ranges])
     final = step_dir(Path(root), step)
