@@ -198,7 +198,7 @@ def test_checkpoints_are_ordered_by_step_number_not_name(tmp_path):
 
 
 @pytest.mark.parametrize("field, value, says", [
-    ("file", "../../x.bin", "is not a rankN.bin name"), ("dtype", "Tensor", "dtype 'Tensor'")])
+    ("file", "../../x.bin", "is not a rankN.bin or serverN.bin name"), ("dtype", "Tensor", "dtype 'Tensor'")])
 def test_metadata_naming_a_foreign_file_or_dtype_is_refused(tmp_path, written, field, value, says):
     import shutil
 
