@@ -100,8 +100,8 @@ class LocalServers:
                 host = where.host("server", i, cfg.backend.host)
                 if threads:
                     w: Any = threading.Thread(target=_server_main, name=f"psarch-server{i}", daemon=True,
-                                              args=(i, cfg.to_dict(), host, child, None, build_model, creds.to_dict(), ckpts,
-                                                begin))
+                                              args=(i, cfg.to_dict(), host, child, None, build_model,
+                                                    creds.to_dict(), ckpts, begin))
                 else:
                     w = ctx.Process(target=_server_main, name=f"psarch-server{i}",
                                     args=(i, cfg.to_dict(), host, child, 1, build_model, creds.to_dict(), ckpts, begin))

@@ -42,9 +42,9 @@ Layout = list[tuple[str, torch.Size, int]]
 
 def run_shape(cfg: Config) -> dict[str, Any]:
     """What a PS checkpoint's records depend on: a run of the same shape restores them exactly."""
-    b = cfg.backend
+    b, geo = cfg.backend, cfg.backend.mode == "geo"
     return {"mode": b.mode, "world_size": b.world_size, "servers": b.servers, "precision": cfg.train.precision,
-            "k_steps": b.k_steps if b.mode == "geo" else None, "geo_barrier": b.geo_barrier if b.mode == "geo" else None,
+            "k_steps": b.k_steps if geo else None, "geo_barrier": b.geo_barrier if geo else None,
             "compensation": b.staleness_compensation if b.mode in ("async", "ssp") else None}
 
 
