@@ -132,9 +132,9 @@ def _one_line(e: BaseException) -> str:
 
 def _sweep_flags(args: argparse.Namespace) -> None:
     """A sweep resumes and replaces points by itself (a finished point of the same config is skipped, any
-    other runs again; --rerun runs all): a single run's --resume, --from or --overwrite would be ignored."""
-    given = [flag for flag, on in (("--resume", args.resume is not None), ("--from", args.start is not None),
-                                   ("--overwrite", args.overwrite)) if on]
+    other runs again; --rerun runs all): a single run's --resume or --overwrite would be ignored. (--from
+    applies: every point forks that checkpoint.)"""
+    given = [flag for flag, on in (("--resume", args.resume is not None), ("--overwrite", args.overwrite)) if on]
     if given:
         raise ConfigError(f"{args.config} is a sweep: {', '.join(given)} applies to one run only (a sweep skips its "
                           f"finished points and reruns the rest; --rerun runs every point again)")
@@ -149,7 +149,8 @@ def _run(args: argparse.Namespace) -> int:
         sweep = read_sweep(args.config)
         if sweep is not None:
             _sweep_flags(args)
-            points = run_sweep(args.config, sweep, args.overrides, args.out, args.rerun, echo=not args.quiet)
+            points = run_sweep(args.config, sweep, args.overrides, args.out, args.rerun, echo=not args.quiet,
+                               start=args.start)
             return 1 if any(p.status == "failed" for p in points) else 0
     except ConfigError as e:
         print(f"psarch: config error: {e}", file=sys.stderr)

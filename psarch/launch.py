@@ -61,7 +61,7 @@ def run(cfg: Config, out: str | Path | None = None, echo: bool = True, resume: b
     outputs.prepare(out_dir, cfg, keep_checkpoints=resume)   # a fork must not keep an older run's
     try:
         with place(cfg) as where:   # loopback, or each process on its node of an emulated cluster
-            services = cls.start_services(cfg, out_dir, where)
+            services = cls.start_services(cfg, out_dir, where, start=plan.start)
             try:
                 info = services.info if services is not None else {}
                 if cfg.backend.world_size == 1:
@@ -257,7 +257,7 @@ def _run_under_torchrun(cfg: Config, cls: type, out: Path, echo: bool, plan: _Pl
         # every rank takes part in the gather: only rank 0 knows whether the backend started services
         info: dict[str, Any] = {}
         if rank == 0:
-            services = cls.start_services(cfg, out)
+            services = cls.start_services(cfg, out, start=plan.start)
             info = dict(services.info) if services is not None else {}
             if "addresses" in info:
                 info["addresses"] = [_reachable(a) for a in info["addresses"]]

@@ -107,8 +107,7 @@ def run_rank(cfg: Config, ctx: DistContext, workload: Workload | None = None, ec
                               stats)
                 interval_t0 = time.perf_counter()
             if every and (step + 1) % every == 0:
-                checkpoint.save(trainer.checkpoint_pieces(), ctx, checkpoints, step + 1, cfg.to_dict(),
-                                cfg.train.keep_checkpoints, rows)
+                trainer.write_checkpoint(ctx, checkpoints, step + 1, cfg.to_dict(), cfg.train.keep_checkpoints, rows)
         model_state = trainer.full_state_dict()
         memory = trainer.memory().to_dict()
         traffic = trainer.traffic().to_dict()

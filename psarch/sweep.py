@@ -149,8 +149,10 @@ def _bar(done: int, total: int, width: int = 24) -> str:
 
 
 def run_sweep(path: str | Path, sweep: dict[str, Any], overrides: list[str] | None = None,
-              out: str | Path | None = None, rerun: bool = False, echo: bool = True) -> list[Point]:
-    """Run every point (skipping finished ones unless rerun), then compare them. Returns the points."""
+              out: str | Path | None = None, rerun: bool = False, echo: bool = True,
+              start: str | Path | None = None) -> list[Point]:
+    """Run every point (skipping finished ones unless rerun), then compare them. Returns the points. With
+    `start` (--from), every point forks that checkpoint and runs (a finished point does not record its start)."""
     from psarch.compare import compare
     from psarch.launch import run
 
@@ -161,6 +163,12 @@ def run_sweep(path: str | Path, sweep: dict[str, Any], overrides: list[str] | No
     if bad:  # as for a single run: a config error stops everything before any process starts
         more = f" (and {len(bad) - 1} more points with config errors)" if len(bad) > 1 else ""
         raise ConfigError(f"sweep point {bad[0].name}: {bad[0].error}{more}")
+    if start is not None:   # one line now, not one failed point each
+        from psarch.checkpoint import Checkpoint, CheckpointError
+        try:
+            Checkpoint(start).verify()
+        except CheckpointError as e:
+            raise ConfigError(f"--from: {e}") from None
     root.mkdir(parents=True, exist_ok=True)
     if echo and duplicates_note(points):
         print(f"sweep: {len(points)} points; {duplicates_note(points)}", flush=True)
@@ -170,16 +178,16 @@ def run_sweep(path: str | Path, sweep: dict[str, Any], overrides: list[str] | No
             print(f"\n{_bar(i, len(points))}  point {p.name}", flush=True)
         cfg = load_config(path, point_overrides(overrides, p.overrides))
         cfg.name = f"{base.name}/{p.name}"
-        stale = "rerun asked" if rerun else _why_run_again(folder, cfg)
+        stale = "rerun asked" if rerun else "forks --from" if start is not None else _why_run_again(folder, cfg)
         if stale is None:
             p.status, p.detail = "skipped", "finished with the same config (--rerun to run it again)"
             p.summary = json.loads((folder / "summary.json").read_text())
         else:
-            if echo and stale != "no run yet":
+            if echo and stale not in ("no run yet", "forks --from"):
                 print(f"point {p.name}: running it again: {stale}", flush=True)
             t0 = time.perf_counter()
             try:
-                p.summary = run(cfg, folder, echo=echo, machine_checked=True)   # expand checked it
+                p.summary = run(cfg, folder, echo=echo, machine_checked=True, start=start)   # expand checked it
                 p.status, p.detail = "done", f"{time.perf_counter() - t0:.1f} s"
             except Exception as e:  # one failed point must not stop the others
                 p.status = "failed"

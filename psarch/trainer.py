@@ -7,6 +7,8 @@ from typing import TYPE_CHECKING, Any, ClassVar, Protocol, runtime_checkable
 import torch
 
 if TYPE_CHECKING:
+    from pathlib import Path
+
     from psarch.checkpoint import Checkpoint, Pieces
 
 
@@ -108,6 +110,13 @@ class Trainer(Protocol):
     # the fragments this rank writes (writing=True; replicated state is split among ranks) or holds.
     def checkpoint_pieces(self, writing: bool = True) -> "Pieces": ...
     def load_checkpoint(self, ckpt: "Checkpoint") -> None: ...   # fill what this rank holds from any checkpoint
+
+    def write_checkpoint(self, ctx: Any, root: "Path", step: int, config: dict[str, Any], keep: int,
+                         rows: list[dict[str, Any]] | None) -> "Path":
+        """Write checkpoint `step` under `root` (every rank calls it after the same step): by default
+        checkpoint_pieces() through psarch.checkpoint.save over the ranks' process group."""
+        from psarch.checkpoint import save
+        return save(self.checkpoint_pieces(), ctx, root, step, config, keep, rows)
     def traffic(self) -> TrafficReport: ...
     def close(self) -> None: ...
 
@@ -116,9 +125,9 @@ class Trainer(Protocol):
         return {}
 
     @classmethod
-    def start_services(cls, cfg: Any, out_dir: Any, where: Any = None) -> Services | None:
+    def start_services(cls, cfg: Any, out_dir: Any, where: Any = None, start: Any = None) -> Services | None:
         """Services to start before the workers (rank 0 under torchrun); None when the backend has none.
-        `where` places each service (psarch.cluster; None: loopback)."""
+        `where` places each service (psarch.cluster; None: loopback); `start`: the checkpoint the run starts from."""
         return None
 
     @staticmethod

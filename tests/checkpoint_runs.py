@@ -1,7 +1,8 @@
 """The runs test_checkpoint.py looks at, one spawned process group per world size (start-up is the cost):
 N=4 writes a ZeRO-3 checkpoint; N=2 checks bit-exact resume of ddp, zero 1-3 and the torch DDP, ZeRO-1 and FSDP2
 peers (fp32, fp16 with its loss scaler, and dropout with each rank's generator) and forks the N=4 checkpoint onto
-ddp and FSDP2; N=3 forks a ZeRO-1 N=2 checkpoint onto ZeRO-3. Also the configs and TOML the CLI tests run."""
+ddp, FSDP2 and ps sync with 2 servers; N=3 forks a ZeRO-1 N=2 checkpoint onto ZeRO-3. Also the configs and TOML
+the CLI tests run."""
 from __future__ import annotations
 
 import json
@@ -65,9 +66,10 @@ def toml(path: Path, data: dict) -> Path:
 
 
 def _run(rank: int, n: int, data: dict, out: Path, checkpoints: Path | None = None, start: Path | None = None,
-         resume: bool = False) -> dict:
-    record = run_rank(from_dict(data), DistContext(rank, n, rank, torch.device("cpu"), "gloo"), echo=False,
-                      checkpoints=checkpoints, start=start, resume=resume)
+         resume: bool = False, services: dict | None = None) -> dict:
+    ctx = DistContext(rank, n, rank, torch.device("cpu"), "gloo")
+    ctx.services = services or {}
+    record = run_rank(from_dict(data), ctx, echo=False, checkpoints=checkpoints, start=start, resume=resume)
     if rank == 0:
         torch.save(record["model_state"], out / f"{data['name']}.pt")
     return {"rows": [{k: r.get(k) for k in ROW_KEYS} for r in record["rows"]]}
@@ -88,7 +90,12 @@ def world4(rank: int, n: int, out: str) -> dict:
     return {}
 
 
-def world2(rank: int, n: int, out: str) -> dict:
+def to_ps2() -> dict:
+    """The N=4 ZeRO-3 checkpoint continued as ps sync, two workers and two servers (threads of the test)."""
+    return config("z3n4-to-ps2", "fp32", {"kind": "ps", "world_size": 2, "servers": 2, "timeout_s": 60.0}, 2, steps=6)
+
+
+def world2(rank: int, n: int, out: str, ps_info: dict) -> dict:
     o = Path(out)
     results = {}
     for name in RESUMED:
@@ -97,6 +104,7 @@ def world2(rank: int, n: int, out: str) -> dict:
     for fork in ("ddp-ring", "torch_fsdp"):
         _run(rank, n, config(f"z3n4-to-{fork}2", "fp32", BACKENDS[fork], n, steps=6), o,
              start=o / "z3n4" / "step_000003")
+    _run(rank, n, to_ps2(), o, start=o / "z3n4" / "step_000003", services=ps_info)
     return results
 
 

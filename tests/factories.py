@@ -183,13 +183,13 @@ def hangs_at_step(cfg) -> psarch.Workload:
         return wl.batch(step, shard, num_shards)
 
     if in_checkpoint >= 0:
-        write_rank = writer._write_rank
+        write_part = writer.write_part
 
-        def slow_write(pieces, folder, rank, *args):   # a write still in flight when the kill comes
-            write_rank(pieces, folder, rank, *args)
+        def slow_write(pieces, folder, part, *args):   # a write still in flight when the kill comes
+            write_part(pieces, folder, part, *args)
             if folder.name.endswith(writer.step_dir(folder.parent, in_checkpoint).name):   # under its temporary name
-                stop_here(rank)
-        writer._write_rank = slow_write
+                stop_here(int(part.removeprefix("rank")))
+        writer.write_part = slow_write
 
     return psarch.Workload(wl.model, wl.loss_fn, batch, wl.entropy_floor, "hangs")
 

@@ -19,6 +19,7 @@ from psarch import checkpoint
 from psarch.cli import main
 from psarch.config import from_dict
 from psarch.dist import DistContext
+from psarch.ps.services import start_services
 from psarch.runner import run_rank
 
 
@@ -26,8 +27,14 @@ from psarch.runner import run_rank
 def runs(tmp_path_factory):
     out = tmp_path_factory.mktemp("ckpt")
     results = {}
-    for n, fn in ((4, cr.world4), (2, cr.world2), (3, cr.world3)):
-        results[n] = run_ranks(fn, n, str(out), timeout=300)
+    results[4] = run_ranks(cr.world4, 4, str(out), timeout=300)
+    # the ps fork's servers start from the N=4 checkpoint, so only once it is written
+    servers = start_services(from_dict(cr.to_ps2()), None, threads=True, start=out / "z3n4" / "step_000003")
+    try:
+        results[2] = run_ranks(cr.world2, 2, str(out), servers.info, timeout=300)
+    finally:
+        servers.stop()
+    results[3] = run_ranks(cr.world3, 3, str(out), timeout=300)
     return out, results
 
 
@@ -48,11 +55,12 @@ def test_resume_is_bit_exact(runs, name):
         assert [x["loss_scale"] for x in results[2][0][name]["straight"]][2:4] == [65536.0, 32768.0]
 
 
-def test_zero3_n4_continues_as_ddp_n2_and_as_single(runs):
+def test_zero3_n4_continues_as_ddp_n2_as_ps_sync_and_as_single(runs):
     out, _ = runs
     reference = cr.single(out, "from-z3n4", out / "z3n4" / "step_000003")
     parity.assert_same_model(torch.load(out / "z3n4-to-ddp-ring2.pt"), reference, "zero-3 N=4 -> ddp N=2")
     parity.assert_same_model(torch.load(out / "z3n4-to-torch_fsdp2.pt"), reference, "zero-3 N=4 -> torch_fsdp N=2")
+    parity.assert_same_model(torch.load(out / "z3n4-to-ps2.pt"), reference, "zero-3 N=4 -> ps sync, 2 servers")
     parity.assert_same_model(torch.load(out / "z3n4.pt"), reference, "zero-3 N=4 straight vs -> single")
 
 
@@ -163,10 +171,12 @@ def test_a_damaged_checkpoint_is_detected_and_the_run_does_not_start(tmp_path, w
     assert not (tmp_path / "fork").exists()
 
 
-def test_a_backend_without_checkpoints_is_refused_before_the_run(tmp_path):
+def test_a_backend_without_checkpoints_is_refused_before_the_run(tmp_path, monkeypatch):
     from psarch.config import ConfigError
     from psarch.launch import run
+    from psarch.ps.trainer import PSTrainer
 
+    monkeypatch.setattr(PSTrainer, "checkpoints", False)   # every backend writes them now: pretend one does not
     cfg = from_dict(parity.config("ps", train={"checkpoint_every": 2}, backend={"kind": "ps", "world_size": 2}))
     with pytest.raises(ConfigError, match="backend.kind = 'ps' cannot write or read checkpoints yet"):
         run(cfg, tmp_path / "ps", echo=False)
@@ -188,7 +198,7 @@ def test_checkpoints_are_ordered_by_step_number_not_name(tmp_path):
 
 
 @pytest.mark.parametrize("field, value, says", [
-    ("file", "../../x.bin", "is not a rankN.bin name"), ("dtype", "Tensor", "dtype 'Tensor'")])
+    ("file", "../../x.bin", "is not a rankN.bin or serverN.bin name"), ("dtype", "Tensor", "dtype 'Tensor'")])
 def test_metadata_naming_a_foreign_file_or_dtype_is_refused(tmp_path, written, field, value, says):
     import shutil
 

@@ -183,7 +183,7 @@ def test_estimate_and_compare_name_a_failed_run_in_one_line(tmp_path, capsys):
     assert len(err) == 2 and all("the run failed (" in e and "no figures to load" in e for e in err), err
 
 
-@pytest.mark.parametrize("flag", [["--overwrite"], ["--resume", "x"], ["--from", "x"]])
+@pytest.mark.parametrize("flag", [["--overwrite"], ["--resume", "x"]])
 def test_a_sweep_refuses_single_run_flags(tmp_path, capsys, flag):
     from psarch.cli import main
 
@@ -192,3 +192,24 @@ def test_a_sweep_refuses_single_run_flags(tmp_path, capsys, flag):
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and f"is a sweep: {flag[0]} applies to one run only" in err[0], err
     assert not (tmp_path / "out").exists()
+
+
+def test_a_sweep_given_from_forks_that_checkpoint_at_every_point(tmp_path, capsys):
+    """Every point starts at the checkpoint's step (its metrics begin there); a missing one is one line."""
+    from psarch.cli import main
+
+    (tmp_path / "trunk.toml").write_text(TINY.replace('"sw"', '"trunk"') + "checkpoint_every = 2\n")
+    assert main(["run", str(tmp_path / "trunk.toml"), "--out", str(tmp_path / "trunk"), "--quiet",
+                 "--set", "train.steps=2"]) == 0
+    (tmp_path / "fork.toml").write_text(TINY + '[sweep]\n"train.lr" = [0.01, 0.02]\n')
+    ckpt = tmp_path / "trunk" / "checkpoints" / "step_000002"
+    assert main(["run", str(tmp_path / "fork.toml"), "--out", str(tmp_path / "fork"), "--quiet",
+                 "--from", str(ckpt)]) == 0
+    for point in ("lr0.01", "lr0.02"):
+        rows = [json.loads(line) for line in (tmp_path / "fork" / point / "metrics.jsonl").read_text().splitlines()]
+        assert [r["step"] for r in rows] == [2, 3], point
+    capsys.readouterr()
+    assert main(["run", str(tmp_path / "fork.toml"), "--out", str(tmp_path / "fork2"), "--quiet",
+                 "--from", str(tmp_path / "nowhere")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--from" in err[0] and "nowhere" in err[0], err

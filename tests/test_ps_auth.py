@@ -72,6 +72,7 @@ def _requests(numel: int, worker: int) -> list[tuple[dict, torch.Tensor | None]]
             ({"op": "pushpull", "worker": worker, "step": 0, "version": 0, "offset": 0}, g.zero_()),
             ({"op": "pull", "worker": worker, "step": 0, "want": "float32"}, None),
             ({"op": "fetch", "worker": worker}, None),
+            ({"op": "save", "worker": worker, "step": 0, "path": "/tmp/elsewhere"}, None),
             ({"op": "done", "worker": worker}, None), ({"op": "done", "worker": 1 - worker}, None)]
 
 
@@ -122,7 +123,7 @@ def test_a_worker_acts_only_as_itself(serve, mechanism):
             assert "authenticated as worker 0" in r.header["message"]
             assert "version" not in r.header["message"] and "step" not in r.header["message"]
         assert torch.equal(srv.state.params.detach(), before)
-        assert srv.impostors == 5 and not srv.done and srv.last_seen is None
+        assert srv.impostors == 6 and not srv.done and srv.last_seen is None
         assert w0.ask({"op": "done", "worker": 0}).op == "ack" and srv.done == {0}
     finally:
         zctx.destroy(linger=0)

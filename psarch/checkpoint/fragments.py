@@ -14,6 +14,12 @@ import torch
 PARAM = "param"   # the key of a fragment's fp32 master value; the others are optimizer state names
 
 
+def private(key: str) -> bool:
+    """A key like "worker1/param" or "dc_backup/0" is a backend's own record over the parameter (a PS worker's
+    model, DC-ASGD's backups), read only by that backend: not optimizer state any other backend creates."""
+    return "/" in key
+
+
 @dataclass
 class Fragment:
     """Elements [offset, offset + numel) of the flattened parameter `name` (full shape `shape`), held here

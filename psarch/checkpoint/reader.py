@@ -22,7 +22,7 @@ class CheckpointError(ValueError):
 
 # what the writer ever writes: the metadata names files and dtypes, and a folder may come from anyone
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16, "int64": torch.int64}
-DATA_FILE = re.compile(r"rank\d+\.bin")
+DATA_FILE = re.compile(r"(rank|server)\d+\.bin")   # a worker's or a parameter server's
 
 
 def latest_complete(root: str | Path) -> Path | None:
@@ -48,7 +48,7 @@ class Checkpoint:
                                   f"expected {FORMAT!r} version {VERSION}")
         for name in meta["files"]:
             if not isinstance(name, str) or not DATA_FILE.fullmatch(name):
-                raise CheckpointError(f"{self.path / METADATA}: data file {name!r} is not a rankN.bin name")
+                raise CheckpointError(f"{self.path / METADATA}: data file {name!r} is not a rankN.bin or serverN.bin name")
         for e in meta["fragments"]:
             if e["file"] not in meta["files"]:
                 raise CheckpointError(f"{self.path / METADATA}: a fragment lies in {e['file']!r}, not a listed file")

@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 from psarch.checkpoint import rng
-from psarch.checkpoint.fragments import PARAM, Pieces
+from psarch.checkpoint.fragments import PARAM, Pieces, private
 from psarch.dist import DistContext
 
 FORMAT, VERSION = "psarch-checkpoint", 1
@@ -43,21 +43,30 @@ def save(pieces: Pieces, ctx: DistContext, root: Path, step: int, config: dict[s
         shutil.rmtree(tmp, ignore_errors=True)  # an earlier attempt's leftovers
         tmp.mkdir(parents=True)
     _barrier(ctx)
-    _write_rank(pieces, tmp, ctx.rank, rng.capture(ctx.device))
-    # the rows a resumed run starts its metrics with, so none is lost or repeated
-    (tmp / f"rows{ctx.rank}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows or []))
+    write_part(pieces, tmp, f"rank{ctx.rank}", rng.capture(ctx.device))
+    write_rows(tmp, ctx.rank, rows)
     _barrier(ctx)
     if ctx.rank == 0:
-        _merge(tmp, ctx.world_size, step, config, pieces)
-        if final.exists():
-            shutil.rmtree(final)
-        os.replace(tmp, final)
-        _fsync_dir(root)
-        if keep > 0:
-            for old in complete_checkpoints(root)[:-keep]:
-                shutil.rmtree(old, ignore_errors=True)
+        merge(tmp, [f"rank{r}" for r in range(ctx.world_size)], step, config, pieces.params, pieces.state)
+        publish(tmp, final, keep)
     _barrier(ctx)  # no rank reports the checkpoint written before it is
     return final
+
+
+def write_rows(folder: Path, rank: int, rows: list[dict[str, Any]] | None) -> None:
+    """rows{rank}.jsonl: the rows a resumed run starts its metrics with, so none is lost or repeated."""
+    (folder / f"rows{rank}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows or []))
+
+
+def publish(tmp: Path, final: Path, keep: int) -> None:
+    """Rename a merged temporary folder to its final name, then keep the newest `keep` (0: all)."""
+    if final.exists():
+        shutil.rmtree(final)
+    os.replace(tmp, final)
+    _fsync_dir(final.parent)
+    if keep > 0:
+        for old in complete_checkpoints(final.parent)[:-keep]:
+            shutil.rmtree(old, ignore_errors=True)
 
 
 def _barrier(ctx: DistContext) -> None:
@@ -65,10 +74,11 @@ def _barrier(ctx: DistContext) -> None:
         dist.barrier(group=ctx.group)
 
 
-def _write_rank(pieces: Pieces, folder: Path, rank: int, generators: dict[str, str]) -> None:
-    """rank{r}.bin: the fragments' tensors back to back, raw; rank{r}.json: where each lies, size, sha256,
-    and the rank's generator states."""
-    name = f"rank{rank}.bin"
+def write_part(pieces: Pieces, folder: Path, part: str, generators: dict[str, str] | None = None) -> None:
+    """{part}.bin: the fragments' tensors back to back, raw; {part}.json: where each lies, size, sha256, the
+    part's own JSON state and (a rank) its generator states. `part` is rankN (a worker) or serverN (a
+    parameter server)."""
+    name = f"{part}.bin"
     digest, pos, entries = hashlib.sha256(), 0, []
     with open(folder / name, "wb") as f:
         for frag in pieces.fragments:
@@ -81,24 +91,33 @@ def _write_rank(pieces: Pieces, folder: Path, rank: int, generators: dict[str, s
                 pos += len(data)
         f.flush()
         os.fsync(f.fileno())
-    scalars = {frag.name: frag.scalars for frag in pieces.fragments}
-    (folder / f"rank{rank}.json").write_text(json.dumps(
+    # a backend's own records (private keys) carry no optimizer numbers of the parameter
+    scalars = {frag.name: frag.scalars for frag in pieces.fragments if PARAM in frag.tensors}
+    (folder / f"{part}.json").write_text(json.dumps(
         {"file": name, "bytes": pos, "sha256": digest.hexdigest(), "entries": entries, "scalars": scalars,
-         "rng": generators}))
+         "state": pieces.state, **({"rng": generators} if generators is not None else {})}))
 
 
-def _merge(folder: Path, world_size: int, step: int, config: dict[str, Any], pieces: Pieces) -> None:
-    """metadata.json from the ranks' indices, after checking every parameter is covered exactly once."""
+def part_state(folder: Path, part: str) -> dict[str, Any]:
+    """The JSON state a part wrote beside its fragments (read before merge, which removes the part index)."""
+    return json.loads((folder / f"{part}.json").read_text())["state"]
+
+
+def merge(folder: Path, parts: list[str], step: int, config: dict[str, Any], shapes: dict[str, tuple[int, ...]],
+          state: dict[str, Any]) -> None:
+    """metadata.json from the parts' indices, after checking every parameter is covered exactly once; files
+    in the folder that no part wrote (an earlier attempt's) are removed."""
     files, entries, scalars, generators = {}, [], {}, {}
-    for r in range(world_size):
-        part = json.loads((folder / f"rank{r}.json").read_text())
+    for name in parts:
+        part = json.loads((folder / f"{name}.json").read_text())
         files[part["file"]] = {"bytes": part["bytes"], "sha256": part["sha256"]}
-        generators[str(r)] = part["rng"]
+        if "rng" in part:   # by rank number, as Checkpoint.restore_rng looks it up
+            generators[name.removeprefix("rank")] = part["rng"]
         entries += part["entries"]
         scalars.update(part["scalars"])
     dtypes = {e["name"]: e["dtype"] for e in entries if e["key"] == PARAM}
     params = {name: {"shape": list(shape), "numel": int(torch.Size(shape).numel()), "dtype": dtypes.get(name),
-                     "scalars": scalars.get(name, {})} for name, shape in pieces.params.items()}
+                     "scalars": scalars.get(name, {})} for name, shape in shapes.items()}
     covered: dict[str, int] = {}
     keys: set[str] = set()
     for e in entries:
@@ -109,15 +128,20 @@ def _merge(folder: Path, world_size: int, step: int, config: dict[str, Any], pie
         if covered.get(name) != p["numel"]:  # a backend's fragments overlap or leave a gap: its bug, say so
             raise RuntimeError(f"checkpoint step {step}: parameter {name!r} has {covered.get(name, 0)} of "
                                f"{p['numel']} elements written")
-    meta = {"format": FORMAT, "version": VERSION, "step": step, "world_size": world_size,
-            "state_keys": sorted(keys - {PARAM}), "params": params, "files": files, "state": pieces.state,
-            "rng": generators, "config": config, "fragments": entries}
+    meta = {"format": FORMAT, "version": VERSION, "step": step, "world_size": len(parts),
+            "state_keys": sorted(k for k in keys - {PARAM} if not private(k)), "params": params, "files": files,
+            "state": state, "rng": generators,
+            "config": config, "fragments": entries}
     with open(folder / METADATA, "w") as f:
         f.write(json.dumps(meta, indent=1) + "\n")
         f.flush()
         os.fsync(f.fileno())
-    for r in range(world_size):
-        (folder / f"rank{r}.json").unlink()
+    for name in parts:
+        (folder / f"{name}.json").unlink()
+    rows = {f"rows{p.removeprefix('rank')}.jsonl" for p in parts if p.startswith("rank")}
+    for leftover in folder.iterdir():
+        if leftover.name not in files and leftover.name not in rows and leftover.name != METADATA:
+            leftover.unlink()
 
 
 def _fsync_dir(path: Path) -> None:

@@ -12,6 +12,7 @@ back, over ZeroMQ (ROUTER on servers, DEALER on workers) with a msgpack header a
     worker.py      the backend's trainer class: PSTrainer, or RowPSTrainer with backend.embeddings = "rows"
     rows.py        embedding tables sharded by row over the servers (keys, shards); row_server.py serves
                    them, row_optim.py updates them row-wise, sparse_worker.py / row_cache.py are the worker's side
+    snapshot.py    checkpoints: servers write their ranges, workers what they hold; the `save` barrier
     services.py    starting, watching and stopping the servers of a local run
     standalone.py  `psarch server`: one server as its own process, for runs across machines
     layout.py      server ranges, the flat layout, model.pt from the flat vector

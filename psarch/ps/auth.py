@@ -176,6 +176,17 @@ def server_socket(sock: zmq.Socket, creds: Credentials, server: int) -> None:
         sock.curve_server, sock.curve_publickey, sock.curve_secretkey = True, public, secret
 
 
+def stranger(creds: Credentials, frame: Any, worker: Any) -> str | None:
+    """Why a request whose first frame is `frame` may not act as the worker it names (None: it may). Without
+    auth ("none", loopback only) every request may."""
+    if creds.mechanism == "none":
+        return None
+    user = frame.get("User-Id") if hasattr(frame, "get") else None
+    if not user or str(worker) != user:
+        return f"this connection is authenticated as worker {user or '?'}: it may act only as itself"
+    return None
+
+
 def _read(path: Path) -> str:
     try:
         return path.read_text().strip()

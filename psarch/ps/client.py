@@ -16,7 +16,7 @@ from psarch.ps.errors import NonFinitePush, PSError
 
 # What each request is answered with.
 REPLY_TO = {"init": "ack", "push": "ack", "pull": "params", "pushpull": "params", "fetch": "params", "done": "ack",
-            "rowpull": "rows", "rowpush": "ack", "rowfetch": "rows"}
+            "rowpull": "rows", "rowpush": "ack", "rowfetch": "rows", "save": "ack"}
 
 
 @dataclass

@@ -31,6 +31,8 @@ class ServerControl:
                                   + (" x backend.k_steps)" if self.mode == "geo" else ")"))
             if self.stopping:
                 return
+        if self._save_overdue(now):
+            return
         if self.barrier and self.round_pushed and now - self.round_since > t:
             missing = sorted(self._live() - self.round_pushed)
             what = "gradients" if self.mode == "sync" else "deltas"

@@ -50,3 +50,18 @@ def initial_flat(cfg: Config) -> torch.Tensor:
     with _SEED_LOCK:  # build_workload seeds torch's global generator: servers run as threads must take turns
         model = build_workload(cfg).model.to(compute_dtype(cfg.train.precision))
     return torch.cat([p.detach().reshape(-1).float() for p in trainable(model)])
+
+
+def param_layout(cfg: Config) -> list[tuple[str, torch.Size, int]]:
+    """Each trainable parameter's name, shape and offset in the flat vector (what a checkpoint is keyed by);
+    the model is built on the meta device, so it costs no memory."""
+    from psarch.workload import build_workload
+
+    with _SEED_LOCK:
+        model = build_workload(cfg, device="meta").model
+    names = {id(p): n for n, p in model.named_parameters()}
+    out, pos = [], 0
+    for p in trainable(model):
+        out.append((names[id(p)], p.shape, pos))
+        pos += p.numel()
+    return out

@@ -4,7 +4,7 @@ The servers of a run build the initial parameters from the config themselves (`i
 follows from the total size and this server's index). Requests (see wire.py): `init` (only for a
 server started without parameters: a client sends them), `push` (gradients, or deltas in geo),
 `pull` (the parameters for the worker's next step; answered when the mode allows), `pushpull` (both
-in one message: what workers send each step), `fetch` (an fp32 snapshot at once), `done`.
+in one message: what workers send each step), `fetch` (an fp32 snapshot at once), `done`, `save` (snapshot.py).
 Every request gets exactly one reply, in order: `ack`, `params` or `error`. A request that fails any
 check gets an error reply and changes nothing; only the sync/ssp/geo-barrier timeouts fail the server
 (and a bug caught while a request was being applied: the state can no longer be trusted).
@@ -51,20 +51,22 @@ from psarch.ps import auth, wire
 from psarch.ps.auth import Credentials
 from psarch.ps.control import ServerControl
 from psarch.ps.pulls import TRACE_LIMIT, PullQueue, _Pull
+from psarch.ps.snapshot import ServerSnapshots
 from psarch.ps.errors import NonFinitePush, PSError
 from psarch.ps.layout import server_ranges
 from psarch.ps.updates import RangeState
 
 
 
-class ParameterServer(PullQueue, ServerControl):
+class ParameterServer(PullQueue, ServerControl, ServerSnapshots):
     """Serve one range of the parameters until `stop()` (or a `stop` command on the control pipe)."""
 
     def __init__(self, index: int, cfg: Config, host: str = "127.0.0.1", port: int = 0,
                  control: Any = None, exit_when_done: bool = False, creds: Credentials | None = None,
-                 numel: int | None = None) -> None:
+                 numel: int | None = None, checkpoints: Any = None) -> None:
         """creds: who may connect (None: from backend.auth and backend.keys, as a standalone server);
-        numel: the parameter count, when known before the socket binds (caps a frame at this range)."""
+        numel: the parameter count, when known before the socket binds (caps a frame at this range);
+        checkpoints: the run's checkpoint folder, the only place a `save` may write (None: no saves)."""
         b = cfg.backend
         self.index, self.cfg, self.workers, self.mode = index, cfg, b.world_size, b.mode
         self.barrier = b.mode == "sync" or (b.mode == "geo" and b.geo_barrier)
@@ -120,6 +122,7 @@ class ParameterServer(PullQueue, ServerControl):
         self.changing = False                    # the current request has started to change the state
         self.current: bytes | None = None        # the identity of the request being handled
         self.current_answered = False            # ... and whether it has had its one reply
+        self._init_snapshots(checkpoints)
 
     # ------------------------------------------------------------------ loop
 
@@ -165,7 +168,7 @@ class ParameterServer(PullQueue, ServerControl):
             text = str(e) if isinstance(e, wire.WireError) else f"undecodable message ({type(e).__name__}: {e})"
             return self._error(ident, "invalid", text)
         self.meter.add(msg.op, 0, size)
-        stranger = self._stranger(body, msg)
+        stranger = auth.stranger(self.creds, body[0], msg.header.get("worker"))
         if stranger:   # a worker acts only as itself; the reply tells it nothing of the state
             self.impostors += 1
             return self._error(ident, msg.op, stranger)
@@ -189,16 +192,6 @@ class ParameterServer(PullQueue, ServerControl):
                 self._fail(f"{text} (while applying {msg.op!r} of worker {msg.header.get('worker')})")
             if not self.current_answered:  # every request gets exactly one reply
                 self._error(ident, msg.op, text)
-
-    def _stranger(self, body: list, msg: wire.Message) -> str | None:
-        """Why this request may not act as the worker it names (None: it may). Without auth ("none",
-        loopback only) every request may."""
-        if self.creds.mechanism == "none":
-            return None
-        user = body[0].get("User-Id") if hasattr(body[0], "get") else None
-        if not user or str(msg.header.get("worker")) != user:
-            return f"this connection is authenticated as worker {user or '?'}: it may act only as itself"
-        return None
 
     def _heard(self, worker: Any) -> None:
         if not self.watch_silence or not isinstance(worker, int) or not 0 <= worker < self.workers:
@@ -389,4 +382,5 @@ class ParameterServer(PullQueue, ServerControl):
         if self.state is not None and self.failure is None:
             self._complete_round()
             self._serve_pending()
+            self._save_if_all()
         self._exit_if_over()

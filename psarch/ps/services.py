@@ -25,8 +25,9 @@ from typing import Any
 
 import torch
 
+from psarch.checkpoint.start import CHECKPOINTS
 from psarch.cluster import Loopback, Placement
-from psarch.config import Config, from_dict
+from psarch.config import Config, ConfigError, from_dict
 from psarch.lifecycle import die_with_parent
 from psarch.ps.auth import KEYGEN_HINT, AuthError, Credentials, check_folder, mechanism, remove, run_credentials
 from psarch.ps.errors import ServiceError
@@ -35,8 +36,9 @@ START_TIMEOUT_S = 120.0
 
 
 def _server_main(index: int, cfg_dict: dict, host: str, conn: Any, threads: int | None, build: bool,
-                 creds: dict) -> None:
-    """Entry point of one server (process or thread)."""
+                 creds: dict, checkpoints: str | None = None, start: str | None = None) -> None:
+    """Entry point of one server (process or thread): `checkpoints`, the folder its saves go to; `start`, the
+    checkpoint it starts from."""
     if threads is not None:  # a process of its own: it must not outlive the launcher
         die_with_parent()
     server = None
@@ -52,9 +54,14 @@ def _server_main(index: int, cfg_dict: dict, host: str, conn: Any, threads: int 
         else:
             flat = initial_flat(cfg) if build else None
             server = ParameterServer(index, cfg, host, 0, control=conn, creds=Credentials.from_dict(creds),
-                                     numel=flat.numel() if flat is not None else None)
+                                     numel=flat.numel() if flat is not None else None, checkpoints=checkpoints)
             if flat is not None:
                 server.initialize(flat)
+                if start is not None:   # the launcher verified it against its metadata and the model
+                    from psarch.checkpoint import Checkpoint
+                    ckpt = Checkpoint(start)
+                    server.restore(ckpt)
+                    ckpt.close()
         conn.send_bytes(json.dumps({"event": "ready", "address": server.address}).encode())
         server.serve()
     except BaseException as e:  # report, never hang the launcher
@@ -72,8 +79,11 @@ class LocalServers:
     """S servers on this machine, one process each (threads=True: threads of this process, for tests)."""
 
     def __init__(self, cfg: Config, out_dir: str | Path | None = None, threads: bool = False,
-                 build_model: bool = True, where: Placement | None = None) -> None:
+                 build_model: bool = True, where: Placement | None = None, start: str | Path | None = None) -> None:
         self.cfg, self.out_dir = cfg, Path(out_dir) if out_dir is not None else None
+        # a server writes checkpoints only under its run's folder, and only when the run writes them
+        ckpts = str(self.out_dir / CHECKPOINTS) if self.out_dir is not None and cfg.train.checkpoint_every else None
+        begin = str(start) if start is not None else None
         self.lost: list[dict[str, Any]] = []
         self.failure: str | None = None
         self.stopped_since: dict[int, float] = {}
@@ -90,10 +100,11 @@ class LocalServers:
                 host = where.host("server", i, cfg.backend.host)
                 if threads:
                     w: Any = threading.Thread(target=_server_main, name=f"psarch-server{i}", daemon=True,
-                                              args=(i, cfg.to_dict(), host, child, None, build_model, creds.to_dict()))
+                                              args=(i, cfg.to_dict(), host, child, None, build_model,
+                                                    creds.to_dict(), ckpts, begin))
                 else:
                     w = ctx.Process(target=_server_main, name=f"psarch-server{i}",
-                                    args=(i, cfg.to_dict(), host, child, 1, build_model, creds.to_dict()))
+                                    args=(i, cfg.to_dict(), host, child, 1, build_model, creds.to_dict(), ckpts, begin))
                 with where.node("server", i):
                     w.start()
                 if not threads:
@@ -104,7 +115,8 @@ class LocalServers:
         except BaseException:
             self.stop()
             raise
-        self.info = {"addresses": addresses, "auth": creds.to_dict()}
+        # restored: the servers start from a checkpoint, so a worker takes its state from it, not a first pull
+        self.info = {"addresses": addresses, "auth": creds.to_dict(), "restored": start is not None}
 
     def _wait_event(self, i: int, kind: str, timeout: float) -> dict[str, Any]:
         deadline = time.monotonic() + timeout
@@ -259,19 +271,22 @@ class RemoteServers:
         pass
 
 
-def start_services(cfg: Config, out_dir: Any = None, threads: bool = False,
-                   build_model: bool = True, where: Placement | None = None) -> LocalServers | RemoteServers:
+def start_services(cfg: Config, out_dir: Any = None, threads: bool = False, build_model: bool = True,
+                   where: Placement | None = None, start: Any = None) -> LocalServers | RemoteServers:
     """The servers of a run (build_model=False: servers that wait for an `init`, for benchmarks;
-    `where`: the run's placement, psarch.cluster)."""
+    `where`: the run's placement, psarch.cluster; `start`: the checkpoint they start from)."""
     b = cfg.backend
     if b.server_addresses:
+        if start is not None or cfg.train.checkpoint_every:
+            raise ConfigError("backend.server_addresses: servers started with `psarch server` have no run folder "
+                              "to write or read checkpoints in (train.checkpoint_every, --resume, --from)")
         return RemoteServers(cfg)
     world, local = os.environ.get("WORLD_SIZE"), os.environ.get("LOCAL_WORLD_SIZE")
     if world and local and world != local and not b.keys and mechanism(b.auth, b.host) != "none":
         # torchrun across machines: fresh per-run credentials would exist on this machine only
         raise AuthError(f"torchrun across machines (WORLD_SIZE {world}, LOCAL_WORLD_SIZE {local}): the servers' "
                         f"credentials must be on every machine; {KEYGEN_HINT}")
-    return LocalServers(cfg, out_dir, threads, build_model, where)
+    return LocalServers(cfg, out_dir, threads, build_model, where, start)
 
 
 def summarize(stats: list[dict[str, Any]], lost: list[dict[str, Any]]) -> dict[str, Any]:

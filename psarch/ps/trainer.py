@@ -13,11 +13,13 @@ verdict with the push, so that every server skips the same steps.
 from __future__ import annotations
 
 import time
+from pathlib import Path
 from typing import Any
 
 import torch
 
-from psarch.config import Config
+from psarch.checkpoint import Checkpoint, Pieces
+from psarch.config import Config, ConfigError
 from psarch.dist import DistContext
 from psarch.errors import check_loss
 from psarch.flat import FlatParams
@@ -26,12 +28,10 @@ from psarch.precision import MixedPrecisionOptimizer, compute_dtype, has_inf_or_
 from psarch.ps import wire
 from psarch.ps.client import PSClient, Request
 from psarch.ps.layout import server_ranges, state_from_flat, trainable
+from psarch.ps.snapshot import restore_worker, save_worker, worker_pieces
 from psarch.trainer import MemoryReport, StepStats, Trainer, TrafficReport
 from psarch.workload import Workload
 
-
-NO_RESUME = ("backend.kind = \"ps\": a worker cannot save or resume a run on its own (the servers hold the "
-             "parameters, optimizer state and versions); start the run again")
 
 
 class PSTrainer(Trainer):
@@ -39,11 +39,15 @@ class PSTrainer(Trainer):
 
     synchronous = False           # no process group: the progress line shows rank 0's own loss
     needs_process_group = False   # async workers must not be tied together by a group that hangs when one dies
+    checkpoints = True            # servers and workers write their parts; psarch/ps/snapshot.py
 
     @classmethod
-    def start_services(cls, cfg: Config, out_dir: Any, where: Any = None) -> Any:
+    def start_services(cls, cfg: Config, out_dir: Any, where: Any = None, start: Any = None) -> Any:
         from psarch.ps.services import start_services
-        return start_services(cfg, out_dir, where=where)
+        if start is not None and cfg.backend.embeddings == "rows":
+            raise ConfigError(f"--resume/--from {start}: backend.embeddings = \"rows\" keeps row tables on the "
+                              f"servers, which checkpoints do not hold yet")
+        return start_services(cfg, out_dir, where=where, start=start)
 
     @staticmethod
     def tolerates_lost_workers(cfg: Config) -> bool:
@@ -63,6 +67,8 @@ class PSTrainer(Trainer):
                                f"({addresses}); run through `psarch run`, or list every server in "
                                f"backend.server_addresses")
         self.ranges = server_ranges(self.flat.numel, b.servers)
+        names = {id(p): n for n, p in self.model.named_parameters()}
+        self.layout = [(names[id(p)], p.shape, o) for p, o in zip(self.flat.params, self.flat.offsets)]
         self.client = PSClient(addresses, ctx.rank, b.timeout_s, ctx.services.get("auth"), b.heartbeat_s,
                                b.heartbeat_timeout_s)
         self.wire_dtype = wire.DTYPE_NAMES[self.dtype]
@@ -72,7 +78,8 @@ class PSTrainer(Trainer):
         self.loss_scale = 1.0
         self.steps = 0        # steps taken
         self.rounds = 0       # geo: deltas pushed
-        self._pull_only(0)  # the servers built the same initial model from the config: nothing to send
+        if not ctx.services.get("restored"):   # else load_checkpoint sets the state
+            self._pull_only(0)  # the servers built the same initial model from the config: nothing to send
         self.local = self.synced = None
         if self.mode == "geo":
             self.local = MixedPrecisionOptimizer([self.flat.data], cfg.train, cfg.train.precision)
@@ -169,13 +176,16 @@ class PSTrainer(Trainer):
         self.client.exchange([[Request({"op": "done"})] for _ in self.ranges])
         return state
 
-    # The servers hold the parameters, the optimizer state and the versions every push must name: a
-    # worker's own state can neither be saved nor resumed as a run's state without theirs.
-    def state_dict(self) -> dict[str, Any]:
-        raise NotImplementedError(NO_RESUME)
+    def checkpoint_pieces(self, writing: bool = True) -> Pieces:
+        """This worker's part of a checkpoint (the servers write the parameters and optimizer state)."""
+        return worker_pieces(self)
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        raise NotImplementedError(NO_RESUME)
+    def write_checkpoint(self, ctx: DistContext, root: Path, step: int, config: dict[str, Any], keep: int,
+                         rows: list[dict[str, Any]] | None) -> Path:
+        return save_worker(self, root, step, config, keep, rows)
+
+    def load_checkpoint(self, ckpt: Checkpoint) -> None:
+        restore_worker(self, ckpt)
 
     def memory(self) -> MemoryReport:
         peak, kind = peak_memory(self.ctx.device)

@@ -39,7 +39,8 @@ DTYPES: dict[str, torch.dtype] = {
 DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
 
 # op -> (required fields, optional fields, tensor: "required" | "forbidden" | "keyed" (keys, then the tensor))
-# Requests (worker -> server): init, push, pull, pushpull (= push + pull in one message), fetch, done;
+# Requests (worker -> server): init, push, pull, pushpull (= push + pull in one message), fetch, done,
+# save (write this server's part of checkpoint `step` into `path`, once every worker has asked; snapshot.py);
 # with backend.embeddings = "rows" (psarch/ps/rows.py): rowpull (the tensor is the int64 keys wanted),
 # rowpush (keyed: keys + their rows' gradients or deltas), rowfetch. Replies: ack, params, rows, error.
 _INT, _FLOAT, _STR, _BOOL = "int", "float", "str", "bool"
@@ -56,6 +57,7 @@ SCHEMA: dict[str, tuple[dict[str, str], dict[str, str], str]] = {
     "rowfetch": ({"worker": _INT}, {}, "forbidden"),
     "rows": ({"version": _INT}, {}, "required"),
     "done": ({"worker": _INT}, {}, "forbidden"),
+    "save": ({"worker": _INT, "step": _INT, "path": _STR}, {}, "forbidden"),
     "ack": ({"version": _INT}, {"staleness": _INT, "skipped": _BOOL}, "forbidden"),
     "params": ({"version": _INT, "offset": _INT},
                {"scale": _FLOAT, "ahead": _INT, "skipped": _BOOL, "staleness": _INT}, "required"),

@@ -1,0 +1,115 @@
+"""The runs test_ps_checkpoint.py looks at: two workers, two servers (threads of the test process), a tiny GPT.
+Stage 1 runs every case 6 steps with a checkpoint every 3. Stage 2 resumes the sync cases from step 3 to 6,
+restores each timing-dependent case (async with DC-ASGD, SSP, GEO mid-round) and writes the restored state
+again as checkpoint 3 of another folder, and forks the sync checkpoint onto ddp, async and GEO."""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+
+import checkpoint_runs as cr
+from psarch.checkpoint import Checkpoint
+from psarch.config import from_dict
+from psarch.dist import DistContext
+from psarch.ps.services import start_services
+from psarch.ps.trainer import PSTrainer
+from psarch.runner import run_rank
+from psarch.workload import build_workload
+from ps_setup import ps
+
+N, SERVERS, STEPS, AT = 2, 2, 6, 3
+CASES = {"sync-fp32": ("fp32", {}), "sync-fp16": ("fp16", {}),
+         "async-dc": ("fp32", {"mode": "async", "staleness_compensation": "dc"}),
+         "ssp": ("fp32", {"mode": "ssp", "staleness_bound": 1}),
+         "geo": ("fp32", {"mode": "geo", "k_steps": 2})}   # checkpoint 3 falls mid-round: local != synced
+EXACT = [c for c in CASES if c.startswith("sync")]
+RESTORED = [c for c in CASES if c not in EXACT]
+FORKS = {"sync-to-async": "async-dc", "sync-to-geo": "geo"}   # sync-fp32's checkpoint continued in these modes
+
+
+def config(name: str, case: str, **train: Any) -> dict:
+    precision, backend = CASES[case]
+    return cr.config(name, precision, ps(N, servers=SERVERS, **backend), N, steps=STEPS, **train)
+
+
+def checkpoint(out: Path, case: str) -> Path:
+    return out / case / "checkpoints" / f"step_{AT:06d}"
+
+
+def _ctx(rank: int, info: dict, group: bool = False) -> DistContext:
+    ctx = DistContext(rank, N, rank, torch.device("cpu"), "gloo" if group else None)
+    ctx.services = info
+    return ctx
+
+
+def _rows(record: dict) -> list[dict]:
+    return [{k: r.get(k) for k in cr.ROW_KEYS} for r in record["rows"]]
+
+
+def straight(rank: int, n: int, out: str, infos: dict) -> dict:
+    o, results = Path(out), {}
+    for case in CASES:
+        record = run_rank(from_dict(config(case, case, checkpoint_every=AT)), _ctx(rank, infos[case]), echo=False,
+                          checkpoints=o / case / "checkpoints")
+        if rank == 0:
+            torch.save(record["model_state"], o / f"{case}.pt")
+        results[case] = _rows(record)
+    return results
+
+
+def _restore_and_save(rank: int, o: Path, case: str, info: dict) -> list[float]:
+    """Restore a worker from the checkpoint, write its state again as checkpoint 3 under `case-again`, step on."""
+    cfg = from_dict(config(f"{case}-again", case, checkpoint_every=AT))
+    workload = build_workload(cfg)
+    trainer = PSTrainer(workload, cfg, _ctx(rank, info))
+    ckpt = Checkpoint(checkpoint(o, case))
+    try:
+        trainer.load_checkpoint(ckpt)
+        trainer.write_checkpoint(_ctx(rank, info), o / f"{case}-again" / "checkpoints", AT, cfg.to_dict(), 0,
+                                 ckpt.rows(rank))
+        losses = [trainer.step(workload.batch(s, rank, N)).loss for s in range(AT, STEPS)]
+        trainer.full_state_dict()
+    finally:
+        ckpt.close()
+        trainer.close()
+    return losses
+
+
+def resumed(rank: int, n: int, out: str, infos: dict) -> dict:
+    o, results = Path(out), {}
+    for case in EXACT:
+        record = run_rank(from_dict(config(f"{case}-resumed", case)), _ctx(rank, infos[case]), echo=False,
+                          start=checkpoint(o, case), resume=True)
+        if rank == 0:
+            torch.save(record["model_state"], o / f"{case}-resumed.pt")
+        results[case] = _rows(record)
+    for case in RESTORED:
+        results[case] = _restore_and_save(rank, o, case, infos[case])
+    for fork, case in FORKS.items():   # to step 6, checkpointed there
+        run_rank(from_dict(config(fork, case, checkpoint_every=AT)), _ctx(rank, infos[fork]), echo=False,
+                 start=checkpoint(o, "sync-fp32"), checkpoints=o / fork / "checkpoints")
+    # the sync checkpoint forks onto ddp (this group is a gloo group)
+    data = cr.config("ps-to-ddp", "fp32", {"kind": "ddp", "comm": "ring", "world_size": N}, N, steps=STEPS)
+    record = run_rank(from_dict(data), _ctx(rank, {}, group=True), echo=False, start=checkpoint(o, "sync-fp32"))
+    if rank == 0:
+        torch.save(record["model_state"], o / "ps-to-ddp.pt")
+    return results
+
+
+def servers(out: Path, stage: str) -> dict:
+    """Each case's servers for a stage, started from step 3's checkpoint in stage 2."""
+    started = {}
+    if stage != "straight":
+        for fork, case in FORKS.items():
+            started[fork] = start_services(from_dict(config(fork, case, checkpoint_every=AT)), out / fork,
+                                           threads=True, start=checkpoint(out, "sync-fp32"))
+    for case in CASES if stage == "straight" else EXACT + RESTORED:
+        folder, start = (case, None) if stage == "straight" else (
+            f"{case}-resumed" if case in EXACT else f"{case}-again", checkpoint(out, case))
+        every = AT if stage == "straight" or case in RESTORED else 0
+        started[case] = start_services(from_dict(config(folder, case, checkpoint_every=every)), out / folder,
+                                       threads=True, start=start)
+    return started
+
