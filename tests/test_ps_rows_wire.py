@@ -14,6 +14,7 @@ from psarch.config import from_dict
 from psarch.ps import auth, wire
 from psarch.ps.auth import Credentials
 from psarch.ps.client import PSClient, Request
+from psarch.ps.errors import PSError
 from psarch.ps.layout import server_ranges
 from psarch.ps.rows import dense_params
 from psarch.ps.services import start_services
@@ -168,4 +169,39 @@ def test_bad_row_requests_are_refused_and_change_nothing(mode):
         for s in socks.values():
             s.close(linger=0)
         zctx.term()
+        services.stop()
+
+
+def test_sync_refuses_rows_for_the_next_step_while_the_round_waits():
+    """A worker whose dense push of round s is in may not push rows for step s + 1 before the round ends:
+    they would be summed into round s (here row 0 would move by the whole gradient, not its mean)."""
+    cfg = from_dict(config("rowturn", base={"seed": 1, "workload": {
+        "model": "dlrm", "data": "clicks", "dlrm": {"num_tables": TABLES, "rows": ROWS, "dim": DIM, "bottom_mlp": [4],
+                                                     "top_mlp": [4]}, "clicks": {"dense": 3}},
+        "train": {"steps": 1, "global_batch": 4}}, train={"optimizer": "sgd", "lr": 0.5},
+        backend=ps(2, "sync", servers=1, embeddings="rows")))
+    services = start_services(cfg, None, threads=True)
+    addr, creds = services.info["addresses"], services.info["auth"]
+    w0, w1 = PSClient(addr, 0, 10.0, creds), PSClient(addr, 1, 10.0, creds)
+    numel = sum(p.numel() for p in dense_params(build_workload(cfg).model))
+
+    def rows() -> torch.Tensor:
+        req = Request({"op": "rowfetch"})
+        w0.exchange([[req]])
+        return req.into.clone()
+
+    def rowpush(step: int) -> Request:
+        return Request({"op": "rowpush", "step": step, "version": 0}, torch.ones(1, DIM), keys=torch.tensor([0]))
+
+    try:
+        init = rows()
+        w0.exchange([[rowpush(0)]])
+        w0.exchange([[Request({"op": "push", "step": 0, "version": 0, "offset": 0}, torch.zeros(numel))]])
+        with pytest.raises(PSError, match="rows for step 1 during the round of step 0, after its dense push"):
+            w0.exchange([[rowpush(1)]])
+        w1.exchange([[Request({"op": "push", "step": 0, "version": 0, "offset": 0}, torch.zeros(numel))]])
+        torch.testing.assert_close(rows()[0], init[0] - 0.5 * 1 / 2)   # lr x the mean over 2 workers
+    finally:
+        w0.close()
+        w1.close()
         services.stop()
