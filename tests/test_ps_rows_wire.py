@@ -205,3 +205,28 @@ def test_sync_refuses_rows_for_the_next_step_while_the_round_waits():
         w0.close()
         w1.close()
         services.stop()
+
+
+def test_geo_barrier_forgets_the_rows_of_a_worker_lost_before_its_dense_push():
+    """GEO with barrier: worker 1 pushes row deltas, then is lost before its dense push; the round ends with
+    worker 0 alone, and worker 1's rows must leave it as its dense delta does (driven by handle(), no thread)."""
+    from psarch.ps.row_server import row_server
+    cfg = from_dict(config("rowlost", base={"seed": 1, "workload": {
+        "model": "dlrm", "data": "clicks", "dlrm": {"num_tables": TABLES, "rows": ROWS, "dim": DIM, "bottom_mlp": [4],
+                                                     "top_mlp": [4]}, "clicks": {"dense": 3}},
+        "train": {"steps": 1, "global_batch": 4}}, train={"optimizer": "sgd", "lr": 0.5},
+        backend=ps(2, "geo", servers=1, embeddings="rows", geo_barrier=True, k_steps=1)))
+    srv = row_server(0, cfg, "127.0.0.1", 0, creds=Credentials("none"))
+    try:
+        init = srv.shard.rows.clone()
+        d0, d1 = torch.ones(1, DIM), 100 * torch.ones(1, DIM)
+        srv.handle([b"w0", *_keyed(torch.tensor([0]), d0, worker=0)])
+        srv.handle([b"w0", *[bytes(f) for f in wire.encode(
+            {"op": "push", "worker": 0, "step": 0, "version": 0, "offset": 0}, torch.zeros(srv.hi - srv.lo))]])
+        srv.handle([b"w1", *_keyed(torch.tensor([0]), d1, worker=1)])
+        assert srv.rejected == 0 and srv.state.version == 0
+        srv._lose(1, "silent")
+        assert srv.state.version == 1, "the round did not end without the lost worker"
+        torch.testing.assert_close(srv.shard.rows[0], init[0] + 2 * d0[0])   # the mean over the live worker: d0 x N/1
+    finally:
+        srv.close()

@@ -93,6 +93,12 @@ class RowServer(ParameterServer):
             self.shard.apply_round(1 / self.workers if self.mode == "sync" else self.workers / len(self.round_pushed))
         super()._complete_round()
 
+    def _lose(self, w: int, why: str) -> None:
+        # a worker lost between its rowpush and its dense push is not in the round: nor are its rows
+        if self.shard is not None and w not in self.lost and w not in self.round_pushed:
+            self.shard.drop(w)
+        super()._lose(w, why)
+
     def _on_rowfetch(self, ident: bytes, msg: wire.Message) -> None:
         self._worker(msg)
         self._send(ident, "rowfetch", {"op": "rows", "version": self.state.version}, self.shard.rows.clone())
