@@ -10,7 +10,7 @@ import pytest
 import torch
 import zmq
 
-from psarch.config import from_dict
+from psarch.config import Config, from_dict
 from psarch.ps import auth, wire
 from psarch.ps.auth import Credentials
 from psarch.ps.client import PSClient, Request
@@ -22,6 +22,21 @@ from psarch.workload import build_workload
 from ps_setup import config, ps
 
 DIM, ROWS, TABLES = 4, 50, 2        # keys 0..99; server 0 of 2 owns the even ones
+
+
+def _cfg(name: str, backend: dict) -> Config:
+    """A tiny dlrm run (2 tables x 50 rows x dim 4) with row-wise SGD at lr 0.5 on `backend`."""
+    return from_dict(config(name, base={"seed": 1, "workload": {
+        "model": "dlrm", "data": "clicks", "dlrm": {"num_tables": TABLES, "rows": ROWS, "dim": DIM, "bottom_mlp": [4],
+                                                     "top_mlp": [4]}, "clicks": {"dense": 3}},
+        "train": {"steps": 1, "global_batch": 4}}, train={"optimizer": "sgd", "lr": 0.5}, backend=backend))
+
+
+def _rowfetch(client: PSClient) -> torch.Tensor:
+    """Server 0's rows (in its local order)."""
+    req = Request({"op": "rowfetch"})
+    client.exchange([[req]] + [[] for _ in client.addresses[1:]])
+    return req.into.clone()
 
 
 def _keyed(keys: torch.Tensor, values: torch.Tensor, **header) -> list[bytes]:
@@ -110,11 +125,7 @@ def _bad_requests(rng: random.Random, count: int) -> list[list[bytes]]:
 
 @pytest.mark.parametrize("mode", ["sync", "async"])
 def test_bad_row_requests_are_refused_and_change_nothing(mode):
-    cfg = from_dict(config("rowfuzz", base={"seed": 1, "workload": {
-        "model": "dlrm", "data": "clicks", "dlrm": {"num_tables": TABLES, "rows": ROWS, "dim": DIM, "bottom_mlp": [4],
-                                                     "top_mlp": [4]}, "clicks": {"dense": 3}},
-        "train": {"steps": 1, "global_batch": 4}}, train={"optimizer": "sgd", "lr": 0.5},
-        backend=ps(2, mode, servers=2, embeddings="rows")))
+    cfg = _cfg("rowfuzz", ps(2, mode, servers=2, embeddings="rows"))
     services = start_services(cfg, None, threads=True)
     addr, creds = services.info["addresses"], services.info["auth"]
     zctx = zmq.Context()
@@ -127,22 +138,17 @@ def test_bad_row_requests_are_refused_and_change_nothing(mode):
             auth.client_socket(socks[w], Credentials.from_dict(creds), w, 0)
             socks[w].connect(addr[0])
 
-        def rows() -> torch.Tensor:
-            req = Request({"op": "rowfetch"})
-            w0.exchange([[req], []])
-            return req.into.clone()
-
-        init = rows()
+        init = _rowfetch(w0)
         g1 = torch.randn(2, DIM)
         w1.exchange([[Request({"op": "rowpush", "step": 0, "version": 0}, g1, keys=torch.tensor([0, 6]))], []])
-        base = rows()
+        base = _rowfetch(w0)
         for frames in _bad_requests(random.Random(0), 300):
             h = msgpack.unpackb(frames[0])
             sock = socks.get(h.get("worker"), socks[0])
             sock.send_multipart(frames)
             assert sock.poll(5000), f"no reply to {frames!r:.200}"
             assert wire.decode(sock.recv_multipart()).op == "error", h
-        assert torch.equal(rows(), base), "a refused request changed the rows"
+        assert torch.equal(_rowfetch(w0), base), "a refused request changed the rows"
         # a well-formed rowpull is answered with the rows asked for, in the keys' order
         pulled = Request({"op": "rowpull", "step": 0, "want": "float32"}, torch.tensor([0, 6, 98]))
         w0.exchange([[pulled], []])
@@ -153,7 +159,7 @@ def test_bad_row_requests_are_refused_and_change_nothing(mode):
         want = base.clone()
         if mode == "async":
             want[[3, 4]] -= 0.5 * g0
-        torch.testing.assert_close(rows(), want)
+        torch.testing.assert_close(_rowfetch(w0), want)
         if mode == "sync":   # the dense pushes of both workers end the round: the mean of the rows is applied
             numel = sum(p.numel() for p in dense_params(build_workload(cfg).model))
             for w, client in ((1, w1), (0, w0)):
@@ -162,7 +168,7 @@ def test_bad_row_requests_are_refused_and_change_nothing(mode):
             want = init.clone()
             want[[0, 3]] -= 0.5 * g1 / 2
             want[[3, 4]] -= 0.5 * g0 / 2
-            torch.testing.assert_close(rows(), want)
+            torch.testing.assert_close(_rowfetch(w0), want)
     finally:
         for c in (w0, w1):
             c.close()
@@ -175,32 +181,23 @@ def test_bad_row_requests_are_refused_and_change_nothing(mode):
 def test_sync_refuses_rows_for_the_next_step_while_the_round_waits():
     """A worker whose dense push of round s is in may not push rows for step s + 1 before the round ends:
     they would be summed into round s (here row 0 would move by the whole gradient, not its mean)."""
-    cfg = from_dict(config("rowturn", base={"seed": 1, "workload": {
-        "model": "dlrm", "data": "clicks", "dlrm": {"num_tables": TABLES, "rows": ROWS, "dim": DIM, "bottom_mlp": [4],
-                                                     "top_mlp": [4]}, "clicks": {"dense": 3}},
-        "train": {"steps": 1, "global_batch": 4}}, train={"optimizer": "sgd", "lr": 0.5},
-        backend=ps(2, "sync", servers=1, embeddings="rows")))
+    cfg = _cfg("rowturn", ps(2, "sync", servers=1, embeddings="rows"))
     services = start_services(cfg, None, threads=True)
     addr, creds = services.info["addresses"], services.info["auth"]
     w0, w1 = PSClient(addr, 0, 10.0, creds), PSClient(addr, 1, 10.0, creds)
     numel = sum(p.numel() for p in dense_params(build_workload(cfg).model))
 
-    def rows() -> torch.Tensor:
-        req = Request({"op": "rowfetch"})
-        w0.exchange([[req]])
-        return req.into.clone()
-
     def rowpush(step: int) -> Request:
         return Request({"op": "rowpush", "step": step, "version": 0}, torch.ones(1, DIM), keys=torch.tensor([0]))
 
     try:
-        init = rows()
+        init = _rowfetch(w0)
         w0.exchange([[rowpush(0)]])
         w0.exchange([[Request({"op": "push", "step": 0, "version": 0, "offset": 0}, torch.zeros(numel))]])
         with pytest.raises(PSError, match="rows for step 1 during the round of step 0, after its dense push"):
             w0.exchange([[rowpush(1)]])
         w1.exchange([[Request({"op": "push", "step": 0, "version": 0, "offset": 0}, torch.zeros(numel))]])
-        torch.testing.assert_close(rows()[0], init[0] - 0.5 * 1 / 2)   # lr x the mean over 2 workers
+        torch.testing.assert_close(_rowfetch(w0)[0], init[0] - 0.5 * 1 / 2)   # lr x the mean over 2 workers
     finally:
         w0.close()
         w1.close()
@@ -211,11 +208,7 @@ def test_geo_barrier_forgets_the_rows_of_a_worker_lost_before_its_dense_push():
     """GEO with barrier: worker 1 pushes row deltas, then is lost before its dense push; the round ends with
     worker 0 alone, and worker 1's rows must leave it as its dense delta does (driven by handle(), no thread)."""
     from psarch.ps.row_server import row_server
-    cfg = from_dict(config("rowlost", base={"seed": 1, "workload": {
-        "model": "dlrm", "data": "clicks", "dlrm": {"num_tables": TABLES, "rows": ROWS, "dim": DIM, "bottom_mlp": [4],
-                                                     "top_mlp": [4]}, "clicks": {"dense": 3}},
-        "train": {"steps": 1, "global_batch": 4}}, train={"optimizer": "sgd", "lr": 0.5},
-        backend=ps(2, "geo", servers=1, embeddings="rows", geo_barrier=True, k_steps=1)))
+    cfg = _cfg("rowlost", ps(2, "geo", servers=1, embeddings="rows", geo_barrier=True, k_steps=1))
     srv = row_server(0, cfg, "127.0.0.1", 0, creds=Credentials("none"))
     try:
         init = srv.shard.rows.clone()
