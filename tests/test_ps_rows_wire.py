@@ -4,6 +4,7 @@ processes: servers are threads of the test process, spoken to over raw DEALER so
 from __future__ import annotations
 
 import random
+import threading
 
 import msgpack
 import pytest
@@ -223,3 +224,29 @@ def test_geo_barrier_forgets_the_rows_of_a_worker_lost_before_its_dense_push():
         torch.testing.assert_close(srv.shard.rows[0], init[0] + 2 * d0[0])   # the mean over the live worker: d0 x N/1
     finally:
         srv.close()
+
+
+
+def test_a_rows_reply_of_other_rows_than_asked_is_a_one_line_error():
+    """A server (here a fake one) that answers a rowpull of 2 keys with 3 rows: the worker says so in a PSError."""
+    zctx = zmq.Context()
+    fake = zctx.socket(zmq.ROUTER)
+    fake.setsockopt(zmq.LINGER, 0)
+    port = fake.bind_to_random_port("tcp://127.0.0.1")
+
+    def answer() -> None:
+        ident = fake.recv_multipart()[0]
+        fake.send_multipart([ident, *wire.encode({"op": "rows", "version": 0}, torch.ones(3, DIM))])
+
+    server = threading.Thread(target=answer, daemon=True)
+    server.start()
+    client = PSClient([f"tcp://127.0.0.1:{port}"], 0, 5.0, Credentials("none"))
+    try:
+        req = Request({"op": "rowpull", "step": 0, "want": "float32"}, torch.tensor([0, 2]), into=torch.empty(2, DIM))
+        with pytest.raises(PSError, match="bad reply from server 0 to 'rowpull': .*payload is float32 \\[3, 4\\]"):
+            client.exchange([[req]])
+    finally:
+        server.join(5)
+        client.close()
+        fake.close(linger=0)
+        zctx.term()
