@@ -173,7 +173,8 @@ class ParameterServer(PullQueue, ServerControl, ServerSnapshots):
         if stranger:   # a worker acts only as itself; the reply tells it nothing of the state
             self.impostors += 1
             return self._error(ident, msg.op, stranger)
-        self._heard(msg.header["worker"] if "worker" in msg.header else None)
+        self._heard(msg.header.get("worker"))
+        self._save_heard(msg.header.get("worker"))
         self.changing = False
         self.current, self.current_answered = ident, False
         try:
