@@ -130,6 +130,7 @@ def test_save_outside_the_run_checkpoint_folder_or_at_a_wrong_step_is_refused(tm
     services, client = _serve(tmp_path, 1)
     try:
         for path, step, says in [(tmp_path / "elsewhere", 0, "is not this run's folder"),
+                                 (tmp_path / "nul\x00byte", 0, "is not this run's folder"),
                                  (tmp_path / "run" / "checkpoints" / ".tmp_step_000001" / "..", 1, "not this run"),
                                  (tmp_path / "run" / "checkpoints" / ".tmp_step_000002", 2, "has pushed 0 time")]:
             with pytest.raises(PSError, match=says):

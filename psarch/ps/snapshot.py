@@ -96,7 +96,11 @@ class ServerSnapshots:
         if self.state is None:
             raise PSError("save before init: no parameters yet")
         folder = self.checkpoints / f".tmp_step_{step:06d}"
-        if Path(msg.header["path"]).resolve() != folder:
+        try:
+            asked = Path(msg.header["path"]).resolve()
+        except (ValueError, OSError, RuntimeError):   # a NUL byte, a symlink loop: no folder of this run
+            asked = None
+        if asked != folder:
             raise PSError(f"save: path {msg.header['path']!r:.200} is not this run's folder for step {step} ({folder})")
         if self.saves and step != self.save_step:
             raise PSError(f"save: worker {w} asks for step {step}, other workers for step {self.save_step}")
