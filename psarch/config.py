@@ -210,6 +210,12 @@ def validate(cfg: Config) -> Config:
     t.betas = [float(x) for x in t.betas]
     if t.nesterov and (t.optimizer != "sgd" or t.momentum <= 0):
         raise ConfigError("train.nesterov = true: needs train.optimizer = \"sgd\" and train.momentum > 0")
+    if t.momentum and t.optimizer != "sgd":   # torch's AdamW and Adagrad take no momentum: it would be ignored
+        raise ConfigError(f"train.momentum = {t.momentum:g}: only train.optimizer = \"sgd\" has momentum, "
+                          f"not \"{t.optimizer}\"; set it to 0")
+    if t.initial_accumulator_value and t.optimizer != "adagrad":
+        raise ConfigError(f"train.initial_accumulator_value = {t.initial_accumulator_value:g}: only train.optimizer = "
+                          f"\"adagrad\" has an accumulator, not \"{t.optimizer}\"; set it to 0")
     if w.model == "gpt" and w.gpt.n_embd % w.gpt.n_head and not w.factory:
         raise ConfigError(f"workload.gpt.n_head = {w.gpt.n_head}: must divide workload.gpt.n_embd = {w.gpt.n_embd}")
     if w.data == "markov" and not w.factory and w.markov.branching > w.markov.vocab_size:

@@ -309,6 +309,19 @@ def test_nesterov_needs_sgd_with_momentum():
     assert cfg.train.nesterov
 
 
+@pytest.mark.parametrize("sets, names", [
+    (["train.optimizer=adagrad", "train.momentum=0.9"], ("train.momentum = 0.9", '"sgd"', '"adagrad"')),
+    (["train.optimizer=adamw", "train.momentum=0.5"], ("train.momentum = 0.5", '"sgd"', '"adamw"')),
+    (["train.optimizer=sgd", "train.initial_accumulator_value=0.1"],
+     ("train.initial_accumulator_value = 0.1", '"adagrad"', '"sgd"')),
+])
+def test_an_optimizer_option_the_optimizer_lacks_is_refused(sets, names):
+    """Momentum with Adagrad or AdamW, an accumulator with SGD or AdamW: torch would ignore it without a word."""
+    assert_names(error(None, sets), *names)
+    load_config(None, ["train.optimizer=adagrad", "train.initial_accumulator_value=0.1"])   # where they belong
+    load_config(None, ["train.optimizer=sgd", "train.momentum=0.9"])
+
+
 def test_invalid_toml_file(tmp_path):
     p = write(tmp_path / "broken.toml", "[train\nsteps = \n")
     msg = error(p)

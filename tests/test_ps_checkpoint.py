@@ -5,6 +5,7 @@ ddp and single; the `save` op's checks."""
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 
 import pytest
@@ -16,8 +17,12 @@ import ps_checkpoint_runs as pr
 from dist_utils import run_ranks
 from psarch.checkpoint import Checkpoint
 from psarch.config import from_dict
+from psarch.ps import wire
+from psarch.ps.auth import Credentials
 from psarch.ps.client import PSClient, Request
 from psarch.ps.errors import PSError
+from psarch.ps.layout import initial_flat
+from psarch.ps.server import ParameterServer
 from psarch.ps.services import start_services
 from ps_setup import config, ps
 
@@ -125,6 +130,7 @@ def test_save_outside_the_run_checkpoint_folder_or_at_a_wrong_step_is_refused(tm
     services, client = _serve(tmp_path, 1)
     try:
         for path, step, says in [(tmp_path / "elsewhere", 0, "is not this run's folder"),
+                                 (tmp_path / "nul\x00byte", 0, "is not this run's folder"),
                                  (tmp_path / "run" / "checkpoints" / ".tmp_step_000001" / "..", 1, "not this run"),
                                  (tmp_path / "run" / "checkpoints" / ".tmp_step_000002", 2, "has pushed 0 time")]:
             with pytest.raises(PSError, match=says):
@@ -144,3 +150,44 @@ def test_a_server_of_a_run_without_checkpoints_writes_none(tmp_path):
     finally:
         client.close()
         services.stop()
+
+
+def test_an_async_save_waits_for_a_worker_that_is_behind_while_it_pushes(tmp_path):
+    """async: worker 0 asks to save at step 3 while worker 1, still pushing, takes longer than timeout_s to get
+    there; the save waits for it and is written. A worker that says nothing for timeout_s fails the save.
+    (A server driven by handle() and _check_deadlines(); replies go to identities nobody holds.)"""
+    cfg = from_dict(config("slow", train={"optimizer": "sgd", "lr": 0.1}, workload={"model": "mlp"},
+                           backend=dict(ps(2, "async"), timeout_s=1.0)))
+    ckpts = tmp_path / "checkpoints"
+    srv = ParameterServer(0, cfg, creds=Credentials("none"), checkpoints=ckpts)
+    srv.initialize(initial_flat(cfg))
+
+    def send(w: int, header: dict, tensor: torch.Tensor | None = None) -> None:
+        srv.handle([f"w{w}".encode(), *[bytes(f) for f in wire.encode(dict(header, worker=w), tensor)]])
+
+    def push(w: int, step: int) -> None:
+        send(w, {"op": "push", "step": step, "version": 0, "offset": 0}, torch.zeros(srv.hi - srv.lo))
+
+    def save(w: int, step: int) -> None:
+        (ckpts / f".tmp_step_{step:06d}").mkdir(parents=True, exist_ok=True)
+        send(w, {"op": "save", "step": step, "path": str(ckpts / f".tmp_step_{step:06d}")})
+
+    try:
+        for step in range(3):
+            push(0, step)
+        save(0, 3)
+        for step in range(3):   # 1.2 s in all, 0.4 s between pushes
+            time.sleep(0.4)
+            srv._check_deadlines()
+            push(1, step)
+        save(1, 3)
+        assert srv.failure is None and srv.rejected == 0
+        assert (ckpts / ".tmp_step_000003" / "server0.json").exists()
+        for step in range(3, 6):
+            push(0, step)
+        save(0, 6)
+        time.sleep(1.2)
+        srv._check_deadlines()
+        assert srv.failure is not None and "no word from worker(s) [1] within 1 s" in srv.failure
+    finally:
+        srv.close()

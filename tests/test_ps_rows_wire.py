@@ -4,16 +4,18 @@ processes: servers are threads of the test process, spoken to over raw DEALER so
 from __future__ import annotations
 
 import random
+import threading
 
 import msgpack
 import pytest
 import torch
 import zmq
 
-from psarch.config import from_dict
+from psarch.config import Config, from_dict
 from psarch.ps import auth, wire
 from psarch.ps.auth import Credentials
 from psarch.ps.client import PSClient, Request
+from psarch.ps.errors import PSError
 from psarch.ps.layout import server_ranges
 from psarch.ps.rows import dense_params
 from psarch.ps.services import start_services
@@ -21,6 +23,21 @@ from psarch.workload import build_workload
 from ps_setup import config, ps
 
 DIM, ROWS, TABLES = 4, 50, 2        # keys 0..99; server 0 of 2 owns the even ones
+
+
+def _cfg(name: str, backend: dict) -> Config:
+    """A tiny dlrm run (2 tables x 50 rows x dim 4) with row-wise SGD at lr 0.5 on `backend`."""
+    return from_dict(config(name, base={"seed": 1, "workload": {
+        "model": "dlrm", "data": "clicks", "dlrm": {"num_tables": TABLES, "rows": ROWS, "dim": DIM, "bottom_mlp": [4],
+                                                     "top_mlp": [4]}, "clicks": {"dense": 3}},
+        "train": {"steps": 1, "global_batch": 4}}, train={"optimizer": "sgd", "lr": 0.5}, backend=backend))
+
+
+def _rowfetch(client: PSClient) -> torch.Tensor:
+    """Server 0's rows (in its local order)."""
+    req = Request({"op": "rowfetch"})
+    client.exchange([[req]] + [[] for _ in client.addresses[1:]])
+    return req.into.clone()
 
 
 def _keyed(keys: torch.Tensor, values: torch.Tensor, **header) -> list[bytes]:
@@ -109,11 +126,7 @@ def _bad_requests(rng: random.Random, count: int) -> list[list[bytes]]:
 
 @pytest.mark.parametrize("mode", ["sync", "async"])
 def test_bad_row_requests_are_refused_and_change_nothing(mode):
-    cfg = from_dict(config("rowfuzz", base={"seed": 1, "workload": {
-        "model": "dlrm", "data": "clicks", "dlrm": {"num_tables": TABLES, "rows": ROWS, "dim": DIM, "bottom_mlp": [4],
-                                                     "top_mlp": [4]}, "clicks": {"dense": 3}},
-        "train": {"steps": 1, "global_batch": 4}}, train={"optimizer": "sgd", "lr": 0.5},
-        backend=ps(2, mode, servers=2, embeddings="rows")))
+    cfg = _cfg("rowfuzz", ps(2, mode, servers=2, embeddings="rows"))
     services = start_services(cfg, None, threads=True)
     addr, creds = services.info["addresses"], services.info["auth"]
     zctx = zmq.Context()
@@ -126,22 +139,17 @@ def test_bad_row_requests_are_refused_and_change_nothing(mode):
             auth.client_socket(socks[w], Credentials.from_dict(creds), w, 0)
             socks[w].connect(addr[0])
 
-        def rows() -> torch.Tensor:
-            req = Request({"op": "rowfetch"})
-            w0.exchange([[req], []])
-            return req.into.clone()
-
-        init = rows()
+        init = _rowfetch(w0)
         g1 = torch.randn(2, DIM)
         w1.exchange([[Request({"op": "rowpush", "step": 0, "version": 0}, g1, keys=torch.tensor([0, 6]))], []])
-        base = rows()
+        base = _rowfetch(w0)
         for frames in _bad_requests(random.Random(0), 300):
             h = msgpack.unpackb(frames[0])
             sock = socks.get(h.get("worker"), socks[0])
             sock.send_multipart(frames)
             assert sock.poll(5000), f"no reply to {frames!r:.200}"
             assert wire.decode(sock.recv_multipart()).op == "error", h
-        assert torch.equal(rows(), base), "a refused request changed the rows"
+        assert torch.equal(_rowfetch(w0), base), "a refused request changed the rows"
         # a well-formed rowpull is answered with the rows asked for, in the keys' order
         pulled = Request({"op": "rowpull", "step": 0, "want": "float32"}, torch.tensor([0, 6, 98]))
         w0.exchange([[pulled], []])
@@ -152,7 +160,7 @@ def test_bad_row_requests_are_refused_and_change_nothing(mode):
         want = base.clone()
         if mode == "async":
             want[[3, 4]] -= 0.5 * g0
-        torch.testing.assert_close(rows(), want)
+        torch.testing.assert_close(_rowfetch(w0), want)
         if mode == "sync":   # the dense pushes of both workers end the round: the mean of the rows is applied
             numel = sum(p.numel() for p in dense_params(build_workload(cfg).model))
             for w, client in ((1, w1), (0, w0)):
@@ -161,7 +169,7 @@ def test_bad_row_requests_are_refused_and_change_nothing(mode):
             want = init.clone()
             want[[0, 3]] -= 0.5 * g1 / 2
             want[[3, 4]] -= 0.5 * g0 / 2
-            torch.testing.assert_close(rows(), want)
+            torch.testing.assert_close(_rowfetch(w0), want)
     finally:
         for c in (w0, w1):
             c.close()
@@ -169,3 +177,76 @@ def test_bad_row_requests_are_refused_and_change_nothing(mode):
             s.close(linger=0)
         zctx.term()
         services.stop()
+
+
+def test_sync_refuses_rows_for_the_next_step_while_the_round_waits():
+    """A worker whose dense push of round s is in may not push rows for step s + 1 before the round ends:
+    they would be summed into round s (here row 0 would move by the whole gradient, not its mean)."""
+    cfg = _cfg("rowturn", ps(2, "sync", servers=1, embeddings="rows"))
+    services = start_services(cfg, None, threads=True)
+    addr, creds = services.info["addresses"], services.info["auth"]
+    w0, w1 = PSClient(addr, 0, 10.0, creds), PSClient(addr, 1, 10.0, creds)
+    numel = sum(p.numel() for p in dense_params(build_workload(cfg).model))
+
+    def rowpush(step: int) -> Request:
+        return Request({"op": "rowpush", "step": step, "version": 0}, torch.ones(1, DIM), keys=torch.tensor([0]))
+
+    try:
+        init = _rowfetch(w0)
+        w0.exchange([[rowpush(0)]])
+        w0.exchange([[Request({"op": "push", "step": 0, "version": 0, "offset": 0}, torch.zeros(numel))]])
+        with pytest.raises(PSError, match="rows for step 1 during the round of step 0, after its dense push"):
+            w0.exchange([[rowpush(1)]])
+        w1.exchange([[Request({"op": "push", "step": 0, "version": 0, "offset": 0}, torch.zeros(numel))]])
+        torch.testing.assert_close(_rowfetch(w0)[0], init[0] - 0.5 * 1 / 2)   # lr x the mean over 2 workers
+    finally:
+        w0.close()
+        w1.close()
+        services.stop()
+
+
+def test_geo_barrier_forgets_the_rows_of_a_worker_lost_before_its_dense_push():
+    """GEO with barrier: worker 1 pushes row deltas, then is lost before its dense push; the round ends with
+    worker 0 alone, and worker 1's rows must leave it as its dense delta does (driven by handle(), no thread)."""
+    from psarch.ps.row_server import row_server
+    cfg = _cfg("rowlost", ps(2, "geo", servers=1, embeddings="rows", geo_barrier=True, k_steps=1))
+    srv = row_server(0, cfg, "127.0.0.1", 0, creds=Credentials("none"))
+    try:
+        init = srv.shard.rows.clone()
+        d0, d1 = torch.ones(1, DIM), 100 * torch.ones(1, DIM)
+        srv.handle([b"w0", *_keyed(torch.tensor([0]), d0, worker=0)])
+        srv.handle([b"w0", *[bytes(f) for f in wire.encode(
+            {"op": "push", "worker": 0, "step": 0, "version": 0, "offset": 0}, torch.zeros(srv.hi - srv.lo))]])
+        srv.handle([b"w1", *_keyed(torch.tensor([0]), d1, worker=1)])
+        assert srv.rejected == 0 and srv.state.version == 0
+        srv._lose(1, "silent")
+        assert srv.state.version == 1, "the round did not end without the lost worker"
+        torch.testing.assert_close(srv.shard.rows[0], init[0] + 2 * d0[0])   # the mean over the live worker: d0 x N/1
+    finally:
+        srv.close()
+
+
+
+def test_a_rows_reply_of_other_rows_than_asked_is_a_one_line_error():
+    """A server (here a fake one) that answers a rowpull of 2 keys with 3 rows: the worker says so in a PSError."""
+    zctx = zmq.Context()
+    fake = zctx.socket(zmq.ROUTER)
+    fake.setsockopt(zmq.LINGER, 0)
+    port = fake.bind_to_random_port("tcp://127.0.0.1")
+
+    def answer() -> None:
+        ident = fake.recv_multipart()[0]
+        fake.send_multipart([ident, *wire.encode({"op": "rows", "version": 0}, torch.ones(3, DIM))])
+
+    server = threading.Thread(target=answer, daemon=True)
+    server.start()
+    client = PSClient([f"tcp://127.0.0.1:{port}"], 0, 5.0, Credentials("none"))
+    try:
+        req = Request({"op": "rowpull", "step": 0, "want": "float32"}, torch.tensor([0, 2]), into=torch.empty(2, DIM))
+        with pytest.raises(PSError, match="bad reply from server 0 to 'rowpull': .*payload is float32 \\[3, 4\\]"):
+            client.exchange([[req]])
+    finally:
+        server.join(5)
+        client.close()
+        fake.close(linger=0)
+        zctx.term()

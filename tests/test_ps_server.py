@@ -374,3 +374,13 @@ def test_non_finite_pushes_are_refused_and_counted(server, mode, precision):
         r = raw.ask({"op": "push", "worker": 0, "step": 0, "version": 0, "offset": 0, "scale": 2.0**16,
                      "found_inf": True}, torch.full((numel,), float("inf"), dtype=dtype))
         assert r.op == "ack", r.header
+
+
+def test_a_row_request_to_a_server_without_rows_is_told_so(server):
+    """rowpull / rowpush / rowfetch are requests: a dense server says it holds no rows (not "a reply")."""
+    services, _ = server("async")
+    raw = server.raw(services.info["addresses"][0], 0)
+    for header, tensor in (({"op": "rowpull", "worker": 0, "step": 0, "want": "float32"}, torch.tensor([0])),
+                           ({"op": "rowfetch", "worker": 0}, None)):
+        r = raw.ask(header, tensor)
+        assert r.op == "error" and "this server holds no embedding rows" in r.header["message"], r.header

@@ -95,7 +95,10 @@ class PSClient:
         if msg.op != REPLY_TO[op]:
             raise PSError(f"worker {self.worker}: server {i} answered {op!r} with {msg.op!r}")
         if msg.op in ("params", "rows"):
-            req.into = msg.tensor(req.into)
+            try:   # a payload of another size than the destination's (a rows reply to a rowpull names no keys)
+                req.into = msg.tensor(req.into)
+            except wire.WireError as e:
+                raise PSError(f"worker {self.worker}: bad reply from server {i} to {op!r}: {e}") from None
         req.reply = msg.header
 
     def close(self) -> None:

@@ -4,7 +4,9 @@ The cache holds the rows the worker has read since its last sync: their values, 
 row-wise optimizer (row_optim.py, state for the cached rows only), and their values as last pulled. A
 step pulls only the rows it reads that are not cached yet; a sync pushes (value − pulled) / N of the rows
 that changed, then empties the cache, so the next steps pull the servers' new values. The worker holds at
-most the rows its last k_steps batches read, never a whole table.
+most the rows its last k_steps batches read, never a whole table. The local optimizer's state goes with the
+cache: every window starts its rows afresh (Adagrad's sums at initial_accumulator_value, AdamW's moments and
+step counts at 0), unlike the dense part's local optimizer, which keeps its state from window to window.
 """
 from __future__ import annotations
 

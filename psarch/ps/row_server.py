@@ -64,6 +64,10 @@ class RowServer(ParameterServer):
         if h["step"] != self.clock[w] or self.row_step[w] == h["step"]:
             raise PSError(f"rowpush: worker {w} sent rows for step {h['step']}; its next step is {self.clock[w]}"
                           + (" and it has pushed its rows for it" if self.row_step[w] == self.clock[w] else ""))
+        if self.barrier and (h["step"] != st.version or w in self.round_pushed):
+            # its rows would join the round of step st.version as if they were that step's
+            raise PSError(f"rowpush: worker {w} sent rows for step {h['step']} during the round of step {st.version}"
+                          + (", after its dense push for it" if w in self.round_pushed else ""))
         if h["dtype"] != self.wire_dtype or msg.shape[1] != self.space.dim:
             raise PSError(f"rowpush: values {h['dtype']} {list(msg.shape)}: expected {self.wire_dtype} "
                           f"[keys, {self.space.dim}]")
@@ -88,6 +92,12 @@ class RowServer(ParameterServer):
             # sync: the mean gradient over all N workers, as the dense range; geo: deltas arrive divided by N
             self.shard.apply_round(1 / self.workers if self.mode == "sync" else self.workers / len(self.round_pushed))
         super()._complete_round()
+
+    def _lose(self, w: int, why: str) -> None:
+        # a worker lost between its rowpush and its dense push is not in the round: nor are its rows
+        if self.shard is not None and w not in self.lost and w not in self.round_pushed:
+            self.shard.drop(w)
+        super()._lose(w, why)
 
     def _on_rowfetch(self, ident: bytes, msg: wire.Message) -> None:
         self._worker(msg)

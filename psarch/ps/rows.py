@@ -112,7 +112,7 @@ class RowShard:
         self.optim = None if self.geo else RowOptimizer(self.rows, cfg.train)
         self.round_idx: list[torch.Tensor] = []     # barrier modes: local rows pushed this round ...
         self.round_values: list[torch.Tensor] = []  # ... and their gradients (deltas), per push
-        self.round_workers: set[int] = set()
+        self.round_from: list[int] = []             # ... and the worker of each push
 
     def local(self, keys: torch.Tensor, op: str) -> torch.Tensor:
         """Local row indices of `keys`; PSError unless they are int64, 1-D, strictly increasing (no
@@ -145,7 +145,14 @@ class RowShard:
         """sync / geo with barrier: keep one worker's rows of this round."""
         self.round_idx.append(idx)
         self.round_values.append(values.float())
-        self.round_workers.add(worker)
+        self.round_from.append(worker)
+
+    def drop(self, worker: int) -> None:
+        """Forget a worker's rows of this round (it was lost before its dense push joined the round)."""
+        keep = [i for i, w in enumerate(self.round_from) if w != worker]
+        self.round_idx = [self.round_idx[i] for i in keep]
+        self.round_values = [self.round_values[i] for i in keep]
+        self.round_from = [self.round_from[i] for i in keep]
 
     def apply_round(self, factor: float) -> None:
         """Sum the round's rows over workers, times `factor` (sync: 1/N, the mean gradient), and apply once."""
@@ -153,7 +160,7 @@ class RowShard:
             idx, inverse = torch.unique(torch.cat(self.round_idx), return_inverse=True)
             total = torch.zeros(idx.numel(), self.space.dim).index_add_(0, inverse, torch.cat(self.round_values))
             self.apply(idx, total.mul_(factor))
-        self.round_idx, self.round_values, self.round_workers = [], [], set()
+        self.round_idx, self.round_values, self.round_from = [], [], []
 
     def memory(self) -> dict[str, int]:
         """Bytes this shard holds, by category."""

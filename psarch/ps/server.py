@@ -53,6 +53,7 @@ from psarch.ps.control import ServerControl
 from psarch.ps.pulls import TRACE_LIMIT, PullQueue, _Pull
 from psarch.ps.snapshot import ServerSnapshots
 from psarch.ps.errors import NonFinitePush, PSError
+from psarch.ps.client import REPLY_TO
 from psarch.ps.layout import server_ranges
 from psarch.ps.updates import RangeState
 
@@ -172,7 +173,8 @@ class ParameterServer(PullQueue, ServerControl, ServerSnapshots):
         if stranger:   # a worker acts only as itself; the reply tells it nothing of the state
             self.impostors += 1
             return self._error(ident, msg.op, stranger)
-        self._heard(msg.header["worker"] if "worker" in msg.header else None)
+        self._heard(msg.header.get("worker"))
+        self._save_heard(msg.header.get("worker"))
         self.changing = False
         self.current, self.current_answered = ident, False
         try:
@@ -180,7 +182,9 @@ class ParameterServer(PullQueue, ServerControl, ServerSnapshots):
                 raise PSError(self.failure)
             handler = getattr(self, f"_on_{msg.op}", None)
             if handler is None:
-                raise PSError(f"op {msg.op!r} is a reply, not a request")
+                raise PSError(f"op {msg.op!r}: this server holds no embedding rows (backend.embeddings = \"rows\" "
+                              f"starts servers that do)" if msg.op in REPLY_TO else
+                              f"op {msg.op!r} is a reply, not a request")
             handler(ident, msg)
         except (PSError, wire.WireError) as e:
             self._error(ident, msg.op, str(e), getattr(e, "code", None))

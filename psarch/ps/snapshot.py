@@ -96,7 +96,11 @@ class ServerSnapshots:
         if self.state is None:
             raise PSError("save before init: no parameters yet")
         folder = self.checkpoints / f".tmp_step_{step:06d}"
-        if Path(msg.header["path"]).resolve() != folder:
+        try:
+            asked = Path(msg.header["path"]).resolve()
+        except (ValueError, OSError, RuntimeError):   # a NUL byte, a symlink loop: no folder of this run
+            asked = None
+        if asked != folder:
             raise PSError(f"save: path {msg.header['path']!r:.200} is not this run's folder for step {step} ({folder})")
         if self.saves and step != self.save_step:
             raise PSError(f"save: worker {w} asks for step {step}, other workers for step {self.save_step}")
@@ -127,13 +131,20 @@ class ServerSnapshots:
         for ident, _ in waiting:
             self._send(ident, "save", {"op": "ack", "version": self.state.version})
 
+    def _save_heard(self, worker: Any) -> None:
+        """A request from a worker a waiting save still needs: it is on its way to the save's step (without a
+        barrier it may be many steps behind), so the wait counts from now."""
+        if self.saves and worker not in {w for _, w in self.saves}:
+            self.save_since = time.monotonic()
+
     def _save_overdue(self, now: float) -> bool:
-        """Fail the server when a save has waited more than timeout_s for the other workers."""
-        if not self.saves or now - self.save_since <= self.timeout_s:
+        """Fail the server when a save has heard nothing from the workers it waits for in silence_s (timeout_s,
+        GEO: x k_steps, as their silence between pushes may last)."""
+        if not self.saves or now - self.save_since <= self.silence_s:
             return False
         missing = sorted(self._live() - {w for _, w in self.saves})
-        text = (f"checkpoint step {self.save_step}: no save from worker(s) {missing} within backend.timeout_s = "
-                f"{self.timeout_s:g} s")
+        text = (f"checkpoint step {self.save_step}: no word from worker(s) {missing} within {self.silence_s:g} s "
+                f"(backend.timeout_s" + (" x backend.k_steps)" if self.mode == "geo" else ")"))
         waiting, self.saves = self.saves, []
         for ident, _ in waiting:
             self._error(ident, "save", text)

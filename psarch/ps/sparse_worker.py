@@ -64,7 +64,9 @@ class RowPSTrainer(PSTrainer):
     def _pull_rows(self, keys: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor]]:
         """The rows of `keys` from their servers, in the order of `keys`; and each server's positions."""
         where = self.space.split(keys)
-        reqs = [[Request({"op": "rowpull", "step": self.steps, "want": self.wire_dtype}, keys[pos])] for pos in where]
+        # each reply lands in a table of as many rows as keys asked: a server answering other rows is refused
+        reqs = [[Request({"op": "rowpull", "step": self.steps, "want": self.wire_dtype}, keys[pos],
+                         into=torch.empty(pos.numel(), self.space.dim, dtype=self.dtype))] for pos in where]
         self.client.exchange(reqs)
         rows = torch.empty(keys.numel(), self.space.dim, dtype=self.dtype)
         for pos, (r,) in zip(where, reqs):
