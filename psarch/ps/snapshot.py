@@ -217,7 +217,7 @@ def worker_pieces(tr: Any) -> Pieces:
         record.update(local_keys=[k for k, v in state.items() if torch.is_tensor(v) and v.dim() > 0],
                       local_scalars={k: float(v) for k, v in state.items() if not torch.is_tensor(v) or v.dim() == 0},
                       scaler=tr.local.scaler.state_dict())
-    return Pieces(views(tr.layout, tensors, 0, tr.flat.numel), shapes(tr.layout), record)
+    return Pieces(views(tr.layout, tensors, 0, tr.flat.numel), tr.param_shapes, record)
 
 
 def save_worker(tr: Any, root: Path, step: int, config: dict[str, Any], keep: int,
@@ -227,7 +227,8 @@ def save_worker(tr: Any, root: Path, step: int, config: dict[str, Any], keep: in
 
     rank, tmp = tr.ctx.rank, Path(root) / f".tmp_step_{step:06d}"
     tmp.mkdir(parents=True, exist_ok=True)
-    write_part(worker_pieces(tr), tmp, f"rank{rank}", rng.capture(tr.ctx.device))   # dropout's stream goes on
+    pieces = tr.checkpoint_pieces()
+    write_part(pieces, tmp, f"rank{rank}", rng.capture(tr.ctx.device))   # dropout's stream goes on
     write_rows(tmp, rank, rows)
     tr.client.exchange([[Request({"op": "save", "step": step, "path": str(tmp)})] for _ in tr.ranges])
     final = step_dir(Path(root), step)
@@ -239,7 +240,7 @@ def save_worker(tr: Any, root: Path, step: int, config: dict[str, Any], keep: in
         scaler = next((records[p]["scaler"] for p in servers + workers if "scaler" in records[p]), None)
         state = {"ps": {"run": run_shape(tr.cfg), "servers": [records[p] for p in servers],
                         "workers": [records[p] for p in workers]}, **({"scaler": scaler} if scaler else {})}
-        merge(tmp, workers + servers, step, config, shapes(tr.layout), state)
+        merge(tmp, workers + servers, step, config, pieces.params, state)
         publish(tmp, final, keep)
     return final
 
