@@ -1,5 +1,5 @@
 """The runs test_ps_rows_checkpoint.py looks at: two workers, two row servers (threads of the test process), a
-small dlrm (2 tables x 100 rows). Stage 1 runs every case 6 steps with a checkpoint every 3 (and a dense ddp
+small dlrm (2 tables x 100 rows). Stage 1 runs every case 4 steps with a checkpoint every 3 (and a dense ddp
 run). Stage 2 resumes the sync cases from step 3, restores async and GEO (mid-round: its RowCache holds rows)
 and writes them again as checkpoint 3 of another folder, forks sync-adagrad's checkpoint onto ddp rows,
 ddp sharded and single, and the dense ddp checkpoint onto ps rows."""
@@ -19,7 +19,7 @@ from psarch.ps.sparse_worker import RowPSTrainer
 from psarch.runner import run_rank
 from psarch.workload import build_workload
 
-N, SERVERS, STEPS, AT = 2, 2, 6, 3
+N, SERVERS, STEPS, AT = 2, 2, 4, 3
 DLRM = {"seed": 5,
         "workload": {"model": "dlrm", "data": "clicks",
                      "dlrm": {"num_tables": 2, "rows": 100, "dim": 4, "bag": 2, "bottom_mlp": [8], "top_mlp": [8]},
