@@ -26,12 +26,13 @@ DLRM = {"seed": 5,
                      "clicks": {"zipf": 1.05, "dense": 4}},
         "train": {"steps": STEPS, "global_batch": 16, "log_every": 100}}
 OPTIMIZERS = {"sgd": {"optimizer": "sgd", "lr": 0.5},
-              "adagrad": {"optimizer": "adagrad", "lr": 0.1, "eps": 1e-6, "initial_accumulator_value": 0.1}}
+              "adagrad": {"optimizer": "adagrad", "lr": 0.1, "eps": 1e-6, "initial_accumulator_value": 0.1},
+              "adamw": {"optimizer": "adamw", "lr": 1e-2, "weight_decay": 0.1, "eps": 1e-6}}   # lazy on the rows
 PS = {"kind": "ps", "servers": SERVERS, "timeout_s": 60.0, "embeddings": "rows"}
 CASES = {"sync-sgd": ("sgd", dict(PS, mode="sync")), "sync-adagrad": ("adagrad", dict(PS, mode="sync")),
-         "async-adagrad": ("adagrad", dict(PS, mode="async")),
+         "async-adamw": ("adamw", dict(PS, mode="async")),
          "geo-adagrad": ("adagrad", dict(PS, mode="geo", k_steps=2))}   # checkpoint 3: mid-round
-EXACT, RESTORED = ["sync-sgd", "sync-adagrad"], ["async-adagrad", "geo-adagrad"]
+EXACT, RESTORED = ["sync-sgd", "sync-adagrad"], ["async-adamw", "geo-adagrad"]
 DENSE = ("adagrad", {"kind": "ddp", "comm": "ring"})                     # forked onto ps rows
 FORKS = {"to-ddp-rows": ("adagrad", {"kind": "ddp", "comm": "ring", "embeddings": "rows", "bucket_cap_mb": 0}),
          "to-ddp-sharded": ("adagrad", {"kind": "ddp", "comm": "ring", "embeddings": "sharded"}),

@@ -1,7 +1,7 @@
 """Checkpoints of the parameter server's embedding rows (psarch/ps/row_snapshot.py): ps rows sync resumes bit for
-bit at N = 2 (SGD, Adagrad); async and GEO (mid-round, its RowCache full) restore exactly the state they saved;
-a ps rows checkpoint forks onto ddp rows, ddp sharded and single, and a dense ddp one onto ps rows, within
-tests/parity.py's tolerance; every server writes its shard of each table as one strided fragment."""
+bit at N = 2 (SGD, Adagrad); async (lazy AdamW) and GEO (mid-round, its RowCache full) restore exactly the
+state they saved; a ps rows checkpoint forks onto ddp rows, ddp sharded and single, and a dense ddp one
+onto ps rows, within tests/parity.py's tolerance; every server writes its shard of each table as one strided fragment."""
 from __future__ import annotations
 
 import json
@@ -70,8 +70,10 @@ def test_restored_state_equals_the_saved_state(runs, case):
         assert all(w["cache_keys"] for w in saved_state["ps"]["workers"])
         cached = [k for k in saved if k[1] == "worker0/cache"]
         assert any(not torch.equal(saved[k], saved[(k[0], "worker0/cache_synced", k[2])]) for k in cached)
-    else:
-        assert "sum" in keys   # the servers' row Adagrad state, by torch's name
+    else:   # the servers' lazy AdamW moments by torch's names, and each row's own step count
+        assert {"exp_avg", "exp_avg_sq", "rows/step"} <= keys, keys
+        steps = torch.cat([v for (n, k, _), v in saved.items() if k == "rows/step"])
+        assert steps.max() <= pr.N * pr.AT and steps.unique().numel() > 2   # rows touched different times
 
 
 def test_a_ps_rows_checkpoint_forks_onto_ddp_rows_sharded_and_single(runs):
