@@ -16,6 +16,8 @@ each worker, each worker's pushes (SSP's clocks), staleness histogram, skipped u
 round accumulator is not saved: at a checkpoint every round is complete and the next push overwrites it.
 A worker's part: the model it computes its next gradient on ("workerR/param"; GEO: its fp32 master, local
 optimizer state and last synced model), and a record: pushes, the versions each server last sent it, loss scale.
+With row tables (backend.embeddings = "rows") servers add their shard of every table and workers (GEO) their
+row cache: psarch/ps/row_snapshot.py.
 
 Restoring: a checkpoint of a PS run of the same shape (`run_shape`) restores every server and worker record
 exactly; any other (another backend, world size, server count, mode) is a fork: the servers take the
