@@ -126,3 +126,22 @@ def test_strided_fragments_reassemble_into_any_range_and_any_other_stride(tmp_pa
             ckpt.fill(Fragment("t", (7, 3), s * 3, {"sum": got.view(-1)}, row_stride=other))
             assert torch.equal(got, 2 * table[s::other]), (other, s)
     ckpt.close()
+
+
+@pytest.mark.parametrize("edit, says", [({"row_stride": 0}, "row_stride 0 of 't' is not a positive integer"),
+                                        ({"offset": 1}, "is not whole rows of a 2-D parameter")])
+def test_a_bad_strided_fragment_is_refused_in_one_line(tmp_path, edit, says):
+    from psarch.checkpoint.fragments import PARAM, Fragment, Pieces
+    from psarch.checkpoint.reader import CheckpointError
+    from psarch.checkpoint.writer import merge, write_part
+
+    table = torch.randn(4, 3)
+    write_part(Pieces([Fragment("t", (4, 3), 0, {PARAM: table.view(-1)}, row_stride=1)], {"t": (4, 3)}),
+               tmp_path, "server0")
+    merge(tmp_path, ["server0"], 1, {}, {"t": (4, 3)}, {})
+    meta = json.loads((tmp_path / "metadata.json").read_text())
+    meta["fragments"][0].update(edit)
+    (tmp_path / "metadata.json").write_text(json.dumps(meta))
+    with pytest.raises(CheckpointError, match=says) as e:
+        Checkpoint(tmp_path)
+    assert "\n" not in str(e.value)

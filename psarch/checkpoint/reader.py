@@ -55,6 +55,8 @@ class Checkpoint:
             if e["dtype"] not in DTYPES:
                 raise CheckpointError(f"{self.path / METADATA}: dtype {e['dtype']!r} of {e['name']!r} is not one "
                                       f"of {sorted(DTYPES)}")
+            if "row_stride" in e:
+                _check_rows(self.path / METADATA, e, meta["params"].get(e["name"], {}).get("shape"))
         self.meta = meta
         self.step: int = meta["step"]
         self.params: dict[str, dict[str, Any]] = meta["params"]
@@ -195,6 +197,16 @@ class Checkpoint:
         if name not in self._files:
             self._files[name] = open(self.path / name, "rb")
         return self._files[name]
+
+
+def _check_rows(where: Path, e: dict[str, Any], shape: list[int] | None) -> None:
+    """A strided row fragment must hold whole rows of a 2-D parameter, with a positive integer stride."""
+    stride = e["row_stride"]
+    if not isinstance(stride, int) or isinstance(stride, bool) or stride < 1:
+        raise CheckpointError(f"{where}: row_stride {stride!r} of {e['name']!r} is not a positive integer")
+    if not shape or len(shape) != 2 or e["offset"] % shape[1] or e["numel"] % shape[1]:
+        raise CheckpointError(f"{where}: a strided fragment of {e['name']!r} (shape {shape}) at offset "
+                              f"{e['offset']}, {e['numel']} elements, is not whole rows of a 2-D parameter")
 
 
 def consolidated_state_dict(path: str | Path, verify: bool = True) -> Iterator[tuple[str, torch.Tensor]]:
