@@ -292,9 +292,7 @@ def _check_ps_rows(cfg: Config) -> None:
            f"compensation" if b.staleness_compensation != "none" else
            f"train.momentum = {t.momentum:g}: row-wise SGD has no momentum (it would move untouched rows)"
            if t.optimizer == "sgd" and t.momentum else
-           "backend.server_addresses: `psarch server` does not hold rows" if b.server_addresses else
-           f"train.checkpoint_every = {t.checkpoint_every}: the servers' row tables are not checkpointed yet"
-           if t.checkpoint_every else None)
+           "backend.server_addresses: `psarch server` does not hold rows" if b.server_addresses else None)
     if why:
         raise ConfigError(f"backend.embeddings = \"rows\" with {why}")
 

@@ -23,7 +23,6 @@ def _cfg(**sections):
     ({"train": {"optimizer": "sgd", "momentum": 0.9}}, "train.momentum = 0.9: row-wise SGD has no momentum"),
     ({"backend": {"server_addresses": ["tcp://10.0.0.5:5555"]}}, "`psarch server` does not hold rows"),
     ({"workload": {"model": "mlp", "data": "markov"}}, "workload.model = \"mlp\": the tables live in the dlrm model"),
-    ({"train": {"checkpoint_every": 5}}, "the servers' row tables are not checkpointed yet"),
 ])
 def test_refused_with_one_line(sections, match):
     with pytest.raises(ConfigError, match=match) as e:
@@ -36,8 +35,5 @@ def test_every_mode_is_accepted_in_fp32(mode):
     assert _cfg(backend={"mode": mode}).backend.embeddings == "rows"
 
 
-def test_a_rows_run_is_not_started_from_a_checkpoint(tmp_path):
-    from psarch.ps.worker import PSWorker
-
-    with pytest.raises(ConfigError, match="--resume/--from .*row tables on the servers"):
-        PSWorker.start_services(_cfg(), tmp_path, start=tmp_path / "step_000001")
+def test_checkpoints_are_accepted():   # the servers write their row shards (tests/test_ps_rows_checkpoint.py)
+    assert _cfg(train={"checkpoint_every": 5}).train.checkpoint_every == 5

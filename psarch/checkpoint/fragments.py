@@ -24,7 +24,9 @@ def private(key: str) -> bool:
 class Fragment:
     """Elements [offset, offset + numel) of the flattened parameter `name` (full shape `shape`), held here
     as 1-D views: `tensors["param"]` the fp32 master, the others optimizer state (exp_avg, ...); `scalars`
-    the optimizer's per-tensor numbers (AdamW's step); `holder` the index of the master tensor holding it."""
+    the optimizer's per-tensor numbers (AdamW's step); `holder` the index of the master tensor holding it.
+    `row_stride` > 0: rows of a 2-D parameter held with a stride (a parameter server's shard of a table, keys
+    mod S): the tensors hold row offset // row_len, then every row_stride-th row after it, whole rows."""
 
     name: str
     shape: tuple[int, ...]
@@ -32,6 +34,7 @@ class Fragment:
     tensors: dict[str, torch.Tensor]
     scalars: dict[str, float] = field(default_factory=dict)
     holder: int = 0
+    row_stride: int = 0
 
     @property
     def numel(self) -> int:

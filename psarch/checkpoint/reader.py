@@ -55,6 +55,8 @@ class Checkpoint:
             if e["dtype"] not in DTYPES:
                 raise CheckpointError(f"{self.path / METADATA}: dtype {e['dtype']!r} of {e['name']!r} is not one "
                                       f"of {sorted(DTYPES)}")
+            if "row_stride" in e:
+                _check_rows(self.path / METADATA, e, meta["params"].get(e["name"], {}).get("shape"))
         self.meta = meta
         self.step: int = meta["step"]
         self.params: dict[str, dict[str, Any]] = meta["params"]
@@ -109,33 +111,65 @@ class Checkpoint:
 
     def read(self, name: str, key: str, lo: int, hi: int) -> torch.Tensor:
         """Elements [lo, hi) of `key` (PARAM or an optimizer state) of the flattened parameter `name`, from
-        every stored fragment that overlaps them."""
+        every stored fragment that overlaps them (strided row fragments included)."""
         out: torch.Tensor | None = None
         filled = 0
         for e in self._index.get((name, key), ()):
-            a, b = max(lo, e["offset"]), min(hi, e["offset"] + e["numel"])
-            if a >= b:
-                continue
-            dtype = DTYPES[e["dtype"]]
-            size = torch.empty((), dtype=dtype).element_size()
-            f = self._file(e["file"])
-            f.seek(e["byte_offset"] + (a - e["offset"]) * size)
-            data = f.read((b - a) * size)
-            if len(data) != (b - a) * size:
-                raise CheckpointError(f"{self.path / e['file']}: ends inside {name!r} {key} (truncated)")
-            part = torch.frombuffer(bytearray(data), dtype=dtype)
+            if e.get("row_stride"):
+                got = self._strided(e, self.params[name]["shape"][-1], lo, hi)
+                if got is None:
+                    continue
+                part, pos = got
+            else:
+                a, b = max(lo, e["offset"]), min(hi, e["offset"] + e["numel"])
+                if a >= b:
+                    continue
+                part, pos = self._load(e, name, key, a - e["offset"], b - a), slice(a - lo, b - lo)
             if out is None:
-                out = torch.empty(hi - lo, dtype=dtype)
-            out[a - lo:b - lo] = part
-            filled += b - a
+                out = torch.empty(hi - lo, dtype=part.dtype)
+            out[pos] = part
+            filled += part.numel()
         if out is None or filled != hi - lo:
             raise CheckpointError(f"{self.path}: {name!r} {key} elements [{lo}, {hi}) are not all stored")
         return out
 
+    def _load(self, e: dict[str, Any], name: str, key: str, start: int, count: int) -> torch.Tensor:
+        """Elements [start, start + count) of one stored fragment."""
+        dtype = DTYPES[e["dtype"]]
+        size = torch.empty((), dtype=dtype).element_size()
+        f = self._file(e["file"])
+        f.seek(e["byte_offset"] + start * size)
+        data = f.read(count * size)
+        if len(data) != count * size:
+            raise CheckpointError(f"{self.path / e['file']}: ends inside {name!r} {key} (truncated)")
+        return torch.frombuffer(bytearray(data), dtype=dtype)
+
+    def _strided(self, e: dict[str, Any], row: int, lo: int, hi: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The values of a strided row fragment that lie in [lo, hi), and their positions there."""
+        stride, first, count = e["row_stride"], e["offset"] // row, e["numel"] // row
+        # the fragment's j-th row is the parameter's row first + j * stride
+        j0 = max(0, -(-(lo // row - first) // stride))
+        j1 = min(count, ((hi - 1) // row - first) // stride + 1)
+        if j0 >= j1:
+            return None
+        block = self._load(e, e["name"], e["key"], j0 * row, (j1 - j0) * row).view(-1, row)
+        pos = ((first + stride * torch.arange(j0, j1)) * row).unsqueeze(1) + torch.arange(row)
+        keep = (pos >= lo) & (pos < hi)
+        return block[keep], pos[keep] - lo
+
+    def has(self, name: str, key: str) -> bool:
+        """Whether any fragment of `key` (PARAM, an optimizer state, a private record) of `name` is stored."""
+        return (name, key) in self._index
+
     def fill(self, fragment: Fragment) -> None:
         """Copy the checkpoint's values into every tensor of a fragment a rank holds."""
         for key, t in fragment.tensors.items():
-            t.copy_(self.read(fragment.name, key, fragment.offset, fragment.offset + t.numel()))
+            if not fragment.row_stride:
+                t.copy_(self.read(fragment.name, key, fragment.offset, fragment.offset + t.numel()))
+            elif t.numel():   # the span from its first row to its last, one parameter at a time
+                row, stride = fragment.shape[-1], fragment.row_stride
+                end = fragment.offset + ((t.numel() // row - 1) * stride + 1) * row
+                t.copy_(self.read(fragment.name, key, fragment.offset, end).view(-1, row)[::stride].reshape(-1))
 
     def restore_rng(self, rank: int, device: torch.device) -> bool:
         """Set this process's generators to rank `rank`'s at the checkpoint; False where it holds none for that
@@ -163,6 +197,16 @@ class Checkpoint:
         if name not in self._files:
             self._files[name] = open(self.path / name, "rb")
         return self._files[name]
+
+
+def _check_rows(where: Path, e: dict[str, Any], shape: list[int] | None) -> None:
+    """A strided row fragment must hold whole rows of a 2-D parameter, with a positive integer stride."""
+    stride = e["row_stride"]
+    if not isinstance(stride, int) or isinstance(stride, bool) or stride < 1:
+        raise CheckpointError(f"{where}: row_stride {stride!r} of {e['name']!r} is not a positive integer")
+    if not shape or len(shape) != 2 or e["offset"] % shape[1] or e["numel"] % shape[1]:
+        raise CheckpointError(f"{where}: a strided fragment of {e['name']!r} (shape {shape}) at offset "
+                              f"{e['offset']}, {e['numel']} elements, is not whole rows of a 2-D parameter")
 
 
 def consolidated_state_dict(path: str | Path, verify: bool = True) -> Iterator[tuple[str, torch.Tensor]]:

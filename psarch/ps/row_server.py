@@ -27,12 +27,14 @@ from psarch.config import Config
 from psarch.ps import wire
 from psarch.ps.errors import NonFinitePush, PSError
 from psarch.ps.layout import _SEED_LOCK
+from psarch.ps.row_snapshot import RowSnapshots
 from psarch.ps.rows import RowShard, key_space, split_model
 from psarch.ps.server import ParameterServer
 
 
-class RowServer(ParameterServer):
-    """ParameterServer for the dense ranges plus one RowShard of the embedding tables."""
+class RowServer(RowSnapshots, ParameterServer):
+    """ParameterServer for the dense ranges plus one RowShard of the embedding tables (checkpointed by
+    RowSnapshots: psarch/ps/row_snapshot.py)."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)

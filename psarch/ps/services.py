@@ -50,18 +50,19 @@ def _server_main(index: int, cfg_dict: dict, host: str, conn: Any, threads: int 
         cfg = from_dict(cfg_dict)
         if cfg.backend.embeddings == "rows":   # embedding tables sharded by row (psarch/ps/row_server.py)
             from psarch.ps.row_server import row_server
-            server = row_server(index, cfg, host, 0, control=conn, creds=Credentials.from_dict(creds))
+            server = row_server(index, cfg, host, 0, control=conn, creds=Credentials.from_dict(creds),
+                                checkpoints=checkpoints)
         else:
             flat = initial_flat(cfg) if build else None
             server = ParameterServer(index, cfg, host, 0, control=conn, creds=Credentials.from_dict(creds),
                                      numel=flat.numel() if flat is not None else None, checkpoints=checkpoints)
             if flat is not None:
                 server.initialize(flat)
-                if start is not None:   # the launcher verified it against its metadata and the model
-                    from psarch.checkpoint import Checkpoint
-                    ckpt = Checkpoint(start)
-                    server.restore(ckpt)
-                    ckpt.close()
+        if start is not None and server.state is not None:   # the launcher verified it (metadata, model)
+            from psarch.checkpoint import Checkpoint
+            ckpt = Checkpoint(start)
+            server.restore(ckpt)
+            ckpt.close()
         conn.send_bytes(json.dumps({"event": "ready", "address": server.address}).encode())
         server.serve()
     except BaseException as e:  # report, never hang the launcher

@@ -16,6 +16,8 @@ each worker, each worker's pushes (SSP's clocks), staleness histogram, skipped u
 round accumulator is not saved: at a checkpoint every round is complete and the next push overwrites it.
 A worker's part: the model it computes its next gradient on ("workerR/param"; GEO: its fp32 master, local
 optimizer state and last synced model), and a record: pushes, the versions each server last sent it, loss scale.
+With row tables (backend.embeddings = "rows") servers add their shard of every table and workers (GEO) their
+row cache: psarch/ps/row_snapshot.py.
 
 Restoring: a checkpoint of a PS run of the same shape (`run_shape`) restores every server and worker record
 exactly; any other (another backend, world size, server count, mode) is a fork: the servers take the
@@ -217,7 +219,7 @@ def worker_pieces(tr: Any) -> Pieces:
         record.update(local_keys=[k for k, v in state.items() if torch.is_tensor(v) and v.dim() > 0],
                       local_scalars={k: float(v) for k, v in state.items() if not torch.is_tensor(v) or v.dim() == 0},
                       scaler=tr.local.scaler.state_dict())
-    return Pieces(views(tr.layout, tensors, 0, tr.flat.numel), shapes(tr.layout), record)
+    return Pieces(views(tr.layout, tensors, 0, tr.flat.numel), tr.param_shapes, record)
 
 
 def save_worker(tr: Any, root: Path, step: int, config: dict[str, Any], keep: int,
@@ -227,7 +229,8 @@ def save_worker(tr: Any, root: Path, step: int, config: dict[str, Any], keep: in
 
     rank, tmp = tr.ctx.rank, Path(root) / f".tmp_step_{step:06d}"
     tmp.mkdir(parents=True, exist_ok=True)
-    write_part(worker_pieces(tr), tmp, f"rank{rank}", rng.capture(tr.ctx.device))   # dropout's stream goes on
+    pieces = tr.checkpoint_pieces()
+    write_part(pieces, tmp, f"rank{rank}", rng.capture(tr.ctx.device))   # dropout's stream goes on
     write_rows(tmp, rank, rows)
     tr.client.exchange([[Request({"op": "save", "step": step, "path": str(tmp)})] for _ in tr.ranges])
     final = step_dir(Path(root), step)
@@ -239,7 +242,7 @@ def save_worker(tr: Any, root: Path, step: int, config: dict[str, Any], keep: in
         scaler = next((records[p]["scaler"] for p in servers + workers if "scaler" in records[p]), None)
         state = {"ps": {"run": run_shape(tr.cfg), "servers": [records[p] for p in servers],
                         "workers": [records[p] for p in workers]}, **({"scaler": scaler} if scaler else {})}
-        merge(tmp, workers + servers, step, config, shapes(tr.layout), state)
+        merge(tmp, workers + servers, step, config, pieces.params, state)
         publish(tmp, final, keep)
     return final
 

@@ -19,12 +19,15 @@ from typing import Any
 import torch
 from torch import nn
 
+from psarch.checkpoint import Checkpoint, Pieces
 from psarch.config import Config
 from psarch.dist import DistContext
 from psarch.errors import check_loss
 from psarch.ps.client import Request
 from psarch.ps.row_cache import RowCache
+from psarch.ps.row_snapshot import cache_pieces, restore_cache
 from psarch.ps.rows import gather_shards, join_model, key_space
+from psarch.ps.snapshot import exact_records
 from psarch.ps.trainer import PSTrainer
 from psarch.sparse import batch_ids, embedding_tables
 from psarch.theory import expected_unique_ids
@@ -37,6 +40,9 @@ class RowPSTrainer(PSTrainer):
 
     def __init__(self, workload: Workload, cfg: Config, ctx: DistContext) -> None:
         self.space = key_space(cfg)
+        # what a checkpoint holds: the whole model, tables included, in its order
+        full = {n: tuple(p.shape) for n, p in workload.model.named_parameters() if p.requires_grad}
+        self.table_names = [name for name, _ in embedding_tables(workload.model)]
         self.tables = [t for _, t in embedding_tables(workload.model)]
         for t in self.tables:   # an empty, frozen placeholder: the flat vector holds the dense part only
             t.weight = nn.Parameter(t.weight.new_empty(0, self.space.dim), requires_grad=False)
@@ -44,6 +50,7 @@ class RowPSTrainer(PSTrainer):
         self.row_counts: dict[str, int] = {}
         self.cache_peak = (0, 0, 0, 0)    # GEO: the largest cache's (rows, params, optimizer, buffers bytes)
         super().__init__(workload, cfg, ctx)
+        self.param_shapes = full
         self.offsets = self.space.offsets()
         self.step_rows = 0                 # GEO: bytes of the last step's rows' gradients
         self.held = self.held_peak = 0     # bytes of embedding rows (and their gradients) held now / at most
@@ -147,6 +154,19 @@ class RowPSTrainer(PSTrainer):
     def _exchange(self, pushed: torch.Tensor | None, step: int, header: dict[str, Any],
                   before: list[Request] | None = None) -> dict[str, Any]:
         return super()._exchange(pushed, step, header, before if before is not None else self.geo_pushes)
+
+    def checkpoint_pieces(self, writing: bool = True) -> Pieces:
+        """The dense worker's part; GEO: and its RowCache (psarch/ps/row_snapshot.py)."""
+        pieces = super().checkpoint_pieces(writing)
+        return cache_pieces(self, pieces) if self.cache is not None else pieces
+
+    def load_checkpoint(self, ckpt: Checkpoint) -> None:
+        """As a dense worker; GEO: the RowCache exactly where the checkpoint is this run's (a fork starts empty)."""
+        super().load_checkpoint(ckpt)
+        ps = exact_records(ckpt, self.cfg)
+        record = next((r for r in ps["workers"] if r["rank"] == self.ctx.rank), None) if ps is not None else None
+        if self.cache is not None and record is not None:
+            restore_cache(self, ckpt, record)
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """Rank 0: the servers' dense ranges and rows, as the model's state_dict. Every rank then tells

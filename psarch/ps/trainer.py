@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from psarch.checkpoint import Checkpoint, Pieces
-from psarch.config import Config, ConfigError
+from psarch.config import Config
 from psarch.dist import DistContext
 from psarch.errors import check_loss
 from psarch.flat import FlatParams
@@ -28,7 +28,7 @@ from psarch.precision import MixedPrecisionOptimizer, compute_dtype, has_inf_or_
 from psarch.ps import wire
 from psarch.ps.client import PSClient, Request
 from psarch.ps.layout import server_ranges, state_from_flat, trainable
-from psarch.ps.snapshot import restore_worker, save_worker, worker_pieces
+from psarch.ps.snapshot import restore_worker, save_worker, shapes, worker_pieces
 from psarch.trainer import MemoryReport, StepStats, Trainer, TrafficReport
 from psarch.workload import Workload
 
@@ -44,9 +44,6 @@ class PSTrainer(Trainer):
     @classmethod
     def start_services(cls, cfg: Config, out_dir: Any, where: Any = None, start: Any = None) -> Any:
         from psarch.ps.services import start_services
-        if start is not None and cfg.backend.embeddings == "rows":
-            raise ConfigError(f"--resume/--from {start}: backend.embeddings = \"rows\" keeps row tables on the "
-                              f"servers, which checkpoints do not hold yet")
         return start_services(cfg, out_dir, where=where, start=start)
 
     @staticmethod
@@ -69,6 +66,7 @@ class PSTrainer(Trainer):
         self.ranges = server_ranges(self.flat.numel, b.servers)
         names = {id(p): n for n, p in self.model.named_parameters()}
         self.layout = [(names[id(p)], p.shape, o) for p, o in zip(self.flat.params, self.flat.offsets)]
+        self.param_shapes = shapes(self.layout)   # every parameter a checkpoint holds (rows: the tables too)
         self.client = PSClient(addresses, ctx.rank, b.timeout_s, ctx.services.get("auth"), b.heartbeat_s,
                                b.heartbeat_timeout_s)
         self.wire_dtype = wire.DTYPE_NAMES[self.dtype]
