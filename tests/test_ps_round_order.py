@@ -35,9 +35,9 @@ def _in_order(grads: list[torch.Tensor], workers: list[int]) -> torch.Tensor:
     return acc
 
 
-def _round(server, arrivals: list[int], lose: tuple[int, int] | None = None) -> torch.Tensor:
+def _round(server, arrivals: list[int], lose: tuple[int, int] | None = None) -> tuple[torch.Tensor, int]:
     """A fresh sync server with N workers: push in `arrivals` order (lose=(w, after): worker w is lost after
-    that many pushes), then the parameters after the round."""
+    that many pushes); the parameters after the round, and the most bytes the server kept early, in pushes."""
     services, numel = server("sync", workers=N)
     addr = services.info["addresses"][0]
     raw = {w: server.raw(addr, w) for w in range(N)}
@@ -54,7 +54,8 @@ def _round(server, arrivals: list[int], lose: tuple[int, int] | None = None) -> 
     after = _fetch(raw[arrivals[-1]])
     summed = sorted(arrivals)
     torch.testing.assert_close(after, before - 0.5 * _in_order(grads, summed) / N)   # sgd, lr 0.5, mean over N
-    return after
+    peak = services.finish()["memory"]["servers"][0]["early_pushes_peak"]
+    return after, peak // (4 * numel)
 
 
 def test_the_data_tells_orders_apart():
@@ -65,16 +66,20 @@ def test_the_data_tells_orders_apart():
 
 
 def test_a_sync_round_sums_in_worker_order_whatever_the_arrival_order(server):
-    reference = _round(server, [0, 1, 2, 3])
-    for arrivals in ([3, 1, 0, 2], [2, 3, 1, 0], [1, 0, 3, 2]):
-        assert torch.equal(_round(server, arrivals), reference), arrivals
+    """...and keeps at most N - 1 pushes early (worker 0 last), none when they arrive in order."""
+    reference, kept = _round(server, [0, 1, 2, 3])
+    assert kept == 0
+    for arrivals, most in (([3, 1, 0, 2], 2), ([2, 3, 1, 0], 3), ([1, 0, 3, 2], 1), ([3, 2, 1, 0], N - 1)):
+        after, kept = _round(server, arrivals)
+        assert torch.equal(after, reference), arrivals
+        assert kept == most, arrivals
 
 
 def test_a_worker_lost_without_pushing_does_not_stall_the_sum(server):
     """Workers 3 and 2 push early (kept), worker 0 is lost, worker 1 fills the gap: the round completes over
     1, 2, 3 summed in that order."""
-    after = _round(server, [3, 2, 1], lose=(0, 2))
-    reference = _round(server, [1, 2, 3], lose=(0, 0))
+    after, _ = _round(server, [3, 2, 1], lose=(0, 2))
+    reference, _ = _round(server, [1, 2, 3], lose=(0, 0))
     assert torch.equal(after, reference)
 
 
