@@ -1,7 +1,7 @@
 """Parameter-server checkpoints (psarch/ps/snapshot.py): bit-exact resume of sync (fp32, and fp16 with its loss
-scaler; at N = 3 too, whoever arrives last); for async with DC-ASGD, SSP and GEO, the restored state of every server and worker equals the saved
-one bit for bit (their continuation depends on the order pushes arrive, which timing decides); forks onto
-ddp and single; the `save` op's checks."""
+scaler; at N = 3 too, whoever arrives last); for async with DC-ASGD, SSP and GEO, the restored state of every
+server and worker equals the saved one bit for bit (their continuation depends on the order pushes arrive,
+which timing decides); forks onto ddp and single; the `save` op's checks."""
 from __future__ import annotations
 
 import json
