@@ -18,11 +18,8 @@ Every push, in every mode and precision, is checked for inf/nan frame by frame a
 it touches the parameters: one that holds any (outside fp16's declared overflow steps) is refused with
 code "non_finite" and counted for its worker, and the worker stops the run.
 
-A barrier round's sum is added in worker order (0, 1, 2, ... over the workers in the round), whatever the
-order pushes arrive in, so that its bits do not depend on timing (two runs, and a resumed run, are bit-identical):
-a push that arrives before a predecessor's is kept as a copy until the gap fills (a worker lost without
-pushing leaves no gap). Memory: the fp32 accumulator, plus up to N - 1 early pushes of the range in the wire
-dtype at worst (worker 0 last); each round ends with none kept.
+A barrier round's sum is added in worker order, whatever order the pushes arrive in (rounds.py): its bits do
+not depend on timing, so two runs, and a run and its resume, are bit-identical at any N.
 
 When a pull is answered depends on the mode (pulls.py). A pull that waits more than `backend.timeout_s` fails the server with an error naming the workers it
 waits for; every waiting and later request then gets that error, and the launcher stops the run.
@@ -57,6 +54,7 @@ from psarch.ps import auth, wire
 from psarch.ps.auth import Credentials
 from psarch.ps.control import ServerControl
 from psarch.ps.pulls import TRACE_LIMIT, PullQueue, _Pull
+from psarch.ps.rounds import OrderedSum
 from psarch.ps.snapshot import ServerSnapshots
 from psarch.ps.errors import NonFinitePush, PSError
 from psarch.ps.client import REPLY_TO
@@ -103,9 +101,7 @@ class ParameterServer(PullQueue, ServerControl, ServerSnapshots):
         self.lo = self.hi = 0
         self.scratch: torch.Tensor | None = None
         self.round_pushed: set[int] = set()
-        self.round_summed: set[int] = set()       # pushes of the round added to the accumulator (in worker order)
-        self.round_early: dict[int, torch.Tensor] = {}   # pushes that arrived before a predecessor's: copies
-        self.early_peak = 0                        # the most bytes ever held in round_early (stats)
+        self.round_sum = OrderedSum(self.workers)   # barrier modes: the round's pushes summed in worker order
         self.round_since = 0.0
         self.round_inf = False
         self.last_skipped = False
@@ -300,12 +296,8 @@ class ParameterServer(PullQueue, ServerControl, ServerSnapshots):
         elif h["step"] != self.clock[w]:
             raise PSError(f"push: worker {w} sent step {h['step']}, its next step is {self.clock[w]}")
         self._check_scale(w, h)
-        in_order = self.barrier and w == self._next_in_order()
-        first = in_order and not self.round_summed
-        if self.barrier and not in_order:   # early: a copy of its own, kept only once every check has passed
-            into = torch.empty_like(self.scratch)
-        else:
-            into = st.acc if first and st.acc.dtype == self.scratch.dtype else self.scratch
+        into = (self.round_sum.destination(w, self._live(), self.round_pushed, st.acc, self.scratch)
+                if self.barrier else self.scratch)
         found_inf = bool(h.get("found_inf", False))
         try:  # poison never reaches the parameters: only fp16's declared overflow steps may hold inf/nan
             # (a refused first push of a round leaves acc half-written: the next first push overwrites it)
@@ -321,11 +313,7 @@ class ParameterServer(PullQueue, ServerControl, ServerSnapshots):
         staleness = st.version - st.sent_version[w]
         skipped = None
         if self.barrier:
-            if in_order:
-                self._sum(w, data)
-            else:
-                self.round_early[w] = data
-                self.early_peak = max(self.early_peak, sum(t.nbytes for t in self.round_early.values()))
+            self.round_sum.add(w, data, st.acc, self._live(), self.round_pushed)
             self.round_inf |= found_inf
             if not self.round_pushed:
                 self.round_since = time.monotonic()
@@ -362,43 +350,22 @@ class ParameterServer(PullQueue, ServerControl, ServerSnapshots):
         if self.barrier and scale != st.scale:
             raise PSError(f"push: scale {scale:g}, this server's loss scale for step {st.version} is {st.scale:g}")
 
-    def _next_in_order(self) -> int | None:
-        """The worker whose push the round's sum takes next: the first not yet summed that is live or has pushed."""
-        live = self._live()
-        return next((v for v in range(self.workers) if v not in self.round_summed
-                     and (v in live or v in self.round_pushed)), None)
-
-    def _sum(self, w: int, data: torch.Tensor) -> None:
-        """Add worker w's push to the round's sum (the round's first overwrites the accumulator)."""
-        acc = self.state.acc
-        if not self.round_summed:
-            if data is not acc:
-                acc.copy_(data)
-        else:
-            acc.add_(data)
-        self.round_summed.add(w)
-
-    def _drain(self) -> None:
-        """Add the early pushes whose predecessors are all in (or lost without pushing), in worker order."""
-        while (v := self._next_in_order()) in self.round_early:
-            self._sum(v, self.round_early.pop(v))
-
     def _complete_round(self) -> None:
         st = self.state
         if not self.barrier or not self.round_pushed:
             return
-        self._drain()   # a push, or a worker lost without pushing, may have filled the gap
+        self.round_sum.drain(st.acc, self._live(), self.round_pushed)   # a push or a loss may fill the gap
         if not self.round_pushed >= self._live():
             return
-        if self.round_early or self.round_summed != self.round_pushed:   # a bug: never apply a sum missing a push
+        if not self.round_sum.complete(self.round_pushed):   # a bug: never apply a sum missing a push
             return self._fail(f"internal error: round {st.version} has pushes {sorted(self.round_pushed)}, summed "
-                              f"{sorted(self.round_summed)}, still kept {sorted(self.round_early)}")
+                              f"{sorted(self.round_sum.summed)}, still kept {sorted(self.round_sum.early)}")
         if self.mode == "sync":
             self.last_skipped = st.apply_mean(self.workers, self.round_inf)
         else:  # workers divide their deltas by N: the mean over the deltas this round actually has
             st.apply_sum(self.workers / len(self.round_pushed))
         self.round_pushed.clear()
-        self.round_summed.clear()
+        self.round_sum.clear()
         self.round_inf = False
 
     def _on_fetch(self, ident: bytes, msg: wire.Message) -> None:
