@@ -100,7 +100,9 @@ def predict(cfg: Config, phi: float) -> Prediction:
         per_server = n * s / b.servers / every
         # a server holds its fp32 range and, except in GEO (deltas are added), the optimizer state for it;
         # barrier modes sum a round's pushes in an fp32 accumulator; delay compensation keeps the version
-        # last sent to each worker
+        # last sent to each worker. Not counted: the pushes a barrier server keeps while it waits for a
+        # predecessor's (it sums in worker order): none at a round's end, at worst (N - 1) x width x its
+        # range mid-round (worker 0 last); how many depends on arrival order, so servers report their peak
         server_per_param = 4 + (0 if b.mode == "geo" else optimizer_bytes_per_param(t.optimizer, "fp32", t.momentum))
         server_per_param += 4 if b.mode == "sync" or (b.mode == "geo" and b.geo_barrier) else 0
         server_per_param += 4 * n if b.mode in ("async", "ssp") and b.staleness_compensation == "dc" else 0
@@ -187,7 +189,8 @@ def _ps_rows(cfg: Config, phi: float) -> Prediction:
     once = ps_rows_traffic(u, d.dim, dense, width)
     link = LinkBytes(once.sent / every, once.received / every)
     k = 0 if geo else optimizer_bytes_per_param(t.optimizer, "fp32", t.momentum)
-    # the dense range's round accumulator (a round's rows are held only until the round ends)
+    # the dense range's round accumulator (a round's rows are held only until the round ends; like the
+    # pushes kept early for worker-order sums, at worst (N - 1) x width x the dense range, they are not counted)
     barrier = 4 if b.mode == "sync" or (geo and b.geo_barrier) else 0
     steps = 8 * d.num_tables * d.rows if t.optimizer == "adamw" and not geo else 0   # lazy AdamW's step per row
     server_mem = ((4 + k + barrier) * dense + (4 + k) * table + steps) / b.servers

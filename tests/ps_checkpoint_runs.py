@@ -1,4 +1,5 @@
 """The runs test_ps_checkpoint.py looks at: two workers, two servers (threads of the test process), a tiny GPT.
+(And three workers with a straggler, for sync's worker-order sums: see N3 below.)
 Stage 1 runs every case 6 steps with a checkpoint every 3. Stage 2 resumes the sync cases from step 3 to 6,
 restores each timing-dependent case (async with DC-ASGD, SSP, GEO mid-round) and writes the restored state
 again as checkpoint 3 of another folder, and forks the sync checkpoint onto ddp, async and GEO."""
@@ -113,3 +114,42 @@ def servers(out: Path, stage: str) -> dict:
                                        threads=True, start=start)
     return started
 
+
+
+# Three workers: from N = 3 a sync round's sum would depend on which worker arrives last, were it summed in
+# arrival order. A straggler (cluster.slow_workers) decides who does: worker 0 in one run, worker 2 in another.
+N3 = 3
+SKEWED = {"n3-slow0": 0, "n3-slow2": 2, "n3-slow2-resumed": 2}   # run -> its slow worker
+
+
+def skewed_config(name: str, **train: Any) -> dict:
+    data = cr.config(name, "fp32", ps(N3, servers=SERVERS), N3, steps=STEPS, **train)
+    data["cluster"] = {"slow_workers": [SKEWED[name]], "slowdown": 40.0}
+    return data
+
+
+def skewed_servers(out: Path, stage: str) -> dict:
+    """Stage "straight": n3-slow0 (a checkpoint every 3) and n3-slow2; stage "resumed": n3-slow2 from n3-slow0's."""
+    if stage == "straight":
+        return {"n3-slow0": start_services(from_dict(skewed_config("n3-slow0", checkpoint_every=AT)),
+                                           out / "n3-slow0", threads=True),
+                "n3-slow2": start_services(from_dict(skewed_config("n3-slow2")), out / "n3-slow2", threads=True)}
+    return {"n3-slow2-resumed": start_services(from_dict(skewed_config("n3-slow2-resumed")), out / "n3-slow2-resumed",
+                                               threads=True, start=checkpoint(out, "n3-slow0"))}
+
+
+def skewed(rank: int, n: int, out: str, infos: dict) -> dict:
+    """Each run of the stage (infos: its servers) to step 6; rank 0 saves the model as `out/<run>.pt`."""
+    o, results = Path(out), {}
+    for name, info in infos.items():
+        resumed_run = name.endswith("resumed")
+        ctx = DistContext(rank, N3, rank, torch.device("cpu"), None)
+        ctx.services = info
+        train = {"checkpoint_every": AT} if name == "n3-slow0" else {}
+        record = run_rank(from_dict(skewed_config(name, **train)), ctx, echo=False,
+                          checkpoints=o / name / "checkpoints" if train else None,
+                          start=checkpoint(o, "n3-slow0") if resumed_run else None, resume=resumed_run)
+        if rank == 0:
+            torch.save(record["model_state"], o / f"{name}.pt")
+        results[name] = _rows(record)
+    return results

@@ -1,7 +1,7 @@
 """Parameter-server checkpoints (psarch/ps/snapshot.py): bit-exact resume of sync (fp32, and fp16 with its loss
-scaler); for async with DC-ASGD, SSP and GEO, the restored state of every server and worker equals the saved
-one bit for bit (their continuation depends on the order pushes arrive, which timing decides); forks onto
-ddp and single; the `save` op's checks."""
+scaler; at N = 3 too, whoever arrives last); for async with DC-ASGD, SSP and GEO, the restored state of every
+server and worker equals the saved one bit for bit (their continuation depends on the order pushes arrive,
+which timing decides); forks onto ddp and single; the `save` op's checks."""
 from __future__ import annotations
 
 import json
@@ -55,6 +55,31 @@ def test_sync_resume_is_bit_exact(runs, case):
     if case.endswith("fp16"):   # the servers' scaler mattered: skips at 2 and 3 (hysteresis, then halved)
         assert [(r["loss_scale"], r["skipped"]) for r in straight[0][case]][2:5] == [
             (65536.0, True), (32768.0, True), (32768.0, False)]
+
+
+def _skewed_stage(out: Path, stage: str) -> dict:
+    services = pr.skewed_servers(out, stage)
+    try:
+        results = run_ranks(pr.skewed, pr.N3, str(out), {c: s.info for c, s in services.items()}, timeout=300)
+        for s in services.values():
+            s.finish()
+    finally:
+        for s in services.values():
+            s.stop()
+    return results[0]
+
+
+def test_sync_at_n3_is_bit_exact_whoever_arrives_last_and_across_a_resume(tmp_path):
+    """Worker 0 straggles in one run, worker 2 in another, and in a third resumed from the first's checkpoint
+    at step 3: the rounds' sums go in worker order, so the three models are bit-identical."""
+    straight = _skewed_stage(tmp_path, "straight")
+    resumed = _skewed_stage(tmp_path, "resumed")
+    models = {name: parity.model(tmp_path, name) for name in pr.SKEWED}
+    a = models["n3-slow0"]
+    for name, b in models.items():
+        assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), name
+    assert straight["n3-slow2"] == straight["n3-slow0"]
+    assert resumed["n3-slow2-resumed"] == straight["n3-slow0"]   # the rows before step 3 carried on
 
 
 def _records(path: Path) -> tuple[dict, dict[tuple[str, str], torch.Tensor]]:

@@ -80,7 +80,8 @@ class ServerControl:
         out: dict[str, Any] = {
             "server": self.index, "address": self.address, "range": [self.lo, self.hi],
             "version": st.version if st else 0, "sent": traffic["sent"], "received": traffic["received"],
-            "traffic": traffic, "memory": dict(st.memory() if st else {"total": 0}, peak=peak, peak_kind=kind),
+            "traffic": traffic, "memory": dict(st.memory() if st else {"total": 0}, peak=peak, peak_kind=kind,
+                                                   early_pushes_peak=self.round_sum.peak),
             "rejected": self.rejected, "refused_non_finite": self.refused_non_finite, "lost": sorted(self.lost), "failure": self.failure,
             "skipped_updates": st.skipped if st else 0,
             "staleness_histogram": {str(k): v for k, v in sorted(st.staleness.items())} if st else {},

@@ -155,10 +155,14 @@ class RowShard:
         self.round_from = [self.round_from[i] for i in keep]
 
     def apply_round(self, factor: float) -> None:
-        """Sum the round's rows over workers, times `factor` (sync: 1/N, the mean gradient), and apply once."""
+        """Sum the round's rows over workers, times `factor` (sync: 1/N, the mean gradient), and apply once.
+        The sum goes in worker order, not arrival order (index_add_ on CPU adds in source order), so that its
+        bits do not depend on timing."""
         if self.round_idx:
-            idx, inverse = torch.unique(torch.cat(self.round_idx), return_inverse=True)
-            total = torch.zeros(idx.numel(), self.space.dim).index_add_(0, inverse, torch.cat(self.round_values))
+            order = sorted(range(len(self.round_from)), key=self.round_from.__getitem__)
+            idx, inverse = torch.unique(torch.cat([self.round_idx[i] for i in order]), return_inverse=True)
+            values = torch.cat([self.round_values[i] for i in order])
+            total = torch.zeros(idx.numel(), self.space.dim).index_add_(0, inverse, values)
             self.apply(idx, total.mul_(factor))
         self.round_idx, self.round_values, self.round_from = [], [], []
 

@@ -18,6 +18,9 @@ Every push, in every mode and precision, is checked for inf/nan frame by frame a
 it touches the parameters: one that holds any (outside fp16's declared overflow steps) is refused with
 code "non_finite" and counted for its worker, and the worker stops the run.
 
+A barrier round's sum is added in worker order, whatever order the pushes arrive in (rounds.py): its bits do
+not depend on timing, so two runs, and a run and its resume, are bit-identical at any N.
+
 When a pull is answered depends on the mode (pulls.py). A pull that waits more than `backend.timeout_s` fails the server with an error naming the workers it
 waits for; every waiting and later request then gets that error, and the launcher stops the run.
 A worker is lost when the launcher says its process died, or (a standalone server, which has no
@@ -51,6 +54,7 @@ from psarch.ps import auth, wire
 from psarch.ps.auth import Credentials
 from psarch.ps.control import ServerControl
 from psarch.ps.pulls import TRACE_LIMIT, PullQueue, _Pull
+from psarch.ps.rounds import OrderedSum
 from psarch.ps.snapshot import ServerSnapshots
 from psarch.ps.errors import NonFinitePush, PSError
 from psarch.ps.client import REPLY_TO
@@ -97,6 +101,7 @@ class ParameterServer(PullQueue, ServerControl, ServerSnapshots):
         self.lo = self.hi = 0
         self.scratch: torch.Tensor | None = None
         self.round_pushed: set[int] = set()
+        self.round_sum = OrderedSum(self.workers)   # barrier modes: the round's pushes summed in worker order
         self.round_since = 0.0
         self.round_inf = False
         self.last_skipped = False
@@ -291,12 +296,12 @@ class ParameterServer(PullQueue, ServerControl, ServerSnapshots):
         elif h["step"] != self.clock[w]:
             raise PSError(f"push: worker {w} sent step {h['step']}, its next step is {self.clock[w]}")
         self._check_scale(w, h)
-        first = self.barrier and not self.round_pushed
+        into = (self.round_sum.destination(w, self._live(), self.round_pushed, st.acc, self.scratch)
+                if self.barrier else self.scratch)
         found_inf = bool(h.get("found_inf", False))
         try:  # poison never reaches the parameters: only fp16's declared overflow steps may hold inf/nan
             # (a refused first push of a round leaves acc half-written: the next first push overwrites it)
-            data = msg.tensor(st.acc if first and st.acc.dtype == self.scratch.dtype else self.scratch,
-                              finite=not (self.loss_scaling and found_inf))
+            data = msg.tensor(into, finite=not (self.loss_scaling and found_inf))
         except wire.NonFinitePayload:
             self.refused_non_finite[w] += 1
             what = "delta" if self.mode == "geo" else "gradient"
@@ -308,10 +313,7 @@ class ParameterServer(PullQueue, ServerControl, ServerSnapshots):
         staleness = st.version - st.sent_version[w]
         skipped = None
         if self.barrier:
-            if first and data is not st.acc:  # the first push of a round overwrites acc
-                st.acc.copy_(data)
-            elif not first:
-                st.acc.add_(data)
+            self.round_sum.add(w, data, st.acc, self._live(), self.round_pushed)
             self.round_inf |= found_inf
             if not self.round_pushed:
                 self.round_since = time.monotonic()
@@ -350,13 +352,20 @@ class ParameterServer(PullQueue, ServerControl, ServerSnapshots):
 
     def _complete_round(self) -> None:
         st = self.state
-        if not self.barrier or not self.round_pushed or not self.round_pushed >= self._live():
+        if not self.barrier or not self.round_pushed:
             return
+        self.round_sum.drain(st.acc, self._live(), self.round_pushed)   # a push or a loss may fill the gap
+        if not self.round_pushed >= self._live():
+            return
+        if not self.round_sum.complete(self.round_pushed):   # a bug: never apply a sum missing a push
+            return self._fail(f"internal error: round {st.version} has pushes {sorted(self.round_pushed)}, summed "
+                              f"{sorted(self.round_sum.summed)}, still kept {sorted(self.round_sum.early)}")
         if self.mode == "sync":
             self.last_skipped = st.apply_mean(self.workers, self.round_inf)
         else:  # workers divide their deltas by N: the mean over the deltas this round actually has
             st.apply_sum(self.workers / len(self.round_pushed))
         self.round_pushed.clear()
+        self.round_sum.clear()
         self.round_inf = False
 
     def _on_fetch(self, ident: bytes, msg: wire.Message) -> None:

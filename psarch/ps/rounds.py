@@ -1,0 +1,62 @@
+"""A barrier round's sum (sync, GEO with the barrier), added in worker order whatever order the pushes arrive in.
+
+fp32 addition is not associative: summed in arrival order, the last bits of a round from N = 3 on depend on
+which worker was slowest, so two runs of one config, or a run and its resume, would differ. Here the sum goes
+0, 1, 2, ... over the workers in the round: a push that arrives before a predecessor's is kept as a copy
+until the gap fills, and a worker lost without pushing leaves no gap (the round completes over the live
+workers). Memory: besides the accumulator, up to N - 1 kept pushes of the range in the wire dtype at worst
+(worker 0 last), none at a round's end; `peak` records the most bytes kept.
+"""
+from __future__ import annotations
+
+import torch
+
+
+class OrderedSum:
+    """Which pushes of the current round are summed into the accumulator, and which are kept until their turn."""
+
+    def __init__(self, workers: int) -> None:
+        self.workers = workers
+        self.summed: set[int] = set()                # added to the accumulator, in worker order
+        self.early: dict[int, torch.Tensor] = {}     # arrived before a predecessor's: copies, until their turn
+        self.peak = 0                                # the most bytes ever kept in `early`
+
+    def next(self, live: set[int], pushed: set[int]) -> int | None:
+        """The worker whose push the sum takes next: the first not yet summed that is live or has pushed."""
+        return next((v for v in range(self.workers) if v not in self.summed and (v in live or v in pushed)), None)
+
+    def destination(self, w: int, live: set[int], pushed: set[int], acc: torch.Tensor,
+                    scratch: torch.Tensor) -> torch.Tensor:
+        """Where to decode worker w's push: the accumulator (its turn, the round's first, same dtype), the
+        scratch buffer (its turn), or a fresh copy (early; kept only once every check has passed)."""
+        if w != self.next(live, pushed):
+            return torch.empty_like(scratch)
+        return acc if not self.summed and acc.dtype == scratch.dtype else scratch
+
+    def add(self, w: int, data: torch.Tensor, acc: torch.Tensor, live: set[int], pushed: set[int]) -> None:
+        """Worker w's checked push (`pushed` not yet holding w): summed if it is its turn, else kept."""
+        if w == self.next(live, pushed):
+            self._sum(w, data, acc)
+        else:
+            self.early[w] = data
+            self.peak = max(self.peak, sum(t.nbytes for t in self.early.values()))
+
+    def drain(self, acc: torch.Tensor, live: set[int], pushed: set[int]) -> None:
+        """Sum the kept pushes whose predecessors are all in (or lost without pushing), in worker order."""
+        while (v := self.next(live, pushed)) in self.early:
+            self._sum(v, self.early.pop(v), acc)
+
+    def complete(self, pushed: set[int]) -> bool:
+        """Whether every push of the round is in the sum (after `drain`, once every live worker pushed)."""
+        return not self.early and self.summed == pushed
+
+    def clear(self) -> None:
+        self.summed.clear()
+
+    def _sum(self, w: int, data: torch.Tensor, acc: torch.Tensor) -> None:
+        if not self.summed:   # the round's first overwrites the accumulator
+            if data is not acc:
+                acc.copy_(data)
+        else:
+            acc.add_(data)
+        self.summed.add(w)
