@@ -59,6 +59,8 @@ def run_rank(cfg: Config, ctx: DistContext, workload: Workload | None = None, ec
         ckpt.check_model({n: tuple(p.shape) for n, p in workload.model.named_parameters() if p.requires_grad})
         ckpt.check_optimizer(cfg.train.optimizer)
     trainer = trainer_class(cfg.backend.kind)(workload, cfg, ctx)
+    if slow is not None:   # its compute is the forward and backward less the waits the backend timed in them
+        slow.waited = trainer.comm_waited_s
     first = 0
     if ckpt is not None:
         trainer.load_checkpoint(ckpt)
