@@ -23,6 +23,7 @@ import torch.distributed as dist
 from psarch import outputs
 from psarch.checkpoint.start import CHECKPOINTS, starting_checkpoint
 from psarch.cluster import Placement, place
+from psarch.cluster.window import StepMarks
 from psarch.config import Config, ConfigError, check_machine, from_dict
 from psarch.dist import init_rank, shutdown, under_torchrun
 from psarch.errors import NON_FINITE_EXIT, NonFiniteError, RunError
@@ -65,8 +66,9 @@ def run(cfg: Config, out: str | Path | None = None, echo: bool = True, resume: b
             try:
                 info = services.info if services is not None else {}
                 if cfg.backend.world_size == 1:
+                    marks = where.step_marks(1)   # outside the node: the counters' reader is no node's
                     with where.node("worker", 0):
-                        _run_in_process(cfg, cls, out_dir, info, echo, plan, workload)
+                        _run_in_process(cfg, cls, out_dir, info, echo, plan, workload, marks)
                 else:
                     _spawn(cfg, cls, out_dir, info, echo, services, plan, where)
                 extra = services.finish() if services is not None else None
@@ -108,7 +110,7 @@ def _threads(world: int) -> int:
 
 
 def _run_in_process(cfg: Config, cls: type, out: Path, info: dict, echo: bool, plan: _Plan,
-                    workload: Workload | None) -> None:
+                    workload: Workload | None, marks: StepMarks | None) -> None:
     store = None
     if cls.needs_process_group:
         store = dist.TCPStore("127.0.0.1", 0, 1, is_master=True, wait_for_workers=False,
@@ -117,13 +119,13 @@ def _run_in_process(cfg: Config, cls: type, out: Path, info: dict, echo: bool, p
     ctx.services = info
     try:
         outputs.save_record(out, run_rank(cfg, ctx, workload, echo=echo, metrics=outputs.stream_path(out, 0),
-                                          **plan.kwargs()))
+                                          marks=marks, **plan.kwargs()))
     finally:
         shutdown(ctx)
 
 
 def _rank_main(cfg_dict: dict, rank: int, world: int, host: str, port: int, out: str, info: dict, threads: int,
-               needs_group: bool, echo: bool, plan: _Plan) -> None:
+               needs_group: bool, echo: bool, plan: _Plan, marks: StepMarks | None) -> None:
     die_with_parent()
     out_dir = Path(out)
     try:
@@ -134,7 +136,7 @@ def _rank_main(cfg_dict: dict, rank: int, world: int, host: str, port: int, out:
         ctx = init_rank(cfg, rank, world, rank, world, store, needs_group=needs_group)
         ctx.services = info
         outputs.save_record(out_dir, run_rank(cfg, ctx, echo=echo, metrics=outputs.stream_path(out_dir, rank),
-                                              **plan.kwargs()))
+                                              marks=marks, **plan.kwargs()))
         shutdown(ctx)
     except BaseException as e:  # report every failure, KeyboardInterrupt included, then exit non-zero
         _write_error(out_dir, rank, e)
@@ -185,9 +187,10 @@ def _spawn(cfg: Config, cls: type, out: Path, info: dict, echo: bool, services: 
                                   timeout=timedelta(seconds=cfg.backend.timeout_s))
     port = store.port if store is not None else 0
     ctx = mp.get_context("spawn")
+    marks = where.step_marks(n)   # an emulated cluster reads its links before the first step and after the last
     procs = [ctx.Process(target=_rank_main, name=f"psarch-rank{r}",
                          args=(cfg.to_dict(), r, n, where.rendezvous_host, port, str(out), info, _threads(n),
-                               needs_group, echo, plan))
+                               needs_group, echo, plan, marks))
              for r in range(n)]
     tolerant = cls.tolerates_lost_workers(cfg) and services is not None
     try:
@@ -201,6 +204,7 @@ def _spawn(cfg: Config, cls: type, out: Path, info: dict, echo: bool, services: 
             if failed and tolerant and all(procs[r].exitcode != NON_FINITE_EXIT for r in failed):
                 for r in failed:   # a poisoned worker is never a lost one: the run cannot go on without it
                     services.worker_lost(r, _rank_error(out, r, procs[r].exitcode))
+                where.worker_lost()
             elif failed:
                 # its peers fail moments later ("connection reset by peer"): let them, then name the cause
                 deadline = time.monotonic() + ECHO_GRACE_S

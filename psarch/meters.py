@@ -4,6 +4,7 @@ from __future__ import annotations
 import resource
 import sys
 import threading
+import time
 from contextlib import contextmanager
 from typing import Iterable, Iterator
 
@@ -79,6 +80,21 @@ class Transient:
     def sub(self, kind: str, nbytes: int) -> None:
         for k in (kind, "working"):
             self.now[k] -= nbytes
+
+
+class WaitClock:
+    """Seconds a rank has blocked on communication, summed: `with clock:` around each wait. Read as a
+    difference over an interval (a straggler's forward or backward), it is the wait inside that interval."""
+
+    def __init__(self) -> None:
+        self.total_s = 0.0
+        self._t0 = 0.0
+
+    def __enter__(self) -> None:
+        self._t0 = time.perf_counter()
+
+    def __exit__(self, *exc: object) -> None:
+        self.total_s += time.perf_counter() - self._t0
 
 
 def tensor_bytes(tensors: Iterable[torch.Tensor | None]) -> int:

@@ -224,7 +224,8 @@ def report(s: dict[str, Any]) -> str:
         c, st = s["cluster"], s["cluster"]["step_time"]
         lines.append(f"emulated cluster: alpha {c['alpha_s'] * 1e6:.0f} us; step time measured {st['measured_s'] * 1e3:.2f} ms"
                      f" | predicted {st['predicted_s'] * 1e3:.2f} ms (compute {st['compute_s'] * 1e3:.2f} ms)")
+        over = "the steps" if c.get("counted_over") == "steps" else "the whole run"
         for n in c["nodes"]:
             lines.append(f"  {n['role']} {n.get('rank', n.get('server'))} ({n['address']}, {n['link_mbps']:g} Mbit/s): "
-                         f"link sent {fmt_bytes(n['link_sent'])}, received {fmt_bytes(n['link_received'])}")
+                         f"link sent {fmt_bytes(n['link_sent'])}, received {fmt_bytes(n['link_received'])} over {over}")
     return "\n".join(lines) + "\n"

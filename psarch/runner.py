@@ -11,6 +11,7 @@ import torch
 
 from psarch import checkpoint
 from psarch.cluster.stragglers import slowed, straggler
+from psarch.cluster.window import StepMarks
 from psarch.config import Config
 from psarch.dist import DistContext
 from psarch.errors import check_loss
@@ -42,12 +43,13 @@ def warmup_steps(cfg: Config) -> int:
 
 def run_rank(cfg: Config, ctx: DistContext, workload: Workload | None = None, echo: bool = True,
              checkpoints: Path | None = None, start: Path | None = None, resume: bool = False,
-             metrics: Path | None = None) -> dict[str, Any]:
+             metrics: Path | None = None, marks: StepMarks | None = None) -> dict[str, Any]:
     """Train up to step `train.steps` on this rank, from step 0 or from checkpoint `start`'s step and state
     (with `resume`, also its metric rows), writing a checkpoint under `checkpoints` every
     `train.checkpoint_every` steps; returns the rank's record (rows, memory, traffic, model). With
     `metrics`, the carried rows and then each step's row as the step completes are also appended there, so a
-    run that fails or is interrupted keeps every finished step."""
+    run that fails or is interrupted keeps every finished step. `marks` (an emulated cluster's): reached right
+    before the first step and right after the last, where the launcher reads the links' counters."""
     slow = straggler(cfg, ctx.rank)   # cluster.slow_workers / jitter: the backend never knows
     workload = slowed(workload or build_workload(cfg), slow)
     params = sum(p.numel() for p in workload.model.parameters())  # before a backend shards the model
@@ -57,6 +59,8 @@ def run_rank(cfg: Config, ctx: DistContext, workload: Workload | None = None, ec
         ckpt.check_model({n: tuple(p.shape) for n, p in workload.model.named_parameters() if p.requires_grad})
         ckpt.check_optimizer(cfg.train.optimizer)
     trainer = trainer_class(cfg.backend.kind)(workload, cfg, ctx)
+    if slow is not None:   # its compute is the forward and backward less the waits the backend timed in them
+        slow.waited = trainer.comm_waited_s
     first = 0
     if ckpt is not None:
         trainer.load_checkpoint(ckpt)
@@ -75,6 +79,9 @@ def run_rank(cfg: Config, ctx: DistContext, workload: Workload | None = None, ec
     if stream is not None:   # the carried rows first: a resumed run that then fails still keeps them
         stream.write("".join(json.dumps(r) + "\n" for r in rows))
     try:
+        if marks is not None:
+            marks.reached()
+            interval_t0 = time.perf_counter()
         for step in range(first, steps):
             batch = to_device(workload.batch(step, ctx.rank, ctx.world_size), ctx.device, cast)
             if slow is not None:
@@ -108,6 +115,8 @@ def run_rank(cfg: Config, ctx: DistContext, workload: Workload | None = None, ec
                 interval_t0 = time.perf_counter()
             if every and (step + 1) % every == 0:
                 trainer.write_checkpoint(ctx, checkpoints, step + 1, cfg.to_dict(), cfg.train.keep_checkpoints, rows)
+        if marks is not None:
+            marks.reached()
         model_state = trainer.full_state_dict()
         memory = trainer.memory().to_dict()
         traffic = trainer.traffic().to_dict()

@@ -124,6 +124,12 @@ class Trainer(Protocol):
         """Backend-specific figures for summary.json's `extra` (one list entry per rank)."""
         return {}
 
+    def comm_waited_s(self) -> float:
+        """Seconds this rank has blocked on communication so far, where it blocks inside forward or backward
+        (ZeRO's gathers and hook reductions; 0 where a backend waits only after backward). A straggler
+        takes the difference over its forward and backward, so the compute it scales holds no wait."""
+        return 0.0
+
     @classmethod
     def start_services(cls, cfg: Any, out_dir: Any, where: Any = None, start: Any = None) -> Services | None:
         """Services to start before the workers (rank 0 under torchrun); None when the backend has none.

@@ -165,3 +165,44 @@ def test_machine_checked_once_per_run(tmp_path, monkeypatch):
     (tmp_path / "sweep.toml").write_text('name = "s"\n[sweep]\n"train.lr" = [0.1, 0.2]\n')
     assert main(["run", str(tmp_path / "sweep.toml"), *one, "--out", str(tmp_path / "sweep")]) == 1
     assert len(probes) == 2                                                                     # one per point
+
+
+def test_step_window_reads_while_every_rank_waits_at_a_mark():
+    """The launcher reads the counters once every rank has reached a mark, before any goes on; a lost
+    worker's abort releases the others, and the window then says it has none."""
+    import types
+
+    from psarch.cluster.window import StepWindow
+
+    phase = {"a": 0, "b": 0}           # how many marks each rank has passed
+    reads = []
+
+    def read():
+        reads.append(dict(phase))
+        return {"n": (len(reads), 0)}
+
+    def rank(name: str, work: float) -> None:
+        time.sleep(work)               # set-up of uneven length: the read must still wait for both
+        w.marks.reached()
+        phase[name] += 1
+        time.sleep(work)
+        w.marks.reached()
+        phase[name] += 1
+
+    w = StepWindow(types.SimpleNamespace(Barrier=threading.Barrier), 2, read)
+    ranks = [threading.Thread(target=rank, args=(n, t)) for n, t in (("a", 0.0), ("b", 0.1))]
+    for t in ranks:
+        t.start()
+    for t in ranks:
+        t.join(10)
+    w.close()
+    assert reads == [{"a": 0, "b": 0}, {"a": 1, "b": 1}] and phase == {"a": 2, "b": 2}
+    assert w.steps() == ({"n": (1, 0)}, {"n": (2, 0)})
+
+    lost = StepWindow(types.SimpleNamespace(Barrier=threading.Barrier), 2, read)
+    alone = threading.Thread(target=lost.marks.reached)   # its peer died: it would wait forever
+    alone.start()
+    lost.abort()
+    alone.join(10)
+    assert not alone.is_alive() and lost.steps() is None
+    lost.close()

@@ -21,7 +21,7 @@ from typing import Any
 import torch
 
 from collective.comm import Communicator
-from psarch.meters import Transient
+from psarch.meters import Transient, WaitClock
 from zero.export import gather_fp32
 from zero.partition import Group, Partition, bucket_params
 
@@ -58,6 +58,7 @@ class Stage12(ABC):
         self._next = 0
         self.transient = Transient()
         self.reduced_in_backward = 0   # asynchronous reduce-scatters launched from gradient hooks: the overlap
+        self.waits = WaitClock()       # time blocked on collectives, hooks included (a straggler leaves it out)
 
     # ---- what a stage decides
 
@@ -120,7 +121,8 @@ class Stage12(ABC):
         self._next += 1
         grad, out = self._reduce_pair(g)
         grad.div_(self.n)  # average by pre-dividing (keeps fp16 sums in range), as DDP does
-        handle = self.comm.reduce_scatter(out, grad, async_op=self.overlap)
+        with self.waits:   # without overlap_comm the reduce-scatter blocks here, in backward's hook
+            handle = self.comm.reduce_scatter(out, grad, async_op=self.overlap)
         self._pending.append((handle, g, grad, out))
         self._reap(keep=MAX_IN_FLIGHT)
 
@@ -131,7 +133,8 @@ class Stage12(ABC):
             if handle is not None:
                 if len(self._pending) <= keep and not handle.is_completed():
                     return
-                handle.wait()
+                with self.waits:
+                    handle.wait()
             self._pending.pop(0)
             self._reduced(g, grad, out)
 
@@ -160,7 +163,8 @@ class Stage12(ABC):
 
     def _finish_gathers(self, handles: list[tuple[Any, torch.Tensor]]) -> None:
         for h, mine in handles:
-            h.wait()
+            with self.waits:
+                h.wait()
             self._release(mine, "send")
         handles.clear()
 

@@ -29,7 +29,7 @@ from torch import nn
 from torch.utils._pytree import tree_flatten
 
 from collective.comm import Communicator, Handle
-from psarch.meters import Transient
+from psarch.meters import Transient, WaitClock
 from zero.export import gather_fp32
 from zero.partition import Partition
 from zero.stage12 import MAX_IN_FLIGHT
@@ -76,6 +76,7 @@ class Stage3:
         self.transient = Transient()   # gathered units ('gathered') and unit gradient buffers ('grads')
         self.prefetched = 0            # gathers started ahead of their unit's use
         self.reduced_in_backward = 0   # asynchronous reduce-scatters launched from gradient hooks: the overlap
+        self.waits = WaitClock()       # time blocked on gathers and reductions, inside forward and backward too
         self._hooks = [model.register_forward_pre_hook(self._model_pre), model.register_forward_hook(self._model_post)]
         for i, u in enumerate(units):
             if u.module is not None:
@@ -95,7 +96,8 @@ class Stage3:
 
     def _wait(self, i: int) -> None:
         if self.state[i] == GATHERING:
-            self._gathers.pop(i).wait()
+            with self.waits:
+                self._gathers.pop(i).wait()
             self.state[i] = GATHERED
 
     def ensure(self, i: int) -> None:
@@ -204,7 +206,8 @@ class Stage3:
             p.grad = None
         self.free(i)
         buf.div_(self.n)
-        handle = self.comm.reduce_scatter(self.part.shard_chunk(g, self.shard_grad), buf, async_op=self.overlap)
+        with self.waits:   # without overlap_comm the reduce-scatter blocks here, in backward's hook
+            handle = self.comm.reduce_scatter(self.part.shard_chunk(g, self.shard_grad), buf, async_op=self.overlap)
         self._pending.append((handle, i))
         self._reap(keep=MAX_IN_FLIGHT)
 
@@ -214,7 +217,8 @@ class Stage3:
             if handle is not None:
                 if len(self._pending) <= keep and not handle.is_completed():
                     return
-                handle.wait()
+                with self.waits:
+                    handle.wait()
             self._pending.pop(0)
             buf = self._grads.pop(i)
             self.transient.sub("grads", buf.numel() * buf.element_size())

@@ -163,6 +163,9 @@ class ZeroTrainer(Trainer):
     def traffic(self) -> TrafficReport:
         return self.comm.traffic.report()
 
+    def comm_waited_s(self) -> float:
+        return self.engine.waits.total_s
+
     def summary_extra(self) -> dict[str, Any]:
         e = self.engine
         return {"zero_groups": len(e.part.groups), "zero_padded_params": e.part.padded_numel,

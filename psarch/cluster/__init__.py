@@ -4,8 +4,10 @@ The launcher's one interface to this package is `place(cfg)`, a context manager 
 
     with place(cfg) as p:
         with p.rendezvous(): store = TCPStore(...)            # ranks reach it at p.rendezvous_host
+        marks = p.step_marks(ranks)                           # each rank: marks.reached() around its steps
         with p.node("worker", rank): process.start()          # the process starts on its node
         host = p.host("server", i, cfg.backend.host)          # the address a PS server binds
+        p.worker_lost()                                       # a worker died and the run goes on
         summary["cluster"] = p.report()
 
 Backends never see it: on a node, a rank's sockets simply belong to that node's network.
@@ -16,6 +18,7 @@ import contextlib
 import os
 from typing import Any, Iterator
 
+from psarch.cluster.window import StepMarks, StepWindow
 from psarch.config import Config
 
 
@@ -32,6 +35,12 @@ class Loopback:
 
     def host(self, role: str, index: int, default: str) -> str:
         return default
+
+    def step_marks(self, ranks: int) -> StepMarks | None:
+        return None
+
+    def worker_lost(self) -> None:
+        pass
 
     def report(self) -> dict[str, Any]:
         return {}
@@ -54,6 +63,7 @@ class Emulated:
         w0 = self.cluster.node("worker", 0)     # the hub to a node: one link each way, as a ring's hop
         self.alpha_s = measure_alpha(self.cluster.hub, w0.ns, w0.address)
         self._start = self.cluster.counters()   # links idle: only the kernel's own chatter so far
+        self._window: StepWindow | None = None
 
     def rendezvous(self) -> contextlib.AbstractContextManager:
         from psarch.cluster import netns
@@ -78,17 +88,38 @@ class Emulated:
     def host(self, role: str, index: int, default: str) -> str:
         return self.cluster.node(role, index).address
 
+    def step_marks(self, ranks: int) -> StepMarks:
+        """The marks `ranks` ranks reach around their steps; every link is read when all have (once a run)."""
+        import multiprocessing as mp
+        if self._window is None:
+            self._window = StepWindow(mp.get_context("spawn"), ranks, self.cluster.counters)
+        return self._window.marks
+
+    def worker_lost(self) -> None:
+        """A worker died and the run goes on: the others must not wait for it at the last mark."""
+        if self._window is not None:
+            self._window.abort()
+
     def report(self) -> dict[str, Any]:
-        """Bytes each node's link carried during the run (kernel counters: TCP/IP and Ethernet headers
-        included; rendezvous, initial broadcast and final gather included, unlike per-step meters)."""
+        """Bytes each node's link carried (kernel counters: TCP/IP and Ethernet headers included).
+        link_sent/received: over the steps alone, from before the first step to after the last, as the
+        per-step meters count (`counted_over` says "run" where a lost worker left no such window);
+        run_link_sent/received: the whole run, rendezvous, initial broadcast and final export included."""
         now = self.cluster.counters()
+        window = self._window.steps() if self._window is not None else None
         nodes = []
         for n in self.cluster.nodes:
             (s0, r0), (s1, r1) = self._start[n.ns], now[n.ns]
-            nodes.append(dict(n.to_dict(), link_sent=s1 - s0, link_received=r1 - r0))
-        return {"emulated": True, "alpha_s": self.alpha_s, "nodes": nodes}
+            run = {"run_link_sent": s1 - s0, "run_link_received": r1 - r0}
+            if window is not None:
+                (s0, r0), (s1, r1) = window[0][n.ns], window[1][n.ns]
+            nodes.append(dict(n.to_dict(), link_sent=s1 - s0, link_received=r1 - r0, **run))
+        return {"emulated": True, "alpha_s": self.alpha_s, "counted_over": "steps" if window else "run",
+                "nodes": nodes}
 
     def close(self) -> None:
+        if self._window is not None:
+            self._window.close()
         self.cluster.close()
 
 

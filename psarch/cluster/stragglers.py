@@ -12,15 +12,14 @@ all-gathers are the exception: they run before the sleep.) The compute time is t
 plus the previous step's backward time (the current backward has not run yet; on the first step
 2 x forward, the usual ratio), both measured on this worker.
 
-Bias: these are wall-clock times of forward and backward, so they include any communication a backend
-waits for inside them, which the engines do not time separately (their comm_s starts after backward):
-ZeRO-3's blocking all-gathers (forward and backward; what prefetching does not hide), and the
-reduce-scatters of ZeRO-1/2/3 waited for in backward's hooks (all of them with overlap_comm = false; with
-it, the oldest whenever more than MAX_IN_FLIGHT = 2 are in flight). A slowed ZeRO worker therefore sleeps
-(m - 1) x (compute + those waits): more than m x its compute, the more so the slower the link. With
-jitter, a worker's waits also hold the time it waited for slower peers, so one slow step lengthens the
-next sleeps. DDP (launches only, waits after backward) and the PS (communicates after backward) are
-unaffected.
+Communication waited for inside forward and backward is not compute: ZeRO-3's blocking all-gathers
+(forward and backward; what prefetching does not hide) and the reduce-scatters of ZeRO-1/2/3 waited for
+in backward's hooks (all of them with overlap_comm = false; with it, the oldest whenever more than
+MAX_IN_FLIGHT = 2 are in flight). The engines time those waits themselves (Trainer.comm_waited_s, a
+running sum); the straggler subtracts what it grew by during its forward and its backward, so the
+sleep is (m - 1) x compute alone, whatever the link's speed or the peers' lateness. DDP and the PS wait
+only after backward (their sum stays 0); PyTorch's peers (torch_ddp, torch_zero, torch_fsdp) do not
+report their waits, so for torch_fsdp the sleep still holds its in-hook communication.
 """
 from __future__ import annotations
 
@@ -45,7 +44,8 @@ class Straggler:
         self.forward_s = 0.0
         self.backward_s: float | None = None
         self.slept_s = 0.0            # the last step's sleep, reported in metrics.jsonl
-        self._bwd_t0 = 0.0
+        self.waited: Callable[[], float] = lambda: 0.0   # the trainer's comm_waited_s, once it is built
+        self._bwd_t0 = self._bwd_w0 = 0.0
 
     def factor(self, step: int) -> float:
         """Step `step`'s compute-time multiplier: a function of (seed, rank, step), not of the steps run before
@@ -57,9 +57,9 @@ class Straggler:
 
     def wrap(self, loss_fn: Callable[[torch.nn.Module, Any], torch.Tensor]) -> Callable:
         def slowed(model: torch.nn.Module, batch: Any) -> torch.Tensor:
-            t0 = time.perf_counter()
+            t0, w0 = time.perf_counter(), self.waited()
             loss = loss_fn(model, batch)
-            self.forward_s = forward = time.perf_counter() - t0
+            self.forward_s = forward = time.perf_counter() - t0 - (self.waited() - w0)
             compute = forward + (self.backward_s if self.backward_s is not None else 2 * forward)
             self.slept_s = max(0.0, self.factor(self.step) - 1.0) * compute
             time.sleep(self.slept_s)
@@ -69,11 +69,11 @@ class Straggler:
         return slowed
 
     def _backward_starts(self, grad: torch.Tensor) -> None:
-        self._bwd_t0 = time.perf_counter()
+        self._bwd_t0, self._bwd_w0 = time.perf_counter(), self.waited()
         torch.autograd.Variable._execution_engine.queue_callback(self._backward_ends)
 
     def _backward_ends(self) -> None:
-        self.backward_s = time.perf_counter() - self._bwd_t0
+        self.backward_s = time.perf_counter() - self._bwd_t0 - (self.waited() - self._bwd_w0)
 
 
 def straggler(cfg: Config, rank: int) -> Straggler | None:
