@@ -3,6 +3,7 @@ step time, embedding bytes one worker holds against the tables' size, distinct i
 from __future__ import annotations
 
 import statistics
+from pathlib import Path
 from typing import Any
 
 from psarch import theory
@@ -55,3 +56,43 @@ def sparse_table(runs: list[dict[str, Any]]) -> str:
             f"{fmt_bytes(held)} \\| {fmt_bytes(table)} | {'-' if u is None else f'{u:.0f}'} \\| "
             f"{theory.expected_unique_ids(cfg):.0f} | {gap} |")
     return "\n".join(lines)
+
+
+def series(runs: list[dict[str, Any]]) -> dict[float, dict[str, list[tuple[int, float, float, float]]]]:
+    """Per Zipf exponent, per variant ('backend variant'), the points (rows, bytes sent per worker per step
+    measured, predicted, step time in s) sorted by table rows: what embedding_scaling plots."""
+    out: dict[float, dict[str, list[tuple[int, float, float, float]]]] = {}
+    for run in runs:
+        s, cfg = run["summary"], run_config(run)
+        variant = f"{s['backend']} {s.get('variant') or ''}".strip()
+        point = (cfg.workload.dlrm.rows, worker_sent_per_step(s), s["predicted"]["traffic_per_step"]["worker_sent"],
+                 s["step_time_s"])
+        out.setdefault(cfg.workload.clicks.zipf, {}).setdefault(variant, []).append(point)
+    for by_variant in out.values():
+        for points in by_variant.values():
+            points.sort()
+    return dict(sorted(out.items()))
+
+
+def embedding_scaling(runs: list[dict[str, Any]], out: Path) -> str:
+    """embedding_scaling.png: bytes per worker per step (measured solid, predicted dashed) and step time
+    against table rows, one column per Zipf exponent, one colour per variant; returns the name."""
+    import matplotlib.pyplot as plt
+
+    from psarch.plot_style import save
+
+    data = series(runs)
+    variants = sorted({v for by in data.values() for v in by})
+    fig, axes = plt.subplots(2, len(data), figsize=(4.6 * len(data), 7), squeeze=False, sharex=True)
+    for col, (zipf, by_variant) in enumerate(data.items()):
+        top, bottom = axes[0][col], axes[1][col]
+        for variant, points in by_variant.items():
+            colour = f"C{variants.index(variant) % 10}"
+            rows = [p[0] for p in points]
+            top.plot(rows, [p[1] for p in points], "o-", color=colour, label=variant)
+            top.plot(rows, [p[2] for p in points], "x--", color=colour, alpha=0.6)
+            bottom.plot(rows, [p[3] for p in points], "o-", color=colour, label=variant)
+        top.set(xscale="log", yscale="log", title=f"Zipf {zipf:g}", ylabel="bytes sent / worker / step")
+        bottom.set(xscale="log", yscale="log", xlabel="rows per table", ylabel="step time (s)")
+    axes[0][0].legend(fontsize=7, title="solid measured, dashed predicted", title_fontsize=7)
+    return save(fig, out, "embedding_scaling")

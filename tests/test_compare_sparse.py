@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 
 from psarch import theory
-from psarch.compare_sparse import embedding_held, is_sparse_run, measured_unique_ids, sparse_table
+from psarch.compare_sparse import (embedding_held, embedding_scaling, is_sparse_run, measured_unique_ids, series,
+                                    sparse_table)
 from psarch.config import from_dict
 
 ROWS, DIM, TABLES = 1000, 8, 3
@@ -66,3 +67,17 @@ def test_non_dlrm_runs_are_not_sparse():
     run = fake_run({"kind": "ddp"})
     run["config"]["workload"]["model"] = "gpt"
     assert not is_sparse_run(run)
+
+
+def test_series_groups_by_zipf_and_variant_sorted_by_rows(tmp_path):
+    big = fake_run({"kind": "ddp"})
+    big["config"]["workload"]["dlrm"]["rows"] = 10 * ROWS
+    big["summary"]["step_time_s"] = 0.5
+    small, skewed = fake_run({"kind": "ddp"}), fake_run({"kind": "ddp"})
+    skewed["config"]["workload"]["clicks"]["zipf"] = 1.5
+    skewed["summary"]["variant"] = "ring/sharded"
+    got = series([big, skewed, small])
+    assert list(got) == [1.05, 1.5]
+    assert got[1.05] == {"ddp": [(ROWS, 200.0, 210.0, 0.05), (10 * ROWS, 200.0, 210.0, 0.5)]}
+    assert got[1.5] == {"ddp ring/sharded": [(ROWS, 200.0, 210.0, 0.05)]}
+    assert (tmp_path / f"{embedding_scaling([big, small], tmp_path)}.png").stat().st_size > 0
