@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from psarch import plots
+from psarch.compare_sparse import embedding_scaling, is_sparse_run, sparse_table
 from psarch.runs import label, load_run, server_received_per_step, step_clock, trailing_mean, worker_sent_per_step
 from psarch.units import fmt_bytes
 
@@ -104,6 +105,13 @@ def compare(run_dirs: list[str | Path], out: str | Path, target_gap: float = 0.2
     text += [table(runs), "", "Memory: rank 0's model states (params + grads + optimizer incl. fp32 masters). "
              "Traffic: mean over workers; native collectives are modelled, not measured. PS servers' memory and the "
              "whole system's (workers + servers): memory.png. Predictions: theory.predict on each run's config.", ""]
+    sparse = [r for r in runs if is_sparse_run(r)]
+    if sparse:
+        figures.append(embedding_scaling(sparse, out))
+        text += ["## Embedding tables", "", sparse_table(sparse), "", "Sent: mean over workers per step. Embedding "
+                 "held: the busiest worker's rows (PS: its peak; ddp sharded: its shard; other backends replicate the "
+                 "whole tables). Unique ids: distinct ids of one worker's batch over all tables, mean over steps, "
+                 "beside their expectation under the Zipf law. Final gap: last step's loss minus the known floor.", ""]
     conv = convergence(runs, target_gap)
     if conv:
         text += ["## Convergence", "", conv, "", f"Steps and time (summed step times) until the 10-step mean "

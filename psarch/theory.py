@@ -207,7 +207,7 @@ def _ps_rows(cfg: Config, phi: float) -> Prediction:
                       rounds=4 / every, messages=4 / every, server_memory=server_mem)
 
 
-def _table_params(cfg: Config) -> int:
+def table_params(cfg: Config) -> int:
     """Parameters in the dlrm model's embedding tables ([workload.dlrm])."""
     d = cfg.workload.dlrm
     return d.num_tables * d.rows * d.dim
@@ -226,7 +226,7 @@ def _rows(cfg: Config, phi: float, k: int) -> Prediction:
     batch (ddp pads to the busiest rank's u, so its measured bytes sit a little above)."""
     b, t, d = cfg.backend, cfg.train, cfg.workload.dlrm
     n, width = b.world_size, BYTES[t.precision]
-    dense = phi - _table_params(cfg)
+    dense = phi - table_params(cfg)
     grads = width * phi
     if b.kind == "torch_ddp":  # sparse gradients: after gloo's sum, one (id, row) per id the global batch touched
         touched = d.num_tables * expected_unique(d.rows, cfg.workload.clicks.zipf, t.global_batch * d.bag)
@@ -317,7 +317,7 @@ def cluster_model(cfg: Config, phi: float, zero_groups: int | None = None) -> di
     else:
         cap = b.reduce_bucket_size * BYTES[cfg.train.precision] if b.kind == "zero" else b.bucket_cap_mb * 2**20
         # with embeddings "rows" or "sharded" only the dense layers go through the bucketed all-reduce
-        reduced = phi if b.embeddings == "dense" else phi - _table_params(cfg)
+        reduced = phi if b.embeddings == "dense" else phi - table_params(cfg)
         buckets = -(-int(reduced * BYTES[cfg.train.precision]) // max(1, int(cap)))
     hidden = 2 if (b.kind, b.stage) == ("zero", 3) or b.kind == "torch_fsdp" else 0
     return {"buckets": max(1, buckets), "overlap": overlap, "hidden_passes": hidden}

@@ -134,6 +134,22 @@ def test_cluster_model_per_backend():
     assert model({"kind": "ps"})["overlap"] is False
 
 
+def test_results_label_tells_sparse_variants_apart():
+    """A sparse sweep's rows: ddp dense, rows and sharded, and the PS modes, each under its own label."""
+    from psarch.cluster.results import architecture
+
+    def arch(backend: dict) -> str:
+        return architecture(from_dict({"workload": {"model": "dlrm", "data": "clicks"}, "train": {"optimizer": "sgd"},
+                                       "backend": {"world_size": 4, **backend}}))
+
+    assert arch({"kind": "ddp"}) == "DDP (ring)"
+    assert arch({"kind": "ddp", "embeddings": "sharded"}) == "DDP (ring), embeddings sharded"
+    assert arch({"kind": "torch_ddp", "embeddings": "rows"}) == "torch_ddp, embeddings rows"
+    assert arch({"kind": "ps", "servers": 2, "embeddings": "rows"}) == "PS, 2 servers, embeddings rows"
+    assert arch({"kind": "ps", "servers": 2, "embeddings": "rows", "mode": "geo"}) == \
+        "PS, 2 servers, geo, embeddings rows"
+
+
 def test_server_link_defaults_to_link():
     c = from_dict({"backend": {"kind": "ps"}, "cluster": {"link_mbps": 100.0}}).cluster
     assert c.server_mbps == 100.0
