@@ -115,7 +115,8 @@ class RowShard:
     """Server `index`'s rows of every table (fp32), their optimizer, and a round's pushed rows."""
 
     def __init__(self, rows: torch.Tensor, space: KeySpace, index: int, cfg: Config) -> None:
-        """rows: this server's rows of the initial tables, (space.owned(index), dim) (`initial_shard`)."""
+        """rows: this server's rows of the initial tables, (space.owned(index), dim) (`initial_shard`); the
+        shard owns them and updates them in place (no copy: a shard may be most of a server's memory)."""
         if tuple(rows.shape) != (space.owned(index), space.dim):
             raise ValueError(f"server {index}'s rows of shape {tuple(rows.shape)}: expected "
                              f"({space.owned(index)}, {space.dim})")
