@@ -68,14 +68,23 @@ def _click_workload(cfg: Config, device: str | None) -> Workload:
     """DLRM on synthetic clicks: the batch is (dense features, ids, clicks), each sharded by rows."""
     d, c, seed, global_batch = cfg.workload.dlrm, cfg.workload.clicks, cfg.seed, cfg.train.global_batch
     source = ClickSource(d.num_tables, d.rows, d.bag, c.dense, c.zipf, seed)
-    torch.manual_seed(seed)
-    with _on(device):
-        model = DLRM(c.dense, d.num_tables, d.rows, d.dim, d.bottom_mlp, d.top_mlp, d.interaction)
+    model = click_model(cfg, device)
 
     def batch(step: int, shard: int, num_shards: int) -> tuple[torch.Tensor, ...]:
         return shard_rows(source.sample(global_batch, step_generator(seed, step)), shard, num_shards)
 
     return Workload(model, click_loss, batch, source.entropy_rate, "dlrm/clicks")
+
+
+def click_model(cfg: Config, device: str | None = None) -> DLRM:
+    """The run's initial DLRM, without its data source (a row server needs no batches). Seeds torch's global
+    generator. With backend kind "ps" and embeddings "rows" the tables stay on the meta device: a PS worker
+    never holds them (issue 11), the servers build their rows (psarch.ps.rows.initial_shard)."""
+    d, c, b = cfg.workload.dlrm, cfg.workload.clicks, cfg.backend
+    tables = not (b.kind == "ps" and b.embeddings == "rows")
+    torch.manual_seed(cfg.seed)   # the dense layers; the tables draw from their own generators (models/dlrm.py)
+    with _on(device):
+        return DLRM(c.dense, d.num_tables, d.rows, d.dim, d.bottom_mlp, d.top_mlp, d.interaction, cfg.seed, tables)
 
 
 def _from_factory(cfg: Config) -> Workload:

@@ -94,7 +94,7 @@ def test_a_rounds_rows_sum_in_worker_order():
     pushes = [(keys[w], g[w].view(40, space.dim)) for w in range(3)]
     out = []
     for arrivals in ([0, 1, 2], [2, 1, 0], [1, 2, 0]):
-        shard = RowShard(tables, space, 0, cfg)
+        shard = RowShard(tables.clone(), space, 0, cfg)   # the shard owns (updates) the rows it is given
         for w in arrivals:
             shard.add_to_round(w, *pushes[w])
         shard.apply_round(1 / 3)

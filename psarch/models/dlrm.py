@@ -7,11 +7,17 @@ Two choices differ from the reference code, so that the hidden model of `clicks`
 model: bias + linear dense term + one weight per row) is exactly representable with interaction "cat"
 and no hidden layers: the bottom MLP's output layer has no ReLU, and bags are mean-pooled (the logit's
 scale does not grow with the bag size).
+
+Table t's initial values come from their own generators, one per block of TABLE_BLOCK rows (seeded from the
+config seed, t and the block), not from torch's global generator: the dense layers start the same whether or
+not the tables were built, and a process that holds only some rows (a row server, a sharded rank) computes
+exactly those rows, a block at a time, without ever holding the table (`table_rows`).
 """
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Iterator, Sequence
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -26,22 +32,61 @@ def _mlp(widths: Sequence[int], last_relu: bool = False) -> nn.Sequential:
     return nn.Sequential(*layers)
 
 
+TABLE_BLOCK = 1 << 16   # rows per generator: bounds the memory of computing any subset of a table's rows
+_TABLE_STREAM = 0x7AB1E  # keeps the tables' generators apart from the data's (psarch.data.step_generator)
+
+
+def _table_block(seed: int, table: int, rows: int, dim: int, block: int) -> torch.Tensor:
+    """Initial values of rows [block * TABLE_BLOCK, ...) of `table`: the reference code's U(-sqrt(1/rows),
+    sqrt(1/rows)), from a generator of its own."""
+    key = np.random.SeedSequence([seed, _TABLE_STREAM, table, block]).generate_state(2, np.uint32)
+    g = torch.Generator().manual_seed(int(key[0]) << 31 | int(key[1]) >> 1)
+    n = min(rows, (block + 1) * TABLE_BLOCK) - block * TABLE_BLOCK
+    return torch.empty(n, dim, device="cpu").uniform_(-rows ** -0.5, rows ** -0.5, generator=g)
+
+
+def table_rows(seed: int, table: int, rows: int, dim: int, start: int = 0, step: int = 1) -> Iterator[torch.Tensor]:
+    """Initial values of rows start, start + step, ... (< rows) of `table`, in order, one chunk of at most
+    TABLE_BLOCK rows at a time; bit-identical to the rows of a materialised DLRM table."""
+    if not (0 <= start and step >= 1):
+        raise ValueError(f"rows start={start}, step={step}: expected start >= 0 and step >= 1")
+    for block in range(-(-rows // TABLE_BLOCK)):
+        lo = block * TABLE_BLOCK
+        first = start if start >= lo else lo + (start - lo) % step   # the block's first wanted row
+        if first < min(rows, lo + TABLE_BLOCK):
+            yield _table_block(seed, table, rows, dim, block)[first - lo::step].clone()
+
+
+def _whole_table(seed: int, table: int, rows: int, dim: int) -> torch.Tensor:
+    out, pos = torch.empty(rows, dim, device="cpu"), 0
+    for chunk in table_rows(seed, table, rows, dim):   # filled in place: never two copies of the table
+        out[pos:pos + chunk.shape[0]] = chunk
+        pos += chunk.shape[0]
+    return out
+
+
 class DLRM(nn.Module):
     """Click logit from dense features (batch, num_dense) and ids (batch, num_tables, bag)."""
 
     def __init__(self, num_dense: int, num_tables: int, rows: int, dim: int, bottom_mlp: Sequence[int] = (64,),
-                 top_mlp: Sequence[int] = (64,), interaction: str = "dot") -> None:
+                 top_mlp: Sequence[int] = (64,), interaction: str = "dot", seed: int = 0,
+                 tables: bool = True) -> None:
+        """tables=False: the tables stay on the meta device (shapes, no memory), for a process that never
+        holds them (a PS worker with backend.embeddings = "rows"); their values are `table_rows`'."""
         super().__init__()
         if interaction not in ("dot", "cat"):
             raise ValueError(f"interaction = {interaction!r}: allowed values are \"dot\", \"cat\"")
         self.interaction = interaction
-        self.tables = nn.ModuleList(nn.EmbeddingBag(rows, dim, mode="mean") for _ in range(num_tables))
-        for t in self.tables:  # the reference code's init: U(-sqrt(1/rows), sqrt(1/rows))
-            nn.init.uniform_(t.weight, -rows ** -0.5, rows ** -0.5)
+        # built on meta first: a table is never allocated (nor drawn from the global generator) twice
+        self.tables = nn.ModuleList(nn.EmbeddingBag(rows, dim, mode="mean", device="meta") for _ in range(num_tables))
         n = num_tables + 1  # the bottom MLP's output is one more vector beside the embeddings
         top_in = dim + n * (n - 1) // 2 if interaction == "dot" else n * dim
         # ZeRO's units, in forward order; the tables form the root unit
         self.blocks = nn.ModuleList([_mlp([num_dense, *bottom_mlp, dim]), _mlp([top_in, *top_mlp, 1])])
+        device = self.blocks[0][0].weight.device   # the caller's device (torch.device context), meta included
+        if tables and device.type != "meta":
+            for i, t in enumerate(self.tables):   # replacing a parameter keeps its place: tables come first
+                t.weight = nn.Parameter(_whole_table(seed, i, rows, dim).to(device))
 
     def forward(self, dense: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         if ids.dim() != 3 or ids.shape[1] != len(self.tables):

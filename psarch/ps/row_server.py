@@ -28,7 +28,7 @@ from psarch.ps import wire
 from psarch.ps.errors import NonFinitePush, PSError
 from psarch.ps.layout import _SEED_LOCK
 from psarch.ps.row_snapshot import RowSnapshots
-from psarch.ps.rows import RowShard, key_space, split_model
+from psarch.ps.rows import RowShard, dense_flat, initial_shard, key_space
 from psarch.ps.server import ParameterServer
 
 
@@ -42,10 +42,10 @@ class RowServer(RowSnapshots, ParameterServer):
         self.shard: RowShard | None = None
         self.row_step = [-1] * self.workers    # the step of each worker's last rowpush
 
-    def initialize_model(self, dense: torch.Tensor, tables: torch.Tensor) -> None:
-        """Start from the initial dense flat vector and every table's rows (total, dim)."""
+    def initialize_model(self, dense: torch.Tensor, rows: torch.Tensor) -> None:
+        """Start from the initial dense flat vector and this server's rows (rows.initial_shard)."""
         self.initialize(dense)
-        self.shard = RowShard(tables, self.space, self.index, self.cfg)
+        self.shard = RowShard(rows, self.space, self.index, self.cfg)
 
     def _on_init(self, ident: bytes, msg: wire.Message) -> None:
         raise PSError("init: a server with embedding rows builds its initial model from the config")
@@ -127,12 +127,12 @@ class RowServer(RowSnapshots, ParameterServer):
 
 def row_server(index: int, cfg: Config, host: str, port: int, **kwargs: Any) -> RowServer:
     """A RowServer holding its part of the initial model, built from the config as every worker builds it."""
-    from psarch.workload import build_workload
+    from psarch.workload import click_model
     if cfg.train.precision != "fp32":
         raise ValueError(f"train.precision = {cfg.train.precision!r}: embedding rows run in fp32 only")
-    with _SEED_LOCK:  # build_workload seeds torch's global generator: servers run as threads take turns
-        dense, tables = split_model(build_workload(cfg).model)
+    with _SEED_LOCK:  # click_model seeds torch's global generator: servers run as threads take turns
+        dense = dense_flat(click_model(cfg))   # its tables stay on meta: the shard is built alone, below
     # a rowpush may carry up to every row of the tables: cap frames at a whole chunk, not the dense range
     server = RowServer(index, cfg, host, port, numel=None, **kwargs)
-    server.initialize_model(dense, tables)
+    server.initialize_model(dense, initial_shard(cfg, server.space, index))
     return server

@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from psarch.config import Config
+from psarch.models.dlrm import table_rows
 from psarch.ps.errors import PSError
 from psarch.ps.layout import trainable
 from psarch.ps.row_optim import RowOptimizer
@@ -66,10 +67,21 @@ def dense_params(model: nn.Module) -> list[nn.Parameter]:
     return [p for p in trainable(model) if id(p) not in tables]
 
 
-def split_model(model: nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
-    """(dense flat fp32 vector, every table's rows one after another (total, dim) fp32) of a model."""
-    dense = torch.cat([p.detach().reshape(-1).float() for p in dense_params(model)])
-    return dense, torch.cat([t.weight.detach().float() for _, t in embedding_tables(model)])
+def dense_flat(model: nn.Module) -> torch.Tensor:
+    """A model's dense parameters as one flat fp32 vector (its tables may be on the meta device)."""
+    return torch.cat([p.detach().reshape(-1).float() for p in dense_params(model)])
+
+
+def initial_shard(cfg: Config, space: KeySpace, index: int) -> torch.Tensor:
+    """Server `index`'s rows of the initial tables (keys k mod servers = index, in key order), computed a
+    block of rows at a time: the server never holds the whole tables."""
+    out, pos = torch.empty(space.owned(index), space.dim), 0
+    for t, (lo, n) in enumerate(zip(space.offsets(), space.rows)):
+        # table t's ids i with (lo + i) mod servers = index
+        for chunk in table_rows(cfg.seed, t, n, space.dim, (index - lo) % space.servers, space.servers):
+            out[pos:pos + chunk.shape[0]] = chunk
+            pos += chunk.shape[0]
+    return out
 
 
 def join_model(model: nn.Module, space: KeySpace, dense: torch.Tensor, tables: torch.Tensor) -> dict[str, torch.Tensor]:
@@ -102,12 +114,14 @@ def gather_shards(space: KeySpace, shards: list[torch.Tensor]) -> torch.Tensor:
 class RowShard:
     """Server `index`'s rows of every table (fp32), their optimizer, and a round's pushed rows."""
 
-    def __init__(self, tables: torch.Tensor, space: KeySpace, index: int, cfg: Config) -> None:
-        """tables: every table's rows one after another, (space.total, dim) fp32 (the initial model)."""
-        if tuple(tables.shape) != (space.total, space.dim):
-            raise ValueError(f"tables of shape {tuple(tables.shape)}: expected ({space.total}, {space.dim})")
+    def __init__(self, rows: torch.Tensor, space: KeySpace, index: int, cfg: Config) -> None:
+        """rows: this server's rows of the initial tables, (space.owned(index), dim) (`initial_shard`); the
+        shard owns them and updates them in place (no copy: a shard may be most of a server's memory)."""
+        if tuple(rows.shape) != (space.owned(index), space.dim):
+            raise ValueError(f"server {index}'s rows of shape {tuple(rows.shape)}: expected "
+                             f"({space.owned(index)}, {space.dim})")
         self.space, self.index = space, index
-        self.rows = tables[index::space.servers].float().clone()
+        self.rows = rows.float()
         self.geo = cfg.backend.mode == "geo"
         self.optim = None if self.geo else RowOptimizer(self.rows, cfg.train)
         self.round_idx: list[torch.Tensor] = []     # barrier modes: local rows pushed this round ...

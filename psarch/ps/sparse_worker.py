@@ -8,8 +8,8 @@ sends, per worker: rowpull (8·u bytes of keys) and rowpush (8·u of keys + u·d
 receives u·dim·b of rows, beside the dense push and pull (psarch.theory.ps_rows_traffic). GEO keeps the
 rows it reads between syncs in a RowCache (row_cache.py) and pushes their deltas with the dense delta.
 
-The full tables exist on a worker only while the workload builds its model (the model's constructor
-makes them; they are dropped before the first step) and on rank 0 at the end, for model.pt.
+A worker never holds the full tables: the workload builds its model with the tables on the meta device
+(psarch/workload.py), and rank 0's model.pt at the end is the servers' rows, not a copy of its own.
 """
 from __future__ import annotations
 
@@ -45,7 +45,7 @@ class RowPSTrainer(PSTrainer):
         self.table_names = [name for name, _ in embedding_tables(workload.model)]
         self.tables = [t for _, t in embedding_tables(workload.model)]
         for t in self.tables:   # an empty, frozen placeholder: the flat vector holds the dense part only
-            t.weight = nn.Parameter(t.weight.new_empty(0, self.space.dim), requires_grad=False)
+            t.weight = nn.Parameter(torch.empty(0, self.space.dim), requires_grad=False)
         self.geo_pushes: list[Request] | None = None   # a GEO sync's row deltas, sent before its dense push
         self.row_counts: dict[str, int] = {}
         self.cache_peak = (0, 0, 0, 0)    # GEO: the largest cache's (rows, params, optimizer, buffers bytes)
