@@ -13,6 +13,8 @@ The shard is updated whole, with a zero gradient on the rows no rank touched: fo
 weight decay and for Adagrad without weight decay those rows do not move anyway, and for AdamW, momentum or
 weight decay they move exactly as in the dense update (an AdamW row keeps drifting on its moments), so every
 optimizer equals `single`, at the price of an O(shard) update per step.
+At start-up the model's tables are on the meta device (workload.click_model) and each rank computes only
+its own rows (models/dlrm.py `table_rows`): no rank ever holds, or broadcasts, the whole tables.
 """
 from __future__ import annotations
 
