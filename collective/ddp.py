@@ -38,12 +38,13 @@ class DDPTrainer(Trainer):
     def __init__(self, workload: Workload, cfg: Config, ctx: DistContext) -> None:
         self.ctx, self.cfg = ctx, cfg
         self.n = ctx.world_size
-        self.model = workload.model.to(ctx.device, compute_dtype(cfg.train.precision))
         self.loss_fn = workload.loss_fn
         self.comm = make_communicator(cfg.backend.comm, ctx.group)
-        # embeddings = "sharded": the tables leave the model for their row shards (collective/sharded.py)
-        self.sharded = (ShardedTables(self.model, self.comm, cfg.train, cfg.train.precision)
+        # embeddings = "sharded": the (meta) tables leave the model for their row shards (collective/sharded.py)
+        # before the model moves: only the dense part is ever materialised on this rank
+        self.sharded = (ShardedTables(workload.model, self.comm, cfg, ctx.device)
                         if cfg.backend.embeddings == "sharded" else None)
+        self.model = workload.model.to(ctx.device, compute_dtype(cfg.train.precision))
         # embeddings = "rows": the tables' gradients move as (ids, rows) (collective/rows.py), not in buckets
         self.rows = RowExchange(self.comm, self.model) if cfg.backend.embeddings == "rows" else None
         tables = {id(w) for w in self.rows.weights} if self.rows else set()

@@ -13,6 +13,8 @@ The shard is updated whole, with a zero gradient on the rows no rank touched: fo
 weight decay and for Adagrad without weight decay those rows do not move anyway, and for AdamW, momentum or
 weight decay they move exactly as in the dense update (an AdamW row keeps drifting on its moments), so every
 optimizer equals `single`, at the price of an O(shard) update per step.
+At start-up the model's tables are on the meta device (workload.click_model) and each rank computes only
+its own rows (models/dlrm.py `table_rows`): no rank ever holds, or broadcasts, the whole tables.
 """
 from __future__ import annotations
 
@@ -25,7 +27,9 @@ from torch import nn
 from collective.comm import Communicator, stage_on_host
 from psarch.checkpoint.fragments import Fragment, fragments_in, restore_optimizer
 from psarch.meters import TrafficMeter, tensor_bytes
-from psarch.precision import MixedPrecisionOptimizer
+from psarch.config import Config
+from psarch.models.dlrm import table_rows
+from psarch.precision import MixedPrecisionOptimizer, compute_dtype
 from psarch.sparse import batch_ids, embedding_tables
 
 ID_BYTES = 8    # ids travel as int64
@@ -67,7 +71,8 @@ class ShardedTables:
     """The embedding tables of a model, row-sharded over the ranks of `comm`: takes them out of the model
     (the model keeps PooledRows in their place), holds this rank's shard of each, and moves rows by all-to-all."""
 
-    def __init__(self, model: nn.Module, comm: Communicator, train_cfg: Any, precision: str) -> None:
+    def __init__(self, model: nn.Module, comm: Communicator, cfg: Config, device: torch.device) -> None:
+        """The model's tables are on meta (workload.click_model): this rank computes only its own rows."""
         tables = embedding_tables(model)
         shapes = {tuple(t.weight.shape) for _, t in tables}
         if len(shapes) != 1:
@@ -77,19 +82,22 @@ class ShardedTables:
         self.rows, self.dim = shapes.pop()
         self.block = shard_rows(self.rows, self.n)
         lo, hi = self._range(self.rank)
-        weight = tables[0][1].weight
         # (tables, B, dim): one tensor, so one fused optimizer step and one all-gather serve every table
-        self.shard = torch.zeros(len(tables), self.block, self.dim, dtype=weight.dtype, device=weight.device)
-        with torch.no_grad():
-            for i, (_, t) in enumerate(tables):
-                full = t.weight.detach().reshape(-1).contiguous()
-                comm.broadcast(full, src=0)   # rank 0's initial tables, as DDP broadcasts its parameters
-                self.shard[i, :hi - lo] = full.view(self.rows, self.dim)[lo:hi]
+        self.shard = torch.zeros(len(tables), self.block, self.dim, dtype=compute_dtype(cfg.train.precision),
+                                 device=device)
+        for i in range(len(tables)):   # rows [lo, hi), a block at a time; the last shard's padding stays zero
+            pos = 0
+            for chunk in table_rows(cfg.seed, i, self.rows, self.dim, start=lo):
+                take = min(chunk.shape[0], hi - lo - pos)
+                self.shard[i, pos:pos + take] = chunk[:take]
+                pos += take
+                if pos == hi - lo:
+                    break
         self.grad = torch.zeros_like(self.shard)
         self.pooled = [PooledRows(t.mode if isinstance(t, nn.EmbeddingBag) else "sum") for _, t in tables]
         for i, p in enumerate(self.pooled):   # the whole tables leave the model: only the shard stays
             model.tables[i] = p
-        self.optim = MixedPrecisionOptimizer([self.shard], train_cfg, precision)
+        self.optim = MixedPrecisionOptimizer([self.shard], cfg.train, cfg.train.precision)
         self.traffic = TrafficMeter(modelled=True)   # torch's all_to_all_single: the payload's volume
         self._step: dict[str, Any] = {}
 

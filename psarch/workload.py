@@ -78,10 +78,11 @@ def _click_workload(cfg: Config, device: str | None) -> Workload:
 
 def click_model(cfg: Config, device: str | None = None) -> DLRM:
     """The run's initial DLRM, without its data source (a row server needs no batches). Seeds torch's global
-    generator. With backend kind "ps" and embeddings "rows" the tables stay on the meta device: a PS worker
-    never holds them (issue 11), the servers build their rows (psarch.ps.rows.initial_shard)."""
+    generator. With ps and embeddings "rows", or ddp and embeddings "sharded", the tables stay on the meta
+    device: a PS worker never holds them (the servers build their rows, psarch.ps.rows.initial_shard), a
+    sharded rank builds only its own rows (collective.sharded.ShardedTables) (issue 11)."""
     d, c, b = cfg.workload.dlrm, cfg.workload.clicks, cfg.backend
-    tables = not (b.kind == "ps" and b.embeddings == "rows")
+    tables = (b.kind, b.embeddings) not in (("ps", "rows"), ("ddp", "sharded"))
     torch.manual_seed(cfg.seed)   # the dense layers; the tables draw from their own generators (models/dlrm.py)
     with _on(device):
         return DLRM(c.dense, d.num_tables, d.rows, d.dim, d.bottom_mlp, d.top_mlp, d.interaction, cfg.seed, tables)

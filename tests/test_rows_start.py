@@ -1,8 +1,10 @@
-"""Issue 11: with `backend.embeddings = "rows"` no PS process holds the whole embedding tables at start-up.
+"""Issue 11: with `backend.embeddings = "rows"` no PS process, and with "sharded" no ddp rank, holds the whole
+embedding tables at start-up.
 
 DLRM's tables draw from their own generators (models/dlrm.py `table_rows`): any subset of a table's rows is
 bit-identical to the materialised table's, and the dense layers start the same with or without the tables.
-A PS-rows worker builds its model with the tables on meta; a row server computes only its shard. With tables
+A PS-rows worker builds its model with the tables on meta; a row server, or a sharded ddp rank (its model's
+tables on meta too), computes only its shard. With tables
 of 4 x 2*10^6 x 16 fp32 (512 MB), each one's peak RSS (ru_maxrss) grows by far less than the tables."""
 from __future__ import annotations
 
@@ -25,8 +27,8 @@ TABLE_BYTES = 4 * 2_000_000 * 16 * 4
 
 
 def _config(kind: str, dlrm: dict, servers: int = 3) -> dict:
-    backend = {"kind": "single"} if kind == "single" else {"kind": "ps", "servers": servers, "embeddings": "rows",
-                                                            "auth": "none"}
+    backend = {"single": {"kind": "single"}, "ddp": {"kind": "ddp", "embeddings": "sharded"},
+               "ps": {"kind": "ps", "servers": servers, "embeddings": "rows", "auth": "none"}}[kind]
     return {"seed": 7, "backend": backend, "train": {"optimizer": "sgd", "lr": 0.1, "global_batch": 8},
             "workload": {"model": "dlrm", "data": "clicks", "dlrm": dlrm, "clicks": {"dense": 4}}}
 
@@ -64,13 +66,17 @@ def test_each_servers_shard_is_its_rows_of_the_materialised_tables():
 
 
 _PEAK = """
-import json, resource, sys
+import json, resource, sys, types
+import torch
+from collective.sharded import ShardedTables
 from psarch.config import from_dict
 from psarch.workload import click_model
 from psarch.ps.row_server import row_server
 def build(cfg):
     if sys.argv[1] == "worker":
         click_model(cfg)   # the worker's model; its data source (the hidden model) is not the tables
+    elif sys.argv[1] == "sharded":   # rank 0 of 8 as DDPTrainer builds it; the constructor moves nothing
+        ShardedTables(click_model(cfg), types.SimpleNamespace(world_size=8, rank=0), cfg, torch.device("cpu"))
     else:
         row_server(0, cfg, "127.0.0.1", 0).close()
 big = json.loads(sys.argv[2])
@@ -82,10 +88,12 @@ print(json.dumps((resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) *
 """
 
 
-@pytest.mark.parametrize("who,limit", [("worker", TABLE_BYTES // 64), ("server", TABLE_BYTES // 4)])
+@pytest.mark.parametrize("who,limit", [("worker", TABLE_BYTES // 64), ("server", TABLE_BYTES // 4),
+                                       ("sharded", 3 * TABLE_BYTES // 8)])
 def test_start_up_peak_memory_is_far_below_the_tables(who, limit):
-    # 8 servers: server 0 holds 1/8 of the rows (64 MB) and computes them a block at a time
-    cfg = json.dumps(_config("ps", BIG, servers=8))
+    # 8 servers, or 8 ddp ranks: server 0 / rank 0 holds 1/8 of the rows (64 MB), computed a block at a time;
+    # a sharded rank also holds its shard's gradient (another 64 MB)
+    cfg = json.dumps(_config("ddp" if who == "sharded" else "ps", BIG, servers=8))
     out = subprocess.run([sys.executable, "-c", _PEAK, who, cfg], capture_output=True, text=True, timeout=240,
                          cwd=ROOT, env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin", "OMP_NUM_THREADS": "1"})
     assert out.returncode == 0, out.stderr[-2000:]

@@ -72,7 +72,8 @@ class DLRM(nn.Module):
                  top_mlp: Sequence[int] = (64,), interaction: str = "dot", seed: int = 0,
                  tables: bool = True) -> None:
         """tables=False: the tables stay on the meta device (shapes, no memory), for a process that never
-        holds them (a PS worker with backend.embeddings = "rows"); their values are `table_rows`'."""
+        holds them (a PS worker with backend.embeddings = "rows", a ddp rank with "sharded", which keeps only
+        its own rows); their values are `table_rows`'."""
         super().__init__()
         if interaction not in ("dot", "cat"):
             raise ValueError(f"interaction = {interaction!r}: allowed values are \"dot\", \"cat\"")
