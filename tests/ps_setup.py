@@ -1,6 +1,10 @@
 """What the parameter-server tests share beyond tests/parity.py: plain SGD, and the ps backend section."""
 from __future__ import annotations
 
+from pathlib import Path
+from typing import Any, Callable
+
+from dist_utils import run_ranks
 from parity import OPTIMIZERS as _PARITY, TINY_GPT, config  # noqa: F401  (re-exported for the PS tests)
 
 OPTIMIZERS = dict(_PARITY, plain_sgd={"optimizer": "sgd", "lr": 0.1})
@@ -8,3 +12,15 @@ OPTIMIZERS = dict(_PARITY, plain_sgd={"optimizer": "sgd", "lr": 0.1})
 
 def ps(n: int, mode: str = "sync", servers: int = 1, **extra) -> dict:
     return dict({"kind": "ps", "world_size": n, "mode": mode, "servers": servers, "timeout_s": 60.0}, **extra)
+
+
+def run_stage(out: Path, services: dict[str, Any], fn: Callable, n: int) -> list:
+    """Run `fn` on n worker ranks against each case's started `services`, then finish and stop them."""
+    try:
+        results = run_ranks(fn, n, str(out), {c: s.info for c, s in services.items()}, timeout=300)
+        for s in services.values():
+            s.finish()
+    finally:
+        for s in services.values():
+            s.stop()
+    return results

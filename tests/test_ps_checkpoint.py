@@ -14,7 +14,6 @@ import torch
 import checkpoint_runs as cr
 import parity
 import ps_checkpoint_runs as pr
-from dist_utils import run_ranks
 from psarch.checkpoint import Checkpoint
 from psarch.config import from_dict
 from psarch.ps import wire
@@ -24,19 +23,11 @@ from psarch.ps.errors import PSError
 from psarch.ps.layout import initial_flat
 from psarch.ps.server import ParameterServer
 from psarch.ps.services import start_services
-from ps_setup import config, ps
+from ps_setup import config, ps, run_stage
 
 
 def _stage(out: Path, stage: str, fn) -> list:
-    services = pr.servers(out, stage)
-    try:
-        results = run_ranks(fn, pr.N, str(out), {c: s.info for c, s in services.items()}, timeout=300)
-        for s in services.values():
-            s.finish()
-    finally:
-        for s in services.values():
-            s.stop()
-    return results
+    return run_stage(out, pr.servers(out, stage), fn, pr.N)
 
 
 @pytest.fixture(scope="module")
@@ -58,15 +49,7 @@ def test_sync_resume_is_bit_exact(runs, case):
 
 
 def _skewed_stage(out: Path, stage: str) -> dict:
-    services = pr.skewed_servers(out, stage)
-    try:
-        results = run_ranks(pr.skewed, pr.N3, str(out), {c: s.info for c, s in services.items()}, timeout=300)
-        for s in services.values():
-            s.finish()
-    finally:
-        for s in services.values():
-            s.stop()
-    return results[0]
+    return run_stage(out, pr.skewed_servers(out, stage), pr.skewed, pr.N3)[0]
 
 
 def test_sync_at_n3_is_bit_exact_whoever_arrives_last_and_across_a_resume(tmp_path):

@@ -12,20 +12,12 @@ import torch
 
 import parity
 import ps_rows_checkpoint_runs as pr
-from dist_utils import run_ranks
 from psarch.checkpoint import Checkpoint, consolidated_state_dict
+from ps_setup import run_stage
 
 
 def _stage(out: Path, stage: str, fn) -> list:
-    services = pr.servers(out, stage)
-    try:
-        results = run_ranks(fn, pr.N, str(out), {c: s.info for c, s in services.items()}, timeout=300)
-        for s in services.values():
-            s.finish()
-    finally:
-        for s in services.values():
-            s.stop()
-    return results
+    return run_stage(out, pr.servers(out, stage), fn, pr.N)
 
 
 @pytest.fixture(scope="module")

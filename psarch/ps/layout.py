@@ -52,16 +52,25 @@ def initial_flat(cfg: Config) -> torch.Tensor:
     return torch.cat([p.detach().reshape(-1).float() for p in trainable(model)])
 
 
-def param_layout(cfg: Config) -> list[tuple[str, torch.Size, int]]:
-    """Each trainable parameter's name, shape and offset in the flat vector (what a checkpoint is keyed by);
-    the model is built on the meta device, so it costs no memory."""
+def meta_model(cfg: Config) -> torch.nn.Module:
+    """The config's model on the meta device: names and shapes without memory."""
     from psarch.workload import build_workload
 
-    with _SEED_LOCK:
-        model = build_workload(cfg, device="meta").model
+    with _SEED_LOCK:  # build_workload seeds torch's global generator: servers run as threads must take turns
+        return build_workload(cfg, device="meta").model
+
+
+def flat_layout(model: torch.nn.Module, params: list) -> list[tuple[str, torch.Size, int]]:
+    """Each of `params`' name, shape and offset in the flat vector they form, in that order."""
     names = {id(p): n for n, p in model.named_parameters()}
     out, pos = [], 0
-    for p in trainable(model):
+    for p in params:
         out.append((names[id(p)], p.shape, pos))
         pos += p.numel()
     return out
+
+
+def param_layout(cfg: Config) -> list[tuple[str, torch.Size, int]]:
+    """Each trainable parameter's name, shape and offset in the flat vector (what a checkpoint is keyed by)."""
+    model = meta_model(cfg)
+    return flat_layout(model, trainable(model))

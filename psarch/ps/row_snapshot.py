@@ -20,7 +20,7 @@ import torch
 
 from psarch.checkpoint.fragments import PARAM, Fragment, Pieces, optimizer_views
 from psarch.config import Config
-from psarch.ps.layout import _SEED_LOCK
+from psarch.ps.layout import flat_layout, meta_model
 from psarch.ps.rows import KeySpace, dense_params
 from psarch.sparse import embedding_tables
 
@@ -32,16 +32,8 @@ Layout = list[tuple[str, torch.Size, int]]
 def row_model_layout(cfg: Config) -> tuple[Layout, list[str]]:
     """(each dense parameter's name, shape and offset in the dense flat vector; the tables' parameter names),
     from the model built on the meta device."""
-    from psarch.workload import build_workload
-
-    with _SEED_LOCK:
-        model = build_workload(cfg, device="meta").model
-    names = {id(p): n for n, p in model.named_parameters()}
-    layout, pos = [], 0
-    for p in dense_params(model):
-        layout.append((names[id(p)], p.shape, pos))
-        pos += p.numel()
-    return layout, [name for name, _ in embedding_tables(model)]
+    model = meta_model(cfg)
+    return flat_layout(model, dense_params(model)), [name for name, _ in embedding_tables(model)]
 
 
 def shard_fragments(space: KeySpace, index: int, names: list[str], tensors: dict[str, torch.Tensor],
