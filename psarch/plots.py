@@ -100,6 +100,12 @@ def traffic(runs: list[dict[str, Any]], out: Path, palette: Palette) -> str:
     return save(fig, out, "traffic")
 
 
+def predicted_step_time(summary: dict[str, Any]) -> float | None:
+    """Theory's step time for a run, where it gives one: only on an emulated cluster (summary's
+    cluster.step_time, from theory.cluster_step); on loopback the links cost nothing theory could count."""
+    return ((summary.get("cluster") or {}).get("step_time") or {}).get("predicted_s")
+
+
 def throughput(runs: list[dict[str, Any]], out: Path, palette: Palette) -> str:
     """Samples per second of each run, longest bar fastest; theory's figure beside it where it gives one."""
     fig, axes = _bars(runs, 1, width=6.0)
@@ -109,7 +115,7 @@ def throughput(runs: list[dict[str, Any]], out: Path, palette: Palette) -> str:
         s = run["summary"]
         ax.barh(y, s["samples_per_s"], color=palette.colour(run))
         ax.text(s["samples_per_s"], y, f" {s['samples_per_s']:.0f}", va="center", fontsize=7)
-        step = s["predicted"].get("step_time_s")
+        step = predicted_step_time(s)
         if step:
             predicted_any = True
             _formula(ax, y, s["global_batch"] / step, True)

@@ -3,6 +3,7 @@ model version they were computed on, one colour per configuration across world s
 from __future__ import annotations
 
 from psarch.curves import panel_of, per_update
+from psarch.plots import predicted_step_time
 from psarch.plot_style import Palette
 
 
@@ -36,3 +37,10 @@ def test_one_colour_per_configuration_across_world_sizes():
     assert p.colour(runs[0]) == p.colour(runs[1]) != p.colour(runs[2]) == p.colour(runs[3])
     assert p.line(runs[0])["ls"] != p.line(runs[1])["ls"]
     assert p.name(runs[0]) == "modesync-world_size2"
+
+
+def test_the_throughput_plot_reads_theorys_step_time_where_the_summary_holds_it():
+    """An emulated run's summary holds theory's step time under cluster.step_time; a loopback run has none."""
+    emulated = {"cluster": {"emulated": True, "step_time": {"measured_s": 0.92, "predicted_s": 0.87}}}
+    assert predicted_step_time(emulated) == 0.87
+    assert predicted_step_time({"predicted": {"memory_per_rank": {}}}) is None
