@@ -9,7 +9,6 @@ ring, ...), so all three see the same machine load; each figure is rank 0's medi
 from __future__ import annotations
 
 import argparse
-import statistics
 import time
 from typing import Sequence
 
@@ -18,9 +17,9 @@ import torch
 from collective.bench_allreduce import DEFAULT_SIZES, bench_allreduce, format_table
 from psarch.config import from_dict
 from psarch.dist import DistContext
-from psarch.registry import trainer_class
+from psarch.bench import interleaved, medians, trainer_loop
+from psarch.runner import warmup_steps
 from psarch.spawn import run_ranks
-from psarch.workload import build_workload
 
 PEERS = {"psarch ddp (ring)": ("ddp", "ring"), "psarch ddp (native)": ("ddp", "native"), "torch ddp": ("torch_ddp", "")}
 
@@ -36,23 +35,16 @@ def ddp_config(world_size: int, steps: int) -> dict:
 def _ddp_rank(rank: int, world_size: int, steps: int) -> dict:
     base = ddp_config(world_size, steps)
     ctx = DistContext(rank, world_size, rank, torch.device("cpu"), "gloo")
-    trainers, workloads = {}, {}
+    loops = {}
     for label, (kind, comm) in PEERS.items():
-        cfg = from_dict(dict(base, backend=dict(base["backend"], kind=kind, comm=comm or "ring")))
-        workloads[label] = build_workload(cfg)
-        trainers[label] = trainer_class(kind)(workloads[label], cfg, ctx)
-    times: dict[str, list[float]] = {label: [] for label in PEERS}
-    for step in range(steps):
-        for label, trainer in trainers.items():
-            batch = workloads[label].batch(step, rank, world_size)
-            t0 = time.perf_counter()
-            trainer.step(batch)
-            if step >= 3:  # warm-up
-                times[label].append(time.perf_counter() - t0)
-    params = sum(p.numel() for p in workloads["torch ddp"].model.parameters())
-    for t in trainers.values():
-        t.close()
-    return {"params": params, **{label: statistics.median(v) for label, v in times.items()}}
+        backend = dict(base["backend"], kind=kind, **({"comm": comm} if comm else {}))
+        loops[label] = trainer_loop(from_dict(dict(base, backend=backend)), ctx)
+    times = interleaved({label: loop.timed for label, loop in loops.items()}, steps,
+                        warmup_steps(from_dict(base)))
+    params = sum(p.numel() for p in loops["torch ddp"].workload.model.parameters())
+    for loop in loops.values():
+        loop.trainer.close()
+    return {"params": params, **medians(times)}
 
 
 def bench_ddp(world_size: int = 2, steps: int = 30) -> dict:

@@ -31,10 +31,6 @@ from psarch.workload import Workload
 class DDPTrainer(Trainer):
     """Every rank holds the whole model; gradients are averaged by all-reduce each step."""
 
-    checkpoints = True
-
-    synchronous = True
-
     def __init__(self, workload: Workload, cfg: Config, ctx: DistContext) -> None:
         self.ctx, self.cfg = ctx, cfg
         self.n = ctx.world_size

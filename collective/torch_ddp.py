@@ -14,17 +14,13 @@ from psarch.meters import TrafficMeter, peak_memory, tensor_bytes
 from psarch.precision import MixedPrecisionOptimizer, compute_dtype
 from psarch.single import consolidated_state
 from psarch.sparse import embedding_tables, unique_ids
-from psarch.theory import rows_all_gather_bytes
+from collective.theory import rows_all_gather_bytes
 from psarch.trainer import MemoryReport, StepStats, Trainer, TrafficReport
 from psarch.workload import Workload
 
 
 class TorchDDPTrainer(Trainer):
     """torch DDP with its defaults, `bucket_cap_mb` from the config; traffic is the ring volume, modelled."""
-
-    checkpoints = True
-
-    synchronous = True
 
     def __init__(self, workload: Workload, cfg: Config, ctx: DistContext) -> None:
         self.ctx = ctx
@@ -91,3 +87,13 @@ class TorchDDPTrainer(Trainer):
 
     def close(self) -> None:
         pass
+
+
+def plain_ddp_peer(cfg: Config, device: torch.device) -> tuple[str, Any]:
+    """psarch.bench_step's peer of `ddp`: torch DDP around the model, then the plain loop."""
+    from psarch.bench_step import adamw, plain_step
+    from psarch.workload import build_workload
+
+    w = build_workload(cfg)
+    model = DistributedDataParallel(w.model.to(device), device_ids=[device] if device.type == "cuda" else None)
+    return "torch DDP", plain_step(model, w.loss_fn, adamw(model.parameters(), cfg), cfg.train.precision, device)

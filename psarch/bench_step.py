@@ -3,44 +3,45 @@
     python -m psarch.bench_step [--device cpu|cuda] [--precision fp32,bf16] [--backends single,ddp,zero]
                                 [--steps 40] [--warmup 5] [--n-layer 4 --n-embd 256 --seq-len 64 --batch 8]
 
-Pairs, each psarch runner beside the PyTorch program a user would write for the same thing:
+Pairs, each psarch runner beside the PyTorch program a user would write for the same thing (the backend's
+spec names it: BackendSpec.bench_peer):
   single     vs  plain loop: AdamW(fused=True); bf16 as autocast over fp32 weights
   ddp        vs  torch DDP (DistributedDataParallel) + the same loop
   zero (3)   vs  FSDP2 fully_shard per block, then the root (bf16: MixedPrecisionPolicy(param_dtype=bf16))
 ddp and zero run at world size 1 in this process (gloo on a CPU, NCCL on a GPU): what is measured is
 the framework's own overhead, not communication. Every runner takes one step in turn on the same batch
-(the order rotates each round), so all see the same machine load; the figures are medians after
-warm-up, and each psarch runner's ratio is to its peer's median. A psarch step is Trainer.step, as the
-runner calls it (metrics rows, logging and the runner's loop are not included); every step ends with
-loss.item(), psarch's and the peers'.
+(psarch.bench.interleaved: the order rotates each step), so all see the same machine load; the figures are
+medians after warm-up (the runner's rule unless --warmup says), and each psarch runner's ratio is to its
+peer's median. A psarch step is Trainer.step timed by the runner's StepLoop (metrics records, logging and
+the rest of the runner's loop are not included); every step ends with loss.item(), psarch's and the peers'.
 """
 from __future__ import annotations
 
 import argparse
-import statistics
+import importlib
 import time
 from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
 
+from psarch import registry
+from psarch.bench import interleaved, medians, trainer_loop
 from psarch.config import Config, from_dict
 from psarch.dist import DistContext
 from psarch.precision import compute_dtype
-from psarch.registry import trainer_class
-from psarch.runner import to_device
-from psarch.workload import build_workload
-
-PEER = {"single": "plain loop", "ddp": "torch DDP", "zero": "FSDP2"}
+from psarch.runner import to_device, warmup_steps
+from psarch.workload import Workload, build_workload
 
 
 def bench_config(args: argparse.Namespace, kind: str, precision: str) -> Config:
     """~3.2M parameters at the defaults (the GPT of collective.bench): the optimizer is a visible share."""
+    backend = {"kind": kind, "world_size": 1, **registry.spec(kind).bench_options}
     return from_dict({"seed": 0, "workload": {"model": "gpt", "seq_len": args.seq_len, "markov": {"vocab_size": 256},
                                               "gpt": {"n_layer": args.n_layer, "n_embd": args.n_embd, "n_head": 4}},
                       "train": {"steps": args.steps, "global_batch": args.batch, "optimizer": "adamw", "lr": 1e-3,
                                 "precision": precision},
-                      "backend": {"kind": kind, "world_size": 1, "stage": 3}})
+                      "backend": backend})
 
 
 def adamw(params: Any, cfg: Config) -> torch.optim.Optimizer:
@@ -64,47 +65,38 @@ def plain_step(model: torch.nn.Module, loss_fn: Callable, opt: torch.optim.Optim
     return step
 
 
-def peer_runner(kind: str, cfg: Config, device: torch.device) -> Callable[[Any], float]:
-    """The PyTorch program beside psarch `kind`, from the same initial model."""
+def plain_peer(cfg: Config, device: torch.device) -> tuple[str, Callable[[Any], float]]:
+    """The peer of `single`: the plain loop on the same initial model (fp32 weights; bf16 under autocast)."""
     w = build_workload(cfg)
-    model = w.model.to(device)  # fp32 weights: autocast (or FSDP's policy) computes in low precision
-    if kind == "ddp":
-        model = torch.nn.parallel.DistributedDataParallel(model, device_ids=[device] if device.type == "cuda" else None)
-    elif kind == "zero":
-        from torch.distributed.device_mesh import init_device_mesh
-        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    model = w.model.to(device)
+    return "plain loop", plain_step(model, w.loss_fn, adamw(model.parameters(), cfg), cfg.train.precision, device)
 
-        mesh = init_device_mesh(device.type, (1,))
-        policy = MixedPrecisionPolicy(param_dtype=compute_dtype(cfg.train.precision), reduce_dtype=torch.float32)
-        for block in model.blocks:  # the units psarch's ZeRO-3 gathers (zero.units), then the root
-            fully_shard(block, mesh=mesh, mp_policy=policy)
-        fully_shard(model, mesh=mesh, mp_policy=policy)
-        return plain_step(model, w.loss_fn, adamw(model.parameters(), cfg), "fp32", device)
-    return plain_step(model, w.loss_fn, adamw(model.parameters(), cfg), cfg.train.precision, device)
+
+def peer_runner(kind: str, cfg: Config, device: torch.device) -> tuple[str, Callable[[Any], float]]:
+    """The PyTorch program beside psarch `kind` (its spec's bench_peer), from the same initial model."""
+    module, _, name = registry.spec(kind).bench_peer.partition(":")
+    return getattr(importlib.import_module(module), name)(cfg, device)
 
 
 def psarch_runner(kind: str, cfg: Config, ctx: DistContext) -> Callable[[Any], float]:
-    trainer = trainer_class(kind)(build_workload(cfg), cfg, ctx)
-    cast = None if cfg.train.precision == "fp32" else compute_dtype(cfg.train.precision)
-    return lambda batch: trainer.step(to_device(batch, ctx.device, cast)).loss
+    """psarch's trainer for `kind`, stepped as the runner steps it: batch -> loss."""
+    loop = trainer_loop(cfg, ctx)
+    return lambda batch: loop.step(to_device(batch, ctx.device, loop.cast))[0].loss
 
 
-def interleaved(runners: dict[str, Callable[[Any], float]], batches: list[Any], warmup: int,
-                device: torch.device) -> dict[str, float]:
-    """Median step time of each runner, stepping them in turn (rotating the order) on the same batches."""
-    times: dict[str, list[float]] = {name: [] for name in runners}
-    names = list(runners)
-    for i, batch in enumerate(batches):
-        for name in names[i % len(names):] + names[:i % len(names)]:
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
-            t0 = time.perf_counter()
-            runners[name](batch)
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
-            if i >= warmup:
-                times[name].append(time.perf_counter() - t0)
-    return {name: statistics.median(v) for name, v in times.items()}
+def _timed(fn: Callable[[Any], float], workload: Workload, device: torch.device, cast: torch.dtype | None
+           ) -> Callable[[int], float]:
+    """step -> seconds of fn on that step's batch (made outside the clock), synchronised on a GPU."""
+    def run(step: int) -> float:
+        batch = to_device(workload.batch(step, 0, 1), device, cast)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        t0 = time.perf_counter()
+        fn(batch)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        return time.perf_counter() - t0
+    return run
 
 
 def init_group(device: torch.device) -> DistContext:
@@ -121,22 +113,26 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
         raise SystemExit("--device cuda: no CUDA device is available here; use --device cpu")
     # NCCL's device_id needs an index
     device = torch.device("cuda", torch.cuda.current_device()) if args.device == "cuda" else torch.device("cpu")
-    group = init_group(device) if set(args.backends) - {"single"} else None
+    grouped = any(registry.spec(k).needs_process_group for k in args.backends)
+    group = init_group(device) if grouped else None
     rows = []
     for precision in args.precision:
-        runners: dict[str, Callable[[Any], float]] = {}
+        runners: dict[str, Callable[[int], float]] = {}
+        peers: dict[str, str] = {}
         for kind in args.backends:
             cfg = bench_config(args, kind, precision)
-            ctx = group if kind != "single" else DistContext(0, 1, 0, device)
-            runners[f"psarch {kind}"] = psarch_runner(kind, cfg, ctx)
-            runners[PEER[kind]] = peer_runner(kind, cfg, device)
+            ctx = group if registry.spec(kind).needs_process_group else DistContext(0, 1, 0, device)
+            loop = trainer_loop(cfg, ctx)
+            runners[f"psarch {kind}"] = loop.timed
+            peers[kind], peer = peer_runner(kind, cfg, device)
+            runners[peers[kind]] = _timed(peer, loop.workload, device, None)   # the peer casts (autocast) itself
         w = build_workload(bench_config(args, "single", precision))
         params = sum(p.numel() for p in w.model.parameters())
-        batches = [to_device(w.batch(s, 0, 1), device) for s in range(args.steps)]
-        medians = interleaved(runners, batches, args.warmup, device)
+        warmup = args.warmup if args.warmup is not None else warmup_steps(bench_config(args, "single", precision))
+        times = medians(interleaved(runners, args.steps, warmup))
         for kind in args.backends:
-            mine, peer = medians[f"psarch {kind}"], medians[PEER[kind]]
-            rows.append({"precision": precision, "backend": kind, "peer": PEER[kind], "params": params,
+            mine, peer = times[f"psarch {kind}"], times[peers[kind]]
+            rows.append({"precision": precision, "backend": kind, "peer": peers[kind], "params": params,
                          "psarch_ms": mine * 1e3, "peer_ms": peer * 1e3, "ratio": mine / peer})
     if group is not None:
         dist.destroy_process_group()
@@ -165,22 +161,25 @@ def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(prog="python -m psarch.bench_step", description=__doc__.split("\n")[0])
     p.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
     p.add_argument("--precision", type=_csv(("fp32", "bf16"), "--precision"), default=["fp32", "bf16"])
-    p.add_argument("--backends", type=_csv(tuple(PEER), "--backends"), default=["single", "ddp", "zero"])
+    with_peers = tuple(s.kind for s in registry.specs() if s.bench_peer)
+    p.add_argument("--backends", type=_csv(with_peers, "--backends"), default=["single", "ddp", "zero"])
     p.add_argument("--steps", type=int, default=40, help="steps per runner, warm-up included")
-    p.add_argument("--warmup", type=int, default=5)
+    p.add_argument("--warmup", type=int, help="steps left out of the medians (default: the runner's rule, "
+                                              "min(5, steps // 5))")
     p.add_argument("--threads", type=int, default=0, help="intra-op threads (0: torch's default)")
     p.add_argument("--n-layer", type=int, default=4)
     p.add_argument("--n-embd", type=int, default=256)
     p.add_argument("--seq-len", type=int, default=64)
     p.add_argument("--batch", type=int, default=8, help="global batch (sequences per step)")
     args = p.parse_args(argv)
-    if args.steps <= args.warmup:
+    if args.warmup is not None and args.steps <= args.warmup:
         p.error(f"--steps {args.steps} must exceed --warmup {args.warmup} (steps after warm-up are timed)")
     if args.threads:
         torch.set_num_threads(args.threads)
     rows = run(args)
+    warmup = args.warmup if args.warmup is not None else min(5, args.steps // 5)
     print(f"{rows[0]['params'] / 1e6:.2f}M-parameter GPT, global batch {args.batch} x {args.seq_len} tokens, "
-          f"{args.device} ({torch.get_num_threads()} threads), medians of {args.steps - args.warmup} interleaved steps")
+          f"{args.device} ({torch.get_num_threads()} threads), medians of {args.steps - warmup} interleaved steps")
     print(format_rows(rows))
 
 

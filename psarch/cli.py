@@ -11,24 +11,16 @@ from psarch.config import ConfigError, allowed_values, applies_to, describe, loa
 
 
 def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    commands = {"keys": _keys, "compare": _compare, "estimate": _estimate, "keygen": _keygen, "server": _server,
+                "run": _run_command}
+    return commands[args.command](args)
+
+
+def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="psarch", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
-    p_run = sub.add_parser("run", help="run an experiment config")
-    p_run.add_argument("config")
-    p_run.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE",
-                       help="override a config key (repeatable); the value is read as TOML")
-    p_run.add_argument("--out", help="run folder (default: runs/<name>)")
-    p_run.add_argument("--quiet", action="store_true", help="no progress lines")
-    start = p_run.add_mutually_exclusive_group()
-    start.add_argument("--resume", metavar="RUN_DIR",
-                       help="continue that run from its latest complete checkpoint to train.steps")
-    start.add_argument("--from", dest="start", metavar="CHECKPOINT_DIR",
-                       help="a new run starting from that checkpoint's state and step, under this config")
-    p_run.add_argument("--overwrite", action="store_true",
-                       help="replace a finished run in the run folder (a failed or interrupted one is replaced anyway)")
-    p_run.add_argument("--rerun", action="store_true",
-                       help="sweeps: run every point again (a point whose folder holds a finished run of the "
-                            "same config is skipped otherwise)")
+    _run_parser(sub.add_parser("run", help="run an experiment config"))
     sub.add_parser("keys", help="list every config key: default, allowed values, meaning, where it applies")
     p_srv = sub.add_parser("server", help="run one parameter server standalone (multi-machine ps runs)")
     p_srv.add_argument("config")
@@ -45,72 +37,104 @@ def main(argv: list[str] | None = None) -> int:
     p_cmp.add_argument("--out", help="folder for report.md and the PNG plots (default: runs/compare/<run names>)")
     p_cmp.add_argument("--target-gap", type=float, default=0.25,
                        help="convergence table: steps and time until the gap to the entropy floor falls below this")
-    p_est = sub.add_parser("estimate", help="analytic memory, traffic and step-time model (no processes)")
-    p_est.add_argument("--params", type=float, help="parameter count Φ, e.g. 7.5e9")
-    p_est.add_argument("--world", type=int, default=64, help="number of workers N")
-    p_est.add_argument("--precision", default="bf16", choices=("fp32", "bf16", "fp16"))
-    p_est.add_argument("--optimizer", default="adamw", choices=("sgd", "adamw", "adagrad"))
-    p_est.add_argument("--servers", type=int, default=1, help="parameter servers")
-    p_est.add_argument("--bandwidth", type=float, default=12.5e9, help="link bytes/s per direction")
-    p_est.add_argument("--latency", type=float, default=10e-6, help="seconds per message")
-    p_est.add_argument("--compute-s", type=float, help="compute seconds per step per worker (default: the --from "
-                       "run's measured compute, else 0.1)")
-    p_est.add_argument("--overlap", type=float, default=0.0, help="fraction of communication hidden by compute")
-    p_est.add_argument("--budget", type=float, default=32e9, help="device memory for Table 2, bytes")
-    p_est.add_argument("--from", dest="from_run", help="take Φ, N, precision and compute time from a run folder")
-    args = parser.parse_args(argv)
+    _estimate_parser(sub.add_parser("estimate", help="analytic memory, traffic and step-time model (no processes)"))
+    return parser
 
-    if args.command == "keys":
-        for key, default, doc in describe():
-            where = applies_to(key)
-            print(f"{key:38} {json.dumps(default):>14}  {allowed_values(key):28}  {doc}"
-                  + ("" if where == "every backend" else f" [only {where}]"))
-        return 0
-    if args.command == "compare":
-        from psarch.compare import compare, default_out
 
-        try:
-            report = compare(args.runs, args.out or default_out(args.runs), args.target_gap)
-        except (FileNotFoundError, ValueError, KeyError) as e:
-            print(f"psarch: compare: {e}", file=sys.stderr)
-            return 2
-        print(report.read_text(), end="")
-        print(f"(written to {report.parent})")
-        return 0
-    if args.command == "estimate":
-        return _estimate(args)
-    if args.command == "keygen":
-        if args.workers < 1 or args.servers < 1:
-            print(f"psarch: keygen: --workers {args.workers} --servers {args.servers}: both must be >= 1",
-                  file=sys.stderr)
-            return 2
-        from psarch.ps.auth import keygen
+def _run_parser(p: argparse.ArgumentParser) -> None:
+    p.add_argument("config")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE",
+                   help="override a config key (repeatable); the value is read as TOML")
+    p.add_argument("--out", help="run folder (default: runs/<name>)")
+    p.add_argument("--quiet", action="store_true", help="no progress lines")
+    start = p.add_mutually_exclusive_group()
+    start.add_argument("--resume", metavar="RUN_DIR",
+                       help="continue that run from its latest complete checkpoint to train.steps")
+    start.add_argument("--from", dest="start", metavar="CHECKPOINT_DIR",
+                       help="a new run starting from that checkpoint's state and step, under this config")
+    p.add_argument("--overwrite", action="store_true",
+                   help="replace a finished run in the run folder (a failed or interrupted one is replaced anyway)")
+    p.add_argument("--rerun", action="store_true",
+                   help="sweeps: run every point again (a point whose folder holds a finished run of the "
+                        "same config is skipped otherwise)")
 
-        folder = keygen(args.dir, args.workers, args.servers)
-        print(f"psarch: keys for {args.workers} worker(s) and {args.servers} server(s) in {folder}; set "
-              f"backend.keys = \"{folder}\" (servers need server{{j}}.key_secret and every worker{{i}}.key, "
-              f"worker i needs worker{{i}}.key_secret, worker{{i}}.password and every server{{j}}.key)")
-        return 0
-    if args.command == "server":
-        from psarch.ps.standalone import serve
 
-        return serve(args.config, args.index, args.port, args.host, args.overrides)
-    if args.command == "run":
-        # SIGTERM (kill, timeout, a scheduler) stops a run as Ctrl-C does: ranks stopped, finished steps kept
-        previous = signal.signal(signal.SIGTERM, _interrupt)  # main() runs in the main thread, as a program
-        try:
-            return _run(args)
-        except KeyboardInterrupt as e:
-            print(f"psarch: interrupted{f' ({e})' if str(e) else ''}; finished steps are kept", file=sys.stderr)
-            return 128 + getattr(e, "signum", signal.SIGINT)
-        except Exception as e:  # a failure nobody foresaw: one line; the traceback on request
-            if os.environ.get("PSARCH_DEBUG"):
-                raise
-            print(f"psarch: run failed: {_one_line(e)} (PSARCH_DEBUG=1 shows the traceback)", file=sys.stderr)
-            return 1
-        finally:
-            signal.signal(signal.SIGTERM, previous)
-    return 2
+def _estimate_parser(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--params", type=float, help="parameter count Φ, e.g. 7.5e9")
+    p.add_argument("--world", type=int, default=64, help="number of workers N")
+    p.add_argument("--precision", default="bf16", choices=("fp32", "bf16", "fp16"))
+    p.add_argument("--optimizer", default="adamw", choices=("sgd", "adamw", "adagrad"))
+    p.add_argument("--servers", type=int, default=1, help="parameter servers")
+    p.add_argument("--bandwidth", type=float, default=12.5e9, help="link bytes/s per direction")
+    p.add_argument("--latency", type=float, default=10e-6, help="seconds per message")
+    p.add_argument("--compute-s", type=float, help="compute seconds per step per worker (default: the --from "
+                   "run's measured compute, else 0.1)")
+    p.add_argument("--overlap", type=float, default=0.0, help="fraction of communication hidden by compute")
+    p.add_argument("--budget", type=float, default=32e9, help="device memory for Table 2, bytes")
+    p.add_argument("--from", dest="from_run", help="take Φ, N, precision and compute time from a run folder")
+
+
+def _keys(args: argparse.Namespace) -> int:
+    for key, default, doc in describe():
+        where = applies_to(key)
+        print(f"{key:38} {json.dumps(default):>14}  {allowed_values(key):28}  {doc}"
+              + ("" if where == "every backend" else f" [only {where}]"))
+    return 0
+
+
+def _compare(args: argparse.Namespace) -> int:
+    from psarch.compare import compare, default_out
+
+    try:
+        report = compare(args.runs, args.out or default_out(args.runs), args.target_gap)
+    except (FileNotFoundError, ValueError, KeyError) as e:
+        print(f"psarch: compare: {e}", file=sys.stderr)
+        return 2
+    print(report.read_text(), end="")
+    print(f"(written to {report.parent})")
+    return 0
+
+
+def _keygen(args: argparse.Namespace) -> int:
+    if args.workers < 1 or args.servers < 1:
+        print(f"psarch: keygen: --workers {args.workers} --servers {args.servers}: both must be >= 1",
+              file=sys.stderr)
+        return 2
+    from psarch.ps.auth import keygen
+
+    folder = keygen(args.dir, args.workers, args.servers)
+    print(f"psarch: keys for {args.workers} worker(s) and {args.servers} server(s) in {folder}; set "
+          f"backend.keys = \"{folder}\" (servers need server{{j}}.key_secret and every worker{{i}}.key, "
+          f"worker i needs worker{{i}}.key_secret, worker{{i}}.password and every server{{j}}.key)")
+    return 0
+
+
+def _server(args: argparse.Namespace) -> int:
+    from psarch.ps.standalone import serve
+
+    return serve(args.config, args.index, args.port, args.host, args.overrides)
+
+
+def _run_command(args: argparse.Namespace) -> int:
+    # SIGTERM (kill, timeout, a scheduler) stops a run as Ctrl-C does: ranks stopped, finished steps kept
+    previous = signal.signal(signal.SIGTERM, _interrupt)  # main() runs in the main thread, as a program
+    try:
+        code = _run(args)
+    except KeyboardInterrupt as e:
+        print(f"psarch: interrupted{f' ({e})' if str(e) else ''}; finished steps are kept", file=sys.stderr)
+        code = 128 + getattr(e, "signum", signal.SIGINT)
+    except Exception as e:  # a failure nobody foresaw: one line; the traceback on request
+        if os.environ.get("PSARCH_DEBUG"):
+            raise
+        print(f"psarch: run failed: {_one_line(e)} (PSARCH_DEBUG=1 shows the traceback)", file=sys.stderr)
+        code = 1
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    from psarch.dist import under_torchrun
+    from psarch.lifecycle import leave
+    if under_torchrun():   # this process held a gloo group: leave without the finalisation that can abort it
+        leave(code)
+    return code
 
 
 class Terminated(KeyboardInterrupt):

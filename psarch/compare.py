@@ -36,10 +36,10 @@ def comparability_warnings(runs: list[dict[str, Any]]) -> list[str]:
 
 def table(runs: list[dict[str, Any]]) -> str:
     """The comparison table, in Markdown; rank 0's memory and the mean worker's traffic."""
-    head = ("| run | backend | variant | N | samples/s | step time (ms) | final loss (last step) | gap | model states/rank "
+    head = ("| run | architecture | N | samples/s | step time (ms) | final loss (last step) | gap | model states/rank "
             "measured \\| predicted | sent/worker/step measured \\| predicted | server recv/step measured \\| predicted "
             "| peak memory |")
-    lines = [head, "|" + "---|" * 12]
+    lines = [head, "|" + "---|" * 11]
     for run in runs:
         s = run["summary"]
         m0 = s["memory"]["per_rank"][0]
@@ -50,7 +50,7 @@ def table(runs: list[dict[str, Any]]) -> str:
         recv = server_received_per_step(s)
         srv = f"{fmt_bytes(recv)} \\| {fmt_bytes(pt.get('server_received'))}" if recv is not None else "-"
         gap = f"{s['gap']:.4f}" if s.get("gap") is not None else "-"
-        lines.append(f"| {s['name']} | {s['backend']} | {s.get('variant') or '-'} | {s['world_size']} | "
+        lines.append(f"| {s['name']} | {s['label']} | {s['world_size']} | "
                      f"{s['samples_per_s']:.1f} | {s['step_time_s'] * 1e3:.2f} | {s['final_loss']:.4f} | {gap} | "
                      f"{fmt_bytes(m0['total'])} \\| {fmt_bytes(pm)} | {fmt_bytes(sent)}{modelled} \\| {fmt_bytes(pt['worker_sent'])} | {srv} | "
                      f"{fmt_bytes(m0.get('peak'))} |")

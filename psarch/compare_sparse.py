@@ -40,9 +40,9 @@ def embedding_held(run: dict[str, Any]) -> tuple[float, float]:
 
 def sparse_table(runs: list[dict[str, Any]]) -> str:
     """One Markdown row per dlrm run: rows x Zipf, bytes, step time, embedding bytes held, ids and gap."""
-    lines = ["| run | backend | variant | rows | zipf | sent/worker/step measured \\| predicted | step time (ms) | "
+    lines = ["| run | architecture | rows | zipf | sent/worker/step measured \\| predicted | step time (ms) | "
              "embedding held/worker \\| table | unique ids/step measured \\| expected | final gap |",
-             "|" + "---|" * 10]
+             "|" + "---|" * 9]
     for run in runs:
         s, cfg = run["summary"], run_config(run)
         held, table = embedding_held(run)
@@ -50,7 +50,7 @@ def sparse_table(runs: list[dict[str, Any]]) -> str:
         modelled = " (modelled)" if s["traffic"]["per_rank"][0].get("modelled") else ""
         gap = f"{s['gap']:.4f}" if s.get("gap") is not None else "-"
         lines.append(
-            f"| {s['name']} | {s['backend']} | {s.get('variant') or '-'} | {cfg.workload.dlrm.rows} | "
+            f"| {s['name']} | {s['label']} | {cfg.workload.dlrm.rows} | "
             f"{cfg.workload.clicks.zipf:g} | {fmt_bytes(worker_sent_per_step(s))}{modelled} \\| "
             f"{fmt_bytes(s['predicted']['traffic_per_step']['worker_sent'])} | {s['step_time_s'] * 1e3:.1f} | "
             f"{fmt_bytes(held)} \\| {fmt_bytes(table)} | {'-' if u is None else f'{u:.0f}'} \\| "
@@ -59,12 +59,12 @@ def sparse_table(runs: list[dict[str, Any]]) -> str:
 
 
 def series(runs: list[dict[str, Any]]) -> dict[float, dict[str, list[tuple[int, float, float, float]]]]:
-    """Per Zipf exponent, per variant ('backend variant'), the points (rows, bytes sent per worker per step
+    """Per Zipf exponent, per architecture (its label), the points (rows, bytes sent per worker per step
     measured, predicted, step time in s) sorted by table rows: what embedding_scaling plots."""
     out: dict[float, dict[str, list[tuple[int, float, float, float]]]] = {}
     for run in runs:
         s, cfg = run["summary"], run_config(run)
-        variant = f"{s['backend']} {s.get('variant') or ''}".strip()
+        variant = s["label"]
         point = (cfg.workload.dlrm.rows, worker_sent_per_step(s), s["predicted"]["traffic_per_step"]["worker_sent"],
                  s["step_time_s"])
         out.setdefault(cfg.workload.clicks.zipf, {}).setdefault(variant, []).append(point)

@@ -1,20 +1,31 @@
-"""How a config option is declared: its default, doc, allowed values, bounds, and which backends read it.
-psarch.config reads this metadata to check values (`_coerce`), answer `psarch keys`, and check `applies`."""
+"""How a config option is declared: its default, doc, allowed values and bounds, and whether only the
+backends that say so read it. psarch.config reads this metadata to check values (`_coerce`), answer
+`psarch keys`, and check `applies`. A backend declares its own options with `_f` too (psarch/backend.py)."""
 from __future__ import annotations
 
 from dataclasses import field
-from typing import Any
+from typing import Any, Callable
 
 
-def _f(default: Any, doc: str, choices: tuple | None = None, min: float | None = None,
-       max: float | None = None, applies: dict[str, tuple | None] | None = None) -> Any:
-    """A config field. `applies` says which backends read it: {kind: None (every variant) or the variants
-    (VARIANT_KEY) that do}; None means every backend."""
-    meta = {"doc": doc, "choices": choices, "min": min, "max": max, "applies": applies}
+def _f(default: Any, doc: str, choices: tuple | Callable[[], tuple] | None = None, min: float | None = None,
+       max: float | None = None, per_backend: bool = False) -> Any:
+    """A config field. `choices`: the allowed values (or a function giving them, read when a value is
+    checked). `per_backend`: only the backends whose spec reads it (BackendSpec.reads) take this option;
+    options a backend declares itself (BackendSpec.options) are always per-backend."""
+    meta = {"doc": doc, "choices": choices, "min": min, "max": max, "per_backend": per_backend}
     if isinstance(default, (list, dict)):
         return field(default_factory=lambda d=default: type(d)(d), metadata=meta)
     return field(default=default, metadata=meta)
 
 
-def _sub(cls: type) -> Any:
-    return field(default_factory=cls, metadata={"doc": cls.__doc__})
+def _sub(cls: type | Callable[[], type], doc: str | None = None) -> Any:
+    """A section: a table of options, the fields of `cls` (or of the class a function gives, built when first
+    needed: the [backend] section holds every registered backend's options)."""
+    if isinstance(cls, type):
+        return field(default_factory=cls, metadata={"doc": doc or cls.__doc__, "section": lambda: cls})
+    return field(default_factory=lambda: cls()(), metadata={"doc": doc, "section": cls})
+
+
+def choices_of(meta: dict[str, Any]) -> tuple | None:
+    c = meta.get("choices")
+    return c() if callable(c) else c

@@ -16,7 +16,7 @@ SYNC = "synchronous"
 def panel_of(run: dict[str, Any]) -> str:
     """Every synchronous backend trains the same model on the same data: one panel; each PS mode its own."""
     s = run["summary"]
-    return SYNC if s["backend"] != "ps" or s.get("variant", "").split("/")[0] == "sync" else f"ps {s['variant']}"
+    return SYNC if s["lockstep"] else s["label"]
 
 
 def _worker_rows(run: dict[str, Any]) -> dict[int, list[dict[str, Any]]]:

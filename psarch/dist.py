@@ -91,3 +91,9 @@ def shutdown(ctx: DistContext) -> None:
 def under_torchrun() -> bool:
     """True when this process was started by torchrun (or any launcher that sets the env:// variables)."""
     return all(k in os.environ for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"))
+
+
+def abandon_group() -> None:
+    """Leave this process's default group after a failure, without the barrier shutdown() makes."""
+    if dist.is_initialized():
+        dist.destroy_process_group()

@@ -15,7 +15,9 @@ STAGES = (("ddp", 0), ("zero-1", 1), ("zero-2", 2), ("zero-3", 3))
 
 
 def _setup(stage: int, n: int, precision: str, optimizer: str) -> Config:
-    return theory.config_for("zero" if stage else "ddp", n, precision, optimizer, stage=stage)
+    """DDP (stage 0) or ZeRO-`stage` at world size n."""
+    return theory.config_for("zero", n, precision, optimizer, stage=stage) if stage else \
+        theory.config_for("ddp", n, precision, optimizer)
 
 
 def memory_table(phi: float, worlds: list[int], precision: str = "bf16", optimizer: str = "adamw") -> list[dict]:
@@ -82,7 +84,7 @@ def scaling_table(phi: float, precision: str, c: Cluster, worlds: list[int], ps_
     ps_servers entries are counts ("4") or "n" (as many servers as workers)."""
     rows = []
     for n in worlds:
-        row = {"world": n, "ddp": step_time(theory.predict(_setup(0, n, precision, "adamw"), phi), c),
+        row = {"world": n, "ring": step_time(theory.predict(_setup(0, n, precision, "adamw"), phi), c),
                "zero-3": step_time(theory.predict(_setup(3, n, precision, "adamw"), phi), c)}
         for s in ps_servers:
             row[f"ps/{s}"] = step_time(_ps(phi, precision, n, s), c)
@@ -149,10 +151,10 @@ def report(phi: float, world: int, precision: str = "bf16", optimizer: str = "ad
     source = f" (measured in {compute_from})" if compute_from else ""
     out += ["", f"== step time (s), compute {c.compute_s:g} s/step/worker{source} (weak scaling), link "
                 f"{c.bandwidth / 1e9:g} GB/s, latency {c.alpha * 1e6:g} us, overlap {c.overlap:g}",
-            f"{'N':>6} {'ddp':>9} {'zero-3':>9} " + " ".join(f"{'ps/' + s:>9}" for s in cols)
+            f"{'N':>6} {'ddp ring':>9} {'zero-3':>9} " + " ".join(f"{'ps/' + s:>9}" for s in cols)
             + "   (ps/n: one server per worker)"]
     for row in scaling_table(phi, precision, c, worlds, cols):
-        out.append(f"{row['world']:>6} {row['ddp']:>9.4f} {row['zero-3']:>9.4f} "
+        out.append(f"{row['world']:>6} {row['ring']:>9.4f} {row['zero-3']:>9.4f} "
                    + " ".join(f"{row['ps/' + s]:>9.4f}" for s in cols))
     for s in cols:
         n = crossover(phi, precision, c, s, worlds)

@@ -23,3 +23,15 @@ def die_with_parent() -> None:
         return  # not permitted here (a sandbox): the launcher's own clean-up still ends this process
     if parent is not None and os.getppid() != parent.pid:
         os._exit(1)
+
+
+def leave(code: int) -> None:
+    """End this process now with `code`, its output flushed, without the interpreter's finalisation: a
+    process that has written everything must not then die in it (gloo's threads abort at finalisation on
+    torch 2.13, pytorch/pytorch#179291, even after destroy_process_group)."""
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):   # closed or broken: nothing more can be said there anyway
+            pass
+    os._exit(code)

@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from psarch import theory
+from psarch import registry, theory
 from psarch.config import Config
 from psarch.runner import warmup_steps
 from psarch.units import fmt_bytes
@@ -106,19 +106,20 @@ def finalize_stopped(out: Path, cfg: Config, status: str, error: str) -> dict[st
     streams = sorted((out / RANKS_DIR).glob("rank*.jsonl"), key=lambda p: int(p.stem[4:]))
     rows = _write_metrics(out, [_streamed_rows(out, int(p.stem[4:])) for p in streams])
     summary = {"name": cfg.name, "status": status, "error": error.strip().splitlines()[0] if error.strip() else "",
-               "backend": cfg.backend.kind, "variant": variant(cfg), "world_size": cfg.backend.world_size,
-               "steps": len(rows), "steps_planned": cfg.train.steps,
+               **identity(cfg), "steps": len(rows), "steps_planned": cfg.train.steps,
                "final_loss": rows[-1]["loss"] if rows else None}
     (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     return summary
 
 
-def variant(cfg: Config) -> str:
-    """The algorithm within a backend, e.g. "ring", "stage2/native", "sync"; "/rows" where the embedding
-    tables move as rows (backend.embeddings), which changes the traffic more than the algorithm does."""
-    b = cfg.backend
-    v = {"ddp": b.comm, "zero": f"stage{b.stage}/{b.comm}", "ps": b.mode}.get(b.kind, "")
-    return v if b.embeddings == "dense" else "/".join(x for x in (v, b.embeddings) if x)
+def identity(cfg: Config) -> dict[str, Any]:
+    """What a summary says of the run's backend, from its spec (psarch/backend.py): its kind, variant and the
+    one label every report, plot and cluster table uses; whether its workers step in lockstep; and the
+    backend's own fields (the PS's servers; 0 elsewhere)."""
+    spec = registry.spec_of(cfg)
+    return {"backend": cfg.backend.kind, "variant": spec.variant(cfg), "label": spec.label(cfg),
+            "lockstep": spec.lockstep(cfg), "world_size": cfg.backend.world_size, "servers": 0,
+            **spec.summary_fields(cfg)}
 
 
 def finalize(out: Path, cfg: Config, extra: dict[str, Any] | None = None, echo: bool = True) -> dict[str, Any]:
@@ -135,9 +136,7 @@ def finalize(out: Path, cfg: Config, extra: dict[str, Any] | None = None, echo: 
     floor = records[0]["entropy_floor"]
     final_loss = rows[-1]["loss"]
     summary: dict[str, Any] = {
-        "name": cfg.name, "status": "finished", "backend": cfg.backend.kind, "variant": variant(cfg),
-        "world_size": cfg.backend.world_size, "servers": cfg.backend.servers if cfg.backend.kind == "ps" else 0,
-        "workload": records[0]["workload"], "precision": cfg.train.precision, "optimizer": cfg.train.optimizer,
+        "name": cfg.name, "status": "finished", **identity(cfg), "workload": records[0]["workload"], "precision": cfg.train.precision, "optimizer": cfg.train.optimizer,
         "params": phi, "steps": len(rows), "global_batch": cfg.train.global_batch,
         "final_loss": final_loss, "entropy_floor": floor,
         "gap": final_loss - floor if floor is not None else None,
@@ -177,7 +176,7 @@ def finalize(out: Path, cfg: Config, extra: dict[str, Any] | None = None, echo: 
 def report(s: dict[str, Any]) -> str:
     """The short human-readable report of one run."""
     p = s["predicted"]
-    kind = s["backend"] + (f" ({s['variant']})" if s["variant"] else "")
+    kind = s.get("label") or s["backend"] + (f" ({s['variant']})" if s["variant"] else "")
     gap = f"  (gap to entropy floor {s['gap']:.4f})" if s.get("gap") is not None else ""
     # padding (inside total) and transient peaks (outside it: gathered units, gradient buffers, both
     # together as working) get a column only where some rank has them, so other backends' reports stay narrow
@@ -186,7 +185,7 @@ def report(s: dict[str, Any]) -> str:
                                           ("grad_buffer_peak", "grad bufs"), ("working", "working"))
                 if any(m.get(k) for m in per_rank)]
     lines = [
-        f"== {s['name']}: {kind}, N={s['world_size']}" + (f", servers={s['servers']}" if s["servers"] else "")
+        f"== {s['name']}: {kind}, N={s['world_size']}" + (f", servers={s['servers']}" if s["servers"] and not s.get("label") else "")
         + f", {s['workload']}, {s['params']:,} params, {s['precision']}, {s['optimizer']}",
         f"final loss      {s['final_loss']:.4f} (last step){gap}   skipped steps {s['skipped_steps']}",
         f"step time       {s['step_time_s'] * 1e3:.2f} ms median   {s['samples_per_s']:.1f} samples/s"

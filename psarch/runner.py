@@ -5,18 +5,19 @@ import json
 import statistics
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable, TextIO
 
 import torch
 
-from psarch import checkpoint
-from psarch.cluster.stragglers import slowed, straggler
+from psarch import checkpoint, registry
+from psarch import trainer as contract
+from psarch.cluster.stragglers import Straggler, slowed, straggler
 from psarch.cluster.window import StepMarks
 from psarch.config import Config
 from psarch.dist import DistContext
 from psarch.errors import check_loss
 from psarch.precision import compute_dtype
-from psarch.registry import trainer_class
+from psarch.trainer import StepStats, Trainer
 from psarch.units import fmt_bytes
 from psarch.workload import Workload, build_workload
 
@@ -37,108 +38,162 @@ def to_device(batch: Any, device: torch.device, dtype: torch.dtype | None = None
 
 
 def warmup_steps(cfg: Config) -> int:
+    """Steps left out of timing medians: train.warmup_steps, or min(5, steps // 5); at least one step is timed."""
     w = cfg.train.warmup_steps
     return min(5, cfg.train.steps // 5) if w < 0 else min(w, cfg.train.steps - 1)
+
+
+class StepLoop:
+    """Steps a trainer through steps [first, last) of a workload, timing each step as every figure psarch
+    reports times it: the batch made and moved first, the clock around Trainer.step alone (synchronised
+    on a GPU). Benchmarks drive trainers through it too, so their step times mean the same."""
+
+    def __init__(self, trainer: Trainer, workload: Workload, cfg: Config, ctx: DistContext) -> None:
+        self.trainer, self.workload, self.ctx = trainer, workload, ctx
+        self.cast = None if cfg.train.precision == "fp32" else compute_dtype(cfg.train.precision)
+        self.sync = ctx.device.type == "cuda"
+
+    def batch(self, step: int) -> Any:
+        return to_device(self.workload.batch(step, self.ctx.rank, self.ctx.world_size), self.ctx.device, self.cast)
+
+    def timed(self, step: int) -> float:
+        """Take step `step` (its batch made first, outside the clock); its seconds."""
+        return self.step(self.batch(step))[1]
+
+    def step(self, batch: Any) -> tuple[StepStats, float]:
+        """One step; (its stats, its seconds)."""
+        if self.sync:
+            torch.cuda.synchronize(self.ctx.device)
+        t0 = time.perf_counter()
+        stats = self.trainer.step(batch)
+        if self.sync:
+            torch.cuda.synchronize(self.ctx.device)
+        return stats, time.perf_counter() - t0
 
 
 def run_rank(cfg: Config, ctx: DistContext, workload: Workload | None = None, echo: bool = True,
              checkpoints: Path | None = None, start: Path | None = None, resume: bool = False,
              metrics: Path | None = None, marks: StepMarks | None = None) -> dict[str, Any]:
     """Train up to step `train.steps` on this rank, from step 0 or from checkpoint `start`'s step and state
-    (with `resume`, also its metric rows), writing a checkpoint under `checkpoints` every
-    `train.checkpoint_every` steps; returns the rank's record (rows, memory, traffic, model). With
-    `metrics`, the carried rows and then each step's row as the step completes are also appended there, so a
-    run that fails or is interrupted keeps every finished step. `marks` (an emulated cluster's): reached right
-    before the first step and right after the last, where the launcher reads the links' counters."""
+    (with `resume`, also its step records), writing a checkpoint under `checkpoints` every
+    `train.checkpoint_every` steps; returns the rank's record (step records, memory, traffic, model). With
+    `metrics`, the carried records and then each step's record as the step completes are also appended
+    there, so a run that fails or is interrupted keeps every finished step. `marks` (an emulated cluster's):
+    reached right before the first step and right after the last, where the launcher reads the links' counters."""
     slow = straggler(cfg, ctx.rank)   # cluster.slow_workers / jitter: the backend never knows
     workload = slowed(workload or build_workload(cfg), slow)
     params = sum(p.numel() for p in workload.model.parameters())  # before a backend shards the model
-    ckpt = None
-    if start is not None:  # the launcher verified sizes and checksums; check the model before building
-        ckpt = checkpoint.Checkpoint(start)
+    ckpt = checkpoint.Checkpoint(start) if start is not None else None
+    if ckpt is not None:  # the launcher verified sizes and checksums; check the model before building
         ckpt.check_model({n: tuple(p.shape) for n, p in workload.model.named_parameters() if p.requires_grad})
         ckpt.check_optimizer(cfg.train.optimizer)
-    trainer = trainer_class(cfg.backend.kind)(workload, cfg, ctx)
+    spec = registry.spec_of(cfg)
+    trainer = contract.load_trainer(cfg.backend.kind)(workload, cfg, ctx)
     if slow is not None:   # its compute is the forward and backward less the waits the backend timed in them
         slow.waited = trainer.comm_waited_s
-    first = 0
+    first, records = 0, []
     if ckpt is not None:
         trainer.load_checkpoint(ckpt)
         ckpt.restore_rng(ctx.rank, ctx.device)   # dropout goes on drawing where it stopped
-        ckpt.close()
+        records = ckpt.rows(ctx.rank) if resume else []
         first = ckpt.step  # data is a function of (seed, step): continuing the step continues the data
-    every = cfg.train.checkpoint_every if checkpoints is not None else 0
-    cast = None if cfg.train.precision == "fp32" else compute_dtype(cfg.train.precision)  # fp32: batches as given
-    sync = ctx.device.type == "cuda"
-    rows: list[dict[str, Any]] = ckpt.rows(ctx.rank) if ckpt is not None and resume else []
-    log_every, steps = cfg.train.log_every, cfg.train.steps
-    tr0 = trainer.traffic()  # set-up traffic (e.g. the initial broadcast) is not any step's
-    last_sent, last_recv = tr0.sent, tr0.received
-    interval_t0 = time.perf_counter()
-    stream = open(metrics, "a", buffering=1) if metrics is not None else None  # line-buffered: a row per write
-    if stream is not None:   # the carried rows first: a resumed run that then fails still keeps them
-        stream.write("".join(json.dumps(r) + "\n" for r in rows))
+        ckpt.close()
+    stream = open(metrics, "a", buffering=1) if metrics is not None else None  # line-buffered: a record per write
     try:
-        if marks is not None:
-            marks.reached()
-            interval_t0 = time.perf_counter()
-        for step in range(first, steps):
-            batch = to_device(workload.batch(step, ctx.rank, ctx.world_size), ctx.device, cast)
-            if slow is not None:
-                slow.step = step
-            if sync:
-                torch.cuda.synchronize(ctx.device)
-            t0 = time.perf_counter()
-            stats = trainer.step(batch)
-            if sync:
-                torch.cuda.synchronize(ctx.device)
-            dt = time.perf_counter() - t0
-            tr = trainer.traffic()
-            rows.append({"step": step, "rank": ctx.rank, "loss": stats.loss, "step_time_s": dt,
-                         "comm_s": stats.comm_s, "sent": tr.sent - last_sent, "received": tr.received - last_recv,
-                         "skipped": stats.skipped, "loss_scale": stats.loss_scale, "extra": stats.extra,
-                         **({"slept_s": slow.slept_s} if slow is not None else {})})
-            last_sent, last_recv = tr.sent, tr.received
-            if stream is not None:
-                stream.write(json.dumps(rows[-1]) + "\n")
-            check_loss(step, ctx.rank, stats.loss, stats.skipped)   # after its row: the metrics keep the bad step
-            if (step + 1) % log_every == 0 or step + 1 == steps:
-                interval = rows[-((step % log_every) + 1):]
-                loss = statistics.fmean(r["loss"] for r in interval)
-                if trainer.synchronous:
-                    loss = ctx.mean_across_ranks(loss)
-                if echo and ctx.rank == 0:
-                    elapsed = time.perf_counter() - interval_t0
-                    _progress(step, steps, len(interval), loss, workload.entropy_floor, len(interval) * cfg.train.global_batch / elapsed,
-                              statistics.fmean(r["sent"] for r in interval), sum(r["skipped"] for r in interval),
-                              stats)
-                interval_t0 = time.perf_counter()
-            if every and (step + 1) % every == 0:
-                trainer.write_checkpoint(ctx, checkpoints, step + 1, cfg.to_dict(), cfg.train.keep_checkpoints, rows)
-        if marks is not None:
-            marks.reached()
-        model_state = trainer.full_state_dict()
-        memory = trainer.memory().to_dict()
-        traffic = trainer.traffic().to_dict()
-        extra = trainer.summary_extra()
+        if stream is not None:   # the carried records first: a resumed run that then fails still keeps them
+            stream.write("".join(json.dumps(r) + "\n" for r in records))
+        log = _Progress(cfg, ctx, workload.entropy_floor, echo, average=spec.needs_process_group)
+        save = _checkpointer(trainer, cfg, ctx, checkpoints)
+        _steps(StepLoop(trainer, workload, cfg, ctx), range(first, cfg.train.steps), records, stream, slow, marks,
+               log, save)
+        state = trainer.full_state_dict()   # a collective call: before the figures, which then include it
+        record = {"rank": ctx.rank, "rows": records, "memory": trainer.memory().to_dict(),
+                  "traffic": trainer.traffic().to_dict(), "extra": trainer.summary_extra(),
+                  "device": str(ctx.device), "dist_backend": ctx.dist_backend,
+                  "entropy_floor": workload.entropy_floor, "params": params, "workload": workload.name,
+                  "model_state": state if ctx.rank == 0 else None}
     finally:
         if stream is not None:
             stream.close()
         trainer.close()
-    return {"rank": ctx.rank, "rows": rows, "memory": memory, "traffic": traffic, "extra": extra,
-            "device": str(ctx.device), "dist_backend": ctx.dist_backend,
-            "entropy_floor": workload.entropy_floor, "params": params,
-            "workload": workload.name, "model_state": model_state if ctx.rank == 0 else None}
+    return record
 
 
-def _progress(step: int, steps: int, window: int, loss: float, floor: float | None, samples_per_s: float,
-              bytes_per_step: float, skipped: int, stats: Any) -> None:
+def _steps(loop: StepLoop, steps: range, records: list[dict[str, Any]], stream: TextIO | None,
+           slow: Straggler | None, marks: StepMarks | None, log: "_Progress",
+           save: Callable[[int, list[dict[str, Any]]], None]) -> None:
+    """The step loop: each step's record appended (and streamed) before its loss is checked, so the
+    metrics keep a bad step; progress lines and checkpoints between steps."""
+    trainer, rank = loop.trainer, loop.ctx.rank
+    last = trainer.traffic()  # set-up traffic (e.g. the initial broadcast) is not any step's
+    if marks is not None:
+        marks.reached()
+    log.start()
+    for step in steps:
+        batch = loop.batch(step)
+        if slow is not None:
+            slow.step = step
+        stats, dt = loop.step(batch)
+        tr = trainer.traffic()
+        records.append({"step": step, "rank": rank, "loss": stats.loss, "step_time_s": dt, "comm_s": stats.comm_s,
+                        "sent": tr.sent - last.sent, "received": tr.received - last.received,
+                        "skipped": stats.skipped, "loss_scale": stats.loss_scale, "extra": stats.extra,
+                        **({"slept_s": slow.slept_s} if slow is not None else {})})
+        last = tr
+        if stream is not None:
+            stream.write(json.dumps(records[-1]) + "\n")
+        check_loss(step, rank, stats.loss, stats.skipped)
+        log.after(step, records, stats)
+        save(step + 1, records)
+    if marks is not None:
+        marks.reached()
+
+
+def _checkpointer(trainer: Trainer, cfg: Config, ctx: DistContext, root: Path | None
+                  ) -> Callable[[int, list[dict[str, Any]]], None]:
+    """Writes a checkpoint after every train.checkpoint_every-th step (never without a checkpoint folder)."""
+    every = cfg.train.checkpoint_every if root is not None else 0
+
+    def save(done: int, records: list[dict[str, Any]]) -> None:
+        if every and done % every == 0:
+            trainer.write_checkpoint(ctx, root, done, cfg.to_dict(), cfg.train.keep_checkpoints, records)
+    return save
+
+
+class _Progress:
+    """The progress line every train.log_every steps, printed by rank 0. With `average`, its loss is the mean
+    over the ranks (a collective call every rank makes); a backend whose workers run at their own pace (no
+    process group of its own, e.g. async PS workers, even under torchrun) shows rank 0's own."""
+
+    def __init__(self, cfg: Config, ctx: DistContext, floor: float | None, echo: bool, average: bool) -> None:
+        self.ctx, self.floor, self.echo, self.average = ctx, floor, echo, average
+        self.every, self.steps, self.batch = cfg.train.log_every, cfg.train.steps, cfg.train.global_batch
+        self.t0 = time.perf_counter()
+
+    def start(self) -> None:
+        self.t0 = time.perf_counter()
+
+    def after(self, step: int, records: list[dict[str, Any]], stats: StepStats) -> None:
+        if (step + 1) % self.every and step + 1 != self.steps:
+            return
+        interval = records[-((step % self.every) + 1):]
+        loss = statistics.fmean(r["loss"] for r in interval)
+        if self.average:
+            loss = self.ctx.mean_across_ranks(loss)
+        if self.echo and self.ctx.rank == 0:
+            elapsed = time.perf_counter() - self.t0
+            _print_progress(step, self.steps, len(interval), loss, self.floor, len(interval) * self.batch / elapsed,
+                            statistics.fmean(r["sent"] for r in interval), sum(r["skipped"] for r in interval), stats)
+        self.t0 = time.perf_counter()
+
+
+def _print_progress(step: int, steps: int, window: int, loss: float, floor: float | None, samples_per_s: float,
+                    bytes_per_step: float, skipped: int, stats: StepStats) -> None:
     """One progress line: the loss is the mean over the `window` steps since the last line (and across
-    ranks for synchronous backends), unlike the summary's final loss, which is the last step's."""
+    the ranks of a process group), unlike the summary's final loss, which is the last step's."""
     gap = f"  gap {loss - floor:7.4f}" if floor is not None else ""
     # fp16 steps dropped for inf/nan gradients: the loss above moved without an update
     skip = f"  skipped {skipped}" if skipped else ""
     scale = f"  scale {stats.loss_scale:g}" if stats.loss_scale not in (None, 1.0) else ""
     print(f"step {step + 1:>6}/{steps}  {window}-step mean loss {loss:8.4f}{gap}  {samples_per_s:9.1f} samples/s  "
           f"{fmt_bytes(bytes_per_step)}/step sent{skip}{scale}", flush=True)
-

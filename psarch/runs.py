@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from psarch.config import Config, from_dict
+from psarch.outputs import identity
 from psarch.theory import predict
 
 
@@ -27,8 +28,10 @@ def load_run(path: str | Path) -> dict[str, Any]:
         raise ValueError(f"{path}: the run {summary['status']} ({summary.get('error') or 'no error recorded'}); "
                          f"no figures to load")
     run = {"path": str(path), "summary": summary, "config": config, "metrics": rows}
-    if config:  # theory as it stands now, not as it stood when the run was made
-        run["summary"]["predicted"] = predict(run_config(run), run["summary"]["params"]).to_dict()
+    if config:  # theory and names as they stand now, not as they stood when the run was made
+        cfg = run_config(run)
+        summary["predicted"] = predict(cfg, summary["params"]).to_dict()
+        summary.update({k: v for k, v in identity(cfg).items() if k in ("variant", "label", "lockstep")})
     return run
 
 
@@ -40,11 +43,9 @@ def run_config(run: dict[str, Any]) -> Config:
 
 
 def label(run: dict[str, Any]) -> str:
-    """'name: backend variant N=.. S=..' for tables and tick labels."""
+    """'name: architecture N=..' for tables and tick labels (the architecture's label says its servers)."""
     s = run["summary"]
-    v = f" {s['variant']}" if s.get("variant") else ""
-    servers = f" S={s['servers']}" if s.get("servers") else ""
-    return f"{s['name']}: {s['backend']}{v} N={s['world_size']}{servers}"
+    return f"{s['name']}: {s['label']} N={s['world_size']}"
 
 
 def short_names(runs: list[dict[str, Any]]) -> list[str]:

@@ -11,6 +11,8 @@ from psarch.dist import DistContext
 from psarch.flat import FlatParams
 from psarch.meters import TrafficMeter, peak_memory, tensor_bytes
 from psarch.precision import MixedPrecisionOptimizer, compute_dtype
+from psarch.backend import BackendSpec
+from psarch.theory import Prediction, ring_passes, sharded_memory
 from psarch.trainer import MemoryReport, StepStats, Trainer, TrafficReport
 from psarch.workload import Workload
 
@@ -21,10 +23,6 @@ class SingleTrainer(Trainer):
     Parameters and gradients are views into flat buffers (as in DDP), so zeroing the gradients, the
     optimizer step (one fused kernel) and, in bf16/fp16, the cast to and from the fp32 masters are one
     operation each, not one per parameter."""
-
-    checkpoints = True
-
-    needs_process_group = False   # one process: nothing to synchronise with
 
     def __init__(self, workload: Workload, cfg: Config, ctx: DistContext) -> None:
         self.ctx = ctx
@@ -86,3 +84,20 @@ def consolidated_state(model: torch.nn.Module, masters: dict[int, torch.Tensor],
         dtype = torch.float32 if src.is_floating_point() else src.dtype
         out[name] = src.detach().reshape(value.shape).to("cpu", dtype, copy=True)
     return out
+
+
+class SingleSpec(BackendSpec):
+    """The reference: one process, the whole global batch."""
+
+    kind = "single"
+    trainer = "psarch.single:SingleTrainer"
+    doc = "one process, the whole global batch, plain PyTorch: the reference every backend is checked against"
+    max_world_size = 1
+    bench_peer = "psarch.bench_step:plain_peer"
+    needs_process_group = False   # one process: nothing to synchronise with
+
+    def predict(self, cfg: Any, phi: float) -> Prediction:
+        return ring_passes(sharded_memory(cfg, phi, 0), cfg, phi, 0)
+
+
+SPEC = SingleSpec()

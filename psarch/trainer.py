@@ -1,10 +1,15 @@
-"""The Trainer protocol every backend implements, and the records it returns."""
+"""The Trainer contract every backend implements, the Services protocol of processes beside the workers,
+and the records they return."""
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
-from typing import TYPE_CHECKING, Any, ClassVar, Protocol, runtime_checkable
+import importlib
+from abc import ABC, abstractmethod
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
+
+from psarch import registry
 
 if TYPE_CHECKING:
     from pathlib import Path
@@ -80,36 +85,74 @@ class TrafficReport:
 
 
 class Services(Protocol):
-    """Processes a backend runs beside its workers (the parameter servers), started by the launcher first."""
+    """Processes a backend runs beside its workers (the parameter servers), started by the launcher first
+    (BackendSpec.start_services). Implementations name this protocol."""
 
     info: dict[str, Any]             # what every rank needs to reach them (JSON-able: addresses)
 
-    def check(self) -> None: ...                          # raise if a service failed
-    def worker_lost(self, rank: int, error: str) -> None: ...  # a worker died in a mode that goes on without it
-    def finish(self) -> dict[str, Any]: ...               # their measurements, merged into summary.json
-    def stop(self) -> None: ...
+    def check(self) -> None:
+        """Raise if a service failed."""
+
+    def worker_lost(self, rank: int, error: str) -> None:
+        """A worker died in a mode that goes on without it."""
+
+    def finish(self) -> dict[str, Any]:
+        """Their measurements, merged into summary.json."""
+
+    def stop(self) -> None:
+        """End every service (also after a failure)."""
 
 
-@runtime_checkable
-class Trainer(Protocol):
-    """One worker of a backend; the runner drives every backend through these methods. A backend class
-    subclasses Trainer to inherit the defaults of the members below that it does not override."""
+def load_trainer(kind: str) -> type["Trainer"]:
+    """The Trainer class of `backend.kind = kind` (its spec's `trainer`, imported now), refused unless it
+    implements the whole contract."""
+    spec = registry.spec(kind)
+    module, _, name = spec.trainer.partition(":")
+    try:
+        cls = getattr(importlib.import_module(module), name)
+    except ImportError as e:
+        raise RuntimeError(f"backend.kind = {kind!r}: its implementation ({spec.trainer}) is not available: {e}") from e
+    if not (isinstance(cls, type) and issubclass(cls, Trainer)):
+        raise RuntimeError(f"backend.kind = {kind!r}: {spec.trainer} does not subclass psarch.trainer.Trainer")
+    if cls.__abstractmethods__:
+        raise RuntimeError(f"backend.kind = {kind!r}: {spec.trainer} does not implement "
+                           f"{', '.join(sorted(cls.__abstractmethods__))} (psarch.trainer.Trainer)")
+    return cls
 
-    # Every rank steps in lockstep with a process group (the progress line averages loss across ranks).
-    synchronous: ClassVar[bool] = True
-    # The launcher creates a torch.distributed group for the ranks (a PS's workers must not share one:
-    # a group hangs when one member dies, and async modes go on without a lost worker).
-    needs_process_group: ClassVar[bool] = True
-    # The backend writes and reads checkpoints (checkpoint_pieces / load_checkpoint below).
-    checkpoints: ClassVar[bool] = False
 
-    def step(self, batch: Any) -> StepStats: ...
-    def full_state_dict(self) -> dict[str, torch.Tensor]: ...
-    def memory(self) -> MemoryReport: ...
-    # Checkpoints (psarch.checkpoint), by parameter name and flat offset, not by the backend's layout:
-    # the fragments this rank writes (writing=True; replicated state is split among ranks) or holds.
-    def checkpoint_pieces(self, writing: bool = True) -> "Pieces": ...
-    def load_checkpoint(self, ckpt: "Checkpoint") -> None: ...   # fill what this rank holds from any checkpoint
+class Trainer(ABC):
+    """One worker of a backend; the runner drives every backend through these methods. What the launcher
+    needs to know of a backend before any rank starts (process group, services, checkpoints) its spec
+    declares (psarch/backend.py). A backend that leaves an abstract method out fails when its spec loads it."""
+
+    @abstractmethod
+    def step(self, batch: Any) -> StepStats:
+        """Forward, backward, synchronise, update; the loss of this worker's shard."""
+
+    @abstractmethod
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """The consolidated fp32 model state on rank 0 ({} elsewhere); may be a collective call."""
+
+    @abstractmethod
+    def memory(self) -> MemoryReport:
+        """Model-state bytes this rank holds, by category, from the tensors themselves."""
+
+    @abstractmethod
+    def traffic(self) -> TrafficReport:
+        """Bytes sent and received so far, by operation."""
+
+    # Checkpoints (psarch.checkpoint), by parameter name and flat offset, not by the backend's layout.
+    @abstractmethod
+    def checkpoint_pieces(self, writing: bool = True) -> "Pieces":
+        """The fragments this rank writes (writing=True; replicated state is split among ranks) or holds."""
+
+    @abstractmethod
+    def load_checkpoint(self, ckpt: "Checkpoint") -> None:
+        """Fill what this rank holds from any checkpoint (any backend's, any world size)."""
+
+    @abstractmethod
+    def close(self) -> None:
+        """Release sockets, hooks and threads."""
 
     def write_checkpoint(self, ctx: Any, root: "Path", step: int, config: dict[str, Any], keep: int,
                          rows: list[dict[str, Any]] | None) -> "Path":
@@ -117,8 +160,6 @@ class Trainer(Protocol):
         checkpoint_pieces() through psarch.checkpoint.save over the ranks' process group."""
         from psarch.checkpoint import save
         return save(self.checkpoint_pieces(), ctx, root, step, config, keep, rows)
-    def traffic(self) -> TrafficReport: ...
-    def close(self) -> None: ...
 
     def summary_extra(self) -> dict[str, Any]:
         """Backend-specific figures for summary.json's `extra` (one list entry per rank)."""
@@ -129,14 +170,3 @@ class Trainer(Protocol):
         (ZeRO's gathers and hook reductions; 0 where a backend waits only after backward). A straggler
         takes the difference over its forward and backward, so the compute it scales holds no wait."""
         return 0.0
-
-    @classmethod
-    def start_services(cls, cfg: Any, out_dir: Any, where: Any = None, start: Any = None) -> Services | None:
-        """Services to start before the workers (rank 0 under torchrun); None when the backend has none.
-        `where` places each service (psarch.cluster; None: loopback); `start`: the checkpoint the run starts from."""
-        return None
-
-    @staticmethod
-    def tolerates_lost_workers(cfg: Any) -> bool:
-        """Whether the run goes on when a worker dies (the services are told, via Services.worker_lost)."""
-        return False

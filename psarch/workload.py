@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from psarch import registry
 from psarch.config import Config, ConfigError, resolve_factory
 from psarch.data import ClickSource, MarkovSource, TextSource, shard_rows, step_generator
 from psarch.models import DLRM, GPT, MLP
@@ -78,11 +79,11 @@ def _click_workload(cfg: Config, device: str | None) -> Workload:
 
 def click_model(cfg: Config, device: str | None = None) -> DLRM:
     """The run's initial DLRM, without its data source (a row server needs no batches). Seeds torch's global
-    generator. With ps and embeddings "rows", or ddp and embeddings "sharded", the tables stay on the meta
-    device: a PS worker never holds them (the servers build their rows, psarch.ps.rows.initial_shard), a
-    sharded rank builds only its own rows (collective.sharded.ShardedTables) (issue 11)."""
-    d, c, b = cfg.workload.dlrm, cfg.workload.clicks, cfg.backend
-    tables = (b.kind, b.embeddings) not in (("ps", "rows"), ("ddp", "sharded"))
+    generator. Where the backend says a worker does not hold the tables (BackendSpec.worker_holds_tables:
+    a PS worker with rows, whose servers build them; a sharded ddp rank, which builds only its own rows),
+    they stay on the meta device."""
+    d, c = cfg.workload.dlrm, cfg.workload.clicks
+    tables = registry.spec_of(cfg).worker_holds_tables(cfg)
     torch.manual_seed(cfg.seed)   # the dense layers; the tables draw from their own generators (models/dlrm.py)
     with _on(device):
         return DLRM(c.dense, d.num_tables, d.rows, d.dim, d.bottom_mlp, d.top_mlp, d.interaction, cfg.seed, tables)

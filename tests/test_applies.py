@@ -1,15 +1,16 @@
-"""Which option applies to which backend, declared once on each config field: the check of explicit options
-(file and --set) and the sweep's dropping of options and duplicate points both read it.
+"""Which option applies to which backend, declared once by each backend's spec (its own options, and `reads`):
+the check of explicit options (file and --set) and the sweep's dropping of options and duplicate points both
+read it.
 
 Pure unit tests: no processes."""
 from __future__ import annotations
 
-import dataclasses
 from pathlib import Path
 
 import pytest
 
-from psarch.config import VARIANT_KEY, BackendConfig, ConfigError, applies, load_config
+from psarch import registry
+from psarch.config import ConfigError, applies, field_of, load_config
 from psarch.sweep import duplicates_note, expand, read_sweep
 
 
@@ -33,14 +34,13 @@ def test_applies_by_kind_and_variant():
     assert applies("train.lr", ddp) and applies("backend.world_size", sync)   # fields without a declaration
 
 
-def test_every_declaration_names_real_kinds_and_variants():
-    kinds = dataclasses.fields(BackendConfig)[0].metadata["choices"]
-    for f in dataclasses.fields(BackendConfig):
-        for kind, variants in (f.metadata.get("applies") or {}).items():
-            assert kind in kinds, (f.name, kind)
+def test_every_declaration_names_real_options_and_variants():
+    for spec in registry.specs():
+        for key, variants in spec.option_keys().items():
+            field_of(key)   # a real option (ConfigError otherwise)
             if variants is not None:
-                choices = next(g for g in dataclasses.fields(BackendConfig) if g.name == VARIANT_KEY[kind])
-                assert set(variants) <= set(choices.metadata["choices"]), f.name
+                choices = field_of(f"backend.{spec.variant_key}").metadata["choices"]
+                assert set(variants) <= set(choices), (spec.kind, key)
 
 
 def test_an_explicit_option_the_backend_does_not_read_is_an_error():

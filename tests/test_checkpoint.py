@@ -174,9 +174,9 @@ def test_a_damaged_checkpoint_is_detected_and_the_run_does_not_start(tmp_path, w
 def test_a_backend_without_checkpoints_is_refused_before_the_run(tmp_path, monkeypatch):
     from psarch.config import ConfigError
     from psarch.launch import run
-    from psarch.ps.trainer import PSTrainer
+    from psarch.ps.spec import PSSpec
 
-    monkeypatch.setattr(PSTrainer, "checkpoints", False)   # every backend writes them now: pretend one does not
+    monkeypatch.setattr(PSSpec, "checkpoints", False)   # every backend writes them now: pretend one does not
     cfg = from_dict(parity.config("ps", train={"checkpoint_every": 2}, backend={"kind": "ps", "world_size": 2}))
     with pytest.raises(ConfigError, match="backend.kind = 'ps' cannot write or read checkpoints yet"):
         run(cfg, tmp_path / "ps", echo=False)

@@ -100,7 +100,8 @@ def test_cluster_step_time_by_hand():
     from psarch.theory import cluster_step_time, config_for, predict
 
     def step(kind: str, stage: int = 1, servers: int = 1, **kw) -> float:
-        p = predict(config_for(kind, 4, "fp32", "sgd", stage=stage, servers=servers), 250_000)
+        options = {"zero": {"stage": stage}, "ps": {"servers": servers}}.get(kind, {})
+        p = predict(config_for(kind, 1 if kind == "single" else 4, "fp32", "sgd", **options), 250_000)
         return cluster_step_time(p, 0.05, 100.0, kw.pop("server_mbps", 100.0), alpha_s=1e-4, **kw)["step_time_s"]
 
     rate = 12.5e6 * 1448 / 1514           # payload bytes/s
@@ -117,11 +118,16 @@ def test_cluster_step_time_by_hand():
 
 
 def test_cluster_model_per_backend():
-    """Which backends overlap, their bucket counts and hidden passes: 1 MB of fp32 parameters."""
-    from psarch.theory import cluster_model
+    """Which backends overlap, their bucket counts and hidden passes (BackendSpec.comm_model): 1 MB of fp32
+    parameters."""
+    from dataclasses import asdict
+
+    from psarch import registry
 
     def model(backend: dict, groups: int | None = None) -> dict:
-        return cluster_model(from_dict({"backend": {"world_size": 2, **backend}}), 250_000, groups)
+        cfg = from_dict({"backend": {"world_size": 2, **backend}})
+        extra = {"zero_groups": [groups, groups]} if groups is not None else {}
+        return asdict(registry.spec_of(cfg).comm_model(cfg, 250_000, extra))
 
     assert model({"kind": "ddp", "bucket_cap_mb": 0.25}) == {"buckets": 4, "overlap": True, "hidden_passes": 0}
     assert model({"kind": "ddp", "overlap_comm": False})["overlap"] is False
@@ -136,18 +142,20 @@ def test_cluster_model_per_backend():
 
 def test_results_label_tells_sparse_variants_apart():
     """A sparse sweep's rows: ddp dense, rows and sharded, and the PS modes, each under its own label."""
-    from psarch.cluster.results import architecture
+    from psarch import registry
 
     def arch(backend: dict) -> str:
-        return architecture(from_dict({"workload": {"model": "dlrm", "data": "clicks"}, "train": {"optimizer": "sgd"},
-                                       "backend": {"world_size": 4, **backend}}))
+        cfg = from_dict({"workload": {"model": "dlrm", "data": "clicks"}, "train": {"optimizer": "sgd"},
+                         "backend": {"world_size": 4, **backend}})
+        return registry.spec_of(cfg).label(cfg)
 
-    assert arch({"kind": "ddp"}) == "DDP (ring)"
-    assert arch({"kind": "ddp", "embeddings": "sharded"}) == "DDP (ring), embeddings sharded"
+    assert arch({"kind": "ddp"}) == "ddp ring"
+    assert arch({"kind": "ddp", "embeddings": "sharded"}) == "ddp ring, embeddings sharded"
     assert arch({"kind": "torch_ddp", "embeddings": "rows"}) == "torch_ddp, embeddings rows"
-    assert arch({"kind": "ps", "servers": 2, "embeddings": "rows"}) == "PS, 2 servers, embeddings rows"
-    assert arch({"kind": "ps", "servers": 2, "embeddings": "rows", "mode": "geo"}) == \
-        "PS, 2 servers, geo, embeddings rows"
+    assert arch({"kind": "ps", "servers": 2, "embeddings": "rows"}) == "ps sync, 2 servers, embeddings rows"
+    assert arch({"kind": "ps", "servers": 4, "embeddings": "rows", "mode": "geo"}) == \
+        "ps geo, N servers, embeddings rows"
+    assert arch({"kind": "zero", "stage": 2}) == "zero-2 ring"
 
 
 def test_server_link_defaults_to_link():

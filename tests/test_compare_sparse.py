@@ -8,6 +8,7 @@ from psarch import theory
 from psarch.compare_sparse import (embedding_held, embedding_scaling, is_sparse_run, measured_unique_ids, series,
                                     sparse_table)
 from psarch.config import from_dict
+from psarch.outputs import identity
 
 ROWS, DIM, TABLES = 1000, 8, 3
 
@@ -20,7 +21,7 @@ def fake_run(backend: dict, extra: dict | None = None, unique: list[list[int]] |
     cfg = from_dict(config)
     metrics = [{"step": i, "workers": [{"extra": {"unique_ids": u}} if u is not None else {} for u in step]}
                for i, step in enumerate(unique or [])]
-    summary = {"name": "s/p", "backend": cfg.backend.kind, "variant": None, "gap": 0.125, "step_time_s": 0.05,
+    summary = {"name": "s/p", **identity(cfg), "gap": 0.125, "step_time_s": 0.05,
                "traffic": {"per_rank": [{"sent_per_step": 100.0, "modelled": False},
                                         {"sent_per_step": 300.0, "modelled": False}]},
                "predicted": {"traffic_per_step": {"worker_sent": 210.0}}}

@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from psarch.config import (Config, ConfigError, apply_overrides, check_machine, describe, from_dict, load_config,
-                           parse_override, resolve_factory)
+from psarch.config import (Config, ConfigError, apply_overrides, check_machine, from_dict, load_config,
+                           describe, parse_override, resolve_factory)
 
 
 def write(path: Path, text: str) -> Path:

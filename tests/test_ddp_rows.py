@@ -1,7 +1,7 @@
 """ddp with embeddings = "rows" (ring and native) and its peer torch_ddp with sparse=True embeddings, on
 dlrm/clicks at N = 2 and 3: parity with `single` (tests/parity.py tolerances) with SGD and Adagrad (ddp
 also with L2 weight decay and AdamW: its table gradient is the dense one), and bytes per step equal to
-the all-gather formula (theory.rows_all_gather_bytes) given the distinct ids measured on every rank.
+the all-gather formula (collective_theory.rows_all_gather_bytes) given the distinct ids measured on every rank.
 torch's optimizers refuse weight decay on sparse gradients, so torch_ddp runs without it."""
 from __future__ import annotations
 
@@ -13,7 +13,8 @@ import torch
 from collective.comm import ring_bytes
 from dist_utils import run_ranks
 from parity import ATOL, OPTIMIZERS, assert_same_model, config, model
-from psarch import theory
+from collective import theory as collective_theory
+from psarch import registry, theory
 from psarch.config import from_dict
 from psarch.dist import DistContext
 from psarch.runner import run_rank
@@ -101,7 +102,7 @@ def test_bytes_per_step_are_the_all_gather_formula(runs, name, n):
             else:
                 u = every[rank]
                 ring = 2 * (n - 1) * (4 * sum(dense)) // n
-            want = ring + theory.rows_all_gather_bytes(n, 3, u, u * dim, 4)
+            want = ring + collective_theory.rows_all_gather_bytes(n, 3, u, u * dim, 4)
             assert row["sent"] == row["received"] == want, f"{name} N={n} rank {rank} step {step}"
 
 
@@ -113,7 +114,7 @@ def test_prediction_is_the_formula_at_the_expected_unique_ids(runs):
     phi = results[2][0]["torch_ddp-sgd0"]["params"]
     u = 3 * expected_unique(40, 1.0, 6 * 2)
     dense = phi - 3 * 40 * 4
-    want = (dense * 4 + theory.rows_all_gather_bytes(2, 3, u, u * 4, 4))
+    want = (dense * 4 + collective_theory.rows_all_gather_bytes(2, 3, u, u * 4, 4))
     assert theory.predict(cfg, phi).worker.sent == pytest.approx(want)
     measured = [r["extra"]["unique_ids"] for rank in results[2] for r in rank["torch_ddp-sgd0"]["rows"]]
     assert sum(measured) / len(measured) == pytest.approx(u, rel=0.25)
@@ -140,5 +141,5 @@ def test_cluster_model_counts_buckets_of_the_dense_layers_only():
         cfg = from_dict({"workload": {"model": "dlrm", "data": "clicks", "dlrm": {"rows": 10**6}},
                          "train": {"optimizer": "adagrad"},
                          "backend": {"kind": "ddp", "world_size": 4, "embeddings": embeddings}})
-        return theory.cluster_model(cfg, 4 * 10**6 * 16 + 20_000)["buckets"]
+        return registry.spec_of(cfg).comm_model(cfg, 4 * 10**6 * 16 + 20_000, {}).buckets
     assert buckets("dense") == 10 and buckets("rows") == 1

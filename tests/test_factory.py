@@ -10,7 +10,7 @@ from dist_utils import run_ranks
 from factories import TinyRegressor
 from psarch.config import from_dict
 from psarch.dist import DistContext
-from psarch.registry import BACKENDS
+from psarch.registry import kinds
 from psarch.runner import run_rank, to_device
 
 BASE = {"seed": 1, "workload": {"factory": "factories:regression"},
@@ -40,7 +40,7 @@ def test_factory_workload_trains_under_every_backend(tmp_path):
     single = psarch.run(from_dict(config("single", 1)), out=tmp_path / "single", echo=False)
     ps = psarch.run(from_dict(config("ps", 2)), out=tmp_path / "ps", echo=False)
     covered |= {"single", "ps"}
-    assert covered == set(BACKENDS), f"backends not exercised: {set(BACKENDS) - covered}"
+    assert covered == set(kinds()), f"backends not exercised: {set(kinds()) - covered}"
     for name, r in results.items():
         assert r["last"] < 0.3 * r["first"], f"{name} did not learn: {r['first']:.4f} -> {r['last']:.4f}"
         assert r["keys"] == expected_keys, name

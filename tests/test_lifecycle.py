@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from procs import alive, descendants
-from psarch import launch
+from psarch import supervise
 from psarch.errors import NON_FINITE_EXIT
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="/proc and PR_SET_PDEATHSIG (Linux)")
@@ -48,15 +48,15 @@ def test_root_cause_is_the_error_not_a_peers_echo_of_it(tmp_path):
     # the same clock tick (what file mtimes gave on a fast machine), and even an echo recorded first
     write_error(ranks, 0, "RuntimeError: [../gloo/transport/tcp/pair.cc:534] Connection reset by peer", 100)
     write_error(ranks, 1, "RuntimeError: injected failure at step 2", 100)
-    assert launch._root_cause(tmp_path, {0: 1, 1: 1}) == 1
+    assert supervise.root_cause(tmp_path, {0: 1, 1: 1}) == 1
     write_error(ranks, 1, "RuntimeError: injected failure at step 2", 200)
-    assert launch._root_cause(tmp_path, {0: 1, 1: 1}) == 1
+    assert supervise.root_cause(tmp_path, {0: 1, 1: 1}) == 1
     # two causes: the earlier; a rank that left no record (killed) before any; a non-finite loss before all
     write_error(ranks, 2, "ValueError: bad batch", 150)
-    assert launch._root_cause(tmp_path, {0: 1, 1: 1, 2: 1}) == 2
-    assert launch._root_cause(tmp_path, {0: 1, 1: 1, 2: 1, 3: -9}) == 3
+    assert supervise.root_cause(tmp_path, {0: 1, 1: 1, 2: 1}) == 2
+    assert supervise.root_cause(tmp_path, {0: 1, 1: 1, 2: 1, 3: -9}) == 3
     write_error(ranks, 4, "NonFiniteLoss: loss is nan at step 3 on worker 4", 300)
-    assert launch._root_cause(tmp_path, {0: 1, 1: 1, 2: 1, 3: -9, 4: NON_FINITE_EXIT}) == 4
+    assert supervise.root_cause(tmp_path, {0: 1, 1: 1, 2: 1, 3: -9, 4: NON_FINITE_EXIT}) == 4
 
 
 def start(tmp_path: Path, *overrides: str) -> subprocess.Popen:

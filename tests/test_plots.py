@@ -2,20 +2,25 @@
 model version they were computed on, one colour per configuration across world sizes."""
 from __future__ import annotations
 
+from psarch.config import from_dict
 from psarch.curves import panel_of, per_update
+from psarch.outputs import identity
 from psarch.plots import predicted_step_time
 from psarch.plot_style import Palette
 
 
 def run(name: str, backend: str, variant: str, n: int, rows: list | None = None) -> dict:
-    return {"summary": {"name": name, "backend": backend, "variant": variant, "world_size": n},
-            "metrics": rows or []}
+    """A run's summary as outputs.identity writes it, for a backend and variant."""
+    options = {"ps": {"mode": variant}, "zero": {"stage": int(variant[5:6] or 1)} if variant else {}}.get(backend, {})
+    cfg = from_dict({"backend": {"kind": backend, "world_size": 1 if backend == "single" else n, **options}})
+    return {"summary": {"name": name, **identity(cfg)}, "metrics": rows or []}
 
 
 def test_synchronous_backends_share_a_panel_and_each_ps_mode_has_its_own():
     assert {panel_of(run("a", b, v, 4)) for b, v in (("single", ""), ("ddp", "ring"), ("zero", "stage3/ring"),
                                                       ("torch_fsdp", ""), ("ps", "sync"))} == {"synchronous"}
-    assert [panel_of(run("a", "ps", m, 4)) for m in ("async", "geo", "ssp")] == ["ps async", "ps geo", "ps ssp"]
+    assert [panel_of(run("a", "ps", m, 4)) for m in ("async", "geo", "ssp")] == [
+        "ps async, 1 server", "ps geo, 1 server", "ps ssp, 1 server"]
 
 
 def test_async_losses_are_placed_by_model_version_not_by_each_workers_step():

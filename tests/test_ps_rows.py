@@ -13,6 +13,7 @@ import torch
 from dist_utils import run_ranks
 from parity import ATOL, assert_same_model, config, model, train
 from psarch import theory
+from psarch.ps import theory as ps_theory
 from psarch.config import from_dict
 from psarch.ps.services import start_services
 from psarch.workload import build_workload
@@ -134,7 +135,7 @@ def test_traffic_per_step_is_the_formula_with_the_measured_unique_ids(runs):
         dense = ranks[0]["params"] - d["num_tables"] * d["rows"] * d["dim"]
         for rank in ranks:
             for row in rank["rows"]:
-                want = theory.ps_rows_traffic(row["extra"]["unique_ids"], d["dim"], dense, 4)
+                want = ps_theory.rows_traffic(row["extra"]["unique_ids"], d["dim"], dense, 4)
                 servers = 2
                 lo, hi = SENT_HEADERS
                 assert servers * lo <= row["sent"] - want.sent <= servers * hi, (name, row, want)

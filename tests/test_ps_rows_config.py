@@ -22,12 +22,16 @@ def _cfg(**sections):
     ({"backend": {"mode": "async", "staleness_compensation": "dc"}}, "staleness_compensation = \"dc\""),
     ({"train": {"optimizer": "sgd", "momentum": 0.9}}, "train.momentum = 0.9: row-wise SGD has no momentum"),
     ({"backend": {"server_addresses": ["tcp://10.0.0.5:5555"]}}, "`psarch server` does not hold rows"),
-    ({"workload": {"model": "mlp", "data": "markov"}}, "workload.model = \"mlp\": the tables live in the dlrm model"),
 ])
 def test_refused_with_one_line(sections, match):
     with pytest.raises(ConfigError, match=match) as e:
         _cfg(**sections)
     assert str(e.value).startswith("backend.embeddings = \"rows\" with ") and "\n" not in str(e.value)
+
+
+def test_rows_need_the_dlrm_model():   # every backend's rule, psarch/config_rules.py
+    with pytest.raises(ConfigError, match="backend.embeddings = \"rows\": needs the built-in workload.model"):
+        _cfg(workload={"model": "mlp", "data": "markov"})
 
 
 @pytest.mark.parametrize("mode", ["sync", "async", "ssp", "geo"])

@@ -15,6 +15,7 @@ import torch
 from collective.sharded import owners, shard_rows
 from dist_utils import run_ranks
 from parity import OPTIMIZERS, assert_same_model, config, model, train
+from collective import theory as collective_theory
 from psarch import theory
 from psarch.config import from_dict
 from test_dlrm import SPARSE_OPTIMIZERS, TINY_DLRM
@@ -105,7 +106,7 @@ def test_all_to_all_bytes_equal_the_formula_given_the_counts(runs):
         for row in r["sgd"]["rows"]:
             c = row["extra"]
             assert c["ids_out"] <= c["unique_ids"]
-            sent, received = theory.sharded_bytes(c["ids_out"], c["ids_in"], TABLES, DIM, 4, N)
+            sent, received = collective_theory.sharded_bytes(c["ids_out"], c["ids_in"], TABLES, DIM, 4, N)
             assert (row["sent"] - ring, row["received"] - ring) == (sent, received)
     # every id one rank sends out, its owner receives
     for i in range(steps):

@@ -34,7 +34,7 @@ def _check_memory(results: dict, name: str, stage: int, n: int, precision: str, 
     padded, groups = ranks[0]["extra"]["zero_padded_params"], ranks[0]["extra"]["zero_groups"]
     assert padded % n == 0 and 0 <= padded - phi <= groups * (n - 1)
     # per rank: the formula with the padded count P, plus AdamW's step counters
-    want = theory.memory_per_rank("zero", padded, n, precision, opt, momentum, stage)
+    want = theory.memory_per_rank("zero", padded, n, precision, opt, momentum, stage=stage)
     for r in ranks.values():
         m = r["memory"]
         assert (m["params"], m["grads"], m["optimizer"] - _counters(stage, opt, groups, precision)) == \
@@ -121,7 +121,7 @@ def test_traffic_per_step_is_the_zero_volume(runs, n):
                 padded = r["extra"]["zero_padded_params"]
                 factor = 3 if stage == 3 else 2
                 exact = factor * (n - 1) * padded * 4 // n
-                predicted = theory.traffic_per_step("zero", r["params"] * 4, n, stage)["worker_sent"]
+                predicted = theory.traffic_per_step("zero", r["params"] * 4, n, stage=stage)["worker_sent"]
                 assert predicted <= exact <= predicted + factor * (n - 1) * (padded - r["params"]) * 4 / n + 1
                 for row in r["rows"]:
                     assert row["sent"] == row["received"] == exact, (stage, comm, row)
@@ -148,7 +148,7 @@ def test_traffic_per_step_mixed_precision(runs, precision, n):
         for r in results[name].values():
             padded = r["extra"]["zero_padded_params"]
             one_pass = (n - 1) * padded * b // n          # one reduce-scatter or one all-gather of everything
-            predicted = theory.traffic_per_step("zero", r["params"] * b, n, stage)["worker_sent"]
+            predicted = theory.traffic_per_step("zero", r["params"] * b, n, stage=stage)["worker_sent"]
             assert predicted <= (3 if stage == 3 else 2) * one_pass <= predicted + 3 * (padded - r["params"]) * b
             for row in r["rows"]:
                 gathers = 2 if stage == 3 else (0 if row["skipped"] else 1)

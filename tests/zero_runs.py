@@ -14,7 +14,7 @@ from parity import OPTIMIZERS
 from psarch.config import from_dict
 from psarch.dist import DistContext
 from psarch.meters import tensor_bytes
-from psarch.registry import trainer_class
+from psarch.trainer import load_trainer
 from psarch.runner import run_rank
 from psarch.workload import build_workload
 
@@ -133,7 +133,7 @@ def train(rank: int, n: int, data: dict, out: str) -> dict:
     probes = []
 
     def probed(kind):
-        cls = trainer_class(kind)
+        cls = load_trainer(kind)
         if kind != "zero":
             return cls
 
@@ -143,7 +143,7 @@ def train(rank: int, n: int, data: dict, out: str) -> dict:
             return trainer
         return build
 
-    with mock.patch("psarch.runner.trainer_class", probed):
+    with mock.patch("psarch.trainer.load_trainer", probed):
         record = run_rank(cfg, DistContext(rank, n, rank, torch.device("cpu"), "gloo"), echo=False)
     if rank == 0:
         torch.save(record["model_state"], Path(out) / f"{cfg.name}.pt")

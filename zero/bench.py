@@ -25,9 +25,9 @@ import torch
 from psarch import theory
 from psarch.config import from_dict
 from psarch.dist import DistContext
-from psarch.registry import trainer_class
+from psarch.bench import interleaved, trainer_loop
+from psarch.runner import warmup_steps
 from psarch.spawn import run_ranks
-from psarch.workload import build_workload
 
 # label -> (backend overrides, the peer it is compared with)
 VARIANTS: dict[str, tuple[dict, str | None]] = {
@@ -56,28 +56,17 @@ def bench_config(world_size: int, steps: int) -> dict:
 def _rank(rank: int, world_size: int, steps: int) -> dict:
     base = bench_config(world_size, steps)
     ctx = DistContext(rank, world_size, rank, torch.device("cpu"), "gloo")
-    trainers, workloads = {}, {}
-    for label, (backend, _) in VARIANTS.items():
-        cfg = from_dict(dict(base, backend=dict(base["backend"], **backend)))
-        workloads[label] = build_workload(cfg)
-        trainers[label] = trainer_class(backend["kind"])(workloads[label], cfg, ctx)
-    times: dict[str, list[float]] = {label: [] for label in VARIANTS}
-    sent: dict[str, float] = {}
-    for step in range(steps):
-        for label, trainer in trainers.items():
-            batch = workloads[label].batch(step, rank, world_size)
-            before = trainer.traffic().sent
-            t0 = time.perf_counter()
-            trainer.step(batch)
-            if step >= 3:  # warm-up
-                times[label].append(time.perf_counter() - t0)
-            sent[label] = trainer.traffic().sent - before
-    out = {"params": sum(p.numel() for p in next(iter(workloads.values())).model.parameters()), "rows": {}}
-    for label, trainer in trainers.items():
-        m = trainer.memory()
+    loops = {label: trainer_loop(from_dict(dict(base, backend=dict(base["backend"], **backend))), ctx)
+             for label, (backend, _) in VARIANTS.items()}
+    before = {label: loop.trainer.traffic().sent for label, loop in loops.items()}
+    times = interleaved({label: loop.timed for label, loop in loops.items()}, steps, warmup_steps(from_dict(base)))
+    out = {"params": sum(p.numel() for p in next(iter(loops.values())).workload.model.parameters()), "rows": {}}
+    for label, loop in loops.items():
+        trainer, m = loop.trainer, loop.trainer.memory()
+        sent = (trainer.traffic().sent - before[label]) / steps   # every step moves the same bytes
         out["rows"][label] = {"step_s": statistics.median(times[label]), "model_state": m.total,
                               "params": m.params, "grads": m.grads, "optimizer": m.optimizer, "working": m.working,
-                              "padding": m.padding, "sent": sent[label], "modelled": trainer.traffic().modelled}
+                              "padding": m.padding, "sent": sent, "modelled": trainer.traffic().modelled}
         trainer.close()
     return out
 
@@ -97,13 +86,12 @@ def _checkpointing_rank(rank: int, world_size: int, checkpointing: bool, batch_p
     base["train"]["global_batch"] = batch_per_rank * world_size
     cfg = from_dict(dict(base, backend=dict(base["backend"], kind="zero", stage=3, comm="native",
                                             activation_checkpointing=checkpointing, measure_activations=True)))
-    wl = build_workload(cfg)
-    trainer = trainer_class("zero")(wl, cfg, DistContext(rank, world_size, rank, torch.device("cpu"), "gloo"))
+    loop = trainer_loop(cfg, DistContext(rank, world_size, rank, torch.device("cpu"), "gloo"))
     saved = 0
     for step in range(cfg.train.steps):
-        saved = trainer.step(wl.batch(step, rank, world_size)).extra["saved_activation_bytes"]
-    peak = trainer.memory().peak
-    trainer.close()
+        saved = loop.step(loop.batch(step))[0].extra["saved_activation_bytes"]
+    peak = loop.trainer.memory().peak
+    loop.trainer.close()
     return {"peak_rss": peak, "saved": saved}
 
 
@@ -126,9 +114,9 @@ def format_table(r: dict, world_size: int) -> str:
     lines = [head, "-" * len(head)]
     for label, (backend, peer) in VARIANTS.items():
         x = rows[label]
-        stage = backend.get("stage", 1 if backend["kind"] == "torch_zero" else 3)
-        pred = theory.memory_per_rank(backend["kind"], phi, world_size, "fp32", "adamw", 0.0, stage).total
-        traffic = theory.traffic_per_step(backend["kind"], phi * 4, world_size, stage)["worker_sent"]
+        options = {k: v for k, v in backend.items() if k in ("stage",)}
+        pred = theory.memory_per_rank(backend["kind"], phi, world_size, "fp32", "adamw", 0.0, **options).total
+        traffic = theory.traffic_per_step(backend["kind"], phi * 4, world_size, **options)["worker_sent"]
         p = rows[peer] if peer else None
         lines.append(
             f"{label:22} {x['step_s'] * 1e3:8.1f} {p['step_s'] * 1e3 if p else float('nan'):8.1f} "

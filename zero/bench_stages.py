@@ -12,19 +12,16 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import time
 from typing import Sequence
 
 import torch
 
 from psarch.config import from_dict
 from psarch.dist import DistContext
-from psarch.registry import trainer_class
+from psarch.bench import interleaved, medians, trainer_loop
+from psarch.runner import warmup_steps
 from psarch.spawn import run_ranks
-from psarch.workload import build_workload
 from zero.bench import bench_config
-
-WARMUP = 3
 
 
 def variants(comm: str, activations: bool) -> dict[str, dict]:
@@ -38,22 +35,12 @@ def variants(comm: str, activations: bool) -> dict[str, dict]:
 def _rank(rank: int, world_size: int, steps: int, backends: dict[str, dict]) -> dict[str, float]:
     base = bench_config(world_size, steps)
     ctx = DistContext(rank, world_size, rank, torch.device("cpu"), "gloo")
-    trainers, workloads = {}, {}
-    for label, backend in backends.items():
-        cfg = from_dict(dict(base, backend=dict(base["backend"], **backend)))
-        workloads[label] = build_workload(cfg)
-        trainers[label] = trainer_class("zero")(workloads[label], cfg, ctx)
-    times: dict[str, list[float]] = {label: [] for label in backends}
-    for step in range(steps):
-        for label, trainer in trainers.items():
-            batch = workloads[label].batch(step, rank, world_size)
-            t0 = time.perf_counter()
-            trainer.step(batch)
-            if step >= WARMUP:
-                times[label].append(time.perf_counter() - t0)
-    for trainer in trainers.values():
-        trainer.close()
-    return {label: statistics.median(t) for label, t in times.items()}
+    loops = {label: trainer_loop(from_dict(dict(base, backend=dict(base["backend"], **backend))), ctx)
+             for label, backend in backends.items()}
+    times = interleaved({label: loop.timed for label, loop in loops.items()}, steps, warmup_steps(from_dict(base)))
+    for loop in loops.values():
+        loop.trainer.close()
+    return medians(times)
 
 
 def main(argv: Sequence[str] | None = None) -> None:
@@ -64,8 +51,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     ap.add_argument("--comm", choices=("ring", "native"), default="native")
     ap.add_argument("--activations", action="store_true", help="also each stage with measure_activations = true")
     args = ap.parse_args(argv)
-    if args.steps <= WARMUP or args.runs < 1:
-        ap.error(f"--steps must exceed the {WARMUP} warm-up steps and --runs be >= 1, got {args.steps} and {args.runs}")
+    if args.steps < 2 or args.runs < 1:
+        ap.error(f"--steps must be >= 2 (warm-up steps are left out: min(5, steps // 5)) and --runs >= 1, got "
+                 f"{args.steps} and {args.runs}")
     backends = variants(args.comm, args.activations)
     runs = []
     for _ in range(args.runs):

@@ -31,12 +31,6 @@ from psarch.workload import Workload
 from zero.units import find_units
 
 
-def _require_fp32(cfg: Config) -> None:
-    if cfg.train.precision != "fp32":
-        raise ValueError(f"train.precision = \"{cfg.train.precision}\": backend.kind = \"{cfg.backend.kind}\" "
-                         f"(a PyTorch peer) runs fp32 only; use backend.kind = \"zero\" for bf16/fp16")
-
-
 def optimizer_spec(cfg: Config) -> tuple[type[torch.optim.Optimizer], dict[str, Any]]:
     """The class and keyword arguments build_optimizer would use (for optimizers that build their own)."""
     import inspect
@@ -49,14 +43,9 @@ def optimizer_spec(cfg: Config) -> tuple[type[torch.optim.Optimizer], dict[str, 
 class TorchZeroTrainer(Trainer):
     """torch DDP with ZeroRedundancyOptimizer over build_optimizer's optimizer."""
 
-    checkpoints = True
-
-    synchronous = True
-
     def __init__(self, workload: Workload, cfg: Config, ctx: DistContext) -> None:
         from torch.distributed.optim import ZeroRedundancyOptimizer
 
-        _require_fp32(cfg)
         self.ctx = ctx
         module = workload.model.to(ctx.device)
         self.model = DistributedDataParallel(module, device_ids=[ctx.device] if ctx.device.type == "cuda" else None,
@@ -135,15 +124,10 @@ def _row_offset(name: str, p: torch.Tensor) -> int:
 class TorchFSDPTrainer(Trainer):
     """FSDP2: fully_shard per unit, then the root; build_optimizer over the sharded (DTensor) parameters."""
 
-    checkpoints = True
-
-    synchronous = True
-
     def __init__(self, workload: Workload, cfg: Config, ctx: DistContext) -> None:
         from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
         from torch.distributed.fsdp import fully_shard
 
-        _require_fp32(cfg)
         self.ctx = ctx
         self.model = workload.model.to(ctx.device)
         mesh = (DeviceMesh.from_group(ctx.group, ctx.device.type) if ctx.group is not None
@@ -213,3 +197,24 @@ class TorchFSDPTrainer(Trainer):
 
     def close(self) -> None:
         pass
+
+
+def plain_fsdp2_peer(cfg: Config, device: torch.device) -> tuple[str, Any]:
+    """psarch.bench_step's peer of `zero` (stage 3): FSDP2 fully_shard on each unit psarch's ZeRO-3 gathers,
+    then the root (bf16: MixedPrecisionPolicy(param_dtype=bf16)), then the plain loop."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    from psarch.bench_step import adamw, plain_step
+    from psarch.precision import compute_dtype
+    from psarch.workload import build_workload
+
+    w = build_workload(cfg)
+    model = w.model.to(device)   # fp32 weights: FSDP's policy computes in low precision
+    mesh = init_device_mesh(device.type, (1,))
+    policy = MixedPrecisionPolicy(param_dtype=compute_dtype(cfg.train.precision), reduce_dtype=torch.float32)
+    for unit in find_units(model, cfg.backend.zero_units):
+        if unit.module is not None and unit.module is not model:
+            fully_shard(unit.module, mesh=mesh, mp_policy=policy)
+    fully_shard(model, mesh=mesh, mp_policy=policy)
+    return "FSDP2", plain_step(model, w.loss_fn, adamw(model.parameters(), cfg), "fp32", device)

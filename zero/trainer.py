@@ -36,10 +36,6 @@ from zero.units import SavedActivationMeter, checkpoint_units, find_units
 class ZeroTrainer(Trainer):
     """ZeRO data parallelism: optimizer state (stage 1), + gradients (2), + parameters (3) partitioned."""
 
-    checkpoints = True
-
-    synchronous = True
-
     def __init__(self, workload: Workload, cfg: Config, ctx: DistContext) -> None:
         b = cfg.backend
         self.ctx, self.cfg, self.stage = ctx, cfg, b.stage

@@ -18,6 +18,7 @@ import contextlib
 import os
 from typing import Any, Iterator
 
+from psarch import registry
 from psarch.cluster.window import StepMarks, StepWindow
 from psarch.config import Config
 
@@ -56,7 +57,7 @@ class Emulated:
         from psarch.cluster.emulated import HUB_ADDRESS, EmulatedCluster
 
         c = cfg.cluster
-        servers = cfg.backend.servers if cfg.backend.kind == "ps" and not cfg.backend.server_addresses else 0
+        servers = registry.spec_of(cfg).service_nodes(cfg)   # the services this run starts (PS servers)
         self.cluster = EmulatedCluster(cfg.backend.world_size, servers, c.link_mbps, c.server_mbps)
         self.rendezvous_host = HUB_ADDRESS
         from psarch.cluster.alpha import measure_alpha

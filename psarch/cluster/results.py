@@ -7,20 +7,9 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from psarch.config import Config, from_dict
+from psarch import registry
+from psarch.config import from_dict
 from psarch.theory import cluster_step
-
-
-def architecture(cfg: Config) -> str:
-    """A run's row label: the backend, its servers, and the embedding treatment and PS mode where they are not
-    the defaults (a sparse sweep's ddp dense, rows and sharded would otherwise share one label)."""
-    b = cfg.backend
-    arch = {"ddp": f"DDP ({b.comm})", "zero": f"ZeRO-{b.stage}",
-            "ps": "PS, 1 server" if b.servers == 1 else "PS, N servers" if b.servers == b.world_size
-            else f"PS, {b.servers} servers"}.get(b.kind, b.kind)
-    if b.kind == "ps" and b.mode != "sync":
-        arch += f", {b.mode}"
-    return arch if b.embeddings == "dense" else f"{arch}, embeddings {b.embeddings}"
 
 
 def rows(sweep: Path) -> list[dict[str, Any]]:
@@ -32,7 +21,7 @@ def rows(sweep: Path) -> list[dict[str, Any]]:
             continue
         cfg = from_dict(json.loads((f.parent / "config.json").read_text()))
         b, st = cfg.backend, cluster_step(cfg, s)   # recomputed: the theory of this checkout
-        arch = architecture(cfg)
+        arch = registry.spec_of(cfg).label(cfg)   # the one label of the run's architecture
         busiest = max(n["link_sent"] + n["link_received"] for n in s["cluster"]["nodes"]) / s["steps"]
         out.append({"arch": arch, "n": b.world_size, "mbps": cfg.cluster.link_mbps, "measured": st["measured_s"],
                     "predicted": st["predicted_s"], "compute": st["compute_s"], "busiest_link": busiest})

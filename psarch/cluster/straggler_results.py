@@ -17,6 +17,9 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from psarch import registry
+from psarch.config import from_dict
+
 
 def per_worker(rows: list[dict[str, Any]]) -> list[list[dict[str, Any]]]:
     """Each worker's own rows, in step order, from metrics.jsonl's merged rows."""
@@ -68,12 +71,12 @@ def rows(sweep: Path, target: float) -> list[dict[str, Any]]:
         s = json.loads(f.read_text())
         if s.get("status") != "finished" or s.get("entropy_floor") is None:
             continue
-        cfg = json.loads((f.parent / "config.json").read_text())
+        cfg = from_dict(json.loads((f.parent / "config.json").read_text()))
         metrics = [json.loads(line) for line in (f.parent / "metrics.jsonl").read_text().splitlines()]
         workers, floor = per_worker(metrics), s["entropy_floor"]
-        c, b = cfg["cluster"], cfg["backend"]
-        out.append({"mode": f"PS {b['mode']}" if b["kind"] == "ps" else f"{b['kind']} ({b['comm']})",
-                    "slowdown": c["slowdown"], "jitter": c["jitter"],
+        c = cfg.cluster
+        out.append({"mode": registry.spec_of(cfg).label(cfg),
+                    "slowdown": c.slowdown, "jitter": c.jitter,
                     "samples_per_s": samples_per_s(workers, s["global_batch"]),
                     "time_to_gap": time_to_gap(workers, floor, target), "final_gap": final_gap(workers, floor)})
     return sorted(out, key=lambda r: (r["jitter"], r["slowdown"], r["mode"]))

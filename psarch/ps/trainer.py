@@ -37,19 +37,6 @@ from psarch.workload import Workload
 class PSTrainer(Trainer):
     """One PS worker (modes sync, async, ssp, geo; see psarch/ps/server.py for what servers do)."""
 
-    synchronous = False           # no process group: the progress line shows rank 0's own loss
-    needs_process_group = False   # async workers must not be tied together by a group that hangs when one dies
-    checkpoints = True            # servers and workers write their parts; psarch/ps/snapshot.py
-
-    @classmethod
-    def start_services(cls, cfg: Config, out_dir: Any, where: Any = None, start: Any = None) -> Any:
-        from psarch.ps.services import start_services
-        return start_services(cfg, out_dir, where=where, start=start)
-
-    @staticmethod
-    def tolerates_lost_workers(cfg: Config) -> bool:
-        return cfg.backend.mode != "sync"
-
     def __init__(self, workload: Workload, cfg: Config, ctx: DistContext) -> None:
         b = cfg.backend
         self.cfg, self.ctx, self.mode, self.n = cfg, ctx, b.mode, b.world_size

@@ -1,0 +1,96 @@
+"""The collective data-parallel backends, declared (psarch/backend.py): `ddp` (psarch's DDP over a ring or
+torch.distributed's collectives) and `torch_ddp` (PyTorch's own DistributedDataParallel, the peer)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+from collective import theory
+from psarch.backend import PROCESS_GROUP_OPTIONS, BackendSpec, CommModel
+from psarch.config_fields import _f
+from psarch.config_files import ConfigError
+from psarch.theory import BYTES, Prediction, buckets_of, table_params
+
+Config = Any
+
+
+@dataclass
+class CollectiveOptions:
+    """ddp's options; zero reads `comm` and `overlap_comm`, the torch peers `bucket_cap_mb`."""
+
+    comm: str = _f("ring", "communicator", choices=("ring", "native"))
+    bucket_cap_mb: float = _f(25.0, "gradient bucket size in MiB", min=0.0)
+    overlap_comm: bool = _f(True, "start communication from autograd hooks during backward")
+
+
+def reduced_params(cfg: Config, phi: float) -> float:
+    """Parameters that go through the bucketed all-reduce: all, or the dense layers where embedding tables
+    move otherwise (rows, sharded)."""
+    return phi if cfg.backend.embeddings == "dense" else phi - table_params(cfg)
+
+
+class DDPSpec(BackendSpec):
+    kind = "ddp"
+    trainer = "collective.ddp:DDPTrainer"
+    doc = "data parallelism: gradients all-reduced by psarch's ring or torch.distributed's collectives"
+    options = CollectiveOptions
+    reads = PROCESS_GROUP_OPTIONS
+    embeddings = ("dense", "rows", "sharded")
+    bench_peer = "collective.torch_ddp:plain_ddp_peer"
+
+    def variant(self, cfg: Config) -> str:
+        return cfg.backend.comm
+
+    def check(self, cfg: Config) -> None:
+        if cfg.backend.embeddings == "sharded" and cfg.train.precision == "fp16":
+            raise ConfigError("train.precision = \"fp16\": backend.embeddings = \"sharded\" runs fp32 or bf16 (fp16 "
+                              "would need one inf/nan verdict over every rank's shard before a step)")
+
+    def worker_holds_tables(self, cfg: Config) -> bool:
+        return cfg.backend.embeddings != "sharded"   # a rank builds only its own rows (collective/sharded.py)
+
+    def predict(self, cfg: Config, phi: float) -> Prediction:
+        e = cfg.backend.embeddings
+        return theory.rows(cfg, phi) if e == "rows" else theory.sharded(cfg, phi) if e == "sharded" else \
+            theory.replicated(cfg, phi)
+
+    def comm_model(self, cfg: Config, phi: float, extra: Mapping[str, list[Any]]) -> CommModel:
+        b = cfg.backend
+        return CommModel(buckets_of(reduced_params(cfg, phi) * BYTES[cfg.train.precision], b.bucket_cap_mb * 2**20),
+                         overlap=b.overlap_comm)
+
+
+class TorchDDPSpec(BackendSpec):
+    kind = "torch_ddp"
+    trainer = "collective.torch_ddp:TorchDDPTrainer"
+    doc = "PyTorch's DistributedDataParallel (the peer of ddp)"
+    reads = {**PROCESS_GROUP_OPTIONS, "backend.bucket_cap_mb": None}
+    embeddings = ("dense", "rows")
+
+    def check(self, cfg: Config) -> None:
+        t = cfg.train
+        if cfg.backend.embeddings != "rows":
+            return
+        # the tables' gradients are torch sparse tensors, which torch's optimizers take only so
+        why = ("train.optimizer = \"adamw\": torch's AdamW refuses sparse gradients; use \"sgd\" or \"adagrad\""
+               if t.optimizer == "adamw" else
+               f"train.weight_decay = {t.weight_decay:g}: torch's {t.optimizer} refuses weight decay on sparse "
+               f"gradients; use 0" if t.weight_decay else
+               f"train.precision = \"{t.precision}\": sparse gradients step in fp32 only" if t.precision != "fp32"
+               else "")
+        if why:
+            raise ConfigError(f"{why} (backend.kind = \"torch_ddp\" with backend.embeddings = \"rows\" gives the "
+                              f"tables sparse gradients; backend.kind = \"ddp\" takes any optimizer)")
+
+    def predict(self, cfg: Config, phi: float) -> Prediction:
+        return theory.rows(cfg, phi, sparse_grads=True) if cfg.backend.embeddings == "rows" else \
+            theory.replicated(cfg, phi)
+
+    def comm_model(self, cfg: Config, phi: float, extra: Mapping[str, list[Any]]) -> CommModel:
+        # torch DDP always sends its buckets from backward's hooks
+        return CommModel(buckets_of(reduced_params(cfg, phi) * BYTES[cfg.train.precision],
+                                    cfg.backend.bucket_cap_mb * 2**20), overlap=True)
+
+
+DDP = DDPSpec()
+TORCH_DDP = TorchDDPSpec()

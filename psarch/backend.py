@@ -1,0 +1,139 @@
+"""What a backend declares, once. The core (config, launcher, runner, outputs, compare, theory, cluster) asks
+a backend's spec and names no backend: a new backend is its own package plus one registration line
+(psarch/registry.py), or `psarch.registry.register(spec)` from code outside psarch.
+
+A spec is a BackendSpec subclass, instantiated once:
+
+    class MySpec(BackendSpec):
+        kind = "mine"                                     # backend.kind
+        trainer = "mypkg.trainer:MyTrainer"               # a psarch.trainer.Trainer, imported where a rank builds it
+        doc = "what it is, in one line"
+        options = MyOptions                               # a dataclass of the [backend] options it adds
+        reads = {"backend.timeout_s": None}               # options declared elsewhere that it reads
+        def predict(self, cfg, phi): ...                  # theory: psarch.theory.Prediction
+
+Everything else has a default below: overriding one is how a backend says it differs.
+"""
+from __future__ import annotations
+
+import dataclasses
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, ClassVar, Mapping
+
+# The core's types, named here only: their modules import this one (through the registry), so importing them
+# here, even for type checking, would close a cycle.
+Config = Any        # psarch.config.Config
+Prediction = Any    # psarch.theory.Prediction
+Placement = Any     # psarch.cluster.Placement
+Services = Any      # psarch.trainer.Services
+
+PRECISIONS = ("fp32", "bf16", "fp16")
+# the core's options that backends joined by a process group read (BackendSpec.reads)
+PROCESS_GROUP_OPTIONS = {"backend.dist_backend": None, "backend.timeout_s": None}
+
+
+@dataclass(frozen=True)
+class CommModel:
+    """How a backend's communication meets its compute on a cluster (theory.cluster_step_time's inputs):
+    collectives per pass, whether backward hides them, and ring passes that block inside forward/backward."""
+
+    buckets: int = 1
+    overlap: bool = False
+    hidden_passes: int = 0
+
+
+class BackendSpec(ABC):
+    """One backend, declared: its name, options, capabilities, services and theory."""
+
+    kind: ClassVar[str]
+    trainer: ClassVar[str]                            # "module:Class" of its Trainer
+    doc: ClassVar[str] = ""
+    options: ClassVar[type | None] = None             # dataclass of the options it adds to [backend]
+    # options declared elsewhere (the core's, another backend's) that it reads, and its own where only some
+    # variants read them: dotted key -> None (every variant) or the values of `variant_key` that read it
+    reads: ClassVar[Mapping[str, tuple | None]] = {}
+    variant_key: ClassVar[str | None] = None          # the [backend] option that selects its variant
+    precisions: ClassVar[tuple[str, ...]] = PRECISIONS
+    embeddings: ClassVar[tuple[str, ...]] = ("dense",)
+    max_world_size: ClassVar[int | None] = None
+    needs_process_group: ClassVar[bool] = True        # the launcher joins the ranks in a torch.distributed group
+    checkpoints: ClassVar[bool] = True                # it writes and reads psarch.checkpoint checkpoints
+    # psarch.bench_step: "module:function" of the hand-written PyTorch program beside it, (cfg, device) ->
+    # (its name, batch -> loss), and the backend options the benchmark runs it with
+    bench_peer: ClassVar[str | None] = None
+    bench_options: ClassVar[Mapping[str, Any]] = {}
+
+    # ---------------------------------------------------------------- config
+
+    def option_keys(self) -> dict[str, tuple | None]:
+        """Every option it reads beyond those every backend reads: its own, then `reads` (which may narrow
+        its own to some variants)."""
+        own = {f"backend.{f.name}": None for f in dataclasses.fields(self.options)} if self.options else {}
+        return {**own, **self.reads}
+
+    def reads_option(self, key: str, cfg: Config) -> bool:
+        """Whether a run of `cfg` (of this backend) reads option `key`."""
+        keys = self.option_keys()
+        if key not in keys:
+            return False
+        variants = keys[key]
+        return variants is None or getattr(cfg.backend, self.variant_key) in variants
+
+    def check(self, cfg: Config) -> None:
+        """Combinations this backend refuses, as one ConfigError each; the declared capabilities (precisions,
+        embeddings, world size) are checked before this (psarch.config_rules)."""
+
+    # ---------------------------------------------------------------- names
+
+    def variant(self, cfg: Config) -> str:
+        """The algorithm within the backend, e.g. "ring", "stage2/native", "sync" ('' where there is one)."""
+        return ""
+
+    def label(self, cfg: Config) -> str:
+        """The run's architecture in one label, used by every report, plot and cluster table: the kind, its
+        variant, and the embedding treatment where it is not dense."""
+        v = self.variant(cfg)
+        text = f"{self.kind} {v}" if v else self.kind
+        return text if cfg.backend.embeddings == "dense" else f"{text}, embeddings {cfg.backend.embeddings}"
+
+    def lockstep(self, cfg: Config) -> bool:
+        """Whether every worker applies the same update each step (the runs that train the model `single`
+        trains, compared in one panel); False for modes where workers run at their own pace."""
+        return True
+
+    # ---------------------------------------------------------------- processes
+
+    def service_nodes(self, cfg: Config) -> int:
+        """Processes besides the workers that this run starts (PS servers), each a node of an emulated cluster."""
+        return 0
+
+    def start_services(self, cfg: Config, out_dir: Path, where: Placement | None = None,
+                       start: Path | None = None) -> Services | None:
+        """Services to start before the workers (rank 0 under torchrun); None when the backend has none.
+        `where` places each service (psarch.cluster; None: loopback); `start`: the checkpoint the run starts from."""
+        return None
+
+    def tolerates_lost_workers(self, cfg: Config) -> bool:
+        """Whether the run goes on when a worker dies (the services are told, via Services.worker_lost)."""
+        return False
+
+    def worker_holds_tables(self, cfg: Config) -> bool:
+        """Whether a worker's model materialises the embedding tables (False: they stay on the meta device
+        and the backend builds its rows where they live)."""
+        return True
+
+    # ---------------------------------------------------------------- theory
+
+    @abstractmethod
+    def predict(self, cfg: Config, phi: float) -> Prediction:
+        """What theory predicts for a run of `cfg` with `phi` parameters (psarch.theory.Prediction)."""
+
+    def comm_model(self, cfg: Config, phi: float, extra: Mapping[str, list[Any]]) -> CommModel:
+        """How this run's communication meets its compute; `extra`: the summary's per-rank extras."""
+        return CommModel()
+
+    def summary_fields(self, cfg: Config) -> dict[str, Any]:
+        """Fields this backend adds to summary.json's top level (e.g. the PS's server count)."""
+        return {}

@@ -1,0 +1,128 @@
+"""The parameter-server backend, declared (psarch/backend.py): `ps`, with modes sync, async, ssp and geo."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from psarch.backend import PROCESS_GROUP_OPTIONS, BackendSpec
+from psarch.config_fields import _f
+from psarch.config_files import ConfigError, show
+from psarch.ps import theory
+from psarch.theory import Prediction
+
+if TYPE_CHECKING:
+    from psarch.cluster import Placement
+    from psarch.trainer import Services
+
+Config = Any
+
+
+@dataclass
+class PSOptions:
+    """The parameter server's options; the facts derived from them are properties, computed here only."""
+
+    mode: str = _f("sync", "update mode", choices=("sync", "async", "geo", "ssp"))
+    servers: int = _f(1, "number of server processes", min=1)
+    k_steps: int = _f(4, "local steps between pushes", min=1)
+    geo_barrier: bool = _f(False, "every round waits for all workers (Local SGD)")
+    staleness_bound: int = _f(2, "most steps a worker may run ahead of the slowest", min=0)
+    staleness_compensation: str = _f("none", "remedy for stale gradients", choices=("none", "lr", "dc"))
+    dc_lambda: float = _f(0.04, "delay-compensation strength (staleness_compensation = 'dc')", min=0.0)
+    host: str = _f("127.0.0.1", "address servers bind to")
+    server_addresses: list = _f([], "'tcp://host:port' of each server started with `psarch server` "
+                                    "(empty: `psarch run` starts the servers itself)")
+    auth: str = _f("auto", "who may talk to a server: 'curve' (CurveZMQ keys), 'plain' (a password per worker), "
+                           "'auto' (plain on loopback, curve when servers bind an address other machines reach), "
+                           "'none' (loopback only)", choices=("auto", "curve", "plain", "none"))
+    keys: str = _f("", "folder of `psarch keygen` credentials ('': fresh ones per run; `psarch server` needs it)")
+    heartbeat_s: float = _f(10.0, "ZeroMQ heartbeat interval; 0 turns heartbeats off", min=0.0)
+    heartbeat_timeout_s: float = _f(30.0, "a peer silent this long after a heartbeat (or mid-message, or "
+                                          "mid-handshake) is dropped", min=0.1)
+    max_connections: int = _f(0, "most open connections per server, handshakes included (0: world_size + 16)",
+                              min=0)
+
+    @property
+    def barrier(self) -> bool:
+        """Whether a round waits for every live worker's push before it is applied (sync; GEO with a barrier)."""
+        return self.mode == "sync" or (self.mode == "geo" and self.geo_barrier)
+
+    @property
+    def push_every(self) -> int:
+        """Local steps between a worker's exchanges with the servers: k_steps in GEO, else every step."""
+        return self.k_steps if self.mode == "geo" else 1
+
+
+class PSSpec(BackendSpec):
+    kind = "ps"
+    trainer = "psarch.ps.worker:PSWorker"
+    doc = "parameter servers over ZeroMQ: workers push gradients (GEO: deltas) and pull parameters"
+    options = PSOptions
+    variant_key = "mode"
+    reads = {**PROCESS_GROUP_OPTIONS, "backend.k_steps": ("geo",), "backend.geo_barrier": ("geo",),
+             "backend.staleness_bound": ("ssp",), "backend.staleness_compensation": ("async", "ssp"),
+             "backend.dc_lambda": ("async", "ssp"), "cluster.server_link_mbps": None}
+    embeddings = ("dense", "rows")
+    # async workers must not be tied together by a group that hangs when one dies
+    needs_process_group = False
+
+    def variant(self, cfg: Config) -> str:
+        return cfg.backend.mode
+
+    def label(self, cfg: Config) -> str:
+        b = cfg.backend
+        servers = "1 server" if b.servers == 1 else "N servers" if b.servers == b.world_size else f"{b.servers} servers"
+        text = f"ps {b.mode}, {servers}"
+        return text if b.embeddings == "dense" else f"{text}, embeddings {b.embeddings}"
+
+    def lockstep(self, cfg: Config) -> bool:
+        return cfg.backend.mode == "sync"
+
+    def check(self, cfg: Config) -> None:
+        b = cfg.backend
+        if b.heartbeat_s and b.heartbeat_timeout_s <= b.heartbeat_s:
+            raise ConfigError(f"backend.heartbeat_timeout_s = {b.heartbeat_timeout_s:g}: must be longer than "
+                              f"backend.heartbeat_s = {b.heartbeat_s:g} (a peer gets at least one PING to answer)")
+        if b.server_addresses and (len(b.server_addresses) != b.servers
+                                   or not all(isinstance(a, str) and a for a in b.server_addresses)):
+            raise ConfigError(f"backend.server_addresses = {show(b.server_addresses)}: expected backend.servers = "
+                              f"{b.servers} address strings like \"tcp://10.0.0.5:5555\"")
+        if b.embeddings == "rows":
+            _check_rows(cfg)
+
+    def service_nodes(self, cfg: Config) -> int:
+        return 0 if cfg.backend.server_addresses else cfg.backend.servers
+
+    def start_services(self, cfg: Config, out_dir: Path, where: "Placement | None" = None,
+                       start: Path | None = None) -> "Services":
+        from psarch.ps.services import start_services
+        return start_services(cfg, out_dir, where=where, start=start)
+
+    def tolerates_lost_workers(self, cfg: Config) -> bool:
+        return cfg.backend.mode != "sync"
+
+    def worker_holds_tables(self, cfg: Config) -> bool:
+        return cfg.backend.embeddings != "rows"   # the servers build their rows (psarch/ps/rows.py)
+
+    def predict(self, cfg: Config, phi: float) -> Prediction:
+        return theory.rows(cfg, phi) if cfg.backend.embeddings == "rows" else theory.dense(cfg, phi)
+
+    def summary_fields(self, cfg: Config) -> dict[str, Any]:
+        return {"servers": cfg.backend.servers}
+
+
+def _check_rows(cfg: Config) -> None:
+    """What the parameter server's embedding rows (psarch/ps/rows.py) do not do (yet)."""
+    b, t = cfg.backend, cfg.train
+    why = (f"train.precision = \"{t.precision}\": rows move and are updated in fp32 only (no bf16/fp16 row "
+           f"pulls, no loss scaling of pushed rows)" if t.precision != "fp32" else
+           f"backend.staleness_compensation = \"{b.staleness_compensation}\": rows are updated without "
+           f"compensation" if b.staleness_compensation != "none" else
+           f"train.momentum = {t.momentum:g}: row-wise SGD has no momentum (it would move untouched rows)"
+           if t.optimizer == "sgd" and t.momentum else
+           "backend.server_addresses: `psarch server` does not hold rows" if b.server_addresses else None)
+    if why:
+        raise ConfigError(f"backend.embeddings = \"rows\" with {why}")
+
+
+PS = PSSpec()

@@ -1,0 +1,60 @@
+"""The core asks a backend's spec and names no backend (psarch/backend.py): no comparison, membership test or
+lookup table in psarch/ outside the backend packages (psarch/ps/, psarch/single.py) uses a backend's kind.
+Pure unit test: reads the source."""
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+from psarch import registry
+
+ROOT = Path(__file__).resolve().parent.parent
+BACKEND_PACKAGES = ("psarch/ps/", "psarch/single.py")
+
+
+def core_files() -> list[Path]:
+    return [p for p in sorted((ROOT / "psarch").rglob("*.py"))
+            if not str(p.relative_to(ROOT)).startswith(BACKEND_PACKAGES)]
+
+
+def kinds_named(tree: ast.AST, kinds: set[str]) -> list[tuple[int, str]]:
+    """(line, kind) for each backend kind compared with, tested for membership, or used as a lookup key
+    (`d["ps"]`, or a table looked up by kind: `{"ddp": ...}.get(kind)`, `{"ddp": ...}[kind]`)."""
+    def strings(node: ast.AST) -> list[str]:
+        if isinstance(node, ast.Constant) and isinstance(node.value, str):
+            return [node.value]
+        if isinstance(node, (ast.Tuple, ast.List, ast.Set)):
+            return [s for e in node.elts for s in strings(e)]
+        return []
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Compare):
+            for side in [node.left, *node.comparators]:
+                found += [(node.lineno, s) for s in strings(side) if s in kinds]
+            continue
+        elif isinstance(node, ast.Subscript):
+            found += [(node.lineno, s) for s in strings(node.slice) if s in kinds]
+            table = node.value
+        elif isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "get":
+            table = node.func.value
+        else:
+            continue
+        if isinstance(table, ast.Dict):
+            found += [(table.lineno, s) for k in table.keys if k is not None for s in strings(k) if s in kinds]
+    return found
+
+
+def test_the_core_compares_no_backend_name():
+    kinds = set(registry.kinds())
+    files = core_files()
+    assert len(files) > 40, "the core came out nearly empty: the walk is broken"
+    named = {str(p.relative_to(ROOT)): hits for p in files if (hits := kinds_named(ast.parse(p.read_text()), kinds))}
+    assert not named, f"backend names in the core: {named}"
+
+
+def test_the_scan_sees_each_way_of_naming_a_backend():
+    src = ('if b.kind == "ps": pass\nif kind in ("ddp", "zero"): pass\nx = {"torch_ddp": 1}.get(kind, "")\n'
+           'y = d["single"]\nz = "ps" != kind\nok = "psarch" == name\ncolumns = {"ddp": 1}\n'
+           'w = {"zero": 2}[kind]\n')
+    assert sorted(kinds_named(ast.parse(src), set(registry.kinds()))) == [
+        (1, "ps"), (2, "ddp"), (2, "zero"), (3, "torch_ddp"), (4, "single"), (5, "ps"), (8, "zero")]

@@ -1,0 +1,98 @@
+"""The ZeRO backends, declared (psarch/backend.py): `zero` (psarch's stages 1-3 over a collective
+communicator) and PyTorch's own peers `torch_zero` (DDP + ZeroRedundancyOptimizer) and `torch_fsdp` (FSDP2)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+from psarch.backend import PROCESS_GROUP_OPTIONS, BackendSpec, CommModel
+from psarch.config_fields import _f
+from psarch.theory import BYTES, Prediction, buckets_of
+from zero import theory
+
+Config = Any
+
+
+@dataclass
+class ZeroOptions:
+    """zero's options, named as DeepSpeed names them; torch_fsdp reads `zero_units`."""
+
+    stage: int = _f(1, "1 (optimizer state), 2 (+gradients), 3 (+parameters)", choices=(1, 2, 3))
+    reduce_bucket_size: int = _f(5 * 10**8, "elements per gradient reduce-scatter bucket", min=1)
+    allgather_bucket_size: int = _f(5 * 10**8, "elements per parameter all-gather bucket", min=1)
+    prefetch_bucket_size: int = _f(5 * 10**7, "elements gathered ahead of use", min=0)
+    activation_checkpointing: bool = _f(False, "recompute each unit's activations in backward")
+    measure_activations: bool = _f(False, "count the activation bytes kept for backward each step "
+                                          "(saved_activation_bytes); off the hot path unless asked for")
+    zero_units: str = _f("blocks", "attribute of the model holding the nn.ModuleList whose children are "
+                                   "the units (gathered one by one in stage 3, checkpointed one by one); "
+                                   "'' for the whole model as one unit")
+
+
+class ZeroSpec(BackendSpec):
+    kind = "zero"
+    trainer = "zero.trainer:ZeroTrainer"
+    doc = "ZeRO stages 1-3: optimizer state, gradients and parameters partitioned over the ranks"
+    options = ZeroOptions
+    variant_key = "stage"
+    bench_peer = "zero.torch_peers:plain_fsdp2_peer"
+    bench_options = {"stage": 3}
+    reads = {**PROCESS_GROUP_OPTIONS, "backend.comm": None, "backend.overlap_comm": None,
+             "backend.reduce_bucket_size": (1, 2), "backend.allgather_bucket_size": (1, 2),
+             "backend.prefetch_bucket_size": (3,)}
+
+    def variant(self, cfg: Config) -> str:
+        return f"stage{cfg.backend.stage}/{cfg.backend.comm}"
+
+    def label(self, cfg: Config) -> str:
+        return f"zero-{cfg.backend.stage} {cfg.backend.comm}"
+
+    def predict(self, cfg: Config, phi: float) -> Prediction:
+        stage = cfg.backend.stage
+        return theory.zero(cfg, phi, stage, theory.passes(stage))
+
+    def comm_model(self, cfg: Config, phi: float, extra: Mapping[str, list[Any]]) -> CommModel:
+        b = cfg.backend
+        groups = extra.get("zero_groups")
+        if groups:                   # the engine's group count: stage 3's groups are its units
+            buckets = groups[0]
+        elif b.stage == 3:           # the unit count is a property of the model: unknown here, no overlap credit
+            buckets = 1
+        else:
+            buckets = buckets_of(phi * BYTES[cfg.train.precision], b.reduce_bucket_size * BYTES[cfg.train.precision])
+        # stage 3's forward and backward all-gathers block inside the measured compute
+        return CommModel(max(1, buckets), b.overlap_comm, hidden_passes=2 if b.stage == 3 else 0)
+
+
+class TorchZeroSpec(BackendSpec):
+    kind = "torch_zero"
+    trainer = "zero.torch_peers:TorchZeroTrainer"
+    doc = "PyTorch's DDP + ZeroRedundancyOptimizer (ZeRO-1; the peer of zero stage 1)"
+    reads = {**PROCESS_GROUP_OPTIONS, "backend.bucket_cap_mb": None}
+    precisions = ("fp32",)
+
+    def predict(self, cfg: Config, phi: float) -> Prediction:
+        return theory.zero(cfg, phi, 1, 3)
+
+    def comm_model(self, cfg: Config, phi: float, extra: Mapping[str, list[Any]]) -> CommModel:
+        # torch DDP, which it wraps, sends its buckets from backward's hooks
+        return CommModel(buckets_of(phi * BYTES[cfg.train.precision], cfg.backend.bucket_cap_mb * 2**20), True)
+
+
+class TorchFSDPSpec(BackendSpec):
+    kind = "torch_fsdp"
+    trainer = "zero.torch_peers:TorchFSDPTrainer"
+    doc = "PyTorch's FSDP2 fully_shard per unit (ZeRO-3; the peer of zero stage 3)"
+    reads = {**PROCESS_GROUP_OPTIONS, "backend.zero_units": None}
+    precisions = ("fp32",)
+
+    def predict(self, cfg: Config, phi: float) -> Prediction:
+        return theory.zero(cfg, phi, 3, 3)
+
+    def comm_model(self, cfg: Config, phi: float, extra: Mapping[str, list[Any]]) -> CommModel:
+        return CommModel(hidden_passes=2)
+
+
+ZERO = ZeroSpec()
+TORCH_ZERO = TorchZeroSpec()
+TORCH_FSDP = TorchFSDPSpec()
