@@ -46,9 +46,9 @@ def _train(rank: int, n: int, data: dict, out: str) -> dict:
     cfg = from_dict(data)
     record = run_rank(cfg, DistContext(rank, n, rank, torch.device("cpu"), "gloo" if n > 1 else None), echo=False)
     if rank == 0:
-        torch.save(record["model_state"], Path(out) / f"{cfg.name}.pt")
-    return {"params": record["params"], "traffic": record["traffic"], "memory": record["memory"],
-            "rows": [{k: r[k] for k in ("sent", "received", "extra")} for r in record["rows"]]}
+        torch.save(record.model_state, Path(out) / f"{cfg.name}.pt")
+    return {"params": record.params, "traffic": record.traffic, "memory": record.memory,
+            "rows": [{k: r[k] for k in ("sent", "received", "extra")} for r in record.steps]}
 
 
 def _variants(rank: int, n: int, out: str) -> dict:
