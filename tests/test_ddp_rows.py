@@ -18,7 +18,7 @@ from psarch import registry, theory
 from psarch.config import from_dict
 from psarch.dist import DistContext
 from psarch.runner import run_rank
-from psarch.sparse import embedding_tables
+from psarch.embeddings import embedding_tables
 from psarch.workload import build_workload
 
 TINY_DLRM = {
