@@ -50,7 +50,7 @@ def sparse_table(runs: list[dict[str, Any]]) -> str:
         modelled = " (modelled)" if s["traffic"]["per_rank"][0].get("modelled") else ""
         gap = f"{s['gap']:.4f}" if s.get("gap") is not None else "-"
         lines.append(
-            f"| {s['name']} | {s['label']} | {cfg.workload.dlrm.rows} | "
+            f"| {run['run_label']} | {s['label']} | {cfg.workload.dlrm.rows} | "
             f"{cfg.workload.clicks.zipf:g} | {fmt_bytes(worker_sent_per_step(s))}{modelled} \\| "
             f"{fmt_bytes(s['predicted']['traffic_per_step']['worker_sent'])} | {s['step_time_s'] * 1e3:.1f} | "
             f"{fmt_bytes(held)} \\| {fmt_bytes(table)} | {'-' if u is None else f'{u:.0f}'} \\| "

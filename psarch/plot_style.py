@@ -11,8 +11,6 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
-from psarch.runs import short_names  # noqa: E402
-
 LINE_STYLES = ("-", "--", ":", "-.")
 
 
@@ -25,7 +23,7 @@ class Palette:
     """Colours and names for the runs of one report, computed once and passed to every plot."""
 
     def __init__(self, runs: list[dict[str, Any]]) -> None:
-        self.names = short_names(runs)
+        self.names = [r["run_label"] for r in runs]   # the folder (or config label), psarch.runs.name_runs
         configs = list(dict.fromkeys(configuration(n) for n in self.names))
         # grey is left out: it draws references (the synchronous curve in other panels)
         colours = [c for i, c in enumerate(plt.get_cmap("tab10").colors) if i != 7] if len(configs) <= 9 else \

@@ -13,7 +13,8 @@ def run(name: str, backend: str, variant: str, n: int, rows: list | None = None)
     """A run's summary as outputs.identity writes it, for a backend and variant."""
     options = {"ps": {"mode": variant}, "zero": {"stage": int(variant[5:6] or 1)} if variant else {}}.get(backend, {})
     cfg = from_dict({"backend": {"kind": backend, "world_size": 1 if backend == "single" else n, **options}})
-    return {"summary": {"name": name, **identity(cfg)}, "metrics": rows or []}
+    return {"path": f"/runs/{name}", "summary": {"name": "sweep", **identity(cfg)}, "metrics": rows or [],
+            "run_label": name.rsplit("/", 1)[-1]}
 
 
 def test_synchronous_backends_share_a_panel_and_each_ps_mode_has_its_own():
