@@ -83,3 +83,24 @@ def test_series_groups_by_zipf_and_variant_sorted_by_rows(tmp_path):
     assert got[1.5] == {"ddp ring, embeddings sharded": [(ROWS, 200.0, 210.0, 0.05)]}
     assert (tmp_path / f"{embedding_scaling([big, small], tmp_path)}.png").stat().st_size > 0
 
+
+def test_measured_beside_predicted_bytes_never_fill_a_panel(tmp_path, monkeypatch):
+    """526,920 B measured beside 526,916 B predicted: the log axis spans at least a decade (a 4-byte difference is
+    not drawn as the panel's height), and the legend sits beside the panels, not on them."""
+    import matplotlib.pyplot as plt
+
+    from psarch import plot_style
+    figs = []
+    monkeypatch.setattr(plot_style, "save", lambda fig, out, name: figs.append(fig) or name)
+    run = fake_run({"kind": "ddp"})
+    run["summary"]["traffic"]["per_rank"] = [{"sent_per_step": 526920.0, "modelled": False}] * 2
+    run["summary"]["predicted"]["traffic_per_step"]["worker_sent"] = 526916.0
+    embedding_scaling([run], tmp_path)
+    top, bottom = figs[0].axes[:2]
+    for ax in (top, bottom):
+        lo, hi = ax.get_ylim()
+        assert hi / lo >= 10
+    figs[0].canvas.draw()
+    legend = figs[0].legends[0].get_window_extent()
+    assert not any(legend.overlaps(ax.get_window_extent()) for ax in figs[0].axes)
+    plt.close(figs[0])
