@@ -131,7 +131,7 @@ def _in_process(job: RankJob, spec: BackendSpec, where: Placement, workload: Wor
     marks = where.step_marks(1)   # outside the node: the counters' reader is no node's
     try:
         with where.node("worker", 0):
-            _rank(job, cfg, 0, 1, store, marks, workload)
+            _rank(job, cfg, 0, 1, store, marks[0] if marks else None, workload)
     except BaseException:
         abandon_group()   # this process lives on (a test, a sweep's next point): leave no group behind
         raise
@@ -172,7 +172,8 @@ def _spawn(job: RankJob, spec: BackendSpec, where: Placement, services: Services
     ctx = mp.get_context("spawn")
     marks = where.step_marks(n)   # an emulated cluster reads its links before the first step and after the last
     procs = [ctx.Process(target=_rank_main, name=f"psarch-rank{r}",
-                         args=(job, r, n, where.rendezvous_host, port, _threads(n), store is not None, marks))
+                         args=(job, r, n, where.rendezvous_host, port, _threads(n), store is not None,
+                               marks[r] if marks else None))
              for r in range(n)]
     out = Path(job.out)
 

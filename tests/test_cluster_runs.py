@@ -95,6 +95,40 @@ def test_crashed_rank_leaves_nothing(tmp_path):
     assert not leftovers(os.getpid()) and not watchers(os.getpid())
 
 
+QUIET_RUN = """
+[workload]
+model = "mlp"
+seq_len = 4
+[workload.mlp]
+n_embd = 8
+hidden = 16
+n_layer = 1
+[workload.markov]
+vocab_size = 8
+branching = 2
+[train]
+steps = 2
+global_batch = 4
+[backend]
+kind = "ddp"
+world_size = 2
+[cluster]
+emulate = true
+"""
+
+
+def test_an_emulated_run_prints_no_name_lookup_warnings(tmp_path):
+    """The emulated network has no name service: torch's c10d warned once per process (launcher and every
+    rank) that it could not reverse-resolve an address. `psarch run` prints none of it."""
+    (tmp_path / "quiet.toml").write_text(QUIET_RUN)
+    env = dict(os.environ, PSARCH_THREADS="1")
+    env.pop("TORCH_CPP_LOG_LEVEL", None)
+    proc = subprocess.run([sys.executable, "-m", "psarch.cli", "run", "quiet.toml", "--quiet"], cwd=tmp_path,
+                          env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    assert "c10d" not in proc.stderr and "hostname" not in proc.stderr, proc.stderr
+
+
 HOLD = """
 import sys, subprocess
 from psarch.cluster import place
