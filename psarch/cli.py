@@ -169,8 +169,11 @@ def _run(args: argparse.Namespace) -> int:
     """`psarch run`: exit 2 on a config error (before any process starts), 1 when the run fails."""
     from psarch.sweep import read_sweep, run_sweep
 
+    notes: list[str] = []
     try:  # the machine is checked once: by run() for one run, by the sweep's expand() for each point
-        cfg = load_config(args.config, args.overrides)
+        cfg = load_config(args.config, args.overrides, notes)
+        for note in notes:
+            print(f"psarch: note: {note}", file=sys.stderr)
         sweep = read_sweep(args.config)
         if sweep is not None:
             _sweep_flags(args)

@@ -148,7 +148,8 @@ def test_fork_continues_the_step_numbering(tmp_path, written, capsys):
 ])
 def test_a_checkpoint_of_another_model_stops_naming_the_first_mismatch(tmp_path, written, capsys, change, says):
     ckpt, data = written
-    rc, err = _fork(tmp_path, ckpt, dict(data, workload=dict(data["workload"], **change)), capsys)
+    workload = change if "factory" in change else dict(data["workload"], **change)   # a factory replaces the rest
+    rc, err = _fork(tmp_path, ckpt, dict(data, workload=workload), capsys)
     assert rc == 1 and says in err and len(err.strip().splitlines()) == 1, err
     assert not (tmp_path / "fork").exists()   # the run did not start
 
