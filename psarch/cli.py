@@ -104,7 +104,7 @@ def _keygen(args: argparse.Namespace) -> int:
     from psarch.ps.auth import keygen
 
     folder = keygen(args.dir, args.workers, args.servers)
-    print(f"psarch: keys for {args.workers} worker(s) and {args.servers} server(s) in {folder}; set "
+    print(f"keys for {args.workers} worker(s) and {args.servers} server(s) in {folder}; set "
           f"backend.keys = \"{folder}\" (servers need server{{j}}.key_secret and every worker{{i}}.key, "
           f"worker i needs worker{{i}}.key_secret, worker{{i}}.password and every server{{j}}.key)")
     return 0

@@ -1,12 +1,23 @@
 """What a new user meets first: switching the quickstart's backend from the command line, a factory next to a
-config that names a built-in model."""
+config that names a built-in model, a missing base file, keygen's output."""
 from __future__ import annotations
 
+import textwrap
 from pathlib import Path
 
+from psarch.cli import main
 from psarch.config import load_config
 
 QUICKSTART = Path(__file__).resolve().parent.parent / "experiments" / "quickstart.toml"
+TINY = textwrap.dedent("""
+    seed = 1
+    [workload]
+    factory = "factories:regression"
+    [train]
+    steps = 4
+    global_batch = 4
+    log_every = 2
+""")
 
 
 def test_set_backend_kind_on_the_quickstart_drops_what_the_new_backend_does_not_read():
@@ -24,3 +35,17 @@ def test_a_factory_over_a_built_in_model_says_the_model_is_not_read():
     assert notes == ['workload.model = "mlp" (--set), workload.data = "markov" (set in quickstart.toml) are not read '
                      'by this run: workload.factory = "factories:regression" replaces the built-in model and data; '
                      'dropped']
+
+
+def test_a_missing_base_file_is_named_as_the_base(tmp_path, capsys):
+    (tmp_path / "top.toml").write_text('base = "shared.toml"\n' + TINY)
+    assert main(["run", str(tmp_path / "top.toml"), "--quiet"]) == 2
+    assert capsys.readouterr().err.strip() == (
+        f'psarch: config error: base = "shared.toml" in "{tmp_path / "top.toml"}": no such file '
+        f'"{tmp_path / "shared.toml"}" (a base is found relative to the file that names it)')
+
+
+def test_keygen_says_what_it_wrote_on_stdout(tmp_path, capsys):
+    assert main(["keygen", str(tmp_path / "k"), "--workers", "1"]) == 0
+    out, err = capsys.readouterr()
+    assert err == "" and out.startswith(f"keys for 1 worker(s) and 1 server(s) in {tmp_path / 'k'}; set backend.keys")
