@@ -123,6 +123,8 @@ class Config:
     train: TrainConfig = _sub(TrainConfig)
     backend: Any = _sub(backend_config_class, CoreBackendConfig.__doc__)
     cluster: ClusterConfig = _sub(ClusterConfig)
+    started_from: dict = _f({}, "the checkpoint a --from run started from: path, step and the config_sha256 of "
+                                "the run that wrote it (kept when the run is resumed)", recorded=True)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -201,6 +203,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] | dict[str,
     top = top_table(Path(path)) if path is not None else {}
     data = read_toml(Path(path)) if path is not None else {}
     merged = apply_overrides(data, overrides) if overrides else data
+    _refuse_recorded(merged)
     stem = Path(path).stem if path is not None else "run"
     cfg = from_dict(merged, stem)
     if "sweep" in top:
@@ -222,6 +225,13 @@ def load_config(path: str | Path | None = None, overrides: list[str] | dict[str,
         if notes is not None:
             notes.append(f"{', '.join(keys)} {'is' if len(keys) == 1 else 'are'} not read by this run: {why}; dropped")
     return from_dict(merged, stem)
+
+
+def _refuse_recorded(data: dict[str, Any]) -> None:
+    for f in dataclasses.fields(Config):
+        if f.metadata.get("recorded") and f.name in data:
+            raise ConfigError(f"{f.name} = {show(data[f.name])}: psarch records it in config.json; it is not a "
+                              f"setting (remove it)")
 
 
 def _file_alone(data: dict[str, Any], stem: str) -> Config | None:
@@ -327,7 +337,7 @@ def describe(cls: type = Config, prefix: str = "") -> list[tuple[str, Any, str]]
     for f in dataclasses.fields(cls):
         if "section" in f.metadata:
             rows += describe(f.metadata["section"](), f"{prefix}{f.name}.")
-        else:
+        elif not f.metadata.get("recorded"):
             default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
             rows.append((prefix + f.name, default, f.metadata.get("doc", "")))
     return rows

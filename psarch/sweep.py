@@ -174,9 +174,10 @@ def _bar(done: int, total: int, width: int = 24) -> str:
 
 def run_sweep(path: str | Path, sweep: dict[str, Any], overrides: list[str] | None = None,
               out: str | Path | None = None, rerun: bool = False, echo: bool = True,
-              start: str | Path | None = None) -> list[Point]:
+              start: str | Path | None = None, progress: bool = True) -> list[Point]:
     """Run every point (skipping finished ones unless rerun), then compare them. Returns the points. With
-    `start` (--from), every point forks that checkpoint and runs (a finished point does not record its start)."""
+    `start` (--from), every point forks that checkpoint and runs (a finished point does not record its start).
+    echo: print the sweep's lines and each point's summary; progress: also each point's progress lines."""
     from psarch.compare import compare
     from psarch.launch import run
 
@@ -214,7 +215,8 @@ def run_sweep(path: str | Path, sweep: dict[str, Any], overrides: list[str] | No
                 print(f"point {p.name}: running it again: {stale}", flush=True)
             t0 = time.perf_counter()
             try:
-                p.summary = run(cfg, folder, echo=echo, machine_checked=True, start=start)   # expand checked it
+                p.summary = run(cfg, folder, echo=echo, machine_checked=True, start=start,   # expand checked it
+                                progress=progress)
                 p.status, p.detail = "done", f"{time.perf_counter() - t0:.1f} s"
             except Exception as e:  # one failed point must not stop the others
                 p.status = "failed"

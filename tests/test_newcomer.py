@@ -1,7 +1,9 @@
 """What a new user meets first: switching the quickstart's backend from the command line, a factory next to a
-config that names a built-in model, a missing base file, keygen's output."""
+config that names a built-in model, --quiet, a factory's own exception, a missing base file, keygen's output.
+Single-process runs of a tiny regression; no rank is spawned."""
 from __future__ import annotations
 
+import re
 import textwrap
 from pathlib import Path
 
@@ -35,6 +37,25 @@ def test_a_factory_over_a_built_in_model_says_the_model_is_not_read():
     assert notes == ['workload.model = "mlp" (--set), workload.data = "markov" (set in quickstart.toml) are not read '
                      'by this run: workload.factory = "factories:regression" replaces the built-in model and data; '
                      'dropped']
+
+
+def test_quiet_hides_the_progress_lines_not_the_summary(tmp_path, capsys):
+    (tmp_path / "tiny.toml").write_text(TINY)
+    assert main(["run", str(tmp_path / "tiny.toml"), "--out", str(tmp_path / "loud")]) == 0
+    loud = capsys.readouterr().out.splitlines()
+    assert main(["run", str(tmp_path / "tiny.toml"), "--out", str(tmp_path / "quiet"), "--quiet"]) == 0
+    quiet = capsys.readouterr().out.splitlines()
+    progress = re.compile(r"^step\s+\d+/4 ")
+    assert sum(map(bool, map(progress.match, loud))) == 2 and not any(map(progress.match, quiet))
+    assert quiet[0].startswith("== tiny: single, N=1") and len(quiet) == len(loud) - 2   # the same summary
+
+
+def test_a_factorys_exception_is_shown_with_its_type(tmp_path, capsys, monkeypatch):
+    (tmp_path / "needy_factory.py").write_text("def make(cfg):\n    raise ValueError('needs a data file')\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    (tmp_path / "tiny.toml").write_text(TINY.replace("factories:regression", "needy_factory:make"))
+    assert main(["run", str(tmp_path / "tiny.toml"), "--out", str(tmp_path / "r"), "--quiet"]) == 1
+    assert capsys.readouterr().err.strip() == "psarch: run 'tiny' failed: ValueError: needs a data file"
 
 
 def test_a_missing_base_file_is_named_as_the_base(tmp_path, capsys):
