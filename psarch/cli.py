@@ -7,7 +7,7 @@ import os
 import signal
 import sys
 
-from psarch.config import ConfigError, allowed_values, applies_to, describe, load_config
+from psarch.config import Config, ConfigError, allowed_values, applies_to, describe, load_config
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -47,12 +47,18 @@ def _run_parser(p: argparse.ArgumentParser) -> None:
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE",
                    help="override a config key (repeatable); the value is read as TOML")
     p.add_argument("--out", help="run folder (default: runs/<name>)")
-    p.add_argument("--quiet", action="store_true", help="no progress lines")
+    p.add_argument("--quiet", action="store_true",
+                   help="no progress lines (the summary, notes and errors are still printed)")
     start = p.add_mutually_exclusive_group()
     start.add_argument("--resume", metavar="RUN_DIR",
-                       help="continue that run from its latest complete checkpoint to train.steps")
+                       help="continue that run from its latest complete checkpoint to train.steps; only name, label, "
+                            "out, train.steps, train.log_every, train.checkpoint_every, train.keep_checkpoints and "
+                            "backend.timeout_s may differ from the config it was written under (else use --from)")
     start.add_argument("--from", dest="start", metavar="CHECKPOINT_DIR",
                        help="a new run starting from that checkpoint's state and step, under this config")
+    p.add_argument("--checkpoint", metavar="STEP",
+                   help="with --resume: continue from this checkpoint of the run (step_000040, or 40) instead of "
+                        "the latest; the later ones are removed")
     p.add_argument("--overwrite", action="store_true",
                    help="replace a finished run in the run folder (a failed or interrupted one is replaced anyway)")
     p.add_argument("--rerun", action="store_true",
@@ -104,7 +110,7 @@ def _keygen(args: argparse.Namespace) -> int:
     from psarch.ps.auth import keygen
 
     folder = keygen(args.dir, args.workers, args.servers)
-    print(f"psarch: keys for {args.workers} worker(s) and {args.servers} server(s) in {folder}; set "
+    print(f"keys for {args.workers} worker(s) and {args.servers} server(s) in {folder}; set "
           f"backend.keys = \"{folder}\" (servers need server{{j}}.key_secret and every worker{{i}}.key, "
           f"worker i needs worker{{i}}.key_secret, worker{{i}}.password and every server{{j}}.key)")
     return 0
@@ -169,17 +175,28 @@ def _run(args: argparse.Namespace) -> int:
     """`psarch run`: exit 2 on a config error (before any process starts), 1 when the run fails."""
     from psarch.sweep import read_sweep, run_sweep
 
+    notes: list[str] = []
     try:  # the machine is checked once: by run() for one run, by the sweep's expand() for each point
-        cfg = load_config(args.config, args.overrides)
+        cfg = load_config(args.config, args.overrides, notes)
+        for note in notes:
+            print(f"psarch: note: {note}", file=sys.stderr)
+        if args.checkpoint is not None and args.resume is None:
+            raise ConfigError(f"--checkpoint {args.checkpoint}: picks the checkpoint of a --resume RUN_DIR; "
+                              f"a new run names its checkpoint folder with --from")
         sweep = read_sweep(args.config)
         if sweep is not None:
             _sweep_flags(args)
-            points = run_sweep(args.config, sweep, args.overrides, args.out, args.rerun, echo=not args.quiet,
-                               start=args.start)
+            points = run_sweep(args.config, sweep, args.overrides, args.out, args.rerun, start=args.start,
+                               progress=not args.quiet)
             return 1 if any(p.status == "failed" for p in points) else 0
     except ConfigError as e:
         print(f"psarch: config error: {e}", file=sys.stderr)
         return 2
+    return _one_run(args, cfg)
+
+
+def _one_run(args: argparse.Namespace, cfg: Config) -> int:
+    from psarch.checkpoint import CheckpointError
     from psarch.launch import RunError, run
     from psarch.outputs import holds_finished_run, run_folder
 
@@ -192,12 +209,15 @@ def _run(args: argparse.Namespace) -> int:
               f"folder with --out", file=sys.stderr)
         return 2
     try:
-        run(cfg, args.resume or args.out, echo=not args.quiet, resume=args.resume is not None, start=args.start)
-    except ConfigError as e:  # found by the launcher before any rank starts (a factory's return type)
+        run(cfg, args.resume or args.out, resume=args.resume is not None, start=args.start, pick=args.checkpoint,
+            progress=not args.quiet)
+    except ConfigError as e:  # found by the launcher before any rank starts (a factory's return type, a resume)
         print(f"psarch: config error: {e}", file=sys.stderr)
         return 2
     except (RunError, RuntimeError, OSError, ValueError) as e:
-        print(f"psarch: run {cfg.name!r} failed: {e}", file=sys.stderr)
+        # psarch's own errors say what failed; anything else (a factory's, torch's) also says its type
+        said = str(e) if isinstance(e, (RunError, CheckpointError)) else _one_line(e)
+        print(f"psarch: run {cfg.name!r} failed: {said}", file=sys.stderr)
         if os.environ.get("PSARCH_DEBUG"):
             raise
         return 1

@@ -127,6 +127,9 @@ def compare(run_dirs: list[str | Path], out: str | Path, target_gap: float | Non
              "states (params + grads + optimizer incl. fp32 masters). Traffic: mean over workers; native collectives "
              "are modelled, not measured. PS servers' memory and the whole system's (workers + servers): memory.png. "
              "Predictions: theory.predict on each run's config.", ""]
+    forks = [f"- {r['run_label']} started from {f['path']} (step {f['step']}, config sha256 "
+             f"{f['config_sha256'][:12]})" for r in runs if (f := (r["config"] or {}).get("started_from"))]
+    text += forks + [""] if forks else []
     sparse = [r for r in runs if is_sparse_run(r)]
     if sparse:
         figures.append(embedding_scaling(sparse, out))

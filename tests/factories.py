@@ -69,6 +69,22 @@ def fails_at_step_2(cfg) -> psarch.Workload:
     return psarch.Workload(wl.model, loss_fn, wl.batch, wl.entropy_floor, "fails")
 
 
+def fails_when_asked(cfg) -> psarch.Workload:
+    """Regression whose batch of step PSARCH_TEST_FAIL_AT raises: a run that fails on resume under the very
+    config it was written under (a resume may not change the factory)."""
+    import os
+
+    wl = regression(cfg)
+    fail_at = int(os.environ.get("PSARCH_TEST_FAIL_AT", "-1"))
+
+    def batch(step: int, shard: int, num_shards: int):
+        if step == fail_at:
+            raise RuntimeError(f"deliberate failure at step {step}")
+        return wl.batch(step, shard, num_shards)
+
+    return psarch.Workload(wl.model, wl.loss_fn, batch, wl.entropy_floor, "regression")
+
+
 def readme_example(cfg) -> psarch.Workload:
     """The README's "Bring your own model" factory, verbatim: its loss_fn does not cast the batch, so it
     runs in bf16/fp16 only because the runner casts floating-point batches to the compute dtype."""
