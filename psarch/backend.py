@@ -98,6 +98,13 @@ class BackendSpec(ABC):
         text = f"{self.kind} {v}" if v else self.kind
         return text if cfg.backend.embeddings == "dense" else f"{text}, embeddings {cfg.backend.embeddings}"
 
+    def data_shard(self, cfg: Config, rank: int) -> tuple[int, int]:
+        """(shard, shards): which shard of each step's global batch rank `rank` trains on, of how many
+        (Workload.batch's `shard` and `num_shards`). By default each rank its own; ranks that split one model
+        between them (tensor parallelism) share their data-parallel replica's shard. The core checks that
+        train.global_batch divides by `shards`."""
+        return rank, cfg.backend.world_size
+
     def lockstep(self, cfg: Config) -> bool:
         """Whether every worker applies the same update each step (the runs that train the model `single`
         trains, compared in one panel); False for modes where workers run at their own pace."""
