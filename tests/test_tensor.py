@@ -44,7 +44,7 @@ def max_error(a: dict, b: dict) -> float:
     return max((a[k] - b[k]).abs().max().item() for k in a)
 
 
-@pytest.mark.parametrize("name", ["t2-sgd", "t4-sgd", "t2dp2-sgd", "t2dp2-native-sgd"])
+@pytest.mark.parametrize("name", ["t2-sgd", "t4-sgd", "t2dp2-sgd", "t2dp2-native-sgd", "torch-t2-sgd"])
 def test_sgd_equals_single_within_1e5(runs, name):
     out, _ = runs
     ref, mine = model(out, "single-sgd"), model(out, name)
@@ -54,7 +54,7 @@ def test_sgd_equals_single_within_1e5(runs, name):
     assert max_error(mine, ref) <= SGD_ATOL, (name, max_error(mine, ref))
 
 
-@pytest.mark.parametrize("name", ["t2-adamw", "t4-adamw", "t2dp2-adamw", "t2-native-adamw"])
+@pytest.mark.parametrize("name", ["t2-adamw", "t4-adamw", "t2dp2-adamw", "t2-native-adamw", "torch-t2dp2-adamw"])
 def test_adamw_equals_single(runs, name):
     out, _ = runs
     assert_same_model(model(out, name), model(out, "single-adamw"), f"{name} vs single", RTOL, ATOL)
@@ -114,12 +114,15 @@ def single_from(out: Path, start: Path) -> dict:
 
 
 def test_forks_to_and_from_other_backends(runs):
-    """t = 2 x dp = 2 at step 3 continued as ddp on 2 ranks, and ZeRO-3 on 4 continued as t = 4: each the
-    model a single process continues to from the same checkpoint."""
+    """t = 2 x dp = 2 at step 3 continued as ddp on 2 ranks, ZeRO-3 on 4 continued as t = 4, and torch's
+    t = 2 x dp = 2 (its shards' layout written by the same fragments) as t = 2: each the model a single process
+    continues to from the same checkpoint."""
     out, _ = runs
     assert_same_model(model(out, "t2dp2-to-ddp2"), single_from(out, tr.step3(out, "t2dp2-adamw")),
                       "tensor t=2 x dp=2 -> ddp N=2")
     assert_same_model(model(out, "z3n4-to-t4"), single_from(out, tr.step3(out, "z3n4")), "zero-3 N=4 -> tensor t=4")
+    assert_same_model(model(out, "torch-to-t2"), single_from(out, tr.step3(out, "torch-t2dp2-adamw")),
+                      "torch_tensor t=2 x dp=2 -> tensor t=2")
 
 
 def test_each_shard_is_written_once_by_its_replicas(runs):

@@ -76,11 +76,37 @@ class TensorSpec(BackendSpec):
         check_gpt(cfg, self.kind)
 
     def data_shard(self, cfg: Config, rank: int) -> tuple[int, int]:
-        # the ranks of a tensor-parallel group (adjacent: collective/tensor/mesh.py) train on one shard
-        return rank // cfg.backend.tp_size, cfg.backend.dp_size
+        return replica_shard(cfg, rank)
 
     def predict(self, cfg: Config, phi: float) -> Prediction:
         return theory.tensor(cfg, phi)
 
 
+def replica_shard(cfg: Config, rank: int) -> tuple[int, int]:
+    """The ranks of a tensor-parallel group (adjacent: collective/tensor/mesh.py) train on their replica's shard."""
+    return rank // cfg.backend.tp_size, cfg.backend.dp_size
+
+
+class TorchTensorSpec(BackendSpec):
+    kind = "torch_tensor"
+    trainer = "collective.tensor.torch_peer:TorchTensorTrainer"
+    doc = "PyTorch's tensor parallelism (ColwiseParallel / RowwiseParallel, loss_parallel; the peer of tensor)"
+    reads = {**PROCESS_GROUP_OPTIONS, "backend.tensor_parallel": None}
+    precisions = ("fp32",)
+
+    def variant(self, cfg: Config) -> str:
+        b = cfg.backend
+        return f"t{b.tp_size}" + (f"xdp{b.dp_size}" if b.dp_size > 1 else "")
+
+    def check(self, cfg: Config) -> None:
+        check_gpt(cfg, self.kind)
+
+    def data_shard(self, cfg: Config, rank: int) -> tuple[int, int]:
+        return replica_shard(cfg, rank)
+
+    def predict(self, cfg: Config, phi: float) -> Prediction:
+        return theory.tensor(cfg, phi, torch_loss=True)
+
+
 TENSOR = TensorSpec()
+TORCH_TENSOR = TorchTensorSpec()

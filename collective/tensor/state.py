@@ -31,13 +31,13 @@ def fragments(plan: dict[str, Shard], optimizer: torch.optim.Optimizer, master: 
     return out
 
 
-def written_by_me(frags: list[Fragment], plan: dict[str, Shard], mesh: TensorMesh, rank: int,
-                  world_size: int) -> list[Fragment]:
+def written_by_me(frags: list[Fragment], plan: dict[str, Shard], rank: int, world_size: int, dp_rank: int,
+                  dp_size: int) -> list[Fragment]:
     """The fragments this rank writes: replicated parameters are held by every rank and dealt among all of them;
-    a tensor-parallel part is held by its data-parallel replicas and dealt among those."""
+    a tensor-parallel part is held by its dp_size data-parallel replicas and dealt among those."""
     replicated = [f for f in frags if plan[f.name].dim is None]
     split = [f for f in frags if plan[f.name].dim is not None]
-    return share_of(replicated, rank, world_size) + share_of(split, mesh.dp_rank, mesh.dp_size)
+    return share_of(replicated, rank, world_size) + share_of(split, dp_rank, dp_size)
 
 
 def gather_full(shapes: dict[str, tuple[int, ...]], master: torch.Tensor, mesh: TensorMesh,

@@ -50,29 +50,33 @@ def held_params(cfg: Config, tp_rank: int = 0) -> tuple[int, int]:
     return (sum(math.prod(s.local_shape) for s in plan.values()), sum(math.prod(s) for s in shapes.values()))
 
 
-def step_bytes(cfg: Config, held: float) -> tuple[float, int, int]:
-    """(bytes one rank sends per step, which equal those it receives; ring passes; messages in sequence)."""
+def step_bytes(cfg: Config, held: float, torch_loss: bool = False) -> tuple[float, int, int]:
+    """(bytes one rank sends per step, which equal those it receives; ring passes; messages in sequence).
+    torch_loss: torch's loss_parallel, three all-reduces of one fp32 value per token (the logits' max, the sum
+    of their exponentials, the target's logit) where psarch all-gathers two."""
     b, w = cfg.backend, BYTES[cfg.train.precision]
     t, dp, g = b.tp_size, b.dp_size, cfg.workload.gpt
     tokens = cfg.train.global_batch // dp * cfg.workload.seq_len
     all_reduces = 4 * g.n_layer + 2
     activations = all_reduces * ring_bytes("all_reduce", tokens * g.n_embd, w, t)[0]
-    loss = ring_bytes("all_gather", 2 * tokens, LOSS_BYTES, t)[0]
+    loss = 3 * ring_bytes("all_reduce", tokens, LOSS_BYTES, t)[0] if torch_loss else \
+        ring_bytes("all_gather", 2 * tokens, LOSS_BYTES, t)[0]
     grads = ring_bytes("all_reduce", int(held), w, dp)[0]
-    passes = (2 * all_reduces + 1 if t > 1 else 0) + (2 if dp > 1 else 0)
-    messages = (2 * all_reduces + 1) * (t - 1) + 2 * (dp - 1)
+    loss_passes = 6 if torch_loss else 1
+    passes = (2 * all_reduces + loss_passes if t > 1 else 0) + (2 if dp > 1 else 0)
+    messages = (2 * all_reduces + loss_passes) * (t - 1) + 2 * (dp - 1)
     return activations + loss + grads, passes, messages
 
 
-def tensor(cfg: Config, phi: float) -> Prediction:
+def tensor(cfg: Config, phi: float, torch_loss: bool = False) -> Prediction:
     """Tensor parallelism t x data parallelism dp for a run of `cfg` with `phi` parameters (the model's own
-    count; another phi scales what a rank holds in proportion, for estimates)."""
+    count; another phi scales what a rank holds in proportion, for estimates); torch_loss: step_bytes'."""
     t, g = cfg.train, cfg.workload.gpt
     mine, whole = held_params(cfg)
     held = mine * phi / whole
     width, k = BYTES[t.precision], optimizer_bytes_per_param(t.optimizer, t.precision, t.momentum)
     mem = MemoryPrediction(params=width * held, grads=width * held, optimizer=k * held)
-    v, passes, messages = step_bytes(cfg, held)
+    v, passes, messages = step_bytes(cfg, held, torch_loss)
     acts = g.n_layer * block_activation_bytes(cfg.workload.seq_len, t.global_batch // cfg.backend.dp_size, g.n_embd,
                                               g.n_head, width, cfg.backend.tp_size)
     return Prediction(mem, LinkBytes(v, v), None, rounds=passes, messages=messages, server_memory=None,

@@ -96,7 +96,8 @@ class TensorTrainer(Trainer):
         among all ranks and each part among its data-parallel replicas."""
         frags = self._fragments()
         if writing:
-            frags = written_by_me(frags, self.plan, self.mesh, self.ctx.rank, self.ctx.world_size)
+            frags = written_by_me(frags, self.plan, self.ctx.rank, self.ctx.world_size, self.mesh.dp_rank,
+                                  self.mesh.dp_size)
         return Pieces(frags, dict(self.shapes), scaler_state(self.optim.scaler))
 
     def load_checkpoint(self, ckpt) -> None:
