@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from psarch import plots
+from psarch.compare_links import links_table, predicts_activations
 from psarch.compare_sparse import embedding_scaling, is_sparse_run, sparse_table
 from psarch.runs import label, load_run, server_received_per_step, step_clock, trailing_mean, worker_sent_per_step
 from psarch.units import fmt_bytes
@@ -112,6 +113,11 @@ def compare(run_dirs: list[str | Path], out: str | Path, target_gap: float = 0.2
                  "held: the busiest worker's rows (PS: its peak; ddp sharded: its shard; other backends replicate the "
                  "whole tables). Unique ids: distinct ids of one worker's batch over all tables, mean over steps, "
                  "beside their expectation under the Zipf law. Final gap: last step's loss minus the known floor.", ""]
+    if any(map(predicts_activations, runs)):
+        text += ["## Activations and links", "", links_table(runs), "", "Blocks' activations: the bytes the "
+                 "transformer blocks keep for backward on rank 0 in a step (psarch.activations), measured where "
+                 "backend.measure_activations is on. Sent per link: one rank's link, mean over ranks; by operation: "
+                 "rank 0's, per step.", ""]
     conv = convergence(runs, target_gap)
     if conv:
         text += ["## Convergence", "", conv, "", f"Steps and time (summed step times) until the 10-step mean "
