@@ -32,6 +32,7 @@ from psarch.config import Config, ConfigError, check_machine, from_dict
 from psarch.dist import abandon_group, init_rank, shutdown, under_torchrun
 from psarch.errors import NON_FINITE_EXIT, NonFiniteError, RunError
 from psarch.lifecycle import die_with_parent, leave
+from psarch.records import RankRecord, ServiceInfo
 from psarch.runner import run_rank
 from psarch.trainer import Services
 from psarch.workload import Workload, build_workload
@@ -64,7 +65,7 @@ def run(cfg: Config, out: str | Path | None = None, echo: bool = True, resume: b
     try:
         with place(cfg) as where:   # loopback, or each process on its node of an emulated cluster
             with _services(spec, cfg, out_dir, where, job.start) as services:
-                job.info = dict(services.info) if services is not None else {}
+                job.info = services.info.to_dict() if services is not None else {}
                 if cfg.backend.world_size == 1:
                     _in_process(job, spec, where, workload)
                 else:
@@ -82,7 +83,7 @@ class RankJob:
     """What every rank of a run is given (JSON-able and picklable: it crosses to spawned ranks): the config,
     the run folder, where checkpoints go (None: nowhere), the checkpoint the run starts from (None: step 0)
     and whether that start resumes the run (its step records carried on) or forks it; the spec classes of
-    backends registered outside psarch, and the services' info (addresses, credentials)."""
+    backends registered outside psarch, and the services' info (ServiceInfo.to_dict())."""
 
     cfg: dict[str, Any]
     out: str
@@ -115,7 +116,7 @@ def _rank(job: RankJob, cfg: Config, rank: int, world: int, store: Any, marks: S
     leave the group."""
     out = Path(job.out)
     ctx = init_rank(cfg, rank, world, rank, world, store, needs_group=store is not None)
-    ctx.services = job.info
+    ctx.services = ServiceInfo.from_dict(job.info)
     outputs.save_record(out, run_rank(cfg, ctx, workload, echo=job.echo, metrics=outputs.stream_path(out, rank),
                                       marks=marks, checkpoints=job.checkpoints, start=job.start, resume=job.resume))
     shutdown(ctx)   # not after a failure: its barrier would wait for peers stuck in a collective
@@ -223,21 +224,19 @@ def _torchrun_rank(cfg: Config, spec: BackendSpec, job: RankJob) -> dict[str, An
         # every rank takes part in the gather: only rank 0 knows whether the backend started services
         if rank == 0:
             services = spec.start_services(cfg, out, start=job.start)
-            job.info = dict(services.info) if services is not None else {}
-            if "addresses" in job.info:
-                job.info["addresses"] = [_reachable(a) for a in job.info["addresses"]]
-        ctx.services = _gather_json(ctx, job.info)[0]
+            if services is not None:
+                job.info = dict(services.info.to_dict(), addresses=[_reachable(a) for a in services.info.addresses])
+        ctx.services = ServiceInfo.from_dict(_gather_json(ctx, job.info)[0])
         # ranks on other machines stream only where the run folder is shared (rank 0 made it before init_rank)
         stream = outputs.stream_path(out, rank) if (out / outputs.RANKS_DIR).is_dir() else None
         record = run_rank(cfg, ctx, echo=job.echo, metrics=stream, checkpoints=job.checkpoints, start=job.start,
                           resume=job.resume)
-        state = record.pop("model_state", None)
-        records = _gather_json(ctx, record)   # every rank is done with the servers past this point
+        records = _gather_json(ctx, record.to_json())   # every rank is done with the servers past this point
         extra = None
         if rank == 0:
-            outputs.save_record(out, dict(records[0], model_state=state))
+            outputs.save_record(out, record)
             for r in records[1:]:
-                outputs.save_record(out, r)
+                outputs.save_record(out, RankRecord.from_json(r))
             if services is not None:
                 extra = services.finish()   # the servers' measurements; model.pt from their parameters
                 services.stop()

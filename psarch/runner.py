@@ -17,6 +17,7 @@ from psarch.config import Config
 from psarch.dist import DistContext
 from psarch.errors import check_loss
 from psarch.precision import compute_dtype
+from psarch.records import RankRecord, StepRecord
 from psarch.trainer import StepStats, Trainer
 from psarch.units import fmt_bytes
 from psarch.workload import Workload, build_workload
@@ -75,7 +76,7 @@ class StepLoop:
 
 def run_rank(cfg: Config, ctx: DistContext, workload: Workload | None = None, echo: bool = True,
              checkpoints: Path | None = None, start: Path | None = None, resume: bool = False,
-             metrics: Path | None = None, marks: StepMarks | None = None) -> dict[str, Any]:
+             metrics: Path | None = None, marks: StepMarks | None = None) -> RankRecord:
     """Train up to step `train.steps` on this rank, from step 0 or from checkpoint `start`'s step and state
     (with `resume`, also its step records), writing a checkpoint under `checkpoints` every
     `train.checkpoint_every` steps; returns the rank's record (step records, memory, traffic, model). With
@@ -93,11 +94,11 @@ def run_rank(cfg: Config, ctx: DistContext, workload: Workload | None = None, ec
     trainer = contract.load_trainer(cfg.backend.kind)(workload, cfg, ctx)
     if slow is not None:   # its compute is the forward and backward less the waits the backend timed in them
         slow.waited = trainer.comm_waited_s
-    first, records = 0, []
+    first, records = 0, []   # this rank's step records
     if ckpt is not None:
         trainer.load_checkpoint(ckpt)
         ckpt.restore_rng(ctx.rank, ctx.device)   # dropout goes on drawing where it stopped
-        records = ckpt.rows(ctx.rank) if resume else []
+        records = ckpt.steps(ctx.rank) if resume else []
         first = ckpt.step  # data is a function of (seed, step): continuing the step continues the data
         ckpt.close()
     stream = open(metrics, "a", buffering=1) if metrics is not None else None  # line-buffered: a record per write
@@ -109,11 +110,9 @@ def run_rank(cfg: Config, ctx: DistContext, workload: Workload | None = None, ec
         _steps(StepLoop(trainer, workload, cfg, ctx), range(first, cfg.train.steps), records, stream, slow, marks,
                log, save)
         state = trainer.full_state_dict()   # a collective call: before the figures, which then include it
-        record = {"rank": ctx.rank, "rows": records, "memory": trainer.memory().to_dict(),
-                  "traffic": trainer.traffic().to_dict(), "extra": trainer.summary_extra(),
-                  "device": str(ctx.device), "dist_backend": ctx.dist_backend,
-                  "entropy_floor": workload.entropy_floor, "params": params, "workload": workload.name,
-                  "model_state": state if ctx.rank == 0 else None}
+        record = RankRecord(ctx.rank, records, trainer.memory().to_dict(), trainer.traffic().to_dict(),
+                            trainer.summary_extra(), str(ctx.device), ctx.dist_backend, workload.entropy_floor,
+                            params, workload.name, state if ctx.rank == 0 else None)
     finally:
         if stream is not None:
             stream.close()
@@ -121,9 +120,9 @@ def run_rank(cfg: Config, ctx: DistContext, workload: Workload | None = None, ec
     return record
 
 
-def _steps(loop: StepLoop, steps: range, records: list[dict[str, Any]], stream: TextIO | None,
+def _steps(loop: StepLoop, steps: range, records: list[StepRecord], stream: TextIO | None,
            slow: Straggler | None, marks: StepMarks | None, log: "_Progress",
-           save: Callable[[int, list[dict[str, Any]]], None]) -> None:
+           save: Callable[[int, list[StepRecord]], None]) -> None:
     """The step loop: each step's record appended (and streamed) before its loss is checked, so the
     metrics keep a bad step; progress lines and checkpoints between steps."""
     trainer, rank = loop.trainer, loop.ctx.rank
@@ -137,10 +136,12 @@ def _steps(loop: StepLoop, steps: range, records: list[dict[str, Any]], stream: 
             slow.step = step
         stats, dt = loop.step(batch)
         tr = trainer.traffic()
-        records.append({"step": step, "rank": rank, "loss": stats.loss, "step_time_s": dt, "comm_s": stats.comm_s,
-                        "sent": tr.sent - last.sent, "received": tr.received - last.received,
-                        "skipped": stats.skipped, "loss_scale": stats.loss_scale, "extra": stats.extra,
-                        **({"slept_s": slow.slept_s} if slow is not None else {})})
+        record = StepRecord(step=step, rank=rank, loss=stats.loss, step_time_s=dt, comm_s=stats.comm_s,
+                            sent=tr.sent - last.sent, received=tr.received - last.received, skipped=stats.skipped,
+                            loss_scale=stats.loss_scale, extra=stats.extra)
+        if slow is not None:
+            record["slept_s"] = slow.slept_s
+        records.append(record)
         last = tr
         if stream is not None:
             stream.write(json.dumps(records[-1]) + "\n")
@@ -152,11 +153,11 @@ def _steps(loop: StepLoop, steps: range, records: list[dict[str, Any]], stream: 
 
 
 def _checkpointer(trainer: Trainer, cfg: Config, ctx: DistContext, root: Path | None
-                  ) -> Callable[[int, list[dict[str, Any]]], None]:
+                  ) -> Callable[[int, list[StepRecord]], None]:
     """Writes a checkpoint after every train.checkpoint_every-th step (never without a checkpoint folder)."""
     every = cfg.train.checkpoint_every if root is not None else 0
 
-    def save(done: int, records: list[dict[str, Any]]) -> None:
+    def save(done: int, records: list[StepRecord]) -> None:
         if every and done % every == 0:
             trainer.write_checkpoint(ctx, root, done, cfg.to_dict(), cfg.train.keep_checkpoints, records)
     return save
@@ -175,7 +176,7 @@ class _Progress:
     def start(self) -> None:
         self.t0 = time.perf_counter()
 
-    def after(self, step: int, records: list[dict[str, Any]], stats: StepStats) -> None:
+    def after(self, step: int, records: list[StepRecord], stats: StepStats) -> None:
         if (step + 1) % self.every and step + 1 != self.steps:
             return
         interval = records[-((step % self.every) + 1):]

@@ -8,7 +8,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import psarch
-from psarch.data import shard_rows, step_generator
+from psarch.data import shard_batch, step_generator
 
 
 class TinyRegressor(nn.Module):
@@ -31,7 +31,7 @@ def regression(cfg, scale: float = 1.0) -> psarch.Workload:
         g = step_generator(cfg.seed, step)
         x = torch.randn(global_batch, 6, generator=g)
         y = x @ w_true + 0.1 * scale * torch.randn(global_batch, generator=g)
-        return shard_rows(x, shard, num_shards), shard_rows(y, shard, num_shards)
+        return shard_batch(x, shard, num_shards), shard_batch(y, shard, num_shards)
 
     def loss_fn(model: nn.Module, b) -> torch.Tensor:
         x, y = b
@@ -77,7 +77,7 @@ def readme_example(cfg) -> psarch.Workload:
     def batch(step, shard, num_shards):           # the shard of step `step`'s global batch
         g = step_generator(cfg.seed, step)
         x = torch.randn(cfg.train.global_batch, 8, generator=g)
-        return shard_rows(x, shard, num_shards), shard_rows(x.sum(1, keepdim=True), shard, num_shards)
+        return shard_batch(x, shard, num_shards), shard_batch(x.sum(1, keepdim=True), shard, num_shards)
 
     def loss_fn(model, b):
         x, y = b

@@ -103,9 +103,9 @@ def test_single_resume_is_bit_exact(tmp_path, precision, optimizer):
     data["train"].update(optimizer=optimizer)   # adagrad: its `sum` state and step count
     straight = run_rank(from_dict(data), DistContext(), echo=False, checkpoints=tmp_path)
     resumed = run_rank(from_dict(data), DistContext(), echo=False, start=tmp_path / "step_000003", resume=True)
-    assert _bitwise_equal(straight["model_state"], resumed["model_state"])
+    assert _bitwise_equal(straight.model_state, resumed.model_state)
     keys = ("step", "loss", "skipped", "loss_scale")
-    assert [[r[k] for k in keys] for r in resumed["rows"]] == [[r[k] for k in keys] for r in straight["rows"]]
+    assert [[r[k] for k in keys] for r in resumed.steps] == [[r[k] for k in keys] for r in straight.steps]
 
 
 def test_an_unfinished_checkpoint_is_never_picked(tmp_path):
@@ -187,7 +187,7 @@ def test_a_fork_into_fp16_starts_a_fresh_loss_scaler(written):
     ckpt, data = written   # written in fp32, where no scaler is at work
     forked = dict(data, train=dict(data["train"], steps=3, precision="fp16", checkpoint_every=0))
     record = run_rank(from_dict(forked), DistContext(), echo=False, start=ckpt)
-    assert [r["step"] for r in record["rows"]] == [2] and record["rows"][0]["loss_scale"] == 2.0**16
+    assert [r["step"] for r in record.steps] == [2] and record.steps[0]["loss_scale"] == 2.0**16
 
 
 def test_checkpoints_are_ordered_by_step_number_not_name(tmp_path):

@@ -28,8 +28,8 @@ def losses_and_keys(rank: int, n: int) -> dict:
     for kind, backend in IN_GROUP:
         rec = run_rank(from_dict(config(kind, n, **backend)), DistContext(rank, n, rank, torch.device("cpu"), "gloo"),
                        echo=False)
-        out[f"{kind}{backend}"] = {"first": rec["rows"][0]["loss"], "last": rec["rows"][-1]["loss"],
-                                   "keys": sorted(rec["model_state"]) if rank == 0 else None}
+        out[f"{kind}{backend}"] = {"first": rec.steps[0]["loss"], "last": rec.steps[-1]["loss"],
+                                   "keys": sorted(rec.model_state) if rank == 0 else None}
     return out
 
 
@@ -63,7 +63,7 @@ def readme_losses(rank: int, n: int) -> dict:
     out = {}
     for backend in README_DDP:
         cfg = from_dict(dict(README, name="ddp", backend=dict(backend, kind="ddp", world_size=n)))
-        rows = run_rank(cfg, DistContext(rank, n, rank, torch.device("cpu"), "gloo"), echo=False)["rows"]
+        rows = run_rank(cfg, DistContext(rank, n, rank, torch.device("cpu"), "gloo"), echo=False).steps
         out[backend["comm"]] = [r["loss"] for r in rows]
     return out
 
@@ -72,7 +72,7 @@ def test_readme_factory_trains_in_bf16_without_casting_its_input():
     """The README's factory feeds float32 x to a bf16 model (no cast in its loss_fn): without the runner's
     cast, the first forward raises "mat1 and mat2 must have the same dtype"."""
     single = run_rank(from_dict(dict(README, name="single")), DistContext(), echo=False)
-    runs = {"single": [r["loss"] for r in single["rows"]], **run_ranks(readme_losses, 2, timeout=300)[0]}
+    runs = {"single": [r["loss"] for r in single.steps], **run_ranks(readme_losses, 2, timeout=300)[0]}
     for name, losses in runs.items():
         assert losses[-1] < 0.3 * losses[0], f"{name} bf16 did not learn: {losses[0]:.3f} -> {losses[-1]:.3f}"
 

@@ -131,7 +131,7 @@ def _serve(tmp_path: Path, every: int):
     cfg = from_dict(config("save", train={"optimizer": "sgd", "lr": 0.1, "checkpoint_every": every},
                            backend=ps(1, timeout_s=30.0)))
     services = start_services(cfg, tmp_path / "run", threads=True)
-    return services, PSClient(services.info["addresses"], 0, 10.0, services.info["auth"])
+    return services, PSClient(services.info.addresses, 0, 10.0, services.info.auth)
 
 
 def test_save_outside_the_run_checkpoint_folder_or_at_a_wrong_step_is_refused(tmp_path):

@@ -128,7 +128,7 @@ def _bad_requests(rng: random.Random, count: int) -> list[list[bytes]]:
 def test_bad_row_requests_are_refused_and_change_nothing(mode):
     cfg = _cfg("rowfuzz", ps(2, mode, servers=2, embeddings="rows"))
     services = start_services(cfg, None, threads=True)
-    addr, creds = services.info["addresses"], services.info["auth"]
+    addr, creds = services.info.addresses, services.info.auth
     zctx = zmq.Context()
     socks = {}
     w0, w1 = PSClient(addr, 0, 10.0, creds), PSClient(addr, 1, 10.0, creds)
@@ -184,7 +184,7 @@ def test_sync_refuses_rows_for_the_next_step_while_the_round_waits():
     they would be summed into round s (here row 0 would move by the whole gradient, not its mean)."""
     cfg = _cfg("rowturn", ps(2, "sync", servers=1, embeddings="rows"))
     services = start_services(cfg, None, threads=True)
-    addr, creds = services.info["addresses"], services.info["auth"]
+    addr, creds = services.info.addresses, services.info.auth
     w0, w1 = PSClient(addr, 0, 10.0, creds), PSClient(addr, 1, 10.0, creds)
     numel = sum(p.numel() for p in dense_params(build_workload(cfg).model))
 

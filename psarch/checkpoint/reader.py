@@ -13,7 +13,7 @@ import torch
 
 from psarch.checkpoint import rng
 from psarch.checkpoint.fragments import PARAM, Fragment
-from psarch.checkpoint.writer import FORMAT, METADATA, VERSION, complete_checkpoints
+from psarch.checkpoint.writer import FORMAT, METADATA, VERSION, complete_checkpoints, steps_file
 
 
 class CheckpointError(ValueError):
@@ -188,9 +188,11 @@ class Checkpoint:
             raise CheckpointError(f"{self.path / METADATA}: rank {rank}'s {e}") from None
         return True
 
-    def rows(self, rank: int) -> list[dict[str, Any]]:
-        """Rank `rank`'s metric rows of the steps before this checkpoint ([] if it wrote none)."""
-        path = self.path / f"rows{rank}.jsonl"
+    def steps(self, rank: int) -> list[dict[str, Any]]:
+        """Rank `rank`'s step records of the steps before this checkpoint ([] if it wrote none); a checkpoint
+        written before they were called so holds them in rows<R>.jsonl."""
+        path = steps_file(self.path, rank)
+        path = path if path.is_file() else self.path / f"rows{rank}.jsonl"
         return [json.loads(line) for line in path.read_text().splitlines()] if path.is_file() else []
 
     def close(self) -> None:

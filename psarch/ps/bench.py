@@ -172,7 +172,7 @@ def wire_table(max_mib: int) -> list[dict[str, Any]]:
                 build_model=False) for a in AUTHS}
             clients = {"raw": _Raw(raw_addr, n), "raw_chunked": _Raw(raw_addr, n, wire.CHUNK),
                        "wire": _PS(wire_addr, n, init=False)}
-            clients.update({f"server_{a}": _PS(sv.info["addresses"][0], n, init=True, creds=sv.info["auth"])
+            clients.update({f"server_{a}": _PS(sv.info.addresses[0], n, init=True, creds=sv.info.auth)
                             for a, sv in services.items()})
             try:
                 rows.append(dict(mib=n / 2**20, **_interleaved(clients, n)))

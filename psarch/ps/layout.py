@@ -6,6 +6,7 @@ import threading
 import torch
 
 from psarch.config import Config
+from psarch.flat import flat_layout
 from psarch.precision import compute_dtype
 from psarch.single import consolidated_state
 
@@ -58,16 +59,6 @@ def meta_model(cfg: Config) -> torch.nn.Module:
 
     with _SEED_LOCK:  # build_workload seeds torch's global generator: servers run as threads must take turns
         return build_workload(cfg, device="meta").model
-
-
-def flat_layout(model: torch.nn.Module, params: list) -> list[tuple[str, torch.Size, int]]:
-    """Each of `params`' name, shape and offset in the flat vector they form, in that order."""
-    names = {id(p): n for n, p in model.named_parameters()}
-    out, pos = [], 0
-    for p in params:
-        out.append((names[id(p)], p.shape, pos))
-        pos += p.numel()
-    return out
 
 
 def param_layout(cfg: Config) -> list[tuple[str, torch.Size, int]]:

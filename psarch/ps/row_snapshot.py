@@ -20,9 +20,10 @@ import torch
 
 from psarch.checkpoint.fragments import PARAM, Fragment, Pieces, optimizer_views
 from psarch.config import Config
-from psarch.ps.layout import flat_layout, meta_model
+from psarch.flat import flat_layout
+from psarch.ps.layout import meta_model
 from psarch.ps.rows import KeySpace, dense_params
-from psarch.sparse import embedding_tables
+from psarch.embeddings import embedding_tables
 
 ROW_STEP = "rows/step"   # lazy AdamW's per-row step counts (no dense optimizer has them)
 

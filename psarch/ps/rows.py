@@ -22,7 +22,7 @@ from psarch.models.dlrm import table_rows
 from psarch.ps.errors import PSError
 from psarch.ps.layout import trainable
 from psarch.ps.row_optim import RowOptimizer
-from psarch.sparse import embedding_tables
+from psarch.embeddings import embedding_tables
 
 
 @dataclass(frozen=True)

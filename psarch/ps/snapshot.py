@@ -34,7 +34,7 @@ import torch
 
 from psarch.checkpoint import rng
 from psarch.checkpoint.fragments import PARAM, Fragment, Pieces, fragments_in, load_scaler, restore, restore_optimizer
-from psarch.checkpoint.writer import merge, part_state, publish, step_dir, write_part, write_rows
+from psarch.checkpoint.writer import merge, part_state, publish, step_dir, tmp_dir, write_part, write_steps
 from psarch.config import Config
 from psarch.ps import wire
 from psarch.ps.errors import PSError
@@ -97,7 +97,7 @@ class ServerSnapshots:
             raise PSError("save: this server was started without a run folder, so it writes no checkpoints")
         if self.state is None:
             raise PSError("save before init: no parameters yet")
-        folder = self.checkpoints / f".tmp_step_{step:06d}"
+        folder = tmp_dir(self.checkpoints, step)
         try:
             asked = Path(msg.header["path"]).resolve()
         except (ValueError, OSError, RuntimeError):   # a NUL byte, a symlink loop: no folder of this run
@@ -123,7 +123,7 @@ class ServerSnapshots:
         if not self.saves or not self._live() <= {w for _, w in self.saves}:
             return   # (a worker lost while it waited still counts as asked: its part is written)
         waiting, self.saves = self.saves, []
-        folder = self.checkpoints / f".tmp_step_{self.save_step:06d}"
+        folder = tmp_dir(self.checkpoints, self.save_step)
         try:
             write_part(self._pieces(), folder, f"server{self.index}")
         except OSError as e:
@@ -227,11 +227,11 @@ def save_worker(tr: Any, root: Path, step: int, config: dict[str, Any], keep: in
     """Write checkpoint `step` from a PS worker (every worker calls it after the same step; see above)."""
     from psarch.ps.client import Request
 
-    rank, tmp = tr.ctx.rank, Path(root) / f".tmp_step_{step:06d}"
+    rank, tmp = tr.ctx.rank, tmp_dir(Path(root), step)
     tmp.mkdir(parents=True, exist_ok=True)
     pieces = tr.checkpoint_pieces()
     write_part(pieces, tmp, f"rank{rank}", rng.capture(tr.ctx.device))   # dropout's stream goes on
-    write_rows(tmp, rank, rows)
+    write_steps(tmp, rank, rows)
     tr.client.exchange([[Request({"op": "save", "step": step, "path": str(tmp)})] for _ in tr.ranges])
     final = step_dir(Path(root), step)
     if rank == 0:

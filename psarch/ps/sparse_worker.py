@@ -29,7 +29,7 @@ from psarch.ps.row_snapshot import cache_pieces, restore_cache
 from psarch.ps.rows import gather_shards, join_model, key_space
 from psarch.ps.snapshot import exact_records
 from psarch.ps.trainer import PSTrainer
-from psarch.sparse import batch_ids, embedding_tables
+from psarch.embeddings import batch_ids, embedding_tables
 from psarch.theory import expected_unique_ids
 from psarch.trainer import MemoryReport, StepStats
 from psarch.workload import Workload

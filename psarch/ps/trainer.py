@@ -45,7 +45,7 @@ class PSTrainer(Trainer):
         self.model = workload.model.to(ctx.device, self.dtype)
         self.loss_fn = workload.loss_fn
         self.flat = FlatParams(trainable(self.model))
-        addresses = list(ctx.services.get("addresses") or b.server_addresses)
+        addresses = list(ctx.services.addresses or b.server_addresses)
         if len(addresses) != b.servers:
             raise RuntimeError(f"backend.servers = {b.servers}: {len(addresses)} server address(es) known "
                                f"({addresses}); run through `psarch run`, or list every server in "
@@ -54,7 +54,7 @@ class PSTrainer(Trainer):
         names = {id(p): n for n, p in self.model.named_parameters()}
         self.layout = [(names[id(p)], p.shape, o) for p, o in zip(self.flat.params, self.flat.offsets)]
         self.param_shapes = shapes(self.layout)   # every parameter a checkpoint holds (rows: the tables too)
-        self.client = PSClient(addresses, ctx.rank, b.timeout_s, ctx.services.get("auth"), b.heartbeat_s,
+        self.client = PSClient(addresses, ctx.rank, b.timeout_s, ctx.services.auth, b.heartbeat_s,
                                b.heartbeat_timeout_s)
         self.wire_dtype = wire.DTYPE_NAMES[self.dtype]
         # the wire is host memory: a GPU worker stages parameters there
@@ -63,7 +63,7 @@ class PSTrainer(Trainer):
         self.loss_scale = 1.0
         self.steps = 0        # steps taken
         self.rounds = 0       # geo: deltas pushed
-        if not ctx.services.get("restored"):   # else load_checkpoint sets the state
+        if not ctx.services.restored:   # else load_checkpoint sets the state
             self._pull_only(0)  # the servers built the same initial model from the config: nothing to send
         self.local = self.synced = None
         if self.mode == "geo":
