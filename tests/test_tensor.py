@@ -110,7 +110,7 @@ def test_resume_is_bit_exact(runs):
 def single_from(out: Path, start: Path) -> dict:
     """The single-process continuation to step 6 from a checkpoint: what a fork is checked against."""
     cfg = from_dict(tr.config("from", "adamw", {"kind": "single"}, 1))
-    return run_rank(cfg, DistContext(), echo=False, start=start)["model_state"]
+    return run_rank(cfg, DistContext(), echo=False, start=start).model_state
 
 
 def test_forks_to_and_from_other_backends(runs):

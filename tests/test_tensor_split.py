@@ -11,7 +11,7 @@ import torch
 from collective.tensor.layers import vocab_parallel_cross_entropy
 from collective.tensor.mesh import TensorMesh, grid
 from collective.tensor.split import shard_plan, vocab_range
-from collective.tensor.state import flat_layout
+from collective.tensor.state import local_layout
 from collective.tensor.theory import gpt_shapes
 from psarch import registry
 from psarch.activations import block_activation_bytes
@@ -72,7 +72,7 @@ def test_shards_written_as_fragments_read_back_as_the_full_model(tmp_path):
         plan = shard_plan(shapes(), 4, r)
         flat = torch.cat([plan[n].take(full[n]).reshape(-1) for n in plan])
         frags = []
-        for name, at, numel in flat_layout(plan):
+        for name, at, numel in local_layout(plan):
             piece = flat[at:at + numel]
             frags += plan[name].fragments({PARAM: piece, "exp_avg": 2 * piece}, {"step": 3.0})
         if r:   # replicated parameters: written once

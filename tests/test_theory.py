@@ -50,6 +50,9 @@ CASES = {
     # what a rank holds scales with PHI; activations move, not parameters: 2 passes per all-reduce and 1 gather
     "tensor": ({}, (4 * PHI * HELD / WHOLE, 4 * PHI * HELD / WHOLE, 8 * PHI * HELD / WHOLE, 0), TENSOR_SENT,
                2 * (4 * L + 2) + 1),
+    # torch's loss_parallel: three all-reduces of one fp32 value per token where psarch all-gathers two
+    "torch_tensor": ({}, (4 * PHI * HELD / WHOLE, 4 * PHI * HELD / WHOLE, 8 * PHI * HELD / WHOLE, 0),
+                     TENSOR_SENT - (N - 1) * 2 * TOKENS * 4 + 3 * 2 * (N - 1) / N * TOKENS * 4, 2 * (4 * L + 2) + 6),
 }
 
 

@@ -10,7 +10,7 @@ from collective.tensor.split import Shard, shard_plan
 from psarch.checkpoint.fragments import PARAM, Fragment, optimizer_views, share_of
 
 
-def flat_layout(plan: dict[str, Shard]) -> list[tuple[str, int, int]]:
+def local_layout(plan: dict[str, Shard]) -> list[tuple[str, int, int]]:
     """(name, offset, numel) of each local part in a rank's flat buffer: the model's order, no gaps."""
     out, at = [], 0
     for name, shard in plan.items():
@@ -26,7 +26,7 @@ def fragments(plan: dict[str, Shard], optimizer: torch.optim.Optimizer, master: 
     state, scalars = optimizer_views(optimizer, master)
     flat = {PARAM: master.detach().view(-1), **state}
     out = []
-    for name, at, numel in flat_layout(plan):
+    for name, at, numel in local_layout(plan):
         out += plan[name].fragments({k: t[at:at + numel] for k, t in flat.items()}, scalars)
     return out
 
@@ -45,7 +45,7 @@ def gather_full(shapes: dict[str, tuple[int, ...]], master: torch.Tensor, mesh: 
     """The full fp32 model on the CPU, from every tensor-parallel rank's flat master (a collective call within the
     tensor-parallel group: each rank's buffer padded to the longest, all-gathered); {} where not `keep`."""
     plans = [shard_plan(shapes, mesh.tp_size, r) for r in range(mesh.tp_size)]
-    longest = max(sum(numel for _, _, numel in flat_layout(p)) for p in plans)
+    longest = max(sum(numel for _, _, numel in local_layout(p)) for p in plans)
     mine = torch.zeros(longest, dtype=torch.float32, device=master.device)
     mine[:master.numel()] = master.detach().view(-1)
     if mesh.tp is not None:
@@ -58,6 +58,6 @@ def gather_full(shapes: dict[str, tuple[int, ...]], master: torch.Tensor, mesh: 
     every = every.cpu()
     full = {name: torch.empty(shape, dtype=torch.float32) for name, shape in shapes.items()}
     for r, plan in enumerate(plans):
-        for name, at, numel in flat_layout(plan):
+        for name, at, numel in local_layout(plan):
             plan[name].put(full[name], every[r, at:at + numel].view(plan[name].local_shape))
     return full
