@@ -158,3 +158,19 @@ def test_ranks_of_a_tensor_group_share_a_data_shard():
     assert (pure.backend.tp_size, pure.backend.dp_size, registry.spec_of(pure).data_shard(pure, 3)) == (4, 1, (0, 1))
     ddp = from_dict({"backend": {"kind": "ddp", "world_size": 4}})
     assert registry.spec_of(ddp).data_shard(ddp, 3) == (3, 4)
+
+
+@pytest.mark.parametrize("dtype, width", [(torch.float32, 4), (torch.bfloat16, 2)])
+def test_a_whole_blocks_activations_equal_the_formula_at_t1(dtype, width):
+    """The plain GPT (t = 1, no split): what autograd keeps inside its blocks, measured from the tensors, is
+    block_activation_bytes(t = 1) per block, byte for byte."""
+    from psarch.meters import SavedActivationMeter
+    from psarch.models.gpt import GPT as Model
+
+    torch.manual_seed(0)
+    model = Model(32, 16, n_layer=3, n_embd=24, n_head=3).to(dtype)
+    storages = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    meter = SavedActivationMeter(lambda: storages, scope=list(model.blocks))
+    with meter:
+        model(torch.randint(0, 32, (5, 16))).float().sum().backward()
+    assert meter.bytes == 3 * block_activation_bytes(16, 5, 24, 3, width)

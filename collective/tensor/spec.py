@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Mapping
 
 from collective.tensor import theory
-from psarch.backend import PROCESS_GROUP_OPTIONS, BackendSpec
+from psarch.backend import PROCESS_GROUP_OPTIONS, BackendSpec, CommModel
 from psarch.config_fields import _f
 from psarch.config_files import ConfigError
 from psarch.theory import Prediction
@@ -106,6 +106,11 @@ class TorchTensorSpec(BackendSpec):
 
     def predict(self, cfg: Config, phi: float) -> Prediction:
         return theory.tensor(cfg, phi, torch_loss=True)
+
+    def comm_model(self, cfg: Config, phi: float, extra: Mapping[str, list[Any]]) -> CommModel:
+        # its collectives run inside DTensor's forward and backward and inside its step, where nothing times
+        # them: the measured step holds every pass (its cluster "prediction" is its own step time)
+        return CommModel(hidden_passes=theory.step_bytes(cfg, 0, torch_loss=True)[1])
 
 
 TENSOR = TensorSpec()
