@@ -116,6 +116,20 @@ def tensor_bytes(tensors: Iterable[torch.Tensor | None]) -> int:
     return total
 
 
+def local(t: torch.Tensor | None) -> torch.Tensor | None:
+    """What this rank holds of a tensor: a DTensor's local shard, any other tensor itself."""
+    return t.to_local() if t is not None and hasattr(t, "to_local") else t
+
+
+def local_state_bytes(params: Iterable[torch.Tensor], opt: torch.optim.Optimizer) -> tuple[int, int, int]:
+    """(parameters, gradients, optimizer state) bytes this rank holds of (possibly DTensor) parameters and the
+    optimizer stepping them: the torch peers that shard with DTensors (FSDP2, tensor parallelism)."""
+    params = list(params)
+    state = [local(v) for s in opt.state.values() for v in s.values() if torch.is_tensor(v)]
+    return (tensor_bytes(local(p) for p in params), tensor_bytes(local(p.grad) for p in params),
+            tensor_bytes(state))
+
+
 def optimizer_state_bytes(opt: torch.optim.Optimizer) -> int:
     """Bytes of every tensor in an optimizer's state (moments, momentum buffers, step counters)."""
     return tensor_bytes(v for s in opt.state.values() for v in s.values() if torch.is_tensor(v))

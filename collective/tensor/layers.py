@@ -75,28 +75,27 @@ def _parameter(t: torch.Tensor | None) -> nn.Parameter | None:
     return nn.Parameter(t.detach().clone()) if t is not None else None
 
 
-class ColumnParallelLinear(nn.Module):
-    """y_r = f(x) W_r^T + b_r: this rank's output features (rows of W and b); the output stays split."""
+class _ParallelLinear(nn.Module):
+    """A linear layer's part on this rank: `weight` and `bias` as this rank holds them (copies become its
+    parameters, under the names nn.Linear gives them)."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, mesh: TensorMesh) -> None:
         super().__init__()
         self.mesh = mesh
         self.weight = _parameter(weight)
         self.bias = _parameter(bias)
+
+
+class ColumnParallelLinear(_ParallelLinear):
+    """y_r = f(x) W_r^T + b_r: this rank's output features (rows of W and b); the output stays split."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return F.linear(copy_to_tp(x, self.mesh), self.weight, self.bias)
 
 
-class RowParallelLinear(nn.Module):
+class RowParallelLinear(_ParallelLinear):
     """y = g(x_r W_r^T) + b: this rank's input features (columns of W); the bias, whole on every rank, is added
     once, after the sum."""
-
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, mesh: TensorMesh) -> None:
-        super().__init__()
-        self.mesh = mesh
-        self.weight = _parameter(weight)
-        self.bias = _parameter(bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = reduce_from_tp(F.linear(x, self.weight), self.mesh)

@@ -25,14 +25,10 @@ from collective.tensor.state import written_by_me
 from psarch.checkpoint.fragments import PARAM, Fragment, Pieces, restore
 from psarch.config import Config
 from psarch.dist import DistContext
-from psarch.meters import TrafficMeter, peak_memory, tensor_bytes
+from psarch.meters import TrafficMeter, local, local_state_bytes, peak_memory
 from psarch.optim import build_optimizer
 from psarch.trainer import MemoryReport, StepStats, Trainer, TrafficReport
 from psarch.workload import Workload, next_token_loss
-
-
-def _local(t: Any) -> Any:
-    return t.to_local() if t is not None and hasattr(t, "to_local") else t
 
 
 def torch_plan(shapes: dict[str, tuple[int, ...]], tp_size: int, tp_rank: int) -> dict[str, Shard]:
@@ -98,7 +94,7 @@ class TorchTensorTrainer(Trainer):
         self.optim = build_optimizer([{"params": distributed}, {"params": plain}], cfg.train,
                                      fused=cfg.train.optimizer == "adamw")
         self.meter = TrafficMeter(modelled=True)
-        self.sent = theory.step_bytes(cfg, sum(_local(p).numel() for p in self.params), torch_loss=True)[0]
+        self.sent = theory.step_bytes(cfg, sum(local(p).numel() for p in self.params), torch_loss=True)[0]
 
     def step(self, batch: Any) -> StepStats:
         from torch.distributed.tensor.parallel import loss_parallel
@@ -108,14 +104,14 @@ class TorchTensorTrainer(Trainer):
             loss = self.loss_fn(self.model, batch)
             loss.backward()
         if self.dp_group is not None:
-            grads = [_local(p.grad) for p in self.params]
+            grads = [local(p.grad) for p in self.params]
             flat = torch._utils._flatten_dense_tensors(grads).div_(self.dp_size)
             dist.all_reduce(flat, group=self.dp_group)
             for g, avg in zip(grads, torch._utils._unflatten_dense_tensors(flat, grads)):
                 g.copy_(avg)
         self.optim.step()
         self.meter.add("all_reduce", int(self.sent), int(self.sent))
-        return StepStats(float(_local(loss).item()))
+        return StepStats(float(local(loss).item()))
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """Each parameter gathered in turn (a collective in every tensor-parallel group); qkv rows put back in
@@ -133,14 +129,14 @@ class TorchTensorTrainer(Trainer):
     def _fragments(self) -> list[Fragment]:
         out = []
         for i, (name, p) in enumerate(self.named):
-            local = _local(p).detach()
-            if tuple(local.shape) != self.plan[name].local_shape:
-                raise RuntimeError(f"torch_tensor checkpoint: {name!r} holds {tuple(local.shape)} here, not the "
+            held = local(p).detach()
+            if tuple(held.shape) != self.plan[name].local_shape:
+                raise RuntimeError(f"torch_tensor checkpoint: {name!r} holds {tuple(held.shape)} here, not the "
                                    f"{self.plan[name].local_shape} of its expected shard")
-            tensors, scalars = {PARAM: local.view(-1)}, {}
+            tensors, scalars = {PARAM: held.view(-1)}, {}
             for k, v in self.optim.state.get(p, {}).items():
                 if torch.is_tensor(v) and v.dim() > 0:
-                    tensors[k] = _local(v).view(-1)
+                    tensors[k] = local(v).view(-1)
                 else:
                     scalars[k] = float(v)
             for f in self.plan[name].fragments(tensors, scalars):
@@ -159,10 +155,8 @@ class TorchTensorTrainer(Trainer):
 
     def memory(self) -> MemoryReport:
         peak, kind = peak_memory(self.ctx.device)
-        state = [_local(v) for s in self.optim.state.values() for v in s.values() if torch.is_tensor(v)]
-        return MemoryReport(params=tensor_bytes(_local(p) for p in self.params),
-                            grads=tensor_bytes(_local(p.grad) for p in self.params),
-                            optimizer=tensor_bytes(state), peak=peak, peak_kind=kind)
+        params, grads, optimizer = local_state_bytes(self.params, self.optim)
+        return MemoryReport(params=params, grads=grads, optimizer=optimizer, peak=peak, peak_kind=kind)
 
     def traffic(self) -> TrafficReport:
         return self.meter.report()
