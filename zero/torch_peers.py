@@ -20,7 +20,7 @@ from typing import Any
 import torch
 from torch.nn.parallel import DistributedDataParallel
 
-from psarch.checkpoint.fragments import PARAM, Fragment, Pieces, restore, whole_parameters
+from psarch.checkpoint.fragments import PARAM, Fragment, Pieces, local_views, restore, whole_parameters
 from psarch.config import Config
 from psarch.dist import DistContext
 from psarch.meters import TrafficMeter, local, local_state_bytes, optimizer_state_bytes, peak_memory, tensor_bytes
@@ -165,15 +165,9 @@ class TorchFSDPTrainer(Trainer):
     def _fragments(self) -> list[Fragment]:
         out = []
         for i, (name, p) in enumerate(self.named):
-            held = local(p).detach()
-            if held.numel() == 0:   # a rank past the last row of a small parameter holds none of it
+            if local(p).numel() == 0:   # a rank past the last row of a small parameter holds none of it
                 continue
-            tensors, scalars = {PARAM: held.view(-1)}, {}
-            for k, v in self.optim.state.get(p, {}).items():
-                if torch.is_tensor(v) and v.dim() > 0:
-                    tensors[k] = local(v).view(-1)
-                else:
-                    scalars[k] = float(v)
+            tensors, scalars = local_views(self.optim, p)
             out.append(Fragment(name, tuple(p.shape), _row_offset(name, p), tensors, scalars, i))
         return out
 

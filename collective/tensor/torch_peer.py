@@ -22,7 +22,7 @@ from collective.tensor import theory
 from collective.tensor.layers import ParallelSelfAttention
 from collective.tensor.split import Shard, check_splittable, shard_plan
 from collective.tensor.state import written_by_me
-from psarch.checkpoint.fragments import PARAM, Fragment, Pieces, restore
+from psarch.checkpoint.fragments import Fragment, Pieces, local_views, restore
 from psarch.config import Config
 from psarch.dist import DistContext
 from psarch.meters import TrafficMeter, local, local_state_bytes, peak_memory
@@ -129,17 +129,10 @@ class TorchTensorTrainer(Trainer):
     def _fragments(self) -> list[Fragment]:
         out = []
         for i, (name, p) in enumerate(self.named):
-            held = local(p).detach()
-            if tuple(held.shape) != self.plan[name].local_shape:
-                raise RuntimeError(f"torch_tensor checkpoint: {name!r} holds {tuple(held.shape)} here, not the "
+            if tuple(local(p).shape) != self.plan[name].local_shape:
+                raise RuntimeError(f"torch_tensor checkpoint: {name!r} holds {tuple(local(p).shape)} here, not the "
                                    f"{self.plan[name].local_shape} of its expected shard")
-            tensors, scalars = {PARAM: held.view(-1)}, {}
-            for k, v in self.optim.state.get(p, {}).items():
-                if torch.is_tensor(v) and v.dim() > 0:
-                    tensors[k] = local(v).view(-1)
-                else:
-                    scalars[k] = float(v)
-            for f in self.plan[name].fragments(tensors, scalars):
+            for f in self.plan[name].fragments(*local_views(self.optim, p)):
                 f.holder = i
                 out.append(f)
         return out

@@ -69,6 +69,22 @@ def optimizer_views(optimizer: torch.optim.Optimizer, master: torch.Tensor) -> t
     return tensors, scalars
 
 
+def local_views(optimizer: torch.optim.Optimizer, param: torch.Tensor) -> tuple[dict[str, torch.Tensor],
+                                                                              dict[str, float]]:
+    """What this rank holds of a parameter that may be a DTensor (the torch peers that shard with them): its
+    local shard and the optimizer's element-wise state of it as flat views, and the optimizer's numbers."""
+    def held(t: torch.Tensor) -> torch.Tensor:
+        return (t.to_local() if hasattr(t, "to_local") else t).detach().view(-1)
+
+    tensors, scalars = {PARAM: held(param)}, {}
+    for k, v in optimizer.state.get(param, {}).items():
+        if torch.is_tensor(v) and v.dim() > 0:
+            tensors[k] = held(v)
+        else:
+            scalars[k] = float(v)
+    return tensors, scalars
+
+
 def fragments_in(optimizer: torch.optim.Optimizer, masters: Sequence[torch.Tensor], holder: int,
                  params: Sequence[tuple[str, torch.Size, int]], lo: int, hi: int, base: int = 0) -> list[Fragment]:
     """Fragments of parameters laid out flat in a region (`params`: name, shape, offset in the region) of
