@@ -1,7 +1,7 @@
 """The runs test_tensor.py looks at, one spawned process group per world size (start-up is the cost):
 N = 4: t = 4, and t = 2 x dp = 2 (ring and native), under SGD and AdamW, one writing checkpoints and measuring
 the blocks' activations; ZeRO-3 writing a checkpoint that t = 4 continues; torch's tensor parallelism at
-t = 2 x dp = 2, writing checkpoints. N = 2: t = 2 (ring, native), a straight run with checkpoints and its
+t = 2 x dp = 2, writing checkpoints. N = 2: t = 2 (ring, native; bf16), a straight run with checkpoints and its
 resumption, the t = 2 x dp = 2 checkpoint continued as ddp, torch's t = 2, and its checkpoint continued as t = 2."""
 from __future__ import annotations
 
@@ -61,6 +61,8 @@ def world2(rank: int, n: int, out: str) -> dict:
                                         start=step3(out, "t2-adamw"), resume=True)
     results["t2dp2-to-ddp2"] = train(rank, n, config("t2dp2-to-ddp2", "adamw", {"kind": "ddp"}, n), {}, out,
                                      start=step3(out, "t2dp2-adamw"))
+    results["t2-bf16"] = train(rank, n, config("t2-bf16", "adamw", dict(TENSOR, measure_activations=True), n,
+                                               precision="bf16"), {}, out)
     results["torch-t2-sgd"] = train(rank, n, config("torch-t2-sgd", "sgd", {"kind": "torch_tensor"}, n), {}, out)
     results["torch-to-t2"] = train(rank, n, config("torch-to-t2", "adamw", TENSOR, n), {}, out,
                                    start=step3(out, "torch-t2dp2-adamw"))

@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch import nn
 
 from collective.tensor import theory
 from collective.tensor.layers import ParallelSelfAttention
@@ -49,42 +50,45 @@ def qkv_order(shapes: dict[str, tuple[int, ...]], tp_size: int) -> dict[str, tor
             for name in shapes if ".attn.qkv." in name}
 
 
+def parallelize(model: nn.Module, tp: Any, order: dict[str, torch.Tensor], tp_size: int) -> None:
+    """Apply torch's tensor parallelism to a psarch GPT on the tensor-parallel mesh `tp`, in place: qkv rows
+    reordered (`order`), attention over the local heads, the plan torchtitan uses."""
+    from torch.distributed.tensor import Replicate, Shard as Sharded
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    params = dict(model.named_parameters())
+    with torch.no_grad():
+        for name, rows in order.items():
+            params[name].copy_(params[name][rows])
+    for block in model.blocks:
+        block.attn = ParallelSelfAttention(block.attn.qkv, block.attn.proj, block.attn.n_head // tp_size)
+        parallelize_module(block, tp, {"attn.qkv": ColwiseParallel(), "attn.proj": RowwiseParallel(),
+                                       "mlp.0": ColwiseParallel(), "mlp.2": RowwiseParallel()})
+    parallelize_module(model, tp, {"embed": RowwiseParallel(input_layouts=Replicate()),
+                                   "head": ColwiseParallel(output_layouts=Sharded(-1), use_local_output=False)})
+
+
 class TorchTensorTrainer(Trainer):
     """ColwiseParallel / RowwiseParallel per block, vocabulary-parallel embedding, head and loss; the plain
     optimizer of psarch.optim over the DTensors."""
 
     def __init__(self, workload: Workload, cfg: Config, ctx: DistContext) -> None:
         from torch.distributed.device_mesh import init_device_mesh
-        from torch.distributed.tensor import Replicate, Shard as Sharded
-        from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
         b = cfg.backend
-        model = workload.model
-        check_splittable(model, b.tp_size)
+        check_splittable(workload.model, b.tp_size)
         if workload.loss_fn is not next_token_loss:
             raise ValueError("torch_tensor trains the GPT's next-token loss under loss_parallel(); this workload "
                              "brings its own loss_fn")
         self.ctx, self.cfg, self.loss_fn = ctx, cfg, workload.loss_fn
         mesh = init_device_mesh(ctx.device.type, (b.dp_size, b.tp_size), mesh_dim_names=("dp", "tp"))
-        tp = mesh["tp"]
         self.dp_group = mesh["dp"].get_group() if b.dp_size > 1 else None
         self.dp_rank, self.dp_size = ctx.rank // b.tp_size, b.dp_size
-        self.shapes = {n: tuple(p.shape) for n, p in model.named_parameters()}
+        self.shapes = {n: tuple(p.shape) for n, p in workload.model.named_parameters()}
         self.order = qkv_order(self.shapes, b.tp_size)
-        self.plan = torch_plan(self.shapes, b.tp_size, tp.get_local_rank())
-        params = dict(model.named_parameters())
-        with torch.no_grad():
-            for name, rows in self.order.items():
-                params[name].copy_(params[name][rows])
-        for block in model.blocks:
-            block.attn = ParallelSelfAttention(block.attn.qkv, block.attn.proj, block.attn.n_head // b.tp_size)
-        self.model = model.to(ctx.device)
-        for block in self.model.blocks:
-            parallelize_module(block, tp, {"attn.qkv": ColwiseParallel(), "attn.proj": RowwiseParallel(),
-                                           "mlp.0": ColwiseParallel(), "mlp.2": RowwiseParallel()})
-        parallelize_module(self.model, tp, {
-            "embed": RowwiseParallel(input_layouts=Replicate()),
-            "head": ColwiseParallel(output_layouts=Sharded(-1), use_local_output=False)})
+        self.plan = torch_plan(self.shapes, b.tp_size, mesh["tp"].get_local_rank())
+        self.model = workload.model.to(ctx.device)
+        parallelize(self.model, mesh["tp"], self.order, b.tp_size)
         self.named = list(self.model.named_parameters())
         self.params = [p for _, p in self.named]
         distributed = [p for p in self.params if hasattr(p, "to_local")]
