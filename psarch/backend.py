@@ -98,19 +98,18 @@ class BackendSpec(ABC):
         text = f"{self.kind} {v}" if v else self.kind
         return text if cfg.backend.embeddings == "dense" else f"{text}, embeddings {cfg.backend.embeddings}"
 
-    def data_shard(self, cfg: Config, rank: int) -> tuple[int, int]:
-        """(shard, shards): which shard of each step's global batch rank `rank` trains on, of how many
-        (Workload.batch's `shard` and `num_shards`). By default each rank its own; ranks that split one model
-        between them (tensor parallelism) share their data-parallel replica's shard. The core checks that
-        train.global_batch divides by `shards`."""
-        return rank, cfg.backend.world_size
-
     def lockstep(self, cfg: Config) -> bool:
         """Whether every worker applies the same update each step (the runs that train the model `single`
         trains, compared in one panel); False for modes where workers run at their own pace."""
         return True
 
     # ---------------------------------------------------------------- processes
+
+    def batch_shard(self, cfg: Config, rank: int, world_size: int) -> tuple[int, int]:
+        """(shard, shards): rank `rank` of `world_size` reads shard `shard` of each step's global batch cut in
+        `shards` equal parts. By default every rank its own; ranks that work on the same samples (the stages
+        of one pipeline) read the same shard."""
+        return rank, world_size
 
     def service_nodes(self, cfg: Config) -> int:
         """Processes besides the workers that this run starts (PS servers), each a node of an emulated cluster."""

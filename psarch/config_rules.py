@@ -24,18 +24,7 @@ def validate(cfg: Config) -> Config:
     check_capabilities(spec, cfg)
     _check_embeddings(cfg)
     spec.check(cfg)
-    _check_batch(cfg, spec)
     return cfg
-
-
-def _check_batch(cfg: Config, spec: Any) -> None:
-    """The global batch splits evenly into the shards the backend's ranks train on (BackendSpec.data_shard)."""
-    shards = spec.data_shard(cfg, 0)[1]
-    if cfg.train.global_batch % shards:
-        n = cfg.backend.world_size
-        whose = (f"backend.world_size = {n}" if shards == n else
-                 f"{shards}, the data-parallel shards of backend.kind = \"{spec.kind}\" at backend.world_size = {n}")
-        raise ConfigError(f"train.global_batch = {cfg.train.global_batch}: must be divisible by {whose}")
 
 
 def _check_name(cfg: Config) -> None:
@@ -48,6 +37,12 @@ def _check_name(cfg: Config) -> None:
 
 def _check_train(cfg: Config) -> None:
     b, t = cfg.backend, cfg.train
+    shards = registry.spec_of(cfg).batch_shard(cfg, 0, b.world_size)[1]
+    if t.global_batch % shards:
+        raise ConfigError(f"train.global_batch = {t.global_batch}: must be divisible by backend.world_size = {b.world_size}"
+                          if shards == b.world_size else
+                          f"train.global_batch = {t.global_batch}: must be divisible by the {shards} shards of the "
+                          f"global batch that backend.kind = \"{b.kind}\" reads")
     if len(t.betas) != 2 or not all(isinstance(x, (int, float)) and not isinstance(x, bool) and 0 <= x < 1 for x in t.betas):
         raise ConfigError(f"train.betas = {show(t.betas)}: expected two numbers in [0, 1)")
     t.betas = [float(x) for x in t.betas]

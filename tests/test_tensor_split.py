@@ -133,7 +133,7 @@ def config(**backend) -> dict:
      "needs at least 4 tokens"),
     ({"train": {"precision": "fp16"}}, 'train.precision = "fp16": backend.kind = "tensor" runs fp32 or bf16'),
     ({"backend": {"world_size": 6, "tensor_parallel": 2}, "train": {"global_batch": 4}},
-     'must be divisible by 3, the data-parallel shards of backend.kind = "tensor" at backend.world_size = 6'),
+     'must be divisible by the 3 shards of the global batch that backend.kind = "tensor" reads'),
 ])
 def test_config_errors_name_what_is_supported(change, says):
     data = config(world_size=2)
@@ -148,16 +148,16 @@ def test_config_errors_name_what_is_supported(change, says):
     assert says in str(e.value) and "\n" not in str(e.value)
 
 
-def test_ranks_of_a_tensor_group_share_a_data_shard():
+def test_ranks_of_a_tensor_group_share_a_batch_shard():
     cfg = from_dict(config(world_size=8, tensor_parallel=2))
     spec = registry.spec_of(cfg)
-    assert [spec.data_shard(cfg, r) for r in range(8)] == [(r // 2, 4) for r in range(8)]
+    assert [spec.batch_shard(cfg, r, 8) for r in range(8)] == [(r // 2, 4) for r in range(8)]
     assert [grid(r, 8, 2) for r in range(8)] == [(r // 2, r % 2) for r in range(8)]
     assert (cfg.backend.tp_size, cfg.backend.dp_size) == (2, 4)
     pure = from_dict(config(world_size=4))   # tensor_parallel = 0: every rank in one tensor-parallel group
-    assert (pure.backend.tp_size, pure.backend.dp_size, registry.spec_of(pure).data_shard(pure, 3)) == (4, 1, (0, 1))
+    assert (pure.backend.tp_size, pure.backend.dp_size, registry.spec_of(pure).batch_shard(pure, 3, 4)) == (4, 1, (0, 1))
     ddp = from_dict({"backend": {"kind": "ddp", "world_size": 4}})
-    assert registry.spec_of(ddp).data_shard(ddp, 3) == (3, 4)
+    assert registry.spec_of(ddp).batch_shard(ddp, 3, 4) == (3, 4)
 
 
 @pytest.mark.parametrize("dtype, width", [(torch.float32, 4), (torch.bfloat16, 2)])

@@ -75,7 +75,7 @@ class TensorSpec(BackendSpec):
     def check(self, cfg: Config) -> None:
         check_gpt(cfg, self.kind)
 
-    def data_shard(self, cfg: Config, rank: int) -> tuple[int, int]:
+    def batch_shard(self, cfg: Config, rank: int, world_size: int) -> tuple[int, int]:
         return replica_shard(cfg, rank)
 
     def predict(self, cfg: Config, phi: float) -> Prediction:
@@ -101,7 +101,7 @@ class TorchTensorSpec(BackendSpec):
     def check(self, cfg: Config) -> None:
         check_gpt(cfg, self.kind)
 
-    def data_shard(self, cfg: Config, rank: int) -> tuple[int, int]:
+    def batch_shard(self, cfg: Config, rank: int, world_size: int) -> tuple[int, int]:
         return replica_shard(cfg, rank)
 
     def predict(self, cfg: Config, phi: float) -> Prediction:

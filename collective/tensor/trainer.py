@@ -1,7 +1,7 @@
 """The `tensor` backend: Megatron tensor parallelism over t ranks, data parallelism over dp = world_size / t.
 
 Every rank builds the same full GPT (same seed), keeps its part of each parameter (collective/tensor/split.py)
-and trains on its data-parallel replica's shard of the batch (TensorSpec.data_shard). Forward and backward
+and trains on its data-parallel replica's shard of the batch (TensorSpec.batch_shard). Forward and backward
 all-reduce activations over the tensor-parallel group (layers.py); the loss is the vocabulary-parallel
 cross-entropy. After backward the flat gradient buffer (this rank's parts, the replicated parameters' whole)
 is averaged over the data-parallel group in one all-reduce. Replicated parameters (LayerNorms, position
