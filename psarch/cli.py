@@ -35,8 +35,9 @@ def _parser() -> argparse.ArgumentParser:
     p_cmp = sub.add_parser("compare", help="compare run folders: report.md and plots")
     p_cmp.add_argument("runs", nargs="+", metavar="RUN_DIR")
     p_cmp.add_argument("--out", help="folder for report.md and the PNG plots (default: runs/compare/<run names>)")
-    p_cmp.add_argument("--target-gap", type=float, default=0.25,
-                       help="convergence table: steps and time until the gap to the entropy floor falls below this")
+    p_cmp.add_argument("--target-gap", type=float,
+                       help="convergence table: steps and time until the gap to the entropy floor falls below this "
+                            "(default: half of the workload's initial gap)")
     _estimate_parser(sub.add_parser("estimate", help="analytic memory, traffic and step-time model (no processes)"))
     return parser
 

@@ -10,7 +10,9 @@ from typing import Any
 from psarch import plots
 from psarch.compare_links import links_table, predicts_activations
 from psarch.compare_sparse import embedding_scaling, is_sparse_run, sparse_table
-from psarch.runs import label, load_run, server_received_per_step, step_clock, trailing_mean, worker_sent_per_step
+from psarch.runs import (label, load_run, name_runs, server_received_per_step, step_clock, target_gaps, target_words,
+                         trailing_mean, worker_sent_per_step)
+from psarch.throughput import LOCKSTEP, OWN_PACE
 from psarch.units import fmt_bytes
 
 
@@ -51,34 +53,48 @@ def table(runs: list[dict[str, Any]]) -> str:
         recv = server_received_per_step(s)
         srv = f"{fmt_bytes(recv)} \\| {fmt_bytes(pt.get('server_received'))}" if recv is not None else "-"
         gap = f"{s['gap']:.4f}" if s.get("gap") is not None else "-"
-        lines.append(f"| {s['name']} | {s['label']} | {s['world_size']} | "
+        lines.append(f"| {run['run_label']} | {s['label']} | {s['world_size']} | "
                      f"{s['samples_per_s']:.1f} | {s['step_time_s'] * 1e3:.2f} | {s['final_loss']:.4f} | {gap} | "
                      f"{fmt_bytes(m0['total'])} \\| {fmt_bytes(pm)} | {fmt_bytes(sent)}{modelled} \\| {fmt_bytes(pt['worker_sent'])} | {srv} | "
                      f"{fmt_bytes(m0.get('peak'))} |")
     return "\n".join(lines)
 
 
-def convergence(runs: list[dict[str, Any]], target_gap: float = 0.25, last: int = 20, window: int = 10) -> str:
+def rate_note(runs: list[dict[str, Any]]) -> str:
+    """What the samples/s column means for these runs (psarch/throughput.py)."""
+    own = [r["run_label"] for r in runs if not r["summary"]["lockstep"]]
+    note = f"samples/s: {LOCKSTEP}"
+    if own:
+        note += f" where workers step in lockstep; {OWN_PACE} where they run at their own pace ({', '.join(own)})"
+    return note + "."
+
+
+def convergence(runs: list[dict[str, Any]], absolute: float | None = None, last: int = 20, window: int = 10) -> str:
     """How fast each run converged, in Markdown: the gap to the entropy floor as the mean of the last
-    `last` steps (one small batch's loss is too noisy to rank runs by), and the first step and wall-clock
-    time of steps at which the `window`-step mean gap fell below `target_gap`. Empty without a floor."""
-    lines = [f"| run | N | gap, mean of last {last} steps | steps to gap < {target_gap:g} | "
-             f"time to gap < {target_gap:g} (s) | staleness mean / max |", "|---|---|---|---|---|---|"]
-    for run in runs:
+    `last` steps (one small batch's loss is too noisy to rank runs by), the target gap (`absolute`, else half
+    of its workload's initial gap: runs.target_gaps), and the first step and wall-clock time of steps at which
+    the `window`-step mean gap fell below it. Runs without a floor say so; empty when no run has one."""
+    if all(r["summary"].get("entropy_floor") is None or not r["metrics"] for r in runs):
+        return ""
+    lines = [f"| run | N | gap, mean of last {last} steps | target gap | steps to target | time to target (s) | "
+             "staleness mean / max |", "|---|---|---|---|---|---|---|"]
+    for run, target in zip(runs, target_gaps(runs, absolute)):
         s, rows = run["summary"], run["metrics"]
+        st = s.get("staleness")
+        stale = f"{st['mean']:.2f} / {st['max']}" if st else "-"
         floor = s.get("entropy_floor")
-        if floor is None or not rows:
-            return ""
+        if target is None:
+            lines.append(f"| {run['run_label']} | {s['world_size']} | no entropy floor | - | - | - | {stale} |")
+            continue
         losses = [r["loss"] for r in rows]
         gap = statistics.fmean(losses[-last:]) - floor
         clock = step_clock(rows)
-        hit = next((i for i, m in enumerate(trailing_mean(losses, window)) if m - floor < target_gap), None)
+        hit = next((i for i, m in enumerate(trailing_mean(losses, window)) if m - floor < target), None)
         nan_at = next((r["step"] for r in rows if not math.isfinite(r["loss"])), None)
         shown = f"{gap:.4f}" if math.isfinite(gap) else f"diverged (non-finite from step {nan_at})"
-        st = s.get("staleness")
         steps, secs = (str(hit + 1), f"{clock[hit]:.2f}") if hit is not None else ("-", "-")
-        stale = f"{st['mean']:.2f} / {st['max']}" if st else "-"
-        lines.append(f"| {s['name']} | {s['world_size']} | {shown} | {steps} | {secs} | {stale} |")
+        lines.append(f"| {run['run_label']} | {s['world_size']} | {shown} | {target:.4f} | {steps} | {secs} | "
+                     f"{stale} |")
     return "\n".join(lines)
 
 
@@ -91,11 +107,16 @@ def default_out(run_dirs: list[str | Path]) -> Path:
     return Path("runs") / "compare" / joined
 
 
-def compare(run_dirs: list[str | Path], out: str | Path, target_gap: float = 0.25) -> Path:
-    """Write report.md and the plots for these runs into `out`; returns the report's path."""
+def compare(run_dirs: list[str | Path], out: str | Path, target_gap: float | None = None) -> Path:
+    """Write report.md and the plots for these runs into `out`; returns the report's path. `target_gap`: the
+    convergence table's target, absolute (default: half of the workload's initial gap)."""
     runs = [load_run(Path(d)) for d in run_dirs]
     if not runs:
         raise ValueError("compare: no runs given")
+    name_runs(runs)
+    if target_gap is not None and not (math.isfinite(target_gap) and target_gap > 0):
+        raise ValueError(f"--target-gap {target_gap:g}: must be a number > 0 (or left out: half of the workload's "
+                         "initial gap)")
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     figures = plots.all_plots(runs, out)
@@ -103,9 +124,10 @@ def compare(run_dirs: list[str | Path], out: str | Path, target_gap: float = 0.2
     text = ["# psarch comparison", ""]
     if warnings:
         text += ["**Warning: these runs are not directly comparable.**", ""] + [f"- {w}" for w in warnings] + [""]
-    text += [table(runs), "", "Memory: rank 0's model states (params + grads + optimizer incl. fp32 masters). "
-             "Traffic: mean over workers; native collectives are modelled, not measured. PS servers' memory and the "
-             "whole system's (workers + servers): memory.png. Predictions: theory.predict on each run's config.", ""]
+    text += [table(runs), "", f"Runs: by folder (or config `label`). {rate_note(runs)} Memory: rank 0's model "
+             "states (params + grads + optimizer incl. fp32 masters). Traffic: mean over workers; native collectives "
+             "are modelled, not measured. PS servers' memory and the whole system's (workers + servers): memory.png. "
+             "Predictions: theory.predict on each run's config.", ""]
     sparse = [r for r in runs if is_sparse_run(r)]
     if sparse:
         figures.append(embedding_scaling(sparse, out))
@@ -120,8 +142,10 @@ def compare(run_dirs: list[str | Path], out: str | Path, target_gap: float = 0.2
                  "rank 0's, per step.", ""]
     conv = convergence(runs, target_gap)
     if conv:
-        text += ["## Convergence", "", conv, "", f"Steps and time (summed step times) until the 10-step mean "
-                 f"gap to the entropy floor first fell below {target_gap:g}.", ""]
+        initial = (" (the first step's loss less the floor, of a run of that workload from step 0, in lockstep "
+                   "where there is one)") if target_gap is None else ""
+        text += ["## Convergence", "", conv, "", "Steps and time (summed step times) until the 10-step mean gap to "
+                 f"the entropy floor first fell below the target gap, {target_words(target_gap)}{initial}.", ""]
     text += [f"![{name}]({name}.png)" for name in figures]
     report = out / "report.md"
     report.write_text("\n".join(text) + "\n")

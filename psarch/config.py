@@ -116,6 +116,7 @@ class Config:
     """One experiment."""
 
     name: str = _f("", "run name (default: the config file's stem)")
+    label: str = _f("", "a run's name in reports and plots; default: its folder")
     seed: int = _f(0, "global seed: model init and every step's global batch derive from it", min=0)
     out: str = _f("", "run folder (default: runs/<name>)")
     workload: WorkloadConfig = _sub(WorkloadConfig)

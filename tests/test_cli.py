@@ -58,8 +58,10 @@ def psarch(cwd: Path, *args: str, timeout: float = 120) -> subprocess.CompletedP
     return subprocess.run(cli_args(*args), cwd=cwd, env=ENV, capture_output=True, text=True, timeout=timeout)
 
 
-# step, the interval's mean loss, gap to the entropy floor, throughput, bytes sent per step (then skipped steps, loss scale)
+# step, the interval's mean loss, gap to the entropy floor, throughput and what it is (psarch/throughput.py), bytes
+# sent per step (then skipped steps, loss scale)
 PROGRESS = re.compile(r"^step\s+\d+/\d+\s+\d+-step mean loss\s+\d+\.\d{4}\s+gap\s+-?\d+\.\d{4}\s+\d+\.\d\s+samples/s"
+                      r" \((global batch / median step time|rank 0's shard / its median step time)\)"
                       r"\s+\d+(\.\d\d)?\s(B|KiB|MiB|GiB)/step sent(\s+skipped \d+)?(\s+scale \S+)?$")
 
 
