@@ -35,7 +35,7 @@ def links_table(runs: list[dict[str, Any]]) -> str:
         shown = fmt_bytes(measured[0]) if measured else "- (not measured)"
         modelled = " (modelled)" if s["traffic"]["per_rank"][0].get("modelled") else ""
         ops = ", ".join(f"{op} {fmt_bytes(v)}" for op, v in ops_per_step(s).items()) or "-"
-        lines.append(f"| {s['name']} | {s['label']} | {s['world_size']} | {shown} \\| {fmt_bytes(predicted)} | "
+        lines.append(f"| {run.get('run_label', s['name'])} | {s['label']} | {s['world_size']} | {shown} \\| {fmt_bytes(predicted)} | "
                      f"{fmt_bytes(worker_sent_per_step(s))}{modelled} \\| "
                      f"{fmt_bytes(s['predicted']['traffic_per_step']['worker_sent'])} | {ops} |")
     return "\n".join(lines)

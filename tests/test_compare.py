@@ -281,9 +281,10 @@ def test_compare_shows_activations_and_links_where_a_backend_predicts_activation
     from psarch.compare_links import links_table
 
     def run(name, label, predicted, extra, ops):
-        return {"summary": {"name": name, "label": label, "world_size": 2, "steps": 4, "extra": extra,
-                            "predicted": {"traffic_per_step": {"worker_sent": 2048}, **predicted},
-                            "traffic": {"per_rank": [{"sent_per_step": 2048, "modelled": False, "ops": ops}]}}}
+        summary = {"name": name, "label": label, "world_size": 2, "steps": 4, "extra": extra,
+                   "predicted": {"traffic_per_step": {"worker_sent": 2048}, **predicted},
+                   "traffic": {"per_rank": [{"sent_per_step": 2048, "modelled": False, "ops": ops}]}}
+        return {"run_label": f"runs/{name}", "summary": summary}
 
     ops = {"tp_all_reduce": {"sent": 4 * 2000}, "tp_all_gather": {"sent": 4 * 48},
            "export_tp_all_gather": {"sent": 999}}
@@ -291,5 +292,5 @@ def test_compare_shows_activations_and_links_where_a_backend_predicts_activation
                  {"block_activation_bytes": [3072, 3072]}, ops)
     ddp = run("dp", "ddp ring", {}, {}, {"all_reduce": {"sent": 8192}})
     rows = links_table([tensor, ddp]).splitlines()[2:]
-    assert rows == ["| tp | tensor t=2 ring | 2 | 3.00 KiB \\| 3.00 KiB | 2.00 KiB \\| 2.00 KiB | "
+    assert rows == ["| runs/tp | tensor t=2 ring | 2 | 3.00 KiB \\| 3.00 KiB | 2.00 KiB \\| 2.00 KiB | "
                     "tp_all_reduce 1.95 KiB, tp_all_gather 48 B |"]
