@@ -13,6 +13,9 @@ from typing import Any
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+# the meter lives in psarch.meters now (tensor parallelism scopes it to blocks); collective/pipeline imports it here
+from psarch.meters import SavedActivationMeter  # noqa: F401
+
 
 @dataclass
 class Unit:
