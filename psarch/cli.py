@@ -79,6 +79,13 @@ def _estimate_parser(p: argparse.ArgumentParser) -> None:
     p.add_argument("--overlap", type=float, default=0.0, help="fraction of communication hidden by compute")
     p.add_argument("--budget", type=float, default=32e9, help="device memory for Table 2, bytes")
     p.add_argument("--from", dest="from_run", help="take Φ, N, precision and compute time from a run folder")
+    gpt = p.add_argument_group("tensor parallelism", "rows for a GPT of this shape at each degree t dividing --world")
+    gpt.add_argument("--tensor-parallel", type=int, help="the degree t to mark (rows appear when given)")
+    for flag, default, what in (("--layers", 24, "blocks"), ("--hidden", 2048, "width"), ("--heads", 16, "heads"),
+                                ("--seq-len", 2048, "tokens per sequence"),
+                                ("--micro-batch", 8, "sequences per data-parallel replica per step"),
+                                ("--vocab", 50257, "vocabulary")):
+        gpt.add_argument(flag, type=int, default=default, help=f"{what} (default {default})")
 
 
 def _keys(args: argparse.Namespace) -> int:
@@ -250,8 +257,30 @@ def _estimate(args: argparse.Namespace) -> int:
         return 2
     cluster = Cluster(args.bandwidth, args.latency, 0.1 if compute is None else compute, args.overlap)
     source = args.from_run if measured is not None and args.compute_s is None else None
-    print(report(phi, world, precision, optimizer, args.servers, cluster, args.budget, measured, source), end="")
+    try:
+        tensor = _tensor_shape(args, world)
+        print(report(phi, world, precision, optimizer, args.servers, cluster, args.budget, measured, source, tensor),
+              end="")
+    except ConfigError as e:
+        print(f"psarch: estimate: {e}", file=sys.stderr)
+        return 2
     return 0
+
+
+def _tensor_shape(args: argparse.Namespace, world: int) -> tuple | None:
+    """(the GPT's shape, t) for --tensor-parallel t; a ConfigError naming the flag when it does not fit."""
+    from psarch.estimate_tensor import GPTShape
+
+    t = args.tensor_parallel
+    if t is None:
+        return None
+    shape = GPTShape(args.layers, args.hidden, args.heads, args.seq_len, args.micro_batch, args.vocab)
+    if min(shape.layers, shape.hidden, shape.heads, shape.seq, shape.micro_batch, shape.vocab) < 1:
+        raise ConfigError("--layers, --hidden, --heads, --seq-len, --micro-batch, --vocab: each must be >= 1")
+    if t < 1 or world % t or shape.heads % t or shape.hidden % shape.heads:
+        raise ConfigError(f"--tensor-parallel {t}: must divide --world {world} and --heads {shape.heads} "
+                          f"(and --heads must divide --hidden {shape.hidden})")
+    return shape, t
 
 
 if __name__ == "__main__":

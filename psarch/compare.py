@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from psarch import plots
+from psarch.compare_links import links_table, predicts_activations
 from psarch.compare_sparse import embedding_scaling, is_sparse_run, sparse_table
 from psarch.curves import diverged
 from psarch.runs import (label, load_run, name_runs, server_received_per_step, step_clock, target_gaps, target_words,
@@ -191,6 +192,11 @@ def compare(run_dirs: list[str | Path], out: str | Path, target_gap: float | Non
                  "of the 95% confidence interval (Student's t over the seeds; n: the seeds that have the figure, so "
                  "steps and time to target count only the seeds that reached it). Diverged: a loss not finite, or "
                  "the curve ends above twice its start.", ""]
+    if any(map(predicts_activations, runs)):
+        text += ["## Activations and links", "", links_table(runs), "", "Blocks' activations: the bytes the "
+                 "transformer blocks keep for backward on rank 0 in a step (psarch.activations), measured where "
+                 "backend.measure_activations is on. Sent per link: one rank's link, mean over ranks; by operation: "
+                 "rank 0's, per step.", ""]
     conv = convergence(runs, target_gap)
     if conv:
         initial = (" (the first step's loss less the floor, of a run of that workload from step 0, in lockstep "
