@@ -83,6 +83,7 @@ def watch(procs: list, out: Path, lost: Callable[[list[int]], bool] | None, chec
 
 def stop(procs: list) -> None:
     """Terminate every rank still alive, then kill what ignores it."""
+    procs = [p for p in procs if p.pid is not None]   # a failed start leaves the rest unstarted: not joinable
     for p in procs:
         if p.is_alive():
             p.terminate()
