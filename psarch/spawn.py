@@ -27,7 +27,7 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
-from psarch.lifecycle import die_with_parent
+from psarch.lifecycle import die_with_parent, ended
 
 # Every rank is on this machine: talk over loopback, whatever the hostname resolves to.
 _LOOPBACK = "lo0" if sys.platform == "darwin" else "lo"
@@ -114,8 +114,7 @@ def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout: floa
             if silent:
                 drain(0.5)  # its report may still be in the pipe behind its exit
                 for r in silent:
-                    outcomes.setdefault(r, ("error", f"rank {r} exited with code {procs[r].exitcode} "
-                                                     f"without reporting (killed? out of memory? see its stderr)"))
+                    outcomes.setdefault(r, ("error", f"rank {r} {ended(procs[r].exitcode)} without reporting; see its stderr"))
                 break
             if time.monotonic() > deadline:
                 missing = [r for r in range(world_size) if r not in outcomes]

@@ -1,0 +1,63 @@
+"""Teardown (issue 20): a process that held a gloo group and has written everything leaves with os._exit, so
+gloo's threads never meet the interpreter's finalisation, where they can abort a finished process (torch 2.13,
+pytorch/pytorch#179291); a process that really died is named by its signal, never by a guess.
+tests/stress_teardown.py repeats the two-rank teardowns by the hundred; the suite runs a few."""
+from __future__ import annotations
+
+import os
+import resource
+import signal
+import subprocess
+import sys
+
+import pytest
+
+from dist_utils import RankError, run_ranks
+from psarch import supervise
+from psarch.config import load_config
+from psarch.errors import RunError
+from psarch.launch import run
+from stress_teardown import TINY
+
+
+def _no_core() -> None:
+    resource.setrlimit(resource.RLIMIT_CORE, (0, 0))   # an abort here writes no core file
+
+
+def _aborts(rank: int, world_size: int) -> None:
+    _no_core()
+    os.kill(os.getpid(), signal.SIGABRT)
+
+
+@pytest.mark.slow
+def test_run_ranks_names_the_signal_of_a_rank_that_died_before_reporting():
+    with pytest.raises(RankError, match=r"rank 0 was killed by SIGABRT without reporting; see its stderr"):
+        run_ranks(_aborts, 1, timeout=60)
+
+
+def _ended_by(code: str) -> int:
+    """The exit code of a Python process that runs `code` (writing no core file)."""
+    no_core = "import resource; resource.setrlimit(resource.RLIMIT_CORE, (0, 0)); "
+    return subprocess.run([sys.executable, "-c", no_core + code], timeout=60, check=False).returncode
+
+
+@pytest.mark.parametrize("code,says", [
+    ("import os, signal; os.kill(os.getpid(), signal.SIGABRT)", "was killed by SIGABRT before it could report"),
+    ("import os, signal; os.kill(os.getpid(), signal.SIGKILL)",
+     "was killed by SIGKILL (SIGKILL: the kernel's out-of-memory killer sends it, as does `kill -9`) before"),
+    ("import os, signal; os.kill(os.getpid(), signal.SIGSEGV)", "was killed by SIGSEGV before it could report"),
+    ("raise SystemExit(3)", "exited with code 3 before it could report an error"),
+])
+def test_a_rank_that_left_no_record_is_named_by_how_it_ended(tmp_path, code, says):
+    (tmp_path / "ranks").mkdir()
+    message = supervise.rank_error(tmp_path, 1, _ended_by(code))
+    assert message.startswith(f"rank 1 {says}"), message
+    assert ("out-of-memory" in message) == ("SIGKILL" in code), message   # named only where it can be the cause
+
+
+@pytest.mark.slow
+def test_a_rank_killed_by_sigabrt_fails_the_run_with_the_signals_name(tmp_path):
+    cfg = load_config(None, dict(TINY, **{"backend.kind": "ddp", "workload.factory":
+                                          "factories:aborts_last_shard_at_last_step"}))
+    with pytest.raises(RunError, match=r"^rank 1 was killed by SIGABRT before it could report an error$"):
+        run(cfg, tmp_path / "out", echo=False)
