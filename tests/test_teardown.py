@@ -4,11 +4,13 @@ pytorch/pytorch#179291); a process that really died is named by its signal, neve
 tests/stress_teardown.py repeats the two-rank teardowns by the hundred; the suite runs a few."""
 from __future__ import annotations
 
+import atexit
 import os
 import resource
 import signal
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -24,9 +26,26 @@ def _no_core() -> None:
     resource.setrlimit(resource.RLIMIT_CORE, (0, 0))   # an abort here writes no core file
 
 
+def _aborts_if_finalised(rank: int, world_size: int, marker: str) -> dict:
+    """Report, having armed what finalisation would run: a mark, then an abort (as gloo's threads can)."""
+    def finalised() -> None:
+        Path(f"{marker}{rank}").write_text("finalised\n")
+        _no_core()
+        os.abort()
+    atexit.register(finalised)
+    return {"rank": rank}
+
+
 def _aborts(rank: int, world_size: int) -> None:
     _no_core()
     os.kill(os.getpid(), signal.SIGABRT)
+
+
+@pytest.mark.slow
+def test_run_ranks_keeps_the_results_and_its_ranks_leave_without_finalisation(tmp_path):
+    marker = str(tmp_path / "finalised")
+    assert run_ranks(_aborts_if_finalised, 2, marker, timeout=60) == [{"rank": 0}, {"rank": 1}]
+    assert not list(tmp_path.glob("finalised*")), "a rank went through the interpreter's finalisation"
 
 
 @pytest.mark.slow
