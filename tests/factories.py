@@ -162,6 +162,26 @@ def aborts_last_shard_at_last_step(cfg) -> psarch.Workload:
     return psarch.Workload(wl.model, wl.loss_fn, batch, wl.entropy_floor, "aborts")
 
 
+def aborts_if_finalised(cfg) -> psarch.Workload:
+    """Regression whose ranks (spawned, or under torchrun) abort if the interpreter finalises them (an atexit
+    hook standing in for gloo's threads, pytorch/pytorch#179291): their run finishes only if they leave
+    without finalisation. The launching process, which calls the factory once too, is left alone."""
+    import atexit
+    import multiprocessing
+    import os
+    import resource
+
+    from psarch.dist import under_torchrun
+
+    def abort() -> None:
+        resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
+        os.abort()
+
+    if multiprocessing.parent_process() is not None or under_torchrun():
+        atexit.register(abort)
+    return regression(cfg)
+
+
 def overflow_on_steps_2_and_3(cfg) -> psarch.Workload:
     """Small-valued regression whose targets at steps 2 and 3 are huge, so fp16 gradients overflow there:
     a function of the step (not of calls), so a run resumed in between overflows at the same steps."""

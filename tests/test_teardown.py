@@ -5,9 +5,11 @@ tests/stress_teardown.py repeats the two-rank teardowns by the hundred; the suit
 from __future__ import annotations
 
 import atexit
+import json
 import os
 import resource
 import signal
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -72,6 +74,32 @@ def test_a_rank_that_left_no_record_is_named_by_how_it_ended(tmp_path, code, say
     message = supervise.rank_error(tmp_path, 1, _ended_by(code))
     assert message.startswith(f"rank 1 {says}"), message
     assert ("out-of-memory" in message) == ("SIGKILL" in code), message   # named only where it can be the cause
+
+
+@pytest.mark.slow
+def test_spawned_ranks_leave_without_finalisation(tmp_path):
+    """Ranks that would abort at finalisation (factories:aborts_if_finalised) finish their run: psarch's
+    spawned ranks end with os._exit once their records are written."""
+    cfg = load_config(None, dict(TINY, **{"backend.kind": "ddp", "workload.factory": "factories:aborts_if_finalised"}))
+    summary = run(cfg, tmp_path / "out", echo=False)
+    assert summary["status"] == "finished" and len(summary["memory"]["per_rank"]) == 2
+
+
+@pytest.mark.slow
+def test_torchrun_ranks_leave_without_finalisation(tmp_path):
+    """The same under torchrun: each rank's `psarch run` ends with os._exit once the run is written."""
+    keys = dict(TINY, **{"backend.kind": "ddp", "workload.factory": "factories:aborts_if_finalised"})
+    (tmp_path / "tiny.toml").write_text("".join(f"{k} = {json.dumps(v)}\n" for k, v in keys.items()))
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = dict(os.environ, PSARCH_THREADS="1", OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join(sys.path))
+    tr = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr",
+                         "127.0.0.1", "--master_port", str(port), "-m", "psarch.cli", "run", "tiny.toml", "--out",
+                         "out", "--quiet"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=180,
+                        check=False)
+    assert tr.returncode == 0, tr.stderr[-3000:]
+    assert json.loads((tmp_path / "out" / "summary.json").read_text())["status"] == "finished"
 
 
 @pytest.mark.slow
