@@ -21,7 +21,7 @@ from psarch import supervise
 from psarch.config import load_config
 from psarch.errors import RunError
 from psarch.launch import run
-from stress_teardown import TINY
+from stress_teardown import BACKENDS, TINY, stress
 
 
 def _no_core() -> None:
@@ -108,3 +108,12 @@ def test_a_rank_killed_by_sigabrt_fails_the_run_with_the_signals_name(tmp_path):
                                           "factories:aborts_last_shard_at_last_step"}))
     with pytest.raises(RunError, match=r"^rank 1 was killed by SIGABRT before it could report an error$"):
         run(cfg, tmp_path / "out", echo=False)
+
+
+@pytest.mark.stress
+@pytest.mark.slow
+def test_two_rank_runs_of_every_collective_backend_end_without_an_abort(tmp_path):
+    """Four runs per backend: twenty two-rank teardowns, every rank spawned and leaving as `psarch run`'s do
+    (about 110 CPU-seconds: a minute on two idle cores). tests/stress_teardown.py runs hundreds."""
+    tallies = [stress(b, 4, tmp_path) for b in BACKENDS]
+    assert [(t.backend, t.finished, t.aborted, t.failures) for t in tallies] == [(b, 4, 0, []) for b in BACKENDS]
