@@ -160,6 +160,44 @@ def nan_loss_on_last_shard_at_step_3(cfg) -> psarch.Workload:
     return psarch.Workload(wl.model, wl.loss_fn, batch, wl.entropy_floor, "nan-at-step-3")
 
 
+def aborts_last_shard_at_last_step(cfg) -> psarch.Workload:
+    """Regression whose last shard's process kills itself with SIGABRT (as gloo's threads can) when it asks
+    for its last batch: a rank that dies of a signal, leaving no error record. No core file is written."""
+    import os
+    import resource
+    import signal
+
+    wl = regression(cfg)
+
+    def batch(step: int, shard: int, num_shards: int):
+        if (step, shard) == (cfg.train.steps - 1, num_shards - 1):
+            resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
+            os.kill(os.getpid(), signal.SIGABRT)
+        return wl.batch(step, shard, num_shards)
+
+    return psarch.Workload(wl.model, wl.loss_fn, batch, wl.entropy_floor, "aborts")
+
+
+def aborts_if_finalised(cfg) -> psarch.Workload:
+    """Regression whose ranks (spawned, or under torchrun) abort if the interpreter finalises them (an atexit
+    hook standing in for gloo's threads, pytorch/pytorch#179291): their run finishes only if they leave
+    without finalisation. The launching process, which calls the factory once too, is left alone."""
+    import atexit
+    import multiprocessing
+    import os
+    import resource
+
+    from psarch.dist import under_torchrun
+
+    def abort() -> None:
+        resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
+        os.abort()
+
+    if multiprocessing.parent_process() is not None or under_torchrun():
+        atexit.register(abort)
+    return regression(cfg)
+
+
 def overflow_on_steps_2_and_3(cfg) -> psarch.Workload:
     """Small-valued regression whose targets at steps 2 and 3 are huge, so fp16 gradients overflow there:
     a function of the step (not of calls), so a run resumed in between overflows at the same steps."""
