@@ -106,11 +106,10 @@ class Connections:
         return max(0, self.succeeded + self.failed - self.closed)
 
     def room_for(self, limit: int) -> bool:
-        """Whether fewer than `limit` connections are past their handshake. Before saying no, it waits until the
-        watchdog has read every event up to now (a few PERIOD_S): ZeroMQ never retries a worker refused at the
-        cap, so the count must not lag behind a connection that just closed."""
-        if self.authenticated < limit:
-            return True
+        """Whether fewer than `limit` connections are past their handshake. It first waits until the watchdog has
+        read every event up to now (a few PERIOD_S; only authenticated handshakes ask): the count must not lag
+        behind a handshake that just succeeded (the cap would let one more in) nor behind a connection that
+        just closed (ZeroMQ never retries a worker refused at the cap)."""
         with self.cycle:
             start = self.cycles
             self.cycle.wait_for(lambda: self.cycles >= start + 2, timeout=10 * PERIOD_S)
