@@ -38,7 +38,7 @@ from psarch.lifecycle import die_with_parent, leave
 from psarch.records import RankRecord, ServiceInfo
 from psarch.runner import run_rank
 from psarch.trainer import Services
-from psarch.workload import Workload, build_workload
+from psarch.workload import Workload, build_workload, shared_data
 
 
 def run(cfg: Config, out: str | Path | None = None, echo: bool = True, resume: bool = False,
@@ -75,7 +75,8 @@ def run(cfg: Config, out: str | Path | None = None, echo: bool = True, resume: b
                 if cfg.backend.world_size == 1:
                     _in_process(job, spec, where, workload)
                 else:
-                    _spawn(job, spec, where, services)
+                    with shared_data(cfg, out_dir / ".shared_data"):   # built here once, mapped by every rank
+                        _spawn(job, spec, where, services)
                 extra = dict(services.finish()) if services is not None else {}
             cluster = where.report()
     except BaseException as e:  # failed or interrupted (Ctrl-C, SIGTERM): keep the finished steps, say why
