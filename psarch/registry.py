@@ -19,6 +19,7 @@ BUILTIN = (
     "collective.spec:DDP",
     "zero.spec:ZERO",
     "psarch.ps.spec:PS",
+    "collective.pipeline.spec:PIPELINE",
     # PyTorch's own implementations, run by the same runner: the peers for parity and benchmarks
     "collective.spec:TORCH_DDP",
     "zero.spec:TORCH_ZERO",

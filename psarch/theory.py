@@ -6,7 +6,7 @@ figure (`outputs`, `compare`, `estimate`) calls `predict`; nothing patches its r
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from psarch import registry
@@ -47,9 +47,25 @@ class LinkBytes:
 
 
 @dataclass
+class RankPrediction:
+    """What theory says of one rank, where ranks differ (a pipeline's stages): its model states, its link per
+    step, and the backend's own figures (e.g. activation bytes held, idle fraction)."""
+
+    memory: MemoryPrediction
+    link: LinkBytes
+    figures: dict[str, float] = field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"memory": self.memory.to_dict(), "sent": self.link.sent, "received": self.link.received,
+                **self.figures}
+
+
+@dataclass
 class Prediction:
     """Everything theory says about one run. `worker` and `server` are per-link figures, the input of a
-    step-time model on a cluster (one link per worker, one per PS server)."""
+    step-time model on a cluster (one link per worker, one per PS server). Where ranks differ, `per_rank`
+    says what each holds and sends (then `memory_per_rank` is the fullest rank's and `worker` the busiest
+    link's)."""
 
     memory_per_rank: MemoryPrediction   # model states one worker holds
     worker: LinkBytes                   # one worker's link, per step
@@ -57,6 +73,7 @@ class Prediction:
     rounds: float                       # communication phases per step: a collective pass, a push or a pull
     messages: float                     # messages in sequence per step, each paying the link latency once
     server_memory: float | None         # bytes one PS server holds (None: no servers)
+    per_rank: list[RankPrediction] | None = None
 
     def to_dict(self) -> dict:
         """The `predicted` entry of summary.json."""
@@ -67,6 +84,8 @@ class Prediction:
                "rounds_per_step": self.rounds, "messages_per_step": self.messages}
         if self.server_memory is not None:
             out["server_memory"] = self.server_memory
+        if self.per_rank is not None:
+            out["per_rank"] = [r.to_dict() for r in self.per_rank]
         return out
 
 

@@ -16,7 +16,9 @@ from psarch.runner import run_rank, to_device
 BASE = {"seed": 1, "workload": {"factory": "factories:regression"},
         "train": {"steps": 30, "global_batch": 16, "optimizer": "adamw", "lr": 0.03, "log_every": 100}}
 IN_GROUP = [("ddp", {"comm": "ring"}), ("ddp", {"comm": "native"}), ("zero", {"stage": 1}), ("zero", {"stage": 2}),
-            ("zero", {"stage": 3}), ("torch_ddp", {}), ("torch_zero", {}), ("torch_fsdp", {})]
+            ("zero", {"stage": 3}), ("torch_ddp", {}), ("torch_zero", {}), ("torch_fsdp", {}),
+            # a model without units is one stage: two pipelines of 2 micro-batches each, all-reduced
+            ("pipeline", {"stages": 1, "microbatches": 2})]
 
 
 def config(kind: str, n: int, **backend) -> dict:
