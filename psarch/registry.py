@@ -24,6 +24,7 @@ BUILTIN = (
     "collective.spec:TORCH_DDP",
     "zero.spec:TORCH_ZERO",
     "zero.spec:TORCH_FSDP",
+    "collective.pipeline.spec:TORCH_PIPELINE",
 )
 ENTRY_POINTS = "psarch.backends"
 _BUILTIN_MODULES = {path.partition(":")[0] for path in BUILTIN}

@@ -31,8 +31,8 @@ def config(name: str, layer: int, opt: str = "sgd", **backend) -> dict:
 
 def pipeline(name: str, n: int, p: int, m: int, schedule: str, opt: str = "sgd", **backend) -> dict:
     extra = {"virtual_stages": 2} if schedule == "interleaved" else {}
-    return config(name, layers(p, schedule), opt, kind="pipeline", world_size=n, stages=p, microbatches=m,
-                  schedule=schedule, **extra, **backend)
+    return config(name, layers(p, schedule), opt, **{"kind": "pipeline", **backend}, world_size=n, stages=p,
+                  microbatches=m, schedule=schedule, **extra)
 
 
 def cases(n: int, p: int) -> dict[str, dict]:
@@ -57,6 +57,13 @@ def cases(n: int, p: int) -> dict[str, dict]:
     return out
 
 
+def peers(n: int, p: int) -> dict[str, dict]:
+    """torch.distributed.pipelining on the same data: each schedule it has, SGD, m = 4."""
+    schedules = ("gpipe", "1f1b", "interleaved") if n == p else ("1f1b",)
+    return {f"torch-pp{p}-dp{n // p}-{s}": pipeline(f"torch-pp{p}-dp{n // p}-{s}", n, p, 4, s, kind="torch_pipeline")
+            for s in schedules}
+
+
 def references() -> dict[str, dict]:
     """The single-process runs the cases are checked against: one per model depth and optimizer."""
     return {f"single-l{layer}-{opt}": config(f"single-l{layer}-{opt}", layer, opt)
@@ -78,7 +85,7 @@ def _checkpointed(rank: int, n: int, o: Path, name: str, data: dict, start: Path
 
 def world2(rank: int, n: int, out: str) -> dict:
     o = Path(out)
-    results = {name: train(rank, n, data, {}, out) for name, data in cases(n, 2).items()}
+    results = {name: train(rank, n, data, {}, out) for name, data in {**cases(n, 2), **peers(n, 2)}.items()}
     # resume: 6 steps straight, a checkpoint every 3; then from step 3, resumed
     ckpt = pipeline("ckpt", n, 2, 4, "1f1b", "adamw")
     results["resume-straight"] = _checkpointed(rank, n, o, "resume-straight", ckpt, every=3)
@@ -92,7 +99,8 @@ def world2(rank: int, n: int, out: str) -> dict:
 
 def world4(rank: int, n: int, out: str) -> dict:
     o = Path(out)
-    results = {name: train(rank, n, data, {}, out) for name, data in {**cases(n, 4), **cases(n, 2)}.items()}
+    runs = {**cases(n, 4), **cases(n, 2), **peers(n, 4), **peers(n, 2)}
+    results = {name: train(rank, n, data, {}, out) for name, data in runs.items()}
     # dp x p resumed, and forked from ddp N = 2
     ckpt = pipeline("ckpt", n, 2, 4, "1f1b", "adamw")
     results["dp-resume-straight"] = _checkpointed(rank, n, o, "dp-resume-straight", ckpt, every=3)

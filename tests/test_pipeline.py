@@ -154,3 +154,16 @@ def test_a_pipeline_checkpoint_continues_as_single(runs):
     data["train"]["steps"] = 6
     record = run_rank(from_dict(data), DistContext(), echo=False, start=out / "pp4" / "checkpoints" / "step_000003")
     assert_same_model(record["model_state"], model(out, "pp4"), "pipeline p=4 -> single")
+
+
+@pytest.mark.parametrize("n,p", [(2, 2), (4, 4), (4, 2)])
+def test_torch_pipelining_equals_single_and_pipeline(runs, n, p):
+    """The peer (ScheduleGPipe, Schedule1F1B, ScheduleInterleaved1F1B on gloo) on the same data."""
+    out, results = runs
+    for name, data in pr.peers(n, p).items():
+        assert_same_model(model(out, name), model(out, pr.reference_of(data)), f"{name} vs single")
+        schedule = data["backend"]["schedule"]
+        mine = f"pp{p}-dp{n // p}-{schedule}-m4"
+        if mine in results:
+            assert_same_model(model(out, name), model(out, mine), f"{name} vs {mine}")
+        assert results[name][0]["traffic"]["modelled"]   # torch's point-to-point is not seen: theory's volume

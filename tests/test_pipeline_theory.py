@@ -118,3 +118,13 @@ def test_the_batch_is_cut_in_pipelines_not_ranks():
     assert [registry.spec_of(c).batch_shard(c, r, 4) for r in range(4)] == [(0, 1)] * 4
     with pytest.raises(ConfigError, match="global_batch = 6: must be divisible by backend.world_size = 4"):
         from_dict({"workload": GPT, "train": {"global_batch": 6}, "backend": {"kind": "ddp", "world_size": 4}})
+
+
+def test_the_torch_peer_predicts_what_pipeline_predicts():
+    """torch_pipeline runs the same stages and schedules: the same theory (its traffic is this, modelled)."""
+    c = cfg(schedule="gpipe")
+    peer = from_dict({**c.to_dict(), "backend": {"kind": "torch_pipeline", "world_size": 2, "stages": 2,
+                                                 "schedule": "gpipe"}})
+    assert theory.predict(peer, 1).to_dict() == theory.predict(c, 1).to_dict()
+    with pytest.raises(ConfigError, match="torch.distributed.pipelining has no naive schedule"):
+        from_dict({**c.to_dict(), "backend": {"kind": "torch_pipeline", "world_size": 2, "schedule": "naive"}})

@@ -61,7 +61,7 @@ def test_predict_matches_the_formulas(case):
 
 
 # backends whose theory reads the model itself (a pipeline's stages are its units), tested with it
-COVERED_ELSEWHERE = {"pipeline": "tests/test_pipeline_theory.py"}
+COVERED_ELSEWHERE = {"pipeline": "tests/test_pipeline_theory.py", "torch_pipeline": "tests/test_pipeline_theory.py"}
 
 
 def test_every_registered_backend_kind_is_covered():

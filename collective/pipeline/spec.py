@@ -61,6 +61,29 @@ class PipelineSpec(BackendSpec):
         return theory.predict(cfg, phi)
 
 
+class TorchPipelineSpec(PipelineSpec):
+    kind = "torch_pipeline"
+    trainer = "collective.pipeline.torch_peer:TorchPipelineTrainer"
+    doc = "torch.distributed.pipelining's ScheduleGPipe / Schedule1F1B / ScheduleInterleaved1F1B (the peer of pipeline)"
+    options = None
+    precisions = ("fp32",)
+    reads = {**PROCESS_GROUP_OPTIONS, "backend.stages": None, "backend.microbatches": None, "backend.schedule": None,
+             "backend.virtual_stages": ("interleaved",)}
+
+    def variant(self, cfg: Config) -> str:
+        return super().variant(cfg).replace(f"/{cfg.backend.comm}", "")   # its dp all-reduce is torch's
+
+    def check(self, cfg: Config) -> None:
+        w, b = cfg.workload, cfg.backend
+        if w.factory or w.model != "gpt":
+            raise ConfigError(f"workload.model = \"{w.model if not w.factory else w.factory}\": backend.kind = "
+                              f"\"torch_pipeline\" cuts psarch's built-in gpt into PipelineStage modules only")
+        if b.schedule == "naive":
+            raise ConfigError("backend.schedule = \"naive\": torch.distributed.pipelining has no naive schedule "
+                              "(its nearest is \"gpipe\" with backend.microbatches = 1)")
+        check_pipeline(cfg, self.kind)
+
+
 def check_pipeline(cfg: Config, kind: str) -> None:
     """The rules every pipeline backend shares: world size, batch and micro-batches, blocks enough."""
     b, t = cfg.backend, cfg.train
@@ -91,3 +114,4 @@ def _check_stages(cfg: Config) -> None:
 
 
 PIPELINE = PipelineSpec()
+TORCH_PIPELINE = TorchPipelineSpec()

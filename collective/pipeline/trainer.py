@@ -18,10 +18,11 @@ import torch.distributed as dist
 
 from collective import make_communicator
 from collective.pipeline.engine import Engine
+from collective.pipeline.export import gather_masters, layout_of
 from collective.pipeline.p2p import P2P, tag
 from collective.pipeline.schedule import Pipe, instructions
 from collective.pipeline.stage import Cut
-from collective.pipeline.theory import LOSS_BYTES, pipe_of
+from collective.pipeline.theory import pipe_of
 from psarch.checkpoint.fragments import Pieces, master_fragments, restore_optimizer, scaler_state, share_of
 from psarch.config import Config
 from psarch.dist import DistContext
@@ -93,12 +94,8 @@ class PipelineTrainer(Trainer):
 
     def _layout_of(self, stage: int) -> list[tuple[str, torch.Size, int]]:
         """(name, shape, flat offset) of the parameters stage `stage` holds, in the model's order."""
-        out, offset = [], 0
-        for name, shape in self.cut.shapes.items():
-            if self.cut.owners[id(self.model.get_parameter(name))] in self.chunks_of[stage]:
-                out.append((name, torch.Size(shape), offset))
-                offset += torch.Size(shape).numel()
-        return out
+        return layout_of(self.cut.shapes, {n for n in self.cut.shapes
+                                           if self.cut.owners[id(self.model.get_parameter(n))] in self.chunks_of[stage]})
 
     def step(self, batch: Any) -> StepStats:
         self.flat.zero_grad()
@@ -142,22 +139,14 @@ class PipelineTrainer(Trainer):
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """Pipeline 0's stages send their fp32 masters to rank 0 (booked as export traffic)."""
-        if self.dp_rank != 0:
-            return {}
+        layouts = [self._layout_of(s) for s in range(self.pipe.p)]
         with self.meter.tagged("export"):
-            if self.stage != 0:
-                self.p2p.send(self._master(), 0, "parameters", 0).wait()
-                return {}
-            flats = [self._master().cpu()]
-            for s in range(1, self.pipe.p):
-                numel = sum(shape.numel() for _, shape, _ in self._layout_of(s))
-                flats.append(self.p2p.recv((numel,), torch.float32, torch.device("cpu"), s, "parameters", 0).wait())
-        values = {name: flat[o:o + shape.numel()].view(shape).clone()
-                  for s, flat in enumerate(flats) for name, shape, o in self._layout_of(s)}
-        state = {}
-        for name, value in self.model.state_dict().items():   # buffers are every rank's; parameters as gathered
-            state[name] = values[name] if name in values else value.detach().to("cpu", copy=True)
-        return state
+            values = gather_masters(self.p2p, self._master(), self.stage, self.dp_rank, layouts)
+        if values is None:
+            return {}
+        # buffers are every rank's own; parameters as gathered
+        return {name: values[name] if name in values else value.detach().to("cpu", copy=True)
+                for name, value in self.model.state_dict().items()}
 
     def checkpoint_pieces(self, writing: bool = True) -> Pieces:
         """The stage's parameters; its dp replicas each write a share of them."""
