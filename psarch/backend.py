@@ -136,6 +136,13 @@ class BackendSpec(ABC):
     def predict(self, cfg: Config, phi: float) -> Prediction:
         """What theory predicts for a run of `cfg` with `phi` parameters (psarch.theory.Prediction)."""
 
+    def estimate_rows(self, phi: float, world: int, precision: str, optimizer: str,
+                      options: Mapping[str, Any]) -> list[dict[str, Any]]:
+        """Rows this backend adds to `psarch estimate`, from Φ alone (no model), for the command line's
+        `options` (e.g. a pipeline's stages): each {"label", "states" (bytes per device), "sent" (bytes per
+        device per step), "bubble" (idle fraction)}; [] by default (its figures are in the tables already)."""
+        return []
+
     def comm_model(self, cfg: Config, phi: float, extra: Mapping[str, list[Any]]) -> CommModel:
         """How this run's communication meets its compute; `extra`: the summary's per-rank extras."""
         return CommModel()

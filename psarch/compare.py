@@ -8,8 +8,10 @@ from pathlib import Path
 from typing import Any
 
 from psarch import plots
+from psarch.compare_ranks import has_per_rank, rank_table
 from psarch.compare_sparse import embedding_scaling, is_sparse_run, sparse_table
-from psarch.runs import label, load_run, server_received_per_step, step_clock, trailing_mean, worker_sent_per_step
+from psarch.runs import (label, load_run, predicted_rank0_memory, predicted_worker_sent, server_received_per_step,
+                         step_clock, trailing_mean, worker_sent_per_step)
 from psarch.units import fmt_bytes
 
 
@@ -43,7 +45,7 @@ def table(runs: list[dict[str, Any]]) -> str:
     for run in runs:
         s = run["summary"]
         m0 = s["memory"]["per_rank"][0]
-        pm = s["predicted"]["memory_per_rank"]["total"]
+        pm = predicted_rank0_memory(s)
         sent = worker_sent_per_step(s)
         modelled = " (modelled)" if s["traffic"]["per_rank"][0].get("modelled") else ""
         pt = s["predicted"]["traffic_per_step"]
@@ -52,7 +54,7 @@ def table(runs: list[dict[str, Any]]) -> str:
         gap = f"{s['gap']:.4f}" if s.get("gap") is not None else "-"
         lines.append(f"| {s['name']} | {s['label']} | {s['world_size']} | "
                      f"{s['samples_per_s']:.1f} | {s['step_time_s'] * 1e3:.2f} | {s['final_loss']:.4f} | {gap} | "
-                     f"{fmt_bytes(m0['total'])} \\| {fmt_bytes(pm)} | {fmt_bytes(sent)}{modelled} \\| {fmt_bytes(pt['worker_sent'])} | {srv} | "
+                     f"{fmt_bytes(m0['total'])} \\| {fmt_bytes(pm)} | {fmt_bytes(sent)}{modelled} \\| {fmt_bytes(predicted_worker_sent(s))} | {srv} | "
                      f"{fmt_bytes(m0.get('peak'))} |")
     return "\n".join(lines)
 
@@ -112,6 +114,13 @@ def compare(run_dirs: list[str | Path], out: str | Path, target_gap: float = 0.2
                  "held: the busiest worker's rows (PS: its peak; ddp sharded: its shard; other backends replicate the "
                  "whole tables). Unique ids: distinct ids of one worker's batch over all tables, mean over steps, "
                  "beside their expectation under the Zipf law. Final gap: last step's loss minus the known floor.", ""]
+    ranked = [r for r in runs if has_per_rank(r)]
+    if ranked:
+        text += ["## Per rank", "", rank_table(ranked), "", "For runs whose ranks differ by design (a pipeline's "
+                 "stages): each rank's model states, bytes per step on its link (sent and received) and the "
+                 "figures its backend predicts per rank, measured beside predicted (idle fraction: the share of "
+                 "the step's pipeline phase a rank waited, median over steps; activations held: the bytes "
+                 "autograd kept for backward at the step's peak, counted from the saved tensors).", ""]
     conv = convergence(runs, target_gap)
     if conv:
         text += ["## Convergence", "", conv, "", f"Steps and time (summed step times) until the 10-step mean "

@@ -9,8 +9,8 @@ import matplotlib.pyplot as plt
 
 from psarch import curves
 from psarch.plot_style import Palette, save
-from psarch.runs import (predicted_system_memory, server_memory, server_received_per_step, system_memory,
-                         worker_sent_per_step)
+from psarch.runs import (predicted_rank0_memory, predicted_system_memory, predicted_worker_sent, server_memory,
+                         server_received_per_step, system_memory, worker_sent_per_step)
 
 CATEGORIES = (("params", ""), ("grads", "//"), ("optimizer", ".."), ("buffers", "xx"))
 MIB = 2**20
@@ -48,7 +48,7 @@ def memory(runs: list[dict[str, Any]], out: Path, palette: Palette) -> str:
             worker_ax.barh(y, m.get(cat, 0) / MIB, left=left, color=colour, hatch=hatch, edgecolor="white",
                            label=cat if y == 0 or cat == "buffers" else None)
             left += m.get(cat, 0) / MIB
-        _formula(worker_ax, y, p["memory_per_rank"]["total"] / MIB, y == 0)
+        _formula(worker_ax, y, predicted_rank0_memory(s) / MIB, y == 0)
         servers = server_memory(s)
         if has_servers and servers:
             axes[1].barh(y, sum(servers) / len(servers) / MIB, color=colour)
@@ -82,7 +82,7 @@ def traffic(runs: list[dict[str, Any]], out: Path, palette: Palette) -> str:
         modelled = s["traffic"]["per_rank"][0].get("modelled")
         axes[0].barh(y, worker_sent_per_step(s) / MIB, color=colour, hatch="//" if modelled else "",
                      edgecolor="white", label="modelled, not measured (native collectives)" if modelled else None)
-        _formula(axes[0], y, s["predicted"]["traffic_per_step"]["worker_sent"] / MIB, y == 0)
+        _formula(axes[0], y, predicted_worker_sent(s) / MIB, y == 0)
         recv = server_received_per_step(s)
         if recv is not None:
             axes[1].barh(y, recv / MIB, color=colour)

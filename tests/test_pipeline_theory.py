@@ -76,7 +76,8 @@ def test_bubble_and_activations_held_follow_the_schedule():
         per_rank = theory.predict(cfg(schedule=schedule, microbatches=4), 1).to_dict()["per_rank"]
         assert [r["idle_fraction"] for r in per_rank] == [1 / 5, 1 / 5]
         first = blocks + 8 * b * (s + 1) + 8 * s          # + the tokens and positions the embeddings index by
-        last = blocks + s * b * (2 * h * 4 + 2 * 4 + 4 * 16 + 8)   # + ln_f, head input, log-softmax, targets
+        # + ln_f's input and statistics, the head's input, log-softmax, targets, the loss's total weight
+        last = blocks + s * b * (2 * h * 4 + 2 * 4 + 4 * 16 + 8) + 4
         assert [r["activations_held"] for r in per_rank] == [held[0] * first, held[1] * last]
     inter = theory.predict(cfg(schedule="interleaved", virtual_stages=2, microbatches=4), 1).to_dict()["per_rank"]
     assert inter[0]["idle_fraction"] == pytest.approx(1 / (2 * 4 + 1))

@@ -65,60 +65,19 @@ class Engine:
 
     def run(self, micro_batches: list[Any], measure: bool = False) -> Outcome:
         """Run the step's instructions; `measure`: count the activations kept for backward."""
-        out = Outcome()
-        receives = deque(op for op in self.program if op.kind in (RECV_ACT, RECV_GRAD))
-        posted: dict[Op, Transfer] = {}
-        held: dict[tuple[int, int], tuple[torch.Tensor | None, torch.Tensor, int]] = {}
-        grads: dict[tuple[int, int], torch.Tensor] = {}
-        sends: list[Transfer] = []
-        live = peak = 0
+        step = _Step(self, micro_batches, measure)
         t_start = time.perf_counter()
         for op in self.program:
-            while receives and len(posted) < RECEIVES_AHEAD:
-                nxt = receives.popleft()
-                posted[nxt] = self._recv(nxt)
-            key, j = (op.mb, op.chunk), self.pipe.stage_of(self.rank, op.chunk)
-            if op.kind in (RECV_ACT, RECV_GRAD):
-                t0 = time.perf_counter()
-                got = posted.pop(op).wait()
-                out.waited_s += time.perf_counter() - t0
-                if op.kind == RECV_ACT:
-                    held[key] = (got.requires_grad_(), None, 0)   # type: ignore[assignment]
-                else:
-                    grads[key] = got
-            elif op.kind == FORWARD:
-                t0 = time.perf_counter()
-                x = held.pop(key, (None, None, 0))[0]
-                y, nbytes = self._forward(j, x, micro_batches[op.mb], measure)
-                out.compute_s += time.perf_counter() - t0
-                held[key] = (x, y, nbytes)
-                live += nbytes
-                peak = max(peak, live)
-                if j == self.last:
-                    out.losses.append(y.detach())
-            elif op.kind == SEND_ACT:
-                sends.append(self.p2p.send(held[key][1], self._peer(op), "activation",
-                                           tag("activation", op.mb, j + 1, self.pipe.m)))
-            elif op.kind == BACKWARD:
-                t0 = time.perf_counter()
-                x, y, nbytes = held[key] if j > 0 else held.pop(key)
-                if j == self.last:
-                    self.scale_loss(y / self.pipe.m).backward()
-                else:
-                    torch.autograd.backward(y, grads.pop(key))
-                out.compute_s += time.perf_counter() - t0
-                live -= nbytes
-            elif op.kind == SEND_GRAD:
-                x = held.pop(key)[0]
-                sends.append(self.p2p.send(x.grad, self._peer(op), "gradient",
-                                           tag("gradient", op.mb, j, self.pipe.m)))
+            step.post_receives()
+            step.handlers[op.kind](op, (op.mb, op.chunk), self.pipe.stage_of(self.rank, op.chunk))
+        out = step.out
         t0 = time.perf_counter()
-        for s in sends:
+        for s in step.sends:
             s.wait()
         out.waited_s += time.perf_counter() - t0
         out.phase_s = time.perf_counter() - t_start
         self.waited_total += out.waited_s
-        out.activations_peak = peak if measure else None
+        out.activations_peak = step.peak if measure else None
         return out
 
     def _forward(self, stage: int, x: torch.Tensor | None, batch: Any, measure: bool) -> tuple[torch.Tensor, int]:
@@ -136,3 +95,65 @@ class Engine:
                 if meter is not None:
                     meter.__exit__(None, None, None)
         return y, meter.bytes if meter is not None else 0
+
+
+class _Step:
+    """One step's state on a rank: transfers posted, activations and gradients held; a handler per instruction
+    kind, each given the instruction, its (micro-batch, chunk) and its virtual stage."""
+
+    def __init__(self, engine: Engine, micro_batches: list[Any], measure: bool) -> None:
+        self.e, self.micro_batches, self.measure = engine, micro_batches, measure
+        self.out = Outcome()
+        self.receives = deque(op for op in engine.program if op.kind in (RECV_ACT, RECV_GRAD))
+        self.posted: dict[Op, Transfer] = {}
+        # (mb, chunk) -> (received input or None, output or loss, bytes kept for backward)
+        self.held: dict[tuple[int, int], tuple[Any, Any, int]] = {}
+        self.grads: dict[tuple[int, int], torch.Tensor] = {}
+        self.sends: list[Transfer] = []
+        self.live = self.peak = 0
+        self.handlers = {RECV_ACT: self.receive, RECV_GRAD: self.receive, FORWARD: self.forward,
+                         SEND_ACT: self.send_activation, BACKWARD: self.backward, SEND_GRAD: self.send_gradient}
+
+    def post_receives(self) -> None:
+        while self.receives and len(self.posted) < RECEIVES_AHEAD:
+            op = self.receives.popleft()
+            self.posted[op] = self.e._recv(op)
+
+    def receive(self, op: Op, key: tuple[int, int], j: int) -> None:
+        t0 = time.perf_counter()
+        got = self.posted.pop(op).wait()
+        self.out.waited_s += time.perf_counter() - t0
+        if op.kind == RECV_ACT:
+            self.held[key] = (got.requires_grad_(), None, 0)
+        else:
+            self.grads[key] = got
+
+    def forward(self, op: Op, key: tuple[int, int], j: int) -> None:
+        t0 = time.perf_counter()
+        x = self.held.pop(key, (None, None, 0))[0]
+        y, nbytes = self.e._forward(j, x, self.micro_batches[op.mb], self.measure)
+        self.out.compute_s += time.perf_counter() - t0
+        self.held[key] = (x, y, nbytes)
+        self.live += nbytes
+        self.peak = max(self.peak, self.live)
+        if j == self.e.last:
+            self.out.losses.append(y.detach())
+
+    def send_activation(self, op: Op, key: tuple[int, int], j: int) -> None:
+        self.sends.append(self.e.p2p.send(self.held[key][1], self.e._peer(op), "activation",
+                                          tag("activation", op.mb, j + 1, self.e.pipe.m)))
+
+    def backward(self, op: Op, key: tuple[int, int], j: int) -> None:
+        t0 = time.perf_counter()
+        _, y, nbytes = self.held[key] if j > 0 else self.held.pop(key)   # stage > 0: its input's gradient goes back
+        if j == self.e.last:
+            self.e.scale_loss(y / self.e.pipe.m).backward()
+        else:
+            torch.autograd.backward(y, self.grads.pop(key))
+        self.out.compute_s += time.perf_counter() - t0
+        self.live -= nbytes
+
+    def send_gradient(self, op: Op, key: tuple[int, int], j: int) -> None:
+        x = self.held.pop(key)[0]
+        self.sends.append(self.e.p2p.send(x.grad, self.e._peer(op), "gradient",
+                                          tag("gradient", op.mb, j, self.e.pipe.m)))

@@ -4,7 +4,7 @@ data, point-to-point activations, dp replicas all-reduced over a ring or torch.d
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Mapping
 
 from collective.pipeline import theory
 from collective.pipeline.schedule import SCHEDULES
@@ -60,6 +60,13 @@ class PipelineSpec(BackendSpec):
     def predict(self, cfg: Config, phi: float) -> Prediction:
         return theory.predict(cfg, phi)
 
+    def estimate_rows(self, phi: float, world: int, precision: str, optimizer: str,
+                      options: Mapping[str, Any]) -> list[dict[str, Any]]:
+        if not options.get("stages"):
+            return []
+        return theory.size_estimate(phi, world, options["stages"], options.get("microbatches", 8), precision,
+                                    optimizer)
+
 
 class TorchPipelineSpec(PipelineSpec):
     kind = "torch_pipeline"
@@ -69,6 +76,8 @@ class TorchPipelineSpec(PipelineSpec):
     precisions = ("fp32",)
     reads = {**PROCESS_GROUP_OPTIONS, "backend.stages": None, "backend.microbatches": None, "backend.schedule": None,
              "backend.virtual_stages": ("interleaved",)}
+
+    estimate_rows = BackendSpec.estimate_rows   # the same rows as pipeline's: printed once
 
     def variant(self, cfg: Config) -> str:
         return super().variant(cfg).replace(f"/{cfg.backend.comm}", "")   # its dp all-reduce is torch's

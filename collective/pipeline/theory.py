@@ -98,9 +98,9 @@ def stage_activation_bytes(cfg: Config, stage: int, blocks: int) -> float | None
         total += 8 * b * (s + 1) + 8 * s
     if stage == pipe_of(cfg).virtual - 1:
         # the final norm's input and statistics, the head's input, log_softmax's fp32 output over the
-        # vocabulary, and the targets (int64)
+        # vocabulary, the targets (int64), and nll_loss's total weight (one fp32)
         vocab = w.markov.vocab_size if w.data == "markov" else 256
-        total += s * b * (2 * h * width + 2 * width + 4 * vocab + 8)
+        total += s * b * (2 * h * width + 2 * width + 4 * vocab + 8) + 4
     return total
 
 
@@ -169,3 +169,22 @@ def predict(cfg: Config, phi: float) -> Prediction:
     ring = 2 * (dp - 1) if dp > 1 else 0
     return Prediction(fullest.memory, busiest.link, None, rounds=2 + (2 if dp > 1 else 0),
                       messages=transfers + ring, server_memory=None, per_rank=ranks)
+
+
+def size_estimate(phi: float, world: int, p: int, m: int, precision: str, optimizer: str) -> list[dict[str, Any]]:
+    """`psarch estimate`'s pipeline rows from Φ alone: p stages of Φ/p each (blocks dominate a deep model),
+    dp = world / p replicas whose gradients are ring all-reduced, and each schedule's bubble. The activations
+    crossing a boundary (b·s·h per micro-batch each way) need the model's shape: a run's summary has them."""
+    if p < 1 or world % p:
+        return []
+    dp, width = world // p, BYTES[precision]
+    own = phi / p
+    states = (2 * width + optimizer_bytes_per_param(optimizer, precision)) * own
+    sent = 2 * (dp - 1) / dp * own * width
+    rows = []
+    for schedule, v in (("gpipe", 1), ("1f1b", 1), ("interleaved", 2)):
+        if schedule == "interleaved" and m % p:
+            continue
+        rows.append({"label": f"pipeline {schedule} p={p} m={m}" + (f" v={v}" if v > 1 else "") + f" dp={dp}",
+                     "states": states, "sent": sent, "bubble": float(bubble_fraction(schedule, Pipe(p, m, v)))})
+    return rows

@@ -175,7 +175,7 @@ class PipelineTrainer(Trainer):
     def summary_extra(self) -> dict[str, Any]:
         idle = sorted(self.idle[1:] or self.idle)
         return {"pipeline_stage": self.stage, "pipeline_dp_rank": self.dp_rank,
-                "activations_peak": self.activations_peak,
+                "activations_held": self.activations_peak,
                 "idle_fraction": idle[len(idle) // 2] if idle else None}
 
     def comm_waited_s(self) -> float:
