@@ -37,11 +37,13 @@ PROCESS_GROUP_OPTIONS = {"backend.dist_backend": None, "backend.timeout_s": None
 @dataclass(frozen=True)
 class CommModel:
     """How a backend's communication meets its compute on a cluster (theory.cluster_step_time's inputs):
-    collectives per pass, whether backward hides them, and ring passes that block inside forward/backward."""
+    collectives per pass, whether backward hides them, ring passes that block inside forward/backward, and
+    the share of the compute phase its ranks wait by design (a pipeline's bubble)."""
 
     buckets: int = 1
     overlap: bool = False
     hidden_passes: int = 0
+    idle_fraction: float = 0.0
 
 
 class BackendSpec(ABC):

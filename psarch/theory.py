@@ -193,11 +193,13 @@ def buckets_of(bytes_reduced: float, cap_bytes: float) -> int:
 def cluster_step(cfg: Config, summary: dict[str, Any]) -> dict[str, float]:
     """Measured | predicted step time of a finished run on the emulated cluster: compute (the measured step
     less its communication wait) plus the α-β time of the bytes each link carries (cluster_step_time), with
-    the backend's own model of how its communication meets its compute (BackendSpec.comm_model)."""
+    the backend's own model of how its communication meets its compute (BackendSpec.comm_model), the compute
+    stretched by the share its ranks wait by design (a pipeline's bubble, CommModel.idle_fraction)."""
     compute = summary["step_time_s"] - (summary.get("comm_s") or 0.0)
     m = registry.spec_of(cfg).comm_model(cfg, summary["params"], summary.get("extra") or {})
-    pred = cluster_step_time(predict(cfg, summary["params"]), compute, cfg.cluster.link_mbps,
-                             cfg.cluster.server_mbps, summary["cluster"]["alpha_s"], m.buckets, m.overlap,
-                             m.hidden_passes)
+    # a rank that waits by design (the bubble) computes `compute` in a phase 1 / (1 - idle) as long
+    pred = cluster_step_time(predict(cfg, summary["params"]), compute / (1.0 - m.idle_fraction),
+                             cfg.cluster.link_mbps, cfg.cluster.server_mbps, summary["cluster"]["alpha_s"], m.buckets,
+                             m.overlap, m.hidden_passes)
     return {"measured_s": summary["step_time_s"], "predicted_s": pred["step_time_s"],
             "compute_s": compute, "predicted_comm_s": pred["comm_s"]}

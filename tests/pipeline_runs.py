@@ -64,10 +64,19 @@ def peers(n: int, p: int) -> dict[str, dict]:
             for s in schedules}
 
 
+def bf16(data: dict) -> dict:
+    data = json.loads(json.dumps(data))
+    data["name"] += "-bf16"
+    data["train"]["precision"] = "bf16"
+    return data
+
+
 def references() -> dict[str, dict]:
-    """The single-process runs the cases are checked against: one per model depth and optimizer."""
-    return {f"single-l{layer}-{opt}": config(f"single-l{layer}-{opt}", layer, opt)
+    """The single-process runs the cases are checked against: one per model depth and optimizer, and bf16."""
+    refs = {f"single-l{layer}-{opt}": config(f"single-l{layer}-{opt}", layer, opt)
             for layer in (2, 4, 8) for opt in OPTIMIZERS}
+    refs["single-l2-sgd-bf16"] = bf16(refs["single-l2-sgd"])
+    return refs
 
 
 def reference_of(data: dict) -> str:
@@ -86,6 +95,8 @@ def _checkpointed(rank: int, n: int, o: Path, name: str, data: dict, start: Path
 def world2(rank: int, n: int, out: str) -> dict:
     o = Path(out)
     results = {name: train(rank, n, data, {}, out) for name, data in {**cases(n, 2), **peers(n, 2)}.items()}
+    low = bf16(pipeline("pp2-dp1-1f1b-m4", n, 2, 4, "1f1b"))
+    results[low["name"]] = train(rank, n, low, {}, out)
     # resume: 6 steps straight, a checkpoint every 3; then from step 3, resumed
     ckpt = pipeline("ckpt", n, 2, 4, "1f1b", "adamw")
     results["resume-straight"] = _checkpointed(rank, n, o, "resume-straight", ckpt, every=3)

@@ -110,6 +110,12 @@ def test_config_mistakes_are_one_line(backend, says):
         cfg(**backend)
 
 
+def test_stragglers_are_refused():
+    with pytest.raises(ConfigError, match="cluster.jitter: stragglers slow a worker's whole loss_fn"):
+        from_dict({"workload": GPT, "train": {"global_batch": 16}, "cluster": {"jitter": 0.1},
+                   "backend": {"kind": "pipeline", "world_size": 2}})
+
+
 def test_the_batch_is_cut_in_pipelines_not_ranks():
     """The core asks the backend how many shards its ranks read (BackendSpec.batch_shard): 4 stages of one
     pipeline read one shard, so a global batch of 6 fits 4 ranks (2 micro-batches of 3)."""
@@ -129,3 +135,15 @@ def test_the_torch_peer_predicts_what_pipeline_predicts():
     assert theory.predict(peer, 1).to_dict() == theory.predict(c, 1).to_dict()
     with pytest.raises(ConfigError, match="torch.distributed.pipelining has no naive schedule"):
         from_dict({**c.to_dict(), "backend": {"kind": "torch_pipeline", "world_size": 2, "schedule": "naive"}})
+
+
+def test_cluster_step_time_stretches_the_compute_by_the_bubble():
+    """On a cluster: the measured compute (step less the waits) in a phase 1/(1 - bubble) long, plus the
+    busiest link's bytes at its rate (theory.cluster_step_time)."""
+    c = from_dict({"workload": GPT, "train": {"global_batch": 16},
+                   "backend": {"kind": "pipeline", "world_size": 2, "schedule": "gpipe", "microbatches": 4},
+                   "cluster": {"link_mbps": 100.0}})
+    summary = {"step_time_s": 0.5, "comm_s": 0.1, "params": 1, "cluster": {"alpha_s": 0.0}}
+    got = theory.cluster_step(c, summary)
+    link = theory.predict(c, 1).worker.sent / (100e6 / 8 / theory.WIRE_OVERHEAD)
+    assert got["predicted_s"] == pytest.approx(0.4 / (1 - 1 / 5) + link)

@@ -28,8 +28,8 @@ SCHEDULES = ("gpipe", "1f1b", "interleaved")
 
 def bench_config(p: int, m: int, steps: int, schedule: str, kind: str) -> dict:
     """A GPT of ~3.3M parameters (the collective benchmark's), 2 blocks per stage (interleaved: 1 per chunk)."""
-    return {"seed": 0, "workload": {"model": "gpt", "seq_len": 64, "gpt": {"n_layer": 2 * p, "n_embd": 256, "n_head": 4},
-                                    "markov": {"vocab_size": 256}},
+    return {"seed": 0, "workload": {"model": "gpt", "seq_len": 64, "markov": {"vocab_size": 256},
+                                    "gpt": {"n_layer": 2 * p, "n_embd": 256, "n_head": 4}},
             "train": {"steps": steps, "global_batch": 4 * m, "optimizer": "adamw", "lr": 1e-3},
             "backend": {"kind": kind, "world_size": p, "stages": p, "microbatches": m, "schedule": schedule,
                         **({"virtual_stages": 2} if schedule == "interleaved" else {})}}

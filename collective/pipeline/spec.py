@@ -7,8 +7,8 @@ from dataclasses import dataclass
 from typing import Any, Mapping
 
 from collective.pipeline import theory
-from collective.pipeline.schedule import SCHEDULES
-from psarch.backend import PROCESS_GROUP_OPTIONS, BackendSpec
+from collective.pipeline.schedule import SCHEDULES, bubble_fraction
+from psarch.backend import PROCESS_GROUP_OPTIONS, BackendSpec, CommModel
 from psarch.config_fields import _f
 from psarch.config_files import ConfigError
 from psarch.theory import Prediction
@@ -60,6 +60,10 @@ class PipelineSpec(BackendSpec):
     def predict(self, cfg: Config, phi: float) -> Prediction:
         return theory.predict(cfg, phi)
 
+    def comm_model(self, cfg: Config, phi: float, extra: Mapping[str, list[Any]]) -> CommModel:
+        # the transfers go on while other micro-batches compute; what a rank waits is the bubble
+        return CommModel(idle_fraction=float(bubble_fraction(cfg.backend.schedule, theory.pipe_of(cfg))))
+
     def estimate_rows(self, phi: float, world: int, precision: str, optimizer: str,
                       options: Mapping[str, Any]) -> list[dict[str, Any]]:
         if not options.get("stages"):
@@ -78,6 +82,8 @@ class TorchPipelineSpec(PipelineSpec):
              "backend.virtual_stages": ("interleaved",)}
 
     estimate_rows = BackendSpec.estimate_rows   # the same rows as pipeline's: printed once
+    # its measured compute holds its waits already (torch's receives are not timed apart)
+    comm_model = BackendSpec.comm_model
 
     def variant(self, cfg: Config) -> str:
         return super().variant(cfg).replace(f"/{cfg.backend.comm}", "")   # its dp all-reduce is torch's
@@ -97,6 +103,10 @@ def check_pipeline(cfg: Config, kind: str) -> None:
     """The rules every pipeline backend shares: world size, batch and micro-batches, blocks enough."""
     b, t = cfg.backend, cfg.train
     _check_stages(cfg)
+    if cfg.cluster.slow_workers or cfg.cluster.jitter:
+        key = "cluster.slow_workers" if cfg.cluster.slow_workers else "cluster.jitter"
+        raise ConfigError(f"{key}: stragglers slow a worker's whole loss_fn, which a pipeline stage does not run "
+                          f"whole (backend.kind = \"{kind}\"); remove it")
     p = b.pipeline_stages
     dp = b.world_size // p
     if t.global_batch % (dp * b.microbatches):

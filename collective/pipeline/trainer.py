@@ -61,21 +61,25 @@ class PipelineTrainer(Trainer):
         self.stage, self.dp_rank = ctx.rank % self.pipe.p, ctx.rank // self.pipe.p
         self.model = workload.model.to(ctx.device, compute_dtype(cfg.train.precision))
         cast = None if cfg.train.precision == "fp32" else compute_dtype(cfg.train.precision)
-        sample = micro_batches(to_device(workload.batch(0, self.dp_rank, self.dp), ctx.device, cast), self.pipe.m)[0]
+        local = to_device(workload.batch(0, self.dp_rank, self.dp), ctx.device, cast)
+        sample = micro_batches(local, self.pipe.m)[0]   # what the trace of the forward runs on
         self.chunks_of = [[self.pipe.stage_of(r, c) for c in range(self.pipe.v)] for r in range(self.pipe.p)]
-        self.cut = Cut(self.model, b.zero_units, workload.loss_fn, sample, self.pipe.virtual, self.chunks_of[self.stage])
+        self.cut = Cut(self.model, b.zero_units, workload.loss_fn, sample, self.pipe.virtual,
+                       self.chunks_of[self.stage])
         self.flat = FlatParams(self.cut.params)
         self.optim = MixedPrecisionOptimizer([self.flat.data], cfg.train, cfg.train.precision)
         self.comm = self._dp_communicator(b.comm)
         self.meter = TrafficMeter()
         self.p2p = P2P(ctx.group, self.meter)
-        self.engine = Engine(self.cut, self.p2p, self.pipe, self.stage, self._global(0), instructions(b.schedule, self.pipe, self.stage),
-                             workload.loss_fn, self.optim.scaler.scale_loss,
+        self.engine = Engine(self.cut, self.p2p, self.pipe, self.stage, self._global(0),
+                             instructions(b.schedule, self.pipe, self.stage), workload.loss_fn,
+                             self.optim.scaler.scale_loss,
                              lambda: {self.flat.data.untyped_storage().data_ptr()})
         self._layout = self._layout_of(self.stage)
         self._measured = False
         self.activations_peak: int | None = None
         self.idle: list[float] = []
+        self._loss_sends: list = []
 
     def _dp_communicator(self, kind: str):
         """The communicator over this stage's data-parallel group (None for one pipeline). Every rank creates
@@ -94,8 +98,9 @@ class PipelineTrainer(Trainer):
 
     def _layout_of(self, stage: int) -> list[tuple[str, torch.Size, int]]:
         """(name, shape, flat offset) of the parameters stage `stage` holds, in the model's order."""
+        chunks = self.chunks_of[stage]
         return layout_of(self.cut.shapes, {n for n in self.cut.shapes
-                                           if self.cut.owners[id(self.model.get_parameter(n))] in self.chunks_of[stage]})
+                                           if self.cut.owners[id(self.model.get_parameter(n))] in chunks})
 
     def step(self, batch: Any) -> StepStats:
         self.flat.zero_grad()
@@ -123,13 +128,19 @@ class PipelineTrainer(Trainer):
             if self.comm is not None:
                 self.comm.all_reduce(value)
                 value /= self.dp
-            sends = [self.p2p.send(value, self._global(s), "loss", tag("loss", 0, 0, self.pipe.m))
-                     for s in range(last)]
-            for s in sends:
-                s.wait()
+            # waited on at the next step's loss (or close): a send completes only once its receiver takes it,
+            # after its own pipeline phase, and this rank's wait for that belongs to the next phase's bubble
+            self._wait_loss_sends()
+            self._loss_sends = [self.p2p.send(value, self._global(s), "loss", tag("loss", 0, 0, self.pipe.m))
+                                for s in range(last)]
             return float(value.item())
         got = self.p2p.recv((1,), torch.float64, device, self._global(last), "loss", tag("loss", 0, 0, self.pipe.m))
         return float(got.wait().item())
+
+    def _wait_loss_sends(self) -> None:
+        for s in self._loss_sends:
+            s.wait()
+        self._loss_sends = []
 
     # ---------------------------------------------------------------- the model's state
 
@@ -182,5 +193,6 @@ class PipelineTrainer(Trainer):
         return self.engine.waited_total
 
     def close(self) -> None:
+        self._wait_loss_sends()
         if self.comm is not None:
             self.comm.close()
