@@ -15,12 +15,11 @@ import torch
 
 from collective import make_communicator
 from collective.bucket import Bucket, assign_buckets
-from collective.sharded import ShardedTables
-from collective.rows import RowExchange
+from collective.embeddings import make_tables
 from psarch.checkpoint.fragments import Pieces, master_fragments, restore_optimizer, scaler_state, share_of
 from psarch.config import Config
 from psarch.dist import DistContext
-from psarch.flat import FlatParams
+from psarch.flat import FlatParams, flat_layout
 from psarch.meters import peak_memory, tensor_bytes
 from psarch.precision import MixedPrecisionOptimizer, compute_dtype
 from psarch.single import consolidated_state
@@ -29,25 +28,24 @@ from psarch.workload import Workload
 
 
 class DDPTrainer(Trainer):
-    """Every rank holds the whole model; gradients are averaged by all-reduce each step."""
+    """Every rank holds the whole model (its embedding tables as backend.embeddings says: collective/embeddings.py);
+    gradients are averaged by all-reduce each step."""
 
     def __init__(self, workload: Workload, cfg: Config, ctx: DistContext) -> None:
         self.ctx, self.cfg = ctx, cfg
         self.n = ctx.world_size
         self.loss_fn = workload.loss_fn
         self.comm = make_communicator(cfg.backend.comm, ctx.group)
-        # embeddings = "sharded": the (meta) tables leave the model for their row shards (collective/sharded.py)
-        # before the model moves: only the dense part is ever materialised on this rank
-        self.sharded = (ShardedTables(workload.model, self.comm, cfg, ctx.device)
-                        if cfg.backend.embeddings == "sharded" else None)
+        # before the model moves: a sharded treatment takes the (meta) tables out for its row shards, so only
+        # the dense part is ever materialised on this rank
+        self.tables = make_tables(workload.model, self.comm, cfg, ctx.device)
         self.model = workload.model.to(ctx.device, compute_dtype(cfg.train.precision))
-        # embeddings = "rows": the tables' gradients move as (ids, rows) (collective/rows.py), not in buckets
-        self.rows = RowExchange(self.comm, self.model) if cfg.backend.embeddings == "rows" else None
-        tables = {id(w) for w in self.rows.weights} if self.rows else set()
+        apart = self.tables.excluded()   # rows: the tables' gradients move as (ids, rows), not in buckets
         # Grads become ready roughly in reverse registration order: lay the buffer out that way so
-        # each bucket is one contiguous slice that fills early (tables, if apart, after the buckets).
-        params = [p for p in self.model.parameters() if p.requires_grad and id(p) not in tables][::-1]
-        self.flat = FlatParams(params + (self.rows.weights if self.rows else []))
+        # each bucket is one contiguous slice that fills early (tables kept apart go after the buckets).
+        params = [p for p in self.model.parameters() if p.requires_grad and all(p is not a for a in apart)][::-1]
+        self.flat = FlatParams(params + apart)
+        self.n_apart = len(apart)
         self.comm.broadcast(self.flat.data, src=0)
         self.buckets = assign_buckets(params, self.flat.offsets, cfg.backend.bucket_cap_mb * 2**20)
         self._bucket_of = {i: b for b in self.buckets for i in b.params}
@@ -56,8 +54,7 @@ class DDPTrainer(Trainer):
         self._handles: list[Any] = []
         self._hooks = [p.register_post_accumulate_grad_hook(self._hook(i)) for i, p in enumerate(params)]
         self.optim = MixedPrecisionOptimizer([self.flat.data], cfg.train, cfg.train.precision)
-        names = {id(p): n for n, p in self.model.named_parameters()}
-        self._layout = [(names[id(p)], p.shape, o) for p, o in zip(self.flat.params, self.flat.offsets)]
+        self._layout = flat_layout(self.model, self.flat.params)
 
     def _hook(self, i: int):
         def on_grad_ready(param: torch.Tensor) -> None:
@@ -87,20 +84,16 @@ class DDPTrainer(Trainer):
             b.ready.clear()
         self._next = 0
         t0 = time.perf_counter()
-        if self.sharded is not None:
-            self.sharded.fetch(batch)
+        self.tables.fetch(batch)
         fetch_s = time.perf_counter() - t0
         loss = self.loss_fn(self.model, batch)
         self.optim.scaler.scale_loss(loss).backward()
         t0 = time.perf_counter()
-        if self.sharded is not None:
-            self.sharded.push_grads()
         while self._next < len(self.buckets):  # buckets whose parameters got no gradient, or no overlap
             self._launch(self.buckets[self._next])
-        extra: dict[str, Any] = {}
-        if self.rows:  # queued behind the buckets' all-reduces: every rank issues the same sequence
-            u = self.rows.exchange(batch, self.flat.views(self.flat.grad)[-len(self.rows.weights):])
-            extra["unique_ids"] = sum(u)   # over all tables, as ddp sharded reports it
+        # queued behind the buckets' all-reduces: every rank issues the same sequence
+        grads = self.flat.views(self.flat.grad)
+        extra: dict[str, Any] = dict(self.tables.exchange(batch, grads[len(grads) - self.n_apart:]))
         for h in self._handles:
             if h is not None:
                 h.wait()
@@ -108,53 +101,47 @@ class DDPTrainer(Trainer):
         comm_s = time.perf_counter() - t0 + fetch_s
         # After the all-reduce every rank holds the same gradients, so the inf/nan check agrees everywhere.
         skipped = self.optim.step([self.flat.grad])
-        if self.sharded is not None:  # fp16 is refused with sharded tables: their step never needs a verdict
-            self.sharded.step()
-            extra.update(self.sharded.counts())
+        self.tables.step()   # fp16 is refused with sharded tables: their step never needs a verdict
         return StepStats(float(loss.item()), skipped=skipped, loss_scale=self.optim.scaler.scale, comm_s=comm_s,
                          extra=extra)
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         masters = self.flat.views(self.optim.master.masters[0])
         state = consolidated_state(self.model, {id(p): m for p, m in zip(self.flat.params, masters)})
-        if self.sharded is None:
-            return state
-        tables = self.sharded.full_tables()   # the model holds no tables: put them back under their names
+        tables = self.tables.full_tables()   # tables the model does not hold, under their names (collective)
         return {**tables, **state} if self.ctx.rank == 0 else {}
 
     def checkpoint_pieces(self, writing: bool = True) -> Pieces:
-        """Every rank holds every parameter; when writing, each writes its share."""
+        """Every rank holds every dense parameter; when writing, each writes its share (and the rows its
+        treatment holds itself)."""
         frags = self._fragments()
         mine = share_of(frags, self.ctx.rank, self.n) if writing else frags
         params = {n: tuple(s) for n, s, _ in self._layout[::-1]}
-        if self.sharded is not None:  # each rank holds, and writes, its own rows of every table
-            mine, params = mine + self.sharded.fragments(), {**self.sharded.params(), **params}
-        return Pieces(mine, params, scaler_state(self.optim.scaler))
+        return Pieces(mine + self.tables.fragments(), {**self.tables.params(), **params},
+                      scaler_state(self.optim.scaler))
 
     def _fragments(self) -> list:
         return master_fragments(self.optim, 0, self._layout, 0, self.flat.numel)
 
     def load_checkpoint(self, ckpt) -> None:
         restore_optimizer(self.optim, ckpt, self._fragments)
-        if self.sharded is not None:
-            self.sharded.load_checkpoint(ckpt)
+        self.tables.load_checkpoint(ckpt)
 
     def memory(self) -> MemoryReport:
         peak, kind = peak_memory(self.ctx.device)
         report = MemoryReport(params=tensor_bytes([self.flat.data]), grads=tensor_bytes([self.flat.grad]),
                               optimizer=self.optim.state_bytes(), peak=peak, peak_kind=kind)
-        for k, v in (self.sharded.memory() if self.sharded is not None else {}).items():
+        for k, v in self.tables.memory().items():
             setattr(report, k, getattr(report, k) + v)
         return report
 
     def traffic(self) -> TrafficReport:
         report = self.comm.traffic.report()
-        if self.sharded is not None:  # all_to_all is torch's: its bytes are the payload's, so modelled
-            report = TrafficReport({**report.ops, **self.sharded.traffic.report().ops}, modelled=True)
-        return report
+        # all_to_all is torch's: its bytes are the payload's, so modelled
+        return TrafficReport({**report.ops, **self.tables.traffic()}, modelled=report.modelled or self.tables.modelled())
 
     def summary_extra(self) -> dict[str, Any]:
-        return self.sharded.summary() if self.sharded is not None else {}
+        return self.tables.summary()
 
     def close(self) -> None:
         for h in self._hooks:

@@ -26,23 +26,27 @@ import torch
 from torch import nn
 
 from collective.comm import Communicator
-from psarch.sparse import embedding_tables, unique_ids
+from psarch.embeddings import EmbeddingTables, embedding_tables, unique_ids
 
 
-class RowExchange:
-    """The embedding tables of a model and the all-gather of their touched rows' gradients."""
+class RowExchange(EmbeddingTables):
+    """The embedding tables of a model and the all-gather of their touched rows' gradients: the tables stay
+    ordinary parameters of the model (the optimizer steps them with the rest), kept out of the buckets."""
 
-    def __init__(self, comm: Communicator, model: nn.Module) -> None:
-        self.comm = comm
-        tables = [t for _, t in embedding_tables(model)]
-        for t in tables:  # backward adds the batch's rows into the (flat, dense) gradient: O(batch), not O(table)
+    name = "rows"
+
+    def __init__(self, model: nn.Module, comm: Communicator, cfg: Any = None, device: Any = None) -> None:
+        self.comm, self.model = comm, model
+        for _, t in embedding_tables(model):  # backward adds the batch's rows into the flat gradient: O(batch)
             t.sparse = True
-        self.weights = [t.weight for t in tables]
-        self.dims = [w.shape[1] for w in self.weights]
 
-    def exchange(self, batch: Any, grads: Sequence[torch.Tensor]) -> list[int]:
+    def excluded(self) -> list[nn.Parameter]:
+        """The tables' weights (read now: the model may have moved since construction)."""
+        return [t.weight for _, t in embedding_tables(self.model)]
+
+    def exchange(self, batch: Any, grads: Sequence[torch.Tensor]) -> dict[str, int]:
         """Replace each table's local gradient in `grads` (shaped like the tables) by the average over
-        ranks, moving only touched rows; returns this rank's distinct ids per table."""
+        ranks, moving only touched rows; this rank's distinct ids over all tables (`unique_ids`)."""
         n, device = self.comm.world_size, grads[0].device
         ids = [i.to(device) for i in unique_ids(batch)]
         if len(ids) != len(grads):
@@ -50,7 +54,8 @@ class RowExchange:
         counts = torch.tensor([len(i) for i in ids], dtype=torch.int64, device=device)
         every = _all_gather_int64(self.comm, counts).view(n, -1).tolist()
         width = max(sum(c) for c in every)
-        row_width = max(sum(u * d for u, d in zip(c, self.dims)) for c in every)
+        dims = [g.shape[1] for g in grads]
+        row_width = max(sum(u * d for u, d in zip(c, dims)) for c in every)
         dtype = grads[0].dtype
         # pre-divide by N, as the dense buckets do (keeps fp16 sums in range)
         rows = torch.cat([g[i].reshape(-1) for g, i in zip(grads, ids)]).div_(n)
@@ -62,11 +67,11 @@ class RowExchange:
             g.index_fill_(0, i, 0)
         for r, c in enumerate(every):
             at = row_at = 0
-            for g, u, d in zip(grads, c, self.dims):
+            for g, u, d in zip(grads, c, dims):
                 # index_add_ sums duplicate ids (the same row touched on several ranks)
                 g.index_add_(0, all_ids[r, at:at + u], all_rows[r, row_at:row_at + u * d].view(u, d))
                 at, row_at = at + u, row_at + u * d
-        return counts.tolist()
+        return {"unique_ids": int(counts.sum())}
 
 
 def _pad(t: torch.Tensor, length: int, value: float) -> torch.Tensor:

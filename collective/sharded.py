@@ -13,8 +13,9 @@ The shard is updated whole, with a zero gradient on the rows no rank touched: fo
 weight decay and for Adagrad without weight decay those rows do not move anyway, and for AdamW, momentum or
 weight decay they move exactly as in the dense update (an AdamW row keeps drifting on its moments), so every
 optimizer equals `single`, at the price of an O(shard) update per step.
-At start-up the model's tables are on the meta device (workload.click_model) and each rank computes only
-its own rows (models/dlrm.py `table_rows`): no rank ever holds, or broadcasts, the whole tables.
+At start-up the model's tables are on the meta device (the spec's worker_holds_tables) and each rank asks the
+model for its own rows' initial values (`model.initial_rows`, e.g. psarch/models/dlrm.py): no rank ever holds,
+or broadcasts, the whole tables.
 """
 from __future__ import annotations
 
@@ -28,14 +29,14 @@ from collective.comm import Communicator, stage_on_host
 from psarch.checkpoint.fragments import Fragment, fragments_in, restore_optimizer
 from psarch.meters import TrafficMeter, tensor_bytes
 from psarch.config import Config
-from psarch.models.dlrm import table_rows
+from psarch.embeddings import EmbeddingTables, batch_ids, embedding_tables
 from psarch.precision import MixedPrecisionOptimizer, compute_dtype
-from psarch.sparse import batch_ids, embedding_tables
+from psarch.trainer import OpTraffic
 
 ID_BYTES = 8    # ids travel as int64
 
 
-def shard_rows(rows: int, world_size: int) -> int:
+def rows_per_rank(rows: int, world_size: int) -> int:
     """B, the rows of a table each rank holds: ceil(rows / N) (the last shard's tail is padding)."""
     return -(-rows // world_size)
 
@@ -67,12 +68,19 @@ class PooledRows(nn.Module):
         return bags.mean(-2) if self.mode == "mean" else bags.sum(-2)
 
 
-class ShardedTables:
+class ShardedTables(EmbeddingTables):
     """The embedding tables of a model, row-sharded over the ranks of `comm`: takes them out of the model
     (the model keeps PooledRows in their place), holds this rank's shard of each, and moves rows by all-to-all."""
 
+    name = "sharded"
+    holds_tables = False
+
     def __init__(self, model: nn.Module, comm: Communicator, cfg: Config, device: torch.device) -> None:
-        """The model's tables are on meta (workload.click_model): this rank computes only its own rows."""
+        """The model's tables are on meta: this rank builds only its own rows, from `model.initial_rows`."""
+        initial_rows = getattr(model, "initial_rows", None)
+        if initial_rows is None:
+            raise ValueError(f"backend.embeddings = \"sharded\": {type(model).__name__} cannot build a range of its "
+                             f"tables' rows (no initial_rows(table, start) method, as the dlrm model has)")
         tables = embedding_tables(model)
         shapes = {tuple(t.weight.shape) for _, t in tables}
         if len(shapes) != 1:
@@ -80,14 +88,14 @@ class ShardedTables:
         self.comm, self.n, self.rank = comm, comm.world_size, comm.rank
         self.names = [name for name, _ in tables]
         self.rows, self.dim = shapes.pop()
-        self.block = shard_rows(self.rows, self.n)
+        self.block = rows_per_rank(self.rows, self.n)
         lo, hi = self._range(self.rank)
         # (tables, B, dim): one tensor, so one fused optimizer step and one all-gather serve every table
         self.shard = torch.zeros(len(tables), self.block, self.dim, dtype=compute_dtype(cfg.train.precision),
                                  device=device)
         for i in range(len(tables)):   # rows [lo, hi), a block at a time; the last shard's padding stays zero
             pos = 0
-            for chunk in table_rows(cfg.seed, i, self.rows, self.dim, start=lo):
+            for chunk in initial_rows(i, start=lo):
                 take = min(chunk.shape[0], hi - lo - pos)
                 self.shard[i, pos:pos + take] = chunk[:take]
                 pos += take
@@ -98,7 +106,7 @@ class ShardedTables:
         for i, p in enumerate(self.pooled):   # the whole tables leave the model: only the shard stays
             model.tables[i] = p
         self.optim = MixedPrecisionOptimizer([self.shard], cfg.train, cfg.train.precision)
-        self.traffic = TrafficMeter(modelled=True)   # torch's all_to_all_single: the payload's volume
+        self.meter = TrafficMeter(modelled=True)   # torch's all_to_all_single: the payload's volume
         self._step: dict[str, Any] = {}
 
     def _range(self, rank: int) -> tuple[int, int]:
@@ -110,7 +118,7 @@ class ShardedTables:
         """all_to_all_single of rows of `width` elements; counts the bytes that leave and reach this rank."""
         recv = send.new_empty(sum(recv_splits), *send.shape[1:])
         item = send.element_size() * width
-        self.traffic.add("all_to_all", (sum(send_splits) - send_splits[self.rank]) * item,
+        self.meter.add("all_to_all", (sum(send_splits) - send_splits[self.rank]) * item,
                          (sum(recv_splits) - recv_splits[self.rank]) * item)
         (out, inp), finish = stage_on_host(self.comm.backend, [recv, send.contiguous()], [0])
         dist.all_to_all_single(out, inp, recv_splits, send_splits, group=self.comm.group)
@@ -119,7 +127,7 @@ class ShardedTables:
 
     def fetch(self, batch: Any) -> None:
         """Forward's exchange: send the batch's unique ids to their owners, get their rows back, hand them to
-        the model's PooledRows. Fills this step's counts (`counts()`)."""
+        the model's PooledRows (the step's id counts come back from exchange)."""
         ids = batch_ids(batch)
         tables, n = len(self.pooled), self.n
         uniq, inverse = zip(*(torch.unique(ids[:, t], return_inverse=True) for t in range(tables)))
@@ -148,9 +156,10 @@ class ShardedTables:
                       "counts": {"unique_ids": len(flat), "ids_out": sum(send_splits) - send_splits[self.rank],
                                  "ids_in": sum(recv_splits) - recv_splits[self.rank]}}
 
-    def push_grads(self) -> None:
+    def exchange(self, batch: Any, grads: list[torch.Tensor]) -> dict[str, int]:
         """Backward's exchange: send each fetched row's gradient to its owner, who sums them into the shard's
-        gradient divided by N (zero on rows no rank touched)."""
+        gradient divided by N (zero on rows no rank touched). Returns this step's ids: unique in the batch (all
+        tables), sent to other owners, asked of this rank by others."""
         s = self._step
         rows = s["rows"]
         g = rows.grad if rows.grad is not None else torch.zeros_like(rows)
@@ -160,14 +169,17 @@ class ShardedTables:
         self.grad.div_(self.n)
         for p in self.pooled:
             p.fetched = None
+        return dict(s["counts"])
 
     def step(self) -> bool:
         """Update the whole shard with its optimizer (see the module's docstring); True if skipped."""
         return self.optim.step([self.grad])
 
-    def counts(self) -> dict[str, int]:
-        """This step's ids: unique in the batch (all tables), sent to other owners, asked of this rank by others."""
-        return dict(self._step.get("counts", {}))
+    def traffic(self) -> dict[str, OpTraffic]:
+        return self.meter.report().ops
+
+    def modelled(self) -> bool:
+        return True
 
     def full_tables(self) -> dict[str, torch.Tensor]:
         """The whole fp32 tables, by parameter name, from every rank's shard (an all-gather; a collective call)."""

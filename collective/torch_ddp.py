@@ -13,8 +13,8 @@ from psarch.dist import DistContext
 from psarch.meters import TrafficMeter, peak_memory, tensor_bytes
 from psarch.precision import MixedPrecisionOptimizer, compute_dtype
 from psarch.single import consolidated_state
-from psarch.sparse import embedding_tables, unique_ids
-from collective.theory import rows_all_gather_bytes
+from collective.embeddings import TorchSparseRows
+from psarch.embeddings import EmbeddingTables
 from psarch.trainer import MemoryReport, StepStats, Trainer, TrafficReport
 from psarch.workload import Workload
 
@@ -25,20 +25,15 @@ class TorchDDPTrainer(Trainer):
     def __init__(self, workload: Workload, cfg: Config, ctx: DistContext) -> None:
         self.ctx = ctx
         module = workload.model.to(ctx.device, compute_dtype(cfg.train.precision))
-        # embeddings = "rows": sparse gradients, which DDP's reducer sums on gloo by all-gathering their
-        # (indices, values); torch's fused optimizers refuse them (config.py refuses what the others do)
-        self.tables = [t for _, t in embedding_tables(module)] if cfg.backend.embeddings == "rows" else []
-        for t in self.tables:
-            t.sparse = True
-        if self.tables:  # torch's sparse Adagrad builds its tensors unchecked: say so once, not warn every step
-            torch.sparse.check_sparse_tensor_invariants.disable()
+        sparse = cfg.backend.embeddings == "rows"   # torch's own sparse gradients (collective/embeddings.py)
+        self.tables = TorchSparseRows(module, ctx.world_size) if sparse else EmbeddingTables()
         self.model = DistributedDataParallel(module, device_ids=[ctx.device] if ctx.device.type == "cuda" else None,
                                              process_group=ctx.group, bucket_cap_mb=cfg.backend.bucket_cap_mb)
         self.loss_fn = workload.loss_fn
         self.params = [p for p in module.parameters() if p.requires_grad]
-        self.optim = MixedPrecisionOptimizer(self.params, cfg.train, cfg.train.precision, fused=not self.tables)
+        self.optim = MixedPrecisionOptimizer(self.params, cfg.train, cfg.train.precision, fused=not sparse)
         self.meter = TrafficMeter(modelled=True)
-        weights = {id(t.weight) for t in self.tables}
+        weights = {id(t.weight) for t in self.tables.tables} if sparse else set()
         self.payload = sum(p.numel() * p.element_size() for p in self.params if id(p) not in weights)
         names = {id(p): n for n, p in module.named_parameters()}
         self.named = [(names[id(p)], p) for p in self.params]
@@ -51,13 +46,7 @@ class TorchDDPTrainer(Trainer):
         n = self.ctx.world_size
         volume = 2 * (n - 1) * self.payload // n
         self.meter.add("all_reduce", volume, volume)
-        extra = {}
-        if self.tables:  # gloo's sparse all-reduce: all-gathers of metadata, indices, values (own u, unpadded)
-            u = [len(i) for i in unique_ids(batch)]
-            rows = rows_all_gather_bytes(n, len(u), sum(u), sum(c * t.embedding_dim for c, t in zip(u, self.tables)),
-                                         self.tables[0].weight.element_size())
-            self.meter.add("all_gather", int(rows), int(rows))
-            extra["unique_ids"] = sum(u)
+        extra = self.tables.exchange(batch, [])   # what DDP's reducer moved of the tables' rows
         skipped = self.optim.step([p.grad for p in self.params])
         return StepStats(float(loss.item()), skipped=skipped, loss_scale=self.optim.scaler.scale, extra=extra)
 
@@ -83,7 +72,7 @@ class TorchDDPTrainer(Trainer):
                             optimizer=self.optim.state_bytes(), peak=peak, peak_kind=kind)
 
     def traffic(self) -> TrafficReport:
-        return self.meter.report()
+        return TrafficReport({**self.meter.report().ops, **self.tables.traffic()}, modelled=True)
 
     def close(self) -> None:
         pass

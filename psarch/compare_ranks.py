@@ -1,8 +1,8 @@
-"""The per-rank section of `psarch compare`, for runs whose ranks differ by design (theory's
-Prediction.per_rank: a pipeline's stages): each rank's model states and link bytes beside its own
-prediction, and every figure the backend predicts per rank and also measured (summary.json's `extra`,
-one entry per rank, under the same name): e.g. the idle fraction (the bubble) and the activations held.
-Figures named *_fraction are shown as percentages, the others as bytes."""
+"""The per-rank section of `psarch compare`, for model-parallel runs (theory's Prediction.per_rank: a
+pipeline's stages, a tensor run's shards): each rank's model states and link bytes beside its own prediction,
+and every figure the backend predicts per rank and also measured (summary.json's `extra`, one entry per rank,
+under the same name): the idle fraction (the bubble) and activations held of a stage, the blocks' activation
+bytes of a shard. Figures named *_fraction are shown as percentages, the others as bytes."""
 from __future__ import annotations
 
 from typing import Any
@@ -48,5 +48,6 @@ def rank_table(runs: list[dict[str, Any]]) -> str:
                      f"{fmt_bytes(t['received_per_step'])}{modelled} \\| {fmt_bytes(pred['received'])}"]
             cells += [f"{_show(k, extra[k][r] if k in extra and r < len(extra[k]) else None)} \\| "
                       f"{_show(k, pred.get(k))}" for k in keys]
-            lines.append(f"| {s['name']} | {s.get('label', s['backend'])} | {r} | " + " | ".join(cells) + " |")
+            name = run.get("run_label", s["name"])
+            lines.append(f"| {name} | {s.get('label', s['backend'])} | {r} | " + " | ".join(cells) + " |")
     return "\n".join(lines)

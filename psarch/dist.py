@@ -10,6 +10,7 @@ import torch
 import torch.distributed as dist
 
 from psarch.config import Config
+from psarch.records import ServiceInfo
 
 
 @dataclass
@@ -23,7 +24,7 @@ class DistContext:
     dist_backend: str | None = None          # None: no process group (single, or PS workers that need none)
     group: Any = None
     launched_by: str = "local"               # "local" (psarch run) or "torchrun"
-    services: dict[str, Any] = field(default_factory=dict)  # e.g. PS server addresses
+    services: ServiceInfo = field(default_factory=ServiceInfo)  # how to reach the services (PS servers)
 
     @property
     def distributed(self) -> bool:

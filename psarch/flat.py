@@ -47,3 +47,14 @@ class FlatParams:
     @property
     def padding(self) -> int:
         return self.padded_numel - self.numel
+
+
+def flat_layout(model: torch.nn.Module, params: Sequence[torch.nn.Parameter]) -> list[tuple[str, torch.Size, int]]:
+    """Each of `params`' name, shape and offset in the flat vector they form, in that order: how a flat
+    buffer maps onto the model's parameters (what a checkpoint is keyed by)."""
+    names = {id(p): n for n, p in model.named_parameters()}
+    out, pos = [], 0
+    for p in params:
+        out.append((names[id(p)], p.shape, pos))
+        pos += p.numel()
+    return out

@@ -9,8 +9,9 @@ from typing import Any
 
 import torch
 
-from psarch import registry, theory
+from psarch import registry, theory, throughput
 from psarch.config import Config
+from psarch.records import RankRecord, StepRecord
 from psarch.runner import warmup_steps
 from psarch.units import fmt_bytes
 
@@ -44,23 +45,22 @@ def prepare(out: Path, cfg: Config, keep_checkpoints: bool = False) -> None:
 
 
 def stream_path(out: Path, rank: int) -> Path:
-    """Where a rank appends its metric rows as its steps complete (kept when the run fails)."""
+    """Where a rank appends its step records as its steps complete (kept when the run fails)."""
     return out / RANKS_DIR / f"rank{rank}.jsonl"
 
 
-def save_record(out: Path, record: dict[str, Any]) -> None:
-    """Write one rank's record; rank 0 also writes the consolidated model. Rows the rank streamed to
-    stream_path are read back from there, not stored twice."""
-    record = dict(record)
-    state = record.pop("model_state", None)
-    if state is not None:
-        torch.save(state, out / "model.pt")
-    if _streamed_rows(out, record["rank"]) == record["rows"]:
-        record.pop("rows")
-    (out / RANKS_DIR / f"rank{record['rank']}.json").write_text(json.dumps(record))
+def save_record(out: Path, record: RankRecord) -> None:
+    """Write one rank's record; rank 0 also writes the consolidated model. Step records the rank streamed
+    to stream_path are read back from there, not stored twice."""
+    if record.model_state is not None:
+        torch.save(record.model_state, out / "model.pt")
+    data = record.to_json()
+    if _streamed_steps(out, record.rank) == record.steps:
+        data["steps"] = None   # in stream_path
+    (out / RANKS_DIR / f"rank{record.rank}.json").write_text(json.dumps(data))
 
 
-def _streamed_rows(out: Path, rank: int) -> list[dict[str, Any]]:
+def _streamed_steps(out: Path, rank: int) -> list[StepRecord]:
     try:
         text = stream_path(out, rank).read_text()
     except OSError:
@@ -69,19 +69,19 @@ def _streamed_rows(out: Path, rank: int) -> list[dict[str, Any]]:
     return [json.loads(line) for line in text.split("\n")[:-1]]
 
 
-def _records(out: Path) -> list[dict[str, Any]]:
-    records = sorted((json.loads(p.read_text()) for p in (out / RANKS_DIR).glob("rank*.json")),
-                     key=lambda r: r["rank"])
+def _records(out: Path) -> list[RankRecord]:
+    records = sorted((RankRecord.from_json(json.loads(p.read_text())) for p in (out / RANKS_DIR).glob("rank*.json")),
+                     key=lambda r: r.rank)
     for r in records:
-        if "rows" not in r:
-            r["rows"] = _streamed_rows(out, r["rank"])
+        if r.steps is None:
+            r.steps = _streamed_steps(out, r.rank)
     return records
 
 
-def _write_metrics(out: Path, per_rank_rows: list[list[dict[str, Any]]]) -> list[dict[str, Any]]:
-    """metrics.jsonl: one row per step, merged over the ranks that finished it; returns the rows."""
+def _write_metrics(out: Path, per_rank: list[list[StepRecord]]) -> list[dict[str, Any]]:
+    """metrics.jsonl: one line per step, merged over the ranks that finished it; returns the lines."""
     rows = []
-    by_step = [{x["step"]: x for x in r} for r in per_rank_rows]  # a run started from a checkpoint starts late
+    by_step = [{x["step"]: x for x in r} for r in per_rank]  # a run started from a checkpoint starts late
     for s in sorted({step for r in by_step for step in r}):
         per = [r[s] for r in by_step if s in r]
         # workers_sent/received: bytes all workers together sent/received in this step
@@ -104,7 +104,7 @@ def finalize_stopped(out: Path, cfg: Config, status: str, error: str) -> dict[st
     """A run that failed or was interrupted: metrics.jsonl with every step some rank finished, and a
     summary.json that says so, with the error's first line."""
     streams = sorted((out / RANKS_DIR).glob("rank*.jsonl"), key=lambda p: int(p.stem[4:]))
-    rows = _write_metrics(out, [_streamed_rows(out, int(p.stem[4:])) for p in streams])
+    rows = _write_metrics(out, [_streamed_steps(out, int(p.stem[4:])) for p in streams])
     summary = {"name": cfg.name, "status": status, "error": error.strip().splitlines()[0] if error.strip() else "",
                **identity(cfg), "steps": len(rows), "steps_planned": cfg.train.steps,
                "final_loss": rows[-1]["loss"] if rows else None}
@@ -127,35 +127,38 @@ def finalize(out: Path, cfg: Config, extra: dict[str, Any] | None = None, echo: 
     records = _records(out)
     if not records:
         raise RuntimeError(f"{out}: no rank left a record")
-    rows = _write_metrics(out, [[x for x in r["rows"] if x["step"] < cfg.train.steps] for r in records])
-    by_step = [{x["step"]: x for x in r["rows"]} for r in records]
+    rows = _write_metrics(out, [[x for x in r.steps if x["step"] < cfg.train.steps] for r in records])
+    by_step = [{x["step"]: x for x in r.steps} for r in records]
     w = warmup_steps(cfg)
     timed = [r["step_time_s"] for r in rows[w:]] or [r["step_time_s"] for r in rows]
     step_time = statistics.median(timed)
-    phi = records[0]["params"]
-    floor = records[0]["entropy_floor"]
+    phi = records[0].params
+    floor = records[0].entropy_floor
     final_loss = rows[-1]["loss"]
+    ident = identity(cfg)
     summary: dict[str, Any] = {
-        "name": cfg.name, "status": "finished", **identity(cfg), "workload": records[0]["workload"], "precision": cfg.train.precision, "optimizer": cfg.train.optimizer,
+        "name": cfg.name, "status": "finished", **ident, "workload": records[0].workload, "precision": cfg.train.precision, "optimizer": cfg.train.optimizer,
         "params": phi, "steps": len(rows), "global_batch": cfg.train.global_batch,
         "final_loss": final_loss, "entropy_floor": floor,
         "gap": final_loss - floor if floor is not None else None,
-        "step_time_s": step_time, "samples_per_s": cfg.train.global_batch / step_time,
+        "step_time_s": step_time,
+        "samples_per_s": throughput.samples_per_s(rows, cfg.train.global_batch, ident["lockstep"], w),
+        "samples_per_s_is": throughput.definition(ident["lockstep"]),
         "comm_s": statistics.median([statistics.fmean(b[r["step"]]["comm_s"] for b in by_step if r["step"] in b)
                                      for r in rows[w:]] or [0.0]),
         "skipped_steps": sum(1 for r in rows if r["skipped"]),
-        "device": records[0]["device"], "dist_backend": records[0]["dist_backend"],
-        "memory": {"per_rank": [dict(r["memory"], rank=r["rank"]) for r in records]},
+        "device": records[0].device, "dist_backend": records[0].dist_backend,
+        "memory": {"per_rank": [dict(r.memory, rank=r.rank) for r in records]},
         # per-step figures from the steps alone (set-up broadcasts and the final gather left out)
-        "traffic": {"per_rank": [dict(r["traffic"], rank=r["rank"],
-                                      sent_per_step=statistics.fmean(x["sent"] for x in r["rows"]),
-                                      received_per_step=statistics.fmean(x["received"] for x in r["rows"]))
+        "traffic": {"per_rank": [dict(r.traffic, rank=r.rank,
+                                      sent_per_step=statistics.fmean(x["sent"] for x in r.steps),
+                                      received_per_step=statistics.fmean(x["received"] for x in r.steps))
                                  for r in records]},
         "predicted": theory.predict(cfg, phi).to_dict(),
         "lost_workers": [],
     }
     for r in records:
-        for k, v in (r.get("extra") or {}).items():
+        for k, v in (r.extra or {}).items():
             summary.setdefault("extra", {}).setdefault(k, []).append(v)
     if extra:
         for k, v in extra.items():
@@ -198,6 +201,7 @@ def report(s: dict[str, Any]) -> str:
         + f", {s['workload']}, {s['params']:,} params, {s['precision']}, {s['optimizer']}",
         f"final loss      {s['final_loss']:.4f} (last step){gap}   skipped steps {s['skipped_steps']}",
         f"step time       {s['step_time_s'] * 1e3:.2f} ms median   {s['samples_per_s']:.1f} samples/s"
+        + (f" ({s['samples_per_s_is']})" if s.get("samples_per_s_is") else "")
         + (f"   comm wait {s['comm_s'] * 1e3:.2f} ms" if s.get("comm_s") else ""),
         "",
         f"{'rank':>4}  {'params':>11} {'grads':>11} {'optimizer':>11} {'total':>11} {'predicted':>11}"

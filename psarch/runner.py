@@ -9,7 +9,7 @@ from typing import Any, Callable, TextIO
 
 import torch
 
-from psarch import checkpoint, registry
+from psarch import checkpoint, registry, throughput
 from psarch import trainer as contract
 from psarch.cluster.stragglers import Straggler, slowed, straggler
 from psarch.cluster.window import StepMarks
@@ -17,6 +17,7 @@ from psarch.config import Config
 from psarch.dist import DistContext
 from psarch.errors import check_loss
 from psarch.precision import compute_dtype
+from psarch.records import RankRecord, StepRecord
 from psarch.trainer import StepStats, Trainer
 from psarch.units import fmt_bytes
 from psarch.workload import Workload, build_workload
@@ -74,7 +75,7 @@ class StepLoop:
 
 def run_rank(cfg: Config, ctx: DistContext, workload: Workload | None = None, echo: bool = True,
              checkpoints: Path | None = None, start: Path | None = None, resume: bool = False,
-             metrics: Path | None = None, marks: StepMarks | None = None) -> dict[str, Any]:
+             metrics: Path | None = None, marks: StepMarks | None = None) -> RankRecord:
     """Train up to step `train.steps` on this rank, from step 0 or from checkpoint `start`'s step and state
     (with `resume`, also its step records), writing a checkpoint under `checkpoints` every
     `train.checkpoint_every` steps; returns the rank's record (step records, memory, traffic, model). With
@@ -92,27 +93,26 @@ def run_rank(cfg: Config, ctx: DistContext, workload: Workload | None = None, ec
     trainer = contract.load_trainer(cfg.backend.kind)(workload, cfg, ctx)
     if slow is not None:   # its compute is the forward and backward less the waits the backend timed in them
         slow.waited = trainer.comm_waited_s
-    first, records = 0, []
+    first, records = 0, []   # this rank's step records
     if ckpt is not None:
         trainer.load_checkpoint(ckpt)
         ckpt.restore_rng(ctx.rank, ctx.device)   # dropout goes on drawing where it stopped
-        records = ckpt.rows(ctx.rank) if resume else []
+        records = ckpt.steps(ctx.rank) if resume else []
         first = ckpt.step  # data is a function of (seed, step): continuing the step continues the data
         ckpt.close()
     stream = open(metrics, "a", buffering=1) if metrics is not None else None  # line-buffered: a record per write
     try:
         if stream is not None:   # the carried records first: a resumed run that then fails still keeps them
             stream.write("".join(json.dumps(r) + "\n" for r in records))
-        log = _Progress(cfg, ctx, workload.entropy_floor, echo, average=spec.needs_process_group)
+        log = _Progress(cfg, ctx, workload.entropy_floor, echo, average=spec.needs_process_group,
+                        lockstep=spec.lockstep(cfg))
         save = _checkpointer(trainer, cfg, ctx, checkpoints)
         _steps(StepLoop(trainer, workload, cfg, ctx), range(first, cfg.train.steps), records, stream, slow, marks,
                log, save)
         state = trainer.full_state_dict()   # a collective call: before the figures, which then include it
-        record = {"rank": ctx.rank, "rows": records, "memory": trainer.memory().to_dict(),
-                  "traffic": trainer.traffic().to_dict(), "extra": trainer.summary_extra(),
-                  "device": str(ctx.device), "dist_backend": ctx.dist_backend,
-                  "entropy_floor": workload.entropy_floor, "params": params, "workload": workload.name,
-                  "model_state": state if ctx.rank == 0 else None}
+        record = RankRecord(ctx.rank, records, trainer.memory().to_dict(), trainer.traffic().to_dict(),
+                            trainer.summary_extra(), str(ctx.device), ctx.dist_backend, workload.entropy_floor,
+                            params, workload.name, state if ctx.rank == 0 else None)
     finally:
         if stream is not None:
             stream.close()
@@ -120,26 +120,27 @@ def run_rank(cfg: Config, ctx: DistContext, workload: Workload | None = None, ec
     return record
 
 
-def _steps(loop: StepLoop, steps: range, records: list[dict[str, Any]], stream: TextIO | None,
+def _steps(loop: StepLoop, steps: range, records: list[StepRecord], stream: TextIO | None,
            slow: Straggler | None, marks: StepMarks | None, log: "_Progress",
-           save: Callable[[int, list[dict[str, Any]]], None]) -> None:
+           save: Callable[[int, list[StepRecord]], None]) -> None:
     """The step loop: each step's record appended (and streamed) before its loss is checked, so the
     metrics keep a bad step; progress lines and checkpoints between steps."""
     trainer, rank = loop.trainer, loop.ctx.rank
     last = trainer.traffic()  # set-up traffic (e.g. the initial broadcast) is not any step's
     if marks is not None:
         marks.reached()
-    log.start()
     for step in steps:
         batch = loop.batch(step)
         if slow is not None:
             slow.step = step
         stats, dt = loop.step(batch)
         tr = trainer.traffic()
-        records.append({"step": step, "rank": rank, "loss": stats.loss, "step_time_s": dt, "comm_s": stats.comm_s,
-                        "sent": tr.sent - last.sent, "received": tr.received - last.received,
-                        "skipped": stats.skipped, "loss_scale": stats.loss_scale, "extra": stats.extra,
-                        **({"slept_s": slow.slept_s} if slow is not None else {})})
+        record = StepRecord(step=step, rank=rank, loss=stats.loss, step_time_s=dt, comm_s=stats.comm_s,
+                            sent=tr.sent - last.sent, received=tr.received - last.received, skipped=stats.skipped,
+                            loss_scale=stats.loss_scale, extra=stats.extra)
+        if slow is not None:
+            record["slept_s"] = slow.slept_s
+        records.append(record)
         last = tr
         if stream is not None:
             stream.write(json.dumps(records[-1]) + "\n")
@@ -151,11 +152,11 @@ def _steps(loop: StepLoop, steps: range, records: list[dict[str, Any]], stream: 
 
 
 def _checkpointer(trainer: Trainer, cfg: Config, ctx: DistContext, root: Path | None
-                  ) -> Callable[[int, list[dict[str, Any]]], None]:
+                  ) -> Callable[[int, list[StepRecord]], None]:
     """Writes a checkpoint after every train.checkpoint_every-th step (never without a checkpoint folder)."""
     every = cfg.train.checkpoint_every if root is not None else 0
 
-    def save(done: int, records: list[dict[str, Any]]) -> None:
+    def save(done: int, records: list[StepRecord]) -> None:
         if every and done % every == 0:
             trainer.write_checkpoint(ctx, root, done, cfg.to_dict(), cfg.train.keep_checkpoints, records)
     return save
@@ -164,17 +165,19 @@ def _checkpointer(trainer: Trainer, cfg: Config, ctx: DistContext, root: Path | 
 class _Progress:
     """The progress line every train.log_every steps, printed by rank 0. With `average`, its loss is the mean
     over the ranks (a collective call every rank makes); a backend whose workers run at their own pace (no
-    process group of its own, e.g. async PS workers, even under torchrun) shows rank 0's own."""
+    process group of its own, e.g. async PS workers, even under torchrun) shows rank 0's own. Its samples/s
+    is the summary's (psarch/throughput.py) over the steps since the last line, and says which: in
+    `lockstep`, the global batch over the median step; else rank 0's shard over its median step, the one
+    worker whose rate it sees (the summary sums every worker's)."""
 
-    def __init__(self, cfg: Config, ctx: DistContext, floor: float | None, echo: bool, average: bool) -> None:
+    def __init__(self, cfg: Config, ctx: DistContext, floor: float | None, echo: bool, average: bool,
+                 lockstep: bool) -> None:
         self.ctx, self.floor, self.echo, self.average = ctx, floor, echo, average
-        self.every, self.steps, self.batch = cfg.train.log_every, cfg.train.steps, cfg.train.global_batch
-        self.t0 = time.perf_counter()
+        self.every, self.steps = cfg.train.log_every, cfg.train.steps
+        self.batch = cfg.train.global_batch if lockstep else cfg.train.global_batch // ctx.world_size
+        self.rate_is = throughput.definition(lockstep) if lockstep else throughput.RANK_0
 
-    def start(self) -> None:
-        self.t0 = time.perf_counter()
-
-    def after(self, step: int, records: list[dict[str, Any]], stats: StepStats) -> None:
+    def after(self, step: int, records: list[StepRecord], stats: StepStats) -> None:
         if (step + 1) % self.every and step + 1 != self.steps:
             return
         interval = records[-((step % self.every) + 1):]
@@ -182,13 +185,13 @@ class _Progress:
         if self.average:
             loss = self.ctx.mean_across_ranks(loss)
         if self.echo and self.ctx.rank == 0:
-            elapsed = time.perf_counter() - self.t0
-            _print_progress(step, self.steps, len(interval), loss, self.floor, len(interval) * self.batch / elapsed,
+            median = statistics.median(r["step_time_s"] for r in interval)
+            rate = f"{self.batch / median:9.1f} samples/s ({self.rate_is})"
+            _print_progress(step, self.steps, len(interval), loss, self.floor, rate,
                             statistics.fmean(r["sent"] for r in interval), sum(r["skipped"] for r in interval), stats)
-        self.t0 = time.perf_counter()
 
 
-def _print_progress(step: int, steps: int, window: int, loss: float, floor: float | None, samples_per_s: float,
+def _print_progress(step: int, steps: int, window: int, loss: float, floor: float | None, samples_per_s: str,
                     bytes_per_step: float, skipped: int, stats: StepStats) -> None:
     """One progress line: the loss is the mean over the `window` steps since the last line (and across
     the ranks of a process group), unlike the summary's final loss, which is the last step's."""
@@ -196,5 +199,5 @@ def _print_progress(step: int, steps: int, window: int, loss: float, floor: floa
     # fp16 steps dropped for inf/nan gradients: the loss above moved without an update
     skip = f"  skipped {skipped}" if skipped else ""
     scale = f"  scale {stats.loss_scale:g}" if stats.loss_scale not in (None, 1.0) else ""
-    print(f"step {step + 1:>6}/{steps}  {window}-step mean loss {loss:8.4f}{gap}  {samples_per_s:9.1f} samples/s  "
+    print(f"step {step + 1:>6}/{steps}  {window}-step mean loss {loss:8.4f}{gap}  {samples_per_s}  "
           f"{fmt_bytes(bytes_per_step)}/step sent{skip}{scale}", flush=True)

@@ -8,7 +8,7 @@ import torch
 from psarch.checkpoint.fragments import Pieces, master_fragments, restore_optimizer, scaler_state
 from psarch.config import Config
 from psarch.dist import DistContext
-from psarch.flat import FlatParams
+from psarch.flat import FlatParams, flat_layout
 from psarch.meters import TrafficMeter, peak_memory, tensor_bytes
 from psarch.precision import MixedPrecisionOptimizer, compute_dtype
 from psarch.backend import BackendSpec
@@ -31,8 +31,7 @@ class SingleTrainer(Trainer):
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         self.flat = FlatParams(self.params)
         self.optim = MixedPrecisionOptimizer([self.flat.data], cfg.train, cfg.train.precision)
-        names = {id(p): n for n, p in self.model.named_parameters()}
-        self._layout = [(names[id(p)], p.shape, o) for p, o in zip(self.flat.params, self.flat.offsets)]
+        self._layout = flat_layout(self.model, self.flat.params)
 
     def step(self, batch: Any) -> StepStats:
         self.flat.zero_grad()

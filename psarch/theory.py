@@ -48,8 +48,9 @@ class LinkBytes:
 
 @dataclass
 class RankPrediction:
-    """What theory says of one rank, where ranks differ (a pipeline's stages): its model states, its link per
-    step, and the backend's own figures (e.g. activation bytes held, idle fraction)."""
+    """What theory says of one rank of a model-parallel run: its model states, its link per step, and the
+    backend's own figures, each measured under the same name in summary.json's `extra` (a pipeline stage's
+    idle fraction and activations held, a tensor shard's blocks' activation bytes)."""
 
     memory: MemoryPrediction
     link: LinkBytes
@@ -63,9 +64,9 @@ class RankPrediction:
 @dataclass
 class Prediction:
     """Everything theory says about one run. `worker` and `server` are per-link figures, the input of a
-    step-time model on a cluster (one link per worker, one per PS server). Where ranks differ, `per_rank`
-    says what each holds and sends (then `memory_per_rank` is the fullest rank's and `worker` the busiest
-    link's)."""
+    step-time model on a cluster (one link per worker, one per PS server). Model-parallel backends fill
+    `per_rank`, what each rank holds and sends and their own per-rank figures (`memory_per_rank` is then the
+    fullest rank's and `worker` the busiest link's)."""
 
     memory_per_rank: MemoryPrediction   # model states one worker holds
     worker: LinkBytes                   # one worker's link, per step

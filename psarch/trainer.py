@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 import torch
 
 from psarch import registry
+from psarch.records import ServiceInfo
 
 if TYPE_CHECKING:
     from pathlib import Path
@@ -88,7 +89,7 @@ class Services(Protocol):
     """Processes a backend runs beside its workers (the parameter servers), started by the launcher first
     (BackendSpec.start_services). Implementations name this protocol."""
 
-    info: dict[str, Any]             # what every rank needs to reach them (JSON-able: addresses)
+    info: ServiceInfo                # what every rank needs to reach them
 
     def check(self) -> None:
         """Raise if a service failed."""
@@ -155,11 +156,12 @@ class Trainer(ABC):
         """Release sockets, hooks and threads."""
 
     def write_checkpoint(self, ctx: Any, root: "Path", step: int, config: dict[str, Any], keep: int,
-                         rows: list[dict[str, Any]] | None) -> "Path":
-        """Write checkpoint `step` under `root` (every rank calls it after the same step): by default
-        checkpoint_pieces() through psarch.checkpoint.save over the ranks' process group."""
+                         steps: list[dict[str, Any]] | None) -> "Path":
+        """Write checkpoint `step` under `root` (every rank calls it after the same step), with this rank's
+        step records so far: by default checkpoint_pieces() through psarch.checkpoint.save over the ranks'
+        process group."""
         from psarch.checkpoint import save
-        return save(self.checkpoint_pieces(), ctx, root, step, config, keep, rows)
+        return save(self.checkpoint_pieces(), ctx, root, step, config, keep, steps)
 
     def summary_extra(self) -> dict[str, Any]:
         """Backend-specific figures for summary.json's `extra` (one list entry per rank)."""

@@ -12,7 +12,7 @@ from torch import nn
 
 from psarch import registry
 from psarch.config import Config, ConfigError, resolve_factory
-from psarch.data import ClickSource, MarkovSource, TextSource, shard_rows, step_generator
+from psarch.data import ClickSource, MarkovSource, TextSource, shard_batch, step_generator
 from psarch.models import DLRM, GPT, MLP
 from psarch.models.dlrm import click_loss
 
@@ -56,7 +56,7 @@ def build_workload(cfg: Config, device: str | None = None) -> Workload:
     global_batch, length, seed = cfg.train.global_batch, w.seq_len + 1, cfg.seed
 
     def batch(step: int, shard: int, num_shards: int) -> torch.Tensor:
-        return shard_rows(source.sample(global_batch, length, step_generator(seed, step)), shard, num_shards)
+        return shard_batch(source.sample(global_batch, length, step_generator(seed, step)), shard, num_shards)
 
     return Workload(model, next_token_loss, batch, source.entropy_rate, f"{w.model}/{w.data}")
 
@@ -72,7 +72,7 @@ def _click_workload(cfg: Config, device: str | None) -> Workload:
     model = click_model(cfg, device)
 
     def batch(step: int, shard: int, num_shards: int) -> tuple[torch.Tensor, ...]:
-        return shard_rows(source.sample(global_batch, step_generator(seed, step)), shard, num_shards)
+        return shard_batch(source.sample(global_batch, step_generator(seed, step)), shard, num_shards)
 
     return Workload(model, click_loss, batch, source.entropy_rate, "dlrm/clicks")
 

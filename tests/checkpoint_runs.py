@@ -14,6 +14,7 @@ import parity
 from parity import OPTIMIZERS
 from psarch.config import from_dict
 from psarch.dist import DistContext
+from psarch.records import ServiceInfo
 from psarch.runner import run_rank
 from zero_runs import TINY_GPT
 
@@ -66,13 +67,13 @@ def toml(path: Path, data: dict) -> Path:
 
 
 def _run(rank: int, n: int, data: dict, out: Path, checkpoints: Path | None = None, start: Path | None = None,
-         resume: bool = False, services: dict | None = None) -> dict:
+         resume: bool = False, services: ServiceInfo | dict | None = None) -> dict:
     ctx = DistContext(rank, n, rank, torch.device("cpu"), "gloo")
-    ctx.services = services or {}
+    ctx.services = services if isinstance(services, ServiceInfo) else ServiceInfo.from_dict(services)
     record = run_rank(from_dict(data), ctx, echo=False, checkpoints=checkpoints, start=start, resume=resume)
     if rank == 0:
-        torch.save(record["model_state"], out / f"{data['name']}.pt")
-    return {"rows": [{k: r.get(k) for k in ROW_KEYS} for r in record["rows"]]}
+        torch.save(record.model_state, out / f"{data['name']}.pt")
+    return {"rows": [{k: r.get(k) for k in ROW_KEYS} for r in record.steps]}
 
 
 def straight_and_resumed(rank: int, n: int, out: Path, name: str, precision: str, backend: dict) -> dict:
@@ -119,4 +120,4 @@ def single(out: Path, name: str, start: Path) -> dict[str, torch.Tensor]:
     """The single-process continuation from a checkpoint to step 6: the reference a fork is checked against."""
     data = config(name, "fp32", {"kind": "single"}, 1, steps=6)
     record = run_rank(from_dict(data), DistContext(), echo=False, start=start)
-    return record["model_state"]
+    return record.model_state

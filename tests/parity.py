@@ -13,6 +13,7 @@ import torch
 
 from psarch.config import from_dict
 from psarch.dist import DistContext
+from psarch.records import ServiceInfo
 from psarch.runner import run_rank
 
 RTOL, ATOL = 1e-4, 1e-5
@@ -54,10 +55,10 @@ def train(rank: int, n: int, data: dict, info: dict, out: str, **run) -> dict:
     checkpoint arguments); rank 0 saves the model. Returns what the tests look at."""
     cfg = from_dict(data)
     ctx = DistContext(rank, n, rank, torch.device("cpu"), "gloo" if n > 1 else None)
-    ctx.services = info
+    ctx.services = info if isinstance(info, ServiceInfo) else ServiceInfo.from_dict(info)
     record = run_rank(cfg, ctx, echo=False, **run)
     if rank == 0:
-        torch.save(record["model_state"], Path(out) / f"{cfg.name}.pt")
-    return {"traffic": record["traffic"], "memory": record["memory"], "params": record["params"],
-            "extra": record["extra"], "rows": [{k: r[k] for k in ("loss", "sent", "received", "extra")}
-                                               for r in record["rows"]]}
+        torch.save(record.model_state, Path(out) / f"{cfg.name}.pt")
+    return {"traffic": record.traffic, "memory": record.memory, "params": record.params,
+            "extra": record.extra, "rows": [{k: r[k] for k in ("loss", "sent", "received", "extra")}
+                                               for r in record.steps]}

@@ -14,8 +14,9 @@ import checkpoint_runs as cr
 from psarch.checkpoint import Checkpoint
 from psarch.config import from_dict
 from psarch.dist import DistContext
+from psarch.records import ServiceInfo
 from psarch.ps.services import start_services
-from psarch.ps.trainer import PSTrainer
+from psarch.ps.worker.trainer import PSWorker
 from psarch.runner import run_rank
 from psarch.workload import build_workload
 from ps_setup import ps
@@ -41,12 +42,12 @@ def checkpoint(out: Path, case: str) -> Path:
 
 def _ctx(rank: int, info: dict, group: bool = False) -> DistContext:
     ctx = DistContext(rank, N, rank, torch.device("cpu"), "gloo" if group else None)
-    ctx.services = info
+    ctx.services = info if isinstance(info, ServiceInfo) else ServiceInfo.from_dict(info)
     return ctx
 
 
-def _rows(record: dict) -> list[dict]:
-    return [{k: r.get(k) for k in cr.ROW_KEYS} for r in record["rows"]]
+def _steps(record: dict) -> list[dict]:
+    return [{k: r.get(k) for k in cr.ROW_KEYS} for r in record.steps]
 
 
 def straight(rank: int, n: int, out: str, infos: dict) -> dict:
@@ -55,8 +56,8 @@ def straight(rank: int, n: int, out: str, infos: dict) -> dict:
         record = run_rank(from_dict(config(case, case, checkpoint_every=AT)), _ctx(rank, infos[case]), echo=False,
                           checkpoints=o / case / "checkpoints")
         if rank == 0:
-            torch.save(record["model_state"], o / f"{case}.pt")
-        results[case] = _rows(record)
+            torch.save(record.model_state, o / f"{case}.pt")
+        results[case] = _steps(record)
     return results
 
 
@@ -64,12 +65,12 @@ def _restore_and_save(rank: int, o: Path, case: str, info: dict) -> list[float]:
     """Restore a worker from the checkpoint, write its state again as checkpoint 3 under `case-again`, step on."""
     cfg = from_dict(config(f"{case}-again", case, checkpoint_every=AT))
     workload = build_workload(cfg)
-    trainer = PSTrainer(workload, cfg, _ctx(rank, info))
+    trainer = PSWorker(workload, cfg, _ctx(rank, info))
     ckpt = Checkpoint(checkpoint(o, case))
     try:
         trainer.load_checkpoint(ckpt)
         trainer.write_checkpoint(_ctx(rank, info), o / f"{case}-again" / "checkpoints", AT, cfg.to_dict(), 0,
-                                 ckpt.rows(rank))
+                                 ckpt.steps(rank))
         losses = [trainer.step(workload.batch(s, rank, N)).loss for s in range(AT, STEPS)]
         trainer.full_state_dict()
     finally:
@@ -84,8 +85,8 @@ def resumed(rank: int, n: int, out: str, infos: dict) -> dict:
         record = run_rank(from_dict(config(f"{case}-resumed", case)), _ctx(rank, infos[case]), echo=False,
                           start=checkpoint(o, case), resume=True)
         if rank == 0:
-            torch.save(record["model_state"], o / f"{case}-resumed.pt")
-        results[case] = _rows(record)
+            torch.save(record.model_state, o / f"{case}-resumed.pt")
+        results[case] = _steps(record)
     for case in RESTORED:
         results[case] = _restore_and_save(rank, o, case, infos[case])
     for fork, case in FORKS.items():   # to step 6, checkpointed there
@@ -95,7 +96,7 @@ def resumed(rank: int, n: int, out: str, infos: dict) -> dict:
     data = cr.config("ps-to-ddp", "fp32", {"kind": "ddp", "comm": "ring", "world_size": N}, N, steps=STEPS)
     record = run_rank(from_dict(data), _ctx(rank, {}, group=True), echo=False, start=checkpoint(o, "sync-fp32"))
     if rank == 0:
-        torch.save(record["model_state"], o / "ps-to-ddp.pt")
+        torch.save(record.model_state, o / "ps-to-ddp.pt")
     return results
 
 
@@ -144,12 +145,12 @@ def skewed(rank: int, n: int, out: str, infos: dict) -> dict:
     for name, info in infos.items():
         resumed_run = name.endswith("resumed")
         ctx = DistContext(rank, N3, rank, torch.device("cpu"), None)
-        ctx.services = info
+        ctx.services = info if isinstance(info, ServiceInfo) else ServiceInfo.from_dict(info)
         train = {"checkpoint_every": AT} if name == "n3-slow0" else {}
         record = run_rank(from_dict(skewed_config(name, **train)), ctx, echo=False,
                           checkpoints=o / name / "checkpoints" if train else None,
                           start=checkpoint(o, "n3-slow0") if resumed_run else None, resume=resumed_run)
         if rank == 0:
-            torch.save(record["model_state"], o / f"{name}.pt")
-        results[name] = _rows(record)
+            torch.save(record.model_state, o / f"{name}.pt")
+        results[name] = _steps(record)
     return results

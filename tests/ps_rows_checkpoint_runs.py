@@ -14,8 +14,9 @@ import parity
 from psarch.checkpoint import Checkpoint
 from psarch.config import from_dict
 from psarch.dist import DistContext
+from psarch.records import ServiceInfo
 from psarch.ps.services import start_services
-from psarch.ps.sparse_worker import RowPSTrainer
+from psarch.ps.worker.trainer import PSWorker
 from psarch.runner import run_rank
 from psarch.workload import build_workload
 
@@ -54,15 +55,15 @@ def checkpoint(out: Path, run: str) -> Path:
 
 def _ctx(rank: int, info: dict, n: int = N) -> DistContext:
     ctx = DistContext(rank, n, rank, torch.device("cpu"), "gloo" if n > 1 else None)
-    ctx.services = info
+    ctx.services = info if isinstance(info, ServiceInfo) else ServiceInfo.from_dict(info)
     return ctx
 
 
 def _run(rank: int, out: Path, data: dict, info: dict, **kw: Any) -> list[float]:
     record = run_rank(from_dict(data), _ctx(rank, info), echo=False, **kw)
     if rank == 0:
-        torch.save(record["model_state"], out / f"{data['name']}.pt")
-    return [r["loss"] for r in record["rows"]]
+        torch.save(record.model_state, out / f"{data['name']}.pt")
+    return [r["loss"] for r in record.steps]
 
 
 def straight(rank: int, n: int, out: str, infos: dict) -> dict:
@@ -77,12 +78,12 @@ def _restore_and_save(rank: int, o: Path, case: str, info: dict) -> None:
     """Restore a worker from the checkpoint, write its state again as checkpoint 3 under `case-again`, step on."""
     cfg = from_dict(case_config(f"{case}-again", case, checkpoint_every=AT))
     workload = build_workload(cfg)
-    trainer = RowPSTrainer(workload, cfg, _ctx(rank, info))
+    trainer = PSWorker(workload, cfg, _ctx(rank, info))
     ckpt = Checkpoint(checkpoint(o, case))
     try:
         trainer.load_checkpoint(ckpt)
         trainer.write_checkpoint(_ctx(rank, info), o / f"{case}-again" / "checkpoints", AT, cfg.to_dict(), 0,
-                                 ckpt.rows(rank))
+                                 ckpt.steps(rank))
         for s in range(AT, STEPS):
             trainer.step(workload.batch(s, rank, N))
         trainer.full_state_dict()
@@ -105,7 +106,7 @@ def resumed(rank: int, n: int, out: str, infos: dict) -> dict:
         elif rank == 0:   # one process, no group
             record = run_rank(from_dict(config(fork, opt, backend)), _ctx(0, {}, 1), echo=False,
                               start=checkpoint(o, "sync-adagrad"))
-            torch.save(record["model_state"], o / f"{fork}.pt")
+            torch.save(record.model_state, o / f"{fork}.pt")
     return results
 
 

@@ -33,9 +33,9 @@ def train(rank: int, n: int, data: dict, out: str) -> dict:
     cfg = from_dict(data)
     record = run_rank(cfg, DistContext(rank, n, rank, torch.device("cpu"), "gloo"), echo=False)
     if rank == 0:
-        torch.save(record["model_state"], Path(out) / f"{cfg.name}.pt")
-    return {"traffic": record["traffic"], "memory": record["memory"], "params": record["params"],
-            "rows": [{k: r[k] for k in ("loss", "sent", "received", "skipped", "loss_scale")} for r in record["rows"]]}
+        torch.save(record.model_state, Path(out) / f"{cfg.name}.pt")
+    return {"traffic": record.traffic, "memory": record.memory, "params": record.params,
+            "rows": [{k: r[k] for k in ("loss", "sent", "received", "skipped", "loss_scale")} for r in record.steps]}
 
 
 def all_variants(rank: int, n: int, out: str) -> dict:

@@ -18,7 +18,7 @@ from psarch import registry, theory
 from psarch.config import from_dict
 from psarch.dist import DistContext
 from psarch.runner import run_rank
-from psarch.sparse import embedding_tables
+from psarch.embeddings import embedding_tables
 from psarch.workload import build_workload
 
 TINY_DLRM = {
@@ -46,9 +46,9 @@ def _train(rank: int, n: int, data: dict, out: str) -> dict:
     cfg = from_dict(data)
     record = run_rank(cfg, DistContext(rank, n, rank, torch.device("cpu"), "gloo" if n > 1 else None), echo=False)
     if rank == 0:
-        torch.save(record["model_state"], Path(out) / f"{cfg.name}.pt")
-    return {"params": record["params"], "traffic": record["traffic"], "memory": record["memory"],
-            "rows": [{k: r[k] for k in ("sent", "received", "extra")} for r in record["rows"]]}
+        torch.save(record.model_state, Path(out) / f"{cfg.name}.pt")
+    return {"params": record.params, "traffic": record.traffic, "memory": record.memory,
+            "rows": [{k: r[k] for k in ("sent", "received", "extra")} for r in record.steps]}
 
 
 def _variants(rank: int, n: int, out: str) -> dict:

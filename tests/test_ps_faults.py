@@ -98,7 +98,7 @@ def test_end_to_end_sync_run_writes_server_traffic_and_a_loadable_model(tmp_path
     plain = build_workload(from_dict(TINY_GPT)).model
     plain.load_state_dict(torch.load(out / "model.pt", weights_only=True))   # strict: every key, every shape
     single = run_rank(from_dict(config("ref", train=OPTIMIZERS["adamw"])), DistContext(), echo=False)
-    assert_same_model(torch.load(out / "model.pt", weights_only=True), single["model_state"], "e2e ps vs single")
+    assert_same_model(torch.load(out / "model.pt", weights_only=True), single.model_state, "e2e ps vs single")
 
 
 def test_async_four_workers_converge_with_stale_gradients(tmp_path):

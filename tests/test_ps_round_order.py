@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from psarch.config import from_dict
-from psarch.ps.rows import RowShard, key_space
+from psarch.ps.rows import key_space
+from psarch.ps.server.row_shard import RowShard
 from test_ps_rows import ROWS_DLRM
 from test_ps_server import server  # noqa: F401  (the fixture)
 from ps_setup import config
@@ -39,7 +40,7 @@ def _round(server, arrivals: list[int], lose: tuple[int, int] | None = None) -> 
     """A fresh sync server with N workers: push in `arrivals` order (lose=(w, after): worker w is lost after
     that many pushes); the parameters after the round, and the most bytes the server kept early, in pushes."""
     services, numel = server("sync", workers=N)
-    addr = services.info["addresses"][0]
+    addr = services.info.addresses[0]
     raw = {w: server.raw(addr, w) for w in range(N)}
     for w, r in raw.items():
         r.worker = w
@@ -109,7 +110,7 @@ def test_a_refused_push_leaves_nothing_behind(server, early):
     be summed or to stall the round; in order (worker 0, decoded into the accumulator): its valid push overwrites
     the half-written sum."""
     services, numel = server("sync", workers=3)
-    addr = services.info["addresses"][0]
+    addr = services.info.addresses[0]
     raw = {w: server.raw(addr, w) for w in range(3)}
     for w, r in raw.items():
         r.worker = w

@@ -18,6 +18,7 @@ from psarch.config import from_dict
 from psarch.ps.services import start_services
 from psarch.workload import build_workload
 from psarch.dist import DistContext
+from psarch.records import ServiceInfo
 from psarch.runner import run_rank
 
 ROWS_DLRM = {
@@ -62,11 +63,12 @@ def _train(rank: int, n: int, data: dict, info: dict, out: str) -> dict:
     """parity.train, keeping each step's `extra` and the summary's extra."""
     cfg = from_dict(data)
     ctx = DistContext(rank, n, rank, torch.device("cpu"), "gloo")
-    ctx.services = info
+    ctx.services = info if isinstance(info, ServiceInfo) else ServiceInfo.from_dict(info)
     record = run_rank(cfg, ctx, echo=False)
     if rank == 0:
-        torch.save(record["model_state"], f"{out}/{cfg.name}.pt")
-    return {k: record[k] for k in ("traffic", "memory", "params", "extra", "rows")}
+        torch.save(record.model_state, f"{out}/{cfg.name}.pt")
+    return {"traffic": record.traffic, "memory": record.memory, "params": record.params, "extra": record.extra,
+            "rows": record.steps}
 
 
 def _variants(rank: int, n: int, out: str, runs: dict, infos: dict) -> dict:

@@ -14,7 +14,7 @@ import zmq
 from psarch.config import from_dict
 from psarch.ps import auth, wire
 from psarch.ps.auth import Credentials
-from psarch.ps.client import PSClient, Request
+from psarch.ps.worker.client import PSClient, Request
 from psarch.ps.layout import server_ranges
 from psarch.ps.errors import PSError
 from psarch.ps.services import start_services
@@ -100,13 +100,13 @@ def test_fuzzed_messages_are_refused_and_change_nothing(mode):
     cfg = from_dict(config("fuzz", train={"optimizer": "sgd", "lr": 0.5},
                            backend=ps(2, mode.split("-")[0], timeout_s=60.0, **extra)))
     services = start_services(cfg, None, threads=True)
-    addr = services.info["addresses"]
+    addr = services.info.addresses
     zctx = zmq.Context()
     # authenticated peers that send garbage: the fuzzer of worker w sends the messages naming worker w
     # (worker 0's sends the rest), so the semantic checks, not only the identity check, are reached
     fuzzers = {w: zctx.socket(zmq.DEALER) for w in (0, 1)}
     big = zctx.socket(zmq.DEALER)
-    creds = services.info["auth"]
+    creds = services.info.auth
     w0, w1 = PSClient(addr, 0, 10.0, creds), PSClient(addr, 1, 10.0, creds)
     try:
         for w, sock in [*fuzzers.items(), (0, big)]:
@@ -187,7 +187,7 @@ def server():
         return started[-1], sum(p.numel() for p in build_workload(cfg).model.parameters())
 
     # a raw peer authenticated as `worker` with the last started servers' credentials
-    make.raw = lambda address, worker=0: Raw(zctx, address, started[-1].info["auth"] if started else None, worker)
+    make.raw = lambda address, worker=0: Raw(zctx, address, started[-1].info.auth if started else None, worker)
     yield make
     for s in started:
         s.stop()
@@ -205,7 +205,7 @@ def test_fp16_pushes_with_a_bad_loss_scale_are_refused(server, mode):
     """A loss scale of 0 once crashed an async server (ZeroDivisionError). A scale must be a power of two
     >= 1 (in sync: the server's own, 2^16 at first); found_inf = false with inf in the gradient is a lie."""
     services, numel = server(mode, "fp16")
-    raw = server.raw(services.info["addresses"][0])
+    raw = server.raw(services.info.addresses[0])
     before = _fetch(raw)
     g = torch.full((numel,), 0.5, dtype=torch.float16)
     push = {"op": "push", "worker": 0, "step": 0, "version": 0, "offset": 0}
@@ -234,26 +234,26 @@ def test_a_bug_in_a_handler_is_answered_logged_and_fails_the_server_only_if_stat
     import threading
 
     from psarch.ps.layout import initial_flat
-    from psarch.ps.server import ParameterServer
+    from psarch.ps.server.parameter_server import ParameterServer
 
     cfg = from_dict(config("bug", train={"optimizer": "sgd", "lr": 0.5}, workload={"model": "mlp"},
                            backend=ps(2, "async")))
     srv = ParameterServer(0, cfg, creds=Credentials("none"))
     srv.initialize(initial_flat(cfg))
-    srv._on_fetch = lambda ident, msg: 1 / 0                    # a bug before any change
+    srv.handlers["fetch"] = lambda ident, msg: 1 / 0                    # a bug before any change
     thread = threading.Thread(target=srv.serve, daemon=True)
     thread.start()
     raw = server.raw(srv.address)
     try:
         r = raw.ask({"op": "fetch", "worker": 0})
         assert r.op == "error" and "internal error: ZeroDivisionError" in r.header["message"]
-        g = torch.randn(srv.hi - srv.lo)
+        g = torch.randn(srv.state.hi - srv.state.lo)
         assert raw.ask({"op": "push", "worker": 0, "step": 0, "version": 0, "offset": 0}, g).op == "ack"
-        assert srv.failure is None and srv.state.version == 1
-        srv.state.optim.optimizer.step = lambda: 1 / 0             # a bug in the middle of an update
+        assert srv.state.failure is None and srv.state.range.version == 1
+        srv.state.range.optim.optimizer.step = lambda: 1 / 0             # a bug in the middle of an update
         r = raw.ask({"op": "push", "worker": 1, "step": 0, "version": 0, "offset": 0}, g)
         assert r.op == "error" and "internal error: ZeroDivisionError" in r.header["message"]
-        assert srv.failure is not None and "while applying 'push' of worker 1" in srv.failure
+        assert srv.state.failure is not None and "while applying 'push' of worker 1" in srv.state.failure
         r = raw.ask({"op": "pull", "worker": 0, "step": 1, "want": "float32"})
         assert r.op == "error" and "internal error" in r.header["message"]   # every later request hears it
         assert thread.is_alive()
@@ -268,7 +268,7 @@ def test_a_worker_waits_for_one_pull_at_a_time(server):
     """sync: worker 1's pull for step 1 waits for worker 0; a second one is refused at once (the waiting
     queue cannot grow), and the first is answered when the round completes."""
     services, numel = server("sync")
-    addr = services.info["addresses"][0]
+    addr = services.info.addresses[0]
     w0, w1 = server.raw(addr, 0), server.raw(addr, 1)
     g0, g1 = torch.randn(numel), torch.randn(numel)
     before = _fetch(w0)
@@ -294,7 +294,7 @@ def test_dc_asgd_compensates_a_stale_gradient_of_a_second_worker(server):
     results = {}
     for lam_ in (lam, 0.0):
         services, numel = server("async", servers=2, staleness_compensation="dc", dc_lambda=lam_)
-        client = {w: PSClient(services.info["addresses"], w, 10.0, services.info["auth"]) for w in (0, 1)}
+        client = {w: PSClient(services.info.addresses, w, 10.0, services.info.auth) for w in (0, 1)}
         try:
             w0 = torch.empty(numel)
             for w in (0, 1):   # both pull version 0
@@ -332,7 +332,7 @@ def test_geo_after_a_lost_worker_moves_by_the_mean_delta_of_the_others(server, b
     """Workers push delta/N; with worker 2 of 3 lost the server scales the deltas by N/2, so the model
     moves by the mean of the two deltas left (not by 2/3 of it). Pushes of a lost worker are refused."""
     services, numel = server("geo", workers=3, geo_barrier=barrier)
-    addr = services.info["addresses"][0]
+    addr = services.info.addresses[0]
     raw = {w: server.raw(addr, w) for w in range(3)}
     before = _fetch(raw[0])
     services.worker_lost(2, "killed by the test")
@@ -353,7 +353,7 @@ def test_non_finite_pushes_are_refused_and_counted(server, mode, precision):
     non_finite and counted for its worker; the parameters stay bit-identical. In fp16 a push that
     declares found_inf = true is the designed skipped step and is accepted."""
     services, numel = server(mode, precision)
-    raw, raw1 = server.raw(services.info["addresses"][0]), server.raw(services.info["addresses"][0], 1)
+    raw, raw1 = server.raw(services.info.addresses[0]), server.raw(services.info.addresses[0], 1)
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[precision]
     fp16 = {"scale": 2.0**16, "found_inf": False} if precision == "fp16" and mode != "geo" else {}
     before = _fetch(raw)
@@ -379,7 +379,7 @@ def test_non_finite_pushes_are_refused_and_counted(server, mode, precision):
 def test_a_row_request_to_a_server_without_rows_is_told_so(server):
     """rowpull / rowpush / rowfetch are requests: a dense server says it holds no rows (not "a reply")."""
     services, _ = server("async")
-    raw = server.raw(services.info["addresses"][0], 0)
+    raw = server.raw(services.info.addresses[0], 0)
     for header, tensor in (({"op": "rowpull", "worker": 0, "step": 0, "want": "float32"}, torch.tensor([0])),
                            ({"op": "rowfetch", "worker": 0}, None)):
         r = raw.ask(header, tensor)

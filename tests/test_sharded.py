@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from collective.sharded import owners, shard_rows
+from collective.sharded import owners, rows_per_rank
 from dist_utils import run_ranks
 from parity import OPTIMIZERS, assert_same_model, config, model, train
 from collective import theory as collective_theory
@@ -26,7 +26,7 @@ OPTS = {**SPARSE_OPTIMIZERS, "adamw": OPTIMIZERS["adamw"]}   # AdamW: untouched 
 
 
 def test_owners_are_ranges_of_row_ids():
-    assert [shard_rows(40, 3), shard_rows(42, 3), shard_rows(2, 3)] == [14, 14, 1]   # rank 2 of 2 rows: none
+    assert [rows_per_rank(40, 3), rows_per_rank(42, 3), rows_per_rank(2, 3)] == [14, 14, 1]   # rank 2 of 2 rows: none
     assert owners(torch.tensor([0, 13, 14, 27, 28, 39]), 40, 14).tolist() == [0, 0, 1, 1, 2, 2]
     for bad in ([3, 40], [-1, 5]):
         with pytest.raises(ValueError, match=f"ids from {min(bad)} to {max(bad)}: a table has rows 0 to 39"):

@@ -65,7 +65,7 @@ class ShadowingTrainer(SingleTrainer):
 def test_step_extra_is_nested_and_cannot_shadow_core_columns(monkeypatch):
     monkeypatch.setattr("psarch.trainer.load_trainer", lambda kind: ShadowingTrainer)
     record = run_rank(from_dict(TINY), DistContext(0, 1, 0, torch.device("cpu")), echo=False)
-    for row in record["rows"]:
+    for row in record.steps:
         assert row["extra"] == {"loss": -1.0, "sent": -5, "step_time_s": -2.0, "version": 7}
         assert row["loss"] > 0 and row["sent"] == 0 and row["step_time_s"] > 0
-    assert record["extra"] == {}   # summary_extra's default
+    assert record.extra == {}   # summary_extra's default

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from psarch.config import ConfigError, load_config
-from psarch.data import MarkovSource, TextSource, shard_rows, step_generator
+from psarch.data import MarkovSource, TextSource, shard_batch, step_generator
 from psarch.models import GPT, MLP
 from psarch.workload import Workload, build_workload, next_token_loss
 
@@ -58,10 +58,10 @@ def test_step_generators_are_distinct():
 
 def test_shard_rows():
     b = torch.arange(12).reshape(6, 2)
-    assert torch.equal(shard_rows(b, 1, 3), b[2:4])
-    assert torch.equal(torch.cat([shard_rows(b, r, 2) for r in range(2)]), b)
+    assert torch.equal(shard_batch(b, 1, 3), b[2:4])
+    assert torch.equal(torch.cat([shard_batch(b, r, 2) for r in range(2)]), b)
     with pytest.raises(ValueError, match="4 equal shards"):
-        shard_rows(b, 0, 4)
+        shard_batch(b, 0, 4)
 
 
 # ---------------------------------------------------------------- models

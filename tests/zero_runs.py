@@ -146,11 +146,11 @@ def train(rank: int, n: int, data: dict, out: str) -> dict:
     with mock.patch("psarch.trainer.load_trainer", probed):
         record = run_rank(cfg, DistContext(rank, n, rank, torch.device("cpu"), "gloo"), echo=False)
     if rank == 0:
-        torch.save(record["model_state"], Path(out) / f"{cfg.name}.pt")
-    return {"traffic": record["traffic"], "memory": record["memory"], "params": record["params"],
-            "extra": record["extra"], "probe": probes[0].report() if probes else None,
+        torch.save(record.model_state, Path(out) / f"{cfg.name}.pt")
+    return {"traffic": record.traffic, "memory": record.memory, "params": record.params,
+            "extra": record.extra, "probe": probes[0].report() if probes else None,
             "rows": [{**{k: r[k] for k in ("loss", "sent", "received", "skipped", "loss_scale")},
-                      "saved_activation_bytes": r["extra"].get("saved_activation_bytes")} for r in record["rows"]]}
+                      "saved_activation_bytes": r["extra"].get("saved_activation_bytes")} for r in record.steps]}
 
 
 def resume(rank: int, n: int, stage: int, precision: str, out: Path) -> dict:

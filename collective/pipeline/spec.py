@@ -3,6 +3,8 @@ data, point-to-point activations, dp replicas all-reduced over a ring or torch.d
 `torch_pipeline` (torch.distributed.pipelining's schedules, the peer)."""
 from __future__ import annotations
 
+import json
+
 from dataclasses import dataclass
 from typing import Any, Mapping
 
@@ -90,9 +92,12 @@ class TorchPipelineSpec(PipelineSpec):
 
     def check(self, cfg: Config) -> None:
         w, b = cfg.workload, cfg.backend
-        if w.factory or w.model != "gpt":
-            raise ConfigError(f"workload.model = \"{w.model if not w.factory else w.factory}\": backend.kind = "
-                              f"\"torch_pipeline\" cuts psarch's built-in gpt into PipelineStage modules only")
+        this = "backend.kind = \"torch_pipeline\" cuts psarch's built-in GPT into PipelineStage modules"
+        if w.factory:
+            raise ConfigError(f"workload.factory = {json.dumps(w.factory)}: {this}; a factory's model is not one "
+                              f"it knows how to cut (use pipeline, ddp or zero)")
+        if w.model != "gpt":
+            raise ConfigError(f"workload.model = \"{w.model}\": {this} only (use pipeline, ddp or zero)")
         if b.schedule == "naive":
             raise ConfigError("backend.schedule = \"naive\": torch.distributed.pipelining has no naive schedule "
                               "(its nearest is \"gpipe\" with backend.microbatches = 1)")

@@ -27,6 +27,16 @@ def step_dir(root: Path, step: int) -> Path:
     return root / f"step_{step:06d}"
 
 
+def tmp_dir(root: Path, step: int) -> Path:
+    """Where checkpoint `step` is written before its rename to step_dir: never picked by a reader."""
+    return root / f".tmp_step_{step:06d}"
+
+
+def steps_file(folder: Path, rank: int) -> Path:
+    """A rank's step records of the steps before the checkpoint, in the checkpoint's folder."""
+    return folder / f"steps{rank}.jsonl"
+
+
 def complete_checkpoints(root: Path) -> list[Path]:
     """The `step_*` folders under `root` with their metadata written, oldest step first (by number: a name
     sort would put step_1000000 before step_999999)."""
@@ -35,16 +45,16 @@ def complete_checkpoints(root: Path) -> list[Path]:
 
 
 def save(pieces: Pieces, ctx: DistContext, root: Path, step: int, config: dict[str, Any], keep: int = 0,
-         rows: list[dict[str, Any]] | None = None) -> Path:
-    """Write this rank's `pieces` (the fragments it must write) and its metric `rows` so far into checkpoint
+         steps: list[dict[str, Any]] | None = None) -> Path:
+    """Write this rank's `pieces` (the fragments it must write) and its step records so far into checkpoint
     `step` under `root`; a collective call: every rank makes it. Rank 0 keeps the newest `keep` (0: all)."""
-    final, tmp = step_dir(root, step), root / f".tmp_step_{step:06d}"
+    final, tmp = step_dir(root, step), tmp_dir(root, step)
     if ctx.rank == 0:
         shutil.rmtree(tmp, ignore_errors=True)  # an earlier attempt's leftovers
         tmp.mkdir(parents=True)
     _barrier(ctx)
     write_part(pieces, tmp, f"rank{ctx.rank}", rng.capture(ctx.device))
-    write_rows(tmp, ctx.rank, rows)
+    write_steps(tmp, ctx.rank, steps)
     _barrier(ctx)
     if ctx.rank == 0:
         merge(tmp, [f"rank{r}" for r in range(ctx.world_size)], step, config, pieces.params, pieces.state)
@@ -53,9 +63,9 @@ def save(pieces: Pieces, ctx: DistContext, root: Path, step: int, config: dict[s
     return final
 
 
-def write_rows(folder: Path, rank: int, rows: list[dict[str, Any]] | None) -> None:
-    """rows{rank}.jsonl: the rows a resumed run starts its metrics with, so none is lost or repeated."""
-    (folder / f"rows{rank}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows or []))
+def write_steps(folder: Path, rank: int, steps: list[dict[str, Any]] | None) -> None:
+    """The step records a resumed run starts its metrics with, so none is lost or repeated."""
+    steps_file(folder, rank).write_text("".join(json.dumps(r) + "\n" for r in steps or []))
 
 
 def publish(tmp: Path, final: Path, keep: int) -> None:
@@ -88,7 +98,8 @@ def write_part(pieces: Pieces, folder: Path, part: str, generators: dict[str, st
                 digest.update(data)
                 entries.append({"name": frag.name, "key": key, "offset": frag.offset, "numel": t.numel(),
                                 "dtype": str(t.dtype).removeprefix("torch."), "file": name, "byte_offset": pos,
-                                **({"row_stride": frag.row_stride} if frag.row_stride else {})})
+                                **({"row_stride": frag.row_stride} if frag.row_stride else {}),
+                                **({"columns": list(frag.columns)} if frag.columns else {})})
                 pos += len(data)
         f.flush()
         os.fsync(f.fileno())
@@ -139,9 +150,9 @@ def merge(folder: Path, parts: list[str], step: int, config: dict[str, Any], sha
         os.fsync(f.fileno())
     for name in parts:
         (folder / f"{name}.json").unlink()
-    rows = {f"rows{p.removeprefix('rank')}.jsonl" for p in parts if p.startswith("rank")}
+    kept = {steps_file(folder, int(p.removeprefix("rank"))).name for p in parts if p.startswith("rank")}
     for leftover in folder.iterdir():
-        if leftover.name not in files and leftover.name not in rows and leftover.name != METADATA:
+        if leftover.name not in files and leftover.name not in kept and leftover.name != METADATA:
             leftover.unlink()
 
 

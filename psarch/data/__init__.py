@@ -3,7 +3,7 @@ from psarch.data.clicks import ClickSource
 from psarch.data.markov import MarkovSource
 from psarch.data.text import TextSource
 
-__all__ = ["ClickSource", "MarkovSource", "TextSource", "step_generator", "shard_rows"]
+__all__ = ["ClickSource", "MarkovSource", "TextSource", "step_generator", "shard_batch"]
 
 import numpy as np
 import torch
@@ -15,12 +15,12 @@ def step_generator(seed: int, step: int, stream: int = 0) -> torch.Generator:
     return torch.Generator().manual_seed(int(key[0]) << 31 | int(key[1]) >> 1)
 
 
-def shard_rows(batch: torch.Tensor | tuple, shard: int, num_shards: int) -> torch.Tensor | tuple:
-    """Rows [shard*B/n, (shard+1)*B/n) of a global batch (of each tensor of a tuple)."""
+def shard_batch(batch: torch.Tensor | tuple, shard: int, num_shards: int) -> torch.Tensor | tuple:
+    """Samples [shard*B/n, (shard+1)*B/n) of a global batch of B (of each tensor of a tuple)."""
     if isinstance(batch, tuple):
-        return tuple(shard_rows(b, shard, num_shards) for b in batch)
-    rows = batch.shape[0]
-    if rows % num_shards:
-        raise ValueError(f"global batch of {rows} rows does not split into {num_shards} equal shards")
-    per = rows // num_shards
+        return tuple(shard_batch(b, shard, num_shards) for b in batch)
+    size = batch.shape[0]
+    if size % num_shards:
+        raise ValueError(f"global batch of {size} samples does not split into {num_shards} equal shards")
+    per = size // num_shards
     return batch[shard * per:(shard + 1) * per]

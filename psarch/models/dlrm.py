@@ -77,7 +77,7 @@ class DLRM(nn.Module):
         super().__init__()
         if interaction not in ("dot", "cat"):
             raise ValueError(f"interaction = {interaction!r}: allowed values are \"dot\", \"cat\"")
-        self.interaction = interaction
+        self.interaction, self.seed = interaction, seed
         # built on meta first: a table is never allocated (nor drawn from the global generator) twice
         self.tables = nn.ModuleList(nn.EmbeddingBag(rows, dim, mode="mean", device="meta") for _ in range(num_tables))
         n = num_tables + 1  # the bottom MLP's output is one more vector beside the embeddings
@@ -88,6 +88,12 @@ class DLRM(nn.Module):
         if tables and device.type != "meta":
             for i, t in enumerate(self.tables):   # replacing a parameter keeps its place: tables come first
                 t.weight = nn.Parameter(_whole_table(seed, i, rows, dim).to(device))
+
+    def initial_rows(self, table: int, start: int = 0, step: int = 1) -> Iterator[torch.Tensor]:
+        """Initial values of rows start, start + step, ... of table `table` (`table_rows`), for a process that
+        builds only some rows of the tables."""
+        t = self.tables[table]
+        return table_rows(self.seed, table, t.num_embeddings, t.embedding_dim, start, step)
 
     def forward(self, dense: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         if ids.dim() != 3 or ids.shape[1] != len(self.tables):

@@ -1,7 +1,7 @@
 """Start the parameter servers of a local run, watch them, gather what they measured, stop them.
 
 The launcher calls `start_services(cfg, out_dir)` before it spawns the workers and hands
-`services.info` ({"addresses": [...]}) to every rank. Each server is a spawned process (or, for tests,
+`services.info` (a psarch.records.ServiceInfo: addresses, credentials) to every rank. Each server is a spawned process (or, for tests,
 a thread) that talks to the launcher over a pipe carrying JSON and raw bytes only (no pickle):
 "ready"/"failed"/"stats" events one way, "lost"/"stats"/"stop" commands the other. `check()` raises
 when a server failed (e.g. a sync timeout naming the missing worker) or died; `finish()` returns the
@@ -31,6 +31,8 @@ from psarch.config import Config, ConfigError, from_dict
 from psarch.lifecycle import die_with_parent
 from psarch.ps.auth import KEYGEN_HINT, AuthError, Credentials, check_folder, mechanism, remove, run_credentials
 from psarch.ps.errors import ServiceError
+from psarch.records import ServiceInfo
+from psarch.trainer import Services
 
 START_TIMEOUT_S = 120.0
 
@@ -45,23 +47,13 @@ def _server_main(index: int, cfg_dict: dict, host: str, conn: Any, threads: int 
     try:
         if threads:
             torch.set_num_threads(threads)
-        from psarch.ps.layout import initial_flat
-        from psarch.ps.server import ParameterServer
-        cfg = from_dict(cfg_dict)
-        if cfg.backend.embeddings == "rows":   # embedding tables sharded by row (psarch/ps/row_server.py)
-            from psarch.ps.row_server import row_server
-            server = row_server(index, cfg, host, 0, control=conn, creds=Credentials.from_dict(creds),
-                                checkpoints=checkpoints)
-        else:
-            flat = initial_flat(cfg) if build else None
-            server = ParameterServer(index, cfg, host, 0, control=conn, creds=Credentials.from_dict(creds),
-                                     numel=flat.numel() if flat is not None else None, checkpoints=checkpoints)
-            if flat is not None:
-                server.initialize(flat)
-        if start is not None and server.state is not None:   # the launcher verified it (metadata, model)
+        from psarch.ps.server.start import build_server
+        server = build_server(index, from_dict(cfg_dict), host, 0, build, pipe=conn,
+                              creds=Credentials.from_dict(creds), checkpoints=checkpoints)
+        if start is not None and server.state.range is not None:   # the launcher verified it (metadata, model)
             from psarch.checkpoint import Checkpoint
             ckpt = Checkpoint(start)
-            server.restore(ckpt)
+            server.snapshots.restore(ckpt)
             ckpt.close()
         conn.send_bytes(json.dumps({"event": "ready", "address": server.address}).encode())
         server.serve()
@@ -76,7 +68,7 @@ def _server_main(index: int, cfg_dict: dict, host: str, conn: Any, threads: int 
             os._exit(1)
 
 
-class LocalServers:
+class LocalServers(Services):
     """S servers on this machine, one process each (threads=True: threads of this process, for tests)."""
 
     def __init__(self, cfg: Config, out_dir: str | Path | None = None, threads: bool = False,
@@ -117,7 +109,7 @@ class LocalServers:
             self.stop()
             raise
         # restored: the servers start from a checkpoint, so a worker takes its state from it, not a first pull
-        self.info = {"addresses": addresses, "auth": creds.to_dict(), "restored": start is not None}
+        self.info = ServiceInfo(addresses, creds.to_dict(), restored=start is not None)
 
     def _wait_event(self, i: int, kind: str, timeout: float) -> dict[str, Any]:
         deadline = time.monotonic() + timeout
@@ -200,7 +192,7 @@ class LocalServers:
             s.pop("event")
             stats.append(s)
             parts.append(torch.frombuffer(bytearray(raw), dtype=torch.float32) if raw else torch.empty(0))
-        out = dict(summarize(stats, self.lost), auth=self.info["auth"]["mechanism"])
+        out = dict(summarize(stats, self.lost), auth=self.info.auth["mechanism"])
         if self.out_dir is not None:
             self._write_outputs(out, parts)
         return out
@@ -244,7 +236,7 @@ class LocalServers:
         self.tmp_keys = None
 
 
-class RemoteServers:
+class RemoteServers(Services):
     """Servers started elsewhere (`psarch server`), listed in backend.server_addresses."""
 
     def __init__(self, cfg: Config) -> None:
@@ -256,7 +248,7 @@ class RemoteServers:
                 raise AuthError(f"backend.server_addresses: servers started with `psarch server` need "
                                 f"backend.keys (backend.auth = {b.auth!r}); {KEYGEN_HINT}")
             check_folder(b.keys, creds.mechanism, b.world_size, b.servers)
-        self.info = {"addresses": list(b.server_addresses), "auth": creds.to_dict()}
+        self.info = ServiceInfo(list(b.server_addresses), creds.to_dict())
         self.lost: list[dict[str, Any]] = []
 
     def check(self) -> None:
@@ -266,7 +258,7 @@ class RemoteServers:
         self.lost.append({"rank": rank, "error": error.splitlines()[0] if error else ""})
 
     def finish(self) -> dict[str, Any]:
-        return {"lost_workers": self.lost, "auth": self.info["auth"]["mechanism"]}
+        return {"lost_workers": self.lost, "auth": self.info.auth["mechanism"]}
 
     def stop(self) -> None:
         pass

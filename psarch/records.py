@@ -1,0 +1,111 @@
+"""The records that pass between a run's processes and files, declared once for their writers and readers:
+what each step of a rank leaves (StepRecord, a line of ranks/rank<R>.jsonl), what a rank leaves when it is
+done (RankRecord, ranks/rank<R>.json), what every rank is told of the services beside it (ServiceInfo), and
+the top of summary.json (Summary)."""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field, fields
+from typing import Any, NotRequired, TypedDict
+
+import torch
+
+
+class StepRecord(TypedDict):
+    """One rank's step: the runner writes it as the step completes (psarch/runner.py)."""
+
+    step: int
+    rank: int
+    loss: float                  # mean loss over this rank's shard of the global batch
+    step_time_s: float           # Trainer.step alone, timed by the runner's StepLoop
+    comm_s: float                # blocked on communication, where the backend can tell
+    sent: int                    # bytes this rank sent in the step (set-up traffic excluded)
+    received: int
+    skipped: bool                # fp16: the update was skipped for inf/nan gradients
+    loss_scale: float | None
+    extra: dict[str, Any]        # the backend's own figures (StepStats.extra), never a core column
+    slept_s: NotRequired[float]  # a straggler's sleep this step (psarch/cluster/stragglers.py)
+
+
+@dataclass
+class RankRecord:
+    """What one rank leaves when its steps are done (psarch.runner.run_rank returns it; outputs saves it)."""
+
+    rank: int
+    steps: list[StepRecord]              # None in ranks/rank<R>.json where they are in ranks/rank<R>.jsonl
+    memory: dict[str, Any]               # MemoryReport.to_dict()
+    traffic: dict[str, Any]              # TrafficReport.to_dict()
+    extra: dict[str, Any]                # Trainer.summary_extra()
+    device: str
+    dist_backend: str | None
+    entropy_floor: float | None
+    params: int                          # parameter count Φ, before the backend sharded the model
+    workload: str
+    model_state: dict[str, torch.Tensor] | None = field(default=None, repr=False)   # rank 0: the model
+
+    def to_json(self) -> dict[str, Any]:
+        """Everything but the model (saved apart, as model.pt): JSON-able."""
+        out = asdict(self)
+        out.pop("model_state")
+        return out
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> "RankRecord":
+        known = {f.name for f in fields(cls)}
+        unknown = set(data) - known
+        if unknown:
+            raise ValueError(f"rank record: unknown field(s) {sorted(unknown)}")
+        return cls(**data)
+
+
+@dataclass
+class ServiceInfo:
+    """What every rank needs to reach the services a backend started (BackendSpec.start_services): the
+    servers' addresses, the credentials folder and mechanism, and whether they start from a checkpoint.
+    JSON-able: it crosses to spawned ranks and, under torchrun, over the process group."""
+
+    addresses: list[str] = field(default_factory=list)
+    auth: dict[str, Any] | None = None
+    restored: bool = False
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any] | None) -> "ServiceInfo":
+        return cls(**(data or {}))
+
+
+class Summary(TypedDict, total=False):
+    """summary.json's top-level figures every run has (a stopped run: status, error and those it had);
+    backends and services add sections (`extra`, `cluster`, `staleness`, ...)."""
+
+    name: str
+    status: str                  # "finished", "failed" or "interrupted"
+    error: str
+    backend: str                 # backend.kind
+    variant: str                 # BackendSpec.variant
+    label: str                   # BackendSpec.label: the architecture, as every report names it
+    lockstep: bool               # BackendSpec.lockstep
+    world_size: int
+    servers: int                 # PS servers (0 elsewhere)
+    workload: str
+    precision: str
+    optimizer: str
+    params: int
+    steps: int
+    steps_planned: int
+    global_batch: int
+    final_loss: float | None
+    entropy_floor: float | None
+    gap: float | None
+    step_time_s: float           # median after warm-up
+    samples_per_s: float
+    comm_s: float
+    skipped_steps: int
+    device: str
+    dist_backend: str | None
+    memory: dict[str, Any]       # per_rank[]: MemoryReport dicts with their rank; servers[] for PS
+    traffic: dict[str, Any]      # per_rank[]: TrafficReport dicts with per-step means; servers[] for PS
+    predicted: dict[str, Any]    # theory.Prediction.to_dict()
+    lost_workers: list[dict[str, Any]]
+    extra: dict[str, list[Any]]  # each rank's summary_extra, key by key
