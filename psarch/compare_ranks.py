@@ -49,5 +49,5 @@ def rank_table(runs: list[dict[str, Any]]) -> str:
             cells += [f"{_show(k, extra[k][r] if k in extra and r < len(extra[k]) else None)} \\| "
                       f"{_show(k, pred.get(k))}" for k in keys]
             name = run.get("run_label", s["name"])
-            lines.append(f"| {name} | {s.get('label', s['backend'])} | {r} | " + " | ".join(cells) + " |")
+            lines.append(f"| {name} | {s['label']} | {r} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
