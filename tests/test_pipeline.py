@@ -2,7 +2,8 @@
 dp x p = 2 x 2; its bytes are the formulas', its activations the formula's; checkpoints resume bit-exactly and
 fork to and from other backends.
 
-Tolerance (parity.RTOL/ATOL): SGD and AdamW alike. A pipeline sums a stage's gradient over its micro-batches
+Tolerance: SGD within 1e-5 absolute on every parameter (parity.SGD_ATOL, the issue's bound), AdamW within
+parity.RTOL/ATOL (rtol 1e-4 / atol 1e-5). A pipeline sums a stage's gradient over its micro-batches
 (and, with dp, over pipelines) where `single` sums over the batch at once: the same terms in another order,
 ~1e-7 relative per step in fp32. AdamW divides by sqrt(v) + eps (eps 1e-6), which can magnify a rounding
 difference where a gradient is near zero, but by at most 1/eps x 1e-7 x lr, below atol after three steps;
@@ -14,7 +15,7 @@ import pytest
 
 import pipeline_runs as pr
 from dist_utils import run_ranks
-from parity import assert_same_model, model, train
+from parity import SGD_ATOL, assert_same_model, model, train
 from psarch import theory
 from psarch.config import from_dict
 from psarch.dist import DistContext
@@ -43,7 +44,10 @@ def test_every_schedule_and_microbatch_count_equals_single(runs, n, p):
     out, results = runs
     for name, data in pr.cases(n, p).items():
         ref = model(out, pr.reference_of(data))
-        assert_same_model(model(out, name), ref, name)
+        if data["train"]["optimizer"] == "sgd":
+            assert_same_model(model(out, name), ref, name, rtol=0, atol=SGD_ATOL)
+        else:
+            assert_same_model(model(out, name), ref, name)
         for rank in range(n):   # every rank reports the loss of the whole global batch
             assert results[name][rank]["rows"][0]["loss"] == pytest.approx(results[name][0]["rows"][0]["loss"])
 
@@ -61,7 +65,7 @@ def test_every_rank_reports_the_loss_single_reports(runs, tmp_path):
     out, results = runs
     data = pr.config("single-loss", 4)
     record = run_rank(from_dict(data), DistContext(), echo=False)
-    losses = [r["loss"] for r in record["rows"]]
+    losses = [r["loss"] for r in record.steps]
     for rank in range(4):
         got = [r["loss"] for r in results["pp4-dp1-1f1b-m4"][rank]["rows"]]
         assert got == pytest.approx(losses, rel=1e-5)
@@ -154,7 +158,7 @@ def test_a_pipeline_checkpoint_continues_as_single(runs):
     data = pr.config("pp4-to-single", 4, "adamw")
     data["train"]["steps"] = 6
     record = run_rank(from_dict(data), DistContext(), echo=False, start=out / "pp4" / "checkpoints" / "step_000003")
-    assert_same_model(record["model_state"], model(out, "pp4"), "pipeline p=4 -> single")
+    assert_same_model(record.model_state, model(out, "pp4"), "pipeline p=4 -> single")
 
 
 @pytest.mark.parametrize("n,p", [(2, 2), (4, 4), (4, 2)])
@@ -162,7 +166,8 @@ def test_torch_pipelining_equals_single_and_pipeline(runs, n, p):
     """The peer (ScheduleGPipe, Schedule1F1B, ScheduleInterleaved1F1B on gloo) on the same data."""
     out, results = runs
     for name, data in pr.peers(n, p).items():
-        assert_same_model(model(out, name), model(out, pr.reference_of(data)), f"{name} vs single")
+        assert_same_model(model(out, name), model(out, pr.reference_of(data)), f"{name} vs single", rtol=0,
+                          atol=SGD_ATOL)
         schedule = data["backend"]["schedule"]
         mine = f"pp{p}-dp{n // p}-{schedule}-m4"
         if mine in results:

@@ -17,14 +17,13 @@ import torch
 
 import tensor_runs as tr
 from dist_utils import run_ranks
-from parity import ATOL, RTOL, assert_same_model, model, train
+from parity import ATOL, RTOL, SGD_ATOL, assert_same_model, model, train
 from psarch import theory
 from psarch.config import from_dict
 from psarch.dist import DistContext
 from psarch.runner import run_rank
 from psarch.workload import build_workload
 
-SGD_ATOL = 1e-5
 
 
 @pytest.fixture(scope="module")
