@@ -94,8 +94,9 @@ def test_blocks_activations_equal_the_formula(runs, name, n):
     """Measured from the tensors autograd keeps inside the blocks, fp32 and bf16: within 10% of
     psarch.activations' formula (it is exact: the formula counts what these blocks keep)."""
     _, results = runs
-    predicted = theory.predict(config_of(name, n), results[name][0]["params"]).activations
+    per_rank = theory.predict(config_of(name, n), results[name][0]["params"]).per_rank
     for rank in range(n):
+        predicted = per_rank[rank].figures["block_activation_bytes"]
         measured = [x["extra"]["block_activation_bytes"] for x in results[name][rank]["rows"]]
         assert all(abs(m - predicted) <= 0.1 * predicted for m in measured), (measured, predicted)
         assert measured[-1] == predicted
