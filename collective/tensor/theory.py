@@ -14,7 +14,8 @@ communicator reports the same volume, modelled):
 Memory: parameters, gradients and optimizer state of what this rank holds, P_r (tensor-parallel rank 0's:
 1/t of the split matrices and of the vocabulary, the LayerNorms, row-parallel biases and position embedding
 whole), counted from the split itself (collective/tensor/split.py). Activations: L blocks of
-psarch.activations.block_activation_bytes, every rank's (Prediction.per_rank). torch_tensor: the same, but for the loss (step_bytes' torch_loss).
+psarch.activations.block_activation_bytes, every rank's (Prediction.per_rank). torch_tensor: the same, but
+for the loss (step_bytes' torch_loss).
 """
 from __future__ import annotations
 
