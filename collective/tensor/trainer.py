@@ -19,6 +19,7 @@ from collective.tensor.layers import vocab_parallel_cross_entropy
 from collective.tensor.mesh import TensorMesh
 from collective.tensor.split import check_splittable, shard_plan, split_gpt
 from collective.tensor.state import fragments, gather_full, written_by_me
+from collective.tensor.theory import BLOCK_ACTIVATIONS
 from psarch.checkpoint.fragments import Pieces, restore_optimizer, scaler_state
 from psarch.config import Config
 from psarch.dist import DistContext
@@ -78,7 +79,7 @@ class TensorTrainer(Trainer):
                          extra=self._measured())
 
     def _measured(self) -> dict[str, int]:
-        return {} if self.activations is None else {"block_activation_bytes": self.activations.bytes}
+        return {} if self.activations is None else {BLOCK_ACTIVATIONS: self.activations.bytes}
 
     # ---- the full model and checkpoints
 
