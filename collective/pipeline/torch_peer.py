@@ -26,7 +26,7 @@ from psarch.checkpoint.fragments import Pieces, master_fragments, restore_optimi
 from psarch.config import Config
 from psarch.dist import DistContext
 from psarch.flat import FlatParams
-from psarch.meters import TrafficMeter, peak_memory, tensor_bytes
+from psarch.meters import TrafficMeter, flat_memory
 from psarch.precision import MixedPrecisionOptimizer
 from psarch.trainer import MemoryReport, StepStats, Trainer, TrafficReport
 from psarch.workload import Workload
@@ -149,9 +149,7 @@ class TorchPipelineTrainer(Trainer):
         restore_optimizer(self.optim, ckpt, lambda: master_fragments(self.optim, 0, self.layout, 0, self.flat.numel))
 
     def memory(self) -> MemoryReport:
-        peak, kind = peak_memory(self.ctx.device)
-        return MemoryReport(params=tensor_bytes([self.flat.data]), grads=tensor_bytes([self.flat.grad]),
-                            optimizer=self.optim.state_bytes(), peak=peak, peak_kind=kind)
+        return flat_memory(self.ctx.device, self.flat, self.optim.state_bytes())
 
     def traffic(self) -> TrafficReport:
         return self.meter.report()

@@ -27,7 +27,7 @@ from psarch.checkpoint.fragments import Pieces, master_fragments, restore_optimi
 from psarch.config import Config
 from psarch.dist import DistContext
 from psarch.flat import FlatParams
-from psarch.meters import TrafficMeter, peak_memory, tensor_bytes
+from psarch.meters import TrafficMeter, flat_memory
 from psarch.precision import MixedPrecisionOptimizer, compute_dtype
 from psarch.runner import to_device
 from psarch.trainer import MemoryReport, StepStats, Trainer, TrafficReport
@@ -171,9 +171,7 @@ class PipelineTrainer(Trainer):
     # ---------------------------------------------------------------- reports
 
     def memory(self) -> MemoryReport:
-        peak, kind = peak_memory(self.ctx.device)
-        return MemoryReport(params=tensor_bytes([self.flat.data]), grads=tensor_bytes([self.flat.grad]),
-                            optimizer=self.optim.state_bytes(), peak=peak, peak_kind=kind)
+        return flat_memory(self.ctx.device, self.flat, self.optim.state_bytes())
 
     def traffic(self) -> TrafficReport:
         ops = dict(self.meter.report().ops)

@@ -24,7 +24,7 @@ from psarch.checkpoint.fragments import Pieces, restore_optimizer, scaler_state
 from psarch.config import Config
 from psarch.dist import DistContext
 from psarch.flat import FlatParams
-from psarch.meters import SavedActivationMeter, peak_memory, tensor_bytes
+from psarch.meters import SavedActivationMeter, flat_memory
 from psarch.precision import MixedPrecisionOptimizer, compute_dtype
 from psarch.trainer import MemoryReport, StepStats, Trainer, TrafficReport
 from psarch.workload import Workload, next_token_loss
@@ -107,9 +107,7 @@ class TensorTrainer(Trainer):
     # ---- reports
 
     def memory(self) -> MemoryReport:
-        peak, kind = peak_memory(self.ctx.device)
-        return MemoryReport(params=tensor_bytes([self.flat.data]), grads=tensor_bytes([self.flat.grad]),
-                            optimizer=self.optim.state_bytes(), peak=peak, peak_kind=kind)
+        return flat_memory(self.ctx.device, self.flat, self.optim.state_bytes())
 
     def traffic(self) -> TrafficReport:
         return self.mesh.traffic()
