@@ -37,11 +37,13 @@ PROCESS_GROUP_OPTIONS = {"backend.dist_backend": None, "backend.timeout_s": None
 @dataclass(frozen=True)
 class CommModel:
     """How a backend's communication meets its compute on a cluster (theory.cluster_step_time's inputs):
-    collectives per pass, whether backward hides them, and ring passes that block inside forward/backward."""
+    collectives per pass, whether backward hides them, ring passes that block inside forward/backward, and
+    the share of the compute phase its ranks wait by design (a pipeline's bubble)."""
 
     buckets: int = 1
     overlap: bool = False
     hidden_passes: int = 0
+    idle_fraction: float = 0.0
 
 
 class BackendSpec(ABC):
@@ -135,6 +137,13 @@ class BackendSpec(ABC):
     @abstractmethod
     def predict(self, cfg: Config, phi: float) -> Prediction:
         """What theory predicts for a run of `cfg` with `phi` parameters (psarch.theory.Prediction)."""
+
+    def estimate_rows(self, phi: float, world: int, precision: str, optimizer: str,
+                      options: Mapping[str, Any]) -> list[dict[str, Any]]:
+        """Rows this backend adds to `psarch estimate`, from Φ alone (no model), for the command line's
+        `options` (e.g. a pipeline's stages): each {"label", "states" (bytes per device), "sent" (bytes per
+        device per step), "bubble" (idle fraction)}; [] by default (its figures are in the tables already)."""
+        return []
 
     def comm_model(self, cfg: Config, phi: float, extra: Mapping[str, list[Any]]) -> CommModel:
         """How this run's communication meets its compute; `extra`: the summary's per-rank extras."""

@@ -176,6 +176,15 @@ def finalize(out: Path, cfg: Config, extra: dict[str, Any] | None = None, echo: 
     return summary
 
 
+def predicted_for_rank(predicted: dict[str, Any], rank: int) -> tuple[dict[str, float], float]:
+    """(memory by category, bytes sent per step) theory predicts for rank `rank`: its own where ranks differ
+    (Prediction.per_rank), else every rank's."""
+    per = predicted.get("per_rank")
+    if per and rank < len(per):
+        return per[rank]["memory"], per[rank]["sent"]
+    return predicted["memory_per_rank"], predicted["traffic_per_step"]["worker_sent"]
+
+
 def report(s: dict[str, Any]) -> str:
     """The short human-readable report of one run."""
     p = s["predicted"]
@@ -199,14 +208,14 @@ def report(s: dict[str, Any]) -> str:
         + "".join(f" {head:>11}" for _, head in optional)
         + f" {'peak':>11}  {'sent/step':>11} {'predicted':>11}",
     ]
-    pm, pt = p["memory_per_rank"], p["traffic_per_step"]
-    for m, t in zip(per_rank, s["traffic"]["per_rank"]):
+    for i, (m, t) in enumerate(zip(per_rank, s["traffic"]["per_rank"])):
+        pm, sent = predicted_for_rank(p, i)
         modelled = " (modelled)" if t.get("modelled") else ""
         lines.append(f"{m['rank']:>4}  {fmt_bytes(m['params']):>11} {fmt_bytes(m['grads']):>11} {fmt_bytes(m['optimizer']):>11} "
                      f"{fmt_bytes(m['total']):>11} {fmt_bytes(pm['total']):>11}"
                      + "".join(f" {fmt_bytes(m.get(k, 0)):>11}" for k, _ in optional)
                      + f" {fmt_bytes(m.get('peak')):>11}  "
-                     f"{fmt_bytes(t['sent_per_step']):>11} {fmt_bytes(pt['worker_sent']):>11}{modelled}")
+                     f"{fmt_bytes(t['sent_per_step']):>11} {fmt_bytes(sent):>11}{modelled}")
     mem = {m.get("server"): m for m in s.get("memory", {}).get("servers") or []}
     for srv in s.get("traffic", {}).get("servers", []) or []:
         held = mem.get(srv.get("server"), {}).get("total")

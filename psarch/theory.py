@@ -6,7 +6,7 @@ figure (`outputs`, `compare`, `estimate`) calls `predict`; nothing patches its r
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from psarch import registry
@@ -47,9 +47,26 @@ class LinkBytes:
 
 
 @dataclass
+class RankPrediction:
+    """What theory says of one rank of a model-parallel run: its model states, its link per step, and the
+    backend's own figures, each measured under the same name in summary.json's `extra` (a pipeline stage's
+    idle fraction and activations held, a tensor shard's blocks' activation bytes)."""
+
+    memory: MemoryPrediction
+    link: LinkBytes
+    figures: dict[str, float] = field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"memory": self.memory.to_dict(), "sent": self.link.sent, "received": self.link.received,
+                **self.figures}
+
+
+@dataclass
 class Prediction:
     """Everything theory says about one run. `worker` and `server` are per-link figures, the input of a
-    step-time model on a cluster (one link per worker, one per PS server)."""
+    step-time model on a cluster (one link per worker, one per PS server). Model-parallel backends fill
+    `per_rank`, what each rank holds and sends and their own per-rank figures (`memory_per_rank` is then the
+    fullest rank's and `worker` the busiest link's)."""
 
     memory_per_rank: MemoryPrediction   # model states one worker holds
     worker: LinkBytes                   # one worker's link, per step
@@ -57,9 +74,7 @@ class Prediction:
     rounds: float                       # communication phases per step: a collective pass, a push or a pull
     messages: float                     # messages in sequence per step, each paying the link latency once
     server_memory: float | None         # bytes one PS server holds (None: no servers)
-    # bytes of activations one worker's transformer blocks keep for backward in a step, where the backend
-    # predicts them (psarch.activations); a run measures them with backend.measure_activations
-    activations: float | None = None
+    per_rank: list[RankPrediction] | None = None
 
     def to_dict(self) -> dict:
         """The `predicted` entry of summary.json."""
@@ -70,8 +85,8 @@ class Prediction:
                "rounds_per_step": self.rounds, "messages_per_step": self.messages}
         if self.server_memory is not None:
             out["server_memory"] = self.server_memory
-        if self.activations is not None:
-            out["block_activations_per_rank"] = self.activations
+        if self.per_rank is not None:
+            out["per_rank"] = [r.to_dict() for r in self.per_rank]
         return out
 
 
@@ -179,11 +194,13 @@ def buckets_of(bytes_reduced: float, cap_bytes: float) -> int:
 def cluster_step(cfg: Config, summary: dict[str, Any]) -> dict[str, float]:
     """Measured | predicted step time of a finished run on the emulated cluster: compute (the measured step
     less its communication wait) plus the α-β time of the bytes each link carries (cluster_step_time), with
-    the backend's own model of how its communication meets its compute (BackendSpec.comm_model)."""
+    the backend's own model of how its communication meets its compute (BackendSpec.comm_model), the compute
+    stretched by the share its ranks wait by design (a pipeline's bubble, CommModel.idle_fraction)."""
     compute = summary["step_time_s"] - (summary.get("comm_s") or 0.0)
     m = registry.spec_of(cfg).comm_model(cfg, summary["params"], summary.get("extra") or {})
-    pred = cluster_step_time(predict(cfg, summary["params"]), compute, cfg.cluster.link_mbps,
-                             cfg.cluster.server_mbps, summary["cluster"]["alpha_s"], m.buckets, m.overlap,
-                             m.hidden_passes)
+    # a rank that waits by design (the bubble) computes `compute` in a phase 1 / (1 - idle) as long
+    pred = cluster_step_time(predict(cfg, summary["params"]), compute / (1.0 - m.idle_fraction),
+                             cfg.cluster.link_mbps, cfg.cluster.server_mbps, summary["cluster"]["alpha_s"], m.buckets,
+                             m.overlap, m.hidden_passes)
     return {"measured_s": summary["step_time_s"], "predicted_s": pred["step_time_s"],
             "compute_s": compute, "predicted_comm_s": pred["comm_s"]}

@@ -118,8 +118,9 @@ def test_cluster_step_time_by_hand():
 
 
 def test_cluster_model_per_backend():
-    """Which backends overlap, their bucket counts and hidden passes (BackendSpec.comm_model): 1 MB of fp32
-    parameters."""
+    """Which backends overlap, their bucket counts, hidden passes and idle fraction by design
+    (BackendSpec.comm_model): 1 MB of fp32 parameters; a pipeline waits its bubble, torch's pipelining none
+    apart (its measured compute holds its waits)."""
     from dataclasses import asdict
 
     from psarch import registry
@@ -129,15 +130,20 @@ def test_cluster_model_per_backend():
         extra = {"zero_groups": [groups, groups]} if groups is not None else {}
         return asdict(registry.spec_of(cfg).comm_model(cfg, 250_000, extra))
 
-    assert model({"kind": "ddp", "bucket_cap_mb": 0.25}) == {"buckets": 4, "overlap": True, "hidden_passes": 0}
+    assert model({"kind": "ddp", "bucket_cap_mb": 0.25}) == {"buckets": 4, "overlap": True, "hidden_passes": 0,
+                                                                  "idle_fraction": 0.0}
     assert model({"kind": "ddp", "overlap_comm": False})["overlap"] is False
-    assert model({"kind": "torch_ddp", "bucket_cap_mb": 0.5}) == {"buckets": 2, "overlap": True, "hidden_passes": 0}
+    assert model({"kind": "torch_ddp", "bucket_cap_mb": 0.5}) == {"buckets": 2, "overlap": True, "hidden_passes": 0,
+                                                                  "idle_fraction": 0.0}
     assert model({"kind": "zero", "reduce_bucket_size": 125_000}) == {"buckets": 2, "overlap": True,
-                                                                      "hidden_passes": 0}
+                                                                      "hidden_passes": 0, "idle_fraction": 0.0}
     # stage 3 reduce-scatters one unit at a time: its groups, never reduce_bucket_size (stages 1-2 only)
-    assert model({"kind": "zero", "stage": 3}, groups=5) == {"buckets": 5, "overlap": True, "hidden_passes": 2}
+    assert model({"kind": "zero", "stage": 3}, groups=5) == {"buckets": 5, "overlap": True, "hidden_passes": 2,
+                                                             "idle_fraction": 0.0}
     assert model({"kind": "zero", "stage": 3})["buckets"] == 1
     assert model({"kind": "ps"})["overlap"] is False
+    assert model({"kind": "pipeline", "stages": 2, "microbatches": 2})["idle_fraction"] == pytest.approx(1 / 3)
+    assert model({"kind": "torch_pipeline", "stages": 2, "microbatches": 2})["idle_fraction"] == 0.0
 
 
 def test_results_label_tells_sparse_variants_apart():
