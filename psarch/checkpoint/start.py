@@ -170,6 +170,16 @@ def drop_after(run_dir: Path, step: int) -> list[str]:
     return [p.name for p in later]
 
 
+def drop_unfinished(run_dir: Path) -> list[str]:
+    """Remove the unfinished checkpoint folders (.tmp_step_*) a kill mid-write left in the run: a resumed PS run
+    merges the worker parts it finds in the folder, and a lost worker's part from the killed attempt must not be
+    among them. Their names."""
+    left = sorted(p for p in (run_dir / CHECKPOINTS).glob(".tmp_step_*") if p.is_dir())
+    for p in left:
+        shutil.rmtree(p)
+    return [p.name for p in left]
+
+
 def model_shapes(cfg: Config) -> dict[str, tuple[int, ...]]:
     """The config's trainable parameters (name -> shape); a built-in model is made on the meta device (no
     memory), its data sources on CPU (they compute with numpy, which meta tensors cannot feed)."""
