@@ -27,6 +27,7 @@ from psarch import outputs, registry, supervise
 from psarch.backend import BackendSpec
 from psarch.checkpoint.start import CHECKPOINTS, starting_checkpoint
 from psarch.cluster import Placement, place
+from psarch.cluster.dilation import resolve as resolve_dilation
 from psarch.cluster.window import StepMarks
 from psarch.config import Config, ConfigError, check_machine, from_dict
 from psarch.dist import abandon_group, init_rank, shutdown, under_torchrun
@@ -54,7 +55,9 @@ def run(cfg: Config, out: str | Path | None = None, echo: bool = True, resume: b
         raise ConfigError(f"backend.kind = {cfg.backend.kind!r} cannot write or read checkpoints yet "
                           f"(train.checkpoint_every, --resume, --from)")
     ckpt = starting_checkpoint(cfg, out_dir, resume, start)  # verified before anything is written or started
-    job = RankJob(cfg.to_dict(), str(out_dir), echo, out_dir / CHECKPOINTS if cfg.train.checkpoint_every else None,
+    # cluster.dilation "auto": D picked once, here, for every rank and link (config.json keeps what was asked)
+    ranks_cfg = resolve_dilation(cfg, echo, _threads(cfg.backend.world_size))
+    job = RankJob(ranks_cfg.to_dict(), str(out_dir), echo, out_dir / CHECKPOINTS if cfg.train.checkpoint_every else None,
                   ckpt.path if ckpt is not None else None, resume, registry.plugins())
     if under_torchrun():
         return _torchrun_rank(cfg, spec, job)
@@ -63,7 +66,7 @@ def run(cfg: Config, out: str | Path | None = None, echo: bool = True, resume: b
     workload = build_workload(cfg) if cfg.workload.factory else None
     outputs.prepare(out_dir, cfg, keep_checkpoints=resume)   # a fork must not keep an older run's
     try:
-        with place(cfg) as where:   # loopback, or each process on its node of an emulated cluster
+        with place(ranks_cfg) as where:   # loopback, or each process on its node of an emulated cluster
             with _services(spec, cfg, out_dir, where, job.start) as services:
                 job.info = services.info.to_dict() if services is not None else {}
                 if cfg.backend.world_size == 1:
