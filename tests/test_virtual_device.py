@@ -13,7 +13,7 @@ from torch.utils.flop_counter import FlopCounterMode
 from cluster_setup import needs_root
 from parity import assert_same_model, config, model
 from psarch.cluster import device
-from psarch.cluster.dilation import AUTO_MARGIN, Costs, choose, contention, resolve, round_up
+from psarch.cluster.dilation import AUTO_MARGIN, Costs, choose, resolve, round_up, spinning
 from psarch.cluster.flops import FlopCount, count
 from psarch.cluster.pacing import VirtualDevice
 from psarch.cluster.stragglers import pacer
@@ -149,18 +149,32 @@ def test_link_rates_are_the_clusters_over_d():
 
 
 def test_auto_dilation_rule():
-    """D = margin x contention x the larger host/modelled ratio, rounded up; comm that runs during backward
-    competes with compute."""
-    assert contention(4, 2, 0.0) == 2.0 and contention(2, 2, 14.0) == pytest.approx(16 / 15)
-    assert contention(1, 8, 0.0) == 1.0
+    """D = margin x the larger host/modelled ratio, rounded up; comm that runs during backward competes with
+    compute."""
     assert [round_up(x) for x in (0.3, 1.0, 2.31, 23.01, 1040)] == [1.0, 1.0, 2.4, 24.0, 1100.0]
     costs = Costs(modelled_compute_s=0.01, modelled_comm_s=0.05, host_compute_s=0.03, host_comm_s=0.01,
                   overlapped=False)
-    assert choose(costs, 4, 2, 0.0) == round_up(AUTO_MARGIN * 2 * 3)
+    assert choose(costs) == round_up(AUTO_MARGIN * 3)
     overlapped = Costs(0.01, 0.05, 0.03, 0.01, overlapped=True)
-    assert choose(overlapped, 4, 2, 0.0) == round_up(AUTO_MARGIN * 2 * 4)
+    assert choose(overlapped) == round_up(AUTO_MARGIN * 4)
     comm_bound = Costs(0.01, 0.001, 0.001, 0.01, overlapped=False)
-    assert choose(comm_bound, 1, 2, 0.0) == round_up(AUTO_MARGIN * 10)
+    assert choose(comm_bound) == round_up(AUTO_MARGIN * 10)
+
+
+def test_spinning_processes_take_cpu_and_go():
+    """The run's other processes, stood in for while auto measures: they take CPU, and none is left after."""
+    import os
+    import subprocess
+    before = set(subprocess.run(["pgrep", "-f", "while True: pass"], capture_output=True, text=True).stdout.split())
+    t0 = time.process_time()
+    with spinning(2):
+        mine = set(subprocess.run(["pgrep", "-P", str(os.getpid()), "-f", "while True: pass"], capture_output=True,
+                                  text=True).stdout.split())
+        assert len(mine) == 2
+        time.sleep(0.2)
+    assert time.process_time() - t0 < 0.1          # the spinning was theirs, not this process's
+    after = set(subprocess.run(["pgrep", "-f", "while True: pass"], capture_output=True, text=True).stdout.split())
+    assert not (mine & after) and not (after - before)
 
 
 def test_auto_covers_a_measured_compute():

@@ -1,17 +1,18 @@
 """cluster.dilation = "auto": the D an emulated cluster of virtual devices runs at, picked once, in the
 launcher, before any rank starts (every rank and every link must use the same D).
 
-D must stretch the cluster's times past what this machine spends on them, with margin:
-- compute: a worker's real forward and backward, timed here on one process, grows by the contention of the
-  run's own processes beside the machine's other load once they all compute at once; it must fit inside
-  the modelled compute x D;
-- communication: the host's own cost of the step's messages (α and bytes/s of this machine's loopback,
-  through theory's step-time model) must fit inside their time on the cluster's links x D; where the
-  backend communicates during backward (BackendSpec.comm_model: overlap with several buckets, or passes
-  inside compute), that cost competes with the compute for the same cores, and counts on its side too.
-D = AUTO_MARGIN x contention x the larger of the two ratios, at least 1, rounded up to two significant digits.
-AUTO_MARGIN is 4: on this project's 2-core machine at a load of 14-19 from other work, a worker's compute
-inside a run took 1.3-6x what the launcher timed just before (the load comes and goes).
+D must stretch the cluster's times past what this machine spends on them, with margin. Both are measured
+here, while `processes - 1` helper processes spin on the CPU in place of the run's other ranks and servers
+(all computing at once, as a synchronous step starts): the contention the run itself will bring, beside
+whatever else the machine is running now.
+- compute: a worker's real forward and backward must fit inside the modelled compute x D;
+- communication: the host's own cost of the step's messages (α of a TCP ping-pong and bytes/s of one
+  stream on this machine's loopback, α paid once per message of every bucket, through theory's step-time
+  model) must fit inside their time on the cluster's links x D; where the backend communicates during
+  backward (BackendSpec.comm_model: overlap with several buckets, or passes inside compute), that cost
+  competes with the compute for the same cores, and counts on its side too.
+D = AUTO_MARGIN x the larger of the two ratios, at least 1, rounded up to two significant digits.
+AUTO_MARGIN is 2 for the load that comes and goes after the measurement.
 
 What no D stretches: TCP's own timers (delayed ACKs, the 200 ms minimum retransmission timeout) and the
 host's per-message latency α, which are the same wall-clock times at every D, so D times shorter in the
@@ -19,13 +20,15 @@ cluster's time than on the host. The emulated cluster's α is α / D (reported b
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
-import os
 import statistics
+import subprocess
+import sys
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 
@@ -34,7 +37,7 @@ from psarch.cluster import device
 from psarch.cluster.alpha import loopback_alpha, loopback_bytes_per_s
 from psarch.cluster.flops import count
 
-AUTO_MARGIN = 4.0
+AUTO_MARGIN = 2.0
 MAX_PROBE_BYTES = 32 * 2**20   # the loopback rate is measured on at most this much of the step's payload
 
 Config = Any
@@ -46,15 +49,9 @@ class Costs:
 
     modelled_compute_s: float
     modelled_comm_s: float
-    host_compute_s: float      # forward + backward, one process, timed as the machine is loaded now
+    host_compute_s: float      # forward + backward, one process among the run's, timed now
     host_comm_s: float         # the step's messages through this machine's loopback: α and bytes/s
     overlapped: bool           # communication runs during backward, on the cores the compute needs
-
-
-def contention(processes: int, cores: int, load: float) -> float:
-    """How much slower one process computes with `processes` of the run computing beside `load` other
-    runnable ones, than it did when timed alone beside that load."""
-    return max(1.0, (load + processes) / cores) / max(1.0, (load + 1) / cores)
 
 
 def round_up(x: float) -> float:
@@ -66,12 +63,24 @@ def round_up(x: float) -> float:
     return float(round(math.ceil(x / step - 1e-9) * step, max(0, 1 - exponent)))
 
 
-def choose(costs: Costs, processes: int, cores: int, load: float) -> float:
-    """D for these costs: AUTO_MARGIN x contention x the larger of host/modelled for compute and comm."""
+def choose(costs: Costs) -> float:
+    """D for these costs: AUTO_MARGIN x the larger of host/modelled for compute and for communication."""
     host = costs.host_compute_s + (costs.host_comm_s if costs.overlapped else 0.0)
     ratios = [host / costs.modelled_compute_s if costs.modelled_compute_s > 0 else 0.0,
               costs.host_comm_s / costs.modelled_comm_s if costs.modelled_comm_s > 0 else 0.0]
-    return round_up(AUTO_MARGIN * contention(processes, cores, load) * max(ratios))
+    return round_up(AUTO_MARGIN * max(ratios))
+
+
+@contextlib.contextmanager
+def spinning(n: int) -> Iterator[None]:
+    """`n` processes spinning on the CPU for the block: the run's other processes, all computing."""
+    procs = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(n)]
+    try:
+        yield
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait()
 
 
 def _host_compute_s(workload: Any, batch: Any, threads: int) -> float:
@@ -90,27 +99,27 @@ def _host_compute_s(workload: Any, batch: Any, threads: int) -> float:
 
 
 def measure(cfg: Config, threads: int = 1) -> Costs:
-    """This workload's modelled step on the cluster and its cost on this machine now (a rank computing on
-    `threads` threads)."""
+    """This workload's modelled step on the cluster and its cost on this machine now, beside the run's
+    other processes (`spinning`; a rank computes on `threads` threads)."""
     from psarch.theory import WIRE_OVERHEAD, cluster_step_time, predict
     from psarch.workload import build_workload
     with torch.random.fork_rng(devices=[]):   # the launcher's random state stays as it was
         workload = build_workload(cfg)
         batch = workload.batch(0, 0, cfg.backend.world_size)
         flops = count(workload.model, workload.loss_fn, batch)
-        host_compute = _host_compute_s(workload, batch, threads)
     phi = sum(p.numel() for p in workload.model.parameters())
-    p, c = predict(cfg, phi), cfg.cluster
+    p, c, spec = predict(cfg, phi), cfg.cluster, registry.spec_of(cfg)
+    m = spec.comm_model(cfg, phi, {})
     modelled_comm = cluster_step_time(p, 0.0, c.link_mbps, c.server_mbps)["comm_s"]
-    host_comm = 0.0
-    if modelled_comm > 0:
-        probe = int(min(max(p.worker.sent, p.worker.received, 1), MAX_PROBE_BYTES))
-        host_mbps = loopback_bytes_per_s(probe) * 8 / 1e6 * WIRE_OVERHEAD   # theory takes off the headers again
-        host_comm = cluster_step_time(p, 0.0, host_mbps, host_mbps, loopback_alpha())["comm_s"]
-    m = registry.spec_of(cfg).comm_model(cfg, phi, {})
-    overlapped = (m.overlap and m.buckets > 1) or m.hidden_passes > 0
+    probe = int(min(max(p.worker.sent, p.worker.received, 1), MAX_PROBE_BYTES))
+    with spinning(cfg.backend.world_size + spec.service_nodes(cfg) - 1):
+        with torch.random.fork_rng(devices=[]):
+            host_compute = _host_compute_s(workload, batch, threads)
+        alpha, rate = (loopback_alpha(), loopback_bytes_per_s(probe)) if modelled_comm > 0 else (0.0, 1.0)
+    host_mbps = rate * 8 / 1e6 * WIRE_OVERHEAD   # theory takes the headers off again
+    host_comm = cluster_step_time(p, 0.0, host_mbps, host_mbps, alpha * m.buckets)["comm_s"] if modelled_comm else 0.0
     return Costs((flops.forward + flops.backward) / device.flops_per_s(cfg), modelled_comm, host_compute, host_comm,
-                 overlapped)
+                 (m.overlap and m.buckets > 1) or m.hidden_passes > 0)
 
 
 def resolve(cfg: Config, echo: bool = True, threads: int = 1) -> Config:
@@ -123,15 +132,11 @@ def resolve(cfg: Config, echo: bool = True, threads: int = 1) -> Config:
     d = 1.0
     if device.modelled(cfg) and c.emulate:
         costs = measure(cfg, threads)
-        processes = cfg.backend.world_size + registry.spec_of(cfg).service_nodes(cfg)
-        cores, load = os.cpu_count() or 1, os.getloadavg()[0]
-        d = choose(costs, processes, cores, load)
+        d = choose(costs)
         if echo:
-            print(f"psarch: cluster.dilation = \"auto\" -> {d:g}: a worker's step computes here in "
-                  f"{costs.host_compute_s * 1e3:.1f} ms (x{contention(processes, cores, load):.2f} with "
-                  f"{processes} processes beside load {load:.1f} on {cores} cores) against "
-                  f"{costs.modelled_compute_s * 1e3:.3g} ms modelled on {device.name(cfg)}; its messages cost "
+            print(f"psarch: cluster.dilation = \"auto\" -> {d:g}: beside the run's other processes, a worker's "
+                  f"step computes here in {costs.host_compute_s * 1e3:.1f} ms against "
+                  f"{costs.modelled_compute_s * 1e3:.3g} ms modelled on {device.name(cfg)}, and its messages cost "
                   f"{costs.host_comm_s * 1e3:.3g} ms on loopback against {costs.modelled_comm_s * 1e3:.3g} ms on "
-                  f"the links{' (and compete with backward)' if costs.overlapped else ''}; margin x{AUTO_MARGIN:g}",
-                  flush=True)
+                  f"the links{' (during backward)' if costs.overlapped else ''}; margin x{AUTO_MARGIN:g}", flush=True)
     return dataclasses.replace(cfg, cluster=dataclasses.replace(c, dilation=d))
