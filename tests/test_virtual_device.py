@@ -179,7 +179,8 @@ def test_spinning_processes_take_cpu_and_go():
 
 def test_auto_covers_a_measured_compute():
     """resolve() on an emulated config picks D with D x modelled >= this machine's real forward+backward
-    (timed here again); without emulate, or without a device, D is 1; a number stays as given."""
+    (timed here again, the fastest of five: the load of other work comes and goes between the two); without
+    emulate, or without a device, D is 1; a number stays as given."""
     data = config("auto", backend={"kind": "ddp", "world_size": 2},
                   cluster={"emulate": True, "device": "v100"})
     cfg = from_dict(data)
@@ -194,7 +195,7 @@ def test_auto_covers_a_measured_compute():
         t0 = time.perf_counter()
         wl.loss_fn(wl.model, batch).backward()
         times.append(time.perf_counter() - t0)
-    assert d * modelled >= sorted(times)[2], (d, modelled, times)
+    assert d * modelled >= min(times), (d, modelled, times)
     assert cfg.cluster.dilation == "auto"                                          # cfg itself untouched
     assert resolve(from_dict(config("a", cluster={"device": "v100"})), echo=False).cluster.dilation == 1.0
     assert resolve(from_dict(config("a", cluster={"emulate": True})), echo=False).cluster.dilation == 1.0
@@ -306,3 +307,21 @@ def test_an_emulated_run_of_virtual_devices(tmp_path):
     assert all(n["link_mbps"] == 200.0 for n in s["cluster"]["nodes"])
     assert s["step_time_s"] >= vd["compute_s"] and s["cluster"]["step_time"]["compute_s"] == vd["compute_s"]
     assert "time dilation   D = 2" in (tmp_path / "vd" / "report.txt").read_text()
+    from psarch.cluster.results import rows, table
+    (row,) = rows(tmp_path)
+    assert row["dilation"] == 2.0 and row["compute"] == vd["compute_s"] and "compute (modelled)" in table([row])
+
+
+def test_the_last_bucket_waits_for_the_end_of_the_modelled_backward():
+    """The first layer's gradients are ready when the real backward ends: their bucket (a post-accumulate
+    hook) must not leave before the modelled backward does, or one bucket's communication would hide
+    inside the wait at the end."""
+    model = _mlp()
+    flops = count(model, _sum_loss, torch.randn(3, 8))
+    vd = VirtualDevice(model, flops, (flops.forward + flops.backward) / 0.15, 1.0, lambda step: 1.0)
+    fired: list[float] = []
+    model[0].weight.register_post_accumulate_grad_hook(lambda p: fired.append(time.perf_counter()) and None)
+    loss = vd.wrap(_sum_loss)(model, torch.randn(3, 8))
+    t1 = time.perf_counter()
+    loss.backward()
+    assert fired[0] - t1 >= vd.backward_s * 0.95

@@ -84,10 +84,12 @@ class VirtualDevice:
         self.modelled_s = 0.0          # this step's modelled compute, cluster time (the factor included)
         self.late = [0.0, 0.0]         # wall seconds its forward and backward ended after their modelled end
         self.fwd, self.bwd = Phase(lambda: self.waited()), Phase(lambda: self.waited())
+        # 0: the phase's start. A gradient ready at 1, the end of backward, still waits in its hook: the bucket
+        # its post-accumulate hook launches must not leave before the modelled backward is over.
         self._handles = [m.register_forward_pre_hook(self._at(self.fwd, f))
-                         for m, f in zip(model.modules(), flops.module_marks) if f and f < 1]
-        self._handles += [p.register_hook(self._at(self.bwd, f))   # 0 and 1: the phase's start and end wait
-                          for p, f in zip(model.parameters(), flops.param_marks) if f and f < 1 and p.requires_grad]
+                         for m, f in zip(model.modules(), flops.module_marks) if f]
+        self._handles += [p.register_hook(self._at(self.bwd, f))
+                          for p, f in zip(model.parameters(), flops.param_marks) if f and p.requires_grad]
 
     def _at(self, phase: Phase, fraction: float) -> Callable:
         def hook(*args: Any) -> None:
