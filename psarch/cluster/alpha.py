@@ -55,8 +55,13 @@ def loopback_alpha(rounds: int = 50) -> float:
     return _ping_pong(srv, lambda: socket.create_connection(("127.0.0.1", srv.getsockname()[1]), timeout=10), rounds)
 
 
-def loopback_bytes_per_s(nbytes: int) -> float:
-    """Bytes/s of one TCP stream of `nbytes` on this machine's loopback: the host's own cost per byte."""
+def loopback_bytes_per_s(nbytes: int, rounds: int = 3) -> float:
+    """Bytes/s of a TCP stream of `nbytes` on this machine's loopback, the median of `rounds`: the host's
+    own cost per byte."""
+    return statistics.median(_stream_bytes_per_s(nbytes) for _ in range(rounds))
+
+
+def _stream_bytes_per_s(nbytes: int) -> float:
     srv = socket.create_server(("127.0.0.1", 0))
     received = [0]
 

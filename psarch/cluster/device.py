@@ -36,9 +36,9 @@ def modelled(cfg: Config) -> bool:
 
 
 def name(cfg: Config) -> str:
-    """The device in words: the profile, or "<tflops> TFLOPS"."""
+    """The device in words: the profile's name, or "custom device"."""
     c = cfg.cluster
-    return c.device if c.device != MEASURED else f"{c.device_tflops:g} TFLOPS"
+    return c.device if c.device != MEASURED else "custom device"
 
 
 def peak_tflops(cfg: Config) -> float:

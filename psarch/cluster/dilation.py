@@ -38,7 +38,9 @@ from psarch.cluster.alpha import loopback_alpha, loopback_bytes_per_s
 from psarch.cluster.flops import count
 
 AUTO_MARGIN = 2.0
-MAX_PROBE_BYTES = 32 * 2**20   # the loopback rate is measured on at most this much of the step's payload
+# The loopback's bytes/s is measured on a stream of the step's payload, within these bounds: at least 8 MiB,
+# so one delayed wake-up of the receiving thread does not pass for a slow stream.
+MIN_PROBE_BYTES, MAX_PROBE_BYTES = 8 * 2**20, 32 * 2**20
 
 Config = Any
 
@@ -111,7 +113,7 @@ def measure(cfg: Config, threads: int = 1) -> Costs:
     p, c, spec = predict(cfg, phi), cfg.cluster, registry.spec_of(cfg)
     m = spec.comm_model(cfg, phi, {})
     modelled_comm = cluster_step_time(p, 0.0, c.link_mbps, c.server_mbps)["comm_s"]
-    probe = int(min(max(p.worker.sent, p.worker.received, 1), MAX_PROBE_BYTES))
+    probe = int(min(max(p.worker.sent, p.worker.received, MIN_PROBE_BYTES), MAX_PROBE_BYTES))
     with spinning(cfg.backend.world_size + spec.service_nodes(cfg) - 1):
         with torch.random.fork_rng(devices=[]):
             host_compute = _host_compute_s(workload, batch, threads)

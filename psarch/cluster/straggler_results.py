@@ -1,6 +1,7 @@
 """Stragglers' results, each worker at its own pace: samples/s and the wall-clock time to a target loss gap
 for every run of a sweep folder. `python -m psarch.cluster.straggler_results runs/stragglers --target-gap G`
-writes stragglers.md there.
+writes stragglers.md there. Times are the cluster's (on an emulated cluster of virtual devices, the wall
+clock / D: every step record already holds them so).
 
 `psarch compare` merges the workers' rows step by step, taking the slowest worker's time for each step:
 right where workers wait for each other (sync, ring), but in asynchronous modes a fast worker does not
@@ -74,21 +75,31 @@ def rows(sweep: Path, target: float) -> list[dict[str, Any]]:
         cfg = from_dict(json.loads((f.parent / "config.json").read_text()))
         metrics = [json.loads(line) for line in (f.parent / "metrics.jsonl").read_text().splitlines()]
         workers, floor = per_worker(metrics), s["entropy_floor"]
-        c = cfg.cluster
-        out.append({"mode": registry.spec_of(cfg).label(cfg),
-                    "slowdown": c.slowdown, "jitter": c.jitter,
+        c, vd, step = cfg.cluster, s.get("virtual_device"), s.get("cluster", {}).get("step_time")
+        spec = registry.spec_of(cfg)
+        out.append({"mode": spec.label(cfg), "slowdown": c.slowdown, "jitter": c.jitter,
                     "samples_per_s": samples_per_s(workers, s["global_batch"]),
-                    "time_to_gap": time_to_gap(workers, floor, target), "final_gap": final_gap(workers, floor)})
+                    # lockstep: every step waits for the slowest worker; theory's step time says how long
+                    "predicted": s["global_batch"] / step["predicted_s"] if step and spec.lockstep(cfg) else None,
+                    "time_to_gap": time_to_gap(workers, floor, target), "final_gap": final_gap(workers, floor),
+                    "dilation": vd["dilation"] if vd else None, "overrun": vd["overrun_fraction"] if vd else None})
     return sorted(out, key=lambda r: (r["jitter"], r["slowdown"], r["mode"]))
 
 
+def _cell(x: float | None, form: str) -> str:
+    return "" if x is None else format(x, form)
+
+
 def table(rs: list[dict[str, Any]], target: float) -> str:
-    lines = [f"| run | slowdown of worker 0 | jitter | samples/s | time to gap < {target:g} (s) | final gap |",
-             "|---|---:|---:|---:|---:|---:|"]
+    """The markdown table; predicted samples/s for lockstep runs on an emulated cluster (the slowest
+    worker's compute plus the step's communication), D and overrun steps for virtual devices."""
+    lines = [f"| run | slowdown of worker 0 | jitter | samples/s | predicted (lockstep) | time to gap < {target:g} "
+             f"(s) | final gap | D | overrun steps |", "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in rs:
         t = f"{r['time_to_gap']:.1f}" if r["time_to_gap"] is not None else "not reached"
-        lines.append(f"| {r['mode']} | {r['slowdown']:g}x | {r['jitter']:g} | {r['samples_per_s']:.0f} | {t} | "
-                     f"{r['final_gap']:.3f} |")
+        lines.append(f"| {r['mode']} | {r['slowdown']:g}x | {r['jitter']:g} | {r['samples_per_s']:.0f} | "
+                     f"{_cell(r['predicted'], '.0f')} | {t} | {r['final_gap']:.3f} | {_cell(r['dilation'], 'g')} | "
+                     f"{_cell(r['overrun'], '.0%')} |")
     return "\n".join(lines) + "\n"
 
 
