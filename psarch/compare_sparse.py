@@ -50,7 +50,7 @@ def sparse_table(runs: list[dict[str, Any]]) -> str:
         modelled = " (modelled)" if s["traffic"]["per_rank"][0].get("modelled") else ""
         gap = f"{s['gap']:.4f}" if s.get("gap") is not None else "-"
         lines.append(
-            f"| {s['name']} | {s['label']} | {cfg.workload.dlrm.rows} | "
+            f"| {run['run_label']} | {s['label']} | {cfg.workload.dlrm.rows} | "
             f"{cfg.workload.clicks.zipf:g} | {fmt_bytes(worker_sent_per_step(s))}{modelled} \\| "
             f"{fmt_bytes(s['predicted']['traffic_per_step']['worker_sent'])} | {s['step_time_s'] * 1e3:.1f} | "
             f"{fmt_bytes(held)} \\| {fmt_bytes(table)} | {'-' if u is None else f'{u:.0f}'} \\| "
@@ -74,16 +74,25 @@ def series(runs: list[dict[str, Any]]) -> dict[float, dict[str, list[tuple[int, 
     return dict(sorted(out.items()))
 
 
+def decade(values: list[float]) -> tuple[float, float]:
+    """Limits of a log axis holding these positive values and spanning at least a factor of 10, so that a few
+    bytes between measured and predicted never fill a panel as if they were a gap."""
+    lo, hi = min(values), max(values)
+    mid = (lo * hi) ** 0.5
+    return min(lo / 1.5, mid / 10**0.5), max(hi * 1.5, mid * 10**0.5)
+
+
 def embedding_scaling(runs: list[dict[str, Any]], out: Path) -> str:
     """embedding_scaling.png: bytes per worker per step (measured solid, predicted dashed) and step time
     against table rows, one column per Zipf exponent, one colour per variant; returns the name."""
     import matplotlib.pyplot as plt
 
-    from psarch.plot_style import save
+    from psarch.plot_style import legend_beside, save
 
     data = series(runs)
     variants = sorted({v for by in data.values() for v in by})
-    fig, axes = plt.subplots(2, len(data), figsize=(4.6 * len(data), 7), squeeze=False, sharex=True)
+    fig, axes = plt.subplots(2, len(data), figsize=(4.6 * len(data) + 2.0, 7), squeeze=False, sharex=True,
+                             layout="constrained")
     for col, (zipf, by_variant) in enumerate(data.items()):
         top, bottom = axes[0][col], axes[1][col]
         for variant, points in by_variant.items():
@@ -92,7 +101,13 @@ def embedding_scaling(runs: list[dict[str, Any]], out: Path) -> str:
             top.plot(rows, [p[1] for p in points], "o-", color=colour, label=variant)
             top.plot(rows, [p[2] for p in points], "x--", color=colour, alpha=0.6)
             bottom.plot(rows, [p[3] for p in points], "o-", color=colour, label=variant)
+        sent = [x for points in by_variant.values() for p in points for x in p[1:3] if x > 0]
+        times = [p[3] for points in by_variant.values() for p in points if p[3] > 0]
         top.set(xscale="log", yscale="log", title=f"Zipf {zipf:g}", ylabel="bytes sent / worker / step")
         bottom.set(xscale="log", yscale="log", xlabel="rows per table", ylabel="step time (s)")
-    axes[0][0].legend(fontsize=7, title="solid measured, dashed predicted", title_fontsize=7)
+        for ax, values in ((top, sent), (bottom, times)):
+            if values:
+                ax.set_ylim(*decade(values))
+    legend = legend_beside(fig, list(axes.flat))   # beside the panels, never on the data
+    legend.set_title("solid measured, dashed predicted", prop={"size": 7})
     return save(fig, out, "embedding_scaling")

@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from psarch import registry, theory
+from psarch import registry, theory, throughput
 from psarch.cluster import device
 from psarch.config import Config
 from psarch.records import RankRecord, StepRecord
@@ -136,12 +136,15 @@ def finalize(out: Path, cfg: Config, extra: dict[str, Any] | None = None, echo: 
     phi = records[0].params
     floor = records[0].entropy_floor
     final_loss = rows[-1]["loss"]
+    ident = identity(cfg)
     summary: dict[str, Any] = {
-        "name": cfg.name, "status": "finished", **identity(cfg), "workload": records[0].workload, "precision": cfg.train.precision, "optimizer": cfg.train.optimizer,
+        "name": cfg.name, "status": "finished", **ident, "workload": records[0].workload, "precision": cfg.train.precision, "optimizer": cfg.train.optimizer,
         "params": phi, "steps": len(rows), "global_batch": cfg.train.global_batch,
         "final_loss": final_loss, "entropy_floor": floor,
         "gap": final_loss - floor if floor is not None else None,
-        "step_time_s": step_time, "samples_per_s": cfg.train.global_batch / step_time,
+        "step_time_s": step_time,
+        "samples_per_s": throughput.samples_per_s(rows, cfg.train.global_batch, ident["lockstep"], w),
+        "samples_per_s_is": throughput.definition(ident["lockstep"]),
         "comm_s": statistics.median([statistics.fmean(b[r["step"]]["comm_s"] for b in by_step if r["step"] in b)
                                      for r in rows[w:]] or [0.0]),
         "skipped_steps": sum(1 for r in rows if r["skipped"]),
@@ -193,6 +196,7 @@ def report(s: dict[str, Any]) -> str:
         + f", {s['workload']}, {s['params']:,} params, {s['precision']}, {s['optimizer']}",
         f"final loss      {s['final_loss']:.4f} (last step){gap}   skipped steps {s['skipped_steps']}",
         f"step time       {s['step_time_s'] * 1e3:.2f} ms median   {s['samples_per_s']:.1f} samples/s"
+        + (f" ({s['samples_per_s_is']})" if s.get("samples_per_s_is") else "")
         + (f"   comm wait {s['comm_s'] * 1e3:.2f} ms" if s.get("comm_s") else ""),
         "",
         f"{'rank':>4}  {'params':>11} {'grads':>11} {'optimizer':>11} {'total':>11} {'predicted':>11}"

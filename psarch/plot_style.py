@@ -1,5 +1,6 @@
 """What every plot of a report shares: one colour per configuration (the same in every plot), one line
-style per world size, and how a figure is saved."""
+style (bar hatch) per world size, runs named by their run_label (folder or config `label`), legends beside
+or below the data and never on it, and how a figure is saved."""
 from __future__ import annotations
 
 import re
@@ -11,9 +12,8 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
-from psarch.runs import short_names  # noqa: E402
-
 LINE_STYLES = ("-", "--", ":", "-.")
+HATCHES = ("", "//", "..", "xx")
 
 
 def configuration(name: str) -> str:
@@ -25,7 +25,7 @@ class Palette:
     """Colours and names for the runs of one report, computed once and passed to every plot."""
 
     def __init__(self, runs: list[dict[str, Any]]) -> None:
-        self.names = short_names(runs)
+        self.names = [r["run_label"] for r in runs]   # the folder (or config label), psarch.runs.name_runs
         configs = list(dict.fromkeys(configuration(n) for n in self.names))
         # grey is left out: it draws references (the synchronous curve in other panels)
         colours = [c for i, c in enumerate(plt.get_cmap("tab10").colors) if i != 7] if len(configs) <= 9 else \
@@ -47,6 +47,38 @@ class Palette:
     def line(self, run: dict[str, Any]) -> dict[str, Any]:
         """Keyword arguments of a run's line: its configuration's colour, its world size's style."""
         return {"color": self.colour(run), "ls": self.style_of_n[run["summary"]["world_size"]], "lw": 1.3}
+
+    def hatch(self, run: dict[str, Any]) -> str:
+        """A run's bar hatch: its world size's, as line() gives its line style."""
+        return HATCHES[LINE_STYLES.index(self.style_of_n[run["summary"]["world_size"]])]
+
+
+def _entries(axes: list[Any]) -> dict[str, Any]:
+    """Each label of these axes' artists once, with its first handle."""
+    keep: dict[str, Any] = {}
+    for ax in axes:
+        for handle, label in zip(*ax.get_legend_handles_labels()):
+            keep.setdefault(label, handle)
+    return keep
+
+
+def legend_beside(fig: Any, axes: list[Any]) -> Any:
+    """One legend for these axes, outside them on the right: never on the data, however many runs (two
+    columns past 24 entries). The figure needs layout="constrained" to make room for it."""
+    keep = _entries(axes)
+    return fig.legend(keep.values(), keep.keys(), loc="outside right upper", fontsize=7,
+                      ncol=1 if len(keep) <= 24 else 2)
+
+
+def legend_below(fig: Any, axes: list[Any], extra: dict[str, Any] | None = None) -> Any:
+    """One legend for these axes (and `extra` label: handle entries) under them, outside the data
+    (layout="constrained"), in as many columns as fit the figure's width."""
+    keep = dict(_entries(axes), **(extra or {}))
+    chars = fig.get_figwidth() * 13   # characters of 8-point text an inch, less the handles' room
+    ncol = len(keep) if sum(len(k) + 6 for k in keep) <= chars else \
+        max(1, int(chars // (max(map(len, keep), default=1) + 6)))
+    return fig.legend(keep.values(), keep.keys(), loc="outside lower center", fontsize=8, ncol=max(1, ncol),
+                      frameon=False, handleheight=1.5, handlelength=2.5)
 
 
 def save(fig: Any, out: Path, name: str) -> str:

@@ -9,7 +9,7 @@ from typing import Any, Callable, TextIO
 
 import torch
 
-from psarch import checkpoint, registry
+from psarch import checkpoint, registry, throughput
 from psarch import trainer as contract
 from psarch.cluster.device import dilation
 from psarch.cluster.pacing import VirtualDevice
@@ -55,9 +55,10 @@ class StepLoop:
         self.trainer, self.workload, self.ctx, self.cfg = trainer, workload, ctx, cfg
         self.cast = None if cfg.train.precision == "fp32" else compute_dtype(cfg.train.precision)
         self.sync = ctx.device.type == "cuda"
+        self.shard = registry.spec_of(cfg).batch_shard(cfg, ctx.rank, ctx.world_size)
 
     def batch(self, step: int) -> Any:
-        return to_device(self.workload.batch(step, self.ctx.rank, self.ctx.world_size), self.ctx.device, self.cast)
+        return to_device(self.workload.batch(step, *self.shard), self.ctx.device, self.cast)
 
     def timed(self, step: int) -> float:
         """Take step `step` (its batch made first, outside the clock); its seconds."""
@@ -106,7 +107,8 @@ def run_rank(cfg: Config, ctx: DistContext, workload: Workload | None = None, ec
     try:
         if stream is not None:   # the carried records first: a resumed run that then fails still keeps them
             stream.write("".join(json.dumps(r) + "\n" for r in records))
-        log = _Progress(cfg, ctx, workload.entropy_floor, echo, average=spec.needs_process_group)
+        log = _Progress(cfg, ctx, workload.entropy_floor, echo, average=spec.needs_process_group,
+                        lockstep=spec.lockstep(cfg))
         save = _checkpointer(trainer, cfg, ctx, checkpoints)
         _steps(StepLoop(trainer, workload, cfg, ctx), range(first, cfg.train.steps), records, stream, slow, marks,
                log, save)
@@ -134,7 +136,6 @@ def _steps(loop: StepLoop, steps: range, records: list[StepRecord], stream: Text
     last = trainer.traffic()  # set-up traffic (e.g. the initial broadcast) is not any step's
     if marks is not None:
         marks.reached()
-    log.start()
     for step in steps:
         batch = loop.batch(step)
         if slow is not None:
@@ -171,16 +172,17 @@ def _checkpointer(trainer: Trainer, cfg: Config, ctx: DistContext, root: Path | 
 class _Progress:
     """The progress line every train.log_every steps, printed by rank 0. With `average`, its loss is the mean
     over the ranks (a collective call every rank makes); a backend whose workers run at their own pace (no
-    process group of its own, e.g. async PS workers, even under torchrun) shows rank 0's own."""
+    process group of its own, e.g. async PS workers, even under torchrun) shows rank 0's own. Its samples/s
+    is the summary's (psarch/throughput.py) over the steps since the last line, and says which: in
+    `lockstep`, the global batch over the median step; else rank 0's shard over its median step, the one
+    worker whose rate it sees (the summary sums every worker's)."""
 
-    def __init__(self, cfg: Config, ctx: DistContext, floor: float | None, echo: bool, average: bool) -> None:
+    def __init__(self, cfg: Config, ctx: DistContext, floor: float | None, echo: bool, average: bool,
+                 lockstep: bool) -> None:
         self.ctx, self.floor, self.echo, self.average = ctx, floor, echo, average
-        self.every, self.steps, self.batch = cfg.train.log_every, cfg.train.steps, cfg.train.global_batch
-        self.dilation = dilation(cfg)   # samples/s of the cluster: D x the wall clock's
-        self.t0 = time.perf_counter()
-
-    def start(self) -> None:
-        self.t0 = time.perf_counter()
+        self.every, self.steps = cfg.train.log_every, cfg.train.steps
+        self.batch = cfg.train.global_batch if lockstep else cfg.train.global_batch // ctx.world_size
+        self.rate_is = throughput.definition(lockstep) if lockstep else throughput.RANK_0
 
     def after(self, step: int, records: list[StepRecord], stats: StepStats) -> None:
         if (step + 1) % self.every and step + 1 != self.steps:
@@ -190,13 +192,13 @@ class _Progress:
         if self.average:
             loss = self.ctx.mean_across_ranks(loss)
         if self.echo and self.ctx.rank == 0:
-            elapsed = (time.perf_counter() - self.t0) / self.dilation
-            _print_progress(step, self.steps, len(interval), loss, self.floor, len(interval) * self.batch / elapsed,
+            median = statistics.median(r["step_time_s"] for r in interval)
+            rate = f"{self.batch / median:9.1f} samples/s ({self.rate_is})"
+            _print_progress(step, self.steps, len(interval), loss, self.floor, rate,
                             statistics.fmean(r["sent"] for r in interval), sum(r["skipped"] for r in interval), stats)
-        self.t0 = time.perf_counter()
 
 
-def _print_progress(step: int, steps: int, window: int, loss: float, floor: float | None, samples_per_s: float,
+def _print_progress(step: int, steps: int, window: int, loss: float, floor: float | None, samples_per_s: str,
                     bytes_per_step: float, skipped: int, stats: StepStats) -> None:
     """One progress line: the loss is the mean over the `window` steps since the last line (and across
     the ranks of a process group), unlike the summary's final loss, which is the last step's."""
@@ -204,5 +206,5 @@ def _print_progress(step: int, steps: int, window: int, loss: float, floor: floa
     # fp16 steps dropped for inf/nan gradients: the loss above moved without an update
     skip = f"  skipped {skipped}" if skipped else ""
     scale = f"  scale {stats.loss_scale:g}" if stats.loss_scale not in (None, 1.0) else ""
-    print(f"step {step + 1:>6}/{steps}  {window}-step mean loss {loss:8.4f}{gap}  {samples_per_s:9.1f} samples/s  "
+    print(f"step {step + 1:>6}/{steps}  {window}-step mean loss {loss:8.4f}{gap}  {samples_per_s}  "
           f"{fmt_bytes(bytes_per_step)}/step sent{skip}{scale}", flush=True)

@@ -8,9 +8,13 @@ import statistics
 from pathlib import Path
 from typing import Any
 
+from psarch import throughput
 from psarch.config import Config, from_dict
 from psarch.outputs import identity
+from psarch.runner import warmup_steps
 from psarch.theory import predict
+
+TARGET_FRACTION = 0.5   # the convergence target by default: this fraction of a workload's initial gap
 
 
 def load_run(path: str | Path) -> dict[str, Any]:
@@ -27,11 +31,17 @@ def load_run(path: str | Path) -> dict[str, Any]:
     if summary.get("status", "finished") != "finished":   # a stopped run's summary has no figures
         raise ValueError(f"{path}: the run {summary['status']} ({summary.get('error') or 'no error recorded'}); "
                          f"no figures to load")
-    run = {"path": str(path), "summary": summary, "config": config, "metrics": rows}
-    if config:  # theory and names as they stand now, not as they stood when the run was made
+    # its name in reports: the config's label, else its folder's (name_runs tells apart runs that share one)
+    run = {"path": str(path), "summary": summary, "config": config, "metrics": rows,
+           "run_label": config.get("label") or path.resolve().name}
+    if config:  # theory, names and samples/s as they stand now, not as they stood when the run was made
         cfg = run_config(run)
         summary["predicted"] = predict(cfg, summary["params"]).to_dict()
         summary.update({k: v for k, v in identity(cfg).items() if k in ("variant", "label", "lockstep")})
+        if rows:
+            summary["samples_per_s"] = throughput.samples_per_s(rows, cfg.train.global_batch, summary["lockstep"],
+                                                                warmup_steps(cfg))
+            summary["samples_per_s_is"] = throughput.definition(summary["lockstep"])
     return run
 
 
@@ -43,18 +53,33 @@ def run_config(run: dict[str, Any]) -> Config:
 
 
 def label(run: dict[str, Any]) -> str:
-    """'name: architecture N=..' for tables and tick labels (the architecture's label says its servers)."""
+    """'run (architecture N=..)' for warnings (the architecture's label says its servers)."""
     s = run["summary"]
-    return f"{s['name']}: {s['label']} N={s['world_size']}"
+    return f"{run['run_label']} ({s['label']} N={s['world_size']})"
 
 
-def short_names(runs: list[dict[str, Any]]) -> list[str]:
-    """Run names without their common sweep prefix ("sweep/"), for legends and ticks."""
-    names = [r["summary"]["name"] for r in runs]
-    prefixes = {n.rsplit("/", 1)[0] for n in names if "/" in n}
-    if len(prefixes) == 1 and all("/" in n for n in names):
-        return [n.rsplit("/", 1)[1] for n in names]
-    return names
+def name_runs(runs: list[dict[str, Any]]) -> None:
+    """Set each run's `run_label`, its name in tables and plots: the config's `label`, else its folder's name,
+    never the config's `name` that several runs share. Where two would read the same, a folder's name takes
+    its parent folders until they differ, and a label its folder after it; one folder given twice, a number."""
+    keys = [(Path(r["path"]).resolve().parts[1:], (r["config"] or {}).get("label") or "") for r in runs]
+    distinct = list(dict.fromkeys(keys))
+
+    def name(key: tuple[tuple[str, ...], str], depth: int) -> str:
+        folders, given = "/".join(key[0][-depth:]), key[1]
+        return folders if not given else given if depth == 0 else f"{given} ({folders})"
+
+    depth = {k: 0 if k[1] else 1 for k in distinct}
+    while True:
+        names = {k: name(k, depth[k]) for k in distinct}
+        clash = [k for k in distinct if list(names.values()).count(names[k]) > 1 and depth[k] < len(k[0])]
+        if not clash:
+            break
+        for k in clash:
+            depth[k] += 1
+    for i, (run, key) in enumerate(zip(runs, keys)):
+        same = [j for j, k in enumerate(keys) if k == key]
+        run["run_label"] = names[key] + (f" #{same.index(i) + 1}" if len(same) > 1 else "")
 
 
 def trailing_mean(values: list[float], window: int) -> list[float]:
@@ -97,3 +122,32 @@ def predicted_system_memory(summary: dict[str, Any]) -> float:
     p = summary["predicted"]
     servers = summary.get("servers") or 0
     return summary["world_size"] * p["memory_per_rank"]["total"] + servers * (p.get("server_memory") or 0.0)
+
+
+def workload_of(run: dict[str, Any]) -> str:
+    """What a run trains: its factory ("package.module:function") or its built-in model/data."""
+    return (run["config"].get("workload") or {}).get("factory") or run["summary"].get("workload") or "?"
+
+
+def target_gaps(runs: list[dict[str, Any]], absolute: float | None = None) -> list[float | None]:
+    """The gap each run must fall below to count as converged: `absolute` where given, else TARGET_FRACTION of
+    its workload's initial gap, so that the target means as much on every workload and is one for all runs
+    of a workload. The initial gap: the first step's loss less the floor, of a run that starts at step 0,
+    in lockstep where there is one (its first step is the initial model's loss on the whole global batch).
+    None for a run without a floor or metrics."""
+    def key(run: dict[str, Any]) -> tuple[str, float | None]:
+        return workload_of(run), run["summary"].get("entropy_floor")
+
+    start: dict[tuple[str, float | None], float] = {}
+    for run in sorted(runs, key=lambda r: (bool(r["metrics"]) and r["metrics"][0]["step"] != 0,
+                                           not r["summary"].get("lockstep", True))):
+        if key(run)[1] is not None and run["metrics"]:
+            start.setdefault(key(run), run["metrics"][0]["loss"] - key(run)[1])
+    if absolute is not None:
+        return [absolute if key(r) in start else None for r in runs]
+    return [TARGET_FRACTION * start[key(r)] if key(r) in start else None for r in runs]
+
+
+def target_words(absolute: float | None) -> str:
+    """How a report states its convergence target."""
+    return f"{absolute:g}" if absolute is not None else f"{TARGET_FRACTION:g} x the workload's initial gap"

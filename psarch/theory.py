@@ -57,6 +57,9 @@ class Prediction:
     rounds: float                       # communication phases per step: a collective pass, a push or a pull
     messages: float                     # messages in sequence per step, each paying the link latency once
     server_memory: float | None         # bytes one PS server holds (None: no servers)
+    # bytes of activations one worker's transformer blocks keep for backward in a step, where the backend
+    # predicts them (psarch.activations); a run measures them with backend.measure_activations
+    activations: float | None = None
 
     def to_dict(self) -> dict:
         """The `predicted` entry of summary.json."""
@@ -67,6 +70,8 @@ class Prediction:
                "rounds_per_step": self.rounds, "messages_per_step": self.messages}
         if self.server_memory is not None:
             out["server_memory"] = self.server_memory
+        if self.activations is not None:
+            out["block_activations_per_rank"] = self.activations
         return out
 
 

@@ -16,7 +16,7 @@ from psarch.config import from_dict
 from psarch.dist import DistContext
 from psarch.records import ServiceInfo
 from psarch.ps.services import start_services
-from psarch.ps.trainer import PSTrainer
+from psarch.ps.worker.trainer import PSWorker
 from psarch.runner import run_rank
 from psarch.workload import build_workload
 from ps_setup import ps
@@ -46,7 +46,7 @@ def _ctx(rank: int, info: dict, group: bool = False) -> DistContext:
     return ctx
 
 
-def _rows(record: dict) -> list[dict]:
+def _steps(record: dict) -> list[dict]:
     return [{k: r.get(k) for k in cr.ROW_KEYS} for r in record.steps]
 
 
@@ -57,7 +57,7 @@ def straight(rank: int, n: int, out: str, infos: dict) -> dict:
                           checkpoints=o / case / "checkpoints")
         if rank == 0:
             torch.save(record.model_state, o / f"{case}.pt")
-        results[case] = _rows(record)
+        results[case] = _steps(record)
     return results
 
 
@@ -65,7 +65,7 @@ def _restore_and_save(rank: int, o: Path, case: str, info: dict) -> list[float]:
     """Restore a worker from the checkpoint, write its state again as checkpoint 3 under `case-again`, step on."""
     cfg = from_dict(config(f"{case}-again", case, checkpoint_every=AT))
     workload = build_workload(cfg)
-    trainer = PSTrainer(workload, cfg, _ctx(rank, info))
+    trainer = PSWorker(workload, cfg, _ctx(rank, info))
     ckpt = Checkpoint(checkpoint(o, case))
     try:
         trainer.load_checkpoint(ckpt)
@@ -86,7 +86,7 @@ def resumed(rank: int, n: int, out: str, infos: dict) -> dict:
                           start=checkpoint(o, case), resume=True)
         if rank == 0:
             torch.save(record.model_state, o / f"{case}-resumed.pt")
-        results[case] = _rows(record)
+        results[case] = _steps(record)
     for case in RESTORED:
         results[case] = _restore_and_save(rank, o, case, infos[case])
     for fork, case in FORKS.items():   # to step 6, checkpointed there
@@ -152,5 +152,5 @@ def skewed(rank: int, n: int, out: str, infos: dict) -> dict:
                           start=checkpoint(o, "n3-slow0") if resumed_run else None, resume=resumed_run)
         if rank == 0:
             torch.save(record.model_state, o / f"{name}.pt")
-        results[name] = _rows(record)
+        results[name] = _steps(record)
     return results

@@ -16,7 +16,7 @@ from psarch.config import from_dict
 from psarch.dist import DistContext
 from psarch.records import ServiceInfo
 from psarch.ps.services import start_services
-from psarch.ps.sparse_worker import RowPSTrainer
+from psarch.ps.worker.trainer import PSWorker
 from psarch.runner import run_rank
 from psarch.workload import build_workload
 
@@ -78,7 +78,7 @@ def _restore_and_save(rank: int, o: Path, case: str, info: dict) -> None:
     """Restore a worker from the checkpoint, write its state again as checkpoint 3 under `case-again`, step on."""
     cfg = from_dict(case_config(f"{case}-again", case, checkpoint_every=AT))
     workload = build_workload(cfg)
-    trainer = RowPSTrainer(workload, cfg, _ctx(rank, info))
+    trainer = PSWorker(workload, cfg, _ctx(rank, info))
     ckpt = Checkpoint(checkpoint(o, case))
     try:
         trainer.load_checkpoint(ckpt)

@@ -76,10 +76,12 @@ def test_compare_writes_report_and_plots(sweep_run, tmp_path):
                          capture_output=True, text=True, timeout=120)
     assert res.returncode == 0, res.stderr
     report = (out / "report.md").read_text()
-    for run in runs:
+    for run in runs:   # each named by its folder, not by the config's name all three share ("sw/...")
         s = json.loads((root / "out" / run.split("/")[-1] / "summary.json").read_text())
-        row = next(line for line in report.splitlines() if f"| {s['name']} |" in line)
+        row = next(line for line in report.splitlines() if line.startswith(f"| {run.split('/')[-1]} |"))
         assert f"{s['final_loss']:.4f}" in row and f"{s['samples_per_s']:.1f}" in row
+        assert s["samples_per_s"] == pytest.approx(s["global_batch"] / s["step_time_s"])   # in lockstep
+        assert s["samples_per_s_is"] == "global batch / median step time"
     assert "not directly comparable" not in report
     for name in ("loss", "loss_time", "memory", "traffic", "throughput"):
         data = (out / f"{name}.png").read_bytes()
@@ -139,6 +141,64 @@ def test_compare_shows_server_traffic_and_staleness(sweep_run, async_run, tmp_pa
     data = (tmp_path / "cmp" / "staleness.png").read_bytes()
     assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 5000
     assert "![staleness](staleness.png)" in report
+
+
+def test_async_samples_per_s_is_the_sum_of_each_workers_own_rate(async_run, tmp_path):
+    """The summary, report.txt, compare and the straggler tables give an async run one samples/s: each worker's
+    shard over its own median step time (after warm-up), summed; an older summary's figure is recomputed."""
+    import shutil
+    import statistics
+
+    from psarch.cluster.straggler_results import rows as straggler_rows
+    from psarch.compare import compare
+    from psarch.runs import load_run
+
+    s = json.loads((async_run / "summary.json").read_text())
+    metrics = [json.loads(line) for line in (async_run / "metrics.jsonl").read_text().splitlines()]
+    warm = min(5, s["steps"] // 5)
+    own = sum(2 / statistics.median(r["workers"][w]["step_time_s"] for r in metrics[warm:]) for w in range(2))
+    assert s["samples_per_s"] == pytest.approx(own)
+    from psarch.throughput import OWN_PACE
+    assert s["samples_per_s_is"] == OWN_PACE
+    assert f"{s['samples_per_s']:.1f} samples/s ({OWN_PACE})" in (async_run / "report.txt").read_text()
+    old = tmp_path / "sweep" / "old"
+    shutil.copytree(async_run, old)
+    stale = dict(s, samples_per_s=4 / s["step_time_s"])   # as summaries said before: the slowest worker's clock
+    del stale["samples_per_s_is"]
+    (old / "summary.json").write_text(json.dumps(stale))
+    assert load_run(old)["summary"]["samples_per_s"] == pytest.approx(own)
+    assert straggler_rows(old.parent)[0]["samples_per_s"] == pytest.approx(own)
+    report = compare([old], tmp_path / "cmp").read_text()
+    assert f"| old | ps async, 1 server | 2 | {own:.1f} |" in report and f"{OWN_PACE} where they run at" in report
+
+
+def test_the_convergence_target_is_relative_to_each_workloads_start_unless_given():
+    """A workload whose initial gap is 0.24 (dlrm's) reaches an absolute 0.25 at step 1; by default its target
+    is half its initial gap, one for every run of it. A run without a floor is named, not dropped."""
+    from psarch.compare import convergence
+
+    def fake(name: str, losses: list[float], floor: float | None, lockstep: bool = True) -> dict:
+        return {"run_label": name, "config": {"workload": {"model": "dlrm"}},
+                "summary": {"world_size": 2, "entropy_floor": floor, "workload": "dlrm/clicks", "lockstep": lockstep},
+                "metrics": [{"step": i, "loss": v, "step_time_s": 0.5} for i, v in enumerate(losses)]}
+    falling = [0.66 - 0.01 * i for i in range(30)]
+    runs = [fake("async", [0.64] + falling[1:], 0.42, lockstep=False), fake("ring", falling, 0.42),
+            fake("mine", falling, None)]
+    rows = {line.split(" | ")[0][2:]: line.split(" | ") for line in convergence(runs).splitlines()[2:]}
+    # ring's first loss sets the target for both: 0.5 x (0.66 - 0.42) = 0.12; the 10-step mean gap after index
+    # k >= 9 is 0.24 - 0.01 (k - 4.5), first below 0.12 at k = 17: step 18, 18 x 0.5 s
+    assert rows["ring"][3] == rows["async"][3] == "0.1200" and rows["ring"][4] == "18" and rows["ring"][5] == "9.00"
+    assert rows["mine"][2] == "no entropy floor"
+    absolute = {line.split(" | ")[0][2:]: line.split(" | ") for line in convergence(runs, 0.25).splitlines()[2:]}
+    assert absolute["ring"][3] == "0.2500" and absolute["ring"][4] == "1"
+
+
+def test_compare_refuses_a_target_gap_that_is_not_positive(async_run, tmp_path, capsys):
+    from psarch.cli import main
+
+    assert main(["compare", str(async_run), "--out", str(tmp_path / "c"), "--target-gap", "0"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--target-gap 0: must be a number > 0" in err[0], err
 
 
 def test_estimate_from_a_measured_run(async_run):
@@ -213,3 +273,24 @@ def test_a_sweep_given_from_forks_that_checkpoint_at_every_point(tmp_path, capsy
                  "--from", str(tmp_path / "nowhere")]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "--from" in err[0] and "nowhere" in err[0], err
+
+
+def test_compare_shows_activations_and_links_where_a_backend_predicts_activations():
+    """A tensor run: its blocks' activations measured beside predicted and its link's bytes by operation (set-up
+    and export left out); a run whose backend predicts no activations gets no row."""
+    from psarch.compare_links import links_table
+
+    def run(name, label, predicted, extra, ops):
+        summary = {"name": name, "label": label, "world_size": 2, "steps": 4, "extra": extra,
+                   "predicted": {"traffic_per_step": {"worker_sent": 2048}, **predicted},
+                   "traffic": {"per_rank": [{"sent_per_step": 2048, "modelled": False, "ops": ops}]}}
+        return {"run_label": f"runs/{name}", "summary": summary}
+
+    ops = {"tp_all_reduce": {"sent": 4 * 2000}, "tp_all_gather": {"sent": 4 * 48},
+           "export_tp_all_gather": {"sent": 999}}
+    tensor = run("tp", "tensor t=2 ring", {"block_activations_per_rank": 3072.0},
+                 {"block_activation_bytes": [3072, 3072]}, ops)
+    ddp = run("dp", "ddp ring", {}, {}, {"all_reduce": {"sent": 8192}})
+    rows = links_table([tensor, ddp]).splitlines()[2:]
+    assert rows == ["| runs/tp | tensor t=2 ring | 2 | 3.00 KiB \\| 3.00 KiB | 2.00 KiB \\| 2.00 KiB | "
+                    "tp_all_reduce 1.95 KiB, tp_all_gather 48 B |"]

@@ -27,7 +27,7 @@ def fake_run(backend: dict, extra: dict | None = None, unique: list[list[int]] |
                "predicted": {"traffic_per_step": {"worker_sent": 210.0}}}
     if extra:
         summary["extra"] = extra
-    return {"path": "s/p", "config": cfg.to_dict(), "summary": summary, "metrics": metrics}
+    return {"path": "s/p", "config": cfg.to_dict(), "summary": summary, "metrics": metrics, "run_label": "p"}
 
 
 def test_ps_worker_holds_its_peak_rows_not_the_table():
@@ -57,11 +57,11 @@ def test_table_row_shows_measured_beside_predicted():
     row = sparse_table([run]).splitlines()[2]
     expected = theory.expected_unique_ids(from_dict(run["config"]))
     cells = [c.strip() for c in row.split("|")]
-    assert cells[5] == "1.05"
-    assert "200 B" in cells[6] and "210 B" in cells[7]         # mean of 100 and 300 sent, beside the prediction
-    assert cells[9] == "1.25 KiB \\" and cells[10] == "93.75 KiB"
-    assert cells[11] == "100 \\" and cells[12] == f"{expected:.0f}"
-    assert cells[13] == "0.1250"
+    assert cells[1:5] == ["p", "ps sync, 1 server, embeddings rows", str(ROWS), "1.05"]
+    assert "200 B" in cells[5] and "210 B" in cells[6]         # mean of 100 and 300 sent, beside the prediction
+    assert cells[8] == "1.25 KiB \\" and cells[9] == "93.75 KiB"
+    assert cells[10] == "100 \\" and cells[11] == f"{expected:.0f}"
+    assert cells[12] == "0.1250"
 
 
 def test_non_dlrm_runs_are_not_sparse():
@@ -76,9 +76,31 @@ def test_series_groups_by_zipf_and_variant_sorted_by_rows(tmp_path):
     big["summary"]["step_time_s"] = 0.5
     small, skewed = fake_run({"kind": "ddp"}), fake_run({"kind": "ddp"})
     skewed["config"]["workload"]["clicks"]["zipf"] = 1.5
-    skewed["summary"]["variant"] = "ring/sharded"
+    skewed["summary"]["label"] = "ddp ring, embeddings sharded"   # series groups by the architecture's label
     got = series([big, skewed, small])
     assert list(got) == [1.05, 1.5]
-    assert got[1.05] == {"ddp": [(ROWS, 200.0, 210.0, 0.05), (10 * ROWS, 200.0, 210.0, 0.5)]}
-    assert got[1.5] == {"ddp ring/sharded": [(ROWS, 200.0, 210.0, 0.05)]}
+    assert got[1.05] == {"ddp ring": [(ROWS, 200.0, 210.0, 0.05), (10 * ROWS, 200.0, 210.0, 0.5)]}
+    assert got[1.5] == {"ddp ring, embeddings sharded": [(ROWS, 200.0, 210.0, 0.05)]}
     assert (tmp_path / f"{embedding_scaling([big, small], tmp_path)}.png").stat().st_size > 0
+
+
+def test_measured_beside_predicted_bytes_never_fill_a_panel(tmp_path, monkeypatch):
+    """526,920 B measured beside 526,916 B predicted: the log axis spans at least a decade (a 4-byte difference is
+    not drawn as the panel's height), and the legend sits beside the panels, not on them."""
+    import matplotlib.pyplot as plt
+
+    from psarch import plot_style
+    figs = []
+    monkeypatch.setattr(plot_style, "save", lambda fig, out, name: figs.append(fig) or name)
+    run = fake_run({"kind": "ddp"})
+    run["summary"]["traffic"]["per_rank"] = [{"sent_per_step": 526920.0, "modelled": False}] * 2
+    run["summary"]["predicted"]["traffic_per_step"]["worker_sent"] = 526916.0
+    embedding_scaling([run], tmp_path)
+    top, bottom = figs[0].axes[:2]
+    for ax in (top, bottom):
+        lo, hi = ax.get_ylim()
+        assert hi / lo >= 10
+    figs[0].canvas.draw()
+    legend = figs[0].legends[0].get_window_extent()
+    assert not any(legend.overlaps(ax.get_window_extent()) for ax in figs[0].axes)
+    plt.close(figs[0])

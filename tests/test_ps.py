@@ -165,7 +165,7 @@ def test_low_precision_workers_push_compute_dtype_and_converge(parity, precision
 def test_staleness_compensation_rules(compensation):
     """One stale gradient (τ = 3) on a server range, plain SGD: none = w - lr·g; lr = w - lr/τ·g;
     dc = w - lr·(g + λ·g⊙g⊙(w_now - w_bak)) with w_bak the parameters last sent to that worker."""
-    from psarch.ps.updates import RangeState
+    from psarch.ps.server.updates import RangeState
 
     cfg = from_dict(config("comp", train={"optimizer": "sgd", "lr": 0.1},
                            backend=ps(2, "async", staleness_compensation=compensation, dc_lambda=0.5)))

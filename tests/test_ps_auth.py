@@ -17,7 +17,7 @@ from psarch.config import from_dict
 from psarch.ps import auth, wire
 from psarch.ps.auth import Credentials
 from psarch.ps.layout import initial_flat
-from psarch.ps.server import ParameterServer
+from psarch.ps.server.parameter_server import ParameterServer
 from ps_setup import config, ps
 
 
@@ -81,7 +81,7 @@ def test_strangers_get_nothing_and_change_nothing(serve, mechanism, tmp_path):
     """No credentials, a wrong password or an unlisted CURVE key: no reply to any request, the state and
     the silence clocks untouched, `done` x2 does not stop the server; a real worker is then served."""
     srv, creds = serve(mechanism)
-    before = srv.state.params.detach().clone()
+    before = srv.state.range.params.detach().clone()
     zctx = zmq.Context()
     try:
         strangers = [Peer(zctx, srv.address, None)]
@@ -94,12 +94,13 @@ def test_strangers_get_nothing_and_change_nothing(serve, mechanism, tmp_path):
             (other / "server0.key").write_bytes((tmp_path / "keys" / "server0.key").read_bytes())
             strangers.append(Peer(zctx, srv.address, Credentials("curve", str(other)), 0))
         for peer in strangers:
-            for header, tensor in _requests(srv.hi - srv.lo, 0):
+            for header, tensor in _requests(srv.state.hi - srv.state.lo, 0):
                 assert peer.ask(header, tensor, wait_ms=150) is None, header
-        assert torch.equal(srv.state.params.detach(), before)
-        assert srv.state.version == 0 and not srv.done and srv.last_seen is None and not srv.stopping
+        assert torch.equal(srv.state.range.params.detach(), before)
+        s = srv.state
+        assert s.range.version == 0 and not s.done and s.last_seen is None and not s.stopping
         # (a peer without credentials fails on the mechanism itself, before ZAP is asked)
-        assert srv.rejected == 0 and srv.zap.refused >= len(strangers) - 1
+        assert srv.state.rejected == 0 and srv.zap.refused >= len(strangers) - 1
         worker = Peer(zctx, srv.address, creds, 1)
         r = worker.ask({"op": "fetch", "worker": 1})
         assert r is not None and r.op == "params" and torch.equal(r.tensor(), before)
@@ -112,19 +113,19 @@ def test_a_worker_acts_only_as_itself(serve, mechanism):
     """Worker 0's credentials naming worker 1: every request refused with a reply that carries no state
     (no version, no step), nothing applied, worker 1's silence clock not started, done not counted."""
     srv, creds = serve(mechanism)
-    before = srv.state.params.detach().clone()
+    before = srv.state.range.params.detach().clone()
     zctx = zmq.Context()
     try:
         w0 = Peer(zctx, srv.address, creds, 0)
-        for header, tensor in _requests(srv.hi - srv.lo, 1)[:-1]:
+        for header, tensor in _requests(srv.state.hi - srv.state.lo, 1)[:-1]:
             r = w0.ask(header, tensor)
             assert r is not None and r.op == "error", header
             assert set(r.header) == {"op", "message"}
             assert "authenticated as worker 0" in r.header["message"]
             assert "version" not in r.header["message"] and "step" not in r.header["message"]
-        assert torch.equal(srv.state.params.detach(), before)
-        assert srv.impostors == 6 and not srv.done and srv.last_seen is None
-        assert w0.ask({"op": "done", "worker": 0}).op == "ack" and srv.done == {0}
+        assert torch.equal(srv.state.range.params.detach(), before)
+        assert srv.state.impostors == 6 and not srv.state.done and srv.state.last_seen is None
+        assert w0.ask({"op": "done", "worker": 0}).op == "ack" and srv.state.done == {0}
     finally:
         zctx.destroy(linger=0)
 
@@ -147,7 +148,7 @@ def test_crowd_choosing_routing_ids_never_reaches_the_router(serve, tmp_path):
             time.sleep(0.05)
         assert srv.zap.refused >= len(crowd)
         r = Peer(zctx, srv.address, creds, 0).ask({"op": "fetch", "worker": 0})
-        assert r is not None and r.op == "params" and srv.rejected == 0
+        assert r is not None and r.op == "params" and srv.state.rejected == 0
     finally:
         zctx.destroy(linger=0)
 
@@ -281,7 +282,7 @@ def test_a_non_ascii_plain_password_is_refused_and_the_server_stays_up(serve):
         deadline = time.monotonic() + 5
         while srv.zap.refused < 1 and time.monotonic() < deadline:
             time.sleep(0.05)
-        assert srv.zap.refused == 1 and not srv.stopping
+        assert srv.zap.refused == 1 and not srv.state.stopping
         r = Peer(zctx, srv.address, creds, 0).ask({"op": "fetch", "worker": 0})
         assert r is not None and r.op == "params"
     finally:

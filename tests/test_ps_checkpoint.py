@@ -18,10 +18,10 @@ from psarch.checkpoint import Checkpoint
 from psarch.config import from_dict
 from psarch.ps import wire
 from psarch.ps.auth import Credentials
-from psarch.ps.client import PSClient, Request
+from psarch.ps.worker.client import PSClient, Request
 from psarch.ps.errors import PSError
 from psarch.ps.layout import initial_flat
-from psarch.ps.server import ParameterServer
+from psarch.ps.server.parameter_server import ParameterServer
 from psarch.ps.services import start_services
 from ps_setup import config, ps, run_stage
 
@@ -41,7 +41,7 @@ def test_sync_resume_is_bit_exact(runs, case):
     out, straight, resumed = runs
     a, b = parity.model(out, case), parity.model(out, f"{case}-resumed")
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), case
-    for rank in range(pr.N):   # the same losses, skips and loss scales; the rows before step 3 carried on
+    for rank in range(pr.N):   # the same losses, skips and loss scales; the step records before step 3 carried on
         assert resumed[rank][case] == straight[rank][case], (case, rank)
     if case.endswith("fp16"):   # the servers' scaler mattered: skips at 2 and 3 (hysteresis, then halved)
         assert [(r["loss_scale"], r["skipped"]) for r in straight[0][case]][2:5] == [
@@ -62,7 +62,7 @@ def test_sync_at_n3_is_bit_exact_whoever_arrives_last_and_across_a_resume(tmp_pa
     for name, b in models.items():
         assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), name
     assert straight["n3-slow2"] == straight["n3-slow0"]
-    assert resumed["n3-slow2-resumed"] == straight["n3-slow0"]   # the rows before step 3 carried on
+    assert resumed["n3-slow2-resumed"] == straight["n3-slow0"]   # the step records before step 3 carried on
 
 
 def _records(path: Path) -> tuple[dict, dict[tuple[str, str], torch.Tensor]]:
@@ -174,7 +174,7 @@ def test_an_async_save_waits_for_a_worker_that_is_behind_while_it_pushes(tmp_pat
         srv.handle([f"w{w}".encode(), *[bytes(f) for f in wire.encode(dict(header, worker=w), tensor)]])
 
     def push(w: int, step: int) -> None:
-        send(w, {"op": "push", "step": step, "version": 0, "offset": 0}, torch.zeros(srv.hi - srv.lo))
+        send(w, {"op": "push", "step": step, "version": 0, "offset": 0}, torch.zeros(srv.state.hi - srv.state.lo))
 
     def save(w: int, step: int) -> None:
         (ckpts / f".tmp_step_{step:06d}").mkdir(parents=True, exist_ok=True)
@@ -186,16 +186,16 @@ def test_an_async_save_waits_for_a_worker_that_is_behind_while_it_pushes(tmp_pat
         save(0, 3)
         for step in range(3):   # 1.2 s in all, 0.4 s between pushes
             time.sleep(0.4)
-            srv._check_deadlines()
+            srv.check_deadlines()
             push(1, step)
         save(1, 3)
-        assert srv.failure is None and srv.rejected == 0
+        assert srv.state.failure is None and srv.state.rejected == 0
         assert (ckpts / ".tmp_step_000003" / "server0.json").exists()
         for step in range(3, 6):
             push(0, step)
         save(0, 6)
         time.sleep(1.2)
-        srv._check_deadlines()
-        assert srv.failure is not None and "no word from worker(s) [1] within 1 s" in srv.failure
+        srv.check_deadlines()
+        assert srv.state.failure is not None and "no word from worker(s) [1] within 1 s" in srv.state.failure
     finally:
         srv.close()

@@ -14,7 +14,7 @@ import zmq
 from psarch.config import Config, from_dict
 from psarch.ps import auth, wire
 from psarch.ps.auth import Credentials
-from psarch.ps.client import PSClient, Request
+from psarch.ps.worker.client import PSClient, Request
 from psarch.ps.errors import PSError
 from psarch.ps.layout import server_ranges
 from psarch.ps.rows import dense_params
@@ -205,23 +205,45 @@ def test_sync_refuses_rows_for_the_next_step_while_the_round_waits():
         services.stop()
 
 
+def test_the_handler_table_answers_every_request_op_once():
+    """Requests dispatch through one table: a server with rows has a handler for every request op of the wire
+    (init refused), a dense server for every one but the row ops; a row server must be given its rows."""
+    from psarch.ps.server.parameter_server import ParameterServer
+    requests = set(wire.REPLY_TO)
+    none = Credentials("none")
+    with_rows = ParameterServer(0, _cfg("table", ps(2, "sync", servers=1, embeddings="rows")), creds=none)
+    dense = ParameterServer(0, _cfg("table", ps(2, "sync", servers=1)), creds=none)
+    try:
+        assert set(with_rows.handlers) == requests
+        assert set(dense.handlers) == requests - {"rowpull", "rowpush", "rowfetch"}
+        with pytest.raises(PSError, match="builds its initial model from the config"):
+            with_rows.handlers["init"](b"w0", None)
+        with pytest.raises(ValueError, match="starts from its rows of the tables too"):
+            with_rows.initialize(torch.zeros(40))
+    finally:
+        with_rows.close()
+        dense.close()
+
+
 def test_geo_barrier_forgets_the_rows_of_a_worker_lost_before_its_dense_push():
     """GEO with barrier: worker 1 pushes row deltas, then is lost before its dense push; the round ends with
     worker 0 alone, and worker 1's rows must leave it as its dense delta does (driven by handle(), no thread)."""
-    from psarch.ps.row_server import row_server
+    from psarch.ps.server.start import row_server
     cfg = _cfg("rowlost", ps(2, "geo", servers=1, embeddings="rows", geo_barrier=True, k_steps=1))
     srv = row_server(0, cfg, "127.0.0.1", 0, creds=Credentials("none"))
     try:
-        init = srv.shard.rows.clone()
+        init = srv.rows.shard.rows.clone()
         d0, d1 = torch.ones(1, DIM), 100 * torch.ones(1, DIM)
         srv.handle([b"w0", *_keyed(torch.tensor([0]), d0, worker=0)])
+        numel = srv.state.hi - srv.state.lo
         srv.handle([b"w0", *[bytes(f) for f in wire.encode(
-            {"op": "push", "worker": 0, "step": 0, "version": 0, "offset": 0}, torch.zeros(srv.hi - srv.lo))]])
+            {"op": "push", "worker": 0, "step": 0, "version": 0, "offset": 0}, torch.zeros(numel))]])
         srv.handle([b"w1", *_keyed(torch.tensor([0]), d1, worker=1)])
-        assert srv.rejected == 0 and srv.state.version == 0
-        srv._lose(1, "silent")
-        assert srv.state.version == 1, "the round did not end without the lost worker"
-        torch.testing.assert_close(srv.shard.rows[0], init[0] + 2 * d0[0])   # the mean over the live worker: d0 x N/1
+        assert srv.state.rejected == 0 and srv.state.range.version == 0
+        srv.lose(1, "silent")
+        assert srv.state.range.version == 1, "the round did not end without the lost worker"
+        # the mean over the live worker: d0 x N/1
+        torch.testing.assert_close(srv.rows.shard.rows[0], init[0] + 2 * d0[0])
     finally:
         srv.close()
 

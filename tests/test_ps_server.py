@@ -14,7 +14,7 @@ import zmq
 from psarch.config import from_dict
 from psarch.ps import auth, wire
 from psarch.ps.auth import Credentials
-from psarch.ps.client import PSClient, Request
+from psarch.ps.worker.client import PSClient, Request
 from psarch.ps.layout import server_ranges
 from psarch.ps.errors import PSError
 from psarch.ps.services import start_services
@@ -234,26 +234,26 @@ def test_a_bug_in_a_handler_is_answered_logged_and_fails_the_server_only_if_stat
     import threading
 
     from psarch.ps.layout import initial_flat
-    from psarch.ps.server import ParameterServer
+    from psarch.ps.server.parameter_server import ParameterServer
 
     cfg = from_dict(config("bug", train={"optimizer": "sgd", "lr": 0.5}, workload={"model": "mlp"},
                            backend=ps(2, "async")))
     srv = ParameterServer(0, cfg, creds=Credentials("none"))
     srv.initialize(initial_flat(cfg))
-    srv._on_fetch = lambda ident, msg: 1 / 0                    # a bug before any change
+    srv.handlers["fetch"] = lambda ident, msg: 1 / 0                    # a bug before any change
     thread = threading.Thread(target=srv.serve, daemon=True)
     thread.start()
     raw = server.raw(srv.address)
     try:
         r = raw.ask({"op": "fetch", "worker": 0})
         assert r.op == "error" and "internal error: ZeroDivisionError" in r.header["message"]
-        g = torch.randn(srv.hi - srv.lo)
+        g = torch.randn(srv.state.hi - srv.state.lo)
         assert raw.ask({"op": "push", "worker": 0, "step": 0, "version": 0, "offset": 0}, g).op == "ack"
-        assert srv.failure is None and srv.state.version == 1
-        srv.state.optim.optimizer.step = lambda: 1 / 0             # a bug in the middle of an update
+        assert srv.state.failure is None and srv.state.range.version == 1
+        srv.state.range.optim.optimizer.step = lambda: 1 / 0             # a bug in the middle of an update
         r = raw.ask({"op": "push", "worker": 1, "step": 0, "version": 0, "offset": 0}, g)
         assert r.op == "error" and "internal error: ZeroDivisionError" in r.header["message"]
-        assert srv.failure is not None and "while applying 'push' of worker 1" in srv.failure
+        assert srv.state.failure is not None and "while applying 'push' of worker 1" in srv.state.failure
         r = raw.ask({"op": "pull", "worker": 0, "step": 1, "want": "float32"})
         assert r.op == "error" and "internal error" in r.header["message"]   # every later request hears it
         assert thread.is_alive()

@@ -18,7 +18,8 @@ import torch
 
 from psarch.config import from_dict
 from psarch.models.dlrm import DLRM, TABLE_BLOCK, table_rows
-from psarch.ps.rows import initial_shard, key_space
+from psarch.ps.rows import key_space
+from psarch.ps.server.row_shard import initial_shard
 from psarch.workload import build_workload
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -71,7 +72,7 @@ import torch
 from collective.sharded import ShardedTables
 from psarch.config import from_dict
 from psarch.workload import click_model
-from psarch.ps.row_server import row_server
+from psarch.ps.server.start import row_server
 def build(cfg):
     if sys.argv[1] == "worker":
         click_model(cfg)   # the worker's model; its data source (the hidden model) is not the tables

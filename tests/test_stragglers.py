@@ -169,14 +169,16 @@ def test_straggler_results_count_each_worker_at_its_own_pace():
     """Worker 0 takes 4 s a step, worker 1 takes 1 s and its loss falls first: samples/s sums both paces
     (4/4 + 4/1 samples/s with 4 samples each) and the target is met when the last 2 losses in time order
     (window 1 x N = 2) average below it: at t = 4 s, where a step-merged clock would say 8 s."""
-    from psarch.cluster.straggler_results import events, final_gap, per_worker, samples_per_s, time_to_gap
+    from psarch.cluster.straggler_results import events, final_gap, per_worker, time_to_gap
+    from psarch.throughput import samples_per_s
 
     slow = [{"rank": 0, "step": s, "step_time_s": 4.0, "loss": 3.0} for s in range(4)]
     fast = [{"rank": 1, "step": s, "step_time_s": 1.0, "loss": loss} for s, loss in enumerate([3.0, 2.0, 1.0, 1.0])]
-    merged = [{"step": s, "loss": (a["loss"] + b["loss"]) / 2, "workers": [a, b]} for s, (a, b) in enumerate(zip(slow, fast))]
+    merged = [{"step": s, "loss": (a["loss"] + b["loss"]) / 2, "step_time_s": 4.0, "workers": [a, b]}
+              for s, (a, b) in enumerate(zip(slow, fast))]
     workers = per_worker(merged)
     assert workers == [slow, fast]
-    assert samples_per_s(workers, global_batch=8) == 5.0
+    assert samples_per_s(merged, global_batch=8, lockstep=False, warmup=0) == 5.0
     assert [t for t, _ in events(workers)] == [1, 2, 3, 4, 4, 8, 12, 16]
     assert time_to_gap(workers, floor=0.0, target=1.5, window=1) == 4.0
     assert time_to_gap(workers, floor=0.5, target=1.5, window=1) == 3.0     # (2 + 1) / 2 - 0.5 < 1.5

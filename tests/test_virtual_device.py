@@ -330,7 +330,7 @@ def test_the_last_bucket_waits_for_the_end_of_the_modelled_backward():
 def test_straggler_table_shows_the_lockstep_prediction_d_and_overruns():
     from psarch.cluster.straggler_results import table
     row = {"mode": "ps sync", "slowdown": 4.0, "jitter": 0.0, "samples_per_s": 270.4, "predicted": 281.0,
-           "time_to_gap": None, "final_gap": 0.08, "dilation": 30.0, "overrun": 0.021}
+           "target_gap": 0.25, "time_to_gap": None, "final_gap": 0.08, "dilation": 30.0, "overrun": 0.021}
     async_row = dict(row, mode="ps async", predicted=None, dilation=None, overrun=None)
     lines = table([row, async_row], 0.25).splitlines()
     assert lines[2] == "| ps sync | 4x | 0 | 270 | 281 | not reached | 0.080 | 30 | 2% |"

@@ -1,12 +1,14 @@
 """Stragglers' results, each worker at its own pace: samples/s and the wall-clock time to a target loss gap
-for every run of a sweep folder. `python -m psarch.cluster.straggler_results runs/stragglers --target-gap G`
-writes stragglers.md there. Times are the cluster's (on an emulated cluster of virtual devices, the wall
-clock / D: every step record already holds them so).
+for every run of a sweep folder. `python -m psarch.cluster.straggler_results runs/stragglers [--target-gap G]`
+writes stragglers.md there (the target by default: half of the workload's initial gap, psarch.runs.target_gaps).
 
-`psarch compare` merges the workers' rows step by step, taking the slowest worker's time for each step:
-right where workers wait for each other (sync, ring), but in asynchronous modes a fast worker does not
-wait, so there the merged clock is the slow worker's and hides what asynchrony gains. Here every worker's
-loss is placed at its own clock (the running sum of its step times) and the losses are read in time order.
+samples/s is the one definition of psarch/throughput.py, as in the summary and `psarch compare`. For the
+time to the target, `psarch compare` merges the workers' rows step by step, taking the slowest worker's time
+for each step: right where workers wait for each other (sync, ring), but in asynchronous modes a fast worker
+does not wait, so there the merged clock is the slow worker's and hides what asynchrony gains. Here every
+worker's loss is placed at its own clock (the running sum of its step times) and the losses are read in time
+order. Times are the cluster's (on an emulated cluster of virtual devices, the wall clock / D: every step
+record already holds them so).
 """
 from __future__ import annotations
 
@@ -19,22 +21,8 @@ from pathlib import Path
 from typing import Any
 
 from psarch import registry
-from psarch.config import from_dict
-
-
-def per_worker(rows: list[dict[str, Any]]) -> list[list[dict[str, Any]]]:
-    """Each worker's own rows, in step order, from metrics.jsonl's merged rows."""
-    workers: dict[int, list[dict[str, Any]]] = {}
-    for r in rows:
-        for w in r.get("workers", [r]):
-            workers.setdefault(w.get("rank", 0), []).append(w)
-    return [workers[k] for k in sorted(workers)]
-
-
-def samples_per_s(workers: list[list[dict[str, Any]]], global_batch: int) -> float:
-    """Each worker's shard of the global batch over its own median step time, summed over workers."""
-    shard = global_batch / len(workers)
-    return sum(shard / statistics.median(r["step_time_s"] for r in w) for w in workers)
+from psarch.runs import load_run, run_config, target_gaps, target_words
+from psarch.throughput import per_worker
 
 
 def events(workers: list[list[dict[str, Any]]]) -> list[tuple[float, float]]:
@@ -65,23 +53,25 @@ def final_gap(workers: list[list[dict[str, Any]]], floor: float, last: int = 20)
     return statistics.fmean(loss for _, loss in ev) - floor
 
 
-def rows(sweep: Path, target: float) -> list[dict[str, Any]]:
-    """One row per finished run under `sweep`: its mode, slowdown, jitter and the three figures."""
-    out = []
+def rows(sweep: Path, target: float | None = None) -> list[dict[str, Any]]:
+    """One row per finished run under `sweep`: its mode, slowdown, jitter and the three figures; the target
+    gap `target`, else half of its workload's initial gap (psarch.runs.target_gaps)."""
+    runs = []
     for f in sorted(sweep.glob("*/summary.json")):
         s = json.loads(f.read_text())
-        if s.get("status") != "finished" or s.get("entropy_floor") is None:
-            continue
-        cfg = from_dict(json.loads((f.parent / "config.json").read_text()))
-        metrics = [json.loads(line) for line in (f.parent / "metrics.jsonl").read_text().splitlines()]
-        workers, floor = per_worker(metrics), s["entropy_floor"]
-        c, vd, step = cfg.cluster, s.get("virtual_device"), s.get("cluster", {}).get("step_time")
-        spec = registry.spec_of(cfg)
-        out.append({"mode": spec.label(cfg), "slowdown": c.slowdown, "jitter": c.jitter,
-                    "samples_per_s": samples_per_s(workers, s["global_batch"]),
+        if s.get("status") == "finished" and s.get("entropy_floor") is not None:
+            runs.append(load_run(f.parent))   # samples/s as the summary and compare define it
+    out = []
+    for run, gap in zip(runs, target_gaps(runs, target)):
+        s, cfg = run["summary"], run_config(run)
+        workers, floor = per_worker(run["metrics"]), s["entropy_floor"]
+        vd, step = s.get("virtual_device"), s.get("cluster", {}).get("step_time")
+        out.append({"mode": s["label"], "slowdown": cfg.cluster.slowdown, "jitter": cfg.cluster.jitter,
+                    "samples_per_s": s["samples_per_s"], "target_gap": gap,
                     # lockstep: every step waits for the slowest worker; theory's step time says how long
-                    "predicted": s["global_batch"] / step["predicted_s"] if step and spec.lockstep(cfg) else None,
-                    "time_to_gap": time_to_gap(workers, floor, target), "final_gap": final_gap(workers, floor),
+                    "predicted": s["global_batch"] / step["predicted_s"]
+                    if step and registry.spec_of(cfg).lockstep(cfg) else None,
+                    "time_to_gap": time_to_gap(workers, floor, gap), "final_gap": final_gap(workers, floor),
                     "dilation": vd["dilation"] if vd else None, "overrun": vd["overrun_fraction"] if vd else None})
     return sorted(out, key=lambda r: (r["jitter"], r["slowdown"], r["mode"]))
 
@@ -90,10 +80,13 @@ def _cell(x: float | None, form: str) -> str:
     return "" if x is None else format(x, form)
 
 
-def table(rs: list[dict[str, Any]], target: float) -> str:
-    """The markdown table; predicted samples/s for lockstep runs on an emulated cluster (the slowest
-    worker's compute plus the step's communication), D and overrun steps for virtual devices."""
-    lines = [f"| run | slowdown of worker 0 | jitter | samples/s | predicted (lockstep) | time to gap < {target:g} "
+def table(rs: list[dict[str, Any]], target: float | None = None) -> str:
+    """stragglers.md's table: one row per run, the target stated in its head; predicted samples/s for
+    lockstep runs on an emulated cluster (the slowest worker's compute plus the step's communication), D and
+    overrun steps for virtual devices."""
+    gaps = {r["target_gap"] for r in rs}
+    words = target_words(target) + (f" = {gaps.pop():.3f}" if target is None and len(gaps) == 1 else "")
+    lines = [f"| run | slowdown of worker 0 | jitter | samples/s | predicted (lockstep) | time to gap < {words} "
              f"(s) | final gap | D | overrun steps |", "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in rs:
         t = f"{r['time_to_gap']:.1f}" if r["time_to_gap"] is not None else "not reached"
@@ -106,11 +99,11 @@ def table(rs: list[dict[str, Any]], target: float) -> str:
 if __name__ == "__main__":
     ap = argparse.ArgumentParser(prog="python -m psarch.cluster.straggler_results")
     ap.add_argument("sweep", type=Path)
-    ap.add_argument("--target-gap", type=float, default=0.25)
+    ap.add_argument("--target-gap", type=float, help="absolute target (default: half of the workload's initial gap)")
     a = ap.parse_args()
     if not a.sweep.is_dir():
         sys.exit(f"{a.sweep}: not a folder")
-    if a.target_gap <= 0:
+    if a.target_gap is not None and a.target_gap <= 0:
         sys.exit(f"--target-gap {a.target_gap:g}: must be > 0")
     found = rows(a.sweep, a.target_gap)
     if not found:

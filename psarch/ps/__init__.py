@@ -4,17 +4,37 @@ S server processes each own a contiguous, balanced range of the flat fp32 parame
 optimizer state for it; N workers compute gradients, push them to every server and pull parameters
 back, over ZeroMQ (ROUTER on servers, DEALER on workers) with a msgpack header and raw tensor frames.
 
-    wire.py        message format and its validation
-    server.py      one server: requests, rounds, when a pull is answered (control.py: timeouts, stats)
-    updates.py     what a server does to its range in each mode (sync mean, async step, DC/lr, geo delta)
-    client.py      the worker's sockets: requests to all servers in parallel, every frame counted
-    trainer.py     PSTrainer, the worker (the Trainer protocol)
-    worker.py      the backend's trainer class: PSTrainer, or RowPSTrainer with backend.embeddings = "rows"
-    rows.py        embedding tables sharded by row over the servers (keys, shards); row_server.py serves
-                   them, row_optim.py updates them row-wise, sparse_worker.py / row_cache.py are the worker's side
-    snapshot.py    checkpoints: servers write their ranges, workers what they hold; the `save` barrier
-    services.py    starting, watching and stopping the servers of a local run
-    standalone.py  `psarch server`: one server as its own process, for runs across machines
-    layout.py      server ranges, the flat layout, model.pt from the flat vector
-    bench.py       `python -m psarch.ps.bench`: wire throughput vs raw pyzmq, step time vs DDP
+    spec.py            the backend declared (psarch/backend.py): options, derived facts (barrier, push_every), rules
+    theory.py          what theory predicts for it (traffic, memory, rounds; with embedding rows)
+    wire.py            message format and its validation; what each request is answered with
+    auth.py            who may connect: ZAP with PLAIN or CURVE, credentials, socket bounds
+    errors.py          PSError, ServiceError, NonFinitePush
+    layout.py          server ranges, the initial flat vector, model.pt from the flat vector
+    rows.py            embedding tables sharded by row over the servers: keys, the dense part, model.pt from shards
+    row_optim.py       row-wise optimizers (SGD, Adagrad, lazy AdamW): a server's shard, a GEO worker's cache
+    snapshot.py        checkpoints: the protocol (the `save` barrier) and what servers and workers share
+    row_snapshot.py    checkpoints of the embedding rows: a server's shard, a GEO worker's cache
+    services.py        the launcher's side: starting, watching and stopping the servers of a local run
+    standalone.py      `psarch server`: one server as its own process, for runs across machines
+    bench.py           `python -m psarch.ps.bench`: wire throughput vs raw pyzmq, step time vs DDP
+    server/            one server, built by composition
+        parameter_server.py  ParameterServer: sockets, the serve loop, the handler table, lost workers, stats
+        start.py             a run's server holding its part of the initial model (dense range; rows' shard)
+        state.py             ServerState: what the parts share (and the config's facts, as properties)
+        replies.py           replies and errors on the socket, events on the launcher's pipe, failing
+        pushes.py            init, push, pushpull, fetch; the end of a barrier round
+        pulls.py             the pulls waiting until the mode lets a worker have the parameters
+        rounds.py            a barrier round's sum in worker order (bit-identical rounds)
+        updates.py           what a server does to its range in each mode (sync mean, async step, DC/lr, geo delta)
+        deadlines.py         silent workers lost, overdue rounds and pulls failing the server
+        snapshots.py         the `save` op, a server's checkpoint part, restoring a server
+        rows.py              ServerRows: rowpull, rowpush, rowfetch and the shard's part in rounds and checkpoints
+        row_shard.py         RowShard: a server's rows of every table, their optimizer, a round's rows
+    worker/            one worker, built by composition
+        trainer.py           PSWorker, the backend's Trainer: steps, the model, checkpoints, figures
+        link.py              ServerLink: the flat parameters' pushpull, pull, fetch, save, done
+        client.py            the worker's sockets: requests to all servers in parallel, every frame counted
+        geo.py               GeoLocal: GEO's local optimizer and last synced model
+        rows.py              WorkerRows (backend.embeddings = "rows"): fetch the batch's rows, push their gradients
+        row_cache.py         RowCache: a GEO worker's rows between two syncs
 """

@@ -32,7 +32,7 @@ import torch
 import zmq
 
 from psarch.ps import wire
-from psarch.ps.client import PSClient, Request
+from psarch.ps.worker.client import PSClient, Request
 
 AUTHS = ("none", "plain", "curve")   # backend.auth values compared (curve: fresh per-run keys)
 
@@ -164,7 +164,7 @@ def wire_table(max_mib: int) -> list[dict[str, Any]]:
     sizes = [m * 2**20 for m in (1, 4, 16, 64, 256) if m <= max_mib]
     raw_p, raw_addr = _start(_raw_server)
     wire_p, wire_addr = _start(_wire_server)
-    rows = []
+    table = []
     try:
         for n in sizes:
             services = {a: start_services(from_dict({"train": {"optimizer": "sgd", "lr": 0.0}, "backend": {
@@ -175,7 +175,7 @@ def wire_table(max_mib: int) -> list[dict[str, Any]]:
             clients.update({f"server_{a}": _PS(sv.info.addresses[0], n, init=True, creds=sv.info.auth)
                             for a, sv in services.items()})
             try:
-                rows.append(dict(mib=n / 2**20, **_interleaved(clients, n)))
+                table.append(dict(mib=n / 2**20, **_interleaved(clients, n)))
             finally:
                 last = n == sizes[-1]
                 for c in clients.values():
@@ -187,7 +187,7 @@ def wire_table(max_mib: int) -> list[dict[str, Any]]:
             p.join(10)
             if p.is_alive():
                 p.terminate()
-    return rows
+    return table
 
 
 def step_table(steps: int) -> list[dict[str, Any]]:
@@ -197,16 +197,16 @@ def step_table(steps: int) -> list[dict[str, Any]]:
     base = {"seed": 0, "workload": {"model": "gpt", "data": "markov", "seq_len": 32,
                                     "gpt": {"n_layer": 2, "n_embd": 64, "n_head": 4}},
             "train": {"steps": steps, "global_batch": 16, "optimizer": "adamw", "lr": 3e-3, "log_every": 10**6}}
-    rows = []
+    table = []
     runs = [("ddp (native)", {"kind": "ddp", "comm": "native"})] + [
         (f"ps sync, auth {a}", {"kind": "ps", "mode": "sync", "servers": 1, "auth": a}) for a in AUTHS]
     for label, backend in runs:
         cfg = from_dict(dict(base, name=label.split()[0], backend=dict(backend, world_size=2)))
         with tempfile.TemporaryDirectory() as out:
             s = psarch.run(cfg, out, echo=False)
-        rows.append({"backend": label, "step_ms": s["step_time_s"] * 1e3, "comm_ms": s["comm_s"] * 1e3,
-                     "params": s["params"], "final_loss": s["final_loss"]})
-    return rows
+        table.append({"backend": label, "step_ms": s["step_time_s"] * 1e3, "comm_ms": s["comm_s"] * 1e3,
+                      "params": s["params"], "final_loss": s["final_loss"]})
+    return table
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -218,11 +218,11 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
     t0 = time.time()
-    rows = wire_table(args.max_mib)
+    wire_rates = wire_table(args.max_mib)
     print("push+pull throughput, 1 worker <-> 1 server, loopback TCP (GB/s = 1e9 bytes/s, push + pull bytes)")
     print(f"{'size':>8} {'raw pyzmq':>10} {'raw 4MiB':>9} {'ps wire':>8} {'ratio':>6} {'vs 4MiB':>7} "
           f"{'server none':>12} {'plain':>6} {'curve':>6} {'curve/none':>10}")
-    for r in rows:
+    for r in wire_rates:
         print(f"{r['mib']:>4.0f} MiB {r['raw'] / 1e9:>10.2f} {r['raw_chunked'] / 1e9:>9.2f} {r['wire'] / 1e9:>8.2f} "
               f"{r['wire'] / r['raw']:>6.2f} {r['wire'] / r['raw_chunked']:>7.2f} "
               f"{r['server_none'] / 1e9:>12.2f} {r['server_plain'] / 1e9:>6.2f} {r['server_curve'] / 1e9:>6.2f} "
@@ -239,7 +239,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"\n(benchmark took {time.time() - t0:.0f} s)")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"wire": rows, "steps": steps}, f, indent=2)
+            json.dump({"wire": wire_rates, "steps": steps}, f, indent=2)
     return 0
 
 

@@ -1,4 +1,5 @@
-"""How the flat parameter vector is laid out and split over servers; shared by workers and servers."""
+"""How the flat parameter vector is laid out and split over servers; shared by workers and servers (the layout
+itself, each parameter's name, shape and offset, is psarch.flat.flat_layout's, as for every backend)."""
 from __future__ import annotations
 
 import threading
@@ -9,6 +10,8 @@ from psarch.config import Config
 from psarch.flat import flat_layout
 from psarch.precision import compute_dtype
 from psarch.single import consolidated_state
+
+Layout = list[tuple[str, torch.Size, int]]   # each parameter's name, shape and offset in a flat vector
 
 
 def server_ranges(numel: int, servers: int) -> list[tuple[int, int]]:
@@ -39,7 +42,7 @@ def state_from_flat(model: torch.nn.Module, flat: torch.Tensor) -> dict[str, tor
     return consolidated_state(model, masters)
 
 
-_SEED_LOCK = threading.Lock()
+SEED_LOCK = threading.Lock()
 
 
 def initial_flat(cfg: Config) -> torch.Tensor:
@@ -48,7 +51,7 @@ def initial_flat(cfg: Config) -> torch.Tensor:
     start from it, so no worker has to send the model."""
     from psarch.workload import build_workload
 
-    with _SEED_LOCK:  # build_workload seeds torch's global generator: servers run as threads must take turns
+    with SEED_LOCK:  # build_workload seeds torch's global generator: servers run as threads must take turns
         model = build_workload(cfg).model.to(compute_dtype(cfg.train.precision))
     return torch.cat([p.detach().reshape(-1).float() for p in trainable(model)])
 
@@ -57,11 +60,11 @@ def meta_model(cfg: Config) -> torch.nn.Module:
     """The config's model on the meta device: names and shapes without memory."""
     from psarch.workload import build_workload
 
-    with _SEED_LOCK:  # build_workload seeds torch's global generator: servers run as threads must take turns
+    with SEED_LOCK:  # build_workload seeds torch's global generator: servers run as threads must take turns
         return build_workload(cfg, device="meta").model
 
 
-def param_layout(cfg: Config) -> list[tuple[str, torch.Size, int]]:
+def param_layout(cfg: Config) -> Layout:
     """Each trainable parameter's name, shape and offset in the flat vector (what a checkpoint is keyed by)."""
     model = meta_model(cfg)
     return flat_layout(model, trainable(model))

@@ -47,23 +47,13 @@ def _server_main(index: int, cfg_dict: dict, host: str, conn: Any, threads: int 
     try:
         if threads:
             torch.set_num_threads(threads)
-        from psarch.ps.layout import initial_flat
-        from psarch.ps.server import ParameterServer
-        cfg = from_dict(cfg_dict)
-        if cfg.backend.embeddings == "rows":   # embedding tables sharded by row (psarch/ps/row_server.py)
-            from psarch.ps.row_server import row_server
-            server = row_server(index, cfg, host, 0, control=conn, creds=Credentials.from_dict(creds),
-                                checkpoints=checkpoints)
-        else:
-            flat = initial_flat(cfg) if build else None
-            server = ParameterServer(index, cfg, host, 0, control=conn, creds=Credentials.from_dict(creds),
-                                     numel=flat.numel() if flat is not None else None, checkpoints=checkpoints)
-            if flat is not None:
-                server.initialize(flat)
-        if start is not None and server.state is not None:   # the launcher verified it (metadata, model)
+        from psarch.ps.server.start import build_server
+        server = build_server(index, from_dict(cfg_dict), host, 0, build, pipe=conn,
+                              creds=Credentials.from_dict(creds), checkpoints=checkpoints)
+        if start is not None and server.state.range is not None:   # the launcher verified it (metadata, model)
             from psarch.checkpoint import Checkpoint
             ckpt = Checkpoint(start)
-            server.restore(ckpt)
+            server.snapshots.restore(ckpt)
             ckpt.close()
         conn.send_bytes(json.dumps({"event": "ready", "address": server.address}).encode())
         server.serve()

@@ -52,10 +52,15 @@ class PSOptions:
         """Local steps between a worker's exchanges with the servers: k_steps in GEO, else every step."""
         return self.k_steps if self.mode == "geo" else 1
 
+    @property
+    def tolerates_lost_workers(self) -> bool:
+        """Whether the run goes on without a worker that died: every mode but sync, whose rounds need all N."""
+        return self.mode != "sync"
+
 
 class PSSpec(BackendSpec):
     kind = "ps"
-    trainer = "psarch.ps.worker:PSWorker"
+    trainer = "psarch.ps.worker.trainer:PSWorker"
     doc = "parameter servers over ZeroMQ: workers push gradients (GEO: deltas) and pull parameters"
     options = PSOptions
     variant_key = "mode"
@@ -99,7 +104,7 @@ class PSSpec(BackendSpec):
         return start_services(cfg, out_dir, where=where, start=start)
 
     def tolerates_lost_workers(self, cfg: Config) -> bool:
-        return cfg.backend.mode != "sync"
+        return cfg.backend.tolerates_lost_workers
 
     def worker_holds_tables(self, cfg: Config) -> bool:
         return cfg.backend.embeddings != "rows"   # the servers build their rows (psarch/ps/rows.py)

@@ -53,16 +53,13 @@ def serve(config: str, index: int, port: int, host: str | None = None, overrides
         print(f"psarch server: {problem}", file=sys.stderr)
         return 2
     from psarch.ps.auth import AuthError
-    from psarch.ps.layout import initial_flat
-    from psarch.ps.server import ParameterServer
+    from psarch.ps.server.start import build_server
 
-    flat = initial_flat(cfg)
     try:
-        server = ParameterServer(index, cfg, host or b.host, port, exit_when_done=True, numel=flat.numel())
+        server = build_server(index, cfg, host or b.host, port, exit_when_done=True)
     except AuthError as e:
         print(f"psarch server: {e}", file=sys.stderr)
         return 2
-    server.initialize(flat)
     print(f"psarch server {index}: listening on {server.address}", flush=True)
     try:
         server.serve()
@@ -73,7 +70,7 @@ def serve(config: str, index: int, port: int, host: str | None = None, overrides
     if "ssp" in stats:
         stats["ssp"]["trace"] = stats["ssp"]["trace"][:1000]
     print(json.dumps(stats), flush=True)
-    if server.failure:
-        print(f"psarch server {index}: {server.failure}", file=sys.stderr)
+    if server.state.failure:
+        print(f"psarch server {index}: {server.state.failure}", file=sys.stderr)
         return 1
     return 0

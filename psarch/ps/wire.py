@@ -63,6 +63,9 @@ SCHEMA: dict[str, tuple[dict[str, str], dict[str, str], str]] = {
                {"scale": _FLOAT, "ahead": _INT, "skipped": _BOOL, "staleness": _INT}, "required"),
     "error": ({"message": _STR}, {"code": _STR}, "forbidden"),   # code "non_finite": a refused inf/nan push
 }
+# What each request is answered with.
+REPLY_TO = {"init": "ack", "push": "ack", "pull": "params", "pushpull": "params", "fetch": "params", "done": "ack",
+            "rowpull": "rows", "rowpush": "ack", "rowfetch": "rows", "save": "ack"}
 _TENSOR_FIELDS = {"dtype", "shape", "frames"}
 _KEYED_FIELDS = _TENSOR_FIELDS | {"keys"}
 
@@ -185,7 +188,25 @@ def decode(frames: Sequence[Any]) -> Message:
     """Validate and decode one message (header frame + payload frames; zmq Frames, bytes or buffers)."""
     if not frames:
         raise WireError("empty message: expected a header frame")
-    head = memoryview(frames[0])
+    op, header = _header(memoryview(frames[0]))
+    tensor = SCHEMA[op][2]
+    payload = [memoryview(f) for f in frames[1:]]
+    if tensor == "forbidden":
+        if payload:
+            raise WireError(f"op {op!r} carries no tensor, got {len(payload)} extra frame(s)")
+        return Message(op, header, [])
+    key_frames: list[memoryview] = []
+    if tensor == "keyed":
+        key_frames, payload = _split_keys(op, header, payload)
+    shape = _check_payload(op, header, payload)
+    if tensor == "keyed" and (len(shape) != 2 or shape[0] != header["keys"]):
+        raise WireError(f"op {op!r}: {header['keys']} keys and values of shape {shape}: expected "
+                        f"[{header['keys']}, dim], one row per key")
+    return Message(op, header, payload, key_frames)
+
+
+def _header(head: memoryview) -> tuple[str, dict[str, Any]]:
+    """(op, header) of a header frame whose fields are those its op's SCHEMA entry allows, each well typed."""
     if len(head) > MAX_HEADER:
         raise WireError(f"header frame of {len(head)} bytes: at most {MAX_HEADER}")
     try:
@@ -211,21 +232,25 @@ def decode(frames: Sequence[Any]) -> Message:
         if key not in optional:
             raise WireError(f"op {op!r}: unexpected field {key!r:.80}")
         _check_field(op, key, value, optional[key])
-    payload = [memoryview(f) for f in frames[1:]]
-    if tensor == "forbidden":
-        if payload:
-            raise WireError(f"op {op!r} carries no tensor, got {len(payload)} extra frame(s)")
-        return Message(op, header, [])
-    key_frames: list[memoryview] = []
-    if tensor == "keyed":
-        _check_field(op, "keys", header.get("keys"), _INT)
-        key_bytes = header["keys"] * 8
-        k = -(-key_bytes // CHUNK)
-        key_frames, payload = payload[:k], payload[k:]
-        if sum(len(f) for f in key_frames) != key_bytes or any(len(f) != min(CHUNK, key_bytes - i * CHUNK)
-                                                                  for i, f in enumerate(key_frames)):
-            raise WireError(f"op {op!r}: {header['keys']} keys are {key_bytes} bytes in {k} frame(s); "
-                            f"the message's frames do not hold them")
+    return op, header
+
+
+def _split_keys(op: str, header: dict[str, Any],
+                payload: list[memoryview]) -> tuple[list[memoryview], list[memoryview]]:
+    """A keyed message's (key frames, value frames): its `keys` int64 keys fill the first frames exactly."""
+    _check_field(op, "keys", header.get("keys"), _INT)
+    key_bytes = header["keys"] * 8
+    k = -(-key_bytes // CHUNK)
+    key_frames, payload = payload[:k], payload[k:]
+    if sum(len(f) for f in key_frames) != key_bytes or any(len(f) != min(CHUNK, key_bytes - i * CHUNK)
+                                                              for i, f in enumerate(key_frames)):
+        raise WireError(f"op {op!r}: {header['keys']} keys are {key_bytes} bytes in {k} frame(s); "
+                        f"the message's frames do not hold them")
+    return key_frames, payload
+
+
+def _check_payload(op: str, header: dict[str, Any], payload: list[memoryview]) -> list[int]:
+    """The tensor's shape, once its dtype, shape and frame count are valid and the frames hold its bytes exactly."""
     dtype, shape, n = header.get("dtype"), header.get("shape"), header.get("frames")
     if not isinstance(dtype, str) or dtype not in DTYPES:
         raise WireError(f"op {op!r}: dtype {dtype!r:.80}: expected one of {', '.join(DTYPES)}")
@@ -246,10 +271,7 @@ def decode(frames: Sequence[Any]) -> Message:
         if len(f) != want:
             raise WireError(f"op {op!r}: payload frame {i} has {len(f)} bytes, expected {want} "
                             f"for {dtype} {shape}")
-    if tensor == "keyed" and (len(shape) != 2 or shape[0] != header["keys"]):
-        raise WireError(f"op {op!r}: {header['keys']} keys and values of shape {shape}: expected "
-                        f"[{header['keys']}, dim], one row per key")
-    return Message(op, header, payload, key_frames)
+    return shape
 
 
 def frames_bytes(frames: Sequence[Any]) -> int:

@@ -34,8 +34,7 @@ class RangeState:
         self.optim = None if b.mode == "geo" else MixedPrecisionOptimizer([self.params], cfg.train,
                                                                           cfg.train.precision)
         # sum of a round's gradients / deltas (barrier modes only; the first push of a round overwrites it)
-        barrier = b.mode == "sync" or (b.mode == "geo" and b.geo_barrier)
-        self.acc = torch.zeros_like(self.params.data) if barrier else torch.empty(0)
+        self.acc = torch.zeros_like(self.params.data) if b.barrier else torch.empty(0)
         self.backup = ([torch.zeros_like(self.params.data) for _ in range(workers)]
                        if b.mode in ("async", "ssp") and b.staleness_compensation == "dc" else None)
         self.staleness: Counter[int] = Counter()

@@ -1,7 +1,7 @@
 """A GEO worker's embedding rows between two syncs (PaddlePaddle's GEO-SGD on a sparse table).
 
 The cache holds the rows the worker has read since its last sync: their values, trained locally by a
-row-wise optimizer (row_optim.py, state for the cached rows only), and their values as last pulled. A
+row-wise optimizer (psarch/ps/row_optim.py, state for the cached rows only), and their values as last pulled. A
 step pulls only the rows it reads that are not cached yet; a sync pushes (value − pulled) / N of the rows
 that changed, then empties the cache, so the next steps pull the servers' new values. The worker holds at
 most the rows its last k_steps batches read, never a whole table. The local optimizer's state goes with the

@@ -14,11 +14,6 @@ from psarch.ps import auth, wire
 from psarch.ps.auth import Credentials
 from psarch.ps.errors import NonFinitePush, PSError
 
-# What each request is answered with.
-REPLY_TO = {"init": "ack", "push": "ack", "pull": "params", "pushpull": "params", "fetch": "params", "done": "ack",
-            "rowpull": "rows", "rowpush": "ack", "rowfetch": "rows", "save": "ack"}
-
-
 @dataclass
 class Request:
     """One request to one server; a `params` or `rows` reply is decoded straight into `into` when given
@@ -92,7 +87,7 @@ class PSClient:
         if msg.op == "error":
             kind = NonFinitePush if msg.header.get("code") == NonFinitePush.code else PSError
             raise kind(f"{op} refused by {msg.header['message']}")
-        if msg.op != REPLY_TO[op]:
+        if msg.op != wire.REPLY_TO[op]:
             raise PSError(f"worker {self.worker}: server {i} answered {op!r} with {msg.op!r}")
         if msg.op in ("params", "rows"):
             try:   # a payload of another size than the destination's (a rows reply to a rowpull names no keys)

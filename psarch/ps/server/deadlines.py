@@ -1,0 +1,40 @@
+"""The clocks of a server: a worker silent too long is lost (standalone servers), and a round or a pull that
+waits more than `backend.timeout_s` fails the server with an error naming the workers it waits for."""
+from __future__ import annotations
+
+from psarch.ps.server.replies import Replies
+from psarch.ps.server.state import ServerState
+
+
+class Deadlines:
+    """Checked by the serve loop between requests (ParameterServer.check_deadlines)."""
+
+    def __init__(self, state: ServerState, replies: Replies) -> None:
+        self.state, self.replies = state, replies
+
+    def silent(self, now: float) -> list[tuple[int, str]]:
+        """(worker, why) of each live worker silent for more than silence_s, with no pull waiting on us."""
+        s = self.state
+        if s.last_seen is None:
+            return []
+        waiting = {p.worker for p in s.pending}   # a worker waiting on a pull is waiting on us
+        return [(w, f"no message from it for more than {s.silence_s:g} s ({s.silence_text})")
+                for w in sorted(s.live - s.done - waiting) if now - s.last_seen[w] > s.silence_s]
+
+    def check_waits(self, now: float) -> None:
+        """Fail the server when a barrier round or a pull has waited more than timeout_s."""
+        s = self.state
+        t = s.timeout_s
+        if s.barrier and s.round.pushed and now - s.round.since > t:
+            missing = sorted(s.live - s.round.pushed)
+            what = "gradients" if s.mode == "sync" else "deltas"
+            return self.replies.fail(f"{s.mode} step {s.range.version}: no {what} from worker(s) {missing} within "
+                                     f"backend.timeout_s = {t:g} s (workers {sorted(s.round.pushed)} pushed)")
+        for p in s.pending:
+            if now - p.since > t and s.range is None:
+                return self.replies.fail(f"worker {p.worker} waited more than backend.timeout_s = {t:g} s "
+                                         f"for the initial parameters: no worker sent init")
+            if now - p.since > t:
+                slow = sorted(w for w in s.live if s.clock[w] == s.slowest)
+                return self.replies.fail(f"worker {p.worker} waited more than backend.timeout_s = {t:g} s "
+                                         f"for step {p.step}; waiting on worker(s) {slow} (at step {s.slowest})")

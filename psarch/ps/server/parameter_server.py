@@ -1,0 +1,270 @@
+"""One parameter server: a ZeroMQ ROUTER that owns range [lo, hi) of the flat fp32 parameter vector.
+
+The servers of a run build the initial parameters from the config themselves (`initialize`; the range
+follows from the total size and this server's index). Requests (see psarch/ps/wire.py): `init` (only for a
+server started without parameters: a client sends them), `push` (gradients, or deltas in geo),
+`pull` (the parameters for the worker's next step; answered when the mode allows), `pushpull` (both
+in one message: what workers send each step), `fetch` (an fp32 snapshot at once), `done`, `save` (snapshots.py).
+Every request gets exactly one reply, in order: `ack`, `params` or `error` (replies.py). A request that fails any
+check gets an error reply and changes nothing; only the sync/ssp/geo-barrier timeouts fail the server
+(and a bug caught while a request was being applied: the state can no longer be trusted).
+
+The server is built by composition: its state is one dataclass (state.py) handed to each part, and each
+request goes to its part through one handler table (`handlers`): pushes and the range (pushes.py: the
+server, not the worker, is the authority on what a worker may send; non-finite pushes are refused; a barrier
+round's sum goes in worker order, rounds.py, so its bits do not depend on timing), waiting pulls (pulls.py:
+when a pull is answered depends on the mode), checkpoints (snapshots.py), and with `backend.embeddings =
+"rows"` the embedding rows (rows.py). A pull that waits more than `backend.timeout_s` fails the server with an
+error naming the workers it waits for (deadlines.py); every waiting and later request then gets that error,
+and the launcher stops the run.
+A worker is lost when the launcher says its process died, or (a standalone server, which has no
+launcher, in the modes that go on without it) when nothing came from it for `backend.timeout_s`
+while it had no pull waiting; the server then stops waiting for it, and exits once every worker is
+done or lost.
+
+Who may connect (psarch/ps/auth.py): every connection authenticates (PLAIN or CURVE through ZAP, by
+default), and each request must name the worker its connection authenticated as; one that does not is
+refused before anything else, with an error that carries no state, and counts for nothing (done, fetch,
+silence clocks). Heartbeats drop stalled peers; MAXMSGSIZE caps each frame at the largest legitimate one.
+Still not bounded: ZeroMQ hands over a multipart message only once all of it has arrived, so an
+authenticated worker can make its server buffer a message of many frames before decode refuses it.
+"""
+from __future__ import annotations
+
+import json
+import sys
+import time
+import traceback
+from typing import Any, Callable
+
+import torch
+import zmq
+
+from psarch.config import Config
+from psarch.meters import TrafficMeter, peak_memory
+from psarch.ps import auth, wire
+from psarch.ps.auth import Credentials
+from psarch.ps.errors import PSError
+from psarch.ps.layout import server_ranges
+from psarch.ps.server.deadlines import Deadlines
+from psarch.ps.server.pulls import PullQueue
+from psarch.ps.server.pushes import Pushes
+from psarch.ps.server.replies import Replies
+from psarch.ps.server.rows import ServerRows
+from psarch.ps.server.snapshots import Snapshots
+from psarch.ps.server.state import ServerState
+
+Handler = Callable[[bytes, wire.Message], None]
+
+
+class ParameterServer:
+    """Serve one range of the parameters until `stop()` (or a `stop` command on the launcher's pipe)."""
+
+    def __init__(self, index: int, cfg: Config, host: str = "127.0.0.1", port: int = 0, pipe: Any = None,
+                 exit_when_done: bool = False, creds: Credentials | None = None, numel: int | None = None,
+                 checkpoints: Any = None) -> None:
+        """pipe: the launcher's (None: a standalone server); exit_when_done: stop once every worker is done or
+        lost; creds: who may connect (None: from backend.auth and backend.keys, as a standalone server);
+        numel: the parameter count, when known before the socket binds (caps a frame at this range);
+        checkpoints: the run's checkpoint folder, the only place a `save` may write (None: no saves)."""
+        b = cfg.backend
+        self.state = ServerState(index, cfg, exit_when_done)
+        self.creds = creds if creds is not None else auth.standalone_credentials(cfg, host)
+        self.zctx = zmq.Context()
+        self.sock = self.zctx.socket(zmq.ROUTER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        # ZeroMQ drops a connection whose frame exceeds this as the frame's size arrives, before buffering it
+        self.sock.setsockopt(zmq.MAXMSGSIZE, auth.max_frame(numel, b.servers))
+        auth.bound(self.sock, b.heartbeat_s, b.heartbeat_timeout_s)
+        auth.server_socket(self.sock, self.creds, index)
+        self.zap = auth.ZapHandler(self.zctx, self.sock, self.creds, b.world_size,
+                                   b.max_connections or b.world_size + 16)
+        if port:
+            self.sock.bind(f"tcp://{host}:{port}")
+        else:
+            port = self.sock.bind_to_random_port(f"tcp://{host}")
+        self.port, self.address = port, f"tcp://{host}:{port}"
+        self.pipe = pipe
+        self.meter = TrafficMeter()
+        s, replies = self.state, Replies(self.sock, self.meter, self.state, pipe)
+        self.replies = replies
+        self.rows = ServerRows(s, replies) if b.embeddings == "rows" else None
+        self.pulls = PullQueue(s, replies)
+        self.pushes = Pushes(s, replies, self.pulls, self.rows)
+        self.snapshots = Snapshots(s, replies, checkpoints, self.rows)
+        self.deadlines = Deadlines(s, replies)
+        self.handlers: dict[str, Handler] = {
+            "init": self.pushes.on_init, "push": self.pushes.on_push, "pushpull": self.pushes.on_pushpull,
+            "pull": self.pulls.on_pull, "fetch": self.pushes.on_fetch, "save": self.snapshots.on_save,
+            "done": self.on_done, **(self.rows.handlers() if self.rows is not None else {})}
+
+    def initialize(self, flat: torch.Tensor, rows: torch.Tensor | None = None) -> None:
+        """Start from the whole initial parameter vector (servers of a run build it from the config) and, with
+        embedding rows, this server's rows of the initial tables."""
+        s = self.state
+        lo, hi = server_ranges(flat.numel(), s.cfg.backend.servers)[s.index]
+        s.hold(lo, hi, flat[lo:hi])
+        if self.rows is not None:
+            if rows is None:
+                raise ValueError("backend.embeddings = \"rows\": a server starts from its rows of the tables too")
+            self.rows.start(rows)
+
+    # ------------------------------------------------------------------ loop
+
+    def serve(self) -> None:
+        poller = zmq.Poller()
+        poller.register(self.sock, zmq.POLLIN)
+        for z in self.zap.sockets():
+            poller.register(z, zmq.POLLIN)
+        if self.pipe is not None:
+            poller.register(self.pipe.fileno(), zmq.POLLIN)
+        while not self.state.stopping:
+            events = dict(poller.poll(100))
+            self.zap.handle(events)
+            if self.sock in events:
+                # a burst, then look at the launcher's pipe and the clock again
+                for _ in range(64):
+                    if not self.sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+                        break
+                    self.handle(self.sock.recv_multipart(copy=False))
+            if self.pipe is not None and self.pipe.poll():
+                self.command(json.loads(self.pipe.recv_bytes()))
+            self.check_deadlines()
+        self.close()
+
+    def stop(self) -> None:
+        self.state.stopping = True
+
+    def close(self) -> None:
+        self.zap.close()
+        self.sock.close(linger=500)  # let the last replies (a standalone server's final acks) leave
+        self.zctx.term()
+
+    # ------------------------------------------------------------------ requests
+
+    def handle(self, frames: list) -> None:
+        """Handle one message from the ROUTER (identity frame first): its part's handler, one reply."""
+        s = self.state
+        ident, body = frames[0].bytes if hasattr(frames[0], "bytes") else bytes(frames[0]), frames[1:]
+        size = wire.frames_bytes(body)
+        try:
+            msg = wire.decode(body)
+        except Exception as e:  # WireError; anything else is a decoder bug, but never a reason to crash
+            self.meter.add("invalid", 0, size)
+            text = str(e) if isinstance(e, wire.WireError) else f"undecodable message ({type(e).__name__}: {e})"
+            return self.replies.error(ident, "invalid", text)
+        self.meter.add(msg.op, 0, size)
+        stranger = auth.stranger(self.creds, body[0], msg.header.get("worker"))
+        if stranger:   # a worker acts only as itself; the reply tells it nothing of the state
+            s.impostors += 1
+            return self.replies.error(ident, msg.op, stranger)
+        s.heard(msg.header.get("worker"))
+        self.snapshots.heard(msg.header.get("worker"))
+        s.changing = False
+        s.current, s.current_answered = ident, False
+        try:
+            if s.failure is not None:
+                raise PSError(s.failure)
+            handler = self.handlers.get(msg.op)
+            if handler is None:
+                raise PSError(f"op {msg.op!r}: this server holds no embedding rows (backend.embeddings = \"rows\" "
+                              f"starts servers that do)" if msg.op in wire.REPLY_TO else
+                              f"op {msg.op!r} is a reply, not a request")
+            handler(ident, msg)
+        except (PSError, wire.WireError) as e:
+            self.replies.error(ident, msg.op, str(e), getattr(e, "code", None))
+        except Exception as e:  # a bug: no request may end the serve loop, and none may hide a bug either
+            self._internal_error(ident, msg, e)
+
+    def _internal_error(self, ident: bytes, msg: wire.Message, e: Exception) -> None:
+        s, who = self.state, msg.header.get("worker")
+        print(f"psarch server {s.index}: internal error handling {msg.op!r} of worker {who}:\n"
+              f"{traceback.format_exc()}", file=sys.stderr, flush=True)
+        text = f"internal error: {type(e).__name__}: {e}"
+        if s.changing:  # the state may be half-updated: fail rather than serve from it
+            self.replies.fail(f"{text} (while applying {msg.op!r} of worker {who})")
+        if not s.current_answered:  # every request gets exactly one reply
+            self.replies.error(ident, msg.op, text)
+
+    def on_done(self, ident: bytes, msg: wire.Message) -> None:
+        s = self.state
+        s.done.add(s.sender(msg))
+        self.replies.send(ident, "done", {"op": "ack", "version": s.range.version if s.range else 0})
+        self._exit_if_over()
+
+    def _exit_if_over(self) -> None:
+        if self.state.exit_when_done and self.state.done >= self.state.live:
+            self.state.stopping = True
+
+    def lose(self, w: int, why: str) -> None:
+        """Go on without worker w: drop its waiting pulls (and its rows of the round), finish what waited for it."""
+        s = self.state
+        if w in s.lost:
+            return
+        if self.rows is not None:
+            self.rows.drop(w)
+        s.lost.add(w)
+        s.pending = [p for p in s.pending if p.worker != w]
+        if s.exit_when_done:
+            print(f"psarch server {s.index}: worker {w} lost: {why}", file=sys.stderr, flush=True)
+        if s.range is not None and s.failure is None:
+            self.pushes.complete_round()
+            self.pulls.serve()
+            self.snapshots.save_if_all()
+        self._exit_if_over()
+
+    # ------------------------------------------------------------------ clocks and the launcher
+
+    def check_deadlines(self) -> None:
+        """Lose silent workers (standalone), fail on an overdue save, round or pull (deadlines.py)."""
+        s = self.state
+        if s.failure is not None and s.exit_when_done and time.monotonic() - s.failed_at > 10:
+            s.stopping = True  # standalone: the workers have had time to hear the error
+        if s.failure is not None or s.stopping:
+            return
+        now = time.monotonic()
+        # first: a silent worker is a lost one, so the waits below blame no one for a worker that died
+        for w, why in self.deadlines.silent(now):
+            self.lose(w, why)
+        if s.stopping or self.snapshots.overdue(now):
+            return
+        self.deadlines.check_waits(now)
+
+    def command(self, cmd: dict[str, Any]) -> None:
+        """A command on the launcher's pipe: `lost` (a worker's process died), `stats`, `stop`."""
+        if cmd.get("cmd") == "lost":
+            self.lose(int(cmd["worker"]), "its process died")
+        elif cmd.get("cmd") == "stats":
+            self.replies.notify({"event": "stats", **self.stats()})
+            self.replies.payload(self._final())
+        elif cmd.get("cmd") == "stop":
+            self.state.stopping = True
+
+    def _final(self) -> bytes | memoryview:
+        """The launcher's model.pt: this server's range (then its rows: psarch/ps/rows.py's join_parts splits them)."""
+        st = self.state.range
+        if st is None:
+            return b""
+        final = st.params.detach() if self.rows is None else self.rows.final(st.params.detach())
+        return memoryview(final.numpy()).cast("B")
+
+    def stats(self) -> dict[str, Any]:
+        """What this server measured: traffic, memory, staleness, rejected requests, lost workers."""
+        s, st = self.state, self.state.range
+        traffic = self.meter.report().to_dict()
+        peak, kind = peak_memory(torch.device("cpu"))
+        out: dict[str, Any] = {
+            "server": s.index, "address": self.address, "range": [s.lo, s.hi],
+            "version": st.version if st else 0, "sent": traffic["sent"], "received": traffic["received"],
+            "traffic": traffic, "memory": dict(st.memory() if st else {"total": 0}, peak=peak, peak_kind=kind,
+                                                   early_pushes_peak=s.round.sum.peak),
+            "rejected": s.rejected, "refused_non_finite": s.refused_non_finite, "lost": sorted(s.lost),
+            "failure": s.failure, "skipped_updates": st.skipped if st else 0,
+            "staleness_histogram": {str(k): v for k, v in sorted(st.staleness.items())} if st else {},
+        }
+        if s.mode == "ssp":
+            out["ssp"] = {"staleness_bound": s.cfg.backend.staleness_bound, "max_ahead": s.max_ahead,
+                          "trace": s.trace}
+        if self.rows is not None:
+            self.rows.add_memory(out["memory"])
+        return out

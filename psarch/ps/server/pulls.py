@@ -1,0 +1,86 @@
+"""The pulls a server holds until its mode lets a worker have the parameters.
+
+When a pull is answered, per mode:
+- sync, geo with barrier: once round `step` is complete, i.e. every live worker pushed it;
+- ssp: once the slowest live worker has pushed at least `step - staleness_bound` steps;
+- async, geo: at once.
+A worker waits for one pull at a time, so the queue holds at most one pull per worker.
+"""
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from psarch.ps import wire
+from psarch.ps.errors import PSError
+from psarch.ps.server.replies import Replies
+from psarch.ps.server.state import TRACE_LIMIT, Pull, ServerState
+
+
+class PullQueue:
+    """Waiting pulls (`state.pending`): queued by `pull` and `pushpull`, answered by `serve` when `ready`."""
+
+    def __init__(self, state: ServerState, replies: Replies) -> None:
+        self.state, self.replies = state, replies
+
+    def on_pull(self, ident: bytes, msg: wire.Message) -> None:
+        s = self.state
+        w, step = s.sender(msg), msg.header["step"]
+        if msg.header["want"] != s.wire_dtype:
+            raise PSError(f"pull: dtype {msg.header['want']!r:.40}, this run's wire dtype is {s.wire_dtype}")
+        # a pull beyond the worker's next step could only wait until the timeout and fail the run
+        if step > s.clock[w]:
+            raise PSError(f"pull: worker {w} asked for step {step}, but has pushed {s.clock[w]} step(s): "
+                          f"its next step is {s.clock[w]}")
+        self.check_one(w, "pull")
+        s.changing = True
+        self.wait(ident, "pull", w, step, {})
+        self.serve()
+
+    def check_one(self, w: int, op: str) -> None:
+        """A worker waits for one pull at a time: the waiting queue holds at most one pull per worker."""
+        for p in self.state.pending:
+            if p.worker == w:
+                raise PSError(f"{op}: worker {w} already has a pull waiting (for step {p.step}); "
+                              f"a worker waits for one pull at a time")
+
+    def wait(self, ident: bytes, op: str, worker: int, step: int, extra: dict[str, Any]) -> None:
+        """Queue `worker`'s pull of `step` (answered by the next `serve` that finds it ready)."""
+        self.state.pending.append(Pull(ident, op, worker, step, time.monotonic(), extra))
+
+    def ready(self, p: Pull) -> bool:
+        s = self.state
+        if s.range is None:
+            return False
+        if s.barrier:
+            return s.range.version >= p.step
+        if s.mode == "ssp":
+            return p.step - s.slowest <= s.cfg.backend.staleness_bound
+        return True
+
+    def serve(self) -> None:
+        """Answer every waiting pull the mode now allows."""
+        s = self.state
+        for p in list(s.pending):
+            if not self.ready(p):
+                continue
+            st, w, step = s.range, p.worker, p.step
+            header: dict[str, Any] = dict(p.extra, op="params", version=st.version, offset=s.lo, scale=st.scale)
+            if s.mode == "ssp":
+                ahead = max(0, step - s.slowest)
+                s.max_ahead = max(s.max_ahead, ahead)
+                header["ahead"] = ahead
+                if len(s.trace) < TRACE_LIMIT:
+                    s.trace.append([1, w, step])
+            if s.mode == "sync" and st.version:
+                header["skipped"] = s.round.last_skipped or header.get("skipped", False)
+            data = st.params.detach()
+            # Zero-copy send: in the barrier modes the parameters cannot change before every worker has
+            # pushed again, i.e. received this reply. Elsewhere another push may land at once: send a copy.
+            data = data.to(s.scratch.dtype) if data.dtype != s.scratch.dtype else (
+                data if s.barrier else data.clone())
+            st.remember_sent(w)
+            s.pending.remove(p)   # before the reply: an error past this point must not answer it again
+            self.replies.send(p.ident, p.op, header, data)
+            if s.last_seen is not None:  # it waited on us until now: its silence starts here
+                s.last_seen[w] = time.monotonic()

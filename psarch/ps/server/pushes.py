@@ -1,0 +1,183 @@
+"""A server's pushes and its range: `init`, `push`, `pushpull`, `fetch`, and the end of a barrier round.
+
+The server, not the worker, is the authority on what a worker may send: a push must be that worker's next
+step and name the version this server last sent it (staleness is computed from the server's own record). In
+fp16 a push carries the loss scale it was computed with (a power of two >= the scaler's minimum, in sync
+exactly the server's) and its inf/nan verdict. Every push, in every mode and precision, is checked for inf/nan
+frame by frame as it is decoded, before it touches the parameters: one that holds any (outside fp16's declared
+overflow steps) is refused with code "non_finite" and counted for its worker, and the worker stops the run.
+A barrier round's sum is added in worker order (rounds.py), so its bits do not depend on timing.
+"""
+from __future__ import annotations
+
+import math
+import time
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from psarch.ps import wire
+from psarch.ps.errors import NonFinitePush, PSError
+from psarch.ps.layout import server_ranges
+from psarch.ps.server.pulls import PullQueue
+from psarch.ps.server.replies import Replies
+from psarch.ps.server.state import TRACE_LIMIT, ServerState
+
+if TYPE_CHECKING:
+    from psarch.ps.server.rows import ServerRows
+
+
+def check_range(msg: wire.Message, dtype: str, lo: int, hi: int) -> None:
+    """PSError unless the message's tensor is range [lo, hi) of the flat vector, in `dtype`."""
+    h = msg.header
+    if h["offset"] != lo or msg.shape != (hi - lo,):
+        raise PSError(f"op {msg.op!r}: range offset {h['offset']} shape {list(msg.shape)}, this server owns "
+                      f"[{lo}, {hi}) (offset {lo}, shape [{hi - lo}])")
+    if h["dtype"] != dtype:
+        raise PSError(f"op {msg.op!r}: dtype {h['dtype']}, this run's wire dtype is {dtype}")
+
+
+class Pushes:
+    """Applies pushes to the server's range (and, through `rows`, ends a round of embedding rows too)."""
+
+    def __init__(self, state: ServerState, replies: Replies, pulls: PullQueue, rows: ServerRows | None) -> None:
+        self.state, self.replies, self.pulls, self.rows = state, replies, pulls, rows
+
+    def on_init(self, ident: bytes, msg: wire.Message) -> None:
+        """A server started without parameters (benchmarks, tests) takes them from one `init`."""
+        s = self.state
+        s.sender(msg)
+        if s.range is not None:
+            raise PSError("init: the parameters are already initialised")
+        try:
+            lo, hi = server_ranges(msg.header["numel"], s.cfg.backend.servers)[s.index]
+        except ValueError as e:
+            raise PSError(f"init: {e}") from None
+        check_range(msg, "float32", lo, hi)
+        s.changing = True
+        s.hold(lo, hi, msg.tensor())
+        self.replies.send(ident, "init", {"op": "ack", "version": 0})
+        self.pulls.serve()
+
+    def on_push(self, ident: bytes, msg: wire.Message) -> None:
+        reply = self.apply(msg)
+        self.replies.send(ident, "push", dict(reply, op="ack", version=self.state.range.version))
+        self.complete_round()
+        self.pulls.serve()
+
+    def on_pushpull(self, ident: bytes, msg: wire.Message) -> None:
+        """A push, then a pull for the next step, answered by one `params` reply (half the messages)."""
+        self.pulls.check_one(self.state.sender(msg), "pushpull")
+        extra = self.apply(msg)
+        self.pulls.wait(ident, "pushpull", msg.header["worker"], msg.header["step"] + 1, extra)
+        self.complete_round()
+        self.pulls.serve()
+
+    def on_fetch(self, ident: bytes, msg: wire.Message) -> None:
+        s = self.state
+        s.sender(msg)
+        if s.range is None:
+            raise PSError("fetch before init: no parameters yet")
+        self.replies.send(ident, "fetch", {"op": "params", "version": s.range.version, "offset": s.lo},
+                          s.range.params.detach().clone())
+
+    def apply(self, msg: wire.Message) -> dict[str, Any]:
+        """Validate a push (raise PSError, changing nothing) and apply it; returns the ack's fields."""
+        s, h = self.state, msg.header
+        w, data, found_inf = self._checked(msg)
+        # every check passed: from here on the message is applied
+        s.changing = True
+        st = s.range
+        staleness = st.version - st.sent_version[w]
+        skipped = None
+        if s.barrier:
+            s.round.sum.add(w, data, st.acc, s.live, s.round.pushed)
+            s.round.inf |= found_inf
+            if not s.round.pushed:
+                s.round.since = time.monotonic()
+            s.round.pushed.add(w)
+        elif s.mode == "geo":
+            st.apply_delta(data, staleness, s.workers / len(s.live))
+        else:
+            skipped = st.apply_gradient(data, staleness, w, float(h.get("scale", 1.0)), found_inf)
+        s.clock[w] = h["step"] + 1
+        if s.mode == "ssp" and len(s.trace) < TRACE_LIMIT:
+            s.trace.append([0, w, s.clock[w]])
+        reply: dict[str, Any] = {}
+        if not s.barrier:
+            reply["staleness"] = staleness
+        if skipped is not None:
+            reply["skipped"] = skipped
+        return reply
+
+    def _checked(self, msg: wire.Message) -> tuple[int, torch.Tensor, bool]:
+        """(worker, payload decoded, found_inf) of a push that passes every check; PSError, changing nothing, else."""
+        s, h = self.state, msg.header
+        w, st = s.sender(msg), s.range
+        if st is None:
+            raise PSError("push before init: no parameters yet")
+        check_range(msg, s.wire_dtype, s.lo, s.hi)
+        if h["version"] != st.sent_version[w]:
+            raise PSError(f"push: worker {w} says it computed on version {h['version']}, this server last sent "
+                          f"it version {st.sent_version[w]}")
+        if s.barrier:
+            if h["step"] != st.version:
+                raise PSError(f"push: worker {w} sent step {h['step']}, the current round is step {st.version}")
+            if w in s.round.pushed:
+                raise PSError(f"push: worker {w} already pushed step {h['step']}")
+        elif h["step"] != s.clock[w]:
+            raise PSError(f"push: worker {w} sent step {h['step']}, its next step is {s.clock[w]}")
+        self._check_scale(w, h)
+        into = (s.round.sum.destination(w, s.live, s.round.pushed, st.acc, s.scratch) if s.barrier else s.scratch)
+        found_inf = bool(h.get("found_inf", False))
+        try:  # poison never reaches the parameters: only fp16's declared overflow steps may hold inf/nan
+            # (a refused first push of a round leaves acc half-written: the next first push overwrites it)
+            return w, msg.tensor(into, finite=not (s.loss_scaling and found_inf)), found_inf
+        except wire.NonFinitePayload:
+            s.refused_non_finite[w] += 1
+            what = "delta" if s.mode == "geo" else "gradient"
+            said = " (it says found_inf = false)" if s.loss_scaling else ""
+            raise NonFinitePush(f"push: worker {w}'s {what} for step {h['step']} holds inf/nan{said}: "
+                                f"refused, nothing applied") from None
+
+    def _check_scale(self, w: int, h: dict[str, Any]) -> None:
+        """`scale` and `found_inf` belong to fp16 runs whose server optimizer scales the loss."""
+        s = self.state
+        sent = [k for k in ("scale", "found_inf") if k in h]
+        if not s.loss_scaling:
+            if sent:
+                raise PSError(f"push: field {sent[0]!r} is sent only in fp16 runs with a server optimizer "
+                              f"(this run: train.precision = {s.cfg.train.precision!r}, mode {s.mode!r})")
+            return
+        if "scale" not in h:
+            raise PSError(f"push: worker {w} sent no 'scale': an fp16 push names the loss scale it was computed with")
+        scale, st = h["scale"], s.range
+        # every scale a server hands out is a power of two >= the scaler's minimum (2^16, halved, doubled)
+        if scale < st.optim.scaler.min_scale or math.frexp(scale)[0] != 0.5:
+            raise PSError(f"push: scale {scale!r}: expected a power of two >= {st.optim.scaler.min_scale:g}, "
+                          f"a loss scale this server could have sent")
+        if s.barrier and scale != st.scale:
+            raise PSError(f"push: scale {scale:g}, this server's loss scale for step {st.version} is {st.scale:g}")
+
+    def complete_round(self) -> None:
+        """Apply the round once every live worker has pushed it (its rows first, then its dense sum)."""
+        s = self.state
+        r, st = s.round, s.range
+        if not s.barrier or not r.pushed:
+            return
+        r.sum.drain(st.acc, s.live, r.pushed)   # a push or a loss may fill the gap
+        if not r.pushed >= s.live:
+            return
+        if self.rows is not None:
+            # sync: the mean gradient over all N workers, as the dense range; geo: deltas arrive divided by N
+            self.rows.end_round(1 / s.workers if s.mode == "sync" else s.workers / len(r.pushed))
+        if not r.sum.complete(r.pushed):   # a bug: never apply a sum missing a push
+            return self.replies.fail(f"internal error: round {st.version} has pushes {sorted(r.pushed)}, summed "
+                                     f"{sorted(r.sum.summed)}, still kept {sorted(r.sum.early)}")
+        if s.mode == "sync":
+            r.last_skipped = st.apply_mean(s.workers, r.inf)
+        else:  # workers divide their deltas by N: the mean over the deltas this round actually has
+            st.apply_sum(s.workers / len(r.pushed))
+        r.pushed.clear()
+        r.sum.clear()
+        r.inf = False

@@ -1,0 +1,57 @@
+"""What a server says: replies on its ROUTER socket (every frame counted) and events on the launcher's pipe.
+
+Every request gets exactly one reply, in order: `ack`, `params`, `rows` or `error`. A failed server answers
+every waiting pull with its failure and tells the launcher (event `failed`); the pipe carries JSON, never pickle.
+"""
+from __future__ import annotations
+
+import json
+import time
+from typing import Any
+
+import torch
+import zmq
+
+from psarch.meters import TrafficMeter
+from psarch.ps import wire
+from psarch.ps.server.state import ServerState
+
+
+class Replies:
+    """The server's outgoing side: `send` and `error` answer a request, `fail` fails the server, `notify`
+    writes an event on the launcher's pipe (None: a server without launcher)."""
+
+    def __init__(self, sock: zmq.Socket, meter: TrafficMeter, state: ServerState, pipe: Any) -> None:
+        self.sock, self.meter, self.state, self.pipe = sock, meter, state, pipe
+
+    def send(self, ident: bytes, op: str, header: dict[str, Any], tensor: torch.Tensor | None = None) -> None:
+        """Answer request `op` of connection `ident`."""
+        frames = wire.encode(header, tensor)
+        self.meter.add(op, wire.frames_bytes(frames), 0, calls=0)
+        self.sock.send_multipart([ident, *frames], copy=False)
+        if ident == self.state.current:
+            self.state.current_answered = True
+
+    def error(self, ident: bytes, op: str, text: str, code: str | None = None) -> None:
+        """Refuse request `op` (counted as rejected unless the server has failed); `code` names the kind."""
+        self.state.rejected += self.state.failure is None
+        header = {"op": "error", "message": f"server {self.state.index}: {text}"[:4000]}
+        self.send(ident, op, dict(header, code=code) if code else header)
+
+    def fail(self, text: str) -> None:
+        """The server can no longer serve: every waiting and later request hears `text`, and so does the launcher."""
+        s = self.state
+        s.failure = text
+        s.failed_at = time.monotonic()
+        for p in s.pending:
+            self.error(p.ident, p.op, text)
+        s.pending = []
+        self.notify({"event": "failed", "server": s.index, "message": f"server {s.index}: {text}"})
+
+    def notify(self, event: dict[str, Any]) -> None:
+        if self.pipe is not None:
+            self.pipe.send_bytes(json.dumps(event).encode())
+
+    def payload(self, data: bytes | memoryview) -> None:
+        """Raw bytes on the launcher's pipe (the final parameters after a `stats` event)."""
+        self.pipe.send_bytes(data)

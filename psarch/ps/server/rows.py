@@ -1,0 +1,184 @@
+"""A parameter server's shard of the embedding tables by row (`backend.embeddings = "rows"`), a part the server
+holds beside its dense range (served exactly as without rows: flat ranges, push/pull/pushpull). The
+rows of the tables that this server owns (psarch/ps/rows.py: key k mod servers = index) move in three
+more requests:
+
+- `rowpull` (the tensor: the int64 keys a worker's next step reads) -> `rows` (their values, in the
+  wire dtype), answered at once: a worker sends it after its pull for that step was answered, so the
+  mode's wait (sync round, SSP bound) has already happened;
+- `rowpush` (keyed: keys + their rows' gradients; geo: deltas) for the worker's next step, sent before
+  that step's dense push on the same connection, so ZeroMQ delivers it first: when a sync round's last
+  dense push arrives, every row of the round is in. Sync sums the round's rows over workers and applies
+  the mean once with the dense update; async / ssp apply each push at once (row-wise optimizer, no
+  staleness compensation); geo adds each worker's row deltas at once (or, with the barrier, the round's);
+- `rowfetch` -> `rows`: this server's whole shard in fp32 (the final model).
+
+Keys must be int64, one-dimensional, strictly increasing and owned by this server; values must be the
+wire dtype, one row of `dim` per key, finite. Anything else is an error reply and changes nothing.
+A server with rows builds its initial model from the config: `init` is refused. Its checkpoint part holds
+its shard of every table (the format: psarch/ps/row_snapshot.py).
+"""
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+
+from psarch.checkpoint.fragments import PARAM, Pieces, optimizer_views
+from psarch.ps.layout import Layout
+from psarch.ps import wire
+from psarch.ps.errors import NonFinitePush, PSError
+from psarch.ps.row_snapshot import ROW_STEP, row_model_layout, shard_fragments
+from psarch.ps.rows import key_space
+from psarch.ps.server.replies import Replies
+from psarch.ps.server.row_shard import RowShard
+from psarch.ps.server.state import ServerState
+
+Handler = Callable[[bytes, wire.Message], None]
+
+
+class ServerRows:
+    """The rows part of a server: its RowShard, the row requests, and what rows add to a round, a lost worker,
+    the server's measurements and its checkpoint part."""
+
+    def __init__(self, state: ServerState, replies: Replies) -> None:
+        self.state, self.replies = state, replies
+        self.space = key_space(state.cfg)
+        self.shard: RowShard | None = None
+        self.row_step = [-1] * state.workers    # the step of each worker's last rowpush
+        self._layout: tuple[Layout, list[str]] | None = None
+
+    def start(self, rows: torch.Tensor) -> None:
+        """Hold this server's rows of the initial tables (psarch/ps/server/row_shard.py's initial_shard)."""
+        self.shard = RowShard(rows, self.space, self.state.index, self.state.cfg)
+
+    def handlers(self) -> dict[str, Handler]:
+        """The requests this part answers (and `init`, which a server with rows refuses)."""
+        return {"init": self.on_init, "rowpull": self.on_rowpull, "rowpush": self.on_rowpush,
+                "rowfetch": self.on_rowfetch}
+
+    def on_init(self, ident: bytes, msg: wire.Message) -> None:
+        raise PSError("init: a server with embedding rows builds its initial model from the config")
+
+    def on_rowpull(self, ident: bytes, msg: wire.Message) -> None:
+        s = self.state
+        s.sender(msg)
+        if msg.header["want"] != s.wire_dtype:
+            raise PSError(f"rowpull: dtype {msg.header['want']!r:.40}, this run's wire dtype is {s.wire_dtype}")
+        idx = self.shard.local(msg.tensor(), "rowpull")
+        self.replies.send(ident, "rowpull", {"op": "rows", "version": s.range.version},
+                          self.shard.gather(idx, s.scratch.dtype))
+
+    def on_rowpush(self, ident: bytes, msg: wire.Message) -> None:
+        s, h = self.state, msg.header
+        w, st = s.sender(msg), s.range
+        if h["version"] != st.sent_version[w]:
+            raise PSError(f"rowpush: worker {w} says it computed on version {h['version']}, this server last "
+                          f"sent it version {st.sent_version[w]}")
+        if h["step"] != s.clock[w] or self.row_step[w] == h["step"]:
+            raise PSError(f"rowpush: worker {w} sent rows for step {h['step']}; its next step is {s.clock[w]}"
+                          + (" and it has pushed its rows for it" if self.row_step[w] == s.clock[w] else ""))
+        if s.barrier and (h["step"] != st.version or w in s.round.pushed):
+            # its rows would join the round of step st.version as if they were that step's
+            raise PSError(f"rowpush: worker {w} sent rows for step {h['step']} during the round of step {st.version}"
+                          + (", after its dense push for it" if w in s.round.pushed else ""))
+        if h["dtype"] != s.wire_dtype or msg.shape[1] != self.space.dim:
+            raise PSError(f"rowpush: values {h['dtype']} {list(msg.shape)}: expected {s.wire_dtype} "
+                          f"[keys, {self.space.dim}]")
+        idx = self.shard.local(msg.keys(), "rowpush")
+        try:
+            values = msg.tensor(finite=True)
+        except wire.NonFinitePayload:
+            s.refused_non_finite[w] += 1
+            raise NonFinitePush(f"rowpush: worker {w}'s rows for step {h['step']} hold inf/nan: refused, "
+                                f"nothing applied") from None
+        s.changing = True
+        if s.barrier:
+            self.shard.add_to_round(w, idx, values)
+        else:
+            # geo: workers divide their deltas by N; after a loss, the mean over the live workers' deltas
+            self.shard.apply(idx, values, s.workers / len(s.live))
+        self.row_step[w] = h["step"]
+        self.replies.send(ident, "rowpush", {"op": "ack", "version": st.version})
+
+    def on_rowfetch(self, ident: bytes, msg: wire.Message) -> None:
+        self.state.sender(msg)
+        self.replies.send(ident, "rowfetch", {"op": "rows", "version": self.state.range.version},
+                          self.shard.rows.clone())
+
+    def end_round(self, factor: float) -> None:
+        """A barrier round is complete: apply its rows, summed over workers, times `factor`."""
+        self.shard.apply_round(factor)
+
+    def drop(self, w: int) -> None:
+        """Worker w is lost: lost between its rowpush and its dense push, it is not in the round, nor its rows."""
+        if self.shard is not None and w not in self.state.lost and w not in self.state.round.pushed:
+            self.shard.drop(w)
+
+    def add_memory(self, mem: dict[str, Any]) -> None:
+        """The shard's bytes added to the server's memory report (and its rows, and their bytes, apart)."""
+        rows = self.shard.memory()
+        for k, v in rows.items():
+            mem[k] = mem.get(k, 0) + v
+        mem["total"] = sum(mem[k] for k in ("params", "optimizer", "buffers"))
+        mem["embedding_rows"] = self.shard.rows.shape[0]
+        mem["embedding_bytes"] = rows["params"]
+
+    def final(self, dense: torch.Tensor) -> torch.Tensor:
+        """What the launcher's model.pt takes from this server: its dense range, then its rows
+        (psarch/ps/rows.py's join_parts splits them)."""
+        return torch.cat([dense.reshape(-1), self.shard.rows.reshape(-1)])
+
+    # ------------------------------------------------------------------ checkpoints
+
+    def _model_layout(self) -> tuple[Layout, list[str]]:
+        if self._layout is None:   # built once, on the meta device
+            self._layout = row_model_layout(self.state.cfg)
+        return self._layout
+
+    def dense_layout(self) -> Layout:
+        """The dense parameters' layout in the dense flat vector, without the tables."""
+        return self._model_layout()[0]
+
+    @property
+    def table_names(self) -> list[str]:
+        return self._model_layout()[1]
+
+    def _table_scalars(self) -> dict[str, float]:
+        """The dense optimizer's numbers (its step), which a dense backend forking from the tables needs."""
+        st = self.state.range
+        return optimizer_views(st.optim.optimizer, st.optim.master.params[0])[1] if st.optim is not None else {}
+
+    def _tensors(self) -> dict[str, torch.Tensor]:
+        sh = self.shard
+        out = {PARAM: sh.rows}
+        if sh.optim is not None:
+            out.update({k: v for k, v in sh.optim.state.items() if k != "step"})
+            if "step" in sh.optim.state:   # element-wise, as every fragment is
+                out[ROW_STEP] = sh.optim.state["step"].unsqueeze(1).expand(-1, self.space.dim).contiguous()
+        return out
+
+    def add_pieces(self, pieces: Pieces) -> None:
+        """The shard of every table, added to the server's part."""
+        pieces.fragments += shard_fragments(self.space, self.state.index, self.table_names, self._tensors(),
+                                            self._table_scalars())
+        for name, rows in zip(self.table_names, self.space.rows):
+            pieces.params[name] = (rows, self.space.dim)
+
+    def restore(self, ckpt: Any) -> None:
+        """This server's rows and their optimizer state (each state the checkpoint holds for the tables; lazy
+        AdamW's steps from the dense step without it), after the dense range was restored."""
+        tensors = self._tensors()
+        frags = shard_fragments(self.space, self.state.index, self.table_names, tensors, {})
+        with torch.no_grad():
+            for f in frags:
+                for key in list(f.tensors):
+                    if not ckpt.has(f.name, key):
+                        del f.tensors[key]
+                ckpt.fill(f)
+        steps = self.shard.optim.state.get("step") if self.shard.optim is not None else None
+        if steps is not None:
+            if all(ckpt.has(f.name, ROW_STEP) for f in frags):
+                steps.copy_(tensors[ROW_STEP][:, 0])
+            else:   # a dense AdamW's step moved every row
+                steps.fill_(int(ckpt.scalars(self.table_names[0]).get("step", 0)))

@@ -1,0 +1,172 @@
+"""A server's side of checkpoints (the protocol and the format: psarch/ps/snapshot.py): the `save` op, the
+barrier it is, and restoring a server from a checkpoint at start-up."""
+from __future__ import annotations
+
+import time
+from collections import Counter
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from psarch.checkpoint.fragments import PARAM, Pieces, fragments_in, restore_optimizer
+from psarch.checkpoint.writer import tmp_dir, write_part
+from psarch.ps.layout import Layout
+from psarch.ps import wire
+from psarch.ps.errors import PSError
+from psarch.ps.layout import param_layout
+from psarch.ps.server.replies import Replies
+from psarch.ps.server.state import ServerState
+from psarch.ps.snapshot import exact_records, pushes_by, shapes, views
+
+if TYPE_CHECKING:
+    from psarch.ps.server.rows import ServerRows
+
+
+class Snapshots:
+    """The `save` requests waiting for every live worker, and what this server writes and restores."""
+
+    def __init__(self, state: ServerState, replies: Replies, checkpoints: Path | None,
+                 rows: ServerRows | None) -> None:
+        """checkpoints: the run's checkpoint folder, the only place a `save` may write (None: no saves)."""
+        self.state, self.replies, self.rows = state, replies, rows
+        self.checkpoints = Path(checkpoints).resolve() if checkpoints is not None else None
+        self.saves: list[tuple[bytes, int]] = []   # waiting save requests: (identity, worker)
+        self.step, self.since = 0, 0.0            # the step they ask for, and since when they wait
+        self._layout: Layout | None = None
+
+    @property
+    def layout(self) -> Layout:
+        """The dense parameters' layout in the flat vector (built once, on the meta device)."""
+        if self._layout is None:
+            self._layout = self.rows.dense_layout() if self.rows is not None else param_layout(self.state.cfg)
+        return self._layout
+
+    def on_save(self, ident: bytes, msg: wire.Message) -> None:
+        s = self.state
+        w, step = s.sender(msg), msg.header["step"]
+        if self.checkpoints is None:
+            raise PSError("save: this server was started without a run folder, so it writes no checkpoints")
+        if s.range is None:
+            raise PSError("save before init: no parameters yet")
+        folder = tmp_dir(self.checkpoints, step)
+        try:
+            asked = Path(msg.header["path"]).resolve()
+        except (ValueError, OSError, RuntimeError):   # a NUL byte, a symlink loop: no folder of this run
+            asked = None
+        if asked != folder:
+            raise PSError(f"save: path {msg.header['path']!r:.200} is not this run's folder for step {step} ({folder})")
+        if self.saves and step != self.step:
+            raise PSError(f"save: worker {w} asks for step {step}, other workers for step {self.step}")
+        if any(v == w for _, v in self.saves):
+            raise PSError(f"save: worker {w} already asked for step {step}")
+        if s.clock[w] != pushes_by(s.cfg, step):
+            raise PSError(f"save: worker {w} has pushed {s.clock[w]} time(s); a checkpoint at step {step} "
+                          f"follows {pushes_by(s.cfg, step)}")
+        if not self.saves:
+            self.step, self.since = step, time.monotonic()
+        self.saves.append((ident, w))
+        self.save_if_all()
+        # still waiting: answered once every worker has asked (or with an error), not by handle()
+        s.current_answered |= any(i == ident for i, _ in self.saves)
+
+    def save_if_all(self) -> None:
+        """Write this server's part once every live worker waits in `save`, then ack them all."""
+        if not self.saves or not self.state.live <= {w for _, w in self.saves}:
+            return   # (a worker lost while it waited still counts as asked: its part is written)
+        waiting, self.saves = self.saves, []
+        folder = tmp_dir(self.checkpoints, self.step)
+        try:
+            write_part(self.pieces(), folder, f"server{self.state.index}")
+        except OSError as e:
+            for ident, _ in waiting:
+                self.replies.error(ident, "save", f"save: cannot write {folder}: {e}")
+            return
+        for ident, _ in waiting:
+            self.replies.send(ident, "save", {"op": "ack", "version": self.state.range.version})
+
+    def heard(self, worker: Any) -> None:
+        """A request from a worker a waiting save still needs: it is on its way to the save's step (without a
+        barrier it may be many steps behind), so the wait counts from now."""
+        if self.saves and worker not in {w for _, w in self.saves}:
+            self.since = time.monotonic()
+
+    def overdue(self, now: float) -> bool:
+        """Fail the server when a save has heard nothing from the workers it waits for in silence_s (timeout_s,
+        GEO: x k_steps, as their silence between pushes may last)."""
+        s = self.state
+        if not self.saves or now - self.since <= s.silence_s:
+            return False
+        missing = sorted(s.live - {w for _, w in self.saves})
+        text = (f"checkpoint step {self.step}: no word from worker(s) {missing} within {s.silence_s:g} s "
+                f"({s.silence_text})")
+        waiting, self.saves = self.saves, []
+        for ident, _ in waiting:
+            self.replies.error(ident, "save", text)
+        self.replies.fail(text)
+        return True
+
+    def pieces(self) -> Pieces:
+        """This server's part: its range (with optimizer state, DC backups), its record; its rows' shard."""
+        s, layout = self.state, self.layout
+        st, lo, hi = s.range, s.lo, s.hi
+        if st.optim is not None:
+            fragments = fragments_in(st.optim.optimizer, st.optim.master.params, 0, layout, lo, hi)
+        else:   # GEO: parameters only, no server optimizer
+            fragments = views(layout, {PARAM: st.params}, lo, hi)
+        if st.backup is not None:
+            fragments += views(layout, {f"dc_backup/{w}": b for w, b in enumerate(st.backup)}, lo, hi)
+        record = {"server": s.index, "range": [lo, hi], "version": st.version,
+                  "sent_version": list(st.sent_version), "clock": list(s.clock),
+                  "staleness": {str(k): v for k, v in sorted(st.staleness.items())}, "skipped": st.skipped,
+                  "max_ahead": s.max_ahead}
+        if st.optim is not None and st.optim.scaler.enabled:
+            record["scaler"] = st.optim.scaler.state_dict()
+        pieces = Pieces(fragments, shapes(layout), record)
+        if self.rows is not None:
+            self.rows.add_pieces(pieces)
+        return pieces
+
+    def restore(self, ckpt: Any) -> None:
+        """Start from a checkpoint: its parameters and optimizer state for this range (and rows); the server's
+        records exactly when a PS run of this shape wrote it, else those of a run whose workers all just pulled."""
+        self._restore_range(ckpt)
+        ps = exact_records(ckpt, self.state.cfg)
+        if ps is None:
+            self._fork(ckpt.step)
+        else:
+            self._restore_records(ps["servers"][self.state.index], ckpt)
+        if self.rows is not None:
+            self.rows.restore(ckpt)
+
+    def _restore_range(self, ckpt: Any) -> None:
+        st, layout, lo, hi = self.state.range, self.layout, self.state.lo, self.state.hi
+        if st.optim is not None:
+            restore_optimizer(st.optim, ckpt, lambda: fragments_in(st.optim.optimizer, st.optim.master.params, 0,
+                                                                   layout, lo, hi))
+        else:
+            with torch.no_grad():
+                for f in views(layout, {PARAM: st.params}, lo, hi):
+                    ckpt.fill(f)
+
+    def _fork(self, step: int) -> None:
+        s = self.state
+        st, n, pushes = s.range, s.workers, pushes_by(s.cfg, step)
+        # version counts updates: one per round with a barrier, one per push without (N per step)
+        version = pushes if s.barrier else pushes * n
+        st.version, st.sent_version, s.clock = version, [version] * n, [pushes] * n
+        for b in st.backup or []:
+            b.copy_(st.params.detach())   # DC: each worker's backup is the model it pulls
+
+    def _restore_records(self, rec: dict[str, Any], ckpt: Any) -> None:
+        s = self.state
+        st = s.range
+        st.version, st.sent_version, s.clock = rec["version"], list(rec["sent_version"]), list(rec["clock"])
+        st.staleness = Counter({int(k): v for k, v in rec["staleness"].items()})
+        st.skipped, s.max_ahead = rec["skipped"], rec["max_ahead"]
+        if "scaler" in rec:
+            st.optim.scaler.load_state_dict(rec["scaler"])
+        if st.backup is not None:
+            with torch.no_grad():
+                for f in views(self.layout, {f"dc_backup/{w}": b for w, b in enumerate(st.backup)}, s.lo, s.hi):
+                    ckpt.fill(f)

@@ -1,0 +1,159 @@
+"""What the parts of one parameter server share, declared in one place: `ServerState`, handed to the pull queue,
+the pushes, the snapshots, the deadlines and the rows (each part keeps to itself what no other part reads).
+
+Facts that follow from the config are properties here (barrier, silence allowed, wire dtype, ...), computed
+from `cfg.backend`'s own (psarch/ps/spec.py), never again at a site that uses them.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from psarch.config import Config
+from psarch.precision import compute_dtype
+from psarch.ps import wire
+from psarch.ps.errors import PSError
+from psarch.ps.server.rounds import OrderedSum
+from psarch.ps.server.updates import RangeState
+
+TRACE_LIMIT = 100_000   # ssp: the most trace events a server records
+
+
+@dataclass
+class Pull:
+    """A pull waiting until the mode lets `worker` have the parameters for `step`."""
+
+    ident: bytes
+    op: str
+    worker: int
+    step: int
+    since: float
+    extra: dict[str, Any]       # pushpull: what the push's ack would have said
+
+
+@dataclass
+class Round:
+    """A barrier round in progress (sync; GEO with the barrier): who pushed, their sum in worker order."""
+
+    sum: OrderedSum
+    pushed: set[int] = field(default_factory=set)
+    since: float = 0.0            # when its first push arrived
+    inf: bool = False             # fp16: a push of this round declared inf/nan
+    last_skipped: bool = False    # sync: whether the last completed round's update was skipped (fp16)
+
+
+@dataclass
+class ServerState:
+    """One server's state: its range of the parameters, the round, the workers' clocks, the waiting pulls."""
+
+    index: int
+    cfg: Config
+    exit_when_done: bool = False   # standalone: stop once every worker is done (or 10 s after a failure)
+    range: RangeState | None = None   # parameters [lo, hi) and their optimizer; None until initialised
+    lo: int = 0
+    hi: int = 0
+    scratch: torch.Tensor | None = None   # a push's payload, decoded here when it is not summed in place
+    round: Round = field(init=False)
+    clock: list[int] = field(init=False)            # pushes applied per worker (= its next step)
+    refused_non_finite: list[int] = field(init=False)   # pushes refused for inf/nan, per worker
+    lost: set[int] = field(default_factory=set)
+    done: set[int] = field(default_factory=set)
+    pending: list[Pull] = field(default_factory=list)
+    failure: str | None = None
+    failed_at: float | None = None
+    stopping: bool = False
+    rejected: int = 0
+    impostors: int = 0             # requests naming a worker other than their connection's
+    max_ahead: int = 0
+    trace: list[list[int]] = field(default_factory=list)   # ssp: [0, worker, steps pushed], [1, worker, step]
+    # standalone, modes that go on without a worker: when each worker was last heard from (None until the
+    # first worker speaks, so that workers started long after the server are not lost at once)
+    last_seen: list[float] | None = None
+    changing: bool = False         # the current request has started to change the state
+    current: bytes | None = None   # the identity of the request being handled ...
+    current_answered: bool = False  # ... and whether it has had its one reply
+
+    def __post_init__(self) -> None:
+        self.round = Round(OrderedSum(self.workers))
+        self.clock = [0] * self.workers
+        self.refused_non_finite = [0] * self.workers
+
+    # ------------------------------------------------------------------ facts of the config
+
+    @property
+    def workers(self) -> int:
+        return self.cfg.backend.world_size
+
+    @property
+    def mode(self) -> str:
+        return self.cfg.backend.mode
+
+    @property
+    def barrier(self) -> bool:
+        return self.cfg.backend.barrier
+
+    @property
+    def timeout_s(self) -> float:
+        return self.cfg.backend.timeout_s
+
+    @property
+    def silence_s(self) -> float:
+        """How long a worker may say nothing: timeout_s, times GEO's k_steps (it speaks once per push)."""
+        return self.cfg.backend.timeout_s * self.cfg.backend.push_every
+
+    @property
+    def silence_text(self) -> str:
+        return "backend.timeout_s" + (" x backend.k_steps" if self.mode == "geo" else "")
+
+    @property
+    def watch_silence(self) -> bool:
+        """A standalone server has no launcher to say a worker died: where the mode goes on without a worker,
+        it loses one that is silent too long."""
+        return self.exit_when_done and self.cfg.backend.tolerates_lost_workers
+
+    @property
+    def wire_dtype(self) -> str:
+        return wire.DTYPE_NAMES[compute_dtype(self.cfg.train.precision)]
+
+    @property
+    def loss_scaling(self) -> bool:
+        """Pushes carry a loss scale and an inf/nan verdict only where a server optimizer scales the loss."""
+        return self.cfg.train.precision == "fp16" and self.mode != "geo"
+
+    # ------------------------------------------------------------------ facts of the state
+
+    @property
+    def live(self) -> set[int]:
+        return set(range(self.workers)) - self.lost
+
+    @property
+    def slowest(self) -> int:
+        """The fewest pushes any live worker has made."""
+        return min((self.clock[w] for w in self.live), default=0)
+
+    def sender(self, msg: wire.Message) -> int:
+        """The worker a request comes from; PSError unless it is one of this run's and not lost."""
+        w = msg.header["worker"]
+        if w >= self.workers:
+            raise PSError(f"worker {w}: this run has workers 0..{self.workers - 1}")
+        if w in self.lost:
+            raise PSError(f"worker {w} was declared lost")
+        return w
+
+    def hold(self, lo: int, hi: int, params: torch.Tensor) -> None:
+        """Own range [lo, hi) of the flat parameter vector, starting from `params` (its fp32 values)."""
+        self.lo, self.hi = lo, hi
+        self.range = RangeState(params, self.cfg, self.workers)
+        self.scratch = torch.empty(hi - lo, dtype=compute_dtype(self.cfg.train.precision))
+
+    def heard(self, worker: Any) -> None:
+        """A request from `worker`: its silence starts again (standalone servers that watch silence)."""
+        if not self.watch_silence or not isinstance(worker, int) or not 0 <= worker < self.workers:
+            return
+        now = time.monotonic()
+        if self.last_seen is None:
+            self.last_seen = [now] * self.workers   # the run has begun: every worker's silence counts from now
+        self.last_seen[worker] = now

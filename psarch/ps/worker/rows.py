@@ -1,0 +1,192 @@
+"""A PS worker's embedding rows when its tables stay on the servers (`backend.embeddings = "rows"`): an object
+the worker holds, not a kind of worker.
+
+The worker holds the dense parameters (flat, pushed and pulled as without rows) and, per step, only the rows
+its batch reads: for each table the distinct ids of the batch (u_t of them), pulled from their servers as one
+compact (u_t, dim) table; the batch's ids are remapped to positions in it, forward and backward run on it,
+and the rows' gradients are pushed back with their keys (psarch/ps/rows.py) before the dense push, on the
+same connections. A step sends, per worker: rowpull (8·u bytes of keys) and rowpush (8·u of keys + u·dim·b of
+gradients), and receives u·dim·b of rows, beside the dense push and pull (psarch/ps/theory.py's
+rows_traffic). GEO keeps the rows it reads between syncs in a RowCache (row_cache.py) and pushes their
+deltas with the dense delta.
+
+A worker never holds the full tables: the workload builds its model with the tables on the meta device
+(psarch/workload.py), and rank 0's model.pt at the end is the servers' rows, not a copy of its own.
+"""
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import torch
+from torch import nn
+
+from psarch.checkpoint import Pieces
+from psarch.config import Config
+from psarch.ps import wire
+from psarch.ps.row_snapshot import cache_fragments
+from psarch.ps.rows import gather_shards, join_model, key_space
+from psarch.ps.worker.client import PSClient, Request
+from psarch.ps.worker.row_cache import RowCache
+from psarch.embeddings import batch_ids, embedding_tables
+from psarch.theory import expected_unique_ids, table_params
+
+
+class WorkerRows:
+    """The rows of a worker's step: `fetch` them before forward, `pushes` of their gradients after backward
+    (GEO: `local_step`, and `sync` every k_steps); its part of a checkpoint, its memory, its figures."""
+
+    def __init__(self, model: nn.Module, cfg: Config, client: PSClient, dtype: torch.dtype,
+                 device: torch.device) -> None:
+        """Takes the tables out of `model` (empty, frozen placeholders): call before the model moves."""
+        self.cfg, self.client, self.dtype, self.device = cfg, client, dtype, device
+        self.wire_dtype = wire.DTYPE_NAMES[dtype]
+        self.space = key_space(cfg)
+        self.offsets = self.space.offsets()
+        self.table_names = [name for name, _ in embedding_tables(model)]
+        self.tables = [t for _, t in embedding_tables(model)]
+        for t in self.tables:   # an empty, frozen placeholder: the flat vector holds the dense part only
+            t.weight = nn.Parameter(torch.empty(0, self.space.dim), requires_grad=False)
+        self.cache = RowCache(self.space.dim, cfg.train) if cfg.backend.mode == "geo" else None
+        # this step's rows: their keys (sorted), each server's positions (GEO: positions in the cache), weights
+        self.keys = torch.empty(0, dtype=torch.int64)
+        self.where: Any = None
+        self.weights: list[nn.Parameter] = []
+        self.counts: dict[str, int] = {}    # GEO: rows pulled this step (not cached), rows pushed at a sync
+        self.cache_peak = (0, 0, 0, 0)      # GEO: the largest cache's (rows, params, optimizer, buffers bytes)
+        self.grad_bytes = 0                 # GEO: bytes of the last step's rows' gradients
+        self.held = self.held_peak = 0      # bytes of embedding rows (and their gradients) held now / at most
+
+    # ------------------------------------------------------------------ a step
+
+    def fetch(self, batch: Any, step: int) -> tuple[Any, float]:
+        """Pull the rows `batch` reads into the model's tables; (the batch with its ids remapped to rows of
+        those tables, seconds spent pulling)."""
+        dense, ids, clicks = batch
+        keys, local, sizes = self._keys(batch_ids(batch).cpu())
+        t0 = time.perf_counter()
+        rows, self.where = self._pull(keys, step) if self.cache is None else self._cached(keys, step)
+        pulled_s = time.perf_counter() - t0
+        self.keys = keys
+        self.weights = [nn.Parameter(r) for r in rows.split(sizes)]
+        for table, w in zip(self.tables, self.weights):
+            table.weight = w
+        return (dense, local.to(ids.device), clicks), pulled_s
+
+    def _keys(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
+        """(the batch's distinct keys, sorted; ids remapped to rows of the compact tables; u_t per table)."""
+        local = torch.empty_like(ids)
+        keys = []
+        for t, rows in enumerate(self.space.rows):
+            uniq, inverse = torch.unique(ids[:, t], return_inverse=True)
+            if uniq[0] < 0 or uniq[-1] >= rows:
+                raise ValueError(f"table {t}: ids from {int(uniq[0])} to {int(uniq[-1])}, the table has {rows} rows")
+            local[:, t] = inverse
+            keys.append(uniq + self.offsets[t])
+        return torch.cat(keys), local, [k.numel() for k in keys]
+
+    def _pull(self, keys: torch.Tensor, step: int) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """The rows of `keys` from their servers, in the order of `keys`; and each server's positions."""
+        where = self.space.split(keys)
+        # each reply lands in a table of as many rows as keys asked: a server answering other rows is refused
+        reqs = [[Request({"op": "rowpull", "step": step, "want": self.wire_dtype}, keys[pos],
+                         into=torch.empty(pos.numel(), self.space.dim, dtype=self.dtype))] for pos in where]
+        self.client.exchange(reqs)
+        rows = torch.empty(keys.numel(), self.space.dim, dtype=self.dtype)
+        for pos, (r,) in zip(where, reqs):
+            rows[pos] = r.into
+        return rows.to(self.device), where
+
+    def _cached(self, keys: torch.Tensor, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """GEO: the rows of `keys` from the cache, pulling the ones not cached yet; and their positions."""
+        new = self.cache.missing(keys)
+        self.counts["rows_pulled"] = new.numel()
+        if new.numel():
+            self.cache.add(new, self._pull(new, step)[0].cpu())
+        pos = self.cache.positions(keys)
+        return self.cache.rows[pos].to(self.device, self.dtype), pos
+
+    def _grads(self) -> torch.Tensor:
+        return torch.cat([w.grad for w in self.weights]).cpu()
+
+    def pushes(self, step: int, versions: list[int]) -> list[Request]:
+        """After backward: the rowpush of this step's rows' gradients to each server, to go before its dense push."""
+        grads = self._grads()
+        self._hold(2 * grads.numel() * grads.element_size())   # the step's rows, and as much for their gradients
+        return [Request({"op": "rowpush", "step": step, "version": versions[i]}, grads[pos], keys=self.keys[pos])
+                for i, pos in enumerate(self.where)]
+
+    def local_step(self) -> None:
+        """GEO, after the dense part's local step: a row-wise optimizer step on the cached rows."""
+        grads = self._grads()
+        self.grad_bytes = grads.numel() * grads.element_size()
+        self.cache.optim.step(self.where, grads.float())
+        self._hold(self.cache.nbytes())
+
+    def sync(self, push: int, versions: list[int], workers: int) -> list[Request]:
+        """GEO, at a sync: the rowpush of the changed rows' deltas (value − pulled) / N, to go before the dense
+        delta on each connection; `synced` empties the cache once the exchange is over."""
+        c = self.cache
+        if c.keys.numel() >= self.cache_peak[0]:   # memory(): the cache at its largest, just before a sync
+            self.cache_peak = (c.keys.numel(), 4 * c.rows.numel(), c.optim.state_bytes(),
+                               4 * c.synced.numel() + 8 * c.keys.numel())
+        keys, deltas = c.deltas(workers)
+        self.counts["rows_pushed"] = keys.numel()
+        return [Request({"op": "rowpush", "step": push, "version": versions[i]}, deltas[pos].to(self.dtype),
+                        keys=keys[pos]) for i, pos in enumerate(self.space.split(keys))]
+
+    def synced(self) -> None:
+        """GEO: the sync is over; the next steps pull the servers' new rows."""
+        self.cache.clear()
+
+    def _hold(self, nbytes: int) -> None:
+        self.held = nbytes
+        self.held_peak = max(self.held_peak, nbytes)
+
+    def step_extra(self) -> dict[str, int]:
+        """This step's figures for metrics.jsonl: distinct ids; GEO: rows pulled, rows pushed at a sync."""
+        out = {"unique_ids": int(self.keys.numel()), **self.counts}
+        self.counts = {}
+        return out
+
+    # ------------------------------------------------------------------ the model, checkpoints, figures
+
+    def fetch_all(self) -> list[Request]:
+        """One `rowfetch` per server: each server's whole shard (for `full_state`)."""
+        return [Request({"op": "rowfetch"}) for _ in range(self.space.servers)]
+
+    def full_state(self, model: nn.Module, dense: torch.Tensor, fetched: list[Request]) -> dict[str, torch.Tensor]:
+        """The model's consolidated state_dict from the servers' dense vector and their answered `fetch_all`."""
+        return join_model(model, self.space, dense, gather_shards(self.space, [r.into for r in fetched]))
+
+    def add_to(self, pieces: Pieces, rank: int) -> None:
+        """GEO: the worker's checkpoint part gets its RowCache (its keys in the record, its rows as fragments)."""
+        if self.cache is not None:
+            pieces.fragments += cache_fragments(self.cache, self.space, self.table_names, rank)
+            pieces.state["cache_keys"] = self.cache.keys.tolist()
+
+    def restore(self, ckpt: Any, record: dict[str, Any], rank: int) -> None:
+        """GEO: refill the RowCache as this worker wrote it: its keys in their order, rows, pulled copies, state."""
+        if self.cache is None:
+            return
+        c = self.cache
+        c.clear()
+        keys = torch.tensor(record["cache_keys"], dtype=torch.int64)
+        c.add(keys, torch.zeros(keys.numel(), self.space.dim))
+        with torch.no_grad():
+            for f in cache_fragments(c, self.space, self.table_names, rank):   # views into the cache's tensors
+                ckpt.fill(f)
+
+    def memory(self) -> dict[str, int]:
+        """Bytes of rows it holds, by MemoryReport category (added to the worker's)."""
+        if self.cache is not None:   # GEO: the largest cache (rows, optimizer state, pulled copies and keys)
+            _, params, optimizer, buffers = self.cache_peak
+            return {"params": params, "optimizer": optimizer, "buffers": buffers,
+                    "grads": self.grad_bytes}   # and the last step's rows' gradients
+        # the last step's rows, and as much again for their gradients
+        return {"params": self.held // 2, "grads": self.held // 2}
+
+    def summary(self) -> dict[str, Any]:
+        """E[u] per step beside each step's measured `unique_ids` (metrics.jsonl); the bytes held at most."""
+        return {"embedding_bytes_held_peak": self.held_peak, "embedding_table_bytes": table_params(self.cfg) * 4,
+                "unique_ids_expected": expected_unique_ids(self.cfg)}

@@ -1,0 +1,231 @@
+"""The `ps` backend's worker: computes gradients, pushes them to the servers, pulls parameters back.
+
+A worker holds the model's parameters and gradients only; the optimizer runs on the servers (in GEO
+each worker also runs a local optimizer, as in PaddlePaddle's GEO-SGD: geo.py). Parameters and gradients
+live in one flat buffer (`FlatParams`); server i owns the contiguous slice `ranges[i]` of it (link.py). With
+`backend.embeddings = "rows"` the worker holds a `WorkerRows` (rows.py): the tables stay on the servers and
+each step fetches and pushes only the rows its batch reads.
+
+Precision: workers compute in the compute dtype and push gradients (GEO: deltas) in it; servers keep
+fp32 parameters and optimizer state, and answer pulls in the compute dtype. So the wire carries
+S = Φ·bytes(compute dtype) each way, as theory's traffic assumes. In fp16 the loss scale is
+the servers' (sent with every pull); the worker checks its whole gradient for inf/nan and sends the
+verdict with the push, so that every server skips the same steps.
+
+Checkpoints (the protocol: psarch/ps/snapshot.py): each worker writes its part, then its `save` to every
+server is the barrier; rank 0 merges the parts once every server has acked.
+"""
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from psarch.checkpoint import Checkpoint, Pieces, rng
+from psarch.checkpoint.writer import merge, part_state, publish, step_dir, tmp_dir, write_part, write_steps
+from psarch.config import Config
+from psarch.dist import DistContext
+from psarch.errors import check_loss
+from psarch.flat import FlatParams, flat_layout
+from psarch.meters import peak_memory, tensor_bytes
+from psarch.precision import compute_dtype, has_inf_or_nan
+from psarch.ps.layout import state_from_flat, trainable
+from psarch.ps.snapshot import exact_records, pushes_by, run_shape, views
+from psarch.ps.worker.client import PSClient
+from psarch.ps.worker.geo import GeoLocal
+from psarch.ps.worker.link import ServerLink
+from psarch.ps.worker.rows import WorkerRows
+from psarch.trainer import MemoryReport, StepStats, Trainer, TrafficReport
+from psarch.workload import Workload
+
+
+class PSWorker(Trainer):
+    """One PS worker (modes sync, async, ssp, geo; see psarch/ps/server/ for what servers do)."""
+
+    def __init__(self, workload: Workload, cfg: Config, ctx: DistContext) -> None:
+        b = cfg.backend
+        self.cfg, self.ctx, self.n = cfg, ctx, b.world_size
+        self.dtype = compute_dtype(cfg.train.precision)
+        self.fp16 = cfg.train.precision == "fp16"
+        addresses = list(ctx.services.addresses or b.server_addresses)
+        if len(addresses) != b.servers:
+            raise RuntimeError(f"backend.servers = {b.servers}: {len(addresses)} server address(es) known "
+                               f"({addresses}); run through `psarch run`, or list every server in "
+                               f"backend.server_addresses")
+        self.client = PSClient(addresses, ctx.rank, b.timeout_s, ctx.services.auth, b.heartbeat_s,
+                               b.heartbeat_timeout_s)
+        # every parameter a checkpoint holds (with rows: the tables too, which this worker never holds whole)
+        self.param_shapes = {n: tuple(p.shape) for n, p in workload.model.named_parameters() if p.requires_grad}
+        # the tables leave the model before it moves: only the dense part is ever materialised here
+        self.rows = (WorkerRows(workload.model, cfg, self.client, self.dtype, ctx.device)
+                     if b.embeddings == "rows" else None)
+        self.model = workload.model.to(ctx.device, self.dtype)
+        self.loss_fn = workload.loss_fn
+        self.flat = FlatParams(trainable(self.model))
+        self.layout = flat_layout(self.model, self.flat.params)
+        self.link = ServerLink(self.client, self.flat, b.servers, ctx.device, self.dtype)
+        self.steps = 0        # steps taken
+        self.rounds = 0       # geo: deltas pushed
+        if not ctx.services.restored:   # else load_checkpoint sets the state
+            self.link.pull(0)  # the servers built the same initial model from the config: nothing to send
+        self.geo = GeoLocal(self.flat, cfg) if b.mode == "geo" else None   # from the pulled model
+
+    # ------------------------------------------------------------------ steps
+
+    def step(self, batch: Any) -> StepStats:
+        t_start = time.time()
+        pulled_s = 0.0
+        if self.rows is not None:
+            batch, pulled_s = self.rows.fetch(batch, self.steps)
+        self.flat.zero_grad()
+        loss = self.loss_fn(self.model, batch)
+        if not self.fp16:  # before the push: name the bad loss rather than have a server refuse its gradient
+            check_loss(self.steps, self.ctx.rank, float(loss.detach()))
+        info = self._geo_step(loss) if self.geo is not None else self._push_step(loss)
+        info["comm_s"] += pulled_s
+        scale = self.geo.optim.scaler.scale if self.geo is not None else self.link.loss_scale
+        extra = {k: info[k] for k in ("version", "staleness", "ahead") if k in info}
+        extra.update(t_start=t_start, t_end=time.time())
+        if self.rows is not None:
+            extra.update(self.rows.step_extra())
+        return StepStats(float(loss.item()), skipped=bool(info.get("skipped", False)), loss_scale=scale,
+                         comm_s=info["comm_s"], extra=extra)
+
+    def _push_step(self, loss: torch.Tensor) -> dict[str, Any]:
+        """sync, async, ssp: push this step's gradient (after its rows'), pull the parameters for the next."""
+        (loss * self.link.loss_scale if self.fp16 else loss).backward()
+        header: dict[str, Any] = {}
+        if self.fp16:
+            header = {"scale": self.link.loss_scale, "found_inf": bool(has_inf_or_nan([self.flat.grad]).item())}
+        before = self.rows.pushes(self.steps, self.link.versions) if self.rows is not None else None
+        self.steps += 1
+        return self.link.exchange(self.flat.grad, self.steps, header, before)
+
+    def _geo_step(self, loss: torch.Tensor) -> dict[str, Any]:
+        """GEO: a local step (dense part, then the cached rows); a sync every k_steps."""
+        self.geo.optim.scaler.scale_loss(loss).backward()
+        skipped = self.geo.optim.step([self.flat.grad])
+        if self.rows is not None:
+            self.rows.local_step()
+        self.steps += 1
+        info: dict[str, Any] = {"comm_s": 0.0, "skipped": skipped}
+        if self.steps % self.cfg.backend.push_every == 0:
+            info.update(self._geo_sync(), skipped=skipped)
+        return info
+
+    def _geo_sync(self) -> dict[str, Any]:
+        """Push delta = (local − last synced) / N (after the changed rows' deltas), pull the servers' model and
+        continue from it."""
+        before = self.rows.sync(self.rounds, self.link.versions, self.n) if self.rows is not None else None
+        delta = self.geo.delta(self.n, self.dtype)
+        self.rounds += 1
+        try:
+            info = self.link.exchange(delta, self.rounds, {}, before)
+        finally:
+            if self.rows is not None:
+                self.rows.synced()
+        self.geo.pulled()
+        return info
+
+    # ------------------------------------------------------------------ the model
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """Rank 0: the servers' fp32 parameters (after GEO's last partial round; with rows, the servers' rows).
+        Every rank then tells the servers it is done."""
+        if self.geo is not None and self.steps % self.cfg.backend.push_every:
+            self._geo_sync()
+        state: dict[str, torch.Tensor] = {}
+        if self.ctx.rank == 0:
+            rows = self.rows.fetch_all() if self.rows is not None else None
+            dense = self.link.fetch(rows)
+            state = (self.rows.full_state(self.model, dense, rows) if self.rows is not None
+                     else state_from_flat(self.model, dense))
+        self.link.done()
+        return state
+
+    # ------------------------------------------------------------------ checkpoints
+
+    def checkpoint_pieces(self, writing: bool = True) -> Pieces:
+        """This worker's part: the model it computes on next (GEO: its local training state; with rows, its
+        row cache) and its record (the servers write the parameters and optimizer state)."""
+        rank = self.ctx.rank
+        own = f"worker{rank}/"
+        record: dict[str, Any] = {"rank": rank, "steps": self.steps, "rounds": self.rounds,
+                                  "versions": list(self.link.versions), "loss_scale": self.link.loss_scale}
+        if self.geo is None:
+            tensors = {own + "param": self.flat.data}
+        else:
+            tensors = self.geo.tensors(own)
+            record.update(self.geo.record())
+        pieces = Pieces(views(self.layout, tensors, 0, self.flat.numel), self.param_shapes, record)
+        if self.rows is not None:
+            self.rows.add_to(pieces, rank)
+        return pieces
+
+    def write_checkpoint(self, ctx: DistContext, root: Path, step: int, config: dict[str, Any], keep: int,
+                         steps: list[dict[str, Any]] | None) -> Path:
+        """Write checkpoint `step` (every worker calls it after the same step), with this rank's step records."""
+        rank, tmp = self.ctx.rank, tmp_dir(Path(root), step)
+        tmp.mkdir(parents=True, exist_ok=True)
+        pieces = self.checkpoint_pieces()
+        write_part(pieces, tmp, f"rank{rank}", rng.capture(self.ctx.device))   # dropout's stream goes on
+        write_steps(tmp, rank, steps)
+        self.link.save(step, tmp)
+        final = step_dir(Path(root), step)
+        if rank == 0:
+            # every live worker wrote its part before its save; a lost worker's part is missing
+            workers = [f"rank{r}" for r in range(self.n) if (tmp / f"rank{r}.json").is_file()]
+            servers = [f"server{i}" for i in range(len(self.link.ranges))]
+            records = {p: part_state(tmp, p) for p in workers + servers}
+            scaler = next((records[p]["scaler"] for p in servers + workers if "scaler" in records[p]), None)
+            state = {"ps": {"run": run_shape(self.cfg), "servers": [records[p] for p in servers],
+                            "workers": [records[p] for p in workers]}, **({"scaler": scaler} if scaler else {})}
+            merge(tmp, workers + servers, step, config, pieces.params, state)
+            publish(tmp, final, keep)
+        return final
+
+    def load_checkpoint(self, ckpt: Checkpoint) -> None:
+        """Continue from a checkpoint (the servers restored themselves when they started): this worker's own
+        record exactly when this run's shape wrote it, else a fork, as if it had just pulled at step K."""
+        ps, rank, own = exact_records(ckpt, self.cfg), self.ctx.rank, f"worker{self.ctx.rank}/"
+        self.steps = ckpt.step
+        rec = next((r for r in ps["workers"] if r["rank"] == rank), None) if ps is not None else None
+        if rec is None:
+            self.rounds = pushes_by(self.cfg, ckpt.step) if self.geo is not None else 0
+            self.link.pull(pushes_by(self.cfg, ckpt.step))
+            if self.geo is not None:   # GEO: every worker's local optimizer starts from the checkpoint's state
+                self.geo.restore_fork(ckpt, self.layout)
+            return
+        self.rounds, self.link.versions, self.link.loss_scale = rec["rounds"], list(rec["versions"]), rec["loss_scale"]
+        tensors = {own + "param": self.flat.data} if self.geo is None else self.geo.restore_record(own, rec)
+        with torch.no_grad():
+            for f in views(self.layout, tensors, 0, self.flat.numel):
+                ckpt.fill(f)
+        if self.geo is not None:
+            self.geo.optim.master.copy_to_model()
+        if self.rows is not None:
+            self.rows.restore(ckpt, rec, rank)
+
+    # ------------------------------------------------------------------ figures
+
+    def memory(self) -> MemoryReport:
+        peak, kind = peak_memory(self.ctx.device)
+        optimizer, synced = self.geo.memory() if self.geo is not None else (0, 0)
+        # a GPU worker's host staging copy for the wire is host memory, not model state on the device
+        m = MemoryReport(params=tensor_bytes([self.flat.data]), grads=tensor_bytes([self.flat.grad]),
+                         optimizer=optimizer, buffers=synced, peak=peak, peak_kind=kind)
+        for k, v in (self.rows.memory() if self.rows is not None else {}).items():
+            setattr(m, k, getattr(m, k) + v)
+        return m
+
+    def traffic(self) -> TrafficReport:
+        return self.client.meter.report()
+
+    def summary_extra(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"ps_versions": list(self.link.versions)}
+        return dict(out, **self.rows.summary()) if self.rows is not None else out
+
+    def close(self) -> None:
+        self.client.close()

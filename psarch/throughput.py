@@ -1,0 +1,43 @@
+"""Samples per second: one definition for the summary, `psarch compare`, the straggler tables and the progress
+line. Workers in lockstep (every synchronous backend) finish each step together, so the global batch over the
+median step time is the rate; workers at their own pace (async, SSP, GEO without barrier) do not wait for
+each other, so the rate is the sum of each worker's own: its shard over its own median step time. Merging
+them at the slowest worker's clock would make async look slower than sync under a straggler."""
+from __future__ import annotations
+
+import statistics
+from typing import Any
+
+LOCKSTEP = "global batch / median step time"
+OWN_PACE = "sum over workers of shard / own median step time"
+RANK_0 = "rank 0's shard / its median step time"   # the progress line of workers at their own pace
+
+
+def definition(lockstep: bool) -> str:
+    """What samples/s means for a run, in the words every report and the progress line use."""
+    return LOCKSTEP if lockstep else OWN_PACE
+
+
+def per_worker(rows: list[dict[str, Any]]) -> list[list[dict[str, Any]]]:
+    """Each worker's own rows, in step order, from metrics.jsonl's merged rows (`workers[]`, or the row itself
+    where one worker ran)."""
+    workers: dict[int, list[dict[str, Any]]] = {}
+    for r in rows:
+        for w in r.get("workers", [r]):
+            workers.setdefault(w.get("rank", 0), []).append(w)
+    return [workers[k] for k in sorted(workers)]
+
+
+def _median_time(rows: list[dict[str, Any]], warmup: int) -> float:
+    """Median step time after the first `warmup` rows (all rows where that would leave none)."""
+    return statistics.median(r["step_time_s"] for r in (rows[warmup:] or rows))
+
+
+def samples_per_s(rows: list[dict[str, Any]], global_batch: int, lockstep: bool, warmup: int) -> float:
+    """A run's samples/s from its merged metrics rows (each row's step_time_s the slowest worker's), leaving
+    out the first `warmup` steps: definition(lockstep) says which rate."""
+    if lockstep:
+        return global_batch / _median_time(rows, warmup)
+    workers = per_worker(rows)
+    shard = global_batch / len(workers)
+    return sum(shard / _median_time(w, warmup) for w in workers)
