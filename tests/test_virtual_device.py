@@ -335,3 +335,24 @@ def test_straggler_table_shows_the_lockstep_prediction_d_and_overruns():
     lines = table([row, async_row], 0.25).splitlines()
     assert lines[2] == "| ps sync | 4x | 0 | 270 | 281 | not reached | 0.080 | 30 | 2% |"
     assert lines[3] == "| ps async | 4x | 0 | 270 |  | not reached | 0.080 |  |  |"
+
+
+def test_a_device_the_host_cannot_keep_up_with_is_said_so_last(tmp_path, monkeypatch):
+    """A device of 10^6 TFLOPS on loopback (D = 1): every step's real compute overruns its nanoseconds of
+    modelled time; summary.json and the last line of report.txt say so, and the FLOPs were counted once for
+    the run's 6 steps, not once a step."""
+    from psarch.cluster import stragglers
+    calls = []
+
+    def counted(*args):
+        calls.append(1)
+        return count(*args)
+    monkeypatch.setattr(stragglers, "count", counted)
+    cfg = from_dict(config("fast", workload={"factory": "factories:regression"}, backend={"kind": "single"},
+                           train={"steps": 6, "global_batch": 4}, cluster={"device_tflops": 1e6}))
+    s = run(cfg, tmp_path / "fast", echo=False)
+    vd = s["virtual_device"]
+    assert len(calls) == 1
+    assert vd["overrun_steps"] == vd["counted_steps"] == s["steps"] - 1 and vd["dilation"] == 1.0
+    assert vd["warning"].startswith(f"virtual device: {vd['counted_steps']} of {vd['counted_steps']} timed")
+    assert (tmp_path / "fast" / "report.txt").read_text().splitlines()[-1] == vd["warning"]
