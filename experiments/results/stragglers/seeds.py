@@ -14,7 +14,9 @@ def ci(xs: list, form: str) -> str:
     i = interval(xs)
     if i is None:
         return "-"
-    return f"{i.mean:{form}} ± {i.half:{form}}" if i.n > 1 else f"{i.mean:{form}} (n = 1)"
+    if i.n == 1:
+        return f"{i.mean:{form}} (n = 1)"
+    return f"{i.mean:{form}}" if float(f"{i.half:{form}}") == 0 else f"{i.mean:{form}} ± {i.half:{form}}"
 
 
 rs = rows(Path(sys.argv[1]))
