@@ -12,6 +12,7 @@ import torch
 from psarch import checkpoint, registry, throughput
 from psarch import trainer as contract
 from psarch.cluster.device import dilation
+from psarch.cluster.call_pacing import CallDevice
 from psarch.cluster.pacing import VirtualDevice
 from psarch.cluster.stragglers import Straggler, pacer, slowed
 from psarch.cluster.window import StepMarks
@@ -116,7 +117,7 @@ def run_rank(cfg: Config, ctx: DistContext, workload: Workload | None = None, ec
         record = RankRecord(ctx.rank, records, trainer.memory().to_dict(), trainer.traffic().to_dict(),
                             trainer.summary_extra(), str(ctx.device), ctx.dist_backend, workload.entropy_floor,
                             params, workload.name, state if ctx.rank == 0 else None,
-                            virtual_device=slow.facts() if isinstance(slow, VirtualDevice) else None)
+                            virtual_device=slow.facts() if isinstance(slow, (VirtualDevice, CallDevice)) else None)
     finally:
         if stream is not None:
             stream.close()
@@ -127,7 +128,7 @@ def run_rank(cfg: Config, ctx: DistContext, workload: Workload | None = None, ec
 
 
 def _steps(loop: StepLoop, steps: range, records: list[StepRecord], stream: TextIO | None,
-           slow: Straggler | VirtualDevice | None, marks: StepMarks | None, log: "_Progress",
+           slow: Straggler | VirtualDevice | CallDevice | None, marks: StepMarks | None, log: "_Progress",
            save: Callable[[int, list[StepRecord]], None]) -> None:
     """The step loop: each step's record appended (and streamed) before its loss is checked, so the
     metrics keep a bad step; progress lines and checkpoints between steps. Times are the cluster's: the

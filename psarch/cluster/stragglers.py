@@ -35,7 +35,9 @@ from typing import Any, Callable
 
 import torch
 
+from psarch import registry
 from psarch.cluster import device
+from psarch.cluster.call_pacing import CallDevice
 from psarch.cluster.flops import count
 from psarch.cluster.pacing import VirtualDevice
 from psarch.config import Config
@@ -100,14 +102,17 @@ def slowdown_of(cfg: Config, rank: int) -> float:
     return cfg.cluster.slowdown if rank in cfg.cluster.slow_workers else 1.0
 
 
-def pacer(cfg: Config, rank: int, workload: Workload) -> "Straggler | VirtualDevice | None":
+def pacer(cfg: Config, rank: int, workload: Workload) -> "Straggler | VirtualDevice | CallDevice | None":
     """How this worker's compute is paced: as its modelled device, with slowdown and jitter multiplying
-    the modelled time (its FLOPs counted here, once); else as a straggler of this machine's compute;
-    else not at all (None)."""
+    the modelled time (its FLOPs counted here, once; call by call where the backend runs the loss function in
+    parts, BackendSpec.paced_by_call); else as a straggler of this machine's compute; else not at all (None)."""
     if not device.modelled(cfg):
         return straggler(cfg, rank)
     c, slow = cfg.cluster, slowdown_of(cfg, rank)
     flops = count(workload.model, workload.loss_fn, workload.batch(0, rank, cfg.backend.world_size))
+    if registry.spec_of(cfg).paced_by_call:   # whole-model FLOPs give the backward / forward ratio alone
+        return CallDevice(flops, device.flops_per_s(cfg), device.dilation(cfg),
+                          lambda step: factor(cfg.seed, rank, step, slow, c.jitter))
     return VirtualDevice(workload.model, flops, device.flops_per_s(cfg), device.dilation(cfg),
                          lambda step: factor(cfg.seed, rank, step, slow, c.jitter))
 
@@ -120,6 +125,6 @@ def straggler(cfg: Config, rank: int) -> Straggler | None:
     return Straggler(slowdown, cfg.cluster.jitter, cfg.seed, rank)
 
 
-def slowed(workload: Workload, s: "Straggler | VirtualDevice | None") -> Workload:
+def slowed(workload: Workload, s: "Straggler | VirtualDevice | CallDevice | None") -> Workload:
     """The workload with its loss function paced by `s` (unchanged when s is None)."""
     return workload if s is None else dataclasses.replace(workload, loss_fn=s.wrap(workload.loss_fn))
