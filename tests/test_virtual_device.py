@@ -134,7 +134,8 @@ def test_the_runner_reports_cluster_time(tmp_path):
     assert time.perf_counter() - t0 >= 3 * 3 * 0.06
     for s in record.steps:
         assert s["modelled_s"] == pytest.approx(0.06)
-        assert 0.06 <= s["step_time_s"] < 0.06 + 0.03, s       # / 3: the cluster's time
+        # / 3: the cluster's time; a step the loaded host made late (late_s, also cluster time) is that much longer
+        assert 0.06 <= s["step_time_s"] < 0.06 + s["late_s"] + 0.03, s
     assert record.virtual_device["dilation"] == 3.0
 
 
