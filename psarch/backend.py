@@ -62,6 +62,9 @@ class BackendSpec(ABC):
     max_world_size: ClassVar[int | None] = None
     needs_process_group: ClassVar[bool] = True        # the launcher joins the ranks in a torch.distributed group
     checkpoints: ClassVar[bool] = True                # it writes and reads psarch.checkpoint checkpoints
+    # a rank runs the loss function in parts, several calls a step (a pipeline stage): a virtual device paces
+    # each call by its own FLOPs (psarch.cluster.call_pacing), not each by the whole step's
+    paced_by_call: ClassVar[bool] = False
     # psarch.bench_step: "module:function" of the hand-written PyTorch program beside it, (cfg, device) ->
     # (its name, batch -> loss), and the backend options the benchmark runs it with
     bench_peer: ClassVar[str | None] = None

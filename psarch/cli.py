@@ -52,8 +52,8 @@ def _run_parser(p: argparse.ArgumentParser) -> None:
     start = p.add_mutually_exclusive_group()
     start.add_argument("--resume", metavar="RUN_DIR",
                        help="continue that run from its latest complete checkpoint to train.steps; only name, label, "
-                            "out, train.steps, train.log_every, train.checkpoint_every, train.keep_checkpoints and "
-                            "backend.timeout_s may differ from the config it was written under (else use --from)")
+                            "out, train.steps, train.log_every, train.checkpoint_every, train.keep_checkpoints, "
+                            "backend.timeout_s and cluster.dilation may differ from the config it was written under (else use --from)")
     start.add_argument("--from", dest="start", metavar="CHECKPOINT_DIR",
                        help="a new run starting from that checkpoint's state and step, under this config")
     p.add_argument("--checkpoint", metavar="STEP",

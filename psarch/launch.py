@@ -30,6 +30,7 @@ from psarch.checkpoint import Checkpoint
 from psarch.checkpoint.start import (CHECKPOINTS, drop_after, drop_unfinished, keep_fork_source, provenance,
                                      starting_checkpoint)
 from psarch.cluster import Placement, place
+from psarch.cluster.dilation import resolve as resolve_dilation
 from psarch.cluster.window import StepMarks
 from psarch.config import Config, ConfigError, check_machine, from_dict
 from psarch.dist import abandon_group, init_rank, shutdown, under_torchrun
@@ -60,7 +61,9 @@ def run(cfg: Config, out: str | Path | None = None, echo: bool = True, resume: b
                           f"(train.checkpoint_every, --resume, --from)")
     ckpt = starting_checkpoint(cfg, out_dir, resume, start, pick)  # verified before anything is written or started
     cfg, begin = _started(cfg, ckpt, out_dir, resume, pick, echo)
-    job = RankJob(cfg.to_dict(), str(out_dir), echo and progress,
+    # cluster.dilation "auto": D picked once, here, for every rank and link (config.json keeps what was asked)
+    ranks_cfg = resolve_dilation(cfg, echo, _threads(cfg.backend.world_size))
+    job = RankJob(ranks_cfg.to_dict(), str(out_dir), echo and progress,
                   out_dir / CHECKPOINTS if cfg.train.checkpoint_every else None, begin, resume, registry.plugins())
     if under_torchrun():
         return _torchrun_rank(cfg, spec, job, echo)
@@ -69,7 +72,7 @@ def run(cfg: Config, out: str | Path | None = None, echo: bool = True, resume: b
     workload = build_workload(cfg) if cfg.workload.factory else None
     outputs.prepare(out_dir, cfg, keep_checkpoints=resume)   # a fork must not keep an older run's
     try:
-        with place(cfg) as where:   # loopback, or each process on its node of an emulated cluster
+        with place(ranks_cfg) as where:   # loopback, or each process on its node of an emulated cluster
             with _services(spec, cfg, out_dir, where, job.start) as services:
                 job.info = services.info.to_dict() if services is not None else {}
                 if cfg.backend.world_size == 1:

@@ -10,6 +10,7 @@ from typing import Any
 import torch
 
 from psarch import registry, theory, throughput
+from psarch.cluster import device
 from psarch.config import Config
 from psarch.records import RankRecord, StepRecord
 from psarch.runner import warmup_steps
@@ -166,6 +167,9 @@ def finalize(out: Path, cfg: Config, extra: dict[str, Any] | None = None, echo: 
                 summary[k].update(v)
             else:
                 summary[k] = v
+    vd = device.summary(cfg, records, {r["step"] for r in rows[w:]})
+    if vd is not None:   # a virtual device: its FLOPs, D, overrun steps (before theory, which reads them)
+        summary["virtual_device"] = vd
     if summary.get("cluster", {}).get("emulated"):
         summary["cluster"]["step_time"] = theory.cluster_step(cfg, summary)
     (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
@@ -240,4 +244,6 @@ def report(s: dict[str, Any]) -> str:
         for n in c["nodes"]:
             lines.append(f"  {n['role']} {n.get('rank', n.get('server'))} ({n['address']}, {n['link_mbps']:g} Mbit/s): "
                          f"link sent {fmt_bytes(n['link_sent'])}, received {fmt_bytes(n['link_received'])} over {over}")
+    if s.get("virtual_device"):
+        lines += device.report_lines(s["virtual_device"], s.get("cluster", {}).get("alpha_s"))
     return "\n".join(lines) + "\n"

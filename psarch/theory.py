@@ -161,16 +161,18 @@ WIRE_OVERHEAD = 1514 / 1448
 
 def cluster_step_time(p: Prediction, compute_s: float, link_mbps: float, server_mbps: float,
                       alpha_s: float = 0.0, buckets: int = 1, overlap: bool = False,
-                      hidden_passes: int = 0) -> dict[str, float]:
-    """Step time on an emulated cluster: measured compute plus the bytes `p` puts on each link at its rate
-    (with WIRE_OVERHEAD), plus α per message in sequence (α-β model). server_mbps: a PS server's link
-    (ClusterConfig.server_mbps); collectives ignore it.
+                      hidden_passes: int = 0, backward_s: float | None = None) -> dict[str, float]:
+    """Step time on an emulated cluster: compute (measured, or a virtual device's modelled) plus the bytes
+    `p` puts on each link at its rate (with WIRE_OVERHEAD), plus α per message in sequence (α-β model).
+    server_mbps: a PS server's link (ClusterConfig.server_mbps); collectives ignore it.
 
     Collectives: every rank sends and receives its volume at once (full duplex). PS: a push phase then a
     pull phase, each as long as the slower of a worker's link and a server's link. Overlap (DDP/ZeRO with
-    overlap_comm and several buckets): only what backward (taken as 2/3 of compute) cannot hide waits,
-    at least one bucket's share. hidden_passes: ring passes already inside the measured compute (ZeRO-3's
-    forward and backward all-gathers block there, where the comm wait does not see them)."""
+    overlap_comm and B buckets): buckets of equal size, ready at equal steps through backward (`backward_s`;
+    unknown: 2/3 of compute), on one link: after backward there waits the last bucket's share, or, where
+    the link is the bound, all of it less what backward hides after the first bucket is ready,
+    max(comm / B, comm - backward (B - 1) / B). hidden_passes: ring passes already inside the measured
+    compute (ZeRO-3's forward and backward all-gathers block there, where the comm wait does not see them)."""
     worker_rate = link_mbps * 1e6 / 8 / WIRE_OVERHEAD   # payload bytes/s
     if not p.worker.sent and not p.worker.received:
         return {"compute_s": compute_s, "comm_s": 0.0, "step_time_s": compute_s}
@@ -182,7 +184,8 @@ def cluster_step_time(p: Prediction, compute_s: float, link_mbps: float, server_
     else:
         shown = (p.rounds - hidden_passes) / p.rounds
         comm = shown * (p.worker.sent / worker_rate + p.messages * alpha_s)
-    exposed = max(comm - 2 / 3 * compute_s, comm / buckets) if overlap and buckets > 1 else comm
+    hiding = 2 / 3 * compute_s if backward_s is None else backward_s
+    exposed = max(comm - hiding * (buckets - 1) / buckets, comm / buckets) if overlap and buckets > 1 else comm
     return {"compute_s": compute_s, "comm_s": exposed, "step_time_s": compute_s + exposed}
 
 
@@ -192,15 +195,21 @@ def buckets_of(bytes_reduced: float, cap_bytes: float) -> int:
 
 
 def cluster_step(cfg: Config, summary: dict[str, Any]) -> dict[str, float]:
-    """Measured | predicted step time of a finished run on the emulated cluster: compute (the measured step
-    less its communication wait) plus the α-β time of the bytes each link carries (cluster_step_time), with
-    the backend's own model of how its communication meets its compute (BackendSpec.comm_model), the compute
-    stretched by the share its ranks wait by design (a pipeline's bubble, CommModel.idle_fraction)."""
-    compute = summary["step_time_s"] - (summary.get("comm_s") or 0.0)
+    """Measured | predicted step time of a finished run on the emulated cluster: compute plus the α-β time of
+    the bytes each link carries (cluster_step_time), with the backend's own model of how its communication
+    meets its compute (BackendSpec.comm_model), the compute stretched by the share its ranks wait by design (a
+    pipeline's bubble, CommModel.idle_fraction). Compute is a virtual device's modelled forward and backward
+    (summary's virtual_device: cluster time, α / D, nothing of the communication inside it), else the
+    measured step less its communication wait."""
     m = registry.spec_of(cfg).comm_model(cfg, summary["params"], summary.get("extra") or {})
+    vd, alpha, hidden, backward = summary.get("virtual_device"), summary["cluster"]["alpha_s"], m.hidden_passes, None
+    if vd is not None and vd.get("compute_s") is not None:
+        compute, alpha, hidden = vd["compute_s"], alpha / vd["dilation"], 0
+        backward = compute * vd["backward_s"] / (vd["forward_s"] + vd["backward_s"])
+    else:
+        compute = summary["step_time_s"] - (summary.get("comm_s") or 0.0)
     # a rank that waits by design (the bubble) computes `compute` in a phase 1 / (1 - idle) as long
-    pred = cluster_step_time(predict(cfg, summary["params"]), compute / (1.0 - m.idle_fraction),
-                             cfg.cluster.link_mbps, cfg.cluster.server_mbps, summary["cluster"]["alpha_s"], m.buckets,
-                             m.overlap, m.hidden_passes)
+    pred = cluster_step_time(predict(cfg, summary["params"]), compute / (1.0 - m.idle_fraction), cfg.cluster.link_mbps,
+                             cfg.cluster.server_mbps, alpha, m.buckets, m.overlap, hidden, backward)
     return {"measured_s": summary["step_time_s"], "predicted_s": pred["step_time_s"],
             "compute_s": compute, "predicted_comm_s": pred["comm_s"]}

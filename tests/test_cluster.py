@@ -112,9 +112,12 @@ def test_cluster_step_time_by_hand():
     assert step("ps", servers=4) == pytest.approx(0.05 + 2 * 1e6 / rate + 2e-4)  # N servers: S each
     assert step("ps", server_mbps=400.0) == pytest.approx(0.05 + 2 * 4e6 / (4 * rate) + 2e-4)
     assert step("single") == 0.05
-    # overlap: with 4 buckets only what backward (2/3 of compute) cannot hide waits, at least one bucket's share
+    # overlap: 4 buckets ready at 1/4, 2/4, 3/4 and the end of backward (2/3 of compute, or as given) on one
+    # link: link-bound, it starts at 1/4 of backward and runs all of comm; compute-bound, the last bucket waits
     comm = 1.5e6 / rate + 6e-4
-    assert step("ddp", buckets=4, overlap=True) == pytest.approx(0.05 + max(comm - 0.05 * 2 / 3, comm / 4))
+    assert step("ddp", buckets=4, overlap=True) == pytest.approx(0.05 + comm - 0.05 * 2 / 3 * 3 / 4)
+    assert step("ddp", buckets=4, overlap=True, backward_s=0.02) == pytest.approx(0.05 + comm - 0.02 * 3 / 4)
+    assert step("ddp", buckets=4, overlap=True, backward_s=1.0) == pytest.approx(0.05 + comm / 4)
 
 
 def test_cluster_model_per_backend():

@@ -19,7 +19,8 @@ from psarch.config import ConfigError, from_dict
 TRUNK = {"name": "h", "seed": 1, "workload": {"factory": "factories:regression"},
          "train": {"steps": 6, "global_batch": 4, "optimizer": "adamw", "lr": 0.01, "log_every": 2,
                    "checkpoint_every": 2}}
-ALLOWED = "name, label, out, train.steps, train.log_every, train.checkpoint_every, train.keep_checkpoints, backend.timeout_s"
+ALLOWED = ("name, label, out, train.steps, train.log_every, train.checkpoint_every, train.keep_checkpoints, "
+           "backend.timeout_s, cluster.dilation")
 
 
 @pytest.fixture(scope="module")

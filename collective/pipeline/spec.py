@@ -11,6 +11,7 @@ from typing import Any, Mapping
 from collective.pipeline import theory
 from collective.pipeline.schedule import SCHEDULES, bubble_fraction
 from psarch.backend import PROCESS_GROUP_OPTIONS, BackendSpec, CommModel
+from psarch.cluster import device
 from psarch.config_fields import _f
 from psarch.config_files import ConfigError
 from psarch.theory import Prediction
@@ -41,6 +42,7 @@ class PipelineSpec(BackendSpec):
     options = PipelineOptions
     variant_key = "schedule"
     precisions = ("fp32", "bf16")
+    paced_by_call = True   # a stage's loss_fn call: its own modules, one micro-batch
     reads = {**PROCESS_GROUP_OPTIONS, "backend.comm": None, "backend.zero_units": None,
              "backend.virtual_stages": ("interleaved",)}
 
@@ -98,6 +100,10 @@ class TorchPipelineSpec(PipelineSpec):
                               f"it knows how to cut (use pipeline, ddp or zero)")
         if w.model != "gpt":
             raise ConfigError(f"workload.model = \"{w.model}\": {this} only (use pipeline, ddp or zero)")
+        if device.modelled(cfg):
+            raise ConfigError(f"cluster.device = {json.dumps(device.name(cfg))}: {this} and computes its loss "
+                              f"itself, which a virtual device cannot pace; use backend.kind = \"pipeline\" or "
+                              f"cluster.device = \"{device.MEASURED}\"")
         if b.schedule == "naive":
             raise ConfigError("backend.schedule = \"naive\": torch.distributed.pipelining has no naive schedule "
                               "(its nearest is \"gpipe\" with backend.microbatches = 1)")

@@ -20,8 +20,10 @@ from psarch.config import Config, ConfigError, applies, field_of
 
 CHECKPOINTS = "checkpoints"     # the folder under a run folder that holds its checkpoints
 FORKED_FROM = "forked_from"     # where a fork keeps the checkpoint of its own run folder that it starts from
+# cluster.dilation is how slowly the emulation runs, not the cluster it stands for (every time reported is the
+# cluster's); "auto" is picked again at every launch, and the ranks' checkpoints hold the number it gave
 RESUMABLE = ("name", "label", "out", "train.steps", "train.log_every", "train.checkpoint_every",
-             "train.keep_checkpoints", "backend.timeout_s")
+             "train.keep_checkpoints", "backend.timeout_s", "cluster.dilation")
 
 
 def starting_checkpoint(cfg: Config, run_dir: Path, resume: bool, start: str | Path | None,
