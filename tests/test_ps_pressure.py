@@ -4,7 +4,6 @@ handshakes never finished. The server survives each, refuses what would poison i
 connection can make it hold (psarch/ps/server/connections.py)."""
 from __future__ import annotations
 
-import os
 import socket
 import subprocess
 import sys
