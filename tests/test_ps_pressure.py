@@ -250,8 +250,11 @@ def test_replies_never_read_are_bounded(serve):
     srv = serve(inflight_mb=1.0)
     peer = RawPeer(srv.port, "0", _password(srv.creds, 0)).connect()
     fetch = frame(msgpack.packb({"op": "fetch", "worker": 0}))
-    for _ in range(200):
-        peer.send(fetch)
+    try:
+        for _ in range(200):
+            peer.send(fetch)
+    except (ConnectionResetError, BrokenPipeError):
+        pass   # the server may close the connection before the 200th fetch is out (a loaded machine's timing)
     deadline = time.monotonic() + 5
     while not srv.connections.dropped["unread"] and time.monotonic() < deadline:
         time.sleep(0.05)
