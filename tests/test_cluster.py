@@ -99,8 +99,9 @@ def test_cluster_step_time_by_hand():
     payload), α = 0.1 ms, compute 50 ms, counted by hand."""
     from psarch.theory import cluster_step_time, config_for, predict
 
-    def step(kind: str, stage: int = 1, servers: int = 1, **kw) -> float:
-        options = {"zero": {"stage": stage}, "ps": {"servers": servers}}.get(kind, {})
+    def step(kind: str, stage: int = 1, servers: int = 1, placement: str = "dedicated", **kw) -> float:
+        options = {"zero": {"stage": stage},
+                   "ps": {"servers": servers, "partition_mb": 0.0, "server_placement": placement}}.get(kind, {})
         p = predict(config_for(kind, 1 if kind == "single" else 4, "fp32", "sgd", **options), 250_000)
         return cluster_step_time(p, 0.05, 100.0, kw.pop("server_mbps", 100.0), alpha_s=1e-4, **kw)["step_time_s"]
 
@@ -111,6 +112,16 @@ def test_cluster_step_time_by_hand():
     assert step("ps") == pytest.approx(0.05 + 2 * 4e6 / rate + 2e-4)           # one server's link: N·S each way
     assert step("ps", servers=4) == pytest.approx(0.05 + 2 * 1e6 / rate + 2e-4)  # N servers: S each
     assert step("ps", server_mbps=400.0) == pytest.approx(0.05 + 2 * 4e6 / (4 * rate) + 2e-4)
+    # pipelined over m partitions per server: (push + pull) / m to fill and drain, (m - 1) / m of both at once
+    for m in (1, 4, 25):
+        assert step("ps", servers=4, pipeline=m) == pytest.approx(0.05 + (2 / m + (m - 1) / m) * 1e6 / rate + 2e-4)
+        assert step("ps", pipeline=m) == pytest.approx(0.05 + (1 + 1 / m) * 4e6 / rate + 2e-4)
+    # colocated, server i on worker i's node: 3/4 S of pushes out and 3/4 S in, then the same of pulls; pipelining
+    # cannot help a node already busy both ways
+    for m in (1, 25):
+        assert step("ps", servers=4, placement="colocated", pipeline=m) == pytest.approx(0.05 + 1.5e6 / rate + 2e-4)
+    # 2 servers beside workers 0 and 1: their nodes push S/2, receive 3/2 S; the workers alone push S
+    assert step("ps", servers=2, placement="colocated") == pytest.approx(0.05 + 2 * 1.5e6 / rate + 2e-4)
     assert step("single") == 0.05
     # overlap: with 4 buckets only what backward (2/3 of compute) cannot hide waits, at least one bucket's share
     comm = 1.5e6 / rate + 6e-4
@@ -129,15 +140,19 @@ def test_cluster_model_per_backend():
         extra = {"zero_groups": [groups, groups]} if groups is not None else {}
         return asdict(registry.spec_of(cfg).comm_model(cfg, 250_000, extra))
 
-    assert model({"kind": "ddp", "bucket_cap_mb": 0.25}) == {"buckets": 4, "overlap": True, "hidden_passes": 0}
+    one = {"hidden_passes": 0, "pipeline": 1}
+    assert model({"kind": "ddp", "bucket_cap_mb": 0.25}) == {"buckets": 4, "overlap": True, **one}
     assert model({"kind": "ddp", "overlap_comm": False})["overlap"] is False
-    assert model({"kind": "torch_ddp", "bucket_cap_mb": 0.5}) == {"buckets": 2, "overlap": True, "hidden_passes": 0}
-    assert model({"kind": "zero", "reduce_bucket_size": 125_000}) == {"buckets": 2, "overlap": True,
-                                                                      "hidden_passes": 0}
+    assert model({"kind": "torch_ddp", "bucket_cap_mb": 0.5}) == {"buckets": 2, "overlap": True, **one}
+    assert model({"kind": "zero", "reduce_bucket_size": 125_000}) == {"buckets": 2, "overlap": True, **one}
     # stage 3 reduce-scatters one unit at a time: its groups, never reduce_bucket_size (stages 1-2 only)
-    assert model({"kind": "zero", "stage": 3}, groups=5) == {"buckets": 5, "overlap": True, "hidden_passes": 2}
+    assert model({"kind": "zero", "stage": 3}, groups=5) == {"buckets": 5, "overlap": True, "hidden_passes": 2,
+                                                             "pipeline": 1}
     assert model({"kind": "zero", "stage": 3})["buckets"] == 1
-    assert model({"kind": "ps"})["overlap"] is False
+    # ps: 125,000 parameters a server in partitions of 65,536: 2 each, pushed from backward's hooks (not in GEO)
+    ps = {"kind": "ps", "servers": 2, "partition_mb": 0.25}
+    assert model(ps) == {"buckets": 4, "overlap": True, "hidden_passes": 0, "pipeline": 2}
+    assert model(dict(ps, mode="geo"))["overlap"] is False and model(dict(ps, partition_mb=0.0))["pipeline"] == 1
 
 
 def test_results_label_tells_sparse_variants_apart():

@@ -6,7 +6,7 @@ The launcher's one interface to this package is `place(cfg)`, a context manager 
         with p.rendezvous(): store = TCPStore(...)            # ranks reach it at p.rendezvous_host
         marks = p.step_marks(ranks)                           # each rank: marks.reached() around its steps
         with p.node("worker", rank): process.start()          # the process starts on its node
-        host = p.host("server", i, cfg.backend.host)          # the address a PS server binds
+        host = p.host("server", i, cfg.backend.host)          # the address service i (a PS server) binds
         p.worker_lost()                                       # a worker died and the run goes on
         summary["cluster"] = p.report()
 
@@ -51,14 +51,18 @@ class Loopback:
 
 
 class Emulated:
-    """Every worker and PS server on its own emulated node (psarch.cluster.emulated)."""
+    """Every worker on its own emulated node (psarch.cluster.emulated), and every service (PS server) on a node of
+    its own or beside a worker, on that worker's node (BackendSpec.service_beside)."""
 
     def __init__(self, cfg: Config) -> None:
         from psarch.cluster.emulated import HUB_ADDRESS, EmulatedCluster
 
-        c = cfg.cluster
-        servers = registry.spec_of(cfg).service_nodes(cfg)   # the services this run starts (PS servers)
-        self.cluster = EmulatedCluster(cfg.backend.world_size, servers, c.link_mbps, c.server_mbps)
+        c, spec = cfg.cluster, registry.spec_of(cfg)
+        # the services this run starts (PS servers): each on a node of its own, or beside a worker on its node
+        self.beside = [spec.service_beside(cfg, i) for i in range(spec.service_nodes(cfg))]
+        own = [i for i, w in enumerate(self.beside) if w is None]
+        self.own = {i: j for j, i in enumerate(own)}   # service index -> its own node's index
+        self.cluster = EmulatedCluster(cfg.backend.world_size, len(own), c.link_mbps, c.server_mbps)
         self.rendezvous_host = HUB_ADDRESS
         from psarch.cluster.alpha import measure_alpha
         w0 = self.cluster.node("worker", 0)     # the hub to a node: one link each way, as a ring's hop
@@ -78,7 +82,7 @@ class Emulated:
         before = os.environ.get("GLOO_SOCKET_IFNAME")
         os.environ["GLOO_SOCKET_IFNAME"] = IFNAME   # gloo uses the node's link, whatever the hostname says
         try:
-            with netns.inside(self.cluster.node(role, index).ns):
+            with netns.inside(self._node(role, index).ns):
                 yield
         finally:
             if before is None:
@@ -87,7 +91,13 @@ class Emulated:
                 os.environ["GLOO_SOCKET_IFNAME"] = before
 
     def host(self, role: str, index: int, default: str) -> str:
-        return self.cluster.node(role, index).address
+        return self._node(role, index).address
+
+    def _node(self, role: str, index: int) -> Any:
+        """The node a process runs on: a worker's own; a service's own, or the worker's it is beside."""
+        if role == "server" and self.beside[index] is not None:
+            return self.cluster.node("worker", self.beside[index])
+        return self.cluster.node(role, self.own[index] if role == "server" else index)
 
     def step_marks(self, ranks: int) -> StepMarks:
         """The marks `ranks` ranks reach around their steps; every link is read when all have (once a run)."""

@@ -32,6 +32,7 @@ import torch
 import zmq
 
 from psarch.ps import wire
+from psarch.ps.layout import partitions
 from psarch.ps.worker.client import PSClient, Request
 
 AUTHS = ("none", "plain", "curve")   # backend.auth values compared (curve: fresh per-run keys)
@@ -118,19 +119,21 @@ class _Raw:
 
 
 class _PS:
-    """The PS worker's wire path: PSClient pushing a gradient and pulling parameters."""
+    """The PS worker's wire path: PSClient pushing a gradient and pulling parameters, in partitions of `elems`
+    elements sent back to back (0: one message each way), as a worker's ServerLink does."""
 
-    def __init__(self, addr: str, n: int, init: bool, creds: dict | None = None) -> None:
+    def __init__(self, addr: str, n: int, init: bool, creds: dict | None = None, elems: int = 0) -> None:
         self.client = PSClient([addr], 0, timeout_s=120.0, creds=creds)
         numel = n // 4
         self.grad, self.dst = torch.randn(numel), torch.empty(numel)
         if init:
             self.client.exchange([[Request({"op": "init", "numel": numel, "offset": 0}, torch.zeros(numel))]])
+        self.parts = partitions(0, numel, elems)
         self.step = 0
 
     def round(self) -> None:
-        self.client.exchange([[Request({"op": "pushpull", "step": self.step, "version": self.step, "offset": 0},
-                                       self.grad, into=self.dst)]])
+        self.client.exchange([[Request({"op": "pushpull", "step": self.step, "version": self.step, "offset": a},
+                                       self.grad[a:b], into=self.dst[a:b]) for a, b in self.parts]])
         self.step += 1
 
     def close(self, stop: bool = False) -> None:

@@ -31,12 +31,14 @@ from psarch.errors import check_loss
 from psarch.flat import FlatParams, flat_layout
 from psarch.meters import peak_memory, tensor_bytes
 from psarch.precision import compute_dtype, has_inf_or_nan
-from psarch.ps.layout import state_from_flat, trainable
+from psarch.ps.layout import partition_elems, state_from_flat, trainable
 from psarch.ps.snapshot import exact_records, pushes_by, run_shape, views
+from psarch.ps.spec import pushes_from_hooks
 from psarch.ps.worker.client import PSClient
 from psarch.ps.worker.geo import GeoLocal
 from psarch.ps.worker.link import ServerLink
 from psarch.ps.worker.rows import WorkerRows
+from psarch.ps.worker.schedule import PushSchedule
 from psarch.trainer import MemoryReport, StepStats, Trainer, TrafficReport
 from psarch.workload import Workload
 
@@ -65,12 +67,14 @@ class PSWorker(Trainer):
         self.loss_fn = workload.loss_fn
         self.flat = FlatParams(trainable(self.model))
         self.layout = flat_layout(self.model, self.flat.params)
-        self.link = ServerLink(self.client, self.flat, b.servers, ctx.device, self.dtype)
+        self.link = ServerLink(self.client, self.flat, b.servers, ctx.device, self.dtype, partition_elems(cfg))
         self.steps = 0        # steps taken
         self.rounds = 0       # geo: deltas pushed
         if not ctx.services.restored:   # else load_checkpoint sets the state
             self.link.pull(0)  # the servers built the same initial model from the config: nothing to send
         self.geo = GeoLocal(self.flat, cfg) if b.mode == "geo" else None   # from the pulled model
+        self.schedule = (PushSchedule(self.flat.params, self.flat.offsets, self.link.parts)
+                         if pushes_from_hooks(cfg) else None)
 
     # ------------------------------------------------------------------ steps
 
@@ -94,12 +98,21 @@ class PSWorker(Trainer):
                          comm_s=info["comm_s"], extra=extra)
 
     def _push_step(self, loss: torch.Tensor) -> dict[str, Any]:
-        """sync, async, ssp: push this step's gradient (after its rows'), pull the parameters for the next."""
+        """sync, async, ssp: push this step's gradient (after its rows'), pull the parameters for the next; with
+        overlap_comm each partition is pushed from backward's hooks as soon as its gradients are final."""
+        if self.schedule is not None:
+            step = self.steps + 1
+            self.schedule.arm(lambda part: self.link.post(part, self.flat.grad, step, {}))
+            loss.backward()
+            since = time.perf_counter()   # the wait after backward is the step's communication time
+            self.schedule.finish()
+            self.steps += 1
+            return self.link.settle(since)
         (loss * self.link.loss_scale if self.fp16 else loss).backward()
         header: dict[str, Any] = {}
         if self.fp16:
             header = {"scale": self.link.loss_scale, "found_inf": bool(has_inf_or_nan([self.flat.grad]).item())}
-        before = self.rows.pushes(self.steps, self.link.versions) if self.rows is not None else None
+        before = self.rows.pushes(self.steps, self.link.server_versions()) if self.rows is not None else None
         self.steps += 1
         return self.link.exchange(self.flat.grad, self.steps, header, before)
 
@@ -118,7 +131,7 @@ class PSWorker(Trainer):
     def _geo_sync(self) -> dict[str, Any]:
         """Push delta = (local − last synced) / N (after the changed rows' deltas), pull the servers' model and
         continue from it."""
-        before = self.rows.sync(self.rounds, self.link.versions, self.n) if self.rows is not None else None
+        before = self.rows.sync(self.rounds, self.link.server_versions(), self.n) if self.rows is not None else None
         delta = self.geo.delta(self.n, self.dtype)
         self.rounds += 1
         try:
@@ -228,4 +241,6 @@ class PSWorker(Trainer):
         return dict(out, **self.rows.summary()) if self.rows is not None else out
 
     def close(self) -> None:
+        if self.schedule is not None:
+            self.schedule.remove()
         self.client.close()
