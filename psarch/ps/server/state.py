@@ -75,6 +75,7 @@ class ServerState:
     cfg: Config
     exit_when_done: bool = False   # standalone: stop once every worker is done (or 10 s after a failure)
     parts: list[Partition] = field(default_factory=list)   # the range [lo, hi) in partitions; none until initialised
+    starts: dict[int, Partition] = field(default_factory=dict)   # each partition by its first element
     lo: int = 0
     hi: int = 0
     scratch: torch.Tensor | None = None   # a push's payload, decoded here when it is not summed in place
@@ -175,9 +176,9 @@ class ServerState:
 
     def part_at(self, offset: int, op: str) -> Partition:
         """The partition starting at `offset`; PSError naming the partitions this server holds, else."""
-        for p in self.parts:
-            if p.lo == offset:
-                return p
+        part = self.starts.get(offset)
+        if part is not None:
+            return part
         starts = [p.lo for p in self.parts]
         shown = ", ".join(map(str, starts[:4])) + (", ..." if len(starts) > 4 else "")
         raise PSError(f"op {op!r}: offset {offset} starts none of this server's {len(starts)} partition(s) of "
@@ -198,6 +199,7 @@ class ServerState:
         n = self.workers
         self.parts = [Partition(a, b, RangeState(params[a - lo:b - lo], self.cfg, n), Round(OrderedSum(n)), [0] * n)
                       for a, b in partitions(lo, hi, partition_elems(self.cfg))]
+        self.starts = {p.lo: p for p in self.parts}
         self.scratch = torch.empty(hi - lo, dtype=compute_dtype(self.cfg.train.precision))
 
     def heard(self, worker: Any) -> None:

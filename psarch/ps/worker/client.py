@@ -8,6 +8,7 @@ request it answers (same reply op; for `params`, the same offset)."""
 from __future__ import annotations
 
 import time
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
@@ -31,11 +32,46 @@ class Request:
     reply: dict[str, Any] = field(default_factory=dict)
     answered: bool = False
 
-    def answers(self, msg: wire.Message) -> bool:
-        """Whether reply `msg` answers this request (a `params` reply names the offset the request named)."""
-        if msg.op != wire.REPLY_TO[self.header["op"]]:
-            return False
-        return msg.op != "params" or "offset" not in self.header or msg.header["offset"] == self.header["offset"]
+    @property
+    def key(self) -> tuple[str, int | None]:
+        """What its reply names: the reply op and, for a `params` reply, the offset the request named (if any)."""
+        op = wire.REPLY_TO[self.header["op"]]
+        return op, self.header.get("offset") if op == "params" else None
+
+
+class Waiting:
+    """The requests sent to one server and not yet answered, found by what their replies name."""
+
+    def __init__(self) -> None:
+        self.by_key: dict[tuple[str, int | None], deque[Request]] = {}
+        self.count = 0
+
+    def __len__(self) -> int:
+        return self.count
+
+    def add(self, r: Request) -> None:
+        self.by_key.setdefault(r.key, deque()).append(r)
+        self.count += 1
+
+    def oldest(self) -> Request:
+        return next(iter(self.by_key.values()))[0]
+
+    def take(self, msg: wire.Message) -> Request | None:
+        """The request reply `msg` answers, removed (a `params` reply names an offset; a request naming none, a
+        fetch or a whole-range pull, takes any), or the oldest for an error reply; None if none matches."""
+        if msg.op == "error":
+            keys = [next(iter(self.by_key))]
+        else:
+            keys = [(msg.op, msg.header.get("offset") if msg.op == "params" else None), (msg.op, None)]
+        for key in keys:
+            q = self.by_key.get(key)
+            if q:
+                r = q.popleft()
+                if not q:
+                    del self.by_key[key]
+                self.count -= 1
+                return r
+        return None
 
 
 class PSClient:
@@ -62,7 +98,7 @@ class PSClient:
         self.poller = zmq.Poller()
         for s in self.socks:
             self.poller.register(s, zmq.POLLIN)
-        self.waiting: list[list[Request]] = [[] for _ in self.socks]   # sent, not yet answered, per server
+        self.waiting = [Waiting() for _ in self.socks]   # sent, not yet answered, per server
 
     def exchange(self, requests: Sequence[Sequence[Request]], timeout_s: float | None = None) -> None:
         """Send requests[i] to server i (all servers first), then wait for every reply. Replies land in
@@ -78,7 +114,7 @@ class PSClient:
         frames = wire.encode(dict(r.header, worker=self.worker), r.tensor, r.keys)
         self.meter.add(r.header["op"], wire.frames_bytes(frames), 0)
         self.socks[i].send_multipart(frames, copy=False)
-        self.waiting[i].append(r)
+        self.waiting[i].add(r)
 
     def wait(self, timeout_s: float | None = None, until: Request | None = None) -> None:
         """Take replies until every posted request is answered (or `until` is)."""
@@ -99,20 +135,20 @@ class PSClient:
         try:
             msg = wire.decode(frames)
         except wire.WireError as e:
-            op = self.waiting[i][0].header["op"]
+            op = self.waiting[i].oldest().header["op"]
             self.meter.add(op, 0, wire.frames_bytes(frames), calls=0)
             raise PSError(f"worker {self.worker}: bad reply from server {i} to {op!r}: {e}") from None
-        req = next((r for r in self.waiting[i] if r.answers(msg)), self.waiting[i][0])
-        op = req.header["op"]
-        self.meter.add(op, 0, wire.frames_bytes(frames), calls=0)
-        if msg.op == "error":   # names no offset: taken as the answer to the oldest request (the run stops anyway)
-            self.waiting[i].pop(0)
-            kind = NonFinitePush if msg.header.get("code") == NonFinitePush.code else PSError
-            raise kind(f"{op} refused by {msg.header['message']}")
-        if not req.answers(msg):
+        # an error names no offset: taken as the answer to the oldest request (the run stops anyway)
+        req = self.waiting[i].take(msg)
+        if req is None:
+            op = self.waiting[i].oldest().header["op"]
             raise PSError(f"worker {self.worker}: server {i} answered {op!r} with {msg.op!r}"
                           + (f" for offset {msg.header['offset']}" if "offset" in msg.header else ""))
-        self.waiting[i].remove(req)
+        op = req.header["op"]
+        self.meter.add(op, 0, wire.frames_bytes(frames), calls=0)
+        if msg.op == "error":
+            kind = NonFinitePush if msg.header.get("code") == NonFinitePush.code else PSError
+            raise kind(f"{op} refused by {msg.header['message']}")
         req.answered = True
         if msg.op in ("params", "rows"):
             try:   # a payload of another size than the destination's (a rows reply to a rowpull names no keys)
