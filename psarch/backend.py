@@ -107,6 +107,12 @@ class BackendSpec(ABC):
 
     # ---------------------------------------------------------------- processes
 
+    def batch_shard(self, cfg: Config, rank: int, world_size: int) -> tuple[int, int]:
+        """(shard, shards): rank `rank` of `world_size` reads shard `shard` of each step's global batch cut in
+        `shards` equal parts. By default every rank its own; ranks that work on the same samples (the stages
+        of one pipeline) read the same shard."""
+        return rank, world_size
+
     def service_nodes(self, cfg: Config) -> int:
         """Processes besides the workers that this run starts (PS servers); on an emulated cluster each is a node
         of its own unless `service_beside` puts it on a worker's."""

@@ -7,7 +7,7 @@ import os
 import signal
 import sys
 
-from psarch.config import ConfigError, allowed_values, applies_to, describe, load_config
+from psarch.config import Config, ConfigError, allowed_values, applies_to, describe, load_config
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -47,12 +47,18 @@ def _run_parser(p: argparse.ArgumentParser) -> None:
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE",
                    help="override a config key (repeatable); the value is read as TOML")
     p.add_argument("--out", help="run folder (default: runs/<name>)")
-    p.add_argument("--quiet", action="store_true", help="no progress lines")
+    p.add_argument("--quiet", action="store_true",
+                   help="no progress lines (the summary, notes and errors are still printed)")
     start = p.add_mutually_exclusive_group()
     start.add_argument("--resume", metavar="RUN_DIR",
-                       help="continue that run from its latest complete checkpoint to train.steps")
+                       help="continue that run from its latest complete checkpoint to train.steps; only name, label, "
+                            "out, train.steps, train.log_every, train.checkpoint_every, train.keep_checkpoints and "
+                            "backend.timeout_s may differ from the config it was written under (else use --from)")
     start.add_argument("--from", dest="start", metavar="CHECKPOINT_DIR",
                        help="a new run starting from that checkpoint's state and step, under this config")
+    p.add_argument("--checkpoint", metavar="STEP",
+                   help="with --resume: continue from this checkpoint of the run (step_000040, or 40) instead of "
+                        "the latest; the later ones are removed")
     p.add_argument("--overwrite", action="store_true",
                    help="replace a finished run in the run folder (a failed or interrupted one is replaced anyway)")
     p.add_argument("--rerun", action="store_true",
@@ -73,6 +79,13 @@ def _estimate_parser(p: argparse.ArgumentParser) -> None:
     p.add_argument("--overlap", type=float, default=0.0, help="fraction of communication hidden by compute")
     p.add_argument("--budget", type=float, default=32e9, help="device memory for Table 2, bytes")
     p.add_argument("--from", dest="from_run", help="take Φ, N, precision and compute time from a run folder")
+    gpt = p.add_argument_group("tensor parallelism", "rows for a GPT of this shape at each degree t dividing --world")
+    gpt.add_argument("--tensor-parallel", type=int, help="the degree t to mark (rows appear when given)")
+    for flag, default, what in (("--layers", 24, "blocks"), ("--hidden", 2048, "width"), ("--heads", 16, "heads"),
+                                ("--seq-len", 2048, "tokens per sequence"),
+                                ("--micro-batch", 8, "sequences per data-parallel replica per step"),
+                                ("--vocab", 50257, "vocabulary")):
+        gpt.add_argument(flag, type=int, default=default, help=f"{what} (default {default})")
 
 
 def _keys(args: argparse.Namespace) -> int:
@@ -104,7 +117,7 @@ def _keygen(args: argparse.Namespace) -> int:
     from psarch.ps.auth import keygen
 
     folder = keygen(args.dir, args.workers, args.servers)
-    print(f"psarch: keys for {args.workers} worker(s) and {args.servers} server(s) in {folder}; set "
+    print(f"keys for {args.workers} worker(s) and {args.servers} server(s) in {folder}; set "
           f"backend.keys = \"{folder}\" (servers need server{{j}}.key_secret and every worker{{i}}.key, "
           f"worker i needs worker{{i}}.key_secret, worker{{i}}.password and every server{{j}}.key)")
     return 0
@@ -169,17 +182,28 @@ def _run(args: argparse.Namespace) -> int:
     """`psarch run`: exit 2 on a config error (before any process starts), 1 when the run fails."""
     from psarch.sweep import read_sweep, run_sweep
 
+    notes: list[str] = []
     try:  # the machine is checked once: by run() for one run, by the sweep's expand() for each point
-        cfg = load_config(args.config, args.overrides)
+        cfg = load_config(args.config, args.overrides, notes)
+        for note in notes:
+            print(f"psarch: note: {note}", file=sys.stderr)
+        if args.checkpoint is not None and args.resume is None:
+            raise ConfigError(f"--checkpoint {args.checkpoint}: picks the checkpoint of a --resume RUN_DIR; "
+                              f"a new run names its checkpoint folder with --from")
         sweep = read_sweep(args.config)
         if sweep is not None:
             _sweep_flags(args)
-            points = run_sweep(args.config, sweep, args.overrides, args.out, args.rerun, echo=not args.quiet,
-                               start=args.start)
+            points = run_sweep(args.config, sweep, args.overrides, args.out, args.rerun, start=args.start,
+                               progress=not args.quiet)
             return 1 if any(p.status == "failed" for p in points) else 0
     except ConfigError as e:
         print(f"psarch: config error: {e}", file=sys.stderr)
         return 2
+    return _one_run(args, cfg)
+
+
+def _one_run(args: argparse.Namespace, cfg: Config) -> int:
+    from psarch.checkpoint import CheckpointError
     from psarch.launch import RunError, run
     from psarch.outputs import holds_finished_run, run_folder
 
@@ -192,12 +216,15 @@ def _run(args: argparse.Namespace) -> int:
               f"folder with --out", file=sys.stderr)
         return 2
     try:
-        run(cfg, args.resume or args.out, echo=not args.quiet, resume=args.resume is not None, start=args.start)
-    except ConfigError as e:  # found by the launcher before any rank starts (a factory's return type)
+        run(cfg, args.resume or args.out, resume=args.resume is not None, start=args.start, pick=args.checkpoint,
+            progress=not args.quiet)
+    except ConfigError as e:  # found by the launcher before any rank starts (a factory's return type, a resume)
         print(f"psarch: config error: {e}", file=sys.stderr)
         return 2
     except (RunError, RuntimeError, OSError, ValueError) as e:
-        print(f"psarch: run {cfg.name!r} failed: {e}", file=sys.stderr)
+        # psarch's own errors say what failed; anything else (a factory's, torch's) also says its type
+        said = str(e) if isinstance(e, (RunError, CheckpointError)) else _one_line(e)
+        print(f"psarch: run {cfg.name!r} failed: {said}", file=sys.stderr)
         if os.environ.get("PSARCH_DEBUG"):
             raise
         return 1
@@ -230,8 +257,30 @@ def _estimate(args: argparse.Namespace) -> int:
         return 2
     cluster = Cluster(args.bandwidth, args.latency, 0.1 if compute is None else compute, args.overlap)
     source = args.from_run if measured is not None and args.compute_s is None else None
-    print(report(phi, world, precision, optimizer, args.servers, cluster, args.budget, measured, source), end="")
+    try:
+        tensor = _tensor_shape(args, world)
+        print(report(phi, world, precision, optimizer, args.servers, cluster, args.budget, measured, source, tensor),
+              end="")
+    except ConfigError as e:
+        print(f"psarch: estimate: {e}", file=sys.stderr)
+        return 2
     return 0
+
+
+def _tensor_shape(args: argparse.Namespace, world: int) -> tuple | None:
+    """(the GPT's shape, t) for --tensor-parallel t; a ConfigError naming the flag when it does not fit."""
+    from psarch.estimate_tensor import GPTShape
+
+    t = args.tensor_parallel
+    if t is None:
+        return None
+    shape = GPTShape(args.layers, args.hidden, args.heads, args.seq_len, args.micro_batch, args.vocab)
+    if min(shape.layers, shape.hidden, shape.heads, shape.seq, shape.micro_batch, shape.vocab) < 1:
+        raise ConfigError("--layers, --hidden, --heads, --seq-len, --micro-batch, --vocab: each must be >= 1")
+    if t < 1 or world % t or shape.heads % t or shape.hidden % shape.heads:
+        raise ConfigError(f"--tensor-parallel {t}: must divide --world {world} and --heads {shape.heads} "
+                          f"(and --heads must divide --hidden {shape.hidden})")
+    return shape, t
 
 
 if __name__ == "__main__":

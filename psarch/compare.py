@@ -4,13 +4,17 @@ from __future__ import annotations
 import json
 import math
 import statistics
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from psarch import plots
+from psarch.compare_links import links_table, predicts_activations
 from psarch.compare_sparse import embedding_scaling, is_sparse_run, sparse_table
+from psarch.curves import diverged
 from psarch.runs import (label, load_run, name_runs, server_received_per_step, step_clock, target_gaps, target_words,
                          trailing_mean, worker_sent_per_step)
+from psarch.seeds import interval, seed_groups
 from psarch.throughput import LOCKSTEP, OWN_PACE
 from psarch.units import fmt_bytes
 
@@ -78,22 +82,67 @@ def convergence(runs: list[dict[str, Any]], absolute: float | None = None, last:
     lines = [f"| run | N | gap, mean of last {last} steps | target gap | steps to target | time to target (s) | "
              "staleness mean / max |", "|---|---|---|---|---|---|---|"]
     for run, target in zip(runs, target_gaps(runs, absolute)):
-        s, rows = run["summary"], run["metrics"]
+        s = run["summary"]
         st = s.get("staleness")
         stale = f"{st['mean']:.2f} / {st['max']}" if st else "-"
-        floor = s.get("entropy_floor")
         if target is None:
             lines.append(f"| {run['run_label']} | {s['world_size']} | no entropy floor | - | - | - | {stale} |")
             continue
-        losses = [r["loss"] for r in rows]
-        gap = statistics.fmean(losses[-last:]) - floor
-        clock = step_clock(rows)
-        hit = next((i for i, m in enumerate(trailing_mean(losses, window)) if m - floor < target), None)
-        nan_at = next((r["step"] for r in rows if not math.isfinite(r["loss"])), None)
-        shown = f"{gap:.4f}" if math.isfinite(gap) else f"diverged (non-finite from step {nan_at})"
-        steps, secs = (str(hit + 1), f"{clock[hit]:.2f}") if hit is not None else ("-", "-")
+        c = convergence_of(run, target, last, window)
+        shown = f"{c.gap:.4f}" if math.isfinite(c.gap) else f"diverged (non-finite from step {c.nan_at})"
+        steps, secs = (str(c.steps), f"{c.seconds:.2f}") if c.steps is not None else ("-", "-")
         lines.append(f"| {run['run_label']} | {s['world_size']} | {shown} | {target:.4f} | {steps} | {secs} | "
                      f"{stale} |")
+    return "\n".join(lines)
+
+
+@dataclass(frozen=True)
+class Convergence:
+    """One run against its target gap: the mean gap of its last steps, the first step (1-based) and summed step
+    time at which the trailing-mean gap fell below the target (None: never), the first non-finite step."""
+
+    gap: float
+    steps: int | None
+    seconds: float | None
+    nan_at: int | None
+
+
+def convergence_of(run: dict[str, Any], target: float, last: int = 20, window: int = 10) -> Convergence:
+    """A run's Convergence: its `window`-step trailing mean gap against `target`, its last `last` steps' gap."""
+    rows, floor = run["metrics"], run["summary"]["entropy_floor"]
+    losses = [r["loss"] for r in rows]
+    hit = next((i for i, m in enumerate(trailing_mean(losses, window)) if m - floor < target), None)
+    clock = step_clock(rows)
+    return Convergence(statistics.fmean(losses[-last:]) - floor, hit + 1 if hit is not None else None,
+                       clock[hit] if hit is not None else None,
+                       next((r["step"] for r in rows if not math.isfinite(r["loss"])), None))
+
+
+def seeds_table(runs: list[dict[str, Any]], absolute: float | None = None, last: int = 20) -> str:
+    """One Markdown row per group of runs that differ only in seed (psarch/seeds.py), where some group has
+    two or more: mean ± 95% CI over the seeds of the final gap, steps and time to the target (over the seeds
+    that reached it), samples/s, and how many diverged (curves.diverged's rule) or never reached the target."""
+    groups = seed_groups(runs)
+    if all(len(g) < 2 for g in groups):
+        return ""
+    targets = dict(zip(map(id, runs), target_gaps(runs, absolute)))
+    lines = [f"| runs | architecture | N | seeds | gap, mean of last {last} steps | steps to target | "
+             "time to target (s) | samples/s | diverged | not reached |", "|---|---|---|---|---|---|---|---|---|---|"]
+    for group in groups:
+        s, target = group[0]["summary"], targets[id(group[0])]
+        seeds = ", ".join(str((r["config"] or {}).get("seed", "?")) for r in group)
+        gone = sum(diverged([r["loss"] for r in run["metrics"]]) for run in group)
+        rate = interval([run["summary"]["samples_per_s"] for run in group])
+        if target is None:
+            gap = steps = secs = "no entropy floor"
+            missed = "-"
+        else:
+            cs = [convergence_of(run, target, last) for run in group]
+            gap, steps, secs = (str(interval([getattr(c, k) for c in cs]) or "-") for k in ("gap", "steps", "seconds"))
+            missed = str(sum(c.steps is None for c in cs))
+        names = ", ".join(r["run_label"] for r in group)
+        lines.append(f"| {names} | {s['label']} | {s['world_size']} | {seeds} | {gap} | {steps} | {secs} | {rate} | "
+                     f"{gone} | {missed} |")
     return "\n".join(lines)
 
 
@@ -127,6 +176,9 @@ def compare(run_dirs: list[str | Path], out: str | Path, target_gap: float | Non
              "states (params + grads + optimizer incl. fp32 masters). Traffic: mean over workers; native collectives "
              "are modelled, not measured. PS servers' memory and the whole system's (workers + servers): memory.png. "
              "Predictions: theory.predict on each run's config.", ""]
+    forks = [f"- {r['run_label']} started from {f['path']} (step {f['step']}, config sha256 "
+             f"{f['config_sha256'][:12]})" for r in runs if (f := (r["config"] or {}).get("started_from"))]
+    text += forks + [""] if forks else []
     sparse = [r for r in runs if is_sparse_run(r)]
     if sparse:
         figures.append(embedding_scaling(sparse, out))
@@ -134,6 +186,17 @@ def compare(run_dirs: list[str | Path], out: str | Path, target_gap: float | Non
                  "held: the busiest worker's rows (PS: its peak; ddp sharded: its shard; other backends replicate the "
                  "whole tables). Unique ids: distinct ids of one worker's batch over all tables, mean over steps, "
                  "beside their expectation under the Zipf law. Final gap: last step's loss minus the known floor.", ""]
+    study = seeds_table(runs, target_gap)
+    if study:
+        text += ["## Seeds", "", study, "", "Runs that differ only in their seed, as one study: mean ± the half-width "
+                 "of the 95% confidence interval (Student's t over the seeds; n: the seeds that have the figure, so "
+                 "steps and time to target count only the seeds that reached it). Diverged: a loss not finite, or "
+                 "the curve ends above twice its start.", ""]
+    if any(map(predicts_activations, runs)):
+        text += ["## Activations and links", "", links_table(runs), "", "Blocks' activations: the bytes the "
+                 "transformer blocks keep for backward on rank 0 in a step (psarch.activations), measured where "
+                 "backend.measure_activations is on. Sent per link: one rank's link, mean over ranks; by operation: "
+                 "rank 0's, per step.", ""]
     conv = convergence(runs, target_gap)
     if conv:
         initial = (" (the first step's loss less the floor, of a run of that workload from step 0, in lockstep "

@@ -123,6 +123,8 @@ class Config:
     train: TrainConfig = _sub(TrainConfig)
     backend: Any = _sub(backend_config_class, CoreBackendConfig.__doc__)
     cluster: ClusterConfig = _sub(ClusterConfig)
+    started_from: dict = _f({}, "the checkpoint a --from run started from: path, step and the config_sha256 of "
+                                "the run that wrote it (kept when the run is resumed)", recorded=True)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -188,20 +190,70 @@ def from_dict(data: dict[str, Any], name: str = "") -> Config:
     return validate(cfg)
 
 
-def load_config(path: str | Path | None = None, overrides: list[str] | dict[str, Any] | None = None) -> Config:
+def load_config(path: str | Path | None = None, overrides: list[str] | dict[str, Any] | None = None,
+                notes: list[str] | None = None) -> Config:
     """Load a TOML experiment (following `base`), apply overrides, validate. Raises ConfigError.
 
-    Every option set in the file itself or by an override must apply to the chosen backend. Options from a
-    `base` file are shared defaults (one base may serve every backend) and are not checked; nor are the
-    options of a file with a [sweep] table, which the sweep checks against its points."""
+    Every option set by an override must apply to the chosen backend, and so must every option the file sets
+    itself, with one exception: an option the file alone would have read, which an override made inapplicable
+    (`--set backend.kind=ps` on a ddp file that sets backend.comm). Such an option is dropped, as are
+    workload.model and workload.data wherever a workload.factory replaces them; each drop appends a line to
+    `notes`. Options from a `base` file are shared defaults (one base may serve every backend) and are not
+    checked; nor are the options of a file with a [sweep] table, which the sweep checks against its points."""
     top = top_table(Path(path)) if path is not None else {}
     data = read_toml(Path(path)) if path is not None else {}
-    if overrides:
-        data = apply_overrides(data, overrides)
-    cfg = from_dict(data, Path(path).stem if path is not None else "run")
-    if "sweep" not in top:
-        check_applies(cfg, explicit_keys(top, overrides))
-    return cfg
+    merged = apply_overrides(data, overrides) if overrides else data
+    _refuse_recorded(merged)
+    stem = Path(path).stem if path is not None else "run"
+    cfg = from_dict(merged, stem)
+    if "sweep" in top:
+        return cfg
+    set_keys = explicit_keys({}, overrides)
+    replaced = [k for k in explicit_keys(top, overrides) if k in FACTORY_REPLACES and cfg.workload.factory]
+    check_applies(cfg, [k for k in set_keys if k not in replaced])
+    unread = [k for k in explicit_keys(top) if k not in set_keys + replaced and not applies(k, cfg)]
+    alone = _file_alone(data, stem) if unread and overrides else None
+    check_applies(cfg, [k for k in unread if alone is None or not applies(k, alone)])   # the file's own mistake
+    if not unread + replaced:
+        return cfg
+    by_reason: dict[str, list[str]] = {}
+    for key in replaced + unread:
+        where = "--set" if key in set_keys else f"set in {Path(path).name}"
+        by_reason.setdefault(_why_unread(key, cfg), []).append(f"{key} = {show(_value(cfg, key))} ({where})")
+        _drop(merged, key)
+    for why, keys in by_reason.items():
+        if notes is not None:
+            notes.append(f"{', '.join(keys)} {'is' if len(keys) == 1 else 'are'} not read by this run: {why}; dropped")
+    return from_dict(merged, stem)
+
+
+def _refuse_recorded(data: dict[str, Any]) -> None:
+    for f in dataclasses.fields(Config):
+        if f.metadata.get("recorded") and f.name in data:
+            raise ConfigError(f"{f.name} = {show(data[f.name])}: psarch records it in config.json; it is not a "
+                              f"setting (remove it)")
+
+
+def _file_alone(data: dict[str, Any], stem: str) -> Config | None:
+    """The config the file makes without overrides, or None where it is not valid by itself."""
+    try:
+        return from_dict(data, stem)
+    except ConfigError:
+        return None
+
+
+def _drop(data: dict[str, Any], key: str) -> None:
+    *parents, last = key.split(".")
+    for part in parents:
+        data = data[part]
+    del data[last]
+
+
+def _value(cfg: Config, key: str) -> Any:
+    value = cfg
+    for part in key.split("."):
+        value = getattr(value, part)
+    return value
 
 
 def field_of(key: str) -> dataclasses.Field:
@@ -247,18 +299,23 @@ def applies_to(key: str) -> str:
     return " or ".join(parts) or "no registered backend"
 
 
+FACTORY_REPLACES = ("workload.model", "workload.data")   # a factory is given the Config: it may read the rest
+
+
+def _why_unread(key: str, cfg: Config) -> str:
+    if cfg.workload.factory and key in FACTORY_REPLACES:
+        return f"workload.factory = {show(cfg.workload.factory)} replaces the built-in model and data"
+    spec = registry.spec_of(cfg)
+    this = f"backend.kind = {json.dumps(spec.kind)}" + (
+        f", backend.{spec.variant_key} = {show(getattr(cfg.backend, spec.variant_key))}" if spec.variant_key else "")
+    return f"applies only to {applies_to(key)}; this run has {this}"
+
+
 def check_applies(cfg: Config, keys: list[str]) -> None:
     """A ConfigError for the first of `keys` that the chosen backend does not read."""
     for key in keys:
         if not applies(key, cfg):
-            value = cfg
-            for part in key.split("."):
-                value = getattr(value, part)
-            spec = registry.spec_of(cfg)
-            this = f"backend.kind = {json.dumps(spec.kind)}" + (
-                f", backend.{spec.variant_key} = {show(getattr(cfg.backend, spec.variant_key))}"
-                if spec.variant_key else "")
-            raise ConfigError(f"{key} = {show(value)}: applies only to {applies_to(key)}; this run has {this} "
+            raise ConfigError(f"{key} = {show(_value(cfg, key))}: {_why_unread(key, cfg)} "
                               f"(remove the option or choose a backend that reads it)")
 
 
@@ -280,7 +337,7 @@ def describe(cls: type = Config, prefix: str = "") -> list[tuple[str, Any, str]]
     for f in dataclasses.fields(cls):
         if "section" in f.metadata:
             rows += describe(f.metadata["section"](), f"{prefix}{f.name}.")
-        else:
+        elif not f.metadata.get("recorded"):
             default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
             rows.append((prefix + f.name, default, f.metadata.get("doc", "")))
     return rows

@@ -45,6 +45,9 @@ def read_toml(path: Path, seen: tuple[Path, ...] = ()) -> dict[str, Any]:
         return data
     if not isinstance(base, str):
         raise ConfigError(f"base = {show(base)}: expected a path string")
+    if not (path.parent / base).is_file():
+        raise ConfigError(f"base = {show(base)} in {show(str(path))}: no such file {show(str(path.parent / base))} "
+                          f"(a base is found relative to the file that names it)")
     return merge(read_toml(path.parent / base, seen + (path,)), data)
 
 

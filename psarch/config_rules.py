@@ -37,8 +37,12 @@ def _check_name(cfg: Config) -> None:
 
 def _check_train(cfg: Config) -> None:
     b, t = cfg.backend, cfg.train
-    if t.global_batch % b.world_size:
-        raise ConfigError(f"train.global_batch = {t.global_batch}: must be divisible by backend.world_size = {b.world_size}")
+    shards = registry.spec_of(cfg).batch_shard(cfg, 0, b.world_size)[1]
+    if t.global_batch % shards:
+        raise ConfigError(f"train.global_batch = {t.global_batch}: must be divisible by backend.world_size = {b.world_size}"
+                          if shards == b.world_size else
+                          f"train.global_batch = {t.global_batch}: must be divisible by the {shards} shards of the "
+                          f"global batch that backend.kind = \"{b.kind}\" reads")
     if len(t.betas) != 2 or not all(isinstance(x, (int, float)) and not isinstance(x, bool) and 0 <= x < 1 for x in t.betas):
         raise ConfigError(f"train.betas = {show(t.betas)}: expected two numbers in [0, 1)")
     t.betas = [float(x) for x in t.betas]

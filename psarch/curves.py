@@ -3,6 +3,7 @@ colours. Nothing here assumes a loss's scale or an entropy floor: a user's facto
 from __future__ import annotations
 
 import math
+import statistics
 from pathlib import Path
 from typing import Any
 
@@ -11,6 +12,7 @@ from matplotlib.ticker import MaxNLocator
 
 from psarch.plot_style import Palette, legend_beside, save
 from psarch.runs import step_clock, trailing_mean, workload_of
+from psarch.seeds import interval, seed_groups
 
 SYNC = "synchronous"
 DIVERGE_FACTOR = 2.0   # a curve that ends above this times its start (in distance from zero) diverged
@@ -115,12 +117,39 @@ def _draw_panel(ax: Any, members: list[dict[str, Any]], reference: dict[str, Any
         xs, ys, _ = curve(reference, axis, window)
         ax.plot(xs, ys, color="0.6", lw=1, label=f"{palette.name(reference)} (sync reference)")
         drawn.append((ys, diverged(ys)))
-    for run in members:
-        xs, ys, versions = curve(run, axis, window)
-        by_version &= versions
-        drawn.append((ys, diverged(ys)))
-        ax.plot(xs, ys, label=palette.name(run) + (" (diverged)" if drawn[-1][1] else ""), **palette.line(run))
+    for group in seed_groups(members):
+        curves = [curve(run, axis, window) for run in group]
+        by_version &= all(versions for _, _, versions in curves)
+        if len(group) == 1:
+            xs, ys, _ = curves[0]
+            drawn.append((ys, diverged(ys)))
+            ax.plot(xs, ys, label=palette.name(group[0]) + (" (diverged)" if drawn[-1][1] else ""),
+                    **palette.line(group[0]))
+            continue
+        xs, mean, half = seed_band(curves)
+        gone = sum(diverged(ys) for _, ys, _ in curves)
+        drawn.append((mean, diverged(mean)))
+        style = palette.line(group[0])
+        ax.plot(xs, mean, label=f"{palette.name(group[0])}: mean of {len(group)} seeds"
+                + (f" ({gone} diverged)" if gone else ""), **style)
+        ax.fill_between(xs, [m - h for m, h in zip(mean, half)], [m + h for m, h in zip(mean, half)],
+                        color=style.get("color"), alpha=0.2, lw=0)
     return drawn, by_version
+
+
+def seed_band(curves: list[tuple[list[float], list[float], bool]]) -> tuple[list[float], list[float], list[float]]:
+    """A seed group's curves as one: at each point the runs share (the shortest run's length), the mean x, the
+    mean loss and the half-width of its 95% confidence interval (psarch/seeds.py); non-finite losses left out."""
+    length = min(len(ys) for _, ys, _ in curves)
+    xs, mean, half = [], [], []
+    for i in range(length):
+        ci = interval([ys[i] for _, ys, _ in curves])
+        if ci is None:
+            break
+        xs.append(statistics.fmean(x[i] for x, _, _ in curves))
+        mean.append(ci.mean)
+        half.append(ci.half if math.isfinite(ci.half) else 0.0)
+    return xs, mean, half
 
 
 def _title(workload: str, panel: str, members: list[dict[str, Any]], several: bool, axis: str) -> str:

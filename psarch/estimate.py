@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 from psarch import theory
 from psarch.config import Config
+from psarch.estimate_tensor import GPTShape, tensor_report
 
 STAGES = (("ddp", 0), ("zero-1", 1), ("zero-2", 2), ("zero-3", 3))
 
@@ -121,9 +122,10 @@ def _params(x: float) -> str:
 
 def report(phi: float, world: int, precision: str = "bf16", optimizer: str = "adamw", servers: int = 1,
            cluster: Cluster | None = None, budget: float = 32e9, measured: tuple[dict, Config] | None = None,
-           compute_from: str | None = None) -> str:
+           compute_from: str | None = None, tensor: tuple[GPTShape, int] | None = None) -> str:
     """Everything `psarch estimate` prints; `measured` is a run's (summary, config), compared with the model
-    at the end; `compute_from` names the run the cluster's compute time was measured in, if any."""
+    at the end; `compute_from` names the run the cluster's compute time was measured in, if any; `tensor`
+    (a GPT's shape, the degree asked for): tensor parallelism's rows (psarch.estimate_tensor)."""
     c = cluster or Cluster()
     payload = phi * theory.BYTES[precision]
     out = [f"== model states per device, GB (1e9 bytes): Φ = {_params(phi)}, {precision} + {optimizer} "
@@ -160,6 +162,8 @@ def report(phi: float, world: int, precision: str = "bf16", optimizer: str = "ad
         n = crossover(phi, precision, c, s, worlds)
         out.append(f"ps/{s} overtakes ring all-reduce at N = {n}" if n else
                    f"ps/{s} does not overtake ring all-reduce up to N = {worlds[-1]}")
+    if tensor:
+        out += [""] + tensor_report(tensor[0], world, tensor[1], precision, optimizer)
     if measured:
         out += ["", measured_vs_model(*measured, c)]
     return "\n".join(out) + "\n"

@@ -8,6 +8,7 @@ gloo's threads can abort a finished process (pytorch/pytorch#179291), never runs
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import multiprocessing as mp
 import os
@@ -25,7 +26,8 @@ import torch.distributed as dist
 
 from psarch import outputs, registry, supervise
 from psarch.backend import BackendSpec
-from psarch.checkpoint.start import CHECKPOINTS, starting_checkpoint
+from psarch.checkpoint import Checkpoint
+from psarch.checkpoint.start import CHECKPOINTS, drop_after, keep_fork_source, provenance, starting_checkpoint
 from psarch.cluster import Placement, place
 from psarch.cluster.window import StepMarks
 from psarch.config import Config, ConfigError, check_machine, from_dict
@@ -39,9 +41,11 @@ from psarch.workload import Workload, build_workload
 
 
 def run(cfg: Config, out: str | Path | None = None, echo: bool = True, resume: bool = False,
-        start: str | Path | None = None, machine_checked: bool = False) -> dict[str, Any]:
+        start: str | Path | None = None, machine_checked: bool = False, pick: str | None = None,
+        progress: bool = True) -> dict[str, Any]:
     """Run one experiment and return its summary. Every rank (and service) is started here. With `resume`,
-    continue the run in `out` from its latest complete checkpoint; with `start`, begin from that checkpoint.
+    continue the run in `out` from its latest complete checkpoint (or the one `pick` names); with `start`,
+    begin from that checkpoint. echo: print the summary (and, with `progress`, the progress lines).
     machine_checked: the caller already ran check_machine(cfg) (a sweep checks every point before the first)."""
     if cfg.cluster.emulate and under_torchrun():
         raise ConfigError("cluster.emulate = true: not under torchrun, whose machines are the cluster; "
@@ -53,11 +57,12 @@ def run(cfg: Config, out: str | Path | None = None, echo: bool = True, resume: b
     if (cfg.train.checkpoint_every or resume or start is not None) and not spec.checkpoints:
         raise ConfigError(f"backend.kind = {cfg.backend.kind!r} cannot write or read checkpoints yet "
                           f"(train.checkpoint_every, --resume, --from)")
-    ckpt = starting_checkpoint(cfg, out_dir, resume, start)  # verified before anything is written or started
-    job = RankJob(cfg.to_dict(), str(out_dir), echo, out_dir / CHECKPOINTS if cfg.train.checkpoint_every else None,
-                  ckpt.path if ckpt is not None else None, resume, registry.plugins())
+    ckpt = starting_checkpoint(cfg, out_dir, resume, start, pick)  # verified before anything is written or started
+    cfg, begin = _started(cfg, ckpt, out_dir, resume, pick, echo)
+    job = RankJob(cfg.to_dict(), str(out_dir), echo and progress,
+                  out_dir / CHECKPOINTS if cfg.train.checkpoint_every else None, begin, resume, registry.plugins())
     if under_torchrun():
-        return _torchrun_rank(cfg, spec, job)
+        return _torchrun_rank(cfg, spec, job, echo)
     # A user's factory runs here once (no process group yet), so a wrong return type is one ConfigError
     # before any rank starts; a single in-process rank then trains this very workload.
     workload = build_workload(cfg) if cfg.workload.factory else None
@@ -75,7 +80,26 @@ def run(cfg: Config, out: str | Path | None = None, echo: bool = True, resume: b
     except BaseException as e:  # failed or interrupted (Ctrl-C, SIGTERM): keep the finished steps, say why
         _keep_finished_steps(out_dir, cfg, e)
         raise
-    return outputs.finalize(out_dir, cfg, dict(extra, **({"cluster": cluster} if cluster else {})), echo)
+    recorded = {k: v for k, v in (("cluster", cluster), ("started_from", cfg.started_from)) if v}
+    return outputs.finalize(out_dir, cfg, dict(extra, **recorded), echo)
+
+
+def _started(cfg: Config, ckpt: Checkpoint | None, out: Path, resume: bool, pick: str | None, echo: bool
+             ) -> tuple[Config, Path | None]:
+    """The config a run records (a fork's started_from; a resumed run keeps the one its checkpoint holds) and
+    the checkpoint folder it starts from. The run folder is tidied: a resume from an earlier checkpoint
+    (--checkpoint) removes the later ones (rank 0), a fork keeps a source that lies in the folder it replaces."""
+    first = os.environ.get("RANK", "0") == "0"
+    if resume:
+        dropped = drop_after(out, ckpt.step) if pick is not None and first else []
+        if dropped and echo:
+            print(f"psarch: resuming from {ckpt.path.name}: removed the later checkpoints {', '.join(dropped)}",
+                  flush=True)
+        return dataclasses.replace(cfg, started_from=ckpt.config.get("started_from", {})), ckpt.path
+    path = keep_fork_source(ckpt, out, move=not under_torchrun())
+    if ckpt is None:
+        return cfg, None
+    return dataclasses.replace(cfg, started_from=provenance(ckpt, path)), path
 
 
 @dataclass
@@ -131,7 +155,7 @@ def _in_process(job: RankJob, spec: BackendSpec, where: Placement, workload: Wor
     marks = where.step_marks(1)   # outside the node: the counters' reader is no node's
     try:
         with where.node("worker", 0):
-            _rank(job, cfg, 0, 1, store, marks, workload)
+            _rank(job, cfg, 0, 1, store, marks[0] if marks else None, workload)
     except BaseException:
         abandon_group()   # this process lives on (a test, a sweep's next point): leave no group behind
         raise
@@ -172,7 +196,8 @@ def _spawn(job: RankJob, spec: BackendSpec, where: Placement, services: Services
     ctx = mp.get_context("spawn")
     marks = where.step_marks(n)   # an emulated cluster reads its links before the first step and after the last
     procs = [ctx.Process(target=_rank_main, name=f"psarch-rank{r}",
-                         args=(job, r, n, where.rendezvous_host, port, _threads(n), store is not None, marks))
+                         args=(job, r, n, where.rendezvous_host, port, _threads(n), store is not None,
+                               marks[r] if marks else None))
              for r in range(n)]
     out = Path(job.out)
 
@@ -204,7 +229,7 @@ def _keep_finished_steps(out: Path, cfg: Config, e: BaseException) -> None:
         print(f"psarch: could not write the {status} run's summary: {type(w).__name__}: {w}", file=sys.stderr)
 
 
-def _torchrun_rank(cfg: Config, spec: BackendSpec, job: RankJob) -> dict[str, Any]:
+def _torchrun_rank(cfg: Config, spec: BackendSpec, job: RankJob, echo: bool) -> dict[str, Any]:
     """One rank of a torchrun job. Services (the parameter servers of `ps` without
     backend.server_addresses) are started by rank 0, which is also worker 0, as `psarch run` starts
     them; their addresses reach every rank as JSON over the process group (no pickle) before any
@@ -251,7 +276,9 @@ def _torchrun_rank(cfg: Config, spec: BackendSpec, job: RankJob) -> dict[str, An
             services.stop()
         leave(1)
     shutdown(ctx)
-    return outputs.finalize(out, cfg, extra, job.echo) if rank == 0 else {}
+    if rank == 0 and cfg.started_from:
+        extra = dict(extra or {}, started_from=cfg.started_from)
+    return outputs.finalize(out, cfg, extra, echo) if rank == 0 else {}
 
 
 def _reachable(address: str) -> str:

@@ -25,6 +25,16 @@ def die_with_parent() -> None:
         os._exit(1)
 
 
+def ended(code: int | None) -> str:
+    """How a child process ended, from its exit code, for an error message: "was killed by SIGABRT",
+    "exited with code 1". Never a guess: out of memory is named only as a sender of SIGKILL."""
+    if code is None or code >= 0:
+        return f"exited with code {code}"
+    name = signal.Signals(-code).name if -code in signal.Signals._value2member_map_ else f"signal {-code}"
+    why = " (SIGKILL: the kernel's out-of-memory killer sends it, as does `kill -9`)" if code == -signal.SIGKILL else ""
+    return f"was killed by {name}{why}"
+
+
 def leave(code: int) -> None:
     """End this process now with `code`, its output flushed, without the interpreter's finalisation: a
     process that has written everything must not then die in it (gloo's threads abort at finalisation on

@@ -6,7 +6,7 @@ import sys
 import threading
 import time
 from contextlib import contextmanager
-from typing import Iterable, Iterator
+from typing import Callable, Iterable, Iterator
 
 import torch
 
@@ -116,6 +116,20 @@ def tensor_bytes(tensors: Iterable[torch.Tensor | None]) -> int:
     return total
 
 
+def local(t: torch.Tensor | None) -> torch.Tensor | None:
+    """What this rank holds of a tensor: a DTensor's local shard, any other tensor itself."""
+    return t.to_local() if t is not None and hasattr(t, "to_local") else t
+
+
+def local_state_bytes(params: Iterable[torch.Tensor], opt: torch.optim.Optimizer) -> tuple[int, int, int]:
+    """(parameters, gradients, optimizer state) bytes this rank holds of (possibly DTensor) parameters and the
+    optimizer stepping them: the torch peers that shard with DTensors (FSDP2, tensor parallelism)."""
+    params = list(params)
+    state = [local(v) for s in opt.state.values() for v in s.values() if torch.is_tensor(v)]
+    return (tensor_bytes(local(p) for p in params), tensor_bytes(local(p.grad) for p in params),
+            tensor_bytes(state))
+
+
 def optimizer_state_bytes(opt: torch.optim.Optimizer) -> int:
     """Bytes of every tensor in an optimizer's state (moments, momentum buffers, step counters)."""
     return tensor_bytes(v for s in opt.state.values() for v in s.values() if torch.is_tensor(v))
@@ -138,3 +152,55 @@ def peak_memory(device: torch.device) -> tuple[int, str]:
         pass
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return int(rss if sys.platform == "darwin" else rss * 1024), "rss"
+
+
+class SavedActivationMeter:
+    """Bytes of activations kept for backward during one forward (`with meter:` around it): the tensors
+    autograd saves (through saved-tensor hooks; parameters excluded) plus the inputs that checkpointed units
+    keep. Measured from the tensors themselves, each storage counted once; CPU has no allocator statistics
+    to ask. With `scope` (modules), only what is saved inside their forwards counts (e.g. transformer blocks)."""
+
+    def __init__(self, exclude_storages: Callable[[], set[int]], scope: Iterable[torch.nn.Module] = ()) -> None:
+        self.exclude = exclude_storages  # callable -> data_ptrs of parameter storages now (stage 3 re-gathers)
+        self.bytes = 0
+        self._seen: set[int] = set()
+        self._ctx = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t)
+        self._scoped = False
+        self._inside = 0
+        for m in scope:
+            self._scoped = True
+            m.register_forward_pre_hook(lambda *_: self._enter_scope())
+            m.register_forward_hook(lambda *_: self._leave_scope())
+
+    def _enter_scope(self) -> None:
+        self._inside += 1
+
+    def _leave_scope(self) -> None:
+        self._inside -= 1
+
+    def _count(self, t: torch.Tensor) -> None:
+        st = t.untyped_storage()
+        key = st.data_ptr()
+        if key and key not in self._seen and key not in self.exclude():
+            self._seen.add(key)
+            self.bytes += st.nbytes()
+
+    def _pack(self, t: torch.Tensor) -> torch.Tensor:
+        if not isinstance(t, torch.nn.Parameter) and (self._inside or not self._scoped):
+            self._count(t)
+        return t
+
+    def count_inputs(self, args: tuple) -> None:
+        """A checkpointed unit keeps its tensor inputs alive until its backward."""
+        for a in args:
+            if torch.is_tensor(a):
+                self._count(a)
+
+    def __enter__(self) -> "SavedActivationMeter":
+        self.bytes = 0
+        self._seen.clear()
+        self._ctx.__enter__()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._ctx.__exit__(*exc)

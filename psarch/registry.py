@@ -19,10 +19,12 @@ BUILTIN = (
     "collective.spec:DDP",
     "zero.spec:ZERO",
     "psarch.ps.spec:PS",
+    "collective.tensor.spec:TENSOR",
     # PyTorch's own implementations, run by the same runner: the peers for parity and benchmarks
     "collective.spec:TORCH_DDP",
     "zero.spec:TORCH_ZERO",
     "zero.spec:TORCH_FSDP",
+    "collective.tensor.spec:TORCH_TENSOR",
 )
 ENTRY_POINTS = "psarch.backends"
 _BUILTIN_MODULES = {path.partition(":")[0] for path in BUILTIN}

@@ -53,9 +53,10 @@ class StepLoop:
         self.trainer, self.workload, self.ctx = trainer, workload, ctx
         self.cast = None if cfg.train.precision == "fp32" else compute_dtype(cfg.train.precision)
         self.sync = ctx.device.type == "cuda"
+        self.shard = registry.spec_of(cfg).batch_shard(cfg, ctx.rank, ctx.world_size)
 
     def batch(self, step: int) -> Any:
-        return to_device(self.workload.batch(step, self.ctx.rank, self.ctx.world_size), self.ctx.device, self.cast)
+        return to_device(self.workload.batch(step, *self.shard), self.ctx.device, self.cast)
 
     def timed(self, step: int) -> float:
         """Take step `step` (its batch made first, outside the clock); its seconds."""

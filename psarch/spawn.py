@@ -27,7 +27,7 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
-from psarch.lifecycle import die_with_parent
+from psarch.lifecycle import die_with_parent, ended, leave
 
 # Every rank is on this machine: talk over loopback, whatever the hostname resolves to.
 _LOOPBACK = "lo0" if sys.platform == "darwin" else "lo"
@@ -39,8 +39,11 @@ class RankError(RuntimeError):
 
 def _rank_main(fn: Callable[..., Any], rank: int, world_size: int, port: int, timeout: float,
                results: mp.Queue, args: tuple) -> None:
-    """Entry point of one spawned rank: join the group, run fn, report ("ok", json) or ("error", traceback)."""
+    """Entry point of one spawned rank: join the group, run fn, report ("ok", json) or ("error", traceback).
+    It never returns: once its report is in the pipe it leaves with os._exit (psarch.lifecycle.leave), so
+    gloo's threads never meet the interpreter's finalisation, where they can abort a finished process."""
     die_with_parent()  # a test run that is killed leaves no ranks behind
+    code = 0
     try:
         os.environ.setdefault("GLOO_SOCKET_IFNAME", _LOOPBACK)
         torch.set_num_threads(1)
@@ -57,6 +60,10 @@ def _rank_main(fn: Callable[..., Any], rank: int, world_size: int, port: int, ti
             dist.destroy_process_group()
     except BaseException:
         results.put((rank, "error", traceback.format_exc()))
+        code = 1
+    results.close()
+    results.join_thread()   # the report is written to the pipe before the process ends
+    leave(code)
 
 
 def _stop(procs: list) -> None:
@@ -114,8 +121,8 @@ def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout: floa
             if silent:
                 drain(0.5)  # its report may still be in the pipe behind its exit
                 for r in silent:
-                    outcomes.setdefault(r, ("error", f"rank {r} exited with code {procs[r].exitcode} "
-                                                     f"without reporting (killed? out of memory? see its stderr)"))
+                    why = f"rank {r} {ended(procs[r].exitcode)} without reporting; see its stderr"
+                    outcomes.setdefault(r, ("error", why))
                 break
             if time.monotonic() > deadline:
                 missing = [r for r in range(world_size) if r not in outcomes]

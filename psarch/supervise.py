@@ -6,7 +6,6 @@ monotonic clock); a rank that left none was killed, and the launcher says by wha
 from __future__ import annotations
 
 import json
-import signal
 import time
 import traceback
 from multiprocessing.connection import wait
@@ -15,6 +14,7 @@ from typing import Any, Callable
 
 from psarch import outputs
 from psarch.errors import NON_FINITE_EXIT, RunError
+from psarch.lifecycle import ended
 
 ECHO_GRACE_S = 2.0  # how long the launcher waits, after a rank fails, for its peers' errors before it names one
 
@@ -55,11 +55,7 @@ def rank_error(out: Path, rank: int, code: int | None) -> str:
     rec = read_error(out, rank)
     if rec is not None:
         return f"rank {rank} failed: {rec['error']}\n{rec['traceback']}"
-    if code is not None and code < 0:
-        name = signal.Signals(-code).name if -code in signal.Signals._value2member_map_ else f"signal {-code}"
-        why = " (SIGKILL: the kernel's out-of-memory killer sends it, as does `kill -9`)" if code == -signal.SIGKILL else ""
-        return f"rank {rank} was killed by {name}{why} before it could report an error"
-    return f"rank {rank} exited with code {code} without reporting an error"
+    return f"rank {rank} {ended(code)} before it could report an error"
 
 
 def watch(procs: list, out: Path, lost: Callable[[list[int]], bool] | None, check: Callable[[], None]) -> None:
@@ -83,6 +79,7 @@ def watch(procs: list, out: Path, lost: Callable[[list[int]], bool] | None, chec
 
 def stop(procs: list) -> None:
     """Terminate every rank still alive, then kill what ignores it."""
+    procs = [p for p in procs if p.pid is not None]   # a failed start leaves the rest unstarted: not joinable
     for p in procs:
         if p.is_alive():
             p.terminate()

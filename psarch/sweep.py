@@ -9,7 +9,8 @@
 Points = explicit points (or one empty point) x the matrix. Keys that do not apply to a point's backend
 (e.g. `backend.stage` for ddp, `backend.k_steps` for ps sync: psarch.config.applies) are dropped, and points
 that are then identical run once (the sweep says which). Every option the file itself, --set, an axis or a
-point names must apply to at least one point. Each point writes its own run folder
+point names must apply to at least one point. --set has the last word over the sweep too: an axis it sets is
+narrowed to its value, and an explicit point that sets it takes its value (`narrowed`). Each point writes its own run folder
 under the sweep's folder; a point whose folder holds a finished run of the same resolved config (config.json)
 is skipped unless rerun, and otherwise runs again with the reason printed; a failed point is
 reported and the others still run; the comparison of all finished points is written at the end. A point
@@ -26,7 +27,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from psarch.config import ConfigError, applies, applies_to, check_machine, explicit_keys, load_config, top_table
+from psarch.config import (ConfigError, applies, applies_to, check_machine, explicit_keys, load_config, parse_override,
+                           top_table)
 from psarch.outputs import run_folder
 
 ALIASES = {"backend": "backend.kind"}
@@ -65,9 +67,31 @@ def _point_name(ov: dict[str, Any]) -> str:
     return "".join(c if c.isalnum() or c in "-_." else "_" for c in name)
 
 
+def narrowed(sweep: dict[str, Any], overrides: list[str] | None) -> tuple[dict[str, Any], list[str]]:
+    """The sweep with every axis and explicit point that sets a key `--set` also sets narrowed to the --set
+    value (the command line has the last word, as over the file), and one line per axis saying so."""
+    pinned = {".".join(path): value for path, value in (parse_override(o) for o in overrides or [])}
+    out, notes = {}, []
+    for k, v in sweep.items():
+        key = ALIASES.get(k, k)
+        if k == "points" and isinstance(v, list):
+            keys = sorted({ALIASES.get(pk, pk) for p in v if isinstance(p, dict) for pk in p} & pinned.keys())
+            notes += [f"--set {key}={json.dumps(pinned[key])} replaces {key} in every sweep point that sets it"
+                      for key in keys]
+            v = [{pk: pinned.get(ALIASES.get(pk, pk), pv) for pk, pv in p.items()} if isinstance(p, dict) else p
+                 for p in v]
+        elif key in pinned and k not in ("points", "rerun"):
+            notes.append(f"--set {key}={json.dumps(pinned[key])} narrows the sweep axis {key} = "
+                         f"{json.dumps(v, default=str)} to [{json.dumps(pinned[key])}]")
+            v = [pinned[key]]
+        out[k] = v
+    return out, notes
+
+
 def expand(path: str | Path, sweep: dict[str, Any], overrides: list[str] | None = None) -> list[Point]:
-    """Every distinct point of the sweep, validated (a point with a bad config carries its error)."""
-    sweep = dict(sweep)
+    """Every distinct point of the sweep (narrowed by --set: `narrowed`), validated (a point with a bad config
+    carries its error)."""
+    sweep = dict(narrowed(sweep, overrides)[0])
     explicit = sweep.pop("points", [{}])
     sweep.pop("rerun", None)
     axes = {ALIASES.get(k, k): v for k, v in sweep.items()}
@@ -150,9 +174,10 @@ def _bar(done: int, total: int, width: int = 24) -> str:
 
 def run_sweep(path: str | Path, sweep: dict[str, Any], overrides: list[str] | None = None,
               out: str | Path | None = None, rerun: bool = False, echo: bool = True,
-              start: str | Path | None = None) -> list[Point]:
+              start: str | Path | None = None, progress: bool = True) -> list[Point]:
     """Run every point (skipping finished ones unless rerun), then compare them. Returns the points. With
-    `start` (--from), every point forks that checkpoint and runs (a finished point does not record its start)."""
+    `start` (--from), every point forks that checkpoint and runs (a finished point does not record its start).
+    echo: print the sweep's lines and each point's summary; progress: also each point's progress lines."""
     from psarch.compare import compare
     from psarch.launch import run
 
@@ -170,6 +195,9 @@ def run_sweep(path: str | Path, sweep: dict[str, Any], overrides: list[str] | No
         except CheckpointError as e:
             raise ConfigError(f"--from: {e}") from None
     root.mkdir(parents=True, exist_ok=True)
+    if echo:
+        for note in narrowed(sweep, overrides)[1]:
+            print(f"sweep: {note}", flush=True)
     if echo and duplicates_note(points):
         print(f"sweep: {len(points)} points; {duplicates_note(points)}", flush=True)
     for i, p in enumerate(points):
@@ -187,7 +215,8 @@ def run_sweep(path: str | Path, sweep: dict[str, Any], overrides: list[str] | No
                 print(f"point {p.name}: running it again: {stale}", flush=True)
             t0 = time.perf_counter()
             try:
-                p.summary = run(cfg, folder, echo=echo, machine_checked=True, start=start)   # expand checked it
+                p.summary = run(cfg, folder, echo=echo, machine_checked=True, start=start,   # expand checked it
+                                progress=progress)
                 p.status, p.detail = "done", f"{time.perf_counter() - t0:.1f} s"
             except Exception as e:  # one failed point must not stop the others
                 p.status = "failed"

@@ -69,6 +69,9 @@ class Prediction:
     # with servers: the links whose load sets the exchange's time, by phase, where processes share a node (a
     # server beside a worker); None: each worker's and each server's own (two_phase_links)
     links: list[LinkLoad] | None = None
+    # bytes of activations one worker's transformer blocks keep for backward in a step, where the backend
+    # predicts them (psarch.activations); a run measures them with backend.measure_activations
+    activations: float | None = None
 
     def to_dict(self) -> dict:
         """The `predicted` entry of summary.json."""
@@ -79,6 +82,8 @@ class Prediction:
                "rounds_per_step": self.rounds, "messages_per_step": self.messages}
         if self.server_memory is not None:
             out["server_memory"] = self.server_memory
+        if self.activations is not None:
+            out["block_activations_per_rank"] = self.activations
         return out
 
 

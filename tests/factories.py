@@ -69,6 +69,22 @@ def fails_at_step_2(cfg) -> psarch.Workload:
     return psarch.Workload(wl.model, loss_fn, wl.batch, wl.entropy_floor, "fails")
 
 
+def fails_when_asked(cfg) -> psarch.Workload:
+    """Regression whose batch of step PSARCH_TEST_FAIL_AT raises: a run that fails on resume under the very
+    config it was written under (a resume may not change the factory)."""
+    import os
+
+    wl = regression(cfg)
+    fail_at = int(os.environ.get("PSARCH_TEST_FAIL_AT", "-1"))
+
+    def batch(step: int, shard: int, num_shards: int):
+        if step == fail_at:
+            raise RuntimeError(f"deliberate failure at step {step}")
+        return wl.batch(step, shard, num_shards)
+
+    return psarch.Workload(wl.model, wl.loss_fn, batch, wl.entropy_floor, "regression")
+
+
 def readme_example(cfg) -> psarch.Workload:
     """The README's "Bring your own model" factory, verbatim: its loss_fn does not cast the batch, so it
     runs in bf16/fp16 only because the runner casts floating-point batches to the compute dtype."""
@@ -142,6 +158,44 @@ def nan_loss_on_last_shard_at_step_3(cfg) -> psarch.Workload:
         return (torch.full_like(x, float("nan")), y) if (step, shard) == (3, num_shards - 1) else (x, y)
 
     return psarch.Workload(wl.model, wl.loss_fn, batch, wl.entropy_floor, "nan-at-step-3")
+
+
+def aborts_last_shard_at_last_step(cfg) -> psarch.Workload:
+    """Regression whose last shard's process kills itself with SIGABRT (as gloo's threads can) when it asks
+    for its last batch: a rank that dies of a signal, leaving no error record. No core file is written."""
+    import os
+    import resource
+    import signal
+
+    wl = regression(cfg)
+
+    def batch(step: int, shard: int, num_shards: int):
+        if (step, shard) == (cfg.train.steps - 1, num_shards - 1):
+            resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
+            os.kill(os.getpid(), signal.SIGABRT)
+        return wl.batch(step, shard, num_shards)
+
+    return psarch.Workload(wl.model, wl.loss_fn, batch, wl.entropy_floor, "aborts")
+
+
+def aborts_if_finalised(cfg) -> psarch.Workload:
+    """Regression whose ranks (spawned, or under torchrun) abort if the interpreter finalises them (an atexit
+    hook standing in for gloo's threads, pytorch/pytorch#179291): their run finishes only if they leave
+    without finalisation. The launching process, which calls the factory once too, is left alone."""
+    import atexit
+    import multiprocessing
+    import os
+    import resource
+
+    from psarch.dist import under_torchrun
+
+    def abort() -> None:
+        resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
+        os.abort()
+
+    if multiprocessing.parent_process() is not None or under_torchrun():
+        atexit.register(abort)
+    return regression(cfg)
 
 
 def overflow_on_steps_2_and_3(cfg) -> psarch.Workload:

@@ -148,7 +148,8 @@ def test_fork_continues_the_step_numbering(tmp_path, written, capsys):
 ])
 def test_a_checkpoint_of_another_model_stops_naming_the_first_mismatch(tmp_path, written, capsys, change, says):
     ckpt, data = written
-    rc, err = _fork(tmp_path, ckpt, dict(data, workload=dict(data["workload"], **change)), capsys)
+    workload = change if "factory" in change else dict(data["workload"], **change)   # a factory replaces the rest
+    rc, err = _fork(tmp_path, ckpt, dict(data, workload=workload), capsys)
     assert rc == 1 and says in err and len(err.strip().splitlines()) == 1, err
     assert not (tmp_path / "fork").exists()   # the run did not start
 
@@ -226,17 +227,20 @@ def test_a_dlrm_checkpoint_forks(tmp_path, capsys):
     assert steps == [2, 3]
 
 
-def test_a_resumed_run_that_fails_keeps_the_steps_before_its_checkpoint(tmp_path):
-    data = parity.config("r", workload={"factory": "factories:regression"},
+def test_a_resumed_run_that_fails_keeps_the_steps_before_its_checkpoint(tmp_path, monkeypatch):
+    data = parity.config("r", workload={"factory": "factories:fails_when_asked"},
                          train=dict(parity.OPTIMIZERS["adamw"], steps=2, checkpoint_every=2))
     assert main(["run", str(cr.toml(tmp_path / "a.toml", data)), "--out", str(tmp_path / "r"), "--quiet"]) == 0
-    failing = dict(data, workload={"factory": "factories:fails_at_step_2"}, train=dict(data["train"], steps=6))
-    assert main(["run", str(cr.toml(tmp_path / "b.toml", failing)), "--resume", str(tmp_path / "r"), "--quiet"]) == 1
+    monkeypatch.setenv("PSARCH_TEST_FAIL_AT", "4")
+    longer = dict(data, train=dict(data["train"], steps=6))
+    assert main(["run", str(cr.toml(tmp_path / "b.toml", longer)), "--resume", str(tmp_path / "r"), "--quiet"]) == 1
     steps = [json.loads(line)["step"] for line in (tmp_path / "r" / "metrics.jsonl").read_text().splitlines()]
     assert steps == [0, 1, 2, 3]   # the resumed run fails at its third step, step 4
 
 
-def test_a_fork_drops_the_folders_older_checkpoints_and_cannot_start_from_them(tmp_path, written, capsys):
+def test_a_fork_drops_the_folders_older_checkpoints_and_keeps_one_it_starts_from(tmp_path, written, capsys):
+    """A fork replaces its run folder's checkpoints (a later --resume must not pick an earlier run's); one of
+    them that the fork starts from is moved to forked_from/ and recorded as where the fork started."""
     import shutil
 
     ckpt, data = written
@@ -245,7 +249,16 @@ def test_a_fork_drops_the_folders_older_checkpoints_and_cannot_start_from_them(t
     rc, err = _fork(tmp_path, ckpt, data, capsys)
     assert rc == 0, err
     assert sorted(p.name for p in (tmp_path / "fork" / "checkpoints").iterdir()) == ["step_000004"]
-    again = ["run", str(tmp_path / "fork.toml"), "--from", str(tmp_path / "fork" / "checkpoints" / "step_000004"),
-             "--out", str(tmp_path / "fork"), "--overwrite", "--quiet"]
+    source = tmp_path / "fork" / "checkpoints" / "step_000004"
+    again = ["run", str(tmp_path / "fork.toml"), "--from", str(source), "--out", str(tmp_path / "fork"),
+             "--set", "train.steps=5", "--overwrite", "--quiet"]
     rc, err = main(again), capsys.readouterr().err
-    assert rc == 1 and "which the fork replaces" in err and len(err.strip().splitlines()) == 1, err
+    assert rc == 0, err
+    assert not (tmp_path / "fork" / "checkpoints").exists()   # none written in its one step, none left to --resume
+    kept = tmp_path / "fork" / "forked_from" / "step_000004"
+    assert (kept / "metadata.json").is_file()
+    started = json.loads((tmp_path / "fork" / "config.json").read_text())["started_from"]
+    assert started["path"] == str(kept) and started["step"] == 4
+    assert json.loads((tmp_path / "fork" / "summary.json").read_text())["started_from"] == started
+    steps = [json.loads(line)["step"] for line in (tmp_path / "fork" / "metrics.jsonl").read_text().splitlines()]
+    assert steps == [4]

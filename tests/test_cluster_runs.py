@@ -2,6 +2,7 @@
 meters; nothing is left behind after a normal exit, a crashed rank, Ctrl-C or a killed launcher."""
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -35,9 +36,22 @@ def runs(tmp_path_factory) -> tuple[Path, dict]:
     out = tmp_path_factory.mktemp("cluster_runs")
     summaries = {"reference": run(from_dict(config("reference", backend=BACKENDS["single"])), out / "reference",
                                   echo=False)}
-    for name, backend in BACKENDS.items():
-        summaries[name] = run(from_dict(config(name, backend=backend, cluster=LINK)), out / name, echo=False)
+    with _stderr_into(out / "stderr.txt"):   # what the launcher and its ranks wrote there (C++ included)
+        for name, backend in BACKENDS.items():
+            summaries[name] = run(from_dict(config(name, backend=backend, cluster=LINK)), out / name, echo=False)
     return out, summaries
+
+
+@contextlib.contextmanager
+def _stderr_into(path: Path):
+    saved = os.dup(2)
+    with open(path, "w") as f:
+        os.dup2(f.fileno(), 2)
+    try:
+        yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
 
 
 @pytest.mark.parametrize("name", list(BACKENDS))
@@ -111,6 +125,13 @@ def test_crashed_rank_leaves_nothing(tmp_path):
     with pytest.raises(RunError, match="deliberate failure at step 2"):
         run(cfg, tmp_path / "crash", echo=False)
     assert not leftovers(os.getpid()) and not watchers(os.getpid())
+
+
+def test_emulated_runs_print_no_name_lookup_warnings(runs):
+    """The emulated network has no name service: torch's c10d warned once per process (the launcher and every
+    rank) that it could not reverse-resolve an address. Neither now writes it."""
+    stderr = (runs[0] / "stderr.txt").read_text()
+    assert "c10d" not in stderr and "hostname" not in stderr, stderr
 
 
 HOLD = """

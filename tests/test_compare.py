@@ -273,3 +273,24 @@ def test_a_sweep_given_from_forks_that_checkpoint_at_every_point(tmp_path, capsy
                  "--from", str(tmp_path / "nowhere")]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "--from" in err[0] and "nowhere" in err[0], err
+
+
+def test_compare_shows_activations_and_links_where_a_backend_predicts_activations():
+    """A tensor run: its blocks' activations measured beside predicted and its link's bytes by operation (set-up
+    and export left out); a run whose backend predicts no activations gets no row."""
+    from psarch.compare_links import links_table
+
+    def run(name, label, predicted, extra, ops):
+        summary = {"name": name, "label": label, "world_size": 2, "steps": 4, "extra": extra,
+                   "predicted": {"traffic_per_step": {"worker_sent": 2048}, **predicted},
+                   "traffic": {"per_rank": [{"sent_per_step": 2048, "modelled": False, "ops": ops}]}}
+        return {"run_label": f"runs/{name}", "summary": summary}
+
+    ops = {"tp_all_reduce": {"sent": 4 * 2000}, "tp_all_gather": {"sent": 4 * 48},
+           "export_tp_all_gather": {"sent": 999}}
+    tensor = run("tp", "tensor t=2 ring", {"block_activations_per_rank": 3072.0},
+                 {"block_activation_bytes": [3072, 3072]}, ops)
+    ddp = run("dp", "ddp ring", {}, {}, {"all_reduce": {"sent": 8192}})
+    rows = links_table([tensor, ddp]).splitlines()[2:]
+    assert rows == ["| runs/tp | tensor t=2 ring | 2 | 3.00 KiB \\| 3.00 KiB | 2.00 KiB \\| 2.00 KiB | "
+                    "tp_all_reduce 1.95 KiB, tp_all_gather 48 B |"]

@@ -81,3 +81,38 @@ def test_cli_estimate_prints_the_tables():
     bad = subprocess.run([sys.executable, "-m", "psarch.cli", "estimate", "--world", "4"],
                          capture_output=True, text=True, timeout=60)
     assert bad.returncode == 2 and "--params" in bad.stderr
+
+
+def test_tensor_parallel_rows_follow_megatron():
+    """--tensor-parallel: at t = 1 plain data parallelism (all of Φ's states, one all-reduce of the gradients);
+    at t = N one replica whose ranks hold Φ/t of the split matrices and all-reduce activations, 4 per block and
+    2 more per step, plus the loss's all-gather; activations per psarch.activations. bf16 AdamW: 16 B per
+    held parameter, 2-byte activations."""
+    from psarch.estimate_tensor import GPTShape, tensor_rows
+
+    shape = GPTShape(layers=2, hidden=64, heads=4, seq=32, micro_batch=2, vocab=128)
+    s, b, h, a, L, v = 32, 2, 64, 4, 2, 128
+    phi = 2 * v * h + s * h + L * (12 * h * h + 13 * h) + 2 * h
+    assert shape.params() == phi
+    rows = {r["t"]: r for r in tensor_rows(shape, 4, "bf16", "adamw")}
+    assert sorted(rows) == [1, 2, 4]
+    assert rows[1]["states"] == pytest.approx(16 * phi)
+    assert rows[1]["sent"] == pytest.approx(2 * 3 * -(-phi // 4) * 2)
+    held = (2 * v * h + L * (12 * h * h + 7 * h)) / 4 + s * h + L * 6 * h + 2 * h
+    assert rows[4]["states"] == pytest.approx(16 * held)
+    assert rows[4]["sent"] == pytest.approx((4 * L + 2) * 2 * 3 * (s * b * h / 4) * 2 + 3 * 2 * s * b * 4)
+    for t in (1, 4):
+        per_block = s * b * h * (8 + 24 / t) + 8 * s * b + 4 * a * s * b / t
+        assert rows[t]["activations"] == pytest.approx(L * per_block)
+
+
+def test_cli_estimate_tensor_parallel_rows_and_their_errors():
+    args = [sys.executable, "-m", "psarch.cli", "estimate", "--params", "1e9", "--world", "8", "--layers", "2",
+            "--hidden", "64", "--heads", "4", "--seq-len", "32", "--vocab", "128"]
+    out = subprocess.run(args + ["--tensor-parallel", "2"], capture_output=True, text=True, check=True).stdout
+    assert "== tensor parallelism (Megatron) at N = 8: GPT 2 x 64, 4 heads" in out
+    assert [line.split()[0] for line in out.splitlines() if line.endswith("<- --tensor-parallel")] == ["2"]
+    bad = subprocess.run(args + ["--tensor-parallel", "8"], capture_output=True, text=True)
+    assert bad.returncode == 2
+    assert bad.stderr.strip() == ("psarch: estimate: --tensor-parallel 8: must divide --world 8 and --heads 4 "
+                                  "(and --heads must divide --hidden 64)")

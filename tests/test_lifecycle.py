@@ -5,6 +5,7 @@ Launchers are `python -m psarch.cli run` subprocesses on loopback; every wait is
 from __future__ import annotations
 
 import json
+import multiprocessing as mp
 import os
 import signal
 import subprocess
@@ -114,3 +115,13 @@ def test_sigkill_of_the_launcher_leaves_no_rank_or_server_running(tmp_path):
     proc.kill()             # SIGKILL: nothing in the launcher runs; the kernel must end the children
     proc.communicate(timeout=10)
     assert_all_gone(kids)
+
+
+def test_stop_passes_over_ranks_that_never_started():
+    """A start that fails part-way leaves the later ranks unstarted: stopping the run must not replace the
+    start's error with its own (join refuses a process that never started)."""
+    ctx = mp.get_context("spawn")
+    started, unstarted = ctx.Process(target=time.sleep, args=(60,)), ctx.Process(target=time.sleep, args=(60,))
+    started.start()
+    supervise.stop([started, unstarted])
+    assert started.exitcode == -signal.SIGTERM and unstarted.exitcode is None

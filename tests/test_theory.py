@@ -19,6 +19,17 @@ def cfg(kind: str, **backend):
 # fp32 AdamW: 4 bytes per parameter and gradient, K = 8; S = 4 PHI; a ring pass moves (N-1)/N S
 S = 4 * PHI
 RING = (N - 1) / N * S
+# tensor parallelism t = N on config_for's GPT (vocabulary V = 64, seq_len 32, L = 2 blocks of h = 64, MLP 4h),
+# global batch N, so one replica: a block has 12h^2 + 13h parameters, of which a rank holds 1/t of the weights and
+# of the column-parallel biases (qkv 3h, MLP 4h) and the rest whole (row-parallel biases 2h, LayerNorms 4h); the
+# vocabulary's rows of the embedding and head split too, the position embedding and final LayerNorm whole
+V, SEQ, L, H = 64, 32, 2, 64
+WHOLE = 2 * V * H + SEQ * H + L * (12 * H * H + 13 * H) + 2 * H
+HELD = (2 * V * H + L * (12 * H * H + 7 * H)) / N + SEQ * H + L * 6 * H + 2 * H
+TOKENS = N * SEQ
+# per step, 4 all-reduces of TOKENS x H fp32 activations per block and 2 more (embedding, head), each 2(t-1)/t of
+# the buffer; one all-gather of each rank's 2 x TOKENS fp32 logsumexps and target logits, (t-1) times that
+TENSOR_SENT = (4 * L + 2) * 2 * (N - 1) / N * TOKENS * H * 4 + (N - 1) * 2 * TOKENS * 4
 CASES = {
     "single": ({"n": 1}, (4 * PHI, 4 * PHI, 8 * PHI, 0), 0.0, 0),
     "ddp": ({}, (4 * PHI, 4 * PHI, 8 * PHI, 0), 2 * RING, 2),
@@ -36,6 +47,12 @@ CASES = {
     "ps-ssp": ({"mode": "ssp"}, (4 * PHI, 4 * PHI, 0, 0), S, 2),
     # GEO: a local optimizer and the last synced fp32 model; one push and one pull every k_steps steps
     "ps-geo": ({"mode": "geo", "k_steps": 4}, (4 * PHI, 4 * PHI, 8 * PHI, 4 * PHI), S / 4, 2 / 4),
+    # what a rank holds scales with PHI; activations move, not parameters: 2 passes per all-reduce and 1 gather
+    "tensor": ({}, (4 * PHI * HELD / WHOLE, 4 * PHI * HELD / WHOLE, 8 * PHI * HELD / WHOLE, 0), TENSOR_SENT,
+               2 * (4 * L + 2) + 1),
+    # torch's loss_parallel: three all-reduces of one fp32 value per token where psarch all-gathers two
+    "torch_tensor": ({}, (4 * PHI * HELD / WHOLE, 4 * PHI * HELD / WHOLE, 8 * PHI * HELD / WHOLE, 0),
+                     TENSOR_SENT - (N - 1) * 2 * TOKENS * 4 + 3 * 2 * (N - 1) / N * TOKENS * 4, 2 * (4 * L + 2) + 6),
 }
 
 

@@ -22,8 +22,9 @@ class ZeroOptions:
     allgather_bucket_size: int = _f(5 * 10**8, "elements per parameter all-gather bucket", min=1)
     prefetch_bucket_size: int = _f(5 * 10**7, "elements gathered ahead of use", min=0)
     activation_checkpointing: bool = _f(False, "recompute each unit's activations in backward")
-    measure_activations: bool = _f(False, "count the activation bytes kept for backward each step "
-                                          "(saved_activation_bytes); off the hot path unless asked for")
+    measure_activations: bool = _f(False, "count the activation bytes kept for backward each step (zero: "
+                                          "saved_activation_bytes; tensor: block_activation_bytes, the blocks' "
+                                          "alone); off the hot path unless asked for")
     zero_units: str = _f("blocks", "attribute of the model holding the nn.ModuleList whose children are "
                                    "the units (gathered one by one in stage 3, checkpointed one by one); "
                                    "'' for the whole model as one unit")

@@ -20,10 +20,10 @@ from typing import Any
 import torch
 from torch.nn.parallel import DistributedDataParallel
 
-from psarch.checkpoint.fragments import PARAM, Fragment, Pieces, restore, whole_parameters
+from psarch.checkpoint.fragments import PARAM, Fragment, Pieces, local_views, restore, whole_parameters
 from psarch.config import Config
 from psarch.dist import DistContext
-from psarch.meters import TrafficMeter, optimizer_state_bytes, peak_memory, tensor_bytes
+from psarch.meters import TrafficMeter, local, local_state_bytes, optimizer_state_bytes, peak_memory, tensor_bytes
 from psarch.optim import build_optimizer
 from psarch.single import consolidated_state
 from psarch.trainer import MemoryReport, StepStats, Trainer, TrafficReport
@@ -101,10 +101,6 @@ class TorchZeroTrainer(Trainer):
         pass
 
 
-def _local(t: torch.Tensor | None) -> torch.Tensor | None:
-    return t.to_local() if t is not None and hasattr(t, "to_local") else t
-
-
 def _row_offset(name: str, p: torch.Tensor) -> int:
     """The flat offset of this rank's FSDP2 shard of `p`: FSDP2 shards dim 0 as torch.chunk does (ceil(d0/N) rows a
     rank, the last ranks fewer or none), so a rank holds rows [r * chunk, r * chunk + local rows)."""
@@ -169,15 +165,9 @@ class TorchFSDPTrainer(Trainer):
     def _fragments(self) -> list[Fragment]:
         out = []
         for i, (name, p) in enumerate(self.named):
-            local = _local(p).detach()
-            if local.numel() == 0:   # a rank past the last row of a small parameter holds none of it
+            if local(p).numel() == 0:   # a rank past the last row of a small parameter holds none of it
                 continue
-            tensors, scalars = {PARAM: local.view(-1)}, {}
-            for k, v in self.optim.state.get(p, {}).items():
-                if torch.is_tensor(v) and v.dim() > 0:
-                    tensors[k] = _local(v).view(-1)
-                else:
-                    scalars[k] = float(v)
+            tensors, scalars = local_views(self.optim, p)
             out.append(Fragment(name, tuple(p.shape), _row_offset(name, p), tensors, scalars, i))
         return out
 
@@ -187,10 +177,8 @@ class TorchFSDPTrainer(Trainer):
 
     def memory(self) -> MemoryReport:
         peak, kind = peak_memory(self.ctx.device)
-        state = [_local(v) for s in self.optim.state.values() for v in s.values() if torch.is_tensor(v)]
-        return MemoryReport(params=tensor_bytes(_local(p) for p in self.params),
-                            grads=tensor_bytes(_local(p.grad) for p in self.params),
-                            optimizer=tensor_bytes(state), peak=peak, peak_kind=kind)
+        params, grads, optimizer = local_state_bytes(self.params, self.optim)
+        return MemoryReport(params=params, grads=grads, optimizer=optimizer, peak=peak, peak_kind=kind)
 
     def traffic(self) -> TrafficReport:
         return self.meter.report()

@@ -22,7 +22,7 @@ from collective import make_communicator
 from psarch.checkpoint.fragments import Pieces, master_fragments, restore_optimizer, scaler_state
 from psarch.config import Config
 from psarch.dist import DistContext
-from psarch.meters import peak_memory, tensor_bytes
+from psarch.meters import SavedActivationMeter, peak_memory, tensor_bytes
 from psarch.precision import MixedPrecisionOptimizer, compute_dtype, has_inf_or_nan
 from psarch.single import consolidated_state
 from psarch.trainer import MemoryReport, StepStats, Trainer, TrafficReport
@@ -30,7 +30,7 @@ from psarch.workload import Workload
 from zero.stage3 import Stage3
 from zero.stage1 import Stage1
 from zero.stage2 import Stage2
-from zero.units import SavedActivationMeter, checkpoint_units, find_units
+from zero.units import checkpoint_units, find_units
 
 
 class ZeroTrainer(Trainer):

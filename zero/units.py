@@ -10,9 +10,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
+
+# the meter lives in psarch.meters now (tensor parallelism scopes it to blocks); collective/pipeline imports it here
+from psarch.meters import SavedActivationMeter  # noqa: F401
 
 
 @dataclass
@@ -69,42 +71,3 @@ def checkpoint_units(units: list[Unit]) -> None:
             return checkpoint(_forward, *args, use_reentrant=False, **kwargs)
 
         u.module.forward = checkpointed  # instance attribute: module hooks still run around it
-
-
-class SavedActivationMeter:
-    """Bytes of activations kept for backward during one forward: the tensors autograd saves (through
-    saved-tensor hooks; parameters excluded) plus the inputs that checkpointed units keep. Measured
-    from the tensors themselves, each storage counted once; CPU has no allocator statistics to ask."""
-
-    def __init__(self, exclude_storages) -> None:
-        self.exclude = exclude_storages  # callable -> data_ptrs of parameter storages now (stage 3 re-gathers)
-        self.bytes = 0
-        self._seen: set[int] = set()
-        self._ctx = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t)
-
-    def _count(self, t: torch.Tensor) -> None:
-        st = t.untyped_storage()
-        key = st.data_ptr()
-        if key and key not in self._seen and key not in self.exclude():
-            self._seen.add(key)
-            self.bytes += st.nbytes()
-
-    def _pack(self, t: torch.Tensor) -> torch.Tensor:
-        if not isinstance(t, nn.Parameter):
-            self._count(t)
-        return t
-
-    def count_inputs(self, args: tuple) -> None:
-        """A checkpointed unit keeps its tensor inputs alive until its backward."""
-        for a in args:
-            if torch.is_tensor(a):
-                self._count(a)
-
-    def __enter__(self) -> "SavedActivationMeter":
-        self.bytes = 0
-        self._seen.clear()
-        self._ctx.__enter__()
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        self._ctx.__exit__(*exc)

@@ -26,7 +26,10 @@ class Fragment:
     as 1-D views: `tensors["param"]` the fp32 master, the others optimizer state (exp_avg, ...); `scalars`
     the optimizer's per-tensor numbers (AdamW's step); `holder` the index of the master tensor holding it.
     `row_stride` > 0: rows of a 2-D parameter held with a stride (a parameter server's shard of a table, keys
-    mod S): the tensors hold row offset // row_len, then every row_stride-th row after it, whole rows."""
+    mod S): the tensors hold row offset // row_len, then every row_stride-th row after it, whole rows.
+    `columns` (c0, c1): columns [c0, c1) of a 2-D parameter's rows (a row-parallel linear's shard, whose
+    columns are no one flat range): the tensors hold those columns of row offset // row_len and of each row
+    after it (every row_stride-th where row_stride > 0), row after row; offset % row_len is c0."""
 
     name: str
     shape: tuple[int, ...]
@@ -35,6 +38,7 @@ class Fragment:
     scalars: dict[str, float] = field(default_factory=dict)
     holder: int = 0
     row_stride: int = 0
+    columns: tuple[int, int] | None = None
 
     @property
     def numel(self) -> int:
@@ -61,6 +65,22 @@ def optimizer_views(optimizer: torch.optim.Optimizer, master: torch.Tensor) -> t
                 raise ValueError(f"optimizer state {k!r}: {tuple(v.shape)} is not element-wise over {tuple(master.shape)}")
             tensors[k] = v.view(-1)
         elif torch.is_tensor(v) or isinstance(v, (int, float)):
+            scalars[k] = float(v)
+    return tensors, scalars
+
+
+def local_views(optimizer: torch.optim.Optimizer, param: torch.Tensor) -> tuple[dict[str, torch.Tensor],
+                                                                              dict[str, float]]:
+    """What this rank holds of a parameter that may be a DTensor (the torch peers that shard with them): its
+    local shard and the optimizer's element-wise state of it as flat views, and the optimizer's numbers."""
+    def held(t: torch.Tensor) -> torch.Tensor:
+        return (t.to_local() if hasattr(t, "to_local") else t).detach().view(-1)
+
+    tensors, scalars = {PARAM: held(param)}, {}
+    for k, v in optimizer.state.get(param, {}).items():
+        if torch.is_tensor(v) and v.dim() > 0:
+            tensors[k] = held(v)
+        else:
             scalars[k] = float(v)
     return tensors, scalars
 

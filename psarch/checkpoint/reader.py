@@ -55,7 +55,7 @@ class Checkpoint:
             if e["dtype"] not in DTYPES:
                 raise CheckpointError(f"{self.path / METADATA}: dtype {e['dtype']!r} of {e['name']!r} is not one "
                                       f"of {sorted(DTYPES)}")
-            if "row_stride" in e:
+            if "row_stride" in e or "columns" in e:
                 _check_rows(self.path / METADATA, e, meta["params"].get(e["name"], {}).get("shape"))
         self.meta = meta
         self.step: int = meta["step"]
@@ -111,12 +111,12 @@ class Checkpoint:
 
     def read(self, name: str, key: str, lo: int, hi: int) -> torch.Tensor:
         """Elements [lo, hi) of `key` (PARAM or an optimizer state) of the flattened parameter `name`, from
-        every stored fragment that overlaps them (strided row fragments included)."""
+        every stored fragment that overlaps them (strided row fragments and column blocks included)."""
         out: torch.Tensor | None = None
         filled = 0
         for e in self._index.get((name, key), ()):
-            if e.get("row_stride"):
-                got = self._strided(e, self.params[name]["shape"][-1], lo, hi)
+            if e.get("row_stride") or e.get("columns"):
+                got = self._block(e, self.params[name]["shape"][-1], lo, hi)
                 if got is None:
                     continue
                 part, pos = got
@@ -144,16 +144,19 @@ class Checkpoint:
             raise CheckpointError(f"{self.path / e['file']}: ends inside {name!r} {key} (truncated)")
         return torch.frombuffer(bytearray(data), dtype=dtype)
 
-    def _strided(self, e: dict[str, Any], row: int, lo: int, hi: int) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """The values of a strided row fragment that lie in [lo, hi), and their positions there."""
-        stride, first, count = e["row_stride"], e["offset"] // row, e["numel"] // row
-        # the fragment's j-th row is the parameter's row first + j * stride
+    def _block(self, e: dict[str, Any], row: int, lo: int, hi: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The values of a strided row fragment or a column block that lie in [lo, hi), and their positions there."""
+        stride = e.get("row_stride") or 1
+        c0, c1 = e.get("columns") or (0, row)
+        width, first = c1 - c0, e["offset"] // row
+        count = e["numel"] // width
+        # the fragment's j-th row is columns [c0, c1) of the parameter's row first + j * stride
         j0 = max(0, -(-(lo // row - first) // stride))
         j1 = min(count, ((hi - 1) // row - first) // stride + 1)
         if j0 >= j1:
             return None
-        block = self._load(e, e["name"], e["key"], j0 * row, (j1 - j0) * row).view(-1, row)
-        pos = ((first + stride * torch.arange(j0, j1)) * row).unsqueeze(1) + torch.arange(row)
+        block = self._load(e, e["name"], e["key"], j0 * width, (j1 - j0) * width).view(-1, width)
+        pos = ((first + stride * torch.arange(j0, j1)) * row + c0).unsqueeze(1) + torch.arange(width)
         keep = (pos >= lo) & (pos < hi)
         return block[keep], pos[keep] - lo
 
@@ -164,12 +167,14 @@ class Checkpoint:
     def fill(self, fragment: Fragment) -> None:
         """Copy the checkpoint's values into every tensor of a fragment a rank holds."""
         for key, t in fragment.tensors.items():
-            if not fragment.row_stride:
+            if not fragment.row_stride and not fragment.columns:
                 t.copy_(self.read(fragment.name, key, fragment.offset, fragment.offset + t.numel()))
             elif t.numel():   # the span from its first row to its last, one parameter at a time
-                row, stride = fragment.shape[-1], fragment.row_stride
-                end = fragment.offset + ((t.numel() // row - 1) * stride + 1) * row
-                t.copy_(self.read(fragment.name, key, fragment.offset, end).view(-1, row)[::stride].reshape(-1))
+                row, stride = fragment.shape[-1], fragment.row_stride or 1
+                c0, c1 = fragment.columns or (0, row)
+                start = fragment.offset - c0
+                end = start + ((t.numel() // (c1 - c0) - 1) * stride + 1) * row
+                t.copy_(self.read(fragment.name, key, start, end).view(-1, row)[::stride, c0:c1].reshape(-1))
 
     def restore_rng(self, rank: int, device: torch.device) -> bool:
         """Set this process's generators to rank `rank`'s at the checkpoint; False where it holds none for that
@@ -202,13 +207,23 @@ class Checkpoint:
 
 
 def _check_rows(where: Path, e: dict[str, Any], shape: list[int] | None) -> None:
-    """A strided row fragment must hold whole rows of a 2-D parameter, with a positive integer stride."""
-    stride = e["row_stride"]
+    """A strided row fragment or a column block must hold whole rows (or the same columns of each row) of a 2-D
+    parameter, with a positive integer stride and columns 0 <= c0 < c1 <= the row's length."""
+    stride = e.get("row_stride", 1)
     if not isinstance(stride, int) or isinstance(stride, bool) or stride < 1:
         raise CheckpointError(f"{where}: row_stride {stride!r} of {e['name']!r} is not a positive integer")
-    if not shape or len(shape) != 2 or e["offset"] % shape[1] or e["numel"] % shape[1]:
-        raise CheckpointError(f"{where}: a strided fragment of {e['name']!r} (shape {shape}) at offset "
-                              f"{e['offset']}, {e['numel']} elements, is not whole rows of a 2-D parameter")
+    if not shape or len(shape) != 2:
+        raise CheckpointError(f"{where}: a strided fragment or column block of {e['name']!r} (shape {shape}) "
+                              f"is not of a 2-D parameter")
+    cols = e.get("columns", [0, shape[1]])
+    if not (isinstance(cols, list) and len(cols) == 2 and all(isinstance(c, int) and not isinstance(c, bool)
+                                                              for c in cols) and 0 <= cols[0] < cols[1] <= shape[1]):
+        raise CheckpointError(f"{where}: columns {cols!r} of {e['name']!r} are not [c0, c1] with "
+                              f"0 <= c0 < c1 <= {shape[1]}")
+    if e["offset"] % shape[1] != cols[0] or e["numel"] % (cols[1] - cols[0]):
+        raise CheckpointError(f"{where}: a fragment of {e['name']!r} (shape {shape}) at offset {e['offset']}, "
+                              f"{e['numel']} elements, is not whole rows of a 2-D parameter"
+                              + (f" (columns {cols} of each)" if "columns" in e else ""))
 
 
 def consolidated_state_dict(path: str | Path, verify: bool = True) -> Iterator[tuple[str, torch.Tensor]]:

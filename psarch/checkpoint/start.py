@@ -1,40 +1,173 @@
-"""Where a run starts: `--resume RUN_DIR` (its latest complete checkpoint) or `--from CHECKPOINT_DIR` (a fork),
-checked before any rank starts: files against the metadata, parameters against the config's model."""
+"""Where a run starts: `--resume RUN_DIR` (its latest complete checkpoint, or the one --checkpoint names) or
+`--from CHECKPOINT_DIR` (a fork), checked before any rank starts: files against the metadata, parameters
+against the config's model, and, for a resume, the config against the one the checkpoint was written under.
+
+`--resume` continues the same run: only the options in RESUMABLE may differ from the checkpoint's config
+(they change how long the run goes on and what it prints or keeps, never what a step computes or how it
+is measured). Anything else is refused in one line that points to `--from`, which starts a new run."""
 from __future__ import annotations
 
+import dataclasses
+import hashlib
+import json
+import shutil
 from pathlib import Path
-
+from typing import Any
 
 from psarch.checkpoint.reader import Checkpoint, CheckpointError, latest_complete
-from psarch.config import Config
+from psarch.checkpoint.writer import complete_checkpoints
+from psarch.config import Config, ConfigError, applies, field_of
 
-CHECKPOINTS = "checkpoints"   # the folder under a run folder that holds its checkpoints
+CHECKPOINTS = "checkpoints"     # the folder under a run folder that holds its checkpoints
+FORKED_FROM = "forked_from"     # where a fork keeps the checkpoint of its own run folder that it starts from
+RESUMABLE = ("name", "label", "out", "train.steps", "train.log_every", "train.checkpoint_every",
+             "train.keep_checkpoints", "backend.timeout_s")
 
 
-def starting_checkpoint(cfg: Config, run_dir: Path, resume: bool, start: str | Path | None) -> Checkpoint | None:
-    """The verified checkpoint a run starts from, or None for a run from step 0. Raises CheckpointError
-    (one line) when it is missing, incomplete, corrupted, or does not fit the config."""
+def starting_checkpoint(cfg: Config, run_dir: Path, resume: bool, start: str | Path | None,
+                        pick: str | None = None) -> Checkpoint | None:
+    """The verified checkpoint a run starts from, or None for a run from step 0. `pick` (--checkpoint): with
+    `resume`, which checkpoint of the run (a step_* folder name or a step number) instead of the latest.
+    Raises CheckpointError (one line) when it is missing, incomplete, corrupted, or does not fit the config,
+    ConfigError when a resume would change what the run measures."""
     if resume and start is not None:
         raise CheckpointError("--resume and --from exclude each other: resume a run, or fork a checkpoint")
+    if pick is not None and not resume:
+        raise CheckpointError(f"--checkpoint {pick}: applies to --resume only (--from names a checkpoint folder)")
     if resume:
-        found = latest_complete(run_dir / CHECKPOINTS)
-        if found is None:
-            raise CheckpointError(f"--resume {run_dir}: no complete checkpoint under {run_dir / CHECKPOINTS}")
-        start = found
+        start = _resumed(run_dir, pick)
     if start is None:
         return None
-    if not resume and (run_dir / CHECKPOINTS).resolve() in Path(start).resolve().parents:
-        # a fork starts its run folder afresh, checkpoints included: it would delete what it starts from
-        raise CheckpointError(f"--from {start}: it lies under the run folder {run_dir}, which the fork replaces; "
-                              f"use --resume {run_dir}, or another --out")
-    ckpt = Checkpoint(start)
-    ckpt.verify()
+    try:
+        ckpt = Checkpoint(start)
+    except CheckpointError as e:   # its metadata.json is damaged
+        raise _offer(e, run_dir, int(Path(start).name[5:])) if resume else e from None
+    if resume:
+        check_resumable(cfg, ckpt, run_dir)
+    try:
+        ckpt.verify()
+    except CheckpointError as e:
+        raise _offer(e, run_dir, ckpt.step) if resume else e from None
     ckpt.check_model(model_shapes(cfg))
     ckpt.check_optimizer(cfg.train.optimizer)
     if ckpt.step >= cfg.train.steps:
         raise CheckpointError(f"train.steps = {cfg.train.steps}: the checkpoint {ckpt.path} is at step {ckpt.step}, "
                               f"nothing is left to run (raise train.steps)")
     return ckpt
+
+
+def _resumed(run_dir: Path, pick: str | None) -> Path:
+    """The checkpoint a --resume continues from: the latest complete one, or the one --checkpoint names."""
+    root = run_dir / CHECKPOINTS
+    if pick is None:
+        found = latest_complete(root)
+        if found is None:
+            raise CheckpointError(f"--resume {run_dir}: no complete checkpoint under {root}")
+        return found
+    done = {p.name: p for p in complete_checkpoints(root)}
+    name = f"step_{int(pick):06d}" if pick.isdigit() else pick
+    if name not in done:
+        raise CheckpointError(f"--checkpoint {pick}: no complete checkpoint {name} under {root}; there are "
+                              f"{', '.join(done) or 'none'}")
+    return done[name]
+
+
+def _offer(error: CheckpointError, run_dir: Path, step: int) -> CheckpointError:
+    """A resume's damaged checkpoint: the error, and the newest earlier checkpoint of the run that is intact, as
+    the command that resumes from it."""
+    for path in reversed(complete_checkpoints(run_dir / CHECKPOINTS)):
+        if int(path.name[5:]) >= step:
+            continue
+        try:
+            Checkpoint(path).verify()
+        except CheckpointError:
+            continue
+        return CheckpointError(f"{error}; the newest intact checkpoint is {path.name}: --resume {run_dir} "
+                               f"--checkpoint {path.name} continues from it (its later checkpoints are removed)")
+    return CheckpointError(f"{error}; no earlier checkpoint of the run is intact")
+
+
+def check_resumable(cfg: Config, ckpt: Checkpoint, run_dir: Path) -> None:
+    """A resume continues the run the checkpoint belongs to: its config may differ only in RESUMABLE options,
+    and every worker must have written its part (a PS worker lost before the checkpoint left none)."""
+    changed = changed_keys(ckpt.config, cfg)
+    if changed:
+        key, old, new = changed[0]
+        more = f" (and {len(changed) - 1} more)" if len(changed) > 1 else ""
+        raise ConfigError(f"--resume {run_dir}: {key} = {json.dumps(new, default=str)} here, "
+                          f"{json.dumps(old, default=str)} in the run's checkpoint {ckpt.path.name}{more}; a resume "
+                          f"continues the same run, so only {', '.join(RESUMABLE)} may change. To train on from that "
+                          f"state under this config, start a new run: --from {ckpt.path}")
+    wrote = {name.removesuffix(".bin") for name in ckpt.meta["files"]}
+    missing = [r for r in range(cfg.backend.world_size) if f"rank{r}" not in wrote]
+    if missing:
+        raise ConfigError(f"--resume {run_dir}: the checkpoint {ckpt.path.name} holds no part of worker "
+                          f"{', '.join(map(str, missing))} (lost before it was written); resuming would bring "
+                          f"it back from the servers' model, which the run never did. Start a new run that "
+                          f"does: --from {ckpt.path}")
+
+
+def changed_keys(stored: dict[str, Any], cfg: Config) -> list[tuple[str, Any, Any]]:
+    """(key, checkpoint's value, this config's value) for every option a resume may not change that differs;
+    options the run does not read are left out, and an option the checkpoint predates counts as its default."""
+    now = _flat(json.loads(json.dumps(cfg.to_dict())))   # as the checkpoint stored its config: through JSON
+    old = _flat(stored)
+    out = []
+    for key, value in now.items():
+        if key in RESUMABLE or key.split(".")[0] == "started_from" or not applies(key, cfg):
+            continue
+        before = old[key] if key in old else json.loads(json.dumps(_default(key)))
+        if before != value:
+            out.append((key, before, value))
+    return out
+
+
+def _default(key: str) -> Any:
+    f = field_of(key)
+    return f.default_factory() if f.default is dataclasses.MISSING else f.default
+
+
+def _flat(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for k, v in d.items():
+        out.update(_flat(v, f"{prefix}{k}.") if isinstance(v, dict) else {prefix + k: v})
+    return out
+
+
+def provenance(ckpt: Checkpoint, path: Path) -> dict[str, Any]:
+    """What a fork records of the checkpoint it started from (config.json's and summary.json's started_from):
+    the folder it lies in now, its step, and the sha256 of the config it was written under (JSON, keys sorted)."""
+    text = json.dumps(ckpt.config, sort_keys=True)
+    return {"path": str(path), "step": ckpt.step, "config_sha256": hashlib.sha256(text.encode()).hexdigest()}
+
+
+def keep_fork_source(ckpt: Checkpoint | None, run_dir: Path, move: bool = True) -> Path | None:
+    """A new run replaces its run folder, checkpoints included (a later --resume must never pick an earlier
+    run's). A fork from a checkpoint of that very folder keeps it, moved to <run>/forked_from/, out of
+    --resume's reach (`move` False, as under torchrun where every rank reads it: refused instead); an earlier
+    fork's kept source is removed unless this run starts from it. Returns where the checkpoint lies now."""
+    kept = run_dir / FORKED_FROM
+    path = ckpt.path.resolve() if ckpt is not None else None
+    if path is not None and kept.resolve() in path.parents:
+        return ckpt.path
+    if path is not None and (run_dir / CHECKPOINTS).resolve() in path.parents:
+        if not move:
+            raise CheckpointError(f"--from {ckpt.path}: it lies under the run folder {run_dir}, which the fork "
+                                  f"replaces; use --resume {run_dir}, or another --out")
+        shutil.rmtree(kept, ignore_errors=True)
+        kept.mkdir(parents=True)
+        ckpt.close()
+        return Path(shutil.move(str(ckpt.path), str(kept / ckpt.path.name)))
+    shutil.rmtree(kept, ignore_errors=True)
+    return ckpt.path if ckpt is not None else None
+
+
+def drop_after(run_dir: Path, step: int) -> list[str]:
+    """Remove the run's checkpoints after `step` (a resume from an earlier one writes its own); their names."""
+    later = [p for p in complete_checkpoints(run_dir / CHECKPOINTS) if int(p.name[5:]) > step]
+    for p in later:
+        shutil.rmtree(p)
+    return [p.name for p in later]
 
 
 def model_shapes(cfg: Config) -> dict[str, tuple[int, ...]]:

@@ -98,7 +98,8 @@ def write_part(pieces: Pieces, folder: Path, part: str, generators: dict[str, st
                 digest.update(data)
                 entries.append({"name": frag.name, "key": key, "offset": frag.offset, "numel": t.numel(),
                                 "dtype": str(t.dtype).removeprefix("torch."), "file": name, "byte_offset": pos,
-                                **({"row_stride": frag.row_stride} if frag.row_stride else {})})
+                                **({"row_stride": frag.row_stride} if frag.row_stride else {}),
+                                **({"columns": list(frag.columns)} if frag.columns else {})})
                 pos += len(data)
         f.flush()
         os.fsync(f.fileno())

@@ -4,7 +4,7 @@ The launcher's one interface to this package is `place(cfg)`, a context manager 
 
     with place(cfg) as p:
         with p.rendezvous(): store = TCPStore(...)            # ranks reach it at p.rendezvous_host
-        marks = p.step_marks(ranks)                           # each rank: marks.reached() around its steps
+        marks = p.step_marks(ranks)                           # rank r: marks[r].reached() around its steps
         with p.node("worker", rank): process.start()          # the process starts on its node
         host = p.host("server", i, cfg.backend.host)          # the address service i (a PS server) binds
         p.worker_lost()                                       # a worker died and the run goes on
@@ -37,7 +37,7 @@ class Loopback:
     def host(self, role: str, index: int, default: str) -> str:
         return default
 
-    def step_marks(self, ranks: int) -> StepMarks | None:
+    def step_marks(self, ranks: int) -> list[StepMarks] | None:
         return None
 
     def worker_lost(self) -> None:
@@ -70,25 +70,35 @@ class Emulated:
         self._start = self.cluster.counters()   # links idle: only the kernel's own chatter so far
         self._window: StepWindow | None = None
 
-    def rendezvous(self) -> contextlib.AbstractContextManager:
+    # The emulated network has no name service: torch's c10d reverse-resolves every address it connects to or
+    # accepts from, and warns once per process that it cannot ("The hostname of the client socket cannot be
+    # retrieved", harmless: it then shows the address). Processes on nodes start with c10 logging at ERROR
+    # (unless the user set TORCH_CPP_LOG_LEVEL); the launcher, whose torch is loaded already, has its stderr
+    # closed while it makes the store (a Python exception still says what failed).
+    @contextlib.contextmanager
+    def rendezvous(self) -> Iterator[None]:
         from psarch.cluster import netns
-        return netns.inside(self.cluster.hub)
+        with netns.inside(self.cluster.hub), _stderr_closed():
+            yield
 
     @contextlib.contextmanager
     def node(self, role: str, index: int) -> Iterator[None]:
         from psarch.cluster import netns
         from psarch.cluster.emulated import IFNAME
 
-        before = os.environ.get("GLOO_SOCKET_IFNAME")
-        os.environ["GLOO_SOCKET_IFNAME"] = IFNAME   # gloo uses the node's link, whatever the hostname says
+        env = {"GLOO_SOCKET_IFNAME": IFNAME,   # gloo uses the node's link, whatever the hostname says
+               "TORCH_CPP_LOG_LEVEL": os.environ.get("TORCH_CPP_LOG_LEVEL", "ERROR")}
+        before = {k: os.environ.get(k) for k in env}
+        os.environ.update(env)
         try:
             with netns.inside(self._node(role, index).ns):
                 yield
         finally:
-            if before is None:
-                os.environ.pop("GLOO_SOCKET_IFNAME", None)
-            else:
-                os.environ["GLOO_SOCKET_IFNAME"] = before
+            for k, v in before.items():
+                if v is None:
+                    os.environ.pop(k, None)
+                else:
+                    os.environ[k] = v
 
     def host(self, role: str, index: int, default: str) -> str:
         return self._node(role, index).address
@@ -99,8 +109,8 @@ class Emulated:
             return self.cluster.node("worker", self.beside[index])
         return self.cluster.node(role, self.own[index] if role == "server" else index)
 
-    def step_marks(self, ranks: int) -> StepMarks:
-        """The marks `ranks` ranks reach around their steps; every link is read when all have (once a run)."""
+    def step_marks(self, ranks: int) -> list[StepMarks]:
+        """The marks each of `ranks` ranks reaches around its steps; every link is read when all have (once a run)."""
         import multiprocessing as mp
         if self._window is None:
             self._window = StepWindow(mp.get_context("spawn"), ranks, self.cluster.counters)
@@ -132,6 +142,19 @@ class Emulated:
         if self._window is not None:
             self._window.close()
         self.cluster.close()
+
+
+@contextlib.contextmanager
+def _stderr_closed() -> Iterator[None]:
+    """File descriptor 2 on /dev/null for the block (C++ writes there directly, not through sys.stderr)."""
+    saved, null = os.dup(2), os.open(os.devnull, os.O_WRONLY)
+    os.dup2(null, 2)
+    try:
+        yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+        os.close(null)
 
 
 Placement = Loopback | Emulated   # what the launcher and the PS services are given

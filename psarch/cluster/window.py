@@ -5,61 +5,85 @@ Each rank calls `StepMarks.reached()` twice, before its first step and after its
 `StepWindow` thread reads every node's counters once all ranks have reached a mark, while they wait, so
 nothing is in flight. A rank knows only that it reached a mark: what is read, and where, is the
 launcher's business (the backends never see any of it).
+
+A rank and the launcher talk over a pipe of their own (a socket pair), not a multiprocessing Barrier: a
+Barrier's named semaphores are registered with multiprocessing's resource tracker, which warns of them
+as leaked when the launcher is killed with SIGKILL; a pipe is gone with the processes that hold it.
 """
 from __future__ import annotations
 
 import threading
+from multiprocessing.connection import Connection, wait
 from typing import Any, Callable
 
 Counters = dict[str, tuple[int, int]]   # {node namespace: (bytes sent, bytes received)}
 
 
 class StepMarks:
-    """A rank's side (passed to spawned ranks): `reached()` before the first step and after the last."""
+    """One rank's side (passed to its spawned process): `reached()` before the first step and after the last."""
 
-    def __init__(self, barrier: Any) -> None:
-        self.barrier = barrier
+    def __init__(self, conn: Connection) -> None:
+        self.conn = conn
 
     def reached(self) -> None:
         """Wait until every rank is here and the launcher has read the counters. A broken window (a worker
-        lost, the run stopping) lets the rank go on: the steps are never held for a counter."""
+        lost, the run stopping: the launcher's end closed) lets the rank go on: the steps are never held
+        for a counter."""
         try:
-            self.barrier.wait()      # everyone here: the launcher reads now
-            self.barrier.wait()      # read: go on
-        except threading.BrokenBarrierError:
+            self.conn.send_bytes(b"r")   # here: the launcher reads once every rank is
+            self.conn.recv_bytes()       # read: go on
+        except (EOFError, OSError):
             pass
 
 
 class StepWindow:
-    """The launcher's side: reads the counters at both marks of `ranks` ranks (a thread of its own)."""
+    """The launcher's side: reads the counters at both marks of `ranks` ranks (a thread of its own);
+    `marks[r]` is rank r's side."""
 
     def __init__(self, mp_context: Any, ranks: int, read: Callable[[], Counters]) -> None:
-        self.barrier = mp_context.Barrier(ranks + 1)
-        self.marks = StepMarks(self.barrier)
+        pipes = [mp_context.Pipe() for _ in range(ranks)]
+        self._ends = [mine for mine, _ in pipes]
+        self.marks = [StepMarks(theirs) for _, theirs in pipes]
+        self._stop_r, self._stop_w = mp_context.Pipe(duplex=False)
         self.read = read
         self.counts: list[Counters] = []   # at the first mark, then at the second
+        self._closed = False
         self._thread = threading.Thread(target=self._watch, name="psarch-step-window", daemon=True)
         self._thread.start()
 
     def _watch(self) -> None:
-        try:
-            for _ in range(2):
-                self.barrier.wait()
-                try:
-                    self.counts.append(self.read())
-                finally:
-                    self.barrier.wait()
-        except threading.BrokenBarrierError:
-            pass
+        for _ in range(2):
+            waiting = list(self._ends)
+            while waiting:
+                ready = wait(waiting + [self._stop_r])
+                if self._stop_r in ready:
+                    return
+                for conn in ready:
+                    try:
+                        conn.recv_bytes()
+                    except (EOFError, OSError):
+                        return
+                    waiting.remove(conn)
+            try:
+                self.counts.append(self.read())
+            finally:
+                for conn in self._ends:
+                    conn.send_bytes(b"g")
 
     def steps(self) -> tuple[Counters, Counters] | None:
         """(counters before the first step, after the last), or None where a mark was never reached by all."""
         return (self.counts[0], self.counts[1]) if len(self.counts) == 2 else None
 
     def abort(self) -> None:
-        """Release every rank waiting at a mark (a worker was lost: it will never reach the next one)."""
-        self.barrier.abort()
+        """Release every rank waiting at a mark, and any that reaches one later (a worker was lost: it will
+        never reach the next one): the watch stops and the launcher's ends close."""
+        if self._closed:
+            return
+        self._closed = True
+        self._stop_w.send_bytes(b"x")
+        self._thread.join(10)
+        for conn in self._ends:
+            conn.close()
 
     def close(self) -> None:
         self.abort()
-        self._thread.join(10)

@@ -1,0 +1,83 @@
+"""What theory predicts for tensor parallelism (Megatron-LM) with data parallelism beside it: t ranks split each
+GPT block, dp = world_size / t replicas; b = global_batch / dp sequences of s = seq_len tokens per replica,
+hidden size h, L blocks, vocabulary V, activations in the compute dtype of w bytes.
+
+Bytes per rank per step, the ring's (collective.comm.ring_bytes, exact with its padding; the native
+communicator reports the same volume, modelled):
+- per block, two all-reduces of b·s·h activations forward (g after the attention's and the MLP's row-parallel
+  linear) and two backward (f before their column-parallel linears): 4 · 2(t−1)/t · b·s·h·w, Megatron's
+  8·b·s·h·(t−1)/t elements per block;
+- the vocabulary-parallel embedding's g forward and the head's f backward: 2 · 2(t−1)/t · b·s·h·w;
+- the vocabulary-parallel cross-entropy's one all-gather of each rank's logsumexp and target logit, 2·b·s
+  fp32 values: (t−1) · 8·b·s;
+- the gradients of this rank's parameters, all-reduced over the data-parallel group: 2(dp−1)/dp · P_r·w.
+Memory: parameters, gradients and optimizer state of what this rank holds, P_r (tensor-parallel rank 0's:
+1/t of the split matrices and of the vocabulary, the LayerNorms, row-parallel biases and position embedding
+whole), counted from the split itself (collective/tensor/split.py). Activations: L blocks of
+psarch.activations.block_activation_bytes. torch_tensor: the same, but for the loss (step_bytes' torch_loss).
+"""
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+
+from collective.comm import ring_bytes
+from collective.tensor.split import shard_plan
+from psarch.activations import block_activation_bytes
+from psarch.data.text import TextSource
+from psarch.models.gpt import GPT
+from psarch.theory import BYTES, LinkBytes, MemoryPrediction, Prediction, optimizer_bytes_per_param
+
+Config = Any
+LOSS_BYTES = 4   # the cross-entropy's logsumexps and target logits are fp32 whatever the compute dtype
+
+
+def gpt_shapes(cfg: Config) -> dict[str, tuple[int, ...]]:
+    """The parameters (name -> shape, in order) of the config's built-in GPT, built on the meta device."""
+    w = cfg.workload
+    vocab = w.markov.vocab_size if w.data == "markov" else TextSource.vocab_size
+    with torch.device("meta"):
+        model = GPT(vocab, w.seq_len, w.gpt.n_layer, w.gpt.n_embd, w.gpt.n_head, w.gpt.mlp_ratio)
+    return {n: tuple(p.shape) for n, p in model.named_parameters()}
+
+
+def held_params(cfg: Config, tp_rank: int = 0) -> tuple[int, int]:
+    """(parameters tensor-parallel rank `tp_rank` holds, parameters of the whole model)."""
+    shapes = gpt_shapes(cfg)
+    plan = shard_plan(shapes, cfg.backend.tp_size, tp_rank)
+    return (sum(math.prod(s.local_shape) for s in plan.values()), sum(math.prod(s) for s in shapes.values()))
+
+
+def step_bytes(cfg: Config, held: float, torch_loss: bool = False) -> tuple[float, int, int]:
+    """(bytes one rank sends per step, which equal those it receives; ring passes; messages in sequence).
+    torch_loss: torch's loss_parallel, three all-reduces of one fp32 value per token (the logits' max, the sum
+    of their exponentials, the target's logit) where psarch all-gathers two."""
+    b, w = cfg.backend, BYTES[cfg.train.precision]
+    t, dp, g = b.tp_size, b.dp_size, cfg.workload.gpt
+    tokens = cfg.train.global_batch // dp * cfg.workload.seq_len
+    all_reduces = 4 * g.n_layer + 2
+    activations = all_reduces * ring_bytes("all_reduce", tokens * g.n_embd, w, t)[0]
+    loss = 3 * ring_bytes("all_reduce", tokens, LOSS_BYTES, t)[0] if torch_loss else \
+        ring_bytes("all_gather", 2 * tokens, LOSS_BYTES, t)[0]
+    grads = ring_bytes("all_reduce", int(held), w, dp)[0]
+    loss_passes = 6 if torch_loss else 1
+    passes = (2 * all_reduces + loss_passes if t > 1 else 0) + (2 if dp > 1 else 0)
+    messages = (2 * all_reduces + loss_passes) * (t - 1) + 2 * (dp - 1)
+    return activations + loss + grads, passes, messages
+
+
+def tensor(cfg: Config, phi: float, torch_loss: bool = False) -> Prediction:
+    """Tensor parallelism t x data parallelism dp for a run of `cfg` with `phi` parameters (the model's own
+    count; another phi scales what a rank holds in proportion, for estimates); torch_loss: step_bytes'."""
+    t, g = cfg.train, cfg.workload.gpt
+    mine, whole = held_params(cfg)
+    held = mine * phi / whole
+    width, k = BYTES[t.precision], optimizer_bytes_per_param(t.optimizer, t.precision, t.momentum)
+    mem = MemoryPrediction(params=width * held, grads=width * held, optimizer=k * held)
+    v, passes, messages = step_bytes(cfg, held, torch_loss)
+    acts = g.n_layer * block_activation_bytes(cfg.workload.seq_len, t.global_batch // cfg.backend.dp_size, g.n_embd,
+                                              g.n_head, width, cfg.backend.tp_size)
+    return Prediction(mem, LinkBytes(v, v), None, rounds=passes, messages=messages, server_memory=None,
+                      activations=acts)

@@ -1,0 +1,162 @@
+"""PyTorch's own tensor parallelism as a backend (`backend.kind = "torch_tensor"`), the peer psarch's `tensor`
+is checked and timed against: torch.distributed.tensor.parallel's ColwiseParallel / RowwiseParallel on a
+DeviceMesh (gloo on CPU, NCCL on GPUs), as torchtitan applies them to a transformer:
+- per block, attn.qkv and mlp.0 ColwiseParallel, attn.proj and mlp.2 RowwiseParallel; the fused qkv's rows
+  are reordered first so that each rank's contiguous chunk is q, k and v of its own heads (torch shards a
+  weight in contiguous chunks), and the attention computes on the local heads it gets;
+- the token embedding RowwiseParallel (vocabulary rows), the head ColwiseParallel with its logits left
+  sharded, and the loss under `loss_parallel()`;
+- data parallelism beside it (world_size = dp x t, a 2-D mesh): after backward the local gradients are
+  averaged over the mesh's dp dimension in one flat all-reduce, as a DDP bucket would.
+Its traffic is the algorithm's volume, marked modelled: the wire is torch's. It checkpoints by the full
+parameter's name and offset (psarch.checkpoint), each rank its DTensors' local shards.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from collective.tensor import theory
+from collective.tensor.layers import ParallelSelfAttention
+from collective.tensor.split import Shard, check_splittable, shard_plan
+from collective.tensor.state import written_by_me
+from psarch.checkpoint.fragments import Fragment, Pieces, local_views, restore
+from psarch.config import Config
+from psarch.dist import DistContext
+from psarch.meters import TrafficMeter, local, local_state_bytes, peak_memory
+from psarch.optim import build_optimizer
+from psarch.trainer import MemoryReport, StepStats, Trainer, TrafficReport
+from psarch.workload import Workload, next_token_loss
+
+
+def torch_plan(shapes: dict[str, tuple[int, ...]], tp_size: int, tp_rank: int) -> dict[str, Shard]:
+    """psarch's split, but the vocabulary in torch.chunk's shards (ceil(V/t) rows a rank, the last fewer), as
+    torch's Shard(0) places the embedding's and the head's rows."""
+    plan = shard_plan(shapes, tp_size, tp_rank)
+    for name in ("embed.weight", "head.weight"):
+        rows = shapes[name][0]
+        lo = min(rows, tp_rank * -(-rows // tp_size))
+        plan[name] = Shard(name, shapes[name], 0, ((lo, min(rows, lo + -(-rows // tp_size))),))
+    return plan
+
+
+def qkv_order(shapes: dict[str, tuple[int, ...]], tp_size: int) -> dict[str, torch.Tensor]:
+    """For each qkv weight and bias: the full rows in the order that puts rank r's q, k, v heads in its chunk."""
+    plans = [shard_plan(shapes, tp_size, r) for r in range(tp_size)]
+    return {name: torch.cat([torch.arange(a, b) for p in plans for a, b in p[name].ranges])
+            for name in shapes if ".attn.qkv." in name}
+
+
+def parallelize(model: nn.Module, tp: Any, order: dict[str, torch.Tensor], tp_size: int) -> None:
+    """Apply torch's tensor parallelism to a psarch GPT on the tensor-parallel mesh `tp`, in place: qkv rows
+    reordered (`order`), attention over the local heads, the plan torchtitan uses."""
+    from torch.distributed.tensor import Replicate, Shard as Sharded
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    params = dict(model.named_parameters())
+    with torch.no_grad():
+        for name, rows in order.items():
+            params[name].copy_(params[name][rows])
+    for block in model.blocks:
+        block.attn = ParallelSelfAttention(block.attn.qkv, block.attn.proj, block.attn.n_head // tp_size)
+        parallelize_module(block, tp, {"attn.qkv": ColwiseParallel(), "attn.proj": RowwiseParallel(),
+                                       "mlp.0": ColwiseParallel(), "mlp.2": RowwiseParallel()})
+    parallelize_module(model, tp, {"embed": RowwiseParallel(input_layouts=Replicate()),
+                                   "head": ColwiseParallel(output_layouts=Sharded(-1), use_local_output=False)})
+
+
+class TorchTensorTrainer(Trainer):
+    """ColwiseParallel / RowwiseParallel per block, vocabulary-parallel embedding, head and loss; the plain
+    optimizer of psarch.optim over the DTensors."""
+
+    def __init__(self, workload: Workload, cfg: Config, ctx: DistContext) -> None:
+        from torch.distributed.device_mesh import init_device_mesh
+
+        b = cfg.backend
+        check_splittable(workload.model, b.tp_size)
+        if workload.loss_fn is not next_token_loss:
+            raise ValueError("torch_tensor trains the GPT's next-token loss under loss_parallel(); this workload "
+                             "brings its own loss_fn")
+        self.ctx, self.cfg, self.loss_fn = ctx, cfg, workload.loss_fn
+        mesh = init_device_mesh(ctx.device.type, (b.dp_size, b.tp_size), mesh_dim_names=("dp", "tp"))
+        self.dp_group = mesh["dp"].get_group() if b.dp_size > 1 else None
+        self.dp_rank, self.dp_size = ctx.rank // b.tp_size, b.dp_size
+        self.shapes = {n: tuple(p.shape) for n, p in workload.model.named_parameters()}
+        self.order = qkv_order(self.shapes, b.tp_size)
+        self.plan = torch_plan(self.shapes, b.tp_size, mesh["tp"].get_local_rank())
+        self.model = workload.model.to(ctx.device)
+        parallelize(self.model, mesh["tp"], self.order, b.tp_size)
+        self.named = list(self.model.named_parameters())
+        self.params = [p for _, p in self.named]
+        distributed = [p for p in self.params if hasattr(p, "to_local")]
+        plain = [p for p in self.params if not hasattr(p, "to_local")]
+        # one group of DTensors, one of plain tensors: a fused or foreach kernel takes one kind at a time;
+        # DTensor has a sharding rule for fused AdamW, none for fused SGD (which takes the plain loop)
+        self.optim = build_optimizer([{"params": distributed}, {"params": plain}], cfg.train,
+                                     fused=cfg.train.optimizer == "adamw")
+        self.meter = TrafficMeter(modelled=True)
+        self.sent = theory.step_bytes(cfg, sum(local(p).numel() for p in self.params), torch_loss=True)[0]
+
+    def step(self, batch: Any) -> StepStats:
+        from torch.distributed.tensor.parallel import loss_parallel
+
+        self.optim.zero_grad(set_to_none=True)
+        with loss_parallel():
+            loss = self.loss_fn(self.model, batch)
+            loss.backward()
+        if self.dp_group is not None:
+            grads = [local(p.grad) for p in self.params]
+            flat = torch._utils._flatten_dense_tensors(grads).div_(self.dp_size)
+            dist.all_reduce(flat, group=self.dp_group)
+            for g, avg in zip(grads, torch._utils._unflatten_dense_tensors(flat, grads)):
+                g.copy_(avg)
+        self.optim.step()
+        self.meter.add("all_reduce", int(self.sent), int(self.sent))
+        return StepStats(float(local(loss).item()))
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """Each parameter gathered in turn (a collective in every tensor-parallel group); qkv rows put back in
+        the model's order; rank 0 keeps fp32 CPU copies."""
+        out = {}
+        for name, p in self.named:
+            full = p.full_tensor() if hasattr(p, "full_tensor") else p
+            if self.ctx.rank == 0:
+                value = full.detach().float().cpu()
+                if name in self.order:
+                    value = torch.empty_like(value).index_copy_(0, self.order[name], value)
+                out[name] = value.clone()
+        return out
+
+    def _fragments(self) -> list[Fragment]:
+        out = []
+        for i, (name, p) in enumerate(self.named):
+            if tuple(local(p).shape) != self.plan[name].local_shape:
+                raise RuntimeError(f"torch_tensor checkpoint: {name!r} holds {tuple(local(p).shape)} here, not the "
+                                   f"{self.plan[name].local_shape} of its expected shard")
+            for f in self.plan[name].fragments(*local_views(self.optim, p)):
+                f.holder = i
+                out.append(f)
+        return out
+
+    def checkpoint_pieces(self, writing: bool = True) -> Pieces:
+        frags = self._fragments()
+        if writing:
+            frags = written_by_me(frags, self.plan, self.ctx.rank, self.ctx.world_size, self.dp_rank, self.dp_size)
+        return Pieces(frags, dict(self.shapes))
+
+    def load_checkpoint(self, ckpt) -> None:
+        restore(self.optim, self.params, ckpt, self._fragments)
+
+    def memory(self) -> MemoryReport:
+        peak, kind = peak_memory(self.ctx.device)
+        params, grads, optimizer = local_state_bytes(self.params, self.optim)
+        return MemoryReport(params=params, grads=grads, optimizer=optimizer, peak=peak, peak_kind=kind)
+
+    def traffic(self) -> TrafficReport:
+        return self.meter.report()
+
+    def close(self) -> None:
+        pass

@@ -1,0 +1,69 @@
+"""`psarch estimate --tensor-parallel t`: what tensor parallelism (Megatron) costs a GPT of a given shape at each
+degree t dividing the world, data parallelism over the rest: model states, the blocks' activations and bytes
+sent per device per step, from the tensor backend's own theory (its spec's predict)."""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from psarch import theory
+from psarch.config import Config, from_dict
+from psarch.models.gpt import GPT
+
+
+@dataclass(frozen=True)
+class GPTShape:
+    """A GPT as psarch builds it: blocks, width, heads, tokens per sequence, sequences per data-parallel replica
+    per step, vocabulary."""
+
+    layers: int = 24
+    hidden: int = 2048
+    heads: int = 16
+    seq: int = 2048
+    micro_batch: int = 8
+    vocab: int = 50257
+
+    def params(self) -> int:
+        with torch.device("meta"):
+            model = GPT(self.vocab, self.seq, self.layers, self.hidden, self.heads)
+        return sum(p.numel() for p in model.parameters())
+
+
+def tensor_config(shape: GPTShape, t: int, world: int, precision: str, optimizer: str) -> Config:
+    """A `tensor` run of this shape: t-way tensor parallelism, world / t replicas of micro_batch sequences each."""
+    return from_dict({"workload": {"model": "gpt", "seq_len": shape.seq, "markov": {"vocab_size": shape.vocab},
+                                   "gpt": {"n_layer": shape.layers, "n_embd": shape.hidden, "n_head": shape.heads}},
+                      "train": {"precision": precision, "optimizer": optimizer,
+                                "global_batch": shape.micro_batch * world // t},
+                      "backend": {"kind": "tensor", "world_size": world, "tensor_parallel": t}})
+
+
+def degrees(shape: GPTShape, world: int) -> list[int]:
+    """Powers of two that divide the world size and the heads."""
+    return [2**k for k in range(int(math.log2(world)) + 1) if world % 2**k == 0 and shape.heads % 2**k == 0]
+
+
+def tensor_rows(shape: GPTShape, world: int, precision: str, optimizer: str) -> list[dict]:
+    """Per degree t: model-state bytes, blocks' activation bytes and bytes sent per device per step."""
+    phi = shape.params()
+    rows = []
+    for t in degrees(shape, world):
+        p = theory.predict(tensor_config(shape, t, world, precision, optimizer), phi)
+        rows.append({"t": t, "dp": world // t, "states": p.memory_per_rank.total, "activations": p.activations,
+                     "sent": p.worker.sent})
+    return rows
+
+
+def tensor_report(shape: GPTShape, world: int, chosen: int, precision: str, optimizer: str) -> list[str]:
+    """The lines `psarch estimate --tensor-parallel` prints."""
+    head = (f"== tensor parallelism (Megatron) at N = {world}: GPT {shape.layers} x {shape.hidden}, {shape.heads} "
+            f"heads, {shape.seq} tokens x {shape.micro_batch} sequences per replica, vocabulary {shape.vocab} "
+            f"(Φ = {shape.params() / 1e9:.3g}B), {precision} + {optimizer}, GB per device")
+    out = [head, f"{'t':>5} {'dp':>6} {'model states':>13} {'activations':>12} {'sent/step':>10}"]
+    for r in tensor_rows(shape, world, precision, optimizer):
+        mark = "  <- --tensor-parallel" if r["t"] == chosen else ""
+        out.append(f"{r['t']:>5} {r['dp']:>6} {r['states'] / 1e9:>13.3g} {r['activations'] / 1e9:>12.3g} "
+                   f"{r['sent'] / 1e9:>10.3g}{mark}")
+    return out
