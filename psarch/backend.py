@@ -38,12 +38,14 @@ PROCESS_GROUP_OPTIONS = {"backend.dist_backend": None, "backend.timeout_s": None
 class CommModel:
     """How a backend's communication meets its compute on a cluster (theory.cluster_step_time's inputs):
     collectives (or partitions) per pass, whether backward hides them, ring passes that block inside
-    forward/backward, and how many slots a push-then-pull exchange is pipelined over (1: one after the other)."""
+    forward/backward, how many slots a push-then-pull exchange is pipelined over (1: one after the other), and
+    the share of the measured compute overlapped communication can hide behind (backward's, about 2/3)."""
 
     buckets: int = 1
     overlap: bool = False
     hidden_passes: int = 0
     pipeline: int = 1
+    hides: float = 2 / 3
 
 
 class BackendSpec(ABC):

@@ -179,15 +179,16 @@ def exchange_time(links: list[LinkLoad], worker_rate: float, server_rate: float,
 
 def cluster_step_time(p: Prediction, compute_s: float, link_mbps: float, server_mbps: float,
                       alpha_s: float = 0.0, buckets: int = 1, overlap: bool = False,
-                      hidden_passes: int = 0, pipeline: int = 1) -> dict[str, float]:
+                      hidden_passes: int = 0, pipeline: int = 1, hides: float = 2 / 3) -> dict[str, float]:
     """Step time on an emulated cluster: measured compute plus the bytes `p` puts on each link at its rate
     (with WIRE_OVERHEAD), plus α per message in sequence (α-β model). server_mbps: a PS server's link
     (ClusterConfig.server_mbps); collectives ignore it.
 
     Collectives: every rank sends and receives its volume at once (full duplex). PS: a push then a pull over
     the links (`exchange_time`; pipelined over `pipeline` partitions per server). Overlap (DDP/ZeRO with
-    overlap_comm and several buckets, a PS pushing several partitions from backward): only what backward
-    (taken as 2/3 of compute) cannot hide waits, at least one bucket's share. hidden_passes: ring passes already
+    overlap_comm and several buckets, a PS pushing several partitions from backward): only what the compute it
+    overlaps (`hides` of it: backward, taken as 2/3; with a PS's priority also the next forward) cannot hide
+    waits, at least one bucket's share. hidden_passes: ring passes already
     inside the measured compute (ZeRO-3's forward and backward all-gathers block there, where the comm wait
     does not see them)."""
     worker_rate = link_mbps * 1e6 / 8 / WIRE_OVERHEAD   # payload bytes/s
@@ -200,7 +201,7 @@ def cluster_step_time(p: Prediction, compute_s: float, link_mbps: float, server_
     else:
         shown = (p.rounds - hidden_passes) / p.rounds
         comm = shown * (p.worker.sent / worker_rate + p.messages * alpha_s)
-    exposed = max(comm - 2 / 3 * compute_s, comm / buckets) if overlap and buckets > 1 else comm
+    exposed = max(comm - hides * compute_s, comm / buckets) if overlap and buckets > 1 else comm
     return {"compute_s": compute_s, "comm_s": exposed, "step_time_s": compute_s + exposed}
 
 
@@ -217,6 +218,6 @@ def cluster_step(cfg: Config, summary: dict[str, Any]) -> dict[str, float]:
     m = registry.spec_of(cfg).comm_model(cfg, summary["params"], summary.get("extra") or {})
     pred = cluster_step_time(predict(cfg, summary["params"]), compute, cfg.cluster.link_mbps,
                              cfg.cluster.server_mbps, summary["cluster"]["alpha_s"], m.buckets, m.overlap,
-                             m.hidden_passes, m.pipeline)
+                             m.hidden_passes, m.pipeline, m.hides)
     return {"measured_s": summary["step_time_s"], "predicted_s": pred["step_time_s"],
             "compute_s": compute, "predicted_comm_s": pred["comm_s"]}

@@ -126,6 +126,7 @@ def test_cluster_step_time_by_hand():
     # overlap: with 4 buckets only what backward (2/3 of compute) cannot hide waits, at least one bucket's share
     comm = 1.5e6 / rate + 6e-4
     assert step("ddp", buckets=4, overlap=True) == pytest.approx(0.05 + max(comm - 0.05 * 2 / 3, comm / 4))
+    assert step("ddp", buckets=4, overlap=True, hides=1.0) == pytest.approx(0.05 + max(comm - 0.05, comm / 4))
 
 
 def test_cluster_model_per_backend():
@@ -140,18 +141,20 @@ def test_cluster_model_per_backend():
         extra = {"zero_groups": [groups, groups]} if groups is not None else {}
         return asdict(registry.spec_of(cfg).comm_model(cfg, 250_000, extra))
 
-    one = {"hidden_passes": 0, "pipeline": 1}
+    one = {"hidden_passes": 0, "pipeline": 1, "hides": 2 / 3}
     assert model({"kind": "ddp", "bucket_cap_mb": 0.25}) == {"buckets": 4, "overlap": True, **one}
     assert model({"kind": "ddp", "overlap_comm": False})["overlap"] is False
     assert model({"kind": "torch_ddp", "bucket_cap_mb": 0.5}) == {"buckets": 2, "overlap": True, **one}
     assert model({"kind": "zero", "reduce_bucket_size": 125_000}) == {"buckets": 2, "overlap": True, **one}
     # stage 3 reduce-scatters one unit at a time: its groups, never reduce_bucket_size (stages 1-2 only)
     assert model({"kind": "zero", "stage": 3}, groups=5) == {"buckets": 5, "overlap": True, "hidden_passes": 2,
-                                                             "pipeline": 1}
+                                                             "pipeline": 1, "hides": 2 / 3}
     assert model({"kind": "zero", "stage": 3})["buckets"] == 1
     # ps: 125,000 parameters a server in partitions of 65,536: 2 each, pushed from backward's hooks (not in GEO)
     ps = {"kind": "ps", "servers": 2, "partition_mb": 0.25}
-    assert model(ps) == {"buckets": 4, "overlap": True, "hidden_passes": 0, "pipeline": 2}
+    assert model(ps) == {"buckets": 4, "overlap": True, "hidden_passes": 0, "pipeline": 2, "hides": 2 / 3}
+    # priority: the pulls also hide behind the next forward, the whole compute
+    assert model(dict(ps, priority_credit_mb=0.5))["hides"] == 1.0
     assert model(dict(ps, mode="geo"))["overlap"] is False and model(dict(ps, partition_mb=0.0))["pipeline"] == 1
 
 
@@ -266,3 +269,20 @@ def test_a_launcher_killed_with_its_step_window_leaks_nothing():
     assert proc.returncode == -9, proc.stderr
     assert "leaked" not in proc.stderr and "resource_tracker" not in proc.stderr, proc.stderr
 
+
+
+def test_crossover_table_divides_each_ps_run_by_its_ring_peer():
+    """psarch.ps.crossover: PS / ring DDP at the same N and rate, measured and predicted, beside BytePS's bound
+    N^2 / (N^2 + kN - 2k) (k = N dedicated: N / (2(N - 1)); colocated servers add no machine: 1)."""
+    from psarch.ps.crossover import bound, table
+
+    assert bound(4, 4, False) == pytest.approx(2 / 3) and bound(8, 8, False) == pytest.approx(4 / 7)
+    assert bound(4, 1, False) == pytest.approx(16 / 18) and bound(4, 4, True) == pytest.approx(1.0)
+
+    def run(backend: dict, measured: float, predicted: float) -> dict:
+        cfg = from_dict({"backend": {"world_size": 4, **backend}, "cluster": {"link_mbps": 100.0}})
+        return {"cfg": cfg, "label": backend["kind"], "measured_s": measured, "predicted_s": predicted}
+    rows = table([run({"kind": "ps", "servers": 4}, 0.6, 0.5), run({"kind": "ddp", "comm": "ring"}, 1.0, 0.8),
+                  run({"kind": "zero"}, 0.9, 0.9)]).splitlines()
+    assert len(rows) == 4 and rows[2].startswith("| 100 | 4 | ddp |")   # zero left out, the ring first
+    assert "| 0.60 \\| 0.62 | 0.67 |" in rows[3]

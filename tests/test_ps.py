@@ -40,6 +40,7 @@ def plan(n: int) -> dict[str, dict]:
                                                   backend=ps(n, servers=s))
         # the same in partitions (pushed from backward's hooks, as above), and whole ranges pushed after backward
         for name, extra in ((f"sync-s2-{opt}-{n}-parts", {"partition_mb": PARTS}),
+                            (f"sync-s2-{opt}-{n}-prio", {"partition_mb": PARTS, "priority_credit_mb": PARTS}),
                             (f"sync-s2-{opt}-{n}-plain", {"overlap_comm": False})):
             runs[name] = config(name, train=OPTIMIZERS[opt], backend=ps(n, servers=2, **extra))
     if n == 2:
@@ -73,6 +74,8 @@ def parity(tmp_path_factory):
                                      backend=ps(1, "async", 1, staleness_compensation="dc"))
     one["async-1-parts-adamw"] = config("async-1-parts-adamw", train=OPTIMIZERS["adamw"],
                                         backend=ps(1, "async", 2, partition_mb=PARTS))
+    one["async-1-prio-adamw"] = config("async-1-prio-adamw", train=OPTIMIZERS["adamw"],
+                                       backend=ps(1, "async", 2, partition_mb=PARTS, priority_credit_mb=PARTS))
     for n, runs in [(1, one), (2, plan(2)), (3, plan(3))]:
         services = {name: start_services(from_dict(d), None, threads=True)
                     for name, d in runs.items() if d["backend"]["kind"] == "ps"}
@@ -115,7 +118,7 @@ def test_sync_in_partitions_and_from_backward_hooks_is_bit_identical(parity, opt
     model is bit for bit that of whole ranges pushed after backward."""
     out, results, stats = parity
     plain = model(out, f"sync-s2-{opt}-{n}-plain")
-    for name in (f"sync-s2-{opt}-{n}", f"sync-s2-{opt}-{n}-parts"):
+    for name in (f"sync-s2-{opt}-{n}", f"sync-s2-{opt}-{n}-parts", f"sync-s2-{opt}-{n}-prio"):
         mine = model(out, name)
         assert plain.keys() == mine.keys() and all(torch.equal(plain[k], mine[k]) for k in plain), name
     parts = [x["partitions"] for x in stats[f"sync-s2-{opt}-{n}-parts"]["servers_detail"]]
@@ -133,7 +136,8 @@ def test_geo_with_barrier_k1_plain_sgd_equals_sync(parity):
                       "geo k=1 barrier in partitions vs sync")
 
 
-@pytest.mark.parametrize("name", ["async-1-sgd", "async-1-adamw", "async-1-dc-adamw", "async-1-parts-adamw"])
+@pytest.mark.parametrize("name", ["async-1-sgd", "async-1-adamw", "async-1-dc-adamw", "async-1-parts-adamw",
+                                  "async-1-prio-adamw"])
 def test_async_with_one_worker_equals_single(parity, name):
     out, _, stats = parity
     assert_same_model(model(out, name), model(out, f"single-{name.rsplit('-', 1)[1]}"), f"{name} vs single")

@@ -2,18 +2,22 @@
 the arithmetic; sync rounds per partition bit-identical to unpartitioned servers whatever order partitions and
 workers arrive in; a partition's pull answered as soon as its own round allows (the pipelining); each mode's
 per-partition rules (async staleness per push, SSP's bound, GEO's rounds); requests about partitions that a
-client would never send refused without changing anything."""
+client would never send refused without changing anything; priority's order of pushes and its config rule."""
 from __future__ import annotations
 
 import random
+from types import SimpleNamespace
 
 import pytest
 import torch
 
 from psarch.config import from_dict
+from psarch.config_files import ConfigError
 from psarch.ps.layout import PARTITION_ALIGN, partition_elems, partitions, server_ranges
 from psarch.ps.services import start_services
 from psarch.ps.worker.client import PSClient, Request
+from psarch.ps.worker.link import Part
+from psarch.ps.worker.priority import PriorityPushes
 from psarch.workload import build_workload
 from ps_setup import config, ps
 
@@ -229,3 +233,42 @@ def test_requests_about_partitions_a_client_would_never_send_are_refused():
         c.close()
         stats = run.close()
     assert stats["refused_pushes"]["non_finite_per_worker"] == [1, 0]
+
+
+class _Link:
+    """A ServerLink's face to PriorityPushes: partitions of 4 fp32 elements, pushes recorded, acks on demand."""
+
+    def __init__(self, n: int) -> None:
+        self.parts = [Part(j, 0, 4 * j, 4 * j + 4) for j in range(n)]
+        self.flat = SimpleNamespace(grad=torch.zeros(4 * n))
+        self.order: list[int] = []
+        self.client = SimpleNamespace(take_arrived=lambda: None, wait=self.ack)
+
+    def post_push(self, p: Part, pushed: torch.Tensor, step: int) -> Request:
+        self.order.append(p.index)
+        return Request({"op": "push", "step": step - 1, "offset": p.lo}, pushed[p.lo:p.hi])
+
+    @staticmethod
+    def ack(until: Request) -> None:
+        until.answered = True
+
+
+@pytest.mark.parametrize("credit, order", [(16, [7, 0, 1, 5, 6]), (10**6, [7, 6, 5, 1, 0])])
+def test_priority_sends_the_lowest_partition_first_within_its_credit(credit, order):
+    """Backward finishes partitions 7, 6, 5, then 1, 0: with one partition's bytes of credit, 7 goes at once and the
+    rest wait, then leave lowest first as acks free the credit (0 and 1 overtake 5 and 6); with a credit larger
+    than everything, each goes as backward finishes it (the order without priority)."""
+    link = _Link(8)
+    pushes = PriorityPushes(link, credit)
+    pushes.arm(1)
+    for j in (7, 6, 5, 1, 0):
+        pushes.add(link.parts[j])
+    pushes.flush()
+    assert link.order == order and len(pushes.acks) == 5
+
+
+def test_priority_needs_pushes_from_backwards_hooks():
+    for backend, train in (({"mode": "geo"}, {}), ({"overlap_comm": False}, {}), ({}, {"precision": "fp16"})):
+        with pytest.raises(ConfigError, match="backend.priority_credit_mb = 0.25 orders the pushes"):
+            from_dict(config("p", train=train, backend=ps(2, partition_mb=PARTS, priority_credit_mb=0.25, **backend)))
+    from_dict(config("p", backend=ps(2, "ssp", partition_mb=PARTS, priority_credit_mb=0.25)))

@@ -389,6 +389,23 @@ def test_non_finite_pushes_are_refused_and_counted(server, mode, precision):
         assert r.op == "ack", r.header
 
 
+@pytest.mark.parametrize("mode", ["sync", "async", "geo"])
+def test_non_finite_partition_pushes_are_refused_and_counted(server, mode):
+    """In partitions of 256 elements: a push of one partition holding nan is refused with code non_finite and
+    counted, the parameters stay bit-identical, and the same partition's clean push is then the worker's step."""
+    services, numel = server(mode, partition_mb=0.001)
+    raw, raw1 = server.raw(services.info.addresses[0]), server.raw(services.info.addresses[0], 1)
+    before = _fetch(raw)
+    g = torch.full((256,), 0.25)
+    g[17] = float("nan")
+    push = {"op": "push", "worker": 1, "step": 0, "version": 0, "offset": 256}
+    r = raw1.ask(push, g)
+    assert r.op == "error" and r.header.get("code") == "non_finite" and "inf/nan" in r.header["message"], r.header
+    assert torch.equal(_fetch(raw), before), "a refused partition push changed the parameters"
+    assert raw1.ask(push, torch.full((256,), 0.25)).op == "ack"
+    assert services.finish()["refused_pushes"]["non_finite_per_worker"] == [0, 1]
+
+
 def test_a_row_request_to_a_server_without_rows_is_told_so(server):
     """rowpull / rowpush / rowfetch are requests: a dense server says it holds no rows (not "a reply")."""
     services, _ = server("async")

@@ -16,7 +16,7 @@ if TYPE_CHECKING:
     from psarch.trainer import Services
 
 Config = Any
-PARTITION_MB = 0.0   # backend.partition_mb's default (chosen by measurement: README, "The parameter server")
+PARTITION_MB = 0.25   # backend.partition_mb's default, by measurement (README, "The parameter server": partition size)
 
 
 @dataclass
@@ -33,6 +33,11 @@ class PSOptions:
     partition_mb: float = _f(PARTITION_MB, "each server's range moves and is updated in partitions of this many MiB of the "
                                   "wire dtype, pipelined (a partition's pull is answered once its own round is "
                                   "complete); 0: one message per server each way", min=0.0)
+    priority_credit_mb: float = _f(0.0, "ByteScheduler's priority: pushes from backward's hooks leave lowest partition "
+                                        "first (the next forward needs it first) with at most this many MiB "
+                                        "unacknowledged, and the next forward waits per module for its own "
+                                        "partitions' pulls; 0: pushes leave as backward finishes them and the "
+                                        "step waits for the whole pull", min=0.0)
     server_placement: str = _f("dedicated", "on an emulated cluster: each server on a node of its own "
                                             "('dedicated'), or server i on worker i's node, sharing its link "
                                             "('colocated'; backend.servers <= world_size)",
@@ -98,6 +103,7 @@ class PSSpec(BackendSpec):
         text = f"ps {b.mode}, {servers}" + (", colocated" if b.server_placement == "colocated" else "")
         if b.partition_mb != PARTITION_MB:   # the default goes unsaid
             text += ", whole ranges" if not b.partition_mb else f", partitions of {b.partition_mb:g} MiB"
+        text += f", priority {b.priority_credit_mb:g} MiB" if b.priority_credit_mb else ""
         return text if b.embeddings == "dense" else f"{text}, embeddings {b.embeddings}"
 
     def lockstep(self, cfg: Config) -> bool:
@@ -118,6 +124,12 @@ class PSSpec(BackendSpec):
                               if not b.server_addresses else
                               "backend.server_placement = \"colocated\" places the servers `psarch run` starts; "
                               "backend.server_addresses names servers started elsewhere")
+        if b.priority_credit_mb and not pushes_from_hooks(cfg):
+            raise ConfigError(f"backend.priority_credit_mb = {b.priority_credit_mb:g} orders the pushes backward's "
+                              f"hooks start: it needs backend.overlap_comm = true, mode sync, async or ssp, "
+                              f"precision fp32 or bf16 and dense embeddings (here overlap_comm = "
+                              f"{str(b.overlap_comm).lower()}, mode {b.mode!r}, precision "
+                              f"{cfg.train.precision!r}, embeddings {b.embeddings!r})")
         if b.embeddings == "rows":
             _check_rows(cfg)
 
@@ -142,9 +154,11 @@ class PSSpec(BackendSpec):
         return theory.rows(cfg, phi) if cfg.backend.embeddings == "rows" else theory.dense(cfg, phi)
 
     def comm_model(self, cfg: Config, phi: float, extra: Any) -> CommModel:
-        """Push and pull pipelined over each server's partitions; pushes from backward's hooks (overlap_comm)."""
+        """Push and pull pipelined over each server's partitions; pushes from backward's hooks (overlap_comm); with
+        priority the pulls also hide behind the next forward."""
         m = theory.partitions_per_server(cfg, phi)
-        return CommModel(buckets=m * cfg.backend.servers, overlap=pushes_from_hooks(cfg), pipeline=m)
+        return CommModel(buckets=m * cfg.backend.servers, overlap=pushes_from_hooks(cfg), pipeline=m,
+                         hides=1.0 if cfg.backend.priority_credit_mb else 2 / 3)
 
     def summary_fields(self, cfg: Config) -> dict[str, Any]:
         return {"servers": cfg.backend.servers}

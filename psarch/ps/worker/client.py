@@ -126,10 +126,18 @@ class PSClient:
             if not events and time.monotonic() >= deadline:
                 names = ", ".join(f"server {i} ({self.addresses[i]})" for i, w in enumerate(self.waiting) if w)
                 raise PSError(f"worker {self.worker}: no reply from {names} within {limit:g} s")
-            for i, sock in enumerate(self.socks):
-                # drain what has arrived (asking EVENTS is much cheaper than a NOBLOCK recv raising Again)
-                while self.waiting[i] and sock in events and sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
-                    self._receive(i, sock.recv_multipart(copy=False))
+            self._drain(events)
+
+    def take_arrived(self) -> None:
+        """Take the replies already here, waiting for none (priority's pushes, between backward's hooks)."""
+        if any(self.waiting):
+            self._drain(dict(self.poller.poll(0)))
+
+    def _drain(self, events: dict) -> None:
+        for i, sock in enumerate(self.socks):
+            # drain what has arrived (asking EVENTS is much cheaper than a NOBLOCK recv raising Again)
+            while self.waiting[i] and sock in events and sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+                self._receive(i, sock.recv_multipart(copy=False))
 
     def _receive(self, i: int, frames: list) -> None:
         try:

@@ -9,7 +9,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Sequence
 
 import torch
 
@@ -44,6 +44,7 @@ class ServerLink:
         self.versions = [0] * len(self.parts)   # the version each partition last sent: a push names it
         self.loss_scale = 1.0           # fp16: the servers' loss scale, sent with every pull
         self.posted: list[Request | None] = [None] * len(self.parts)   # this exchange's requests, by partition
+        self.copied: set[int] = set()   # priority on a GPU: partitions already copied from the host stage
         self.t0 = 0.0
 
     def server_versions(self) -> list[int]:
@@ -66,9 +67,35 @@ class ServerLink:
         self.posted[p.index] = r
         self.client.post(p.server, r)
 
-    def settle(self, since: float | None = None) -> dict[str, Any]:
-        """Wait for every posted partition's reply (the parameters land in the flat buffer); what they said
-        (comm_s: seconds since `since`, or since the first post)."""
+    def post_push(self, p: Part, pushed: torch.Tensor, step: int) -> Request:
+        """Priority (priority.py): push partition p's slice of `pushed`, acknowledged once its server has it, then
+        pull p's parameters for `step`, answered once the partition's round allows. Returns the push."""
+        if not any(self.posted):
+            self.t0 = time.perf_counter()
+        push = Request({"op": "push", "step": step - 1, "version": self.versions[p.index], "offset": p.lo},
+                       pushed[p.lo:p.hi])
+        pull = Request({"op": "pull", "step": step, "want": self.wire_dtype, "offset": p.lo},
+                       into=self.host[p.lo:p.hi])
+        self.client.post(p.server, push)
+        self.client.post(p.server, pull)
+        self.posted[p.index] = pull
+        return push
+
+    def landed(self, j: int) -> None:
+        """Wait until partition j's pull of this exchange (if one is posted) is in the flat buffer."""
+        r = self.posted[j]
+        if r is None or j in self.copied:
+            return
+        if not r.answered:
+            self.client.wait(until=r)
+        if self.host is not self.flat.data:
+            p = self.parts[j]
+            self.flat.data[p.lo:p.hi].copy_(self.host[p.lo:p.hi])
+        self.copied.add(j)
+
+    def settle(self, since: float | None = None, acks: Sequence[Request] = ()) -> dict[str, Any]:
+        """Wait for every posted partition's reply (the parameters land in the flat buffer); what they (and
+        `acks`, priority's push acknowledgements) said (comm_s: seconds since `since`, or since the first post)."""
         self.client.wait()
         reqs = [r for r in self.posted if r is not None]
         if len(reqs) != len(self.parts):
@@ -76,8 +103,9 @@ class ServerLink:
         self.posted = [None] * len(self.parts)
         if self.host is not self.flat.data:
             self.flat.data.copy_(self.host, non_blocking=False)
-        replies = [r.reply for r in reqs]
-        self.versions = [p["version"] for p in replies]
+        self.copied.clear()
+        replies = [r.reply for r in reqs] + [r.reply for r in acks]
+        self.versions = [r.reply["version"] for r in reqs]
         self.loss_scale = min(p.get("scale", 1.0) for p in replies)
         out: dict[str, Any] = {"comm_s": time.perf_counter() - (self.t0 if since is None else since),
                                "version": min(self.versions),

@@ -37,6 +37,7 @@ from psarch.ps.spec import pushes_from_hooks
 from psarch.ps.worker.client import PSClient
 from psarch.ps.worker.geo import GeoLocal
 from psarch.ps.worker.link import ServerLink
+from psarch.ps.worker.priority import PriorityPushes, PullOrder
 from psarch.ps.worker.rows import WorkerRows
 from psarch.ps.worker.schedule import PushSchedule
 from psarch.trainer import MemoryReport, StepStats, Trainer, TrafficReport
@@ -75,6 +76,11 @@ class PSWorker(Trainer):
         self.geo = GeoLocal(self.flat, cfg) if b.mode == "geo" else None   # from the pulled model
         self.schedule = (PushSchedule(self.flat.params, self.flat.offsets, self.link.parts)
                          if pushes_from_hooks(cfg) else None)
+        self.pushes = self.pull_order = None
+        if b.priority_credit_mb:
+            self.pushes = PriorityPushes(self.link, int(b.priority_credit_mb * 2**20))
+            self.pull_order = PullOrder(self.model, self.link, {id(p): o for p, o in
+                                                                zip(self.flat.params, self.flat.offsets)})
 
     # ------------------------------------------------------------------ steps
 
@@ -83,7 +89,8 @@ class PSWorker(Trainer):
         pulled_s = 0.0
         if self.rows is not None:
             batch, pulled_s = self.rows.fetch(batch, self.steps)
-        self.flat.zero_grad()
+        if self.pushes is None:   # with priority: after forward (the last pushes may still be reading the gradient)
+            self.flat.zero_grad()
         loss = self.loss_fn(self.model, batch)
         if not self.fp16:  # before the push: name the bad loss rather than have a server refuse its gradient
             check_loss(self.steps, self.ctx.rank, float(loss.detach()))
@@ -100,6 +107,8 @@ class PSWorker(Trainer):
     def _push_step(self, loss: torch.Tensor) -> dict[str, Any]:
         """sync, async, ssp: push this step's gradient (after its rows'), pull the parameters for the next; with
         overlap_comm each partition is pushed from backward's hooks as soon as its gradients are final."""
+        if self.pushes is not None:
+            return self._priority_step(loss)
         if self.schedule is not None:
             step = self.steps + 1
             self.schedule.arm(lambda part: self.link.post(part, self.flat.grad, step, {}))
@@ -115,6 +124,28 @@ class PSWorker(Trainer):
         before = self.rows.pushes(self.steps, self.link.server_versions()) if self.rows is not None else None
         self.steps += 1
         return self.link.exchange(self.flat.grad, self.steps, header, before)
+
+    def _priority_step(self, loss: torch.Tensor) -> dict[str, Any]:
+        """Priority (priority.py): the previous exchange settled (forward took most of its pulls), pushes queued
+        from backward's hooks and sent lowest partition first; the pulls are left to the next forward. What the
+        step reports (version, staleness) is the previous exchange's."""
+        info = self._settle()
+        self.flat.zero_grad()
+        self.pushes.arm(self.steps + 1)
+        self.schedule.arm(self.pushes.add)
+        loss.backward()
+        since = time.perf_counter()
+        self.schedule.finish()
+        self.pushes.flush()
+        self.steps += 1
+        waited, self.pull_order.waited_s = self.pull_order.waited_s, 0.0
+        return dict(info, comm_s=time.perf_counter() - since + waited)
+
+    def _settle(self) -> dict[str, Any]:
+        """Priority: take the rest of the exchange in flight (if any); what its replies said."""
+        if self.pushes is None or not any(self.link.posted):
+            return {"comm_s": 0.0}
+        return self.link.settle(acks=self.pushes.acks)
 
     def _geo_step(self, loss: torch.Tensor) -> dict[str, Any]:
         """GEO: a local step (dense part, then the cached rows); a sync every k_steps."""
@@ -149,6 +180,7 @@ class PSWorker(Trainer):
         Every rank then tells the servers it is done."""
         if self.geo is not None and self.steps % self.cfg.backend.push_every:
             self._geo_sync()
+        self._settle()
         state: dict[str, torch.Tensor] = {}
         if self.ctx.rank == 0:
             rows = self.rows.fetch_all() if self.rows is not None else None
@@ -163,6 +195,7 @@ class PSWorker(Trainer):
     def checkpoint_pieces(self, writing: bool = True) -> Pieces:
         """This worker's part: the model it computes on next (GEO: its local training state; with rows, its
         row cache) and its record (the servers write the parameters and optimizer state)."""
+        self._settle()
         rank = self.ctx.rank
         own = f"worker{rank}/"
         record: dict[str, Any] = {"rank": rank, "steps": self.steps, "rounds": self.rounds,
@@ -237,10 +270,12 @@ class PSWorker(Trainer):
         return self.client.meter.report()
 
     def summary_extra(self) -> dict[str, Any]:
+        self._settle()
         out: dict[str, Any] = {"ps_versions": list(self.link.versions)}
         return dict(out, **self.rows.summary()) if self.rows is not None else out
 
     def close(self) -> None:
-        if self.schedule is not None:
-            self.schedule.remove()
+        for hooks in (self.schedule, self.pull_order):
+            if hooks is not None:
+                hooks.remove()
         self.client.close()
