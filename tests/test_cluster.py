@@ -286,3 +286,16 @@ def test_crossover_table_divides_each_ps_run_by_its_ring_peer():
                   run({"kind": "zero"}, 0.9, 0.9)]).splitlines()
     assert len(rows) == 4 and rows[2].startswith("| 100 | 4 | ddp |")   # zero left out, the ring first
     assert "| 0.60 \\| 0.62 | 0.67 |" in rows[3]
+
+
+def test_ps_labels_tell_partitions_placement_overlap_and_priority_apart():
+    from psarch import registry
+
+    def arch(**backend) -> str:
+        cfg = from_dict({"backend": {"kind": "ps", "world_size": 4, "servers": 4, **backend}})
+        return registry.spec_of(cfg).label(cfg)
+    assert arch() == "ps sync, N servers"   # the default partitions go unsaid
+    assert arch(partition_mb=0.0) == "ps sync, N servers, whole ranges"
+    assert arch(server_placement="colocated") == "ps sync, N servers, colocated"
+    assert arch(overlap_comm=False) == "ps sync, N servers, pushed after backward"
+    assert arch(priority_credit_mb=0.5) == "ps sync, N servers, priority 0.5 MiB"

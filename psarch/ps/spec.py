@@ -104,6 +104,7 @@ class PSSpec(BackendSpec):
         if b.partition_mb != PARTITION_MB:   # the default goes unsaid
             text += ", whole ranges" if not b.partition_mb else f", partitions of {b.partition_mb:g} MiB"
         text += f", priority {b.priority_credit_mb:g} MiB" if b.priority_credit_mb else ""
+        text += ", pushed after backward" if b.mode != "geo" and not b.overlap_comm else ""
         return text if b.embeddings == "dense" else f"{text}, embeddings {b.embeddings}"
 
     def lockstep(self, cfg: Config) -> bool:
