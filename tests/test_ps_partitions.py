@@ -238,8 +238,8 @@ def test_requests_about_partitions_a_client_would_never_send_are_refused():
 class _Link:
     """A ServerLink's face to PriorityPushes: partitions of 4 fp32 elements, pushes recorded, acks on demand."""
 
-    def __init__(self, n: int) -> None:
-        self.parts = [Part(j, 0, 4 * j, 4 * j + 4) for j in range(n)]
+    def __init__(self, n: int, servers: int = 1) -> None:
+        self.parts = [Part(j, j * servers // n, 4 * j, 4 * j + 4) for j in range(n)]
         self.flat = SimpleNamespace(grad=torch.zeros(4 * n))
         self.order: list[int] = []
         self.client = SimpleNamespace(take_arrived=lambda: None, wait=self.ack)
@@ -265,6 +265,19 @@ def test_priority_sends_the_lowest_partition_first_within_its_credit(credit, ord
         pushes.add(link.parts[j])
     pushes.flush()
     assert link.order == order and len(pushes.acks) == 5
+
+
+def test_priority_credit_is_per_server():
+    """Partitions 0-3 on server 0, 4-7 on server 1 (contiguous ranges): with one partition of credit each server has
+    one push in flight, so server 1 is not left idle while server 0 takes every worker's pushes in turn."""
+    link = _Link(8, servers=2)
+    pushes = PriorityPushes(link, 16)
+    pushes.arm(1)
+    for j in (7, 6, 5, 3, 2, 1, 0):
+        pushes.add(link.parts[j])
+    assert link.order == [7, 3]   # one in flight on each server before any ack
+    pushes.flush()
+    assert link.order == [7, 3, 5, 0, 6, 1, 2]   # acks in the order sent; each server lowest first
 
 
 def test_priority_needs_pushes_from_backwards_hooks():

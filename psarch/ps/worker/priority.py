@@ -2,10 +2,13 @@
 forward needs first go first.
 
 Pushes started from backward's hooks (schedule.py) wait in a queue ordered by partition (the flat vector is in
-registration order, forward order) and leave with at most `credit` bytes of pushes unacknowledged: a push is
-acknowledged when its server has it (not when its round completes, which waits on the other workers: a credit
-tied to other workers could deadlock them), so a partition the next forward needs early overtakes those
-backward finished before it, once the credit in flight drains. Each push is followed by its partition's pull.
+registration order, forward order) and leave with at most `credit` bytes of pushes unacknowledged per server: a
+push is acknowledged when its server has it (not when its round completes, which waits on the other workers: a
+credit tied to other workers could deadlock them), so a partition the next forward needs early overtakes those
+backward finished before it, once the credit in flight drains. The credit is per server because a server owns a
+contiguous range: one credit for all would send every worker's pushes to server 0 first, then to server 1, each
+server's link in turn carrying all N workers' pushes while the others idle (measured: 2.6 s against 0.9 s
+without priority, N = 4 at 100 Mbit/s). Each push is followed by its partition's pull.
 The next forward then waits per module (`PullOrder`, forward pre-hooks) only for the partitions holding that
 module's own parameters, while the later partitions still arrive.
 """
@@ -23,17 +26,18 @@ from psarch.ps.worker.link import Part, ServerLink
 
 
 class PriorityPushes:
-    """Partitions ready to push, posted lowest index first with at most `credit` bytes unacknowledged."""
+    """Partitions ready to push, posted lowest index first with at most `credit` bytes unacknowledged per server."""
 
     def __init__(self, link: ServerLink, credit: int) -> None:
         self.link, self.credit = link, credit
         self.ready: list[int] = []             # heap of partition indices
         self.acks: list[Request] = []          # this exchange's pushes (their acks carry staleness)
+        self.servers: list[int] = []           # the server of each push in `acks`
         self.step = 0
 
     def arm(self, step: int) -> None:
         """The next backward's pushes are for `step` (their pulls ask for the parameters of step + 1)."""
-        self.ready, self.acks, self.step = [], [], step
+        self.ready, self.acks, self.servers, self.step = [], [], [], step
 
     def add(self, part: Part) -> None:
         """From a hook: partition `part` is final; post what the credit allows (taking the acks already here)."""
@@ -44,21 +48,29 @@ class PriorityPushes:
     def flush(self) -> None:
         """After backward: post every partition still queued, waiting for acks as the credit needs."""
         while self.ready:
-            oldest = next((r for r in self.acks if not r.answered), None)
-            if oldest is not None and self._in_flight() >= self.credit:
-                self.link.client.wait(until=oldest)
+            needed = {self.link.parts[j].server for j in self.ready}
+            oldest = next(r for r, i in zip(self.acks, self.servers) if i in needed and not r.answered)
+            self.link.client.wait(until=oldest)
             self._pump()
 
-    def _in_flight(self) -> int:
-        return sum(r.tensor.numel() * r.tensor.element_size() for r in self.acks if not r.answered)
-
     def _pump(self) -> None:
-        flight = self._in_flight()
-        while self.ready and (flight < self.credit or flight == 0):
-            p = self.link.parts[heapq.heappop(self.ready)]
+        flight: dict[int, int] = {}
+        for r, i in zip(self.acks, self.servers):
+            if not r.answered:
+                flight[i] = flight.get(i, 0) + r.tensor.numel() * r.tensor.element_size()
+        held = []
+        while self.ready:
+            j = heapq.heappop(self.ready)
+            p = self.link.parts[j]
+            if flight.get(p.server, 0) and flight[p.server] >= self.credit:
+                held.append(j)
+                continue
             push = self.link.post_push(p, self.link.flat.grad, self.step)
             self.acks.append(push)
-            flight += push.tensor.numel() * push.tensor.element_size()
+            self.servers.append(p.server)
+            flight[p.server] = flight.get(p.server, 0) + push.tensor.numel() * push.tensor.element_size()
+        for j in held:
+            heapq.heappush(self.ready, j)
 
 
 class PullOrder:
