@@ -20,7 +20,7 @@ from psarch.checkpoint.fragments import Pieces, master_fragments, restore_optimi
 from psarch.config import Config
 from psarch.dist import DistContext
 from psarch.flat import FlatParams, flat_layout
-from psarch.meters import peak_memory, tensor_bytes
+from psarch.meters import flat_memory
 from psarch.precision import MixedPrecisionOptimizer, compute_dtype
 from psarch.single import consolidated_state
 from psarch.trainer import MemoryReport, StepStats, Trainer, TrafficReport
@@ -128,9 +128,7 @@ class DDPTrainer(Trainer):
         self.tables.load_checkpoint(ckpt)
 
     def memory(self) -> MemoryReport:
-        peak, kind = peak_memory(self.ctx.device)
-        report = MemoryReport(params=tensor_bytes([self.flat.data]), grads=tensor_bytes([self.flat.grad]),
-                              optimizer=self.optim.state_bytes(), peak=peak, peak_kind=kind)
+        report = flat_memory(self.ctx.device, self.flat, self.optim.state_bytes())
         for k, v in self.tables.memory().items():
             setattr(report, k, getattr(report, k) + v)
         return report

@@ -38,14 +38,16 @@ PROCESS_GROUP_OPTIONS = {"backend.dist_backend": None, "backend.timeout_s": None
 class CommModel:
     """How a backend's communication meets its compute on a cluster (theory.cluster_step_time's inputs):
     collectives (or partitions) per pass, whether backward hides them, ring passes that block inside
-    forward/backward, how many slots a push-then-pull exchange is pipelined over (1: one after the other), and
-    the share of the measured compute overlapped communication can hide behind (backward's, about 2/3)."""
+    forward/backward, how many slots a push-then-pull exchange is pipelined over (1: one after the other),
+    whether the next forward hides overlapped communication too (a PS's priority; else backward alone), and the
+    share of the compute phase its ranks wait by design (a pipeline's bubble)."""
 
     buckets: int = 1
     overlap: bool = False
     hidden_passes: int = 0
     pipeline: int = 1
-    hides: float = 2 / 3
+    forward_hides: bool = False
+    idle_fraction: float = 0.0
 
 
 class BackendSpec(ABC):
@@ -64,6 +66,9 @@ class BackendSpec(ABC):
     max_world_size: ClassVar[int | None] = None
     needs_process_group: ClassVar[bool] = True        # the launcher joins the ranks in a torch.distributed group
     checkpoints: ClassVar[bool] = True                # it writes and reads psarch.checkpoint checkpoints
+    # a rank runs the loss function in parts, several calls a step (a pipeline stage): a virtual device paces
+    # each call by its own FLOPs (psarch.cluster.call_pacing), not each by the whole step's
+    paced_by_call: ClassVar[bool] = False
     # psarch.bench_step: "module:function" of the hand-written PyTorch program beside it, (cfg, device) ->
     # (its name, batch -> loss), and the backend options the benchmark runs it with
     bench_peer: ClassVar[str | None] = None
@@ -145,6 +150,13 @@ class BackendSpec(ABC):
     @abstractmethod
     def predict(self, cfg: Config, phi: float) -> Prediction:
         """What theory predicts for a run of `cfg` with `phi` parameters (psarch.theory.Prediction)."""
+
+    def estimate_rows(self, phi: float, world: int, precision: str, optimizer: str,
+                      options: Mapping[str, Any]) -> list[dict[str, Any]]:
+        """Rows this backend adds to `psarch estimate`, from Φ alone (no model), for the command line's
+        `options` (e.g. a pipeline's stages): each {"label", "states" (bytes per device), "sent" (bytes per
+        device per step), "bubble" (idle fraction)}; [] by default (its figures are in the tables already)."""
+        return []
 
     def comm_model(self, cfg: Config, phi: float, extra: Mapping[str, list[Any]]) -> CommModel:
         """How this run's communication meets its compute; `extra`: the summary's per-rank extras."""

@@ -52,8 +52,8 @@ def _run_parser(p: argparse.ArgumentParser) -> None:
     start = p.add_mutually_exclusive_group()
     start.add_argument("--resume", metavar="RUN_DIR",
                        help="continue that run from its latest complete checkpoint to train.steps; only name, label, "
-                            "out, train.steps, train.log_every, train.checkpoint_every, train.keep_checkpoints and "
-                            "backend.timeout_s may differ from the config it was written under (else use --from)")
+                            "out, train.steps, train.log_every, train.checkpoint_every, train.keep_checkpoints, "
+                            "backend.timeout_s and cluster.dilation may differ from the config it was written under (else use --from)")
     start.add_argument("--from", dest="start", metavar="CHECKPOINT_DIR",
                        help="a new run starting from that checkpoint's state and step, under this config")
     p.add_argument("--checkpoint", metavar="STEP",
@@ -72,6 +72,8 @@ def _estimate_parser(p: argparse.ArgumentParser) -> None:
     p.add_argument("--precision", default="bf16", choices=("fp32", "bf16", "fp16"))
     p.add_argument("--optimizer", default="adamw", choices=("sgd", "adamw", "adagrad"))
     p.add_argument("--servers", type=int, default=1, help="parameter servers")
+    p.add_argument("--pipeline", type=int, default=0, metavar="P", help="pipeline stages p: adds pipeline rows")
+    p.add_argument("--microbatches", type=int, default=8, metavar="M", help="micro-batches m (with --pipeline)")
     p.add_argument("--bandwidth", type=float, default=12.5e9, help="link bytes/s per direction")
     p.add_argument("--latency", type=float, default=10e-6, help="seconds per message")
     p.add_argument("--compute-s", type=float, help="compute seconds per step per worker (default: the --from "
@@ -250,6 +252,10 @@ def _estimate(args: argparse.Namespace) -> int:
         phi = phi or summary["params"]
         world, precision, optimizer = cfg.backend.world_size, cfg.train.precision, cfg.train.optimizer
         compute = measured_compute(summary) if compute is None else compute
+    if args.pipeline and (args.pipeline < 1 or world % args.pipeline or args.microbatches < 1):
+        print(f"psarch: estimate: --pipeline {args.pipeline} must divide --world {world}, and --microbatches "
+              f"must be >= 1", file=sys.stderr)
+        return 2
     if not phi or phi <= 0 or world < 1 or args.servers < 1 or args.bandwidth <= 0 or args.latency < 0 \
             or (compute is not None and compute < 0):
         print("psarch: estimate: --params (> 0) or --from is required; --world, --servers >= 1; "
@@ -257,10 +263,11 @@ def _estimate(args: argparse.Namespace) -> int:
         return 2
     cluster = Cluster(args.bandwidth, args.latency, 0.1 if compute is None else compute, args.overlap)
     source = args.from_run if measured is not None and args.compute_s is None else None
+    options = {"stages": args.pipeline, "microbatches": args.microbatches} if args.pipeline else {}
     try:
         tensor = _tensor_shape(args, world)
-        print(report(phi, world, precision, optimizer, args.servers, cluster, args.budget, measured, source, tensor),
-              end="")
+        print(report(phi, world, precision, optimizer, args.servers, cluster, args.budget, measured, source, options,
+                     tensor), end="")
     except ConfigError as e:
         print(f"psarch: estimate: {e}", file=sys.stderr)
         return 2

@@ -9,11 +9,13 @@ from pathlib import Path
 from typing import Any
 
 from psarch import plots
-from psarch.compare_links import links_table, predicts_activations
+from psarch.compare_links import links_table
+from psarch.compare_ranks import has_per_rank, rank_table
 from psarch.compare_sparse import embedding_scaling, is_sparse_run, sparse_table
 from psarch.curves import diverged
-from psarch.runs import (label, load_run, name_runs, server_received_per_step, step_clock, target_gaps, target_words,
-                         trailing_mean, worker_sent_per_step)
+from psarch.runs import (label, load_run, name_runs, predicted_rank0_memory, predicted_worker_sent,
+                         server_received_per_step, step_clock, target_gaps, target_words, trailing_mean,
+                         worker_sent_per_step)
 from psarch.seeds import interval, seed_groups
 from psarch.throughput import LOCKSTEP, OWN_PACE
 from psarch.units import fmt_bytes
@@ -49,7 +51,7 @@ def table(runs: list[dict[str, Any]]) -> str:
     for run in runs:
         s = run["summary"]
         m0 = s["memory"]["per_rank"][0]
-        pm = s["predicted"]["memory_per_rank"]["total"]
+        pm = predicted_rank0_memory(s)
         sent = worker_sent_per_step(s)
         modelled = " (modelled)" if s["traffic"]["per_rank"][0].get("modelled") else ""
         pt = s["predicted"]["traffic_per_step"]
@@ -58,7 +60,7 @@ def table(runs: list[dict[str, Any]]) -> str:
         gap = f"{s['gap']:.4f}" if s.get("gap") is not None else "-"
         lines.append(f"| {run['run_label']} | {s['label']} | {s['world_size']} | "
                      f"{s['samples_per_s']:.1f} | {s['step_time_s'] * 1e3:.2f} | {s['final_loss']:.4f} | {gap} | "
-                     f"{fmt_bytes(m0['total'])} \\| {fmt_bytes(pm)} | {fmt_bytes(sent)}{modelled} \\| {fmt_bytes(pt['worker_sent'])} | {srv} | "
+                     f"{fmt_bytes(m0['total'])} \\| {fmt_bytes(pm)} | {fmt_bytes(sent)}{modelled} \\| {fmt_bytes(predicted_worker_sent(s))} | {srv} | "
                      f"{fmt_bytes(m0.get('peak'))} |")
     return "\n".join(lines)
 
@@ -192,11 +194,17 @@ def compare(run_dirs: list[str | Path], out: str | Path, target_gap: float | Non
                  "of the 95% confidence interval (Student's t over the seeds; n: the seeds that have the figure, so "
                  "steps and time to target count only the seeds that reached it). Diverged: a loss not finite, or "
                  "the curve ends above twice its start.", ""]
-    if any(map(predicts_activations, runs)):
-        text += ["## Activations and links", "", links_table(runs), "", "Blocks' activations: the bytes the "
-                 "transformer blocks keep for backward on rank 0 in a step (psarch.activations), measured where "
-                 "backend.measure_activations is on. Sent per link: one rank's link, mean over ranks; by operation: "
-                 "rank 0's, per step.", ""]
+    ranked = [r for r in runs if has_per_rank(r)]
+    if ranked:
+        text += ["## Per rank", "", rank_table(ranked), "", "For model-parallel runs, whose ranks hold different "
+                 "parts of the model: each rank's model states, bytes per step on its link (sent and received) and "
+                 "the figures its backend predicts per rank, measured beside predicted. Idle fraction: the share "
+                 "of the step's pipeline phase a stage waited, median over steps; activations held: the bytes "
+                 "autograd kept for backward at a stage's peak; block activation bytes: what a tensor shard's "
+                 "transformer blocks keep for backward in a step (psarch.activations; measured where "
+                 "backend.measure_activations is on), each counted from the saved tensors.", "",
+                 "## Links", "", links_table(ranked), "", "Sent per link: one rank's link, mean over ranks; by "
+                 "operation: rank 0's, per step.", ""]
     conv = convergence(runs, target_gap)
     if conv:
         initial = (" (the first step's loss less the floor, of a run of that workload from step 0, in lockstep "

@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import typing
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -91,6 +92,11 @@ def __getattr__(name: str) -> Any:   # `from psarch.config import BackendConfig`
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
+def _device_names() -> tuple[str, ...]:
+    from psarch.cluster.device import MEASURED, PROFILES   # its package imports this module
+    return (MEASURED, *PROFILES)
+
+
 @dataclass
 class ClusterConfig:
     """An emulated cluster (a network namespace and a shaped link per node; needs root) and stragglers."""
@@ -104,6 +110,17 @@ class ClusterConfig:
     slowdown: float = _f(1.0, "slow workers' compute time is multiplied by this", min=1.0)
     jitter: float = _f(0.0, "every worker's compute time is multiplied by exp(N(0, jitter)) each step, seeded",
                        min=0.0)
+    device: str = _f("cpu-measured", "the device every worker stands for: 'cpu-measured' computes as this machine "
+                                     "does; a profile's workers compute for real, then wait out the step's modelled "
+                                     "time, FLOPs / (peak TFLOPS x mfu)", choices=_device_names)
+    device_tflops: float = _f(0.0, "a custom device's peak TFLOPS at train.precision, instead of a profile's "
+                                   "(0: cluster.device's)", min=0.0)
+    mfu: float = _f(0.4, "model FLOPs utilisation in (0, 1]: the fraction of the device's peak the workload "
+                         "attains", min=0.0, max=1.0)
+    dilation: float | str = _f("auto", "the emulation runs D times slower than the cluster: links at link_mbps / D, "
+                                       "modelled compute x D, every reported time / D ('auto': the smallest D, with "
+                                       "margin, that this machine's compute and per-message costs fit; 1 without a "
+                                       "modelled device or without emulate)", min=1.0, named=("auto",))
 
     @property
     def server_mbps(self) -> float:
@@ -137,17 +154,26 @@ def _type_name(tp: Any) -> str:
 
 
 def field_type(f: dataclasses.Field) -> type:
-    return f.type if not isinstance(f.type, str) else eval(f.type, globals())  # annotations are postponed
+    """The type a field's values are checked as (a field with named values, `T | str`: T)."""
+    tp = f.type if not isinstance(f.type, str) else eval(f.type, globals())  # annotations are postponed
+    return next(t for t in typing.get_args(tp) if t is not str) if f.metadata.get("named") else tp
+
+
+def _named(f: dataclasses.Field) -> str:
+    """' or "auto"': the words a field takes besides its type's values ('' where none)."""
+    return "".join(f" or {json.dumps(n)}" for n in f.metadata.get("named") or ())
 
 
 def _coerce(key: str, value: Any, f: dataclasses.Field) -> Any:
+    if isinstance(value, str) and value in (f.metadata.get("named") or ()):
+        return value
     tp = field_type(f)
     ok = (isinstance(value, bool) if tp is bool else
           isinstance(value, int) and not isinstance(value, bool) if tp is int else
           isinstance(value, (int, float)) and not isinstance(value, bool) if tp is float else
           isinstance(value, tp))
     if not ok:
-        raise ConfigError(f"{key} = {show(value)}: expected {_type_name(tp)}")
+        raise ConfigError(f"{key} = {show(value)}: expected {_type_name(tp)}{_named(f)}")
     if tp is float:
         value = float(value)
         if not math.isfinite(value):
@@ -327,8 +353,9 @@ def allowed_values(key: str) -> str:
         return " | ".join(json.dumps(c) for c in choices)
     name = {int: "integer", float: "number", str: "string", bool: "true | false", list: "list"}[field_type(f)]
     lo, hi = m.get("min"), m.get("max")
+    words = "".join(f" | {json.dumps(n)}" for n in m.get("named") or ())
     return (f"{name} in [{lo:g}, {hi:g}]" if lo is not None and hi is not None else
-            f"{name} >= {lo:g}" if lo is not None else f"{name} <= {hi:g}" if hi is not None else name)
+            f"{name} >= {lo:g}" if lo is not None else f"{name} <= {hi:g}" if hi is not None else name) + words
 
 
 def describe(cls: type = Config, prefix: str = "") -> list[tuple[str, Any, str]]:

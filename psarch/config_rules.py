@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from psarch import registry
+from psarch.cluster import device
 from psarch.config_files import ConfigError, show
 from psarch.machine import resolve_factory
 
@@ -94,6 +95,7 @@ def _check_cluster(cfg: Config) -> None:
             or len(set(c.slow_workers)) != len(c.slow_workers):
         raise ConfigError(f"cluster.slow_workers = {show(c.slow_workers)}: expected distinct worker ranks "
                           f"in 0..{n - 1} (backend.world_size = {n})")
+    device.check(cfg)   # the virtual device's and dilation's rules
 
 
 def check_capabilities(spec: Any, cfg: Config) -> None:

@@ -8,7 +8,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from psarch import theory
+from psarch import registry, theory
 from psarch.config import Config
 from psarch.estimate_tensor import GPTShape, tensor_report
 
@@ -120,12 +120,25 @@ def _params(x: float) -> str:
     return f"{x / 1e12:.3g}T" if x >= 1e12 else f"{x / 1e9:.4g}B"
 
 
+def backend_rows(phi: float, world: int, precision: str, optimizer: str, options: dict) -> list[str]:
+    """The rows backends add from Φ alone for the command line's options (BackendSpec.estimate_rows)."""
+    rows = [r for spec in registry.specs() for r in spec.estimate_rows(phi, world, precision, optimizer, options)]
+    if not rows:
+        return []
+    out = ["", f"== model parallelism at N = {world}: model states per device, gradient all-reduce per device, "
+               f"idle fraction", f"{'architecture':>40} {'states GB':>10} {'sends GB':>10} {'bubble':>7}"]
+    return out + [f"{r['label']:>40} {_gb(r['states']):>10} {_gb(r['sent']):>10} {r['bubble']:>7.3f}" for r in rows]
+
+
 def report(phi: float, world: int, precision: str = "bf16", optimizer: str = "adamw", servers: int = 1,
            cluster: Cluster | None = None, budget: float = 32e9, measured: tuple[dict, Config] | None = None,
-           compute_from: str | None = None, tensor: tuple[GPTShape, int] | None = None) -> str:
+           compute_from: str | None = None, options: dict | None = None,
+           tensor: tuple[GPTShape, int] | None = None) -> str:
     """Everything `psarch estimate` prints; `measured` is a run's (summary, config), compared with the model
-    at the end; `compute_from` names the run the cluster's compute time was measured in, if any; `tensor`
-    (a GPT's shape, the degree asked for): tensor parallelism's rows (psarch.estimate_tensor)."""
+    at the end; `compute_from` names the run the cluster's compute time was measured in, if any; `options`
+    the backend options asked for on the command line (a pipeline's stages and micro-batches: the rows
+    BackendSpec.estimate_rows adds from Φ alone); `tensor` (a GPT's shape, the degree asked for): tensor
+    parallelism's rows, which need the shape (psarch.estimate_tensor)."""
     c = cluster or Cluster()
     payload = phi * theory.BYTES[precision]
     out = [f"== model states per device, GB (1e9 bytes): Φ = {_params(phi)}, {precision} + {optimizer} "
@@ -148,6 +161,7 @@ def report(phi: float, world: int, precision: str = "bf16", optimizer: str = "ad
         srv = p.server or theory.LinkBytes()
         out.append(f"{label:>16} {_gb(p.worker.sent):>13} {_gb(p.worker.received):>13} "
                    f"{_gb(srv.received):>13} {_gb(srv.sent):>13}")
+    out += backend_rows(phi, world, precision, optimizer, options or {})
     worlds = [2**k for k in range(11)]
     cols = ["1", str(servers), "n"] if servers not in (1,) else ["1", "n"]
     source = f" (measured in {compute_from})" if compute_from else ""

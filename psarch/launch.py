@@ -27,8 +27,10 @@ import torch.distributed as dist
 from psarch import outputs, registry, supervise
 from psarch.backend import BackendSpec
 from psarch.checkpoint import Checkpoint
-from psarch.checkpoint.start import CHECKPOINTS, drop_after, keep_fork_source, provenance, starting_checkpoint
+from psarch.checkpoint.start import (CHECKPOINTS, drop_after, drop_unfinished, keep_fork_source, provenance,
+                                     starting_checkpoint)
 from psarch.cluster import Placement, place
+from psarch.cluster.dilation import resolve as resolve_dilation
 from psarch.cluster.window import StepMarks
 from psarch.config import Config, ConfigError, check_machine, from_dict
 from psarch.dist import abandon_group, init_rank, shutdown, under_torchrun
@@ -37,7 +39,7 @@ from psarch.lifecycle import die_with_parent, leave
 from psarch.records import RankRecord, ServiceInfo
 from psarch.runner import run_rank
 from psarch.trainer import Services
-from psarch.workload import Workload, build_workload
+from psarch.workload import Workload, build_workload, shared_data
 
 
 def run(cfg: Config, out: str | Path | None = None, echo: bool = True, resume: bool = False,
@@ -59,7 +61,9 @@ def run(cfg: Config, out: str | Path | None = None, echo: bool = True, resume: b
                           f"(train.checkpoint_every, --resume, --from)")
     ckpt = starting_checkpoint(cfg, out_dir, resume, start, pick)  # verified before anything is written or started
     cfg, begin = _started(cfg, ckpt, out_dir, resume, pick, echo)
-    job = RankJob(cfg.to_dict(), str(out_dir), echo and progress,
+    # cluster.dilation "auto": D picked once, here, for every rank and link (config.json keeps what was asked)
+    ranks_cfg = resolve_dilation(cfg, echo, _threads(cfg.backend.world_size))
+    job = RankJob(ranks_cfg.to_dict(), str(out_dir), echo and progress,
                   out_dir / CHECKPOINTS if cfg.train.checkpoint_every else None, begin, resume, registry.plugins())
     if under_torchrun():
         return _torchrun_rank(cfg, spec, job, echo)
@@ -68,13 +72,14 @@ def run(cfg: Config, out: str | Path | None = None, echo: bool = True, resume: b
     workload = build_workload(cfg) if cfg.workload.factory else None
     outputs.prepare(out_dir, cfg, keep_checkpoints=resume)   # a fork must not keep an older run's
     try:
-        with place(cfg) as where:   # loopback, or each process on its node of an emulated cluster
+        with place(ranks_cfg) as where:   # loopback, or each process on its node of an emulated cluster
             with _services(spec, cfg, out_dir, where, job.start) as services:
                 job.info = services.info.to_dict() if services is not None else {}
                 if cfg.backend.world_size == 1:
                     _in_process(job, spec, where, workload)
                 else:
-                    _spawn(job, spec, where, services)
+                    with shared_data(cfg, out_dir / ".shared_data"):   # built here once, mapped by every rank
+                        _spawn(job, spec, where, services)
                 extra = dict(services.finish()) if services is not None else {}
             cluster = where.report()
     except BaseException as e:  # failed or interrupted (Ctrl-C, SIGTERM): keep the finished steps, say why
@@ -87,10 +92,12 @@ def run(cfg: Config, out: str | Path | None = None, echo: bool = True, resume: b
 def _started(cfg: Config, ckpt: Checkpoint | None, out: Path, resume: bool, pick: str | None, echo: bool
              ) -> tuple[Config, Path | None]:
     """The config a run records (a fork's started_from; a resumed run keeps the one its checkpoint holds) and
-    the checkpoint folder it starts from. The run folder is tidied: a resume from an earlier checkpoint
-    (--checkpoint) removes the later ones (rank 0), a fork keeps a source that lies in the folder it replaces."""
+    the checkpoint folder it starts from. The run folder is tidied (rank 0): a resume removes unfinished
+    checkpoint folders, and, from an earlier checkpoint (--checkpoint), the later ones; a fork keeps a source that lies in the folder it replaces."""
     first = os.environ.get("RANK", "0") == "0"
     if resume:
+        if first:
+            drop_unfinished(out)
         dropped = drop_after(out, ckpt.step) if pick is not None and first else []
         if dropped and echo:
             print(f"psarch: resuming from {ckpt.path.name}: removed the later checkpoints {', '.join(dropped)}",

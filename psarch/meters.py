@@ -6,11 +6,11 @@ import sys
 import threading
 import time
 from contextlib import contextmanager
-from typing import Callable, Iterable, Iterator
+from typing import Any, Callable, Iterable, Iterator
 
 import torch
 
-from psarch.trainer import OpTraffic, TrafficReport
+from psarch.trainer import MemoryReport, OpTraffic, TrafficReport
 
 
 class TrafficMeter:
@@ -128,6 +128,21 @@ def local_state_bytes(params: Iterable[torch.Tensor], opt: torch.optim.Optimizer
     state = [local(v) for s in opt.state.values() for v in s.values() if torch.is_tensor(v)]
     return (tensor_bytes(local(p) for p in params), tensor_bytes(local(p.grad) for p in params),
             tensor_bytes(state))
+
+
+def flat_memory(device: torch.device, flat: Any, optimizer: int) -> MemoryReport:
+    """Model states of a rank that holds one flat parameter vector and its flat gradient (psarch.flat.FlatParams)
+    and `optimizer` bytes of optimizer state; with the process's peak memory."""
+    peak, kind = peak_memory(device)
+    return MemoryReport(params=tensor_bytes([flat.data]), grads=tensor_bytes([flat.grad]), optimizer=optimizer,
+                        peak=peak, peak_kind=kind)
+
+
+def torch_memory(device: torch.device, params: Iterable[torch.Tensor], opt: torch.optim.Optimizer) -> MemoryReport:
+    """Model states of a rank stepping (possibly DTensor) parameters with a torch optimizer: the torch peers."""
+    peak, kind = peak_memory(device)
+    params, grads, optimizer = local_state_bytes(params, opt)
+    return MemoryReport(params=params, grads=grads, optimizer=optimizer, peak=peak, peak_kind=kind)
 
 
 def optimizer_state_bytes(opt: torch.optim.Optimizer) -> int:

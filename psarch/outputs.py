@@ -10,6 +10,7 @@ from typing import Any
 import torch
 
 from psarch import registry, theory, throughput
+from psarch.cluster import device
 from psarch.config import Config
 from psarch.records import RankRecord, StepRecord
 from psarch.runner import warmup_steps
@@ -166,6 +167,9 @@ def finalize(out: Path, cfg: Config, extra: dict[str, Any] | None = None, echo: 
                 summary[k].update(v)
             else:
                 summary[k] = v
+    vd = device.summary(cfg, records, {r["step"] for r in rows[w:]})
+    if vd is not None:   # a virtual device: its FLOPs, D, overrun steps (before theory, which reads them)
+        summary["virtual_device"] = vd
     if summary.get("cluster", {}).get("emulated"):
         summary["cluster"]["step_time"] = theory.cluster_step(cfg, summary)
     (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
@@ -174,6 +178,15 @@ def finalize(out: Path, cfg: Config, extra: dict[str, Any] | None = None, echo: 
     if echo:
         print(text, end="", flush=True)
     return summary
+
+
+def predicted_for_rank(predicted: dict[str, Any], rank: int) -> tuple[dict[str, float], float]:
+    """(memory by category, bytes sent per step) theory predicts for rank `rank`: its own where ranks differ
+    (Prediction.per_rank), else every rank's."""
+    per = predicted.get("per_rank")
+    if per and rank < len(per):
+        return per[rank]["memory"], per[rank]["sent"]
+    return predicted["memory_per_rank"], predicted["traffic_per_step"]["worker_sent"]
 
 
 def report(s: dict[str, Any]) -> str:
@@ -199,14 +212,14 @@ def report(s: dict[str, Any]) -> str:
         + "".join(f" {head:>11}" for _, head in optional)
         + f" {'peak':>11}  {'sent/step':>11} {'predicted':>11}",
     ]
-    pm, pt = p["memory_per_rank"], p["traffic_per_step"]
-    for m, t in zip(per_rank, s["traffic"]["per_rank"]):
+    for i, (m, t) in enumerate(zip(per_rank, s["traffic"]["per_rank"])):
+        pm, sent = predicted_for_rank(p, i)
         modelled = " (modelled)" if t.get("modelled") else ""
         lines.append(f"{m['rank']:>4}  {fmt_bytes(m['params']):>11} {fmt_bytes(m['grads']):>11} {fmt_bytes(m['optimizer']):>11} "
                      f"{fmt_bytes(m['total']):>11} {fmt_bytes(pm['total']):>11}"
                      + "".join(f" {fmt_bytes(m.get(k, 0)):>11}" for k, _ in optional)
                      + f" {fmt_bytes(m.get('peak')):>11}  "
-                     f"{fmt_bytes(t['sent_per_step']):>11} {fmt_bytes(pt['worker_sent']):>11}{modelled}")
+                     f"{fmt_bytes(t['sent_per_step']):>11} {fmt_bytes(sent):>11}{modelled}")
     mem = {m.get("server"): m for m in s.get("memory", {}).get("servers") or []}
     for srv in s.get("traffic", {}).get("servers", []) or []:
         held = mem.get(srv.get("server"), {}).get("total")
@@ -231,4 +244,6 @@ def report(s: dict[str, Any]) -> str:
         for n in c["nodes"]:
             lines.append(f"  {n['role']} {n.get('rank', n.get('server'))} ({n['address']}, {n['link_mbps']:g} Mbit/s): "
                          f"link sent {fmt_bytes(n['link_sent'])}, received {fmt_bytes(n['link_received'])} over {over}")
+    if s.get("virtual_device"):
+        lines += device.report_lines(s["virtual_device"], s.get("cluster", {}).get("alpha_s"))
     return "\n".join(lines) + "\n"

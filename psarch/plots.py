@@ -11,8 +11,8 @@ from matplotlib.patches import Patch
 
 from psarch import curves
 from psarch.plot_style import Palette, legend_below, save
-from psarch.runs import (predicted_system_memory, server_memory, server_received_per_step, system_memory,
-                         worker_sent_per_step)
+from psarch.runs import (predicted_rank0_memory, predicted_system_memory, predicted_worker_sent, server_memory,
+                         server_received_per_step, system_memory, worker_sent_per_step)
 from psarch.throughput import LOCKSTEP, OWN_PACE
 from psarch.units import fmt_bytes
 
@@ -78,8 +78,8 @@ def memory_figure(runs: list[dict[str, Any]], palette: Palette) -> Any:
         for cat, hatch in CATEGORIES:
             worker_ax.barh(y, m.get(cat, 0) / MIB, left=left, color=colour, hatch=hatch, edgecolor="white")
             left += m.get(cat, 0) / MIB
-        _formula(worker_ax, y, p["memory_per_rank"]["total"] / MIB, y == 0)
-        ends[id(worker_ax)] += [left, p["memory_per_rank"]["total"] / MIB]
+        _formula(worker_ax, y, predicted_rank0_memory(s) / MIB, y == 0)
+        ends[id(worker_ax)] += [left, predicted_rank0_memory(s) / MIB]
         servers = server_memory(s)
         if has_servers and servers:
             axes[1].barh(y, sum(servers) / len(servers) / MIB, color=colour)
@@ -112,7 +112,7 @@ def traffic_figure(runs: list[dict[str, Any]], palette: Palette) -> Any:
     written beside it; a log axis where the bars span orders of magnitude."""
     has_servers = any(server_received_per_step(r["summary"]) is not None for r in runs)
     fig, axes = _bars(runs, 2 if has_servers else 1)
-    panels = [[(worker_sent_per_step(r["summary"]), r["summary"]["predicted"]["traffic_per_step"]["worker_sent"])
+    panels = [[(worker_sent_per_step(r["summary"]), predicted_worker_sent(r["summary"]))
                for r in runs]]
     if has_servers:
         panels.append([(server_received_per_step(r["summary"]),

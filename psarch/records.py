@@ -24,6 +24,10 @@ class StepRecord(TypedDict):
     loss_scale: float | None
     extra: dict[str, Any]        # the backend's own figures (StepStats.extra), never a core column
     slept_s: NotRequired[float]  # a straggler's sleep this step (psarch/cluster/stragglers.py)
+    modelled_s: NotRequired[float]   # a virtual device's modelled compute this step, cluster time (psarch/cluster/pacing.py)
+    overrun: NotRequired[bool]       # its real compute overran the modelled time: the host set the step's time
+    host_s: NotRequired[float]       # this machine's real compute beside it (cluster time: wall / D)
+    late_s: NotRequired[float]       # by how much its forward and backward ended after their modelled ends
 
 
 @dataclass
@@ -41,6 +45,7 @@ class RankRecord:
     params: int                          # parameter count Φ, before the backend sharded the model
     workload: str
     model_state: dict[str, torch.Tensor] | None = field(default=None, repr=False)   # rank 0: the model
+    virtual_device: dict[str, Any] | None = None   # a virtual device's FLOPs and nominal times (VirtualDevice.facts)
 
     def to_json(self) -> dict[str, Any]:
         """Everything but the model (saved apart, as model.pt): JSON-able."""

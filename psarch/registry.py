@@ -19,11 +19,13 @@ BUILTIN = (
     "collective.spec:DDP",
     "zero.spec:ZERO",
     "psarch.ps.spec:PS",
+    "collective.pipeline.spec:PIPELINE",
     "collective.tensor.spec:TENSOR",
     # PyTorch's own implementations, run by the same runner: the peers for parity and benchmarks
     "collective.spec:TORCH_DDP",
     "zero.spec:TORCH_ZERO",
     "zero.spec:TORCH_FSDP",
+    "collective.pipeline.spec:TORCH_PIPELINE",
     "collective.tensor.spec:TORCH_TENSOR",
 )
 ENTRY_POINTS = "psarch.backends"

@@ -11,7 +11,10 @@ import torch
 
 from psarch import checkpoint, registry, throughput
 from psarch import trainer as contract
-from psarch.cluster.stragglers import Straggler, slowed, straggler
+from psarch.cluster.device import dilation
+from psarch.cluster.call_pacing import CallDevice
+from psarch.cluster.pacing import VirtualDevice
+from psarch.cluster.stragglers import Straggler, pacer, slowed
 from psarch.cluster.window import StepMarks
 from psarch.config import Config
 from psarch.dist import DistContext
@@ -50,7 +53,7 @@ class StepLoop:
     on a GPU). Benchmarks drive trainers through it too, so their step times mean the same."""
 
     def __init__(self, trainer: Trainer, workload: Workload, cfg: Config, ctx: DistContext) -> None:
-        self.trainer, self.workload, self.ctx = trainer, workload, ctx
+        self.trainer, self.workload, self.ctx, self.cfg = trainer, workload, ctx, cfg
         self.cast = None if cfg.train.precision == "fp32" else compute_dtype(cfg.train.precision)
         self.sync = ctx.device.type == "cuda"
         self.shard = registry.spec_of(cfg).batch_shard(cfg, ctx.rank, ctx.world_size)
@@ -82,8 +85,9 @@ def run_rank(cfg: Config, ctx: DistContext, workload: Workload | None = None, ec
     `metrics`, the carried records and then each step's record as the step completes are also appended
     there, so a run that fails or is interrupted keeps every finished step. `marks` (an emulated cluster's):
     reached right before the first step and right after the last, where the launcher reads the links' counters."""
-    slow = straggler(cfg, ctx.rank)   # cluster.slow_workers / jitter: the backend never knows
-    workload = slowed(workload or build_workload(cfg), slow)
+    workload = workload or build_workload(cfg)
+    slow = pacer(cfg, ctx.rank, workload)   # a virtual device, slow_workers, jitter: the backend never knows
+    workload = slowed(workload, slow)
     params = sum(p.numel() for p in workload.model.parameters())  # before a backend shards the model
     ckpt = checkpoint.Checkpoint(start) if start is not None else None
     if ckpt is not None:  # the launcher verified sizes and checksums; check the model before building
@@ -112,20 +116,24 @@ def run_rank(cfg: Config, ctx: DistContext, workload: Workload | None = None, ec
         state = trainer.full_state_dict()   # a collective call: before the figures, which then include it
         record = RankRecord(ctx.rank, records, trainer.memory().to_dict(), trainer.traffic().to_dict(),
                             trainer.summary_extra(), str(ctx.device), ctx.dist_backend, workload.entropy_floor,
-                            params, workload.name, state if ctx.rank == 0 else None)
+                            params, workload.name, state if ctx.rank == 0 else None,
+                            virtual_device=slow.facts() if isinstance(slow, (VirtualDevice, CallDevice)) else None)
     finally:
         if stream is not None:
             stream.close()
         trainer.close()
+        if slow is not None:
+            slow.close()
     return record
 
 
 def _steps(loop: StepLoop, steps: range, records: list[StepRecord], stream: TextIO | None,
-           slow: Straggler | None, marks: StepMarks | None, log: "_Progress",
+           slow: Straggler | VirtualDevice | CallDevice | None, marks: StepMarks | None, log: "_Progress",
            save: Callable[[int, list[StepRecord]], None]) -> None:
     """The step loop: each step's record appended (and streamed) before its loss is checked, so the
-    metrics keep a bad step; progress lines and checkpoints between steps."""
-    trainer, rank = loop.trainer, loop.ctx.rank
+    metrics keep a bad step; progress lines and checkpoints between steps. Times are the cluster's: the
+    wall clock / cluster.dilation (1 but on an emulated cluster of virtual devices)."""
+    trainer, rank, d = loop.trainer, loop.ctx.rank, dilation(loop.cfg)
     last = trainer.traffic()  # set-up traffic (e.g. the initial broadcast) is not any step's
     if marks is not None:
         marks.reached()
@@ -135,11 +143,11 @@ def _steps(loop: StepLoop, steps: range, records: list[StepRecord], stream: Text
             slow.step = step
         stats, dt = loop.step(batch)
         tr = trainer.traffic()
-        record = StepRecord(step=step, rank=rank, loss=stats.loss, step_time_s=dt, comm_s=stats.comm_s,
+        record = StepRecord(step=step, rank=rank, loss=stats.loss, step_time_s=dt / d, comm_s=stats.comm_s / d,
                             sent=tr.sent - last.sent, received=tr.received - last.received, skipped=stats.skipped,
                             loss_scale=stats.loss_scale, extra=stats.extra)
         if slow is not None:
-            record["slept_s"] = slow.slept_s
+            record.update(slow.fields())
         records.append(record)
         last = tr
         if stream is not None:

@@ -98,6 +98,21 @@ def worker_sent_per_step(summary: dict[str, Any]) -> float:
     return sum(t["sent_per_step"] for t in tr) / len(tr)
 
 
+def predicted_worker_sent(summary: dict[str, Any]) -> float:
+    """Theory's bytes one worker sends per step, as worker_sent_per_step measures them: the mean over the
+    ranks where ranks differ (Prediction.per_rank), else every worker's."""
+    p = summary["predicted"]
+    if p.get("per_rank"):
+        return sum(r["sent"] for r in p["per_rank"]) / len(p["per_rank"])
+    return p["traffic_per_step"]["worker_sent"]
+
+
+def predicted_rank0_memory(summary: dict[str, Any]) -> float:
+    """Theory's model-state bytes of rank 0 (its own where ranks differ)."""
+    p = summary["predicted"]
+    return p["per_rank"][0]["memory"]["total"] if p.get("per_rank") else p["memory_per_rank"]["total"]
+
+
 def server_received_per_step(summary: dict[str, Any]) -> float | None:
     """Bytes one PS server received per step: the servers' run totals (set-up included), mean over
     servers, divided by the steps; None without servers."""
@@ -121,7 +136,9 @@ def predicted_system_memory(summary: dict[str, Any]) -> float:
     """Theory's model-state bytes of the whole system: N workers' plus the servers'."""
     p = summary["predicted"]
     servers = summary.get("servers") or 0
-    return summary["world_size"] * p["memory_per_rank"]["total"] + servers * (p.get("server_memory") or 0.0)
+    workers = sum(r["memory"]["total"] for r in p["per_rank"]) if p.get("per_rank") else \
+        summary["world_size"] * p["memory_per_rank"]["total"]
+    return workers + servers * (p.get("server_memory") or 0.0)
 
 
 def workload_of(run: dict[str, Any]) -> str:

@@ -9,7 +9,7 @@ from psarch.checkpoint.fragments import Pieces, master_fragments, restore_optimi
 from psarch.config import Config
 from psarch.dist import DistContext
 from psarch.flat import FlatParams, flat_layout
-from psarch.meters import TrafficMeter, peak_memory, tensor_bytes
+from psarch.meters import TrafficMeter, flat_memory
 from psarch.precision import MixedPrecisionOptimizer, compute_dtype
 from psarch.backend import BackendSpec
 from psarch.theory import Prediction, ring_passes, sharded_memory
@@ -56,9 +56,7 @@ class SingleTrainer(Trainer):
         restore_optimizer(self.optim, ckpt, self._fragments)
 
     def memory(self) -> MemoryReport:
-        peak, kind = peak_memory(self.ctx.device)
-        return MemoryReport(params=tensor_bytes([self.flat.data]), grads=tensor_bytes([self.flat.grad]),
-                            optimizer=self.optim.state_bytes(), peak=peak, peak_kind=kind)
+        return flat_memory(self.ctx.device, self.flat, self.optim.state_bytes())
 
     def traffic(self) -> TrafficReport:
         return TrafficMeter().report()

@@ -27,8 +27,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from psarch.config import (ConfigError, applies, applies_to, check_machine, explicit_keys, load_config, parse_override,
-                           top_table)
+from psarch.config import (Config, ConfigError, applies, applies_to, check_machine, explicit_keys, load_config,
+                           parse_override, top_table)
 from psarch.outputs import run_folder
 
 ALIASES = {"backend": "backend.kind"}
@@ -172,6 +172,37 @@ def _bar(done: int, total: int, width: int = 24) -> str:
     return "[" + "#" * filled + "." * (width - filled) + f"] {done}/{total}"
 
 
+def _refuse_before_starting(points: list[Point], start: str | Path | None) -> None:
+    """As for a single run, a config error (or an unreadable --from) stops the sweep before any process
+    starts: one line, not one failed point each."""
+    bad = [p for p in points if p.error]
+    if bad:
+        more = f" (and {len(bad) - 1} more points with config errors)" if len(bad) > 1 else ""
+        raise ConfigError(f"sweep point {bad[0].name}: {bad[0].error}{more}")
+    if start is not None:
+        from psarch.checkpoint import Checkpoint, CheckpointError
+        try:
+            Checkpoint(start).verify()
+        except CheckpointError as e:
+            raise ConfigError(f"--from: {e}") from None
+
+
+def _run_point(p: Point, cfg: Config, root: Path, echo: bool, start: str | Path | None, progress: bool) -> None:
+    """Run one point into root/<name>, recording its status; a failure is kept (traceback in <name>.error)
+    and does not stop the other points."""
+    from psarch.launch import run
+
+    t0 = time.perf_counter()
+    try:
+        p.summary = run(cfg, root / p.name, echo=echo, machine_checked=True, start=start,   # expand checked it
+                        progress=progress)
+        p.status, p.detail = "done", f"{time.perf_counter() - t0:.1f} s"
+    except Exception as e:
+        p.status = "failed"
+        p.detail = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+        (root / f"{p.name}.error").write_text(traceback.format_exc())
+
+
 def run_sweep(path: str | Path, sweep: dict[str, Any], overrides: list[str] | None = None,
               out: str | Path | None = None, rerun: bool = False, echo: bool = True,
               start: str | Path | None = None, progress: bool = True) -> list[Point]:
@@ -179,21 +210,11 @@ def run_sweep(path: str | Path, sweep: dict[str, Any], overrides: list[str] | No
     `start` (--from), every point forks that checkpoint and runs (a finished point does not record its start).
     echo: print the sweep's lines and each point's summary; progress: also each point's progress lines."""
     from psarch.compare import compare
-    from psarch.launch import run
 
     base = load_config(path, overrides)
     root = run_folder(base, out)
     points = expand(path, sweep, overrides)
-    bad = [p for p in points if p.error]
-    if bad:  # as for a single run: a config error stops everything before any process starts
-        more = f" (and {len(bad) - 1} more points with config errors)" if len(bad) > 1 else ""
-        raise ConfigError(f"sweep point {bad[0].name}: {bad[0].error}{more}")
-    if start is not None:   # one line now, not one failed point each
-        from psarch.checkpoint import Checkpoint, CheckpointError
-        try:
-            Checkpoint(start).verify()
-        except CheckpointError as e:
-            raise ConfigError(f"--from: {e}") from None
+    _refuse_before_starting(points, start)
     root.mkdir(parents=True, exist_ok=True)
     if echo:
         for note in narrowed(sweep, overrides)[1]:
@@ -213,15 +234,7 @@ def run_sweep(path: str | Path, sweep: dict[str, Any], overrides: list[str] | No
         else:
             if echo and stale not in ("no run yet", "forks --from"):
                 print(f"point {p.name}: running it again: {stale}", flush=True)
-            t0 = time.perf_counter()
-            try:
-                p.summary = run(cfg, folder, echo=echo, machine_checked=True, start=start,   # expand checked it
-                                progress=progress)
-                p.status, p.detail = "done", f"{time.perf_counter() - t0:.1f} s"
-            except Exception as e:  # one failed point must not stop the others
-                p.status = "failed"
-                p.detail = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
-                (root / f"{p.name}.error").write_text(traceback.format_exc())
+            _run_point(p, cfg, root, echo=echo, start=start, progress=progress)
         if echo:
             print(f"{_bar(i + 1, len(points))}  point {p.name}: {p.status} ({p.detail})", flush=True)
     (root / "sweep.json").write_text(json.dumps(

@@ -6,7 +6,7 @@ figure (`outputs`, `compare`, `estimate`) calls `predict`; nothing patches its r
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from psarch import registry
@@ -56,9 +56,26 @@ class LinkLoad:
 
 
 @dataclass
+class RankPrediction:
+    """What theory says of one rank of a model-parallel run: its model states, its link per step, and the
+    backend's own figures, each measured under the same name in summary.json's `extra` (a pipeline stage's
+    idle fraction and activations held, a tensor shard's blocks' activation bytes)."""
+
+    memory: MemoryPrediction
+    link: LinkBytes
+    figures: dict[str, float] = field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"memory": self.memory.to_dict(), "sent": self.link.sent, "received": self.link.received,
+                **self.figures}
+
+
+@dataclass
 class Prediction:
     """Everything theory says about one run. `worker` and `server` are what one worker's and one PS server's
-    meters count per step; on a cluster each is also its own node's link, unless `links` says otherwise."""
+    meters count per step; on a cluster each is also its own node's link, unless `links` says otherwise.
+    Model-parallel backends fill `per_rank`, what each rank holds and sends and their own per-rank figures
+    (`memory_per_rank` is then the fullest rank's and `worker` the busiest link's)."""
 
     memory_per_rank: MemoryPrediction   # model states one worker holds
     worker: LinkBytes                   # one worker's link, per step
@@ -69,9 +86,7 @@ class Prediction:
     # with servers: the links whose load sets the exchange's time, by phase, where processes share a node (a
     # server beside a worker); None: each worker's and each server's own (two_phase_links)
     links: list[LinkLoad] | None = None
-    # bytes of activations one worker's transformer blocks keep for backward in a step, where the backend
-    # predicts them (psarch.activations); a run measures them with backend.measure_activations
-    activations: float | None = None
+    per_rank: list[RankPrediction] | None = None
 
     def to_dict(self) -> dict:
         """The `predicted` entry of summary.json."""
@@ -82,8 +97,8 @@ class Prediction:
                "rounds_per_step": self.rounds, "messages_per_step": self.messages}
         if self.server_memory is not None:
             out["server_memory"] = self.server_memory
-        if self.activations is not None:
-            out["block_activations_per_rank"] = self.activations
+        if self.per_rank is not None:
+            out["per_rank"] = [r.to_dict() for r in self.per_rank]
         return out
 
 
@@ -179,18 +194,21 @@ def exchange_time(links: list[LinkLoad], worker_rate: float, server_rate: float,
 
 def cluster_step_time(p: Prediction, compute_s: float, link_mbps: float, server_mbps: float,
                       alpha_s: float = 0.0, buckets: int = 1, overlap: bool = False,
-                      hidden_passes: int = 0, pipeline: int = 1, hides: float = 2 / 3) -> dict[str, float]:
-    """Step time on an emulated cluster: measured compute plus the bytes `p` puts on each link at its rate
-    (with WIRE_OVERHEAD), plus α per message in sequence (α-β model). server_mbps: a PS server's link
-    (ClusterConfig.server_mbps); collectives ignore it.
+                      hidden_passes: int = 0, pipeline: int = 1, forward_hides: bool = False,
+                      backward_s: float | None = None) -> dict[str, float]:
+    """Step time on an emulated cluster: compute (measured, or a virtual device's modelled) plus the bytes
+    `p` puts on each link at its rate (with WIRE_OVERHEAD), plus α per message in sequence (α-β model).
+    server_mbps: a PS server's link (ClusterConfig.server_mbps); collectives ignore it.
 
     Collectives: every rank sends and receives its volume at once (full duplex). PS: a push then a pull over
     the links (`exchange_time`; pipelined over `pipeline` partitions per server). Overlap (DDP/ZeRO with
-    overlap_comm and several buckets, a PS pushing several partitions from backward): only what the compute it
-    overlaps (`hides` of it: backward, taken as 2/3; with a PS's priority also the next forward) cannot hide
-    waits, at least one bucket's share. hidden_passes: ring passes already
-    inside the measured compute (ZeRO-3's forward and backward all-gathers block there, where the comm wait
-    does not see them)."""
+    overlap_comm and B buckets, a PS pushing B partitions from backward's hooks): buckets of equal size, ready
+    at equal steps through backward (`backward_s`; unknown: 2/3 of compute), on one link: after backward there
+    waits the last bucket's share, or, where the link is the bound, all of it less what backward hides after
+    the first bucket is ready, max(comm / B, comm - backward (B - 1) / B); forward_hides (a PS's priority:
+    the next forward's first parameters come first) hides it behind the rest of the compute too.
+    hidden_passes: ring passes already inside the measured compute (ZeRO-3's forward and backward
+    all-gathers block there, where the comm wait does not see them)."""
     worker_rate = link_mbps * 1e6 / 8 / WIRE_OVERHEAD   # payload bytes/s
     if not p.worker.sent and not p.worker.received:
         return {"compute_s": compute_s, "comm_s": 0.0, "step_time_s": compute_s}
@@ -201,7 +219,9 @@ def cluster_step_time(p: Prediction, compute_s: float, link_mbps: float, server_
     else:
         shown = (p.rounds - hidden_passes) / p.rounds
         comm = shown * (p.worker.sent / worker_rate + p.messages * alpha_s)
-    exposed = max(comm - hides * compute_s, comm / buckets) if overlap and buckets > 1 else comm
+    backward = 2 / 3 * compute_s if backward_s is None else backward_s
+    hiding = backward * (buckets - 1) / buckets + (max(0.0, compute_s - backward) if forward_hides else 0.0)
+    exposed = max(comm - hiding, comm / buckets) if overlap and buckets > 1 else comm
     return {"compute_s": compute_s, "comm_s": exposed, "step_time_s": compute_s + exposed}
 
 
@@ -211,13 +231,22 @@ def buckets_of(bytes_reduced: float, cap_bytes: float) -> int:
 
 
 def cluster_step(cfg: Config, summary: dict[str, Any]) -> dict[str, float]:
-    """Measured | predicted step time of a finished run on the emulated cluster: compute (the measured step
-    less its communication wait) plus the α-β time of the bytes each link carries (cluster_step_time), with
-    the backend's own model of how its communication meets its compute (BackendSpec.comm_model)."""
-    compute = summary["step_time_s"] - (summary.get("comm_s") or 0.0)
+    """Measured | predicted step time of a finished run on the emulated cluster: compute plus the α-β time of
+    the bytes each link carries (cluster_step_time), with the backend's own model of how its communication
+    meets its compute (BackendSpec.comm_model), the compute stretched by the share its ranks wait by design (a
+    pipeline's bubble, CommModel.idle_fraction). Compute is a virtual device's modelled forward and backward
+    (summary's virtual_device: cluster time, α / D, nothing of the communication inside it), else the
+    measured step less its communication wait."""
     m = registry.spec_of(cfg).comm_model(cfg, summary["params"], summary.get("extra") or {})
-    pred = cluster_step_time(predict(cfg, summary["params"]), compute, cfg.cluster.link_mbps,
-                             cfg.cluster.server_mbps, summary["cluster"]["alpha_s"], m.buckets, m.overlap,
-                             m.hidden_passes, m.pipeline, m.hides)
+    vd, alpha, hidden, backward = summary.get("virtual_device"), summary["cluster"]["alpha_s"], m.hidden_passes, None
+    if vd is not None and vd.get("compute_s") is not None:
+        compute, alpha, hidden = vd["compute_s"], alpha / vd["dilation"], 0
+        backward = compute * vd["backward_s"] / (vd["forward_s"] + vd["backward_s"])
+    else:
+        compute = summary["step_time_s"] - (summary.get("comm_s") or 0.0)
+    # a rank that waits by design (the bubble) computes `compute` in a phase 1 / (1 - idle) as long
+    pred = cluster_step_time(predict(cfg, summary["params"]), compute / (1.0 - m.idle_fraction), cfg.cluster.link_mbps,
+                             cfg.cluster.server_mbps, alpha, m.buckets, m.overlap, hidden, m.pipeline,
+                             m.forward_hides, backward)
     return {"measured_s": summary["step_time_s"], "predicted_s": pred["step_time_s"],
             "compute_s": compute, "predicted_comm_s": pred["comm_s"]}

@@ -4,6 +4,7 @@ from __future__ import annotations
 import contextlib
 import inspect
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Callable
 
 import torch
@@ -12,7 +13,7 @@ from torch import nn
 
 from psarch import registry
 from psarch.config import Config, ConfigError, resolve_factory
-from psarch.data import ClickSource, MarkovSource, TextSource, shard_batch, step_generator
+from psarch.data import ClickSource, MarkovSource, TextSource, clicks_hidden, shard_batch, step_generator
 from psarch.models import DLRM, GPT, MLP
 from psarch.models.dlrm import click_loss
 
@@ -75,6 +76,15 @@ def _click_workload(cfg: Config, device: str | None) -> Workload:
         return shard_batch(source.sample(global_batch, step_generator(seed, step)), shard, num_shards)
 
     return Workload(model, click_loss, batch, source.entropy_rate, "dlrm/clicks")
+
+
+def shared_data(cfg: Config, folder: Path) -> contextlib.AbstractContextManager:
+    """Within: the ranks a launcher starts map what its data source would make each of them build (the clicks
+    source's hidden model, psarch/data/clicks_hidden.py), written once into `folder`."""
+    w = cfg.workload
+    if w.factory or w.model != "dlrm" or cfg.backend.world_size == 1:
+        return contextlib.nullcontext()
+    return clicks_hidden.shared(folder, w.dlrm.num_tables, w.dlrm.rows, w.clicks.dense, cfg.seed)
 
 
 def click_model(cfg: Config, device: str | None = None) -> DLRM:

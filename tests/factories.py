@@ -214,7 +214,9 @@ def hangs_at_step(cfg) -> psarch.Workload:
     """Regression that a test can SIGKILL at a known point: where $PSARCH_TEST_HANG_AT names a step, each rank
     writes its pid to $PSARCH_TEST_MARKER + its shard index and sleeps there (between checkpoints); where
     $PSARCH_TEST_HANG_IN_CHECKPOINT names a step, each rank does so inside that checkpoint's write, after its
-    data file and before the folder is complete."""
+    data file and before the folder is complete; where $PSARCH_TEST_HANG_SERVER_IN_CHECKPOINT names a step, each PS
+    server does so (marker: $PSARCH_TEST_MARKER + "s" + its index) once it has written its part of that checkpoint,
+    before it acks the workers' `save`."""
     import os
     import time
 
@@ -223,8 +225,9 @@ def hangs_at_step(cfg) -> psarch.Workload:
     wl = regression(cfg)
     hang = int(os.environ.get("PSARCH_TEST_HANG_AT", "-1"))
     in_checkpoint = int(os.environ.get("PSARCH_TEST_HANG_IN_CHECKPOINT", "-1"))
+    server_in_checkpoint = int(os.environ.get("PSARCH_TEST_HANG_SERVER_IN_CHECKPOINT", "-1"))
 
-    def stop_here(shard: int) -> None:
+    def stop_here(shard: int | str) -> None:
         marker = os.environ["PSARCH_TEST_MARKER"] + str(shard)
         with open(marker + ".tmp", "w") as f:
             f.write(str(os.getpid()))
@@ -244,6 +247,16 @@ def hangs_at_step(cfg) -> psarch.Workload:
             if folder.name.endswith(writer.step_dir(folder.parent, in_checkpoint).name):   # under its temporary name
                 stop_here(int(part.removeprefix("rank")))
         writer.write_part = slow_write
+
+    if server_in_checkpoint >= 0:   # (servers build the workload too: this runs in their processes)
+        from psarch.ps.server import snapshots
+        server_write = snapshots.write_part
+
+        def stalled_write(pieces, folder, part, *args):
+            server_write(pieces, folder, part, *args)
+            if folder.name.endswith(writer.step_dir(folder.parent, server_in_checkpoint).name):
+                stop_here("s" + part.removeprefix("server"))
+        snapshots.write_part = stalled_write
 
     return psarch.Workload(wl.model, wl.loss_fn, batch, wl.entropy_floor, "hangs")
 

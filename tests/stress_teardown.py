@@ -123,6 +123,9 @@ def stress(backend: str, runs: int, root: Path) -> Tally:
             elif error is not None:
                 tally.failures.append(error)
         shutil.rmtree(out, ignore_errors=True)
+        if (i + 1) % 25 == 0 and i + 1 < runs:   # a partial tally, so a long stress that is cut off still says
+            tally.seconds = time.monotonic() - start
+            print(f"  so far: {tally.line()}", flush=True)
     tally.seconds = time.monotonic() - start
     return tally
 

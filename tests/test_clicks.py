@@ -4,6 +4,7 @@ world size."""
 from __future__ import annotations
 
 import math
+import os
 
 import numpy as np
 import pytest
@@ -11,11 +12,11 @@ import torch
 import torch.nn.functional as F
 
 from psarch.config import ConfigError, from_dict
-from psarch.data import ClickSource, step_generator
+from psarch.data import ClickSource, clicks_hidden, step_generator
 from psarch.data.clicks import DENSE_STD, ZipfSampler
 from psarch.models import DLRM
 from psarch.optim import build_optimizer
-from psarch.workload import build_workload
+from psarch.workload import build_workload, shared_data
 
 
 @pytest.mark.parametrize("exponent", [0.0, 1.2])
@@ -191,3 +192,40 @@ def test_expected_unique_matches_the_sampler():
     expected = expected_unique(rows, 1.05, draws)
     assert abs(sum(counts) / len(counts) - expected) < 0.01 * expected
     assert expected < 0.7 * draws   # skewed ids repeat: fewer rows than draws
+
+
+def test_a_mapped_hidden_model_is_the_built_one_and_is_not_copied(tmp_path, monkeypatch):
+    """Ranks started under clicks_hidden.shared map the launcher's hidden model (read-only, in the page cache)
+    instead of each building 128 MB of it: the same arrays bit for bit, so the same samples; a folder holding
+    another source's hidden model is not used."""
+    args = dict(num_tables=3, rows=40, bag=2, dense=4, zipf=1.1, seed=7)
+    built = ClickSource(**args)
+    builds = []
+    real_build = clicks_hidden.build
+    monkeypatch.setattr(clicks_hidden, "build", lambda *a: builds.append(a) or real_build(*a))
+    with clicks_hidden.shared(tmp_path / "shared", 3, 40, 4, 7):
+        assert builds == [(3, 40, 4, 7)]       # by the launcher, once
+        mapped = ClickSource(**args)
+        assert builds == [(3, 40, 4, 7)]       # not again by the rank
+        ClickSource(**dict(args, seed=8))
+        assert builds[1:] == [(3, 40, 4, 8)]   # the folder held seed 7's: built
+    assert not (tmp_path / "shared").exists()
+    for a, b in ((built.row_weights, mapped.row_weights), (built.sampler.perm, mapped.sampler.perm),
+                 (built.dense_weights, mapped.dense_weights)):
+        assert torch.equal(a, b)
+    assert built.entropy_rate == mapped.entropy_rate
+    for x, y in zip(*(s.sample(64, torch.Generator().manual_seed(1)) for s in (built, mapped))):
+        assert torch.equal(x, y)
+
+
+def test_the_launcher_shares_the_hidden_model_only_where_ranks_would_each_build_it(tmp_path):
+    dlrm = {"model": "dlrm", "data": "clicks", "dlrm": {"num_tables": 2, "rows": 30, "dim": 4}}
+    cases = [({"workload": dlrm, "backend": {"kind": "ps", "world_size": 2, "embeddings": "rows"}}, True),
+             ({"workload": dlrm, "backend": {"kind": "ddp", "world_size": 2}}, True),
+             ({"workload": dlrm}, False),                                   # one process: nothing to share
+             ({"backend": {"kind": "ddp", "world_size": 2}}, False)]        # gpt on markov
+    for data, shares in cases:
+        with shared_data(from_dict(data), tmp_path / "shared"):
+            assert (os.environ.get(clicks_hidden.ENV) == str(tmp_path / "shared")) == shares
+            assert (tmp_path / "shared" / "key.json").is_file() == shares
+        assert clicks_hidden.ENV not in os.environ and not (tmp_path / "shared").exists()

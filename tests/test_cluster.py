@@ -123,15 +123,21 @@ def test_cluster_step_time_by_hand():
     # 2 servers beside workers 0 and 1: their nodes push S/2, receive 3/2 S; the workers alone push S
     assert step("ps", servers=2, placement="colocated") == pytest.approx(0.05 + 2 * 1.5e6 / rate + 2e-4)
     assert step("single") == 0.05
-    # overlap: with 4 buckets only what backward (2/3 of compute) cannot hide waits, at least one bucket's share
+    # overlap: 4 buckets ready at 1/4, 2/4, 3/4 and the end of backward (2/3 of compute, or as given) on one
+    # link: link-bound, it starts at 1/4 of backward and runs all of comm; compute-bound, the last bucket waits
     comm = 1.5e6 / rate + 6e-4
-    assert step("ddp", buckets=4, overlap=True) == pytest.approx(0.05 + max(comm - 0.05 * 2 / 3, comm / 4))
-    assert step("ddp", buckets=4, overlap=True, hides=1.0) == pytest.approx(0.05 + max(comm - 0.05, comm / 4))
+    assert step("ddp", buckets=4, overlap=True) == pytest.approx(0.05 + comm - 0.05 * 2 / 3 * 3 / 4)
+    assert step("ddp", buckets=4, overlap=True, backward_s=0.02) == pytest.approx(0.05 + comm - 0.02 * 3 / 4)
+    assert step("ddp", buckets=4, overlap=True, backward_s=1.0) == pytest.approx(0.05 + comm / 4)
+    # a PS's priority: the next forward (the compute less backward) hides it too
+    assert step("ddp", buckets=4, overlap=True, backward_s=0.02, forward_hides=True) == pytest.approx(
+        0.05 + comm - 0.02 * 3 / 4 - 0.03)
 
 
 def test_cluster_model_per_backend():
-    """Which backends overlap, their bucket counts and hidden passes (BackendSpec.comm_model): 1 MB of fp32
-    parameters."""
+    """Which backends overlap, their bucket counts, hidden passes and idle fraction by design
+    (BackendSpec.comm_model): 1 MB of fp32 parameters; a pipeline waits its bubble, torch's pipelining none
+    apart (its measured compute holds its waits)."""
     from dataclasses import asdict
 
     from psarch import registry
@@ -141,21 +147,23 @@ def test_cluster_model_per_backend():
         extra = {"zero_groups": [groups, groups]} if groups is not None else {}
         return asdict(registry.spec_of(cfg).comm_model(cfg, 250_000, extra))
 
-    one = {"hidden_passes": 0, "pipeline": 1, "hides": 2 / 3}
+    one = {"hidden_passes": 0, "pipeline": 1, "forward_hides": False, "idle_fraction": 0.0}
     assert model({"kind": "ddp", "bucket_cap_mb": 0.25}) == {"buckets": 4, "overlap": True, **one}
     assert model({"kind": "ddp", "overlap_comm": False})["overlap"] is False
     assert model({"kind": "torch_ddp", "bucket_cap_mb": 0.5}) == {"buckets": 2, "overlap": True, **one}
     assert model({"kind": "zero", "reduce_bucket_size": 125_000}) == {"buckets": 2, "overlap": True, **one}
     # stage 3 reduce-scatters one unit at a time: its groups, never reduce_bucket_size (stages 1-2 only)
-    assert model({"kind": "zero", "stage": 3}, groups=5) == {"buckets": 5, "overlap": True, "hidden_passes": 2,
-                                                             "pipeline": 1, "hides": 2 / 3}
+    assert model({"kind": "zero", "stage": 3}, groups=5) == {"buckets": 5, "overlap": True, **one,
+                                                             "hidden_passes": 2}
     assert model({"kind": "zero", "stage": 3})["buckets"] == 1
     # ps: 125,000 parameters a server in partitions of 65,536: 2 each, pushed from backward's hooks (not in GEO)
     ps = {"kind": "ps", "servers": 2, "partition_mb": 0.25}
-    assert model(ps) == {"buckets": 4, "overlap": True, "hidden_passes": 0, "pipeline": 2, "hides": 2 / 3}
-    # priority: the pulls also hide behind the next forward, the whole compute
-    assert model(dict(ps, priority_credit_mb=0.5))["hides"] == 1.0
+    assert model(ps) == {"buckets": 4, "overlap": True, **one, "pipeline": 2}
+    # priority: the pulls also hide behind the next forward
+    assert model(dict(ps, priority_credit_mb=0.5))["forward_hides"] is True
     assert model(dict(ps, mode="geo"))["overlap"] is False and model(dict(ps, partition_mb=0.0))["pipeline"] == 1
+    assert model({"kind": "pipeline", "stages": 2, "microbatches": 2})["idle_fraction"] == pytest.approx(1 / 3)
+    assert model({"kind": "torch_pipeline", "stages": 2, "microbatches": 2})["idle_fraction"] == 0.0
 
 
 def test_results_label_tells_sparse_variants_apart():

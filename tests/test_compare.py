@@ -275,22 +275,43 @@ def test_a_sweep_given_from_forks_that_checkpoint_at_every_point(tmp_path, capsy
     assert len(err) == 1 and "--from" in err[0] and "nowhere" in err[0], err
 
 
-def test_compare_shows_activations_and_links_where_a_backend_predicts_activations():
-    """A tensor run: its blocks' activations measured beside predicted and its link's bytes by operation (set-up
-    and export left out); a run whose backend predicts no activations gets no row."""
+def test_compare_shows_per_rank_figures_and_links_of_model_parallel_runs():
+    """A tensor run (theory's per_rank: each shard's blocks' activations) and a pipeline run (each stage's idle
+    fraction and activations held) get a row per rank, every figure measured beside predicted, and one links row
+    each, bytes by operation (set-up and export left out); a ddp run, which predicts nothing per rank, none."""
     from psarch.compare_links import links_table
+    from psarch.compare_ranks import has_per_rank, rank_table
 
-    def run(name, label, predicted, extra, ops):
+    def run(name, label, figures, extra, ops):
+        per_rank = [{"memory": {"total": 4096.0}, "sent": 2048.0, "received": 2048.0, **f} for f in figures]
         summary = {"name": name, "label": label, "world_size": 2, "steps": 4, "extra": extra,
-                   "predicted": {"traffic_per_step": {"worker_sent": 2048}, **predicted},
-                   "traffic": {"per_rank": [{"sent_per_step": 2048, "modelled": False, "ops": ops}]}}
+                   "predicted": {"traffic_per_step": {"worker_sent": 2048}, "memory_per_rank": {"total": 4096.0},
+                                 **({"per_rank": per_rank} if figures else {})},
+                   "memory": {"per_rank": [{"rank": r, "total": 4096} for r in range(2)]},
+                   "traffic": {"per_rank": [{"sent_per_step": 2048, "received_per_step": 2048, "modelled": False,
+                                             "ops": ops}] * 2}}
         return {"run_label": f"runs/{name}", "summary": summary}
 
     ops = {"tp_all_reduce": {"sent": 4 * 2000}, "tp_all_gather": {"sent": 4 * 48},
            "export_tp_all_gather": {"sent": 999}}
-    tensor = run("tp", "tensor t=2 ring", {"block_activations_per_rank": 3072.0},
-                 {"block_activation_bytes": [3072, 3072]}, ops)
-    ddp = run("dp", "ddp ring", {}, {}, {"all_reduce": {"sent": 8192}})
-    rows = links_table([tensor, ddp]).splitlines()[2:]
-    assert rows == ["| runs/tp | tensor t=2 ring | 2 | 3.00 KiB \\| 3.00 KiB | 2.00 KiB \\| 2.00 KiB | "
-                    "tp_all_reduce 1.95 KiB, tp_all_gather 48 B |"]
+    tensor = run("tp", "tensor t=2 ring", [{"block_activation_bytes": 3072.0}] * 2,
+                 {"block_activation_bytes": [3072, 3000]}, ops)
+    pipe = run("pp", "pipeline gpipe p=2", [{"stage": 0, "idle_fraction": 0.5, "activations_held": 1024.0},
+                                            {"stage": 1, "idle_fraction": 0.5, "activations_held": 2048.0}],
+               {"idle_fraction": [0.52, 0.49], "activations_held": [1024, 2048]}, {"p2p": {"sent": 4 * 2048}})
+    ddp = run("dp", "ddp ring", [], {}, {"all_reduce": {"sent": 8192}})
+    ranked = [r for r in (tensor, pipe, ddp) if has_per_rank(r)]
+    assert ranked == [tensor, pipe]
+    rows = rank_table(ranked).splitlines()
+    assert rows[0].endswith("| block activation bytes measured \\| predicted | idle fraction measured \\| "
+                            "predicted | activations held measured \\| predicted |"), rows[0]
+    same = "4.00 KiB \\| 4.00 KiB | 2.00 KiB \\| 2.00 KiB | 2.00 KiB \\| 2.00 KiB"
+    assert rows[2:] == [f"| runs/tp | tensor t=2 ring | 0 | {same} | 3.00 KiB \\| 3.00 KiB | - \\| - | - \\| - |",
+                        f"| runs/tp | tensor t=2 ring | 1 | {same} | 2.93 KiB \\| 3.00 KiB | - \\| - | - \\| - |",
+                        f"| runs/pp | pipeline gpipe p=2 | 0 | {same} | - \\| - | 52.0% \\| 50.0% | "
+                        "1.00 KiB \\| 1.00 KiB |",
+                        f"| runs/pp | pipeline gpipe p=2 | 1 | {same} | - \\| - | 49.0% \\| 50.0% | "
+                        "2.00 KiB \\| 2.00 KiB |"]
+    assert links_table(ranked).splitlines()[2:] == [
+        "| runs/tp | tensor t=2 ring | 2 | 2.00 KiB \\| 2.00 KiB | tp_all_reduce 1.95 KiB, tp_all_gather 48 B |",
+        "| runs/pp | pipeline gpipe p=2 | 2 | 2.00 KiB \\| 2.00 KiB | p2p 2.00 KiB |"]

@@ -22,7 +22,8 @@ from psarch import checkpoint
 from psarch.cli import main
 
 BACKENDS = {"single": {"kind": "single"}, "ddp": {"kind": "ddp", "world_size": 2},
-            "zero3": {"kind": "zero", "stage": 3, "world_size": 2}}
+            "zero3": {"kind": "zero", "stage": 3, "world_size": 2},
+            "ps": {"kind": "ps", "world_size": 2, "mode": "sync"}}
 
 
 @pytest.fixture(scope="module")
@@ -39,13 +40,20 @@ def straight(tmp_path_factory):
     return model
 
 
-def _kill(cfg: Path, out: Path, marker: Path, world: int, victim: str, **hang: str) -> int:
-    """Start `psarch run` with the hang `hang` names, wait until every rank stopped there, SIGKILL the
-    victim ("group": the launcher's process group; "rank1": that rank alone); the launcher's exit code."""
+def _start(cfg: Path, out: Path, marker: Path, *args: str, **hang: str) -> subprocess.Popen:
     env = dict(os.environ, PSARCH_TEST_MARKER=str(marker), PYTHONPATH=os.pathsep.join(sys.path), **hang)
-    proc = subprocess.Popen([sys.executable, "-m", "psarch.cli", "run", str(cfg), "--out", str(out), "--quiet"],
-                            env=env, start_new_session=True, stderr=subprocess.DEVNULL)
-    markers = [Path(f"{marker}{r}") for r in range(world)]
+    return subprocess.Popen([sys.executable, "-m", "psarch.cli", "run", str(cfg), "--out", str(out), "--quiet", *args],
+                            env=env, start_new_session=True, stderr=subprocess.PIPE, text=True)
+
+
+def _kill(cfg: Path, out: Path, marker: Path, world: int, victim: str, **hang: str) -> int:
+    """Start `psarch run` with the hang `hang` names, wait until every rank (a PS server hang: every server)
+    stopped there, SIGKILL the victim ("group": the launcher's process group; "rank1": that rank alone); the
+    launcher's exit code."""
+    proc = _start(cfg, out, marker, **hang)
+    stopped = (["s0"] if "PSARCH_TEST_HANG_SERVER_IN_CHECKPOINT" in hang
+               else [str(r) for r in range(world)])
+    markers = [Path(f"{marker}{r}") for r in stopped]
     try:
         deadline = time.time() + 120
         while not all(m.exists() for m in markers):
@@ -55,7 +63,8 @@ def _kill(cfg: Path, out: Path, marker: Path, world: int, victim: str, **hang: s
             os.killpg(proc.pid, signal.SIGKILL)
         else:
             os.kill(int(markers[int(victim.removeprefix("rank"))].read_text()), signal.SIGKILL)
-        return proc.wait(timeout=60)
+        proc.communicate(timeout=60)
+        return proc.returncode
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
@@ -67,6 +76,8 @@ def _kill(cfg: Path, out: Path, marker: Path, world: int, victim: str, **hang: s
     ("ddp", "group", {"PSARCH_TEST_HANG_AT": "5"}, 4),
     ("zero3", "rank1", {"PSARCH_TEST_HANG_AT": "5"}, 4),
     ("ddp", "group", {"PSARCH_TEST_HANG_IN_CHECKPOINT": "4"}, 2),   # killed while step 4's is written
+    ("ps", "group", {"PSARCH_TEST_HANG_IN_CHECKPOINT": "4"}, 2),    # workers' parts written, no server's yet
+    ("ps", "group", {"PSARCH_TEST_HANG_SERVER_IN_CHECKPOINT": "4"}, 2),   # every part written, not yet merged
 ])
 def test_sigkill_then_resume_ends_with_the_same_model(tmp_path, straight, backend, victim, hang, latest):
     cfg = cr.toml(tmp_path / "run.toml", cr.regression(backend, BACKENDS[backend]))
@@ -81,3 +92,25 @@ def test_sigkill_then_resume_ends_with_the_same_model(tmp_path, straight, backen
     steps = [json.loads(line)["step"] for line in (killed / "metrics.jsonl").read_text().splitlines()]
     assert steps == list(range(8))
     assert not list((killed / "checkpoints").glob(".tmp_*"))   # the resumed run's next write cleared the leftover
+
+
+def test_a_ps_save_that_times_out_fails_the_run_then_resumes_to_the_same_model(tmp_path, straight):
+    """A PS server that stalls while it writes its part of checkpoint 4 never acks the workers' `save`: after
+    backend.timeout_s (+ 5 s) the run fails, naming the checkpoint and the server, and leaves checkpoint 2 the
+    latest complete one; --resume (timeout_s may change) ends with the uninterrupted run's model."""
+    cfg = cr.toml(tmp_path / "run.toml", cr.regression("ps", BACKENDS["ps"]))
+    out = tmp_path / "stalled"
+    proc = _start(cfg, out, tmp_path / "hung", "--set", "backend.timeout_s=2",
+                  PSARCH_TEST_HANG_SERVER_IN_CHECKPOINT="4")
+    try:
+        _, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    assert proc.returncode == 1, err
+    assert "checkpoint step 4 not written: worker " in err and "no reply from server" in err, err
+    assert checkpoint.latest_complete(out / "checkpoints").name == "step_000002"
+    assert main(["run", str(cfg), "--resume", str(out), "--quiet"]) == 0
+    model, reference = torch.load(out / "model.pt", weights_only=True), straight("ps")
+    assert model.keys() == reference.keys() and all(torch.equal(model[k], reference[k]) for k in model)

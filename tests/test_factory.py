@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import re
 
 import torch
 
@@ -16,7 +17,9 @@ from psarch.runner import run_rank, to_device
 BASE = {"seed": 1, "workload": {"factory": "factories:regression"},
         "train": {"steps": 30, "global_batch": 16, "optimizer": "adamw", "lr": 0.03, "log_every": 100}}
 IN_GROUP = [("ddp", {"comm": "ring"}), ("ddp", {"comm": "native"}), ("zero", {"stage": 1}), ("zero", {"stage": 2}),
-            ("zero", {"stage": 3}), ("torch_ddp", {}), ("torch_zero", {}), ("torch_fsdp", {})]
+            ("zero", {"stage": 3}), ("torch_ddp", {}), ("torch_zero", {}), ("torch_fsdp", {}),
+            # a model without units is one stage: two pipelines of 2 micro-batches each, all-reduced
+            ("pipeline", {"stages": 1, "microbatches": 2})]
 
 
 def config(kind: str, n: int, **backend) -> dict:
@@ -53,7 +56,7 @@ def test_factory_workload_trains_under_every_backend_that_accepts_one(tmp_path):
     covered |= {"single", "ps"}
     refused = refusing_factories()
     for kind, why in refused.items():
-        assert why.startswith('workload.factory = "factories:regression"') and "(use ddp or zero)" in why, why
+        assert why.startswith('workload.factory = "factories:regression"') and re.search(r"\(use (pipeline, )?ddp or zero\)$", why), why
     assert covered == set(kinds()) - set(refused), f"backends not exercised: {set(kinds()) - covered - set(refused)}"
     assert covered.isdisjoint(refused)
     for name, r in results.items():

@@ -27,7 +27,7 @@ def test_set_backend_kind_on_the_quickstart_drops_what_the_new_backend_does_not_
     cfg = load_config(QUICKSTART, ['backend.kind="ps"'], notes)
     assert cfg.backend.kind == "ps" and cfg.backend.world_size == 4
     assert notes == ['backend.comm = "ring" (set in quickstart.toml) is not read by this run: applies only to '
-                     'backend.kind = "ddp", "zero", "tensor"; this run has backend.kind = "ps", backend.mode = "sync"; dropped']
+                     'backend.kind = "ddp", "zero", "pipeline", "tensor"; this run has backend.kind = "ps", backend.mode = "sync"; dropped']
 
 
 def test_a_factory_over_a_built_in_model_says_the_model_is_not_read():

@@ -163,16 +163,21 @@ def test_crowd_choosing_routing_ids_never_reaches_the_router(serve, tmp_path):
 
 
 def test_connections_beyond_the_cap_are_refused(serve):
-    """max_connections open connections (here held by strangers mid-handshake-less NULL peers): the next
-    worker is refused until they go."""
+    """max_connections connections past their handshake (authenticated workers): the next worker is refused
+    until one goes. (Handshakes in progress hold no slot: tests/test_ps_pressure.py.)"""
     srv, creds = serve("plain", max_connections=3)
     zctx = zmq.Context()
     try:
-        holders = [socket.create_connection(("127.0.0.1", srv.port)) for _ in range(3)]
-        time.sleep(0.3)
-        assert Peer(zctx, srv.address, creds, 0).ask({"op": "fetch", "worker": 0}, wait_ms=500) is None
-        for h in holders:
-            h.close()
+        holders = [Peer(zctx, srv.address, creds, w) for w in (0, 1, 0)]
+        for h, w in zip(holders, (0, 1, 0)):
+            assert h.ask({"op": "fetch", "worker": w}).op == "params"
+        refused = Peer(zctx, srv.address, creds, 1)
+        assert refused.ask({"op": "fetch", "worker": 1}, wait_ms=500) is None
+        assert srv.zap.refused >= 1
+        holders[0].sock.close(linger=0)
+        deadline = time.monotonic() + 5
+        while srv.connections.authenticated >= 3 and time.monotonic() < deadline:   # the server saw it close
+            time.sleep(0.05)
         r = Peer(zctx, srv.address, creds, 1).ask({"op": "fetch", "worker": 1}, wait_ms=5000)
         assert r is not None and r.op == "params"
     finally:
@@ -188,10 +193,12 @@ def _null_greeting() -> bytes:
 
 @pytest.mark.parametrize("stage", ["handshake", "message"])
 def test_a_slowloris_peer_is_dropped_within_the_heartbeat_timeout(serve, stage):
-    """A raw TCP peer that stops mid-handshake (plain server) or, past a NULL handshake, in the middle of
-    a frame and answers no heartbeat (auth none): the server closes its connection within the timeout."""
+    """A raw TCP peer that stops mid-handshake (plain server: backend.handshake_timeout_s) or, past a NULL
+    handshake, in the middle of a frame and answers no heartbeat (auth none): the server closes its connection
+    within the timeout."""
     timeout = 1.0
-    srv, _ = serve("plain" if stage == "handshake" else "none", heartbeat_s=0.2, heartbeat_timeout_s=timeout)
+    srv, _ = serve("plain" if stage == "handshake" else "none", heartbeat_s=0.2, heartbeat_timeout_s=timeout,
+                   handshake_timeout_s=timeout)
     peer = socket.create_connection(("127.0.0.1", srv.port))
     peer.settimeout(10 * timeout)
     t0 = time.monotonic()

@@ -19,7 +19,8 @@ from psarch.config import ConfigError, from_dict
 TRUNK = {"name": "h", "seed": 1, "workload": {"factory": "factories:regression"},
          "train": {"steps": 6, "global_batch": 4, "optimizer": "adamw", "lr": 0.01, "log_every": 2,
                    "checkpoint_every": 2}}
-ALLOWED = "name, label, out, train.steps, train.log_every, train.checkpoint_every, train.keep_checkpoints, backend.timeout_s"
+ALLOWED = ("name, label, out, train.steps, train.log_every, train.checkpoint_every, train.keep_checkpoints, "
+           "backend.timeout_s, cluster.dilation")
 
 
 @pytest.fixture(scope="module")
@@ -152,3 +153,14 @@ def test_resume_refuses_a_checkpoint_without_a_lost_workers_part(trunk, tmp_path
     assert str(e.value) == (f"--resume {run}: the checkpoint step_000004 holds no part of worker 1 (lost before it "
                             f"was written); resuming would bring it back from the servers' model, which the run "
                             f"never did. Start a new run that does: --from {run}/checkpoints/step_000004")
+
+
+def test_resume_removes_what_a_kill_mid_write_left(trunk, tmp_path):
+    """A kill mid-write leaves .tmp_step_K with the parts written so far; a resumed PS run merges the worker parts
+    it finds there, so a lost worker's part from the killed attempt would come back. A resume removes them."""
+    run = _copy(trunk, tmp_path)
+    left = run / "checkpoints" / ".tmp_step_000010"
+    left.mkdir()
+    (left / "rank1.json").write_text("{}")
+    assert main(["run", str(trunk[1]), "--resume", str(run), "--set", "train.steps=8", "--quiet"]) == 0
+    assert not left.exists() and _steps(run) == list(range(8))

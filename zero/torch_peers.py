@@ -23,7 +23,7 @@ from torch.nn.parallel import DistributedDataParallel
 from psarch.checkpoint.fragments import PARAM, Fragment, Pieces, local_views, restore, whole_parameters
 from psarch.config import Config
 from psarch.dist import DistContext
-from psarch.meters import TrafficMeter, local, local_state_bytes, optimizer_state_bytes, peak_memory, tensor_bytes
+from psarch.meters import TrafficMeter, local, optimizer_state_bytes, peak_memory, tensor_bytes, torch_memory
 from psarch.optim import build_optimizer
 from psarch.single import consolidated_state
 from psarch.trainer import MemoryReport, StepStats, Trainer, TrafficReport
@@ -176,9 +176,7 @@ class TorchFSDPTrainer(Trainer):
         restore(self.optim, self.params, ckpt, self._fragments)
 
     def memory(self) -> MemoryReport:
-        peak, kind = peak_memory(self.ctx.device)
-        params, grads, optimizer = local_state_bytes(self.params, self.optim)
-        return MemoryReport(params=params, grads=grads, optimizer=optimizer, peak=peak, peak_kind=kind)
+        return torch_memory(self.ctx.device, self.params, self.optim)
 
     def traffic(self) -> TrafficReport:
         return self.meter.report()

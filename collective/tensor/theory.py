@@ -14,7 +14,8 @@ communicator reports the same volume, modelled):
 Memory: parameters, gradients and optimizer state of what this rank holds, P_r (tensor-parallel rank 0's:
 1/t of the split matrices and of the vocabulary, the LayerNorms, row-parallel biases and position embedding
 whole), counted from the split itself (collective/tensor/split.py). Activations: L blocks of
-psarch.activations.block_activation_bytes. torch_tensor: the same, but for the loss (step_bytes' torch_loss).
+psarch.activations.block_activation_bytes, every rank's (Prediction.per_rank). torch_tensor: the same, but
+for the loss (step_bytes' torch_loss).
 """
 from __future__ import annotations
 
@@ -28,10 +29,11 @@ from collective.tensor.split import shard_plan
 from psarch.activations import block_activation_bytes
 from psarch.data.text import TextSource
 from psarch.models.gpt import GPT
-from psarch.theory import BYTES, LinkBytes, MemoryPrediction, Prediction, optimizer_bytes_per_param
+from psarch.theory import BYTES, LinkBytes, MemoryPrediction, Prediction, RankPrediction, optimizer_bytes_per_param
 
 Config = Any
 LOSS_BYTES = 4   # the cross-entropy's logsumexps and target logits are fp32 whatever the compute dtype
+BLOCK_ACTIVATIONS = "block_activation_bytes"   # the per-rank figure, predicted and measured under this name
 
 
 def gpt_shapes(cfg: Config) -> dict[str, tuple[int, ...]]:
@@ -79,5 +81,7 @@ def tensor(cfg: Config, phi: float, torch_loss: bool = False) -> Prediction:
     v, passes, messages = step_bytes(cfg, held, torch_loss)
     acts = g.n_layer * block_activation_bytes(cfg.workload.seq_len, t.global_batch // cfg.backend.dp_size, g.n_embd,
                                               g.n_head, width, cfg.backend.tp_size)
+    # every rank holds the same shapes (tensor-parallel rank 0's counted) and sends what it receives
+    rank = RankPrediction(mem, LinkBytes(v, v), {BLOCK_ACTIVATIONS: acts})
     return Prediction(mem, LinkBytes(v, v), None, rounds=passes, messages=messages, server_memory=None,
-                      activations=acts)
+                      per_rank=[rank] * cfg.backend.world_size)

@@ -26,7 +26,7 @@ from collective.tensor.state import written_by_me
 from psarch.checkpoint.fragments import Fragment, Pieces, local_views, restore
 from psarch.config import Config
 from psarch.dist import DistContext
-from psarch.meters import TrafficMeter, local, local_state_bytes, peak_memory
+from psarch.meters import TrafficMeter, local, torch_memory
 from psarch.optim import build_optimizer
 from psarch.trainer import MemoryReport, StepStats, Trainer, TrafficReport
 from psarch.workload import Workload, next_token_loss
@@ -151,9 +151,7 @@ class TorchTensorTrainer(Trainer):
         restore(self.optim, self.params, ckpt, self._fragments)
 
     def memory(self) -> MemoryReport:
-        peak, kind = peak_memory(self.ctx.device)
-        params, grads, optimizer = local_state_bytes(self.params, self.optim)
-        return MemoryReport(params=params, grads=grads, optimizer=optimizer, peak=peak, peak_kind=kind)
+        return torch_memory(self.ctx.device, self.params, self.optim)
 
     def traffic(self) -> TrafficReport:
         return self.meter.report()

@@ -19,11 +19,12 @@ from collective.tensor.layers import vocab_parallel_cross_entropy
 from collective.tensor.mesh import TensorMesh
 from collective.tensor.split import check_splittable, shard_plan, split_gpt
 from collective.tensor.state import fragments, gather_full, written_by_me
+from collective.tensor.theory import BLOCK_ACTIVATIONS
 from psarch.checkpoint.fragments import Pieces, restore_optimizer, scaler_state
 from psarch.config import Config
 from psarch.dist import DistContext
 from psarch.flat import FlatParams
-from psarch.meters import SavedActivationMeter, peak_memory, tensor_bytes
+from psarch.meters import SavedActivationMeter, flat_memory
 from psarch.precision import MixedPrecisionOptimizer, compute_dtype
 from psarch.trainer import MemoryReport, StepStats, Trainer, TrafficReport
 from psarch.workload import Workload, next_token_loss
@@ -78,7 +79,7 @@ class TensorTrainer(Trainer):
                          extra=self._measured())
 
     def _measured(self) -> dict[str, int]:
-        return {} if self.activations is None else {"block_activation_bytes": self.activations.bytes}
+        return {} if self.activations is None else {BLOCK_ACTIVATIONS: self.activations.bytes}
 
     # ---- the full model and checkpoints
 
@@ -106,9 +107,7 @@ class TensorTrainer(Trainer):
     # ---- reports
 
     def memory(self) -> MemoryReport:
-        peak, kind = peak_memory(self.ctx.device)
-        return MemoryReport(params=tensor_bytes([self.flat.data]), grads=tensor_bytes([self.flat.grad]),
-                            optimizer=self.optim.state_bytes(), peak=peak, peak_kind=kind)
+        return flat_memory(self.ctx.device, self.flat, self.optim.state_bytes())
 
     def traffic(self) -> TrafficReport:
         return self.mesh.traffic()

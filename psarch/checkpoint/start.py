@@ -20,8 +20,10 @@ from psarch.config import Config, ConfigError, applies, field_of
 
 CHECKPOINTS = "checkpoints"     # the folder under a run folder that holds its checkpoints
 FORKED_FROM = "forked_from"     # where a fork keeps the checkpoint of its own run folder that it starts from
+# cluster.dilation is how slowly the emulation runs, not the cluster it stands for (every time reported is the
+# cluster's); "auto" is picked again at every launch, and the ranks' checkpoints hold the number it gave
 RESUMABLE = ("name", "label", "out", "train.steps", "train.log_every", "train.checkpoint_every",
-             "train.keep_checkpoints", "backend.timeout_s")
+             "train.keep_checkpoints", "backend.timeout_s", "cluster.dilation")
 
 
 def starting_checkpoint(cfg: Config, run_dir: Path, resume: bool, start: str | Path | None,
@@ -168,6 +170,16 @@ def drop_after(run_dir: Path, step: int) -> list[str]:
     for p in later:
         shutil.rmtree(p)
     return [p.name for p in later]
+
+
+def drop_unfinished(run_dir: Path) -> list[str]:
+    """Remove the unfinished checkpoint folders (.tmp_step_*) a kill mid-write left in the run: a resumed PS run
+    merges the worker parts it finds in the folder, and a lost worker's part from the killed attempt must not be
+    among them. Their names."""
+    left = sorted(p for p in (run_dir / CHECKPOINTS).glob(".tmp_step_*") if p.is_dir())
+    for p in left:
+        shutil.rmtree(p)
+    return [p.name for p in left]
 
 
 def model_shapes(cfg: Config) -> dict[str, tuple[int, ...]]:

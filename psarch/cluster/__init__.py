@@ -19,6 +19,7 @@ import os
 from typing import Any, Iterator
 
 from psarch import registry
+from psarch.cluster import device
 from psarch.cluster.window import StepMarks, StepWindow
 from psarch.config import Config
 
@@ -57,12 +58,13 @@ class Emulated:
     def __init__(self, cfg: Config) -> None:
         from psarch.cluster.emulated import HUB_ADDRESS, EmulatedCluster
 
-        c, spec = cfg.cluster, registry.spec_of(cfg)
+        spec = registry.spec_of(cfg)
         # the services this run starts (PS servers): each on a node of its own, or beside a worker on its node
         self.beside = [spec.service_beside(cfg, i) for i in range(spec.service_nodes(cfg))]
         own = [i for i, w in enumerate(self.beside) if w is None]
         self.own = {i: j for j, i in enumerate(own)}   # service index -> its own node's index
-        self.cluster = EmulatedCluster(cfg.backend.world_size, len(own), c.link_mbps, c.server_mbps)
+        self.dilation = device.dilation(cfg)           # the links run D times slower than the cluster's
+        self.cluster = EmulatedCluster(cfg.backend.world_size, len(own), *device.shaped_mbps(cfg))
         self.rendezvous_host = HUB_ADDRESS
         from psarch.cluster.alpha import measure_alpha
         w0 = self.cluster.node("worker", 0)     # the hub to a node: one link each way, as a ring's hop
@@ -122,7 +124,9 @@ class Emulated:
             self._window.abort()
 
     def report(self) -> dict[str, Any]:
-        """Bytes each node's link carried (kernel counters: TCP/IP and Ethernet headers included).
+        """Bytes each node's link carried (kernel counters: TCP/IP and Ethernet headers included); each
+        node's link_mbps is the rate its link was shaped to (the cluster's / `dilation`); alpha_s is the
+        host's, as measured (the cluster's is alpha_s / dilation).
         link_sent/received: over the steps alone, from before the first step to after the last, as the
         per-step meters count (`counted_over` says "run" where a lost worker left no such window);
         run_link_sent/received: the whole run, rendezvous, initial broadcast and final export included."""
@@ -135,7 +139,8 @@ class Emulated:
             if window is not None:
                 (s0, r0), (s1, r1) = window[0][n.ns], window[1][n.ns]
             nodes.append(dict(n.to_dict(), link_sent=s1 - s0, link_received=r1 - r0, **run))
-        return {"emulated": True, "alpha_s": self.alpha_s, "counted_over": "steps" if window else "run",
+        return {"emulated": True, "alpha_s": self.alpha_s, "dilation": self.dilation,
+                "counted_over": "steps" if window else "run",
                 "nodes": nodes}
 
     def close(self) -> None:

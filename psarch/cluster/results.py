@@ -23,18 +23,26 @@ def rows(sweep: Path) -> list[dict[str, Any]]:
         b, st = cfg.backend, cluster_step(cfg, s)   # recomputed: the theory of this checkout
         arch = registry.spec_of(cfg).label(cfg)   # the one label of the run's architecture
         busiest = max(n["link_sent"] + n["link_received"] for n in s["cluster"]["nodes"]) / s["steps"]
+        vd = s.get("virtual_device")
         out.append({"arch": arch, "n": b.world_size, "mbps": cfg.cluster.link_mbps, "measured": st["measured_s"],
-                    "predicted": st["predicted_s"], "compute": st["compute_s"], "busiest_link": busiest})
+                    "predicted": st["predicted_s"], "compute": st["compute_s"], "busiest_link": busiest,
+                    "dilation": vd["dilation"] if vd else None, "overrun": vd["overrun_fraction"] if vd else None})
     return sorted(out, key=lambda r: (r["mbps"], r["arch"], r["n"]))
 
 
 def table(rs: list[dict[str, Any]]) -> str:
-    lines = ["| architecture | N | link Mbit/s | step time measured \\| predicted | error | compute (measured) "
-             "| busiest link per step (both ways) |", "|---|---:|---:|---:|---:|---:|---:|"]
+    """The markdown table; with virtual devices, compute is the modelled one, and D and the share of
+    overrun worker-steps get their columns."""
+    devices = any(r["dilation"] is not None for r in rs)
+    extra = " D | overrun steps |" if devices else ""
+    lines = [f"| architecture | N | link Mbit/s | step time measured \\| predicted | error | compute "
+             f"({'modelled' if devices else 'measured'}) | busiest link per step (both ways) |{extra}",
+             "|---|---:|---:|---:|---:|---:|---:|" + ("---:|---:|" if devices else "")]
     for r in rs:
+        cells = f" {r['dilation']:g} | {r['overrun']:.0%} |" if r["dilation"] is not None else (" | |" if devices else "")
         lines.append(f"| {r['arch']} | {r['n']} | {r['mbps']:g} | {r['measured'] * 1e3:.0f} ms \\| "
                      f"{r['predicted'] * 1e3:.0f} ms | {(r['predicted'] / r['measured'] - 1) * 100:+.0f}% | "
-                     f"{r['compute'] * 1e3:.0f} ms | {r['busiest_link'] / 1e6:.1f} MB |")
+                     f"{r['compute'] * 1e3:.0f} ms | {r['busiest_link'] / 1e6:.1f} MB |{cells}")
     return "\n".join(lines) + "\n"
 
 

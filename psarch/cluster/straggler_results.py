@@ -7,7 +7,8 @@ time to the target, `psarch compare` merges the workers' rows step by step, taki
 for each step: right where workers wait for each other (sync, ring), but in asynchronous modes a fast worker
 does not wait, so there the merged clock is the slow worker's and hides what asynchrony gains. Here every
 worker's loss is placed at its own clock (the running sum of its step times) and the losses are read in time
-order.
+order. Times are the cluster's (on an emulated cluster of virtual devices, the wall clock / D: every step
+record already holds them so).
 """
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from psarch import registry
 from psarch.runs import load_run, run_config, target_gaps, target_words
 from psarch.throughput import per_worker
 
@@ -61,24 +63,36 @@ def rows(sweep: Path, target: float | None = None) -> list[dict[str, Any]]:
             runs.append(load_run(f.parent))   # samples/s as the summary and compare define it
     out = []
     for run, gap in zip(runs, target_gaps(runs, target)):
-        s, c = run["summary"], run_config(run).cluster
+        s, cfg = run["summary"], run_config(run)
         workers, floor = per_worker(run["metrics"]), s["entropy_floor"]
-        out.append({"mode": s["label"], "slowdown": c.slowdown, "jitter": c.jitter,
+        vd, step = s.get("virtual_device"), s.get("cluster", {}).get("step_time")
+        out.append({"mode": s["label"], "slowdown": cfg.cluster.slowdown, "jitter": cfg.cluster.jitter,
                     "samples_per_s": s["samples_per_s"], "target_gap": gap,
-                    "time_to_gap": time_to_gap(workers, floor, gap), "final_gap": final_gap(workers, floor)})
+                    # lockstep: every step waits for the slowest worker; theory's step time says how long
+                    "predicted": s["global_batch"] / step["predicted_s"]
+                    if step and registry.spec_of(cfg).lockstep(cfg) else None,
+                    "time_to_gap": time_to_gap(workers, floor, gap), "final_gap": final_gap(workers, floor),
+                    "dilation": vd["dilation"] if vd else None, "overrun": vd["overrun_fraction"] if vd else None})
     return sorted(out, key=lambda r: (r["jitter"], r["slowdown"], r["mode"]))
 
 
+def _cell(x: float | None, form: str) -> str:
+    return "" if x is None else format(x, form)
+
+
 def table(rs: list[dict[str, Any]], target: float | None = None) -> str:
-    """stragglers.md's table: one row per run, the target stated in its head."""
+    """stragglers.md's table: one row per run, the target stated in its head; predicted samples/s for
+    lockstep runs on an emulated cluster (the slowest worker's compute plus the step's communication), D and
+    overrun steps for virtual devices."""
     gaps = {r["target_gap"] for r in rs}
     words = target_words(target) + (f" = {gaps.pop():.3f}" if target is None and len(gaps) == 1 else "")
-    lines = [f"| run | slowdown of worker 0 | jitter | samples/s | time to gap < {words} (s) | final gap |",
-             "|---|---:|---:|---:|---:|---:|"]
+    lines = [f"| run | slowdown of worker 0 | jitter | samples/s | predicted (lockstep) | time to gap < {words} "
+             f"(s) | final gap | D | overrun steps |", "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in rs:
         t = f"{r['time_to_gap']:.1f}" if r["time_to_gap"] is not None else "not reached"
-        lines.append(f"| {r['mode']} | {r['slowdown']:g}x | {r['jitter']:g} | {r['samples_per_s']:.0f} | {t} | "
-                     f"{r['final_gap']:.3f} |")
+        lines.append(f"| {r['mode']} | {r['slowdown']:g}x | {r['jitter']:g} | {r['samples_per_s']:.0f} | "
+                     f"{_cell(r['predicted'], '.0f')} | {t} | {r['final_gap']:.3f} | {_cell(r['dilation'], 'g')} | "
+                     f"{_cell(r['overrun'], '.0%')} |")
     return "\n".join(lines) + "\n"
 
 

@@ -20,6 +20,10 @@ running sum); the straggler subtracts what it grew by during its forward and its
 sleep is (m - 1) x compute alone, whatever the link's speed or the peers' lateness. DDP and the PS wait
 only after backward (their sum stays 0); PyTorch's peers (torch_ddp, torch_zero, torch_fsdp) do not
 report their waits, so for torch_fsdp the sleep still holds its in-hook communication.
+
+With a modelled device (cluster.device, psarch.cluster.device) there is no sleep of this kind: the factor
+m multiplies the device's modelled compute time (psarch.cluster.pacing), and may be below 1 (jitter
+around the device's time; only measured compute cannot be made faster).
 """
 from __future__ import annotations
 
@@ -31,6 +35,11 @@ from typing import Any, Callable
 
 import torch
 
+from psarch import registry
+from psarch.cluster import device
+from psarch.cluster.call_pacing import CallDevice
+from psarch.cluster.flops import count
+from psarch.cluster.pacing import VirtualDevice
 from psarch.config import Config
 from psarch.workload import Workload
 
@@ -48,12 +57,15 @@ class Straggler:
         self._bwd_t0 = self._bwd_w0 = 0.0
 
     def factor(self, step: int) -> float:
-        """Step `step`'s compute-time multiplier: a function of (seed, rank, step), not of the steps run before
-        (a resumed run starts its draws at the checkpoint's step)."""
-        if self.jitter == 0:
-            return self.slowdown
-        draw = random.Random(f"psarch-straggler-{self.seed}-{self.rank}-{step}")   # str seeds: stable across runs
-        return self.slowdown * math.exp(draw.gauss(0.0, self.jitter))
+        """Step `step`'s compute-time multiplier (module function `factor`)."""
+        return factor(self.seed, self.rank, step, self.slowdown, self.jitter)
+
+    def fields(self) -> dict[str, Any]:
+        """What the step record carries: this step's sleep."""
+        return {"slept_s": self.slept_s}
+
+    def close(self) -> None:
+        pass
 
     def wrap(self, loss_fn: Callable[[torch.nn.Module, Any], torch.Tensor]) -> Callable:
         def slowed(model: torch.nn.Module, batch: Any) -> torch.Tensor:
@@ -76,15 +88,43 @@ class Straggler:
         self.backward_s = time.perf_counter() - self._bwd_t0 - (self.waited() - self._bwd_w0)
 
 
+def factor(seed: int, rank: int, step: int, slowdown: float, jitter: float) -> float:
+    """Step `step`'s compute-time multiplier, slowdown x exp(N(0, jitter)): a function of (seed, rank, step),
+    not of the steps run before (a resumed run starts its draws at the checkpoint's step)."""
+    if jitter == 0:
+        return slowdown
+    draw = random.Random(f"psarch-straggler-{seed}-{rank}-{step}")   # str seeds: stable across runs
+    return slowdown * math.exp(draw.gauss(0.0, jitter))
+
+
+def slowdown_of(cfg: Config, rank: int) -> float:
+    """This worker's slowdown: cluster.slowdown if it is one of cluster.slow_workers, else 1."""
+    return cfg.cluster.slowdown if rank in cfg.cluster.slow_workers else 1.0
+
+
+def pacer(cfg: Config, rank: int, workload: Workload) -> "Straggler | VirtualDevice | CallDevice | None":
+    """How this worker's compute is paced: as its modelled device, with slowdown and jitter multiplying
+    the modelled time (its FLOPs counted here, once; call by call where the backend runs the loss function in
+    parts, BackendSpec.paced_by_call); else as a straggler of this machine's compute; else not at all (None)."""
+    if not device.modelled(cfg):
+        return straggler(cfg, rank)
+    c, slow = cfg.cluster, slowdown_of(cfg, rank)
+    flops = count(workload.model, workload.loss_fn, workload.batch(0, rank, cfg.backend.world_size))
+    if registry.spec_of(cfg).paced_by_call:   # whole-model FLOPs give the backward / forward ratio alone
+        return CallDevice(flops, device.flops_per_s(cfg), device.dilation(cfg),
+                          lambda step: factor(cfg.seed, rank, step, slow, c.jitter))
+    return VirtualDevice(workload.model, flops, device.flops_per_s(cfg), device.dilation(cfg),
+                         lambda step: factor(cfg.seed, rank, step, slow, c.jitter))
+
+
 def straggler(cfg: Config, rank: int) -> Straggler | None:
     """This worker's Straggler, or None where it computes at its own speed."""
-    c = cfg.cluster
-    slowdown = c.slowdown if rank in c.slow_workers else 1.0
-    if slowdown == 1.0 and c.jitter == 0.0:
+    slowdown = slowdown_of(cfg, rank)
+    if slowdown == 1.0 and cfg.cluster.jitter == 0.0:
         return None
-    return Straggler(slowdown, c.jitter, cfg.seed, rank)
+    return Straggler(slowdown, cfg.cluster.jitter, cfg.seed, rank)
 
 
-def slowed(workload: Workload, s: Straggler | None) -> Workload:
-    """The workload with its loss function slowed by `s` (unchanged when s is None)."""
+def slowed(workload: Workload, s: "Straggler | VirtualDevice | CallDevice | None") -> Workload:
+    """The workload with its loss function paced by `s` (unchanged when s is None)."""
     return workload if s is None else dataclasses.replace(workload, loss_fn=s.wrap(workload.loss_fn))

@@ -18,9 +18,10 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from psarch.data import clicks_hidden
+from psarch.data.clicks_hidden import DENSE_STD
+
 TRUE_BIAS = -1.0      # a click rate of about 0.3: imbalanced labels, as CTR data has
-ROW_STD = 1.0         # spread of the true per-row weights w_t[i]
-DENSE_STD = 0.5       # spread of the true dense term v·x
 FLOOR_SAMPLES = 2**18
 GH_NODES = 16         # h(sigmoid(.)) is analytic and DENSE_STD small: 16 nodes integrate it to ~1e-12
 
@@ -68,13 +69,10 @@ class ClickSource:
                 raise ValueError(f"{name} = {value}: must be >= 1")
         if zipf < 0:
             raise ValueError(f"zipf = {zipf}: must be >= 0 (0 is uniform)")
-        gen = torch.Generator().manual_seed(seed + 0xC11C)  # the hidden model: fixed by the seed alone
         self.num_tables, self.rows, self.bag, self.dense = num_tables, rows, bag, dense
-        perm = torch.stack([torch.randperm(rows, generator=gen) for _ in range(num_tables)])
-        self.sampler = ZipfSampler(rows, zipf, perm)
-        self.row_weights = torch.randn(num_tables, rows, generator=gen, dtype=torch.float64) * ROW_STD
-        v = torch.randn(dense, generator=gen, dtype=torch.float64)
-        self.dense_weights = v * (DENSE_STD / v.norm())  # v·x ~ N(0, DENSE_STD²) exactly
+        hidden = clicks_hidden.load(num_tables, rows, dense, seed)   # mapped when the launcher shares it
+        self.sampler = ZipfSampler(rows, zipf, hidden.perm)
+        self.row_weights, self.dense_weights = hidden.row_weights, hidden.dense_weights
         self.bias = TRUE_BIAS
         self.entropy_rate, self.floor_stderr = self._floor(torch.Generator().manual_seed(seed + 0xF100))
 

@@ -14,8 +14,10 @@ line): each process reads only its own secret.
 
 The ZAP handler runs in the server's own loop (one more socket in its poller). It binds each connection
 to a worker: ZAP's User-Id is the worker's number, so the server checks that every request names the
-worker its connection authenticated as. It also refuses handshakes beyond backend.max_connections open
-connections (counted from the socket's monitor), so that unauthenticated peers cannot pile up.
+worker its connection authenticated as. It also refuses a handshake once backend.max_connections connections
+are past theirs (counted from the socket's monitor, psarch/ps/server/connections.py): handshakes in progress
+hold no slot (a peer that never finishes one is dropped after backend.handshake_timeout_s), so peers that
+cannot authenticate never keep a worker out.
 """
 from __future__ import annotations
 
@@ -26,11 +28,10 @@ import shutil
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import zmq
 import zmq.auth
-from zmq.utils.monitor import parse_monitor_message
 
 from psarch.ps import wire
 from psarch.ps.layout import server_ranges
@@ -144,14 +145,16 @@ def remove(folder: str | None) -> None:
 
 # ---------------------------------------------------------------- sockets
 
-def bound(sock: zmq.Socket, heartbeat_s: float, heartbeat_timeout_s: float) -> None:
-    """Heartbeats that drop a stalled peer (one that answers no PING, or stops mid-message)."""
+def bound(sock: zmq.Socket, heartbeat_s: float, heartbeat_timeout_s: float,
+          handshake_timeout_s: float | None = None) -> None:
+    """Heartbeats that drop a stalled peer (one that answers no PING, or stops mid-message), and a handshake
+    deadline (None: the heartbeat timeout) that drops a peer that never finishes its handshake."""
     if heartbeat_s > 0:
         sock.setsockopt(zmq.HEARTBEAT_IVL, int(heartbeat_s * 1000))
         sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, int(heartbeat_timeout_s * 1000))
         sock.setsockopt(zmq.HEARTBEAT_TTL, int(heartbeat_timeout_s * 1000))
-        # a peer that never finishes its handshake is dropped as soon
-        sock.setsockopt(zmq.HANDSHAKE_IVL, int(heartbeat_timeout_s * 1000))
+    handshake = heartbeat_timeout_s if handshake_timeout_s is None else handshake_timeout_s
+    sock.setsockopt(zmq.HANDSHAKE_IVL, max(1, int(handshake * 1000)))
 
 
 def client_socket(sock: zmq.Socket, creds: Credentials, worker: int, server: int) -> None:
@@ -204,9 +207,10 @@ def _certificate(path: Path) -> tuple[bytes, bytes | None]:
 class ZapHandler:
     """Answers the ZAP requests of one server's context: who a connecting peer is, if anyone."""
 
-    def __init__(self, zctx: zmq.Context, sock: zmq.Socket, creds: Credentials, workers: int,
-                 max_connections: int) -> None:
-        self.mechanism, self.max_connections = creds.mechanism, max_connections
+    def __init__(self, zctx: zmq.Context, creds: Credentials, workers: int, max_connections: int,
+                 room_for: Callable[[int], bool]) -> None:
+        """room_for(n): whether fewer than n connections are past their handshake (the cap counts only those)."""
+        self.mechanism, self.max_connections, self.room_for = creds.mechanism, max_connections, room_for
         folder = Path(creds.folder)
         # bytes on both sides: compare_digest refuses str with non-ASCII characters (a stranger's password)
         self.passwords = ({str(i).encode(): _read(folder / f"worker{i}.password").encode()
@@ -216,18 +220,13 @@ class ZapHandler:
         self.rep = zctx.socket(zmq.REP)
         self.rep.setsockopt(zmq.LINGER, 0)
         self.rep.bind(ZAP_ENDPOINT)
-        self.monitor = sock.get_monitor_socket(zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED)
-        self.open = 0          # connections accepted and not yet gone
         self.refused = 0       # handshakes refused (bad credentials, or over the cap)
 
     def sockets(self) -> list[zmq.Socket]:
-        return [self.rep, self.monitor]
+        return [self.rep]
 
     def handle(self, ready: dict) -> None:
-        """Serve what is ready: connection events first, so the cap counts them, then ZAP requests."""
-        while self.monitor.poll(0):
-            event = parse_monitor_message(self.monitor.recv_multipart())["event"]
-            self.open += 1 if event == zmq.EVENT_ACCEPTED else -1
+        """Answer the ZAP requests that have arrived."""
         while self.rep.poll(0):
             req = self.rep.recv_multipart()
             try:
@@ -243,7 +242,7 @@ class ZapHandler:
             return self.rep.send_multipart([b"1.0", b"", b"500", b"malformed ZAP request", b"", b""])
         version, request_id, domain, _address, _identity, mech, *creds = req
         user = self._user(domain, mech, creds)
-        if self.open > self.max_connections:
+        if user is not None and not self.room_for(self.max_connections):
             user = None
             reason = f"over backend.max_connections = {self.max_connections}".encode()
         else:
@@ -270,4 +269,3 @@ class ZapHandler:
 
     def close(self) -> None:
         self.rep.close(0)
-        self.monitor.close(0)

@@ -46,30 +46,38 @@ class RowOptimizer:
 
     def step(self, idx: torch.Tensor, grad: torch.Tensor) -> None:
         """Apply one update to rows `idx` (distinct) with their gradients `grad` (len(idx), dim), fp32."""
+        self.write(idx, self.update(idx, grad))
+
+    def update(self, idx: torch.Tensor, grad: torch.Tensor) -> dict[str, torch.Tensor]:
+        """The new values of rows `idx` ("param") and of their optimizer state, computed on copies: nothing
+        changes until `write` (so a caller can refuse an update first)."""
         t, p = self.t, self.table[idx]
         if t.optimizer == "sgd":
-            p -= t.lr * (grad + t.weight_decay * p) if t.weight_decay else t.lr * grad
-        elif t.optimizer == "adagrad":
+            return {"param": p - (t.lr * (grad + t.weight_decay * p) if t.weight_decay else t.lr * grad)}
+        if t.optimizer == "adagrad":
             g = grad + t.weight_decay * p if t.weight_decay else grad
             acc = self.state["sum"][idx] + g * g
-            self.state["sum"][idx] = acc
-            p -= t.lr * g / (acc.sqrt() + t.eps)
-        else:
-            p = self._adamw(idx, p, grad)
-        self.table[idx] = p
+            return {"param": p - t.lr * g / (acc.sqrt() + t.eps), "sum": acc}
+        return self._adamw(idx, p, grad)
 
-    def _adamw(self, idx: torch.Tensor, p: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
+    def write(self, idx: torch.Tensor, new: dict[str, torch.Tensor]) -> None:
+        """Store what `update` computed."""
+        self.table[idx] = new["param"]
+        for k, v in new.items():
+            if k != "param":
+                self.state[k][idx] = v
+
+    def _adamw(self, idx: torch.Tensor, p: torch.Tensor, grad: torch.Tensor) -> dict[str, torch.Tensor]:
         t, s = self.t, self.state
         b1, b2 = t.betas
         steps = s["step"][idx] + 1
-        s["step"][idx] = steps
         m = s["exp_avg"][idx].lerp_(grad, 1 - b1)
         v = s["exp_avg_sq"][idx].mul_(b2).addcmul_(grad, grad, value=1 - b2)
-        s["exp_avg"][idx], s["exp_avg_sq"][idx] = m, v
         tt = steps.to(torch.float64).unsqueeze(1)
         bc1, bc2_sqrt = (1 - b1 ** tt).float(), (1 - b2 ** tt).sqrt().float()
         p = p * (1 - t.lr * t.weight_decay)
-        return p - t.lr / bc1 * m / (v.sqrt() / bc2_sqrt + t.eps)
+        return {"param": p - t.lr / bc1 * m / (v.sqrt() / bc2_sqrt + t.eps), "step": steps, "exp_avg": m,
+                "exp_avg_sq": v}
 
     def state_bytes(self) -> int:
         return sum(x.numel() * x.element_size() for x in self.state.values())

@@ -52,8 +52,14 @@ class PSOptions:
     heartbeat_s: float = _f(10.0, "ZeroMQ heartbeat interval; 0 turns heartbeats off", min=0.0)
     heartbeat_timeout_s: float = _f(30.0, "a peer silent this long after a heartbeat (or mid-message, or "
                                           "mid-handshake) is dropped", min=0.1)
-    max_connections: int = _f(0, "most open connections per server, handshakes included (0: world_size + 16)",
-                              min=0)
+    handshake_timeout_s: float = _f(5.0, "a connection still in its handshake after this long is dropped",
+                                    min=0.01)
+    max_connections: int = _f(0, "most connections past their handshake per server; handshakes in progress hold "
+                                 "none (0: world_size + 16)", min=0)
+    inflight_mb: float = _f(0.0, "most MiB one connection may have in flight at a server each way (a message not "
+                                 "yet complete, replies not yet read); over it, the connection is dropped "
+                                 "(0: twice the largest exchange of a worker with that server, every partition "
+                                 "in flight, + 1)", min=0.0)
 
     @property
     def barrier(self) -> bool:
@@ -159,7 +165,7 @@ class PSSpec(BackendSpec):
         priority the pulls also hide behind the next forward."""
         m = theory.partitions_per_server(cfg, phi)
         return CommModel(buckets=m * cfg.backend.servers, overlap=pushes_from_hooks(cfg), pipeline=m,
-                         hides=1.0 if cfg.backend.priority_credit_mb else 2 / 3)
+                         forward_hides=bool(cfg.backend.priority_credit_mb))
 
     def summary_fields(self, cfg: Config) -> dict[str, Any]:
         return {"servers": cfg.backend.servers}

@@ -28,9 +28,9 @@ done or lost.
 Who may connect (psarch/ps/auth.py): every connection authenticates (PLAIN or CURVE through ZAP, by
 default), and each request must name the worker its connection authenticated as; one that does not is
 refused before anything else, with an error that carries no state, and counts for nothing (done, fetch,
-silence clocks). Heartbeats drop stalled peers; MAXMSGSIZE caps each frame at the largest legitimate one.
-Still not bounded: ZeroMQ hands over a multipart message only once all of it has arrived, so an
-authenticated worker can make its server buffer a message of many frames before decode refuses it.
+silence clocks). Heartbeats drop stalled peers; MAXMSGSIZE caps each frame at the largest legitimate one;
+what one connection may make the server hold (a message not yet complete, replies not yet read) is bounded
+by connections.py; no routing id a peer chooses can make libzmq abort the server (libc.py).
 """
 from __future__ import annotations
 
@@ -50,7 +50,9 @@ from psarch.ps import auth, wire
 from psarch.ps.auth import Credentials
 from psarch.ps.errors import PSError
 from psarch.ps.layout import server_ranges
+from psarch.ps.server.connections import Connections, exchange_budget
 from psarch.ps.server.deadlines import Deadlines
+from psarch.ps.server.libc import seed_routing_ids
 from psarch.ps.server.pulls import PullQueue
 from psarch.ps.server.pushes import Pushes
 from psarch.ps.server.replies import Replies
@@ -75,14 +77,17 @@ class ParameterServer:
         self.state = ServerState(index, cfg, exit_when_done)
         self.creds = creds if creds is not None else auth.standalone_credentials(cfg, host)
         self.zctx = zmq.Context()
+        seed_routing_ids()   # before the ROUTER: the ids it makes up for peers must not be guessable (libc.py)
         self.sock = self.zctx.socket(zmq.ROUTER)
         self.sock.setsockopt(zmq.LINGER, 0)
         # ZeroMQ drops a connection whose frame exceeds this as the frame's size arrives, before buffering it
         self.sock.setsockopt(zmq.MAXMSGSIZE, auth.max_frame(numel, b.servers))
-        auth.bound(self.sock, b.heartbeat_s, b.heartbeat_timeout_s)
+        auth.bound(self.sock, b.heartbeat_s, b.heartbeat_timeout_s, b.handshake_timeout_s)
         auth.server_socket(self.sock, self.creds, index)
-        self.zap = auth.ZapHandler(self.zctx, self.sock, self.creds, b.world_size,
-                                   b.max_connections or b.world_size + 16)
+        self.rows = None   # (set below: the connections' budget reads it)
+        self.connections = Connections(self.sock, self.inflight_budget, b.heartbeat_s)
+        self.zap = auth.ZapHandler(self.zctx, self.creds, b.world_size, b.max_connections or b.world_size + 16,
+                                   self.connections.room_for)
         if port:
             self.sock.bind(f"tcp://{host}:{port}")
         else:
@@ -90,7 +95,7 @@ class ParameterServer:
         self.port, self.address = port, f"tcp://{host}:{port}"
         self.pipe = pipe
         self.meter = TrafficMeter()
-        s, replies = self.state, Replies(self.sock, self.meter, self.state, pipe)
+        s, replies = self.state, Replies(self.sock, self.meter, self.state, pipe, self.connections)
         self.replies = replies
         self.rows = ServerRows(s, replies) if b.embeddings == "rows" else None
         self.pulls = PullQueue(s, replies)
@@ -140,6 +145,7 @@ class ParameterServer:
         self.state.stopping = True
 
     def close(self) -> None:
+        self.connections.close()
         self.zap.close()
         self.sock.close(linger=500)  # let the last replies (a standalone server's final acks) leave
         self.zctx.term()
@@ -149,6 +155,7 @@ class ParameterServer:
     def handle(self, frames: list) -> None:
         """Handle one message from the ROUTER (identity frame first): its part's handler, one reply."""
         s = self.state
+        self.connections.received(frames)
         ident, body = frames[0].bytes if hasattr(frames[0], "bytes") else bytes(frames[0]), frames[1:]
         size = wire.frames_bytes(body)
         try:
@@ -218,6 +225,18 @@ class ParameterServer:
             self.snapshots.save_if_all()
         self._exit_if_over()
 
+    def inflight_budget(self) -> int:
+        """Bytes one connection may have in flight each way (connections.py): backend.inflight_mb, or twice the
+        largest exchange of a worker with this server, every partition of its range in flight
+        (connections.exchange_budget); 2 GiB while a server started without parameters waits for `init`."""
+        b, s = self.state.cfg.backend, self.state
+        if b.inflight_mb:
+            return int(b.inflight_mb * 2**20)
+        if not s.initialised:
+            return 2 * 2**30
+        rows = self.rows.most_bytes() if self.rows is not None else 0
+        return exchange_budget(s.hi - s.lo, len(s.parts), rows, wire.MAX_HEADER)
+
     # ------------------------------------------------------------------ clocks and the launcher
 
     def check_deadlines(self) -> None:
@@ -269,6 +288,7 @@ class ParameterServer:
             "traffic": traffic, "memory": dict(memory, peak=peak, peak_kind=kind,
                                                early_pushes_peak=sum(p.round.sum.peak for p in s.parts)),
             "rejected": s.rejected, "refused_non_finite": s.refused_non_finite, "lost": sorted(s.lost),
+            "dropped_connections": dict(self.connections.dropped),
             # every partition skips a skipped step: the most any partition skipped is the steps skipped
             "failure": s.failure, "skipped_updates": max((p.range.skipped for p in s.parts), default=0),
             "staleness_histogram": {str(k): v for k, v in sorted(staleness.items())},

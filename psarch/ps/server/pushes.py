@@ -6,11 +6,15 @@ fp16 a push carries the loss scale it was computed with (a power of two >= the s
 exactly the server's) and its inf/nan verdict. Every push, in every mode and precision, is checked for inf/nan
 frame by frame as it is decoded, before it touches the parameters: one that holds any (outside fp16's declared
 overflow steps) is refused with code "non_finite" and counted for its worker, and the worker stops the run.
-A barrier round's sum is added in worker order (rounds.py), so its bits do not depend on timing.
+A finite push whose update would still be non-finite (updates.py) is refused the same way; a barrier round whose
+update would be is not applied, and fails the server. A barrier round's sum is added in worker order (rounds.py),
+so its bits do not depend on timing.
 
 Partitions (state.py): a push names its partition by its offset and carries that partition's elements; every
-check, round and update above is the partition's own, so a partition's round completes, is applied and
-answers its pulls as soon as every live worker has pushed it, while the next partitions are still arriving.
+check, round and update above is the partition's own, so a partition's round completes, is checked, is applied
+and answers its pulls as soon as every live worker has pushed it, while the next partitions are still arriving.
+A round's rows go with the first of its partitions to complete; a partition whose round would not be finite
+fails the server, which stops the run with the partitions completed before it applied.
 """
 from __future__ import annotations
 
@@ -26,6 +30,7 @@ from psarch.ps.layout import server_ranges
 from psarch.ps.server.pulls import PullQueue
 from psarch.ps.server.replies import Replies
 from psarch.ps.server.state import TRACE_LIMIT, Partition, ServerState
+from psarch.ps.server.updates import NonFiniteUpdate
 
 if TYPE_CHECKING:
     from psarch.ps.server.rows import ServerRows
@@ -110,10 +115,16 @@ class Pushes:
             if not rnd.pushed:
                 rnd.since = time.monotonic()
             rnd.pushed.add(w)
-        elif s.mode == "geo":
-            st.apply_delta(data, staleness, s.workers / len(s.live))
         else:
-            skipped = st.apply_gradient(data, staleness, w, float(h.get("scale", 1.0)), found_inf)
+            try:
+                if s.mode == "geo":
+                    st.apply_delta(data, staleness, s.workers / len(s.live))
+                else:
+                    skipped = st.apply_gradient(data, staleness, w, float(h.get("scale", 1.0)), found_inf)
+            except NonFiniteUpdate as e:   # a finite push that overflows the update: refused as a non-finite one
+                s.refused_non_finite[w] += 1
+                raise NonFinitePush(f"push: worker {w}'s {'delta' if s.mode == 'geo' else 'gradient'} for step "
+                                    f"{h['step']}: {e}: refused, nothing applied") from None
         part.clock[w] = h["step"] + 1
         if s.mode == "ssp" and len(s.trace) < TRACE_LIMIT:
             s.trace.append([0, w, part.clock[w]])
@@ -182,16 +193,24 @@ class Pushes:
         r.sum.drain(st.acc, s.live, r.pushed)   # a push or a loss may fill the gap
         if not r.pushed >= s.live:
             return
-        if self.rows is not None:
-            # sync: the mean gradient over all N workers, as the dense range; geo: deltas arrive divided by N
-            self.rows.end_round(st.version, 1 / s.workers if s.mode == "sync" else s.workers / len(r.pushed))
         if not r.sum.complete(r.pushed):   # a bug: never apply a sum missing a push
             return self.replies.fail(f"internal error: round {st.version} has pushes {sorted(r.pushed)}, summed "
                                      f"{sorted(r.sum.summed)}, still kept {sorted(r.sum.early)}")
-        if s.mode == "sync":
-            r.last_skipped = st.apply_mean(s.workers, r.inf)
-        else:  # workers divide their deltas by N: the mean over the deltas this round actually has
-            st.apply_sum(s.workers / len(r.pushed))
+        with_rows = self.rows is not None and self.rows.first_to_complete(st.version)
+        try:   # the rows' update is checked first, stored last: a refused round changes nothing
+            # sync: the mean gradient over all N workers, as the dense range; geo: deltas arrive divided by N
+            rows = (self.rows.round_update(1 / s.workers if s.mode == "sync" else s.workers / len(r.pushed))
+                    if with_rows else None)
+            if s.mode == "sync":
+                r.last_skipped = st.apply_mean(s.workers, r.inf)
+            else:  # workers divide their deltas by N: the mean over the deltas this round actually has
+                st.apply_sum(s.workers / len(r.pushed))
+        except NonFiniteUpdate as e:   # no one push is to blame: the round cannot be applied, the run stops
+            where = f", partition [{part.lo}, {part.hi})" if len(s.parts) > 1 else ""
+            return self.replies.fail(f"{s.mode} step {st.version}{where}: the round of workers {sorted(r.pushed)}: "
+                                     f"{e}: not applied")
+        if with_rows:
+            self.rows.end_round(rows)
         r.pushed.clear()
         r.sum.clear()
         r.inf = False

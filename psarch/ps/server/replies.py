@@ -1,6 +1,7 @@
 """What a server says: replies on its ROUTER socket (every frame counted) and events on the launcher's pipe.
 
-Every request gets exactly one reply, in order: `ack`, `params`, `rows` or `error`. A failed server answers
+Every request gets exactly one reply, in order: `ack`, `params`, `rows` or `error` (unless its connection is
+dropped for leaving too many unread: connections.py). A failed server answers
 every waiting pull with its failure and tells the launcher (event `failed`); the pipe carries JSON, never pickle.
 """
 from __future__ import annotations
@@ -14,6 +15,7 @@ import zmq
 
 from psarch.meters import TrafficMeter
 from psarch.ps import wire
+from psarch.ps.server.connections import Connections
 from psarch.ps.server.state import ServerState
 
 
@@ -21,16 +23,22 @@ class Replies:
     """The server's outgoing side: `send` and `error` answer a request, `fail` fails the server, `notify`
     writes an event on the launcher's pipe (None: a server without launcher)."""
 
-    def __init__(self, sock: zmq.Socket, meter: TrafficMeter, state: ServerState, pipe: Any) -> None:
-        self.sock, self.meter, self.state, self.pipe = sock, meter, state, pipe
+    def __init__(self, sock: zmq.Socket, meter: TrafficMeter, state: ServerState, pipe: Any,
+                 connections: Connections | None = None) -> None:
+        """connections: what each connection has in flight (None: unbounded)."""
+        self.sock, self.meter, self.state, self.pipe, self.connections = sock, meter, state, pipe, connections
 
     def send(self, ident: bytes, op: str, header: dict[str, Any], tensor: torch.Tensor | None = None) -> None:
-        """Answer request `op` of connection `ident`."""
+        """Answer request `op` of connection `ident`; unless its unread replies would go over its budget: then
+        its connection is dropped instead (connections.py)."""
         frames = wire.encode(header, tensor)
-        self.meter.add(op, wire.frames_bytes(frames), 0, calls=0)
-        self.sock.send_multipart([ident, *frames], copy=False)
+        size = wire.frames_bytes(frames)
         if ident == self.state.current:
             self.state.current_answered = True
+        if self.connections is not None and not self.connections.may_send(ident, size):
+            return
+        self.meter.add(op, size, 0, calls=0)
+        self.sock.send_multipart([ident, *frames], copy=False)
 
     def error(self, ident: bytes, op: str, text: str, code: str | None = None) -> None:
         """Refuse request `op` (counted as rejected unless the server has failed); `code` names the kind."""

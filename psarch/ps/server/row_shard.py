@@ -10,6 +10,7 @@ from psarch.models.dlrm import table_rows
 from psarch.ps.errors import PSError
 from psarch.ps.row_optim import RowOptimizer
 from psarch.ps.rows import KeySpace
+from psarch.ps.server.updates import NonFiniteUpdate
 
 
 def initial_shard(cfg: Config, space: KeySpace, index: int) -> torch.Tensor:
@@ -62,11 +63,25 @@ class RowShard:
         return self.rows[idx].to(dtype)
 
     def apply(self, idx: torch.Tensor, values: torch.Tensor, factor: float = 1.0) -> None:
-        """async / ssp: one row-wise optimizer step; geo: add the deltas (times `factor`)."""
-        if self.geo:
-            self.rows.index_add_(0, idx, values.float(), alpha=factor)
+        """async / ssp: one row-wise optimizer step; geo: add the deltas (times `factor`). NonFiniteUpdate, and
+        nothing changes, when a row or its optimizer state would not be finite."""
+        self.write(idx, self.update(idx, values, factor))
+
+    def update(self, idx: torch.Tensor, values: torch.Tensor, factor: float = 1.0) -> dict[str, torch.Tensor]:
+        """What `apply` would store (rows idx's new values, "param", and their optimizer state), checked finite."""
+        if self.geo:   # idx are distinct: as index_add_ adds them
+            new = {"param": self.rows[idx].add_(values.float(), alpha=factor)}
         else:
-            self.optim.step(idx, values.float())
+            new = self.optim.update(idx, values.float())
+        if not all(bool(torch.isfinite(v).all()) for v in new.values() if v.is_floating_point()):
+            raise NonFiniteUpdate("its update would make rows or their optimizer state non-finite")
+        return new
+
+    def write(self, idx: torch.Tensor, new: dict[str, torch.Tensor]) -> None:
+        if self.geo:
+            self.rows[idx] = new["param"]
+        else:
+            self.optim.write(idx, new)
 
     def add_to_round(self, worker: int, idx: torch.Tensor, values: torch.Tensor) -> None:
         """sync / geo with barrier: keep one worker's rows of this round."""
@@ -81,16 +96,26 @@ class RowShard:
         self.round_values = [self.round_values[i] for i in keep]
         self.round_from = [self.round_from[i] for i in keep]
 
+    def round_update(self, factor: float) -> tuple[torch.Tensor, dict[str, torch.Tensor]] | None:
+        """The round's rows summed over workers, times `factor` (sync: 1/N, the mean gradient), as the update
+        `write` stores (None: no rows this round); NonFiniteUpdate as `update`. The sum goes in worker order, not
+        arrival order (index_add_ on CPU adds in source order), so that its bits do not depend on timing."""
+        if not self.round_idx:
+            return None
+        order = sorted(range(len(self.round_from)), key=self.round_from.__getitem__)
+        idx, inverse = torch.unique(torch.cat([self.round_idx[i] for i in order]), return_inverse=True)
+        values = torch.cat([self.round_values[i] for i in order])
+        total = torch.zeros(idx.numel(), self.space.dim).index_add_(0, inverse, values)
+        return idx, self.update(idx, total.mul_(factor))
+
     def apply_round(self, factor: float) -> None:
-        """Sum the round's rows over workers, times `factor` (sync: 1/N, the mean gradient), and apply once.
-        The sum goes in worker order, not arrival order (index_add_ on CPU adds in source order), so that its
-        bits do not depend on timing."""
-        if self.round_idx:
-            order = sorted(range(len(self.round_from)), key=self.round_from.__getitem__)
-            idx, inverse = torch.unique(torch.cat([self.round_idx[i] for i in order]), return_inverse=True)
-            values = torch.cat([self.round_values[i] for i in order])
-            total = torch.zeros(idx.numel(), self.space.dim).index_add_(0, inverse, values)
-            self.apply(idx, total.mul_(factor))
+        """`round_update`, then `end_round`."""
+        self.end_round(self.round_update(factor))
+
+    def end_round(self, update: tuple[torch.Tensor, dict[str, torch.Tensor]] | None) -> None:
+        """Store the round's update (`round_update`'s) and forget the round's rows."""
+        if update is not None:
+            self.write(*update)
         self.round_idx, self.round_values, self.round_from = [], [], []
 
     def memory(self) -> dict[str, int]:

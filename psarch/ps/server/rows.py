@@ -33,6 +33,7 @@ from psarch.ps.rows import key_space
 from psarch.ps.server.replies import Replies
 from psarch.ps.server.row_shard import RowShard
 from psarch.ps.server.state import ServerState
+from psarch.ps.server.updates import NonFiniteUpdate
 
 Handler = Callable[[bytes, wire.Message], None]
 
@@ -98,8 +99,12 @@ class ServerRows:
         if s.barrier:
             self.shard.add_to_round(w, idx, values)
         else:
-            # geo: workers divide their deltas by N; after a loss, the mean over the live workers' deltas
-            self.shard.apply(idx, values, s.workers / len(s.live))
+            try:   # geo: workers divide their deltas by N; after a loss, the mean over the live workers' deltas
+                self.shard.apply(idx, values, s.workers / len(s.live))
+            except NonFiniteUpdate as e:
+                s.refused_non_finite[w] += 1
+                raise NonFinitePush(f"rowpush: worker {w}'s rows for step {h['step']}: {e}: refused, "
+                                    f"nothing applied") from None
         self.row_step[w] = h["step"]
         self.replies.send(ident, "rowpush", {"op": "ack", "version": version})
 
@@ -108,16 +113,27 @@ class ServerRows:
         self.replies.send(ident, "rowfetch", {"op": "rows", "version": self.state.version},
                           self.shard.rows.clone())
 
-    def end_round(self, step: int, factor: float) -> None:
-        """A partition completed barrier round `step`: with the first to do so, apply the round's rows, summed over
-        workers, times `factor` (every row of the round is in: a worker sends them before its dense pushes)."""
-        if all(p.range.version == step for p in self.state.parts):   # none has completed it yet
-            self.shard.apply_round(factor)
+    def first_to_complete(self, step: int) -> bool:
+        """Whether a partition completing barrier round `step` is the first of this server's to do so: the round's
+        rows go with it (every row of the round is in: a worker sends them before its dense pushes)."""
+        return all(p.range.version == step for p in self.state.parts)
+
+    def round_update(self, factor: float) -> Any:
+        """A barrier round is complete: its rows' update, summed over workers, times `factor`, computed and checked
+        finite (NonFiniteUpdate) but not applied: `end_round` applies it."""
+        return self.shard.round_update(factor)
+
+    def end_round(self, update: Any) -> None:
+        self.shard.end_round(update)
 
     def drop(self, w: int) -> None:
         """Worker w is lost: lost between its rowpush and its dense push, it is not in the round, nor its rows."""
         if self.shard is not None and w not in self.state.lost and not self.state.in_round(w):
             self.shard.drop(w)
+
+    def most_bytes(self) -> int:
+        """The largest legitimate row message to or from this server: every row it owns, with its key."""
+        return self.shard.rows.shape[0] * (8 + 4 * self.space.dim) if self.shard is not None else 0
 
     def add_memory(self, mem: dict[str, Any]) -> None:
         """The shard's bytes added to the server's memory report (and its rows, and their bytes, apart)."""

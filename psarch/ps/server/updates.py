@@ -10,6 +10,9 @@
   their deltas by N; after a worker was lost the server scales them by N / (workers whose deltas
   count), so the model still moves by the mean delta of the workers that are left (with the barrier:
   of the round's deltas; without: of the live workers), not by a fraction of it.
+
+An update whose result would hold inf/nan (parameters or optimizer state) raises NonFiniteUpdate before it
+changes anything (finite.py): finite pushes can overflow too.
 """
 from __future__ import annotations
 
@@ -20,6 +23,11 @@ import torch
 from psarch.config import Config
 from psarch.meters import tensor_bytes
 from psarch.precision import MixedPrecisionOptimizer
+from psarch.ps.server.finite import StepProbe, sum_is_finite
+
+
+class NonFiniteUpdate(ValueError):
+    """An update not applied because its result would hold inf/nan; the range is unchanged."""
 
 
 class RangeState:
@@ -39,35 +47,44 @@ class RangeState:
                        if b.mode in ("async", "ssp") and b.staleness_compensation == "dc" else None)
         self.staleness: Counter[int] = Counter()
         self.skipped = 0
+        self.probe = StepProbe(self.optim.optimizer) if self.optim is not None else None
 
     @property
     def scale(self) -> float:
         return self.optim.scaler.scale if self.optim is not None else 1.0
 
     def _step(self, grad: torch.Tensor, found_inf: bool) -> bool:
+        if not found_inf and not self.probe.finite(grad, 1.0 / self.scale):
+            raise NonFiniteUpdate("its update would make parameters or optimizer state non-finite")
         skipped = self.optim.step([grad], found_inf=found_inf)
         self.skipped += int(skipped)
         return skipped
 
     def apply_mean(self, workers: int, found_inf: bool) -> bool:
         """sync: one optimizer step on the mean of the round's summed gradients; returns skipped."""
-        self.acc.div_(workers)
+        self.acc.div_(workers)   # (refused: the round is never applied, and the next one overwrites acc)
         skipped = self._step(self.acc, found_inf)
         self.version += 1
         return skipped
 
     def apply_sum(self, factor: float = 1.0) -> None:
         """geo with barrier: add the round's summed deltas (times `factor`)."""
+        self._check_sum(self.acc, factor)
         with torch.no_grad():
             self.params.add_(self.acc, alpha=factor)
         self.version += 1
 
     def apply_delta(self, delta: torch.Tensor, staleness: int, factor: float = 1.0) -> None:
         """geo without barrier: add one worker's delta (times `factor`) at once."""
+        self._check_sum(delta, factor)
         with torch.no_grad():
             self.params.add_(delta.float(), alpha=factor)
         self.staleness[staleness] += 1
         self.version += 1
+
+    def _check_sum(self, delta: torch.Tensor, factor: float) -> None:
+        if not sum_is_finite(self.params, delta, factor):
+            raise NonFiniteUpdate("its update would make parameters non-finite")
 
     def apply_gradient(self, grad: torch.Tensor, staleness: int, worker: int, push_scale: float,
                        found_inf: bool) -> bool:

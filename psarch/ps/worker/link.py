@@ -15,6 +15,7 @@ import torch
 
 from psarch.flat import FlatParams
 from psarch.ps import wire
+from psarch.ps.errors import PSError
 from psarch.ps.layout import partitions, server_ranges
 from psarch.ps.worker.client import PSClient, Request
 
@@ -141,8 +142,12 @@ class ServerLink:
         return final
 
     def save(self, step: int, folder: Path) -> None:
-        """Ask every server to write its part of checkpoint `step` into `folder` (acked once every worker asked)."""
-        self.client.exchange([[Request({"op": "save", "step": step, "path": str(folder)})] for _ in self.ranges])
+        """Ask every server to write its part of checkpoint `step` into `folder` (acked once every worker asked);
+        PSError naming the checkpoint when a server refuses, or does not answer within the client's timeout."""
+        try:
+            self.client.exchange([[Request({"op": "save", "step": step, "path": str(folder)})] for _ in self.ranges])
+        except PSError as e:
+            raise type(e)(f"checkpoint step {step} not written: {e}") from None
 
     def done(self) -> None:
         """Tell every server this worker is done."""

@@ -1,0 +1,144 @@
+"""Virtual devices: the device every worker of a run stands for, and the time dilation D of the emulation.
+
+With a modelled device (`cluster.device` a profile, or `cluster.device_tflops`), a worker computes for real
+(real gradients: convergence is real), then waits out the rest of the step's modelled compute time,
+FLOPs / (peak x mfu), with FLOPs counted once by torch's own FlopCounterMode (psarch.cluster.flops) and the
+wait placed through forward and backward as the device would spend it (psarch.cluster.pacing). The
+emulation may run D times slower than the cluster it stands for: links shaped at link_mbps / D, modelled
+compute x D, every reported time / D, so the host's own costs (8 ranks on 2 cores, per-message CPU time)
+shrink by D against the cluster's. "auto" picks D (psarch.cluster.dilation).
+
+This module holds the facts of a config: the profiles, the modelled rate, D, and the config's rules.
+"""
+from __future__ import annotations
+
+import statistics
+from typing import Any
+
+from psarch.config_files import ConfigError, show
+
+MEASURED = "cpu-measured"   # no device model: compute takes what this machine takes (the default)
+# Peak dense TFLOPS by train.precision, from NVIDIA's data sheets (SXM parts, no sparsity); fp32 without
+# TF32, as PyTorch runs fp32 matmuls by default. The V100 has no bf16.
+PROFILES: dict[str, dict[str, float]] = {
+    "h100": {"fp32": 67.0, "bf16": 989.0, "fp16": 989.0},
+    "a100": {"fp32": 19.5, "bf16": 312.0, "fp16": 312.0},
+    "v100": {"fp32": 15.7, "fp16": 125.0},
+}
+
+Config = Any   # psarch.config.Config (whose module imports this package)
+
+
+def modelled(cfg: Config) -> bool:
+    """Whether the workers compute as a modelled device (a profile or device_tflops), not as this machine."""
+    c = cfg.cluster
+    return c.device != MEASURED or c.device_tflops > 0
+
+
+def name(cfg: Config) -> str:
+    """The device in words: the profile's name, or "custom device"."""
+    c = cfg.cluster
+    return c.device if c.device != MEASURED else "custom device"
+
+
+def peak_tflops(cfg: Config) -> float:
+    """The device's peak TFLOPS at train.precision."""
+    c = cfg.cluster
+    return c.device_tflops or PROFILES[c.device][cfg.train.precision]
+
+
+def flops_per_s(cfg: Config) -> float:
+    """The rate the modelled device computes at: peak x mfu, in FLOP/s."""
+    return peak_tflops(cfg) * cfg.cluster.mfu * 1e12
+
+
+def dilation(cfg: Config) -> float:
+    """D: 1 without a modelled device or without emulate; the number the config (or the launcher's
+    psarch.cluster.dilation.resolve) gives otherwise."""
+    c = cfg.cluster
+    if not (modelled(cfg) and c.emulate):
+        return 1.0
+    if c.dilation == "auto":
+        raise RuntimeError("cluster.dilation = \"auto\" was not resolved: psarch.cluster.dilation.resolve(cfg) "
+                           "picks D once, in the launcher, before any rank starts")
+    return float(c.dilation)
+
+
+def shaped_mbps(cfg: Config) -> tuple[float, float]:
+    """The rates an emulated cluster shapes its links to, (worker link, service link) in Mbit/s: the
+    cluster's / D."""
+    d = dilation(cfg)
+    return cfg.cluster.link_mbps / d, cfg.cluster.server_mbps / d
+
+
+def check(cfg: Config) -> None:
+    """The device's and dilation's rules, one ConfigError each."""
+    c, precision = cfg.cluster, cfg.train.precision
+    if c.mfu <= 0:
+        raise ConfigError(f"cluster.mfu = {show(c.mfu)}: must be in (0, 1]")
+    if c.device != MEASURED and c.device_tflops > 0:
+        raise ConfigError(f"cluster.device_tflops = {c.device_tflops:g}: a custom device replaces a profile; set "
+                          f"cluster.device = \"{MEASURED}\" with it, or cluster.device_tflops = 0 with "
+                          f"cluster.device = {show(c.device)}")
+    if c.device in PROFILES and precision not in PROFILES[c.device]:
+        raise ConfigError(f"cluster.device = {show(c.device)}: has no {precision} peak; it runs "
+                          f"{', '.join(PROFILES[c.device])} (train.precision), or give cluster.device_tflops")
+    if c.dilation == "auto" or c.dilation == 1:
+        return
+    if not modelled(cfg):
+        raise ConfigError(f"cluster.dilation = {show(c.dilation)}: needs a modelled device (cluster.device = "
+                          f"{', '.join(show(p) for p in PROFILES)}, or cluster.device_tflops): measured compute "
+                          f"would be divided by D too")
+    if not c.emulate:
+        raise ConfigError(f"cluster.dilation = {show(c.dilation)}: needs cluster.emulate = true (only emulated "
+                          f"links can run D times slower; on loopback D is 1)")
+
+
+# ---------------------------------------------------------------- what a run reports
+
+OVERRUN_WARN = 0.05   # a run where more than this fraction of timed steps overran says so
+
+
+def summary(cfg: Config, records: list[Any], timed: set[int]) -> dict[str, Any] | None:
+    """summary.json's `virtual_device` from the ranks' records (None without a modelled device): the device,
+    its FLOPs and nominal times per worker-step, D, the median over timed steps of the slowest worker's
+    modelled compute, and the timed steps (of every rank) whose real compute overran the modelled time."""
+    facts = next((r.virtual_device for r in records if r.virtual_device), None)
+    if not modelled(cfg) or facts is None:
+        return None
+    steps = [x for r in records for x in r.steps if x["step"] in timed and "overrun" in x]
+    slowest: dict[int, float] = {}
+    for x in steps:
+        slowest[x["step"]] = max(slowest.get(x["step"], 0.0), x["modelled_s"])
+    over = sum(1 for x in steps if x["overrun"])
+    out = {"device": name(cfg), "peak_tflops": peak_tflops(cfg), "mfu": cfg.cluster.mfu, **facts,
+           "compute_s": statistics.median(slowest.values()) if slowest else None,
+           "overrun_steps": over, "counted_steps": len(steps), "overrun_fraction": over / len(steps) if steps else 0.0,
+           "times": "cluster time: every time reported is the wall clock / dilation"}
+    out["warning"] = overrun_line(out)
+    return out
+
+
+def overrun_line(vd: dict[str, Any]) -> str | None:
+    """The one line a run whose steps overran too often ends with (None where they did not)."""
+    if vd["overrun_fraction"] <= OVERRUN_WARN:
+        return None
+    return (f"virtual device: {vd['overrun_steps']} of {vd['counted_steps']} timed worker-steps "
+            f"({vd['overrun_fraction']:.0%}) overran their modelled compute: this machine, not the "
+            f"{vd['device']}, set their time; raise cluster.dilation (it is {vd['dilation']:g})")
+
+
+def report_lines(vd: dict[str, Any], alpha_s: float | None) -> list[str]:
+    """report.txt's lines on the virtual device, the overrun line last (where there is one)."""
+    d = vd["dilation"]
+    lines = [f"virtual device  {vd['device']} ({vd['peak_tflops']:g} TFLOPS x mfu {vd['mfu']:g}): "
+             f"{vd['forward_flops'] / 1e9:.3g} + {vd['backward_flops'] / 1e9:.3g} GFLOP per worker-step = "
+             f"{vd['forward_s'] * 1e3:.3g} + {vd['backward_s'] * 1e3:.3g} ms forward + backward",
+             f"time dilation   D = {d:g}: links shaped at link_mbps / D, modelled compute x D; every time above "
+             f"is the cluster's (wall clock / D)"
+             + (f"; alpha {alpha_s * 1e6:.0f} us on this host = {alpha_s / d * 1e6:.3g} us of cluster time"
+                if alpha_s is not None else ""),
+             f"overrun steps   {vd['overrun_steps']} of {vd['counted_steps']} timed worker-steps "
+             f"({vd['overrun_fraction']:.1%})"]
+    warn = overrun_line(vd)
+    return lines + ([warn] if warn else [])

@@ -1,0 +1,144 @@
+"""cluster.dilation = "auto": the D an emulated cluster of virtual devices runs at, picked once, in the
+launcher, before any rank starts (every rank and every link must use the same D).
+
+D must stretch the cluster's times past what this machine spends on them, with margin. Both are measured
+here, while `processes - 1` helper processes spin on the CPU in place of the run's other ranks and servers
+(all computing at once, as a synchronous step starts): the contention the run itself will bring, beside
+whatever else the machine is running now.
+- compute: a worker's real forward and backward must fit inside the modelled compute x D;
+- communication: the host's own cost of the step's messages (α of a TCP ping-pong and bytes/s of one
+  stream on this machine's loopback, α paid once per message of every bucket, through theory's step-time
+  model) must fit inside their time on the cluster's links x D; where the backend communicates during
+  backward (BackendSpec.comm_model: overlap with several buckets, or passes inside compute), that cost
+  competes with the compute for the same cores, and counts on its side too.
+D = AUTO_MARGIN x the larger of the two ratios, at least 1, rounded up to two significant digits.
+AUTO_MARGIN is 2 for the load that comes and goes after the measurement.
+
+What no D stretches: TCP's own timers (delayed ACKs, the 200 ms minimum retransmission timeout) and the
+host's per-message latency α, which are the same wall-clock times at every D, so D times shorter in the
+cluster's time than on the host. The emulated cluster's α is α / D (reported beside the results).
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import math
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from typing import Any, Iterator
+
+import torch
+
+from psarch import registry
+from psarch.cluster import device
+from psarch.cluster.alpha import loopback_alpha, loopback_bytes_per_s
+from psarch.cluster.flops import count
+
+AUTO_MARGIN = 2.0
+# The loopback's bytes/s is measured on a stream of the step's payload, within these bounds: at least 8 MiB,
+# so one delayed wake-up of the receiving thread does not pass for a slow stream.
+MIN_PROBE_BYTES, MAX_PROBE_BYTES = 8 * 2**20, 32 * 2**20
+
+Config = Any
+
+
+@dataclass(frozen=True)
+class Costs:
+    """A step of one worker: modelled on the cluster (cluster time) and spent by this machine (wall-clock)."""
+
+    modelled_compute_s: float
+    modelled_comm_s: float
+    host_compute_s: float      # forward + backward, one process among the run's, timed now
+    host_comm_s: float         # the step's messages through this machine's loopback: α and bytes/s
+    overlapped: bool           # communication runs during backward, on the cores the compute needs
+
+
+def round_up(x: float) -> float:
+    """x rounded up to two significant digits (a D that reads well in a config: 24, 130, 4100)."""
+    if x <= 1:
+        return 1.0
+    exponent = math.floor(math.log10(x))
+    step = 10.0 ** (exponent - 1)
+    return float(round(math.ceil(x / step - 1e-9) * step, max(0, 1 - exponent)))
+
+
+def choose(costs: Costs) -> float:
+    """D for these costs: AUTO_MARGIN x the larger of host/modelled for compute and for communication."""
+    host = costs.host_compute_s + (costs.host_comm_s if costs.overlapped else 0.0)
+    ratios = [host / costs.modelled_compute_s if costs.modelled_compute_s > 0 else 0.0,
+              costs.host_comm_s / costs.modelled_comm_s if costs.modelled_comm_s > 0 else 0.0]
+    return round_up(AUTO_MARGIN * max(ratios))
+
+
+@contextlib.contextmanager
+def spinning(n: int) -> Iterator[None]:
+    """`n` processes spinning on the CPU for the block: the run's other processes, all computing."""
+    procs = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(n)]
+    try:
+        yield
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait()
+
+
+def _host_compute_s(workload: Any, batch: Any, threads: int) -> float:
+    """The median of three timed forward+backward passes (after one untimed), on `threads` threads."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        times = []
+        for _ in range(4):
+            t0 = time.perf_counter()
+            workload.loss_fn(workload.model, batch).backward()
+            times.append(time.perf_counter() - t0)
+    finally:
+        torch.set_num_threads(before)
+    return statistics.median(times[1:])
+
+
+def measure(cfg: Config, threads: int = 1) -> Costs:
+    """This workload's modelled step on the cluster and its cost on this machine now, beside the run's
+    other processes (`spinning`; a rank computes on `threads` threads)."""
+    from psarch.theory import WIRE_OVERHEAD, cluster_step_time, predict
+    from psarch.workload import build_workload
+    with torch.random.fork_rng(devices=[]):   # the launcher's random state stays as it was
+        workload = build_workload(cfg)
+        batch = workload.batch(0, 0, cfg.backend.world_size)
+        flops = count(workload.model, workload.loss_fn, batch)
+    phi = sum(p.numel() for p in workload.model.parameters())
+    p, c, spec = predict(cfg, phi), cfg.cluster, registry.spec_of(cfg)
+    m = spec.comm_model(cfg, phi, {})
+    modelled_comm = cluster_step_time(p, 0.0, c.link_mbps, c.server_mbps)["comm_s"]
+    probe = int(min(max(p.worker.sent, p.worker.received, MIN_PROBE_BYTES), MAX_PROBE_BYTES))
+    with spinning(cfg.backend.world_size + spec.service_nodes(cfg) - 1):
+        with torch.random.fork_rng(devices=[]):
+            host_compute = _host_compute_s(workload, batch, threads)
+        alpha, rate = (loopback_alpha(), loopback_bytes_per_s(probe)) if modelled_comm > 0 else (0.0, 1.0)
+    host_mbps = rate * 8 / 1e6 * WIRE_OVERHEAD   # theory takes the headers off again
+    host_comm = cluster_step_time(p, 0.0, host_mbps, host_mbps, alpha * m.buckets)["comm_s"] if modelled_comm else 0.0
+    return Costs((flops.forward + flops.backward) / device.flops_per_s(cfg), modelled_comm, host_compute, host_comm,
+                 (m.overlap and m.buckets > 1) or m.hidden_passes > 0)
+
+
+def resolve(cfg: Config, echo: bool = True, threads: int = 1) -> Config:
+    """cfg with cluster.dilation a number: as given; 1 without a modelled device or without emulate; else
+    picked from this machine's costs (`choose`; a rank computes on `threads` threads), saying why in one
+    line when `echo`."""
+    c = cfg.cluster
+    if c.dilation != "auto":
+        return cfg
+    d = 1.0
+    if device.modelled(cfg) and c.emulate:
+        costs = measure(cfg, threads)
+        d = choose(costs)
+        if echo:
+            print(f"psarch: cluster.dilation = \"auto\" -> {d:g}: beside the run's other processes, a worker's "
+                  f"step computes here in {costs.host_compute_s * 1e3:.1f} ms against "
+                  f"{costs.modelled_compute_s * 1e3:.3g} ms modelled on {device.name(cfg)}, and its messages cost "
+                  f"{costs.host_comm_s * 1e3:.3g} ms on loopback against {costs.modelled_comm_s * 1e3:.3g} ms on "
+                  f"the links{' (during backward)' if costs.overlapped else ''}; margin x{AUTO_MARGIN:g}", flush=True)
+    return dataclasses.replace(cfg, cluster=dataclasses.replace(c, dilation=d))
