@@ -267,6 +267,45 @@ def test_a_row_update_whose_result_would_be_non_finite_is_refused():
         services.stop()
 
 
+def test_a_sync_round_whose_rows_would_be_non_finite_fails_unapplied_with_partitions(tmp_path):
+    """Sync with embedding rows and the dense part in partitions: the round's rows go with the first partition to
+    complete it and are checked before anything is stored; rows whose row-wise Adagrad update would overflow
+    fail the server, and neither the rows nor any partition change."""
+    from psarch.ps.server.start import build_server
+    keys = auth.keygen(tmp_path / "keys", 2, 1)
+    cfg = from_dict(config("rowround", base={"seed": 1, "workload": {
+        "model": "dlrm", "data": "clicks", "dlrm": {"num_tables": 2, "rows": 50, "dim": 4, "bottom_mlp": [32],
+                                                     "top_mlp": [32]}, "clicks": {"dense": 3}},
+        "train": {"steps": 1, "global_batch": 4}}, train={"optimizer": "adagrad", "lr": 0.5},
+        backend=ps(2, "sync", embeddings="rows", partition_mb=PARTITION_64, auth="plain", keys=str(keys))))
+    srv = build_server(0, cfg, "127.0.0.1", 0, True, creds=Credentials("plain", str(keys)))
+    thread = threading.Thread(target=srv.serve, daemon=True)
+    thread.start()
+    s, zctx = srv.state, zmq.Context()
+    try:
+        assert len(s.parts) >= 2
+        rows, dense = srv.rows.shard.rows.clone(), s.params().clone()
+        dealers = [Dealer(zctx, srv.address, srv.creds, w) for w in (0, 1)]
+        for w, d in enumerate(dealers):
+            d.sock.send_multipart(wire.encode({"op": "rowpush", "worker": w, "step": 0, "version": 0},
+                                              torch.full((2, 4), 1e20), keys=torch.tensor([0, 6])))
+            assert wire.decode(d.sock.recv_multipart()).op == "ack"
+        p0 = s.parts[0]
+        for w, d in enumerate(dealers):
+            r = d.ask({"op": "push", "worker": w, "step": 0, "version": 0, "offset": p0.lo}, torch.ones(p0.hi - p0.lo))
+            assert r is not None and r.op == "ack", r
+        deadline = time.monotonic() + 5
+        while s.failure is None and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert s.failure is not None and "non-finite" in s.failure and "not applied" in s.failure, s.failure
+        assert torch.equal(srv.rows.shard.rows, rows) and torch.equal(s.params(), dense)
+        assert all(p.range.version == 0 for p in s.parts)
+    finally:
+        zctx.destroy(linger=0)
+        srv.stop()
+        thread.join(5)
+
+
 # ---------------------------------------------------------------- what one connection may make a server hold
 
 def test_the_default_budget_holds_two_partitioned_exchanges():
