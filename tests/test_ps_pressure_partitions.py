@@ -122,7 +122,7 @@ def test_the_default_budget_holds_two_partitioned_exchanges():
     """With partitions a worker's exchange with a server is one message per partition each way, back to back; the
     default bound (inflight_mb = 0) must let two such exchanges be in flight, every message with its header and
     its frames' framing. Counting two headers an exchange, as before partitions, a server of 2^20 elements in
-    64-element partitions held 9.2 MiB of budget against 16 MiB of its own workers' pushes."""
+    64-element partitions held 9.25 MiB of budget against 15.5 MiB of two exchanges of its own workers' pushes."""
     from psarch.ps.layout import partitions
     from psarch.ps.server.connections import FRAMING, exchange_budget
     n, big = 2**20, 10**6
