@@ -37,12 +37,16 @@ PROCESS_GROUP_OPTIONS = {"backend.dist_backend": None, "backend.timeout_s": None
 @dataclass(frozen=True)
 class CommModel:
     """How a backend's communication meets its compute on a cluster (theory.cluster_step_time's inputs):
-    collectives per pass, whether backward hides them, ring passes that block inside forward/backward, and
-    the share of the compute phase its ranks wait by design (a pipeline's bubble)."""
+    collectives (or partitions) per pass, whether backward hides them, ring passes that block inside
+    forward/backward, how many slots a push-then-pull exchange is pipelined over (1: one after the other),
+    whether the next forward hides overlapped communication too (a PS's priority; else backward alone), and the
+    share of the compute phase its ranks wait by design (a pipeline's bubble)."""
 
     buckets: int = 1
     overlap: bool = False
     hidden_passes: int = 0
+    pipeline: int = 1
+    forward_hides: bool = False
     idle_fraction: float = 0.0
 
 
@@ -117,8 +121,14 @@ class BackendSpec(ABC):
         return rank, world_size
 
     def service_nodes(self, cfg: Config) -> int:
-        """Processes besides the workers that this run starts (PS servers), each a node of an emulated cluster."""
+        """Processes besides the workers that this run starts (PS servers); on an emulated cluster each is a node
+        of its own unless `service_beside` puts it on a worker's."""
         return 0
+
+    def service_beside(self, cfg: Config, index: int) -> int | None:
+        """The rank of the worker whose node service `index` shares on an emulated cluster (and so its link), or
+        None for a node of its own."""
+        return None
 
     def start_services(self, cfg: Config, out_dir: Path, where: Placement | None = None,
                        start: Path | None = None) -> Services | None:

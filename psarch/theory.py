@@ -47,6 +47,15 @@ class LinkBytes:
 
 
 @dataclass
+class LinkLoad:
+    """What one link carries per step in each phase of a push-then-pull exchange (sent: up, received: down)."""
+
+    server: bool          # a service's own node's link (cluster.server_link_mbps), else a worker's node's
+    push: LinkBytes
+    pull: LinkBytes
+
+
+@dataclass
 class RankPrediction:
     """What theory says of one rank of a model-parallel run: its model states, its link per step, and the
     backend's own figures, each measured under the same name in summary.json's `extra` (a pipeline stage's
@@ -63,10 +72,10 @@ class RankPrediction:
 
 @dataclass
 class Prediction:
-    """Everything theory says about one run. `worker` and `server` are per-link figures, the input of a
-    step-time model on a cluster (one link per worker, one per PS server). Model-parallel backends fill
-    `per_rank`, what each rank holds and sends and their own per-rank figures (`memory_per_rank` is then the
-    fullest rank's and `worker` the busiest link's)."""
+    """Everything theory says about one run. `worker` and `server` are what one worker's and one PS server's
+    meters count per step; on a cluster each is also its own node's link, unless `links` says otherwise.
+    Model-parallel backends fill `per_rank`, what each rank holds and sends and their own per-rank figures
+    (`memory_per_rank` is then the fullest rank's and `worker` the busiest link's)."""
 
     memory_per_rank: MemoryPrediction   # model states one worker holds
     worker: LinkBytes                   # one worker's link, per step
@@ -74,6 +83,9 @@ class Prediction:
     rounds: float                       # communication phases per step: a collective pass, a push or a pull
     messages: float                     # messages in sequence per step, each paying the link latency once
     server_memory: float | None         # bytes one PS server holds (None: no servers)
+    # with servers: the links whose load sets the exchange's time, by phase, where processes share a node (a
+    # server beside a worker); None: each worker's and each server's own (two_phase_links)
+    links: list[LinkLoad] | None = None
     per_rank: list[RankPrediction] | None = None
 
     def to_dict(self) -> dict:
@@ -159,33 +171,57 @@ def traffic_per_step(kind: str, payload_bytes: float, n: int, **backend: Any) ->
 WIRE_OVERHEAD = 1514 / 1448
 
 
+def two_phase_links(p: Prediction) -> list[LinkLoad]:
+    """Each worker on its own node pushes through its link, then pulls; each server on its own node receives
+    the pushes, then sends the pulls."""
+    return [LinkLoad(False, LinkBytes(p.worker.sent, 0.0), LinkBytes(0.0, p.worker.received)),
+            LinkLoad(True, LinkBytes(0.0, p.server.received), LinkBytes(p.server.sent, 0.0))]
+
+
+def exchange_time(links: list[LinkLoad], worker_rate: float, server_rate: float, pipeline: int = 1) -> float:
+    """Seconds of a push-then-pull exchange over `links` (payload bytes/s of each kind of link). pipeline = 1:
+    the push phase, then the pull phase, each as long as its busiest link and direction. pipeline = m > 1
+    (m partitions per server, pushed back to back, each pulled once its round is complete): a 2-stage
+    pipeline over m slots, (push + pull) / m to fill and drain it, and (m - 1) / m of the time the busiest
+    link and direction takes to carry push and pull at once (full duplex: m -> inf gives that time alone)."""
+    def busiest(load: Any) -> float:
+        return max(max(b.sent, b.received) / (server_rate if link.server else worker_rate)
+                   for link in links for b in [load(link)])
+    push, pull = busiest(lambda x: x.push), busiest(lambda x: x.pull)
+    both = busiest(lambda x: LinkBytes(x.push.sent + x.pull.sent, x.push.received + x.pull.received))
+    return (push + pull) / pipeline + (pipeline - 1) / pipeline * both
+
+
 def cluster_step_time(p: Prediction, compute_s: float, link_mbps: float, server_mbps: float,
                       alpha_s: float = 0.0, buckets: int = 1, overlap: bool = False,
-                      hidden_passes: int = 0, backward_s: float | None = None) -> dict[str, float]:
+                      hidden_passes: int = 0, pipeline: int = 1, forward_hides: bool = False,
+                      backward_s: float | None = None) -> dict[str, float]:
     """Step time on an emulated cluster: compute (measured, or a virtual device's modelled) plus the bytes
     `p` puts on each link at its rate (with WIRE_OVERHEAD), plus α per message in sequence (α-β model).
     server_mbps: a PS server's link (ClusterConfig.server_mbps); collectives ignore it.
 
-    Collectives: every rank sends and receives its volume at once (full duplex). PS: a push phase then a
-    pull phase, each as long as the slower of a worker's link and a server's link. Overlap (DDP/ZeRO with
-    overlap_comm and B buckets): buckets of equal size, ready at equal steps through backward (`backward_s`;
-    unknown: 2/3 of compute), on one link: after backward there waits the last bucket's share, or, where
-    the link is the bound, all of it less what backward hides after the first bucket is ready,
-    max(comm / B, comm - backward (B - 1) / B). hidden_passes: ring passes already inside the measured
-    compute (ZeRO-3's forward and backward all-gathers block there, where the comm wait does not see them)."""
+    Collectives: every rank sends and receives its volume at once (full duplex). PS: a push then a pull over
+    the links (`exchange_time`; pipelined over `pipeline` partitions per server). Overlap (DDP/ZeRO with
+    overlap_comm and B buckets, a PS pushing B partitions from backward's hooks): buckets of equal size, ready
+    at equal steps through backward (`backward_s`; unknown: 2/3 of compute), on one link: after backward there
+    waits the last bucket's share, or, where the link is the bound, all of it less what backward hides after
+    the first bucket is ready, max(comm / B, comm - backward (B - 1) / B); forward_hides (a PS's priority:
+    the next forward's first parameters come first) hides it behind the rest of the compute too.
+    hidden_passes: ring passes already inside the measured compute (ZeRO-3's forward and backward
+    all-gathers block there, where the comm wait does not see them)."""
     worker_rate = link_mbps * 1e6 / 8 / WIRE_OVERHEAD   # payload bytes/s
     if not p.worker.sent and not p.worker.received:
         return {"compute_s": compute_s, "comm_s": 0.0, "step_time_s": compute_s}
     if p.server is not None:
         server_rate = server_mbps * 1e6 / 8 / WIRE_OVERHEAD
-        push = max(p.worker.sent / worker_rate, p.server.received / server_rate)
-        pull = max(p.worker.received / worker_rate, p.server.sent / server_rate)
-        comm = push + pull + p.messages * alpha_s
+        comm = (exchange_time(p.links or two_phase_links(p), worker_rate, server_rate, pipeline)
+                + p.messages * alpha_s)
     else:
         shown = (p.rounds - hidden_passes) / p.rounds
         comm = shown * (p.worker.sent / worker_rate + p.messages * alpha_s)
-    hiding = 2 / 3 * compute_s if backward_s is None else backward_s
-    exposed = max(comm - hiding * (buckets - 1) / buckets, comm / buckets) if overlap and buckets > 1 else comm
+    backward = 2 / 3 * compute_s if backward_s is None else backward_s
+    hiding = backward * (buckets - 1) / buckets + (max(0.0, compute_s - backward) if forward_hides else 0.0)
+    exposed = max(comm - hiding, comm / buckets) if overlap and buckets > 1 else comm
     return {"compute_s": compute_s, "comm_s": exposed, "step_time_s": compute_s + exposed}
 
 
@@ -210,6 +246,7 @@ def cluster_step(cfg: Config, summary: dict[str, Any]) -> dict[str, float]:
         compute = summary["step_time_s"] - (summary.get("comm_s") or 0.0)
     # a rank that waits by design (the bubble) computes `compute` in a phase 1 / (1 - idle) as long
     pred = cluster_step_time(predict(cfg, summary["params"]), compute / (1.0 - m.idle_fraction), cfg.cluster.link_mbps,
-                             cfg.cluster.server_mbps, alpha, m.buckets, m.overlap, hidden, backward)
+                             cfg.cluster.server_mbps, alpha, m.buckets, m.overlap, hidden, m.pipeline,
+                             m.forward_hides, backward)
     return {"measured_s": summary["step_time_s"], "predicted_s": pred["step_time_s"],
             "compute_s": compute, "predicted_comm_s": pred["comm_s"]}

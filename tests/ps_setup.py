@@ -11,7 +11,10 @@ OPTIMIZERS = dict(_PARITY, plain_sgd={"optimizer": "sgd", "lr": 0.1})
 
 
 def ps(n: int, mode: str = "sync", servers: int = 1, **extra) -> dict:
-    return dict({"kind": "ps", "world_size": n, "mode": mode, "servers": servers, "timeout_s": 60.0}, **extra)
+    """A PS backend table; each server's range whole (partition_mb = 0) unless a test asks for partitions, so the
+    tests that count messages or name offsets do not depend on backend.partition_mb's default."""
+    return dict({"kind": "ps", "world_size": n, "mode": mode, "servers": servers, "timeout_s": 60.0,
+                 "partition_mb": 0.0}, **extra)
 
 
 def run_stage(out: Path, services: dict[str, Any], fn: Callable, n: int) -> list:

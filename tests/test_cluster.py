@@ -99,8 +99,9 @@ def test_cluster_step_time_by_hand():
     payload), α = 0.1 ms, compute 50 ms, counted by hand."""
     from psarch.theory import cluster_step_time, config_for, predict
 
-    def step(kind: str, stage: int = 1, servers: int = 1, **kw) -> float:
-        options = {"zero": {"stage": stage}, "ps": {"servers": servers}}.get(kind, {})
+    def step(kind: str, stage: int = 1, servers: int = 1, placement: str = "dedicated", **kw) -> float:
+        options = {"zero": {"stage": stage},
+                   "ps": {"servers": servers, "partition_mb": 0.0, "server_placement": placement}}.get(kind, {})
         p = predict(config_for(kind, 1 if kind == "single" else 4, "fp32", "sgd", **options), 250_000)
         return cluster_step_time(p, 0.05, 100.0, kw.pop("server_mbps", 100.0), alpha_s=1e-4, **kw)["step_time_s"]
 
@@ -111,6 +112,16 @@ def test_cluster_step_time_by_hand():
     assert step("ps") == pytest.approx(0.05 + 2 * 4e6 / rate + 2e-4)           # one server's link: N·S each way
     assert step("ps", servers=4) == pytest.approx(0.05 + 2 * 1e6 / rate + 2e-4)  # N servers: S each
     assert step("ps", server_mbps=400.0) == pytest.approx(0.05 + 2 * 4e6 / (4 * rate) + 2e-4)
+    # pipelined over m partitions per server: (push + pull) / m to fill and drain, (m - 1) / m of both at once
+    for m in (1, 4, 25):
+        assert step("ps", servers=4, pipeline=m) == pytest.approx(0.05 + (2 / m + (m - 1) / m) * 1e6 / rate + 2e-4)
+        assert step("ps", pipeline=m) == pytest.approx(0.05 + (1 + 1 / m) * 4e6 / rate + 2e-4)
+    # colocated, server i on worker i's node: 3/4 S of pushes out and 3/4 S in, then the same of pulls; pipelining
+    # cannot help a node already busy both ways
+    for m in (1, 25):
+        assert step("ps", servers=4, placement="colocated", pipeline=m) == pytest.approx(0.05 + 1.5e6 / rate + 2e-4)
+    # 2 servers beside workers 0 and 1: their nodes push S/2, receive 3/2 S; the workers alone push S
+    assert step("ps", servers=2, placement="colocated") == pytest.approx(0.05 + 2 * 1.5e6 / rate + 2e-4)
     assert step("single") == 0.05
     # overlap: 4 buckets ready at 1/4, 2/4, 3/4 and the end of backward (2/3 of compute, or as given) on one
     # link: link-bound, it starts at 1/4 of backward and runs all of comm; compute-bound, the last bucket waits
@@ -118,6 +129,9 @@ def test_cluster_step_time_by_hand():
     assert step("ddp", buckets=4, overlap=True) == pytest.approx(0.05 + comm - 0.05 * 2 / 3 * 3 / 4)
     assert step("ddp", buckets=4, overlap=True, backward_s=0.02) == pytest.approx(0.05 + comm - 0.02 * 3 / 4)
     assert step("ddp", buckets=4, overlap=True, backward_s=1.0) == pytest.approx(0.05 + comm / 4)
+    # a PS's priority: the next forward (the compute less backward) hides it too
+    assert step("ddp", buckets=4, overlap=True, backward_s=0.02, forward_hides=True) == pytest.approx(
+        0.05 + comm - 0.02 * 3 / 4 - 0.03)
 
 
 def test_cluster_model_per_backend():
@@ -133,18 +147,21 @@ def test_cluster_model_per_backend():
         extra = {"zero_groups": [groups, groups]} if groups is not None else {}
         return asdict(registry.spec_of(cfg).comm_model(cfg, 250_000, extra))
 
-    assert model({"kind": "ddp", "bucket_cap_mb": 0.25}) == {"buckets": 4, "overlap": True, "hidden_passes": 0,
-                                                                  "idle_fraction": 0.0}
+    one = {"hidden_passes": 0, "pipeline": 1, "forward_hides": False, "idle_fraction": 0.0}
+    assert model({"kind": "ddp", "bucket_cap_mb": 0.25}) == {"buckets": 4, "overlap": True, **one}
     assert model({"kind": "ddp", "overlap_comm": False})["overlap"] is False
-    assert model({"kind": "torch_ddp", "bucket_cap_mb": 0.5}) == {"buckets": 2, "overlap": True, "hidden_passes": 0,
-                                                                  "idle_fraction": 0.0}
-    assert model({"kind": "zero", "reduce_bucket_size": 125_000}) == {"buckets": 2, "overlap": True,
-                                                                      "hidden_passes": 0, "idle_fraction": 0.0}
+    assert model({"kind": "torch_ddp", "bucket_cap_mb": 0.5}) == {"buckets": 2, "overlap": True, **one}
+    assert model({"kind": "zero", "reduce_bucket_size": 125_000}) == {"buckets": 2, "overlap": True, **one}
     # stage 3 reduce-scatters one unit at a time: its groups, never reduce_bucket_size (stages 1-2 only)
-    assert model({"kind": "zero", "stage": 3}, groups=5) == {"buckets": 5, "overlap": True, "hidden_passes": 2,
-                                                             "idle_fraction": 0.0}
+    assert model({"kind": "zero", "stage": 3}, groups=5) == {"buckets": 5, "overlap": True, **one,
+                                                             "hidden_passes": 2}
     assert model({"kind": "zero", "stage": 3})["buckets"] == 1
-    assert model({"kind": "ps"})["overlap"] is False
+    # ps: 125,000 parameters a server in partitions of 65,536: 2 each, pushed from backward's hooks (not in GEO)
+    ps = {"kind": "ps", "servers": 2, "partition_mb": 0.25}
+    assert model(ps) == {"buckets": 4, "overlap": True, **one, "pipeline": 2}
+    # priority: the pulls also hide behind the next forward
+    assert model(dict(ps, priority_credit_mb=0.5))["forward_hides"] is True
+    assert model(dict(ps, mode="geo"))["overlap"] is False and model(dict(ps, partition_mb=0.0))["pipeline"] == 1
     assert model({"kind": "pipeline", "stages": 2, "microbatches": 2})["idle_fraction"] == pytest.approx(1 / 3)
     assert model({"kind": "torch_pipeline", "stages": 2, "microbatches": 2})["idle_fraction"] == 0.0
 
@@ -260,3 +277,33 @@ def test_a_launcher_killed_with_its_step_window_leaks_nothing():
     assert proc.returncode == -9, proc.stderr
     assert "leaked" not in proc.stderr and "resource_tracker" not in proc.stderr, proc.stderr
 
+
+
+def test_crossover_table_divides_each_ps_run_by_its_ring_peer():
+    """psarch.ps.crossover: PS / ring DDP at the same N and rate, measured and predicted, beside BytePS's bound
+    N^2 / (N^2 + kN - 2k) (k = N dedicated: N / (2(N - 1)); colocated servers add no machine: 1)."""
+    from psarch.ps.crossover import bound, table
+
+    assert bound(4, 4, False) == pytest.approx(2 / 3) and bound(8, 8, False) == pytest.approx(4 / 7)
+    assert bound(4, 1, False) == pytest.approx(16 / 18) and bound(4, 4, True) == pytest.approx(1.0)
+
+    def run(backend: dict, measured: float, predicted: float) -> dict:
+        cfg = from_dict({"backend": {"world_size": 4, **backend}, "cluster": {"link_mbps": 100.0}})
+        return {"cfg": cfg, "label": backend["kind"], "measured_s": measured, "predicted_s": predicted}
+    rows = table([run({"kind": "ps", "servers": 4}, 0.6, 0.5), run({"kind": "ddp", "comm": "ring"}, 1.0, 0.8),
+                  run({"kind": "zero"}, 0.9, 0.9)]).splitlines()
+    assert len(rows) == 4 and rows[2].startswith("| 100 | 4 | ddp |")   # zero left out, the ring first
+    assert "| 0.60 \\| 0.62 | 0.67 |" in rows[3]
+
+
+def test_ps_labels_tell_partitions_placement_overlap_and_priority_apart():
+    from psarch import registry
+
+    def arch(**backend) -> str:
+        cfg = from_dict({"backend": {"kind": "ps", "world_size": 4, "servers": 4, **backend}})
+        return registry.spec_of(cfg).label(cfg)
+    assert arch() == "ps sync, N servers"   # the default partitions go unsaid
+    assert arch(partition_mb=0.0) == "ps sync, N servers, whole ranges"
+    assert arch(server_placement="colocated") == "ps sync, N servers, colocated"
+    assert arch(overlap_comm=False) == "ps sync, N servers, pushed after backward"
+    assert arch(priority_credit_mb=0.5) == "ps sync, N servers, priority 0.5 MiB"

@@ -101,6 +101,24 @@ def test_link_counters_over_the_run_agree_with_the_meters(runs, name):
         assert n["link_sent"] < n["run_link_sent"] and n["link_received"] < n["run_link_received"]
 
 
+def test_colocated_servers_share_their_workers_nodes_and_links(runs, tmp_path):
+    """backend.server_placement = "colocated": no node of the servers' own; server i binds worker i's address;
+    a worker's pushes to its own server and that server's replies to it never reach the link, so each link
+    carries about half of what its worker and server meters count (N = 2), and the model is the reference's."""
+    backend = dict(BACKENDS["ps_sync"], server_placement="colocated", partition_mb=0.001)
+    s = run(from_dict(config("colocated", backend=backend, cluster=LINK)), tmp_path / "colocated", echo=False)
+    assert_same_model(model(tmp_path / "colocated", "model"), model(runs[0] / "reference", "model"), "colocated")
+    nodes = s["cluster"]["nodes"]
+    assert [n["role"] for n in nodes] == ["worker", "worker"]
+    assert [d["address"].split("//")[1].rsplit(":", 1)[0] for d in s["servers_detail"]] == \
+        [n["address"] for n in nodes]
+    workers, servers = s["traffic"]["per_rank"], s["traffic"]["servers"]
+    for n, w, v in zip(nodes, workers, servers):
+        for link, metered in ((n["run_link_sent"], w["sent"] + v["sent"]),
+                              (n["run_link_received"], w["received"] + v["received"])):
+            assert 0.4 * metered < link < 0.6 * metered * HEADERS + SETUP_BYTES, (n["node"], link, metered)
+
+
 def test_crashed_rank_leaves_nothing(tmp_path):
     cfg = from_dict(config("crash", backend=BACKENDS["ddp_ring"], cluster=LINK,
                            workload={"factory": "factories:fails_at_step_2"}))

@@ -26,6 +26,7 @@ from psarch.workload import build_workload
 from ps_setup import OPTIMIZERS, TINY_GPT, config, ps
 
 HEADER_BOUND = 128
+PARTS = 0.001   # MiB: partitions of 256 elements, several per server of the tiny GPT
 
 
 def plan(n: int) -> dict[str, dict]:
@@ -37,10 +38,18 @@ def plan(n: int) -> dict[str, dict]:
         for s in (1, 2):
             runs[f"sync-s{s}-{opt}-{n}"] = config(f"sync-s{s}-{opt}-{n}", train=OPTIMIZERS[opt],
                                                   backend=ps(n, servers=s))
+        # the same in partitions (pushed from backward's hooks, as above), and whole ranges pushed after backward
+        for name, extra in ((f"sync-s2-{opt}-{n}-parts", {"partition_mb": PARTS}),
+                            (f"sync-s2-{opt}-{n}-prio", {"partition_mb": PARTS, "priority_credit_mb": PARTS}),
+                            (f"sync-s2-{opt}-{n}-plain", {"overlap_comm": False})):
+            runs[name] = config(name, train=OPTIMIZERS[opt], backend=ps(n, servers=2, **extra))
     if n == 2:
         runs["sync-plain_sgd-2"] = config("sync-plain_sgd-2", train=OPTIMIZERS["plain_sgd"], backend=ps(2))
         runs["geo-plain_sgd-2"] = config("geo-plain_sgd-2", train=OPTIMIZERS["plain_sgd"],
                                          backend=ps(2, "geo", servers=2, k_steps=1, geo_barrier=True))
+        runs["geo-plain_sgd-2-parts"] = config("geo-plain_sgd-2-parts", train=OPTIMIZERS["plain_sgd"],
+                                               backend=ps(2, "geo", servers=2, k_steps=1, geo_barrier=True,
+                                                          partition_mb=PARTS))
         runs["geo-async-2"] = config("geo-async-2", train=OPTIMIZERS["adamw"],
                                      backend=ps(2, "geo", servers=2, k_steps=2))
         for precision in ("bf16", "fp16"):
@@ -63,6 +72,10 @@ def parity(tmp_path_factory):
            for opt in ("sgd", "adamw")}
     one["async-1-dc-adamw"] = config("async-1-dc-adamw", train=OPTIMIZERS["adamw"],
                                      backend=ps(1, "async", 1, staleness_compensation="dc"))
+    one["async-1-parts-adamw"] = config("async-1-parts-adamw", train=OPTIMIZERS["adamw"],
+                                        backend=ps(1, "async", 2, partition_mb=PARTS))
+    one["async-1-prio-adamw"] = config("async-1-prio-adamw", train=OPTIMIZERS["adamw"],
+                                       backend=ps(1, "async", 2, partition_mb=PARTS, priority_credit_mb=PARTS))
     for n, runs in [(1, one), (2, plan(2)), (3, plan(3))]:
         services = {name: start_services(from_dict(d), None, threads=True)
                     for name, d in runs.items() if d["backend"]["kind"] == "ps"}
@@ -98,16 +111,38 @@ def test_sync_equals_single_and_ddp(parity, opt, n):
         assert [x["version"] for x in stats[f"sync-s{s}-{opt}-{n}"]["servers_detail"]] == [6] * s
 
 
+@pytest.mark.parametrize("opt", ["sgd", "adamw"])
+@pytest.mark.parametrize("n", [2, 3])
+def test_sync_in_partitions_and_from_backward_hooks_is_bit_identical(parity, opt, n):
+    """Pushed from backward's hooks (overlap_comm) with whole ranges, or in partitions of 256 elements: the
+    model is bit for bit that of whole ranges pushed after backward."""
+    out, results, stats = parity
+    plain = model(out, f"sync-s2-{opt}-{n}-plain")
+    for name in (f"sync-s2-{opt}-{n}", f"sync-s2-{opt}-{n}-parts", f"sync-s2-{opt}-{n}-prio"):
+        mine = model(out, name)
+        assert plain.keys() == mine.keys() and all(torch.equal(plain[k], mine[k]) for k in plain), name
+    parts = [x["partitions"] for x in stats[f"sync-s2-{opt}-{n}-parts"]["servers_detail"]]
+    assert min(parts) >= 4 and [x["partitions"] for x in stats[f"sync-s2-{opt}-{n}"]["servers_detail"]] == [1, 1]
+    for r in results[f"sync-s2-{opt}-{n}-parts"].values():   # a request and a reply per partition each step
+        payload = r["params"] * 4
+        assert all(payload < row[k] <= payload + sum(parts) * HEADER_BOUND for row in r["rows"]
+                   for k in ("sent", "received"))
+
+
 def test_geo_with_barrier_k1_plain_sgd_equals_sync(parity):
     out, _, _ = parity
     assert_same_model(model(out, "geo-plain_sgd-2"), model(out, "sync-plain_sgd-2"), "geo k=1 barrier vs sync")
+    assert_same_model(model(out, "geo-plain_sgd-2-parts"), model(out, "sync-plain_sgd-2"),
+                      "geo k=1 barrier in partitions vs sync")
 
 
-@pytest.mark.parametrize("name", ["async-1-sgd", "async-1-adamw", "async-1-dc-adamw"])
+@pytest.mark.parametrize("name", ["async-1-sgd", "async-1-adamw", "async-1-dc-adamw", "async-1-parts-adamw",
+                                  "async-1-prio-adamw"])
 def test_async_with_one_worker_equals_single(parity, name):
     out, _, stats = parity
     assert_same_model(model(out, name), model(out, f"single-{name.rsplit('-', 1)[1]}"), f"{name} vs single")
-    assert stats[name]["staleness"]["histogram"] == {"0": 6 * len(stats[name]["servers_detail"])}
+    parts = sum(x["partitions"] for x in stats[name]["servers_detail"])   # a push of each partition, each step
+    assert stats[name]["staleness"]["histogram"] == {"0": 6 * parts}
 
 
 @pytest.mark.parametrize("servers", [1, 2])

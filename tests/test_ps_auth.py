@@ -66,11 +66,19 @@ class Peer:
         return wire.decode(self.sock.recv_multipart()) if self.sock.poll(wait_ms) else None
 
 
-def _requests(numel: int, worker: int) -> list[tuple[dict, torch.Tensor | None]]:
-    g = torch.full((numel,), float("nan"))   # were it applied, every parameter would be poisoned
-    return [({"op": "push", "worker": worker, "step": 0, "version": 0, "offset": 0}, g),
-            ({"op": "pushpull", "worker": worker, "step": 0, "version": 0, "offset": 0}, g.zero_()),
+PARTS = 0.001   # MiB: the server's range in partitions of 256 elements, each request naming one
+
+
+def _requests(srv: ParameterServer, worker: int) -> list[tuple[dict, torch.Tensor | None]]:
+    """Every request a worker sends, naming `worker`: pushes (poison, were it applied) and pulls of partitions."""
+    first, second = srv.state.parts[:2]
+    g = torch.full((first.hi - first.lo,), float("nan"))
+    h = torch.full((second.hi - second.lo,), float("nan"))
+    return [({"op": "push", "worker": worker, "step": 0, "version": 0, "offset": first.lo}, g),
+            ({"op": "push", "worker": worker, "step": 0, "version": 0, "offset": second.lo}, h),
+            ({"op": "pushpull", "worker": worker, "step": 0, "version": 0, "offset": first.lo}, g.zero_()),
             ({"op": "pull", "worker": worker, "step": 0, "want": "float32"}, None),
+            ({"op": "pull", "worker": worker, "step": 0, "want": "float32", "offset": second.lo}, None),
             ({"op": "fetch", "worker": worker}, None),
             ({"op": "save", "worker": worker, "step": 0, "path": "/tmp/elsewhere"}, None),
             ({"op": "done", "worker": worker}, None), ({"op": "done", "worker": 1 - worker}, None)]
@@ -80,8 +88,8 @@ def _requests(numel: int, worker: int) -> list[tuple[dict, torch.Tensor | None]]
 def test_strangers_get_nothing_and_change_nothing(serve, mechanism, tmp_path):
     """No credentials, a wrong password or an unlisted CURVE key: no reply to any request, the state and
     the silence clocks untouched, `done` x2 does not stop the server; a real worker is then served."""
-    srv, creds = serve(mechanism)
-    before = srv.state.range.params.detach().clone()
+    srv, creds = serve(mechanism, partition_mb=PARTS)
+    before = srv.state.params().clone()
     zctx = zmq.Context()
     try:
         strangers = [Peer(zctx, srv.address, None)]
@@ -94,11 +102,11 @@ def test_strangers_get_nothing_and_change_nothing(serve, mechanism, tmp_path):
             (other / "server0.key").write_bytes((tmp_path / "keys" / "server0.key").read_bytes())
             strangers.append(Peer(zctx, srv.address, Credentials("curve", str(other)), 0))
         for peer in strangers:
-            for header, tensor in _requests(srv.state.hi - srv.state.lo, 0):
+            for header, tensor in _requests(srv, 0):
                 assert peer.ask(header, tensor, wait_ms=150) is None, header
-        assert torch.equal(srv.state.range.params.detach(), before)
+        assert torch.equal(srv.state.params(), before)
         s = srv.state
-        assert s.range.version == 0 and not s.done and s.last_seen is None and not s.stopping
+        assert s.version == 0 and not s.done and s.last_seen is None and not s.stopping
         # (a peer without credentials fails on the mechanism itself, before ZAP is asked)
         assert srv.state.rejected == 0 and srv.zap.refused >= len(strangers) - 1
         worker = Peer(zctx, srv.address, creds, 1)
@@ -112,19 +120,20 @@ def test_strangers_get_nothing_and_change_nothing(serve, mechanism, tmp_path):
 def test_a_worker_acts_only_as_itself(serve, mechanism):
     """Worker 0's credentials naming worker 1: every request refused with a reply that carries no state
     (no version, no step), nothing applied, worker 1's silence clock not started, done not counted."""
-    srv, creds = serve(mechanism)
-    before = srv.state.range.params.detach().clone()
+    srv, creds = serve(mechanism, partition_mb=PARTS)
+    before = srv.state.params().clone()
     zctx = zmq.Context()
     try:
         w0 = Peer(zctx, srv.address, creds, 0)
-        for header, tensor in _requests(srv.state.hi - srv.state.lo, 1)[:-1]:
+        requests = _requests(srv, 1)[:-1]
+        for header, tensor in requests:
             r = w0.ask(header, tensor)
             assert r is not None and r.op == "error", header
             assert set(r.header) == {"op", "message"}
             assert "authenticated as worker 0" in r.header["message"]
             assert "version" not in r.header["message"] and "step" not in r.header["message"]
-        assert torch.equal(srv.state.range.params.detach(), before)
-        assert srv.state.impostors == 6 and not srv.state.done and srv.state.last_seen is None
+        assert torch.equal(srv.state.params(), before)
+        assert srv.state.impostors == len(requests) and not srv.state.done and srv.state.last_seen is None
         assert w0.ask({"op": "done", "worker": 0}).op == "ack" and srv.state.done == {0}
     finally:
         zctx.destroy(linger=0)

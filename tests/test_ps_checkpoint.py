@@ -91,7 +91,9 @@ def test_restored_state_equals_the_saved_state(runs, case):
               "geo": {"worker0/master", "worker1/synced", "worker1/exp_avg_sq"}}.get(case, {"worker0/param"})
     assert expect <= keys, keys
     ps = saved_state["ps"]
-    assert [s["clock"] for s in ps["servers"]] == [[pr.AT // 2 if case == "geo" else pr.AT] * pr.N] * pr.SERVERS
+    clocks = [[p["clock"] for p in s["partitions"]] for s in ps["servers"]]   # every partition of every server
+    assert len(clocks) == pr.SERVERS and {tuple(c) for cs in clocks for c in cs} == {
+        (pr.AT // 2 if case == "geo" else pr.AT,) * pr.N}
     if case == "geo":   # mid-round: the local model moved since the last synced copy
         names = {n for n, _ in saved}
         assert any(not torch.equal(saved[(n, "worker0/master")], saved[(n, "worker0/synced")]) for n in names)
@@ -111,8 +113,9 @@ def test_a_sync_checkpoint_forks_onto_async_and_geo(runs):
     out, _, _ = runs
     for fork, pushes, version in (("sync-to-async", 6, 2 * 6), ("sync-to-geo", 6 // 2, 2 * (6 // 2))):
         state = Checkpoint(out / fork / "checkpoints" / "step_000006").state["ps"]
-        assert [s["clock"] for s in state["servers"]] == [[pushes] * pr.N] * pr.SERVERS, fork
-        assert [s["version"] for s in state["servers"]] == [version] * pr.SERVERS, fork
+        parts = [p for s in state["servers"] for p in s["partitions"]]
+        assert len(state["servers"]) == pr.SERVERS and parts, fork
+        assert all(p["clock"] == [pushes] * pr.N and p["version"] == version for p in parts), fork
 
 
 def test_each_server_writes_its_range_and_each_worker_its_model(runs):
@@ -123,7 +126,7 @@ def test_each_server_writes_its_range_and_each_worker_its_model(runs):
     server_bytes = [meta["files"][f"server{i}.bin"]["bytes"] for i in range(2)]
     assert sum(server_bytes) == 3 * 4 * params   # param, exp_avg, exp_avg_sq in fp32, split over the servers
     assert meta["state_keys"] == ["exp_avg", "exp_avg_sq"]   # the workers' records are no optimizer state
-    assert [s["version"] for s in meta["state"]["ps"]["servers"]] == [pr.AT, pr.AT]
+    assert [[p["version"] for p in s["partitions"]] for s in meta["state"]["ps"]["servers"]] == [[pr.AT], [pr.AT]]
     assert sorted(meta["rng"]) == ["0", "1"]   # each worker's generators (dropout); servers draw none
 
 

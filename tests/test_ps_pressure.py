@@ -127,7 +127,7 @@ def test_an_update_whose_result_would_be_non_finite_is_refused(serve, mode, opti
         huge = torch.full((numel,), 3e38)
         refused = None
         for step in range(12):
-            before = s.range.params.detach().clone()
+            before = s.parts[0].range.params.detach().clone()
             r = w1.ask({"op": "push", "worker": 1, "step": step, "version": 0, "offset": 0}, huge)
             if r.op == "error":
                 refused = (step, r, before)
@@ -136,8 +136,8 @@ def test_an_update_whose_result_would_be_non_finite_is_refused(serve, mode, opti
         assert refused is not None, "12 pushes of 3e38 accepted"
         step, r, before = refused
         assert r.header.get("code") == "non_finite" and "non-finite" in r.header["message"], r.header
-        assert torch.equal(s.range.params.detach(), before), "a refused update changed the parameters"
-        state = s.range.optim.optimizer.state if s.range.optim is not None else {}
+        assert torch.equal(s.parts[0].range.params.detach(), before), "a refused update changed the parameters"
+        state = s.parts[0].range.optim.optimizer.state if s.parts[0].range.optim is not None else {}
         for v in (t for st in state.values() for t in st.values() if torch.is_tensor(t)):
             assert bool(torch.isfinite(v).all())
         assert s.refused_non_finite == [0, 1] and s.failure is None
@@ -156,7 +156,7 @@ def test_a_round_whose_update_would_be_non_finite_fails_the_server_unapplied(ser
     zctx = zmq.Context()
     try:
         numel = s.hi - s.lo
-        before = s.range.params.detach().clone()
+        before = s.parts[0].range.params.detach().clone()
         for w in (0, 1):
             r = Dealer(zctx, srv.address, srv.creds, w).ask(
                 {"op": "push", "worker": w, "step": 0, "version": 0, "offset": 0}, torch.full((numel,), 3e38))
@@ -165,7 +165,7 @@ def test_a_round_whose_update_would_be_non_finite_fails_the_server_unapplied(ser
         while s.failure is None and time.monotonic() < deadline:
             time.sleep(0.02)
         assert s.failure is not None and "non-finite" in s.failure, s.failure
-        assert torch.equal(s.range.params.detach(), before) and s.range.version == 0
+        assert torch.equal(s.parts[0].range.params.detach(), before) and s.parts[0].range.version == 0
     finally:
         zctx.destroy(linger=0)
 

@@ -46,7 +46,9 @@ def _data(name: str, opt: str, n: int = 1, **backend) -> dict:
 
 
 # the other modes, at N = 2: GEO with the barrier and k = 1 is sync SGD (each worker adds -lr·g/N)
-MODES = {"geo1-sgd": ("sgd", {"mode": "geo", "k_steps": 1, "geo_barrier": True}),
+# (sync-parts and geo1: the dense part in partitions of 64 elements, the least partition_mb gives)
+MODES = {"geo1-sgd": ("sgd", {"mode": "geo", "k_steps": 1, "geo_barrier": True, "partition_mb": 1e-9}),
+         "sync-parts-sgd": ("sgd", {"partition_mb": 1e-9}),
          "async-adagrad": ("adagrad", {"mode": "async"}),
          "ssp-adagrad": ("adagrad", {"mode": "ssp", "staleness_bound": 1}),
          "geo-adagrad": ("adagrad", {"mode": "geo", "k_steps": 2})}
@@ -107,6 +109,15 @@ def test_sync_rows_equal_single(runs, opt, n):
     assert_same_model(model(out, f"rows-{opt}-{n}"), ref, f"ps rows {opt} N={n} vs single")
 
 
+def test_sync_rows_with_the_dense_part_in_partitions_are_bit_identical(runs):
+    """The rows keep their keyed path; the dense part in partitions (a round's rows applied with its first
+    partition to complete) ends bit for bit as with whole ranges."""
+    out, _, servers = runs
+    a, b = model(out, "rows-sgd-2"), model(out, "rows-sync-parts-sgd-2")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert max(x["partitions"] for x in servers["rows-sync-parts-sgd-2"]["servers_detail"]) > 1
+
+
 def test_geo_with_barrier_and_k1_equals_single_sgd(runs):
     out, _, _ = runs
     assert_same_model(model(out, "rows-geo1-sgd-2"), model(out, "single-sgd"), "ps rows geo k=1 barrier vs single")
@@ -132,8 +143,8 @@ def test_traffic_per_step_is_the_formula_with_the_measured_unique_ids(runs):
     _, results, _ = runs
     d = ROWS_DLRM["workload"]["dlrm"]
     for name, ranks in results.items():
-        if "geo" in name:   # a GEO step pulls only uncached rows and pushes once every k steps
-            continue
+        if "geo" in name or "parts" in name:   # a GEO step pulls only uncached rows and pushes once every k
+            continue                              # steps; in partitions, more headers (checked in test_ps.py)
         dense = ranks[0]["params"] - d["num_tables"] * d["rows"] * d["dim"]
         for rank in ranks:
             for row in rank["rows"]:

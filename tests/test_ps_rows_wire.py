@@ -239,9 +239,9 @@ def test_geo_barrier_forgets_the_rows_of_a_worker_lost_before_its_dense_push():
         srv.handle([b"w0", *[bytes(f) for f in wire.encode(
             {"op": "push", "worker": 0, "step": 0, "version": 0, "offset": 0}, torch.zeros(numel))]])
         srv.handle([b"w1", *_keyed(torch.tensor([0]), d1, worker=1)])
-        assert srv.state.rejected == 0 and srv.state.range.version == 0
+        assert srv.state.rejected == 0 and srv.state.parts[0].range.version == 0
         srv.lose(1, "silent")
-        assert srv.state.range.version == 1, "the round did not end without the lost worker"
+        assert srv.state.parts[0].range.version == 1, "the round did not end without the lost worker"
         # the mean over the live worker: d0 x N/1
         torch.testing.assert_close(srv.rows.shard.rows[0], init[0] + 2 * d0[0])
     finally:

@@ -15,17 +15,18 @@ from psarch.config import from_dict
 from psarch.ps import auth, wire
 from psarch.ps.auth import Credentials
 from psarch.ps.worker.client import PSClient, Request
-from psarch.ps.layout import server_ranges
+from psarch.ps.layout import partition_elems, partitions, server_ranges
 from psarch.ps.errors import PSError
 from psarch.ps.services import start_services
 from psarch.workload import build_workload
 from ps_setup import config, ps
 
 
-def _malformed(rng: random.Random, count: int, n: int) -> list[list[bytes]]:
-    """`count` messages a server owning `n` parameters must refuse, of many kinds; each push differs from
-    a valid one (worker 0, step 0, version 0) in one respect. Worker 1 has pushed step 0 already, so
-    its repeated or out-of-order pushes and pulls beyond either worker's next step are refused too."""
+def _malformed(rng: random.Random, count: int, n: int, whole: int) -> list[list[bytes]]:
+    """`count` messages a server must refuse, of many kinds; each push differs from a valid one (worker 0,
+    step 0, version 0, the first partition: `n` parameters of the server's `whole`) in one respect. Worker 1
+    has pushed step 0 already, so its repeated or out-of-order pushes and pulls beyond either worker's next
+    step are refused too."""
     good = {"op": "push", "worker": 0, "step": 0, "version": 0, "offset": 0, "dtype": "float32", "shape": [n],
             "frames": 1}
     payload = bytes(4 * n)
@@ -50,6 +51,8 @@ def _malformed(rng: random.Random, count: int, n: int) -> list[list[bytes]]:
         lambda: [push(dtype=rng.choice(["float16", "bfloat16", "int64", "float64", "bool"])), payload],
         lambda: [push(shape=[n + rng.choice([-1, 1, 7])]), payload],
         lambda: [push(shape=[n], offset=rng.randint(1, 10**6)), payload],
+        lambda: [push(shape=[whole]), bytes(4 * whole)] if whole != n else [push(shape=[n + 1]), payload],
+        lambda: [push(offset=rng.randint(1, n - 1)), payload],                          # inside a partition
         lambda: [push(frames=rng.choice([0, 2, 5])), payload],
         lambda: [push()],
         lambda: [push(), payload, rng.randbytes(8)],
@@ -88,7 +91,15 @@ def _named_worker(header: bytes) -> object:
     return h.get("worker") if isinstance(h, dict) and isinstance(h.get("worker"), int) else None
 
 
-FUZZ_MODES = {"sync": {}, "async": {}, "ssp": {"staleness_bound": 0}, "geo": {}, "geo-barrier": {"geo_barrier": True}}
+FUZZ_MODES = {"sync": {}, "async": {}, "ssp": {"staleness_bound": 0}, "geo": {}, "geo-barrier": {"geo_barrier": True},
+              # each a range in partitions of 256 elements (a push names one by its offset)
+              "sync-parts": {"partition_mb": 0.001}, "ssp-parts": {"staleness_bound": 0, "partition_mb": 0.001},
+              "geo-barrier-parts": {"geo_barrier": True, "partition_mb": 0.001}}
+
+
+def _partitioned(cfg, numel: int) -> list[tuple[int, int]]:
+    """The partitions of a one-server run's range."""
+    return partitions(0, numel, partition_elems(cfg))
 
 
 @pytest.mark.parametrize("mode", list(FUZZ_MODES))
@@ -114,12 +125,13 @@ def test_fuzzed_messages_are_refused_and_change_nothing(mode):
             auth.client_socket(sock, Credentials.from_dict(creds), w, 0)
             sock.connect(addr[0])
         numel = sum(p.numel() for p in build_workload(cfg).model.parameters())
+        parts = _partitioned(cfg, numel)
         init, base = torch.empty(numel), torch.empty(numel)
         w0.exchange([[Request({"op": "fetch"}, into=init)]])   # the server built the model itself
         g1 = torch.randn(numel)
-        w1.exchange([[Request({"op": "push", "step": 0, "version": 0, "offset": 0}, g1)]])
+        w1.exchange([[Request({"op": "push", "step": 0, "version": 0, "offset": a}, g1[a:b]) for a, b in parts]])
         w0.exchange([[Request({"op": "fetch"}, into=base)]])
-        messages = _malformed(random.Random(0), count, numel)
+        messages = _malformed(random.Random(0), count, parts[0][1], numel)
         t0 = time.monotonic()
         for frames in messages:
             fuzzer = fuzzers.get(_named_worker(frames[0]), fuzzers[0])
@@ -134,13 +146,14 @@ def test_fuzzed_messages_are_refused_and_change_nothing(mode):
         assert torch.equal(now, base), "a refused message changed the parameters"
         # a normal worker is still served: its gradient (or delta) is applied
         g0 = torch.randn(numel)
-        w0.exchange([[Request({"op": "push", "step": 0, "version": 0, "offset": 0}, g0),
-                      Request({"op": "pull", "step": 1, "want": "float32"}, into=now)]])
+        w0.exchange([[Request({"op": "push", "step": 0, "version": 0, "offset": a}, g0[a:b]) for a, b in parts]
+                     + [Request({"op": "pull", "step": 1, "want": "float32", "offset": a}, into=now[a:b])
+                        for a, b in parts]])
         expected = {"sync": init - 0.5 * (g1 + g0) / 2, "async": base - 0.5 * g0, "ssp": base - 0.5 * g0,
-                    "geo": base + g0, "geo-barrier": init + g1 + g0}[mode]
+                    "geo": base + g0, "geo-barrier": init + g1 + g0}[mode.removesuffix("-parts")]
         torch.testing.assert_close(now, expected)
         detail = services.finish()["servers_detail"][0]
-        assert detail["rejected"] == len(messages) and detail["version"] == (1 if mode in ("sync", "geo-barrier")
+        assert detail["rejected"] == len(messages) and detail["version"] == (1 if mode.removesuffix("-parts") in ("sync", "geo-barrier")
                                                                               else 2)
     finally:
         for c in (w0, w1):
@@ -249,8 +262,8 @@ def test_a_bug_in_a_handler_is_answered_logged_and_fails_the_server_only_if_stat
         assert r.op == "error" and "internal error: ZeroDivisionError" in r.header["message"]
         g = torch.randn(srv.state.hi - srv.state.lo)
         assert raw.ask({"op": "push", "worker": 0, "step": 0, "version": 0, "offset": 0}, g).op == "ack"
-        assert srv.state.failure is None and srv.state.range.version == 1
-        srv.state.range.optim.optimizer.step = lambda: 1 / 0             # a bug in the middle of an update
+        assert srv.state.failure is None and srv.state.parts[0].range.version == 1
+        srv.state.parts[0].range.optim.optimizer.step = lambda: 1 / 0             # a bug in the middle of an update
         r = raw.ask({"op": "push", "worker": 1, "step": 0, "version": 0, "offset": 0}, g)
         assert r.op == "error" and "internal error: ZeroDivisionError" in r.header["message"]
         assert srv.state.failure is not None and "while applying 'push' of worker 1" in srv.state.failure
@@ -374,6 +387,23 @@ def test_non_finite_pushes_are_refused_and_counted(server, mode, precision):
         r = raw.ask({"op": "push", "worker": 0, "step": 0, "version": 0, "offset": 0, "scale": 2.0**16,
                      "found_inf": True}, torch.full((numel,), float("inf"), dtype=dtype))
         assert r.op == "ack", r.header
+
+
+@pytest.mark.parametrize("mode", ["sync", "async", "geo"])
+def test_non_finite_partition_pushes_are_refused_and_counted(server, mode):
+    """In partitions of 256 elements: a push of one partition holding nan is refused with code non_finite and
+    counted, the parameters stay bit-identical, and the same partition's clean push is then the worker's step."""
+    services, numel = server(mode, partition_mb=0.001)
+    raw, raw1 = server.raw(services.info.addresses[0]), server.raw(services.info.addresses[0], 1)
+    before = _fetch(raw)
+    g = torch.full((256,), 0.25)
+    g[17] = float("nan")
+    push = {"op": "push", "worker": 1, "step": 0, "version": 0, "offset": 256}
+    r = raw1.ask(push, g)
+    assert r.op == "error" and r.header.get("code") == "non_finite" and "inf/nan" in r.header["message"], r.header
+    assert torch.equal(_fetch(raw), before), "a refused partition push changed the parameters"
+    assert raw1.ask(push, torch.full((256,), 0.25)).op == "ack"
+    assert services.finish()["refused_pushes"]["non_finite_per_worker"] == [0, 1]
 
 
 def test_a_row_request_to_a_server_without_rows_is_told_so(server):

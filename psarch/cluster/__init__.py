@@ -6,7 +6,7 @@ The launcher's one interface to this package is `place(cfg)`, a context manager 
         with p.rendezvous(): store = TCPStore(...)            # ranks reach it at p.rendezvous_host
         marks = p.step_marks(ranks)                           # rank r: marks[r].reached() around its steps
         with p.node("worker", rank): process.start()          # the process starts on its node
-        host = p.host("server", i, cfg.backend.host)          # the address a PS server binds
+        host = p.host("server", i, cfg.backend.host)          # the address service i (a PS server) binds
         p.worker_lost()                                       # a worker died and the run goes on
         summary["cluster"] = p.report()
 
@@ -52,14 +52,19 @@ class Loopback:
 
 
 class Emulated:
-    """Every worker and PS server on its own emulated node (psarch.cluster.emulated)."""
+    """Every worker on its own emulated node (psarch.cluster.emulated), and every service (PS server) on a node of
+    its own or beside a worker, on that worker's node (BackendSpec.service_beside)."""
 
     def __init__(self, cfg: Config) -> None:
         from psarch.cluster.emulated import HUB_ADDRESS, EmulatedCluster
 
-        servers = registry.spec_of(cfg).service_nodes(cfg)   # the services this run starts (PS servers)
-        self.dilation = device.dilation(cfg)                 # the links run D times slower than the cluster's
-        self.cluster = EmulatedCluster(cfg.backend.world_size, servers, *device.shaped_mbps(cfg))
+        spec = registry.spec_of(cfg)
+        # the services this run starts (PS servers): each on a node of its own, or beside a worker on its node
+        self.beside = [spec.service_beside(cfg, i) for i in range(spec.service_nodes(cfg))]
+        own = [i for i, w in enumerate(self.beside) if w is None]
+        self.own = {i: j for j, i in enumerate(own)}   # service index -> its own node's index
+        self.dilation = device.dilation(cfg)           # the links run D times slower than the cluster's
+        self.cluster = EmulatedCluster(cfg.backend.world_size, len(own), *device.shaped_mbps(cfg))
         self.rendezvous_host = HUB_ADDRESS
         from psarch.cluster.alpha import measure_alpha
         w0 = self.cluster.node("worker", 0)     # the hub to a node: one link each way, as a ring's hop
@@ -88,7 +93,7 @@ class Emulated:
         before = {k: os.environ.get(k) for k in env}
         os.environ.update(env)
         try:
-            with netns.inside(self.cluster.node(role, index).ns):
+            with netns.inside(self._node(role, index).ns):
                 yield
         finally:
             for k, v in before.items():
@@ -98,7 +103,13 @@ class Emulated:
                     os.environ[k] = v
 
     def host(self, role: str, index: int, default: str) -> str:
-        return self.cluster.node(role, index).address
+        return self._node(role, index).address
+
+    def _node(self, role: str, index: int) -> Any:
+        """The node a process runs on: a worker's own; a service's own, or the worker's it is beside."""
+        if role == "server" and self.beside[index] is not None:
+            return self.cluster.node("worker", self.beside[index])
+        return self.cluster.node(role, self.own[index] if role == "server" else index)
 
     def step_marks(self, ranks: int) -> list[StepMarks]:
         """The marks each of `ranks` ranks reaches around its steps; every link is read when all have (once a run)."""

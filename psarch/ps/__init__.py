@@ -3,13 +3,17 @@
 S server processes each own a contiguous, balanced range of the flat fp32 parameter vector and the
 optimizer state for it; N workers compute gradients, push them to every server and pull parameters
 back, over ZeroMQ (ROUTER on servers, DEALER on workers) with a msgpack header and raw tensor frames.
+Each range moves and is updated in partitions (backend.partition_mb), pipelined: a server answers a partition's
+pull as soon as its round allows, while the next partitions still arrive; workers push each partition from
+backward's hooks (backend.overlap_comm). On an emulated cluster servers have nodes of their own or sit beside
+the workers (backend.server_placement).
 
     spec.py            the backend declared (psarch/backend.py): options, derived facts (barrier, push_every), rules
     theory.py          what theory predicts for it (traffic, memory, rounds; with embedding rows)
     wire.py            message format and its validation; what each request is answered with
     auth.py            who may connect: ZAP with PLAIN or CURVE, credentials, socket bounds
     errors.py          PSError, ServiceError, NonFinitePush
-    layout.py          server ranges, the initial flat vector, model.pt from the flat vector
+    layout.py          server ranges and their partitions, the initial flat vector, model.pt from the flat vector
     rows.py            embedding tables sharded by row over the servers: keys, the dense part, model.pt from shards
     row_optim.py       row-wise optimizers (SGD, Adagrad, lazy AdamW): a server's shard, a GEO worker's cache
     snapshot.py        checkpoints: the protocol (the `save` barrier) and what servers and workers share
@@ -20,7 +24,7 @@ back, over ZeroMQ (ROUTER on servers, DEALER on workers) with a msgpack header a
     server/            one server, built by composition
         parameter_server.py  ParameterServer: sockets, the serve loop, the handler table, lost workers, stats
         start.py             a run's server holding its part of the initial model (dense range; rows' shard)
-        state.py             ServerState: what the parts share (and the config's facts, as properties)
+        state.py             ServerState: what the parts share (and the config's facts, as properties); Partition
         replies.py           replies and errors on the socket, events on the launcher's pipe, failing
         pushes.py            init, push, pushpull, fetch; the end of a barrier round
         pulls.py             the pulls waiting until the mode lets a worker have the parameters
@@ -32,8 +36,9 @@ back, over ZeroMQ (ROUTER on servers, DEALER on workers) with a msgpack header a
         row_shard.py         RowShard: a server's rows of every table, their optimizer, a round's rows
     worker/            one worker, built by composition
         trainer.py           PSWorker, the backend's Trainer: steps, the model, checkpoints, figures
-        link.py              ServerLink: the flat parameters' pushpull, pull, fetch, save, done
-        client.py            the worker's sockets: requests to all servers in parallel, every frame counted
+        link.py              ServerLink: the flat parameters' pushpull (a request per partition), pull, fetch, save, done
+        schedule.py          PushSchedule: each partition pushed from backward's hooks once its gradients are final
+        client.py            the worker's sockets: requests to all servers in parallel, replies matched, frames counted
         geo.py               GeoLocal: GEO's local optimizer and last synced model
         rows.py              WorkerRows (backend.embeddings = "rows"): fetch the batch's rows, push their gradients
         row_cache.py         RowCache: a GEO worker's rows between two syncs

@@ -9,10 +9,12 @@
      page faults, per message);
    - `ps wire`: the same through psarch.ps.wire and the worker's PSClient (msgpack header, ~4 MiB
      frames, validation), the server only decoding into / encoding from its buffer;
-   - `ps server`: the real ParameterServer (sync, one worker, SGD step on its range every round), with
-     each `backend.auth`: none, plain (PLAIN handshake, then clear frames) and curve (every frame
-     encrypted and authenticated by CurveZMQ).
-   The ratios that matter are ps wire / raw pyzmq (target >= 0.8) and what CURVE costs (curve / none).
+   - `ps server`: the real ParameterServer (sync, one worker, SGD step on its range every round), the range
+     whole (partition_mb = 0), with each `backend.auth`: none, plain (PLAIN handshake, then clear frames)
+     and curve (every frame encrypted and authenticated by CurveZMQ); and `parts`: auth none, the range in
+     partitions of `--partition-mb` (default: backend.partition_mb's), pushed back to back and pipelined.
+   The ratios that matter are ps wire / raw pyzmq (target >= 0.8), what CURVE costs (curve / none) and
+   what partitions cost or gain on loopback (parts / none, target >= 1).
 2. Step time of `ps` sync (1 server) with each auth against `ddp` (native) on the same small GPT, N = 2:
    median step time after warm-up from each run's summary.
 """
@@ -32,6 +34,7 @@ import torch
 import zmq
 
 from psarch.ps import wire
+from psarch.ps.layout import partitions
 from psarch.ps.worker.client import PSClient, Request
 
 AUTHS = ("none", "plain", "curve")   # backend.auth values compared (curve: fresh per-run keys)
@@ -118,19 +121,21 @@ class _Raw:
 
 
 class _PS:
-    """The PS worker's wire path: PSClient pushing a gradient and pulling parameters."""
+    """The PS worker's wire path: PSClient pushing a gradient and pulling parameters, in partitions of `elems`
+    elements sent back to back (0: one message each way), as a worker's ServerLink does."""
 
-    def __init__(self, addr: str, n: int, init: bool, creds: dict | None = None) -> None:
+    def __init__(self, addr: str, n: int, init: bool, creds: dict | None = None, elems: int = 0) -> None:
         self.client = PSClient([addr], 0, timeout_s=120.0, creds=creds)
         numel = n // 4
         self.grad, self.dst = torch.randn(numel), torch.empty(numel)
         if init:
             self.client.exchange([[Request({"op": "init", "numel": numel, "offset": 0}, torch.zeros(numel))]])
+        self.parts = partitions(0, numel, elems)
         self.step = 0
 
     def round(self) -> None:
-        self.client.exchange([[Request({"op": "pushpull", "step": self.step, "version": self.step, "offset": 0},
-                                       self.grad, into=self.dst)]])
+        self.client.exchange([[Request({"op": "pushpull", "step": self.step, "version": self.step, "offset": a},
+                                       self.grad[a:b], into=self.dst[a:b]) for a, b in self.parts]])
         self.step += 1
 
     def close(self, stop: bool = False) -> None:
@@ -157,23 +162,27 @@ def _interleaved(clients: dict[str, Any], nbytes: int, min_s: float = 2.0) -> di
     return {k: 2 * nbytes / statistics.median(v) for k, v in times.items()}
 
 
-def wire_table(max_mib: int) -> list[dict[str, Any]]:
+def wire_table(max_mib: int, partition_mb: float) -> list[dict[str, Any]]:
     from psarch.config import from_dict
+    from psarch.ps.layout import partition_elems
     from psarch.ps.services import start_services
 
     sizes = [m * 2**20 for m in (1, 4, 16, 64, 256) if m <= max_mib]
     raw_p, raw_addr = _start(_raw_server)
     wire_p, wire_addr = _start(_wire_server)
+    servers = {a: (a, 0.0) for a in AUTHS} | {"parts": ("none", partition_mb)}
     table = []
     try:
         for n in sizes:
-            services = {a: start_services(from_dict({"train": {"optimizer": "sgd", "lr": 0.0}, "backend": {
-                "kind": "ps", "world_size": 1, "mode": "sync", "timeout_s": 120.0, "auth": a}}), None,
-                build_model=False) for a in AUTHS}
+            cfgs = {k: from_dict({"train": {"optimizer": "sgd", "lr": 0.0}, "backend": {
+                "kind": "ps", "world_size": 1, "mode": "sync", "timeout_s": 120.0, "auth": a, "partition_mb": mb}})
+                for k, (a, mb) in servers.items()}
+            services = {k: start_services(c, None, build_model=False) for k, c in cfgs.items()}
             clients = {"raw": _Raw(raw_addr, n), "raw_chunked": _Raw(raw_addr, n, wire.CHUNK),
                        "wire": _PS(wire_addr, n, init=False)}
-            clients.update({f"server_{a}": _PS(sv.info.addresses[0], n, init=True, creds=sv.info.auth)
-                            for a, sv in services.items()})
+            clients.update({f"server_{k}": _PS(sv.info.addresses[0], n, init=True, creds=sv.info.auth,
+                                               elems=partition_elems(cfgs[k]))
+                            for k, sv in services.items()})
             try:
                 table.append(dict(mib=n / 2**20, **_interleaved(clients, n)))
             finally:
@@ -214,21 +223,27 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-mib", type=int, default=256, help="largest parameter vector, MiB (1, 4, 16, 64, 256)")
     ap.add_argument("--steps", type=int, default=40, help="training steps per backend in the step-time table")
     ap.add_argument("--skip-steps", action="store_true", help="only the wire table")
+    ap.add_argument("--partition-mb", type=float, default=None,
+                    help="the `parts` server's partitions, MiB (default: backend.partition_mb's default)")
     ap.add_argument("--json", help="also write the tables to this file")
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
     t0 = time.time()
-    wire_rates = wire_table(args.max_mib)
+    from psarch.ps.spec import PARTITION_MB
+    partition_mb = args.partition_mb if args.partition_mb is not None else PARTITION_MB
+    wire_rates = wire_table(args.max_mib, partition_mb)
     print("push+pull throughput, 1 worker <-> 1 server, loopback TCP (GB/s = 1e9 bytes/s, push + pull bytes)")
     print(f"{'size':>8} {'raw pyzmq':>10} {'raw 4MiB':>9} {'ps wire':>8} {'ratio':>6} {'vs 4MiB':>7} "
-          f"{'server none':>12} {'plain':>6} {'curve':>6} {'curve/none':>10}")
+          f"{'server none':>12} {'plain':>6} {'curve':>6} {'curve/none':>10} {'parts':>6} {'parts/none':>10}")
     for r in wire_rates:
         print(f"{r['mib']:>4.0f} MiB {r['raw'] / 1e9:>10.2f} {r['raw_chunked'] / 1e9:>9.2f} {r['wire'] / 1e9:>8.2f} "
               f"{r['wire'] / r['raw']:>6.2f} {r['wire'] / r['raw_chunked']:>7.2f} "
               f"{r['server_none'] / 1e9:>12.2f} {r['server_plain'] / 1e9:>6.2f} {r['server_curve'] / 1e9:>6.2f} "
-              f"{r['server_curve'] / r['server_none']:>10.2f}")
+              f"{r['server_curve'] / r['server_none']:>10.2f} {r['server_parts'] / 1e9:>6.2f} "
+              f"{r['server_parts'] / r['server_none']:>10.2f}")
     print("ratio = ps wire / raw pyzmq (one frame per direction); vs 4MiB = ps wire / raw pyzmq sending the same "
-          "4 MiB frames; server none/plain/curve: the real server with that backend.auth (GB/s)")
+          "4 MiB frames; server none/plain/curve: the real server with that backend.auth, the range whole (GB/s); "
+          f"parts: auth none, in partitions of {partition_mb:g} MiB")
     steps = [] if args.skip_steps else step_table(args.steps)
     if steps:
         print(f"\nstep time, N = 2, gpt 2x64 on markov ({steps[0]['params']:,} params), median after warm-up")

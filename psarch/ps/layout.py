@@ -25,6 +25,28 @@ def server_ranges(numel: int, servers: int) -> list[tuple[int, int]]:
     return [(i * numel // servers, (i + 1) * numel // servers) for i in range(servers)]
 
 
+PARTITION_ALIGN = 64   # elements: partitions start where a vectorised optimizer kernel's own chunks would
+
+
+def partition_elems(cfg: Config) -> int:
+    """Elements in each partition of a server's range: backend.partition_mb MiB of the wire dtype, rounded down
+    to a multiple of PARTITION_ALIGN (at least one such block); 0 when partition_mb = 0 (one per server)."""
+    mb = cfg.backend.partition_mb
+    if not mb:
+        return 0
+    width = torch.empty(0, dtype=compute_dtype(cfg.train.precision)).element_size()
+    return max(PARTITION_ALIGN, int(mb * 2**20 / width) // PARTITION_ALIGN * PARTITION_ALIGN)
+
+
+def partitions(lo: int, hi: int, elems: int) -> list[tuple[int, int]]:
+    """Range [lo, hi) split into partitions of `elems` elements from lo on, the last one shorter (elems = 0:
+    the whole range). Boundaries at multiples of PARTITION_ALIGN from lo keep an element-wise optimizer's
+    vectorised and scalar paths where they are for the whole range, so a partitioned update is bit-identical."""
+    if not elems or hi - lo <= elems:
+        return [(lo, hi)]
+    return [(a, min(a + elems, hi)) for a in range(lo, hi, elems)]
+
+
 def trainable(model: torch.nn.Module) -> list[torch.nn.Parameter]:
     """The parameters that travel, in the order of the flat vector (registration order)."""
     return [p for p in model.parameters() if p.requires_grad]

@@ -50,7 +50,7 @@ def _server_main(index: int, cfg_dict: dict, host: str, conn: Any, threads: int 
         from psarch.ps.server.start import build_server
         server = build_server(index, from_dict(cfg_dict), host, 0, build, pipe=conn,
                               creds=Credentials.from_dict(creds), checkpoints=checkpoints)
-        if start is not None and server.state.range is not None:   # the launcher verified it (metadata, model)
+        if start is not None and server.state.initialised:   # the launcher verified it (metadata, model)
             from psarch.checkpoint import Checkpoint
             ckpt = Checkpoint(start)
             server.snapshots.restore(ckpt)
@@ -296,14 +296,14 @@ def summarize(stats: list[dict[str, Any]], lost: list[dict[str, Any]]) -> dict[s
         # a push goes to every server in slices: a worker's count is the most any one server refused
         "refused_pushes": {"non_finite_per_worker": [max(col) for col in zip(*(s["refused_non_finite"]
                                                                                 for s in stats))]},
-        "servers_detail": [{k: s[k] for k in ("server", "address", "range", "version", "rejected",
+        "servers_detail": [{k: s[k] for k in ("server", "address", "range", "partitions", "version", "rejected",
                                                "refused_non_finite", "lost", "skipped_updates", "failure")}
                            for s in stats],
     }
     if total:
         out["staleness"] = {"histogram": {str(k): v for k, v in sorted(hist.items())},
                             "updates": total, "mean": sum(k * v for k, v in hist.items()) / total,
-                            "max": max(hist), "counted": "per update of one server's range"}
+                            "max": max(hist), "counted": "per update of one partition"}
     ssp = [s["ssp"] for s in stats if "ssp" in s]
     if ssp:
         out["ssp"] = {"staleness_bound": ssp[0]["staleness_bound"],

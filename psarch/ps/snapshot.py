@@ -12,11 +12,13 @@ The servers share no process group with the workers, so the `save` op is the bar
  3. rank 0, acked by every server, knows every part is on disk: it merges metadata.json and renames the folder.
 
 A server's part: its fp32 range and optimizer state by parameter name and offset (any backend can fork from
-it), DC-ASGD's per-worker backups (keys "dc_backup/W"), and a JSON record: version, the version last sent to
-each worker, each worker's pushes (SSP's clocks), staleness histogram, skipped updates, loss scaler. GEO's
+it), DC-ASGD's per-worker backups (keys "dc_backup/W"), and a JSON record with one entry per partition
+(backend.partition_mb): version, the version last sent to each worker, each worker's pushes (SSP's clocks),
+staleness histogram, skipped updates, loss scaler. GEO's
 round accumulator is not saved: at a checkpoint every round is complete and the next push overwrites it.
 A worker's part: the model it computes its next gradient on ("workerR/param"; GEO: its fp32 master, local
-optimizer state and last synced model), and a record: pushes, the versions each server last sent it, loss scale.
+optimizer state and last synced model), and a record: pushes, the versions each partition last sent it, loss
+scale.
 With row tables (backend.embeddings = "rows") servers add their shard of every table and workers (GEO) their
 row cache: psarch/ps/row_snapshot.py.
 
@@ -32,7 +34,7 @@ import torch
 
 from psarch.checkpoint.fragments import Fragment
 from psarch.config import Config
-from psarch.ps.layout import Layout
+from psarch.ps.layout import Layout, partition_elems
 
 
 def run_shape(cfg: Config) -> dict[str, Any]:
@@ -40,7 +42,8 @@ def run_shape(cfg: Config) -> dict[str, Any]:
     b, geo = cfg.backend, cfg.backend.mode == "geo"
     return {"mode": b.mode, "world_size": b.world_size, "servers": b.servers, "precision": cfg.train.precision,
             "k_steps": b.k_steps if geo else None, "geo_barrier": b.geo_barrier if geo else None,
-            "compensation": b.staleness_compensation if b.mode in ("async", "ssp") else None}
+            "compensation": b.staleness_compensation if b.mode in ("async", "ssp") else None,
+            "partition_elems": partition_elems(cfg)}
 
 
 def exact_records(ckpt: Any, cfg: Config) -> dict[str, Any] | None:

@@ -5,7 +5,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from psarch.backend import PROCESS_GROUP_OPTIONS, BackendSpec
+from psarch.backend import PROCESS_GROUP_OPTIONS, BackendSpec, CommModel
 from psarch.config_fields import _f
 from psarch.config_files import ConfigError, show
 from psarch.ps import theory
@@ -16,6 +16,7 @@ if TYPE_CHECKING:
     from psarch.trainer import Services
 
 Config = Any
+PARTITION_MB = 0.25   # backend.partition_mb's default, by measurement (README, "The parameter server": partition size)
 
 
 @dataclass
@@ -29,6 +30,18 @@ class PSOptions:
     staleness_bound: int = _f(2, "most steps a worker may run ahead of the slowest", min=0)
     staleness_compensation: str = _f("none", "remedy for stale gradients", choices=("none", "lr", "dc"))
     dc_lambda: float = _f(0.04, "delay-compensation strength (staleness_compensation = 'dc')", min=0.0)
+    partition_mb: float = _f(PARTITION_MB, "each server's range moves and is updated in partitions of this many MiB of the "
+                                  "wire dtype, pipelined (a partition's pull is answered once its own round is "
+                                  "complete); 0: one message per server each way", min=0.0)
+    priority_credit_mb: float = _f(0.0, "ByteScheduler's priority: pushes from backward's hooks leave lowest partition "
+                                        "first (the next forward needs it first) with at most this many MiB "
+                                        "unacknowledged, and the next forward waits per module for its own "
+                                        "partitions' pulls; 0: pushes leave as backward finishes them and the "
+                                        "step waits for the whole pull", min=0.0)
+    server_placement: str = _f("dedicated", "on an emulated cluster: each server on a node of its own "
+                                            "('dedicated'), or server i on worker i's node, sharing its link "
+                                            "('colocated'; backend.servers <= world_size)",
+                               choices=("dedicated", "colocated"))
     host: str = _f("127.0.0.1", "address servers bind to")
     server_addresses: list = _f([], "'tcp://host:port' of each server started with `psarch server` "
                                     "(empty: `psarch run` starts the servers itself)")
@@ -45,7 +58,8 @@ class PSOptions:
                                  "none (0: world_size + 16)", min=0)
     inflight_mb: float = _f(0.0, "most MiB one connection may have in flight at a server each way (a message not "
                                  "yet complete, replies not yet read); over it, the connection is dropped "
-                                 "(0: twice the largest exchange of a worker with that server, + 1)", min=0.0)
+                                 "(0: twice the largest exchange of a worker with that server, every partition "
+                                 "in flight, + 1)", min=0.0)
 
     @property
     def barrier(self) -> bool:
@@ -63,6 +77,15 @@ class PSOptions:
         return self.mode != "sync"
 
 
+def pushes_from_hooks(cfg: Config) -> bool:
+    """Whether workers push each partition from backward's hooks (backend.overlap_comm): in sync, async and ssp,
+    dense, out of fp16 (whose push carries a verdict on the whole gradient, known only after backward) and without
+    embedding rows (their push goes first on each connection, and their gradients are final last)."""
+    b = cfg.backend
+    return (b.overlap_comm and b.mode in ("sync", "async", "ssp") and cfg.train.precision != "fp16"
+            and b.embeddings == "dense")
+
+
 class PSSpec(BackendSpec):
     kind = "ps"
     trainer = "psarch.ps.worker.trainer:PSWorker"
@@ -71,7 +94,8 @@ class PSSpec(BackendSpec):
     variant_key = "mode"
     reads = {**PROCESS_GROUP_OPTIONS, "backend.k_steps": ("geo",), "backend.geo_barrier": ("geo",),
              "backend.staleness_bound": ("ssp",), "backend.staleness_compensation": ("async", "ssp"),
-             "backend.dc_lambda": ("async", "ssp"), "cluster.server_link_mbps": None}
+             "backend.dc_lambda": ("async", "ssp"), "cluster.server_link_mbps": None,
+             "backend.overlap_comm": ("sync", "async", "ssp")}
     embeddings = ("dense", "rows")
     # async workers must not be tied together by a group that hangs when one dies
     needs_process_group = False
@@ -82,7 +106,11 @@ class PSSpec(BackendSpec):
     def label(self, cfg: Config) -> str:
         b = cfg.backend
         servers = "1 server" if b.servers == 1 else "N servers" if b.servers == b.world_size else f"{b.servers} servers"
-        text = f"ps {b.mode}, {servers}"
+        text = f"ps {b.mode}, {servers}" + (", colocated" if b.server_placement == "colocated" else "")
+        if b.partition_mb != PARTITION_MB:   # the default goes unsaid
+            text += ", whole ranges" if not b.partition_mb else f", partitions of {b.partition_mb:g} MiB"
+        text += f", priority {b.priority_credit_mb:g} MiB" if b.priority_credit_mb else ""
+        text += ", pushed after backward" if b.mode != "geo" and not b.overlap_comm else ""
         return text if b.embeddings == "dense" else f"{text}, embeddings {b.embeddings}"
 
     def lockstep(self, cfg: Config) -> bool:
@@ -97,11 +125,26 @@ class PSSpec(BackendSpec):
                                    or not all(isinstance(a, str) and a for a in b.server_addresses)):
             raise ConfigError(f"backend.server_addresses = {show(b.server_addresses)}: expected backend.servers = "
                               f"{b.servers} address strings like \"tcp://10.0.0.5:5555\"")
+        if b.server_placement == "colocated" and (b.servers > b.world_size or b.server_addresses):
+            raise ConfigError(f"backend.server_placement = \"colocated\" puts server i beside worker i: it needs "
+                              f"backend.servers <= backend.world_size (here {b.servers} > {b.world_size})"
+                              if not b.server_addresses else
+                              "backend.server_placement = \"colocated\" places the servers `psarch run` starts; "
+                              "backend.server_addresses names servers started elsewhere")
+        if b.priority_credit_mb and not pushes_from_hooks(cfg):
+            raise ConfigError(f"backend.priority_credit_mb = {b.priority_credit_mb:g} orders the pushes backward's "
+                              f"hooks start: it needs backend.overlap_comm = true, mode sync, async or ssp, "
+                              f"precision fp32 or bf16 and dense embeddings (here overlap_comm = "
+                              f"{str(b.overlap_comm).lower()}, mode {b.mode!r}, precision "
+                              f"{cfg.train.precision!r}, embeddings {b.embeddings!r})")
         if b.embeddings == "rows":
             _check_rows(cfg)
 
     def service_nodes(self, cfg: Config) -> int:
         return 0 if cfg.backend.server_addresses else cfg.backend.servers
+
+    def service_beside(self, cfg: Config, index: int) -> int | None:
+        return index if cfg.backend.server_placement == "colocated" else None
 
     def start_services(self, cfg: Config, out_dir: Path, where: "Placement | None" = None,
                        start: Path | None = None) -> "Services":
@@ -116,6 +159,13 @@ class PSSpec(BackendSpec):
 
     def predict(self, cfg: Config, phi: float) -> Prediction:
         return theory.rows(cfg, phi) if cfg.backend.embeddings == "rows" else theory.dense(cfg, phi)
+
+    def comm_model(self, cfg: Config, phi: float, extra: Any) -> CommModel:
+        """Push and pull pipelined over each server's partitions; pushes from backward's hooks (overlap_comm); with
+        priority the pulls also hide behind the next forward."""
+        m = theory.partitions_per_server(cfg, phi)
+        return CommModel(buckets=m * cfg.backend.servers, overlap=pushes_from_hooks(cfg), pipeline=m,
+                         forward_hides=bool(cfg.backend.priority_credit_mb))
 
     def summary_fields(self, cfg: Config) -> dict[str, Any]:
         return {"servers": cfg.backend.servers}

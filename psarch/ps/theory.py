@@ -1,11 +1,18 @@
 """What theory predicts for the parameter server: each worker pushes S (gradients; GEO: deltas) and pulls S
 each exchange, split evenly over the servers; with embedding tables sharded by row over the servers, only
-the rows a batch touches move. The shared algebra is psarch/theory.py's."""
+the rows a batch touches move. On a cluster (psarch/theory.py's exchange_time): k dedicated servers load a
+worker's link with S and a server's with N·S/k each way; k servers colocated with workers 0..k-1 keep a
+worker's share for its own server (S/k) and a server's for its own worker off the link, so a node with both
+carries (k-1)/k·S + (N-1)/k·S = (N+k-2)/k·S each way (k = N: 2(N-1)/N·S, as all-reduce). Pipelined in m
+partitions per server the exchange takes about (1 + 1/m) × its busiest link and direction's bytes / rate;
+one after the other, push then pull. BytePS's optimum (`byteps_optimum`) is the reference line. The shared
+algebra is psarch/theory.py's."""
 from __future__ import annotations
 
 from typing import Any
 
-from psarch.theory import (BYTES, LinkBytes, MemoryPrediction, Prediction, expected_unique_ids,
+from psarch.ps.layout import partition_elems, partitions
+from psarch.theory import (BYTES, LinkBytes, LinkLoad, MemoryPrediction, Prediction, expected_unique_ids,
                            optimizer_bytes_per_param, table_params)
 
 Config = Any
@@ -32,8 +39,33 @@ def dense(cfg: Config, phi: float) -> Prediction:
         mem = MemoryPrediction(params=width * phi, grads=width * phi, optimizer=k * phi, buffers=4 * phi)
     else:
         mem = MemoryPrediction(params=width * phi, grads=width * phi, optimizer=0.0)
+    colocated = b.server_placement == "colocated" and not b.server_addresses
     return Prediction(mem, LinkBytes(s / every, s / every), LinkBytes(per_server, per_server),
-                      rounds=2 / every, messages=2 / every, server_memory=server_mem)
+                      rounds=2 / every, messages=2 / every, server_memory=server_mem,
+                      links=colocated_links(n, b.servers, s / every) if colocated else None)
+
+
+def partitions_per_server(cfg: Config, phi: float) -> int:
+    """Partitions of the largest server range of the dense parameters (1 when partition_mb = 0)."""
+    dense = phi - (table_params(cfg) if cfg.backend.embeddings == "rows" else 0)
+    widest = -(-int(dense) // cfg.backend.servers)
+    return len(partitions(0, widest, partition_elems(cfg)))
+
+
+def colocated_links(n: int, k: int, s: float) -> list[LinkLoad]:
+    """The links of N workers with k servers beside workers 0..k-1, each exchanging S per step: a node with a
+    worker and a server sends (k-1)/k·S of pushes and receives (N-1)/k·S of them, then sends (N-1)/k·S of pulls
+    and receives (k-1)/k·S; a worker alone (k < N) pushes S and pulls S."""
+    node = LinkLoad(False, LinkBytes((k - 1) / k * s, (n - 1) / k * s), LinkBytes((n - 1) / k * s, (k - 1) / k * s))
+    alone = LinkLoad(False, LinkBytes(s, 0.0), LinkBytes(0.0, s))
+    return [node] if k == n else [node, alone]
+
+
+def byteps_optimum(n: int, k: int, s: float, rate: float) -> float:
+    """BytePS's communication-optimal time (Jiang et al., OSDI '20, eq. 4) for N workers with k more CPU servers
+    (colocated summation on the workers' own machines included) and S bytes each way at `rate` bytes/s:
+    2N(N-1)S / ((N^2 + kN - 2k)·rate); k = 0 is all-reduce's 2(N-1)/N·S/rate, k = N is S/rate."""
+    return 2 * n * (n - 1) * s / ((n * n + k * n - 2 * k) * rate)
 
 
 def rows_traffic(u: float, dim: int, dense_params: float, width: int) -> LinkBytes:

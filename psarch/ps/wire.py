@@ -43,6 +43,8 @@ DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
 # save (write this server's part of checkpoint `step` into `path`, once every worker has asked; snapshot.py);
 # with backend.embeddings = "rows" (psarch/ps/rows.py): rowpull (the tensor is the int64 keys wanted),
 # rowpush (keyed: keys + their rows' gradients or deltas), rowfetch. Replies: ack, params, rows, error.
+# push, pushpull and pull name one partition of the server's range by its `offset` (backend.partition_mb; a pull
+# without one: the first), and a `params` reply to them names it too.
 _INT, _FLOAT, _STR, _BOOL = "int", "float", "str", "bool"
 SCHEMA: dict[str, tuple[dict[str, str], dict[str, str], str]] = {
     "init": ({"worker": _INT, "numel": _INT, "offset": _INT}, {}, "required"),
@@ -50,7 +52,7 @@ SCHEMA: dict[str, tuple[dict[str, str], dict[str, str], str]] = {
              {"scale": _FLOAT, "found_inf": _BOOL}, "required"),
     "pushpull": ({"worker": _INT, "step": _INT, "version": _INT, "offset": _INT},
                  {"scale": _FLOAT, "found_inf": _BOOL}, "required"),
-    "pull": ({"worker": _INT, "step": _INT, "want": _STR}, {}, "forbidden"),
+    "pull": ({"worker": _INT, "step": _INT, "want": _STR}, {"offset": _INT}, "forbidden"),
     "fetch": ({"worker": _INT}, {}, "forbidden"),
     "rowpull": ({"worker": _INT, "step": _INT, "want": _STR}, {}, "required"),
     "rowpush": ({"worker": _INT, "step": _INT, "version": _INT}, {}, "keyed"),

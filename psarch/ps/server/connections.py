@@ -39,6 +39,8 @@ FRAMING = 64          # bytes of ZMTP around one frame, at most (9 of header; CU
 HANDSHAKE = 16 * 1024  # bytes of a ZMTP handshake, at most (greeting 64; CURVE's HELLO/INITIATE < 1 kB)
 HEARTBEAT = 64        # bytes of one PING or PONG, at most (CURVE-boxed)
 GONE = 4096           # routing ids of closed connections remembered
+PER_PARTITION = 1024  # bytes each way of one partition's messages beyond its elements: a push (or pushpull) in,
+                      # its ack and its pull's reply out, each a header of ~130 bytes and its frames' ZMTP framing
 _FAILED = zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL | zmq.EVENT_HANDSHAKE_FAILED_AUTH
 _EVENTS = zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED | zmq.EVENT_HANDSHAKE_SUCCEEDED | _FAILED
 
@@ -55,6 +57,15 @@ class Connection:
     acked: int = 0
     dropped: bool = False  # shut down by the server (ZeroMQ has not said it closed yet)
     accepted: bool = False  # the monitor's ACCEPTED seen (a first message may come first: the monitor lags)
+
+
+def exchange_budget(elements: int, partitions: int, row_bytes: int, max_header: int) -> int:
+    """The default bound on what one connection may have in flight each way (backend.inflight_mb = 0): twice
+    the largest exchange of a worker with a server, so that two may be unread at once, + 1 MiB. An exchange:
+    the server's range in fp32 (`elements`) sent as `partitions` messages back to back, each with its own
+    header and framing (PER_PARTITION), every row the server owns with its key, and two headers of slack."""
+    exchange = 4 * elements + partitions * PER_PARTITION + 2 * max_header + row_bytes
+    return 2 * exchange + 2**20
 
 
 def tcp_counters(fd: int) -> tuple[int, int] | None:

@@ -25,16 +25,21 @@ class Deadlines:
         """Fail the server when a barrier round or a pull has waited more than timeout_s."""
         s = self.state
         t = s.timeout_s
-        if s.barrier and s.round.pushed and now - s.round.since > t:
-            missing = sorted(s.live - s.round.pushed)
-            what = "gradients" if s.mode == "sync" else "deltas"
-            return self.replies.fail(f"{s.mode} step {s.range.version}: no {what} from worker(s) {missing} within "
-                                     f"backend.timeout_s = {t:g} s (workers {sorted(s.round.pushed)} pushed)")
+        for part in s.parts if s.barrier else []:
+            r = part.round
+            if r.pushed and now - r.since > t:
+                missing = sorted(s.live - r.pushed)
+                what = "gradients" if s.mode == "sync" else "deltas"
+                where = f" of partition [{part.lo}, {part.hi})" if len(s.parts) > 1 else ""
+                return self.replies.fail(f"{s.mode} step {part.range.version}: no {what}{where} from worker(s) "
+                                         f"{missing} within backend.timeout_s = {t:g} s (workers {sorted(r.pushed)} "
+                                         f"pushed)")
         for p in s.pending:
-            if now - p.since > t and s.range is None:
+            if now - p.since > t and not s.initialised:
                 return self.replies.fail(f"worker {p.worker} waited more than backend.timeout_s = {t:g} s "
                                          f"for the initial parameters: no worker sent init")
             if now - p.since > t:
-                slow = sorted(w for w in s.live if s.clock[w] == s.slowest)
+                slowest = p.part.slowest(s.live)
+                slow = sorted(w for w in s.live if p.part.clock[w] == slowest)
                 return self.replies.fail(f"worker {p.worker} waited more than backend.timeout_s = {t:g} s "
-                                         f"for step {p.step}; waiting on worker(s) {slow} (at step {s.slowest})")
+                                         f"for step {p.step}; waiting on worker(s) {slow} (at step {slowest})")

@@ -9,6 +9,9 @@ Every request gets exactly one reply, in order: `ack`, `params` or `error` (repl
 check gets an error reply and changes nothing; only the sync/ssp/geo-barrier timeouts fail the server
 (and a bug caught while a request was being applied: the state can no longer be trusted).
 
+The range is held in partitions (state.py's Partition, backend.partition_mb): push, pushpull and pull name one
+by its offset, and each is versioned, clocked, rounded and answered on its own, as a server of its own would be.
+
 The server is built by composition: its state is one dataclass (state.py) handed to each part, and each
 request goes to its part through one handler table (`handlers`): pushes and the range (pushes.py: the
 server, not the worker, is the authority on what a worker may send; non-finite pushes are refused; a barrier
@@ -33,6 +36,7 @@ from __future__ import annotations
 
 import json
 import sys
+from collections import Counter
 import time
 import traceback
 from typing import Any, Callable
@@ -46,7 +50,7 @@ from psarch.ps import auth, wire
 from psarch.ps.auth import Credentials
 from psarch.ps.errors import PSError
 from psarch.ps.layout import server_ranges
-from psarch.ps.server.connections import Connections
+from psarch.ps.server.connections import Connections, exchange_budget
 from psarch.ps.server.deadlines import Deadlines
 from psarch.ps.server.libc import seed_routing_ids
 from psarch.ps.server.pulls import PullQueue
@@ -196,7 +200,7 @@ class ParameterServer:
     def on_done(self, ident: bytes, msg: wire.Message) -> None:
         s = self.state
         s.done.add(s.sender(msg))
-        self.replies.send(ident, "done", {"op": "ack", "version": s.range.version if s.range else 0})
+        self.replies.send(ident, "done", {"op": "ack", "version": s.version})
         self._exit_if_over()
 
     def _exit_if_over(self) -> None:
@@ -214,23 +218,24 @@ class ParameterServer:
         s.pending = [p for p in s.pending if p.worker != w]
         if s.exit_when_done:
             print(f"psarch server {s.index}: worker {w} lost: {why}", file=sys.stderr, flush=True)
-        if s.range is not None and s.failure is None:
-            self.pushes.complete_round()
+        if s.initialised and s.failure is None:
+            for part in s.parts:
+                self.pushes.complete_round(part)
             self.pulls.serve()
             self.snapshots.save_if_all()
         self._exit_if_over()
 
     def inflight_budget(self) -> int:
         """Bytes one connection may have in flight each way (connections.py): backend.inflight_mb, or twice the
-        largest exchange of a worker with this server (its range in fp32, all its rows with their keys, two
-        headers) + 1 MiB; 2 GiB while a server started without parameters waits for `init`."""
+        largest exchange of a worker with this server, every partition of its range in flight
+        (connections.exchange_budget); 2 GiB while a server started without parameters waits for `init`."""
         b, s = self.state.cfg.backend, self.state
         if b.inflight_mb:
             return int(b.inflight_mb * 2**20)
-        if s.range is None:
+        if not s.initialised:
             return 2 * 2**30
-        exchange = 4 * (s.hi - s.lo) + 2 * wire.MAX_HEADER + (self.rows.most_bytes() if self.rows is not None else 0)
-        return 2 * exchange + 2**20
+        rows = self.rows.most_bytes() if self.rows is not None else 0
+        return exchange_budget(s.hi - s.lo, len(s.parts), rows, wire.MAX_HEADER)
 
     # ------------------------------------------------------------------ clocks and the launcher
 
@@ -261,26 +266,32 @@ class ParameterServer:
 
     def _final(self) -> bytes | memoryview:
         """The launcher's model.pt: this server's range (then its rows: psarch/ps/rows.py's join_parts splits them)."""
-        st = self.state.range
-        if st is None:
+        if not self.state.initialised:
             return b""
-        final = st.params.detach() if self.rows is None else self.rows.final(st.params.detach())
+        dense = self.state.params()
+        final = dense if self.rows is None else self.rows.final(dense)
         return memoryview(final.numpy()).cast("B")
 
     def stats(self) -> dict[str, Any]:
         """What this server measured: traffic, memory, staleness, rejected requests, lost workers."""
-        s, st = self.state, self.state.range
+        s = self.state
         traffic = self.meter.report().to_dict()
         peak, kind = peak_memory(torch.device("cpu"))
+        memory: Counter[str] = Counter({"total": 0})
+        staleness: Counter[int] = Counter()
+        for part in s.parts:
+            memory.update(part.range.memory())
+            staleness.update(part.range.staleness)
         out: dict[str, Any] = {
-            "server": s.index, "address": self.address, "range": [s.lo, s.hi],
-            "version": st.version if st else 0, "sent": traffic["sent"], "received": traffic["received"],
-            "traffic": traffic, "memory": dict(st.memory() if st else {"total": 0}, peak=peak, peak_kind=kind,
-                                                   early_pushes_peak=s.round.sum.peak),
+            "server": s.index, "address": self.address, "range": [s.lo, s.hi], "partitions": len(s.parts),
+            "version": s.version, "sent": traffic["sent"], "received": traffic["received"],
+            "traffic": traffic, "memory": dict(memory, peak=peak, peak_kind=kind,
+                                               early_pushes_peak=sum(p.round.sum.peak for p in s.parts)),
             "rejected": s.rejected, "refused_non_finite": s.refused_non_finite, "lost": sorted(s.lost),
             "dropped_connections": dict(self.connections.dropped),
-            "failure": s.failure, "skipped_updates": st.skipped if st else 0,
-            "staleness_histogram": {str(k): v for k, v in sorted(st.staleness.items())} if st else {},
+            # every partition skips a skipped step: the most any partition skipped is the steps skipped
+            "failure": s.failure, "skipped_updates": max((p.range.skipped for p in s.parts), default=0),
+            "staleness_histogram": {str(k): v for k, v in sorted(staleness.items())},
         }
         if s.mode == "ssp":
             out["ssp"] = {"staleness_bound": s.cfg.backend.staleness_bound, "max_ahead": s.max_ahead,

@@ -1,10 +1,10 @@
 """The pulls a server holds until its mode lets a worker have the parameters.
 
-When a pull is answered, per mode:
-- sync, geo with barrier: once round `step` is complete, i.e. every live worker pushed it;
-- ssp: once the slowest live worker has pushed at least `step - staleness_bound` steps;
+When a pull is answered, per mode (each partition on its own: a pull names its partition by offset):
+- sync, geo with barrier: once the partition's round `step` is complete, i.e. every live worker pushed it;
+- ssp: once the slowest live worker has pushed at least `step - staleness_bound` steps of the partition;
 - async, geo: at once.
-A worker waits for one pull at a time, so the queue holds at most one pull per worker.
+A worker waits for one pull per partition at a time, so the queue holds at most one such pull per worker.
 """
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from typing import Any
 from psarch.ps import wire
 from psarch.ps.errors import PSError
 from psarch.ps.server.replies import Replies
-from psarch.ps.server.state import TRACE_LIMIT, Pull, ServerState
+from psarch.ps.server.state import TRACE_LIMIT, Partition, Pull, ServerState
 
 
 class PullQueue:
@@ -28,52 +28,58 @@ class PullQueue:
         w, step = s.sender(msg), msg.header["step"]
         if msg.header["want"] != s.wire_dtype:
             raise PSError(f"pull: dtype {msg.header['want']!r:.40}, this run's wire dtype is {s.wire_dtype}")
+        # without an offset: the first partition (the whole range when there is one); before init, it waits
+        part = s.part_at(msg.header.get("offset", s.lo), "pull") if s.initialised else None
+        pushed = part.clock[w] if part is not None else 0
         # a pull beyond the worker's next step could only wait until the timeout and fail the run
-        if step > s.clock[w]:
-            raise PSError(f"pull: worker {w} asked for step {step}, but has pushed {s.clock[w]} step(s): "
-                          f"its next step is {s.clock[w]}")
-        self.check_one(w, "pull")
+        if step > pushed:
+            raise PSError(f"pull: worker {w} asked for step {step}, but has pushed {pushed} step(s): "
+                          f"its next step is {pushed}")
+        self.check_one(w, "pull", part)
         s.changing = True
-        self.wait(ident, "pull", w, step, {})
-        self.serve()
+        self.wait(ident, "pull", w, step, {}, part)
+        self.serve(part)
 
-    def check_one(self, w: int, op: str) -> None:
-        """A worker waits for one pull at a time: the waiting queue holds at most one pull per worker."""
+    def check_one(self, w: int, op: str, part: Partition | None) -> None:
+        """A worker waits for one pull of a partition at a time: the queue holds at most one per worker and partition."""
         for p in self.state.pending:
-            if p.worker == w:
+            if p.worker == w and p.part is part:
                 raise PSError(f"{op}: worker {w} already has a pull waiting (for step {p.step}); "
-                              f"a worker waits for one pull at a time")
+                              f"a worker waits for one pull of a partition at a time")
 
-    def wait(self, ident: bytes, op: str, worker: int, step: int, extra: dict[str, Any]) -> None:
-        """Queue `worker`'s pull of `step` (answered by the next `serve` that finds it ready)."""
-        self.state.pending.append(Pull(ident, op, worker, step, time.monotonic(), extra))
+    def wait(self, ident: bytes, op: str, worker: int, step: int, extra: dict[str, Any],
+             part: Partition | None) -> None:
+        """Queue `worker`'s pull of `part` for `step` (answered by the next `serve` that finds it ready)."""
+        self.state.pending.append(Pull(ident, op, worker, step, time.monotonic(), extra, part))
 
     def ready(self, p: Pull) -> bool:
         s = self.state
-        if s.range is None:
-            return False
+        if p.part is None:   # asked before init: the first partition, once there is one
+            if not s.initialised:
+                return False
+            p.part = s.parts[0]
         if s.barrier:
-            return s.range.version >= p.step
+            return p.part.range.version >= p.step
         if s.mode == "ssp":
-            return p.step - s.slowest <= s.cfg.backend.staleness_bound
+            return p.step - p.part.slowest(s.live) <= s.cfg.backend.staleness_bound
         return True
 
-    def serve(self) -> None:
-        """Answer every waiting pull the mode now allows."""
+    def serve(self, part: Partition | None = None) -> None:
+        """Answer every waiting pull (of `part`, when given: nothing else can have become ready) the mode now allows."""
         s = self.state
         for p in list(s.pending):
-            if not self.ready(p):
+            if part is not None and p.part is not part or not self.ready(p):
                 continue
-            st, w, step = s.range, p.worker, p.step
-            header: dict[str, Any] = dict(p.extra, op="params", version=st.version, offset=s.lo, scale=st.scale)
+            st, w, step = p.part.range, p.worker, p.step
+            header: dict[str, Any] = dict(p.extra, op="params", version=st.version, offset=p.part.lo, scale=st.scale)
             if s.mode == "ssp":
-                ahead = max(0, step - s.slowest)
+                ahead = max(0, step - p.part.slowest(s.live))
                 s.max_ahead = max(s.max_ahead, ahead)
                 header["ahead"] = ahead
                 if len(s.trace) < TRACE_LIMIT:
                     s.trace.append([1, w, step])
             if s.mode == "sync" and st.version:
-                header["skipped"] = s.round.last_skipped or header.get("skipped", False)
+                header["skipped"] = p.part.round.last_skipped or header.get("skipped", False)
             data = st.params.detach()
             # Zero-copy send: in the barrier modes the parameters cannot change before every worker has
             # pushed again, i.e. received this reply. Elsewhere another push may land at once: send a copy.

@@ -9,6 +9,12 @@ overflow steps) is refused with code "non_finite" and counted for its worker, an
 A finite push whose update would still be non-finite (updates.py) is refused the same way; a barrier round whose
 update would be is not applied, and fails the server. A barrier round's sum is added in worker order (rounds.py),
 so its bits do not depend on timing.
+
+Partitions (state.py): a push names its partition by its offset and carries that partition's elements; every
+check, round and update above is the partition's own, so a partition's round completes, is checked, is applied
+and answers its pulls as soon as every live worker has pushed it, while the next partitions are still arriving.
+A round's rows go with the first of its partitions to complete; a partition whose round would not be finite
+fails the server, which stops the run with the partitions completed before it applied.
 """
 from __future__ import annotations
 
@@ -23,7 +29,7 @@ from psarch.ps.errors import NonFinitePush, PSError
 from psarch.ps.layout import server_ranges
 from psarch.ps.server.pulls import PullQueue
 from psarch.ps.server.replies import Replies
-from psarch.ps.server.state import TRACE_LIMIT, ServerState
+from psarch.ps.server.state import TRACE_LIMIT, Partition, ServerState
 from psarch.ps.server.updates import NonFiniteUpdate
 
 if TYPE_CHECKING:
@@ -31,10 +37,12 @@ if TYPE_CHECKING:
 
 
 def check_range(msg: wire.Message, dtype: str, lo: int, hi: int) -> None:
-    """PSError unless the message's tensor is range [lo, hi) of the flat vector, in `dtype`."""
+    """PSError unless the message's tensor is range [lo, hi) of the flat vector (a server's, or one partition
+    of it), in `dtype`."""
     h = msg.header
     if h["offset"] != lo or msg.shape != (hi - lo,):
-        raise PSError(f"op {msg.op!r}: range offset {h['offset']} shape {list(msg.shape)}, this server owns "
+        what = "this server owns" if msg.op == "init" else "the partition there is"
+        raise PSError(f"op {msg.op!r}: range offset {h['offset']} shape {list(msg.shape)}, {what} "
                       f"[{lo}, {hi}) (offset {lo}, shape [{hi - lo}])")
     if h["dtype"] != dtype:
         raise PSError(f"op {msg.op!r}: dtype {h['dtype']}, this run's wire dtype is {dtype}")
@@ -50,7 +58,7 @@ class Pushes:
         """A server started without parameters (benchmarks, tests) takes them from one `init`."""
         s = self.state
         s.sender(msg)
-        if s.range is not None:
+        if s.initialised:
             raise PSError("init: the parameters are already initialised")
         try:
             lo, hi = server_ranges(msg.header["numel"], s.cfg.backend.servers)[s.index]
@@ -63,42 +71,50 @@ class Pushes:
         self.pulls.serve()
 
     def on_push(self, ident: bytes, msg: wire.Message) -> None:
-        reply = self.apply(msg)
-        self.replies.send(ident, "push", dict(reply, op="ack", version=self.state.range.version))
-        self.complete_round()
-        self.pulls.serve()
+        part = self._part(msg)
+        reply = self.apply(msg, part)
+        self.replies.send(ident, "push", dict(reply, op="ack", version=part.range.version))
+        self.complete_round(part)
+        self.pulls.serve(part)
 
     def on_pushpull(self, ident: bytes, msg: wire.Message) -> None:
         """A push, then a pull for the next step, answered by one `params` reply (half the messages)."""
-        self.pulls.check_one(self.state.sender(msg), "pushpull")
-        extra = self.apply(msg)
-        self.pulls.wait(ident, "pushpull", msg.header["worker"], msg.header["step"] + 1, extra)
-        self.complete_round()
-        self.pulls.serve()
+        part = self._part(msg)
+        self.pulls.check_one(self.state.sender(msg), "pushpull", part)
+        extra = self.apply(msg, part)
+        self.pulls.wait(ident, "pushpull", msg.header["worker"], msg.header["step"] + 1, extra, part)
+        self.complete_round(part)
+        self.pulls.serve(part)
 
     def on_fetch(self, ident: bytes, msg: wire.Message) -> None:
         s = self.state
         s.sender(msg)
-        if s.range is None:
+        if not s.initialised:
             raise PSError("fetch before init: no parameters yet")
-        self.replies.send(ident, "fetch", {"op": "params", "version": s.range.version, "offset": s.lo},
-                          s.range.params.detach().clone())
+        self.replies.send(ident, "fetch", {"op": "params", "version": s.version, "offset": s.lo},
+                          s.params().clone())
 
-    def apply(self, msg: wire.Message) -> dict[str, Any]:
-        """Validate a push (raise PSError, changing nothing) and apply it; returns the ack's fields."""
+    def _part(self, msg: wire.Message) -> Partition:
+        """The partition a push names by its offset (PSError before init or for an offset starting none)."""
+        if not self.state.initialised:
+            raise PSError(f"{msg.op} before init: no parameters yet")
+        return self.state.part_at(msg.header["offset"], msg.op)
+
+    def apply(self, msg: wire.Message, part: Partition) -> dict[str, Any]:
+        """Validate a push of `part` (raise PSError, changing nothing) and apply it; returns the ack's fields."""
         s, h = self.state, msg.header
-        w, data, found_inf = self._checked(msg)
+        w, data, found_inf = self._checked(msg, part)
         # every check passed: from here on the message is applied
         s.changing = True
-        st = s.range
+        st, rnd = part.range, part.round
         staleness = st.version - st.sent_version[w]
         skipped = None
         if s.barrier:
-            s.round.sum.add(w, data, st.acc, s.live, s.round.pushed)
-            s.round.inf |= found_inf
-            if not s.round.pushed:
-                s.round.since = time.monotonic()
-            s.round.pushed.add(w)
+            rnd.sum.add(w, data, st.acc, s.live, rnd.pushed)
+            rnd.inf |= found_inf
+            if not rnd.pushed:
+                rnd.since = time.monotonic()
+            rnd.pushed.add(w)
         else:
             try:
                 if s.mode == "geo":
@@ -109,9 +125,9 @@ class Pushes:
                 s.refused_non_finite[w] += 1
                 raise NonFinitePush(f"push: worker {w}'s {'delta' if s.mode == 'geo' else 'gradient'} for step "
                                     f"{h['step']}: {e}: refused, nothing applied") from None
-        s.clock[w] = h["step"] + 1
+        part.clock[w] = h["step"] + 1
         if s.mode == "ssp" and len(s.trace) < TRACE_LIMIT:
-            s.trace.append([0, w, s.clock[w]])
+            s.trace.append([0, w, part.clock[w]])
         reply: dict[str, Any] = {}
         if not s.barrier:
             reply["staleness"] = staleness
@@ -119,25 +135,24 @@ class Pushes:
             reply["skipped"] = skipped
         return reply
 
-    def _checked(self, msg: wire.Message) -> tuple[int, torch.Tensor, bool]:
+    def _checked(self, msg: wire.Message, part: Partition) -> tuple[int, torch.Tensor, bool]:
         """(worker, payload decoded, found_inf) of a push that passes every check; PSError, changing nothing, else."""
         s, h = self.state, msg.header
-        w, st = s.sender(msg), s.range
-        if st is None:
-            raise PSError("push before init: no parameters yet")
-        check_range(msg, s.wire_dtype, s.lo, s.hi)
+        w, st = s.sender(msg), part.range
+        check_range(msg, s.wire_dtype, part.lo, part.hi)
         if h["version"] != st.sent_version[w]:
             raise PSError(f"push: worker {w} says it computed on version {h['version']}, this server last sent "
                           f"it version {st.sent_version[w]}")
         if s.barrier:
             if h["step"] != st.version:
                 raise PSError(f"push: worker {w} sent step {h['step']}, the current round is step {st.version}")
-            if w in s.round.pushed:
+            if w in part.round.pushed:
                 raise PSError(f"push: worker {w} already pushed step {h['step']}")
-        elif h["step"] != s.clock[w]:
-            raise PSError(f"push: worker {w} sent step {h['step']}, its next step is {s.clock[w]}")
-        self._check_scale(w, h)
-        into = (s.round.sum.destination(w, s.live, s.round.pushed, st.acc, s.scratch) if s.barrier else s.scratch)
+        elif h["step"] != part.clock[w]:
+            raise PSError(f"push: worker {w} sent step {h['step']}, its next step is {part.clock[w]}")
+        self._check_scale(w, h, st)
+        scratch = s.scratch[:part.hi - part.lo]
+        into = (part.round.sum.destination(w, s.live, part.round.pushed, st.acc, scratch) if s.barrier else scratch)
         found_inf = bool(h.get("found_inf", False))
         try:  # poison never reaches the parameters: only fp16's declared overflow steps may hold inf/nan
             # (a refused first push of a round leaves acc half-written: the next first push overwrites it)
@@ -149,7 +164,7 @@ class Pushes:
             raise NonFinitePush(f"push: worker {w}'s {what} for step {h['step']} holds inf/nan{said}: "
                                 f"refused, nothing applied") from None
 
-    def _check_scale(self, w: int, h: dict[str, Any]) -> None:
+    def _check_scale(self, w: int, h: dict[str, Any], st: Any) -> None:
         """`scale` and `found_inf` belong to fp16 runs whose server optimizer scales the loss."""
         s = self.state
         sent = [k for k in ("scale", "found_inf") if k in h]
@@ -160,7 +175,7 @@ class Pushes:
             return
         if "scale" not in h:
             raise PSError(f"push: worker {w} sent no 'scale': an fp16 push names the loss scale it was computed with")
-        scale, st = h["scale"], s.range
+        scale = h["scale"]
         # every scale a server hands out is a power of two >= the scaler's minimum (2^16, halved, doubled)
         if scale < st.optim.scaler.min_scale or math.frexp(scale)[0] != 0.5:
             raise PSError(f"push: scale {scale!r}: expected a power of two >= {st.optim.scaler.min_scale:g}, "
@@ -168,10 +183,11 @@ class Pushes:
         if s.barrier and scale != st.scale:
             raise PSError(f"push: scale {scale:g}, this server's loss scale for step {st.version} is {st.scale:g}")
 
-    def complete_round(self) -> None:
-        """Apply the round once every live worker has pushed it (its rows first, then its dense sum)."""
+    def complete_round(self, part: Partition) -> None:
+        """Apply the partition's round once every live worker has pushed it (the round's rows first, with the
+        first partition to complete it, then the partition's dense sum)."""
         s = self.state
-        r, st = s.round, s.range
+        r, st = part.round, part.range
         if not s.barrier or not r.pushed:
             return
         r.sum.drain(st.acc, s.live, r.pushed)   # a push or a loss may fill the gap
@@ -180,18 +196,20 @@ class Pushes:
         if not r.sum.complete(r.pushed):   # a bug: never apply a sum missing a push
             return self.replies.fail(f"internal error: round {st.version} has pushes {sorted(r.pushed)}, summed "
                                      f"{sorted(r.sum.summed)}, still kept {sorted(r.sum.early)}")
+        with_rows = self.rows is not None and self.rows.first_to_complete(st.version)
         try:   # the rows' update is checked first, stored last: a refused round changes nothing
             # sync: the mean gradient over all N workers, as the dense range; geo: deltas arrive divided by N
             rows = (self.rows.round_update(1 / s.workers if s.mode == "sync" else s.workers / len(r.pushed))
-                    if self.rows is not None else None)
+                    if with_rows else None)
             if s.mode == "sync":
                 r.last_skipped = st.apply_mean(s.workers, r.inf)
             else:  # workers divide their deltas by N: the mean over the deltas this round actually has
                 st.apply_sum(s.workers / len(r.pushed))
         except NonFiniteUpdate as e:   # no one push is to blame: the round cannot be applied, the run stops
-            return self.replies.fail(f"{s.mode} step {st.version}: the round of workers {sorted(r.pushed)}: {e}: "
-                                     f"not applied")
-        if self.rows is not None:
+            where = f", partition [{part.lo}, {part.hi})" if len(s.parts) > 1 else ""
+            return self.replies.fail(f"{s.mode} step {st.version}{where}: the round of workers {sorted(r.pushed)}: "
+                                     f"{e}: not applied")
+        if with_rows:
             self.rows.end_round(rows)
         r.pushed.clear()
         r.sum.clear()

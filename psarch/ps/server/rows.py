@@ -67,22 +67,24 @@ class ServerRows:
         if msg.header["want"] != s.wire_dtype:
             raise PSError(f"rowpull: dtype {msg.header['want']!r:.40}, this run's wire dtype is {s.wire_dtype}")
         idx = self.shard.local(msg.tensor(), "rowpull")
-        self.replies.send(ident, "rowpull", {"op": "rows", "version": s.range.version},
+        self.replies.send(ident, "rowpull", {"op": "rows", "version": s.version},
                           self.shard.gather(idx, s.scratch.dtype))
 
     def on_rowpush(self, ident: bytes, msg: wire.Message) -> None:
         s, h = self.state, msg.header
-        w, st = s.sender(msg), s.range
-        if h["version"] != st.sent_version[w]:
+        w = s.sender(msg)
+        # with partitions: the server's version and clock are its partitions' least (all alike between steps)
+        sent, pushed, version = s.sent_version(w), s.pushed(w), s.version
+        if h["version"] != sent:
             raise PSError(f"rowpush: worker {w} says it computed on version {h['version']}, this server last "
-                          f"sent it version {st.sent_version[w]}")
-        if h["step"] != s.clock[w] or self.row_step[w] == h["step"]:
-            raise PSError(f"rowpush: worker {w} sent rows for step {h['step']}; its next step is {s.clock[w]}"
-                          + (" and it has pushed its rows for it" if self.row_step[w] == s.clock[w] else ""))
-        if s.barrier and (h["step"] != st.version or w in s.round.pushed):
-            # its rows would join the round of step st.version as if they were that step's
-            raise PSError(f"rowpush: worker {w} sent rows for step {h['step']} during the round of step {st.version}"
-                          + (", after its dense push for it" if w in s.round.pushed else ""))
+                          f"sent it version {sent}")
+        if h["step"] != pushed or self.row_step[w] == h["step"]:
+            raise PSError(f"rowpush: worker {w} sent rows for step {h['step']}; its next step is {pushed}"
+                          + (" and it has pushed its rows for it" if self.row_step[w] == pushed else ""))
+        if s.barrier and (h["step"] != version or s.in_round(w)):
+            # its rows would join the round of step `version` as if they were that step's
+            raise PSError(f"rowpush: worker {w} sent rows for step {h['step']} during the round of step {version}"
+                          + (", after its dense push for it" if s.in_round(w) else ""))
         if h["dtype"] != s.wire_dtype or msg.shape[1] != self.space.dim:
             raise PSError(f"rowpush: values {h['dtype']} {list(msg.shape)}: expected {s.wire_dtype} "
                           f"[keys, {self.space.dim}]")
@@ -104,12 +106,17 @@ class ServerRows:
                 raise NonFinitePush(f"rowpush: worker {w}'s rows for step {h['step']}: {e}: refused, "
                                     f"nothing applied") from None
         self.row_step[w] = h["step"]
-        self.replies.send(ident, "rowpush", {"op": "ack", "version": st.version})
+        self.replies.send(ident, "rowpush", {"op": "ack", "version": version})
 
     def on_rowfetch(self, ident: bytes, msg: wire.Message) -> None:
         self.state.sender(msg)
-        self.replies.send(ident, "rowfetch", {"op": "rows", "version": self.state.range.version},
+        self.replies.send(ident, "rowfetch", {"op": "rows", "version": self.state.version},
                           self.shard.rows.clone())
+
+    def first_to_complete(self, step: int) -> bool:
+        """Whether a partition completing barrier round `step` is the first of this server's to do so: the round's
+        rows go with it (every row of the round is in: a worker sends them before its dense pushes)."""
+        return all(p.range.version == step for p in self.state.parts)
 
     def round_update(self, factor: float) -> Any:
         """A barrier round is complete: its rows' update, summed over workers, times `factor`, computed and checked
@@ -121,7 +128,7 @@ class ServerRows:
 
     def drop(self, w: int) -> None:
         """Worker w is lost: lost between its rowpush and its dense push, it is not in the round, nor its rows."""
-        if self.shard is not None and w not in self.state.lost and w not in self.state.round.pushed:
+        if self.shard is not None and w not in self.state.lost and not self.state.in_round(w):
             self.shard.drop(w)
 
     def most_bytes(self) -> int:
@@ -159,7 +166,7 @@ class ServerRows:
 
     def _table_scalars(self) -> dict[str, float]:
         """The dense optimizer's numbers (its step), which a dense backend forking from the tables needs."""
-        st = self.state.range
+        st = self.state.parts[0].range   # every partition of the dense range has stepped as often
         return optimizer_views(st.optim.optimizer, st.optim.master.params[0])[1] if st.optim is not None else {}
 
     def _tensors(self) -> dict[str, torch.Tensor]:

@@ -47,7 +47,7 @@ class Snapshots:
         w, step = s.sender(msg), msg.header["step"]
         if self.checkpoints is None:
             raise PSError("save: this server was started without a run folder, so it writes no checkpoints")
-        if s.range is None:
+        if not s.initialised:
             raise PSError("save before init: no parameters yet")
         folder = tmp_dir(self.checkpoints, step)
         try:
@@ -60,9 +60,10 @@ class Snapshots:
             raise PSError(f"save: worker {w} asks for step {step}, other workers for step {self.step}")
         if any(v == w for _, v in self.saves):
             raise PSError(f"save: worker {w} already asked for step {step}")
-        if s.clock[w] != pushes_by(s.cfg, step):
-            raise PSError(f"save: worker {w} has pushed {s.clock[w]} time(s); a checkpoint at step {step} "
-                          f"follows {pushes_by(s.cfg, step)}")
+        clocks = {p.clock[w] for p in s.parts}
+        if clocks != {pushes_by(s.cfg, step)}:
+            raise PSError(f"save: worker {w} has pushed {'/'.join(map(str, sorted(clocks)))} time(s) (by partition); "
+                          f"a checkpoint at step {step} follows {pushes_by(s.cfg, step)}")
         if not self.saves:
             self.step, self.since = step, time.monotonic()
         self.saves.append((ident, w))
@@ -83,7 +84,7 @@ class Snapshots:
                 self.replies.error(ident, "save", f"save: cannot write {folder}: {e}")
             return
         for ident, _ in waiting:
-            self.replies.send(ident, "save", {"op": "ack", "version": self.state.range.version})
+            self.replies.send(ident, "save", {"op": "ack", "version": self.state.version})
 
     def heard(self, worker: Any) -> None:
         """A request from a worker a waiting save still needs: it is on its way to the save's step (without a
@@ -107,21 +108,27 @@ class Snapshots:
         return True
 
     def pieces(self) -> Pieces:
-        """This server's part: its range (with optimizer state, DC backups), its record; its rows' shard."""
+        """This server's part: each partition's range (with optimizer state, DC backups) and record; its rows' shard."""
         s, layout = self.state, self.layout
-        st, lo, hi = s.range, s.lo, s.hi
-        if st.optim is not None:
-            fragments = fragments_in(st.optim.optimizer, st.optim.master.params, 0, layout, lo, hi)
-        else:   # GEO: parameters only, no server optimizer
-            fragments = views(layout, {PARAM: st.params}, lo, hi)
-        if st.backup is not None:
-            fragments += views(layout, {f"dc_backup/{w}": b for w, b in enumerate(st.backup)}, lo, hi)
-        record = {"server": s.index, "range": [lo, hi], "version": st.version,
-                  "sent_version": list(st.sent_version), "clock": list(s.clock),
-                  "staleness": {str(k): v for k, v in sorted(st.staleness.items())}, "skipped": st.skipped,
-                  "max_ahead": s.max_ahead}
-        if st.optim is not None and st.optim.scaler.enabled:
-            record["scaler"] = st.optim.scaler.state_dict()
+        fragments: list = []
+        records = []
+        for part in s.parts:
+            st, lo, hi = part.range, part.lo, part.hi
+            if st.optim is not None:
+                fragments += fragments_in(st.optim.optimizer, st.optim.master.params, 0, layout, lo, hi)
+            else:   # GEO: parameters only, no server optimizer
+                fragments += views(layout, {PARAM: st.params}, lo, hi)
+            if st.backup is not None:
+                fragments += views(layout, {f"dc_backup/{w}": b for w, b in enumerate(st.backup)}, lo, hi)
+            rec = {"range": [lo, hi], "version": st.version, "sent_version": list(st.sent_version),
+                   "clock": list(part.clock), "staleness": {str(k): v for k, v in sorted(st.staleness.items())},
+                   "skipped": st.skipped}
+            if st.optim is not None and st.optim.scaler.enabled:
+                rec["scaler"] = st.optim.scaler.state_dict()
+            records.append(rec)
+        record = {"server": s.index, "range": [s.lo, s.hi], "max_ahead": s.max_ahead, "partitions": records}
+        if "scaler" in records[0]:   # what a fork onto another backend takes (every partition's is alike in sync)
+            record["scaler"] = records[0]["scaler"]
         pieces = Pieces(fragments, shapes(layout), record)
         if self.rows is not None:
             self.rows.add_pieces(pieces)
@@ -140,33 +147,40 @@ class Snapshots:
             self.rows.restore(ckpt)
 
     def _restore_range(self, ckpt: Any) -> None:
-        st, layout, lo, hi = self.state.range, self.layout, self.state.lo, self.state.hi
-        if st.optim is not None:
-            restore_optimizer(st.optim, ckpt, lambda: fragments_in(st.optim.optimizer, st.optim.master.params, 0,
-                                                                   layout, lo, hi))
-        else:
-            with torch.no_grad():
-                for f in views(layout, {PARAM: st.params}, lo, hi):
-                    ckpt.fill(f)
+        layout = self.layout
+        for part in self.state.parts:
+            st, lo, hi = part.range, part.lo, part.hi
+            if st.optim is not None:
+                restore_optimizer(st.optim, ckpt, lambda: fragments_in(st.optim.optimizer, st.optim.master.params,
+                                                                       0, layout, lo, hi))
+            else:
+                with torch.no_grad():
+                    for f in views(layout, {PARAM: st.params}, lo, hi):
+                        ckpt.fill(f)
 
     def _fork(self, step: int) -> None:
         s = self.state
-        st, n, pushes = s.range, s.workers, pushes_by(s.cfg, step)
+        n, pushes = s.workers, pushes_by(s.cfg, step)
         # version counts updates: one per round with a barrier, one per push without (N per step)
         version = pushes if s.barrier else pushes * n
-        st.version, st.sent_version, s.clock = version, [version] * n, [pushes] * n
-        for b in st.backup or []:
-            b.copy_(st.params.detach())   # DC: each worker's backup is the model it pulls
+        for part in s.parts:
+            st = part.range
+            st.version, st.sent_version, part.clock = version, [version] * n, [pushes] * n
+            for b in st.backup or []:
+                b.copy_(st.params.detach())   # DC: each worker's backup is the model it pulls
 
     def _restore_records(self, rec: dict[str, Any], ckpt: Any) -> None:
         s = self.state
-        st = s.range
-        st.version, st.sent_version, s.clock = rec["version"], list(rec["sent_version"]), list(rec["clock"])
-        st.staleness = Counter({int(k): v for k, v in rec["staleness"].items()})
-        st.skipped, s.max_ahead = rec["skipped"], rec["max_ahead"]
-        if "scaler" in rec:
-            st.optim.scaler.load_state_dict(rec["scaler"])
-        if st.backup is not None:
-            with torch.no_grad():
-                for f in views(self.layout, {f"dc_backup/{w}": b for w, b in enumerate(st.backup)}, s.lo, s.hi):
-                    ckpt.fill(f)
+        s.max_ahead = rec["max_ahead"]
+        for part, r in zip(s.parts, rec["partitions"]):
+            st = part.range
+            st.version, st.sent_version, part.clock = r["version"], list(r["sent_version"]), list(r["clock"])
+            st.staleness = Counter({int(k): v for k, v in r["staleness"].items()})
+            st.skipped = r["skipped"]
+            if "scaler" in r:
+                st.optim.scaler.load_state_dict(r["scaler"])
+            if st.backup is not None:
+                with torch.no_grad():
+                    for f in views(self.layout, {f"dc_backup/{w}": b for w, b in enumerate(st.backup)},
+                                   part.lo, part.hi):
+                        ckpt.fill(f)

@@ -1,6 +1,10 @@
 """What the parts of one parameter server share, declared in one place: `ServerState`, handed to the pull queue,
 the pushes, the snapshots, the deadlines and the rows (each part keeps to itself what no other part reads).
 
+A server's range is split into partitions (`Partition`, backend.partition_mb; one when it is 0): each is updated,
+versioned, clocked and pulled on its own, exactly as a server of its own would be, and shares only the
+socket, the process and the checkpoint part with the other partitions of its server.
+
 Facts that follow from the config are properties here (barrier, silence allowed, wire dtype, ...), computed
 from `cfg.backend`'s own (psarch/ps/spec.py), never again at a site that uses them.
 """
@@ -16,6 +20,7 @@ from psarch.config import Config
 from psarch.precision import compute_dtype
 from psarch.ps import wire
 from psarch.ps.errors import PSError
+from psarch.ps.layout import partition_elems, partitions
 from psarch.ps.server.rounds import OrderedSum
 from psarch.ps.server.updates import RangeState
 
@@ -24,7 +29,7 @@ TRACE_LIMIT = 100_000   # ssp: the most trace events a server records
 
 @dataclass
 class Pull:
-    """A pull waiting until the mode lets `worker` have the parameters for `step`."""
+    """A pull waiting until the mode lets `worker` have partition `part`'s parameters for `step`."""
 
     ident: bytes
     op: str
@@ -32,6 +37,7 @@ class Pull:
     step: int
     since: float
     extra: dict[str, Any]       # pushpull: what the push's ack would have said
+    part: "Partition | None" = None
 
 
 @dataclass
@@ -46,18 +52,33 @@ class Round:
 
 
 @dataclass
+class Partition:
+    """Elements [lo, hi) of the flat vector, a partition of one server's range: its parameters and optimizer
+    (`range`), its barrier round, and each worker's pushes applied to it (`clock`: the worker's next step)."""
+
+    lo: int
+    hi: int
+    range: RangeState
+    round: Round
+    clock: list[int]
+
+    def slowest(self, live: set[int]) -> int:
+        """The fewest pushes of this partition any live worker has made."""
+        return min((self.clock[w] for w in live), default=0)
+
+
+@dataclass
 class ServerState:
     """One server's state: its range of the parameters, the round, the workers' clocks, the waiting pulls."""
 
     index: int
     cfg: Config
     exit_when_done: bool = False   # standalone: stop once every worker is done (or 10 s after a failure)
-    range: RangeState | None = None   # parameters [lo, hi) and their optimizer; None until initialised
+    parts: list[Partition] = field(default_factory=list)   # the range [lo, hi) in partitions; none until initialised
+    starts: dict[int, Partition] = field(default_factory=dict)   # each partition by its first element
     lo: int = 0
     hi: int = 0
     scratch: torch.Tensor | None = None   # a push's payload, decoded here when it is not summed in place
-    round: Round = field(init=False)
-    clock: list[int] = field(init=False)            # pushes applied per worker (= its next step)
     refused_non_finite: list[int] = field(init=False)   # pushes refused for inf/nan, per worker
     lost: set[int] = field(default_factory=set)
     done: set[int] = field(default_factory=set)
@@ -77,8 +98,6 @@ class ServerState:
     current_answered: bool = False  # ... and whether it has had its one reply
 
     def __post_init__(self) -> None:
-        self.round = Round(OrderedSum(self.workers))
-        self.clock = [0] * self.workers
         self.refused_non_finite = [0] * self.workers
 
     # ------------------------------------------------------------------ facts of the config
@@ -130,9 +149,40 @@ class ServerState:
         return set(range(self.workers)) - self.lost
 
     @property
-    def slowest(self) -> int:
-        """The fewest pushes any live worker has made."""
-        return min((self.clock[w] for w in self.live), default=0)
+    def initialised(self) -> bool:
+        return bool(self.parts)
+
+    @property
+    def version(self) -> int:
+        """The server's version: the fewest updates any of its partitions has had (0 before init)."""
+        return min((p.range.version for p in self.parts), default=0)
+
+    def pushed(self, w: int) -> int:
+        """The pushes of worker w that every partition has applied (its next step, once all agree)."""
+        return min((p.clock[w] for p in self.parts), default=0)
+
+    def sent_version(self, w: int) -> int:
+        """The least version any partition last sent worker w (what a worker names for the whole server)."""
+        return min((p.range.sent_version[w] for p in self.parts), default=0)
+
+    def in_round(self, w: int) -> bool:
+        """Whether worker w has pushed a partition of the barrier round in progress."""
+        return any(w in p.round.pushed for p in self.parts)
+
+    def params(self) -> torch.Tensor:
+        """The fp32 parameters of the whole range, [lo, hi) (a new tensor when there are several partitions)."""
+        views = [p.range.params.detach() for p in self.parts]
+        return views[0] if len(views) == 1 else torch.cat(views)
+
+    def part_at(self, offset: int, op: str) -> Partition:
+        """The partition starting at `offset`; PSError naming the partitions this server holds, else."""
+        part = self.starts.get(offset)
+        if part is not None:
+            return part
+        starts = [p.lo for p in self.parts]
+        shown = ", ".join(map(str, starts[:4])) + (", ..." if len(starts) > 4 else "")
+        raise PSError(f"op {op!r}: offset {offset} starts none of this server's {len(starts)} partition(s) of "
+                      f"[{self.lo}, {self.hi}) (offsets {shown})")
 
     def sender(self, msg: wire.Message) -> int:
         """The worker a request comes from; PSError unless it is one of this run's and not lost."""
@@ -144,9 +194,12 @@ class ServerState:
         return w
 
     def hold(self, lo: int, hi: int, params: torch.Tensor) -> None:
-        """Own range [lo, hi) of the flat parameter vector, starting from `params` (its fp32 values)."""
+        """Own range [lo, hi) of the flat parameter vector, starting from `params` (its fp32 values), in partitions."""
         self.lo, self.hi = lo, hi
-        self.range = RangeState(params, self.cfg, self.workers)
+        n = self.workers
+        self.parts = [Partition(a, b, RangeState(params[a - lo:b - lo], self.cfg, n), Round(OrderedSum(n)), [0] * n)
+                      for a, b in partitions(lo, hi, partition_elems(self.cfg))]
+        self.starts = {p.lo: p for p in self.parts}
         self.scratch = torch.empty(hi - lo, dtype=compute_dtype(self.cfg.train.precision))
 
     def heard(self, worker: Any) -> None:

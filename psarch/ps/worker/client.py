@@ -1,8 +1,14 @@
 """The worker's side of the wire: one DEALER per server; requests go to every server before any reply
-is awaited, so pushes (and pulls) to all servers travel in parallel. Every frame is counted."""
+is awaited, so pushes (and pulls) to all servers travel in parallel. Every frame is counted.
+
+`post` sends a request at once and `wait` collects replies, so a worker may send while it computes (pushes
+from backward's hooks) and take the replies later. A server answers a connection's requests in the order
+their partitions become ready, not always in the order they were sent: a reply goes to the first waiting
+request it answers (same reply op; for `params`, the same offset)."""
 from __future__ import annotations
 
 import time
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
@@ -24,6 +30,48 @@ class Request:
     into: torch.Tensor | None = None
     keys: torch.Tensor | None = None
     reply: dict[str, Any] = field(default_factory=dict)
+    answered: bool = False
+
+    @property
+    def key(self) -> tuple[str, int | None]:
+        """What its reply names: the reply op and, for a `params` reply, the offset the request named (if any)."""
+        op = wire.REPLY_TO[self.header["op"]]
+        return op, self.header.get("offset") if op == "params" else None
+
+
+class Waiting:
+    """The requests sent to one server and not yet answered, found by what their replies name."""
+
+    def __init__(self) -> None:
+        self.by_key: dict[tuple[str, int | None], deque[Request]] = {}
+        self.count = 0
+
+    def __len__(self) -> int:
+        return self.count
+
+    def add(self, r: Request) -> None:
+        self.by_key.setdefault(r.key, deque()).append(r)
+        self.count += 1
+
+    def oldest(self) -> Request:
+        return next(iter(self.by_key.values()))[0]
+
+    def take(self, msg: wire.Message) -> Request | None:
+        """The request reply `msg` answers, removed (a `params` reply names an offset; a request naming none, a
+        fetch or a whole-range pull, takes any), or the oldest for an error reply; None if none matches."""
+        if msg.op == "error":
+            keys = [next(iter(self.by_key))]
+        else:
+            keys = [(msg.op, msg.header.get("offset") if msg.op == "params" else None), (msg.op, None)]
+        for key in keys:
+            q = self.by_key.get(key)
+            if q:
+                r = q.popleft()
+                if not q:
+                    del self.by_key[key]
+                self.count -= 1
+                return r
+        return None
 
 
 class PSClient:
@@ -50,6 +98,7 @@ class PSClient:
         self.poller = zmq.Poller()
         for s in self.socks:
             self.poller.register(s, zmq.POLLIN)
+        self.waiting = [Waiting() for _ in self.socks]   # sent, not yet answered, per server
 
     def exchange(self, requests: Sequence[Sequence[Request]], timeout_s: float | None = None) -> None:
         """Send requests[i] to server i (all servers first), then wait for every reply. Replies land in
@@ -57,38 +106,58 @@ class PSClient:
         server does not answer within the timeout."""
         for i, reqs in enumerate(requests):
             for r in reqs:
-                frames = wire.encode(dict(r.header, worker=self.worker), r.tensor, r.keys)
-                self.meter.add(r.header["op"], wire.frames_bytes(frames), 0)
-                self.socks[i].send_multipart(frames, copy=False)
-        left = {i: list(reqs) for i, reqs in enumerate(requests) if reqs}
+                self.post(i, r)
+        self.wait(timeout_s)
+
+    def post(self, i: int, r: Request) -> None:
+        """Send request `r` to server i now; its reply is taken by a later `wait`."""
+        frames = wire.encode(dict(r.header, worker=self.worker), r.tensor, r.keys)
+        self.meter.add(r.header["op"], wire.frames_bytes(frames), 0)
+        self.socks[i].send_multipart(frames, copy=False)
+        self.waiting[i].add(r)
+
+    def wait(self, timeout_s: float | None = None, until: Request | None = None) -> None:
+        """Take replies until every posted request is answered (or `until` is)."""
         limit = self.timeout_s + 5.0 if timeout_s is None else timeout_s  # a server's own timeout fires first
         deadline = time.monotonic() + limit
-        while left:
+        while any(self.waiting) and (until is None or not until.answered):
             wait_ms = max(0, int((deadline - time.monotonic()) * 1000))
             events = dict(self.poller.poll(wait_ms))
             if not events and time.monotonic() >= deadline:
-                names = ", ".join(f"server {i} ({self.addresses[i]})" for i in left)
+                names = ", ".join(f"server {i} ({self.addresses[i]})" for i, w in enumerate(self.waiting) if w)
                 raise PSError(f"worker {self.worker}: no reply from {names} within {limit:g} s")
-            for i in list(left):
-                sock = self.socks[i]
-                # drain what has arrived (asking EVENTS is much cheaper than a NOBLOCK recv raising Again)
-                while i in left and sock in events and sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
-                    self._receive(i, left[i].pop(0), sock.recv_multipart(copy=False))
-                    if not left[i]:
-                        del left[i]
+            self._drain(events)
 
-    def _receive(self, i: int, req: Request, frames: list) -> None:
-        op = req.header["op"]
-        self.meter.add(op, 0, wire.frames_bytes(frames), calls=0)
+    def take_arrived(self) -> None:
+        """Take the replies already here, waiting for none (priority's pushes, between backward's hooks)."""
+        if any(self.waiting):
+            self._drain(dict(self.poller.poll(0)))
+
+    def _drain(self, events: dict) -> None:
+        for i, sock in enumerate(self.socks):
+            # drain what has arrived (asking EVENTS is much cheaper than a NOBLOCK recv raising Again)
+            while self.waiting[i] and sock in events and sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+                self._receive(i, sock.recv_multipart(copy=False))
+
+    def _receive(self, i: int, frames: list) -> None:
         try:
             msg = wire.decode(frames)
         except wire.WireError as e:
+            op = self.waiting[i].oldest().header["op"]
+            self.meter.add(op, 0, wire.frames_bytes(frames), calls=0)
             raise PSError(f"worker {self.worker}: bad reply from server {i} to {op!r}: {e}") from None
+        # an error names no offset: taken as the answer to the oldest request (the run stops anyway)
+        req = self.waiting[i].take(msg)
+        if req is None:
+            op = self.waiting[i].oldest().header["op"]
+            raise PSError(f"worker {self.worker}: server {i} answered {op!r} with {msg.op!r}"
+                          + (f" for offset {msg.header['offset']}" if "offset" in msg.header else ""))
+        op = req.header["op"]
+        self.meter.add(op, 0, wire.frames_bytes(frames), calls=0)
         if msg.op == "error":
             kind = NonFinitePush if msg.header.get("code") == NonFinitePush.code else PSError
             raise kind(f"{op} refused by {msg.header['message']}")
-        if msg.op != wire.REPLY_TO[op]:
-            raise PSError(f"worker {self.worker}: server {i} answered {op!r} with {msg.op!r}")
+        req.answered = True
         if msg.op in ("params", "rows"):
             try:   # a payload of another size than the destination's (a rows reply to a rowpull names no keys)
                 req.into = msg.tensor(req.into)

@@ -1,58 +1,134 @@
 """A worker's exchanges of the flat parameter vector with the servers: server i owns the contiguous slice
-`ranges[i]` of it. Each exchange goes to every server in parallel (client.py); pulled parameters land in the
-flat buffer (a GPU worker stages them in host memory: the wire is host memory)."""
+`ranges[i]` of it, in partitions (backend.partition_mb; one per server when 0). Each partition travels as its own
+request, all sent back to back: a server answers a partition's pull as soon as that partition's round allows,
+so the worker receives partition p while it still sends p + 1 (push and pull pipelined over a full-duplex
+link). Pulled parameters land in the flat buffer (a GPU worker stages them in host memory: the wire is host
+memory)."""
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Sequence
 
 import torch
 
 from psarch.flat import FlatParams
 from psarch.ps import wire
 from psarch.ps.errors import PSError
-from psarch.ps.layout import server_ranges
+from psarch.ps.layout import partitions, server_ranges
 from psarch.ps.worker.client import PSClient, Request
+
+
+@dataclass(frozen=True)
+class Part:
+    """Partition `index` of the flat vector: elements [lo, hi), held by server `server`."""
+
+    index: int
+    server: int
+    lo: int
+    hi: int
 
 
 class ServerLink:
     """The dense part of a worker's traffic: pushpull each step (GEO: each sync), pull, fetch, done, save; and
-    what the servers said last (the version each sent, the loss scale)."""
+    what the servers said last (the version each partition sent, the loss scale)."""
 
     def __init__(self, client: PSClient, flat: FlatParams, servers: int, device: torch.device,
-                 dtype: torch.dtype) -> None:
+                 dtype: torch.dtype, partition_elems: int = 0) -> None:
         self.client, self.flat = client, flat
         self.ranges = server_ranges(flat.numel, servers)
+        bounds = [(i, a, b) for i, (lo, hi) in enumerate(self.ranges) for a, b in partitions(lo, hi, partition_elems)]
+        self.parts = [Part(j, i, a, b) for j, (i, a, b) in enumerate(bounds)]
         self.wire_dtype = wire.DTYPE_NAMES[dtype]
         self.host = flat.data if device.type == "cpu" else torch.empty_like(flat.data, device="cpu")
-        self.versions = [0] * servers   # the version each server last sent: a push names it
+        self.versions = [0] * len(self.parts)   # the version each partition last sent: a push names it
         self.loss_scale = 1.0           # fp16: the servers' loss scale, sent with every pull
+        self.posted: list[Request | None] = [None] * len(self.parts)   # this exchange's requests, by partition
+        self.copied: set[int] = set()   # priority on a GPU: partitions already copied from the host stage
+        self.t0 = 0.0
 
-    def exchange(self, pushed: torch.Tensor | None, step: int, header: dict[str, Any],
-                 before: list[Request] | None = None) -> dict[str, Any]:
-        """Push `pushed`'s slices (if given) and pull the parameters for `step` from every server, in
-        parallel, one `pushpull` request per server (after `before[i]`, if given); the parameters land
-        in the flat buffer. Returns what the replies said."""
-        t0 = time.perf_counter()
-        reqs = [Request({"op": "pull", "step": step, "want": self.wire_dtype}, into=self.host[lo:hi])
-                if pushed is None else
-                Request(dict(header, op="pushpull", step=step - 1, version=self.versions[i], offset=lo),
-                        pushed[lo:hi], into=self.host[lo:hi])
-                for i, (lo, hi) in enumerate(self.ranges)]
-        self.client.exchange([[r] if before is None else [before[i], r] for i, r in enumerate(reqs)])
+    def server_versions(self) -> list[int]:
+        """Each server's version as a request for its whole range names it: its partitions' least."""
+        out = [None] * len(self.ranges)
+        for p, v in zip(self.parts, self.versions):
+            out[p.server] = v if out[p.server] is None else min(out[p.server], v)
+        return out
+
+    def post(self, p: Part, pushed: torch.Tensor | None, step: int, header: dict[str, Any]) -> None:
+        """Send partition p's request of this exchange now: a pushpull of `pushed` (the whole flat gradient or
+        delta; its slice travels), or a pull of `step` when nothing is pushed."""
+        if not any(self.posted):
+            self.t0 = time.perf_counter()
+        into = self.host[p.lo:p.hi]
+        r = (Request({"op": "pull", "step": step, "want": self.wire_dtype, "offset": p.lo}, into=into)
+             if pushed is None else
+             Request(dict(header, op="pushpull", step=step - 1, version=self.versions[p.index], offset=p.lo),
+                     pushed[p.lo:p.hi], into=into))
+        self.posted[p.index] = r
+        self.client.post(p.server, r)
+
+    def post_push(self, p: Part, pushed: torch.Tensor, step: int) -> Request:
+        """Priority (priority.py): push partition p's slice of `pushed`, acknowledged once its server has it, then
+        pull p's parameters for `step`, answered once the partition's round allows. Returns the push."""
+        if not any(self.posted):
+            self.t0 = time.perf_counter()
+        push = Request({"op": "push", "step": step - 1, "version": self.versions[p.index], "offset": p.lo},
+                       pushed[p.lo:p.hi])
+        pull = Request({"op": "pull", "step": step, "want": self.wire_dtype, "offset": p.lo},
+                       into=self.host[p.lo:p.hi])
+        self.client.post(p.server, push)
+        self.client.post(p.server, pull)
+        self.posted[p.index] = pull
+        return push
+
+    def landed(self, j: int) -> None:
+        """Wait until partition j's pull of this exchange (if one is posted) is in the flat buffer."""
+        r = self.posted[j]
+        if r is None or j in self.copied:
+            return
+        if not r.answered:
+            self.client.wait(until=r)
+        if self.host is not self.flat.data:
+            p = self.parts[j]
+            self.flat.data[p.lo:p.hi].copy_(self.host[p.lo:p.hi])
+        self.copied.add(j)
+
+    def settle(self, since: float | None = None, acks: Sequence[Request] = ()) -> dict[str, Any]:
+        """Wait for every posted partition's reply (the parameters land in the flat buffer); what they (and
+        `acks`, priority's push acknowledgements) said (comm_s: seconds since `since`, or since the first post)."""
+        self.client.wait()
+        reqs = [r for r in self.posted if r is not None]
+        if len(reqs) != len(self.parts):
+            raise RuntimeError(f"an exchange posted {len(reqs)} of {len(self.parts)} partitions")
+        self.posted = [None] * len(self.parts)
         if self.host is not self.flat.data:
             self.flat.data.copy_(self.host, non_blocking=False)
-        replies = [r.reply for r in reqs]
-        self.versions = [p["version"] for p in replies]
+        self.copied.clear()
+        replies = [r.reply for r in reqs] + [r.reply for r in acks]
+        self.versions = [r.reply["version"] for r in reqs]
         self.loss_scale = min(p.get("scale", 1.0) for p in replies)
-        out: dict[str, Any] = {"comm_s": time.perf_counter() - t0, "version": self.versions[0],
+        out: dict[str, Any] = {"comm_s": time.perf_counter() - (self.t0 if since is None else since),
+                               "version": min(self.versions),
                                "skipped": any(p.get("skipped", False) for p in replies)}
         for key in ("staleness", "ahead"):
             values = [p[key] for p in replies if key in p]
             if values:
                 out[key] = max(values)
         return out
+
+    def exchange(self, pushed: torch.Tensor | None, step: int, header: dict[str, Any],
+                 before: list[Request] | None = None) -> dict[str, Any]:
+        """Push `pushed`'s slices (if given) and pull the parameters for `step`, every partition of every server
+        back to back, one `pushpull` request per partition (after `before[i]` to server i, if given); the
+        parameters land in the flat buffer. Returns what the replies said."""
+        if before is not None:
+            self.t0 = time.perf_counter()
+            for i, r in enumerate(before):
+                self.client.post(i, r)
+        for p in self.parts:
+            self.post(p, pushed, step, header)
+        return self.settle()
 
     def pull(self, step: int) -> None:
         """The parameters for `step`, pushing nothing (start-up, a fork from a checkpoint)."""

@@ -31,12 +31,15 @@ from psarch.errors import check_loss
 from psarch.flat import FlatParams, flat_layout
 from psarch.meters import peak_memory, tensor_bytes
 from psarch.precision import compute_dtype, has_inf_or_nan
-from psarch.ps.layout import state_from_flat, trainable
+from psarch.ps.layout import partition_elems, state_from_flat, trainable
 from psarch.ps.snapshot import exact_records, pushes_by, run_shape, views
+from psarch.ps.spec import pushes_from_hooks
 from psarch.ps.worker.client import PSClient
 from psarch.ps.worker.geo import GeoLocal
 from psarch.ps.worker.link import ServerLink
+from psarch.ps.worker.priority import PriorityPushes, PullOrder
 from psarch.ps.worker.rows import WorkerRows
+from psarch.ps.worker.schedule import PushSchedule
 from psarch.trainer import MemoryReport, StepStats, Trainer, TrafficReport
 from psarch.workload import Workload
 
@@ -65,12 +68,19 @@ class PSWorker(Trainer):
         self.loss_fn = workload.loss_fn
         self.flat = FlatParams(trainable(self.model))
         self.layout = flat_layout(self.model, self.flat.params)
-        self.link = ServerLink(self.client, self.flat, b.servers, ctx.device, self.dtype)
+        self.link = ServerLink(self.client, self.flat, b.servers, ctx.device, self.dtype, partition_elems(cfg))
         self.steps = 0        # steps taken
         self.rounds = 0       # geo: deltas pushed
         if not ctx.services.restored:   # else load_checkpoint sets the state
             self.link.pull(0)  # the servers built the same initial model from the config: nothing to send
         self.geo = GeoLocal(self.flat, cfg) if b.mode == "geo" else None   # from the pulled model
+        self.schedule = (PushSchedule(self.flat.params, self.flat.offsets, self.link.parts)
+                         if pushes_from_hooks(cfg) else None)
+        self.pushes = self.pull_order = None
+        if b.priority_credit_mb:
+            self.pushes = PriorityPushes(self.link, int(b.priority_credit_mb * 2**20))
+            self.pull_order = PullOrder(self.model, self.link, {id(p): o for p, o in
+                                                                zip(self.flat.params, self.flat.offsets)})
 
     # ------------------------------------------------------------------ steps
 
@@ -79,7 +89,8 @@ class PSWorker(Trainer):
         pulled_s = 0.0
         if self.rows is not None:
             batch, pulled_s = self.rows.fetch(batch, self.steps)
-        self.flat.zero_grad()
+        if self.pushes is None:   # with priority: after forward (the last pushes may still be reading the gradient)
+            self.flat.zero_grad()
         loss = self.loss_fn(self.model, batch)
         if not self.fp16:  # before the push: name the bad loss rather than have a server refuse its gradient
             check_loss(self.steps, self.ctx.rank, float(loss.detach()))
@@ -94,14 +105,47 @@ class PSWorker(Trainer):
                          comm_s=info["comm_s"], extra=extra)
 
     def _push_step(self, loss: torch.Tensor) -> dict[str, Any]:
-        """sync, async, ssp: push this step's gradient (after its rows'), pull the parameters for the next."""
+        """sync, async, ssp: push this step's gradient (after its rows'), pull the parameters for the next; with
+        overlap_comm each partition is pushed from backward's hooks as soon as its gradients are final."""
+        if self.pushes is not None:
+            return self._priority_step(loss)
+        if self.schedule is not None:
+            step = self.steps + 1
+            self.schedule.arm(lambda part: self.link.post(part, self.flat.grad, step, {}))
+            loss.backward()
+            since = time.perf_counter()   # the wait after backward is the step's communication time
+            self.schedule.finish()
+            self.steps += 1
+            return self.link.settle(since)
         (loss * self.link.loss_scale if self.fp16 else loss).backward()
         header: dict[str, Any] = {}
         if self.fp16:
             header = {"scale": self.link.loss_scale, "found_inf": bool(has_inf_or_nan([self.flat.grad]).item())}
-        before = self.rows.pushes(self.steps, self.link.versions) if self.rows is not None else None
+        before = self.rows.pushes(self.steps, self.link.server_versions()) if self.rows is not None else None
         self.steps += 1
         return self.link.exchange(self.flat.grad, self.steps, header, before)
+
+    def _priority_step(self, loss: torch.Tensor) -> dict[str, Any]:
+        """Priority (priority.py): the previous exchange settled (forward took most of its pulls), pushes queued
+        from backward's hooks and sent lowest partition first; the pulls are left to the next forward. What the
+        step reports (version, staleness) is the previous exchange's."""
+        info = self._settle()
+        self.flat.zero_grad()
+        self.pushes.arm(self.steps + 1)
+        self.schedule.arm(self.pushes.add)
+        loss.backward()
+        since = time.perf_counter()
+        self.schedule.finish()
+        self.pushes.flush()
+        self.steps += 1
+        waited, self.pull_order.waited_s = self.pull_order.waited_s, 0.0
+        return dict(info, comm_s=time.perf_counter() - since + waited)
+
+    def _settle(self) -> dict[str, Any]:
+        """Priority: take the rest of the exchange in flight (if any); what its replies said."""
+        if self.pushes is None or not any(self.link.posted):
+            return {"comm_s": 0.0}
+        return self.link.settle(acks=self.pushes.acks)
 
     def _geo_step(self, loss: torch.Tensor) -> dict[str, Any]:
         """GEO: a local step (dense part, then the cached rows); a sync every k_steps."""
@@ -118,7 +162,7 @@ class PSWorker(Trainer):
     def _geo_sync(self) -> dict[str, Any]:
         """Push delta = (local − last synced) / N (after the changed rows' deltas), pull the servers' model and
         continue from it."""
-        before = self.rows.sync(self.rounds, self.link.versions, self.n) if self.rows is not None else None
+        before = self.rows.sync(self.rounds, self.link.server_versions(), self.n) if self.rows is not None else None
         delta = self.geo.delta(self.n, self.dtype)
         self.rounds += 1
         try:
@@ -136,6 +180,7 @@ class PSWorker(Trainer):
         Every rank then tells the servers it is done."""
         if self.geo is not None and self.steps % self.cfg.backend.push_every:
             self._geo_sync()
+        self._settle()
         state: dict[str, torch.Tensor] = {}
         if self.ctx.rank == 0:
             rows = self.rows.fetch_all() if self.rows is not None else None
@@ -150,6 +195,7 @@ class PSWorker(Trainer):
     def checkpoint_pieces(self, writing: bool = True) -> Pieces:
         """This worker's part: the model it computes on next (GEO: its local training state; with rows, its
         row cache) and its record (the servers write the parameters and optimizer state)."""
+        self._settle()
         rank = self.ctx.rank
         own = f"worker{rank}/"
         record: dict[str, Any] = {"rank": rank, "steps": self.steps, "rounds": self.rounds,
@@ -224,8 +270,12 @@ class PSWorker(Trainer):
         return self.client.meter.report()
 
     def summary_extra(self) -> dict[str, Any]:
+        self._settle()
         out: dict[str, Any] = {"ps_versions": list(self.link.versions)}
         return dict(out, **self.rows.summary()) if self.rows is not None else out
 
     def close(self) -> None:
+        for hooks in (self.schedule, self.pull_order):
+            if hooks is not None:
+                hooks.remove()
         self.client.close()

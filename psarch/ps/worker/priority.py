@@ -1,0 +1,104 @@
+"""Priority (ByteScheduler, Peng et al., SOSP '19; `backend.priority_credit_mb` > 0): the parameters the next
+forward needs first go first.
+
+Pushes started from backward's hooks (schedule.py) wait in a queue ordered by partition (the flat vector is in
+registration order, forward order) and leave with at most `credit` bytes of pushes unacknowledged per server: a
+push is acknowledged when its server has it (not when its round completes, which waits on the other workers: a
+credit tied to other workers could deadlock them), so a partition the next forward needs early overtakes those
+backward finished before it, once the credit in flight drains. The credit is per server because a server owns a
+contiguous range: one credit for all would send every worker's pushes to server 0 first, then to server 1, each
+server's link in turn carrying all N workers' pushes while the others idle (measured: 2.6 s against 0.9 s
+without priority, N = 4 at 100 Mbit/s). Each push is followed by its partition's pull.
+The next forward then waits per module (`PullOrder`, forward pre-hooks) only for the partitions holding that
+module's own parameters, while the later partitions still arrive.
+"""
+from __future__ import annotations
+
+import bisect
+import heapq
+import time
+from typing import Any, Sequence
+
+import torch
+
+from psarch.ps.worker.client import Request
+from psarch.ps.worker.link import Part, ServerLink
+
+
+class PriorityPushes:
+    """Partitions ready to push, posted lowest index first with at most `credit` bytes unacknowledged per server."""
+
+    def __init__(self, link: ServerLink, credit: int) -> None:
+        self.link, self.credit = link, credit
+        self.ready: list[int] = []             # heap of partition indices
+        self.acks: list[Request] = []          # this exchange's pushes (their acks carry staleness)
+        self.servers: list[int] = []           # the server of each push in `acks`
+        self.step = 0
+
+    def arm(self, step: int) -> None:
+        """The next backward's pushes are for `step` (their pulls ask for the parameters of step + 1)."""
+        self.ready, self.acks, self.servers, self.step = [], [], [], step
+
+    def add(self, part: Part) -> None:
+        """From a hook: partition `part` is final; post what the credit allows (taking the acks already here)."""
+        heapq.heappush(self.ready, part.index)
+        self.link.client.take_arrived()
+        self._pump()
+
+    def flush(self) -> None:
+        """After backward: post every partition still queued, waiting for acks as the credit needs."""
+        while self.ready:
+            needed = {self.link.parts[j].server for j in self.ready}
+            oldest = next(r for r, i in zip(self.acks, self.servers) if i in needed and not r.answered)
+            self.link.client.wait(until=oldest)
+            self._pump()
+
+    def _pump(self) -> None:
+        flight: dict[int, int] = {}
+        for r, i in zip(self.acks, self.servers):
+            if not r.answered:
+                flight[i] = flight.get(i, 0) + r.tensor.numel() * r.tensor.element_size()
+        held = []
+        while self.ready:
+            j = heapq.heappop(self.ready)
+            p = self.link.parts[j]
+            if flight.get(p.server, 0) and flight[p.server] >= self.credit:
+                held.append(j)
+                continue
+            push = self.link.post_push(p, self.link.flat.grad, self.step)
+            self.acks.append(push)
+            self.servers.append(p.server)
+            flight[p.server] = flight.get(p.server, 0) + push.tensor.numel() * push.tensor.element_size()
+        for j in held:
+            heapq.heappush(self.ready, j)
+
+
+class PullOrder:
+    """Forward pre-hooks: a module waits for the pulls of the partitions holding its own parameters."""
+
+    def __init__(self, model: torch.nn.Module, link: ServerLink, offsets: dict[int, int]) -> None:
+        self.link, self.waited_s = link, 0.0
+        starts = [p.lo for p in link.parts]
+        self.hooks = []
+        for module in model.modules():
+            covers = sorted({j for q in module.parameters(recurse=False) if id(q) in offsets
+                             for j in _covering(starts, offsets[id(q)], q.numel())})
+            if covers:
+                self.hooks.append(module.register_forward_pre_hook(self._hook(covers)))
+
+    def _hook(self, covers: list[int]) -> Any:
+        def before_forward(module: torch.nn.Module, args: Any) -> None:
+            t0 = time.perf_counter()
+            for j in covers:
+                self.link.landed(j)
+            self.waited_s += time.perf_counter() - t0
+        return before_forward
+
+    def remove(self) -> None:
+        for h in self.hooks:
+            h.remove()
+
+
+def _covering(starts: Sequence[int], offset: int, numel: int) -> range:
+    """The partitions (by index; `starts` their first elements) that elements [offset, offset + numel) fall in."""
+    return range(bisect.bisect_right(starts, offset) - 1, bisect.bisect_right(starts, offset + numel - 1))

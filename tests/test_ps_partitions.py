@@ -1,0 +1,287 @@
+"""Partitions of a server's range (backend.partition_mb), spoken to live servers (threads of the test process):
+the arithmetic; sync rounds per partition bit-identical to unpartitioned servers whatever order partitions and
+workers arrive in; a partition's pull answered as soon as its own round allows (the pipelining); each mode's
+per-partition rules (async staleness per push, SSP's bound, GEO's rounds); requests about partitions that a
+client would never send refused without changing anything; priority's order of pushes and its config rule."""
+from __future__ import annotations
+
+import random
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from psarch.config import from_dict
+from psarch.config_files import ConfigError
+from psarch.ps.layout import PARTITION_ALIGN, partition_elems, partitions, server_ranges
+from psarch.ps.services import start_services
+from psarch.ps.worker.client import PSClient, Request
+from psarch.ps.worker.link import Part
+from psarch.ps.worker.priority import PriorityPushes
+from psarch.workload import build_workload
+from ps_setup import config, ps
+
+PARTS = 0.001   # MiB: 256 fp32 elements per partition
+
+
+def test_partitions_split_each_range_at_aligned_offsets():
+    assert partitions(10, 1010, 256) == [(10, 266), (266, 522), (522, 778), (778, 1010)]
+    assert partitions(0, 100, 0) == [(0, 100)] and partitions(0, 100, 256) == [(0, 100)]
+
+    def elems(mb: float, precision: str = "fp32") -> int:
+        return partition_elems(from_dict(config("p", train={"precision": precision},
+                                                backend=ps(1, partition_mb=mb))))
+    assert elems(PARTS) == 256 and elems(PARTS, "bf16") == 512 and elems(0.0) == 0
+    assert elems(1e-9) == PARTITION_ALIGN and elems(0.00101) == 256   # rounded down to whole blocks, at least one
+    assert elems(4.0) == 2**20
+
+
+class Run:
+    """Servers of one config (threads) and a client per worker; partitions as (server, lo, hi)."""
+
+    def __init__(self, mode: str, mb: float, workers: int = 2, servers: int = 1, train: dict | None = None,
+                 **backend) -> None:
+        cfg = from_dict(config("parts", workload={"model": "mlp"},
+                               train=train or {"optimizer": "sgd", "lr": 0.5},
+                               backend=ps(workers, mode, servers, partition_mb=mb, **backend)))
+        self.numel = sum(p.numel() for p in build_workload(cfg).model.parameters())
+        self.services = start_services(cfg, None, threads=True)
+        info = self.services.info
+        self.clients = [PSClient(info.addresses, w, 10.0, info.auth) for w in range(workers)]
+        self.parts = [(i, a, b) for i, (lo, hi) in enumerate(server_ranges(self.numel, servers))
+                      for a, b in partitions(lo, hi, partition_elems(cfg))]
+        self.versions = [[0] * len(self.parts) for _ in range(workers)]
+
+    def post(self, w: int, j: int, g: torch.Tensor, step: int, into: torch.Tensor) -> Request:
+        """Worker w's pushpull of partition j (of flat gradient g) for `step`, its reply into `into`."""
+        i, a, b = self.parts[j]
+        r = Request({"op": "pushpull", "step": step, "version": self.versions[w][j], "offset": a}, g[a:b],
+                    into=into[a:b])
+        self.clients[w].post(i, r)
+        return r
+
+    def fetch(self) -> torch.Tensor:
+        out = torch.empty(self.numel)
+        self.clients[0].exchange([[Request({"op": "fetch"}, into=out[lo:hi])] for lo, hi in
+                                  server_ranges(self.numel, len(self.services.info.addresses))])
+        return out
+
+    def close(self) -> dict:
+        stats = self.services.finish()
+        for c in self.clients:
+            c.close()
+        self.services.stop()
+        return stats
+
+
+@pytest.mark.parametrize("train", [{"optimizer": "sgd", "lr": 0.1, "momentum": 0.9, "weight_decay": 0.01},
+                                   {"optimizer": "adamw", "lr": 1e-2, "weight_decay": 0.1, "eps": 1e-6}])
+def test_sync_in_partitions_is_bit_identical_whatever_the_order(train):
+    """3 workers, 2 servers, 3 steps: each worker posts its partitions in its own order (forward, backward,
+    shuffled), the workers in turn 2, 0, 1 (so sums keep early pushes); the final parameters equal, bit for bit,
+    those of servers holding each range whole and fed in order."""
+    gen = torch.Generator().manual_seed(0)
+    finals = {}
+    for mb in (0.0, PARTS):
+        run = Run("sync", mb, workers=3, servers=2, train=train)
+        try:
+            assert (len(run.parts) > 4) == bool(mb)
+            grads = [[torch.randn(run.numel, generator=gen.manual_seed(10 * s + w)) for w in range(3)]
+                     for s in range(3)]
+            for step in range(3):
+                into = [torch.empty(run.numel) for _ in range(3)]
+                order = list(range(len(run.parts)))
+                orders = {0: order, 1: order[::-1], 2: random.Random(step).sample(order, len(order))}
+                reqs = {w: [run.post(w, j, grads[step][w], step, into[w]) for j in orders[w]] for w in (2, 0, 1)}
+                for w in range(3):
+                    run.clients[w].wait()
+                    run.versions[w] = [None] * len(run.parts)
+                    for j, r in zip(orders[w], reqs[w]):
+                        run.versions[w][j] = r.reply["version"]
+                assert all(v == [step + 1] * len(run.parts) for v in run.versions)
+                assert torch.equal(into[0], into[1]) and torch.equal(into[0], into[2])
+            finals[mb] = run.fetch()
+        finally:
+            run.close()
+    assert torch.equal(finals[0.0], finals[PARTS]), "partitioned sync differs from whole ranges"
+
+
+def test_a_partition_is_answered_once_its_own_round_is_complete():
+    """sync: both workers push partition 0; worker 0's pull of it is answered while partition 1 has not been
+    pushed by anyone (what lets a worker receive partition p while it sends p + 1)."""
+    run = Run("sync", PARTS)
+    try:
+        g = [torch.randn(run.numel) for _ in range(2)]
+        into = torch.empty(run.numel)
+        first = run.post(0, 0, g[0], 0, into)
+        run.post(1, 0, g[1], 0, torch.empty(run.numel))
+        run.clients[0].wait(until=first)
+        assert first.answered and first.reply["version"] == 1
+        assert len(run.clients[0].waiting[0]) == 0 and len(run.clients[1].waiting[0]) == 1
+        rest = [run.post(0, j, g[0], 0, into) for j in range(1, len(run.parts))]
+        assert not any(r.answered for r in rest)
+        for j in range(1, len(run.parts)):
+            run.post(1, j, g[1], 0, torch.empty(run.numel))
+        for c in run.clients:
+            c.wait()
+        assert all(r.reply["version"] == 1 for r in rest)
+    finally:
+        run.close()
+
+
+def test_async_applies_each_partition_as_it_arrives_and_counts_staleness_per_push():
+    """Worker 0 pushes partition 1; worker 1 (it pulled version 0 of both) pushes partition 0, fresh, then 1,
+    stale by worker 0's push; worker 0's push of partition 0 is then stale by worker 1's. Each partition counts
+    its own updates, and the histogram counts pushes of partitions."""
+    run = Run("async", PARTS)
+    try:
+        assert len(run.parts) >= 2
+        g, sink = torch.ones(run.numel), torch.empty(run.numel)
+        acks = []
+        for w, j in ((0, 1), (1, 0), (1, 1), (0, 0)):
+            r = run.post(w, j, g, 0, sink)
+            run.clients[w].wait()
+            acks.append((w, j, r.reply["staleness"], r.reply["version"]))
+        assert acks == [(0, 1, 0, 1), (1, 0, 0, 1), (1, 1, 1, 2), (0, 0, 1, 2)]
+    finally:
+        stats = run.close()
+    assert stats["staleness"]["histogram"] == {"0": 2, "1": 2}
+    assert stats["staleness"]["counted"] == "per update of one partition"
+
+
+def test_ssp_bounds_each_partition_by_its_own_slowest_worker():
+    """staleness_bound 0: worker 0's pulls of step 1 wait for worker 1's push of the same partition; worker 1
+    pushing partition 1 frees that pull while partition 0's still waits."""
+    run = Run("ssp", PARTS, staleness_bound=0)
+    try:
+        g, into = torch.ones(run.numel), torch.empty(run.numel)
+        r0, r1 = run.post(0, 0, g, 0, into), run.post(0, 1, g, 0, into)
+        run.clients[1].exchange([[Request({"op": "push", "step": 0, "version": 0, "offset": run.parts[1][1]},
+                                          g[run.parts[1][1]:run.parts[1][2]])]])
+        run.clients[0].wait(until=r1)
+        assert r1.answered and r1.reply["ahead"] == 0 and not r0.answered
+        run.clients[1].exchange([[Request({"op": "push", "step": 0, "version": 0, "offset": 0},
+                                          g[:run.parts[0][2]])]])
+        run.clients[0].wait()
+        assert r0.answered
+    finally:
+        run.close()
+
+
+@pytest.mark.parametrize("barrier", [False, True])
+def test_geo_adds_each_partitions_deltas(barrier):
+    """GEO: each partition adds the deltas pushed to it (with the barrier, once its round is complete: partition
+    1's round ends while partition 0 still waits for worker 1)."""
+    run = Run("geo", PARTS, geo_barrier=barrier)
+    try:
+        before = run.fetch()
+        d = [torch.randn(run.numel) for _ in range(2)]
+        sink = torch.empty(run.numel)
+        reqs = {(w, j): run.post(w, j, d[w], 0, sink) for w in (0, 1) for j in range(len(run.parts)) if (w, j) != (1, 0)}
+        run.clients[0].wait(until=reqs[(0, 1)])
+        assert reqs[(0, 1)].answered and (barrier != reqs[(0, 0)].answered)
+        run.post(1, 0, d[1], 0, sink)
+        for c in run.clients:
+            c.wait()
+        torch.testing.assert_close(run.fetch(), before + d[0] + d[1])
+    finally:
+        run.close()
+
+
+def test_requests_about_partitions_a_client_would_never_send_are_refused():
+    """A push at an offset inside a partition, a push of a whole range, a pull of a partition another server
+    holds, a second push or waiting pull of the same partition, a non-finite partition: each refused, the
+    parameters unchanged; the other partitions' requests go on."""
+    run = Run("sync", PARTS, servers=2)
+    info = run.services.info
+    c = PSClient(info.addresses, 0, 10.0, info.auth)   # worker 0 again: its refused requests leave run's alone
+    try:
+        before = run.fetch()
+        (i0, a0, b0), (i1, a1, b1) = run.parts[0], run.parts[-1]
+        assert i0 == 0 and i1 == 1
+        g = torch.ones(run.numel)
+        bad = torch.ones(b0 - a0)
+        bad[3] = float("nan")
+        refused = [
+            (0, {"op": "push", "step": 0, "version": 0, "offset": a0 + 64}, g[:b0 - a0], "starts none"),
+            (0, {"op": "push", "step": 0, "version": 0, "offset": 0}, g[:server_ranges(run.numel, 2)[0][1]],
+             "the partition there is"),
+            (0, {"op": "pull", "step": 0, "want": "float32", "offset": a1}, None, "starts none"),
+            (0, {"op": "push", "step": 0, "version": 0, "offset": a0}, bad, "inf/nan"),
+        ]
+        for server, header, tensor, says in refused:
+            with pytest.raises(Exception, match=says):
+                c.exchange([[Request(header, tensor)] if i == server else [] for i in range(2)])
+        assert torch.equal(run.fetch(), before)
+        first = run.post(0, 0, g, 0, torch.empty(run.numel))
+        run.post(0, 1, g, 0, torch.empty(run.numel))   # another partition: its pull waits beside the first's
+        for header, tensor, says in [({"op": "pull", "step": 1, "want": "float32", "offset": a0}, None,
+                                      "already has a pull waiting"),
+                                     ({"op": "push", "step": 0, "version": 0, "offset": a0}, g[a0:b0],
+                                      "already pushed step 0")]:
+            with pytest.raises(Exception, match=says):
+                c.exchange([[Request(header, tensor)], []])
+        for j in range(len(run.parts)):
+            run.post(1, j, g, 0, torch.empty(run.numel))
+            if j >= 2:
+                run.post(0, j, g, 0, torch.empty(run.numel))
+        for cl in run.clients:
+            cl.wait()
+        assert first.reply["version"] == 1
+        torch.testing.assert_close(run.fetch(), before - 0.5 * g)
+    finally:
+        c.close()
+        stats = run.close()
+    assert stats["refused_pushes"]["non_finite_per_worker"] == [1, 0]
+
+
+class _Link:
+    """A ServerLink's face to PriorityPushes: partitions of 4 fp32 elements, pushes recorded, acks on demand."""
+
+    def __init__(self, n: int, servers: int = 1) -> None:
+        self.parts = [Part(j, j * servers // n, 4 * j, 4 * j + 4) for j in range(n)]
+        self.flat = SimpleNamespace(grad=torch.zeros(4 * n))
+        self.order: list[int] = []
+        self.client = SimpleNamespace(take_arrived=lambda: None, wait=self.ack)
+
+    def post_push(self, p: Part, pushed: torch.Tensor, step: int) -> Request:
+        self.order.append(p.index)
+        return Request({"op": "push", "step": step - 1, "offset": p.lo}, pushed[p.lo:p.hi])
+
+    @staticmethod
+    def ack(until: Request) -> None:
+        until.answered = True
+
+
+@pytest.mark.parametrize("credit, order", [(16, [7, 0, 1, 5, 6]), (10**6, [7, 6, 5, 1, 0])])
+def test_priority_sends_the_lowest_partition_first_within_its_credit(credit, order):
+    """Backward finishes partitions 7, 6, 5, then 1, 0: with one partition's bytes of credit, 7 goes at once and the
+    rest wait, then leave lowest first as acks free the credit (0 and 1 overtake 5 and 6); with a credit larger
+    than everything, each goes as backward finishes it (the order without priority)."""
+    link = _Link(8)
+    pushes = PriorityPushes(link, credit)
+    pushes.arm(1)
+    for j in (7, 6, 5, 1, 0):
+        pushes.add(link.parts[j])
+    pushes.flush()
+    assert link.order == order and len(pushes.acks) == 5
+
+
+def test_priority_credit_is_per_server():
+    """Partitions 0-3 on server 0, 4-7 on server 1 (contiguous ranges): with one partition of credit each server has
+    one push in flight, so server 1 is not left idle while server 0 takes every worker's pushes in turn."""
+    link = _Link(8, servers=2)
+    pushes = PriorityPushes(link, 16)
+    pushes.arm(1)
+    for j in (7, 6, 5, 3, 2, 1, 0):
+        pushes.add(link.parts[j])
+    assert link.order == [7, 3]   # one in flight on each server before any ack
+    pushes.flush()
+    assert link.order == [7, 3, 5, 0, 6, 1, 2]   # acks in the order sent; each server lowest first
+
+
+def test_priority_needs_pushes_from_backwards_hooks():
+    for backend, train in (({"mode": "geo"}, {}), ({"overlap_comm": False}, {}), ({}, {"precision": "fp16"})):
+        with pytest.raises(ConfigError, match="backend.priority_credit_mb = 0.25 orders the pushes"):
+            from_dict(config("p", train=train, backend=ps(2, partition_mb=PARTS, priority_credit_mb=0.25, **backend)))
+    from_dict(config("p", backend=ps(2, "ssp", partition_mb=PARTS, priority_credit_mb=0.25)))
