@@ -197,7 +197,7 @@ def test_requests_about_partitions_a_client_would_never_send_are_refused():
     c = PSClient(info.addresses, 0, 10.0, info.auth)   # worker 0 again: its refused requests leave run's alone
     try:
         before = run.fetch()
-        (i0, a0, b0), (i1, a1, b1) = run.parts[0], run.parts[-1]
+        (i0, a0, b0), (i1, a1, _) = run.parts[0], run.parts[-1]
         assert i0 == 0 and i1 == 1
         g = torch.ones(run.numel)
         bad = torch.ones(b0 - a0)
