@@ -47,24 +47,33 @@ def table(rs: list[dict[str, Any]]) -> str:
 
 
 def plot(rs: list[dict[str, Any]], path: Path) -> None:
-    """Step time against N per architecture and link rate: measured (solid), predicted (dashed)."""
+    """Step time against N per architecture and link rate: measured (solid), predicted (dashed); one colour
+    and marker per architecture, named once in a legend beside the panels."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.lines import Line2D
 
     rates = sorted({r["mbps"] for r in rs})
-    fig, axes = plt.subplots(1, len(rates), figsize=(6 * len(rates), 4), squeeze=False)
+    archs = sorted({r["arch"] for r in rs})
+    colours, markers = plt.get_cmap("tab20").colors, "osD^v<>pPX*h"
+    style = {arch: dict(color=colours[(2 * i) % 20 + (2 * i) // 20 % 2], marker=markers[i % len(markers)])
+             for i, arch in enumerate(archs)}
+    fig, axes = plt.subplots(1, len(rates), figsize=(5 * len(rates) + 4, 4), squeeze=False)
     for ax, rate in zip(axes[0], rates):
-        for i, arch in enumerate(sorted({r["arch"] for r in rs})):
+        for arch in archs:
             pts = [r for r in rs if r["arch"] == arch and r["mbps"] == rate]
             n = [r["n"] for r in pts]
-            ax.plot(n, [r["measured"] for r in pts], "o-", color=f"C{i}", label=f"{arch} measured")
-            ax.plot(n, [r["predicted"] for r in pts], "x--", color=f"C{i}", alpha=0.7, label=f"{arch} predicted")
+            ax.plot(n, [r["measured"] for r in pts], "-", **style[arch])
+            ax.plot(n, [r["predicted"] for r in pts], "--", alpha=0.6, markerfacecolor="none", **style[arch])
         ax.set(title=f"{rate:g} Mbit/s links", xlabel="workers N", ylabel="step time (s)")
         ax.set_xticks(sorted({r["n"] for r in rs}))
-    axes[0][-1].legend(fontsize=7)
+    handles = [Line2D([], [], linestyle="-", **style[a]) for a in archs]
+    handles += [Line2D([], [], color="grey", linestyle="-"), Line2D([], [], color="grey", linestyle="--")]
+    fig.legend(handles, archs + ["measured", "predicted (theory)"], loc="center left", bbox_to_anchor=(1.0, 0.5),
+               fontsize=7, frameon=False)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    fig.savefig(path, dpi=110, bbox_inches="tight")
 
 
 if __name__ == "__main__":
