@@ -84,7 +84,7 @@ class DDPTrainer(Trainer):
             b.ready.clear()
         self._next = 0
         t0 = time.perf_counter()
-        self.tables.fetch(batch)
+        batch = self.tables.fetch(batch)
         fetch_s = time.perf_counter() - t0
         loss = self.loss_fn(self.model, batch)
         self.optim.scaler.scale_loss(loss).backward()

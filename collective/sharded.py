@@ -73,7 +73,6 @@ class ShardedTables(EmbeddingTables):
     (the model keeps PooledRows in their place), holds this rank's shard of each, and moves rows by all-to-all."""
 
     name = "sharded"
-    holds_tables = False
 
     def __init__(self, model: nn.Module, comm: Communicator, cfg: Config, device: torch.device) -> None:
         """The model's tables are on meta: this rank builds only its own rows, from `model.initial_rows`."""
@@ -125,7 +124,7 @@ class ShardedTables(EmbeddingTables):
         finish()
         return recv
 
-    def fetch(self, batch: Any) -> None:
+    def fetch(self, batch: Any) -> Any:
         """Forward's exchange: send the batch's unique ids to their owners, get their rows back, hand them to
         the model's PooledRows (the step's id counts come back from exchange)."""
         ids = batch_ids(batch)
@@ -155,6 +154,7 @@ class ShardedTables(EmbeddingTables):
                       "asked_table": asked_table, "local": local,
                       "counts": {"unique_ids": len(flat), "ids_out": sum(send_splits) - send_splits[self.rank],
                                  "ids_in": sum(recv_splits) - recv_splits[self.rank]}}
+        return batch
 
     def exchange(self, batch: Any, grads: list[torch.Tensor]) -> dict[str, int]:
         """Backward's exchange: send each fetched row's gradient to its owner, who sums them into the shard's

@@ -1,8 +1,9 @@
 """Embedding tables and how a backend moves them (`backend.embeddings`): one interface, EmbeddingTables,
 that each treatment implements — "dense" (the tables are ordinary parameters: nothing to do), "rows" (only
-the rows a batch touched move: collective/rows.py, and the parameter server's psarch/ps/), "sharded" (rows
-sharded over the ranks, exchanged by all-to-all: collective/sharded.py) — and what every treatment shares:
-which parameters are the tables, and which rows a batch touches.
+the rows a batch touched move: collective/rows.py, and the parameter server's psarch/ps/worker/rows.py, whose
+workers fetch them from the servers), "sharded" (rows sharded over the ranks, exchanged by all-to-all:
+collective/sharded.py) — and what every treatment shares: which parameters are the tables, and which rows a
+batch touches.
 
 Convention (the `dlrm` model on `clicks` data): a batch is (dense, ids, clicks) with ids of shape
 (batch, tables, bag), and table t of the model (`model.tables[t]`, an nn.EmbeddingBag or nn.Embedding)
@@ -27,14 +28,15 @@ class EmbeddingTables:
     ordinary parameters of the model, which the trainer's own machinery moves)."""
 
     name: ClassVar[str] = "dense"
-    holds_tables: ClassVar[bool] = True   # a worker's model materialises the whole tables (else: on meta)
 
     def excluded(self) -> list[nn.Parameter]:
         """Parameters this treatment moves itself: the trainer keeps them out of its dense exchange."""
         return []
 
-    def fetch(self, batch: Any) -> None:
-        """Before forward: bring the rows this batch reads to where forward reads them."""
+    def fetch(self, batch: Any) -> Any:
+        """Before forward: bring the rows this batch reads to where forward reads them; the batch forward
+        reads (the PS's rows: its ids remapped to rows of the fetched tables)."""
+        return batch
 
     def exchange(self, batch: Any, grads: list[torch.Tensor]) -> dict[str, int]:
         """After backward: move the tables' gradients (`grads`: the excluded parameters' gradients, in

@@ -40,6 +40,7 @@ the workers (backend.server_placement).
         schedule.py          PushSchedule: each partition pushed from backward's hooks once its gradients are final
         client.py            the worker's sockets: requests to all servers in parallel, replies matched, frames counted
         geo.py               GeoLocal: GEO's local optimizer and last synced model
-        rows.py              WorkerRows (backend.embeddings = "rows"): fetch the batch's rows, push their gradients
+        tables.py            PSTables: the worker's embedding treatment (psarch/embeddings.py), "dense" and the PS's part
+        rows.py              WorkerRows, the "rows" treatment: fetch the batch's rows, push their gradients
         row_cache.py         RowCache: a GEO worker's rows between two syncs
 """

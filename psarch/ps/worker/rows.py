@@ -1,5 +1,5 @@
-"""A PS worker's embedding rows when its tables stay on the servers (`backend.embeddings = "rows"`): an object
-the worker holds, not a kind of worker.
+"""A PS worker's embedding rows when its tables stay on the servers (`backend.embeddings = "rows"`): the
+treatment (psarch.embeddings.EmbeddingTables, with the PS's own part in tables.py) the worker holds.
 
 The worker holds the dense parameters (flat, pushed and pulled as without rows) and, per step, only the rows
 its batch reads: for each table the distinct ids of the batch (u_t of them), pulled from their servers as one
@@ -15,31 +15,36 @@ A worker never holds the full tables: the workload builds its model with the tab
 """
 from __future__ import annotations
 
-import time
 from typing import Any
 
 import torch
 from torch import nn
 
-from psarch.checkpoint import Pieces
+from psarch.checkpoint import Checkpoint
+from psarch.checkpoint.fragments import Fragment
 from psarch.config import Config
+from psarch.embeddings import batch_ids, embedding_tables
 from psarch.ps import wire
 from psarch.ps.row_snapshot import cache_fragments
-from psarch.ps.rows import gather_shards, join_model, key_space
+from psarch.ps.rows import gather_shards, key_space
 from psarch.ps.worker.client import PSClient, Request
 from psarch.ps.worker.row_cache import RowCache
-from psarch.embeddings import batch_ids, embedding_tables
+from psarch.ps.worker.tables import PSTables
 from psarch.theory import expected_unique_ids, table_params
 
 
-class WorkerRows:
-    """The rows of a worker's step: `fetch` them before forward, `pushes` of their gradients after backward
-    (GEO: `local_step`, and `sync` every k_steps); its part of a checkpoint, its memory, its figures."""
+class WorkerRows(PSTables):
+    """The rows of a worker's step (the "rows" treatment on a PS worker: tables.py): `fetch` them before forward,
+    `exchange` takes their gradients after backward and `before_push` sends them ahead of the dense push (GEO:
+    `step` applies them to the cache, and `before_push` sends the cache's deltas at a sync); its part of a
+    checkpoint, its memory, its figures."""
+
+    name = "rows"
 
     def __init__(self, model: nn.Module, cfg: Config, client: PSClient, dtype: torch.dtype,
-                 device: torch.device) -> None:
+                 device: torch.device, rank: int) -> None:
         """Takes the tables out of `model` (empty, frozen placeholders): call before the model moves."""
-        self.cfg, self.client, self.dtype, self.device = cfg, client, dtype, device
+        self.cfg, self.client, self.dtype, self.device, self.rank = cfg, client, dtype, device, rank
         self.wire_dtype = wire.DTYPE_NAMES[dtype]
         self.space = key_space(cfg)
         self.offsets = self.space.offsets()
@@ -48,10 +53,12 @@ class WorkerRows:
         for t in self.tables:   # an empty, frozen placeholder: the flat vector holds the dense part only
             t.weight = nn.Parameter(torch.empty(0, self.space.dim), requires_grad=False)
         self.cache = RowCache(self.space.dim, cfg.train) if cfg.backend.mode == "geo" else None
+        self.steps = 0   # the worker's steps taken (the step a rowpull is for)
         # this step's rows: their keys (sorted), each server's positions (GEO: positions in the cache), weights
         self.keys = torch.empty(0, dtype=torch.int64)
         self.where: Any = None
         self.weights: list[nn.Parameter] = []
+        self.grads = torch.empty(0)         # sync, async, ssp: this step's rows' gradients, for before_push
         self.counts: dict[str, int] = {}    # GEO: rows pulled this step (not cached), rows pushed at a sync
         self.cache_peak = (0, 0, 0, 0)      # GEO: the largest cache's (rows, params, optimizer, buffers bytes)
         self.grad_bytes = 0                 # GEO: bytes of the last step's rows' gradients
@@ -59,19 +66,18 @@ class WorkerRows:
 
     # ------------------------------------------------------------------ a step
 
-    def fetch(self, batch: Any, step: int) -> tuple[Any, float]:
-        """Pull the rows `batch` reads into the model's tables; (the batch with its ids remapped to rows of
-        those tables, seconds spent pulling)."""
+    def fetch(self, batch: Any) -> Any:
+        """Pull the rows `batch` reads into the model's tables; the batch with its ids remapped to rows of
+        those tables."""
         dense, ids, clicks = batch
         keys, local, sizes = self._keys(batch_ids(batch).cpu())
-        t0 = time.perf_counter()
-        rows, self.where = self._pull(keys, step) if self.cache is None else self._cached(keys, step)
-        pulled_s = time.perf_counter() - t0
+        rows, self.where = self._pull(keys, self.steps) if self.cache is None else self._cached(keys, self.steps)
+        self.steps += 1
         self.keys = keys
         self.weights = [nn.Parameter(r) for r in rows.split(sizes)]
         for table, w in zip(self.tables, self.weights):
             table.weight = w
-        return (dense, local.to(ids.device), clicks), pulled_s
+        return dense, local.to(ids.device), clicks
 
     def _keys(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
         """(the batch's distinct keys, sorted; ids remapped to rows of the compact tables; u_t per table)."""
@@ -109,72 +115,78 @@ class WorkerRows:
     def _grads(self) -> torch.Tensor:
         return torch.cat([w.grad for w in self.weights]).cpu()
 
-    def pushes(self, step: int, versions: list[int]) -> list[Request]:
-        """After backward: the rowpush of this step's rows' gradients to each server, to go before its dense push."""
-        grads = self._grads()
-        self._hold(2 * grads.numel() * grads.element_size())   # the step's rows, and as much for their gradients
-        return [Request({"op": "rowpush", "step": step, "version": versions[i]}, grads[pos], keys=self.keys[pos])
-                for i, pos in enumerate(self.where)]
+    def exchange(self, batch: Any, grads: list[torch.Tensor]) -> dict[str, int]:
+        """After backward (GEO: after the step and its sync): take the rows' gradients for `before_push`; this
+        step's figures for metrics.jsonl: distinct ids; GEO: rows pulled, rows pushed at a sync."""
+        if self.cache is None:
+            self.grads = self._grads()
+            self._hold(2 * self.grads.numel() * self.grads.element_size())   # the rows, as much for gradients
+        out = {"unique_ids": int(self.keys.numel()), **self.counts}
+        self.counts = {}
+        return out
 
-    def local_step(self) -> None:
+    def step(self) -> bool:
         """GEO, after the dense part's local step: a row-wise optimizer step on the cached rows."""
+        if self.cache is None:
+            return False
         grads = self._grads()
         self.grad_bytes = grads.numel() * grads.element_size()
         self.cache.optim.step(self.where, grads.float())
         self._hold(self.cache.nbytes())
+        return False
 
-    def sync(self, push: int, versions: list[int], workers: int) -> list[Request]:
-        """GEO, at a sync: the rowpush of the changed rows' deltas (value − pulled) / N, to go before the dense
-        delta on each connection; `synced` empties the cache once the exchange is over."""
+    def before_push(self, push: int, versions: list[int]) -> list[Request]:
+        """Per server, the rowpush to go before dense push `push`: this step's rows' gradients; GEO, at a sync: the
+        changed rows' deltas (value − pulled) / N (`pushed` empties the cache once the exchange is over)."""
+        if self.cache is None:
+            return [Request({"op": "rowpush", "step": push, "version": versions[i]}, self.grads[pos],
+                            keys=self.keys[pos]) for i, pos in enumerate(self.where)]
         c = self.cache
         if c.keys.numel() >= self.cache_peak[0]:   # memory(): the cache at its largest, just before a sync
             self.cache_peak = (c.keys.numel(), 4 * c.rows.numel(), c.optim.state_bytes(),
                                4 * c.synced.numel() + 8 * c.keys.numel())
-        keys, deltas = c.deltas(workers)
+        keys, deltas = c.deltas(self.cfg.backend.world_size)
         self.counts["rows_pushed"] = keys.numel()
         return [Request({"op": "rowpush", "step": push, "version": versions[i]}, deltas[pos].to(self.dtype),
                         keys=keys[pos]) for i, pos in enumerate(self.space.split(keys))]
 
-    def synced(self) -> None:
+    def pushed(self) -> None:
         """GEO: the sync is over; the next steps pull the servers' new rows."""
-        self.cache.clear()
+        if self.cache is not None:
+            self.cache.clear()
 
     def _hold(self, nbytes: int) -> None:
         self.held = nbytes
         self.held_peak = max(self.held_peak, nbytes)
 
-    def step_extra(self) -> dict[str, int]:
-        """This step's figures for metrics.jsonl: distinct ids; GEO: rows pulled, rows pushed at a sync."""
-        out = {"unique_ids": int(self.keys.numel()), **self.counts}
-        self.counts = {}
-        return out
-
     # ------------------------------------------------------------------ the model, checkpoints, figures
 
-    def fetch_all(self) -> list[Request]:
-        """One `rowfetch` per server: each server's whole shard (for `full_state`)."""
-        return [Request({"op": "rowfetch"}) for _ in range(self.space.servers)]
+    def full_tables(self) -> dict[str, torch.Tensor]:
+        """The whole fp32 tables by parameter name, fetched from their servers (`rowfetch`: each its shard)."""
+        fetched = [[Request({"op": "rowfetch"})] for _ in range(self.space.servers)]
+        self.client.exchange(fetched)
+        rows = gather_shards(self.space, [r.into for (r,) in fetched])
+        return {name: rows[lo:lo + n] for name, lo, n in zip(self.table_names, self.offsets, self.space.rows)}
 
-    def full_state(self, model: nn.Module, dense: torch.Tensor, fetched: list[Request]) -> dict[str, torch.Tensor]:
-        """The model's consolidated state_dict from the servers' dense vector and their answered `fetch_all`."""
-        return join_model(model, self.space, dense, gather_shards(self.space, [r.into for r in fetched]))
+    def fragments(self) -> list[Fragment]:
+        """GEO: the worker's RowCache, its rows as fragments (their keys in `record`)."""
+        return cache_fragments(self.cache, self.space, self.table_names, self.rank) if self.cache is not None else []
 
-    def add_to(self, pieces: Pieces, rank: int) -> None:
-        """GEO: the worker's checkpoint part gets its RowCache (its keys in the record, its rows as fragments)."""
-        if self.cache is not None:
-            pieces.fragments += cache_fragments(self.cache, self.space, self.table_names, rank)
-            pieces.state["cache_keys"] = self.cache.keys.tolist()
+    def record(self) -> dict[str, Any]:
+        return {"cache_keys": self.cache.keys.tolist()} if self.cache is not None else {}
 
-    def restore(self, ckpt: Any, record: dict[str, Any], rank: int) -> None:
-        """GEO: refill the RowCache as this worker wrote it: its keys in their order, rows, pulled copies, state."""
-        if self.cache is None:
+    def restore(self, ckpt: Checkpoint, record: dict[str, Any] | None) -> None:
+        """From step K on; GEO, from this worker's own record: its RowCache as it wrote it (its keys in their
+        order, rows, pulled copies, state); a fork starts with an empty cache."""
+        self.steps = ckpt.step
+        if self.cache is None or record is None:
             return
         c = self.cache
         c.clear()
         keys = torch.tensor(record["cache_keys"], dtype=torch.int64)
         c.add(keys, torch.zeros(keys.numel(), self.space.dim))
         with torch.no_grad():
-            for f in cache_fragments(c, self.space, self.table_names, rank):   # views into the cache's tensors
+            for f in self.fragments():   # views into the cache's tensors
                 ckpt.fill(f)
 
     def memory(self) -> dict[str, int]:

@@ -3,8 +3,8 @@
 A worker holds the model's parameters and gradients only; the optimizer runs on the servers (in GEO
 each worker also runs a local optimizer, as in PaddlePaddle's GEO-SGD: geo.py). Parameters and gradients
 live in one flat buffer (`FlatParams`); server i owns the contiguous slice `ranges[i]` of it (link.py). With
-`backend.embeddings = "rows"` the worker holds a `WorkerRows` (rows.py): the tables stay on the servers and
-each step fetches and pushes only the rows its batch reads.
+`backend.embeddings = "rows"` its embedding treatment (tables.py) is a `WorkerRows` (rows.py): the tables stay on
+the servers and each step fetches and pushes only the rows its batch reads.
 
 Precision: workers compute in the compute dtype and push gradients (GEO: deltas) in it; servers keep
 fp32 parameters and optimizer state, and answer pulls in the compute dtype. So the wire carries
@@ -31,7 +31,7 @@ from psarch.errors import check_loss
 from psarch.flat import FlatParams, flat_layout
 from psarch.meters import peak_memory, tensor_bytes
 from psarch.precision import compute_dtype, has_inf_or_nan
-from psarch.ps.layout import partition_elems, state_from_flat, trainable
+from psarch.ps.layout import partition_elems, trainable
 from psarch.ps.snapshot import exact_records, pushes_by, run_shape, views
 from psarch.ps.spec import pushes_from_hooks
 from psarch.ps.worker.client import PSClient
@@ -39,7 +39,9 @@ from psarch.ps.worker.geo import GeoLocal
 from psarch.ps.worker.link import ServerLink
 from psarch.ps.worker.priority import PriorityPushes, PullOrder
 from psarch.ps.worker.rows import WorkerRows
+from psarch.ps.worker.tables import PSTables
 from psarch.ps.worker.schedule import PushSchedule
+from psarch.single import consolidated_state
 from psarch.trainer import MemoryReport, StepStats, Trainer, TrafficReport
 from psarch.workload import Workload
 
@@ -62,8 +64,8 @@ class PSWorker(Trainer):
         # every parameter a checkpoint holds (with rows: the tables too, which this worker never holds whole)
         self.param_shapes = {n: tuple(p.shape) for n, p in workload.model.named_parameters() if p.requires_grad}
         # the tables leave the model before it moves: only the dense part is ever materialised here
-        self.rows = (WorkerRows(workload.model, cfg, self.client, self.dtype, ctx.device)
-                     if b.embeddings == "rows" else None)
+        self.tables = (WorkerRows(workload.model, cfg, self.client, self.dtype, ctx.device, ctx.rank)
+                       if b.embeddings == "rows" else PSTables())
         self.model = workload.model.to(ctx.device, self.dtype)
         self.loss_fn = workload.loss_fn
         self.flat = FlatParams(trainable(self.model))
@@ -86,46 +88,46 @@ class PSWorker(Trainer):
 
     def step(self, batch: Any) -> StepStats:
         t_start = time.time()
-        pulled_s = 0.0
-        if self.rows is not None:
-            batch, pulled_s = self.rows.fetch(batch, self.steps)
+        t0 = time.perf_counter()
+        batch = self.tables.fetch(batch)
+        fetch_s = time.perf_counter() - t0
         if self.pushes is None:   # with priority: after forward (the last pushes may still be reading the gradient)
             self.flat.zero_grad()
         loss = self.loss_fn(self.model, batch)
         if not self.fp16:  # before the push: name the bad loss rather than have a server refuse its gradient
             check_loss(self.steps, self.ctx.rank, float(loss.detach()))
-        info = self._geo_step(loss) if self.geo is not None else self._push_step(loss)
-        info["comm_s"] += pulled_s
+        info = self._geo_step(loss, batch) if self.geo is not None else self._push_step(loss, batch)
+        info["comm_s"] += fetch_s
         scale = self.geo.optim.scaler.scale if self.geo is not None else self.link.loss_scale
         extra = {k: info[k] for k in ("version", "staleness", "ahead") if k in info}
-        extra.update(t_start=t_start, t_end=time.time())
-        if self.rows is not None:
-            extra.update(self.rows.step_extra())
+        extra.update(info["tables"], t_start=t_start, t_end=time.time())
         return StepStats(float(loss.item()), skipped=bool(info.get("skipped", False)), loss_scale=scale,
                          comm_s=info["comm_s"], extra=extra)
 
-    def _push_step(self, loss: torch.Tensor) -> dict[str, Any]:
+    def _push_step(self, loss: torch.Tensor, batch: Any) -> dict[str, Any]:
         """sync, async, ssp: push this step's gradient (after its rows'), pull the parameters for the next; with
         overlap_comm each partition is pushed from backward's hooks as soon as its gradients are final."""
         if self.pushes is not None:
-            return self._priority_step(loss)
-        if self.schedule is not None:
+            return self._priority_step(loss, batch)
+        if self.schedule is not None:   # dense tables only (pushes_from_hooks): their exchange moves nothing
             step = self.steps + 1
             self.schedule.arm(lambda part: self.link.post(part, self.flat.grad, step, {}))
             loss.backward()
             since = time.perf_counter()   # the wait after backward is the step's communication time
+            figures = self.tables.exchange(batch, [])
             self.schedule.finish()
             self.steps += 1
-            return self.link.settle(since)
+            return dict(self.link.settle(since), tables=figures)
         (loss * self.link.loss_scale if self.fp16 else loss).backward()
         header: dict[str, Any] = {}
         if self.fp16:
             header = {"scale": self.link.loss_scale, "found_inf": bool(has_inf_or_nan([self.flat.grad]).item())}
-        before = self.rows.pushes(self.steps, self.link.server_versions()) if self.rows is not None else None
+        figures = self.tables.exchange(batch, [])
+        before = self.tables.before_push(self.steps, self.link.server_versions())
         self.steps += 1
-        return self.link.exchange(self.flat.grad, self.steps, header, before)
+        return dict(self.link.exchange(self.flat.grad, self.steps, header, before), tables=figures)
 
-    def _priority_step(self, loss: torch.Tensor) -> dict[str, Any]:
+    def _priority_step(self, loss: torch.Tensor, batch: Any) -> dict[str, Any]:
         """Priority (priority.py): the previous exchange settled (forward took most of its pulls), pushes queued
         from backward's hooks and sent lowest partition first; the pulls are left to the next forward. What the
         step reports (version, staleness) is the previous exchange's."""
@@ -135,11 +137,12 @@ class PSWorker(Trainer):
         self.schedule.arm(self.pushes.add)
         loss.backward()
         since = time.perf_counter()
+        figures = self.tables.exchange(batch, [])   # dense tables only (pushes_from_hooks): nothing moves
         self.schedule.finish()
         self.pushes.flush()
         self.steps += 1
         waited, self.pull_order.waited_s = self.pull_order.waited_s, 0.0
-        return dict(info, comm_s=time.perf_counter() - since + waited)
+        return dict(info, comm_s=time.perf_counter() - since + waited, tables=figures)
 
     def _settle(self) -> dict[str, Any]:
         """Priority: take the rest of the exchange in flight (if any); what its replies said."""
@@ -147,29 +150,27 @@ class PSWorker(Trainer):
             return {"comm_s": 0.0}
         return self.link.settle(acks=self.pushes.acks)
 
-    def _geo_step(self, loss: torch.Tensor) -> dict[str, Any]:
-        """GEO: a local step (dense part, then the cached rows); a sync every k_steps."""
+    def _geo_step(self, loss: torch.Tensor, batch: Any) -> dict[str, Any]:
+        """GEO: a local step (dense part, then the tables' own: the cached rows); a sync every k_steps."""
         self.geo.optim.scaler.scale_loss(loss).backward()
         skipped = self.geo.optim.step([self.flat.grad])
-        if self.rows is not None:
-            self.rows.local_step()
+        self.tables.step()
         self.steps += 1
         info: dict[str, Any] = {"comm_s": 0.0, "skipped": skipped}
         if self.steps % self.cfg.backend.push_every == 0:
             info.update(self._geo_sync(), skipped=skipped)
-        return info
+        return dict(info, tables=self.tables.exchange(batch, []))   # after the sync: the rows it pushed
 
     def _geo_sync(self) -> dict[str, Any]:
         """Push delta = (local − last synced) / N (after the changed rows' deltas), pull the servers' model and
         continue from it."""
-        before = self.rows.sync(self.rounds, self.link.server_versions(), self.n) if self.rows is not None else None
+        before = self.tables.before_push(self.rounds, self.link.server_versions())
         delta = self.geo.delta(self.n, self.dtype)
         self.rounds += 1
         try:
             info = self.link.exchange(delta, self.rounds, {}, before)
         finally:
-            if self.rows is not None:
-                self.rows.synced()
+            self.tables.pushed()
         self.geo.pulled()
         return info
 
@@ -182,11 +183,9 @@ class PSWorker(Trainer):
             self._geo_sync()
         self._settle()
         state: dict[str, torch.Tensor] = {}
-        if self.ctx.rank == 0:
-            rows = self.rows.fetch_all() if self.rows is not None else None
-            dense = self.link.fetch(rows)
-            state = (self.rows.full_state(self.model, dense, rows) if self.rows is not None
-                     else state_from_flat(self.model, dense))
+        if self.ctx.rank == 0:   # tables the model does not hold, from the servers, under their names
+            masters = {id(p): v for p, v in zip(self.flat.params, self.flat.views(self.link.fetch()))}
+            state = {**consolidated_state(self.model, masters), **self.tables.full_tables()}
         self.link.done()
         return state
 
@@ -205,10 +204,9 @@ class PSWorker(Trainer):
         else:
             tensors = self.geo.tensors(own)
             record.update(self.geo.record())
-        pieces = Pieces(views(self.layout, tensors, 0, self.flat.numel), self.param_shapes, record)
-        if self.rows is not None:
-            self.rows.add_to(pieces, rank)
-        return pieces
+        record.update(self.tables.record())
+        return Pieces(views(self.layout, tensors, 0, self.flat.numel) + self.tables.fragments(), self.param_shapes,
+                      record)
 
     def write_checkpoint(self, ctx: DistContext, root: Path, step: int, config: dict[str, Any], keep: int,
                          steps: list[dict[str, Any]] | None) -> Path:
@@ -238,6 +236,7 @@ class PSWorker(Trainer):
         ps, rank, own = exact_records(ckpt, self.cfg), self.ctx.rank, f"worker{self.ctx.rank}/"
         self.steps = ckpt.step
         rec = next((r for r in ps["workers"] if r["rank"] == rank), None) if ps is not None else None
+        self.tables.restore(ckpt, rec)
         if rec is None:
             self.rounds = pushes_by(self.cfg, ckpt.step) if self.geo is not None else 0
             self.link.pull(pushes_by(self.cfg, ckpt.step))
@@ -251,8 +250,6 @@ class PSWorker(Trainer):
                 ckpt.fill(f)
         if self.geo is not None:
             self.geo.optim.master.copy_to_model()
-        if self.rows is not None:
-            self.rows.restore(ckpt, rec, rank)
 
     # ------------------------------------------------------------------ figures
 
@@ -262,7 +259,7 @@ class PSWorker(Trainer):
         # a GPU worker's host staging copy for the wire is host memory, not model state on the device
         m = MemoryReport(params=tensor_bytes([self.flat.data]), grads=tensor_bytes([self.flat.grad]),
                          optimizer=optimizer, buffers=synced, peak=peak, peak_kind=kind)
-        for k, v in (self.rows.memory() if self.rows is not None else {}).items():
+        for k, v in self.tables.memory().items():
             setattr(m, k, getattr(m, k) + v)
         return m
 
@@ -272,7 +269,7 @@ class PSWorker(Trainer):
     def summary_extra(self) -> dict[str, Any]:
         self._settle()
         out: dict[str, Any] = {"ps_versions": list(self.link.versions)}
-        return dict(out, **self.rows.summary()) if self.rows is not None else out
+        return dict(out, **self.tables.summary())
 
     def close(self) -> None:
         for hooks in (self.schedule, self.pull_order):
