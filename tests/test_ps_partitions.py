@@ -31,10 +31,29 @@ def test_partitions_split_each_range_at_aligned_offsets():
 
     def elems(mb: float, precision: str = "fp32") -> int:
         return partition_elems(from_dict(config("p", train={"precision": precision},
-                                                backend=ps(1, partition_mb=mb))))
+                                                backend=ps(1, partition_mb=mb))), 10**6)
     assert elems(PARTS) == 256 and elems(PARTS, "bf16") == 512 and elems(0.0) == 0
     assert elems(1e-9) == PARTITION_ALIGN and elems(0.00101) == 256   # rounded down to whole blocks, at least one
     assert elems(4.0) == 2**20
+
+
+def test_auto_partitions_pipeline_a_range_and_hide_the_host_cost_of_a_message():
+    """"auto": an 8th of the widest range, at least 0.6 ms of an emulated cluster's link, at most 4 MiB (all
+    of it where the link is not known)."""
+    def elems(numel: int, servers: int = 1, link_mbps: float | None = None, precision: str = "fp32") -> int:
+        cluster = {"emulate": True, "link_mbps": link_mbps} if link_mbps else {}
+        cfg = from_dict(config("p", train={"precision": precision}, cluster=cluster,
+                               backend=ps(servers, servers=servers, partition_mb="auto")))
+        return partition_elems(cfg, numel)
+    MiB = 2**20
+    assert elems(64 * MiB) == MiB and elems(MiB) == MiB   # loopback, real networks: BytePS's 4 MB, in 4-byte elements
+    assert elems(MiB, precision="bf16") == 2 * MiB
+    # 100 Mbit/s: 0.6 ms is 7.5 kB, so an 8th of the range sets it: 1.6 M parameters over 4 servers -> 49,984 (x 4 B)
+    assert elems(1_600_000, servers=4, link_mbps=100.0) == 400_000 // 8 // PARTITION_ALIGN * PARTITION_ALIGN
+    # 100 Gbit/s: 0.6 ms is 7.5 MB, over the 4 MiB cap
+    assert elems(64 * MiB, link_mbps=100_000.0) == MiB
+    # 10 Gbit/s: 0.6 ms is 750 kB (187,500 fp32 elements), more than an 8th of a 1 M range
+    assert elems(1_000_000, link_mbps=10_000.0) == 187_500 // PARTITION_ALIGN * PARTITION_ALIGN
 
 
 class Run:
@@ -50,7 +69,7 @@ class Run:
         info = self.services.info
         self.clients = [PSClient(info.addresses, w, 10.0, info.auth) for w in range(workers)]
         self.parts = [(i, a, b) for i, (lo, hi) in enumerate(server_ranges(self.numel, servers))
-                      for a, b in partitions(lo, hi, partition_elems(cfg))]
+                      for a, b in partitions(lo, hi, partition_elems(cfg, self.numel))]
         self.versions = [[0] * len(self.parts) for _ in range(workers)]
 
     def post(self, w: int, j: int, g: torch.Tensor, step: int, into: torch.Tensor) -> Request:

@@ -97,7 +97,7 @@ FUZZ_MODES = {"sync": {}, "async": {}, "ssp": {"staleness_bound": 0}, "geo": {},
 
 def _partitioned(cfg, numel: int) -> list[tuple[int, int]]:
     """The partitions of a one-server run's range."""
-    return partitions(0, numel, partition_elems(cfg))
+    return partitions(0, numel, partition_elems(cfg, numel))
 
 
 @pytest.mark.parametrize("mode", list(FUZZ_MODES))

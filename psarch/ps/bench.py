@@ -162,7 +162,7 @@ def _interleaved(clients: dict[str, Any], nbytes: int, min_s: float = 2.0) -> di
     return {k: 2 * nbytes / statistics.median(v) for k, v in times.items()}
 
 
-def wire_table(max_mib: int, partition_mb: float) -> list[dict[str, Any]]:
+def wire_table(max_mib: int, partition_mb: float | str) -> list[dict[str, Any]]:
     from psarch.config import from_dict
     from psarch.ps.layout import partition_elems
     from psarch.ps.services import start_services
@@ -181,7 +181,7 @@ def wire_table(max_mib: int, partition_mb: float) -> list[dict[str, Any]]:
             clients = {"raw": _Raw(raw_addr, n), "raw_chunked": _Raw(raw_addr, n, wire.CHUNK),
                        "wire": _PS(wire_addr, n, init=False)}
             clients.update({f"server_{k}": _PS(sv.info.addresses[0], n, init=True, creds=sv.info.auth,
-                                               elems=partition_elems(cfgs[k]))
+                                               elems=partition_elems(cfgs[k], n // 4))
                             for k, sv in services.items()})
             try:
                 table.append(dict(mib=n / 2**20, **_interleaved(clients, n)))
@@ -223,15 +223,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-mib", type=int, default=256, help="largest parameter vector, MiB (1, 4, 16, 64, 256)")
     ap.add_argument("--steps", type=int, default=40, help="training steps per backend in the step-time table")
     ap.add_argument("--skip-steps", action="store_true", help="only the wire table")
-    ap.add_argument("--partition-mb", type=float, default=None,
-                    help="the `parts` server's partitions, MiB (default: backend.partition_mb's default)")
+    ap.add_argument("--partition-mb", type=lambda v: v if v == "auto" else float(v), default="auto",
+                    help="the `parts` server's partitions, MiB, or 'auto' (backend.partition_mb's default)")
     ap.add_argument("--json", help="also write the tables to this file")
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
     t0 = time.time()
-    from psarch.ps.spec import PARTITION_MB
-    partition_mb = args.partition_mb if args.partition_mb is not None else PARTITION_MB
-    wire_rates = wire_table(args.max_mib, partition_mb)
+    wire_rates = wire_table(args.max_mib, args.partition_mb)
     print("push+pull throughput, 1 worker <-> 1 server, loopback TCP (GB/s = 1e9 bytes/s, push + pull bytes)")
     print(f"{'size':>8} {'raw pyzmq':>10} {'raw 4MiB':>9} {'ps wire':>8} {'ratio':>6} {'vs 4MiB':>7} "
           f"{'server none':>12} {'plain':>6} {'curve':>6} {'curve/none':>10} {'parts':>6} {'parts/none':>10}")
@@ -243,7 +241,7 @@ def main(argv: list[str] | None = None) -> int:
               f"{r['server_parts'] / r['server_none']:>10.2f}")
     print("ratio = ps wire / raw pyzmq (one frame per direction); vs 4MiB = ps wire / raw pyzmq sending the same "
           "4 MiB frames; server none/plain/curve: the real server with that backend.auth, the range whole (GB/s); "
-          f"parts: auth none, in partitions of {partition_mb:g} MiB")
+          f"parts: auth none, in partitions of {args.partition_mb} MiB")
     steps = [] if args.skip_steps else step_table(args.steps)
     if steps:
         print(f"\nstep time, N = 2, gpt 2x64 on markov ({steps[0]['params']:,} params), median after warm-up")

@@ -28,14 +28,37 @@ def server_ranges(numel: int, servers: int) -> list[tuple[int, int]]:
 PARTITION_ALIGN = 64   # elements: partitions start where a vectorised optimizer kernel's own chunks would
 
 
-def partition_elems(cfg: Config) -> int:
-    """Elements in each partition of a server's range: backend.partition_mb MiB of the wire dtype, rounded down
-    to a multiple of PARTITION_ALIGN (at least one such block); 0 when partition_mb = 0 (one per server)."""
+# backend.partition_mb = "auto" (the default): partitions as small as pipelining needs and no smaller than the
+# host's own cost of a message allows
+PARTITION_MAX_BYTES = 4 * 2**20   # BytePS's partition (4 MB, for 25-100 Gbit/s links): where the link is not known
+PIPELINE_DEPTH = 8                # per range: filling the pipeline costs 1/8 of the exchange (README: partition size)
+PARTITION_LINK_S = 0.6e-3         # at least this long on the link: 4x a partition's host cost (~150 us, ps.bench)
+
+
+def partition_bytes(cfg: Config, numel: int) -> float:
+    """Bytes of each partition of a server's range, for a flat vector of `numel` elements: backend.partition_mb
+    MiB, or "auto": the widest range / PIPELINE_DEPTH, but at least PARTITION_LINK_S of the emulated cluster's
+    link and at most PARTITION_MAX_BYTES (all of it, where the link's speed is not known: loopback, real
+    networks); 0: one partition per server."""
     mb = cfg.backend.partition_mb
-    if not mb:
+    if mb != "auto":
+        return mb * 2**20
+    width = torch.empty(0, dtype=compute_dtype(cfg.train.precision)).element_size()
+    widest = -(-numel // cfg.backend.servers) * width
+    c = cfg.cluster
+    link = c.link_mbps * 1e6 / 8 * PARTITION_LINK_S if c.emulate and c.link_mbps else PARTITION_MAX_BYTES
+    return min(PARTITION_MAX_BYTES, max(widest / PIPELINE_DEPTH, link))
+
+
+def partition_elems(cfg: Config, numel: int) -> int:
+    """Elements in each partition of a server's range of a flat vector of `numel` elements (partition_bytes, of
+    the wire dtype), rounded down to a multiple of PARTITION_ALIGN (at least one such block); 0 when
+    partition_mb = 0 (one per server)."""
+    size = partition_bytes(cfg, numel)
+    if not size:
         return 0
     width = torch.empty(0, dtype=compute_dtype(cfg.train.precision)).element_size()
-    return max(PARTITION_ALIGN, int(mb * 2**20 / width) // PARTITION_ALIGN * PARTITION_ALIGN)
+    return max(PARTITION_ALIGN, int(size / width) // PARTITION_ALIGN * PARTITION_ALIGN)
 
 
 def partitions(lo: int, hi: int, elems: int) -> list[tuple[int, int]]:

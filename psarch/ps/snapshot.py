@@ -37,19 +37,21 @@ from psarch.config import Config
 from psarch.ps.layout import Layout, partition_elems
 
 
-def run_shape(cfg: Config) -> dict[str, Any]:
-    """What a PS checkpoint's records depend on: a run of the same shape restores them exactly."""
+def run_shape(cfg: Config, numel: int) -> dict[str, Any]:
+    """What a PS checkpoint's records depend on (`numel`: elements of the flat vector the servers hold): a run of
+    the same shape restores them exactly."""
     b, geo = cfg.backend, cfg.backend.mode == "geo"
     return {"mode": b.mode, "world_size": b.world_size, "servers": b.servers, "precision": cfg.train.precision,
             "k_steps": b.k_steps if geo else None, "geo_barrier": b.geo_barrier if geo else None,
             "compensation": b.staleness_compensation if b.mode in ("async", "ssp") else None,
-            "partition_elems": partition_elems(cfg)}
+            "partition_elems": partition_elems(cfg, numel)}
 
 
-def exact_records(ckpt: Any, cfg: Config) -> dict[str, Any] | None:
-    """The checkpoint's PS records when it was written by a PS run of this config's shape, else None (a fork)."""
+def exact_records(ckpt: Any, cfg: Config, numel: int) -> dict[str, Any] | None:
+    """The checkpoint's PS records when it was written by a PS run of this config's shape (run_shape), else None
+    (a fork)."""
     ps = ckpt.state.get("ps")
-    return ps if ps is not None and ps["run"] == run_shape(cfg) else None
+    return ps if ps is not None and ps["run"] == run_shape(cfg, numel) else None
 
 
 def pushes_by(cfg: Config, step: int) -> int:

@@ -16,7 +16,6 @@ if TYPE_CHECKING:
     from psarch.trainer import Services
 
 Config = Any
-PARTITION_MB = 0.25   # backend.partition_mb's default, by measurement (README, "The parameter server": partition size)
 
 
 @dataclass
@@ -30,9 +29,12 @@ class PSOptions:
     staleness_bound: int = _f(2, "most steps a worker may run ahead of the slowest", min=0)
     staleness_compensation: str = _f("none", "remedy for stale gradients", choices=("none", "lr", "dc"))
     dc_lambda: float = _f(0.04, "delay-compensation strength (staleness_compensation = 'dc')", min=0.0)
-    partition_mb: float = _f(PARTITION_MB, "each server's range moves and is updated in partitions of this many MiB of the "
-                                  "wire dtype, pipelined (a partition's pull is answered once its own round is "
-                                  "complete); 0: one message per server each way", min=0.0)
+    partition_mb: float | str = _f("auto", "each server's range moves and is updated in partitions of this many MiB of "
+                                           "the wire dtype, pipelined (a partition's pull is answered once its own "
+                                           "round is complete); 0: one message per server each way; 'auto': an 8th "
+                                           "of a range, at least 0.6 ms of an emulated cluster's link, at most 4 MiB "
+                                           "(4 MiB where the link is not known: psarch/ps/layout.py)", min=0.0,
+                                    named=("auto",))
     priority_credit_mb: float = _f(0.0, "ByteScheduler's priority: pushes from backward's hooks leave lowest partition "
                                         "first (the next forward needs it first) with at most this many MiB "
                                         "unacknowledged, and the next forward waits per module for its own "
@@ -107,7 +109,7 @@ class PSSpec(BackendSpec):
         b = cfg.backend
         servers = "1 server" if b.servers == 1 else "N servers" if b.servers == b.world_size else f"{b.servers} servers"
         text = f"ps {b.mode}, {servers}" + (", colocated" if b.server_placement == "colocated" else "")
-        if b.partition_mb != PARTITION_MB:   # the default goes unsaid
+        if b.partition_mb != "auto":   # the default goes unsaid
             text += ", whole ranges" if not b.partition_mb else f", partitions of {b.partition_mb:g} MiB"
         text += f", priority {b.priority_credit_mb:g} MiB" if b.priority_credit_mb else ""
         text += ", pushed after backward" if b.mode != "geo" and not b.overlap_comm else ""

@@ -49,7 +49,7 @@ def partitions_per_server(cfg: Config, phi: float) -> int:
     """Partitions of the largest server range of the dense parameters (1 when partition_mb = 0)."""
     dense = phi - (table_params(cfg) if cfg.backend.embeddings == "rows" else 0)
     widest = -(-int(dense) // cfg.backend.servers)
-    return len(partitions(0, widest, partition_elems(cfg)))
+    return len(partitions(0, widest, partition_elems(cfg, int(dense))))
 
 
 def colocated_links(n: int, k: int, s: float) -> list[LinkLoad]:

@@ -112,7 +112,7 @@ class ParameterServer:
         embedding rows, this server's rows of the initial tables."""
         s = self.state
         lo, hi = server_ranges(flat.numel(), s.cfg.backend.servers)[s.index]
-        s.hold(lo, hi, flat[lo:hi])
+        s.hold(lo, hi, flat[lo:hi], flat.numel())
         if self.rows is not None:
             if rows is None:
                 raise ValueError("backend.embeddings = \"rows\": a server starts from its rows of the tables too")

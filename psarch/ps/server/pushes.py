@@ -66,7 +66,7 @@ class Pushes:
             raise PSError(f"init: {e}") from None
         check_range(msg, "float32", lo, hi)
         s.changing = True
-        s.hold(lo, hi, msg.tensor())
+        s.hold(lo, hi, msg.tensor(), msg.header["numel"])
         self.replies.send(ident, "init", {"op": "ack", "version": 0})
         self.pulls.serve()
 

@@ -138,7 +138,7 @@ class Snapshots:
         """Start from a checkpoint: its parameters and optimizer state for this range (and rows); the server's
         records exactly when a PS run of this shape wrote it, else those of a run whose workers all just pulled."""
         self._restore_range(ckpt)
-        ps = exact_records(ckpt, self.state.cfg)
+        ps = exact_records(ckpt, self.state.cfg, self.state.numel)
         if ps is None:
             self._fork(ckpt.step)
         else:

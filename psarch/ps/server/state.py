@@ -78,6 +78,7 @@ class ServerState:
     starts: dict[int, Partition] = field(default_factory=dict)   # each partition by its first element
     lo: int = 0
     hi: int = 0
+    numel: int = 0                 # elements of the whole flat vector the servers hold (its partitions depend on it)
     scratch: torch.Tensor | None = None   # a push's payload, decoded here when it is not summed in place
     refused_non_finite: list[int] = field(init=False)   # pushes refused for inf/nan, per worker
     lost: set[int] = field(default_factory=set)
@@ -193,12 +194,13 @@ class ServerState:
             raise PSError(f"worker {w} was declared lost")
         return w
 
-    def hold(self, lo: int, hi: int, params: torch.Tensor) -> None:
-        """Own range [lo, hi) of the flat parameter vector, starting from `params` (its fp32 values), in partitions."""
-        self.lo, self.hi = lo, hi
+    def hold(self, lo: int, hi: int, params: torch.Tensor, numel: int) -> None:
+        """Own range [lo, hi) of the flat parameter vector of `numel` elements, starting from `params` (its fp32
+        values), in partitions."""
+        self.lo, self.hi, self.numel = lo, hi, numel
         n = self.workers
         self.parts = [Partition(a, b, RangeState(params[a - lo:b - lo], self.cfg, n), Round(OrderedSum(n)), [0] * n)
-                      for a, b in partitions(lo, hi, partition_elems(self.cfg))]
+                      for a, b in partitions(lo, hi, partition_elems(self.cfg, numel))]
         self.starts = {p.lo: p for p in self.parts}
         self.scratch = torch.empty(hi - lo, dtype=compute_dtype(self.cfg.train.precision))
 

@@ -70,7 +70,8 @@ class PSWorker(Trainer):
         self.loss_fn = workload.loss_fn
         self.flat = FlatParams(trainable(self.model))
         self.layout = flat_layout(self.model, self.flat.params)
-        self.link = ServerLink(self.client, self.flat, b.servers, ctx.device, self.dtype, partition_elems(cfg))
+        self.link = ServerLink(self.client, self.flat, b.servers, ctx.device, self.dtype,
+                               partition_elems(cfg, self.flat.numel))
         self.steps = 0        # steps taken
         self.rounds = 0       # geo: deltas pushed
         if not ctx.services.restored:   # else load_checkpoint sets the state
@@ -224,7 +225,7 @@ class PSWorker(Trainer):
             servers = [f"server{i}" for i in range(len(self.link.ranges))]
             records = {p: part_state(tmp, p) for p in workers + servers}
             scaler = next((records[p]["scaler"] for p in servers + workers if "scaler" in records[p]), None)
-            state = {"ps": {"run": run_shape(self.cfg), "servers": [records[p] for p in servers],
+            state = {"ps": {"run": run_shape(self.cfg, self.flat.numel), "servers": [records[p] for p in servers],
                             "workers": [records[p] for p in workers]}, **({"scaler": scaler} if scaler else {})}
             merge(tmp, workers + servers, step, config, pieces.params, state)
             publish(tmp, final, keep)
@@ -233,7 +234,7 @@ class PSWorker(Trainer):
     def load_checkpoint(self, ckpt: Checkpoint) -> None:
         """Continue from a checkpoint (the servers restored themselves when they started): this worker's own
         record exactly when this run's shape wrote it, else a fork, as if it had just pulled at step K."""
-        ps, rank, own = exact_records(ckpt, self.cfg), self.ctx.rank, f"worker{self.ctx.rank}/"
+        ps, rank, own = exact_records(ckpt, self.cfg, self.flat.numel), self.ctx.rank, f"worker{self.ctx.rank}/"
         self.steps = ckpt.step
         rec = next((r for r in ps["workers"] if r["rank"] == rank), None) if ps is not None else None
         self.tables.restore(ckpt, rec)
