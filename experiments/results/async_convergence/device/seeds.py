@@ -29,8 +29,8 @@ order = [p["name"] for p in json.loads((sweep / "sweep.json").read_text())]   # 
 runs = [load_run(sweep / n) for n in order if (sweep / n / "summary.json").exists()]
 targets = dict(zip(map(id, runs), target_gaps(runs)))
 print(f"| mode (N = 4) | seeds | gap, mean of last 20 steps | steps to half the initial gap "
-      f"({', '.join(sorted({f'{t:.2f}' for t in targets.values()}))}) | time to it (s) | time to it, own clocks (s) | samples/s | diverged | "
-      f"not reached | D | overrun steps, worst run | runs over {OVERRUN_WARN:.0%} |")
+      f"({', '.join(sorted({f'{t:.2f}' for t in targets.values()}))}) | time to it (s) | time to it, own clocks (s) | "
+      f"samples/s | diverged | not reached | D | overrun steps, worst run | runs over {OVERRUN_WARN:.0%} |")
 print("|---|---|---|---|---|---|---|---|---|---|---|---|")
 for group in seed_groups(runs):
     cs = [convergence_of(r, targets[id(r)]) for r in group]
