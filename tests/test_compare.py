@@ -168,6 +168,7 @@ def test_async_samples_per_s_is_the_sum_of_each_workers_own_rate(async_run, tmp_
     (old / "summary.json").write_text(json.dumps(stale))
     assert load_run(old)["summary"]["samples_per_s"] == pytest.approx(own)
     assert straggler_rows(old.parent)[0]["samples_per_s"] == pytest.approx(own)
+    assert straggler_rows(old.parent)[0]["run"] == "old"   # its folder: a run made again replaces it by name
     report = compare([old], tmp_path / "cmp").read_text()
     assert f"| old | ps async, 1 server | 2 | {own:.1f} |" in report and f"{OWN_PACE} where they run at" in report
 

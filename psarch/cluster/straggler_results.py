@@ -54,8 +54,8 @@ def final_gap(workers: list[list[dict[str, Any]]], floor: float, last: int = 20)
 
 
 def rows(sweep: Path, target: float | None = None) -> list[dict[str, Any]]:
-    """One row per finished run under `sweep`: its mode, slowdown, jitter and the three figures; the target
-    gap `target`, else half of its workload's initial gap (psarch.runs.target_gaps)."""
+    """One row per finished run under `sweep`: its folder's name, mode, slowdown, jitter and the three figures;
+    the target gap `target`, else half of its workload's initial gap (psarch.runs.target_gaps)."""
     runs = []
     for f in sorted(sweep.glob("*/summary.json")):
         s = json.loads(f.read_text())
@@ -66,7 +66,8 @@ def rows(sweep: Path, target: float | None = None) -> list[dict[str, Any]]:
         s, cfg = run["summary"], run_config(run)
         workers, floor = per_worker(run["metrics"]), s["entropy_floor"]
         vd, step = s.get("virtual_device"), s.get("cluster", {}).get("step_time")
-        out.append({"mode": s["label"], "slowdown": cfg.cluster.slowdown, "jitter": cfg.cluster.jitter,
+        out.append({"run": Path(run["path"]).name, "mode": s["label"], "slowdown": cfg.cluster.slowdown,
+                    "jitter": cfg.cluster.jitter,
                     "samples_per_s": s["samples_per_s"], "target_gap": gap,
                     # lockstep: every step waits for the slowest worker; theory's step time says how long
                     "predicted": s["global_batch"] / step["predicted_s"]

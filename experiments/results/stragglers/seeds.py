@@ -1,7 +1,10 @@
 """README's stragglers table: every (run, slowdown, jitter) over its seeds, mean ± 95% CI (psarch.seeds), from
 psarch.cluster.straggler_results' rows (samples/s as the summary defines it; time to the target gap with every
 worker's losses at its own clock):
-    python experiments/results/stragglers/seeds.py runs/stragglers > experiments/results/stragglers/seeds.md"""
+    python experiments/results/stragglers/seeds.py runs/stragglers > experiments/results/stragglers/seeds.md
+and with the runs that overran more than 5% of their steps replaced by their runs at a fixed D (fixed_d.toml):
+    python experiments/results/stragglers/seeds.py runs/stragglers runs/stragglers_fixed_d > \
+        experiments/results/stragglers/seeds_fixed_d.md"""
 import sys
 from itertools import groupby
 from pathlib import Path
@@ -20,6 +23,9 @@ def ci(xs: list, form: str) -> str:
 
 
 rs = rows(Path(sys.argv[1]))
+if len(sys.argv) > 2:   # runs of the sweep made again in a second folder (fixed_d.toml): each replaces its namesake
+    again = {r["run"]: r for r in rows(Path(sys.argv[2]))}
+    rs = [again.get(r["run"], r) for r in rs]
 gaps = {r["target_gap"] for r in rs}
 print(f"| run | slowdown of worker 0 | jitter | seeds | samples/s | predicted (lockstep) | time to half the initial "
       f"gap ({', '.join(sorted({f'{g:.2f}' for g in gaps}))}) (s) | reached | final gap | D | overrun steps |")
