@@ -211,15 +211,21 @@ def _records(overruns: list[list[bool]]) -> list[RankRecord]:
 
 
 def test_overrun_steps_are_counted_and_reported():
-    """Counted over the timed steps of every rank; more than 5% of them: one line in summary.json and at the
-    end of report.txt."""
-    cfg = from_dict(config("o", cluster={"device": "a100"}))
+    """Counted over the timed steps: in lockstep, a step in which any worker overran (every worker waits for it);
+    at their own pace, each worker's steps. More than 5% of them: one line in summary.json and at the end of
+    report.txt."""
+    cfg = from_dict(config("o", cluster={"device": "a100"}, backend={"kind": "ddp", "world_size": 2}))
     few = device.summary(cfg, _records([[False] * 20, [True] + [False] * 19]), set(range(20)))
-    assert few["overrun_steps"] == 1 and few["counted_steps"] == 40 and few["warning"] is None
+    assert few["overrun_steps"] == 1 and few["counted_steps"] == 20 and few["warning"] is None   # 5%: not over
     assert few["compute_s"] == pytest.approx(0.06)   # the slowest worker's modelled compute
+    both = device.summary(cfg, _records([[True] + [False] * 19, [True, True] + [False] * 18]), set(range(20)))
+    assert both["overrun_steps"] == 2 and both["overrun_of"] == "steps"   # step 0 overran once, for both
     many = device.summary(cfg, _records([[True] * 3 + [False] * 17, [False] * 20]), set(range(20)))
-    assert many["overrun_steps"] == 3 and many["overrun_fraction"] == 0.075
-    assert "3 of 40 timed worker-steps (8%) overran" in many["warning"]
+    assert many["overrun_steps"] == 3 and many["overrun_fraction"] == 0.15
+    assert "3 of 20 timed steps (15%) overran" in many["warning"]
+    own = from_dict(config("o", cluster={"device": "a100"}, backend={"kind": "ps", "mode": "async", "world_size": 2}))
+    apart = device.summary(own, _records([[True] * 3 + [False] * 17, [False] * 20]), set(range(20)))
+    assert apart["overrun_fraction"] == 0.075 and "3 of 40 timed worker-steps (8%) overran" in apart["warning"]
     warm = device.summary(cfg, _records([[True] * 3 + [False] * 17, [False] * 20]), set(range(3, 20)))
     assert warm["overrun_steps"] == 0                # warm-up steps are not counted
     lines = device.report_lines(many, alpha_s=2e-5)
@@ -304,7 +310,8 @@ def test_an_emulated_run_of_virtual_devices(tmp_path):
                              cluster=cluster)), tmp_path / "vd", echo=False)
     assert_same_model(model(tmp_path / "vd", "model"), model(tmp_path / "ref", "model"), "virtual device")
     vd = s["virtual_device"]
-    assert vd["dilation"] == 2.0 and vd["counted_steps"] == 2 * (s["steps"] - 1) and reference["steps"] == s["steps"]
+    assert vd["dilation"] == 2.0 and reference["steps"] == s["steps"]
+    assert vd["counted_steps"] == s["steps"] - 1 and vd["overrun_of"] == "steps"   # lockstep: each step once
     assert all(n["link_mbps"] == 200.0 for n in s["cluster"]["nodes"])
     assert s["step_time_s"] >= vd["compute_s"] and s["cluster"]["step_time"]["compute_s"] == vd["compute_s"]
     assert "time dilation   D = 2" in (tmp_path / "vd" / "report.txt").read_text()

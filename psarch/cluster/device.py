@@ -102,18 +102,25 @@ OVERRUN_WARN = 0.05   # a run where more than this fraction of timed steps overr
 def summary(cfg: Config, records: list[Any], timed: set[int]) -> dict[str, Any] | None:
     """summary.json's `virtual_device` from the ranks' records (None without a modelled device): the device,
     its FLOPs and nominal times per worker-step, D, the median over timed steps of the slowest worker's
-    modelled compute, and the timed steps (of every rank) whose real compute overran the modelled time."""
+    modelled compute, and the timed steps whose real compute overran the modelled time: where workers step in
+    lockstep, the steps in which any worker overran (every worker waits for it), else each worker's own."""
+    from psarch import registry
     facts = next((r.virtual_device for r in records if r.virtual_device), None)
     if not modelled(cfg) or facts is None:
         return None
     steps = [x for r in records for x in r.steps if x["step"] in timed and "overrun" in x]
     slowest: dict[int, float] = {}
+    overran: dict[int, bool] = {}
     for x in steps:
         slowest[x["step"]] = max(slowest.get(x["step"], 0.0), x["modelled_s"])
-    over = sum(1 for x in steps if x["overrun"])
+        overran[x["step"]] = overran.get(x["step"], False) or x["overrun"]
+    lockstep = registry.spec_of(cfg).lockstep(cfg)
+    flags = list(overran.values()) if lockstep else [x["overrun"] for x in steps]
+    over = sum(flags)
     out = {"device": name(cfg), "peak_tflops": peak_tflops(cfg), "mfu": cfg.cluster.mfu, **facts,
            "compute_s": statistics.median(slowest.values()) if slowest else None,
-           "overrun_steps": over, "counted_steps": len(steps), "overrun_fraction": over / len(steps) if steps else 0.0,
+           "overrun_steps": over, "counted_steps": len(flags), "overrun_fraction": over / len(flags) if flags else 0.0,
+           "overrun_of": "steps" if lockstep else "worker-steps",
            "times": "cluster time: every time reported is the wall clock / dilation"}
     out["warning"] = overrun_line(out)
     return out
@@ -123,7 +130,7 @@ def overrun_line(vd: dict[str, Any]) -> str | None:
     """The one line a run whose steps overran too often ends with (None where they did not)."""
     if vd["overrun_fraction"] <= OVERRUN_WARN:
         return None
-    return (f"virtual device: {vd['overrun_steps']} of {vd['counted_steps']} timed worker-steps "
+    return (f"virtual device: {vd['overrun_steps']} of {vd['counted_steps']} timed {vd['overrun_of']} "
             f"({vd['overrun_fraction']:.0%}) overran their modelled compute: this machine, not the "
             f"{vd['device']}, set their time; raise cluster.dilation (it is {vd['dilation']:g})")
 
@@ -138,7 +145,7 @@ def report_lines(vd: dict[str, Any], alpha_s: float | None) -> list[str]:
              f"is the cluster's (wall clock / D)"
              + (f"; alpha {alpha_s * 1e6:.0f} us on this host = {alpha_s / d * 1e6:.3g} us of cluster time"
                 if alpha_s is not None else ""),
-             f"overrun steps   {vd['overrun_steps']} of {vd['counted_steps']} timed worker-steps "
+             f"overrun steps   {vd['overrun_steps']} of {vd['counted_steps']} timed {vd['overrun_of']} "
              f"({vd['overrun_fraction']:.1%})"]
     warn = overrun_line(vd)
     return lines + ([warn] if warn else [])

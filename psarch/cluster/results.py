@@ -32,7 +32,7 @@ def rows(sweep: Path) -> list[dict[str, Any]]:
 
 def table(rs: list[dict[str, Any]]) -> str:
     """The markdown table; with virtual devices, compute is the modelled one, and D and the share of
-    overrun worker-steps get their columns."""
+    overrun steps (lockstep: steps; else worker-steps: psarch/cluster/device.py) get their columns."""
     devices = any(r["dilation"] is not None for r in rs)
     extra = " D | overrun steps |" if devices else ""
     lines = [f"| architecture | N | link Mbit/s | step time measured \\| predicted | error | compute "
