@@ -38,14 +38,15 @@ PROCESS_GROUP_OPTIONS = {"backend.dist_backend": None, "backend.timeout_s": None
 class CommModel:
     """How a backend's communication meets its compute on a cluster (theory.cluster_step_time's inputs):
     collectives (or partitions) per pass, whether backward hides them, ring passes that block inside
-    forward/backward, how many slots a push-then-pull exchange is pipelined over (1: one after the other),
+    forward/backward, how many slots a push-then-pull exchange is pipelined over (a server's range over its largest
+    partition; 1: one after the other),
     whether the next forward hides overlapped communication too (a PS's priority; else backward alone), and the
     share of the compute phase its ranks wait by design (a pipeline's bubble)."""
 
     buckets: int = 1
     overlap: bool = False
     hidden_passes: int = 0
-    pipeline: int = 1
+    pipeline: float = 1.0
     forward_hides: bool = False
     idle_fraction: float = 0.0
 

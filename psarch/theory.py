@@ -178,12 +178,14 @@ def two_phase_links(p: Prediction) -> list[LinkLoad]:
             LinkLoad(True, LinkBytes(0.0, p.server.received), LinkBytes(p.server.sent, 0.0))]
 
 
-def exchange_time(links: list[LinkLoad], worker_rate: float, server_rate: float, pipeline: int = 1) -> float:
+def exchange_time(links: list[LinkLoad], worker_rate: float, server_rate: float, pipeline: float = 1.0) -> float:
     """Seconds of a push-then-pull exchange over `links` (payload bytes/s of each kind of link). pipeline = 1:
     the push phase, then the pull phase, each as long as its busiest link and direction. pipeline = m > 1
-    (m partitions per server, pushed back to back, each pulled once its round is complete): a 2-stage
-    pipeline over m slots, (push + pull) / m to fill and drain it, and (m - 1) / m of the time the busiest
-    link and direction takes to carry push and pull at once (full duplex: m -> inf gives that time alone)."""
+    (partitions per server, pushed back to back, each pulled once its round is complete; m = a server's range
+    over its largest partition, psarch/ps/theory.py's pipeline_slots): a 2-stage pipeline over m slots,
+    (push + pull) / m to fill and drain it (the largest partition's push and pull), and (m - 1) / m of the time
+    the busiest link and direction takes to carry push and pull at once (full duplex: m -> inf gives that time
+    alone)."""
     def busiest(load: Any) -> float:
         return max(max(b.sent, b.received) / (server_rate if link.server else worker_rate)
                    for link in links for b in [load(link)])
@@ -194,7 +196,7 @@ def exchange_time(links: list[LinkLoad], worker_rate: float, server_rate: float,
 
 def cluster_step_time(p: Prediction, compute_s: float, link_mbps: float, server_mbps: float,
                       alpha_s: float = 0.0, buckets: int = 1, overlap: bool = False,
-                      hidden_passes: int = 0, pipeline: int = 1, forward_hides: bool = False,
+                      hidden_passes: int = 0, pipeline: float = 1.0, forward_hides: bool = False,
                       backward_s: float | None = None) -> dict[str, float]:
     """Step time on an emulated cluster: compute (measured, or a virtual device's modelled) plus the bytes
     `p` puts on each link at its rate (with WIRE_OVERHEAD), plus α per message in sequence (α-β model).

@@ -134,6 +134,27 @@ def test_cluster_step_time_by_hand():
         0.05 + comm - 0.02 * 3 / 4 - 0.03)
 
 
+def test_ps_pipeline_fills_and_drains_with_its_largest_partition():
+    """k = N = 8 servers, each 202,624 fp32 parameters in partitions of 65,536 (3 full, one of 6,016): push and
+    pull as a two-stage flow shop over the partitions, simulated here, take R + the largest partition, not
+    R (1 + 1/4) as four equal partitions would."""
+    from psarch import registry
+    from psarch.theory import cluster_step_time, predict
+    cfg = from_dict({"backend": {"kind": "ps", "world_size": 8, "servers": 8, "partition_mb": 0.25},
+                     "train": {"optimizer": "sgd", "global_batch": 8}})
+    phi = 8 * 202_624
+    parts = [65_536] * 3 + [202_624 - 3 * 65_536]
+    push_done = pull_done = 0.0                  # each stage takes a partition's bytes x N / k at the link's rate
+    for x in parts:
+        push_done += x
+        pull_done = max(pull_done, push_done) + x
+    m = registry.spec_of(cfg).comm_model(cfg, phi, {})
+    rate = 100e6 / 8 * 1448 / 1514 / 4          # fp32 elements per second on a 100 Mbit/s link
+    got = cluster_step_time(predict(cfg, phi), 0.0, 100.0, 100.0, 0.0, m.buckets, False, 0, m.pipeline)["comm_s"]
+    assert pull_done == 202_624 + 65_536
+    assert got == pytest.approx(8 * pull_done / rate)     # a server takes N = 8 workers' partitions
+
+
 def test_cluster_model_per_backend():
     """Which backends overlap, their bucket counts, hidden passes and idle fraction by design
     (BackendSpec.comm_model): 1 MB of fp32 parameters; a pipeline waits its bubble, torch's pipelining none
@@ -158,7 +179,7 @@ def test_cluster_model_per_backend():
     assert model({"kind": "zero", "stage": 3})["buckets"] == 1
     # ps: 125,000 parameters a server in partitions of 65,536: 2 each, pushed from backward's hooks (not in GEO)
     ps = {"kind": "ps", "servers": 2, "partition_mb": 0.25}
-    assert model(ps) == {"buckets": 4, "overlap": True, **one, "pipeline": 2}
+    assert model(ps) == {"buckets": 4, "overlap": True, **one, "pipeline": pytest.approx(125_000 / 65_536)}
     # priority: the pulls also hide behind the next forward
     assert model(dict(ps, priority_credit_mb=0.5))["forward_hides"] is True
     assert model(dict(ps, mode="geo"))["overlap"] is False and model(dict(ps, partition_mb=0.0))["pipeline"] == 1

@@ -164,7 +164,8 @@ class PSSpec(BackendSpec):
         """Push and pull pipelined over each server's partitions; pushes from backward's hooks (overlap_comm); with
         priority the pulls also hide behind the next forward."""
         m = theory.partitions_per_server(cfg, phi)
-        return CommModel(buckets=m * cfg.backend.servers, overlap=pushes_from_hooks(cfg), pipeline=m,
+        return CommModel(buckets=m * cfg.backend.servers, overlap=pushes_from_hooks(cfg),
+                         pipeline=theory.pipeline_slots(cfg, phi),
                          forward_hides=bool(cfg.backend.priority_credit_mb))
 
     def summary_fields(self, cfg: Config) -> dict[str, Any]:

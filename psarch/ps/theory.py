@@ -52,6 +52,16 @@ def partitions_per_server(cfg: Config, phi: float) -> int:
     return len(partitions(0, widest, partition_elems(cfg)))
 
 
+def pipeline_slots(cfg: Config, phi: float) -> float:
+    """The slots a server's exchange is pipelined over: its widest range over its largest partition (m for m
+    equal partitions; fewer where the last is short). Two stages (push, pull) over partitions x_1..x_m take
+    max_j (x_1 + .. + x_j) + (x_j + .. + x_m) = R + max x: the largest partition, not R / m, fills and drains."""
+    elems = partition_elems(cfg)
+    dense = phi - (table_params(cfg) if cfg.backend.embeddings == "rows" else 0)
+    widest = -(-int(dense) // cfg.backend.servers)
+    return widest / min(elems, widest) if elems and widest else 1.0
+
+
 def colocated_links(n: int, k: int, s: float) -> list[LinkLoad]:
     """The links of N workers with k servers beside workers 0..k-1, each exchanging S per step: a node with a
     worker and a server sends (k-1)/k·S of pushes and receives (N-1)/k·S of them, then sends (N-1)/k·S of pulls
