@@ -155,6 +155,27 @@ def test_ps_pipeline_fills_and_drains_with_its_largest_partition():
     assert got == pytest.approx(8 * pull_done / rate)     # a server takes N = 8 workers' partitions
 
 
+def test_ps_overlap_hides_behind_its_last_servers_share_of_backward():
+    """S = 1 MB, N = k = 4 dedicated servers, each range in 4 partitions pushed from backward's hooks: a server's
+    range is a contiguous quarter of the parameters, ready within a quarter of backward, so the last server's link
+    starts only then (all four workers' pushes of it on that one link). Link-bound: backward hides 1/4 x 3/4 of it,
+    not (B - 1)/B = 15/16; compute-bound: after backward wait the last partition's push and pull, 2/5 of the
+    exchange, not 1/16. Counted by hand."""
+    from psarch.theory import cluster_step_time, config_for, predict
+    p = predict(config_for("ps", 4, "fp32", "sgd", servers=4, partition_mb=0.0), 250_000)
+    rate = 12.5e6 * 1448 / 1514
+    comm = (1 + 1 / 4) * 1e6 / rate           # pipelined over 4 slots: (push + pull) / 4 + 3/4 of both at once
+
+    def exposed(backward_s: float) -> float:
+        return cluster_step_time(p, 0.2, 100.0, 100.0, 0.0, buckets=16, overlap=True, pipeline=4,
+                                 backward_s=backward_s, ready_share=1 / 4)["comm_s"]
+    assert exposed(0.08) == pytest.approx(comm - 0.08 / 4 * 3 / 4)
+    assert exposed(1.0) == pytest.approx(comm * 2 / 5)
+    cfg = from_dict({"backend": {"kind": "ps", "world_size": 4, "servers": 4}})
+    from psarch import registry
+    assert registry.spec_of(cfg).comm_model(cfg, 1_000_000, {}).ready_share == 0.25
+
+
 def test_cluster_model_per_backend():
     """Which backends overlap, their bucket counts, hidden passes and idle fraction by design
     (BackendSpec.comm_model): 1 MB of fp32 parameters; a pipeline waits its bubble, torch's pipelining none
@@ -168,7 +189,7 @@ def test_cluster_model_per_backend():
         extra = {"zero_groups": [groups, groups]} if groups is not None else {}
         return asdict(registry.spec_of(cfg).comm_model(cfg, 250_000, extra))
 
-    one = {"hidden_passes": 0, "pipeline": 1, "forward_hides": False, "idle_fraction": 0.0}
+    one = {"hidden_passes": 0, "pipeline": 1, "forward_hides": False, "idle_fraction": 0.0, "ready_share": 1.0}
     assert model({"kind": "ddp", "bucket_cap_mb": 0.25}) == {"buckets": 4, "overlap": True, **one}
     assert model({"kind": "ddp", "overlap_comm": False})["overlap"] is False
     assert model({"kind": "torch_ddp", "bucket_cap_mb": 0.5}) == {"buckets": 2, "overlap": True, **one}
@@ -179,7 +200,8 @@ def test_cluster_model_per_backend():
     assert model({"kind": "zero", "stage": 3})["buckets"] == 1
     # ps: 125,000 parameters a server in partitions of 65,536: 2 each, pushed from backward's hooks (not in GEO)
     ps = {"kind": "ps", "servers": 2, "partition_mb": 0.25}
-    assert model(ps) == {"buckets": 4, "overlap": True, **one, "pipeline": pytest.approx(125_000 / 65_536)}
+    assert model(ps) == {"buckets": 4, "overlap": True, **one, "pipeline": pytest.approx(125_000 / 65_536),
+                         "ready_share": 0.5}
     # priority: the pulls also hide behind the next forward
     assert model(dict(ps, priority_credit_mb=0.5))["forward_hides"] is True
     assert model(dict(ps, mode="geo"))["overlap"] is False and model(dict(ps, partition_mb=0.0))["pipeline"] == 1
