@@ -41,7 +41,8 @@ class CommModel:
     forward/backward, how many slots a push-then-pull exchange is pipelined over (a server's range over its
     largest partition; 1: one after the other), whether the next forward hides overlapped communication too (a
     PS's priority; else backward alone), the share of the compute phase its ranks wait by design (a pipeline's
-    bubble), and the share of backward in which the busiest link's buckets are ready."""
+    bubble), the share of backward in which the busiest link's buckets are ready, and the ring passes that wait for
+    the optimizer step (backward cannot hide them)."""
 
     buckets: int = 1
     overlap: bool = False
@@ -50,6 +51,7 @@ class CommModel:
     forward_hides: bool = False
     idle_fraction: float = 0.0
     ready_share: float = 1.0      # a PS server's contiguous range: 1/k
+    after_passes: int = 0         # ring passes after the optimizer step, hidden by nothing (ZeRO-1/2's all-gather)
 
 
 class BackendSpec(ABC):

@@ -176,6 +176,23 @@ def test_ps_overlap_hides_behind_its_last_servers_share_of_backward():
     assert registry.spec_of(cfg).comm_model(cfg, 1_000_000, {}).ready_share == 0.25
 
 
+def test_zero_all_gather_waits_for_the_optimizer_step():
+    """ZeRO-1, S = 1 MB, N = 4, 100 Mbit/s, 4 buckets reduce-scattered from backward's hooks: the reduce-scatter
+    (3/4 S, 3 hops) hides behind backward as DDP's buckets do, the all-gather of the updated parameters (3/4 S,
+    3 hops) starts after the optimizer step and is exposed whole. Counted by hand."""
+    from psarch.theory import cluster_step_time, config_for, predict
+    p = predict(config_for("zero", 4, "fp32", "sgd", stage=1), 250_000)
+    rate = 12.5e6 * 1448 / 1514
+    one_pass = 0.75e6 / rate + 3e-4
+
+    def exposed(backward_s: float) -> float:
+        return cluster_step_time(p, 0.2, 100.0, 100.0, 1e-4, buckets=4, overlap=True, backward_s=backward_s,
+                                 after_passes=1)["comm_s"]
+    assert exposed(0.02) == pytest.approx(one_pass - 0.02 * 3 / 4 + one_pass)
+    assert exposed(1.0) == pytest.approx(one_pass / 4 + one_pass)
+    assert cluster_step_time(p, 0.2, 100.0, 100.0, 1e-4, after_passes=1)["comm_s"] == pytest.approx(2 * one_pass)
+
+
 def test_cluster_model_per_backend():
     """Which backends overlap, their bucket counts, hidden passes and idle fraction by design
     (BackendSpec.comm_model): 1 MB of fp32 parameters; a pipeline waits its bubble, torch's pipelining none
@@ -189,11 +206,15 @@ def test_cluster_model_per_backend():
         extra = {"zero_groups": [groups, groups]} if groups is not None else {}
         return asdict(registry.spec_of(cfg).comm_model(cfg, 250_000, extra))
 
-    one = {"hidden_passes": 0, "pipeline": 1, "forward_hides": False, "idle_fraction": 0.0, "ready_share": 1.0}
+    one = {"hidden_passes": 0, "pipeline": 1, "forward_hides": False, "idle_fraction": 0.0, "ready_share": 1.0,
+           "after_passes": 0}
     assert model({"kind": "ddp", "bucket_cap_mb": 0.25}) == {"buckets": 4, "overlap": True, **one}
     assert model({"kind": "ddp", "overlap_comm": False})["overlap"] is False
     assert model({"kind": "torch_ddp", "bucket_cap_mb": 0.5}) == {"buckets": 2, "overlap": True, **one}
-    assert model({"kind": "zero", "reduce_bucket_size": 125_000}) == {"buckets": 2, "overlap": True, **one}
+    # stages 1-2 all-gather the updated parameters after the optimizer step, as ZeroRedundancyOptimizer broadcasts
+    assert model({"kind": "zero", "reduce_bucket_size": 125_000}) == {"buckets": 2, "overlap": True, **one,
+                                                                       "after_passes": 1}
+    assert model({"kind": "torch_zero", "bucket_cap_mb": 0.5})["after_passes"] == 1
     # stage 3 reduce-scatters one unit at a time: its groups, never reduce_bucket_size (stages 1-2 only)
     assert model({"kind": "zero", "stage": 3}, groups=5) == {"buckets": 5, "overlap": True, **one,
                                                              "hidden_passes": 2}
