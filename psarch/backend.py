@@ -38,16 +38,20 @@ PROCESS_GROUP_OPTIONS = {"backend.dist_backend": None, "backend.timeout_s": None
 class CommModel:
     """How a backend's communication meets its compute on a cluster (theory.cluster_step_time's inputs):
     collectives (or partitions) per pass, whether backward hides them, ring passes that block inside
-    forward/backward, how many slots a push-then-pull exchange is pipelined over (1: one after the other),
-    whether the next forward hides overlapped communication too (a PS's priority; else backward alone), and the
-    share of the compute phase its ranks wait by design (a pipeline's bubble)."""
+    forward/backward, how many slots a push-then-pull exchange is pipelined over (a server's range over its
+    largest partition; 1: one after the other), whether the next forward hides overlapped communication too (a
+    PS's priority; else backward alone), the share of the compute phase its ranks wait by design (a pipeline's
+    bubble), the share of backward in which the busiest link's buckets are ready, and the ring passes that wait for
+    the optimizer step (backward cannot hide them)."""
 
     buckets: int = 1
     overlap: bool = False
     hidden_passes: int = 0
-    pipeline: int = 1
+    pipeline: float = 1.0
     forward_hides: bool = False
     idle_fraction: float = 0.0
+    ready_share: float = 1.0      # a PS server's contiguous range: 1/k
+    after_passes: int = 0         # ring passes after the optimizer step, hidden by nothing (ZeRO-1/2's all-gather)
 
 
 class BackendSpec(ABC):

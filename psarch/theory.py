@@ -178,12 +178,14 @@ def two_phase_links(p: Prediction) -> list[LinkLoad]:
             LinkLoad(True, LinkBytes(0.0, p.server.received), LinkBytes(p.server.sent, 0.0))]
 
 
-def exchange_time(links: list[LinkLoad], worker_rate: float, server_rate: float, pipeline: int = 1) -> float:
+def exchange_time(links: list[LinkLoad], worker_rate: float, server_rate: float, pipeline: float = 1.0) -> float:
     """Seconds of a push-then-pull exchange over `links` (payload bytes/s of each kind of link). pipeline = 1:
     the push phase, then the pull phase, each as long as its busiest link and direction. pipeline = m > 1
-    (m partitions per server, pushed back to back, each pulled once its round is complete): a 2-stage
-    pipeline over m slots, (push + pull) / m to fill and drain it, and (m - 1) / m of the time the busiest
-    link and direction takes to carry push and pull at once (full duplex: m -> inf gives that time alone)."""
+    (partitions per server, pushed back to back, each pulled once its round is complete; m = a server's range
+    over its largest partition, psarch/ps/theory.py's pipeline_slots): a 2-stage pipeline over m slots,
+    (push + pull) / m to fill and drain it (the largest partition's push and pull), and (m - 1) / m of the time
+    the busiest link and direction takes to carry push and pull at once (full duplex: m -> inf gives that time
+    alone)."""
     def busiest(load: Any) -> float:
         return max(max(b.sent, b.received) / (server_rate if link.server else worker_rate)
                    for link in links for b in [load(link)])
@@ -194,8 +196,9 @@ def exchange_time(links: list[LinkLoad], worker_rate: float, server_rate: float,
 
 def cluster_step_time(p: Prediction, compute_s: float, link_mbps: float, server_mbps: float,
                       alpha_s: float = 0.0, buckets: int = 1, overlap: bool = False,
-                      hidden_passes: int = 0, pipeline: int = 1, forward_hides: bool = False,
-                      backward_s: float | None = None) -> dict[str, float]:
+                      hidden_passes: int = 0, pipeline: float = 1.0, forward_hides: bool = False,
+                      backward_s: float | None = None, ready_share: float = 1.0,
+                      after_passes: int = 0) -> dict[str, float]:
     """Step time on an emulated cluster: compute (measured, or a virtual device's modelled) plus the bytes
     `p` puts on each link at its rate (with WIRE_OVERHEAD), plus α per message in sequence (α-β model).
     server_mbps: a PS server's link (ClusterConfig.server_mbps); collectives ignore it.
@@ -207,21 +210,30 @@ def cluster_step_time(p: Prediction, compute_s: float, link_mbps: float, server_
     waits the last bucket's share, or, where the link is the bound, all of it less what backward hides after
     the first bucket is ready, max(comm / B, comm - backward (B - 1) / B); forward_hides (a PS's priority:
     the next forward's first parameters come first) hides it behind the rest of the compute too.
+    ready_share: the share of backward in which the busiest link's buckets are ready (a PS server owns a
+    contiguous 1/k of the parameters: its B/k partitions are ready within 1/k of backward, the last server's at
+    its end), so backward hides ready_share (B' - 1) / B' of it, B' = B x ready_share; a pipelined exchange's
+    tail is then its last partition's push and pull, 2 / (pipeline + 1) of it. after_passes: ring passes that
+    start only after the optimizer step (ZeRO-1/2's all-gather of the updated parameters), exposed whole.
     hidden_passes: ring passes already inside the measured compute (ZeRO-3's forward and backward
     all-gathers block there, where the comm wait does not see them)."""
     worker_rate = link_mbps * 1e6 / 8 / WIRE_OVERHEAD   # payload bytes/s
     if not p.worker.sent and not p.worker.received:
         return {"compute_s": compute_s, "comm_s": 0.0, "step_time_s": compute_s}
+    after = 0.0
     if p.server is not None:
         server_rate = server_mbps * 1e6 / 8 / WIRE_OVERHEAD
         comm = (exchange_time(p.links or two_phase_links(p), worker_rate, server_rate, pipeline)
                 + p.messages * alpha_s)
     else:
-        shown = (p.rounds - hidden_passes) / p.rounds
-        comm = shown * (p.worker.sent / worker_rate + p.messages * alpha_s)
+        per_pass = (p.worker.sent / worker_rate + p.messages * alpha_s) / p.rounds
+        comm, after = (p.rounds - hidden_passes - after_passes) * per_pass, after_passes * per_pass
     backward = 2 / 3 * compute_s if backward_s is None else backward_s
-    hiding = backward * (buckets - 1) / buckets + (max(0.0, compute_s - backward) if forward_hides else 0.0)
-    exposed = max(comm - hiding, comm / buckets) if overlap and buckets > 1 else comm
+    seen = max(1.0, buckets * ready_share)   # the buckets the busiest link carries
+    hiding = (backward * ready_share * (seen - 1) / seen
+              + (max(0.0, compute_s - backward) if forward_hides else 0.0))
+    tail = comm * 2 / (pipeline + 1) if pipeline > 1 else comm / seen
+    exposed = (max(comm - hiding, tail) if overlap and buckets > 1 else comm) + after
     return {"compute_s": compute_s, "comm_s": exposed, "step_time_s": compute_s + exposed}
 
 
@@ -247,6 +259,6 @@ def cluster_step(cfg: Config, summary: dict[str, Any]) -> dict[str, float]:
     # a rank that waits by design (the bubble) computes `compute` in a phase 1 / (1 - idle) as long
     pred = cluster_step_time(predict(cfg, summary["params"]), compute / (1.0 - m.idle_fraction), cfg.cluster.link_mbps,
                              cfg.cluster.server_mbps, alpha, m.buckets, m.overlap, hidden, m.pipeline,
-                             m.forward_hides, backward)
+                             m.forward_hides, backward, m.ready_share, m.after_passes)
     return {"measured_s": summary["step_time_s"], "predicted_s": pred["step_time_s"],
             "compute_s": compute, "predicted_comm_s": pred["comm_s"]}

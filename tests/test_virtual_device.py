@@ -3,6 +3,7 @@ the cluster's times (wall / D) and link rates (link / D), auto's D, overrun step
 stragglers on modelled time, and the config's rules."""
 from __future__ import annotations
 
+import contextlib
 import time
 
 import pytest
@@ -12,7 +13,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from cluster_setup import needs_root
 from parity import assert_same_model, config, model
-from psarch.cluster import device
+from psarch.cluster import device, dilation
 from psarch.cluster.dilation import AUTO_MARGIN, Costs, choose, resolve, round_up, spinning
 from psarch.cluster.flops import FlopCount, count
 from psarch.cluster.pacing import VirtualDevice
@@ -160,6 +161,38 @@ def test_auto_dilation_rule():
     assert choose(overlapped) == round_up(AUTO_MARGIN * 4)
     comm_bound = Costs(0.01, 0.001, 0.001, 0.01, overlapped=False)
     assert choose(comm_bound) == round_up(AUTO_MARGIN * 10)
+
+
+@pytest.mark.parametrize("backend, busiest", [
+    ({"kind": "ps", "world_size": 4, "servers": 1}, "server"),
+    ({"kind": "ps", "world_size": 4, "servers": 2}, "server"),
+    ({"kind": "ps", "world_size": 4, "servers": 4}, "either"),
+    ({"kind": "ps", "world_size": 4, "servers": 4, "server_placement": "colocated"}, "either"),
+    ({"kind": "ddp", "world_size": 4, "bucket_cap_mb": 0.01}, "worker")])
+def test_auto_pays_alpha_per_message_of_the_busiest_process(monkeypatch, backend, busiest):
+    """measure's host communication: α once per message the busiest process handles in a step. A PS worker sends
+    one request and takes one reply per partition per server; a server does so for every worker's share of its
+    partitions (N/k times a worker's); a ring rank sends 2(N-1) messages per bucket."""
+    monkeypatch.setattr(dilation, "loopback_alpha", lambda: 1.0)                 # 1 s a message: α dominates
+    monkeypatch.setattr(dilation, "loopback_bytes_per_s", lambda nbytes: 1e15)
+    monkeypatch.setattr(dilation, "_host_compute_s", lambda *a: 0.0)
+    monkeypatch.setattr(dilation, "spinning", lambda n: contextlib.nullcontext())
+    cfg = from_dict(config("alpha", backend={**backend, "partition_mb": 0.002} if backend["kind"] == "ps" else backend,
+                           cluster={"emulate": True, "device": "v100", "link_mbps": 100.0}))
+    wl = build_workload(cfg)
+    phi = sum(p.numel() for p in wl.model.parameters())
+    n, width = 4, 4
+    if backend["kind"] == "ps":
+        k = backend["servers"]
+        parts = -(-(-(-phi // k)) // 512)   # partitions per server: 2 KiB of fp32 each, 512 elements
+        assert parts > 1
+        worker, server = 2 * parts * k, 2 * parts * n
+    else:
+        worker = 2 * (n - 1) * -(-phi * width // int(0.01 * 2**20))
+        server = 0
+    want = {"worker": worker, "server": server, "either": worker}[busiest]
+    assert max(worker, server) == want
+    assert dilation.measure(cfg).host_comm_s == pytest.approx(want, rel=1e-6)
 
 
 def test_spinning_processes_take_cpu_and_go():

@@ -61,8 +61,10 @@ class ZeroSpec(BackendSpec):
             buckets = 1
         else:
             buckets = buckets_of(phi * BYTES[cfg.train.precision], b.reduce_bucket_size * BYTES[cfg.train.precision])
-        # stage 3's forward and backward all-gathers block inside the measured compute
-        return CommModel(max(1, buckets), b.overlap_comm, hidden_passes=2 if b.stage == 3 else 0)
+        # stage 3's forward and backward all-gathers block inside the measured compute; stages 1-2 all-gather the
+        # updated parameters after the optimizer step (zero/stage12.py's gather_params), where backward hides nothing
+        return CommModel(max(1, buckets), b.overlap_comm, hidden_passes=2 if b.stage == 3 else 0,
+                         after_passes=0 if b.stage == 3 else 1)
 
 
 class TorchZeroSpec(BackendSpec):
@@ -76,8 +78,10 @@ class TorchZeroSpec(BackendSpec):
         return theory.zero(cfg, phi, 1, 3)
 
     def comm_model(self, cfg: Config, phi: float, extra: Mapping[str, list[Any]]) -> CommModel:
-        # torch DDP, which it wraps, sends its buckets from backward's hooks
-        return CommModel(buckets_of(phi * BYTES[cfg.train.precision], cfg.backend.bucket_cap_mb * 2**20), True)
+        # torch DDP, which it wraps, sends its buckets from backward's hooks; ZeroRedundancyOptimizer broadcasts
+        # each updated shard after the optimizer step
+        return CommModel(buckets_of(phi * BYTES[cfg.train.precision], cfg.backend.bucket_cap_mb * 2**20), True,
+                         after_passes=1)
 
 
 class TorchFSDPSpec(BackendSpec):

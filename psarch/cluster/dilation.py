@@ -7,10 +7,11 @@ here, while `processes - 1` helper processes spin on the CPU in place of the run
 whatever else the machine is running now.
 - compute: a worker's real forward and backward must fit inside the modelled compute x D;
 - communication: the host's own cost of the step's messages (α of a TCP ping-pong and bytes/s of one
-  stream on this machine's loopback, α paid once per message of every bucket, through theory's step-time
-  model) must fit inside their time on the cluster's links x D; where the backend communicates during
-  backward (BackendSpec.comm_model: overlap with several buckets, or passes inside compute), that cost
-  competes with the compute for the same cores, and counts on its side too.
+  stream on this machine's loopback; α paid once per message the busiest process handles: a worker's every
+  bucket, or a server's every worker's partitions, `messages`) must fit inside their time on the cluster's
+  links x D; where the backend communicates during backward (BackendSpec.comm_model: overlap with several
+  buckets, or passes inside compute), that cost competes with the compute for the same cores, and counts on
+  its side too.
 D = AUTO_MARGIN x the larger of the two ratios, at least 1, rounded up to two significant digits.
 AUTO_MARGIN is 2 for the load that comes and goes after the measurement.
 
@@ -100,6 +101,17 @@ def _host_compute_s(workload: Any, batch: Any, threads: int) -> float:
     return statistics.median(times[1:])
 
 
+def messages(cfg: Config, p: Any, m: Any) -> float:
+    """Messages the busiest process of a step handles on this host, each paying α once: a worker's, the
+    Prediction's messages in sequence x CommModel.buckets (collectives or partitions per message: a PS worker's
+    request and reply per partition per server); where there are servers, one of them serves every worker's
+    share of its partitions, world_size / servers times a worker's."""
+    worker = p.messages * m.buckets
+    services = registry.spec_of(cfg).service_nodes(cfg)
+    server = worker * cfg.backend.world_size / services if p.server is not None and services else 0.0
+    return max(worker, server)
+
+
 def measure(cfg: Config, threads: int = 1) -> Costs:
     """This workload's modelled step on the cluster and its cost on this machine now, beside the run's
     other processes (`spinning`; a rank computes on `threads` threads)."""
@@ -119,7 +131,8 @@ def measure(cfg: Config, threads: int = 1) -> Costs:
             host_compute = _host_compute_s(workload, batch, threads)
         alpha, rate = (loopback_alpha(), loopback_bytes_per_s(probe)) if modelled_comm > 0 else (0.0, 1.0)
     host_mbps = rate * 8 / 1e6 * WIRE_OVERHEAD   # theory takes the headers off again
-    host_comm = cluster_step_time(p, 0.0, host_mbps, host_mbps, alpha * m.buckets)["comm_s"] if modelled_comm else 0.0
+    host_comm = (cluster_step_time(p, 0.0, host_mbps, host_mbps)["comm_s"] + alpha * messages(cfg, p, m)
+                 if modelled_comm else 0.0)
     return Costs((flops.forward + flops.backward) / device.flops_per_s(cfg), modelled_comm, host_compute, host_comm,
                  (m.overlap and m.buckets > 1) or m.hidden_passes > 0)
 

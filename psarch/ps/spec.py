@@ -163,11 +163,13 @@ class PSSpec(BackendSpec):
         return theory.rows(cfg, phi) if cfg.backend.embeddings == "rows" else theory.dense(cfg, phi)
 
     def comm_model(self, cfg: Config, phi: float, extra: Any) -> CommModel:
-        """Push and pull pipelined over each server's partitions; pushes from backward's hooks (overlap_comm); with
-        priority the pulls also hide behind the next forward."""
+        """Push and pull pipelined over each server's partitions; pushes from backward's hooks (overlap_comm), a
+        server's contiguous range ready within 1/k of backward; with priority the pulls also hide behind the next
+        forward."""
         m = theory.partitions_per_server(cfg, phi)
-        return CommModel(buckets=m * cfg.backend.servers, overlap=pushes_from_hooks(cfg), pipeline=m,
-                         forward_hides=bool(cfg.backend.priority_credit_mb))
+        return CommModel(buckets=m * cfg.backend.servers, overlap=pushes_from_hooks(cfg),
+                         pipeline=theory.pipeline_slots(cfg, phi),
+                         forward_hides=bool(cfg.backend.priority_credit_mb), ready_share=1 / cfg.backend.servers)
 
     def summary_fields(self, cfg: Config) -> dict[str, Any]:
         return {"servers": cfg.backend.servers}

@@ -3,10 +3,12 @@ each exchange, split evenly over the servers; with embedding tables sharded by r
 the rows a batch touches move. On a cluster (psarch/theory.py's exchange_time): k dedicated servers load a
 worker's link with S and a server's with N·S/k each way; k servers colocated with workers 0..k-1 keep a
 worker's share for its own server (S/k) and a server's for its own worker off the link, so a node with both
-carries (k-1)/k·S + (N-1)/k·S = (N+k-2)/k·S each way (k = N: 2(N-1)/N·S, as all-reduce). Pipelined in m
-partitions per server the exchange takes about (1 + 1/m) × its busiest link and direction's bytes / rate;
-one after the other, push then pull. BytePS's optimum (`byteps_optimum`) is the reference line. The shared
-algebra is psarch/theory.py's."""
+carries (k-1)/k·S + (N-1)/k·S = (N+k-2)/k·S each way (k = N: 2(N-1)/N·S, as all-reduce). Pipelined in
+partitions the exchange takes about (1 + x/R) × its busiest link and direction's bytes / rate (x: a server's
+largest partition, R: its range; `pipeline_slots`); one after the other, push then pull. Pushed from backward's
+hooks, a server's contiguous range is ready within 1/k of backward: only that share hides its link's exchange
+(psarch/theory.py's cluster_step_time, CommModel.ready_share). BytePS's optimum (`byteps_optimum`) is the
+reference line. The shared algebra is psarch/theory.py's."""
 from __future__ import annotations
 
 from typing import Any
@@ -50,6 +52,16 @@ def partitions_per_server(cfg: Config, phi: float) -> int:
     dense = phi - (table_params(cfg) if cfg.backend.embeddings == "rows" else 0)
     widest = -(-int(dense) // cfg.backend.servers)
     return len(partitions(0, widest, partition_elems(cfg, int(dense))))
+
+
+def pipeline_slots(cfg: Config, phi: float) -> float:
+    """The slots a server's exchange is pipelined over: its widest range over its largest partition (m for m
+    equal partitions; fewer where the last is short). Two stages (push, pull) over partitions x_1..x_m take
+    max_j (x_1 + .. + x_j) + (x_j + .. + x_m) = R + max x: the largest partition, not R / m, fills and drains."""
+    elems = partition_elems(cfg)
+    dense = phi - (table_params(cfg) if cfg.backend.embeddings == "rows" else 0)
+    widest = -(-int(dense) // cfg.backend.servers)
+    return widest / min(elems, widest) if elems and widest else 1.0
 
 
 def colocated_links(n: int, k: int, s: float) -> list[LinkLoad]:
