@@ -1,7 +1,6 @@
 """Issue 22's targets, read from the run folders (summary.json) of the virtual-device experiments:
     python experiments/results/stragglers/targets.py runs > experiments/results/stragglers/targets.md"""
 import json
-import statistics
 import sys
 from pathlib import Path
 
