@@ -58,8 +58,8 @@ def pipeline_slots(cfg: Config, phi: float) -> float:
     """The slots a server's exchange is pipelined over: its widest range over its largest partition (m for m
     equal partitions; fewer where the last is short). Two stages (push, pull) over partitions x_1..x_m take
     max_j (x_1 + .. + x_j) + (x_j + .. + x_m) = R + max x: the largest partition, not R / m, fills and drains."""
-    elems = partition_elems(cfg)
     dense = phi - (table_params(cfg) if cfg.backend.embeddings == "rows" else 0)
+    elems = partition_elems(cfg, int(dense))
     widest = -(-int(dense) // cfg.backend.servers)
     return widest / min(elems, widest) if elems and widest else 1.0
 
