@@ -46,13 +46,18 @@ def table(rs: list[dict[str, Any]]) -> str:
     return "\n".join(lines) + "\n"
 
 
+LOG_SPAN = 3.0   # a panel's largest step time over its smallest beyond which its axis is logarithmic
+
+
 def plot(rs: list[dict[str, Any]], path: Path) -> None:
     """Step time against N per architecture and link rate: measured (solid), predicted (dashed); one colour
-    and marker per architecture, named once in a legend beside the panels."""
+    and marker per architecture, named once in a legend beside the panels. A panel whose step times span more
+    than LOG_SPAN (a 1-server PS beside the ring) is drawn on a log scale, so the close lines stay apart."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     from matplotlib.lines import Line2D
+    from matplotlib.ticker import NullFormatter, ScalarFormatter
 
     rates = sorted({r["mbps"] for r in rs})
     archs = sorted({r["arch"] for r in rs})
@@ -66,6 +71,13 @@ def plot(rs: list[dict[str, Any]], path: Path) -> None:
             n = [r["n"] for r in pts]
             ax.plot(n, [r["measured"] for r in pts], "-", **style[arch])
             ax.plot(n, [r["predicted"] for r in pts], "--", alpha=0.6, markerfacecolor="none", **style[arch])
+        times = [t for r in rs if r["mbps"] == rate for t in (r["measured"], r["predicted"])]
+        if max(times) > LOG_SPAN * min(times):
+            ax.set_yscale("log")
+            ax.set_yticks([t * 10.0**e for e in range(-3, 3) for t in (1, 1.5, 2, 3, 5, 7)
+                           if min(times) / 1.2 <= t * 10.0**e <= max(times) * 1.2])
+            ax.yaxis.set_major_formatter(ScalarFormatter())
+            ax.yaxis.set_minor_formatter(NullFormatter())
         ax.set(title=f"{rate:g} Mbit/s links", xlabel="workers N", ylabel="step time (s)")
         ax.set_xticks(sorted({r["n"] for r in rs}))
     handles = [Line2D([], [], linestyle="-", **style[a]) for a in archs]
