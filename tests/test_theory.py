@@ -114,3 +114,53 @@ def test_summary_prediction_is_predict_itself():
 def test_unknown_kind_is_one_line():
     with pytest.raises(ValueError, match='backend.kind = "horovod": allowed values are "single", "ddp"'):
         theory.predict(cfg("horovod"), PHI)
+
+
+# ---------------------------------------------------------------- the formulas themselves (ZeRO's paper, K, traffic)
+
+def test_zero_paper_memory_example():
+    """ZeRO paper (Rajbhandari et al. 2020), Table 1 / Fig. 1: Psi = 7.5B, N = 64, mixed-precision Adam
+    (K = 12): DDP 120 GB, P_os 31.4 GB, P_os+g 16.6 GB, P_os+g+p 1.9 GB per device."""
+    phi, n = 7.5e9, 64
+    assert theory.optimizer_bytes_per_param("adamw", "fp16") == 12
+    ddp = theory.memory_per_rank("ddp", phi, n, "fp16", "adamw")
+    assert ddp.total == pytest.approx(120e9)
+    assert (ddp.params, ddp.grads, ddp.optimizer) == (2 * phi, 2 * phi, 12 * phi)
+    expected = {1: 31.4e9, 2: 16.6e9, 3: 1.875e9}  # the paper's figures, rounded to 0.1 GB
+    for stage, total in expected.items():
+        got = theory.memory_per_rank("zero", phi, n, "fp16", "adamw", stage=stage).total
+        assert got == pytest.approx(total, abs=0.05e9), (stage, got)
+    assert theory.memory_per_rank("zero", phi, n, "fp16", "adamw", stage=1).total == pytest.approx(31.40625e9)
+    assert theory.memory_per_rank("zero", phi, n, "fp16", "adamw", stage=2).total == pytest.approx(16.640625e9)
+    assert theory.memory_per_rank("zero", phi, n, "fp16", "adamw", stage=3).total == pytest.approx(1.875e9)
+    assert theory.memory_per_rank("single", phi, 1, "fp16", "adamw").to_dict()["total"] == pytest.approx(120e9)
+
+
+def test_optimizer_bytes_per_param():
+    assert theory.optimizer_bytes_per_param("adamw", "fp32") == 8
+    assert theory.optimizer_bytes_per_param("adamw", "bf16") == 12
+    assert theory.optimizer_bytes_per_param("sgd", "fp32") == 0
+    assert theory.optimizer_bytes_per_param("sgd", "fp32", momentum=0.9) == 4
+    assert theory.optimizer_bytes_per_param("sgd", "fp16", momentum=0.9) == 8
+
+
+def test_ps_memory():
+    w = theory.memory_per_rank("ps", 1000, 4, "fp32", "adamw")
+    assert (w.params, w.grads, w.optimizer) == (4000, 4000, 0)
+    server = theory.predict(theory.config_for("ps", 1, "fp32", "adamw", servers=2), 1000).server_memory
+    assert server == (4 + 8 + 4) * 1000 / 2   # + the sync accumulator
+
+
+def test_traffic_formulas():
+    s = 1000.0
+    assert theory.traffic_per_step("single", s, 1) == {"worker_sent": 0.0, "worker_received": 0.0}
+    assert theory.traffic_per_step("ddp", s, 1)["worker_sent"] == 0.0
+    assert theory.traffic_per_step("ddp", s, 4)["worker_sent"] == pytest.approx(2 * 3 / 4 * s)
+    assert theory.traffic_per_step("torch_ddp", s, 2)["worker_received"] == pytest.approx(s)
+    assert theory.traffic_per_step("zero", s, 4, stage=2)["worker_sent"] == pytest.approx(1.5 * s)
+    assert theory.traffic_per_step("zero", s, 4, stage=3)["worker_sent"] == pytest.approx(2.25 * s)
+    ps = theory.traffic_per_step("ps", s, 4, servers=2)
+    assert ps == {"worker_sent": s, "worker_received": s, "server_received": 2 * s, "server_sent": 2 * s}
+    assert theory.traffic_per_step("ps", s, 1)["worker_sent"] == s  # a single PS worker still talks to servers
+    with pytest.raises(ValueError, match='backend.kind = "horovod": allowed values are'):
+        theory.traffic_per_step("horovod", s, 2)
