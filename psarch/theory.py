@@ -6,10 +6,12 @@ figure (`outputs`, `compare`, `estimate`) calls `predict`; nothing patches its r
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
 from psarch import registry
+from psarch.backend import CommModel
 from psarch.config import Config, from_dict
 from psarch.data.clicks import expected_unique
 
@@ -195,13 +197,13 @@ def exchange_time(links: list[LinkLoad], worker_rate: float, server_rate: float,
 
 
 def cluster_step_time(p: Prediction, compute_s: float, link_mbps: float, server_mbps: float,
-                      alpha_s: float = 0.0, buckets: int = 1, overlap: bool = False,
-                      hidden_passes: int = 0, pipeline: float = 1.0, forward_hides: bool = False,
-                      backward_s: float | None = None, ready_share: float = 1.0,
-                      after_passes: int = 0) -> dict[str, float]:
+                      alpha_s: float = 0.0, model: CommModel | None = None,
+                      backward_s: float | None = None) -> dict[str, float]:
     """Step time on an emulated cluster: compute (measured, or a virtual device's modelled) plus the bytes
     `p` puts on each link at its rate (with WIRE_OVERHEAD), plus α per message in sequence (α-β model).
-    server_mbps: a PS server's link (ClusterConfig.server_mbps); collectives ignore it.
+    server_mbps: a PS server's link (ClusterConfig.server_mbps); collectives ignore it. `model`: how the
+    backend's communication meets its compute (BackendSpec.comm_model; None: one collective after compute),
+    whose fields the rest of this says how they count.
 
     Collectives: every rank sends and receives its volume at once (full duplex). PS: a push then a pull over
     the links (`exchange_time`; pipelined over `pipeline` partitions per server). Overlap (DDP/ZeRO with
@@ -217,6 +219,8 @@ def cluster_step_time(p: Prediction, compute_s: float, link_mbps: float, server_
     start only after the optimizer step (ZeRO-1/2's all-gather of the updated parameters), exposed whole.
     hidden_passes: ring passes already inside the measured compute (ZeRO-3's forward and backward
     all-gathers block there, where the comm wait does not see them)."""
+    m = model or CommModel()
+    buckets, pipeline, ready_share = m.buckets, m.pipeline, m.ready_share
     worker_rate = link_mbps * 1e6 / 8 / WIRE_OVERHEAD   # payload bytes/s
     if not p.worker.sent and not p.worker.received:
         return {"compute_s": compute_s, "comm_s": 0.0, "step_time_s": compute_s}
@@ -227,13 +231,13 @@ def cluster_step_time(p: Prediction, compute_s: float, link_mbps: float, server_
                 + p.messages * alpha_s)
     else:
         per_pass = (p.worker.sent / worker_rate + p.messages * alpha_s) / p.rounds
-        comm, after = (p.rounds - hidden_passes - after_passes) * per_pass, after_passes * per_pass
+        comm, after = (p.rounds - m.hidden_passes - m.after_passes) * per_pass, m.after_passes * per_pass
     backward = 2 / 3 * compute_s if backward_s is None else backward_s
     seen = max(1.0, buckets * ready_share)   # the buckets the busiest link carries
     hiding = (backward * ready_share * (seen - 1) / seen
-              + (max(0.0, compute_s - backward) if forward_hides else 0.0))
+              + (max(0.0, compute_s - backward) if m.forward_hides else 0.0))
     tail = comm * 2 / (pipeline + 1) if pipeline > 1 else comm / seen
-    exposed = (max(comm - hiding, tail) if overlap and buckets > 1 else comm) + after
+    exposed = (max(comm - hiding, tail) if m.overlap and buckets > 1 else comm) + after
     return {"compute_s": compute_s, "comm_s": exposed, "step_time_s": compute_s + exposed}
 
 
@@ -250,15 +254,14 @@ def cluster_step(cfg: Config, summary: dict[str, Any]) -> dict[str, float]:
     (summary's virtual_device: cluster time, α / D, nothing of the communication inside it), else the
     measured step less its communication wait."""
     m = registry.spec_of(cfg).comm_model(cfg, summary["params"], summary.get("extra") or {})
-    vd, alpha, hidden, backward = summary.get("virtual_device"), summary["cluster"]["alpha_s"], m.hidden_passes, None
-    if vd is not None and vd.get("compute_s") is not None:
-        compute, alpha, hidden = vd["compute_s"], alpha / vd["dilation"], 0
+    vd, alpha, backward = summary.get("virtual_device"), summary["cluster"]["alpha_s"], None
+    if vd is not None and vd.get("compute_s") is not None:   # modelled compute holds no blocking pass
+        compute, alpha, m = vd["compute_s"], alpha / vd["dilation"], dataclasses.replace(m, hidden_passes=0)
         backward = compute * vd["backward_s"] / (vd["forward_s"] + vd["backward_s"])
     else:
         compute = summary["step_time_s"] - (summary.get("comm_s") or 0.0)
     # a rank that waits by design (the bubble) computes `compute` in a phase 1 / (1 - idle) as long
     pred = cluster_step_time(predict(cfg, summary["params"]), compute / (1.0 - m.idle_fraction), cfg.cluster.link_mbps,
-                             cfg.cluster.server_mbps, alpha, m.buckets, m.overlap, hidden, m.pipeline,
-                             m.forward_hides, backward, m.ready_share, m.after_passes)
+                             cfg.cluster.server_mbps, alpha, m, backward)
     return {"measured_s": summary["step_time_s"], "predicted_s": pred["step_time_s"],
             "compute_s": compute, "predicted_comm_s": pred["comm_s"]}

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 
+from psarch.backend import CommModel
 from psarch.config import from_dict
 
 
@@ -18,7 +19,9 @@ def test_cluster_step_time_by_hand():
         options = {"zero": {"stage": stage},
                    "ps": {"servers": servers, "partition_mb": 0.0, "server_placement": placement}}.get(kind, {})
         p = predict(config_for(kind, 1 if kind == "single" else 4, "fp32", "sgd", **options), 250_000)
-        return cluster_step_time(p, 0.05, 100.0, kw.pop("server_mbps", 100.0), alpha_s=1e-4, **kw)["step_time_s"]
+        server_mbps, backward_s = kw.pop("server_mbps", 100.0), kw.pop("backward_s", None)
+        return cluster_step_time(p, 0.05, 100.0, server_mbps, alpha_s=1e-4, model=CommModel(**kw),
+                                 backward_s=backward_s)["step_time_s"]
 
     rate = 12.5e6 * 1448 / 1514           # payload bytes/s
     assert step("ddp") == pytest.approx(0.05 + 1.5e6 / rate + 6e-4)             # ring: 2(N-1)/N·S, 2(N-1) hops
@@ -65,7 +68,8 @@ def test_ps_pipeline_fills_and_drains_with_its_largest_partition():
         pull_done = max(pull_done, push_done) + x
     m = registry.spec_of(cfg).comm_model(cfg, phi, {})
     rate = 100e6 / 8 * 1448 / 1514 / 4          # fp32 elements per second on a 100 Mbit/s link
-    got = cluster_step_time(predict(cfg, phi), 0.0, 100.0, 100.0, 0.0, m.buckets, False, 0, m.pipeline)["comm_s"]
+    got = cluster_step_time(predict(cfg, phi), 0.0, 100.0, 100.0, 0.0,
+                            CommModel(m.buckets, pipeline=m.pipeline))["comm_s"]
     assert pull_done == 202_624 + 65_536
     assert got == pytest.approx(8 * pull_done / rate)     # a server takes N = 8 workers' partitions
 
@@ -82,8 +86,8 @@ def test_ps_overlap_hides_behind_its_last_servers_share_of_backward():
     comm = (1 + 1 / 4) * 1e6 / rate           # pipelined over 4 slots: (push + pull) / 4 + 3/4 of both at once
 
     def exposed(backward_s: float) -> float:
-        return cluster_step_time(p, 0.2, 100.0, 100.0, 0.0, buckets=16, overlap=True, pipeline=4,
-                                 backward_s=backward_s, ready_share=1 / 4)["comm_s"]
+        return cluster_step_time(p, 0.2, 100.0, 100.0, 0.0, CommModel(16, True, pipeline=4, ready_share=1 / 4),
+                                 backward_s=backward_s)["comm_s"]
     assert exposed(0.08) == pytest.approx(comm - 0.08 / 4 * 3 / 4)
     assert exposed(1.0) == pytest.approx(comm * 2 / 5)
     cfg = from_dict({"backend": {"kind": "ps", "world_size": 4, "servers": 4}})
@@ -101,11 +105,12 @@ def test_zero_all_gather_waits_for_the_optimizer_step():
     one_pass = 0.75e6 / rate + 3e-4
 
     def exposed(backward_s: float) -> float:
-        return cluster_step_time(p, 0.2, 100.0, 100.0, 1e-4, buckets=4, overlap=True, backward_s=backward_s,
-                                 after_passes=1)["comm_s"]
+        return cluster_step_time(p, 0.2, 100.0, 100.0, 1e-4, CommModel(4, True, after_passes=1),
+                                 backward_s=backward_s)["comm_s"]
     assert exposed(0.02) == pytest.approx(one_pass - 0.02 * 3 / 4 + one_pass)
     assert exposed(1.0) == pytest.approx(one_pass / 4 + one_pass)
-    assert cluster_step_time(p, 0.2, 100.0, 100.0, 1e-4, after_passes=1)["comm_s"] == pytest.approx(2 * one_pass)
+    assert cluster_step_time(p, 0.2, 100.0, 100.0, 1e-4, CommModel(after_passes=1))["comm_s"] == \
+        pytest.approx(2 * one_pass)
 
 
 def test_cluster_model_per_backend():

@@ -12,6 +12,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from cluster_setup import needs_root
 from parity import assert_same_model, config, model
+from psarch.backend import CommModel
 from psarch.cluster import device
 from psarch.cluster.flops import FlopCount, count
 from psarch.cluster.pacing import VirtualDevice
@@ -190,7 +191,7 @@ def test_theory_uses_the_modelled_compute():
     m = cfg.backend
     from psarch.theory import buckets_of
     want = cluster_step_time(predict(cfg, 10_000), 0.03, 100.0, 100.0, 1e-5,
-                             buckets_of(40_000, m.bucket_cap_mb * 2**20), True, 0, 0.02)
+                             CommModel(buckets_of(40_000, m.bucket_cap_mb * 2**20), True), 0.02)
     assert got["compute_s"] == 0.03 and got["predicted_s"] == pytest.approx(want["step_time_s"])
     del summary["virtual_device"]
     assert cluster_step(cfg, summary)["compute_s"] == pytest.approx(0.4)   # measured: step less wait

@@ -47,21 +47,24 @@ def dense(cfg: Config, phi: float) -> Prediction:
                       links=colocated_links(n, b.servers, s / every) if colocated else None)
 
 
+def widest_partitions(cfg: Config, phi: float) -> list[tuple[int, int]]:
+    """The partitions of the widest server range of the dense parameters (one when partition_mb = 0)."""
+    dense = int(phi - (table_params(cfg) if cfg.backend.embeddings == "rows" else 0))
+    return partitions(0, -(-dense // cfg.backend.servers), partition_elems(cfg, dense))
+
+
 def partitions_per_server(cfg: Config, phi: float) -> int:
     """Partitions of the largest server range of the dense parameters (1 when partition_mb = 0)."""
-    dense = phi - (table_params(cfg) if cfg.backend.embeddings == "rows" else 0)
-    widest = -(-int(dense) // cfg.backend.servers)
-    return len(partitions(0, widest, partition_elems(cfg, int(dense))))
+    return len(widest_partitions(cfg, phi))
 
 
 def pipeline_slots(cfg: Config, phi: float) -> float:
     """The slots a server's exchange is pipelined over: its widest range over its largest partition (m for m
     equal partitions; fewer where the last is short). Two stages (push, pull) over partitions x_1..x_m take
     max_j (x_1 + .. + x_j) + (x_j + .. + x_m) = R + max x: the largest partition, not R / m, fills and drains."""
-    dense = phi - (table_params(cfg) if cfg.backend.embeddings == "rows" else 0)
-    elems = partition_elems(cfg, int(dense))
-    widest = -(-int(dense) // cfg.backend.servers)
-    return widest / min(elems, widest) if elems and widest else 1.0
+    parts = widest_partitions(cfg, phi)
+    widest = parts[-1][1]
+    return widest / max(b - a for a, b in parts) if widest else 1.0
 
 
 def colocated_links(n: int, k: int, s: float) -> list[LinkLoad]:
