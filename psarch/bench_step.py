@@ -14,6 +14,10 @@ the framework's own overhead, not communication. Every runner takes one step in 
 medians after warm-up (the runner's rule unless --warmup says), and each psarch runner's ratio is to its
 peer's median. A psarch step is Trainer.step timed by the runner's StepLoop (metrics records, logging and
 the rest of the runner's loop are not included); every step ends with loss.item(), psarch's and the peers'.
+Beside the times: the model FLOPs a step does (forward and backward, FlopCounterMode's count; the optimizer
+is not counted, as MFU is defined), the rate psarch's step reaches, and on a GPU with a profile in
+psarch.cluster.device (an H100, say) its MFU: that rate over the profile's peak at the precision, the
+figure a virtual device's `cluster.mfu` stands for.
 """
 from __future__ import annotations
 
@@ -27,6 +31,8 @@ import torch.distributed as dist
 
 from psarch import registry
 from psarch.bench import interleaved, medians, trainer_loop
+from psarch.cluster import device as vdevice
+from psarch.cluster.flops import count
 from psarch.config import Config, from_dict
 from psarch.dist import DistContext
 from psarch.precision import compute_dtype
@@ -128,22 +134,36 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
             runners[peers[kind]] = _timed(peer, loop.workload, device, None)   # the peer casts (autocast) itself
         w = build_workload(bench_config(args, "single", precision))
         params = sum(p.numel() for p in w.model.parameters())
+        fc = count(w.model, w.loss_fn, w.batch(0, 0, 1))
+        peak = peak_tflops(device, precision)
         warmup = args.warmup if args.warmup is not None else warmup_steps(bench_config(args, "single", precision))
         times = medians(interleaved(runners, args.steps, warmup))
         for kind in args.backends:
             mine, peer = times[f"psarch {kind}"], times[peers[kind]]
+            tflops = (fc.forward + fc.backward) / mine / 1e12
             rows.append({"precision": precision, "backend": kind, "peer": peers[kind], "params": params,
-                         "psarch_ms": mine * 1e3, "peer_ms": peer * 1e3, "ratio": mine / peer})
+                         "psarch_ms": mine * 1e3, "peer_ms": peer * 1e3, "ratio": mine / peer,
+                         "tflops": tflops, "mfu": tflops / peak if peak else None})
     if group is not None:
         dist.destroy_process_group()
     return rows
 
 
+def peak_tflops(device: torch.device, precision: str) -> float | None:
+    """The peak dense TFLOPS of this GPU at `precision`, where psarch.cluster.device has its profile."""
+    if device.type != "cuda":
+        return None
+    profile = vdevice.profile_of(torch.cuda.get_device_name(device))
+    return vdevice.PROFILES[profile].get(precision) if profile else None
+
+
 def format_rows(rows: list[dict[str, Any]]) -> str:
-    lines = [f"{'precision':<10}{'psarch':<10}{'peer':<12}{'psarch ms':>11}{'peer ms':>10}{'ratio':>8}"]
+    lines = [f"{'precision':<10}{'psarch':<10}{'peer':<12}{'psarch ms':>11}{'peer ms':>10}{'ratio':>8}"
+             f"{'TFLOP/s':>9}{'MFU':>7}"]
     for r in rows:
+        mfu = "-" if r["mfu"] is None else f"{r['mfu']:.3f}"
         lines.append(f"{r['precision']:<10}{r['backend']:<10}{r['peer']:<12}{r['psarch_ms']:>11.2f}"
-                     f"{r['peer_ms']:>10.2f}{r['ratio']:>8.3f}")
+                     f"{r['peer_ms']:>10.2f}{r['ratio']:>8.3f}{r['tflops']:>9.3f}{mfu:>7}")
     return "\n".join(lines)
 
 

@@ -7,6 +7,8 @@ import pytest
 import torch
 
 from psarch import bench_step
+from psarch.cluster.device import profile_of
+from psarch.cluster.flops import count
 from psarch.config import load_config
 from psarch.dist import DistContext
 from psarch.workload import build_workload
@@ -17,9 +19,11 @@ TINY = ["--steps", "4", "--warmup", "1", "--n-layer", "1", "--n-embd", "32", "--
 def test_single_against_the_plain_loop_prints_a_ratio_per_precision(capsys):
     bench_step.main(TINY + ["--backends", "single", "--precision", "fp32,bf16"])
     lines = capsys.readouterr().out.splitlines()
-    params = sum(p.numel() for p in build_workload(load_config(None, [
+    w = build_workload(load_config(None, [
         "workload.seq_len=16", "workload.gpt.n_layer=1", "workload.gpt.n_embd=32", "workload.gpt.n_head=4",
-        "workload.markov.vocab_size=256"])).model.parameters())
+        "workload.markov.vocab_size=256", "train.global_batch=4"]))
+    params = sum(p.numel() for p in w.model.parameters())
+    fc = count(w.model, w.loss_fn, w.batch(0, 0, 1))
     assert lines[0].startswith(f"{params / 1e6:.2f}M-parameter GPT"), lines[0]
     rows = [line.split() for line in lines[2:]]
     assert [(r[0], r[1], r[2], r[3]) for r in rows] == [("fp32", "single", "plain", "loop"),
@@ -27,6 +31,17 @@ def test_single_against_the_plain_loop_prints_a_ratio_per_precision(capsys):
     for r in rows:
         mine, peer, ratio = float(r[4]), float(r[5]), float(r[6])
         assert mine > 0 and peer > 0 and ratio == pytest.approx(mine / peer, rel=0.01, abs=0.002)
+        # the rate is the step's model FLOPs (forward and backward) over psarch's time; no MFU without a GPU
+        # profile to hold it against
+        assert float(r[7]) == pytest.approx((fc.forward + fc.backward) / (mine / 1e3) / 1e12, rel=0.01, abs=2e-3)
+        assert r[8] == "-"
+
+
+def test_a_gpu_is_known_by_its_profile_name():
+    assert profile_of("NVIDIA H100 80GB HBM3") == "h100"
+    assert profile_of("NVIDIA A100-SXM4-40GB") == "a100"
+    assert profile_of("Tesla V100-SXM2-16GB") == "v100"
+    assert profile_of("NVIDIA GeForce RTX 4090") is None
 
 
 def test_the_plain_peer_trains_the_same_model_as_psarch_single():

@@ -29,6 +29,12 @@ PROFILES: dict[str, dict[str, float]] = {
 Config = Any   # psarch.config.Config (whose module imports this package)
 
 
+def profile_of(device_name: str) -> str | None:
+    """The profile a real device is, by its name (torch.cuda.get_device_name: "NVIDIA H100 80GB HBM3" is
+    "h100"), or None."""
+    return next((k for k in PROFILES if k in device_name.lower()), None)
+
+
 def modelled(cfg: Config) -> bool:
     """Whether the workers compute as a modelled device (a profile or device_tflops), not as this machine."""
     c = cfg.cluster
