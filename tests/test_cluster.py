@@ -6,12 +6,13 @@ import os
 import socket
 import threading
 import time
+from pathlib import Path
 
 import pytest
 
 from cluster_setup import leftovers, needs_root
 from psarch.cluster import netns
-from psarch.cluster.emulated import EmulatedCluster, plan
+from psarch.cluster.emulated import IFNAME, EmulatedCluster, gso_segments, plan, tsq_bytes
 from psarch.cluster.preflight import missing
 from psarch.config import ConfigError, check_machine, from_dict
 
@@ -92,6 +93,33 @@ def test_shaping_is_real_and_counted():
     sent = after[c.nodes[0].ns][0] - before[c.nodes[0].ns][0]
     received = after[c.nodes[1].ns][1] - before[c.nodes[1].ns][1]
     assert size < sent < size * 1.08 and size < received < size * 1.08, (sent, received)
+    assert not leftovers(os.getpid())
+
+
+def test_segments_and_small_queues_are_sized_to_the_link():
+    """A GSO segment holds the link about 1 ms (one packet at 12 Mbit/s, 64 KiB at 1 Gbit/s and above), and a
+    socket keeps two of them in its link's queue (the kernel's 4 MiB overfills a 12 Mbit/s tbf queue)."""
+    assert [gso_segments(m) for m in (12, 100, 125, 1000, 10_000)] == [1, 8, 10, 64, 64]
+    assert tsq_bytes(12) == 2 * 1514 and tsq_bytes(1000) == 2 * 64 * 1514
+
+
+@needs_root
+def test_each_node_is_set_to_its_link():
+    """Both ends of a node's veth cut segments as gso_segments says, and the node's TCP small queues hold
+    tsq_bytes: read back from the kernel, a worker on 12 Mbit/s beside a server on 1 Gbit/s."""
+    c = EmulatedCluster(1, 1, 12.0, 1000.0)
+    try:
+        for n in c.nodes:
+            node_end = netns.run("ip", "-d", "-n", n.ns, "link", "show", IFNAME)
+            bridge_end = netns.run("ip", "-d", "-n", c.hub, "link", "show", n.port)
+            for shown in (node_end, bridge_end):
+                assert f"gso_max_segs {gso_segments(n.mbps)} " in shown, shown
+            tsq = netns.run("ip", "netns", "exec", n.ns, "cat", "/proc/sys/net/ipv4/tcp_limit_output_bytes")
+            assert int(tsq) == tsq_bytes(n.mbps), (n, tsq)
+    finally:
+        c.close()
+    assert int(Path("/proc/sys/net/ipv4/tcp_limit_output_bytes").read_text()) > tsq_bytes(12), \
+        "the machine's own namespace is left as it was"
     assert not leftovers(os.getpid())
 
 

@@ -6,6 +6,16 @@ hosts the rendezvous store) and the bridge end of every veth (`w<i>`, `s<i>`); n
 `psarch-<pid>-w<i>` (workers, 10.213.1.<i+1>) and `psarch-<pid>-s<i>` (PS servers, 10.213.2.<i+1>) hold
 `eth0`. Nothing is created in the machine's own namespace, and the 10.213/16 addresses exist only inside
 the run's namespaces, so no packet can leave the machine. Latency is not emulated (no `netem` here).
+
+Two kernel defaults are sized for real NICs at 10-100 Gbit/s, and each node is set to its link instead
+(`gso_segments`, `tsq_bytes`), so that many flows both ways (a PS's pipelined pushes and pulls) get the link's full duplex
+rate (experiments/results/cluster_crossover_device/duplex.txt: 1.3-1.4x the ideal time before, 1.02-1.03
+after, at 12 Mbit/s):
+- GSO segments are cut to what the link sends in SEGMENT_S (one MTU at 12 Mbit/s; 64 KiB ones took 44 ms
+  there, so every acknowledgement queued behind them);
+- TCP small queues (net.ipv4.tcp_limit_output_bytes, 4 MiB by default) let a socket keep two such segments
+  in its own link's queue, as on a host whose NIC runs at the link rate; with 4 MiB each, a node's few
+  sockets overfilled the tbf queue and lost packets to their own qdisc.
 """
 from __future__ import annotations
 
@@ -23,6 +33,9 @@ IFNAME = "eth0"                 # every node's interface: GLOO_SOCKET_IFNAME nam
 HUB_ADDRESS = "10.213.0.1"
 MAX_NODES = 250                 # host numbers 1..250 in each of the 10.213.1 and 10.213.2 subnets
 TBF_LATENCY = "200ms"           # queue length as time at the link rate: long enough that TCP is not starved
+SEGMENT_S = 0.001               # the longest one GSO segment holds a link
+WIRE = 1514                     # that packet on the wire (Ethernet header included)
+TSQ_SYSCTL = "/proc/sys/net/ipv4/tcp_limit_output_bytes"
 
 
 @dataclass(frozen=True)
@@ -56,6 +69,16 @@ def tbf_args(mbps: float) -> list[str]:
     64 KiB GSO segment), so the kernel timer's granularity does not cap the rate."""
     burst = max(64 * 1024, int(mbps * 1e6 / 8 * 0.002))
     return ["root", "tbf", "rate", f"{mbps * 1000:.0f}kbit", "burst", str(burst), "latency", TBF_LATENCY]
+
+
+def gso_segments(mbps: float) -> int:
+    """Packets per GSO segment on a link of `mbps`: what it sends in SEGMENT_S, 1 to 64 (64 KiB)."""
+    return max(1, min(64, int(mbps * 1e6 / 8 * SEGMENT_S / WIRE)))
+
+
+def tsq_bytes(mbps: float) -> int:
+    """net.ipv4.tcp_limit_output_bytes for a node on a link of `mbps`: two segments (the kernel's own floor)."""
+    return 2 * gso_segments(mbps) * WIRE
 
 
 def _alive(pid: int) -> bool:
@@ -119,6 +142,11 @@ class EmulatedCluster:
             netns.run("ip", "-n", n.ns, "link", "set", "lo", "up")
             netns.run("tc", "-n", n.ns, "qdisc", "add", "dev", IFNAME, *tbf_args(n.mbps))   # node -> bridge
             netns.run("tc", "-n", hub, "qdisc", "add", "dev", n.port, *tbf_args(n.mbps))    # bridge -> node
+            segments = str(gso_segments(n.mbps))
+            netns.run("ip", "-n", n.ns, "link", "set", IFNAME, "gso_max_segs", segments)
+            netns.run("ip", "-n", hub, "link", "set", n.port, "gso_max_segs", segments)
+            with netns.inside(n.ns):     # /proc/sys/net is the opening thread's namespace's
+                Path(TSQ_SYSCTL).write_text(str(tsq_bytes(n.mbps)))
 
     def node(self, role: str, index: int) -> Node:
         for n in self.nodes:

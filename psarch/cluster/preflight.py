@@ -33,7 +33,8 @@ def missing(ip: str = "ip", tc: str = "tc", capability: int = CAP_NET_ADMIN) -> 
     probe = f"psarch-{os.getpid()}-probe"
     steps = [[ip, "netns", "add", probe], [ip, "-n", probe, "link", "add", "d0", "type", "veth", "peer", "name", "d1"],
              [tc, "-n", probe, "qdisc", "add", "dev", "d0", "root", "tbf", "rate", "1mbit", "burst", "32kb",
-              "latency", "50ms"]]
+              "latency", "50ms"],
+             [ip, "-n", probe, "link", "set", "d0", "gso_max_segs", "1"]]
     try:
         for argv in steps:
             p = subprocess.run(argv, capture_output=True, text=True)
