@@ -17,7 +17,7 @@ Config = Any
 
 def check_machine(cfg: Config) -> Config:
     """Checks against this machine, made before any process starts: the device, the text file, and what an
-    emulated cluster needs (root, iproute2, tbf).
+    emulated cluster needs (root, iproute2, the htb, bfifo and u32 traffic control modules).
     Not part of validate(): a config written for GPU ranks stays valid on a CPU-only machine that only
     loads it (a standalone parameter server, a test reading config.json)."""
     b, w = cfg.backend, cfg.workload

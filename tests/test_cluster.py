@@ -98,15 +98,16 @@ def test_shaping_is_real_and_counted():
 
 def test_segments_and_small_queues_are_sized_to_the_link():
     """A GSO segment holds the link about 1 ms (one packet at 12 Mbit/s, 64 KiB at 1 Gbit/s and above), and a
-    socket keeps two of them in its link's queue (the kernel's 4 MiB overfills a 12 Mbit/s tbf queue)."""
+    socket keeps two of them in its link's queue (the kernel's 4 MiB overfills a 12 Mbit/s link's queue)."""
     assert [gso_segments(m) for m in (12, 100, 125, 1000, 10_000)] == [1, 8, 10, 64, 64]
     assert tsq_bytes(12) == 2 * 1514 and tsq_bytes(1000) == 2 * 64 * 1514
 
 
 @needs_root
 def test_each_node_is_set_to_its_link():
-    """Both ends of a node's veth cut segments as gso_segments says, and the node's TCP small queues hold
-    tsq_bytes: read back from the kernel, a worker on 12 Mbit/s beside a server on 1 Gbit/s."""
+    """Both ends of a node's veth are shaped at its rate, short packets first, and cut segments as gso_segments
+    says; the node's TCP small queues hold tsq_bytes: read back from the kernel, a worker on 12 Mbit/s beside a
+    server on 1 Gbit/s. After a bulk transfer, the acknowledgements went by the short packets' class."""
     c = EmulatedCluster(1, 1, 12.0, 1000.0)
     try:
         for n in c.nodes:
@@ -114,13 +115,45 @@ def test_each_node_is_set_to_its_link():
             bridge_end = netns.run("ip", "-d", "-n", c.hub, "link", "show", n.port)
             for shown in (node_end, bridge_end):
                 assert f"gso_max_segs {gso_segments(n.mbps)} " in shown, shown
+            for ns, dev in ((n.ns, IFNAME), (c.hub, n.port)):
+                classes = netns.run("tc", "-n", ns, "class", "show", "dev", dev)
+                rate = "12Mbit" if n.mbps == 12.0 else "1Gbit"
+                assert classes.count(f"rate {rate} ceil {rate}") == 3, classes
+                # IP total length (bytes 2-3 of the header) below 128: the short packets' class
+                assert "flowid 1:10" in netns.run("tc", "-n", ns, "filter", "show", "dev", dev)
+                assert "match 00000000/0000ff80 at 0" in netns.run("tc", "-n", ns, "filter", "show", "dev", dev)
             tsq = netns.run("ip", "netns", "exec", n.ns, "cat", "/proc/sys/net/ipv4/tcp_limit_output_bytes")
             assert int(tsq) == tsq_bytes(n.mbps), (n, tsq)
+        worker, server = c.nodes
+        ready, port, got = threading.Event(), [], []
+        t = threading.Thread(target=_serve, args=(server.ns, ready, port, got), daemon=True)
+        t.start()
+        ready.wait(10)
+        with netns.inside(worker.ns):
+            s = socket.create_connection((server.address, port[0]), timeout=30)
+        s.sendall(bytes(300_000))
+        s.close()
+        t.join(30)
+        assert got[0][0] == 300_000
+        sent = {n.ns: _class_bytes(n.ns) for n in c.nodes}
+        assert sent[worker.ns]["1:20"] > 300_000 and sent[server.ns]["1:10"] > 0, sent   # data; its acks
+        assert sent[server.ns]["1:20"] < 10_000, sent        # nothing long went back
     finally:
         c.close()
     assert int(Path("/proc/sys/net/ipv4/tcp_limit_output_bytes").read_text()) > tsq_bytes(12), \
         "the machine's own namespace is left as it was"
     assert not leftovers(os.getpid())
+
+
+def _class_bytes(ns: str) -> dict[str, int]:
+    """{htb class: bytes it sent} on a node's link (`tc -s class show`)."""
+    out, cls = {}, None
+    for line in netns.run("tc", "-s", "-n", ns, "class", "show", "dev", IFNAME).splitlines():
+        if line.startswith("class htb"):
+            cls = line.split()[2]
+        elif line.strip().startswith("Sent") and cls:
+            out[cls] = int(line.split()[1])
+    return out
 
 
 def test_results_label_tells_sparse_variants_apart():

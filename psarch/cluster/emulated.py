@@ -1,5 +1,7 @@
 """An emulated cluster on one Linux machine: a network namespace per node, a veth from each node to one
-bridge, and a token-bucket qdisc (`tbf`) on both ends of each veth so each direction runs at the link rate.
+bridge, and a rate-limiting qdisc on both ends of each veth so each direction runs at the link rate (`shaper`:
+htb at the link rate, TCP's acknowledgements and other short packets served first, the rest in a queue of
+QUEUE_S at the link rate).
 
 Layout of run <pid>: namespace `psarch-<pid>-hub` holds the bridge `br0` (10.213.0.1, where the launcher
 hosts the rendezvous store) and the bridge end of every veth (`w<i>`, `s<i>`); node namespaces
@@ -7,15 +9,17 @@ hosts the rendezvous store) and the bridge end of every veth (`w<i>`, `s<i>`); n
 `eth0`. Nothing is created in the machine's own namespace, and the 10.213/16 addresses exist only inside
 the run's namespaces, so no packet can leave the machine. Latency is not emulated (no `netem` here).
 
-Two kernel defaults are sized for real NICs at 10-100 Gbit/s, and each node is set to its link instead
-(`gso_segments`, `tsq_bytes`), so that many flows both ways (a PS's pipelined pushes and pulls) get the link's full duplex
-rate (experiments/results/cluster_crossover_device/duplex.txt: 1.3-1.4x the ideal time before, 1.02-1.03
-after, at 12 Mbit/s):
-- GSO segments are cut to what the link sends in SEGMENT_S (one MTU at 12 Mbit/s; 64 KiB ones took 44 ms
-  there, so every acknowledgement queued behind them);
-- TCP small queues (net.ipv4.tcp_limit_output_bytes, 4 MiB by default) let a socket keep two such segments
-  in its own link's queue, as on a host whose NIC runs at the link rate; with 4 MiB each, a node's few
-  sockets overfilled the tbf queue and lost packets to their own qdisc.
+Many flows both ways at once (a PS's pipelined pushes and pulls) get each link's full-duplex rate, and many
+senders into one node (N workers into k < N servers) share its link, only with three settings
+(experiments/results/cluster_crossover_device/duplex.txt: bulk TCP both ways took 1.2-1.4x its ideal time on
+plain token buckets, 1.01-1.06x with these):
+- acknowledgements first: on a plain token bucket (`tbf`) a node's acknowledgements wait behind its own
+  bulk data, up to QUEUE_S, and the flows they clock stall (worst where N/k senders fill one server's queue);
+- GSO segments cut to what the link sends in SEGMENT_S (one MTU at 12 Mbit/s; a 64 KiB segment holds such a
+  link 44 ms), a NIC's segment at the link's rate (`gso_segments`);
+- TCP small queues (net.ipv4.tcp_limit_output_bytes, 4 MiB by default) of two such segments (`tsq_bytes`),
+  as on a host whose NIC runs at the link rate: with 4 MiB each, a node's few sockets overfilled its own
+  link's queue and lost packets there.
 """
 from __future__ import annotations
 
@@ -32,9 +36,10 @@ PREFIX = "psarch-"
 IFNAME = "eth0"                 # every node's interface: GLOO_SOCKET_IFNAME names it
 HUB_ADDRESS = "10.213.0.1"
 MAX_NODES = 250                 # host numbers 1..250 in each of the 10.213.1 and 10.213.2 subnets
-TBF_LATENCY = "200ms"           # queue length as time at the link rate: long enough that TCP is not starved
+QUEUE_S = 0.2                   # the bulk queue, as time at the link rate: long enough that TCP is not starved
+SHORT_PACKET = 128              # IP packets shorter than this (acknowledgements, SYNs) go first
 SEGMENT_S = 0.001               # the longest one GSO segment holds a link
-WIRE = 1514                     # that packet on the wire (Ethernet header included)
+WIRE = 1514                     # a 1500-byte IP packet on the wire (Ethernet header included)
 TSQ_SYSCTL = "/proc/sys/net/ipv4/tcp_limit_output_bytes"
 
 
@@ -64,11 +69,22 @@ def plan(pid: int, workers: int, servers: int, link_mbps: float, server_mbps: fl
                for i in range(servers)])
 
 
-def tbf_args(mbps: float) -> list[str]:
-    """`tc` arguments of a token bucket at `mbps` Mbit/s; the bucket holds >= 2 ms of traffic (and a
-    64 KiB GSO segment), so the kernel timer's granularity does not cap the rate."""
-    burst = max(64 * 1024, int(mbps * 1e6 / 8 * 0.002))
-    return ["root", "tbf", "rate", f"{mbps * 1000:.0f}kbit", "burst", str(burst), "latency", TBF_LATENCY]
+def shaper(dev: str, mbps: float) -> list[list[str]]:
+    """The `tc` commands (each after `tc -n <namespace>`) that limit `dev`'s egress to `mbps` Mbit/s: an htb
+    class at the rate whose bucket holds >= 2 ms of traffic (and a 64 KiB GSO segment, so the kernel timer's
+    granularity does not cap the rate), with two leaves that may each use all of it, short packets served
+    first (a u32 filter on the IP length) and the rest in a FIFO of QUEUE_S at the rate, in bytes."""
+    rate = f"{mbps * 1000:.0f}kbit"
+    burst = str(max(64 * 1024, int(mbps * 1e6 / 8 * 0.002)))
+    bucket = ["rate", rate, "ceil", rate, "burst", burst, "cburst", burst]
+    queue = str(max(10 * WIRE, int(mbps * 1e6 / 8 * QUEUE_S)))
+    return [["qdisc", "add", "dev", dev, "root", "handle", "1:", "htb", "default", "20"],
+            ["class", "add", "dev", dev, "parent", "1:", "classid", "1:1", "htb", *bucket],
+            ["class", "add", "dev", dev, "parent", "1:1", "classid", "1:10", "htb", *bucket, "prio", "0"],
+            ["class", "add", "dev", dev, "parent", "1:1", "classid", "1:20", "htb", *bucket, "prio", "1"],
+            ["qdisc", "add", "dev", dev, "parent", "1:20", "bfifo", "limit", queue],
+            ["filter", "add", "dev", dev, "parent", "1:", "protocol", "ip", "prio", "1", "u32",
+             "match", "u16", "0x0000", f"0x{0xffff & ~(SHORT_PACKET - 1):04x}", "at", "2", "flowid", "1:10"]]
 
 
 def gso_segments(mbps: float) -> int:
@@ -140,8 +156,10 @@ class EmulatedCluster:
             netns.run("ip", "-n", n.ns, "addr", "add", f"{n.address}/16", "dev", IFNAME)
             netns.run("ip", "-n", n.ns, "link", "set", IFNAME, "up")
             netns.run("ip", "-n", n.ns, "link", "set", "lo", "up")
-            netns.run("tc", "-n", n.ns, "qdisc", "add", "dev", IFNAME, *tbf_args(n.mbps))   # node -> bridge
-            netns.run("tc", "-n", hub, "qdisc", "add", "dev", n.port, *tbf_args(n.mbps))    # bridge -> node
+            for argv in shaper(IFNAME, n.mbps):      # node -> bridge
+                netns.run("tc", "-n", n.ns, *argv)
+            for argv in shaper(n.port, n.mbps):      # bridge -> node
+                netns.run("tc", "-n", hub, *argv)
             segments = str(gso_segments(n.mbps))
             netns.run("ip", "-n", n.ns, "link", "set", IFNAME, "gso_max_segs", segments)
             netns.run("ip", "-n", hub, "link", "set", n.port, "gso_max_segs", segments)

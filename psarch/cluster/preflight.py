@@ -5,8 +5,11 @@ import os
 import shutil
 import subprocess
 
+from psarch.cluster.emulated import shaper
+
 CAP_NET_ADMIN = 12
-_HOW = "run as root on Linux with iproute2 and the tbf qdisc, or without it: --set cluster.emulate=false"
+_HOW = ("run as root on Linux with iproute2 and the htb, bfifo and u32 traffic control modules, or without it: "
+        "--set cluster.emulate=false")
 
 
 def _capabilities() -> int:
@@ -22,7 +25,7 @@ def _capabilities() -> int:
 
 def missing(ip: str = "ip", tc: str = "tc", capability: int = CAP_NET_ADMIN) -> str | None:
     """None where this machine can emulate; else one line saying what is missing and how to run without
-    [cluster] (the binaries, `capability`, a `tbf` qdisc installed in a scratch namespace). config's
+    [cluster] (the binaries, `capability`, the links' shaper installed in a scratch namespace). config's
     check_machine raises it as a ConfigError."""
     for tool in (ip, tc):
         if shutil.which(tool) is None:
@@ -32,15 +35,14 @@ def missing(ip: str = "ip", tc: str = "tc", capability: int = CAP_NET_ADMIN) -> 
                 f"{' = CAP_NET_ADMIN' if capability == CAP_NET_ADMIN else ''} is missing); {_HOW}")
     probe = f"psarch-{os.getpid()}-probe"
     steps = [[ip, "netns", "add", probe], [ip, "-n", probe, "link", "add", "d0", "type", "veth", "peer", "name", "d1"],
-             [tc, "-n", probe, "qdisc", "add", "dev", "d0", "root", "tbf", "rate", "1mbit", "burst", "32kb",
-              "latency", "50ms"],
+             *([tc, "-n", probe, *argv] for argv in shaper("d0", 1.0)),
              [ip, "-n", probe, "link", "set", "d0", "gso_max_segs", "1"]]
     try:
         for argv in steps:
             p = subprocess.run(argv, capture_output=True, text=True)
             if p.returncode != 0:
                 err = (p.stderr.strip().splitlines() or ["failed"])[-1]
-                return f"cluster.emulate = true: `{' '.join(argv[:4])}` failed ({err}); {_HOW}"
+                return f"cluster.emulate = true: `{' '.join(argv[:7])}` failed ({err}); {_HOW}"
     finally:
         subprocess.run([ip, "netns", "del", probe], capture_output=True)
     return None
