@@ -1,5 +1,6 @@
-"""On a GPU: DDP and ZeRO on CUDA end with the CPU `single` reference's model; CUDA peak memory per rank is
-reported and holds at least the model states; NCCL at world size 1; two ranks sharing one GPU over gloo.
+"""On a GPU: DDP, ZeRO, the PS (workers on the GPU, servers on the host) and PyTorch's DDP and FSDP2 on CUDA end
+with the CPU `single` reference's model; CUDA peak memory per rank is reported and holds at least the model
+states; NCCL at world size 1; two ranks sharing one GPU over gloo.
 
 Skipped (with the reason) where no CUDA device is visible; run them alone with `pytest -m gpu`.
 Tolerance: tests/parity.py's (fp32, rtol 1e-4 / atol 1e-5 after 6 steps). CUDA and CPU kernels sum in
@@ -28,6 +29,12 @@ CASES = [
     ("zero1-native-gloo-2", {"kind": "zero", "stage": 1, "comm": "native", "world_size": 2, "dist_backend": "gloo"}),
     ("zero2-ring-gloo-2", {"kind": "zero", "stage": 2, "comm": "ring", "world_size": 2, "dist_backend": "gloo"}),
     ("zero3-ring-gloo-2", {"kind": "zero", "stage": 3, "comm": "ring", "world_size": 2, "dist_backend": "gloo"}),
+    # the parameter server's workers on the GPU, staging through the host to CPU servers
+    ("ps-sync-1", {"kind": "ps", "world_size": 1, "servers": 1}),
+    ("ps-sync-2-servers2", {"kind": "ps", "world_size": 2, "servers": 2}),
+    # PyTorch's own implementations, the peers
+    ("torch_ddp-nccl-1", {"kind": "torch_ddp", "world_size": 1, "dist_backend": "nccl"}),
+    ("torch_fsdp-nccl-1", {"kind": "torch_fsdp", "world_size": 1, "dist_backend": "nccl"}),
 ]
 
 
