@@ -4,8 +4,10 @@ from __future__ import annotations
 import os
 import shutil
 import subprocess
+from pathlib import Path
 
-from psarch.cluster.emulated import shaper
+from psarch.cluster import netns
+from psarch.cluster.emulated import TSQ_SYSCTL, shaper
 
 CAP_NET_ADMIN = 12
 _HOW = ("run as root on Linux with iproute2 and the htb, bfifo and u32 traffic control modules, or without it: "
@@ -43,6 +45,11 @@ def missing(ip: str = "ip", tc: str = "tc", capability: int = CAP_NET_ADMIN) -> 
             if p.returncode != 0:
                 err = (p.stderr.strip().splitlines() or ["failed"])[-1]
                 return f"cluster.emulate = true: `{' '.join(argv[:7])}` failed ({err}); {_HOW}"
+        try:
+            with netns.inside(probe):
+                Path(TSQ_SYSCTL).write_text("4096")
+        except OSError as e:
+            return f"cluster.emulate = true: cannot set a node's {TSQ_SYSCTL} ({e.strerror}); {_HOW}"
     finally:
         subprocess.run([ip, "netns", "del", probe], capture_output=True)
     return None
