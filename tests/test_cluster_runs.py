@@ -135,7 +135,9 @@ def test_emulated_runs_print_no_name_lookup_warnings(runs):
 
 
 HOLD = """
-import sys, subprocess
+import signal, sys, subprocess
+# Ctrl-C as at a terminal: a suite started as a background job of a script inherits SIGINT ignored
+signal.signal(signal.SIGINT, signal.default_int_handler)
 from psarch.cluster import place
 from psarch.config import from_dict
 cfg = from_dict({"backend": {"kind": "ps", "world_size": 2}, "cluster": {"emulate": True}})
