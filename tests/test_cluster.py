@@ -106,25 +106,32 @@ def test_segments_and_small_queues_are_sized_to_the_link():
 @needs_root
 def test_each_node_is_set_to_its_link():
     """Both ends of a node's veth are shaped at its rate, short packets first, and cut segments as gso_segments
-    says; the node's TCP small queues hold tsq_bytes: read back from the kernel, a worker on 12 Mbit/s beside a
-    server on 1 Gbit/s. After a bulk transfer, the acknowledgements went by the short packets' class."""
-    c = EmulatedCluster(1, 1, 12.0, 1000.0)
+    says; on the bridge's end every other node's traffic has a leaf of its own; the node's TCP small queues hold
+    tsq_bytes: read back from the kernel, two workers on 12 Mbit/s beside a server on 1 Gbit/s. After a bulk
+    transfer, the data went by its sender's leaf and the acknowledgements by the short packets' class."""
+    c = EmulatedCluster(2, 1, 12.0, 1000.0)
     try:
         for n in c.nodes:
             node_end = netns.run("ip", "-d", "-n", n.ns, "link", "show", IFNAME)
             bridge_end = netns.run("ip", "-d", "-n", c.hub, "link", "show", n.port)
             for shown in (node_end, bridge_end):
                 assert f"gso_max_segs {gso_segments(n.mbps)} " in shown, shown
+            rate = "12Mbit" if n.mbps == 12.0 else "1Gbit"
             for ns, dev in ((n.ns, IFNAME), (c.hub, n.port)):
                 classes = netns.run("tc", "-n", ns, "class", "show", "dev", dev)
-                rate = "12Mbit" if n.mbps == 12.0 else "1Gbit"
                 assert classes.count(f"rate {rate} ceil {rate}") == 3, classes
+                filters = netns.run("tc", "-n", ns, "filter", "show", "dev", dev)
                 # IP total length (bytes 2-3 of the header) below 128: the short packets' class
-                assert "flowid 1:10" in netns.run("tc", "-n", ns, "filter", "show", "dev", dev)
-                assert "match 00000000/0000ff80 at 0" in netns.run("tc", "-n", ns, "filter", "show", "dev", dev)
+                assert "flowid 1:10" in filters and "match 00000000/0000ff80 at 0" in filters, filters
+            classes = netns.run("tc", "-n", c.hub, "class", "show", "dev", n.port)
+            filters = netns.run("tc", "-n", c.hub, "filter", "show", "dev", n.port)
+            assert classes.count(f"ceil {rate}") == 3 + 2 and "flowid 1:101" in filters, (classes, filters)
+            for other in c.nodes:    # a source-address match (at IP offset 12) per other node
+                want = "".join(f"{int(b):02x}" for b in other.address.split("."))
+                assert (f"match {want}/ffffffff at 12" in filters) == (other is not n), (other, filters)
             tsq = netns.run("ip", "netns", "exec", n.ns, "cat", "/proc/sys/net/ipv4/tcp_limit_output_bytes")
             assert int(tsq) == tsq_bytes(n.mbps), (n, tsq)
-        worker, server = c.nodes
+        worker, _, server = c.nodes
         ready, port, got = threading.Event(), [], []
         t = threading.Thread(target=_serve, args=(server.ns, ready, port, got), daemon=True)
         t.start()
@@ -135,9 +142,11 @@ def test_each_node_is_set_to_its_link():
         s.close()
         t.join(30)
         assert got[0][0] == 300_000
-        sent = {n.ns: _class_bytes(n.ns) for n in c.nodes}
+        sent = {n.ns: _class_bytes(n.ns, IFNAME) for n in c.nodes}
         assert sent[worker.ns]["1:20"] > 300_000 and sent[server.ns]["1:10"] > 0, sent   # data; its acks
         assert sent[server.ns]["1:20"] < 10_000, sent        # nothing long went back
+        into_server = _class_bytes(c.hub, server.port)      # worker 0 is the first of the server's senders
+        assert into_server["1:100"] > 300_000 and into_server["1:101"] == 0, into_server
     finally:
         c.close()
     assert int(Path("/proc/sys/net/ipv4/tcp_limit_output_bytes").read_text()) > tsq_bytes(12), \
@@ -145,10 +154,10 @@ def test_each_node_is_set_to_its_link():
     assert not leftovers(os.getpid())
 
 
-def _class_bytes(ns: str) -> dict[str, int]:
-    """{htb class: bytes it sent} on a node's link (`tc -s class show`)."""
+def _class_bytes(ns: str, dev: str) -> dict[str, int]:
+    """{htb class: bytes it sent} on `dev` in namespace `ns` (`tc -s class show`)."""
     out, cls = {}, None
-    for line in netns.run("tc", "-s", "-n", ns, "class", "show", "dev", IFNAME).splitlines():
+    for line in netns.run("tc", "-s", "-n", ns, "class", "show", "dev", dev).splitlines():
         if line.startswith("class htb"):
             cls = line.split()[2]
         elif line.strip().startswith("Sent") and cls:

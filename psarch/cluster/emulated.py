@@ -1,7 +1,7 @@
 """An emulated cluster on one Linux machine: a network namespace per node, a veth from each node to one
 bridge, and a rate-limiting qdisc on both ends of each veth so each direction runs at the link rate (`shaper`:
-htb at the link rate, TCP's acknowledgements and other short packets served first, the rest in a queue of
-QUEUE_S at the link rate).
+htb at the link rate, TCP's acknowledgements and other short packets served first, the rest in queues of
+QUEUE_S at the link rate, one per sender into a node).
 
 Layout of run <pid>: namespace `psarch-<pid>-hub` holds the bridge `br0` (10.213.0.1, where the launcher
 hosts the rendezvous store) and the bridge end of every veth (`w<i>`, `s<i>`); node namespaces
@@ -10,9 +10,13 @@ hosts the rendezvous store) and the bridge end of every veth (`w<i>`, `s<i>`); n
 the run's namespaces, so no packet can leave the machine. Latency is not emulated (no `netem` here).
 
 Many flows both ways at once (a PS's pipelined pushes and pulls) get each link's full-duplex rate, and many
-senders into one node (N workers into k < N servers) share its link, only with three settings
+senders into one node (N workers into k < N servers) share its link fairly, only with four settings
 (experiments/results/cluster_crossover_device/duplex.txt: bulk TCP both ways took 1.2-1.4x its ideal time on
 plain token buckets, 1.01-1.06x with these):
+- fair shares into a node: on the bridge's end of its link each other node's traffic waits in a FIFO of its
+  own, served round robin. In one FIFO a flow that fell behind stayed behind (TCP's shares are unequal in a
+  deep queue); a PS server, which answers a partition's pulls once every worker's push of it is in, then
+  waited 50-300 ms a partition on the slowest worker;
 - acknowledgements first: on a plain token bucket (`tbf`) a node's acknowledgements wait behind its own
   bulk data, up to QUEUE_S, and the flows they clock stall (worst where N/k senders fill one server's queue);
 - GSO segments cut to what the link sends in SEGMENT_S (one MTU at 12 Mbit/s; a 64 KiB segment holds such a
@@ -28,7 +32,7 @@ import subprocess
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Sequence
 
 from psarch.cluster import netns
 
@@ -69,22 +73,40 @@ def plan(pid: int, workers: int, servers: int, link_mbps: float, server_mbps: fl
                for i in range(servers)])
 
 
-def shaper(dev: str, mbps: float) -> list[list[str]]:
+def shaper(dev: str, mbps: float, senders: Sequence[str] = ()) -> list[list[str]]:
     """The `tc` commands (each after `tc -n <namespace>`) that limit `dev`'s egress to `mbps` Mbit/s: an htb
     class at the rate whose bucket holds >= 2 ms of traffic (and a 64 KiB GSO segment, so the kernel timer's
-    granularity does not cap the rate), with two leaves that may each use all of it, short packets served
-    first (a u32 filter on the IP length) and the rest in a FIFO of QUEUE_S at the rate, in bytes."""
+    granularity does not cap the rate). Short packets are served first (a u32 filter on the IP length); the rest
+    wait in FIFOs of QUEUE_S at the rate, in bytes: one per address in `senders`, shared fairly (htb's
+    round robin; each may use the whole rate alone), and one for everything else."""
     rate = f"{mbps * 1000:.0f}kbit"
     burst = str(max(64 * 1024, int(mbps * 1e6 / 8 * 0.002)))
     bucket = ["rate", rate, "ceil", rate, "burst", burst, "cburst", burst]
     queue = str(max(10 * WIRE, int(mbps * 1e6 / 8 * QUEUE_S)))
-    return [["qdisc", "add", "dev", dev, "root", "handle", "1:", "htb", "default", "20"],
-            ["class", "add", "dev", dev, "parent", "1:", "classid", "1:1", "htb", *bucket],
-            ["class", "add", "dev", dev, "parent", "1:1", "classid", "1:10", "htb", *bucket, "prio", "0"],
-            ["class", "add", "dev", dev, "parent", "1:1", "classid", "1:20", "htb", *bucket, "prio", "1"],
-            ["qdisc", "add", "dev", dev, "parent", "1:20", "bfifo", "limit", queue],
-            ["filter", "add", "dev", dev, "parent", "1:", "protocol", "ip", "prio", "1", "u32",
-             "match", "u16", "0x0000", f"0x{0xffff & ~(SHORT_PACKET - 1):04x}", "at", "2", "flowid", "1:10"]]
+    out = [["qdisc", "add", "dev", dev, "root", "handle", "1:", "htb", "default", "20"],
+           ["class", "add", "dev", dev, "parent", "1:", "classid", "1:1", "htb", *bucket],
+           ["class", "add", "dev", dev, "parent", "1:1", "classid", "1:10", "htb", *bucket, "prio", "0"],
+           ["class", "add", "dev", dev, "parent", "1:1", "classid", "1:20", "htb", *bucket, "prio", "1"],
+           ["qdisc", "add", "dev", dev, "parent", "1:20", "bfifo", "limit", queue],
+           ["filter", "add", "dev", dev, "parent", "1:", "protocol", "ip", "prio", "1", "u32",
+            "match", "u16", "0x0000", f"0x{0xffff & ~(SHORT_PACKET - 1):04x}", "at", "2", "flowid", "1:10"]]
+    share = f"{mbps * 1000 / max(1, len(senders)):.0f}kbit"
+    for j, address in enumerate(senders):
+        leaf = f"1:{0x100 + j:x}"
+        out += [["class", "add", "dev", dev, "parent", "1:1", "classid", leaf, "htb", "rate", share, "ceil", rate,
+                 "burst", burst, "cburst", burst, "prio", "1"],
+                ["qdisc", "add", "dev", dev, "parent", leaf, "bfifo", "limit", queue],
+                ["filter", "add", "dev", dev, "parent", "1:", "protocol", "ip", "prio", "2", "u32",
+                 "match", "ip", "src", f"{address}/32", "flowid", leaf]]
+    return out
+
+
+def tc_batch(ns: str, commands: list[list[str]]) -> None:
+    """Run `tc` commands in namespace `ns` in one process (`tc -batch`): a cluster of 16 nodes has ~800."""
+    p = subprocess.run(["tc", "-n", ns, "-batch", "-"], input="\n".join(" ".join(c) for c in commands) + "\n",
+                       capture_output=True, text=True)
+    if p.returncode != 0:
+        raise netns.NetnsError(f"`tc -n {ns} -batch` failed: {p.stderr.strip() or p.returncode}")
 
 
 def gso_segments(mbps: float) -> int:
@@ -156,10 +178,9 @@ class EmulatedCluster:
             netns.run("ip", "-n", n.ns, "addr", "add", f"{n.address}/16", "dev", IFNAME)
             netns.run("ip", "-n", n.ns, "link", "set", IFNAME, "up")
             netns.run("ip", "-n", n.ns, "link", "set", "lo", "up")
-            for argv in shaper(IFNAME, n.mbps):      # node -> bridge
-                netns.run("tc", "-n", n.ns, *argv)
-            for argv in shaper(n.port, n.mbps):      # bridge -> node
-                netns.run("tc", "-n", hub, *argv)
+            tc_batch(n.ns, shaper(IFNAME, n.mbps))     # node -> bridge
+            # bridge -> node: every other node's traffic into this link in a queue of its own, fairly shared
+            tc_batch(hub, shaper(n.port, n.mbps, [m.address for m in self.nodes if m.address != n.address]))
             segments = str(gso_segments(n.mbps))
             netns.run("ip", "-n", n.ns, "link", "set", IFNAME, "gso_max_segs", segments)
             netns.run("ip", "-n", hub, "link", "set", n.port, "gso_max_segs", segments)

@@ -37,7 +37,7 @@ def missing(ip: str = "ip", tc: str = "tc", capability: int = CAP_NET_ADMIN) -> 
                 f"{' = CAP_NET_ADMIN' if capability == CAP_NET_ADMIN else ''} is missing); {_HOW}")
     probe = f"psarch-{os.getpid()}-probe"
     steps = [[ip, "netns", "add", probe], [ip, "-n", probe, "link", "add", "d0", "type", "veth", "peer", "name", "d1"],
-             *([tc, "-n", probe, *argv] for argv in shaper("d0", 1.0)),
+             *([tc, "-n", probe, *argv] for argv in shaper("d0", 1.0, ["10.213.1.1"])),
              [ip, "-n", probe, "link", "set", "d0", "gso_max_segs", "1"]]
     try:
         for argv in steps:
