@@ -12,7 +12,7 @@ the run's namespaces, so no packet can leave the machine. Latency is not emulate
 Many flows both ways at once (a PS's pipelined pushes and pulls) get each link's full-duplex rate, and many
 senders into one node (N workers into k < N servers) share its link fairly, only with four settings
 (experiments/results/cluster_crossover_device/duplex.txt: bulk TCP both ways took 1.2-1.4x its ideal time on
-plain token buckets, 1.01-1.06x with these):
+plain token buckets, 1.01-1.03x with these, 1.01-1.12x into k < N nodes):
 - fair shares into a node: on the bridge's end of its link each other node's traffic waits in a FIFO of its
   own, served round robin. In one FIFO a flow that fell behind stayed behind (TCP's shares are unequal in a
   deep queue); a PS server, which answers a partition's pulls once every worker's push of it is in, then
