@@ -135,7 +135,7 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
         w = build_workload(bench_config(args, "single", precision))
         params = sum(p.numel() for p in w.model.parameters())
         fc = count(w.model, w.loss_fn, w.batch(0, 0, 1))
-        peak = peak_tflops(device, precision)
+        peak = gpu_peak_tflops(device, precision)
         warmup = args.warmup if args.warmup is not None else warmup_steps(bench_config(args, "single", precision))
         times = medians(interleaved(runners, args.steps, warmup))
         for kind in args.backends:
@@ -149,7 +149,7 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
     return rows
 
 
-def peak_tflops(device: torch.device, precision: str) -> float | None:
+def gpu_peak_tflops(device: torch.device, precision: str) -> float | None:
     """The peak dense TFLOPS of this GPU at `precision`, where psarch.cluster.device has its profile."""
     if device.type != "cuda":
         return None
