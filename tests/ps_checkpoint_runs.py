@@ -1,6 +1,6 @@
 """The runs test_ps_checkpoint.py looks at: two workers, two servers (threads of the test process), a tiny GPT
-(sync-fp16, sync with priority and ssp with each server's range in partitions, whose records and loss scalers
-are each their own).
+(sync-fp16 with each server's range in partitions, sync with priority and ssp with partitions dealt to the
+servers round robin: each partition's records and loss scaler are its own).
 (And three workers with a straggler, for sync's worker-order sums: see N3 below.)
 Stage 1 runs every case 6 steps with a checkpoint every 3. Stage 2 resumes the sync cases from step 3 to 6,
 restores each timing-dependent case (async with DC-ASGD, SSP, GEO mid-round) and writes the restored state
@@ -25,10 +25,11 @@ from ps_setup import ps
 
 N, SERVERS, STEPS, AT = 2, 2, 6, 3
 PARTS = {"partition_mb": 0.001}   # 256 elements: each server's range of the tiny GPT in several partitions
+DEALT = {**PARTS, "partition_assignment": "round_robin"}   # the same partitions, dealt to the servers in turn
 CASES = {"sync-fp32": ("fp32", {}), "sync-fp16": ("fp16", PARTS),
-         "sync-priority": ("fp32", {**PARTS, "priority_credit_mb": 0.001}),   # a checkpoint settles the pulls in flight
+         "sync-priority": ("fp32", {**DEALT, "priority_credit_mb": 0.001}),   # a checkpoint settles the pulls in flight
          "async-dc": ("fp32", {"mode": "async", "staleness_compensation": "dc"}),
-         "ssp": ("fp32", {"mode": "ssp", "staleness_bound": 1, **PARTS}),
+         "ssp": ("fp32", {"mode": "ssp", "staleness_bound": 1, **DEALT}),
          "geo": ("fp32", {"mode": "geo", "k_steps": 2})}   # checkpoint 3 falls mid-round: local != synced
 EXACT = [c for c in CASES if c.startswith("sync")]
 RESTORED = [c for c in CASES if c not in EXACT]

@@ -93,6 +93,9 @@ def test_ps_overlap_hides_behind_its_last_servers_share_of_backward():
     cfg = from_dict({"backend": {"kind": "ps", "world_size": 4, "servers": 4}})
     from psarch import registry
     assert registry.spec_of(cfg).comm_model(cfg, 1_000_000, {}).ready_share == 0.25
+    # partitions dealt round robin: each server's are ready all through backward
+    cfg = from_dict({"backend": {"kind": "ps", "world_size": 4, "servers": 4, "partition_assignment": "round_robin"}})
+    assert registry.spec_of(cfg).comm_model(cfg, 1_000_000, {}).ready_share == 1.0
 
 
 def test_zero_all_gather_waits_for_the_optimizer_step():

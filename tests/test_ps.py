@@ -41,6 +41,7 @@ def plan(n: int) -> dict[str, dict]:
         # the same in partitions (pushed from backward's hooks, as above), and whole ranges pushed after backward
         for name, extra in ((f"sync-s2-{opt}-{n}-parts", {"partition_mb": PARTS}),
                             (f"sync-s2-{opt}-{n}-prio", {"partition_mb": PARTS, "priority_credit_mb": PARTS}),
+                            (f"sync-s2-{opt}-{n}-rr", {"partition_mb": PARTS, "partition_assignment": "round_robin"}),
                             (f"sync-s2-{opt}-{n}-plain", {"overlap_comm": False})):
             runs[name] = config(name, train=OPTIMIZERS[opt], backend=ps(n, servers=2, **extra))
     if n == 2:
@@ -76,6 +77,9 @@ def parity(tmp_path_factory):
                                         backend=ps(1, "async", 2, partition_mb=PARTS))
     one["async-1-prio-adamw"] = config("async-1-prio-adamw", train=OPTIMIZERS["adamw"],
                                        backend=ps(1, "async", 2, partition_mb=PARTS, priority_credit_mb=PARTS))
+    one["async-1-rr-prio-adamw"] = config("async-1-rr-prio-adamw", train=OPTIMIZERS["adamw"],
+                                          backend=ps(1, "async", 2, partition_mb=PARTS, priority_credit_mb=PARTS,
+                                                     partition_assignment="round_robin"))
     for n, runs in [(1, one), (2, plan(2)), (3, plan(3))]:
         services = {name: start_services(from_dict(d), None, threads=True)
                     for name, d in runs.items() if d["backend"]["kind"] == "ps"}
@@ -114,13 +118,16 @@ def test_sync_equals_single_and_ddp(parity, opt, n):
 @pytest.mark.parametrize("opt", ["sgd", "adamw"])
 @pytest.mark.parametrize("n", [2, 3])
 def test_sync_in_partitions_and_from_backward_hooks_is_bit_identical(parity, opt, n):
-    """Pushed from backward's hooks (overlap_comm) with whole ranges, or in partitions of 256 elements: the
-    model is bit for bit that of whole ranges pushed after backward."""
+    """Pushed from backward's hooks (overlap_comm) with whole ranges, or in partitions of 256 elements (each
+    server's range, or dealt round robin): the model is bit for bit that of whole ranges pushed after backward."""
     out, results, stats = parity
     plain = model(out, f"sync-s2-{opt}-{n}-plain")
-    for name in (f"sync-s2-{opt}-{n}", f"sync-s2-{opt}-{n}-parts", f"sync-s2-{opt}-{n}-prio"):
+    for name in (f"sync-s2-{opt}-{n}", f"sync-s2-{opt}-{n}-parts", f"sync-s2-{opt}-{n}-prio",
+                 f"sync-s2-{opt}-{n}-rr"):
         mine = model(out, name)
         assert plain.keys() == mine.keys() and all(torch.equal(plain[k], mine[k]) for k in plain), name
+    dealt = [x["range"] for x in stats[f"sync-s2-{opt}-{n}-rr"]["servers_detail"]]
+    assert dealt[0][1] > dealt[1][0], f"round robin: server 0's partitions do not interleave with server 1's {dealt}"
     parts = [x["partitions"] for x in stats[f"sync-s2-{opt}-{n}-parts"]["servers_detail"]]
     assert min(parts) >= 4 and [x["partitions"] for x in stats[f"sync-s2-{opt}-{n}"]["servers_detail"]] == [1, 1]
     for r in results[f"sync-s2-{opt}-{n}-parts"].values():   # a request and a reply per partition each step
@@ -137,7 +144,7 @@ def test_geo_with_barrier_k1_plain_sgd_equals_sync(parity):
 
 
 @pytest.mark.parametrize("name", ["async-1-sgd", "async-1-adamw", "async-1-dc-adamw", "async-1-parts-adamw",
-                                  "async-1-prio-adamw"])
+                                  "async-1-prio-adamw", "async-1-rr-prio-adamw"])
 def test_async_with_one_worker_equals_single(parity, name):
     out, _, stats = parity
     assert_same_model(model(out, name), model(out, f"single-{name.rsplit('-', 1)[1]}"), f"{name} vs single")
@@ -161,8 +168,8 @@ def test_sync_traffic_is_gradients_pushed_plus_parameters_pulled(parity, n, serv
         assert r["memory"]["params"] == r["memory"]["grads"] == payload and r["memory"]["optimizer"] == 0
     srv = stats[name]["traffic"]["servers"]
     assert sum(s["received"] for s in srv) == sent and sum(s["sent"] for s in srv) == received
-    for m, (lo, hi) in ((m, m["range"]) for m in stats[name]["memory"]["servers"]):
-        assert m["params"] == 4 * (hi - lo) and m["optimizer"] >= 8 * (hi - lo)   # AdamW moments live here
+    for m in stats[name]["memory"]["servers"]:
+        assert m["params"] == 4 * m["held"] and m["optimizer"] >= 8 * m["held"]   # AdamW moments live here
 
 
 def test_geo_without_barrier_pushes_deltas_every_k_steps(parity):
@@ -192,8 +199,7 @@ def test_low_precision_workers_push_compute_dtype_and_converge(parity, precision
         assert r["memory"]["params"] == r["memory"]["grads"] == 2 * phi and r["memory"]["optimizer"] == 0
         assert all(2 * phi < x["sent"] <= 2 * phi + 2 * HEADER_BOUND for x in r["rows"])
     for m in stats[precision]["memory"]["servers"]:
-        lo, hi = m["range"]
-        assert m["params"] == 4 * (hi - lo) and m["optimizer"] >= 8 * (hi - lo)
+        assert m["params"] == 4 * m["held"] and m["optimizer"] >= 8 * m["held"]
 
 
 @pytest.mark.parametrize("compensation", ["none", "lr", "dc"])

@@ -177,7 +177,7 @@ def test_an_async_save_waits_for_a_worker_that_is_behind_while_it_pushes(tmp_pat
         srv.handle([f"w{w}".encode(), *[bytes(f) for f in wire.encode(dict(header, worker=w), tensor)]])
 
     def push(w: int, step: int) -> None:
-        send(w, {"op": "push", "step": step, "version": 0, "offset": 0}, torch.zeros(srv.state.hi - srv.state.lo))
+        send(w, {"op": "push", "step": step, "version": 0, "offset": 0}, torch.zeros(srv.state.size))
 
     def save(w: int, step: int) -> None:
         (ckpts / f".tmp_step_{step:06d}").mkdir(parents=True, exist_ok=True)

@@ -6,6 +6,7 @@ client would never send refused without changing anything; priority's order of p
 from __future__ import annotations
 
 import random
+import threading
 import time
 from types import SimpleNamespace
 
@@ -14,7 +15,10 @@ import torch
 
 from psarch.config import from_dict
 from psarch.config_files import ConfigError
-from psarch.ps.layout import PARTITION_ALIGN, partition_elems, partitions, server_ranges
+from psarch.ps.layout import (PARTITION_ALIGN, gather, held, join_servers, partition_elems, partitions, scatter,
+                               server_partitions, server_ranges)
+from psarch.ps.auth import Credentials
+from psarch.ps.server.parameter_server import ParameterServer
 from psarch.ps.services import start_services
 from psarch.ps.worker.client import PSClient, Request
 from psarch.ps.worker.link import Part
@@ -34,7 +38,7 @@ def test_partitions_split_each_range_at_aligned_offsets():
                                                 backend=ps(1, partition_mb=mb))), 10**6)
     assert elems(PARTS) == 256 and elems(PARTS, "bf16") == 512 and elems(0.0) == 0
     assert elems(1e-9) == PARTITION_ALIGN and elems(0.00101) == 256   # rounded down to whole blocks, at least one
-    assert elems(4.0) == 2**20
+    assert elems(2.0) == 2**19 and elems(4.0) == 10**6   # 4 MiB holds more than the range: the range
 
 
 def test_auto_partitions_pipeline_a_range_and_hide_the_host_cost_of_a_message():
@@ -47,13 +51,33 @@ def test_auto_partitions_pipeline_a_range_and_hide_the_host_cost_of_a_message():
         return partition_elems(cfg, numel)
     MiB = 2**20
     assert elems(64 * MiB) == MiB and elems(MiB) == MiB   # loopback, real networks: BytePS's 4 MB, in 4-byte elements
-    assert elems(MiB, precision="bf16") == 2 * MiB
+    assert elems(4 * MiB, precision="bf16") == 2 * MiB
+    assert elems(MiB, precision="bf16") == MiB and elems(1000, servers=4) == 256   # never more than a range
     # 100 Mbit/s: 0.6 ms is 7.5 kB, so an 8th of the range sets it: 1.6 M parameters over 4 servers -> 49,984 (x 4 B)
     assert elems(1_600_000, servers=4, link_mbps=100.0) == 400_000 // 8 // PARTITION_ALIGN * PARTITION_ALIGN
     # 100 Gbit/s: 0.6 ms is 7.5 MB, over the 4 MiB cap
     assert elems(64 * MiB, link_mbps=100_000.0) == MiB
     # 10 Gbit/s: 0.6 ms is 750 kB (187,500 fp32 elements), more than an 8th of a 1 M range
     assert elems(1_000_000, link_mbps=10_000.0) == 187_500 // PARTITION_ALIGN * PARTITION_ALIGN
+
+
+def test_round_robin_deals_the_partitions_to_the_servers_in_turn():
+    """"round_robin" (BytePS): the flat vector's partitions from 0, partition j on server j mod k; "ranges": each
+    server's contiguous range in partitions; either way a server's own vector scatters back into place; too few
+    partitions for the servers, or none (partition_mb = 0), is refused with what to change."""
+    def cfg(assignment: str, mb: float | str = PARTS, servers: int = 3):
+        return from_dict(config("p", backend=ps(2, servers=servers, partition_mb=mb, partition_assignment=assignment)))
+    dealt = server_partitions(cfg("round_robin"), 1300)   # 256-element partitions: 5 full, one of 20
+    assert dealt == [[(0, 256), (768, 1024)], [(256, 512), (1024, 1280)], [(512, 768), (1280, 1300)]]
+    assert server_partitions(cfg("ranges"), 1300) == [[(0, 256), (256, 433)], [(433, 689), (689, 866)],
+                                                      [(866, 1122), (1122, 1300)]]
+    flat = torch.arange(1300.0)
+    assert torch.equal(join_servers(cfg("round_robin"), [gather(flat, parts) for parts in dealt]), flat)
+    assert held(dealt[2]) == 276
+    with pytest.raises(ValueError, match=r"make 2 partition\(s\) of 64 elements .* fewer than backend.servers = 3"):
+        server_partitions(cfg("round_robin"), 100)   # 64 elements at least, of a range of 34
+    with pytest.raises(ConfigError, match="round_robin.*needs backend.partition_mb > 0"):
+        cfg("round_robin", 0.0)
 
 
 class Run:
@@ -68,8 +92,8 @@ class Run:
         self.services = start_services(cfg, None, threads=True)
         info = self.services.info
         self.clients = [PSClient(info.addresses, w, 10.0, info.auth) for w in range(workers)]
-        self.parts = [(i, a, b) for i, (lo, hi) in enumerate(server_ranges(self.numel, servers))
-                      for a, b in partitions(lo, hi, partition_elems(cfg, self.numel))]
+        self.servers = server_partitions(cfg, self.numel)
+        self.parts = sorted(((i, a, b) for i, parts in enumerate(self.servers) for a, b in parts), key=lambda p: p[1])
         self.versions = [[0] * len(self.parts) for _ in range(workers)]
 
     def post(self, w: int, j: int, g: torch.Tensor, step: int, into: torch.Tensor) -> Request:
@@ -81,9 +105,10 @@ class Run:
         return r
 
     def fetch(self) -> torch.Tensor:
-        out = torch.empty(self.numel)
-        self.clients[0].exchange([[Request({"op": "fetch"}, into=out[lo:hi])] for lo, hi in
-                                  server_ranges(self.numel, len(self.services.info.addresses))])
+        out, owns = torch.empty(self.numel), [torch.empty(held(parts)) for parts in self.servers]
+        self.clients[0].exchange([[Request({"op": "fetch"}, into=own)] for own in owns])
+        for parts, own in zip(self.servers, owns):
+            scatter(own, parts, out)
         return out
 
     def close(self) -> dict:
@@ -94,18 +119,22 @@ class Run:
         return stats
 
 
+@pytest.mark.parametrize("assignment", ["ranges", "round_robin"])
 @pytest.mark.parametrize("train", [{"optimizer": "sgd", "lr": 0.1, "momentum": 0.9, "weight_decay": 0.01},
                                    {"optimizer": "adamw", "lr": 1e-2, "weight_decay": 0.1, "eps": 1e-6}])
-def test_sync_in_partitions_is_bit_identical_whatever_the_order(train):
+def test_sync_in_partitions_is_bit_identical_whatever_the_order(train, assignment):
     """3 workers, 2 servers, 3 steps: each worker posts its partitions in its own order (forward, backward,
     shuffled), the workers in turn 2, 0, 1 (so sums keep early pushes); the final parameters equal, bit for bit,
-    those of servers holding each range whole and fed in order."""
+    those of servers holding each range whole and fed in order (partitions in each server's range, or dealt to
+    the servers round robin)."""
     gen = torch.Generator().manual_seed(0)
     finals = {}
     for mb in (0.0, PARTS):
-        run = Run("sync", mb, workers=3, servers=2, train=train)
+        run = Run("sync", mb, workers=3, servers=2, train=train, partition_assignment=assignment if mb else "ranges")
         try:
             assert (len(run.parts) > 4) == bool(mb)
+            if mb and assignment == "round_robin":   # server 0 holds partitions 0, 2, 4, ...: not one range
+                assert [p[1] for p in run.parts[::2]] == [a for a, _ in run.servers[0]]
             grads = [[torch.randn(run.numel, generator=gen.manual_seed(10 * s + w)) for w in range(3)]
                      for s in range(3)]
             for step in range(3):
@@ -262,6 +291,55 @@ def test_requests_about_partitions_a_client_would_never_send_are_refused():
         c.close()
         stats = run.close()
     assert stats["refused_pushes"]["non_finite_per_worker"] == [1, 0]
+
+
+def test_a_server_with_partitions_dealt_round_robin_takes_only_its_own():
+    """Two servers, partitions dealt in turn: server 0 refuses a push of server 1's partition (naming what it
+    holds) and changes nothing; a round of every partition from both workers moves every element by -lr x g."""
+    run = Run("sync", PARTS, servers=2, partition_assignment="round_robin")
+    try:
+        before, g = run.fetch(), torch.ones(run.numel)
+        (i1, a1, b1) = run.parts[1]
+        assert (run.parts[0][0], i1) == (0, 1)
+        with pytest.raises(Exception, match=rf"offset {a1} starts none of this server's .* dealt round robin"):
+            run.clients[0].exchange([[Request({"op": "push", "step": 0, "version": 0, "offset": a1}, g[a1:b1])], []])
+        assert torch.equal(run.fetch(), before)
+        reqs = [run.post(w, j, g, 0, torch.empty(run.numel)) for w in (0, 1) for j in range(len(run.parts))]
+        for c in run.clients:
+            c.wait()
+        assert {r.reply["version"] for r in reqs} == {1}
+        torch.testing.assert_close(run.fetch(), before - 0.5 * g)
+    finally:
+        run.close()
+
+
+def test_a_server_started_without_parameters_takes_its_dealt_partitions_from_init():
+    """Server 1 of 2, partitions dealt round robin, started without parameters (as `psarch server` and the
+    benchmark's are): an `init` of its would-be contiguous range is refused naming what it holds; its own
+    vector (partitions 1, 3, 5, ... joined) is taken, and `fetch` gives it back."""
+    cfg = from_dict(config("p", train={"optimizer": "sgd", "lr": 0.5},
+                           backend=ps(2, servers=2, partition_mb=PARTS, partition_assignment="round_robin",
+                                      auth="none")))
+    numel = 2000
+    parts = server_partitions(cfg, numel)[1]
+    srv = ParameterServer(1, cfg, creds=Credentials("none"), numel=numel)
+    thread = threading.Thread(target=srv.serve, daemon=True)
+    thread.start()
+    client = PSClient([srv.address, srv.address], 0, 10.0, {"mechanism": "none"})
+    try:
+        flat = torch.arange(float(numel))
+        lo, hi = server_ranges(numel, 2)[1]
+        with pytest.raises(Exception, match=rf"this server holds {len(parts)} partition\(s\), {held(parts)} elements"):
+            client.exchange([[], [Request({"op": "init", "numel": numel, "offset": lo}, flat[lo:hi])]])
+        own = gather(flat, parts)
+        client.exchange([[], [Request({"op": "init", "numel": numel, "offset": parts[0][0]}, own)]])
+        got = torch.empty(held(parts))
+        client.exchange([[], [Request({"op": "fetch"}, into=got)]])
+        assert torch.equal(got, own) and [(p.lo, p.hi) for p in srv.state.parts] == parts
+    finally:
+        client.close()
+        srv.stop()
+        thread.join(5)
 
 
 class _Link:

@@ -123,7 +123,7 @@ def test_an_update_whose_result_would_be_non_finite_is_refused(serve, mode, opti
     zctx = zmq.Context()
     try:
         w1 = Dealer(zctx, srv.address, creds, 1)
-        numel = s.hi - s.lo
+        numel = s.size
         huge = torch.full((numel,), 3e38)
         refused = None
         for step in range(12):
@@ -155,7 +155,7 @@ def test_a_round_whose_update_would_be_non_finite_fails_the_server_unapplied(ser
     s = srv.state
     zctx = zmq.Context()
     try:
-        numel = s.hi - s.lo
+        numel = s.size
         before = s.parts[0].range.params.detach().clone()
         for w in (0, 1):
             r = Dealer(zctx, srv.address, srv.creds, w).ask(
@@ -259,7 +259,7 @@ def test_replies_never_read_are_bounded(serve):
     while not srv.connections.dropped["unread"] and time.monotonic() < deadline:
         time.sleep(0.05)
     assert srv.connections.dropped["unread"] == 1
-    reply = 4 * (srv.state.hi - srv.state.lo)
+    reply = 4 * (srv.state.size)
     assert srv.meter.report().to_dict()["ops"]["fetch"]["sent"] <= 1.0 * MiB + reply + 4096
     peer.close()
 

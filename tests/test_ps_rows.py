@@ -46,9 +46,11 @@ def _data(name: str, opt: str, n: int = 1, **backend) -> dict:
 
 
 # the other modes, at N = 2: GEO with the barrier and k = 1 is sync SGD (each worker adds -lr·g/N)
-# (sync-parts and geo1: the dense part in partitions of 64 elements, the least partition_mb gives)
+# (sync-parts, sync-parts-dealt and geo1: the dense part in partitions of 64 elements, the least partition_mb gives;
+# sync-parts-dealt's dealt to the servers round robin)
 MODES = {"geo1-sgd": ("sgd", {"mode": "geo", "k_steps": 1, "geo_barrier": True, "partition_mb": 1e-9}),
          "sync-parts-sgd": ("sgd", {"partition_mb": 1e-9}),
+         "sync-parts-dealt-sgd": ("sgd", {"partition_mb": 1e-9, "partition_assignment": "round_robin"}),
          "async-adagrad": ("adagrad", {"mode": "async"}),
          "ssp-adagrad": ("adagrad", {"mode": "ssp", "staleness_bound": 1}),
          "geo-adagrad": ("adagrad", {"mode": "geo", "k_steps": 2})}
@@ -111,11 +113,14 @@ def test_sync_rows_equal_single(runs, opt, n):
 
 def test_sync_rows_with_the_dense_part_in_partitions_are_bit_identical(runs):
     """The rows keep their keyed path; the dense part in partitions (a round's rows applied with its first
-    partition to complete) ends bit for bit as with whole ranges."""
+    partition to complete; partitions in each server's range, or dealt round robin) ends bit for bit as with whole
+    ranges."""
     out, _, servers = runs
-    a, b = model(out, "rows-sgd-2"), model(out, "rows-sync-parts-sgd-2")
-    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
-    assert max(x["partitions"] for x in servers["rows-sync-parts-sgd-2"]["servers_detail"]) > 1
+    a = model(out, "rows-sgd-2")
+    for name in ("rows-sync-parts-sgd-2", "rows-sync-parts-dealt-sgd-2"):
+        b = model(out, name)
+        assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), name
+        assert max(x["partitions"] for x in servers[name]["servers_detail"]) > 1
 
 
 def test_geo_with_barrier_and_k1_equals_single_sgd(runs):

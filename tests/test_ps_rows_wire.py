@@ -235,7 +235,7 @@ def test_geo_barrier_forgets_the_rows_of_a_worker_lost_before_its_dense_push():
         init = srv.rows.shard.rows.clone()
         d0, d1 = torch.ones(1, DIM), 100 * torch.ones(1, DIM)
         srv.handle([b"w0", *_keyed(torch.tensor([0]), d0, worker=0)])
-        numel = srv.state.hi - srv.state.lo
+        numel = srv.state.size
         srv.handle([b"w0", *[bytes(f) for f in wire.encode(
             {"op": "push", "worker": 0, "step": 0, "version": 0, "offset": 0}, torch.zeros(numel))]])
         srv.handle([b"w1", *_keyed(torch.tensor([0]), d1, worker=1)])

@@ -115,7 +115,7 @@ def test_a_bug_in_a_handler_is_answered_logged_and_fails_the_server_only_if_stat
     try:
         r = raw.ask({"op": "fetch", "worker": 0})
         assert r.op == "error" and "internal error: ZeroDivisionError" in r.header["message"]
-        g = torch.randn(srv.state.hi - srv.state.lo)
+        g = torch.randn(srv.state.size)
         assert raw.ask({"op": "push", "worker": 0, "step": 0, "version": 0, "offset": 0}, g).op == "ack"
         assert srv.state.failure is None and srv.state.parts[0].range.version == 1
         srv.state.parts[0].range.optim.optimizer.step = lambda: 1 / 0             # a bug in the middle of an update

@@ -1,8 +1,9 @@
 """The parameter-server backend (`backend.kind = "ps"`).
 
-S server processes each own a contiguous, balanced range of the flat fp32 parameter vector and the
-optimizer state for it; N workers compute gradients, push them to every server and pull parameters
-back, over ZeroMQ (ROUTER on servers, DEALER on workers) with a msgpack header and raw tensor frames.
+S server processes each own a contiguous, balanced range of the flat fp32 parameter vector (or, with
+backend.partition_assignment = "round_robin", every S-th partition of it) and the optimizer state for it;
+N workers compute gradients, push them to every server and pull parameters back, over ZeroMQ (ROUTER on
+servers, DEALER on workers) with a msgpack header and raw tensor frames.
 Each range moves and is updated in partitions (backend.partition_mb), pipelined: a server answers a partition's
 pull as soon as its round allows, while the next partitions still arrive; workers push each partition from
 backward's hooks (backend.overlap_comm). On an emulated cluster servers have nodes of their own or sit beside

@@ -34,7 +34,6 @@ import zmq
 import zmq.auth
 
 from psarch.ps import wire
-from psarch.ps.layout import server_ranges
 
 ZAP_ENDPOINT = "inproc://zeromq.zap.01"
 DOMAIN = b"psarch"
@@ -109,10 +108,10 @@ def run_credentials(cfg: Any, host: str) -> tuple[Credentials, str | None]:
     return Credentials(mech, tmp), tmp
 
 
-def max_frame(numel: int | None, servers: int) -> int:
-    """The largest frame a worker may send: a header, or a payload frame of at most CHUNK bytes of the
-    largest range in fp32 (init; pushes are no wider). numel None (not known yet): a whole CHUNK."""
-    widest = wire.CHUNK if numel is None else 4 * max(hi - lo for lo, hi in server_ranges(numel, servers))
+def max_frame(held: int | None) -> int:
+    """The largest frame a worker may send: a header, or a payload frame of at most CHUNK bytes of the most
+    elements a server holds, in fp32 (init; pushes are no wider). held None (not known yet): a whole CHUNK."""
+    widest = wire.CHUNK if held is None else 4 * held
     return min(wire.CHUNK, widest) + wire.MAX_HEADER
 
 

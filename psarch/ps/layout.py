@@ -52,13 +52,16 @@ def partition_bytes(cfg: Config, numel: int) -> float:
 
 def partition_elems(cfg: Config, numel: int) -> int:
     """Elements in each partition of a server's range of a flat vector of `numel` elements (partition_bytes, of
-    the wire dtype), rounded down to a multiple of PARTITION_ALIGN (at least one such block); 0 when
+    the wire dtype), rounded down to a multiple of PARTITION_ALIGN (at least one such block), and never more than
+    the widest range rounded up to one (a range is one partition; dealt round robin, a range's worth); 0 when
     partition_mb = 0 (one per server)."""
     size = partition_bytes(cfg, numel)
     if not size:
         return 0
     width = torch.empty(0, dtype=compute_dtype(cfg.train.precision)).element_size()
-    return max(PARTITION_ALIGN, int(size / width) // PARTITION_ALIGN * PARTITION_ALIGN)
+    widest = -(-numel // cfg.backend.servers)
+    whole = -(-widest // PARTITION_ALIGN) * PARTITION_ALIGN
+    return min(whole, max(PARTITION_ALIGN, int(size / width) // PARTITION_ALIGN * PARTITION_ALIGN))
 
 
 def partitions(lo: int, hi: int, elems: int) -> list[tuple[int, int]]:
@@ -68,6 +71,62 @@ def partitions(lo: int, hi: int, elems: int) -> list[tuple[int, int]]:
     if not elems or hi - lo <= elems:
         return [(lo, hi)]
     return [(a, min(a + elems, hi)) for a in range(lo, hi, elems)]
+
+
+def server_partitions(cfg: Config, numel: int) -> list[list[tuple[int, int]]]:
+    """Each server's partitions of a flat vector of `numel` elements, in flat order: the one source of truth for
+    which server holds what, read by servers, workers, checkpoints and theory. backend.partition_assignment
+    "ranges": server i's contiguous range (server_ranges) in partitions of partition_elems; "round_robin" (BytePS):
+    the whole vector in partitions of partition_elems from 0, partition j on server j mod k, so that every server
+    has partitions in every part of the model (backward readies each server's share all through backward, not in
+    1/k of it). A server's own vector (what `init`, `fetch` and its final report carry) is its partitions, joined
+    in this order (`gather`, `scatter`)."""
+    b = cfg.backend
+    elems = partition_elems(cfg, numel)
+    if b.partition_assignment == "ranges" or not elems:
+        return [partitions(lo, hi, elems) for lo, hi in server_ranges(numel, b.servers)]
+    every = partitions(0, numel, elems)
+    if len(every) < b.servers:
+        raise ValueError(f"backend.partition_assignment = \"round_robin\": {numel} parameters make {len(every)} "
+                         f"partition(s) of {elems} elements (backend.partition_mb = {b.partition_mb}), fewer than "
+                         f"backend.servers = {b.servers}; use smaller partitions or \"ranges\"")
+    return [every[i::b.servers] for i in range(b.servers)]
+
+
+def held(parts: list[tuple[int, int]]) -> int:
+    """Elements a server with these partitions holds."""
+    return sum(b - a for a, b in parts)
+
+
+def one_range(parts: list[tuple[int, int]]) -> bool:
+    """Whether these partitions (in flat order) make one contiguous range."""
+    return parts[-1][1] - parts[0][0] == held(parts)
+
+
+def gather(flat: torch.Tensor, parts: list[tuple[int, int]]) -> torch.Tensor:
+    """A server's own vector: its partitions of `flat`, joined (a view when they are one contiguous range)."""
+    if one_range(parts):
+        return flat[parts[0][0]:parts[-1][1]]
+    return torch.cat([flat[a:b] for a, b in parts])
+
+
+def scatter(own: torch.Tensor, parts: list[tuple[int, int]], flat: torch.Tensor) -> None:
+    """Put a server's own vector back at its partitions' places in `flat`."""
+    pos = 0
+    for a, b in parts:
+        flat[a:b].copy_(own[pos:pos + b - a])
+        pos += b - a
+
+
+def join_servers(cfg: Config, owns: list[torch.Tensor]) -> torch.Tensor:
+    """The flat vector from every server's own vector (server i's `owns[i]`, its partitions joined)."""
+    numel = sum(o.numel() for o in owns)
+    flat = torch.empty(numel, dtype=owns[0].dtype)
+    for parts, own in zip(server_partitions(cfg, numel), owns):
+        if own.numel() != held(parts):
+            raise ValueError(f"a server reported {own.numel()} parameters, its partitions hold {held(parts)}")
+        scatter(own, parts, flat)
+    return flat
 
 
 def trainable(model: torch.nn.Module) -> list[torch.nn.Parameter]:

@@ -20,7 +20,7 @@ from torch import nn
 
 from psarch.config import Config
 from psarch.embeddings import embedding_tables
-from psarch.ps.layout import server_ranges, trainable
+from psarch.ps.layout import held, join_servers, server_partitions, trainable
 
 
 @dataclass(frozen=True)
@@ -97,14 +97,14 @@ def gather_shards(space: KeySpace, shards: list[torch.Tensor]) -> torch.Tensor:
     return out
 
 
-def join_parts(model: nn.Module, space: KeySpace, parts: list[torch.Tensor]) -> dict[str, torch.Tensor]:
-    """The model's state_dict from what each server reported: its dense range, then its rows."""
+def join_parts(model: nn.Module, cfg: Config, space: KeySpace, parts: list[torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The model's state_dict from what each server reported: its dense partitions (joined), then its rows."""
     numel = sum(p.numel() for p in dense_params(model))
     dense, shards = [], []
-    for s, ((lo, hi), part) in enumerate(zip(server_ranges(numel, space.servers), parts)):
-        if part.numel() != hi - lo + space.owned(s) * space.dim:
-            raise ValueError(f"server {s} reported {part.numel()} values, expected {hi - lo} dense + "
+    for s, (own, part) in enumerate(zip(server_partitions(cfg, numel), parts)):
+        if part.numel() != held(own) + space.owned(s) * space.dim:
+            raise ValueError(f"server {s} reported {part.numel()} values, expected {held(own)} dense + "
                              f"{space.owned(s)} rows x {space.dim}")
-        dense.append(part[:hi - lo])
-        shards.append(part[hi - lo:])
-    return join_model(model, space, torch.cat(dense), gather_shards(space, shards))
+        dense.append(part[:held(own)])
+        shards.append(part[held(own):])
+    return join_model(model, space, join_servers(cfg, dense), gather_shards(space, shards))

@@ -204,13 +204,13 @@ class LocalServers(Services):
             out["ssp"]["trace_file"] = "ssp_trace.json"
         if not all(p.numel() for p in parts):
             return  # no worker ever sent init: rank 0's record (if any) is all there is
-        from psarch.ps.layout import state_from_flat
+        from psarch.ps.layout import join_servers, state_from_flat
         from psarch.ps.rows import join_parts, key_space
         from psarch.workload import build_workload
         try:
             model = build_workload(self.cfg).model
-            state = (join_parts(model, key_space(self.cfg), parts) if self.cfg.backend.embeddings == "rows"
-                     else state_from_flat(model, torch.cat(parts)))
+            state = (join_parts(model, self.cfg, key_space(self.cfg), parts) if self.cfg.backend.embeddings == "rows"
+                     else state_from_flat(model, join_servers(self.cfg, parts)))
             torch.save(state, self.out_dir / "model.pt")
         except Exception as e:  # keep rank 0's model.pt, say why the servers' could not be written
             out["model_from_servers_error"] = f"{type(e).__name__}: {e}"
@@ -291,7 +291,7 @@ def summarize(stats: list[dict[str, Any]], lost: list[dict[str, Any]]) -> dict[s
     out: dict[str, Any] = {
         "traffic": {"servers": [{"server": s["server"], "sent": s["sent"], "received": s["received"],
                                  "ops": s["traffic"]["ops"]} for s in stats]},
-        "memory": {"servers": [dict(s["memory"], server=s["server"], range=s["range"]) for s in stats]},
+        "memory": {"servers": [dict(s["memory"], server=s["server"], range=s["range"], held=s["held"]) for s in stats]},
         "lost_workers": lost,
         # a push goes to every server in slices: a worker's count is the most any one server refused
         "refused_pushes": {"non_finite_per_worker": [max(col) for col in zip(*(s["refused_non_finite"]

@@ -44,7 +44,7 @@ def run_shape(cfg: Config, numel: int) -> dict[str, Any]:
     return {"mode": b.mode, "world_size": b.world_size, "servers": b.servers, "precision": cfg.train.precision,
             "k_steps": b.k_steps if geo else None, "geo_barrier": b.geo_barrier if geo else None,
             "compensation": b.staleness_compensation if b.mode in ("async", "ssp") else None,
-            "partition_elems": partition_elems(cfg, numel)}
+            "partition_elems": partition_elems(cfg, numel), "partition_assignment": b.partition_assignment}
 
 
 def exact_records(ckpt: Any, cfg: Config, numel: int) -> dict[str, Any] | None:

@@ -7,13 +7,14 @@ carries (k-1)/k·S + (N-1)/k·S = (N+k-2)/k·S each way (k = N: 2(N-1)/N·S, as 
 partitions the exchange takes about (1 + x/R) × its busiest link and direction's bytes / rate (x: a server's
 largest partition, R: its range; `pipeline_slots`); one after the other, push then pull. Pushed from backward's
 hooks, a server's contiguous range is ready within 1/k of backward: only that share hides its link's exchange
-(psarch/theory.py's cluster_step_time, CommModel.ready_share). BytePS's optimum (`byteps_optimum`) is the
+(psarch/theory.py's cluster_step_time, CommModel.ready_share); partitions dealt round robin (BytePS) are ready
+all through backward. BytePS's optimum (`byteps_optimum`) is the
 reference line. The shared algebra is psarch/theory.py's."""
 from __future__ import annotations
 
 from typing import Any
 
-from psarch.ps.layout import partition_elems, partitions
+from psarch.ps.layout import held, server_partitions
 from psarch.theory import (BYTES, LinkBytes, LinkLoad, MemoryPrediction, Prediction, expected_unique_ids,
                            optimizer_bytes_per_param, table_params)
 
@@ -48,9 +49,9 @@ def dense(cfg: Config, phi: float) -> Prediction:
 
 
 def widest_partitions(cfg: Config, phi: float) -> list[tuple[int, int]]:
-    """The partitions of the widest server range of the dense parameters (one when partition_mb = 0)."""
+    """The partitions of the server that holds the most of the dense parameters (one when partition_mb = 0)."""
     dense = int(phi - (table_params(cfg) if cfg.backend.embeddings == "rows" else 0))
-    return partitions(0, -(-dense // cfg.backend.servers), partition_elems(cfg, dense))
+    return max(server_partitions(cfg, dense), key=held)
 
 
 def partitions_per_server(cfg: Config, phi: float) -> int:
@@ -63,7 +64,7 @@ def pipeline_slots(cfg: Config, phi: float) -> float:
     equal partitions; fewer where the last is short). Two stages (push, pull) over partitions x_1..x_m take
     max_j (x_1 + .. + x_j) + (x_j + .. + x_m) = R + max x: the largest partition, not R / m, fills and drains."""
     parts = widest_partitions(cfg, phi)
-    widest = parts[-1][1]
+    widest = held(parts)
     return widest / max(b - a for a, b in parts) if widest else 1.0
 
 
@@ -111,14 +112,15 @@ def rows(cfg: Config, phi: float) -> Prediction:
     barrier = 4 if b.barrier else 0
     steps = 8 * d.num_tables * d.rows if t.optimizer == "adamw" and not geo else 0   # lazy AdamW's step per row
     server_mem = ((4 + k + barrier) * dense_params + (4 + k) * table + steps) / b.servers
-    held = u * d.dim * width
+    row_bytes = u * d.dim * width
     if geo:   # + the dense part's local optimizer and last synced copy, as a dense GEO worker
         kl = optimizer_bytes_per_param(t.optimizer, t.precision, t.momentum)
         u1 = expected_unique_ids(cfg)
         mem = MemoryPrediction(params=(dense_params + u * d.dim) * width, grads=(dense_params + u1 * d.dim) * width,
                                optimizer=kl * (dense_params + u * d.dim), buffers=4 * (dense_params + u * d.dim) + 8 * u)
     else:
-        mem = MemoryPrediction(params=dense_params * width + held, grads=dense_params * width + held, optimizer=0.0)
+        mem = MemoryPrediction(params=dense_params * width + row_bytes, grads=dense_params * width + row_bytes,
+                               optimizer=0.0)
     # a server receives what workers send and sends what they receive; phases: row pull, rows, push, pull
     return Prediction(mem, link, LinkBytes(sent=n * link.received / b.servers, received=n * link.sent / b.servers),
                       rounds=4 / every, messages=4 / every, server_memory=server_mem)

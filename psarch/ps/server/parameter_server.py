@@ -1,4 +1,5 @@
-"""One parameter server: a ZeroMQ ROUTER that owns range [lo, hi) of the flat fp32 parameter vector.
+"""One parameter server: a ZeroMQ ROUTER that owns range [lo, hi) of the flat fp32 parameter vector (or, dealt
+round robin, every k-th partition of it: layout.server_partitions).
 
 The servers of a run build the initial parameters from the config themselves (`initialize`; the range
 follows from the total size and this server's index). Requests (see psarch/ps/wire.py): `init` (only for a
@@ -49,7 +50,7 @@ from psarch.meters import TrafficMeter, peak_memory
 from psarch.ps import auth, wire
 from psarch.ps.auth import Credentials
 from psarch.ps.errors import PSError
-from psarch.ps.layout import server_ranges
+from psarch.ps.layout import gather, held, server_partitions
 from psarch.ps.server.connections import Connections, exchange_budget
 from psarch.ps.server.deadlines import Deadlines
 from psarch.ps.server.libc import seed_routing_ids
@@ -81,7 +82,8 @@ class ParameterServer:
         self.sock = self.zctx.socket(zmq.ROUTER)
         self.sock.setsockopt(zmq.LINGER, 0)
         # ZeroMQ drops a connection whose frame exceeds this as the frame's size arrives, before buffering it
-        self.sock.setsockopt(zmq.MAXMSGSIZE, auth.max_frame(numel, b.servers))
+        widest = None if numel is None else max(map(held, server_partitions(cfg, numel)))
+        self.sock.setsockopt(zmq.MAXMSGSIZE, auth.max_frame(widest))
         auth.bound(self.sock, b.heartbeat_s, b.heartbeat_timeout_s, b.handshake_timeout_s)
         auth.server_socket(self.sock, self.creds, index)
         self.rows = None   # (set below: the connections' budget reads it)
@@ -111,8 +113,8 @@ class ParameterServer:
         """Start from the whole initial parameter vector (servers of a run build it from the config) and, with
         embedding rows, this server's rows of the initial tables."""
         s = self.state
-        lo, hi = server_ranges(flat.numel(), s.cfg.backend.servers)[s.index]
-        s.hold(lo, hi, flat[lo:hi], flat.numel())
+        parts = server_partitions(s.cfg, flat.numel())[s.index]
+        s.hold(parts, gather(flat, parts), flat.numel())
         if self.rows is not None:
             if rows is None:
                 raise ValueError("backend.embeddings = \"rows\": a server starts from its rows of the tables too")
@@ -235,7 +237,7 @@ class ParameterServer:
         if not s.initialised:
             return 2 * 2**30
         rows = self.rows.most_bytes() if self.rows is not None else 0
-        return exchange_budget(s.hi - s.lo, len(s.parts), rows, wire.MAX_HEADER)
+        return exchange_budget(s.size, len(s.parts), rows, wire.MAX_HEADER)
 
     # ------------------------------------------------------------------ clocks and the launcher
 
@@ -265,7 +267,8 @@ class ParameterServer:
             self.state.stopping = True
 
     def _final(self) -> bytes | memoryview:
-        """The launcher's model.pt: this server's range (then its rows: psarch/ps/rows.py's join_parts splits them)."""
+        """The launcher's model.pt: this server's own vector, its partitions joined (then its rows: psarch/ps/rows.py's
+        join_parts splits them)."""
         if not self.state.initialised:
             return b""
         dense = self.state.params()
@@ -283,7 +286,8 @@ class ParameterServer:
             memory.update(part.range.memory())
             staleness.update(part.range.staleness)
         out: dict[str, Any] = {
-            "server": s.index, "address": self.address, "range": [s.lo, s.hi], "partitions": len(s.parts),
+            "server": s.index, "address": self.address, "range": [s.parts[0].lo, s.parts[-1].hi] if s.parts else [0, 0],
+            "held": s.size, "partitions": len(s.parts),
             "version": s.version, "sent": traffic["sent"], "received": traffic["received"],
             "traffic": traffic, "memory": dict(memory, peak=peak, peak_kind=kind,
                                                early_pushes_peak=sum(p.round.sum.peak for p in s.parts)),

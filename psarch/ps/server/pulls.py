@@ -29,7 +29,7 @@ class PullQueue:
         if msg.header["want"] != s.wire_dtype:
             raise PSError(f"pull: dtype {msg.header['want']!r:.40}, this run's wire dtype is {s.wire_dtype}")
         # without an offset: the first partition (the whole range when there is one); before init, it waits
-        part = s.part_at(msg.header.get("offset", s.lo), "pull") if s.initialised else None
+        part = s.part_at(msg.header.get("offset", s.parts[0].lo), "pull") if s.initialised else None
         pushed = part.clock[w] if part is not None else 0
         # a pull beyond the worker's next step could only wait until the timeout and fail the run
         if step > pushed:

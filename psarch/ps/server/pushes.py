@@ -26,7 +26,7 @@ import torch
 
 from psarch.ps import wire
 from psarch.ps.errors import NonFinitePush, PSError
-from psarch.ps.layout import server_ranges
+from psarch.ps.layout import held, server_partitions
 from psarch.ps.server.pulls import PullQueue
 from psarch.ps.server.replies import Replies
 from psarch.ps.server.state import TRACE_LIMIT, Partition, ServerState
@@ -37,12 +37,10 @@ if TYPE_CHECKING:
 
 
 def check_range(msg: wire.Message, dtype: str, lo: int, hi: int) -> None:
-    """PSError unless the message's tensor is range [lo, hi) of the flat vector (a server's, or one partition
-    of it), in `dtype`."""
+    """PSError unless the message's tensor is range [lo, hi) of the flat vector (one partition), in `dtype`."""
     h = msg.header
     if h["offset"] != lo or msg.shape != (hi - lo,):
-        what = "this server owns" if msg.op == "init" else "the partition there is"
-        raise PSError(f"op {msg.op!r}: range offset {h['offset']} shape {list(msg.shape)}, {what} "
+        raise PSError(f"op {msg.op!r}: range offset {h['offset']} shape {list(msg.shape)}, the partition there is "
                       f"[{lo}, {hi}) (offset {lo}, shape [{hi - lo}])")
     if h["dtype"] != dtype:
         raise PSError(f"op {msg.op!r}: dtype {h['dtype']}, this run's wire dtype is {dtype}")
@@ -61,12 +59,18 @@ class Pushes:
         if s.initialised:
             raise PSError("init: the parameters are already initialised")
         try:
-            lo, hi = server_ranges(msg.header["numel"], s.cfg.backend.servers)[s.index]
+            parts = server_partitions(s.cfg, msg.header["numel"])[s.index]
         except ValueError as e:
             raise PSError(f"init: {e}") from None
-        check_range(msg, "float32", lo, hi)
+        lo, size = parts[0][0], held(parts)
+        if msg.header["offset"] != lo or msg.shape != (size,):
+            raise PSError(f"op 'init': offset {msg.header['offset']} shape {list(msg.shape)}, this server holds "
+                          f"{len(parts)} partition(s), {size} elements from offset {lo} (offset {lo}, shape "
+                          f"[{size}])")
+        if msg.header["dtype"] != "float32":
+            raise PSError(f"op 'init': dtype {msg.header['dtype']}, parameters start in float32")
         s.changing = True
-        s.hold(lo, hi, msg.tensor(), msg.header["numel"])
+        s.hold(parts, msg.tensor(), msg.header["numel"])
         self.replies.send(ident, "init", {"op": "ack", "version": 0})
         self.pulls.serve()
 
@@ -91,7 +95,7 @@ class Pushes:
         s.sender(msg)
         if not s.initialised:
             raise PSError("fetch before init: no parameters yet")
-        self.replies.send(ident, "fetch", {"op": "params", "version": s.version, "offset": s.lo},
+        self.replies.send(ident, "fetch", {"op": "params", "version": s.version, "offset": s.parts[0].lo},
                           s.params().clone())
 
     def _part(self, msg: wire.Message) -> Partition:

@@ -126,7 +126,7 @@ class Snapshots:
             if st.optim is not None and st.optim.scaler.enabled:
                 rec["scaler"] = st.optim.scaler.state_dict()
             records.append(rec)
-        record = {"server": s.index, "range": [s.lo, s.hi], "max_ahead": s.max_ahead, "partitions": records}
+        record = {"server": s.index, "held": s.size, "max_ahead": s.max_ahead, "partitions": records}
         if "scaler" in records[0]:   # what a fork onto another backend takes (every partition's is alike in sync)
             record["scaler"] = records[0]["scaler"]
         pieces = Pieces(fragments, shapes(layout), record)

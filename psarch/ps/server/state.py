@@ -1,7 +1,8 @@
 """What the parts of one parameter server share, declared in one place: `ServerState`, handed to the pull queue,
 the pushes, the snapshots, the deadlines and the rows (each part keeps to itself what no other part reads).
 
-A server's range is split into partitions (`Partition`, backend.partition_mb; one when it is 0): each is updated,
+A server holds partitions of the flat vector (`Partition`; backend.partition_mb, one range when it is 0; its range
+in partitions, or every k-th partition with backend.partition_assignment = "round_robin"): each is updated,
 versioned, clocked and pulled on its own, exactly as a server of its own would be, and shares only the
 socket, the process and the checkpoint part with the other partitions of its server.
 
@@ -20,7 +21,7 @@ from psarch.config import Config
 from psarch.precision import compute_dtype
 from psarch.ps import wire
 from psarch.ps.errors import PSError
-from psarch.ps.layout import partition_elems, partitions
+from psarch.ps.layout import held, one_range
 from psarch.ps.server.rounds import OrderedSum
 from psarch.ps.server.updates import RangeState
 
@@ -53,7 +54,7 @@ class Round:
 
 @dataclass
 class Partition:
-    """Elements [lo, hi) of the flat vector, a partition of one server's range: its parameters and optimizer
+    """Elements [lo, hi) of the flat vector, one partition a server holds: its parameters and optimizer
     (`range`), its barrier round, and each worker's pushes applied to it (`clock`: the worker's next step)."""
 
     lo: int
@@ -74,10 +75,9 @@ class ServerState:
     index: int
     cfg: Config
     exit_when_done: bool = False   # standalone: stop once every worker is done (or 10 s after a failure)
-    parts: list[Partition] = field(default_factory=list)   # the range [lo, hi) in partitions; none until initialised
+    parts: list[Partition] = field(default_factory=list)   # its partitions in flat order; none until initialised
     starts: dict[int, Partition] = field(default_factory=dict)   # each partition by its first element
-    lo: int = 0
-    hi: int = 0
+    size: int = 0                  # elements held: its own vector, the partitions joined (layout.server_partitions)
     numel: int = 0                 # elements of the whole flat vector the servers hold (its partitions depend on it)
     scratch: torch.Tensor | None = None   # a push's payload, decoded here when it is not summed in place
     refused_non_finite: list[int] = field(init=False)   # pushes refused for inf/nan, per worker
@@ -170,8 +170,16 @@ class ServerState:
         """Whether worker w has pushed a partition of the barrier round in progress."""
         return any(w in p.round.pushed for p in self.parts)
 
+    @property
+    def span(self) -> str:
+        """Its partitions, for messages: "[lo, hi)" of a contiguous range, else the first's and how many."""
+        first, last = self.parts[0], self.parts[-1]
+        if one_range([(p.lo, p.hi) for p in self.parts]):
+            return f"[{first.lo}, {last.hi})"
+        return f"{len(self.parts)} partitions dealt round robin, the first [{first.lo}, {first.hi})"
+
     def params(self) -> torch.Tensor:
-        """The fp32 parameters of the whole range, [lo, hi) (a new tensor when there are several partitions)."""
+        """Its own vector's fp32 parameters, the partitions joined (a new tensor when there are several)."""
         views = [p.range.params.detach() for p in self.parts]
         return views[0] if len(views) == 1 else torch.cat(views)
 
@@ -183,7 +191,7 @@ class ServerState:
         starts = [p.lo for p in self.parts]
         shown = ", ".join(map(str, starts[:4])) + (", ..." if len(starts) > 4 else "")
         raise PSError(f"op {op!r}: offset {offset} starts none of this server's {len(starts)} partition(s) of "
-                      f"[{self.lo}, {self.hi}) (offsets {shown})")
+                      f"{self.span} (offsets {shown})")
 
     def sender(self, msg: wire.Message) -> int:
         """The worker a request comes from; PSError unless it is one of this run's and not lost."""
@@ -194,15 +202,17 @@ class ServerState:
             raise PSError(f"worker {w} was declared lost")
         return w
 
-    def hold(self, lo: int, hi: int, params: torch.Tensor, numel: int) -> None:
-        """Own range [lo, hi) of the flat parameter vector of `numel` elements, starting from `params` (its fp32
-        values), in partitions."""
-        self.lo, self.hi, self.numel = lo, hi, numel
-        n = self.workers
-        self.parts = [Partition(a, b, RangeState(params[a - lo:b - lo], self.cfg, n), Round(OrderedSum(n)), [0] * n)
-                      for a, b in partitions(lo, hi, partition_elems(self.cfg, numel))]
+    def hold(self, parts: list[tuple[int, int]], params: torch.Tensor, numel: int) -> None:
+        """Own partitions `parts` ([lo, hi) each) of the flat parameter vector of `numel` elements, starting from
+        `params`, its own vector (their fp32 values, joined)."""
+        self.size, self.numel = held(parts), numel
+        n, pos, self.parts = self.workers, 0, []
+        for a, b in parts:
+            self.parts.append(Partition(a, b, RangeState(params[pos:pos + b - a], self.cfg, n), Round(OrderedSum(n)),
+                                        [0] * n))
+            pos += b - a
         self.starts = {p.lo: p for p in self.parts}
-        self.scratch = torch.empty(hi - lo, dtype=compute_dtype(self.cfg.train.precision))
+        self.scratch = torch.empty(max(b - a for a, b in parts), dtype=compute_dtype(self.cfg.train.precision))
 
     def heard(self, worker: Any) -> None:
         """A request from `worker`: its silence starts again (standalone servers that watch silence)."""

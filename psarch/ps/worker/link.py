@@ -1,5 +1,6 @@
-"""A worker's exchanges of the flat parameter vector with the servers: server i owns the contiguous slice
-`ranges[i]` of it, in partitions (backend.partition_mb; one per server when 0). Each partition travels as its own
+"""A worker's exchanges of the flat parameter vector with the servers: server i holds partitions `servers[i]` of
+it (psarch/ps/layout.py's server_partitions: a contiguous range, or partitions dealt round robin; one per server
+when backend.partition_mb = 0). Each partition travels as its own
 request, all sent back to back: a server answers a partition's pull as soon as that partition's round allows,
 so the worker receives partition p while it still sends p + 1 (push and pull pipelined over a full-duplex
 link). Pulled parameters land in the flat buffer (a GPU worker stages them in host memory: the wire is host
@@ -16,13 +17,14 @@ import torch
 from psarch.flat import FlatParams
 from psarch.ps import wire
 from psarch.ps.errors import PSError
-from psarch.ps.layout import partitions, server_ranges
+from psarch.ps.layout import held, one_range, scatter
 from psarch.ps.worker.client import PSClient, Request
 
 
 @dataclass(frozen=True)
 class Part:
-    """Partition `index` of the flat vector: elements [lo, hi), held by server `server`."""
+    """Partition `index` of the flat vector (partitions numbered in flat order): elements [lo, hi), held by server
+    `server`."""
 
     index: int
     server: int
@@ -34,12 +36,11 @@ class ServerLink:
     """The dense part of a worker's traffic: pushpull each step (GEO: each sync), pull, fetch, done, save; and
     what the servers said last (the version each partition sent, the loss scale)."""
 
-    def __init__(self, client: PSClient, flat: FlatParams, servers: int, device: torch.device,
-                 dtype: torch.dtype, partition_elems: int = 0) -> None:
-        self.client, self.flat = client, flat
-        self.ranges = server_ranges(flat.numel, servers)
-        bounds = [(i, a, b) for i, (lo, hi) in enumerate(self.ranges) for a, b in partitions(lo, hi, partition_elems)]
-        self.parts = [Part(j, i, a, b) for j, (i, a, b) in enumerate(bounds)]
+    def __init__(self, client: PSClient, flat: FlatParams, servers: list[list[tuple[int, int]]], device: torch.device,
+                 dtype: torch.dtype) -> None:
+        self.client, self.flat, self.servers = client, flat, servers
+        bounds = sorted((a, b, i) for i, parts in enumerate(servers) for a, b in parts)
+        self.parts = [Part(j, i, a, b) for j, (a, b, i) in enumerate(bounds)]
         self.wire_dtype = wire.DTYPE_NAMES[dtype]
         self.host = flat.data if device.type == "cpu" else torch.empty_like(flat.data, device="cpu")
         self.versions = [0] * len(self.parts)   # the version each partition last sent: a push names it
@@ -50,7 +51,7 @@ class ServerLink:
 
     def server_versions(self) -> list[int]:
         """Each server's version as a request for its whole range names it: its partitions' least."""
-        out = [None] * len(self.ranges)
+        out = [None] * len(self.servers)
         for p, v in zip(self.parts, self.versions):
             out[p.server] = v if out[p.server] is None else min(out[p.server], v)
         return out
@@ -137,18 +138,24 @@ class ServerLink:
     def fetch(self, after: list[Request] | None = None) -> torch.Tensor:
         """The servers' fp32 parameters (after[i], if given, is sent to server i after its fetch)."""
         final = torch.empty(self.flat.numel, dtype=torch.float32)
-        self.client.exchange([[Request({"op": "fetch"}, into=final[lo:hi]), *([after[i]] if after else [])]
-                              for i, (lo, hi) in enumerate(self.ranges)])
+        # a server's own vector lands in place where its partitions are one range, else beside, then in place
+        owns = [final[parts[0][0]:parts[-1][1]] if one_range(parts) else torch.empty(held(parts))
+                for parts in self.servers]
+        self.client.exchange([[Request({"op": "fetch"}, into=own), *([after[i]] if after else [])]
+                              for i, own in enumerate(owns)])
+        for parts, own in zip(self.servers, owns):
+            if not one_range(parts):
+                scatter(own, parts, final)
         return final
 
     def save(self, step: int, folder: Path) -> None:
         """Ask every server to write its part of checkpoint `step` into `folder` (acked once every worker asked);
         PSError naming the checkpoint when a server refuses, or does not answer within the client's timeout."""
         try:
-            self.client.exchange([[Request({"op": "save", "step": step, "path": str(folder)})] for _ in self.ranges])
+            self.client.exchange([[Request({"op": "save", "step": step, "path": str(folder)})] for _ in self.servers])
         except PSError as e:
             raise type(e)(f"checkpoint step {step} not written: {e}") from None
 
     def done(self) -> None:
         """Tell every server this worker is done."""
-        self.client.exchange([[Request({"op": "done"})] for _ in self.ranges])
+        self.client.exchange([[Request({"op": "done"})] for _ in self.servers])

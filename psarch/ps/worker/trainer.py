@@ -31,7 +31,7 @@ from psarch.errors import check_loss
 from psarch.flat import FlatParams, flat_layout
 from psarch.meters import peak_memory, tensor_bytes
 from psarch.precision import compute_dtype, has_inf_or_nan
-from psarch.ps.layout import partition_elems, trainable
+from psarch.ps.layout import server_partitions, trainable
 from psarch.ps.snapshot import exact_records, pushes_by, run_shape, views
 from psarch.ps.spec import pushes_from_hooks
 from psarch.ps.worker.client import PSClient
@@ -70,8 +70,7 @@ class PSWorker(Trainer):
         self.loss_fn = workload.loss_fn
         self.flat = FlatParams(trainable(self.model))
         self.layout = flat_layout(self.model, self.flat.params)
-        self.link = ServerLink(self.client, self.flat, b.servers, ctx.device, self.dtype,
-                               partition_elems(cfg, self.flat.numel))
+        self.link = ServerLink(self.client, self.flat, server_partitions(cfg, self.flat.numel), ctx.device, self.dtype)
         self.steps = 0        # steps taken
         self.rounds = 0       # geo: deltas pushed
         if not ctx.services.restored:   # else load_checkpoint sets the state
@@ -222,7 +221,7 @@ class PSWorker(Trainer):
         if rank == 0:
             # every live worker wrote its part before its save; a lost worker's part is missing
             workers = [f"rank{r}" for r in range(self.n) if (tmp / f"rank{r}.json").is_file()]
-            servers = [f"server{i}" for i in range(len(self.link.ranges))]
+            servers = [f"server{i}" for i in range(len(self.link.servers))]
             records = {p: part_state(tmp, p) for p in workers + servers}
             scaler = next((records[p]["scaler"] for p in servers + workers if "scaler" in records[p]), None)
             state = {"ps": {"run": run_shape(self.cfg, self.flat.numel), "servers": [records[p] for p in servers],
