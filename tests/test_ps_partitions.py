@@ -22,7 +22,7 @@ from psarch.ps.server.parameter_server import ParameterServer
 from psarch.ps.services import start_services
 from psarch.ps.worker.client import PSClient, Request
 from psarch.ps.worker.link import Part
-from psarch.ps.worker.priority import PriorityPushes
+from psarch.ps.worker.priority import PriorityPushes, PullOrder
 from psarch.workload import build_workload
 from ps_setup import config, ps
 
@@ -392,3 +392,21 @@ def test_priority_needs_pushes_from_backwards_hooks():
         with pytest.raises(ConfigError, match="backend.priority_credit_mb = 0.25 orders the pushes"):
             from_dict(config("p", train=train, backend=ps(2, partition_mb=PARTS, priority_credit_mb=0.25, **backend)))
     from_dict(config("p", backend=ps(2, "ssp", partition_mb=PARTS, priority_credit_mb=0.25)))
+
+
+def test_priority_forward_waits_for_pulls_count_as_communication():
+    """A module's wait for its partitions' pulls (PullOrder's forward pre-hooks) is counted each step
+    (waited_s, which the trainer takes into comm_s) and in total (total_s, which a virtual device's clock reads
+    as the trainer's comm_waited_s, so that it is not counted as compute)."""
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 1))
+    landed: list[int] = []
+    link = SimpleNamespace(parts=[Part(0, 0, 0, 20), Part(1, 0, 20, 25)],
+                           landed=lambda j: (landed.append(j), time.sleep(0.02)))
+    params = list(model.parameters())
+    offsets = {id(p): o for p, o in zip(params, [0, 16, 20, 24])}
+    order = PullOrder(model, link, offsets)
+    model(torch.zeros(1, 4))
+    assert landed == [0, 1] and 0.04 <= order.waited_s == order.total_s
+    order.waited_s = 0.0   # the trainer takes a step's waits
+    model(torch.zeros(1, 4))
+    assert order.waited_s >= 0.04 and order.total_s >= 0.08 and order.total_s > order.waited_s

@@ -77,7 +77,8 @@ class PullOrder:
     """Forward pre-hooks: a module waits for the pulls of the partitions holding its own parameters."""
 
     def __init__(self, model: torch.nn.Module, link: ServerLink, offsets: dict[int, int]) -> None:
-        self.link, self.waited_s = link, 0.0
+        self.link, self.waited_s = link, 0.0   # this step's waits (the trainer takes and clears them)
+        self.total_s = 0.0                     # every wait so far (a virtual device's clock reads it live)
         starts = [p.lo for p in link.parts]
         self.hooks = []
         for module in model.modules():
@@ -91,7 +92,9 @@ class PullOrder:
             t0 = time.perf_counter()
             for j in covers:
                 self.link.landed(j)
-            self.waited_s += time.perf_counter() - t0
+            dt = time.perf_counter() - t0
+            self.waited_s += dt
+            self.total_s += dt
         return before_forward
 
     def remove(self) -> None:

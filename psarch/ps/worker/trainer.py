@@ -266,6 +266,11 @@ class PSWorker(Trainer):
     def traffic(self) -> TrafficReport:
         return self.client.meter.report()
 
+    def comm_waited_s(self) -> float:
+        """Priority: the next forward's waits for its modules' pulls (forward pre-hooks) are communication, not
+        compute: a virtual device moves its deadlines past them and does not count them as its compute."""
+        return self.pull_order.total_s if self.pull_order is not None else 0.0
+
     def summary_extra(self) -> dict[str, Any]:
         self._settle()
         out: dict[str, Any] = {"ps_versions": list(self.link.versions)}
