@@ -24,7 +24,7 @@ from psarch.workload import build_workload
 from ps_setup import ps
 
 N, SERVERS, STEPS, AT = 2, 2, 6, 3
-PARTS = {"partition_mb": 0.001}   # 256 elements: each server's range of the tiny GPT in several partitions
+PARTS = {"partition_mb": 0.001, "partition_assignment": "ranges"}   # 256 elements: each server's range in several
 DEALT = {**PARTS, "partition_assignment": "round_robin"}   # the same partitions, dealt to the servers in turn
 CASES = {"sync-fp32": ("fp32", {}), "sync-fp16": ("fp16", PARTS),
          "sync-priority": ("fp32", {**DEALT, "priority_credit_mb": 0.001}),   # a checkpoint settles the pulls in flight

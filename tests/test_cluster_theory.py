@@ -58,8 +58,8 @@ def test_ps_pipeline_fills_and_drains_with_its_largest_partition():
     R (1 + 1/4) as four equal partitions would."""
     from psarch import registry
     from psarch.theory import cluster_step_time, predict
-    cfg = from_dict({"backend": {"kind": "ps", "world_size": 8, "servers": 8, "partition_mb": 0.25},
-                     "train": {"optimizer": "sgd", "global_batch": 8}})
+    cfg = from_dict({"backend": {"kind": "ps", "world_size": 8, "servers": 8, "partition_mb": 0.25,
+                                 "partition_assignment": "ranges"}, "train": {"optimizer": "sgd", "global_batch": 8}})
     phi = 8 * 202_624
     parts = [65_536] * 3 + [202_624 - 3 * 65_536]
     push_done = pull_done = 0.0                  # each stage takes a partition's bytes x N / k at the link's rate
@@ -90,11 +90,11 @@ def test_ps_overlap_hides_behind_its_last_servers_share_of_backward():
                                  backward_s=backward_s)["comm_s"]
     assert exposed(0.08) == pytest.approx(comm - 0.08 / 4 * 3 / 4)
     assert exposed(1.0) == pytest.approx(comm * 2 / 5)
-    cfg = from_dict({"backend": {"kind": "ps", "world_size": 4, "servers": 4}})
+    cfg = from_dict({"backend": {"kind": "ps", "world_size": 4, "servers": 4, "partition_assignment": "ranges"}})
     from psarch import registry
     assert registry.spec_of(cfg).comm_model(cfg, 1_000_000, {}).ready_share == 0.25
-    # partitions dealt round robin: each server's are ready all through backward
-    cfg = from_dict({"backend": {"kind": "ps", "world_size": 4, "servers": 4, "partition_assignment": "round_robin"}})
+    # partitions dealt round robin (the default): each server's are ready all through backward
+    cfg = from_dict({"backend": {"kind": "ps", "world_size": 4, "servers": 4, "partition_mb": 0.25}})
     assert registry.spec_of(cfg).comm_model(cfg, 1_000_000, {}).ready_share == 1.0
 
 
@@ -143,9 +143,12 @@ def test_cluster_model_per_backend():
                                                              "hidden_passes": 2}
     assert model({"kind": "zero", "stage": 3})["buckets"] == 1
     # ps: 125,000 parameters a server in partitions of 65,536: 2 each, pushed from backward's hooks (not in GEO)
-    ps = {"kind": "ps", "servers": 2, "partition_mb": 0.25}
+    ps = {"kind": "ps", "servers": 2, "partition_mb": 0.25, "partition_assignment": "ranges"}
     assert model(ps) == {"buckets": 4, "overlap": True, **one, "pipeline": pytest.approx(125_000 / 65_536),
                          "ready_share": 0.5}
+    # dealt round robin (the default): 3 partitions of 65,536 and one of 53,392, server 0 the 1st and 3rd
+    assert model(dict(ps, partition_assignment="round_robin")) == {"buckets": 4, "overlap": True, **one,
+                                                                   "pipeline": 2.0, "ready_share": 1.0}
     # priority: the pulls also hide behind the next forward
     assert model(dict(ps, priority_credit_mb=0.5))["forward_hides"] is True
     assert model(dict(ps, mode="geo"))["overlap"] is False and model(dict(ps, partition_mb=0.0))["pipeline"] == 1

@@ -39,7 +39,7 @@ def plan(n: int) -> dict[str, dict]:
             runs[f"sync-s{s}-{opt}-{n}"] = config(f"sync-s{s}-{opt}-{n}", train=OPTIMIZERS[opt],
                                                   backend=ps(n, servers=s))
         # the same in partitions (pushed from backward's hooks, as above), and whole ranges pushed after backward
-        for name, extra in ((f"sync-s2-{opt}-{n}-parts", {"partition_mb": PARTS}),
+        for name, extra in ((f"sync-s2-{opt}-{n}-parts", {"partition_mb": PARTS, "partition_assignment": "ranges"}),
                             (f"sync-s2-{opt}-{n}-prio", {"partition_mb": PARTS, "priority_credit_mb": PARTS}),
                             (f"sync-s2-{opt}-{n}-rr", {"partition_mb": PARTS, "partition_assignment": "round_robin"}),
                             (f"sync-s2-{opt}-{n}-plain", {"overlap_comm": False})):
@@ -74,7 +74,7 @@ def parity(tmp_path_factory):
     one["async-1-dc-adamw"] = config("async-1-dc-adamw", train=OPTIMIZERS["adamw"],
                                      backend=ps(1, "async", 1, staleness_compensation="dc"))
     one["async-1-parts-adamw"] = config("async-1-parts-adamw", train=OPTIMIZERS["adamw"],
-                                        backend=ps(1, "async", 2, partition_mb=PARTS))
+                                        backend=ps(1, "async", 2, partition_mb=PARTS, partition_assignment="ranges"))
     one["async-1-prio-adamw"] = config("async-1-prio-adamw", train=OPTIMIZERS["adamw"],
                                        backend=ps(1, "async", 2, partition_mb=PARTS, priority_credit_mb=PARTS))
     one["async-1-rr-prio-adamw"] = config("async-1-rr-prio-adamw", train=OPTIMIZERS["adamw"],

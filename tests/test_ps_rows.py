@@ -49,7 +49,7 @@ def _data(name: str, opt: str, n: int = 1, **backend) -> dict:
 # (sync-parts, sync-parts-dealt and geo1: the dense part in partitions of 64 elements, the least partition_mb gives;
 # sync-parts-dealt's dealt to the servers round robin)
 MODES = {"geo1-sgd": ("sgd", {"mode": "geo", "k_steps": 1, "geo_barrier": True, "partition_mb": 1e-9}),
-         "sync-parts-sgd": ("sgd", {"partition_mb": 1e-9}),
+         "sync-parts-sgd": ("sgd", {"partition_mb": 1e-9, "partition_assignment": "ranges"}),
          "sync-parts-dealt-sgd": ("sgd", {"partition_mb": 1e-9, "partition_assignment": "round_robin"}),
          "async-adagrad": ("adagrad", {"mode": "async"}),
          "ssp-adagrad": ("adagrad", {"mode": "ssp", "staleness_bound": 1}),

@@ -76,20 +76,16 @@ def partitions(lo: int, hi: int, elems: int) -> list[tuple[int, int]]:
 def server_partitions(cfg: Config, numel: int) -> list[list[tuple[int, int]]]:
     """Each server's partitions of a flat vector of `numel` elements, in flat order: the one source of truth for
     which server holds what, read by servers, workers, checkpoints and theory. backend.partition_assignment
-    "ranges": server i's contiguous range (server_ranges) in partitions of partition_elems; "round_robin" (BytePS):
-    the whole vector in partitions of partition_elems from 0, partition j on server j mod k, so that every server
-    has partitions in every part of the model (backward readies each server's share all through backward, not in
-    1/k of it). A server's own vector (what `init`, `fetch` and its final report carry) is its partitions, joined
-    in this order (`gather`, `scatter`)."""
+    "round_robin" (the default, BytePS's): the whole vector in partitions of partition_elems from 0, partition j
+    on server j mod k, so that every server has partitions in every part of the model (backward readies each
+    server's share all through backward, not in 1/k of it); "ranges", or partitions no smaller than a range
+    (partition_mb = 0; "auto" on a small model): server i's contiguous range (server_ranges) in partitions. A server's own vector (what `init`,
+    `fetch` and its final report carry) is its partitions, joined in this order (`gather`, `scatter`)."""
     b = cfg.backend
     elems = partition_elems(cfg, numel)
-    if b.partition_assignment == "ranges" or not elems:
+    if b.partition_assignment == "ranges" or not elems or elems >= -(-numel // b.servers):   # a range each
         return [partitions(lo, hi, elems) for lo, hi in server_ranges(numel, b.servers)]
-    every = partitions(0, numel, elems)
-    if len(every) < b.servers:
-        raise ValueError(f"backend.partition_assignment = \"round_robin\": {numel} parameters make {len(every)} "
-                         f"partition(s) of {elems} elements (backend.partition_mb = {b.partition_mb}), fewer than "
-                         f"backend.servers = {b.servers}; use smaller partitions or \"ranges\"")
+    every = partitions(0, numel, elems)   # more than k: numel > k (range - 1) >= k x elems
     return [every[i::b.servers] for i in range(b.servers)]
 
 

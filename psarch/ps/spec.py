@@ -35,11 +35,11 @@ class PSOptions:
                                            "of a range, at least 0.6 ms of an emulated cluster's link, at most 4 MiB "
                                            "(4 MiB where the link is not known: psarch/ps/layout.py)", min=0.0,
                                     named=("auto",))
-    partition_assignment: str = _f("ranges", "which partitions each server holds: 'ranges' (server i a contiguous "
-                                             "1/k of the flat vector, in partitions) or 'round_robin' (BytePS: "
-                                             "partition j on server j mod k, so every server's partitions are ready "
-                                             "all through backward; needs partition_mb > 0)",
-                                   choices=("ranges", "round_robin"))
+    partition_assignment: str = _f("round_robin", "which partitions each server holds: 'round_robin' (BytePS: "
+                                                  "partition j on server j mod k, so every server's partitions are "
+                                                  "ready all through backward) or 'ranges' (server i a contiguous 1/k "
+                                                  "of the flat vector, in partitions); partition_mb = 0: ranges",
+                                   choices=("round_robin", "ranges"))
     priority_credit_mb: float = _f(0.0, "ByteScheduler's priority: pushes from backward's hooks leave lowest partition "
                                         "first (the next forward needs it first) with at most this many MiB "
                                         "unacknowledged, and the next forward waits per module for its own "
@@ -116,7 +116,7 @@ class PSSpec(BackendSpec):
         text = f"ps {b.mode}, {servers}" + (", colocated" if b.server_placement == "colocated" else "")
         if b.partition_mb != "auto":   # the default goes unsaid
             text += ", whole ranges" if not b.partition_mb else f", partitions of {b.partition_mb:g} MiB"
-        text += ", round robin" if b.partition_assignment == "round_robin" else ""
+        text += ", ranges" if b.partition_assignment == "ranges" and b.partition_mb else ""   # the default unsaid
         text += f", priority {b.priority_credit_mb:g} MiB" if b.priority_credit_mb else ""
         text += ", pushed after backward" if b.mode != "geo" and not b.overlap_comm else ""
         return text if b.embeddings == "dense" else f"{text}, embeddings {b.embeddings}"
@@ -139,9 +139,6 @@ class PSSpec(BackendSpec):
                               if not b.server_addresses else
                               "backend.server_placement = \"colocated\" places the servers `psarch run` starts; "
                               "backend.server_addresses names servers started elsewhere")
-        if b.partition_assignment == "round_robin" and not b.partition_mb:
-            raise ConfigError("backend.partition_assignment = \"round_robin\" deals partitions to the servers in "
-                              "turn: it needs backend.partition_mb > 0 or \"auto\" (here 0: one range per server)")
         if b.priority_credit_mb and not pushes_from_hooks(cfg):
             raise ConfigError(f"backend.priority_credit_mb = {b.priority_credit_mb:g} orders the pushes backward's "
                               f"hooks start: it needs backend.overlap_comm = true, mode sync, async or ssp, "
@@ -179,7 +176,7 @@ class PSSpec(BackendSpec):
         m = theory.partitions_per_server(cfg, phi)
         return CommModel(buckets=m * b.servers, overlap=pushes_from_hooks(cfg),
                          pipeline=theory.pipeline_slots(cfg, phi), forward_hides=bool(b.priority_credit_mb),
-                         ready_share=1.0 if b.partition_assignment == "round_robin" else 1 / b.servers)
+                         ready_share=theory.ready_share(cfg, phi))
 
     def summary_fields(self, cfg: Config) -> dict[str, Any]:
         return {"servers": cfg.backend.servers}

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from psarch.ps.layout import held, server_partitions
+from psarch.ps.layout import held, one_range, server_partitions
 from psarch.theory import (BYTES, LinkBytes, LinkLoad, MemoryPrediction, Prediction, expected_unique_ids,
                            optimizer_bytes_per_param, table_params)
 
@@ -52,6 +52,13 @@ def widest_partitions(cfg: Config, phi: float) -> list[tuple[int, int]]:
     """The partitions of the server that holds the most of the dense parameters (one when partition_mb = 0)."""
     dense = int(phi - (table_params(cfg) if cfg.backend.embeddings == "rows" else 0))
     return max(server_partitions(cfg, dense), key=held)
+
+
+def ready_share(cfg: Config, phi: float) -> float:
+    """The share of backward in which a server's partitions of the dense parameters become ready: 1/k when each
+    server holds a contiguous range, 1 when they are dealt round robin (spread over the whole model)."""
+    dense = int(phi - (table_params(cfg) if cfg.backend.embeddings == "rows" else 0))
+    return 1 / cfg.backend.servers if all(one_range(p) for p in server_partitions(cfg, dense)) else 1.0
 
 
 def partitions_per_server(cfg: Config, phi: float) -> int:
