@@ -79,13 +79,14 @@ def server_partitions(cfg: Config, numel: int) -> list[list[tuple[int, int]]]:
     "round_robin" (the default, BytePS's): the whole vector in partitions of partition_elems from 0, partition j
     on server j mod k, so that every server has partitions in every part of the model (backward readies each
     server's share all through backward, not in 1/k of it); "ranges", or partitions no smaller than a range
-    (partition_mb = 0; "auto" on a small model): server i's contiguous range (server_ranges) in partitions. A server's own vector (what `init`,
-    `fetch` and its final report carry) is its partitions, joined in this order (`gather`, `scatter`)."""
+    (partition_mb = 0; "auto" on a small model): server i's contiguous range (server_ranges) in partitions. A
+    server's own vector (what `init`, `fetch` and its final report carry) is its partitions, joined in this
+    order (`gather`, `scatter`)."""
     b = cfg.backend
     elems = partition_elems(cfg, numel)
     if b.partition_assignment == "ranges" or not elems or elems >= -(-numel // b.servers):   # a range each
         return [partitions(lo, hi, elems) for lo, hi in server_ranges(numel, b.servers)]
-    every = partitions(0, numel, elems)   # more than k: numel > k (range - 1) >= k x elems
+    every = partitions(0, numel, elems)   # at least k of them: numel > k (range - 1) >= k x elems
     return [every[i::b.servers] for i in range(b.servers)]
 
 
