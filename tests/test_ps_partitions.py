@@ -42,7 +42,7 @@ def test_partitions_split_each_range_at_aligned_offsets():
 
 
 def test_auto_partitions_pipeline_a_range_and_hide_the_host_cost_of_a_message():
-    """"auto": an 8th of the widest range, at least 0.6 ms of an emulated cluster's link, at most 4 MiB (all
+    """"auto": a 16th of the widest range, at least 0.6 ms of an emulated cluster's link, at most 4 MiB (all
     of it where the link is not known)."""
     def elems(numel: int, servers: int = 1, link_mbps: float | None = None, precision: str = "fp32") -> int:
         cluster = {"emulate": True, "link_mbps": link_mbps} if link_mbps else {}
@@ -53,11 +53,11 @@ def test_auto_partitions_pipeline_a_range_and_hide_the_host_cost_of_a_message():
     assert elems(64 * MiB) == MiB and elems(MiB) == MiB   # loopback, real networks: BytePS's 4 MB, in 4-byte elements
     assert elems(4 * MiB, precision="bf16") == 2 * MiB
     assert elems(MiB, precision="bf16") == MiB and elems(1000, servers=4) == 256   # never more than a range
-    # 100 Mbit/s: 0.6 ms is 7.5 kB, so an 8th of the range sets it: 1.6 M parameters over 4 servers -> 49,984 (x 4 B)
-    assert elems(1_600_000, servers=4, link_mbps=100.0) == 400_000 // 8 // PARTITION_ALIGN * PARTITION_ALIGN
+    # 100 Mbit/s: 0.6 ms is 7.5 kB, so a 16th of the range sets it: 1.6 M parameters over 4 servers -> 24,960 (x 4 B)
+    assert elems(1_600_000, servers=4, link_mbps=100.0) == 400_000 // 16 // PARTITION_ALIGN * PARTITION_ALIGN
     # 100 Gbit/s: 0.6 ms is 7.5 MB, over the 4 MiB cap
     assert elems(64 * MiB, link_mbps=100_000.0) == MiB
-    # 10 Gbit/s: 0.6 ms is 750 kB (187,500 fp32 elements), more than an 8th of a 1 M range
+    # 10 Gbit/s: 0.6 ms is 750 kB (187,500 fp32 elements), more than a 16th of a 1 M range
     assert elems(1_000_000, link_mbps=10_000.0) == 187_500 // PARTITION_ALIGN * PARTITION_ALIGN
 
 

@@ -31,7 +31,7 @@ PARTITION_ALIGN = 64   # elements: partitions start where a vectorised optimizer
 # backend.partition_mb = "auto" (the default): partitions as small as pipelining needs and no smaller than the
 # host's own cost of a message allows
 PARTITION_MAX_BYTES = 4 * 2**20   # BytePS's partition (4 MB, for 25-100 Gbit/s links): where the link is not known
-PIPELINE_DEPTH = 8                # per range: filling the pipeline costs 1/8 of the exchange (README: partition size)
+PIPELINE_DEPTH = 16               # per range: filling the pipeline costs 1/16 of the exchange (README: partition size)
 PARTITION_LINK_S = 0.6e-3         # at least this long on the link: 4x a partition's host cost (~150 us, ps.bench)
 
 

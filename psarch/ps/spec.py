@@ -31,7 +31,7 @@ class PSOptions:
     dc_lambda: float = _f(0.04, "delay-compensation strength (staleness_compensation = 'dc')", min=0.0)
     partition_mb: float | str = _f("auto", "each server's range moves and is updated in partitions of this many MiB of "
                                            "the wire dtype, pipelined (a partition's pull is answered once its own "
-                                           "round is complete); 0: one message per server each way; 'auto': an 8th "
+                                           "round is complete); 0: one message per server each way; 'auto': a 16th "
                                            "of a range, at least 0.6 ms of an emulated cluster's link, at most 4 MiB "
                                            "(4 MiB where the link is not known: psarch/ps/layout.py)", min=0.0,
                                     named=("auto",))
