@@ -8,8 +8,8 @@ partitions the exchange takes about (1 + x/R) × its busiest link and direction'
 largest partition, R: its range; `pipeline_slots`); one after the other, push then pull. Pushed from backward's
 hooks, a server's contiguous range is ready within 1/k of backward: only that share hides its link's exchange
 (psarch/theory.py's cluster_step_time, CommModel.ready_share); partitions dealt round robin (BytePS) are ready
-all through backward. BytePS's optimum (`byteps_optimum`) is the
-reference line. The shared algebra is psarch/theory.py's."""
+all through backward. BytePS's optimum (`byteps_optimum`) is the reference line. The shared algebra is
+psarch/theory.py's."""
 from __future__ import annotations
 
 from typing import Any
