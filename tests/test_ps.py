@@ -76,7 +76,8 @@ def parity(tmp_path_factory):
     one["async-1-parts-adamw"] = config("async-1-parts-adamw", train=OPTIMIZERS["adamw"],
                                         backend=ps(1, "async", 2, partition_mb=PARTS, partition_assignment="ranges"))
     one["async-1-prio-adamw"] = config("async-1-prio-adamw", train=OPTIMIZERS["adamw"],
-                                       backend=ps(1, "async", 2, partition_mb=PARTS, priority_credit_mb=PARTS))
+                                       backend=ps(1, "async", 2, partition_mb=PARTS, priority_credit_mb=PARTS,
+                                                  partition_assignment="ranges"))
     one["async-1-rr-prio-adamw"] = config("async-1-rr-prio-adamw", train=OPTIMIZERS["adamw"],
                                           backend=ps(1, "async", 2, partition_mb=PARTS, priority_credit_mb=PARTS,
                                                      partition_assignment="round_robin"))
