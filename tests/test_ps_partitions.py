@@ -2,27 +2,24 @@
 the arithmetic; sync rounds per partition bit-identical to unpartitioned servers whatever order partitions and
 workers arrive in; a partition's pull answered as soon as its own round allows (the pipelining); each mode's
 per-partition rules (async staleness per push, SSP's bound, GEO's rounds); requests about partitions that a
-client would never send refused without changing anything; priority's order of pushes and its config rule."""
+client would never send refused without changing anything; partitions dealt to the servers round robin.
+(Priority's order of pushes and pulls: test_ps_priority.py.)"""
 from __future__ import annotations
 
 import random
 import threading
 import time
-from types import SimpleNamespace
 
 import pytest
 import torch
 
 from psarch.config import from_dict
-from psarch.config_files import ConfigError
 from psarch.ps.layout import (PARTITION_ALIGN, gather, held, join_servers, partition_elems, partitions, scatter,
                                server_partitions, server_ranges)
 from psarch.ps.auth import Credentials
 from psarch.ps.server.parameter_server import ParameterServer
 from psarch.ps.services import start_services
 from psarch.ps.worker.client import PSClient, Request
-from psarch.ps.worker.link import Part
-from psarch.ps.worker.priority import PriorityPushes, PullOrder
 from psarch.workload import build_workload
 from ps_setup import config, ps
 
@@ -341,73 +338,3 @@ def test_a_server_started_without_parameters_takes_its_dealt_partitions_from_ini
         client.close()
         srv.stop()
         thread.join(5)
-
-
-class _Link:
-    """A ServerLink's face to PriorityPushes: partitions of 4 fp32 elements, pushes recorded, acks on demand."""
-
-    def __init__(self, n: int, servers: int = 1) -> None:
-        self.parts = [Part(j, j * servers // n, 4 * j, 4 * j + 4) for j in range(n)]
-        self.flat = SimpleNamespace(grad=torch.zeros(4 * n))
-        self.order: list[int] = []
-        self.client = SimpleNamespace(take_arrived=lambda: None, wait=self.ack)
-
-    def post_push(self, p: Part, pushed: torch.Tensor, step: int) -> Request:
-        self.order.append(p.index)
-        return Request({"op": "push", "step": step - 1, "offset": p.lo}, pushed[p.lo:p.hi])
-
-    @staticmethod
-    def ack(until: Request) -> None:
-        until.answered = True
-
-
-@pytest.mark.parametrize("credit, order", [(16, [7, 0, 1, 5, 6]), (10**6, [7, 6, 5, 1, 0])])
-def test_priority_sends_the_lowest_partition_first_within_its_credit(credit, order):
-    """Backward finishes partitions 7, 6, 5, then 1, 0: with one partition's bytes of credit, 7 goes at once and the
-    rest wait, then leave lowest first as acks free the credit (0 and 1 overtake 5 and 6); with a credit larger
-    than everything, each goes as backward finishes it (the order without priority)."""
-    link = _Link(8)
-    pushes = PriorityPushes(link, credit)
-    pushes.arm(1)
-    for j in (7, 6, 5, 1, 0):
-        pushes.add(link.parts[j])
-    pushes.flush()
-    assert link.order == order and len(pushes.acks) == 5
-
-
-def test_priority_credit_is_per_server():
-    """Partitions 0-3 on server 0, 4-7 on server 1 (contiguous ranges): with one partition of credit each server has
-    one push in flight, so server 1 is not left idle while server 0 takes every worker's pushes in turn."""
-    link = _Link(8, servers=2)
-    pushes = PriorityPushes(link, 16)
-    pushes.arm(1)
-    for j in (7, 6, 5, 3, 2, 1, 0):
-        pushes.add(link.parts[j])
-    assert link.order == [7, 3]   # one in flight on each server before any ack
-    pushes.flush()
-    assert link.order == [7, 3, 5, 0, 6, 1, 2]   # acks in the order sent; each server lowest first
-
-
-def test_priority_needs_pushes_from_backwards_hooks():
-    for backend, train in (({"mode": "geo"}, {}), ({"overlap_comm": False}, {}), ({}, {"precision": "fp16"})):
-        with pytest.raises(ConfigError, match="backend.priority_credit_mb = 0.25 orders the pushes"):
-            from_dict(config("p", train=train, backend=ps(2, partition_mb=PARTS, priority_credit_mb=0.25, **backend)))
-    from_dict(config("p", backend=ps(2, "ssp", partition_mb=PARTS, priority_credit_mb=0.25)))
-
-
-def test_priority_forward_waits_for_pulls_count_as_communication():
-    """A module's wait for its partitions' pulls (PullOrder's forward pre-hooks) is counted each step
-    (waited_s, which the trainer takes into comm_s) and in total (total_s, which a virtual device's clock reads
-    as the trainer's comm_waited_s, so that it is not counted as compute)."""
-    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 1))
-    landed: list[int] = []
-    link = SimpleNamespace(parts=[Part(0, 0, 0, 20), Part(1, 0, 20, 25)],
-                           landed=lambda j: (landed.append(j), time.sleep(0.02)))
-    params = list(model.parameters())
-    offsets = {id(p): o for p, o in zip(params, [0, 16, 20, 24])}
-    order = PullOrder(model, link, offsets)
-    model(torch.zeros(1, 4))
-    assert landed == [0, 1] and 0.04 <= order.waited_s == order.total_s
-    order.waited_s = 0.0   # the trainer takes a step's waits
-    model(torch.zeros(1, 4))
-    assert order.waited_s >= 0.04 and order.total_s >= 0.08 and order.total_s > order.waited_s

@@ -48,17 +48,21 @@ def dense(cfg: Config, phi: float) -> Prediction:
                       links=colocated_links(n, b.servers, s / every) if colocated else None)
 
 
+def dense_partitions(cfg: Config, phi: float) -> list[list[tuple[int, int]]]:
+    """Each server's partitions of the dense parameters (embedding rows have their own keyed path)."""
+    dense = int(phi - (table_params(cfg) if cfg.backend.embeddings == "rows" else 0))
+    return server_partitions(cfg, dense)
+
+
 def widest_partitions(cfg: Config, phi: float) -> list[tuple[int, int]]:
     """The partitions of the server that holds the most of the dense parameters (one when partition_mb = 0)."""
-    dense = int(phi - (table_params(cfg) if cfg.backend.embeddings == "rows" else 0))
-    return max(server_partitions(cfg, dense), key=held)
+    return max(dense_partitions(cfg, phi), key=held)
 
 
 def ready_share(cfg: Config, phi: float) -> float:
     """The share of backward in which a server's partitions of the dense parameters become ready: 1/k when each
     server holds a contiguous range, 1 when they are dealt round robin (spread over the whole model)."""
-    dense = int(phi - (table_params(cfg) if cfg.backend.embeddings == "rows" else 0))
-    return 1 / cfg.backend.servers if all(one_range(p) for p in server_partitions(cfg, dense)) else 1.0
+    return 1 / cfg.backend.servers if all(one_range(p) for p in dense_partitions(cfg, phi)) else 1.0
 
 
 def partitions_per_server(cfg: Config, phi: float) -> int:
