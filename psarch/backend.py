@@ -20,7 +20,7 @@ import dataclasses
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, ClassVar, Mapping
+from typing import Any, Callable, ClassVar, Mapping
 
 # The core's types, named here only: their modules import this one (through the registry), so importing them
 # here, even for type checking, would close a cycle.
@@ -41,8 +41,8 @@ class CommModel:
     forward/backward, how many slots a push-then-pull exchange is pipelined over (a server's range over its
     largest partition; 1: one after the other), whether the next forward hides overlapped communication too (a
     PS's priority; else backward alone), the share of the compute phase its ranks wait by design (a pipeline's
-    bubble), the share of backward in which the busiest link's buckets are ready, and the ring passes that wait for
-    the optimizer step (backward cannot hide them)."""
+    bubble), the share of backward in which the busiest link's buckets are ready, the ring passes that wait for
+    the optimizer step (backward cannot hide them), and, where none of that holds, a step replayed."""
 
     buckets: int = 1
     overlap: bool = False
@@ -52,6 +52,10 @@ class CommModel:
     idle_fraction: float = 0.0
     ready_share: float = 1.0      # a PS server's contiguous range: 1/k
     after_passes: int = 0         # ring passes after the optimizer step, hidden by nothing (ZeRO-1/2's all-gather)
+    # where the closed form's phases do not hold, the backend's own model of a step on the cluster: (compute_s,
+    # backward_s, worker link's and server link's payload bytes/s) -> seconds, α not counted (the PS's colocated
+    # whole ranges: psarch/ps/flows.py)
+    replay: Callable[[float, float, float, float], float] | None = None
 
 
 class BackendSpec(ABC):

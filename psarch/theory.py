@@ -218,21 +218,25 @@ def cluster_step_time(p: Prediction, compute_s: float, link_mbps: float, server_
     tail is then its last partition's push and pull, 2 / (pipeline + 1) of it. after_passes: ring passes that
     start only after the optimizer step (ZeRO-1/2's all-gather of the updated parameters), exposed whole.
     hidden_passes: ring passes already inside the measured compute (ZeRO-3's forward and backward
-    all-gathers block there, where the comm wait does not see them)."""
+    all-gathers block there, where the comm wait does not see them). replay: the backend's own model of the
+    step, where these do not hold (plus α per message in sequence)."""
     m = model or CommModel()
     buckets, pipeline, ready_share = m.buckets, m.pipeline, m.ready_share
     worker_rate = link_mbps * 1e6 / 8 / WIRE_OVERHEAD   # payload bytes/s
+    server_rate = server_mbps * 1e6 / 8 / WIRE_OVERHEAD
     if not p.worker.sent and not p.worker.received:
         return {"compute_s": compute_s, "comm_s": 0.0, "step_time_s": compute_s}
+    backward = 2 / 3 * compute_s if backward_s is None else backward_s
+    if m.replay is not None:
+        step = m.replay(compute_s, backward, worker_rate, server_rate) + p.messages * alpha_s
+        return {"compute_s": compute_s, "comm_s": step - compute_s, "step_time_s": step}
     after = 0.0
     if p.server is not None:
-        server_rate = server_mbps * 1e6 / 8 / WIRE_OVERHEAD
         comm = (exchange_time(p.links or two_phase_links(p), worker_rate, server_rate, pipeline)
                 + p.messages * alpha_s)
     else:
         per_pass = (p.worker.sent / worker_rate + p.messages * alpha_s) / p.rounds
         comm, after = (p.rounds - m.hidden_passes - m.after_passes) * per_pass, m.after_passes * per_pass
-    backward = 2 / 3 * compute_s if backward_s is None else backward_s
     seen = max(1.0, buckets * ready_share)   # the buckets the busiest link carries
     hiding = (backward * ready_share * (seen - 1) / seen
               + (max(0.0, compute_s - backward) if m.forward_hides else 0.0))

@@ -171,12 +171,14 @@ class PSSpec(BackendSpec):
     def comm_model(self, cfg: Config, phi: float, extra: Any) -> CommModel:
         """Push and pull pipelined over each server's partitions; pushes from backward's hooks (overlap_comm), a
         server's contiguous range ready within 1/k of backward (round robin: its partitions all through it); with
-        priority the pulls also hide behind the next forward."""
+        priority the pulls also hide behind the next forward. Sync whole ranges from the hooks to colocated
+        servers: replayed as flows (theory.colocated_replay)."""
         b = cfg.backend
         m = theory.partitions_per_server(cfg, phi)
+        replay = theory.colocated_replay(cfg, phi) if b.mode == "sync" and pushes_from_hooks(cfg) else None
         return CommModel(buckets=m * b.servers, overlap=pushes_from_hooks(cfg),
                          pipeline=theory.pipeline_slots(cfg, phi), forward_hides=bool(b.priority_credit_mb),
-                         ready_share=theory.ready_share(cfg, phi))
+                         ready_share=theory.ready_share(cfg, phi), replay=replay)
 
     def summary_fields(self, cfg: Config) -> dict[str, Any]:
         return {"servers": cfg.backend.servers}
