@@ -30,6 +30,43 @@ def test_auto_dilation_rule():
     assert choose(comm_bound) == round_up(AUTO_MARGIN * 10)
 
 
+def test_auto_raises_d_until_the_host_adds_little():
+    """serial_rule: the host's seconds beyond the prediction shrink D times; D is raised until they are at most
+    HOST_SHARE of the predicted step, never lowered, and raised at most MAX_RAISE times."""
+    from psarch.cluster.dilation import HOST_SHARE, MAX_RAISE, serial_rule
+    assert serial_rule(0.0, 0.2, 3.0) == 3.0
+    assert serial_rule(0.1, 0.2, 2.0) == round_up(0.1 / (HOST_SHARE * 0.2)) == 10.0
+    assert serial_rule(0.001, 0.2, 2.0) == 2.0
+    assert serial_rule(100.0, 0.2, 2.0) == MAX_RAISE * 2.0
+    assert serial_rule(0.1, 0.0, 2.0) == 2.0
+
+
+def test_calibration_runs_the_config_briefly_at_that_d(monkeypatch):
+    """calibrate: the config itself, a few steps at the given D, without stragglers or jitter, into a folder it
+    removes; the host's time is measured less predicted (cluster seconds) x D, none when it ran faster."""
+    import psarch.launch
+    import psarch.theory
+    seen = {}
+
+    def fake_run(cfg, out, **kw):
+        seen.update(cfg=cfg, out=out, kw=kw)
+        return {"step_time_s": 0.3}
+    monkeypatch.setattr(psarch.launch, "run", fake_run)
+    monkeypatch.setattr(psarch.theory, "cluster_step", lambda cfg, s: {"measured_s": s["step_time_s"],
+                                                                       "predicted_s": 0.25})
+    cfg = from_dict(config("cal", backend={"kind": "ddp", "world_size": 2}, train={"steps": 50},
+                           cluster={"emulate": True, "device": "v100", "slow_workers": [1], "slowdown": 4.0,
+                                    "jitter": 0.2}))
+    host_s, predicted_s = dilation.calibrate(cfg, 6.0)
+    assert host_s == pytest.approx(0.05 * 6.0) and predicted_s == 0.25
+    probe = seen["cfg"]
+    assert probe.cluster.dilation == 6.0 and probe.train.steps == dilation.CALIBRATION_STEPS
+    assert probe.cluster.slow_workers == [] and probe.cluster.jitter == 0.0
+    assert not seen["out"].parent.exists() and seen["kw"]["machine_checked"]
+    monkeypatch.setattr(psarch.theory, "cluster_step", lambda cfg, s: {"measured_s": 0.2, "predicted_s": 0.25})
+    assert dilation.calibrate(cfg, 6.0) == (0.0, 0.25)
+
+
 @pytest.mark.parametrize("backend, busiest", [
     ({"kind": "ps", "world_size": 4, "servers": 1}, "server"),
     ({"kind": "ps", "world_size": 4, "servers": 2}, "server"),

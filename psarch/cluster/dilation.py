@@ -15,6 +15,13 @@ whatever else the machine is running now.
 D = AUTO_MARGIN x the larger of the two ratios, at least 1, rounded up to two significant digits.
 AUTO_MARGIN is 2 for the load that comes and goes after the measurement.
 
+Those two are estimates: a ping-pong's α and one stream's bytes/s are far below what a ring hop or a partition
+costs when every rank of the run takes its turn on the same cores (at 1 Gbit/s the ring at N = 4 got D = 1.2
+from them and ran 44% over its prediction). So a short run of the config itself at that D follows
+(`calibrate`): what it took beyond its prediction is this machine's time, spent in sequence with the links, the
+same wall-clock seconds at any D, so D times fewer of the cluster's; D is raised until that is at most
+HOST_SHARE of the step (`serial_rule`).
+
 What no D stretches: TCP's own timers (delayed ACKs, the 200 ms minimum retransmission timeout) and the
 host's per-message latency α, which are the same wall-clock times at every D, so D times shorter in the
 cluster's time than on the host. The emulated cluster's α is α / D (reported beside the results).
@@ -27,8 +34,10 @@ import math
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Iterator
 
 import torch
@@ -39,6 +48,13 @@ from psarch.cluster.alpha import loopback_alpha, loopback_bytes_per_s
 from psarch.cluster.flops import count
 
 AUTO_MARGIN = 2.0
+# Then a short run at that D: what this machine adds to the step beyond the prediction, it adds in sequence with
+# the links (a ring hop's turn on a loaded core, a partition's trip through the kernel), the same wall-clock
+# seconds at every D, so D times fewer of the cluster's. D is raised until that is at most HOST_SHARE of the
+# step, by at most MAX_RAISE (a prediction that is wrong would otherwise raise it without end).
+CALIBRATION_STEPS = 4
+HOST_SHARE = 0.05
+MAX_RAISE = 10.0
 # The loopback's bytes/s is measured on a stream of the step's payload, within these bounds: at least 8 MiB,
 # so one delayed wake-up of the receiving thread does not pass for a slow stream.
 MIN_PROBE_BYTES, MAX_PROBE_BYTES = 8 * 2**20, 32 * 2**20
@@ -137,21 +153,52 @@ def measure(cfg: Config, threads: int = 1) -> Costs:
                  (m.overlap and m.buckets > 1) or m.hidden_passes > 0)
 
 
+def calibrate(cfg: Config, d: float) -> tuple[float, float]:
+    """The run itself, CALIBRATION_STEPS steps of it at D = `d` into a folder that is then deleted: what this
+    machine adds to its step, in wall-clock seconds (measured less predicted, in the cluster's time, x d; 0 if
+    none), and the predicted step (the cluster's seconds). Stragglers and jitter are left out (their time is
+    the cluster's)."""
+    from psarch.launch import run       # the launcher imports this module
+    from psarch.theory import cluster_step
+    c, t = cfg.cluster, cfg.train
+    probe = dataclasses.replace(cfg, cluster=dataclasses.replace(c, dilation=d, slow_workers=[], jitter=0.0),
+                                train=dataclasses.replace(t, steps=CALIBRATION_STEPS, warmup_steps=1,
+                                                          checkpoint_every=0, log_every=CALIBRATION_STEPS))
+    with tempfile.TemporaryDirectory(prefix="psarch-calibration-") as folder:
+        summary = run(probe, out=Path(folder) / "run", echo=False, machine_checked=True, progress=False)
+    st = cluster_step(probe, summary)
+    return max(0.0, st["measured_s"] - st["predicted_s"]) * d, st["predicted_s"]
+
+
+def serial_rule(host_s: float, predicted_s: float, d: float) -> float:
+    """D at which `host_s` (wall-clock seconds this machine adds to a step, in sequence with the links and the
+    device: TCP, the processes' turns on the cores) is at most HOST_SHARE of the predicted step; no less than
+    `d`, and at most MAX_RAISE x d."""
+    return min(MAX_RAISE * d, max(d, round_up(host_s / (HOST_SHARE * predicted_s)))) if predicted_s > 0 else d
+
+
 def resolve(cfg: Config, echo: bool = True, threads: int = 1) -> Config:
     """cfg with cluster.dilation a number: as given; 1 without a modelled device or without emulate; else
-    picked from this machine's costs (`choose`; a rank computes on `threads` threads), saying why in one
-    line when `echo`."""
+    picked from this machine's costs (`choose`; a rank computes on `threads` threads), then raised until what
+    a short run of it at that D adds to the step is small (`calibrate`, `serial_rule`), saying why in one line
+    when `echo`."""
     c = cfg.cluster
     if c.dilation != "auto":
         return cfg
     d = 1.0
     if device.modelled(cfg) and c.emulate:
         costs = measure(cfg, threads)
-        d = choose(costs)
+        first = choose(costs)
+        host_s, predicted_s = calibrate(cfg, first)
+        d = serial_rule(host_s, predicted_s, first)
         if echo:
             print(f"psarch: cluster.dilation = \"auto\" -> {d:g}: beside the run's other processes, a worker's "
                   f"step computes here in {costs.host_compute_s * 1e3:.1f} ms against "
                   f"{costs.modelled_compute_s * 1e3:.3g} ms modelled on {device.name(cfg)}, and its messages cost "
                   f"{costs.host_comm_s * 1e3:.3g} ms on loopback against {costs.modelled_comm_s * 1e3:.3g} ms on "
-                  f"the links{' (during backward)' if costs.overlapped else ''}; margin x{AUTO_MARGIN:g}", flush=True)
+                  f"the links{' (during backward)' if costs.overlapped else ''}; margin x{AUTO_MARGIN:g}: D = "
+                  f"{first:g}. {CALIBRATION_STEPS} steps of the run at D = {first:g} took {host_s * 1e3:.3g} ms of "
+                  f"this machine's time a step beyond the predicted {predicted_s * 1e3:.3g} ms: D = {d:g} makes that "
+                  f"at most {HOST_SHARE:.0%} of the step" + (f" (at most x{MAX_RAISE:g})" if d == MAX_RAISE * first
+                                                            else ""), flush=True)
     return dataclasses.replace(cfg, cluster=dataclasses.replace(c, dilation=d))
