@@ -51,6 +51,50 @@ def test_priority_sends_the_lowest_partition_first_within_its_credit(credit, ord
     assert link.order == order and len(pushes.acks) == 5
 
 
+class _Wire(_Link):
+    """_Link whose pushes are each followed by their partition's pull (posted, as ServerLink.post_push does), and
+    whose servers answer the oldest unanswered request first, one reply per wait(once=True)."""
+
+    def __init__(self, n: int) -> None:
+        super().__init__(n)
+        self.posted: list[Request | None] = [None] * n
+        self.sent: list[Request] = []
+        self.client = SimpleNamespace(take_arrived=lambda: None, wait=self.answer)
+
+    def post_push(self, p: Part, pushed: torch.Tensor, step: int) -> Request:
+        push = super().post_push(p, pushed, step)
+        self.posted[p.index] = Request({"op": "pull", "step": step, "offset": p.lo})
+        self.sent += [push, self.posted[p.index]]
+        return push
+
+    def answer(self, until: Request | None = None, once: bool = False) -> None:
+        while True:
+            oldest = next(r for r in self.sent if not r.answered)
+            oldest.answered = True
+            if once or until is None or until.answered:
+                return
+
+
+def test_priority_next_forward_posts_queued_pushes_while_it_waits():
+    """After backward only what the credit allows is posted; the next forward's wait for partition 0 takes acks and
+    posts the queued pushes lowest first until 0's pull is answered (0's ack frees the credit for 1 meanwhile), and
+    goes on with 2 still queued (it leaves behind, at the latest when the exchange is settled). Before any exchange
+    nothing is waited for."""
+    link = _Wire(4)
+    pushes = PriorityPushes(link, 16)
+    pushes.wait_for(0)
+    assert link.sent == []
+    pushes.arm(1)
+    for j in (3, 2, 1, 0):
+        pushes.add(link.parts[j])
+    pushes.pump()
+    assert link.order == [3]
+    pushes.wait_for(0)
+    assert link.order == [3, 0, 1] and link.posted[0].answered and pushes.ready == [2]
+    pushes.flush()
+    assert link.order == [3, 0, 1, 2]
+
+
 def test_priority_credit_is_per_server():
     """Partitions 0-3 on server 0, 4-7 on server 1 (contiguous ranges): with one partition of credit each server has
     one push in flight, so server 1 is not left idle while server 0 takes every worker's pushes in turn."""

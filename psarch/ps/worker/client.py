@@ -116,8 +116,9 @@ class PSClient:
         self.socks[i].send_multipart(frames, copy=False)
         self.waiting[i].add(r)
 
-    def wait(self, timeout_s: float | None = None, until: Request | None = None) -> None:
-        """Take replies until every posted request is answered (or `until` is)."""
+    def wait(self, timeout_s: float | None = None, until: Request | None = None, once: bool = False) -> None:
+        """Take replies until every posted request is answered (or `until` is; with `once`, until any reply is
+        taken)."""
         limit = self.timeout_s + 5.0 if timeout_s is None else timeout_s  # a server's own timeout fires first
         deadline = time.monotonic() + limit
         while any(self.waiting) and (until is None or not until.answered):
@@ -127,6 +128,8 @@ class PSClient:
                 names = ", ".join(f"server {i} ({self.addresses[i]})" for i, w in enumerate(self.waiting) if w)
                 raise PSError(f"worker {self.worker}: no reply from {names} within {limit:g} s")
             self._drain(events)
+            if once and events:
+                return
 
     def take_arrived(self) -> None:
         """Take the replies already here, waiting for none (priority's pushes, between backward's hooks)."""

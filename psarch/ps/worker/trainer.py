@@ -82,7 +82,8 @@ class PSWorker(Trainer):
         if b.priority_credit_mb:
             self.pushes = PriorityPushes(self.link, int(b.priority_credit_mb * 2**20))
             self.pull_order = PullOrder(self.model, self.link, {id(p): o for p, o in
-                                                                zip(self.flat.params, self.flat.offsets)})
+                                                                zip(self.flat.params, self.flat.offsets)},
+                                        self.pushes)
 
     # ------------------------------------------------------------------ steps
 
@@ -128,10 +129,14 @@ class PSWorker(Trainer):
         return dict(self.link.exchange(self.flat.grad, self.steps, header, before), tables=figures)
 
     def _priority_step(self, loss: torch.Tensor, batch: Any) -> dict[str, Any]:
-        """Priority (priority.py): the previous exchange settled (forward took most of its pulls), pushes queued
-        from backward's hooks and sent lowest partition first; the pulls are left to the next forward. What the
-        step reports (version, staleness) is the previous exchange's."""
+        """Priority (priority.py): the previous exchange settled (forward took most of its pulls and posted most
+        of its queued pushes), pushes queued from backward's hooks and sent lowest partition first, as far as
+        the credit allows; the rest, and the pulls, are left to the next forward. What the step reports
+        (version, staleness) is the previous exchange's; its communication time is the wait to settle that,
+        the wait after backward and the next forward's waits."""
+        t0 = time.perf_counter()
         info = self._settle()
+        settled = time.perf_counter() - t0
         self.flat.zero_grad()
         self.pushes.arm(self.steps + 1)
         self.schedule.arm(self.pushes.add)
@@ -139,15 +144,17 @@ class PSWorker(Trainer):
         since = time.perf_counter()
         figures = self.tables.exchange(batch, [])   # dense tables only (pushes_from_hooks): nothing moves
         self.schedule.finish()
-        self.pushes.flush()
+        self.pushes.pump()
         self.steps += 1
         waited, self.pull_order.waited_s = self.pull_order.waited_s, 0.0
-        return dict(info, comm_s=time.perf_counter() - since + waited, tables=figures)
+        return dict(info, comm_s=time.perf_counter() - since + waited + settled, tables=figures)
 
     def _settle(self) -> dict[str, Any]:
-        """Priority: take the rest of the exchange in flight (if any); what its replies said."""
-        if self.pushes is None or not any(self.link.posted):
+        """Priority: post the pushes still queued and take the rest of the exchange in flight (if any); what its
+        replies said."""
+        if self.pushes is None or not (any(self.link.posted) or self.pushes.ready):
             return {"comm_s": 0.0}
+        self.pushes.flush()
         return self.link.settle(acks=self.pushes.acks)
 
     def _geo_step(self, loss: torch.Tensor, batch: Any) -> dict[str, Any]:
