@@ -39,16 +39,14 @@ class CommModel:
     """How a backend's communication meets its compute on a cluster (theory.cluster_step_time's inputs):
     collectives (or partitions) per pass, whether backward hides them, ring passes that block inside
     forward/backward, how many slots a push-then-pull exchange is pipelined over (a server's range over its
-    largest partition; 1: one after the other), whether the next forward hides overlapped communication too (a
-    PS's priority; else backward alone), the share of the compute phase its ranks wait by design (a pipeline's
-    bubble), the share of backward in which the busiest link's buckets are ready, the ring passes that wait for
+    largest partition; 1: one after the other), the share of the compute phase its ranks wait by design (a
+    pipeline's bubble), the share of backward in which the busiest link's buckets are ready, the ring passes that wait for
     the optimizer step (backward cannot hide them), and, where none of that holds, a step replayed."""
 
     buckets: int = 1
     overlap: bool = False
     hidden_passes: int = 0
     pipeline: float = 1.0
-    forward_hides: bool = False
     idle_fraction: float = 0.0
     ready_share: float = 1.0      # a PS server's contiguous range: 1/k
     after_passes: int = 0         # ring passes after the optimizer step, hidden by nothing (ZeRO-1/2's all-gather)

@@ -210,8 +210,7 @@ def cluster_step_time(p: Prediction, compute_s: float, link_mbps: float, server_
     overlap_comm and B buckets, a PS pushing B partitions from backward's hooks): buckets of equal size, ready
     at equal steps through backward (`backward_s`; unknown: 2/3 of compute), on one link: after backward there
     waits the last bucket's share, or, where the link is the bound, all of it less what backward hides after
-    the first bucket is ready, max(comm / B, comm - backward (B - 1) / B); forward_hides (a PS's priority:
-    the next forward's first parameters come first) hides it behind the rest of the compute too.
+    the first bucket is ready, max(comm / B, comm - backward (B - 1) / B).
     ready_share: the share of backward in which the busiest link's buckets are ready (a PS server owns a
     contiguous 1/k of the parameters: its B/k partitions are ready within 1/k of backward, the last server's at
     its end), so backward hides ready_share (B' - 1) / B' of it, B' = B x ready_share; a pipelined exchange's
@@ -238,8 +237,7 @@ def cluster_step_time(p: Prediction, compute_s: float, link_mbps: float, server_
         per_pass = (p.worker.sent / worker_rate + p.messages * alpha_s) / p.rounds
         comm, after = (p.rounds - m.hidden_passes - m.after_passes) * per_pass, m.after_passes * per_pass
     seen = max(1.0, buckets * ready_share)   # the buckets the busiest link carries
-    hiding = (backward * ready_share * (seen - 1) / seen
-              + (max(0.0, compute_s - backward) if m.forward_hides else 0.0))
+    hiding = backward * ready_share * (seen - 1) / seen
     tail = comm * 2 / (pipeline + 1) if pipeline > 1 else comm / seen
     exposed = (max(comm - hiding, tail) if m.overlap and buckets > 1 else comm) + after
     return {"compute_s": compute_s, "comm_s": exposed, "step_time_s": compute_s + exposed}

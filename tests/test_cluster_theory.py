@@ -47,9 +47,6 @@ def test_cluster_step_time_by_hand():
     assert step("ddp", buckets=4, overlap=True) == pytest.approx(0.05 + comm - 0.05 * 2 / 3 * 3 / 4)
     assert step("ddp", buckets=4, overlap=True, backward_s=0.02) == pytest.approx(0.05 + comm - 0.02 * 3 / 4)
     assert step("ddp", buckets=4, overlap=True, backward_s=1.0) == pytest.approx(0.05 + comm / 4)
-    # a PS's priority: the next forward (the compute less backward) hides it too
-    assert step("ddp", buckets=4, overlap=True, backward_s=0.02, forward_hides=True) == pytest.approx(
-        0.05 + comm - 0.02 * 3 / 4 - 0.03)
 
 
 def test_ps_pipeline_fills_and_drains_with_its_largest_partition():
@@ -129,7 +126,7 @@ def test_cluster_model_per_backend():
         extra = {"zero_groups": [groups, groups]} if groups is not None else {}
         return asdict(registry.spec_of(cfg).comm_model(cfg, 250_000, extra))
 
-    one = {"hidden_passes": 0, "pipeline": 1, "forward_hides": False, "idle_fraction": 0.0, "ready_share": 1.0,
+    one = {"hidden_passes": 0, "pipeline": 1, "idle_fraction": 0.0, "ready_share": 1.0,
            "after_passes": 0, "replay": None}
     assert model({"kind": "ddp", "bucket_cap_mb": 0.25}) == {"buckets": 4, "overlap": True, **one}
     assert model({"kind": "ddp", "overlap_comm": False})["overlap"] is False
@@ -149,8 +146,8 @@ def test_cluster_model_per_backend():
     # dealt round robin (the default): 3 partitions of 65,536 and one of 53,392, server 0 the 1st and 3rd
     assert model(dict(ps, partition_assignment="round_robin")) == {"buckets": 4, "overlap": True, **one,
                                                                    "pipeline": 2.0, "ready_share": 1.0}
-    # priority: the pulls also hide behind the next forward
-    assert model(dict(ps, priority_credit_mb=0.5))["forward_hides"] is True
+    # priority: modelled as without it (psarch/ps/spec.py's comm_model: measured no gain)
+    assert model(dict(ps, priority_credit_mb=0.5)) == model(ps)
     assert model(dict(ps, mode="geo"))["overlap"] is False and model(dict(ps, partition_mb=0.0))["pipeline"] == 1
     assert model({"kind": "pipeline", "stages": 2, "microbatches": 2})["idle_fraction"] == pytest.approx(1 / 3)
     assert model({"kind": "torch_pipeline", "stages": 2, "microbatches": 2})["idle_fraction"] == 0.0

@@ -170,15 +170,18 @@ class PSSpec(BackendSpec):
 
     def comm_model(self, cfg: Config, phi: float, extra: Any) -> CommModel:
         """Push and pull pipelined over each server's partitions; pushes from backward's hooks (overlap_comm), a
-        server's contiguous range ready within 1/k of backward (round robin: its partitions all through it); with
-        priority the pulls also hide behind the next forward. Sync whole ranges from the hooks to colocated
-        servers: replayed as flows (theory.colocated_replay)."""
+        server's contiguous range ready within 1/k of backward (round robin: its partitions all through it). Sync
+        whole ranges from the hooks to colocated servers: replayed as flows (theory.colocated_replay).
+        Priority is modelled as without it: the next forward could hide what it overlaps, but its last module
+        needs the last partition pushed, and the credit's gating (each ack travels behind its server's pulls on
+        one connection) costs about as much; measured, it gained nothing at 0.1-2 MiB, at 100 Mbit/s and
+        1 Gbit/s (experiments/results/cluster_crossover_device/priority/)."""
         b = cfg.backend
         m = theory.partitions_per_server(cfg, phi)
         replay = theory.colocated_replay(cfg, phi) if b.mode == "sync" and pushes_from_hooks(cfg) else None
         return CommModel(buckets=m * b.servers, overlap=pushes_from_hooks(cfg),
-                         pipeline=theory.pipeline_slots(cfg, phi), forward_hides=bool(b.priority_credit_mb),
-                         ready_share=theory.ready_share(cfg, phi), replay=replay)
+                         pipeline=theory.pipeline_slots(cfg, phi), ready_share=theory.ready_share(cfg, phi),
+                         replay=replay)
 
     def summary_fields(self, cfg: Config) -> dict[str, Any]:
         return {"servers": cfg.backend.servers}
