@@ -40,8 +40,8 @@ class CommModel:
     collectives (or partitions) per pass, whether backward hides them, ring passes that block inside
     forward/backward, how many slots a push-then-pull exchange is pipelined over (a server's range over its
     largest partition; 1: one after the other), the share of the compute phase its ranks wait by design (a
-    pipeline's bubble), the share of backward in which the busiest link's buckets are ready, the ring passes that wait for
-    the optimizer step (backward cannot hide them), and, where none of that holds, a step replayed."""
+    pipeline's bubble), the share of backward in which the busiest link's buckets are ready, the ring passes that
+    wait for the optimizer step (backward cannot hide them), and, where none of that holds, a step replayed."""
 
     buckets: int = 1
     overlap: bool = False
