@@ -62,7 +62,7 @@ def run(cfg: Config, out: str | Path | None = None, echo: bool = True, resume: b
     ckpt = starting_checkpoint(cfg, out_dir, resume, start, pick)  # verified before anything is written or started
     cfg, begin = _started(cfg, ckpt, out_dir, resume, pick, echo)
     # cluster.dilation "auto": D picked once, here, for every rank and link (config.json keeps what was asked)
-    ranks_cfg = resolve_dilation(cfg, echo, _threads(cfg.backend.world_size))
+    ranks_cfg = resolve_dilation(cfg, run, echo, _threads(cfg.backend.world_size))
     job = RankJob(ranks_cfg.to_dict(), str(out_dir), echo and progress,
                   out_dir / CHECKPOINTS if cfg.train.checkpoint_every else None, begin, resume, registry.plugins())
     if under_torchrun():

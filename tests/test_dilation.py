@@ -14,6 +14,7 @@ from psarch.cluster import device, dilation
 from psarch.cluster.dilation import AUTO_MARGIN, Costs, choose, resolve, round_up, spinning
 from psarch.cluster.flops import count
 from psarch.config import from_dict
+from psarch.launch import run
 from psarch.workload import build_workload
 
 
@@ -44,27 +45,25 @@ def test_auto_raises_d_until_the_host_adds_little():
 def test_calibration_runs_the_config_briefly_at_that_d(monkeypatch):
     """calibrate: the config itself, a few steps at the given D, without stragglers or jitter, into a folder it
     removes; the host's time is measured less predicted (cluster seconds) x D, none when it ran faster."""
-    import psarch.launch
     import psarch.theory
     seen = {}
 
     def fake_run(cfg, out, **kw):
         seen.update(cfg=cfg, out=out, kw=kw)
         return {"step_time_s": 0.3}
-    monkeypatch.setattr(psarch.launch, "run", fake_run)
     monkeypatch.setattr(psarch.theory, "cluster_step", lambda cfg, s: {"measured_s": s["step_time_s"],
                                                                        "predicted_s": 0.25})
     cfg = from_dict(config("cal", backend={"kind": "ddp", "world_size": 2}, train={"steps": 50},
                            cluster={"emulate": True, "device": "v100", "slow_workers": [1], "slowdown": 4.0,
                                     "jitter": 0.2}))
-    host_s, predicted_s = dilation.calibrate(cfg, 6.0)
+    host_s, predicted_s = dilation.calibrate(cfg, 6.0, fake_run)
     assert host_s == pytest.approx(0.05 * 6.0) and predicted_s == 0.25
     probe = seen["cfg"]
     assert probe.cluster.dilation == 6.0 and probe.train.steps == dilation.CALIBRATION_STEPS
     assert probe.cluster.slow_workers == [] and probe.cluster.jitter == 0.0
     assert not seen["out"].parent.exists() and seen["kw"]["machine_checked"]
     monkeypatch.setattr(psarch.theory, "cluster_step", lambda cfg, s: {"measured_s": 0.2, "predicted_s": 0.25})
-    assert dilation.calibrate(cfg, 6.0) == (0.0, 0.25)
+    assert dilation.calibrate(cfg, 6.0, fake_run) == (0.0, 0.25)
 
 
 @pytest.mark.parametrize("backend, busiest", [
@@ -122,7 +121,7 @@ def test_auto_covers_a_measured_compute():
     data = config("auto", backend={"kind": "ddp", "world_size": 2},
                   cluster={"emulate": True, "device": "v100"})
     cfg = from_dict(data)
-    d = resolve(cfg, echo=False).cluster.dilation
+    d = resolve(cfg, run, echo=False).cluster.dilation
     wl = build_workload(cfg)
     batch = wl.batch(0, 0, 2)
     c = count(wl.model, wl.loss_fn, batch)
@@ -135,7 +134,7 @@ def test_auto_covers_a_measured_compute():
         times.append(time.perf_counter() - t0)
     assert d * modelled >= min(times), (d, modelled, times)
     assert cfg.cluster.dilation == "auto"                                          # cfg itself untouched
-    assert resolve(from_dict(config("a", cluster={"device": "v100"})), echo=False).cluster.dilation == 1.0
-    assert resolve(from_dict(config("a", cluster={"emulate": True})), echo=False).cluster.dilation == 1.0
+    assert resolve(from_dict(config("a", cluster={"device": "v100"})), run, echo=False).cluster.dilation == 1.0
+    assert resolve(from_dict(config("a", cluster={"emulate": True})), run, echo=False).cluster.dilation == 1.0
     fixed = from_dict(config("a", cluster={"emulate": True, "device": "v100", "dilation": 7.0}))
-    assert resolve(fixed, echo=False).cluster.dilation == 7.0
+    assert resolve(fixed, run, echo=False).cluster.dilation == 7.0

@@ -38,7 +38,7 @@ import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import torch
 
@@ -60,6 +60,7 @@ MAX_RAISE = 10.0
 MIN_PROBE_BYTES, MAX_PROBE_BYTES = 8 * 2**20, 32 * 2**20
 
 Config = Any
+Runner = Callable[..., dict[str, Any]]   # psarch.launch.run: (cfg, out, echo=, machine_checked=, progress=) -> summary
 
 
 @dataclass(frozen=True)
@@ -153,12 +154,11 @@ def measure(cfg: Config, threads: int = 1) -> Costs:
                  (m.overlap and m.buckets > 1) or m.hidden_passes > 0)
 
 
-def calibrate(cfg: Config, d: float) -> tuple[float, float]:
-    """The run itself, CALIBRATION_STEPS steps of it at D = `d` into a folder that is then deleted: what this
-    machine adds to its step, in wall-clock seconds (measured less predicted, in the cluster's time, x d; 0 if
-    none), and the predicted step (the cluster's seconds). Stragglers and jitter are left out (their time is
-    the cluster's)."""
-    from psarch.launch import run       # the launcher imports this module
+def calibrate(cfg: Config, d: float, run: Runner) -> tuple[float, float]:
+    """The run itself, CALIBRATION_STEPS steps of it at D = `d` (by `run`, the launcher's) into a folder that is
+    then deleted: what this machine adds to its step, in wall-clock seconds (measured less predicted, in the
+    cluster's time, x d; 0 if none), and the predicted step (the cluster's seconds). Stragglers and jitter are
+    left out (their time is the cluster's)."""
     from psarch.theory import cluster_step
     c, t = cfg.cluster, cfg.train
     probe = dataclasses.replace(cfg, cluster=dataclasses.replace(c, dilation=d, slow_workers=[], jitter=0.0),
@@ -177,11 +177,11 @@ def serial_rule(host_s: float, predicted_s: float, d: float) -> float:
     return min(MAX_RAISE * d, max(d, round_up(host_s / (HOST_SHARE * predicted_s)))) if predicted_s > 0 else d
 
 
-def resolve(cfg: Config, echo: bool = True, threads: int = 1) -> Config:
+def resolve(cfg: Config, run: Runner, echo: bool = True, threads: int = 1) -> Config:
     """cfg with cluster.dilation a number: as given; 1 without a modelled device or without emulate; else
     picked from this machine's costs (`choose`; a rank computes on `threads` threads), then raised until what
-    a short run of it at that D adds to the step is small (`calibrate`, `serial_rule`), saying why in one line
-    when `echo`."""
+    a short run of it at that D (by `run`: psarch.launch.run, which calls this) adds to the step is small
+    (`calibrate`, `serial_rule`), saying why in one line when `echo`."""
     c = cfg.cluster
     if c.dilation != "auto":
         return cfg
@@ -189,7 +189,7 @@ def resolve(cfg: Config, echo: bool = True, threads: int = 1) -> Config:
     if device.modelled(cfg) and c.emulate:
         costs = measure(cfg, threads)
         first = choose(costs)
-        host_s, predicted_s = calibrate(cfg, first)
+        host_s, predicted_s = calibrate(cfg, first, run)
         d = serial_rule(host_s, predicted_s, first)
         if echo:
             print(f"psarch: cluster.dilation = \"auto\" -> {d:g}: beside the run's other processes, a worker's "
