@@ -125,8 +125,7 @@ def step_time(workers: int, server_nodes: list[int], parts: list[tuple[int, int,
     for w in range(workers):
         at(0.0, lambda now, w=w: start(w, 0, now))
     now = 0.0
-    while events or links.active():
-        flows = links.active()
+    while (flows := links.active()) or events:
         rate = links.rates(flows) if flows else {}
         t = min([now + f.left / rate[id(f)] for f in flows] + ([events[0][0]] if events else []))
         for f in flows:
