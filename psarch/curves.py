@@ -201,8 +201,9 @@ def loss_curves(runs: list[dict[str, Any]], out: Path, palette: Palette, axis: s
 
 def staleness_figure(runs: list[dict[str, Any]], palette: Palette) -> Any | None:
     """Each async run's staleness distribution as bars over integer staleness (fraction of its updates, so
-    that runs with different numbers of updates compare), runs side by side at each value; the x range ends
-    where every run has < 1% of its updates (the legend gives each maximum). None without staleness."""
+    that runs with different numbers of updates compare), runs side by side at each value; the x range ends at
+    the last value that holds 1% of some run's updates, and the axis label says what share lies beyond it
+    (tail_words; the legend gives each maximum). None without staleness."""
     hists = [(r, r["summary"]["staleness"]) for r in runs if r["summary"].get("staleness")]
     if not hists:
         return None
@@ -220,11 +221,20 @@ def staleness_figure(runs: list[dict[str, Any]], palette: Palette) -> Any | None
                label=f"{palette.name(run)} (mean {h.get('mean', 0):.2f}, max {max(f)})")
     ax.set_xlim(-0.5, right + 0.5)
     ax.xaxis.set_major_locator(MaxNLocator(integer=True))
-    ax.set_xlabel(f"staleness (server version at apply - version the gradient was computed on); beyond {right}: "
-                  "< 1% of every run's updates", fontsize=8)
+    ax.set_xlabel("staleness (server version at apply - version the gradient was computed on); "
+                  + tail_words(fracs, right), fontsize=8)
     ax.set_ylabel("fraction of updates")
     legend_beside(fig, [ax])
     return fig
+
+
+def tail_words(fracs: list[dict[int, float]], right: int) -> str:
+    """What the staleness axis leaves out beyond `right`, from each run's fractions of updates by staleness: the
+    largest share of one run's updates that lies beyond it (the values each hold little; together they may not)."""
+    tail = max(sum(v for k, v in f.items() if k > right) for f in fracs)
+    if tail == 0:
+        return "every update shown"
+    return f"beyond {right}: at most {tail:.2%} of a run's updates"
 
 
 def staleness(runs: list[dict[str, Any]], out: Path, palette: Palette) -> str | None:
