@@ -157,10 +157,37 @@ def default_out(run_dirs: list[str | Path]) -> Path:
     return Path("runs") / "compare" / joined
 
 
+def run_folders(paths: list[str | Path]) -> tuple[list[Path], list[str]]:
+    """The run folders these paths name: a run folder as given; a sweep folder (a folder of run folders, as
+    `psarch run` writes for a config with a [sweep]) as its finished points, in the sweep's order (sweep.json's,
+    else by name). Also one note per point left out (not finished), for the report."""
+    folders, left_out = [], []
+    for path in map(Path, paths):
+        if (path / "summary.json").is_file() or not path.is_dir():
+            folders.append(path)   # a run folder; anything else load_run refuses in one line
+            continue
+        listed = path / "sweep.json"
+        points = {p["name"]: p["status"] for p in json.loads(listed.read_text())} if listed.is_file() else \
+            {d.name: "no run" for d in sorted(path.iterdir()) if (d / "summary.json").is_file()}
+        if not points:
+            raise FileNotFoundError(f"{path}: neither a run folder (no summary.json) nor a sweep folder (no run "
+                                    "folders in it)")
+        for name, recorded in points.items():
+            summary = path / name / "summary.json"
+            status = json.loads(summary.read_text()).get("status", "finished") if summary.is_file() else recorded
+            if status == "finished":
+                folders.append(path / name)
+            else:
+                left_out.append(f"{path / name}: {status}")
+    return folders, left_out
+
+
 def compare(run_dirs: list[str | Path], out: str | Path, target_gap: float | None = None) -> Path:
-    """Write report.md and the plots for these runs into `out`; returns the report's path. `target_gap`: the
-    convergence table's target, absolute (default: half of the workload's initial gap)."""
-    runs = [load_run(Path(d)) for d in run_dirs]
+    """Write report.md and the plots for these runs (run folders, or sweep folders: run_folders) into `out`;
+    returns the report's path. `target_gap`: the convergence table's target, absolute (default: half of the
+    workload's initial gap)."""
+    folders, left_out = run_folders(run_dirs)
+    runs = [load_run(d) for d in folders]
     if not runs:
         raise ValueError("compare: no runs given")
     name_runs(runs)
@@ -181,6 +208,8 @@ def compare(run_dirs: list[str | Path], out: str | Path, target_gap: float | Non
     forks = [f"- {r['run_label']} started from {f['path']} (step {f['step']}, config sha256 "
              f"{f['config_sha256'][:12]})" for r in runs if (f := (r["config"] or {}).get("started_from"))]
     text += forks + [""] if forks else []
+    text += ["Left out of the sweep folders given (not finished):", ""] + [f"- {n}" for n in left_out] + [""] \
+        if left_out else []
     sparse = [r for r in runs if is_sparse_run(r)]
     if sparse:
         figures.append(embedding_scaling(sparse, out))

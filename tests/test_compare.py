@@ -99,6 +99,21 @@ def test_compare_warns_when_runs_are_not_comparable(sweep_run, tmp_path):
     assert "not directly comparable" in report and "global_batch: 8 vs 4" in report
 
 
+def test_compare_takes_a_sweep_folder_as_its_finished_points(sweep_run, tmp_path):
+    """`psarch compare runs/<sweep>`: the sweep's run folders in its order; the failed points named as left out."""
+    from psarch.cli import main
+
+    root, _ = sweep_run
+    assert main(["compare", str(root / "out"), "--out", str(tmp_path / "cmp")]) == 0
+    report = (tmp_path / "cmp" / "report.md").read_text()
+    rows = [line.split(" | ")[0][2:] for line in report.split("## ")[0].splitlines() if line.startswith("| ")]
+    assert rows[1:] == ["single", "ddp-commring", "ddp-commnative"], rows
+    for name in ("single", "ddp-commring", "ddp-commnative"):
+        assert f"factoryfactories_fails_at_step_2-{name}: failed" in report
+    (tmp_path / "empty").mkdir()
+    assert main(["compare", str(tmp_path / "empty"), "--out", str(tmp_path / "c2")]) == 2
+
+
 @pytest.fixture(scope="module")
 def async_run(sweep_run):
     """A parameter-server async run on the sweep's workload: server traffic and a staleness histogram."""
