@@ -136,6 +136,10 @@ class Config:
     label: str = _f("", "a run's name in reports and plots; default: its folder")
     seed: int = _f(0, "global seed: model init and every step's global batch derive from it", min=0)
     out: str = _f("", "run folder (default: runs/<name>)")
+    convergence_target: float = _f(0.1, "psarch compare's convergence target (changes no run): a run has reached it "
+                                   "once its 10-step mean gap to the entropy floor falls below this fraction of "
+                                   "its workload's initial gap (compare --target-gap gives an absolute gap instead)",
+                                   min=0.001, max=1.0)
     workload: WorkloadConfig = _sub(WorkloadConfig)
     train: TrainConfig = _sub(TrainConfig)
     backend: Any = _sub(backend_config_class, CoreBackendConfig.__doc__)
