@@ -13,9 +13,9 @@ from psarch.compare_links import links_table
 from psarch.compare_ranks import has_per_rank, rank_table
 from psarch.compare_sparse import embedding_scaling, is_sparse_run, sparse_table
 from psarch.curves import diverged
-from psarch.runs import (label, load_run, name_runs, predicted_rank0_memory, predicted_worker_sent,
-                         server_received_per_step, step_clock, target_gaps, target_words, trailing_mean,
-                         worker_sent_per_step)
+from psarch.runs import (fraction_of, label, load_run, name_runs, predicted_rank0_memory, predicted_worker_sent,
+                         server_received_per_step, step_clock, target_fraction, target_gaps, target_words,
+                         trailing_mean, worker_sent_per_step)
 from psarch.seeds import interval, seed_groups
 from psarch.throughput import LOCKSTEP, OWN_PACE
 from psarch.units import fmt_bytes
@@ -30,7 +30,7 @@ def comparability_warnings(runs: list[dict[str, Any]]) -> list[str]:
         w = c.get("workload", {})
         return {"workload": s.get("workload"), "params": s.get("params"), "global_batch": s.get("global_batch"),
                 "seq_len": w.get("seq_len"), "data": w.get("markov") if w.get("data") == "markov" else w.get("text"),
-                "seed": c.get("seed")}
+                "seed": c.get("seed"), "convergence_target": fraction_of(run)}
 
     ref = key(runs[0])
     for run in runs[1:]:
@@ -78,7 +78,9 @@ def convergence(runs: list[dict[str, Any]], absolute: float | None = None, last:
     """How fast each run converged, in Markdown: the gap to the entropy floor as the mean of the last
     `last` steps (one small batch's loss is too noisy to rank runs by), the target gap (`absolute`, else half
     of its workload's initial gap: runs.target_gaps), and the first step and wall-clock time of steps at which
-    the `window`-step mean gap fell below it. Runs without a floor say so; empty when no run has one."""
+    the `window`-step mean gap fell below it. Runs without a floor say so; empty when no run has one.
+    The default target is a fraction of the initial gap (the config key convergence_target) that the modes reach
+    at different steps: most of the initial gap goes in the first steps of every mode alike."""
     if all(r["summary"].get("entropy_floor") is None or not r["metrics"] for r in runs):
         return ""
     lines = [f"| run | N | gap, mean of last {last} steps | target gap | steps to target | time to target (s) | "
@@ -184,16 +186,16 @@ def run_folders(paths: list[str | Path]) -> tuple[list[Path], list[str]]:
 
 def compare(run_dirs: list[str | Path], out: str | Path, target_gap: float | None = None) -> Path:
     """Write report.md and the plots for these runs (run folders, or sweep folders: run_folders) into `out`;
-    returns the report's path. `target_gap`: the convergence table's target, absolute (default: half of the
-    workload's initial gap)."""
+    returns the report's path. `target_gap`: the convergence table's target, absolute (default: the runs'
+    convergence_target x the workload's initial gap)."""
     folders, left_out = run_folders(run_dirs)
     runs = [load_run(d) for d in folders]
     if not runs:
         raise ValueError("compare: no runs given")
     name_runs(runs)
     if target_gap is not None and not (math.isfinite(target_gap) and target_gap > 0):
-        raise ValueError(f"--target-gap {target_gap:g}: must be a number > 0 (or left out: half of the workload's "
-                         "initial gap)")
+        raise ValueError(f"--target-gap {target_gap:g}: must be a number > 0 (or left out: the runs' "
+                         "convergence_target x the workload's initial gap)")
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     figures = plots.all_plots(runs, out)
@@ -239,7 +241,8 @@ def compare(run_dirs: list[str | Path], out: str | Path, target_gap: float | Non
         initial = (" (the first step's loss less the floor, of a run of that workload from step 0, in lockstep "
                    "where there is one)") if target_gap is None else ""
         text += ["## Convergence", "", conv, "", "Steps and time (summed step times) until the 10-step mean gap to "
-                 f"the entropy floor first fell below the target gap, {target_words(target_gap)}{initial}.", ""]
+                 f"the entropy floor first fell below the target gap, {target_words(target_gap, target_fraction(runs))}"
+                 f"{initial}.", ""]
     text += [f"![{name}]({name}.png)" for name in figures]
     report = out / "report.md"
     report.write_text("\n".join(text) + "\n")

@@ -18,7 +18,7 @@ SYNC = "synchronous"
 DIVERGE_FACTOR = 2.0   # a curve that ends above this times its start (in distance from zero) diverged
 DIVERGED_RULE = f"diverged: a loss not finite, or the curve ends above {DIVERGE_FACTOR:g}x its start"
 # keys that change neither the data nor the optimisation: runs alike but for these train the same model
-NOT_TRAINING = ("name", "label", "out", "backend", "cluster")
+NOT_TRAINING = ("name", "label", "out", "backend", "cluster", "convergence_target")
 
 
 def panel_of(run: dict[str, Any]) -> str:

@@ -2,6 +2,7 @@
 `estimate --from` all show (each computed here once)."""
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import json
 import statistics
@@ -14,7 +15,6 @@ from psarch.outputs import identity
 from psarch.runner import warmup_steps
 from psarch.theory import predict
 
-TARGET_FRACTION = 0.5   # the convergence target by default: this fraction of a workload's initial gap
 
 
 def load_run(path: str | Path) -> dict[str, Any]:
@@ -146,8 +146,20 @@ def workload_of(run: dict[str, Any]) -> str:
     return (run["config"].get("workload") or {}).get("factory") or run["summary"].get("workload") or "?"
 
 
+def fraction_of(run: dict[str, Any]) -> float:
+    """The run's config key `convergence_target` (its default where the run predates it)."""
+    default = next(f.default for f in dataclasses.fields(Config) if f.name == "convergence_target")
+    return (run["config"] or {}).get("convergence_target", default)
+
+
+def target_fraction(runs: list[dict[str, Any]]) -> float:
+    """The fraction of the initial gap a report's target is: the first run's convergence_target (one for the
+    report; compare warns where runs set another)."""
+    return fraction_of(runs[0]) if runs else fraction_of({"config": {}})
+
+
 def target_gaps(runs: list[dict[str, Any]], absolute: float | None = None) -> list[float | None]:
-    """The gap each run must fall below to count as converged: `absolute` where given, else TARGET_FRACTION of
+    """The gap each run must fall below to count as converged: `absolute` where given, else target_fraction of
     its workload's initial gap, so that the target means as much on every workload and is one for all runs
     of a workload. The initial gap: the first step's loss less the floor, of a run that starts at step 0,
     in lockstep where there is one (its first step is the initial model's loss on the whole global batch).
@@ -162,9 +174,12 @@ def target_gaps(runs: list[dict[str, Any]], absolute: float | None = None) -> li
             start.setdefault(key(run), run["metrics"][0]["loss"] - key(run)[1])
     if absolute is not None:
         return [absolute if key(r) in start else None for r in runs]
-    return [TARGET_FRACTION * start[key(r)] if key(r) in start else None for r in runs]
+    fraction = target_fraction(runs)
+    return [fraction * start[key(r)] if key(r) in start else None for r in runs]
 
 
-def target_words(absolute: float | None) -> str:
-    """How a report states its convergence target."""
-    return f"{absolute:g}" if absolute is not None else f"{TARGET_FRACTION:g} x the workload's initial gap"
+def target_words(absolute: float | None, fraction: float | None = None) -> str:
+    """How a report states its convergence target (`fraction`: target_fraction's, else the key's default)."""
+    if absolute is not None:
+        return f"{absolute:g}"
+    return f"{fraction if fraction is not None else fraction_of({'config': {}}):g} x the workload's initial gap"

@@ -9,8 +9,9 @@ import statistics
 from dataclasses import dataclass
 from typing import Any
 
-# config keys that do not change what a run is, besides its seed: its name, folder, display label, provenance
-NOT_THE_RUN = ("seed", "name", "out", "label", "started_from")
+# config keys that do not change what a run is, besides its seed: its name, folder, display label, provenance,
+# the target its report measures it against
+NOT_THE_RUN = ("seed", "name", "out", "label", "started_from", "convergence_target")
 
 # Student's t, two-sided 95%, by degrees of freedom (n - 1); 1.96 beyond the table
 _T975 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306, 9: 2.262, 10: 2.228,

@@ -188,9 +188,17 @@ def test_async_samples_per_s_is_the_sum_of_each_workers_own_rate(async_run, tmp_
     assert f"| old | ps async, 1 server | 2 | {own:.1f} |" in report and f"{OWN_PACE} where they run at" in report
 
 
+def fake_dlrm(name: str, losses: list[float], floor: float | None, lockstep: bool = True, **config) -> dict:
+    """A run as compare holds it: a dlrm-like workload's losses, 0.5 s a step."""
+    return {"run_label": name, "config": {"workload": {"model": "dlrm"}, **config},
+            "summary": {"world_size": 2, "entropy_floor": floor, "workload": "dlrm/clicks", "lockstep": lockstep,
+                        "label": "ddp ring"},
+            "metrics": [{"step": i, "loss": v, "step_time_s": 0.5} for i, v in enumerate(losses)]}
+
+
 def test_the_convergence_target_is_relative_to_each_workloads_start_unless_given():
     """A workload whose initial gap is 0.24 (dlrm's) reaches an absolute 0.25 at step 1; by default its target
-    is half its initial gap, one for every run of it. A run without a floor is named, not dropped."""
+    is convergence_target's 0.1 of its initial gap, one for every run of it. A run without a floor is named."""
     from psarch.compare import convergence
 
     def fake(name: str, losses: list[float], floor: float | None, lockstep: bool = True) -> dict:
@@ -201,12 +209,31 @@ def test_the_convergence_target_is_relative_to_each_workloads_start_unless_given
     runs = [fake("async", [0.64] + falling[1:], 0.42, lockstep=False), fake("ring", falling, 0.42),
             fake("mine", falling, None)]
     rows = {line.split(" | ")[0][2:]: line.split(" | ") for line in convergence(runs).splitlines()[2:]}
-    # ring's first loss sets the target for both: 0.5 x (0.66 - 0.42) = 0.12; the 10-step mean gap after index
-    # k >= 9 is 0.24 - 0.01 (k - 4.5), first below 0.12 at k = 17: step 18, 18 x 0.5 s
-    assert rows["ring"][3] == rows["async"][3] == "0.1200" and rows["ring"][4] == "18" and rows["ring"][5] == "9.00"
+    # ring's first loss sets the target for both: 0.1 x (0.66 - 0.42) = 0.024; the 10-step mean gap after index
+    # k >= 9 is 0.24 - 0.01 (k - 4.5), first below 0.024 at k = 27: step 28, 28 x 0.5 s
+    assert rows["ring"][3] == rows["async"][3] == "0.0240" and rows["ring"][4] == "28" and rows["ring"][5] == "14.00"
     assert rows["mine"][2] == "no entropy floor"
     absolute = {line.split(" | ")[0][2:]: line.split(" | ") for line in convergence(runs, 0.25).splitlines()[2:]}
     assert absolute["ring"][3] == "0.2500" and absolute["ring"][4] == "1"
+
+
+def test_the_config_key_convergence_target_sets_the_reports_target():
+    """convergence_target = 0.25: a quarter of the initial gap, 0.06, which the 10-step mean gap
+    0.24 - 0.01 (k - 4.5) first falls below at k = 23 (step 24); the words under the table say which fraction; runs that set
+    another are named as not comparable."""
+    from psarch.compare import convergence, comparability_warnings
+    from psarch.config import ConfigError, from_dict
+    from psarch.runs import target_words
+
+    assert from_dict({"convergence_target": 0.5}).convergence_target == 0.5
+    with pytest.raises(ConfigError, match="convergence_target = 0.0: must be >= 0.001"):
+        from_dict({"convergence_target": 0.0})
+    falling = [0.66 - 0.01 * i for i in range(30)]
+    runs = [fake_dlrm("ring", falling, 0.42, convergence_target=0.25), fake_dlrm("ddp", falling, 0.42)]
+    rows = {line.split(" | ")[0][2:]: line.split(" | ") for line in convergence(runs).splitlines()[2:]}
+    assert rows["ring"][3] == rows["ddp"][3] == "0.0600" and rows["ring"][4] == "24" and rows["ring"][5] == "12.00"
+    assert target_words(None, 0.25) == "0.25 x the workload's initial gap"
+    assert any("convergence_target: 0.1 vs 0.25" in w for w in comparability_warnings(runs))
 
 
 def test_compare_refuses_a_target_gap_that_is_not_positive(async_run, tmp_path, capsys):
