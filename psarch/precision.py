@@ -62,12 +62,22 @@ class LossScaler:
 def has_inf_or_nan(tensors: Iterable[torch.Tensor]) -> torch.Tensor:
     """A 0-dim float tensor: 1.0 if any element of any tensor is inf or nan (stays on device, no sync).
 
-    One foreach max-norm over all tensors (nan and inf propagate through it), not a check per tensor."""
+    One foreach max-norm over all tensors (nan and inf propagate through it), not a check per tensor
+    (torch._foreach_norm is private: the one fused multi-tensor norm torch has)."""
     tensors = [t for t in tensors if t.numel()]
     if not tensors:
         return torch.zeros(())
     norms = torch._foreach_norm(tensors, float("inf"))
     return (~torch.isfinite(torch.stack(norms))).any().float()
+
+
+def step_if_finite(optimizer: torch.optim.Optimizer, grads: Iterable[torch.Tensor]) -> bool:
+    """A plain torch optimizer's step unless a gradient holds inf/nan: the check MixedPrecisionOptimizer
+    makes, for the torch peers that step torch's own optimizers. Returns True if the step was skipped."""
+    if bool(has_inf_or_nan(grads).item()):
+        return True
+    optimizer.step()
+    return False
 
 
 class MasterWeights:
@@ -134,7 +144,9 @@ class MixedPrecisionOptimizer:
     """An optimizer over fp32 masters of model tensors, with dynamic loss scaling for fp16.
 
     Backends hand it the (already synchronised) gradients of the tensors they own; it skips the step
-    when any gradient is inf/nan (the caller passes `found_inf` when only a global check is valid)."""
+    when any gradient is inf/nan (the caller passes `found_inf` when only a global check is valid). In
+    every precision: fp16 skips such steps by design; in fp32/bf16 a skipped step is a refused one, which
+    the runner turns into a NonFiniteGradient, so a model is never written with inf/nan."""
 
     def __init__(self, model_tensors: Sequence[torch.Tensor], train_cfg, precision: str, fused: bool = True) -> None:
         self.master = MasterWeights(model_tensors)
@@ -143,8 +155,8 @@ class MixedPrecisionOptimizer:
 
     def step(self, grads: Sequence[torch.Tensor], found_inf: bool | None = None) -> bool:
         """Unscale, step, write back to the model tensors. Returns True if the step was skipped."""
-        if found_inf is None:
-            found_inf = self.scaler.enabled and bool(has_inf_or_nan(grads).item())
+        if found_inf is None:   # one fused check over all gradients, one host sync per step
+            found_inf = bool(has_inf_or_nan(grads).item())
         if not found_inf:
             self.master.set_grads(grads, 1.0 / self.scaler.scale)
             self.optimizer.step()

@@ -18,7 +18,7 @@ from psarch.cluster.stragglers import Straggler, pacer, slowed
 from psarch.cluster.window import StepMarks
 from psarch.config import Config
 from psarch.dist import DistContext
-from psarch.errors import check_loss
+from psarch.errors import check_gradients, check_loss
 from psarch.precision import compute_dtype
 from psarch.records import RankRecord, StepRecord
 from psarch.trainer import StepStats, Trainer
@@ -39,6 +39,13 @@ def to_device(batch: Any, device: torch.device, dtype: torch.dtype | None = None
     if isinstance(batch, dict):
         return {k: to_device(v, device, dtype) for k, v in batch.items()}
     return batch
+
+
+def non_finite_grads(model: torch.nn.Module) -> list[str]:
+    """The parameters whose `.grad` holds inf/nan, where a backend keeps gradients on the model's parameters
+    (single, ddp: views into its flat buffer); none where it keeps them elsewhere (shards, stages)."""
+    return [n for n, p in model.named_parameters()
+            if type(p.grad) is torch.Tensor and not bool(torch.isfinite(p.grad).all())]   # not a DTensor
 
 
 def warmup_steps(cfg: Config) -> int:
@@ -130,8 +137,8 @@ def run_rank(cfg: Config, ctx: DistContext, workload: Workload | None = None, ec
 def _steps(loop: StepLoop, steps: range, records: list[StepRecord], stream: TextIO | None,
            slow: Straggler | VirtualDevice | CallDevice | None, marks: StepMarks | None, log: "_Progress",
            save: Callable[[int, list[StepRecord]], None]) -> None:
-    """The step loop: each step's record appended (and streamed) before its loss is checked, so the
-    metrics keep a bad step; progress lines and checkpoints between steps. Times are the cluster's: the
+    """The step loop: each step's record appended (and streamed) before its loss and its update are checked,
+    so the metrics keep a bad step; progress lines and checkpoints between steps. Times are the cluster's: the
     wall clock / cluster.dilation (1 but on an emulated cluster of virtual devices)."""
     trainer, rank, d = loop.trainer, loop.ctx.rank, dilation(loop.cfg)
     last = trainer.traffic()  # set-up traffic (e.g. the initial broadcast) is not any step's
@@ -152,7 +159,10 @@ def _steps(loop: StepLoop, steps: range, records: list[StepRecord], stream: Text
         last = tr
         if stream is not None:
             stream.write(json.dumps(records[-1]) + "\n")
-        check_loss(step, rank, stats.loss, stats.skipped)
+        scaling = loop.cfg.train.precision == "fp16"   # only fp16's loss scaling skips steps by design
+        check_loss(step, rank, stats.loss, stats.skipped and scaling)
+        check_gradients(step, rank, stats.loss, stats.skipped and not scaling,
+                        lambda: non_finite_grads(loop.workload.model))
         log.after(step, records, stats)
         save(step + 1, records)
     if marks is not None:

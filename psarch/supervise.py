@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from psarch import outputs
-from psarch.errors import NON_FINITE_EXIT, RunError
+from psarch.errors import NON_FINITE_EXIT, NonFiniteGradient, RunError
 from psarch.lifecycle import ended
 
 ECHO_GRACE_S = 2.0  # how long the launcher waits, after a rank fails, for its peers' errors before it names one
@@ -41,12 +41,14 @@ def read_error(out: Path, rank: int) -> dict[str, Any] | None:
 
 def root_cause(out: Path, failed: dict[int, int]) -> int:
     """Of several failed ranks ({rank: exit code}), the one whose error caused the others': a non-finite
-    loss (in ddp/zero the all-reduce spreads it), then an error that is not a peer's echo, then the
-    earliest; among those, a rank that left no record (killed) comes first."""
-    def key(rank: int) -> tuple[bool, bool, int]:
+    loss (in ddp/zero the all-reduce spreads it, and its peers' refused non-finite gradients echo it), then
+    non-finite gradients, then an error that is not a peer's echo, then the earliest; among those, a rank
+    that left no record (killed) comes first."""
+    def key(rank: int) -> tuple[bool, bool, bool, int]:
         rec = read_error(out, rank)
         echo = rec is not None and any(e in rec["error"].lower() for e in _PEER_ECHOES)
-        return (failed[rank] != NON_FINITE_EXIT, echo, rec["failed_at_ns"] if rec is not None else -1)
+        grads = rec is not None and rec["error"].startswith(NonFiniteGradient.__name__)
+        return (failed[rank] != NON_FINITE_EXIT, grads, echo, rec["failed_at_ns"] if rec is not None else -1)
     return min(failed, key=key)
 
 

@@ -25,6 +25,7 @@ from psarch.config import Config
 from psarch.dist import DistContext
 from psarch.meters import TrafficMeter, local, optimizer_state_bytes, peak_memory, tensor_bytes, torch_memory
 from psarch.optim import build_optimizer
+from psarch.precision import step_if_finite
 from psarch.single import consolidated_state
 from psarch.trainer import MemoryReport, StepStats, Trainer, TrafficReport
 from psarch.workload import Workload
@@ -62,11 +63,12 @@ class TorchZeroTrainer(Trainer):
             p.grad = None
         loss = self.loss_fn(self.model, batch)
         loss.backward()        # DDP all-reduces (averages) the gradients during backward
-        self.optim.step()      # local step on this rank's parameters, then each rank broadcasts its own
+        # local step on this rank's parameters, then each rank broadcasts its own
+        skipped = step_if_finite(self.optim, [p.grad for p in self.params if p.grad is not None])
         n = self.ctx.world_size
         self.meter.add("all_reduce", 2 * (n - 1) * self.payload // n, 2 * (n - 1) * self.payload // n)
         self.meter.add("broadcast", (n - 1) * self.payload // n, (n - 1) * self.payload // n)
-        return StepStats(float(loss.item()))
+        return StepStats(float(loss.item()), skipped=skipped)
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         return consolidated_state(self.model.module, {}) if self.ctx.rank == 0 else {}
@@ -143,11 +145,11 @@ class TorchFSDPTrainer(Trainer):
         self.optim.zero_grad(set_to_none=True)
         loss = self.loss_fn(self.model, batch)
         loss.backward()        # FSDP reduce-scatters (averages) gradients per unit during backward
-        self.optim.step()
+        skipped = step_if_finite(self.optim, [local(p.grad) for p in self.params if p.grad is not None])
         n, s = self.ctx.world_size, self.payload
         self.meter.add("all_gather", 2 * (n - 1) * s // n, 2 * (n - 1) * s // n, calls=2)
         self.meter.add("reduce_scatter", (n - 1) * s // n, (n - 1) * s // n)
-        return StepStats(float(loss.item()))
+        return StepStats(float(loss.item()), skipped=skipped)
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """Each tensor gathered in turn (a collective); rank 0 keeps the fp32 copies."""

@@ -84,7 +84,9 @@ class ZeroTrainer(Trainer):
         t0 = time.perf_counter()
         self.engine.reduce_gradients()
         grads = self.engine.grad_shards()
-        found_inf = self._found_inf_anywhere(grads) if self.optim.scaler.enabled else False
+        # fp32/bf16: None, the optimizer checks this rank's chunks; a rank whose chunk holds inf/nan refuses
+        # the step and stops the run, its peers then fail waiting for it (no flag crosses the wire)
+        found_inf = self._found_inf_anywhere(grads) if self.optim.scaler.enabled else None
         skipped = self.optim.step(grads, found_inf=found_inf)
         if not skipped and self.stage < 3:
             self.engine.gather_params()

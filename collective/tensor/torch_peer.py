@@ -28,6 +28,7 @@ from psarch.config import Config
 from psarch.dist import DistContext
 from psarch.meters import TrafficMeter, local, torch_memory
 from psarch.optim import build_optimizer
+from psarch.precision import step_if_finite
 from psarch.trainer import MemoryReport, StepStats, Trainer, TrafficReport
 from psarch.workload import Workload, next_token_loss
 
@@ -113,9 +114,9 @@ class TorchTensorTrainer(Trainer):
             dist.all_reduce(flat, group=self.dp_group)
             for g, avg in zip(grads, torch._utils._unflatten_dense_tensors(flat, grads)):
                 g.copy_(avg)
-        self.optim.step()
+        skipped = step_if_finite(self.optim, [local(p.grad) for p in self.params if p.grad is not None])
         self.meter.add("all_reduce", int(self.sent), int(self.sent))
-        return StepStats(float(local(loss).item()))
+        return StepStats(float(local(loss).item()), skipped=skipped)
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """Each parameter gathered in turn (a collective in every tensor-parallel group); qkv rows put back in
