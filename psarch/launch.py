@@ -86,6 +86,8 @@ def run(cfg: Config, out: str | Path | None = None, echo: bool = True, resume: b
         _keep_finished_steps(out_dir, cfg, e)
         raise
     recorded = {k: v for k, v in (("cluster", cluster), ("started_from", cfg.started_from)) if v}
+    if not outputs.has_records(out_dir):   # every worker lost: what the servers measured, and the steps streamed
+        raise RunError(outputs.finalize_lost(out_dir, cfg, dict(extra, **recorded)))
     return outputs.finalize(out_dir, cfg, dict(extra, **recorded), echo)
 
 
@@ -222,7 +224,8 @@ def _spawn(job: RankJob, spec: BackendSpec, where: Placement, services: Services
         for r, p in enumerate(procs):
             with where.node("worker", r):
                 p.start()
-        supervise.watch(procs, out, lost, services.check if services is not None else lambda: None)
+        supervise.watch(procs, out, lost, services.check if services is not None else lambda: None,
+                        cfg.backend.timeout_s)
     finally:
         supervise.stop(procs)
 

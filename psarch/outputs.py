@@ -101,16 +101,31 @@ def _write_metrics(out: Path, per_rank: list[list[StepRecord]]) -> list[dict[str
     return rows
 
 
-def finalize_stopped(out: Path, cfg: Config, status: str, error: str) -> dict[str, Any]:
+def has_records(out: Path) -> bool:
+    """Whether some rank left its record (finalize needs one)."""
+    return any((out / RANKS_DIR).glob("rank*.json"))
+
+
+def finalize_stopped(out: Path, cfg: Config, status: str, error: str, extra: dict[str, Any] | None = None
+                     ) -> dict[str, Any]:
     """A run that failed or was interrupted: metrics.jsonl with every step some rank finished, and a
-    summary.json that says so, with the error's first line."""
+    summary.json that says so, with the error's first line (and `extra`, what the services measured)."""
     streams = sorted((out / RANKS_DIR).glob("rank*.jsonl"), key=lambda p: int(p.stem[4:]))
     rows = _write_metrics(out, [_streamed_steps(out, int(p.stem[4:])) for p in streams])
     summary = {"name": cfg.name, "status": status, "error": error.strip().splitlines()[0] if error.strip() else "",
                **identity(cfg), "steps": len(rows), "steps_planned": cfg.train.steps,
-               "final_loss": rows[-1]["loss"] if rows else None}
+               "final_loss": rows[-1]["loss"] if rows else None, **(extra or {})}
     (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     return summary
+
+
+def finalize_lost(out: Path, cfg: Config, extra: dict[str, Any]) -> str:
+    """A mode that goes on without lost workers lost them all: a summary that says so (status failed, the lost
+    workers, what the services measured) and metrics.jsonl with every step streamed; returns the error."""
+    lost = extra.get("lost_workers") or []
+    error = "every worker was lost: " + "; ".join(w["error"] for w in lost) if lost else "no rank left a record"
+    finalize_stopped(out, cfg, "failed", error, extra)
+    return error
 
 
 def identity(cfg: Config) -> dict[str, Any]:

@@ -2,7 +2,10 @@
 error that caused it (not a peer's echo of it), and nothing is left running.
 
 Each rank writes `ranks/rank<R>.error` when it fails (its first line, traceback, and when, on this machine's
-monotonic clock); a rank that left none was killed, and the launcher says by what where it can tell."""
+monotonic clock); a rank that left none was killed, and the launcher says by what where it can tell.
+
+Every wait is bounded: once some rank has ended, a rank that streams no step and uses no CPU for
+backend.timeout_s (stopped by SIGSTOP, hung) is killed, named in its error record and on stderr (psarch.stalls)."""
 from __future__ import annotations
 
 import json
@@ -15,6 +18,7 @@ from typing import Any, Callable
 from psarch import outputs
 from psarch.errors import NON_FINITE_EXIT, NonFiniteGradient, RunError
 from psarch.lifecycle import ended
+from psarch.stalls import Stalls, stopped
 
 ECHO_GRACE_S = 2.0  # how long the launcher waits, after a rank fails, for its peers' errors before it names one
 
@@ -60,11 +64,13 @@ def rank_error(out: Path, rank: int, code: int | None) -> str:
     return f"rank {rank} {ended(code)} before it could report an error"
 
 
-def watch(procs: list, out: Path, lost: Callable[[list[int]], bool] | None, check: Callable[[], None]) -> None:
+def watch(procs: list, out: Path, lost: Callable[[list[int]], bool] | None, check: Callable[[], None],
+          timeout_s: float) -> None:
     """Wait until every rank has exited. A failed rank stops the run with a RunError naming the root cause,
     unless `lost(ranks)` takes the failed ranks as lost workers (the run goes on); `check()` raises when a
-    service failed."""
+    service failed. A rank that makes no progress for `timeout_s` once another has ended is killed."""
     alive = list(procs)
+    stalls = Stalls(procs, out, timeout_s)
     while alive:
         wait([p.sentinel for p in alive], timeout=0.5)
         failed = _reap(alive, procs)
@@ -75,8 +81,16 @@ def watch(procs: list, out: Path, lost: Callable[[list[int]], bool] | None, chec
                 wait([p.sentinel for p in alive], timeout=max(0.0, deadline - time.monotonic()))
                 failed += _reap(alive, procs)
             first = root_cause(out, {r: procs[r].exitcode for r in failed})
-            raise RunError(rank_error(out, first, procs[first].exitcode))
+            raise RunError(_stopped_peer(procs, alive) + rank_error(out, first, procs[first].exitcode))
         check()
+        stalls.kill_stalled(alive)
+
+
+def _stopped_peer(procs: list, alive: list) -> str:
+    """Where a rank that is still alive is stopped (SIGSTOP), it is the cause its failed peers waited on."""
+    held = [procs.index(p) for p in alive if stopped(p.pid)]
+    return (f"rank {held[0]} (pid {procs[held[0]].pid}) is stopped (SIGSTOP?); its peers failed waiting for it: "
+            if held else "")
 
 
 def stop(procs: list) -> None:
