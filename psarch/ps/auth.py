@@ -8,9 +8,10 @@
 - "auto": PLAIN when the servers bind loopback, CURVE when they bind an address other machines reach.
 - "none": no handshake check at all; loopback only.
 Runs that start their own servers (`psarch run`) make fresh credentials per run in a private temporary
-folder (0700, files 0600) unless backend.keys names a folder; standalone servers (`psarch server`) need
-backend.keys. Credentials travel as that folder's path (never the secrets themselves, never a command
-line): each process reads only its own secret.
+folder (0700, files 0600; removed when the launcher ends, by any signal: psarch/ps/key_watch.py) unless
+backend.keys names a folder; standalone servers (`psarch server`) need backend.keys. Credentials travel as
+that folder's path (never the secrets themselves, never a command line): each process reads only its own
+secret.
 
 The ZAP handler runs in the server's own loop (one more socket in its poller). It binds each connection
 to a worker: ZAP's User-Id is the worker's number, so the server checks that every request names the
@@ -25,7 +26,6 @@ import ipaddress
 import os
 import secrets
 import shutil
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
@@ -35,6 +35,7 @@ import zmq.auth
 
 from psarch.ps import wire
 
+from psarch.ps.key_watch import KeyFolder
 ZAP_ENDPOINT = "inproc://zeromq.zap.01"
 DOMAIN = b"psarch"
 KEYGEN_HINT = "run `psarch keygen DIR --workers N --servers S`, copy DIR to every machine and set backend.keys = \"DIR\""
@@ -93,9 +94,10 @@ class Credentials:
         return Credentials(**d) if d else Credentials("none")
 
 
-def run_credentials(cfg: Any, host: str) -> tuple[Credentials, str | None]:
+def run_credentials(cfg: Any, host: str) -> tuple[Credentials, KeyFolder | None]:
     """Credentials for a run that starts its own servers; the second value is a temporary folder to
-    remove when the servers stop (None when backend.keys names the folder)."""
+    remove when the servers stop (None when backend.keys names the folder), removed by its watcher should
+    the launcher die first (psarch/ps/key_watch.py)."""
     b = cfg.backend
     mech = mechanism(b.auth, host)
     if mech == "none":
@@ -103,9 +105,9 @@ def run_credentials(cfg: Any, host: str) -> tuple[Credentials, str | None]:
     if b.keys:
         check_folder(b.keys, mech, b.world_size, b.servers)
         return Credentials(mech, str(b.keys)), None
-    tmp = tempfile.mkdtemp(prefix="psarch-keys-")   # mode 0700
-    keygen(tmp, b.world_size, b.servers)
-    return Credentials(mech, tmp), tmp
+    tmp = KeyFolder()   # mode 0700
+    keygen(tmp.path, b.world_size, b.servers)
+    return Credentials(mech, tmp.path), tmp
 
 
 def max_frame(held: int | None) -> int:
@@ -137,8 +139,11 @@ def check_folder(folder: str | Path, mech: str, workers: int, servers: int) -> N
             raise AuthError(f"backend.keys = {str(folder)!r}: no {name} there; {KEYGEN_HINT}")
 
 
-def remove(folder: str | None) -> None:
-    if folder:
+def remove(folder: KeyFolder | str | None) -> None:
+    """Remove a run's credential folder (and end its watcher)."""
+    if isinstance(folder, KeyFolder):
+        folder.remove()
+    elif folder:
         shutil.rmtree(folder, ignore_errors=True)
 
 
