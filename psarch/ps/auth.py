@@ -34,8 +34,8 @@ import zmq
 import zmq.auth
 
 from psarch.ps import wire
-
 from psarch.ps.key_watch import KeyFolder
+
 ZAP_ENDPOINT = "inproc://zeromq.zap.01"
 DOMAIN = b"psarch"
 KEYGEN_HINT = "run `psarch keygen DIR --workers N --servers S`, copy DIR to every machine and set backend.keys = \"DIR\""
