@@ -1,7 +1,10 @@
 """psarch: one workload under a parameter server, collective DDP and ZeRO, measured side by side."""
 from psarch.config import Config, ConfigError, load_config
-from psarch.trainer import MemoryReport, StepStats, Trainer, TrafficReport
-from psarch.workload import Workload
+
+# torch-backed names are imported when first used: `psarch keys`, `--help` and a config error answer without
+# importing torch (seconds on a quiet machine)
+_LAZY = {"MemoryReport": "psarch.trainer", "StepStats": "psarch.trainer", "Trainer": "psarch.trainer",
+         "TrafficReport": "psarch.trainer", "Workload": "psarch.workload"}
 
 __all__ = ["Config", "ConfigError", "load_config", "run", "Workload", "Trainer", "StepStats",
            "MemoryReport", "TrafficReport"]
@@ -17,3 +20,11 @@ def run(config, out=None, overrides=None, echo: bool = True) -> dict:
         from psarch.config import apply_overrides, from_dict
         cfg = from_dict(apply_overrides(config.to_dict(), overrides), config.name)
     return _run(cfg, out, echo)
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        import importlib
+
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'psarch' has no attribute {name!r}")

@@ -45,6 +45,8 @@ class TrainConfig:
     warmup_steps: int = _f(-1, "steps left out of timing medians (-1: min(5, steps // 5))", min=-1)
     checkpoint_every: int = _f(0, "write a checkpoint under <run>/checkpoints/ every this many steps (0: never)", min=0)
     keep_checkpoints: int = _f(0, "keep only the newest this many checkpoints (0: all)", min=0)
+    tensorboard: bool = _f(False, "also write each progress line's loss, samples/s and bytes sent as TensorBoard "
+                                  "scalars under <run>/tensorboard/ (pip install psarch[tensorboard])")
 
 
 @dataclass

@@ -1,7 +1,8 @@
 """`psarch estimate`: the analytic model, no processes.
 
 Memory per device for DDP and ZeRO 1-3 (the ZeRO paper's Tables 1 and 2), traffic per step for every
-architecture, and an alpha-beta step-time model from 1 to 1,024 workers. GB here is 1e9 bytes.
+architecture, and an alpha-beta step-time model from 1 to 1,024 workers. Sizes are decimal (a GB is 1e9
+bytes, as the paper's), each table in the unit its largest figure reads in, to 3 significant figures.
 """
 from __future__ import annotations
 
@@ -112,12 +113,44 @@ def measured_compute(summary: dict) -> float:
 WORLDS = [1, 4, 16, 64, 256, 1024]
 
 
-def _gb(x: float) -> str:
-    return f"{x / 1e9:.3g}" if x < 1e11 else f"{x / 1e9:.0f}"
+SIZES = (("B", 1.0), ("KB", 1e3), ("MB", 1e6), ("GB", 1e9), ("TB", 1e12))   # decimal, as the ZeRO paper's GB
+TIMES = (("us", 1e-6), ("ms", 1e-3), ("s", 1.0))
+
+
+def size_unit(values: list[float]) -> tuple[str, float]:
+    """The unit a table of byte counts is printed in: the largest whose scale its largest value reaches, so
+    that every cell reads with 3 significant figures (a run of 4,000 parameters in KB, a 7.5B model in GB)."""
+    return _unit(values, SIZES)
+
+
+def _unit(values: list[float], units: tuple[tuple[str, float], ...]) -> tuple[str, float]:
+    top = max((abs(v) for v in values), default=0.0)
+    fits = [u for u in units if top >= u[1]]
+    return fits[-1] if fits else units[0]
+
+
+def _in(x: float, scale: float) -> str:
+    """x in a unit of `scale`, to 3 significant figures (0 as 0)."""
+    return f"{x / scale:.3g}" if x else "0"
+
+
+def fmt_size(x: float) -> str:
+    """One byte count for people: 3 significant figures in B, KB, MB, GB or TB (1e3 steps) by its magnitude."""
+    name, scale = size_unit([x])
+    return f"{_in(x, scale)} {name}"
+
+
+def fmt_time(t: float) -> str:
+    """Seconds for people: 3 significant figures in us, ms or s by their magnitude."""
+    name, scale = _unit([t], TIMES)
+    return f"{_in(t, scale)} {name}"
 
 
 def _params(x: float) -> str:
-    return f"{x / 1e12:.3g}T" if x >= 1e12 else f"{x / 1e9:.4g}B"
+    for suffix, scale in (("T", 1e12), ("B", 1e9), ("M", 1e6), ("k", 1e3)):
+        if x >= scale:
+            return f"{x / scale:.4g}{suffix}"
+    return f"{x:.0f}"
 
 
 def backend_rows(phi: float, world: int, precision: str, optimizer: str, options: dict) -> list[str]:
@@ -125,62 +158,92 @@ def backend_rows(phi: float, world: int, precision: str, optimizer: str, options
     rows = [r for spec in registry.specs() for r in spec.estimate_rows(phi, world, precision, optimizer, options)]
     if not rows:
         return []
+    unit, scale = size_unit([x for r in rows for x in (r["states"], r["sent"])])
     out = ["", f"== model parallelism at N = {world}: model states per device, gradient all-reduce per device, "
-               f"idle fraction", f"{'architecture':>40} {'states GB':>10} {'sends GB':>10} {'bubble':>7}"]
-    return out + [f"{r['label']:>40} {_gb(r['states']):>10} {_gb(r['sent']):>10} {r['bubble']:>7.3f}" for r in rows]
+               f"idle fraction", f"{'architecture':>40} {'states ' + unit:>10} {'sends ' + unit:>10} {'bubble':>7}"]
+    return out + [f"{r['label']:>40} {_in(r['states'], scale):>10} {_in(r['sent'], scale):>10} {r['bubble']:>7.3f}"
+                  for r in rows]
 
 
 def report(phi: float, world: int, precision: str = "bf16", optimizer: str = "adamw", servers: int = 1,
-           cluster: Cluster | None = None, budget: float = 32e9, measured: tuple[dict, Config] | None = None,
+           cluster: Cluster | None = None, budget: float | None = None, measured: tuple[dict, Config] | None = None,
            compute_from: str | None = None, options: dict | None = None,
            tensor: tuple[GPTShape, int] | None = None) -> str:
     """Everything `psarch estimate` prints; `measured` is a run's (summary, config), compared with the model
     at the end; `compute_from` names the run the cluster's compute time was measured in, if any; `options`
     the backend options asked for on the command line (a pipeline's stages and micro-batches: the rows
     BackendSpec.estimate_rows adds from Φ alone); `tensor` (a GPT's shape, the degree asked for): tensor
-    parallelism's rows, which need the shape (psarch.estimate_tensor)."""
+    parallelism's rows, which need the shape (psarch.estimate_tensor). The ZeRO paper's Table 2 (the largest
+    model a device `budget` holds, default 32 GB) is about models of billions of parameters: it is shown for a
+    Φ asked about, and for a measured run only when a budget is given."""
     c = cluster or Cluster()
-    payload = phi * theory.BYTES[precision]
-    out = [f"== model states per device, GB (1e9 bytes): Φ = {_params(phi)}, {precision} + {optimizer} "
+    out = _memory_lines(phi, world, precision, optimizer)
+    if budget is not None or measured is None:
+        out += _table2_lines(32e9 if budget is None else budget)
+    out += _traffic_lines(phi, world, precision, optimizer, servers)
+    out += backend_rows(phi, world, precision, optimizer, options or {})
+    out += _scaling_lines(phi, precision, servers, c, compute_from)
+    if tensor:
+        out += [""] + tensor_report(tensor[0], world, tensor[1], precision, optimizer)
+    if measured:
+        out += ["", measured_vs_model(*measured, c)]
+    return "\n".join(out) + "\n"
+
+
+def _memory_lines(phi: float, world: int, precision: str, optimizer: str) -> list[str]:
+    rows = memory_table(phi, sorted(set(WORLDS + [world])), precision, optimizer)
+    unit, scale = size_unit([r[name] for r in rows for name, _ in STAGES])
+    out = [f"== model states per device, {unit}: Φ = {_params(phi)}, {precision} + {optimizer} "
            f"(K = {theory.optimizer_bytes_per_param(optimizer, precision)})",
            f"{'N':>6} " + " ".join(f"{name:>10}" for name, _ in STAGES)]
-    for row in memory_table(phi, sorted(set(WORLDS + [world])), precision, optimizer):
+    for row in rows:
         mark = "  <- --world" if row["world"] == world else ""
-        out.append(f"{row['world']:>6} " + " ".join(f"{_gb(row[name]):>10}" for name, _ in STAGES) + mark)
-    out += ["", f"== largest model per device budget {_gb(budget)} GB, DP = 64 (ZeRO paper Table 2)",
-            f"{'MP':>4} {'GPUs':>6} " + " ".join(f"{name:>10}" for name, _ in STAGES)]
+        out.append(f"{row['world']:>6} " + " ".join(f"{_in(row[name], scale):>10}" for name, _ in STAGES) + mark)
+    return out
+
+
+def _table2_lines(budget: float) -> list[str]:
+    out = ["", f"== largest model per device budget {fmt_size(budget)}, DP = 64 (ZeRO paper Table 2)",
+           f"{'MP':>4} {'GPUs':>6} " + " ".join(f"{name:>10}" for name, _ in STAGES)]
     for row in table2(budget):
         out.append(f"{row['mp']:>4} {row['gpus']:>6} " + " ".join(f"{_params(row[name]):>10}" for name, _ in STAGES))
-    out += ["", f"== traffic per step at N = {world} (S = {_gb(payload)} GB of {precision} gradients)",
-            f"{'architecture':>16} {'worker sends':>13} {'worker recvs':>13} {'server recvs':>13} {'server sends':>13}"]
+    return out
+
+
+def _traffic_lines(phi: float, world: int, precision: str, optimizer: str, servers: int) -> list[str]:
+    rows = []
     for label, cfg in (("ddp (ring)", _setup(0, world, precision, optimizer)),
                        ("zero-1/2", _setup(1, world, precision, optimizer)),
                        ("zero-3", _setup(3, world, precision, optimizer)),
                        (f"ps, {servers} server(s)", theory.config_for("ps", world, precision, optimizer, servers=servers))):
         p = theory.predict(cfg, phi)
         srv = p.server or theory.LinkBytes()
-        out.append(f"{label:>16} {_gb(p.worker.sent):>13} {_gb(p.worker.received):>13} "
-                   f"{_gb(srv.received):>13} {_gb(srv.sent):>13}")
-    out += backend_rows(phi, world, precision, optimizer, options or {})
+        rows.append((label, (p.worker.sent, p.worker.received, srv.received, srv.sent)))
+    payload = phi * theory.BYTES[precision]
+    unit, scale = size_unit([payload] + [x for _, xs in rows for x in xs])
+    out = ["", f"== traffic per step at N = {world}, {unit} (S = {fmt_size(payload)} of {precision} gradients)",
+           f"{'architecture':>16} {'worker sends':>13} {'worker recvs':>13} {'server recvs':>13} {'server sends':>13}"]
+    return out + [f"{label:>16} " + " ".join(f"{_in(x, scale):>13}" for x in xs) for label, xs in rows]
+
+
+def _scaling_lines(phi: float, precision: str, servers: int, c: Cluster, compute_from: str | None) -> list[str]:
     worlds = [2**k for k in range(11)]
     cols = ["1", str(servers), "n"] if servers not in (1,) else ["1", "n"]
+    rows = scaling_table(phi, precision, c, worlds, cols)
+    keys = ["ring", "zero-3"] + [f"ps/{s}" for s in cols]
+    unit, scale = _unit([r[k] for r in rows for k in keys], TIMES)
     source = f" (measured in {compute_from})" if compute_from else ""
-    out += ["", f"== step time (s), compute {c.compute_s:g} s/step/worker{source} (weak scaling), link "
-                f"{c.bandwidth / 1e9:g} GB/s, latency {c.alpha * 1e6:g} us, overlap {c.overlap:g}",
-            f"{'N':>6} {'ddp ring':>9} {'zero-3':>9} " + " ".join(f"{'ps/' + s:>9}" for s in cols)
-            + "   (ps/n: one server per worker)"]
-    for row in scaling_table(phi, precision, c, worlds, cols):
-        out.append(f"{row['world']:>6} {row['ring']:>9.4f} {row['zero-3']:>9.4f} "
-                   + " ".join(f"{row['ps/' + s]:>9.4f}" for s in cols))
+    out = ["", f"== step time ({unit}), compute {fmt_time(c.compute_s)}/step/worker{source} (weak scaling), link "
+               f"{fmt_size(c.bandwidth)}/s, latency {fmt_time(c.alpha)}, overlap {c.overlap:g}",
+           f"{'N':>6} {'ddp ring':>9} {'zero-3':>9} " + " ".join(f"{'ps/' + s:>9}" for s in cols)
+           + "   (ps/n: one server per worker)"]
+    for row in rows:
+        out.append(f"{row['world']:>6} " + " ".join(f"{row[k] / scale:>9.3g}" for k in keys))
     for s in cols:
         n = crossover(phi, precision, c, s, worlds)
         out.append(f"ps/{s} overtakes ring all-reduce at N = {n}" if n else
                    f"ps/{s} does not overtake ring all-reduce up to N = {worlds[-1]}")
-    if tensor:
-        out += [""] + tensor_report(tensor[0], world, tensor[1], precision, optimizer)
-    if measured:
-        out += ["", measured_vs_model(*measured, c)]
-    return "\n".join(out) + "\n"
+    return out
 
 
 def measured_vs_model(summary: dict, cfg: Config, c: Cluster) -> str:
@@ -190,8 +253,8 @@ def measured_vs_model(summary: dict, cfg: Config, c: Cluster) -> str:
     p = theory.predict(cfg, summary["params"])
     model = step_time(p, Cluster(c.bandwidth, c.alpha, compute, c.overlap))
     sent = [r["sent_per_step"] for r in summary["traffic"]["per_rank"]]
-    variant = summary.get("variant", "")
-    return (f"== measured run {summary['name']} ({summary['backend']} {variant}, N = {summary['world_size']}): "
+    label = summary.get("label") or " ".join(filter(None, (summary["backend"], summary.get("variant"))))
+    return (f"== measured run {summary['name']} ({label}, N = {summary['world_size']}): "
             f"compute {compute * 1e3:.2f} ms\n"
             f"step time  measured {summary['step_time_s'] * 1e3:.2f} ms   model {model * 1e3:.2f} ms\n"
-            f"sent/step  measured {sum(sent) / len(sent):,.0f} B   model {p.worker.sent:,.0f} B")
+            f"sent/step  measured {fmt_size(sum(sent) / len(sent))}   model {fmt_size(p.worker.sent)}")

@@ -3,6 +3,7 @@ which must be importable. Made before any process starts."""
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import json
 import os
 import sys
@@ -28,6 +29,9 @@ def check_machine(cfg: Config) -> Config:
             key, value = ("backend.device", "cuda") if b.device == "cuda" else ("backend.dist_backend", "nccl")
             raise ConfigError(f"{key} = \"{value}\": no CUDA device is visible on this machine; "
                               f"use backend.device = \"cpu\" (or \"auto\") and backend.dist_backend = \"gloo\" (or \"auto\")")
+    if cfg.train.tensorboard and importlib.util.find_spec("tensorboard") is None:
+        raise ConfigError("train.tensorboard = true: the tensorboard package is not installed; "
+                          "pip install psarch[tensorboard]")
     if cfg.cluster.emulate:
         from psarch.cluster.preflight import missing
         if problem := missing():

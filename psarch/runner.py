@@ -2,14 +2,13 @@
 from __future__ import annotations
 
 import json
-import statistics
 import time
 from pathlib import Path
 from typing import Any, Callable, TextIO
 
 import torch
 
-from psarch import checkpoint, registry, throughput
+from psarch import checkpoint, progress, registry
 from psarch import trainer as contract
 from psarch.cluster.device import dilation
 from psarch.cluster.call_pacing import CallDevice
@@ -22,7 +21,6 @@ from psarch.errors import check_gradients, check_loss
 from psarch.precision import compute_dtype
 from psarch.records import RankRecord, StepRecord
 from psarch.trainer import StepStats, Trainer
-from psarch.units import fmt_bytes
 from psarch.workload import Workload, build_workload
 
 
@@ -112,11 +110,16 @@ def run_rank(cfg: Config, ctx: DistContext, workload: Workload | None = None, ec
         first = ckpt.step  # data is a function of (seed, step): continuing the step continues the data
         ckpt.close()
     stream = open(metrics, "a", buffering=1) if metrics is not None else None  # line-buffered: a record per write
+    board = None
     try:
         if stream is not None:   # the carried records first: a resumed run that then fails still keeps them
             stream.write("".join(json.dumps(r) + "\n" for r in records))
-        log = _Progress(cfg, ctx, workload.entropy_floor, echo, average=spec.needs_process_group,
-                        lockstep=spec.lockstep(cfg))
+        if echo and ctx.rank == 0 and ckpt is not None:
+            print(f"psarch: {'resumed' if resume else 'started'} from {start} at step {first}", flush=True)
+        board = progress.board(cfg, ctx, metrics, fresh=first == 0 or not resume)
+        log = progress.Progress(cfg, ctx, workload.entropy_floor, echo, lockstep=spec.lockstep(cfg), board=board,
+                                losses=progress.rank_losses(cfg, ctx, spec.needs_process_group, metrics,
+                                                            echo or board is not None))
         save = _checkpointer(trainer, cfg, ctx, checkpoints)
         _steps(StepLoop(trainer, workload, cfg, ctx), range(first, cfg.train.steps), records, stream, slow, marks,
                log, save)
@@ -128,6 +131,8 @@ def run_rank(cfg: Config, ctx: DistContext, workload: Workload | None = None, ec
     finally:
         if stream is not None:
             stream.close()
+        if board is not None:
+            board.close()
         trainer.close()
         if slow is not None:
             slow.close()
@@ -135,7 +140,7 @@ def run_rank(cfg: Config, ctx: DistContext, workload: Workload | None = None, ec
 
 
 def _steps(loop: StepLoop, steps: range, records: list[StepRecord], stream: TextIO | None,
-           slow: Straggler | VirtualDevice | CallDevice | None, marks: StepMarks | None, log: "_Progress",
+           slow: Straggler | VirtualDevice | CallDevice | None, marks: StepMarks | None, log: progress.Progress,
            save: Callable[[int, list[StepRecord]], None]) -> None:
     """The step loop: each step's record appended (and streamed) before its loss and its update are checked,
     so the metrics keep a bad step; progress lines and checkpoints between steps. Times are the cluster's: the
@@ -178,44 +183,3 @@ def _checkpointer(trainer: Trainer, cfg: Config, ctx: DistContext, root: Path | 
         if every and done % every == 0:
             trainer.write_checkpoint(ctx, root, done, cfg.to_dict(), cfg.train.keep_checkpoints, records)
     return save
-
-
-class _Progress:
-    """The progress line every train.log_every steps, printed by rank 0. With `average`, its loss is the mean
-    over the ranks (a collective call every rank makes); a backend whose workers run at their own pace (no
-    process group of its own, e.g. async PS workers, even under torchrun) shows rank 0's own. Its samples/s
-    is the summary's (psarch/throughput.py) over the steps since the last line, and says which: in
-    `lockstep`, the global batch over the median step; else rank 0's shard over its median step, the one
-    worker whose rate it sees (the summary sums every worker's)."""
-
-    def __init__(self, cfg: Config, ctx: DistContext, floor: float | None, echo: bool, average: bool,
-                 lockstep: bool) -> None:
-        self.ctx, self.floor, self.echo, self.average = ctx, floor, echo, average
-        self.every, self.steps = cfg.train.log_every, cfg.train.steps
-        self.batch = cfg.train.global_batch if lockstep else cfg.train.global_batch // ctx.world_size
-        self.rate_is = throughput.definition(lockstep) if lockstep else throughput.RANK_0
-
-    def after(self, step: int, records: list[StepRecord], stats: StepStats) -> None:
-        if (step + 1) % self.every and step + 1 != self.steps:
-            return
-        interval = records[-((step % self.every) + 1):]
-        loss = statistics.fmean(r["loss"] for r in interval)
-        if self.average:
-            loss = self.ctx.mean_across_ranks(loss)
-        if self.echo and self.ctx.rank == 0:
-            median = statistics.median(r["step_time_s"] for r in interval)
-            rate = f"{self.batch / median:9.1f} samples/s ({self.rate_is})"
-            _print_progress(step, self.steps, len(interval), loss, self.floor, rate,
-                            statistics.fmean(r["sent"] for r in interval), sum(r["skipped"] for r in interval), stats)
-
-
-def _print_progress(step: int, steps: int, window: int, loss: float, floor: float | None, samples_per_s: str,
-                    bytes_per_step: float, skipped: int, stats: StepStats) -> None:
-    """One progress line: the loss is the mean over the `window` steps since the last line (and across
-    the ranks of a process group), unlike the summary's final loss, which is the last step's."""
-    gap = f"  gap {loss - floor:7.4f}" if floor is not None else ""
-    # fp16 steps dropped for inf/nan gradients: the loss above moved without an update
-    skip = f"  skipped {skipped}" if skipped else ""
-    scale = f"  scale {stats.loss_scale:g}" if stats.loss_scale not in (None, 1.0) else ""
-    print(f"step {step + 1:>6}/{steps}  {window}-step mean loss {loss:8.4f}{gap}  {samples_per_s}  "
-          f"{fmt_bytes(bytes_per_step)}/step sent{skip}{scale}", flush=True)

@@ -131,3 +131,49 @@ def test_cli_estimate_tensor_parallel_rows_and_their_errors():
     assert bad.returncode == 2
     assert bad.stderr.strip() == ("psarch: estimate: --tensor-parallel 8: must divide --world 8 and --heads 4 "
                                   "(and --heads must divide --hidden 64)")
+
+
+
+def test_sizes_read_in_the_unit_of_their_magnitude_to_3_significant_figures():
+    assert [estimate.fmt_size(x) for x in (0, 999, 63_232, 1.58e4, 2.5e6, 1.2e11, 3.2e13)] == \
+        ["0 B", "999 B", "63.2 KB", "15.8 KB", "2.5 MB", "120 GB", "32 TB"]
+    assert [estimate.fmt_time(t) for t in (9.5e-4, 0.0214, 3.0, 1e-5)] == ["950 us", "21.4 ms", "3 s", "10 us"]
+
+
+def test_estimate_from_a_small_run_prints_its_own_units_and_no_billion_parameter_table(tmp_path):
+    """A 3,952-parameter run: its tables in KB (not GB with 7 decimals), its times in ms, and no ZeRO Table 2
+    for 32 GB devices unless a --budget asks for it."""
+    import re
+
+    from psarch.cli import main
+
+    (tmp_path / "tiny.toml").write_text(TINY_RUN)
+    assert main(["run", str(tmp_path / "tiny.toml"), "--out", str(tmp_path / "tiny"), "--quiet"]) == 0
+    est = [sys.executable, "-m", "psarch.cli", "estimate", "--from", str(tmp_path / "tiny")]
+    out = subprocess.run(est, capture_output=True, text=True, timeout=scaled(60), check=True).stdout
+    assert "== model states per device, KB: Φ = 3.952k" in out
+    assert "== traffic per step at N = 1, KB (S = 15.8 KB of fp32 gradients)" in out
+    assert "== step time (ms), compute " in out
+    assert not re.search(r"\d\.\d{5,}|e-0\d", out), out     # no figure with 5+ decimals or an exponent
+    assert "Table 2" not in out
+    budget = subprocess.run(est + ["--budget", "80e9"], capture_output=True, text=True, timeout=scaled(60), check=True)
+    assert "== largest model per device budget 80 GB, DP = 64 (ZeRO paper Table 2)" in budget.stdout
+
+
+TINY_RUN = """
+seed = 1
+[workload]
+model = "gpt"
+data = "markov"
+seq_len = 8
+[workload.gpt]
+n_layer = 1
+n_embd = 16
+n_head = 2
+[workload.markov]
+vocab_size = 16
+[train]
+steps = 4
+global_batch = 4
+log_every = 2
+"""

@@ -20,7 +20,7 @@ TRUNK = {"name": "h", "seed": 1, "workload": {"factory": "factories:regression"}
          "train": {"steps": 6, "global_batch": 4, "optimizer": "adamw", "lr": 0.01, "log_every": 2,
                    "checkpoint_every": 2}}
 ALLOWED = ("name, label, out, train.steps, train.log_every, train.checkpoint_every, train.keep_checkpoints, "
-           "backend.timeout_s, cluster.dilation")
+           "train.tensorboard, backend.timeout_s, cluster.dilation")
 
 
 @pytest.fixture(scope="module")
@@ -105,9 +105,9 @@ def test_checkpoint_names_a_checkpoint_of_a_resumed_run_only(trunk, tmp_path, ca
     assert capsys.readouterr().err.strip().splitlines() == [
         "psarch: config error: --checkpoint 2: picks the checkpoint of a --resume RUN_DIR; a new run names its "
         "checkpoint folder with --from"]
-    assert main(["run", str(trunk[1]), "--resume", str(run), "--checkpoint", "3", "--quiet"]) == 1
+    assert main(["run", str(trunk[1]), "--resume", str(run), "--checkpoint", "3", "--quiet"]) == 2
     assert capsys.readouterr().err.strip().splitlines() == [
-        f"psarch: run 'h' failed: --checkpoint 3: no complete checkpoint step_000003 under {run}/checkpoints; there "
+        f"psarch: config error: --checkpoint 3: no complete checkpoint step_000003 under {run}/checkpoints; there "
         f"are step_000002, step_000004, step_000006"]
 
 
@@ -164,3 +164,28 @@ def test_resume_removes_what_a_kill_mid_write_left(trunk, tmp_path):
     (left / "rank1.json").write_text("{}")
     assert main(["run", str(trunk[1]), "--resume", str(run), "--set", "train.steps=8", "--quiet"]) == 0
     assert not left.exists() and _steps(run) == list(range(8))
+
+
+def test_a_resume_says_which_checkpoint_and_step_it_continues_from(trunk, tmp_path, capsys):
+    run = _copy(trunk, tmp_path)
+    assert main(["run", str(trunk[1]), "--resume", str(run), "--set", "train.steps=8"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[0] == f"psarch: resumed from {run}/checkpoints/step_000006 at step 6", out[:3]
+
+
+@pytest.mark.parametrize("flag, where, says", [
+    ("--resume", "missing", "no such run folder"),
+    ("--resume", "empty", "no complete checkpoint under {path}/checkpoints (a run writes them with "
+                          "train.checkpoint_every)"),
+    ("--from", "missing", "no such folder"),
+    ("--from", "empty", "not a checkpoint folder (no metadata.json; a run's checkpoints are its "
+                        "checkpoints/step_* folders)"),
+])
+def test_a_wrong_start_path_is_a_config_error_naming_the_flag(trunk, tmp_path, capsys, flag, where, says):
+    path = tmp_path / where
+    if where == "empty":
+        path.mkdir()
+    args = ["run", str(trunk[1]), flag, str(path), "--out", str(tmp_path / "new"), "--quiet"]
+    assert main(args) == 2
+    assert capsys.readouterr().err.strip().splitlines() == [
+        f"psarch: config error: {flag} {path}: {says.format(path=path)}"]

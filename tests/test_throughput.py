@@ -6,7 +6,7 @@ from __future__ import annotations
 from psarch.config import from_dict
 from psarch.dist import DistContext
 from psarch.outputs import report
-from psarch.runner import _Progress
+from psarch.progress import Progress, rank_losses
 from psarch.throughput import LOCKSTEP, OWN_PACE, RANK_0, definition, samples_per_s
 from psarch.trainer import StepStats
 
@@ -29,7 +29,8 @@ def test_lockstep_is_the_global_batch_over_the_median_step_own_pace_the_sum_of_r
 
 def _progress_line(capsys, lockstep: bool, world: int) -> str:
     cfg = from_dict({"train": {"steps": 4, "log_every": 4, "global_batch": 32}})
-    log = _Progress(cfg, DistContext(rank=0, world_size=world), None, echo=True, average=False, lockstep=lockstep)
+    ctx = DistContext(rank=0, world_size=world)
+    log = Progress(cfg, ctx, None, echo=True, lockstep=lockstep, losses=rank_losses(cfg, ctx, False, None, True))
     records = [{"step": s, "loss": 2.0, "step_time_s": t, "sent": 0, "skipped": False}
                for s, t in enumerate([0.1, 0.2, 0.1, 5.0])]
     log.after(3, records, StepStats(2.0))

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from psarch.checkpoint.reader import Checkpoint, CheckpointError, latest_complete
-from psarch.checkpoint.writer import complete_checkpoints
+from psarch.checkpoint.writer import METADATA, complete_checkpoints
 from psarch.config import Config, ConfigError, applies, field_of
 
 CHECKPOINTS = "checkpoints"     # the folder under a run folder that holds its checkpoints
@@ -23,15 +23,16 @@ FORKED_FROM = "forked_from"     # where a fork keeps the checkpoint of its own r
 # cluster.dilation is how slowly the emulation runs, not the cluster it stands for (every time reported is the
 # cluster's); "auto" is picked again at every launch, and the ranks' checkpoints hold the number it gave
 RESUMABLE = ("name", "label", "out", "train.steps", "train.log_every", "train.checkpoint_every",
-             "train.keep_checkpoints", "backend.timeout_s", "cluster.dilation")
+             "train.keep_checkpoints", "train.tensorboard", "backend.timeout_s", "cluster.dilation")
 
 
 def starting_checkpoint(cfg: Config, run_dir: Path, resume: bool, start: str | Path | None,
                         pick: str | None = None) -> Checkpoint | None:
     """The verified checkpoint a run starts from, or None for a run from step 0. `pick` (--checkpoint): with
     `resume`, which checkpoint of the run (a step_* folder name or a step number) instead of the latest.
-    Raises CheckpointError (one line) when it is missing, incomplete, corrupted, or does not fit the config,
-    ConfigError when a resume would change what the run measures."""
+    Raises ConfigError (one line, naming the flag) when --resume, --checkpoint or --from names no run or
+    checkpoint, or a resume would change what the run measures; CheckpointError when the checkpoint is
+    incomplete, corrupted, or does not fit the config."""
     if resume and start is not None:
         raise CheckpointError("--resume and --from exclude each other: resume a run, or fork a checkpoint")
     if pick is not None and not resume:
@@ -40,6 +41,10 @@ def starting_checkpoint(cfg: Config, run_dir: Path, resume: bool, start: str | P
         start = _resumed(run_dir, pick)
     if start is None:
         return None
+    if not resume and not (Path(start) / METADATA).is_file():   # a wrong path, named as the flag that gave it
+        raise ConfigError(f"--from {start}: " + ("not a checkpoint folder (no metadata.json; a run's checkpoints "
+                                                 "are its checkpoints/step_* folders)" if Path(start).is_dir()
+                                                 else "no such folder"))
     try:
         ckpt = Checkpoint(start)
     except CheckpointError as e:   # its metadata.json is damaged
@@ -61,15 +66,18 @@ def starting_checkpoint(cfg: Config, run_dir: Path, resume: bool, start: str | P
 def _resumed(run_dir: Path, pick: str | None) -> Path:
     """The checkpoint a --resume continues from: the latest complete one, or the one --checkpoint names."""
     root = run_dir / CHECKPOINTS
+    if not run_dir.is_dir():
+        raise ConfigError(f"--resume {run_dir}: no such run folder")
     if pick is None:
         found = latest_complete(root)
         if found is None:
-            raise CheckpointError(f"--resume {run_dir}: no complete checkpoint under {root}")
+            raise ConfigError(f"--resume {run_dir}: no complete checkpoint under {root} (a run writes them with "
+                              f"train.checkpoint_every)")
         return found
     done = {p.name: p for p in complete_checkpoints(root)}
     name = f"step_{int(pick):06d}" if pick.isdigit() else pick
     if name not in done:
-        raise CheckpointError(f"--checkpoint {pick}: no complete checkpoint {name} under {root}; there are "
+        raise ConfigError(f"--checkpoint {pick}: no complete checkpoint {name} under {root}; there are "
                               f"{', '.join(done) or 'none'}")
     return done[name]
 
