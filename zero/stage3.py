@@ -15,6 +15,9 @@ Schedule of one step, as DeepSpeed's and FSDP's:
             buffer, prefetch the units before it. When all of a unit's gradients have accumulated, free
             its parameters, pre-divide by N and reduce-scatter the buffer into `shard_grad`.
 So every unit moves twice as an all-gather and once as a reduce-scatter: 3(N-1)/N of the padded bytes.
+A unit whose parameters loss_fn reads outside the forward (zero.reads) is pinned: gathered on that read and
+kept, with its gradient buffer, until backward has ended; its reduce-scatter, and those after it in
+reduce order, then run after backward.
 With overlap_comm = false the reduce-scatters block in the hook; prefetch_bucket_size = 0 turns
 prefetching off (every gather then waits where the unit is needed): the plain schedule.
 All collectives are issued in the same order on every rank (they follow the model's execution, which is
@@ -32,6 +35,7 @@ from collective.comm import Communicator, Handle
 from psarch.meters import Transient, WaitClock
 from zero.export import gather_fp32
 from zero.partition import Partition
+from zero.reads import ReadsOutsideForward
 from zero.stage12 import MAX_IN_FLIGHT
 from zero.units import Unit
 
@@ -72,6 +76,8 @@ class Stage3:
         self.reduce_order = self.forward_order[::-1] + [0]        # the order their gradients complete
         self._next = 0
         self._bwd_started: set[int] = set()
+        self.pinned: set[int] = set()   # units read outside forward: gathered until their gradients are reduced
+        self._unit_of = {id(p): g.index for g in self.part.groups for p in g.params}
         self.phase = "idle"
         self.transient = Transient()   # gathered units ('gathered') and unit gradient buffers ('grads')
         self.prefetched = 0            # gathers started ahead of their unit's use
@@ -107,7 +113,7 @@ class Stage3:
         self._wait(i)
 
     def free(self, i: int) -> None:
-        if self.state[i] == FREE:
+        if self.state[i] == FREE or i in self.pinned:
             return
         self._wait(i)
         self._resize(i, 0)
@@ -131,6 +137,18 @@ class Stage3:
                 self._gather(i, async_op=True)
                 self.prefetched += 1
             budget -= self.part.groups[i].padded
+
+    def pin_param(self, t: torch.Tensor) -> None:
+        """`t` is read outside the model's forward: if it is a parameter, pin its unit."""
+        i = self._unit_of.get(id(t))
+        if i is not None and i not in self.pinned:
+            self.ensure(i)
+            self.pinned.add(i)
+            self._grad_views(i)
+
+    def reads_outside_forward(self) -> ReadsOutsideForward:
+        """The context loss_fn runs in: parameters it reads outside the model's forward are gathered."""
+        return ReadsOutsideForward(self)
 
     # ---- forward hooks
 
@@ -175,16 +193,24 @@ class Stage3:
         self._bwd_started.add(i)
         self.phase = "backward"
         self.ensure(i)
+        self._grad_views(i)
+        pos = self.backward_order.index(i)
+        self._prefetch(self.backward_order[pos + 1:])
+
+    def _grad_views(self, i: int) -> None:
+        """Unit i's gradient buffer (made once a step), its parameters' gradients views into it."""
+        if i in self._grads:
+            return
         g = self.part.groups[i]
         buf = self._grads[i] = torch.zeros(g.padded, dtype=self.shard.dtype, device=self.shard.device)
         self.transient.add("grads", buf.numel() * buf.element_size())
         for p, view in zip(g.params, self.part.group_views(g, buf)):
             p.grad = view  # autograd accumulates in place into the unit's gradient buffer
-        pos = self.backward_order.index(i)
-        self._prefetch(self.backward_order[pos + 1:])
 
     def _on_grad(self, p: torch.Tensor) -> None:
         g = self._group_of[id(p)]
+        if g.index in self.pinned:   # gradients from the loss term and the model: reduced after backward
+            return
         i = self._index_in_group[id(p)]
         if i in g.ready:
             raise RuntimeError("ZeRO-3: a parameter received its gradient twice in one backward "
@@ -204,6 +230,7 @@ class Stage3:
             self.transient.add("grads", buf.numel() * buf.element_size())
         for p in g.params:
             p.grad = None
+        self.pinned.discard(i)
         self.free(i)
         buf.div_(self.n)
         with self.waits:   # without overlap_comm the reduce-scatter blocks here, in backward's hook

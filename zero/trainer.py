@@ -13,6 +13,7 @@ autograd saves, which costs step time nobody else should pay.
 """
 from __future__ import annotations
 
+import contextlib
 import time
 from typing import Any
 
@@ -73,13 +74,14 @@ class ZeroTrainer(Trainer):
 
     def step(self, batch: Any) -> StepStats:
         self.engine.begin_step()
-        if self.activations is None:
-            loss = self.loss_fn(self.model, batch)
-        else:
-            self._metering = True
-            with self.activations:
+        with self.engine.reads_outside_forward() if self.stage == 3 else contextlib.nullcontext():
+            if self.activations is None:
                 loss = self.loss_fn(self.model, batch)
-            self._metering = False
+            else:
+                self._metering = True
+                with self.activations:
+                    loss = self.loss_fn(self.model, batch)
+                self._metering = False
         self.optim.scaler.scale_loss(loss).backward()
         t0 = time.perf_counter()
         self.engine.reduce_gradients()
