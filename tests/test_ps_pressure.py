@@ -91,7 +91,7 @@ def test_a_routing_id_chosen_to_collide_does_not_abort_the_server(mechanism):
     ids it generates for peers that name none) once made the next worker's connection collide with one of
     them: libzmq asserted and the server process died with SIGABRT (exit -6), under plain and curve alike.
     The server now draws that counter from a seed no peer knows: the worker is served, the server lives."""
-    services = start_services(_cfg(auth=mechanism, max_connections=100), None)
+    services = start_services(_cfg(auth=mechanism, max_connections=100, max_connections_per_worker=100), None)
     zctx = zmq.Context()
     try:
         address, creds = services.info.addresses[0], Credentials.from_dict(services.info.auth)

@@ -15,10 +15,11 @@ secret.
 
 The ZAP handler runs in the server's own loop (one more socket in its poller). It binds each connection
 to a worker: ZAP's User-Id is the worker's number, so the server checks that every request names the
-worker its connection authenticated as. It also refuses a handshake once backend.max_connections connections
-are past theirs (counted from the socket's monitor, psarch/ps/server/connections.py): handshakes in progress
-hold no slot (a peer that never finishes one is dropped after backend.handshake_timeout_s), so peers that
-cannot authenticate never keep a worker out.
+worker its connection authenticated as. It also refuses a handshake once the server's connections past theirs
+reach backend.max_connections, or the worker's reach backend.max_connections_per_worker (counted by
+psarch/ps/server/connections.py): handshakes in progress or refused hold no slot (they have a cap of their own,
+backend.max_pending, past which the oldest is dropped), so peers that cannot authenticate never keep a worker
+out, and no worker keeps another out.
 """
 from __future__ import annotations
 
@@ -211,10 +212,10 @@ def _certificate(path: Path) -> tuple[bytes, bytes | None]:
 class ZapHandler:
     """Answers the ZAP requests of one server's context: who a connecting peer is, if anyone."""
 
-    def __init__(self, zctx: zmq.Context, creds: Credentials, workers: int, max_connections: int,
-                 room_for: Callable[[int], bool]) -> None:
-        """room_for(n): whether fewer than n connections are past their handshake (the cap counts only those)."""
-        self.mechanism, self.max_connections, self.room_for = creds.mechanism, max_connections, room_for
+    def __init__(self, zctx: zmq.Context, creds: Credentials, workers: int,
+                 admit: Callable[[str], str | None]) -> None:
+        """admit(user): None if a handshake that proved `user` may take a slot (it then holds one), else why not."""
+        self.mechanism, self.admit = creds.mechanism, admit
         folder = Path(creds.folder)
         # bytes on both sides: compare_digest refuses str with non-ASCII characters (a stranger's password)
         self.passwords = ({str(i).encode(): _read(folder / f"worker{i}.password").encode()
@@ -246,11 +247,11 @@ class ZapHandler:
             return self.rep.send_multipart([b"1.0", b"", b"500", b"malformed ZAP request", b"", b""])
         version, request_id, domain, _address, _identity, mech, *creds = req
         user = self._user(domain, mech, creds)
-        if user is not None and not self.room_for(self.max_connections):
-            user = None
-            reason = f"over backend.max_connections = {self.max_connections}".encode()
-        else:
-            reason = b"credentials refused"
+        reason = b"credentials refused"
+        if user is not None:
+            over = self.admit(user)
+            if over is not None:
+                user, reason = None, over.encode()
         if user is None:
             self.refused += 1
             self.rep.send_multipart([version, request_id, b"400", reason, b"", b""])

@@ -61,12 +61,18 @@ class PSOptions:
                                           "mid-handshake) is dropped", min=0.1)
     handshake_timeout_s: float = _f(5.0, "a connection still in its handshake after this long is dropped",
                                     min=0.01)
-    max_connections: int = _f(0, "most connections past their handshake per server; handshakes in progress hold "
-                                 "none (0: world_size + 16)", min=0)
+    max_connections: int = _f(0, "most connections past their handshake per server; handshakes in progress or "
+                                 "refused hold none (0: world_size + 16)", min=0)
+    max_connections_per_worker: int = _f(2, "most connections past their handshake per server that one worker's "
+                                            "credentials may hold (a worker needs one; a reconnect briefly two)",
+                                         min=1)
+    max_pending: int = _f(0, "most connections per server that no request has proved yet (handshakes in "
+                             "progress, refused, or silent); past it the oldest is dropped (0: world_size + 16)",
+                          min=0)
     inflight_mb: float = _f(0.0, "most MiB one connection may have in flight at a server each way (a message not "
                                  "yet complete, replies not yet read); over it, the connection is dropped "
                                  "(0: twice the largest exchange of a worker with that server, every partition "
-                                 "in flight, + 1)", min=0.0)
+                                 "in flight, + 0.25)", min=0.0)
 
     @property
     def barrier(self) -> bool:

@@ -25,6 +25,7 @@ import torch
 
 CHUNK = 4 * 2**20                 # payload frame size
 MAX_HEADER = 64 * 2**10           # a header is a few dozen bytes; anything this big is hostile
+MAX_FRAMES = 1024                 # frames of one message: a header, keys and a tensor of up to 4 GiB in CHUNKs
 MAX_NDIM = 8
 MAX_INT = 2**62
 

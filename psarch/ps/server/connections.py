@@ -1,23 +1,32 @@
-"""Every connection a server holds, and what each may make it hold: the bound on one peer's memory.
+"""Every connection a server holds, who it is, and what each may make the server hold: the bound on one peer.
 
 ZeroMQ hands the server a message only once its last frame has arrived, and queues the replies a peer has not
 read; no socket option bounds either (ZMQ_MAXMSGSIZE caps one frame; the high-water marks count messages, and a
 message may have any number of frames). So the server counts, per TCP connection (the descriptor ZeroMQ's
 monitor names when it accepts one, and that every message names, ZMQ_SRCFD):
 
-- in flight in: bytes the kernel received on it (TCP_INFO) - the bytes of the messages the server was handed -
-  what ZMTP itself sends (a frame's header and CURVE's box: at most FRAMING bytes a frame; the handshake: at most
-  HANDSHAKE; heartbeats: at most 2 x HEARTBEAT bytes an interval);
+- in flight in: bytes the kernel received on it (TCP_INFO) - the bytes of the messages the server was handed,
+  each frame with its exact ZMTP framing (`framing`) - what may be handshake and heartbeats: at most HANDSHAKE
+  plus 2 x HEARTBEAT bytes a heartbeat interval, counted only since the last time nothing else could be in
+  flight (`Connection.floor`), so no credit builds up over a connection's life;
 - in flight out: bytes of the replies the server sent on it - bytes the peer acknowledged (TCP_INFO).
 
 Over `budget` either way, the connection is shut down (ZeroMQ then frees its unfinished message and its queued
 replies, and the heap gives the pages back to the system). A watchdog thread checks the inbound side every
-PERIOD_S; a reply that would take the outbound side over budget is not sent. A connection thus makes a server
-hold at most `budget` bytes each way, plus what its link delivers in PERIOD_S; ZeroMQ keeps a frame in at least
-64 bytes, so a message of empty frames (2 bytes each on the wire without CURVE) holds up to 32 x its bytes.
+PERIOD_S; a reply that would take the outbound side over budget is not sent. ZeroMQ keeps each frame of a
+message in at least FRAME_COST bytes, so what one connection can make the server hold is at most
 
-It also counts handshakes (each connection: ACCEPTED, one HANDSHAKE_SUCCEEDED or HANDSHAKE_FAILED_*, then
-DISCONNECTED), so that the connections past their handshake, not those still in it, fill backend.max_connections.
+    FRAME_COST / (smallest frame on the wire) x (budget + what its link delivers in PERIOD_S) + budget
+
+the first term for a message of empty frames (2 bytes each without CURVE: 32 x; 35 with CURVE: under 2 x).
+
+Who a connection is: the worker its first message proves (ZAP's User-Id, ZMQ's metadata on every frame).
+Before that it is pending: in its handshake, refused by it (libzmq closes those after handshake_timeout_s), or
+authenticated and silent. Pending connections fill their own cap (`max_pending`): past it the oldest
+older than handshake_timeout_s is dropped (a younger one may be a worker whose first request is on its way), so
+strangers never hold a slot a worker needs. An authenticated handshake takes a slot of the
+server's cap (`max_connections`) and of its worker's (`per_worker`) from ZAP's answer until its first message
+proves it (or handshake_timeout_s passes), then as long as the connection is open.
 """
 from __future__ import annotations
 
@@ -35,9 +44,11 @@ from zmq.utils.monitor import parse_monitor_message
 from psarch.ps.server.libc import release_freed_memory
 
 PERIOD_S = 0.01
-FRAMING = 64          # bytes of ZMTP around one frame, at most (9 of header; CURVE: a MESSAGE box of 33 more)
-HANDSHAKE = 16 * 1024  # bytes of a ZMTP handshake, at most (greeting 64; CURVE's HELLO/INITIATE < 1 kB)
+FRAME_COST = 64       # bytes ZeroMQ keeps for one received frame however short (a zmq_msg_t)
+CURVE_BOX = 33        # bytes CURVE adds to each frame: the MESSAGE command's name, nonce, MAC and flags
+HANDSHAKE = 4 * 1024  # bytes of a ZMTP handshake, at most (greeting 64; CURVE's HELLO/INITIATE < 1 kB)
 HEARTBEAT = 64        # bytes of one PING or PONG, at most (CURVE-boxed)
+SLACK = 2**18         # bytes of the default budget beyond two exchanges
 GONE = 4096           # routing ids of closed connections remembered
 PER_PARTITION = 1024  # bytes each way of one partition's messages beyond its elements: a push (or pushpull) in,
                       # its ack and its pull's reply out, each a header of ~130 bytes and its frames' ZMTP framing
@@ -45,27 +56,39 @@ _FAILED = zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_HANDSHAKE_FAILED_PROT
 _EVENTS = zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED | zmq.EVENT_HANDSHAKE_SUCCEEDED | _FAILED
 
 
+def framing(size: int, curve: bool) -> int:
+    """Bytes of ZMTP around one frame of `size` bytes on the wire (RFC 23: a 2-byte header up to 255 bytes, else
+    9; CurveZMQ boxes each frame in a MESSAGE command first)."""
+    body = size + (CURVE_BOX if curve else 0)
+    return body - size + (2 if body < 256 else 9)
+
+
 @dataclass
 class Connection:
     """What the server knows of one TCP connection."""
 
     since: float
-    delivered: int = 0     # bytes of the messages handed to the server
-    frames: int = 0        # their frames
+    framed: int = 0        # bytes of the messages handed to the server, with their framing
     sent: int = 0          # bytes of the replies the server gave ZeroMQ for it
     received: int = 0      # the kernel's counters when last read
     acked: int = 0
+    floor: float = HANDSHAKE   # most of (received - framed) that may be handshake and heartbeats, not messages
+    checked: float = 0.0   # when `floor` was last raised
+    user: str | None = None    # the worker its first message proved it is (None: pending)
     dropped: bool = False  # shut down by the server (ZeroMQ has not said it closed yet)
     accepted: bool = False  # the monitor's ACCEPTED seen (a first message may come first: the monitor lags)
+
+    def __post_init__(self) -> None:
+        self.checked = self.since
 
 
 def exchange_budget(elements: int, partitions: int, row_bytes: int, max_header: int) -> int:
     """The default bound on what one connection may have in flight each way (backend.inflight_mb = 0): twice
-    the largest exchange of a worker with a server, so that two may be unread at once, + 1 MiB. An exchange:
+    the largest exchange of a worker with a server, so that two may be unread at once, + SLACK. An exchange:
     the server's range in fp32 (`elements`) sent as `partitions` messages back to back, each with its own
     header and framing (PER_PARTITION), every row the server owns with its key, and two headers of slack."""
     exchange = 4 * elements + partitions * PER_PARTITION + 2 * max_header + row_bytes
-    return 2 * exchange + 2**20
+    return 2 * exchange + SLACK
 
 
 def tcp_counters(fd: int) -> tuple[int, int] | None:
@@ -91,43 +114,82 @@ def shut(fd: int) -> None:
         pass
 
 
-class Connections:
-    """The connections of one ROUTER, what each has in flight, and a watchdog that drops those over `budget`
-    (a function: the budget follows what the server holds). `dropped` counts drops by reason."""
+@dataclass(frozen=True)
+class Caps:
+    """How many connections a server admits: past their handshake (`total`), of one worker (`per_worker`;
+    not for auth "none", where no connection proves who it is), and pending (`pending`); and how long an
+    authenticated connection may keep its slot before its first message (`prove_s`)."""
 
-    def __init__(self, sock: zmq.Socket, budget: Callable[[], int], heartbeat_s: float) -> None:
+    total: int
+    per_worker: int
+    pending: int
+    prove_s: float
+
+
+class Connections:
+    """The connections of one ROUTER, who each is, what each has in flight, and a watchdog that drops those over
+    `budget` (a function: the budget follows what the server holds) and the oldest pending ones past the cap.
+    `dropped` counts drops by reason."""
+
+    def __init__(self, sock: zmq.Socket, budget: Callable[[], int], heartbeat_s: float, caps: Caps,
+                 curve: bool = False) -> None:
         self.monitor = sock.get_monitor_socket(_EVENTS)
-        self.budget, self.heartbeat_s = budget, heartbeat_s
+        self.budget, self.heartbeat_s, self.caps, self.curve = budget, heartbeat_s, caps, curve
         self.conns: dict[int, Connection] = {}
         self.fds: dict[bytes, int] = {}          # routing id -> descriptor, from the messages
         # routing ids of closed connections: ZeroMQ still hands over what they sent, and drops what they are sent
         self.gone: dict[bytes, None] = {}
+        self.admitted: dict[str, list[float]] = {}   # worker -> when ZAP let a connection of it in, not yet proven
         self.lock = threading.Lock()
-        self.succeeded = self.failed = self.closed = 0
+        self.failed = 0
         self.dropped: Counter[str] = Counter()
         self._trim_at: float | None = None
-        self.cycle, self.cycles = threading.Condition(), 0   # watchdog passes, for room_for
+        self.cycle, self.cycles = threading.Condition(), 0   # watchdog passes, for admit
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._watch, name="psarch-connections", daemon=True)
         self._thread.start()
 
+    def _held(self, now: float) -> Counter[str]:
+        """Slots held, by worker: open connections their first message proved, and handshakes ZAP let in within
+        prove_s (called holding the lock)."""
+        held: Counter[str] = Counter(c.user for c in self.conns.values() if c.user is not None and not c.dropped)
+        for user, times in self.admitted.items():
+            times[:] = [t for t in times if now - t <= self.caps.prove_s]
+            held[user] += len(times)
+        return held
+
     @property
     def authenticated(self) -> int:
-        """Connections past a successful handshake and still open (a failed one counts until it closes)."""
-        return max(0, self.succeeded + self.failed - self.closed)
+        """Slots held: connections past a successful handshake (within prove_s of it, or proven) and still open."""
+        with self.lock:
+            return sum(self._held(time.monotonic()).values())
 
-    def room_for(self, limit: int) -> bool:
-        """Whether fewer than `limit` connections are past their handshake. It first waits until the watchdog has
-        read every event up to now (a few PERIOD_S; only authenticated handshakes ask): the count must not lag
-        behind a handshake that just succeeded (the cap would let one more in) nor behind a connection that
-        just closed (ZeroMQ never retries a worker refused at the cap)."""
+    def pending(self) -> int:
+        """Open connections that no message has proved yet (handshakes in progress, refused, or silent)."""
+        with self.lock:
+            return sum(1 for c in self.conns.values() if c.user is None and not c.dropped)
+
+    def admit(self, user: str) -> str | None:
+        """ZAP's question for a handshake that proved `user` ("" for auth none): None if it may take a slot (then
+        it holds one), else why not. It first waits until the watchdog has read every event up to now (a few
+        PERIOD_S): the count must not lag behind a connection that just closed (ZeroMQ never retries a worker
+        refused at a cap)."""
         with self.cycle:
             start = self.cycles
             self.cycle.wait_for(lambda: self.cycles >= start + 2, timeout=10 * PERIOD_S)
-        return self.authenticated < limit
+        now = time.monotonic()
+        with self.lock:
+            held = self._held(now)
+            if sum(held.values()) >= self.caps.total:
+                return f"over backend.max_connections = {self.caps.total}"
+            if user and held[user] >= self.caps.per_worker:
+                return f"worker {user} holds backend.max_connections_per_worker = {self.caps.per_worker}"
+            self.admitted.setdefault(user, []).append(now)
+        return None
 
     def received(self, frames: list[Any]) -> None:
-        """A message arrived (routing id first): count its bytes against its connection."""
+        """A message arrived (routing id first): count its bytes against its connection; its first proves who
+        the connection is."""
         fd = frames[0].get(zmq.SRCFD) if hasattr(frames[0], "get") else -1
         if fd < 0:
             return
@@ -136,9 +198,21 @@ class Connections:
             if ident in self.gone:
                 return
             conn = self.conns.setdefault(fd, Connection(time.monotonic()))
-            conn.delivered += sum(len(f) for f in frames[1:])
-            conn.frames += len(frames) - 1
+            conn.framed += sum(len(f) + framing(len(f), self.curve) for f in frames[1:])
             self.fds[ident] = fd
+            if conn.user is None and len(frames) > 1:
+                conn.user = _user_id(frames[1])
+                times = self.admitted.get(conn.user)
+                if times:
+                    times.pop(0)
+
+    def drop_sender(self, frame: Any, why: str) -> None:
+        """Shut down the connection a message (its routing id frame `frame`) came on."""
+        fd = frame.get(zmq.SRCFD) if hasattr(frame, "get") else -1
+        with self.lock:
+            conn = self.conns.setdefault(fd, Connection(time.monotonic())) if fd >= 0 else None
+            if conn is not None:
+                self._drop(fd, conn, why)
 
     def may_send(self, ident: bytes, nbytes: int) -> bool:
         """Whether a reply of `nbytes` to `ident` keeps its connection's unread bytes within budget (then it
@@ -178,36 +252,45 @@ class Connections:
                         self.conns[fd] = conn = Connection(time.monotonic())
                     conn.accepted = True
                 elif event == zmq.EVENT_DISCONNECTED:
-                    self.closed += 1
                     self.conns.pop(fd, None)
                     for ident in [i for i, f in self.fds.items() if f == fd]:
                         del self.fds[ident]
                         self.gone[ident] = None
                     while len(self.gone) > GONE:
                         del self.gone[next(iter(self.gone))]
-                elif event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
-                    self.succeeded += 1
-                else:
+                elif event & _FAILED:
                     self.failed += 1
             if event == zmq.EVENT_DISCONNECTED:
                 self._trim_at = time.monotonic() + 0.1   # once ZeroMQ has freed the connection's pipes
 
     def _check(self, now: float) -> None:
-        """Drop the connections holding more than the budget of unfinished inbound bytes."""
+        """Drop the connections holding more than the budget of unfinished inbound bytes, and the oldest pending
+        connections past their cap."""
         budget = self.budget()
         beats = 2 * HEARTBEAT / self.heartbeat_s if self.heartbeat_s > 0 else 0.0
         with self.lock:
+            pending = []
             for fd, c in self.conns.items():
+                if c.user is None and not c.dropped:
+                    pending.append((c.since, fd))
                 counters = tcp_counters(fd)
                 if counters is None:
                     continue
                 if counters[0] < c.received or counters[1] < c.acked:   # another connection on a reused fd
-                    c.delivered = c.frames = c.sent = 0
-                    c.since = now
+                    c.framed = c.sent = 0
+                    c.since = c.checked = now
+                    c.floor = HANDSHAKE
                 c.received, c.acked = counters
-                zmtp = HANDSHAKE + FRAMING * c.frames + beats * (now - c.since)
-                if c.received - c.delivered - zmtp > budget:
+                # (received - framed) is what is in flight plus handshake and heartbeats: the latter are at most
+                # what it is now (nothing in flight) and at most what they were plus what a heartbeat adds since
+                unframed = c.received - c.framed
+                c.floor, c.checked = min(unframed, c.floor + beats * (now - c.checked)), now
+                if unframed - c.floor > budget:
                     self._drop(fd, c, "inflight")
+            # past the cap, the oldest go: those a first message could still be on its way to prove kept
+            over = max(0, len(pending) - self.caps.pending)
+            for _, fd in [p for p in sorted(pending) if now - p[0] > self.caps.prove_s][:over]:
+                self._drop(fd, self.conns[fd], "pending")
 
     def _watch(self) -> None:
         while not self._stop.wait(PERIOD_S):
@@ -225,3 +308,11 @@ class Connections:
         self._stop.set()
         self._thread.join(2)
         self.monitor.close(0)
+
+
+def _user_id(frame: Any) -> str:
+    """The worker ZAP proved a message's connection to be ("" without auth)."""
+    try:
+        return frame.get("User-Id") or ""
+    except (zmq.ZMQError, AttributeError):
+        return ""

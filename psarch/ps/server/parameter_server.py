@@ -29,9 +29,11 @@ done or lost.
 Who may connect (psarch/ps/auth.py): every connection authenticates (PLAIN or CURVE through ZAP, by
 default), and each request must name the worker its connection authenticated as; one that does not is
 refused before anything else, with an error that carries no state, and counts for nothing (done, fetch,
-silence clocks). Heartbeats drop stalled peers; MAXMSGSIZE caps each frame at the largest legitimate one;
-what one connection may make the server hold (a message not yet complete, replies not yet read) is bounded
-by connections.py; no routing id a peer chooses can make libzmq abort the server (libc.py).
+silence clocks). Heartbeats drop stalled peers; MAXMSGSIZE caps each frame at the largest legitimate one, and
+wire.MAX_FRAMES the frames of a message (one with more drops its connection, unparsed); what one connection may
+make the server hold (a message not yet complete, replies not yet read) and how many connections each worker
+and strangers may hold are bounded by connections.py; no routing id a peer chooses can make libzmq abort the
+server (libc.py).
 """
 from __future__ import annotations
 
@@ -51,7 +53,7 @@ from psarch.ps import auth, wire
 from psarch.ps.auth import Credentials
 from psarch.ps.errors import PSError
 from psarch.ps.layout import gather, held, server_partitions
-from psarch.ps.server.connections import Connections, exchange_budget
+from psarch.ps.server.connections import Caps, Connections, exchange_budget
 from psarch.ps.server.deadlines import Deadlines
 from psarch.ps.server.libc import seed_routing_ids
 from psarch.ps.server.pulls import PullQueue
@@ -87,9 +89,11 @@ class ParameterServer:
         auth.bound(self.sock, b.heartbeat_s, b.heartbeat_timeout_s, b.handshake_timeout_s)
         auth.server_socket(self.sock, self.creds, index)
         self.rows = None   # (set below: the connections' budget reads it)
-        self.connections = Connections(self.sock, self.inflight_budget, b.heartbeat_s)
-        self.zap = auth.ZapHandler(self.zctx, self.creds, b.world_size, b.max_connections or b.world_size + 16,
-                                   self.connections.room_for)
+        caps = Caps(b.max_connections or b.world_size + 16, b.max_connections_per_worker,
+                    b.max_pending or b.world_size + 16, b.handshake_timeout_s)
+        self.connections = Connections(self.sock, self.inflight_budget, b.heartbeat_s, caps,
+                                       curve=self.creds.mechanism == "curve")
+        self.zap = auth.ZapHandler(self.zctx, self.creds, b.world_size, self.connections.admit)
         if port:
             self.sock.bind(f"tcp://{host}:{port}")
         else:
@@ -137,11 +141,30 @@ class ParameterServer:
                 for _ in range(64):
                     if not self.sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
                         break
-                    self.handle(self.sock.recv_multipart(copy=False))
+                    frames = self.receive()
+                    if frames is not None:
+                        self.handle(frames)
             if self.pipe is not None and self.pipe.poll():
                 self.command(json.loads(self.pipe.recv_bytes()))
             self.check_deadlines()
         self.close()
+
+    def receive(self) -> list | None:
+        """The next message, or None for one of more than wire.MAX_FRAMES frames: its connection is dropped and
+        the rest of it read and thrown away, a frame at a time (ZeroMQ reads no other message until this one is
+        read, and keeps no more of it than the connection's budget)."""
+        frames = [self.sock.recv(copy=False)]
+        while frames[-1].more:
+            if len(frames) > wire.MAX_FRAMES:
+                self.connections.drop_sender(frames[0], "frames")
+                size, frame = wire.frames_bytes(frames[1:]), frames[-1]
+                while frame.more:
+                    frame = self.sock.recv(copy=False)
+                    size += len(frame)
+                self.meter.add("invalid", 0, size)
+                return None
+            frames.append(self.sock.recv(copy=False))
+        return frames
 
     def stop(self) -> None:
         self.state.stopping = True

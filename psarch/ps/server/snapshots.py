@@ -31,8 +31,10 @@ class Snapshots:
         """checkpoints: the run's checkpoint folder, the only place a `save` may write (None: no saves)."""
         self.state, self.replies, self.rows = state, replies, rows
         self.checkpoints = Path(checkpoints).resolve() if checkpoints is not None else None
-        self.saves: list[tuple[bytes, int]] = []   # waiting save requests: (identity, worker)
+        # waiting save requests: (identity, worker); a worker may ask twice (the same save: both are answered)
+        self.saves: list[tuple[bytes, int]] = []
         self.step, self.since = 0, 0.0            # the step they ask for, and since when they wait
+        self.written = -1                         # the step of the last part written (asked again: done)
         self._layout: Layout | None = None
 
     @property
@@ -56,14 +58,17 @@ class Snapshots:
             asked = None
         if asked != folder:
             raise PSError(f"save: path {msg.header['path']!r:.200} is not this run's folder for step {step} ({folder})")
+        every = s.cfg.train.checkpoint_every
+        if not every or step <= 0 or step % every:
+            raise PSError(f"save: step {step} is not a checkpoint step of this run (train.checkpoint_every = {every})")
         if self.saves and step != self.step:
             raise PSError(f"save: worker {w} asks for step {step}, other workers for step {self.step}")
-        if any(v == w for _, v in self.saves):
-            raise PSError(f"save: worker {w} already asked for step {step}")
         clocks = {p.clock[w] for p in s.parts}
         if clocks != {pushes_by(s.cfg, step)}:
             raise PSError(f"save: worker {w} has pushed {'/'.join(map(str, sorted(clocks)))} time(s) (by partition); "
                           f"a checkpoint at step {step} follows {pushes_by(s.cfg, step)}")
+        if step == self.written:   # a worker's second ask (its key on two connections): the part is written
+            return self.replies.send(ident, "save", {"op": "ack", "version": s.version})
         if not self.saves:
             self.step, self.since = step, time.monotonic()
         self.saves.append((ident, w))
@@ -83,6 +88,7 @@ class Snapshots:
             for ident, _ in waiting:
                 self.replies.error(ident, "save", f"save: cannot write {folder}: {e}")
             return
+        self.written = self.step
         for ident, _ in waiting:
             self.replies.send(ident, "save", {"op": "ack", "version": self.state.version})
 
