@@ -5,6 +5,7 @@ import pytest
 
 from dist_utils import run_ranks
 from zero_runs import OPTIMIZERS, all_variants, config, train
+from timing import scaled
 
 
 @pytest.fixture(scope="session")
@@ -16,7 +17,7 @@ def zero_runs(tmp_path_factory):
         train(0, 1, config(f"single-{opt}", train=hp), str(out))
     results = {}
     for n in (2, 3):
-        for rank, res in enumerate(run_ranks(all_variants, n, str(out), timeout=300)):
+        for rank, res in enumerate(run_ranks(all_variants, n, str(out), timeout=scaled(300))):
             for name, r in res.items():
                 results.setdefault(name, {})[rank] = r
     return out, results

@@ -6,6 +6,7 @@ from typing import Any, Callable
 
 from dist_utils import run_ranks
 from parity import OPTIMIZERS as _PARITY, TINY_GPT, config  # noqa: F401  (re-exported for the PS tests)
+from timing import scaled
 
 OPTIMIZERS = dict(_PARITY, plain_sgd={"optimizer": "sgd", "lr": 0.1})
 
@@ -20,7 +21,7 @@ def ps(n: int, mode: str = "sync", servers: int = 1, **extra) -> dict:
 def run_stage(out: Path, services: dict[str, Any], fn: Callable, n: int) -> list:
     """Run `fn` on n worker ranks against each case's started `services`, then finish and stop them."""
     try:
-        results = run_ranks(fn, n, str(out), {c: s.info for c, s in services.items()}, timeout=300)
+        results = run_ranks(fn, n, str(out), {c: s.info for c, s in services.items()}, timeout=scaled(300))
         for s in services.values():
             s.finish()
     finally:

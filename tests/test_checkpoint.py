@@ -21,20 +21,21 @@ from psarch.config import from_dict
 from psarch.dist import DistContext
 from psarch.ps.services import start_services
 from psarch.runner import run_rank
+from timing import scaled
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     out = tmp_path_factory.mktemp("ckpt")
     results = {}
-    results[4] = run_ranks(cr.world4, 4, str(out), timeout=300)
+    results[4] = run_ranks(cr.world4, 4, str(out), timeout=scaled(300))
     # the ps fork's servers start from the N=4 checkpoint, so only once it is written
     servers = start_services(from_dict(cr.to_ps2()), None, threads=True, start=out / "z3n4" / "step_000003")
     try:
-        results[2] = run_ranks(cr.world2, 2, str(out), servers.info, timeout=300)
+        results[2] = run_ranks(cr.world2, 2, str(out), servers.info, timeout=scaled(300))
     finally:
         servers.stop()
-    results[3] = run_ranks(cr.world3, 3, str(out), timeout=300)
+    results[3] = run_ranks(cr.world3, 3, str(out), timeout=scaled(300))
     return out, results
 
 

@@ -15,6 +15,7 @@ from psarch.cluster import netns
 from psarch.cluster.emulated import IFNAME, EmulatedCluster, gso_segments, plan, tsq_bytes
 from psarch.cluster.preflight import missing
 from psarch.config import ConfigError, check_machine, from_dict
+from timing import scaled
 
 
 def test_preflight_names_what_is_missing(tmp_path, monkeypatch):
@@ -78,7 +79,7 @@ def test_shaping_is_real_and_counted():
         ready.wait(10)
         before = c.counters()
         with netns.inside(c.nodes[0].ns):
-            s = socket.create_connection((c.nodes[1].address, port[0]), timeout=30)
+            s = socket.create_connection((c.nodes[1].address, port[0]), timeout=scaled(30))
         t0 = time.perf_counter()
         s.sendall(os.urandom(size))
         s.close()
@@ -137,7 +138,7 @@ def test_each_node_is_set_to_its_link():
         t.start()
         ready.wait(10)
         with netns.inside(worker.ns):
-            s = socket.create_connection((server.address, port[0]), timeout=30)
+            s = socket.create_connection((server.address, port[0]), timeout=scaled(30))
         s.sendall(bytes(300_000))
         s.close()
         t.join(30)
@@ -272,7 +273,8 @@ def test_a_launcher_killed_with_its_step_window_leaks_nothing():
     import subprocess
     import sys
 
-    proc = subprocess.run([sys.executable, "-c", KILLED_WITH_A_WINDOW], capture_output=True, text=True, timeout=60)
+    proc = subprocess.run([sys.executable, "-c", KILLED_WITH_A_WINDOW], capture_output=True, text=True,
+                          timeout=scaled(60))
     assert proc.returncode == -9, proc.stderr
     assert "leaked" not in proc.stderr and "resource_tracker" not in proc.stderr, proc.stderr
 

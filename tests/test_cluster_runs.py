@@ -16,6 +16,7 @@ from cluster_setup import leftovers, needs_root, watchers
 from parity import assert_same_model, config, model
 from psarch.config import from_dict
 from psarch.launch import RunError, run
+from timing import scaled
 
 pytestmark = needs_root
 LINK = {"emulate": True, "link_mbps": 200.0}
@@ -157,7 +158,7 @@ def test_interrupted_or_killed_launcher_leaves_nothing(how):
     assert leftovers(launcher.pid)                       # the cluster and its node process are up
     launcher.send_signal(how)
     launcher.wait(30)
-    deadline = time.monotonic() + 15
+    deadline = time.monotonic() + scaled(15)
     while (leftovers(launcher.pid) or watchers(launcher.pid)) and time.monotonic() < deadline:
         time.sleep(0.2)
     assert not leftovers(launcher.pid) and not watchers(launcher.pid)

@@ -10,6 +10,7 @@ import sys
 from cluster_setup import needs_root
 from psarch.cluster.emulated import IFNAME, EmulatedCluster
 from test_launch import TINY
+from timing import scaled
 
 
 @needs_root
@@ -25,7 +26,7 @@ def test_torchrun_across_emulated_nodes(tmp_path):
                                    "-m", "psarch.cli", "run", "tiny.toml", "--out", "torchrun", "--quiet"],
                                   cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
                  for i, n in enumerate(c.nodes)]
-        outs = [p.communicate(timeout=240)[0] for p in procs]
+        outs = [p.communicate(timeout=scaled(240))[0] for p in procs]
         after = c.counters()
     finally:
         c.close()

@@ -9,6 +9,7 @@ import sys
 import pytest
 
 from psarch.sweep import expand, read_sweep, run_sweep
+from timing import scaled
 
 TINY = """
 name = "sw"
@@ -73,7 +74,7 @@ def test_compare_writes_report_and_plots(sweep_run, tmp_path):
     runs = [str(root / "out" / n) for n in ("single", "ddp-commring", "ddp-commnative")]
     out = tmp_path / "cmp"
     res = subprocess.run([sys.executable, "-m", "psarch.cli", "compare", *runs, "--out", str(out)],
-                         capture_output=True, text=True, timeout=120)
+                         capture_output=True, text=True, timeout=scaled(120))
     assert res.returncode == 0, res.stderr
     report = (out / "report.md").read_text()
     for run in runs:   # each named by its folder, not by the config's name all three share ("sw/...")
@@ -246,7 +247,7 @@ def test_compare_refuses_a_target_gap_that_is_not_positive(async_run, tmp_path, 
 
 def test_estimate_from_a_measured_run(async_run):
     out = subprocess.run([sys.executable, "-m", "psarch.cli", "estimate", "--from", str(async_run)],
-                         capture_output=True, text=True, timeout=60)
+                         capture_output=True, text=True, timeout=scaled(60))
     assert out.returncode == 0, out.stderr
     s = json.loads((async_run / "summary.json").read_text())
     assert f"== measured run {s['name']} (ps async, N = 2)" in out.stdout
@@ -260,13 +261,13 @@ def test_estimate_from_a_measured_run(async_run):
     row = next(line.split() for line in out.stdout.split("== step time")[1].splitlines() if line.split()[:1] == ["1"])
     assert row[1] == f"{compute:.4f}", row
     missing = subprocess.run([sys.executable, "-m", "psarch.cli", "estimate", "--from", str(async_run.parent)],
-                             capture_output=True, text=True, timeout=60)
+                             capture_output=True, text=True, timeout=scaled(60))
     assert missing.returncode == 2 and "no summary.json" in missing.stderr
 
 
 def test_compare_writes_under_runs_by_default(async_run, tmp_path):
     res = subprocess.run([sys.executable, "-m", "psarch.cli", "compare", str(async_run)], cwd=tmp_path,
-                         capture_output=True, text=True, timeout=120)
+                         capture_output=True, text=True, timeout=scaled(120))
     assert res.returncode == 0, res.stderr
     assert (tmp_path / "runs" / "compare" / "psasync" / "report.md").is_file()
     assert not (tmp_path / "compare").exists()

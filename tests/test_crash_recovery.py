@@ -20,6 +20,7 @@ import torch
 import checkpoint_runs as cr
 from psarch import checkpoint
 from psarch.cli import main
+from timing import scaled
 
 BACKENDS = {"single": {"kind": "single"}, "ddp": {"kind": "ddp", "world_size": 2},
             "zero3": {"kind": "zero", "stage": 3, "world_size": 2},
@@ -55,7 +56,7 @@ def _kill(cfg: Path, out: Path, marker: Path, world: int, victim: str, **hang: s
                else [str(r) for r in range(world)])
     markers = [Path(f"{marker}{r}") for r in stopped]
     try:
-        deadline = time.time() + 120
+        deadline = time.time() + scaled(120)
         while not all(m.exists() for m in markers):
             assert proc.poll() is None and time.time() < deadline, "the run ended before it reached the hang"
             time.sleep(0.1)
@@ -63,7 +64,7 @@ def _kill(cfg: Path, out: Path, marker: Path, world: int, victim: str, **hang: s
             os.killpg(proc.pid, signal.SIGKILL)
         else:
             os.kill(int(markers[int(victim.removeprefix("rank"))].read_text()), signal.SIGKILL)
-        proc.communicate(timeout=60)
+        proc.communicate(timeout=scaled(60))
         return proc.returncode
     finally:
         if proc.poll() is None:
@@ -103,7 +104,7 @@ def test_a_ps_save_that_times_out_fails_the_run_then_resumes_to_the_same_model(t
     proc = _start(cfg, out, tmp_path / "hung", "--set", "backend.timeout_s=2",
                   PSARCH_TEST_HANG_SERVER_IN_CHECKPOINT="4")
     try:
-        _, err = proc.communicate(timeout=120)
+        _, err = proc.communicate(timeout=scaled(120))
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)

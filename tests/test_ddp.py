@@ -22,6 +22,7 @@ from psarch.config import from_dict
 from psarch.dist import DistContext
 from psarch.runner import run_rank
 from psarch.workload import build_workload
+from timing import scaled
 
 PERTURBED = {"factory": "factories:perturbed_by_rank"}  # every rank builds a different initial model
 VARIANTS = [("torch_ddp", {}), ("ddp", {"comm": "ring", "bucket_cap_mb": 0.01}),
@@ -71,7 +72,7 @@ def runs(tmp_path_factory):
     train(0, 1, config("perturbed-single", train=OPTIMIZERS["sgd"], workload=PERTURBED), str(out))  # rank 0's model
     results = {}
     for n in (2, 3):
-        for rank, res in enumerate(run_ranks(all_variants, n, str(out), timeout=300)):
+        for rank, res in enumerate(run_ranks(all_variants, n, str(out), timeout=scaled(300))):
             for name, r in res.items():
                 results.setdefault(name, {})[rank] = r
     return out, results

@@ -20,6 +20,7 @@ from psarch.dist import DistContext
 from psarch.runner import run_rank
 from psarch.embeddings import embedding_tables
 from psarch.workload import build_workload
+from timing import scaled
 
 TINY_DLRM = {
     "seed": 5,
@@ -64,7 +65,7 @@ def runs(tmp_path_factory):
     out = tmp_path_factory.mktemp("ddp_rows")
     for opt in OPTIM:
         _train(0, 1, _data(f"single-{opt}", opt), str(out))
-    return out, {n: run_ranks(_variants, n, str(out), timeout=300) for n in (2, 3)}
+    return out, {n: run_ranks(_variants, n, str(out), timeout=scaled(300)) for n in (2, 3)}
 
 
 CASES = [(name, n) for n in (2, 3) for name in VARIANTS] + [(name, 2) for name in ONLY_N2]

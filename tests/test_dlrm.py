@@ -18,6 +18,7 @@ from psarch.models import DLRM
 from psarch.optim import build_optimizer
 from psarch.ps.services import start_services
 from psarch.workload import build_workload
+from timing import scaled
 
 TINY_DLRM = {
     "seed": 4,
@@ -84,7 +85,7 @@ def runs(tmp_path_factory):
     services = {name: start_services(from_dict(_data(name, opt, backend)), None, threads=True)
                 for name, (backend, opt) in VARIANTS.items() if backend["kind"] == "ps"}
     try:
-        results = run_ranks(_variants, N, str(out), {k: s.info for k, s in services.items()}, timeout=300)
+        results = run_ranks(_variants, N, str(out), {k: s.info for k, s in services.items()}, timeout=scaled(300))
         for s in services.values():
             s.finish()
     finally:

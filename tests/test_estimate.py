@@ -10,6 +10,7 @@ import sys
 import pytest
 
 from psarch import estimate, theory
+from timing import scaled
 
 # Table 1: per-device model-state memory (GB) — baseline DDP, Pos, Pos+g, Pos+g+p — by DP degree.
 TABLE1 = {
@@ -74,12 +75,12 @@ def test_traffic_and_step_model():
 
 def test_cli_estimate_prints_the_tables():
     out = subprocess.run([sys.executable, "-m", "psarch.cli", "estimate", "--params", "7.5e9", "--world", "64"],
-                         capture_output=True, text=True, timeout=60)
+                         capture_output=True, text=True, timeout=scaled(60))
     assert out.returncode == 0, out.stderr
     line = next(l for l in out.stdout.splitlines() if l.strip().startswith("64 ") and "<-" in l)
     assert line.split()[1:5] == ["120", "31.4", "16.6", "1.88"]
     bad = subprocess.run([sys.executable, "-m", "psarch.cli", "estimate", "--world", "4"],
-                         capture_output=True, text=True, timeout=60)
+                         capture_output=True, text=True, timeout=scaled(60))
     assert bad.returncode == 2 and "--params" in bad.stderr
 
 
@@ -87,14 +88,14 @@ def test_cli_estimate_adds_pipeline_rows():
     """--pipeline p --microbatches m: p stages of Φ/p, (2 x 2 + K = 12) bytes per parameter in bf16 + AdamW; each
     stage's gradients ring all-reduced over dp = N / p; bubble (p-1)/(m+p-1), interleaved (v = 2) (p-1)/(v·m+p-1)."""
     out = subprocess.run([sys.executable, "-m", "psarch.cli", "estimate", "--params", "7.5e9", "--world", "64",
-                          "--pipeline", "4", "--microbatches", "8"], capture_output=True, text=True, timeout=60)
+                          "--pipeline", "4", "--microbatches", "8"], capture_output=True, text=True, timeout=scaled(60))
     assert out.returncode == 0, out.stderr
     rows = {l.split(" p=")[0].strip(): l.split()[-3:] for l in out.stdout.splitlines() if "pipeline " in l}
     states, sends = (4 + 12) * 7.5e9 / 4 / 1e9, 2 * 15 / 16 * 7.5e9 / 4 * 2 / 1e9
     assert rows["pipeline 1f1b"] == [f"{states:.3g}", f"{sends:.3g}", f"{3 / 11:.3f}"]
     assert rows["pipeline interleaved"][2] == f"{3 / 19:.3f}"
     bad = subprocess.run([sys.executable, "-m", "psarch.cli", "estimate", "--params", "1e9", "--world", "64",
-                          "--pipeline", "3"], capture_output=True, text=True, timeout=60)
+                          "--pipeline", "3"], capture_output=True, text=True, timeout=scaled(60))
     assert bad.returncode == 2 and "--pipeline 3 must divide --world 64" in bad.stderr
 
 

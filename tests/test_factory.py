@@ -13,6 +13,7 @@ from psarch.config import ConfigError, from_dict
 from psarch.dist import DistContext
 from psarch.registry import kinds
 from psarch.runner import run_rank, to_device
+from timing import scaled
 
 BASE = {"seed": 1, "workload": {"factory": "factories:regression"},
         "train": {"steps": 30, "global_batch": 16, "optimizer": "adamw", "lr": 0.03, "log_every": 100}}
@@ -49,7 +50,7 @@ def refusing_factories() -> dict[str, str]:
 
 def test_factory_workload_trains_under_every_backend_that_accepts_one(tmp_path):
     expected_keys = sorted(TinyRegressor().state_dict())
-    results = run_ranks(losses_and_keys, 2, timeout=300)[0]
+    results = run_ranks(losses_and_keys, 2, timeout=scaled(300))[0]
     covered = {name.split("{")[0] for name in results}
     single = psarch.run(from_dict(config("single", 1)), out=tmp_path / "single", echo=False)
     ps = psarch.run(from_dict(config("ps", 2)), out=tmp_path / "ps", echo=False)
@@ -90,7 +91,7 @@ def test_readme_factory_trains_in_bf16_without_casting_its_input():
     """The README's factory feeds float32 x to a bf16 model (no cast in its loss_fn): without the runner's
     cast, the first forward raises "mat1 and mat2 must have the same dtype"."""
     single = run_rank(from_dict(dict(README, name="single")), DistContext(), echo=False)
-    runs = {"single": [r["loss"] for r in single.steps], **run_ranks(readme_losses, 2, timeout=300)[0]}
+    runs = {"single": [r["loss"] for r in single.steps], **run_ranks(readme_losses, 2, timeout=scaled(300))[0]}
     for name, losses in runs.items():
         assert losses[-1] < 0.3 * losses[0], f"{name} bf16 did not learn: {losses[0]:.3f} -> {losses[-1]:.3f}"
 

@@ -18,6 +18,7 @@ import pytest
 from procs import alive, descendants
 from psarch import supervise
 from psarch.errors import NON_FINITE_EXIT
+from timing import scaled
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="/proc and PR_SET_PDEATHSIG (Linux)")
 
@@ -70,7 +71,7 @@ def start(tmp_path: Path, *overrides: str) -> subprocess.Popen:
 
 def training(tmp_path: Path, proc: subprocess.Popen, ranks: int, steps: int = 3, limit: float = 90) -> set[int]:
     """Wait until every rank has streamed `steps` rows; the launcher's descendants then."""
-    deadline = time.monotonic() + limit
+    deadline = time.monotonic() + scaled(limit)
     streams = [tmp_path / "out" / "ranks" / f"rank{r}.jsonl" for r in range(ranks)]
     while not all(p.is_file() and p.read_text().count("\n") >= steps for p in streams):
         if proc.poll() is not None or time.monotonic() > deadline:
@@ -81,7 +82,7 @@ def training(tmp_path: Path, proc: subprocess.Popen, ranks: int, steps: int = 3,
 
 
 def assert_all_gone(pids: set[int], limit: float = 15) -> None:
-    deadline = time.monotonic() + limit
+    deadline = time.monotonic() + scaled(limit)
     while time.monotonic() < deadline and any(alive(p) for p in pids):
         time.sleep(0.1)
     left = sorted(p for p in pids if alive(p))
@@ -96,7 +97,7 @@ def test_sigterm_stops_the_run_as_ctrl_c_does_and_keeps_the_finished_steps(tmp_p
     assert len(kids) >= 2
     proc.send_signal(signal.SIGTERM)
     try:
-        _, stderr = proc.communicate(timeout=30)
+        _, stderr = proc.communicate(timeout=scaled(30))
     finally:
         proc.kill()
     assert proc.returncode == 128 + signal.SIGTERM, stderr
@@ -113,7 +114,7 @@ def test_sigkill_of_the_launcher_leaves_no_rank_or_server_running(tmp_path):
     kids = training(tmp_path, proc, ranks=2)
     assert len(kids) >= 3   # two workers and a parameter server (and multiprocessing's resource tracker)
     proc.kill()             # SIGKILL: nothing in the launcher runs; the kernel must end the children
-    proc.communicate(timeout=10)
+    proc.communicate(timeout=scaled(10))
     assert_all_gone(kids)
 
 

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from psarch.meters import TrafficMeter, peak_memory
+from timing import scaled
 
 HELD = 256 * 2**20
 
@@ -27,8 +28,8 @@ def test_a_spawned_rank_reports_its_own_peak_not_its_launchers():
     q = ctx.Queue()
     p = ctx.Process(target=_report_peak, args=(q,))
     p.start()
-    child, kind = q.get(timeout=120)
-    p.join(timeout=60)
+    child, kind = q.get(timeout=scaled(120))
+    p.join(timeout=scaled(60))
     del held
     # the rank imported torch (~100-300 MiB) but allocated nothing: less than its launcher's peak
     assert kind == "rss" and 0 < child < parent - HELD // 2, (child, parent)

@@ -20,6 +20,7 @@ from psarch import theory
 from psarch.config import from_dict
 from psarch.dist import DistContext
 from psarch.runner import run_rank
+from timing import scaled
 
 
 @pytest.fixture(scope="module")
@@ -29,7 +30,7 @@ def runs(tmp_path_factory):
         train(0, 1, data, {}, str(out))
     results: dict[str, dict[int, dict]] = {}
     for n, fn in ((2, pr.world2), (4, pr.world4)):
-        for rank, res in enumerate(run_ranks(fn, n, str(out), timeout=600)):
+        for rank, res in enumerate(run_ranks(fn, n, str(out), timeout=scaled(600))):
             for name, r in res.items():
                 results.setdefault(name, {})[rank] = r
     return out, results

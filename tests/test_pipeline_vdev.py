@@ -18,6 +18,7 @@ from psarch.config import ConfigError, from_dict
 from psarch.dist import DistContext
 from psarch.runner import run_rank
 from psarch.workload import build_workload
+from timing import scaled
 
 GPT = {"n_layer": 2, "n_embd": 32, "n_head": 2}
 MODELLED_STEP_S = 0.12   # the whole model's forward + backward on the pipeline's batch, on the modelled device
@@ -50,7 +51,7 @@ def test_each_stage_computes_its_share_of_the_flops_per_micro_batch():
     stage's real time in forward and backward is its own modelled time (without per-call pacing a stage was
     charged the whole model on its whole shard per call: the last stage 4x too long, the first barely paced)."""
     rate = _rate()
-    stages = run_ranks(_stage, 2, rate, timeout=300)
+    stages = run_ranks(_stage, 2, rate, timeout=scaled(300))
     total = sum(s["facts"]["forward_s"] + s["facts"]["backward_s"] for s in stages)
     assert total == pytest.approx(MODELLED_STEP_S, rel=0.02)
     for rank, s in enumerate(stages):
@@ -58,7 +59,7 @@ def test_each_stage_computes_its_share_of_the_flops_per_micro_batch():
         assert 0.3 * MODELLED_STEP_S < own < 0.7 * MODELLED_STEP_S, (rank, own)   # about half the model each
         assert all(m == pytest.approx(own) for m in s["modelled"]), (rank, s["modelled"])
         took = statistics.median(s["compute"])
-        assert own <= took < 1.3 * own, (rank, took, own)
+        assert own <= took < min(1 + scaled(0.3), 2.0) * own, (rank, took, own)   # by the load, far below 4x
 
 
 class _Cut(Exception):

@@ -24,6 +24,7 @@ from psarch.config import from_dict
 from psarch.ps.services import start_services
 from psarch.workload import build_workload
 from ps_setup import OPTIMIZERS, TINY_GPT, config, ps
+from timing import scaled
 
 HEADER_BOUND = 128
 PARTS = 0.001   # MiB: partitions of 256 elements, several per server of the tiny GPT
@@ -89,7 +90,7 @@ def parity(tmp_path_factory):
             if n == 1:
                 res = [all_variants(0, 1, str(out), runs, infos)]
             else:
-                res = run_ranks(all_variants, n, str(out), runs, infos, timeout=300)
+                res = run_ranks(all_variants, n, str(out), runs, infos, timeout=scaled(300))
             for name, s in services.items():
                 server_stats[name] = s.finish()
         finally:

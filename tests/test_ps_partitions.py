@@ -22,6 +22,7 @@ from psarch.ps.services import start_services
 from psarch.ps.worker.client import PSClient, Request
 from psarch.workload import build_workload
 from ps_setup import config, ps
+from timing import scaled
 
 PARTS = 0.001   # MiB: 256 fp32 elements per partition
 
@@ -268,7 +269,7 @@ def test_requests_about_partitions_a_client_would_never_send_are_refused():
                                       "already pushed step 0")]:
             # `c` is another connection: until the server has taken run's push (in flight on its own connection),
             # the same request is refused for coming before it ("has pushed 0 step(s)"); refused either way
-            deadline = time.monotonic() + 10
+            deadline = time.monotonic() + scaled(10)
             while True:
                 with pytest.raises(Exception) as refusal:
                     c.exchange([[Request(header, tensor)], []])

@@ -14,6 +14,7 @@ from psarch.ps import auth, wire
 from psarch.ps.auth import Credentials
 from ps_setup import config, ps
 from test_ps_pressure import MiB, Dealer, serve  # noqa: F401  (serve: the fixture)
+from timing import scaled
 
 PARTITION_64 = 64 * 4 / MiB   # backend.partition_mb of the smallest partitions, 64 fp32 elements
 
@@ -61,7 +62,7 @@ def test_a_partition_round_whose_update_would_be_non_finite_fails_the_server_una
         for w, d in enumerate(dealers):
             r = d.ask({"op": "push", "worker": w, "step": 0, "version": 0, "offset": p0.lo}, torch.ones(p0.hi - p0.lo))
             assert r is not None and r.op == "ack", r
-        deadline = time.monotonic() + 5
+        deadline = time.monotonic() + scaled(5)
         while p0.range.version == 0 and time.monotonic() < deadline:
             time.sleep(0.02)
         assert p0.range.version == 1 and s.failure is None
@@ -70,7 +71,7 @@ def test_a_partition_round_whose_update_would_be_non_finite_fails_the_server_una
             r = d.ask({"op": "push", "worker": w, "step": 0, "version": 0, "offset": p1.lo},
                       torch.full((p1.hi - p1.lo,), 3e38))
             assert r is not None
-        deadline = time.monotonic() + 5
+        deadline = time.monotonic() + scaled(5)
         while s.failure is None and time.monotonic() < deadline:
             time.sleep(0.02)
         assert s.failure is not None and "non-finite" in s.failure, s.failure
@@ -107,7 +108,7 @@ def test_a_sync_round_whose_rows_would_be_non_finite_fails_unapplied_with_partit
         for w, d in enumerate(dealers):
             r = d.ask({"op": "push", "worker": w, "step": 0, "version": 0, "offset": p0.lo}, torch.ones(p0.hi - p0.lo))
             assert r is not None and r.op == "ack", r
-        deadline = time.monotonic() + 5
+        deadline = time.monotonic() + scaled(5)
         while s.failure is None and time.monotonic() < deadline:
             time.sleep(0.02)
         assert s.failure is not None and "non-finite" in s.failure and "not applied" in s.failure, s.failure

@@ -20,6 +20,7 @@ from psarch.workload import build_workload
 from psarch.dist import DistContext
 from psarch.records import ServiceInfo
 from psarch.runner import run_rank
+from timing import scaled
 
 ROWS_DLRM = {
     "seed": 5,
@@ -90,7 +91,7 @@ def runs(tmp_path_factory):
         plan = _plan(n)
         services = {name: start_services(from_dict(d), None, threads=True) for name, d in plan.items()}
         try:
-            res = run_ranks(_variants, n, str(out), plan, {k: s.info for k, s in services.items()}, timeout=300)
+            res = run_ranks(_variants, n, str(out), plan, {k: s.info for k, s in services.items()}, timeout=scaled(300))
             for name, s in services.items():
                 servers[name] = s.finish()
         finally:

@@ -21,6 +21,7 @@ from psarch.models.dlrm import DLRM, TABLE_BLOCK, table_rows
 from psarch.ps.rows import key_space
 from psarch.ps.server.row_shard import initial_shard
 from psarch.workload import build_workload
+from timing import scaled
 
 ROOT = Path(__file__).resolve().parents[1]
 BIG = {"num_tables": 4, "rows": 2_000_000, "dim": 16, "bag": 1, "bottom_mlp": [8], "top_mlp": [8]}
@@ -95,7 +96,7 @@ def test_start_up_peak_memory_is_far_below_the_tables(who, limit):
     # 8 servers, or 8 ddp ranks: server 0 / rank 0 holds 1/8 of the rows (64 MB), computed a block at a time;
     # a sharded rank also holds its shard's gradient (another 64 MB)
     cfg = json.dumps(_config("ddp" if who == "sharded" else "ps", BIG, servers=8))
-    out = subprocess.run([sys.executable, "-c", _PEAK, who, cfg], capture_output=True, text=True, timeout=240,
+    out = subprocess.run([sys.executable, "-c", _PEAK, who, cfg], capture_output=True, text=True, timeout=scaled(240),
                          cwd=ROOT, env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin", "OMP_NUM_THREADS": "1"})
     assert out.returncode == 0, out.stderr[-2000:]
     grown = json.loads(out.stdout.strip().splitlines()[-1])

@@ -19,6 +19,7 @@ from collective import theory as collective_theory
 from psarch import theory
 from psarch.config import from_dict
 from test_dlrm import SPARSE_OPTIMIZERS, TINY_DLRM
+from timing import scaled
 
 N = 3
 ROWS, DIM, TABLES = TINY_DLRM["workload"]["dlrm"]["rows"], TINY_DLRM["workload"]["dlrm"]["dim"], 3
@@ -58,7 +59,7 @@ def runs(tmp_path_factory):
     out = tmp_path_factory.mktemp("sharded")
     for opt in OPTS:
         train(0, 1, _data(f"single-{opt}", opt, 1), {}, str(out))
-    results = run_ranks(_sharded, N, str(out), timeout=300)
+    results = run_ranks(_sharded, N, str(out), timeout=scaled(300))
     # single continues the sharded checkpoint: it holds every row of every table, and their Adagrad sums
     train(0, 1, _data("single-from-sharded", "adagrad", 1), {}, str(out), start=_ckpt(out))
     return out, results

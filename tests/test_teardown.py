@@ -22,6 +22,7 @@ from psarch.config import load_config
 from psarch.errors import RunError
 from psarch.launch import run
 from stress_teardown import BACKENDS, TINY, stress
+from timing import scaled
 
 
 def _no_core() -> None:
@@ -46,20 +47,20 @@ def _aborts(rank: int, world_size: int) -> None:
 @pytest.mark.slow
 def test_run_ranks_keeps_the_results_and_its_ranks_leave_without_finalisation(tmp_path):
     marker = str(tmp_path / "finalised")
-    assert run_ranks(_aborts_if_finalised, 2, marker, timeout=60) == [{"rank": 0}, {"rank": 1}]
+    assert run_ranks(_aborts_if_finalised, 2, marker, timeout=scaled(60)) == [{"rank": 0}, {"rank": 1}]
     assert not list(tmp_path.glob("finalised*")), "a rank went through the interpreter's finalisation"
 
 
 @pytest.mark.slow
 def test_run_ranks_names_the_signal_of_a_rank_that_died_before_reporting():
     with pytest.raises(RankError, match=r"rank 0 was killed by SIGABRT without reporting; see its stderr"):
-        run_ranks(_aborts, 1, timeout=60)
+        run_ranks(_aborts, 1, timeout=scaled(60))
 
 
 def _ended_by(code: str) -> int:
     """The exit code of a Python process that runs `code` (writing no core file)."""
     no_core = "import resource; resource.setrlimit(resource.RLIMIT_CORE, (0, 0)); "
-    return subprocess.run([sys.executable, "-c", no_core + code], timeout=60, check=False).returncode
+    return subprocess.run([sys.executable, "-c", no_core + code], timeout=scaled(60), check=False).returncode
 
 
 @pytest.mark.parametrize("code,says", [
@@ -96,7 +97,7 @@ def test_torchrun_ranks_leave_without_finalisation(tmp_path):
     env = dict(os.environ, PSARCH_THREADS="1", OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join(sys.path))
     tr = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr",
                          "127.0.0.1", "--master_port", str(port), "-m", "psarch.cli", "run", "tiny.toml", "--out",
-                         "out", "--quiet"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=180,
+                         "out", "--quiet"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=scaled(180),
                         check=False)
     assert tr.returncode == 0, tr.stderr[-3000:]
     assert json.loads((tmp_path / "out" / "summary.json").read_text())["status"] == "finished"

@@ -23,6 +23,7 @@ from psarch.config import from_dict
 from psarch.dist import DistContext
 from psarch.runner import run_rank
 from psarch.workload import build_workload
+from timing import scaled
 
 
 
@@ -35,7 +36,7 @@ def runs(tmp_path_factory):
     results["single-bf16"] = {0: train(0, 1, tr.config("single-bf16", "adamw", {"kind": "single"}, 1,
                                                        precision="bf16"), {}, str(out))}
     for n, world in ((4, tr.world4), (2, tr.world2)):   # N = 2 forks N = 4's checkpoint
-        for rank, res in enumerate(run_ranks(world, n, str(out), timeout=600)):
+        for rank, res in enumerate(run_ranks(world, n, str(out), timeout=scaled(600))):
             for name, r in res.items():
                 results.setdefault(name, {})[rank] = r
     return out, results
