@@ -14,6 +14,7 @@ import pytest
 from procs import alive, descendants
 from psarch.ps.key_watch import PREFIX, KeyFolder, sweep
 from test_lifecycle import ENV, TINY, assert_all_gone, training
+from timing import scaled
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="/proc (Linux)")
 
@@ -34,8 +35,8 @@ def test_sigkill_of_the_launcher_removes_the_run_credentials(tmp_path):
     folders = _key_folders(tmp)
     assert len(folders) == 1 and (folders[0] / "worker1.password").is_file(), folders
     proc.kill()   # SIGKILL: nothing in the launcher runs
-    proc.communicate(timeout=30)
-    deadline = time.monotonic() + 60
+    proc.communicate(timeout=scaled(30))
+    deadline = time.monotonic() + scaled(60)
     while folders[0].exists() and time.monotonic() < deadline:
         time.sleep(0.1)
     assert not folders[0].exists(), "the run's credentials outlived its launcher"

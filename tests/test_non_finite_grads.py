@@ -18,6 +18,7 @@ from psarch.errors import NON_FINITE_EXIT, NonFiniteGradient
 from psarch.launch import RunError, run
 from psarch.precision import MixedPrecisionOptimizer
 from psarch.spawn import run_ranks
+from timing import scaled
 
 STEPS = 4
 BACKENDS = {
@@ -76,7 +77,7 @@ def test_pipeline_and_tensor_refuse_a_nan_gradient(backend, tmp_path):
     data = config("poisoned", TINY_GPT, train={"steps": STEPS, "optimizer": "sgd", "lr": 0.1},
                   workload=dict(TINY_GPT["workload"], gpt={"n_layer": 2, "n_embd": 16, "n_head": 2}),
                   backend=dict(backend, world_size=2))
-    errors = run_ranks(_poisoned, 2, data, str(tmp_path), timeout=120)
+    errors = run_ranks(_poisoned, 2, data, str(tmp_path), timeout=scaled(120))
     for rank, e in enumerate(errors):
         assert re.match(rf"step {STEPS - 1}: rank {rank}'s gradients(?: \(of .*\))? hold inf/nan while its loss", e), e
     assert not (tmp_path / "poisoned.pt").exists()
