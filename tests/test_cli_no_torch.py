@@ -6,6 +6,7 @@ import subprocess
 import sys
 
 import pytest
+from timing import scaled
 
 CHECK = """
 import sys
@@ -28,7 +29,7 @@ def _torch_imported(tmp_path, *args: str) -> tuple[str, str]:
     (tmp_path / "bad.toml").write_text(TYPO)
     (tmp_path / "good.toml").write_text(TYPO.replace("stpes", "steps"))
     proc = subprocess.run([sys.executable, "-c", CHECK, *args], cwd=tmp_path, capture_output=True, text=True,
-                          timeout=120)
+                          timeout=scaled(120))
     return proc.stderr.strip().splitlines()[-1], proc.stderr
 
 

@@ -11,6 +11,7 @@ import subprocess
 import sys
 
 import pytest
+from timing import scaled
 
 TINY = """
 seed = 1
@@ -42,7 +43,7 @@ def _progress(tmp_path, name: str, *sets: str) -> tuple[dict[int, float], list[d
     (tmp_path / "tiny.toml").write_text(TINY)
     args = [sys.executable, "-m", "psarch.cli", "run", "tiny.toml", "--out", name]
     proc = subprocess.run(args + [a for s in sets for a in ("--set", s)], cwd=tmp_path, env=ENV,
-                          capture_output=True, text=True, timeout=180)
+                          capture_output=True, text=True, timeout=scaled(180))
     assert proc.returncode == 0, proc.stderr
     rows = [json.loads(line) for line in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
     return {int(s): float(v) for s, v in LOSS.findall(proc.stdout)}, rows

@@ -21,6 +21,7 @@ from psarch.ps.server.parameter_server import ParameterServer
 from psarch.ps.services import start_services
 from ps_setup import config, ps
 from zmtp_raw import RawPeer, frame
+from timing import scaled
 
 MiB = 2**20
 
@@ -82,7 +83,7 @@ def test_credit_from_many_frames_no_longer_lets_an_unfinished_message_past_the_b
     peer = RawPeer(server.port, "0", _password(server.creds.folder, 0)).connect()
     try:
         _bank_credit(peer, 100, 1000)
-        deadline = time.monotonic() + 30
+        deadline = time.monotonic() + scaled(30)
         while server.meter.report().to_dict()["ops"].get("invalid", {}).get("received", 0) < 100 * 2000 and \
                 time.monotonic() < deadline:
             time.sleep(0.02)
@@ -106,7 +107,7 @@ def test_a_message_of_too_many_frames_is_dropped_unparsed_and_others_are_served(
             auth.client_socket(s, server.creds, w, 0)
             s.connect(server.address)
         attacker.send_multipart([msgpack.packb({"op": "fetch", "worker": 0})] + [b""] * 400_000)
-        deadline = time.monotonic() + 30
+        deadline = time.monotonic() + scaled(30)
         while not attacker.poll(0) and not server.connections.dropped and time.monotonic() < deadline:
             time.sleep(0.01)
         assert server.connections.dropped == {"frames": 1}
