@@ -64,6 +64,8 @@ def has_inf_or_nan(tensors: Iterable[torch.Tensor]) -> torch.Tensor:
 
     One foreach max-norm over all tensors (nan and inf propagate through it), not a check per tensor
     (torch._foreach_norm is private: the one fused multi-tensor norm torch has)."""
+    # a sparse gradient (an embedding table's rows) is checked by its values
+    tensors = [t.coalesce().values() if t.is_sparse else t for t in tensors]
     tensors = [t for t in tensors if t.numel()]
     if not tensors:
         return torch.zeros(())
