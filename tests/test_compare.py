@@ -246,20 +246,23 @@ def test_compare_refuses_a_target_gap_that_is_not_positive(async_run, tmp_path, 
 
 
 def test_estimate_from_a_measured_run(async_run):
+    from psarch.estimate import fmt_size, fmt_time
     out = subprocess.run([sys.executable, "-m", "psarch.cli", "estimate", "--from", str(async_run)],
                          capture_output=True, text=True, timeout=scaled(60))
     assert out.returncode == 0, out.stderr
     s = json.loads((async_run / "summary.json").read_text())
-    assert f"== measured run {s['name']} (ps async, N = 2)" in out.stdout
+    label = s.get("label") or "ps async"
+    assert f"== measured run {s['name']} ({label}, N = 2): compute " in out.stdout
     assert f"step time  measured {s['step_time_s'] * 1e3:.2f} ms" in out.stdout
     sent = sum(t["sent_per_step"] for t in s["traffic"]["per_rank"]) / 2
-    assert f"sent/step  measured {sent:,.0f} B   model {s['params'] * 4:,.0f} B" in out.stdout
+    assert f"sent/step  measured {fmt_size(sent)}   model {fmt_size(s['params'] * 4)}" in out.stdout
     # the step-time table takes compute from the run: at N = 1 nothing is communicated, so a step is
     # the run's own step time less its communication wait
     compute = s["step_time_s"] - s["comm_s"]
-    assert f"compute {compute:g} s/step/worker (measured in {async_run})" in out.stdout
+    assert f"compute {fmt_time(compute)}/step/worker (measured in {async_run})" in out.stdout
+    assert "== step time (ms)" in out.stdout
     row = next(line.split() for line in out.stdout.split("== step time")[1].splitlines() if line.split()[:1] == ["1"])
-    assert row[1] == f"{compute:.4f}", row
+    assert row[1] == f"{compute * 1e3:.3g}", row
     missing = subprocess.run([sys.executable, "-m", "psarch.cli", "estimate", "--from", str(async_run.parent)],
                              capture_output=True, text=True, timeout=scaled(60))
     assert missing.returncode == 2 and "no summary.json" in missing.stderr
