@@ -9,14 +9,20 @@ first read. Every rank runs the same loss_fn, so every rank pins the same units 
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Callable
+from typing import Any, Callable, Protocol
 
 import torch
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten
 
-if TYPE_CHECKING:
-    from zero.stage3 import Stage3
+
+
+class Pinning(Protocol):
+    """What the mode needs of the engine (zero.stage3.Stage3): its phase, and pinning a parameter's unit."""
+
+    phase: str
+
+    def pin_param(self, t: torch.Tensor) -> None: ...
 
 # what reads no element: a freed parameter answers these, and they gather nothing
 _METADATA = {torch.Tensor.size, torch.Tensor.dim, torch.Tensor.numel, torch.Tensor.stride,
@@ -27,7 +33,7 @@ _METADATA = {torch.Tensor.size, torch.Tensor.dim, torch.Tensor.numel, torch.Tens
 class ReadsOutsideForward(TorchFunctionMode):
     """Pins the unit of every parameter a torch call takes while the engine is outside the model's forward."""
 
-    def __init__(self, engine: "Stage3") -> None:
+    def __init__(self, engine: Pinning) -> None:
         super().__init__()
         self.engine = engine
 
