@@ -167,8 +167,8 @@ def test_an_async_save_waits_for_a_worker_that_is_behind_while_it_pushes(tmp_pat
     """async: worker 0 asks to save at step 3 while worker 1, still pushing, takes longer than timeout_s to get
     there; the save waits for it and is written. A worker that says nothing for timeout_s fails the save.
     (A server driven by handle() and _check_deadlines(); replies go to identities nobody holds.)"""
-    cfg = from_dict(config("slow", train={"optimizer": "sgd", "lr": 0.1}, workload={"model": "mlp"},
-                           backend=dict(ps(2, "async"), timeout_s=1.0)))
+    cfg = from_dict(config("slow", train={"optimizer": "sgd", "lr": 0.1, "checkpoint_every": 3},
+                           workload={"model": "mlp"}, backend=dict(ps(2, "async"), timeout_s=1.0)))
     ckpts = tmp_path / "checkpoints"
     srv = ParameterServer(0, cfg, creds=Credentials("none"), checkpoints=ckpts)
     srv.initialize(initial_flat(cfg))
