@@ -27,7 +27,7 @@ from typing import Any, Sequence
 import torch
 import torch.distributed as dist
 
-from collective import make_communicator
+from collective.communicators import make_communicator
 
 DEFAULT_SIZES = tuple(4 ** k * 1024 for k in range(1, 9))  # 4 KiB ... 64 MiB
 RATIOS = (("ring", "native"), ("ring", "p2p"), ("p2p", "native"))  # time ratios, when both kinds ran

@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from collective import make_communicator
+from collective.communicators import make_communicator
 from collective.bucket import Bucket, assign_buckets
 from collective.embeddings import make_tables
 from psarch.checkpoint.fragments import Pieces, master_fragments, restore_optimizer, scaler_state, share_of

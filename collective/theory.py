@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from psarch.data.clicks import expected_unique
+from psarch.zipf import expected_unique
 from psarch.theory import (BYTES, LinkBytes, MemoryPrediction, Prediction, expected_unique_ids,
                            optimizer_bytes_per_param, ring_passes, sharded_memory, table_params)
 

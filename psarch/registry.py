@@ -15,7 +15,7 @@ from typing import Any
 from psarch.backend import BackendSpec
 
 BUILTIN = (
-    "psarch.single:SPEC",
+    "psarch.single_spec:SPEC",
     "collective.spec:DDP",
     "zero.spec:ZERO",
     "psarch.ps.spec:PS",

@@ -11,8 +11,6 @@ from psarch.dist import DistContext
 from psarch.flat import FlatParams, flat_layout
 from psarch.meters import TrafficMeter, flat_memory
 from psarch.precision import MixedPrecisionOptimizer, compute_dtype
-from psarch.backend import BackendSpec
-from psarch.theory import Prediction, ring_passes, sharded_memory
 from psarch.trainer import MemoryReport, StepStats, Trainer, TrafficReport
 from psarch.workload import Workload
 
@@ -81,20 +79,3 @@ def consolidated_state(model: torch.nn.Module, masters: dict[int, torch.Tensor],
         dtype = torch.float32 if src.is_floating_point() else src.dtype
         out[name] = src.detach().reshape(value.shape).to("cpu", dtype, copy=True)
     return out
-
-
-class SingleSpec(BackendSpec):
-    """The reference: one process, the whole global batch."""
-
-    kind = "single"
-    trainer = "psarch.single:SingleTrainer"
-    doc = "one process, the whole global batch, plain PyTorch: the reference every backend is checked against"
-    max_world_size = 1
-    bench_peer = "psarch.bench_step:plain_peer"
-    needs_process_group = False   # one process: nothing to synchronise with
-
-    def predict(self, cfg: Any, phi: float) -> Prediction:
-        return ring_passes(sharded_memory(cfg, phi, 0), cfg, phi, 0)
-
-
-SPEC = SingleSpec()

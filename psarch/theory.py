@@ -13,7 +13,7 @@ from typing import Any
 from psarch import registry
 from psarch.backend import CommModel
 from psarch.config import Config, from_dict
-from psarch.data.clicks import expected_unique
+from psarch.zipf import expected_unique
 
 BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 

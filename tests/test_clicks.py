@@ -181,7 +181,7 @@ def test_bad_click_source_arguments(kwargs, message):
 
 def test_expected_unique_matches_the_sampler():
     """E[distinct ids in d draws] = Σ 1 − (1 − p_k)^d, checked against the sampler's own draws."""
-    from psarch.data.clicks import expected_unique
+    from psarch.zipf import expected_unique
     from psarch.embeddings import unique_ids
     rows, draws = 2000, 256
     assert expected_unique(rows, 0.0, 1) == pytest.approx(1.0)

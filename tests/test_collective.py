@@ -11,8 +11,8 @@ import time
 import pytest
 import torch
 
-from collective import (Communicator, NativeCommunicator, PlainRingCommunicator, RingCommunicator,
-                        make_communicator)
+from collective.communicators import (Communicator, NativeCommunicator, PlainRingCommunicator, RingCommunicator,
+                                       make_communicator)
 from collective.comm import SerialExecutor, check_flat, check_scatter_pair
 from timing import scaled
 

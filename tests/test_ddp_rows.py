@@ -109,7 +109,7 @@ def test_bytes_per_step_are_the_all_gather_formula(runs, name, n):
 
 def test_prediction_is_the_formula_at_the_expected_unique_ids(runs):
     """summary's prediction: the same formula at E[u] (clicks.expected_unique), near the measured mean."""
-    from psarch.data.clicks import expected_unique
+    from psarch.zipf import expected_unique
     _, results = runs
     cfg = from_dict(_data("p", "sgd0", VARIANTS["torch_ddp-sgd0"][0], 2))
     phi = results[2][0]["torch_ddp-sgd0"]["params"]

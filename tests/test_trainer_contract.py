@@ -9,7 +9,8 @@ from psarch import registry
 from psarch.config import from_dict
 from psarch.dist import DistContext
 from psarch.runner import run_rank
-from psarch.single import SingleTrainer, SingleSpec
+from psarch.single import SingleTrainer
+from psarch.single_spec import SingleSpec
 from psarch.trainer import StepStats, Trainer, load_trainer
 
 TINY = {"workload": {"model": "mlp", "seq_len": 4, "mlp": {"n_embd": 8, "hidden": 16, "n_layer": 1},

@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from collective import make_communicator
+from collective.communicators import make_communicator
 from psarch.checkpoint.fragments import Pieces, master_fragments, restore_optimizer, scaler_state
 from psarch.config import Config
 from psarch.dist import DistContext

@@ -4,17 +4,24 @@ data, point-to-point activations, dp replicas all-reduced over a ring or torch.d
 from __future__ import annotations
 
 import json
-
 from dataclasses import dataclass
+from types import ModuleType
 from typing import Any, Mapping
 
-from collective.pipeline import theory
 from collective.pipeline.schedule import SCHEDULES, bubble_fraction
 from psarch.backend import PROCESS_GROUP_OPTIONS, BackendSpec, CommModel
 from psarch.cluster import device
 from psarch.config_fields import _f
 from psarch.config_files import ConfigError
 from psarch.theory import Prediction
+
+
+def _theory() -> ModuleType:
+    """This backend's theory, imported when first asked: it needs torch, and a spec (read by config checks
+    and `psarch keys`) must not."""
+    from collective.pipeline import theory
+    return theory
+
 
 Config = Any
 
@@ -49,7 +56,7 @@ class PipelineSpec(BackendSpec):
     def variant(self, cfg: Config) -> str:
         b = cfg.backend
         v = f" v{b.virtual_stages}" if b.schedule == "interleaved" else ""
-        dp = theory.data_parallel(cfg)
+        dp = _theory().data_parallel(cfg)
         return f"{b.schedule} p{b.pipeline_stages} m{b.microbatches}{v}" + (f" dp{dp}/{b.comm}" if dp > 1 else "")
 
     def batch_shard(self, cfg: Config, rank: int, world_size: int) -> tuple[int, int]:
@@ -62,17 +69,17 @@ class PipelineSpec(BackendSpec):
         check_pipeline(cfg, self.kind)
 
     def predict(self, cfg: Config, phi: float) -> Prediction:
-        return theory.predict(cfg, phi)
+        return _theory().predict(cfg, phi)
 
     def comm_model(self, cfg: Config, phi: float, extra: Mapping[str, list[Any]]) -> CommModel:
         # the transfers go on while other micro-batches compute; what a rank waits is the bubble
-        return CommModel(idle_fraction=float(bubble_fraction(cfg.backend.schedule, theory.pipe_of(cfg))))
+        return CommModel(idle_fraction=float(bubble_fraction(cfg.backend.schedule, _theory().pipe_of(cfg))))
 
     def estimate_rows(self, phi: float, world: int, precision: str, optimizer: str,
                       options: Mapping[str, Any]) -> list[dict[str, Any]]:
         if not options.get("stages"):
             return []
-        return theory.size_estimate(phi, world, options["stages"], options.get("microbatches", 8), precision,
+        return _theory().size_estimate(phi, world, options["stages"], options.get("microbatches", 8), precision,
                                     optimizer)
 
 

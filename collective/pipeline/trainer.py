@@ -16,7 +16,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from collective import make_communicator
+from collective.communicators import make_communicator
 from collective.pipeline.engine import Engine
 from collective.pipeline.export import gather_masters, layout_of
 from collective.pipeline.p2p import P2P, tag

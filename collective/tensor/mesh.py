@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from collective import make_communicator
+from collective.communicators import make_communicator
 from collective.comm import Communicator
 from psarch.dist import DistContext
 from psarch.meters import WaitClock

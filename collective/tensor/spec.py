@@ -4,13 +4,21 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
+from types import ModuleType
 from typing import Any, Mapping
 
-from collective.tensor import theory
 from psarch.backend import PROCESS_GROUP_OPTIONS, BackendSpec, CommModel
 from psarch.config_fields import _f
 from psarch.config_files import ConfigError
 from psarch.theory import Prediction
+
+
+def _theory() -> ModuleType:
+    """This backend's theory, imported when first asked: it needs torch, and a spec (read by config checks
+    and `psarch keys`) must not."""
+    from collective.tensor import theory
+    return theory
+
 
 Config = Any
 
@@ -79,7 +87,7 @@ class TensorSpec(BackendSpec):
         return replica_shard(cfg, rank)
 
     def predict(self, cfg: Config, phi: float) -> Prediction:
-        return theory.tensor(cfg, phi)
+        return _theory().tensor(cfg, phi)
 
 
 def replica_shard(cfg: Config, rank: int) -> tuple[int, int]:
@@ -105,12 +113,12 @@ class TorchTensorSpec(BackendSpec):
         return replica_shard(cfg, rank)
 
     def predict(self, cfg: Config, phi: float) -> Prediction:
-        return theory.tensor(cfg, phi, torch_loss=True)
+        return _theory().tensor(cfg, phi, torch_loss=True)
 
     def comm_model(self, cfg: Config, phi: float, extra: Mapping[str, list[Any]]) -> CommModel:
         # its collectives run inside DTensor's forward and backward and inside its step, where nothing times
         # them: the measured step holds every pass (its cluster "prediction" is its own step time)
-        return CommModel(hidden_passes=theory.step_bytes(cfg, 0, torch_loss=True)[1])
+        return CommModel(hidden_passes=_theory().step_bytes(cfg, 0, torch_loss=True)[1])
 
 
 TENSOR = TensorSpec()

@@ -19,24 +19,12 @@ import numpy as np
 import torch
 
 from psarch.data import clicks_hidden
+from psarch.zipf import zipf_probs
 from psarch.data.clicks_hidden import DENSE_STD
 
 TRUE_BIAS = -1.0      # a click rate of about 0.3: imbalanced labels, as CTR data has
 FLOOR_SAMPLES = 2**18
 GH_NODES = 16         # h(sigmoid(.)) is analytic and DENSE_STD small: 16 nodes integrate it to ~1e-12
-
-
-def zipf_probs(rows: int, exponent: float) -> np.ndarray:
-    """P(rank k) for k = 0 .. rows-1, ∝ (k+1)^-exponent (0 is uniform), float64, summing to 1."""
-    w = np.arange(1, rows + 1, dtype=np.float64) ** -exponent
-    return w / w.sum()
-
-
-def expected_unique(rows: int, exponent: float, draws: int) -> float:
-    """Expected number of distinct ids among `draws` independent Zipf draws from one table:
-    Σ_k 1 − (1 − p_k)^draws (each id counts once if drawn at least once)."""
-    p = zipf_probs(rows, exponent)
-    return float(np.sum(-np.expm1(draws * np.log1p(-np.minimum(p, 1.0 - 1e-16)))))
 
 
 class ZipfSampler:

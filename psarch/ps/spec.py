@@ -3,13 +3,21 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+from types import ModuleType
 from typing import TYPE_CHECKING, Any
 
 from psarch.backend import PROCESS_GROUP_OPTIONS, BackendSpec, CommModel
 from psarch.config_fields import _f
 from psarch.config_files import ConfigError, show
-from psarch.ps import theory
 from psarch.theory import Prediction
+
+
+def _theory() -> ModuleType:
+    """This backend's theory, imported when first asked: it needs torch, and a spec (read by config checks
+    and `psarch keys`) must not."""
+    from psarch.ps import theory
+    return theory
+
 
 if TYPE_CHECKING:
     from psarch.cluster import Placement
@@ -172,7 +180,7 @@ class PSSpec(BackendSpec):
         return cfg.backend.embeddings != "rows"   # the servers build their rows (psarch/ps/rows.py)
 
     def predict(self, cfg: Config, phi: float) -> Prediction:
-        return theory.rows(cfg, phi) if cfg.backend.embeddings == "rows" else theory.dense(cfg, phi)
+        return _theory().rows(cfg, phi) if cfg.backend.embeddings == "rows" else _theory().dense(cfg, phi)
 
     def comm_model(self, cfg: Config, phi: float, extra: Any) -> CommModel:
         """Push and pull pipelined over each server's partitions; pushes from backward's hooks (overlap_comm), a
@@ -183,10 +191,10 @@ class PSSpec(BackendSpec):
         one connection) costs about as much; measured, it gained nothing at 0.1-2 MiB, at 100 Mbit/s and
         1 Gbit/s (experiments/results/cluster_crossover_device/priority/)."""
         b = cfg.backend
-        m = theory.partitions_per_server(cfg, phi)
-        replay = theory.colocated_replay(cfg, phi) if b.mode == "sync" and pushes_from_hooks(cfg) else None
+        m = _theory().partitions_per_server(cfg, phi)
+        replay = _theory().colocated_replay(cfg, phi) if b.mode == "sync" and pushes_from_hooks(cfg) else None
         return CommModel(buckets=m * b.servers, overlap=pushes_from_hooks(cfg),
-                         pipeline=theory.pipeline_slots(cfg, phi), ready_share=theory.ready_share(cfg, phi),
+                         pipeline=_theory().pipeline_slots(cfg, phi), ready_share=_theory().ready_share(cfg, phi),
                          replay=replay)
 
     def summary_fields(self, cfg: Config) -> dict[str, Any]:

@@ -1,0 +1,25 @@
+"""The `single` backend, declared (psarch/backend.py): one process, the whole global batch (its trainer:
+psarch/single.py)."""
+from __future__ import annotations
+
+from typing import Any
+
+from psarch.backend import BackendSpec
+from psarch.theory import Prediction, ring_passes, sharded_memory
+
+
+class SingleSpec(BackendSpec):
+    """The reference: one process, the whole global batch."""
+
+    kind = "single"
+    trainer = "psarch.single:SingleTrainer"
+    doc = "one process, the whole global batch, plain PyTorch: the reference every backend is checked against"
+    max_world_size = 1
+    bench_peer = "psarch.bench_step:plain_peer"
+    needs_process_group = False   # one process: nothing to synchronise with
+
+    def predict(self, cfg: Any, phi: float) -> Prediction:
+        return ring_passes(sharded_memory(cfg, phi, 0), cfg, phi, 0)
+
+
+SPEC = SingleSpec()
