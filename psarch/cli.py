@@ -39,7 +39,7 @@ def _parser() -> argparse.ArgumentParser:
     p_cmp.add_argument("--out", help="folder for report.md and the PNG plots (default: runs/compare/<run names>)")
     p_cmp.add_argument("--target-gap", type=float,
                        help="convergence table: steps and time until the gap to the entropy floor falls below this "
-                            "(default: half of the workload's initial gap)")
+                            "(default: convergence_target x the workload's initial gap)")
     cli_estimate.add_parser(sub.add_parser("estimate", help="analytic memory, traffic and step-time model (no processes)"))
     return parser
 

@@ -130,6 +130,11 @@ class ClusterConfig:
         return self.server_link_mbps or self.link_mbps
 
 
+# keys that change no run, only how reports read it: a sweep does not run a point again for them, and
+# `--resume` may change them
+REPORT_ONLY = ("convergence_target",)
+
+
 @dataclass
 class Config:
     """One experiment."""

@@ -27,8 +27,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from psarch.config import (Config, ConfigError, applies, applies_to, check_machine, explicit_keys, load_config,
-                           parse_override, top_table)
+from psarch.config import (REPORT_ONLY, Config, ConfigError, applies, applies_to, check_machine, explicit_keys,
+                           load_config, parse_override, top_table)
 from psarch.outputs import run_folder
 
 ALIASES = {"backend": "backend.kind"}
@@ -152,7 +152,8 @@ def _why_run_again(folder: Path, cfg: Any) -> str | None:
     if status != "finished":
         return f"the last run {status}"
     flat_old, flat_new = _flatten(stored), _flatten(json.loads(json.dumps(cfg.to_dict())))  # as stored
-    changed = sorted(k for k in flat_old.keys() | flat_new.keys() if flat_old.get(k, "?") != flat_new.get(k, "?"))
+    changed = sorted(k for k in flat_old.keys() | flat_new.keys()
+                     if flat_old.get(k, "?") != flat_new.get(k, "?") and k not in REPORT_ONLY)
     if changed:
         k = changed[0]
         more = f" (and {len(changed) - 1} more)" if len(changed) > 1 else ""

@@ -20,7 +20,7 @@ TRUNK = {"name": "h", "seed": 1, "workload": {"factory": "factories:regression"}
          "train": {"steps": 6, "global_batch": 4, "optimizer": "adamw", "lr": 0.01, "log_every": 2,
                    "checkpoint_every": 2}}
 ALLOWED = ("name, label, out, train.steps, train.log_every, train.checkpoint_every, train.keep_checkpoints, "
-           "train.tensorboard, backend.timeout_s, cluster.dilation")
+           "train.tensorboard, backend.timeout_s, cluster.dilation, convergence_target")
 
 
 @pytest.fixture(scope="module")
@@ -72,7 +72,8 @@ def test_resume_rule_sees_the_issues_examples():
 
 def test_resume_takes_the_options_that_change_only_how_long_and_what_is_printed(trunk, tmp_path, capsys):
     run = _copy(trunk, tmp_path)
-    sets = ["train.steps=8", "train.log_every=1", "train.checkpoint_every=4", "train.keep_checkpoints=2", 'name="h2"']
+    sets = ["train.steps=8", "train.log_every=1", "train.checkpoint_every=4", "train.keep_checkpoints=2", 'name="h2"',
+            "convergence_target=0.2"]
     assert main(["run", str(trunk[1]), "--resume", str(run), "--quiet"] + [a for s in sets for a in ("--set", s)]) == 0
     assert _steps(run) == list(range(8))
     assert json.loads((run / "config.json").read_text())["train"]["steps"] == 8

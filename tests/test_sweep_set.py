@@ -3,9 +3,11 @@ to the --set value (its points keep their names, so finished ones are found agai
 is replaced. No process is started here."""
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
-from psarch.sweep import expand, narrowed, read_sweep
+from psarch.config import from_dict
+from psarch.sweep import _why_run_again, expand, narrowed, read_sweep
 
 MEMORY = Path(__file__).resolve().parent.parent / "experiments" / "memory_scaling.toml"
 
@@ -29,3 +31,13 @@ def test_set_replaces_a_value_that_explicit_points_set(tmp_path):
     assert [p.overrides for p in points] == [{"backend.kind": "ddp"}, {"backend.kind": "ddp", "backend.world_size": 2}]
     assert narrowed(sweep, ['backend.kind="ddp"'])[1] == [
         '--set backend.kind="ddp" replaces backend.kind in every sweep point that sets it']
+
+
+def test_a_report_only_key_runs_no_point_again(tmp_path):
+    """convergence_target changes how compare reads a run, not the run: a finished point is kept; a change of
+    what a step computes runs it again."""
+    cfg = from_dict({"train": {"steps": 4}})
+    (tmp_path / "config.json").write_text(json.dumps(cfg.to_dict()))
+    (tmp_path / "summary.json").write_text(json.dumps({"status": "finished"}))
+    assert _why_run_again(tmp_path, from_dict({"train": {"steps": 4}, "convergence_target": 0.3})) is None
+    assert "train.steps" in _why_run_again(tmp_path, from_dict({"train": {"steps": 5}}))

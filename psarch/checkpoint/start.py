@@ -16,6 +16,7 @@ from typing import Any
 
 from psarch.checkpoint.reader import Checkpoint, CheckpointError, latest_complete
 from psarch.checkpoint.writer import METADATA, complete_checkpoints
+from psarch.config import REPORT_ONLY
 from psarch.config import Config, ConfigError, applies, field_of
 
 CHECKPOINTS = "checkpoints"     # the folder under a run folder that holds its checkpoints
@@ -23,7 +24,7 @@ FORKED_FROM = "forked_from"     # where a fork keeps the checkpoint of its own r
 # cluster.dilation is how slowly the emulation runs, not the cluster it stands for (every time reported is the
 # cluster's); "auto" is picked again at every launch, and the ranks' checkpoints hold the number it gave
 RESUMABLE = ("name", "label", "out", "train.steps", "train.log_every", "train.checkpoint_every",
-             "train.keep_checkpoints", "train.tensorboard", "backend.timeout_s", "cluster.dilation")
+             "train.keep_checkpoints", "train.tensorboard", "backend.timeout_s", "cluster.dilation", *REPORT_ONLY)
 
 
 def starting_checkpoint(cfg: Config, run_dir: Path, resume: bool, start: str | Path | None,

@@ -1,6 +1,7 @@
 """Stragglers' results, each worker at its own pace: samples/s and the wall-clock time to a target loss gap
 for every run of a sweep folder. `python -m psarch.cluster.straggler_results runs/stragglers [--target-gap G]`
-writes stragglers.md there (the target by default: half of the workload's initial gap, psarch.runs.target_gaps).
+writes stragglers.md there (the target by default:
+convergence_target x the workload's initial gap, psarch.runs.target_gaps).
 
 samples/s is the one definition of psarch/throughput.py, as in the summary and `psarch compare`. For the
 time to the target, `psarch compare` merges the workers' rows step by step, taking the slowest worker's time
@@ -100,7 +101,8 @@ def table(rs: list[dict[str, Any]], target: float | None = None) -> str:
 if __name__ == "__main__":
     ap = argparse.ArgumentParser(prog="python -m psarch.cluster.straggler_results")
     ap.add_argument("sweep", type=Path)
-    ap.add_argument("--target-gap", type=float, help="absolute target (default: half of the workload's initial gap)")
+    ap.add_argument("--target-gap", type=float,
+                    help="absolute target (default: convergence_target x the workload's initial gap)")
     a = ap.parse_args()
     if not a.sweep.is_dir():
         sys.exit(f"{a.sweep}: not a folder")
