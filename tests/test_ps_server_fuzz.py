@@ -107,8 +107,9 @@ def test_fuzzed_messages_are_refused_and_change_nothing(mode):
     gets an error reply, the parameters do not move, the server then serves a normal worker (and
     survives a frame over its size limit). Plain SGD, lr 0.5, so the final update is known."""
     extra, count = FUZZ_MODES[mode], 1200
+    # worker 0 speaks through three sockets here (a fuzzer, the oversized frame's, a client)
     cfg = from_dict(config("fuzz", train={"optimizer": "sgd", "lr": 0.5},
-                           backend=ps(2, mode.split("-")[0], timeout_s=60.0, **extra)))
+                           backend=ps(2, mode.split("-")[0], timeout_s=60.0, max_connections_per_worker=4, **extra)))
     services = start_services(cfg, None, threads=True)
     addr = services.info.addresses
     zctx = zmq.Context()
