@@ -134,7 +134,6 @@ def test_cli_estimate_tensor_parallel_rows_and_their_errors():
                                   "(and --heads must divide --hidden 64)")
 
 
-
 def test_sizes_read_in_the_unit_of_their_magnitude_to_3_significant_figures():
     assert [estimate.fmt_size(x) for x in (0, 999, 63_232, 1.58e4, 2.5e6, 1.2e11, 3.2e13)] == \
         ["0 B", "999 B", "63.2 KB", "15.8 KB", "2.5 MB", "120 GB", "32 TB"]
