@@ -11,6 +11,7 @@ import pytest
 
 from psarch import estimate, theory
 from timing import scaled
+from tiny import tiny
 
 # Table 1: per-device model-state memory (GB) — baseline DDP, Pos, Pos+g, Pos+g+p — by DP degree.
 TABLE1 = {
@@ -160,20 +161,4 @@ def test_estimate_from_a_small_run_prints_its_own_units_and_no_billion_parameter
     assert "== largest model per device budget 80 GB, DP = 64 (ZeRO paper Table 2)" in budget.stdout
 
 
-TINY_RUN = """
-seed = 1
-[workload]
-model = "gpt"
-data = "markov"
-seq_len = 8
-[workload.gpt]
-n_layer = 1
-n_embd = 16
-n_head = 2
-[workload.markov]
-vocab_size = 16
-[train]
-steps = 4
-global_batch = 4
-log_every = 2
-"""
+TINY_RUN = tiny(steps=4)

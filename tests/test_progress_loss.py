@@ -12,26 +12,9 @@ import sys
 
 import pytest
 from timing import scaled
+from tiny import tiny
 
-TINY = """
-seed = 1
-[workload]
-model = "gpt"
-data = "markov"
-seq_len = 8
-[workload.gpt]
-n_layer = 1
-n_embd = 16
-n_head = 2
-[workload.markov]
-vocab_size = 16
-[train]
-steps = 6
-global_batch = 8
-log_every = 2
-[backend]
-world_size = 2
-"""
+TINY = tiny(global_batch=8, rest="[backend]\nworld_size = 2")
 ENV = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
                                                          "PSARCH_DEBUG")}
 ENV["PSARCH_THREADS"] = "1"

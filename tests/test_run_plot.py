@@ -8,24 +8,9 @@ import pytest
 
 from psarch.cli import main
 from psarch.runs import load_run, trailing_mean
+from tiny import tiny
 
-TINY = """
-seed = 1
-[workload]
-model = "gpt"
-data = "markov"
-seq_len = 8
-[workload.gpt]
-n_layer = 1
-n_embd = 16
-n_head = 2
-[workload.markov]
-vocab_size = 16
-[train]
-steps = 6
-global_batch = 4
-log_every = 3
-"""
+TINY = tiny(log_every=3)
 
 
 def test_a_run_writes_curves_png_of_its_loss_and_throughput(tmp_path, capsys):

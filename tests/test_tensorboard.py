@@ -9,25 +9,9 @@ import statistics
 import pytest
 
 from psarch.cli import main
+from tiny import tiny
 
-TINY = """
-seed = 1
-[workload]
-model = "gpt"
-data = "markov"
-seq_len = 8
-[workload.gpt]
-n_layer = 1
-n_embd = 16
-n_head = 2
-[workload.markov]
-vocab_size = 16
-[train]
-steps = 6
-global_batch = 4
-log_every = 3
-tensorboard = true
-"""
+TINY = tiny(log_every=3, train="tensorboard = true")
 
 
 def test_the_event_file_holds_the_progress_lines_loss(tmp_path):
