@@ -22,28 +22,9 @@ from procs import alive, descendants
 from psarch.config import from_dict, load_config
 from psarch.workload import build_workload
 from timing import scaled
+from tiny import tiny
 
-TINY = """
-seed = 1
-
-[workload]
-model = "gpt"
-data = "markov"
-seq_len = 8
-
-[workload.gpt]
-n_layer = 1
-n_embd = 16
-n_head = 2
-
-[workload.markov]
-vocab_size = 16
-
-[train]
-steps = 6
-global_batch = 4
-log_every = 2
-"""
+TINY = tiny()
 
 ENV = dict(os.environ, PSARCH_THREADS="1")
 ENV.pop("PSARCH_DEBUG", None)
