@@ -26,7 +26,7 @@ from typing import Any, Callable, ClassVar, Mapping
 # here, even for type checking, would close a cycle.
 Config = Any        # psarch.config.Config
 Prediction = Any    # psarch.theory.Prediction
-Placement = Any     # psarch.cluster.Placement
+Placement = Any     # psarch.cluster.placement.Placement
 Services = Any      # psarch.trainer.Services
 
 PRECISIONS = ("fp32", "bf16", "fp16")

@@ -29,7 +29,7 @@ from psarch.backend import BackendSpec
 from psarch.checkpoint import Checkpoint
 from psarch.checkpoint.start import (CHECKPOINTS, drop_after, drop_unfinished, keep_fork_source, provenance,
                                      starting_checkpoint)
-from psarch.cluster import Placement, place
+from psarch.cluster.placement import Placement, place
 from psarch.cluster.dilation import resolve as resolve_dilation
 from psarch.cluster.window import StepMarks
 from psarch.config import Config, ConfigError, check_machine, from_dict

@@ -139,7 +139,7 @@ HOLD = """
 import signal, sys, subprocess
 # Ctrl-C as at a terminal: a suite started as a background job of a script inherits SIGINT ignored
 signal.signal(signal.SIGINT, signal.default_int_handler)
-from psarch.cluster import place
+from psarch.cluster.placement import place
 from psarch.config import from_dict
 cfg = from_dict({"backend": {"kind": "ps", "world_size": 2}, "cluster": {"emulate": True}})
 with place(cfg) as where:

@@ -1,5 +1,6 @@
 """Dependencies point one way: no import cycle among the project's modules (psarch, collective, zero).
-Imports inside functions count as much as module-level ones: hiding one in a function only defers the cycle."""
+Imports inside functions count as much as module-level ones: hiding one in a function only defers the cycle.
+Importing a.b.c runs a/__init__.py and a/b/__init__.py first, so it imports those packages too."""
 from __future__ import annotations
 
 import ast
@@ -32,7 +33,9 @@ def imports_of(name: str, path: Path, modules: set[str]) -> set[str]:
                 base = ".".join(anchor + ([base] if base else []))
             for a in node.names:
                 out.add(f"{base}.{a.name}" if f"{base}.{a.name}" in modules else base)
-    return {m for m in out if m in modules and m != name}
+    parents = {".".join(m.split(".")[:i]) for m in out for i in range(1, m.count(".") + 1)}
+    own = {".".join(name.split(".")[:i]) for i in range(1, name.count(".") + 1)}   # run before `name` itself
+    return {m for m in out | (parents - own) if m in modules and m != name}
 
 
 def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
@@ -72,3 +75,15 @@ def test_the_cycle_finder_sees_function_level_imports(tmp_path):
     (tmp_path / "b.py").write_text("def f():\n    from a import g\n")
     graph = {m: imports_of(m, tmp_path / f"{m}.py", {"a", "b"}) for m in ("a", "b")}
     assert find_cycle(graph) == ["a", "b", "a"]
+
+
+def test_the_cycle_finder_sees_a_parent_package_run_by_an_import(tmp_path):
+    """The checker itself: `from p.leaf import x` runs p/__init__.py, which imports the importer back (the cycle
+    psarch.config -> psarch.cluster.device -> psarch/cluster/__init__.py -> psarch.config)."""
+    (tmp_path / "p").mkdir()
+    files = {"a": tmp_path / "a.py", "p": tmp_path / "p" / "__init__.py", "p.leaf": tmp_path / "p" / "leaf.py"}
+    files["a"].write_text("def f():\n    from p.leaf import x\n")
+    files["p"].write_text("import a\n")
+    files["p.leaf"].write_text("x = 1\n")
+    graph = {m: imports_of(m, path, set(files)) for m, path in files.items()}
+    assert find_cycle(graph) == ["a", "p", "a"]

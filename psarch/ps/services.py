@@ -26,7 +26,7 @@ from typing import Any
 import torch
 
 from psarch.checkpoint.start import CHECKPOINTS
-from psarch.cluster import Loopback, Placement
+from psarch.cluster.placement import Loopback, Placement
 from psarch.config import Config, ConfigError, from_dict
 from psarch.lifecycle import die_with_parent
 from psarch.ps.auth import KEYGEN_HINT, AuthError, Credentials, check_folder, mechanism, remove, run_credentials

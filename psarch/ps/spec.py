@@ -20,7 +20,7 @@ def _theory() -> ModuleType:
 
 
 if TYPE_CHECKING:
-    from psarch.cluster import Placement
+    from psarch.cluster.placement import Placement
     from psarch.trainer import Services
 
 Config = Any

@@ -1,0 +1,180 @@
+"""Where the processes of a run live: on this machine's loopback, or on an emulated cluster.
+
+The launcher's one interface to this package is `place(cfg)`, a context manager giving a placement:
+
+    with place(cfg) as p:
+        with p.rendezvous(): store = TCPStore(...)            # ranks reach it at p.rendezvous_host
+        marks = p.step_marks(ranks)                           # rank r: marks[r].reached() around its steps
+        with p.node("worker", rank): process.start()          # the process starts on its node
+        host = p.host("server", i, cfg.backend.host)          # the address service i (a PS server) binds
+        p.worker_lost()                                       # a worker died and the run goes on
+        summary["cluster"] = p.report()
+
+Backends never see it: on a node, a rank's sockets simply belong to that node's network.
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+from typing import Any, Iterator
+
+from psarch import registry
+from psarch.cluster import device
+from psarch.cluster.window import StepMarks, StepWindow
+from psarch.config import Config
+
+
+class Loopback:
+    """Every process on this machine's loopback: today's behaviour, and the default."""
+
+    rendezvous_host = "127.0.0.1"
+
+    def rendezvous(self) -> contextlib.AbstractContextManager:
+        return contextlib.nullcontext()
+
+    def node(self, role: str, index: int) -> contextlib.AbstractContextManager:
+        return contextlib.nullcontext()
+
+    def host(self, role: str, index: int, default: str) -> str:
+        return default
+
+    def step_marks(self, ranks: int) -> list[StepMarks] | None:
+        return None
+
+    def worker_lost(self) -> None:
+        pass
+
+    def report(self) -> dict[str, Any]:
+        return {}
+
+    def close(self) -> None:
+        pass
+
+
+class Emulated:
+    """Every worker on its own emulated node (psarch.cluster.emulated), and every service (PS server) on a node of
+    its own or beside a worker, on that worker's node (BackendSpec.service_beside)."""
+
+    def __init__(self, cfg: Config) -> None:
+        from psarch.cluster.emulated import HUB_ADDRESS, EmulatedCluster
+
+        spec = registry.spec_of(cfg)
+        # the services this run starts (PS servers): each on a node of its own, or beside a worker on its node
+        self.beside = [spec.service_beside(cfg, i) for i in range(spec.service_nodes(cfg))]
+        own = [i for i, w in enumerate(self.beside) if w is None]
+        self.own = {i: j for j, i in enumerate(own)}   # service index -> its own node's index
+        self.dilation = device.dilation(cfg)           # the links run D times slower than the cluster's
+        self.cluster = EmulatedCluster(cfg.backend.world_size, len(own), *device.shaped_mbps(cfg))
+        self.rendezvous_host = HUB_ADDRESS
+        from psarch.cluster.alpha import measure_alpha
+        w0 = self.cluster.node("worker", 0)     # the hub to a node: one link each way, as a ring's hop
+        self.alpha_s = measure_alpha(self.cluster.hub, w0.ns, w0.address)
+        self._start = self.cluster.counters()   # links idle: only the kernel's own chatter so far
+        self._window: StepWindow | None = None
+
+    # The emulated network has no name service: torch's c10d reverse-resolves every address it connects to or
+    # accepts from, and warns once per process that it cannot ("The hostname of the client socket cannot be
+    # retrieved", harmless: it then shows the address). Processes on nodes start with c10 logging at ERROR
+    # (unless the user set TORCH_CPP_LOG_LEVEL); the launcher, whose torch is loaded already, has its stderr
+    # closed while it makes the store (a Python exception still says what failed).
+    @contextlib.contextmanager
+    def rendezvous(self) -> Iterator[None]:
+        from psarch.cluster import netns
+        with netns.inside(self.cluster.hub), _stderr_closed():
+            yield
+
+    @contextlib.contextmanager
+    def node(self, role: str, index: int) -> Iterator[None]:
+        from psarch.cluster import netns
+        from psarch.cluster.emulated import IFNAME
+
+        env = {"GLOO_SOCKET_IFNAME": IFNAME,   # gloo uses the node's link, whatever the hostname says
+               "TORCH_CPP_LOG_LEVEL": os.environ.get("TORCH_CPP_LOG_LEVEL", "ERROR")}
+        before = {k: os.environ.get(k) for k in env}
+        os.environ.update(env)
+        try:
+            with netns.inside(self._node(role, index).ns):
+                yield
+        finally:
+            for k, v in before.items():
+                if v is None:
+                    os.environ.pop(k, None)
+                else:
+                    os.environ[k] = v
+
+    def host(self, role: str, index: int, default: str) -> str:
+        return self._node(role, index).address
+
+    def _node(self, role: str, index: int) -> Any:
+        """The node a process runs on: a worker's own; a service's own, or the worker's it is beside."""
+        if role == "server" and self.beside[index] is not None:
+            return self.cluster.node("worker", self.beside[index])
+        return self.cluster.node(role, self.own[index] if role == "server" else index)
+
+    def step_marks(self, ranks: int) -> list[StepMarks]:
+        """The marks each of `ranks` ranks reaches around its steps; every link is read when all have (once a run)."""
+        import multiprocessing as mp
+        if self._window is None:
+            self._window = StepWindow(mp.get_context("spawn"), ranks, self.cluster.counters)
+        return self._window.marks
+
+    def worker_lost(self) -> None:
+        """A worker died and the run goes on: the others must not wait for it at the last mark."""
+        if self._window is not None:
+            self._window.abort()
+
+    def report(self) -> dict[str, Any]:
+        """Bytes each node's link carried (kernel counters: TCP/IP and Ethernet headers included); each
+        node's link_mbps is the rate its link was shaped to (the cluster's / `dilation`); alpha_s is the
+        host's, as measured (the cluster's is alpha_s / dilation).
+        link_sent/received: over the steps alone, from before the first step to after the last, as the
+        per-step meters count (`counted_over` says "run" where a lost worker left no such window);
+        run_link_sent/received: the whole run, rendezvous, initial broadcast and final export included."""
+        now = self.cluster.counters()
+        window = self._window.steps() if self._window is not None else None
+        nodes = []
+        for n in self.cluster.nodes:
+            (s0, r0), (s1, r1) = self._start[n.ns], now[n.ns]
+            run = {"run_link_sent": s1 - s0, "run_link_received": r1 - r0}
+            if window is not None:
+                (s0, r0), (s1, r1) = window[0][n.ns], window[1][n.ns]
+            nodes.append(dict(n.to_dict(), link_sent=s1 - s0, link_received=r1 - r0, **run))
+        return {"emulated": True, "alpha_s": self.alpha_s, "dilation": self.dilation,
+                "counted_over": "steps" if window else "run",
+                "nodes": nodes}
+
+    def close(self) -> None:
+        if self._window is not None:
+            self._window.close()
+        self.cluster.close()
+
+
+@contextlib.contextmanager
+def _stderr_closed() -> Iterator[None]:
+    """File descriptor 2 on /dev/null for the block (C++ writes there directly, not through sys.stderr)."""
+    saved, null = os.dup(2), os.open(os.devnull, os.O_WRONLY)
+    os.dup2(null, 2)
+    try:
+        yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+        os.close(null)
+
+
+Placement = Loopback | Emulated   # what the launcher and the PS services are given
+
+
+@contextlib.contextmanager
+def place(cfg: Config) -> Iterator[Placement]:
+    """The placement of a run's processes, removed when the block ends (normally or not)."""
+    if not cfg.cluster.emulate:
+        yield Loopback()
+        return
+    import multiprocessing.resource_tracker as rt
+    rt.ensure_running()   # started by the first spawn otherwise: inside a node, and killed with it
+    p = Emulated(cfg)
+    try:
+        yield p
+    finally:
+        p.close()
