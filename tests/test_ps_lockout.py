@@ -138,6 +138,65 @@ def test_one_worker_cannot_keep_another_out(serve, silent):
         zctx.destroy(linger=0)
 
 
+def test_silent_connections_whose_slots_lapsed_cannot_build_up(serve):
+    """Worker 0 opening two silent connections every handshake timeout (its slots lapse when no request
+    proves them) once held 18 of them, then made all 18 speak: every slot was taken and worker 1 was refused.
+    Now a first request that would take a worker past its cap drops its connection unanswered."""
+    srv, creds = serve("plain", handshake_timeout_s=0.3)
+    zctx = zmq.Context()
+    try:
+        hoarders = []
+        for _ in range(5):
+            hoarders += [Worker(zctx, srv, creds, 0) for _ in range(2)]
+            time.sleep(0.5)
+        for h in hoarders:
+            h.sock.send_multipart(wire.encode({"op": "fetch", "worker": 0}), flags=zmq.NOBLOCK)
+        assert _wait(lambda: srv.connections.dropped["over_cap"] >= 8)
+        assert sum(bool(h.sock.poll(2000)) for h in hoarders) == 2
+        r = Worker(zctx, srv, creds, 1).ask({"op": "fetch", "worker": 1}, wait_ms=20000)
+        assert r is not None and r.op == "params"
+    finally:
+        zctx.destroy(linger=0)
+
+
+def test_a_flood_of_handshakes_does_not_hold_the_servers_loop(serve):
+    """Two threads re-handshaking with worker 0's password as fast as they can: each refused handshake waited
+    ~20 ms for the connection count in the server's own loop, which took them one after another, and worker 1
+    got no answer until the flood stopped (14 s; a run failed). The ZAP handler now has a thread of its own:
+    worker 1 is answered all through the flood."""
+    srv, creds = serve("plain")
+    stop = threading.Event()
+
+    def flood() -> None:
+        zctx = zmq.Context()
+        try:
+            while not stop.is_set():
+                s = zctx.socket(zmq.DEALER)
+                s.setsockopt(zmq.LINGER, 0)
+                auth.client_socket(s, creds, 0, 0)
+                s.connect(srv.address)
+                time.sleep(0.002)
+                s.close(0)
+        finally:
+            zctx.destroy(linger=0)
+
+    zctx = zmq.Context()
+    floods = [threading.Thread(target=flood) for _ in range(2)]
+    try:
+        worker = Worker(zctx, srv, creds, 1)
+        assert worker.ask({"op": "fetch", "worker": 1}, wait_ms=20000) is not None
+        for f in floods:
+            f.start()
+        assert _wait(lambda: srv.zap.refused >= 50)
+        answered = sum(worker.ask({"op": "fetch", "worker": 1}, wait_ms=5000) is not None for _ in range(20))
+        assert answered == 20
+    finally:
+        stop.set()
+        for f in floods:
+            f.join(10)
+        zctx.destroy(linger=0)
+
+
 def _push_once(w: "Worker", srv: ParameterServer, worker: int) -> None:
     """One push of zeros to every partition of the server, as worker `worker`'s first step."""
     for part in srv.state.parts:

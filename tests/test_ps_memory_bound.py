@@ -4,6 +4,7 @@ however short, and a message of more than wire.MAX_FRAMES frames dropped unparse
 worker's PLAIN password) against a server thread and a spawned server process."""
 from __future__ import annotations
 
+import socket
 import threading
 import time
 from pathlib import Path
@@ -157,4 +158,37 @@ def test_a_server_process_holds_at_most_the_stated_bound_under_an_attack_at_twic
         assert peak[0] <= bound, f"+{peak[0] / MiB:.1f} MiB held against a bound of {bound / MiB:.0f} MiB"
         services.check()
     finally:
+        services.stop()
+
+
+def test_short_frames_one_per_segment_hold_their_own_bytes_not_a_read_buffer():
+    """An unfinished message of 34-byte frames, each sent in a TCP segment of its own: libzmq kept each as a
+    reference into the 8 KiB buffer it was read into, so each pinned a buffer (+270 MiB for 1.2 MB on the
+    wire, 6x the bound). The server's context now copies frames out (ZMQ_ZERO_COPY_RECV = 0): the server's
+    memory stays within the bound while its budget fills."""
+    services = start_services(_cfg(inflight_mb=0.25), None)
+    try:
+        pid, port = services.workers[0].pid, int(services.info.addresses[0].rsplit(":", 1)[1])
+        password = _password(Credentials.from_dict(services.info.auth).folder, 0)
+        budget = MiB // 4
+        bound = FRAME_COST // framing(0, False) * budget + budget
+        peer = RawPeer(port, "0", password).connect()
+        peer.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        base, peak = _rss(pid), 0.0
+        short = frame(b"x" * 34, more=True)
+        try:
+            peer.send(frame(msgpack.packb({"op": "fetch", "worker": 0}), more=True))
+            for n in range(2 * budget // len(short)):
+                peer.send(short)
+                time.sleep(0.0002)
+                if n % 500 == 0:
+                    peak = max(peak, _rss(pid) - base)
+        except OSError:
+            pass   # dropped at the budget
+        peak = max(peak, _rss(pid) - base)
+        assert peer.closed_by_server(10.0)
+        assert peak <= bound, f"+{peak / MiB:.1f} MiB held against a bound of {bound / MiB:.0f} MiB"
+        services.check()
+    finally:
+        peer.close()
         services.stop()

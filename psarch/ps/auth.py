@@ -13,7 +13,7 @@ backend.keys names a folder; standalone servers (`psarch server`) need backend.k
 that folder's path (never the secrets themselves, never a command line): each process reads only its own
 secret.
 
-The ZAP handler runs in the server's own loop (one more socket in its poller). It binds each connection
+The ZAP handler runs in a thread of its own beside the server's loop. It binds each connection
 to a worker: ZAP's User-Id is the worker's number, so the server checks that every request names the
 worker its connection authenticated as. It also refuses a handshake once the server's connections past theirs
 reach backend.max_connections, or the worker's reach backend.max_connections_per_worker (counted by
@@ -27,6 +27,7 @@ import ipaddress
 import os
 import secrets
 import shutil
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
@@ -227,20 +228,27 @@ class ZapHandler:
         self.rep.bind(ZAP_ENDPOINT)
         self.refused = 0       # handshakes refused (bad credentials, or over the cap)
 
-    def sockets(self) -> list[zmq.Socket]:
-        return [self.rep]
+    def start(self) -> None:
+        """Answer ZAP requests from now on, in a thread of its own: a flood of handshakes (each may wait for the
+        connection count to catch up, Connections.admit) never holds the server's loop."""
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._serve, name="psarch-zap", daemon=True)
+        self._thread.start()
 
-    def handle(self, ready: dict) -> None:
-        """Answer the ZAP requests that have arrived."""
-        while self.rep.poll(0):
-            req = self.rep.recv_multipart()
-            try:
-                self._answer(req)
-            except Exception as e:   # a peer's handshake must never end the server: refuse it (REP owes one reply)
-                self.refused += 1
-                request_id = req[1] if len(req) > 1 else b""
-                self.rep.send_multipart([b"1.0", request_id, b"500", f"ZAP error: {type(e).__name__}".encode(),
-                                         b"", b""])
+    def _serve(self) -> None:
+        while not self._stop.is_set():
+            if self.rep.poll(50):
+                self._handle(self.rep.recv_multipart())
+
+    def _handle(self, req: list[bytes]) -> None:
+        """Answer one ZAP request."""
+        try:
+            self._answer(req)
+        except Exception as e:   # a peer's handshake must never end the server: refuse it (REP owes one reply)
+            self.refused += 1
+            request_id = req[1] if len(req) > 1 else b""
+            self.rep.send_multipart([b"1.0", request_id, b"500", f"ZAP error: {type(e).__name__}".encode(),
+                                     b"", b""])
 
     def _answer(self, req: list[bytes]) -> None:
         if len(req) < 6:
@@ -273,4 +281,8 @@ class ZapHandler:
         return None
 
     def close(self) -> None:
+        """Stop answering (the socket was made in the server's thread and is used only by the ZAP thread)."""
+        if hasattr(self, "_thread"):
+            self._stop.set()
+            self._thread.join(2)
         self.rep.close(0)

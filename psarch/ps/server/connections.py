@@ -14,7 +14,9 @@ monitor names when it accepts one, and that every message names, ZMQ_SRCFD):
 Over `budget` either way, the connection is shut down (ZeroMQ then frees its unfinished message and its queued
 replies, and the heap gives the pages back to the system). A watchdog thread checks the inbound side every
 PERIOD_S; a reply that would take the outbound side over budget is not sent. ZeroMQ keeps each frame of a
-message in at least FRAME_COST bytes, so what one connection can make the server hold is at most
+message in at least FRAME_COST bytes (and, unless told to copy frames out, a frame of more than 33 bytes as a
+reference into the 8 KiB buffer it was read into: `copy_received_frames`), so what one connection can make
+the server hold is at most
 
     FRAME_COST / (smallest frame on the wire) x (budget + what its link delivers in PERIOD_S) + budget
 
@@ -26,7 +28,9 @@ authenticated and silent. Pending connections fill their own cap (`max_pending`)
 older than handshake_timeout_s is dropped (a younger one may be a worker whose first request is on its way), so
 strangers never hold a slot a worker needs. An authenticated handshake takes a slot of the
 server's cap (`max_connections`) and of its worker's (`per_worker`) from ZAP's answer until its first message
-proves it (or handshake_timeout_s passes), then as long as the connection is open.
+proves it (or handshake_timeout_s passes), then as long as the connection is open; a first message that would
+take its worker or the server past a cap (a connection silent past handshake_timeout_s, whose slot lapsed)
+drops its connection unanswered.
 """
 from __future__ import annotations
 
@@ -54,6 +58,21 @@ PER_PARTITION = 1024  # bytes each way of one partition's messages beyond its el
                       # its ack and its pull's reply out, each a header of ~130 bytes and its frames' ZMTP framing
 _FAILED = zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL | zmq.EVENT_HANDSHAKE_FAILED_AUTH
 _EVENTS = zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED | zmq.EVENT_HANDSHAKE_SUCCEEDED | _FAILED
+
+
+ZMQ_ZERO_COPY_RECV = 10   # a context option of libzmq's (zmq.h lists it as a draft; pyzmq names it not)
+
+
+def copy_received_frames(zctx: zmq.Context) -> bool:
+    """Make the sockets of `zctx` copy each received frame out of the buffer it was read into. By default
+    libzmq keeps a frame of more than 33 bytes as a reference into its 8 KiB read buffer, so a peer sending one
+    short frame per TCP segment pins a buffer a frame (+270 MiB for 1.2 MB on the wire). False where this
+    libzmq refuses the option (then that is the bound: 8 KiB a frame)."""
+    try:
+        zctx.set(ZMQ_ZERO_COPY_RECV, 0)
+    except zmq.ZMQError:
+        return False
+    return True
 
 
 def framing(size: int, curve: bool) -> int:
@@ -187,24 +206,32 @@ class Connections:
             self.admitted.setdefault(user, []).append(now)
         return None
 
-    def received(self, frames: list[Any]) -> None:
-        """A message arrived (routing id first): count its bytes against its connection; its first proves who
-        the connection is."""
+    def received(self, frames: list[Any]) -> bool:
+        """A message arrived (routing id first): count its bytes against its connection; its first proves who the
+        connection is. False when the message must be ignored: it proves a connection that would take its
+        worker, or the server, past a cap (one silent past handshake_timeout_s, whose slot lapsed), which is
+        then dropped."""
         fd = frames[0].get(zmq.SRCFD) if hasattr(frames[0], "get") else -1
         if fd < 0:
-            return
+            return True
         ident = frames[0].bytes
         with self.lock:
             if ident in self.gone:
-                return
+                return True
             conn = self.conns.setdefault(fd, Connection(time.monotonic()))
             conn.framed += sum(len(f) + framing(len(f), self.curve) for f in frames[1:])
             self.fds[ident] = fd
             if conn.user is None and len(frames) > 1:
-                conn.user = _user_id(frames[1])
-                times = self.admitted.get(conn.user)
+                user = _user_id(frames[1])
+                times = self.admitted.get(user)
                 if times:
                     times.pop(0)
+                held = self._held(time.monotonic())
+                if sum(held.values()) >= self.caps.total or (user and held[user] >= self.caps.per_worker):
+                    self._drop(fd, conn, "over_cap")
+                    return False
+                conn.user = user
+            return True
 
     def drop_sender(self, frame: Any, why: str) -> None:
         """Shut down the connection a message (its routing id frame `frame`) came on."""

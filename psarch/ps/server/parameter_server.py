@@ -53,7 +53,7 @@ from psarch.ps import auth, wire
 from psarch.ps.auth import Credentials
 from psarch.ps.errors import PSError
 from psarch.ps.layout import gather, held, server_partitions
-from psarch.ps.server.connections import Caps, Connections, exchange_budget
+from psarch.ps.server.connections import Caps, Connections, copy_received_frames, exchange_budget
 from psarch.ps.server.deadlines import Deadlines
 from psarch.ps.server.libc import seed_routing_ids
 from psarch.ps.server.pulls import PullQueue
@@ -80,6 +80,7 @@ class ParameterServer:
         self.state = ServerState(index, cfg, exit_when_done)
         self.creds = creds if creds is not None else auth.standalone_credentials(cfg, host)
         self.zctx = zmq.Context()
+        copy_received_frames(self.zctx)
         seed_routing_ids()   # before the ROUTER: the ids it makes up for peers must not be guessable (libc.py)
         self.sock = self.zctx.socket(zmq.ROUTER)
         self.sock.setsockopt(zmq.LINGER, 0)
@@ -129,13 +130,11 @@ class ParameterServer:
     def serve(self) -> None:
         poller = zmq.Poller()
         poller.register(self.sock, zmq.POLLIN)
-        for z in self.zap.sockets():
-            poller.register(z, zmq.POLLIN)
+        self.zap.start()
         if self.pipe is not None:
             poller.register(self.pipe.fileno(), zmq.POLLIN)
         while not self.state.stopping:
             events = dict(poller.poll(100))
-            self.zap.handle(events)
             if self.sock in events:
                 # a burst, then look at the launcher's pipe and the clock again
                 for _ in range(64):
@@ -180,7 +179,8 @@ class ParameterServer:
     def handle(self, frames: list) -> None:
         """Handle one message from the ROUTER (identity frame first): its part's handler, one reply."""
         s = self.state
-        self.connections.received(frames)
+        if not self.connections.received(frames):
+            return   # its connection is dropped: no one to answer
         ident, body = frames[0].bytes if hasattr(frames[0], "bytes") else bytes(frames[0]), frames[1:]
         size = wire.frames_bytes(body)
         try:
