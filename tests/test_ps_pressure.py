@@ -274,7 +274,7 @@ def test_a_server_process_holds_at_most_its_budget_under_each_attack():
     each, then 200 fetches never read (200 x 350 kB): it grows by at most the connections' budgets (4 MiB
     each) + 32 MiB of slack, and the memory is given back once they are gone. Before: +256 MiB held by the
     senders, kept after they closed; +70 MiB of replies."""
-    services = start_services(_cfg(inflight_mb=4.0), None)
+    services = start_services(_cfg(inflight_mb=4.0, max_connections_per_worker=5), None)   # 4 senders + a reader
     try:
         pid, port = services.workers[0].pid, int(services.info.addresses[0].rsplit(":", 1)[1])
         password = _password(Credentials.from_dict(services.info.auth), 0)

@@ -126,13 +126,13 @@ def test_the_default_budget_holds_two_partitioned_exchanges():
     its frames' framing. Counting two headers an exchange, as before partitions, a server of 2^20 elements in
     64-element partitions held 9.25 MiB of budget against 15.5 MiB of two exchanges of its own workers' pushes."""
     from psarch.ps.layout import partitions
-    from psarch.ps.server.connections import FRAMING, exchange_budget
+    from psarch.ps.server.connections import exchange_budget, framing
     n, big = 2**20, 10**6
     flat, parts = torch.zeros(n), partitions(0, n, 64)
 
     def size(header: dict, tensor: torch.Tensor | None = None) -> int:
         frames = wire.encode(header, tensor)
-        return wire.frames_bytes(frames) + FRAMING * len(frames)
+        return wire.frames_bytes(frames) + sum(framing(len(f), curve=True) for f in frames)   # CURVE's, the most
 
     pushes = sum(size({"op": "pushpull", "worker": 7, "step": big, "version": big, "offset": a, "scale": 65536.0,
                        "found_inf": False}, flat[a:b]) for a, b in parts)
