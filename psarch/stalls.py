@@ -1,6 +1,8 @@
 """Ranks that make no progress: once some rank of a run has ended (finished, or lost in a mode that goes on
 without it), nothing else bounds the wait for the others, so a rank that streams no step record and uses no
-CPU for backend.timeout_s (stopped by SIGSTOP, hung outside any timed wait) is killed by the launcher. Its
+CPU for longer than any wait of its own may last (stopped by SIGSTOP, hung outside any timed wait) is killed by
+the launcher: `limit_s`, twice backend.timeout_s + 5 s (a PS worker gives up on a reply after timeout_s + 5 s,
+and may wait a whole timeout_s first while a server decides a silent peer is lost). Its
 error record says so, in the form the ranks' own take (psarch.supervise), so the run names it like any failed
 rank: a lost worker where the mode goes on without one, the run's error where it does not."""
 from __future__ import annotations
@@ -32,6 +34,11 @@ def cpu_ticks(pid: int | None) -> int:
     return int(fields[11]) + int(fields[12]) if len(fields) > 12 else 0
 
 
+def limit_s(timeout_s: float) -> float:
+    """How long a rank may make no progress once another has ended: longer than any wait of its own."""
+    return 2 * timeout_s + 5.0
+
+
 class Stalls:
     """Each rank's last progress (its step stream growing, its record appearing, its CPU time growing: a rank
     still starting up computes), and the kill of a rank that has made none for `timeout_s` since the later of
@@ -39,6 +46,7 @@ class Stalls:
 
     def __init__(self, procs: list, out: Path, timeout_s: float) -> None:
         self.procs, self.out, self.timeout_s = procs, out, timeout_s
+        self.limit_s = limit_s(timeout_s)
         self.seen: dict[int, tuple[int, bool, int]] = {}
         self.since: dict[int, float] = {}
         self.first_end: float | None = None
@@ -55,7 +63,7 @@ class Stalls:
             mark = self._progress(r, p.pid)
             if self.seen.get(r) != mark:
                 self.seen[r], self.since[r] = mark, now
-            if now - max(self.since[r], self.first_end) > self.timeout_s:
+            if now - max(self.since[r], self.first_end) > self.limit_s:
                 self._kill(r, p)
 
     def _progress(self, rank: int, pid: int) -> tuple[int, bool, int]:
@@ -68,8 +76,8 @@ class Stalls:
     def _kill(self, rank: int, p) -> None:
         done = [r for r, q in enumerate(self.procs) if q.exitcode is not None]
         how = "was stopped (SIGSTOP?) and " if stopped(p.pid) else ""
-        error = (f"Stalled: pid {p.pid} {how}made no progress for backend.timeout_s = "
-                 f"{self.timeout_s:g} s after rank(s) {done} ended; the launcher killed it")
+        error = (f"Stalled: pid {p.pid} {how}made no progress for {self.limit_s:g} s (2 x backend.timeout_s = "
+                 f"{self.timeout_s:g} s + 5) after rank(s) {done} ended; the launcher killed it")
         (self.out / outputs.RANKS_DIR / f"rank{rank}.error").write_text(json.dumps(
             {"rank": rank, "error": error, "failed_at_ns": time.monotonic_ns(), "traceback": ""}, indent=1) + "\n")
         print(f"psarch: rank {rank} killed: {error}", file=sys.stderr, flush=True)

@@ -5,7 +5,8 @@ Each rank writes `ranks/rank<R>.error` when it fails (its first line, traceback,
 monotonic clock); a rank that left none was killed, and the launcher says by what where it can tell.
 
 Every wait is bounded: once some rank has ended, a rank that streams no step and uses no CPU for
-backend.timeout_s (stopped by SIGSTOP, hung) is killed, named in its error record and on stderr (psarch.stalls)."""
+2 x backend.timeout_s + 5 s (stopped by SIGSTOP, hung) is killed, named in its error record and on stderr
+(psarch.stalls)."""
 from __future__ import annotations
 
 import json
@@ -68,7 +69,7 @@ def watch(procs: list, out: Path, lost: Callable[[list[int]], bool] | None, chec
           timeout_s: float) -> None:
     """Wait until every rank has exited. A failed rank stops the run with a RunError naming the root cause,
     unless `lost(ranks)` takes the failed ranks as lost workers (the run goes on); `check()` raises when a
-    service failed. A rank that makes no progress for `timeout_s` once another has ended is killed."""
+    service failed. A rank that makes no progress for 2 x `timeout_s` + 5 s once another has ended is killed."""
     alive = list(procs)
     stalls = Stalls(procs, out, timeout_s)
     while alive:

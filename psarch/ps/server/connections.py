@@ -58,16 +58,14 @@ PER_PARTITION = 1024  # bytes each way of one partition's messages beyond its el
                       # its ack and its pull's reply out, each a header of ~130 bytes and its frames' ZMTP framing
 _FAILED = zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL | zmq.EVENT_HANDSHAKE_FAILED_AUTH
 _EVENTS = zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED | zmq.EVENT_HANDSHAKE_SUCCEEDED | _FAILED
-
-
 ZMQ_ZERO_COPY_RECV = 10   # a context option of libzmq's (zmq.h lists it as a draft; pyzmq names it not)
 
 
 def copy_received_frames(zctx: zmq.Context) -> bool:
     """Make the sockets of `zctx` copy each received frame out of the buffer it was read into. By default
     libzmq keeps a frame of more than 33 bytes as a reference into its 8 KiB read buffer, so a peer sending one
-    short frame per TCP segment pins a buffer a frame (+270 MiB for 1.2 MB on the wire). False where this
-    libzmq refuses the option (then that is the bound: 8 KiB a frame)."""
+    short frame per TCP segment pins a whole buffer a frame. False where this libzmq refuses the option (then
+    that is the bound: 8 KiB a frame)."""
     try:
         zctx.set(ZMQ_ZERO_COPY_RECV, 0)
     except zmq.ZMQError:
