@@ -75,6 +75,18 @@ def _wait(condition, seconds: float = 30.0) -> bool:
     return condition()
 
 
+def _fetch_from_each(workers: list[Worker], worker: int) -> None:
+    """Every connection asks a fetch as `worker`, sending at once (a refused one queues nothing)."""
+    for w in workers:
+        w.sock.send_multipart(wire.encode({"op": "fetch", "worker": worker}), flags=zmq.NOBLOCK)
+
+
+def _served(zctx: zmq.Context, srv: ParameterServer, creds: Credentials, worker: int) -> bool:
+    """Whether a new connection of `worker` gets its fetch answered."""
+    r = Worker(zctx, srv, creds, worker).ask({"op": "fetch", "worker": worker}, wait_ms=20000)
+    return r is not None and r.op == "params"
+
+
 def _answered(workers: list[Worker], settle_s: float = 1.0, limit_s: float = 20.0) -> int:
     """How many of `workers` have a reply waiting, once none has come for `settle_s` (at most `limit_s`)."""
     deadline, seen, since = time.monotonic() + limit_s, 0, time.monotonic()
@@ -103,8 +115,7 @@ def test_failed_plain_handshakes_held_open_hold_no_slot(serve):
     assert _wait(lambda: srv.connections.failed >= 40)
     zctx = zmq.Context()
     try:
-        r = Worker(zctx, srv, creds, 1).ask({"op": "fetch", "worker": 1}, wait_ms=20000)
-        assert r is not None and r.op == "params"
+        assert _served(zctx, srv, creds, 1)
         assert not any(p.closed_by_server(0.01) for p in strangers[-5:])   # (still open: they were the attack)
     finally:
         zctx.destroy(linger=0)
@@ -123,8 +134,7 @@ def test_curve_strangers_who_know_the_server_key_hold_no_slot(serve):
         for s in strangers:
             s.sock.send_multipart(wire.encode({"op": "fetch", "worker": 0}), flags=zmq.NOBLOCK)
         assert _wait(lambda: srv.zap.refused >= 40)
-        r = Worker(zctx, srv, creds, 1).ask({"op": "fetch", "worker": 1}, wait_ms=20000)
-        assert r is not None and r.op == "params"
+        assert _served(zctx, srv, creds, 1)
         assert not any(s.sock.poll(0) for s in strangers)
     finally:
         zctx.destroy(linger=0)
@@ -140,13 +150,11 @@ def test_one_worker_cannot_keep_another_out(serve, silent):
     try:
         hoarders = [Worker(zctx, srv, creds, 0) for _ in range(18)]
         if not silent:
-            for h in hoarders:
-                h.sock.send_multipart(wire.encode({"op": "fetch", "worker": 0}), flags=zmq.NOBLOCK)
+            _fetch_from_each(hoarders, 0)
         assert _wait(lambda: srv.zap.refused >= 16)
         if not silent:
             assert _answered(hoarders) == 2
-        r = Worker(zctx, srv, creds, 1).ask({"op": "fetch", "worker": 1}, wait_ms=20000)
-        assert r is not None and r.op == "params"
+        assert _served(zctx, srv, creds, 1)
     finally:
         zctx.destroy(linger=0)
 
@@ -162,12 +170,10 @@ def test_silent_connections_whose_slots_lapsed_cannot_build_up(serve):
         for _ in range(5):
             hoarders += [Worker(zctx, srv, creds, 0) for _ in range(2)]
             time.sleep(0.5)
-        for h in hoarders:
-            h.sock.send_multipart(wire.encode({"op": "fetch", "worker": 0}), flags=zmq.NOBLOCK)
+        _fetch_from_each(hoarders, 0)
         assert _wait(lambda: srv.connections.dropped["over_cap"] >= 8)
         assert _answered(hoarders) == 2
-        r = Worker(zctx, srv, creds, 1).ask({"op": "fetch", "worker": 1}, wait_ms=20000)
-        assert r is not None and r.op == "params"
+        assert _served(zctx, srv, creds, 1)
     finally:
         zctx.destroy(linger=0)
 
