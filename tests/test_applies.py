@@ -97,7 +97,7 @@ def test_sweep_template_options_must_apply_to_some_point(tmp_path):
 
 
 def test_shipped_experiments_keep_their_point_names():
-    root = Path(__file__).parent.parent / "experiments"
+    root = Path(__file__).parent.parent / "experiments" / "architectures"
     points = expand(root / "architectures.toml", read_sweep(root / "architectures.toml"))
     assert [p.name for p in points] == ["single-world_size1", "ddp-commring", "ddp-commnative", "zero-stage1",
                                         "zero-stage2", "zero-stage3", "ps-modesync", "ps-modeasync", "ps-modegeo"]

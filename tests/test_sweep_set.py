@@ -9,7 +9,7 @@ from pathlib import Path
 from psarch.config import from_dict
 from psarch.sweep import _why_run_again, expand, narrowed, read_sweep
 
-MEMORY = Path(__file__).resolve().parent.parent / "experiments" / "memory_scaling.toml"
+MEMORY = Path(__file__).resolve().parent.parent / "experiments" / "scaling" / "memory_scaling.toml"
 
 
 def test_set_narrows_a_sweep_axis_to_its_value():
