@@ -86,7 +86,7 @@ def fails_when_asked(cfg) -> psarch.Workload:
 
 
 def readme_example(cfg) -> psarch.Workload:
-    """The README's "Bring your own model" factory, verbatim: its loss_fn does not cast the batch, so it
+    """The "Bring your own model" factory of experiments/README.md, verbatim: its loss_fn does not cast the batch, so it
     runs in bf16/fp16 only because the runner casts floating-point batches to the compute dtype."""
     model = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.ReLU(), torch.nn.Linear(32, 1))
 
