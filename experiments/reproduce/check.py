@@ -45,9 +45,15 @@ def table(report: Path) -> dict[str, dict[str, str]]:
 
 def columns(row: dict[str, str]) -> list[str]:
     keep = [c for c in row if c.startswith(EXACT)]
-    if row.get("variant", "").split("/")[0] not in ASYNC:
-        keep.append("final loss")
+    what = f"{row.get('variant', '')} {row.get('architecture', '')}"      # reports before and after "architecture"
+    if not any(mode in what.replace("/", " ").split() for mode in ASYNC):
+        keep += [c for c in row if c.startswith("final loss")]
     return keep
+
+
+def cell(row: dict[str, str], column: str) -> str:
+    """`column`'s cell, or that of the column it was renamed to ("final loss" -> "final loss (last step)")."""
+    return next((row[c] for c in row if c == column or c.startswith(column + " (")), "(missing)")
 
 
 def compare(committed: Path, fresh: Path) -> tuple[int, int]:
@@ -56,7 +62,7 @@ def compare(committed: Path, fresh: Path) -> tuple[int, int]:
     for point, row in old.items():
         for column in columns(row):
             total += 1
-            now = new.get(point, {}).get(column, "(missing)")
+            now = cell(new.get(point, {}), column)
             ok = now == row[column]
             same += ok
             print(f"{'same' if ok else 'DIFFERS'}  {point:<45} {column:<45} {row[column]}" +
