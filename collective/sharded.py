@@ -102,8 +102,10 @@ class ShardedTables(EmbeddingTables):
                     break
         self.grad = torch.zeros_like(self.shard)
         self.pooled = [PooledRows(t.mode if isinstance(t, nn.EmbeddingBag) else "sum") for _, t in tables]
+        held = model.tables
+        assert isinstance(held, nn.ModuleList)   # embedding_tables found the tables there
         for i, p in enumerate(self.pooled):   # the whole tables leave the model: only the shard stays
-            model.tables[i] = p
+            held[i] = p
         self.optim = MixedPrecisionOptimizer([self.shard], cfg.train, cfg.train.precision)
         self.meter = TrafficMeter(modelled=True)   # torch's all_to_all_single: the payload's volume
         self._step: dict[str, Any] = {}

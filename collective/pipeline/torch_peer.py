@@ -27,6 +27,7 @@ from psarch.config import Config
 from psarch.dist import DistContext
 from psarch.flat import FlatParams
 from psarch.meters import TrafficMeter, flat_memory
+from psarch.models.gpt import GPT
 from psarch.precision import MixedPrecisionOptimizer
 from psarch.trainer import MemoryReport, StepStats, Trainer, TrafficReport
 from psarch.workload import Workload
@@ -37,7 +38,7 @@ SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved": Schedu
 class GPTStage(nn.Module):
     """Blocks `blocks` of psarch's GPT, with its embeddings on the first stage and its head on the last."""
 
-    def __init__(self, gpt: nn.Module, blocks: range, first: bool, last: bool) -> None:
+    def __init__(self, gpt: GPT, blocks: range, first: bool, last: bool) -> None:
         super().__init__()
         self.first, self.last = first, last
         if first:
@@ -69,6 +70,7 @@ class TorchPipelineTrainer(Trainer):
         self.dp = ctx.world_size // p
         self.stage, self.dp_rank = ctx.rank % p, ctx.rank // p
         gpt = workload.model.to(ctx.device)
+        assert isinstance(gpt, GPT)   # TorchPipelineSpec.check: workload.model = "gpt", no factory
         names = {id(x): n for n, x in gpt.named_parameters()}
         self.shapes = {n: tuple(x.shape) for n, x in gpt.named_parameters()}
         self.pp_group, self.dp_group = self._groups()

@@ -45,8 +45,8 @@ def micro_batches(batch: Any, m: int) -> list[Any]:
         parts = [micro_batches(b, m) for b in batch]
         return [type(batch)(p[i] for p in parts) for i in range(m)]
     if isinstance(batch, dict):
-        parts = {k: micro_batches(v, m) for k, v in batch.items()}
-        return [{k: v[i] for k, v in parts.items()} for i in range(m)]
+        by_key = {k: micro_batches(v, m) for k, v in batch.items()}
+        return [{k: v[i] for k, v in by_key.items()} for i in range(m)]
     return [batch] * m
 
 

@@ -36,8 +36,7 @@ class TensorTrainer(Trainer):
     def __init__(self, workload: Workload, cfg: Config, ctx: DistContext) -> None:
         b = cfg.backend
         self.ctx, self.cfg = ctx, cfg
-        model = workload.model
-        check_splittable(model, b.tp_size)
+        model = check_splittable(workload.model, b.tp_size)
         if workload.loss_fn is not next_token_loss:
             raise ValueError("tensor parallelism computes the GPT's next-token loss itself (vocabulary-parallel); "
                              "this workload brings its own loss_fn")
