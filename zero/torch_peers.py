@@ -106,8 +106,10 @@ class TorchZeroTrainer(Trainer):
 def _row_offset(name: str, p: torch.Tensor) -> int:
     """The flat offset of this rank's FSDP2 shard of `p`: FSDP2 shards dim 0 as torch.chunk does (ceil(d0/N) rows a
     rank, the last ranks fewer or none), so a rank holds rows [r * chunk, r * chunk + local rows)."""
-    from torch.distributed.tensor import Shard
+    from torch.distributed.tensor import DTensor, Shard
 
+    if not isinstance(p, DTensor):
+        raise ValueError(f"torch_fsdp checkpoint: parameter {name!r} is not a DTensor (not sharded by fully_shard)")
     if tuple(p.placements) != (Shard(0),):
         raise ValueError(f"torch_fsdp checkpoint: parameter {name!r} is placed {p.placements}, not sharded on dim 0 "
                          f"over a 1-D mesh; such a layout cannot be written")
@@ -131,7 +133,8 @@ class TorchFSDPTrainer(Trainer):
         mesh = (DeviceMesh.from_group(ctx.group, ctx.device.type) if ctx.group is not None
                 else init_device_mesh(ctx.device.type, (ctx.world_size,)))
         for unit in find_units(self.model, cfg.backend.zero_units)[1:]:
-            fully_shard(unit.module, mesh=mesh)
+            if unit.module is not None:   # only the root unit's is None
+                fully_shard(unit.module, mesh=mesh)
         fully_shard(self.model, mesh=mesh)
         self.loss_fn = workload.loss_fn
         self.named = [(n, p) for n, p in self.model.named_parameters() if p.requires_grad]
