@@ -80,6 +80,7 @@ class Snapshots:
         """Write this server's part once every live worker waits in `save`, then ack them all."""
         if not self.saves or not self.state.live <= {w for _, w in self.saves}:
             return   # (a worker lost while it waited still counts as asked: its part is written)
+        assert self.checkpoints is not None   # on_save refuses every save without a run folder
         waiting, self.saves = self.saves, []
         folder = tmp_dir(self.checkpoints, self.step)
         try:
@@ -156,9 +157,10 @@ class Snapshots:
         layout = self.layout
         for part in self.state.parts:
             st, lo, hi = part.range, part.lo, part.hi
-            if st.optim is not None:
-                restore_optimizer(st.optim, ckpt, lambda: fragments_in(st.optim.optimizer, st.optim.master.params,
-                                                                       0, layout, lo, hi))
+            optim = st.optim
+            if optim is not None:
+                restore_optimizer(optim, ckpt, lambda: fragments_in(optim.optimizer, optim.master.params,
+                                                                    0, layout, lo, hi))
             else:
                 with torch.no_grad():
                     for f in views(layout, {PARAM: st.params}, lo, hi):
@@ -184,6 +186,7 @@ class Snapshots:
             st.staleness = Counter({int(k): v for k, v in r["staleness"].items()})
             st.skipped = r["skipped"]
             if "scaler" in r:
+                assert st.optim is not None   # only a range with an optimizer records a loss scaler
                 st.optim.scaler.load_state_dict(r["scaler"])
             if st.backup is not None:
                 with torch.no_grad():
