@@ -26,6 +26,7 @@ import torch.distributed as dist
 from torch import nn
 
 from collective.comm import Communicator, stage_on_host
+from psarch.checkpoint import Checkpoint
 from psarch.checkpoint.fragments import Fragment, fragments_in, restore_optimizer
 from psarch.meters import TrafficMeter, tensor_bytes
 from psarch.config import Config
@@ -202,7 +203,7 @@ class ShardedTables(EmbeddingTables):
                 for f in fragments_in(opt, masters, 0, [(name, torch.Size((self.rows, self.dim)), 0)],
                                       lo * self.dim, hi * self.dim, base=i * per)]
 
-    def load_checkpoint(self, ckpt: Any) -> None:
+    def load_checkpoint(self, ckpt: Checkpoint) -> None:
         restore_optimizer(self.optim, ckpt, self.fragments)
 
     def params(self) -> dict[str, tuple[int, ...]]:

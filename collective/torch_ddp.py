@@ -7,6 +7,7 @@ from typing import Any
 import torch
 from torch.nn.parallel import DistributedDataParallel
 
+from psarch.checkpoint import Checkpoint
 from psarch.checkpoint.fragments import Pieces, master_fragments, restore_optimizer, scaler_state, share_of
 from psarch.config import Config
 from psarch.dist import DistContext
@@ -65,7 +66,7 @@ class TorchDDPTrainer(Trainer):
         return [f for i, (name, p) in enumerate(self.named)
                 for f in master_fragments(self.optim, i, [(name, p.shape, 0)], 0, p.numel())]
 
-    def load_checkpoint(self, ckpt) -> None:
+    def load_checkpoint(self, ckpt: Checkpoint) -> None:
         restore_optimizer(self.optim, ckpt, self._fragments)
 
     def memory(self) -> MemoryReport:

@@ -20,6 +20,7 @@ from typing import Any
 import torch
 from torch.nn.parallel import DistributedDataParallel
 
+from psarch.checkpoint import Checkpoint
 from psarch.checkpoint.fragments import PARAM, Fragment, Pieces, local_views, restore, whole_parameters
 from psarch.config import Config
 from psarch.dist import DistContext
@@ -88,7 +89,7 @@ class TorchZeroTrainer(Trainer):
     def _owned(self) -> list[torch.Tensor]:
         return [p for g in self.optim.optim.param_groups for p in g["params"]]
 
-    def load_checkpoint(self, ckpt) -> None:
+    def load_checkpoint(self, ckpt: Checkpoint) -> None:
         restore(self.optim.optim, self._owned(), ckpt, lambda: self.checkpoint_pieces(writing=False).fragments)
 
     def memory(self) -> MemoryReport:
@@ -176,7 +177,7 @@ class TorchFSDPTrainer(Trainer):
             out.append(Fragment(name, tuple(p.shape), _row_offset(name, p), tensors, scalars, i))
         return out
 
-    def load_checkpoint(self, ckpt) -> None:
+    def load_checkpoint(self, ckpt: Checkpoint) -> None:
         """Fill this rank's shard (parameters and optimizer state) from a checkpoint of any backend and size."""
         restore(self.optim, self.params, ckpt, self._fragments)
 

@@ -20,6 +20,7 @@ from typing import Any
 import torch
 
 from collective.communicators import make_communicator
+from psarch.checkpoint import Checkpoint
 from psarch.checkpoint.fragments import Pieces, master_fragments, restore_optimizer, scaler_state
 from psarch.config import Config
 from psarch.dist import DistContext
@@ -132,7 +133,7 @@ class ZeroTrainer(Trainer):
             out += master_fragments(self.optim, i, layout, r * g.chunk, (r + 1) * g.chunk, base)
         return out
 
-    def load_checkpoint(self, ckpt) -> None:
+    def load_checkpoint(self, ckpt: Checkpoint) -> None:
         """Fill this rank's chunks from any checkpoint; stages 1-2 then all-gather the full parameters (collective)."""
         restore_optimizer(self.optim, ckpt, self._fragments)
         if not isinstance(self.engine, Stage3):

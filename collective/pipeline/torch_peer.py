@@ -22,6 +22,7 @@ from collective.pipeline import theory
 from collective.pipeline.export import gather_masters, layout_of
 from collective.pipeline.p2p import P2P
 from collective.pipeline.stage import split_blocks
+from psarch.checkpoint import Checkpoint
 from psarch.checkpoint.fragments import Pieces, master_fragments, restore_optimizer, scaler_state, share_of
 from psarch.config import Config
 from psarch.dist import DistContext
@@ -147,7 +148,7 @@ class TorchPipelineTrainer(Trainer):
         return Pieces(share_of(frags, self.dp_rank, self.dp) if writing else frags, dict(self.shapes),
                       scaler_state(self.optim.scaler))
 
-    def load_checkpoint(self, ckpt) -> None:
+    def load_checkpoint(self, ckpt: Checkpoint) -> None:
         restore_optimizer(self.optim, ckpt, lambda: master_fragments(self.optim, 0, self.layout, 0, self.flat.numel))
 
     def memory(self) -> MemoryReport:

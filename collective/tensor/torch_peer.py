@@ -13,7 +13,7 @@ parameter's name and offset (psarch.checkpoint), each rank its DTensors' local s
 """
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -23,6 +23,7 @@ from collective.tensor import theory
 from collective.tensor.layers import ParallelSelfAttention
 from collective.tensor.split import Shard, check_splittable, shard_plan
 from collective.tensor.state import written_by_me
+from psarch.checkpoint import Checkpoint
 from psarch.checkpoint.fragments import Fragment, Pieces, local_views, restore
 from psarch.config import Config
 from psarch.dist import DistContext
@@ -32,6 +33,9 @@ from psarch.optim import build_optimizer
 from psarch.precision import step_if_finite
 from psarch.trainer import MemoryReport, StepStats, Trainer, TrafficReport
 from psarch.workload import Workload, next_token_loss
+
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
 
 
 def torch_plan(shapes: dict[str, tuple[int, ...]], tp_size: int, tp_rank: int) -> dict[str, Shard]:
@@ -52,7 +56,7 @@ def qkv_order(shapes: dict[str, tuple[int, ...]], tp_size: int) -> dict[str, tor
             for name in shapes if ".attn.qkv." in name}
 
 
-def parallelize(model: GPT, tp: Any, order: dict[str, torch.Tensor], tp_size: int) -> None:
+def parallelize(model: GPT, tp: DeviceMesh, order: dict[str, torch.Tensor], tp_size: int) -> None:
     """Apply torch's tensor parallelism to a psarch GPT on the tensor-parallel mesh `tp`, in place: qkv rows
     reordered (`order`), attention over the local heads, the plan torchtitan uses."""
     from torch.distributed.tensor import Replicate, Shard as Sharded
@@ -152,7 +156,7 @@ class TorchTensorTrainer(Trainer):
             frags = written_by_me(frags, self.plan, self.ctx.rank, self.ctx.world_size, self.dp_rank, self.dp_size)
         return Pieces(frags, dict(self.shapes))
 
-    def load_checkpoint(self, ckpt) -> None:
+    def load_checkpoint(self, ckpt: Checkpoint) -> None:
         restore(self.optim, self.params, ckpt, self._fragments)
 
     def memory(self) -> MemoryReport:

@@ -264,8 +264,8 @@ class RemoteServers(Services):
         pass
 
 
-def start_services(cfg: Config, out_dir: Any = None, threads: bool = False, build_model: bool = True,
-                   where: Placement | None = None, start: Any = None) -> LocalServers | RemoteServers:
+def start_services(cfg: Config, out_dir: str | Path | None = None, threads: bool = False, build_model: bool = True,
+                   where: Placement | None = None, start: str | Path | None = None) -> LocalServers | RemoteServers:
     """The servers of a run (build_model=False: servers that wait for an `init`, for benchmarks;
     `where`: the run's placement, psarch.cluster; `start`: the checkpoint they start from)."""
     b = cfg.backend

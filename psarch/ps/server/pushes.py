@@ -30,7 +30,7 @@ from psarch.ps.layout import held, server_partitions
 from psarch.ps.server.pulls import PullQueue
 from psarch.ps.server.replies import Replies
 from psarch.ps.server.state import TRACE_LIMIT, Partition, ServerState
-from psarch.ps.server.updates import NonFiniteUpdate
+from psarch.ps.server.updates import NonFiniteUpdate, RangeState
 
 if TYPE_CHECKING:
     from psarch.ps.server.rows import ServerRows
@@ -168,7 +168,7 @@ class Pushes:
             raise NonFinitePush(f"push: worker {w}'s {what} for step {h['step']} holds inf/nan{said}: "
                                 f"refused, nothing applied") from None
 
-    def _check_scale(self, w: int, h: dict[str, Any], st: Any) -> None:
+    def _check_scale(self, w: int, h: dict[str, Any], st: RangeState) -> None:
         """`scale` and `found_inf` belong to fp16 runs whose server optimizer scales the loss."""
         s = self.state
         sent = [k for k in ("scale", "found_inf") if k in h]
@@ -180,6 +180,7 @@ class Pushes:
         if "scale" not in h:
             raise PSError(f"push: worker {w} sent no 'scale': an fp16 push names the loss scale it was computed with")
         scale = h["scale"]
+        assert st.optim is not None   # loss scaling: fp16 with a server optimizer
         # every scale a server hands out is a power of two >= the scaler's minimum (2^16, halved, doubled)
         if scale < st.optim.scaler.min_scale or math.frexp(scale)[0] != 0.5:
             raise PSError(f"push: scale {scale!r}: expected a power of two >= {st.optim.scaler.min_scale:g}, "

@@ -24,6 +24,7 @@ from typing import Any, Callable
 
 import torch
 
+from psarch.checkpoint import Checkpoint
 from psarch.checkpoint.fragments import PARAM, Pieces, optimizer_views
 from psarch.ps.layout import Layout
 from psarch.ps import wire
@@ -193,7 +194,7 @@ class ServerRows:
         for name, rows in zip(self.table_names, self.space.rows):
             pieces.params[name] = (rows, self.space.dim)
 
-    def restore(self, ckpt: Any) -> None:
+    def restore(self, ckpt: Checkpoint) -> None:
         """This server's rows and their optimizer state (each state the checkpoint holds for the tables; lazy
         AdamW's steps from the dense step without it), after the dense range was restored."""
         tensors = self._tensors()

@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from psarch.checkpoint import Checkpoint
 from psarch.checkpoint.fragments import PARAM, Pieces, fragments_in, restore_optimizer
 from psarch.checkpoint.writer import tmp_dir, write_part
 from psarch.ps.layout import Layout
@@ -141,7 +142,7 @@ class Snapshots:
             self.rows.add_pieces(pieces)
         return pieces
 
-    def restore(self, ckpt: Any) -> None:
+    def restore(self, ckpt: Checkpoint) -> None:
         """Start from a checkpoint: its parameters and optimizer state for this range (and rows); the server's
         records exactly when a PS run of this shape wrote it, else those of a run whose workers all just pulled."""
         self._restore_range(ckpt)
@@ -153,7 +154,7 @@ class Snapshots:
         if self.rows is not None:
             self.rows.restore(ckpt)
 
-    def _restore_range(self, ckpt: Any) -> None:
+    def _restore_range(self, ckpt: Checkpoint) -> None:
         layout = self.layout
         for part in self.state.parts:
             st, lo, hi = part.range, part.lo, part.hi
@@ -177,7 +178,7 @@ class Snapshots:
             for b in st.backup or []:
                 b.copy_(st.params.detach())   # DC: each worker's backup is the model it pulls
 
-    def _restore_records(self, rec: dict[str, Any], ckpt: Any) -> None:
+    def _restore_records(self, rec: dict[str, Any], ckpt: Checkpoint) -> None:
         s = self.state
         s.max_ahead = rec["max_ahead"]
         for part, r in zip(s.parts, rec["partitions"]):
