@@ -27,6 +27,7 @@ from typing import Any, Sequence
 import torch
 import torch.distributed as dist
 
+from collective.comm import posted
 from collective.communicators import make_communicator
 
 DEFAULT_SIZES = tuple(4 ** k * 1024 for k in range(1, 9))  # 4 KiB ... 64 MiB
@@ -37,7 +38,7 @@ def _p2p_schedule(t: torch.Tensor, recv: torch.Tensor, rank: int, n: int) -> Non
     """The ring all-reduce's sends and receives with no reduction: 2(N-1) rounds of one S/N chunk each way."""
     chunk = t[:recv.numel()]
     for _ in range(2 * (n - 1)):
-        reqs = [dist.isend(chunk, (rank + 1) % n), dist.irecv(recv, (rank - 1) % n)]
+        reqs = [posted(dist.isend(chunk, (rank + 1) % n)), posted(dist.irecv(recv, (rank - 1) % n))]
         for r in reqs:
             r.wait()
 
@@ -49,7 +50,7 @@ def _rank(rank: int, world_size: int, port: int, sizes: Sequence[int], iters: in
     store = dist.TCPStore("127.0.0.1", port, world_size + 1, is_master=False, timeout=timedelta(seconds=300))
     dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size, timeout=timedelta(seconds=300))
     try:
-        comms = {k: make_communicator(k, **(ring_options if k == "ring" else {})) for k in kinds if k != "p2p"}
+        comms = {k: make_communicator(k, None, **(ring_options if k == "ring" else {})) for k in kinds if k != "p2p"}
         rows = []
         for size in sizes:
             t = torch.randn(size // 4)  # fp32

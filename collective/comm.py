@@ -164,12 +164,28 @@ def stage_on_host(backend: str, tensors: Sequence[torch.Tensor],
     return host, finish
 
 
+def grads_of(params: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """The gradients of `params` after a backward that reached every one of them."""
+    grads = [p.grad for p in params]
+    missing = [i for i, g in enumerate(grads) if g is None]
+    if missing:
+        raise RuntimeError(f"parameters {missing[:5]} have no gradient after backward (not used by the loss?)")
+    return [g for g in grads if g is not None]
+
+
+def posted(work: dist.Work | None) -> dist.Work:
+    """The work of an isend/irecv; torch returns None only to a rank outside the group, which never posts one."""
+    if work is None:
+        raise RuntimeError("a point-to-point transfer was posted by a rank outside its group")
+    return work
+
+
 def exchange(send: torch.Tensor, dst: int, recv: torch.Tensor, src: int,
              group: dist.ProcessGroup | None) -> tuple[dist.Work, dist.Work]:
     """Post a send to global rank `dst` and a receive from global rank `src`; returns (send work, recv work)."""
     if dist.get_backend(group) == "gloo":  # unbatched cannot deadlock on gloo and costs less; receive posted first
-        recv_work = dist.irecv(recv, src, group)
-        return dist.isend(send, dst, group), recv_work
+        recv_work = posted(dist.irecv(recv, src, group))
+        return posted(dist.isend(send, dst, group)), recv_work
     # Posted as one batch: on NCCL an unbatched send and receive to the same peer (a ring of 2) deadlock.
     works = dist.batch_isend_irecv([dist.P2POp(dist.isend, send, dst, group),
                                     dist.P2POp(dist.irecv, recv, src, group)])

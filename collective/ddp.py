@@ -16,6 +16,7 @@ import torch
 from collective.communicators import make_communicator
 from collective.bucket import Bucket, assign_buckets
 from collective.embeddings import make_tables
+from psarch.checkpoint import Checkpoint
 from psarch.checkpoint.fragments import Pieces, master_fragments, restore_optimizer, scaler_state, share_of
 from psarch.config import Config
 from psarch.dist import DistContext
@@ -123,7 +124,7 @@ class DDPTrainer(Trainer):
     def _fragments(self) -> list:
         return master_fragments(self.optim, 0, self._layout, 0, self.flat.numel)
 
-    def load_checkpoint(self, ckpt) -> None:
+    def load_checkpoint(self, ckpt: Checkpoint) -> None:
         restore_optimizer(self.optim, ckpt, self._fragments)
         self.tables.load_checkpoint(ckpt)
 

@@ -4,7 +4,7 @@ sharded over the ranks, all-to-all); torch_ddp runs dense and rows (TorchSparseR
 gradients, which DDP's reducer all-gathers on gloo)."""
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from torch import nn
@@ -17,7 +17,7 @@ from psarch.embeddings import EmbeddingTables, embedding_tables, unique_ids
 from psarch.meters import TrafficMeter
 from psarch.trainer import OpTraffic
 
-TREATMENTS: dict[str, type[EmbeddingTables]] = {"dense": EmbeddingTables, "rows": RowExchange,
+TREATMENTS: dict[str, Callable[..., EmbeddingTables]] = {"dense": EmbeddingTables, "rows": RowExchange,
                                                 "sharded": ShardedTables}
 
 

@@ -7,7 +7,7 @@ import torch
 import torch.distributed as dist
 
 from collective.comm import (Communicator, Handle, SerialExecutor, check_flat, check_scatter_pair, check_src,
-                             exchange, ring_chunk, stage_on_host)
+                             exchange, posted, ring_chunk, stage_on_host)
 
 # One ring step: (chunk this rank sends, chunk it receives, whether the received chunk is added or copied).
 Step = tuple[int, int, bool]
@@ -182,6 +182,7 @@ class RingCommunicator(Communicator):
             send_chunk, recv_chunk, reduce = steps[s]
             out = region(send_chunk, j)
             if reduce:  # received into a window slot, then added; the slot's last user was unit u - w
+                assert incoming is not None   # a reducing ring reduces from its first step
                 slot = u % w
                 into = incoming[slot * seg:slot * seg + out.numel()]
             else:  # received in place, once this rank's earlier sends from there have gone
@@ -224,7 +225,7 @@ class RingCommunicator(Communicator):
         def post_recv(j: int) -> None:
             nonlocal received
             lo, hi = bounds[j]
-            recvs[j] = dist.irecv(tensor[lo:hi], self._prev, self.group)
+            recvs[j] = posted(dist.irecv(tensor[lo:hi], self._prev, self.group))
             received += (hi - lo) * tensor.element_size()
 
         if pos > 0:
@@ -236,7 +237,7 @@ class RingCommunicator(Communicator):
                 if j + w < len(bounds):
                     post_recv(j + w)
             if pos < n - 1:
-                sends.append(dist.isend(tensor[lo:hi], self._next, self.group))
+                sends.append(posted(dist.isend(tensor[lo:hi], self._next, self.group)))
                 sent += (hi - lo) * tensor.element_size()
         for work in sends:
             work.wait()

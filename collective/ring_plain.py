@@ -5,7 +5,7 @@ import torch
 import torch.distributed as dist
 
 from collective.comm import (Communicator, Handle, SerialExecutor, check_flat, check_scatter_pair, check_src,
-                             exchange, ring_chunk, stage_on_host)
+                             exchange, posted, ring_chunk, stage_on_host)
 
 
 class PlainRingCommunicator(Communicator):
@@ -103,8 +103,8 @@ class PlainRingCommunicator(Communicator):
         n = self.world_size
         pos = (self.rank - src) % n
         if pos > 0:
-            dist.irecv(tensor, self._prev, self.group).wait()
+            posted(dist.irecv(tensor, self._prev, self.group)).wait()
             self._received += tensor.numel() * tensor.element_size()
         if pos < n - 1:
-            dist.isend(tensor, self._next, self.group).wait()
+            posted(dist.isend(tensor, self._next, self.group)).wait()
             self._sent += tensor.numel() * tensor.element_size()

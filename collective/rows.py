@@ -35,7 +35,8 @@ class RowExchange(EmbeddingTables):
 
     name = "rows"
 
-    def __init__(self, model: nn.Module, comm: Communicator, cfg: Any = None, device: Any = None) -> None:
+    def __init__(self, model: nn.Module, comm: Communicator, cfg: Any = None,
+                 device: torch.device | None = None) -> None:
         self.comm, self.model = comm, model
         for _, t in embedding_tables(model):  # backward adds the batch's rows into the flat gradient: O(batch)
             t.sparse = True

@@ -26,6 +26,7 @@ import torch.distributed as dist
 from torch import nn
 
 from collective.comm import Communicator, stage_on_host
+from psarch.checkpoint import Checkpoint
 from psarch.checkpoint.fragments import Fragment, fragments_in, restore_optimizer
 from psarch.meters import TrafficMeter, tensor_bytes
 from psarch.config import Config
@@ -102,8 +103,10 @@ class ShardedTables(EmbeddingTables):
                     break
         self.grad = torch.zeros_like(self.shard)
         self.pooled = [PooledRows(t.mode if isinstance(t, nn.EmbeddingBag) else "sum") for _, t in tables]
+        held = model.tables
+        assert isinstance(held, nn.ModuleList)   # embedding_tables found the tables there
         for i, p in enumerate(self.pooled):   # the whole tables leave the model: only the shard stays
-            model.tables[i] = p
+            held[i] = p
         self.optim = MixedPrecisionOptimizer([self.shard], cfg.train, cfg.train.precision)
         self.meter = TrafficMeter(modelled=True)   # torch's all_to_all_single: the payload's volume
         self._step: dict[str, Any] = {}
@@ -200,7 +203,7 @@ class ShardedTables(EmbeddingTables):
                 for f in fragments_in(opt, masters, 0, [(name, torch.Size((self.rows, self.dim)), 0)],
                                       lo * self.dim, hi * self.dim, base=i * per)]
 
-    def load_checkpoint(self, ckpt: Any) -> None:
+    def load_checkpoint(self, ckpt: Checkpoint) -> None:
         restore_optimizer(self.optim, ckpt, self.fragments)
 
     def params(self) -> dict[str, tuple[int, ...]]:

@@ -7,12 +7,14 @@ from typing import Any
 import torch
 from torch.nn.parallel import DistributedDataParallel
 
+from psarch.checkpoint import Checkpoint
 from psarch.checkpoint.fragments import Pieces, master_fragments, restore_optimizer, scaler_state, share_of
 from psarch.config import Config
 from psarch.dist import DistContext
 from psarch.meters import TrafficMeter, peak_memory, tensor_bytes
 from psarch.precision import MixedPrecisionOptimizer, compute_dtype
 from psarch.single import consolidated_state
+from collective.comm import grads_of
 from collective.embeddings import TorchSparseRows
 from psarch.embeddings import EmbeddingTables
 from psarch.trainer import MemoryReport, StepStats, Trainer, TrafficReport
@@ -26,14 +28,15 @@ class TorchDDPTrainer(Trainer):
         self.ctx = ctx
         module = workload.model.to(ctx.device, compute_dtype(cfg.train.precision))
         sparse = cfg.backend.embeddings == "rows"   # torch's own sparse gradients (collective/embeddings.py)
-        self.tables = TorchSparseRows(module, ctx.world_size) if sparse else EmbeddingTables()
+        sparse_rows = TorchSparseRows(module, ctx.world_size) if sparse else None
+        self.tables = sparse_rows if sparse_rows is not None else EmbeddingTables()
         self.model = DistributedDataParallel(module, device_ids=[ctx.device] if ctx.device.type == "cuda" else None,
                                              process_group=ctx.group, bucket_cap_mb=cfg.backend.bucket_cap_mb)
         self.loss_fn = workload.loss_fn
         self.params = [p for p in module.parameters() if p.requires_grad]
         self.optim = MixedPrecisionOptimizer(self.params, cfg.train, cfg.train.precision, fused=not sparse)
         self.meter = TrafficMeter(modelled=True)
-        weights = {id(t.weight) for t in self.tables.tables} if sparse else set()
+        weights = {id(t.weight) for t in sparse_rows.tables} if sparse_rows is not None else set()
         self.payload = sum(p.numel() * p.element_size() for p in self.params if id(p) not in weights)
         names = {id(p): n for n, p in module.named_parameters()}
         self.named = [(names[id(p)], p) for p in self.params]
@@ -47,7 +50,7 @@ class TorchDDPTrainer(Trainer):
         volume = 2 * (n - 1) * self.payload // n
         self.meter.add("all_reduce", volume, volume)
         extra = self.tables.exchange(batch, [])   # what DDP's reducer moved of the tables' rows
-        skipped = self.optim.step([p.grad for p in self.params])
+        skipped = self.optim.step(grads_of(self.params))
         return StepStats(float(loss.item()), skipped=skipped, loss_scale=self.optim.scaler.scale, extra=extra)
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
@@ -63,7 +66,7 @@ class TorchDDPTrainer(Trainer):
         return [f for i, (name, p) in enumerate(self.named)
                 for f in master_fragments(self.optim, i, [(name, p.shape, 0)], 0, p.numel())]
 
-    def load_checkpoint(self, ckpt) -> None:
+    def load_checkpoint(self, ckpt: Checkpoint) -> None:
         restore_optimizer(self.optim, ckpt, self._fragments)
 
     def memory(self) -> MemoryReport:

@@ -60,11 +60,12 @@ def _rank(rank: int, world_size: int, steps: int) -> dict:
              for label, (backend, _) in VARIANTS.items()}
     before = {label: loop.trainer.traffic().sent for label, loop in loops.items()}
     times = interleaved({label: loop.timed for label, loop in loops.items()}, steps, warmup_steps(from_dict(base)))
-    out = {"params": sum(p.numel() for p in next(iter(loops.values())).workload.model.parameters()), "rows": {}}
+    rows: dict[str, dict] = {}
+    out = {"params": sum(p.numel() for p in next(iter(loops.values())).workload.model.parameters()), "rows": rows}
     for label, loop in loops.items():
         trainer, m = loop.trainer, loop.trainer.memory()
         sent = (trainer.traffic().sent - before[label]) / steps   # every step moves the same bytes
-        out["rows"][label] = {"step_s": statistics.median(times[label]), "model_state": m.total,
+        rows[label] = {"step_s": statistics.median(times[label]), "model_state": m.total,
                               "params": m.params, "grads": m.grads, "optimizer": m.optimizer, "working": m.working,
                               "padding": m.padding, "sent": sent, "modelled": trainer.traffic().modelled}
         trainer.close()

@@ -41,6 +41,7 @@ class Stage2(Stage12):
         return buf
 
     def _take_grad(self, g: Group, i: int, p: torch.Tensor) -> None:
+        assert p.grad is not None   # called from p's post-accumulate-grad hook
         with torch.no_grad():
             self._buffer(g)[g.offsets[i]:g.offsets[i] + p.numel()].view_as(p).copy_(p.grad)
         p.grad = None  # stage 2 keeps no full gradient

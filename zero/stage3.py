@@ -96,7 +96,9 @@ class Stage3:
         g, full = self.part.groups[i], self.full[i]
         self._resize(i, g.padded * full.element_size())
         self.state[i] = GATHERING
-        self._gathers[i] = self.comm.all_gather(full, self.part.shard_chunk(g, self.shard), async_op=True)
+        handle = self.comm.all_gather(full, self.part.shard_chunk(g, self.shard), async_op=True)
+        assert handle is not None   # async_op=True returns a Handle
+        self._gathers[i] = handle
         if not async_op:
             self._wait(i)
 

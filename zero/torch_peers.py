@@ -20,6 +20,7 @@ from typing import Any
 import torch
 from torch.nn.parallel import DistributedDataParallel
 
+from psarch.checkpoint import Checkpoint
 from psarch.checkpoint.fragments import PARAM, Fragment, Pieces, local_views, restore, whole_parameters
 from psarch.config import Config
 from psarch.dist import DistContext
@@ -88,7 +89,7 @@ class TorchZeroTrainer(Trainer):
     def _owned(self) -> list[torch.Tensor]:
         return [p for g in self.optim.optim.param_groups for p in g["params"]]
 
-    def load_checkpoint(self, ckpt) -> None:
+    def load_checkpoint(self, ckpt: Checkpoint) -> None:
         restore(self.optim.optim, self._owned(), ckpt, lambda: self.checkpoint_pieces(writing=False).fragments)
 
     def memory(self) -> MemoryReport:
@@ -106,8 +107,10 @@ class TorchZeroTrainer(Trainer):
 def _row_offset(name: str, p: torch.Tensor) -> int:
     """The flat offset of this rank's FSDP2 shard of `p`: FSDP2 shards dim 0 as torch.chunk does (ceil(d0/N) rows a
     rank, the last ranks fewer or none), so a rank holds rows [r * chunk, r * chunk + local rows)."""
-    from torch.distributed.tensor import Shard
+    from torch.distributed.tensor import DTensor, Shard
 
+    if not isinstance(p, DTensor):
+        raise ValueError(f"torch_fsdp checkpoint: parameter {name!r} is not a DTensor (not sharded by fully_shard)")
     if tuple(p.placements) != (Shard(0),):
         raise ValueError(f"torch_fsdp checkpoint: parameter {name!r} is placed {p.placements}, not sharded on dim 0 "
                          f"over a 1-D mesh; such a layout cannot be written")
@@ -131,7 +134,8 @@ class TorchFSDPTrainer(Trainer):
         mesh = (DeviceMesh.from_group(ctx.group, ctx.device.type) if ctx.group is not None
                 else init_device_mesh(ctx.device.type, (ctx.world_size,)))
         for unit in find_units(self.model, cfg.backend.zero_units)[1:]:
-            fully_shard(unit.module, mesh=mesh)
+            if unit.module is not None:   # only the root unit's is None
+                fully_shard(unit.module, mesh=mesh)
         fully_shard(self.model, mesh=mesh)
         self.loss_fn = workload.loss_fn
         self.named = [(n, p) for n, p in self.model.named_parameters() if p.requires_grad]
@@ -173,7 +177,7 @@ class TorchFSDPTrainer(Trainer):
             out.append(Fragment(name, tuple(p.shape), _row_offset(name, p), tensors, scalars, i))
         return out
 
-    def load_checkpoint(self, ckpt) -> None:
+    def load_checkpoint(self, ckpt: Checkpoint) -> None:
         """Fill this rank's shard (parameters and optimizer state) from a checkpoint of any backend and size."""
         restore(self.optim, self.params, ckpt, self._fragments)
 

@@ -20,6 +20,7 @@ from typing import Any
 import torch
 
 from collective.communicators import make_communicator
+from psarch.checkpoint import Checkpoint
 from psarch.checkpoint.fragments import Pieces, master_fragments, restore_optimizer, scaler_state
 from psarch.config import Config
 from psarch.dist import DistContext
@@ -53,28 +54,31 @@ class ZeroTrainer(Trainer):
                                                             b.prefetch_bucket_size, b.overlap_comm)
         else:
             unit_of = {id(p): i for i, u in enumerate(self.units) for p in u.params}
-            self.engine = {1: Stage1, 2: Stage2}[self.stage](
+            stages: dict[int, type[Stage1] | type[Stage2]] = {1: Stage1, 2: Stage2}
+            self.engine = stages[self.stage](
                 [p for p in self.model.parameters() if p.requires_grad], self.comm, b.reduce_bucket_size,
                 b.overlap_comm, b.allgather_bucket_size, unit_of)
         self.optim = MixedPrecisionOptimizer(self.engine.param_shards(), cfg.train, cfg.train.precision)
         self.names = {id(p): n for n, p in self.model.named_parameters()}
         self.activations = SavedActivationMeter(self._param_storages) if b.measure_activations else None
         self._hooks = []
-        if self.activations is not None and b.activation_checkpointing:
+        self._metering = False
+        meter = self.activations
+        if meter is not None and b.activation_checkpointing:
             for u in self.units:  # a checkpointed unit keeps its inputs: count them as saved
                 if u.module is not None:
                     self._hooks.append(u.module.register_forward_pre_hook(
-                        lambda m, args: self.activations.count_inputs(args) if self._metering else None))
-        self._metering = False
+                        lambda m, args: meter.count_inputs(args) if self._metering else None))
 
     def _param_storages(self) -> set[int]:
-        if self.stage == 3:
+        if isinstance(self.engine, Stage3):
             return {f.untyped_storage().data_ptr() for f in self.engine.full if f.untyped_storage().nbytes()}
         return {self.engine.flat.untyped_storage().data_ptr()}
 
     def step(self, batch: Any) -> StepStats:
         self.engine.begin_step()
-        with self.engine.reads_outside_forward() if self.stage == 3 else contextlib.nullcontext():
+        engine = self.engine
+        with engine.reads_outside_forward() if isinstance(engine, Stage3) else contextlib.nullcontext():
             if self.activations is None:
                 loss = self.loss_fn(self.model, batch)
             else:
@@ -90,7 +94,7 @@ class ZeroTrainer(Trainer):
         # the step and stops the run, its peers then fail waiting for it (no flag crosses the wire)
         found_inf = self._found_inf_anywhere(grads) if self.optim.scaler.enabled else None
         skipped = self.optim.step(grads, found_inf=found_inf)
-        if not skipped and self.stage < 3:
+        if not skipped and not isinstance(self.engine, Stage3):
             self.engine.gather_params()
         comm_s = time.perf_counter() - t0
         return StepStats(float(loss.item()), skipped=skipped, loss_scale=self.optim.scaler.scale, comm_s=comm_s,
@@ -129,25 +133,25 @@ class ZeroTrainer(Trainer):
             out += master_fragments(self.optim, i, layout, r * g.chunk, (r + 1) * g.chunk, base)
         return out
 
-    def load_checkpoint(self, ckpt) -> None:
+    def load_checkpoint(self, ckpt: Checkpoint) -> None:
         """Fill this rank's chunks from any checkpoint; stages 1-2 then all-gather the full parameters (collective)."""
         restore_optimizer(self.optim, ckpt, self._fragments)
-        if self.stage < 3:
+        if not isinstance(self.engine, Stage3):
             self.engine.gather_params()
 
     # ---- reports
 
     def memory(self) -> MemoryReport:
         e, rank = self.engine, self.ctx.rank
-        item = e.shard.element_size() if self.stage == 3 else e.flat.element_size()
+        item = e.shard.element_size() if isinstance(e, Stage3) else e.flat.element_size()
         pad_full, pad_shard = e.part.padding * item, e.part.shard_padding(rank) * item
-        if self.stage == 3:
+        if isinstance(e, Stage3):
             params, grads = tensor_bytes([e.shard]), tensor_bytes([e.shard_grad])
             padding = 2 * pad_shard
         else:
             params = tensor_bytes([e.flat])
-            grads = tensor_bytes([e.grad]) if self.stage == 1 else tensor_bytes([e.shard_grad])
-            padding = pad_full + (pad_full if self.stage == 1 else pad_shard)
+            grads = tensor_bytes([e.grad]) if isinstance(e, Stage1) else tensor_bytes([e.shard_grad])
+            padding = pad_full + (pad_full if isinstance(e, Stage1) else pad_shard)
         peak, kind = peak_memory(self.ctx.device)
         return MemoryReport(params=params, grads=grads, optimizer=self.optim.state_bytes(), working=e.transient.peak.get("working", 0),
                             gathered_peak=e.transient.peak.get("gathered", 0),
@@ -157,7 +161,8 @@ class ZeroTrainer(Trainer):
     def _optimizer_padding(self) -> int:
         """Bytes of optimizer state (masters included) that belong to padding elements of this rank's chunks."""
         e, rank = self.engine, self.ctx.rank
-        chunks = [e.part.shard_padding(rank)] if self.stage == 3 else [g.chunk_padding(rank) for g in e.part.groups]
+        chunks = ([e.part.shard_padding(rank)] if isinstance(e, Stage3)
+                  else [g.chunk_padding(rank) for g in e.part.groups])
         return sum(chunks) * self.optim.state_bytes_per_element()
 
     def traffic(self) -> TrafficReport:

@@ -11,6 +11,7 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
+from collective.comm import posted
 from psarch.meters import TrafficMeter
 
 KINDS = ("activation", "gradient", "loss")
@@ -46,7 +47,7 @@ class P2P:
         if self.host and t.is_cuda:
             t = t.cpu()
         self.meter.add(f"p2p_{kind}", t.numel() * t.element_size(), 0)
-        return Transfer(dist.isend(t, dst, self.group, tag), t, lambda: t)
+        return Transfer(posted(dist.isend(t, dst, self.group, tag)), t, lambda: t)
 
     def recv(self, shape: torch.Size | tuple, dtype: torch.dtype, device: torch.device, src: int, kind: str,
              tag: int) -> Transfer:
@@ -54,4 +55,4 @@ class P2P:
         on = torch.device("cpu") if self.host else device
         buf = torch.empty(shape, dtype=dtype, device=on)
         self.meter.add(f"p2p_{kind}", 0, buf.numel() * buf.element_size())
-        return Transfer(dist.irecv(buf, src, self.group, tag), buf, lambda: buf.to(device))
+        return Transfer(posted(dist.irecv(buf, src, self.group, tag)), buf, lambda: buf.to(device))

@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from types import ModuleType
-from typing import Any, Mapping
+from typing import Any, ClassVar, Mapping
 
 from collective.pipeline.schedule import SCHEDULES, bubble_fraction
 from psarch.backend import PROCESS_GROUP_OPTIONS, BackendSpec, CommModel
@@ -46,9 +46,9 @@ class PipelineSpec(BackendSpec):
     kind = "pipeline"
     trainer = "collective.pipeline.trainer:PipelineTrainer"
     doc = "pipeline parallelism: the model cut into stages, micro-batches scheduled through them"
-    options = PipelineOptions
+    options: ClassVar[type | None] = PipelineOptions
     variant_key = "schedule"
-    precisions = ("fp32", "bf16")
+    precisions: ClassVar[tuple[str, ...]] = ("fp32", "bf16")
     paced_by_call = True   # a stage's loss_fn call: its own modules, one micro-batch
     reads = {**PROCESS_GROUP_OPTIONS, "backend.comm": None, "backend.zero_units": None,
              "backend.virtual_stages": ("interleaved",)}

@@ -155,7 +155,7 @@ class Cut:
                  chunks: list[int]) -> None:
         self.model = model
         units = find_units(model, units_attr)
-        self.blocks = [u.module for u in units[1:]]
+        self.blocks = [u.module for u in units[1:] if u.module is not None]   # only the root's is None
         # one stage (gradient accumulation over micro-batches) needs no cut, nor blocks at all
         self.trace = trace(model, self.blocks, loss_fn, micro_batch) if stages > 1 else Trace({}, [], [])
         self.ranges = split_blocks(len(self.blocks), stages)

@@ -156,8 +156,9 @@ def predict(cfg: Config, phi: float) -> Prediction:
                    "idle_fraction": float(bubble_fraction(cfg.backend.schedule, pipe))}
         per_chunk = [stage_activation_bytes(cfg, pipe.stage_of(r, c), blocks[pipe.stage_of(r, c)])
                      for c in range(pipe.v)]
-        if None not in per_chunk:
-            figures["activations_held"] = held_peak(compute_order(cfg.backend.schedule, pipe, r), per_chunk)
+        known = [b for b in per_chunk if b is not None]
+        if len(known) == len(per_chunk):
+            figures["activations_held"] = held_peak(compute_order(cfg.backend.schedule, pipe, r), known)
         ranks.append(RankPrediction(MemoryPrediction(width * own, width * own, k * own), link_bytes(cfg, lay, r),
                                     figures))
     ranks = [ranks[i % pipe.p] for i in range(pipe.p * dp)]   # rank = dp_rank x p + stage

@@ -22,11 +22,13 @@ from collective.pipeline import theory
 from collective.pipeline.export import gather_masters, layout_of
 from collective.pipeline.p2p import P2P
 from collective.pipeline.stage import split_blocks
+from psarch.checkpoint import Checkpoint
 from psarch.checkpoint.fragments import Pieces, master_fragments, restore_optimizer, scaler_state, share_of
 from psarch.config import Config
 from psarch.dist import DistContext
 from psarch.flat import FlatParams
 from psarch.meters import TrafficMeter, flat_memory
+from psarch.models.gpt import GPT
 from psarch.precision import MixedPrecisionOptimizer
 from psarch.trainer import MemoryReport, StepStats, Trainer, TrafficReport
 from psarch.workload import Workload
@@ -37,7 +39,7 @@ SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved": Schedu
 class GPTStage(nn.Module):
     """Blocks `blocks` of psarch's GPT, with its embeddings on the first stage and its head on the last."""
 
-    def __init__(self, gpt: nn.Module, blocks: range, first: bool, last: bool) -> None:
+    def __init__(self, gpt: GPT, blocks: range, first: bool, last: bool) -> None:
         super().__init__()
         self.first, self.last = first, last
         if first:
@@ -69,6 +71,7 @@ class TorchPipelineTrainer(Trainer):
         self.dp = ctx.world_size // p
         self.stage, self.dp_rank = ctx.rank % p, ctx.rank // p
         gpt = workload.model.to(ctx.device)
+        assert isinstance(gpt, GPT)   # TorchPipelineSpec.check: workload.model = "gpt", no factory
         names = {id(x): n for n, x in gpt.named_parameters()}
         self.shapes = {n: tuple(x.shape) for n, x in gpt.named_parameters()}
         self.pp_group, self.dp_group = self._groups()
@@ -145,7 +148,7 @@ class TorchPipelineTrainer(Trainer):
         return Pieces(share_of(frags, self.dp_rank, self.dp) if writing else frags, dict(self.shapes),
                       scaler_state(self.optim.scaler))
 
-    def load_checkpoint(self, ckpt) -> None:
+    def load_checkpoint(self, ckpt: Checkpoint) -> None:
         restore_optimizer(self.optim, ckpt, lambda: master_fragments(self.optim, 0, self.layout, 0, self.flat.numel))
 
     def memory(self) -> MemoryReport:

@@ -23,6 +23,7 @@ from collective.pipeline.p2p import P2P, tag
 from collective.pipeline.schedule import Pipe, instructions
 from collective.pipeline.stage import Cut
 from collective.pipeline.theory import pipe_of
+from psarch.checkpoint import Checkpoint
 from psarch.checkpoint.fragments import Pieces, master_fragments, restore_optimizer, scaler_state, share_of
 from psarch.config import Config
 from psarch.dist import DistContext
@@ -45,8 +46,8 @@ def micro_batches(batch: Any, m: int) -> list[Any]:
         parts = [micro_batches(b, m) for b in batch]
         return [type(batch)(p[i] for p in parts) for i in range(m)]
     if isinstance(batch, dict):
-        parts = {k: micro_batches(v, m) for k, v in batch.items()}
-        return [{k: v[i] for k, v in parts.items()} for i in range(m)]
+        by_key = {k: micro_batches(v, m) for k, v in batch.items()}
+        return [{k: v[i] for k, v in by_key.items()} for i in range(m)]
     return [batch] * m
 
 
@@ -165,7 +166,7 @@ class PipelineTrainer(Trainer):
         return Pieces(share_of(frags, self.dp_rank, self.dp) if writing else frags, dict(self.cut.shapes),
                       scaler_state(self.optim.scaler))
 
-    def load_checkpoint(self, ckpt) -> None:
+    def load_checkpoint(self, ckpt: Checkpoint) -> None:
         restore_optimizer(self.optim, ckpt, lambda: master_fragments(self.optim, 0, self._layout, 0, self.flat.numel))
 
     # ---------------------------------------------------------------- reports

@@ -82,7 +82,7 @@ class _ParallelLinear(nn.Module):
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, mesh: TensorMesh) -> None:
         super().__init__()
         self.mesh = mesh
-        self.weight = _parameter(weight)
+        self.weight = nn.Parameter(weight.detach().clone())
         self.bias = _parameter(bias)
 
 
@@ -108,7 +108,7 @@ class VocabParallelEmbedding(nn.Module):
     def __init__(self, weight: torch.Tensor, lo: int, mesh: TensorMesh) -> None:
         super().__init__()
         self.mesh, self.lo = mesh, lo
-        self.weight = _parameter(weight)
+        self.weight = nn.Parameter(weight.detach().clone())
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         local = idx - self.lo
@@ -119,9 +119,10 @@ class VocabParallelEmbedding(nn.Module):
 
 class ParallelSelfAttention(nn.Module):
     """Causal self-attention over this rank's `heads` heads: q, k, v of them from a column-parallel qkv, the
-    output projection row-parallel (psarch.models.gpt.CausalSelfAttention, split by heads)."""
+    output projection row-parallel (psarch.models.gpt.CausalSelfAttention, split by heads). The two are
+    ColumnParallelLinear and RowParallelLinear, or the torch peer's nn.Linear under Colwise/RowwiseParallel."""
 
-    def __init__(self, qkv: ColumnParallelLinear, proj: RowParallelLinear, heads: int) -> None:
+    def __init__(self, qkv: nn.Module, proj: nn.Module, heads: int) -> None:
         super().__init__()
         self.qkv, self.proj, self.heads = qkv, proj, heads
 

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 from torch import nn
@@ -102,16 +101,19 @@ def shard_plan(shapes: dict[str, tuple[int, ...]], tp_size: int, tp_rank: int) -
     return {name: _shard(name, tuple(shape), tp_size, tp_rank) for name, shape in shapes.items()}
 
 
-def check_splittable(model: nn.Module, tp_size: int) -> None:
-    """A psarch GPT whose heads and vocabulary split `tp_size` ways; else one line saying what is supported."""
+def check_splittable(model: nn.Module, tp_size: int) -> GPT:
+    """A psarch GPT whose heads and vocabulary split `tp_size` ways, returned as one; else one line saying
+    what is supported."""
     if type(model) is not GPT or not all(type(b) is Block and type(b.attn) is CausalSelfAttention
                                          for b in model.blocks):
         raise ValueError(f"tensor parallelism splits psarch's built-in GPT (workload.model = \"gpt\"); this model is "
                          f"a {type(model).__name__}")
-    heads = model.blocks[0].attn.n_head if len(model.blocks) else tp_size
+    first = model.blocks[0] if len(model.blocks) else None
+    heads = first.attn.n_head if isinstance(first, Block) else tp_size
     if heads % tp_size or model.embed.num_embeddings < tp_size:
         raise ValueError(f"tensor_parallel = {tp_size}: must divide the GPT's {heads} heads and be at most its "
                          f"vocabulary of {model.embed.num_embeddings} tokens")
+    return model
 
 
 def split_gpt(model: GPT, plan: dict[str, Shard], mesh: TensorMesh) -> None:
@@ -119,19 +121,25 @@ def split_gpt(model: GPT, plan: dict[str, Shard], mesh: TensorMesh) -> None:
     parameters keep their names and order."""
     params = dict(model.named_parameters())
 
-    def part(name: str) -> torch.Tensor | None:
-        return plan[name].take(params[name].detach()) if name in params else None
+    def part(name: str) -> torch.Tensor:
+        return plan[name].take(params[name].detach())
 
-    def linear(cls: Callable[..., nn.Module], path: str) -> nn.Module:
-        return cls(part(f"{path}.weight"), part(f"{path}.bias"), mesh)
+    def bias(path: str) -> torch.Tensor | None:
+        return part(f"{path}.bias") if f"{path}.bias" in params else None
+
+    def column(path: str) -> ColumnParallelLinear:
+        return ColumnParallelLinear(part(f"{path}.weight"), bias(path), mesh)
+
+    def row(path: str) -> RowParallelLinear:
+        return RowParallelLinear(part(f"{path}.weight"), bias(path), mesh)
 
     for i, block in enumerate(model.blocks):
+        assert isinstance(block, Block)   # check_splittable
         at = f"blocks.{i}"
-        block.attn = ParallelSelfAttention(linear(ColumnParallelLinear, f"{at}.attn.qkv"),
-                                           linear(RowParallelLinear, f"{at}.attn.proj"),
+        # the layers are replaced, in place, by their parallel versions: a split GPT's layers change type
+        block.attn = ParallelSelfAttention(column(f"{at}.attn.qkv"), row(f"{at}.attn.proj"),  # type: ignore[assignment]
                                            block.attn.n_head // mesh.tp_size)
-        block.mlp = nn.Sequential(linear(ColumnParallelLinear, f"{at}.mlp.0"), block.mlp[1],
-                                  linear(RowParallelLinear, f"{at}.mlp.2"))
+        block.mlp = nn.Sequential(column(f"{at}.mlp.0"), block.mlp[1], row(f"{at}.mlp.2"))
     lo = plan["embed.weight"].ranges[0][0]
-    model.embed = VocabParallelEmbedding(part("embed.weight"), lo, mesh)
-    model.head = linear(ColumnParallelLinear, "head")
+    model.embed = VocabParallelEmbedding(part("embed.weight"), lo, mesh)   # type: ignore[assignment]  # as above
+    model.head = column("head")   # type: ignore[assignment]  # as above

@@ -13,24 +13,29 @@ parameter's name and offset (psarch.checkpoint), each rank its DTensors' local s
 """
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
-from torch import nn
 
+from collective.comm import grads_of
 from collective.tensor import theory
 from collective.tensor.layers import ParallelSelfAttention
 from collective.tensor.split import Shard, check_splittable, shard_plan
 from collective.tensor.state import written_by_me
+from psarch.checkpoint import Checkpoint
 from psarch.checkpoint.fragments import Fragment, Pieces, local_views, restore
 from psarch.config import Config
 from psarch.dist import DistContext
 from psarch.meters import TrafficMeter, local, torch_memory
+from psarch.models.gpt import GPT, Block
 from psarch.optim import build_optimizer
 from psarch.precision import step_if_finite
 from psarch.trainer import MemoryReport, StepStats, Trainer, TrafficReport
 from psarch.workload import Workload, next_token_loss
+
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
 
 
 def torch_plan(shapes: dict[str, tuple[int, ...]], tp_size: int, tp_rank: int) -> dict[str, Shard]:
@@ -51,7 +56,7 @@ def qkv_order(shapes: dict[str, tuple[int, ...]], tp_size: int) -> dict[str, tor
             for name in shapes if ".attn.qkv." in name}
 
 
-def parallelize(model: nn.Module, tp: Any, order: dict[str, torch.Tensor], tp_size: int) -> None:
+def parallelize(model: GPT, tp: DeviceMesh, order: dict[str, torch.Tensor], tp_size: int) -> None:
     """Apply torch's tensor parallelism to a psarch GPT on the tensor-parallel mesh `tp`, in place: qkv rows
     reordered (`order`), attention over the local heads, the plan torchtitan uses."""
     from torch.distributed.tensor import Replicate, Shard as Sharded
@@ -62,7 +67,10 @@ def parallelize(model: nn.Module, tp: Any, order: dict[str, torch.Tensor], tp_si
         for name, rows in order.items():
             params[name].copy_(params[name][rows])
     for block in model.blocks:
-        block.attn = ParallelSelfAttention(block.attn.qkv, block.attn.proj, block.attn.n_head // tp_size)
+        assert isinstance(block, Block)   # check_splittable
+        # a split GPT's attention changes type, in place (collective.tensor.split.split_gpt)
+        block.attn = ParallelSelfAttention(  # type: ignore[assignment]
+            block.attn.qkv, block.attn.proj, block.attn.n_head // tp_size)
         parallelize_module(block, tp, {"attn.qkv": ColwiseParallel(), "attn.proj": RowwiseParallel(),
                                        "mlp.0": ColwiseParallel(), "mlp.2": RowwiseParallel()})
     parallelize_module(model, tp, {"embed": RowwiseParallel(input_layouts=Replicate()),
@@ -77,7 +85,7 @@ class TorchTensorTrainer(Trainer):
         from torch.distributed.device_mesh import init_device_mesh
 
         b = cfg.backend
-        check_splittable(workload.model, b.tp_size)
+        gpt = check_splittable(workload.model, b.tp_size)
         if workload.loss_fn is not next_token_loss:
             raise ValueError("torch_tensor trains the GPT's next-token loss under loss_parallel(); this workload "
                              "brings its own loss_fn")
@@ -85,10 +93,10 @@ class TorchTensorTrainer(Trainer):
         mesh = init_device_mesh(ctx.device.type, (b.dp_size, b.tp_size), mesh_dim_names=("dp", "tp"))
         self.dp_group = mesh["dp"].get_group() if b.dp_size > 1 else None
         self.dp_rank, self.dp_size = ctx.rank // b.tp_size, b.dp_size
-        self.shapes = {n: tuple(p.shape) for n, p in workload.model.named_parameters()}
+        self.shapes = {n: tuple(p.shape) for n, p in gpt.named_parameters()}
         self.order = qkv_order(self.shapes, b.tp_size)
         self.plan = torch_plan(self.shapes, b.tp_size, mesh["tp"].get_local_rank())
-        self.model = workload.model.to(ctx.device)
+        self.model = gpt.to(ctx.device)
         parallelize(self.model, mesh["tp"], self.order, b.tp_size)
         self.named = list(self.model.named_parameters())
         self.params = [p for _, p in self.named]
@@ -109,7 +117,7 @@ class TorchTensorTrainer(Trainer):
             loss = self.loss_fn(self.model, batch)
             loss.backward()
         if self.dp_group is not None:
-            grads = [local(p.grad) for p in self.params]
+            grads = [local(g) for g in grads_of(self.params)]
             flat = torch._utils._flatten_dense_tensors(grads).div_(self.dp_size)
             dist.all_reduce(flat, group=self.dp_group)
             for g, avg in zip(grads, torch._utils._unflatten_dense_tensors(flat, grads)):
@@ -148,7 +156,7 @@ class TorchTensorTrainer(Trainer):
             frags = written_by_me(frags, self.plan, self.ctx.rank, self.ctx.world_size, self.dp_rank, self.dp_size)
         return Pieces(frags, dict(self.shapes))
 
-    def load_checkpoint(self, ckpt) -> None:
+    def load_checkpoint(self, ckpt: Checkpoint) -> None:
         restore(self.optim, self.params, ckpt, self._fragments)
 
     def memory(self) -> MemoryReport:

@@ -20,6 +20,7 @@ from collective.tensor.mesh import TensorMesh
 from collective.tensor.split import check_splittable, shard_plan, split_gpt
 from collective.tensor.state import fragments, gather_full, written_by_me
 from collective.tensor.theory import BLOCK_ACTIVATIONS
+from psarch.checkpoint import Checkpoint
 from psarch.checkpoint.fragments import Pieces, restore_optimizer, scaler_state
 from psarch.config import Config
 from psarch.dist import DistContext
@@ -36,8 +37,7 @@ class TensorTrainer(Trainer):
     def __init__(self, workload: Workload, cfg: Config, ctx: DistContext) -> None:
         b = cfg.backend
         self.ctx, self.cfg = ctx, cfg
-        model = workload.model
-        check_splittable(model, b.tp_size)
+        model = check_splittable(workload.model, b.tp_size)
         if workload.loss_fn is not next_token_loss:
             raise ValueError("tensor parallelism computes the GPT's next-token loss itself (vocabulary-parallel); "
                              "this workload brings its own loss_fn")
@@ -101,7 +101,7 @@ class TensorTrainer(Trainer):
                                   self.mesh.dp_size)
         return Pieces(frags, dict(self.shapes), scaler_state(self.optim.scaler))
 
-    def load_checkpoint(self, ckpt) -> None:
+    def load_checkpoint(self, ckpt: Checkpoint) -> None:
         restore_optimizer(self.optim, ckpt, self._fragments)
 
     # ---- reports

@@ -3,13 +3,16 @@
 A backend lays its fp32 master weights out as it likes (per parameter, one flat buffer, chunks of padded
 groups); `fragments_in` turns one such layout into fragments, and `restore` fills them from a checkpoint,
 creating the optimizer state first where the optimizer has not stepped yet (torch creates it lazily).
-`ckpt` arguments are psarch.checkpoint.reader.Checkpoint (not imported here: the reader imports this)."""
+`ckpt` arguments are psarch.checkpoint.reader.Checkpoint (imported for type checking only: the reader imports this)."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Callable, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 import torch
+
+if TYPE_CHECKING:
+    from psarch.checkpoint.reader import Checkpoint
 
 PARAM = "param"   # the key of a fragment's fp32 master value; the others are optimizer state names
 
@@ -114,7 +117,7 @@ def master_fragments(optim: Any, i: int, params: Sequence[tuple[str, torch.Size,
     return fragments_in(optim.optimizer, master.params, holder, params, lo, hi, base + offset)
 
 
-def restore_optimizer(optim: Any, ckpt: Any, fragments_of: Callable[[], list[Fragment]]) -> None:
+def restore_optimizer(optim: Any, ckpt: Checkpoint, fragments_of: Callable[[], list[Fragment]]) -> None:
     """restore() for a MixedPrecisionOptimizer, then its loss scaler, then the masters into the model's dtype."""
     restore(optim.optimizer, optim.master.params, ckpt, fragments_of)
     load_scaler(optim.scaler, ckpt)
@@ -146,14 +149,14 @@ def scaler_state(scaler: Any) -> dict[str, Any]:
     return {"scaler": scaler.state_dict()} if scaler.enabled else {}
 
 
-def load_scaler(scaler: Any, ckpt: Any) -> None:
+def load_scaler(scaler: Any, ckpt: Checkpoint) -> None:
     """Take the checkpoint's loss scale where both sides scale (fp16 -> fp16); a fork into fp16 from
     another precision starts a fresh scaler."""
     if scaler.enabled and "scaler" in ckpt.state:
         scaler.load_state_dict(ckpt.state["scaler"])
 
 
-def restore(optimizer: torch.optim.Optimizer, masters: Sequence[torch.Tensor], ckpt: Any,
+def restore(optimizer: torch.optim.Optimizer, masters: Sequence[torch.Tensor], ckpt: Checkpoint,
             fragments_of: Callable[[], list[Fragment]]) -> list[Fragment]:
     """Create the optimizer state the checkpoint holds (zeros, then its scalars) for every master, then fill
     every fragment `fragments_of()` lists from the checkpoint. Returns the fragments filled."""

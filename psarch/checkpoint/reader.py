@@ -49,14 +49,14 @@ class Checkpoint:
         for name in meta["files"]:
             if not isinstance(name, str) or not DATA_FILE.fullmatch(name):
                 raise CheckpointError(f"{self.path / METADATA}: data file {name!r} is not a rankN.bin or serverN.bin name")
-        for e in meta["fragments"]:
-            if e["file"] not in meta["files"]:
-                raise CheckpointError(f"{self.path / METADATA}: a fragment lies in {e['file']!r}, not a listed file")
-            if e["dtype"] not in DTYPES:
-                raise CheckpointError(f"{self.path / METADATA}: dtype {e['dtype']!r} of {e['name']!r} is not one "
-                                      f"of {sorted(DTYPES)}")
-            if "row_stride" in e or "columns" in e:
-                _check_rows(self.path / METADATA, e, meta["params"].get(e["name"], {}).get("shape"))
+        for frag in meta["fragments"]:
+            if frag["file"] not in meta["files"]:
+                raise CheckpointError(f"{self.path / METADATA}: a fragment lies in {frag['file']!r}, not a listed file")
+            if frag["dtype"] not in DTYPES:
+                raise CheckpointError(f"{self.path / METADATA}: dtype {frag['dtype']!r} of {frag['name']!r} is not "
+                                      f"one of {sorted(DTYPES)}")
+            if "row_stride" in frag or "columns" in frag:
+                _check_rows(self.path / METADATA, frag, meta["params"].get(frag["name"], {}).get("shape"))
         self.meta = meta
         self.step: int = meta["step"]
         self.params: dict[str, dict[str, Any]] = meta["params"]
@@ -64,8 +64,8 @@ class Checkpoint:
         self.config: dict[str, Any] = meta["config"]
         self.state: dict[str, Any] = meta["state"]
         self._index: dict[tuple[str, str], list[dict[str, Any]]] = {}
-        for e in meta["fragments"]:
-            self._index.setdefault((e["name"], e["key"]), []).append(e)
+        for frag in meta["fragments"]:
+            self._index.setdefault((frag["name"], frag["key"]), []).append(frag)
         for entries in self._index.values():
             entries.sort(key=lambda e: e["offset"])
         self._files: dict[str, BinaryIO] = {}
@@ -114,6 +114,7 @@ class Checkpoint:
         every stored fragment that overlaps them (strided row fragments and column blocks included)."""
         out: torch.Tensor | None = None
         filled = 0
+        pos: torch.Tensor | slice
         for e in self._index.get((name, key), ()):
             if e.get("row_stride") or e.get("columns"):
                 got = self._block(e, self.params[name]["shape"][-1], lo, hi)

@@ -135,7 +135,11 @@ def changed_keys(stored: dict[str, Any], cfg: Config) -> list[tuple[str, Any, An
 
 def _default(key: str) -> Any:
     f = field_of(key)
-    return f.default_factory() if f.default is dataclasses.MISSING else f.default
+    if f.default is not dataclasses.MISSING:
+        return f.default
+    if f.default_factory is dataclasses.MISSING:
+        raise TypeError(f"config field {key!r} has neither a default nor a default_factory")
+    return f.default_factory()
 
 
 def _flat(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
@@ -158,17 +162,18 @@ def keep_fork_source(ckpt: Checkpoint | None, run_dir: Path, move: bool = True) 
     --resume's reach (`move` False, as under torchrun where every rank reads it: refused instead); an earlier
     fork's kept source is removed unless this run starts from it. Returns where the checkpoint lies now."""
     kept = run_dir / FORKED_FROM
-    path = ckpt.path.resolve() if ckpt is not None else None
-    if path is not None and kept.resolve() in path.parents:
-        return ckpt.path
-    if path is not None and (run_dir / CHECKPOINTS).resolve() in path.parents:
-        if not move:
-            raise CheckpointError(f"--from {ckpt.path}: it lies under the run folder {run_dir}, which the fork "
-                                  f"replaces; use --resume {run_dir}, or another --out")
-        shutil.rmtree(kept, ignore_errors=True)
-        kept.mkdir(parents=True)
-        ckpt.close()
-        return Path(shutil.move(str(ckpt.path), str(kept / ckpt.path.name)))
+    if ckpt is not None:
+        path = ckpt.path.resolve()
+        if kept.resolve() in path.parents:
+            return ckpt.path
+        if (run_dir / CHECKPOINTS).resolve() in path.parents:
+            if not move:
+                raise CheckpointError(f"--from {ckpt.path}: it lies under the run folder {run_dir}, which the fork "
+                                      f"replaces; use --resume {run_dir}, or another --out")
+            shutil.rmtree(kept, ignore_errors=True)
+            kept.mkdir(parents=True)
+            ckpt.close()
+            return Path(shutil.move(str(ckpt.path), str(kept / ckpt.path.name)))
     shutil.rmtree(kept, ignore_errors=True)
     return ckpt.path if ckpt is not None else None
 

@@ -204,6 +204,7 @@ class EmulatedCluster:
         for ns in [n.ns for n in self.nodes] + [self.hub]:
             netns.remove(ns)
         if self._watcher is not None:
+            assert self._watcher.stdin is not None   # started with stdin=PIPE
             self._watcher.stdin.close()     # EOF: the watcher finds nothing left and exits
             self._watcher.wait(timeout=30)
             self._watcher = None

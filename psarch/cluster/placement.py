@@ -16,12 +16,15 @@ from __future__ import annotations
 
 import contextlib
 import os
-from typing import Any, Iterator
+from typing import TYPE_CHECKING, Any, Iterator
 
 from psarch import registry
 from psarch.cluster import device
 from psarch.cluster.window import StepMarks, StepWindow
 from psarch.config import Config
+
+if TYPE_CHECKING:
+    from psarch.cluster.emulated import Node
 
 
 class Loopback:
@@ -105,11 +108,14 @@ class Emulated:
     def host(self, role: str, index: int, default: str) -> str:
         return self._node(role, index).address
 
-    def _node(self, role: str, index: int) -> Any:
+    def _node(self, role: str, index: int) -> Node:
         """The node a process runs on: a worker's own; a service's own, or the worker's it is beside."""
-        if role == "server" and self.beside[index] is not None:
-            return self.cluster.node("worker", self.beside[index])
-        return self.cluster.node(role, self.own[index] if role == "server" else index)
+        if role != "server":
+            return self.cluster.node(role, index)
+        worker = self.beside[index]
+        if worker is not None:
+            return self.cluster.node("worker", worker)
+        return self.cluster.node(role, self.own[index])
 
     def step_marks(self, ranks: int) -> list[StepMarks]:
         """The marks each of `ranks` ranks reaches around its steps; every link is read when all have (once a run)."""

@@ -61,7 +61,8 @@ def plot(rs: list[dict[str, Any]], path: Path) -> None:
 
     rates = sorted({r["mbps"] for r in rs})
     archs = sorted({r["arch"] for r in rs})
-    colours, markers = plt.get_cmap("tab20").colors, "osD^v<>pPX*h"
+    # get_cmap is typed as returning a Colormap; tab20 is a ListedColormap, whose colors are RGB tuples
+    colours, markers = plt.get_cmap("tab20").colors, "osD^v<>pPX*h"  # type: ignore[attr-defined]
     style = {arch: dict(color=colours[(2 * i) % 20 + (2 * i) // 20 % 2], marker=markers[i % len(markers)])
              for i, arch in enumerate(archs)}
     fig, axes = plt.subplots(1, len(rates), figsize=(5 * len(rates) + 4, 4), squeeze=False)

@@ -73,7 +73,8 @@ def rows(sweep: Path, target: float | None = None) -> list[dict[str, Any]]:
                     # lockstep: every step waits for the slowest worker; theory's step time says how long
                     "predicted": s["global_batch"] / step["predicted_s"]
                     if step and registry.spec_of(cfg).lockstep(cfg) else None,
-                    "time_to_gap": time_to_gap(workers, floor, gap), "final_gap": final_gap(workers, floor),
+                    "time_to_gap": time_to_gap(workers, floor, gap) if gap is not None else None,
+                    "final_gap": final_gap(workers, floor),
                     "dilation": vd["dilation"] if vd else None, "overrun": vd["overrun_fraction"] if vd else None})
     return sorted(out, key=lambda r: (r["jitter"], r["slowdown"], r["mode"]))
 

@@ -10,7 +10,7 @@ import sys
 if __package__:
     from psarch.cluster import netns
 else:  # started as a script: importing the psarch package would cost a torch import per run
-    import netns
+    import netns  # type: ignore[no-redef]   # the same module, imported by its file's name
 
 
 def main(prefix: str) -> None:

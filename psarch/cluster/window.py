@@ -42,7 +42,7 @@ class StepWindow:
 
     def __init__(self, mp_context: Any, ranks: int, read: Callable[[], Counters]) -> None:
         pipes = [mp_context.Pipe() for _ in range(ranks)]
-        self._ends = [mine for mine, _ in pipes]
+        self._ends: list[Connection] = [mine for mine, _ in pipes]
         self.marks = [StepMarks(theirs) for _, theirs in pipes]
         self._stop_r, self._stop_w = mp_context.Pipe(duplex=False)
         self.read = read
@@ -58,7 +58,7 @@ class StepWindow:
                 ready = wait(waiting + [self._stop_r])
                 if self._stop_r in ready:
                     return
-                for conn in ready:
+                for conn in [c for c in waiting if c in ready]:
                     try:
                         conn.recv_bytes()
                     except (EOFError, OSError):

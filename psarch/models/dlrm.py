@@ -84,7 +84,7 @@ class DLRM(nn.Module):
         top_in = dim + n * (n - 1) // 2 if interaction == "dot" else n * dim
         # ZeRO's units, in forward order; the tables form the root unit
         self.blocks = nn.ModuleList([_mlp([num_dense, *bottom_mlp, dim]), _mlp([top_in, *top_mlp, 1])])
-        device = self.blocks[0][0].weight.device   # the caller's device (torch.device context), meta included
+        device = next(self.blocks.parameters()).device   # the caller's device (torch.device context), meta included
         if tables and device.type != "meta":
             for i, t in enumerate(self.tables):   # replacing a parameter keeps its place: tables come first
                 t.weight = nn.Parameter(_whole_table(seed, i, rows, dim).to(device))
@@ -93,6 +93,7 @@ class DLRM(nn.Module):
         """Initial values of rows start, start + step, ... of table `table` (`table_rows`), for a process that
         builds only some rows of the tables."""
         t = self.tables[table]
+        assert isinstance(t, nn.EmbeddingBag)
         return table_rows(self.seed, table, t.num_embeddings, t.embedding_dim, start, step)
 
     def forward(self, dense: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:

@@ -46,9 +46,8 @@ def _raw_server(conn: Any) -> None:
     conn.send_bytes(str(sock.bind_to_random_port("tcp://127.0.0.1")).encode())
     buf = np.empty(0, np.uint8)
     while True:
-        ident, kind, *rest = sock.recv_multipart(copy=False)
-        kind = kind.bytes
-        if kind == b"pushpull":
+        ident, op, *rest = sock.recv_multipart(copy=False)
+        if op.bytes == b"pushpull":
             chunk = len(rest[0])
             n = sum(len(f) for f in rest)
             if buf.size != n:
@@ -57,7 +56,7 @@ def _raw_server(conn: Any) -> None:
             for f in rest:
                 buf[pos:pos + len(f)] = np.frombuffer(f.buffer, np.uint8)
                 pos += len(f)
-            sock.send_multipart([ident, b"params", *(memoryview(buf)[i:i + chunk] for i in range(0, n, chunk))],
+            sock.send_multipart([ident, b"params", *(buf.data[i:i + chunk] for i in range(0, n, chunk))],
                                 copy=False)
         else:
             break
@@ -103,7 +102,7 @@ class _Raw:
         self.src = np.random.default_rng(0).integers(0, 255, n, dtype=np.uint8)
         self.dst = np.empty(n, np.uint8)
         self.chunk = chunk or n
-        self.frames = [memoryview(self.src)[i:i + self.chunk] for i in range(0, n, self.chunk)]
+        self.frames = [self.src.data[i:i + self.chunk] for i in range(0, n, self.chunk)]
 
     def round(self) -> None:
         self.sock.send_multipart([b"pushpull", *self.frames], copy=False)
@@ -178,8 +177,9 @@ def wire_table(max_mib: int, partition_mb: float | str) -> list[dict[str, Any]]:
                 "kind": "ps", "world_size": 1, "mode": "sync", "timeout_s": 120.0, "auth": a, "partition_mb": mb}})
                 for k, (a, mb) in servers.items()}
             services = {k: start_services(c, None, build_model=False) for k, c in cfgs.items()}
-            clients = {"raw": _Raw(raw_addr, n), "raw_chunked": _Raw(raw_addr, n, wire.CHUNK),
-                       "wire": _PS(wire_addr, n, init=False)}
+            clients: dict[str, _Raw | _PS] = {"raw": _Raw(raw_addr, n),
+                                               "raw_chunked": _Raw(raw_addr, n, wire.CHUNK),
+                                               "wire": _PS(wire_addr, n, init=False)}
             clients.update({f"server_{k}": _PS(sv.info.addresses[0], n, init=True, creds=sv.info.auth,
                                                elems=partition_elems(cfgs[k], n // 4))
                             for k, sv in services.items()})

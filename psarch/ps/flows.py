@@ -26,7 +26,8 @@ import itertools
 import statistics
 from collections import defaultdict, deque
 from dataclasses import dataclass
-from typing import Callable
+from functools import partial
+from typing import Callable, Sequence
 
 STEPS = 8            # replayed; the first two (filling the links from an idle start) are not counted
 DONE = 1e-6          # bytes: a flow with less left is complete
@@ -78,13 +79,14 @@ class Links:
             f.done(now)
 
 
-def step_time(workers: int, server_nodes: list[int], parts: list[tuple[int, int, float]], numel: int,
+def step_time(workers: int, server_nodes: list[int], parts: Sequence[tuple[int, int, float]], numel: int,
               compute_s: float, backward_s: float, up: list[float], down: list[float]) -> float:
     """Seconds a step of `workers` workers (worker w on node w) with servers on `server_nodes` (server j's node:
     j < workers is beside worker j), exchanging partitions `parts` (lo, server, bytes) of a flat vector of
     `numel` elements, each node's links `up`[node] and `down`[node] bytes/s."""
     forward = max(0.0, compute_s - backward_s)
-    links, events, seq = Links(up, down), [], itertools.count()
+    links, seq = Links(up, down), itertools.count()
+    events: list[tuple[float, int, Callable[[float], None]]] = []
     starts: dict[int, list[float]] = defaultdict(list)
     pushed: dict[tuple[int, int], int] = defaultdict(int)   # (step, partition) -> pushes in
     left: dict[tuple[int, int], int] = {}                   # (worker, step) -> pulls and backward still to come
@@ -105,17 +107,18 @@ def step_time(workers: int, server_nodes: list[int], parts: list[tuple[int, int,
         left[w, t] = len(parts) + 1
         end = now + forward + backward_s
         for j, (lo, s, size) in sorted(enumerate(parts), key=lambda x: -x[1][0]):
-            at(end - backward_s * lo / numel,
-               lambda now, j=j, s=s, size=size: flow(("push", w, s), w, server_nodes[s], size,
-                                                     lambda now: arrived(t, j, now), now))
-        at(end, lambda now: landed(w, t, now))
+            at(end - backward_s * lo / numel, partial(push, w, t, j, s, size))
+        at(end, partial(landed, w, t))
+
+    def push(w: int, t: int, j: int, s: int, size: float, now: float) -> None:
+        flow(("push", w, s), w, server_nodes[s], size, partial(arrived, t, j), now)
 
     def arrived(t: int, j: int, now: float) -> None:
         pushed[t, j] += 1
         if pushed[t, j] == workers:
             _, s, size = parts[j]
             for w in range(workers):
-                flow(("pull", s, w), server_nodes[s], w, size, lambda now, w=w: landed(w, t, now), now)
+                flow(("pull", s, w), server_nodes[s], w, size, partial(landed, w, t), now)
 
     def landed(w: int, t: int, now: float) -> None:
         left[w, t] -= 1
@@ -123,7 +126,7 @@ def step_time(workers: int, server_nodes: list[int], parts: list[tuple[int, int,
             start(w, t + 1, now)
 
     for w in range(workers):
-        at(0.0, lambda now, w=w: start(w, 0, now))
+        at(0.0, partial(start, w, 0))
     now = 0.0
     while (flows := links.active()) or events:
         rate = links.rates(flows) if flows else {}

@@ -33,6 +33,7 @@ class KeyFolder:
         """Remove the folder now, and let the watcher go."""
         shutil.rmtree(self.path, ignore_errors=True)
         if self.watcher is not None:
+            assert self.watcher.stdin is not None   # started with stdin=PIPE
             self.watcher.stdin.close()   # EOF: the watcher removes what is left (nothing) and leaves
             try:
                 self.watcher.wait(10)

@@ -192,15 +192,15 @@ class LocalServers(Services):
             s.pop("event")
             stats.append(s)
             parts.append(torch.frombuffer(bytearray(raw), dtype=torch.float32) if raw else torch.empty(0))
-        out = dict(summarize(stats, self.lost), auth=self.info.auth["mechanism"])
+        out = dict(summarize(stats, self.lost), auth=Credentials.from_dict(self.info.auth).mechanism)
         if self.out_dir is not None:
-            self._write_outputs(out, parts)
+            self._write_outputs(self.out_dir, out, parts)
         return out
 
-    def _write_outputs(self, out: dict[str, Any], parts: list[torch.Tensor]) -> None:
-        """model.pt from the servers' final parameters; the ssp trace beside the summary."""
+    def _write_outputs(self, out_dir: Path, out: dict[str, Any], parts: list[torch.Tensor]) -> None:
+        """model.pt from the servers' final parameters; the ssp trace beside the summary (in `out_dir`)."""
         if "ssp" in out:
-            (self.out_dir / "ssp_trace.json").write_text(json.dumps(out["ssp"].pop("trace")))
+            (out_dir / "ssp_trace.json").write_text(json.dumps(out["ssp"].pop("trace")))
             out["ssp"]["trace_file"] = "ssp_trace.json"
         if not all(p.numel() for p in parts):
             return  # no worker ever sent init: rank 0's record (if any) is all there is
@@ -211,7 +211,7 @@ class LocalServers(Services):
             model = build_workload(self.cfg).model
             state = (join_parts(model, self.cfg, key_space(self.cfg), parts) if self.cfg.backend.embeddings == "rows"
                      else state_from_flat(model, join_servers(self.cfg, parts)))
-            torch.save(state, self.out_dir / "model.pt")
+            torch.save(state, out_dir / "model.pt")
         except Exception as e:  # keep rank 0's model.pt, say why the servers' could not be written
             out["model_from_servers_error"] = f"{type(e).__name__}: {e}"
 
@@ -258,14 +258,14 @@ class RemoteServers(Services):
         self.lost.append({"rank": rank, "error": error.splitlines()[0] if error else ""})
 
     def finish(self) -> dict[str, Any]:
-        return {"lost_workers": self.lost, "auth": self.info.auth["mechanism"]}
+        return {"lost_workers": self.lost, "auth": Credentials.from_dict(self.info.auth).mechanism}
 
     def stop(self) -> None:
         pass
 
 
-def start_services(cfg: Config, out_dir: Any = None, threads: bool = False, build_model: bool = True,
-                   where: Placement | None = None, start: Any = None) -> LocalServers | RemoteServers:
+def start_services(cfg: Config, out_dir: str | Path | None = None, threads: bool = False, build_model: bool = True,
+                   where: Placement | None = None, start: str | Path | None = None) -> LocalServers | RemoteServers:
     """The servers of a run (build_model=False: servers that wait for an `init`, for benchmarks;
     `where`: the run's placement, psarch.cluster; `start`: the checkpoint they start from)."""
     b = cfg.backend

@@ -32,6 +32,7 @@ from typing import Any
 
 import torch
 
+from psarch.checkpoint import Checkpoint
 from psarch.checkpoint.fragments import Fragment
 from psarch.config import Config
 from psarch.ps.layout import Layout, partition_elems
@@ -47,7 +48,7 @@ def run_shape(cfg: Config, numel: int) -> dict[str, Any]:
             "partition_elems": partition_elems(cfg, numel), "partition_assignment": b.partition_assignment}
 
 
-def exact_records(ckpt: Any, cfg: Config, numel: int) -> dict[str, Any] | None:
+def exact_records(ckpt: Checkpoint, cfg: Config, numel: int) -> dict[str, Any] | None:
     """The checkpoint's PS records when it was written by a PS run of this config's shape (run_shape), else None
     (a fork)."""
     ps = ckpt.state.get("ps")

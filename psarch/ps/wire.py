@@ -107,6 +107,12 @@ class Message:
     def shape(self) -> tuple[int, ...] | None:
         return tuple(self.header["shape"]) if "shape" in self.header else None
 
+    def tensor_shape(self) -> tuple[int, ...]:
+        """The shape of the tensor it carries; WireError when it carries none."""
+        if self.shape is None:
+            raise WireError(f"op {self.op!r} carries no tensor")
+        return self.shape
+
     @property
     def numel(self) -> int:
         return math.prod(self.shape) if self.shape is not None else 0
@@ -154,7 +160,7 @@ def _frames(tensor: torch.Tensor) -> list[memoryview]:
     if tensor.dtype not in DTYPE_NAMES:
         raise WireError(f"dtype {tensor.dtype} cannot travel on the PS wire; supported: {', '.join(DTYPES)}")
     t = tensor.detach().cpu().contiguous()
-    data = memoryview(_bytes_view(t)) if t.numel() else memoryview(b"")
+    data = _bytes_view(t).data if t.numel() else memoryview(b"")
     return [data[i:i + CHUNK] for i in range(0, len(data), CHUNK)]
 
 

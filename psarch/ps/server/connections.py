@@ -247,7 +247,7 @@ class Connections:
                 return False   # ZeroMQ would drop it
             fd = self.fds.get(ident)
             conn = self.conns.get(fd) if fd is not None else None
-            if conn is None:
+            if fd is None or conn is None:
                 return True
             if conn.sent + nbytes - conn.acked > self.budget():
                 counters = tcp_counters(fd)

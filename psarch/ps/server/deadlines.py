@@ -39,7 +39,8 @@ class Deadlines:
                 return self.replies.fail(f"worker {p.worker} waited more than backend.timeout_s = {t:g} s "
                                          f"for the initial parameters: no worker sent init")
             if now - p.since > t:
-                slowest = p.part.slowest(s.live)
-                slow = sorted(w for w in s.live if p.part.clock[w] == slowest)
+                part = p.part if p.part is not None else s.parts[0]   # asked before init: the first (pulls.ready)
+                slowest = part.slowest(s.live)
+                slow = sorted(w for w in s.live if part.clock[w] == slowest)
                 return self.replies.fail(f"worker {p.worker} waited more than backend.timeout_s = {t:g} s "
                                          f"for step {p.step}; waiting on worker(s) {slow} (at step {slowest})")

@@ -59,7 +59,7 @@ class StepProbe:
         self.target = optimizer.param_groups[0]["params"][0]
         size = min(CHUNK, self.target.numel())
         self.param = torch.nn.Parameter(torch.zeros(size))
-        self.param.grad = torch.zeros(size)
+        self.grad = self.param.grad = torch.zeros(size)   # the probe's gradient, filled chunk by chunk
         accepted = inspect.signature(type(optimizer).__init__).parameters
         self.probe = type(optimizer)([self.param], **{k: v for k, v in self._hyper().items() if k in accepted})
         self.scratch: dict[str, torch.Tensor] = {}
@@ -82,11 +82,11 @@ class StepProbe:
         for lo in range(0, n, size):
             m = min(size, n - lo)
             with torch.no_grad():
-                for dst, src in ((self.param, flat), (self.param.grad, g)):
+                for dst, src in ((self.param, flat), (self.grad, g)):
                     dst[:m].copy_(src[lo:lo + m])
                     dst[m:].zero_()   # the tail of the last chunk: zeros step to zeros
                 if inv_scale != 1.0:
-                    self.param.grad.mul_(inv_scale)
+                    self.grad.mul_(inv_scale)
             self.probe.state[self.param] = {k: self._chunk(k, v, lo, m) for k, v in state.items()}
             self.probe.step()
             after = [self.param] + [v for v in self.probe.state[self.param].values() if torch.is_tensor(v)]

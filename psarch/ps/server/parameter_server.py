@@ -42,7 +42,7 @@ import sys
 from collections import Counter
 import time
 import traceback
-from typing import Any, Callable
+from typing import Any, Callable, cast
 
 import torch
 import zmq
@@ -138,7 +138,7 @@ class ParameterServer:
             if self.sock in events:
                 # a burst, then look at the launcher's pipe and the clock again
                 for _ in range(64):
-                    if not self.sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+                    if not cast(int, self.sock.getsockopt(zmq.EVENTS)) & zmq.POLLIN:
                         break
                     frames = self.receive()
                     if frames is not None:
@@ -267,7 +267,7 @@ class ParameterServer:
     def check_deadlines(self) -> None:
         """Lose silent workers (standalone), fail on an overdue save, round or pull (deadlines.py)."""
         s = self.state
-        if s.failure is not None and s.exit_when_done and time.monotonic() - s.failed_at > 10:
+        if s.failed_at is not None and s.exit_when_done and time.monotonic() - s.failed_at > 10:
             s.stopping = True  # standalone: the workers have had time to hear the error
         if s.failure is not None or s.stopping:
             return
@@ -296,7 +296,7 @@ class ParameterServer:
             return b""
         dense = self.state.params()
         final = dense if self.rows is None else self.rows.final(dense)
-        return memoryview(final.numpy()).cast("B")
+        return final.numpy().data.cast("B")
 
     def stats(self) -> dict[str, Any]:
         """What this server measured: traffic, memory, staleness, rejected requests, lost workers."""

@@ -70,16 +70,18 @@ class PullQueue:
         for p in list(s.pending):
             if part is not None and p.part is not part or not self.ready(p):
                 continue
-            st, w, step = p.part.range, p.worker, p.step
-            header: dict[str, Any] = dict(p.extra, op="params", version=st.version, offset=p.part.lo, scale=st.scale)
+            placed = p.part
+            assert placed is not None   # ready() placed it on a partition
+            st, w, step = placed.range, p.worker, p.step
+            header: dict[str, Any] = dict(p.extra, op="params", version=st.version, offset=placed.lo, scale=st.scale)
             if s.mode == "ssp":
-                ahead = max(0, step - p.part.slowest(s.live))
+                ahead = max(0, step - placed.slowest(s.live))
                 s.max_ahead = max(s.max_ahead, ahead)
                 header["ahead"] = ahead
                 if len(s.trace) < TRACE_LIMIT:
                     s.trace.append([1, w, step])
             if s.mode == "sync" and st.version:
-                header["skipped"] = p.part.round.last_skipped or header.get("skipped", False)
+                header["skipped"] = placed.round.last_skipped or header.get("skipped", False)
             data = st.params.detach()
             # Zero-copy send: in the barrier modes the parameters cannot change before every worker has
             # pushed again, i.e. received this reply. Elsewhere another push may land at once: send a copy.

@@ -30,7 +30,7 @@ from psarch.ps.layout import held, server_partitions
 from psarch.ps.server.pulls import PullQueue
 from psarch.ps.server.replies import Replies
 from psarch.ps.server.state import TRACE_LIMIT, Partition, ServerState
-from psarch.ps.server.updates import NonFiniteUpdate
+from psarch.ps.server.updates import NonFiniteUpdate, RangeState
 
 if TYPE_CHECKING:
     from psarch.ps.server.rows import ServerRows
@@ -40,7 +40,7 @@ def check_range(msg: wire.Message, dtype: str, lo: int, hi: int) -> None:
     """PSError unless the message's tensor is range [lo, hi) of the flat vector (one partition), in `dtype`."""
     h = msg.header
     if h["offset"] != lo or msg.shape != (hi - lo,):
-        raise PSError(f"op {msg.op!r}: range offset {h['offset']} shape {list(msg.shape)}, the partition there is "
+        raise PSError(f"op {msg.op!r}: range offset {h['offset']} shape {h.get('shape')}, the partition there is "
                       f"[{lo}, {hi}) (offset {lo}, shape [{hi - lo}])")
     if h["dtype"] != dtype:
         raise PSError(f"op {msg.op!r}: dtype {h['dtype']}, this run's wire dtype is {dtype}")
@@ -64,8 +64,8 @@ class Pushes:
             raise PSError(f"init: {e}") from None
         lo, size = parts[0][0], held(parts)
         if msg.header["offset"] != lo or msg.shape != (size,):
-            raise PSError(f"op 'init': offset {msg.header['offset']} shape {list(msg.shape)}, this server holds "
-                          f"{len(parts)} partition(s), {size} elements from offset {lo} (offset {lo}, shape "
+            raise PSError(f"op 'init': offset {msg.header['offset']} shape {msg.header.get('shape')}, this server "
+                          f"holds {len(parts)} partition(s), {size} elements from offset {lo} (offset {lo}, shape "
                           f"[{size}])")
         if msg.header["dtype"] != "float32":
             raise PSError(f"op 'init': dtype {msg.header['dtype']}, parameters start in float32")
@@ -168,7 +168,7 @@ class Pushes:
             raise NonFinitePush(f"push: worker {w}'s {what} for step {h['step']} holds inf/nan{said}: "
                                 f"refused, nothing applied") from None
 
-    def _check_scale(self, w: int, h: dict[str, Any], st: Any) -> None:
+    def _check_scale(self, w: int, h: dict[str, Any], st: RangeState) -> None:
         """`scale` and `found_inf` belong to fp16 runs whose server optimizer scales the loss."""
         s = self.state
         sent = [k for k in ("scale", "found_inf") if k in h]
@@ -180,6 +180,7 @@ class Pushes:
         if "scale" not in h:
             raise PSError(f"push: worker {w} sent no 'scale': an fp16 push names the loss scale it was computed with")
         scale = h["scale"]
+        assert st.optim is not None   # loss scaling: fp16 with a server optimizer
         # every scale a server hands out is a power of two >= the scaler's minimum (2^16, halved, doubled)
         if scale < st.optim.scaler.min_scale or math.frexp(scale)[0] != 0.5:
             raise PSError(f"push: scale {scale!r}: expected a power of two >= {st.optim.scaler.min_scale:g}, "
@@ -200,11 +201,11 @@ class Pushes:
         if not r.sum.complete(r.pushed):   # a bug: never apply a sum missing a push
             return self.replies.fail(f"internal error: round {st.version} has pushes {sorted(r.pushed)}, summed "
                                      f"{sorted(r.sum.summed)}, still kept {sorted(r.sum.early)}")
-        with_rows = self.rows is not None and self.rows.first_to_complete(st.version)
+        with_rows = self.rows if self.rows is not None and self.rows.first_to_complete(st.version) else None
         try:   # the rows' update is checked first, stored last: a refused round changes nothing
             # sync: the mean gradient over all N workers, as the dense range; geo: deltas arrive divided by N
-            rows = (self.rows.round_update(1 / s.workers if s.mode == "sync" else s.workers / len(r.pushed))
-                    if with_rows else None)
+            rows = (with_rows.round_update(1 / s.workers if s.mode == "sync" else s.workers / len(r.pushed))
+                    if with_rows is not None else None)
             if s.mode == "sync":
                 r.last_skipped = st.apply_mean(s.workers, r.inf)
             else:  # workers divide their deltas by N: the mean over the deltas this round actually has
@@ -213,8 +214,8 @@ class Pushes:
             where = f", partition [{part.lo}, {part.hi})" if len(s.parts) > 1 else ""
             return self.replies.fail(f"{s.mode} step {st.version}{where}: the round of workers {sorted(r.pushed)}: "
                                      f"{e}: not applied")
-        if with_rows:
-            self.rows.end_round(rows)
+        if with_rows is not None:
+            with_rows.end_round(rows)
         r.pushed.clear()
         r.sum.clear()
         r.inf = False

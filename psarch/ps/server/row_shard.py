@@ -69,7 +69,7 @@ class RowShard:
 
     def update(self, idx: torch.Tensor, values: torch.Tensor, factor: float = 1.0) -> dict[str, torch.Tensor]:
         """What `apply` would store (rows idx's new values, "param", and their optimizer state), checked finite."""
-        if self.geo:   # idx are distinct: as index_add_ adds them
+        if self.optim is None:   # geo; idx are distinct: as index_add_ adds them
             new = {"param": self.rows[idx].add_(values.float(), alpha=factor)}
         else:
             new = self.optim.update(idx, values.float())
@@ -78,7 +78,7 @@ class RowShard:
         return new
 
     def write(self, idx: torch.Tensor, new: dict[str, torch.Tensor]) -> None:
-        if self.geo:
+        if self.optim is None:   # geo
             self.rows[idx] = new["param"]
         else:
             self.optim.write(idx, new)

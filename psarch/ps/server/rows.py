@@ -24,6 +24,7 @@ from typing import Any, Callable
 
 import torch
 
+from psarch.checkpoint import Checkpoint
 from psarch.checkpoint.fragments import PARAM, Pieces, optimizer_views
 from psarch.ps.layout import Layout
 from psarch.ps import wire
@@ -53,6 +54,13 @@ class ServerRows:
         """Hold this server's rows of the initial tables (psarch/ps/server/row_shard.py's initial_shard)."""
         self.shard = RowShard(rows, self.space, self.state.index, self.state.cfg)
 
+    @property
+    def held(self) -> RowShard:
+        """The shard `start` gave this server, before it answers any request."""
+        if self.shard is None:
+            raise RuntimeError("ServerRows: its rows are used before start() gave them")
+        return self.shard
+
     def handlers(self) -> dict[str, Handler]:
         """The requests this part answers (and `init`, which a server with rows refuses)."""
         return {"init": self.on_init, "rowpull": self.on_rowpull, "rowpush": self.on_rowpush,
@@ -66,9 +74,9 @@ class ServerRows:
         s.sender(msg)
         if msg.header["want"] != s.wire_dtype:
             raise PSError(f"rowpull: dtype {msg.header['want']!r:.40}, this run's wire dtype is {s.wire_dtype}")
-        idx = self.shard.local(msg.tensor(), "rowpull")
+        idx = self.held.local(msg.tensor(), "rowpull")
         self.replies.send(ident, "rowpull", {"op": "rows", "version": s.version},
-                          self.shard.gather(idx, s.scratch.dtype))
+                          self.held.gather(idx, s.scratch.dtype))
 
     def on_rowpush(self, ident: bytes, msg: wire.Message) -> None:
         s, h = self.state, msg.header
@@ -85,10 +93,11 @@ class ServerRows:
             # its rows would join the round of step `version` as if they were that step's
             raise PSError(f"rowpush: worker {w} sent rows for step {h['step']} during the round of step {version}"
                           + (", after its dense push for it" if s.in_round(w) else ""))
-        if h["dtype"] != s.wire_dtype or msg.shape[1] != self.space.dim:
-            raise PSError(f"rowpush: values {h['dtype']} {list(msg.shape)}: expected {s.wire_dtype} "
+        shape = msg.tensor_shape()
+        if h["dtype"] != s.wire_dtype or shape[1] != self.space.dim:
+            raise PSError(f"rowpush: values {h['dtype']} {list(shape)}: expected {s.wire_dtype} "
                           f"[keys, {self.space.dim}]")
-        idx = self.shard.local(msg.keys(), "rowpush")
+        idx = self.held.local(msg.keys(), "rowpush")
         try:
             values = msg.tensor(finite=True)
         except wire.NonFinitePayload:
@@ -97,10 +106,10 @@ class ServerRows:
                                 f"nothing applied") from None
         s.changing = True
         if s.barrier:
-            self.shard.add_to_round(w, idx, values)
+            self.held.add_to_round(w, idx, values)
         else:
             try:   # geo: workers divide their deltas by N; after a loss, the mean over the live workers' deltas
-                self.shard.apply(idx, values, s.workers / len(s.live))
+                self.held.apply(idx, values, s.workers / len(s.live))
             except NonFiniteUpdate as e:
                 s.refused_non_finite[w] += 1
                 raise NonFinitePush(f"rowpush: worker {w}'s rows for step {h['step']}: {e}: refused, "
@@ -111,7 +120,7 @@ class ServerRows:
     def on_rowfetch(self, ident: bytes, msg: wire.Message) -> None:
         self.state.sender(msg)
         self.replies.send(ident, "rowfetch", {"op": "rows", "version": self.state.version},
-                          self.shard.rows.clone())
+                          self.held.rows.clone())
 
     def first_to_complete(self, step: int) -> bool:
         """Whether a partition completing barrier round `step` is the first of this server's to do so: the round's
@@ -121,10 +130,10 @@ class ServerRows:
     def round_update(self, factor: float) -> Any:
         """A barrier round is complete: its rows' update, summed over workers, times `factor`, computed and checked
         finite (NonFiniteUpdate) but not applied: `end_round` applies it."""
-        return self.shard.round_update(factor)
+        return self.held.round_update(factor)
 
     def end_round(self, update: Any) -> None:
-        self.shard.end_round(update)
+        self.held.end_round(update)
 
     def drop(self, w: int) -> None:
         """Worker w is lost: lost between its rowpush and its dense push, it is not in the round, nor its rows."""
@@ -137,17 +146,17 @@ class ServerRows:
 
     def add_memory(self, mem: dict[str, Any]) -> None:
         """The shard's bytes added to the server's memory report (and its rows, and their bytes, apart)."""
-        rows = self.shard.memory()
+        rows = self.held.memory()
         for k, v in rows.items():
             mem[k] = mem.get(k, 0) + v
         mem["total"] = sum(mem[k] for k in ("params", "optimizer", "buffers"))
-        mem["embedding_rows"] = self.shard.rows.shape[0]
+        mem["embedding_rows"] = self.held.rows.shape[0]
         mem["embedding_bytes"] = rows["params"]
 
     def final(self, dense: torch.Tensor) -> torch.Tensor:
         """What the launcher's model.pt takes from this server: its dense range, then its rows
         (psarch/ps/rows.py's join_parts splits them)."""
-        return torch.cat([dense.reshape(-1), self.shard.rows.reshape(-1)])
+        return torch.cat([dense.reshape(-1), self.held.rows.reshape(-1)])
 
     # ------------------------------------------------------------------ checkpoints
 
@@ -170,7 +179,7 @@ class ServerRows:
         return optimizer_views(st.optim.optimizer, st.optim.master.params[0])[1] if st.optim is not None else {}
 
     def _tensors(self) -> dict[str, torch.Tensor]:
-        sh = self.shard
+        sh = self.held
         out = {PARAM: sh.rows}
         if sh.optim is not None:
             out.update({k: v for k, v in sh.optim.state.items() if k != "step"})
@@ -185,7 +194,7 @@ class ServerRows:
         for name, rows in zip(self.table_names, self.space.rows):
             pieces.params[name] = (rows, self.space.dim)
 
-    def restore(self, ckpt: Any) -> None:
+    def restore(self, ckpt: Checkpoint) -> None:
         """This server's rows and their optimizer state (each state the checkpoint holds for the tables; lazy
         AdamW's steps from the dense step without it), after the dense range was restored."""
         tensors = self._tensors()
@@ -196,7 +205,8 @@ class ServerRows:
                     if not ckpt.has(f.name, key):
                         del f.tensors[key]
                 ckpt.fill(f)
-        steps = self.shard.optim.state.get("step") if self.shard.optim is not None else None
+        optim = self.held.optim
+        steps = optim.state.get("step") if optim is not None else None
         if steps is not None:
             if all(ckpt.has(f.name, ROW_STEP) for f in frags):
                 steps.copy_(tensors[ROW_STEP][:, 0])

@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from psarch.checkpoint import Checkpoint
 from psarch.checkpoint.fragments import PARAM, Pieces, fragments_in, restore_optimizer
 from psarch.checkpoint.writer import tmp_dir, write_part
 from psarch.ps.layout import Layout
@@ -80,6 +81,7 @@ class Snapshots:
         """Write this server's part once every live worker waits in `save`, then ack them all."""
         if not self.saves or not self.state.live <= {w for _, w in self.saves}:
             return   # (a worker lost while it waited still counts as asked: its part is written)
+        assert self.checkpoints is not None   # on_save refuses every save without a run folder
         waiting, self.saves = self.saves, []
         folder = tmp_dir(self.checkpoints, self.step)
         try:
@@ -140,7 +142,7 @@ class Snapshots:
             self.rows.add_pieces(pieces)
         return pieces
 
-    def restore(self, ckpt: Any) -> None:
+    def restore(self, ckpt: Checkpoint) -> None:
         """Start from a checkpoint: its parameters and optimizer state for this range (and rows); the server's
         records exactly when a PS run of this shape wrote it, else those of a run whose workers all just pulled."""
         self._restore_range(ckpt)
@@ -152,13 +154,14 @@ class Snapshots:
         if self.rows is not None:
             self.rows.restore(ckpt)
 
-    def _restore_range(self, ckpt: Any) -> None:
+    def _restore_range(self, ckpt: Checkpoint) -> None:
         layout = self.layout
         for part in self.state.parts:
             st, lo, hi = part.range, part.lo, part.hi
-            if st.optim is not None:
-                restore_optimizer(st.optim, ckpt, lambda: fragments_in(st.optim.optimizer, st.optim.master.params,
-                                                                       0, layout, lo, hi))
+            optim = st.optim
+            if optim is not None:
+                restore_optimizer(optim, ckpt, lambda: fragments_in(optim.optimizer, optim.master.params,
+                                                                    0, layout, lo, hi))
             else:
                 with torch.no_grad():
                     for f in views(layout, {PARAM: st.params}, lo, hi):
@@ -175,7 +178,7 @@ class Snapshots:
             for b in st.backup or []:
                 b.copy_(st.params.detach())   # DC: each worker's backup is the model it pulls
 
-    def _restore_records(self, rec: dict[str, Any], ckpt: Any) -> None:
+    def _restore_records(self, rec: dict[str, Any], ckpt: Checkpoint) -> None:
         s = self.state
         s.max_ahead = rec["max_ahead"]
         for part, r in zip(s.parts, rec["partitions"]):
@@ -184,6 +187,7 @@ class Snapshots:
             st.staleness = Counter({int(k): v for k, v in r["staleness"].items()})
             st.skipped = r["skipped"]
             if "scaler" in r:
+                assert st.optim is not None   # only a range with an optimizer records a loss scaler
                 st.optim.scaler.load_state_dict(r["scaler"])
             if st.backup is not None:
                 with torch.no_grad():

@@ -33,5 +33,6 @@ def row_server(index: int, cfg: Config, host: str, port: int, **kwargs: Any) -> 
         dense = dense_flat(click_model(cfg))   # its tables stay on meta: the shard is built alone, below
     # a rowpush may carry up to every row of the tables: cap frames at a whole chunk, not the dense range
     server = ParameterServer(index, cfg, host, port, numel=None, **kwargs)
+    assert server.rows is not None   # a server of a run with embeddings = "rows"
     server.initialize(dense, initial_shard(cfg, server.rows.space, index))
     return server

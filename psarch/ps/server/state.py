@@ -79,7 +79,7 @@ class ServerState:
     starts: dict[int, Partition] = field(default_factory=dict)   # each partition by its first element
     size: int = 0                  # elements held: its own vector, the partitions joined (layout.server_partitions)
     numel: int = 0                 # elements of the whole flat vector the servers hold (its partitions depend on it)
-    scratch: torch.Tensor | None = None   # a push's payload, decoded here when it is not summed in place
+    scratch: torch.Tensor = field(init=False)   # a push's payload, decoded here when it is not summed in place
     refused_non_finite: list[int] = field(init=False)   # pushes refused for inf/nan, per worker
     lost: set[int] = field(default_factory=set)
     done: set[int] = field(default_factory=set)
@@ -100,6 +100,7 @@ class ServerState:
 
     def __post_init__(self) -> None:
         self.refused_non_finite = [0] * self.workers
+        self.scratch = torch.empty(0, dtype=compute_dtype(self.cfg.train.precision))   # sized by `hold`
 
     # ------------------------------------------------------------------ facts of the config
 

@@ -53,10 +53,17 @@ class RangeState:
     def scale(self) -> float:
         return self.optim.scaler.scale if self.optim is not None else 1.0
 
+    def _stepping(self) -> tuple[MixedPrecisionOptimizer, StepProbe]:
+        """The optimizer and its probe, which every mode but geo (deltas added, no optimizer) has."""
+        if self.optim is None or self.probe is None:
+            raise RuntimeError(f"mode {self.mode}: this range has no optimizer (geo adds deltas)")
+        return self.optim, self.probe
+
     def _step(self, grad: torch.Tensor, found_inf: bool) -> bool:
-        if not found_inf and not self.probe.finite(grad, 1.0 / self.scale):
+        optim, probe = self._stepping()
+        if not found_inf and not probe.finite(grad, 1.0 / self.scale):
             raise NonFiniteUpdate("its update would make parameters or optimizer state non-finite")
-        skipped = self.optim.step([grad], found_inf=found_inf)
+        skipped = optim.step([grad], found_inf=found_inf)
         self.skipped += int(skipped)
         return skipped
 
@@ -93,10 +100,11 @@ class RangeState:
         if push_scale != self.scale and not found_inf:
             g = g * (self.scale / push_scale)  # the worker scaled its loss with an older loss scale
         if self.compensation == "dc" and not found_inf:
+            assert self.backup is not None   # async/ssp with dc keep a backup per worker
             unscaled = g / self.scale
             # DC-ASGD: first-order Taylor correction of the gradient for the parameters' drift since the pull
             g = g + self.scale * self.dc_lambda * unscaled * unscaled * (self.params.data - self.backup[worker])
-        group = self.optim.optimizer.param_groups[0]
+        group = self._stepping()[0].optimizer.param_groups[0]
         lr = group["lr"]
         if self.compensation == "lr":
             group["lr"] = lr / max(1, staleness)

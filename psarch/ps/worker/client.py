@@ -10,7 +10,7 @@ from __future__ import annotations
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any, Sequence, cast
 
 import torch
 import zmq
@@ -31,6 +31,18 @@ class Request:
     keys: torch.Tensor | None = None
     reply: dict[str, Any] = field(default_factory=dict)
     answered: bool = False
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the tensor it carries (0 for none)."""
+        return self.tensor.numel() * self.tensor.element_size() if self.tensor is not None else 0
+
+    @property
+    def received(self) -> torch.Tensor:
+        """The tensor its reply carried (once answered)."""
+        if self.into is None:
+            raise PSError(f"{self.header['op']}: its reply carried no tensor")
+        return self.into
 
     @property
     def key(self) -> tuple[str, int | None]:
@@ -139,7 +151,7 @@ class PSClient:
     def _drain(self, events: dict) -> None:
         for i, sock in enumerate(self.socks):
             # drain what has arrived (asking EVENTS is much cheaper than a NOBLOCK recv raising Again)
-            while self.waiting[i] and sock in events and sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+            while self.waiting[i] and sock in events and cast(int, sock.getsockopt(zmq.EVENTS)) & zmq.POLLIN:
                 self._receive(i, sock.recv_multipart(copy=False))
 
     def _receive(self, i: int, frames: list) -> None:

@@ -7,6 +7,7 @@ from typing import Any
 
 import torch
 
+from psarch.checkpoint import Checkpoint
 from psarch.checkpoint.fragments import fragments_in, load_scaler, restore
 from psarch.config import Config
 from psarch.flat import FlatParams
@@ -71,7 +72,7 @@ class GeoLocal:
         self.optim.scaler.load_state_dict(rec["scaler"])
         return {own + "master": master, own + "synced": self.synced, **{own + k: state[k] for k in rec["local_keys"]}}
 
-    def restore_fork(self, ckpt: Any, layout: Layout) -> None:
+    def restore_fork(self, ckpt: Checkpoint, layout: Layout) -> None:
         """A fork (another run's checkpoint): the local optimizer starts from the checkpoint's state, the model
         from the servers' (just pulled)."""
         master = self.optim.master.params[0]

@@ -49,11 +49,13 @@ class ServerLink:
         self.copied: set[int] = set()   # priority on a GPU: partitions already copied from the host stage
         self.t0 = 0.0
 
-    def server_versions(self) -> list[int]:
-        """Each server's version as a request for its whole range names it: its partitions' least."""
-        out = [None] * len(self.servers)
+    def server_versions(self) -> list[int | None]:
+        """Each server's version as a request for its whole range names it: its partitions' least (None for a
+        server holding no dense partition)."""
+        out: list[int | None] = [None] * len(self.servers)
         for p, v in zip(self.parts, self.versions):
-            out[p.server] = v if out[p.server] is None else min(out[p.server], v)
+            least = out[p.server]
+            out[p.server] = v if least is None else min(least, v)
         return out
 
     def post(self, p: Part, pushed: torch.Tensor | None, step: int, header: dict[str, Any]) -> None:

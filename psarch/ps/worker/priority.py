@@ -64,7 +64,7 @@ class PriorityPushes:
         client = self.link.client
         client.take_arrived()
         self.pump()
-        while j in self.ready or not (self.link.posted[j] is None or self.link.posted[j].answered):
+        while j in self.ready or not ((posted := self.link.posted[j]) is None or posted.answered):
             client.wait(once=True)
             self.pump()
 
@@ -73,7 +73,7 @@ class PriorityPushes:
         flight: dict[int, int] = {}
         for r, i in zip(self.acks, self.servers):
             if not r.answered:
-                flight[i] = flight.get(i, 0) + r.tensor.numel() * r.tensor.element_size()
+                flight[i] = flight.get(i, 0) + r.nbytes
         held = []
         while self.ready:
             j = heapq.heappop(self.ready)
@@ -84,7 +84,7 @@ class PriorityPushes:
             push = self.link.post_push(p, self.link.flat.grad, self.step)
             self.acks.append(push)
             self.servers.append(p.server)
-            flight[p.server] = flight.get(p.server, 0) + push.tensor.numel() * push.tensor.element_size()
+            flight[p.server] = flight.get(p.server, 0) + push.nbytes
         for j in held:
             heapq.heappush(self.ready, j)
 

@@ -71,7 +71,8 @@ class WorkerRows(PSTables):
         those tables."""
         dense, ids, clicks = batch
         keys, local, sizes = self._keys(batch_ids(batch).cpu())
-        rows, self.where = self._pull(keys, self.steps) if self.cache is None else self._cached(keys, self.steps)
+        cache = self.cache
+        rows, self.where = self._pull(keys, self.steps) if cache is None else self._cached(cache, keys, self.steps)
         self.steps += 1
         self.keys = keys
         self.weights = [nn.Parameter(r) for r in rows.split(sizes)]
@@ -100,20 +101,23 @@ class WorkerRows(PSTables):
         self.client.exchange(reqs)
         rows = torch.empty(keys.numel(), self.space.dim, dtype=self.dtype)
         for pos, (r,) in zip(where, reqs):
-            rows[pos] = r.into
+            rows[pos] = r.received
         return rows.to(self.device), where
 
-    def _cached(self, keys: torch.Tensor, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def _cached(self, cache: RowCache, keys: torch.Tensor, step: int) -> tuple[torch.Tensor, torch.Tensor]:
         """GEO: the rows of `keys` from the cache, pulling the ones not cached yet; and their positions."""
-        new = self.cache.missing(keys)
+        new = cache.missing(keys)
         self.counts["rows_pulled"] = new.numel()
         if new.numel():
-            self.cache.add(new, self._pull(new, step)[0].cpu())
-        pos = self.cache.positions(keys)
-        return self.cache.rows[pos].to(self.device, self.dtype), pos
+            cache.add(new, self._pull(new, step)[0].cpu())
+        pos = cache.positions(keys)
+        return cache.rows[pos].to(self.device, self.dtype), pos
 
     def _grads(self) -> torch.Tensor:
-        return torch.cat([w.grad for w in self.weights]).cpu()
+        grads = [w.grad for w in self.weights]
+        if any(g is None for g in grads):
+            raise RuntimeError("a table's fetched rows have no gradient after backward")
+        return torch.cat([g for g in grads if g is not None]).cpu()
 
     def exchange(self, batch: Any, grads: list[torch.Tensor]) -> dict[str, int]:
         """After backward (GEO: after the step and its sync): take the rows' gradients for `before_push`; this
@@ -135,7 +139,7 @@ class WorkerRows(PSTables):
         self._hold(self.cache.nbytes())
         return False
 
-    def before_push(self, push: int, versions: list[int]) -> list[Request]:
+    def before_push(self, push: int, versions: list[int | None]) -> list[Request]:
         """Per server, the rowpush to go before dense push `push`: this step's rows' gradients; GEO, at a sync: the
         changed rows' deltas (value − pulled) / N (`pushed` empties the cache once the exchange is over)."""
         if self.cache is None:
@@ -165,7 +169,7 @@ class WorkerRows(PSTables):
         """The whole fp32 tables by parameter name, fetched from their servers (`rowfetch`: each its shard)."""
         fetched = [[Request({"op": "rowfetch"})] for _ in range(self.space.servers)]
         self.client.exchange(fetched)
-        rows = gather_shards(self.space, [r.into for (r,) in fetched])
+        rows = gather_shards(self.space, [r.received for (r,) in fetched])
         return {name: rows[lo:lo + n] for name, lo, n in zip(self.table_names, self.offsets, self.space.rows)}
 
     def fragments(self) -> list[Fragment]:

@@ -58,6 +58,7 @@ class PushSchedule:
         return on_grad_ready
 
     def _post(self, j: int) -> None:
+        assert self.post is not None   # armed: the hook does nothing before arm(), and finish() follows it
         self.posted[j] = True
         self.post(self.parts[j])
 

@@ -21,7 +21,7 @@ if TYPE_CHECKING:
 class PSTables(EmbeddingTables):
     """The dense treatment on a PS worker; the base of WorkerRows."""
 
-    def before_push(self, push: int, versions: list[int]) -> list["Request"] | None:
+    def before_push(self, push: int, versions: list[int | None]) -> list["Request"] | None:
         """Per server, the request to send ahead of dense push `push` (the servers' versions in `versions`);
         None: nothing."""
         return None

@@ -97,10 +97,10 @@ class PSWorker(Trainer):
         loss = self.loss_fn(self.model, batch)
         if not self.fp16:  # before the push: name the bad loss rather than have a server refuse its gradient
             check_loss(self.steps, self.ctx.rank, float(loss.detach()))
-        info = self._geo_step(loss, batch) if self.geo is not None else self._push_step(loss, batch)
+        info = self._geo_step(self.geo, loss, batch) if self.geo is not None else self._push_step(loss, batch)
         info["comm_s"] += fetch_s
         scale = self.geo.optim.scaler.scale if self.geo is not None else self.link.loss_scale
-        extra = {k: info[k] for k in ("version", "staleness", "ahead") if k in info}
+        extra: dict[str, Any] = {k: info[k] for k in ("version", "staleness", "ahead") if k in info}
         extra.update(info["tables"], t_start=t_start, t_end=time.time())
         return StepStats(float(loss.item()), skipped=bool(info.get("skipped", False)), loss_scale=scale,
                          comm_s=info["comm_s"], extra=extra)
@@ -109,7 +109,7 @@ class PSWorker(Trainer):
         """sync, async, ssp: push this step's gradient (after its rows'), pull the parameters for the next; with
         overlap_comm each partition is pushed from backward's hooks as soon as its gradients are final."""
         if self.pushes is not None:
-            return self._priority_step(loss, batch)
+            return self._priority_step(self.pushes, loss, batch)
         if self.schedule is not None:   # dense tables only (pushes_from_hooks): their exchange moves nothing
             step = self.steps + 1
             self.schedule.arm(lambda part: self.link.post(part, self.flat.grad, step, {}))
@@ -128,25 +128,27 @@ class PSWorker(Trainer):
         self.steps += 1
         return dict(self.link.exchange(self.flat.grad, self.steps, header, before), tables=figures)
 
-    def _priority_step(self, loss: torch.Tensor, batch: Any) -> dict[str, Any]:
+    def _priority_step(self, pushes: PriorityPushes, loss: torch.Tensor, batch: Any) -> dict[str, Any]:
         """Priority (priority.py): the previous exchange settled (forward took most of its pulls and posted most
         of its queued pushes), pushes queued from backward's hooks and sent lowest partition first, as far as
         the credit allows; the rest, and the pulls, are left to the next forward. What the step reports
         (version, staleness) is the previous exchange's; its communication time is the wait to settle that,
         the wait after backward and the next forward's waits."""
+        schedule, pull_order = self.schedule, self.pull_order
+        assert schedule is not None and pull_order is not None   # priority pushes from hooks, pulls before forward
         t0 = time.perf_counter()
         info = self._settle()
         settled = time.perf_counter() - t0
         self.flat.zero_grad()
-        self.pushes.arm(self.steps + 1)
-        self.schedule.arm(self.pushes.add)
+        pushes.arm(self.steps + 1)
+        schedule.arm(pushes.add)
         loss.backward()
         since = time.perf_counter()
         figures = self.tables.exchange(batch, [])   # dense tables only (pushes_from_hooks): nothing moves
-        self.schedule.finish()
-        self.pushes.pump()
+        schedule.finish()
+        pushes.pump()
         self.steps += 1
-        waited, self.pull_order.waited_s = self.pull_order.waited_s, 0.0
+        waited, pull_order.waited_s = pull_order.waited_s, 0.0
         return dict(info, comm_s=time.perf_counter() - since + waited + settled, tables=figures)
 
     def _settle(self) -> dict[str, Any]:
@@ -157,28 +159,28 @@ class PSWorker(Trainer):
         self.pushes.flush()
         return self.link.settle(acks=self.pushes.acks)
 
-    def _geo_step(self, loss: torch.Tensor, batch: Any) -> dict[str, Any]:
+    def _geo_step(self, geo: GeoLocal, loss: torch.Tensor, batch: Any) -> dict[str, Any]:
         """GEO: a local step (dense part, then the tables' own: the cached rows); a sync every k_steps."""
-        self.geo.optim.scaler.scale_loss(loss).backward()
-        skipped = self.geo.optim.step([self.flat.grad])
+        geo.optim.scaler.scale_loss(loss).backward()
+        skipped = geo.optim.step([self.flat.grad])
         self.tables.step()
         self.steps += 1
         info: dict[str, Any] = {"comm_s": 0.0, "skipped": skipped}
         if self.steps % self.cfg.backend.push_every == 0:
-            info.update(self._geo_sync(), skipped=skipped)
+            info.update(self._geo_sync(geo), skipped=skipped)
         return dict(info, tables=self.tables.exchange(batch, []))   # after the sync: the rows it pushed
 
-    def _geo_sync(self) -> dict[str, Any]:
+    def _geo_sync(self, geo: GeoLocal) -> dict[str, Any]:
         """Push delta = (local − last synced) / N (after the changed rows' deltas), pull the servers' model and
         continue from it."""
         before = self.tables.before_push(self.rounds, self.link.server_versions())
-        delta = self.geo.delta(self.n, self.dtype)
+        delta = geo.delta(self.n, self.dtype)
         self.rounds += 1
         try:
             info = self.link.exchange(delta, self.rounds, {}, before)
         finally:
             self.tables.pushed()
-        self.geo.pulled()
+        geo.pulled()
         return info
 
     # ------------------------------------------------------------------ the model
@@ -187,7 +189,7 @@ class PSWorker(Trainer):
         """Rank 0: the servers' fp32 parameters (after GEO's last partial round; with rows, the servers' rows).
         Every rank then tells the servers it is done."""
         if self.geo is not None and self.steps % self.cfg.backend.push_every:
-            self._geo_sync()
+            self._geo_sync(self.geo)
         self._settle()
         state: dict[str, torch.Tensor] = {}
         if self.ctx.rank == 0:   # tables the model does not hold, from the servers, under their names
