@@ -20,7 +20,7 @@ Volume per rank (sent = received): (N-1) · (8 T + 8 U + b Σ_t u_t dim_t) with 
 """
 from __future__ import annotations
 
-from typing import Any, Sequence
+from typing import Any, Sequence, cast
 
 import torch
 from torch import nn
@@ -43,7 +43,7 @@ class RowExchange(EmbeddingTables):
 
     def excluded(self) -> list[nn.Parameter]:
         """The tables' weights (read now: the model may have moved since construction)."""
-        return [t.weight for _, t in embedding_tables(self.model)]
+        return [cast(nn.Parameter, t.weight) for _, t in embedding_tables(self.model)]   # torch types it Tensor
 
     def exchange(self, batch: Any, grads: Sequence[torch.Tensor]) -> dict[str, int]:
         """Replace each table's local gradient in `grads` (shaped like the tables) by the average over

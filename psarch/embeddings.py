@@ -79,7 +79,7 @@ class EmbeddingTables:
         return {}
 
 
-def embedding_tables(model: nn.Module) -> list[tuple[str, nn.Module]]:
+def embedding_tables(model: nn.Module) -> list[tuple[str, nn.Embedding | nn.EmbeddingBag]]:
     """(parameter name of the weight, module) of each embedding table, in the model's table order."""
     tables = getattr(model, "tables", None)
     if not isinstance(tables, nn.ModuleList) or not all(isinstance(t, (nn.Embedding, nn.EmbeddingBag))
@@ -87,7 +87,7 @@ def embedding_tables(model: nn.Module) -> list[tuple[str, nn.Module]]:
         raise ValueError(f"{type(model).__name__} has no `tables` list of embeddings: embeddings other than "
                          f"dense need the dlrm model")
     names = {id(p): n for n, p in model.named_parameters()}
-    return [(names[id(t.weight)], t) for t in tables]
+    return [(names[id(t.weight)], t) for t in tables if isinstance(t, (nn.Embedding, nn.EmbeddingBag))]
 
 
 def batch_ids(batch: Any) -> torch.Tensor:

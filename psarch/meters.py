@@ -6,7 +6,7 @@ import sys
 import threading
 import time
 from contextlib import contextmanager
-from typing import Any, Callable, Iterable, Iterator
+from typing import Any, Callable, Iterable, Iterator, overload
 
 import torch
 
@@ -116,6 +116,10 @@ def tensor_bytes(tensors: Iterable[torch.Tensor | None]) -> int:
     return total
 
 
+@overload
+def local(t: torch.Tensor) -> torch.Tensor: ...
+@overload
+def local(t: torch.Tensor | None) -> torch.Tensor | None: ...
 def local(t: torch.Tensor | None) -> torch.Tensor | None:
     """What this rank holds of a tensor: a DTensor's local shard, any other tensor itself."""
     return t.to_local() if t is not None and hasattr(t, "to_local") else t

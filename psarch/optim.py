@@ -1,14 +1,14 @@
 """The optimizers every backend uses, built from `[train]` with the same hyper-parameters everywhere."""
 from __future__ import annotations
 
-from typing import Iterable
+from typing import Any, Iterable
 
 import torch
 
 from psarch.config import TrainConfig
 
 
-def build_optimizer(params: Iterable[torch.Tensor], t: TrainConfig, fused: bool = True) -> torch.optim.Optimizer:
+def build_optimizer(params: Iterable[torch.Tensor] | Iterable[dict[str, Any]], t: TrainConfig, fused: bool = True) -> torch.optim.Optimizer:
     """SGD (momentum, Nesterov, weight decay), AdamW or Adagrad (L2 weight decay), on fp32 tensors.
 
     fused=True (the default, every backend) runs one fused kernel over all tensors per step: on CPU 2-3x
