@@ -1,4 +1,4 @@
-"""psarch.bench_step: psarch's trainers and the hand-written PyTorch loop on one model, in one process."""
+"""psarch.bench.step: psarch's trainers and the hand-written PyTorch loop on one model, in one process."""
 from __future__ import annotations
 
 import argparse
@@ -6,7 +6,7 @@ import argparse
 import pytest
 import torch
 
-from psarch import bench_step
+from psarch.bench import step as bench_step
 from psarch.cluster.device import profile_of
 from psarch.cluster.flops import count
 from psarch.config import load_config

@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 
 from psarch import load_config
-from psarch.sweep import expand, read_sweep
+from psarch.launch.sweep import expand, read_sweep
 
 EXPERIMENTS = sorted((Path(__file__).parent.parent / "experiments").glob("*.toml"))
 
