@@ -35,12 +35,12 @@ def ddp_config(world_size: int, steps: int) -> dict:
 def _ddp_rank(rank: int, world_size: int, steps: int) -> dict:
     base = ddp_config(world_size, steps)
     ctx = DistContext(rank, world_size, rank, torch.device("cpu"), "gloo")
-    loops = {}
-    for label, (kind, comm) in PEERS.items():
-        backend = dict(base["backend"], kind=kind, **({"comm": comm} if comm else {}))
-        loops[label] = trainer_loop(from_dict(dict(base, backend=backend)), ctx)
+    cfgs = {label: from_dict(dict(base, backend=dict(base["backend"], kind=kind, **({"comm": comm} if comm else {}))))
+            for label, (kind, comm) in PEERS.items()}
+    loops = {label: trainer_loop(cfg, ctx) for label, cfg in cfgs.items()}
+    # the warm-up of a ddp config (base alone is backend.kind = "single", which refuses world_size > 1)
     times = interleaved({label: loop.timed for label, loop in loops.items()}, steps,
-                        warmup_steps(from_dict(base)))
+                        warmup_steps(cfgs["torch ddp"]))
     params = sum(p.numel() for p in loops["torch ddp"].workload.model.parameters())
     for loop in loops.values():
         loop.trainer.close()

@@ -59,7 +59,8 @@ def _rank(rank: int, world_size: int, steps: int) -> dict:
     loops = {label: trainer_loop(from_dict(dict(base, backend=dict(base["backend"], **backend))), ctx)
              for label, (backend, _) in VARIANTS.items()}
     before = {label: loop.trainer.traffic().sent for label, loop in loops.items()}
-    times = interleaved({label: loop.timed for label, loop in loops.items()}, steps, warmup_steps(from_dict(base)))
+    times = interleaved({label: loop.timed for label, loop in loops.items()}, steps,
+                        warmup_steps(next(iter(loops.values())).cfg))   # base alone is kind "single", 1 worker
     out = {"params": sum(p.numel() for p in next(iter(loops.values())).workload.model.parameters()), "rows": {}}
     for label, loop in loops.items():
         trainer, m = loop.trainer, loop.trainer.memory()

@@ -37,7 +37,8 @@ def _rank(rank: int, world_size: int, steps: int, backends: dict[str, dict]) -> 
     ctx = DistContext(rank, world_size, rank, torch.device("cpu"), "gloo")
     loops = {label: trainer_loop(from_dict(dict(base, backend=dict(base["backend"], **backend))), ctx)
              for label, backend in backends.items()}
-    times = interleaved({label: loop.timed for label, loop in loops.items()}, steps, warmup_steps(from_dict(base)))
+    times = interleaved({label: loop.timed for label, loop in loops.items()}, steps,
+                        warmup_steps(next(iter(loops.values())).cfg))   # base alone is kind "single", 1 worker
     for loop in loops.values():
         loop.trainer.close()
     return medians(times)
