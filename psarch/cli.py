@@ -49,9 +49,9 @@ def _parser() -> argparse.ArgumentParser:
     p_rep.add_argument("name", choices=report.NAMES)
     p_rep.add_argument("args", nargs=argparse.REMAINDER, help="the report's arguments, e.g. the sweep folder")
     cli_estimate.add_parser(sub.add_parser("estimate", help="analytic memory, traffic and step-time model (no processes)"))
-    p_bench = sub.add_parser("bench", help="a benchmark against PyTorch's own peer (the arguments are the benchmark's own)",
-                             description="Run one benchmark: psarch beside the peer a user would otherwise run, "
-                                         "ratios printed. `psarch bench NAME --help` gives a benchmark's own arguments.")
+    p_bench = sub.add_parser("bench", help="a benchmark against PyTorch's own peer (the arguments are its own)",
+                             description="Run one benchmark: psarch beside the peer a user would otherwise run, ratios "
+                                         "printed. `psarch bench NAME --help` gives a benchmark's own arguments.")
     p_bench.add_argument("name", choices=bench.NAMES)
     p_bench.add_argument("args", nargs=argparse.REMAINDER, help="the benchmark's arguments")
     return parser

@@ -10,12 +10,12 @@ from typing import Any, Callable
 def option(default: Any, doc: str, choices: tuple | Callable[[], tuple] | None = None, min: float | None = None,
            max: float | None = None, per_backend: bool = False, recorded: bool = False,
            named: tuple[str, ...] = ()) -> Any:
-    """A config option, declared as a dataclass field. `choices`: the allowed values (or a function giving them, read when a value is
-    checked). `per_backend`: only the backends whose spec reads it (BackendSpec.reads) take this option;
-    options a backend declares itself (BackendSpec.options) are always per-backend. `recorded`: written by
-    psarch into config.json, never set by a user (not listed by `psarch keys`, refused in a file or --set).
-    `named`: words allowed besides values of the field's type, e.g. "auto" for a number (the field is
-    declared `float | str`)."""
+    """A config option, declared as a dataclass field. `choices`: the allowed values (or a function giving them,
+    read when a value is checked). `per_backend`: only the backends whose spec reads it (BackendSpec.reads) take
+    this option; options a backend declares itself (BackendSpec.options) are always per-backend. `recorded`: written
+    by psarch into config.json, never set by a user (not listed by `psarch keys`, refused in a file or --set).
+    `named`: words allowed besides values of the field's type, e.g. "auto" for a number (the field is declared
+    `float | str`)."""
     meta = {"doc": doc, "choices": choices, "min": min, "max": max, "per_backend": per_backend,
             "recorded": recorded, "named": named}
     if isinstance(default, (list, dict)):
