@@ -60,7 +60,7 @@ MAX_RAISE = 10.0
 MIN_PROBE_BYTES, MAX_PROBE_BYTES = 8 * 2**20, 32 * 2**20
 
 Config = Any
-Runner = Callable[..., dict[str, Any]]   # ranks.run: (cfg, out, echo=, machine_checked=, progress=) -> summary
+Runner = Callable[..., dict[str, Any]]   # launch.ranks.run: (cfg, out, echo=, machine_checked=, progress=) -> summary
 
 
 @dataclass(frozen=True)
