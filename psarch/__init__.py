@@ -1,6 +1,7 @@
 """psarch: one workload under a parameter server, collective DDP and ZeRO, measured side by side.
 
-Where things live (the core names no backend; `zero` -> `collective` -> psarch core, `psarch.ps` -> core):
+Where things live. Dependencies point one way (zero -> collective -> psarch core, psarch.ps -> core) and the core
+names no backend; bench/ and the studies' tables in report/ sit above the backends they compare.
 
     config/       the Config schema and loading (`psarch.config`), how an option is declared
                   (config/fields.py: `option`, `section`), TOML files and --set, checks across keys
@@ -25,7 +26,8 @@ Where things live (the core names no backend; `zero` -> `collective` -> psarch c
                   the Workload (model, loss, batch of a step)
     dist.py, flat.py, optim.py, precision.py, meters.py, activations.py, embeddings.py, model_units.py
                   what backends share: the rank's context, flat buffers, optimizers, mixed precision,
-                  meters of bytes and memory, activation memory, embedding treatments, a model's units
+                  meters of bytes and memory, a block's activation memory by formula, embedding
+                  treatments, a model's units (ZeRO-3's and the pipeline's)
     single.py, single_spec.py  the single-process backend, the reference every backend is checked against
     records.py, errors.py, machine.py, throughput.py, units.py, zipf.py, cli.py
                   records between processes, errors (ConfigError included), machine checks, samples/s,
