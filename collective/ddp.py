@@ -23,7 +23,7 @@ from psarch.dist import DistContext
 from psarch.flat import FlatParams, flat_layout
 from psarch.meters import flat_memory
 from psarch.precision import MixedPrecisionOptimizer, compute_dtype
-from psarch.single import consolidated_state
+from psarch.trainer import consolidated_state
 from psarch.trainer import MemoryReport, StepStats, Trainer, TrafficReport
 from psarch.workload import Workload
 

@@ -7,8 +7,8 @@ from typing import Any, Mapping
 
 from collective import theory
 from psarch.backend import PROCESS_GROUP_OPTIONS, BackendSpec, CommModel
-from psarch.config_fields import _f
-from psarch.config_files import ConfigError
+from psarch.config.fields import option
+from psarch.errors import ConfigError
 from psarch.theory import BYTES, Prediction, buckets_of, table_params
 
 Config = Any
@@ -18,9 +18,9 @@ Config = Any
 class CollectiveOptions:
     """ddp's options; zero reads `comm` and `overlap_comm`, the torch peers `bucket_cap_mb`."""
 
-    comm: str = _f("ring", "communicator", choices=("ring", "native"))
-    bucket_cap_mb: float = _f(25.0, "gradient bucket size in MiB", min=0.0)
-    overlap_comm: bool = _f(True, "start communication from autograd hooks during backward")
+    comm: str = option("ring", "communicator", choices=("ring", "native"))
+    bucket_cap_mb: float = option(25.0, "gradient bucket size in MiB", min=0.0)
+    overlap_comm: bool = option(True, "start communication from autograd hooks during backward")
 
 
 def reduced_params(cfg: Config, phi: float) -> float:

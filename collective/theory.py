@@ -1,6 +1,6 @@
 """What theory predicts for collective data parallelism (ddp, torch_ddp): the model replicated, gradients
 all-reduced by ring, 2(N−1)/N · S per rank per step; with embedding tables moved as rows (all-gather of the
-touched rows) or row-sharded over the ranks (all-to-all). The shared algebra is psarch/theory.py's."""
+touched rows) or row-sharded over the ranks (all-to-all). The shared algebra is psarch.theory's."""
 from __future__ import annotations
 
 from typing import Any

@@ -13,7 +13,7 @@ from psarch.config import Config
 from psarch.dist import DistContext
 from psarch.meters import TrafficMeter, peak_memory, tensor_bytes
 from psarch.precision import MixedPrecisionOptimizer, compute_dtype
-from psarch.single import consolidated_state
+from psarch.trainer import consolidated_state
 from collective.comm import grads_of
 from collective.embeddings import TorchSparseRows
 from psarch.embeddings import EmbeddingTables
@@ -82,8 +82,8 @@ class TorchDDPTrainer(Trainer):
 
 
 def plain_ddp_peer(cfg: Config, device: torch.device) -> tuple[str, Any]:
-    """psarch.bench_step's peer of `ddp`: torch DDP around the model, then the plain loop."""
-    from psarch.bench_step import adamw, plain_step
+    """psarch.bench.step's peer of `ddp`: torch DDP around the model, then the plain loop."""
+    from psarch.bench.step import adamw, plain_step
     from psarch.workload import build_workload
 
     w = build_workload(cfg)

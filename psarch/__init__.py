@@ -1,9 +1,48 @@
-"""psarch: one workload under a parameter server, collective DDP and ZeRO, measured side by side."""
-from psarch.config import Config, ConfigError, load_config
+"""psarch: one workload under a parameter server, collective DDP and ZeRO, measured side by side.
 
-# torch-backed names are imported when first used: `psarch keys`, `--help` and a config error answer without
-# importing torch (seconds on a quiet machine)
-_LAZY = {"MemoryReport": "psarch.trainer", "StepStats": "psarch.trainer", "Trainer": "psarch.trainer",
+Where things live. Dependencies point one way (zero -> collective -> psarch core, psarch.ps -> core) and the core
+names no backend; bench/ and the studies' tables in report/ sit above the backends they compare.
+
+    config/       the Config schema and loading (`psarch.config`), how an option is declared
+                  (config/fields.py: `option`, `section`), TOML files and --set, checks across keys
+    launch/       `psarch run`: ranks started (ranks.py), one rank's step loop (runner.py), supervision,
+                  sweeps, the run folder written (outputs.py), local ranks for tests (spawn.py)
+    report/       what a user reads: `psarch compare` and its plots, a run folder read back (runs.py), and
+                  the studies' tables, `psarch report crossover | cluster | stragglers | pipeline`
+    theory/       the shared algebra every prediction uses (`psarch.theory.predict`, memory, ring passes,
+                  the α-β step time on a cluster: cluster_step_time), the estimator of `psarch estimate`
+                  (theory/estimate.py) and its command (theory/cli.py)
+    bench/        benchmarks against PyTorch's own peers, `psarch bench NAME` (step, allreduce, ddp, zero,
+                  zero-stages, ps, pipeline, tensor); `python -m psarch.bench_step` is `psarch bench step`
+    cluster/      the emulated cluster: placement, network namespaces and shaped links (emulated.py,
+                  netns.py), the virtual device (cluster/device.py, paced by pacing.py), stragglers, dilation
+    checkpoint/   checkpoints any backend writes in parallel and any backend reads at any world size
+    models/, data/  built-in models (gpt, mlp, dlrm) and data (markov, text, clicks)
+    ps/           the parameter-server backend: server/ (parameter_server.py's handler table; a push is
+                  handled in server/pushes.py, applied in server/updates.py), worker/, wire.py, its spec and
+                  theory, and ps/flows.py, the flow-level model of a sync PS step on a cluster
+    backend.py, registry.py   BackendSpec, how a backend declares itself, and the registered backends
+    trainer.py, workload.py   the Trainer contract (and consolidated_state, the fp32 model it hands back),
+                  the Workload (model, loss, batch of a step)
+    dist.py, flat.py, optim.py, precision.py, meters.py, activations.py, embeddings.py, model_units.py
+                  what backends share: the rank's context, flat buffers, optimizers, mixed precision,
+                  meters of bytes and memory, a block's activation memory by formula, embedding
+                  treatments, a model's units (ZeRO-3's and the pipeline's)
+    single.py, single_spec.py  the single-process backend, the reference every backend is checked against
+    records.py, errors.py, machine.py, throughput.py, units.py, zipf.py, cli.py
+                  records between processes, errors (ConfigError included), machine checks, samples/s,
+                  byte formatting, Zipf ids; the `psarch` command
+
+The other backends are packages beside this one: collective/ (communicators: the hand-written ring,
+collective/ring.py, beside ring_plain.py and torch's native; DDP; pipeline/; tensor/) and zero/ (ZeRO 1-3).
+
+Nothing is imported here until used: `psarch keys`, `--help` and a config error answer without torch.
+"""
+
+# names are imported when first used: `psarch keys`, `--help` and a config error answer without importing torch
+# (seconds on a quiet machine)
+_LAZY = {"Config": "psarch.config", "ConfigError": "psarch.errors", "load_config": "psarch.config",
+         "MemoryReport": "psarch.trainer", "StepStats": "psarch.trainer", "Trainer": "psarch.trainer",
          "TrafficReport": "psarch.trainer", "Workload": "psarch.workload"}
 
 __all__ = ["Config", "ConfigError", "load_config", "run", "Workload", "Trainer", "StepStats",
@@ -13,11 +52,11 @@ __version__ = "0.1.0"
 
 def run(config, out=None, overrides=None, echo: bool = True) -> dict:
     """Run an experiment (a Config, or a path to a TOML file) and return its summary."""
-    from psarch.launch import run as _run
+    from psarch.config import Config, apply_overrides, from_dict, load_config
+    from psarch.launch.ranks import run as _run
 
     cfg = config if isinstance(config, Config) else load_config(config, overrides)
     if overrides and isinstance(config, Config):
-        from psarch.config import apply_overrides, from_dict
         cfg = from_dict(apply_overrides(config.to_dict(), overrides), config.name)
     return _run(cfg, out, echo)
 

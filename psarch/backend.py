@@ -75,7 +75,7 @@ class BackendSpec(ABC):
     # a rank runs the loss function in parts, several calls a step (a pipeline stage): a virtual device paces
     # each call by its own FLOPs (psarch.cluster.call_pacing), not each by the whole step's
     paced_by_call: ClassVar[bool] = False
-    # psarch.bench_step: "module:function" of the hand-written PyTorch program beside it, (cfg, device) ->
+    # psarch.bench.step: "module:function" of the hand-written PyTorch program beside it, (cfg, device) ->
     # (its name, batch -> loss), and the backend options the benchmark runs it with
     bench_peer: ClassVar[str | None] = None
     bench_options: ClassVar[Mapping[str, Any]] = {}
@@ -98,7 +98,7 @@ class BackendSpec(ABC):
 
     def check(self, cfg: Config) -> None:
         """Combinations this backend refuses, as one ConfigError each; the declared capabilities (precisions,
-        embeddings, world size) are checked before this (psarch.config_rules)."""
+        embeddings, world size) are checked before this (psarch.config.rules)."""
 
     # ---------------------------------------------------------------- names
 

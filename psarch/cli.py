@@ -1,21 +1,24 @@
-"""`psarch run | compare | estimate | keys | server | keygen`."""
+"""`psarch run | compare | report | estimate | bench | keys | server | keygen`."""
 from __future__ import annotations
 
 import argparse
 import json
 import sys
 
-from psarch import cli_estimate, cli_run
+from psarch import bench, report
 from psarch.config import allowed_values, applies_to, describe
+from psarch.launch import cli as cli_run
+from psarch.theory import cli as cli_estimate
 
-# Nothing here imports torch at module level (nor do cli_run, cli_estimate): `--help`, `keys` and a config
-# error answer without the seconds torch takes to import.
+# Nothing here imports torch at module level (nor do cli_run, cli_estimate, and bench and report import their
+# modules only when one is run): `--help`, `keys` and a config error answer without the seconds torch takes to
+# import.
 
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     commands = {"keys": _keys, "compare": _compare, "estimate": cli_estimate.command, "keygen": _keygen,
-                "server": _server, "run": cli_run.command}
+                "server": _server, "run": cli_run.command, "bench": _bench, "report": _report}
     return commands[args.command](args)
 
 
@@ -40,7 +43,17 @@ def _parser() -> argparse.ArgumentParser:
     p_cmp.add_argument("--target-gap", type=float,
                        help="convergence table: steps and time until the gap to the entropy floor falls below this "
                             "(default: convergence_target x the workload's initial gap)")
+    p_rep = sub.add_parser("report", help="a study's table from its sweep folders (the arguments are the report's own)",
+                           description="Write and print a study's table from run folders. `psarch report NAME --help` "
+                                       "gives a report's own arguments.")
+    p_rep.add_argument("name", choices=report.NAMES)
+    p_rep.add_argument("args", nargs=argparse.REMAINDER, help="the report's arguments, e.g. the sweep folder")
     cli_estimate.add_parser(sub.add_parser("estimate", help="analytic memory, traffic and step-time model (no processes)"))
+    p_bench = sub.add_parser("bench", help="a benchmark against PyTorch's own peer (the arguments are its own)",
+                             description="Run one benchmark: psarch beside the peer a user would otherwise run, ratios "
+                                         "printed. `psarch bench NAME --help` gives a benchmark's own arguments.")
+    p_bench.add_argument("name", choices=bench.NAMES)
+    p_bench.add_argument("args", nargs=argparse.REMAINDER, help="the benchmark's arguments")
     return parser
 
 
@@ -53,7 +66,7 @@ def _keys(args: argparse.Namespace) -> int:
 
 
 def _compare(args: argparse.Namespace) -> int:
-    from psarch.compare import compare, default_out
+    from psarch.report.compare import compare, default_out
 
     try:
         report = compare(args.runs, args.out or default_out(args.runs), args.target_gap)
@@ -63,6 +76,14 @@ def _compare(args: argparse.Namespace) -> int:
     print(report.read_text(), end="")
     print(f"(written to {report.parent})")
     return 0
+
+
+def _bench(args: argparse.Namespace) -> int:
+    return bench.run(args.name, args.args)
+
+
+def _report(args: argparse.Namespace) -> int:
+    return report.run(args.name, args.args)
 
 
 def _keygen(args: argparse.Namespace) -> int:

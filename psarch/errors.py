@@ -2,8 +2,18 @@
 them without importing the layer that defines the machinery (dependencies point one way)."""
 from __future__ import annotations
 
+import json
 import math
-from typing import Callable
+from typing import Any, Callable
+
+
+class ConfigError(ValueError):
+    """A bad configuration: the message is one line naming the key, the value and what is allowed."""
+
+
+def show(value: Any) -> str:
+    """A value as the user wrote it, on one line (TOML dates and times included)."""
+    return json.dumps(value, default=str)
 
 
 class RunError(RuntimeError):

@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from psarch.config_files import ConfigError, show
+from psarch.errors import ConfigError, show
 
 # A psarch.config.Config; named by its module only there, so that config can import this one.
 Config = Any

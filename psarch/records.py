@@ -11,7 +11,7 @@ import torch
 
 
 class StepRecord(TypedDict):
-    """One rank's step: the runner writes it as the step completes (psarch/runner.py)."""
+    """One rank's step: the runner writes it as the step completes (psarch/launch/runner.py)."""
 
     step: int
     rank: int
@@ -32,7 +32,7 @@ class StepRecord(TypedDict):
 
 @dataclass
 class RankRecord:
-    """What one rank leaves when its steps are done (psarch.runner.run_rank returns it; outputs saves it)."""
+    """What one rank leaves when its steps are done (psarch.launch.runner.run_rank returns it; outputs saves it)."""
 
     rank: int
     steps: list[StepRecord]              # None in ranks/rank<R>.json where they are in ranks/rank<R>.jsonl

@@ -11,7 +11,7 @@ from psarch.dist import DistContext
 from psarch.flat import FlatParams, flat_layout
 from psarch.meters import TrafficMeter, flat_memory
 from psarch.precision import MixedPrecisionOptimizer, compute_dtype
-from psarch.trainer import MemoryReport, StepStats, Trainer, TrafficReport
+from psarch.trainer import MemoryReport, StepStats, Trainer, TrafficReport, consolidated_state
 from psarch.workload import Workload
 
 
@@ -61,21 +61,3 @@ class SingleTrainer(Trainer):
 
     def close(self) -> None:
         pass
-
-
-def consolidated_state(model: torch.nn.Module, masters: dict[int, torch.Tensor], copy: bool = True
-                       ) -> dict[str, torch.Tensor]:
-    """The model's state_dict in fp32 on the CPU, taking each parameter from its fp32 master where given
-    (under every name of a tied weight). With copy=False the given masters are already fp32 CPU copies
-    made for this (ZeRO's gathered export) and are used as they are, so rank 0 holds its output once."""
-    out = {}
-    by_name = dict(model.named_parameters(remove_duplicate=False))
-    for name, value in model.state_dict().items():
-        p = by_name.get(name)
-        src = masters.get(id(p), value) if p is not None else value
-        if not copy and src is not value:
-            out[name] = src.view(value.shape)
-            continue
-        dtype = torch.float32 if src.is_floating_point() else src.dtype
-        out[name] = src.detach().reshape(value.shape).to("cpu", dtype, copy=True)
-    return out

@@ -15,7 +15,7 @@ class SingleSpec(BackendSpec):
     trainer = "psarch.single:SingleTrainer"
     doc = "one process, the whole global batch, plain PyTorch: the reference every backend is checked against"
     max_world_size = 1
-    bench_peer = "psarch.bench_step:plain_peer"
+    bench_peer = "psarch.bench.step:plain_peer"
     needs_process_group = False   # one process: nothing to synchronise with
 
     def predict(self, cfg: Any, phi: float) -> Prediction:

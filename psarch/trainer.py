@@ -172,3 +172,21 @@ class Trainer(ABC):
         (ZeRO's gathers and hook reductions; 0 where a backend waits only after backward). A straggler
         takes the difference over its forward and backward, so the compute it scales holds no wait."""
         return 0.0
+
+
+def consolidated_state(model: torch.nn.Module, masters: dict[int, torch.Tensor], copy: bool = True
+                       ) -> dict[str, torch.Tensor]:
+    """The model's state_dict in fp32 on the CPU, taking each parameter from its fp32 master where given
+    (under every name of a tied weight). With copy=False the given masters are already fp32 CPU copies
+    made for this (ZeRO's gathered export) and are used as they are, so rank 0 holds its output once."""
+    out = {}
+    by_name = dict(model.named_parameters(remove_duplicate=False))
+    for name, value in model.state_dict().items():
+        p = by_name.get(name)
+        src = masters.get(id(p), value) if p is not None else value
+        if not copy and src is not value:
+            out[name] = src.view(value.shape)
+            continue
+        dtype = torch.float32 if src.is_floating_point() else src.dtype
+        out[name] = src.detach().reshape(value.shape).to("cpu", dtype, copy=True)
+    return out

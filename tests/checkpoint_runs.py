@@ -15,7 +15,7 @@ from parity import OPTIMIZERS
 from psarch.config import from_dict
 from psarch.dist import DistContext
 from psarch.records import ServiceInfo
-from psarch.runner import run_rank
+from psarch.launch.runner import run_rank
 from zero_runs import TINY_GPT
 
 ZERO = {"kind": "zero", "reduce_bucket_size": 600, "allgather_bucket_size": 1500, "prefetch_bucket_size": 1500}

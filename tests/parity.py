@@ -14,7 +14,7 @@ import torch
 from psarch.config import from_dict
 from psarch.dist import DistContext
 from psarch.records import ServiceInfo
-from psarch.runner import run_rank
+from psarch.launch.runner import run_rank
 
 RTOL, ATOL = 1e-4, 1e-5
 SGD_ATOL = 1e-5   # issue 23's bound for SGD: every parameter within 1e-5 absolute of single's

@@ -17,7 +17,7 @@ from psarch.dist import DistContext
 from psarch.records import ServiceInfo
 from psarch.ps.services import start_services
 from psarch.ps.worker.trainer import PSWorker
-from psarch.runner import run_rank
+from psarch.launch.runner import run_rank
 from psarch.workload import build_workload
 
 N, SERVERS, STEPS, AT = 2, 2, 4, 3

@@ -3,8 +3,8 @@ interpreter finalisation on torch 2.13, pytorch/pytorch#179291, even after destr
 
     PSARCH_THREADS=1 python tests/stress_teardown.py --runs 200 [--backends ddp,zero,...,control]
 
-Each psarch run is `psarch.launch.run` in this process: its two ranks are spawned as `psarch run` spawns
-them and end through psarch's exit path (psarch.lifecycle.leave). `control` is the same kind of run
+Each psarch run is `psarch.launch.ranks.run` in this process: its two ranks are spawned as `psarch run` spawns
+them and end through psarch's exit path (psarch.launch.lifecycle.leave). `control` is the same kind of run
 without that path: two spawned ranks train PyTorch's DDP over gloo for two steps, destroy_process_group()
 and return, so the interpreter finalises them as any plain script's processes. Not collected by pytest
 (its name is no test_*.py); tests/test_teardown.py runs a few of these teardowns in the suite.
@@ -53,7 +53,7 @@ class Tally:
 def psarch_run(kind: str, out: Path) -> tuple[bool, str | None]:
     """One two-rank `psarch run` of `kind`: (finished with both ranks' records, the error if it failed)."""
     from psarch.config import load_config
-    from psarch.launch import run
+    from psarch.launch.ranks import run
 
     try:
         summary = run(load_config(None, dict(TINY, **{"backend.kind": kind})), out, echo=False)

@@ -11,7 +11,7 @@ import pytest
 
 from psarch import registry
 from psarch.config import ConfigError, applies, field_of, load_config
-from psarch.sweep import duplicates_note, expand, read_sweep
+from psarch.launch.sweep import duplicates_note, expand, read_sweep
 
 
 def error(path=None, overrides=None) -> str:

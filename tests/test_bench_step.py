@@ -1,4 +1,4 @@
-"""psarch.bench_step: psarch's trainers and the hand-written PyTorch loop on one model, in one process."""
+"""psarch.bench.step: psarch's trainers and the hand-written PyTorch loop on one model, in one process."""
 from __future__ import annotations
 
 import argparse
@@ -6,7 +6,7 @@ import argparse
 import pytest
 import torch
 
-from psarch import bench_step
+from psarch.bench import step as bench_step
 from psarch.cluster.device import profile_of
 from psarch.cluster.flops import count
 from psarch.config import load_config
@@ -65,3 +65,16 @@ def test_bad_arguments_are_refused_in_one_line(capsys, argv, message):
     with pytest.raises(SystemExit):
         bench_step.main(argv)
     assert message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("command", [["-m", "psarch.bench_step"], ["-m", "psarch.cli", "bench", "step"],
+                                     ["-m", "psarch.bench", "step"]])
+def test_the_documented_entry_and_the_bench_command_are_one_benchmark(command):
+    """`python -m psarch.bench_step` (the entry the GPU instructions name), `psarch bench step` and
+    `python -m psarch.bench step` run the same benchmark."""
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, *command, "--help"], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.startswith("usage: psarch bench step"), out.stdout

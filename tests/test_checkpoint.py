@@ -20,7 +20,7 @@ from psarch.cli import main
 from psarch.config import from_dict
 from psarch.dist import DistContext
 from psarch.ps.services import start_services
-from psarch.runner import run_rank
+from psarch.launch.runner import run_rank
 from timing import scaled
 
 
@@ -175,7 +175,7 @@ def test_a_damaged_checkpoint_is_detected_and_the_run_does_not_start(tmp_path, w
 
 def test_a_backend_without_checkpoints_is_refused_before_the_run(tmp_path, monkeypatch):
     from psarch.config import ConfigError
-    from psarch.launch import run
+    from psarch.launch.ranks import run
     from psarch.ps.spec import PSSpec
 
     monkeypatch.setattr(PSSpec, "checkpoints", False)   # every backend writes them now: pretend one does not

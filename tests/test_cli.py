@@ -356,7 +356,7 @@ def test_unforeseen_error_is_one_line_and_a_traceback_with_psarch_debug(tmp_path
 def test_progress_line_counts_skipped_steps(capsys):
     """fp16 overflow at steps 3 and 4 (rows 3, 4): the intervals ending at steps 4 and 6 each skipped one."""
     from psarch.dist import DistContext
-    from psarch.runner import run_rank
+    from psarch.launch.runner import run_rank
 
     cfg = from_dict({"workload": {"factory": "factories:overflow_at_steps_3_and_4"},
                      "train": {"steps": 6, "global_batch": 8, "optimizer": "sgd", "lr": 0.05, "precision": "fp16",

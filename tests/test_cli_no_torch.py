@@ -39,6 +39,8 @@ def _torch_imported(tmp_path, *args: str) -> tuple[str, str]:
     (["--help"], 0),
     (["run", "--help"], 0),
     (["estimate", "--help"], 0),
+    (["bench", "--help"], 0),
+    (["report", "--help"], 0),
 ])
 def test_no_torch_for_help_and_config_errors(tmp_path, args, code):
     last, err = _torch_imported(tmp_path, *args)

@@ -195,7 +195,7 @@ def test_machine_checked_once_per_run(tmp_path, monkeypatch):
     """With cluster.emulate, check_machine creates and deletes a probe namespace: once per run (a single
     run and each sweep point), never again in `psarch run` or the launcher."""
     import psarch.cluster.preflight as preflight
-    import psarch.launch as launch
+    import psarch.launch.ranks as launch
     from psarch.cli import main
 
     probes = []
@@ -281,9 +281,9 @@ def test_a_launcher_killed_with_its_step_window_leaks_nothing():
 
 
 def test_crossover_table_divides_each_ps_run_by_its_ring_peer():
-    """psarch.ps.crossover: PS / ring DDP at the same N and rate, measured and predicted, beside BytePS's bound
+    """psarch.report.crossover: PS / ring DDP at the same N and rate, measured and predicted, beside BytePS's bound
     N^2 / (N^2 + kN - 2k) (k = N dedicated: N / (2(N - 1)); colocated servers add no machine: 1)."""
-    from psarch.ps.crossover import bound, table
+    from psarch.report.crossover import bound, table
 
     assert bound(4, 4, False) == pytest.approx(2 / 3) and bound(8, 8, False) == pytest.approx(4 / 7)
     assert bound(4, 1, False) == pytest.approx(16 / 18) and bound(4, 4, True) == pytest.approx(1.0)

@@ -15,7 +15,7 @@ import pytest
 from cluster_setup import leftovers, needs_root, watchers
 from parity import assert_same_model, config, model
 from psarch.config import from_dict
-from psarch.launch import RunError, run
+from psarch.launch.ranks import RunError, run
 from timing import scaled
 
 pytestmark = needs_root
@@ -166,7 +166,7 @@ def test_interrupted_or_killed_launcher_leaves_nothing(how):
 
 
 def test_results_table_has_every_emulated_run(runs):
-    from psarch.cluster.results import rows, table
+    from psarch.report.cluster import rows, table
     out, summaries = runs
     found = rows(out)                                   # the loopback reference is left out
     assert sorted(r["measured"] for r in found) == sorted(summaries[n]["step_time_s"] for n in BACKENDS)

@@ -280,7 +280,7 @@ def test_run_ranks_times_out() -> None:
 # ---- the benchmark's raw point-to-point schedule: the ring's traffic, no arithmetic
 
 def _p2p_moves_chunks(rank: int, world_size: int) -> dict:
-    from collective.bench_allreduce import _p2p_schedule
+    from psarch.bench.allreduce import _p2p_schedule
 
     t = torch.full((4 * world_size,), float(rank))
     recv = torch.empty(4)
@@ -297,7 +297,7 @@ def test_p2p_schedule_sends_each_rank_its_predecessors_chunk() -> None:
 
 def test_bench_rows_take_the_median_of_per_run_ratios() -> None:
     """Each run's ratio pairs times taken under the same load; the fold takes their median, not a ratio of medians."""
-    from collective.bench_allreduce import format_table, measured_rows, median_rows
+    from psarch.bench.allreduce import format_table, measured_rows, median_rows
 
     kinds = ("ring", "native", "p2p")
     runs = [measured_rows([{"bytes": 1 << 20, "iters": 5, "ring": ring, "native": native, "p2p": p2p,

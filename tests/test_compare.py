@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from psarch.sweep import expand, read_sweep, run_sweep
+from psarch.launch.sweep import expand, read_sweep, run_sweep
 from timing import scaled
 
 TINY = """
@@ -95,7 +95,7 @@ def test_compare_warns_when_runs_are_not_comparable(sweep_run, tmp_path):
     (tmp_path / "other.toml").write_text(TINY.replace("global_batch = 4", "global_batch = 8"))
     from psarch import load_config, run
     run(load_config(tmp_path / "other.toml"), out=tmp_path / "other", echo=False)
-    from psarch.compare import compare
+    from psarch.report.compare import compare
     report = compare([root / "out" / "single", tmp_path / "other"], tmp_path / "cmp").read_text()
     assert "not directly comparable" in report and "global_batch: 8 vs 4" in report
 
@@ -128,7 +128,7 @@ def async_run(sweep_run):
 
 def test_compare_shows_server_traffic_and_staleness(sweep_run, async_run, tmp_path):
     root, _ = sweep_run
-    from psarch.compare import compare
+    from psarch.report.compare import compare
     from psarch.units import fmt_bytes
     report = compare([root / "out" / "single", async_run], tmp_path / "cmp").read_text()
     s = json.loads((async_run / "summary.json").read_text())
@@ -165,9 +165,9 @@ def test_async_samples_per_s_is_the_sum_of_each_workers_own_rate(async_run, tmp_
     import shutil
     import statistics
 
-    from psarch.cluster.straggler_results import rows as straggler_rows
-    from psarch.compare import compare
-    from psarch.runs import load_run
+    from psarch.report.stragglers import rows as straggler_rows
+    from psarch.report.compare import compare
+    from psarch.report.runs import load_run
 
     s = json.loads((async_run / "summary.json").read_text())
     metrics = [json.loads(line) for line in (async_run / "metrics.jsonl").read_text().splitlines()]
@@ -200,7 +200,7 @@ def fake_dlrm(name: str, losses: list[float], floor: float | None, lockstep: boo
 def test_the_convergence_target_is_relative_to_each_workloads_start_unless_given():
     """A workload whose initial gap is 0.24 (dlrm's) reaches an absolute 0.25 at step 1; by default its target
     is convergence_target's 0.1 of its initial gap, one for every run of it. A run without a floor is named."""
-    from psarch.compare import convergence
+    from psarch.report.compare import convergence
 
     def fake(name: str, losses: list[float], floor: float | None, lockstep: bool = True) -> dict:
         return {"run_label": name, "config": {"workload": {"model": "dlrm"}},
@@ -222,9 +222,9 @@ def test_the_config_key_convergence_target_sets_the_reports_target():
     """convergence_target = 0.25: a quarter of the initial gap, 0.06, which the 10-step mean gap
     0.24 - 0.01 (k - 4.5) first falls below at k = 23 (step 24); the words under the table say which fraction; runs that set
     another are named as not comparable."""
-    from psarch.compare import convergence, comparability_warnings
+    from psarch.report.compare import convergence, comparability_warnings
     from psarch.config import ConfigError, from_dict
-    from psarch.runs import target_words
+    from psarch.report.runs import target_words
 
     assert from_dict({"convergence_target": 0.5}).convergence_target == 0.5
     with pytest.raises(ConfigError, match="convergence_target = 0.0: must be >= 0.001"):
@@ -246,7 +246,7 @@ def test_compare_refuses_a_target_gap_that_is_not_positive(async_run, tmp_path, 
 
 
 def test_estimate_from_a_measured_run(async_run):
-    from psarch.estimate import fmt_size, fmt_time
+    from psarch.theory.estimate import fmt_size, fmt_time
     out = subprocess.run([sys.executable, "-m", "psarch.cli", "estimate", "--from", str(async_run)],
                          capture_output=True, text=True, timeout=scaled(60))
     assert out.returncode == 0, out.stderr
@@ -326,8 +326,8 @@ def test_compare_shows_per_rank_figures_and_links_of_model_parallel_runs():
     """A tensor run (theory's per_rank: each shard's blocks' activations) and a pipeline run (each stage's idle
     fraction and activations held) get a row per rank, every figure measured beside predicted, and one links row
     each, bytes by operation (set-up and export left out); a ddp run, which predicts nothing per rank, none."""
-    from psarch.compare_links import links_table
-    from psarch.compare_ranks import has_per_rank, rank_table
+    from psarch.report.links import links_table
+    from psarch.report.ranks import has_per_rank, rank_table
 
     def run(name, label, figures, extra, ops):
         per_rank = [{"memory": {"total": 4096.0}, "sent": 2048.0, "received": 2048.0, **f} for f in figures]

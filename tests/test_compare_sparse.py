@@ -1,14 +1,14 @@
-"""compare's embedding-table columns (psarch/compare_sparse.py): what each worker holds, distinct ids measured
+"""compare's embedding-table columns (psarch/report/sparse.py): what each worker holds, distinct ids measured
 and expected, from run folders' figures."""
 from __future__ import annotations
 
 import pytest
 
 from psarch import theory
-from psarch.compare_sparse import (embedding_held, embedding_scaling, is_sparse_run, measured_unique_ids, series,
+from psarch.report.sparse import (embedding_held, embedding_scaling, is_sparse_run, measured_unique_ids, series,
                                     sparse_table)
 from psarch.config import from_dict
-from psarch.outputs import identity
+from psarch.launch.outputs import identity
 
 ROWS, DIM, TABLES = 1000, 8, 3
 
@@ -89,7 +89,7 @@ def test_measured_beside_predicted_bytes_never_fill_a_panel(tmp_path, monkeypatc
     not drawn as the panel's height), and the legend sits beside the panels, not on them."""
     import matplotlib.pyplot as plt
 
-    from psarch import plot_style
+    from psarch.report import style as plot_style
     figs = []
     monkeypatch.setattr(plot_style, "save", lambda fig, out, name: figs.append(fig) or name)
     run = fake_run({"kind": "ddp"})

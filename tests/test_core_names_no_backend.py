@@ -1,5 +1,7 @@
 """The core asks a backend's spec and names no backend (psarch/backend.py): no comparison, membership test or
 lookup table in psarch/ outside the backend packages (psarch/ps/, psarch/single.py) uses a backend's kind.
+One study table is exempt: `psarch report crossover` (psarch/report/crossover.py) exists to set the PS runs of one
+study against its ring DDP runs, so it names both; it reads finished run folders and nothing in the core imports it.
 Pure unit test: reads the source."""
 from __future__ import annotations
 
@@ -10,11 +12,12 @@ from psarch import registry
 
 ROOT = Path(__file__).resolve().parent.parent
 BACKEND_PACKAGES = ("psarch/ps/", "psarch/single.py")
+STUDY_TABLES = ("psarch/report/crossover.py",)   # a study of named backends, above the core (the docstring)
 
 
 def core_files() -> list[Path]:
     return [p for p in sorted((ROOT / "psarch").rglob("*.py"))
-            if not str(p.relative_to(ROOT)).startswith(BACKEND_PACKAGES)]
+            if not str(p.relative_to(ROOT)).startswith(BACKEND_PACKAGES + STUDY_TABLES)]
 
 
 def kinds_named(tree: ast.AST, kinds: set[str]) -> list[tuple[int, str]]:

@@ -20,7 +20,7 @@ from dist_utils import run_ranks
 from parity import ATOL, OPTIMIZERS, TINY_GPT, assert_same_model, config, model
 from psarch.config import from_dict
 from psarch.dist import DistContext
-from psarch.runner import run_rank
+from psarch.launch.runner import run_rank
 from psarch.workload import build_workload
 from timing import scaled
 

@@ -17,7 +17,7 @@ from collective import theory as collective_theory
 from psarch import registry, theory
 from psarch.config import from_dict
 from psarch.dist import DistContext
-from psarch.runner import run_rank
+from psarch.launch.runner import run_rank
 from psarch.embeddings import embedding_tables
 from psarch.workload import build_workload
 from timing import scaled

@@ -14,7 +14,7 @@ from psarch.cluster import device, dilation
 from psarch.cluster.dilation import AUTO_MARGIN, Costs, choose, resolve, round_up, spinning
 from psarch.cluster.flops import count
 from psarch.config import from_dict
-from psarch.launch import run
+from psarch.launch.ranks import run
 from psarch.workload import build_workload
 
 

@@ -9,7 +9,8 @@ import sys
 
 import pytest
 
-from psarch import estimate, theory
+from psarch import theory
+from psarch.theory import estimate
 from timing import scaled
 from tiny import tiny
 
@@ -105,7 +106,7 @@ def test_tensor_parallel_rows_follow_megatron():
     at t = N one replica whose ranks hold Φ/t of the split matrices and all-reduce activations, 4 per block and
     2 more per step, plus the loss's all-gather; activations per psarch.activations. bf16 AdamW: 16 B per
     held parameter, 2-byte activations."""
-    from psarch.estimate_tensor import GPTShape, tensor_rows
+    from psarch.theory.estimate_tensor import GPTShape, tensor_rows
 
     shape = GPTShape(layers=2, hidden=64, heads=4, seq=32, micro_batch=2, vocab=128)
     s, b, h, a, L, v = 32, 2, 64, 4, 2, 128

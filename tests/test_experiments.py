@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from psarch import load_config
-from psarch.sweep import expand, read_sweep
+from psarch.launch.sweep import expand, read_sweep
 
 ROOT = Path(__file__).parent.parent / "experiments"
 EXPERIMENTS = sorted(ROOT.rglob("*.toml"), key=lambda p: p.relative_to(ROOT).parts)

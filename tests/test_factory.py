@@ -12,7 +12,7 @@ from factories import TinyRegressor
 from psarch.config import ConfigError, from_dict
 from psarch.dist import DistContext
 from psarch.registry import kinds
-from psarch.runner import run_rank, to_device
+from psarch.launch.runner import run_rank, to_device
 from timing import scaled
 
 BASE = {"seed": 1, "workload": {"factory": "factories:regression"},

@@ -16,7 +16,7 @@ import torch
 
 from parity import OPTIMIZERS, assert_same_model, config
 from psarch.config import from_dict
-from psarch.launch import run
+from psarch.launch.ranks import run
 
 pytestmark = [pytest.mark.gpu, pytest.mark.slow,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (none is visible)")]
@@ -67,6 +67,6 @@ def test_cuda_run_equals_the_cpu_single_reference_and_reports_its_peak(reference
 
 def test_bench_step_runs_on_cuda():
     """The step benchmark's CUDA path (NCCL at world size 1, FSDP2 on the GPU) runs and prints ratios."""
-    from psarch.bench_step import main
+    from psarch.bench.step import main
 
     main(["--device", "cuda", "--steps", "4", "--warmup", "1", "--n-layer", "1", "--n-embd", "32", "--seq-len", "16"])

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from procs import alive, descendants
-from psarch import supervise
+from psarch.launch import supervise
 from psarch.errors import NON_FINITE_EXIT
 from timing import scaled
 

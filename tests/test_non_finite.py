@@ -8,7 +8,7 @@ import torch
 
 from psarch.config import from_dict
 from psarch.errors import NonFiniteError, check_loss
-from psarch.launch import RunError, run
+from psarch.launch.ranks import RunError, run
 
 # The check is the runner's, the same for every backend: these cover one process, an all-reduce that
 # spreads the NaN, a mode that goes on without lost workers, and GEO's local steps (zero, torch_* and ps

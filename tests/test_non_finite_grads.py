@@ -12,12 +12,12 @@ import pytest
 import torch
 
 from parity import TINY_GPT, config, train
-from psarch import supervise
+from psarch.launch import supervise
 from psarch.config import from_dict
 from psarch.errors import NON_FINITE_EXIT, NonFiniteGradient
-from psarch.launch import RunError, run
+from psarch.launch.ranks import RunError, run
 from psarch.precision import MixedPrecisionOptimizer
-from psarch.spawn import run_ranks
+from psarch.launch.spawn import run_ranks
 from timing import scaled
 
 STEPS = 4

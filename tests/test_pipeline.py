@@ -19,7 +19,7 @@ from parity import SGD_ATOL, assert_same_model, model, train
 from psarch import theory
 from psarch.config import from_dict
 from psarch.dist import DistContext
-from psarch.runner import run_rank
+from psarch.launch.runner import run_rank
 from timing import scaled
 
 

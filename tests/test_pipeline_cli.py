@@ -6,9 +6,9 @@ from __future__ import annotations
 import json
 
 import psarch
-from psarch.compare import compare
+from psarch.report.compare import compare
 from psarch.config import from_dict
-from psarch.outputs import report
+from psarch.launch.outputs import report
 
 RUN = {"seed": 0, "workload": {"model": "gpt", "seq_len": 8, "gpt": {"n_layer": 2, "n_embd": 16, "n_head": 2},
                                "markov": {"vocab_size": 16}},

@@ -10,7 +10,7 @@ from psarch import registry, theory
 from psarch.activations import block_activation_bytes
 from psarch.config import ConfigError, from_dict
 from psarch.models.gpt import Block
-from zero.units import SavedActivationMeter
+from psarch.meters import SavedActivationMeter
 
 GPT = {"model": "gpt", "seq_len": 8, "gpt": {"n_layer": 4, "n_embd": 16, "n_head": 2}, "markov": {"vocab_size": 16}}
 

@@ -16,7 +16,7 @@ from psarch.cluster.call_pacing import CallDevice
 from psarch.cluster.flops import FlopCount, count
 from psarch.config import ConfigError, from_dict
 from psarch.dist import DistContext
-from psarch.runner import run_rank
+from psarch.launch.runner import run_rank
 from psarch.workload import build_workload
 from timing import scaled
 

@@ -8,12 +8,12 @@ from pathlib import Path
 import matplotlib.pyplot as plt
 import pytest
 
-from psarch import curves, plots
+from psarch.report import curves, plots
 from psarch.config import from_dict
-from psarch.curves import panel_of, per_update
-from psarch.outputs import identity
-from psarch.plots import predicted_step_time
-from psarch.plot_style import Palette
+from psarch.report.curves import panel_of, per_update
+from psarch.launch.outputs import identity
+from psarch.report.plots import predicted_step_time
+from psarch.report.style import Palette
 
 
 def run(name: str, backend: str, variant: str, n: int, rows: list | None = None) -> dict:
@@ -141,7 +141,7 @@ def test_a_loss_without_floor_is_drawn_whole_and_a_run_diverged_only_by_the_stat
     assert sorted(lines_of(fig)) == ["mine0", "mine1", "mine2"]          # folders, and none "(diverged)"
     assert "diverged" not in fig._suptitle.get_text() and "floor" not in fig._suptitle.get_text()
     check_layout(fig)
-    from psarch.curves import DIVERGE_FACTOR, diverged
+    from psarch.report.curves import DIVERGE_FACTOR, diverged
     assert DIVERGE_FACTOR == 2.0 and not diverged([1.0, 1.9]) and diverged([1.0, 2.1])
     assert diverged([1.0, float("nan"), 0.5]) and not diverged([-2.0, -1.0]) and diverged([-2.0, 0.5])
     blown = full_run("r/blown", losses=[1.0, 3.0, 50.0, 900.0], workload={"factory": "factories:readme_example"})
@@ -168,7 +168,7 @@ def test_workloads_never_share_a_panel_an_axis_or_a_coincidence(drawn):
     assert by_title["gpt/markov: synchronous"].get_ylim()[1] > 4.2
     assert not any("coincide" in ax.get_title() for ax in fig.axes)
     check_layout(fig)
-    from psarch.curves import coincide_note, panels
+    from psarch.report.curves import coincide_note, panels
     assert list(panels([gpt, dlrm])) == [("gpt/markov", "synchronous"), ("dlrm/clicks", "synchronous")]
     ring, ps = full_run("a/ring"), full_run("a/ps", "ps", "sync")
     assert coincide_note([ring, ps]).startswith("2 curves coincide by design")
@@ -196,7 +196,7 @@ def test_runs_are_named_by_folder_never_by_a_shared_config_name():
     p = Palette(runs)
     assert [p.name(r) for r in runs] == ["mine1", "mine2", "mine3"]
     assert len({p.colour(r) for r in runs}) == 3
-    from psarch.runs import name_runs
+    from psarch.report.runs import name_runs
     runs = [full_run("/a/sw/p"), full_run("/b/sw/p"), full_run("/a/q"), full_run("/a/q")]
     labelled = [full_run("/a/f1"), full_run("/a/f2")]
     for r in labelled:

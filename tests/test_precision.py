@@ -294,7 +294,7 @@ def test_optimizer_path_issues_no_per_parameter_kernels(precision):
 
 def test_consolidated_state_takes_the_master_under_every_name_of_a_tied_weight():
     """model.pt holds the fp32 master of a tied weight under each of its names, never the bf16 copy."""
-    from psarch.single import consolidated_state
+    from psarch.trainer import consolidated_state
 
     emb, head = torch.nn.Embedding(5, 3), torch.nn.Linear(3, 5, bias=False)
     head.weight = emb.weight

@@ -15,9 +15,9 @@ import psarch
 from parity import assert_same_model
 from psarch.config import from_dict
 from psarch.dist import DistContext
-from psarch.launch import RunError
+from psarch.launch.ranks import RunError
 from psarch.ps.auth import keygen
-from psarch.runner import run_rank
+from psarch.launch.runner import run_rank
 from psarch.workload import build_workload
 from ps_setup import OPTIMIZERS, TINY_GPT, config, ps
 from timing import scaled

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from psarch.config import from_dict
-from psarch.config_files import ConfigError
+from psarch.errors import ConfigError
 from psarch.ps.worker.client import Request
 from psarch.ps.worker.link import Part
 from psarch.ps.worker.priority import PriorityPushes, PullOrder

@@ -19,7 +19,7 @@ from psarch.ps.services import start_services
 from psarch.workload import build_workload
 from psarch.dist import DistContext
 from psarch.records import ServiceInfo
-from psarch.runner import run_rank
+from psarch.launch.runner import run_rank
 from timing import scaled
 
 ROWS_DLRM = {

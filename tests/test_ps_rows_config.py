@@ -29,7 +29,7 @@ def test_refused_with_one_line(sections, match):
     assert str(e.value).startswith("backend.embeddings = \"rows\" with ") and "\n" not in str(e.value)
 
 
-def test_rows_need_the_dlrm_model():   # every backend's rule, psarch/config_rules.py
+def test_rows_need_the_dlrm_model():   # every backend's rule, psarch/config/rules.py
     with pytest.raises(ConfigError, match="backend.embeddings = \"rows\": needs the built-in workload.model"):
         _cfg(workload={"model": "mlp", "data": "markov"})
 

@@ -8,7 +8,7 @@ import json
 
 from psarch.cli import main
 from psarch.config import load_config
-from psarch.sweep import _why_run_again
+from psarch.launch.sweep import _why_run_again
 
 TINY = '[train]\nsteps = 4\nglobal_batch = 4\n'
 

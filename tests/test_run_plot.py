@@ -7,14 +7,14 @@ from pathlib import Path
 import pytest
 
 from psarch.cli import main
-from psarch.runs import load_run, trailing_mean
+from psarch.report.runs import load_run, trailing_mean
 from tiny import tiny
 
 TINY = tiny(log_every=3)
 
 
 def test_a_run_writes_curves_png_of_its_loss_and_throughput(tmp_path, capsys):
-    from psarch.plot_run import run_figure
+    from psarch.report.plot_run import run_figure
 
     (tmp_path / "tiny.toml").write_text(TINY)
     assert main(["run", str(tmp_path / "tiny.toml"), "--out", str(tmp_path / "tiny"), "--quiet"]) == 0

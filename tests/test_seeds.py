@@ -1,4 +1,4 @@
-"""Studies with repeated seeds (psarch/seeds.py): runs that differ only in seed form one group; compare reports
+"""Studies with repeated seeds (psarch/report/seeds.py): runs that differ only in seed form one group; compare reports
 each group's mean and 95% confidence interval and draws the mean loss with a band."""
 from __future__ import annotations
 
@@ -6,12 +6,12 @@ import math
 
 import pytest
 
-from psarch import curves, plots
+from psarch.report import curves, plots
 from psarch.cli import main
-from psarch.compare import seeds_table
-from psarch.plot_style import Palette
-from psarch.runs import load_run, name_runs
-from psarch.seeds import interval, seed_groups, t975
+from psarch.report.compare import seeds_table
+from psarch.report.style import Palette
+from psarch.report.runs import load_run, name_runs
+from psarch.report.seeds import interval, seed_groups, t975
 
 SWEEP = """
 [workload]

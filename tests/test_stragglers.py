@@ -12,7 +12,7 @@ from collective.comm import Handle
 from parity import config
 from psarch.cluster.stragglers import Straggler, straggler
 from psarch.config import from_dict
-from psarch.launch import run
+from psarch.launch.ranks import run
 from psarch.workload import build_workload
 
 
@@ -68,7 +68,7 @@ def _zero3_straggler(wait_s: float) -> tuple[float, float]:
     """(the second step's sleep, the waits the engine timed) of a ZeRO-3 worker 2x slower, every gather
     and reduce-scatter blocking (no prefetch, no overlap) for `wait_s` inside forward and backward."""
     from zero.stage3 import Stage3
-    from zero.units import find_units
+    from psarch.model_units import find_units
 
     wl = build_workload(from_dict(config("zero3", workload={"gpt": {"n_layer": 2, "n_embd": 16, "n_head": 2}})))
     engine = Stage3(wl.model, find_units(wl.model), _SlowComm(wait_s), prefetch_numel=0, overlap_comm=False)
@@ -119,7 +119,7 @@ def test_the_runner_draws_each_steps_jitter_resumed_or_not(tmp_path):
     from unittest import mock
 
     from psarch.dist import DistContext
-    from psarch.runner import run_rank
+    from psarch.launch.runner import run_rank
 
     data = config("jitter", workload={"factory": "factories:regression"}, cluster={"jitter": 0.1},
                   train={"steps": 4, "checkpoint_every": 2})
@@ -169,7 +169,7 @@ def test_straggler_results_count_each_worker_at_its_own_pace():
     """Worker 0 takes 4 s a step, worker 1 takes 1 s and its loss falls first: samples/s sums both paces
     (4/4 + 4/1 samples/s with 4 samples each) and the target is met when the last 2 losses in time order
     (window 1 x N = 2) average below it: at t = 4 s, where a step-merged clock would say 8 s."""
-    from psarch.cluster.straggler_results import events, final_gap, per_worker, time_to_gap
+    from psarch.report.stragglers import events, final_gap, per_worker, time_to_gap
     from psarch.throughput import samples_per_s
 
     slow = [{"rank": 0, "step": s, "step_time_s": 4.0, "loss": 3.0} for s in range(4)]

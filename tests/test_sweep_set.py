@@ -7,7 +7,7 @@ import json
 from pathlib import Path
 
 from psarch.config import from_dict
-from psarch.sweep import _why_run_again, expand, narrowed, read_sweep
+from psarch.launch.sweep import _why_run_again, expand, narrowed, read_sweep
 
 MEMORY = Path(__file__).resolve().parent.parent / "experiments" / "scaling" / "memory_scaling.toml"
 

@@ -17,10 +17,10 @@ from pathlib import Path
 import pytest
 
 from dist_utils import RankError, run_ranks
-from psarch import supervise
+from psarch.launch import supervise
 from psarch.config import load_config
 from psarch.errors import RunError
-from psarch.launch import run
+from psarch.launch.ranks import run
 from stress_teardown import BACKENDS, TINY, stress
 from timing import scaled
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from psarch.config import from_dict
 from psarch.dist import DistContext
-from psarch.outputs import report
-from psarch.progress import Progress, rank_losses
+from psarch.launch.outputs import report
+from psarch.launch.progress import Progress, rank_losses
 from psarch.throughput import LOCKSTEP, OWN_PACE, RANK_0, definition, samples_per_s
 from psarch.trainer import StepStats
 

@@ -14,7 +14,7 @@ from psarch import registry, theory
 from psarch.backend import BackendSpec
 from psarch.cli import main
 from psarch.config import ConfigError, load_config
-from psarch.config_fields import _f
+from psarch.config.fields import option
 from psarch.single import SingleTrainer
 from psarch.theory import LinkBytes, Prediction, sharded_memory
 
@@ -25,7 +25,7 @@ TINY = ["workload.model=\"mlp\"", "workload.seq_len=4", "workload.mlp.n_embd=8",
 
 @dataclass
 class ToyOptions:
-    toy_echo: int = _f(0, "a number the toy repeats in its summary", min=0)
+    toy_echo: int = option(0, "a number the toy repeats in its summary", min=0)
 
 
 class ToyTrainer(SingleTrainer):

@@ -8,7 +8,7 @@ import torch
 from psarch import registry
 from psarch.config import from_dict
 from psarch.dist import DistContext
-from psarch.runner import run_rank
+from psarch.launch.runner import run_rank
 from psarch.single import SingleTrainer
 from psarch.single_spec import SingleSpec
 from psarch.trainer import StepStats, Trainer, load_trainer

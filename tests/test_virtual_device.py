@@ -18,7 +18,7 @@ from psarch.cluster.flops import FlopCount, count
 from psarch.cluster.pacing import VirtualDevice
 from psarch.cluster.stragglers import pacer
 from psarch.config import ConfigError, allowed_values, from_dict
-from psarch.launch import run
+from psarch.launch.ranks import run
 from psarch.records import RankRecord
 from psarch.workload import build_workload
 from timing import scaled
@@ -125,7 +125,7 @@ def test_the_runner_reports_cluster_time(tmp_path):
     """D = 3 (emulate set, no placement: run_rank alone): a step of 60 ms modelled takes >= 180 ms of wall
     clock, and its record says ~60 ms, not 180."""
     from psarch.dist import DistContext
-    from psarch.runner import run_rank
+    from psarch.launch.runner import run_rank
     data = config("dil", workload={"factory": "factories:regression"}, train={"steps": 3, "global_batch": 4},
                   cluster={"emulate": True, "device_tflops": 1.0, "mfu": 1.0, "dilation": 3.0})
     cfg = from_dict(data)
@@ -263,7 +263,7 @@ def test_an_emulated_run_of_virtual_devices(tmp_path):
     assert all(n["link_mbps"] == 200.0 for n in s["cluster"]["nodes"])
     assert s["step_time_s"] >= vd["compute_s"] and s["cluster"]["step_time"]["compute_s"] == vd["compute_s"]
     assert "time dilation   D = 2" in (tmp_path / "vd" / "report.txt").read_text()
-    from psarch.cluster.results import rows, table
+    from psarch.report.cluster import rows, table
     (row,) = rows(tmp_path)
     assert row["dilation"] == 2.0 and row["compute"] == vd["compute_s"] and "compute (modelled)" in table([row])
 
@@ -284,7 +284,7 @@ def test_the_last_bucket_waits_for_the_end_of_the_modelled_backward():
 
 
 def test_straggler_table_shows_the_lockstep_prediction_d_and_overruns():
-    from psarch.cluster.straggler_results import table
+    from psarch.report.stragglers import table
     row = {"mode": "ps sync", "slowdown": 4.0, "jitter": 0.0, "samples_per_s": 270.4, "predicted": 281.0,
            "target_gap": 0.25, "time_to_gap": None, "final_gap": 0.08, "dilation": 30.0, "overrun": 0.021}
     async_row = dict(row, mode="ps async", predicted=None, dilation=None, overrun=None)

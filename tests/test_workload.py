@@ -243,7 +243,7 @@ def test_factory_wrong_return_type(factory_module):
 
 
 def test_factory_wrong_return_type_is_reported_before_any_rank_starts(factory_module, tmp_path):
-    from psarch.launch import run
+    from psarch.launch.ranks import run
 
     cfg = load_config(None, [f"workload.factory={factory_module}:wrong_type", "backend.kind=ddp",
                              "backend.world_size=2"])

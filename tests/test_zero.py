@@ -23,7 +23,7 @@ from zero.partition import Partition, bucket_params
 from zero.stage1 import Stage1
 from zero.stage2 import Stage2
 from zero.stage12 import MAX_IN_FLIGHT, Stage12
-from zero.units import find_units
+from psarch.model_units import find_units
 from zero_runs import COMMS, STAGES, TINY_GPT
 
 
@@ -74,7 +74,7 @@ def test_units_are_the_blocks_plus_a_root():
 
 
 def test_report_shows_padding_and_transient_peaks_where_present():
-    from psarch.outputs import report
+    from psarch.launch.outputs import report
 
     mem = {"rank": 0, "params": 10, "grads": 10, "optimizer": 40, "total": 60, "peak": None}
     summary = {"name": "z", "backend": "zero", "variant": "stage3/ring", "world_size": 2, "servers": 0,

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from psarch.config import from_dict
-from psarch.launch import run
+from psarch.launch.ranks import run
 
 
 def _run(tmp_path, name: str, factory: str, backend: dict, precision: str) -> dict[str, torch.Tensor]:

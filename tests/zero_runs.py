@@ -15,7 +15,7 @@ from psarch.config import from_dict
 from psarch.dist import DistContext
 from psarch.meters import tensor_bytes
 from psarch.trainer import load_trainer
-from psarch.runner import run_rank
+from psarch.launch.runner import run_rank
 from psarch.workload import build_workload
 
 TINY_GPT = json.loads(json.dumps(parity.TINY_GPT))

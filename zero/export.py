@@ -3,7 +3,7 @@
 Every group lies within one unit (stage 3: a group is a unit; stages 1-2: buckets are cut at unit
 boundaries), so no rank ever holds more than one unit's full parameters beyond rank 0's output, and
 rank 0 holds that output once: each parameter is copied out of the gathered group straight to the CPU
-(model.pt is a CPU fp32 state_dict) and used as it is (psarch.single.consolidated_state, copy=False)."""
+(model.pt is a CPU fp32 state_dict) and used as it is (psarch.trainer.consolidated_state, copy=False)."""
 from __future__ import annotations
 
 import torch

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 from typing import Any, Mapping
 
 from psarch.backend import PROCESS_GROUP_OPTIONS, BackendSpec, CommModel
-from psarch.config_fields import _f
+from psarch.config.fields import option
 from psarch.theory import BYTES, Prediction, buckets_of
 from zero import theory
 
@@ -17,17 +17,17 @@ Config = Any
 class ZeroOptions:
     """zero's options, named as DeepSpeed names them; torch_fsdp reads `zero_units`."""
 
-    stage: int = _f(1, "1 (optimizer state), 2 (+gradients), 3 (+parameters)", choices=(1, 2, 3))
-    reduce_bucket_size: int = _f(5 * 10**8, "elements per gradient reduce-scatter bucket", min=1)
-    allgather_bucket_size: int = _f(5 * 10**8, "elements per parameter all-gather bucket", min=1)
-    prefetch_bucket_size: int = _f(5 * 10**7, "elements gathered ahead of use", min=0)
-    activation_checkpointing: bool = _f(False, "recompute each unit's activations in backward")
-    measure_activations: bool = _f(False, "count the activation bytes kept for backward each step (zero: "
-                                          "saved_activation_bytes; tensor: block_activation_bytes, the blocks' "
-                                          "alone); off the hot path unless asked for")
-    zero_units: str = _f("blocks", "attribute of the model holding the nn.ModuleList whose children are "
-                                   "the units (gathered one by one in stage 3, checkpointed one by one); "
-                                   "'' for the whole model as one unit")
+    stage: int = option(1, "1 (optimizer state), 2 (+gradients), 3 (+parameters)", choices=(1, 2, 3))
+    reduce_bucket_size: int = option(5 * 10**8, "elements per gradient reduce-scatter bucket", min=1)
+    allgather_bucket_size: int = option(5 * 10**8, "elements per parameter all-gather bucket", min=1)
+    prefetch_bucket_size: int = option(5 * 10**7, "elements gathered ahead of use", min=0)
+    activation_checkpointing: bool = option(False, "recompute each unit's activations in backward")
+    measure_activations: bool = option(False, "count the activation bytes kept for backward each step (zero: "
+                                              "saved_activation_bytes; tensor: block_activation_bytes, the blocks' "
+                                              "alone); off the hot path unless asked for")
+    zero_units: str = option("blocks", "attribute of the model holding the nn.ModuleList whose children are "
+                                       "the units (gathered one by one in stage 3, checkpointed one by one); "
+                                       "'' for the whole model as one unit")
 
 
 class ZeroSpec(BackendSpec):

@@ -2,7 +2,7 @@
 
 Parameters live in one flat buffer, in reverse registration order (gradients become ready roughly in
 that order), cut into buckets of at most `reduce_bucket_size` elements, and also where one unit's
-parameters end and another's begin (zero.units), so that checkpoint export, which moves the model bucket
+parameters end and another's begin (psarch.model_units), so that checkpoint export, which moves the model bucket
 by bucket, never holds more than one unit's full parameters at once; each bucket is padded to a multiple of N
 and rank r owns chunk r of every bucket (zero.partition). After backward each rank holds the averaged
 gradient of its chunks only, its optimizer updates them, and the updated chunks are all-gathered back

@@ -1,6 +1,6 @@
 """ZeRO stage 3: each rank keeps only its shard of the parameters; a unit is gathered when it is used.
 
-Each unit (zero.units: the model's blocks, plus the root holding everything else) is one group of the
+Each unit (psarch.model_units: the model's blocks, plus the root holding everything else) is one group of the
 partition: a flat buffer of the unit's parameters padded to N chunks. A rank holds its chunk of every
 unit (`shard`, 1/N of the model) and the matching gradient chunk (`shard_grad`). The unit's full flat
 buffer exists only while the unit is in use: its storage is resized to 0 when freed and back when
@@ -37,7 +37,7 @@ from zero.export import gather_fp32
 from zero.partition import Partition
 from zero.reads import ReadsOutsideForward
 from zero.stage12 import MAX_IN_FLIGHT
-from zero.units import Unit
+from psarch.model_units import Unit
 
 FREE, GATHERING, GATHERED = "free", "gathering", "gathered"
 

@@ -3,7 +3,7 @@
 - `torch_zero`: torch DDP + `torch.distributed.optim.ZeroRedundancyOptimizer` (ZeRO-1: each rank keeps
   the optimizer state of its share of the parameters; after its local step each rank broadcasts its
   updated parameters). DDP all-reduces gradients in full, so its traffic is 3(N-1)/N S, not ZeRO-1's 2.
-- `torch_fsdp`: FSDP2 `fully_shard` on every unit (zero.units: the model's blocks), then on the root
+- `torch_fsdp`: FSDP2 `fully_shard` on every unit (psarch.model_units: the model's blocks), then on the root
   (ZeRO-3). Gloo on CPU works; NCCL on GPUs.
 
 Both checkpoint by parameter name and flat offset (psarch.checkpoint): torch_zero's ranks write the
@@ -27,10 +27,10 @@ from psarch.dist import DistContext
 from psarch.meters import TrafficMeter, local, optimizer_state_bytes, peak_memory, tensor_bytes, torch_memory
 from psarch.optim import build_optimizer
 from psarch.precision import step_if_finite
-from psarch.single import consolidated_state
+from psarch.trainer import consolidated_state
 from psarch.trainer import MemoryReport, StepStats, Trainer, TrafficReport
 from psarch.workload import Workload
-from zero.units import find_units
+from psarch.model_units import find_units
 
 
 def optimizer_spec(cfg: Config) -> tuple[type[torch.optim.Optimizer], dict[str, Any]]:
@@ -192,12 +192,12 @@ class TorchFSDPTrainer(Trainer):
 
 
 def plain_fsdp2_peer(cfg: Config, device: torch.device) -> tuple[str, Any]:
-    """psarch.bench_step's peer of `zero` (stage 3): FSDP2 fully_shard on each unit psarch's ZeRO-3 gathers,
+    """psarch.bench.step's peer of `zero` (stage 3): FSDP2 fully_shard on each unit psarch's ZeRO-3 gathers,
     then the root (bf16: MixedPrecisionPolicy(param_dtype=bf16)), then the plain loop."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-    from psarch.bench_step import adamw, plain_step
+    from psarch.bench.step import adamw, plain_step
     from psarch.precision import compute_dtype
     from psarch.workload import build_workload
 

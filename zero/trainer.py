@@ -26,13 +26,13 @@ from psarch.config import Config
 from psarch.dist import DistContext
 from psarch.meters import SavedActivationMeter, peak_memory, tensor_bytes
 from psarch.precision import MixedPrecisionOptimizer, compute_dtype, has_inf_or_nan
-from psarch.single import consolidated_state
+from psarch.trainer import consolidated_state
 from psarch.trainer import MemoryReport, StepStats, Trainer, TrafficReport
 from psarch.workload import Workload
 from zero.stage3 import Stage3
 from zero.stage1 import Stage1
 from zero.stage2 import Stage2
-from zero.units import checkpoint_units, find_units
+from psarch.model_units import checkpoint_units, find_units
 
 
 class ZeroTrainer(Trainer):

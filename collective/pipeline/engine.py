@@ -20,7 +20,7 @@ from collective.pipeline.p2p import P2P, Transfer, tag
 from collective.pipeline.schedule import (BACKWARD, FORWARD, RECV_ACT, RECV_GRAD, SEND_ACT, SEND_GRAD, Op, Pipe,
                                           peer)
 from collective.pipeline.stage import Cut, StageOutput
-from zero.units import SavedActivationMeter
+from psarch.meters import SavedActivationMeter
 
 RECEIVES_AHEAD = 2   # receives posted before the instruction that needs them
 

@@ -11,8 +11,8 @@ from typing import Any, ClassVar, Mapping
 from collective.pipeline.schedule import SCHEDULES, bubble_fraction
 from psarch.backend import PROCESS_GROUP_OPTIONS, BackendSpec, CommModel
 from psarch.cluster import device
-from psarch.config_fields import _f
-from psarch.config_files import ConfigError
+from psarch.config.fields import option
+from psarch.errors import ConfigError
 from psarch.theory import Prediction
 
 
@@ -30,11 +30,11 @@ Config = Any
 class PipelineOptions:
     """pipeline's options; torch_pipeline reads them too. The units it cuts are backend.zero_units."""
 
-    stages: int = _f(0, "pipeline stages p (world_size = data-parallel degree x stages; 0: world_size, one "
-                        "pipeline)", min=0)
-    microbatches: int = _f(4, "micro-batches m each pipeline's share of the global batch is cut into", min=1)
-    schedule: str = _f("1f1b", "order of the micro-batches' forwards and backwards", choices=SCHEDULES)
-    virtual_stages: int = _f(2, "model chunks v per rank (the interleaved schedule)", min=1)
+    stages: int = option(0, "pipeline stages p (world_size = data-parallel degree x stages; 0: world_size, one "
+                            "pipeline)", min=0)
+    microbatches: int = option(4, "micro-batches m each pipeline's share of the global batch is cut into", min=1)
+    schedule: str = option("1f1b", "order of the micro-batches' forwards and backwards", choices=SCHEDULES)
+    virtual_stages: int = option(2, "model chunks v per rank (the interleaved schedule)", min=1)
 
     @property
     def pipeline_stages(self) -> int:

@@ -1,4 +1,4 @@
-"""Cutting a model into pipeline stages along its units (zero/units.py: the children of `model.blocks`),
+"""Cutting a model into pipeline stages along its units (psarch/model_units.py: the children of `model.blocks`),
 without rewriting its forward.
 
 The blocks are split into P contiguous runs, one per virtual stage. The modules outside the blocks that own
@@ -21,7 +21,7 @@ from typing import Any, Callable, Iterator
 import torch
 from torch import nn
 
-from zero.units import find_units
+from psarch.model_units import find_units
 
 
 class StageOutput(Exception):

@@ -30,7 +30,7 @@ from psarch.dist import DistContext
 from psarch.flat import FlatParams
 from psarch.meters import TrafficMeter, flat_memory
 from psarch.precision import MixedPrecisionOptimizer, compute_dtype
-from psarch.runner import to_device
+from psarch.launch.runner import to_device
 from psarch.trainer import MemoryReport, StepStats, Trainer, TrafficReport
 from psarch.workload import Workload
 

@@ -9,5 +9,5 @@ dp = world_size / t replicas. `backend.kind = "tensor"` (psarch's, over the ring
     state.py     the shards as checkpoint fragments, and gathered into the full model
     trainer.py   the backend's Trainer
     theory.py    bytes, memory and activations predicted
-    torch_peer.py, bench.py   PyTorch's own tensor parallelism, and the benchmark against it
+    torch_peer.py   PyTorch's own tensor parallelism, the peer (its benchmark: `psarch bench tensor`)
 """

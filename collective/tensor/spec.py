@@ -8,8 +8,8 @@ from types import ModuleType
 from typing import Any, Mapping
 
 from psarch.backend import PROCESS_GROUP_OPTIONS, BackendSpec, CommModel
-from psarch.config_fields import _f
-from psarch.config_files import ConfigError
+from psarch.config.fields import option
+from psarch.errors import ConfigError
 from psarch.theory import Prediction
 
 
@@ -27,9 +27,9 @@ Config = Any
 class TensorOptions:
     """tensor's options; the facts derived from them are properties, computed here only."""
 
-    tensor_parallel: int = _f(0, "ranks that split each GPT block's matrices (Megatron's tensor parallelism); "
-                                 "world_size / tensor_parallel replicas of the split model train as data "
-                                 "parallelism; 0: all of world_size", min=0)
+    tensor_parallel: int = option(0, "ranks that split each GPT block's matrices (Megatron's tensor parallelism); "
+                                     "world_size / tensor_parallel replicas of the split model train as data "
+                                     "parallelism; 0: all of world_size", min=0)
 
     @property
     def tp_size(self) -> int:

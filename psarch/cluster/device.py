@@ -15,7 +15,7 @@ from __future__ import annotations
 import statistics
 from typing import Any
 
-from psarch.config_files import ConfigError, show
+from psarch.errors import ConfigError, show
 
 MEASURED = "cpu-measured"   # no device model: compute takes what this machine takes (the default)
 # Peak dense TFLOPS by train.precision, from NVIDIA's data sheets (SXM parts, no sparsity); fp32 without

@@ -60,7 +60,7 @@ MAX_RAISE = 10.0
 MIN_PROBE_BYTES, MAX_PROBE_BYTES = 8 * 2**20, 32 * 2**20
 
 Config = Any
-Runner = Callable[..., dict[str, Any]]   # psarch.launch.run: (cfg, out, echo=, machine_checked=, progress=) -> summary
+Runner = Callable[..., dict[str, Any]]   # launch.ranks.run: (cfg, out, echo=, machine_checked=, progress=) -> summary
 
 
 @dataclass(frozen=True)
@@ -180,7 +180,7 @@ def serial_rule(host_s: float, predicted_s: float, d: float) -> float:
 def resolve(cfg: Config, run: Runner, echo: bool = True, threads: int = 1) -> Config:
     """cfg with cluster.dilation a number: as given; 1 without a modelled device or without emulate; else
     picked from this machine's costs (`choose`; a rank computes on `threads` threads), then raised until what
-    a short run of it at that D (by `run`: psarch.launch.run, which calls this) adds to the step is small
+    a short run of it at that D (by `run`: psarch.launch.ranks.run, which calls this) adds to the step is small
     (`calibrate`, `serial_rule`), saying why in one line when `echo`."""
     c = cfg.cluster
     if c.dilation != "auto":

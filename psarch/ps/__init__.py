@@ -21,7 +21,6 @@ the workers (backend.server_placement).
     row_snapshot.py    checkpoints of the embedding rows: a server's shard, a GEO worker's cache
     services.py        the launcher's side: starting, watching and stopping the servers of a local run
     standalone.py      `psarch server`: one server as its own process, for runs across machines
-    bench.py           `python -m psarch.ps.bench`: wire throughput vs raw pyzmq, step time vs DDP
     server/            one server, built by composition
         parameter_server.py  ParameterServer: sockets, the serve loop, the handler table, lost workers, stats
         start.py             a run's server holding its part of the initial model (dense range; rows' shard)

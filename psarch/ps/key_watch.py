@@ -70,7 +70,7 @@ def _running(pid: int) -> bool:
 
 def main(folder: str) -> None:
     """Wait for the launcher's pipe to close, then remove its key folder."""
-    from psarch.lifecycle import leave
+    from psarch.launch.lifecycle import leave
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     if not Path(folder).name.startswith(PREFIX):
         print(f"psarch key watcher: {folder!r} is not a psarch key folder", file=sys.stderr)

@@ -9,7 +9,7 @@ import torch
 from psarch.config import Config
 from psarch.flat import flat_layout
 from psarch.precision import compute_dtype
-from psarch.single import consolidated_state
+from psarch.trainer import consolidated_state
 
 Layout = list[tuple[str, torch.Size, int]]   # each parameter's name, shape and offset in a flat vector
 

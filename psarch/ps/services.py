@@ -28,7 +28,7 @@ import torch
 from psarch.checkpoint.start import CHECKPOINTS
 from psarch.cluster.placement import Loopback, Placement
 from psarch.config import Config, ConfigError, from_dict
-from psarch.lifecycle import die_with_parent
+from psarch.launch.lifecycle import die_with_parent
 from psarch.ps.auth import KEYGEN_HINT, AuthError, Credentials, check_folder, mechanism, remove, run_credentials
 from psarch.ps.errors import ServiceError
 from psarch.records import ServiceInfo

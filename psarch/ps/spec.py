@@ -7,8 +7,8 @@ from types import ModuleType
 from typing import TYPE_CHECKING, Any
 
 from psarch.backend import PROCESS_GROUP_OPTIONS, BackendSpec, CommModel
-from psarch.config_fields import _f
-from psarch.config_files import ConfigError, show
+from psarch.config.fields import option
+from psarch.errors import ConfigError, show
 from psarch.theory import Prediction
 
 
@@ -30,57 +30,57 @@ Config = Any
 class PSOptions:
     """The parameter server's options; the facts derived from them are properties, computed here only."""
 
-    mode: str = _f("sync", "update mode", choices=("sync", "async", "geo", "ssp"))
-    servers: int = _f(1, "number of server processes", min=1)
-    k_steps: int = _f(4, "local steps between pushes", min=1)
-    geo_barrier: bool = _f(False, "every round waits for all workers (Local SGD)")
-    staleness_bound: int = _f(2, "most steps a worker may run ahead of the slowest", min=0)
-    staleness_compensation: str = _f("none", "remedy for stale gradients", choices=("none", "lr", "dc"))
-    dc_lambda: float = _f(0.04, "delay-compensation strength (staleness_compensation = 'dc')", min=0.0)
-    partition_mb: float | str = _f("auto", "each server's range moves and is updated in partitions of this many MiB of "
-                                           "the wire dtype, pipelined (a partition's pull is answered once its own "
-                                           "round is complete); 0: one message per server each way; 'auto': a 16th "
-                                           "of a range, at least 0.6 ms of an emulated cluster's link, at most 4 MiB "
-                                           "(4 MiB where the link is not known: psarch/ps/layout.py)", min=0.0,
-                                    named=("auto",))
-    partition_assignment: str = _f("round_robin", "which partitions each server holds: 'round_robin' (BytePS: "
-                                                  "partition j on server j mod k, so every server's partitions are "
-                                                  "ready all through backward) or 'ranges' (server i a contiguous 1/k "
-                                                  "of the flat vector, in partitions); partition_mb = 0: ranges",
-                                   choices=("round_robin", "ranges"))
-    priority_credit_mb: float = _f(0.0, "ByteScheduler's priority: pushes from backward's hooks leave lowest partition "
-                                        "first (the next forward needs it first) with at most this many MiB "
-                                        "unacknowledged, and the next forward waits per module for its own "
-                                        "partitions' pulls; 0: pushes leave as backward finishes them and the "
-                                        "step waits for the whole pull", min=0.0)
-    server_placement: str = _f("dedicated", "on an emulated cluster: each server on a node of its own "
-                                            "('dedicated'), or server i on worker i's node, sharing its link "
-                                            "('colocated'; backend.servers <= world_size)",
-                               choices=("dedicated", "colocated"))
-    host: str = _f("127.0.0.1", "address servers bind to")
-    server_addresses: list = _f([], "'tcp://host:port' of each server started with `psarch server` "
-                                    "(empty: `psarch run` starts the servers itself)")
-    auth: str = _f("auto", "who may talk to a server: 'curve' (CurveZMQ keys), 'plain' (a password per worker), "
-                           "'auto' (plain on loopback, curve when servers bind an address other machines reach), "
-                           "'none' (loopback only)", choices=("auto", "curve", "plain", "none"))
-    keys: str = _f("", "folder of `psarch keygen` credentials ('': fresh ones per run; `psarch server` needs it)")
-    heartbeat_s: float = _f(10.0, "ZeroMQ heartbeat interval; 0 turns heartbeats off", min=0.0)
-    heartbeat_timeout_s: float = _f(30.0, "a peer silent this long after a heartbeat (or mid-message, or "
-                                          "mid-handshake) is dropped", min=0.1)
-    handshake_timeout_s: float = _f(5.0, "a connection still in its handshake after this long is dropped",
-                                    min=0.01)
-    max_connections: int = _f(0, "most connections past their handshake per server; handshakes in progress or "
-                                 "refused hold none (0: world_size + 16)", min=0)
-    max_connections_per_worker: int = _f(2, "most connections past their handshake per server that one worker's "
-                                            "credentials may hold (a worker needs one; a reconnect briefly two)",
-                                         min=1)
-    max_pending: int = _f(0, "most connections per server that no request has proved yet (handshakes in "
-                             "progress, refused, or silent); past it the oldest is dropped (0: world_size + 16)",
-                          min=0)
-    inflight_mb: float = _f(0.0, "most MiB one connection may have in flight at a server each way (a message not "
-                                 "yet complete, replies not yet read); over it, the connection is dropped "
-                                 "(0: twice the largest exchange of a worker with that server, every partition "
-                                 "in flight, + 0.25)", min=0.0)
+    mode: str = option("sync", "update mode", choices=("sync", "async", "geo", "ssp"))
+    servers: int = option(1, "number of server processes", min=1)
+    k_steps: int = option(4, "local steps between pushes", min=1)
+    geo_barrier: bool = option(False, "every round waits for all workers (Local SGD)")
+    staleness_bound: int = option(2, "most steps a worker may run ahead of the slowest", min=0)
+    staleness_compensation: str = option("none", "remedy for stale gradients", choices=("none", "lr", "dc"))
+    dc_lambda: float = option(0.04, "delay-compensation strength (staleness_compensation = 'dc')", min=0.0)
+    partition_mb: float | str = option("auto", "each server's range moves and is updated in partitions of this many MiB of "
+                                               "the wire dtype, pipelined (a partition's pull is answered once its own "
+                                               "round is complete); 0: one message per server each way; 'auto': a 16th "
+                                               "of a range, at least 0.6 ms of an emulated cluster's link, at most 4 MiB "
+                                               "(4 MiB where the link is not known: psarch/ps/layout.py)", min=0.0,
+                                        named=("auto",))
+    partition_assignment: str = option("round_robin", "which partitions each server holds: 'round_robin' (BytePS: "
+                                                      "partition j on server j mod k, so every server's partitions are "
+                                                      "ready all through backward) or 'ranges' (server i a contiguous 1/k "
+                                                      "of the flat vector, in partitions); partition_mb = 0: ranges",
+                                       choices=("round_robin", "ranges"))
+    priority_credit_mb: float = option(0.0, "ByteScheduler's priority: pushes from backward's hooks leave lowest partition "
+                                            "first (the next forward needs it first) with at most this many MiB "
+                                            "unacknowledged, and the next forward waits per module for its own "
+                                            "partitions' pulls; 0: pushes leave as backward finishes them and the "
+                                            "step waits for the whole pull", min=0.0)
+    server_placement: str = option("dedicated", "on an emulated cluster: each server on a node of its own "
+                                                "('dedicated'), or server i on worker i's node, sharing its link "
+                                                "('colocated'; backend.servers <= world_size)",
+                                   choices=("dedicated", "colocated"))
+    host: str = option("127.0.0.1", "address servers bind to")
+    server_addresses: list = option([], "'tcp://host:port' of each server started with `psarch server` "
+                                        "(empty: `psarch run` starts the servers itself)")
+    auth: str = option("auto", "who may talk to a server: 'curve' (CurveZMQ keys), 'plain' (a password per worker), "
+                               "'auto' (plain on loopback, curve when servers bind an address other machines reach), "
+                               "'none' (loopback only)", choices=("auto", "curve", "plain", "none"))
+    keys: str = option("", "folder of `psarch keygen` credentials ('': fresh ones per run; `psarch server` needs it)")
+    heartbeat_s: float = option(10.0, "ZeroMQ heartbeat interval; 0 turns heartbeats off", min=0.0)
+    heartbeat_timeout_s: float = option(30.0, "a peer silent this long after a heartbeat (or mid-message, or "
+                                              "mid-handshake) is dropped", min=0.1)
+    handshake_timeout_s: float = option(5.0, "a connection still in its handshake after this long is dropped",
+                                        min=0.01)
+    max_connections: int = option(0, "most connections past their handshake per server; handshakes in progress or "
+                                     "refused hold none (0: world_size + 16)", min=0)
+    max_connections_per_worker: int = option(2, "most connections past their handshake per server that one worker's "
+                                                "credentials may hold (a worker needs one; a reconnect briefly two)",
+                                             min=1)
+    max_pending: int = option(0, "most connections per server that no request has proved yet (handshakes in "
+                                 "progress, refused, or silent); past it the oldest is dropped (0: world_size + 16)",
+                              min=0)
+    inflight_mb: float = option(0.0, "most MiB one connection may have in flight at a server each way (a message not "
+                                     "yet complete, replies not yet read); over it, the connection is dropped "
+                                     "(0: twice the largest exchange of a worker with that server, every partition "
+                                     "in flight, + 0.25)", min=0.0)
 
     @property
     def barrier(self) -> bool:

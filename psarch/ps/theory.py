@@ -1,17 +1,17 @@
 """What theory predicts for the parameter server: each worker pushes S (gradients; GEO: deltas) and pulls S
 each exchange, split evenly over the servers; with embedding tables sharded by row over the servers, only
-the rows a batch touches move. On a cluster (psarch/theory.py's exchange_time): k dedicated servers load a
+the rows a batch touches move. On a cluster (psarch.theory's exchange_time): k dedicated servers load a
 worker's link with S and a server's with N·S/k each way; k servers colocated with workers 0..k-1 keep a
 worker's share for its own server (S/k) and a server's for its own worker off the link, so a node with both
 carries (k-1)/k·S + (N-1)/k·S = (N+k-2)/k·S each way (k = N: 2(N-1)/N·S, as all-reduce). Pipelined in
 partitions the exchange takes about (1 + x/R) × its busiest link and direction's bytes / rate (x: a server's
 largest partition, R: its range; `pipeline_slots`); one after the other, push then pull. Pushed from backward's
 hooks, a server's contiguous range is ready within 1/k of backward: only that share hides its link's exchange
-(psarch/theory.py's cluster_step_time, CommModel.ready_share); partitions dealt round robin (BytePS) are ready
+(psarch.theory's cluster_step_time, CommModel.ready_share); partitions dealt round robin (BytePS) are ready
 all through backward. Where a colocated node's link carries pushes and pulls the same way at once (sync whole
 ranges pushed from the hooks) the phases do not hold, and the steps are replayed as flows instead
 (`colocated_replay`, psarch/ps/flows.py). BytePS's optimum (`byteps_optimum`) is the reference line. The shared
-algebra is psarch/theory.py's."""
+algebra is psarch.theory's."""
 from __future__ import annotations
 
 from typing import Any, Callable

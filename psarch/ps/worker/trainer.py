@@ -41,7 +41,7 @@ from psarch.ps.worker.priority import PriorityPushes, PullOrder
 from psarch.ps.worker.rows import WorkerRows
 from psarch.ps.worker.tables import PSTables
 from psarch.ps.worker.schedule import PushSchedule
-from psarch.single import consolidated_state
+from psarch.trainer import consolidated_state
 from psarch.trainer import MemoryReport, StepStats, Trainer, TrafficReport
 from psarch.workload import Workload
 

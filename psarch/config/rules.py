@@ -1,0 +1,115 @@
+"""Checks of a config that need several keys at once (psarch.config.from_dict runs them): the core's, then
+what the chosen backend declares it runs (precisions, embedding treatments, world size) and its own rules
+(BackendSpec.check). A mistake is one ConfigError naming the key, the value and what is allowed."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from psarch import registry
+from psarch.cluster import device
+from psarch.errors import ConfigError, show
+from psarch.machine import resolve_factory
+
+Config = Any   # psarch.config.Config (which imports this module's caller)
+
+
+def validate(cfg: Config) -> Config:
+    """Every check that needs several keys; returns cfg (betas normalised to floats)."""
+    _check_name(cfg)
+    _check_train(cfg)
+    _check_workload(cfg)
+    _check_cluster(cfg)
+    spec = registry.spec_of(cfg)
+    check_capabilities(spec, cfg)
+    _check_embeddings(cfg)
+    spec.check(cfg)
+    return cfg
+
+
+def _check_name(cfg: Config) -> None:
+    name = Path(cfg.name)
+    if name.is_absolute() or ".." in name.parts or not name.parts:
+        # the run folder is runs/<name>: a name must stay inside runs/ ('sweep/point' is fine)
+        raise ConfigError(f"name = {show(cfg.name)}: expected a relative name without '..' parts, "
+                          f"e.g. \"baseline\" or \"sweep/point\"")
+
+
+def _check_train(cfg: Config) -> None:
+    b, t = cfg.backend, cfg.train
+    shards = registry.spec_of(cfg).batch_shard(cfg, 0, b.world_size)[1]
+    if t.global_batch % shards:
+        raise ConfigError(f"train.global_batch = {t.global_batch}: must be divisible by backend.world_size = {b.world_size}"
+                          if shards == b.world_size else
+                          f"train.global_batch = {t.global_batch}: must be divisible by the {shards} shards of the "
+                          f"global batch that backend.kind = \"{b.kind}\" reads")
+    if len(t.betas) != 2 or not all(isinstance(x, (int, float)) and not isinstance(x, bool) and 0 <= x < 1 for x in t.betas):
+        raise ConfigError(f"train.betas = {show(t.betas)}: expected two numbers in [0, 1)")
+    t.betas = [float(x) for x in t.betas]
+    if t.nesterov and (t.optimizer != "sgd" or t.momentum <= 0):
+        raise ConfigError("train.nesterov = true: needs train.optimizer = \"sgd\" and train.momentum > 0")
+    if t.momentum and t.optimizer != "sgd":   # torch's AdamW and Adagrad take no momentum: it would be ignored
+        raise ConfigError(f"train.momentum = {t.momentum:g}: only train.optimizer = \"sgd\" has momentum, "
+                          f"not \"{t.optimizer}\"; set it to 0")
+    if t.initial_accumulator_value and t.optimizer != "adagrad":
+        raise ConfigError(f"train.initial_accumulator_value = {t.initial_accumulator_value:g}: only train.optimizer = "
+                          f"\"adagrad\" has an accumulator, not \"{t.optimizer}\"; set it to 0")
+    if b.dist_backend == "nccl" and b.device == "cpu":
+        raise ConfigError("backend.dist_backend = \"nccl\": needs backend.device = \"cuda\" (or \"auto\" on a GPU machine)")
+
+
+def _check_workload(cfg: Config) -> None:
+    w = cfg.workload
+    if w.factory:
+        resolve_factory(w.factory)
+        return
+    if w.model == "gpt" and w.gpt.n_embd % w.gpt.n_head:
+        raise ConfigError(f"workload.gpt.n_head = {w.gpt.n_head}: must divide workload.gpt.n_embd = {w.gpt.n_embd}")
+    if w.data == "markov" and w.markov.branching > w.markov.vocab_size:
+        raise ConfigError(f"workload.markov.branching = {w.markov.branching}: must be <= workload.markov.vocab_size "
+                          f"= {w.markov.vocab_size}")
+    if (w.model == "dlrm") != (w.data == "clicks"):
+        key, value = ("workload.model", w.model) if w.model == "dlrm" else ("workload.data", w.data)
+        raise ConfigError(f"{key} = \"{value}\": model \"dlrm\" and data \"clicks\" go together "
+                          f"(a click model on click data)")
+    for key in ("bottom_mlp", "top_mlp"):
+        widths = getattr(w.dlrm, key)
+        if not all(isinstance(x, int) and not isinstance(x, bool) and x >= 1 for x in widths):
+            raise ConfigError(f"workload.dlrm.{key} = {show(widths)}: expected a list of widths >= 1, e.g. [64, 32]")
+    if w.data == "text" and not w.text.path:
+        raise ConfigError("workload.text.path = \"\": data = \"text\" needs the path of a text file")
+
+
+def _check_embeddings(cfg: Config) -> None:
+    """Embedding tables that move otherwise than dense are the dlrm model's (theory reads their size there)."""
+    e, w = cfg.backend.embeddings, cfg.workload
+    if e != "dense" and (w.factory or w.model != "dlrm"):
+        raise ConfigError(f"backend.embeddings = \"{e}\": needs the built-in workload.model = \"dlrm\" (its tables "
+                          f"are what moves, and theory reads their size from [workload.dlrm])")
+
+
+def _check_cluster(cfg: Config) -> None:
+    c, n = cfg.cluster, cfg.backend.world_size
+    if not all(isinstance(r, int) and not isinstance(r, bool) and 0 <= r < n for r in c.slow_workers) \
+            or len(set(c.slow_workers)) != len(c.slow_workers):
+        raise ConfigError(f"cluster.slow_workers = {show(c.slow_workers)}: expected distinct worker ranks "
+                          f"in 0..{n - 1} (backend.world_size = {n})")
+    device.check(cfg)   # the virtual device's and dilation's rules
+
+
+def check_capabilities(spec: Any, cfg: Config) -> None:
+    """What `spec` declares it runs: world sizes, precisions, embedding treatments."""
+    b, t = cfg.backend, cfg.train
+    this = f"backend.kind = \"{spec.kind}\""
+    if spec.max_world_size is not None and b.world_size > spec.max_world_size:
+        raise ConfigError(f"backend.world_size = {b.world_size}: {this} runs exactly {spec.max_world_size} worker"
+                          if spec.max_world_size == 1 else
+                          f"backend.world_size = {b.world_size}: {this} runs at most {spec.max_world_size} workers")
+    if t.precision not in spec.precisions:
+        raise ConfigError(f"train.precision = \"{t.precision}\": {this} runs {' or '.join(spec.precisions)} only")
+    if b.embeddings not in spec.embeddings:
+        others = [s.kind for s in registry.specs() if b.embeddings in s.embeddings]
+        raise ConfigError(f"backend.embeddings = \"{b.embeddings}\": {this} runs "
+                          f"{', '.join(json.dumps(e) for e in spec.embeddings)}; \"{b.embeddings}\" runs on "
+                          f"backend.kind = {', '.join(json.dumps(k) for k in others) or 'none yet'}")

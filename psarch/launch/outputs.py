@@ -1,0 +1,264 @@
+"""A run folder: config.json, metrics.jsonl, summary.json, model.pt, report.txt."""
+from __future__ import annotations
+
+import json
+import shutil
+import statistics
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from psarch import registry, theory, throughput
+from psarch.cluster import device
+from psarch.config import Config
+from psarch.records import RankRecord, StepRecord
+from psarch.launch.runner import warmup_steps
+from psarch.units import fmt_bytes
+
+RANKS_DIR = "ranks"
+
+
+def run_folder(cfg: Config, out: str | Path | None = None) -> Path:
+    """Where a run writes: `out` if given, else the config's `out`, else runs/<name>."""
+    return Path(out or cfg.out or Path("runs") / cfg.name)
+
+
+def holds_finished_run(folder: Path) -> bool:
+    """Whether this folder holds a run that finished (a failed or interrupted one may be replaced)."""
+    try:
+        return json.loads((folder / "summary.json").read_text()).get("status", "finished") == "finished"
+    except (OSError, ValueError):
+        return False
+
+
+def prepare(out: Path, cfg: Config, keep_checkpoints: bool = False) -> None:
+    """Create the run folder, write the resolved config, clear per-rank leftovers of an earlier run (and its
+    checkpoints, unless this run resumes from them: a later --resume must never pick an older run's)."""
+    (out / RANKS_DIR).mkdir(parents=True, exist_ok=True)
+    if not keep_checkpoints:
+        shutil.rmtree(out / "checkpoints", ignore_errors=True)
+    for f in (out / RANKS_DIR).iterdir():
+        f.unlink()
+    for name in ("summary.json", "metrics.jsonl", "model.pt", "report.txt"):
+        (out / name).unlink(missing_ok=True)
+    (out / "config.json").write_text(json.dumps(cfg.to_dict(), indent=2) + "\n")
+
+
+def stream_path(out: Path, rank: int) -> Path:
+    """Where a rank appends its step records as its steps complete (kept when the run fails)."""
+    return out / RANKS_DIR / f"rank{rank}.jsonl"
+
+
+def save_record(out: Path, record: RankRecord) -> None:
+    """Write one rank's record; rank 0 also writes the consolidated model. Step records the rank streamed
+    to stream_path are read back from there, not stored twice."""
+    if record.model_state is not None:
+        torch.save(record.model_state, out / "model.pt")
+    data = record.to_json()
+    if _streamed_steps(out, record.rank) == record.steps:
+        data["steps"] = None   # in stream_path
+    (out / RANKS_DIR / f"rank{record.rank}.json").write_text(json.dumps(data))
+
+
+def _streamed_steps(out: Path, rank: int) -> list[StepRecord]:
+    try:
+        text = stream_path(out, rank).read_text()
+    except OSError:
+        return []
+    # a rank killed mid-write leaves a partial last line: every complete line is a finished step
+    return [json.loads(line) for line in text.split("\n")[:-1]]
+
+
+def _records(out: Path) -> list[RankRecord]:
+    records = sorted((RankRecord.from_json(json.loads(p.read_text())) for p in (out / RANKS_DIR).glob("rank*.json")),
+                     key=lambda r: r.rank)
+    for r in records:
+        if r.steps is None:
+            r.steps = _streamed_steps(out, r.rank)
+    return records
+
+
+def _write_metrics(out: Path, per_rank: list[list[StepRecord]]) -> list[dict[str, Any]]:
+    """metrics.jsonl: one line per step, merged over the ranks that finished it; returns the lines."""
+    rows = []
+    by_step = [{x["step"]: x for x in r} for r in per_rank]  # a run started from a checkpoint starts late
+    for s in sorted({step for r in by_step for step in r}):
+        per = [r[s] for r in by_step if s in r]
+        # workers_sent/received: bytes all workers together sent/received in this step
+        row = {"step": s, "loss": statistics.fmean(p["loss"] for p in per),
+               "step_time_s": max(p["step_time_s"] for p in per),
+               "workers_sent": sum(p["sent"] for p in per), "workers_received": sum(p["received"] for p in per),
+               "skipped": any(p.get("skipped") for p in per)}
+        if per[0].get("loss_scale") is not None:
+            row["loss_scale"] = per[0]["loss_scale"]
+        if len(per) > 1:
+            row["workers"] = per
+        elif per[0].get("extra"):
+            row["extra"] = per[0]["extra"]
+        rows.append(row)
+    (out / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return rows
+
+
+def has_records(out: Path) -> bool:
+    """Whether some rank left its record (finalize needs one)."""
+    return any((out / RANKS_DIR).glob("rank*.json"))
+
+
+def finalize_stopped(out: Path, cfg: Config, status: str, error: str, extra: dict[str, Any] | None = None
+                     ) -> dict[str, Any]:
+    """A run that failed or was interrupted: metrics.jsonl with every step some rank finished, and a
+    summary.json that says so, with the error's first line (and `extra`, what the services measured)."""
+    streams = sorted((out / RANKS_DIR).glob("rank*.jsonl"), key=lambda p: int(p.stem[4:]))
+    rows = _write_metrics(out, [_streamed_steps(out, int(p.stem[4:])) for p in streams])
+    summary = {"name": cfg.name, "status": status, "error": error.strip().splitlines()[0] if error.strip() else "",
+               **identity(cfg), "steps": len(rows), "steps_planned": cfg.train.steps,
+               "final_loss": rows[-1]["loss"] if rows else None, **(extra or {})}
+    (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    return summary
+
+
+def finalize_lost(out: Path, cfg: Config, extra: dict[str, Any]) -> str:
+    """A mode that goes on without lost workers lost them all: a summary that says so (status failed, the lost
+    workers, what the services measured) and metrics.jsonl with every step streamed; returns the error."""
+    lost = extra.get("lost_workers") or []
+    error = "every worker was lost: " + "; ".join(w["error"] for w in lost) if lost else "no rank left a record"
+    finalize_stopped(out, cfg, "failed", error, extra)
+    return error
+
+
+def identity(cfg: Config) -> dict[str, Any]:
+    """What a summary says of the run's backend, from its spec (psarch/backend.py): its kind, variant and the
+    one label every report, plot and cluster table uses; whether its workers step in lockstep; and the
+    backend's own fields (the PS's servers; 0 elsewhere)."""
+    spec = registry.spec_of(cfg)
+    return {"backend": cfg.backend.kind, "variant": spec.variant(cfg), "label": spec.label(cfg),
+            "lockstep": spec.lockstep(cfg), "world_size": cfg.backend.world_size, "servers": 0,
+            **spec.summary_fields(cfg)}
+
+
+def finalize(out: Path, cfg: Config, extra: dict[str, Any] | None = None, echo: bool = True) -> dict[str, Any]:
+    """Merge the ranks' records into metrics.jsonl, summary.json and report.txt."""
+    records = _records(out)
+    if not records:
+        raise RuntimeError(f"{out}: no rank left a record")
+    rows = _write_metrics(out, [[x for x in r.steps if x["step"] < cfg.train.steps] for r in records])
+    by_step = [{x["step"]: x for x in r.steps} for r in records]
+    w = warmup_steps(cfg)
+    timed = [r["step_time_s"] for r in rows[w:]] or [r["step_time_s"] for r in rows]
+    step_time = statistics.median(timed)
+    phi = records[0].params
+    floor = records[0].entropy_floor
+    final_loss = rows[-1]["loss"]
+    ident = identity(cfg)
+    summary: dict[str, Any] = {
+        "name": cfg.name, "status": "finished", **ident, "workload": records[0].workload, "precision": cfg.train.precision, "optimizer": cfg.train.optimizer,
+        "params": phi, "steps": len(rows), "global_batch": cfg.train.global_batch,
+        "final_loss": final_loss, "entropy_floor": floor,
+        "gap": final_loss - floor if floor is not None else None,
+        "step_time_s": step_time,
+        "samples_per_s": throughput.samples_per_s(rows, cfg.train.global_batch, ident["lockstep"], w),
+        "samples_per_s_is": throughput.definition(ident["lockstep"]),
+        "comm_s": statistics.median([statistics.fmean(b[r["step"]]["comm_s"] for b in by_step if r["step"] in b)
+                                     for r in rows[w:]] or [0.0]),
+        "skipped_steps": sum(1 for r in rows if r["skipped"]),
+        "device": records[0].device, "dist_backend": records[0].dist_backend,
+        "memory": {"per_rank": [dict(r.memory, rank=r.rank) for r in records]},
+        # per-step figures from the steps alone (set-up broadcasts and the final gather left out)
+        "traffic": {"per_rank": [dict(r.traffic, rank=r.rank,
+                                      sent_per_step=statistics.fmean(x["sent"] for x in r.steps),
+                                      received_per_step=statistics.fmean(x["received"] for x in r.steps))
+                                 for r in records]},
+        "predicted": theory.predict(cfg, phi).to_dict(),
+        "lost_workers": [],
+    }
+    for r in records:
+        for k, v in (r.extra or {}).items():
+            summary.setdefault("extra", {}).setdefault(k, []).append(v)
+    if extra:
+        for k, v in extra.items():
+            if isinstance(v, dict) and isinstance(summary.get(k), dict):
+                summary[k].update(v)
+            else:
+                summary[k] = v
+    vd = device.summary(cfg, records, {r["step"] for r in rows[w:]})
+    if vd is not None:   # a virtual device: its FLOPs, D, overrun steps (before theory, which reads them)
+        summary["virtual_device"] = vd
+    if summary.get("cluster", {}).get("emulated"):
+        summary["cluster"]["step_time"] = theory.cluster_step(cfg, summary)
+    (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    text = report(summary)
+    (out / "report.txt").write_text(text)
+    if echo:
+        print(text, end="", flush=True)
+    return summary
+
+
+def predicted_for_rank(predicted: dict[str, Any], rank: int) -> tuple[dict[str, float], float]:
+    """(memory by category, bytes sent per step) theory predicts for rank `rank`: its own where ranks differ
+    (Prediction.per_rank), else every rank's."""
+    per = predicted.get("per_rank")
+    if per and rank < len(per):
+        return per[rank]["memory"], per[rank]["sent"]
+    return predicted["memory_per_rank"], predicted["traffic_per_step"]["worker_sent"]
+
+
+def report(s: dict[str, Any]) -> str:
+    """The short human-readable report of one run."""
+    p = s["predicted"]
+    kind = s.get("label") or s["backend"] + (f" ({s['variant']})" if s["variant"] else "")
+    gap = f"  (gap to entropy floor {s['gap']:.4f})" if s.get("gap") is not None else ""
+    # padding (inside total) and transient peaks (outside it: gathered units, gradient buffers, both
+    # together as working) get a column only where some rank has them, so other backends' reports stay narrow
+    per_rank = s["memory"]["per_rank"]
+    optional = [(k, head) for k, head in (("padding", "padding"), ("gathered_peak", "gathered"),
+                                          ("grad_buffer_peak", "grad bufs"), ("working", "working"))
+                if any(m.get(k) for m in per_rank)]
+    lines = [
+        f"== {s['name']}: {kind}, N={s['world_size']}" + (f", servers={s['servers']}" if s["servers"] and not s.get("label") else "")
+        + f", {s['workload']}, {s['params']:,} params, {s['precision']}, {s['optimizer']}",
+        f"final loss      {s['final_loss']:.4f} (last step){gap}   skipped steps {s['skipped_steps']}",
+        f"step time       {s['step_time_s'] * 1e3:.2f} ms median   {s['samples_per_s']:.1f} samples/s"
+        + (f" ({s['samples_per_s_is']})" if s.get("samples_per_s_is") else "")
+        + (f"   comm wait {s['comm_s'] * 1e3:.2f} ms" if s.get("comm_s") else ""),
+        "",
+        f"{'rank':>4}  {'params':>11} {'grads':>11} {'optimizer':>11} {'total':>11} {'predicted':>11}"
+        + "".join(f" {head:>11}" for _, head in optional)
+        + f" {'peak':>11}  {'sent/step':>11} {'predicted':>11}",
+    ]
+    for i, (m, t) in enumerate(zip(per_rank, s["traffic"]["per_rank"])):
+        pm, sent = predicted_for_rank(p, i)
+        modelled = " (modelled)" if t.get("modelled") else ""
+        lines.append(f"{m['rank']:>4}  {fmt_bytes(m['params']):>11} {fmt_bytes(m['grads']):>11} {fmt_bytes(m['optimizer']):>11} "
+                     f"{fmt_bytes(m['total']):>11} {fmt_bytes(pm['total']):>11}"
+                     + "".join(f" {fmt_bytes(m.get(k, 0)):>11}" for k, _ in optional)
+                     + f" {fmt_bytes(m.get('peak')):>11}  "
+                     f"{fmt_bytes(t['sent_per_step']):>11} {fmt_bytes(sent):>11}{modelled}")
+    mem = {m.get("server"): m for m in s.get("memory", {}).get("servers") or []}
+    for srv in s.get("traffic", {}).get("servers", []) or []:
+        held = mem.get(srv.get("server"), {}).get("total")
+        lines.append(f"server {srv.get('server', '?')}: sent {fmt_bytes(srv['sent'])}, received "
+                     f"{fmt_bytes(srv['received'])} over the run; holds {fmt_bytes(held)} "
+                     f"(predicted {fmt_bytes(p.get('server_memory'))})")
+    if s.get("staleness"):
+        st = s["staleness"]
+        lines.append(f"staleness histogram {st['histogram']} (mean {st['mean']:.2f}, max {st['max']})")
+    if s.get("lost_workers"):
+        lines.append(f"lost workers: {s['lost_workers']}")
+    if s.get("auth") == "none":
+        lines.append("auth: none (backend.auth = \"none\": any process on this machine could talk to the servers)")
+    refused = (s.get("refused_pushes") or {}).get("non_finite_per_worker") or []
+    if any(refused):
+        lines.append(f"pushes refused for inf/nan, per worker: {refused}")
+    if s.get("cluster", {}).get("emulated"):
+        c, st = s["cluster"], s["cluster"]["step_time"]
+        lines.append(f"emulated cluster: alpha {c['alpha_s'] * 1e6:.0f} us; step time measured {st['measured_s'] * 1e3:.2f} ms"
+                     f" | predicted {st['predicted_s'] * 1e3:.2f} ms (compute {st['compute_s'] * 1e3:.2f} ms)")
+        over = "the steps" if c.get("counted_over") == "steps" else "the whole run"
+        for n in c["nodes"]:
+            lines.append(f"  {n['role']} {n.get('rank', n.get('server'))} ({n['address']}, {n['link_mbps']:g} Mbit/s): "
+                         f"link sent {fmt_bytes(n['link_sent'])}, received {fmt_bytes(n['link_received'])} over {over}")
+    if s.get("virtual_device"):
+        lines += device.report_lines(s["virtual_device"], s.get("cluster", {}).get("alpha_s"))
+    return "\n".join(lines) + "\n"

@@ -1,0 +1,314 @@
+"""Start every rank of a run: spawned on this machine (`psarch run`; one rank runs in this process), or one
+rank under torchrun. Every rank does the same (`_rank`): join the group, train (psarch.launch.runner), leave its
+record, leave the group; the services a backend declares (its spec's start_services) start first.
+
+A rank that fails stops the whole run with that rank's error; nothing is left running (psarch.launch.supervise).
+A spawned rank that has written everything leaves with os._exit: the interpreter's finalisation, where
+gloo's threads can abort a finished process (pytorch/pytorch#179291), never runs in it."""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import multiprocessing as mp
+import os
+import signal
+import sys
+import threading
+import traceback
+from dataclasses import dataclass, field
+from datetime import timedelta
+from pathlib import Path
+from typing import Any, Iterator
+
+import torch
+import torch.distributed as dist
+
+from psarch import registry
+from psarch.launch import outputs, supervise
+from psarch.backend import BackendSpec
+from psarch.checkpoint import Checkpoint
+from psarch.checkpoint.start import (CHECKPOINTS, drop_after, drop_unfinished, keep_fork_source, provenance,
+                                     starting_checkpoint)
+from psarch.cluster.placement import Placement, place
+from psarch.cluster.dilation import resolve as resolve_dilation
+from psarch.cluster.window import StepMarks
+from psarch.config import Config, ConfigError, check_machine, from_dict
+from psarch.dist import abandon_group, init_rank, shutdown, under_torchrun
+from psarch.errors import NON_FINITE_EXIT, NonFiniteError, RunError
+from psarch.launch.lifecycle import die_with_parent, leave
+from psarch.records import RankRecord, ServiceInfo
+from psarch.launch.runner import run_rank
+from psarch.trainer import Services
+from psarch.workload import Workload, build_workload, shared_data
+
+
+def run(cfg: Config, out: str | Path | None = None, echo: bool = True, resume: bool = False,
+        start: str | Path | None = None, machine_checked: bool = False, pick: str | None = None,
+        progress: bool = True) -> dict[str, Any]:
+    """Run one experiment and return its summary. Every rank (and service) is started here. With `resume`,
+    continue the run in `out` from its latest complete checkpoint (or the one `pick` names); with `start`,
+    begin from that checkpoint. echo: print the summary (and, with `progress`, the progress lines).
+    machine_checked: the caller already ran check_machine(cfg) (a sweep checks every point before the first)."""
+    if cfg.cluster.emulate and under_torchrun():
+        raise ConfigError("cluster.emulate = true: not under torchrun, whose machines are the cluster; "
+                          "use `psarch run`, or --set cluster.emulate=false")
+    if not machine_checked:  # once per run: with cluster.emulate it creates and deletes a probe namespace
+        check_machine(cfg)  # a missing GPU or text file: one ConfigError now, not a traceback in every rank
+    out_dir = outputs.run_folder(cfg, out)
+    spec = registry.spec_of(cfg)
+    if (cfg.train.checkpoint_every or resume or start is not None) and not spec.checkpoints:
+        raise ConfigError(f"backend.kind = {cfg.backend.kind!r} cannot write or read checkpoints yet "
+                          f"(train.checkpoint_every, --resume, --from)")
+    ckpt = starting_checkpoint(cfg, out_dir, resume, start, pick)  # verified before anything is written or started
+    cfg, begin = _started(cfg, ckpt, out_dir, resume, pick, echo)
+    # cluster.dilation "auto": D picked once, here, for every rank and link (config.json keeps what was asked)
+    ranks_cfg = resolve_dilation(cfg, run, echo, _threads(cfg.backend.world_size))
+    job = RankJob(ranks_cfg.to_dict(), str(out_dir), echo and progress,
+                  out_dir / CHECKPOINTS if cfg.train.checkpoint_every else None, begin, resume, registry.plugins())
+    if under_torchrun():
+        return _torchrun_rank(cfg, spec, job, echo)
+    # A user's factory runs here once (no process group yet), so a wrong return type is one ConfigError
+    # before any rank starts; a single in-process rank then trains this very workload.
+    workload = build_workload(cfg) if cfg.workload.factory else None
+    outputs.prepare(out_dir, cfg, keep_checkpoints=resume)   # a fork must not keep an older run's
+    try:
+        with place(ranks_cfg) as where:   # loopback, or each process on its node of an emulated cluster
+            with _services(spec, cfg, out_dir, where, job.start) as services:
+                job.info = services.info.to_dict() if services is not None else {}
+                if cfg.backend.world_size == 1:
+                    _in_process(job, spec, where, workload)
+                else:
+                    with shared_data(cfg, out_dir / ".shared_data"):   # built here once, mapped by every rank
+                        _spawn(job, spec, where, services)
+                extra = dict(services.finish()) if services is not None else {}
+            cluster = where.report()
+    except BaseException as e:  # failed or interrupted (Ctrl-C, SIGTERM): keep the finished steps, say why
+        _keep_finished_steps(out_dir, cfg, e)
+        raise
+    recorded = {k: v for k, v in (("cluster", cluster), ("started_from", cfg.started_from)) if v}
+    if not outputs.has_records(out_dir):   # every worker lost: what the servers measured, and the steps streamed
+        raise RunError(outputs.finalize_lost(out_dir, cfg, dict(extra, **recorded)))
+    return outputs.finalize(out_dir, cfg, dict(extra, **recorded), echo)
+
+
+def _started(cfg: Config, ckpt: Checkpoint | None, out: Path, resume: bool, pick: str | None, echo: bool
+             ) -> tuple[Config, Path | None]:
+    """The config a run records (a fork's started_from; a resumed run keeps the one its checkpoint holds) and
+    the checkpoint folder it starts from. The run folder is tidied (rank 0): a resume removes unfinished
+    checkpoint folders, and, from an earlier checkpoint (--checkpoint), the later ones; a fork keeps a source that lies in the folder it replaces."""
+    first = os.environ.get("RANK", "0") == "0"
+    if resume:
+        if first:
+            drop_unfinished(out)
+        dropped = drop_after(out, ckpt.step) if pick is not None and first else []
+        if dropped and echo:
+            print(f"psarch: resuming from {ckpt.path.name}: removed the later checkpoints {', '.join(dropped)}",
+                  flush=True)
+        return dataclasses.replace(cfg, started_from=ckpt.config.get("started_from", {})), ckpt.path
+    path = keep_fork_source(ckpt, out, move=not under_torchrun())
+    if ckpt is None:
+        return cfg, None
+    return dataclasses.replace(cfg, started_from=provenance(ckpt, path)), path
+
+
+@dataclass
+class RankJob:
+    """What every rank of a run is given (JSON-able and picklable: it crosses to spawned ranks): the config,
+    the run folder, where checkpoints go (None: nowhere), the checkpoint the run starts from (None: step 0)
+    and whether that start resumes the run (its step records carried on) or forks it; the spec classes of
+    backends registered outside psarch, and the services' info (ServiceInfo.to_dict())."""
+
+    cfg: dict[str, Any]
+    out: str
+    echo: bool
+    checkpoints: Path | None
+    start: Path | None
+    resume: bool
+    plugins: list[str]
+    info: dict[str, Any] = field(default_factory=dict)
+
+    def config(self) -> Config:
+        registry.import_plugins(self.plugins)   # before the config names a backend registered outside psarch
+        return from_dict(self.cfg)
+
+
+@contextlib.contextmanager
+def _services(spec: BackendSpec, cfg: Config, out: Path, where: Placement, start: Path | None
+              ) -> Iterator[Services | None]:
+    services = spec.start_services(cfg, out, where, start)
+    try:
+        yield services
+    finally:
+        if services is not None:
+            services.stop()
+
+
+def _rank(job: RankJob, cfg: Config, rank: int, world: int, store: Any, marks: StepMarks | None,
+          workload: Workload | None = None) -> None:
+    """One rank of a local run: join the group (where a store is given), train, write the rank's record,
+    leave the group."""
+    out = Path(job.out)
+    ctx = init_rank(cfg, rank, world, rank, world, store, needs_group=store is not None)
+    ctx.services = ServiceInfo.from_dict(job.info)
+    outputs.save_record(out, run_rank(cfg, ctx, workload, echo=job.echo, metrics=outputs.stream_path(out, rank),
+                                      marks=marks, checkpoints=job.checkpoints, start=job.start, resume=job.resume))
+    shutdown(ctx)   # not after a failure: its barrier would wait for peers stuck in a collective
+
+
+def _in_process(job: RankJob, spec: BackendSpec, where: Placement, workload: Workload | None) -> None:
+    cfg = job.config()
+    store = None
+    if spec.needs_process_group:
+        store = dist.TCPStore("127.0.0.1", 0, 1, is_master=True, wait_for_workers=False,
+                              timeout=timedelta(seconds=cfg.backend.timeout_s))
+    marks = where.step_marks(1)   # outside the node: the counters' reader is no node's
+    try:
+        with where.node("worker", 0):
+            _rank(job, cfg, 0, 1, store, marks[0] if marks else None, workload)
+    except BaseException:
+        abandon_group()   # this process lives on (a test, a sweep's next point): leave no group behind
+        raise
+
+
+def _rank_main(job: RankJob, rank: int, world: int, host: str, port: int, threads: int, needs_group: bool,
+               marks: StepMarks | None) -> None:
+    """Entry point of a spawned rank. It never returns: it leaves with os._exit once its record is written
+    (0), or after writing its error (1; NON_FINITE_EXIT for a non-finite loss)."""
+    die_with_parent()
+    code = 0
+    try:
+        torch.set_num_threads(threads)
+        cfg = job.config()
+        store = dist.TCPStore(host, port, world, is_master=False,
+                              timeout=timedelta(seconds=cfg.backend.timeout_s)) if needs_group else None
+        _rank(job, cfg, rank, world, store, marks)
+    except BaseException as e:  # report every failure, KeyboardInterrupt included, then exit non-zero
+        supervise.write_error(Path(job.out), rank, e)
+        code = NON_FINITE_EXIT if isinstance(e, NonFiniteError) else 1
+    leave(code)
+
+
+def _threads(world: int) -> int:
+    env = os.environ.get("PSARCH_THREADS")
+    return int(env) if env else max(1, (os.cpu_count() or 1) // world)
+
+
+def _spawn(job: RankJob, spec: BackendSpec, where: Placement, services: Services | None) -> None:
+    cfg = job.config()
+    n = cfg.backend.world_size
+    store = None
+    if spec.needs_process_group:
+        with where.rendezvous():
+            store = dist.TCPStore(where.rendezvous_host, 0, n + 1, is_master=True, wait_for_workers=False,
+                                  timeout=timedelta(seconds=cfg.backend.timeout_s))
+    port = store.port if store is not None else 0
+    ctx = mp.get_context("spawn")
+    marks = where.step_marks(n)   # an emulated cluster reads its links before the first step and after the last
+    procs = [ctx.Process(target=_rank_main, name=f"psarch-rank{r}",
+                         args=(job, r, n, where.rendezvous_host, port, _threads(n), store is not None,
+                               marks[r] if marks else None))
+             for r in range(n)]
+    out = Path(job.out)
+
+    def lost(ranks: list[int]) -> bool:
+        """A worker that died is a lost one where the mode goes on without it; a poisoned one never is."""
+        if services is None or not spec.tolerates_lost_workers(cfg) or \
+                any(procs[r].exitcode == NON_FINITE_EXIT for r in ranks):
+            return False
+        for r in ranks:
+            services.worker_lost(r, supervise.rank_error(out, r, procs[r].exitcode))
+        where.worker_lost()
+        return True
+
+    try:
+        for r, p in enumerate(procs):
+            with where.node("worker", r):
+                p.start()
+        supervise.watch(procs, out, lost, services.check if services is not None else lambda: None,
+                        cfg.backend.timeout_s)
+    finally:
+        supervise.stop(procs)
+
+
+def _keep_finished_steps(out: Path, cfg: Config, e: BaseException) -> None:
+    status = "interrupted" if isinstance(e, KeyboardInterrupt) else "failed"
+    error = str(e) if isinstance(e, RunError) else f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
+    try:
+        outputs.finalize_stopped(out, cfg, status, error)
+    except Exception as w:  # never hide the run's own error behind this one
+        print(f"psarch: could not write the {status} run's summary: {type(w).__name__}: {w}", file=sys.stderr)
+
+
+def _torchrun_rank(cfg: Config, spec: BackendSpec, job: RankJob, echo: bool) -> dict[str, Any]:
+    """One rank of a torchrun job. Services (the parameter servers of `ps` without
+    backend.server_addresses) are started by rank 0, which is also worker 0, as `psarch run` starts
+    them; their addresses reach every rank as JSON over the process group (no pickle) before any
+    trainer is built. A rank that fails prints its error and exits at once: a barrier here would
+    only wait for peers stuck in a collective and replace the error with its own timeout."""
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    if world != cfg.backend.world_size:
+        raise RunError(f"backend.world_size = {cfg.backend.world_size}: torchrun started WORLD_SIZE = {world} ranks")
+    local_rank = int(os.environ.get("LOCAL_RANK", rank))
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+    out = Path(job.out)
+    services = None
+    try:
+        if rank == 0:
+            outputs.prepare(out, cfg, keep_checkpoints=job.resume)
+        ctx = init_rank(cfg, rank, world, local_rank, local_world, None, launched_by="torchrun", needs_group=True)
+        # every rank takes part in the gather: only rank 0 knows whether the backend started services
+        if rank == 0:
+            services = spec.start_services(cfg, out, start=job.start)
+            if services is not None:
+                job.info = dict(services.info.to_dict(), addresses=[_reachable(a) for a in services.info.addresses])
+        ctx.services = ServiceInfo.from_dict(_gather_json(ctx, job.info)[0])
+        # ranks on other machines stream only where the run folder is shared (rank 0 made it before init_rank)
+        stream = outputs.stream_path(out, rank) if (out / outputs.RANKS_DIR).is_dir() else None
+        record = run_rank(cfg, ctx, echo=job.echo, metrics=stream, checkpoints=job.checkpoints, start=job.start,
+                          resume=job.resume)
+        records = _gather_json(ctx, record.to_json())   # every rank is done with the servers past this point
+        extra = None
+        if rank == 0:
+            outputs.save_record(out, record)
+            for r in records[1:]:
+                outputs.save_record(out, RankRecord.from_json(r))
+            if services is not None:
+                extra = services.finish()   # the servers' measurements; model.pt from their parameters
+                services.stop()
+                services = None
+    except BaseException as e:  # say why, then leave without the teardown barrier (torchrun stops the peers)
+        if rank == 0 and threading.current_thread() is threading.main_thread():
+            signal.signal(signal.SIGTERM, signal.SIG_IGN)   # torchrun's stop for the peers must not cut this short
+        print(f"rank {rank} failed: {type(e).__name__}: {e}\n{traceback.format_exc()}", file=sys.stderr, flush=True)
+        if rank == 0 and (out / outputs.RANKS_DIR).is_dir():   # the steps streamed so far, as `psarch run` keeps them
+            _keep_finished_steps(out, cfg, e)
+        if services is not None:
+            services.stop()
+        leave(1)
+    shutdown(ctx)
+    if rank == 0 and cfg.started_from:
+        extra = dict(extra or {}, started_from=cfg.started_from)
+    return outputs.finalize(out, cfg, extra, echo) if rank == 0 else {}
+
+
+def _reachable(address: str) -> str:
+    """A server bound to every interface (backend.host = 0.0.0.0) is reached at rank 0's host, which
+    torchrun names in MASTER_ADDR."""
+    scheme, _, rest = address.partition("://")
+    host, _, port = rest.rpartition(":")
+    return f"{scheme}://{os.environ['MASTER_ADDR']}:{port}" if host in ("0.0.0.0", "*") else address
+
+
+def _gather_json(ctx: Any, obj: dict) -> list[dict]:
+    """Every rank's JSON-able dict, on every rank (JSON over all_gather: no pickle on the wire)."""
+    dev = ctx.device if ctx.dist_backend == "nccl" else torch.device("cpu")
+    data = torch.frombuffer(bytearray(json.dumps(obj).encode()), dtype=torch.uint8).to(dev)
+    sizes = [torch.zeros(1, dtype=torch.int64, device=dev) for _ in range(ctx.world_size)]
+    dist.all_gather(sizes, torch.tensor([data.numel()], dtype=torch.int64, device=dev))
+    longest = int(max(s.item() for s in sizes))
+    padded = torch.zeros(longest, dtype=torch.uint8, device=dev)
+    padded[:data.numel()] = data
+    bufs = [torch.empty(longest, dtype=torch.uint8, device=dev) for _ in range(ctx.world_size)]
+    dist.all_gather(bufs, padded)
+    return [json.loads(bytes(b[:int(s.item())].cpu().numpy())) for b, s in zip(bufs, sizes)]

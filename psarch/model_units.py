@@ -1,0 +1,71 @@
+"""Units: the pieces of a model ZeRO-3 gathers one at a time, ZeRO-R checkpoints one at a time and a pipeline
+cuts into stages (zero/ and collective/pipeline/ share them, so they live in the core).
+
+By default each child of `model.blocks` (an nn.ModuleList: the built-in GPT's and MLP's blocks) is a
+unit; every parameter outside them (embeddings, final norm, head) forms the *root* unit, which is
+gathered around the whole forward and the whole backward. `backend.zero_units` names another attribute,
+or '' for the whole model as one unit.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+
+@dataclass
+class Unit:
+    """A module (None for the root) and the trainable parameters it alone owns, in registration order."""
+
+    name: str
+    module: nn.Module | None
+    params: list[nn.Parameter]
+
+
+def find_units(model: nn.Module, attr: str = "blocks") -> list[Unit]:
+    """[root, unit 0, unit 1, ...]: the children of `model.<attr>`, and the root holding the rest.
+
+    A parameter shared between units (tied weights) would be gathered by one and used by another, so it
+    is refused with a message that says what to do."""
+    blocks: list[nn.Module] = []
+    if attr:
+        holder = getattr(model, attr, None)
+        if holder is None and attr != "blocks":  # the default may be absent: the model is then one unit
+            raise ValueError(f"backend.zero_units = {attr!r}: the model ({type(model).__name__}) has no attribute "
+                             f"{attr!r}; name its nn.ModuleList of units, or set zero_units = ''")
+        if holder is None:
+            blocks = []
+        elif isinstance(holder, (nn.ModuleList, nn.Sequential)):
+            blocks = list(holder)
+        else:
+            raise ValueError(f"backend.zero_units = {attr!r}: model.{attr} is a {type(holder).__name__}, "
+                             f"expected an nn.ModuleList of units (or set zero_units = '')")
+    owner: dict[int, str] = {}
+    units: list[Unit] = []
+    for i, block in enumerate(blocks):
+        params = [p for p in block.parameters() if p.requires_grad]
+        for p in params:
+            if id(p) in owner:
+                raise ValueError(f"backend.zero_units: a parameter is shared by {owner[id(p)]} and {attr}.{i}; "
+                                 f"shared parameters must live in one unit (choose coarser units)")
+            owner[id(p)] = f"{attr}.{i}"
+        if params:
+            units.append(Unit(f"{attr}.{i}", block, params))
+    root = [p for p in model.parameters() if p.requires_grad and id(p) not in owner]
+    return [Unit("root", None, root)] + units
+
+
+def checkpoint_units(units: list[Unit]) -> None:
+    """Wrap each unit's forward in activation checkpointing (non-reentrant): only the unit's inputs
+    are kept for backward, and its activations are recomputed there."""
+    for u in units:
+        if u.module is None:
+            continue
+        forward = u.module.forward
+
+        def checkpointed(*args: Any, _forward=forward, **kwargs: Any) -> Any:
+            return checkpoint(_forward, *args, use_reentrant=False, **kwargs)
+
+        u.module.forward = checkpointed  # instance attribute: module hooks still run around it

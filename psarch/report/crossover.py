@@ -1,0 +1,70 @@
+"""The crossover table of experiments/cluster_crossover.toml: each PS run's step time over that of the ring DDP
+run at the same N and link rate, measured and predicted, beside BytePS's bound for its k servers (Jiang et al.,
+OSDI '20: t = 2N(N-1)S / ((N^2 + kN - 2k)·B) over all-reduce's 2(N-1)S/(NB), i.e. N^2 / (N^2 + kN - 2k); k
+colocated servers add no machine: the bound is all-reduce's, 1). `psarch report crossover SWEEP` writes
+crossover.md in the sweep folder and prints it."""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+from psarch import registry
+from psarch.config import from_dict
+from psarch.ps.theory import byteps_optimum
+from psarch.theory import cluster_step
+
+
+def bound(n: int, k: int, colocated: bool) -> float:
+    """BytePS's optimum over all-reduce's time at N workers with k more (CPU) servers; colocated: k = 0."""
+    ring = 2 * (n - 1) / n
+    return byteps_optimum(n, 0 if colocated else k, 1.0, 1.0) / ring
+
+
+def runs(sweep: Path) -> list[dict[str, Any]]:
+    """Every emulated run under `sweep`: its config, label and measured | predicted step time."""
+    out = []
+    for f in sorted(sweep.glob("*/summary.json")):
+        s = json.loads(f.read_text())
+        if s.get("cluster", {}).get("emulated"):
+            cfg = from_dict(json.loads((f.parent / "config.json").read_text()))
+            out.append({"cfg": cfg, "label": registry.spec_of(cfg).label(cfg), **cluster_step(cfg, s)})
+    return out
+
+
+def table(found: list[dict[str, Any]]) -> str:
+    """PS rows against their ring DDP peer (same N, same link rate); rows without a peer show '-'."""
+    def key(r: dict[str, Any]) -> tuple[int, float]:
+        return r["cfg"].backend.world_size, r["cfg"].cluster.link_mbps
+    ring = {key(r): r for r in found if r["cfg"].backend.kind == "ddp" and r["cfg"].backend.comm == "ring"}
+    lines = ["| link Mbit/s | N | architecture | step time measured \\| predicted | error | PS/ring measured \\| "
+             "predicted | BytePS bound |", "|---:|---:|---|---:|---:|---:|---:|"]
+    for r in sorted(found, key=lambda r: (key(r)[1], key(r)[0], r["cfg"].backend.kind != "ddp", r["label"])):
+        b, peer = r["cfg"].backend, ring.get(key(r))
+        ratio, ref = "-", "-"
+        if b.kind == "ps" and peer is not None:
+            ratio = f"{r['measured_s'] / peer['measured_s']:.2f} \\| {r['predicted_s'] / peer['predicted_s']:.2f}"
+            ref = f"{bound(b.world_size, b.servers, b.server_placement == 'colocated'):.2f}"
+        elif b.kind != "ps" and b.kind != "ddp":
+            continue
+        lines.append(f"| {key(r)[1]:g} | {key(r)[0]} | {r['label']} | {r['measured_s'] * 1e3:.0f} ms \\| "
+                     f"{r['predicted_s'] * 1e3:.0f} ms | {(r['predicted_s'] / r['measured_s'] - 1) * 100:+.0f}% | "
+                     f"{ratio} | {ref} |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`psarch report crossover SWEEP`: write crossover.md in the sweep folder and print it."""
+    ap = argparse.ArgumentParser(prog="psarch report crossover", description=__doc__.split("\n\n")[0])
+    ap.add_argument("sweep", type=Path, help="the sweep folder of experiments/cluster_crossover.toml")
+    folder = ap.parse_args(argv).sweep
+    if not folder.is_dir():
+        sys.exit(f"{folder}: not a folder")
+    found = runs(folder)
+    if not found:
+        sys.exit(f"{folder}: no run of an emulated cluster (summary.json with cluster.emulated) in it")
+    (folder / "crossover.md").write_text(table(found))
+    print(table(found), end="")
+    return 0

@@ -1,0 +1,273 @@
+"""What theory predicts for a run: `predict(cfg, phi)`, answered by the backend's own theory (its spec's
+`predict`: collective/theory.py, zero/theory.py, psarch/ps/theory.py), and the algebra they share here:
+memory per rank by category (the ZeRO paper's Table 1 cells, Rajbhandari et al. 2020), ring passes,
+expected distinct embedding rows, and the α-β step time on a cluster (`cluster_step_time`, `cluster_step`;
+the parameter server's flow-level model of pushes from backward's hooks is psarch/ps/flows.py). Every output
+beside a measured figure (psarch.launch.outputs, psarch.report.compare, the estimator) calls `predict`; nothing
+patches its result afterwards. Beside it in this package: `estimate.py`, the estimator of `psarch estimate`
+(memory, traffic and step time from Φ alone, 1 to 1,024 workers; `estimate_tensor.py` its tensor-parallel rows),
+and `cli.py`, the command.
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+from psarch import registry
+from psarch.backend import CommModel
+from psarch.config import Config, from_dict
+from psarch.zipf import expected_unique
+
+BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
+
+
+def optimizer_bytes_per_param(optimizer: str, precision: str, momentum: float = 0.0) -> int:
+    """K in the ZeRO paper: optimizer state per parameter, fp32 master copy included where kept."""
+    state = {"adamw": 8, "adagrad": 4}.get(optimizer, 4 if momentum > 0 else 0)
+    return state + (0 if precision == "fp32" else 4)
+
+
+@dataclass
+class MemoryPrediction:
+    params: float
+    grads: float
+    optimizer: float
+    buffers: float = 0.0     # model state outside the three categories (a GEO worker's last synced copy)
+
+    @property
+    def total(self) -> float:
+        return self.params + self.grads + self.optimizer + self.buffers
+
+    def to_dict(self) -> dict[str, float]:
+        return {"params": self.params, "grads": self.grads, "optimizer": self.optimizer,
+                "buffers": self.buffers, "total": self.total}
+
+
+@dataclass
+class LinkBytes:
+    """Bytes one node's link carries per step, each way (mean over steps)."""
+
+    sent: float = 0.0
+    received: float = 0.0
+
+
+@dataclass
+class LinkLoad:
+    """What one link carries per step in each phase of a push-then-pull exchange (sent: up, received: down)."""
+
+    server: bool          # a service's own node's link (cluster.server_link_mbps), else a worker's node's
+    push: LinkBytes
+    pull: LinkBytes
+
+
+@dataclass
+class RankPrediction:
+    """What theory says of one rank of a model-parallel run: its model states, its link per step, and the
+    backend's own figures, each measured under the same name in summary.json's `extra` (a pipeline stage's
+    idle fraction and activations held, a tensor shard's blocks' activation bytes)."""
+
+    memory: MemoryPrediction
+    link: LinkBytes
+    figures: dict[str, float] = field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"memory": self.memory.to_dict(), "sent": self.link.sent, "received": self.link.received,
+                **self.figures}
+
+
+@dataclass
+class Prediction:
+    """Everything theory says about one run. `worker` and `server` are what one worker's and one PS server's
+    meters count per step; on a cluster each is also its own node's link, unless `links` says otherwise.
+    Model-parallel backends fill `per_rank`, what each rank holds and sends and their own per-rank figures
+    (`memory_per_rank` is then the fullest rank's and `worker` the busiest link's)."""
+
+    memory_per_rank: MemoryPrediction   # model states one worker holds
+    worker: LinkBytes                   # one worker's link, per step
+    server: LinkBytes | None            # one PS server's link, per step (None: no servers)
+    rounds: float                       # communication phases per step: a collective pass, a push or a pull
+    messages: float                     # messages in sequence per step, each paying the link latency once
+    server_memory: float | None         # bytes one PS server holds (None: no servers)
+    # with servers: the links whose load sets the exchange's time, by phase, where processes share a node (a
+    # server beside a worker); None: each worker's and each server's own (two_phase_links)
+    links: list[LinkLoad] | None = None
+    per_rank: list[RankPrediction] | None = None
+
+    def to_dict(self) -> dict:
+        """The `predicted` entry of summary.json."""
+        traffic = {"worker_sent": self.worker.sent, "worker_received": self.worker.received}
+        if self.server is not None:
+            traffic.update(server_sent=self.server.sent, server_received=self.server.received)
+        out = {"memory_per_rank": self.memory_per_rank.to_dict(), "traffic_per_step": traffic,
+               "rounds_per_step": self.rounds, "messages_per_step": self.messages}
+        if self.server_memory is not None:
+            out["server_memory"] = self.server_memory
+        if self.per_rank is not None:
+            out["per_rank"] = [r.to_dict() for r in self.per_rank]
+        return out
+
+
+def predict(cfg: Config, phi: float) -> Prediction:
+    """What theory predicts for `cfg` with `phi` parameters: the backend's own theory (BackendSpec.predict).
+    S = phi x the wire dtype's bytes (the compute precision), N = backend.world_size."""
+    return registry.spec_of(cfg).predict(cfg, phi)
+
+
+# ---------------------------------------------------------------- shared algebra
+
+def sharded_memory(cfg: Config, phi: float, stage: int) -> MemoryPrediction:
+    """Model states per rank with ZeRO stage `stage` over backend.world_size ranks (stage 0: replicated, as
+    DDP): parameters, gradients, optimizer state (K bytes per parameter) each 1/N from their stage on."""
+    t, n = cfg.train, cfg.backend.world_size
+    width, k = BYTES[t.precision], optimizer_bytes_per_param(t.optimizer, t.precision, t.momentum)
+    return MemoryPrediction(params=width * phi / n if stage >= 3 else width * phi,
+                            grads=width * phi / n if stage >= 2 else width * phi,
+                            optimizer=k * phi / n if stage >= 1 else k * phi)
+
+
+def ring_passes(mem: MemoryPrediction, cfg: Config, phi: float, passes: int) -> Prediction:
+    """`passes` ring passes over S = phi x width per step: each is N - 1 messages of S/N each way, so
+    (N - 1)/N x S per pass per worker."""
+    n, s = cfg.backend.world_size, phi * BYTES[cfg.train.precision]
+    if n == 1 or passes == 0:
+        return Prediction(mem, LinkBytes(), None, rounds=0, messages=0, server_memory=None)
+    v = passes * (n - 1) / n * s
+    return Prediction(mem, LinkBytes(v, v), None, rounds=passes, messages=passes * (n - 1), server_memory=None)
+
+
+def expected_unique_ids(cfg: Config, steps: int = 1) -> float:
+    """E[u], the distinct rows one worker's batches of `steps` steps read, over all tables (clicks data's
+    Zipf law; draws = steps x local batch x bag per table)."""
+    d = cfg.workload.dlrm
+    draws = steps * cfg.train.global_batch // cfg.backend.world_size * d.bag
+    return d.num_tables * expected_unique(d.rows, cfg.workload.clicks.zipf, draws)
+
+
+def table_params(cfg: Config) -> int:
+    """Parameters in the dlrm model's embedding tables ([workload.dlrm])."""
+    d = cfg.workload.dlrm
+    return d.num_tables * d.rows * d.dim
+
+
+def config_for(kind: str, n: int, precision: str = "fp32", optimizer: str = "adamw", momentum: float = 0.0,
+               **backend: Any) -> Config:
+    """A config holding only what `predict` reads: for tables over kinds and world sizes (estimate,
+    benchmarks); `backend`: that backend's options (stage, mode, servers, ...)."""
+    return from_dict({"train": {"precision": precision, "optimizer": optimizer, "momentum": momentum, "global_batch": n},
+                      "backend": {"kind": kind, "world_size": n, **backend}})
+
+
+def memory_per_rank(kind: str, phi: float, n: int, precision: str = "fp32", optimizer: str = "adamw",
+                    momentum: float = 0.0, **backend: Any) -> MemoryPrediction:
+    """`predict(...).memory_per_rank` by kind (benchmarks and tables)."""
+    return predict(config_for(kind, n, precision, optimizer, momentum, **backend), phi).memory_per_rank
+
+
+def traffic_per_step(kind: str, payload_bytes: float, n: int, **backend: Any) -> dict[str, float]:
+    """`predict(...)`'s traffic for an fp32 run whose payload S is `payload_bytes` (benchmarks and tables)."""
+    p = predict(config_for(kind, n, **backend), payload_bytes / BYTES["fp32"])
+    return p.to_dict()["traffic_per_step"]
+
+
+# ---------------------------------------------------------------- step time on a cluster
+
+# Bytes on an Ethernet link per byte of TCP payload: a 1500-byte MTU frame (1514 B with its Ethernet
+# header, as tbf counts it) carries 1448 B of payload after the IP and TCP (with timestamps) headers.
+WIRE_OVERHEAD = 1514 / 1448
+
+
+def two_phase_links(p: Prediction) -> list[LinkLoad]:
+    """Each worker on its own node pushes through its link, then pulls; each server on its own node receives
+    the pushes, then sends the pulls."""
+    return [LinkLoad(False, LinkBytes(p.worker.sent, 0.0), LinkBytes(0.0, p.worker.received)),
+            LinkLoad(True, LinkBytes(0.0, p.server.received), LinkBytes(p.server.sent, 0.0))]
+
+
+def exchange_time(links: list[LinkLoad], worker_rate: float, server_rate: float, pipeline: float = 1.0) -> float:
+    """Seconds of a push-then-pull exchange over `links` (payload bytes/s of each kind of link). pipeline = 1:
+    the push phase, then the pull phase, each as long as its busiest link and direction. pipeline = m > 1
+    (partitions per server, pushed back to back, each pulled once its round is complete; m = a server's range
+    over its largest partition, psarch/ps/theory.py's pipeline_slots): a 2-stage pipeline over m slots,
+    (push + pull) / m to fill and drain it (the largest partition's push and pull), and (m - 1) / m of the time
+    the busiest link and direction takes to carry push and pull at once (full duplex: m -> inf gives that time
+    alone)."""
+    def busiest(load: Any) -> float:
+        return max(max(b.sent, b.received) / (server_rate if link.server else worker_rate)
+                   for link in links for b in [load(link)])
+    push, pull = busiest(lambda x: x.push), busiest(lambda x: x.pull)
+    both = busiest(lambda x: LinkBytes(x.push.sent + x.pull.sent, x.push.received + x.pull.received))
+    return (push + pull) / pipeline + (pipeline - 1) / pipeline * both
+
+
+def cluster_step_time(p: Prediction, compute_s: float, link_mbps: float, server_mbps: float,
+                      alpha_s: float = 0.0, model: CommModel | None = None,
+                      backward_s: float | None = None) -> dict[str, float]:
+    """Step time on an emulated cluster: compute (measured, or a virtual device's modelled) plus the bytes
+    `p` puts on each link at its rate (with WIRE_OVERHEAD), plus α per message in sequence (α-β model).
+    server_mbps: a PS server's link (ClusterConfig.server_mbps); collectives ignore it. `model`: how the
+    backend's communication meets its compute (BackendSpec.comm_model; None: one collective after compute),
+    whose fields the rest of this says how they count.
+
+    Collectives: every rank sends and receives its volume at once (full duplex). PS: a push then a pull over
+    the links (`exchange_time`; pipelined over `pipeline` partitions per server). Overlap (DDP/ZeRO with
+    overlap_comm and B buckets, a PS pushing B partitions from backward's hooks): buckets of equal size, ready
+    at equal steps through backward (`backward_s`; unknown: 2/3 of compute), on one link: after backward there
+    waits the last bucket's share, or, where the link is the bound, all of it less what backward hides after
+    the first bucket is ready, max(comm / B, comm - backward (B - 1) / B).
+    ready_share: the share of backward in which the busiest link's buckets are ready (a PS server owns a
+    contiguous 1/k of the parameters: its B/k partitions are ready within 1/k of backward, the last server's at
+    its end), so backward hides ready_share (B' - 1) / B' of it, B' = B x ready_share; a pipelined exchange's
+    tail is then its last partition's push and pull, 2 / (pipeline + 1) of it. after_passes: ring passes that
+    start only after the optimizer step (ZeRO-1/2's all-gather of the updated parameters), exposed whole.
+    hidden_passes: ring passes already inside the measured compute (ZeRO-3's forward and backward
+    all-gathers block there, where the comm wait does not see them). replay: the backend's own model of the
+    step, where these do not hold (plus α per message in sequence)."""
+    m = model or CommModel()
+    buckets, pipeline, ready_share = m.buckets, m.pipeline, m.ready_share
+    worker_rate = link_mbps * 1e6 / 8 / WIRE_OVERHEAD   # payload bytes/s
+    server_rate = server_mbps * 1e6 / 8 / WIRE_OVERHEAD
+    if not p.worker.sent and not p.worker.received:
+        return {"compute_s": compute_s, "comm_s": 0.0, "step_time_s": compute_s}
+    backward = 2 / 3 * compute_s if backward_s is None else backward_s
+    if m.replay is not None:
+        step = m.replay(compute_s, backward, worker_rate, server_rate) + p.messages * alpha_s
+        return {"compute_s": compute_s, "comm_s": step - compute_s, "step_time_s": step}
+    after = 0.0
+    if p.server is not None:
+        comm = (exchange_time(p.links or two_phase_links(p), worker_rate, server_rate, pipeline)
+                + p.messages * alpha_s)
+    else:
+        per_pass = (p.worker.sent / worker_rate + p.messages * alpha_s) / p.rounds
+        comm, after = (p.rounds - m.hidden_passes - m.after_passes) * per_pass, m.after_passes * per_pass
+    seen = max(1.0, buckets * ready_share)   # the buckets the busiest link carries
+    hiding = backward * ready_share * (seen - 1) / seen
+    tail = comm * 2 / (pipeline + 1) if pipeline > 1 else comm / seen
+    exposed = (max(comm - hiding, tail) if m.overlap and buckets > 1 else comm) + after
+    return {"compute_s": compute_s, "comm_s": exposed, "step_time_s": compute_s + exposed}
+
+
+def buckets_of(bytes_reduced: float, cap_bytes: float) -> int:
+    """Collectives per pass when `bytes_reduced` go in buckets of `cap_bytes`."""
+    return max(1, -(-int(bytes_reduced) // max(1, int(cap_bytes))))
+
+
+def cluster_step(cfg: Config, summary: dict[str, Any]) -> dict[str, float]:
+    """Measured | predicted step time of a finished run on the emulated cluster: compute plus the α-β time of
+    the bytes each link carries (cluster_step_time), with the backend's own model of how its communication
+    meets its compute (BackendSpec.comm_model), the compute stretched by the share its ranks wait by design (a
+    pipeline's bubble, CommModel.idle_fraction). Compute is a virtual device's modelled forward and backward
+    (summary's virtual_device: cluster time, α / D, nothing of the communication inside it), else the
+    measured step less its communication wait."""
+    m = registry.spec_of(cfg).comm_model(cfg, summary["params"], summary.get("extra") or {})
+    vd, alpha, backward = summary.get("virtual_device"), summary["cluster"]["alpha_s"], None
+    if vd is not None and vd.get("compute_s") is not None:   # modelled compute holds no blocking pass
+        compute, alpha, m = vd["compute_s"], alpha / vd["dilation"], dataclasses.replace(m, hidden_passes=0)
+        backward = compute * vd["backward_s"] / (vd["forward_s"] + vd["backward_s"])
+    else:
+        compute = summary["step_time_s"] - (summary.get("comm_s") or 0.0)
+    # a rank that waits by design (the bubble) computes `compute` in a phase 1 / (1 - idle) as long
+    pred = cluster_step_time(predict(cfg, summary["params"]), compute / (1.0 - m.idle_fraction), cfg.cluster.link_mbps,
+                             cfg.cluster.server_mbps, alpha, m, backward)
+    return {"measured_s": summary["step_time_s"], "predicted_s": pred["step_time_s"],
+            "compute_s": compute, "predicted_comm_s": pred["comm_s"]}

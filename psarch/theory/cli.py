@@ -1,0 +1,90 @@
+"""`psarch estimate`: the analytic memory, traffic and step-time model from the command line (no processes)."""
+from __future__ import annotations
+
+import argparse
+import sys
+
+from psarch.config import ConfigError
+
+
+def add_parser(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--params", type=float, help="parameter count Φ, e.g. 7.5e9")
+    p.add_argument("--world", type=int, default=64, help="number of workers N")
+    p.add_argument("--precision", default="bf16", choices=("fp32", "bf16", "fp16"))
+    p.add_argument("--optimizer", default="adamw", choices=("sgd", "adamw", "adagrad"))
+    p.add_argument("--servers", type=int, default=1, help="parameter servers")
+    p.add_argument("--pipeline", type=int, default=0, metavar="P", help="pipeline stages p: adds pipeline rows")
+    p.add_argument("--microbatches", type=int, default=8, metavar="M", help="micro-batches m (with --pipeline)")
+    p.add_argument("--bandwidth", type=float, default=12.5e9, help="link bytes/s per direction")
+    p.add_argument("--latency", type=float, default=10e-6, help="seconds per message")
+    p.add_argument("--compute-s", type=float, help="compute seconds per step per worker (default: the --from "
+                   "run's measured compute, else 0.1)")
+    p.add_argument("--overlap", type=float, default=0.0, help="fraction of communication hidden by compute")
+    p.add_argument("--budget", type=float, help="device memory for the ZeRO paper's Table 2, bytes (default 32e9; "
+                   "with --from, the table is shown only when a budget is given)")
+    p.add_argument("--from", dest="from_run", help="take Φ, N, precision and compute time from a run folder")
+    gpt = p.add_argument_group("tensor parallelism", "rows for a GPT of this shape at each degree t dividing --world")
+    gpt.add_argument("--tensor-parallel", type=int, help="the degree t to mark (rows appear when given)")
+    for flag, default, what in (("--layers", 24, "blocks"), ("--hidden", 2048, "width"), ("--heads", 16, "heads"),
+                                ("--seq-len", 2048, "tokens per sequence"),
+                                ("--micro-batch", 8, "sequences per data-parallel replica per step"),
+                                ("--vocab", 50257, "vocabulary")):
+        gpt.add_argument(flag, type=int, default=default, help=f"{what} (default {default})")
+
+
+
+def command(args: argparse.Namespace) -> int:
+    from psarch.theory.estimate import Cluster, measured_compute, report
+    from psarch.report.runs import load_run, run_config
+
+    measured = None
+    phi, world, precision, optimizer = args.params, args.world, args.precision, args.optimizer
+    compute = args.compute_s
+    if args.from_run:
+        try:
+            run = load_run(args.from_run)
+            cfg = run_config(run)
+        except (FileNotFoundError, ValueError) as e:   # ConfigError is a ValueError
+            print(f"psarch: estimate --from {args.from_run}: {e}", file=sys.stderr)
+            return 2
+        summary = run["summary"]
+        measured = (summary, cfg)
+        phi = phi or summary["params"]
+        world, precision, optimizer = cfg.backend.world_size, cfg.train.precision, cfg.train.optimizer
+        compute = measured_compute(summary) if compute is None else compute
+    if args.pipeline and (args.pipeline < 1 or world % args.pipeline or args.microbatches < 1):
+        print(f"psarch: estimate: --pipeline {args.pipeline} must divide --world {world}, and --microbatches "
+              f"must be >= 1", file=sys.stderr)
+        return 2
+    if not phi or phi <= 0 or world < 1 or args.servers < 1 or args.bandwidth <= 0 or args.latency < 0 \
+            or (compute is not None and compute < 0):
+        print("psarch: estimate: --params (> 0) or --from is required; --world, --servers >= 1; "
+              "--bandwidth > 0; --latency, --compute-s >= 0", file=sys.stderr)
+        return 2
+    cluster = Cluster(args.bandwidth, args.latency, 0.1 if compute is None else compute, args.overlap)
+    source = args.from_run if measured is not None and args.compute_s is None else None
+    options = {"stages": args.pipeline, "microbatches": args.microbatches} if args.pipeline else {}
+    try:
+        tensor = _tensor_shape(args, world)
+        print(report(phi, world, precision, optimizer, args.servers, cluster, args.budget, measured, source, options,
+                     tensor), end="")
+    except ConfigError as e:
+        print(f"psarch: estimate: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+def _tensor_shape(args: argparse.Namespace, world: int) -> tuple | None:
+    """(the GPT's shape, t) for --tensor-parallel t; a ConfigError naming the flag when it does not fit."""
+    from psarch.theory.estimate_tensor import GPTShape
+
+    t = args.tensor_parallel
+    if t is None:
+        return None
+    shape = GPTShape(args.layers, args.hidden, args.heads, args.seq_len, args.micro_batch, args.vocab)
+    if min(shape.layers, shape.hidden, shape.heads, shape.seq, shape.micro_batch, shape.vocab) < 1:
+        raise ConfigError("--layers, --hidden, --heads, --seq-len, --micro-batch, --vocab: each must be >= 1")
+    if t < 1 or world % t or shape.heads % t or shape.hidden % shape.heads:
+        raise ConfigError(f"--tensor-parallel {t}: must divide --world {world} and --heads {shape.heads} "
+                          f"(and --heads must divide --hidden {shape.hidden})")
+    return shape, t

@@ -1,0 +1,260 @@
+"""`psarch estimate`: the analytic model, no processes.
+
+Memory per device for DDP and ZeRO 1-3 (the ZeRO paper's Tables 1 and 2), traffic per step for every
+architecture, and an alpha-beta step-time model from 1 to 1,024 workers. Sizes are decimal (a GB is 1e9
+bytes, as the paper's), each table in the unit its largest figure reads in, to 3 significant figures.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from psarch import registry, theory
+from psarch.config import Config
+from psarch.theory.estimate_tensor import GPTShape, tensor_report
+
+STAGES = (("ddp", 0), ("zero-1", 1), ("zero-2", 2), ("zero-3", 3))
+
+
+def _setup(stage: int, n: int, precision: str, optimizer: str) -> Config:
+    """DDP (stage 0) or ZeRO-`stage` at world size n."""
+    return theory.config_for("zero", n, precision, optimizer, stage=stage) if stage else \
+        theory.config_for("ddp", n, precision, optimizer)
+
+
+def memory_table(phi: float, worlds: list[int], precision: str = "bf16", optimizer: str = "adamw") -> list[dict]:
+    """Model-state bytes per device for DDP and ZeRO stages 1-3 at each world size (ZeRO paper Table 1)."""
+    return [{"world": n, **{name: theory.predict(_setup(stage, n, precision, optimizer), phi).memory_per_rank.total
+                            for name, stage in STAGES}} for n in worlds]
+
+
+def max_params(budget_bytes: float, world: int, stage: int, precision: str = "bf16", optimizer: str = "adamw") -> float:
+    """The largest Φ whose model states fit in `budget_bytes` per device at data-parallel degree `world`."""
+    return budget_bytes / theory.predict(_setup(stage, world, precision, optimizer), 1.0).memory_per_rank.total
+
+
+def table2(budget_bytes: float = 32e9, gpus: tuple[int, ...] = (64, 128, 256, 512, 1024), dp: int = 64) -> list[dict]:
+    """ZeRO paper Table 2: the largest model for a per-GPU budget, model parallelism MP = gpus / dp.
+
+    As the paper does, the MP = 1 size is cut to 0.1 B parameters and scaled by MP (model parallelism
+    splits each layer evenly over MP devices)."""
+    rows = []
+    for g in gpus:
+        mp = g // dp
+        row = {"mp": mp, "gpus": g}
+        for name, stage in STAGES:
+            row[name] = math.floor(max_params(budget_bytes, dp, stage) / 1e8) * 1e8 * mp
+        rows.append(row)
+    return rows
+
+
+@dataclass
+class Cluster:
+    """alpha-beta model of a link: a message of b bytes takes alpha + b / bandwidth seconds."""
+
+    bandwidth: float = 12.5e9     # bytes/s per direction per device (100 Gb/s)
+    alpha: float = 10e-6          # seconds of latency per message
+    compute_s: float = 0.1        # forward + backward + update per step per worker (weak scaling)
+    overlap: float = 0.0          # fraction of communication hidden behind compute
+
+
+def comm_time(p: theory.Prediction, c: Cluster) -> float:
+    """Seconds of communication per step from a prediction's per-link bytes and messages. A ring sends
+    and receives at once, so a worker's link time is its bytes sent; a PS pushes, then pulls, each phase
+    bounded by the busier end (a worker's link or a server's, which carries every worker's share)."""
+    if p.server is None:
+        return p.messages * c.alpha + p.worker.sent / c.bandwidth
+    push = max(p.worker.sent, p.server.received)
+    pull = max(p.worker.received, p.server.sent)
+    return p.messages * c.alpha + (push + pull) / c.bandwidth
+
+
+def step_time(p: theory.Prediction, c: Cluster) -> float:
+    """Compute plus the communication that compute does not hide."""
+    comm = comm_time(p, c)
+    return c.compute_s + comm - min(c.overlap * comm, c.compute_s)
+
+
+def _ps(phi: float, precision: str, n: int, servers: str) -> theory.Prediction:
+    count = n if servers == "n" else int(servers)
+    return theory.predict(theory.config_for("ps", n, precision, "adamw", servers=count), phi)
+
+
+def scaling_table(phi: float, precision: str, c: Cluster, worlds: list[int], ps_servers: list[str]) -> list[dict]:
+    """Step time for each architecture and N (weak scaling: compute per worker stays c.compute_s).
+
+    ps_servers entries are counts ("4") or "n" (as many servers as workers)."""
+    rows = []
+    for n in worlds:
+        row = {"world": n, "ring": step_time(theory.predict(_setup(0, n, precision, "adamw"), phi), c),
+               "zero-3": step_time(theory.predict(_setup(3, n, precision, "adamw"), phi), c)}
+        for s in ps_servers:
+            row[f"ps/{s}"] = step_time(_ps(phi, precision, n, s), c)
+        rows.append(row)
+    return rows
+
+
+def crossover(phi: float, precision: str, c: Cluster, servers: str, worlds: list[int]) -> int | None:
+    """The smallest N at which the PS with `servers` servers steps faster than ring all-reduce."""
+    for n in worlds:
+        ddp = theory.predict(_setup(0, n, precision, "adamw"), phi)
+        if n > 1 and step_time(_ps(phi, precision, n, servers), c) < step_time(ddp, c):
+            return n
+    return None
+
+
+def measured_compute(summary: dict) -> float:
+    """A run's compute time per step: its median step time less the time it waited on communication."""
+    return max(summary["step_time_s"] - summary.get("comm_s", 0.0), 0.0)
+
+
+# ---------------------------------------------------------------- printing
+
+WORLDS = [1, 4, 16, 64, 256, 1024]
+
+
+SIZES = (("B", 1.0), ("KB", 1e3), ("MB", 1e6), ("GB", 1e9), ("TB", 1e12))   # decimal, as the ZeRO paper's GB
+TIMES = (("us", 1e-6), ("ms", 1e-3), ("s", 1.0))
+
+
+def size_unit(values: list[float]) -> tuple[str, float]:
+    """The unit a table of byte counts is printed in: the largest whose scale its largest value reaches, so
+    that every cell reads with 3 significant figures (a run of 4,000 parameters in KB, a 7.5B model in GB)."""
+    return _unit(values, SIZES)
+
+
+def _unit(values: list[float], units: tuple[tuple[str, float], ...]) -> tuple[str, float]:
+    top = max((abs(v) for v in values), default=0.0)
+    fits = [u for u in units if top >= u[1]]
+    return fits[-1] if fits else units[0]
+
+
+def _in(x: float, scale: float) -> str:
+    """x in a unit of `scale`, to 3 significant figures (0 as 0)."""
+    return f"{x / scale:.3g}" if x else "0"
+
+
+def fmt_size(x: float) -> str:
+    """One byte count for people: 3 significant figures in B, KB, MB, GB or TB (1e3 steps) by its magnitude."""
+    name, scale = size_unit([x])
+    return f"{_in(x, scale)} {name}"
+
+
+def fmt_time(t: float) -> str:
+    """Seconds for people: 3 significant figures in us, ms or s by their magnitude."""
+    name, scale = _unit([t], TIMES)
+    return f"{_in(t, scale)} {name}"
+
+
+def _params(x: float) -> str:
+    for suffix, scale in (("T", 1e12), ("B", 1e9), ("M", 1e6), ("k", 1e3)):
+        if x >= scale:
+            return f"{x / scale:.4g}{suffix}"
+    return f"{x:.0f}"
+
+
+def backend_rows(phi: float, world: int, precision: str, optimizer: str, options: dict) -> list[str]:
+    """The rows backends add from Φ alone for the command line's options (BackendSpec.estimate_rows)."""
+    rows = [r for spec in registry.specs() for r in spec.estimate_rows(phi, world, precision, optimizer, options)]
+    if not rows:
+        return []
+    unit, scale = size_unit([x for r in rows for x in (r["states"], r["sent"])])
+    out = ["", f"== model parallelism at N = {world}: model states per device, gradient all-reduce per device, "
+               f"idle fraction", f"{'architecture':>40} {'states ' + unit:>10} {'sends ' + unit:>10} {'bubble':>7}"]
+    return out + [f"{r['label']:>40} {_in(r['states'], scale):>10} {_in(r['sent'], scale):>10} {r['bubble']:>7.3f}"
+                  for r in rows]
+
+
+def report(phi: float, world: int, precision: str = "bf16", optimizer: str = "adamw", servers: int = 1,
+           cluster: Cluster | None = None, budget: float | None = None, measured: tuple[dict, Config] | None = None,
+           compute_from: str | None = None, options: dict | None = None,
+           tensor: tuple[GPTShape, int] | None = None) -> str:
+    """Everything `psarch estimate` prints; `measured` is a run's (summary, config), compared with the model
+    at the end; `compute_from` names the run the cluster's compute time was measured in, if any; `options`
+    the backend options asked for on the command line (a pipeline's stages and micro-batches: the rows
+    BackendSpec.estimate_rows adds from Φ alone); `tensor` (a GPT's shape, the degree asked for): tensor
+    parallelism's rows, which need the shape (psarch.theory.estimate_tensor). The ZeRO paper's Table 2 (the largest
+    model a device `budget` holds, default 32 GB) is about models of billions of parameters: it is shown for a
+    Φ asked about, and for a measured run only when a budget is given."""
+    c = cluster or Cluster()
+    out = _memory_lines(phi, world, precision, optimizer)
+    if budget is not None or measured is None:
+        out += _table2_lines(32e9 if budget is None else budget)
+    out += _traffic_lines(phi, world, precision, optimizer, servers)
+    out += backend_rows(phi, world, precision, optimizer, options or {})
+    out += _scaling_lines(phi, precision, servers, c, compute_from)
+    if tensor:
+        out += [""] + tensor_report(tensor[0], world, tensor[1], precision, optimizer)
+    if measured:
+        out += ["", measured_vs_model(*measured, c)]
+    return "\n".join(out) + "\n"
+
+
+def _memory_lines(phi: float, world: int, precision: str, optimizer: str) -> list[str]:
+    rows = memory_table(phi, sorted(set(WORLDS + [world])), precision, optimizer)
+    unit, scale = size_unit([r[name] for r in rows for name, _ in STAGES])
+    out = [f"== model states per device, {unit}: Φ = {_params(phi)}, {precision} + {optimizer} "
+           f"(K = {theory.optimizer_bytes_per_param(optimizer, precision)})",
+           f"{'N':>6} " + " ".join(f"{name:>10}" for name, _ in STAGES)]
+    for row in rows:
+        mark = "  <- --world" if row["world"] == world else ""
+        out.append(f"{row['world']:>6} " + " ".join(f"{_in(row[name], scale):>10}" for name, _ in STAGES) + mark)
+    return out
+
+
+def _table2_lines(budget: float) -> list[str]:
+    out = ["", f"== largest model per device budget {fmt_size(budget)}, DP = 64 (ZeRO paper Table 2)",
+           f"{'MP':>4} {'GPUs':>6} " + " ".join(f"{name:>10}" for name, _ in STAGES)]
+    for row in table2(budget):
+        out.append(f"{row['mp']:>4} {row['gpus']:>6} " + " ".join(f"{_params(row[name]):>10}" for name, _ in STAGES))
+    return out
+
+
+def _traffic_lines(phi: float, world: int, precision: str, optimizer: str, servers: int) -> list[str]:
+    rows = []
+    for label, cfg in (("ddp (ring)", _setup(0, world, precision, optimizer)),
+                       ("zero-1/2", _setup(1, world, precision, optimizer)),
+                       ("zero-3", _setup(3, world, precision, optimizer)),
+                       (f"ps, {servers} server(s)", theory.config_for("ps", world, precision, optimizer, servers=servers))):
+        p = theory.predict(cfg, phi)
+        srv = p.server or theory.LinkBytes()
+        rows.append((label, (p.worker.sent, p.worker.received, srv.received, srv.sent)))
+    payload = phi * theory.BYTES[precision]
+    unit, scale = size_unit([payload] + [x for _, xs in rows for x in xs])
+    out = ["", f"== traffic per step at N = {world}, {unit} (S = {fmt_size(payload)} of {precision} gradients)",
+           f"{'architecture':>16} {'worker sends':>13} {'worker recvs':>13} {'server recvs':>13} {'server sends':>13}"]
+    return out + [f"{label:>16} " + " ".join(f"{_in(x, scale):>13}" for x in xs) for label, xs in rows]
+
+
+def _scaling_lines(phi: float, precision: str, servers: int, c: Cluster, compute_from: str | None) -> list[str]:
+    worlds = [2**k for k in range(11)]
+    cols = ["1", str(servers), "n"] if servers not in (1,) else ["1", "n"]
+    rows = scaling_table(phi, precision, c, worlds, cols)
+    keys = ["ring", "zero-3"] + [f"ps/{s}" for s in cols]
+    unit, scale = _unit([r[k] for r in rows for k in keys], TIMES)
+    source = f" (measured in {compute_from})" if compute_from else ""
+    out = ["", f"== step time ({unit}), compute {fmt_time(c.compute_s)}/step/worker{source} (weak scaling), link "
+               f"{fmt_size(c.bandwidth)}/s, latency {fmt_time(c.alpha)}, overlap {c.overlap:g}",
+           f"{'N':>6} {'ddp ring':>9} {'zero-3':>9} " + " ".join(f"{'ps/' + s:>9}" for s in cols)
+           + "   (ps/n: one server per worker)"]
+    for row in rows:
+        out.append(f"{row['world']:>6} " + " ".join(f"{row[k] / scale:>9.3g}" for k in keys))
+    for s in cols:
+        n = crossover(phi, precision, c, s, worlds)
+        out.append(f"ps/{s} overtakes ring all-reduce at N = {n}" if n else
+                   f"ps/{s} does not overtake ring all-reduce up to N = {worlds[-1]}")
+    return out
+
+
+def measured_vs_model(summary: dict, cfg: Config, c: Cluster) -> str:
+    """A run's measured step time and traffic against the model's for the run's own config, with compute
+    taken from the run."""
+    compute = measured_compute(summary)
+    p = theory.predict(cfg, summary["params"])
+    model = step_time(p, Cluster(c.bandwidth, c.alpha, compute, c.overlap))
+    sent = [r["sent_per_step"] for r in summary["traffic"]["per_rank"]]
+    label = summary.get("label") or " ".join(filter(None, (summary["backend"], summary.get("variant"))))
+    return (f"== measured run {summary['name']} ({label}, N = {summary['world_size']}): "
+            f"compute {compute * 1e3:.2f} ms\n"
+            f"step time  measured {summary['step_time_s'] * 1e3:.2f} ms   model {model * 1e3:.2f} ms\n"
+            f"sent/step  measured {fmt_size(sum(sent) / len(sent))}   model {fmt_size(p.worker.sent)}")
