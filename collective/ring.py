@@ -25,9 +25,8 @@ class RingCommunicator(Communicator):
     same bytes, one round trip. Scratch space is kept from call to call: max(window, 2) segments per dtype.
 
     Why 4 MiB segments and a window of 4: each message on gloo's point-to-point path costs a rendezvous and
-    thread wake-ups (130-190 µs of CPU on a 2-core machine), and where ranks share cores CPU is the bound;
-    against 1 MiB segments they cut the ring's CPU by 7-17% relative to gloo's at N = 2-8, 16-64 MiB
-    (experiments/results/bench_allreduce/cpu_p2p.md), and 4 in flight keep a connection busy while one
+    thread wake-ups, and where ranks share cores CPU is the bound; against 1 MiB segments they cut the ring's
+    CPU relative to gloo's (`psarch bench allreduce`), and 4 in flight keep a connection busy while one
     segment is added.
     """
 

@@ -1,6 +1,7 @@
 """Dependencies point one way: no import cycle among the project's modules (psarch, collective, zero).
 Imports inside functions count as much as module-level ones: hiding one in a function only defers the cycle.
-Importing a.b.c runs a/__init__.py and a/b/__init__.py first, so it imports those packages too."""
+Importing a.b.c runs a/__init__.py and a/b/__init__.py first, so it imports those packages too. Imports under
+`if TYPE_CHECKING:` never run (the type checker's alone), so they do not count."""
 from __future__ import annotations
 
 import ast
@@ -23,7 +24,12 @@ def imports_of(name: str, path: Path, modules: set[str]) -> set[str]:
     """The project modules `name` imports anywhere in its file (`from a import b` is a.b when that is a module)."""
     out = set()
     package = name if path.name == "__init__.py" else name.rpartition(".")[0]
-    for node in ast.walk(ast.parse(path.read_text())):
+    tree = ast.parse(path.read_text())
+    typing_only = {id(n) for block in ast.walk(tree) if isinstance(block, ast.If) and _is_type_checking(block.test)
+                   for stmt in block.body for n in ast.walk(stmt)}
+    for node in ast.walk(tree):
+        if id(node) in typing_only:
+            continue
         if isinstance(node, ast.Import):
             out |= {a.name for a in node.names}
         elif isinstance(node, ast.ImportFrom):
@@ -36,6 +42,11 @@ def imports_of(name: str, path: Path, modules: set[str]) -> set[str]:
     parents = {".".join(m.split(".")[:i]) for m in out for i in range(1, m.count(".") + 1)}
     own = {".".join(name.split(".")[:i]) for i in range(1, name.count(".") + 1)}   # run before `name` itself
     return {m for m in out | (parents - own) if m in modules and m != name}
+
+
+def _is_type_checking(test: ast.expr) -> bool:
+    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or \
+        (isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING")
 
 
 def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:

@@ -1,6 +1,6 @@
 """README's table of the device study: every mode over its seeds, mean ± 95% CI (psarch.seeds) of compare's own
 figures (final gap, steps and time to the target gap, samples/s; psarch.compare.convergence_of), the time to the
-target with every worker's losses at its own clock (psarch.cluster.straggler_results), how many diverged, and each
+target with every worker's losses at its own clock (psarch.report.stragglers), how many diverged, and each
 group's D and overrun steps (the worst run, and how many runs overran more than 5% of their steps), then every run's:
     python experiments/async_convergence/device_seeds.py runs/async_convergence_device > \
         experiments/async_convergence/results/device/seeds.md"""
@@ -9,11 +9,11 @@ import sys
 from pathlib import Path
 
 from psarch.cluster.device import OVERRUN_WARN
-from psarch.cluster.straggler_results import time_to_gap
-from psarch.compare import convergence_of
-from psarch.curves import diverged
-from psarch.runs import load_run, target_gaps
-from psarch.seeds import interval, seed_groups
+from psarch.report.stragglers import time_to_gap
+from psarch.report.compare import convergence_of
+from psarch.report.curves import diverged
+from psarch.report.runs import load_run, target_gaps
+from psarch.report.seeds import interval, seed_groups
 from psarch.throughput import per_worker
 
 

@@ -5,8 +5,8 @@
 import sys
 from pathlib import Path
 
-from psarch.cluster.straggler_results import final_gap, time_to_gap
-from psarch.runs import load_run, target_gaps
+from psarch.report.stragglers import final_gap, time_to_gap
+from psarch.report.runs import load_run, target_gaps
 from psarch.throughput import per_worker
 
 

@@ -1,5 +1,5 @@
 """README's stragglers table: every (run, slowdown, jitter) over its seeds, mean ± 95% CI (psarch.seeds), from
-psarch.cluster.straggler_results' rows (samples/s as the summary defines it; time to the target gap with every
+psarch.report.stragglers' rows (samples/s as the summary defines it; time to the target gap with every
 worker's losses at its own clock):
     python experiments/stragglers/seeds.py runs/stragglers > experiments/stragglers/results/seeds.md
 and with the runs that overran more than 5% of their steps replaced by their runs at a fixed D (fixed_d.toml):
@@ -9,8 +9,8 @@ import sys
 from itertools import groupby
 from pathlib import Path
 
-from psarch.cluster.straggler_results import rows
-from psarch.seeds import interval
+from psarch.report.stragglers import rows
+from psarch.report.seeds import interval
 
 
 def ci(xs: list, form: str) -> str:

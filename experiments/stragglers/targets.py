@@ -5,7 +5,7 @@ import sys
 from pathlib import Path
 
 from psarch.cluster.device import OVERRUN_WARN
-from psarch.seeds import interval   # the Seeds table's own mean and 95% CI
+from psarch.report.seeds import interval   # the Seeds table's own mean and 95% CI
 
 runs = Path(sys.argv[1])
 

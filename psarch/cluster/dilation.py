@@ -16,8 +16,8 @@ D = AUTO_MARGIN x the larger of the two ratios, at least 1, rounded up to two si
 AUTO_MARGIN is 2 for the load that comes and goes after the measurement.
 
 Those two are estimates: a ping-pong's α and one stream's bytes/s are far below what a ring hop or a partition
-costs when every rank of the run takes its turn on the same cores (at 1 Gbit/s the ring at N = 4 got D = 1.2
-from them and ran 44% over its prediction). So a short run of the config itself at that D follows
+costs when every rank of the run takes its turn on the same cores (at 1 Gbit/s the ring at N = 4 got too small a D
+from them and ran far over its prediction). So a short run of the config itself at that D follows
 (`calibrate`): what it took beyond its prediction is this machine's time, spent in sequence with the links, the
 same wall-clock seconds at any D, so D times fewer of the cluster's; D is raised until that is at most
 HOST_SHARE of the step (`serial_rule`).

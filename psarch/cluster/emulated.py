@@ -11,12 +11,12 @@ the run's namespaces, so no packet can leave the machine. Latency is not emulate
 
 Many flows both ways at once (a PS's pipelined pushes and pulls) get each link's full-duplex rate, and many
 senders into one node (N workers into k < N servers) share its link fairly, only with four settings
-(experiments/results/cluster_crossover_device/duplex.txt: bulk TCP both ways took 1.2-1.4x its ideal time on
-plain token buckets, 1.01-1.03x with these, 1.01-1.12x into k < N nodes):
+(bulk TCP both ways lost a fifth or more of its ideal time on plain token buckets, close to none with these,
+into k < N nodes too: the device crossover study's duplex_flows.py measures it):
 - fair shares into a node: on the bridge's end of its link each other node's traffic waits in a FIFO of its
   own, served round robin. In one FIFO a flow that fell behind stayed behind (TCP's shares are unequal in a
   deep queue); a PS server, which answers a partition's pulls once every worker's push of it is in, then
-  waited 50-300 ms a partition on the slowest worker;
+  waited on the slowest worker for every partition;
 - acknowledgements first: on a plain token bucket (`tbf`) a node's acknowledgements wait behind its own
   bulk data, up to QUEUE_S, and the flows they clock stall (worst where N/k senders fill one server's queue);
 - GSO segments cut to what the link sends in SEGMENT_S (one MTU at 12 Mbit/s; a 64 KiB segment holds such a

@@ -188,8 +188,7 @@ class PSSpec(BackendSpec):
         whole ranges from the hooks to colocated servers: replayed as flows (theory.colocated_replay).
         Priority is modelled as without it: the next forward could hide what it overlaps, but its last module
         needs the last partition pushed, and the credit's gating (each ack travels behind its server's pulls on
-        one connection) costs about as much; measured, it gained nothing at 0.1-2 MiB, at 100 Mbit/s and
-        1 Gbit/s (experiments/results/cluster_crossover_device/priority/)."""
+        one connection) costs about as much; measured on the device crossover, it gained nothing."""
         b = cfg.backend
         m = _theory().partitions_per_server(cfg, phi)
         replay = _theory().colocated_replay(cfg, phi) if b.mode == "sync" and pushes_from_hooks(cfg) else None

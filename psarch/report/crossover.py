@@ -1,4 +1,4 @@
-"""The crossover table of experiments/cluster_crossover.toml: each PS run's step time over that of the ring DDP
+"""The crossover table of the cluster_crossover studies: each PS run's step time over that of the ring DDP
 run at the same N and link rate, measured and predicted, beside BytePS's bound for its k servers (Jiang et al.,
 OSDI '20: t = 2N(N-1)S / ((N^2 + kN - 2k)·B) over all-reduce's 2(N-1)S/(NB), i.e. N^2 / (N^2 + kN - 2k); k
 colocated servers add no machine: the bound is all-reduce's, 1). `psarch report crossover SWEEP` writes
@@ -58,7 +58,7 @@ def table(found: list[dict[str, Any]]) -> str:
 def main(argv: list[str] | None = None) -> int:
     """`psarch report crossover SWEEP`: write crossover.md in the sweep folder and print it."""
     ap = argparse.ArgumentParser(prog="psarch report crossover", description=__doc__.split("\n\n")[0])
-    ap.add_argument("sweep", type=Path, help="the sweep folder of experiments/cluster_crossover.toml")
+    ap.add_argument("sweep", type=Path, help="the sweep folder of a cluster_crossover study")
     folder = ap.parse_args(argv).sweep
     if not folder.is_dir():
         sys.exit(f"{folder}: not a folder")

@@ -1,4 +1,4 @@
-"""The table of experiments/model_parallel.toml's README section, from sweeps' run folders.
+"""The table of the model_parallel study, from sweeps' run folders.
 
     psarch report pipeline runs/model_parallel runs/model_parallel_cluster [--out pipeline.md]
 

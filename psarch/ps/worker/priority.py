@@ -7,14 +7,14 @@ push is acknowledged when its server has it (not when its round completes, which
 credit tied to other workers could deadlock them), so a partition the next forward needs early overtakes those
 backward finished before it, once the credit in flight drains. The credit is per server because a server owns a
 contiguous range: one credit for all would send every worker's pushes to server 0 first, then to server 1, each
-server's link in turn carrying all N workers' pushes while the others idle (measured: 2.6 s against 0.9 s
-without priority, N = 4 at 100 Mbit/s). Each push is followed by its partition's pull.
+server's link in turn carrying all N workers' pushes while the others idle (measured several times slower
+than without priority). Each push is followed by its partition's pull.
 After backward the worker posts what the credit allows and goes on: the next forward waits per module
 (`PullOrder`, forward pre-hooks) only for the partitions holding that module's own parameters, posting the
 queued pushes as acks free the credit while it waits, and the later partitions still go out and come back
 behind it, as ByteScheduler's scheduler thread sends them. (Posting every push before the next forward, as
 psarch did first, held that forward until all but the last credit's worth had left: priority then measured no
-gain at any credit, N = 4 at 100 Mbit/s: 668, 637 and 640 ms at 0.5, 2 and 0.1 MiB against 639 without.)
+gain at any credit.)
 """
 from __future__ import annotations
 
