@@ -1,7 +1,9 @@
-"""README's table of the device study: every mode over its seeds, mean ± 95% CI (psarch.seeds) of compare's own
-figures (final gap, steps and time to the target gap, samples/s; psarch.compare.convergence_of), the time to the
-target with every worker's losses at its own clock (psarch.report.stragglers), how many diverged, and each
-group's D and overrun steps (the worst run, and how many runs overran more than 5% of their steps), then every run's:
+"""README's table of the device study: every mode over its seeds, mean ± 95% CI (psarch.report.seeds) of compare's own
+figures (final gap, steps and time to the target gap, the config's convergence_target x the initial gap,
+samples/s; psarch.report.compare.convergence_of), the time to the target with every worker's losses at its own clock
+(psarch.report.stragglers), how many diverged, and each group's D and overrun steps (the worst run, and
+how many runs overran more than 5% of their steps), then every run's. The argument: the sweep's run folder (the
+one holding sweep.json):
     python experiments/async_convergence/device_seeds.py runs/async_convergence_device > \
         experiments/async_convergence/results/device/seeds.md"""
 import json
@@ -28,7 +30,7 @@ sweep = Path(sys.argv[1])
 order = [p["name"] for p in json.loads((sweep / "sweep.json").read_text())]   # the sweep's own order
 runs = [load_run(sweep / n) for n in order if (sweep / n / "summary.json").exists()]
 targets = dict(zip(map(id, runs), target_gaps(runs)))
-print(f"| mode (N = 4) | seeds | gap, mean of last 20 steps | steps to half the initial gap "
+print(f"| mode (N = 4) | seeds | gap, mean of last 20 steps | steps to the target gap "
       f"({', '.join(sorted({f'{t:.2f}' for t in targets.values()}))}) | time to it (s) | time to it, own clocks (s) | "
       f"samples/s | diverged | not reached | D | overrun steps, worst run | runs over {OVERRUN_WARN:.0%} |")
 print("|---|---|---|---|---|---|---|---|---|---|---|---|")
