@@ -92,3 +92,27 @@ def test_the_loss_plot_draws_the_mean_with_a_band(study, monkeypatch):
     assert sum("mean of 3 seeds" in label for label in labels) == 2, labels
     assert len(ax.collections) == 2   # one band per group
     plots.plt.close(fig)
+
+
+def test_a_failed_seed_is_listed_and_counted_as_stopped_in_its_group(study, tmp_path):
+    """A point that stopped (a diverged run the non-finite guard ended, say) has no figures, but the sweep's report
+    must not read as if the group had lost no run: it is listed under "Left out" and counted in its group's row."""
+    import json
+    import shutil
+
+    from psarch.report.compare import compare
+
+    sweep = tmp_path / "study"
+    shutil.copytree(study, sweep)
+    stopped = next(p for p in sorted(sweep.iterdir()) if p.is_dir() and "seed1" in p.name)
+    summary = json.loads((stopped / "summary.json").read_text())
+    (stopped / "summary.json").write_text(json.dumps(dict(summary, status="failed", error="NonFiniteError: ...")))
+    report = compare([sweep], tmp_path / "compare").read_text()
+    assert f"{stopped}: failed" in report.split("Left out", 1)[1]
+    section = report.split("## Seeds", 1)[1].split("\n## ", 1)[0]
+    lr = json.loads((stopped / "config.json").read_text())["train"]["lr"]
+    rows = [line for line in section.splitlines() if line.startswith("| ") and "seed0" in line]
+    cells = {row: [c.strip() for c in row.split("|")[1:-1]] for row in rows}
+    hit = [c for c in cells.values() if c[3] == "0, 2"]
+    assert len(hit) == 1 and hit[0][-1] == "1 (1)", (lr, rows)
+    assert [c[-1] for c in cells.values() if c[3] == "0, 1, 2"] == ["0"]

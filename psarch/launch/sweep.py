@@ -242,9 +242,8 @@ def run_sweep(path: str | Path, sweep: dict[str, Any], overrides: list[str] | No
         [{"name": p.name, "overrides": p.overrides, "status": p.status, "detail": p.detail, "same_as": p.same_as}
          for p in points],
         indent=2) + "\n")
-    finished = [root / p.name for p in points if p.status in ("done", "skipped")]
-    if finished:
-        report = compare(finished, root / "compare")
+    if any(p.status in ("done", "skipped") for p in points):
+        report = compare([root], root / "compare")   # the sweep folder: its failed points listed, and counted by seed
         if echo:
             print(f"\ncomparison: {report}")
     if echo:

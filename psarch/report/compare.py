@@ -16,7 +16,7 @@ from psarch.report.curves import diverged
 from psarch.report.runs import (fraction_of, label, load_run, name_runs, predicted_rank0_memory, predicted_worker_sent,
                          server_received_per_step, step_clock, target_fraction, target_gaps, target_words,
                          trailing_mean, worker_sent_per_step)
-from psarch.report.seeds import interval, seed_groups
+from psarch.report.seeds import interval, seed_groups, study_key
 from psarch.throughput import LOCKSTEP, OWN_PACE
 from psarch.units import fmt_bytes
 
@@ -122,16 +122,21 @@ def convergence_of(run: dict[str, Any], target: float, last: int = 20, window: i
                        next((r["step"] for r in rows if not math.isfinite(r["loss"])), None))
 
 
-def seeds_table(runs: list[dict[str, Any]], absolute: float | None = None, last: int = 20) -> str:
+def seeds_table(runs: list[dict[str, Any]], absolute: float | None = None, last: int = 20,
+                stopped: dict[str, list[int]] | None = None) -> str:
     """One Markdown row per group of runs that differ only in seed (psarch/report/seeds.py), where some group has
     two or more: mean ± 95% CI over the seeds of the final gap, steps and time to the target (over the seeds
-    that reached it), samples/s, and how many diverged (curves.diverged's rule) or never reached the target."""
+    that reached it), samples/s, and how many diverged (curves.diverged's rule), never reached the target, or
+    stopped before their last step (`stopped`: study_key -> the seeds of the group's failed runs; a run the
+    non-finite guard stopped diverged, and is left out of the figures, which it never finished)."""
+    stopped = stopped or {}
     groups = seed_groups(runs)
     if all(len(g) < 2 for g in groups):
         return ""
     targets = dict(zip(map(id, runs), target_gaps(runs, absolute)))
     lines = [f"| runs | architecture | N | seeds | gap, mean of last {last} steps | steps to target | "
-             "time to target (s) | samples/s | diverged | not reached |", "|---|---|---|---|---|---|---|---|---|---|"]
+             "time to target (s) | samples/s | diverged | not reached | stopped (seeds) |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     for group in groups:
         s, target = group[0]["summary"], targets[id(group[0])]
         seeds = ", ".join(str((r["config"] or {}).get("seed", "?")) for r in group)
@@ -145,8 +150,10 @@ def seeds_table(runs: list[dict[str, Any]], absolute: float | None = None, last:
             gap, steps, secs = (str(interval([getattr(c, k) for c in cs]) or "-") for k in ("gap", "steps", "seconds"))
             missed = str(sum(c.steps is None for c in cs))
         names = ", ".join(r["run_label"] for r in group)
+        failed = stopped.get(study_key(group[0]), [])
+        halted = f"{len(failed)} ({', '.join(map(str, failed))})" if failed else "0"
         lines.append(f"| {names} | {s['label']} | {s['world_size']} | {seeds} | {gap} | {steps} | {secs} | {rate} | "
-                     f"{gone} | {missed} |")
+                     f"{gone} | {missed} | {halted} |")
     return "\n".join(lines)
 
 
@@ -184,6 +191,18 @@ def run_folders(paths: list[str | Path]) -> tuple[list[Path], list[str]]:
     return folders, left_out
 
 
+def stopped_seeds(left_out: list[str]) -> dict[str, list[int]]:
+    """The seeds of the runs left out (run_folders' notes, "<folder>: <status>") by study_key, from each one's
+    config.json: what the Seeds table counts as stopped."""
+    out: dict[str, list[int]] = {}
+    for note in left_out:
+        config = Path(note.rsplit(": ", 1)[0]) / "config.json"
+        if config.is_file():
+            cfg = json.loads(config.read_text())
+            out.setdefault(study_key({"config": cfg}), []).append(cfg.get("seed"))
+    return out
+
+
 def compare(run_dirs: list[str | Path], out: str | Path, target_gap: float | None = None) -> Path:
     """Write report.md and the plots for these runs (run folders, or sweep folders: run_folders) into `out`;
     returns the report's path. `target_gap`: the convergence table's target, absolute (default: the runs'
@@ -219,7 +238,7 @@ def compare(run_dirs: list[str | Path], out: str | Path, target_gap: float | Non
                  "held: the busiest worker's rows (PS: its peak; ddp sharded: its shard; other backends replicate the "
                  "whole tables). Unique ids: distinct ids of one worker's batch over all tables, mean over steps, "
                  "beside their expectation under the Zipf law. Final gap: last step's loss minus the known floor.", ""]
-    study = seeds_table(runs, target_gap)
+    study = seeds_table(runs, target_gap, stopped=stopped_seeds(left_out))
     if study:
         text += ["## Seeds", "", study, "", "Runs that differ only in their seed, as one study: mean ± the half-width "
                  "of the 95% confidence interval (Student's t over the seeds; n: the seeds that have the figure, so "
