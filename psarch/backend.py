@@ -94,7 +94,10 @@ class BackendSpec(ABC):
         if key not in keys:
             return False
         variants = keys[key]
-        return variants is None or getattr(cfg.backend, self.variant_key) in variants
+        if variants is None:
+            return True
+        assert self.variant_key is not None, f"{self.kind}: reads lists variants of {key} but no variant_key"
+        return getattr(cfg.backend, self.variant_key) in variants
 
     def check(self, cfg: Config) -> None:
         """Combinations this backend refuses, as one ConfigError each; the declared capabilities (precisions,

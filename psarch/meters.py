@@ -145,8 +145,8 @@ def flat_memory(device: torch.device, flat: Any, optimizer: int) -> MemoryReport
 def torch_memory(device: torch.device, params: Iterable[torch.Tensor], opt: torch.optim.Optimizer) -> MemoryReport:
     """Model states of a rank stepping (possibly DTensor) parameters with a torch optimizer: the torch peers."""
     peak, kind = peak_memory(device)
-    params, grads, optimizer = local_state_bytes(params, opt)
-    return MemoryReport(params=params, grads=grads, optimizer=optimizer, peak=peak, peak_kind=kind)
+    param_bytes, grad_bytes, optimizer_bytes = local_state_bytes(params, opt)
+    return MemoryReport(params=param_bytes, grads=grad_bytes, optimizer=optimizer_bytes, peak=peak, peak_kind=kind)
 
 
 def optimizer_state_bytes(opt: torch.optim.Optimizer) -> int:

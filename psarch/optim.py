@@ -18,7 +18,6 @@ def build_optimizer(params: Iterable[torch.Tensor] | Iterable[dict[str, Any]], t
     elements into tensors; fused SGD can differ by one ulp on the few elements of a tensor's vector tail
     (its scalar loop rounds a multiply-add differently); against the per-tensor loop all differ by a few
     ulp, far below the parity tolerance (tests/parity.py)."""
-    params = list(params)
     kind = {"fused": True} if fused else {"foreach": False}
     if t.optimizer == "sgd":
         return torch.optim.SGD(params, lr=t.lr, momentum=t.momentum, nesterov=t.nesterov,

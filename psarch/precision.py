@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import copy
-from typing import Iterable, Sequence
+from typing import Any, Iterable, Sequence
 
 import torch
 
@@ -173,7 +173,7 @@ class MixedPrecisionOptimizer:
 
     def state_bytes_per_element(self) -> int:
         """Optimizer state (moments, momentum) plus fp32 master bytes held for each element stepped on."""
-        state = next(iter(self.optimizer.state.values()), {})
+        state: dict[str, Any] = next(iter(self.optimizer.state.values()), {})
         per = sum(v.element_size() for v in state.values() if torch.is_tensor(v) and v.dim() > 0)
         return per + (4 if self.master.copies else 0)
 

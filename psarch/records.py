@@ -5,13 +5,24 @@ the top of summary.json (Summary)."""
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field, fields
-from typing import Any, NotRequired, TypedDict
+from typing import Any, TypedDict
 
 import torch
 
 
-class StepRecord(TypedDict):
-    """One rank's step: the runner writes it as the step completes (psarch/launch/runner.py)."""
+class PacedFields(TypedDict, total=False):
+    """What a pacer adds to a step's record (its `fields()`): a straggler's sleep, or a virtual device's times."""
+
+    slept_s: float               # a straggler's sleep this step (psarch/cluster/stragglers.py)
+    modelled_s: float            # a virtual device's modelled compute this step, cluster time (psarch/cluster/pacing.py)
+    overrun: bool                # its real compute overran the modelled time: the host set the step's time
+    host_s: float                # this machine's real compute beside it (cluster time: wall / D)
+    late_s: float                # by how much its forward and backward ended after their modelled ends
+
+
+class StepRecord(PacedFields):
+    """One rank's step: the runner writes it as the step completes (psarch/launch/runner.py), with what a pacer
+    adds (PacedFields, not required)."""
 
     step: int
     rank: int
@@ -23,11 +34,6 @@ class StepRecord(TypedDict):
     skipped: bool                # fp16: the update was skipped for inf/nan gradients
     loss_scale: float | None
     extra: dict[str, Any]        # the backend's own figures (StepStats.extra), never a core column
-    slept_s: NotRequired[float]  # a straggler's sleep this step (psarch/cluster/stragglers.py)
-    modelled_s: NotRequired[float]   # a virtual device's modelled compute this step, cluster time (psarch/cluster/pacing.py)
-    overrun: NotRequired[bool]       # its real compute overran the modelled time: the host set the step's time
-    host_s: NotRequired[float]       # this machine's real compute beside it (cluster time: wall / D)
-    late_s: NotRequired[float]       # by how much its forward and backward ended after their modelled ends
 
 
 @dataclass

@@ -10,12 +10,15 @@ from typing import TYPE_CHECKING, Any, Protocol
 import torch
 
 from psarch import registry
-from psarch.records import ServiceInfo
+from psarch.records import ServiceInfo, StepRecord
 
 if TYPE_CHECKING:
     from pathlib import Path
 
     from psarch.checkpoint import Checkpoint, Pieces
+    from psarch.config import Config
+    from psarch.dist import DistContext
+    from psarch.workload import Workload
 
 
 @dataclass
@@ -126,6 +129,9 @@ class Trainer(ABC):
     needs to know of a backend before any rank starts (process group, services, checkpoints) its spec
     declares (psarch/backend.py). A backend that leaves an abstract method out fails when its spec loads it."""
 
+    def __init__(self, workload: Workload, cfg: Config, ctx: DistContext) -> None:
+        """Every backend's trainer is built from these three (the runner calls load_trainer's class so)."""
+
     @abstractmethod
     def step(self, batch: Any) -> StepStats:
         """Forward, backward, synchronise, update; the loss of this worker's shard."""
@@ -156,7 +162,7 @@ class Trainer(ABC):
         """Release sockets, hooks and threads."""
 
     def write_checkpoint(self, ctx: Any, root: "Path", step: int, config: dict[str, Any], keep: int,
-                         steps: list[dict[str, Any]] | None) -> "Path":
+                         steps: list[StepRecord] | None) -> "Path":
         """Write checkpoint `step` under `root` (every rank calls it after the same step), with this rank's
         step records so far: by default checkpoint_pieces() through psarch.checkpoint.save over the ranks'
         process group."""

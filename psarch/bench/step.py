@@ -82,7 +82,10 @@ def plain_peer(cfg: Config, device: torch.device) -> tuple[str, Callable[[Any], 
 
 def peer_runner(kind: str, cfg: Config, device: torch.device) -> tuple[str, Callable[[Any], float]]:
     """The PyTorch program beside psarch `kind` (its spec's bench_peer), from the same initial model."""
-    module, _, name = registry.spec(kind).bench_peer.partition(":")
+    peer = registry.spec(kind).bench_peer
+    if peer is None:
+        raise ValueError(f"backend.kind = {kind!r} names no PyTorch program beside it (BackendSpec.bench_peer)")
+    module, _, name = peer.partition(":")
     return getattr(importlib.import_module(module), name)(cfg, device)
 
 
@@ -129,11 +132,15 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
         peers: dict[str, str] = {}
         for kind in args.backends:
             cfg = bench_config(args, kind, precision)
-            ctx = group if registry.spec(kind).needs_process_group else DistContext(0, 1, 0, device)
+            if registry.spec(kind).needs_process_group:
+                assert group is not None, "grouped: started above when some backend needs it"
+                ctx = group
+            else:
+                ctx = DistContext(0, 1, 0, device)
             loop = trainer_loop(cfg, ctx)
             runners[f"psarch {kind}"] = loop.timed
-            peers[kind], peer = peer_runner(kind, cfg, device)
-            runners[peers[kind]] = _timed(peer, loop.workload, device, None)   # the peer casts (autocast) itself
+            peers[kind], peer_step = peer_runner(kind, cfg, device)
+            runners[peers[kind]] = _timed(peer_step, loop.workload, device, None)   # the peer casts (autocast) itself
         w = build_workload(bench_config(args, "single", precision))
         params = sum(p.numel() for p in w.model.parameters())
         fc = count(w.model, w.loss_fn, w.batch(0, 0, 1))

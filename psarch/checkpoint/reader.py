@@ -13,6 +13,7 @@ import torch
 
 from psarch.checkpoint import rng
 from psarch.checkpoint.fragments import PARAM, Fragment
+from psarch.records import StepRecord
 from psarch.checkpoint.writer import FORMAT, METADATA, VERSION, complete_checkpoints, steps_file
 
 
@@ -189,7 +190,7 @@ class Checkpoint:
             raise CheckpointError(f"{self.path / METADATA}: rank {rank}'s {e}") from None
         return True
 
-    def steps(self, rank: int) -> list[dict[str, Any]]:
+    def steps(self, rank: int) -> list[StepRecord]:
         """Rank `rank`'s step records of the steps before this checkpoint ([] if it wrote none); a checkpoint
         written before they were called so holds them in rows<R>.jsonl."""
         path = steps_file(self.path, rank)

@@ -18,6 +18,7 @@ import torch.distributed as dist
 from psarch.checkpoint import rng
 from psarch.checkpoint.fragments import PARAM, Pieces, private
 from psarch.dist import DistContext
+from psarch.records import StepRecord
 
 FORMAT, VERSION = "psarch-checkpoint", 1
 METADATA = "metadata.json"
@@ -45,7 +46,7 @@ def complete_checkpoints(root: Path) -> list[Path]:
 
 
 def save(pieces: Pieces, ctx: DistContext, root: Path, step: int, config: dict[str, Any], keep: int = 0,
-         steps: list[dict[str, Any]] | None = None) -> Path:
+         steps: list[StepRecord] | None = None) -> Path:
     """Write this rank's `pieces` (the fragments it must write) and its step records so far into checkpoint
     `step` under `root`; a collective call: every rank makes it. Rank 0 keeps the newest `keep` (0: all)."""
     final, tmp = step_dir(root, step), tmp_dir(root, step)
@@ -63,7 +64,7 @@ def save(pieces: Pieces, ctx: DistContext, root: Path, step: int, config: dict[s
     return final
 
 
-def write_steps(folder: Path, rank: int, steps: list[dict[str, Any]] | None) -> None:
+def write_steps(folder: Path, rank: int, steps: list[StepRecord] | None) -> None:
     """The step records a resumed run starts its metrics with, so none is lost or repeated."""
     steps_file(folder, rank).write_text("".join(json.dumps(r) + "\n" for r in steps or []))
 

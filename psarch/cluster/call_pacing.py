@@ -25,6 +25,7 @@ from torch import nn
 from torch.utils.flop_counter import FlopCounterMode, sdpa_flop_count
 
 from psarch.cluster.flops import FlopCount
+from psarch.records import PacedFields
 
 
 def _cpu_flash_attention(query: Any, key: Any, value: Any, *args: Any, out_shape: Any = None, **kwargs: Any) -> int:
@@ -114,7 +115,7 @@ class CallDevice:
         """Whether a call of this step computed for longer than its modelled time x D."""
         return self.overran
 
-    def fields(self) -> dict[str, Any]:
+    def fields(self) -> PacedFields:
         """The step record's: modelled compute, this machine's real compute, overrun, lateness (cluster time)."""
         return {"modelled_s": self.modelled_s, "host_s": self.host_s / self.dilation, "overrun": self.overran,
                 "late_s": self.late_s / self.dilation}

@@ -33,6 +33,7 @@ import torch
 from torch import nn
 
 from psarch.cluster.flops import FlopCount
+from psarch.records import PacedFields
 
 # Inside a phase, the worker waits only where it is more than this share of the budget ahead: a launch at
 # most 5% early, and a few wake-ups per phase rather than one per module (each costs a scheduling delay on
@@ -121,7 +122,7 @@ class VirtualDevice:
         """Whether this step's forward or backward computed for longer than its modelled time x D."""
         return any(p.host > p.budget for p in (self.fwd, self.bwd))
 
-    def fields(self) -> dict[str, Any]:
+    def fields(self) -> PacedFields:
         """What the step record carries, in cluster time: the step's modelled compute, this machine's real
         compute beside it, whether either phase's exceeded its modelled time, and how late they ended."""
         return {"modelled_s": self.modelled_s, "host_s": (self.fwd.host + self.bwd.host) / self.dilation,

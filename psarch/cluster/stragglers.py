@@ -41,6 +41,7 @@ from psarch.cluster.call_pacing import CallDevice
 from psarch.cluster.flops import count
 from psarch.cluster.pacing import VirtualDevice
 from psarch.config import Config
+from psarch.records import PacedFields
 from psarch.workload import Workload
 
 
@@ -60,7 +61,7 @@ class Straggler:
         """Step `step`'s compute-time multiplier (module function `factor`)."""
         return factor(self.seed, self.rank, step, self.slowdown, self.jitter)
 
-    def fields(self) -> dict[str, Any]:
+    def fields(self) -> PacedFields:
         """What the step record carries: this step's sleep."""
         return {"slept_s": self.slept_s}
 

@@ -82,7 +82,7 @@ def backend_config_class() -> type:
     global _backend_class
     parts = tuple(dict.fromkeys(s.options for s in registry.specs() if s.options is not None))
     if _backend_class is None or _backend_class[0] != parts:
-        seen = {f.name: CoreBackendConfig for f in dataclasses.fields(CoreBackendConfig)}
+        seen: dict[str, type] = {f.name: CoreBackendConfig for f in dataclasses.fields(CoreBackendConfig)}
         for part in parts:
             for f in dataclasses.fields(part):
                 if f.name in seen:
@@ -262,7 +262,8 @@ def load_config(path: str | Path | None = None, overrides: list[str] | dict[str,
         return cfg
     by_reason: dict[str, list[str]] = {}
     for key in replaced + unread:
-        where = "--set" if key in set_keys else f"set in {Path(path).name}"
+        # a key not set by --set came from the file, so there is one
+        where = "--set" if key in set_keys or path is None else f"set in {Path(path).name}"
         by_reason.setdefault(_why_unread(key, cfg), []).append(f"{key} = {show(_value(cfg, key))} ({where})")
         _drop(merged, key)
     for why, keys in by_reason.items():
@@ -309,6 +310,7 @@ def field_of(key: str) -> dataclasses.Field:
             raise ConfigError(f"{key}: unknown key")
         if i + 1 < len(parts):
             cls = f.metadata["section"]()
+    assert f is not None    # checked in the loop, which runs at least once (split gives one part or more)
     return f
 
 
@@ -383,6 +385,10 @@ def describe(cls: type = Config, prefix: str = "") -> list[tuple[str, Any, str]]
         if "section" in f.metadata:
             rows += describe(f.metadata["section"](), f"{prefix}{f.name}.")
         elif not f.metadata.get("recorded"):
-            default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
+            if f.default is not dataclasses.MISSING:
+                default = f.default
+            else:
+                assert f.default_factory is not dataclasses.MISSING, f"{f.name}: option() gives every field a default"
+                default = f.default_factory()
             rows.append((prefix + f.name, default, f.metadata.get("doc", "")))
     return rows

@@ -4,7 +4,7 @@ backends that say so read it. psarch.config reads this metadata to check values 
 from __future__ import annotations
 
 from dataclasses import field
-from typing import Any, Callable
+from typing import Any, Callable, Mapping
 
 
 def option(default: Any, doc: str, choices: tuple | Callable[[], tuple] | None = None, min: float | None = None,
@@ -19,7 +19,8 @@ def option(default: Any, doc: str, choices: tuple | Callable[[], tuple] | None =
     meta = {"doc": doc, "choices": choices, "min": min, "max": max, "per_backend": per_backend,
             "recorded": recorded, "named": named}
     if isinstance(default, (list, dict)):
-        return field(default_factory=lambda d=default: type(d)(d), metadata=meta)
+        mutable: list | dict = default     # each instance gets its own copy
+        return field(default_factory=lambda: type(mutable)(mutable), metadata=meta)
     return field(default=default, metadata=meta)
 
 
@@ -31,6 +32,6 @@ def section(cls: type | Callable[[], type], doc: str | None = None) -> Any:
     return field(default_factory=lambda: cls()(), metadata={"doc": doc, "section": cls})
 
 
-def choices_of(meta: dict[str, Any]) -> tuple | None:
+def choices_of(meta: Mapping[str, Any]) -> tuple | None:
     c = meta.get("choices")
     return c() if callable(c) else c

@@ -5,6 +5,8 @@ from psarch.data.text import TextSource
 
 __all__ = ["ClickSource", "MarkovSource", "TextSource", "step_generator", "shard_batch"]
 
+from typing import overload
+
 import numpy as np
 import torch
 
@@ -15,6 +17,10 @@ def step_generator(seed: int, step: int, stream: int = 0) -> torch.Generator:
     return torch.Generator().manual_seed(int(key[0]) << 31 | int(key[1]) >> 1)
 
 
+@overload
+def shard_batch(batch: torch.Tensor, shard: int, num_shards: int) -> torch.Tensor: ...
+@overload
+def shard_batch(batch: tuple[torch.Tensor, ...], shard: int, num_shards: int) -> tuple[torch.Tensor, ...]: ...
 def shard_batch(batch: torch.Tensor | tuple, shard: int, num_shards: int) -> torch.Tensor | tuple:
     """Samples [shard*B/n, (shard+1)*B/n) of a global batch of B (of each tensor of a tuple)."""
     if isinstance(batch, tuple):

@@ -86,10 +86,11 @@ def _write_metrics(out: Path, per_rank: list[list[StepRecord]]) -> list[dict[str
     for s in sorted({step for r in by_step for step in r}):
         per = [r[s] for r in by_step if s in r]
         # workers_sent/received: bytes all workers together sent/received in this step
-        row = {"step": s, "loss": statistics.fmean(p["loss"] for p in per),
-               "step_time_s": max(p["step_time_s"] for p in per),
-               "workers_sent": sum(p["sent"] for p in per), "workers_received": sum(p["received"] for p in per),
-               "skipped": any(p.get("skipped") for p in per)}
+        row: dict[str, Any] = {"step": s, "loss": statistics.fmean(p["loss"] for p in per),
+                               "step_time_s": max(p["step_time_s"] for p in per),
+                               "workers_sent": sum(p["sent"] for p in per),
+                               "workers_received": sum(p["received"] for p in per),
+                               "skipped": any(p.get("skipped") for p in per)}
         if per[0].get("loss_scale") is not None:
             row["loss_scale"] = per[0]["loss_scale"]
         if len(per) > 1:

@@ -99,6 +99,7 @@ def _started(cfg: Config, ckpt: Checkpoint | None, out: Path, resume: bool, pick
     checkpoint folders, and, from an earlier checkpoint (--checkpoint), the later ones; a fork keeps a source that lies in the folder it replaces."""
     first = os.environ.get("RANK", "0") == "0"
     if resume:
+        assert ckpt is not None, "starting_checkpoint finds a --resume's checkpoint or raises"
         if first:
             drop_unfinished(out)
         dropped = drop_after(out, ckpt.step) if pick is not None and first else []
@@ -109,6 +110,7 @@ def _started(cfg: Config, ckpt: Checkpoint | None, out: Path, resume: bool, pick
     path = keep_fork_source(ckpt, out, move=not under_torchrun())
     if ckpt is None:
         return cfg, None
+    assert path is not None, "keep_fork_source returns where a given checkpoint lies"
     return dataclasses.replace(cfg, started_from=provenance(ckpt, path)), path
 
 

@@ -178,9 +178,9 @@ def _steps(loop: StepLoop, steps: range, records: list[StepRecord], stream: Text
 def _checkpointer(trainer: Trainer, cfg: Config, ctx: DistContext, root: Path | None
                   ) -> Callable[[int, list[StepRecord]], None]:
     """Writes a checkpoint after every train.checkpoint_every-th step (never without a checkpoint folder)."""
-    every = cfg.train.checkpoint_every if root is not None else 0
+    every = cfg.train.checkpoint_every
 
     def save(done: int, records: list[StepRecord]) -> None:
-        if every and done % every == 0:
+        if root is not None and every and done % every == 0:
             trainer.write_checkpoint(ctx, root, done, cfg.to_dict(), cfg.train.keep_checkpoints, records)
     return save

@@ -34,6 +34,11 @@ from psarch.launch.outputs import run_folder
 ALIASES = {"backend": "backend.kind"}
 
 
+def _dotted(key: str) -> str:
+    """A sweep key as the config's dotted key (ALIASES: `backend` is backend.kind)."""
+    return ALIASES.get(key, key)
+
+
 @dataclass
 class Point:
     name: str
@@ -73,12 +78,12 @@ def narrowed(sweep: dict[str, Any], overrides: list[str] | None) -> tuple[dict[s
     pinned = {".".join(path): value for path, value in (parse_override(o) for o in overrides or [])}
     out, notes = {}, []
     for k, v in sweep.items():
-        key = ALIASES.get(k, k)
+        key = _dotted(k)
         if k == "points" and isinstance(v, list):
-            keys = sorted({ALIASES.get(pk, pk) for p in v if isinstance(p, dict) for pk in p} & pinned.keys())
+            keys = sorted({_dotted(pk) for p in v if isinstance(p, dict) for pk in p} & pinned.keys())
             notes += [f"--set {key}={json.dumps(pinned[key])} replaces {key} in every sweep point that sets it"
                       for key in keys]
-            v = [{pk: pinned.get(ALIASES.get(pk, pk), pv) for pk, pv in p.items()} if isinstance(p, dict) else p
+            v = [{pk: pinned.get(_dotted(pk), pv) for pk, pv in p.items()} if isinstance(p, dict) else p
                  for p in v]
         elif key in pinned and k not in ("points", "rerun"):
             notes.append(f"--set {key}={json.dumps(pinned[key])} narrows the sweep axis {key} = "
@@ -94,7 +99,7 @@ def expand(path: str | Path, sweep: dict[str, Any], overrides: list[str] | None 
     sweep = dict(narrowed(sweep, overrides)[0])
     explicit = sweep.pop("points", [{}])
     sweep.pop("rerun", None)
-    axes = {ALIASES.get(k, k): v for k, v in sweep.items()}
+    axes = {_dotted(k): v for k, v in sweep.items()}
     for k, v in axes.items():
         if not isinstance(v, list) or not v:
             raise ConfigError(f"sweep.{k} = {json.dumps(v, default=str)}: expected a non-empty list of values")
@@ -103,7 +108,7 @@ def expand(path: str | Path, sweep: dict[str, Any], overrides: list[str] | None 
     points: dict[str, Point] = {}  # by the point's kept overrides
     used: dict[str, bool] = {k: False for k in explicit_keys(top_table(Path(path)), overrides)}
     for base in explicit:
-        base = {ALIASES.get(k, k): v for k, v in base.items()}
+        base = {_dotted(k): v for k, v in base.items()}
         for combo in itertools.product(*axes.values()):
             ov = {**base, **dict(zip(axes, combo))}
             try:

@@ -6,7 +6,7 @@ import math
 import statistics
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Sequence
 
 from psarch.report import plots
 from psarch.report.links import links_table
@@ -166,7 +166,7 @@ def default_out(run_dirs: list[str | Path]) -> Path:
     return Path("runs") / "compare" / joined
 
 
-def run_folders(paths: list[str | Path]) -> tuple[list[Path], list[str]]:
+def run_folders(paths: Sequence[str | Path]) -> tuple[list[Path], list[str]]:
     """The run folders these paths name: a run folder as given; a sweep folder (a folder of run folders, as
     `psarch run` writes for a config with a [sweep]) as its finished points, in the sweep's order (sweep.json's,
     else by name). Also one note per point left out (not finished), for the report."""
@@ -203,7 +203,7 @@ def stopped_seeds(left_out: list[str]) -> dict[str, list[int]]:
     return out
 
 
-def compare(run_dirs: list[str | Path], out: str | Path, target_gap: float | None = None) -> Path:
+def compare(run_dirs: Sequence[str | Path], out: str | Path, target_gap: float | None = None) -> Path:
     """Write report.md and the plots for these runs (run folders, or sweep folders: run_folders) into `out`;
     returns the report's path. `target_gap`: the convergence table's target, absolute (default: the runs'
     convergence_target x the workload's initial gap)."""

@@ -112,8 +112,9 @@ def traffic_figure(runs: list[dict[str, Any]], palette: Palette) -> Any:
     written beside it; a log axis where the bars span orders of magnitude."""
     has_servers = any(server_received_per_step(r["summary"]) is not None for r in runs)
     fig, axes = _bars(runs, 2 if has_servers else 1)
-    panels = [[(worker_sent_per_step(r["summary"]), predicted_worker_sent(r["summary"]))
-               for r in runs]]
+    # (measured, predicted) per run; a run without servers has no measured server bytes
+    panels: list[list[tuple[float | None, float]]] = [
+        [(worker_sent_per_step(r["summary"]), predicted_worker_sent(r["summary"])) for r in runs]]
     if has_servers:
         panels.append([(server_received_per_step(r["summary"]),
                         r["summary"]["predicted"]["traffic_per_step"].get("server_received", 0)) for r in runs])

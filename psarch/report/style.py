@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
-from typing import Any
+from typing import Any, Sequence
 
 import matplotlib
 
@@ -21,6 +21,12 @@ def configuration(name: str) -> str:
     return re.sub(r"-?world_size\d+", "", name).strip("-") or name
 
 
+def _listed_colours(name: str) -> Sequence[Any]:
+    """The colours of a qualitative colormap (tab10, tab20), which matplotlib keeps as a ListedColormap."""
+    # the stub types get_cmap as returning a Colormap, which has no `colors`; these names are ListedColormaps
+    return plt.get_cmap(name).colors  # type: ignore[attr-defined]
+
+
 class Palette:
     """Colours and names for the runs of one report, computed once and passed to every plot."""
 
@@ -28,8 +34,8 @@ class Palette:
         self.names = [r["run_label"] for r in runs]   # the folder (or config label), psarch.report.runs.name_runs
         configs = list(dict.fromkeys(configuration(n) for n in self.names))
         # grey is left out: it draws references (the synchronous curve in other panels)
-        colours = [c for i, c in enumerate(plt.get_cmap("tab10").colors) if i != 7] if len(configs) <= 9 else \
-            [c for i, c in enumerate(plt.get_cmap("tab20").colors) if i not in (14, 15)]
+        colours = [c for i, c in enumerate(_listed_colours("tab10")) if i != 7] if len(configs) <= 9 else \
+            [c for i, c in enumerate(_listed_colours("tab20")) if i not in (14, 15)]
         self.colour_of = {c: colours[i % len(colours)] for i, c in enumerate(configs)}
         worlds = sorted({r["summary"]["world_size"] for r in runs})
         self.style_of_n = {n: LINE_STYLES[i % len(LINE_STYLES)] for i, n in enumerate(worlds)}

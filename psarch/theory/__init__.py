@@ -180,6 +180,8 @@ WIRE_OVERHEAD = 1514 / 1448
 def two_phase_links(p: Prediction) -> list[LinkLoad]:
     """Each worker on its own node pushes through its link, then pulls; each server on its own node receives
     the pushes, then sends the pulls."""
+    if p.server is None:
+        raise ValueError("two_phase_links: the prediction has no servers (Prediction.server is None)")
     return [LinkLoad(False, LinkBytes(p.worker.sent, 0.0), LinkBytes(0.0, p.worker.received)),
             LinkLoad(True, LinkBytes(0.0, p.server.received), LinkBytes(p.server.sent, 0.0))]
 

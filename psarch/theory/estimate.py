@@ -41,7 +41,7 @@ def table2(budget_bytes: float = 32e9, gpus: tuple[int, ...] = (64, 128, 256, 51
     rows = []
     for g in gpus:
         mp = g // dp
-        row = {"mp": mp, "gpus": g}
+        row: dict[str, float] = {"mp": mp, "gpus": g}
         for name, stage in STAGES:
             row[name] = math.floor(max_params(budget_bytes, dp, stage) / 1e8) * 1e8 * mp
         rows.append(row)

@@ -51,6 +51,7 @@ def tensor_rows(shape: GPTShape, world: int, precision: str, optimizer: str) -> 
     rows = []
     for t in degrees(shape, world):
         p = theory.predict(tensor_config(shape, t, world, precision, optimizer), phi)
+        assert p.per_rank is not None, "the tensor backend predicts each rank (Prediction.per_rank)"
         rows.append({"t": t, "dp": world // t, "states": p.memory_per_rank.total,
                      "activations": p.per_rank[0].figures["block_activation_bytes"], "sent": p.worker.sent})
     return rows

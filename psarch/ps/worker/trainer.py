@@ -31,6 +31,7 @@ from psarch.errors import check_loss
 from psarch.flat import FlatParams, flat_layout
 from psarch.meters import peak_memory, tensor_bytes
 from psarch.precision import compute_dtype, has_inf_or_nan
+from psarch.records import StepRecord
 from psarch.ps.layout import server_partitions, trainable
 from psarch.ps.snapshot import exact_records, pushes_by, run_shape, views
 from psarch.ps.spec import pushes_from_hooks
@@ -218,7 +219,7 @@ class PSWorker(Trainer):
                       record)
 
     def write_checkpoint(self, ctx: DistContext, root: Path, step: int, config: dict[str, Any], keep: int,
-                         steps: list[dict[str, Any]] | None) -> Path:
+                         steps: list[StepRecord] | None) -> Path:
         """Write checkpoint `step` (every worker calls it after the same step), with this rank's step records."""
         rank, tmp = self.ctx.rank, tmp_dir(Path(root), step)
         tmp.mkdir(parents=True, exist_ok=True)
