@@ -3,7 +3,7 @@ torch.distributed's collectives) and `torch_ddp` (PyTorch's own DistributedDataP
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import TYPE_CHECKING, Any, Mapping
 
 from collective import theory
 from psarch.backend import PROCESS_GROUP_OPTIONS, BackendSpec, CommModel
@@ -11,7 +11,8 @@ from psarch.config.fields import option
 from psarch.errors import ConfigError
 from psarch.theory import BYTES, Prediction, buckets_of, table_params
 
-Config = Any
+if TYPE_CHECKING:
+    from psarch.config import Config
 
 
 @dataclass

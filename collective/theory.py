@@ -3,13 +3,14 @@ all-reduced by ring, 2(N−1)/N · S per rank per step; with embedding tables mo
 touched rows) or row-sharded over the ranks (all-to-all). The shared algebra is psarch.theory's."""
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING
 
 from psarch.zipf import expected_unique
 from psarch.theory import (BYTES, LinkBytes, MemoryPrediction, Prediction, expected_unique_ids,
                            optimizer_bytes_per_param, ring_passes, sharded_memory, table_params)
 
-Config = Any
+if TYPE_CHECKING:
+    from psarch.config import Config
 
 
 def replicated(cfg: Config, phi: float) -> Prediction:

@@ -20,11 +20,12 @@ import dataclasses
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, ClassVar, Mapping
+from typing import TYPE_CHECKING, Any, Callable, ClassVar, Mapping
 
 # The core's types, named here only: their modules import this one (through the registry), so importing them
 # here, even for type checking, would close a cycle.
-Config = Any        # psarch.config.Config
+if TYPE_CHECKING:
+    from psarch.config import Config
 Prediction = Any    # psarch.theory.Prediction
 Placement = Any     # psarch.cluster.placement.Placement
 Services = Any      # psarch.trainer.Services

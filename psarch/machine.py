@@ -8,12 +8,13 @@ import json
 import os
 import sys
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from psarch.errors import ConfigError, show
 
 # A psarch.config.Config; named by its module only there, so that config can import this one.
-Config = Any
+if TYPE_CHECKING:
+    from psarch.config import Config
 
 
 def check_machine(cfg: Config) -> Config:

@@ -3,14 +3,15 @@ communicator) and PyTorch's own peers `torch_zero` (DDP + ZeroRedundancyOptimize
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import TYPE_CHECKING, Any, Mapping
 
 from psarch.backend import PROCESS_GROUP_OPTIONS, BackendSpec, CommModel
 from psarch.config.fields import option
 from psarch.theory import BYTES, Prediction, buckets_of
 from zero import theory
 
-Config = Any
+if TYPE_CHECKING:
+    from psarch.config import Config
 
 
 @dataclass

@@ -6,11 +6,12 @@ ZeroRedundancyOptimizer's broadcast of each updated shard (an all-gather's volum
 memory; torch_fsdp (FSDP2) is ZeRO-3."""
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING
 
 from psarch.theory import Prediction, ring_passes, sharded_memory
 
-Config = Any
+if TYPE_CHECKING:
+    from psarch.config import Config
 
 
 def passes(stage: int) -> int:

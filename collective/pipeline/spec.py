@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from types import ModuleType
-from typing import Any, ClassVar, Mapping
+from typing import TYPE_CHECKING, Any, ClassVar, Mapping
 
 from collective.pipeline.schedule import SCHEDULES, bubble_fraction
 from psarch.backend import PROCESS_GROUP_OPTIONS, BackendSpec, CommModel
@@ -23,7 +23,8 @@ def _theory() -> ModuleType:
     return theory
 
 
-Config = Any
+if TYPE_CHECKING:
+    from psarch.config import Config
 
 
 @dataclass
@@ -39,7 +40,7 @@ class PipelineOptions:
     @property
     def pipeline_stages(self) -> int:
         """p: `stages`, or the world size where it is 0."""
-        return self.stages or self.world_size
+        return self.stages or self.world_size   # type: ignore[attr-defined]  # the core option: read on the composed [backend] class
 
 
 class PipelineSpec(BackendSpec):

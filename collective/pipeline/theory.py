@@ -16,7 +16,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -27,7 +27,8 @@ from psarch.activations import block_activation_bytes
 from psarch.theory import (BYTES, LinkBytes, MemoryPrediction, Prediction, RankPrediction,
                            optimizer_bytes_per_param)
 
-Config = Any
+if TYPE_CHECKING:
+    from psarch.config import Config
 LOSS_BYTES = 8   # the step's loss travels as one fp64
 
 

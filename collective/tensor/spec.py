@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from types import ModuleType
-from typing import Any, Mapping
+from typing import TYPE_CHECKING, Any, Mapping
 
 from psarch.backend import PROCESS_GROUP_OPTIONS, BackendSpec, CommModel
 from psarch.config.fields import option
@@ -20,7 +20,8 @@ def _theory() -> ModuleType:
     return theory
 
 
-Config = Any
+if TYPE_CHECKING:
+    from psarch.config import Config
 
 
 @dataclass
@@ -34,12 +35,12 @@ class TensorOptions:
     @property
     def tp_size(self) -> int:
         """t: the ranks of one tensor-parallel group."""
-        return self.tensor_parallel or self.world_size
+        return self.tensor_parallel or self.world_size   # type: ignore[attr-defined]  # the core option, on the composed [backend] class
 
     @property
     def dp_size(self) -> int:
         """dp: the data-parallel replicas, each a tensor-parallel group."""
-        return self.world_size // self.tp_size
+        return self.world_size // self.tp_size   # type: ignore[attr-defined]  # the same
 
 
 def check_gpt(cfg: Config, kind: str) -> None:

@@ -20,7 +20,7 @@ for the loss (step_bytes' torch_loss).
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -31,7 +31,8 @@ from psarch.data.text import TextSource
 from psarch.models.gpt import GPT
 from psarch.theory import BYTES, LinkBytes, MemoryPrediction, Prediction, RankPrediction, optimizer_bytes_per_param
 
-Config = Any
+if TYPE_CHECKING:
+    from psarch.config import Config
 LOSS_BYTES = 4   # the cross-entropy's logsumexps and target logits are fp32 whatever the compute dtype
 BLOCK_ACTIVATIONS = "block_activation_bytes"   # the per-rank figure, predicted and measured under this name
 

@@ -13,7 +13,7 @@ This module holds the facts of a config: the profiles, the modelled rate, D, and
 from __future__ import annotations
 
 import statistics
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from psarch.errors import ConfigError, show
 
@@ -26,7 +26,8 @@ PROFILES: dict[str, dict[str, float]] = {
     "v100": {"fp32": 15.7, "fp16": 125.0},
 }
 
-Config = Any   # psarch.config.Config (whose module imports this package)
+if TYPE_CHECKING:
+    from psarch.config import Config
 
 
 def profile_of(device_name: str) -> str | None:

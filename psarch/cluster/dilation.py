@@ -38,7 +38,7 @@ import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import TYPE_CHECKING, Any, Callable, Iterator
 
 import torch
 
@@ -59,7 +59,8 @@ MAX_RAISE = 10.0
 # so one delayed wake-up of the receiving thread does not pass for a slow stream.
 MIN_PROBE_BYTES, MAX_PROBE_BYTES = 8 * 2**20, 32 * 2**20
 
-Config = Any
+if TYPE_CHECKING:
+    from psarch.config import Config
 Runner = Callable[..., dict[str, Any]]   # launch.ranks.run: (cfg, out, echo=, machine_checked=, progress=) -> summary
 
 

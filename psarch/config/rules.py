@@ -5,14 +5,15 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from psarch import registry
 from psarch.cluster import device
 from psarch.errors import ConfigError, show
 from psarch.machine import resolve_factory
 
-Config = Any   # psarch.config.Config (which imports this module's caller)
+if TYPE_CHECKING:
+    from psarch.config import Config
 
 
 def validate(cfg: Config) -> Config:

@@ -21,9 +21,8 @@ def _theory() -> ModuleType:
 
 if TYPE_CHECKING:
     from psarch.cluster.placement import Placement
+    from psarch.config import Config
     from psarch.trainer import Services
-
-Config = Any
 
 
 @dataclass

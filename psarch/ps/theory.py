@@ -14,14 +14,15 @@ ranges pushed from the hooks) the phases do not hold, and the steps are replayed
 algebra is psarch.theory's."""
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Callable
 
 from psarch.ps import flows
 from psarch.ps.layout import held, one_range, server_partitions
 from psarch.theory import (BYTES, LinkBytes, LinkLoad, MemoryPrediction, Prediction, expected_unique_ids,
                            optimizer_bytes_per_param, table_params)
 
-Config = Any
+if TYPE_CHECKING:
+    from psarch.config import Config
 
 
 def dense(cfg: Config, phi: float) -> Prediction:
