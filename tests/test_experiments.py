@@ -23,7 +23,8 @@ def test_the_experiments_exist():
 @pytest.mark.parametrize("study", STUDIES, ids=lambda p: p.name)
 def test_every_study_folder_says_what_it_asks_and_how_to_run_it(study):
     readme = (study / "README.md").read_text()
-    assert readme.startswith("# ") and "psarch " in readme, f"{study}/README.md: a title and the command"
+    commands = re.findall(r"^\s*(?:psarch|python|PSARCH_THREADS=1 python) \S+", readme, re.M)
+    assert readme.startswith("# ") and commands, f"{study}/README.md: a title and the command that makes it"
     for link in re.findall(r"\]\(([^)#:]+)\)", readme):          # relative links resolve
         assert (study / link).exists(), f"{study.name}/README.md links to {link}, which is not there"
 
