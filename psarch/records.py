@@ -36,6 +36,23 @@ class StepRecord(PacedFields):
     extra: dict[str, Any]        # the backend's own figures (StepStats.extra), never a core column
 
 
+class _MetricsRowOptional(TypedDict, total=False):
+    loss_scale: float            # fp16: rank 0's scale this step
+    workers: list[StepRecord]    # each rank's own record, where several ranks finished the step
+    extra: dict[str, Any]        # one rank alone: its StepRecord's extra
+
+
+class MetricsRow(_MetricsRowOptional):
+    """A line of metrics.jsonl: one step merged over the ranks that finished it (psarch/launch/outputs.py)."""
+
+    step: int
+    loss: float                  # mean over the ranks
+    step_time_s: float           # the slowest rank's
+    workers_sent: int            # bytes all workers together sent in the step
+    workers_received: int
+    skipped: bool                # some rank skipped its update
+
+
 @dataclass
 class RankRecord:
     """What one rank leaves when its steps are done (psarch.launch.runner.run_rank returns it; outputs saves it)."""
@@ -118,5 +135,12 @@ class Summary(TypedDict, total=False):
     memory: dict[str, Any]       # per_rank[]: MemoryReport dicts with their rank; servers[] for PS
     traffic: dict[str, Any]      # per_rank[]: TrafficReport dicts with per-step means; servers[] for PS
     predicted: dict[str, Any]    # theory.Prediction.to_dict()
+    samples_per_s_is: str        # throughput.definition: what samples_per_s means for this run
     lost_workers: list[dict[str, Any]]
     extra: dict[str, list[Any]]  # each rank's summary_extra, key by key
+    virtual_device: dict[str, Any]    # psarch/cluster/device.py's summary: FLOPs, D, overrun steps
+    # what the services measured (BackendSpec.start_services' extra), where a backend has them
+    cluster: dict[str, Any]      # an emulated cluster: alpha, nodes' link bytes, step_time measured | predicted
+    staleness: dict[str, Any]    # the PS's: histogram, mean, max
+    refused_pushes: dict[str, Any]
+    auth: str                    # the PS's mechanism ("none" where backend.auth is)

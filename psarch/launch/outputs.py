@@ -12,7 +12,7 @@ import torch
 from psarch import registry, theory, throughput
 from psarch.cluster import device
 from psarch.config import Config
-from psarch.records import RankRecord, StepRecord
+from psarch.records import MetricsRow, RankRecord, StepRecord
 from psarch.launch.runner import warmup_steps
 from psarch.units import fmt_bytes
 
@@ -79,20 +79,21 @@ def _records(out: Path) -> list[RankRecord]:
     return records
 
 
-def _write_metrics(out: Path, per_rank: list[list[StepRecord]]) -> list[dict[str, Any]]:
+def _write_metrics(out: Path, per_rank: list[list[StepRecord]]) -> list[MetricsRow]:
     """metrics.jsonl: one line per step, merged over the ranks that finished it; returns the lines."""
-    rows = []
+    rows: list[MetricsRow] = []
     by_step = [{x["step"]: x for x in r} for r in per_rank]  # a run started from a checkpoint starts late
     for s in sorted({step for r in by_step for step in r}):
         per = [r[s] for r in by_step if s in r]
         # workers_sent/received: bytes all workers together sent/received in this step
-        row: dict[str, Any] = {"step": s, "loss": statistics.fmean(p["loss"] for p in per),
-                               "step_time_s": max(p["step_time_s"] for p in per),
-                               "workers_sent": sum(p["sent"] for p in per),
-                               "workers_received": sum(p["received"] for p in per),
-                               "skipped": any(p.get("skipped") for p in per)}
-        if per[0].get("loss_scale") is not None:
-            row["loss_scale"] = per[0]["loss_scale"]
+        row: MetricsRow = {"step": s, "loss": statistics.fmean(p["loss"] for p in per),
+                           "step_time_s": max(p["step_time_s"] for p in per),
+                           "workers_sent": sum(p["sent"] for p in per),
+                           "workers_received": sum(p["received"] for p in per),
+                           "skipped": any(p.get("skipped") for p in per)}
+        scale = per[0].get("loss_scale")
+        if scale is not None:
+            row["loss_scale"] = scale
         if len(per) > 1:
             row["workers"] = per
         elif per[0].get("extra"):

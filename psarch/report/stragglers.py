@@ -23,10 +23,10 @@ from typing import Any
 
 from psarch import registry
 from psarch.report.runs import load_run, run_config, target_gaps, target_words
-from psarch.throughput import per_worker
+from psarch.throughput import WorkerRow, per_worker
 
 
-def events(workers: list[list[dict[str, Any]]]) -> list[tuple[float, float]]:
+def events(workers: list[list[WorkerRow]]) -> list[tuple[float, float]]:
     """(time, loss) of every worker's every step, at the worker's own clock, in time order."""
     out = []
     for w in workers:
@@ -35,7 +35,7 @@ def events(workers: list[list[dict[str, Any]]]) -> list[tuple[float, float]]:
     return sorted(out)
 
 
-def time_to_gap(workers: list[list[dict[str, Any]]], floor: float, target: float, window: int = 10) -> float | None:
+def time_to_gap(workers: list[list[WorkerRow]], floor: float, target: float, window: int = 10) -> float | None:
     """The first time the mean of the last `window` x N losses (N workers, in time order) is below
     floor + target; None if it never is."""
     k = window * len(workers)
@@ -48,7 +48,7 @@ def time_to_gap(workers: list[list[dict[str, Any]]], floor: float, target: float
     return None
 
 
-def final_gap(workers: list[list[dict[str, Any]]], floor: float, last: int = 20) -> float:
+def final_gap(workers: list[list[WorkerRow]], floor: float, last: int = 20) -> float:
     """The mean of the last `last` x N losses in time order, less the entropy floor."""
     ev = events(workers)[-last * len(workers):]
     return statistics.fmean(loss for _, loss in ev) - floor
@@ -66,6 +66,7 @@ def rows(sweep: Path, target: float | None = None) -> list[dict[str, Any]]:
     for run, gap in zip(runs, target_gaps(runs, target)):
         s, cfg = run["summary"], run_config(run)
         workers, floor = per_worker(run["metrics"]), s["entropy_floor"]
+        assert floor is not None   # only runs with a floor were loaded
         vd, step = s.get("virtual_device"), s.get("cluster", {}).get("step_time")
         out.append({"run": Path(run["path"]).name, "mode": s["label"], "slowdown": cfg.cluster.slowdown,
                     "jitter": cfg.cluster.jitter,

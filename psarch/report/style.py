@@ -12,6 +12,8 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
+from psarch.report.runs import Run  # noqa: E402
+
 LINE_STYLES = ("-", "--", ":", "-.")
 HATCHES = ("", "//", "..", "xx")
 
@@ -30,7 +32,7 @@ def _listed_colours(name: str) -> Sequence[Any]:
 class Palette:
     """Colours and names for the runs of one report, computed once and passed to every plot."""
 
-    def __init__(self, runs: list[dict[str, Any]]) -> None:
+    def __init__(self, runs: list[Run]) -> None:
         self.names = [r["run_label"] for r in runs]   # the folder (or config label), psarch.report.runs.name_runs
         configs = list(dict.fromkeys(configuration(n) for n in self.names))
         # grey is left out: it draws references (the synchronous curve in other panels)
@@ -42,19 +44,19 @@ class Palette:
         self.several_n = len(worlds) > 1
         self._index = {id(r): i for i, r in enumerate(runs)}
 
-    def name(self, run: dict[str, Any]) -> str:
+    def name(self, run: Run) -> str:
         """The run's legend and tick name: its short name, with N where the name does not say it."""
         name, n = self.names[self._index[id(run)]], run["summary"]["world_size"]
         return name + (f" N={n}" if self.several_n and f"world_size{n}" not in name else "")
 
-    def colour(self, run: dict[str, Any]) -> Any:
+    def colour(self, run: Run) -> Any:
         return self.colour_of[configuration(self.names[self._index[id(run)]])]
 
-    def line(self, run: dict[str, Any]) -> dict[str, Any]:
+    def line(self, run: Run) -> dict[str, Any]:
         """Keyword arguments of a run's line: its configuration's colour, its world size's style."""
         return {"color": self.colour(run), "ls": self.style_of_n[run["summary"]["world_size"]], "lw": 1.3}
 
-    def hatch(self, run: dict[str, Any]) -> str:
+    def hatch(self, run: Run) -> str:
         """A run's bar hatch: its world size's, as line() gives its line style."""
         return HATCHES[LINE_STYLES.index(self.style_of_n[run["summary"]["world_size"]])]
 
