@@ -5,14 +5,14 @@ import json
 import shutil
 import statistics
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 
 from psarch import registry, theory, throughput
 from psarch.cluster import device
 from psarch.config import Config
-from psarch.records import MetricsRow, RankRecord, StepRecord
+from psarch.records import MetricsRow, RankRecord, StepRecord, Summary
 from psarch.launch.runner import warmup_steps
 from psarch.units import fmt_bytes
 
@@ -109,14 +109,14 @@ def has_records(out: Path) -> bool:
 
 
 def finalize_stopped(out: Path, cfg: Config, status: str, error: str, extra: dict[str, Any] | None = None
-                     ) -> dict[str, Any]:
+                     ) -> Summary:
     """A run that failed or was interrupted: metrics.jsonl with every step some rank finished, and a
     summary.json that says so, with the error's first line (and `extra`, what the services measured)."""
     streams = sorted((out / RANKS_DIR).glob("rank*.jsonl"), key=lambda p: int(p.stem[4:]))
     rows = _write_metrics(out, [_streamed_steps(out, int(p.stem[4:])) for p in streams])
-    summary = {"name": cfg.name, "status": status, "error": error.strip().splitlines()[0] if error.strip() else "",
+    summary = cast(Summary, {"name": cfg.name, "status": status, "error": error.strip().splitlines()[0] if error.strip() else "",
                **identity(cfg), "steps": len(rows), "steps_planned": cfg.train.steps,
-               "final_loss": rows[-1]["loss"] if rows else None, **(extra or {})}
+               "final_loss": rows[-1]["loss"] if rows else None, **(extra or {})})
     (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     return summary
 
@@ -140,7 +140,7 @@ def identity(cfg: Config) -> dict[str, Any]:
             **spec.summary_fields(cfg)}
 
 
-def finalize(out: Path, cfg: Config, extra: dict[str, Any] | None = None, echo: bool = True) -> dict[str, Any]:
+def finalize(out: Path, cfg: Config, extra: dict[str, Any] | None = None, echo: bool = True) -> Summary:
     """Merge the ranks' records into metrics.jsonl, summary.json and report.txt."""
     records = _records(out)
     if not records:
@@ -154,7 +154,8 @@ def finalize(out: Path, cfg: Config, extra: dict[str, Any] | None = None, echo: 
     floor = records[0].entropy_floor
     final_loss = rows[-1]["loss"]
     ident = identity(cfg)
-    summary: dict[str, Any] = {
+    # the services' `extra` and the backend's identity fields add keys of their own: built as a plain dict
+    merged: dict[str, Any] = {
         "name": cfg.name, "status": "finished", **ident, "workload": records[0].workload, "precision": cfg.train.precision, "optimizer": cfg.train.optimizer,
         "params": phi, "steps": len(rows), "global_batch": cfg.train.global_batch,
         "final_loss": final_loss, "entropy_floor": floor,
@@ -177,18 +178,19 @@ def finalize(out: Path, cfg: Config, extra: dict[str, Any] | None = None, echo: 
     }
     for r in records:
         for k, v in (r.extra or {}).items():
-            summary.setdefault("extra", {}).setdefault(k, []).append(v)
+            merged.setdefault("extra", {}).setdefault(k, []).append(v)
     if extra:
         for k, v in extra.items():
-            if isinstance(v, dict) and isinstance(summary.get(k), dict):
-                summary[k].update(v)
+            if isinstance(v, dict) and isinstance(merged.get(k), dict):
+                merged[k].update(v)
             else:
-                summary[k] = v
+                merged[k] = v
     vd = device.summary(cfg, records, {r["step"] for r in rows[w:]})
     if vd is not None:   # a virtual device: its FLOPs, D, overrun steps (before theory, which reads them)
-        summary["virtual_device"] = vd
-    if summary.get("cluster", {}).get("emulated"):
-        summary["cluster"]["step_time"] = theory.cluster_step(cfg, summary)
+        merged["virtual_device"] = vd
+    if merged.get("cluster", {}).get("emulated"):
+        merged["cluster"]["step_time"] = theory.cluster_step(cfg, cast(Summary, merged))
+    summary = cast(Summary, merged)
     (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     text = report(summary)
     (out / "report.txt").write_text(text)
@@ -206,7 +208,7 @@ def predicted_for_rank(predicted: dict[str, Any], rank: int) -> tuple[dict[str, 
     return predicted["memory_per_rank"], predicted["traffic_per_step"]["worker_sent"]
 
 
-def report(s: dict[str, Any]) -> str:
+def report(s: Summary) -> str:
     """The short human-readable report of one run."""
     p = s["predicted"]
     kind = s.get("label") or s["backend"] + (f" ({s['variant']})" if s["variant"] else "")

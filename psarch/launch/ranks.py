@@ -37,7 +37,7 @@ from psarch.config import Config, ConfigError, check_machine, from_dict
 from psarch.dist import abandon_group, init_rank, shutdown, under_torchrun
 from psarch.errors import NON_FINITE_EXIT, NonFiniteError, RunError
 from psarch.launch.lifecycle import die_with_parent, leave
-from psarch.records import RankRecord, ServiceInfo
+from psarch.records import RankRecord, ServiceInfo, Summary
 from psarch.launch.runner import run_rank
 from psarch.trainer import Services
 from psarch.workload import Workload, build_workload, shared_data
@@ -45,7 +45,7 @@ from psarch.workload import Workload, build_workload, shared_data
 
 def run(cfg: Config, out: str | Path | None = None, echo: bool = True, resume: bool = False,
         start: str | Path | None = None, machine_checked: bool = False, pick: str | None = None,
-        progress: bool = True) -> dict[str, Any]:
+        progress: bool = True) -> Summary:
     """Run one experiment and return its summary. Every rank (and service) is started here. With `resume`,
     continue the run in `out` from its latest complete checkpoint (or the one `pick` names); with `start`,
     begin from that checkpoint. echo: print the summary (and, with `progress`, the progress lines).
@@ -242,7 +242,7 @@ def _keep_finished_steps(out: Path, cfg: Config, e: BaseException) -> None:
         print(f"psarch: could not write the {status} run's summary: {type(w).__name__}: {w}", file=sys.stderr)
 
 
-def _torchrun_rank(cfg: Config, spec: BackendSpec, job: RankJob, echo: bool) -> dict[str, Any]:
+def _torchrun_rank(cfg: Config, spec: BackendSpec, job: RankJob, echo: bool) -> Summary:
     """One rank of a torchrun job. Services (the parameter servers of `ps` without
     backend.server_addresses) are started by rank 0, which is also worker 0, as `psarch run` starts
     them; their addresses reach every rank as JSON over the process group (no pickle) before any

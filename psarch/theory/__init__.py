@@ -17,6 +17,7 @@ from typing import Any
 from psarch import registry
 from psarch.backend import CommModel
 from psarch.config import Config, from_dict
+from psarch.records import Summary
 from psarch.zipf import expected_unique
 
 BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
@@ -254,7 +255,7 @@ def buckets_of(bytes_reduced: float, cap_bytes: float) -> int:
     return max(1, -(-int(bytes_reduced) // max(1, int(cap_bytes))))
 
 
-def cluster_step(cfg: Config, summary: dict[str, Any]) -> dict[str, float]:
+def cluster_step(cfg: Config, summary: Summary) -> dict[str, float]:
     """Measured | predicted step time of a finished run on the emulated cluster: compute plus the α-β time of
     the bytes each link carries (cluster_step_time), with the backend's own model of how its communication
     meets its compute (BackendSpec.comm_model), the compute stretched by the share its ranks wait by design (a
