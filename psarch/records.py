@@ -36,6 +36,46 @@ class StepRecord(PacedFields):
     extra: dict[str, Any]        # the backend's own figures (StepStats.extra), never a core column
 
 
+class MemoryFigures(TypedDict):
+    """MemoryReport.to_dict(): one rank's model-state bytes by category (psarch/trainer.py), with their total."""
+
+    params: int
+    grads: int
+    optimizer: int
+    buffers: int
+    working: int
+    gathered_peak: int
+    grad_buffer_peak: int
+    peak: int | None
+    peak_kind: str | None
+    padding: int
+    total: int
+
+
+class OpFigures(TypedDict):
+    """One operation's bytes and calls (OpTraffic)."""
+
+    sent: int
+    received: int
+    calls: int
+
+
+class TrafficFigures(TypedDict):
+    """TrafficReport.to_dict(): one rank's bytes, in all and by operation; `modelled` when not seen on the wire."""
+
+    sent: int
+    received: int
+    modelled: bool
+    ops: dict[str, OpFigures]
+
+
+class LostWorker(TypedDict):
+    """A worker a mode went on without (summary.json's lost_workers)."""
+
+    rank: int
+    error: str                   # its error's first line
+
+
 class _MetricsRowOptional(TypedDict, total=False):
     loss_scale: float            # fp16: rank 0's scale this step
     workers: list[StepRecord]    # each rank's own record, where several ranks finished the step
@@ -59,8 +99,8 @@ class RankRecord:
 
     rank: int
     steps: list[StepRecord]              # None in ranks/rank<R>.json where they are in ranks/rank<R>.jsonl
-    memory: dict[str, Any]               # MemoryReport.to_dict()
-    traffic: dict[str, Any]              # TrafficReport.to_dict()
+    memory: MemoryFigures
+    traffic: TrafficFigures
     extra: dict[str, Any]                # Trainer.summary_extra()
     device: str
     dist_backend: str | None
@@ -136,7 +176,7 @@ class Summary(TypedDict, total=False):
     traffic: dict[str, Any]      # per_rank[]: TrafficReport dicts with per-step means; servers[] for PS
     predicted: dict[str, Any]    # theory.Prediction.to_dict()
     samples_per_s_is: str        # throughput.definition: what samples_per_s means for this run
-    lost_workers: list[dict[str, Any]]
+    lost_workers: list[LostWorker]
     extra: dict[str, list[Any]]  # each rank's summary_extra, key by key
     virtual_device: dict[str, Any]    # psarch/cluster/device.py's summary: FLOPs, D, overrun steps
     # what the services measured (BackendSpec.start_services' extra), where a backend has them

@@ -5,12 +5,12 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 import importlib
 from abc import ABC, abstractmethod
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol, cast
 
 import torch
 
 from psarch import registry
-from psarch.records import ServiceInfo, StepRecord
+from psarch.records import MemoryFigures, ServiceInfo, StepRecord, TrafficFigures
 
 if TYPE_CHECKING:
     from pathlib import Path
@@ -51,10 +51,10 @@ class MemoryReport:
     def total(self) -> int:
         return self.params + self.grads + self.optimizer + self.buffers
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self) -> MemoryFigures:
         d = asdict(self)
         d["total"] = self.total
-        return d
+        return cast(MemoryFigures, d)
 
 
 @dataclass
@@ -79,12 +79,12 @@ class TrafficReport:
     def received(self) -> int:
         return sum(o.received for o in self.ops.values())
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self) -> TrafficFigures:
         return {
             "sent": self.sent,
             "received": self.received,
             "modelled": self.modelled,
-            "ops": {k: asdict(v) for k, v in self.ops.items()},
+            "ops": {k: {"sent": v.sent, "received": v.received, "calls": v.calls} for k, v in self.ops.items()},
         }
 
 

@@ -31,7 +31,7 @@ from psarch.config import Config, ConfigError, from_dict
 from psarch.launch.lifecycle import die_with_parent
 from psarch.ps.auth import KEYGEN_HINT, AuthError, Credentials, check_folder, mechanism, remove, run_credentials
 from psarch.ps.errors import ServiceError
-from psarch.records import ServiceInfo
+from psarch.records import LostWorker, ServiceInfo
 from psarch.trainer import Services
 
 START_TIMEOUT_S = 120.0
@@ -77,7 +77,7 @@ class LocalServers(Services):
         # a server writes checkpoints only under its run's folder, and only when the run writes them
         ckpts = str(self.out_dir / CHECKPOINTS) if self.out_dir is not None and cfg.train.checkpoint_every else None
         begin = str(start) if start is not None else None
-        self.lost: list[dict[str, Any]] = []
+        self.lost: list[LostWorker] = []
         self.failure: str | None = None
         self.stopped_since: dict[int, float] = {}
         self.conns, self.workers = [], []
@@ -249,7 +249,7 @@ class RemoteServers(Services):
                                 f"backend.keys (backend.auth = {b.auth!r}); {KEYGEN_HINT}")
             check_folder(b.keys, creds.mechanism, b.world_size, b.servers)
         self.info = ServiceInfo(list(b.server_addresses), creds.to_dict())
-        self.lost: list[dict[str, Any]] = []
+        self.lost: list[LostWorker] = []
 
     def check(self) -> None:
         pass
@@ -282,7 +282,7 @@ def start_services(cfg: Config, out_dir: str | Path | None = None, threads: bool
     return LocalServers(cfg, out_dir, threads, build_model, where, start)
 
 
-def summarize(stats: list[dict[str, Any]], lost: list[dict[str, Any]]) -> dict[str, Any]:
+def summarize(stats: list[dict[str, Any]], lost: list[LostWorker]) -> dict[str, Any]:
     """The summary.json entries of the servers: traffic, memory, staleness, lost workers."""
     hist: Counter[int] = Counter()
     for s in stats:

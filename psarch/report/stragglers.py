@@ -19,7 +19,7 @@ import json
 import statistics
 import sys
 from pathlib import Path
-from typing import Any
+from typing import TypedDict
 
 from psarch import registry
 from psarch.report.runs import load_run, run_config, target_gaps, target_words
@@ -54,7 +54,23 @@ def final_gap(workers: list[list[WorkerRow]], floor: float, last: int = 20) -> f
     return statistics.fmean(loss for _, loss in ev) - floor
 
 
-def rows(sweep: Path, target: float | None = None) -> list[dict[str, Any]]:
+class StragglerRow(TypedDict):
+    """One run of a stragglers sweep: its folder, mode, slowdown and jitter, and its figures."""
+
+    run: str
+    mode: str                    # the architecture's label
+    slowdown: float
+    jitter: float
+    samples_per_s: float
+    target_gap: float | None
+    predicted: float | None      # theory's samples/s (lockstep runs on an emulated cluster)
+    time_to_gap: float | None
+    final_gap: float
+    dilation: float | None
+    overrun: float | None
+
+
+def rows(sweep: Path, target: float | None = None) -> list[StragglerRow]:
     """One row per finished run under `sweep`: its folder's name, mode, slowdown, jitter and the three figures;
     the target gap `target`, else half of its workload's initial gap (psarch.report.runs.target_gaps)."""
     runs = []
@@ -62,7 +78,7 @@ def rows(sweep: Path, target: float | None = None) -> list[dict[str, Any]]:
         s = json.loads(f.read_text())
         if s.get("status") == "finished" and s.get("entropy_floor") is not None:
             runs.append(load_run(f.parent))   # samples/s as the summary and compare define it
-    out = []
+    out: list[StragglerRow] = []
     for run, gap in zip(runs, target_gaps(runs, target)):
         s, cfg = run["summary"], run_config(run)
         workers, floor = per_worker(run["metrics"]), s["entropy_floor"]
@@ -84,7 +100,7 @@ def _cell(x: float | None, form: str) -> str:
     return "" if x is None else format(x, form)
 
 
-def table(rs: list[dict[str, Any]], target: float | None = None) -> str:
+def table(rs: list[StragglerRow], target: float | None = None) -> str:
     """stragglers.md's table: one row per run, the target stated in its head; predicted samples/s for
     lockstep runs on an emulated cluster (the slowest worker's compute plus the step's communication), D and
     overrun steps for virtual devices."""
