@@ -69,6 +69,39 @@ class TrafficFigures(TypedDict):
     ops: dict[str, OpFigures]
 
 
+class _DeviceFactsOptional(TypedDict, total=False):
+    paced: str                   # "by call": a device paced call by call (psarch/cluster/call_pacing.py)
+
+
+class DeviceFacts(_DeviceFactsOptional):
+    """A virtual device's facts per worker-step (its pacer's facts()): FLOPs, nominal times (cluster time), D."""
+
+    forward_flops: float
+    backward_flops: float
+    forward_s: float
+    backward_s: float
+    dilation: float
+
+
+class _VirtualDeviceWarning(TypedDict, total=False):
+    warning: str | None          # device.overrun_line's, set once the rest is known
+
+
+class VirtualDeviceSummary(DeviceFacts, _VirtualDeviceWarning):
+    """summary.json's `virtual_device` (psarch/cluster/device.py's summary): the device, its facts, the median
+    modelled compute of the slowest worker and the timed steps that overran."""
+
+    device: str
+    peak_tflops: float
+    mfu: float
+    compute_s: float | None
+    overrun_steps: int
+    counted_steps: int
+    overrun_fraction: float
+    overrun_of: str              # "steps" (lockstep) or "worker-steps"
+    times: str
+
+
 class LostWorker(TypedDict):
     """A worker a mode went on without (summary.json's lost_workers)."""
 
@@ -108,7 +141,7 @@ class RankRecord:
     params: int                          # parameter count Φ, before the backend sharded the model
     workload: str
     model_state: dict[str, torch.Tensor] | None = field(default=None, repr=False)   # rank 0: the model
-    virtual_device: dict[str, Any] | None = None   # a virtual device's FLOPs and nominal times (VirtualDevice.facts)
+    virtual_device: DeviceFacts | None = None   # a virtual device's FLOPs and nominal times (VirtualDevice.facts)
 
     def to_json(self) -> dict[str, Any]:
         """Everything but the model (saved apart, as model.pt): JSON-able."""
@@ -132,7 +165,7 @@ class ServiceInfo:
     JSON-able: it crosses to spawned ranks and, under torchrun, over the process group."""
 
     addresses: list[str] = field(default_factory=list)
-    auth: dict[str, Any] | None = None
+    auth: dict[str, str] | None = None   # Credentials.to_dict(): mechanism and folder
     restored: bool = False
 
     def to_dict(self) -> dict[str, Any]:
@@ -178,7 +211,7 @@ class Summary(TypedDict, total=False):
     samples_per_s_is: str        # throughput.definition: what samples_per_s means for this run
     lost_workers: list[LostWorker]
     extra: dict[str, list[Any]]  # each rank's summary_extra, key by key
-    virtual_device: dict[str, Any]    # psarch/cluster/device.py's summary: FLOPs, D, overrun steps
+    virtual_device: VirtualDeviceSummary
     # what the services measured (BackendSpec.start_services' extra), where a backend has them
     cluster: dict[str, Any]      # an emulated cluster: alpha, nodes' link bytes, step_time measured | predicted
     staleness: dict[str, Any]    # the PS's: histogram, mean, max

@@ -264,8 +264,9 @@ def cluster_step(cfg: Config, summary: Summary) -> dict[str, float]:
     measured step less its communication wait."""
     m = registry.spec_of(cfg).comm_model(cfg, summary["params"], summary.get("extra") or {})
     vd, alpha, backward = summary.get("virtual_device"), summary["cluster"]["alpha_s"], None
-    if vd is not None and vd.get("compute_s") is not None:   # modelled compute holds no blocking pass
-        compute, alpha, m = vd["compute_s"], alpha / vd["dilation"], dataclasses.replace(m, hidden_passes=0)
+    modelled = vd.get("compute_s") if vd is not None else None
+    if vd is not None and modelled is not None:   # modelled compute holds no blocking pass
+        compute, alpha, m = modelled, alpha / vd["dilation"], dataclasses.replace(m, hidden_passes=0)
         backward = compute * vd["backward_s"] / (vd["forward_s"] + vd["backward_s"])
     else:
         compute = summary["step_time_s"] - (summary.get("comm_s") or 0.0)
