@@ -5,7 +5,7 @@ the top of summary.json (Summary)."""
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field, fields
-from typing import Any, TypedDict
+from typing import Any, Required, TypedDict
 
 import torch
 
@@ -100,6 +100,32 @@ class VirtualDeviceSummary(DeviceFacts, _VirtualDeviceWarning):
     overrun_fraction: float
     overrun_of: str              # "steps" (lockstep) or "worker-steps"
     times: str
+
+
+class NodeReport(TypedDict, total=False):
+    """One node of an emulated cluster (psarch/cluster/emulated.py's Node) and the bytes its link carried."""
+
+    node: Required[str]          # its network namespace
+    role: Required[str]          # "worker" or "server"
+    rank: int                    # a worker's
+    server: int                  # a server's index
+    address: Required[str]
+    link_mbps: Required[float]   # the rate its link was shaped to
+    link_sent: int               # over the steps (counted_over), kernel counters
+    link_received: int
+    run_link_sent: int           # over the whole run
+    run_link_received: int
+
+
+class ClusterReport(TypedDict, total=False):
+    """summary.json's `cluster` (a placement's report(); {} on loopback)."""
+
+    emulated: bool
+    alpha_s: float               # this host's, as measured
+    dilation: float
+    counted_over: str            # "steps", or "run" where a lost worker left no step window
+    nodes: list[NodeReport]
+    step_time: dict[str, float]  # theory.cluster_step's measured | predicted
 
 
 class LostWorker(TypedDict):
@@ -213,7 +239,7 @@ class Summary(TypedDict, total=False):
     extra: dict[str, list[Any]]  # each rank's summary_extra, key by key
     virtual_device: VirtualDeviceSummary
     # what the services measured (BackendSpec.start_services' extra), where a backend has them
-    cluster: dict[str, Any]      # an emulated cluster: alpha, nodes' link bytes, step_time measured | predicted
+    cluster: ClusterReport
     staleness: dict[str, Any]    # the PS's: histogram, mean, max
     refused_pushes: dict[str, Any]
     auth: str                    # the PS's mechanism ("none" where backend.auth is)

@@ -5,12 +5,13 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Sequence, TypedDict
 
 import matplotlib
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
+from matplotlib.artist import Artist  # noqa: E402
 
 from psarch.report.runs import Run  # noqa: E402
 
@@ -27,6 +28,14 @@ def _listed_colours(name: str) -> Sequence[Any]:
     """The colours of a qualitative colormap (tab10, tab20), which matplotlib keeps as a ListedColormap."""
     # the stub types get_cmap as returning a Colormap, which has no `colors`; these names are ListedColormaps
     return plt.get_cmap(name).colors  # type: ignore[attr-defined]
+
+
+class LineStyle(TypedDict):
+    """Keyword arguments of a run's line (Palette.line)."""
+
+    color: Any                   # a matplotlib colour
+    ls: str
+    lw: float
 
 
 class Palette:
@@ -52,7 +61,7 @@ class Palette:
     def colour(self, run: Run) -> Any:
         return self.colour_of[configuration(self.names[self._index[id(run)]])]
 
-    def line(self, run: Run) -> dict[str, Any]:
+    def line(self, run: Run) -> LineStyle:
         """Keyword arguments of a run's line: its configuration's colour, its world size's style."""
         return {"color": self.colour(run), "ls": self.style_of_n[run["summary"]["world_size"]], "lw": 1.3}
 
@@ -61,9 +70,9 @@ class Palette:
         return HATCHES[LINE_STYLES.index(self.style_of_n[run["summary"]["world_size"]])]
 
 
-def _entries(axes: list[Any]) -> dict[str, Any]:
+def _entries(axes: list[Any]) -> dict[str, Artist]:
     """Each label of these axes' artists once, with its first handle."""
-    keep: dict[str, Any] = {}
+    keep: dict[str, Artist] = {}
     for ax in axes:
         for handle, label in zip(*ax.get_legend_handles_labels()):
             keep.setdefault(label, handle)
@@ -78,7 +87,7 @@ def legend_beside(fig: Any, axes: list[Any]) -> Any:
                       ncol=1 if len(keep) <= 24 else 2)
 
 
-def legend_below(fig: Any, axes: list[Any], extra: dict[str, Any] | None = None) -> Any:
+def legend_below(fig: Any, axes: list[Any], extra: dict[str, Artist] | None = None) -> Any:
     """One legend for these axes (and `extra` label: handle entries) under them, outside the data
     (layout="constrained"), in as many columns as fit the figure's width."""
     keep = dict(_entries(axes), **(extra or {}))
