@@ -5,7 +5,7 @@ the top of summary.json (Summary)."""
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field, fields
-from typing import Any, Required, TypedDict
+from typing import Any, Required, TypedDict, cast
 
 import torch
 
@@ -128,6 +128,22 @@ class ClusterReport(TypedDict, total=False):
     step_time: dict[str, float]  # theory.cluster_step's measured | predicted
 
 
+class Staleness(TypedDict):
+    """summary.json's `staleness` (a PS run's): the histogram of its updates' staleness, by update of one partition."""
+
+    histogram: dict[str, int]    # staleness -> updates
+    updates: int
+    mean: float
+    max: int
+    counted: str
+
+
+class RefusedPushes(TypedDict):
+    """summary.json's `refused_pushes` (a PS run's)."""
+
+    non_finite_per_worker: list[int]   # pushes refused for inf/nan, the most any one server refused
+
+
 class LostWorker(TypedDict):
     """A worker a mode went on without (summary.json's lost_workers)."""
 
@@ -184,6 +200,14 @@ class RankRecord:
         return cls(**data)
 
 
+class ServiceFields(TypedDict, total=False):
+    """ServiceInfo as JSON (to_dict): what is left out takes its default."""
+
+    addresses: list[str]
+    auth: dict[str, str] | None
+    restored: bool
+
+
 @dataclass
 class ServiceInfo:
     """What every rank needs to reach the services a backend started (BackendSpec.start_services): the
@@ -194,11 +218,11 @@ class ServiceInfo:
     auth: dict[str, str] | None = None   # Credentials.to_dict(): mechanism and folder
     restored: bool = False
 
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+    def to_dict(self) -> ServiceFields:
+        return cast(ServiceFields, asdict(self))
 
     @classmethod
-    def from_dict(cls, data: dict[str, Any] | None) -> "ServiceInfo":
+    def from_dict(cls, data: ServiceFields | None) -> "ServiceInfo":
         return cls(**(data or {}))
 
 
@@ -240,6 +264,6 @@ class Summary(TypedDict, total=False):
     virtual_device: VirtualDeviceSummary
     # what the services measured (BackendSpec.start_services' extra), where a backend has them
     cluster: ClusterReport
-    staleness: dict[str, Any]    # the PS's: histogram, mean, max
-    refused_pushes: dict[str, Any]
+    staleness: Staleness
+    refused_pushes: RefusedPushes
     auth: str                    # the PS's mechanism ("none" where backend.auth is)

@@ -252,13 +252,14 @@ def report(s: Summary) -> str:
         lines.append(f"lost workers: {s['lost_workers']}")
     if s.get("auth") == "none":
         lines.append("auth: none (backend.auth = \"none\": any process on this machine could talk to the servers)")
-    refused = (s.get("refused_pushes") or {}).get("non_finite_per_worker") or []
+    pushes = s.get("refused_pushes")
+    refused = (pushes.get("non_finite_per_worker") if pushes else None) or []
     if any(refused):
         lines.append(f"pushes refused for inf/nan, per worker: {refused}")
     if s.get("cluster", {}).get("emulated"):
-        c, st = s["cluster"], s["cluster"]["step_time"]
-        lines.append(f"emulated cluster: alpha {c['alpha_s'] * 1e6:.0f} us; step time measured {st['measured_s'] * 1e3:.2f} ms"
-                     f" | predicted {st['predicted_s'] * 1e3:.2f} ms (compute {st['compute_s'] * 1e3:.2f} ms)")
+        c, step = s["cluster"], s["cluster"]["step_time"]
+        lines.append(f"emulated cluster: alpha {c['alpha_s'] * 1e6:.0f} us; step time measured {step['measured_s'] * 1e3:.2f} ms"
+                     f" | predicted {step['predicted_s'] * 1e3:.2f} ms (compute {step['compute_s'] * 1e3:.2f} ms)")
         over = "the steps" if c.get("counted_over") == "steps" else "the whole run"
         for n in c["nodes"]:
             lines.append(f"  {n['role']} {n.get('rank', n.get('server'))} ({n['address']}, {n['link_mbps']:g} Mbit/s): "

@@ -19,7 +19,7 @@ import traceback
 from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Iterator, Mapping, cast
 
 import torch
 import torch.distributed as dist
@@ -37,7 +37,7 @@ from psarch.config import Config, ConfigError, check_machine, from_dict
 from psarch.dist import abandon_group, init_rank, shutdown, under_torchrun
 from psarch.errors import NON_FINITE_EXIT, NonFiniteError, RunError
 from psarch.launch.lifecycle import die_with_parent, leave
-from psarch.records import RankRecord, ServiceInfo, Summary
+from psarch.records import RankRecord, ServiceFields, ServiceInfo, Summary
 from psarch.launch.runner import run_rank
 from psarch.trainer import Services
 from psarch.workload import Workload, build_workload, shared_data
@@ -128,7 +128,7 @@ class RankJob:
     start: Path | None
     resume: bool
     plugins: list[str]
-    info: dict[str, Any] = field(default_factory=dict)
+    info: ServiceFields = field(default_factory=lambda: ServiceFields())
 
     def config(self) -> Config:
         registry.import_plugins(self.plugins)   # before the config names a backend registered outside psarch
@@ -263,8 +263,10 @@ def _torchrun_rank(cfg: Config, spec: BackendSpec, job: RankJob, echo: bool) -> 
         if rank == 0:
             services = spec.start_services(cfg, out, start=job.start)
             if services is not None:
-                job.info = dict(services.info.to_dict(), addresses=[_reachable(a) for a in services.info.addresses])
-        ctx.services = ServiceInfo.from_dict(_gather_json(ctx, job.info)[0])
+                info = services.info.to_dict()
+                info["addresses"] = [_reachable(a) for a in services.info.addresses]
+                job.info = info
+        ctx.services = ServiceInfo.from_dict(cast(ServiceFields, _gather_json(ctx, job.info)[0]))   # rank 0's
         # ranks on other machines stream only where the run folder is shared (rank 0 made it before init_rank)
         stream = outputs.stream_path(out, rank) if (out / outputs.RANKS_DIR).is_dir() else None
         record = run_rank(cfg, ctx, echo=job.echo, metrics=stream, checkpoints=job.checkpoints, start=job.start,
@@ -302,7 +304,7 @@ def _reachable(address: str) -> str:
     return f"{scheme}://{os.environ['MASTER_ADDR']}:{port}" if host in ("0.0.0.0", "*") else address
 
 
-def _gather_json(ctx: Any, obj: dict) -> list[dict]:
+def _gather_json(ctx: Any, obj: Mapping[str, object]) -> list[dict]:
     """Every rank's JSON-able dict, on every rank (JSON over all_gather: no pickle on the wire)."""
     dev = ctx.device if ctx.dist_backend == "nccl" else torch.device("cpu")
     data = torch.frombuffer(bytearray(json.dumps(obj).encode()), dtype=torch.uint8).to(dev)
