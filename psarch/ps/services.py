@@ -21,7 +21,7 @@ import time
 import traceback
 from collections import Counter
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 
@@ -33,6 +33,9 @@ from psarch.ps.auth import KEYGEN_HINT, AuthError, Credentials, check_folder, me
 from psarch.ps.errors import ServiceError
 from psarch.records import LostWorker, ServiceInfo
 from psarch.trainer import Services
+
+if TYPE_CHECKING:
+    from psarch.ps.server.parameter_server import ServerStats
 
 START_TIMEOUT_S = 120.0
 
@@ -184,13 +187,14 @@ class LocalServers(Services):
     def finish(self) -> dict[str, Any]:
         """Gather every server's measurements (and final parameters, written as model.pt)."""
         self.check()
-        stats, parts = [], []
+        stats: list[ServerStats] = []
+        parts = []
         for i in range(len(self.conns)):
             self._send(i, {"cmd": "stats"})
             s = self._wait_event(i, "stats", START_TIMEOUT_S)
             raw = self.conns[i].recv_bytes()
             s.pop("event")
-            stats.append(s)
+            stats.append(cast("ServerStats", s))   # what the server's stats() sent
             parts.append(torch.frombuffer(bytearray(raw), dtype=torch.float32) if raw else torch.empty(0))
         out = dict(summarize(stats, self.lost), auth=Credentials.from_dict(self.info.auth).mechanism)
         if self.out_dir is not None:
@@ -282,7 +286,7 @@ def start_services(cfg: Config, out_dir: str | Path | None = None, threads: bool
     return LocalServers(cfg, out_dir, threads, build_model, where, start)
 
 
-def summarize(stats: list[dict[str, Any]], lost: list[LostWorker]) -> dict[str, Any]:
+def summarize(stats: list[ServerStats], lost: list[LostWorker]) -> dict[str, Any]:
     """The summary.json entries of the servers: traffic, memory, staleness, lost workers."""
     hist: Counter[int] = Counter()
     for s in stats:
