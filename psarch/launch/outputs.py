@@ -114,9 +114,11 @@ def finalize_stopped(out: Path, cfg: Config, status: str, error: str, extra: dic
     summary.json that says so, with the error's first line (and `extra`, what the services measured)."""
     streams = sorted((out / RANKS_DIR).glob("rank*.jsonl"), key=lambda p: int(p.stem[4:]))
     rows = _write_metrics(out, [_streamed_steps(out, int(p.stem[4:])) for p in streams])
-    summary = cast(Summary, {"name": cfg.name, "status": status, "error": error.strip().splitlines()[0] if error.strip() else "",
-               **identity(cfg), "steps": len(rows), "steps_planned": cfg.train.steps,
-               "final_loss": rows[-1]["loss"] if rows else None, **(extra or {})})
+    # the backend's identity fields and the services' `extra` add keys of their own
+    summary = cast(Summary, {"name": cfg.name, "status": status,
+                             "error": error.strip().splitlines()[0] if error.strip() else "",
+                             **identity(cfg), "steps": len(rows), "steps_planned": cfg.train.steps,
+                             "final_loss": rows[-1]["loss"] if rows else None, **(extra or {})})
     (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     return summary
 

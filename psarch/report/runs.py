@@ -27,7 +27,6 @@ class Run(TypedDict):
     run_label: str               # its name in tables and plots (name_runs)
 
 
-
 def load_run(path: str | Path) -> Run:
     """A finished run folder's summary, config (as written) and per-step metrics; the summary's `predicted` is
     theory.predict's for the run's config. A failed or interrupted run raises ValueError (one line)."""
@@ -44,7 +43,7 @@ def load_run(path: str | Path) -> Run:
                          f"no figures to load")
     # its name in reports: the config's label, else its folder's (name_runs tells apart runs that share one)
     run: Run = {"path": str(path), "summary": summary, "config": config, "metrics": rows,
-           "run_label": config.get("label") or path.resolve().name}
+                "run_label": config.get("label") or path.resolve().name}
     if config:  # theory, names and samples/s as they stand now, not as they stood when the run was made
         cfg = run_config(run)
         summary["predicted"] = predict(cfg, summary["params"]).to_dict()
