@@ -33,7 +33,7 @@ class StepRecord(PacedFields):
     received: int
     skipped: bool                # fp16: the update was skipped for inf/nan gradients
     loss_scale: float | None
-    extra: dict[str, Any]        # the backend's own figures (StepStats.extra), never a core column
+    extra: dict[str, float]      # the backend's own figures (StepStats.extra), never a core column
 
 
 class MemoryFigures(TypedDict):
@@ -154,7 +154,7 @@ class LostWorker(TypedDict):
 class _MetricsRowOptional(TypedDict, total=False):
     loss_scale: float            # fp16: rank 0's scale this step
     workers: list[StepRecord]    # each rank's own record, where several ranks finished the step
-    extra: dict[str, Any]        # one rank alone: its StepRecord's extra
+    extra: dict[str, float]      # one rank alone: its StepRecord's extra
 
 
 class MetricsRow(_MetricsRowOptional):

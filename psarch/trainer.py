@@ -29,7 +29,7 @@ class StepStats:
     skipped: bool = False            # fp16: inf/nan gradients, the update was skipped
     loss_scale: float | None = None  # fp16 loss scale after this step
     comm_s: float = 0.0              # time spent blocked on communication, where the backend can tell
-    extra: dict[str, Any] = field(default_factory=dict)
+    extra: dict[str, float] = field(default_factory=dict)   # the backend's own figures of the step
 
 
 @dataclass

@@ -62,7 +62,11 @@ def per_update(run: Run, axis: str) -> tuple[list[float], list[float]] | None:
             version = before.get("extra", {}).get("version")
             if version is None or (axis == "time" and t0 is None):
                 return None
-            x = version / n if axis == "step" else w["extra"]["t_end"] - t0
+            if axis == "step":
+                x = version / n
+            else:
+                assert t0 is not None   # returned above where it is None
+                x = w["extra"]["t_end"] - t0
             points.append((x, w["loss"]))
     points.sort()
     return [p[0] for p in points], [p[1] for p in points]
