@@ -5,7 +5,7 @@ the top of summary.json (Summary)."""
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field, fields
-from typing import Any, Required, TypedDict, cast
+from typing import Any, NotRequired, Required, TypedDict, cast
 
 import torch
 
@@ -144,6 +144,30 @@ class RefusedPushes(TypedDict):
     non_finite_per_worker: list[int]   # pushes refused for inf/nan, the most any one server refused
 
 
+class ServerDetail(TypedDict):
+    """summary.json's servers_detail[]: what one PS server says of itself beyond its bytes (its stats' own)."""
+
+    server: int
+    address: str
+    range: list[int]
+    partitions: int
+    version: int
+    rejected: int
+    refused_non_finite: list[int]
+    lost: list[int]
+    skipped_updates: int
+    failure: str | None
+
+
+class SSPSummary(TypedDict):
+    """summary.json's `ssp`: the bound, the most a worker ran ahead, and the trace (written apart: trace_file)."""
+
+    staleness_bound: int
+    max_ahead: int
+    trace: NotRequired[list[list[int]]]
+    trace_file: NotRequired[str]
+
+
 class LostWorker(TypedDict):
     """A worker a mode went on without (summary.json's lost_workers)."""
 
@@ -267,3 +291,7 @@ class Summary(TypedDict, total=False):
     staleness: Staleness
     refused_pushes: RefusedPushes
     auth: str                    # the PS's mechanism ("none" where backend.auth is)
+    servers_detail: list[ServerDetail]
+    ssp: SSPSummary
+    model_from_servers_error: str   # why the servers' parameters could not be written as model.pt
+    started_from: dict[str, Any]    # Config.started_from: the checkpoint a fork started from

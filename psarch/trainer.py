@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any, Protocol, cast
 import torch
 
 from psarch import registry
-from psarch.records import MemoryFigures, ServiceInfo, StepRecord, TrafficFigures
+from psarch.records import MemoryFigures, ServiceInfo, StepRecord, Summary, TrafficFigures
 
 if TYPE_CHECKING:
     from pathlib import Path
@@ -100,7 +100,7 @@ class Services(Protocol):
     def worker_lost(self, rank: int, error: str) -> None:
         """A worker died in a mode that goes on without it."""
 
-    def finish(self) -> dict[str, Any]:
+    def finish(self) -> Summary:
         """Their measurements, merged into summary.json."""
 
     def stop(self) -> None:

@@ -108,7 +108,7 @@ def has_records(out: Path) -> bool:
     return any((out / RANKS_DIR).glob("rank*.json"))
 
 
-def finalize_stopped(out: Path, cfg: Config, status: str, error: str, extra: dict[str, Any] | None = None
+def finalize_stopped(out: Path, cfg: Config, status: str, error: str, extra: Summary | None = None
                      ) -> Summary:
     """A run that failed or was interrupted: metrics.jsonl with every step some rank finished, and a
     summary.json that says so, with the error's first line (and `extra`, what the services measured)."""
@@ -123,7 +123,7 @@ def finalize_stopped(out: Path, cfg: Config, status: str, error: str, extra: dic
     return summary
 
 
-def finalize_lost(out: Path, cfg: Config, extra: dict[str, Any]) -> str:
+def finalize_lost(out: Path, cfg: Config, extra: Summary) -> str:
     """A mode that goes on without lost workers lost them all: a summary that says so (status failed, the lost
     workers, what the services measured) and metrics.jsonl with every step streamed; returns the error."""
     lost = extra.get("lost_workers") or []
@@ -142,7 +142,7 @@ def identity(cfg: Config) -> dict[str, Any]:
             **spec.summary_fields(cfg)}
 
 
-def finalize(out: Path, cfg: Config, extra: dict[str, Any] | None = None, echo: bool = True) -> Summary:
+def finalize(out: Path, cfg: Config, extra: Summary | None = None, echo: bool = True) -> Summary:
     """Merge the ranks' records into metrics.jsonl, summary.json and report.txt."""
     records = _records(out)
     if not records:

@@ -81,15 +81,18 @@ def run(cfg: Config, out: str | Path | None = None, echo: bool = True, resume: b
                 else:
                     with shared_data(cfg, out_dir / ".shared_data"):   # built here once, mapped by every rank
                         _spawn(job, spec, where, services)
-                extra = dict(services.finish()) if services is not None else {}
+                extra = services.finish() if services is not None else Summary()
             cluster = where.report()
     except BaseException as e:  # failed or interrupted (Ctrl-C, SIGTERM): keep the finished steps, say why
         _keep_finished_steps(out_dir, cfg, e)
         raise
-    recorded = {k: v for k, v in (("cluster", cluster), ("started_from", cfg.started_from)) if v}
+    if cluster:
+        extra["cluster"] = cluster
+    if cfg.started_from:
+        extra["started_from"] = cfg.started_from
     if not outputs.has_records(out_dir):   # every worker lost: what the servers measured, and the steps streamed
-        raise RunError(outputs.finalize_lost(out_dir, cfg, dict(extra, **recorded)))
-    return outputs.finalize(out_dir, cfg, dict(extra, **recorded), echo)
+        raise RunError(outputs.finalize_lost(out_dir, cfg, extra))
+    return outputs.finalize(out_dir, cfg, extra, echo)
 
 
 def _started(cfg: Config, ckpt: Checkpoint | None, out: Path, resume: bool, pick: str | None, echo: bool
@@ -272,7 +275,7 @@ def _torchrun_rank(cfg: Config, spec: BackendSpec, job: RankJob, echo: bool) -> 
         record = run_rank(cfg, ctx, echo=job.echo, metrics=stream, checkpoints=job.checkpoints, start=job.start,
                           resume=job.resume)
         records = _gather_json(ctx, record.to_json())   # every rank is done with the servers past this point
-        extra = None
+        extra: Summary | None = None
         if rank == 0:
             outputs.save_record(out, record)
             for r in records[1:]:
@@ -292,7 +295,8 @@ def _torchrun_rank(cfg: Config, spec: BackendSpec, job: RankJob, echo: bool) -> 
         leave(1)
     shutdown(ctx)
     if rank == 0 and cfg.started_from:
-        extra = dict(extra or {}, started_from=cfg.started_from)
+        extra = extra if extra is not None else Summary()
+        extra["started_from"] = cfg.started_from
     return outputs.finalize(out, cfg, extra, echo) if rank == 0 else {}
 
 

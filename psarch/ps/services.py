@@ -31,7 +31,7 @@ from psarch.config import Config, ConfigError, from_dict
 from psarch.launch.lifecycle import die_with_parent
 from psarch.ps.auth import KEYGEN_HINT, AuthError, Credentials, check_folder, mechanism, remove, run_credentials
 from psarch.ps.errors import ServiceError
-from psarch.records import LostWorker, ServiceInfo
+from psarch.records import LostWorker, ServiceInfo, Summary
 from psarch.trainer import Services
 
 if TYPE_CHECKING:
@@ -184,7 +184,7 @@ class LocalServers(Services):
         for i in range(len(self.conns)):
             self._send(i, {"cmd": "lost", "worker": rank})
 
-    def finish(self) -> dict[str, Any]:
+    def finish(self) -> Summary:
         """Gather every server's measurements (and final parameters, written as model.pt)."""
         self.check()
         stats: list[ServerStats] = []
@@ -196,12 +196,13 @@ class LocalServers(Services):
             s.pop("event")
             stats.append(cast("ServerStats", s))   # what the server's stats() sent
             parts.append(torch.frombuffer(bytearray(raw), dtype=torch.float32) if raw else torch.empty(0))
-        out = dict(summarize(stats, self.lost), auth=Credentials.from_dict(self.info.auth).mechanism)
+        out = summarize(stats, self.lost)
+        out["auth"] = Credentials.from_dict(self.info.auth).mechanism
         if self.out_dir is not None:
             self._write_outputs(self.out_dir, out, parts)
         return out
 
-    def _write_outputs(self, out_dir: Path, out: dict[str, Any], parts: list[torch.Tensor]) -> None:
+    def _write_outputs(self, out_dir: Path, out: Summary, parts: list[torch.Tensor]) -> None:
         """model.pt from the servers' final parameters; the ssp trace beside the summary (in `out_dir`)."""
         if "ssp" in out:
             (out_dir / "ssp_trace.json").write_text(json.dumps(out["ssp"].pop("trace")))
@@ -261,7 +262,7 @@ class RemoteServers(Services):
     def worker_lost(self, rank: int, error: str) -> None:
         self.lost.append({"rank": rank, "error": error.splitlines()[0] if error else ""})
 
-    def finish(self) -> dict[str, Any]:
+    def finish(self) -> Summary:
         return {"lost_workers": self.lost, "auth": Credentials.from_dict(self.info.auth).mechanism}
 
     def stop(self) -> None:
@@ -286,13 +287,13 @@ def start_services(cfg: Config, out_dir: str | Path | None = None, threads: bool
     return LocalServers(cfg, out_dir, threads, build_model, where, start)
 
 
-def summarize(stats: list[ServerStats], lost: list[LostWorker]) -> dict[str, Any]:
+def summarize(stats: list[ServerStats], lost: list[LostWorker]) -> Summary:
     """The summary.json entries of the servers: traffic, memory, staleness, lost workers."""
     hist: Counter[int] = Counter()
     for s in stats:
         hist.update({int(k): v for k, v in s["staleness_histogram"].items()})
     total = sum(hist.values())
-    out: dict[str, Any] = {
+    out: Summary = {
         "traffic": {"servers": [{"server": s["server"], "sent": s["sent"], "received": s["received"],
                                  "ops": s["traffic"]["ops"]} for s in stats]},
         "memory": {"servers": [dict(s["memory"], server=s["server"], range=s["range"], held=s["held"]) for s in stats]},
@@ -300,9 +301,10 @@ def summarize(stats: list[ServerStats], lost: list[LostWorker]) -> dict[str, Any
         # a push goes to every server in slices: a worker's count is the most any one server refused
         "refused_pushes": {"non_finite_per_worker": [max(col) for col in zip(*(s["refused_non_finite"]
                                                                                 for s in stats))]},
-        "servers_detail": [{k: s[k] for k in ("server", "address", "range", "partitions", "version", "rejected",
-                                               "refused_non_finite", "lost", "skipped_updates", "failure")}
-                           for s in stats],
+        "servers_detail": [{"server": s["server"], "address": s["address"], "range": s["range"],
+                            "partitions": s["partitions"], "version": s["version"], "rejected": s["rejected"],
+                            "refused_non_finite": s["refused_non_finite"], "lost": s["lost"],
+                            "skipped_updates": s["skipped_updates"], "failure": s["failure"]} for s in stats],
     }
     if total:
         out["staleness"] = {"histogram": {str(k): v for k, v in sorted(hist.items())},
