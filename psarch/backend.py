@@ -20,7 +20,7 @@ import dataclasses
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, ClassVar, Mapping, TypedDict
+from typing import TYPE_CHECKING, Any, Callable, ClassVar, Mapping, TypedDict
 
 # The core's types, named here only: their modules import this one (through the registry), so importing them
 # here, even for type checking, would close a cycle.
@@ -28,6 +28,9 @@ Config = Any        # psarch.config.Config
 Prediction = Any    # psarch.theory.Prediction
 Placement = Any     # psarch.cluster.placement.Placement
 Services = Any      # psarch.trainer.Services
+
+if TYPE_CHECKING:   # records imports none of the core: no cycle (and no torch at run time here)
+    from psarch.records import Summary
 
 PRECISIONS = ("fp32", "bf16", "fp16")
 # the core's options that backends joined by a process group read (BackendSpec.reads)
@@ -179,6 +182,6 @@ class BackendSpec(ABC):
         """How this run's communication meets its compute; `extra`: the summary's per-rank extras."""
         return CommModel()
 
-    def summary_fields(self, cfg: Config) -> dict[str, Any]:
+    def summary_fields(self, cfg: Config) -> Summary:
         """Fields this backend adds to summary.json's top level (e.g. the PS's server count)."""
         return {}

@@ -132,7 +132,7 @@ def finalize_lost(out: Path, cfg: Config, extra: Summary) -> str:
     return error
 
 
-def identity(cfg: Config) -> dict[str, Any]:
+def identity(cfg: Config) -> Summary:
     """What a summary says of the run's backend, from its spec (psarch/backend.py): its kind, variant and the
     one label every report, plot and cluster table uses; whether its workers step in lockstep; and the
     backend's own fields (the PS's servers; 0 elsewhere)."""
