@@ -33,7 +33,7 @@ from psarch.meters import peak_memory, tensor_bytes
 from psarch.precision import compute_dtype, has_inf_or_nan
 from psarch.records import StepRecord
 from psarch.ps.layout import server_partitions, trainable
-from psarch.ps.snapshot import exact_records, pushes_by, run_shape, views
+from psarch.ps.snapshot import WorkerRecord, exact_records, pushes_by, run_shape, views
 from psarch.ps.spec import pushes_from_hooks
 from psarch.ps.worker.client import PSClient
 from psarch.ps.worker.geo import GeoLocal
@@ -215,7 +215,7 @@ class PSWorker(Trainer):
         self._settle()
         rank = self.ctx.rank
         own = f"worker{rank}/"
-        record: dict[str, Any] = {"rank": rank, "steps": self.steps, "rounds": self.rounds,
+        record: WorkerRecord = {"rank": rank, "steps": self.steps, "rounds": self.rounds,
                                   "versions": list(self.link.versions), "loss_scale": self.link.loss_scale}
         if self.geo is None:
             tensors = {own + "param": self.flat.data}
@@ -224,7 +224,7 @@ class PSWorker(Trainer):
             record.update(self.geo.record())
         record.update(self.tables.record())
         return Pieces(views(self.layout, tensors, 0, self.flat.numel) + self.tables.fragments(), self.param_shapes,
-                      record)
+                      dict(record))   # the part's JSON state
 
     def write_checkpoint(self, ctx: DistContext, root: Path, step: int, config: dict[str, Any], keep: int,
                          steps: list[StepRecord] | None) -> Path:
