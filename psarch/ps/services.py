@@ -35,7 +35,7 @@ from psarch.records import LostWorker, ServiceInfo, Summary
 from psarch.trainer import Services
 
 if TYPE_CHECKING:
-    from psarch.ps.server.parameter_server import ServerStats
+    from psarch.ps.server.parameter_server import Command, ServerStats
 
 START_TIMEOUT_S = 120.0
 
@@ -154,7 +154,7 @@ class LocalServers(Services):
         since = self.stopped_since.setdefault(i, time.monotonic())
         return time.monotonic() - since > self.cfg.backend.timeout_s
 
-    def _send(self, i: int, cmd: dict[str, Any]) -> None:
+    def _send(self, i: int, cmd: Command) -> None:
         try:
             self.conns[i].send_bytes(json.dumps(cmd).encode())
         except OSError:

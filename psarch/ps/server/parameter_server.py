@@ -68,6 +68,13 @@ Handler = Callable[[bytes, wire.Message], None]
 
 
 
+class Command(TypedDict):
+    """A command on the launcher's pipe (psarch/ps/services.py): `lost` names the worker whose process died."""
+
+    cmd: str                     # "lost", "stats" or "stop"
+    worker: NotRequired[int]
+
+
 class SSPStats(TypedDict):
     """What an ssp server measured of its bound."""
 
@@ -311,7 +318,7 @@ class ParameterServer:
             return
         self.deadlines.check_waits(now)
 
-    def command(self, cmd: dict[str, Any]) -> None:
+    def command(self, cmd: Command) -> None:
         """A command on the launcher's pipe: `lost` (a worker's process died), `stats`, `stop`."""
         if cmd.get("cmd") == "lost":
             self.lose(int(cmd["worker"]), "its process died")

@@ -203,7 +203,7 @@ class WorkerRows(PSTables):
         # the last step's rows, and as much again for their gradients
         return {"params": self.held // 2, "grads": self.held // 2}
 
-    def summary(self) -> dict[str, Any]:
+    def summary(self) -> dict[str, float]:
         """E[u] per step beside each step's measured `unique_ids` (metrics.jsonl); the bytes held at most."""
         return {"embedding_bytes_held_peak": self.held_peak, "embedding_table_bytes": table_params(self.cfg) * 4,
                 "unique_ids_expected": expected_unique_ids(self.cfg)}
