@@ -28,7 +28,7 @@ parameters and optimizer state, every worker starts from them at step K as if it
 """
 from __future__ import annotations
 
-from typing import Any, NotRequired, TypedDict
+from typing import NotRequired, TypedDict
 
 import torch
 
@@ -80,11 +80,33 @@ class WorkerRecord(TypedDict):
     cache_keys: NotRequired[list[int]]
 
 
+class PartitionRecord(TypedDict):
+    """A server's record of one partition (ServerSnapshots.pieces): its counters and, with fp16, its loss scaler."""
+
+    range: list[int]             # [lo, hi)
+    version: int
+    sent_version: list[int]      # per worker
+    clock: list[int]             # per worker: its next step
+    staleness: dict[str, int]    # the histogram so far
+    skipped: int
+    scaler: NotRequired[dict[str, float]]
+
+
+class ServerRecord(TypedDict):
+    """A PS server's record in a checkpoint: its partitions' records (the first's scaler, for a fork)."""
+
+    server: int
+    held: int
+    max_ahead: int
+    partitions: list[PartitionRecord]
+    scaler: NotRequired[dict[str, float]]
+
+
 class PSRecords(TypedDict):
     """A PS checkpoint's state["ps"]: the run's shape and every server's and worker's record."""
 
     run: RunShape
-    servers: list[dict[str, Any]]   # each server's (psarch/ps/server/snapshots.py)
+    servers: list[ServerRecord]
     workers: list[WorkerRecord]
 
 
