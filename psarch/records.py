@@ -168,6 +168,17 @@ class SSPSummary(TypedDict):
     trace_file: NotRequired[str]
 
 
+class Predicted(TypedDict):
+    """summary.json's `predicted`: theory.Prediction.to_dict()."""
+
+    memory_per_rank: dict[str, float]    # params, grads, optimizer, buffers and their total
+    traffic_per_step: dict[str, float]   # worker_sent, worker_received (and server_sent, server_received)
+    rounds_per_step: float
+    messages_per_step: float
+    server_memory: NotRequired[float]    # with servers
+    per_rank: NotRequired[list[dict[str, Any]]]   # RankPrediction.to_dict(): memory, sent, received, own figures
+
+
 class LostWorker(TypedDict):
     """A worker a mode went on without (summary.json's lost_workers)."""
 
@@ -281,7 +292,7 @@ class Summary(TypedDict, total=False):
     dist_backend: str | None
     memory: dict[str, Any]       # per_rank[]: MemoryReport dicts with their rank; servers[] for PS
     traffic: dict[str, Any]      # per_rank[]: TrafficReport dicts with per-step means; servers[] for PS
-    predicted: dict[str, Any]    # theory.Prediction.to_dict()
+    predicted: Predicted
     samples_per_s_is: str        # throughput.definition: what samples_per_s means for this run
     lost_workers: list[LostWorker]
     extra: dict[str, list[Any]]  # each rank's summary_extra, key by key

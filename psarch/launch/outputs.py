@@ -12,7 +12,7 @@ import torch
 from psarch import registry, theory, throughput
 from psarch.cluster import device
 from psarch.config import Config
-from psarch.records import MetricsRow, RankRecord, StepRecord, Summary
+from psarch.records import MetricsRow, Predicted, RankRecord, StepRecord, Summary
 from psarch.launch.runner import warmup_steps
 from psarch.units import fmt_bytes
 
@@ -201,7 +201,7 @@ def finalize(out: Path, cfg: Config, extra: Summary | None = None, echo: bool = 
     return summary
 
 
-def predicted_for_rank(predicted: dict[str, Any], rank: int) -> tuple[dict[str, float], float]:
+def predicted_for_rank(predicted: Predicted, rank: int) -> tuple[dict[str, float], float]:
     """(memory by category, bytes sent per step) theory predicts for rank `rank`: its own where ranks differ
     (Prediction.per_rank), else every rank's."""
     per = predicted.get("per_rank")

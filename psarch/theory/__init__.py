@@ -17,7 +17,7 @@ from typing import Any
 from psarch import registry
 from psarch.backend import CommModel
 from psarch.config import Config, from_dict
-from psarch.records import Summary
+from psarch.records import Predicted, Summary
 from psarch.zipf import expected_unique
 
 BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
@@ -95,13 +95,13 @@ class Prediction:
     links: list[LinkLoad] | None = None
     per_rank: list[RankPrediction] | None = None
 
-    def to_dict(self) -> dict:
+    def to_dict(self) -> Predicted:
         """The `predicted` entry of summary.json."""
         traffic = {"worker_sent": self.worker.sent, "worker_received": self.worker.received}
         if self.server is not None:
             traffic.update(server_sent=self.server.sent, server_received=self.server.received)
-        out = {"memory_per_rank": self.memory_per_rank.to_dict(), "traffic_per_step": traffic,
-               "rounds_per_step": self.rounds, "messages_per_step": self.messages}
+        out: Predicted = {"memory_per_rank": self.memory_per_rank.to_dict(), "traffic_per_step": traffic,
+                          "rounds_per_step": self.rounds, "messages_per_step": self.messages}
         if self.server_memory is not None:
             out["server_memory"] = self.server_memory
         if self.per_rank is not None:
