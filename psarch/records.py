@@ -1,7 +1,7 @@
 """The records that pass between a run's processes and files, declared once for their writers and readers:
 what each step of a rank leaves (StepRecord, a line of ranks/rank<R>.jsonl), what a rank leaves when it is
-done (RankRecord, ranks/rank<R>.json), what every rank is told of the services beside it (ServiceInfo), and
-the top of summary.json (Summary)."""
+done (RankRecord, ranks/rank<R>.json), what every rank is told of the services beside it (ServiceInfo), a
+line of metrics.jsonl (MetricsRow), and summary.json (Summary) with the sections reports read."""
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field, fields
@@ -69,11 +69,7 @@ class TrafficFigures(TypedDict):
     ops: dict[str, OpFigures]
 
 
-class _DeviceFactsOptional(TypedDict, total=False):
-    paced: str                   # "by call": a device paced call by call (psarch/cluster/call_pacing.py)
-
-
-class DeviceFacts(_DeviceFactsOptional):
+class DeviceFacts(TypedDict):
     """A virtual device's facts per worker-step (its pacer's facts()): FLOPs, nominal times (cluster time), D."""
 
     forward_flops: float
@@ -81,13 +77,10 @@ class DeviceFacts(_DeviceFactsOptional):
     forward_s: float
     backward_s: float
     dilation: float
+    paced: NotRequired[str]      # "by call": a device paced call by call (psarch/cluster/call_pacing.py)
 
 
-class _VirtualDeviceWarning(TypedDict, total=False):
-    warning: str | None          # device.overrun_line's, set once the rest is known
-
-
-class VirtualDeviceSummary(DeviceFacts, _VirtualDeviceWarning):
+class VirtualDeviceSummary(DeviceFacts):
     """summary.json's `virtual_device` (psarch/cluster/device.py's summary): the device, its facts, the median
     modelled compute of the slowest worker and the timed steps that overran."""
 
@@ -100,6 +93,7 @@ class VirtualDeviceSummary(DeviceFacts, _VirtualDeviceWarning):
     overrun_fraction: float
     overrun_of: str              # "steps" (lockstep) or "worker-steps"
     times: str
+    warning: NotRequired[str | None]   # device.overrun_line's, set once the rest is known
 
 
 class NodeReport(TypedDict, total=False):
@@ -186,13 +180,7 @@ class LostWorker(TypedDict):
     error: str                   # its error's first line
 
 
-class _MetricsRowOptional(TypedDict, total=False):
-    loss_scale: float            # fp16: rank 0's scale this step
-    workers: list[StepRecord]    # each rank's own record, where several ranks finished the step
-    extra: dict[str, float]      # one rank alone: its StepRecord's extra
-
-
-class MetricsRow(_MetricsRowOptional):
+class MetricsRow(TypedDict):
     """A line of metrics.jsonl: one step merged over the ranks that finished it (psarch/launch/outputs.py)."""
 
     step: int
@@ -201,6 +189,9 @@ class MetricsRow(_MetricsRowOptional):
     workers_sent: int            # bytes all workers together sent in the step
     workers_received: int
     skipped: bool                # some rank skipped its update
+    loss_scale: NotRequired[float]           # fp16: rank 0's scale this step
+    workers: NotRequired[list[StepRecord]]   # each rank's own record, where several ranks finished the step
+    extra: NotRequired[dict[str, float]]     # one rank alone: its StepRecord's extra
 
 
 @dataclass
