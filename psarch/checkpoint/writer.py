@@ -160,8 +160,9 @@ def merge(folder: Path, parts: list[str], step: int, config: dict[str, Any], sha
         entries += part["entries"]
         scalars.update(part["scalars"])
     dtypes = {e["name"]: e["dtype"] for e in entries if e["key"] == PARAM}
-    params: dict[str, ParamEntry] = {name: {"shape": list(shape), "numel": int(torch.Size(shape).numel()), "dtype": dtypes.get(name),
-                     "scalars": scalars.get(name, {})} for name, shape in shapes.items()}
+    params: dict[str, ParamEntry] = {
+        name: {"shape": list(shape), "numel": int(torch.Size(shape).numel()), "dtype": dtypes.get(name),
+               "scalars": scalars.get(name, {})} for name, shape in shapes.items()}
     covered: dict[str, int] = {}
     keys: set[str] = set()
     for e in entries:

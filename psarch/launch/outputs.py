@@ -260,8 +260,9 @@ def report(s: Summary) -> str:
         lines.append(f"pushes refused for inf/nan, per worker: {refused}")
     if s.get("cluster", {}).get("emulated"):
         c, step = s["cluster"], s["cluster"]["step_time"]
-        lines.append(f"emulated cluster: alpha {c['alpha_s'] * 1e6:.0f} us; step time measured {step['measured_s'] * 1e3:.2f} ms"
-                     f" | predicted {step['predicted_s'] * 1e3:.2f} ms (compute {step['compute_s'] * 1e3:.2f} ms)")
+        lines.append(f"emulated cluster: alpha {c['alpha_s'] * 1e6:.0f} us; step time measured "
+                     f"{step['measured_s'] * 1e3:.2f} ms | predicted {step['predicted_s'] * 1e3:.2f} ms "
+                     f"(compute {step['compute_s'] * 1e3:.2f} ms)")
         over = "the steps" if c.get("counted_over") == "steps" else "the whole run"
         for n in c["nodes"]:
             lines.append(f"  {n['role']} {n.get('rank', n.get('server'))} ({n['address']}, {n['link_mbps']:g} Mbit/s): "

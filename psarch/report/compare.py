@@ -13,9 +13,9 @@ from psarch.report.links import links_table
 from psarch.report.ranks import has_per_rank, rank_table
 from psarch.report.sparse import embedding_scaling, is_sparse_run, sparse_table
 from psarch.report.curves import diverged
-from psarch.report.runs import (Run, fraction_of, label, load_run, name_runs, predicted_rank0_memory, predicted_worker_sent,
-                         server_received_per_step, step_clock, target_fraction, target_gaps, target_words,
-                         trailing_mean, worker_sent_per_step)
+from psarch.report.runs import (Run, fraction_of, label, load_run, name_runs, predicted_rank0_memory,
+                                predicted_worker_sent, server_received_per_step, step_clock, target_fraction,
+                                target_gaps, target_words, trailing_mean, worker_sent_per_step)
 from psarch.report.seeds import config_key, interval, seed_groups, study_key
 from psarch.throughput import LOCKSTEP, OWN_PACE
 from psarch.units import fmt_bytes

@@ -12,8 +12,8 @@ from matplotlib.patches import Patch
 from psarch.records import Summary
 from psarch.report import curves
 from psarch.report.style import Palette, legend_below, save
-from psarch.report.runs import (Run, predicted_rank0_memory, predicted_system_memory, predicted_worker_sent, server_memory,
-                         server_received_per_step, system_memory, worker_sent_per_step)
+from psarch.report.runs import (Run, predicted_rank0_memory, predicted_system_memory, predicted_worker_sent,
+                                server_memory, server_received_per_step, system_memory, worker_sent_per_step)
 from psarch.throughput import LOCKSTEP, OWN_PACE
 from psarch.units import fmt_bytes
 

@@ -101,8 +101,8 @@ class PSWorker(Trainer):
         info = self._geo_step(self.geo, loss, batch) if self.geo is not None else self._push_step(loss, batch)
         info["comm_s"] += fetch_s
         scale = self.geo.optim.scaler.scale if self.geo is not None else self.link.loss_scale
-        extra: dict[str, float] = {k: v for k, v in (("version", info.get("version")), ("staleness", info.get("staleness")),
-                                                     ("ahead", info.get("ahead"))) if v is not None}
+        said = (("version", info.get("version")), ("staleness", info.get("staleness")), ("ahead", info.get("ahead")))
+        extra: dict[str, float] = {k: v for k, v in said if v is not None}
         extra.update(info["tables"], t_start=t_start, t_end=time.time())
         return StepStats(float(loss.item()), skipped=bool(info.get("skipped", False)), loss_scale=scale,
                          comm_s=info["comm_s"], extra=extra)
@@ -176,8 +176,8 @@ class PSWorker(Trainer):
         if self.steps % self.cfg.backend.push_every == 0:
             info.update(self._geo_sync(geo))
             info["skipped"] = skipped
-        info["tables"] = self.tables.exchange(batch, [])
-        return info   # after the sync: the rows it pushed
+        info["tables"] = self.tables.exchange(batch, [])   # after the sync: the rows it pushed
+        return info
 
     def _geo_sync(self, geo: GeoLocal) -> Exchange:
         """Push delta = (local − last synced) / N (after the changed rows' deltas), pull the servers' model and
