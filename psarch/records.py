@@ -5,9 +5,10 @@ line of metrics.jsonl (MetricsRow), and summary.json (Summary) with the sections
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field, fields
-from typing import Any, NotRequired, Required, TypedDict, cast
+from typing import TYPE_CHECKING, Any, NotRequired, Required, TypedDict, cast
 
-import torch
+if TYPE_CHECKING:   # a model's tensors, named in annotations only: reports and config errors never import torch
+    import torch
 
 
 class PacedFields(TypedDict, total=False):
