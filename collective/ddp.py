@@ -94,7 +94,7 @@ class DDPTrainer(Trainer):
             self._launch(self.buckets[self._next])
         # queued behind the buckets' all-reduces: every rank issues the same sequence
         grads = self.flat.views(self.flat.grad)
-        extra: dict[str, Any] = dict(self.tables.exchange(batch, grads[len(grads) - self.n_apart:]))
+        extra: dict[str, float] = dict(self.tables.exchange(batch, grads[len(grads) - self.n_apart:]))
         for h in self._handles:
             if h is not None:
                 h.wait()

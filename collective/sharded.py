@@ -218,7 +218,7 @@ class ShardedTables(EmbeddingTables):
         return {"params": tensor_bytes([self.shard]), "grads": tensor_bytes([self.grad]),
                 "optimizer": self.optim.state_bytes(), "padding": pad_elems * per_elem}
 
-    def summary(self) -> dict[str, int]:
+    def summary(self) -> dict[str, float]:
         """Embedding bytes this rank holds (its shard, padding included) against the whole tables'."""
         return {"embedding_bytes": tensor_bytes([self.shard]),
                 "table_bytes": len(self.names) * self.rows * self.dim * self.shard.element_size()}

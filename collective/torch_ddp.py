@@ -49,7 +49,7 @@ class TorchDDPTrainer(Trainer):
         n = self.ctx.world_size
         volume = 2 * (n - 1) * self.payload // n
         self.meter.add("all_reduce", volume, volume)
-        extra = self.tables.exchange(batch, [])   # what DDP's reducer moved of the tables' rows
+        extra: dict[str, float] = dict(self.tables.exchange(batch, []))   # what DDP's reducer moved of the tables' rows
         skipped = self.optim.step(grads_of(self.params))
         return StepStats(float(loss.item()), skipped=skipped, loss_scale=self.optim.scaler.scale, extra=extra)
 

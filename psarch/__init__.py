@@ -38,6 +38,10 @@ collective/ring.py, beside ring_plain.py and torch's native; DDP; pipeline/; ten
 
 Nothing is imported here until used: `psarch keys`, `--help` and a config error answer without torch.
 """
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from psarch.records import Summary
 
 # names are imported when first used: `psarch keys`, `--help` and a config error answer without importing torch
 # (seconds on a quiet machine)
@@ -50,7 +54,7 @@ __all__ = ["Config", "ConfigError", "load_config", "run", "Workload", "Trainer",
 __version__ = "0.1.0"
 
 
-def run(config, out=None, overrides=None, echo: bool = True) -> dict:
+def run(config, out=None, overrides=None, echo: bool = True) -> "Summary":
     """Run an experiment (a Config, or a path to a TOML file) and return its summary."""
     from psarch.config import Config, apply_overrides, from_dict, load_config
     from psarch.launch.ranks import run as _run

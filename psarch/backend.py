@@ -20,7 +20,7 @@ import dataclasses
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, ClassVar, Mapping
+from typing import TYPE_CHECKING, Any, Callable, ClassVar, Mapping, TypedDict
 
 # The core's types, named here only: their modules import this one (through the registry), so importing them
 # here, even for type checking, would close a cycle.
@@ -30,9 +30,21 @@ Prediction = Any    # psarch.theory.Prediction
 Placement = Any     # psarch.cluster.placement.Placement
 Services = Any      # psarch.trainer.Services
 
+if TYPE_CHECKING:   # records imports none of the core: no cycle (and no torch at run time here)
+    from psarch.records import Summary
+
 PRECISIONS = ("fp32", "bf16", "fp16")
 # the core's options that backends joined by a process group read (BackendSpec.reads)
 PROCESS_GROUP_OPTIONS = {"backend.dist_backend": None, "backend.timeout_s": None}
+
+
+class EstimateRow(TypedDict):
+    """A row a backend adds to `psarch estimate` from Φ alone (BackendSpec.estimate_rows)."""
+
+    label: str
+    states: float                # model-state bytes per device
+    sent: float                  # bytes per device per step
+    bubble: float                # idle fraction
 
 
 @dataclass(frozen=True)
@@ -162,16 +174,15 @@ class BackendSpec(ABC):
         """What theory predicts for a run of `cfg` with `phi` parameters (psarch.theory.Prediction)."""
 
     def estimate_rows(self, phi: float, world: int, precision: str, optimizer: str,
-                      options: Mapping[str, Any]) -> list[dict[str, Any]]:
+                      options: Mapping[str, Any]) -> list[EstimateRow]:
         """Rows this backend adds to `psarch estimate`, from Φ alone (no model), for the command line's
-        `options` (e.g. a pipeline's stages): each {"label", "states" (bytes per device), "sent" (bytes per
-        device per step), "bubble" (idle fraction)}; [] by default (its figures are in the tables already)."""
+        `options` (e.g. a pipeline's stages); [] by default (its figures are in the tables already)."""
         return []
 
     def comm_model(self, cfg: Config, phi: float, extra: Mapping[str, list[Any]]) -> CommModel:
         """How this run's communication meets its compute; `extra`: the summary's per-rank extras."""
         return CommModel()
 
-    def summary_fields(self, cfg: Config) -> dict[str, Any]:
+    def summary_fields(self, cfg: Config) -> Summary:
         """Fields this backend adds to summary.json's top level (e.g. the PS's server count)."""
         return {}

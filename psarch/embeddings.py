@@ -74,7 +74,7 @@ class EmbeddingTables:
         """Whether its bytes are the algorithm's volume rather than seen on the wire."""
         return False
 
-    def summary(self) -> dict[str, Any]:
+    def summary(self) -> dict[str, float]:
         """Its figures for summary.json's extra (e.g. embedding bytes held against the whole tables)."""
         return {}
 

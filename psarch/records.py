@@ -1,13 +1,14 @@
 """The records that pass between a run's processes and files, declared once for their writers and readers:
 what each step of a rank leaves (StepRecord, a line of ranks/rank<R>.jsonl), what a rank leaves when it is
-done (RankRecord, ranks/rank<R>.json), what every rank is told of the services beside it (ServiceInfo), and
-the top of summary.json (Summary)."""
+done (RankRecord, ranks/rank<R>.json), what every rank is told of the services beside it (ServiceInfo), a
+line of metrics.jsonl (MetricsRow), and summary.json (Summary) with the sections reports read."""
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field, fields
-from typing import Any, TypedDict
+from typing import TYPE_CHECKING, Any, NotRequired, Required, TypedDict, cast
 
-import torch
+if TYPE_CHECKING:   # a model's tensors, named in annotations only: reports and config errors never import torch
+    import torch
 
 
 class PacedFields(TypedDict, total=False):
@@ -33,7 +34,165 @@ class StepRecord(PacedFields):
     received: int
     skipped: bool                # fp16: the update was skipped for inf/nan gradients
     loss_scale: float | None
-    extra: dict[str, Any]        # the backend's own figures (StepStats.extra), never a core column
+    extra: dict[str, float]      # the backend's own figures (StepStats.extra), never a core column
+
+
+class MemoryFigures(TypedDict):
+    """MemoryReport.to_dict(): one rank's model-state bytes by category (psarch/trainer.py), with their total."""
+
+    params: int
+    grads: int
+    optimizer: int
+    buffers: int
+    working: int
+    gathered_peak: int
+    grad_buffer_peak: int
+    peak: int | None
+    peak_kind: str | None
+    padding: int
+    total: int
+
+
+class OpFigures(TypedDict):
+    """One operation's bytes and calls (OpTraffic)."""
+
+    sent: int
+    received: int
+    calls: int
+
+
+class TrafficFigures(TypedDict):
+    """TrafficReport.to_dict(): one rank's bytes, in all and by operation; `modelled` when not seen on the wire."""
+
+    sent: int
+    received: int
+    modelled: bool
+    ops: dict[str, OpFigures]
+
+
+class DeviceFacts(TypedDict):
+    """A virtual device's facts per worker-step (its pacer's facts()): FLOPs, nominal times (cluster time), D."""
+
+    forward_flops: float
+    backward_flops: float
+    forward_s: float
+    backward_s: float
+    dilation: float
+    paced: NotRequired[str]      # "by call": a device paced call by call (psarch/cluster/call_pacing.py)
+
+
+class VirtualDeviceSummary(DeviceFacts):
+    """summary.json's `virtual_device` (psarch/cluster/device.py's summary): the device, its facts, the median
+    modelled compute of the slowest worker and the timed steps that overran."""
+
+    device: str
+    peak_tflops: float
+    mfu: float
+    compute_s: float | None
+    overrun_steps: int
+    counted_steps: int
+    overrun_fraction: float
+    overrun_of: str              # "steps" (lockstep) or "worker-steps"
+    times: str
+    warning: NotRequired[str | None]   # device.overrun_line's, set once the rest is known
+
+
+class NodeReport(TypedDict, total=False):
+    """One node of an emulated cluster (psarch/cluster/emulated.py's Node) and the bytes its link carried."""
+
+    node: Required[str]          # its network namespace
+    role: Required[str]          # "worker" or "server"
+    rank: int                    # a worker's
+    server: int                  # a server's index
+    address: Required[str]
+    link_mbps: Required[float]   # the rate its link was shaped to
+    link_sent: int               # over the steps (counted_over), kernel counters
+    link_received: int
+    run_link_sent: int           # over the whole run
+    run_link_received: int
+
+
+class ClusterReport(TypedDict, total=False):
+    """summary.json's `cluster` (a placement's report(); {} on loopback)."""
+
+    emulated: bool
+    alpha_s: float               # this host's, as measured
+    dilation: float
+    counted_over: str            # "steps", or "run" where a lost worker left no step window
+    nodes: list[NodeReport]
+    step_time: dict[str, float]  # theory.cluster_step's measured | predicted
+
+
+class Staleness(TypedDict):
+    """summary.json's `staleness` (a PS run's): the histogram of its updates' staleness, by update of one partition."""
+
+    histogram: dict[str, int]    # staleness -> updates
+    updates: int
+    mean: float
+    max: int
+    counted: str
+
+
+class RefusedPushes(TypedDict):
+    """summary.json's `refused_pushes` (a PS run's)."""
+
+    non_finite_per_worker: list[int]   # pushes refused for inf/nan, the most any one server refused
+
+
+class ServerDetail(TypedDict):
+    """summary.json's servers_detail[]: what one PS server says of itself beyond its bytes (its stats' own)."""
+
+    server: int
+    address: str
+    range: list[int]
+    partitions: int
+    version: int
+    rejected: int
+    refused_non_finite: list[int]
+    lost: list[int]
+    skipped_updates: int
+    failure: str | None
+
+
+class SSPSummary(TypedDict):
+    """summary.json's `ssp`: the bound, the most a worker ran ahead, and the trace (written apart: trace_file)."""
+
+    staleness_bound: int
+    max_ahead: int
+    trace: NotRequired[list[list[int]]]
+    trace_file: NotRequired[str]
+
+
+class Predicted(TypedDict):
+    """summary.json's `predicted`: theory.Prediction.to_dict()."""
+
+    memory_per_rank: dict[str, float]    # params, grads, optimizer, buffers and their total
+    traffic_per_step: dict[str, float]   # worker_sent, worker_received (and server_sent, server_received)
+    rounds_per_step: float
+    messages_per_step: float
+    server_memory: NotRequired[float]    # with servers
+    per_rank: NotRequired[list[dict[str, Any]]]   # RankPrediction.to_dict(): memory, sent, received, own figures
+
+
+class LostWorker(TypedDict):
+    """A worker a mode went on without (summary.json's lost_workers)."""
+
+    rank: int
+    error: str                   # its error's first line
+
+
+class MetricsRow(TypedDict):
+    """A line of metrics.jsonl: one step merged over the ranks that finished it (psarch/launch/outputs.py)."""
+
+    step: int
+    loss: float                  # mean over the ranks
+    step_time_s: float           # the slowest rank's
+    workers_sent: int            # bytes all workers together sent in the step
+    workers_received: int
+    skipped: bool                # some rank skipped its update
+    loss_scale: NotRequired[float]           # fp16: rank 0's scale this step
+    workers: NotRequired[list[StepRecord]]   # each rank's own record, where several ranks finished the step
+    extra: NotRequired[dict[str, float]]     # one rank alone: its StepRecord's extra
 
 
 @dataclass
@@ -42,8 +201,8 @@ class RankRecord:
 
     rank: int
     steps: list[StepRecord]              # None in ranks/rank<R>.json where they are in ranks/rank<R>.jsonl
-    memory: dict[str, Any]               # MemoryReport.to_dict()
-    traffic: dict[str, Any]              # TrafficReport.to_dict()
+    memory: MemoryFigures
+    traffic: TrafficFigures
     extra: dict[str, Any]                # Trainer.summary_extra()
     device: str
     dist_backend: str | None
@@ -51,7 +210,7 @@ class RankRecord:
     params: int                          # parameter count Φ, before the backend sharded the model
     workload: str
     model_state: dict[str, torch.Tensor] | None = field(default=None, repr=False)   # rank 0: the model
-    virtual_device: dict[str, Any] | None = None   # a virtual device's FLOPs and nominal times (VirtualDevice.facts)
+    virtual_device: DeviceFacts | None = None   # a virtual device's FLOPs and nominal times (VirtualDevice.facts)
 
     def to_json(self) -> dict[str, Any]:
         """Everything but the model (saved apart, as model.pt): JSON-able."""
@@ -68,6 +227,14 @@ class RankRecord:
         return cls(**data)
 
 
+class ServiceFields(TypedDict, total=False):
+    """ServiceInfo as JSON (to_dict): what is left out takes its default."""
+
+    addresses: list[str]
+    auth: dict[str, str] | None
+    restored: bool
+
+
 @dataclass
 class ServiceInfo:
     """What every rank needs to reach the services a backend started (BackendSpec.start_services): the
@@ -75,14 +242,14 @@ class ServiceInfo:
     JSON-able: it crosses to spawned ranks and, under torchrun, over the process group."""
 
     addresses: list[str] = field(default_factory=list)
-    auth: dict[str, Any] | None = None
+    auth: dict[str, str] | None = None   # Credentials.to_dict(): mechanism and folder
     restored: bool = False
 
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+    def to_dict(self) -> ServiceFields:
+        return cast(ServiceFields, asdict(self))
 
     @classmethod
-    def from_dict(cls, data: dict[str, Any] | None) -> "ServiceInfo":
+    def from_dict(cls, data: ServiceFields | None) -> "ServiceInfo":
         return cls(**(data or {}))
 
 
@@ -117,6 +284,17 @@ class Summary(TypedDict, total=False):
     dist_backend: str | None
     memory: dict[str, Any]       # per_rank[]: MemoryReport dicts with their rank; servers[] for PS
     traffic: dict[str, Any]      # per_rank[]: TrafficReport dicts with per-step means; servers[] for PS
-    predicted: dict[str, Any]    # theory.Prediction.to_dict()
-    lost_workers: list[dict[str, Any]]
+    predicted: Predicted
+    samples_per_s_is: str        # throughput.definition: what samples_per_s means for this run
+    lost_workers: list[LostWorker]
     extra: dict[str, list[Any]]  # each rank's summary_extra, key by key
+    virtual_device: VirtualDeviceSummary
+    # what the services measured (BackendSpec.start_services' extra), where a backend has them
+    cluster: ClusterReport
+    staleness: Staleness
+    refused_pushes: RefusedPushes
+    auth: str                    # the PS's mechanism ("none" where backend.auth is)
+    servers_detail: list[ServerDetail]
+    ssp: SSPSummary
+    model_from_servers_error: str   # why the servers' parameters could not be written as model.pt
+    started_from: dict[str, Any]    # Config.started_from: the checkpoint a fork started from

@@ -6,7 +6,11 @@ them at the slowest worker's clock would make async look slower than sync under 
 from __future__ import annotations
 
 import statistics
-from typing import Any
+from collections.abc import Sequence
+
+from psarch.records import MetricsRow, StepRecord
+
+WorkerRow = StepRecord | MetricsRow   # a worker's own row: its StepRecord, or the merged row where it ran alone
 
 LOCKSTEP = "global batch / median step time"
 OWN_PACE = "sum over workers of shard / own median step time"
@@ -18,22 +22,25 @@ def definition(lockstep: bool) -> str:
     return LOCKSTEP if lockstep else OWN_PACE
 
 
-def per_worker(rows: list[dict[str, Any]]) -> list[list[dict[str, Any]]]:
+def per_worker(rows: Sequence[MetricsRow]) -> list[list[WorkerRow]]:
     """Each worker's own rows, in step order, from metrics.jsonl's merged rows (`workers[]`, or the row itself
     where one worker ran)."""
-    workers: dict[int, list[dict[str, Any]]] = {}
+    workers: dict[int, list[WorkerRow]] = {}
     for r in rows:
-        for w in r.get("workers", [r]):
-            workers.setdefault(w.get("rank", 0), []).append(w)
+        if "workers" in r:
+            for w in r["workers"]:
+                workers.setdefault(w.get("rank", 0), []).append(w)
+        else:
+            workers.setdefault(0, []).append(r)
     return [workers[k] for k in sorted(workers)]
 
 
-def _median_time(rows: list[dict[str, Any]], warmup: int) -> float:
+def _median_time(rows: Sequence[WorkerRow], warmup: int) -> float:
     """Median step time after the first `warmup` rows (all rows where that would leave none)."""
     return statistics.median(r["step_time_s"] for r in (rows[warmup:] or rows))
 
 
-def samples_per_s(rows: list[dict[str, Any]], global_batch: int, lockstep: bool, warmup: int) -> float:
+def samples_per_s(rows: Sequence[MetricsRow], global_batch: int, lockstep: bool, warmup: int) -> float:
     """A run's samples/s from its merged metrics rows (each row's step_time_s the slowest worker's), leaving
     out the first `warmup` steps: definition(lockstep) says which rate."""
     if lockstep:

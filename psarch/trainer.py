@@ -5,12 +5,12 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 import importlib
 from abc import ABC, abstractmethod
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol, cast
 
 import torch
 
 from psarch import registry
-from psarch.records import ServiceInfo, StepRecord
+from psarch.records import MemoryFigures, ServiceInfo, StepRecord, Summary, TrafficFigures
 
 if TYPE_CHECKING:
     from pathlib import Path
@@ -29,7 +29,7 @@ class StepStats:
     skipped: bool = False            # fp16: inf/nan gradients, the update was skipped
     loss_scale: float | None = None  # fp16 loss scale after this step
     comm_s: float = 0.0              # time spent blocked on communication, where the backend can tell
-    extra: dict[str, Any] = field(default_factory=dict)
+    extra: dict[str, float] = field(default_factory=dict)   # the backend's own figures of the step
 
 
 @dataclass
@@ -51,10 +51,10 @@ class MemoryReport:
     def total(self) -> int:
         return self.params + self.grads + self.optimizer + self.buffers
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self) -> MemoryFigures:
         d = asdict(self)
         d["total"] = self.total
-        return d
+        return cast(MemoryFigures, d)
 
 
 @dataclass
@@ -79,12 +79,12 @@ class TrafficReport:
     def received(self) -> int:
         return sum(o.received for o in self.ops.values())
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self) -> TrafficFigures:
         return {
             "sent": self.sent,
             "received": self.received,
             "modelled": self.modelled,
-            "ops": {k: asdict(v) for k, v in self.ops.items()},
+            "ops": {k: {"sent": v.sent, "received": v.received, "calls": v.calls} for k, v in self.ops.items()},
         }
 
 
@@ -100,7 +100,7 @@ class Services(Protocol):
     def worker_lost(self, rank: int, error: str) -> None:
         """A worker died in a mode that goes on without it."""
 
-    def finish(self) -> dict[str, Any]:
+    def finish(self) -> Summary:
         """Their measurements, merged into summary.json."""
 
     def stop(self) -> None:

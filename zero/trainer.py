@@ -100,7 +100,7 @@ class ZeroTrainer(Trainer):
         return StepStats(float(loss.item()), skipped=skipped, loss_scale=self.optim.scaler.scale, comm_s=comm_s,
                          extra=self._saved_activations())
 
-    def _saved_activations(self) -> dict[str, int]:
+    def _saved_activations(self) -> dict[str, float]:
         return {} if self.activations is None else {"saved_activation_bytes": self.activations.bytes}
 
     def _found_inf_anywhere(self, grads: list[torch.Tensor]) -> bool:

@@ -9,7 +9,7 @@ from types import ModuleType
 from typing import TYPE_CHECKING, Any, ClassVar, Mapping
 
 from collective.pipeline.schedule import SCHEDULES, bubble_fraction
-from psarch.backend import PROCESS_GROUP_OPTIONS, BackendSpec, CommModel
+from psarch.backend import PROCESS_GROUP_OPTIONS, BackendSpec, CommModel, EstimateRow
 from psarch.cluster import device
 from psarch.config.fields import option
 from psarch.errors import ConfigError
@@ -77,7 +77,7 @@ class PipelineSpec(BackendSpec):
         return CommModel(idle_fraction=float(bubble_fraction(cfg.backend.schedule, _theory().pipe_of(cfg))))
 
     def estimate_rows(self, phi: float, world: int, precision: str, optimizer: str,
-                      options: Mapping[str, Any]) -> list[dict[str, Any]]:
+                      options: Mapping[str, Any]) -> list[EstimateRow]:
         if not options.get("stages"):
             return []
         return _theory().size_estimate(phi, world, options["stages"], options.get("microbatches", 8), precision,

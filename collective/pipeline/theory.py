@@ -24,6 +24,7 @@ from collective.comm import ring_bytes
 from collective.pipeline.schedule import BACKWARD, FORWARD, Pipe, bubble_fraction, compute_order
 from collective.pipeline.stage import Cut
 from psarch.activations import block_activation_bytes
+from psarch.backend import EstimateRow
 from psarch.theory import (BYTES, LinkBytes, MemoryPrediction, Prediction, RankPrediction,
                            optimizer_bytes_per_param)
 
@@ -173,7 +174,7 @@ def predict(cfg: Config, phi: float) -> Prediction:
                       messages=transfers + ring, server_memory=None, per_rank=ranks)
 
 
-def size_estimate(phi: float, world: int, p: int, m: int, precision: str, optimizer: str) -> list[dict[str, Any]]:
+def size_estimate(phi: float, world: int, p: int, m: int, precision: str, optimizer: str) -> list[EstimateRow]:
     """`psarch estimate`'s pipeline rows from Φ alone: p stages of Φ/p each (blocks dominate a deep model),
     dp = world / p replicas whose gradients are ring all-reduced, and each schedule's bubble. The activations
     crossing a boundary (b·s·h per micro-batch each way) need the model's shape: a run's summary has them."""
@@ -183,7 +184,7 @@ def size_estimate(phi: float, world: int, p: int, m: int, precision: str, optimi
     own = phi / p
     states = (2 * width + optimizer_bytes_per_param(optimizer, precision)) * own
     sent = 2 * (dp - 1) / dp * own * width
-    rows = []
+    rows: list[EstimateRow] = []
     for schedule, v in (("gpipe", 1), ("1f1b", 1), ("interleaved", 2)):
         if schedule == "interleaved" and m % p:
             continue

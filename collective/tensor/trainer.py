@@ -78,7 +78,7 @@ class TensorTrainer(Trainer):
         return StepStats(float(loss.item()), skipped=skipped, loss_scale=self.optim.scaler.scale, comm_s=comm_s,
                          extra=self._measured())
 
-    def _measured(self) -> dict[str, int]:
+    def _measured(self) -> dict[str, float]:
         return {} if self.activations is None else {BLOCK_ACTIVATIONS: self.activations.bytes}
 
     # ---- the full model and checkpoints

@@ -27,7 +27,7 @@ import random
 import statistics
 import tempfile
 import time
-from typing import Any
+from typing import Any, TypedDict
 
 import numpy as np
 import torch
@@ -143,7 +143,7 @@ class _PS:
         self.client.close()
 
 
-def _interleaved(clients: dict[str, Any], nbytes: int, min_s: float = 2.0) -> dict[str, float]:
+def _interleaved(clients: dict[str, _Raw | _PS], nbytes: int, min_s: float = 2.0) -> dict[str, float]:
     """Bytes per second (push + pull) of each client, rounds taken in turn (in a shuffled order) so that
     all see the same machine load: one warm-up each, then at least 7 rounds each and `min_s` seconds in
     all; medians."""
@@ -161,7 +161,7 @@ def _interleaved(clients: dict[str, Any], nbytes: int, min_s: float = 2.0) -> di
     return {k: 2 * nbytes / statistics.median(v) for k, v in times.items()}
 
 
-def wire_table(max_mib: int, partition_mb: float | str) -> list[dict[str, Any]]:
+def wire_table(max_mib: int, partition_mb: float | str) -> list[dict[str, float]]:
     from psarch.config import from_dict
     from psarch.ps.layout import partition_elems
     from psarch.ps.services import start_services
@@ -199,14 +199,24 @@ def wire_table(max_mib: int, partition_mb: float | str) -> list[dict[str, Any]]:
     return table
 
 
-def step_table(steps: int) -> list[dict[str, Any]]:
+class StepTimeRow(TypedDict):
+    """One backend's run in the step-time table."""
+
+    backend: str
+    step_ms: float
+    comm_ms: float
+    params: int
+    final_loss: float | None
+
+
+def step_table(steps: int) -> list[StepTimeRow]:
     import psarch
     from psarch.config import from_dict
 
     base = {"seed": 0, "workload": {"model": "gpt", "data": "markov", "seq_len": 32,
                                     "gpt": {"n_layer": 2, "n_embd": 64, "n_head": 4}},
             "train": {"steps": steps, "global_batch": 16, "optimizer": "adamw", "lr": 3e-3, "log_every": 10**6}}
-    table = []
+    table: list[StepTimeRow] = []
     runs = [("ddp (native)", {"kind": "ddp", "comm": "native"})] + [
         (f"ps sync, auth {a}", {"kind": "ps", "mode": "sync", "servers": 1, "auth": a}) for a in AUTHS]
     for label, backend in runs:
@@ -246,9 +256,9 @@ def main(argv: list[str] | None = None) -> int:
     if steps:
         print(f"\nstep time, N = 2, gpt 2x64 on markov ({steps[0]['params']:,} params), median after warm-up")
         print(f"{'backend':>20} {'step ms':>9} {'comm ms':>9} {'vs ddp':>7}")
-        for r in steps:
-            ratio = r["step_ms"] / steps[0]["step_ms"]
-            print(f"{r['backend']:>20} {r['step_ms']:>9.2f} {r['comm_ms']:>9.2f} {ratio:>7.2f}")
+        for row in steps:
+            ratio = row["step_ms"] / steps[0]["step_ms"]
+            print(f"{row['backend']:>20} {row['step_ms']:>9.2f} {row['comm_ms']:>9.2f} {ratio:>7.2f}")
     print(f"\n(benchmark took {time.time() - t0:.0f} s)")
     if args.json:
         with open(args.json, "w") as f:

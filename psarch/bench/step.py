@@ -26,7 +26,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import time
-from typing import Any, Callable
+from typing import Any, Callable, TypedDict
 
 import torch
 import torch.distributed as dist
@@ -119,14 +119,28 @@ def init_group(device: torch.device) -> DistContext:
     return DistContext(0, 1, 0, device, backend)
 
 
-def run(args: argparse.Namespace) -> list[dict[str, Any]]:
+class StepRow(TypedDict):
+    """One backend at one precision against its torch peer: step times, their ratio, throughput."""
+
+    precision: str
+    backend: str
+    peer: str                    # the torch peer's name
+    params: int
+    psarch_ms: float
+    peer_ms: float
+    ratio: float                 # psarch over peer
+    tflops: float
+    mfu: float | None            # None without a GPU profile
+
+
+def run(args: argparse.Namespace) -> list[StepRow]:
     if args.device == "cuda" and not torch.cuda.is_available():
         raise SystemExit("--device cuda: no CUDA device is available here; use --device cpu")
     # NCCL's device_id needs an index
     device = torch.device("cuda", torch.cuda.current_device()) if args.device == "cuda" else torch.device("cpu")
     grouped = any(registry.spec(k).needs_process_group for k in args.backends)
     group = init_group(device) if grouped else None
-    rows = []
+    rows: list[StepRow] = []
     for precision in args.precision:
         runners: dict[str, Callable[[int], float]] = {}
         peers: dict[str, str] = {}
@@ -166,7 +180,7 @@ def gpu_peak_tflops(device: torch.device, precision: str) -> float | None:
     return vdevice.PROFILES[profile].get(precision) if profile else None
 
 
-def format_rows(rows: list[dict[str, Any]]) -> str:
+def format_rows(rows: list[StepRow]) -> str:
     lines = [f"{'precision':<10}{'psarch':<10}{'peer':<12}{'psarch ms':>11}{'peer ms':>10}{'ratio':>8}"
              f"{'TFLOP/s':>9}{'MFU':>7}"]
     for r in rows:

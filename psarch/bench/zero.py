@@ -89,7 +89,7 @@ def _checkpointing_rank(rank: int, world_size: int, checkpointing: bool, batch_p
     cfg = from_dict(dict(base, backend=dict(base["backend"], kind="zero", stage=3, comm="native",
                                             activation_checkpointing=checkpointing, measure_activations=True)))
     loop = trainer_loop(cfg, DistContext(rank, world_size, rank, torch.device("cpu"), "gloo"))
-    saved = 0
+    saved: float = 0
     for step in range(cfg.train.steps):
         saved = loop.step(loop.batch(step))[0].extra["saved_activation_bytes"]
     peak = loop.trainer.memory().peak

@@ -14,7 +14,8 @@ import torch
 from psarch.checkpoint import rng
 from psarch.checkpoint.fragments import PARAM, Fragment
 from psarch.records import StepRecord
-from psarch.checkpoint.writer import FORMAT, METADATA, VERSION, complete_checkpoints, steps_file
+from psarch.checkpoint.writer import (FORMAT, METADATA, VERSION, FragmentEntry, ParamEntry, complete_checkpoints,
+                                      steps_file)
 
 
 class CheckpointError(ValueError):
@@ -60,11 +61,11 @@ class Checkpoint:
                 _check_rows(self.path / METADATA, frag, meta["params"].get(frag["name"], {}).get("shape"))
         self.meta = meta
         self.step: int = meta["step"]
-        self.params: dict[str, dict[str, Any]] = meta["params"]
+        self.params: dict[str, ParamEntry] = meta["params"]
         self.state_keys: list[str] = meta["state_keys"]
         self.config: dict[str, Any] = meta["config"]
         self.state: dict[str, Any] = meta["state"]
-        self._index: dict[tuple[str, str], list[dict[str, Any]]] = {}
+        self._index: dict[tuple[str, str], list[FragmentEntry]] = {}
         for frag in meta["fragments"]:
             self._index.setdefault((frag["name"], frag["key"]), []).append(frag)
         for entries in self._index.values():
@@ -135,7 +136,7 @@ class Checkpoint:
             raise CheckpointError(f"{self.path}: {name!r} {key} elements [{lo}, {hi}) are not all stored")
         return out
 
-    def _load(self, e: dict[str, Any], name: str, key: str, start: int, count: int) -> torch.Tensor:
+    def _load(self, e: FragmentEntry, name: str, key: str, start: int, count: int) -> torch.Tensor:
         """Elements [start, start + count) of one stored fragment."""
         dtype = DTYPES[e["dtype"]]
         size = torch.empty((), dtype=dtype).element_size()
@@ -146,7 +147,7 @@ class Checkpoint:
             raise CheckpointError(f"{self.path / e['file']}: ends inside {name!r} {key} (truncated)")
         return torch.frombuffer(bytearray(data), dtype=dtype)
 
-    def _block(self, e: dict[str, Any], row: int, lo: int, hi: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+    def _block(self, e: FragmentEntry, row: int, lo: int, hi: int) -> tuple[torch.Tensor, torch.Tensor] | None:
         """The values of a strided row fragment or a column block that lie in [lo, hi), and their positions there."""
         stride = e.get("row_stride") or 1
         c0, c1 = e.get("columns") or (0, row)
@@ -208,7 +209,7 @@ class Checkpoint:
         return self._files[name]
 
 
-def _check_rows(where: Path, e: dict[str, Any], shape: list[int] | None) -> None:
+def _check_rows(where: Path, e: FragmentEntry, shape: list[int] | None) -> None:
     """A strided row fragment or a column block must hold whole rows (or the same columns of each row) of a 2-D
     parameter, with a positive integer stride and columns 0 <= c0 < c1 <= the row's length."""
     stride = e.get("row_stride", 1)

@@ -10,7 +10,7 @@ import json
 import os
 import shutil
 from pathlib import Path
-from typing import Any
+from typing import Any, TypedDict
 
 import torch
 import torch.distributed as dist
@@ -22,6 +22,32 @@ from psarch.records import StepRecord
 
 FORMAT, VERSION = "psarch-checkpoint", 1
 METADATA = "metadata.json"
+
+
+class _FragmentLayout(TypedDict, total=False):
+    row_stride: int              # Fragment.row_stride, where > 0
+    columns: list[int]           # Fragment.columns [c0, c1], where set
+
+
+class FragmentEntry(_FragmentLayout):
+    """Where one fragment's tensor lies: a part's `entries`, metadata.json's `fragments`."""
+
+    name: str                    # the parameter
+    key: str                     # PARAM, an optimizer state or a private record
+    offset: int                  # into the flattened parameter
+    numel: int
+    dtype: str                   # a reader.DTYPES name
+    file: str                    # the part's data file
+    byte_offset: int             # into that file
+
+
+class ParamEntry(TypedDict):
+    """metadata.json's `params`: one parameter of the model."""
+
+    shape: list[int]
+    numel: int
+    dtype: str | None            # its PARAM fragments' (None where none holds it)
+    scalars: dict[str, float]    # the optimizer's numbers (AdamW's step)
 
 
 def step_dir(root: Path, step: int) -> Path:
@@ -90,17 +116,21 @@ def write_part(pieces: Pieces, folder: Path, part: str, generators: dict[str, st
     part's own JSON state and (a rank) its generator states. `part` is rankN (a worker) or serverN (a
     parameter server)."""
     name = f"{part}.bin"
-    digest, pos, entries = hashlib.sha256(), 0, []
+    digest, pos = hashlib.sha256(), 0
+    entries: list[FragmentEntry] = []
     with open(folder / name, "wb") as f:
         for frag in pieces.fragments:
             for key, t in frag.tensors.items():
                 data = t.detach().to("cpu").contiguous().view(torch.uint8).numpy().tobytes()
                 f.write(data)
                 digest.update(data)
-                entries.append({"name": frag.name, "key": key, "offset": frag.offset, "numel": t.numel(),
-                                "dtype": str(t.dtype).removeprefix("torch."), "file": name, "byte_offset": pos,
-                                **({"row_stride": frag.row_stride} if frag.row_stride else {}),
-                                **({"columns": list(frag.columns)} if frag.columns else {})})
+                entry: FragmentEntry = {"name": frag.name, "key": key, "offset": frag.offset, "numel": t.numel(),
+                                        "dtype": str(t.dtype).removeprefix("torch."), "file": name, "byte_offset": pos}
+                if frag.row_stride:
+                    entry["row_stride"] = frag.row_stride
+                if frag.columns:
+                    entry["columns"] = list(frag.columns)
+                entries.append(entry)
                 pos += len(data)
         f.flush()
         os.fsync(f.fileno())
@@ -120,7 +150,8 @@ def merge(folder: Path, parts: list[str], step: int, config: dict[str, Any], sha
           state: dict[str, Any]) -> None:
     """metadata.json from the parts' indices, after checking every parameter is covered exactly once; files
     in the folder that no part wrote (an earlier attempt's) are removed."""
-    files, entries, scalars, generators = {}, [], {}, {}
+    files, scalars, generators = {}, {}, {}
+    entries: list[FragmentEntry] = []
     for name in parts:
         part = json.loads((folder / f"{name}.json").read_text())
         files[part["file"]] = {"bytes": part["bytes"], "sha256": part["sha256"]}
@@ -129,8 +160,9 @@ def merge(folder: Path, parts: list[str], step: int, config: dict[str, Any], sha
         entries += part["entries"]
         scalars.update(part["scalars"])
     dtypes = {e["name"]: e["dtype"] for e in entries if e["key"] == PARAM}
-    params = {name: {"shape": list(shape), "numel": int(torch.Size(shape).numel()), "dtype": dtypes.get(name),
-                     "scalars": scalars.get(name, {})} for name, shape in shapes.items()}
+    params: dict[str, ParamEntry] = {
+        name: {"shape": list(shape), "numel": int(torch.Size(shape).numel()), "dtype": dtypes.get(name),
+               "scalars": scalars.get(name, {})} for name, shape in shapes.items()}
     covered: dict[str, int] = {}
     keys: set[str] = set()
     for e in entries:

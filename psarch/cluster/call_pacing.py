@@ -25,7 +25,7 @@ from torch import nn
 from torch.utils.flop_counter import FlopCounterMode, sdpa_flop_count
 
 from psarch.cluster.flops import FlopCount
-from psarch.records import PacedFields
+from psarch.records import DeviceFacts, PacedFields
 
 
 def _cpu_flash_attention(query: Any, key: Any, value: Any, *args: Any, out_shape: Any = None, **kwargs: Any) -> int:
@@ -120,7 +120,7 @@ class CallDevice:
         return {"modelled_s": self.modelled_s, "host_s": self.host_s / self.dilation, "overrun": self.overran,
                 "late_s": self.late_s / self.dilation}
 
-    def facts(self) -> dict[str, Any]:
+    def facts(self) -> DeviceFacts:
         """FLOPs and nominal times per step (the sum of the step's calls; cluster time) and D."""
         forward = sum(self.calls)
         backward = int(forward * self.backward_ratio)

@@ -13,9 +13,12 @@ This module holds the facts of a config: the profiles, the modelled rate, D, and
 from __future__ import annotations
 
 import statistics
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from psarch.errors import ConfigError, show
+
+if TYPE_CHECKING:   # records imports torch; this module does not
+    from psarch.records import RankRecord, VirtualDeviceSummary
 
 MEASURED = "cpu-measured"   # no device model: compute takes what this machine takes (the default)
 # Peak dense TFLOPS by train.precision, from NVIDIA's data sheets (SXM parts, no sparsity); fp32 without
@@ -106,7 +109,7 @@ def check(cfg: Config) -> None:
 OVERRUN_WARN = 0.05   # a run where more than this fraction of timed steps overran says so
 
 
-def summary(cfg: Config, records: list[Any], timed: set[int]) -> dict[str, Any] | None:
+def summary(cfg: Config, records: list[RankRecord], timed: set[int]) -> VirtualDeviceSummary | None:
     """summary.json's `virtual_device` from the ranks' records (None without a modelled device): the device,
     its FLOPs and nominal times per worker-step, D, the median over timed steps of the slowest worker's
     modelled compute, and the timed steps whose real compute overran the modelled time: where workers step in
@@ -124,7 +127,7 @@ def summary(cfg: Config, records: list[Any], timed: set[int]) -> dict[str, Any] 
     lockstep = registry.spec_of(cfg).lockstep(cfg)
     flags = list(overran.values()) if lockstep else [x["overrun"] for x in steps]
     over = sum(flags)
-    out = {"device": name(cfg), "peak_tflops": peak_tflops(cfg), "mfu": cfg.cluster.mfu, **facts,
+    out: VirtualDeviceSummary = {"device": name(cfg), "peak_tflops": peak_tflops(cfg), "mfu": cfg.cluster.mfu, **facts,
            "compute_s": statistics.median(slowest.values()) if slowest else None,
            "overrun_steps": over, "counted_steps": len(flags), "overrun_fraction": over / len(flags) if flags else 0.0,
            "overrun_of": "steps" if lockstep else "worker-steps",
@@ -133,7 +136,7 @@ def summary(cfg: Config, records: list[Any], timed: set[int]) -> dict[str, Any] 
     return out
 
 
-def overrun_line(vd: dict[str, Any]) -> str | None:
+def overrun_line(vd: VirtualDeviceSummary) -> str | None:
     """The one line a run whose steps overran too often ends with (None where they did not)."""
     if vd["overrun_fraction"] <= OVERRUN_WARN:
         return None
@@ -142,7 +145,7 @@ def overrun_line(vd: dict[str, Any]) -> str | None:
             f"{vd['device']}, set their time; raise cluster.dilation (it is {vd['dilation']:g})")
 
 
-def report_lines(vd: dict[str, Any], alpha_s: float | None) -> list[str]:
+def report_lines(vd: VirtualDeviceSummary, alpha_s: float | None) -> list[str]:
     """report.txt's lines on the virtual device, the overrun line last (where there is one)."""
     d = vd["dilation"]
     lines = [f"virtual device  {vd['device']} ({vd['peak_tflops']:g} TFLOPS x mfu {vd['mfu']:g}): "

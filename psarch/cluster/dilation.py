@@ -46,6 +46,7 @@ from psarch import registry
 from psarch.cluster import device
 from psarch.cluster.alpha import loopback_alpha, loopback_bytes_per_s
 from psarch.cluster.flops import count
+from psarch.records import Summary
 
 AUTO_MARGIN = 2.0
 # Then a short run at that D: what this machine adds to the step beyond the prediction, it adds in sequence with
@@ -61,7 +62,7 @@ MIN_PROBE_BYTES, MAX_PROBE_BYTES = 8 * 2**20, 32 * 2**20
 
 if TYPE_CHECKING:
     from psarch.config import Config
-Runner = Callable[..., dict[str, Any]]   # launch.ranks.run: (cfg, out, echo=, machine_checked=, progress=) -> summary
+Runner = Callable[..., Summary]   # launch.ranks.run: (cfg, out, echo=, machine_checked=, progress=) -> summary
 
 
 @dataclass(frozen=True)

@@ -32,9 +32,12 @@ import subprocess
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Sequence
+from typing import TYPE_CHECKING, Sequence
 
 from psarch.cluster import netns
+
+if TYPE_CHECKING:
+    from psarch.records import NodeReport
 
 PREFIX = "psarch-"
 IFNAME = "eth0"                 # every node's interface: GLOO_SOCKET_IFNAME names it
@@ -58,9 +61,12 @@ class Node:
     address: str
     mbps: float
 
-    def to_dict(self) -> dict[str, Any]:
-        return {"node": self.ns, "role": self.role, "rank" if self.role == "worker" else "server": self.index,
-                "address": self.address, "link_mbps": self.mbps}
+    def to_dict(self) -> NodeReport:
+        if self.role == "worker":
+            return {"node": self.ns, "role": self.role, "rank": self.index, "address": self.address,
+                    "link_mbps": self.mbps}
+        return {"node": self.ns, "role": self.role, "server": self.index, "address": self.address,
+                "link_mbps": self.mbps}
 
 
 def plan(pid: int, workers: int, servers: int, link_mbps: float, server_mbps: float) -> list[Node]:

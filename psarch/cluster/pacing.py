@@ -33,7 +33,7 @@ import torch
 from torch import nn
 
 from psarch.cluster.flops import FlopCount
-from psarch.records import PacedFields
+from psarch.records import DeviceFacts, PacedFields
 
 # Inside a phase, the worker waits only where it is more than this share of the budget ahead: a launch at
 # most 5% early, and a few wake-ups per phase rather than one per module (each costs a scheduling delay on
@@ -128,7 +128,7 @@ class VirtualDevice:
         return {"modelled_s": self.modelled_s, "host_s": (self.fwd.host + self.bwd.host) / self.dilation,
                 "overrun": self.overrun, "late_s": sum(self.late) / self.dilation}
 
-    def facts(self) -> dict[str, Any]:
+    def facts(self) -> DeviceFacts:
         """The device's per-step facts for the rank's record: FLOPs, nominal times (cluster time) and D."""
         return {"forward_flops": self.flops.forward, "backward_flops": self.flops.backward,
                 "forward_s": self.forward_s, "backward_s": self.backward_s, "dilation": self.dilation}

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import os
-from typing import TYPE_CHECKING, Any, Iterator
+from typing import TYPE_CHECKING, Iterator
 
 from psarch import registry
 from psarch.cluster import device
@@ -25,6 +25,7 @@ from psarch.config import Config
 
 if TYPE_CHECKING:
     from psarch.cluster.emulated import Node
+    from psarch.records import ClusterReport, NodeReport
 
 
 class Loopback:
@@ -47,7 +48,7 @@ class Loopback:
     def worker_lost(self) -> None:
         pass
 
-    def report(self) -> dict[str, Any]:
+    def report(self) -> ClusterReport:
         return {}
 
     def close(self) -> None:
@@ -129,7 +130,7 @@ class Emulated:
         if self._window is not None:
             self._window.abort()
 
-    def report(self) -> dict[str, Any]:
+    def report(self) -> ClusterReport:
         """Bytes each node's link carried (kernel counters: TCP/IP and Ethernet headers included); each
         node's link_mbps is the rate its link was shaped to (the cluster's / `dilation`); alpha_s is the
         host's, as measured (the cluster's is alpha_s / dilation).
@@ -138,13 +139,16 @@ class Emulated:
         run_link_sent/received: the whole run, rendezvous, initial broadcast and final export included."""
         now = self.cluster.counters()
         window = self._window.steps() if self._window is not None else None
-        nodes = []
+        nodes: list[NodeReport] = []
         for n in self.cluster.nodes:
             (s0, r0), (s1, r1) = self._start[n.ns], now[n.ns]
             run = {"run_link_sent": s1 - s0, "run_link_received": r1 - r0}
             if window is not None:
                 (s0, r0), (s1, r1) = window[0][n.ns], window[1][n.ns]
-            nodes.append(dict(n.to_dict(), link_sent=s1 - s0, link_received=r1 - r0, **run))
+            node = n.to_dict()
+            node["link_sent"], node["link_received"] = s1 - s0, r1 - r0
+            node["run_link_sent"], node["run_link_received"] = run["run_link_sent"], run["run_link_received"]
+            nodes.append(node)
         return {"emulated": True, "alpha_s": self.alpha_s, "dilation": self.dilation,
                 "counted_over": "steps" if window else "run",
                 "nodes": nodes}

@@ -5,14 +5,14 @@ import json
 import shutil
 import statistics
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 
 from psarch import registry, theory, throughput
 from psarch.cluster import device
 from psarch.config import Config
-from psarch.records import RankRecord, StepRecord
+from psarch.records import MetricsRow, Predicted, RankRecord, StepRecord, Summary
 from psarch.launch.runner import warmup_steps
 from psarch.units import fmt_bytes
 
@@ -79,20 +79,21 @@ def _records(out: Path) -> list[RankRecord]:
     return records
 
 
-def _write_metrics(out: Path, per_rank: list[list[StepRecord]]) -> list[dict[str, Any]]:
+def _write_metrics(out: Path, per_rank: list[list[StepRecord]]) -> list[MetricsRow]:
     """metrics.jsonl: one line per step, merged over the ranks that finished it; returns the lines."""
-    rows = []
+    rows: list[MetricsRow] = []
     by_step = [{x["step"]: x for x in r} for r in per_rank]  # a run started from a checkpoint starts late
     for s in sorted({step for r in by_step for step in r}):
         per = [r[s] for r in by_step if s in r]
         # workers_sent/received: bytes all workers together sent/received in this step
-        row: dict[str, Any] = {"step": s, "loss": statistics.fmean(p["loss"] for p in per),
-                               "step_time_s": max(p["step_time_s"] for p in per),
-                               "workers_sent": sum(p["sent"] for p in per),
-                               "workers_received": sum(p["received"] for p in per),
-                               "skipped": any(p.get("skipped") for p in per)}
-        if per[0].get("loss_scale") is not None:
-            row["loss_scale"] = per[0]["loss_scale"]
+        row: MetricsRow = {"step": s, "loss": statistics.fmean(p["loss"] for p in per),
+                           "step_time_s": max(p["step_time_s"] for p in per),
+                           "workers_sent": sum(p["sent"] for p in per),
+                           "workers_received": sum(p["received"] for p in per),
+                           "skipped": any(p.get("skipped") for p in per)}
+        scale = per[0].get("loss_scale")
+        if scale is not None:
+            row["loss_scale"] = scale
         if len(per) > 1:
             row["workers"] = per
         elif per[0].get("extra"):
@@ -107,20 +108,22 @@ def has_records(out: Path) -> bool:
     return any((out / RANKS_DIR).glob("rank*.json"))
 
 
-def finalize_stopped(out: Path, cfg: Config, status: str, error: str, extra: dict[str, Any] | None = None
-                     ) -> dict[str, Any]:
+def finalize_stopped(out: Path, cfg: Config, status: str, error: str, extra: Summary | None = None
+                     ) -> Summary:
     """A run that failed or was interrupted: metrics.jsonl with every step some rank finished, and a
     summary.json that says so, with the error's first line (and `extra`, what the services measured)."""
     streams = sorted((out / RANKS_DIR).glob("rank*.jsonl"), key=lambda p: int(p.stem[4:]))
     rows = _write_metrics(out, [_streamed_steps(out, int(p.stem[4:])) for p in streams])
-    summary = {"name": cfg.name, "status": status, "error": error.strip().splitlines()[0] if error.strip() else "",
-               **identity(cfg), "steps": len(rows), "steps_planned": cfg.train.steps,
-               "final_loss": rows[-1]["loss"] if rows else None, **(extra or {})}
+    # the backend's identity fields and the services' `extra` add keys of their own
+    summary = cast(Summary, {"name": cfg.name, "status": status,
+                             "error": error.strip().splitlines()[0] if error.strip() else "",
+                             **identity(cfg), "steps": len(rows), "steps_planned": cfg.train.steps,
+                             "final_loss": rows[-1]["loss"] if rows else None, **(extra or {})})
     (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     return summary
 
 
-def finalize_lost(out: Path, cfg: Config, extra: dict[str, Any]) -> str:
+def finalize_lost(out: Path, cfg: Config, extra: Summary) -> str:
     """A mode that goes on without lost workers lost them all: a summary that says so (status failed, the lost
     workers, what the services measured) and metrics.jsonl with every step streamed; returns the error."""
     lost = extra.get("lost_workers") or []
@@ -129,7 +132,7 @@ def finalize_lost(out: Path, cfg: Config, extra: dict[str, Any]) -> str:
     return error
 
 
-def identity(cfg: Config) -> dict[str, Any]:
+def identity(cfg: Config) -> Summary:
     """What a summary says of the run's backend, from its spec (psarch/backend.py): its kind, variant and the
     one label every report, plot and cluster table uses; whether its workers step in lockstep; and the
     backend's own fields (the PS's servers; 0 elsewhere)."""
@@ -139,7 +142,7 @@ def identity(cfg: Config) -> dict[str, Any]:
             **spec.summary_fields(cfg)}
 
 
-def finalize(out: Path, cfg: Config, extra: dict[str, Any] | None = None, echo: bool = True) -> dict[str, Any]:
+def finalize(out: Path, cfg: Config, extra: Summary | None = None, echo: bool = True) -> Summary:
     """Merge the ranks' records into metrics.jsonl, summary.json and report.txt."""
     records = _records(out)
     if not records:
@@ -153,7 +156,8 @@ def finalize(out: Path, cfg: Config, extra: dict[str, Any] | None = None, echo: 
     floor = records[0].entropy_floor
     final_loss = rows[-1]["loss"]
     ident = identity(cfg)
-    summary: dict[str, Any] = {
+    # the services' `extra` and the backend's identity fields add keys of their own: built as a plain dict
+    merged: dict[str, Any] = {
         "name": cfg.name, "status": "finished", **ident, "workload": records[0].workload, "precision": cfg.train.precision, "optimizer": cfg.train.optimizer,
         "params": phi, "steps": len(rows), "global_batch": cfg.train.global_batch,
         "final_loss": final_loss, "entropy_floor": floor,
@@ -176,18 +180,19 @@ def finalize(out: Path, cfg: Config, extra: dict[str, Any] | None = None, echo: 
     }
     for r in records:
         for k, v in (r.extra or {}).items():
-            summary.setdefault("extra", {}).setdefault(k, []).append(v)
+            merged.setdefault("extra", {}).setdefault(k, []).append(v)
     if extra:
         for k, v in extra.items():
-            if isinstance(v, dict) and isinstance(summary.get(k), dict):
-                summary[k].update(v)
+            if isinstance(v, dict) and isinstance(merged.get(k), dict):
+                merged[k].update(v)
             else:
-                summary[k] = v
+                merged[k] = v
     vd = device.summary(cfg, records, {r["step"] for r in rows[w:]})
     if vd is not None:   # a virtual device: its FLOPs, D, overrun steps (before theory, which reads them)
-        summary["virtual_device"] = vd
-    if summary.get("cluster", {}).get("emulated"):
-        summary["cluster"]["step_time"] = theory.cluster_step(cfg, summary)
+        merged["virtual_device"] = vd
+    if merged.get("cluster", {}).get("emulated"):
+        merged["cluster"]["step_time"] = theory.cluster_step(cfg, cast(Summary, merged))
+    summary = cast(Summary, merged)
     (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     text = report(summary)
     (out / "report.txt").write_text(text)
@@ -196,7 +201,7 @@ def finalize(out: Path, cfg: Config, extra: dict[str, Any] | None = None, echo: 
     return summary
 
 
-def predicted_for_rank(predicted: dict[str, Any], rank: int) -> tuple[dict[str, float], float]:
+def predicted_for_rank(predicted: Predicted, rank: int) -> tuple[dict[str, float], float]:
     """(memory by category, bytes sent per step) theory predicts for rank `rank`: its own where ranks differ
     (Prediction.per_rank), else every rank's."""
     per = predicted.get("per_rank")
@@ -205,7 +210,7 @@ def predicted_for_rank(predicted: dict[str, Any], rank: int) -> tuple[dict[str, 
     return predicted["memory_per_rank"], predicted["traffic_per_step"]["worker_sent"]
 
 
-def report(s: dict[str, Any]) -> str:
+def report(s: Summary) -> str:
     """The short human-readable report of one run."""
     p = s["predicted"]
     kind = s.get("label") or s["backend"] + (f" ({s['variant']})" if s["variant"] else "")
@@ -249,13 +254,15 @@ def report(s: dict[str, Any]) -> str:
         lines.append(f"lost workers: {s['lost_workers']}")
     if s.get("auth") == "none":
         lines.append("auth: none (backend.auth = \"none\": any process on this machine could talk to the servers)")
-    refused = (s.get("refused_pushes") or {}).get("non_finite_per_worker") or []
+    pushes = s.get("refused_pushes")
+    refused = (pushes.get("non_finite_per_worker") if pushes else None) or []
     if any(refused):
         lines.append(f"pushes refused for inf/nan, per worker: {refused}")
     if s.get("cluster", {}).get("emulated"):
-        c, st = s["cluster"], s["cluster"]["step_time"]
-        lines.append(f"emulated cluster: alpha {c['alpha_s'] * 1e6:.0f} us; step time measured {st['measured_s'] * 1e3:.2f} ms"
-                     f" | predicted {st['predicted_s'] * 1e3:.2f} ms (compute {st['compute_s'] * 1e3:.2f} ms)")
+        c, step = s["cluster"], s["cluster"]["step_time"]
+        lines.append(f"emulated cluster: alpha {c['alpha_s'] * 1e6:.0f} us; step time measured "
+                     f"{step['measured_s'] * 1e3:.2f} ms | predicted {step['predicted_s'] * 1e3:.2f} ms "
+                     f"(compute {step['compute_s'] * 1e3:.2f} ms)")
         over = "the steps" if c.get("counted_over") == "steps" else "the whole run"
         for n in c["nodes"]:
             lines.append(f"  {n['role']} {n.get('rank', n.get('server'))} ({n['address']}, {n['link_mbps']:g} Mbit/s): "

@@ -19,7 +19,7 @@ import traceback
 from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Iterator, Mapping, cast
 
 import torch
 import torch.distributed as dist
@@ -37,7 +37,7 @@ from psarch.config import Config, ConfigError, check_machine, from_dict
 from psarch.dist import abandon_group, init_rank, shutdown, under_torchrun
 from psarch.errors import NON_FINITE_EXIT, NonFiniteError, RunError
 from psarch.launch.lifecycle import die_with_parent, leave
-from psarch.records import RankRecord, ServiceInfo
+from psarch.records import RankRecord, ServiceFields, ServiceInfo, Summary
 from psarch.launch.runner import run_rank
 from psarch.trainer import Services
 from psarch.workload import Workload, build_workload, shared_data
@@ -45,7 +45,7 @@ from psarch.workload import Workload, build_workload, shared_data
 
 def run(cfg: Config, out: str | Path | None = None, echo: bool = True, resume: bool = False,
         start: str | Path | None = None, machine_checked: bool = False, pick: str | None = None,
-        progress: bool = True) -> dict[str, Any]:
+        progress: bool = True) -> Summary:
     """Run one experiment and return its summary. Every rank (and service) is started here. With `resume`,
     continue the run in `out` from its latest complete checkpoint (or the one `pick` names); with `start`,
     begin from that checkpoint. echo: print the summary (and, with `progress`, the progress lines).
@@ -81,15 +81,18 @@ def run(cfg: Config, out: str | Path | None = None, echo: bool = True, resume: b
                 else:
                     with shared_data(cfg, out_dir / ".shared_data"):   # built here once, mapped by every rank
                         _spawn(job, spec, where, services)
-                extra = dict(services.finish()) if services is not None else {}
+                extra = services.finish() if services is not None else Summary()
             cluster = where.report()
     except BaseException as e:  # failed or interrupted (Ctrl-C, SIGTERM): keep the finished steps, say why
         _keep_finished_steps(out_dir, cfg, e)
         raise
-    recorded = {k: v for k, v in (("cluster", cluster), ("started_from", cfg.started_from)) if v}
+    if cluster:
+        extra["cluster"] = cluster
+    if cfg.started_from:
+        extra["started_from"] = cfg.started_from
     if not outputs.has_records(out_dir):   # every worker lost: what the servers measured, and the steps streamed
-        raise RunError(outputs.finalize_lost(out_dir, cfg, dict(extra, **recorded)))
-    return outputs.finalize(out_dir, cfg, dict(extra, **recorded), echo)
+        raise RunError(outputs.finalize_lost(out_dir, cfg, extra))
+    return outputs.finalize(out_dir, cfg, extra, echo)
 
 
 def _started(cfg: Config, ckpt: Checkpoint | None, out: Path, resume: bool, pick: str | None, echo: bool
@@ -128,7 +131,7 @@ class RankJob:
     start: Path | None
     resume: bool
     plugins: list[str]
-    info: dict[str, Any] = field(default_factory=dict)
+    info: ServiceFields = field(default_factory=lambda: ServiceFields())
 
     def config(self) -> Config:
         registry.import_plugins(self.plugins)   # before the config names a backend registered outside psarch
@@ -242,7 +245,7 @@ def _keep_finished_steps(out: Path, cfg: Config, e: BaseException) -> None:
         print(f"psarch: could not write the {status} run's summary: {type(w).__name__}: {w}", file=sys.stderr)
 
 
-def _torchrun_rank(cfg: Config, spec: BackendSpec, job: RankJob, echo: bool) -> dict[str, Any]:
+def _torchrun_rank(cfg: Config, spec: BackendSpec, job: RankJob, echo: bool) -> Summary:
     """One rank of a torchrun job. Services (the parameter servers of `ps` without
     backend.server_addresses) are started by rank 0, which is also worker 0, as `psarch run` starts
     them; their addresses reach every rank as JSON over the process group (no pickle) before any
@@ -263,14 +266,16 @@ def _torchrun_rank(cfg: Config, spec: BackendSpec, job: RankJob, echo: bool) -> 
         if rank == 0:
             services = spec.start_services(cfg, out, start=job.start)
             if services is not None:
-                job.info = dict(services.info.to_dict(), addresses=[_reachable(a) for a in services.info.addresses])
-        ctx.services = ServiceInfo.from_dict(_gather_json(ctx, job.info)[0])
+                info = services.info.to_dict()
+                info["addresses"] = [_reachable(a) for a in services.info.addresses]
+                job.info = info
+        ctx.services = ServiceInfo.from_dict(cast(ServiceFields, _gather_json(ctx, job.info)[0]))   # rank 0's
         # ranks on other machines stream only where the run folder is shared (rank 0 made it before init_rank)
         stream = outputs.stream_path(out, rank) if (out / outputs.RANKS_DIR).is_dir() else None
         record = run_rank(cfg, ctx, echo=job.echo, metrics=stream, checkpoints=job.checkpoints, start=job.start,
                           resume=job.resume)
         records = _gather_json(ctx, record.to_json())   # every rank is done with the servers past this point
-        extra = None
+        extra: Summary | None = None
         if rank == 0:
             outputs.save_record(out, record)
             for r in records[1:]:
@@ -290,7 +295,8 @@ def _torchrun_rank(cfg: Config, spec: BackendSpec, job: RankJob, echo: bool) -> 
         leave(1)
     shutdown(ctx)
     if rank == 0 and cfg.started_from:
-        extra = dict(extra or {}, started_from=cfg.started_from)
+        extra = extra if extra is not None else Summary()
+        extra["started_from"] = cfg.started_from
     return outputs.finalize(out, cfg, extra, echo) if rank == 0 else {}
 
 
@@ -302,7 +308,7 @@ def _reachable(address: str) -> str:
     return f"{scheme}://{os.environ['MASTER_ADDR']}:{port}" if host in ("0.0.0.0", "*") else address
 
 
-def _gather_json(ctx: Any, obj: dict) -> list[dict]:
+def _gather_json(ctx: Any, obj: Mapping[str, object]) -> list[dict]:
     """Every rank's JSON-able dict, on every rank (JSON over all_gather: no pickle on the wire)."""
     dev = ctx.device if ctx.dist_backend == "nccl" else torch.device("cpu")
     data = torch.frombuffer(bytearray(json.dumps(obj).encode()), dtype=torch.uint8).to(dev)

@@ -14,7 +14,7 @@ import time
 import traceback
 from multiprocessing.connection import wait
 from pathlib import Path
-from typing import Any, Callable
+from typing import Callable, TypedDict
 
 from psarch.launch import outputs
 from psarch.errors import NON_FINITE_EXIT, NonFiniteGradient, RunError
@@ -37,7 +37,16 @@ def write_error(out: Path, rank: int, e: BaseException) -> None:
          "traceback": traceback.format_exc()}, indent=1) + "\n")
 
 
-def read_error(out: Path, rank: int) -> dict[str, Any] | None:
+class RankError(TypedDict):
+    """ranks/rank<R>.error: what a rank that failed left (write_error)."""
+
+    rank: int
+    error: str                   # its first line
+    failed_at_ns: int            # time.monotonic_ns() when it failed
+    traceback: str
+
+
+def read_error(out: Path, rank: int) -> RankError | None:
     try:
         return json.loads((out / outputs.RANKS_DIR / f"rank{rank}.error").read_text())
     except (OSError, ValueError):

@@ -30,6 +30,7 @@ from typing import Any
 from psarch.config import (REPORT_ONLY, Config, ConfigError, applies, applies_to, check_machine, explicit_keys,
                            load_config, parse_override, top_table)
 from psarch.launch.outputs import run_folder
+from psarch.records import Summary
 
 ALIASES = {"backend": "backend.kind"}
 
@@ -47,7 +48,7 @@ class Point:
     status: str = "pending"           # pending | done | skipped | failed
     detail: str = ""
     same_as: list[str] = field(default_factory=list)   # combinations that are this point once dropped keys go
-    summary: dict[str, Any] = field(default_factory=dict)
+    summary: Summary = field(default_factory=lambda: Summary())
 
 
 def read_sweep(path: str | Path) -> dict[str, Any] | None:

@@ -92,7 +92,7 @@ class Credentials:
         return {"mechanism": self.mechanism, "folder": self.folder}
 
     @staticmethod
-    def from_dict(d: dict[str, Any] | None) -> "Credentials":
+    def from_dict(d: dict[str, str] | None) -> "Credentials":
         return Credentials(**d) if d else Credentials("none")
 
 

@@ -21,7 +21,7 @@ import time
 import traceback
 from collections import Counter
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 
@@ -31,8 +31,11 @@ from psarch.config import Config, ConfigError, from_dict
 from psarch.launch.lifecycle import die_with_parent
 from psarch.ps.auth import KEYGEN_HINT, AuthError, Credentials, check_folder, mechanism, remove, run_credentials
 from psarch.ps.errors import ServiceError
-from psarch.records import ServiceInfo
+from psarch.records import LostWorker, ServiceInfo, Summary
 from psarch.trainer import Services
+
+if TYPE_CHECKING:
+    from psarch.ps.server.parameter_server import Command, ServerStats
 
 START_TIMEOUT_S = 120.0
 
@@ -77,7 +80,7 @@ class LocalServers(Services):
         # a server writes checkpoints only under its run's folder, and only when the run writes them
         ckpts = str(self.out_dir / CHECKPOINTS) if self.out_dir is not None and cfg.train.checkpoint_every else None
         begin = str(start) if start is not None else None
-        self.lost: list[dict[str, Any]] = []
+        self.lost: list[LostWorker] = []
         self.failure: str | None = None
         self.stopped_since: dict[int, float] = {}
         self.conns, self.workers = [], []
@@ -151,7 +154,7 @@ class LocalServers(Services):
         since = self.stopped_since.setdefault(i, time.monotonic())
         return time.monotonic() - since > self.cfg.backend.timeout_s
 
-    def _send(self, i: int, cmd: dict[str, Any]) -> None:
+    def _send(self, i: int, cmd: Command) -> None:
         try:
             self.conns[i].send_bytes(json.dumps(cmd).encode())
         except OSError:
@@ -181,23 +184,25 @@ class LocalServers(Services):
         for i in range(len(self.conns)):
             self._send(i, {"cmd": "lost", "worker": rank})
 
-    def finish(self) -> dict[str, Any]:
+    def finish(self) -> Summary:
         """Gather every server's measurements (and final parameters, written as model.pt)."""
         self.check()
-        stats, parts = [], []
+        stats: list[ServerStats] = []
+        parts = []
         for i in range(len(self.conns)):
             self._send(i, {"cmd": "stats"})
             s = self._wait_event(i, "stats", START_TIMEOUT_S)
             raw = self.conns[i].recv_bytes()
             s.pop("event")
-            stats.append(s)
+            stats.append(cast("ServerStats", s))   # what the server's stats() sent
             parts.append(torch.frombuffer(bytearray(raw), dtype=torch.float32) if raw else torch.empty(0))
-        out = dict(summarize(stats, self.lost), auth=Credentials.from_dict(self.info.auth).mechanism)
+        out = summarize(stats, self.lost)
+        out["auth"] = Credentials.from_dict(self.info.auth).mechanism
         if self.out_dir is not None:
             self._write_outputs(self.out_dir, out, parts)
         return out
 
-    def _write_outputs(self, out_dir: Path, out: dict[str, Any], parts: list[torch.Tensor]) -> None:
+    def _write_outputs(self, out_dir: Path, out: Summary, parts: list[torch.Tensor]) -> None:
         """model.pt from the servers' final parameters; the ssp trace beside the summary (in `out_dir`)."""
         if "ssp" in out:
             (out_dir / "ssp_trace.json").write_text(json.dumps(out["ssp"].pop("trace")))
@@ -249,7 +254,7 @@ class RemoteServers(Services):
                                 f"backend.keys (backend.auth = {b.auth!r}); {KEYGEN_HINT}")
             check_folder(b.keys, creds.mechanism, b.world_size, b.servers)
         self.info = ServiceInfo(list(b.server_addresses), creds.to_dict())
-        self.lost: list[dict[str, Any]] = []
+        self.lost: list[LostWorker] = []
 
     def check(self) -> None:
         pass
@@ -257,7 +262,7 @@ class RemoteServers(Services):
     def worker_lost(self, rank: int, error: str) -> None:
         self.lost.append({"rank": rank, "error": error.splitlines()[0] if error else ""})
 
-    def finish(self) -> dict[str, Any]:
+    def finish(self) -> Summary:
         return {"lost_workers": self.lost, "auth": Credentials.from_dict(self.info.auth).mechanism}
 
     def stop(self) -> None:
@@ -282,13 +287,13 @@ def start_services(cfg: Config, out_dir: str | Path | None = None, threads: bool
     return LocalServers(cfg, out_dir, threads, build_model, where, start)
 
 
-def summarize(stats: list[dict[str, Any]], lost: list[dict[str, Any]]) -> dict[str, Any]:
+def summarize(stats: list[ServerStats], lost: list[LostWorker]) -> Summary:
     """The summary.json entries of the servers: traffic, memory, staleness, lost workers."""
     hist: Counter[int] = Counter()
     for s in stats:
         hist.update({int(k): v for k, v in s["staleness_histogram"].items()})
     total = sum(hist.values())
-    out: dict[str, Any] = {
+    out: Summary = {
         "traffic": {"servers": [{"server": s["server"], "sent": s["sent"], "received": s["received"],
                                  "ops": s["traffic"]["ops"]} for s in stats]},
         "memory": {"servers": [dict(s["memory"], server=s["server"], range=s["range"], held=s["held"]) for s in stats]},
@@ -296,9 +301,10 @@ def summarize(stats: list[dict[str, Any]], lost: list[dict[str, Any]]) -> dict[s
         # a push goes to every server in slices: a worker's count is the most any one server refused
         "refused_pushes": {"non_finite_per_worker": [max(col) for col in zip(*(s["refused_non_finite"]
                                                                                 for s in stats))]},
-        "servers_detail": [{k: s[k] for k in ("server", "address", "range", "partitions", "version", "rejected",
-                                               "refused_non_finite", "lost", "skipped_updates", "failure")}
-                           for s in stats],
+        "servers_detail": [{"server": s["server"], "address": s["address"], "range": s["range"],
+                            "partitions": s["partitions"], "version": s["version"], "rejected": s["rejected"],
+                            "refused_non_finite": s["refused_non_finite"], "lost": s["lost"],
+                            "skipped_updates": s["skipped_updates"], "failure": s["failure"]} for s in stats],
     }
     if total:
         out["staleness"] = {"histogram": {str(k): v for k, v in sorted(hist.items())},

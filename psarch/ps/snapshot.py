@@ -28,7 +28,7 @@ parameters and optimizer state, every worker starts from them at step K as if it
 """
 from __future__ import annotations
 
-from typing import Any
+from typing import NotRequired, TypedDict
 
 import torch
 
@@ -38,7 +38,79 @@ from psarch.config import Config
 from psarch.ps.layout import Layout, partition_elems
 
 
-def run_shape(cfg: Config, numel: int) -> dict[str, Any]:
+class RunShape(TypedDict):
+    """What a PS checkpoint's records depend on (run_shape)."""
+
+    mode: str
+    world_size: int
+    servers: int
+    precision: str
+    k_steps: int | None
+    geo_barrier: bool | None
+    compensation: str | None
+    partition_elems: int
+    partition_assignment: str
+
+
+class GeoRecord(TypedDict):
+    """What a GEO worker's record holds of its local optimizer (GeoLocal.record)."""
+
+    local_keys: list[str]        # its optimizer state's tensors, stored as fragments
+    local_scalars: dict[str, float]
+    scaler: dict[str, float]     # LossScaler.state_dict()
+
+
+class RowsRecord(TypedDict, total=False):
+    """What a worker's record holds of its tables (PSTables.record): GEO with rows, its RowCache's keys."""
+
+    cache_keys: list[int]
+
+
+class WorkerRecord(TypedDict):
+    """A PS worker's record in a checkpoint (PSTrainer.checkpoint_pieces), with its GEO and tables' parts."""
+
+    rank: int
+    steps: int
+    rounds: int
+    versions: list[int]          # the version each partition last sent
+    loss_scale: float
+    local_keys: NotRequired[list[str]]
+    local_scalars: NotRequired[dict[str, float]]
+    scaler: NotRequired[dict[str, float]]
+    cache_keys: NotRequired[list[int]]
+
+
+class PartitionRecord(TypedDict):
+    """A server's record of one partition (ServerSnapshots.pieces): its counters and, with fp16, its loss scaler."""
+
+    range: list[int]             # [lo, hi)
+    version: int
+    sent_version: list[int]      # per worker
+    clock: list[int]             # per worker: its next step
+    staleness: dict[str, int]    # the histogram so far
+    skipped: int
+    scaler: NotRequired[dict[str, float]]
+
+
+class ServerRecord(TypedDict):
+    """A PS server's record in a checkpoint: its partitions' records (the first's scaler, for a fork)."""
+
+    server: int
+    held: int
+    max_ahead: int
+    partitions: list[PartitionRecord]
+    scaler: NotRequired[dict[str, float]]
+
+
+class PSRecords(TypedDict):
+    """A PS checkpoint's state["ps"]: the run's shape and every server's and worker's record."""
+
+    run: RunShape
+    servers: list[ServerRecord]
+    workers: list[WorkerRecord]
+
+
+def run_shape(cfg: Config, numel: int) -> RunShape:
     """What a PS checkpoint's records depend on (`numel`: elements of the flat vector the servers hold): a run of
     the same shape restores them exactly."""
     b, geo = cfg.backend, cfg.backend.mode == "geo"
@@ -48,7 +120,7 @@ def run_shape(cfg: Config, numel: int) -> dict[str, Any]:
             "partition_elems": partition_elems(cfg, numel), "partition_assignment": b.partition_assignment}
 
 
-def exact_records(ckpt: Checkpoint, cfg: Config, numel: int) -> dict[str, Any] | None:
+def exact_records(ckpt: Checkpoint, cfg: Config, numel: int) -> PSRecords | None:
     """The checkpoint's PS records when it was written by a PS run of this config's shape (run_shape), else None
     (a fork)."""
     ps = ckpt.state.get("ps")

@@ -22,6 +22,7 @@ def _theory() -> ModuleType:
 if TYPE_CHECKING:
     from psarch.cluster.placement import Placement
     from psarch.config import Config
+    from psarch.records import Summary
     from psarch.trainer import Services
 
 
@@ -195,7 +196,7 @@ class PSSpec(BackendSpec):
                          pipeline=_theory().pipeline_slots(cfg, phi), ready_share=_theory().ready_share(cfg, phi),
                          replay=replay)
 
-    def summary_fields(self, cfg: Config) -> dict[str, Any]:
+    def summary_fields(self, cfg: Config) -> Summary:
         return {"servers": cfg.backend.servers}
 
 

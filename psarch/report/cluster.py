@@ -6,16 +6,30 @@ import argparse
 import json
 import sys
 from pathlib import Path
-from typing import Any
+from typing import TypedDict
 
 from psarch import registry
 from psarch.config import from_dict
 from psarch.theory import cluster_step
 
 
-def rows(sweep: Path) -> list[dict[str, Any]]:
+class ClusterRow(TypedDict):
+    """One emulated run of a sweep: its architecture, N, link rate and step times (seconds)."""
+
+    arch: str
+    n: int
+    mbps: float
+    measured: float
+    predicted: float
+    compute: float
+    busiest_link: float          # bytes per step, both ways, of the busiest node's link
+    dilation: float | None       # a virtual device's D
+    overrun: float | None        # its share of overrun steps
+
+
+def rows(sweep: Path) -> list[ClusterRow]:
     """One row per emulated run under `sweep`: architecture, N, link rate, measured and predicted step time."""
-    out = []
+    out: list[ClusterRow] = []
     for f in sorted(sweep.glob("*/summary.json")):
         s = json.loads(f.read_text())
         if not s.get("cluster", {}).get("emulated"):
@@ -31,7 +45,7 @@ def rows(sweep: Path) -> list[dict[str, Any]]:
     return sorted(out, key=lambda r: (r["mbps"], r["arch"], r["n"]))
 
 
-def table(rs: list[dict[str, Any]]) -> str:
+def table(rs: list[ClusterRow]) -> str:
     """The markdown table; with virtual devices, compute is the modelled one, and D and the share of
     overrun steps (lockstep: steps; else worker-steps: psarch/cluster/device.py) get their columns."""
     devices = any(r["dilation"] is not None for r in rs)
@@ -50,7 +64,7 @@ def table(rs: list[dict[str, Any]]) -> str:
 LOG_SPAN = 3.0   # a panel's largest step time over its smallest beyond which its axis is logarithmic
 
 
-def plot(rs: list[dict[str, Any]], path: Path) -> None:
+def plot(rs: list[ClusterRow], path: Path) -> None:
     """Step time against N per architecture and link rate: measured (solid), predicted (dashed); one colour
     and marker per architecture, named once in a legend beside the panels. A panel whose step times span more
     than LOG_SPAN (a 1-server PS beside the ring) is drawn on a log scale, so the close lines stay apart."""

@@ -6,26 +6,26 @@ import math
 import statistics
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Sequence
 
 from psarch.report import plots
 from psarch.report.links import links_table
 from psarch.report.ranks import has_per_rank, rank_table
 from psarch.report.sparse import embedding_scaling, is_sparse_run, sparse_table
 from psarch.report.curves import diverged
-from psarch.report.runs import (fraction_of, label, load_run, name_runs, predicted_rank0_memory, predicted_worker_sent,
-                         server_received_per_step, step_clock, target_fraction, target_gaps, target_words,
-                         trailing_mean, worker_sent_per_step)
-from psarch.report.seeds import interval, seed_groups, study_key
+from psarch.report.runs import (Run, fraction_of, label, load_run, name_runs, predicted_rank0_memory,
+                                predicted_worker_sent, server_received_per_step, step_clock, target_fraction,
+                                target_gaps, target_words, trailing_mean, worker_sent_per_step)
+from psarch.report.seeds import config_key, interval, seed_groups, study_key
 from psarch.throughput import LOCKSTEP, OWN_PACE
 from psarch.units import fmt_bytes
 
 
-def comparability_warnings(runs: list[dict[str, Any]]) -> list[str]:
+def comparability_warnings(runs: list[Run]) -> list[str]:
     """Runs compare fairly only on the same workload, data and global batch."""
     warnings = []
 
-    def key(run: dict) -> dict:
+    def key(run: Run) -> dict:
         c, s = run["config"], run["summary"]
         w = c.get("workload", {})
         return {"workload": s.get("workload"), "params": s.get("params"), "global_batch": s.get("global_batch"),
@@ -42,7 +42,7 @@ def comparability_warnings(runs: list[dict[str, Any]]) -> list[str]:
     return warnings
 
 
-def table(runs: list[dict[str, Any]]) -> str:
+def table(runs: list[Run]) -> str:
     """The comparison table, in Markdown; rank 0's memory and the mean worker's traffic."""
     head = ("| run | architecture | N | samples/s | step time (ms) | final loss (last step) | gap | model states/rank "
             "measured \\| predicted | sent/worker/step measured \\| predicted | server recv/step measured \\| predicted "
@@ -65,7 +65,7 @@ def table(runs: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
-def rate_note(runs: list[dict[str, Any]]) -> str:
+def rate_note(runs: list[Run]) -> str:
     """What the samples/s column means for these runs (psarch/throughput.py)."""
     own = [r["run_label"] for r in runs if not r["summary"]["lockstep"]]
     note = f"samples/s: {LOCKSTEP}"
@@ -74,7 +74,7 @@ def rate_note(runs: list[dict[str, Any]]) -> str:
     return note + "."
 
 
-def convergence(runs: list[dict[str, Any]], absolute: float | None = None, last: int = 20, window: int = 10) -> str:
+def convergence(runs: list[Run], absolute: float | None = None, last: int = 20, window: int = 10) -> str:
     """How fast each run converged, in Markdown: the gap to the entropy floor as the mean of the last
     `last` steps (one small batch's loss is too noisy to rank runs by), the target gap (`absolute`, else half
     of its workload's initial gap: runs.target_gaps), and the first step and wall-clock time of steps at which
@@ -111,9 +111,10 @@ class Convergence:
     nan_at: int | None
 
 
-def convergence_of(run: dict[str, Any], target: float, last: int = 20, window: int = 10) -> Convergence:
+def convergence_of(run: Run, target: float, last: int = 20, window: int = 10) -> Convergence:
     """A run's Convergence: its `window`-step trailing mean gap against `target`, its last `last` steps' gap."""
     rows, floor = run["metrics"], run["summary"]["entropy_floor"]
+    assert floor is not None, "target_gaps gives a target only to a run with an entropy floor"
     losses = [r["loss"] for r in rows]
     hit = next((i for i, m in enumerate(trailing_mean(losses, window)) if m - floor < target), None)
     clock = step_clock(rows)
@@ -122,7 +123,7 @@ def convergence_of(run: dict[str, Any], target: float, last: int = 20, window: i
                        next((r["step"] for r in rows if not math.isfinite(r["loss"])), None))
 
 
-def seeds_table(runs: list[dict[str, Any]], absolute: float | None = None, last: int = 20,
+def seeds_table(runs: list[Run], absolute: float | None = None, last: int = 20,
                 stopped: dict[str, list[int]] | None = None) -> str:
     """One Markdown row per group of runs that differ only in seed (psarch/report/seeds.py), where some group has
     two or more: mean ± 95% CI over the seeds of the final gap, steps and time to the target (over the seeds
@@ -199,7 +200,7 @@ def stopped_seeds(left_out: list[str]) -> dict[str, list[int]]:
         config = Path(note.rsplit(": ", 1)[0]) / "config.json"
         if config.is_file():
             cfg = json.loads(config.read_text())
-            out.setdefault(study_key({"config": cfg}), []).append(cfg.get("seed"))
+            out.setdefault(config_key(cfg), []).append(cfg.get("seed"))
     return out
 
 

@@ -9,10 +9,10 @@ import argparse
 import json
 import sys
 from pathlib import Path
-from typing import Any
+from typing import TypedDict
 
 from psarch import registry
-from psarch.config import from_dict
+from psarch.config import Config, from_dict
 from psarch.ps.theory import byteps_optimum
 from psarch.theory import cluster_step
 
@@ -23,20 +23,34 @@ def bound(n: int, k: int, colocated: bool) -> float:
     return byteps_optimum(n, 0 if colocated else k, 1.0, 1.0) / ring
 
 
-def runs(sweep: Path) -> list[dict[str, Any]]:
+class CrossoverRun(TypedDict):
+    """One emulated run: its config, its architecture's label and theory.cluster_step's step times."""
+
+    cfg: Config
+    label: str
+    measured_s: float
+    predicted_s: float
+    compute_s: float
+    predicted_comm_s: float
+
+
+def runs(sweep: Path) -> list[CrossoverRun]:
     """Every emulated run under `sweep`: its config, label and measured | predicted step time."""
-    out = []
+    out: list[CrossoverRun] = []
     for f in sorted(sweep.glob("*/summary.json")):
         s = json.loads(f.read_text())
         if s.get("cluster", {}).get("emulated"):
             cfg = from_dict(json.loads((f.parent / "config.json").read_text()))
-            out.append({"cfg": cfg, "label": registry.spec_of(cfg).label(cfg), **cluster_step(cfg, s)})
+            st = cluster_step(cfg, s)
+            out.append({"cfg": cfg, "label": registry.spec_of(cfg).label(cfg), "measured_s": st["measured_s"],
+                        "predicted_s": st["predicted_s"], "compute_s": st["compute_s"],
+                        "predicted_comm_s": st["predicted_comm_s"]})
     return out
 
 
-def table(found: list[dict[str, Any]]) -> str:
+def table(found: list[CrossoverRun]) -> str:
     """PS rows against their ring DDP peer (same N, same link rate); rows without a peer show '-'."""
-    def key(r: dict[str, Any]) -> tuple[int, float]:
+    def key(r: CrossoverRun) -> tuple[int, float]:
         return r["cfg"].backend.world_size, r["cfg"].cluster.link_mbps
     ring = {key(r): r for r in found if r["cfg"].backend.kind == "ddp" and r["cfg"].backend.comm == "ring"}
     lines = ["| link Mbit/s | N | architecture | step time measured \\| predicted | error | PS/ring measured \\| "

@@ -11,8 +11,9 @@ import matplotlib.pyplot as plt
 from matplotlib.ticker import MaxNLocator
 
 from psarch.report.style import Palette, legend_beside, save
-from psarch.report.runs import step_clock, trailing_mean, workload_of
+from psarch.report.runs import Run, step_clock, trailing_mean, workload_of
 from psarch.report.seeds import interval, seed_groups
+from psarch.throughput import WorkerRow
 
 SYNC = "synchronous"
 DIVERGE_FACTOR = 2.0   # a curve that ends above this times its start (in distance from zero) diverged
@@ -21,7 +22,7 @@ DIVERGED_RULE = f"diverged: a loss not finite, or the curve ends above {DIVERGE_
 NOT_TRAINING = ("name", "label", "out", "backend", "cluster", "convergence_target")
 
 
-def panel_of(run: dict[str, Any]) -> str:
+def panel_of(run: Run) -> str:
     """Every synchronous backend trains the same model on the same data: one panel; each PS mode its own."""
     s = run["summary"]
     return SYNC if s["lockstep"] else s["label"]
@@ -35,15 +36,19 @@ def diverged(curve: list[float]) -> bool:
     return bool(curve) and curve[-1] > curve[0] + (DIVERGE_FACTOR - 1) * abs(curve[0])
 
 
-def _worker_rows(run: dict[str, Any]) -> dict[int, list[dict[str, Any]]]:
-    by_rank: dict[int, list[dict[str, Any]]] = {}
+def _worker_rows(run: Run) -> dict[int, list[WorkerRow]]:
+    by_rank: dict[int, list[WorkerRow]] = {}
     for row in run["metrics"]:
-        for w in row.get("workers") or [dict(row, rank=0)]:
-            by_rank.setdefault(w["rank"], []).append(w)
+        workers = row.get("workers")
+        if workers:
+            for w in workers:
+                by_rank.setdefault(w["rank"], []).append(w)
+        else:   # one worker ran the step: the row is its own, rank 0's
+            by_rank.setdefault(0, []).append(row)
     return by_rank
 
 
-def per_update(run: dict[str, Any], axis: str) -> tuple[list[float], list[float]] | None:
+def per_update(run: Run, axis: str) -> tuple[list[float], list[float]] | None:
     """An async/ssp run's losses, every worker's, in the order of the model version they were computed on:
     x = server updates / N (comparable to a synchronous step), or seconds since the first step began.
     None when the rows carry no versions. Each worker's first loss is left out: its model's version is
@@ -57,13 +62,17 @@ def per_update(run: dict[str, Any], axis: str) -> tuple[list[float], list[float]
             version = before.get("extra", {}).get("version")
             if version is None or (axis == "time" and t0 is None):
                 return None
-            x = version / n if axis == "step" else w["extra"]["t_end"] - t0
+            if axis == "step":
+                x = version / n
+            else:
+                assert t0 is not None   # returned above where it is None
+                x = w["extra"]["t_end"] - t0
             points.append((x, w["loss"]))
     points.sort()
     return [p[0] for p in points], [p[1] for p in points]
 
 
-def curve(run: dict[str, Any], axis: str, window: int) -> tuple[list[float], list[float], bool]:
+def curve(run: Run, axis: str, window: int) -> tuple[list[float], list[float], bool]:
     """(x, `window`-step mean loss, whether x counts model versions): workers at their own pace by the model
     version each loss was computed on where their rows record it, every other run by step or summed step time."""
     if not run["summary"]["lockstep"]:
@@ -71,15 +80,15 @@ def curve(run: dict[str, Any], axis: str, window: int) -> tuple[list[float], lis
         if pts is not None:
             return pts[0], trailing_mean(pts[1], window * run["summary"]["world_size"]), True
     rows = run["metrics"]
-    xs = [r["step"] + 1 for r in rows] if axis == "step" else step_clock(rows)
+    xs: list[float] = [r["step"] + 1 for r in rows] if axis == "step" else step_clock(rows)
     return xs, trailing_mean([r["loss"] for r in rows], window), False
 
 
-def _training(run: dict[str, Any]) -> dict[str, Any]:
+def _training(run: Run) -> dict[str, Any]:
     return {k: v for k, v in run["config"].items() if k not in NOT_TRAINING}
 
 
-def coincide_note(runs: list[dict[str, Any]]) -> str:
+def coincide_note(runs: list[Run]) -> str:
     """How far synchronous curves lie apart where they coincide by design (same data, global batch and training
     config: only the backend differs); empty where they need not."""
     if len(runs) < 2 or any(_training(r) != _training(runs[0]) for r in runs[1:]):
@@ -91,9 +100,9 @@ def coincide_note(runs: list[dict[str, Any]]) -> str:
     return f"{len(runs)} curves coincide by design (same data, batch, training): largest difference {gap:.1e}"
 
 
-def panels(runs: list[dict[str, Any]]) -> dict[tuple[str, str], list[dict[str, Any]]]:
+def panels(runs: list[Run]) -> dict[tuple[str, str], list[Run]]:
     """The runs of each (workload, panel) in the runs' order: runs of different workloads never share a panel."""
-    out: dict[tuple[str, str], list[dict[str, Any]]] = {}
+    out: dict[tuple[str, str], list[Run]] = {}
     for run in runs:
         out.setdefault((workload_of(run), panel_of(run)), []).append(run)
     return out
@@ -108,7 +117,7 @@ def y_range(curves: list[list[float]], floor: float | None) -> tuple[float, floa
     return lo - pad, hi + pad
 
 
-def _draw_panel(ax: Any, members: list[dict[str, Any]], reference: dict[str, Any] | None, axis: str, window: int,
+def _draw_panel(ax: Any, members: list[Run], reference: Run | None, axis: str, window: int,
                 palette: Palette) -> tuple[list[tuple[list[float], bool]], bool]:
     """One panel's curves (the synchronous reference in grey first); returns each curve with whether it
     diverged, and whether x counts model versions."""
@@ -152,13 +161,13 @@ def seed_band(curves: list[tuple[list[float], list[float], bool]]) -> tuple[list
     return xs, mean, half
 
 
-def _title(workload: str, panel: str, members: list[dict[str, Any]], several: bool, axis: str) -> str:
+def _title(workload: str, panel: str, members: list[Run], several: bool, axis: str) -> str:
     note = coincide_note(members) if panel == SYNC and axis == "step" else ""   # in time each runs at its speed
     head = f"{workload}: {panel}" if several else panel
     return head + ("\n" + note.replace(": ", ":\n", 1) if note else "")
 
 
-def loss_figure(runs: list[dict[str, Any]], palette: Palette, axis: str = "step") -> Any:
+def loss_figure(runs: list[Run], palette: Palette, axis: str = "step") -> Any:
     """One panel per workload and mode, against steps (runs at their own pace: server updates / N) or
     wall-clock time of steps; each workload's first synchronous run drawn in grey in its other panels as the
     reference; one loss axis per workload; the legend beside the panels."""
@@ -194,12 +203,12 @@ def loss_figure(runs: list[dict[str, Any]], palette: Palette, axis: str = "step"
     return fig
 
 
-def loss_curves(runs: list[dict[str, Any]], out: Path, palette: Palette, axis: str = "step") -> str:
+def loss_curves(runs: list[Run], out: Path, palette: Palette, axis: str = "step") -> str:
     """loss.png (against steps) or loss_time.png (against time): loss_figure, saved; returns the name."""
     return save(loss_figure(runs, palette, axis), out, "loss" if axis == "step" else "loss_time")
 
 
-def staleness_figure(runs: list[dict[str, Any]], palette: Palette) -> Any | None:
+def staleness_figure(runs: list[Run], palette: Palette) -> Any | None:
     """Each async run's staleness distribution as bars over integer staleness (fraction of its updates, so
     that runs with different numbers of updates compare), runs side by side at each value; the x range ends at
     the last value that holds 1% of some run's updates, and the axis label says what share lies beyond it
@@ -237,7 +246,7 @@ def tail_words(fracs: list[dict[int, float]], right: int) -> str:
     return f"beyond {right}: at most {tail:.2%} of a run's updates"
 
 
-def staleness(runs: list[dict[str, Any]], out: Path, palette: Palette) -> str | None:
+def staleness(runs: list[Run], out: Path, palette: Palette) -> str | None:
     """staleness.png: staleness_figure, saved; returns the name, or None without async runs."""
     fig = staleness_figure(runs, palette)
     return save(fig, out, "staleness") if fig is not None else None

@@ -4,20 +4,20 @@ activations' all-reduces within a tensor-parallel group, the loss's gather and t
 replicas; for a pipeline the activations and their gradients between stages and the stage all-reduce)."""
 from __future__ import annotations
 
-from typing import Any
 
-from psarch.report.runs import predicted_worker_sent, worker_sent_per_step
+from psarch.records import Summary
+from psarch.report.runs import Run, predicted_worker_sent, worker_sent_per_step
 from psarch.units import fmt_bytes
 
 
-def ops_per_step(summary: dict[str, Any], rank: int = 0) -> dict[str, float]:
+def ops_per_step(summary: Summary, rank: int = 0) -> dict[str, float]:
     """Bytes rank `rank` sent per step by operation: its run totals over the steps, set-up and export left out."""
     ops = summary["traffic"]["per_rank"][rank].get("ops", {})
     steps = max(1, summary["steps"])
     return {op: o["sent"] / steps for op, o in ops.items() if not op.startswith("export_") and o["sent"]}
 
 
-def links_table(runs: list[dict[str, Any]]) -> str:
+def links_table(runs: list[Run]) -> str:
     """One row per run, in Markdown."""
     lines = ["| run | architecture | N | sent/link/step measured \\| predicted | by operation (rank 0) |",
              "|---|---|---|---|---|"]

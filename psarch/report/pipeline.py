@@ -12,15 +12,15 @@ from __future__ import annotations
 import argparse
 import json
 from pathlib import Path
-from typing import Any
 
 from collective.tensor.theory import BLOCK_ACTIVATIONS
+from psarch.records import Summary
 from psarch.units import fmt_bytes
 
 ACTIVATIONS = ("activations_held", BLOCK_ACTIVATIONS)   # the per-rank activation figures, pipeline's and tensor's
 
 
-def _finished(folder: Path) -> list[dict[str, Any]]:
+def _finished(folder: Path) -> list[Summary]:
     runs = []
     for path in sorted(folder.glob("*/summary.json")):
         s = json.loads(path.read_text())
@@ -33,7 +33,7 @@ def _pct(values: list[float]) -> str:
     return " ".join(f"{100 * v:.0f}" for v in values)
 
 
-def row(s: dict[str, Any]) -> str:
+def row(s: Summary) -> str:
     """One Markdown row of a finished run's summary."""
     per = s["predicted"].get("per_rank")
     extra = s.get("extra") or {}
@@ -55,7 +55,7 @@ def row(s: dict[str, Any]) -> str:
             f"{fmt_bytes(sent)}{modelled} \\| {fmt_bytes(pred_sent)} | {fmt_bytes(states)} |")
 
 
-def table(runs: list[dict[str, Any]]) -> str:
+def table(runs: list[Summary]) -> str:
     head = ("| architecture | where | step ms | idle % per stage measured \\| predicted | activations (fullest "
             "rank) measured \\| predicted | busiest link sent/step measured \\| predicted | model states (fullest "
             "rank) |")

@@ -7,11 +7,12 @@ from pathlib import Path
 from typing import Any
 
 from psarch.report.style import save
+from psarch.report.runs import Run
 
 NAME = "curves"
 
 
-def run_figure(run: dict[str, Any]) -> Any:
+def run_figure(run: Run) -> Any:
     """Two panels over the steps: the loss (each step's, faint, and its train.log_every-step trailing mean, the
     progress lines' window) above the entropy floor where the workload has one; samples/s per step with the
     run's figure (the summary's) as a line."""

@@ -9,10 +9,11 @@ from typing import Any
 import matplotlib.pyplot as plt
 from matplotlib.patches import Patch
 
+from psarch.records import Summary
 from psarch.report import curves
 from psarch.report.style import Palette, legend_below, save
-from psarch.report.runs import (predicted_rank0_memory, predicted_system_memory, predicted_worker_sent, server_memory,
-                         server_received_per_step, system_memory, worker_sent_per_step)
+from psarch.report.runs import (Run, predicted_rank0_memory, predicted_system_memory, predicted_worker_sent,
+                                server_memory, server_received_per_step, system_memory, worker_sent_per_step)
 from psarch.throughput import LOCKSTEP, OWN_PACE
 from psarch.units import fmt_bytes
 
@@ -22,7 +23,7 @@ LOG_SPAN = 30.0   # bars whose largest and smallest non-zero values differ more 
 ROOM = 0.3        # the axis runs past the longest bar or tick by this fraction of its span, for value labels
 
 
-def _bars(runs: list[dict[str, Any]], n_panels: int, width: float = 4.0) -> tuple[Any, Any]:
+def _bars(runs: list[Run], n_panels: int, width: float = 4.0) -> tuple[Any, Any]:
     """Horizontal bars, one row per run (top to bottom in the runs' order), panels side by side."""
     fig, axes = plt.subplots(1, n_panels, figsize=(2.2 + width * n_panels, 1.3 + 0.38 * len(runs)),
                              sharey=True, squeeze=False, layout="constrained")
@@ -35,7 +36,7 @@ def _formula(ax: Any, y: int, value: float | None, first: bool) -> None:
         ax.plot([value, value], [y - 0.4, y + 0.4], color="k", lw=2, label="theory" if first else None)
 
 
-def _run_ticks(ax: Any, runs: list[dict[str, Any]], palette: Palette) -> None:
+def _run_ticks(ax: Any, runs: list[Run], palette: Palette) -> None:
     ax.set_yticks(range(len(runs)), [palette.name(r) for r in runs], fontsize=8)
     ax.invert_yaxis()
 
@@ -64,7 +65,7 @@ def value_label(ax: Any, y: int, value: float, text: str, tick: float | None = N
     ax.annotate(text, (x, y), xytext=(4, 0), textcoords="offset points", va="center", fontsize=7)
 
 
-def memory_figure(runs: list[dict[str, Any]], palette: Palette) -> Any:
+def memory_figure(runs: list[Run], palette: Palette) -> Any:
     """Model states per worker (rank 0) by category, per PS server, and the whole system (every worker and
     server): a PS worker holds no optimizer state, but its servers do."""
     has_servers = any(server_memory(r["summary"]) for r in runs)
@@ -107,7 +108,7 @@ def memory_figure(runs: list[dict[str, Any]], palette: Palette) -> Any:
     return fig
 
 
-def traffic_figure(runs: list[dict[str, Any]], palette: Palette) -> Any:
+def traffic_figure(runs: list[Run], palette: Palette) -> Any:
     """Bytes one worker sends per step and one PS server receives per step, beside theory's, each bar's value
     written beside it; a log axis where the bars span orders of magnitude."""
     has_servers = any(server_received_per_step(r["summary"]) is not None for r in runs)
@@ -137,13 +138,13 @@ def traffic_figure(runs: list[dict[str, Any]], palette: Palette) -> Any:
     return fig
 
 
-def predicted_step_time(summary: dict[str, Any]) -> float | None:
+def predicted_step_time(summary: Summary) -> float | None:
     """Theory's step time for a run, where it gives one: only on an emulated cluster (summary's
     cluster.step_time, from theory.cluster_step); on loopback the links cost nothing theory could count."""
     return ((summary.get("cluster") or {}).get("step_time") or {}).get("predicted_s")
 
 
-def throughput_figure(runs: list[dict[str, Any]], palette: Palette) -> Any:
+def throughput_figure(runs: list[Run], palette: Palette) -> Any:
     """Samples per second of each run, longest bar fastest, its value beside it; theory's figure where it gives
     one. Runs whose workers go at their own pace are hatched: their samples/s sums the workers' own rates."""
     fig, axes = _bars(runs, 1, width=6.0)
@@ -167,22 +168,22 @@ def throughput_figure(runs: list[dict[str, Any]], palette: Palette) -> Any:
     return fig
 
 
-def memory(runs: list[dict[str, Any]], out: Path, palette: Palette) -> str:
+def memory(runs: list[Run], out: Path, palette: Palette) -> str:
     """memory.png; returns its name."""
     return save(memory_figure(runs, palette), out, "memory")
 
 
-def traffic(runs: list[dict[str, Any]], out: Path, palette: Palette) -> str:
+def traffic(runs: list[Run], out: Path, palette: Palette) -> str:
     """traffic.png; returns its name."""
     return save(traffic_figure(runs, palette), out, "traffic")
 
 
-def throughput(runs: list[dict[str, Any]], out: Path, palette: Palette) -> str:
+def throughput(runs: list[Run], out: Path, palette: Palette) -> str:
     """throughput.png; returns its name."""
     return save(throughput_figure(runs, palette), out, "throughput")
 
 
-def all_plots(runs: list[dict[str, Any]], out: Path) -> list[str]:
+def all_plots(runs: list[Run], out: Path) -> list[str]:
     """Every plot of a report, in the same colours; returns their names (PNG files in `out`)."""
     palette = Palette(runs)
     names = [curves.loss_curves(runs, out, palette), curves.loss_curves(runs, out, palette, axis="time"),

@@ -8,15 +8,16 @@ from __future__ import annotations
 from typing import Any
 
 from psarch.units import fmt_bytes
+from psarch.report.runs import Run
 
 OWN_COLUMNS = {"memory", "sent", "received"}   # shown in every row already
 
 
-def has_per_rank(run: dict[str, Any]) -> bool:
+def has_per_rank(run: Run) -> bool:
     return bool(run["summary"]["predicted"].get("per_rank"))
 
 
-def _figures(run: dict[str, Any]) -> list[str]:
+def _figures(run: Run) -> list[str]:
     """The per-rank figures theory predicts that the run also measured."""
     s = run["summary"]
     predicted = s["predicted"]["per_rank"][0]
@@ -29,7 +30,7 @@ def _show(key: str, value: Any) -> str:
     return f"{100 * value:.1f}%" if key.endswith("_fraction") else fmt_bytes(value)
 
 
-def rank_table(runs: list[dict[str, Any]]) -> str:
+def rank_table(runs: list[Run]) -> str:
     """One row per rank of every run with per-rank predictions, in Markdown."""
     keys = list(dict.fromkeys(k for run in runs for k in _figures(run)))
     head = ("| run | architecture | rank | model states measured \\| predicted | sent/step measured \\| predicted "

@@ -7,17 +7,27 @@ import itertools
 import json
 import statistics
 from pathlib import Path
-from typing import Any
+from typing import Any, TypedDict, cast
 
 from psarch import throughput
 from psarch.config import Config, from_dict
 from psarch.launch.outputs import identity
 from psarch.launch.runner import warmup_steps
+from psarch.records import MetricsRow, Summary
 from psarch.theory import predict
 
 
+class Run(TypedDict):
+    """A finished run folder read back (load_run): what every report reads of a run."""
 
-def load_run(path: str | Path) -> dict[str, Any]:
+    path: str
+    summary: Summary             # summary.json, its prediction and names as this checkout makes them
+    config: dict[str, Any]       # config.json as written ({} where the folder has none)
+    metrics: list[MetricsRow]    # metrics.jsonl
+    run_label: str               # its name in tables and plots (name_runs)
+
+
+def load_run(path: str | Path) -> Run:
     """A finished run folder's summary, config (as written) and per-step metrics; the summary's `predicted` is
     theory.predict's for the run's config. A failed or interrupted run raises ValueError (one line)."""
     path = Path(path)
@@ -27,17 +37,18 @@ def load_run(path: str | Path) -> dict[str, Any]:
     rows = [json.loads(line) for line in (path / "metrics.jsonl").read_text().splitlines()] \
         if (path / "metrics.jsonl").is_file() else []
     config = json.loads((path / "config.json").read_text()) if (path / "config.json").is_file() else {}
-    summary = json.loads(summary_path.read_text())
+    summary: Summary = json.loads(summary_path.read_text())
     if summary.get("status", "finished") != "finished":   # a stopped run's summary has no figures
         raise ValueError(f"{path}: the run {summary['status']} ({summary.get('error') or 'no error recorded'}); "
                          f"no figures to load")
     # its name in reports: the config's label, else its folder's (name_runs tells apart runs that share one)
-    run = {"path": str(path), "summary": summary, "config": config, "metrics": rows,
-           "run_label": config.get("label") or path.resolve().name}
+    run: Run = {"path": str(path), "summary": summary, "config": config, "metrics": rows,
+                "run_label": config.get("label") or path.resolve().name}
     if config:  # theory, names and samples/s as they stand now, not as they stood when the run was made
         cfg = run_config(run)
         summary["predicted"] = predict(cfg, summary["params"]).to_dict()
-        summary.update({k: v for k, v in identity(cfg).items() if k in ("variant", "label", "lockstep")})
+        ident = identity(cfg)
+        summary["variant"], summary["label"], summary["lockstep"] = ident["variant"], ident["label"], ident["lockstep"]
         if rows:
             summary["samples_per_s"] = throughput.samples_per_s(rows, cfg.train.global_batch, summary["lockstep"],
                                                                 warmup_steps(cfg))
@@ -45,20 +56,20 @@ def load_run(path: str | Path) -> dict[str, Any]:
     return run
 
 
-def run_config(run: dict[str, Any]) -> Config:
+def run_config(run: Run) -> Config:
     """The run's resolved configuration as a Config (what theory.predict reads)."""
     if not run["config"]:
         raise FileNotFoundError(f"{run['path']}: no config.json")
     return from_dict(run["config"])
 
 
-def label(run: dict[str, Any]) -> str:
+def label(run: Run) -> str:
     """'run (architecture N=..)' for warnings (the architecture's label says its servers)."""
     s = run["summary"]
     return f"{run['run_label']} ({s['label']} N={s['world_size']})"
 
 
-def name_runs(runs: list[dict[str, Any]]) -> None:
+def name_runs(runs: list[Run]) -> None:
     """Set each run's `run_label`, its name in tables and plots: the config's `label`, else its folder's name,
     never the config's `name` that several runs share. Where two would read the same, a folder's name takes
     its parent folders until they differ, and a label its folder after it; one folder given twice, a number."""
@@ -87,18 +98,18 @@ def trailing_mean(values: list[float], window: int) -> list[float]:
     return [statistics.fmean(values[max(0, i - window + 1):i + 1]) for i in range(len(values))]
 
 
-def step_clock(rows: list[dict[str, Any]]) -> list[float]:
+def step_clock(rows: list[MetricsRow]) -> list[float]:
     """Wall-clock time of steps: the running sum of each metrics row's step time."""
     return list(itertools.accumulate(r["step_time_s"] for r in rows))
 
 
-def worker_sent_per_step(summary: dict[str, Any]) -> float:
+def worker_sent_per_step(summary: Summary) -> float:
     """Bytes one worker sent per step, mean over workers of each one's `sent_per_step`."""
     tr = summary["traffic"]["per_rank"]
     return sum(t["sent_per_step"] for t in tr) / len(tr)
 
 
-def predicted_worker_sent(summary: dict[str, Any]) -> float:
+def predicted_worker_sent(summary: Summary) -> float:
     """Theory's bytes one worker sends per step, as worker_sent_per_step measures them: the mean over the
     ranks where ranks differ (Prediction.per_rank), else every worker's."""
     p = summary["predicted"]
@@ -107,13 +118,13 @@ def predicted_worker_sent(summary: dict[str, Any]) -> float:
     return p["traffic_per_step"]["worker_sent"]
 
 
-def predicted_rank0_memory(summary: dict[str, Any]) -> float:
+def predicted_rank0_memory(summary: Summary) -> float:
     """Theory's model-state bytes of rank 0 (its own where ranks differ)."""
     p = summary["predicted"]
     return p["per_rank"][0]["memory"]["total"] if p.get("per_rank") else p["memory_per_rank"]["total"]
 
 
-def server_received_per_step(summary: dict[str, Any]) -> float | None:
+def server_received_per_step(summary: Summary) -> float | None:
     """Bytes one PS server received per step: the servers' run totals (set-up included), mean over
     servers, divided by the steps; None without servers."""
     servers = summary.get("traffic", {}).get("servers") or []
@@ -122,17 +133,17 @@ def server_received_per_step(summary: dict[str, Any]) -> float | None:
     return sum(x["received"] for x in servers) / len(servers) / max(1, summary["steps"])
 
 
-def server_memory(summary: dict[str, Any]) -> list[float]:
+def server_memory(summary: Summary) -> list[float]:
     """Each PS server's model-state bytes (its parameter range and optimizer state); [] without servers."""
     return [m["total"] for m in summary.get("memory", {}).get("servers") or []]
 
 
-def system_memory(summary: dict[str, Any]) -> float:
+def system_memory(summary: Summary) -> float:
     """Model-state bytes of the whole system: every worker's plus every server's."""
     return sum(m["total"] for m in summary["memory"]["per_rank"]) + sum(server_memory(summary))
 
 
-def predicted_system_memory(summary: dict[str, Any]) -> float:
+def predicted_system_memory(summary: Summary) -> float:
     """Theory's model-state bytes of the whole system: N workers' plus the servers'."""
     p = summary["predicted"]
     servers = summary.get("servers") or 0
@@ -141,37 +152,42 @@ def predicted_system_memory(summary: dict[str, Any]) -> float:
     return workers + servers * (p.get("server_memory") or 0.0)
 
 
-def workload_of(run: dict[str, Any]) -> str:
+def workload_of(run: Run) -> str:
     """What a run trains: its factory ("package.module:function") or its built-in model/data."""
     return (run["config"].get("workload") or {}).get("factory") or run["summary"].get("workload") or "?"
 
 
-def fraction_of(run: dict[str, Any]) -> float:
+def default_fraction() -> float:
+    """The config key `convergence_target`'s default."""
+    return cast(float, next(f.default for f in dataclasses.fields(Config) if f.name == "convergence_target"))
+
+
+def fraction_of(run: Run) -> float:
     """The run's config key `convergence_target` (its default where the run predates it)."""
-    default = next(f.default for f in dataclasses.fields(Config) if f.name == "convergence_target")
-    return (run["config"] or {}).get("convergence_target", default)
+    return (run["config"] or {}).get("convergence_target", default_fraction())
 
 
-def target_fraction(runs: list[dict[str, Any]]) -> float:
+def target_fraction(runs: list[Run]) -> float:
     """The fraction of the initial gap a report's target is: the first run's convergence_target (one for the
     report; compare warns where runs set another)."""
-    return fraction_of(runs[0]) if runs else fraction_of({"config": {}})
+    return fraction_of(runs[0]) if runs else default_fraction()
 
 
-def target_gaps(runs: list[dict[str, Any]], absolute: float | None = None) -> list[float | None]:
+def target_gaps(runs: list[Run], absolute: float | None = None) -> list[float | None]:
     """The gap each run must fall below to count as converged: `absolute` where given, else target_fraction of
     its workload's initial gap, so that the target means as much on every workload and is one for all runs
     of a workload. The initial gap: the first step's loss less the floor, of a run that starts at step 0,
     in lockstep where there is one (its first step is the initial model's loss on the whole global batch).
     None for a run without a floor or metrics."""
-    def key(run: dict[str, Any]) -> tuple[str, float | None]:
+    def key(run: Run) -> tuple[str, float | None]:
         return workload_of(run), run["summary"].get("entropy_floor")
 
     start: dict[tuple[str, float | None], float] = {}
     for run in sorted(runs, key=lambda r: (bool(r["metrics"]) and r["metrics"][0]["step"] != 0,
                                            not r["summary"].get("lockstep", True))):
-        if key(run)[1] is not None and run["metrics"]:
-            start.setdefault(key(run), run["metrics"][0]["loss"] - key(run)[1])
+        floor = key(run)[1]
+        if floor is not None and run["metrics"]:
+            start.setdefault(key(run), run["metrics"][0]["loss"] - floor)
     if absolute is not None:
         return [absolute if key(r) in start else None for r in runs]
     fraction = target_fraction(runs)
@@ -182,4 +198,4 @@ def target_words(absolute: float | None, fraction: float | None = None) -> str:
     """How a report states its convergence target (`fraction`: target_fraction's, else the key's default)."""
     if absolute is not None:
         return f"{absolute:g}"
-    return f"{fraction if fraction is not None else fraction_of({'config': {}}):g} x the workload's initial gap"
+    return f"{fraction if fraction is not None else default_fraction():g} x the workload's initial gap"

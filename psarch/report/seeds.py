@@ -9,6 +9,8 @@ import statistics
 from dataclasses import dataclass
 from typing import Any
 
+from psarch.report.runs import Run
+
 # config keys that do not change what a run is, besides its seed: its name, folder, display label, provenance,
 # the target its report measures it against
 NOT_THE_RUN = ("seed", "name", "out", "label", "started_from", "convergence_target")
@@ -52,16 +54,20 @@ def interval(values: list[float]) -> Interval | None:
     return Interval(statistics.fmean(xs), t975(len(xs) - 1) * statistics.stdev(xs) / math.sqrt(len(xs)), len(xs))
 
 
-def study_key(run: dict[str, Any]) -> str:
+def study_key(run: Run) -> str:
     """What a run is, but for its seed (and name, folder, label): runs with one key form a seed group."""
-    return json.dumps({k: v for k, v in (run["config"] or {}).items() if k not in NOT_THE_RUN}, sort_keys=True,
-                      default=str)
+    return config_key(run["config"])
 
 
-def seed_groups(runs: list[dict[str, Any]]) -> list[list[dict[str, Any]]]:
+def config_key(config: dict[str, Any] | None) -> str:
+    """study_key of a run's config.json (None or {}: a run without one)."""
+    return json.dumps({k: v for k, v in (config or {}).items() if k not in NOT_THE_RUN}, sort_keys=True, default=str)
+
+
+def seed_groups(runs: list[Run]) -> list[list[Run]]:
     """The runs grouped by study_key, in the order each group's first run comes. Only runs of distinct seeds
     form a study: a group where a seed repeats (the same config run twice) stays apart, a run each."""
-    groups: dict[str, list[dict[str, Any]]] = {}
+    groups: dict[str, list[Run]] = {}
     for run in runs:
         groups.setdefault(study_key(run), []).append(run)
     out = []

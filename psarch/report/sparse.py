@@ -4,30 +4,29 @@ from __future__ import annotations
 
 import statistics
 from pathlib import Path
-from typing import Any
 
 from psarch import theory
-from psarch.report.runs import run_config, worker_sent_per_step
+from psarch.report.runs import Run, run_config, worker_sent_per_step
 from psarch.units import fmt_bytes
 
 # summary.json extra keys holding a worker's embedding bytes: the PS row worker's peak, ddp sharded's shard
 HELD_KEYS = ("embedding_bytes_held_peak", "embedding_bytes")
 
 
-def is_sparse_run(run: dict[str, Any]) -> bool:
+def is_sparse_run(run: Run) -> bool:
     """A run of the dlrm workload (embedding tables), the only one these columns describe."""
     return (run["config"].get("workload") or {}).get("model") == "dlrm"
 
 
-def measured_unique_ids(run: dict[str, Any]) -> float | None:
+def measured_unique_ids(run: Run) -> float | None:
     """Distinct ids one worker's batch read per step (all tables), mean over steps and workers; None when
     the backend does not report them (ddp with dense tables)."""
     per = [w.get("extra", {}).get("unique_ids") for r in run["metrics"] for w in r.get("workers", [r])]
-    per = [u for u in per if u is not None]
-    return statistics.fmean(per) if per else None
+    found = [u for u in per if u is not None]
+    return statistics.fmean(found) if found else None
 
 
-def embedding_held(run: dict[str, Any]) -> tuple[float, float]:
+def embedding_held(run: Run) -> tuple[float, float]:
     """(bytes of embedding rows the busiest worker held, bytes of the whole tables in fp32). Backends that
     report nothing (ddp dense and rows, torch_ddp) replicate the model, so each rank holds the whole tables."""
     table = float(theory.table_params(run_config(run)) * 4)
@@ -38,7 +37,7 @@ def embedding_held(run: dict[str, Any]) -> tuple[float, float]:
     return table, table
 
 
-def sparse_table(runs: list[dict[str, Any]]) -> str:
+def sparse_table(runs: list[Run]) -> str:
     """One Markdown row per dlrm run: rows x Zipf, bytes, step time, embedding bytes held, ids and gap."""
     lines = ["| run | architecture | rows | zipf | sent/worker/step measured \\| predicted | step time (ms) | "
              "embedding held/worker \\| table | unique ids/step measured \\| expected | final gap |",
@@ -58,7 +57,7 @@ def sparse_table(runs: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
-def series(runs: list[dict[str, Any]]) -> dict[float, dict[str, list[tuple[int, float, float, float]]]]:
+def series(runs: list[Run]) -> dict[float, dict[str, list[tuple[int, float, float, float]]]]:
     """Per Zipf exponent, per architecture (its label), the points (rows, bytes sent per worker per step
     measured, predicted, step time in s) sorted by table rows: what embedding_scaling plots."""
     out: dict[float, dict[str, list[tuple[int, float, float, float]]]] = {}
@@ -82,7 +81,7 @@ def decade(values: list[float]) -> tuple[float, float]:
     return min(lo / 1.5, mid / 10**0.5), max(hi * 1.5, mid * 10**0.5)
 
 
-def embedding_scaling(runs: list[dict[str, Any]], out: Path) -> str:
+def embedding_scaling(runs: list[Run], out: Path) -> str:
     """embedding_scaling.png: bytes per worker per step (measured solid, predicted dashed) and step time
     against table rows, one column per Zipf exponent, one colour per variant; returns the name."""
     import matplotlib.pyplot as plt

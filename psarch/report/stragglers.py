@@ -19,14 +19,14 @@ import json
 import statistics
 import sys
 from pathlib import Path
-from typing import Any
+from typing import TypedDict
 
 from psarch import registry
 from psarch.report.runs import load_run, run_config, target_gaps, target_words
-from psarch.throughput import per_worker
+from psarch.throughput import WorkerRow, per_worker
 
 
-def events(workers: list[list[dict[str, Any]]]) -> list[tuple[float, float]]:
+def events(workers: list[list[WorkerRow]]) -> list[tuple[float, float]]:
     """(time, loss) of every worker's every step, at the worker's own clock, in time order."""
     out = []
     for w in workers:
@@ -35,7 +35,7 @@ def events(workers: list[list[dict[str, Any]]]) -> list[tuple[float, float]]:
     return sorted(out)
 
 
-def time_to_gap(workers: list[list[dict[str, Any]]], floor: float, target: float, window: int = 10) -> float | None:
+def time_to_gap(workers: list[list[WorkerRow]], floor: float, target: float, window: int = 10) -> float | None:
     """The first time the mean of the last `window` x N losses (N workers, in time order) is below
     floor + target; None if it never is."""
     k = window * len(workers)
@@ -48,13 +48,29 @@ def time_to_gap(workers: list[list[dict[str, Any]]], floor: float, target: float
     return None
 
 
-def final_gap(workers: list[list[dict[str, Any]]], floor: float, last: int = 20) -> float:
+def final_gap(workers: list[list[WorkerRow]], floor: float, last: int = 20) -> float:
     """The mean of the last `last` x N losses in time order, less the entropy floor."""
     ev = events(workers)[-last * len(workers):]
     return statistics.fmean(loss for _, loss in ev) - floor
 
 
-def rows(sweep: Path, target: float | None = None) -> list[dict[str, Any]]:
+class StragglerRow(TypedDict):
+    """One run of a stragglers sweep: its folder, mode, slowdown and jitter, and its figures."""
+
+    run: str
+    mode: str                    # the architecture's label
+    slowdown: float
+    jitter: float
+    samples_per_s: float
+    target_gap: float | None
+    predicted: float | None      # theory's samples/s (lockstep runs on an emulated cluster)
+    time_to_gap: float | None
+    final_gap: float
+    dilation: float | None
+    overrun: float | None
+
+
+def rows(sweep: Path, target: float | None = None) -> list[StragglerRow]:
     """One row per finished run under `sweep`: its folder's name, mode, slowdown, jitter and the three figures;
     the target gap `target`, else half of its workload's initial gap (psarch.report.runs.target_gaps)."""
     runs = []
@@ -62,10 +78,11 @@ def rows(sweep: Path, target: float | None = None) -> list[dict[str, Any]]:
         s = json.loads(f.read_text())
         if s.get("status") == "finished" and s.get("entropy_floor") is not None:
             runs.append(load_run(f.parent))   # samples/s as the summary and compare define it
-    out = []
+    out: list[StragglerRow] = []
     for run, gap in zip(runs, target_gaps(runs, target)):
         s, cfg = run["summary"], run_config(run)
         workers, floor = per_worker(run["metrics"]), s["entropy_floor"]
+        assert floor is not None   # only runs with a floor were loaded
         vd, step = s.get("virtual_device"), s.get("cluster", {}).get("step_time")
         out.append({"run": Path(run["path"]).name, "mode": s["label"], "slowdown": cfg.cluster.slowdown,
                     "jitter": cfg.cluster.jitter,
@@ -83,7 +100,7 @@ def _cell(x: float | None, form: str) -> str:
     return "" if x is None else format(x, form)
 
 
-def table(rs: list[dict[str, Any]], target: float | None = None) -> str:
+def table(rs: list[StragglerRow], target: float | None = None) -> str:
     """stragglers.md's table: one row per run, the target stated in its head; predicted samples/s for
     lockstep runs on an emulated cluster (the slowest worker's compute plus the step's communication), D and
     overrun steps for virtual devices."""

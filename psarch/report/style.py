@@ -5,12 +5,15 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Sequence, TypedDict
 
 import matplotlib
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
+from matplotlib.artist import Artist  # noqa: E402
+
+from psarch.report.runs import Run  # noqa: E402
 
 LINE_STYLES = ("-", "--", ":", "-.")
 HATCHES = ("", "//", "..", "xx")
@@ -27,10 +30,18 @@ def _listed_colours(name: str) -> Sequence[Any]:
     return plt.get_cmap(name).colors  # type: ignore[attr-defined]
 
 
+class LineStyle(TypedDict):
+    """Keyword arguments of a run's line (Palette.line)."""
+
+    color: Any                   # a matplotlib colour
+    ls: str
+    lw: float
+
+
 class Palette:
     """Colours and names for the runs of one report, computed once and passed to every plot."""
 
-    def __init__(self, runs: list[dict[str, Any]]) -> None:
+    def __init__(self, runs: list[Run]) -> None:
         self.names = [r["run_label"] for r in runs]   # the folder (or config label), psarch.report.runs.name_runs
         configs = list(dict.fromkeys(configuration(n) for n in self.names))
         # grey is left out: it draws references (the synchronous curve in other panels)
@@ -42,26 +53,26 @@ class Palette:
         self.several_n = len(worlds) > 1
         self._index = {id(r): i for i, r in enumerate(runs)}
 
-    def name(self, run: dict[str, Any]) -> str:
+    def name(self, run: Run) -> str:
         """The run's legend and tick name: its short name, with N where the name does not say it."""
         name, n = self.names[self._index[id(run)]], run["summary"]["world_size"]
         return name + (f" N={n}" if self.several_n and f"world_size{n}" not in name else "")
 
-    def colour(self, run: dict[str, Any]) -> Any:
+    def colour(self, run: Run) -> Any:
         return self.colour_of[configuration(self.names[self._index[id(run)]])]
 
-    def line(self, run: dict[str, Any]) -> dict[str, Any]:
+    def line(self, run: Run) -> LineStyle:
         """Keyword arguments of a run's line: its configuration's colour, its world size's style."""
         return {"color": self.colour(run), "ls": self.style_of_n[run["summary"]["world_size"]], "lw": 1.3}
 
-    def hatch(self, run: dict[str, Any]) -> str:
+    def hatch(self, run: Run) -> str:
         """A run's bar hatch: its world size's, as line() gives its line style."""
         return HATCHES[LINE_STYLES.index(self.style_of_n[run["summary"]["world_size"]])]
 
 
-def _entries(axes: list[Any]) -> dict[str, Any]:
+def _entries(axes: list[Any]) -> dict[str, Artist]:
     """Each label of these axes' artists once, with its first handle."""
-    keep: dict[str, Any] = {}
+    keep: dict[str, Artist] = {}
     for ax in axes:
         for handle, label in zip(*ax.get_legend_handles_labels()):
             keep.setdefault(label, handle)
@@ -76,7 +87,7 @@ def legend_beside(fig: Any, axes: list[Any]) -> Any:
                       ncol=1 if len(keep) <= 24 else 2)
 
 
-def legend_below(fig: Any, axes: list[Any], extra: dict[str, Any] | None = None) -> Any:
+def legend_below(fig: Any, axes: list[Any], extra: dict[str, Artist] | None = None) -> Any:
     """One legend for these axes (and `extra` label: handle entries) under them, outside the data
     (layout="constrained"), in as many columns as fit the figure's width."""
     keep = dict(_entries(axes), **(extra or {}))

@@ -17,6 +17,7 @@ from typing import Any
 from psarch import registry
 from psarch.backend import CommModel
 from psarch.config import Config, from_dict
+from psarch.records import Predicted, Summary
 from psarch.zipf import expected_unique
 
 BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
@@ -94,13 +95,13 @@ class Prediction:
     links: list[LinkLoad] | None = None
     per_rank: list[RankPrediction] | None = None
 
-    def to_dict(self) -> dict:
+    def to_dict(self) -> Predicted:
         """The `predicted` entry of summary.json."""
         traffic = {"worker_sent": self.worker.sent, "worker_received": self.worker.received}
         if self.server is not None:
             traffic.update(server_sent=self.server.sent, server_received=self.server.received)
-        out = {"memory_per_rank": self.memory_per_rank.to_dict(), "traffic_per_step": traffic,
-               "rounds_per_step": self.rounds, "messages_per_step": self.messages}
+        out: Predicted = {"memory_per_rank": self.memory_per_rank.to_dict(), "traffic_per_step": traffic,
+                          "rounds_per_step": self.rounds, "messages_per_step": self.messages}
         if self.server_memory is not None:
             out["server_memory"] = self.server_memory
         if self.per_rank is not None:
@@ -254,7 +255,7 @@ def buckets_of(bytes_reduced: float, cap_bytes: float) -> int:
     return max(1, -(-int(bytes_reduced) // max(1, int(cap_bytes))))
 
 
-def cluster_step(cfg: Config, summary: dict[str, Any]) -> dict[str, float]:
+def cluster_step(cfg: Config, summary: Summary) -> dict[str, float]:
     """Measured | predicted step time of a finished run on the emulated cluster: compute plus the α-β time of
     the bytes each link carries (cluster_step_time), with the backend's own model of how its communication
     meets its compute (BackendSpec.comm_model), the compute stretched by the share its ranks wait by design (a
@@ -263,8 +264,9 @@ def cluster_step(cfg: Config, summary: dict[str, Any]) -> dict[str, float]:
     measured step less its communication wait."""
     m = registry.spec_of(cfg).comm_model(cfg, summary["params"], summary.get("extra") or {})
     vd, alpha, backward = summary.get("virtual_device"), summary["cluster"]["alpha_s"], None
-    if vd is not None and vd.get("compute_s") is not None:   # modelled compute holds no blocking pass
-        compute, alpha, m = vd["compute_s"], alpha / vd["dilation"], dataclasses.replace(m, hidden_passes=0)
+    modelled = vd.get("compute_s") if vd is not None else None
+    if vd is not None and modelled is not None:   # modelled compute holds no blocking pass
+        compute, alpha, m = modelled, alpha / vd["dilation"], dataclasses.replace(m, hidden_passes=0)
         backward = compute * vd["backward_s"] / (vd["forward_s"] + vd["backward_s"])
     else:
         compute = summary["step_time_s"] - (summary.get("comm_s") or 0.0)

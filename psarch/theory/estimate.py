@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 from psarch import registry, theory
 from psarch.config import Config
+from psarch.records import Summary
 from psarch.theory.estimate_tensor import GPTShape, tensor_report
 
 STAGES = (("ddp", 0), ("zero-1", 1), ("zero-2", 2), ("zero-3", 3))
@@ -103,7 +104,7 @@ def crossover(phi: float, precision: str, c: Cluster, servers: str, worlds: list
     return None
 
 
-def measured_compute(summary: dict) -> float:
+def measured_compute(summary: Summary) -> float:
     """A run's compute time per step: its median step time less the time it waited on communication."""
     return max(summary["step_time_s"] - summary.get("comm_s", 0.0), 0.0)
 
@@ -166,7 +167,7 @@ def backend_rows(phi: float, world: int, precision: str, optimizer: str, options
 
 
 def report(phi: float, world: int, precision: str = "bf16", optimizer: str = "adamw", servers: int = 1,
-           cluster: Cluster | None = None, budget: float | None = None, measured: tuple[dict, Config] | None = None,
+           cluster: Cluster | None = None, budget: float | None = None, measured: tuple[Summary, Config] | None = None,
            compute_from: str | None = None, options: dict | None = None,
            tensor: tuple[GPTShape, int] | None = None) -> str:
     """Everything `psarch estimate` prints; `measured` is a run's (summary, config), compared with the model
@@ -246,7 +247,7 @@ def _scaling_lines(phi: float, precision: str, servers: int, c: Cluster, compute
     return out
 
 
-def measured_vs_model(summary: dict, cfg: Config, c: Cluster) -> str:
+def measured_vs_model(summary: Summary, cfg: Config, c: Cluster) -> str:
     """A run's measured step time and traffic against the model's for the run's own config, with compute
     taken from the run."""
     compute = measured_compute(summary)

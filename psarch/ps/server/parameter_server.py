@@ -42,7 +42,7 @@ import sys
 from collections import Counter
 import time
 import traceback
-from typing import Any, Callable, cast
+from typing import Any, Callable, NotRequired, TypedDict, cast
 
 import torch
 import zmq
@@ -59,12 +59,51 @@ from psarch.ps.server.libc import seed_routing_ids
 from psarch.ps.server.pulls import PullQueue
 from psarch.ps.server.pushes import Pushes
 from psarch.ps.server.replies import Replies
+from psarch.records import TrafficFigures
 from psarch.ps.server.rows import ServerRows
 from psarch.ps.server.snapshots import Snapshots
 from psarch.ps.server.state import ServerState
 
 Handler = Callable[[bytes, wire.Message], None]
 
+
+
+class Command(TypedDict):
+    """A command on the launcher's pipe (psarch/ps/services.py): `lost` names the worker whose process died."""
+
+    cmd: str                     # "lost", "stats" or "stop"
+    worker: NotRequired[int]
+
+
+class SSPStats(TypedDict):
+    """What an ssp server measured of its bound."""
+
+    staleness_bound: int
+    max_ahead: int
+    trace: list[list[int]]       # ServerState.trace
+
+
+class ServerStats(TypedDict):
+    """What one server measured (ParameterServer.stats), sent to the launcher for summary.json (services.summarize)."""
+
+    server: int
+    address: str
+    range: list[int]             # [lo, hi) of the flat vector
+    held: int
+    partitions: int
+    version: int
+    sent: int
+    received: int
+    traffic: TrafficFigures
+    memory: dict[str, Any]       # bytes by category, the peak and its kind; with rows, theirs (ServerRows.add_memory)
+    rejected: int
+    refused_non_finite: list[int]   # per worker
+    lost: list[int]
+    dropped_connections: dict[str, int]
+    failure: str | None
+    skipped_updates: int
+    staleness_histogram: dict[str, int]
+    ssp: NotRequired[SSPStats]
 
 class ParameterServer:
     """Serve one range of the parameters until `stop()` (or a `stop` command on the launcher's pipe)."""
@@ -279,7 +318,7 @@ class ParameterServer:
             return
         self.deadlines.check_waits(now)
 
-    def command(self, cmd: dict[str, Any]) -> None:
+    def command(self, cmd: Command) -> None:
         """A command on the launcher's pipe: `lost` (a worker's process died), `stats`, `stop`."""
         if cmd.get("cmd") == "lost":
             self.lose(int(cmd["worker"]), "its process died")
@@ -298,7 +337,7 @@ class ParameterServer:
         final = dense if self.rows is None else self.rows.final(dense)
         return final.numpy().data.cast("B")
 
-    def stats(self) -> dict[str, Any]:
+    def stats(self) -> ServerStats:
         """What this server measured: traffic, memory, staleness, rejected requests, lost workers."""
         s = self.state
         traffic = self.meter.report().to_dict()
@@ -308,7 +347,7 @@ class ParameterServer:
         for part in s.parts:
             memory.update(part.range.memory())
             staleness.update(part.range.staleness)
-        out: dict[str, Any] = {
+        out: ServerStats = {
             "server": s.index, "address": self.address, "range": [s.parts[0].lo, s.parts[-1].hi] if s.parts else [0, 0],
             "held": s.size, "partitions": len(s.parts),
             "version": s.version, "sent": traffic["sent"], "received": traffic["received"],

@@ -14,7 +14,7 @@ from typing import Any
 from psarch.ps import wire
 from psarch.ps.errors import PSError
 from psarch.ps.server.replies import Replies
-from psarch.ps.server.state import TRACE_LIMIT, Partition, Pull, ServerState
+from psarch.ps.server.state import TRACE_LIMIT, AckFields, Partition, Pull, ServerState
 
 
 class PullQueue:
@@ -47,7 +47,7 @@ class PullQueue:
                 raise PSError(f"{op}: worker {w} already has a pull waiting (for step {p.step}); "
                               f"a worker waits for one pull of a partition at a time")
 
-    def wait(self, ident: bytes, op: str, worker: int, step: int, extra: dict[str, Any],
+    def wait(self, ident: bytes, op: str, worker: int, step: int, extra: AckFields,
              part: Partition | None) -> None:
         """Queue `worker`'s pull of `part` for `step` (answered by the next `serve` that finds it ready)."""
         self.state.pending.append(Pull(ident, op, worker, step, time.monotonic(), extra, part))

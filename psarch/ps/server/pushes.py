@@ -29,7 +29,7 @@ from psarch.ps.errors import NonFinitePush, PSError
 from psarch.ps.layout import held, server_partitions
 from psarch.ps.server.pulls import PullQueue
 from psarch.ps.server.replies import Replies
-from psarch.ps.server.state import TRACE_LIMIT, Partition, ServerState
+from psarch.ps.server.state import TRACE_LIMIT, AckFields, Partition, ServerState
 from psarch.ps.server.updates import NonFiniteUpdate, RangeState
 
 if TYPE_CHECKING:
@@ -104,7 +104,7 @@ class Pushes:
             raise PSError(f"{msg.op} before init: no parameters yet")
         return self.state.part_at(msg.header["offset"], msg.op)
 
-    def apply(self, msg: wire.Message, part: Partition) -> dict[str, Any]:
+    def apply(self, msg: wire.Message, part: Partition) -> AckFields:
         """Validate a push of `part` (raise PSError, changing nothing) and apply it; returns the ack's fields."""
         s, h = self.state, msg.header
         w, data, found_inf = self._checked(msg, part)
@@ -132,7 +132,7 @@ class Pushes:
         part.clock[w] = h["step"] + 1
         if s.mode == "ssp" and len(s.trace) < TRACE_LIMIT:
             s.trace.append([0, w, part.clock[w]])
-        reply: dict[str, Any] = {}
+        reply: AckFields = {}
         if not s.barrier:
             reply["staleness"] = staleness
         if skipped is not None:

@@ -18,7 +18,7 @@ from psarch.ps.errors import PSError
 from psarch.ps.layout import param_layout
 from psarch.ps.server.replies import Replies
 from psarch.ps.server.state import ServerState
-from psarch.ps.snapshot import exact_records, pushes_by, shapes, views
+from psarch.ps.snapshot import PartitionRecord, ServerRecord, exact_records, pushes_by, shapes, views
 
 if TYPE_CHECKING:
     from psarch.ps.server.rows import ServerRows
@@ -119,7 +119,7 @@ class Snapshots:
         """This server's part: each partition's range (with optimizer state, DC backups) and record; its rows' shard."""
         s, layout = self.state, self.layout
         fragments: list = []
-        records = []
+        records: list[PartitionRecord] = []
         for part in s.parts:
             st, lo, hi = part.range, part.lo, part.hi
             if st.optim is not None:
@@ -128,16 +128,16 @@ class Snapshots:
                 fragments += views(layout, {PARAM: st.params}, lo, hi)
             if st.backup is not None:
                 fragments += views(layout, {f"dc_backup/{w}": b for w, b in enumerate(st.backup)}, lo, hi)
-            rec = {"range": [lo, hi], "version": st.version, "sent_version": list(st.sent_version),
+            rec: PartitionRecord = {"range": [lo, hi], "version": st.version, "sent_version": list(st.sent_version),
                    "clock": list(part.clock), "staleness": {str(k): v for k, v in sorted(st.staleness.items())},
                    "skipped": st.skipped}
             if st.optim is not None and st.optim.scaler.enabled:
                 rec["scaler"] = st.optim.scaler.state_dict()
             records.append(rec)
-        record = {"server": s.index, "held": s.size, "max_ahead": s.max_ahead, "partitions": records}
+        record: ServerRecord = {"server": s.index, "held": s.size, "max_ahead": s.max_ahead, "partitions": records}
         if "scaler" in records[0]:   # what a fork onto another backend takes (every partition's is alike in sync)
             record["scaler"] = records[0]["scaler"]
-        pieces = Pieces(fragments, shapes(layout), record)
+        pieces = Pieces(fragments, shapes(layout), dict(record))   # the part's JSON state
         if self.rows is not None:
             self.rows.add_pieces(pieces)
         return pieces
@@ -178,7 +178,7 @@ class Snapshots:
             for b in st.backup or []:
                 b.copy_(st.params.detach())   # DC: each worker's backup is the model it pulls
 
-    def _restore_records(self, rec: dict[str, Any], ckpt: Checkpoint) -> None:
+    def _restore_records(self, rec: ServerRecord, ckpt: Checkpoint) -> None:
         s = self.state
         s.max_ahead = rec["max_ahead"]
         for part, r in zip(s.parts, rec["partitions"]):

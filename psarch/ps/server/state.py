@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypedDict
 
 import torch
 
@@ -28,6 +28,14 @@ from psarch.ps.server.updates import RangeState
 TRACE_LIMIT = 100_000   # ssp: the most trace events a server records
 
 
+class AckFields(TypedDict, total=False):
+    """What a push's ack says beside its version (Pushes.apply): the push's staleness (barrier-free modes) and
+    whether its update was skipped (fp16 inf/nan)."""
+
+    staleness: int
+    skipped: bool
+
+
 @dataclass
 class Pull:
     """A pull waiting until the mode lets `worker` have partition `part`'s parameters for `step`."""
@@ -37,7 +45,7 @@ class Pull:
     worker: int
     step: int
     since: float
-    extra: dict[str, Any]       # pushpull: what the push's ack would have said
+    extra: AckFields            # pushpull: what the push's ack would have said
     part: "Partition | None" = None
 
 

@@ -14,6 +14,7 @@ from psarch.flat import FlatParams
 from psarch.ps.layout import Layout
 from psarch.meters import tensor_bytes
 from psarch.precision import MixedPrecisionOptimizer
+from psarch.ps.snapshot import GeoRecord, WorkerRecord
 
 
 class GeoLocal:
@@ -51,14 +52,14 @@ class GeoLocal:
         return {own + "master": self.optim.master.params[0], own + "synced": self.synced,
                 **{own + k: v for k, v in state.items() if torch.is_tensor(v) and v.dim() > 0}}
 
-    def record(self) -> dict[str, Any]:
+    def record(self) -> GeoRecord:
         """What a checkpoint's record holds of it: the optimizer state's keys and scalars, the loss scaler."""
         state = self._state()
         return {"local_keys": [k for k, v in state.items() if torch.is_tensor(v) and v.dim() > 0],
                 "local_scalars": {k: float(v) for k, v in state.items() if not torch.is_tensor(v) or v.dim() == 0},
                 "scaler": self.optim.scaler.state_dict()}
 
-    def restore_record(self, own: str, rec: dict[str, Any]) -> dict[str, torch.Tensor]:
+    def restore_record(self, own: str, rec: WorkerRecord) -> dict[str, torch.Tensor]:
         """Rebuild the optimizer state from this worker's own record; the tensors to fill from the checkpoint."""
         master = self.optim.master.params[0]
         state = self.optim.optimizer.state[master]

@@ -10,7 +10,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Required, Sequence, TypedDict
 
 import torch
 
@@ -19,6 +19,17 @@ from psarch.ps import wire
 from psarch.ps.errors import PSError
 from psarch.ps.layout import held, one_range, scatter
 from psarch.ps.worker.client import PSClient, Request
+
+
+class Exchange(TypedDict, total=False):
+    """What an exchange's replies said (ServerLink.settle), and what a worker's step adds to it (tables)."""
+
+    comm_s: Required[float]      # seconds waited for the replies
+    version: int                 # the oldest model version pulled
+    skipped: bool                # a server skipped the update (fp16: inf/nan)
+    staleness: int               # the largest a server reported
+    ahead: int
+    tables: dict[str, int]       # the tables' figures of the step (Tables.exchange)
 
 
 @dataclass(frozen=True)
@@ -97,7 +108,7 @@ class ServerLink:
             self.flat.data[p.lo:p.hi].copy_(self.host[p.lo:p.hi])
         self.copied.add(j)
 
-    def settle(self, since: float | None = None, acks: Sequence[Request] = ()) -> dict[str, Any]:
+    def settle(self, since: float | None = None, acks: Sequence[Request] = ()) -> Exchange:
         """Wait for every posted partition's reply (the parameters land in the flat buffer); what they (and
         `acks`, priority's push acknowledgements) said (comm_s: seconds since `since`, or since the first post)."""
         self.client.wait()
@@ -111,17 +122,19 @@ class ServerLink:
         replies = [r.reply for r in reqs] + [r.reply for r in acks]
         self.versions = [r.reply["version"] for r in reqs]
         self.loss_scale = min(p.get("scale", 1.0) for p in replies)
-        out: dict[str, Any] = {"comm_s": time.perf_counter() - (self.t0 if since is None else since),
-                               "version": min(self.versions),
-                               "skipped": any(p.get("skipped", False) for p in replies)}
-        for key in ("staleness", "ahead"):
-            values = [p[key] for p in replies if key in p]
-            if values:
-                out[key] = max(values)
+        out: Exchange = {"comm_s": time.perf_counter() - (self.t0 if since is None else since),
+                         "version": min(self.versions),
+                         "skipped": any(p.get("skipped", False) for p in replies)}
+        staleness = [p["staleness"] for p in replies if "staleness" in p]
+        if staleness:
+            out["staleness"] = max(staleness)
+        ahead = [p["ahead"] for p in replies if "ahead" in p]
+        if ahead:
+            out["ahead"] = max(ahead)
         return out
 
     def exchange(self, pushed: torch.Tensor | None, step: int, header: dict[str, Any],
-                 before: list[Request] | None = None) -> dict[str, Any]:
+                 before: list[Request] | None = None) -> Exchange:
         """Push `pushed`'s slices (if given) and pull the parameters for `step`, every partition of every server
         back to back, one `pushpull` request per partition (after `before[i]` to server i, if given); the
         parameters land in the flat buffer. Returns what the replies said."""

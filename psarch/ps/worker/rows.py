@@ -27,6 +27,7 @@ from psarch.embeddings import batch_ids, embedding_tables
 from psarch.ps import wire
 from psarch.ps.row_snapshot import cache_fragments
 from psarch.ps.rows import gather_shards, key_space
+from psarch.ps.snapshot import RowsRecord, WorkerRecord
 from psarch.ps.worker.client import PSClient, Request
 from psarch.ps.worker.row_cache import RowCache
 from psarch.ps.worker.tables import PSTables
@@ -176,10 +177,10 @@ class WorkerRows(PSTables):
         """GEO: the worker's RowCache, its rows as fragments (their keys in `record`)."""
         return cache_fragments(self.cache, self.space, self.table_names, self.rank) if self.cache is not None else []
 
-    def record(self) -> dict[str, Any]:
+    def record(self) -> RowsRecord:
         return {"cache_keys": self.cache.keys.tolist()} if self.cache is not None else {}
 
-    def restore(self, ckpt: Checkpoint, record: dict[str, Any] | None) -> None:
+    def restore(self, ckpt: Checkpoint, record: WorkerRecord | None) -> None:
         """From step K on; GEO, from this worker's own record: its RowCache as it wrote it (its keys in their
         order, rows, pulled copies, state); a fork starts with an empty cache."""
         self.steps = ckpt.step
@@ -202,7 +203,7 @@ class WorkerRows(PSTables):
         # the last step's rows, and as much again for their gradients
         return {"params": self.held // 2, "grads": self.held // 2}
 
-    def summary(self) -> dict[str, Any]:
+    def summary(self) -> dict[str, float]:
         """E[u] per step beside each step's measured `unique_ids` (metrics.jsonl); the bytes held at most."""
         return {"embedding_bytes_held_peak": self.held_peak, "embedding_table_bytes": table_params(self.cfg) * 4,
                 "unique_ids_expected": expected_unique_ids(self.cfg)}

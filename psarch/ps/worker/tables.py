@@ -9,12 +9,13 @@ own checkpoint record carries what it holds (`record`, `restore`).
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from psarch.embeddings import EmbeddingTables
 
 if TYPE_CHECKING:
     from psarch.checkpoint import Checkpoint
+    from psarch.ps.snapshot import RowsRecord, WorkerRecord
     from psarch.ps.worker.client import Request
 
 
@@ -29,9 +30,9 @@ class PSTables(EmbeddingTables):
     def pushed(self) -> None:
         """The exchange `before_push` rode on is over (GEO: the next steps read the servers' new rows)."""
 
-    def record(self) -> dict[str, Any]:
+    def record(self) -> RowsRecord:
         """What this worker's checkpoint record keeps of it (beside its fragments)."""
         return {}
 
-    def restore(self, ckpt: "Checkpoint", record: dict[str, Any] | None) -> None:
+    def restore(self, ckpt: "Checkpoint", record: WorkerRecord | None) -> None:
         """Continue from `ckpt`: this worker's own `record` when this run's shape wrote it, else None (a fork)."""

@@ -33,11 +33,11 @@ from psarch.meters import peak_memory, tensor_bytes
 from psarch.precision import compute_dtype, has_inf_or_nan
 from psarch.records import StepRecord
 from psarch.ps.layout import server_partitions, trainable
-from psarch.ps.snapshot import exact_records, pushes_by, run_shape, views
+from psarch.ps.snapshot import WorkerRecord, exact_records, pushes_by, run_shape, views
 from psarch.ps.spec import pushes_from_hooks
 from psarch.ps.worker.client import PSClient
 from psarch.ps.worker.geo import GeoLocal
-from psarch.ps.worker.link import ServerLink
+from psarch.ps.worker.link import Exchange, ServerLink
 from psarch.ps.worker.priority import PriorityPushes, PullOrder
 from psarch.ps.worker.rows import WorkerRows
 from psarch.ps.worker.tables import PSTables
@@ -101,12 +101,13 @@ class PSWorker(Trainer):
         info = self._geo_step(self.geo, loss, batch) if self.geo is not None else self._push_step(loss, batch)
         info["comm_s"] += fetch_s
         scale = self.geo.optim.scaler.scale if self.geo is not None else self.link.loss_scale
-        extra: dict[str, Any] = {k: info[k] for k in ("version", "staleness", "ahead") if k in info}
+        said = (("version", info.get("version")), ("staleness", info.get("staleness")), ("ahead", info.get("ahead")))
+        extra: dict[str, float] = {k: v for k, v in said if v is not None}
         extra.update(info["tables"], t_start=t_start, t_end=time.time())
         return StepStats(float(loss.item()), skipped=bool(info.get("skipped", False)), loss_scale=scale,
                          comm_s=info["comm_s"], extra=extra)
 
-    def _push_step(self, loss: torch.Tensor, batch: Any) -> dict[str, Any]:
+    def _push_step(self, loss: torch.Tensor, batch: Any) -> Exchange:
         """sync, async, ssp: push this step's gradient (after its rows'), pull the parameters for the next; with
         overlap_comm each partition is pushed from backward's hooks as soon as its gradients are final."""
         if self.pushes is not None:
@@ -119,7 +120,9 @@ class PSWorker(Trainer):
             figures = self.tables.exchange(batch, [])
             self.schedule.finish()
             self.steps += 1
-            return dict(self.link.settle(since), tables=figures)
+            info = self.link.settle(since)
+            info["tables"] = figures
+            return info
         (loss * self.link.loss_scale if self.fp16 else loss).backward()
         header: dict[str, Any] = {}
         if self.fp16:
@@ -127,9 +130,11 @@ class PSWorker(Trainer):
         figures = self.tables.exchange(batch, [])
         before = self.tables.before_push(self.steps, self.link.server_versions())
         self.steps += 1
-        return dict(self.link.exchange(self.flat.grad, self.steps, header, before), tables=figures)
+        info = self.link.exchange(self.flat.grad, self.steps, header, before)
+        info["tables"] = figures
+        return info
 
-    def _priority_step(self, pushes: PriorityPushes, loss: torch.Tensor, batch: Any) -> dict[str, Any]:
+    def _priority_step(self, pushes: PriorityPushes, loss: torch.Tensor, batch: Any) -> Exchange:
         """Priority (priority.py): the previous exchange settled (forward took most of its pulls and posted most
         of its queued pushes), pushes queued from backward's hooks and sent lowest partition first, as far as
         the credit allows; the rest, and the pulls, are left to the next forward. What the step reports
@@ -150,9 +155,10 @@ class PSWorker(Trainer):
         pushes.pump()
         self.steps += 1
         waited, pull_order.waited_s = pull_order.waited_s, 0.0
-        return dict(info, comm_s=time.perf_counter() - since + waited + settled, tables=figures)
+        info["comm_s"], info["tables"] = time.perf_counter() - since + waited + settled, figures
+        return info
 
-    def _settle(self) -> dict[str, Any]:
+    def _settle(self) -> Exchange:
         """Priority: post the pushes still queued and take the rest of the exchange in flight (if any); what its
         replies said."""
         if self.pushes is None or not (any(self.link.posted) or self.pushes.ready):
@@ -160,18 +166,20 @@ class PSWorker(Trainer):
         self.pushes.flush()
         return self.link.settle(acks=self.pushes.acks)
 
-    def _geo_step(self, geo: GeoLocal, loss: torch.Tensor, batch: Any) -> dict[str, Any]:
+    def _geo_step(self, geo: GeoLocal, loss: torch.Tensor, batch: Any) -> Exchange:
         """GEO: a local step (dense part, then the tables' own: the cached rows); a sync every k_steps."""
         geo.optim.scaler.scale_loss(loss).backward()
         skipped = geo.optim.step([self.flat.grad])
         self.tables.step()
         self.steps += 1
-        info: dict[str, Any] = {"comm_s": 0.0, "skipped": skipped}
+        info: Exchange = {"comm_s": 0.0, "skipped": skipped}
         if self.steps % self.cfg.backend.push_every == 0:
-            info.update(self._geo_sync(geo), skipped=skipped)
-        return dict(info, tables=self.tables.exchange(batch, []))   # after the sync: the rows it pushed
+            info.update(self._geo_sync(geo))
+            info["skipped"] = skipped
+        info["tables"] = self.tables.exchange(batch, [])   # after the sync: the rows it pushed
+        return info
 
-    def _geo_sync(self, geo: GeoLocal) -> dict[str, Any]:
+    def _geo_sync(self, geo: GeoLocal) -> Exchange:
         """Push delta = (local − last synced) / N (after the changed rows' deltas), pull the servers' model and
         continue from it."""
         before = self.tables.before_push(self.rounds, self.link.server_versions())
@@ -207,7 +215,7 @@ class PSWorker(Trainer):
         self._settle()
         rank = self.ctx.rank
         own = f"worker{rank}/"
-        record: dict[str, Any] = {"rank": rank, "steps": self.steps, "rounds": self.rounds,
+        record: WorkerRecord = {"rank": rank, "steps": self.steps, "rounds": self.rounds,
                                   "versions": list(self.link.versions), "loss_scale": self.link.loss_scale}
         if self.geo is None:
             tensors = {own + "param": self.flat.data}
@@ -216,7 +224,7 @@ class PSWorker(Trainer):
             record.update(self.geo.record())
         record.update(self.tables.record())
         return Pieces(views(self.layout, tensors, 0, self.flat.numel) + self.tables.fragments(), self.param_shapes,
-                      record)
+                      dict(record))   # the part's JSON state
 
     def write_checkpoint(self, ctx: DistContext, root: Path, step: int, config: dict[str, Any], keep: int,
                          steps: list[StepRecord] | None) -> Path:
