@@ -3,7 +3,6 @@ step; every k_steps the worker pushes (local − last synced) / N and continues 
 it keeps as the new `synced`."""
 from __future__ import annotations
 
-from typing import Any
 
 import torch
 
@@ -43,7 +42,7 @@ class GeoLocal:
 
     # ------------------------------------------------------------------ checkpoints
 
-    def _state(self) -> dict[str, Any]:
+    def _state(self) -> dict[str, torch.Tensor | float]:   # a torch optimizer's state of one parameter
         return self.optim.optimizer.state.get(self.optim.master.params[0], {})
 
     def tensors(self, own: str) -> dict[str, torch.Tensor]:
