@@ -35,7 +35,7 @@ from psarch.records import LostWorker, ServiceInfo, Summary
 from psarch.trainer import Services
 
 if TYPE_CHECKING:
-    from psarch.ps.server.parameter_server import Command, ServerStats
+    from psarch.ps.server.stats import Command, ServerStats
 
 START_TIMEOUT_S = 120.0
 

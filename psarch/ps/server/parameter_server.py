@@ -42,7 +42,7 @@ import sys
 from collections import Counter
 import time
 import traceback
-from typing import Any, Callable, NotRequired, TypedDict, cast
+from typing import Any, Callable, cast
 
 import torch
 import zmq
@@ -59,51 +59,13 @@ from psarch.ps.server.libc import seed_routing_ids
 from psarch.ps.server.pulls import PullQueue
 from psarch.ps.server.pushes import Pushes
 from psarch.ps.server.replies import Replies
-from psarch.records import TrafficFigures
 from psarch.ps.server.rows import ServerRows
 from psarch.ps.server.snapshots import Snapshots
 from psarch.ps.server.state import ServerState
+from psarch.ps.server.stats import Command, ServerStats
 
 Handler = Callable[[bytes, wire.Message], None]
 
-
-
-class Command(TypedDict):
-    """A command on the launcher's pipe (psarch/ps/services.py): `lost` names the worker whose process died."""
-
-    cmd: str                     # "lost", "stats" or "stop"
-    worker: NotRequired[int]
-
-
-class SSPStats(TypedDict):
-    """What an ssp server measured of its bound."""
-
-    staleness_bound: int
-    max_ahead: int
-    trace: list[list[int]]       # ServerState.trace
-
-
-class ServerStats(TypedDict):
-    """What one server measured (ParameterServer.stats), sent to the launcher for summary.json (services.summarize)."""
-
-    server: int
-    address: str
-    range: list[int]             # [lo, hi) of the flat vector
-    held: int
-    partitions: int
-    version: int
-    sent: int
-    received: int
-    traffic: TrafficFigures
-    memory: dict[str, Any]       # bytes by category, the peak and its kind; with rows, theirs (ServerRows.add_memory)
-    rejected: int
-    refused_non_finite: list[int]   # per worker
-    lost: list[int]
-    dropped_connections: dict[str, int]
-    failure: str | None
-    skipped_updates: int
-    staleness_histogram: dict[str, int]
-    ssp: NotRequired[SSPStats]
 
 class ParameterServer:
     """Serve one range of the parameters until `stop()` (or a `stop` command on the launcher's pipe)."""
