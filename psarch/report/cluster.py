@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 from pathlib import Path
 from typing import TypedDict
 
 from psarch import registry
 from psarch.config import from_dict
+from psarch.report.runs import NO_EMULATED_RUN, publish, sweep_rows
 from psarch.theory import cluster_step
 
 
@@ -109,12 +109,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="psarch report cluster", description=__doc__.split("\n\n")[0])
     ap.add_argument("sweep", type=Path, help="a sweep folder of runs on an emulated cluster")
     folder = ap.parse_args(argv).sweep
-    if not folder.is_dir():
-        sys.exit(f"{folder}: not a folder")
-    found = rows(folder)
-    if not found:
-        sys.exit(f"{folder}: no run of an emulated cluster (summary.json with cluster.emulated) in it")
-    (folder / "cluster.md").write_text(table(found))
+    found = sweep_rows(folder, rows, NO_EMULATED_RUN)
     plot(found, folder / "step_time.png")
-    print(table(found), end="")
+    publish(folder, "cluster.md", table(found))
     return 0

@@ -7,13 +7,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 from pathlib import Path
 from typing import TypedDict
 
 from psarch import registry
 from psarch.config import Config, from_dict
 from psarch.ps.theory import byteps_optimum
+from psarch.report.runs import NO_EMULATED_RUN, publish, sweep_rows
 from psarch.theory import cluster_step
 
 
@@ -74,11 +74,5 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="psarch report crossover", description=__doc__.split("\n\n")[0])
     ap.add_argument("sweep", type=Path, help="the sweep folder of a cluster_crossover study")
     folder = ap.parse_args(argv).sweep
-    if not folder.is_dir():
-        sys.exit(f"{folder}: not a folder")
-    found = runs(folder)
-    if not found:
-        sys.exit(f"{folder}: no run of an emulated cluster (summary.json with cluster.emulated) in it")
-    (folder / "crossover.md").write_text(table(found))
-    print(table(found), end="")
+    publish(folder, "crossover.md", table(sweep_rows(folder, runs, NO_EMULATED_RUN)))
     return 0

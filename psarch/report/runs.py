@@ -7,7 +7,8 @@ import itertools
 import json
 import statistics
 from pathlib import Path
-from typing import Any, TypedDict, cast
+import sys
+from typing import Any, Callable, TypedDict, TypeVar, cast
 
 from psarch import throughput
 from psarch.config import Config, from_dict
@@ -199,3 +200,25 @@ def target_words(absolute: float | None, fraction: float | None = None) -> str:
     if absolute is not None:
         return f"{absolute:g}"
     return f"{fraction if fraction is not None else default_fraction():g} x the workload's initial gap"
+
+
+Row = TypeVar("Row")
+NO_EMULATED_RUN = "no run of an emulated cluster (summary.json with cluster.emulated) in it"
+
+
+def sweep_rows(folder: Path, collect: Callable[[Path], list[Row]], missing: str) -> list[Row]:
+    """The rows of a study's table (`psarch report NAME SWEEP`), collected from a sweep folder; where it is no
+    folder, or holds no such run (`missing` says which), the command stops in one line."""
+    if not folder.is_dir():
+        sys.exit(f"{folder}: not a folder")
+    found = collect(folder)
+    if not found:
+        sys.exit(f"{folder}: {missing}")
+    return found
+
+
+def publish(folder: Path, name: str, text: str) -> None:
+    """A study's table written into its sweep folder as `name`, and printed."""
+    (folder / name).write_text(text)
+    print(text, end="")
+

@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import TypedDict
 
 from psarch import registry
-from psarch.report.runs import load_run, run_config, target_gaps, target_words
+from psarch.report.runs import load_run, publish, run_config, sweep_rows, target_gaps, target_words
 from psarch.throughput import WorkerRow, per_worker
 
 
@@ -123,13 +123,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--target-gap", type=float,
                     help="absolute target (default: convergence_target x the workload's initial gap)")
     a = ap.parse_args(argv)
-    if not a.sweep.is_dir():
-        sys.exit(f"{a.sweep}: not a folder")
     if a.target_gap is not None and a.target_gap <= 0:
         sys.exit(f"--target-gap {a.target_gap:g}: must be > 0")
-    found = rows(a.sweep, a.target_gap)
-    if not found:
-        sys.exit(f"{a.sweep}: no finished run with an entropy floor (summary.json) in it")
-    (a.sweep / "stragglers.md").write_text(table(found, a.target_gap))
-    print(table(found, a.target_gap), end="")
+    found = sweep_rows(a.sweep, lambda folder: rows(folder, a.target_gap),
+                       "no finished run with an entropy floor (summary.json) in it")
+    publish(a.sweep, "stragglers.md", table(found, a.target_gap))
     return 0
