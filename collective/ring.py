@@ -160,7 +160,7 @@ class RingCommunicator(Communicator):
         units = len(steps) * k
         w = min(k, self.window)
         seg = bounds[0][1]
-        incoming = self._scratch(w * seg, buf) if steps[0][2] else None
+        incoming = self._scratch(w * seg, buf) if steps[0][2] else buf.new_empty(0)   # no step reduces: unused
         in_flight: dict[int, tuple[dist.Work, torch.Tensor]] = {}
         reading: dict[tuple[int, int], list[dist.Work]] = {}  # sends still reading a region of buf
         padded: dict[int, torch.Tensor] = {}  # start -> padded copy of a segment past buf's end
@@ -181,7 +181,6 @@ class RingCommunicator(Communicator):
             send_chunk, recv_chunk, reduce = steps[s]
             out = region(send_chunk, j)
             if reduce:  # received into a window slot, then added; the slot's last user was unit u - w
-                assert incoming is not None   # a reducing ring reduces from its first step
                 slot = u % w
                 into = incoming[slot * seg:slot * seg + out.numel()]
             else:  # received in place, once this rank's earlier sends from there have gone
