@@ -167,11 +167,12 @@ def default_out(run_dirs: list[str | Path]) -> Path:
     return Path("runs") / "compare" / joined
 
 
-def run_folders(paths: Sequence[str | Path]) -> tuple[list[Path], list[str]]:
+def run_folders(paths: Sequence[str | Path]) -> tuple[list[Path], list[tuple[Path, str]]]:
     """The run folders these paths name: a run folder as given; a sweep folder (a folder of run folders, as
     `psarch run` writes for a config with a [sweep]) as its finished points, in the sweep's order (sweep.json's,
-    else by name). Also one note per point left out (not finished), for the report."""
-    folders, left_out = [], []
+    else by name). Also each point left out (not finished) with its status, for the report."""
+    folders: list[Path] = []
+    left_out: list[tuple[Path, str]] = []
     for path in map(Path, paths):
         if (path / "summary.json").is_file() or not path.is_dir():
             folders.append(path)   # a run folder; anything else load_run refuses in one line
@@ -188,16 +189,16 @@ def run_folders(paths: Sequence[str | Path]) -> tuple[list[Path], list[str]]:
             if status == "finished":
                 folders.append(path / name)
             else:
-                left_out.append(f"{path / name}: {status}")
+                left_out.append((path / name, status))
     return folders, left_out
 
 
-def stopped_seeds(left_out: list[str]) -> dict[str, list[int]]:
-    """The seeds of the runs left out (run_folders' notes, "<folder>: <status>") by study_key, from each one's
-    config.json: what the Seeds table counts as stopped."""
+def stopped_seeds(left_out: list[tuple[Path, str]]) -> dict[str, list[int]]:
+    """The seeds of the runs left out (run_folders' (folder, status)) by study_key, from each one's config.json:
+    what the Seeds table counts as stopped."""
     out: dict[str, list[int]] = {}
-    for note in left_out:
-        config = Path(note.rsplit(": ", 1)[0]) / "config.json"
+    for folder, _ in left_out:
+        config = folder / "config.json"
         if config.is_file():
             cfg = json.loads(config.read_text())
             out.setdefault(config_key(cfg), []).append(cfg.get("seed"))
@@ -230,7 +231,7 @@ def compare(run_dirs: Sequence[str | Path], out: str | Path, target_gap: float |
     forks = [f"- {r['run_label']} started from {f['path']} (step {f['step']}, config sha256 "
              f"{f['config_sha256'][:12]})" for r in runs if (f := (r["config"] or {}).get("started_from"))]
     text += forks + [""] if forks else []
-    text += ["Left out of the sweep folders given (not finished):", ""] + [f"- {n}" for n in left_out] + [""] \
+    text += ["Left out of the sweep folders given (not finished):", ""] + [f"- {folder}: {status}" for folder, status in left_out] + [""] \
         if left_out else []
     sparse = [r for r in runs if is_sparse_run(r)]
     if sparse:
