@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING, Any, Mapping
 
 from collective import theory
 from psarch.backend import PROCESS_GROUP_OPTIONS, BackendSpec, CommModel
-from psarch.config.fields import option
+from psarch.config.backend import Buckets, Communicator, CoreBackendConfig, Overlap
 from psarch.errors import ConfigError
 from psarch.theory import BYTES, Prediction, buckets_of, table_params
 
@@ -15,13 +15,14 @@ if TYPE_CHECKING:
     from psarch.config import Config
 
 
-@dataclass
-class CollectiveOptions:
-    """ddp's options; zero reads `comm` and `overlap_comm`, the torch peers `bucket_cap_mb`."""
+@dataclass(frozen=True)
+class DDPOptions(Communicator, Buckets, Overlap, CoreBackendConfig):
+    """ddp's [backend]: a communicator, buckets, overlap."""
 
-    comm: str = option("ring", "communicator", choices=("ring", "native"))
-    bucket_cap_mb: float = option(25.0, "gradient bucket size in MiB", min=0.0)
-    overlap_comm: bool = option(True, "start communication from autograd hooks during backward")
+
+@dataclass(frozen=True)
+class TorchDDPOptions(Buckets, CoreBackendConfig):
+    """torch_ddp's [backend]: buckets (torch's bucket_cap_mb)."""
 
 
 def reduced_params(cfg: Config, phi: float) -> float:
@@ -34,7 +35,7 @@ class DDPSpec(BackendSpec):
     kind = "ddp"
     trainer = "collective.ddp:DDPTrainer"
     doc = "data parallelism: gradients all-reduced by psarch's ring or torch.distributed's collectives"
-    options = CollectiveOptions
+    options = DDPOptions
     reads = PROCESS_GROUP_OPTIONS
     embeddings = ("dense", "rows", "sharded")
     bench_peer = "collective.torch_ddp:plain_ddp_peer"
@@ -65,7 +66,8 @@ class TorchDDPSpec(BackendSpec):
     kind = "torch_ddp"
     trainer = "collective.torch_ddp:TorchDDPTrainer"
     doc = "PyTorch's DistributedDataParallel (the peer of ddp)"
-    reads = {**PROCESS_GROUP_OPTIONS, "backend.bucket_cap_mb": None}
+    options = TorchDDPOptions
+    reads = PROCESS_GROUP_OPTIONS
     embeddings = ("dense", "rows")
 
     def check(self, cfg: Config) -> None:

@@ -56,12 +56,15 @@ __version__ = "0.1.0"
 
 def run(config, out=None, overrides=None, echo: bool = True) -> "Summary":
     """Run an experiment (a Config, or a path to a TOML file) and return its summary."""
-    from psarch.config import Config, apply_overrides, from_dict, load_config
+    from psarch.config import Config, apply_overrides, check_applies, explicit_keys, from_dict, load_config
     from psarch.launch.ranks import run as _run
 
     cfg = config if isinstance(config, Config) else load_config(config, overrides)
     if overrides and isinstance(config, Config):
-        cfg = from_dict(apply_overrides(config.to_dict(), overrides), config.name)
+        # the config's own options of a backend an override leaves are left out; an override must apply
+        data = apply_overrides(config.to_dict(), overrides)
+        cfg = from_dict(data, config.name, others=True)
+        check_applies(cfg, explicit_keys({}, overrides), data)
     return _run(cfg, out, echo)
 
 

@@ -8,15 +8,14 @@ A spec is a BackendSpec subclass, instantiated once:
         kind = "mine"                                     # backend.kind
         trainer = "mypkg.trainer:MyTrainer"               # a psarch.trainer.Trainer, imported where a rank builds it
         doc = "what it is, in one line"
-        options = MyOptions                               # a dataclass of the [backend] options it adds
-        reads = {"backend.timeout_s": None}               # options declared elsewhere that it reads
+        options = MyOptions                               # its [backend] class (psarch/config/backend.py)
+        reads = {"backend.timeout_s": None}               # the core's per-backend options that it reads
         def predict(self, cfg, phi): ...                  # theory: psarch.theory.Prediction
 
 Everything else has a default below: overriding one is how a backend says it differs.
 """
 from __future__ import annotations
 
-import dataclasses
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from pathlib import Path
@@ -75,9 +74,11 @@ class BackendSpec(ABC):
     kind: ClassVar[str]
     trainer: ClassVar[str]                            # "module:Class" of its Trainer
     doc: ClassVar[str] = ""
-    options: ClassVar[type | None] = None             # dataclass of the options it adds to [backend]
-    # options declared elsewhere (the core's, another backend's) that it reads, and its own where only some
-    # variants read them: dotted key -> None (every variant) or the values of `variant_key` that read it
+    # its [backend] class: a frozen dataclass of psarch.config.backend.CoreBackendConfig, the groups of options
+    # it includes by name (psarch/config/backend.py) and its own options; None: the core's alone
+    options: ClassVar[type | None] = None
+    # the core's options marked per_backend that it reads, and its own where only some variants read them:
+    # dotted key -> None (every variant) or the values of `variant_key` that read it
     reads: ClassVar[Mapping[str, tuple | None]] = {}
     variant_key: ClassVar[str | None] = None          # the [backend] option that selects its variant
     precisions: ClassVar[tuple[str, ...]] = PRECISIONS
@@ -94,23 +95,6 @@ class BackendSpec(ABC):
     bench_options: ClassVar[Mapping[str, Any]] = {}
 
     # ---------------------------------------------------------------- config
-
-    def option_keys(self) -> dict[str, tuple | None]:
-        """Every option it reads beyond those every backend reads: its own, then `reads` (which may narrow
-        its own to some variants)."""
-        own = {f"backend.{f.name}": None for f in dataclasses.fields(self.options)} if self.options else {}
-        return {**own, **self.reads}
-
-    def reads_option(self, key: str, cfg: Config) -> bool:
-        """Whether a run of `cfg` (of this backend) reads option `key`."""
-        keys = self.option_keys()
-        if key not in keys:
-            return False
-        variants = keys[key]
-        if variants is None:
-            return True
-        assert self.variant_key is not None, f"{self.kind}: reads lists variants of {key} but no variant_key"
-        return getattr(cfg.backend, self.variant_key) in variants
 
     def check(self, cfg: Config) -> None:
         """Combinations this backend refuses, as one ConfigError each; the declared capabilities (precisions,

@@ -2,8 +2,8 @@
 
 The built-in backends are one line each in BUILTIN; a backend defined elsewhere registers itself with
 `register(spec)` when its module is imported, or through the `psarch.backends` entry-point group of an
-installed package. The [backend] section of a config gains a registered backend's options
-(psarch.config.backend_config_class). Ranks spawned by the launcher register the same spec classes
+installed package. A config's [backend] section may then name its kind and its options (its spec's `options`
+class, psarch/config/backend.py). Ranks spawned by the launcher register the same spec classes
 (`plugins`) first, so a backend registered in the launcher's process exists in every rank.
 """
 from __future__ import annotations

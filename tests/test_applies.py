@@ -5,12 +5,14 @@ read it.
 Pure unit tests: no processes."""
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import pytest
 
 from psarch import registry
-from psarch.config import ConfigError, applies, field_of, load_config
+from psarch.config import ConfigError, applies, field_of, from_dict, from_record, load_config, option_keys
+from psarch.config.backend import Communicator, CoreBackendConfig, backend_fields
 from psarch.launch.sweep import duplicates_note, expand, read_sweep
 
 
@@ -36,11 +38,56 @@ def test_applies_by_kind_and_variant():
 
 def test_every_declaration_names_real_options_and_variants():
     for spec in registry.specs():
-        for key, variants in spec.option_keys().items():
+        for key, variants in option_keys(spec).items():
             field_of(key)   # a real option (ConfigError otherwise)
             if variants is not None:
                 choices = field_of(f"backend.{spec.variant_key}").metadata["choices"]
                 assert set(variants) <= set(choices), (spec.kind, key)
+
+
+def test_a_backend_reads_only_its_own_class():
+    """[backend] is the chosen backend's own frozen class: another backend's option is not there to read."""
+    ddp = load_config(None, ["backend.kind=ddp", "backend.world_size=2"]).backend
+    assert type(ddp) is registry.spec("ddp").options and ddp.comm == "ring"
+    with pytest.raises(AttributeError):
+        ddp.stage     # noqa: B018  (zero's)
+    with pytest.raises(AttributeError):
+        ddp.servers   # noqa: B018  (the PS's)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        ddp.comm = "native"
+    assert type(load_config(None).backend) is CoreBackendConfig   # single: the core's alone
+
+
+def test_a_group_is_declared_once_and_included_by_name():
+    comm = dataclasses.fields(Communicator)[0]
+    readers = [s.kind for s in registry.specs() if s.options and comm in dataclasses.fields(s.options)]
+    assert set(readers) == {"ddp", "zero", "pipeline", "tensor"}
+    assert backend_fields()["comm"] is comm
+
+
+def test_an_option_declared_twice_is_refused(monkeypatch):
+    @dataclasses.dataclass(frozen=True)
+    class Clash(CoreBackendConfig):
+        stage: int = 1    # zero's name, declared again
+
+    class ClashSpec(registry.BackendSpec):
+        kind, trainer, options = "clash", "x:y", Clash
+
+        def predict(self, cfg, phi):
+            raise NotImplementedError
+    registry.specs()   # the built-in ones first
+    monkeypatch.setitem(registry._specs, "clash", ClashSpec())
+    with pytest.raises(ValueError, match="backend.stage is declared twice"):
+        backend_fields()
+
+
+def test_a_config_refuses_another_backends_option_and_a_record_leaves_it_out():
+    data = {"backend": {"kind": "ddp", "world_size": 2, "stage": 1}}
+    with pytest.raises(ConfigError, match='backend.stage = 1: applies only to backend.kind = "zero"'):
+        from_dict(data)
+    assert not hasattr(from_record(data).backend, "stage")
+    with pytest.raises(ConfigError, match='backend.stage = 4: allowed values are 1, 2, 3'):
+        from_record({"backend": {"kind": "ddp", "stage": 4}})    # checked all the same
 
 
 def test_an_explicit_option_the_backend_does_not_read_is_an_error():

@@ -45,7 +45,9 @@ def test_defaults_load():
     assert cfg.train.optimizer == "adamw" and cfg.train.precision == "fp32"
     assert cfg.train.betas == [0.9, 0.999]
     assert cfg.backend.kind == "single" and cfg.backend.world_size == 1
-    assert cfg.backend.comm == "ring" and cfg.backend.stage == 1 and cfg.backend.mode == "sync"
+    assert not hasattr(cfg.backend, "comm")    # single's [backend] is the core's alone
+    for kind, key, default in (("ddp", "comm", "ring"), ("zero", "stage", 1), ("ps", "mode", "sync")):
+        assert getattr(load_config(None, [f"backend.kind={kind}"]).backend, key) == default
     # every key the design fixes is in the vocabulary
     keys = {k for k, _, _ in describe()}
     for k in ("name", "seed", "workload.model", "workload.data", "workload.factory", "train.steps",

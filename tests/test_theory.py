@@ -12,7 +12,8 @@ PHI, N, SERVERS = 1000.0, 4, 2
 
 def cfg(kind: str, **backend):
     precision = backend.pop("precision", "fp32")
-    return theory.config_for(kind, backend.pop("n", N), precision, "adamw", servers=SERVERS, **backend)
+    ps = {"servers": SERVERS} if kind == "ps" else {}
+    return theory.config_for(kind, backend.pop("n", N), precision, "adamw", **ps, **backend)
 
 
 # kind, backend options -> (params, grads, optimizer, buffers) per rank, worker bytes sent per step, rounds

@@ -14,6 +14,7 @@ from psarch import registry, theory
 from psarch.backend import BackendSpec
 from psarch.cli import main
 from psarch.config import ConfigError, load_config
+from psarch.config.backend import CoreBackendConfig
 from psarch.config.fields import option
 from psarch.single import SingleTrainer
 from psarch.theory import LinkBytes, Prediction, sharded_memory
@@ -23,8 +24,8 @@ TINY = ["workload.model=\"mlp\"", "workload.seq_len=4", "workload.mlp.n_embd=8",
         "train.steps=4", "train.global_batch=4", "train.log_every=2"]
 
 
-@dataclass
-class ToyOptions:
+@dataclass(frozen=True)
+class ToyOptions(CoreBackendConfig):
     toy_echo: int = option(0, "a number the toy repeats in its summary", min=0)
 
 
@@ -96,7 +97,7 @@ def test_run_and_compare(toy, tmp_path, capsys):
                  "--set", "backend.world_size=2", "--set", "backend.toy_echo=7", "--quiet"]) == 0
     assert 'psarch: note: backend.comm = "ring" (set in quickstart.toml) is not read by this run: applies only to' \
         in capsys.readouterr().err
-    assert json.loads((toy_run / "config.json").read_text())["backend"]["comm"] == "ring"   # its default: unread
+    assert "comm" not in json.loads((toy_run / "config.json").read_text())["backend"]   # the toy's class: no comm
     summary = json.loads((toy_run / "summary.json").read_text())
     assert summary["label"] == "toy echo7" and summary["world_size"] == 2 and summary["steps"] == 4
     assert summary["extra"]["toy_echo"] == [7, 7]   # both spawned ranks built the toy's trainer

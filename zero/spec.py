@@ -6,6 +6,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Mapping
 
 from psarch.backend import PROCESS_GROUP_OPTIONS, BackendSpec, CommModel
+from psarch.config.backend import ActivationMemory, Buckets, Communicator, CoreBackendConfig, ModelUnits, Overlap
 from psarch.config.fields import option
 from psarch.theory import BYTES, Prediction, buckets_of
 from zero import theory
@@ -14,21 +15,26 @@ if TYPE_CHECKING:
     from psarch.config import Config
 
 
-@dataclass
-class ZeroOptions:
-    """zero's options, named as DeepSpeed names them; torch_fsdp reads `zero_units`."""
+@dataclass(frozen=True)
+class ZeroOptions(Communicator, Overlap, ModelUnits, ActivationMemory, CoreBackendConfig):
+    """zero's [backend]: its own options, named as DeepSpeed names them, a communicator, overlap, the model's
+    units and measured activations."""
 
     stage: int = option(1, "1 (optimizer state), 2 (+gradients), 3 (+parameters)", choices=(1, 2, 3))
     reduce_bucket_size: int = option(5 * 10**8, "elements per gradient reduce-scatter bucket", min=1)
     allgather_bucket_size: int = option(5 * 10**8, "elements per parameter all-gather bucket", min=1)
     prefetch_bucket_size: int = option(5 * 10**7, "elements gathered ahead of use", min=0)
     activation_checkpointing: bool = option(False, "recompute each unit's activations in backward")
-    measure_activations: bool = option(False, "count the activation bytes kept for backward each step (zero: "
-                                              "saved_activation_bytes; tensor: block_activation_bytes, the blocks' "
-                                              "alone); off the hot path unless asked for")
-    zero_units: str = option("blocks", "attribute of the model holding the nn.ModuleList whose children are "
-                                       "the units (gathered one by one in stage 3, checkpointed one by one); "
-                                       "'' for the whole model as one unit")
+
+
+@dataclass(frozen=True)
+class TorchZeroOptions(Buckets, CoreBackendConfig):
+    """torch_zero's [backend]: the buckets of the DDP it wraps."""
+
+
+@dataclass(frozen=True)
+class TorchFSDPOptions(ModelUnits, CoreBackendConfig):
+    """torch_fsdp's [backend]: the units fully_shard wraps."""
 
 
 class ZeroSpec(BackendSpec):
@@ -39,8 +45,7 @@ class ZeroSpec(BackendSpec):
     variant_key = "stage"
     bench_peer = "zero.torch_peers:plain_fsdp2_peer"
     bench_options = {"stage": 3}
-    reads = {**PROCESS_GROUP_OPTIONS, "backend.comm": None, "backend.overlap_comm": None,
-             "backend.reduce_bucket_size": (1, 2), "backend.allgather_bucket_size": (1, 2),
+    reads = {**PROCESS_GROUP_OPTIONS, "backend.reduce_bucket_size": (1, 2), "backend.allgather_bucket_size": (1, 2),
              "backend.prefetch_bucket_size": (3,)}
 
     def variant(self, cfg: Config) -> str:
@@ -72,7 +77,8 @@ class TorchZeroSpec(BackendSpec):
     kind = "torch_zero"
     trainer = "zero.torch_peers:TorchZeroTrainer"
     doc = "PyTorch's DDP + ZeroRedundancyOptimizer (ZeRO-1; the peer of zero stage 1)"
-    reads = {**PROCESS_GROUP_OPTIONS, "backend.bucket_cap_mb": None}
+    options = TorchZeroOptions
+    reads = PROCESS_GROUP_OPTIONS
     precisions = ("fp32",)
 
     def predict(self, cfg: Config, phi: float) -> Prediction:
@@ -89,7 +95,8 @@ class TorchFSDPSpec(BackendSpec):
     kind = "torch_fsdp"
     trainer = "zero.torch_peers:TorchFSDPTrainer"
     doc = "PyTorch's FSDP2 fully_shard per unit (ZeRO-3; the peer of zero stage 3)"
-    reads = {**PROCESS_GROUP_OPTIONS, "backend.zero_units": None}
+    options = TorchFSDPOptions
+    reads = PROCESS_GROUP_OPTIONS
     precisions = ("fp32",)
 
     def predict(self, cfg: Config, phi: float) -> Prediction:

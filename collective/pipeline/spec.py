@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, Mapping
 from collective.pipeline.schedule import SCHEDULES, bubble_fraction
 from psarch.backend import PROCESS_GROUP_OPTIONS, BackendSpec, CommModel, EstimateRow
 from psarch.cluster import device
+from psarch.config.backend import Communicator, CoreBackendConfig, ModelUnits, units_attr
 from psarch.config.fields import option
 from psarch.errors import ConfigError
 from psarch.theory import Prediction
@@ -27,9 +28,9 @@ if TYPE_CHECKING:
     from psarch.config import Config
 
 
-@dataclass
-class PipelineOptions:
-    """pipeline's options; torch_pipeline reads them too. The units it cuts are backend.zero_units."""
+@dataclass(frozen=True)
+class PipelineSchedule(CoreBackendConfig):
+    """Stages, micro-batches and their schedule: torch_pipeline's [backend], and part of pipeline's."""
 
     stages: int = option(0, "pipeline stages p (world_size = data-parallel degree x stages; 0: world_size, one "
                             "pipeline)", min=0)
@@ -40,7 +41,13 @@ class PipelineOptions:
     @property
     def pipeline_stages(self) -> int:
         """p: `stages`, or the world size where it is 0."""
-        return self.stages or self.world_size   # type: ignore[attr-defined]  # the core option: read on the composed [backend] class
+        return self.stages or self.world_size
+
+
+@dataclass(frozen=True)
+class PipelineOptions(PipelineSchedule, Communicator, ModelUnits):
+    """pipeline's [backend]: a schedule, the communicator of its data-parallel all-reduce, the units it cuts
+    into stages."""
 
 
 class PipelineSpec(BackendSpec):
@@ -51,14 +58,17 @@ class PipelineSpec(BackendSpec):
     variant_key = "schedule"
     precisions: ClassVar[tuple[str, ...]] = ("fp32", "bf16")
     paced_by_call = True   # a stage's loss_fn call: its own modules, one micro-batch
-    reads = {**PROCESS_GROUP_OPTIONS, "backend.comm": None, "backend.zero_units": None,
-             "backend.virtual_stages": ("interleaved",)}
+    reads = {**PROCESS_GROUP_OPTIONS, "backend.virtual_stages": ("interleaved",)}
 
     def variant(self, cfg: Config) -> str:
         b = cfg.backend
         v = f" v{b.virtual_stages}" if b.schedule == "interleaved" else ""
         dp = _theory().data_parallel(cfg)
-        return f"{b.schedule} p{b.pipeline_stages} m{b.microbatches}{v}" + (f" dp{dp}/{b.comm}" if dp > 1 else "")
+        return f"{b.schedule} p{b.pipeline_stages} m{b.microbatches}{v}" + (f" dp{dp}{self.dp_comm(cfg)}" if dp > 1 else "")
+
+    def dp_comm(self, cfg: Config) -> str:
+        """How the variant names its data-parallel all-reduce's communicator."""
+        return f"/{cfg.backend.comm}"
 
     def batch_shard(self, cfg: Config, rank: int, world_size: int) -> tuple[int, int]:
         # rank = dp_rank x stages + stage: the stages of one pipeline read its one shard
@@ -88,17 +98,15 @@ class TorchPipelineSpec(PipelineSpec):
     kind = "torch_pipeline"
     trainer = "collective.pipeline.torch_peer:TorchPipelineTrainer"
     doc = "torch.distributed.pipelining's ScheduleGPipe / Schedule1F1B / ScheduleInterleaved1F1B (the peer of pipeline)"
-    options = None
+    options = PipelineSchedule
     precisions = ("fp32",)
-    reads = {**PROCESS_GROUP_OPTIONS, "backend.stages": None, "backend.microbatches": None, "backend.schedule": None,
-             "backend.virtual_stages": ("interleaved",)}
 
     estimate_rows = BackendSpec.estimate_rows   # the same rows as pipeline's: printed once
     # its measured compute holds its waits already (torch's receives are not timed apart)
     comm_model = BackendSpec.comm_model
 
-    def variant(self, cfg: Config) -> str:
-        return super().variant(cfg).replace(f"/{cfg.backend.comm}", "")   # its dp all-reduce is torch's
+    def dp_comm(self, cfg: Config) -> str:
+        return ""   # its dp all-reduce is torch's
 
     def check(self, cfg: Config) -> None:
         w, b = cfg.workload, cfg.backend
@@ -136,7 +144,7 @@ def check_pipeline(cfg: Config, kind: str) -> None:
         raise ConfigError(f"backend.microbatches = {b.microbatches}: the interleaved schedule takes micro-batches in "
                           f"groups of backend.stages = {p}; use a multiple of {p}")
     w = cfg.workload
-    if not w.factory and w.model in ("gpt", "mlp") and b.zero_units == "blocks":
+    if not w.factory and w.model in ("gpt", "mlp") and units_attr(cfg.backend) == "blocks":
         blocks = w.gpt.n_layer if w.model == "gpt" else w.mlp.n_layer
         if blocks < p * v and p * v > 1:
             raise ConfigError(f"backend.stages = {p}: the model has {blocks} blocks (workload.{w.model}.n_layer) "

@@ -23,6 +23,7 @@ import torch
 from collective.comm import ring_bytes
 from collective.pipeline.schedule import BACKWARD, FORWARD, Pipe, bubble_fraction, compute_order
 from collective.pipeline.stage import Cut
+from psarch.config.backend import units_attr
 from psarch.activations import block_activation_bytes
 from psarch.backend import EstimateRow
 from psarch.theory import (BYTES, LinkBytes, MemoryPrediction, Prediction, RankPrediction,
@@ -67,7 +68,7 @@ def layout(cfg: Config) -> Layout:
     workload = build_workload(cfg, device="meta")
     local = workload.batch(0, 0, data_parallel(cfg))
     mb = _to_meta(_first_micro_batch(local, pipe.m))
-    cut = Cut(workload.model, cfg.backend.zero_units, workload.loss_fn, mb, pipe.virtual, [])
+    cut = Cut(workload.model, units_attr(cfg.backend), workload.loss_fn, mb, pipe.virtual, [])
     boundary = [0] + [torch.Size(cut.input_shape(j)[0]).numel() for j in range(1, pipe.virtual)]
     return Layout(cut.stage_params(), boundary, [len(r) for r in cut.ranges])
 

@@ -8,6 +8,7 @@ from types import ModuleType
 from typing import TYPE_CHECKING, Any, Mapping
 
 from psarch.backend import PROCESS_GROUP_OPTIONS, BackendSpec, CommModel
+from psarch.config.backend import ActivationMemory, Communicator, CoreBackendConfig
 from psarch.config.fields import option
 from psarch.errors import ConfigError
 from psarch.theory import Prediction
@@ -24,9 +25,10 @@ if TYPE_CHECKING:
     from psarch.config import Config
 
 
-@dataclass
-class TensorOptions:
-    """tensor's options; the facts derived from them are properties, computed here only."""
+@dataclass(frozen=True)
+class TensorParallel(CoreBackendConfig):
+    """The tensor-parallel degree: torch_tensor's [backend], and part of tensor's; the facts derived from it are
+    properties, computed here only."""
 
     tensor_parallel: int = option(0, "ranks that split each GPT block's matrices (Megatron's tensor parallelism); "
                                      "world_size / tensor_parallel replicas of the split model train as data "
@@ -35,12 +37,17 @@ class TensorOptions:
     @property
     def tp_size(self) -> int:
         """t: the ranks of one tensor-parallel group."""
-        return self.tensor_parallel or self.world_size   # type: ignore[attr-defined]  # the core option, on the composed [backend] class
+        return self.tensor_parallel or self.world_size
 
     @property
     def dp_size(self) -> int:
         """dp: the data-parallel replicas, each a tensor-parallel group."""
-        return self.world_size // self.tp_size   # type: ignore[attr-defined]  # the same
+        return self.world_size // self.tp_size
+
+
+@dataclass(frozen=True)
+class TensorOptions(TensorParallel, Communicator, ActivationMemory):
+    """tensor's [backend]: the degree, the communicator, measured activations."""
 
 
 def check_gpt(cfg: Config, kind: str) -> None:
@@ -70,7 +77,7 @@ class TensorSpec(BackendSpec):
     trainer = "collective.tensor.trainer:TensorTrainer"
     doc = "tensor parallelism (Megatron): GPT blocks split over tensor_parallel ranks, data parallelism beside it"
     options = TensorOptions
-    reads = {**PROCESS_GROUP_OPTIONS, "backend.comm": None, "backend.measure_activations": None}
+    reads = PROCESS_GROUP_OPTIONS
     precisions = ("fp32", "bf16")   # fp16 would need one inf/nan verdict over the tensor-parallel group
 
     def variant(self, cfg: Config) -> str:
@@ -100,7 +107,8 @@ class TorchTensorSpec(BackendSpec):
     kind = "torch_tensor"
     trainer = "collective.tensor.torch_peer:TorchTensorTrainer"
     doc = "PyTorch's tensor parallelism (ColwiseParallel / RowwiseParallel, loss_parallel; the peer of tensor)"
-    reads = {**PROCESS_GROUP_OPTIONS, "backend.tensor_parallel": None}
+    options = TensorParallel
+    reads = PROCESS_GROUP_OPTIONS
     precisions = ("fp32",)
 
     def variant(self, cfg: Config) -> str:

@@ -2,12 +2,12 @@
 
 Precedence: dataclass defaults < TOML file (after its `base` chain) < `--set section.key=value`.
 Every mistake stops the run before any process starts, with one line naming key, value and what is allowed.
-The [backend] section is the core's options (below) plus the options each registered backend declares
-(BackendSpec.options), composed into one dataclass, BackendConfig, when first needed.
+The [backend] section is one flat table in TOML; its class is the chosen backend's own (config/backend.py).
 
 This package: the Config schema and loading (here), `fields.py` (`option` and `section`: how an option is declared,
-by the core and by every backend's spec), `files.py` (TOML, `base`, `--set`), `workload.py` (the [workload]
-sections) and `rules.py` (the checks across keys, made before any process starts).
+by the core and by every backend's spec), `backend.py` (the core's [backend] options and the groups several
+backends include), `files.py` (TOML, `base`, `--set`), `workload.py` (the [workload] sections) and `rules.py`
+(the checks across keys, made before any process starts).
 """
 from __future__ import annotations
 
@@ -17,8 +17,9 @@ import math
 import typing
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+from psarch.config.backend import CoreBackendConfig, backend_class, backend_fields
 from psarch.config.fields import option, section, choices_of
 # parse_override and apply_overrides are part of this module's interface too, and so is ConfigError (declared in
 # psarch.errors, which imports nothing, so that the cluster's device profiles and the machine checks this package
@@ -31,6 +32,9 @@ from psarch.config.workload import (ClicksConfig, DLRMConfig, GPTConfig, MarkovC
 from psarch.errors import ConfigError, show
 from psarch.machine import check_machine, resolve_factory  # noqa: F401  (part of this module's interface)
 from psarch import registry
+
+if TYPE_CHECKING:
+    from psarch.backend import BackendSpec
 
 
 @dataclass
@@ -54,51 +58,6 @@ class TrainConfig:
     keep_checkpoints: int = option(0, "keep only the newest this many checkpoints (0: all)", min=0)
     tensorboard: bool = option(False, "also write each progress line's loss, samples/s and bytes sent as TensorBoard "
                                       "scalars under <run>/tensorboard/ (pip install psarch[tensorboard])")
-
-
-@dataclass
-class CoreBackendConfig:
-    """How workers synchronise: the options of every backend; each backend adds its own (`psarch keys`).
-    An option set explicitly must apply to the chosen backend (`applies`, below)."""
-
-    kind: str = option("single", "backend ('torch_*': PyTorch's own implementation, the peer)", choices=registry.kinds)
-    world_size: int = option(1, "number of workers", min=1)
-    device: str = option("auto", "where ranks compute ('auto': cuda if available)", choices=("auto", "cpu", "cuda"))
-    dist_backend: str = option("auto", "torch.distributed backend ('auto': nccl when each rank has its own GPU, else gloo)",
-                               choices=("auto", "gloo", "nccl"), per_backend=True)
-    embeddings: str = option("dense", "how embedding tables move: as ordinary parameters ('dense'), only the "
-                                      "touched rows ('rows'), or row-sharded over ranks ('sharded')",
-                             choices=("dense", "rows", "sharded"))
-    timeout_s: float = option(60.0, "seconds a rank or server waits for a peer before the run stops with an error",
-                              min=0.1, per_backend=True)
-
-
-_backend_class: tuple[tuple[type, ...], type] | None = None
-
-
-def backend_config_class() -> type:
-    """The [backend] section's dataclass: the core's options and every registered backend's, one field each
-    (composed again when the registered backends' options change)."""
-    global _backend_class
-    parts = tuple(dict.fromkeys(s.options for s in registry.specs() if s.options is not None))
-    if _backend_class is None or _backend_class[0] != parts:
-        seen: dict[str, type] = {f.name: CoreBackendConfig for f in dataclasses.fields(CoreBackendConfig)}
-        for part in parts:
-            for f in dataclasses.fields(part):
-                if f.name in seen:
-                    raise ValueError(f"backend.{f.name} is declared twice: by {seen[f.name].__qualname__} and by "
-                                     f"{part.__qualname__} (a backend that reads another's option lists it in `reads`)")
-                seen[f.name] = part
-        cls = dataclasses.make_dataclass("BackendConfig", [], bases=(*parts[::-1], CoreBackendConfig))
-        cls.__doc__, cls.__module__ = CoreBackendConfig.__doc__, __name__
-        _backend_class = (parts, cls)
-    return _backend_class[1]
-
-
-def __getattr__(name: str) -> Any:   # `from psarch.config import BackendConfig`: the composed class
-    if name == "BackendConfig":
-        return backend_config_class()
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def _device_names() -> tuple[str, ...]:
@@ -156,7 +115,8 @@ class Config:
                                        min=0.001, max=1.0)
     workload: WorkloadConfig = section(WorkloadConfig)
     train: TrainConfig = section(TrainConfig)
-    backend: Any = section(backend_config_class, CoreBackendConfig.__doc__)
+    backend: Any = section(CoreBackendConfig, "How workers synchronise: the core's options and the chosen "
+                           "backend's own (`psarch keys`); its class is the backend's (BackendSpec.options)")
     cluster: ClusterConfig = section(ClusterConfig)
     started_from: dict = option({}, "the checkpoint a --from run started from: path, step and the config_sha256 of "
                                     "the run that wrote it (kept when the run is resumed)", recorded=True)
@@ -206,32 +166,62 @@ def _coerce(key: str, value: Any, f: dataclasses.Field) -> Any:
     return value
 
 
-def _build(cls: type, data: dict[str, Any], prefix: str) -> Any:
+def _unknown(key: str, value: Any, prefix: str, allowed: Any) -> ConfigError:
+    where = f" in [{prefix[:-1]}]" if prefix else ""
+    return ConfigError(f"{key} = {show(value)}: unknown key; allowed keys{where} are {', '.join(sorted(allowed))}")
+
+
+def _build(cls: type, data: dict[str, Any], prefix: str, others: bool = False) -> Any:
     fields = {f.name: f for f in dataclasses.fields(cls)}
     kwargs = {}
     for k, v in data.items():
         key = f"{prefix}{k}"
         if k not in fields:
-            raise ConfigError(f"{key} = {show(v)}: unknown key; allowed keys{' in [' + prefix[:-1] + ']' if prefix else ''} are "
-                              f"{', '.join(sorted(fields))}")
+            raise _unknown(key, v, prefix, fields)
         f = fields[k]
         if "section" in f.metadata:
             if not isinstance(v, dict):
                 raise ConfigError(f"{key} = {show(v)}: expected a table [{key}]")
-            kwargs[k] = _build(f.metadata["section"](), v, key + ".")
+            section_cls = f.metadata["section"]()
+            kwargs[k] = (_build_backend(v, key + ".", others) if section_cls is CoreBackendConfig else
+                         _build(section_cls, v, key + ".", others))
         else:
             kwargs[k] = _coerce(key, v, f)
     return cls(**kwargs)
 
 
-def from_dict(data: dict[str, Any], name: str = "") -> Config:
-    """Build and validate a Config from raw (already merged) data."""
+def _build_backend(data: dict[str, Any], prefix: str, others: bool) -> Any:
+    """The [backend] section as the chosen backend's own class. An option of another backend is checked like any
+    value, then refused, or left out where `others` (a base file's shared defaults, a recorded config)."""
+    allowed = backend_fields()
+    kind = _coerce(f"{prefix}kind", data["kind"], allowed["kind"]) if "kind" in data else CoreBackendConfig.kind
+    cls = backend_class(kind)
+    own = {f.name for f in dataclasses.fields(cls)}
+    for k, v in data.items():
+        if k not in allowed:
+            raise _unknown(f"{prefix}{k}", v, prefix, allowed)
+        _coerce(f"{prefix}{k}", v, allowed[k])
+        if k not in own and not others:
+            raise ConfigError(f"{prefix}{k} = {show(v)}: applies only to {applies_to(prefix + k)}; this run has "
+                              f"backend.kind = {json.dumps(kind)} (remove the option or choose a backend that reads it)")
+    return _build(cls, {k: v for k, v in data.items() if k in own}, prefix)
+
+
+def from_dict(data: dict[str, Any], name: str = "", others: bool = False) -> Config:
+    """Build and validate a Config from raw (already merged) data. [backend] options of a backend other than the
+    chosen one are refused, or, with `others`, left out."""
     from psarch.config.rules import validate
 
-    cfg = _build(Config, data, "")
+    cfg = _build(Config, data, "", others)
     if not cfg.name:
         cfg.name = name or "run"
     return validate(cfg)
+
+
+def from_record(data: dict[str, Any]) -> Config:
+    """A config as a run folder recorded it (config.json). Older records list every backend's options, each at its
+    default: those of other backends are left out."""
+    return from_dict(data, others=True)
 
 
 def load_config(path: str | Path | None = None, overrides: list[str] | dict[str, Any] | None = None,
@@ -249,27 +239,27 @@ def load_config(path: str | Path | None = None, overrides: list[str] | dict[str,
     merged = apply_overrides(data, overrides) if overrides else data
     _refuse_recorded(merged)
     stem = Path(path).stem if path is not None else "run"
-    cfg = from_dict(merged, stem)
+    cfg = from_dict(merged, stem, others=True)   # other backends' options: checked below, key by key
     if "sweep" in top:
         return cfg
     set_keys = explicit_keys({}, overrides)
     replaced = [k for k in explicit_keys(top, overrides) if k in FACTORY_REPLACES and cfg.workload.factory]
-    check_applies(cfg, [k for k in set_keys if k not in replaced])
+    check_applies(cfg, [k for k in set_keys if k not in replaced], merged)
     unread = [k for k in explicit_keys(top) if k not in set_keys + replaced and not applies(k, cfg)]
     alone = _file_alone(data, stem) if unread and overrides else None
-    check_applies(cfg, [k for k in unread if alone is None or not applies(k, alone)])   # the file's own mistake
+    check_applies(cfg, [k for k in unread if alone is None or not applies(k, alone)], merged)   # the file's own mistake
     if not unread + replaced:
         return cfg
     by_reason: dict[str, list[str]] = {}
     for key in replaced + unread:
         # a key not set by --set came from the file, so there is one
         where = "--set" if key in set_keys or path is None else f"set in {Path(path).name}"
-        by_reason.setdefault(_why_unread(key, cfg), []).append(f"{key} = {show(_value(cfg, key))} ({where})")
+        by_reason.setdefault(_why_unread(key, cfg), []).append(f"{key} = {show(_value(merged, key))} ({where})")
         _drop(merged, key)
     for why, keys in by_reason.items():
         if notes is not None:
             notes.append(f"{', '.join(keys)} {'is' if len(keys) == 1 else 'are'} not read by this run: {why}; dropped")
-    return from_dict(merged, stem)
+    return from_dict(merged, stem, others=True)
 
 
 def _refuse_recorded(data: dict[str, Any]) -> None:
@@ -282,7 +272,7 @@ def _refuse_recorded(data: dict[str, Any]) -> None:
 def _file_alone(data: dict[str, Any], stem: str) -> Config | None:
     """The config the file makes without overrides, or None where it is not valid by itself."""
     try:
-        return from_dict(data, stem)
+        return from_dict(data, stem, others=True)
     except ConfigError:
         return None
 
@@ -294,18 +284,24 @@ def _drop(data: dict[str, Any], key: str) -> None:
     del data[last]
 
 
-def _value(cfg: Config, key: str) -> Any:
-    value = cfg
+def _value(data: dict[str, Any], key: str) -> Any:
+    """The value of dotted option `key` in raw config data that sets it."""
+    value: Any = data
     for part in key.split("."):
-        value = getattr(value, part)
+        value = value[part]
     return value
+
+
+def _fields(cls: type) -> dict[str, dataclasses.Field]:
+    """A section's options by name; [backend]'s: every registered backend's."""
+    return backend_fields() if cls is CoreBackendConfig else {f.name: f for f in dataclasses.fields(cls)}
 
 
 def field_of(key: str) -> dataclasses.Field:
     """The declaration of dotted option `key` (e.g. "backend.k_steps")."""
     cls, parts = Config, key.split(".")
     for i, part in enumerate(parts):
-        f = next((f for f in dataclasses.fields(cls) if f.name == part), None)
+        f = _fields(cls).get(part)
         if f is None or (i + 1 < len(parts)) != ("section" in f.metadata):
             raise ConfigError(f"{key}: unknown key")
         if i + 1 < len(parts):
@@ -328,16 +324,33 @@ def per_backend(key: str) -> bool:
     return f.metadata.get("per_backend", False) or (key.startswith("backend.") and key not in _CORE_BACKEND)
 
 
+def option_keys(spec: BackendSpec) -> dict[str, tuple | None]:
+    """Every option backend `spec` reads beyond those every backend reads: its class's own (beyond the core's),
+    then `reads` (the core's per-backend options it reads; its own that only some variants read)."""
+    own = {f"backend.{f.name}": None for f in dataclasses.fields(spec.options or CoreBackendConfig)}
+    return {**{k: v for k, v in own.items() if k not in _CORE_BACKEND}, **spec.reads}
+
+
 def applies(key: str, cfg: Config) -> bool:
     """Whether the backend cfg chooses reads option `key` (dotted, e.g. "backend.k_steps")."""
-    return not per_backend(key) or registry.spec_of(cfg).reads_option(key, cfg)
+    if not per_backend(key):
+        return True
+    spec = registry.spec_of(cfg)
+    keys = option_keys(spec)
+    if key not in keys:
+        return False
+    variants = keys[key]
+    if variants is None:
+        return True
+    assert spec.variant_key, f"{spec.kind}: reads lists variants of {key} but no variant_key"
+    return getattr(cfg.backend, spec.variant_key) in variants
 
 
 def applies_to(key: str) -> str:
     """Where option `key` applies, in words, e.g. 'backend.kind = "ps" with backend.mode = "geo"'."""
     if not per_backend(key):
         return "every backend"
-    readers = [(s, s.option_keys()[key]) for s in registry.specs() if key in s.option_keys()]
+    readers = [(s, option_keys(s)[key]) for s in registry.specs() if key in option_keys(s)]
     plain = [json.dumps(s.kind) for s, variants in readers if variants is None]
     parts = [f"backend.kind = {', '.join(plain)}"] if plain else []
     parts += [f"backend.kind = {json.dumps(s.kind)} with backend.{s.variant_key} = "
@@ -357,11 +370,11 @@ def _why_unread(key: str, cfg: Config) -> str:
     return f"applies only to {applies_to(key)}; this run has {this}"
 
 
-def check_applies(cfg: Config, keys: list[str]) -> None:
-    """A ConfigError for the first of `keys` that the chosen backend does not read."""
+def check_applies(cfg: Config, keys: list[str], data: dict[str, Any]) -> None:
+    """A ConfigError for the first of `keys` (set in `data`, the raw config) that the chosen backend does not read."""
     for key in keys:
         if not applies(key, cfg):
-            raise ConfigError(f"{key} = {show(_value(cfg, key))}: {_why_unread(key, cfg)} "
+            raise ConfigError(f"{key} = {show(_value(data, key))}: {_why_unread(key, cfg)} "
                               f"(remove the option or choose a backend that reads it)")
 
 
@@ -381,7 +394,7 @@ def allowed_values(key: str) -> str:
 def describe(cls: type = Config, prefix: str = "") -> list[tuple[str, Any, str]]:
     """(key, default, doc) for every field: the config vocabulary, for docs and `psarch keys`."""
     rows = []
-    for f in dataclasses.fields(cls):
+    for f in _fields(cls).values():
         if "section" in f.metadata:
             rows += describe(f.metadata["section"](), f"{prefix}{f.name}.")
         elif not f.metadata.get("recorded"):

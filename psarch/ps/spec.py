@@ -7,6 +7,7 @@ from types import ModuleType
 from typing import TYPE_CHECKING, Any
 
 from psarch.backend import PROCESS_GROUP_OPTIONS, BackendSpec, CommModel
+from psarch.config.backend import CoreBackendConfig, Overlap
 from psarch.config.fields import option
 from psarch.errors import ConfigError, show
 from psarch.theory import Prediction
@@ -26,9 +27,10 @@ if TYPE_CHECKING:
     from psarch.trainer import Services
 
 
-@dataclass
-class PSOptions:
-    """The parameter server's options; the facts derived from them are properties, computed here only."""
+@dataclass(frozen=True)
+class PSOptions(Overlap, CoreBackendConfig):
+    """ps's [backend]: the parameter server's options and overlap (pushes from backward's hooks); the facts
+    derived from them are properties, computed here only."""
 
     mode: str = option("sync", "update mode", choices=("sync", "async", "geo", "ssp"))
     servers: int = option(1, "number of server processes", min=1)

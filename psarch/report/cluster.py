@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import TypedDict
 
 from psarch import registry
-from psarch.config import from_dict
+from psarch.config import from_record
 from psarch.report.runs import NO_EMULATED_RUN, publish, sweep_rows
 from psarch.theory import cluster_step
 
@@ -34,7 +34,7 @@ def rows(sweep: Path) -> list[ClusterRow]:
         s = json.loads(f.read_text())
         if not s.get("cluster", {}).get("emulated"):
             continue
-        cfg = from_dict(json.loads((f.parent / "config.json").read_text()))
+        cfg = from_record(json.loads((f.parent / "config.json").read_text()))
         b, st = cfg.backend, cluster_step(cfg, s)   # recomputed: the theory of this checkout
         arch = registry.spec_of(cfg).label(cfg)   # the one label of the run's architecture
         busiest = max(n["link_sent"] + n["link_received"] for n in s["cluster"]["nodes"]) / s["steps"]

@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import TypedDict
 
 from psarch import registry
-from psarch.config import Config, from_dict
+from psarch.config import Config, from_record
 from psarch.ps.theory import byteps_optimum
 from psarch.report.runs import NO_EMULATED_RUN, publish, sweep_rows
 from psarch.theory import cluster_step
@@ -40,7 +40,7 @@ def runs(sweep: Path) -> list[CrossoverRun]:
     for f in sorted(sweep.glob("*/summary.json")):
         s = json.loads(f.read_text())
         if s.get("cluster", {}).get("emulated"):
-            cfg = from_dict(json.loads((f.parent / "config.json").read_text()))
+            cfg = from_record(json.loads((f.parent / "config.json").read_text()))
             st = cluster_step(cfg, s)
             out.append({"cfg": cfg, "label": registry.spec_of(cfg).label(cfg), "measured_s": st["measured_s"],
                         "predicted_s": st["predicted_s"], "compute_s": st["compute_s"],

@@ -11,7 +11,7 @@ import sys
 from typing import Any, Callable, TypedDict, TypeVar, cast
 
 from psarch import throughput
-from psarch.config import Config, from_dict
+from psarch.config import Config, from_record
 from psarch.launch.outputs import identity
 from psarch.launch.runner import warmup_steps
 from psarch.records import MetricsRow, Summary
@@ -61,7 +61,7 @@ def run_config(run: Run) -> Config:
     """The run's resolved configuration as a Config (what theory.predict reads)."""
     if not run["config"]:
         raise FileNotFoundError(f"{run['path']}: no config.json")
-    return from_dict(run["config"])
+    return from_record(run["config"])
 
 
 def label(run: Run) -> str:

@@ -1,0 +1,103 @@
+"""The [backend] section. Its class is the chosen backend's own (BackendSpec.options): a frozen dataclass of the
+core's options below and of the groups of options it includes by name, so a backend reads only what it declares.
+Groups that several backends read are declared here, once; an option one backend alone reads is declared in
+its spec. The TOML stays one flat [backend] table (every option name is unique across backends), so a sweep
+over kinds and `--set backend.x=...` read the same whichever backend a key belongs to."""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+from psarch import registry
+from psarch.config.fields import option
+
+
+@dataclass(frozen=True)
+class CoreBackendConfig:
+    """How workers synchronise: the options of every backend; each backend adds its own (`psarch keys`).
+    An option set explicitly must apply to the chosen backend (`psarch.config.applies`)."""
+
+    kind: str = option("single", "backend ('torch_*': PyTorch's own implementation, the peer)", choices=registry.kinds)
+    world_size: int = option(1, "number of workers", min=1)
+    device: str = option("auto", "where ranks compute ('auto': cuda if available)", choices=("auto", "cpu", "cuda"))
+    dist_backend: str = option("auto", "torch.distributed backend ('auto': nccl when each rank has its own GPU, else gloo)",
+                               choices=("auto", "gloo", "nccl"), per_backend=True)
+    embeddings: str = option("dense", "how embedding tables move: as ordinary parameters ('dense'), only the "
+                                      "touched rows ('rows'), or row-sharded over ranks ('sharded')",
+                             choices=("dense", "rows", "sharded"))
+    timeout_s: float = option(60.0, "seconds a rank or server waits for a peer before the run stops with an error",
+                              min=0.1, per_backend=True)
+
+
+# ---------------------------------------------------------------- groups several backends include
+
+@dataclass(frozen=True)
+class Communicator:
+    """Which collectives carry a backend's all-reduces, reduce-scatters and all-gathers (ddp, zero, pipeline, tensor)."""
+
+    comm: str = option("ring", "communicator", choices=("ring", "native"))
+
+
+@dataclass(frozen=True)
+class Buckets:
+    """DDP's gradient buckets (ddp and PyTorch's DDP-style peers)."""
+
+    bucket_cap_mb: float = option(25.0, "gradient bucket size in MiB", min=0.0)
+
+
+@dataclass(frozen=True)
+class Overlap:
+    """Communication started from backward's hooks (ddp, zero, ps)."""
+
+    overlap_comm: bool = option(True, "start communication from autograd hooks during backward")
+
+
+@dataclass(frozen=True)
+class ModelUnits:
+    """The units a backend gathers or cuts the model into (zero stage 3, torch_fsdp, pipeline stages)."""
+
+    zero_units: str = option("blocks", "attribute of the model holding the nn.ModuleList whose children are "
+                                       "the units (ZeRO-3 and FSDP gather them one by one, ZeRO checkpoints them "
+                                       "one by one, a pipeline cuts its stages between them); '' for the whole "
+                                       "model as one unit")
+
+
+@dataclass(frozen=True)
+class ActivationMemory:
+    """Activation bytes counted from the tensors saved for backward (zero, tensor)."""
+
+    measure_activations: bool = option(False, "count the activation bytes kept for backward each step (zero: "
+                                              "saved_activation_bytes; tensor: block_activation_bytes, the blocks' "
+                                              "alone); off the hot path unless asked for")
+
+
+def units_attr(backend: CoreBackendConfig) -> str:
+    """The attribute naming the model's units: backend.zero_units where the backend includes ModelUnits, else the
+    built-in models' "blocks" (torch_pipeline, which reads no such option, cuts psarch's GPT there)."""
+    return backend.zero_units if isinstance(backend, ModelUnits) else "blocks"
+
+
+# ---------------------------------------------------------------- the classes
+
+def backend_class(kind: str) -> type:
+    """The [backend] class of backend `kind`: its spec's options, or the core's alone."""
+    return registry.spec(kind).options or CoreBackendConfig
+
+
+def backend_fields() -> dict[str, dataclasses.Field]:
+    """Every [backend] option of every registered backend, by name (for `psarch keys`, errors and checks). Two
+    backends may share an option only by including the same declaration (a group above, or another's class)."""
+    out: dict[str, dataclasses.Field] = {f.name: f for f in dataclasses.fields(CoreBackendConfig)}
+    owner: dict[str, str] = {name: "the core" for name in out}
+    for spec in registry.specs():
+        cls = spec.options or CoreBackendConfig
+        if not (dataclasses.is_dataclass(cls) and issubclass(cls, CoreBackendConfig)):
+            raise TypeError(f"backend.kind = {spec.kind!r}: its options {cls!r} must be a dataclass that includes "
+                            f"psarch.config.backend.CoreBackendConfig")
+        for f in dataclasses.fields(cls):
+            if f.name in out and out[f.name] is not f:
+                raise ValueError(f"backend.{f.name} is declared twice: by {owner[f.name]} and by {spec.kind}'s "
+                                 f"{cls.__qualname__} (two backends share an option by including one group)")
+            out.setdefault(f.name, f)
+            owner.setdefault(f.name, f"{spec.kind}'s {cls.__qualname__}")
+    return out
