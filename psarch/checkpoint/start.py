@@ -27,6 +27,31 @@ RESUMABLE = ("name", "label", "out", "train.steps", "train.log_every", "train.ch
              "train.keep_checkpoints", "train.tensorboard", "backend.timeout_s", "cluster.dilation", *REPORT_ONLY)
 
 
+def resolve_start(cfg: Config, run_dir: Path, resume: bool, start: str | Path | None, pick: str | None = None,
+                  echo: bool = True, first: bool = True, move: bool = True) -> tuple[Config, Path | None]:
+    """Where a run starts, decided here alone: the config it records (a fork's started_from; a resume keeps the
+    one its checkpoint holds) and the verified checkpoint folder its state is read from (None: step 0).
+
+    The run folder is tidied by the first rank (`first`): a resume removes unfinished checkpoint folders and,
+    from an earlier checkpoint (--checkpoint), the later ones; a fork keeps a source that lies in the folder it
+    replaces (moved aside where `move`; under torchrun every rank reads it in place)."""
+    ckpt = starting_checkpoint(cfg, run_dir, resume, start, pick)   # verified before anything is written
+    if resume:
+        assert ckpt is not None, "starting_checkpoint finds a --resume's checkpoint or raises"
+        if first:
+            drop_unfinished(run_dir)
+        dropped = drop_after(run_dir, ckpt.step) if pick is not None and first else []
+        if dropped and echo:
+            print(f"psarch: resuming from {ckpt.path.name}: removed the later checkpoints {', '.join(dropped)}",
+                  flush=True)
+        return dataclasses.replace(cfg, started_from=ckpt.config.get("started_from", {})), ckpt.path
+    path = keep_fork_source(ckpt, run_dir, move)
+    if ckpt is None:
+        return cfg, None
+    assert path is not None, "keep_fork_source returns where a given checkpoint lies"
+    return dataclasses.replace(cfg, started_from=provenance(ckpt, path)), path
+
+
 def starting_checkpoint(cfg: Config, run_dir: Path, resume: bool, start: str | Path | None,
                         pick: str | None = None) -> Checkpoint | None:
     """The verified checkpoint a run starts from, or None for a run from step 0. `pick` (--checkpoint): with

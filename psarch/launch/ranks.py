@@ -8,7 +8,6 @@ gloo's threads can abort a finished process (pytorch/pytorch#179291), never runs
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import json
 import multiprocessing as mp
 import os
@@ -27,9 +26,7 @@ import torch.distributed as dist
 from psarch import registry
 from psarch.launch import outputs, supervise
 from psarch.backend import BackendSpec
-from psarch.checkpoint import Checkpoint
-from psarch.checkpoint.start import (CHECKPOINTS, drop_after, drop_unfinished, keep_fork_source, provenance,
-                                     starting_checkpoint)
+from psarch.checkpoint.start import CHECKPOINTS, resolve_start
 from psarch.cluster.placement import Placement, place
 from psarch.cluster.dilation import resolve as resolve_dilation
 from psarch.cluster.window import StepMarks
@@ -60,8 +57,8 @@ def run(cfg: Config, out: str | Path | None = None, echo: bool = True, resume: b
     if (cfg.train.checkpoint_every or resume or start is not None) and not spec.checkpoints:
         raise ConfigError(f"backend.kind = {cfg.backend.kind!r} cannot write or read checkpoints yet "
                           f"(train.checkpoint_every, --resume, --from)")
-    ckpt = starting_checkpoint(cfg, out_dir, resume, start, pick)  # verified before anything is written or started
-    cfg, begin = _started(cfg, ckpt, out_dir, resume, pick, echo)
+    cfg, begin = resolve_start(cfg, out_dir, resume, start, pick, echo, first=os.environ.get("RANK", "0") == "0",
+                               move=not under_torchrun())
     # cluster.dilation "auto": D picked once, here, for every rank and link (config.json keeps what was asked)
     ranks_cfg = resolve_dilation(cfg, run, echo, _threads(cfg.backend.world_size))
     job = RankJob(ranks_cfg.to_dict(), str(out_dir), echo and progress,
@@ -93,28 +90,6 @@ def run(cfg: Config, out: str | Path | None = None, echo: bool = True, resume: b
     if not outputs.has_records(out_dir):   # every worker lost: what the servers measured, and the steps streamed
         raise RunError(outputs.finalize_lost(out_dir, cfg, extra))
     return outputs.finalize(out_dir, cfg, extra, echo)
-
-
-def _started(cfg: Config, ckpt: Checkpoint | None, out: Path, resume: bool, pick: str | None, echo: bool
-             ) -> tuple[Config, Path | None]:
-    """The config a run records (a fork's started_from; a resumed run keeps the one its checkpoint holds) and
-    the checkpoint folder it starts from. The run folder is tidied (rank 0): a resume removes unfinished
-    checkpoint folders, and, from an earlier checkpoint (--checkpoint), the later ones; a fork keeps a source that lies in the folder it replaces."""
-    first = os.environ.get("RANK", "0") == "0"
-    if resume:
-        assert ckpt is not None, "starting_checkpoint finds a --resume's checkpoint or raises"
-        if first:
-            drop_unfinished(out)
-        dropped = drop_after(out, ckpt.step) if pick is not None and first else []
-        if dropped and echo:
-            print(f"psarch: resuming from {ckpt.path.name}: removed the later checkpoints {', '.join(dropped)}",
-                  flush=True)
-        return dataclasses.replace(cfg, started_from=ckpt.config.get("started_from", {})), ckpt.path
-    path = keep_fork_source(ckpt, out, move=not under_torchrun())
-    if ckpt is None:
-        return cfg, None
-    assert path is not None, "keep_fork_source returns where a given checkpoint lies"
-    return dataclasses.replace(cfg, started_from=provenance(ckpt, path)), path
 
 
 @dataclass
