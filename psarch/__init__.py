@@ -3,8 +3,9 @@
 Where things live. Dependencies point one way (zero -> collective -> psarch core, psarch.ps -> core) and the core
 names no backend; bench/ and the studies' tables in report/ sit above the backends they compare.
 
-    config/       the Config schema and loading (`psarch.config`), how an option is declared
-                  (config/fields.py: `option`, `section`), TOML files and --set, checks across keys
+    config/       the Config schema (config/schema.py) and loading (`psarch.config`), how an option is declared
+                  (config/fields.py: `option`, `section`), [backend]'s core options and the groups backends
+                  include (config/backend.py), which options a run reads, TOML files and --set, checks across keys
     launch/       `psarch run`: ranks started (ranks.py), one rank's step loop (runner.py), supervision,
                   sweeps, the run folder written (outputs.py), local ranks for tests (spawn.py)
     report/       what a user reads: `psarch compare` and its plots, a run folder read back (runs.py), and

@@ -21,16 +21,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, ClassVar, Mapping, TypedDict
 
-# The core's types, named here only: their modules import this one (through the registry), so importing them
-# here, even for type checking, would close a cycle.
-if TYPE_CHECKING:
+if TYPE_CHECKING:   # the core's types: their modules import this one (through the registry), so only the type
+    # checker, which never runs them, imports them here
+    from psarch.cluster.placement import Placement
     from psarch.config import Config
-Prediction = Any    # psarch.theory.Prediction
-Placement = Any     # psarch.cluster.placement.Placement
-Services = Any      # psarch.trainer.Services
-
-if TYPE_CHECKING:   # records imports none of the core: no cycle (and no torch at run time here)
     from psarch.records import Summary
+    from psarch.theory import Prediction
+    from psarch.trainer import Services
 
 PRECISIONS = ("fp32", "bf16", "fp16")
 # the core's options that backends joined by a process group read (BackendSpec.reads)

@@ -33,6 +33,7 @@ import numpy as np
 import torch
 import zmq
 
+from psarch.config.files import Table
 from psarch.ps import wire
 from psarch.ps.layout import partitions
 from psarch.ps.worker.client import PSClient, Request
@@ -213,12 +214,12 @@ def step_table(steps: int) -> list[StepTimeRow]:
     import psarch
     from psarch.config import from_dict
 
-    base = {"seed": 0, "workload": {"model": "gpt", "data": "markov", "seq_len": 32,
+    base: Table = {"seed": 0, "workload": {"model": "gpt", "data": "markov", "seq_len": 32,
                                     "gpt": {"n_layer": 2, "n_embd": 64, "n_head": 4}},
             "train": {"steps": steps, "global_batch": 16, "optimizer": "adamw", "lr": 3e-3, "log_every": 10**6}}
     table: list[StepTimeRow] = []
-    runs = [("ddp (native)", {"kind": "ddp", "comm": "native"})] + [
-        (f"ps sync, auth {a}", {"kind": "ps", "mode": "sync", "servers": 1, "auth": a}) for a in AUTHS]
+    runs: list[tuple[str, Table]] = [("ddp (native)", {"kind": "ddp", "comm": "native"})]
+    runs += [(f"ps sync, auth {a}", {"kind": "ps", "mode": "sync", "servers": 1, "auth": a}) for a in AUTHS]
     for label, backend in runs:
         cfg = from_dict(dict(base, name=label.split()[0], backend=dict(backend, world_size=2)))
         with tempfile.TemporaryDirectory() as out:

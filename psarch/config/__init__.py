@@ -4,137 +4,42 @@ Precedence: dataclass defaults < TOML file (after its `base` chain) < `--set sec
 Every mistake stops the run before any process starts, with one line naming key, value and what is allowed.
 The [backend] section is one flat table in TOML; its class is the chosen backend's own (config/backend.py).
 
-This package: the Config schema and loading (here), `fields.py` (`option` and `section`: how an option is declared,
-by the core and by every backend's spec), `backend.py` (the core's [backend] options and the groups several
-backends include), `files.py` (TOML, `base`, `--set`), `workload.py` (the [workload] sections) and `rules.py`
-(the checks across keys, made before any process starts).
+This package: loading (here: values checked, sections built, `load_config`), `schema.py` (the Config classes),
+`fields.py` (`option` and `section`: how an option is declared, by the core and by every backend's spec),
+`backend.py` (the core's [backend] options and the groups several backends include), `workload.py` (the
+[workload] sections), `files.py` (TOML, `base`, `--set`), `keys.py` (where an option is declared, what it
+accepts, `psarch keys`), `applies.py` (which options a run reads) and `rules.py` (the checks across keys,
+made before any process starts).
 """
 from __future__ import annotations
 
 import dataclasses
 import json
 import math
-import typing
-from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
+# the package's interface: the schema, the vocabulary, which options apply, raw data, the machine checks, and
+# ConfigError (declared in psarch.errors, which imports nothing, so that the cluster's device profiles and the
+# machine checks this package runs can raise it without importing this package)
+from psarch.config.applies import (FACTORY_REPLACES, applies, applies_to, check_applies, option_keys,  # noqa: F401
+                                   per_backend, why_unread)
 from psarch.config.backend import CoreBackendConfig, backend_class, backend_fields
-from psarch.config.fields import option, section, choices_of
-# parse_override and apply_overrides are part of this module's interface too, and so is ConfigError (declared in
-# psarch.errors, which imports nothing, so that the cluster's device profiles and the machine checks this package
-# runs can raise it without importing this package)
-from psarch.config.files import (apply_overrides, explicit_keys, parse_override, read_toml,  # noqa: F401
-                                 top_table)
-# the [workload] classes are part of this module's interface, and _field_type evaluates their names here
+from psarch.config.fields import choices_of
+from psarch.config.files import (Table, apply_overrides, drop, explicit_keys, parse_override,  # noqa: F401
+                                 read_toml, top_table, value_at)
+from psarch.config.keys import allowed_values, describe, field_of, field_type  # noqa: F401
+from psarch.config.schema import REPORT_ONLY, ClusterConfig, Config, TrainConfig  # noqa: F401
 from psarch.config.workload import (ClicksConfig, DLRMConfig, GPTConfig, MarkovConfig, MLPConfig,  # noqa: F401
                                     TextConfig, WorkloadConfig)
 from psarch.errors import ConfigError, show
-from psarch.machine import check_machine, resolve_factory  # noqa: F401  (part of this module's interface)
-from psarch import registry
-
-if TYPE_CHECKING:
-    from psarch.backend import BackendSpec
-
-
-@dataclass
-class TrainConfig:
-    """The step loop and the optimizer; the same for every backend."""
-
-    steps: int = option(20, "optimizer steps to run", min=1)
-    global_batch: int = option(16, "samples per step across all workers", min=1)
-    optimizer: str = option("adamw", "optimizer", choices=("sgd", "adamw", "adagrad"))
-    lr: float = option(1e-3, "learning rate", min=0.0)
-    momentum: float = option(0.0, "SGD momentum", min=0.0)
-    nesterov: bool = option(False, "SGD Nesterov momentum")
-    weight_decay: float = option(0.0, "weight decay (decoupled for AdamW, L2 for SGD and Adagrad)", min=0.0)
-    betas: list = option([0.9, 0.999], "AdamW betas [beta1, beta2]")
-    eps: float = option(1e-8, "AdamW/Adagrad epsilon", min=0.0)
-    initial_accumulator_value: float = option(0.0, "Adagrad: starting value of every squared-gradient sum", min=0.0)
-    precision: str = option("fp32", "compute precision; bf16/fp16 keep fp32 master weights", choices=("fp32", "bf16", "fp16"))
-    log_every: int = option(10, "print a progress line every this many steps", min=1)
-    warmup_steps: int = option(-1, "steps left out of timing medians (-1: min(5, steps // 5))", min=-1)
-    checkpoint_every: int = option(0, "write a checkpoint under <run>/checkpoints/ every this many steps (0: never)", min=0)
-    keep_checkpoints: int = option(0, "keep only the newest this many checkpoints (0: all)", min=0)
-    tensorboard: bool = option(False, "also write each progress line's loss, samples/s and bytes sent as TensorBoard "
-                                      "scalars under <run>/tensorboard/ (pip install psarch[tensorboard])")
-
-
-def _device_names() -> tuple[str, ...]:
-    from psarch.cluster.device import MEASURED, PROFILES   # its package imports this module
-    return (MEASURED, *PROFILES)
-
-
-@dataclass
-class ClusterConfig:
-    """An emulated cluster (a network namespace and a shaped link per node; needs root) and stragglers."""
-
-    emulate: bool = option(False, "every worker and service process (PS server) is a node with its own network "
-                                  "namespace and link")
-    link_mbps: float = option(1000.0, "each node's link in Mbit/s, in each direction (full duplex)", min=0.001)
-    server_link_mbps: float = option(0.0, "service nodes' (PS servers') links in Mbit/s; 0 = same as link_mbps",
-                                     min=0.0, per_backend=True)
-    slow_workers: list = option([], "ranks of workers that compute slower (works with emulate = false too)")
-    slowdown: float = option(1.0, "slow workers' compute time is multiplied by this", min=1.0)
-    jitter: float = option(0.0, "every worker's compute time is multiplied by exp(N(0, jitter)) each step, seeded",
-                           min=0.0)
-    device: str = option("cpu-measured", "the device every worker stands for: 'cpu-measured' computes as this machine "
-                                         "does; a profile's workers compute for real, then wait out the step's modelled "
-                                         "time, FLOPs / (peak TFLOPS x mfu)", choices=_device_names)
-    device_tflops: float = option(0.0, "a custom device's peak TFLOPS at train.precision, instead of a profile's "
-                                       "(0: cluster.device's)", min=0.0)
-    mfu: float = option(0.4, "model FLOPs utilisation in (0, 1]: the fraction of the device's peak the workload "
-                             "attains", min=0.0, max=1.0)
-    dilation: float | str = option("auto", "the emulation runs D times slower than the cluster: links at link_mbps / D, "
-                                           "modelled compute x D, every reported time / D ('auto': the smallest D, with "
-                                           "margin, that this machine's compute and per-message costs fit; 1 without a "
-                                           "modelled device or without emulate)", min=1.0, named=("auto",))
-
-    @property
-    def server_mbps(self) -> float:
-        """A service node's link rate in Mbit/s (server_link_mbps, or link_mbps where that is 0)."""
-        return self.server_link_mbps or self.link_mbps
-
-
-# keys that change no run, only how reports read it: a sweep does not run a point again for them, and
-# `--resume` may change them
-REPORT_ONLY = ("convergence_target",)
-
-
-@dataclass
-class Config:
-    """One experiment."""
-
-    name: str = option("", "run name (default: the config file's stem)")
-    label: str = option("", "a run's name in reports and plots; default: its folder")
-    seed: int = option(0, "global seed: model init and every step's global batch derive from it", min=0)
-    out: str = option("", "run folder (default: runs/<name>)")
-    convergence_target: float = option(0.1, "psarch compare's convergence target (changes no run): a run has reached it "
-                                       "once its 10-step mean gap to the entropy floor falls below this fraction of "
-                                       "its workload's initial gap (compare --target-gap gives an absolute gap instead)",
-                                       min=0.001, max=1.0)
-    workload: WorkloadConfig = section(WorkloadConfig)
-    train: TrainConfig = section(TrainConfig)
-    backend: Any = section(CoreBackendConfig, "How workers synchronise: the core's options and the chosen "
-                           "backend's own (`psarch keys`); its class is the backend's (BackendSpec.options)")
-    cluster: ClusterConfig = section(ClusterConfig)
-    started_from: dict = option({}, "the checkpoint a --from run started from: path, step and the config_sha256 of "
-                                    "the run that wrote it (kept when the run is resumed)", recorded=True)
-
-    def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+from psarch.machine import check_machine, resolve_factory  # noqa: F401
 
 
 # ---------------------------------------------------------------- loading
 
 def _type_name(tp: Any) -> str:
     return {int: "an integer", float: "a number", str: "a string", bool: "true or false", list: "a list"}.get(tp, str(tp))
-
-
-def field_type(f: dataclasses.Field) -> type:
-    """The type a field's values are checked as (a field with named values, `T | str`: T)."""
-    tp = f.type if not isinstance(f.type, str) else eval(f.type, globals())  # annotations are postponed
-    return next(t for t in typing.get_args(tp) if t is not str) if f.metadata.get("named") else tp
 
 
 def _named(f: dataclasses.Field) -> str:
@@ -171,7 +76,7 @@ def _unknown(key: str, value: Any, prefix: str, allowed: Any) -> ConfigError:
     return ConfigError(f"{key} = {show(value)}: unknown key; allowed keys{where} are {', '.join(sorted(allowed))}")
 
 
-def _build(cls: type, data: dict[str, Any], prefix: str, others: bool = False) -> Any:
+def _build(cls: type, data: Table, prefix: str, others: bool = False) -> Any:
     fields = {f.name: f for f in dataclasses.fields(cls)}
     kwargs = {}
     for k, v in data.items():
@@ -190,7 +95,7 @@ def _build(cls: type, data: dict[str, Any], prefix: str, others: bool = False) -
     return cls(**kwargs)
 
 
-def _build_backend(data: dict[str, Any], prefix: str, others: bool) -> Any:
+def _build_backend(data: Table, prefix: str, others: bool) -> Any:
     """The [backend] section as the chosen backend's own class. An option of another backend is checked like any
     value, then refused, or left out where `others` (a base file's shared defaults, a recorded config)."""
     allowed = backend_fields()
@@ -207,7 +112,7 @@ def _build_backend(data: dict[str, Any], prefix: str, others: bool) -> Any:
     return _build(cls, {k: v for k, v in data.items() if k in own}, prefix)
 
 
-def from_dict(data: dict[str, Any], name: str = "", others: bool = False) -> Config:
+def from_dict(data: Table, name: str = "", others: bool = False) -> Config:
     """Build and validate a Config from raw (already merged) data. [backend] options of a backend other than the
     chosen one are refused, or, with `others`, left out."""
     from psarch.config.rules import validate
@@ -218,13 +123,13 @@ def from_dict(data: dict[str, Any], name: str = "", others: bool = False) -> Con
     return validate(cfg)
 
 
-def from_record(data: dict[str, Any]) -> Config:
+def from_record(data: Table) -> Config:
     """A config as a run folder recorded it (config.json). Older records list every backend's options, each at its
     default: those of other backends are left out."""
     return from_dict(data, others=True)
 
 
-def load_config(path: str | Path | None = None, overrides: list[str] | dict[str, Any] | None = None,
+def load_config(path: str | Path | None = None, overrides: list[str] | Table | None = None,
                 notes: list[str] | None = None) -> Config:
     """Load a TOML experiment (following `base`), apply overrides, validate. Raises ConfigError.
 
@@ -254,22 +159,22 @@ def load_config(path: str | Path | None = None, overrides: list[str] | dict[str,
     for key in replaced + unread:
         # a key not set by --set came from the file, so there is one
         where = "--set" if key in set_keys or path is None else f"set in {Path(path).name}"
-        by_reason.setdefault(_why_unread(key, cfg), []).append(f"{key} = {show(_value(merged, key))} ({where})")
-        _drop(merged, key)
+        by_reason.setdefault(why_unread(key, cfg), []).append(f"{key} = {show(value_at(merged, key))} ({where})")
+        drop(merged, key)
     for why, keys in by_reason.items():
         if notes is not None:
             notes.append(f"{', '.join(keys)} {'is' if len(keys) == 1 else 'are'} not read by this run: {why}; dropped")
     return from_dict(merged, stem, others=True)
 
 
-def _refuse_recorded(data: dict[str, Any]) -> None:
+def _refuse_recorded(data: Table) -> None:
     for f in dataclasses.fields(Config):
         if f.metadata.get("recorded") and f.name in data:
             raise ConfigError(f"{f.name} = {show(data[f.name])}: psarch records it in config.json; it is not a "
                               f"setting (remove it)")
 
 
-def _file_alone(data: dict[str, Any], stem: str) -> Config | None:
+def _file_alone(data: Table, stem: str) -> Config | None:
     """The config the file makes without overrides, or None where it is not valid by itself."""
     try:
         return from_dict(data, stem, others=True)
@@ -277,131 +182,4 @@ def _file_alone(data: dict[str, Any], stem: str) -> Config | None:
         return None
 
 
-def _drop(data: dict[str, Any], key: str) -> None:
-    *parents, last = key.split(".")
-    for part in parents:
-        data = data[part]
-    del data[last]
 
-
-def _value(data: dict[str, Any], key: str) -> Any:
-    """The value of dotted option `key` in raw config data that sets it."""
-    value: Any = data
-    for part in key.split("."):
-        value = value[part]
-    return value
-
-
-def _fields(cls: type) -> dict[str, dataclasses.Field]:
-    """A section's options by name; [backend]'s: every registered backend's."""
-    return backend_fields() if cls is CoreBackendConfig else {f.name: f for f in dataclasses.fields(cls)}
-
-
-def field_of(key: str) -> dataclasses.Field:
-    """The declaration of dotted option `key` (e.g. "backend.k_steps")."""
-    cls, parts = Config, key.split(".")
-    for i, part in enumerate(parts):
-        f = _fields(cls).get(part)
-        if f is None or (i + 1 < len(parts)) != ("section" in f.metadata):
-            raise ConfigError(f"{key}: unknown key")
-        if i + 1 < len(parts):
-            cls = f.metadata["section"]()
-    assert f is not None    # checked in the loop, which runs at least once (split gives one part or more)
-    return f
-
-
-# ---------------------------------------------------------------- which options a run reads
-# Every backend reads the core's options but those marked per-backend; a backend's own options
-# (BackendSpec.options) and the per-backend ones apply where its spec says it reads them (BackendSpec.reads).
-# One place for the launcher's check, the sweep's de-duplication and `psarch keys`.
-
-_CORE_BACKEND = {f"backend.{f.name}" for f in dataclasses.fields(CoreBackendConfig)}
-
-
-def per_backend(key: str) -> bool:
-    """Whether only some backends read option `key`: a backend's own option, or one the core marks so."""
-    f = field_of(key)
-    return f.metadata.get("per_backend", False) or (key.startswith("backend.") and key not in _CORE_BACKEND)
-
-
-def option_keys(spec: BackendSpec) -> dict[str, tuple | None]:
-    """Every option backend `spec` reads beyond those every backend reads: its class's own (beyond the core's),
-    then `reads` (the core's per-backend options it reads; its own that only some variants read)."""
-    own = {f"backend.{f.name}": None for f in dataclasses.fields(spec.options or CoreBackendConfig)}
-    return {**{k: v for k, v in own.items() if k not in _CORE_BACKEND}, **spec.reads}
-
-
-def applies(key: str, cfg: Config) -> bool:
-    """Whether the backend cfg chooses reads option `key` (dotted, e.g. "backend.k_steps")."""
-    if not per_backend(key):
-        return True
-    spec = registry.spec_of(cfg)
-    keys = option_keys(spec)
-    if key not in keys:
-        return False
-    variants = keys[key]
-    if variants is None:
-        return True
-    assert spec.variant_key, f"{spec.kind}: reads lists variants of {key} but no variant_key"
-    return getattr(cfg.backend, spec.variant_key) in variants
-
-
-def applies_to(key: str) -> str:
-    """Where option `key` applies, in words, e.g. 'backend.kind = "ps" with backend.mode = "geo"'."""
-    if not per_backend(key):
-        return "every backend"
-    readers = [(s, option_keys(s)[key]) for s in registry.specs() if key in option_keys(s)]
-    plain = [json.dumps(s.kind) for s, variants in readers if variants is None]
-    parts = [f"backend.kind = {', '.join(plain)}"] if plain else []
-    parts += [f"backend.kind = {json.dumps(s.kind)} with backend.{s.variant_key} = "
-              f"{', '.join(json.dumps(v) for v in variants)}" for s, variants in readers if variants is not None]
-    return " or ".join(parts) or "no registered backend"
-
-
-FACTORY_REPLACES = ("workload.model", "workload.data")   # a factory is given the Config: it may read the rest
-
-
-def _why_unread(key: str, cfg: Config) -> str:
-    if cfg.workload.factory and key in FACTORY_REPLACES:
-        return f"workload.factory = {show(cfg.workload.factory)} replaces the built-in model and data"
-    spec = registry.spec_of(cfg)
-    this = f"backend.kind = {json.dumps(spec.kind)}" + (
-        f", backend.{spec.variant_key} = {show(getattr(cfg.backend, spec.variant_key))}" if spec.variant_key else "")
-    return f"applies only to {applies_to(key)}; this run has {this}"
-
-
-def check_applies(cfg: Config, keys: list[str], data: dict[str, Any]) -> None:
-    """A ConfigError for the first of `keys` (set in `data`, the raw config) that the chosen backend does not read."""
-    for key in keys:
-        if not applies(key, cfg):
-            raise ConfigError(f"{key} = {show(_value(data, key))}: {_why_unread(key, cfg)} "
-                              f"(remove the option or choose a backend that reads it)")
-
-
-def allowed_values(key: str) -> str:
-    """What option `key` accepts, in words: its choices, or its type and bounds (for `psarch keys`)."""
-    f = field_of(key)
-    m, choices = f.metadata, choices_of(f.metadata)
-    if choices:
-        return " | ".join(json.dumps(c) for c in choices)
-    name = {int: "integer", float: "number", str: "string", bool: "true | false", list: "list"}[field_type(f)]
-    lo, hi = m.get("min"), m.get("max")
-    words = "".join(f" | {json.dumps(n)}" for n in m.get("named") or ())
-    return (f"{name} in [{lo:g}, {hi:g}]" if lo is not None and hi is not None else
-            f"{name} >= {lo:g}" if lo is not None else f"{name} <= {hi:g}" if hi is not None else name) + words
-
-
-def describe(cls: type = Config, prefix: str = "") -> list[tuple[str, Any, str]]:
-    """(key, default, doc) for every field: the config vocabulary, for docs and `psarch keys`."""
-    rows = []
-    for f in _fields(cls).values():
-        if "section" in f.metadata:
-            rows += describe(f.metadata["section"](), f"{prefix}{f.name}.")
-        elif not f.metadata.get("recorded"):
-            if f.default is not dataclasses.MISSING:
-                default = f.default
-            else:
-                assert f.default_factory is not dataclasses.MISSING, f"{f.name}: option() gives every field a default"
-                default = f.default_factory()
-            rows.append((prefix + f.name, default, f.metadata.get("doc", "")))
-    return rows

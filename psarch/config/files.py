@@ -4,21 +4,28 @@ from __future__ import annotations
 
 import json
 import tomllib
+import datetime
 from pathlib import Path
-from typing import Any
+from typing import Any, Union
 
 from psarch.errors import ConfigError, show
 
+# raw config data as TOML gives it: a table of values, each a scalar, a list of values or a table
+TomlValue = Union[str, int, float, bool, datetime.date, datetime.time, datetime.datetime, list["TomlValue"],
+                  dict[str, "TomlValue"]]
+Table = dict[str, TomlValue]
 
-def merge(base: dict, top: dict) -> dict:
+
+def merge(base: Table, top: Table) -> Table:
     """top's keys over base's, tables merged key by key; a new dict all the way down (inputs untouched)."""
     out = {k: merge(v, {}) if isinstance(v, dict) else v for k, v in base.items()}
     for k, v in top.items():
-        out[k] = merge(out[k] if isinstance(out.get(k), dict) else {}, v) if isinstance(v, dict) else v
+        below = out.get(k)
+        out[k] = merge(below if isinstance(below, dict) else {}, v) if isinstance(v, dict) else v
     return out
 
 
-def read_toml(path: Path, seen: tuple[Path, ...] = ()) -> dict[str, Any]:
+def read_toml(path: Path, seen: tuple[Path, ...] = ()) -> Table:
     """A config file's data merged over its `base` chain's, without any [sweep] table."""
     path = path.resolve()
     if path in seen:
@@ -59,7 +66,7 @@ def parse_override(text: str) -> tuple[list[str], Any]:
     return key.split("."), value
 
 
-def apply_overrides(data: dict[str, Any], overrides: list[str] | dict[str, Any]) -> dict[str, Any]:
+def apply_overrides(data: Table, overrides: list[str] | Table) -> Table:
     """Apply `section.key=value` strings (or a {dotted key: value} dict) on top of raw config data."""
     items = [parse_override(o) for o in overrides] if isinstance(overrides, list) else \
         [(k.split("."), v) for k, v in overrides.items()]
@@ -67,14 +74,32 @@ def apply_overrides(data: dict[str, Any], overrides: list[str] | dict[str, Any])
     for path, value in items:
         node = data
         for p in path[:-1]:
-            node = node.setdefault(p, {})
-            if not isinstance(node, dict):
+            child = node.setdefault(p, {})
+            if not isinstance(child, dict):
                 raise ConfigError(f"{'.'.join(path)}: {p} is not a table")
+            node = child
         node[path[-1]] = value
     return data
 
 
-def top_table(path: Path) -> dict[str, Any]:
+def value_at(data: Table, key: str) -> TomlValue:
+    """The value of dotted option `key` in raw config data that sets it."""
+    value: TomlValue = data
+    for part in key.split("."):
+        assert isinstance(value, dict), f"{key}: {part}'s parent is not a table"
+        value = value[part]
+    return value
+
+
+def drop(data: Table, key: str) -> None:
+    """Remove dotted option `key` from raw config data that sets it."""
+    *parents, last = key.split(".")
+    table = value_at(data, ".".join(parents)) if parents else data
+    assert isinstance(table, dict), f"{key}: its parent is not a table"
+    del table[last]
+
+
+def top_table(path: Path) -> Table:
     """The file's own table, without its bases (read after _read_toml has checked the file)."""
     try:
         return tomllib.loads(path.read_text(encoding="utf-8"))
@@ -82,9 +107,9 @@ def top_table(path: Path) -> dict[str, Any]:
         return {}
 
 
-def explicit_keys(top: dict[str, Any], overrides: list[str] | dict[str, Any] | None = None) -> list[str]:
+def explicit_keys(top: Table, overrides: list[str] | Table | None = None) -> list[str]:
     """The dotted keys a file's own table (not its base or sweep) and the overrides set explicitly."""
-    def leaves(d: dict[str, Any], prefix: str) -> list[str]:
+    def leaves(d: Table, prefix: str) -> list[str]:
         return [k for key, v in d.items() for k in (leaves(v, f"{prefix}{key}.") if isinstance(v, dict)
                                                     else [prefix + key])]
     keys = leaves({k: v for k, v in top.items() if k not in ("base", "sweep")}, "")
