@@ -29,6 +29,8 @@ if TYPE_CHECKING:
 Prediction = Any    # psarch.theory.Prediction
 Placement = Any     # psarch.cluster.placement.Placement
 Services = Any      # psarch.trainer.Services
+Program = Any       # psarch.theory.program.Program
+DataStep = Any      # psarch.theory.program.DataStep
 
 if TYPE_CHECKING:   # records imports none of the core: no cycle (and no torch at run time here)
     from psarch.records import Summary
@@ -182,6 +184,12 @@ class BackendSpec(ABC):
     def comm_model(self, cfg: Config, phi: float, extra: Mapping[str, list[Any]]) -> CommModel:
         """How this run's communication meets its compute; `extra`: the summary's per-rank extras."""
         return CommModel()
+
+    def program(self, cfg: Config, phi: float, step: DataStep, reduced: bool = False) -> Program | None:
+        """Its training step as a program for the step simulator (psarch.theory.program, played by
+        psarch.theory.simulate), ranks computing `step`; reduced: the form in which one node stands for alike ones
+        (for large N). None where it has none written yet."""
+        return None
 
     def summary_fields(self, cfg: Config) -> Summary:
         """Fields this backend adds to summary.json's top level (e.g. the PS's server count)."""

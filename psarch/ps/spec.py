@@ -41,7 +41,7 @@ class PSOptions:
                                                "the wire dtype, pipelined (a partition's pull is answered once its own "
                                                "round is complete); 0: one message per server each way; 'auto': a 16th "
                                                "of a range, at least 0.6 ms of an emulated cluster's link, at most 4 MiB "
-                                               "(4 MiB where the link is not known: psarch/ps/layout.py)", min=0.0,
+                                               "(4 MiB where the link is not known: psarch/ps/partitions.py)", min=0.0,
                                         named=("auto",))
     partition_assignment: str = option("round_robin", "which partitions each server holds: 'round_robin' (BytePS: "
                                                       "partition j on server j mod k, so every server's partitions are "
@@ -195,6 +195,23 @@ class PSSpec(BackendSpec):
         return CommModel(buckets=m * b.servers, overlap=pushes_from_hooks(cfg),
                          pipeline=_theory().pipeline_slots(cfg, phi), ready_share=_theory().ready_share(cfg, phi),
                          replay=replay)
+
+    def program(self, cfg: Config, phi: float, step: Any, reduced: bool = False) -> Any:
+        """psarch/ps/program.py's sync step, from the servers' partitions (layout.server_partitions) and placement;
+        reduced: every server's i-th partition alike (program.symmetric). None for the other modes, embedding rows
+        and servers started elsewhere (not written yet)."""
+        from psarch.ps import program
+        from psarch.ps.partitions import server_partitions
+        from psarch.theory import BYTES
+
+        b = cfg.backend
+        if b.mode != "sync" or b.embeddings != "dense" or b.server_addresses:
+            return None
+        slots = program.slots_of(server_partitions(cfg, int(phi)), BYTES[cfg.train.precision], pushes_from_hooks(cfg))
+        colocated = b.server_placement == "colocated"
+        if reduced:
+            return program.ps_reduced(b.world_size, b.servers, program.symmetric(slots), colocated, step)
+        return program.ps_program(b.world_size, slots, colocated, step)
 
     def summary_fields(self, cfg: Config) -> Summary:
         return {"servers": cfg.backend.servers}

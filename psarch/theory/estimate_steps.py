@@ -1,0 +1,72 @@
+"""`psarch estimate`'s step times: each architecture's step program (BackendSpec.program, reduced: every rank
+alike) played by the step simulator (psarch.theory.simulate) on a cluster of equal links, at any N, weak
+scaling (each worker computes the same step at every N)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from psarch import registry, theory
+from psarch.config import Config
+from psarch.theory.program import Cluster, DataStep
+from psarch.theory.simulate import StepTime, simulate
+
+RING = "ddp ring"
+
+
+@dataclass
+class Network:
+    """Every node's link (bytes/s each way) and latency per message, and a worker's compute per step."""
+
+    bandwidth: float = 12.5e9     # 100 Gb/s
+    alpha: float = 10e-6
+    compute_s: float = 0.1        # forward + backward (backward 2/3 of it)
+    overlap: bool = True          # buckets and partitions sent from backward's hooks (backend.overlap_comm)
+
+
+def architectures(servers: int) -> dict[str, tuple[str, dict[str, Any]]]:
+    """The columns of the step-time table: label -> (backend.kind, its options; servers "n": one per worker)."""
+    out: dict[str, tuple[str, dict[str, Any]]] = {
+        RING: ("ddp", {}), "zero-1": ("zero", {"stage": 1}), "zero-2": ("zero", {"stage": 2}),
+        "zero-3": ("zero", {"stage": 3}), "ps/1": ("ps", {"servers": 1})}
+    if servers > 1:
+        out[f"ps/{servers}"] = ("ps", {"servers": servers})
+    out["ps/n"] = ("ps", {"servers": "n"})
+    out["ps/n col"] = ("ps", {"servers": "n", "server_placement": "colocated"})
+    return out
+
+
+def config(kind: str, options: dict[str, Any], n: int, precision: str, net: Network,
+           ps: dict[str, Any] | None = None) -> Config:
+    """The config of one cell: `options` at world size n (servers "n": n), `ps` the PS's own options."""
+    opts = {k: (n if v == "n" else v) for k, v in options.items()}
+    return theory.config_for(kind, n, precision, "adamw", overlap_comm=net.overlap,
+                             **(opts | (ps or {}) if kind == "ps" else opts))
+
+
+def simulated(cfg: Config, phi: float, net: Network, reduced: bool = True) -> StepTime:
+    """The simulated step of `cfg`'s backend with Φ = phi on `net` (a ConfigError where it has no program)."""
+    program = registry.spec_of(cfg).program(cfg, phi, DataStep.of(net.compute_s), reduced)
+    if program is None:
+        raise theory_error(cfg)
+    return simulate(program, Cluster.of(program, net.bandwidth, net.alpha))
+
+
+def theory_error(cfg: Config) -> Exception:
+    from psarch.errors import ConfigError
+
+    return ConfigError(f"{registry.spec_of(cfg).label(cfg)}: no step program is written for it yet "
+                       f"(BackendSpec.program), so the simulator cannot time its step")
+
+
+def scaling_table(phi: float, precision: str, net: Network, worlds: list[int], servers: int = 1,
+                  ps: dict[str, Any] | None = None) -> list[dict[str, float]]:
+    """Step seconds of each architecture (architectures(servers)) at each N; `ps`: the PS's own options
+    (e.g. partition_mb)."""
+    return [{"world": n, **{label: simulated(config(kind, opts, n, precision, net, ps), phi, net).step_s
+                            for label, (kind, opts) in architectures(servers).items()}} for n in worlds]
+
+
+def crossover(rows: list[dict[str, float]], label: str) -> int | None:
+    """The smallest N > 1 of the table at which `label` steps faster than ring all-reduce."""
+    return next((int(r["world"]) for r in rows if r["world"] > 1 and r[label] < r[RING]), None)
