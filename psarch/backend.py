@@ -20,7 +20,7 @@ import dataclasses
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, ClassVar, Mapping, TypedDict
+from typing import TYPE_CHECKING, Any, ClassVar, Mapping, TypedDict
 
 # The core's types, named here only: their modules import this one (through the registry), so importing them
 # here, even for type checking, would close a cycle.
@@ -56,7 +56,8 @@ class CommModel:
     forward/backward, how many slots a push-then-pull exchange is pipelined over (a server's range over its
     largest partition; 1: one after the other), the share of the compute phase its ranks wait by design (a
     pipeline's bubble), the share of backward in which the busiest link's buckets are ready, the ring passes that
-    wait for the optimizer step (backward cannot hide them), and, where none of that holds, a step replayed."""
+    wait for the optimizer step (backward cannot hide them). Used where a backend writes no step program
+    (BackendSpec.program) or a measured compute holds its blocking passes."""
 
     buckets: int = 1
     overlap: bool = False
@@ -65,10 +66,6 @@ class CommModel:
     idle_fraction: float = 0.0
     ready_share: float = 1.0      # a PS server's contiguous range: 1/k
     after_passes: int = 0         # ring passes after the optimizer step, hidden by nothing (ZeRO-1/2's all-gather)
-    # where the closed form's phases do not hold, the backend's own model of a step on the cluster: (compute_s,
-    # backward_s, worker link's and server link's payload bytes/s) -> seconds, α not counted (the PS's colocated
-    # whole ranges: psarch/ps/flows.py)
-    replay: Callable[[float, float, float, float], float] | None = None
 
 
 class BackendSpec(ABC):

@@ -64,7 +64,7 @@ def test_step_times_by_formula():
 
     net = Network(bandwidth=1e9, alpha=0.0, compute_s=0.0)
     phi, s = 1e9 / 4, 1e9   # S = 1 GB in fp32
-    rows = {r["world"]: r for r in scaling_table(phi, "fp32", net, [1, 4, 16], ps={"partition_mb": 1.0})}
+    rows = {r["world"]: r for r in scaling_table(phi, "fp32", net, [1, 4, 16], extra={"partition_mb": 1.0})}
     for n in (4, 16):
         assert rows[n]["ddp ring"] == pytest.approx(2 * (n - 1) / n * s / 1e9)
         assert rows[n]["zero-1"] == rows[n]["zero-2"] == pytest.approx(2 * (n - 1) / n * s / 1e9)
@@ -82,8 +82,8 @@ def test_byteps_ratio_of_n_dedicated_servers_to_the_ring(n):
     from psarch.theory.estimate_steps import RING, Network, architectures, config, simulated
 
     net = Network(bandwidth=12.5e9, alpha=0.0, compute_s=0.0)
-    ps = {"partition_mb": 7.5e9 * 2 / n / 64 / 2**20}
-    ring, servers = (simulated(config(*architectures(1)[label], n, "bf16", net, ps), 7.5e9, net).step_s
+    parts = {"partition_mb": 7.5e9 * 2 / n / 64 / 2**20}
+    ring, servers = (simulated(config(*architectures(1)[label], n, "bf16", net, parts), 7.5e9, net).step_s
                      for label in (RING, "ps/n"))
     assert servers / ring == pytest.approx(n / (2 * (n - 1)), rel=0.02)
 

@@ -1,11 +1,10 @@
 """The step simulator (psarch/theory/simulate.py) by hand: max-min fair links, α per message, one transfer at a
-time per connection, a reduced program's copies on its links, a step's parts, a bad program's one-line error,
-and the parameter server's flow model (psarch/ps/flows.py) it generalises."""
+time per connection, a reduced program's copies on its links, a step's parts, and a bad program's one-line error."""
 from __future__ import annotations
 
 import pytest
 
-from psarch.theory.program import Cluster, DataStep, Node, Program
+from psarch.theory.program import Cluster, Node, Program
 from psarch.theory.simulate import fair_rates, simulate
 
 RATE = 1e6     # bytes/s of every link
@@ -17,7 +16,7 @@ def uniform(nodes: int, alpha: float = 0.0) -> Cluster:
 
 def test_links_share_max_min_fairly():
     """Three flows into node 2 get a third of its downlink each; the flow beside one of them on node 0's uplink
-    takes what that one leaves (2/3), not half: as psarch/ps/flows.py's Links."""
+    takes what that one leaves (2/3), not half."""
     p = Program()
     for i, (src, dst) in enumerate(((0, 1), (0, 2), (3, 2), (4, 2))):
         p.transfer(f"t{i}", src, dst, RATE, i)
@@ -89,19 +88,3 @@ def test_a_bad_program_says_what_is_wrong(ops, message):
             p.transfer(name, 0, 0, 1.0, "c", after)
     with pytest.raises(ValueError, match=message):
         simulate(p, uniform(1))
-
-
-@pytest.mark.parametrize("n, k", [(2, 1), (2, 2), (4, 2), (3, 3)])
-def test_the_ps_program_steps_as_the_flow_model(n, k):
-    """Dedicated servers, whole ranges pushed from backward's hooks: the program's step from idle links equals the
-    steady step psarch/ps/flows.py replays (each worker's step ends with its pulls, so steps do not overlap)."""
-    from psarch.ps import flows
-    from psarch.ps.program import Slot, ps_program
-
-    numel, size, compute, backward = 1000, 4e5, 0.3, 0.2
-    ranges = [(j * numel // k, j, size / k) for j in range(k)]
-    servers = [[Slot(b, 1 - lo / numel)] for lo, _, b in ranges]
-    p = ps_program(n, servers, False, DataStep(compute - backward, backward))
-    want = flows.step_time(n, list(range(n, n + k)), ranges, numel, compute, backward, [RATE] * (n + k),
-                           [RATE] * (n + k))
-    assert simulate(p, Cluster.of(p, RATE)).step_s == pytest.approx(want, rel=1e-9)

@@ -184,17 +184,14 @@ class PSSpec(BackendSpec):
 
     def comm_model(self, cfg: Config, phi: float, extra: Any) -> CommModel:
         """Push and pull pipelined over each server's partitions; pushes from backward's hooks (overlap_comm), a
-        server's contiguous range ready within 1/k of backward (round robin: its partitions all through it). Sync
-        whole ranges from the hooks to colocated servers: replayed as flows (theory.colocated_replay).
+        server's contiguous range ready within 1/k of backward (round robin: its partitions all through it).
         Priority is modelled as without it: the next forward could hide what it overlaps, but its last module
         needs the last partition pushed, and the credit's gating (each ack travels behind its server's pulls on
         one connection) costs about as much; measured on the device crossover, it gained nothing."""
         b = cfg.backend
         m = _theory().partitions_per_server(cfg, phi)
-        replay = _theory().colocated_replay(cfg, phi) if b.mode == "sync" and pushes_from_hooks(cfg) else None
         return CommModel(buckets=m * b.servers, overlap=pushes_from_hooks(cfg),
-                         pipeline=_theory().pipeline_slots(cfg, phi), ready_share=_theory().ready_share(cfg, phi),
-                         replay=replay)
+                         pipeline=_theory().pipeline_slots(cfg, phi), ready_share=_theory().ready_share(cfg, phi))
 
     def program(self, cfg: Config, phi: float, step: Any, reduced: bool = False) -> Any:
         """psarch/ps/program.py's sync step, from the servers' partitions (layout.server_partitions) and placement;

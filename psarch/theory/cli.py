@@ -65,13 +65,13 @@ def command(args: argparse.Namespace) -> int:
               "--bandwidth > 0; --latency, --compute-s, --partition-mb >= 0", file=sys.stderr)
         return 2
     network = Network(args.bandwidth, args.latency, 0.1 if compute is None else compute, args.overlap)
-    ps = {} if args.partition_mb is None else {"partition_mb": args.partition_mb}
+    extra = {} if args.partition_mb is None else {"partition_mb": args.partition_mb}
     source = args.from_run if measured is not None and args.compute_s is None else None
     options = {"stages": args.pipeline, "microbatches": args.microbatches} if args.pipeline else {}
     try:
         tensor = _tensor_shape(args, world)
         print(report(phi, world, precision, optimizer, args.servers, network, args.budget, measured, source, options,
-                     tensor, ps), end="")
+                     tensor, extra), end="")
     except ConfigError as e:
         print(f"psarch: estimate: {e}", file=sys.stderr)
         return 2

@@ -117,13 +117,13 @@ def backend_rows(phi: float, world: int, precision: str, optimizer: str, options
 def report(phi: float, world: int, precision: str = "bf16", optimizer: str = "adamw", servers: int = 1,
            network: Network | None = None, budget: float | None = None, measured: tuple[Summary, Config] | None = None,
            compute_from: str | None = None, options: dict | None = None,
-           tensor: tuple[GPTShape, int] | None = None, ps: dict | None = None) -> str:
+           tensor: tuple[GPTShape, int] | None = None, extra: dict | None = None) -> str:
     """Everything `psarch estimate` prints; `measured` is a run's (summary, config), compared with the model
     at the end; `compute_from` names the run the cluster's compute time was measured in, if any; `options`
     the backend options asked for on the command line (a pipeline's stages and micro-batches: the rows
     BackendSpec.estimate_rows adds from Φ alone); `tensor` (a GPT's shape, the degree asked for): tensor
-    parallelism's rows, which need the shape (psarch.theory.estimate_tensor); `ps`: the PS's own options for the
-    step times (partition_mb). The ZeRO paper's Table 2 (the largest
+    parallelism's rows, which need the shape (psarch.theory.estimate_tensor); `extra`: backend options for the step
+    times, each for the backends that read it (--partition-mb: the PS's partition_mb). The ZeRO paper's Table 2 (the largest
     model a device `budget` holds, default 32 GB) is about models of billions of parameters: it is shown for a
     Φ asked about, and for a measured run only when a budget is given."""
     c = network or Network()
@@ -132,7 +132,7 @@ def report(phi: float, world: int, precision: str = "bf16", optimizer: str = "ad
         out += _table2_lines(32e9 if budget is None else budget)
     out += _traffic_lines(phi, world, precision, optimizer, servers)
     out += backend_rows(phi, world, precision, optimizer, options or {})
-    out += _scaling_lines(phi, precision, servers, c, compute_from, ps)
+    out += _scaling_lines(phi, precision, servers, c, compute_from, extra)
     if tensor:
         from psarch.theory.estimate_tensor import tensor_report
 
@@ -179,9 +179,9 @@ def _traffic_lines(phi: float, world: int, precision: str, optimizer: str, serve
 
 
 def _scaling_lines(phi: float, precision: str, servers: int, c: Network, compute_from: str | None,
-                   ps: dict | None) -> list[str]:
+                   extra: dict | None) -> list[str]:
     worlds = [2**k for k in range(11)]
-    rows = scaling_table(phi, precision, c, worlds, servers, ps)
+    rows = scaling_table(phi, precision, c, worlds, servers, extra)
     keys = list(architectures(servers))
     unit, scale = _unit([r[k] for r in rows for k in keys], TIMES)
     source = f" (measured in {compute_from})" if compute_from else ""

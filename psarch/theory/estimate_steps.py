@@ -37,11 +37,14 @@ def architectures(servers: int) -> dict[str, tuple[str, dict[str, Any]]]:
 
 
 def config(kind: str, options: dict[str, Any], n: int, precision: str, net: Network,
-           ps: dict[str, Any] | None = None) -> Config:
-    """The config of one cell: `options` at world size n (servers "n": n), `ps` the PS's own options."""
+           extra: dict[str, Any] | None = None) -> Config:
+    """The config of one cell: `options` at world size n (servers "n": n), and of `extra` the backend options
+    this backend reads (e.g. the PS's partition_mb)."""
     opts = {k: (n if v == "n" else v) for k, v in options.items()}
-    return theory.config_for(kind, n, precision, "adamw", overlap_comm=net.overlap,
-                             **(opts | (ps or {}) if kind == "ps" else opts))
+    cfg = theory.config_for(kind, n, precision, "adamw", overlap_comm=net.overlap, **opts)
+    own = registry.spec_of(cfg).option_keys()
+    reads = {k: v for k, v in (extra or {}).items() if f"backend.{k}" in own}
+    return theory.config_for(kind, n, precision, "adamw", overlap_comm=net.overlap, **opts, **reads) if reads else cfg
 
 
 def simulated(cfg: Config, phi: float, net: Network, reduced: bool = True) -> StepTime:
@@ -60,10 +63,10 @@ def theory_error(cfg: Config) -> Exception:
 
 
 def scaling_table(phi: float, precision: str, net: Network, worlds: list[int], servers: int = 1,
-                  ps: dict[str, Any] | None = None) -> list[dict[str, float]]:
-    """Step seconds of each architecture (architectures(servers)) at each N; `ps`: the PS's own options
-    (e.g. partition_mb)."""
-    return [{"world": n, **{label: simulated(config(kind, opts, n, precision, net, ps), phi, net).step_s
+                  extra: dict[str, Any] | None = None) -> list[dict[str, float]]:
+    """Step seconds of each architecture (architectures(servers)) at each N; `extra`: backend options, each for
+    the backends that read it (e.g. the PS's partition_mb)."""
+    return [{"world": n, **{label: simulated(config(kind, opts, n, precision, net, extra), phi, net).step_s
                             for label, (kind, opts) in architectures(servers).items()}} for n in worlds]
 
 

@@ -100,6 +100,13 @@ def _check(program: Program, cluster: Cluster) -> dict[str, Op]:
 
 def simulate(program: Program, cluster: Cluster) -> StepTime:
     """Play `program` on `cluster` from idle links and return its step time and parts."""
+    ops, start, end = play(program, cluster)
+    return parts(ops, start, end, 0.0, max(end.values(), default=0.0))
+
+
+def play(program: Program, cluster: Cluster) -> tuple[dict[str, Op], dict[str, float], dict[str, float]]:
+    """Play `program` on `cluster` from idle links: its ops by name, and when each started (became ready) and
+    ended."""
     ops = _check(program, cluster)
     waiting = {name: len(set(op.after)) for name, op in ops.items()}
     needed_by: dict[str, list[str]] = defaultdict(list)
@@ -173,26 +180,27 @@ def simulate(program: Program, cluster: Cluster) -> StepTime:
                 done(name)
     if stuck := [n for n in ops if n not in end]:
         raise ValueError(f"step program: op {stuck[0]!r} never ran (its waits form a cycle)")
-    return _parts(ops, start, end)
+    return ops, start, end
 
 
-def _parts(ops: dict[str, Op], start: dict[str, float], end: dict[str, float]) -> StepTime:
-    """The step's length and the parts of the node whose ops end last (the most compute among ties)."""
-    step = max(end.values(), default=0.0)
+def parts(ops: dict[str, Op], start: dict[str, float], end: dict[str, float], lo: float, hi: float) -> StepTime:
+    """A step of hi - lo seconds and, within [lo, hi), the parts of the node whose ops end last (the most compute
+    among ties)."""
     compute: dict[int, list[tuple[float, float]]] = defaultdict(list)
     comm: dict[int, list[tuple[float, float]]] = defaultdict(list)
     last: dict[int, float] = defaultdict(float)
     for name, op in ops.items():
-        span = (start[name], end[name])
+        span = (max(lo, start[name]), min(hi, end[name]))
         for node in ((op.node,) if isinstance(op, Compute) else (op.src, op.dst)):
-            (compute if isinstance(op, Compute) else comm)[node].append(span)
-            last[node] = max(last[node], span[1])
+            last[node] = max(last[node], min(hi, end[name]))
+            if span[1] > span[0]:
+                (compute if isinstance(op, Compute) else comm)[node].append(span)
     if not last:
         return StepTime(0.0, 0.0, 0.0, 0.0)
-    node = max(last, key=lambda n: (last[n] >= step * (1 - 1e-12), _length(compute[n])))
+    node = max(last, key=lambda n: (last[n] >= hi - 1e-12 * max(1.0, hi), _length(compute[n])))
     busy = _length(compute[node])
     exposed = _length(compute[node] + comm[node]) - busy
-    return StepTime(step, busy, exposed, max(0.0, step - busy - exposed))
+    return StepTime(hi - lo, busy, exposed, max(0.0, hi - lo - busy - exposed))
 
 
 def _length(spans: list[tuple[float, float]]) -> float:
