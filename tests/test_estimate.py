@@ -78,12 +78,13 @@ def test_byteps_ratio_of_n_dedicated_servers_to_the_ring(n):
     """BytePS (Jiang et al., OSDI '20): with as many dedicated servers as workers, push and pull pipelined, the
     PS moves S each way per worker against the ring's 2(N-1)/N S, a ratio of N / (2(N-1)); no compute, no
     latency, partitions fine enough that draining the pipeline costs under 2%: 64 per server (the last one's
-    pull is 1/64 of the exchange)."""
+    pull is 1/64 of the exchange), of a Φ near 7.5B that splits evenly (1,788 x 2^22: every server alike)."""
     from psarch.theory.estimate_steps import RING, Network, architectures, config, simulated
 
+    phi = 1788 * 2**22
     net = Network(bandwidth=12.5e9, alpha=0.0, compute_s=0.0)
-    parts = {"partition_mb": 7.5e9 * 2 / n / 64 / 2**20}
-    ring, servers = (simulated(config(*architectures(1)[label], n, "bf16", net, parts), 7.5e9, net).step_s
+    parts = {"partition_mb": phi * 2 / n / 64 / 2**20}
+    ring, servers = (simulated(config(*architectures(1)[label], n, "bf16", net, parts), phi, net).step_s
                      for label in (RING, "ps/n"))
     assert servers / ring == pytest.approx(n / (2 * (n - 1)), rel=0.02)
 

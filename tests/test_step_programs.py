@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from collective.program import ddp_program
-from psarch.ps.program import Slot, ps_program, ps_reduced
+from psarch.ps.program import Slot, groups_of, ps_program, ps_reduced
 from psarch.theory.program import Cluster, DataStep, chunks
 from psarch.theory.simulate import simulate
 from zero.program import stage12_program, stage3_program
@@ -18,12 +18,14 @@ S = 40e6          # bytes of gradients
 SLOTS = [Slot(S / 8 / 4, (i + 1) / 4) for i in range(4)]   # a server's 4 partitions, ready through backward
 
 
-def ps(k: int | str, colocated: bool = False):
+def ps(k: int | str, colocated: bool = False, uneven: bool = False):
+    """The PS with k servers of SLOTS each (uneven: every other one a partition short, as round robin deals)."""
     def write(n: int, reduced: bool):
-        servers = n if k == "n" else (max(1, n // 2) if k == "n/2" else int(k))
+        count = n if k == "n" else (max(1, n // 2) if k == "n/2" else int(k))
+        servers = [SLOTS[:3] if uneven and j % 2 else SLOTS for j in range(count)]
         if reduced:
-            return ps_reduced(n, servers, SLOTS, colocated, STEP)
-        return ps_program(n, [SLOTS] * servers, colocated, STEP)
+            return ps_reduced(n, groups_of(servers), colocated, STEP)
+        return ps_program(n, servers, colocated, STEP)
     return write
 
 
@@ -37,6 +39,8 @@ PROGRAMS = {
     "ps, n servers": ps("n"),
     "ps, n colocated": ps("n", colocated=True),
     "ps, n/2 colocated": ps("n/2", colocated=True),
+    "ps, n servers, uneven": ps("n", uneven=True),
+    "ps, n colocated, uneven": ps("n", colocated=True, uneven=True),
 }
 
 
@@ -67,6 +71,6 @@ def test_specs_write_programs_whose_steps_match_the_formulas():
     assert step("ddp") == pytest.approx(2 * (n - 1) / n * s / RATE)
     assert step("zero", stage=1) == pytest.approx(2 * (n - 1) / n * s / RATE)
     assert step("zero", stage=3) == pytest.approx(3 * (n - 1) / n * s / RATE)
-    part = s / n / 16                                  # a range in 16 (rounded to 64 elements: a 17th, short)
-    assert step("ps", servers=n, partition_mb=part / 2**20) == pytest.approx((s + s / 16) / RATE, rel=1e-3)
+    part = s / n / 16      # a range in 16 (rounded down to 64 elements: server 0 gets a 17th, short, a little more)
+    assert step("ps", servers=n, partition_mb=part / 2**20) == pytest.approx((s + s / 16) / RATE, rel=3e-3)
     assert step("ps", servers=1, partition_mb=s / 2**20) == pytest.approx(2 * n * s / RATE)

@@ -9,8 +9,8 @@ of a partition is complete once every worker's push of it is in; then it answers
 connection to that worker. A worker's step ends when backward is over and every pull is in. A server beside
 worker w takes w's push and answers w's pull without the link. Not modelled: a server's compute.
 
-Reduced (every server's partitions alike, `slots`): workers alone, servers alone and nodes with both are each one
-node standing for all of them, a slot's pushes and pulls one transfer each per pair of such nodes.
+Reduced: alike servers grouped (groups_of), each group one node standing for its servers (colocated: and the
+workers beside them), the workers alone one node; a slot's pushes and pulls one transfer each per pair of nodes.
 """
 from __future__ import annotations
 
@@ -34,12 +34,15 @@ def slots_of(parts: list[list[tuple[int, int]]], width: int, hooks: bool) -> lis
                    key=lambda s: s.ready) for server in parts]
 
 
-def symmetric(servers: list[list[Slot]]) -> list[Slot]:
-    """The slots every server shares in a symmetric program: slot i of each server, their mean bytes (a server
-    without one counts 0, so that the servers' bytes are all there), ready when the last of them is."""
-    m = max(len(s) for s in servers)
-    return [Slot(sum(s[i].bytes for s in servers if i < len(s)) / len(servers),
-                 max(s[i].ready for s in servers if i < len(s))) for i in range(m)]
+def groups_of(servers: list[list[Slot]]) -> list[tuple[int, list[Slot]]]:
+    """The servers as groups of alike ones for a reduced program: (how many, their slots), servers alike where
+    their partitions' bytes are (round robin makes at most two groups: those with one partition more); a slot is
+    ready when it is on the last of the group's servers."""
+    groups: dict[tuple[int, ...], list[list[Slot]]] = {}
+    for own in servers:
+        groups.setdefault(tuple(round(x.bytes) for x in own), []).append(own)
+    return [(len(members), [Slot(members[0][i].bytes, max(m[i].ready for m in members))
+                            for i in range(len(members[0]))]) for members in groups.values()]
 
 
 def ps_program(n: int, servers: list[list[Slot]], colocated: bool, step: DataStep) -> Program:
@@ -65,33 +68,32 @@ def ps_program(n: int, servers: list[list[Slot]], colocated: bool, step: DataSte
     return p
 
 
-def ps_reduced(n: int, k: int, slots: list[Slot], colocated: bool, step: DataStep) -> Program:
-    """The same step when every one of the k servers holds `slots`: one node per kind (colocated: the k nodes
-    with a server and a worker, and the n - k with a worker alone)."""
+def ps_reduced(n: int, groups: list[tuple[int, list[Slot]]], colocated: bool, step: DataStep) -> Program:
+    """The same step with alike servers grouped (groups_of: how many, their slots): one node per group of servers
+    (colocated: with their workers beside them), one for the workers alone, one transfer per slot and pair."""
     p = Program()
     if colocated:
-        kinds = [(p.node(BOTH, k), k)] + ([(p.node(WORKER, n - k), n - k)] if n > k else [])
-        server, copies_at = 0, k
+        k = sum(c for c, _ in groups)
+        servers = [p.node(BOTH, c) for c, _ in groups]
+        kinds = [(node, c, g) for g, (node, (c, _)) in enumerate(zip(servers, groups))]
+        kinds += [(p.node(WORKER, n - k), n - k, -1)] if n > k else []
     else:
-        kinds = [(p.node(WORKER, n), n)]
-        server, copies_at = p.node(SERVER, k), k
-    spans = {node: backward_spans(p, node, node, step, [s.ready for s in slots]) for node, _ in kinds}
-    got: dict[int, list[str]] = {node: [spans[node][1]] for node, _ in kinds}
-    for i, s in enumerate(slots):
-        pushes = []
-        for node, count in kinds:
-            # each of `count` workers pushes to every server but its own
-            copies = count * (copies_at - (1 if node == server else 0))
-            if node == server:
-                pushes.append(spans[node][0][i])
-            if copies:
-                pushes.append(p.transfer(f"push.{node}.{i}", node, server, s.bytes, ("push", node), (spans[node][0][i],),
-                                         copies=copies))
-        done = p.join(f"round.{i}", server, tuple(pushes))
-        for node, count in kinds:
-            copies = count * (copies_at - (1 if node == server else 0))
-            got[node].append(done if not copies else
-                             p.transfer(f"pull.{node}.{i}", server, node, s.bytes, ("pull", node), (done,), copies=copies))
-    for node, _ in kinds:
+        kinds = [(p.node(WORKER, n), n, -1)]
+        servers = [p.node(SERVER, c) for c, _ in groups]
+    order = sorted((x.ready, g, i) for g, (_, own) in enumerate(groups) for i, x in enumerate(own))
+    spans = {node: backward_spans(p, node, node, step, [x for x, _, _ in order]) for node, _, _ in kinds}
+    got: dict[int, list[str]] = {node: [spans[node][1]] for node, _, _ in kinds}
+    for at, (_, g, i) in enumerate(order):
+        size, where = groups[g][1][i].bytes, servers[g]
+        # each of a kind's `count` workers exchanges with every server of the group but its own
+        copies = {node: count * (groups[g][0] - (own == g)) for node, count, own in kinds}
+        pushes = [spans[node][0][at] for node, _, own in kinds if own == g]
+        pushes += [p.transfer(f"push.{node}.{g}.{i}", node, where, size, ("push", node, g), (spans[node][0][at],),
+                              copies=copies[node]) for node, _, _ in kinds if copies[node]]
+        done = p.join(f"round.{g}.{i}", where, tuple(pushes))
+        for node, _, _ in kinds:
+            got[node].append(p.transfer(f"pull.{g}.{i}.{node}", where, node, size, ("pull", g, node), (done,),
+                                        copies=copies[node]) if copies[node] else done)
+    for node, _, _ in kinds:
         p.join(f"end{node}", node, tuple(got[node]))
     return p

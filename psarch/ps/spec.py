@@ -195,7 +195,7 @@ class PSSpec(BackendSpec):
 
     def program(self, cfg: Config, phi: float, step: Any, reduced: bool = False) -> Any:
         """psarch/ps/program.py's sync step, from the servers' partitions (layout.server_partitions) and placement;
-        reduced: every server's i-th partition alike (program.symmetric). None for the other modes, embedding rows
+        reduced: alike servers grouped (program.groups_of). None for the other modes, embedding rows
         and servers started elsewhere (not written yet)."""
         from psarch.ps import program
         from psarch.ps.partitions import server_partitions
@@ -207,7 +207,7 @@ class PSSpec(BackendSpec):
         slots = program.slots_of(server_partitions(cfg, int(phi)), BYTES[cfg.train.precision], pushes_from_hooks(cfg))
         colocated = b.server_placement == "colocated"
         if reduced:
-            return program.ps_reduced(b.world_size, b.servers, program.symmetric(slots), colocated, step)
+            return program.ps_reduced(b.world_size, program.groups_of(slots), colocated, step)
         return program.ps_program(b.world_size, slots, colocated, step)
 
     def summary_fields(self, cfg: Config) -> Summary:
