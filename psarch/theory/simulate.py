@@ -52,9 +52,9 @@ class _Flow:
 
 def fair_rates(flows: list[_Flow], cluster: Cluster) -> list[float]:
     """Max-min fair rate of each flow (bytes/s of one copy), by progressive filling over the links."""
-    if len(flows) == 1:   # the common case of a reduced program, answered at once
-        f = flows[0]
-        return [min(cluster.nodes[f.op.src].up / f.up, cluster.nodes[f.op.dst].down / f.down)]
+    ups, downs = {f.op.src for f in flows}, {f.op.dst for f in flows}
+    if len(ups) == len(downs) == len(flows):   # no two share a link (a reduced program's usual case): at once
+        return [min(cluster.nodes[f.op.src].up / f.up, cluster.nodes[f.op.dst].down / f.down) for f in flows]
     cap: dict[tuple[str, int], float] = {}
     on: dict[tuple[str, int], list[int]] = defaultdict(list)
     for i, f in enumerate(flows):
