@@ -51,11 +51,12 @@ def simulated(cfg: Config, phi: float, net: Network, reduced: bool = True) -> St
     """The simulated step of `cfg`'s backend with Φ = phi on `net` (a ConfigError where it has no program)."""
     program = registry.spec_of(cfg).program(cfg, phi, DataStep.of(net.compute_s), reduced)
     if program is None:
-        raise theory_error(cfg)
+        raise no_program(cfg)
     return simulate(program, Cluster.of(program, net.bandwidth, net.alpha))
 
 
-def theory_error(cfg: Config) -> Exception:
+def no_program(cfg: Config) -> Exception:
+    """The one-line error for a backend whose step has no program yet."""
     from psarch.errors import ConfigError
 
     return ConfigError(f"{registry.spec_of(cfg).label(cfg)}: no step program is written for it yet "
