@@ -31,6 +31,18 @@ def reduced_params(cfg: Config, phi: float) -> float:
     return phi if cfg.backend.embeddings == "dense" else phi - table_params(cfg)
 
 
+def ddp_step(cfg: Config, phi: float, step: Any, reduced: bool, overlap: bool) -> Any:
+    """The dense all-reduce's step program (collective/program.py): buckets of bucket_cap_mb, the last of the flat
+    buffer (the first backward readies, maybe short) first; None with embedding tables (not written yet)."""
+    from collective.program import ddp_program
+    from psarch.theory.program import chunks
+
+    if cfg.backend.embeddings != "dense":
+        return None
+    buckets = chunks(phi * BYTES[cfg.train.precision], cfg.backend.bucket_cap_mb * 2**20)[::-1]
+    return ddp_program(cfg.backend.world_size, buckets, step, overlap, reduced)
+
+
 class DDPSpec(BackendSpec):
     kind = "ddp"
     trainer = "collective.ddp:DDPTrainer"
@@ -60,6 +72,9 @@ class DDPSpec(BackendSpec):
         b = cfg.backend
         return CommModel(buckets_of(reduced_params(cfg, phi) * BYTES[cfg.train.precision], b.bucket_cap_mb * 2**20),
                          overlap=b.overlap_comm)
+
+    def program(self, cfg: Config, phi: float, step: Any, reduced: bool = False) -> Any:
+        return ddp_step(cfg, phi, step, reduced, cfg.backend.overlap_comm)
 
 
 class TorchDDPSpec(BackendSpec):
@@ -93,6 +108,9 @@ class TorchDDPSpec(BackendSpec):
         # torch DDP always sends its buckets from backward's hooks
         return CommModel(buckets_of(reduced_params(cfg, phi) * BYTES[cfg.train.precision],
                                     cfg.backend.bucket_cap_mb * 2**20), overlap=True)
+
+    def program(self, cfg: Config, phi: float, step: Any, reduced: bool = False) -> Any:
+        return ddp_step(cfg, phi, step, reduced, True)   # torch DDP always sends from backward's hooks
 
 
 DDP = DDPSpec()

@@ -10,9 +10,13 @@ names no backend; bench/ and the studies' tables in report/ sit above the backen
                   sweeps, the run folder written (outputs.py), local ranks for tests (spawn.py)
     report/       what a user reads: `psarch compare` and its plots, a run folder read back (runs.py), and
                   the studies' tables, `psarch report crossover | cluster | stragglers | pipeline`
-    theory/       the shared algebra every prediction uses (`psarch.theory.predict`, memory, ring passes,
-                  the α-β step time on a cluster: cluster_step_time), the estimator of `psarch estimate`
-                  (theory/estimate.py) and its command (theory/cli.py)
+    theory/       the shared algebra every prediction uses (`psarch.theory.predict`, memory, ring passes, an
+                  emulated run's step: cluster_step); the step simulator: a step as a program (theory/program.py:
+                  compute spans, transfers, the cluster; each backend writes its own, BackendSpec.program),
+                  played by theory/simulate.py (max-min fair links, a connection's transfers in turn, α per
+                  message; a reduced program for N = 1,024) and in steady state by theory/steady.py; the
+                  estimator of `psarch estimate` (theory/estimate.py, its step times theory/estimate_steps.py)
+                  and its command (theory/cli.py)
     bench/        benchmarks against PyTorch's own peers, `psarch bench NAME` (step, allreduce, ddp, zero,
                   zero-stages, ps, pipeline, tensor); `python -m psarch.bench_step` is `psarch bench step`
     cluster/      the emulated cluster: placement, network namespaces and shaped links (emulated.py,
@@ -21,7 +25,8 @@ names no backend; bench/ and the studies' tables in report/ sit above the backen
     models/, data/  built-in models (gpt, mlp, dlrm) and data (markov, text, clicks)
     ps/           the parameter-server backend: server/ (parameter_server.py's handler table; a push is
                   handled in server/pushes.py, applied in server/updates.py), worker/, wire.py, its spec and
-                  theory, and ps/flows.py, the flow-level model of a sync PS step on a cluster
+                  theory, partitions.py (which server holds what, no torch) and program.py (its sync step as a
+                  program for the simulator)
     backend.py, registry.py   BackendSpec, how a backend declares itself, and the registered backends
     trainer.py, workload.py   the Trainer contract (and consolidated_state, the fp32 model it hands back),
                   the Workload (model, loss, batch of a step)
@@ -35,7 +40,8 @@ names no backend; bench/ and the studies' tables in report/ sit above the backen
                   byte formatting, Zipf ids; the `psarch` command
 
 The other backends are packages beside this one: collective/ (communicators: the hand-written ring,
-collective/ring.py, beside ring_plain.py and torch's native; DDP; pipeline/; tensor/) and zero/ (ZeRO 1-3).
+collective/ring.py, beside ring_plain.py and torch's native; DDP; pipeline/; tensor/; program.py, ring passes
+and DDP's step as a program) and zero/ (ZeRO 1-3; program.py, their steps as programs).
 
 Nothing is imported here until used: `psarch keys`, `--help` and a config error answer without torch.
 """

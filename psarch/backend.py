@@ -19,7 +19,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, ClassVar, Mapping, TypedDict
+from typing import TYPE_CHECKING, Any, ClassVar, Mapping, TypedDict
 
 if TYPE_CHECKING:   # the core's types: their modules import this one (through the registry), so only the type
     # checker, which never runs them, imports them here
@@ -27,6 +27,7 @@ if TYPE_CHECKING:   # the core's types: their modules import this one (through t
     from psarch.config import Config
     from psarch.records import Summary
     from psarch.theory import Prediction
+    from psarch.theory.program import DataStep, Program
     from psarch.trainer import Services
 
 PRECISIONS = ("fp32", "bf16", "fp16")
@@ -50,7 +51,8 @@ class CommModel:
     forward/backward, how many slots a push-then-pull exchange is pipelined over (a server's range over its
     largest partition; 1: one after the other), the share of the compute phase its ranks wait by design (a
     pipeline's bubble), the share of backward in which the busiest link's buckets are ready, the ring passes that
-    wait for the optimizer step (backward cannot hide them), and, where none of that holds, a step replayed."""
+    wait for the optimizer step (backward cannot hide them). Used where a backend writes no step program
+    (BackendSpec.program) or a measured compute holds its blocking passes."""
 
     buckets: int = 1
     overlap: bool = False
@@ -59,10 +61,6 @@ class CommModel:
     idle_fraction: float = 0.0
     ready_share: float = 1.0      # a PS server's contiguous range: 1/k
     after_passes: int = 0         # ring passes after the optimizer step, hidden by nothing (ZeRO-1/2's all-gather)
-    # where the closed form's phases do not hold, the backend's own model of a step on the cluster: (compute_s,
-    # backward_s, worker link's and server link's payload bytes/s) -> seconds, α not counted (the PS's colocated
-    # whole ranges: psarch/ps/flows.py)
-    replay: Callable[[float, float, float, float], float] | None = None
 
 
 class BackendSpec(ABC):
@@ -163,6 +161,12 @@ class BackendSpec(ABC):
     def comm_model(self, cfg: Config, phi: float, extra: Mapping[str, list[Any]]) -> CommModel:
         """How this run's communication meets its compute; `extra`: the summary's per-rank extras."""
         return CommModel()
+
+    def program(self, cfg: Config, phi: float, step: DataStep, reduced: bool = False) -> Program | None:
+        """Its training step as a program for the step simulator (psarch.theory.program, played by
+        psarch.theory.simulate), ranks computing `step`; reduced: the form in which one node stands for alike ones
+        (for large N). None where it has none written yet."""
+        return None
 
     def summary_fields(self, cfg: Config) -> Summary:
         """Fields this backend adds to summary.json's top level (e.g. the PS's server count)."""

@@ -21,5 +21,13 @@ class SingleSpec(BackendSpec):
     def predict(self, cfg: Any, phi: float) -> Prediction:
         return ring_passes(sharded_memory(cfg, phi, 0), cfg, phi, 0)
 
+    def program(self, cfg: Any, phi: float, step: Any, reduced: bool = False) -> Any:
+        """One process computes the whole step: nothing moves."""
+        from psarch.theory.program import WORKER, Program
+
+        p = Program()
+        p.compute("step", p.node(WORKER), step.forward_s + step.backward_s + step.optimizer_s)
+        return p
+
 
 SPEC = SingleSpec()

@@ -127,7 +127,7 @@ def test_cluster_model_per_backend():
         return asdict(registry.spec_of(cfg).comm_model(cfg, 250_000, extra))
 
     one = {"hidden_passes": 0, "pipeline": 1, "idle_fraction": 0.0, "ready_share": 1.0,
-           "after_passes": 0, "replay": None}
+           "after_passes": 0}
     assert model({"kind": "ddp", "bucket_cap_mb": 0.25}) == {"buckets": 4, "overlap": True, **one}
     assert model({"kind": "ddp", "overlap_comm": False})["overlap"] is False
     assert model({"kind": "torch_ddp", "bucket_cap_mb": 0.5}) == {"buckets": 2, "overlap": True, **one}

@@ -1,4 +1,5 @@
-"""The analytic estimator reproduces the ZeRO paper (Rajbhandari et al. 2020), Tables 1 and 2.
+"""The analytic estimator reproduces the ZeRO paper (Rajbhandari et al. 2020), Tables 1 and 2, and BytePS's ratio
+of a PS with a server per worker to the ring (its step times are the step simulator's).
 
 The paper prints rounded, sometimes truncated, figures: each cell is checked to within 1 in its last
 printed digit."""
@@ -6,10 +7,10 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import time
 
 import pytest
 
-from psarch import theory
 from psarch.theory import estimate
 from timing import scaled
 from tiny import tiny
@@ -55,27 +56,57 @@ def test_table2_every_cell():
             assert abs(ours - paper) <= 0.025 * paper  # "1T" is 1.024T: the paper truncates
 
 
-def test_traffic_and_step_model():
-    c = estimate.Cluster(bandwidth=1e9, alpha=0.0, compute_s=0.0)
-    phi = 1e9 / 4   # S = 1 GB in fp32
+def test_step_times_by_formula():
+    """With no compute and no latency the simulated steps are the bytes on the busiest link at its rate: the ring
+    2(N-1)/N S, ZeRO-1/2 the same, ZeRO-3 3(N-1)/N S, one PS server N S in and N S out (pipelined: both at once,
+    plus the last partition's pull from the server)."""
+    from psarch.theory.estimate_steps import Network, scaling_table
 
-    def comm(kind: str, n: int, **backend) -> float:
-        return estimate.comm_time(theory.predict(theory.config_for(kind, n, "fp32", "adamw", **backend), phi), c)
+    net = Network(bandwidth=1e9, alpha=0.0, compute_s=0.0)
+    phi, s = 1e9 / 4, 1e9   # S = 1 GB in fp32
+    rows = {r["world"]: r for r in scaling_table(phi, "fp32", net, [1, 4, 16], extra={"partition_mb": 1.0})}
+    for n in (4, 16):
+        assert rows[n]["ddp ring"] == pytest.approx(2 * (n - 1) / n * s / 1e9)
+        assert rows[n]["zero-1"] == rows[n]["zero-2"] == pytest.approx(2 * (n - 1) / n * s / 1e9)
+        assert rows[n]["zero-3"] == pytest.approx(3 * (n - 1) / n * s / 1e9)
+        assert rows[n]["ps/1"] == pytest.approx((n * s + n * 2**20) / 1e9, rel=1e-6)
+    assert rows[1]["ddp ring"] == 0.0
 
-    # ring all-reduce: 2(N-1)/N·S at the link rate; ZeRO-3 and FSDP 3(N-1)/N·S; PS bounded by the busier end
-    assert comm("ddp", 4) == pytest.approx(2 * 3 / 4)
-    assert comm("zero", 4, stage=3) == pytest.approx(3 * 3 / 4)
-    assert comm("torch_fsdp", 4) == pytest.approx(3 * 3 / 4)
-    assert comm("ps", 4, servers=1) == pytest.approx(2 * 4)
-    assert comm("ps", 4, servers=4) == pytest.approx(2 * 1)
-    # with latency, the ring pays 2(N-1) messages and the PS 2: enough servers overtake it at some N
-    lat = estimate.Cluster(bandwidth=1e10, alpha=1e-3, compute_s=0.01)
-    n = estimate.crossover(1e8 / 4, "fp32", lat, "n", [2**k for k in range(11)])
-    assert n is not None and n > 2
-    assert estimate.crossover(1e8 / 4, "fp32", lat, "1", [2**k for k in range(11)]) is None
+
+@pytest.mark.parametrize("n", [4, 8, 64, 1024])
+def test_byteps_ratio_of_n_dedicated_servers_to_the_ring(n):
+    """BytePS (Jiang et al., OSDI '20): with as many dedicated servers as workers, push and pull pipelined, the
+    PS moves S each way per worker against the ring's 2(N-1)/N S, a ratio of N / (2(N-1)); no compute, no
+    latency, partitions fine enough that draining the pipeline costs under 2%: 64 per server (the last one's
+    pull is 1/64 of the exchange), of a Φ near 7.5B that splits evenly (1,788 x 2^22: every server alike)."""
+    from psarch.theory.estimate_steps import RING, Network, architectures, config, simulated
+
+    phi = 1788 * 2**22
+    net = Network(bandwidth=12.5e9, alpha=0.0, compute_s=0.0)
+    parts = {"partition_mb": phi * 2 / n / 64 / 2**20}
+    ring, servers = (simulated(config(*architectures(1)[label], n, "bf16", net, parts), phi, net).step_s
+                     for label in (RING, "ps/n"))
+    assert servers / ring == pytest.approx(n / (2 * (n - 1)), rel=0.02)
+
+
+def test_crossover_reads_the_table():
+    """The PS with a server per worker moves S each way against the ring's 2(N-1)/N S: it overtakes the ring
+    from N = 3 on, when compute hides neither; one server never does."""
+    from psarch.theory.estimate_steps import Network, crossover, scaling_table
+
+    rows = scaling_table(1e8, "bf16", Network(compute_s=0.0), [1, 2, 3, 4, 8])
+    assert crossover(rows, "ps/n") == 3
+    assert crossover(rows, "ps/1") is None
 
 
 def test_cli_estimate_prints_the_tables():
+    """And it answers for Φ = 7.5B at N = 1,024 (step times to N = 1,024 simulated) within 10 s of an idle machine."""
+    start = time.monotonic()
+    big = subprocess.run([sys.executable, "-m", "psarch.cli", "estimate", "--params", "7.5e9", "--world", "1024"],
+                         capture_output=True, text=True, timeout=scaled(60))
+    assert big.returncode == 0, big.stderr
+    assert time.monotonic() - start < scaled(10)
+    assert "ps/n overtakes ring all-reduce at N = " in big.stdout
     out = subprocess.run([sys.executable, "-m", "psarch.cli", "estimate", "--params", "7.5e9", "--world", "64"],
                          capture_output=True, text=True, timeout=scaled(60))
     assert out.returncode == 0, out.stderr
@@ -155,7 +186,7 @@ def test_estimate_from_a_small_run_prints_its_own_units_and_no_billion_parameter
     out = subprocess.run(est, capture_output=True, text=True, timeout=scaled(60), check=True).stdout
     assert "== model states per device, KB: Φ = 3.952k" in out
     assert "== traffic per step at N = 1, KB (S = 15.8 KB of fp32 gradients)" in out
-    assert "== step time (ms), compute " in out
+    assert "== step time (ms) simulated: compute " in out
     assert not re.search(r"\d\.\d{5,}|e-0\d", out), out     # no figure with 5+ decimals or an exponent
     assert "Table 2" not in out
     budget = subprocess.run(est + ["--budget", "80e9"], capture_output=True, text=True, timeout=scaled(60), check=True)

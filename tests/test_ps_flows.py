@@ -1,51 +1,37 @@
-"""The flow model of the sync PS's steps (psarch/ps/flows.py): max-min fair links by hand, steps by hand where
-the phases hold, the colocated collision where they do not, and where the PS's theory uses it."""
+"""The sync PS's steps as flows (psarch/ps/program.py's program, played in steady state by psarch/theory/steady.py,
+which replaced psarch/ps/flows.py): steps by hand where push-then-pull holds, the colocated collision where it
+does not, and an emulated run's prediction through it."""
 from __future__ import annotations
 
 import pytest
 
 from psarch.config import from_dict
-from psarch.ps.flows import Flow, Links, step_time
+from psarch.ps.program import Slot, ps_program
+from psarch.theory.program import Cluster, DataStep
+from psarch.theory.steady import steady_step
 
 S = 1e6        # bytes of the flat vector
 RATE = 1e7     # bytes/s of every link
 
 
-def test_links_share_max_min_fairly():
-    """Three flows into node 2 get a third of its downlink each; the flow beside one of them on node 0's uplink
-    takes what that one leaves (2/3), not half."""
-    links = Links([1.0] * 5, [1.0] * 5)
-    a, b, c, d = (Flow(src, dst, 1.0, lambda now: None) for src, dst in ((0, 1), (0, 2), (3, 2), (4, 2)))
-    for i, f in enumerate((a, b, c, d)):
-        links.send(i, f)
-    rate = links.rates(links.active())
-    assert rate[id(a)] == pytest.approx(2 / 3)
-    assert [rate[id(f)] for f in (b, c, d)] == pytest.approx([1 / 3] * 3)
+def step_time(n: int, servers: list[list[Slot]], colocated: bool, compute: float, backward: float) -> float:
+    p = ps_program(n, servers, colocated, DataStep(compute - backward, backward))
+    return steady_step(p, Cluster.of(p, RATE)).step_s
 
 
-def test_one_connection_carries_one_flow_at_a_time():
-    links = Links([1.0] * 2, [1.0] * 2)
-    first, second = Flow(0, 1, 1.0, lambda now: None), Flow(0, 1, 1.0, lambda now: None)
-    links.send("w0->s1", first)
-    links.send("w0->s1", second)
-    assert links.active() == [first]
-
-
-def two_ranges(n: int = 2) -> list[tuple[int, int, float]]:
-    """n servers' contiguous ranges of a 1000-element vector of S bytes: (lo, server, bytes)."""
-    return [(j * 1000 // n, j, S / n) for j in range(n)]
+def two_ranges(k: int = 2) -> list[list[Slot]]:
+    """k servers' contiguous ranges of S bytes, each ready when backward reaches its first element."""
+    return [[Slot(S / k, 1 - j / k)] for j in range(k)]
 
 
 def test_steps_by_hand_where_push_then_pull_holds():
     """Everything ready at backward's end (backward_s = 0): a colocated pair pushes S/2 each way, then pulls
-    S/2 each way; one dedicated server (node 2) takes both workers' S, then sends it back: 2 S each way."""
+    S/2 each way; one dedicated server takes both workers' S, then sends it back: 2 S each way."""
     compute = 0.05
-    assert step_time(2, [0, 1], two_ranges(), 1000, compute, 0.0, [RATE] * 2, [RATE] * 2) == pytest.approx(
-        compute + S / RATE)
-    assert step_time(2, [2], [(0, 0, S)], 1000, compute, 0.0, [RATE] * 3, [RATE] * 3) == pytest.approx(
-        compute + 4 * S / RATE)
+    assert step_time(2, two_ranges(), True, compute, 0.0) == pytest.approx(compute + S / RATE)
+    assert step_time(2, [[Slot(S, 1.0)]], False, compute, 0.0) == pytest.approx(compute + 4 * S / RATE)
     # one worker beside its one server: nothing crosses a link
-    assert step_time(1, [0], [(0, 0, S)], 1000, compute, 0.0, [RATE], [RATE]) == pytest.approx(compute)
+    assert step_time(1, [[Slot(S, 1.0)]], True, compute, 0.0) == pytest.approx(compute)
 
 
 def test_colocated_ranges_pushed_from_backward_collide():
@@ -53,38 +39,27 @@ def test_colocated_ranges_pushed_from_backward_collide():
     is pulled from node 1 while worker 1 pushes range 0 the same way, and range 0's pulls wait for that push.
     Dedicated servers have a direction each for pushes and pulls: the hooks only help them. (As measured at
     N = 2, 100 Mbit/s: S/2 takes longer than backward.)"""
-    compute, backward, rate = 0.25, 0.166, S / 0.5
-    colocated = [step_time(2, [0, 1], two_ranges(), 1000, compute, b, [rate] * 2, [rate] * 2) for b in (0.0, backward)]
+    compute, backward = 0.25, 0.166
+    scale = S / RATE / 0.5   # as on links that carry S in 0.5 s: the times scaled to these links
+    colocated = [step_time(2, two_ranges(), True, compute * scale, b * scale) for b in (0.0, backward)]
     assert colocated[1] > colocated[0] * 1.1
-    dedicated = [step_time(2, [2, 3], two_ranges(), 1000, compute, b, [rate] * 4, [rate] * 4) for b in (0.0, backward)]
+    dedicated = [step_time(2, two_ranges(), False, compute * scale, b * scale) for b in (0.0, backward)]
     assert dedicated[1] <= dedicated[0] + 1e-12
 
 
-def ps(**backend) -> object:
-    return from_dict({"backend": {"kind": "ps", "world_size": 4, "servers": 4, "partition_mb": 0.0,
-                                  "server_placement": "colocated", **backend},
-                      "train": {"optimizer": "sgd", "global_batch": 8}})
-
-
-def test_the_ps_replays_colocated_whole_ranges_only():
-    """The PS's comm model replays sync whole ranges pushed from the hooks to colocated servers, and the
-    cluster's step time is that replay plus α per message; partitions, dedicated servers, async and pushes
-    after backward keep the closed form."""
+def test_an_emulated_runs_prediction_is_the_steady_step_of_its_program():
+    """cluster_step of a sync PS with whole ranges pushed from the hooks to colocated servers: the steady step of
+    the spec's program on the run's links, α paid per message inside it."""
     from psarch import registry
-    from psarch.ps import theory
-    from psarch.theory import WIRE_OVERHEAD, cluster_step_time, predict
+    from psarch.theory import WIRE_OVERHEAD, cluster_step
+
     phi = 250_000
-
-    def model(cfg):
-        return registry.spec_of(cfg).comm_model(cfg, phi, {})
-
-    cfg = ps()
-    m = model(cfg)
-    assert m.replay is not None
-    rate = 100e6 / 8 / WIRE_OVERHEAD
-    ranges = [(p[0][0], j, (p[0][1] - p[0][0]) * 4) for j, p in enumerate(theory.dense_partitions(cfg, phi))]
-    alone = step_time(4, [0, 1, 2, 3], ranges, phi, 0.05, 0.03, [rate] * 4, [rate] * 4)
-    got = cluster_step_time(predict(cfg, phi), 0.05, 100.0, 100.0, 1e-4, m, backward_s=0.03)["step_time_s"]
-    assert got == pytest.approx(alone + predict(cfg, phi).messages * 1e-4)
-    for other in (ps(partition_mb=0.1), ps(server_placement="dedicated"), ps(mode="async"), ps(overlap_comm=False)):
-        assert model(other).replay is None
+    cfg = from_dict({"backend": {"kind": "ps", "world_size": 4, "servers": 4, "partition_mb": 0.0,
+                                 "server_placement": "colocated"},
+                     "train": {"optimizer": "sgd", "global_batch": 8},
+                     "cluster": {"emulate": True, "link_mbps": 100.0}})
+    summary = {"params": phi, "step_time_s": 0.2, "comm_s": 0.15, "extra": {}, "cluster": {"alpha_s": 1e-4}}
+    p = registry.spec_of(cfg).program(cfg, phi, DataStep.of(0.05), False)
+    want = steady_step(p, Cluster.of(p, 100e6 / 8 / WIRE_OVERHEAD, 1e-4)).step_s
+    assert cluster_step(cfg, summary)["predicted_s"] == pytest.approx(want)
+    assert want > 0.05 + 2 * 3 / 4 * phi * 4 / (100e6 / 8)   # at least its bytes at the link's rate

@@ -12,7 +12,6 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from cluster_setup import needs_root
 from parity import assert_same_model, config, model
-from psarch.backend import CommModel
 from psarch.cluster import device
 from psarch.cluster.flops import FlopCount, count
 from psarch.cluster.pacing import VirtualDevice
@@ -183,19 +182,17 @@ def test_overrun_steps_are_counted_and_reported():
 
 def test_theory_uses_the_modelled_compute():
     """With a virtual device, cluster_step's compute is the modelled one (not the measured step less its
-    wait), α is the host's / D and backward hides what it models."""
-    from psarch.theory import cluster_step, cluster_step_time, predict
+    wait), α is the host's / D and backward hides what it models (the step simulator's step of its program)."""
+    from psarch.theory import cluster_step, simulated_step
     cfg = from_dict(config("t", backend={"kind": "ddp", "world_size": 4, "bucket_cap_mb": 0.01},
                            cluster={"emulate": True, "device": "a100", "dilation": 10.0, "link_mbps": 100.0}))
-    vd = {"compute_s": 0.03, "forward_s": 0.01, "backward_s": 0.02, "dilation": 10.0}
+    vd = {"compute_s": 0.03, "forward_s": 0.029, "backward_s": 0.001, "dilation": 10.0}
     summary = {"params": 10_000, "step_time_s": 0.5, "comm_s": 0.1, "extra": {},
                "cluster": {"alpha_s": 1e-4}, "virtual_device": vd}
     got = cluster_step(cfg, summary)
-    m = cfg.backend
-    from psarch.theory import buckets_of
-    want = cluster_step_time(predict(cfg, 10_000), 0.03, 100.0, 100.0, 1e-5,
-                             CommModel(buckets_of(40_000, m.bucket_cap_mb * 2**20), True), 0.02)
-    assert got["compute_s"] == 0.03 and got["predicted_s"] == pytest.approx(want["step_time_s"])
+    want = simulated_step(cfg, 10_000, 0.03, 0.001, 1e-5).step_s
+    assert got["compute_s"] == 0.03 and got["predicted_s"] == pytest.approx(want)
+    assert want != pytest.approx(simulated_step(cfg, 10_000, 0.03, None, 1e-5).step_s)   # backward's share counts
     del summary["virtual_device"]
     assert cluster_step(cfg, summary)["compute_s"] == pytest.approx(0.4)   # measured: step less wait
 

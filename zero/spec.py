@@ -72,6 +72,22 @@ class ZeroSpec(BackendSpec):
         return CommModel(max(1, buckets), b.overlap_comm, hidden_passes=2 if b.stage == 3 else 0,
                          after_passes=0 if b.stage == 3 else 1)
 
+    def program(self, cfg: Config, phi: float, step: Any, reduced: bool = False) -> Any:
+        """zero/program.py's step: stages 1-2 in buckets of reduce_bucket_size and allgather_bucket_size elements;
+        stage 3 as one unit (the unit count is a property of the model, unknown from Φ). None with embedding
+        tables."""
+        from psarch.theory.program import chunks
+        from zero.program import stage12_program, stage3_program
+
+        b, width = cfg.backend, BYTES[cfg.train.precision]
+        if b.embeddings != "dense":
+            return None
+        s, n = phi * width, b.world_size
+        if b.stage == 3:
+            return stage3_program(n, [s], step, reduced)
+        return stage12_program(n, chunks(s, b.reduce_bucket_size * width)[::-1], chunks(s, b.allgather_bucket_size * width),
+                               step, b.overlap_comm, reduced)
+
 
 class TorchZeroSpec(BackendSpec):
     kind = "torch_zero"

@@ -43,7 +43,7 @@ class PSOptions(Overlap, CoreBackendConfig):
                                                "the wire dtype, pipelined (a partition's pull is answered once its own "
                                                "round is complete); 0: one message per server each way; 'auto': a 16th "
                                                "of a range, at least 0.6 ms of an emulated cluster's link, at most 4 MiB "
-                                               "(4 MiB where the link is not known: psarch/ps/layout.py)", min=0.0,
+                                               "(4 MiB where the link is not known: psarch/ps/partitions.py)", min=0.0,
                                         named=("auto",))
     partition_assignment: str = option("round_robin", "which partitions each server holds: 'round_robin' (BytePS: "
                                                       "partition j on server j mod k, so every server's partitions are "
@@ -186,17 +186,31 @@ class PSSpec(BackendSpec):
 
     def comm_model(self, cfg: Config, phi: float, extra: Any) -> CommModel:
         """Push and pull pipelined over each server's partitions; pushes from backward's hooks (overlap_comm), a
-        server's contiguous range ready within 1/k of backward (round robin: its partitions all through it). Sync
-        whole ranges from the hooks to colocated servers: replayed as flows (theory.colocated_replay).
+        server's contiguous range ready within 1/k of backward (round robin: its partitions all through it).
         Priority is modelled as without it: the next forward could hide what it overlaps, but its last module
         needs the last partition pushed, and the credit's gating (each ack travels behind its server's pulls on
         one connection) costs about as much; measured on the device crossover, it gained nothing."""
         b = cfg.backend
         m = _theory().partitions_per_server(cfg, phi)
-        replay = _theory().colocated_replay(cfg, phi) if b.mode == "sync" and pushes_from_hooks(cfg) else None
         return CommModel(buckets=m * b.servers, overlap=pushes_from_hooks(cfg),
-                         pipeline=_theory().pipeline_slots(cfg, phi), ready_share=_theory().ready_share(cfg, phi),
-                         replay=replay)
+                         pipeline=_theory().pipeline_slots(cfg, phi), ready_share=_theory().ready_share(cfg, phi))
+
+    def program(self, cfg: Config, phi: float, step: Any, reduced: bool = False) -> Any:
+        """psarch/ps/program.py's sync step, from the servers' partitions (layout.server_partitions) and placement;
+        reduced: alike servers grouped (program.groups_of). None for the other modes, embedding rows
+        and servers started elsewhere (not written yet)."""
+        from psarch.ps import program
+        from psarch.ps.partitions import server_partitions
+        from psarch.theory import BYTES
+
+        b = cfg.backend
+        if b.mode != "sync" or b.embeddings != "dense" or b.server_addresses:
+            return None
+        slots = program.slots_of(server_partitions(cfg, int(phi)), BYTES[cfg.train.precision], pushes_from_hooks(cfg))
+        colocated = b.server_placement == "colocated"
+        if reduced:
+            return program.ps_reduced(b.world_size, program.groups_of(slots), colocated, step)
+        return program.ps_program(b.world_size, slots, colocated, step)
 
     def summary_fields(self, cfg: Config) -> Summary:
         return {"servers": cfg.backend.servers}

@@ -8,16 +8,15 @@ partitions the exchange takes about (1 + x/R) × its busiest link and direction'
 largest partition, R: its range; `pipeline_slots`); one after the other, push then pull. Pushed from backward's
 hooks, a server's contiguous range is ready within 1/k of backward: only that share hides its link's exchange
 (psarch.theory's cluster_step_time, CommModel.ready_share); partitions dealt round robin (BytePS) are ready
-all through backward. Where a colocated node's link carries pushes and pulls the same way at once (sync whole
-ranges pushed from the hooks) the phases do not hold, and the steps are replayed as flows instead
-(`colocated_replay`, psarch/ps/flows.py). BytePS's optimum (`byteps_optimum`) is the reference line. The shared
+all through backward. An emulated run's step is predicted by the step simulator from the PS's program
+(psarch/ps/program.py), which holds where these phases do not (a colocated node's link carrying pushes and pulls
+the same way at once). BytePS's optimum (`byteps_optimum`) is the reference line. The shared
 algebra is psarch.theory's."""
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING
 
-from psarch.ps import flows
-from psarch.ps.layout import held, one_range, server_partitions
+from psarch.ps.partitions import held, one_range, server_partitions
 from psarch.theory import (BYTES, LinkBytes, LinkLoad, MemoryPrediction, Prediction, expected_unique_ids,
                            optimizer_bytes_per_param, table_params)
 
@@ -81,25 +80,6 @@ def pipeline_slots(cfg: Config, phi: float) -> float:
     parts = widest_partitions(cfg, phi)
     widest = held(parts)
     return widest / max(b - a for a, b in parts) if widest else 1.0
-
-
-def colocated_replay(cfg: Config, phi: float) -> Callable[[float, float, float, float], float] | None:
-    """The flow model's step (psarch/ps/flows.py) where a sync PS pushes whole ranges (one partition per server)
-    from backward's hooks to servers beside workers 0..k-1, whose links carry pushes and pulls in the same
-    direction at once; None elsewhere (the closed form)."""
-    b = cfg.backend
-    parts = dense_partitions(cfg, phi)
-    if (b.server_placement != "colocated" or b.server_addresses or b.embeddings == "rows"
-            or any(len(p) > 1 for p in parts)):
-        return None
-    width, numel = BYTES[cfg.train.precision], sum(held(p) for p in parts)
-    ranges = [(p[0][0], j, (p[0][1] - p[0][0]) * width) for j, p in enumerate(parts) if p]
-
-    def step(compute_s: float, backward_s: float, worker_rate: float, server_rate: float) -> float:
-        n = b.world_size
-        return flows.step_time(n, list(range(b.servers)), ranges, numel, compute_s, backward_s, [worker_rate] * n,
-                               [worker_rate] * n)
-    return step
 
 
 def colocated_links(n: int, k: int, s: float) -> list[LinkLoad]:

@@ -1,12 +1,14 @@
 """What theory predicts for a run: `predict(cfg, phi)`, answered by the backend's own theory (its spec's
 `predict`: collective/theory.py, zero/theory.py, psarch/ps/theory.py), and the algebra they share here:
 memory per rank by category (the ZeRO paper's Table 1 cells, Rajbhandari et al. 2020), ring passes,
-expected distinct embedding rows, and the α-β step time on a cluster (`cluster_step_time`, `cluster_step`;
-the parameter server's flow-level model of pushes from backward's hooks is psarch/ps/flows.py). Every output
-beside a measured figure (psarch.launch.outputs, psarch.report.compare, the estimator) calls `predict`; nothing
-patches its result afterwards. Beside it in this package: `estimate.py`, the estimator of `psarch estimate`
-(memory, traffic and step time from Φ alone, 1 to 1,024 workers; `estimate_tensor.py` its tensor-parallel rows),
-and `cli.py`, the command.
+expected distinct embedding rows, and an emulated run's step time (`cluster_step`: the step simulator's where
+the backend writes its step as a program, else the α-β sum of `cluster_step_time`). Every output beside a
+measured figure (psarch.launch.outputs, psarch.report.compare, the estimator) calls `predict`; nothing patches
+its result afterwards. Beside it in this package: the step simulator, `program.py` (a step as a program: compute
+spans, transfers, the cluster), `simulate.py` (one program played) and `steady.py` (several steps in a row);
+`estimate.py`, the estimator of `psarch estimate` (memory, traffic from Φ alone; `estimate_steps.py` its step
+times through the simulator, 1 to 1,024 workers; `estimate_tensor.py` its tensor-parallel rows), and `cli.py`,
+the command.
 """
 from __future__ import annotations
 
@@ -224,8 +226,7 @@ def cluster_step_time(p: Prediction, compute_s: float, link_mbps: float, server_
     tail is then its last partition's push and pull, 2 / (pipeline + 1) of it. after_passes: ring passes that
     start only after the optimizer step (ZeRO-1/2's all-gather of the updated parameters), exposed whole.
     hidden_passes: ring passes already inside the measured compute (ZeRO-3's forward and backward
-    all-gathers block there, where the comm wait does not see them). replay: the backend's own model of the
-    step, where these do not hold (plus α per message in sequence)."""
+    all-gathers block there, where the comm wait does not see them)."""
     m = model or CommModel()
     buckets, pipeline, ready_share = m.buckets, m.pipeline, m.ready_share
     worker_rate = link_mbps * 1e6 / 8 / WIRE_OVERHEAD   # payload bytes/s
@@ -233,9 +234,6 @@ def cluster_step_time(p: Prediction, compute_s: float, link_mbps: float, server_
     if not p.worker.sent and not p.worker.received:
         return {"compute_s": compute_s, "comm_s": 0.0, "step_time_s": compute_s}
     backward = 2 / 3 * compute_s if backward_s is None else backward_s
-    if m.replay is not None:
-        step = m.replay(compute_s, backward, worker_rate, server_rate) + p.messages * alpha_s
-        return {"compute_s": compute_s, "comm_s": step - compute_s, "step_time_s": step}
     after = 0.0
     if p.server is not None:
         comm = (exchange_time(p.links or two_phase_links(p), worker_rate, server_rate, pipeline)
@@ -256,13 +254,15 @@ def buckets_of(bytes_reduced: float, cap_bytes: float) -> int:
 
 
 def cluster_step(cfg: Config, summary: Summary) -> dict[str, float]:
-    """Measured | predicted step time of a finished run on the emulated cluster: compute plus the α-β time of
-    the bytes each link carries (cluster_step_time), with the backend's own model of how its communication
-    meets its compute (BackendSpec.comm_model), the compute stretched by the share its ranks wait by design (a
-    pipeline's bubble, CommModel.idle_fraction). Compute is a virtual device's modelled forward and backward
-    (summary's virtual_device: cluster time, α / D, nothing of the communication inside it), else the
-    measured step less its communication wait."""
-    m = registry.spec_of(cfg).comm_model(cfg, summary["params"], summary.get("extra") or {})
+    """Measured | predicted step time of a finished run on the emulated cluster. Compute is a virtual device's
+    modelled forward and backward (summary's virtual_device: cluster time, α / D, nothing of the communication
+    inside it), else the measured step less its communication wait. Where the backend writes its step as a
+    program (BackendSpec.program) the step simulator plays it on the run's links (psarch.theory.simulate);
+    elsewhere (model parallelism, embedding rows, the torch peers, ZeRO-3 whose measured compute holds its
+    blocking passes) the α-β sum of cluster_step_time, with the backend's CommModel and its compute stretched by
+    the share its ranks wait by design (a pipeline's bubble, CommModel.idle_fraction)."""
+    spec = registry.spec_of(cfg)
+    m = spec.comm_model(cfg, summary["params"], summary.get("extra") or {})
     vd, alpha, backward = summary.get("virtual_device"), summary["cluster"]["alpha_s"], None
     modelled = vd.get("compute_s") if vd is not None else None
     if vd is not None and modelled is not None:   # modelled compute holds no blocking pass
@@ -270,8 +270,25 @@ def cluster_step(cfg: Config, summary: Summary) -> dict[str, float]:
         backward = compute * vd["backward_s"] / (vd["forward_s"] + vd["backward_s"])
     else:
         compute = summary["step_time_s"] - (summary.get("comm_s") or 0.0)
+    out = {"measured_s": summary["step_time_s"], "compute_s": compute}
+    step = simulated_step(cfg, summary["params"], compute, backward, alpha) if not m.hidden_passes else None
+    if step is not None:
+        return out | {"predicted_s": step.step_s, "predicted_comm_s": step.step_s - compute}
     # a rank that waits by design (the bubble) computes `compute` in a phase 1 / (1 - idle) as long
     pred = cluster_step_time(predict(cfg, summary["params"]), compute / (1.0 - m.idle_fraction), cfg.cluster.link_mbps,
                              cfg.cluster.server_mbps, alpha, m, backward)
-    return {"measured_s": summary["step_time_s"], "predicted_s": pred["step_time_s"],
-            "compute_s": compute, "predicted_comm_s": pred["comm_s"]}
+    return out | {"predicted_s": pred["step_time_s"], "predicted_comm_s": pred["comm_s"]}
+
+
+def simulated_step(cfg: Config, phi: float, compute_s: float, backward_s: float | None, alpha_s: float) -> Any:
+    """The step simulator's steady step (psarch.theory.steady: StepTime) of `cfg`'s program in full on its
+    emulated links (payload rates, WIRE_OVERHEAD counted); None where the backend writes no program."""
+    from psarch.theory.program import Cluster, DataStep
+    from psarch.theory.steady import steady_step
+
+    program = registry.spec_of(cfg).program(cfg, phi, DataStep.of(compute_s, backward_s), reduced=False)
+    if program is None:
+        return None
+    c = cfg.cluster
+    rate = c.link_mbps * 1e6 / 8 / WIRE_OVERHEAD
+    return steady_step(program, Cluster.of(program, rate, alpha_s, c.server_mbps * 1e6 / 8 / WIRE_OVERHEAD))

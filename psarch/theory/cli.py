@@ -19,7 +19,9 @@ def add_parser(p: argparse.ArgumentParser) -> None:
     p.add_argument("--latency", type=float, default=10e-6, help="seconds per message")
     p.add_argument("--compute-s", type=float, help="compute seconds per step per worker (default: the --from "
                    "run's measured compute, else 0.1)")
-    p.add_argument("--overlap", type=float, default=0.0, help="fraction of communication hidden by compute")
+    p.add_argument("--no-overlap", dest="overlap", action="store_false",
+                   help="send gradients after backward (default: from backward's hooks, backend.overlap_comm)")
+    p.add_argument("--partition-mb", type=float, help="the PS's partitions, MiB (default: its own, backend.partition_mb)")
     p.add_argument("--budget", type=float, help="device memory for the ZeRO paper's Table 2, bytes (default 32e9; "
                    "with --from, the table is shown only when a budget is given)")
     p.add_argument("--from", dest="from_run", help="take Φ, N, precision and compute time from a run folder")
@@ -34,13 +36,14 @@ def add_parser(p: argparse.ArgumentParser) -> None:
 
 
 def command(args: argparse.Namespace) -> int:
-    from psarch.theory.estimate import Cluster, measured_compute, report
-    from psarch.report.runs import load_run, run_config
-
+    from psarch.theory.estimate import measured_compute, report
+    from psarch.theory.estimate_steps import Network
     measured = None
     phi, world, precision, optimizer = args.params, args.world, args.precision, args.optimizer
     compute = args.compute_s
     if args.from_run:
+        from psarch.report.runs import load_run, run_config   # imports torch: only for a run folder
+
         try:
             run = load_run(args.from_run)
             cfg = run_config(run)
@@ -57,17 +60,18 @@ def command(args: argparse.Namespace) -> int:
               f"must be >= 1", file=sys.stderr)
         return 2
     if not phi or phi <= 0 or world < 1 or args.servers < 1 or args.bandwidth <= 0 or args.latency < 0 \
-            or (compute is not None and compute < 0):
+            or (compute is not None and compute < 0) or (args.partition_mb is not None and args.partition_mb < 0):
         print("psarch: estimate: --params (> 0) or --from is required; --world, --servers >= 1; "
-              "--bandwidth > 0; --latency, --compute-s >= 0", file=sys.stderr)
+              "--bandwidth > 0; --latency, --compute-s, --partition-mb >= 0", file=sys.stderr)
         return 2
-    cluster = Cluster(args.bandwidth, args.latency, 0.1 if compute is None else compute, args.overlap)
+    network = Network(args.bandwidth, args.latency, 0.1 if compute is None else compute, args.overlap)
+    extra = {} if args.partition_mb is None else {"partition_mb": args.partition_mb}
     source = args.from_run if measured is not None and args.compute_s is None else None
     options = {"stages": args.pipeline, "microbatches": args.microbatches} if args.pipeline else {}
     try:
         tensor = _tensor_shape(args, world)
-        print(report(phi, world, precision, optimizer, args.servers, cluster, args.budget, measured, source, options,
-                     tensor), end="")
+        print(report(phi, world, precision, optimizer, args.servers, network, args.budget, measured, source, options,
+                     tensor, extra), end="")
     except ConfigError as e:
         print(f"psarch: estimate: {e}", file=sys.stderr)
         return 2

@@ -1,18 +1,21 @@
 """`psarch estimate`: the analytic model, no processes.
 
 Memory per device for DDP and ZeRO 1-3 (the ZeRO paper's Tables 1 and 2), traffic per step for every
-architecture, and an alpha-beta step-time model from 1 to 1,024 workers. Sizes are decimal (a GB is 1e9
+architecture, and step times from 1 to 1,024 workers by the step simulator (theory/estimate_steps.py). Sizes are decimal (a GB is 1e9
 bytes, as the paper's), each table in the unit its largest figure reads in, to 3 significant figures.
 """
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from psarch import registry, theory
-from psarch.config import Config
+from psarch.config import Config, ConfigError
 from psarch.records import Summary
-from psarch.theory.estimate_tensor import GPTShape, tensor_report
+from psarch.theory.estimate_steps import Network, architectures, crossover, scaling_table, simulated
+
+if TYPE_CHECKING:   # imported where used: it needs torch (the GPT's own parameter count), the tables do not
+    from psarch.theory.estimate_tensor import GPTShape
 
 STAGES = (("ddp", 0), ("zero-1", 1), ("zero-2", 2), ("zero-3", 3))
 
@@ -47,61 +50,6 @@ def table2(budget_bytes: float = 32e9, gpus: tuple[int, ...] = (64, 128, 256, 51
             row[name] = math.floor(max_params(budget_bytes, dp, stage) / 1e8) * 1e8 * mp
         rows.append(row)
     return rows
-
-
-@dataclass
-class Cluster:
-    """alpha-beta model of a link: a message of b bytes takes alpha + b / bandwidth seconds."""
-
-    bandwidth: float = 12.5e9     # bytes/s per direction per device (100 Gb/s)
-    alpha: float = 10e-6          # seconds of latency per message
-    compute_s: float = 0.1        # forward + backward + update per step per worker (weak scaling)
-    overlap: float = 0.0          # fraction of communication hidden behind compute
-
-
-def comm_time(p: theory.Prediction, c: Cluster) -> float:
-    """Seconds of communication per step from a prediction's per-link bytes and messages. A ring sends
-    and receives at once, so a worker's link time is its bytes sent; a PS pushes, then pulls, each phase
-    bounded by the busier end (a worker's link or a server's, which carries every worker's share)."""
-    if p.server is None:
-        return p.messages * c.alpha + p.worker.sent / c.bandwidth
-    push = max(p.worker.sent, p.server.received)
-    pull = max(p.worker.received, p.server.sent)
-    return p.messages * c.alpha + (push + pull) / c.bandwidth
-
-
-def step_time(p: theory.Prediction, c: Cluster) -> float:
-    """Compute plus the communication that compute does not hide."""
-    comm = comm_time(p, c)
-    return c.compute_s + comm - min(c.overlap * comm, c.compute_s)
-
-
-def _ps(phi: float, precision: str, n: int, servers: str) -> theory.Prediction:
-    count = n if servers == "n" else int(servers)
-    return theory.predict(theory.config_for("ps", n, precision, "adamw", servers=count), phi)
-
-
-def scaling_table(phi: float, precision: str, c: Cluster, worlds: list[int], ps_servers: list[str]) -> list[dict]:
-    """Step time for each architecture and N (weak scaling: compute per worker stays c.compute_s).
-
-    ps_servers entries are counts ("4") or "n" (as many servers as workers)."""
-    rows = []
-    for n in worlds:
-        row = {"world": n, "ring": step_time(theory.predict(_setup(0, n, precision, "adamw"), phi), c),
-               "zero-3": step_time(theory.predict(_setup(3, n, precision, "adamw"), phi), c)}
-        for s in ps_servers:
-            row[f"ps/{s}"] = step_time(_ps(phi, precision, n, s), c)
-        rows.append(row)
-    return rows
-
-
-def crossover(phi: float, precision: str, c: Cluster, servers: str, worlds: list[int]) -> int | None:
-    """The smallest N at which the PS with `servers` servers steps faster than ring all-reduce."""
-    for n in worlds:
-        ddp = theory.predict(_setup(0, n, precision, "adamw"), phi)
-        if n > 1 and step_time(_ps(phi, precision, n, servers), c) < step_time(ddp, c):
-            return n
-    return None
 
 
 def measured_compute(summary: Summary) -> float:
@@ -167,24 +115,27 @@ def backend_rows(phi: float, world: int, precision: str, optimizer: str, options
 
 
 def report(phi: float, world: int, precision: str = "bf16", optimizer: str = "adamw", servers: int = 1,
-           cluster: Cluster | None = None, budget: float | None = None, measured: tuple[Summary, Config] | None = None,
+           network: Network | None = None, budget: float | None = None, measured: tuple[Summary, Config] | None = None,
            compute_from: str | None = None, options: dict | None = None,
-           tensor: tuple[GPTShape, int] | None = None) -> str:
+           tensor: tuple[GPTShape, int] | None = None, extra: dict | None = None) -> str:
     """Everything `psarch estimate` prints; `measured` is a run's (summary, config), compared with the model
     at the end; `compute_from` names the run the cluster's compute time was measured in, if any; `options`
     the backend options asked for on the command line (a pipeline's stages and micro-batches: the rows
     BackendSpec.estimate_rows adds from Φ alone); `tensor` (a GPT's shape, the degree asked for): tensor
-    parallelism's rows, which need the shape (psarch.theory.estimate_tensor). The ZeRO paper's Table 2 (the largest
+    parallelism's rows, which need the shape (psarch.theory.estimate_tensor); `extra`: backend options for the step
+    times, each for the backends that read it (--partition-mb: the PS's partition_mb). The ZeRO paper's Table 2 (the largest
     model a device `budget` holds, default 32 GB) is about models of billions of parameters: it is shown for a
     Φ asked about, and for a measured run only when a budget is given."""
-    c = cluster or Cluster()
+    c = network or Network()
     out = _memory_lines(phi, world, precision, optimizer)
     if budget is not None or measured is None:
         out += _table2_lines(32e9 if budget is None else budget)
     out += _traffic_lines(phi, world, precision, optimizer, servers)
     out += backend_rows(phi, world, precision, optimizer, options or {})
-    out += _scaling_lines(phi, precision, servers, c, compute_from)
+    out += _scaling_lines(phi, precision, servers, c, compute_from, extra)
     if tensor:
+        from psarch.theory.estimate_tensor import tensor_report
+
         out += [""] + tensor_report(tensor[0], world, tensor[1], precision, optimizer)
     if measured:
         out += ["", measured_vs_model(*measured, c)]
@@ -227,35 +178,39 @@ def _traffic_lines(phi: float, world: int, precision: str, optimizer: str, serve
     return out + [f"{label:>16} " + " ".join(f"{_in(x, scale):>13}" for x in xs) for label, xs in rows]
 
 
-def _scaling_lines(phi: float, precision: str, servers: int, c: Cluster, compute_from: str | None) -> list[str]:
+def _scaling_lines(phi: float, precision: str, servers: int, c: Network, compute_from: str | None,
+                   extra: dict | None) -> list[str]:
     worlds = [2**k for k in range(11)]
-    cols = ["1", str(servers), "n"] if servers not in (1,) else ["1", "n"]
-    rows = scaling_table(phi, precision, c, worlds, cols)
-    keys = ["ring", "zero-3"] + [f"ps/{s}" for s in cols]
+    rows = scaling_table(phi, precision, c, worlds, servers, extra)
+    keys = list(architectures(servers))
     unit, scale = _unit([r[k] for r in rows for k in keys], TIMES)
     source = f" (measured in {compute_from})" if compute_from else ""
-    out = ["", f"== step time ({unit}), compute {fmt_time(c.compute_s)}/step/worker{source} (weak scaling), link "
-               f"{fmt_size(c.bandwidth)}/s, latency {fmt_time(c.alpha)}, overlap {c.overlap:g}",
-           f"{'N':>6} {'ddp ring':>9} {'zero-3':>9} " + " ".join(f"{'ps/' + s:>9}" for s in cols)
-           + "   (ps/n: one server per worker)"]
+    sent = "from backward's hooks" if c.overlap else "after backward"
+    out = ["", f"== step time ({unit}) simulated: compute {fmt_time(c.compute_s)}/step/worker{source} (weak scaling), "
+               f"link {fmt_size(c.bandwidth)}/s each way, latency {fmt_time(c.alpha)}, gradients sent {sent}",
+           f"{'N':>6} " + " ".join(f"{k:>9}" for k in keys) + "   (ps/n: one server per worker; col: beside it)"]
     for row in rows:
         out.append(f"{row['world']:>6} " + " ".join(f"{row[k] / scale:>9.3g}" for k in keys))
-    for s in cols:
-        n = crossover(phi, precision, c, s, worlds)
-        out.append(f"ps/{s} overtakes ring all-reduce at N = {n}" if n else
-                   f"ps/{s} does not overtake ring all-reduce up to N = {worlds[-1]}")
+    for k in keys[1:]:
+        n = crossover(rows, k)
+        out.append(f"{k} overtakes ring all-reduce at N = {n}" if n else
+                   f"{k} does not overtake ring all-reduce up to N = {worlds[-1]}")
     return out
 
 
-def measured_vs_model(summary: Summary, cfg: Config, c: Cluster) -> str:
-    """A run's measured step time and traffic against the model's for the run's own config, with compute
-    taken from the run."""
+def measured_vs_model(summary: Summary, cfg: Config, c: Network) -> str:
+    """A run's measured step time and traffic against the simulator's for the run's own config (in full), with
+    compute taken from the run, on the network asked about."""
     compute = measured_compute(summary)
     p = theory.predict(cfg, summary["params"])
-    model = step_time(p, Cluster(c.bandwidth, c.alpha, compute, c.overlap))
+    try:
+        net = Network(c.bandwidth, c.alpha, compute, c.overlap)
+        model = f"{simulated(cfg, summary['params'], net, reduced=False).step_s * 1e3:.2f} ms"
+    except ConfigError as e:   # a backend whose step has no program yet: say so where the figure would be
+        model = f"none ({e})"
     sent = [r["sent_per_step"] for r in summary["traffic"]["per_rank"]]
     label = summary.get("label") or " ".join(filter(None, (summary["backend"], summary.get("variant"))))
     return (f"== measured run {summary['name']} ({label}, N = {summary['world_size']}): "
             f"compute {compute * 1e3:.2f} ms\n"
-            f"step time  measured {summary['step_time_s'] * 1e3:.2f} ms   model {model * 1e3:.2f} ms\n"
+            f"step time  measured {summary['step_time_s'] * 1e3:.2f} ms   model {model}\n"
             f"sent/step  measured {fmt_size(sum(sent) / len(sent))}   model {fmt_size(p.worker.sent)}")

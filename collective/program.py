@@ -1,0 +1,49 @@
+"""Collective data parallelism's step as a program (psarch.theory.program): forward, backward readying the
+gradient buckets in order, each bucket all-reduced by ring (2 passes of N - 1 steps, one bucket after another on
+the communicator) from backward's hooks (overlap_comm) or after backward, then the optimizer step.
+
+`ring` writes one ring pass (or several back to back) for any collective: in full, every rank sends 1/N of the
+bytes to the next at each step, once it has the previous step's chunk from the one before; reduced (every rank
+alike), one transfer of the pass's (N - 1)/N of the bytes standing for N, its steps as messages in sequence."""
+from __future__ import annotations
+
+from psarch.theory.program import WORKER, DataStep, Program, backward_spans, ready_points
+
+
+def workers(n: int, reduced: bool) -> Program:
+    """A program on n worker nodes (reduced: one node standing for n)."""
+    p = Program()
+    for count in ([n] if reduced else [1] * n):
+        p.node(WORKER, count)
+    return p
+
+
+def ring(p: Program, name: str, n: int, nbytes: float, passes: int, after: list[tuple[str, ...]],
+         reduced: bool) -> list[str]:
+    """`passes` ring passes over `nbytes` among ranks 0..n-1 (nodes 0..n-1; reduced: node 0 stands for them all),
+    rank r starting once `after[r]` is done: the op after which each rank has everything (one name reduced)."""
+    steps = passes * (n - 1)
+    if n == 1 or not steps:
+        return [p.join(f"{name}.{r}", r, after[r]) for r in range(1 if reduced else n)]
+    if reduced:
+        return [p.transfer(name, 0, 0, steps * nbytes / n, ("ring",), after[0], messages=steps, copies=n)]
+    for j in range(steps):
+        for r in range(n):
+            wait = after[r] if j == 0 else (f"{name}.{j - 1}.{(r - 1) % n}",)
+            p.transfer(f"{name}.{j}.{r}", r, (r + 1) % n, nbytes / n, ("ring", r), wait)
+    return [f"{name}.{steps - 1}.{(r - 1) % n}" for r in range(n)]
+
+
+def ddp_program(n: int, buckets: list[float], step: DataStep, overlap: bool, reduced: bool = False) -> Program:
+    """Ring all-reduce of `buckets` (bytes, in the order backward readies them) among n ranks."""
+    p = workers(n, reduced)
+    ranks = range(1 if reduced else n)
+    points = ready_points(buckets) if overlap else [1.0] * len(buckets)
+    spans = [backward_spans(p, r, r, step, points) for r in ranks]
+    last: list[tuple[str, ...]] = [() for _ in ranks]
+    for b, size in enumerate(buckets):
+        done = ring(p, f"ar{b}", n, size, 2, [(spans[r][0][b], *last[r]) for r in ranks], reduced)
+        last = [(d,) for d in done]
+    for r in ranks:
+        p.compute(f"opt{r}", r, step.optimizer_s, (spans[r][1], *last[r]))
+    return p

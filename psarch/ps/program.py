@@ -1,0 +1,99 @@
+"""The sync parameter server's step as a program (psarch.theory.program), from the facts its workers and servers
+act on: each server's partitions (psarch/ps/layout.py's server_partitions), where each server runs (a node of
+its own, or beside worker j), and whether pushes leave from backward's hooks.
+
+Worker w computes forward, then backward, in which partition [lo, hi) of the flat vector is ready at backward x
+(1 - lo / numel) (backward runs from the vector's end); from the hooks each partition is pushed once ready (else
+all after backward), on the worker's one connection to its server, in the order they are ready. A server's round
+of a partition is complete once every worker's push of it is in; then it answers each worker's pull on its one
+connection to that worker. A worker's step ends when backward is over and every pull is in. A server beside
+worker w takes w's push and answers w's pull without the link. Not modelled: a server's compute.
+
+Reduced: alike servers grouped (groups_of), each group one node standing for its servers (colocated: and the
+workers beside them), the workers alone one node; a slot's pushes and pulls one transfer each per pair of nodes.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from psarch.theory.program import BOTH, SERVER, WORKER, DataStep, Program, backward_spans
+
+
+@dataclass(frozen=True)
+class Slot:
+    """One partition of a server: its bytes, and where in backward (a fraction) it is ready."""
+
+    bytes: float
+    ready: float
+
+
+def slots_of(parts: list[list[tuple[int, int]]], width: int, hooks: bool) -> list[list[Slot]]:
+    """Each server's partitions ([lo, hi) of the flat vector) as slots, in the order they are pushed."""
+    numel = sum(b - a for server in parts for a, b in server) or 1
+    return [sorted((Slot((b - a) * width, 1 - a / numel if hooks else 1.0) for a, b in server),
+                   key=lambda s: s.ready) for server in parts]
+
+
+def groups_of(servers: list[list[Slot]]) -> list[tuple[int, list[Slot]]]:
+    """The servers as groups of alike ones for a reduced program: (how many, their slots), servers alike where
+    their partitions' bytes are (round robin makes at most two groups: those with one partition more); a slot is
+    ready when it is on the last of the group's servers."""
+    groups: dict[tuple[int, ...], list[list[Slot]]] = {}
+    for own in servers:
+        groups.setdefault(tuple(round(x.bytes) for x in own), []).append(own)
+    return [(len(members), [Slot(members[0][i].bytes, max(m[i].ready for m in members))
+                            for i in range(len(members[0]))]) for members in groups.values()]
+
+
+def ps_program(n: int, servers: list[list[Slot]], colocated: bool, step: DataStep) -> Program:
+    """Every worker and server in full: n workers, len(servers) servers (colocated: server j beside worker j)."""
+    k = len(servers)
+    p = Program()
+    for w in range(n):
+        p.node(BOTH if colocated and w < k else WORKER)
+    where = list(range(k)) if colocated else [p.node(SERVER) for _ in range(k)]
+    order = sorted(((s.ready, j, i) for j, own in enumerate(servers) for i, s in enumerate(own)))
+    spans = [backward_spans(p, w, w, step, [x for x, _, _ in order]) for w in range(n)]
+    got: list[list[str]] = [[spans[w][1]] for w in range(n)]
+    for at, (_, j, i) in enumerate(order):
+        pushes = tuple(spans[w][0][at] if where[j] == w else
+                       p.transfer(f"push.{w}.{j}.{i}", w, where[j], servers[j][i].bytes, ("push", w, j),
+                                  (spans[w][0][at],)) for w in range(n))
+        done = p.join(f"round.{j}.{i}", where[j], pushes)
+        for w in range(n):
+            got[w].append(done if where[j] == w else
+                          p.transfer(f"pull.{j}.{i}.{w}", where[j], w, servers[j][i].bytes, ("pull", j, w), (done,)))
+    for w in range(n):
+        p.join(f"end{w}", w, tuple(got[w]))
+    return p
+
+
+def ps_reduced(n: int, groups: list[tuple[int, list[Slot]]], colocated: bool, step: DataStep) -> Program:
+    """The same step with alike servers grouped (groups_of: how many, their slots): one node per group of servers
+    (colocated: with their workers beside them), one for the workers alone, one transfer per slot and pair."""
+    p = Program()
+    if colocated:
+        k = sum(c for c, _ in groups)
+        servers = [p.node(BOTH, c) for c, _ in groups]
+        kinds = [(node, c, g) for g, (node, (c, _)) in enumerate(zip(servers, groups))]
+        kinds += [(p.node(WORKER, n - k), n - k, -1)] if n > k else []
+    else:
+        kinds = [(p.node(WORKER, n), n, -1)]
+        servers = [p.node(SERVER, c) for c, _ in groups]
+    order = sorted((x.ready, g, i) for g, (_, own) in enumerate(groups) for i, x in enumerate(own))
+    spans = {node: backward_spans(p, node, node, step, [x for x, _, _ in order]) for node, _, _ in kinds}
+    got: dict[int, list[str]] = {node: [spans[node][1]] for node, _, _ in kinds}
+    for at, (_, g, i) in enumerate(order):
+        size, where = groups[g][1][i].bytes, servers[g]
+        # each of a kind's `count` workers exchanges with every server of the group but its own
+        copies = {node: count * (groups[g][0] - (own == g)) for node, count, own in kinds}
+        pushes = [spans[node][0][at] for node, _, own in kinds if own == g]
+        pushes += [p.transfer(f"push.{node}.{g}.{i}", node, where, size, ("push", node, g), (spans[node][0][at],),
+                              copies=copies[node]) for node, _, _ in kinds if copies[node]]
+        done = p.join(f"round.{g}.{i}", where, tuple(pushes))
+        for node, _, _ in kinds:
+            got[node].append(p.transfer(f"pull.{g}.{i}.{node}", where, node, size, ("pull", g, node), (done,),
+                                        copies=copies[node]) if copies[node] else done)
+    for node, _, _ in kinds:
+        p.join(f"end{node}", node, tuple(got[node]))
+    return p

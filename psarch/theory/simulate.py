@@ -1,0 +1,213 @@
+"""The one step simulator: plays a step's program (psarch.theory.program) on a cluster and says how long the
+step takes and of what it is made.
+
+- A compute span starts once every op it waits for is done and takes its seconds.
+- A transfer, once every op it waits for is done, joins its connection's queue (one transfer at a time per
+  connection, first ready first served); at the head it pays α per message, then its bytes flow from its
+  source's uplink to its destination's downlink.
+- Flows share links max-min fairly (progressive filling): the link that offers the least to each of its flows
+  fixes their rate, and the rest share what is left. A reduced program's transfer counts copies / count on
+  each of its links (psarch.theory.program).
+- The step ends when its last op does. Its parts, on the node whose ops end last (the most compute among
+  ties): compute (its spans), exposed communication (while it does not compute but one of its transfers, sent
+  or received, is queued or moving) and idle (neither: waiting for other nodes).
+Not modelled: TCP's own dynamics (slow start, unfair shares), a server's compute.
+"""
+from __future__ import annotations
+
+import heapq
+import itertools
+from collections import defaultdict, deque
+from dataclasses import dataclass
+from typing import Hashable
+
+from psarch.theory.program import Cluster, Compute, Op, Program, Transfer
+
+DONE = 1e-9     # a flow with less than this share of its bytes left is complete
+
+
+@dataclass(frozen=True)
+class StepTime:
+    """A simulated step: its seconds and, on its busiest node, compute, exposed communication and idle."""
+
+    step_s: float
+    compute_s: float
+    exposed_s: float
+    idle_s: float
+
+    def to_dict(self) -> dict[str, float]:
+        return {"step_time_s": self.step_s, "compute_s": self.compute_s, "comm_s": self.exposed_s,
+                "idle_s": self.idle_s}
+
+
+class _Flow:
+    __slots__ = ("op", "left", "up", "down")
+
+    def __init__(self, op: Transfer, cluster: Cluster) -> None:
+        self.op, self.left = op, float(op.bytes)
+        # how many alike flows this one stands for on each of its links
+        self.up = op.copies / cluster.nodes[op.src].count
+        self.down = op.copies / cluster.nodes[op.dst].count
+
+
+def fair_rates(flows: list[_Flow], cluster: Cluster) -> list[float]:
+    """Max-min fair rate of each flow (bytes/s of one copy), by progressive filling over the links."""
+    ups, downs = {f.op.src for f in flows}, {f.op.dst for f in flows}
+    if len(ups) == len(downs) == len(flows):   # no two share a link (a reduced program's usual case): at once
+        return [min(cluster.nodes[f.op.src].up / f.up, cluster.nodes[f.op.dst].down / f.down) for f in flows]
+    cap: dict[tuple[str, int], float] = {}
+    on: dict[tuple[str, int], list[int]] = defaultdict(list)
+    for i, f in enumerate(flows):
+        cap[("up", f.op.src)] = cluster.nodes[f.op.src].up
+        cap[("down", f.op.dst)] = cluster.nodes[f.op.dst].down
+        on[("up", f.op.src)].append(i)
+        on[("down", f.op.dst)].append(i)
+    weight = {k: sum(flows[i].up if k[0] == "up" else flows[i].down for i in v) for k, v in on.items()}
+    rate: list[float | None] = [None] * len(flows)
+    while on:
+        link = min(on, key=lambda k: cap[k] / weight[k])
+        share = max(0.0, cap[link] / weight[link])
+        for i in on.pop(link):
+            rate[i] = share
+            f = flows[i]
+            for k, w in ((("up", f.op.src), f.up), (("down", f.op.dst), f.down)):
+                if k in on:
+                    on[k].remove(i)
+                    cap[k] -= share * w
+                    weight[k] -= w
+                    if not on[k]:
+                        del on[k]
+    return [r if r is not None else 0.0 for r in rate]
+
+
+def _check(program: Program, cluster: Cluster) -> dict[str, Op]:
+    ops: dict[str, Op] = {}
+    for op in program.ops:
+        if op.name in ops:
+            raise ValueError(f"step program: two ops are named {op.name!r}")
+        ops[op.name] = op
+        nodes = (op.node,) if isinstance(op, Compute) else (op.src, op.dst)
+        if any(not 0 <= n < len(cluster.nodes) for n in nodes):
+            raise ValueError(f"step program: op {op.name!r} names node {nodes}, the cluster has {len(cluster.nodes)}")
+        if isinstance(op, Transfer) and op.src == op.dst and cluster.nodes[op.src].count == 1:
+            raise ValueError(f"step program: transfer {op.name!r} goes from node {op.src} to itself: a node's own "
+                             f"data takes no link, so leave it out")
+    for op in program.ops:
+        if missing := [a for a in op.after if a not in ops]:
+            raise ValueError(f"step program: op {op.name!r} waits for {missing[0]!r}, which is not in the program")
+    return ops
+
+
+def simulate(program: Program, cluster: Cluster) -> StepTime:
+    """Play `program` on `cluster` from idle links and return its step time and parts."""
+    ops, start, end = play(program, cluster)
+    return parts(ops, start, end, 0.0, max(end.values(), default=0.0))
+
+
+def play(program: Program, cluster: Cluster) -> tuple[dict[str, Op], dict[str, float], dict[str, float]]:
+    """Play `program` on `cluster` from idle links: its ops by name, and when each started (became ready) and
+    ended."""
+    ops = _check(program, cluster)
+    waiting = {name: len(set(op.after)) for name, op in ops.items()}
+    needed_by: dict[str, list[str]] = defaultdict(list)
+    for op in program.ops:   # in program order, so that ops ready at once start in it
+        for a in set(op.after):
+            needed_by[a].append(op.name)
+    queues: dict[Hashable, deque[Transfer]] = defaultdict(deque)
+    busy: set[Hashable] = set()
+    flows: list[_Flow] = []
+    events: list[tuple[float, int, int, str]] = []       # (time, order, kind 0 end / 1 flow starts, op)
+    seq = itertools.count()
+    start: dict[str, float] = {}
+    end: dict[str, float] = {}
+    now = 0.0
+
+    def ready(name: str) -> None:
+        op = ops[name]
+        start[name] = now
+        if isinstance(op, Compute):
+            heapq.heappush(events, (now + op.seconds, next(seq), 0, name))
+        else:
+            queues[op.conn].append(op)
+            serve(op.conn)
+
+    def serve(conn: Hashable) -> None:
+        if conn in busy or not queues[conn]:
+            return
+        op = queues[conn][0]
+        busy.add(conn)
+        heapq.heappush(events, (now + cluster.alpha_s * op.messages, next(seq), 1, op.name))
+
+    def done(name: str) -> None:
+        end[name] = now
+        op = ops[name]
+        if isinstance(op, Transfer):
+            queues[op.conn].popleft()
+            busy.discard(op.conn)
+            serve(op.conn)
+        for d in needed_by[name]:
+            waiting[d] -= 1
+            if not waiting[d]:
+                ready(d)
+
+    for name in [n for n, w in waiting.items() if not w]:
+        ready(name)
+    rates: list[float] = []
+    changed = False
+    while flows or events:
+        if changed:   # rates hold until a flow starts or ends
+            rates, changed = fair_rates(flows, cluster), False
+        t = min([now + f.left / r if r > 0 else float("inf") for f, r in zip(flows, rates)]
+                + ([events[0][0]] if events else []))
+        if t == float("inf"):
+            raise ValueError("step program: a transfer can never move (a link of rate 0)")
+        for f, r in zip(flows, rates):
+            f.left -= r * (t - now)
+        now = t
+        if any(f.left <= DONE * max(1.0, f.op.bytes) for f in flows):
+            complete = [f for f in flows if f.left <= DONE * max(1.0, f.op.bytes)]
+            flows = [f for f in flows if f.left > DONE * max(1.0, f.op.bytes)]
+            rates, changed = [], True
+            for f in complete:
+                done(f.op.name)
+        while events and events[0][0] <= now:
+            _, _, kind, name = heapq.heappop(events)
+            op = ops[name]
+            if kind == 1 and isinstance(op, Transfer) and op.bytes > 0:
+                flows.append(_Flow(op, cluster))
+                rates, changed = [], True
+            else:
+                done(name)
+    if stuck := [n for n in ops if n not in end]:
+        raise ValueError(f"step program: op {stuck[0]!r} never ran (its waits form a cycle)")
+    return ops, start, end
+
+
+def parts(ops: dict[str, Op], start: dict[str, float], end: dict[str, float], lo: float, hi: float) -> StepTime:
+    """A step of hi - lo seconds and, within [lo, hi), the parts of the node whose ops end last (the most compute
+    among ties)."""
+    compute: dict[int, list[tuple[float, float]]] = defaultdict(list)
+    comm: dict[int, list[tuple[float, float]]] = defaultdict(list)
+    last: dict[int, float] = defaultdict(float)
+    for name, op in ops.items():
+        span = (max(lo, start[name]), min(hi, end[name]))
+        for node in ((op.node,) if isinstance(op, Compute) else (op.src, op.dst)):
+            last[node] = max(last[node], min(hi, end[name]))
+            if span[1] > span[0]:
+                (compute if isinstance(op, Compute) else comm)[node].append(span)
+    if not last:
+        return StepTime(0.0, 0.0, 0.0, 0.0)
+    node = max(last, key=lambda n: (last[n] >= hi - 1e-12 * max(1.0, hi), _length(compute[n])))
+    busy = _length(compute[node])
+    exposed = _length(compute[node] + comm[node]) - busy
+    return StepTime(hi - lo, busy, exposed, max(0.0, hi - lo - busy - exposed))
+
+
+def _length(spans: list[tuple[float, float]]) -> float:
+    """Seconds covered by the union of `spans`."""
+    total, reach = 0.0, float("-inf")
+    for a, b in sorted(spans):
+        if b > reach:
+            total += b - max(a, reach)
+            reach = b
+    return total
