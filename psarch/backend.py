@@ -142,6 +142,11 @@ class BackendSpec(ABC):
         of one pipeline) read the same shard."""
         return rank, world_size
 
+    def processes(self, cfg: Config) -> int:
+        """Worker processes the launcher starts: one per worker by default; a backend whose workers are
+        threads of one process (dp: one thread per device) says 1."""
+        return cfg.backend.world_size
+
     def service_nodes(self, cfg: Config) -> int:
         """Processes besides the workers that this run starts (PS servers); on an emulated cluster each is a node
         of its own unless `service_beside` puts it on a worker's."""
