@@ -32,6 +32,7 @@ def reduced_params(cfg: Config, phi: float) -> float:
 
 class DDPSpec(BackendSpec):
     kind = "ddp"
+    trains_subsets = True
     trainer = "collective.ddp:DDPTrainer"
     doc = "data parallelism: gradients all-reduced by psarch's ring or torch.distributed's collectives"
     options = CollectiveOptions

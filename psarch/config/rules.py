@@ -107,6 +107,14 @@ def check_capabilities(spec: Any, cfg: Config) -> None:
         raise ConfigError(f"backend.world_size = {b.world_size}: {this} runs exactly {spec.max_world_size} worker"
                           if spec.max_world_size == 1 else
                           f"backend.world_size = {b.world_size}: {this} runs at most {spec.max_world_size} workers")
+    if (t.trainable or t.lora_rank) and not spec.trains_subsets:
+        key = f"train.trainable = {show(t.trainable)}" if t.trainable else f"train.lora_rank = {t.lora_rank}"
+        subsets = [s.kind for s in registry.specs() if s.trains_subsets]
+        raise ConfigError(f"{key}: {this} trains every parameter; frozen parameters and LoRA run on backend.kind = "
+                          f"{', '.join(json.dumps(k) for k in subsets)}")
+    if (t.trainable or t.lora_rank) and b.embeddings != "dense":
+        raise ConfigError(f"backend.embeddings = \"{b.embeddings}\": frozen parameters and LoRA (train.trainable, "
+                          f"train.lora_rank) run with dense embeddings only")
     if t.precision not in spec.precisions:
         raise ConfigError(f"train.precision = \"{t.precision}\": {this} runs {' or '.join(spec.precisions)} only")
     if b.embeddings not in spec.embeddings:

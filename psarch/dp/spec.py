@@ -35,6 +35,9 @@ class _OneProcess(BackendSpec):
     def processes(self, cfg: Config) -> int:
         return 1
 
+    def frozen_copies(self, cfg: Config) -> int:
+        return cfg.backend.world_size
+
     def check(self, cfg: Config) -> None:
         c = cfg.cluster
         if c.emulate or c.slow_workers or c.jitter:
@@ -49,6 +52,7 @@ class _OneProcess(BackendSpec):
 
 class DPSpec(_OneProcess):
     kind = "dp"
+    trains_subsets = True
     trainer = "psarch.dp.trainer:DPTrainer"
     doc = ("one process, one thread per device (torch.nn.DataParallel's step, written out): the module replicated "
            "from the master each step, inputs scattered, outputs and gradients gathered on the master")

@@ -128,10 +128,12 @@ class DPTrainer(SingleTrainer):
         return StepStats(float(loss.item()), skipped=skipped, loss_scale=self.optim.scaler.scale)
 
     def memory(self) -> MemoryReport:
-        """The master's model states plus every replica's parameters and gradients."""
+        """The master's model states plus every replica's parameters and gradients, and every device's copy of
+        the frozen parameters."""
         m = flat_memory(self.ctx.device, self.flat, self.optim.state_bytes())
         m.params += tensor_bytes(r.flat.data for r in self.replicas)
         m.grads += tensor_bytes(r.flat.grad for r in self.replicas)
+        m.frozen = tensor_bytes(p for module in self.modules for p in module.parameters() if not p.requires_grad)
         return m
 
     def traffic(self) -> TrafficReport:

@@ -1,0 +1,125 @@
+"""Frozen parameters and LoRA (train.trainable, train.lora_*): the adapter's arithmetic; every backend that trains a
+subset ends with `single`'s model when both train the same subset (SGD, within 1e-5 absolute on every parameter,
+parity.SGD_ATOL, at N = 2); only the parameters that train move (bytes per step from their count, not the
+model's) and hold gradients and optimizer state, while the frozen weights are reported apart; bad settings stop
+with one line."""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from torch import nn
+
+from parity import OPTIMIZERS, SGD_ATOL, assert_same_model, config
+from psarch.config import ConfigError, from_dict, load_config
+from psarch.launch.ranks import run
+from psarch.models.lora import LoRALinear, add_lora
+from psarch.workload import build_workload
+
+LORA = dict(OPTIMIZERS["sgd"], lora_rank=2, lora_alpha=4.0)
+HEAD_AND_MLP = dict(OPTIMIZERS["sgd"], trainable=["head.weight", "blocks.*.mlp.*"])
+N = 2
+# name -> (train, backend): each LoRA or frozen run, and the single run it must equal
+RUNS = {
+    "single-lora": (LORA, {"kind": "single"}),
+    "ddp-lora": (LORA, {"kind": "ddp", "comm": "ring", "world_size": N}),
+    "ps-lora": (LORA, {"kind": "ps", "mode": "sync", "world_size": N}),
+    "dp-lora": (LORA, {"kind": "dp", "world_size": N}),
+    "single-frozen": (HEAD_AND_MLP, {"kind": "single"}),
+    "ddp-frozen": (HEAD_AND_MLP, {"kind": "ddp", "comm": "ring", "world_size": N}),
+}
+
+
+def test_lora_linear_is_the_base_plus_the_scaled_low_rank_update():
+    torch.manual_seed(0)
+    base = nn.Linear(6, 5)
+    layer = LoRALinear(base, rank=2, alpha=4.0, generator=torch.Generator().manual_seed(1))
+    x = torch.randn(3, 6)
+    torch.testing.assert_close(layer(x), base(x))   # B starts at zero: the model is unchanged
+    assert layer.weight is base.weight and layer.bias is base.bias
+    assert layer.lora_A.abs().max() <= 1 / math.sqrt(6) and not layer.lora_A.eq(0).all()
+    with torch.no_grad():
+        layer.lora_B.normal_()
+    expected = x @ base.weight.T + base.bias + 4.0 / 2 * x @ layer.lora_A.T @ layer.lora_B.T
+    torch.testing.assert_close(layer(x), expected)
+
+
+def test_adapters_are_added_where_asked_and_the_rest_frozen():
+    cfg = from_dict(config("x", train=dict(LORA, lora_targets=["*.qkv"])))
+    trains = {n for n, p in build_workload(cfg).model.named_parameters() if p.requires_grad}
+    assert trains == {"blocks.0.attn.qkv.lora_A", "blocks.0.attn.qkv.lora_B"}
+    again = dict(build_workload(cfg).model.named_parameters())   # every rank draws the same A
+    assert torch.equal(again["blocks.0.attn.qkv.lora_A"], dict(build_workload(cfg).model.named_parameters())[
+        "blocks.0.attn.qkv.lora_A"])
+    model = nn.Sequential(nn.Linear(2, 2))
+    assert add_lora(model, 1, 1.0, ["nothing"], 0) == []
+
+
+def test_bad_settings_say_what_was_wrong():
+    with pytest.raises(ConfigError, match=r"train.lora_targets = \['\*.nothing'\]: no nn.Linear module of the model matches"):
+        build_workload(from_dict(config("x", train=dict(LORA, lora_targets=["*.nothing"]))))
+    with pytest.raises(ConfigError, match=r"train.trainable: 'nope.\*' names no parameter of the model"):
+        build_workload(from_dict(config("x", train={"trainable": ["nope.*"]})))
+    with pytest.raises(ConfigError, match=r'train.lora_rank = 2: backend.kind = "tensor" trains every parameter'):
+        load_config(None, ["train.lora_rank=2", 'backend.kind="tensor"', "backend.world_size=2"])
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    out = tmp_path_factory.mktemp("lora")
+    summaries = {name: run(from_dict(config(name, train=t, backend=b)), out / name, echo=False)
+                 for name, (t, b) in RUNS.items()}
+    return out, summaries
+
+
+def _model(out, name):
+    return torch.load(out / name / "model.pt", weights_only=True)
+
+
+@pytest.mark.parametrize("name", [n for n in RUNS if not n.startswith("single")])
+def test_equals_single_training_the_same_parameters(runs, name):
+    out, summaries = runs
+    ref = "single-lora" if name.endswith("lora") else "single-frozen"
+    assert_same_model(_model(out, name), _model(out, ref), f"{name} vs {ref}", rtol=0, atol=SGD_ATOL)
+    initial = build_workload(from_dict(config("x", train=RUNS[name][0]))).model.state_dict()
+    trained = _model(out, name)
+    for k, v in initial.items():   # frozen weights never move; the adapters and the named parameters do
+        moved = not torch.equal(trained[k], v)
+        assert moved == (k.endswith(("lora_B", "lora_A")) or (name.endswith("frozen") and (
+            k == "head.weight" or ".mlp." in k))), k
+
+
+def test_only_the_trainable_parameters_move(runs):
+    """Bytes per step from Φ, the parameters that train: the ring's 2(N-1)/N · 4Φ (plus at most N - 1
+    elements of padding per bucket and pass), the PS's 4Φ each way plus headers, dp's (N - 1) · 4Φ each way
+    plus the scattered inputs and gathered losses: a fraction of the model's bytes."""
+    _, s = runs
+    for name in ("ddp-lora", "ps-lora", "dp-lora", "ddp-frozen"):
+        phi, frozen = s[name]["params"], s[name]["frozen_params"]
+        assert phi > 0 and 4 * frozen > 1024   # the frozen weights' bytes would exceed every bound below
+        predicted = s[name]["predicted"]["traffic_per_step"]["worker_sent"]
+        for t in s[name]["traffic"]["per_rank"]:
+            sent = t["sent_per_step"]
+            if name.startswith("ddp"):
+                assert predicted == 2 * (N - 1) / N * 4 * phi
+                assert predicted <= sent <= predicted + 2 * (N - 1) * 4 * 16   # 16 buckets' padding at most
+            elif name.startswith("ps"):
+                assert predicted == 4 * phi and predicted < sent <= predicted + 128
+            else:
+                tokens = build_workload(from_dict(config("x", train=LORA))).batch(0, 0, 1)
+                assert predicted == (N - 1) * 4 * phi
+                assert sent == predicted + (N - 1) * tokens.numel() * 8 // N + (N - 1) * 4
+
+
+def test_memory_reports_frozen_weights_apart(runs):
+    _, s = runs
+    for name in RUNS:
+        phi, frozen = s[name]["params"], s[name]["frozen_params"]
+        copies = N if name.startswith("dp") else 1
+        predicted = s[name]["predicted"]["memory_per_rank"]
+        assert predicted["frozen"] == copies * 4 * frozen
+        for m in s[name]["memory"]["per_rank"]:
+            assert m["frozen"] == copies * 4 * frozen
+            assert m["grads"] == copies * 4 * phi   # gradients of what trains only
+            assert m["total"] == m["params"] + m["grads"] + m["optimizer"] + m["buffers"] + m["frozen"]
