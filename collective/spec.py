@@ -64,6 +64,7 @@ class DDPSpec(BackendSpec):
 
 class TorchDDPSpec(BackendSpec):
     kind = "torch_ddp"
+    trains_subsets = True
     trainer = "collective.torch_ddp:TorchDDPTrainer"
     doc = "PyTorch's DistributedDataParallel (the peer of ddp)"
     reads = {**PROCESS_GROUP_OPTIONS, "backend.bucket_cap_mb": None}

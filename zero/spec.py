@@ -33,6 +33,7 @@ class ZeroOptions:
 
 class ZeroSpec(BackendSpec):
     kind = "zero"
+    trains_subsets = True
     trainer = "zero.trainer:ZeroTrainer"
     doc = "ZeRO stages 1-3: optimizer state, gradients and parameters partitioned over the ranks"
     options = ZeroOptions
@@ -70,6 +71,7 @@ class ZeroSpec(BackendSpec):
 
 class TorchZeroSpec(BackendSpec):
     kind = "torch_zero"
+    trains_subsets = True
     trainer = "zero.torch_peers:TorchZeroTrainer"
     doc = "PyTorch's DDP + ZeroRedundancyOptimizer (ZeRO-1; the peer of zero stage 1)"
     reads = {**PROCESS_GROUP_OPTIONS, "backend.bucket_cap_mb": None}

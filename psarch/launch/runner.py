@@ -19,7 +19,7 @@ from psarch.cluster.window import StepMarks
 from psarch.config import Config
 from psarch.dist import DistContext
 from psarch.errors import check_gradients, check_loss
-from psarch.meters import tensor_bytes
+from psarch.meters import local, tensor_bytes
 from psarch.precision import compute_dtype
 from psarch.records import RankRecord, StepRecord
 from psarch.trainer import StepStats, Trainer
@@ -129,9 +129,9 @@ def run_rank(cfg: Config, ctx: DistContext, workload: Workload | None = None, ec
                log, save)
         state = trainer.full_state_dict()   # a collective call: before the figures, which then include it
         memory = trainer.memory()
-        # frozen weights are the model's own tensors wherever the backend keeps them (a backend holding more
-        # copies, dp's replicas, reports them itself)
-        memory.frozen = memory.frozen or tensor_bytes(frozen)
+        # frozen weights are the model's own tensors (a DTensor's local shard) wherever the backend keeps them (a
+        # backend holding more copies, dp's replicas, reports them itself)
+        memory.frozen = memory.frozen or tensor_bytes(local(p) for p in frozen)
         record = RankRecord(ctx.rank, records, memory.to_dict(), trainer.traffic().to_dict(),
                             trainer.summary_extra(), str(ctx.device), ctx.dist_backend, workload.entropy_floor,
                             params, workload.name, state if ctx.rank == 0 else None,
