@@ -137,7 +137,7 @@ def test_memory_reports_frozen_weights_apart(runs):
         phi, frozen = s[name]["params"], s[name]["frozen_params"]
         copies = N if name.startswith("dp") else 1
         predicted = s[name]["predicted"]["memory_per_rank"]
-        assert predicted["frozen"] == copies * 4 * frozen
+        assert predicted["frozen"] == copies * 4 * frozen and 0 < predicted["grads"] <= copies * 4 * phi
         for m in s[name]["memory"]["per_rank"]:
             assert m["frozen"] == predicted["frozen"]
             assert (m["params"], m["grads"], m["optimizer"]) == (predicted["params"], predicted["grads"],
