@@ -69,6 +69,13 @@ def test_bad_settings_say_what_was_wrong():
         build_workload(from_dict(config("x", train={"trainable": ["nope.*"]})))
     with pytest.raises(ConfigError, match=r'train.lora_rank = 2: backend.kind = "tensor" trains every parameter'):
         load_config(None, ["train.lora_rank=2", 'backend.kind="tensor"', "backend.world_size=2"])
+    with pytest.raises(ConfigError, match=r"train.lora_alpha = 8.0: applies only with LoRA adapters; set train.lora_rank > 0"):
+        load_config(None, ["train.lora_alpha=8"])
+    with pytest.raises(ConfigError, match=r"train.trainable = \[1\]: expected a list of parameter or module names"):
+        load_config(None, ["train.trainable=[1]"])
+    with pytest.raises(ConfigError, match=r'backend.embeddings = "rows": frozen parameters and LoRA'):
+        load_config(None, ["train.lora_rank=2", 'workload.model="dlrm"', 'workload.data="clicks"',
+                           'backend.kind="ddp"', 'backend.embeddings="rows"'])
 
 
 @pytest.fixture(scope="module")

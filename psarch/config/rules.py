@@ -56,6 +56,19 @@ def _check_train(cfg: Config) -> None:
     if t.initial_accumulator_value and t.optimizer != "adagrad":
         raise ConfigError(f"train.initial_accumulator_value = {t.initial_accumulator_value:g}: only train.optimizer = "
                           f"\"adagrad\" has an accumulator, not \"{t.optimizer}\"; set it to 0")
+    for key in ("trainable", "lora_targets"):
+        value = getattr(t, key)
+        if not isinstance(value, list) or not all(isinstance(x, str) and x for x in value):
+            raise ConfigError(f"train.{key} = {show(value)}: expected a list of parameter or module names or glob "
+                              f"patterns, e.g. [\"head.weight\", \"blocks.*.attn.*\"]")
+    defaults = type(t)()
+    changed = [k for k in ("lora_alpha", "lora_targets") if getattr(t, k) != getattr(defaults, k)]
+    if not t.lora_rank and changed:
+        raise ConfigError(f"train.{changed[0]} = {show(getattr(t, changed[0]))}: applies only with LoRA adapters; "
+                          f"set train.lora_rank > 0")
+    if t.lora_rank and not t.lora_targets:
+        raise ConfigError("train.lora_targets = []: LoRA (train.lora_rank > 0) needs the linear layers to adapt, "
+                          "e.g. [\"*\"] (every nn.Linear)")
     if b.dist_backend == "nccl" and b.device == "cpu":
         raise ConfigError("backend.dist_backend = \"nccl\": needs backend.device = \"cuda\" (or \"auto\" on a GPU machine)")
 
