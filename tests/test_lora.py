@@ -150,3 +150,15 @@ def test_memory_reports_frozen_weights_apart(runs):
             assert (m["params"], m["grads"], m["optimizer"]) == (predicted["params"], predicted["grads"],
                                                                  predicted["optimizer"]), name
             assert m["total"] == m["params"] + m["grads"] + m["optimizer"] + m["buffers"] + m["frozen"]
+
+
+def test_resume_with_adapters_is_bit_exact(tmp_path, capsys):
+    """A checkpoint holds what trains (the adapters and their optimizer state); the frozen weights come from
+    the seed again, so a resumed LoRA run ends where the straight one does, bit for bit."""
+    run(from_dict(config("full", train=LORA)), tmp_path / "full", echo=False)
+    run(from_dict(config("half", train=dict(LORA, checkpoint_every=3, steps=3))), tmp_path / "half", echo=False)
+    capsys.readouterr()
+    run(from_dict(config("half", train=dict(LORA, checkpoint_every=3, steps=6))), tmp_path / "half", resume=True)
+    assert "at step 3" in capsys.readouterr().out
+    a, b = _model(tmp_path, "full"), _model(tmp_path, "half")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
