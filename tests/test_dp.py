@@ -104,3 +104,23 @@ def test_on_cuda_devices_equals_single(tmp_path, kind):
                       torch.load(tmp_path / "single" / "model.pt", weights_only=True), f"{kind} on 2 GPUs", rtol=0,
                       atol=SGD_ATOL)
     assert summary["traffic"]["per_rank"][0]["sent_per_step"] >= summary["predicted"]["traffic_per_step"]["worker_sent"]
+
+
+def test_checkpoints_resume_bit_exact_and_fork_onto_single(tmp_path, capsys):
+    """dp writes its master's state as the one process's part: a resume continues bit for bit, and `single`
+    forked from the same checkpoint ends with single's model (AdamW, parity's tolerance)."""
+    hp, dp = OPTIMIZERS["adamw"], {"kind": "dp", "world_size": 2}
+    run(from_dict(config("full", train=hp, backend=dp)), tmp_path / "full", echo=False)
+    run(from_dict(config("half", train=dict(hp, checkpoint_every=3, steps=3), backend=dp)), tmp_path / "half",
+        echo=False)
+    capsys.readouterr()
+    run(from_dict(config("half", train=dict(hp, checkpoint_every=3, steps=6), backend=dp)), tmp_path / "half",
+        resume=True)
+    assert "at step 3" in capsys.readouterr().out
+    full, half = (torch.load(tmp_path / n / "model.pt", weights_only=True) for n in ("full", "half"))
+    assert all(torch.equal(full[k], half[k]) for k in full)
+    run(from_dict(config("single", train=hp)), tmp_path / "single", echo=False)
+    run(from_dict(config("fork", train=hp)), tmp_path / "fork", echo=False,
+        start=tmp_path / "half" / "checkpoints" / "step_000003")
+    assert_same_model(torch.load(tmp_path / "fork" / "model.pt", weights_only=True),
+                      torch.load(tmp_path / "single" / "model.pt", weights_only=True), "single forked from dp")

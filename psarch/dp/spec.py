@@ -27,10 +27,10 @@ def master_prediction(cfg: Config, phi: float) -> Prediction:
 
 
 class _OneProcess(BackendSpec):
-    """What both share: one process whose workers are threads, on one machine."""
+    """What both share: one process whose workers are threads, on one machine; its checkpoint is the master's
+    state, written as that process's one part."""
 
     needs_process_group = False
-    checkpoints = False
 
     def processes(self, cfg: Config) -> int:
         return 1
