@@ -16,6 +16,7 @@ from parity import OPTIMIZERS, SGD_ATOL, assert_same_model, config
 from psarch.config import ConfigError, from_dict, load_config
 from psarch.launch.ranks import run
 from psarch.models.lora import LoRALinear, add_lora
+from psarch.report.runs import load_run
 from psarch.workload import build_workload
 
 LORA = dict(OPTIMIZERS["sgd"], lora_rank=2, lora_alpha=4.0)
@@ -137,8 +138,9 @@ def test_only_the_trainable_parameters_move(runs):
 
 @pytest.mark.slow
 def test_memory_reports_frozen_weights_apart(runs):
-    """Every rank keeps the frozen weights whole (ZeRO-3 shards only what trains); gradients and optimizer
-    state are the formulas' for Φ, the parameters that train (AdamW's step counters aside: SGD here)."""
+    """Memory's `frozen` category is the frozen weights' bytes, predicted and measured: every rank keeps them
+    whole (ZeRO-3 shards only what trains); gradients and optimizer state are the formulas' for Φ, the
+    parameters that train (SGD with momentum here: no AdamW step counters)."""
     _, s = runs
     for name in RUNS:
         phi, frozen = s[name]["params"], s[name]["frozen_params"]
@@ -150,6 +152,8 @@ def test_memory_reports_frozen_weights_apart(runs):
             assert (m["params"], m["grads"], m["optimizer"]) == (predicted["params"], predicted["grads"],
                                                                  predicted["optimizer"]), name
             assert m["total"] == m["params"] + m["grads"] + m["optimizer"] + m["buffers"] + m["frozen"]
+    out, _ = runs   # psarch compare reads a run folder back with theory as it stands now: the same figures
+    assert load_run(out / "ddp-lora")["summary"]["predicted"] == s["ddp-lora"]["predicted"]
 
 
 def test_resume_with_adapters_is_bit_exact(tmp_path, capsys):
