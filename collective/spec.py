@@ -45,6 +45,7 @@ def ddp_step(cfg: Config, phi: float, step: Any, reduced: bool, overlap: bool) -
 
 class DDPSpec(BackendSpec):
     kind = "ddp"
+    trains_subsets = True
     trainer = "collective.ddp:DDPTrainer"
     doc = "data parallelism: gradients all-reduced by psarch's ring or torch.distributed's collectives"
     options = DDPOptions
@@ -79,6 +80,7 @@ class DDPSpec(BackendSpec):
 
 class TorchDDPSpec(BackendSpec):
     kind = "torch_ddp"
+    trains_subsets = True
     trainer = "collective.torch_ddp:TorchDDPTrainer"
     doc = "PyTorch's DistributedDataParallel (the peer of ddp)"
     options = TorchDDPOptions

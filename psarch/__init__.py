@@ -35,6 +35,8 @@ names no backend; bench/ and the studies' tables in report/ sit above the backen
                   meters of bytes and memory, a block's activation memory by formula, embedding
                   treatments, a model's units (ZeRO-3's and the pipeline's)
     single.py, single_spec.py  the single-process backend, the reference every backend is checked against
+    dp/           `dp`, one process with one thread per device (torch.nn.DataParallel's step, written out), and
+                  `torch_dp`, DataParallel itself
     records.py, errors.py, machine.py, throughput.py, units.py, zipf.py, cli.py
                   records between processes, errors (ConfigError included), machine checks, samples/s,
                   byte formatting, Zipf ids; the `psarch` command

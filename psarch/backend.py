@@ -80,6 +80,9 @@ class BackendSpec(ABC):
     embeddings: ClassVar[tuple[str, ...]] = ("dense",)
     max_world_size: ClassVar[int | None] = None
     needs_process_group: ClassVar[bool] = True        # the launcher joins the ranks in a torch.distributed group
+    # it trains a model of which only some parameters train (train.trainable, train.lora_rank): it steps, keeps
+    # state for and moves only the parameters that require gradients
+    trains_subsets: ClassVar[bool] = False
     checkpoints: ClassVar[bool] = True                # it writes and reads psarch.checkpoint checkpoints
     # a rank runs the loss function in parts, several calls a step (a pipeline stage): a virtual device paces
     # each call by its own FLOPs (psarch.cluster.call_pacing), not each by the whole step's
@@ -120,6 +123,16 @@ class BackendSpec(ABC):
         `shards` equal parts. By default every rank its own; ranks that work on the same samples (the stages
         of one pipeline) read the same shard."""
         return rank, world_size
+
+    def processes(self, cfg: Config) -> int:
+        """Worker processes the launcher starts: one per worker by default; a backend whose workers are
+        threads of one process (dp: one thread per device) says 1."""
+        return cfg.backend.world_size
+
+    def frozen_copies(self, cfg: Config) -> int:
+        """Copies of the frozen parameters one worker holds (theory's memory): one, its model's; dp's process
+        holds one per device."""
+        return 1
 
     def service_nodes(self, cfg: Config) -> int:
         """Processes besides the workers that this run starts (PS servers); on an emulated cluster each is a node

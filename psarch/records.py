@@ -44,6 +44,7 @@ class MemoryFigures(TypedDict):
     grads: int
     optimizer: int
     buffers: int
+    frozen: int
     working: int
     gathered_peak: int
     grad_buffer_peak: int
@@ -207,10 +208,11 @@ class RankRecord:
     device: str
     dist_backend: str | None
     entropy_floor: float | None
-    params: int                          # parameter count Φ, before the backend sharded the model
+    params: int                          # parameter count Φ (those that train), before the backend sharded the model
     workload: str
     model_state: dict[str, torch.Tensor] | None = field(default=None, repr=False)   # rank 0: the model
     virtual_device: DeviceFacts | None = None   # a virtual device's FLOPs and nominal times (VirtualDevice.facts)
+    frozen_params: int = 0               # parameters that do not train (train.trainable, LoRA's base weights)
 
     def to_json(self) -> dict[str, Any]:
         """Everything but the model (saved apart, as model.pt): JSON-able."""
@@ -269,7 +271,8 @@ class Summary(TypedDict, total=False):
     workload: str
     precision: str
     optimizer: str
-    params: int
+    params: int                  # parameters that train (Φ of every formula)
+    frozen_params: int           # parameters that do not (train.trainable, LoRA's base weights)
     steps: int
     steps_planned: int
     global_batch: int

@@ -21,12 +21,14 @@ BUILTIN = (
     "psarch.ps.spec:PS",
     "collective.pipeline.spec:PIPELINE",
     "collective.tensor.spec:TENSOR",
+    "psarch.dp.spec:DP",
     # PyTorch's own implementations, run by the same runner: the peers for parity and benchmarks
     "collective.spec:TORCH_DDP",
     "zero.spec:TORCH_ZERO",
     "zero.spec:TORCH_FSDP",
     "collective.pipeline.spec:TORCH_PIPELINE",
     "collective.tensor.spec:TORCH_TENSOR",
+    "psarch.dp.spec:TORCH_DP",
 )
 ENTRY_POINTS = "psarch.backends"
 _BUILTIN_MODULES = {path.partition(":")[0] for path in BUILTIN}

@@ -17,6 +17,7 @@ class SingleSpec(BackendSpec):
     max_world_size = 1
     bench_peer = "psarch.bench.step:plain_peer"
     needs_process_group = False   # one process: nothing to synchronise with
+    trains_subsets = True
 
     def predict(self, cfg: Any, phi: float) -> Prediction:
         return ring_passes(sharded_memory(cfg, phi, 0), cfg, phi, 0)

@@ -40,6 +40,7 @@ class MemoryReport:
     grads: int = 0
     optimizer: int = 0               # optimizer state, fp32 master weights included
     buffers: int = 0                 # communication buffers / padding beyond the three categories
+    frozen: int = 0                  # parameters that do not train (train.trainable, LoRA's base weights)
     working: int = 0                 # peak of all transient buffers together (outside total)
     gathered_peak: int = 0           # peak of gathered parameters alone (ZeRO-3 units), part of working
     grad_buffer_peak: int = 0        # peak of transient gradient buffers alone (buckets, unit grads), part of working
@@ -49,7 +50,7 @@ class MemoryReport:
 
     @property
     def total(self) -> int:
-        return self.params + self.grads + self.optimizer + self.buffers
+        return self.params + self.grads + self.optimizer + self.buffers + self.frozen
 
     def to_dict(self) -> MemoryFigures:
         d = asdict(self)

@@ -16,6 +16,7 @@ from psarch.config import Config, ConfigError, resolve_factory
 from psarch.data import ClickSource, MarkovSource, TextSource, clicks_hidden, shard_batch, step_generator
 from psarch.models import DLRM, GPT, MLP
 from psarch.models.dlrm import click_loss
+from psarch.models.trainable import select_trainable
 
 
 @dataclass
@@ -38,7 +39,14 @@ def next_token_loss(model: nn.Module, tokens: torch.Tensor) -> torch.Tensor:
 
 def build_workload(cfg: Config, device: str | None = None) -> Workload:
     """The workload a config names: a user's factory, or a built-in model on built-in data. `device` ("meta":
-    shapes without memory) places a built-in model's parameters; data sources, and a factory, stay on CPU."""
+    shapes without memory) places a built-in model's parameters; data sources, and a factory, stay on CPU.
+    The parameters train.trainable and train.lora_* leave out are frozen (psarch.models.trainable)."""
+    workload = _build(cfg, device)
+    select_trainable(workload.model, cfg)
+    return workload
+
+
+def _build(cfg: Config, device: str | None) -> Workload:
     w = cfg.workload
     if w.factory:
         return _from_factory(cfg)   # it may make its data eagerly, which the meta device cannot hold

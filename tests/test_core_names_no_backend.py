@@ -1,5 +1,5 @@
 """The core asks a backend's spec and names no backend (psarch/backend.py): no comparison, membership test or
-lookup table in psarch/ outside the backend packages (psarch/ps/, psarch/single.py) uses a backend's kind.
+lookup table in psarch/ outside the backend packages (psarch/ps/, psarch/single.py, psarch/dp/) uses a backend's kind.
 One study table is exempt: `psarch report crossover` (psarch/report/crossover.py) exists to set the PS runs of one
 study against its ring DDP runs, so it names both; it reads finished run folders and nothing in the core imports it.
 Pure unit test: reads the source."""
@@ -11,7 +11,7 @@ from pathlib import Path
 from psarch import registry
 
 ROOT = Path(__file__).resolve().parent.parent
-BACKEND_PACKAGES = ("psarch/ps/", "psarch/single.py")
+BACKEND_PACKAGES = ("psarch/ps/", "psarch/single.py", "psarch/dp/")
 STUDY_TABLES = ("psarch/report/crossover.py",)   # a study of named backends, above the core (the docstring)
 
 

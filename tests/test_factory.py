@@ -54,16 +54,22 @@ def test_factory_workload_trains_under_every_backend_that_accepts_one(tmp_path):
     covered = {name.split("{")[0] for name in results}
     single = psarch.run(from_dict(config("single", 1)), out=tmp_path / "single", echo=False)
     ps = psarch.run(from_dict(config("ps", 2)), out=tmp_path / "ps", echo=False)
-    covered |= {"single", "ps"}
+    in_process = {"single": single, "ps": ps, "dp": psarch.run(from_dict(config("dp", 2)), out=tmp_path / "dp", echo=False)}
+    # torch.nn.DataParallel runs on CUDA devices only: here where 2 are visible
+    no_gpus = {"torch_dp"} if torch.cuda.device_count() < 2 else set()
+    if not no_gpus:
+        in_process["torch_dp"] = psarch.run(from_dict(config("torch_dp", 2)), out=tmp_path / "torch_dp", echo=False)
+    covered |= set(in_process)
     refused = refusing_factories()
     for kind, why in refused.items():
         assert why.startswith('workload.factory = "factories:regression"') and re.search(r"\(use (pipeline, )?ddp or zero\)$", why), why
-    assert covered == set(kinds()) - set(refused), f"backends not exercised: {set(kinds()) - covered - set(refused)}"
+    assert covered == set(kinds()) - set(refused) - no_gpus, \
+        f"backends not exercised: {set(kinds()) - covered - set(refused) - no_gpus}"
     assert covered.isdisjoint(refused)
     for name, r in results.items():
         assert r["last"] < 0.3 * r["first"], f"{name} did not learn: {r['first']:.4f} -> {r['last']:.4f}"
         assert r["keys"] == expected_keys, name
-    for run, s in (("single", single), ("ps", ps)):
+    for run, s in in_process.items():
         rows = [json.loads(x) for x in (tmp_path / run / "metrics.jsonl").read_text().splitlines()]
         assert s["final_loss"] < 0.3 * rows[0]["loss"], run
         state = torch.load(tmp_path / run / "model.pt", weights_only=True)

@@ -48,6 +48,10 @@ CASES = {
     "ps-ssp": ({"mode": "ssp"}, (4 * PHI, 4 * PHI, 0, 0), S, 2),
     # GEO: a local optimizer and the last synced fp32 model; one push and one pull every k_steps steps
     "ps-geo": ({"mode": "geo", "k_steps": 4}, (4 * PHI, 4 * PHI, 8 * PHI, 4 * PHI), S / 4, 2 / 4),
+    # one process: the master's model states and N - 1 replicas' parameters and gradients; the master sends the
+    # parameters to each replica and receives each replica's gradients, (N - 1) S each way, in 2 phases
+    "dp": ({}, (N * 4 * PHI, N * 4 * PHI, 8 * PHI, 0), (N - 1) * S, 2),
+    "torch_dp": ({}, (N * 4 * PHI, N * 4 * PHI, 8 * PHI, 0), (N - 1) * S, 2),
     # what a rank holds scales with PHI; activations move, not parameters: 2 passes per all-reduce and 1 gather
     "tensor": ({}, (4 * PHI * HELD / WHOLE, 4 * PHI * HELD / WHOLE, 8 * PHI * HELD / WHOLE, 0), TENSOR_SENT,
                2 * (4 * L + 2) + 1),

@@ -39,6 +39,7 @@ class TorchFSDPOptions(ModelUnits, CoreBackendConfig):
 
 class ZeroSpec(BackendSpec):
     kind = "zero"
+    trains_subsets = True
     trainer = "zero.trainer:ZeroTrainer"
     doc = "ZeRO stages 1-3: optimizer state, gradients and parameters partitioned over the ranks"
     options = ZeroOptions
@@ -91,6 +92,7 @@ class ZeroSpec(BackendSpec):
 
 class TorchZeroSpec(BackendSpec):
     kind = "torch_zero"
+    trains_subsets = True
     trainer = "zero.torch_peers:TorchZeroTrainer"
     doc = "PyTorch's DDP + ZeroRedundancyOptimizer (ZeRO-1; the peer of zero stage 1)"
     options = TorchZeroOptions

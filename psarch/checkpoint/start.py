@@ -14,6 +14,7 @@ import shutil
 from pathlib import Path
 from typing import Any
 
+from psarch import registry
 from psarch.checkpoint.reader import Checkpoint, CheckpointError, latest_complete
 from psarch.checkpoint.writer import METADATA, complete_checkpoints
 from psarch.config import REPORT_ONLY
@@ -135,7 +136,7 @@ def check_resumable(cfg: Config, ckpt: Checkpoint, run_dir: Path) -> None:
                           f"continues the same run, so only {', '.join(RESUMABLE)} may change. To train on from that "
                           f"state under this config, start a new run: --from {ckpt.path}")
     wrote = {name.removesuffix(".bin") for name in ckpt.meta["files"]}
-    missing = [r for r in range(cfg.backend.world_size) if f"rank{r}" not in wrote]
+    missing = [r for r in range(registry.spec_of(cfg).processes(cfg)) if f"rank{r}" not in wrote]   # a part each
     if missing:
         raise ConfigError(f"--resume {run_dir}: the checkpoint {ckpt.path.name} holds no part of worker "
                           f"{', '.join(map(str, missing))} (lost before it was written); resuming would bring "

@@ -56,6 +56,19 @@ def _check_train(cfg: Config) -> None:
     if t.initial_accumulator_value and t.optimizer != "adagrad":
         raise ConfigError(f"train.initial_accumulator_value = {t.initial_accumulator_value:g}: only train.optimizer = "
                           f"\"adagrad\" has an accumulator, not \"{t.optimizer}\"; set it to 0")
+    for key in ("trainable", "lora_targets"):
+        value = getattr(t, key)
+        if not isinstance(value, list) or not all(isinstance(x, str) and x for x in value):
+            raise ConfigError(f"train.{key} = {show(value)}: expected a list of parameter or module names or glob "
+                              f"patterns, e.g. [\"head.weight\", \"blocks.*.attn.*\"]")
+    defaults = type(t)()
+    changed = [k for k in ("lora_alpha", "lora_targets") if getattr(t, k) != getattr(defaults, k)]
+    if not t.lora_rank and changed:
+        raise ConfigError(f"train.{changed[0]} = {show(getattr(t, changed[0]))}: applies only with LoRA adapters; "
+                          f"set train.lora_rank > 0")
+    if t.lora_rank and not t.lora_targets:
+        raise ConfigError("train.lora_targets = []: LoRA (train.lora_rank > 0) needs the linear layers to adapt, "
+                          "e.g. [\"*\"] (every nn.Linear)")
     if b.dist_backend == "nccl" and b.device == "cpu":
         raise ConfigError("backend.dist_backend = \"nccl\": needs backend.device = \"cuda\" (or \"auto\" on a GPU machine)")
 
@@ -107,6 +120,14 @@ def check_capabilities(spec: Any, cfg: Config) -> None:
         raise ConfigError(f"backend.world_size = {b.world_size}: {this} runs exactly {spec.max_world_size} worker"
                           if spec.max_world_size == 1 else
                           f"backend.world_size = {b.world_size}: {this} runs at most {spec.max_world_size} workers")
+    if (t.trainable or t.lora_rank) and not spec.trains_subsets:
+        key = f"train.trainable = {show(t.trainable)}" if t.trainable else f"train.lora_rank = {t.lora_rank}"
+        subsets = [s.kind for s in registry.specs() if s.trains_subsets]
+        raise ConfigError(f"{key}: {this} trains every parameter; frozen parameters and LoRA run on backend.kind = "
+                          f"{', '.join(json.dumps(k) for k in subsets)}")
+    if (t.trainable or t.lora_rank) and b.embeddings != "dense":
+        raise ConfigError(f"backend.embeddings = \"{b.embeddings}\": frozen parameters and LoRA (train.trainable, "
+                          f"train.lora_rank) run with dense embeddings only")
     if t.precision not in spec.precisions:
         raise ConfigError(f"train.precision = \"{t.precision}\": {this} runs {' or '.join(spec.precisions)} only")
     if b.embeddings not in spec.embeddings:

@@ -26,6 +26,14 @@ class TrainConfig:
     eps: float = option(1e-8, "AdamW/Adagrad epsilon", min=0.0)
     initial_accumulator_value: float = option(0.0, "Adagrad: starting value of every squared-gradient sum", min=0.0)
     precision: str = option("fp32", "compute precision; bf16/fp16 keep fp32 master weights", choices=("fp32", "bf16", "fp16"))
+    trainable: list = option([], "names or glob patterns (fnmatch) of the parameters that train, the rest frozen: no "
+                                 "gradient, optimizer state or traffic ([]: all, or with lora_rank > 0 the adapters "
+                                 "only), e.g. [\"head.*\", \"*.ln*\"]")
+    lora_rank: int = option(0, "LoRA: rank r of the adapters added to the lora_targets linear layers, which then "
+                               "train alone with what train.trainable names (0: no adapters)", min=0)
+    lora_alpha: float = option(16.0, "LoRA: the adapters' output is scaled by lora_alpha / lora_rank", min=0.0)
+    lora_targets: list = option(["*"], "LoRA: names or glob patterns of the nn.Linear modules that get adapters "
+                                       "(e.g. [\"*.qkv\", \"*.proj\"])")
     log_every: int = option(10, "print a progress line every this many steps", min=1)
     warmup_steps: int = option(-1, "steps left out of timing medians (-1: min(5, steps // 5))", min=-1)
     checkpoint_every: int = option(0, "write a checkpoint under <run>/checkpoints/ every this many steps (0: never)", min=0)

@@ -159,7 +159,7 @@ def finalize(out: Path, cfg: Config, extra: Summary | None = None, echo: bool = 
     # the services' `extra` and the backend's identity fields add keys of their own: built as a plain dict
     merged: dict[str, Any] = {
         "name": cfg.name, "status": "finished", **ident, "workload": records[0].workload, "precision": cfg.train.precision, "optimizer": cfg.train.optimizer,
-        "params": phi, "steps": len(rows), "global_batch": cfg.train.global_batch,
+        "params": phi, "frozen_params": records[0].frozen_params, "steps": len(rows), "global_batch": cfg.train.global_batch,
         "final_loss": final_loss, "entropy_floor": floor,
         "gap": final_loss - floor if floor is not None else None,
         "step_time_s": step_time,
@@ -175,7 +175,7 @@ def finalize(out: Path, cfg: Config, extra: Summary | None = None, echo: bool = 
                                       sent_per_step=statistics.fmean(x["sent"] for x in r.steps),
                                       received_per_step=statistics.fmean(x["received"] for x in r.steps))
                                  for r in records]},
-        "predicted": theory.predict(cfg, phi).to_dict(),
+        "predicted": theory.predict(cfg, phi, records[0].frozen_params).to_dict(),
         "lost_workers": [],
     }
     for r in records:
@@ -218,12 +218,13 @@ def report(s: Summary) -> str:
     # padding (inside total) and transient peaks (outside it: gathered units, gradient buffers, both
     # together as working) get a column only where some rank has them, so other backends' reports stay narrow
     per_rank = s["memory"]["per_rank"]
-    optional = [(k, head) for k, head in (("padding", "padding"), ("gathered_peak", "gathered"),
+    optional = [(k, head) for k, head in (("frozen", "frozen"), ("padding", "padding"), ("gathered_peak", "gathered"),
                                           ("grad_buffer_peak", "grad bufs"), ("working", "working"))
                 if any(m.get(k) for m in per_rank)]
     lines = [
         f"== {s['name']}: {kind}, N={s['world_size']}" + (f", servers={s['servers']}" if s["servers"] and not s.get("label") else "")
-        + f", {s['workload']}, {s['params']:,} params, {s['precision']}, {s['optimizer']}",
+        + f", {s['workload']}, {s['params']:,} params"
+        + (f" (+{s['frozen_params']:,} frozen)" if s.get("frozen_params") else "") + f", {s['precision']}, {s['optimizer']}",
         f"final loss      {s['final_loss']:.4f} (last step){gap}   skipped steps {s['skipped_steps']}",
         f"step time       {s['step_time_s'] * 1e3:.2f} ms median   {s['samples_per_s']:.1f} samples/s"
         + (f" ({s['samples_per_s_is']})" if s.get("samples_per_s_is") else "")

@@ -60,7 +60,7 @@ def run(cfg: Config, out: str | Path | None = None, echo: bool = True, resume: b
     cfg, begin = resolve_start(cfg, out_dir, resume, start, pick, echo, first=os.environ.get("RANK", "0") == "0",
                                move=not under_torchrun())
     # cluster.dilation "auto": D picked once, here, for every rank and link (config.json keeps what was asked)
-    ranks_cfg = resolve_dilation(cfg, run, echo, _threads(cfg.backend.world_size))
+    ranks_cfg = resolve_dilation(cfg, run, echo, _threads(spec.processes(cfg)))
     job = RankJob(ranks_cfg.to_dict(), str(out_dir), echo and progress,
                   out_dir / CHECKPOINTS if cfg.train.checkpoint_every else None, begin, resume, registry.plugins())
     if under_torchrun():
@@ -73,7 +73,7 @@ def run(cfg: Config, out: str | Path | None = None, echo: bool = True, resume: b
         with place(ranks_cfg) as where:   # loopback, or each process on its node of an emulated cluster
             with _services(spec, cfg, out_dir, where, job.start) as services:
                 job.info = services.info.to_dict() if services is not None else {}
-                if cfg.backend.world_size == 1:
+                if spec.processes(cfg) == 1:
                     _in_process(job, spec, where, workload)
                 else:
                     with shared_data(cfg, out_dir / ".shared_data"):   # built here once, mapped by every rank
@@ -227,7 +227,10 @@ def _torchrun_rank(cfg: Config, spec: BackendSpec, job: RankJob, echo: bool) -> 
     trainer is built. A rank that fails prints its error and exits at once: a barrier here would
     only wait for peers stuck in a collective and replace the error with its own timeout."""
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    if world != cfg.backend.world_size:
+    if world != spec.processes(cfg):
+        if spec.processes(cfg) == 1:
+            raise RunError(f"backend.kind = {cfg.backend.kind!r} runs in one process (its workers are threads): "
+                           f"use `psarch run`, not torchrun")
         raise RunError(f"backend.world_size = {cfg.backend.world_size}: torchrun started WORLD_SIZE = {world} ranks")
     local_rank = int(os.environ.get("LOCAL_RANK", rank))
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world))

@@ -19,6 +19,7 @@ from psarch.cluster.window import StepMarks
 from psarch.config import Config
 from psarch.dist import DistContext
 from psarch.errors import check_gradients, check_loss
+from psarch.meters import local, tensor_bytes
 from psarch.precision import compute_dtype
 from psarch.records import RankRecord, StepRecord
 from psarch.trainer import StepStats, Trainer
@@ -94,7 +95,9 @@ def run_rank(cfg: Config, ctx: DistContext, workload: Workload | None = None, ec
     workload = workload or build_workload(cfg)
     slow = pacer(cfg, ctx.rank, workload)   # a virtual device, slow_workers, jitter: the backend never knows
     workload = slowed(workload, slow)
-    params = sum(p.numel() for p in workload.model.parameters())  # before a backend shards the model
+    # before a backend shards the model: Φ, the parameters that train, and those frozen
+    params = sum(p.numel() for p in workload.model.parameters() if p.requires_grad)
+    frozen = [p for p in workload.model.parameters() if not p.requires_grad]
     ckpt = checkpoint.Checkpoint(start) if start is not None else None
     if ckpt is not None:  # the launcher verified sizes and checksums; check the model before building
         ckpt.check_model({n: tuple(p.shape) for n, p in workload.model.named_parameters() if p.requires_grad})
@@ -125,10 +128,15 @@ def run_rank(cfg: Config, ctx: DistContext, workload: Workload | None = None, ec
         _steps(StepLoop(trainer, workload, cfg, ctx), range(first, cfg.train.steps), records, stream, slow, marks,
                log, save)
         state = trainer.full_state_dict()   # a collective call: before the figures, which then include it
-        record = RankRecord(ctx.rank, records, trainer.memory().to_dict(), trainer.traffic().to_dict(),
+        memory = trainer.memory()
+        # frozen weights are the model's own tensors (a DTensor's local shard) wherever the backend keeps them (a
+        # backend holding more copies, dp's replicas, reports them itself)
+        memory.frozen = memory.frozen or tensor_bytes(local(p) for p in frozen)
+        record = RankRecord(ctx.rank, records, memory.to_dict(), trainer.traffic().to_dict(),
                             trainer.summary_extra(), str(ctx.device), ctx.dist_backend, workload.entropy_floor,
                             params, workload.name, state if ctx.rank == 0 else None,
-                            virtual_device=slow.facts() if isinstance(slow, (VirtualDevice, CallDevice)) else None)
+                            virtual_device=slow.facts() if isinstance(slow, (VirtualDevice, CallDevice)) else None,
+                            frozen_params=sum(p.numel() for p in frozen))
     finally:
         if stream is not None:
             stream.close()

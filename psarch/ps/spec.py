@@ -122,6 +122,7 @@ class PSSpec(BackendSpec):
     embeddings = ("dense", "rows")
     # async workers must not be tied together by a group that hangs when one dies
     needs_process_group = False
+    trains_subsets = True
 
     def variant(self, cfg: Config) -> str:
         return cfg.backend.mode

@@ -47,7 +47,7 @@ def load_run(path: str | Path) -> Run:
                 "run_label": config.get("label") or path.resolve().name}
     if config:  # theory, names and samples/s as they stand now, not as they stood when the run was made
         cfg = run_config(run)
-        summary["predicted"] = predict(cfg, summary["params"]).to_dict()
+        summary["predicted"] = predict(cfg, summary["params"], summary.get("frozen_params", 0)).to_dict()
         ident = identity(cfg)
         summary["variant"], summary["label"], summary["lockstep"] = ident["variant"], ident["label"], ident["lockstep"]
         if rows:

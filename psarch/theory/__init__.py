@@ -37,14 +37,15 @@ class MemoryPrediction:
     grads: float
     optimizer: float
     buffers: float = 0.0     # model state outside the three categories (a GEO worker's last synced copy)
+    frozen: float = 0.0      # parameters that do not train, in the compute dtype
 
     @property
     def total(self) -> float:
-        return self.params + self.grads + self.optimizer + self.buffers
+        return self.params + self.grads + self.optimizer + self.buffers + self.frozen
 
     def to_dict(self) -> dict[str, float]:
         return {"params": self.params, "grads": self.grads, "optimizer": self.optimizer,
-                "buffers": self.buffers, "total": self.total}
+                "buffers": self.buffers, "frozen": self.frozen, "total": self.total}
 
 
 @dataclass
@@ -111,10 +112,15 @@ class Prediction:
         return out
 
 
-def predict(cfg: Config, phi: float) -> Prediction:
-    """What theory predicts for `cfg` with `phi` parameters: the backend's own theory (BackendSpec.predict).
-    S = phi x the wire dtype's bytes (the compute precision), N = backend.world_size."""
-    return registry.spec_of(cfg).predict(cfg, phi)
+def predict(cfg: Config, phi: float, frozen: float = 0.0) -> Prediction:
+    """What theory predicts for `cfg` with `phi` parameters that train: the backend's own theory
+    (BackendSpec.predict). S = phi x the wire dtype's bytes (the compute precision), N = backend.world_size.
+    `frozen` parameters move nowhere and hold no gradient or optimizer state: each copy the backend keeps of the
+    model (BackendSpec.frozen_copies) holds them whole in the compute dtype."""
+    spec = registry.spec_of(cfg)
+    p = spec.predict(cfg, phi)
+    p.memory_per_rank.frozen = frozen * BYTES[cfg.train.precision] * spec.frozen_copies(cfg)
+    return p
 
 
 # ---------------------------------------------------------------- shared algebra

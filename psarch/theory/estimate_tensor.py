@@ -52,7 +52,7 @@ def tensor_rows(shape: GPTShape, world: int, precision: str, optimizer: str) -> 
     for t in degrees(shape, world):
         p = theory.predict(tensor_config(shape, t, world, precision, optimizer), phi)
         assert p.per_rank is not None, "the tensor backend predicts each rank (Prediction.per_rank)"
-        rows.append({"t": t, "dp": world // t, "states": p.memory_per_rank.total,
+        rows.append({"t": t, "replicas": world // t, "states": p.memory_per_rank.total,
                      "activations": p.per_rank[0].figures["block_activation_bytes"], "sent": p.worker.sent})
     return rows
 
@@ -65,6 +65,6 @@ def tensor_report(shape: GPTShape, world: int, chosen: int, precision: str, opti
     out = [head, f"{'t':>5} {'dp':>6} {'model states':>13} {'activations':>12} {'sent/step':>10}"]
     for r in tensor_rows(shape, world, precision, optimizer):
         mark = "  <- --tensor-parallel" if r["t"] == chosen else ""
-        out.append(f"{r['t']:>5} {r['dp']:>6} {r['states'] / 1e9:>13.3g} {r['activations'] / 1e9:>12.3g} "
+        out.append(f"{r['t']:>5} {r['replicas']:>6} {r['states'] / 1e9:>13.3g} {r['activations'] / 1e9:>12.3g} "
                    f"{r['sent'] / 1e9:>10.3g}{mark}")
     return out
