@@ -34,7 +34,8 @@ names no backend; bench/ and the studies' tables in report/ sit above the backen
                   byte formatting, Zipf ids; the `psarch` command
 
 The other backends are packages beside this one: collective/ (communicators: the hand-written ring,
-collective/ring.py, beside ring_plain.py and torch's native; DDP; pipeline/; tensor/) and zero/ (ZeRO 1-3).
+collective/ring.py, beside ring_plain.py and torch's native; DDP and its gradient compression, compression.py;
+pipeline/; tensor/) and zero/ (ZeRO 1-3).
 
 Nothing is imported here until used: `psarch keys`, `--help` and a config error answer without torch.
 """

@@ -39,6 +39,9 @@ class ZeroSpec(BackendSpec):
     variant_key = "stage"
     bench_peer = "zero.torch_peers:plain_fsdp2_peer"
     bench_options = {"stage": 3}
+    uncompressed_because = ("ZeRO reduce-scatters gradients, adding chunks hop by hop: a ring cannot add top-k's sparse "
+                            "(index, value) pairs on the way, PowerSGD factors whole matrices, not a rank's shard, "
+                            "and fp16/bf16 reduce-scatters are not built")
     reads = {**PROCESS_GROUP_OPTIONS, "backend.comm": None, "backend.overlap_comm": None,
              "backend.reduce_bucket_size": (1, 2), "backend.allgather_bucket_size": (1, 2),
              "backend.prefetch_bucket_size": (3,)}
@@ -72,6 +75,7 @@ class TorchZeroSpec(BackendSpec):
     kind = "torch_zero"
     trainer = "zero.torch_peers:TorchZeroTrainer"
     doc = "PyTorch's DDP + ZeroRedundancyOptimizer (ZeRO-1; the peer of zero stage 1)"
+    uncompressed_because = "the peer of zero, which compresses nothing"
     reads = {**PROCESS_GROUP_OPTIONS, "backend.bucket_cap_mb": None}
     precisions = ("fp32",)
 
@@ -89,6 +93,7 @@ class TorchFSDPSpec(BackendSpec):
     kind = "torch_fsdp"
     trainer = "zero.torch_peers:TorchFSDPTrainer"
     doc = "PyTorch's FSDP2 fully_shard per unit (ZeRO-3; the peer of zero stage 3)"
+    uncompressed_because = "FSDP2 takes no DDP communication hook"
     reads = {**PROCESS_GROUP_OPTIONS, "backend.zero_units": None}
     precisions = ("fp32",)
 
