@@ -1,5 +1,6 @@
 """Gradient compression (`train.compression`, collective/compression.py): psarch's ddp against torch's own DDP
-communication hooks, its bytes and error-feedback memory against their formulas, and the one-line refusals.
+communication hooks, its bytes and error-feedback memory against their formulas, the PS's pushes cast to 2 bytes,
+and the one-line refusals.
 
 Tolerances (each world size's runs in one spawned process group, the tiny GPT, SGD with momentum, 8 steps):
 - fp16/bf16: psarch's cast, divide, all-reduce, cast back equals torch's fp16_compress_hook (bf16_compress_hook)
@@ -219,7 +220,9 @@ def test_theory_predicts_the_compressed_bytes_and_memory(runs, n):
 @pytest.mark.parametrize("kind, sets, words", [
     ("zero", {"train.compression": "topk"}, "ZeRO reduce-scatters gradients"),
     ("torch_ddp", {"train.compression": "topk"}, "no top-k DDP communication hook"),
-    ("ps", {"train.compression": "fp16"}, "compressed pushes"),
+    ("ps", {"train.compression": "topk"}, "sparse pushes"),
+    ("ps", {"train.compression": "fp16", "backend.embeddings": "rows", "workload.model": "dlrm",
+            "workload.data": "clicks"}, "casts the dense pushes only"),
     ("single", {"train.compression": "fp16"}, "no gradient moves"),
     ("ddp", {"train.topk_ratio": 0.5}, "train.topk_ratio = 0.5: only train.compression = \"topk\""),
     ("ddp", {"train.compression": "fp16", "train.precision": "bf16"}, "already 2 bytes"),
@@ -234,3 +237,74 @@ def test_refusals_are_one_line(kind, sets, words):
     with pytest.raises(ConfigError) as e:
         from_dict(apply_overrides(base, sets))
     assert words in str(e.value) and "\n" not in str(e.value)
+
+
+# ---------------------------------------------------------------- the parameter server: pushes cast to 2 bytes
+
+PS_VARIANTS = {
+    "ps-fp16": {"compression": "fp16"},
+    "ps-bf16": {"compression": "bf16"},
+    "ps-fp16-parts-prio": {"compression": "fp16"},
+}
+
+
+def ps_data(name: str, n: int) -> dict:
+    from ps_setup import ps
+    extra = {"partition_mb": 0.001, "priority_credit_mb": 0.001} if "parts" in name else {}
+    return config(f"{name}-{n}", train={**SGD, **PS_VARIANTS[name]}, backend=ps(n, "sync", 2, **extra))
+
+
+def every_ps_variant(rank: int, n: int, out: str, infos: dict) -> dict:
+    return {name: train(rank, n, ps_data(name, n), infos[name], out) for name in PS_VARIANTS}
+
+
+@pytest.fixture(scope="module")
+def ps_runs(tmp_path_factory):
+    from psarch.ps.services import start_services
+    out = tmp_path_factory.mktemp("ps-compression")
+    train(0, 1, config("single", train=SGD), {}, str(out))
+    n = 2
+    services = {name: start_services(from_dict(ps_data(name, n)), None, threads=True) for name in PS_VARIANTS}
+    try:
+        res = run_ranks(every_ps_variant, n, str(out), {k: s.info for k, s in services.items()}, timeout=scaled(300))
+        stats = {name: s.finish() for name, s in services.items()}
+    finally:
+        for s in services.values():
+            s.stop()
+    return out, res, stats
+
+
+def test_ps_sums_pushes_cast_to_two_bytes(ps_runs):
+    """Each worker's gradient rounded once to fp16 (bf16), summed in fp32 by the servers: within cast_bound of
+    `single` (a looser bound than one rounding needs), yet not `single`'s model: the cast is real."""
+    out, _, _ = ps_runs
+    ref = model(out, "single")
+    for name, unit_roundoff in (("ps-fp16", 2.0**-11), ("ps-bf16", 2.0**-8), ("ps-fp16-parts-prio", 2.0**-11)):
+        mine = model(out, f"{name}-2")
+        assert_within(mine, ref, cast_bound(unit_roundoff), f"{name} vs single")
+        assert max((mine[k] - v).abs().max().item() for k, v in ref.items()) > SGD_ATOL, f"{name}: nothing cast"
+    assert_same_model(model(out, "ps-fp16-parts-prio-2"), model(out, "ps-fp16-2"), "partitions from hooks vs whole",
+                      rtol=0, atol=0)
+
+
+def test_ps_pushes_half_the_bytes_and_pulls_whole(ps_runs):
+    """A worker sends 2 Φ bytes a step (+ a header per request) and receives 4 Φ; the servers receive what
+    the workers sent; theory predicts both."""
+    from psarch.theory import predict
+    _, res, stats = ps_runs
+    header_bound = 128   # tests/test_ps.py's measured bound on a header frame
+    for name in PS_VARIANTS:
+        parts = sum(x["partitions"] for x in stats[name]["servers_detail"])
+        for r in res:
+            phi, steps = r[name]["params"], SGD["steps"]
+            # with priority a push and a pull request go per partition, and pulls straddle the steps' rows: its
+            # pushes counted over the run (the pulls of the whole-range runs are checked row by row below)
+            sent = sum(row["sent"] for row in r[name]["rows"])
+            assert steps * 2 * phi < sent <= steps * (2 * phi + 2 * parts * header_bound), name
+            for row in r[name]["rows"] if "prio" not in name else []:
+                assert 2 * phi < row["sent"] <= 2 * phi + parts * header_bound, (name, row)
+                assert 4 * phi < row["received"] <= 4 * phi + parts * header_bound, (name, row)
+        assert sum(s["received"] for s in stats[name]["traffic"]["servers"]) == \
+            sum(r[name]["traffic"]["sent"] for r in res)
+        p = predict(from_dict(ps_data(name, 2)), res[0][name]["params"])
+        assert (p.worker.sent, p.worker.received) == (2 * phi, 4 * phi)

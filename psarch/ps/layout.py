@@ -25,6 +25,13 @@ def server_ranges(numel: int, servers: int) -> list[tuple[int, int]]:
     return [(i * numel // servers, (i + 1) * numel // servers) for i in range(servers)]
 
 
+def push_dtype(cfg: Config) -> torch.dtype:
+    """The dtype a worker's dense pushes travel in: fp16/bf16 where train.compression casts them, else the
+    compute dtype (pulls travel in the compute dtype always)."""
+    c = cfg.train.compression
+    return torch.float16 if c == "fp16" else torch.bfloat16 if c == "bf16" else compute_dtype(cfg.train.precision)
+
+
 PARTITION_ALIGN = 64   # elements: partitions start where a vectorised optimizer kernel's own chunks would
 
 

@@ -118,7 +118,8 @@ class PSSpec(BackendSpec):
              "backend.dc_lambda": ("async", "ssp"), "cluster.server_link_mbps": None,
              "backend.overlap_comm": ("sync", "async", "ssp")}
     embeddings = ("dense", "rows")
-    uncompressed_because = "compressed pushes and the server's sparse sum are not built yet"
+    compressions = ("none", "fp16", "bf16")   # pushes cast to 2 bytes, summed by the servers in fp32
+    uncompressed_because = "top-k's sparse pushes with the server's sparse sum, and PowerSGD's two rounds, are not built on the PS yet"
     # async workers must not be tied together by a group that hangs when one dies
     needs_process_group = False
 
@@ -162,6 +163,9 @@ class PSSpec(BackendSpec):
                               f"{cfg.train.precision!r}, embeddings {b.embeddings!r})")
         if b.embeddings == "rows":
             _check_rows(cfg)
+        if cfg.train.compression != "none" and b.embeddings != "dense":
+            raise ConfigError(f"train.compression = \"{cfg.train.compression}\": casts the dense pushes only; use "
+                              f"backend.embeddings = \"dense\", not \"{b.embeddings}\"")
 
     def service_nodes(self, cfg: Config) -> int:
         return 0 if cfg.backend.server_addresses else cfg.backend.servers

@@ -143,7 +143,7 @@ class Pushes:
         """(worker, payload decoded, found_inf) of a push that passes every check; PSError, changing nothing, else."""
         s, h = self.state, msg.header
         w, st = s.sender(msg), part.range
-        check_range(msg, s.wire_dtype, part.lo, part.hi)
+        check_range(msg, s.push_dtype, part.lo, part.hi)
         if h["version"] != st.sent_version[w]:
             raise PSError(f"push: worker {w} says it computed on version {h['version']}, this server last sent "
                           f"it version {st.sent_version[w]}")

@@ -48,11 +48,12 @@ class ServerLink:
     what the servers said last (the version each partition sent, the loss scale)."""
 
     def __init__(self, client: PSClient, flat: FlatParams, servers: list[list[tuple[int, int]]], device: torch.device,
-                 dtype: torch.dtype) -> None:
+                 dtype: torch.dtype, push_dtype: torch.dtype | None = None) -> None:
         self.client, self.flat, self.servers = client, flat, servers
         bounds = sorted((a, b, i) for i, parts in enumerate(servers) for a, b in parts)
         self.parts = [Part(j, i, a, b) for j, (a, b, i) in enumerate(bounds)]
         self.wire_dtype = wire.DTYPE_NAMES[dtype]
+        self.push_dtype = push_dtype or dtype   # train.compression = fp16/bf16: pushes cast to 2 bytes
         self.host = flat.data if device.type == "cpu" else torch.empty_like(flat.data, device="cpu")
         self.versions = [0] * len(self.parts)   # the version each partition last sent: a push names it
         self.loss_scale = 1.0           # fp16: the servers' loss scale, sent with every pull
@@ -78,7 +79,7 @@ class ServerLink:
         r = (Request({"op": "pull", "step": step, "want": self.wire_dtype, "offset": p.lo}, into=into)
              if pushed is None else
              Request(dict(header, op="pushpull", step=step - 1, version=self.versions[p.index], offset=p.lo),
-                     pushed[p.lo:p.hi], into=into))
+                     pushed[p.lo:p.hi].to(self.push_dtype), into=into))
         self.posted[p.index] = r
         self.client.post(p.server, r)
 
@@ -88,7 +89,7 @@ class ServerLink:
         if not any(self.posted):
             self.t0 = time.perf_counter()
         push = Request({"op": "push", "step": step - 1, "version": self.versions[p.index], "offset": p.lo},
-                       pushed[p.lo:p.hi])
+                       pushed[p.lo:p.hi].to(self.push_dtype))
         pull = Request({"op": "pull", "step": step, "want": self.wire_dtype, "offset": p.lo},
                        into=self.host[p.lo:p.hi])
         self.client.post(p.server, push)

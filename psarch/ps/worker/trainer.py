@@ -32,7 +32,7 @@ from psarch.flat import FlatParams, flat_layout
 from psarch.meters import peak_memory, tensor_bytes
 from psarch.precision import compute_dtype, has_inf_or_nan
 from psarch.records import StepRecord
-from psarch.ps.layout import server_partitions, trainable
+from psarch.ps.layout import push_dtype, server_partitions, trainable
 from psarch.ps.snapshot import WorkerRecord, exact_records, pushes_by, run_shape, views
 from psarch.ps.spec import pushes_from_hooks
 from psarch.ps.worker.client import PSClient
@@ -71,7 +71,8 @@ class PSWorker(Trainer):
         self.loss_fn = workload.loss_fn
         self.flat = FlatParams(trainable(self.model))
         self.layout = flat_layout(self.model, self.flat.params)
-        self.link = ServerLink(self.client, self.flat, server_partitions(cfg, self.flat.numel), ctx.device, self.dtype)
+        self.link = ServerLink(self.client, self.flat, server_partitions(cfg, self.flat.numel), ctx.device, self.dtype,
+                               push_dtype(cfg))
         self.steps = 0        # steps taken
         self.rounds = 0       # geo: deltas pushed
         if not ctx.services.restored:   # else load_checkpoint sets the state
