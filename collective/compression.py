@@ -22,7 +22,8 @@ import numpy as np
 import torch
 
 from collective.comm import Communicator, Handle
-from collective.theory import INDEX_BYTES, MIN_COMPRESSION_RATE, topk_k
+from collective.theory import INDEX_BYTES, MIN_COMPRESSION_RATE
+from psarch.theory import topk_k
 
 Finish = Callable[[], None]   # waits for a bucket's collectives and leaves its average in the gradient
 

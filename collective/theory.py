@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Sequence
 
 from psarch.zipf import expected_unique
 from psarch.theory import (BYTES, LinkBytes, MemoryPrediction, Prediction, expected_unique_ids,
-                           optimizer_bytes_per_param, ring_passes, sharded_memory, table_params)
+                           optimizer_bytes_per_param, ring_passes, sharded_memory, table_params, topk_k)
 
 if TYPE_CHECKING:
     from psarch.config import Config
@@ -85,11 +85,6 @@ def sharded(cfg: Config, phi: float) -> Prediction:
 
 INDEX_BYTES = 4   # top-k's indices travel as int32: a bucket holds fewer than 2^31 elements
 MIN_COMPRESSION_RATE = 2   # torch's powerSGD_hook default: a matrix is factored only where that saves 2x
-
-
-def topk_k(numel: int, ratio: float) -> int:
-    """Elements top-k sends of a bucket of `numel`: ceil(ratio x numel), at least one."""
-    return max(1, math.ceil(ratio * numel))
 
 
 def powersgd_plan(shapes: Sequence[Sequence[int]], rank: int) -> tuple[int, list[tuple[int, int, int]]]:

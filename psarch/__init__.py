@@ -19,8 +19,8 @@ names no backend; bench/ and the studies' tables in report/ sit above the backen
     checkpoint/   checkpoints any backend writes in parallel and any backend reads at any world size
     models/, data/  built-in models (gpt, mlp, dlrm) and data (markov, text, clicks)
     ps/           the parameter-server backend: server/ (parameter_server.py's handler table; a push is
-                  handled in server/pushes.py, applied in server/updates.py), worker/, wire.py, its spec and
-                  theory, and ps/flows.py, the flow-level model of a sync PS step on a cluster
+                  handled in server/pushes.py, applied in server/updates.py), worker/ (top-k pushes: topk.py),
+                  wire.py, its spec and theory, and ps/flows.py, the flow-level model of a sync PS step on a cluster
     backend.py, registry.py   BackendSpec, how a backend declares itself, and the registered backends
     trainer.py, workload.py   the Trainer contract (and consolidated_state, the fp32 model it hands back),
                   the Workload (model, loss, batch of a step)

@@ -220,7 +220,8 @@ def test_theory_predicts_the_compressed_bytes_and_memory(runs, n):
 @pytest.mark.parametrize("kind, sets, words", [
     ("zero", {"train.compression": "topk"}, "ZeRO reduce-scatters gradients"),
     ("torch_ddp", {"train.compression": "topk"}, "no top-k DDP communication hook"),
-    ("ps", {"train.compression": "topk"}, "sparse pushes"),
+    ("ps", {"train.compression": "powersgd"}, "PowerSGD's two rounds"),
+    ("ps", {"train.compression": "topk", "backend.mode": "geo"}, "pushes deltas"),
     ("ps", {"train.compression": "fp16", "backend.embeddings": "rows", "workload.model": "dlrm",
             "workload.data": "clicks"}, "casts the dense pushes only"),
     ("single", {"train.compression": "fp16"}, "no gradient moves"),
@@ -241,21 +242,29 @@ def test_refusals_are_one_line(kind, sets, words):
 
 # ---------------------------------------------------------------- the parameter server: pushes cast to 2 bytes
 
+TOPK = {"compression": "topk", "topk_ratio": RATIO}
 PS_VARIANTS = {
     "ps-fp16": {"compression": "fp16"},
     "ps-bf16": {"compression": "bf16"},
     "ps-fp16-parts-prio": {"compression": "fp16"},
+    "ps-topk": TOPK,
+    "ps-topk-s1": TOPK,
+    "ps-topk-parts-prio": TOPK,
+    "ps-topk-all": {"compression": "topk", "topk_ratio": 1.0},
 }
 
 
 def ps_data(name: str, n: int) -> dict:
     from ps_setup import ps
     extra = {"partition_mb": 0.001, "priority_credit_mb": 0.001} if "parts" in name else {}
-    return config(f"{name}-{n}", train={**SGD, **PS_VARIANTS[name]}, backend=ps(n, "sync", 2, **extra))
+    servers = 1 if name.endswith("-s1") else 2
+    return config(f"{name}-{n}", train={**SGD, **PS_VARIANTS[name]}, backend=ps(n, "sync", servers, **extra))
 
 
 def every_ps_variant(rank: int, n: int, out: str, infos: dict) -> dict:
-    return {name: train(rank, n, ps_data(name, n), infos[name], out) for name in PS_VARIANTS}
+    runs = {name: train(rank, n, ps_data(name, n), infos[name], out) for name in PS_VARIANTS}
+    runs["topk-ring"] = train(rank, n, data("topk-ring", n), {}, out)
+    return runs
 
 
 @pytest.fixture(scope="module")
@@ -287,13 +296,52 @@ def test_ps_sums_pushes_cast_to_two_bytes(ps_runs):
                       rtol=0, atol=0)
 
 
+def test_ps_top_k_sums_sparse_pushes(ps_runs):
+    """Top-k through the PS: with one server holding the whole vector in one partition it selects exactly what
+    ddp's one bucket selects, so it equals top-k by all-gather within SGD's 1e-5 (the PS sums the values, then
+    divides by N; ddp divides, then sums: one rounding apart per step); top-k of every element is exact
+    averaging (`single`); and a run of top-k is far from it (the compression is real)."""
+    out, _, _ = ps_runs
+    ref = model(out, "single")
+    assert_same_model(model(out, "ps-topk-s1-2"), model(out, "topk-ring-2"), "ps top-k vs ddp top-k", rtol=0,
+                      atol=SGD_ATOL)
+    print("ps top-k vs ddp top-k:", max((model(out, "ps-topk-s1-2")[k] - v).abs().max().item()
+                                        for k, v in model(out, "topk-ring-2").items()))
+    assert_same_model(model(out, "ps-topk-all-2"), ref, "ps top-k of everything vs single", rtol=0, atol=SGD_ATOL)
+    for name in ("ps-topk-2", "ps-topk-parts-prio-2"):
+        far = max((model(out, name)[k] - v).abs().max().item() for k, v in ref.items())
+        assert far > 100 * SGD_ATOL, f"{name}: {far:g} from single"
+
+
+def test_ps_top_k_bytes_and_error_feedback_equal_the_formula(ps_runs):
+    """A worker pushes each partition's k = ceil(ratio x elements) pairs of an int64 index and a 4-byte value
+    (+ a header per request) and pulls 4 Φ; it keeps 4 Φ of error feedback; theory predicts both."""
+    from psarch.ps.layout import server_partitions
+    from psarch.theory import predict
+    _, res, stats = ps_runs
+    header_bound = 128
+    for name in ("ps-topk", "ps-topk-s1", "ps-topk-parts-prio"):
+        layout = server_partitions(from_dict(ps_data(name, 2)), res[0][name]["params"])   # what the servers hold
+        assert [len(p) for p in layout] == [x["partitions"] for x in stats[name]["servers_detail"]]
+        sizes = [hi - lo for parts in layout for lo, hi in parts]
+        pairs = sum(math.ceil(RATIO * size) for size in sizes) * (8 + 4)
+        for r in res:
+            phi = r[name]["params"]
+            assert sum(sizes) == phi
+            sent = sum(row["sent"] for row in r[name]["rows"])
+            assert SGD["steps"] * pairs < sent <= SGD["steps"] * (pairs + 2 * len(sizes) * header_bound), name
+            assert r[name]["memory"]["error_feedback"] == 4 * phi, name
+        p = predict(from_dict(ps_data(name, 2)), res[0][name]["params"])
+        assert (p.worker.sent, p.memory_per_rank.buffers) == (pairs, 4 * phi), name
+
+
 def test_ps_pushes_half_the_bytes_and_pulls_whole(ps_runs):
     """A worker sends 2 Φ bytes a step (+ a header per request) and receives 4 Φ; the servers receive what
     the workers sent; theory predicts both."""
     from psarch.theory import predict
     _, res, stats = ps_runs
     header_bound = 128   # tests/test_ps.py's measured bound on a header frame
-    for name in PS_VARIANTS:
+    for name in ("ps-fp16", "ps-bf16", "ps-fp16-parts-prio"):
         parts = sum(x["partitions"] for x in stats[name]["servers_detail"])
         for r in res:
             phi, steps = r[name]["params"], SGD["steps"]

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Callable
 from psarch.ps import flows
 from psarch.ps.layout import held, one_range, server_partitions
 from psarch.theory import (BYTES, LinkBytes, LinkLoad, MemoryPrediction, Prediction, expected_unique_ids,
-                           optimizer_bytes_per_param, table_params)
+                           optimizer_bytes_per_param, table_params, topk_k)
 
 if TYPE_CHECKING:
     from psarch.config import Config
@@ -37,6 +37,8 @@ def dense(cfg: Config, phi: float) -> Prediction:
     n, width = b.world_size, BYTES[t.precision]
     s, every = phi * width, b.push_every
     up = phi * (2 if t.compression in ("fp16", "bf16") else width)   # pushed: cast to 2 bytes by train.compression
+    if t.compression == "topk":   # each partition's k (int64 index, value) pairs
+        up = sum(topk_k(hi - lo, t.topk_ratio) * (8 + width) for parts in dense_partitions(cfg, phi) for lo, hi in parts)
     k = optimizer_bytes_per_param(t.optimizer, t.precision, t.momentum)
     server_per_param = 4 + (0 if b.mode == "geo" else optimizer_bytes_per_param(t.optimizer, "fp32", t.momentum))
     server_per_param += 4 if b.barrier else 0
@@ -44,8 +46,9 @@ def dense(cfg: Config, phi: float) -> Prediction:
     server_mem = server_per_param * phi / b.servers
     if b.mode == "geo":
         mem = MemoryPrediction(params=width * phi, grads=width * phi, optimizer=k * phi, buffers=4 * phi)
-    else:
-        mem = MemoryPrediction(params=width * phi, grads=width * phi, optimizer=0.0)
+    else:   # top-k keeps the error of every element it has pushed
+        mem = MemoryPrediction(params=width * phi, grads=width * phi, optimizer=0.0,
+                               buffers=width * phi if t.compression == "topk" else 0.0)
     colocated = b.server_placement == "colocated" and not b.server_addresses
     return Prediction(mem, LinkBytes(up / every, s / every), LinkBytes(n * s / b.servers / every,
                                                                       n * up / b.servers / every),
