@@ -272,6 +272,15 @@ def ps_runs(tmp_path_factory):
     from psarch.ps.services import start_services
     out = tmp_path_factory.mktemp("ps-compression")
     train(0, 1, config("single", train=SGD), {}, str(out))
+    from ps_setup import ps
+    for mode in ("sync", "async"):   # one worker: an async server applies what a sync round would
+        one = from_dict(config(f"ps-topk-{mode}-1", train={**SGD, **TOPK}, backend=ps(1, mode, 2)))
+        service = start_services(one, None, threads=True)
+        try:
+            train(0, 1, one.to_dict(), service.info, str(out))
+            service.finish()
+        finally:
+            service.stop()
     n = 2
     services = {name: start_services(from_dict(ps_data(name, n)), None, threads=True) for name in PS_VARIANTS}
     try:
@@ -299,8 +308,9 @@ def test_ps_sums_pushes_cast_to_two_bytes(ps_runs):
 def test_ps_top_k_sums_sparse_pushes(ps_runs):
     """Top-k through the PS: with one server holding the whole vector in one partition it selects exactly what
     ddp's one bucket selects, so it equals top-k by all-gather within SGD's 1e-5 (the PS sums the values, then
-    divides by N; ddp divides, then sums: one rounding apart per step); top-k of every element is exact
-    averaging (`single`); and a run of top-k is far from it (the compression is real)."""
+    divides by N; ddp divides, then sums: one rounding apart per step, none at N = 2); top-k of every element is
+    exact averaging (`single`); with one worker an async server applies what a sync round does (bitwise); and
+    a run of top-k is far from `single` (the compression is real)."""
     out, _, _ = ps_runs
     ref = model(out, "single")
     assert_same_model(model(out, "ps-topk-s1-2"), model(out, "topk-ring-2"), "ps top-k vs ddp top-k", rtol=0,
@@ -308,6 +318,8 @@ def test_ps_top_k_sums_sparse_pushes(ps_runs):
     print("ps top-k vs ddp top-k:", max((model(out, "ps-topk-s1-2")[k] - v).abs().max().item()
                                         for k, v in model(out, "topk-ring-2").items()))
     assert_same_model(model(out, "ps-topk-all-2"), ref, "ps top-k of everything vs single", rtol=0, atol=SGD_ATOL)
+    assert_same_model(model(out, "ps-topk-async-1"), model(out, "ps-topk-sync-1"), "async vs sync, one worker",
+                      rtol=0, atol=0)
     for name in ("ps-topk-2", "ps-topk-parts-prio-2"):
         far = max((model(out, name)[k] - v).abs().max().item() for k, v in ref.items())
         assert far > 100 * SGD_ATOL, f"{name}: {far:g} from single"
