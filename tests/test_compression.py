@@ -47,6 +47,9 @@ VARIANTS = {
        for r in (1, 3) for side, backend in (("ring", {"kind": "ddp"}), ("native", {"kind": "ddp", "comm": "native"}),
                                              ("torch", {"kind": "torch_ddp"}))},
     "powersgd-warm-only": ({"kind": "ddp"}, {"compression": "powersgd", "powersgd_warmup_steps": 8}),
+    # the plain algorithm: one bucket per parameter, all-reduced after backward
+    "powersgd2-plain": ({"kind": "ddp", "bucket_cap_mb": 0, "overlap_comm": False},
+                        {"compression": "powersgd", "powersgd_rank": 2, "powersgd_warmup_steps": WARMUP}),
 }
 
 
@@ -209,7 +212,8 @@ def test_error_feedback_memory_equals_the_formula(runs, n):
 def test_theory_predicts_the_compressed_bytes_and_memory(runs, n):
     from psarch.theory import predict
     _, results = runs
-    for name in ("fp16-ring", "topk-ring", "topk-small-buckets", "powersgd1-ring", "powersgd3-torch"):
+    for name in ("fp16-ring", "topk-ring", "topk-small-buckets", "powersgd1-ring", "powersgd3-torch",
+                 "powersgd2-plain"):
         r = results[n][0][name]
         p = predict(from_dict(data(name, n)), r["params"])
         mean = sum(row["sent"] for row in r["rows"]) / len(r["rows"])
