@@ -372,3 +372,23 @@ def test_ps_pushes_half_the_bytes_and_pulls_whole(ps_runs):
             sum(r[name]["traffic"]["sent"] for r in res)
         p = predict(from_dict(ps_data(name, 2)), res[0][name]["params"])
         assert (p.worker.sent, p.worker.received) == (2 * phi, 4 * phi)
+
+
+def test_a_round_sums_top_k_pairs_sparsely_as_it_would_dense():
+    """rounds.py: pairs summed in worker order, an early one kept as its pairs, give the bits of the dense sum."""
+    from psarch.ps.server.rounds import OrderedSum, Pairs
+    torch.manual_seed(0)
+    pushes = []
+    for _ in range(3):
+        keys = torch.randperm(50)[:7]
+        pushes.append(Pairs(keys, torch.randn(7)))
+    dense = torch.zeros(50)
+    for p in pushes:
+        dense += p.dense(torch.empty(50))
+    acc, rnd, pushed = torch.full((50,), float("nan")), OrderedSum(3), set()
+    for w in (2, 1, 0):   # the last worker first: 2 and 1 wait as pairs, then all are summed in order
+        rnd.add(w, pushes[w], acc, {0, 1, 2}, pushed)
+        pushed.add(w)
+        rnd.drain(acc, {0, 1, 2}, pushed)
+    assert rnd.complete(pushed) and rnd.peak == pushes[1].nbytes + pushes[2].nbytes
+    assert torch.equal(acc, dense)

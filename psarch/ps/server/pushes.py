@@ -29,6 +29,7 @@ from psarch.ps.errors import NonFinitePush, PSError
 from psarch.ps.layout import held, server_partitions
 from psarch.ps.server.pulls import PullQueue
 from psarch.ps.server.replies import Replies
+from psarch.ps.server.rounds import Pairs
 from psarch.ps.server.state import TRACE_LIMIT, AckFields, Partition, ServerState
 from psarch.ps.server.updates import NonFiniteUpdate, RangeState
 from psarch.theory import topk_k
@@ -136,6 +137,7 @@ class Pushes:
                 rnd.since = time.monotonic()
             rnd.pushed.add(w)
         else:
+            assert isinstance(data, torch.Tensor)   # top-k's pairs come dense outside a barrier round (_checked)
             try:
                 if s.mode == "geo":
                     st.apply_delta(data, staleness, s.workers / len(s.live))
@@ -155,7 +157,7 @@ class Pushes:
             reply["skipped"] = skipped
         return reply
 
-    def _checked(self, msg: wire.Message, part: Partition) -> tuple[int, torch.Tensor, bool]:
+    def _checked(self, msg: wire.Message, part: Partition) -> tuple[int, torch.Tensor | Pairs, bool]:
         """(worker, payload decoded, found_inf) of a push that passes every check; PSError, changing nothing, else."""
         s, h = self.state, msg.header
         w, st = s.sender(msg), part.range
@@ -178,15 +180,16 @@ class Pushes:
             raise PSError(f"push: worker {w} sent step {h['step']}, its next step is {part.clock[w]}")
         self._check_scale(w, h, st)
         scratch = s.scratch[:part.hi - part.lo]
-        into = (part.round.sum.destination(w, s.live, part.round.pushed, st.acc, scratch) if s.barrier else scratch)
+        into = (part.round.sum.destination(w, s.live, part.round.pushed, st.acc, scratch)
+                if s.barrier and keys is None else scratch)
         found_inf = bool(h.get("found_inf", False))
         try:  # poison never reaches the parameters: only fp16's declared overflow steps may hold inf/nan
             # (a refused first push of a round leaves acc half-written: the next first push overwrites it)
             finite = not (s.loss_scaling and found_inf)
             if keys is None:
                 return w, msg.tensor(into, finite=finite), found_inf
-            values = msg.tensor(finite=finite)   # checked before `into` (perhaps the round's sum) is touched
-            return w, into.zero_().index_put_((keys,), values.view(-1)), found_inf
+            pairs = Pairs(keys, msg.tensor(finite=finite).view(-1))   # summed sparsely in a round (rounds.py)
+            return w, pairs if s.barrier else pairs.dense(scratch), found_inf
         except wire.NonFinitePayload:
             s.refused_non_finite[w] += 1
             what = "delta" if s.mode == "geo" else "gradient"
