@@ -4,7 +4,8 @@ Gradients live in one flat buffer (parameters' `.grad` are views into it), split
 `bucket_cap_mb`. A post-accumulate-grad hook marks each parameter ready; a full bucket is divided by N
 and its all-reduce launched at once, in bucket order on every rank (as torch DDP's reducer does), while
 backward goes on. With `overlap_comm = false` and `bucket_cap_mb = 0` this is the plain algorithm:
-one all-reduce per parameter after backward.
+one all-reduce per parameter after backward. How a bucket is averaged, whole or compressed, is
+collective/compression.py's (`train.compression`).
 """
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ import torch
 
 from collective.communicators import make_communicator
 from collective.bucket import Bucket, assign_buckets
+from collective.compression import Finish, make_compression
 from collective.embeddings import make_tables
 from psarch.checkpoint import Checkpoint
 from psarch.checkpoint.fragments import Pieces, master_fragments, restore_optimizer, scaler_state, share_of
@@ -52,7 +54,11 @@ class DDPTrainer(Trainer):
         self._bucket_of = {i: b for b in self.buckets for i in b.params}
         self.overlap = cfg.backend.overlap_comm
         self._next = 0
-        self._handles: list[Any] = []
+        self._finishes: list[Finish] = []
+        t = cfg.train
+        self.compression = make_compression(t.compression, self.comm, t.topk_ratio, t.powersgd_rank,
+                                            t.powersgd_warmup_steps, cfg.seed)
+        self._shapes = [[self.flat.params[i].shape for i in b.params] for b in self.buckets]
         self._hooks = [p.register_post_accumulate_grad_hook(self._hook(i)) for i, p in enumerate(params)]
         self.optim = MixedPrecisionOptimizer([self.flat.data], cfg.train, cfg.train.precision)
         self._layout = flat_layout(self.model, self.flat.params)
@@ -75,8 +81,7 @@ class DDPTrainer(Trainer):
 
     def _launch(self, bucket: Bucket) -> None:
         grad = self.flat.grad[bucket.start:bucket.end]
-        grad.div_(self.n)  # average by pre-dividing, as torch DDP does (keeps fp16 sums in range)
-        self._handles.append(self.comm.all_reduce(grad, async_op=True))
+        self._finishes.append(self.compression.launch(bucket.index, grad, self._shapes[bucket.index]))
         self._next += 1
 
     def step(self, batch: Any) -> StepStats:
@@ -95,10 +100,10 @@ class DDPTrainer(Trainer):
         # queued behind the buckets' all-reduces: every rank issues the same sequence
         grads = self.flat.views(self.flat.grad)
         extra: dict[str, float] = dict(self.tables.exchange(batch, grads[len(grads) - self.n_apart:]))
-        for h in self._handles:
-            if h is not None:
-                h.wait()
-        self._handles.clear()
+        for finish in self._finishes:   # in bucket order: PowerSGD's second all-reduce is issued here
+            finish()
+        self._finishes.clear()
+        self.compression.end_step()
         comm_s = time.perf_counter() - t0 + fetch_s
         # After the all-reduce every rank holds the same gradients, so the inf/nan check agrees everywhere.
         skipped = self.optim.step([self.flat.grad])
@@ -130,6 +135,8 @@ class DDPTrainer(Trainer):
 
     def memory(self) -> MemoryReport:
         report = flat_memory(self.ctx.device, self.flat, self.optim.state_bytes())
+        report.error_feedback = self.compression.state_bytes()
+        report.buffers += report.error_feedback
         for k, v in self.tables.memory().items():
             setattr(report, k, getattr(report, k) + v)
         return report

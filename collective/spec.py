@@ -43,6 +43,19 @@ def ddp_step(cfg: Config, phi: float, step: Any, reduced: bool, overlap: bool) -
     return ddp_program(cfg.backend.world_size, buckets, step, overlap, reduced)
 
 
+def check_compression(cfg: Config) -> None:
+    """What ddp and torch_ddp refuse of train.compression: the tables' rows move whole, and the state error
+    feedback and PowerSGD keep from step to step is not in checkpoints."""
+    t, e = cfg.train, cfg.backend.embeddings
+    if t.compression != "none" and e != "dense":
+        raise ConfigError(f"train.compression = \"{t.compression}\": compresses the dense buckets only; use "
+                          f"backend.embeddings = \"dense\", not \"{e}\"")
+    if t.compression in ("topk", "powersgd") and t.checkpoint_every:
+        raise ConfigError(f"train.checkpoint_every = {t.checkpoint_every}: the error feedback of train.compression = "
+                          f"\"{t.compression}\" is not in checkpoints yet, so a resumed run would not continue this one; "
+                          f"use 0")
+
+
 class DDPSpec(BackendSpec):
     kind = "ddp"
     trains_subsets = True
@@ -51,12 +64,14 @@ class DDPSpec(BackendSpec):
     options = DDPOptions
     reads = PROCESS_GROUP_OPTIONS
     embeddings = ("dense", "rows", "sharded")
+    compressions = ("none", "fp16", "bf16", "topk", "powersgd")
     bench_peer = "collective.torch_ddp:plain_ddp_peer"
 
     def variant(self, cfg: Config) -> str:
         return cfg.backend.comm
 
     def check(self, cfg: Config) -> None:
+        check_compression(cfg)
         if cfg.backend.embeddings == "sharded" and cfg.train.precision == "fp16":
             raise ConfigError("train.precision = \"fp16\": backend.embeddings = \"sharded\" runs fp32 or bf16 (fp16 "
                               "would need one inf/nan verdict over every rank's shard before a step)")
@@ -66,6 +81,8 @@ class DDPSpec(BackendSpec):
 
     def predict(self, cfg: Config, phi: float) -> Prediction:
         e = cfg.backend.embeddings
+        if cfg.train.compression != "none":
+            return theory.compressed(cfg, phi)
         return theory.rows(cfg, phi) if e == "rows" else theory.sharded(cfg, phi) if e == "sharded" else \
             theory.replicated(cfg, phi)
 
@@ -86,9 +103,15 @@ class TorchDDPSpec(BackendSpec):
     options = TorchDDPOptions
     reads = PROCESS_GROUP_OPTIONS
     embeddings = ("dense", "rows")
+    compressions = ("none", "fp16", "bf16", "powersgd")   # torch's own DDP communication hooks
+    uncompressed_because = "torch ships no top-k DDP communication hook"
 
     def check(self, cfg: Config) -> None:
         t = cfg.train
+        check_compression(cfg)
+        if t.compression == "powersgd" and t.powersgd_warmup_steps < 2:
+            raise ConfigError(f"train.powersgd_warmup_steps = {t.powersgd_warmup_steps}: torch's powerSGD_hook starts "
+                              f"at step 2 at the earliest (DDP rebuilds its buckets after step 1); use 2 or more")
         if cfg.backend.embeddings != "rows":
             return
         # the tables' gradients are torch sparse tensors, which torch's optimizers take only so
@@ -103,6 +126,8 @@ class TorchDDPSpec(BackendSpec):
                               f"tables sparse gradients; backend.kind = \"ddp\" takes any optimizer)")
 
     def predict(self, cfg: Config, phi: float) -> Prediction:
+        if cfg.train.compression != "none":   # torch's buckets differ from ddp's only by a few elements of padding
+            return theory.compressed(cfg, phi)
         return theory.rows(cfg, phi, sparse_grads=True) if cfg.backend.embeddings == "rows" else \
             theory.replicated(cfg, phi)
 

@@ -3,11 +3,12 @@ all-reduced by ring, 2(N−1)/N · S per rank per step; with embedding tables mo
 touched rows) or row-sharded over the ranks (all-to-all). The shared algebra is psarch.theory's."""
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+import math
+from typing import TYPE_CHECKING, Sequence
 
 from psarch.zipf import expected_unique
 from psarch.theory import (BYTES, LinkBytes, MemoryPrediction, Prediction, expected_unique_ids,
-                           optimizer_bytes_per_param, ring_passes, sharded_memory, table_params)
+                           optimizer_bytes_per_param, ring_passes, sharded_memory, table_params, topk_k)
 
 if TYPE_CHECKING:
     from psarch.config import Config
@@ -78,3 +79,99 @@ def sharded(cfg: Config, phi: float) -> Prediction:
     # its N - 1 messages at once, paying the latency once
     return Prediction(mem, LinkBytes(ring + sent, ring + received), None, rounds=2 + 4,
                       messages=2 * (n - 1) + 4, server_memory=None)
+
+
+# ---------------------------------------------------------------- gradient compression (train.compression)
+
+INDEX_BYTES = 4   # top-k's indices travel as int32: a bucket holds fewer than 2^31 elements
+MIN_COMPRESSION_RATE = 2   # torch's powerSGD_hook default: a matrix is factored only where that saves 2x
+
+
+def powersgd_plan(shapes: Sequence[Sequence[int]], rank: int) -> tuple[int, list[tuple[int, int, int]]]:
+    """(elements all-reduced uncompressed, (n, m, r) of each matrix factored), as torch's powerSGD_hook decides:
+    a tensor is viewed as n x m with n its first dimension, r = min(n, m, rank), and factored into P (n x r) and
+    Q (m x r) where MIN_COMPRESSION_RATE x (n + m) r < n m; the rest (biases, norms) go whole."""
+    whole, factored = 0, []
+    for shape in shapes:
+        numel = math.prod(shape)
+        n = shape[0] if len(shape) else 1
+        m = numel // n if n else 0
+        r = min(n, m, rank)
+        if MIN_COMPRESSION_RATE * (n + m) * r < n * m:
+            factored.append((n, m, r))
+        else:
+            whole += numel
+    return whole, factored
+
+
+def ring_all_reduce_bytes(numel: int, itemsize: int, n: int) -> int:
+    """Bytes one rank sends (and receives) in a ring all-reduce of `numel` elements: 2(N-1) chunks of ceil(L/N)
+    (collective.comm.ring_bytes, which the meters count, says the same)."""
+    return 0 if n == 1 or numel == 0 else 2 * (n - 1) * -(-numel // n) * itemsize
+
+
+def compressed_bucket_bytes(compression: str, shapes: Sequence[Sequence[int]], itemsize: int, n: int,
+                            ratio: float = 0.01, rank: int = 1, compressing: bool = True) -> int:
+    """Bytes one rank sends (= receives) averaging one bucket of gradients of these shapes: fp16/bf16 a ring
+    all-reduce of 2-byte elements; top-k an all-gather of its k (index, value) pairs, (N-1) k (4 + itemsize);
+    PowerSGD (once `compressing`, after its warm-up) three ring all-reduces: the whole tensors, every P (n x r),
+    every Q (m x r)."""
+    numel = sum(math.prod(s) for s in shapes)
+    if compression in ("fp16", "bf16"):
+        return ring_all_reduce_bytes(numel, 2, n)
+    if compression == "topk":
+        return (n - 1) * topk_k(numel, ratio) * (INDEX_BYTES + itemsize)
+    if compression == "powersgd" and compressing:
+        whole, factored = powersgd_plan(shapes, rank)
+        return sum(ring_all_reduce_bytes(e, itemsize, n) for e in
+                   (whole, sum(a * r for a, _, r in factored), sum(m * r for _, m, r in factored)))
+    return ring_all_reduce_bytes(numel, itemsize, n)
+
+
+def error_feedback_bytes(compression: str, shapes: Sequence[Sequence[int]], itemsize: int, rank: int = 1) -> int:
+    """Bytes a rank keeps from step to step for a bucket: top-k and PowerSGD the error of the bucket (its size);
+    PowerSGD also P and Q, kept for the warm start, (n + m) r per factored matrix."""
+    numel = sum(math.prod(s) for s in shapes)
+    if compression == "topk":
+        return numel * itemsize
+    if compression == "powersgd":
+        return (numel + sum((a + m) * r for a, m, r in powersgd_plan(shapes, rank)[1])) * itemsize
+    return 0
+
+
+def ddp_bucket_shapes(cfg: Config) -> list[list[tuple[int, ...]]]:
+    """The shapes of each of ddp's buckets, as collective/ddp.py lays them out (parameters in reverse order, cut at
+    bucket_cap_mb), from the model built on the meta device."""
+    from collective.bucket import assign_buckets
+    from psarch.precision import compute_dtype
+    from psarch.workload import build_workload
+
+    model = build_workload(cfg, device="meta").model.to(compute_dtype(cfg.train.precision))
+    params = [p for p in model.parameters() if p.requires_grad][::-1]
+    offsets = [0]
+    for p in params[:-1]:
+        offsets.append(offsets[-1] + p.numel())
+    return [[tuple(params[i].shape) for i in b.params]
+            for b in assign_buckets(params, offsets, cfg.backend.bucket_cap_mb * 2**20)]
+
+
+def compressed(cfg: Config, phi: float) -> Prediction:
+    """ddp with train.compression: the model replicated, each bucket averaged compressed; bytes per step the mean
+    over the run (PowerSGD's warm-up steps all-reduce whole), memory with the error-feedback buffers."""
+    t, n = cfg.train, cfg.backend.world_size
+    width = BYTES[t.precision]
+    buckets = ddp_bucket_shapes(cfg)
+
+    def step_bytes(compressing: bool) -> float:
+        return sum(compressed_bucket_bytes(t.compression, s, width, n, t.topk_ratio, t.powersgd_rank, compressing)
+                   for s in buckets)
+
+    warm = min(t.powersgd_warmup_steps, t.steps) if t.compression == "powersgd" else 0
+    v = (warm * step_bytes(False) + (t.steps - warm) * step_bytes(True)) / t.steps
+    mem = sharded_memory(cfg, phi, 0)
+    if t.steps > warm:   # PowerSGD allocates its buffers at its first compressed step
+        mem.buffers = sum(error_feedback_bytes(t.compression, s, width, t.powersgd_rank) for s in buckets)
+    passes = {"fp16": 2, "bf16": 2, "topk": 1, "powersgd": 6}.get(t.compression, 2)
+    if n == 1:
+        return Prediction(mem, LinkBytes(), None, rounds=0, messages=0, server_memory=None)
+    return Prediction(mem, LinkBytes(v, v), None, rounds=passes, messages=passes * (n - 1), server_memory=None)

@@ -2,10 +2,15 @@
 psarch's DDP is checked against for parity and speed, driven by the same runner on the same data."""
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
 import torch
+import torch.distributed as dist
+from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import bf16_compress_hook, fp16_compress_hook
+from torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook import PowerSGDState, powerSGD_hook
 from torch.nn.parallel import DistributedDataParallel
+
+from collective.theory import MIN_COMPRESSION_RATE, compressed_bucket_bytes
 
 from psarch.checkpoint import Checkpoint
 from psarch.checkpoint.fragments import Pieces, master_fragments, restore_optimizer, scaler_state, share_of
@@ -40,6 +45,9 @@ class TorchDDPTrainer(Trainer):
         self.payload = sum(p.numel() * p.element_size() for p in self.params if id(p) not in weights)
         names = {id(p): n for n, p in module.named_parameters()}
         self.named = [(names[id(p)], p) for p in self.params]
+        self.compression = cfg.train.compression
+        self.powersgd = register_compression(self.model, cfg, ctx.group, self.meter) \
+            if self.compression != "none" else None
 
     def step(self, batch: Any) -> StepStats:
         for p in self.params:
@@ -47,8 +55,9 @@ class TorchDDPTrainer(Trainer):
         loss = self.loss_fn(self.model, batch)
         self.optim.scaler.scale_loss(loss).backward()  # DDP's reducer all-reduces (averages) during backward
         n = self.ctx.world_size
-        volume = 2 * (n - 1) * self.payload // n
-        self.meter.add("all_reduce", volume, volume)
+        if self.compression == "none":   # compressed: the hook counts each bucket (register_compression)
+            volume = 2 * (n - 1) * self.payload // n
+            self.meter.add("all_reduce", volume, volume)
         extra: dict[str, float] = dict(self.tables.exchange(batch, []))   # what DDP's reducer moved of the tables' rows
         skipped = self.optim.step(grads_of(self.params))
         return StepStats(float(loss.item()), skipped=skipped, loss_scale=self.optim.scaler.scale, extra=extra)
@@ -71,14 +80,47 @@ class TorchDDPTrainer(Trainer):
 
     def memory(self) -> MemoryReport:
         peak, kind = peak_memory(self.ctx.device)
+        kept = 0 if self.powersgd is None else tensor_bytes(
+            t for d in (self.powersgd.error_dict, self.powersgd.p_memory_dict, self.powersgd.q_memory_dict)
+            for t in d.values())
         return MemoryReport(params=tensor_bytes(self.params), grads=tensor_bytes(p.grad for p in self.params),
-                            optimizer=self.optim.state_bytes(), peak=peak, peak_kind=kind)
+                            optimizer=self.optim.state_bytes(), buffers=kept, error_feedback=kept, peak=peak,
+                            peak_kind=kind)
 
     def traffic(self) -> TrafficReport:
         return TrafficReport({**self.meter.report().ops, **self.tables.traffic()}, modelled=True)
 
     def close(self) -> None:
         pass
+
+
+def register_compression(model: DistributedDataParallel, cfg: Config, group: Any,
+                         meter: TrafficMeter) -> PowerSGDState | None:
+    """torch's own hook for train.compression (fp16_compress_hook, bf16_compress_hook, powerSGD_hook with the
+    same rank, warm-up and seed as psarch's), wrapped to count each bucket's modelled bytes by
+    collective/theory.py's formula; the PowerSGD state, whose buffers are memory, where it is PowerSGD."""
+    t, n = cfg.train, dist.get_world_size(group)
+    state: Any = group
+    hook: Callable[[Any, dist.GradBucket], torch.futures.Future[torch.Tensor]]
+    if t.compression == "powersgd":
+        state = PowerSGDState(group, matrix_approximation_rank=t.powersgd_rank,
+                              start_powerSGD_iter=t.powersgd_warmup_steps, min_compression_rate=MIN_COMPRESSION_RATE,
+                              use_error_feedback=True, warm_start=True, random_seed=cfg.seed)
+        hook = powerSGD_hook
+    else:
+        hook = fp16_compress_hook if t.compression == "fp16" else bf16_compress_hook
+
+    # unannotated: DDP checks a hook's annotations as objects, and this module's are strings (__future__)
+    def counted(state, bucket):  # type: ignore[no-untyped-def]
+        grads = bucket.gradients()
+        compressing = not isinstance(state, PowerSGDState) or state.iter >= state.start_powerSGD_iter
+        volume = compressed_bucket_bytes(t.compression, [g.shape for g in grads], grads[0].element_size(), n,
+                                         rank=t.powersgd_rank, compressing=compressing)
+        meter.add("all_reduce", volume, volume)
+        return hook(state, bucket)
+
+    model.register_comm_hook(state, counted)
+    return state if isinstance(state, PowerSGDState) else None
 
 
 def plain_ddp_peer(cfg: Config, device: torch.device) -> tuple[str, Any]:

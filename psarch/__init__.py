@@ -24,9 +24,9 @@ names no backend; bench/ and the studies' tables in report/ sit above the backen
     checkpoint/   checkpoints any backend writes in parallel and any backend reads at any world size
     models/, data/  built-in models (gpt, mlp, dlrm) and data (markov, text, clicks)
     ps/           the parameter-server backend: server/ (parameter_server.py's handler table; a push is
-                  handled in server/pushes.py, applied in server/updates.py), worker/, wire.py, its spec and
-                  theory, partitions.py (which server holds what, no torch) and program.py (its sync step as a
-                  program for the simulator)
+                  handled in server/pushes.py, applied in server/updates.py), worker/ (top-k pushes: topk.py),
+                  wire.py, its spec and theory, partitions.py (which server holds what, no torch) and program.py
+                  (its sync step as a program for the simulator)
     backend.py, registry.py   BackendSpec, how a backend declares itself, and the registered backends
     trainer.py, workload.py   the Trainer contract (and consolidated_state, the fp32 model it hands back),
                   the Workload (model, loss, batch of a step)
@@ -42,8 +42,9 @@ names no backend; bench/ and the studies' tables in report/ sit above the backen
                   byte formatting, Zipf ids; the `psarch` command
 
 The other backends are packages beside this one: collective/ (communicators: the hand-written ring,
-collective/ring.py, beside ring_plain.py and torch's native; DDP; pipeline/; tensor/; program.py, ring passes
-and DDP's step as a program) and zero/ (ZeRO 1-3; program.py, their steps as programs).
+collective/ring.py, beside ring_plain.py and torch's native; DDP and its gradient compression, compression.py;
+pipeline/; tensor/; program.py, ring passes and DDP's step as a program) and zero/ (ZeRO 1-3; program.py, their
+steps as programs).
 
 Nothing is imported here until used: `psarch keys`, `--help` and a config error answer without torch.
 """

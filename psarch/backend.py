@@ -78,6 +78,9 @@ class BackendSpec(ABC):
     variant_key: ClassVar[str | None] = None          # the [backend] option that selects its variant
     precisions: ClassVar[tuple[str, ...]] = PRECISIONS
     embeddings: ClassVar[tuple[str, ...]] = ("dense",)
+    # train.compression values it applies, and why the others do not (said in the one line that refuses them)
+    compressions: ClassVar[tuple[str, ...]] = ("none",)
+    uncompressed_because: ClassVar[str] = "its gradients move uncompressed"
     max_world_size: ClassVar[int | None] = None
     needs_process_group: ClassVar[bool] = True        # the launcher joins the ranks in a torch.distributed group
     # it trains a model of which only some parameters train (train.trainable, train.lora_rank): it steps, keeps
@@ -106,10 +109,11 @@ class BackendSpec(ABC):
 
     def label(self, cfg: Config) -> str:
         """The run's architecture in one label, used by every report, plot and cluster table: the kind, its
-        variant, and the embedding treatment where it is not dense."""
+        variant, the embedding treatment where it is not dense and the gradient compression where there is one."""
         v = self.variant(cfg)
         text = f"{self.kind} {v}" if v else self.kind
-        return text if cfg.backend.embeddings == "dense" else f"{text}, embeddings {cfg.backend.embeddings}"
+        text = text if cfg.backend.embeddings == "dense" else f"{text}, embeddings {cfg.backend.embeddings}"
+        return text + compression_label(cfg)
 
     def lockstep(self, cfg: Config) -> bool:
         """Whether every worker applies the same update each step (the runs that train the model `single`
@@ -184,3 +188,10 @@ class BackendSpec(ABC):
     def summary_fields(self, cfg: Config) -> Summary:
         """Fields this backend adds to summary.json's top level (e.g. the PS's server count)."""
         return {}
+
+
+def compression_label(cfg: Config) -> str:
+    """', fp16 grads', ', top-k 0.01', ', PowerSGD r=4' where train.compression says so, else ''."""
+    t = cfg.train
+    return {"none": "", "fp16": ", fp16 grads", "bf16": ", bf16 grads", "topk": f", top-k {t.topk_ratio:g}",
+            "powersgd": f", PowerSGD r={t.powersgd_rank}"}[t.compression]

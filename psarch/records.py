@@ -51,6 +51,7 @@ class MemoryFigures(TypedDict):
     peak: int | None
     peak_kind: str | None
     padding: int
+    error_feedback: int
     total: int
 
 

@@ -15,6 +15,7 @@ class SingleSpec(BackendSpec):
     trainer = "psarch.single:SingleTrainer"
     doc = "one process, the whole global batch, plain PyTorch: the reference every backend is checked against"
     max_world_size = 1
+    uncompressed_because = "one process: no gradient moves"
     bench_peer = "psarch.bench.step:plain_peer"
     needs_process_group = False   # one process: nothing to synchronise with
     trains_subsets = True

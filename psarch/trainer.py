@@ -47,6 +47,7 @@ class MemoryReport:
     peak: int | None = None          # peak device memory (CUDA) or peak RSS (CPU), in bytes
     peak_kind: str | None = None     # "cuda_max_allocated" or "rss"
     padding: int = 0                 # bytes of the categories above that are padding
+    error_feedback: int = 0          # bytes of buffers kept by gradient compression (error feedback, PowerSGD's P, Q)
 
     @property
     def total(self) -> int:

@@ -46,6 +46,9 @@ class ZeroSpec(BackendSpec):
     variant_key = "stage"
     bench_peer = "zero.torch_peers:plain_fsdp2_peer"
     bench_options = {"stage": 3}
+    uncompressed_because = ("ZeRO reduce-scatters gradients, adding chunks hop by hop: a ring cannot add top-k's sparse "
+                            "(index, value) pairs on the way, PowerSGD factors whole matrices, not a rank's shard, "
+                            "and fp16/bf16 reduce-scatters are not built")
     reads = {**PROCESS_GROUP_OPTIONS, "backend.reduce_bucket_size": (1, 2), "backend.allgather_bucket_size": (1, 2),
              "backend.prefetch_bucket_size": (3,)}
 
@@ -97,6 +100,7 @@ class TorchZeroSpec(BackendSpec):
     doc = "PyTorch's DDP + ZeroRedundancyOptimizer (ZeRO-1; the peer of zero stage 1)"
     options = TorchZeroOptions
     reads = PROCESS_GROUP_OPTIONS
+    uncompressed_because = "the peer of zero, which compresses nothing"
     precisions = ("fp32",)
 
     def predict(self, cfg: Config, phi: float) -> Prediction:
@@ -115,6 +119,7 @@ class TorchFSDPSpec(BackendSpec):
     doc = "PyTorch's FSDP2 fully_shard per unit (ZeRO-3; the peer of zero stage 3)"
     options = TorchFSDPOptions
     reads = PROCESS_GROUP_OPTIONS
+    uncompressed_because = "FSDP2 takes no DDP communication hook"
     precisions = ("fp32",)
 
     def predict(self, cfg: Config, phi: float) -> Prediction:

@@ -3,6 +3,7 @@ what the chosen backend declares it runs (precisions, embedding treatments, worl
 (BackendSpec.check). A mistake is one ConfigError naming the key, the value and what is allowed."""
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -20,6 +21,7 @@ def validate(cfg: Config) -> Config:
     """Every check that needs several keys; returns cfg (betas normalised to floats)."""
     _check_name(cfg)
     _check_train(cfg)
+    _check_compression(cfg)
     _check_workload(cfg)
     _check_cluster(cfg)
     spec = registry.spec_of(cfg)
@@ -71,6 +73,22 @@ def _check_train(cfg: Config) -> None:
                           "e.g. [\"*\"] (every nn.Linear)")
     if b.dist_backend == "nccl" and b.device == "cpu":
         raise ConfigError("backend.dist_backend = \"nccl\": needs backend.device = \"cuda\" (or \"auto\" on a GPU machine)")
+
+
+def _check_compression(cfg: Config) -> None:
+    """Each compression's own options only with it; the casts from fp32 only; error feedback without a loss scale."""
+    t = cfg.train
+    defaults = {f.name: f.default for f in dataclasses.fields(t)}
+    for key, owner in (("topk_ratio", "topk"), ("powersgd_rank", "powersgd"), ("powersgd_warmup_steps", "powersgd")):
+        if t.compression != owner and getattr(t, key) != defaults[key]:
+            raise ConfigError(f"train.{key} = {show(getattr(t, key))}: only train.compression = \"{owner}\" reads it, "
+                              f"not \"{t.compression}\"")
+    if t.compression in ("fp16", "bf16") and t.precision != "fp32":
+        raise ConfigError(f"train.compression = \"{t.compression}\": the gradients are already 2 bytes at "
+                          f"train.precision = \"{t.precision}\"; the cast applies to train.precision = \"fp32\"")
+    if t.compression in ("topk", "powersgd") and t.precision == "fp16":
+        raise ConfigError(f"train.compression = \"{t.compression}\": its error feedback would carry gradients scaled "
+                          f"by fp16's changing loss scale; use train.precision = \"fp32\" or \"bf16\"")
 
 
 def _check_workload(cfg: Config) -> None:
@@ -130,6 +148,11 @@ def check_capabilities(spec: Any, cfg: Config) -> None:
                           f"train.lora_rank) run with dense embeddings only")
     if t.precision not in spec.precisions:
         raise ConfigError(f"train.precision = \"{t.precision}\": {this} runs {' or '.join(spec.precisions)} only")
+    if t.compression not in spec.compressions:
+        others = [s.kind for s in registry.specs() if t.compression in s.compressions]
+        raise ConfigError(f"train.compression = \"{t.compression}\": {this} runs "
+                          f"{', '.join(json.dumps(c) for c in spec.compressions)} only ({spec.uncompressed_because}); "
+                          f"\"{t.compression}\" runs on backend.kind = {', '.join(json.dumps(k) for k in others)}")
     if b.embeddings not in spec.embeddings:
         others = [s.kind for s in registry.specs() if b.embeddings in s.embeddings]
         raise ConfigError(f"backend.embeddings = \"{b.embeddings}\": {this} runs "

@@ -38,6 +38,14 @@ class TrainConfig:
     warmup_steps: int = option(-1, "steps left out of timing medians (-1: min(5, steps // 5))", min=-1)
     checkpoint_every: int = option(0, "write a checkpoint under <run>/checkpoints/ every this many steps (0: never)", min=0)
     keep_checkpoints: int = option(0, "keep only the newest this many checkpoints (0: all)", min=0)
+    compression: str = option("none", "how gradients are compressed on the wire: cast to 2 bytes ('fp16', 'bf16'), the "
+                                      "largest topk_ratio of each bucket with error feedback ('topk'), or PowerSGD's "
+                                      "rank-r factors with error feedback and warm start ('powersgd')",
+                              choices=("none", "fp16", "bf16", "topk", "powersgd"))
+    topk_ratio: float = option(0.01, "compression = 'topk': the fraction of each bucket's elements sent", min=1e-9, max=1.0)
+    powersgd_rank: int = option(1, "compression = 'powersgd': the rank r of each gradient matrix's approximation", min=1)
+    powersgd_warmup_steps: int = option(10, "compression = 'powersgd': steps all-reduced uncompressed before PowerSGD "
+                                            "starts (torch's start_powerSGD_iter)", min=0)
     tensorboard: bool = option(False, "also write each progress line's loss, samples/s and bytes sent as TensorBoard "
                                       "scalars under <run>/tensorboard/ (pip install psarch[tensorboard])")
 

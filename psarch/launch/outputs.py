@@ -218,7 +218,8 @@ def report(s: Summary) -> str:
     # padding (inside total) and transient peaks (outside it: gathered units, gradient buffers, both
     # together as working) get a column only where some rank has them, so other backends' reports stay narrow
     per_rank = s["memory"]["per_rank"]
-    optional = [(k, head) for k, head in (("frozen", "frozen"), ("padding", "padding"), ("gathered_peak", "gathered"),
+    optional = [(k, head) for k, head in (("frozen", "frozen"), ("padding", "padding"), ("error_feedback", "error fb"),
+                                          ("gathered_peak", "gathered"),
                                           ("grad_buffer_peak", "grad bufs"), ("working", "working"))
                 if any(m.get(k) for m in per_rank)]
     lines = [

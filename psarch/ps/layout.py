@@ -19,6 +19,13 @@ from psarch.ps.partitions import (PARTITION_ALIGN, PARTITION_LINK_S, PARTITION_M
 Layout = list[tuple[str, torch.Size, int]]   # each parameter's name, shape and offset in a flat vector
 
 
+def push_dtype(cfg: Config) -> torch.dtype:
+    """The dtype a worker's dense pushes travel in: fp16/bf16 where train.compression casts them, else the
+    compute dtype (pulls travel in the compute dtype always)."""
+    c = cfg.train.compression
+    return torch.float16 if c == "fp16" else torch.bfloat16 if c == "bf16" else compute_dtype(cfg.train.precision)
+
+
 def gather(flat: torch.Tensor, parts: list[tuple[int, int]]) -> torch.Tensor:
     """A server's own vector: its partitions of `flat`, joined (a view when they are one contiguous range)."""
     if one_range(parts):

@@ -120,6 +120,9 @@ class PSSpec(BackendSpec):
              "backend.dc_lambda": ("async", "ssp"), "cluster.server_link_mbps": None,
              "backend.overlap_comm": ("sync", "async", "ssp")}
     embeddings = ("dense", "rows")
+    # pushes cast to 2 bytes, or top-k's (index, value) pairs, summed by the servers in fp32
+    compressions = ("none", "fp16", "bf16", "topk")
+    uncompressed_because = "PowerSGD's two rounds of all-reduce have no PS form built yet"
     # async workers must not be tied together by a group that hangs when one dies
     needs_process_group = False
     trains_subsets = True
@@ -164,6 +167,12 @@ class PSSpec(BackendSpec):
                               f"{cfg.train.precision!r}, embeddings {b.embeddings!r})")
         if b.embeddings == "rows":
             _check_rows(cfg)
+        if cfg.train.compression == "topk" and b.mode == "geo":
+            raise ConfigError("train.compression = \"topk\": pushes gradients with error feedback; backend.mode = "
+                              "\"geo\" pushes deltas, which it does not compress yet; use sync, async or ssp")
+        if cfg.train.compression != "none" and b.embeddings != "dense":
+            raise ConfigError(f"train.compression = \"{cfg.train.compression}\": casts the dense pushes only; use "
+                              f"backend.embeddings = \"dense\", not \"{b.embeddings}\"")
 
     def service_nodes(self, cfg: Config) -> int:
         return 0 if cfg.backend.server_addresses else cfg.backend.servers

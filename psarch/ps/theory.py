@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 
 from psarch.ps.partitions import held, one_range, server_partitions
 from psarch.theory import (BYTES, LinkBytes, LinkLoad, MemoryPrediction, Prediction, expected_unique_ids,
-                           optimizer_bytes_per_param, table_params)
+                           optimizer_bytes_per_param, table_params, topk_k)
 
 if TYPE_CHECKING:
     from psarch.config import Config
@@ -35,20 +35,24 @@ def dense(cfg: Config, phi: float) -> Prediction:
     b, t = cfg.backend, cfg.train
     n, width = b.world_size, BYTES[t.precision]
     s, every = phi * width, b.push_every
+    up = phi * (2 if t.compression in ("fp16", "bf16") else width)   # pushed: cast to 2 bytes by train.compression
+    if t.compression == "topk":   # each partition's k (int64 index, value) pairs
+        up = sum(topk_k(hi - lo, t.topk_ratio) * (8 + width) for parts in dense_partitions(cfg, phi) for lo, hi in parts)
     k = optimizer_bytes_per_param(t.optimizer, t.precision, t.momentum)
-    per_server = n * s / b.servers / every
     server_per_param = 4 + (0 if b.mode == "geo" else optimizer_bytes_per_param(t.optimizer, "fp32", t.momentum))
     server_per_param += 4 if b.barrier else 0
     server_per_param += 4 * n if b.mode in ("async", "ssp") and b.staleness_compensation == "dc" else 0
     server_mem = server_per_param * phi / b.servers
     if b.mode == "geo":
         mem = MemoryPrediction(params=width * phi, grads=width * phi, optimizer=k * phi, buffers=4 * phi)
-    else:
-        mem = MemoryPrediction(params=width * phi, grads=width * phi, optimizer=0.0)
+    else:   # top-k keeps the error of every element it has pushed
+        mem = MemoryPrediction(params=width * phi, grads=width * phi, optimizer=0.0,
+                               buffers=width * phi if t.compression == "topk" else 0.0)
     colocated = b.server_placement == "colocated" and not b.server_addresses
-    return Prediction(mem, LinkBytes(s / every, s / every), LinkBytes(per_server, per_server),
+    return Prediction(mem, LinkBytes(up / every, s / every), LinkBytes(n * s / b.servers / every,
+                                                                      n * up / b.servers / every),
                       rounds=2 / every, messages=2 / every, server_memory=server_mem,
-                      links=colocated_links(n, b.servers, s / every) if colocated else None)
+                      links=colocated_links(n, b.servers, up / every, s / every) if colocated else None)
 
 
 def dense_partitions(cfg: Config, phi: float) -> list[list[tuple[int, int]]]:
@@ -82,12 +86,13 @@ def pipeline_slots(cfg: Config, phi: float) -> float:
     return widest / max(b - a for a, b in parts) if widest else 1.0
 
 
-def colocated_links(n: int, k: int, s: float) -> list[LinkLoad]:
-    """The links of N workers with k servers beside workers 0..k-1, each exchanging S per step: a node with a
-    worker and a server sends (k-1)/k·S of pushes and receives (N-1)/k·S of them, then sends (N-1)/k·S of pulls
-    and receives (k-1)/k·S; a worker alone (k < N) pushes S and pulls S."""
-    node = LinkLoad(False, LinkBytes((k - 1) / k * s, (n - 1) / k * s), LinkBytes((n - 1) / k * s, (k - 1) / k * s))
-    alone = LinkLoad(False, LinkBytes(s, 0.0), LinkBytes(0.0, s))
+def colocated_links(n: int, k: int, s: float, pulled: float | None = None) -> list[LinkLoad]:
+    """The links of N workers with k servers beside workers 0..k-1, each pushing S and pulling P (= S unless
+    given) per step: a node with a worker and a server sends (k-1)/k·S of pushes and receives (N-1)/k·S of them,
+    then sends (N-1)/k·P of pulls and receives (k-1)/k·P; a worker alone (k < N) pushes S and pulls P."""
+    p = s if pulled is None else pulled
+    node = LinkLoad(False, LinkBytes((k - 1) / k * s, (n - 1) / k * s), LinkBytes((n - 1) / k * p, (k - 1) / k * p))
+    alone = LinkLoad(False, LinkBytes(s, 0.0), LinkBytes(0.0, p))
     return [node] if k == n else [node, alone]
 
 

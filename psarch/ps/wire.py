@@ -57,6 +57,10 @@ SCHEMA: dict[str, tuple[dict[str, str], dict[str, str], str]] = {
     "fetch": ({"worker": _INT}, {}, "forbidden"),
     "rowpull": ({"worker": _INT, "step": _INT, "want": _STR}, {}, "required"),
     "rowpush": ({"worker": _INT, "step": _INT, "version": _INT}, {}, "keyed"),
+    # train.compression = "topk": a push of one partition as its k largest (index within the partition, value)
+    # pairs, keyed: the keys, then the values as a (k, 1) tensor
+    "sparsepush": ({"worker": _INT, "step": _INT, "version": _INT, "offset": _INT}, {}, "keyed"),
+    "sparsepushpull": ({"worker": _INT, "step": _INT, "version": _INT, "offset": _INT}, {}, "keyed"),
     "rowfetch": ({"worker": _INT}, {}, "forbidden"),
     "rows": ({"version": _INT}, {}, "required"),
     "done": ({"worker": _INT}, {}, "forbidden"),
@@ -68,7 +72,8 @@ SCHEMA: dict[str, tuple[dict[str, str], dict[str, str], str]] = {
 }
 # What each request is answered with.
 REPLY_TO = {"init": "ack", "push": "ack", "pull": "params", "pushpull": "params", "fetch": "params", "done": "ack",
-            "rowpull": "rows", "rowpush": "ack", "rowfetch": "rows", "save": "ack"}
+            "rowpull": "rows", "rowpush": "ack", "rowfetch": "rows", "save": "ack", "sparsepush": "ack",
+            "sparsepushpull": "params"}
 _TENSOR_FIELDS = {"dtype", "shape", "frames"}
 _KEYED_FIELDS = _TENSOR_FIELDS | {"keys"}
 

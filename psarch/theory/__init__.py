@@ -13,6 +13,7 @@ the command.
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -252,6 +253,12 @@ def cluster_step_time(p: Prediction, compute_s: float, link_mbps: float, server_
     tail = comm * 2 / (pipeline + 1) if pipeline > 1 else comm / seen
     exposed = (max(comm - hiding, tail) if m.overlap and buckets > 1 else comm) + after
     return {"compute_s": compute_s, "comm_s": exposed, "step_time_s": compute_s + exposed}
+
+
+def topk_k(numel: int, ratio: float) -> int:
+    """Elements top-k (train.compression) sends of a bucket or partition of `numel`: ceil(ratio x numel), at
+    least one."""
+    return max(1, math.ceil(ratio * numel))
 
 
 def buckets_of(bytes_reduced: float, cap_bytes: float) -> int:

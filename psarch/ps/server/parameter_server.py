@@ -112,6 +112,7 @@ class ParameterServer:
         self.deadlines = Deadlines(s, replies)
         self.handlers: dict[str, Handler] = {
             "init": self.pushes.on_init, "push": self.pushes.on_push, "pushpull": self.pushes.on_pushpull,
+            "sparsepush": self.pushes.on_push, "sparsepushpull": self.pushes.on_pushpull,
             "pull": self.pulls.on_pull, "fetch": self.pushes.on_fetch, "save": self.snapshots.on_save,
             "done": self.on_done, **(self.rows.handlers() if self.rows is not None else {})}
 

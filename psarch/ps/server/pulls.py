@@ -85,7 +85,8 @@ class PullQueue:
             data = st.params.detach()
             # Zero-copy send: in the barrier modes the parameters cannot change before every worker has
             # pushed again, i.e. received this reply. Elsewhere another push may land at once: send a copy.
-            data = data.to(s.scratch.dtype) if data.dtype != s.scratch.dtype else (
+            want = wire.DTYPES[s.wire_dtype]
+            data = data.to(want) if data.dtype != want else (
                 data if s.barrier else data.clone())
             st.remember_sent(w)
             s.pending.remove(p)   # before the reply: an error past this point must not answer it again

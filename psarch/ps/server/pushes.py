@@ -29,8 +29,10 @@ from psarch.ps.errors import NonFinitePush, PSError
 from psarch.ps.layout import held, server_partitions
 from psarch.ps.server.pulls import PullQueue
 from psarch.ps.server.replies import Replies
+from psarch.ps.server.rounds import Pairs
 from psarch.ps.server.state import TRACE_LIMIT, AckFields, Partition, ServerState
 from psarch.ps.server.updates import NonFiniteUpdate, RangeState
+from psarch.theory import topk_k
 
 if TYPE_CHECKING:
     from psarch.ps.server.rows import ServerRows
@@ -44,6 +46,21 @@ def check_range(msg: wire.Message, dtype: str, lo: int, hi: int) -> None:
                       f"[{lo}, {hi}) (offset {lo}, shape [{hi - lo}])")
     if h["dtype"] != dtype:
         raise PSError(f"op {msg.op!r}: dtype {h['dtype']}, this run's wire dtype is {dtype}")
+
+
+def check_pairs(msg: wire.Message, dtype: str, lo: int, hi: int, ratio: float) -> torch.Tensor:
+    """The keys of a sparse push of partition [lo, hi) (top-k): PSError unless it carries exactly top-k's k
+    distinct indices within the partition, and k values in `dtype`."""
+    h, k = msg.header, topk_k(hi - lo, ratio)
+    if h["offset"] != lo or msg.shape != (k, 1):
+        raise PSError(f"op {msg.op!r}: offset {h['offset']} values {h.get('shape')}, the partition there is "
+                      f"[{lo}, {hi}) and takes its top-k's {k} pairs (offset {lo}, values [{k}, 1])")
+    if h["dtype"] != dtype:
+        raise PSError(f"op {msg.op!r}: dtype {h['dtype']}, this run's wire dtype is {dtype}")
+    keys = msg.keys()
+    if k and (int(keys.min()) < 0 or int(keys.max()) >= hi - lo or keys.unique().numel() != k):
+        raise PSError(f"op {msg.op!r}: its keys must be {k} distinct indices in [0, {hi - lo})")
+    return keys
 
 
 class Pushes:
@@ -120,6 +137,7 @@ class Pushes:
                 rnd.since = time.monotonic()
             rnd.pushed.add(w)
         else:
+            assert isinstance(data, torch.Tensor)   # top-k's pairs come dense outside a barrier round (_checked)
             try:
                 if s.mode == "geo":
                     st.apply_delta(data, staleness, s.workers / len(s.live))
@@ -139,11 +157,17 @@ class Pushes:
             reply["skipped"] = skipped
         return reply
 
-    def _checked(self, msg: wire.Message, part: Partition) -> tuple[int, torch.Tensor, bool]:
+    def _checked(self, msg: wire.Message, part: Partition) -> tuple[int, torch.Tensor | Pairs, bool]:
         """(worker, payload decoded, found_inf) of a push that passes every check; PSError, changing nothing, else."""
         s, h = self.state, msg.header
         w, st = s.sender(msg), part.range
-        check_range(msg, s.wire_dtype, part.lo, part.hi)
+        sparse = msg.op.startswith("sparse")
+        if sparse != (s.cfg.train.compression == "topk"):
+            raise PSError(f"{msg.op}: this run's pushes are " + ("whole partitions (push, pushpull)" if sparse else
+                                                                 "top-k pairs (sparsepush, sparsepushpull)"))
+        keys = check_pairs(msg, s.push_dtype, part.lo, part.hi, s.cfg.train.topk_ratio) if sparse else None
+        if keys is None:
+            check_range(msg, s.push_dtype, part.lo, part.hi)
         if h["version"] != st.sent_version[w]:
             raise PSError(f"push: worker {w} says it computed on version {h['version']}, this server last sent "
                           f"it version {st.sent_version[w]}")
@@ -156,11 +180,16 @@ class Pushes:
             raise PSError(f"push: worker {w} sent step {h['step']}, its next step is {part.clock[w]}")
         self._check_scale(w, h, st)
         scratch = s.scratch[:part.hi - part.lo]
-        into = (part.round.sum.destination(w, s.live, part.round.pushed, st.acc, scratch) if s.barrier else scratch)
+        into = (part.round.sum.destination(w, s.live, part.round.pushed, st.acc, scratch)
+                if s.barrier and keys is None else scratch)
         found_inf = bool(h.get("found_inf", False))
         try:  # poison never reaches the parameters: only fp16's declared overflow steps may hold inf/nan
             # (a refused first push of a round leaves acc half-written: the next first push overwrites it)
-            return w, msg.tensor(into, finite=not (s.loss_scaling and found_inf)), found_inf
+            finite = not (s.loss_scaling and found_inf)
+            if keys is None:
+                return w, msg.tensor(into, finite=finite), found_inf
+            pairs = Pairs(keys, msg.tensor(finite=finite).view(-1))   # summed sparsely in a round (rounds.py)
+            return w, pairs if s.barrier else pairs.dense(scratch), found_inf
         except wire.NonFinitePayload:
             s.refused_non_finite[w] += 1
             what = "delta" if s.mode == "geo" else "gradient"

@@ -5,11 +5,30 @@ which worker was slowest, so two runs of one config, or a run and its resume, wo
 0, 1, 2, ... over the workers in the round: a push that arrives before a predecessor's is kept as a copy
 until the gap fills, and a worker lost without pushing leaves no gap (the round completes over the live
 workers). Memory: besides the accumulator, up to N - 1 kept pushes of the range in the wire dtype at worst
-(worker 0 last), none at a round's end; `peak` records the most bytes kept.
+(worker 0 last), none at a round's end; `peak` records the most bytes kept. A top-k push (Pairs) is summed
+sparsely: its k values are added at their indices (O(k)), and kept, if early, as its k pairs.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
+
+
+@dataclass
+class Pairs:
+    """A top-k push of one partition: distinct indices within it and their values."""
+
+    keys: torch.Tensor      # int64
+    values: torch.Tensor
+
+    @property
+    def nbytes(self) -> int:
+        return self.keys.nbytes + self.values.nbytes
+
+    def dense(self, out: torch.Tensor) -> torch.Tensor:
+        """The partition's gradient: the values at their indices, zero elsewhere, in `out`."""
+        return out.zero_().index_put_((self.keys,), self.values)
 
 
 class OrderedSum:
@@ -18,7 +37,7 @@ class OrderedSum:
     def __init__(self, workers: int) -> None:
         self.workers = workers
         self.summed: set[int] = set()                # added to the accumulator, in worker order
-        self.early: dict[int, torch.Tensor] = {}     # arrived before a predecessor's: copies, until their turn
+        self.early: dict[int, torch.Tensor | Pairs] = {}   # arrived before a predecessor's: copies, until their turn
         self.peak = 0                                # the most bytes ever kept in `early`
 
     def next(self, live: set[int], pushed: set[int]) -> int | None:
@@ -33,7 +52,7 @@ class OrderedSum:
             return torch.empty_like(scratch)
         return acc if not self.summed and acc.dtype == scratch.dtype else scratch
 
-    def add(self, w: int, data: torch.Tensor, acc: torch.Tensor, live: set[int], pushed: set[int]) -> None:
+    def add(self, w: int, data: torch.Tensor | Pairs, acc: torch.Tensor, live: set[int], pushed: set[int]) -> None:
         """Worker w's checked push (`pushed` not yet holding w): summed if it is its turn, else kept."""
         if w == self.next(live, pushed):
             self._sum(w, data, acc)
@@ -53,8 +72,13 @@ class OrderedSum:
     def clear(self) -> None:
         self.summed.clear()
 
-    def _sum(self, w: int, data: torch.Tensor, acc: torch.Tensor) -> None:
-        if not self.summed:   # the round's first overwrites the accumulator
+    def _sum(self, w: int, data: torch.Tensor | Pairs, acc: torch.Tensor) -> None:
+        if isinstance(data, Pairs):   # the same sums as adding the dense push: x + 0 = x elsewhere
+            if not self.summed:
+                data.dense(acc)
+            else:
+                acc.index_add_(0, data.keys, data.values)
+        elif not self.summed:   # the round's first overwrites the accumulator
             if data is not acc:
                 acc.copy_(data)
         else:

@@ -76,7 +76,7 @@ class ServerRows:
             raise PSError(f"rowpull: dtype {msg.header['want']!r:.40}, this run's wire dtype is {s.wire_dtype}")
         idx = self.held.local(msg.tensor(), "rowpull")
         self.replies.send(ident, "rowpull", {"op": "rows", "version": s.version},
-                          self.held.gather(idx, s.scratch.dtype))
+                          self.held.gather(idx, wire.DTYPES[s.wire_dtype]))
 
     def on_rowpush(self, ident: bytes, msg: wire.Message) -> None:
         s, h = self.state, msg.header

@@ -21,7 +21,7 @@ from psarch.config import Config
 from psarch.precision import compute_dtype
 from psarch.ps import wire
 from psarch.ps.errors import PSError
-from psarch.ps.layout import held, one_range
+from psarch.ps.layout import held, one_range, push_dtype
 from psarch.ps.server.rounds import OrderedSum
 from psarch.ps.server.updates import RangeState
 
@@ -87,7 +87,7 @@ class ServerState:
     starts: dict[int, Partition] = field(default_factory=dict)   # each partition by its first element
     size: int = 0                  # elements held: its own vector, the partitions joined (layout.server_partitions)
     numel: int = 0                 # elements of the whole flat vector the servers hold (its partitions depend on it)
-    scratch: torch.Tensor = field(init=False)   # a push's payload, decoded here when it is not summed in place
+    scratch: torch.Tensor = field(init=False)   # a push's payload (push_dtype), decoded here when not summed in place
     refused_non_finite: list[int] = field(init=False)   # pushes refused for inf/nan, per worker
     lost: set[int] = field(default_factory=set)
     done: set[int] = field(default_factory=set)
@@ -108,7 +108,7 @@ class ServerState:
 
     def __post_init__(self) -> None:
         self.refused_non_finite = [0] * self.workers
-        self.scratch = torch.empty(0, dtype=compute_dtype(self.cfg.train.precision))   # sized by `hold`
+        self.scratch = torch.empty(0, dtype=wire.DTYPES[self.push_dtype])   # sized by `hold`
 
     # ------------------------------------------------------------------ facts of the config
 
@@ -146,6 +146,11 @@ class ServerState:
     @property
     def wire_dtype(self) -> str:
         return wire.DTYPE_NAMES[compute_dtype(self.cfg.train.precision)]
+
+    @property
+    def push_dtype(self) -> str:
+        """The dtype dense pushes travel in: train.compression's cast, else the wire dtype."""
+        return wire.DTYPE_NAMES[push_dtype(self.cfg)]
 
     @property
     def loss_scaling(self) -> bool:
@@ -221,7 +226,7 @@ class ServerState:
                                         [0] * n))
             pos += b - a
         self.starts = {p.lo: p for p in self.parts}
-        self.scratch = torch.empty(max(b - a for a, b in parts), dtype=compute_dtype(self.cfg.train.precision))
+        self.scratch = torch.empty(max(b - a for a, b in parts), dtype=wire.DTYPES[self.push_dtype])
 
     def heard(self, worker: Any) -> None:
         """A request from `worker`: its silence starts again (standalone servers that watch silence)."""

@@ -18,6 +18,7 @@ from psarch.flat import FlatParams
 from psarch.ps import wire
 from psarch.ps.errors import PSError
 from psarch.ps.layout import held, one_range, scatter
+from psarch.ps.worker.topk import TopKPushes
 from psarch.ps.worker.client import PSClient, Request
 
 
@@ -48,11 +49,13 @@ class ServerLink:
     what the servers said last (the version each partition sent, the loss scale)."""
 
     def __init__(self, client: PSClient, flat: FlatParams, servers: list[list[tuple[int, int]]], device: torch.device,
-                 dtype: torch.dtype) -> None:
+                 dtype: torch.dtype, push_dtype: torch.dtype | None = None, topk: TopKPushes | None = None) -> None:
         self.client, self.flat, self.servers = client, flat, servers
         bounds = sorted((a, b, i) for i, parts in enumerate(servers) for a, b in parts)
         self.parts = [Part(j, i, a, b) for j, (a, b, i) in enumerate(bounds)]
         self.wire_dtype = wire.DTYPE_NAMES[dtype]
+        self.push_dtype = push_dtype or dtype   # train.compression = fp16/bf16: pushes cast to 2 bytes
+        self.topk = topk                        # train.compression = topk: pushes as (index, value) pairs
         self.host = flat.data if device.type == "cpu" else torch.empty_like(flat.data, device="cpu")
         self.versions = [0] * len(self.parts)   # the version each partition last sent: a push names it
         self.loss_scale = 1.0           # fp16: the servers' loss scale, sent with every pull
@@ -77,8 +80,8 @@ class ServerLink:
         into = self.host[p.lo:p.hi]
         r = (Request({"op": "pull", "step": step, "want": self.wire_dtype, "offset": p.lo}, into=into)
              if pushed is None else
-             Request(dict(header, op="pushpull", step=step - 1, version=self.versions[p.index], offset=p.lo),
-                     pushed[p.lo:p.hi], into=into))
+             self._push(p, pushed, dict(header, op="pushpull", step=step - 1, version=self.versions[p.index],
+                                        offset=p.lo), into))
         self.posted[p.index] = r
         self.client.post(p.server, r)
 
@@ -87,14 +90,22 @@ class ServerLink:
         pull p's parameters for `step`, answered once the partition's round allows. Returns the push."""
         if not any(self.posted):
             self.t0 = time.perf_counter()
-        push = Request({"op": "push", "step": step - 1, "version": self.versions[p.index], "offset": p.lo},
-                       pushed[p.lo:p.hi])
+        push = self._push(p, pushed, {"op": "push", "step": step - 1, "version": self.versions[p.index],
+                                      "offset": p.lo})
         pull = Request({"op": "pull", "step": step, "want": self.wire_dtype, "offset": p.lo},
                        into=self.host[p.lo:p.hi])
         self.client.post(p.server, push)
         self.client.post(p.server, pull)
         self.posted[p.index] = pull
         return push
+
+    def _push(self, p: Part, pushed: torch.Tensor, header: dict[str, Any], into: torch.Tensor | None = None) -> Request:
+        """The request that pushes partition p's slice of `pushed`: whole (cast to the push dtype), or as top-k's
+        (index, value) pairs in a `sparse` push."""
+        if self.topk is None:
+            return Request(header, pushed[p.lo:p.hi].to(self.push_dtype), into=into)
+        keys, values = self.topk.pairs(p.index, pushed[p.lo:p.hi])
+        return Request(dict(header, op="sparse" + header["op"]), values.view(-1, 1), into=into, keys=keys)
 
     def landed(self, j: int) -> None:
         """Wait until partition j's pull of this exchange (if one is posted) is in the flat buffer."""

@@ -32,7 +32,7 @@ from psarch.flat import FlatParams, flat_layout
 from psarch.meters import peak_memory, tensor_bytes
 from psarch.precision import compute_dtype, has_inf_or_nan
 from psarch.records import StepRecord
-from psarch.ps.layout import server_partitions, trainable
+from psarch.ps.layout import push_dtype, server_partitions, trainable
 from psarch.ps.snapshot import WorkerRecord, exact_records, pushes_by, run_shape, views
 from psarch.ps.spec import pushes_from_hooks
 from psarch.ps.worker.client import PSClient
@@ -41,6 +41,7 @@ from psarch.ps.worker.link import Exchange, ServerLink
 from psarch.ps.worker.priority import PriorityPushes, PullOrder
 from psarch.ps.worker.rows import WorkerRows
 from psarch.ps.worker.tables import PSTables
+from psarch.ps.worker.topk import TopKPushes
 from psarch.ps.worker.schedule import PushSchedule
 from psarch.trainer import consolidated_state
 from psarch.trainer import MemoryReport, StepStats, Trainer, TrafficReport
@@ -71,7 +72,9 @@ class PSWorker(Trainer):
         self.loss_fn = workload.loss_fn
         self.flat = FlatParams(trainable(self.model))
         self.layout = flat_layout(self.model, self.flat.params)
-        self.link = ServerLink(self.client, self.flat, server_partitions(cfg, self.flat.numel), ctx.device, self.dtype)
+        self.topk = TopKPushes(cfg.train.topk_ratio) if cfg.train.compression == "topk" else None
+        self.link = ServerLink(self.client, self.flat, server_partitions(cfg, self.flat.numel), ctx.device, self.dtype,
+                               push_dtype(cfg), self.topk)
         self.steps = 0        # steps taken
         self.rounds = 0       # geo: deltas pushed
         if not ctx.services.restored:   # else load_checkpoint sets the state
@@ -275,8 +278,9 @@ class PSWorker(Trainer):
         peak, kind = peak_memory(self.ctx.device)
         optimizer, synced = self.geo.memory() if self.geo is not None else (0, 0)
         # a GPU worker's host staging copy for the wire is host memory, not model state on the device
+        kept = self.topk.state_bytes() if self.topk is not None else 0   # top-k's error feedback
         m = MemoryReport(params=tensor_bytes([self.flat.data]), grads=tensor_bytes([self.flat.grad]),
-                         optimizer=optimizer, buffers=synced, peak=peak, peak_kind=kind)
+                         optimizer=optimizer, buffers=synced + kept, error_feedback=kept, peak=peak, peak_kind=kind)
         for k, v in self.tables.memory().items():
             setattr(m, k, getattr(m, k) + v)
         return m
