@@ -141,7 +141,7 @@ import signal, sys, subprocess
 signal.signal(signal.SIGINT, signal.default_int_handler)
 from psarch.cluster.placement import place
 from psarch.config import from_dict
-cfg = from_dict({"backend": {"kind": "ps", "world_size": 2}, "cluster": {"emulate": True}})
+cfg = from_dict({"backend": {"kind": "ps", "world_size": 2}, "cluster": {"emulate": True, "device": "cpu-measured"}})
 with place(cfg) as where:
     with where.node("worker", 1):   # a process on a node, as a rank would be
         p = subprocess.Popen(["sleep", "60"])

@@ -62,8 +62,9 @@ def run(cfg: Config, out: str | Path | None = None, echo: bool = True, resume: b
                           f"(train.checkpoint_every, --resume, --from)")
     ckpt = starting_checkpoint(cfg, out_dir, resume, start, pick)  # verified before anything is written or started
     cfg, begin = _started(cfg, ckpt, out_dir, resume, pick, echo)
-    # cluster.dilation "auto": D picked once, here, for every rank and link (config.json keeps what was asked)
-    ranks_cfg = resolve_dilation(cfg, run, echo, _threads(cfg.backend.world_size))
+    # the device measured and D picked once, here, for every rank, service and link, every timeout stretched
+    # by D (config.json keeps what was asked)
+    ranks_cfg = resolve_dilation(cfg, echo, _threads(cfg.backend.world_size))
     job = RankJob(ranks_cfg.to_dict(), str(out_dir), echo and progress,
                   out_dir / CHECKPOINTS if cfg.train.checkpoint_every else None, begin, resume, registry.plugins())
     if under_torchrun():
@@ -74,7 +75,7 @@ def run(cfg: Config, out: str | Path | None = None, echo: bool = True, resume: b
     outputs.prepare(out_dir, cfg, keep_checkpoints=resume)   # a fork must not keep an older run's
     try:
         with place(ranks_cfg) as where:   # loopback, or each process on its node of an emulated cluster
-            with _services(spec, cfg, out_dir, where, job.start) as services:
+            with _services(spec, ranks_cfg, out_dir, where, job.start) as services:
                 job.info = services.info.to_dict() if services is not None else {}
                 if cfg.backend.world_size == 1:
                     _in_process(job, spec, where, workload)
