@@ -180,15 +180,17 @@ def test_the_first_line_says_device_d_why_and_wall_time(capsys):
     assert len(lines) == 1
     assert lines[0].startswith("psarch: each worker stands for a v100 at 6.28 TFLOP/s; D = 4: as given; "
                                "estimated wall time ")
-    _, _, _, compute_s, link_s = dilation.modelled(got)
-    assert f"{10 * 4 * (compute_s + link_s):.0f} s for 10 steps, plus start-up" in lines[0]
+    k = dilation.modelled(got)
+    assert k.model_s == pytest.approx(2 * 4 * sum(x.numel() for x in k.workload.model.parameters()) * 8 / 100e6)
+    assert f"{4 * (10 * (k.compute_s + k.link_s) + k.model_s):.0f} s (10 steps and the model in and out)" in lines[0]
     long = from_dict(config("long", backend={"kind": "ddp", "world_size": 2}, train={"steps": 10},
                             cluster={"emulate": True, "device": "v100", "dilation": 4.0, "link_mbps": 0.001}))
     resolve(long, echo=True)
     lines = capsys.readouterr().out.splitlines()
-    assert dilation.wall_s(long, 1.0, 0.0) == 40.0
+    one = dataclasses.replace(k, compute_s=1.0, link_s=0.0, model_s=2.0)
+    assert dilation.wall_s(long, one) == 4 * (10 + 2)
     slow = dataclasses.replace(long, cluster=dataclasses.replace(long.cluster, slow_workers=[1], slowdown=4.0))
-    assert dilation.wall_s(slow, 1.0, 0.0) == 160.0            # the straggler sets every step
+    assert dilation.wall_s(slow, one) == 4 * (40 + 2)           # the straggler sets every step
     assert len(lines) == 2 and "over an hour of wall time" in lines[1], lines
     resolve(from_dict(config("core", cluster={"emulate": True, "dilation": 5.0})), echo=True)
     assert "each worker stands for this machine's core alone, measured at " in capsys.readouterr().out

@@ -137,36 +137,49 @@ def busiest_link_bytes(p: Prediction) -> tuple[float, bool]:
     return max(loads)
 
 
-def modelled(cfg: Config) -> tuple[Any, Any, Any, float, float]:
-    """(workload, batch, the config's Prediction of bytes and messages, the modelled compute and the busiest
-    link's time on the cluster, seconds a step): what the cluster spends, from the device and the link rates."""
+@dataclass(frozen=True)
+class Cluster:
+    """What the cluster spends on this config, from the device and the link rates (cluster seconds), and what
+    they were counted from: the workload, a worker's batch, the config's bytes and messages (Prediction)."""
+
+    workload: Any
+    batch: Any
+    counts: Prediction
+    compute_s: float   # a worker's modelled forward and backward, a step
+    link_s: float      # the busiest link's bytes a step at its rate
+    model_s: float     # the model's bytes over a worker's link, twice (its first broadcast, its final gather)
+
+
+def modelled(cfg: Config) -> Cluster:
+    """This config's step on the cluster it stands for (a modelled device)."""
     from psarch.theory import predict
     from psarch.workload import build_workload
     with torch.random.fork_rng(devices=[]):   # the launcher's random state stays as it was
         workload = build_workload(cfg)
         batch = workload.batch(0, 0, cfg.backend.world_size)
         flops = count(workload.model, workload.loss_fn, batch)
-    p = predict(cfg, sum(x.numel() for x in workload.model.parameters()))
+    params = list(workload.model.parameters())
+    p = predict(cfg, sum(x.numel() for x in params))
     nbytes, server = busiest_link_bytes(p)
     c = cfg.cluster
-    link_s = nbytes * 8 / ((c.server_mbps if server else c.link_mbps) * 1e6)
-    return workload, batch, p, (flops.forward + flops.backward) / device.flops_per_s(cfg), link_s
+    return Cluster(workload, batch, p, (flops.forward + flops.backward) / device.flops_per_s(cfg),
+                   nbytes * 8 / ((c.server_mbps if server else c.link_mbps) * 1e6),
+                   2 * sum(x.numel() * x.element_size() for x in params) * 8 / (c.link_mbps * 1e6))
 
 
-def measure(cfg: Config, threads: int = 1) -> Costs:
-    """This workload's modelled step on the cluster and its cost on this machine now, beside the run's
-    other processes (`spinning`; a rank computes on `threads` threads)."""
-    workload, batch, p, modelled_compute, modelled_comm = modelled(cfg)
-    spec = registry.spec_of(cfg)
-    phi = sum(x.numel() for x in workload.model.parameters())
-    m = spec.comm_model(cfg, phi, {})
+def measure(cfg: Config, threads: int = 1, cluster: Cluster | None = None) -> Costs:
+    """This workload's modelled step on the cluster (`cluster`, or counted here) and its cost on this machine
+    now, beside the run's other processes (`spinning`; a rank computes on `threads` threads)."""
+    k = cluster or modelled(cfg)
+    p, spec = k.counts, registry.spec_of(cfg)
+    m = spec.comm_model(cfg, sum(x.numel() for x in k.workload.model.parameters()), {})
     probe = int(min(max(p.worker.sent, p.worker.received, MIN_PROBE_BYTES), MAX_PROBE_BYTES))
     with spinning(cfg.backend.world_size + spec.service_nodes(cfg) - 1):
         with torch.random.fork_rng(devices=[]):
-            host_compute = _host_compute_s(workload, batch, threads)
-        alpha, rate = (loopback_alpha(), loopback_bytes_per_s(probe)) if modelled_comm > 0 else (0.0, 0.0)
-    host_comm = busiest_link_bytes(p)[0] / rate + alpha * messages(cfg, p, m) if modelled_comm > 0 else 0.0
-    return Costs(modelled_compute, modelled_comm, host_compute, host_comm,
+            host_compute = _host_compute_s(k.workload, k.batch, threads)
+        alpha, rate = (loopback_alpha(), loopback_bytes_per_s(probe)) if k.link_s > 0 else (0.0, 0.0)
+    host_comm = busiest_link_bytes(p)[0] / rate + alpha * messages(cfg, p, m) if k.link_s > 0 else 0.0
+    return Costs(k.compute_s, k.link_s, host_compute, host_comm,
                  (m.overlap and m.buckets > 1) or m.hidden_passes > 0, alpha, rate)
 
 
@@ -181,12 +194,13 @@ def stretched(cfg: Config) -> Config:
     return dataclasses.replace(cfg, backend=dataclasses.replace(b, **waits))
 
 
-def wall_s(cfg: Config, modelled_compute_s: float, link_s: float) -> float:
-    """The estimated wall time of the run's steps: each the slowest worker's modelled compute (a straggler's
-    slowdown; jitter left out) and the busiest link's time (no overlap counted, so rather more than less), x D."""
+def wall_s(cfg: Config, k: Cluster) -> float:
+    """The run's estimated wall time, its processes' start-up left out: its steps, each the slowest worker's
+    modelled compute (a straggler's slowdown; jitter left out) and the busiest link's time (no overlap
+    counted, so rather more than less), and the model's way in and out, x D."""
     c = cfg.cluster
     slowest = c.slowdown if c.slow_workers else 1.0
-    return cfg.train.steps * (modelled_compute_s * slowest + link_s) * device.dilation(cfg)
+    return (cfg.train.steps * (k.compute_s * slowest + k.link_s) + k.model_s) * device.dilation(cfg)
 
 
 def _duration(seconds: float) -> str:
@@ -215,28 +229,27 @@ def resolve(cfg: Config, echo: bool = True, threads: int = 1) -> Config:
         return dataclasses.replace(cfg, cluster=dataclasses.replace(c, dilation=1.0 if c.dilation == "auto"
                                                                     else c.dilation))
     cfg = dataclasses.replace(cfg, cluster=c)
-    if not device.modelled(cfg):   # cpu-measured: compute as this machine does, D = 1
-        d, why, steps_s = 1.0, "compute as contended here (cpu-measured), so no dilation", None
+    k = modelled(cfg) if device.modelled(cfg) else None
+    if k is None:   # cpu-measured: compute as this machine does, D = 1
+        d, why = 1.0, "compute as contended here (cpu-measured), so no dilation"
     elif c.dilation == "auto":
-        costs = measure(cfg, threads)
+        costs = measure(cfg, threads, k)
         d = choose(costs)
         why = (f"beside the run's other processes a worker's step computes here in {costs.host_compute_s * 1e3:.3g} ms "
                f"against {costs.modelled_compute_s * 1e3:.3g} ms modelled, and its messages cost "
                f"{costs.host_comm_s * 1e3:.3g} ms on loopback (alpha {costs.alpha_s * 1e6:.0f} us, "
                f"{costs.host_bytes_per_s / 1e6:.0f} MB/s) against {costs.modelled_comm_s * 1e3:.3g} ms on the busiest "
                f"link{' (during backward)' if costs.overlapped else ''}; margin x{AUTO_MARGIN:g}")
-        steps_s = (costs.modelled_compute_s, costs.modelled_comm_s)
     else:
         d, why = float(c.dilation), "as given"
-        steps_s = modelled(cfg)[3:]
     cfg = stretched(dataclasses.replace(cfg, cluster=dataclasses.replace(c, dilation=d)))
     if echo:
         line = f"psarch: each worker stands for {said or 'this machine, contention included'}; D = {d:g}: {why}"
-        if steps_s is not None:
-            est = wall_s(cfg, *steps_s)
-            line += f"; estimated wall time {_duration(est)} for {cfg.train.steps} steps, plus start-up"
+        est = wall_s(cfg, k) if k is not None else 0.0
+        if k is not None:
+            line += f"; estimated wall time {_duration(est)} ({cfg.train.steps} steps and the model in and out)"
         print(line, flush=True)
-        if steps_s is not None and est > HOUR_S:
-            print(f"psarch: this run's steps are estimated at over an hour of wall time ({_duration(est)}); fewer "
-                  f"train.steps, or a lower cluster.dilation, shortens it", flush=True)
+        if est > HOUR_S:
+            print(f"psarch: this run is estimated at over an hour of wall time ({_duration(est)}), its processes' "
+                  f"start-up left out; fewer train.steps, or a lower cluster.dilation, shortens it", flush=True)
     return cfg
