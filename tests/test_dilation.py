@@ -178,7 +178,7 @@ def test_the_first_line_says_device_d_why_and_wall_time(capsys):
     got = resolve(cfg, echo=True)
     lines = capsys.readouterr().out.splitlines()
     assert len(lines) == 1
-    assert lines[0].startswith("psarch: each worker stands for a v100 at 6.28 TFLOP/s; D = 4: as given; "
+    assert lines[0].startswith("psarch: each worker stands for device v100 at 6.28 TFLOP/s; D = 4: as given; "
                                "estimated wall time ")
     k = dilation.modelled(got)
     assert k.model_s == pytest.approx(2 * 4 * sum(x.numel() for x in k.workload.model.parameters()) * 8 / 100e6)

@@ -224,7 +224,8 @@ def resolve(cfg: Config, echo: bool = True, threads: int = 1) -> Config:
             rate, said = c.device_tflops * 1e12, f"this machine's core, given as {c.device_tflops * 1e3:.3g} GFLOP/s"
         c = dataclasses.replace(c, device=device.CORE, device_tflops=rate / 1e12)
     elif device.modelled(cfg):
-        said = f"a {device.name(cfg)} at {device.flops_per_s(cfg) / 1e12:.3g} TFLOP/s"
+        what = device.name(cfg)
+        said = f"{'a' if what == 'custom device' else 'device'} {what} at {device.flops_per_s(cfg) / 1e12:.3g} TFLOP/s"
     if not c.emulate:   # loopback cannot be slowed: D = 1, and no wait is stretched
         return dataclasses.replace(cfg, cluster=dataclasses.replace(c, dilation=1.0 if c.dilation == "auto"
                                                                     else c.dilation))
