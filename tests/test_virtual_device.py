@@ -268,6 +268,9 @@ def test_an_emulated_run_of_virtual_devices(tmp_path):
     from psarch.report.cluster import rows, table
     (row,) = rows(tmp_path)
     assert row["dilation"] == 2.0 and row["compute"] == vd["compute_s"] and "compute (modelled)" in table([row])
+    assert row["wall"] == s["cluster"]["wall_s"] > s["steps"] * s["step_time_s"] * 2   # the whole run, at D = 2
+    assert table([row]).splitlines()[0].endswith(" D | overrun steps | wall |")
+    assert table([row]).splitlines()[2].endswith(f" {row['wall']:.0f} s |")
 
 
 def test_the_last_bucket_waits_for_the_end_of_the_modelled_backward():

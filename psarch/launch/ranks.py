@@ -15,6 +15,7 @@ import os
 import signal
 import sys
 import threading
+import time
 import traceback
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -50,6 +51,7 @@ def run(cfg: Config, out: str | Path | None = None, echo: bool = True, resume: b
     continue the run in `out` from its latest complete checkpoint (or the one `pick` names); with `start`,
     begin from that checkpoint. echo: print the summary (and, with `progress`, the progress lines).
     machine_checked: the caller already ran check_machine(cfg) (a sweep checks every point before the first)."""
+    launched = time.monotonic()
     if cfg.cluster.emulate and under_torchrun():
         raise ConfigError("cluster.emulate = true: not under torchrun, whose machines are the cluster; "
                           "use `psarch run`, or --set cluster.emulate=false")
@@ -88,6 +90,7 @@ def run(cfg: Config, out: str | Path | None = None, echo: bool = True, resume: b
         _keep_finished_steps(out_dir, cfg, e)
         raise
     if cluster:
+        cluster["wall_s"] = time.monotonic() - launched   # what an emulated point costs, at its D
         extra["cluster"] = cluster
     if cfg.started_from:
         extra["started_from"] = cfg.started_from
