@@ -8,7 +8,8 @@ run's other ranks and servers (all computing at once, as a synchronous step star
 itself will bring, beside whatever else the machine is running now. No prediction of the step's time is
 read, and the run itself is not tried (an instrument tuned until it agrees with the model it checks could
 meet a wrong model halfway):
-- compute: a worker's real forward and backward on one thread, beside the spinning processes, must fit
+- compute: a worker's real forward and backward on one thread, beside the spinning processes (the slowest
+  of COMPUTE_PASSES: the run meets the worst of the load that comes and goes), must fit
   inside its modelled compute x D;
 - communication: the host's own cost of the step's messages (α of a TCP ping-pong and bytes/s of one
   stream on this machine's loopback, both beside the spinning processes; α paid once per message the busiest
@@ -33,7 +34,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import math
-import statistics
 import subprocess
 import sys
 import time
@@ -48,6 +48,7 @@ from psarch.cluster.alpha import loopback_alpha, loopback_bytes_per_s
 from psarch.cluster.flops import count
 
 AUTO_MARGIN = 2.0
+COMPUTE_PASSES = 5   # a worker's forward and backward timed beside the spinning processes, the slowest taken
 # The loopback's bytes/s is measured on a stream of the step's payload, within these bounds: at least 8 MiB,
 # so one delayed wake-up of the receiving thread does not pass for a slow stream.
 MIN_PROBE_BYTES, MAX_PROBE_BYTES = 8 * 2**20, 32 * 2**20
@@ -101,18 +102,19 @@ def spinning(n: int) -> Iterator[None]:
 
 
 def _host_compute_s(workload: Any, batch: Any, threads: int) -> float:
-    """The median of three timed forward+backward passes (after one untimed), on `threads` threads."""
+    """The slowest of COMPUTE_PASSES timed forward+backward passes (after one untimed), on `threads` threads:
+    the run's steps meet the worst of the load that comes and goes, not its middle."""
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
         times = []
-        for _ in range(4):
+        for _ in range(COMPUTE_PASSES + 1):
             t0 = time.perf_counter()
             workload.loss_fn(workload.model, batch).backward()
             times.append(time.perf_counter() - t0)
     finally:
         torch.set_num_threads(before)
-    return statistics.median(times[1:])
+    return max(times[1:])
 
 
 def messages(cfg: Config, p: Any, m: Any) -> float:
