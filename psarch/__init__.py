@@ -20,7 +20,8 @@ names no backend; bench/ and the studies' tables in report/ sit above the backen
     bench/        benchmarks against PyTorch's own peers, `psarch bench NAME` (step, allreduce, ddp, zero,
                   zero-stages, ps, pipeline, tensor); `python -m psarch.bench_step` is `psarch bench step`
     cluster/      the emulated cluster: placement, network namespaces and shaped links (emulated.py,
-                  netns.py), the virtual device (cluster/device.py, paced by pacing.py), stragglers, dilation
+                  netns.py), the virtual device (cluster/device.py, paced by pacing.py; by default this
+                  machine's core measured alone, core.py), stragglers, dilation (D and the stretched timeouts)
     checkpoint/   checkpoints any backend writes in parallel and any backend reads at any world size
     models/, data/  built-in models (gpt, mlp, dlrm) and data (markov, text, clicks)
     ps/           the parameter-server backend: server/ (parameter_server.py's handler table; a push is

@@ -123,6 +123,7 @@ class ClusterReport(TypedDict, total=False):
     counted_over: str            # "steps", or "run" where a lost worker left no step window
     nodes: list[NodeReport]
     step_time: dict[str, float]  # theory.cluster_step's measured | predicted
+    wall_s: float                # the run's wall clock, launch to its ranks' end (D's probes and start-up included)
 
 
 class Staleness(TypedDict):

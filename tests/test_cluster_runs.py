@@ -121,7 +121,8 @@ def test_colocated_servers_share_their_workers_nodes_and_links(runs, tmp_path):
 
 
 def test_crashed_rank_leaves_nothing(tmp_path):
-    cfg = from_dict(config("crash", backend=BACKENDS["ddp_ring"], cluster=LINK,
+    # cpu-measured: the default device (this core, measured in the launcher) would call the loss there first
+    cfg = from_dict(config("crash", backend=BACKENDS["ddp_ring"], cluster={**LINK, "device": "cpu-measured"},
                            workload={"factory": "factories:fails_at_step_2"}))
     with pytest.raises(RunError, match="deliberate failure at step 2"):
         run(cfg, tmp_path / "crash", echo=False)
@@ -141,7 +142,7 @@ import signal, sys, subprocess
 signal.signal(signal.SIGINT, signal.default_int_handler)
 from psarch.cluster.placement import place
 from psarch.config import from_dict
-cfg = from_dict({"backend": {"kind": "ps", "world_size": 2}, "cluster": {"emulate": True}})
+cfg = from_dict({"backend": {"kind": "ps", "world_size": 2}, "cluster": {"emulate": True, "device": "cpu-measured"}})
 with place(cfg) as where:
     with where.node("worker", 1):   # a process on a node, as a rank would be
         p = subprocess.Popen(["sleep", "60"])

@@ -1,14 +1,17 @@
 """cluster.dilation = "auto" (psarch/cluster/dilation.py): D from this machine's costs against the modelled ones,
-α paid per message of the busiest process, the run's other processes stood in for while it measures, and a D
-that covers a measured forward and backward."""
+α paid per message of the busiest process, the run's other processes stood in for while it measures, a D
+that covers a measured forward and backward and reads no predicted time; the emulated default device (this
+machine's core, psarch/cluster/core.py); every timeout stretched by D; the line a run starts with."""
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import time
 
 import pytest
 import torch
 
+from cluster_setup import needs_root
 from parity import config
 from psarch.cluster import device, dilation
 from psarch.cluster.dilation import AUTO_MARGIN, Costs, choose, resolve, round_up, spinning
@@ -29,41 +32,6 @@ def test_auto_dilation_rule():
     assert choose(overlapped) == round_up(AUTO_MARGIN * 4)
     comm_bound = Costs(0.01, 0.001, 0.001, 0.01, overlapped=False)
     assert choose(comm_bound) == round_up(AUTO_MARGIN * 10)
-
-
-def test_auto_raises_d_until_the_host_adds_little():
-    """serial_rule: the host's seconds beyond the prediction shrink D times; D is raised until they are at most
-    HOST_SHARE of the predicted step, never lowered, and raised at most MAX_RAISE times."""
-    from psarch.cluster.dilation import HOST_SHARE, MAX_RAISE, serial_rule
-    assert serial_rule(0.0, 0.2, 3.0) == 3.0
-    assert serial_rule(0.1, 0.2, 2.0) == round_up(0.1 / (HOST_SHARE * 0.2)) == 10.0
-    assert serial_rule(0.001, 0.2, 2.0) == 2.0
-    assert serial_rule(100.0, 0.2, 2.0) == MAX_RAISE * 2.0
-    assert serial_rule(0.1, 0.0, 2.0) == 2.0
-
-
-def test_calibration_runs_the_config_briefly_at_that_d(monkeypatch):
-    """calibrate: the config itself, a few steps at the given D, without stragglers or jitter, into a folder it
-    removes; the host's time is measured less predicted (cluster seconds) x D, none when it ran faster."""
-    import psarch.theory
-    seen = {}
-
-    def fake_run(cfg, out, **kw):
-        seen.update(cfg=cfg, out=out, kw=kw)
-        return {"step_time_s": 0.3}
-    monkeypatch.setattr(psarch.theory, "cluster_step", lambda cfg, s: {"measured_s": s["step_time_s"],
-                                                                       "predicted_s": 0.25})
-    cfg = from_dict(config("cal", backend={"kind": "ddp", "world_size": 2}, train={"steps": 50},
-                           cluster={"emulate": True, "device": "v100", "slow_workers": [1], "slowdown": 4.0,
-                                    "jitter": 0.2}))
-    host_s, predicted_s = dilation.calibrate(cfg, 6.0, fake_run)
-    assert host_s == pytest.approx(0.05 * 6.0) and predicted_s == 0.25
-    probe = seen["cfg"]
-    assert probe.cluster.dilation == 6.0 and probe.train.steps == dilation.CALIBRATION_STEPS
-    assert probe.cluster.slow_workers == [] and probe.cluster.jitter == 0.0
-    assert not seen["out"].parent.exists() and seen["kw"]["machine_checked"]
-    monkeypatch.setattr(psarch.theory, "cluster_step", lambda cfg, s: {"measured_s": 0.2, "predicted_s": 0.25})
-    assert dilation.calibrate(cfg, 6.0, fake_run) == (0.0, 0.25)
 
 
 @pytest.mark.parametrize("backend, busiest", [
@@ -121,7 +89,7 @@ def test_auto_covers_a_measured_compute():
     data = config("auto", backend={"kind": "ddp", "world_size": 2},
                   cluster={"emulate": True, "device": "v100"})
     cfg = from_dict(data)
-    d = resolve(cfg, run, echo=False).cluster.dilation
+    d = resolve(cfg, echo=False).cluster.dilation
     wl = build_workload(cfg)
     batch = wl.batch(0, 0, 2)
     c = count(wl.model, wl.loss_fn, batch)
@@ -134,7 +102,114 @@ def test_auto_covers_a_measured_compute():
         times.append(time.perf_counter() - t0)
     assert d * modelled >= min(times), (d, modelled, times)
     assert cfg.cluster.dilation == "auto"                                          # cfg itself untouched
-    assert resolve(from_dict(config("a", cluster={"device": "v100"})), run, echo=False).cluster.dilation == 1.0
-    assert resolve(from_dict(config("a", cluster={"emulate": True})), run, echo=False).cluster.dilation == 1.0
+    assert resolve(from_dict(config("a", cluster={"device": "v100"})), echo=False).cluster.dilation == 1.0
+    measured = from_dict(config("a", cluster={"emulate": True, "device": "cpu-measured"}))
+    assert resolve(measured, echo=False).cluster.dilation == 1.0
     fixed = from_dict(config("a", cluster={"emulate": True, "device": "v100", "dilation": 7.0}))
-    assert resolve(fixed, run, echo=False).cluster.dilation == 7.0
+    assert resolve(fixed, echo=False).cluster.dilation == 7.0
+
+
+@pytest.mark.parametrize("backend", [{"kind": "ps", "world_size": 4, "servers": 2, "partition_mb": 0.002},
+                                     {"kind": "ddp", "world_size": 4, "bucket_cap_mb": 0.01}])
+def test_d_reads_no_predicted_time(monkeypatch, backend):
+    """"auto" picks D from probes of this machine alone: no predicted step or communication time is read (each
+    raises here), and the run itself is not tried."""
+    import psarch.theory
+
+    def consulted(*a, **k):
+        raise AssertionError("dilation consulted the prediction")
+    for f in ("cluster_step", "cluster_step_time", "exchange_time"):
+        monkeypatch.setattr(psarch.theory, f, consulted)
+    monkeypatch.setattr("psarch.launch.ranks.run", consulted)
+    monkeypatch.setattr(dilation, "spinning", lambda n: contextlib.nullcontext())   # the probes, unhurried
+    for cluster in ({"emulate": True, "device": "v100", "link_mbps": 100.0}, {"emulate": True, "link_mbps": 100.0}):
+        got = resolve(from_dict(config("probe", backend=backend, cluster=cluster)), echo=False)
+        assert isinstance(got.cluster.dilation, float) and got.cluster.dilation >= 1.0
+
+
+def test_default_emulated_device_is_this_core_measured_alone():
+    """On an emulated cluster with no device set, every worker stands for this machine's core: the run's model
+    timed on one thread, its rate recorded for the ranks as cpu-core's, mfu not applied; on loopback the default
+    computes as this machine does (no device model); cpu-measured stays by name."""
+    from psarch.cluster import core
+    cfg = from_dict(config("core", backend={"kind": "ddp", "world_size": 2}, cluster={"emulate": True}))
+    assert device.chosen(cfg) == device.CORE and device.modelled(cfg)
+    got = resolve(cfg, echo=False)
+    c = got.cluster
+    assert c.device == "cpu-core" and c.device_tflops > 0 and device.flops_per_s(got) == c.device_tflops * 1e12
+    assert cfg.cluster.device == "auto" and cfg.cluster.device_tflops == 0    # cfg itself untouched
+    # the rate is FLOPs / seconds of the same forward and backward, as the pacing counts them
+    wl = build_workload(cfg)
+    batch = wl.batch(0, 0, 2)
+    flops = count(wl.model, wl.loss_fn, batch)
+    torch.set_num_threads(1)
+    t0 = time.perf_counter()
+    wl.loss_fn(wl.model, batch).backward()
+    assert c.device_tflops * 1e12 > 0.2 * (flops.forward + flops.backward) / (time.perf_counter() - t0)
+    assert 0 < core.flops_per_s(cfg) < 1e13
+    given = resolve(from_dict(config("g", cluster={"emulate": True, "device": "cpu-core", "device_tflops": 0.002,
+                                                   "dilation": 3.0})), echo=False)
+    assert device.flops_per_s(given) == pytest.approx(2e9)       # a given rate, not measured; mfu not applied
+    loopback = from_dict(config("l"))
+    assert device.chosen(loopback) == device.MEASURED and not device.modelled(loopback)
+    named = from_dict(config("m", cluster={"emulate": True, "device": "cpu-measured"}))
+    assert not device.modelled(named)
+
+
+def test_every_timeout_is_stretched_by_d():
+    """The ranks' and services' config: every backend timeout x D (backend.timeout_s, the PS's heartbeat and
+    handshake timeouts); at D = 1 none."""
+    cfg = from_dict(config("w", backend={"kind": "ps", "world_size": 2, "timeout_s": 3.0},
+                           cluster={"emulate": True, "device": "v100", "dilation": 20.0}))
+    got = resolve(cfg, echo=False)
+    b = got.backend
+    assert (b.timeout_s, b.heartbeat_timeout_s, b.handshake_timeout_s) == \
+        (60.0, 20 * cfg.backend.heartbeat_timeout_s, 20 * cfg.backend.handshake_timeout_s)
+    assert b.heartbeat_s == cfg.backend.heartbeat_s                     # an interval, not a wait
+    loopback = resolve(from_dict(config("l", backend={"kind": "ps", "world_size": 2, "timeout_s": 3.0})), echo=False)
+    assert loopback.backend.timeout_s == 3.0
+
+
+def test_the_first_line_says_device_d_why_and_wall_time(capsys):
+    """An emulated run starts with one line: the device each worker stands for, D and why, the estimated wall
+    time; past an hour, a line more says so before anything starts."""
+    cfg = from_dict(config("say", backend={"kind": "ddp", "world_size": 2}, train={"steps": 10},
+                           cluster={"emulate": True, "device": "v100", "dilation": 4.0, "link_mbps": 100.0}))
+    got = resolve(cfg, echo=True)
+    lines = capsys.readouterr().out.splitlines()
+    assert len(lines) == 1
+    assert lines[0].startswith("psarch: each worker stands for device v100 at 6.28 TFLOP/s; D = 4: as given; "
+                               "estimated wall time ")
+    k = dilation.modelled(got)
+    assert k.model_s == pytest.approx(2 * 4 * sum(x.numel() for x in k.workload.model.parameters()) * 8 / 100e6)
+    assert f"{4 * (10 * (k.compute_s + k.link_s) + k.model_s):.0f} s (10 steps and the model in and out)" in lines[0]
+    long = from_dict(config("long", backend={"kind": "ddp", "world_size": 2}, train={"steps": 10},
+                            cluster={"emulate": True, "device": "v100", "dilation": 4.0, "link_mbps": 0.001}))
+    resolve(long, echo=True)
+    lines = capsys.readouterr().out.splitlines()
+    one = dataclasses.replace(k, compute_s=1.0, link_s=0.0, model_s=2.0)
+    assert dilation.wall_s(long, one) == 4 * (10 + 2)
+    slow = dataclasses.replace(long, cluster=dataclasses.replace(long.cluster, slow_workers=[1], slowdown=4.0))
+    assert dilation.wall_s(slow, one) == 4 * (40 + 2)           # the straggler sets every step
+    assert len(lines) == 2 and "over an hour of wall time" in lines[1], lines
+    resolve(from_dict(config("core", cluster={"emulate": True, "dilation": 5.0})), echo=True)
+    assert "each worker stands for this machine's core alone, measured at " in capsys.readouterr().out
+
+
+@needs_root
+def test_a_dilated_ps_run_outlasts_its_own_timeout(tmp_path):
+    """A PS at D = 20 on an emulated cluster, a 4x straggler: worker 0's pull waits 3 x 50 ms of modelled compute
+    x D = 3 s of wall clock a step for worker 1's push, past backend.timeout_s = 1 s (the server's deadline on
+    the round, as written). Stretched by D with every other timeout, the run completes; a server whose
+    deadline stayed 1 s of host time refused the round (checked once by hand: "no gradients from worker(s) [1]
+    within backend.timeout_s = 1 s")."""
+    data = config("d20", workload={"factory": "factories:regression"}, train={"steps": 3, "global_batch": 4},
+                  backend={"kind": "ps", "world_size": 2, "servers": 1, "timeout_s": 1.0},
+                  cluster={"emulate": True, "link_mbps": 100.0, "device_tflops": 1.0, "mfu": 1.0, "dilation": 20.0,
+                           "slow_workers": [1], "slowdown": 4.0})
+    wl = build_workload(from_dict(data))
+    f = count(wl.model, wl.loss_fn, wl.batch(0, 0, 2))
+    data["cluster"]["device_tflops"] = (f.forward + f.backward) / 0.05 / 1e12   # 50 ms a step
+    summary = run(from_dict(data), tmp_path / "run", echo=False)
+    assert summary["virtual_device"]["dilation"] == 20.0 and summary["cluster"]["dilation"] == 20.0
+    assert summary["step_time_s"] >= 4 * 0.05                    # the straggler's step, in the cluster's time

@@ -70,6 +70,23 @@ def test_resume_rule_sees_the_issues_examples():
     assert changed_keys(loopback.to_dict(), loopback) == []
 
 
+def test_resume_measures_the_core_and_stretches_the_waits_again():
+    """The ranks' checkpoints hold the measured core's rate and the timeouts stretched by D; the config resumed
+    asks for the core measured and the waits as written, and is the same run. A core given a rate, or a
+    profile, is not."""
+    from psarch.cluster.dilation import resolve
+    base = {"workload": {"factory": "factories:regression"}, "train": {"global_batch": 4},
+            "backend": {"kind": "ps", "world_size": 2}, "cluster": {"emulate": True, "dilation": 20.0}}
+    asked = from_dict(base)
+    ranks = resolve(asked, echo=False)
+    assert ranks.cluster.device == "cpu-core" and ranks.backend.heartbeat_timeout_s == 20 * asked.backend.heartbeat_timeout_s
+    assert changed_keys(ranks.to_dict(), asked) == []
+    given = from_dict(dict(base, cluster={**base["cluster"], "device": "cpu-core", "device_tflops": 0.5}))
+    assert [k for k, _, _ in changed_keys(ranks.to_dict(), given)] == ["cluster.device_tflops"]
+    v100 = from_dict(dict(base, cluster={**base["cluster"], "device": "v100"}))
+    assert [k for k, _, _ in changed_keys(ranks.to_dict(), v100)] == ["cluster.device", "cluster.device_tflops"]
+
+
 def test_resume_takes_the_options_that_change_only_how_long_and_what_is_printed(trunk, tmp_path, capsys):
     run = _copy(trunk, tmp_path)
     sets = ["train.steps=8", "train.log_every=1", "train.checkpoint_every=4", "train.keep_checkpoints=2", 'name="h2"',

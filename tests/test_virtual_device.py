@@ -198,12 +198,14 @@ def test_theory_uses_the_modelled_compute():
 
 
 @pytest.mark.parametrize("cluster, message", [
-    ({"device": "k80"}, 'cluster.device = "k80": allowed values are "cpu-measured", "h100", "a100", "v100"'),
+    ({"device": "k80"}, 'cluster.device = "k80": allowed values are "auto", "cpu-core", "cpu-measured", "h100", "a100", '
+                           '"v100"'),
     ({"device": "h100", "mfu": 0.0}, "cluster.mfu = 0.0: must be in (0, 1]"),
     ({"device": "h100", "mfu": 1.5}, "cluster.mfu = 1.5: must be <= 1"),
     ({"device": "h100", "emulate": True, "dilation": 0.5}, "cluster.dilation = 0.5: must be >= 1"),
     ({"device": "h100", "dilation": "fast"}, 'cluster.dilation = "fast": expected a number or "auto"'),
-    ({"emulate": True, "dilation": 4}, "cluster.dilation = 4.0: needs a modelled device"),
+    ({"emulate": True, "device": "cpu-measured", "dilation": 4}, "cluster.dilation = 4.0: needs a modelled device"),
+    ({"dilation": 4}, "cluster.dilation = 4.0: needs a modelled device"),   # "auto" on loopback: cpu-measured
     ({"device": "h100", "dilation": 4}, "cluster.dilation = 4.0: needs cluster.emulate = true"),
     ({"device": "h100", "device_tflops": 3.0}, "cluster.device_tflops = 3: a custom device replaces a profile"),
 ])
@@ -263,6 +265,9 @@ def test_an_emulated_run_of_virtual_devices(tmp_path):
     from psarch.report.cluster import rows, table
     (row,) = rows(tmp_path)
     assert row["dilation"] == 2.0 and row["compute"] == vd["compute_s"] and "compute (modelled)" in table([row])
+    assert row["wall"] == s["cluster"]["wall_s"] > s["steps"] * s["step_time_s"] * 2   # the whole run, at D = 2
+    assert table([row]).splitlines()[0].endswith(" D | overrun steps | wall |")
+    assert table([row]).splitlines()[2].endswith(f" {row['wall']:.0f} s |")
 
 
 def test_the_last_bucket_waits_for_the_end_of_the_modelled_backward():

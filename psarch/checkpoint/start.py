@@ -17,15 +17,20 @@ from typing import Any
 from psarch import registry
 from psarch.checkpoint.reader import Checkpoint, CheckpointError, latest_complete
 from psarch.checkpoint.writer import METADATA, complete_checkpoints
+from psarch.cluster import device
 from psarch.config import REPORT_ONLY
 from psarch.config import Config, ConfigError, applies, field_of
 
 CHECKPOINTS = "checkpoints"     # the folder under a run folder that holds its checkpoints
 FORKED_FROM = "forked_from"     # where a fork keeps the checkpoint of its own run folder that it starts from
 # cluster.dilation is how slowly the emulation runs, not the cluster it stands for (every time reported is the
-# cluster's); "auto" is picked again at every launch, and the ranks' checkpoints hold the number it gave
+# cluster's); "auto" is picked again at every launch, and the ranks' checkpoints hold the number it gave, and
+# every backend timeout stretched by it (any `backend.*timeout_s` may change: a wait changes no result)
 RESUMABLE = ("name", "label", "out", "train.steps", "train.log_every", "train.checkpoint_every",
              "train.keep_checkpoints", "train.tensorboard", "backend.timeout_s", "cluster.dilation", *REPORT_ONLY)
+# this machine's core (cluster.device = "cpu-core", the emulated default) is measured again at every launch, as
+# D is; the ranks' checkpoints hold the device's name and the rate it measured
+MEASURED_CORE = ("cluster.device", "cluster.device_tflops")
 
 
 def resolve_start(cfg: Config, run_dir: Path, resume: bool, start: str | Path | None, pick: str | None = None,
@@ -149,9 +154,12 @@ def changed_keys(stored: dict[str, Any], cfg: Config) -> list[tuple[str, Any, An
     options the run does not read are left out, and an option the checkpoint predates counts as its default."""
     now = _flat(json.loads(json.dumps(cfg.to_dict())))   # as the checkpoint stored its config: through JSON
     old = _flat(stored)
+    remeasured = device.chosen(cfg) == device.CORE and cfg.cluster.device_tflops == 0 and \
+        old.get("cluster.device") == device.CORE
     out = []
     for key, value in now.items():
-        if key in RESUMABLE or key.split(".")[0] == "started_from" or not applies(key, cfg):
+        if key in RESUMABLE or key.split(".")[0] == "started_from" or not applies(key, cfg) or \
+                (key.startswith("backend.") and key.endswith("timeout_s")) or (remeasured and key in MEASURED_CORE):
             continue
         before = old[key] if key in old else json.loads(json.dumps(_default(key)))
         if before != value:

@@ -8,6 +8,11 @@ emulation may run D times slower than the cluster it stands for: links shaped at
 compute x D, every reported time / D, so the host's own costs (8 ranks on 2 cores, per-message CPU time)
 shrink by D against the cluster's. "auto" picks D (psarch.cluster.dilation).
 
+On an emulated cluster with no device set (`device = "auto"`), every worker stands for this machine's own
+core measured alone (`cpu-core`: the run's own model timed once in the launcher, one process, one thread,
+psarch.cluster.core), paced like any device, so N ranks on a few cores stand for N machines with this CPU.
+On loopback "auto" is `cpu-measured`: with no dilation there, a paced core would only overrun.
+
 This module holds the facts of a config: the profiles, the modelled rate, D, and the config's rules.
 """
 from __future__ import annotations
@@ -20,7 +25,9 @@ from psarch.errors import ConfigError, show
 if TYPE_CHECKING:   # records imports torch; this module does not
     from psarch.records import RankRecord, VirtualDeviceSummary
 
-MEASURED = "cpu-measured"   # no device model: compute takes what this machine takes (the default)
+AUTO = "auto"               # the default: CORE on an emulated cluster, MEASURED on loopback
+CORE = "cpu-core"           # this machine's core measured alone, paced as a virtual device (dilation applies)
+MEASURED = "cpu-measured"   # no device model: compute takes what this machine takes, contention included
 # Peak dense TFLOPS by train.precision, from NVIDIA's data sheets (SXM parts, no sparsity); fp32 without
 # TF32, as PyTorch runs fp32 matmuls by default. The V100 has no bf16.
 PROFILES: dict[str, dict[str, float]] = {
@@ -39,27 +46,44 @@ def profile_of(device_name: str) -> str | None:
     return next((k for k in PROFILES if k in device_name.lower()), None)
 
 
-def modelled(cfg: Config) -> bool:
-    """Whether the workers compute as a modelled device (a profile or device_tflops), not as this machine."""
+def chosen(cfg: Config) -> str:
+    """The device cluster.device names once "auto" is settled: CORE on an emulated cluster, MEASURED on
+    loopback or where device_tflops gives a custom device; else the name itself."""
     c = cfg.cluster
-    return c.device != MEASURED or c.device_tflops > 0
+    if c.device != AUTO:
+        return c.device
+    return CORE if c.emulate and c.device_tflops == 0 else MEASURED
+
+
+def modelled(cfg: Config) -> bool:
+    """Whether the workers compute as a modelled device (a profile, this core alone or device_tflops), not
+    as this machine does with its contention."""
+    return chosen(cfg) != MEASURED or cfg.cluster.device_tflops > 0
 
 
 def name(cfg: Config) -> str:
-    """The device in words: the profile's name, or "custom device"."""
-    c = cfg.cluster
-    return c.device if c.device != MEASURED else "custom device"
+    """The device in words: the profile's name, "cpu-core", or "custom device"."""
+    d = chosen(cfg)
+    return d if d != MEASURED else "custom device"
 
 
 def peak_tflops(cfg: Config) -> float:
-    """The device's peak TFLOPS at train.precision."""
+    """The device's peak TFLOPS at train.precision (this core's measured rate for CORE)."""
     c = cfg.cluster
+    if chosen(cfg) == CORE and c.device_tflops == 0:
+        raise RuntimeError(f"cluster.device = \"{CORE}\" was not measured: psarch.cluster.dilation.resolve(cfg) "
+                           f"times this machine's core once, in the launcher, before any rank starts")
     return c.device_tflops or PROFILES[c.device][cfg.train.precision]
+
+
+def mfu(cfg: Config) -> float:
+    """The fraction of the peak the workload attains: 1 for CORE (its rate is the workload's own, measured)."""
+    return 1.0 if chosen(cfg) == CORE else cfg.cluster.mfu
 
 
 def flops_per_s(cfg: Config) -> float:
     """The rate the modelled device computes at: peak x mfu, in FLOP/s."""
-    return peak_tflops(cfg) * cfg.cluster.mfu * 1e12
+    return peak_tflops(cfg) * mfu(cfg) * 1e12
 
 
 def dilation(cfg: Config) -> float:
@@ -86,7 +110,7 @@ def check(cfg: Config) -> None:
     c, precision = cfg.cluster, cfg.train.precision
     if c.mfu <= 0:
         raise ConfigError(f"cluster.mfu = {show(c.mfu)}: must be in (0, 1]")
-    if c.device != MEASURED and c.device_tflops > 0:
+    if c.device in PROFILES and c.device_tflops > 0:
         raise ConfigError(f"cluster.device_tflops = {c.device_tflops:g}: a custom device replaces a profile; set "
                           f"cluster.device = \"{MEASURED}\" with it, or cluster.device_tflops = 0 with "
                           f"cluster.device = {show(c.device)}")
@@ -97,8 +121,8 @@ def check(cfg: Config) -> None:
         return
     if not modelled(cfg):
         raise ConfigError(f"cluster.dilation = {show(c.dilation)}: needs a modelled device (cluster.device = "
-                          f"{', '.join(show(p) for p in PROFILES)}, or cluster.device_tflops): measured compute "
-                          f"would be divided by D too")
+                          f"{', '.join(show(p) for p in (CORE, *PROFILES))}, or cluster.device_tflops): measured "
+                          f"compute would be divided by D too")
     if not c.emulate:
         raise ConfigError(f"cluster.dilation = {show(c.dilation)}: needs cluster.emulate = true (only emulated "
                           f"links can run D times slower; on loopback D is 1)")
@@ -127,7 +151,11 @@ def summary(cfg: Config, records: list[RankRecord], timed: set[int]) -> VirtualD
     lockstep = registry.spec_of(cfg).lockstep(cfg)
     flags = list(overran.values()) if lockstep else [x["overrun"] for x in steps]
     over = sum(flags)
-    out: VirtualDeviceSummary = {"device": name(cfg), "peak_tflops": peak_tflops(cfg), "mfu": cfg.cluster.mfu, **facts,
+    # the launcher's cfg leaves "auto" as asked; the ranks' facts hold the rate they were paced at
+    nominal_s = facts["forward_s"] + facts["backward_s"]
+    rate = (facts["forward_flops"] + facts["backward_flops"]) / nominal_s if nominal_s > 0 else 0.0
+    peak = rate / 1e12 if chosen(cfg) == CORE else peak_tflops(cfg)
+    out: VirtualDeviceSummary = {"device": name(cfg), "peak_tflops": peak, "mfu": mfu(cfg), **facts,
            "compute_s": statistics.median(slowest.values()) if slowest else None,
            "overrun_steps": over, "counted_steps": len(flags), "overrun_fraction": over / len(flags) if flags else 0.0,
            "overrun_of": "steps" if lockstep else "worker-steps",

@@ -1,26 +1,29 @@
 """cluster.dilation = "auto": the D an emulated cluster of virtual devices runs at, picked once, in the
-launcher, before any rank starts (every rank and every link must use the same D).
+launcher, before any rank starts (every rank and every link must use the same D); and what D stretches
+besides the links and the compute: every wait a run may time out on.
 
 D must stretch the cluster's times past what this machine spends on them, with margin. Both are measured
-here, while `processes - 1` helper processes spin on the CPU in place of the run's other ranks and servers
-(all computing at once, as a synchronous step starts): the contention the run itself will bring, beside
-whatever else the machine is running now.
-- compute: a worker's real forward and backward must fit inside the modelled compute x D;
+here by probes of this machine alone, while `processes - 1` helper processes spin on the CPU in place of the
+run's other ranks and servers (all computing at once, as a synchronous step starts): the contention the run
+itself will bring, beside whatever else the machine is running now. No prediction of the step's time is
+read, and the run itself is not tried (an instrument tuned until it agrees with the model it checks could
+meet a wrong model halfway):
+- compute: a worker's real forward and backward on one thread, beside the spinning processes (the slowest
+  of COMPUTE_PASSES: the run meets the worst of the load that comes and goes), must fit
+  inside its modelled compute x D;
 - communication: the host's own cost of the step's messages (α of a TCP ping-pong and bytes/s of one
-  stream on this machine's loopback; α paid once per message the busiest process handles: a worker's every
-  bucket, or a server's every worker's partitions, `messages`) must fit inside their time on the cluster's
-  links x D; where the backend communicates during backward (BackendSpec.comm_model: overlap with several
-  buckets, or passes inside compute), that cost competes with the compute for the same cores, and counts on
-  its side too.
+  stream on this machine's loopback, both beside the spinning processes; α paid once per message the busiest
+  process handles: a worker's every bucket, or a server's every worker's partitions, `messages`; bytes the
+  busiest link carries) must fit inside that link's time on the cluster x D. The messages and bytes are the
+  config's counts (theory.predict's, which a run's kernel counters check exactly), never a time. Where the
+  backend communicates during backward (BackendSpec.comm_model: overlap with several buckets, or passes inside
+  compute), that cost competes with the compute for the same cores, and counts on its side too.
 D = AUTO_MARGIN x the larger of the two ratios, at least 1, rounded up to two significant digits.
-AUTO_MARGIN is 2 for the load that comes and goes after the measurement.
 
-Those two are estimates: a ping-pong's α and one stream's bytes/s are far below what a ring hop or a partition
-costs when every rank of the run takes its turn on the same cores (at 1 Gbit/s the ring at N = 4 got too small a D
-from them and ran far over its prediction). So a short run of the config itself at that D follows
-(`calibrate`): what it took beyond its prediction is this machine's time, spent in sequence with the links, the
-same wall-clock seconds at any D, so D times fewer of the cluster's; D is raised until that is at most
-HOST_SHARE of the step (`serial_rule`).
+Timeouts are host seconds, and D stretches every legitimate wait D times: `stretched` multiplies every
+backend option that is a timeout (`*timeout_s`: backend.timeout_s, a PS's heartbeat and handshake
+timeouts) by D in the config the ranks and services get, so the process group's and the store's waits,
+the PS's barrier, save and pull deadlines and the launcher's stall limit all count in the cluster's time.
 
 What no D stretches: TCP's own timers (delayed ACKs, the 200 ms minimum retransmission timeout) and the
 host's per-message latency α, which are the same wall-clock times at every D, so D times shorter in the
@@ -31,14 +34,11 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import math
-import statistics
 import subprocess
 import sys
-import tempfile
 import time
 from dataclasses import dataclass
-from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Iterator
+from typing import TYPE_CHECKING, Any, Iterator
 
 import torch
 
@@ -46,23 +46,17 @@ from psarch import registry
 from psarch.cluster import device
 from psarch.cluster.alpha import loopback_alpha, loopback_bytes_per_s
 from psarch.cluster.flops import count
-from psarch.records import Summary
 
 AUTO_MARGIN = 2.0
-# Then a short run at that D: what this machine adds to the step beyond the prediction, it adds in sequence with
-# the links (a ring hop's turn on a loaded core, a partition's trip through the kernel), the same wall-clock
-# seconds at every D, so D times fewer of the cluster's. D is raised until that is at most HOST_SHARE of the
-# step, by at most MAX_RAISE (a prediction that is wrong would otherwise raise it without end).
-CALIBRATION_STEPS = 4
-HOST_SHARE = 0.05
-MAX_RAISE = 10.0
+COMPUTE_PASSES = 5   # a worker's forward and backward timed beside the spinning processes, the slowest taken
 # The loopback's bytes/s is measured on a stream of the step's payload, within these bounds: at least 8 MiB,
 # so one delayed wake-up of the receiving thread does not pass for a slow stream.
 MIN_PROBE_BYTES, MAX_PROBE_BYTES = 8 * 2**20, 32 * 2**20
+HOUR_S = 3600.0   # a run estimated past this says so before it starts
 
 if TYPE_CHECKING:
     from psarch.config import Config
-Runner = Callable[..., Summary]   # launch.ranks.run: (cfg, out, echo=, machine_checked=, progress=) -> summary
+    from psarch.theory import Prediction
 
 
 @dataclass(frozen=True)
@@ -74,6 +68,8 @@ class Costs:
     host_compute_s: float      # forward + backward, one process among the run's, timed now
     host_comm_s: float         # the step's messages through this machine's loopback: α and bytes/s
     overlapped: bool           # communication runs during backward, on the cores the compute needs
+    alpha_s: float = 0.0       # the probes: α and bytes/s of this machine's loopback beside the spinning processes
+    host_bytes_per_s: float = 0.0
 
 
 def round_up(x: float) -> float:
@@ -106,18 +102,19 @@ def spinning(n: int) -> Iterator[None]:
 
 
 def _host_compute_s(workload: Any, batch: Any, threads: int) -> float:
-    """The median of three timed forward+backward passes (after one untimed), on `threads` threads."""
+    """The slowest of COMPUTE_PASSES timed forward+backward passes (after one untimed), on `threads` threads:
+    the run's steps meet the worst of the load that comes and goes, not its middle."""
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
         times = []
-        for _ in range(4):
+        for _ in range(COMPUTE_PASSES + 1):
             t0 = time.perf_counter()
             workload.loss_fn(workload.model, batch).backward()
             times.append(time.perf_counter() - t0)
     finally:
         torch.set_num_threads(before)
-    return statistics.median(times[1:])
+    return max(times[1:])
 
 
 def messages(cfg: Config, p: Any, m: Any) -> float:
@@ -131,76 +128,131 @@ def messages(cfg: Config, p: Any, m: Any) -> float:
     return max(worker, server)
 
 
-def measure(cfg: Config, threads: int = 1) -> Costs:
-    """This workload's modelled step on the cluster and its cost on this machine now, beside the run's
-    other processes (`spinning`; a rank computes on `threads` threads)."""
-    from psarch.theory import WIRE_OVERHEAD, cluster_step_time, predict
+def busiest_link_bytes(p: Prediction) -> tuple[float, bool]:
+    """The bytes per step of the busiest link and direction (a worker's node, a server's, or a node that holds
+    both), and whether that link is a service node's (it runs at cluster.server_link_mbps)."""
+    if p.server is None:
+        return max(p.worker.sent, p.worker.received), False
+    from psarch.theory import two_phase_links
+    loads = [(max(x.push.sent + x.pull.sent, x.push.received + x.pull.received), x.server)
+             for x in p.links or two_phase_links(p)]
+    return max(loads)
+
+
+@dataclass(frozen=True)
+class Cluster:
+    """What the cluster spends on this config, from the device and the link rates (cluster seconds), and what
+    they were counted from: the workload, a worker's batch, the config's bytes and messages (Prediction)."""
+
+    workload: Any
+    batch: Any
+    counts: Prediction
+    compute_s: float   # a worker's modelled forward and backward, a step
+    link_s: float      # the busiest link's bytes a step at its rate
+    model_s: float     # the model's bytes over a worker's link, twice (its first broadcast, its final gather)
+
+
+def modelled(cfg: Config) -> Cluster:
+    """This config's step on the cluster it stands for (a modelled device)."""
+    from psarch.theory import predict
     from psarch.workload import build_workload
     with torch.random.fork_rng(devices=[]):   # the launcher's random state stays as it was
         workload = build_workload(cfg)
         batch = workload.batch(0, 0, cfg.backend.world_size)
         flops = count(workload.model, workload.loss_fn, batch)
-    phi = sum(p.numel() for p in workload.model.parameters() if p.requires_grad)   # what moves
-    p, c, spec = predict(cfg, phi), cfg.cluster, registry.spec_of(cfg)
-    m = spec.comm_model(cfg, phi, {})
-    modelled_comm = cluster_step_time(p, 0.0, c.link_mbps, c.server_mbps)["comm_s"]
+    params = list(workload.model.parameters())
+    p = predict(cfg, sum(x.numel() for x in params if x.requires_grad))   # what moves
+    nbytes, server = busiest_link_bytes(p)
+    c = cfg.cluster
+    return Cluster(workload, batch, p, (flops.forward + flops.backward) / device.flops_per_s(cfg),
+                   nbytes * 8 / ((c.server_mbps if server else c.link_mbps) * 1e6),
+                   2 * sum(x.numel() * x.element_size() for x in params) * 8 / (c.link_mbps * 1e6))
+
+
+def measure(cfg: Config, threads: int = 1, cluster: Cluster | None = None) -> Costs:
+    """This workload's modelled step on the cluster (`cluster`, or counted here) and its cost on this machine
+    now, beside the run's other processes (`spinning`; a rank computes on `threads` threads)."""
+    k = cluster or modelled(cfg)
+    p, spec = k.counts, registry.spec_of(cfg)
+    m = spec.comm_model(cfg, sum(x.numel() for x in k.workload.model.parameters() if x.requires_grad), {})
     probe = int(min(max(p.worker.sent, p.worker.received, MIN_PROBE_BYTES), MAX_PROBE_BYTES))
     with spinning(cfg.backend.world_size + spec.service_nodes(cfg) - 1):
         with torch.random.fork_rng(devices=[]):
-            host_compute = _host_compute_s(workload, batch, threads)
-        alpha, rate = (loopback_alpha(), loopback_bytes_per_s(probe)) if modelled_comm > 0 else (0.0, 1.0)
-    host_mbps = rate * 8 / 1e6 * WIRE_OVERHEAD   # theory takes the headers off again
-    host_comm = (cluster_step_time(p, 0.0, host_mbps, host_mbps)["comm_s"] + alpha * messages(cfg, p, m)
-                 if modelled_comm else 0.0)
-    return Costs((flops.forward + flops.backward) / device.flops_per_s(cfg), modelled_comm, host_compute, host_comm,
-                 (m.overlap and m.buckets > 1) or m.hidden_passes > 0)
+            host_compute = _host_compute_s(k.workload, k.batch, threads)
+        alpha, rate = (loopback_alpha(), loopback_bytes_per_s(probe)) if k.link_s > 0 else (0.0, 0.0)
+    host_comm = busiest_link_bytes(p)[0] / rate + alpha * messages(cfg, p, m) if k.link_s > 0 else 0.0
+    return Costs(k.compute_s, k.link_s, host_compute, host_comm,
+                 (m.overlap and m.buckets > 1) or m.hidden_passes > 0, alpha, rate)
 
 
-def calibrate(cfg: Config, d: float, run: Runner) -> tuple[float, float]:
-    """The run itself, CALIBRATION_STEPS steps of it at D = `d` (by `run`, the launcher's) into a folder that is
-    then deleted: what this machine adds to its step, in wall-clock seconds (measured less predicted, in the
-    cluster's time, x d; 0 if none), and the predicted step (the cluster's seconds). Stragglers and jitter are
-    left out (their time is the cluster's)."""
-    from psarch.theory import cluster_step
-    c, t = cfg.cluster, cfg.train
-    probe = dataclasses.replace(cfg, cluster=dataclasses.replace(c, dilation=d, slow_workers=[], jitter=0.0),
-                                train=dataclasses.replace(t, steps=CALIBRATION_STEPS, warmup_steps=1,
-                                                          checkpoint_every=0, log_every=CALIBRATION_STEPS))
-    with tempfile.TemporaryDirectory(prefix="psarch-calibration-") as folder:
-        summary = run(probe, out=Path(folder) / "run", echo=False, machine_checked=True, progress=False)
-    st = cluster_step(probe, summary)
-    return max(0.0, st["measured_s"] - st["predicted_s"]) * d, st["predicted_s"]
-
-
-def serial_rule(host_s: float, predicted_s: float, d: float) -> float:
-    """D at which `host_s` (wall-clock seconds this machine adds to a step, in sequence with the links and the
-    device: TCP, the processes' turns on the cores) is at most HOST_SHARE of the predicted step; no less than
-    `d`, and at most MAX_RAISE x d."""
-    return min(MAX_RAISE * d, max(d, round_up(host_s / (HOST_SHARE * predicted_s)))) if predicted_s > 0 else d
-
-
-def resolve(cfg: Config, run: Runner, echo: bool = True, threads: int = 1) -> Config:
-    """cfg with cluster.dilation a number: as given; 1 without a modelled device or without emulate; else
-    picked from this machine's costs (`choose`; a rank computes on `threads` threads), then raised until what
-    a short run of it at that D (by `run`: psarch.launch.ranks.run, which calls this) adds to the step is small
-    (`calibrate`, `serial_rule`), saying why in one line when `echo`."""
-    c = cfg.cluster
-    if c.dilation != "auto":
+def stretched(cfg: Config) -> Config:
+    """cfg with every backend timeout (`*timeout_s`) x D, its dilation (a number): a wait that D stretches
+    D times then fails no later, in the cluster's time, than the config says."""
+    d = device.dilation(cfg)
+    if d == 1:
         return cfg
-    d = 1.0
-    if device.modelled(cfg) and c.emulate:
-        costs = measure(cfg, threads)
-        first = choose(costs)
-        host_s, predicted_s = calibrate(cfg, first, run)
-        d = serial_rule(host_s, predicted_s, first)
-        if echo:
-            print(f"psarch: cluster.dilation = \"auto\" -> {d:g}: beside the run's other processes, a worker's "
-                  f"step computes here in {costs.host_compute_s * 1e3:.1f} ms against "
-                  f"{costs.modelled_compute_s * 1e3:.3g} ms modelled on {device.name(cfg)}, and its messages cost "
-                  f"{costs.host_comm_s * 1e3:.3g} ms on loopback against {costs.modelled_comm_s * 1e3:.3g} ms on "
-                  f"the links{' (during backward)' if costs.overlapped else ''}; margin x{AUTO_MARGIN:g}: D = "
-                  f"{first:g}. {CALIBRATION_STEPS} steps of the run at D = {first:g} took {host_s * 1e3:.3g} ms of "
-                  f"this machine's time a step beyond the predicted {predicted_s * 1e3:.3g} ms: D = {d:g} makes that "
-                  f"at most {HOST_SHARE:.0%} of the step" + (f" (at most x{MAX_RAISE:g})" if d == MAX_RAISE * first
-                                                            else ""), flush=True)
-    return dataclasses.replace(cfg, cluster=dataclasses.replace(c, dilation=d))
+    b = cfg.backend
+    waits = {f.name: getattr(b, f.name) * d for f in dataclasses.fields(b) if f.name.endswith("timeout_s")}
+    return dataclasses.replace(cfg, backend=dataclasses.replace(b, **waits))
+
+
+def wall_s(cfg: Config, k: Cluster) -> float:
+    """The run's estimated wall time, its processes' start-up left out: its steps, each the slowest worker's
+    modelled compute (a straggler's slowdown; jitter left out) and the busiest link's time (no overlap
+    counted, so rather more than less), and the model's way in and out, x D."""
+    c = cfg.cluster
+    slowest = c.slowdown if c.slow_workers else 1.0
+    return (cfg.train.steps * (k.compute_s * slowest + k.link_s) + k.model_s) * device.dilation(cfg)
+
+
+def _duration(seconds: float) -> str:
+    return f"{seconds:.0f} s" if seconds < 120 else f"{seconds / 60:.0f} min" if seconds < 2 * HOUR_S \
+        else f"{seconds / HOUR_S:.1f} h"
+
+
+def resolve(cfg: Config, echo: bool = True, threads: int = 1) -> Config:
+    """The config the ranks and services run: the device measured where it is this machine's core
+    (psarch.cluster.core), cluster.dilation a number (as given; 1 without a modelled device or without
+    emulate; else `choose` from this machine's costs, a rank computing on `threads` threads), and every
+    timeout stretched by D. With `echo`, one line first on an emulated cluster: the device, D and why, and
+    the run's estimated wall time (and a line more where that passes an hour)."""
+    from psarch.cluster import core
+    c, said = cfg.cluster, ""
+    if device.chosen(cfg) == device.CORE:
+        if c.device_tflops == 0:
+            rate = core.flops_per_s(cfg)
+            said = f"this machine's core alone, measured at {rate / 1e9:.3g} GFLOP/s on this model"
+        else:
+            rate, said = c.device_tflops * 1e12, f"this machine's core, given as {c.device_tflops * 1e3:.3g} GFLOP/s"
+        c = dataclasses.replace(c, device=device.CORE, device_tflops=rate / 1e12)
+    elif device.modelled(cfg):
+        what = device.name(cfg)
+        said = f"{'a' if what == 'custom device' else 'device'} {what} at {device.flops_per_s(cfg) / 1e12:.3g} TFLOP/s"
+    if not c.emulate:   # loopback cannot be slowed: D = 1, and no wait is stretched
+        return dataclasses.replace(cfg, cluster=dataclasses.replace(c, dilation=1.0 if c.dilation == "auto"
+                                                                    else c.dilation))
+    cfg = dataclasses.replace(cfg, cluster=c)
+    k = modelled(cfg) if device.modelled(cfg) else None
+    if k is None:   # cpu-measured: compute as this machine does, D = 1
+        d, why = 1.0, "compute as contended here (cpu-measured), so no dilation"
+    elif c.dilation == "auto":
+        costs = measure(cfg, threads, k)
+        d = choose(costs)
+        why = (f"beside the run's other processes a worker's step computes here in {costs.host_compute_s * 1e3:.3g} ms "
+               f"against {costs.modelled_compute_s * 1e3:.3g} ms modelled, and its messages cost "
+               f"{costs.host_comm_s * 1e3:.3g} ms on loopback (alpha {costs.alpha_s * 1e6:.0f} us, "
+               f"{costs.host_bytes_per_s / 1e6:.0f} MB/s) against {costs.modelled_comm_s * 1e3:.3g} ms on the busiest "
+               f"link{' (during backward)' if costs.overlapped else ''}; margin x{AUTO_MARGIN:g}")
+    else:
+        d, why = float(c.dilation), "as given"
+    cfg = stretched(dataclasses.replace(cfg, cluster=dataclasses.replace(c, dilation=d)))
+    if echo:
+        line = f"psarch: each worker stands for {said or 'this machine, contention included'}; D = {d:g}: {why}"
+        est = wall_s(cfg, k) if k is not None else 0.0
+        if k is not None:
+            line += f"; estimated wall time {_duration(est)} ({cfg.train.steps} steps and the model in and out)"
+        print(line, flush=True)
+        if est > HOUR_S:
+            print(f"psarch: this run is estimated at over an hour of wall time ({_duration(est)}), its processes' "
+                  f"start-up left out; fewer train.steps, or a lower cluster.dilation, shortens it", flush=True)
+    return cfg

@@ -51,8 +51,8 @@ class TrainConfig:
 
 
 def _device_names() -> tuple[str, ...]:
-    from psarch.cluster.device import MEASURED, PROFILES   # its package imports this module
-    return (MEASURED, *PROFILES)
+    from psarch.cluster.device import AUTO, CORE, MEASURED, PROFILES   # its package imports this module
+    return (AUTO, CORE, MEASURED, *PROFILES)
 
 
 @dataclass
@@ -68,11 +68,14 @@ class ClusterConfig:
     slowdown: float = option(1.0, "slow workers' compute time is multiplied by this", min=1.0)
     jitter: float = option(0.0, "every worker's compute time is multiplied by exp(N(0, jitter)) each step, seeded",
                            min=0.0)
-    device: str = option("cpu-measured", "the device every worker stands for: 'cpu-measured' computes as this machine "
-                                         "does; a profile's workers compute for real, then wait out the step's modelled "
-                                         "time, FLOPs / (peak TFLOPS x mfu)", choices=_device_names)
-    device_tflops: float = option(0.0, "a custom device's peak TFLOPS at train.precision, instead of a profile's "
-                                       "(0: cluster.device's)", min=0.0)
+    device: str = option("auto", "the device every worker stands for: 'cpu-core' is this machine's core measured "
+                                 "alone (the run's model, one process, one thread); 'cpu-measured' computes as this "
+                                 "machine does, contention included; a profile's workers compute for real, then wait "
+                                 "out the step's modelled time, FLOPs / (peak TFLOPS x mfu); 'auto': 'cpu-core' where "
+                                 "emulate, else 'cpu-measured'", choices=_device_names)
+    device_tflops: float = option(0.0, "a custom device's peak TFLOPS at train.precision (with 'auto' or "
+                                       "'cpu-measured'), or cpu-core's rate instead of measuring it (0: measured; "
+                                       "mfu does not apply to it)", min=0.0)
     mfu: float = option(0.4, "model FLOPs utilisation in (0, 1]: the fraction of the device's peak the workload "
                              "attains", min=0.0, max=1.0)
     dilation: float | str = option("auto", "the emulation runs D times slower than the cluster: links at link_mbps / D, "

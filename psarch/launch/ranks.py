@@ -14,6 +14,7 @@ import os
 import signal
 import sys
 import threading
+import time
 import traceback
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -47,6 +48,7 @@ def run(cfg: Config, out: str | Path | None = None, echo: bool = True, resume: b
     continue the run in `out` from its latest complete checkpoint (or the one `pick` names); with `start`,
     begin from that checkpoint. echo: print the summary (and, with `progress`, the progress lines).
     machine_checked: the caller already ran check_machine(cfg) (a sweep checks every point before the first)."""
+    launched = time.monotonic()
     if cfg.cluster.emulate and under_torchrun():
         raise ConfigError("cluster.emulate = true: not under torchrun, whose machines are the cluster; "
                           "use `psarch run`, or --set cluster.emulate=false")
@@ -59,8 +61,9 @@ def run(cfg: Config, out: str | Path | None = None, echo: bool = True, resume: b
                           f"(train.checkpoint_every, --resume, --from)")
     cfg, begin = resolve_start(cfg, out_dir, resume, start, pick, echo, first=os.environ.get("RANK", "0") == "0",
                                move=not under_torchrun())
-    # cluster.dilation "auto": D picked once, here, for every rank and link (config.json keeps what was asked)
-    ranks_cfg = resolve_dilation(cfg, run, echo, _threads(spec.processes(cfg)))
+    # the device measured and D picked once, here, for every rank, service and link, every timeout stretched
+    # by D (config.json keeps what was asked)
+    ranks_cfg = resolve_dilation(cfg, echo, _threads(spec.processes(cfg)))
     job = RankJob(ranks_cfg.to_dict(), str(out_dir), echo and progress,
                   out_dir / CHECKPOINTS if cfg.train.checkpoint_every else None, begin, resume, registry.plugins())
     if under_torchrun():
@@ -71,7 +74,7 @@ def run(cfg: Config, out: str | Path | None = None, echo: bool = True, resume: b
     outputs.prepare(out_dir, cfg, keep_checkpoints=resume)   # a fork must not keep an older run's
     try:
         with place(ranks_cfg) as where:   # loopback, or each process on its node of an emulated cluster
-            with _services(spec, cfg, out_dir, where, job.start) as services:
+            with _services(spec, ranks_cfg, out_dir, where, job.start) as services:
                 job.info = services.info.to_dict() if services is not None else {}
                 if spec.processes(cfg) == 1:
                     _in_process(job, spec, where, workload)
@@ -84,6 +87,7 @@ def run(cfg: Config, out: str | Path | None = None, echo: bool = True, resume: b
         _keep_finished_steps(out_dir, cfg, e)
         raise
     if cluster:
+        cluster["wall_s"] = time.monotonic() - launched   # what an emulated point costs, at its D
         extra["cluster"] = cluster
     if cfg.started_from:
         extra["started_from"] = cfg.started_from

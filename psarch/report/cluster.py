@@ -25,6 +25,7 @@ class ClusterRow(TypedDict):
     busiest_link: float          # bytes per step, both ways, of the busiest node's link
     dilation: float | None       # a virtual device's D
     overrun: float | None        # its share of overrun steps
+    wall: float | None           # the run's wall clock, seconds (summary's cluster.wall_s; None before it was kept)
 
 
 def rows(sweep: Path) -> list[ClusterRow]:
@@ -41,23 +42,26 @@ def rows(sweep: Path) -> list[ClusterRow]:
         vd = s.get("virtual_device")
         out.append({"arch": arch, "n": b.world_size, "mbps": cfg.cluster.link_mbps, "measured": st["measured_s"],
                     "predicted": st["predicted_s"], "compute": st["compute_s"], "busiest_link": busiest,
-                    "dilation": vd["dilation"] if vd else None, "overrun": vd["overrun_fraction"] if vd else None})
+                    "dilation": vd["dilation"] if vd else None, "overrun": vd["overrun_fraction"] if vd else None,
+                    "wall": s["cluster"].get("wall_s")})
     return sorted(out, key=lambda r: (r["mbps"], r["arch"], r["n"]))
 
 
 def table(rs: list[ClusterRow]) -> str:
     """The markdown table; with virtual devices, compute is the modelled one, and D and the share of
-    overrun steps (lockstep: steps; else worker-steps: psarch/cluster/device.py) get their columns."""
+    overrun steps (lockstep: steps; else worker-steps: psarch/cluster/device.py) get their columns; the last,
+    each run's wall clock (what the point cost, at its D)."""
     devices = any(r["dilation"] is not None for r in rs)
     extra = " D | overrun steps |" if devices else ""
     lines = [f"| architecture | N | link Mbit/s | step time measured \\| predicted | error | compute "
-             f"({'modelled' if devices else 'measured'}) | busiest link per step (both ways) |{extra}",
-             "|---|---:|---:|---:|---:|---:|---:|" + ("---:|---:|" if devices else "")]
+             f"({'modelled' if devices else 'measured'}) | busiest link per step (both ways) |{extra} wall |",
+             "|---|---:|---:|---:|---:|---:|---:|" + ("---:|---:|" if devices else "") + "---:|"]
     for r in rs:
         cells = f" {r['dilation']:g} | {r['overrun']:.0%} |" if r["dilation"] is not None else (" | |" if devices else "")
+        wall = f" {r['wall']:.0f} s |" if r["wall"] is not None else " |"
         lines.append(f"| {r['arch']} | {r['n']} | {r['mbps']:g} | {r['measured'] * 1e3:.0f} ms \\| "
                      f"{r['predicted'] * 1e3:.0f} ms | {(r['predicted'] / r['measured'] - 1) * 100:+.0f}% | "
-                     f"{r['compute'] * 1e3:.0f} ms | {r['busiest_link'] / 1e6:.1f} MB |{cells}")
+                     f"{r['compute'] * 1e3:.0f} ms | {r['busiest_link'] / 1e6:.1f} MB |{cells}{wall}")
     return "\n".join(lines) + "\n"
 
 
