@@ -7,7 +7,8 @@ The [backend] section is the core's options (below) plus the options each regist
 
 This package: the Config schema and loading (here), `fields.py` (`option` and `section`: how an option is declared,
 by the core and by every backend's spec), `files.py` (TOML, `base`, `--set`), `workload.py` (the [workload]
-sections) and `rules.py` (the checks across keys, made before any process starts).
+sections), `faults.py` (the [faults] section) and `rules.py` (the checks across keys, made before any process
+starts).
 """
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from psarch.config.fields import option, section, choices_of
+from psarch.config.faults import FaultsConfig
 # parse_override and apply_overrides are part of this module's interface too, and so is ConfigError (declared in
 # psarch.errors, which imports nothing, so that the cluster's device profiles and the machine checks this package
 # runs can raise it without importing this package)
@@ -158,6 +160,7 @@ class Config:
     train: TrainConfig = section(TrainConfig)
     backend: Any = section(backend_config_class, CoreBackendConfig.__doc__)
     cluster: ClusterConfig = section(ClusterConfig)
+    faults: FaultsConfig = section(FaultsConfig)
     started_from: dict = option({}, "the checkpoint a --from run started from: path, step and the config_sha256 of "
                                     "the run that wrote it (kept when the run is resumed)", recorded=True)
 

@@ -36,6 +36,8 @@ from psarch.cluster.window import StepMarks
 from psarch.config import Config, ConfigError, check_machine, from_dict
 from psarch.dist import abandon_group, init_rank, shutdown, under_torchrun
 from psarch.errors import NON_FINITE_EXIT, NonFiniteError, RunError
+from psarch.config.faults import faults
+from psarch.launch.faults import Injector, Struck
 from psarch.launch.lifecycle import die_with_parent, leave
 from psarch.records import RankRecord, ServiceFields, ServiceInfo, Summary
 from psarch.launch.runner import run_rank
@@ -53,6 +55,7 @@ def run(cfg: Config, out: str | Path | None = None, echo: bool = True, resume: b
     if cfg.cluster.emulate and under_torchrun():
         raise ConfigError("cluster.emulate = true: not under torchrun, whose machines are the cluster; "
                           "use `psarch run`, or --set cluster.emulate=false")
+    _check_faults(cfg, resume)
     if not machine_checked:  # once per run: with cluster.emulate it creates and deletes a probe namespace
         check_machine(cfg)  # a missing GPU or text file: one ConfigError now, not a traceback in every rank
     out_dir = outputs.run_folder(cfg, out)
@@ -72,6 +75,8 @@ def run(cfg: Config, out: str | Path | None = None, echo: bool = True, resume: b
     # before any rank starts; a single in-process rank then trains this very workload.
     workload = build_workload(cfg) if cfg.workload.factory else None
     outputs.prepare(out_dir, cfg, keep_checkpoints=resume)   # a fork must not keep an older run's
+    struck: list[Struck] = []   # the faults injected (psarch/launch/faults.py), for the summary
+    faulted = Summary(faults=struck) if faults(cfg) else Summary()
     try:
         with place(ranks_cfg) as where:   # loopback, or each process on its node of an emulated cluster
             with _services(spec, cfg, out_dir, where, job.start) as services:
@@ -80,12 +85,13 @@ def run(cfg: Config, out: str | Path | None = None, echo: bool = True, resume: b
                     _in_process(job, spec, where, workload)
                 else:
                     with shared_data(cfg, out_dir / ".shared_data"):   # built here once, mapped by every rank
-                        _spawn(job, spec, where, services)
+                        _spawn(job, spec, where, services, struck)
                 extra = services.finish() if services is not None else Summary()
             cluster = where.report()
     except BaseException as e:  # failed or interrupted (Ctrl-C, SIGTERM): keep the finished steps, say why
-        _keep_finished_steps(out_dir, cfg, e)
+        _keep_finished_steps(out_dir, cfg, e, faulted)
         raise
+    extra.update(faulted)
     if cluster:
         extra["cluster"] = cluster
     if cfg.started_from:
@@ -93,6 +99,18 @@ def run(cfg: Config, out: str | Path | None = None, echo: bool = True, resume: b
     if not outputs.has_records(out_dir):   # every worker lost: what the servers measured, and the steps streamed
         raise RunError(outputs.finalize_lost(out_dir, cfg, extra))
     return outputs.finalize(out_dir, cfg, extra, echo)
+
+
+def _check_faults(cfg: Config, resume: bool) -> None:
+    """[faults] strike processes this launcher started, once: not under torchrun, not again in a resume."""
+    if not faults(cfg):
+        return
+    if under_torchrun():
+        raise ConfigError("faults: injected by `psarch run`'s launcher, which torchrun replaces; run the config "
+                          "with `psarch run`, or remove [faults]")
+    if resume:
+        raise ConfigError("--resume: this run injects [faults] at named steps, which a resume would strike again "
+                          "or skip; start a new run (--from one of its checkpoints) without [faults]")
 
 
 def _started(cfg: Config, ckpt: Checkpoint | None, out: Path, resume: bool, pick: str | None, echo: bool
@@ -199,7 +217,8 @@ def _threads(world: int) -> int:
     return int(env) if env else max(1, (os.cpu_count() or 1) // world)
 
 
-def _spawn(job: RankJob, spec: BackendSpec, where: Placement, services: Services | None) -> None:
+def _spawn(job: RankJob, spec: BackendSpec, where: Placement, services: Services | None,
+           struck: list[Struck]) -> None:
     cfg = job.config()
     n = cfg.backend.world_size
     store = None
@@ -226,21 +245,25 @@ def _spawn(job: RankJob, spec: BackendSpec, where: Placement, services: Services
         where.worker_lost()
         return True
 
+    injector = Injector(cfg, procs, services.pid if services is not None else lambda i: None, out, struck) \
+        if faults(cfg) else None
     try:
         for r, p in enumerate(procs):
             with where.node("worker", r):
                 p.start()
         supervise.watch(procs, out, lost, services.check if services is not None else lambda: None,
-                        cfg.backend.timeout_s)
+                        cfg.backend.timeout_s, injector.tick if injector is not None else None)
     finally:
+        if injector is not None:
+            injector.release()   # nothing stays stopped
         supervise.stop(procs)
 
 
-def _keep_finished_steps(out: Path, cfg: Config, e: BaseException) -> None:
+def _keep_finished_steps(out: Path, cfg: Config, e: BaseException, extra: Summary | None = None) -> None:
     status = "interrupted" if isinstance(e, KeyboardInterrupt) else "failed"
     error = str(e) if isinstance(e, RunError) else f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
     try:
-        outputs.finalize_stopped(out, cfg, status, error)
+        outputs.finalize_stopped(out, cfg, status, error, extra)
     except Exception as w:  # never hide the run's own error behind this one
         print(f"psarch: could not write the {status} run's summary: {type(w).__name__}: {w}", file=sys.stderr)
 

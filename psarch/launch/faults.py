@@ -1,0 +1,107 @@
+"""The launcher's side of [faults] (psarch/config/faults.py): strike each fault as its worker holds itself at
+the fault's step, continue a paused node after its seconds, and record what was done, when, for summary.json.
+
+A worker holds at a fault's step by stopping itself (SIGSTOP, psarch.launch.runner); the launcher sees it
+stopped with that many steps streamed, strikes (SIGKILL; SIGSTOP, then SIGCONT after the pause), and lets
+the worker go on (SIGCONT) unless the fault was its own."""
+from __future__ import annotations
+
+import os
+import signal
+import time
+from pathlib import Path
+from typing import Callable, TypedDict
+
+from psarch.config import Config
+from psarch.config.faults import KILL, Fault, faults
+from psarch.cluster.device import dilation
+from psarch.launch import outputs
+from psarch.launch.stalls import stopped
+
+
+class Struck(TypedDict, total=False):
+    """summary.json's `faults[]`: what was injected, at which step, when (seconds since the workers started,
+    in the cluster's time); a pause's end."""
+
+    node: str
+    action: str
+    step: int
+    signal: str
+    at_s: float
+    seconds: float
+    resumed_at_s: float
+
+
+class Injector:
+    """Strikes a run's faults on its worker processes and `service_pid(i)`'s servers; `tick()` from the
+    launcher's watch loop, `struck` for the summary."""
+
+    def __init__(self, cfg: Config, workers: list, service_pid: Callable[[int], int | None], out: Path,
+                 struck: list[Struck]) -> None:
+        """struck: where each fault struck is recorded (the launcher's, for the summary)."""
+        self.workers, self.service_pid, self.out, self.struck = workers, service_pid, out, struck
+        self.todo: list[Fault] = faults(cfg)
+        self.d = dilation(cfg)
+        self.t0 = time.monotonic()
+        self.resume_at: list[tuple[float, int, Struck]] = []    # (when, pid, its record) of paused nodes
+
+    def pending(self) -> bool:
+        return bool(self.todo or self.resume_at)
+
+    def tick(self) -> None:
+        """Strike every fault whose worker holds at its step; continue the pauses that are over."""
+        now = time.monotonic()
+        for when, pid, rec in [r for r in self.resume_at if r[0] <= now]:
+            self.resume_at.remove((when, pid, rec))
+            _signal(pid, signal.SIGCONT)
+            rec["resumed_at_s"] = self._since(time.monotonic())
+        for anchor in sorted({f.anchor for f in self.todo}):
+            step = min(f.step for f in self.todo if f.anchor == anchor)
+            p = self.workers[anchor]
+            if p.exitcode is None and stopped(p.pid) and _streamed(self.out, anchor) >= step:
+                self._strike(anchor, [f for f in self.todo if (f.anchor, f.step) == (anchor, step)])
+
+    def _strike(self, anchor: int, due: list[Fault]) -> None:
+        held = self.workers[anchor].pid
+        for f in due:
+            self.todo.remove(f)
+            pid = held if f.kind == "worker" else self.service_pid(f.index)
+            if pid is None:
+                continue   # refused by the config's checks: a server this launcher did not start
+            sig = signal.SIGKILL if f.action == KILL else signal.SIGSTOP
+            if pid != held or f.action == KILL:   # the holding worker is stopped already
+                _signal(pid, sig)
+            rec: Struck = {"node": f.node, "action": f.action, "step": f.step, "signal": sig.name,
+                           "at_s": self._since(time.monotonic())}
+            if f.action != KILL:
+                rec["seconds"] = f.seconds
+                self.resume_at.append((time.monotonic() + f.seconds * self.d, pid, rec))
+            self.struck.append(rec)
+        if not any(f.kind == "worker" for f in due):   # the worker held only to time a server's fault
+            _signal(held, signal.SIGCONT)
+
+    def _since(self, t: float) -> float:
+        return round((t - self.t0) / self.d, 6)
+
+    def release(self) -> None:
+        """Continue every paused node (the run ends or stops: nothing may stay stopped)."""
+        for _, pid, rec in self.resume_at:
+            _signal(pid, signal.SIGCONT)
+            rec["resumed_at_s"] = self._since(time.monotonic())
+        self.resume_at = []
+
+
+def _signal(pid: int, sig: signal.Signals) -> None:
+    try:
+        os.kill(pid, sig)
+    except ProcessLookupError:   # it ended meanwhile: nothing left to strike
+        pass
+
+
+def _streamed(out: Path, rank: int) -> int:
+    """Steps worker `rank` has streamed (its metrics stream's complete lines)."""
+    try:
+        return outputs.stream_path(out, rank).read_bytes().count(b"\n")
+    except OSError:
+        return 0
+
