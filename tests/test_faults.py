@@ -98,6 +98,30 @@ def test_async_goes_on_without_a_killed_worker_and_takes_back_a_paused_one(tmp_p
     assert summary["servers_detail"][0]["version"] == 3 + 8 + 8
 
 
+def test_sync_goes_on_with_the_others_when_a_worker_is_killed(tmp_path):
+    out = tmp_path / "sync"
+    summary = psarch.run(_cfg("sync", ps(3, timeout_s=5.0), {"kill": [{"node": "worker 2", "step": 3}]}), out,
+                         echo=False)
+    assert _children() == []
+    assert summary["status"] == "finished" and [w["rank"] for w in summary["lost_workers"]] == [2]
+    assert _streamed(out, 2) == [0, 1, 2] and _streamed(out, 0) == _streamed(out, 1) == list(range(8))
+    assert [d["version"] for d in summary["servers_detail"]] == [8] and summary["faults"][0]["node"] == "worker 2"
+
+
+def test_sync_drops_a_worker_paused_past_the_timeout_and_refuses_it_when_it_returns(tmp_path):
+    """The round waits backend.timeout_s for the stopped worker, goes on with the other; the worker, continued,
+    is refused as lost and leaves; the run ends with every round applied."""
+    out = tmp_path / "sync-paused"
+    summary = psarch.run(_cfg("paused", ps(2, timeout_s=2.0), {"pause": [{"node": "worker 1", "step": 3,
+                                                                          "seconds": 4.0}]}), out, echo=False)
+    assert _children() == []
+    assert [w["rank"] for w in summary["lost_workers"]] == [1]
+    assert "worker 1 was declared lost" in summary["lost_workers"][0]["error"]
+    assert [d["version"] for d in summary["servers_detail"]] == [8] and _streamed(out, 1) == [0, 1, 2]
+    rank0 = [json.loads(x) for x in (out / "ranks" / "rank0.jsonl").read_text().splitlines()]
+    assert rank0[3]["step_time_s"] >= 2.0   # detected: the round of step 3 waited the whole timeout
+
+
 def test_sync_with_a_pause_shorter_than_the_timeout_ends_with_the_model_of_the_run_without_it(tmp_path):
     base = psarch.run(from_dict(config("plain", train=SGD, backend=ps(2))), tmp_path / "plain", echo=False)
     out = tmp_path / "paused"
