@@ -299,3 +299,4 @@ class Summary(TypedDict, total=False):
     model_from_servers_error: str   # why the servers' parameters could not be written as model.pt
     started_from: dict[str, Any]    # Config.started_from: the checkpoint a fork started from
     faults: list[Any]               # [faults] struck: psarch.launch.faults.Struck (node, action, step, signal, at_s)
+    restarts: list[Any]             # worlds started again (faults.restart): psarch.launch.faults.Restart

@@ -56,6 +56,9 @@ def _streamed(out: Path, rank: int) -> list[int]:
     ({"kill": [{"node": "worker 0", "step": 2}, {"node": "server 0", "step": 4}]}, ps(2),
      r"server 0 at step 4: a server's fault is timed by worker 0, killed at step 2"),
     ({"kill": [{"node": "server 0", "step": 2}]}, ps(1), r"a single worker runs in the launcher's own process"),
+    ({"restart": "replace"}, ps(2), r'faults.restart = "replace": backend.kind = "ps" goes on without a dead worker'),
+    ({"restart": "replace"}, {"kind": "ddp", "world_size": 2}, r'faults.restart = "replace": restarts from the newest '
+                                                               r'checkpoint, so it needs train.checkpoint_every > 0'),
 ])
 def test_a_fault_no_run_could_meet_is_one_line(fault, backend, error):
     with pytest.raises(ConfigError, match=error) as e:
@@ -190,3 +193,25 @@ def test_on_the_emulated_cluster_async_goes_on_without_a_killed_worker(tmp_path)
     summary = psarch.run(cfg, tmp_path / "emulated", echo=False)
     assert summary["status"] == "finished" and [w["rank"] for w in summary["lost_workers"]] == [1]
     assert _children() == [] and not leftovers(os.getpid()) and not watchers(os.getpid())
+
+
+# ------------------------------------------------------------------ elastic restart (faults.restart = "replace")
+
+def test_a_replaced_sgd_run_ends_bit_for_bit_with_the_model_of_the_uninterrupted_run(tmp_path):
+    """Worker 1 killed as step 5 begins; the world starts again from checkpoint 4 in the same run folder and
+    finishes: the same model, bit for bit, every step's metrics once, the restart in the summary."""
+    backend = {"kind": "ddp", "world_size": 2, "comm": "ring", "timeout_s": 5.0}
+    train = {"momentum": 0.9, "checkpoint_every": 2}
+    psarch.run(from_dict(config("plain", train=dict(SGD, **train), backend=backend)), tmp_path / "plain", echo=False)
+    out = tmp_path / "replaced"
+    summary = psarch.run(_cfg("replaced", backend, {"kill": [{"node": "worker 1", "step": 5}], "restart": "replace"},
+                              train=train), out, echo=False)
+    assert _children() == []
+    assert summary["status"] == "finished" and summary["steps"] == 8
+    [restart] = summary["restarts"]
+    assert restart["from_step"] == 4 and restart["steps_lost"] == 1 and restart["error"].startswith("rank 1 was killed")
+    assert restart["at_s"] >= summary["faults"][0]["at_s"]
+    assert [json.loads(x)["step"] for x in (out / "metrics.jsonl").read_text().splitlines()] == list(range(8))
+    assert_same_model(torch.load(out / "model.pt", weights_only=True),
+                      torch.load(tmp_path / "plain" / "model.pt", weights_only=True), "replaced vs plain",
+                      rtol=0.0, atol=0.0)

@@ -24,7 +24,9 @@ FORKED_FROM = "forked_from"     # where a fork keeps the checkpoint of its own r
 # cluster.dilation is how slowly the emulation runs, not the cluster it stands for (every time reported is the
 # cluster's); "auto" is picked again at every launch, and the ranks' checkpoints hold the number it gave
 RESUMABLE = ("name", "label", "out", "train.steps", "train.log_every", "train.checkpoint_every",
-             "train.keep_checkpoints", "train.tensorboard", "backend.timeout_s", "cluster.dilation", *REPORT_ONLY)
+             "train.keep_checkpoints", "train.tensorboard", "backend.timeout_s", "cluster.dilation",
+             # the faults still to strike: a world restarted by faults.restart carries only those
+             "faults.kill", "faults.pause", "faults.restart", *REPORT_ONLY)
 
 
 def starting_checkpoint(cfg: Config, run_dir: Path, resume: bool, start: str | Path | None,

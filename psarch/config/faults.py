@@ -29,6 +29,9 @@ class FaultsConfig:
                             "{ node = \"server 1\", step = 50 }]; a server's step is worker 0's")
     pause: list = option([], "nodes stopped (SIGSTOP) as a step begins, continued (SIGCONT) `seconds` later (the "
                              "cluster's time), e.g. [{ node = \"worker 1\", step = 20, seconds = 5 }]")
+    restart: str = option("none", "what the launcher does when a killed node stops the run: 'replace' starts the "
+                                  "world again, at the same N, from the newest complete checkpoint in the run folder "
+                                  "(train.checkpoint_every), as torchrun's elastic agent does", choices=("none", "replace"))
 
 
 @dataclass(frozen=True)
@@ -57,6 +60,7 @@ def faults(cfg: Config) -> list[Fault]:
            for i, entry in enumerate(getattr(cfg.faults, action))]
     out.sort(key=lambda f: f.step)
     _check_together(cfg, out)
+    _check_restart(cfg)
     return out
 
 
@@ -95,6 +99,21 @@ def _parse(cfg: Config, action: str, i: int, entry: Any) -> Fault:
 def _servers(cfg: Config) -> int:
     from psarch import registry
     return registry.spec_of(cfg).service_nodes(cfg)
+
+
+def _check_restart(cfg: Config) -> None:
+    from psarch import registry
+    spec = registry.spec_of(cfg)
+    if cfg.faults.restart == "none":
+        return
+    this = f"faults.restart = {show(cfg.faults.restart)}"
+    if spec.tolerates_lost_workers(cfg):
+        raise ConfigError(f"{this}: backend.kind = {show(cfg.backend.kind)} goes on without a dead worker; "
+                          f"a restart is for backends that stop (collectives)")
+    if not spec.checkpoints or not cfg.train.checkpoint_every:
+        raise ConfigError(f"{this}: restarts from the newest checkpoint, so it needs train.checkpoint_every > 0"
+                          + ("" if spec.checkpoints else f" and a backend that writes checkpoints (not "
+                                                         f"{show(cfg.backend.kind)})"))
 
 
 def _check_together(cfg: Config, faults: list[Fault]) -> None:

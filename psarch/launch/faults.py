@@ -1,5 +1,6 @@
 """The launcher's side of [faults] (psarch/config/faults.py): strike each fault as its worker holds itself at
-the fault's step, continue a paused node after its seconds, and record what was done, when, for summary.json.
+the fault's step, continue a paused node after its seconds, and record what was done, when, for summary.json;
+with faults.restart = "replace", what a restarted world is given (the faults that have not struck yet).
 
 A worker holds at a fault's step by stopping itself (SIGSTOP, psarch.launch.runner); the launcher sees it
 stopped with that many steps streamed, strikes (SIGKILL; SIGSTOP, then SIGCONT after the pause), and lets
@@ -12,8 +13,8 @@ import time
 from pathlib import Path
 from typing import Callable, TypedDict
 
-from psarch.config import Config
-from psarch.config.faults import KILL, Fault, faults
+from psarch.config import Config, from_dict
+from psarch.config.faults import KILL, PAUSE, Fault, faults
 from psarch.cluster.device import dilation
 from psarch.launch import outputs
 from psarch.launch.stalls import stopped
@@ -32,17 +33,47 @@ class Struck(TypedDict, total=False):
     resumed_at_s: float
 
 
+class Restart(TypedDict):
+    """summary.json's `restarts[]`: a world started again (faults.restart = "replace"): why (the error's first
+    line), when (as Struck's at_s), from which checkpoint step, and the steps done past it, to be done again."""
+
+    error: str
+    at_s: float
+    from_step: int
+    steps_lost: int
+
+
+def restarts_due(cfg: Config, struck: list[Struck], restarts: list[Restart]) -> bool:
+    """Whether a world that just stopped is to start again: faults.restart = "replace", and a kill struck since
+    the last start."""
+    return cfg.faults.restart == "replace" and sum(s["action"] == KILL for s in struck) > len(restarts)
+
+
+def not_struck(cfg: Config, struck: list[Struck]) -> Config:
+    """cfg with only the faults that have not struck: a restarted world must not strike them again."""
+    done = {(s["node"], s["action"], s["step"]) for s in struck}
+    data = cfg.to_dict()
+    for action in (KILL, PAUSE):
+        data["faults"][action] = [e for e in data["faults"][action] if (e["node"], action, e["step"]) not in done]
+    return from_dict(data)
+
+
+def steps_done(out: Path, world: int) -> int:
+    """The most steps any worker streamed (the run's progress when it stopped)."""
+    return max(_streamed(out, r) for r in range(world))
+
+
 class Injector:
     """Strikes a run's faults on its worker processes and `service_pid(i)`'s servers; `tick()` from the
     launcher's watch loop, `struck` for the summary."""
 
     def __init__(self, cfg: Config, workers: list, service_pid: Callable[[int], int | None], out: Path,
-                 struck: list[Struck]) -> None:
-        """struck: where each fault struck is recorded (the launcher's, for the summary)."""
-        self.workers, self.service_pid, self.out, self.struck = workers, service_pid, out, struck
+                 struck: list[Struck], t0: float) -> None:
+        """struck: where each fault struck is recorded (the launcher's, for the summary); t0: when the run's
+        first workers started (time.monotonic())."""
+        self.workers, self.service_pid, self.out, self.struck, self.t0 = workers, service_pid, out, struck, t0
         self.todo: list[Fault] = faults(cfg)
         self.d = dilation(cfg)
-        self.t0 = time.monotonic()
         self.resume_at: list[tuple[float, int, Struck]] = []    # (when, pid, its record) of paused nodes
 
     def pending(self) -> bool:
@@ -81,7 +112,7 @@ class Injector:
             _signal(held, signal.SIGCONT)
 
     def _since(self, t: float) -> float:
-        return round((t - self.t0) / self.d, 6)
+        return since(self.t0, t, self.d)
 
     def release(self) -> None:
         """Continue every paused node (the run ends or stops: nothing may stay stopped)."""
@@ -105,3 +136,8 @@ def _streamed(out: Path, rank: int) -> int:
     except OSError:
         return 0
 
+
+
+def since(t0: float, t: float, d: float) -> float:
+    """Seconds from t0 to t (time.monotonic()) in the cluster's time (wall clock / dilation d)."""
+    return round((t - t0) / d, 6)

@@ -15,6 +15,7 @@ import os
 import signal
 import sys
 import threading
+import time
 import traceback
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -27,7 +28,8 @@ import torch.distributed as dist
 from psarch import registry
 from psarch.launch import outputs, supervise
 from psarch.backend import BackendSpec
-from psarch.checkpoint import Checkpoint
+from psarch.checkpoint import Checkpoint, latest_complete
+from psarch.cluster.device import dilation
 from psarch.checkpoint.start import (CHECKPOINTS, drop_after, drop_unfinished, keep_fork_source, provenance,
                                      starting_checkpoint)
 from psarch.cluster.placement import Placement, place
@@ -37,7 +39,7 @@ from psarch.config import Config, ConfigError, check_machine, from_dict
 from psarch.dist import abandon_group, init_rank, shutdown, under_torchrun
 from psarch.errors import NON_FINITE_EXIT, NonFiniteError, RunError
 from psarch.config.faults import faults
-from psarch.launch.faults import Injector, Struck
+from psarch.launch.faults import Injector, Restart, Struck, not_struck, restarts_due, since, steps_done
 from psarch.launch.lifecycle import die_with_parent, leave
 from psarch.records import RankRecord, ServiceFields, ServiceInfo, Summary
 from psarch.launch.runner import run_rank
@@ -76,18 +78,19 @@ def run(cfg: Config, out: str | Path | None = None, echo: bool = True, resume: b
     workload = build_workload(cfg) if cfg.workload.factory else None
     outputs.prepare(out_dir, cfg, keep_checkpoints=resume)   # a fork must not keep an older run's
     struck: list[Struck] = []   # the faults injected (psarch/launch/faults.py), for the summary
-    faulted = Summary(faults=struck) if faults(cfg) else Summary()
+    restarts: list[Restart] = []
+    faulted = Summary(faults=struck, **({"restarts": restarts} if cfg.faults.restart != "none" else {})) \
+        if faults(cfg) else Summary()
+    t0 = time.monotonic()
     try:
-        with place(ranks_cfg) as where:   # loopback, or each process on its node of an emulated cluster
-            with _services(spec, cfg, out_dir, where, job.start) as services:
-                job.info = services.info.to_dict() if services is not None else {}
-                if cfg.backend.world_size == 1:
-                    _in_process(job, spec, where, workload)
-                else:
-                    with shared_data(cfg, out_dir / ".shared_data"):   # built here once, mapped by every rank
-                        _spawn(job, spec, where, services, struck)
-                extra = services.finish() if services is not None else Summary()
-            cluster = where.report()
+        while True:
+            try:
+                extra, cluster = _world(job, spec, cfg, ranks_cfg, workload, struck, t0)
+                break
+            except RunError as e:   # faults.restart = "replace": the world starts again from a checkpoint
+                if not restarts_due(cfg, struck, restarts):
+                    raise
+                job = _restarted(job, cfg, ranks_cfg, struck, restarts, e, t0)
     except BaseException as e:  # failed or interrupted (Ctrl-C, SIGTERM): keep the finished steps, say why
         _keep_finished_steps(out_dir, cfg, e, faulted)
         raise
@@ -101,6 +104,46 @@ def run(cfg: Config, out: str | Path | None = None, echo: bool = True, resume: b
     return outputs.finalize(out_dir, cfg, extra, echo)
 
 
+def _world(job: RankJob, spec: BackendSpec, cfg: Config, ranks_cfg: Config, workload: Workload | None,
+           struck: list[Struck], t0: float) -> tuple[Summary, Any]:
+    """Start every rank (and service) of `job`, watch them to the end; what the services measured, and the
+    emulated cluster's report."""
+    out_dir = Path(job.out)
+    with place(ranks_cfg) as where:   # loopback, or each process on its node of an emulated cluster
+        with _services(spec, cfg, out_dir, where, job.start) as services:
+            job.info = services.info.to_dict() if services is not None else {}
+            if cfg.backend.world_size == 1:
+                _in_process(job, spec, where, workload)
+            else:
+                with shared_data(cfg, out_dir / ".shared_data"):   # built here once, mapped by every rank
+                    _spawn(job, spec, where, services, struck, t0)
+            extra = services.finish() if services is not None else Summary()
+        return extra, where.report()
+
+
+def _restarted(job: RankJob, cfg: Config, ranks_cfg: Config, struck: list[Struck], restarts: list[Restart],
+               error: RunError, t0: float) -> RankJob:
+    """The job of a world started again after `error`, at the same N, from the newest complete checkpoint
+    in the run folder (step 0 where there is none), with only the faults that have not struck; recorded in
+    `restarts` and said on stdout."""
+    out = Path(job.out)
+    again = not_struck(ranks_cfg, struck)
+    done = steps_done(out, cfg.backend.world_size)
+    ckpt = starting_checkpoint(again, out, True, None) if latest_complete(out / CHECKPOINTS) else None
+    begin = None
+    if ckpt is not None:
+        again, begin = _started(again, ckpt, out, True, None, False)
+        ckpt.close()
+    step = ckpt.step if ckpt is not None else 0
+    outputs.prepare(out, cfg, keep_checkpoints=True)   # the stopped world's streams and errors go
+    first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+    restarts.append({"error": first, "at_s": since(t0, time.monotonic(), dilation(ranks_cfg)), "from_step": step,
+                     "steps_lost": done - step})
+    if job.echo:
+        print(f"psarch: {first}; restarting the world from step {step} (faults.restart = \"replace\")", flush=True)
+    return dataclasses.replace(job, cfg=again.to_dict(), start=begin, resume=ckpt is not None)
+
+
 def _check_faults(cfg: Config, resume: bool) -> None:
     """[faults] strike processes this launcher started, once: not under torchrun, not again in a resume."""
     if not faults(cfg):
@@ -109,8 +152,8 @@ def _check_faults(cfg: Config, resume: bool) -> None:
         raise ConfigError("faults: injected by `psarch run`'s launcher, which torchrun replaces; run the config "
                           "with `psarch run`, or remove [faults]")
     if resume:
-        raise ConfigError("--resume: this run injects [faults] at named steps, which a resume would strike again "
-                          "or skip; start a new run (--from one of its checkpoints) without [faults]")
+        raise ConfigError("--resume: this run injects [faults] at named steps, which a resume would strike again; "
+                          "resume it without them (--set faults.kill=[] --set faults.pause=[])")
 
 
 def _started(cfg: Config, ckpt: Checkpoint | None, out: Path, resume: bool, pick: str | None, echo: bool
@@ -218,7 +261,7 @@ def _threads(world: int) -> int:
 
 
 def _spawn(job: RankJob, spec: BackendSpec, where: Placement, services: Services | None,
-           struck: list[Struck]) -> None:
+           struck: list[Struck], t0: float) -> None:
     cfg = job.config()
     n = cfg.backend.world_size
     store = None
@@ -245,7 +288,7 @@ def _spawn(job: RankJob, spec: BackendSpec, where: Placement, services: Services
         where.worker_lost()
         return True
 
-    injector = Injector(cfg, procs, services.pid if services is not None else lambda i: None, out, struck) \
+    injector = Injector(cfg, procs, services.pid if services is not None else lambda i: None, out, struck, t0) \
         if faults(cfg) else None
     try:
         for r, p in enumerate(procs):
