@@ -145,6 +145,7 @@ def test_a_killed_server_stops_the_run_with_one_line_naming_it(tmp_path):
     s = _summary(out)
     assert s["status"] == "failed" and s["error"] == "server 1 died (exit code -9)"
     assert s["faults"] == [dict(s["faults"][0], node="server 1", action="kill", step=3, signal="SIGKILL")]
+    assert s["stopped_at_s"] >= s["faults"][0]["at_s"]   # the launcher found it after the strike
     assert _streamed(out, 0)[:3] == [0, 1, 2] and len(_streamed(out, 0)) <= 4   # held at step 3; one more at most
 
 
@@ -210,7 +211,7 @@ def test_a_replaced_sgd_run_ends_bit_for_bit_with_the_model_of_the_uninterrupted
     assert summary["status"] == "finished" and summary["steps"] == 8
     [restart] = summary["restarts"]
     assert restart["from_step"] == 4 and restart["steps_lost"] == 1 and restart["error"].startswith("rank 1 was killed")
-    assert restart["at_s"] >= summary["faults"][0]["at_s"]
+    assert summary["faults"][0]["at_s"] <= restart["stopped_at_s"] <= restart["at_s"]
     assert [json.loads(x)["step"] for x in (out / "metrics.jsonl").read_text().splitlines()] == list(range(8))
     assert_same_model(torch.load(out / "model.pt", weights_only=True),
                       torch.load(tmp_path / "plain" / "model.pt", weights_only=True), "replaced vs plain",

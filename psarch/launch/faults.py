@@ -35,9 +35,11 @@ class Struck(TypedDict, total=False):
 
 class Restart(TypedDict):
     """summary.json's `restarts[]`: a world started again (faults.restart = "replace"): why (the error's first
-    line), when (as Struck's at_s), from which checkpoint step, and the steps done past it, to be done again."""
+    line), when the launcher found the world stopped and when it started the next (as Struck's at_s), from which
+    checkpoint step, and the steps done past it, to be done again."""
 
     error: str
+    stopped_at_s: float | None
     at_s: float
     from_step: int
     steps_lost: int
@@ -115,11 +117,16 @@ class Injector:
         return since(self.t0, t, self.d)
 
     def release(self) -> None:
-        """Continue every paused node (the run ends or stops: nothing may stay stopped)."""
+        """Continue every paused node and every worker still holding for a fault (the run ends or stops: nothing
+        may stay stopped, where SIGTERM would wait)."""
         for _, pid, rec in self.resume_at:
             _signal(pid, signal.SIGCONT)
             rec["resumed_at_s"] = self._since(time.monotonic())
         self.resume_at = []
+        for f in self.todo:
+            p = self.workers[f.anchor]
+            if p.pid is not None and p.exitcode is None and stopped(p.pid):
+                _signal(p.pid, signal.SIGCONT)
 
 
 def _signal(pid: int, sig: signal.Signals) -> None:

@@ -85,12 +85,12 @@ def run(cfg: Config, out: str | Path | None = None, echo: bool = True, resume: b
     try:
         while True:
             try:
-                extra, cluster = _world(job, spec, cfg, ranks_cfg, workload, struck, t0)
+                extra, cluster = _world(job, spec, cfg, ranks_cfg, workload, faulted, t0)
                 break
             except RunError as e:   # faults.restart = "replace": the world starts again from a checkpoint
                 if not restarts_due(cfg, struck, restarts):
                     raise
-                job = _restarted(job, cfg, ranks_cfg, struck, restarts, e, t0)
+                job = _restarted(job, cfg, ranks_cfg, faulted, restarts, e, t0)
     except BaseException as e:  # failed or interrupted (Ctrl-C, SIGTERM): keep the finished steps, say why
         _keep_finished_steps(out_dir, cfg, e, faulted)
         raise
@@ -105,9 +105,9 @@ def run(cfg: Config, out: str | Path | None = None, echo: bool = True, resume: b
 
 
 def _world(job: RankJob, spec: BackendSpec, cfg: Config, ranks_cfg: Config, workload: Workload | None,
-           struck: list[Struck], t0: float) -> tuple[Summary, Any]:
+           faulted: Summary, t0: float) -> tuple[Summary, Any]:
     """Start every rank (and service) of `job`, watch them to the end; what the services measured, and the
-    emulated cluster's report."""
+    emulated cluster's report. `faulted`: the summary's record of the faults (psarch/launch/faults.py)."""
     out_dir = Path(job.out)
     with place(ranks_cfg) as where:   # loopback, or each process on its node of an emulated cluster
         with _services(spec, cfg, out_dir, where, job.start) as services:
@@ -116,18 +116,18 @@ def _world(job: RankJob, spec: BackendSpec, cfg: Config, ranks_cfg: Config, work
                 _in_process(job, spec, where, workload)
             else:
                 with shared_data(cfg, out_dir / ".shared_data"):   # built here once, mapped by every rank
-                    _spawn(job, spec, where, services, struck, t0)
+                    _spawn(job, spec, where, services, faulted, t0)
             extra = services.finish() if services is not None else Summary()
         return extra, where.report()
 
 
-def _restarted(job: RankJob, cfg: Config, ranks_cfg: Config, struck: list[Struck], restarts: list[Restart],
+def _restarted(job: RankJob, cfg: Config, ranks_cfg: Config, faulted: Summary, restarts: list[Restart],
                error: RunError, t0: float) -> RankJob:
     """The job of a world started again after `error`, at the same N, from the newest complete checkpoint
     in the run folder (step 0 where there is none), with only the faults that have not struck; recorded in
     `restarts` and said on stdout."""
     out = Path(job.out)
-    again = not_struck(ranks_cfg, struck)
+    again = not_struck(ranks_cfg, faulted["faults"])
     done = steps_done(out, cfg.backend.world_size)
     ckpt = starting_checkpoint(again, out, True, None) if latest_complete(out / CHECKPOINTS) else None
     begin = None
@@ -137,7 +137,8 @@ def _restarted(job: RankJob, cfg: Config, ranks_cfg: Config, struck: list[Struck
     step = ckpt.step if ckpt is not None else 0
     outputs.prepare(out, cfg, keep_checkpoints=True)   # the stopped world's streams and errors go
     first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
-    restarts.append({"error": first, "at_s": since(t0, time.monotonic(), dilation(ranks_cfg)), "from_step": step,
+    restarts.append({"error": first, "stopped_at_s": faulted.pop("stopped_at_s", None),
+                     "at_s": since(t0, time.monotonic(), dilation(ranks_cfg)), "from_step": step,
                      "steps_lost": done - step})
     if job.echo:
         print(f"psarch: {first}; restarting the world from step {step} (faults.restart = \"replace\")", flush=True)
@@ -261,7 +262,7 @@ def _threads(world: int) -> int:
 
 
 def _spawn(job: RankJob, spec: BackendSpec, where: Placement, services: Services | None,
-           struck: list[Struck], t0: float) -> None:
+           faulted: Summary, t0: float) -> None:
     cfg = job.config()
     n = cfg.backend.world_size
     store = None
@@ -288,14 +289,18 @@ def _spawn(job: RankJob, spec: BackendSpec, where: Placement, services: Services
         where.worker_lost()
         return True
 
-    injector = Injector(cfg, procs, services.pid if services is not None else lambda i: None, out, struck, t0) \
-        if faults(cfg) else None
+    injector = Injector(cfg, procs, services.pid if services is not None else lambda i: None, out,
+                        faulted["faults"], t0) if faults(cfg) else None
     try:
         for r, p in enumerate(procs):
             with where.node("worker", r):
                 p.start()
         supervise.watch(procs, out, lost, services.check if services is not None else lambda: None,
                         cfg.backend.timeout_s, injector.tick if injector is not None else None)
+    except RunError:
+        if injector is not None:   # when the launcher found the run stopped, before any teardown
+            faulted["stopped_at_s"] = since(t0, time.monotonic(), dilation(cfg))
+        raise
     finally:
         if injector is not None:
             injector.release()   # nothing stays stopped
