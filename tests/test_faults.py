@@ -96,6 +96,7 @@ def test_async_goes_on_without_a_killed_worker_and_takes_back_a_paused_one(tmp_p
     assert struck["worker 1"]["signal"] == "SIGSTOP"
     assert struck["worker 1"]["resumed_at_s"] - struck["worker 1"]["at_s"] >= 1.0
     assert _streamed(out, 2) == [0, 1, 2]             # struck exactly as step 3 began
+    assert "fault: worker 2 kill (SIGKILL) as step 3 began" in (out / "report.txt").read_text()
     assert _streamed(out, 1) == list(range(8))        # the paused worker came back and finished
     # every push of the survivors landed, none of the dead worker's after its death
     assert summary["servers_detail"][0]["version"] == 3 + 8 + 8
@@ -212,6 +213,7 @@ def test_a_replaced_sgd_run_ends_bit_for_bit_with_the_model_of_the_uninterrupted
     [restart] = summary["restarts"]
     assert restart["from_step"] == 4 and restart["steps_lost"] == 1 and restart["error"].startswith("rank 1 was killed")
     assert summary["faults"][0]["at_s"] <= restart["stopped_at_s"] <= restart["at_s"]
+    assert "restart: from step 4 " in (out / "report.txt").read_text()
     assert [json.loads(x)["step"] for x in (out / "metrics.jsonl").read_text().splitlines()] == list(range(8))
     assert_same_model(torch.load(out / "model.pt", weights_only=True),
                       torch.load(tmp_path / "plain" / "model.pt", weights_only=True), "replaced vs plain",
