@@ -4,9 +4,11 @@ Where things live. Dependencies point one way (zero -> collective -> psarch core
 names no backend; bench/ and the studies' tables in report/ sit above the backends they compare.
 
     config/       the Config schema and loading (`psarch.config`), how an option is declared
-                  (config/fields.py: `option`, `section`), TOML files and --set, checks across keys
+                  (config/fields.py: `option`, `section`), TOML files and --set, checks across keys, the
+                  [faults] section (config/faults.py)
     launch/       `psarch run`: ranks started (ranks.py), one rank's step loop (runner.py), supervision,
-                  sweeps, the run folder written (outputs.py), local ranks for tests (spawn.py)
+                  [faults] struck and worlds restarted (faults.py), sweeps, the run folder written (outputs.py),
+                  local ranks for tests (spawn.py)
     report/       what a user reads: `psarch compare` and its plots, a run folder read back (runs.py), and
                   the studies' tables, `psarch report crossover | cluster | stragglers | pipeline`
     theory/       the shared algebra every prediction uses (`psarch.theory.predict`, memory, ring passes,

@@ -199,16 +199,19 @@ def test_on_the_emulated_cluster_async_goes_on_without_a_killed_worker(tmp_path)
 
 # ------------------------------------------------------------------ elastic restart (faults.restart = "replace")
 
-def test_a_replaced_sgd_run_ends_bit_for_bit_with_the_model_of_the_uninterrupted_run(tmp_path):
+@pytest.mark.parametrize("cluster", [{}, pytest.param({"emulate": True, "link_mbps": 200.0}, marks=needs_root,
+                                                      id="emulated")])
+def test_a_replaced_sgd_run_ends_bit_for_bit_with_the_model_of_the_uninterrupted_run(tmp_path, cluster):
     """Worker 1 killed as step 5 begins; the world starts again from checkpoint 4 in the same run folder and
     finishes: the same model, bit for bit, every step's metrics once, the restart in the summary."""
     backend = {"kind": "ddp", "world_size": 2, "comm": "ring", "timeout_s": 5.0}
     train = {"momentum": 0.9, "checkpoint_every": 2}
-    psarch.run(from_dict(config("plain", train=dict(SGD, **train), backend=backend)), tmp_path / "plain", echo=False)
+    psarch.run(from_dict(config("plain", train=dict(SGD, **train), backend=backend, cluster=cluster)),
+               tmp_path / "plain", echo=False)
     out = tmp_path / "replaced"
     summary = psarch.run(_cfg("replaced", backend, {"kill": [{"node": "worker 1", "step": 5}], "restart": "replace"},
-                              train=train), out, echo=False)
-    assert _children() == []
+                              train=train, cluster=cluster), out, echo=False)
+    assert _children() == [] and not leftovers(os.getpid()) and not watchers(os.getpid())
     assert summary["status"] == "finished" and summary["steps"] == 8
     [restart] = summary["restarts"]
     assert restart["from_step"] == 4 and restart["steps_lost"] == 1 and restart["error"].startswith("rank 1 was killed")
