@@ -5,9 +5,11 @@ names no backend; bench/ and the studies' tables in report/ sit above the backen
 
     config/       the Config schema (config/schema.py) and loading (`psarch.config`), how an option is declared
                   (config/fields.py: `option`, `section`), [backend]'s core options and the groups backends
-                  include (config/backend.py), which options a run reads, TOML files and --set, checks across keys
+                  include (config/backend.py), the [faults] section (config/faults.py), which options a run
+                  reads, TOML files and --set, checks across keys
     launch/       `psarch run`: ranks started (ranks.py), one rank's step loop (runner.py), supervision,
-                  sweeps, the run folder written (outputs.py), local ranks for tests (spawn.py)
+                  [faults] struck and worlds restarted (faults.py), sweeps, the run folder written (outputs.py),
+                  local ranks for tests (spawn.py)
     report/       what a user reads: `psarch compare` and its plots, a run folder read back (runs.py), and
                   the studies' tables, `psarch report crossover | cluster | stragglers | pipeline`
     theory/       the shared algebra every prediction uses (`psarch.theory.predict`, memory, ring passes, an

@@ -303,3 +303,6 @@ class Summary(TypedDict, total=False):
     ssp: SSPSummary
     model_from_servers_error: str   # why the servers' parameters could not be written as model.pt
     started_from: dict[str, Any]    # Config.started_from: the checkpoint a fork started from
+    faults: list[Any]               # [faults] struck: psarch.launch.faults.Struck (node, action, step, signal, at_s)
+    restarts: list[Any]             # worlds started again (faults.restart): psarch.launch.faults.Restart
+    stopped_at_s: float             # a faulted run that stopped: when the launcher found it stopped (as faults' at_s)

@@ -102,6 +102,9 @@ class Services(Protocol):
     def worker_lost(self, rank: int, error: str) -> None:
         """A worker died in a mode that goes on without it."""
 
+    def pid(self, index: int) -> int | None:
+        """The process id of service `index` (where [faults] strike it); None where this launcher started none."""
+
     def finish(self) -> Summary:
         """Their measurements, merged into summary.json."""
 

@@ -15,7 +15,6 @@ import psarch
 from parity import assert_same_model
 from psarch.config import from_dict
 from psarch.dist import DistContext
-from psarch.launch.ranks import RunError
 from psarch.ps.auth import keygen
 from psarch.launch.runner import run_rank
 from psarch.workload import build_workload
@@ -155,22 +154,24 @@ def test_a_dead_worker_does_not_stop_async_modes(tmp_path, mode, extra, dead):
     assert versions == [{"async": 3 + 8, "ssp": 3 + 8, "geo": 8 // 2}[mode]]   # every surviving push landed
 
 
-def test_sync_stops_with_an_error_naming_a_dead_worker(tmp_path):
-    t0 = time.monotonic()
-    with pytest.raises(RunError, match="rank 1"):
-        launch(tmp_path, "sync-dies", workload={"factory": "test_ps_faults:dies_on_rank1_at_step3"},
-               train={"optimizer": "sgd", "steps": 8}, backend=ps(2, timeout_s=3.0))
-    assert time.monotonic() - t0 < scaled(120)   # start-up included, on a busy 2-core machine; a hang never ends
-    assert _children() == []
+def test_sync_goes_on_without_a_dead_worker(tmp_path):
+    """Its rounds from then on are the mean of the surviving worker's gradients; every round is applied."""
+    summary, out = launch(tmp_path, "sync-dies", workload={"factory": "test_ps_faults:dies_on_rank1_at_step3"},
+                          train={"optimizer": "sgd", "steps": 8}, backend=ps(2, timeout_s=3.0))
+    assert [w["rank"] for w in summary["lost_workers"]] == [1] and "exited with code 3" in summary["lost_workers"][0]["error"]
+    assert summary["steps"] == 8 and [d["version"] for d in summary["servers_detail"]] == [8]
+    assert [d["lost"] for d in summary["servers_detail"]] == [[1]]
 
 
-def test_sync_stops_with_an_error_naming_a_hung_worker_after_timeout(tmp_path):
-    t0 = time.monotonic()
-    with pytest.raises(RunError, match=r"no gradients from worker\(s\) \[1\] within backend.timeout_s = 3 s"):
-        launch(tmp_path, "sync-hangs", workload={"factory": "test_ps_faults:hangs_on_rank1_at_step3"},
-               train={"optimizer": "sgd", "steps": 8}, backend=ps(2, timeout_s=3.0))
-    assert 3 <= time.monotonic() - t0 < scaled(120)
-    assert _children() == []
+def test_sync_goes_on_without_a_hung_worker_after_timeout(tmp_path):
+    """The round waits backend.timeout_s for the hung worker, then goes on without it; the launcher kills the
+    hung process once the survivor has finished and it has made no progress (psarch.launch.stalls)."""
+    summary, out = launch(tmp_path, "sync-hangs", workload={"factory": "test_ps_faults:hangs_on_rank1_at_step3"},
+                          train={"optimizer": "sgd", "steps": 8}, backend=ps(2, timeout_s=3.0))
+    assert [w["rank"] for w in summary["lost_workers"]] == [1] and "Stalled" in summary["lost_workers"][0]["error"]
+    assert summary["steps"] == 8 and [d["version"] for d in summary["servers_detail"]] == [8]
+    rank0 = [json.loads(x) for x in (out / "ranks" / "rank0.jsonl").read_text().splitlines()]
+    assert rank0[3]["step_time_s"] >= 3.0   # the round of step 3 waited the whole timeout for worker 1
 
 
 def test_standalone_server_serves_workers_that_find_it_through_the_config(tmp_path):

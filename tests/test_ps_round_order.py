@@ -54,7 +54,8 @@ def _round(server, arrivals: list[int], lose: tuple[int, int] | None = None) -> 
         assert r.op == "ack", r.header
     after = _fetch(raw[arrivals[-1]])
     summed = sorted(arrivals)
-    torch.testing.assert_close(after, before - 0.5 * _in_order(grads, summed) / N)   # sgd, lr 0.5, mean over N
+    # sgd, lr 0.5, the mean over the round's pushes (N, or fewer where a worker was lost without pushing)
+    torch.testing.assert_close(after, before - 0.5 * _in_order(grads, summed) / len(summed))
     peak = services.finish()["memory"]["servers"][0]["early_pushes_peak"]
     return after, peak // (4 * numel)
 
@@ -129,4 +130,4 @@ def test_a_refused_push_leaves_nothing_behind(server, early):
     for w in pushers:
         r = raw[w].ask(dict(push, worker=w), grads[w])
         assert r.op == "ack", r.header
-    torch.testing.assert_close(_fetch(raw[0]), before - 0.5 * _in_order(grads, sorted(pushers)) / 3)
+    torch.testing.assert_close(_fetch(raw[0]), before - 0.5 * _in_order(grads, sorted(pushers)) / len(pushers))

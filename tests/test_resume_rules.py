@@ -20,7 +20,8 @@ TRUNK = {"name": "h", "seed": 1, "workload": {"factory": "factories:regression"}
          "train": {"steps": 6, "global_batch": 4, "optimizer": "adamw", "lr": 0.01, "log_every": 2,
                    "checkpoint_every": 2}}
 ALLOWED = ("name, label, out, train.steps, train.log_every, train.checkpoint_every, train.keep_checkpoints, "
-           "train.tensorboard, backend.timeout_s, cluster.dilation, convergence_target")
+           "train.tensorboard, backend.timeout_s, cluster.dilation, faults.kill, faults.pause, faults.restart, "
+           "convergence_target")
 
 
 @pytest.fixture(scope="module")

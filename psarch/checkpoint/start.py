@@ -27,7 +27,9 @@ FORKED_FROM = "forked_from"     # where a fork keeps the checkpoint of its own r
 # cluster's); "auto" is picked again at every launch, and the ranks' checkpoints hold the number it gave, and
 # every backend timeout stretched by it (any `backend.*timeout_s` may change: a wait changes no result)
 RESUMABLE = ("name", "label", "out", "train.steps", "train.log_every", "train.checkpoint_every",
-             "train.keep_checkpoints", "train.tensorboard", "backend.timeout_s", "cluster.dilation", *REPORT_ONLY)
+             "train.keep_checkpoints", "train.tensorboard", "backend.timeout_s", "cluster.dilation",
+             # the faults still to strike: a world restarted by faults.restart carries only those
+             "faults.kill", "faults.pause", "faults.restart", *REPORT_ONLY)
 # this machine's core (cluster.device = "cpu-core", the emulated default) is measured again at every launch, as
 # D is; the ranks' checkpoints hold the device's name and the rate it measured
 MEASURED_CORE = ("cluster.device", "cluster.device_tflops")
@@ -50,11 +52,13 @@ def resolve_start(cfg: Config, run_dir: Path, resume: bool, start: str | Path | 
         if dropped and echo:
             print(f"psarch: resuming from {ckpt.path.name}: removed the later checkpoints {', '.join(dropped)}",
                   flush=True)
+        ckpt.close()
         return dataclasses.replace(cfg, started_from=ckpt.config.get("started_from", {})), ckpt.path
     path = keep_fork_source(ckpt, run_dir, move)
     if ckpt is None:
         return cfg, None
     assert path is not None, "keep_fork_source returns where a given checkpoint lies"
+    ckpt.close()
     return dataclasses.replace(cfg, started_from=provenance(ckpt, path)), path
 
 

@@ -64,11 +64,16 @@ def steps_file(folder: Path, rank: int) -> Path:
     return folder / f"steps{rank}.jsonl"
 
 
+def checkpoint_step(folder: Path) -> int:
+    """The step a checkpoint folder (step_000040) was written at."""
+    return int(Path(folder).name[5:])
+
+
 def complete_checkpoints(root: Path) -> list[Path]:
     """The `step_*` folders under `root` with their metadata written, oldest step first (by number: a name
     sort would put step_1000000 before step_999999)."""
     done = [p for p in Path(root).glob("step_*") if p.name[5:].isdigit() and (p / METADATA).is_file()]
-    return sorted(done, key=lambda p: int(p.name[5:]))
+    return sorted(done, key=checkpoint_step)
 
 
 def save(pieces: Pieces, ctx: DistContext, root: Path, step: int, config: dict[str, Any], keep: int = 0,

@@ -7,7 +7,7 @@ The [backend] section is one flat table in TOML; its class is the chosen backend
 This package: loading (here: values checked, sections built, `load_config`), `schema.py` (the Config classes),
 `fields.py` (`option` and `section`: how an option is declared, by the core and by every backend's spec),
 `backend.py` (the core's [backend] options and the groups several backends include), `workload.py` (the
-[workload] sections), `files.py` (TOML, `base`, `--set`), `keys.py` (where an option is declared, what it
+[workload] sections), `faults.py` (the [faults] section), `files.py` (TOML, `base`, `--set`), `keys.py` (where an option is declared, what it
 accepts, `psarch keys`), `applies.py` (which options a run reads) and `rules.py` (the checks across keys,
 made before any process starts).
 """

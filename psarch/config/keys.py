@@ -10,6 +10,7 @@ from typing import Any
 from psarch.config.backend import CoreBackendConfig, backend_fields
 from psarch.config.fields import choices_of
 # field_type evaluates the postponed annotations of every section's fields by these names
+from psarch.config.faults import FaultsConfig  # noqa: F401
 from psarch.config.schema import ClusterConfig, Config, TrainConfig  # noqa: F401
 from psarch.config.workload import (ClicksConfig, DLRMConfig, GPTConfig, MarkovConfig, MLPConfig,  # noqa: F401
                                     TextConfig, WorkloadConfig)

@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Any
 
 from psarch import registry
 from psarch.cluster import device
+from psarch.config.faults import faults
 from psarch.errors import ConfigError, show
 from psarch.machine import resolve_factory
 
@@ -28,6 +29,7 @@ def validate(cfg: Config) -> Config:
     check_capabilities(spec, cfg)
     _check_embeddings(cfg)
     spec.check(cfg)
+    faults(cfg)   # after the backend's own checks: a server's fault asks the spec how many servers it starts
     return cfg
 
 

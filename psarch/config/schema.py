@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from psarch.config.backend import CoreBackendConfig
+from psarch.config.faults import FaultsConfig
 from psarch.config.fields import option, section
 from psarch.config.workload import WorkloadConfig
 
@@ -111,6 +112,7 @@ class Config:
     backend: Any = section(CoreBackendConfig, "How workers synchronise: the core's options and the chosen "
                            "backend's own (`psarch keys`); its class is the backend's (BackendSpec.options)")
     cluster: ClusterConfig = section(ClusterConfig)
+    faults: FaultsConfig = section(FaultsConfig)
     started_from: dict = option({}, "the checkpoint a --from run started from: path, step and the config_sha256 of "
                                     "the run that wrote it (kept when the run is resumed)", recorded=True)
 

@@ -254,6 +254,12 @@ def report(s: Summary) -> str:
         lines.append(f"staleness histogram {st['histogram']} (mean {st['mean']:.2f}, max {st['max']})")
     if s.get("lost_workers"):
         lines.append(f"lost workers: {s['lost_workers']}")
+    for f in s.get("faults") or []:
+        lines.append(f"fault: {f['node']} {f['action']} ({f['signal']}) as step {f['step']} began, at {f['at_s']:.2f} s"
+                     + (f", continued at {f['resumed_at_s']:.2f} s" if "resumed_at_s" in f else ""))
+    for r in s.get("restarts") or []:
+        lines.append(f"restart: from step {r['from_step']} at {r['at_s']:.2f} s ({r['steps_lost']} step(s) done "
+                     f"again) after: {r['error']}")
     if s.get("auth") == "none":
         lines.append("auth: none (backend.auth = \"none\": any process on this machine could talk to the servers)")
     pushes = s.get("refused_pushes")

@@ -8,6 +8,7 @@ gloo's threads can abort a finished process (pytorch/pytorch#179291), never runs
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import multiprocessing as mp
 import os
@@ -27,13 +28,18 @@ import torch.distributed as dist
 from psarch import registry
 from psarch.launch import outputs, supervise
 from psarch.backend import BackendSpec
+from psarch.checkpoint import latest_complete
+from psarch.checkpoint.writer import checkpoint_step
 from psarch.checkpoint.start import CHECKPOINTS, resolve_start
+from psarch.cluster.device import dilation
 from psarch.cluster.placement import Placement, place
 from psarch.cluster.dilation import resolve as resolve_dilation
 from psarch.cluster.window import StepMarks
 from psarch.config import Config, ConfigError, check_machine, from_dict
 from psarch.dist import abandon_group, init_rank, shutdown, under_torchrun
 from psarch.errors import NON_FINITE_EXIT, NonFiniteError, RunError
+from psarch.config.faults import faults
+from psarch.launch.faults import Injector, Restart, Struck, not_struck, restarts_due, since, steps_done
 from psarch.launch.lifecycle import die_with_parent, leave
 from psarch.records import RankRecord, ServiceFields, ServiceInfo, Summary
 from psarch.launch.runner import run_rank
@@ -52,6 +58,7 @@ def run(cfg: Config, out: str | Path | None = None, echo: bool = True, resume: b
     if cfg.cluster.emulate and under_torchrun():
         raise ConfigError("cluster.emulate = true: not under torchrun, whose machines are the cluster; "
                           "use `psarch run`, or --set cluster.emulate=false")
+    _check_faults(cfg, resume)
     if not machine_checked:  # once per run: with cluster.emulate it creates and deletes a probe namespace
         check_machine(cfg)  # a missing GPU or text file: one ConfigError now, not a traceback in every rank
     out_dir = outputs.run_folder(cfg, out)
@@ -72,20 +79,24 @@ def run(cfg: Config, out: str | Path | None = None, echo: bool = True, resume: b
     # before any rank starts; a single in-process rank then trains this very workload.
     workload = build_workload(cfg) if cfg.workload.factory else None
     outputs.prepare(out_dir, cfg, keep_checkpoints=resume)   # a fork must not keep an older run's
+    struck: list[Struck] = []   # the faults injected (psarch/launch/faults.py), for the summary
+    restarts: list[Restart] = []
+    faulted = Summary(faults=struck, **({"restarts": restarts} if cfg.faults.restart != "none" else {})) \
+        if faults(cfg) else Summary()
+    t0 = time.monotonic()
     try:
-        with place(ranks_cfg) as where:   # loopback, or each process on its node of an emulated cluster
-            with _services(spec, ranks_cfg, out_dir, where, job.start) as services:
-                job.info = services.info.to_dict() if services is not None else {}
-                if spec.processes(cfg) == 1:
-                    _in_process(job, spec, where, workload)
-                else:
-                    with shared_data(cfg, out_dir / ".shared_data"):   # built here once, mapped by every rank
-                        _spawn(job, spec, where, services)
-                extra = services.finish() if services is not None else Summary()
-            cluster = where.report()
+        while True:
+            try:
+                extra, cluster = _world(job, spec, cfg, ranks_cfg, workload, faulted, t0)
+                break
+            except RunError as e:   # faults.restart = "replace": the world starts again from a checkpoint
+                if not restarts_due(cfg, struck, restarts):
+                    raise
+                job = _restarted(job, cfg, ranks_cfg, faulted, restarts, e, t0)
     except BaseException as e:  # failed or interrupted (Ctrl-C, SIGTERM): keep the finished steps, say why
-        _keep_finished_steps(out_dir, cfg, e)
+        _keep_finished_steps(out_dir, cfg, e, faulted)
         raise
+    extra.update(faulted)
     if cluster:
         cluster["wall_s"] = time.monotonic() - launched   # what an emulated point costs, at its D
         extra["cluster"] = cluster
@@ -94,6 +105,57 @@ def run(cfg: Config, out: str | Path | None = None, echo: bool = True, resume: b
     if not outputs.has_records(out_dir):   # every worker lost: what the servers measured, and the steps streamed
         raise RunError(outputs.finalize_lost(out_dir, cfg, extra))
     return outputs.finalize(out_dir, cfg, extra, echo)
+
+
+def _world(job: RankJob, spec: BackendSpec, cfg: Config, ranks_cfg: Config, workload: Workload | None,
+           faulted: Summary, t0: float) -> tuple[Summary, Any]:
+    """Start every rank (and service) of `job`, watch them to the end; what the services measured, and the
+    emulated cluster's report. `faulted`: the summary's record of the faults (psarch/launch/faults.py)."""
+    out_dir = Path(job.out)
+    with place(ranks_cfg) as where:   # loopback, or each process on its node of an emulated cluster
+        with _services(spec, ranks_cfg, out_dir, where, job.start) as services:
+            job.info = services.info.to_dict() if services is not None else {}
+            if spec.processes(cfg) == 1:
+                _in_process(job, spec, where, workload)
+            else:
+                with shared_data(cfg, out_dir / ".shared_data"):   # built here once, mapped by every rank
+                    _spawn(job, spec, where, services, faulted, t0)
+            extra = services.finish() if services is not None else Summary()
+        return extra, where.report()
+
+
+def _restarted(job: RankJob, cfg: Config, ranks_cfg: Config, faulted: Summary, restarts: list[Restart],
+               error: RunError, t0: float) -> RankJob:
+    """The job of a world started again after `error`, at the same N, from the newest complete checkpoint
+    in the run folder (step 0 where there is none), with only the faults that have not struck; recorded in
+    `restarts` and said on stdout."""
+    out = Path(job.out)
+    again = not_struck(ranks_cfg, faulted["faults"])
+    done = steps_done(out, cfg.backend.world_size)
+    begin = None
+    if latest_complete(out / CHECKPOINTS):
+        again, begin = resolve_start(again, out, True, None, echo=False)
+    step = checkpoint_step(begin) if begin is not None else 0
+    outputs.prepare(out, cfg, keep_checkpoints=True)   # the stopped world's streams and errors go
+    first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+    restarts.append({"error": first, "stopped_at_s": faulted.pop("stopped_at_s", None),
+                     "at_s": since(t0, time.monotonic(), dilation(ranks_cfg)), "from_step": step,
+                     "steps_lost": done - step})
+    if job.echo:
+        print(f"psarch: {first}; restarting the world from step {step} (faults.restart = \"replace\")", flush=True)
+    return dataclasses.replace(job, cfg=again.to_dict(), start=begin, resume=begin is not None)
+
+
+def _check_faults(cfg: Config, resume: bool) -> None:
+    """[faults] strike processes this launcher started, once: not under torchrun, not again in a resume."""
+    if not faults(cfg):
+        return
+    if under_torchrun():
+        raise ConfigError("faults: injected by `psarch run`'s launcher, which torchrun replaces; run the config "
+                          "with `psarch run`, or remove [faults]")
+    if resume:
+        raise ConfigError("--resume: this run injects [faults] at named steps, which a resume would strike again; "
+                          "resume it without them (--set faults.kill=[] --set faults.pause=[])")
 
 
 @dataclass
@@ -178,7 +240,8 @@ def _threads(world: int) -> int:
     return int(env) if env else max(1, (os.cpu_count() or 1) // world)
 
 
-def _spawn(job: RankJob, spec: BackendSpec, where: Placement, services: Services | None) -> None:
+def _spawn(job: RankJob, spec: BackendSpec, where: Placement, services: Services | None,
+           faulted: Summary, t0: float) -> None:
     cfg = job.config()
     n = cfg.backend.world_size
     store = None
@@ -205,21 +268,29 @@ def _spawn(job: RankJob, spec: BackendSpec, where: Placement, services: Services
         where.worker_lost()
         return True
 
+    injector = Injector(cfg, procs, services.pid if services is not None else lambda i: None, out,
+                        faulted["faults"], t0) if faults(cfg) else None
     try:
         for r, p in enumerate(procs):
             with where.node("worker", r):
                 p.start()
         supervise.watch(procs, out, lost, services.check if services is not None else lambda: None,
-                        cfg.backend.timeout_s)
+                        cfg.backend.timeout_s, injector.tick if injector is not None else None)
+    except RunError:
+        if injector is not None:   # when the launcher found the run stopped, before any teardown
+            faulted["stopped_at_s"] = since(t0, time.monotonic(), dilation(cfg))
+        raise
     finally:
+        if injector is not None:
+            injector.release()   # nothing stays stopped
         supervise.stop(procs)
 
 
-def _keep_finished_steps(out: Path, cfg: Config, e: BaseException) -> None:
+def _keep_finished_steps(out: Path, cfg: Config, e: BaseException, extra: Summary | None = None) -> None:
     status = "interrupted" if isinstance(e, KeyboardInterrupt) else "failed"
     error = str(e) if isinstance(e, RunError) else f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
     try:
-        outputs.finalize_stopped(out, cfg, status, error)
+        outputs.finalize_stopped(out, cfg, status, error, extra)
     except Exception as w:  # never hide the run's own error behind this one
         print(f"psarch: could not write the {status} run's summary: {type(w).__name__}: {w}", file=sys.stderr)
 

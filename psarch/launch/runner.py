@@ -2,6 +2,8 @@
 from __future__ import annotations
 
 import json
+import os
+import signal
 import time
 from pathlib import Path
 from typing import Any, Callable, TextIO
@@ -17,6 +19,7 @@ from psarch.cluster.pacing import VirtualDevice
 from psarch.cluster.stragglers import Straggler, pacer, slowed
 from psarch.cluster.window import StepMarks
 from psarch.config import Config
+from psarch.config.faults import holds
 from psarch.dist import DistContext
 from psarch.errors import check_gradients, check_loss
 from psarch.meters import local, tensor_bytes
@@ -158,7 +161,10 @@ def _steps(loop: StepLoop, steps: range, records: list[StepRecord], stream: Text
     last = trainer.traffic()  # set-up traffic (e.g. the initial broadcast) is not any step's
     if marks is not None:
         marks.reached()
+    hold = set(holds(loop.cfg, rank))
     for step in steps:
+        if step in hold:   # a [faults] entry strikes here: the launcher (psarch/launch/faults.py) takes it on
+            os.kill(os.getpid(), signal.SIGSTOP)
         batch = loop.batch(step)
         if slow is not None:
             slow.step = step

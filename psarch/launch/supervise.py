@@ -75,14 +75,17 @@ def rank_error(out: Path, rank: int, code: int | None) -> str:
 
 
 def watch(procs: list, out: Path, lost: Callable[[list[int]], bool] | None, check: Callable[[], None],
-          timeout_s: float) -> None:
+          timeout_s: float, tick: Callable[[], None] | None = None) -> None:
     """Wait until every rank has exited. A failed rank stops the run with a RunError naming the root cause,
     unless `lost(ranks)` takes the failed ranks as lost workers (the run goes on); `check()` raises when a
-    service failed. A rank that makes no progress for 2 x `timeout_s` + 5 s once another has ended is killed."""
+    service failed. A rank that makes no progress for 2 x `timeout_s` + 5 s once another has ended is killed.
+    `tick()`, where given, runs every 20 ms (the faults a run injects, psarch/launch/faults.py)."""
     alive = list(procs)
     stalls = Stalls(procs, out, timeout_s)
     while alive:
-        wait([p.sentinel for p in alive], timeout=0.5)
+        wait([p.sentinel for p in alive], timeout=0.5 if tick is None else 0.02)
+        if tick is not None:
+            tick()
         failed = _reap(alive, procs)
         if failed and (lost is None or not lost(failed)):
             # its peers fail moments later ("connection reset by peer"): let them, then name the cause

@@ -154,6 +154,10 @@ class LocalServers(Services):
         since = self.stopped_since.setdefault(i, time.monotonic())
         return time.monotonic() - since > self.cfg.backend.timeout_s
 
+    def pid(self, index: int) -> int | None:
+        w = self.workers[index]
+        return w.pid if isinstance(w, mp.process.BaseProcess) else None
+
     def _send(self, i: int, cmd: Command) -> None:
         try:
             self.conns[i].send_bytes(json.dumps(cmd).encode())
@@ -261,6 +265,9 @@ class RemoteServers(Services):
 
     def worker_lost(self, rank: int, error: str) -> None:
         self.lost.append({"rank": rank, "error": error.splitlines()[0] if error else ""})
+
+    def pid(self, index: int) -> int | None:
+        return None
 
     def finish(self) -> Summary:
         return {"lost_workers": self.lost, "auth": Credentials.from_dict(self.info.auth).mechanism}

@@ -1,5 +1,6 @@
-"""The clocks of a server: a worker silent too long is lost (standalone servers), and a round or a pull that
-waits more than `backend.timeout_s` fails the server with an error naming the workers it waits for."""
+"""The clocks of a server: a worker silent too long is lost (standalone servers), so is a worker a barrier round
+has waited more than `backend.timeout_s` for (the round goes on without it), and a pull that waits more than
+`backend.timeout_s` fails the server with an error naming the workers it waits for."""
 from __future__ import annotations
 
 from psarch.ps.server.replies import Replies
@@ -21,19 +22,24 @@ class Deadlines:
         return [(w, f"no message from it for more than {s.silence_s:g} s ({s.silence_text})")
                 for w in sorted(s.live - s.done - waiting) if now - s.last_seen[w] > s.silence_s]
 
-    def check_waits(self, now: float) -> None:
-        """Fail the server when a barrier round or a pull has waited more than timeout_s."""
+    def overdue(self, now: float) -> list[tuple[int, str]]:
+        """(worker, why) of each live worker a barrier round has waited more than timeout_s for: dead, hung or
+        stopped, it is lost, and the round goes on without it (ParameterServer.lose)."""
         s = self.state
         t = s.timeout_s
         for part in s.parts if s.barrier else []:
             r = part.round
             if r.pushed and now - r.since > t:
-                missing = sorted(s.live - r.pushed)
                 what = "gradients" if s.mode == "sync" else "deltas"
                 where = f" of partition [{part.lo}, {part.hi})" if len(s.parts) > 1 else ""
-                return self.replies.fail(f"{s.mode} step {part.range.version}: no {what}{where} from worker(s) "
-                                         f"{missing} within backend.timeout_s = {t:g} s (workers {sorted(r.pushed)} "
-                                         f"pushed)")
+                return [(w, f"no {what}{where} for {s.mode} step {part.range.version} within backend.timeout_s = "
+                            f"{t:g} s (workers {sorted(r.pushed)} pushed)") for w in sorted(s.live - r.pushed)]
+        return []
+
+    def check_waits(self, now: float) -> None:
+        """Fail the server when a pull has waited more than timeout_s."""
+        s = self.state
+        t = s.timeout_s
         for p in s.pending:
             if now - p.since > t and not s.initialised:
                 return self.replies.fail(f"worker {p.worker} waited more than backend.timeout_s = {t:g} s "

@@ -7,7 +7,7 @@ server started without parameters: a client sends them), `push` (gradients, or d
 `pull` (the parameters for the worker's next step; answered when the mode allows), `pushpull` (both
 in one message: what workers send each step), `fetch` (an fp32 snapshot at once), `done`, `save` (snapshots.py).
 Every request gets exactly one reply, in order: `ack`, `params` or `error` (replies.py). A request that fails any
-check gets an error reply and changes nothing; only the sync/ssp/geo-barrier timeouts fail the server
+check gets an error reply and changes nothing; only a pull that waits past backend.timeout_s fails the server
 (and a bug caught while a request was being applied: the state can no longer be trusted).
 
 The range is held in partitions (state.py's Partition, backend.partition_mb): push, pushpull and pull name one
@@ -21,10 +21,11 @@ when a pull is answered depends on the mode), checkpoints (snapshots.py), and wi
 "rows"` the embedding rows (rows.py). A pull that waits more than `backend.timeout_s` fails the server with an
 error naming the workers it waits for (deadlines.py); every waiting and later request then gets that error,
 and the launcher stops the run.
-A worker is lost when the launcher says its process died, or (a standalone server, which has no
-launcher, in the modes that go on without it) when nothing came from it for `backend.timeout_s`
-while it had no pull waiting; the server then stops waiting for it, and exits once every worker is
-done or lost.
+A worker is lost when the launcher says its process died, when a barrier round (sync, GEO with the barrier) has
+waited `backend.timeout_s` for its push (dead, hung or stopped: the round goes on with the others), or (a
+standalone server, which has no launcher) when nothing came from it for `backend.timeout_s` while it had no pull
+waiting; the server then stops waiting for it, and exits once every worker is done or lost. A lost worker that
+comes back is refused ("declared lost") and leaves the run.
 
 Who may connect (psarch/ps/auth.py): every connection authenticates (PLAIN or CURVE through ZAP, by
 default), and each request must name the worker its connection authenticated as; one that does not is
@@ -65,6 +66,7 @@ from psarch.ps.server.state import ServerState
 from psarch.ps.server.stats import Command, ServerStats
 
 Handler = Callable[[bytes, wire.Message], None]
+LOST_BY_LAUNCHER = "its process died"
 
 
 class ParameterServer:
@@ -243,7 +245,7 @@ class ParameterServer:
             self.rows.drop(w)
         s.lost.add(w)
         s.pending = [p for p in s.pending if p.worker != w]
-        if s.exit_when_done:
+        if s.exit_when_done or why != LOST_BY_LAUNCHER:   # the launcher says why itself
             print(f"psarch server {s.index}: worker {w} lost: {why}", file=sys.stderr, flush=True)
         if s.initialised and s.failure is None:
             for part in s.parts:
@@ -275,7 +277,7 @@ class ParameterServer:
             return
         now = time.monotonic()
         # first: a silent worker is a lost one, so the waits below blame no one for a worker that died
-        for w, why in self.deadlines.silent(now):
+        for w, why in self.deadlines.silent(now) + self.deadlines.overdue(now):
             self.lose(w, why)
         if s.stopping or self.snapshots.overdue(now):
             return
@@ -284,7 +286,7 @@ class ParameterServer:
     def command(self, cmd: Command) -> None:
         """A command on the launcher's pipe: `lost` (a worker's process died), `stats`, `stop`."""
         if cmd.get("cmd") == "lost":
-            self.lose(int(cmd["worker"]), "its process died")
+            self.lose(int(cmd["worker"]), LOST_BY_LAUNCHER)
         elif cmd.get("cmd") == "stats":
             self.replies.notify({"event": "stats", **self.stats()})
             self.replies.payload(self._final())

@@ -232,11 +232,13 @@ class Pushes:
                                      f"{sorted(r.sum.summed)}, still kept {sorted(r.sum.early)}")
         with_rows = self.rows if self.rows is not None and self.rows.first_to_complete(st.version) else None
         try:   # the rows' update is checked first, stored last: a refused round changes nothing
-            # sync: the mean gradient over all N workers, as the dense range; geo: deltas arrive divided by N
-            rows = (with_rows.round_update(1 / s.workers if s.mode == "sync" else s.workers / len(r.pushed))
+            # sync: the mean gradient over the round's pushes (all N workers', or those left once some were
+            # lost: a worker's shard of the global batch goes with it), as the dense range; geo: deltas
+            # arrive divided by N
+            rows = (with_rows.round_update(1 / len(r.pushed) if s.mode == "sync" else s.workers / len(r.pushed))
                     if with_rows is not None else None)
             if s.mode == "sync":
-                r.last_skipped = st.apply_mean(s.workers, r.inf)
+                r.last_skipped = st.apply_mean(len(r.pushed), r.inf)
             else:  # workers divide their deltas by N: the mean over the deltas this round actually has
                 st.apply_sum(s.workers / len(r.pushed))
         except NonFiniteUpdate as e:   # no one push is to blame: the round cannot be applied, the run stops

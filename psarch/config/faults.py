@@ -1,0 +1,134 @@
+"""The [faults] section: failures `psarch run`'s launcher injects at named steps (psarch/launch/faults.py), and
+the checks that refuse a fault no run could meet, before any process starts.
+
+A fault is timed by a worker's step: `{ node = "worker 2", step = 30 }` strikes worker 2 as it begins step 30
+(steps 0..29 done); a server's fault strikes as worker 0 begins that step. The worker holds itself there
+(SIGSTOP on itself) so the launcher strikes at exactly that step, whatever the step time: a faulted run is
+repeatable."""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from psarch.config.fields import option
+from psarch.errors import ConfigError, show
+
+if TYPE_CHECKING:
+    from psarch.config import Config
+
+KILL, PAUSE = "kill", "pause"
+_KEYS = {KILL: ("node", "step"), PAUSE: ("node", "step", "seconds")}
+
+
+@dataclass
+class FaultsConfig:
+    """Failures injected by `psarch run`'s launcher at named steps, recorded in summary.json."""
+
+    kill: list = option([], "nodes killed (SIGKILL) as a step begins, e.g. [{ node = \"worker 2\", step = 30 }, "
+                            "{ node = \"server 1\", step = 50 }]; a server's step is worker 0's")
+    pause: list = option([], "nodes stopped (SIGSTOP) as a step begins, continued (SIGCONT) `seconds` later (the "
+                             "cluster's time), e.g. [{ node = \"worker 1\", step = 20, seconds = 5 }]")
+    restart: str = option("none", "what the launcher does when a killed node stops the run: 'replace' starts the "
+                                  "world again, at the same N, from the newest complete checkpoint in the run folder "
+                                  "(train.checkpoint_every), as torchrun's elastic agent does", choices=("none", "replace"))
+
+
+@dataclass(frozen=True)
+class Fault:
+    """One fault: `action` (kill, pause) on node (`kind` "worker" or "server", `index`) as `step` begins on
+    worker `anchor` (the worker itself, or worker 0 for a server); `seconds` of a pause."""
+
+    action: str
+    kind: str
+    index: int
+    step: int
+    seconds: float = 0.0
+
+    @property
+    def node(self) -> str:
+        return f"{self.kind} {self.index}"
+
+    @property
+    def anchor(self) -> int:
+        return self.index if self.kind == "worker" else 0
+
+
+def faults(cfg: Config) -> list[Fault]:
+    """The config's faults in the order they strike (step, then as listed), checked (ConfigError otherwise)."""
+    out = [_parse(cfg, action, i, entry) for action in (KILL, PAUSE)
+           for i, entry in enumerate(getattr(cfg.faults, action))]
+    out.sort(key=lambda f: f.step)
+    _check_together(cfg, out)
+    _check_restart(cfg)
+    return out
+
+
+def holds(cfg: Config, rank: int) -> list[int]:
+    """The steps at which worker `rank` holds itself (SIGSTOP) for the launcher to strike, in order."""
+    return sorted({f.step for f in faults(cfg) if f.anchor == rank})
+
+
+def _parse(cfg: Config, action: str, i: int, entry: Any) -> Fault:
+    key, keys = f"faults.{action}[{i}]", _KEYS[action]
+    example = "{ node = \"worker 1\", step = 10" + (", seconds = 5 }" if action == PAUSE else " }")
+    if not isinstance(entry, dict) or set(entry) != set(keys):
+        raise ConfigError(f"{key} = {show(entry)}: expected a table with {', '.join(keys)}, e.g. {example}")
+    kind, _, index = str(entry["node"]).partition(" ")
+    n, servers = cfg.backend.world_size, _servers(cfg)
+    if kind not in ("worker", "server") or not index.isdigit():
+        raise ConfigError(f"{key}.node = {show(entry['node'])}: expected \"worker I\" or \"server I\"")
+    if kind == "worker" and int(index) >= n:
+        raise ConfigError(f"{key}.node = {show(entry['node'])}: unknown node; workers are 0..{n - 1} "
+                          f"(backend.world_size = {n})")
+    if kind == "server" and int(index) >= servers:
+        raise ConfigError(f"{key}.node = {show(entry['node'])}: unknown node; " + (
+            f"servers are 0..{servers - 1} (backend.servers = {servers})" if servers else
+            f"backend.kind = {show(cfg.backend.kind)} runs no server that `psarch run` starts"))
+    step = entry["step"]
+    if not isinstance(step, int) or isinstance(step, bool) or not 0 <= step < cfg.train.steps:
+        raise ConfigError(f"{key}.step = {show(step)}: expected a step in 0..{cfg.train.steps - 1} "
+                          f"(train.steps = {cfg.train.steps}; step S strikes as step S begins)")
+    seconds = entry.get("seconds", 0.0)
+    if action == PAUSE and (not isinstance(seconds, (int, float)) or isinstance(seconds, bool)
+                            or not math.isfinite(seconds) or seconds <= 0):
+        raise ConfigError(f"{key}.seconds = {show(seconds)}: expected a number of seconds > 0")
+    return Fault(action, kind, int(index), step, float(seconds))
+
+
+def _servers(cfg: Config) -> int:
+    from psarch import registry
+    return registry.spec_of(cfg).service_nodes(cfg)
+
+
+def _check_restart(cfg: Config) -> None:
+    from psarch import registry
+    spec = registry.spec_of(cfg)
+    if cfg.faults.restart == "none":
+        return
+    this = f"faults.restart = {show(cfg.faults.restart)}"
+    if spec.tolerates_lost_workers(cfg):
+        raise ConfigError(f"{this}: backend.kind = {show(cfg.backend.kind)} goes on without a dead worker; "
+                          f"a restart is for backends that stop (collectives)")
+    if not spec.checkpoints or not cfg.train.checkpoint_every:
+        raise ConfigError(f"{this}: restarts from the newest checkpoint, so it needs train.checkpoint_every > 0"
+                          + ("" if spec.checkpoints else f" and a backend that writes checkpoints (not "
+                                                         f"{show(cfg.backend.kind)})"))
+
+
+def _check_together(cfg: Config, faults: list[Fault]) -> None:
+    """What no list of valid faults may hold: a node struck after it was killed, a worker that runs in the
+    launcher's own process (world size 1) to time them, a server's fault timed by worker 0 killed before it."""
+    killed: dict[str, int] = {}
+    worker0 = min((f.step for f in faults if f.action == KILL and f.node == "worker 0"), default=None)
+    for f in faults:
+        if f.node in killed:
+            raise ConfigError(f"faults.{f.action}: {f.node} at step {f.step}: it was killed at step {killed[f.node]}")
+        if cfg.backend.world_size == 1:   # the worker that times every fault would stop the launcher
+            raise ConfigError(f"faults.{f.action}: {f.node}: a single worker runs in the launcher's own process, "
+                              f"which cannot hold itself for a fault; faults need backend.world_size >= 2")
+        if f.kind == "server" and worker0 is not None and worker0 < f.step:
+            raise ConfigError(f"faults.{f.action}: {f.node} at step {f.step}: a server's fault is timed by worker 0, "
+                              f"killed at step {worker0}")
+        if f.action == KILL:
+            killed[f.node] = f.step

@@ -1,0 +1,150 @@
+"""The launcher's side of [faults] (psarch/config/faults.py): strike each fault as its worker holds itself at
+the fault's step, continue a paused node after its seconds, and record what was done, when, for summary.json;
+with faults.restart = "replace", what a restarted world is given (the faults that have not struck yet).
+
+A worker holds at a fault's step by stopping itself (SIGSTOP, psarch.launch.runner); the launcher sees it
+stopped with that many steps streamed, strikes (SIGKILL; SIGSTOP, then SIGCONT after the pause), and lets
+the worker go on (SIGCONT) unless the fault was its own."""
+from __future__ import annotations
+
+import os
+import signal
+import time
+from pathlib import Path
+from typing import Callable, TypedDict
+
+from psarch.config import Config, from_dict
+from psarch.config.faults import KILL, PAUSE, Fault, faults
+from psarch.cluster.device import dilation
+from psarch.launch import outputs
+from psarch.launch.stalls import stopped
+
+
+class Struck(TypedDict, total=False):
+    """summary.json's `faults[]`: what was injected, at which step, when (seconds since the workers started,
+    in the cluster's time); a pause's end."""
+
+    node: str
+    action: str
+    step: int
+    signal: str
+    at_s: float
+    seconds: float
+    resumed_at_s: float
+
+
+class Restart(TypedDict):
+    """summary.json's `restarts[]`: a world started again (faults.restart = "replace"): why (the error's first
+    line), when the launcher found the world stopped and when it started the next (as Struck's at_s), from which
+    checkpoint step, and the steps done past it, to be done again."""
+
+    error: str
+    stopped_at_s: float | None
+    at_s: float
+    from_step: int
+    steps_lost: int
+
+
+def restarts_due(cfg: Config, struck: list[Struck], restarts: list[Restart]) -> bool:
+    """Whether a world that just stopped is to start again: faults.restart = "replace", and a kill struck since
+    the last start."""
+    return cfg.faults.restart == "replace" and sum(s["action"] == KILL for s in struck) > len(restarts)
+
+
+def not_struck(cfg: Config, struck: list[Struck]) -> Config:
+    """cfg with only the faults that have not struck: a restarted world must not strike them again."""
+    done = {(s["node"], s["action"], s["step"]) for s in struck}
+    data = cfg.to_dict()
+    for action in (KILL, PAUSE):
+        data["faults"][action] = [e for e in data["faults"][action] if (e["node"], action, e["step"]) not in done]
+    return from_dict(data)
+
+
+def steps_done(out: Path, world: int) -> int:
+    """The most steps any worker streamed (the run's progress when it stopped)."""
+    return max(_streamed(out, r) for r in range(world))
+
+
+class Injector:
+    """Strikes a run's faults on its worker processes and `service_pid(i)`'s servers; `tick()` from the
+    launcher's watch loop, `struck` for the summary."""
+
+    def __init__(self, cfg: Config, workers: list, service_pid: Callable[[int], int | None], out: Path,
+                 struck: list[Struck], t0: float) -> None:
+        """struck: where each fault struck is recorded (the launcher's, for the summary); t0: when the run's
+        first workers started (time.monotonic())."""
+        self.workers, self.service_pid, self.out, self.struck, self.t0 = workers, service_pid, out, struck, t0
+        self.todo: list[Fault] = faults(cfg)
+        self.d = dilation(cfg)
+        self.resume_at: list[tuple[float, int, Struck]] = []    # (when, pid, its record) of paused nodes
+
+    def pending(self) -> bool:
+        return bool(self.todo or self.resume_at)
+
+    def tick(self) -> None:
+        """Strike every fault whose worker holds at its step; continue the pauses that are over."""
+        now = time.monotonic()
+        for when, pid, rec in [r for r in self.resume_at if r[0] <= now]:
+            self.resume_at.remove((when, pid, rec))
+            _signal(pid, signal.SIGCONT)
+            rec["resumed_at_s"] = self._since(time.monotonic())
+        for anchor in sorted({f.anchor for f in self.todo}):
+            step = min(f.step for f in self.todo if f.anchor == anchor)
+            p = self.workers[anchor]
+            if p.exitcode is None and stopped(p.pid) and _streamed(self.out, anchor) >= step:
+                self._strike(anchor, [f for f in self.todo if (f.anchor, f.step) == (anchor, step)])
+
+    def _strike(self, anchor: int, due: list[Fault]) -> None:
+        held = self.workers[anchor].pid
+        for f in due:
+            self.todo.remove(f)
+            pid = held if f.kind == "worker" else self.service_pid(f.index)
+            if pid is None:
+                continue   # refused by the config's checks: a server this launcher did not start
+            sig = signal.SIGKILL if f.action == KILL else signal.SIGSTOP
+            if pid != held or f.action == KILL:   # the holding worker is stopped already
+                _signal(pid, sig)
+            rec: Struck = {"node": f.node, "action": f.action, "step": f.step, "signal": sig.name,
+                           "at_s": self._since(time.monotonic())}
+            if f.action != KILL:
+                rec["seconds"] = f.seconds
+                self.resume_at.append((time.monotonic() + f.seconds * self.d, pid, rec))
+            self.struck.append(rec)
+        if not any(f.kind == "worker" for f in due):   # the worker held only to time a server's fault
+            _signal(held, signal.SIGCONT)
+
+    def _since(self, t: float) -> float:
+        return since(self.t0, t, self.d)
+
+    def release(self) -> None:
+        """Continue every paused node and every worker still holding for a fault (the run ends or stops: nothing
+        may stay stopped, where SIGTERM would wait)."""
+        for _, pid, rec in self.resume_at:
+            _signal(pid, signal.SIGCONT)
+            rec["resumed_at_s"] = self._since(time.monotonic())
+        self.resume_at = []
+        for f in self.todo:
+            p = self.workers[f.anchor]
+            if p.pid is not None and p.exitcode is None and stopped(p.pid):
+                _signal(p.pid, signal.SIGCONT)
+
+
+def _signal(pid: int, sig: signal.Signals) -> None:
+    try:
+        os.kill(pid, sig)
+    except ProcessLookupError:   # it ended meanwhile: nothing left to strike
+        pass
+
+
+def _streamed(out: Path, rank: int) -> int:
+    """Steps worker `rank` has streamed (its metrics stream's complete lines)."""
+    try:
+        return outputs.stream_path(out, rank).read_bytes().count(b"\n")
+    except OSError:
+        return 0
+
+
+
+def since(t0: float, t: float, d: float) -> float:
+    """Seconds from t0 to t (time.monotonic()) in the cluster's time (wall clock / dilation d)."""
+    return round((t - t0) / d, 6)

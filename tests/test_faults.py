@@ -1,0 +1,223 @@
+"""[faults]: nodes killed or paused at named steps by the launcher, in every backend family. Each test injects
+a fault and checks what the run does: goes on (PS modes that go on without a worker; a pause shorter than the
+timeout), or stops with one line naming the node (a dead server with no replica, a dead rank of a collective);
+what was struck is in summary.json, and no process or network namespace is left."""
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+import psarch
+from cluster_setup import leftovers, needs_root, watchers
+from parity import assert_same_model
+from ps_setup import config, ps
+from psarch.config import ConfigError, from_dict
+from psarch.config.faults import faults, holds
+from psarch.errors import RunError
+from psarch.launch.ranks import run
+from psarch.ps.errors import ServiceError
+from test_ps_faults import _children
+
+SGD = {"optimizer": "sgd", "lr": 0.1, "steps": 8}
+
+
+def _cfg(name: str, backend: dict, fault: dict, **sections):
+    return from_dict(config(name, train=dict(SGD, **sections.pop("train", {})), backend=backend, faults=fault,
+                            **sections))
+
+
+def _summary(out: Path) -> dict:
+    return json.loads((out / "summary.json").read_text())
+
+
+def _streamed(out: Path, rank: int) -> list[int]:
+    return [json.loads(x)["step"] for x in (out / "ranks" / f"rank{rank}.jsonl").read_text().splitlines()]
+
+
+# ------------------------------------------------------------------ the section, checked before any process
+
+@pytest.mark.parametrize("fault, backend, error", [
+    ({"kill": [{"node": "worker 3", "step": 2}]}, ps(2), r'faults.kill\[0\].node = "worker 3": unknown node; '
+                                                         r'workers are 0..1'),
+    ({"kill": [{"node": "server 1", "step": 2}]}, ps(2), r'"server 1": unknown node; servers are 0..0'),
+    ({"kill": [{"node": "server 0", "step": 2}]}, {"kind": "ddp", "world_size": 2},
+     r'"server 0": unknown node; backend.kind = "ddp" runs no server'),
+    ({"kill": [{"node": "worker 1", "step": 8}]}, ps(2), r"faults.kill\[0\].step = 8: expected a step in 0..7"),
+    ({"pause": [{"node": "worker 1", "step": 2}]}, ps(2), r"faults.pause\[0\] = .*expected a table with node, "
+                                                          r"step, seconds"),
+    ({"pause": [{"node": "worker 1", "step": 2, "seconds": -1}]}, ps(2), r"seconds = -1: expected a number"),
+    ({"kill": [{"node": "rank 1", "step": 2}]}, ps(2), r'expected "worker I" or "server I"'),
+    ({"kill": [{"node": "worker 1", "step": 2}], "pause": [{"node": "worker 1", "step": 4, "seconds": 1}]}, ps(2),
+     r"worker 1 at step 4: it was killed at step 2"),
+    ({"kill": [{"node": "worker 0", "step": 2}, {"node": "server 0", "step": 4}]}, ps(2),
+     r"server 0 at step 4: a server's fault is timed by worker 0, killed at step 2"),
+    ({"kill": [{"node": "server 0", "step": 2}]}, ps(1), r"a single worker runs in the launcher's own process"),
+    ({"restart": "replace"}, ps(2), r'faults.restart = "replace": backend.kind = "ps" goes on without a dead worker'),
+    ({"restart": "replace"}, {"kind": "ddp", "world_size": 2}, r'faults.restart = "replace": restarts from the newest '
+                                                               r'checkpoint, so it needs train.checkpoint_every > 0'),
+])
+def test_a_fault_no_run_could_meet_is_one_line(fault, backend, error):
+    with pytest.raises(ConfigError, match=error) as e:
+        _cfg("bad", backend, fault)
+    assert "\n" not in str(e.value)
+
+
+def test_faults_strike_in_step_order_each_held_by_its_worker():
+    cfg = _cfg("ok", ps(3, servers=2), {"kill": [{"node": "worker 2", "step": 6}, {"node": "server 1", "step": 5}],
+                                        "pause": [{"node": "worker 1", "step": 3, "seconds": 2}]})
+    assert [(f.node, f.action, f.step) for f in faults(cfg)] == [("worker 1", "pause", 3), ("server 1", "kill", 5),
+                                                                 ("worker 2", "kill", 6)]
+    assert [holds(cfg, r) for r in range(3)] == [[5], [3], [6]]   # a server's fault is timed by worker 0
+
+
+def test_resuming_a_faulted_run_is_refused_in_one_line(tmp_path):
+    cfg = _cfg("resume", ps(2, "async"), {"kill": [{"node": "worker 1", "step": 3}]})
+    with pytest.raises(ConfigError, match=r"^--resume: this run injects \[faults\] at named steps") as e:
+        run(cfg, tmp_path / "resume", echo=False, resume=True)
+    assert "\n" not in str(e.value) and not (tmp_path / "resume").exists()   # refused before anything is written
+
+
+# ------------------------------------------------------------------ the parameter server
+
+def test_async_goes_on_without_a_killed_worker_and_takes_back_a_paused_one(tmp_path):
+    out = tmp_path / "async"
+    summary = psarch.run(_cfg("async", ps(3, "async", timeout_s=5.0),
+                              {"kill": [{"node": "worker 2", "step": 3}],
+                               "pause": [{"node": "worker 1", "step": 2, "seconds": 1.0}]}), out, echo=False)
+    assert _children() == []
+    assert summary["status"] == "finished" and [w["rank"] for w in summary["lost_workers"]] == [2]
+    assert "rank 2 was killed by SIGKILL" in summary["lost_workers"][0]["error"]
+    struck = {s["node"]: s for s in summary["faults"]}
+    assert struck["worker 2"]["signal"] == "SIGKILL" and struck["worker 2"]["step"] == 3
+    assert struck["worker 1"]["signal"] == "SIGSTOP"
+    assert struck["worker 1"]["resumed_at_s"] - struck["worker 1"]["at_s"] >= 1.0
+    assert _streamed(out, 2) == [0, 1, 2]             # struck exactly as step 3 began
+    assert "fault: worker 2 kill (SIGKILL) as step 3 began" in (out / "report.txt").read_text()
+    assert _streamed(out, 1) == list(range(8))        # the paused worker came back and finished
+    # every push of the survivors landed, none of the dead worker's after its death
+    assert summary["servers_detail"][0]["version"] == 3 + 8 + 8
+
+
+def test_sync_goes_on_with_the_others_when_a_worker_is_killed(tmp_path):
+    out = tmp_path / "sync"
+    summary = psarch.run(_cfg("sync", ps(3, timeout_s=5.0), {"kill": [{"node": "worker 2", "step": 3}]}), out,
+                         echo=False)
+    assert _children() == []
+    assert summary["status"] == "finished" and [w["rank"] for w in summary["lost_workers"]] == [2]
+    assert _streamed(out, 2) == [0, 1, 2] and _streamed(out, 0) == _streamed(out, 1) == list(range(8))
+    assert [d["version"] for d in summary["servers_detail"]] == [8] and summary["faults"][0]["node"] == "worker 2"
+
+
+def test_sync_drops_a_worker_paused_past_the_timeout_and_refuses_it_when_it_returns(tmp_path):
+    """The round waits backend.timeout_s for the stopped worker, goes on with the other; the worker, continued,
+    is refused as lost and leaves; the run ends with every round applied."""
+    out = tmp_path / "sync-paused"
+    summary = psarch.run(_cfg("paused", ps(2, timeout_s=2.0), {"pause": [{"node": "worker 1", "step": 3,
+                                                                          "seconds": 4.0}]}), out, echo=False)
+    assert _children() == []
+    assert [w["rank"] for w in summary["lost_workers"]] == [1]
+    assert "worker 1 was declared lost" in summary["lost_workers"][0]["error"]
+    assert [d["version"] for d in summary["servers_detail"]] == [8] and _streamed(out, 1) == [0, 1, 2]
+    rank0 = [json.loads(x) for x in (out / "ranks" / "rank0.jsonl").read_text().splitlines()]
+    assert rank0[3]["step_time_s"] >= 2.0   # detected: the round of step 3 waited the whole timeout
+
+
+def test_sync_with_a_pause_shorter_than_the_timeout_ends_with_the_model_of_the_run_without_it(tmp_path):
+    base = psarch.run(from_dict(config("plain", train=SGD, backend=ps(2))), tmp_path / "plain", echo=False)
+    out = tmp_path / "paused"
+    summary = psarch.run(_cfg("paused", ps(2), {"pause": [{"node": "worker 1", "step": 4, "seconds": 1.0}]}), out,
+                         echo=False)
+    assert _children() == []
+    assert summary["steps"] == base["steps"] == 8 and summary["faults"][0]["resumed_at_s"] > 0
+    assert_same_model(torch.load(out / "model.pt", weights_only=True),
+                      torch.load(tmp_path / "plain" / "model.pt", weights_only=True), "paused vs plain", rtol=0.0, atol=0.0)
+
+
+def test_a_killed_server_stops_the_run_with_one_line_naming_it(tmp_path):
+    out = tmp_path / "server"
+    with pytest.raises(ServiceError, match=r"^server 1 died \(exit code -9\)$"):
+        psarch.run(_cfg("server", ps(2, servers=2, timeout_s=3.0), {"kill": [{"node": "server 1", "step": 3}]}),
+                   out, echo=False)
+    assert _children() == []
+    s = _summary(out)
+    assert s["status"] == "failed" and s["error"] == "server 1 died (exit code -9)"
+    assert s["faults"] == [dict(s["faults"][0], node="server 1", action="kill", step=3, signal="SIGKILL")]
+    assert s["stopped_at_s"] >= s["faults"][0]["at_s"]   # the launcher found it after the strike
+    assert _streamed(out, 0)[:3] == [0, 1, 2] and len(_streamed(out, 0)) <= 4   # held at step 3; one more at most
+
+
+def test_a_server_stopped_longer_than_the_timeout_stops_the_run_naming_it(tmp_path):
+    with pytest.raises(ServiceError, match=r"^server 0 \(pid \d+\) has been stopped \(SIGSTOP\?\) for more than "
+                                           r"backend.timeout_s = 2 s$"):
+        psarch.run(_cfg("stopped", ps(2, timeout_s=2.0), {"pause": [{"node": "server 0", "step": 2, "seconds": 600}]}),
+                   tmp_path / "stopped", echo=False)
+    assert _children() == []   # continued (SIGCONT) before it was stopped: nothing is left stopped either
+
+
+# ------------------------------------------------------------------ collectives
+
+@pytest.mark.parametrize("backend", [{"kind": "ddp", "world_size": 2, "comm": "ring", "timeout_s": 5.0},
+                                     {"kind": "zero", "world_size": 2, "stage": 2, "timeout_s": 5.0}])
+def test_a_killed_rank_stops_a_collective_run_naming_it(tmp_path, backend):
+    out = tmp_path / backend["kind"]
+    with pytest.raises(RunError, match=r"^rank 1 was killed by SIGKILL"):
+        psarch.run(_cfg(backend["kind"], backend, {"kill": [{"node": "worker 1", "step": 3}]}), out, echo=False)
+    assert _children() == []
+    s = _summary(out)
+    assert s["status"] == "failed" and s["error"].startswith("rank 1 was killed by SIGKILL")
+    assert [f["node"] for f in s["faults"]] == ["worker 1"] and _streamed(out, 1) == [0, 1, 2]
+
+
+# ------------------------------------------------------------------ on the emulated cluster
+
+@needs_root
+@pytest.mark.parametrize("backend, fault, error", [
+    (ps(2, servers=2, timeout_s=3.0), {"node": "server 1", "step": 3}, r"^server 1 died"),
+    ({"kind": "ddp", "world_size": 2, "comm": "ring", "timeout_s": 5.0}, {"node": "worker 0", "step": 3},
+     r"^rank 0 was killed by SIGKILL"),
+])
+def test_on_the_emulated_cluster_a_fault_stops_the_run_and_leaves_nothing(tmp_path, backend, fault, error):
+    cfg = _cfg("emulated", backend, {"kill": [fault]}, cluster={"emulate": True, "link_mbps": 200.0})
+    with pytest.raises((RunError, ServiceError), match=error):
+        psarch.run(cfg, tmp_path / "emulated", echo=False)
+    assert _children() == [] and not leftovers(os.getpid()) and not watchers(os.getpid())
+    assert [f["node"] for f in _summary(tmp_path / "emulated")["faults"]] == [fault["node"]]
+
+
+@needs_root
+def test_on_the_emulated_cluster_async_goes_on_without_a_killed_worker(tmp_path):
+    cfg = _cfg("emulated", ps(2, "async", timeout_s=5.0), {"kill": [{"node": "worker 1", "step": 3}]},
+               cluster={"emulate": True, "link_mbps": 200.0})
+    summary = psarch.run(cfg, tmp_path / "emulated", echo=False)
+    assert summary["status"] == "finished" and [w["rank"] for w in summary["lost_workers"]] == [1]
+    assert _children() == [] and not leftovers(os.getpid()) and not watchers(os.getpid())
+
+
+# ------------------------------------------------------------------ elastic restart (faults.restart = "replace")
+
+@pytest.mark.parametrize("cluster", [{}, pytest.param({"emulate": True, "link_mbps": 200.0}, marks=needs_root,
+                                                      id="emulated")])
+def test_a_replaced_sgd_run_ends_bit_for_bit_with_the_model_of_the_uninterrupted_run(tmp_path, cluster):
+    """Worker 1 killed as step 5 begins; the world starts again from checkpoint 4 in the same run folder and
+    finishes: the same model, bit for bit, every step's metrics once, the restart in the summary."""
+    backend = {"kind": "ddp", "world_size": 2, "comm": "ring", "timeout_s": 5.0}
+    train = {"momentum": 0.9, "checkpoint_every": 2}
+    psarch.run(from_dict(config("plain", train=dict(SGD, **train), backend=backend, cluster=cluster)),
+               tmp_path / "plain", echo=False)
+    out = tmp_path / "replaced"
+    summary = psarch.run(_cfg("replaced", backend, {"kill": [{"node": "worker 1", "step": 5}], "restart": "replace"},
+                              train=train, cluster=cluster), out, echo=False)
+    assert _children() == [] and not leftovers(os.getpid()) and not watchers(os.getpid())
+    assert summary["status"] == "finished" and summary["steps"] == 8
+    [restart] = summary["restarts"]
+    assert restart["from_step"] == 4 and restart["steps_lost"] == 1 and restart["error"].startswith("rank 1 was killed")
+    assert summary["faults"][0]["at_s"] <= restart["stopped_at_s"] <= restart["at_s"]
+    assert "restart: from step 4 " in (out / "report.txt").read_text()
+    assert [json.loads(x)["step"] for x in (out / "metrics.jsonl").read_text().splitlines()] == list(range(8))
+    assert_same_model(torch.load(out / "model.pt", weights_only=True),
+                      torch.load(tmp_path / "plain" / "model.pt", weights_only=True), "replaced vs plain",
+                      rtol=0.0, atol=0.0)
