@@ -82,6 +82,9 @@ class PipelineSpec(BackendSpec):
     def predict(self, cfg: Config, phi: float) -> Prediction:
         return _theory().predict(cfg, phi)
 
+    def program(self, cfg: Config, phi: float, step: Any, reduced: bool = False) -> Any:
+        return _theory().program(cfg, phi, step, reduced)
+
     def comm_model(self, cfg: Config, phi: float, extra: Mapping[str, list[Any]]) -> CommModel:
         # the transfers go on while other micro-batches compute; what a rank waits is the bubble
         return CommModel(idle_fraction=float(bubble_fraction(cfg.backend.schedule, _theory().pipe_of(cfg))))

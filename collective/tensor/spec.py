@@ -97,6 +97,9 @@ class TensorSpec(BackendSpec):
     def predict(self, cfg: Config, phi: float) -> Prediction:
         return _theory().tensor(cfg, phi)
 
+    def program(self, cfg: Config, phi: float, step: Any, reduced: bool = False) -> Any:
+        return _theory().program(cfg, phi, step, reduced)
+
 
 def replica_shard(cfg: Config, rank: int) -> tuple[int, int]:
     """The ranks of a tensor-parallel group (adjacent: collective/tensor/mesh.py) train on their replica's shard."""
