@@ -174,7 +174,7 @@ def predict(cfg: Config, phi: float) -> Prediction:
     """Every stage's memory, link bytes, idle fraction and activations held; memory_per_rank is the fullest
     stage's, `worker` the busiest link."""
     pipe, t, dp = pipe_of(cfg), cfg.train, data_parallel(cfg)
-    lay = layout(cfg)
+    lay = gpt_layout(cfg) or layout(cfg)
     width, k = BYTES[t.precision], optimizer_bytes_per_param(t.optimizer, t.precision, t.momentum)
     blocks = lay.blocks
     ranks = []
