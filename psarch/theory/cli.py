@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from typing import Any
 
 from psarch.config import ConfigError
 
@@ -35,7 +36,8 @@ def add_parser(p: argparse.ArgumentParser) -> None:
     gpt.add_argument("--tensor-parallel", type=int, help="the degree t to mark (rows appear when given)")
     for flag, default, what in (("--layers", 24, "blocks"), ("--hidden", 2048, "width"), ("--heads", 16, "heads"),
                                 ("--seq-len", 2048, "tokens per sequence"),
-                                ("--micro-batch", 8, "sequences per data-parallel replica per step"),
+                                ("--micro-batch", 8, "sequences per data-parallel replica per step (per device "
+                                 "in --plan and the simulated model-parallel steps: one global batch for all)"),
                                 ("--vocab", 50257, "vocabulary")):
         gpt.add_argument(flag, type=int, default=default, help=f"{what} (default {default})")
 
@@ -78,12 +80,25 @@ def command(args: argparse.Namespace) -> int:
     options = {"stages": args.pipeline, "microbatches": args.microbatches} if args.pipeline else {}
     try:
         tensor = _tensor_shape(args, world)
+        gpt = _gpt(args) if tensor or args.pipeline else None
         print(report(phi, world, precision, optimizer, args.servers, network, args.budget, measured, source, options,
-                     tensor, extra), end="")
+                     tensor, extra, gpt), end="")
     except ConfigError as e:
         print(f"psarch: estimate: {e}", file=sys.stderr)
         return 2
     return 0
+
+
+def _gpt(args: argparse.Namespace) -> Any:
+    """The GPT of --layers .. --vocab (a ConfigError naming the flags when one is below 1)."""
+    from psarch.theory.estimate_tensor import GPTShape
+
+    shape = GPTShape(args.layers, args.hidden, args.heads, args.seq_len, args.micro_batch, args.vocab)
+    if min(shape.layers, shape.hidden, shape.heads, shape.seq, shape.micro_batch, shape.vocab) < 1 \
+            or shape.hidden % shape.heads:
+        raise ConfigError("--layers, --hidden, --heads, --seq-len, --micro-batch, --vocab: each must be >= 1, and "
+                          "--heads must divide --hidden")
+    return shape
 
 
 def _tensor_shape(args: argparse.Namespace, world: int) -> tuple | None:

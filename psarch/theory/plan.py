@@ -18,7 +18,7 @@ from psarch.cluster.device import MEMORY_GB, PROFILES
 from psarch.config import Config, ConfigError, from_dict
 from psarch.theory.estimate_tensor import GPTShape
 from psarch.theory.program import Cluster, DataStep, Program, Transfer
-from psarch.theory.simulate import simulate
+from psarch.theory.simulate import StepTime, simulate
 
 EMULATED_WORLD = 8    # the scaled-down N of the check on an emulated cluster
 SHOWN = 3             # candidates the plan prints a check for
@@ -97,6 +97,19 @@ def config(shape: GPTShape, world: int, precision: str, optimizer: str, backend:
                       "backend": {"world_size": world, **backend}})
 
 
+def simulated_step(cfg: Config, phi: float, device_s: float, bandwidth: float,
+                   alpha: float) -> tuple[StepTime, Program] | None:
+    """`cfg`'s step (reduced program) with every device computing `device_s` per step (a replica's compute on one
+    device is device_s x the devices it spans), on links of `bandwidth` bytes/s and `alpha` s per message; None
+    where its backend has no program."""
+    spec = registry.spec_of(cfg)
+    replicas = spec.batch_shard(cfg, 0, cfg.backend.world_size)[1]
+    program = spec.program(cfg, phi, DataStep.of(device_s * cfg.backend.world_size / replicas), True)
+    if program is None:
+        return None
+    return simulate(program, Cluster.of(program, bandwidth, alpha)), program
+
+
 def sent_per_node(program: Program) -> list[float]:
     """Bytes each node of a program (one of the alike nodes it stands for) sends."""
     sent = [0.0] * len(program.nodes)
@@ -132,13 +145,10 @@ def plan(shape: GPTShape, world: int, hw: Hardware, precision: str = "bf16",
             cfg = config(shape, world, precision, optimizer, c.backend)
         except ConfigError:
             continue   # e.g. the batch does not split into this pipeline's micro-batches
-        spec = registry.spec_of(cfg)
-        replicas = spec.batch_shard(cfg, 0, world)[1]
-        step = DataStep.of(6 * phi * cfg.train.global_batch / replicas * shape.seq / rate)
-        program = spec.program(cfg, phi, step, True)
-        if program is None:
+        timed = simulated_step(cfg, phi, 6 * phi * shape.micro_batch * shape.seq / rate, hw.bandwidth, hw.alpha)
+        if timed is None:
             continue
-        got = simulate(program, Cluster.of(program, hw.bandwidth, hw.alpha))
+        got, program = timed
         p = theory.predict(cfg, phi)
         c.step_s, c.exposed_s, c.idle_s = got.step_s, got.exposed_s, got.idle_s
         c.memory = p.memory_per_rank.total + activations(cfg, p) + \
