@@ -33,10 +33,10 @@ def test_pipeline_full_and_reduced_agree_within_1_percent(schedule, pipe):
         assert b == pytest.approx(a, rel=0.01), f"{schedule} {pipe} at N = {n}: full {a:.6g} s, reduced {b:.6g} s"
 
 
-@pytest.mark.parametrize("t", [1, 2, 4])
-def test_tensor_full_and_reduced_agree_within_1_percent(t):
+@pytest.mark.parametrize("t,torch_loss", [(1, False), (2, False), (4, False), (4, True)])
+def test_tensor_full_and_reduced_agree_within_1_percent(t, torch_loss):
     for n in range(t, 33, t):
-        write = [tensor_program(t, n // t, 3, 1e6, 1e4, 4e6, DataStep.of(0.05), r) for r in (False, True)]
+        write = [tensor_program(t, n // t, 3, 1e6, 1e4, 4e6, DataStep.of(0.05), r, torch_loss) for r in (False, True)]
         a, b = (simulate(p, Cluster.of(p, RATE, ALPHA)).step_s for p in write)
         assert b == pytest.approx(a, rel=0.01), f"tensor t = {t} at N = {n}: full {a:.6g} s, reduced {b:.6g} s"
 
@@ -89,11 +89,12 @@ def test_specs_write_programs_whose_bytes_match_their_theory():
                           "train": {"precision": "fp32", "optimizer": "adamw", "global_batch": 16},
                           "backend": {"kind": kind, "world_size": 8, **backend}})
 
-    cfg = gpt("tensor", tensor_parallel=4)
-    mine, whole = tensor_theory.held_params(cfg)
-    program = registry.spec_of(cfg).program(cfg, whole, DataStep(0.0, 0.0))
-    sent = sum(op.bytes for op in program.ops if isinstance(op, Transfer) and op.src == 0)
-    assert sent == pytest.approx(tensor_theory.step_bytes(cfg, mine)[0], rel=1e-3)
+    for kind in ("tensor", "torch_tensor"):   # torch's loss_parallel: three all-reduces in place of one gather
+        cfg = gpt(kind, tensor_parallel=4)
+        mine, whole = tensor_theory.held_params(cfg)
+        program = registry.spec_of(cfg).program(cfg, whole, DataStep(0.0, 0.0))
+        sent = sum(op.bytes for op in program.ops if isinstance(op, Transfer) and op.src == 0)
+        assert sent == pytest.approx(tensor_theory.step_bytes(cfg, mine, kind == "torch_tensor")[0], rel=1e-3)
 
     cfg = gpt("pipeline", stages=4, microbatches=2)
     lay = pipeline_theory.layout(cfg)

@@ -19,10 +19,11 @@ ATTENTION = 1 / 3   # of a block's compute: its 4h² of the 12h² matrices (the 
 
 
 def tensor_program(t: int, dp: int, layers: int, activation: float, loss: float, grads: float, step: DataStep,
-                   reduced: bool = False) -> Program:
+                   reduced: bool = False, torch_loss: bool = False) -> Program:
     """t-way tensor parallelism x dp: `activation` the bytes of one f or g all-reduce (b·s·h values), `loss` the
     bytes each rank contributes to the loss's all-gather, `grads` a rank's gradient bytes; `step` one replica's
-    compute on one device (each rank computes 1/t of it, the blocks alike)."""
+    compute on one device (each rank computes 1/t of it, the blocks alike). torch_loss: torch's loss_parallel,
+    three all-reduces of `loss` / 2 bytes each (one fp32 per token) in place of psarch's all-gather."""
     p = Program()
     n = t * dp
     for _ in range(1 if reduced else n):
@@ -48,7 +49,11 @@ def tensor_program(t: int, dp: int, layers: int, activation: float, loss: float,
         collective(f"ga{i}", activation, 2)
         compute(f"cfm{i}", fwd * (1 - ATTENTION))
         collective(f"gm{i}", activation, 2)
-    collective("loss", loss * t, 1)   # an all-gather: each rank's share of t
+    if torch_loss:   # the logits' max, the sum of their exponentials, the target's logit
+        for k in range(3):
+            collective(f"loss{k}", loss / 2, 2)
+    else:
+        collective("loss", loss * t, 1)   # an all-gather: each rank's share of t
     for i in reversed(range(layers)):
         compute(f"cbm{i}", bwd * (1 - ATTENTION))
         collective(f"rm{i}", activation, 2)

@@ -127,6 +127,9 @@ class TorchTensorSpec(BackendSpec):
     def predict(self, cfg: Config, phi: float) -> Prediction:
         return _theory().tensor(cfg, phi, torch_loss=True)
 
+    def program(self, cfg: Config, phi: float, step: Any, reduced: bool = False) -> Any:
+        return _theory().program(cfg, phi, step, reduced, torch_loss=True)
+
     def comm_model(self, cfg: Config, phi: float, extra: Mapping[str, list[Any]]) -> CommModel:
         # its collectives run inside DTensor's forward and backward and inside its step, where nothing times
         # them: the measured step holds every pass (its cluster "prediction" is its own step time)
