@@ -45,10 +45,9 @@ def test_each_row_is_its_configs_simulated_step_and_theorys_memory(rows):
         assert r.fits == (r.memory <= limit), r.label
         if r.backend["kind"] == "ddp":   # every block's activations on its 16 sequences
             assert acts == pytest.approx(SHAPE.layers * block_activation_bytes(1024, 16, 4096, 32, 2))
-        spec = registry.spec_of(cfg)
-        replicas = spec.batch_shard(cfg, 0, WORLD)[1]
-        step = DataStep.of(6 * phi * cfg.train.global_batch / replicas * SHAPE.seq / HW.flops("bf16"))
-        program = spec.program(cfg, phi, step, True)
+        # every device computes 6Φ FLOPs per token of its share of the global batch
+        step = DataStep.of(6 * phi * cfg.train.global_batch / WORLD * SHAPE.seq / HW.flops("bf16"))
+        program = registry.spec_of(cfg).program(cfg, phi, step, True)
         assert r.step_s == pytest.approx(simulate(program, Cluster.of(program, HW.bandwidth, HW.alpha)).step_s)
         assert r.link == pytest.approx(max(sent_per_node(program)))
         if r.backend["kind"] in ("ddp", "zero", "tensor"):   # the program sends what theory counts

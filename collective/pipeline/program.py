@@ -81,8 +81,7 @@ def pipeline_program(schedule: str, pipe: Pipe, dp: int, forward_s: list[float],
 def stage_seconds(pipe: Pipe, forward_s: float, backward_s: float, stage_params: list[float]) -> tuple[list[float],
                                                                                                       list[float]]:
     """Each virtual stage's forward and backward seconds per micro-batch: a pipeline's whole forward and backward
-    (one replica's share of the batch on one device) shared among stages by their parameters, and by the m
-    micro-batches."""
+    shared among its stages by their parameters, and by the m micro-batches."""
     total = sum(stage_params) or 1.0
     return ([forward_s * s / total / pipe.m for s in stage_params], [backward_s * s / total / pipe.m
                                                                       for s in stage_params])

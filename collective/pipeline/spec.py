@@ -105,8 +105,10 @@ class TorchPipelineSpec(PipelineSpec):
     precisions = ("fp32",)
 
     estimate_rows = BackendSpec.estimate_rows   # the same rows as pipeline's: printed once
-    # its measured compute holds its waits already (torch's receives are not timed apart)
+    # its measured compute holds its waits already (torch's receives are not timed apart): no program either,
+    # which would add the bubble and the transfers to it again
     comm_model = BackendSpec.comm_model
+    program = BackendSpec.program
 
     def dp_comm(self, cfg: Config) -> str:
         return ""   # its dp all-reduce is torch's

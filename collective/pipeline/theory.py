@@ -220,16 +220,16 @@ def size_estimate(phi: float, world: int, p: int, m: int, precision: str, optimi
 
 
 def program(cfg: Config, phi: float, step: Any, reduced: bool = False) -> Any:
-    """The run's step program (collective/pipeline/program.py) from its cut: each virtual stage's share of
-    `step` (one pipeline's compute on one device) by its parameters, its boundary's activation, each rank's
-    gradients (the stages' parameters scaled to Φ = phi)."""
+    """The run's step program (collective/pipeline/program.py) from its cut: `step` what one rank computes, the
+    pipeline's p of them shared among its virtual stages by their parameters; each boundary's activation; each
+    rank's gradients (the stages' parameters scaled to Φ = phi)."""
     from collective.pipeline.program import pipeline_program, stage_seconds
 
     pipe, width = pipe_of(cfg), BYTES[cfg.train.precision]
     lay = gpt_layout(cfg) or layout(cfg)
     scale = phi / (sum(lay.stage_params) or 1)
     params = [x * scale for x in lay.stage_params]
-    fwd, bwd = stage_seconds(pipe, step.forward_s, step.backward_s, params)
+    fwd, bwd = stage_seconds(pipe, step.forward_s * pipe.p, step.backward_s * pipe.p, params)
     grads = [width * sum(params[pipe.stage_of(r, c)] for c in range(pipe.v)) for r in range(pipe.p)]
     return pipeline_program(cfg.backend.schedule, pipe, data_parallel(cfg), fwd, bwd,
                             [width * x for x in lay.boundary], grads, step.optimizer_s, reduced)

@@ -1,6 +1,6 @@
 """Tensor parallelism's step as a program (psarch.theory.program): t ranks split each GPT block, dp replicas.
 
-Each rank computes 1/t of its replica's step. Forward: the vocabulary-parallel embedding's all-reduce (g), then
+Each rank computes its 1/t of the replica's step (`step`, what one rank computes). Forward: the vocabulary-parallel embedding's all-reduce (g), then
 per block the attention's share of the compute (1/3 of a block's matrices), the all-reduce of its output (g),
 the MLP's share (2/3), its all-reduce (g); then the cross-entropy's all-gather of the logsumexps and target
 logits. Backward, in reverse: per block the MLP's backward, the all-reduce of its input's gradient (f), the
@@ -21,8 +21,8 @@ ATTENTION = 1 / 3   # of a block's compute: its 4h² of the 12h² matrices (the 
 def tensor_program(t: int, dp: int, layers: int, activation: float, loss: float, grads: float, step: DataStep,
                    reduced: bool = False, torch_loss: bool = False) -> Program:
     """t-way tensor parallelism x dp: `activation` the bytes of one f or g all-reduce (b·s·h values), `loss` the
-    bytes each rank contributes to the loss's all-gather, `grads` a rank's gradient bytes; `step` one replica's
-    compute on one device (each rank computes 1/t of it, the blocks alike). torch_loss: torch's loss_parallel,
+    bytes each rank contributes to the loss's all-gather, `grads` a rank's gradient bytes; `step` what one rank
+    computes (the blocks alike). torch_loss: torch's loss_parallel,
     three all-reduces of `loss` / 2 bytes each (one fp32 per token) in place of psarch's all-gather."""
     p = Program()
     n = t * dp
@@ -30,7 +30,7 @@ def tensor_program(t: int, dp: int, layers: int, activation: float, loss: float,
         p.node(WORKER, n if reduced else 1)
     groups = [[0]] if reduced else [[d * t + k for k in range(t)] for d in range(dp)]
     last: dict[int, tuple[str, ...]] = {node: () for g in groups for node in g}
-    fwd, bwd = step.forward_s / t / max(1, layers), step.backward_s / t / max(1, layers)
+    fwd, bwd = step.forward_s / max(1, layers), step.backward_s / max(1, layers)
 
     def collective(name: str, nbytes: float, passes: int) -> None:
         for d, group in enumerate(groups):

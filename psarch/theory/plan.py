@@ -99,12 +99,9 @@ def config(shape: GPTShape, world: int, precision: str, optimizer: str, backend:
 
 def simulated_step(cfg: Config, phi: float, device_s: float, bandwidth: float,
                    alpha: float) -> tuple[StepTime, Program] | None:
-    """`cfg`'s step (reduced program) with every device computing `device_s` per step (a replica's compute on one
-    device is device_s x the devices it spans), on links of `bandwidth` bytes/s and `alpha` s per message; None
-    where its backend has no program."""
-    spec = registry.spec_of(cfg)
-    replicas = spec.batch_shard(cfg, 0, cfg.backend.world_size)[1]
-    program = spec.program(cfg, phi, DataStep.of(device_s * cfg.backend.world_size / replicas), True)
+    """`cfg`'s step (reduced program) with every device computing `device_s` per step, on links of `bandwidth`
+    bytes/s and `alpha` s per message; None where its backend has no program."""
+    program = registry.spec_of(cfg).program(cfg, phi, DataStep.of(device_s), True)
     if program is None:
         return None
     return simulate(program, Cluster.of(program, bandwidth, alpha)), program
