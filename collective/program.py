@@ -19,18 +19,22 @@ def workers(n: int, reduced: bool) -> Program:
 
 
 def ring(p: Program, name: str, n: int, nbytes: float, passes: int, after: list[tuple[str, ...]],
-         reduced: bool) -> list[str]:
-    """`passes` ring passes over `nbytes` among ranks 0..n-1 (nodes 0..n-1; reduced: node 0 stands for them all),
-    rank r starting once `after[r]` is done: the op after which each rank has everything (one name reduced)."""
+         reduced: bool, nodes: list[int] | None = None, copies: int | None = None) -> list[str]:
+    """`passes` ring passes over `nbytes` among ranks 0..n-1 (on `nodes`, default 0..n-1; reduced: nodes[0] stands
+    for them all), rank r starting once `after[r]` is done: the op after which each rank has everything (one name
+    reduced; `copies`: the alike rings it stands for, default n). Each rank's sends ride its node's ring
+    connection."""
+    on = nodes or list(range(1 if reduced else n))
     steps = passes * (n - 1)
     if n == 1 or not steps:
-        return [p.join(f"{name}.{r}", r, after[r]) for r in range(1 if reduced else n)]
+        return [p.join(f"{name}.{r}", on[r], after[r]) for r in range(1 if reduced else n)]
     if reduced:
-        return [p.transfer(name, 0, 0, steps * nbytes / n, ("ring",), after[0], messages=steps, copies=n)]
+        return [p.transfer(name, on[0], on[0], steps * nbytes / n, ("ring", on[0]), after[0], messages=steps,
+                           copies=copies or n)]
     for j in range(steps):
         for r in range(n):
             wait = after[r] if j == 0 else (f"{name}.{j - 1}.{(r - 1) % n}",)
-            p.transfer(f"{name}.{j}.{r}", r, (r + 1) % n, nbytes / n, ("ring", r), wait)
+            p.transfer(f"{name}.{j}.{r}", on[r], on[(r + 1) % n], nbytes / n, ("ring", on[r]), wait)
     return [f"{name}.{steps - 1}.{(r - 1) % n}" for r in range(n)]
 
 

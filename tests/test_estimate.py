@@ -194,3 +194,23 @@ def test_estimate_from_a_small_run_prints_its_own_units_and_no_billion_parameter
 
 
 TINY_RUN = tiny(steps=4)
+
+
+def test_estimate_simulates_the_gpts_pipelines_and_tensor_parallelism_beside_the_ring():
+    """--pipeline and --tensor-parallel add the GPT's simulated steps at --world: each the simulator's step of
+    that config's program, the ring's the same as the step-time table's for the GPT's Φ."""
+    from psarch.theory.estimate_steps import Network, simulated
+    from psarch.theory.estimate_tensor import GPTShape
+    from psarch.theory.plan import config, simulated_step
+    from psarch import theory
+
+    gpt, net = GPTShape(layers=4, hidden=64, heads=4, seq=32, micro_batch=4, vocab=128), Network(1e9, 1e-5, 0.01)
+    lines = estimate._model_parallel_steps(gpt, 8, "fp32", "adamw", {"stages": 2, "microbatches": 4}, 2, net)
+    got = {line.split()[0]: line.split()[-6:] for line in lines[3:]}
+    assert list(got) == ["ddp", "pipeline/gpipe", "pipeline/1f1b", "pipeline/interleaved", "tensor/t=2"]
+    ring = simulated(theory.config_for("ddp", 8, "fp32", "adamw"), gpt.params(), net).step_s
+    assert " ".join(got["ddp"][:2]) == estimate.fmt_time(ring)
+    for label, backend in (("pipeline/1f1b", {"kind": "pipeline", "stages": 2, "microbatches": 4}),
+                           ("tensor/t=2", {"kind": "tensor", "tensor_parallel": 2})):
+        step = simulated_step(config(gpt, 8, "fp32", "adamw", backend), gpt.params(), 0.01, 1e9, 1e-5)
+        assert step is not None and " ".join(got[label][:2]) == estimate.fmt_time(step[0].step_s)

@@ -34,6 +34,7 @@ PROGRAMS = {
     "ddp, after backward": lambda n, r: ddp_program(n, chunks(S, S / 3), STEP, False, r),
     "zero-1/2": lambda n, r: stage12_program(n, chunks(S, S / 3), chunks(S, S / 2), STEP, True, r),
     "zero-3": lambda n, r: stage3_program(n, [S / 3] * 3, STEP, r),
+    "torch_zero": lambda n, r: stage12_program(n, chunks(S, S / 3), [S], STEP, True, r, reduce_passes=2),
     "ps, 1 server": ps(1),
     "ps, 2 servers": ps(2),
     "ps, n servers": ps("n"),
@@ -56,7 +57,7 @@ def test_full_and_reduced_agree_within_1_percent(name):
 
 def test_specs_write_programs_whose_steps_match_the_formulas():
     """From a config, with compute 0 and no latency: the ring moves 2(N-1)/N S per rank, ZeRO-1 the same, ZeRO-3
-    3(N-1)/N S, the PS with N dedicated servers S each way at once, pipelined over its 16 partitions per server (plus
+    and torch's ZeroRedundancyOptimizer under DDP 3(N-1)/N S, the PS with N dedicated servers S each way at once, pipelined over its 16 partitions per server (plus
     one slot's pull to drain, 1/16 of S), with one server N S through its link each way."""
     from psarch import registry, theory
 
@@ -71,6 +72,7 @@ def test_specs_write_programs_whose_steps_match_the_formulas():
     assert step("ddp") == pytest.approx(2 * (n - 1) / n * s / RATE)
     assert step("zero", stage=1) == pytest.approx(2 * (n - 1) / n * s / RATE)
     assert step("zero", stage=3) == pytest.approx(3 * (n - 1) / n * s / RATE)
+    assert step("torch_zero") == pytest.approx(3 * (n - 1) / n * s / RATE)   # DDP's all-reduce, the broadcasts
     part = s / n / 16      # a range in 16 (rounded down to 64 elements: server 0 gets a 17th, short, a little more)
     assert step("ps", servers=n, partition_mb=part / 2**20) == pytest.approx((s + s / 16) / RATE, rel=3e-3)
     assert step("ps", servers=1, partition_mb=s / 2**20) == pytest.approx(2 * n * s / RATE)

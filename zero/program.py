@@ -11,16 +11,18 @@ from psarch.theory.program import DataStep, Program, backward_spans, ready_point
 
 
 def stage12_program(n: int, buckets: list[float], gathers: list[float], step: DataStep, overlap: bool,
-                    reduced: bool = False) -> Program:
+                    reduced: bool = False, reduce_passes: int = 1) -> Program:
     """Reduce-scatter of `buckets` (bytes, in the order backward readies them), the optimizer, the all-gather of
-    `gathers` (bytes, in order) among n ranks."""
+    `gathers` (bytes, in order) among n ranks. reduce_passes = 2: each bucket all-reduced instead (torch's DDP
+    under ZeroRedundancyOptimizer, whose broadcasts of the updated shards move what one all-gather pass does)."""
     p = workers(n, reduced)
     ranks = range(1 if reduced else n)
     points = ready_points(buckets) if overlap else [1.0] * len(buckets)
     spans = [backward_spans(p, r, r, step, points) for r in ranks]
     last: list[tuple[str, ...]] = [() for _ in ranks]
     for b, size in enumerate(buckets):
-        last = [(d,) for d in ring(p, f"rs{b}", n, size, 1, [(spans[r][0][b], *last[r]) for r in ranks], reduced)]
+        last = [(d,) for d in ring(p, f"rs{b}", n, size, reduce_passes, [(spans[r][0][b], *last[r]) for r in ranks],
+                                   reduced)]
     last = [(p.compute(f"opt{r}", r, step.optimizer_s, (spans[r][1], *last[r])),) for r in ranks]
     for b, size in enumerate(gathers):
         last = [(d,) for d in ring(p, f"ag{b}", n, size, 1, list(last), reduced)]

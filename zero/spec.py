@@ -112,6 +112,16 @@ class TorchZeroSpec(BackendSpec):
         return CommModel(buckets_of(phi * BYTES[cfg.train.precision], cfg.backend.bucket_cap_mb * 2**20), True,
                          after_passes=1)
 
+    def program(self, cfg: Config, phi: float, step: Any, reduced: bool = False) -> Any:
+        """torch DDP's buckets of bucket_cap_mb all-reduced from backward's hooks, the optimizer on the rank's
+        shard, then the shards' broadcasts (one all-gather pass over the parameters)."""
+        from psarch.theory.program import chunks
+        from zero.program import stage12_program
+
+        s = phi * BYTES[cfg.train.precision]
+        return stage12_program(cfg.backend.world_size, chunks(s, cfg.backend.bucket_cap_mb * 2**20)[::-1], [s], step,
+                               True, reduced, reduce_passes=2)
+
 
 class TorchFSDPSpec(BackendSpec):
     kind = "torch_fsdp"

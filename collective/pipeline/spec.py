@@ -82,6 +82,9 @@ class PipelineSpec(BackendSpec):
     def predict(self, cfg: Config, phi: float) -> Prediction:
         return _theory().predict(cfg, phi)
 
+    def program(self, cfg: Config, phi: float, step: Any, reduced: bool = False) -> Any:
+        return _theory().program(cfg, phi, step, reduced)
+
     def comm_model(self, cfg: Config, phi: float, extra: Mapping[str, list[Any]]) -> CommModel:
         # the transfers go on while other micro-batches compute; what a rank waits is the bubble
         return CommModel(idle_fraction=float(bubble_fraction(cfg.backend.schedule, _theory().pipe_of(cfg))))
@@ -102,8 +105,10 @@ class TorchPipelineSpec(PipelineSpec):
     precisions = ("fp32",)
 
     estimate_rows = BackendSpec.estimate_rows   # the same rows as pipeline's: printed once
-    # its measured compute holds its waits already (torch's receives are not timed apart)
+    # its measured compute holds its waits already (torch's receives are not timed apart): no program either,
+    # which would add the bubble and the transfers to it again
     comm_model = BackendSpec.comm_model
+    program = BackendSpec.program
 
     def dp_comm(self, cfg: Config) -> str:
         return ""   # its dp all-reduce is torch's

@@ -15,6 +15,7 @@
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -71,6 +72,30 @@ def layout(cfg: Config) -> Layout:
     cut = Cut(workload.model, units_attr(cfg.backend), workload.loss_fn, mb, pipe.virtual, [])
     boundary = [0] + [torch.Size(cut.input_shape(j)[0]).numel() for j in range(1, pipe.virtual)]
     return Layout(cut.stage_params(), boundary, [len(r) for r in cut.ranges])
+
+
+def gpt_layout(cfg: Config) -> Layout | None:
+    """The cut of the config's built-in GPT from its shape alone (no data, no trace: what `layout` finds, fast at
+    any size): the embeddings on the first stage, the blocks split as split_blocks does, the final norm and the
+    head on the last; b·s·h values cross each boundary. None for other models (or frozen parameters)."""
+    from collective.pipeline.stage import split_blocks
+    from collective.tensor.theory import gpt_shapes
+
+    w = cfg.workload
+    if w.factory or w.model != "gpt" or units_attr(cfg.backend) != "blocks" or cfg.train.trainable or cfg.train.lora_rank:
+        return None
+    P = pipe_of(cfg).virtual
+    ranges = split_blocks(w.gpt.n_layer, P)
+    params = [0] * P
+    for name, shape in gpt_shapes(cfg).items():
+        n = math.prod(shape)
+        if name.startswith("blocks."):
+            i = int(name.split(".")[1])
+            params[next(j for j, r in enumerate(ranges) if i in r)] += n
+        else:
+            params[0 if name.startswith(("embed.", "pos.")) or P == 1 else P - 1] += n
+    boundary = [0] + [micro_batch_size(cfg) * w.seq_len * w.gpt.n_embd] * (P - 1)
+    return Layout(params, boundary, [len(r) for r in ranges])
 
 
 def _first_micro_batch(batch: Any, m: int) -> Any:
@@ -149,7 +174,7 @@ def predict(cfg: Config, phi: float) -> Prediction:
     """Every stage's memory, link bytes, idle fraction and activations held; memory_per_rank is the fullest
     stage's, `worker` the busiest link."""
     pipe, t, dp = pipe_of(cfg), cfg.train, data_parallel(cfg)
-    lay = layout(cfg)
+    lay = gpt_layout(cfg) or layout(cfg)
     width, k = BYTES[t.precision], optimizer_bytes_per_param(t.optimizer, t.precision, t.momentum)
     blocks = lay.blocks
     ranks = []
@@ -192,3 +217,19 @@ def size_estimate(phi: float, world: int, p: int, m: int, precision: str, optimi
         rows.append({"label": f"pipeline {schedule} p={p} m={m}" + (f" v={v}" if v > 1 else "") + f" dp={dp}",
                      "states": states, "sent": sent, "bubble": float(bubble_fraction(schedule, Pipe(p, m, v)))})
     return rows
+
+
+def program(cfg: Config, phi: float, step: Any, reduced: bool = False) -> Any:
+    """The run's step program (collective/pipeline/program.py) from its cut: `step` what one rank computes, the
+    pipeline's p of them shared among its virtual stages by their parameters; each boundary's activation; each
+    rank's gradients (the stages' parameters scaled to Φ = phi)."""
+    from collective.pipeline.program import pipeline_program, stage_seconds
+
+    pipe, width = pipe_of(cfg), BYTES[cfg.train.precision]
+    lay = gpt_layout(cfg) or layout(cfg)
+    scale = phi / (sum(lay.stage_params) or 1)
+    params = [x * scale for x in lay.stage_params]
+    fwd, bwd = stage_seconds(pipe, step.forward_s * pipe.p, step.backward_s * pipe.p, params)
+    grads = [width * sum(params[pipe.stage_of(r, c)] for c in range(pipe.v)) for r in range(pipe.p)]
+    return pipeline_program(cfg.backend.schedule, pipe, data_parallel(cfg), fwd, bwd,
+                            [width * x for x in lay.boundary], grads, step.optimizer_s, reduced)

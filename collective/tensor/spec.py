@@ -97,6 +97,9 @@ class TensorSpec(BackendSpec):
     def predict(self, cfg: Config, phi: float) -> Prediction:
         return _theory().tensor(cfg, phi)
 
+    def program(self, cfg: Config, phi: float, step: Any, reduced: bool = False) -> Any:
+        return _theory().program(cfg, phi, step, reduced)
+
 
 def replica_shard(cfg: Config, rank: int) -> tuple[int, int]:
     """The ranks of a tensor-parallel group (adjacent: collective/tensor/mesh.py) train on their replica's shard."""
@@ -123,6 +126,9 @@ class TorchTensorSpec(BackendSpec):
 
     def predict(self, cfg: Config, phi: float) -> Prediction:
         return _theory().tensor(cfg, phi, torch_loss=True)
+
+    def program(self, cfg: Config, phi: float, step: Any, reduced: bool = False) -> Any:
+        return _theory().program(cfg, phi, step, reduced, torch_loss=True)
 
     def comm_model(self, cfg: Config, phi: float, extra: Mapping[str, list[Any]]) -> CommModel:
         # its collectives run inside DTensor's forward and backward and inside its step, where nothing times

@@ -33,6 +33,7 @@ from psarch.theory import BYTES, LinkBytes, MemoryPrediction, Prediction, RankPr
 
 if TYPE_CHECKING:
     from psarch.config import Config
+    from psarch.theory.program import DataStep, Program
 LOSS_BYTES = 4   # the cross-entropy's logsumexps and target logits are fp32 whatever the compute dtype
 BLOCK_ACTIVATIONS = "block_activation_bytes"   # the per-rank figure, predicted and measured under this name
 
@@ -86,3 +87,16 @@ def tensor(cfg: Config, phi: float, torch_loss: bool = False) -> Prediction:
     rank = RankPrediction(mem, LinkBytes(v, v), {BLOCK_ACTIVATIONS: acts})
     return Prediction(mem, LinkBytes(v, v), None, rounds=passes, messages=messages, server_memory=None,
                       per_rank=[rank] * cfg.backend.world_size)
+
+
+def program(cfg: Config, phi: float, step: DataStep, reduced: bool = False, torch_loss: bool = False) -> Program:
+    """The run's step program (collective/tensor/program.py): b·s·h activations per f or g, 2·b·s fp32 values
+    per rank in the loss's all-gather (torch_loss: step_bytes'), the gradients of what a rank holds (scaled to
+    Φ = phi)."""
+    from collective.tensor.program import tensor_program
+
+    b, w = cfg.backend, BYTES[cfg.train.precision]
+    tokens = cfg.train.global_batch // b.dp_size * cfg.workload.seq_len
+    mine, whole = held_params(cfg)
+    return tensor_program(b.tp_size, b.dp_size, cfg.workload.gpt.n_layer, tokens * cfg.workload.gpt.n_embd * w,
+                          2 * tokens * LOSS_BYTES, mine * phi / whole * w, step, reduced, torch_loss)

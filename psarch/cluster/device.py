@@ -35,6 +35,10 @@ PROFILES: dict[str, dict[str, float]] = {
     "a100": {"fp32": 19.5, "bf16": 312.0, "fp16": 312.0},
     "v100": {"fp32": 15.7, "fp16": 125.0},
 }
+# Device memory of the same SXM parts, from NVIDIA's data sheets: H100 SXM5 80 GB HBM3, A100 SXM4 80 GB HBM2e
+# (the 80 GB part), V100 SXM2 32 GB HBM2 (the 32 GB part). Counted as 1e9 bytes a GB, a little under what the
+# parts hold (their GB are nearer 2**30 bytes), so a plan's "fits" errs on the safe side.
+MEMORY_GB: dict[str, float] = {"h100": 80.0, "a100": 80.0, "v100": 32.0}
 
 if TYPE_CHECKING:
     from psarch.config import Config

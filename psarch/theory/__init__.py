@@ -271,9 +271,9 @@ def cluster_step(cfg: Config, summary: Summary) -> dict[str, float]:
     modelled forward and backward (summary's virtual_device: cluster time, α / D, nothing of the communication
     inside it), else the measured step less its communication wait. Where the backend writes its step as a
     program (BackendSpec.program) the step simulator plays it on the run's links (psarch.theory.simulate);
-    elsewhere (model parallelism, embedding rows, the torch peers, ZeRO-3 whose measured compute holds its
-    blocking passes) the α-β sum of cluster_step_time, with the backend's CommModel and its compute stretched by
-    the share its ranks wait by design (a pipeline's bubble, CommModel.idle_fraction)."""
+    elsewhere (embedding rows, the PS's async modes, torch_pipeline, torch_fsdp, dp, and a measured compute that
+    holds its blocking passes: ZeRO-3, torch_tensor) the α-β sum of cluster_step_time, with the backend's
+    CommModel and its compute stretched by the share its ranks wait by design (CommModel.idle_fraction)."""
     spec = registry.spec_of(cfg)
     m = spec.comm_model(cfg, summary["params"], summary.get("extra") or {})
     vd, alpha, backward = summary.get("virtual_device"), summary["cluster"]["alpha_s"], None

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from typing import Any
 
 from psarch.config import ConfigError
 
@@ -25,11 +26,18 @@ def add_parser(p: argparse.ArgumentParser) -> None:
     p.add_argument("--budget", type=float, help="device memory for the ZeRO paper's Table 2, bytes (default 32e9; "
                    "with --from, the table is shown only when a budget is given)")
     p.add_argument("--from", dest="from_run", help="take Φ, N, precision and compute time from a run folder")
+    plan = p.add_argument_group("plan", "--plan: every architecture for the GPT of --layers .. --vocab on --world "
+                                "devices, ranked by simulated step time")
+    plan.add_argument("--plan", action="store_true", help="print the plan instead of the tables")
+    plan.add_argument("--device", default="h100", help="the device profile (psarch.cluster.device.PROFILES)")
+    plan.add_argument("--mfu", type=float, default=0.4, help="the fraction of the device's peak attained")
+    plan.add_argument("--link-gbps", type=float, help="each node's link in Gbit/s (instead of --bandwidth)")
     gpt = p.add_argument_group("tensor parallelism", "rows for a GPT of this shape at each degree t dividing --world")
     gpt.add_argument("--tensor-parallel", type=int, help="the degree t to mark (rows appear when given)")
     for flag, default, what in (("--layers", 24, "blocks"), ("--hidden", 2048, "width"), ("--heads", 16, "heads"),
                                 ("--seq-len", 2048, "tokens per sequence"),
-                                ("--micro-batch", 8, "sequences per data-parallel replica per step"),
+                                ("--micro-batch", 8, "sequences per data-parallel replica per step (per device "
+                                 "in --plan and the simulated model-parallel steps: one global batch for all)"),
                                 ("--vocab", 50257, "vocabulary")):
         gpt.add_argument(flag, type=int, default=default, help=f"{what} (default {default})")
 
@@ -37,6 +45,8 @@ def add_parser(p: argparse.ArgumentParser) -> None:
 
 def command(args: argparse.Namespace) -> int:
     from psarch.theory.estimate import measured_compute, report
+    if args.plan:
+        return _plan(args)
     from psarch.theory.estimate_steps import Network
     measured = None
     phi, world, precision, optimizer = args.params, args.world, args.precision, args.optimizer
@@ -70,12 +80,25 @@ def command(args: argparse.Namespace) -> int:
     options = {"stages": args.pipeline, "microbatches": args.microbatches} if args.pipeline else {}
     try:
         tensor = _tensor_shape(args, world)
+        gpt = _gpt(args) if tensor or args.pipeline else None
         print(report(phi, world, precision, optimizer, args.servers, network, args.budget, measured, source, options,
-                     tensor, extra), end="")
+                     tensor, extra, gpt), end="")
     except ConfigError as e:
         print(f"psarch: estimate: {e}", file=sys.stderr)
         return 2
     return 0
+
+
+def _gpt(args: argparse.Namespace) -> Any:
+    """The GPT of --layers .. --vocab (a ConfigError naming the flags when one is below 1)."""
+    from psarch.theory.estimate_tensor import GPTShape
+
+    shape = GPTShape(args.layers, args.hidden, args.heads, args.seq_len, args.micro_batch, args.vocab)
+    if min(shape.layers, shape.hidden, shape.heads, shape.seq, shape.micro_batch, shape.vocab) < 1 \
+            or shape.hidden % shape.heads:
+        raise ConfigError("--layers, --hidden, --heads, --seq-len, --micro-batch, --vocab: each must be >= 1, and "
+                          "--heads must divide --hidden")
+    return shape
 
 
 def _tensor_shape(args: argparse.Namespace, world: int) -> tuple | None:
@@ -92,3 +115,26 @@ def _tensor_shape(args: argparse.Namespace, world: int) -> tuple | None:
         raise ConfigError(f"--tensor-parallel {t}: must divide --world {world} and --heads {shape.heads} "
                           f"(and --heads must divide --hidden {shape.hidden})")
     return shape, t
+
+
+def _plan(args: argparse.Namespace) -> int:
+    """`psarch estimate --plan`."""
+    from psarch.theory.estimate_tensor import GPTShape
+    from psarch.theory.plan import Hardware, report
+
+    bandwidth = args.bandwidth if args.link_gbps is None else args.link_gbps * 1e9 / 8
+    shape = GPTShape(args.layers, args.hidden, args.heads, args.seq_len, args.micro_batch, args.vocab)
+    if min(shape.layers, shape.hidden, shape.heads, shape.seq, shape.micro_batch, shape.vocab) < 1 \
+            or shape.hidden % shape.heads or args.world < 1 or bandwidth <= 0 or args.latency < 0 \
+            or not 0 < args.mfu <= 1 or args.from_run:
+        print("psarch: estimate --plan: --layers, --hidden, --heads (dividing --hidden), --seq-len, --micro-batch, "
+              "--vocab, --world >= 1; --link-gbps or --bandwidth > 0; --latency >= 0; --mfu in (0, 1]; "
+              "no --from", file=sys.stderr)
+        return 2
+    try:
+        print(report(shape, args.world, Hardware(args.device, args.mfu, bandwidth, args.latency), args.precision,
+                     args.optimizer), end="")
+    except ConfigError as e:
+        print(f"psarch: estimate --plan: {e}", file=sys.stderr)
+        return 2
+    return 0

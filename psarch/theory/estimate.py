@@ -117,13 +117,14 @@ def backend_rows(phi: float, world: int, precision: str, optimizer: str, options
 def report(phi: float, world: int, precision: str = "bf16", optimizer: str = "adamw", servers: int = 1,
            network: Network | None = None, budget: float | None = None, measured: tuple[Summary, Config] | None = None,
            compute_from: str | None = None, options: dict | None = None,
-           tensor: tuple[GPTShape, int] | None = None, extra: dict | None = None) -> str:
+           tensor: tuple[GPTShape, int] | None = None, extra: dict | None = None, gpt: GPTShape | None = None) -> str:
     """Everything `psarch estimate` prints; `measured` is a run's (summary, config), compared with the model
     at the end; `compute_from` names the run the cluster's compute time was measured in, if any; `options`
     the backend options asked for on the command line (a pipeline's stages and micro-batches: the rows
     BackendSpec.estimate_rows adds from Φ alone); `tensor` (a GPT's shape, the degree asked for): tensor
     parallelism's rows, which need the shape (psarch.theory.estimate_tensor); `extra`: backend options for the step
-    times, each for the backends that read it (--partition-mb: the PS's partition_mb). The ZeRO paper's Table 2 (the largest
+    times, each for the backends that read it (--partition-mb: the PS's partition_mb); `gpt`: the GPT whose
+    pipeline (`options`) and tensor-parallel (`tensor`) steps are simulated beside the ring's. The ZeRO paper's Table 2 (the largest
     model a device `budget` holds, default 32 GB) is about models of billions of parameters: it is shown for a
     Φ asked about, and for a measured run only when a budget is given."""
     c = network or Network()
@@ -137,9 +138,46 @@ def report(phi: float, world: int, precision: str = "bf16", optimizer: str = "ad
         from psarch.theory.estimate_tensor import tensor_report
 
         out += [""] + tensor_report(tensor[0], world, tensor[1], precision, optimizer)
+    if gpt and (tensor or (options or {}).get("stages")):
+        out += _model_parallel_steps(gpt, world, precision, optimizer, options or {}, tensor[1] if tensor else 0, c)
     if measured:
         out += ["", measured_vs_model(*measured, c)]
     return "\n".join(out) + "\n"
+
+
+def _model_parallel_steps(gpt: GPTShape, world: int, precision: str, optimizer: str, options: dict, t: int,
+                          c: Network) -> list[str]:
+    """The simulated steps of the GPT's pipelines (--pipeline, every schedule) and tensor parallelism
+    (--tensor-parallel) at --world, beside ring DDP's, every device computing c.compute_s."""
+    from psarch.theory.plan import config, simulated_step
+
+    phi = gpt.params()
+    cells: list[tuple[str, dict]] = [(RING_LABEL, {"kind": "ddp"})]
+    if options.get("stages"):
+        p, m = options["stages"], options.get("microbatches", 8)
+        cells += [(f"pipeline/{s} p={p} m={m}" + (" v=2" if s == "interleaved" else ""),
+                   {"kind": "pipeline", "stages": p, "microbatches": m, "schedule": s, "virtual_stages": 2})
+                  for s in ("gpipe", "1f1b", "interleaved")]
+    if t:
+        cells.append((f"tensor/t={t}", {"kind": "tensor", "tensor_parallel": t}))
+    out = ["", f"== model parallelism's step simulated at N = {world}: GPT {gpt.layers} x {gpt.hidden} "
+               f"(Φ = {_params(phi)}), {gpt.micro_batch} sequences per device, compute {fmt_time(c.compute_s)} per "
+               f"device, link {fmt_size(c.bandwidth)}/s, latency {fmt_time(c.alpha)}",
+           f"{'architecture':>36} {'step':>9} {'exposed':>9} {'idle':>9}"]
+    for label, backend in cells:
+        try:
+            timed = simulated_step(config(gpt, world, precision, optimizer, backend), phi, c.compute_s,
+                                   c.bandwidth, c.alpha)
+        except ConfigError as e:
+            out.append(f"{label:>36} none: {e}")
+            continue
+        assert timed is not None, "ddp, pipeline and tensor write programs"
+        st = timed[0]
+        out.append(f"{label:>36} {fmt_time(st.step_s):>9} {fmt_time(st.exposed_s):>9} {fmt_time(st.idle_s):>9}")
+    return out
+
+
+RING_LABEL = "ddp ring"
 
 
 def _memory_lines(phi: float, world: int, precision: str, optimizer: str) -> list[str]:

@@ -1,0 +1,68 @@
+"""`psarch estimate --plan` (psarch/theory/plan.py): its ranking is the simulator's step times, fitting candidates
+first; its memory is theory's, and its fit flags say whether that memory is within the device's; its check
+commands are valid configs of the best candidates."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from psarch import registry, theory
+from psarch.activations import block_activation_bytes
+from psarch.cluster.device import MEMORY_GB
+from psarch.config import load_config
+from psarch.theory.estimate_tensor import GPTShape
+from psarch.theory.plan import Hardware, activations, check_overrides, config, plan, report, sent_per_node
+from psarch.theory.program import Cluster, DataStep
+from psarch.theory.simulate import simulate
+
+SHAPE = GPTShape(layers=16, hidden=4096, heads=32, seq=1024, micro_batch=16, vocab=50257)   # 3.6B: DDP does not fit
+HW = Hardware("h100", 0.4, 50e9, 10e-6)
+WORLD = 16
+
+
+@pytest.fixture(scope="module")
+def rows():
+    return plan(SHAPE, WORLD, HW)
+
+
+def test_ranked_by_step_time_fitting_first_and_every_kind_present(rows):
+    keys = [(not r.fits, r.step_s) for r in rows]
+    assert keys == sorted(keys)
+    kinds = {r.backend["kind"] for r in rows}
+    assert kinds == {"ddp", "zero", "ps", "pipeline", "tensor"}
+    assert any(r.fits for r in rows) and not all(r.fits for r in rows)
+
+
+def test_each_row_is_its_configs_simulated_step_and_theorys_memory(rows):
+    phi, limit = SHAPE.params(), MEMORY_GB["h100"] * 1e9
+    for r in rows:
+        cfg = config(SHAPE, WORLD, "bf16", "adamw", r.backend)
+        p = theory.predict(cfg, phi)
+        acts = activations(cfg, p)
+        extra = p.server_memory if r.backend.get("server_placement") == "colocated" else 0.0
+        assert r.memory == pytest.approx(p.memory_per_rank.total + acts + (extra or 0.0))
+        assert r.fits == (r.memory <= limit), r.label
+        if r.backend["kind"] == "ddp":   # every block's activations on its 16 sequences
+            assert acts == pytest.approx(SHAPE.layers * block_activation_bytes(1024, 16, 4096, 32, 2))
+        # every device computes 6Φ FLOPs per token of its share of the global batch
+        step = DataStep.of(6 * phi * cfg.train.global_batch / WORLD * SHAPE.seq / HW.flops("bf16"))
+        program = registry.spec_of(cfg).program(cfg, phi, step, True)
+        assert r.step_s == pytest.approx(simulate(program, Cluster.of(program, HW.bandwidth, HW.alpha)).step_s)
+        assert r.link == pytest.approx(max(sent_per_node(program)))
+        if r.backend["kind"] in ("ddp", "zero", "tensor"):   # the program sends what theory counts
+            assert r.link == pytest.approx(p.worker.sent, rel=1e-3), r.label
+
+
+def test_report_prints_the_ranking_and_checks_the_best_fitting(rows):
+    text = report(SHAPE, WORLD, HW)
+    table = [line for line in text.splitlines() if line[:3].strip().isdigit()]
+    assert [line.split(None, 1)[1].startswith(r.label) for line, r in zip(table, rows)] == [True] * len(rows)
+    commands = [line for line in text.splitlines() if line.startswith("psarch run")]
+    best = [r for r in rows if r.fits][:3]
+    assert len(commands) == len(best)
+    quickstart = Path(__file__).resolve().parents[1] / "experiments" / "quickstart.toml"
+    for r, line in zip(best, commands):
+        assert f"backend.kind=\"{r.backend['kind']}\"" in line
+        cfg = load_config(quickstart, check_overrides(r, SHAPE, HW, "bf16"))   # a config psarch run accepts
+        assert cfg.backend.kind == r.backend["kind"] and cfg.backend.world_size == 8 and cfg.cluster.emulate
