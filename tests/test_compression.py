@@ -259,6 +259,9 @@ PS_VARIANTS = {
     "ps-topk-s1": TOPK,
     "ps-topk-parts-prio": TOPK,
     "ps-topk-all": {"compression": "topk", "topk_ratio": 1.0},
+    # bf16 compute: the pushes' values are bf16, the servers' round sums fp32
+    "ps-bf16-dense": {"precision": "bf16"},
+    "ps-bf16-topk-all": {"compression": "topk", "topk_ratio": 1.0, "precision": "bf16"},
 }
 
 
@@ -326,6 +329,9 @@ def test_ps_top_k_sums_sparse_pushes(ps_runs):
     print("ps top-k vs ddp top-k:", max((model(out, "ps-topk-s1-2")[k] - v).abs().max().item()
                                         for k, v in model(out, "topk-ring-2").items()))
     assert_same_model(model(out, "ps-topk-all-2"), ref, "ps top-k of everything vs single", rtol=0, atol=SGD_ATOL)
+    # a sparse sum of bf16 values into the fp32 round adds what the dense push adds, bit for bit
+    assert_same_model(model(out, "ps-bf16-topk-all-2"), model(out, "ps-bf16-dense-2"), "bf16 top-k of everything",
+                      rtol=0, atol=0)
     assert_same_model(model(out, "ps-topk-async-1"), model(out, "ps-topk-sync-1"), "async vs sync, one worker",
                       rtol=0, atol=0)
     for name in ("ps-topk-2", "ps-topk-parts-prio-2"):

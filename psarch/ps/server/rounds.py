@@ -27,8 +27,9 @@ class Pairs:
         return self.keys.nbytes + self.values.nbytes
 
     def dense(self, out: torch.Tensor) -> torch.Tensor:
-        """The partition's gradient: the values at their indices, zero elsewhere, in `out`."""
-        return out.zero_().index_put_((self.keys,), self.values)
+        """The partition's gradient: the values at their indices, zero elsewhere, in `out` (of its own dtype: a
+        bf16 run's values into an fp32 accumulator, as a dense push is added)."""
+        return out.zero_().index_put_((self.keys,), self.values.to(out.dtype))
 
 
 class OrderedSum:
@@ -77,7 +78,7 @@ class OrderedSum:
             if not self.summed:
                 data.dense(acc)
             else:
-                acc.index_add_(0, data.keys, data.values)
+                acc.index_add_(0, data.keys, data.values.to(acc.dtype))
         elif not self.summed:   # the round's first overwrites the accumulator
             if data is not acc:
                 acc.copy_(data)
