@@ -56,6 +56,8 @@ def _streamed(out: Path, rank: int) -> list[int]:
     ({"kill": [{"node": "worker 0", "step": 2}, {"node": "server 0", "step": 4}]}, ps(2),
      r"server 0 at step 4: a server's fault is timed by worker 0, killed at step 2"),
     ({"kill": [{"node": "server 0", "step": 2}]}, ps(1), r"a single worker runs in the launcher's own process"),
+    ({"kill": [{"node": "worker 1", "step": 2}]}, {"kind": "dp", "world_size": 2},
+     r'backend.kind = "dp" runs its 2 workers as threads in the launcher\'s own process'),
     ({"restart": "replace"}, ps(2), r'faults.restart = "replace": backend.kind = "ps" goes on without a dead worker'),
     ({"restart": "replace"}, {"kind": "ddp", "world_size": 2}, r'faults.restart = "replace": restarts from the newest '
                                                                r'checkpoint, so it needs train.checkpoint_every > 0'),

@@ -116,6 +116,11 @@ def _check_restart(cfg: Config) -> None:
                                                          f"{show(cfg.backend.kind)})"))
 
 
+def _processes(cfg: Config) -> int:
+    from psarch import registry
+    return registry.spec_of(cfg).processes(cfg)
+
+
 def _check_together(cfg: Config, faults: list[Fault]) -> None:
     """What no list of valid faults may hold: a node struck after it was killed, a worker that runs in the
     launcher's own process (world size 1) to time them, a server's fault timed by worker 0 killed before it."""
@@ -124,9 +129,11 @@ def _check_together(cfg: Config, faults: list[Fault]) -> None:
     for f in faults:
         if f.node in killed:
             raise ConfigError(f"faults.{f.action}: {f.node} at step {f.step}: it was killed at step {killed[f.node]}")
-        if cfg.backend.world_size == 1:   # the worker that times every fault would stop the launcher
-            raise ConfigError(f"faults.{f.action}: {f.node}: a single worker runs in the launcher's own process, "
-                              f"which cannot hold itself for a fault; faults need backend.world_size >= 2")
+        if _processes(cfg) == 1:   # the worker that times every fault would stop the launcher
+            why = ("a single worker runs" if cfg.backend.world_size == 1 else
+                   f"backend.kind = {show(cfg.backend.kind)} runs its {cfg.backend.world_size} workers as threads")
+            raise ConfigError(f"faults.{f.action}: {f.node}: {why} in the launcher's own process, which cannot hold "
+                              f"itself for a fault; faults need workers in processes of their own")
         if f.kind == "server" and worker0 is not None and worker0 < f.step:
             raise ConfigError(f"faults.{f.action}: {f.node} at step {f.step}: a server's fault is timed by worker 0, "
                               f"killed at step {worker0}")
