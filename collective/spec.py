@@ -32,28 +32,16 @@ def reduced_params(cfg: Config, phi: float) -> float:
 
 
 def ddp_step(cfg: Config, phi: float, step: Any, reduced: bool, overlap: bool) -> Any:
-    """The dense all-reduce's step program (collective/program.py): buckets of bucket_cap_mb, the last of the flat
-    buffer (the first backward readies, maybe short) first; None with embedding tables (not written yet)."""
+    """The dense all-reduce's step program (collective/program.py): buckets of bucket_cap_mb in the order backward
+    readies them (the flat buffer holds the parameters in reverse and is cut from its start, so the short bucket is
+    the last); None with embedding tables or compressed gradients (not written yet: their bytes are theory's)."""
     from collective.program import ddp_program
     from psarch.theory.program import chunks
 
-    if cfg.backend.embeddings != "dense":
+    if cfg.backend.embeddings != "dense" or cfg.train.compression != "none":
         return None
-    buckets = chunks(phi * BYTES[cfg.train.precision], cfg.backend.bucket_cap_mb * 2**20)[::-1]
+    buckets = chunks(phi * BYTES[cfg.train.precision], cfg.backend.bucket_cap_mb * 2**20)
     return ddp_program(cfg.backend.world_size, buckets, step, overlap, reduced)
-
-
-def check_compression(cfg: Config) -> None:
-    """What ddp and torch_ddp refuse of train.compression: the tables' rows move whole, and the state error
-    feedback and PowerSGD keep from step to step is not in checkpoints."""
-    t, e = cfg.train, cfg.backend.embeddings
-    if t.compression != "none" and e != "dense":
-        raise ConfigError(f"train.compression = \"{t.compression}\": compresses the dense buckets only; use "
-                          f"backend.embeddings = \"dense\", not \"{e}\"")
-    if t.compression in ("topk", "powersgd") and t.checkpoint_every:
-        raise ConfigError(f"train.checkpoint_every = {t.checkpoint_every}: the error feedback of train.compression = "
-                          f"\"{t.compression}\" is not in checkpoints yet, so a resumed run would not continue this one; "
-                          f"use 0")
 
 
 class DDPSpec(BackendSpec):
@@ -71,7 +59,6 @@ class DDPSpec(BackendSpec):
         return cfg.backend.comm
 
     def check(self, cfg: Config) -> None:
-        check_compression(cfg)
         if cfg.backend.embeddings == "sharded" and cfg.train.precision == "fp16":
             raise ConfigError("train.precision = \"fp16\": backend.embeddings = \"sharded\" runs fp32 or bf16 (fp16 "
                               "would need one inf/nan verdict over every rank's shard before a step)")
@@ -108,7 +95,6 @@ class TorchDDPSpec(BackendSpec):
 
     def check(self, cfg: Config) -> None:
         t = cfg.train
-        check_compression(cfg)
         if t.compression == "powersgd" and t.powersgd_warmup_steps < 2:
             raise ConfigError(f"train.powersgd_warmup_steps = {t.powersgd_warmup_steps}: torch's powerSGD_hook starts "
                               f"at step 2 at the earliest (DDP rebuilds its buckets after step 1); use 2 or more")

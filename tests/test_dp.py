@@ -89,6 +89,8 @@ def test_config_refusals():
         load_config(None, ['backend.kind="dp"', "backend.world_size=5", "train.global_batch=12"])
     with pytest.raises(ConfigError, match=r'cluster.slow_workers = \[1\]: backend.kind = "dp" runs its workers as threads'):
         load_config(None, ['backend.kind="dp"', "backend.world_size=2", "cluster.slow_workers=[1]"])
+    with pytest.raises(ConfigError, match=r'backend.device = "cpu": backend.kind = "torch_dp" is torch.nn.DataParallel'):
+        load_config(None, ['backend.kind="torch_dp"', "backend.world_size=2", 'backend.device="cpu"'])
 
 
 @pytest.mark.gpu

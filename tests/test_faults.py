@@ -18,6 +18,7 @@ from ps_setup import config, ps
 from psarch.config import ConfigError, from_dict
 from psarch.config.faults import faults, holds
 from psarch.errors import RunError
+from psarch.launch.faults import restarts_due
 from psarch.launch.ranks import run
 from psarch.ps.errors import ServiceError
 from test_ps_faults import _children
@@ -66,6 +67,19 @@ def test_a_fault_no_run_could_meet_is_one_line(fault, backend, error):
     with pytest.raises(ConfigError, match=error) as e:
         _cfg("bad", backend, fault)
     assert "\n" not in str(e.value)
+
+
+def test_a_restart_is_due_only_for_a_kill_since_the_last_start():
+    """Two kills that end one world make one restart; a later failure that no new kill explains stops the run."""
+    from types import SimpleNamespace
+    cfg = SimpleNamespace(faults=SimpleNamespace(restart="replace"))
+    kill = {"node": "worker 1", "action": "kill", "step": 3}
+    two = [kill, {**kill, "node": "worker 2"}]
+    assert restarts_due(cfg, two, [])
+    after = [{"error": "", "stopped_at_s": None, "at_s": 0.0, "from_step": 2, "steps_lost": 1, "kills": 2}]
+    assert not restarts_due(cfg, two, after)
+    assert restarts_due(cfg, [*two, {**kill, "node": "worker 0", "step": 6}], after)
+    assert not restarts_due(SimpleNamespace(faults=SimpleNamespace(restart="none")), two, [])
 
 
 def test_faults_strike_in_step_order_each_held_by_its_worker():

@@ -7,6 +7,8 @@ from __future__ import annotations
 import pytest
 
 from collective.program import ddp_program
+from psarch import registry
+from psarch.config import from_dict
 from psarch.ps.program import Slot, groups_of, ps_program, ps_reduced
 from psarch.theory.program import Cluster, DataStep, chunks
 from psarch.theory.simulate import simulate
@@ -76,3 +78,11 @@ def test_specs_write_programs_whose_steps_match_the_formulas():
     part = s / n / 16      # a range in 16 (rounded down to 64 elements: server 0 gets a 17th, short, a little more)
     assert step("ps", servers=n, partition_mb=part / 2**20) == pytest.approx((s + s / 16) / RATE, rel=3e-3)
     assert step("ps", servers=1, partition_mb=s / 2**20) == pytest.approx(2 * n * s / RATE)
+
+
+@pytest.mark.parametrize("kind, options", [("ddp", {}), ("torch_ddp", {}), ("ps", {"servers": 2})])
+def test_a_compressed_step_has_no_program_yet(kind, options):
+    """The programs move uncompressed bytes: a compressed run is left to theory's byte counts, never simulated
+    as if uncompressed."""
+    cfg = from_dict({"train": {"compression": "fp16"}, "backend": {"kind": kind, "world_size": 2, **options}})
+    assert registry.spec_of(cfg).program(cfg, 1e6, DataStep.of(0.1), False) is None

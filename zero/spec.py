@@ -89,7 +89,7 @@ class ZeroSpec(BackendSpec):
         s, n = phi * width, b.world_size
         if b.stage == 3:
             return stage3_program(n, [s], step, reduced)
-        return stage12_program(n, chunks(s, b.reduce_bucket_size * width)[::-1], chunks(s, b.allgather_bucket_size * width),
+        return stage12_program(n, chunks(s, b.reduce_bucket_size * width), chunks(s, b.allgather_bucket_size * width),
                                step, b.overlap_comm, reduced)
 
 
@@ -119,7 +119,7 @@ class TorchZeroSpec(BackendSpec):
         from zero.program import stage12_program
 
         s = phi * BYTES[cfg.train.precision]
-        return stage12_program(cfg.backend.world_size, chunks(s, cfg.backend.bucket_cap_mb * 2**20)[::-1], [s], step,
+        return stage12_program(cfg.backend.world_size, chunks(s, cfg.backend.bucket_cap_mb * 2**20), [s], step,
                                True, reduced, reduce_passes=2)
 
 

@@ -85,17 +85,21 @@ def starting_checkpoint(cfg: Config, run_dir: Path, resume: bool, start: str | P
         ckpt = Checkpoint(start)
     except CheckpointError as e:   # its metadata.json is damaged
         raise _offer(e, run_dir, int(Path(start).name[5:])) if resume else e from None
-    if resume:
-        check_resumable(cfg, ckpt, run_dir)
     try:
-        ckpt.verify()
-    except CheckpointError as e:
-        raise _offer(e, run_dir, ckpt.step) if resume else e from None
-    ckpt.check_model(model_shapes(cfg))
-    ckpt.check_optimizer(cfg.train.optimizer)
-    if ckpt.step >= cfg.train.steps:
-        raise CheckpointError(f"train.steps = {cfg.train.steps}: the checkpoint {ckpt.path} is at step {ckpt.step}, "
-                              f"nothing is left to run (raise train.steps)")
+        if resume:
+            check_resumable(cfg, ckpt, run_dir)
+        try:
+            ckpt.verify()
+        except CheckpointError as e:
+            raise _offer(e, run_dir, ckpt.step) if resume else e from None
+        ckpt.check_model(model_shapes(cfg))
+        ckpt.check_optimizer(cfg.train.optimizer)
+        if ckpt.step >= cfg.train.steps:
+            raise CheckpointError(f"train.steps = {cfg.train.steps}: the checkpoint {ckpt.path} is at step "
+                                  f"{ckpt.step}, nothing is left to run (raise train.steps)")
+    except BaseException:   # refused: its files are closed here, as the caller never gets it
+        ckpt.close()
+        raise
     return ckpt
 
 
@@ -124,13 +128,26 @@ def _offer(error: CheckpointError, run_dir: Path, step: int) -> CheckpointError:
     for path in reversed(complete_checkpoints(run_dir / CHECKPOINTS)):
         if int(path.name[5:]) >= step:
             continue
-        try:
-            Checkpoint(path).verify()
-        except CheckpointError:
+        if not _intact(path):
             continue
         return CheckpointError(f"{error}; the newest intact checkpoint is {path.name}: --resume {run_dir} "
                                f"--checkpoint {path.name} continues from it (its later checkpoints are removed)")
     return CheckpointError(f"{error}; no earlier checkpoint of the run is intact")
+
+
+def _intact(path: Path) -> bool:
+    """Whether the checkpoint at `path` reads back whole (its files closed again)."""
+    try:
+        ckpt = Checkpoint(path)
+    except CheckpointError:
+        return False
+    try:
+        ckpt.verify()
+        return True
+    except CheckpointError:
+        return False
+    finally:
+        ckpt.close()
 
 
 def check_resumable(cfg: Config, ckpt: Checkpoint, run_dir: Path) -> None:

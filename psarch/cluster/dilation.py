@@ -140,7 +140,7 @@ def busiest_link_bytes(p: Prediction) -> tuple[float, bool]:
 
 
 @dataclass(frozen=True)
-class Cluster:
+class ModelledStep:
     """What the cluster spends on this config, from the device and the link rates (cluster seconds), and what
     they were counted from: the workload, a worker's batch, the config's bytes and messages (Prediction)."""
 
@@ -152,7 +152,7 @@ class Cluster:
     model_s: float     # the model's bytes over a worker's link, twice (its first broadcast, its final gather)
 
 
-def modelled(cfg: Config) -> Cluster:
+def modelled(cfg: Config) -> ModelledStep:
     """This config's step on the cluster it stands for (a modelled device)."""
     from psarch.theory import predict
     from psarch.workload import build_workload
@@ -164,12 +164,12 @@ def modelled(cfg: Config) -> Cluster:
     p = predict(cfg, sum(x.numel() for x in params if x.requires_grad))   # what moves
     nbytes, server = busiest_link_bytes(p)
     c = cfg.cluster
-    return Cluster(workload, batch, p, (flops.forward + flops.backward) / device.flops_per_s(cfg),
+    return ModelledStep(workload, batch, p, (flops.forward + flops.backward) / device.flops_per_s(cfg),
                    nbytes * 8 / ((c.server_mbps if server else c.link_mbps) * 1e6),
                    2 * sum(x.numel() * x.element_size() for x in params) * 8 / (c.link_mbps * 1e6))
 
 
-def measure(cfg: Config, threads: int = 1, cluster: Cluster | None = None) -> Costs:
+def measure(cfg: Config, threads: int = 1, cluster: ModelledStep | None = None) -> Costs:
     """This workload's modelled step on the cluster (`cluster`, or counted here) and its cost on this machine
     now, beside the run's other processes (`spinning`; a rank computes on `threads` threads)."""
     k = cluster or modelled(cfg)
@@ -196,7 +196,7 @@ def stretched(cfg: Config) -> Config:
     return dataclasses.replace(cfg, backend=dataclasses.replace(b, **waits))
 
 
-def wall_s(cfg: Config, k: Cluster) -> float:
+def wall_s(cfg: Config, k: ModelledStep) -> float:
     """The run's estimated wall time, its processes' start-up left out: its steps, each the slowest worker's
     modelled compute (a straggler's slowdown; jitter left out) and the busiest link's time (no overlap
     counted, so rather more than less), and the model's way in and out, x D."""

@@ -91,6 +91,14 @@ def _check_compression(cfg: Config) -> None:
     if t.compression in ("topk", "powersgd") and t.precision == "fp16":
         raise ConfigError(f"train.compression = \"{t.compression}\": its error feedback would carry gradients scaled "
                           f"by fp16's changing loss scale; use train.precision = \"fp32\" or \"bf16\"")
+    e = cfg.backend.embeddings
+    if t.compression != "none" and e != "dense":
+        raise ConfigError(f"train.compression = \"{t.compression}\": compresses the dense gradients only (the tables' "
+                          f"rows move whole); use backend.embeddings = \"dense\", not \"{e}\"")
+    if t.compression in ("topk", "powersgd") and t.checkpoint_every:
+        raise ConfigError(f"train.checkpoint_every = {t.checkpoint_every}: the error feedback of train.compression = "
+                          f"\"{t.compression}\" is not in checkpoints yet, so a resumed run would not continue this one; "
+                          f"use 0")
 
 
 def _check_workload(cfg: Config) -> None:

@@ -63,6 +63,12 @@ class TorchDPSpec(_OneProcess):
     trainer = "psarch.dp.torch_dp:TorchDPTrainer"
     doc = "PyTorch's DataParallel (the peer of dp; CUDA devices only)"
 
+    def check(self, cfg: Config) -> None:
+        super().check(cfg)
+        if cfg.backend.device == "cpu":
+            raise ConfigError("backend.device = \"cpu\": backend.kind = \"torch_dp\" is torch.nn.DataParallel, which "
+                              "runs on CUDA devices only; use backend.kind = \"dp\" on CPU cores")
+
 
 DP = DPSpec()
 TORCH_DP = TorchDPSpec()

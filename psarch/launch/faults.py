@@ -36,19 +36,25 @@ class Struck(TypedDict, total=False):
 class Restart(TypedDict):
     """summary.json's `restarts[]`: a world started again (faults.restart = "replace"): why (the error's first
     line), when the launcher found the world stopped and when it started the next (as Struck's at_s), from which
-    checkpoint step, and the steps done past it, to be done again."""
+    checkpoint step, the steps done past it, to be done again, and the kills struck by then (all worlds')."""
 
     error: str
     stopped_at_s: float | None
     at_s: float
     from_step: int
     steps_lost: int
+    kills: int
+
+
+def kills(struck: list[Struck]) -> int:
+    """The kills struck so far."""
+    return sum(s["action"] == KILL for s in struck)
 
 
 def restarts_due(cfg: Config, struck: list[Struck], restarts: list[Restart]) -> bool:
     """Whether a world that just stopped is to start again: faults.restart = "replace", and a kill struck since
-    the last start."""
-    return cfg.faults.restart == "replace" and sum(s["action"] == KILL for s in struck) > len(restarts)
+    the last start (a failure no kill explains stops the run, however many worlds a kill ended before)."""
+    return cfg.faults.restart == "replace" and kills(struck) > (restarts[-1]["kills"] if restarts else 0)
 
 
 def not_struck(cfg: Config, struck: list[Struck]) -> Config:

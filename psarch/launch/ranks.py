@@ -31,7 +31,7 @@ from psarch.backend import BackendSpec
 from psarch.checkpoint import latest_complete
 from psarch.checkpoint.writer import checkpoint_step
 from psarch.checkpoint.start import CHECKPOINTS, resolve_start
-from psarch.cluster.device import dilation
+from psarch.cluster.device import CORE, dilation
 from psarch.cluster.placement import Placement, place
 from psarch.cluster.dilation import resolve as resolve_dilation
 from psarch.cluster.window import StepMarks
@@ -39,7 +39,7 @@ from psarch.config import Config, ConfigError, check_machine, from_dict
 from psarch.dist import abandon_group, init_rank, shutdown, under_torchrun
 from psarch.errors import NON_FINITE_EXIT, NonFiniteError, RunError
 from psarch.config.faults import faults
-from psarch.launch.faults import Injector, Restart, Struck, not_struck, restarts_due, since, steps_done
+from psarch.launch.faults import Injector, Restart, Struck, kills, not_struck, restarts_due, since, steps_done
 from psarch.launch.lifecycle import die_with_parent, leave
 from psarch.records import RankRecord, ServiceFields, ServiceInfo, Summary
 from psarch.launch.runner import run_rank
@@ -58,6 +58,9 @@ def run(cfg: Config, out: str | Path | None = None, echo: bool = True, resume: b
     if cfg.cluster.emulate and under_torchrun():
         raise ConfigError("cluster.emulate = true: not under torchrun, whose machines are the cluster; "
                           "use `psarch run`, or --set cluster.emulate=false")
+    if cfg.cluster.device == CORE and not cfg.cluster.device_tflops and under_torchrun():
+        raise ConfigError(f"cluster.device = \"{CORE}\": under torchrun every rank would measure its own core and "
+                          f"pace at its own rate; give the rate (cluster.device_tflops) or use \"cpu-measured\"")
     _check_faults(cfg, resume)
     if not machine_checked:  # once per run: with cluster.emulate it creates and deletes a probe namespace
         check_machine(cfg)  # a missing GPU or text file: one ConfigError now, not a traceback in every rank
@@ -140,7 +143,7 @@ def _restarted(job: RankJob, cfg: Config, ranks_cfg: Config, faulted: Summary, r
     first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
     restarts.append({"error": first, "stopped_at_s": faulted.pop("stopped_at_s", None),
                      "at_s": since(t0, time.monotonic(), dilation(ranks_cfg)), "from_step": step,
-                     "steps_lost": done - step})
+                     "steps_lost": done - step, "kills": kills(faulted["faults"])})
     if job.echo:
         print(f"psarch: {first}; restarting the world from step {step} (faults.restart = \"replace\")", flush=True)
     return dataclasses.replace(job, cfg=again.to_dict(), start=begin, resume=begin is not None)

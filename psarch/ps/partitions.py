@@ -25,7 +25,7 @@ PARTITION_ALIGN = 64   # elements: partitions start where a vectorised optimizer
 # host's own cost of a message allows
 PARTITION_MAX_BYTES = 4 * 2**20   # BytePS's partition (4 MB, for 25-100 Gbit/s links): where the link is not known
 PIPELINE_DEPTH = 16               # per range: filling the pipeline costs 1/16 of the exchange (README: partition size)
-PARTITION_LINK_S = 0.6e-3         # at least this long on the link: 4x a partition's host cost (~150 us, ps.bench)
+PARTITION_LINK_S = 0.6e-3         # at least this long on the link: 4x a partition's host cost (`psarch bench ps`)
 
 
 def partition_bytes(cfg: Config, numel: int) -> float:

@@ -171,9 +171,6 @@ class PSSpec(BackendSpec):
         if cfg.train.compression == "topk" and b.mode == "geo":
             raise ConfigError("train.compression = \"topk\": pushes gradients with error feedback; backend.mode = "
                               "\"geo\" pushes deltas, which it does not compress yet; use sync, async or ssp")
-        if cfg.train.compression != "none" and b.embeddings != "dense":
-            raise ConfigError(f"train.compression = \"{cfg.train.compression}\": casts the dense pushes only; use "
-                              f"backend.embeddings = \"dense\", not \"{b.embeddings}\"")
 
     def service_nodes(self, cfg: Config) -> int:
         return 0 if cfg.backend.server_addresses else cfg.backend.servers
@@ -200,22 +197,22 @@ class PSSpec(BackendSpec):
         server's contiguous range ready within 1/k of backward (round robin: its partitions all through it).
         Priority is modelled as without it: the next forward could hide what it overlaps, but its last module
         needs the last partition pushed, and the credit's gating (each ack travels behind its server's pulls on
-        one connection) costs about as much; measured on the device crossover, it gained nothing."""
+        one connection) costs about as much."""
         b = cfg.backend
         m = _theory().partitions_per_server(cfg, phi)
         return CommModel(buckets=m * b.servers, overlap=pushes_from_hooks(cfg),
                          pipeline=_theory().pipeline_slots(cfg, phi), ready_share=_theory().ready_share(cfg, phi))
 
     def program(self, cfg: Config, phi: float, step: Any, reduced: bool = False) -> Any:
-        """psarch/ps/program.py's sync step, from the servers' partitions (layout.server_partitions) and placement;
-        reduced: alike servers grouped (program.groups_of). None for the other modes, embedding rows
-        and servers started elsewhere (not written yet)."""
+        """psarch/ps/program.py's sync step, from the servers' partitions (partitions.server_partitions) and
+        placement; reduced: alike servers grouped (program.groups_of). None for the other modes, embedding rows,
+        compressed pushes and servers started elsewhere (not written yet: their bytes are theory's)."""
         from psarch.ps import program
         from psarch.ps.partitions import server_partitions
         from psarch.theory import BYTES
 
         b = cfg.backend
-        if b.mode != "sync" or b.embeddings != "dense" or b.server_addresses:
+        if b.mode != "sync" or b.embeddings != "dense" or b.server_addresses or cfg.train.compression != "none":
             return None
         slots = program.slots_of(server_partitions(cfg, int(phi)), BYTES[cfg.train.precision], pushes_from_hooks(cfg))
         colocated = b.server_placement == "colocated"

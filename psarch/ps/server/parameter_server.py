@@ -1,5 +1,5 @@
 """One parameter server: a ZeroMQ ROUTER that owns range [lo, hi) of the flat fp32 parameter vector (or, dealt
-round robin, every k-th partition of it: layout.server_partitions).
+round robin, every k-th partition of it: partitions.server_partitions).
 
 The servers of a run build the initial parameters from the config themselves (`initialize`; the range
 follows from the total size and this server's index). Requests (see psarch/ps/wire.py): `init` (only for a

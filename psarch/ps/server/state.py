@@ -85,7 +85,7 @@ class ServerState:
     exit_when_done: bool = False   # standalone: stop once every worker is done (or 10 s after a failure)
     parts: list[Partition] = field(default_factory=list)   # its partitions in flat order; none until initialised
     starts: dict[int, Partition] = field(default_factory=dict)   # each partition by its first element
-    size: int = 0                  # elements held: its own vector, the partitions joined (layout.server_partitions)
+    size: int = 0                  # elements held: its own vector, the partitions joined (partitions.server_partitions)
     numel: int = 0                 # elements of the whole flat vector the servers hold (its partitions depend on it)
     scratch: torch.Tensor = field(init=False)   # a push's payload (push_dtype), decoded here when not summed in place
     refused_non_finite: list[int] = field(init=False)   # pushes refused for inf/nan, per worker

@@ -7,8 +7,7 @@ push is acknowledged when its server has it (not when its round completes, which
 credit tied to other workers could deadlock them), so a partition the next forward needs early overtakes those
 backward finished before it, once the credit in flight drains. The credit is per server because a server owns a
 contiguous range: one credit for all would send every worker's pushes to server 0 first, then to server 1, each
-server's link in turn carrying all N workers' pushes while the others idle (measured several times slower
-than without priority). Each push is followed by its partition's pull.
+server's link in turn carrying all N workers' pushes while the others idle. Each push is followed by its partition's pull.
 After backward the worker posts what the credit allows and goes on: the next forward waits per module
 (`PullOrder`, forward pre-hooks) only for the partitions holding that module's own parameters, posting the
 queued pushes as acks free the credit while it waits, and the later partitions still go out and come back
