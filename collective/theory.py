@@ -48,6 +48,30 @@ def rows(cfg: Config, phi: float, sparse_grads: bool = False) -> Prediction:
     return Prediction(mem, LinkBytes(v, v), None, rounds=5, messages=5 * (n - 1), server_memory=None)
 
 
+def ps_tables(cfg: Config, phi: float) -> Prediction:
+    """embeddings = "ps" (the hybrid, collective/ps_tables.py): the dense layers ring all-reduced, the tables on
+    backend.servers PS servers; a rank pulls its u expected rows and pushes their gradients (the PS's rows_traffic
+    with no dense part, headers not counted) and holds the dense model, its optimizer state and the u rows (and
+    their gradients); a server its 1/S of the tables and their row-wise optimizer state."""
+    from psarch.ps.theory import rows_traffic
+
+    t, d, b = cfg.train, cfg.workload.dlrm, cfg.backend
+    n, width = b.world_size, BYTES[t.precision]
+    k = optimizer_bytes_per_param(t.optimizer, t.precision, t.momentum)
+    table = table_params(cfg)
+    dense, u = phi - table, expected_unique_ids(cfg)
+    rows = u * d.dim * 4   # rows move and are updated in fp32 (the spec refuses other precisions)
+    mem = MemoryPrediction(params=width * dense + rows, grads=width * dense + rows, optimizer=k * dense)
+    ring = 2 * (n - 1) / n * dense * width
+    sent = rows_traffic(u, d.dim, 0, 4)
+    steps = 8 * d.num_tables * d.rows if t.optimizer == "adamw" else 0   # lazy AdamW's step per row
+    server_mem = ((4 + optimizer_bytes_per_param(t.optimizer, "fp32", t.momentum)) * table + steps) / b.servers
+    # a ring all-reduce (2 passes; none at N = 1), then the row pull, its rows, the row push
+    return Prediction(mem, LinkBytes(ring + sent.sent, ring + sent.received),
+                      LinkBytes(sent=n * sent.received / b.servers, received=n * sent.sent / b.servers),
+                      rounds=(2 if n > 1 else 0) + 3, messages=2 * (n - 1) + 3, server_memory=server_mem)
+
+
 def sharded_bytes(ids_out: float, ids_in: float, tables: int, dim: int, width: int, n: int) -> tuple[float, float]:
     """(sent, received) bytes of one rank's all-to-alls in a step with row-sharded tables (collective/sharded.py),
     from their definitions: the id counts (int64, one per table to each other rank), the ids it asks other
