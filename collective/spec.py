@@ -2,13 +2,14 @@
 torch.distributed's collectives) and `torch_ddp` (PyTorch's own DistributedDataParallel, the peer)."""
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Mapping
 
 from collective import theory
 from psarch.backend import PROCESS_GROUP_OPTIONS, BackendSpec, CommModel
 from psarch.config.backend import Buckets, Communicator, CoreBackendConfig, Overlap, PSServers
-from psarch.errors import ConfigError
+from psarch.errors import ConfigError, show
 from psarch.theory import BYTES, Prediction, buckets_of, table_params
 
 if TYPE_CHECKING:
@@ -95,6 +96,12 @@ class DDPSpec(BackendSpec):
         check_compression(cfg)
         if cfg.backend.embeddings == "ps":
             check_ps_tables(cfg)
+        else:   # the servers' options are read only where there are servers
+            for f in dataclasses.fields(PSServers):
+                if getattr(cfg.backend, f.name) != f.default:
+                    raise ConfigError(f"backend.{f.name} = {show(getattr(cfg.backend, f.name))}: configures the PS "
+                                      f"servers of backend.embeddings = \"ps\"; this run has embeddings = "
+                                      f"\"{cfg.backend.embeddings}\"")
         if cfg.backend.embeddings == "sharded" and cfg.train.precision == "fp16":
             raise ConfigError("train.precision = \"fp16\": backend.embeddings = \"sharded\" runs fp32 or bf16 (fp16 "
                               "would need one inf/nan verdict over every rank's shard before a step)")
