@@ -63,6 +63,10 @@ class PSTableRows(WorkerRows):
                                        keys=self.keys[pos])] for pos in self.where])
         return out
 
+    def full_tables(self) -> dict[str, torch.Tensor]:
+        """Rank 0's: the whole tables from the servers (the others' model state is not kept)."""
+        return super().full_tables() if self.rank == 0 else {}
+
     def traffic(self) -> dict[str, OpTraffic]:
         return self.client.meter.report().ops
 
