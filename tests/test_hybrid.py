@@ -151,3 +151,51 @@ def test_combinations_it_does_not_run_are_refused_in_one_line(backend, train_, w
     with pytest.raises(ConfigError) as e:
         from_dict(data)
     assert words in str(e.value) and "\n" not in str(e.value), str(e.value)
+
+
+def test_a_server_applies_a_round_once_every_rank_pushed_and_holds_the_next_pulls_until_then():
+    """The servers' side (psarch/ps/server/rows.py, tables_only): worker 0's rowpull for step 1 waits for
+    worker 1's rowpush of step 0; the round applies the mean gradient (SGD: row -= lr · Σ g / N), and a second
+    push for a round or a pull past the next one is refused."""
+    from psarch.ps.errors import PSError
+    from psarch.ps.worker.client import PSClient, Request
+
+    data = config("srv", base=DLRM, train=OPTIMIZERS["sgd"], backend=dict(HYBRID, servers=1, world_size=2))
+    cfg = from_dict(data)
+    dim, lr = cfg.workload.dlrm.dim, OPTIMIZERS["sgd"]["lr"]
+    services = LocalServers(cfg, None, threads=True)
+    info = services.info
+    clients = [PSClient(info.addresses, w, 10.0, info.auth) for w in range(2)]
+    keys = torch.tensor([3, 1007])   # row 3 of tables 0 and 1
+
+    def pull(w: int, step: int, post_only: bool = False) -> Request:
+        r = Request({"op": "rowpull", "step": step, "want": "float32"}, keys, into=torch.empty(2, dim))
+        clients[w].post(0, r)
+        if not post_only:
+            clients[w].wait()
+        return r
+
+    def push(w: int, step: int, k: torch.Tensor, g: torch.Tensor) -> None:
+        clients[w].exchange([[Request({"op": "rowpush", "step": step, "version": step}, g, keys=k)]])
+
+    try:
+        before = pull(0, 0).into.clone()
+        g0, g1 = torch.randn(2, dim), torch.randn(1, dim)
+        push(0, 0, keys, g0)
+        with pytest.raises(PSError, match="has pushed its rows"):
+            push(0, 0, keys, g0)
+        with pytest.raises(PSError, match="applied 0 rounds"):
+            pull(1, 1)
+        waiting = pull(0, 1, post_only=True)
+        with pytest.raises(PSError, match="no reply"):
+            clients[0].wait(timeout_s=0.5)
+        assert not waiting.answered
+        push(1, 0, keys[:1], g1)
+        clients[0].wait()
+        assert waiting.answered
+        want = before - lr * torch.stack([g0[0] + g1[0], g0[1]]) / 2
+        torch.testing.assert_close(waiting.into, want, rtol=0, atol=1e-6)
+    finally:
+        for c in clients:
+            c.close()
+        services.stop()
