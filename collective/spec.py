@@ -62,8 +62,16 @@ def check_compression(cfg: Config) -> None:
 
 
 def check_ps_tables(cfg: Config) -> None:
-    """What the hybrid (embeddings = "ps", collective/ps_tables.py) does not run (yet), as one line each."""
+    """What the hybrid (embeddings = "ps", collective/ps_tables.py) does not run (yet), as one line each; without
+    it, the servers' options (PSServers) set at all."""
     b, t = cfg.backend, cfg.train
+    if b.embeddings != "ps":
+        # timeouts left out: an emulated cluster stretches every backend's (psarch/cluster/dilation.py)
+        for f in dataclasses.fields(PSServers):
+            if getattr(b, f.name) != f.default and not f.name.endswith("timeout_s"):
+                raise ConfigError(f"backend.{f.name} = {show(getattr(b, f.name))}: configures the PS servers of "
+                                  f"backend.embeddings = \"ps\"; this run has embeddings = \"{b.embeddings}\"")
+        return
     why = (f"train.precision = \"{t.precision}\": the servers' rows move and are updated in fp32 only"
            if t.precision != "fp32" else
            f"train.momentum = {t.momentum:g}: row-wise SGD has no momentum (it would move untouched rows)"
@@ -78,7 +86,27 @@ def check_ps_tables(cfg: Config) -> None:
         raise ConfigError(f"backend.embeddings = \"ps\" with {why}")
 
 
-class DDPSpec(BackendSpec):
+class PSTablesServices:
+    """A collective backend's PS servers with embeddings = "ps" (the hybrid, collective/ps_tables.py): its
+    services, placed as the PS's (BackendSpec's methods, put before it in a spec's bases)."""
+
+    def service_nodes(self, cfg: Config) -> int:
+        return cfg.backend.servers if cfg.backend.embeddings == "ps" else 0
+
+    def service_beside(self, cfg: Config, index: int) -> int | None:
+        return index if cfg.backend.server_placement == "colocated" else None
+
+    def start_services(self, cfg: Config, out_dir: Path, where: Placement | None = None,
+                       start: Path | None = None) -> Services | None:
+        """With embeddings = "ps": the PS servers of the tables (psarch/ps/services.py)."""
+        if cfg.backend.embeddings != "ps":
+            return None
+        from psarch.ps.services import LocalServers
+        # no out_dir: rank 0 writes model.pt (its tables fetched from the servers), not the servers
+        return LocalServers(cfg, None, where=where)
+
+
+class DDPSpec(PSTablesServices, BackendSpec):
     kind = "ddp"
     trains_subsets = True
     trainer = "collective.ddp:DDPTrainer"
@@ -94,15 +122,7 @@ class DDPSpec(BackendSpec):
 
     def check(self, cfg: Config) -> None:
         check_compression(cfg)
-        if cfg.backend.embeddings == "ps":
-            check_ps_tables(cfg)
-        else:   # the servers' options are read only where there are servers (timeouts: an emulated cluster
-            # stretches every backend's, psarch/cluster/dilation.py)
-            for f in dataclasses.fields(PSServers):
-                if getattr(cfg.backend, f.name) != f.default and not f.name.endswith("timeout_s"):
-                    raise ConfigError(f"backend.{f.name} = {show(getattr(cfg.backend, f.name))}: configures the PS "
-                                      f"servers of backend.embeddings = \"ps\"; this run has embeddings = "
-                                      f"\"{cfg.backend.embeddings}\"")
+        check_ps_tables(cfg)
         if cfg.backend.embeddings == "sharded" and cfg.train.precision == "fp16":
             raise ConfigError("train.precision = \"fp16\": backend.embeddings = \"sharded\" runs fp32 or bf16 (fp16 "
                               "would need one inf/nan verdict over every rank's shard before a step)")
@@ -110,21 +130,6 @@ class DDPSpec(BackendSpec):
     def worker_holds_tables(self, cfg: Config) -> bool:
         # sharded: a rank builds only its own rows (collective/sharded.py); ps: the servers build theirs
         return cfg.backend.embeddings not in ("sharded", "ps")
-
-    def service_nodes(self, cfg: Config) -> int:
-        return cfg.backend.servers if cfg.backend.embeddings == "ps" else 0
-
-    def service_beside(self, cfg: Config, index: int) -> int | None:
-        return index if cfg.backend.server_placement == "colocated" else None
-
-    def start_services(self, cfg: Config, out_dir: Path, where: Placement | None = None,
-                       start: Path | None = None) -> Services | None:
-        """With embeddings = "ps": the PS servers of the tables (psarch/ps/services.py; collective/ps_tables.py)."""
-        if cfg.backend.embeddings != "ps":
-            return None
-        from psarch.ps.services import LocalServers
-        # no out_dir: rank 0 writes model.pt (its tables fetched from the servers), not the servers
-        return LocalServers(cfg, None, where=where)
 
     def predict(self, cfg: Config, phi: float) -> Prediction:
         e = cfg.backend.embeddings

@@ -1,9 +1,9 @@
-"""The hybrid (ddp with backend.embeddings = "ps", collective/ps_tables.py): the tables on 2 PS servers, the dense
-layers ring all-reduced, on dlrm/clicks at N = 2. Sync: ends with the model of `single` (SGD within 1e-5
-absolute, Adagrad within tests/parity.py's tolerances) and of ddp with embeddings = "rows"; each step's bytes are
-the dense all-reduce's plus the rows pulled and pushed (the PS's rows_traffic at the measured distinct ids, and
-the requests' headers); theory's prediction is that formula at E[u]; the combinations it does not run are
-refused in one line."""
+"""The hybrid (backend.embeddings = "ps" on ddp and zero, collective/ps_tables.py): the tables on 2 PS servers, the
+dense layers ring all-reduced (ddp) or sharded (ZeRO stages 1-3), on dlrm/clicks at N = 2. Sync: ends with the
+model of `single` (SGD within 1e-5 absolute, Adagrad within tests/parity.py's tolerances) and of ddp with
+embeddings = "rows"; each step's bytes are the dense collective's plus the rows pulled and pushed (the PS's
+rows_traffic at the measured distinct ids, and the requests' headers); theory's prediction is that formula at
+E[u]; the combinations it does not run are refused in one line."""
 from __future__ import annotations
 
 import pytest
@@ -33,6 +33,9 @@ OPTIMIZERS = {"sgd": {"optimizer": "sgd", "lr": 0.5},
 N, SERVERS = 2, 2
 HYBRID = {"kind": "ddp", "embeddings": "ps", "servers": SERVERS, "bucket_cap_mb": 0}   # a bucket per dense parameter
 RUNS = {**{f"hybrid-{comm}-{opt}": (dict(HYBRID, comm=comm), opt) for comm in ("ring", "native") for opt in OPTIMIZERS},
+        **{f"hybrid-zero{stage}-sgd": ({"kind": "zero", "stage": stage, "embeddings": "ps", "servers": SERVERS}, "sgd")
+           for stage in (1, 2, 3)},
+        "hybrid-zero2-adagrad": ({"kind": "zero", "stage": 2, "embeddings": "ps", "servers": SERVERS}, "adagrad"),
         **{f"ddp-rows-{opt}": ({"kind": "ddp", "embeddings": "rows"}, opt) for opt in OPTIMIZERS}}
 # header bytes per server per step: rowpull + rowpush sent (their headers), rows + ack received (measured: 67 + 72
 # and 49 + 17, a few bytes more or less with the integers' msgpack sizes)
@@ -85,7 +88,7 @@ def test_hybrid_equals_single_and_ddp_rows(runs, name):
     assert_same_model(got, model(out, f"ddp-rows-{opt}"), f"{name} vs ddp rows")
 
 
-@pytest.mark.parametrize("name", HYBRIDS)
+@pytest.mark.parametrize("name", [n for n in HYBRIDS if "zero" not in n])
 def test_bytes_per_step_are_the_dense_all_reduce_plus_the_rows(runs, name):
     """All-reduce: exactly the ring's volume over the dense parameters (a bucket each); rows: 8 B per key out with
     the pull and again with the push, u·dim fp32 of gradients out and of rows in (u: this rank's distinct ids,
@@ -107,6 +110,24 @@ def test_bytes_per_step_are_the_dense_all_reduce_plus_the_rows(runs, name):
             assert SERVERS * lo <= row["sent"] - ring - rows.sent <= SERVERS * hi, (name, rank, step, row)
             lo, hi = RECEIVED_HEADERS
             assert SERVERS * lo <= row["received"] - ring - rows.received <= SERVERS * hi, (name, rank, step, row)
+
+
+@pytest.mark.parametrize("name", [n for n in HYBRIDS if "zero" in n])
+def test_zero_bytes_per_step_are_its_collectives_plus_the_rows(runs, name):
+    """ZeRO's steps: what its reduce-scatters and all-gathers moved (a step's share of the run's), plus the rows
+    as above."""
+    _, results, _ = runs
+    d = DLRM["workload"]["dlrm"]
+    steps = DLRM["train"]["steps"]
+    for rank, r in enumerate(results[name]):
+        ops = r["traffic"]["ops"]
+        dense = (ops["reduce_scatter"]["sent"] + ops["all_gather"]["sent"]) / steps   # sent = received
+        assert ops["reduce_scatter"]["received"] + ops["all_gather"]["received"] == steps * dense
+        for step, row in enumerate(r["rows"]):
+            rows = ps_theory.rows_traffic(row["extra"]["unique_ids"], d["dim"], 0, 4)
+            for got, want, (lo, hi) in ((row["sent"], rows.sent, SENT_HEADERS),
+                                        (row["received"], rows.received, RECEIVED_HEADERS)):
+                assert SERVERS * lo <= got - want - dense <= SERVERS * hi, (name, rank, step, row, dense)
 
 
 def test_prediction_is_the_formula_at_the_expected_unique_ids(runs):
@@ -139,7 +160,9 @@ def test_the_servers_hold_the_tables_and_no_dense_range(runs):
 
 
 @pytest.mark.parametrize("backend, train_, words", [
-    ({"kind": "zero", "embeddings": "ps"}, {}, 'backend.embeddings = "ps"'),
+    ({"kind": "torch_ddp", "embeddings": "ps"}, {}, 'backend.embeddings = "ps"'),
+    ({"kind": "zero", "embeddings": "ps"}, {"precision": "bf16"}, "fp32 only"),
+    ({"kind": "zero", "servers": 2}, {}, "backend.servers = 2"),
     ({"kind": "ps", "embeddings": "ps"}, {}, 'backend.embeddings = "ps"'),
     (HYBRID, {"precision": "bf16"}, "fp32 only"),
     (HYBRID, {"momentum": 0.9}, "momentum"),
