@@ -65,7 +65,8 @@ class ZeroSpec(PSTablesServices, BackendSpec):
         return f"stage{cfg.backend.stage}/{cfg.backend.comm}"
 
     def label(self, cfg: Config) -> str:
-        return f"zero-{cfg.backend.stage} {cfg.backend.comm}"
+        text = f"zero-{cfg.backend.stage} {cfg.backend.comm}"
+        return text if cfg.backend.embeddings == "dense" else f"{text}, embeddings {cfg.backend.embeddings}"
 
     def predict(self, cfg: Config, phi: float) -> Prediction:
         stage = cfg.backend.stage
