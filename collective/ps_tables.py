@@ -12,29 +12,17 @@ step: the dense all-reduce, plus the PS's rows (8·u of keys out twice, u·dim·
 """
 from __future__ import annotations
 
-import dataclasses
 from typing import Any
 
 import torch
 from torch import nn
 
-from psarch.config import Config, from_dict
-from psarch.config.backend import PSServers
+from psarch.config import Config
 from psarch.dist import DistContext
+from psarch.ps.rows import server_config
 from psarch.ps.worker.client import PSClient, Request
 from psarch.ps.worker.rows import WorkerRows
 from psarch.trainer import OpTraffic
-
-
-def server_config(cfg: Config) -> Config:
-    """The PS config the hybrid's servers (and its ranks' rows) run: sync, embeddings = "rows", the servers'
-    options (PSServers) and the run's workload and [train] as the collective backend's config says."""
-    b = cfg.backend
-    data = cfg.to_dict()
-    data["backend"] = {"kind": "ps", "mode": "sync", "embeddings": "rows", "world_size": b.world_size,
-                       "timeout_s": b.timeout_s, "device": b.device,
-                       **{f.name: getattr(b, f.name) for f in dataclasses.fields(PSServers)}}
-    return from_dict(data, cfg.name)
 
 
 class PSTableRows(WorkerRows):

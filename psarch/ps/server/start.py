@@ -7,7 +7,7 @@ from typing import Any
 
 from psarch.config import Config
 from psarch.ps.layout import SEED_LOCK, initial_flat
-from psarch.ps.rows import dense_flat
+from psarch.ps.rows import dense_flat, server_config
 from psarch.ps.server.parameter_server import ParameterServer
 from psarch.ps.server.row_shard import initial_shard
 
@@ -44,7 +44,6 @@ def row_server(index: int, cfg: Config, host: str, port: int, **kwargs: Any) -> 
 def table_server(index: int, cfg: Config, host: str, port: int, **kwargs: Any) -> ParameterServer:
     """The hybrid's server (collective/ps_tables.py): its shard of the initial tables, no dense range; it runs
     as a sync PS server with rows (psarch/ps/server/rows.py, tables_only) of the config the servers read."""
-    from collective.ps_tables import server_config
     ps_cfg = server_config(cfg)
     server = ParameterServer(index, ps_cfg, host, port, numel=None, tables_only=True, **kwargs)
     assert server.rows is not None
