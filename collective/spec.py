@@ -101,6 +101,9 @@ class PSTablesServices:
         """With embeddings = "ps": the PS servers of the tables (psarch/ps/services.py)."""
         if cfg.backend.embeddings != "ps":
             return None
+        if start is not None:
+            raise ConfigError(f"--resume/--from {start}: backend.embeddings = \"ps\" starts its servers' tables from the "
+                              f"config only (their rows are not in checkpoints yet)")
         from psarch.ps.services import LocalServers
         # no out_dir: rank 0 writes model.pt (its tables fetched from the servers), not the servers
         return LocalServers(cfg, None, where=where)

@@ -222,3 +222,18 @@ def test_a_server_applies_a_round_once_every_rank_pushed_and_holds_the_next_pull
         for c in clients:
             c.close()
         services.stop()
+
+
+@pytest.mark.parametrize("backend", [HYBRID, {"kind": "ps", "embeddings": "rows", "servers": SERVERS}])
+def test_the_emulated_cluster_probes_a_worker_with_its_tables_held(backend):
+    """An emulated run's device probe (psarch/cluster/core.py) runs forward and backward: where a worker's tables
+    stay on the meta device (the hybrid, PS rows), it probes the same model with them held."""
+    from psarch.cluster.core import probe_workload
+
+    cfg = from_dict(config("probe", base=DLRM, train=OPTIMIZERS["sgd"], backend=dict(backend, world_size=N)))
+    meta = build_workload(cfg).model
+    assert any(p.is_meta for p in meta.parameters())
+    w = probe_workload(cfg)
+    assert not any(p.is_meta for p in w.model.parameters())
+    assert sum(p.numel() for p in w.model.parameters()) == sum(p.numel() for p in meta.parameters())
+    w.loss_fn(w.model, w.batch(0, 0, N)).backward()
