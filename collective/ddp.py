@@ -41,7 +41,7 @@ class DDPTrainer(Trainer):
         self.comm = make_communicator(cfg.backend.comm, ctx.group)
         # before the model moves: a sharded treatment takes the (meta) tables out for its row shards, so only
         # the dense part is ever materialised on this rank
-        self.tables = make_tables(workload.model, self.comm, cfg, ctx.device)
+        self.tables = make_tables(workload.model, self.comm, cfg, ctx)
         self.model = workload.model.to(ctx.device, compute_dtype(cfg.train.precision))
         apart = self.tables.excluded()   # rows: the tables' gradients move as (ids, rows), not in buckets
         # Grads become ready roughly in reverse registration order: lay the buffer out that way so
@@ -115,7 +115,8 @@ class DDPTrainer(Trainer):
         masters = self.flat.views(self.optim.master.masters[0])
         state = consolidated_state(self.model, {id(p): m for p, m in zip(self.flat.params, masters)})
         tables = self.tables.full_tables()   # tables the model does not hold, under their names (collective)
-        return {**tables, **state} if self.ctx.rank == 0 else {}
+        # the tables' own win over the model's (ps: its tables hold only the last step's rows)
+        return {**state, **tables} if self.ctx.rank == 0 else {}
 
     def checkpoint_pieces(self, writing: bool = True) -> Pieces:
         """Every rank holds every dense parameter; when writing, each writes its share (and the rows its
@@ -152,4 +153,5 @@ class DDPTrainer(Trainer):
     def close(self) -> None:
         for h in self._hooks:
             h.remove()
+        self.tables.close()
         self.comm.close()

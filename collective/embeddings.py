@@ -1,6 +1,6 @@
 """The embedding treatments of the collective backends (psarch.embeddings.EmbeddingTables): ddp runs dense,
-rows (collective/rows.py: the touched rows' gradients all-gathered) and sharded (collective/sharded.py: rows
-sharded over the ranks, all-to-all); torch_ddp runs dense and rows (TorchSparseRows: torch's own sparse
+rows (collective/rows.py: the touched rows' gradients all-gathered), sharded (collective/sharded.py: rows
+sharded over the ranks, all-to-all) and ps (collective/ps_tables.py: the tables on parameter servers); torch_ddp runs dense and rows (TorchSparseRows: torch's own sparse
 gradients, which DDP's reducer all-gathers on gloo)."""
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ from collective.comm import Communicator
 from collective.rows import RowExchange
 from collective.sharded import ShardedTables
 from collective.theory import rows_all_gather_bytes
+from psarch.dist import DistContext
 from psarch.embeddings import EmbeddingTables, embedding_tables, unique_ids
 from psarch.meters import TrafficMeter
 from psarch.trainer import OpTraffic
@@ -21,9 +22,13 @@ TREATMENTS: dict[str, Callable[..., EmbeddingTables]] = {"dense": EmbeddingTable
                                                 "sharded": ShardedTables}
 
 
-def make_tables(model: nn.Module, comm: Communicator, cfg: Any, device: torch.device) -> EmbeddingTables:
-    """The treatment backend.embeddings names, built before the model moves to its device (sharded takes
+def make_tables(model: nn.Module, comm: Communicator, cfg: Any, ctx: DistContext) -> EmbeddingTables:
+    """The treatment backend.embeddings names, built before the model moves to its device (sharded and ps take
     the tables out of the model first)."""
+    if cfg.backend.embeddings == "ps":   # the hybrid: the tables on the PS servers the spec started
+        from collective.ps_tables import PSTableRows
+        return PSTableRows(model, cfg, ctx)
+    device = ctx.device
     kind = TREATMENTS[cfg.backend.embeddings]
     return kind() if kind is EmbeddingTables else kind(model, comm, cfg, device)
 

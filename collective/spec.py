@@ -2,22 +2,27 @@
 torch.distributed's collectives) and `torch_ddp` (PyTorch's own DistributedDataParallel, the peer)."""
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Mapping
 
 from collective import theory
 from psarch.backend import PROCESS_GROUP_OPTIONS, BackendSpec, CommModel
-from psarch.config.backend import Buckets, Communicator, CoreBackendConfig, Overlap
-from psarch.errors import ConfigError
+from psarch.config.backend import Buckets, Communicator, CoreBackendConfig, Overlap, PSServers
+from psarch.errors import ConfigError, show
 from psarch.theory import BYTES, Prediction, buckets_of, table_params
 
 if TYPE_CHECKING:
+    from pathlib import Path
+
+    from psarch.cluster.placement import Placement
     from psarch.config import Config
+    from psarch.trainer import Services
 
 
 @dataclass(frozen=True)
-class DDPOptions(Communicator, Buckets, Overlap, CoreBackendConfig):
-    """ddp's [backend]: a communicator, buckets, overlap."""
+class DDPOptions(PSServers, Communicator, Buckets, Overlap, CoreBackendConfig):
+    """ddp's [backend]: a communicator, buckets, overlap; the PS servers of its tables with embeddings = "ps"."""
 
 
 @dataclass(frozen=True)
@@ -27,7 +32,7 @@ class TorchDDPOptions(Buckets, CoreBackendConfig):
 
 def reduced_params(cfg: Config, phi: float) -> float:
     """Parameters that go through the bucketed all-reduce: all, or the dense layers where embedding tables
-    move otherwise (rows, sharded)."""
+    move otherwise (rows, sharded, ps)."""
     return phi if cfg.backend.embeddings == "dense" else phi - table_params(cfg)
 
 
@@ -44,14 +49,62 @@ def ddp_step(cfg: Config, phi: float, step: Any, reduced: bool, overlap: bool) -
     return ddp_program(cfg.backend.world_size, buckets, step, overlap, reduced)
 
 
-class DDPSpec(BackendSpec):
+def check_ps_tables(cfg: Config) -> None:
+    """What the hybrid (embeddings = "ps", collective/ps_tables.py) does not run (yet), as one line each; without
+    it, the servers' options (PSServers) set at all."""
+    b, t = cfg.backend, cfg.train
+    if b.embeddings != "ps":
+        # timeouts left out: an emulated cluster stretches every backend's (psarch/cluster/dilation.py)
+        for f in dataclasses.fields(PSServers):
+            if getattr(b, f.name) != f.default and not f.name.endswith("timeout_s"):
+                raise ConfigError(f"backend.{f.name} = {show(getattr(b, f.name))}: configures the PS servers of "
+                                  f"backend.embeddings = \"ps\"; this run has embeddings = \"{b.embeddings}\"")
+        return
+    why = (f"train.precision = \"{t.precision}\": the servers' rows move and are updated in fp32 only"
+           if t.precision != "fp32" else
+           f"train.momentum = {t.momentum:g}: row-wise SGD has no momentum (it would move untouched rows)"
+           if t.optimizer == "sgd" and (t.momentum or t.nesterov) else
+           f"train.checkpoint_every = {t.checkpoint_every}: the servers' rows are not in checkpoints yet; use 0"
+           if t.checkpoint_every else
+           f"backend.server_placement = \"colocated\" needs backend.servers <= backend.world_size (here "
+           f"{b.servers} > {b.world_size})" if b.server_placement == "colocated" and b.servers > b.world_size else
+           f"backend.heartbeat_timeout_s = {b.heartbeat_timeout_s:g}: must be longer than backend.heartbeat_s = "
+           f"{b.heartbeat_s:g}" if b.heartbeat_s and b.heartbeat_timeout_s <= b.heartbeat_s else None)
+    if why:
+        raise ConfigError(f"backend.embeddings = \"ps\" with {why}")
+
+
+class PSTablesServices:
+    """A collective backend's PS servers with embeddings = "ps" (the hybrid, collective/ps_tables.py): its
+    services, placed as the PS's (BackendSpec's methods, put before it in a spec's bases)."""
+
+    def service_nodes(self, cfg: Config) -> int:
+        return cfg.backend.servers if cfg.backend.embeddings == "ps" else 0
+
+    def service_beside(self, cfg: Config, index: int) -> int | None:
+        return index if cfg.backend.server_placement == "colocated" else None
+
+    def start_services(self, cfg: Config, out_dir: Path, where: Placement | None = None,
+                       start: Path | None = None) -> Services | None:
+        """With embeddings = "ps": the PS servers of the tables (psarch/ps/services.py)."""
+        if cfg.backend.embeddings != "ps":
+            return None
+        if start is not None:
+            raise ConfigError(f"--resume/--from {start}: backend.embeddings = \"ps\" starts its servers' tables from the "
+                              f"config only (their rows are not in checkpoints yet)")
+        from psarch.ps.services import LocalServers
+        # no out_dir: rank 0 writes model.pt (its tables fetched from the servers), not the servers
+        return LocalServers(cfg, None, where=where)
+
+
+class DDPSpec(PSTablesServices, BackendSpec):
     kind = "ddp"
     trains_subsets = True
     trainer = "collective.ddp:DDPTrainer"
     doc = "data parallelism: gradients all-reduced by psarch's ring or torch.distributed's collectives"
     options = DDPOptions
     reads = PROCESS_GROUP_OPTIONS
-    embeddings = ("dense", "rows", "sharded")
+    embeddings = ("dense", "rows", "sharded", "ps")
     compressions = ("none", "fp16", "bf16", "topk", "powersgd")
     bench_peer = "collective.torch_ddp:plain_ddp_peer"
 
@@ -59,17 +112,21 @@ class DDPSpec(BackendSpec):
         return cfg.backend.comm
 
     def check(self, cfg: Config) -> None:
+        check_ps_tables(cfg)
         if cfg.backend.embeddings == "sharded" and cfg.train.precision == "fp16":
             raise ConfigError("train.precision = \"fp16\": backend.embeddings = \"sharded\" runs fp32 or bf16 (fp16 "
                               "would need one inf/nan verdict over every rank's shard before a step)")
 
     def worker_holds_tables(self, cfg: Config) -> bool:
-        return cfg.backend.embeddings != "sharded"   # a rank builds only its own rows (collective/sharded.py)
+        # sharded: a rank builds only its own rows (collective/sharded.py); ps: the servers build theirs
+        return cfg.backend.embeddings not in ("sharded", "ps")
 
     def predict(self, cfg: Config, phi: float) -> Prediction:
         e = cfg.backend.embeddings
         if cfg.train.compression != "none":
             return theory.compressed(cfg, phi)
+        if e == "ps":
+            return theory.ps_tables(cfg, phi)
         return theory.rows(cfg, phi) if e == "rows" else theory.sharded(cfg, phi) if e == "sharded" else \
             theory.replicated(cfg, phi)
 

@@ -3,6 +3,7 @@ all-reduced by ring, 2(N−1)/N · S per rank per step; with embedding tables mo
 touched rows) or row-sharded over the ranks (all-to-all). The shared algebra is psarch.theory's."""
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import TYPE_CHECKING, Sequence
 
@@ -46,6 +47,32 @@ def rows(cfg: Config, phi: float, sparse_grads: bool = False) -> Prediction:
     v = 2 * (n - 1) / n * dense * width + rows_all_gather_bytes(n, d.num_tables, u, u * d.dim, width)
     # a ring all-reduce (2 passes), then three all-gathers: id counts, ids, rows
     return Prediction(mem, LinkBytes(v, v), None, rounds=5, messages=5 * (n - 1), server_memory=None)
+
+
+def ps_tables(cfg: Config, phi: float) -> Prediction:
+    """embeddings = "ps" on ddp (the hybrid, collective/ps_tables.py): the dense layers ring all-reduced, the
+    tables on PS servers (with_ps_tables)."""
+    return with_ps_tables(replicated(cfg, phi - table_params(cfg)), cfg, phi)
+
+
+def with_ps_tables(dense: Prediction, cfg: Config, phi: float) -> Prediction:
+    """`dense` (what a collective backend predicts for the dense layers alone) with the tables on backend.servers
+    PS servers: a rank also pulls its u expected rows and pushes their gradients (the PS's rows_traffic with no
+    dense part, headers not counted) and holds the u rows and their gradients; a server its 1/S of the tables
+    and their row-wise optimizer state; three more phases: the row pull, its rows, the row push."""
+    from psarch.ps.theory import rows_traffic
+
+    t, d, b = cfg.train, cfg.workload.dlrm, cfg.backend
+    n, u = b.world_size, expected_unique_ids(cfg)
+    rows = u * d.dim * 4   # rows move and are updated in fp32 (the spec refuses other precisions)
+    m = dense.memory_per_rank
+    mem = dataclasses.replace(m, params=m.params + rows, grads=m.grads + rows)
+    link = rows_traffic(u, d.dim, 0, 4)
+    steps = 8 * d.num_tables * d.rows if t.optimizer == "adamw" else 0   # lazy AdamW's step per row
+    table = (4 + optimizer_bytes_per_param(t.optimizer, "fp32", t.momentum)) * table_params(cfg) + steps
+    return Prediction(mem, LinkBytes(dense.worker.sent + link.sent, dense.worker.received + link.received),
+                      LinkBytes(sent=n * link.received / b.servers, received=n * link.sent / b.servers),
+                      rounds=dense.rounds + 3, messages=dense.messages + 3, server_memory=table / b.servers)
 
 
 def sharded_bytes(ids_out: float, ids_in: float, tables: int, dim: int, width: int, n: int) -> tuple[float, float]:

@@ -46,8 +46,9 @@ names no backend; bench/ and the studies' tables in report/ sit above the backen
 
 The other backends are packages beside this one: collective/ (communicators: the hand-written ring,
 collective/ring.py, beside ring_plain.py and torch's native; DDP and its gradient compression, compression.py;
-pipeline/; tensor/; program.py, ring passes and DDP's step as a program) and zero/ (ZeRO 1-3; program.py, their
-steps as programs).
+its embedding treatments, embeddings.py, among them the hybrid, ps_tables.py: the tables on psarch.ps's servers,
+the one place collective uses psarch.ps; pipeline/; tensor/; program.py, ring passes and DDP's step as a
+program) and zero/ (ZeRO 1-3, the hybrid's tables too; program.py, their steps as programs).
 
 Nothing is imported here until used: `psarch keys`, `--help` and a config error answer without torch.
 """

@@ -2,7 +2,8 @@
 that each treatment implements — "dense" (the tables are ordinary parameters: nothing to do), "rows" (only
 the rows a batch touched move: collective/rows.py, and the parameter server's psarch/ps/worker/rows.py, whose
 workers fetch them from the servers), "sharded" (rows sharded over the ranks, exchanged by all-to-all:
-collective/sharded.py) — and what every treatment shares: which parameters are the tables, and which rows a
+collective/sharded.py), "ps" (the hybrid: a collective backend's tables on parameter servers:
+collective/ps_tables.py) — and what every treatment shares: which parameters are the tables, and which rows a
 batch touches.
 
 Convention (the `dlrm` model on `clicks` data): a batch is (dense, ids, clicks) with ids of shape
@@ -77,6 +78,9 @@ class EmbeddingTables:
     def summary(self) -> dict[str, float]:
         """Its figures for summary.json's extra (e.g. embedding bytes held against the whole tables)."""
         return {}
+
+    def close(self) -> None:
+        """Release what it holds open (the hybrid's connections to its servers)."""
 
 
 def embedding_tables(model: nn.Module) -> list[tuple[str, nn.Embedding | nn.EmbeddingBag]]:

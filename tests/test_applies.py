@@ -52,7 +52,7 @@ def test_a_backend_reads_only_its_own_class():
     with pytest.raises(AttributeError):
         ddp.stage     # noqa: B018  (zero's)
     with pytest.raises(AttributeError):
-        ddp.servers   # noqa: B018  (the PS's)
+        ddp.mode      # noqa: B018  (the PS's own; its servers' options are a group ddp includes: PSServers)
     with pytest.raises(dataclasses.FrozenInstanceError):
         ddp.comm = "native"
     assert type(load_config(None).backend) is CoreBackendConfig   # single: the core's alone

@@ -6,9 +6,11 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Mapping
 
 from psarch.backend import PROCESS_GROUP_OPTIONS, BackendSpec, CommModel
-from psarch.config.backend import ActivationMemory, Buckets, Communicator, CoreBackendConfig, ModelUnits, Overlap
+from collective.spec import PSTablesServices, check_ps_tables
+from psarch.config.backend import (ActivationMemory, Buckets, Communicator, CoreBackendConfig, ModelUnits, Overlap,
+                                   PSServers)
 from psarch.config.fields import option
-from psarch.theory import BYTES, Prediction, buckets_of
+from psarch.theory import BYTES, Prediction, buckets_of, table_params
 from zero import theory
 
 if TYPE_CHECKING:
@@ -16,7 +18,7 @@ if TYPE_CHECKING:
 
 
 @dataclass(frozen=True)
-class ZeroOptions(Communicator, Overlap, ModelUnits, ActivationMemory, CoreBackendConfig):
+class ZeroOptions(PSServers, Communicator, Overlap, ModelUnits, ActivationMemory, CoreBackendConfig):
     """zero's [backend]: its own options, named as DeepSpeed names them, a communicator, overlap, the model's
     units and measured activations."""
 
@@ -37,7 +39,7 @@ class TorchFSDPOptions(ModelUnits, CoreBackendConfig):
     """torch_fsdp's [backend]: the units fully_shard wraps."""
 
 
-class ZeroSpec(BackendSpec):
+class ZeroSpec(PSTablesServices, BackendSpec):
     kind = "zero"
     trains_subsets = True
     trainer = "zero.trainer:ZeroTrainer"
@@ -51,19 +53,32 @@ class ZeroSpec(BackendSpec):
                             "and fp16/bf16 reduce-scatters are not built")
     reads = {**PROCESS_GROUP_OPTIONS, "backend.reduce_bucket_size": (1, 2), "backend.allgather_bucket_size": (1, 2),
              "backend.prefetch_bucket_size": (3,)}
+    embeddings = ("dense", "ps")   # ps: the tables on PS servers (collective/ps_tables.py)
+
+    def check(self, cfg: Config) -> None:
+        check_ps_tables(cfg)
+
+    def worker_holds_tables(self, cfg: Config) -> bool:
+        return cfg.backend.embeddings != "ps"   # the servers build their rows
 
     def variant(self, cfg: Config) -> str:
         return f"stage{cfg.backend.stage}/{cfg.backend.comm}"
 
     def label(self, cfg: Config) -> str:
-        return f"zero-{cfg.backend.stage} {cfg.backend.comm}"
+        text = f"zero-{cfg.backend.stage} {cfg.backend.comm}"
+        return text if cfg.backend.embeddings == "dense" else f"{text}, embeddings {cfg.backend.embeddings}"
 
     def predict(self, cfg: Config, phi: float) -> Prediction:
         stage = cfg.backend.stage
+        if cfg.backend.embeddings == "ps":   # ZeRO over the dense layers, the tables on the servers
+            from collective.theory import with_ps_tables
+            dense = phi - table_params(cfg)
+            return with_ps_tables(theory.zero(cfg, dense, stage, theory.passes(stage)), cfg, phi)
         return theory.zero(cfg, phi, stage, theory.passes(stage))
 
     def comm_model(self, cfg: Config, phi: float, extra: Mapping[str, list[Any]]) -> CommModel:
         b = cfg.backend
+        phi = phi - table_params(cfg) if b.embeddings == "ps" else phi   # the tables are the servers'
         groups = extra.get("zero_groups")
         if groups:                   # the engine's group count: stage 3's groups are its units
             buckets = groups[0]

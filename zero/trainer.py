@@ -20,6 +20,7 @@ from typing import Any
 import torch
 
 from collective.communicators import make_communicator
+from collective.ps_tables import PSTableRows
 from psarch.checkpoint import Checkpoint
 from psarch.checkpoint.fragments import Pieces, master_fragments, restore_optimizer, scaler_state
 from psarch.config import Config
@@ -28,6 +29,7 @@ from psarch.meters import SavedActivationMeter, peak_memory, tensor_bytes
 from psarch.precision import MixedPrecisionOptimizer, compute_dtype, has_inf_or_nan
 from psarch.trainer import consolidated_state
 from psarch.trainer import MemoryReport, StepStats, Trainer, TrafficReport
+from psarch.embeddings import EmbeddingTables
 from psarch.workload import Workload
 from zero.stage3 import Stage3
 from zero.stage1 import Stage1
@@ -41,6 +43,9 @@ class ZeroTrainer(Trainer):
     def __init__(self, workload: Workload, cfg: Config, ctx: DistContext) -> None:
         b = cfg.backend
         self.ctx, self.cfg, self.stage = ctx, cfg, b.stage
+        # embeddings = "ps" (the hybrid, collective/ps_tables.py): the tables on PS servers, taken out of the model
+        # (empty frozen placeholders) before it moves; else dense, the default treatment's no-ops
+        self.tables = PSTableRows(workload.model, cfg, ctx) if b.embeddings == "ps" else EmbeddingTables()
         self.model = workload.model.to(ctx.device, compute_dtype(cfg.train.precision))
         self.loss_fn = workload.loss_fn
         self.comm = make_communicator(b.comm, ctx.group)
@@ -78,6 +83,9 @@ class ZeroTrainer(Trainer):
     def step(self, batch: Any) -> StepStats:
         self.engine.begin_step()
         engine = self.engine
+        t0 = time.perf_counter()
+        batch = self.tables.fetch(batch)
+        fetch_s = time.perf_counter() - t0
         with engine.reads_outside_forward() if isinstance(engine, Stage3) else contextlib.nullcontext():
             if self.activations is None:
                 loss = self.loss_fn(self.model, batch)
@@ -88,6 +96,7 @@ class ZeroTrainer(Trainer):
                 self._metering = False
         self.optim.scaler.scale_loss(loss).backward()
         t0 = time.perf_counter()
+        extra: dict[str, float] = dict(self.tables.exchange(batch, []))   # the rows' gradients to their servers
         self.engine.reduce_gradients()
         grads = self.engine.grad_shards()
         # fp32/bf16: None, the optimizer checks this rank's chunks; a rank whose chunk holds inf/nan refuses
@@ -96,9 +105,9 @@ class ZeroTrainer(Trainer):
         skipped = self.optim.step(grads, found_inf=found_inf)
         if not skipped and not isinstance(self.engine, Stage3):
             self.engine.gather_params()
-        comm_s = time.perf_counter() - t0
+        comm_s = time.perf_counter() - t0 + fetch_s
         return StepStats(float(loss.item()), skipped=skipped, loss_scale=self.optim.scaler.scale, comm_s=comm_s,
-                         extra=self._saved_activations())
+                         extra={**extra, **self._saved_activations()})
 
     def _saved_activations(self) -> dict[str, float]:
         return {} if self.activations is None else {"saved_activation_bytes": self.activations.bytes}
@@ -115,7 +124,8 @@ class ZeroTrainer(Trainer):
         unit) at a time."""
         with self.comm.traffic.tagged("export"):  # no training step's traffic: booked as export_all_gather
             values = self.engine.full_params(self.optim.master.masters, keep=self.ctx.rank == 0)
-        return consolidated_state(self.model, values, copy=False) if self.ctx.rank == 0 else {}
+        tables = self.tables.full_tables()   # ps: rank 0's, from the servers (the model holds a step's rows)
+        return {**consolidated_state(self.model, values, copy=False), **tables} if self.ctx.rank == 0 else {}
 
     def checkpoint_pieces(self, writing: bool = True) -> Pieces:
         """This rank's chunk of every group, by parameter name: each rank writes (and holds) its own shard."""
@@ -153,6 +163,8 @@ class ZeroTrainer(Trainer):
             grads = tensor_bytes([e.grad]) if isinstance(e, Stage1) else tensor_bytes([e.shard_grad])
             padding = pad_full + (pad_full if isinstance(e, Stage1) else pad_shard)
         peak, kind = peak_memory(self.ctx.device)
+        rows = self.tables.memory()   # ps: the last step's rows and their gradients
+        params, grads = params + rows.get("params", 0), grads + rows.get("grads", 0)
         return MemoryReport(params=params, grads=grads, optimizer=self.optim.state_bytes(), working=e.transient.peak.get("working", 0),
                             gathered_peak=e.transient.peak.get("gathered", 0),
                             grad_buffer_peak=e.transient.peak.get("grads", 0),
@@ -166,7 +178,8 @@ class ZeroTrainer(Trainer):
         return sum(chunks) * self.optim.state_bytes_per_element()
 
     def traffic(self) -> TrafficReport:
-        return self.comm.traffic.report()
+        report = self.comm.traffic.report()
+        return TrafficReport({**report.ops, **self.tables.traffic()}, modelled=report.modelled)
 
     def comm_waited_s(self) -> float:
         return self.engine.waits.total_s
@@ -176,10 +189,11 @@ class ZeroTrainer(Trainer):
         return {"zero_groups": len(e.part.groups), "zero_padded_params": e.part.padded_numel,
                 "zero_group_numel": [g.numel for g in e.part.groups], "zero_working_peak": e.transient.peak.get("working", 0),
                 "zero_reduced_in_backward": e.reduced_in_backward, "zero_prefetched": getattr(e, "prefetched", 0),
-                **self._saved_activations()}
+                **self._saved_activations(), **self.tables.summary()}
 
     def close(self) -> None:
         for h in self._hooks:
             h.remove()
+        self.tables.close()
         self.engine.close()
         self.comm.close()

@@ -4,6 +4,8 @@ process (the launcher, before any rank starts), its FLOPs counted as the pacing 
 (psarch.cluster.flops): FLOPs / seconds is the rate every worker is then paced at."""
 from __future__ import annotations
 
+import dataclasses
+
 import time
 from typing import TYPE_CHECKING
 
@@ -13,19 +15,27 @@ from psarch.cluster.flops import count
 
 if TYPE_CHECKING:
     from psarch.config import Config
+    from psarch.workload import Workload
 
 WARMUP, TIMED = 2, 5   # untimed passes (allocator, first-call costs), then timed ones
+
+
+def probe_workload(cfg: Config) -> "Workload":
+    """The run's workload with its embedding tables held, whatever the backend: a worker without them (PS rows,
+    ddp sharded, the hybrid) reads its rows from a compact table, as many FLOPs, and a model whose tables are
+    on the meta device cannot run a probe."""
+    from psarch.workload import build_workload
+    return build_workload(dataclasses.replace(cfg, backend=dataclasses.replace(cfg.backend, embeddings="dense")))
 
 
 def flops_per_s(cfg: Config) -> float:
     """FLOP/s of one worker's forward and backward on one thread: the fastest of TIMED passes after WARMUP,
     the fastest being the one least touched by whatever else this machine runs meanwhile."""
-    from psarch.workload import build_workload
     before = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
         with torch.random.fork_rng(devices=[]):   # the launcher's random state stays as it was
-            workload = build_workload(cfg)
+            workload = probe_workload(cfg)
             batch = workload.batch(0, 0, cfg.backend.world_size)
             flops = count(workload.model, workload.loss_fn, batch)
             times = []

@@ -155,9 +155,9 @@ class ModelledStep:
 def modelled(cfg: Config) -> ModelledStep:
     """This config's step on the cluster it stands for (a modelled device)."""
     from psarch.theory import predict
-    from psarch.workload import build_workload
+    from psarch.cluster.core import probe_workload
     with torch.random.fork_rng(devices=[]):   # the launcher's random state stays as it was
-        workload = build_workload(cfg)
+        workload = probe_workload(cfg)   # its tables held (a worker of PS rows would read a compact table)
         batch = workload.batch(0, 0, cfg.backend.world_size)
         flops = count(workload.model, workload.loss_fn, batch)
     params = list(workload.model.parameters())

@@ -23,8 +23,9 @@ class CoreBackendConfig:
     dist_backend: str = option("auto", "torch.distributed backend ('auto': nccl when each rank has its own GPU, else gloo)",
                                choices=("auto", "gloo", "nccl"), per_backend=True)
     embeddings: str = option("dense", "how embedding tables move: as ordinary parameters ('dense'), only the "
-                                      "touched rows ('rows'), or row-sharded over ranks ('sharded')",
-                             choices=("dense", "rows", "sharded"))
+                                      "touched rows ('rows'), row-sharded over ranks ('sharded'), or on parameter "
+                                      "servers while a collective moves the dense part ('ps', ddp: the hybrid)",
+                             choices=("dense", "rows", "sharded", "ps"))
     timeout_s: float = option(60.0, "seconds a rank or server waits for a peer before the run stops with an error",
                               min=0.1, per_backend=True)
 
@@ -50,6 +51,40 @@ class Overlap:
     """Communication started from backward's hooks (ddp, zero, ps)."""
 
     overlap_comm: bool = option(True, "start communication from autograd hooks during backward")
+
+
+@dataclass(frozen=True)
+class PSServers:
+    """Parameter servers and their connections (ps; ddp with backend.embeddings = "ps", whose tables' rows live on
+    PS servers: collective/ps_tables.py)."""
+
+    servers: int = option(1, "number of server processes", min=1)
+    server_placement: str = option("dedicated", "on an emulated cluster: each server on a node of its own "
+                                                "('dedicated'), or server i on worker i's node, sharing its link "
+                                                "('colocated'; backend.servers <= world_size)",
+                                   choices=("dedicated", "colocated"))
+    host: str = option("127.0.0.1", "address servers bind to")
+    auth: str = option("auto", "who may talk to a server: 'curve' (CurveZMQ keys), 'plain' (a password per worker), "
+                               "'auto' (plain on loopback, curve when servers bind an address other machines reach), "
+                               "'none' (loopback only)", choices=("auto", "curve", "plain", "none"))
+    keys: str = option("", "folder of `psarch keygen` credentials ('': fresh ones per run; `psarch server` needs it)")
+    heartbeat_s: float = option(10.0, "ZeroMQ heartbeat interval; 0 turns heartbeats off", min=0.0)
+    heartbeat_timeout_s: float = option(30.0, "a peer silent this long after a heartbeat (or mid-message, or "
+                                              "mid-handshake) is dropped", min=0.1)
+    handshake_timeout_s: float = option(5.0, "a connection still in its handshake after this long is dropped",
+                                        min=0.01)
+    max_connections: int = option(0, "most connections past their handshake per server; handshakes in progress or "
+                                     "refused hold none (0: world_size + 16)", min=0)
+    max_connections_per_worker: int = option(2, "most connections past their handshake per server that one worker's "
+                                                "credentials may hold (a worker needs one; a reconnect briefly two)",
+                                             min=1)
+    max_pending: int = option(0, "most connections per server that no request has proved yet (handshakes in "
+                                 "progress, refused, or silent); past it the oldest is dropped (0: world_size + 16)",
+                              min=0)
+    inflight_mb: float = option(0.0, "most MiB one connection may have in flight at a server each way (a message not "
+                                     "yet complete, replies not yet read); over it, the connection is dropped "
+                                     "(0: twice the largest exchange of a worker with that server, every partition "
+                                     "in flight, + 0.25)", min=0.0)
 
 
 @dataclass(frozen=True)

@@ -13,12 +13,14 @@ psarch/ps/server/rows.py), a worker's psarch/ps/worker/rows.py's.
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 
-from psarch.config import Config
+from psarch.config import Config, from_dict
+from psarch.config.backend import PSServers
 from psarch.embeddings import embedding_tables
 from psarch.ps.layout import held, join_servers, server_partitions, trainable
 
@@ -57,6 +59,18 @@ def key_space(cfg: Config) -> KeySpace:
     """The run's key space (the dlrm model's tables: num_tables x rows x dim)."""
     d = cfg.workload.dlrm
     return KeySpace((d.rows,) * d.num_tables, d.dim, cfg.backend.servers)
+
+
+def server_config(cfg: Config) -> Config:
+    """The PS config the hybrid's servers (and its ranks' rows) run, from a collective backend's config with
+    embeddings = "ps" (collective/ps_tables.py): sync, embeddings = "rows", its servers' options (PSServers), its
+    workload and [train]."""
+    b = cfg.backend
+    data = cfg.to_dict()
+    data["backend"] = {"kind": "ps", "mode": "sync", "embeddings": "rows", "world_size": b.world_size,
+                       "timeout_s": b.timeout_s, "device": b.device,
+                       **{f.name: getattr(b, f.name) for f in dataclasses.fields(PSServers)}}
+    return from_dict(data, cfg.name)
 
 
 def dense_params(model: nn.Module) -> list[nn.Parameter]:

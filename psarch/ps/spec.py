@@ -7,7 +7,7 @@ from types import ModuleType
 from typing import TYPE_CHECKING, Any
 
 from psarch.backend import PROCESS_GROUP_OPTIONS, BackendSpec, CommModel
-from psarch.config.backend import CoreBackendConfig, Overlap
+from psarch.config.backend import CoreBackendConfig, Overlap, PSServers
 from psarch.config.fields import option
 from psarch.errors import ConfigError, show
 from psarch.theory import Prediction
@@ -28,12 +28,11 @@ if TYPE_CHECKING:
 
 
 @dataclass(frozen=True)
-class PSOptions(Overlap, CoreBackendConfig):
-    """ps's [backend]: the parameter server's options and overlap (pushes from backward's hooks); the facts
-    derived from them are properties, computed here only."""
+class PSOptions(PSServers, Overlap, CoreBackendConfig):
+    """ps's [backend]: the parameter server's options, its servers' (PSServers) and overlap (pushes from
+    backward's hooks); the facts derived from them are properties, computed here only."""
 
     mode: str = option("sync", "update mode", choices=("sync", "async", "geo", "ssp"))
-    servers: int = option(1, "number of server processes", min=1)
     k_steps: int = option(4, "local steps between pushes", min=1)
     geo_barrier: bool = option(False, "every round waits for all workers (Local SGD)")
     staleness_bound: int = option(2, "most steps a worker may run ahead of the slowest", min=0)
@@ -55,34 +54,8 @@ class PSOptions(Overlap, CoreBackendConfig):
                                             "unacknowledged, and the next forward waits per module for its own "
                                             "partitions' pulls; 0: pushes leave as backward finishes them and the "
                                             "step waits for the whole pull", min=0.0)
-    server_placement: str = option("dedicated", "on an emulated cluster: each server on a node of its own "
-                                                "('dedicated'), or server i on worker i's node, sharing its link "
-                                                "('colocated'; backend.servers <= world_size)",
-                                   choices=("dedicated", "colocated"))
-    host: str = option("127.0.0.1", "address servers bind to")
     server_addresses: list = option([], "'tcp://host:port' of each server started with `psarch server` "
                                         "(empty: `psarch run` starts the servers itself)")
-    auth: str = option("auto", "who may talk to a server: 'curve' (CurveZMQ keys), 'plain' (a password per worker), "
-                               "'auto' (plain on loopback, curve when servers bind an address other machines reach), "
-                               "'none' (loopback only)", choices=("auto", "curve", "plain", "none"))
-    keys: str = option("", "folder of `psarch keygen` credentials ('': fresh ones per run; `psarch server` needs it)")
-    heartbeat_s: float = option(10.0, "ZeroMQ heartbeat interval; 0 turns heartbeats off", min=0.0)
-    heartbeat_timeout_s: float = option(30.0, "a peer silent this long after a heartbeat (or mid-message, or "
-                                              "mid-handshake) is dropped", min=0.1)
-    handshake_timeout_s: float = option(5.0, "a connection still in its handshake after this long is dropped",
-                                        min=0.01)
-    max_connections: int = option(0, "most connections past their handshake per server; handshakes in progress or "
-                                     "refused hold none (0: world_size + 16)", min=0)
-    max_connections_per_worker: int = option(2, "most connections past their handshake per server that one worker's "
-                                                "credentials may hold (a worker needs one; a reconnect briefly two)",
-                                             min=1)
-    max_pending: int = option(0, "most connections per server that no request has proved yet (handshakes in "
-                                 "progress, refused, or silent); past it the oldest is dropped (0: world_size + 16)",
-                              min=0)
-    inflight_mb: float = option(0.0, "most MiB one connection may have in flight at a server each way (a message not "
-                                     "yet complete, replies not yet read); over it, the connection is dropped "
-                                     "(0: twice the largest exchange of a worker with that server, every partition "
-                                     "in flight, + 0.25)", min=0.0)
 
     @property
     def barrier(self) -> bool:

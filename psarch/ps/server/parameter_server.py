@@ -74,11 +74,12 @@ class ParameterServer:
 
     def __init__(self, index: int, cfg: Config, host: str = "127.0.0.1", port: int = 0, pipe: Any = None,
                  exit_when_done: bool = False, creds: Credentials | None = None, numel: int | None = None,
-                 checkpoints: Any = None) -> None:
+                 checkpoints: Any = None, tables_only: bool = False) -> None:
         """pipe: the launcher's (None: a standalone server); exit_when_done: stop once every worker is done or
         lost; creds: who may connect (None: from backend.auth and backend.keys, as a standalone server);
         numel: the parameter count, when known before the socket binds (caps a frame at this range);
-        checkpoints: the run's checkpoint folder, the only place a `save` may write (None: no saves)."""
+        checkpoints: the run's checkpoint folder, the only place a `save` may write (None: no saves);
+        tables_only: the hybrid's server (collective/ps_tables.py): embedding rows and no dense range."""
         b = cfg.backend
         self.state = ServerState(index, cfg, exit_when_done)
         self.creds = creds if creds is not None else auth.standalone_credentials(cfg, host)
@@ -107,7 +108,7 @@ class ParameterServer:
         self.meter = TrafficMeter()
         s, replies = self.state, Replies(self.sock, self.meter, self.state, pipe, self.connections)
         self.replies = replies
-        self.rows = ServerRows(s, replies) if b.embeddings == "rows" else None
+        self.rows = ServerRows(s, replies, tables_only) if b.embeddings == "rows" else None
         self.pulls = PullQueue(s, replies)
         self.pushes = Pushes(s, replies, self.pulls, self.rows)
         self.snapshots = Snapshots(s, replies, checkpoints, self.rows)

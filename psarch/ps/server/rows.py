@@ -13,6 +13,11 @@ more requests:
   staleness compensation); geo adds each worker's row deltas at once (or, with the barrier, the round's);
 - `rowfetch` -> `rows`: this server's whole shard in fp32 (the final model).
 
+The hybrid's servers (`tables_only`: a collective backend with backend.embeddings = "ps", collective/ps_tables.py)
+hold rows and no dense range: the ranks all-reduce the dense part among themselves. A round is then the rows'
+own: `rowpush` names the round (`step`), the round is applied (the mean over workers, once) when every live
+worker's rowpush for it is in, and a `rowpull` for step s waits until round s - 1 is applied.
+
 Keys must be int64, one-dimensional, strictly increasing and owned by this server; values must be the
 wire dtype, one row of `dim` per key, finite. Anything else is an error reply and changes nothing.
 A server with rows builds its initial model from the config: `init` is refused. Its checkpoint part holds
@@ -43,8 +48,12 @@ class ServerRows:
     """The rows part of a server: its RowShard, the row requests, and what rows add to a round, a lost worker,
     the server's measurements and its checkpoint part."""
 
-    def __init__(self, state: ServerState, replies: Replies) -> None:
-        self.state, self.replies = state, replies
+    def __init__(self, state: ServerState, replies: Replies, tables_only: bool = False) -> None:
+        self.state, self.replies, self.tables_only = state, replies, tables_only
+        self.rounds = 0                          # tables only: the row rounds applied
+        self.round_pushed: set[int] = set()      # tables only: who pushed rows for round `rounds`
+        # tables only: rowpulls and rowfetches waiting for the round in progress to be applied
+        self.waiting: list[tuple[Handler, bytes, wire.Message]] = []
         self.space = key_space(state.cfg)
         self.shard: RowShard | None = None
         self.row_step = [-1] * state.workers    # the step of each worker's last rowpush
@@ -71,7 +80,18 @@ class ServerRows:
 
     def on_rowpull(self, ident: bytes, msg: wire.Message) -> None:
         s = self.state
-        s.sender(msg)
+        w = s.sender(msg)
+        if self.tables_only and msg.header["step"] != self.rounds:
+            if msg.header["step"] != self.rounds + 1 or w not in self.round_pushed:
+                raise PSError(f"rowpull: worker {w} asks the rows of step {msg.header['step']}; this server has "
+                              f"applied {self.rounds} rounds" + ("" if w in self.round_pushed else
+                                                                 " and has not its rows for the next"))
+            self.waiting.append((self._answer_pull, ident, msg))   # answered once round `step - 1` is applied
+            return
+        self._answer_pull(ident, msg)
+
+    def _answer_pull(self, ident: bytes, msg: wire.Message) -> None:
+        s = self.state
         if msg.header["want"] != s.wire_dtype:
             raise PSError(f"rowpull: dtype {msg.header['want']!r:.40}, this run's wire dtype is {s.wire_dtype}")
         idx = self.held.local(msg.tensor(), "rowpull")
@@ -79,6 +99,8 @@ class ServerRows:
                           self.held.gather(idx, wire.DTYPES[s.wire_dtype]))
 
     def on_rowpush(self, ident: bytes, msg: wire.Message) -> None:
+        if self.tables_only:
+            return self._table_push(ident, msg)
         s, h = self.state, msg.header
         w = s.sender(msg)
         # with partitions: the server's version and clock are its partitions' least (all alike between steps)
@@ -117,8 +139,50 @@ class ServerRows:
         self.row_step[w] = h["step"]
         self.replies.send(ident, "rowpush", {"op": "ack", "version": version})
 
+    def _table_push(self, ident: bytes, msg: wire.Message) -> None:
+        """Tables only: worker w's rows' gradients for round `step`, kept; the last of the round's applies it
+        (the mean over workers, summed in worker order) and answers the rowpulls that waited for it."""
+        s, h = self.state, msg.header
+        w = s.sender(msg)
+        if h["step"] != self.rounds or w in self.round_pushed:
+            raise PSError(f"rowpush: worker {w} sent rows for step {h['step']}; the round in progress is step "
+                          f"{self.rounds}" + (" and it has pushed its rows for it" if w in self.round_pushed else ""))
+        values = self._values(w, msg)
+        idx = self.held.local(msg.keys(), "rowpush")
+        s.changing = True
+        self.held.add_to_round(w, idx, values)
+        self.round_pushed.add(w)
+        self.replies.send(ident, "rowpush", {"op": "ack", "version": self.rounds})
+        if self.round_pushed >= s.live:
+            self.held.apply_round(1 / s.workers)
+            self.rounds += 1
+            self.round_pushed = set()
+            waiting, self.waiting = self.waiting, []
+            for answer, i, m in waiting:
+                answer(i, m)
+
+    def _values(self, w: int, msg: wire.Message) -> "torch.Tensor":
+        """A rowpush's checked values: the wire dtype, one row of dim per key, finite."""
+        s, h = self.state, msg.header
+        shape = msg.tensor_shape()
+        if h["dtype"] != s.wire_dtype or shape[1] != self.space.dim:
+            raise PSError(f"rowpush: values {h['dtype']} {list(shape)}: expected {s.wire_dtype} "
+                          f"[keys, {self.space.dim}]")
+        try:
+            return msg.tensor(finite=True)
+        except wire.NonFinitePayload:
+            s.refused_non_finite[w] += 1
+            raise NonFinitePush(f"rowpush: worker {w}'s rows for step {h['step']} hold inf/nan: refused, "
+                                f"nothing applied") from None
+
     def on_rowfetch(self, ident: bytes, msg: wire.Message) -> None:
         self.state.sender(msg)
+        if self.tables_only and self.round_pushed:   # the final model: after the round in progress
+            self.waiting.append((self._fetch, ident, msg))
+            return
+        self._fetch(ident, msg)
+
+    def _fetch(self, ident: bytes, msg: wire.Message) -> None:
         self.replies.send(ident, "rowfetch", {"op": "rows", "version": self.state.version},
                           self.held.rows.clone())
 

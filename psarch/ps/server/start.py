@@ -7,14 +7,17 @@ from typing import Any
 
 from psarch.config import Config
 from psarch.ps.layout import SEED_LOCK, initial_flat
-from psarch.ps.rows import dense_flat
+from psarch.ps.rows import dense_flat, server_config
 from psarch.ps.server.parameter_server import ParameterServer
 from psarch.ps.server.row_shard import initial_shard
 
 
 def build_server(index: int, cfg: Config, host: str, port: int, build: bool = True, **kwargs: Any) -> ParameterServer:
     """Server `index`, holding its part of the initial model (build=False, dense only: a server that waits for
-    an `init`, for benchmarks); kwargs go to ParameterServer."""
+    an `init`, for benchmarks); kwargs go to ParameterServer. A collective backend's config (the hybrid,
+    backend.embeddings = "ps"): a server of the tables' rows alone."""
+    if cfg.backend.kind != "ps":
+        return table_server(index, cfg, host, port, **kwargs)
     if cfg.backend.embeddings == "rows":
         return row_server(index, cfg, host, port, **kwargs)
     flat = initial_flat(cfg) if build else None
@@ -35,4 +38,14 @@ def row_server(index: int, cfg: Config, host: str, port: int, **kwargs: Any) -> 
     server = ParameterServer(index, cfg, host, port, numel=None, **kwargs)
     assert server.rows is not None   # a server of a run with embeddings = "rows"
     server.initialize(dense, initial_shard(cfg, server.rows.space, index))
+    return server
+
+
+def table_server(index: int, cfg: Config, host: str, port: int, **kwargs: Any) -> ParameterServer:
+    """The hybrid's server (collective/ps_tables.py): its shard of the initial tables, no dense range; it runs
+    as a sync PS server with rows (psarch/ps/server/rows.py, tables_only) of the config the servers read."""
+    ps_cfg = server_config(cfg)
+    server = ParameterServer(index, ps_cfg, host, port, numel=None, tables_only=True, **kwargs)
+    assert server.rows is not None
+    server.rows.start(initial_shard(ps_cfg, server.rows.space, index))
     return server
