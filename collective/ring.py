@@ -1,6 +1,7 @@
 """The pipelined ring: the plain ring's schedule, with each chunk cut into segments kept in flight."""
 from __future__ import annotations
 
+import time
 from typing import Sequence
 
 import torch
@@ -8,6 +9,8 @@ import torch.distributed as dist
 
 from collective.comm import (Communicator, Handle, SerialExecutor, check_flat, check_scatter_pair, check_src,
                              exchange, posted, ring_chunk, stage_on_host)
+from psarch.timeline import RECORDER
+from psarch.units import fmt_bytes
 
 # One ring step: (chunk this rank sends, chunk it receives, whether the received chunk is added or copied).
 Step = tuple[int, int, bool]
@@ -74,11 +77,15 @@ class RingCommunicator(Communicator):
 
     def _run(self, op: str, fn, tensors: list[torch.Tensor], written: list[int]) -> None:
         sent = received = 0
+        t0 = time.perf_counter() if RECORDER.on else None
         if tensors[-1].numel() > 0:  # world size 1 runs too: zero ring steps, copy semantics kept
             host, finish = stage_on_host(self.backend, tensors, written)
             sent, received = fn(*host)
             finish()
         self.traffic.add(op, sent, received)
+        if t0 is not None:   # a traced step: the collective as it ran on this thread, queueing not counted
+            RECORDER.add("ring", f"{op} {fmt_bytes(tensors[-1].numel() * tensors[-1].element_size())}", t0,
+                         time.perf_counter())
 
     def _rs_steps(self) -> list[Step]:
         n, r = self.world_size, self.rank  # after these, chunk r holds the sum (the plain ring's indices)

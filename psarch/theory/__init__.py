@@ -296,12 +296,27 @@ def cluster_step(cfg: Config, summary: Summary) -> dict[str, float]:
 def simulated_step(cfg: Config, phi: float, compute_s: float, backward_s: float | None, alpha_s: float) -> Any:
     """The step simulator's steady step (psarch.theory.steady: StepTime) of `cfg`'s program in full on its
     emulated links (payload rates, WIRE_OVERHEAD counted); None where the backend writes no program."""
-    from psarch.theory.program import Cluster, DataStep
     from psarch.theory.steady import steady_step
+
+    got = _program_on_links(cfg, phi, compute_s, backward_s, alpha_s)
+    return None if got is None else steady_step(*got)
+
+
+def simulated_spans(cfg: Config, phi: float, compute_s: float, backward_s: float | None, alpha_s: float) -> Any:
+    """The timeline (psarch.timeline.Span list) of one step of `cfg`'s program in full, played from idle links on
+    its emulated links as simulated_step plays it; None where the backend writes no program."""
+    from psarch.theory.simulate import spans
+
+    got = _program_on_links(cfg, phi, compute_s, backward_s, alpha_s)
+    return None if got is None else spans(*got)
+
+
+def _program_on_links(cfg: Config, phi: float, compute_s: float, backward_s: float | None, alpha_s: float) -> Any:
+    from psarch.theory.program import Cluster, DataStep
 
     program = registry.spec_of(cfg).program(cfg, phi, DataStep.of(compute_s, backward_s), reduced=False)
     if program is None:
         return None
     c = cfg.cluster
     rate = c.link_mbps * 1e6 / 8 / WIRE_OVERHEAD
-    return steady_step(program, Cluster.of(program, rate, alpha_s, c.server_mbps * 1e6 / 8 / WIRE_OVERHEAD))
+    return program, Cluster.of(program, rate, alpha_s, c.server_mbps * 1e6 / 8 / WIRE_OVERHEAD)
