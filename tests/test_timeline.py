@@ -9,6 +9,7 @@ import pytest
 import psarch
 from collective.program import ddp_program
 from psarch.config import ConfigError, from_dict
+from psarch.report.timeline import main as timeline_main, one_step
 from psarch.report.trace import read_trace, trace_events, write_trace
 from psarch.theory.program import Cluster, DataStep
 from psarch.theory.simulate import simulate, spans
@@ -114,3 +115,23 @@ def test_a_ring_ddp_run_writes_each_ranks_traced_step(tmp_path):
     # one clock: the ranks' steps overlap in time (a collective holds them together)
     a, b = [s for s in got if s.lane == "step"]
     assert a.start < b.end and b.start < a.end
+    # the simulator's step of the same run beside it, and the picture of both
+    assert timeline_main([str(tmp_path / "run")]) == 0
+    predicted = read_trace(tmp_path / "run" / "trace_predicted.json")
+    assert {(s.node, s.lane) for s in predicted} == {("rank 0", "compute"), ("rank 0", "to rank 1"),
+                                                     ("rank 1", "compute"), ("rank 1", "to rank 0")}
+    assert (tmp_path / "run" / "timeline.png").read_bytes()[:4] == b"\x89PNG"
+    with pytest.raises(SystemExit, match="step 0 was not traced; the trace holds step 2"):
+        timeline_main([str(tmp_path / "run"), "--step", "0"])
+
+
+def test_one_step_cuts_the_window_of_a_traced_step_and_names_a_step_not_traced():
+    got = [Span("rank 0", "step", "step 3", 5.0, 6.0), Span("rank 0", "compute", "forward", 5.1, 5.3),
+           Span("rank 1", "step", "step 3", 5.2, 6.1), Span("rank 0", "step", "step 7", 9.0, 10.0),
+           Span("rank 0", "compute", "forward", 9.1, 9.2)]
+    three = one_step(got, 3)
+    assert [(s.node, s.name, round(s.start, 9)) for s in three] == [("rank 0", "step 3", 0.0), ("rank 0", "forward", 0.1),
+                                                                    ("rank 1", "step 3", 0.2)]
+    assert [s.name for s in one_step(got)] == ["step 7", "forward"]   # the last traced by default
+    with pytest.raises(ValueError, match="step 4 was not traced; the trace holds step 3, step 7"):
+        one_step(got, 4)

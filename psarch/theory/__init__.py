@@ -276,13 +276,9 @@ def cluster_step(cfg: Config, summary: Summary) -> dict[str, float]:
     the share its ranks wait by design (a pipeline's bubble, CommModel.idle_fraction)."""
     spec = registry.spec_of(cfg)
     m = spec.comm_model(cfg, summary["params"], summary.get("extra") or {})
-    vd, alpha, backward = summary.get("virtual_device"), summary["cluster"]["alpha_s"], None
-    modelled = vd.get("compute_s") if vd is not None else None
-    if vd is not None and modelled is not None:   # modelled compute holds no blocking pass
-        compute, alpha, m = modelled, alpha / vd["dilation"], dataclasses.replace(m, hidden_passes=0)
-        backward = compute * vd["backward_s"] / (vd["forward_s"] + vd["backward_s"])
-    else:
-        compute = summary["step_time_s"] - (summary.get("comm_s") or 0.0)
+    compute, backward, alpha = step_inputs(summary)
+    if backward is not None:   # modelled compute holds no blocking pass
+        m = dataclasses.replace(m, hidden_passes=0)
     out = {"measured_s": summary["step_time_s"], "compute_s": compute}
     step = simulated_step(cfg, summary["params"], compute, backward, alpha) if not m.hidden_passes else None
     if step is not None:
@@ -291,6 +287,17 @@ def cluster_step(cfg: Config, summary: Summary) -> dict[str, float]:
     pred = cluster_step_time(predict(cfg, summary["params"]), compute / (1.0 - m.idle_fraction), cfg.cluster.link_mbps,
                              cfg.cluster.server_mbps, alpha, m, backward)
     return out | {"predicted_s": pred["step_time_s"], "predicted_comm_s": pred["comm_s"]}
+
+
+def step_inputs(summary: Summary) -> tuple[float, float | None, float]:
+    """What a finished run's step is predicted from: compute per step, its backward (None: unknown) and α, in the
+    cluster's time. A virtual device's modelled forward and backward (α / D), else the measured step less its
+    communication wait (the run's emulated α; 0 on loopback)."""
+    vd, alpha = summary.get("virtual_device"), (summary.get("cluster") or {}).get("alpha_s", 0.0)
+    modelled = vd.get("compute_s") if vd is not None else None
+    if vd is not None and modelled is not None:
+        return modelled, modelled * vd["backward_s"] / (vd["forward_s"] + vd["backward_s"]), alpha / vd["dilation"]
+    return summary["step_time_s"] - (summary.get("comm_s") or 0.0), None, alpha
 
 
 def simulated_step(cfg: Config, phi: float, compute_s: float, backward_s: float | None, alpha_s: float) -> Any:
