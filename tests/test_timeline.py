@@ -135,3 +135,22 @@ def test_one_step_cuts_the_window_of_a_traced_step_and_names_a_step_not_traced()
     assert [s.name for s in one_step(got)] == ["step 7", "forward"]   # the last traced by default
     with pytest.raises(ValueError, match="step 4 was not traced; the trace holds step 3, step 7"):
         one_step(got, 4)
+
+
+@pytest.mark.parametrize("backend, lanes", [
+    ({"kind": "zero", "stage": 2, "comm": "ring"}, {"step", "compute", "ring", "waits"}),
+    ({"kind": "ps", "servers": 2, "partition_mb": 0.01}, {"step", "compute", "to server 0", "to server 1", "waits"}),
+], ids=["zero2", "ps"])
+def test_zero_and_ps_runs_trace_their_communication_calls(tmp_path, backend, lanes):
+    cfg = from_dict({"name": "traced", "seed": 1, "workload": {"seq_len": 8, "gpt": {"n_layer": 1, "n_embd": 16, "n_head": 2}},
+                     "train": {"steps": 3, "global_batch": 4, "trace_steps": [1]},
+                     "backend": {"world_size": 2, **backend}})
+    psarch.run(cfg, out=tmp_path / "run", echo=False)
+    got = read_trace(tmp_path / "run" / "trace.json")
+    for r in range(2):
+        mine = [s for s in got if s.node == f"rank {r}"]
+        assert {s.lane for s in mine} == lanes
+        step = next(s for s in mine if s.lane == "step")
+        assert step.name == "step 1" and all(step.start - 1e-6 <= s.start <= s.end <= step.end + 1e-6 for s in mine)
+    names = {s.name.split()[0] for s in got if s.lane not in ("step", "compute", "waits")}
+    assert names == ({"reduce_scatter", "all_gather"} if backend["kind"] == "zero" else {"pushpull"})
