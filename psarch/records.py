@@ -304,3 +304,4 @@ class Summary(TypedDict, total=False):
     ssp: SSPSummary
     model_from_servers_error: str   # why the servers' parameters could not be written as model.pt
     started_from: dict[str, Any]    # Config.started_from: the checkpoint a fork started from
+    timeline: list[dict[str, Any]]  # the services' spans of train.trace_steps: into trace.json, not summary.json

@@ -152,5 +152,26 @@ def test_zero_and_ps_runs_trace_their_communication_calls(tmp_path, backend, lan
         assert {s.lane for s in mine} == lanes
         step = next(s for s in mine if s.lane == "step")
         assert step.name == "step 1" and all(step.start - 1e-6 <= s.start <= s.end <= step.end + 1e-6 for s in mine)
-    names = {s.name.split()[0] for s in got if s.lane not in ("step", "compute", "waits")}
+    names = {s.name.split()[0] for s in got if s.lane not in ("step", "compute", "waits", "rounds")}
     assert names == ({"reduce_scatter", "all_gather"} if backend["kind"] == "zero" else {"pushpull"})
+    if backend["kind"] == "ps":   # each server's rounds of the traced step, one per partition it holds
+        rounds = [s for s in got if s.lane == "rounds"]
+        assert {s.node for s in rounds} == {"server 0", "server 1"}
+        assert all(s.name.startswith("round 1 [") for s in rounds)
+        summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+        assert sum(d["partitions"] for d in summary["servers_detail"]) == len(rounds) and "timeline" not in summary
+        # a round ends before the last pull of it is answered to a worker that traced the step
+        pulls = [s for s in got if s.name.startswith("pushpull")]
+        assert max(s.end for s in rounds) <= max(s.end for s in pulls) + 1e-6
+
+
+def test_a_config_alone_gives_its_predicted_step(tmp_path):
+    (tmp_path / "c.toml").write_text('name = "c"\n[workload]\nseq_len = 8\n[workload.gpt]\nn_layer = 1\nn_embd = 16\n'
+                                     'n_head = 2\n[train]\nglobal_batch = 4\n[backend]\nkind = "ddp"\nworld_size = 4\n')
+    assert timeline_main([str(tmp_path / "c.toml"), "--compute-s", "0.01", "--out", str(tmp_path / "out")]) == 0
+    got = read_trace(tmp_path / "out" / "c_predicted.json")
+    assert {s.node for s in got} == {f"rank {r}" for r in range(4)}
+    assert sum(s.end - s.start for s in got if s.node == "rank 0" and s.lane == "compute") == pytest.approx(0.01, rel=1e-3)
+    assert (tmp_path / "out" / "c_predicted.png").exists()
+    with pytest.raises(SystemExit, match="is a config: give --compute-s"):
+        timeline_main([str(tmp_path / "c.toml")])

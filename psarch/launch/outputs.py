@@ -145,7 +145,10 @@ def identity(cfg: Config) -> Summary:
 
 
 def finalize(out: Path, cfg: Config, extra: Summary | None = None, echo: bool = True) -> Summary:
-    """Merge the ranks' records into metrics.jsonl, summary.json and report.txt."""
+    """Merge the ranks' records into metrics.jsonl, summary.json and report.txt (and, with train.trace_steps, the
+    ranks' and the services' spans into trace.json)."""
+    extra = cast(Summary, dict(extra or {}))   # a copy: the services' spans are taken out of it
+    server_spans = extra.pop("timeline", [])
     records = _records(out)
     if not records:
         raise RuntimeError(f"{out}: no rank left a record")
@@ -195,7 +198,7 @@ def finalize(out: Path, cfg: Config, extra: Summary | None = None, echo: bool = 
     if merged.get("cluster", {}).get("emulated"):
         merged["cluster"]["step_time"] = theory.cluster_step(cfg, cast(Summary, merged))
     summary = cast(Summary, merged)
-    spans = [Span.of(x) for r in records for x in r.timeline]
+    spans = [Span.of(x) for r in records for x in r.timeline] + [Span.of(x) for x in server_spans]
     if spans:   # train.trace_steps: the ranks' timelines in one file Perfetto opens
         write_trace(out / "trace.json", spans)
     (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")

@@ -1,7 +1,8 @@
 """`psarch report timeline RUN`: a run's measured step (its trace.json, written for train.trace_steps) beside
 the step the simulator predicts for it (the backend's program played on the run's links with the run's compute,
 as cluster.step_time predicts it, but one step from idle links), written as trace_predicted.json and drawn in
-one picture, timeline.png: a row per lane of each node, a bar per span, both on one time axis."""
+one picture, timeline.png: a row per lane of each node, a bar per span, both on one time axis. Given a config
+file and a compute time instead, the predicted step alone, before any run."""
 from __future__ import annotations
 
 import argparse
@@ -55,17 +56,16 @@ def _node_order(node: str) -> tuple[int, int, str]:
     return (kind != "rank", int(number) if number.isdigit() else 0, node)
 
 
-def picture(measured: list[Span], predicted: list[Span], path: Path, title: str) -> Path:
-    """Measured above predicted on one time axis (ms), saved as a PNG at `path`."""
+def picture(panels: list[tuple[list[Span], str]], path: Path) -> Path:
+    """Timelines (spans, title) one above the other on one time axis (ms), saved as a PNG at `path`."""
     from psarch.report.style import plt
 
-    rows = len({(s.node, s.lane) for s in measured}) + len({(s.node, s.lane) for s in predicted})
-    fig, (top, bottom) = plt.subplots(2, 1, sharex=True, figsize=(10, 1.2 + 0.22 * rows),
-                                      height_ratios=[max(1, len({(s.node, s.lane) for s in measured})),
-                                                     max(1, len({(s.node, s.lane) for s in predicted}))])
-    draw(top, measured, f"{title}: measured (trace.json)")
-    draw(bottom, predicted, "predicted by the step simulator (trace_predicted.json)")
-    bottom.set_xlabel("ms from the step's start (the cluster's time)")
+    rows = [max(1, len({(s.node, s.lane) for s in spans})) for spans, _ in panels]
+    fig, axes = plt.subplots(len(panels), 1, sharex=True, figsize=(10, 1.2 + 0.22 * sum(rows)),
+                             height_ratios=rows, squeeze=False)
+    for ax, (spans, title) in zip(axes[:, 0], panels):
+        draw(ax, spans, title)
+    axes[-1, 0].set_xlabel("ms from the step's start (the cluster's time)")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
@@ -88,21 +88,58 @@ def predicted_spans(run_dir: Path) -> tuple[list[Span], str]:
     return got, f"{label(run)}, N = {cfg.backend.world_size}, {links}"
 
 
+def config_spans(path: Path, compute_s: float, alpha_s: float) -> tuple[list[Span], str]:
+    """The simulator's step of the config at `path` before any run: its program on its cluster's links, each
+    worker computing `compute_s` a step (backward 2/3 of it), α per message; Φ counted on the meta device."""
+    from psarch import theory
+    from psarch.config import load_config
+    from psarch.workload import build_workload
+
+    cfg = load_config(path)
+    phi = sum(p.numel() for p in build_workload(cfg, device="meta").model.parameters() if p.requires_grad)
+    got = theory.simulated_spans(cfg, phi, compute_s, None, alpha_s)
+    if got is None:
+        raise ValueError(f"backend.kind = \"{cfg.backend.kind}\" writes no step program: nothing to predict")
+    return got, f"{cfg.name}, N = {cfg.backend.world_size}, {cfg.cluster.link_mbps:g} Mbit/s links"
+
+
 def main(argv: list[str] | None = None) -> int:
-    """`psarch report timeline RUN [--step S]`: write RUN/trace_predicted.json and RUN/timeline.png."""
+    """`psarch report timeline RUN [--step S]`: write RUN/trace_predicted.json and RUN/timeline.png; or
+    `psarch report timeline CONFIG.toml --compute-s S --out DIR`: the predicted step alone."""
     ap = argparse.ArgumentParser(prog="psarch report timeline", description=__doc__.split("\n\n")[0])
-    ap.add_argument("run", type=Path, help="a run folder with trace.json (train.trace_steps)")
+    ap.add_argument("run", type=Path, help="a run folder with trace.json (train.trace_steps), or a config file")
     ap.add_argument("--step", type=int, help="which traced step to draw (default: the last traced)")
+    ap.add_argument("--compute-s", type=float, help="a config: each worker's compute per step, seconds")
+    ap.add_argument("--alpha", type=float, default=0.0, help="a config: seconds per message (default 0)")
+    ap.add_argument("--out", type=Path, help="a config: the folder to write in (default: beside the config)")
     a = ap.parse_args(argv)
+    if a.run.is_file():
+        return _config(a)
     try:
         measured = one_step(read_trace(a.run / "trace.json"), a.step)
         predicted, title = predicted_spans(a.run)
     except (OSError, ValueError) as e:   # ConfigError is a ValueError
         sys.exit(f"psarch report timeline: {a.run}: {e}")
     write_trace(a.run / "trace_predicted.json", predicted)
-    png = picture(measured, predicted, a.run / "timeline.png", title)
+    png = picture([(measured, f"{title}: measured (trace.json)"),
+                   (predicted, "predicted by the step simulator (trace_predicted.json)")], a.run / "timeline.png")
     end = max(s.end for s in predicted)
     print(f"predicted step {end * 1e3:.1f} ms; measured step (its ranks' window) "
           f"{max(s.end for s in measured if s.lane == 'step') * 1e3:.1f} ms\n"
           f"written {a.run / 'trace_predicted.json'} and {png} (open the .json files in https://ui.perfetto.dev)")
+    return 0
+
+
+def _config(a: argparse.Namespace) -> int:
+    if a.compute_s is None or a.compute_s < 0 or a.alpha < 0:
+        sys.exit(f"psarch report timeline: {a.run} is a config: give --compute-s (>= 0; --alpha >= 0)")
+    try:
+        predicted, title = config_spans(a.run, a.compute_s, a.alpha)
+    except (OSError, ValueError) as e:
+        sys.exit(f"psarch report timeline: {a.run}: {e}")
+    out = a.out or a.run.parent
+    out.mkdir(parents=True, exist_ok=True)
+    trace = write_trace(out / f"{a.run.stem}_predicted.json", predicted)
+    png = picture([(predicted, f"{title}: predicted by the step simulator")], out / f"{a.run.stem}_predicted.png")
+    print(f"predicted step {max(s.end for s in predicted) * 1e3:.1f} ms\nwritten {trace} and {png}")
     return 0
