@@ -139,9 +139,10 @@ def test_one_step_cuts_the_window_of_a_traced_step_and_names_a_step_not_traced()
 
 @pytest.mark.parametrize("backend, lanes", [
     ({"kind": "zero", "stage": 2, "comm": "ring"}, {"step", "compute", "ring", "waits"}),
+    ({"kind": "ddp", "comm": "native", "bucket_cap_mb": 0.01}, {"step", "compute", "native", "waits"}),
     ({"kind": "ps", "servers": 2, "partition_mb": 0.01}, {"step", "compute", "to server 0", "to server 1", "waits"}),
-], ids=["zero2", "ps"])
-def test_zero_and_ps_runs_trace_their_communication_calls(tmp_path, backend, lanes):
+], ids=["zero2", "ddp-native", "ps"])
+def test_zero_native_and_ps_runs_trace_their_communication_calls(tmp_path, backend, lanes):
     cfg = from_dict({"name": "traced", "seed": 1, "workload": {"seq_len": 8, "gpt": {"n_layer": 1, "n_embd": 16, "n_head": 2}},
                      "train": {"steps": 3, "global_batch": 4, "trace_steps": [1]},
                      "backend": {"world_size": 2, **backend}})
@@ -153,7 +154,7 @@ def test_zero_and_ps_runs_trace_their_communication_calls(tmp_path, backend, lan
         step = next(s for s in mine if s.lane == "step")
         assert step.name == "step 1" and all(step.start - 1e-6 <= s.start <= s.end <= step.end + 1e-6 for s in mine)
     names = {s.name.split()[0] for s in got if s.lane not in ("step", "compute", "waits", "rounds")}
-    assert names == ({"reduce_scatter", "all_gather"} if backend["kind"] == "zero" else {"pushpull"})
+    assert names == {"zero": {"reduce_scatter", "all_gather"}, "ddp": {"all_reduce"}, "ps": {"pushpull"}}[backend["kind"]]
     if backend["kind"] == "ps":   # each server's rounds of the traced step, one per partition it holds
         rounds = [s for s in got if s.lane == "rounds"]
         assert {s.node for s in rounds} == {"server 0", "server 1"}
