@@ -65,3 +65,8 @@ class Recorder:
 
 
 RECORDER = Recorder()
+
+
+def traced_steps(steps: int, trace_steps: list[int]) -> set[int]:
+    """The steps of a run of `steps` that train.trace_steps names (negative: counted from the end, -1 the last)."""
+    return {x % steps for x in trace_steps}

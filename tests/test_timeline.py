@@ -16,14 +16,16 @@ from psarch.theory.simulate import simulate, spans
 from psarch.timeline import Recorder, Span
 from psarch.ps.program import ps_program, slots_of
 
+TINY = {"seq_len": 8, "gpt": {"n_layer": 1, "n_embd": 16, "n_head": 2}}
+
 
 def test_trace_events_are_complete_events_in_microseconds_with_named_nodes_and_lanes(tmp_path):
     got = [Span("rank 0", "compute", "forward", 10.0, 10.5), Span("rank 1", "ring", "all_reduce", 10.25, 11.0),
            Span("rank 0", "ring", "all_reduce", 10.5, 11.0)]
     events = trace_events(got)["traceEvents"]
     xs = [e for e in events if e["ph"] == "X"]
-    assert [(e["name"], e["ts"], e["dur"]) for e in xs] == [("forward", 0.0, 500000.0), ("all_reduce", 250000.0, 750000.0),
-                                                           ("all_reduce", 500000.0, 500000.0)]
+    assert [(e["name"], e["ts"], e["dur"]) for e in xs] == [
+        ("forward", 0.0, 500000.0), ("all_reduce", 250000.0, 750000.0), ("all_reduce", 500000.0, 500000.0)]
     nodes = {e["pid"]: e["args"]["name"] for e in events if e["name"] == "process_name"}
     lanes = {(e["pid"], e["tid"]): e["args"]["name"] for e in events if e["name"] == "thread_name"}
     assert nodes == {0: "rank 0", 1: "rank 1"}
@@ -54,7 +56,8 @@ def test_the_recorder_keeps_nothing_while_off_and_every_span_while_on():
     with r.span("ring", "all_reduce"):
         pass
     got = r.take("rank 3")
-    assert [(s.node, s.lane, s.name) for s in got] == [("rank 3", "compute", "forward"), ("rank 3", "ring", "all_reduce")]
+    assert [(s.node, s.lane, s.name) for s in got] == [("rank 3", "compute", "forward"),
+                                                       ("rank 3", "ring", "all_reduce")]
     assert got[0].end - got[0].start == pytest.approx(1.0) and got[1].end >= got[1].start
     assert r.take("rank 3") == []
 
@@ -96,7 +99,7 @@ def test_trace_steps_out_of_range_is_a_config_error():
 
 
 def test_a_ring_ddp_run_writes_each_ranks_traced_step(tmp_path):
-    cfg = from_dict({"name": "traced", "seed": 1, "workload": {"seq_len": 8, "gpt": {"n_layer": 1, "n_embd": 16, "n_head": 2}},
+    cfg = from_dict({"name": "traced", "seed": 1, "workload": TINY,
                      "train": {"steps": 3, "global_batch": 4, "trace_steps": [-1]},
                      "backend": {"kind": "ddp", "world_size": 2, "comm": "ring", "bucket_cap_mb": 0.01}})
     psarch.run(cfg, out=tmp_path / "run", echo=False)
@@ -130,8 +133,8 @@ def test_one_step_cuts_the_window_of_a_traced_step_and_names_a_step_not_traced()
            Span("rank 1", "step", "step 3", 5.2, 6.1), Span("rank 0", "step", "step 7", 9.0, 10.0),
            Span("rank 0", "compute", "forward", 9.1, 9.2)]
     three = one_step(got, 3)
-    assert [(s.node, s.name, round(s.start, 9)) for s in three] == [("rank 0", "step 3", 0.0), ("rank 0", "forward", 0.1),
-                                                                    ("rank 1", "step 3", 0.2)]
+    assert [(s.node, s.name, round(s.start, 9)) for s in three] == [
+        ("rank 0", "step 3", 0.0), ("rank 0", "forward", 0.1), ("rank 1", "step 3", 0.2)]
     assert [s.name for s in one_step(got)] == ["step 7", "forward"]   # the last traced by default
     with pytest.raises(ValueError, match="step 4 was not traced; the trace holds step 3, step 7"):
         one_step(got, 4)
@@ -143,7 +146,7 @@ def test_one_step_cuts_the_window_of_a_traced_step_and_names_a_step_not_traced()
     ({"kind": "ps", "servers": 2, "partition_mb": 0.01}, {"step", "compute", "to server 0", "to server 1", "waits"}),
 ], ids=["zero2", "ddp-native", "ps"])
 def test_zero_native_and_ps_runs_trace_their_communication_calls(tmp_path, backend, lanes):
-    cfg = from_dict({"name": "traced", "seed": 1, "workload": {"seq_len": 8, "gpt": {"n_layer": 1, "n_embd": 16, "n_head": 2}},
+    cfg = from_dict({"name": "traced", "seed": 1, "workload": TINY,
                      "train": {"steps": 3, "global_batch": 4, "trace_steps": [1]},
                      "backend": {"world_size": 2, **backend}})
     psarch.run(cfg, out=tmp_path / "run", echo=False)
@@ -154,7 +157,8 @@ def test_zero_native_and_ps_runs_trace_their_communication_calls(tmp_path, backe
         step = next(s for s in mine if s.lane == "step")
         assert step.name == "step 1" and all(step.start - 1e-6 <= s.start <= s.end <= step.end + 1e-6 for s in mine)
     names = {s.name.split()[0] for s in got if s.lane not in ("step", "compute", "waits", "rounds")}
-    assert names == {"zero": {"reduce_scatter", "all_gather"}, "ddp": {"all_reduce"}, "ps": {"pushpull"}}[backend["kind"]]
+    calls = {"zero": {"reduce_scatter", "all_gather"}, "ddp": {"all_reduce"}, "ps": {"pushpull"}}
+    assert names == calls[backend["kind"]]
     if backend["kind"] == "ps":   # each server's rounds of the traced step, one per partition it holds
         rounds = [s for s in got if s.lane == "rounds"]
         assert {s.node for s in rounds} == {"server 0", "server 1"}
@@ -172,7 +176,8 @@ def test_a_config_alone_gives_its_predicted_step(tmp_path):
     assert timeline_main([str(tmp_path / "c.toml"), "--compute-s", "0.01", "--out", str(tmp_path / "out")]) == 0
     got = read_trace(tmp_path / "out" / "c_predicted.json")
     assert {s.node for s in got} == {f"rank {r}" for r in range(4)}
-    assert sum(s.end - s.start for s in got if s.node == "rank 0" and s.lane == "compute") == pytest.approx(0.01, rel=1e-3)
+    computed = sum(s.end - s.start for s in got if s.node == "rank 0" and s.lane == "compute")
+    assert computed == pytest.approx(0.01, rel=1e-3)
     assert (tmp_path / "out" / "c_predicted.png").exists()
     with pytest.raises(SystemExit, match="is a config: give --compute-s"):
         timeline_main([str(tmp_path / "c.toml")])

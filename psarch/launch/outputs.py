@@ -1,4 +1,5 @@
-"""A run folder: config.json, metrics.jsonl, summary.json, model.pt, report.txt (and trace.json, train.trace_steps' timelines)."""
+"""A run folder: config.json, metrics.jsonl, summary.json, model.pt, report.txt (and trace.json: the timelines of
+train.trace_steps)."""
 from __future__ import annotations
 
 import json

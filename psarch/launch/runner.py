@@ -22,7 +22,7 @@ from psarch.errors import check_gradients, check_loss
 from psarch.meters import local, tensor_bytes
 from psarch.precision import compute_dtype
 from psarch.records import RankRecord, StepRecord
-from psarch.timeline import RECORDER, Span
+from psarch.timeline import RECORDER, Span, traced_steps
 from psarch.trainer import StepStats, Trainer
 from psarch.workload import Workload, build_workload
 
@@ -159,7 +159,7 @@ def _steps(loop: StepLoop, steps: range, records: list[StepRecord], stream: Text
     wall clock / cluster.dilation (1 but on an emulated cluster of virtual devices). The steps train.trace_steps
     names are recorded into `timeline` (psarch.timeline)."""
     trainer, rank, d = loop.trainer, loop.ctx.rank, dilation(loop.cfg)
-    traced = traced_steps(loop.cfg)
+    traced = traced_steps(loop.cfg.train.steps, loop.cfg.train.trace_steps)
     last = trainer.traffic()  # set-up traffic (e.g. the initial broadcast) is not any step's
     if marks is not None:
         marks.reached()
@@ -194,11 +194,6 @@ def _steps(loop: StepLoop, steps: range, records: list[StepRecord], stream: Text
         save(step + 1, records)
     if marks is not None:
         marks.reached()
-
-
-def traced_steps(cfg: Config) -> set[int]:
-    """The steps train.trace_steps names (negative: counted from the end, -1 the last)."""
-    return {x % cfg.train.steps for x in cfg.train.trace_steps}
 
 
 def _checkpointer(trainer: Trainer, cfg: Config, ctx: DistContext, root: Path | None

@@ -33,7 +33,7 @@ from psarch.ps.server.rounds import Pairs
 from psarch.ps.server.state import TRACE_LIMIT, AckFields, Partition, ServerState
 from psarch.ps.server.updates import NonFiniteUpdate, RangeState
 from psarch.theory import topk_k
-from psarch.timeline import Recorder
+from psarch.timeline import Recorder, traced_steps
 
 if TYPE_CHECKING:
     from psarch.ps.server.rows import ServerRows
@@ -72,8 +72,7 @@ class Pushes:
         self.state, self.replies, self.pulls, self.rows = state, replies, pulls, rows
         # train.trace_steps: each barrier round of a traced step, from its first push to its update applied
         self.timeline = timeline
-        t = state.cfg.train
-        self.traced = {x % t.steps for x in t.trace_steps}
+        self.traced = traced_steps(state.cfg.train.steps, state.cfg.train.trace_steps)
 
     def on_init(self, ident: bytes, msg: wire.Message) -> None:
         """A server started without parameters (benchmarks, tests) takes them from one `init`."""
