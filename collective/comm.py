@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import queue
 import threading
+import time
 from abc import ABC, abstractmethod
 from concurrent.futures import Future
 from contextlib import nullcontext
@@ -12,6 +13,8 @@ import torch
 import torch.distributed as dist
 
 from psarch.meters import TrafficMeter
+from psarch.timeline import RECORDER
+from psarch.units import fmt_bytes
 
 # Gradients and parameters only ever travel in these dtypes; anything else is a caller's mistake.
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
@@ -81,6 +84,17 @@ class Communicator(ABC):
 
     def close(self) -> None:
         """Release background resources; the communicator cannot be used afterwards."""
+
+
+def call_started() -> float | None:
+    """When a collective starts, in a traced step (psarch.timeline); None otherwise, and nothing is timed."""
+    return time.perf_counter() if RECORDER.on else None
+
+
+def record_call(lane: str, op: str, tensor: torch.Tensor, t0: float | None) -> None:
+    """A traced step's collective: `op` over `tensor`'s bytes, from `t0` (call_started) to now, on `lane`."""
+    if t0 is not None:
+        RECORDER.add(lane, f"{op} {fmt_bytes(tensor.numel() * tensor.element_size())}", t0, time.perf_counter())
 
 
 # ---- validation: raised in the caller, before any rank communicates, so a bad call cannot desync the ring

@@ -25,6 +25,7 @@ from psarch.dist import DistContext
 from psarch.flat import FlatParams, flat_layout
 from psarch.meters import flat_memory
 from psarch.precision import MixedPrecisionOptimizer, compute_dtype
+from psarch.timeline import RECORDER
 from psarch.trainer import consolidated_state
 from psarch.trainer import MemoryReport, StepStats, Trainer, TrafficReport
 from psarch.workload import Workload
@@ -92,9 +93,13 @@ class DDPTrainer(Trainer):
         t0 = time.perf_counter()
         batch = self.tables.fetch(batch)
         fetch_s = time.perf_counter() - t0
+        t1 = time.perf_counter()
         loss = self.loss_fn(self.model, batch)
+        t2 = time.perf_counter()
         self.optim.scaler.scale_loss(loss).backward()
         t0 = time.perf_counter()
+        RECORDER.add("compute", "forward", t1, t2)   # nothing unless the step is traced (psarch.timeline)
+        RECORDER.add("compute", "backward", t2, t0)
         while self._next < len(self.buckets):  # buckets whose parameters got no gradient, or no overlap
             self._launch(self.buckets[self._next])
         # queued behind the buckets' all-reduces: every rank issues the same sequence
@@ -104,9 +109,12 @@ class DDPTrainer(Trainer):
             finish()
         self._finishes.clear()
         self.compression.end_step()
-        comm_s = time.perf_counter() - t0 + fetch_s
+        t3 = time.perf_counter()
+        comm_s = t3 - t0 + fetch_s
+        RECORDER.add("waits", "all-reduce wait", t0, t3)
         # After the all-reduce every rank holds the same gradients, so the inf/nan check agrees everywhere.
         skipped = self.optim.step([self.flat.grad])
+        RECORDER.add("compute", "optimizer", t3, time.perf_counter())
         self.tables.step()   # fp16 is refused with sharded tables: their step never needs a verdict
         return StepStats(float(loss.item()), skipped=skipped, loss_scale=self.optim.scaler.scale, comm_s=comm_s,
                          extra=extra)

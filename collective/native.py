@@ -6,7 +6,8 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
-from collective.comm import Communicator, Handle, check_flat, check_scatter_pair, check_src, ring_bytes, stage_on_host
+from collective.comm import (Communicator, Handle, call_started, check_flat, check_scatter_pair, check_src, record_call,
+                             ring_bytes, stage_on_host)
 
 # torch >= 2.11 renamed the tensor-form collectives; the old names still work but warn on every call.
 _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
@@ -29,10 +30,14 @@ class NativeCommunicator(Communicator):
         """Count the modelled bytes, run `call` on (host-staged) tensors, wrap its work in a Handle."""
         self.traffic.add(op, *ring_bytes(op, numel, tensors[0].element_size(), self.world_size, self.rank, src))
         host, finish = stage_on_host(self.backend, tensors, [0])
+        t0 = call_started()
         work = call(*host, group=self.group, async_op=async_op)
         if not async_op:
             finish()
+            record_call("native", op, tensors[-1], t0)
             return None
+        if t0 is not None and work is not None:   # a traced step: issued until torch's work completed
+            work.get_future().add_done_callback(lambda _: record_call("native", op, tensors[-1], t0))
 
         def wait() -> None:
             if work is not None:

@@ -7,7 +7,7 @@ import torch
 import torch.distributed as dist
 
 from collective.comm import (Communicator, Handle, SerialExecutor, check_flat, check_scatter_pair, check_src,
-                             exchange, posted, ring_chunk, stage_on_host)
+                             call_started, exchange, posted, record_call, ring_chunk, stage_on_host)
 
 # One ring step: (chunk this rank sends, chunk it receives, whether the received chunk is added or copied).
 Step = tuple[int, int, bool]
@@ -74,11 +74,13 @@ class RingCommunicator(Communicator):
 
     def _run(self, op: str, fn, tensors: list[torch.Tensor], written: list[int]) -> None:
         sent = received = 0
+        t0 = call_started()
         if tensors[-1].numel() > 0:  # world size 1 runs too: zero ring steps, copy semantics kept
             host, finish = stage_on_host(self.backend, tensors, written)
             sent, received = fn(*host)
             finish()
         self.traffic.add(op, sent, received)
+        record_call("ring", op, tensors[-1], t0)   # as it ran on this thread, its queueing not counted
 
     def _rs_steps(self) -> list[Step]:
         n, r = self.world_size, self.rank  # after these, chunk r holds the sum (the plain ring's indices)

@@ -5,7 +5,7 @@ import torch
 import torch.distributed as dist
 
 from collective.comm import (Communicator, Handle, SerialExecutor, check_flat, check_scatter_pair, check_src,
-                             exchange, posted, ring_chunk, stage_on_host)
+                             call_started, exchange, posted, record_call, ring_chunk, stage_on_host)
 
 
 class PlainRingCommunicator(Communicator):
@@ -51,11 +51,13 @@ class PlainRingCommunicator(Communicator):
 
     def _run(self, op: str, fn, tensors: list[torch.Tensor], written: list[int]) -> None:
         self._sent = self._received = 0
+        t0 = call_started()
         if tensors[-1].numel() > 0:  # world size 1 runs too: zero ring steps, copy semantics kept
             host, finish = stage_on_host(self.backend, tensors, written)
             fn(*host)
             finish()
         self.traffic.add(op, self._sent, self._received)
+        record_call("ring", op, tensors[-1], t0)
 
     def _step(self, send: torch.Tensor, recv: torch.Tensor) -> None:
         """Send to the next rank, receive from the previous one, and wait for both."""

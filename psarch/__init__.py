@@ -11,7 +11,8 @@ names no backend; bench/ and the studies' tables in report/ sit above the backen
                   [faults] struck and worlds restarted (faults.py), sweeps, the run folder written (outputs.py),
                   local ranks for tests (spawn.py)
     report/       what a user reads: `psarch compare` and its plots, a run folder read back (runs.py), and
-                  the studies' tables, `psarch report crossover | cluster | stragglers | pipeline`
+                  the studies' tables, `psarch report crossover | cluster | stragglers | pipeline`; a run's traced
+                  step beside the simulator's, `psarch report timeline` (the Chrome trace format: trace.py)
     theory/       the shared algebra every prediction uses (`psarch.theory.predict`, memory, ring passes, an
                   emulated run's step: cluster_step); the step simulator: a step as a program (theory/program.py:
                   compute spans, transfers, the cluster; each backend writes its own, BackendSpec.program),
@@ -33,10 +34,10 @@ names no backend; bench/ and the studies' tables in report/ sit above the backen
     backend.py, registry.py   BackendSpec, how a backend declares itself, and the registered backends
     trainer.py, workload.py   the Trainer contract (and consolidated_state, the fp32 model it hands back),
                   the Workload (model, loss, batch of a step)
-    dist.py, flat.py, optim.py, precision.py, meters.py, activations.py, embeddings.py, model_units.py
+    dist.py, flat.py, optim.py, precision.py, meters.py, timeline.py, activations.py, embeddings.py, model_units.py
                   what backends share: the rank's context, flat buffers, optimizers, mixed precision,
-                  meters of bytes and memory, a block's activation memory by formula, embedding
-                  treatments, a model's units (ZeRO-3's and the pipeline's)
+                  meters of bytes and memory, the recorder of a traced step's spans, a block's activation
+                  memory by formula, embedding treatments, a model's units (ZeRO-3's and the pipeline's)
     single.py, single_spec.py  the single-process backend, the reference every backend is checked against
     dp/           `dp`, one process with one thread per device (torch.nn.DataParallel's step, written out), and
                   `torch_dp`, DataParallel itself

@@ -27,6 +27,7 @@ from psarch.config import Config
 from psarch.dist import DistContext
 from psarch.meters import SavedActivationMeter, peak_memory, tensor_bytes
 from psarch.precision import MixedPrecisionOptimizer, compute_dtype, has_inf_or_nan
+from psarch.timeline import RECORDER
 from psarch.trainer import consolidated_state
 from psarch.trainer import MemoryReport, StepStats, Trainer, TrafficReport
 from psarch.embeddings import EmbeddingTables
@@ -83,9 +84,10 @@ class ZeroTrainer(Trainer):
     def step(self, batch: Any) -> StepStats:
         self.engine.begin_step()
         engine = self.engine
-        t0 = time.perf_counter()
+        f0 = time.perf_counter()
         batch = self.tables.fetch(batch)
-        fetch_s = time.perf_counter() - t0
+        t1 = time.perf_counter()
+        fetch_s = t1 - f0
         with engine.reads_outside_forward() if isinstance(engine, Stage3) else contextlib.nullcontext():
             if self.activations is None:
                 loss = self.loss_fn(self.model, batch)
@@ -94,17 +96,26 @@ class ZeroTrainer(Trainer):
                 with self.activations:
                     loss = self.loss_fn(self.model, batch)
                 self._metering = False
+        t2 = time.perf_counter()
         self.optim.scaler.scale_loss(loss).backward()
         t0 = time.perf_counter()
+        # nothing unless the step is traced (psarch.timeline); stage 3's gathers block inside these spans
+        RECORDER.add("compute", "forward", t1, t2)
+        RECORDER.add("compute", "backward", t2, t0)
         extra: dict[str, float] = dict(self.tables.exchange(batch, []))   # the rows' gradients to their servers
         self.engine.reduce_gradients()
         grads = self.engine.grad_shards()
         # fp32/bf16: None, the optimizer checks this rank's chunks; a rank whose chunk holds inf/nan refuses
         # the step and stops the run, its peers then fail waiting for it (no flag crosses the wire)
         found_inf = self._found_inf_anywhere(grads) if self.optim.scaler.enabled else None
+        t3 = time.perf_counter()
+        RECORDER.add("waits", "reduce-scatter wait", t0, t3)
         skipped = self.optim.step(grads, found_inf=found_inf)
+        t4 = time.perf_counter()
+        RECORDER.add("compute", "optimizer", t3, t4)
         if not skipped and not isinstance(self.engine, Stage3):
             self.engine.gather_params()
+            RECORDER.add("waits", "all-gather wait", t4, time.perf_counter())
         comm_s = time.perf_counter() - t0 + fetch_s
         return StepStats(float(loss.item()), skipped=skipped, loss_scale=self.optim.scaler.scale, comm_s=comm_s,
                          extra={**extra, **self._saved_activations()})

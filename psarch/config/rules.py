@@ -52,6 +52,9 @@ def _check_train(cfg: Config) -> None:
     if len(t.betas) != 2 or not all(isinstance(x, (int, float)) and not isinstance(x, bool) and 0 <= x < 1 for x in t.betas):
         raise ConfigError(f"train.betas = {show(t.betas)}: expected two numbers in [0, 1)")
     t.betas = [float(x) for x in t.betas]
+    if not all(isinstance(x, int) and not isinstance(x, bool) and -t.steps <= x < t.steps for x in t.trace_steps):
+        raise ConfigError(f"train.trace_steps = {show(t.trace_steps)}: expected step numbers in [-{t.steps}, "
+                          f"{t.steps}) (train.steps = {t.steps}; negative counts from the end)")
     if t.nesterov and (t.optimizer != "sgd" or t.momentum <= 0):
         raise ConfigError("train.nesterov = true: needs train.optimizer = \"sgd\" and train.momentum > 0")
     if t.momentum and t.optimizer != "sgd":   # torch's AdamW and Adagrad take no momentum: it would be ignored

@@ -36,6 +36,9 @@ class TrainConfig:
     lora_targets: list = option(["*"], "LoRA: names or glob patterns of the nn.Linear modules that get adapters "
                                        "(e.g. [\"*.qkv\", \"*.proj\"])")
     log_every: int = option(10, "print a progress line every this many steps", min=1)
+    trace_steps: list = option([], "steps whose timeline each rank records (compute, each communication call) into "
+                                   "<run>/trace.json, the Chrome trace format Perfetto opens; negative counts from "
+                                   "the end (-1: the last step); []: none, nothing timed")
     warmup_steps: int = option(-1, "steps left out of timing medians (-1: min(5, steps // 5))", min=-1)
     checkpoint_every: int = option(0, "write a checkpoint under <run>/checkpoints/ every this many steps (0: never)", min=0)
     keep_checkpoints: int = option(0, "keep only the newest this many checkpoints (0: all)", min=0)

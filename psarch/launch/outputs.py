@@ -1,4 +1,5 @@
-"""A run folder: config.json, metrics.jsonl, summary.json, model.pt, report.txt."""
+"""A run folder: config.json, metrics.jsonl, summary.json, model.pt, report.txt (and trace.json: the timelines of
+train.trace_steps)."""
 from __future__ import annotations
 
 import json
@@ -14,6 +15,8 @@ from psarch.cluster import device
 from psarch.config import Config
 from psarch.records import MetricsRow, Predicted, RankRecord, StepRecord, Summary
 from psarch.launch.runner import warmup_steps
+from psarch.report.trace import write_trace
+from psarch.timeline import Span
 from psarch.units import fmt_bytes
 
 RANKS_DIR = "ranks"
@@ -143,7 +146,10 @@ def identity(cfg: Config) -> Summary:
 
 
 def finalize(out: Path, cfg: Config, extra: Summary | None = None, echo: bool = True) -> Summary:
-    """Merge the ranks' records into metrics.jsonl, summary.json and report.txt."""
+    """Merge the ranks' records into metrics.jsonl, summary.json and report.txt (and, with train.trace_steps, the
+    ranks' and the services' spans into trace.json)."""
+    extra = cast(Summary, dict(extra or {}))   # a copy: the services' spans are taken out of it
+    server_spans = extra.pop("timeline", [])
     records = _records(out)
     if not records:
         raise RuntimeError(f"{out}: no rank left a record")
@@ -193,6 +199,9 @@ def finalize(out: Path, cfg: Config, extra: Summary | None = None, echo: bool = 
     if merged.get("cluster", {}).get("emulated"):
         merged["cluster"]["step_time"] = theory.cluster_step(cfg, cast(Summary, merged))
     summary = cast(Summary, merged)
+    spans = [Span.of(x) for r in records for x in r.timeline] + [Span.of(x) for x in server_spans]
+    if spans:   # train.trace_steps: the ranks' timelines in one file Perfetto opens
+        write_trace(out / "trace.json", spans)
     (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     text = report(summary)
     (out / "report.txt").write_text(text)

@@ -25,6 +25,7 @@ from psarch.errors import check_gradients, check_loss
 from psarch.meters import local, tensor_bytes
 from psarch.precision import compute_dtype
 from psarch.records import RankRecord, StepRecord
+from psarch.timeline import RECORDER, Span, traced_steps
 from psarch.trainer import StepStats, Trainer
 from psarch.workload import Workload, build_workload
 
@@ -128,8 +129,9 @@ def run_rank(cfg: Config, ctx: DistContext, workload: Workload | None = None, ec
                                 losses=progress.rank_losses(cfg, ctx, spec.needs_process_group, metrics,
                                                             echo or board is not None))
         save = _checkpointer(trainer, cfg, ctx, checkpoints)
+        timeline: list[Span] = []
         _steps(StepLoop(trainer, workload, cfg, ctx), range(first, cfg.train.steps), records, stream, slow, marks,
-               log, save)
+               log, save, timeline)
         state = trainer.full_state_dict()   # a collective call: before the figures, which then include it
         memory = trainer.memory()
         # frozen weights are the model's own tensors (a DTensor's local shard) wherever the backend keeps them (a
@@ -139,7 +141,8 @@ def run_rank(cfg: Config, ctx: DistContext, workload: Workload | None = None, ec
                             trainer.summary_extra(), str(ctx.device), ctx.dist_backend, workload.entropy_floor,
                             params, workload.name, state if ctx.rank == 0 else None,
                             virtual_device=slow.facts() if isinstance(slow, (VirtualDevice, CallDevice)) else None,
-                            frozen_params=sum(p.numel() for p in frozen))
+                            frozen_params=sum(p.numel() for p in frozen),
+                            timeline=[x.to_dict() for x in timeline])
     finally:
         if stream is not None:
             stream.close()
@@ -153,11 +156,13 @@ def run_rank(cfg: Config, ctx: DistContext, workload: Workload | None = None, ec
 
 def _steps(loop: StepLoop, steps: range, records: list[StepRecord], stream: TextIO | None,
            slow: Straggler | VirtualDevice | CallDevice | None, marks: StepMarks | None, log: progress.Progress,
-           save: Callable[[int, list[StepRecord]], None]) -> None:
+           save: Callable[[int, list[StepRecord]], None], timeline: list[Span] | None = None) -> None:
     """The step loop: each step's record appended (and streamed) before its loss and its update are checked,
     so the metrics keep a bad step; progress lines and checkpoints between steps. Times are the cluster's: the
-    wall clock / cluster.dilation (1 but on an emulated cluster of virtual devices)."""
+    wall clock / cluster.dilation (1 but on an emulated cluster of virtual devices). The steps train.trace_steps
+    names are recorded into `timeline` (psarch.timeline)."""
     trainer, rank, d = loop.trainer, loop.ctx.rank, dilation(loop.cfg)
+    traced = traced_steps(loop.cfg.train.steps, loop.cfg.train.trace_steps)
     last = trainer.traffic()  # set-up traffic (e.g. the initial broadcast) is not any step's
     if marks is not None:
         marks.reached()
@@ -168,7 +173,15 @@ def _steps(loop: StepLoop, steps: range, records: list[StepRecord], stream: Text
         batch = loop.batch(step)
         if slow is not None:
             slow.step = step
+        RECORDER.on = step in traced and timeline is not None
+        t0 = time.perf_counter()
         stats, dt = loop.step(batch)
+        if RECORDER.on and timeline is not None:
+            RECORDER.add("step", f"step {step}", t0, time.perf_counter())
+            RECORDER.on = False
+            # the cluster's time: epoch seconds / D, so every rank's spans keep one origin (the trace's earliest)
+            timeline.extend(Span(x.node, x.lane, x.name, x.start / d, x.end / d)
+                            for x in RECORDER.take(f"rank {rank}"))
         tr = trainer.traffic()
         record = StepRecord(step=step, rank=rank, loss=stats.loss, step_time_s=dt / d, comm_s=stats.comm_s / d,
                             sent=tr.sent - last.sent, received=tr.received - last.received, skipped=stats.skipped,

@@ -317,6 +317,8 @@ def summarize(stats: list[ServerStats], lost: list[LostWorker]) -> Summary:
         out["staleness"] = {"histogram": {str(k): v for k, v in sorted(hist.items())},
                             "updates": total, "mean": sum(k * v for k, v in hist.items()) / total,
                             "max": max(hist), "counted": "per update of one partition"}
+    if spans := [x for s in stats for x in s.get("timeline", [])]:
+        out["timeline"] = spans   # into the run's trace.json (psarch.launch.outputs), not summary.json
     ssp = [s["ssp"] for s in stats if "ssp" in s]
     if ssp:
         out["ssp"] = {"staleness_bound": ssp[0]["staleness_bound"],

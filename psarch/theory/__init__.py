@@ -276,13 +276,9 @@ def cluster_step(cfg: Config, summary: Summary) -> dict[str, float]:
     CommModel and its compute stretched by the share its ranks wait by design (CommModel.idle_fraction)."""
     spec = registry.spec_of(cfg)
     m = spec.comm_model(cfg, summary["params"], summary.get("extra") or {})
-    vd, alpha, backward = summary.get("virtual_device"), summary["cluster"]["alpha_s"], None
-    modelled = vd.get("compute_s") if vd is not None else None
-    if vd is not None and modelled is not None:   # modelled compute holds no blocking pass
-        compute, alpha, m = modelled, alpha / vd["dilation"], dataclasses.replace(m, hidden_passes=0)
-        backward = compute * vd["backward_s"] / (vd["forward_s"] + vd["backward_s"])
-    else:
-        compute = summary["step_time_s"] - (summary.get("comm_s") or 0.0)
+    compute, backward, alpha = step_inputs(summary)
+    if backward is not None:   # modelled compute holds no blocking pass
+        m = dataclasses.replace(m, hidden_passes=0)
     out = {"measured_s": summary["step_time_s"], "compute_s": compute}
     step = simulated_step(cfg, summary["params"], compute, backward, alpha) if not m.hidden_passes else None
     if step is not None:
@@ -293,15 +289,41 @@ def cluster_step(cfg: Config, summary: Summary) -> dict[str, float]:
     return out | {"predicted_s": pred["step_time_s"], "predicted_comm_s": pred["comm_s"]}
 
 
+def step_inputs(summary: Summary) -> tuple[float, float | None, float]:
+    """What a finished run's step is predicted from: compute per step, its backward (None: unknown) and α, in the
+    cluster's time. A virtual device's modelled forward and backward (α / D), else the measured step less its
+    communication wait (the run's emulated α; 0 on loopback)."""
+    vd, alpha = summary.get("virtual_device"), (summary.get("cluster") or {}).get("alpha_s", 0.0)
+    modelled = vd.get("compute_s") if vd is not None else None
+    if vd is not None and modelled is not None:
+        return modelled, modelled * vd["backward_s"] / (vd["forward_s"] + vd["backward_s"]), alpha / vd["dilation"]
+    return summary["step_time_s"] - (summary.get("comm_s") or 0.0), None, alpha
+
+
 def simulated_step(cfg: Config, phi: float, compute_s: float, backward_s: float | None, alpha_s: float) -> Any:
     """The step simulator's steady step (psarch.theory.steady: StepTime) of `cfg`'s program in full on its
     emulated links (payload rates, WIRE_OVERHEAD counted); None where the backend writes no program."""
-    from psarch.theory.program import Cluster, DataStep
     from psarch.theory.steady import steady_step
+
+    got = _program_on_links(cfg, phi, compute_s, backward_s, alpha_s)
+    return None if got is None else steady_step(*got)
+
+
+def simulated_spans(cfg: Config, phi: float, compute_s: float, backward_s: float | None, alpha_s: float) -> Any:
+    """The timeline (psarch.timeline.Span list) of one step of `cfg`'s program in full, played from idle links on
+    its emulated links as simulated_step plays it; None where the backend writes no program."""
+    from psarch.theory.simulate import spans
+
+    got = _program_on_links(cfg, phi, compute_s, backward_s, alpha_s)
+    return None if got is None else spans(*got)
+
+
+def _program_on_links(cfg: Config, phi: float, compute_s: float, backward_s: float | None, alpha_s: float) -> Any:
+    from psarch.theory.program import Cluster, DataStep
 
     program = registry.spec_of(cfg).program(cfg, phi, DataStep.of(compute_s, backward_s), reduced=False)
     if program is None:
         return None
     c = cfg.cluster
     rate = c.link_mbps * 1e6 / 8 / WIRE_OVERHEAD
-    return steady_step(program, Cluster.of(program, rate, alpha_s, c.server_mbps * 1e6 / 8 / WIRE_OVERHEAD))
+    return program, Cluster.of(program, rate, alpha_s, c.server_mbps * 1e6 / 8 / WIRE_OVERHEAD)

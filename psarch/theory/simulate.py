@@ -21,7 +21,8 @@ from collections import defaultdict, deque
 from dataclasses import dataclass
 from typing import Hashable
 
-from psarch.theory.program import Cluster, Compute, Op, Program, Transfer
+from psarch.theory.program import BOTH, SERVER, Cluster, Compute, Op, Program, Transfer
+from psarch.timeline import Span
 
 DONE = 1e-9     # a flow with less than this share of its bytes left is complete
 
@@ -104,9 +105,11 @@ def simulate(program: Program, cluster: Cluster) -> StepTime:
     return parts(ops, start, end, 0.0, max(end.values(), default=0.0))
 
 
-def play(program: Program, cluster: Cluster) -> tuple[dict[str, Op], dict[str, float], dict[str, float]]:
+def play(program: Program, cluster: Cluster, began: dict[str, float] | None = None
+         ) -> tuple[dict[str, Op], dict[str, float], dict[str, float]]:
     """Play `program` on `cluster` from idle links: its ops by name, and when each started (became ready) and
-    ended."""
+    ended; with `began`, also when each transfer reached the head of its connection's queue (its α paid from
+    then, its bytes after)."""
     ops = _check(program, cluster)
     waiting = {name: len(set(op.after)) for name, op in ops.items()}
     needed_by: dict[str, list[str]] = defaultdict(list)
@@ -136,6 +139,8 @@ def play(program: Program, cluster: Cluster) -> tuple[dict[str, Op], dict[str, f
             return
         op = queues[conn][0]
         busy.add(conn)
+        if began is not None:
+            began[op.name] = now
         heapq.heappush(events, (now + cluster.alpha_s * op.messages, next(seq), 1, op.name))
 
     def done(name: str) -> None:
@@ -211,3 +216,34 @@ def _length(spans: list[tuple[float, float]]) -> float:
             total += b - max(a, reach)
             reach = b
     return total
+
+
+def node_names(program: Program) -> list[str]:
+    """Each node's name in a timeline: "rank i" for the i-th node with a worker (a measured run's ranks'), "server
+    j" for the j-th of servers alone, a reduced node "rank i (xN)" for the N alike ones it stands for."""
+    names, ranks, servers = [], 0, 0
+    for role, count in program.nodes:
+        if role == SERVER:
+            name, servers = f"server {servers}", servers + count
+        else:
+            name, ranks = f"rank {ranks}" + (" + server" if role == BOTH else ""), ranks + count
+        names.append(name + (f" (x{count})" if count > 1 else ""))
+    return names
+
+
+def spans(program: Program, cluster: Cluster) -> list[Span]:
+    """The step of `program` played on `cluster` from idle links as a timeline: each compute span on its node's
+    "compute" lane, each transfer on its source's lane of its destination ("to rank 1"), from the head of its
+    connection's queue (α included) to its last byte (time queued behind others of its connection is not drawn).
+    Zero-second points (joins, a server's round complete) are left out."""
+    began: dict[str, float] = {}
+    ops, start, end = play(program, cluster, began)
+    names = node_names(program)
+    out = []
+    for name, op in ops.items():
+        if isinstance(op, Compute):
+            if end[name] > start[name]:
+                out.append(Span(names[op.node], "compute", name, start[name], end[name]))
+            continue
+        out.append(Span(names[op.src], f"to {names[op.dst]}", name, began[name], end[name]))
+    return sorted(out, key=lambda s: (s.start, s.node, s.lane))

@@ -49,6 +49,7 @@ import torch
 import zmq
 
 from psarch.config import Config
+from psarch.cluster.device import dilation
 from psarch.meters import TrafficMeter, peak_memory
 from psarch.ps import auth, wire
 from psarch.ps.auth import Credentials
@@ -64,6 +65,7 @@ from psarch.ps.server.rows import ServerRows
 from psarch.ps.server.snapshots import Snapshots
 from psarch.ps.server.state import ServerState
 from psarch.ps.server.stats import Command, ServerStats
+from psarch.timeline import Recorder
 
 Handler = Callable[[bytes, wire.Message], None]
 LOST_BY_LAUNCHER = "its process died"
@@ -110,7 +112,9 @@ class ParameterServer:
         self.replies = replies
         self.rows = ServerRows(s, replies, tables_only) if b.embeddings == "rows" else None
         self.pulls = PullQueue(s, replies)
-        self.pushes = Pushes(s, replies, self.pulls, self.rows)
+        self.timeline = Recorder()
+        self.timeline.on = bool(cfg.train.trace_steps)
+        self.pushes = Pushes(s, replies, self.pulls, self.rows, self.timeline)
         self.snapshots = Snapshots(s, replies, checkpoints, self.rows)
         self.deadlines = Deadlines(s, replies)
         self.handlers: dict[str, Handler] = {
@@ -303,6 +307,16 @@ class ParameterServer:
         final = dense if self.rows is None else self.rows.final(dense)
         return final.numpy().data.cast("B")
 
+    def _rounds(self) -> list[dict[str, Any]]:
+        """The traced rounds' spans in the cluster's time, as the workers' (psarch.launch.runner); none where D was
+        not resolved for the servers (torchrun's rank 0 starts them with the config as asked)."""
+        try:
+            d = dilation(self.state.cfg)
+        except RuntimeError:
+            return []
+        return [dict(x.to_dict(), start=x.start / d, end=x.end / d)
+                for x in self.timeline.take(f"server {self.state.index}")]
+
     def stats(self) -> ServerStats:
         """What this server measured: traffic, memory, staleness, rejected requests, lost workers."""
         s = self.state
@@ -325,6 +339,8 @@ class ParameterServer:
             "failure": s.failure, "skipped_updates": max((p.range.skipped for p in s.parts), default=0),
             "staleness_histogram": {str(k): v for k, v in sorted(staleness.items())},
         }
+        if self.timeline.on:
+            out["timeline"] = self._rounds()
         if s.mode == "ssp":
             out["ssp"] = {"staleness_bound": s.cfg.backend.staleness_bound, "max_ahead": s.max_ahead,
                           "trace": s.trace}

@@ -33,6 +33,7 @@ from psarch.ps.server.rounds import Pairs
 from psarch.ps.server.state import TRACE_LIMIT, AckFields, Partition, ServerState
 from psarch.ps.server.updates import NonFiniteUpdate, RangeState
 from psarch.theory import topk_k
+from psarch.timeline import Recorder, traced_steps
 
 if TYPE_CHECKING:
     from psarch.ps.server.rows import ServerRows
@@ -66,8 +67,12 @@ def check_pairs(msg: wire.Message, dtype: str, lo: int, hi: int, ratio: float) -
 class Pushes:
     """Applies pushes to the server's range (and, through `rows`, ends a round of embedding rows too)."""
 
-    def __init__(self, state: ServerState, replies: Replies, pulls: PullQueue, rows: ServerRows | None) -> None:
+    def __init__(self, state: ServerState, replies: Replies, pulls: PullQueue, rows: ServerRows | None,
+                 timeline: Recorder | None = None) -> None:
         self.state, self.replies, self.pulls, self.rows = state, replies, pulls, rows
+        # train.trace_steps: each barrier round of a traced step, from its first push to its update applied
+        self.timeline = timeline
+        self.traced = traced_steps(state.cfg.train.steps, state.cfg.train.trace_steps)
 
     def on_init(self, ident: bytes, msg: wire.Message) -> None:
         """A server started without parameters (benchmarks, tests) takes them from one `init`."""
@@ -230,6 +235,7 @@ class Pushes:
         if not r.sum.complete(r.pushed):   # a bug: never apply a sum missing a push
             return self.replies.fail(f"internal error: round {st.version} has pushes {sorted(r.pushed)}, summed "
                                      f"{sorted(r.sum.summed)}, still kept {sorted(r.sum.early)}")
+        version = st.version
         with_rows = self.rows if self.rows is not None and self.rows.first_to_complete(st.version) else None
         try:   # the rows' update is checked first, stored last: a refused round changes nothing
             # sync: the mean gradient over the round's pushes (all N workers', or those left once some were
@@ -247,6 +253,10 @@ class Pushes:
                                      f"{e}: not applied")
         if with_rows is not None:
             with_rows.end_round(rows)
+        if self.timeline is not None and version in self.traced:   # r.since is time.monotonic()'s
+            now = time.perf_counter()
+            self.timeline.add("rounds", f"round {version} [{part.lo}, {part.hi})",
+                              now - (time.monotonic() - r.since), now)
         r.pushed.clear()
         r.sum.clear()
         r.inf = False

@@ -43,3 +43,4 @@ class ServerStats(TypedDict):
     skipped_updates: int
     staleness_histogram: dict[str, int]
     ssp: NotRequired[SSPStats]
+    timeline: NotRequired[list[dict[str, Any]]]   # train.trace_steps' rounds (psarch.timeline.Span.to_dict)

@@ -19,6 +19,8 @@ from psarch.meters import TrafficMeter
 from psarch.ps import auth, wire
 from psarch.ps.auth import Credentials
 from psarch.ps.errors import NonFinitePush, PSError
+from psarch.timeline import RECORDER
+from psarch.units import fmt_bytes
 
 @dataclass
 class Request:
@@ -31,6 +33,7 @@ class Request:
     keys: torch.Tensor | None = None
     reply: dict[str, Any] = field(default_factory=dict)
     answered: bool = False
+    posted_s: float | None = None   # when it was sent (perf_counter), in a traced step (psarch.timeline)
 
     @property
     def nbytes(self) -> int:
@@ -125,6 +128,7 @@ class PSClient:
         """Send request `r` to server i now; its reply is taken by a later `wait`."""
         frames = wire.encode(dict(r.header, worker=self.worker), r.tensor, r.keys)
         self.meter.add(r.header["op"], wire.frames_bytes(frames), 0)
+        r.posted_s = time.perf_counter() if RECORDER.on else None
         self.socks[i].send_multipart(frames, copy=False)
         self.waiting[i].add(r)
 
@@ -173,6 +177,9 @@ class PSClient:
             kind = NonFinitePush if msg.header.get("code") == NonFinitePush.code else PSError
             raise kind(f"{op} refused by {msg.header['message']}")
         req.answered = True
+        if req.posted_s is not None:   # a traced step: sent until its reply was taken, on the connection's lane
+            RECORDER.add(f"to server {i}", f"{op} {fmt_bytes(req.nbytes)}" if req.nbytes else op, req.posted_s,
+                         time.perf_counter())
         if msg.op in ("params", "rows"):
             try:   # a payload of another size than the destination's (a rows reply to a rowpull names no keys)
                 req.into = msg.tensor(req.into)

@@ -32,6 +32,7 @@ from psarch.flat import FlatParams, flat_layout
 from psarch.meters import peak_memory, tensor_bytes
 from psarch.precision import compute_dtype, has_inf_or_nan
 from psarch.records import StepRecord
+from psarch.timeline import RECORDER
 from psarch.ps.layout import push_dtype, server_partitions, trainable
 from psarch.ps.snapshot import WorkerRecord, exact_records, pushes_by, run_shape, views
 from psarch.ps.spec import pushes_from_hooks
@@ -98,7 +99,9 @@ class PSWorker(Trainer):
         fetch_s = time.perf_counter() - t0
         if self.pushes is None:   # with priority: after forward (the last pushes may still be reading the gradient)
             self.flat.zero_grad()
+        t1 = time.perf_counter()
         loss = self.loss_fn(self.model, batch)
+        RECORDER.add("compute", "forward", t1, time.perf_counter())   # nothing unless traced (psarch.timeline)
         if not self.fp16:  # before the push: name the bad loss rather than have a server refuse its gradient
             check_loss(self.steps, self.ctx.rank, float(loss.detach()))
         info = self._geo_step(self.geo, loss, batch) if self.geo is not None else self._push_step(loss, batch)
@@ -118,22 +121,29 @@ class PSWorker(Trainer):
         if self.schedule is not None:   # dense tables only (pushes_from_hooks): their exchange moves nothing
             step = self.steps + 1
             self.schedule.arm(lambda part: self.link.post(part, self.flat.grad, step, {}))
+            t1 = time.perf_counter()
             loss.backward()
             since = time.perf_counter()   # the wait after backward is the step's communication time
+            RECORDER.add("compute", "backward", t1, since)
             figures = self.tables.exchange(batch, [])
             self.schedule.finish()
             self.steps += 1
             info = self.link.settle(since)
+            RECORDER.add("waits", "pull wait", since, time.perf_counter())
             info["tables"] = figures
             return info
+        t1 = time.perf_counter()
         (loss * self.link.loss_scale if self.fp16 else loss).backward()
+        RECORDER.add("compute", "backward", t1, time.perf_counter())
         header: dict[str, Any] = {}
         if self.fp16:
             header = {"scale": self.link.loss_scale, "found_inf": bool(has_inf_or_nan([self.flat.grad]).item())}
         figures = self.tables.exchange(batch, [])
         before = self.tables.before_push(self.steps, self.link.server_versions())
         self.steps += 1
+        t1 = time.perf_counter()
         info = self.link.exchange(self.flat.grad, self.steps, header, before)
+        RECORDER.add("waits", "push-pull wait", t1, time.perf_counter())
         info["tables"] = figures
         return info
 
