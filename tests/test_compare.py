@@ -246,7 +246,7 @@ def test_compare_refuses_a_target_gap_that_is_not_positive(async_run, tmp_path, 
 
 
 def test_estimate_from_a_measured_run(async_run):
-    from psarch.theory.estimate import fmt_size, fmt_time
+    from psarch.units import fmt_size, fmt_time
     out = subprocess.run([sys.executable, "-m", "psarch.cli", "estimate", "--from", str(async_run)],
                          capture_output=True, text=True, timeout=scaled(60))
     assert out.returncode == 0, out.stderr

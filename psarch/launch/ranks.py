@@ -28,7 +28,7 @@ import torch.distributed as dist
 from psarch import registry
 from psarch.launch import outputs, supervise
 from psarch.backend import BackendSpec
-from psarch.checkpoint import latest_complete
+from psarch.checkpoint import CheckpointError, latest_complete
 from psarch.checkpoint.writer import checkpoint_step
 from psarch.checkpoint.start import CHECKPOINTS, resolve_start
 from psarch.cluster.device import CORE, dilation
@@ -262,9 +262,11 @@ def _spawn(job: RankJob, spec: BackendSpec, where: Placement, services: Services
     out = Path(job.out)
 
     def lost(ranks: list[int]) -> bool:
-        """A worker that died is a lost one where the mode goes on without it; a poisoned one never is."""
+        """A worker that died is a lost one where the mode goes on without it; a poisoned one never is, nor one
+        that could not write its part of a checkpoint (the checkpoint would be incomplete: the run stops)."""
         if services is None or not spec.tolerates_lost_workers(cfg) or \
-                any(procs[r].exitcode == NON_FINITE_EXIT for r in ranks):
+                any(procs[r].exitcode == NON_FINITE_EXIT or supervise.failed_with(out, r, CheckpointError)
+                    for r in ranks):
             return False
         for r in ranks:
             services.worker_lost(r, supervise.rank_error(out, r, procs[r].exitcode))

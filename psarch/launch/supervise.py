@@ -66,6 +66,12 @@ def root_cause(out: Path, failed: dict[int, int]) -> int:
     return min(failed, key=key)
 
 
+def failed_with(out: Path, rank: int, error: type[BaseException]) -> bool:
+    """Whether rank `rank` failed with an error of type `error` (by its record's name)."""
+    rec = read_error(out, rank)
+    return rec is not None and rec["error"].startswith(f"{error.__name__}:")
+
+
 def rank_error(out: Path, rank: int, code: int | None) -> str:
     """What a failed rank says: its error record, or how it ended when it left none."""
     rec = read_error(out, rank)

@@ -13,6 +13,7 @@ from psarch import registry, theory
 from psarch.config import Config, ConfigError
 from psarch.records import Summary
 from psarch.theory.estimate_steps import Network, architectures, crossover, scaling_table, simulated
+from psarch.units import TIMES, fmt_size, fmt_time, in_unit, size_unit, unit_for
 
 if TYPE_CHECKING:   # imported where used: it needs torch (the GPT's own parameter count), the tables do not
     from psarch.theory.estimate_tensor import GPTShape
@@ -62,39 +63,6 @@ def measured_compute(summary: Summary) -> float:
 WORLDS = [1, 4, 16, 64, 256, 1024]
 
 
-SIZES = (("B", 1.0), ("KB", 1e3), ("MB", 1e6), ("GB", 1e9), ("TB", 1e12))   # decimal, as the ZeRO paper's GB
-TIMES = (("us", 1e-6), ("ms", 1e-3), ("s", 1.0))
-
-
-def size_unit(values: list[float]) -> tuple[str, float]:
-    """The unit a table of byte counts is printed in: the largest whose scale its largest value reaches, so
-    that every cell reads with 3 significant figures (a run of 4,000 parameters in KB, a 7.5B model in GB)."""
-    return _unit(values, SIZES)
-
-
-def _unit(values: list[float], units: tuple[tuple[str, float], ...]) -> tuple[str, float]:
-    top = max((abs(v) for v in values), default=0.0)
-    fits = [u for u in units if top >= u[1]]
-    return fits[-1] if fits else units[0]
-
-
-def _in(x: float, scale: float) -> str:
-    """x in a unit of `scale`, to 3 significant figures (0 as 0)."""
-    return f"{x / scale:.3g}" if x else "0"
-
-
-def fmt_size(x: float) -> str:
-    """One byte count for people: 3 significant figures in B, KB, MB, GB or TB (1e3 steps) by its magnitude."""
-    name, scale = size_unit([x])
-    return f"{_in(x, scale)} {name}"
-
-
-def fmt_time(t: float) -> str:
-    """Seconds for people: 3 significant figures in us, ms or s by their magnitude."""
-    name, scale = _unit([t], TIMES)
-    return f"{_in(t, scale)} {name}"
-
-
 def _params(x: float) -> str:
     for suffix, scale in (("T", 1e12), ("B", 1e9), ("M", 1e6), ("k", 1e3)):
         if x >= scale:
@@ -110,7 +78,7 @@ def backend_rows(phi: float, world: int, precision: str, optimizer: str, options
     unit, scale = size_unit([x for r in rows for x in (r["states"], r["sent"])])
     out = ["", f"== model parallelism at N = {world}: model states per device, gradient all-reduce per device, "
                f"idle fraction", f"{'architecture':>40} {'states ' + unit:>10} {'sends ' + unit:>10} {'bubble':>7}"]
-    return out + [f"{r['label']:>40} {_in(r['states'], scale):>10} {_in(r['sent'], scale):>10} {r['bubble']:>7.3f}"
+    return out + [f"{r['label']:>40} {in_unit(r['states'], scale):>10} {in_unit(r['sent'], scale):>10} {r['bubble']:>7.3f}"
                   for r in rows]
 
 
@@ -188,7 +156,7 @@ def _memory_lines(phi: float, world: int, precision: str, optimizer: str) -> lis
            f"{'N':>6} " + " ".join(f"{name:>10}" for name, _ in STAGES)]
     for row in rows:
         mark = "  <- --world" if row["world"] == world else ""
-        out.append(f"{row['world']:>6} " + " ".join(f"{_in(row[name], scale):>10}" for name, _ in STAGES) + mark)
+        out.append(f"{row['world']:>6} " + " ".join(f"{in_unit(row[name], scale):>10}" for name, _ in STAGES) + mark)
     return out
 
 
@@ -213,7 +181,7 @@ def _traffic_lines(phi: float, world: int, precision: str, optimizer: str, serve
     unit, scale = size_unit([payload] + [x for _, xs in rows for x in xs])
     out = ["", f"== traffic per step at N = {world}, {unit} (S = {fmt_size(payload)} of {precision} gradients)",
            f"{'architecture':>16} {'worker sends':>13} {'worker recvs':>13} {'server recvs':>13} {'server sends':>13}"]
-    return out + [f"{label:>16} " + " ".join(f"{_in(x, scale):>13}" for x in xs) for label, xs in rows]
+    return out + [f"{label:>16} " + " ".join(f"{in_unit(x, scale):>13}" for x in xs) for label, xs in rows]
 
 
 def _scaling_lines(phi: float, precision: str, servers: int, c: Network, compute_from: str | None,
@@ -221,7 +189,7 @@ def _scaling_lines(phi: float, precision: str, servers: int, c: Network, compute
     worlds = [2**k for k in range(11)]
     rows = scaling_table(phi, precision, c, worlds, servers, extra)
     keys = list(architectures(servers))
-    unit, scale = _unit([r[k] for r in rows for k in keys], TIMES)
+    unit, scale = unit_for([r[k] for r in rows for k in keys], TIMES)
     source = f" (measured in {compute_from})" if compute_from else ""
     sent = "from backward's hooks" if c.overlap else "after backward"
     out = ["", f"== step time ({unit}) simulated: compute {fmt_time(c.compute_s)}/step/worker{source} (weak scaling), "

@@ -19,6 +19,7 @@ from psarch.config import Config, ConfigError, from_dict
 from psarch.theory.estimate_tensor import GPTShape
 from psarch.theory.program import Cluster, DataStep, Program, Transfer
 from psarch.theory.simulate import StepTime, simulate
+from psarch.units import fmt_size, fmt_time
 
 EMULATED_WORLD = 8    # the scaled-down N of the check on an emulated cluster
 SHOWN = 3             # candidates the plan prints a check for
@@ -184,8 +185,6 @@ def check_command(c: Candidate, shape: GPTShape, hw: Hardware, precision: str) -
 
 def report(shape: GPTShape, world: int, hw: Hardware, precision: str = "bf16", optimizer: str = "adamw") -> str:
     """What `psarch estimate --plan` prints."""
-    from psarch.theory.estimate import fmt_size, fmt_time
-
     rows = plan(shape, world, hw, precision, optimizer)
     out = [f"== plan: GPT {shape.layers} x {shape.hidden}, {shape.heads} heads (Φ = {shape.params() / 1e9:.3g}B), "
            f"{shape.seq} tokens x {shape.micro_batch} sequences per device per step, {precision} + {optimizer}, on "

@@ -14,6 +14,7 @@ from typing import Any, Required, Sequence, TypedDict
 
 import torch
 
+from psarch.checkpoint.reader import CheckpointError
 from psarch.flat import FlatParams
 from psarch.ps import wire
 from psarch.ps.errors import PSError
@@ -176,11 +177,12 @@ class ServerLink:
 
     def save(self, step: int, folder: Path) -> None:
         """Ask every server to write its part of checkpoint `step` into `folder` (acked once every worker asked);
-        PSError naming the checkpoint when a server refuses, or does not answer within the client's timeout."""
+        CheckpointError naming the checkpoint when a server refuses, or does not answer within the client's
+        timeout (a run that goes on without a lost worker stops for it: the checkpoint would be incomplete)."""
         try:
             self.client.exchange([[Request({"op": "save", "step": step, "path": str(folder)})] for _ in self.servers])
         except PSError as e:
-            raise type(e)(f"checkpoint step {step} not written: {e}") from None
+            raise CheckpointError(f"checkpoint step {step} not written: {e}") from None
 
     def done(self) -> None:
         """Tell every server this worker is done."""
