@@ -38,16 +38,22 @@ def ring(p: Program, name: str, n: int, nbytes: float, passes: int, after: list[
     return [f"{name}.{steps - 1}.{(r - 1) % n}" for r in range(n)]
 
 
-def ddp_program(n: int, buckets: list[float], step: DataStep, overlap: bool, reduced: bool = False) -> Program:
-    """Ring all-reduce of `buckets` (bytes, in the order backward readies them) among n ranks."""
+def bucketed(n: int, buckets: list[float], step: DataStep, overlap: bool, reduced: bool, name: str,
+             passes: int) -> tuple[Program, list[tuple[str, ...]]]:
+    """Backward readying `buckets` (bytes, in that order) among n ranks, each bucket `passes` ring passes from
+    backward's hooks (overlap) or after backward, one after another, then the optimizer step: the program, and
+    each rank's optimizer step (what comes next waits for)."""
     p = workers(n, reduced)
     ranks = range(1 if reduced else n)
     points = ready_points(buckets) if overlap else [1.0] * len(buckets)
     spans = [backward_spans(p, r, r, step, points) for r in ranks]
     last: list[tuple[str, ...]] = [() for _ in ranks]
     for b, size in enumerate(buckets):
-        done = ring(p, f"ar{b}", n, size, 2, [(spans[r][0][b], *last[r]) for r in ranks], reduced)
-        last = [(d,) for d in done]
-    for r in ranks:
-        p.compute(f"opt{r}", r, step.optimizer_s, (spans[r][1], *last[r]))
-    return p
+        last = [(d,) for d in ring(p, f"{name}{b}", n, size, passes, [(spans[r][0][b], *last[r]) for r in ranks],
+                                   reduced)]
+    return p, [(p.compute(f"opt{r}", r, step.optimizer_s, (spans[r][1], *last[r])),) for r in ranks]
+
+
+def ddp_program(n: int, buckets: list[float], step: DataStep, overlap: bool, reduced: bool = False) -> Program:
+    """Ring all-reduce of `buckets` (bytes, in the order backward readies them) among n ranks."""
+    return bucketed(n, buckets, step, overlap, reduced, "ar", 2)[0]

@@ -6,8 +6,8 @@ in backward, in reverse, all-gather it again, its backward, then reduce-scatter 
 all-gather of the unit before it (one communicator, in the order issued: no pass hides behind compute)."""
 from __future__ import annotations
 
-from collective.program import ring, workers
-from psarch.theory.program import DataStep, Program, backward_spans, ready_points
+from collective.program import bucketed, ring, workers
+from psarch.theory.program import DataStep, Program
 
 
 def stage12_program(n: int, buckets: list[float], gathers: list[float], step: DataStep, overlap: bool,
@@ -15,15 +15,7 @@ def stage12_program(n: int, buckets: list[float], gathers: list[float], step: Da
     """Reduce-scatter of `buckets` (bytes, in the order backward readies them), the optimizer, the all-gather of
     `gathers` (bytes, in order) among n ranks. reduce_passes = 2: each bucket all-reduced instead (torch's DDP
     under ZeroRedundancyOptimizer, whose broadcasts of the updated shards move what one all-gather pass does)."""
-    p = workers(n, reduced)
-    ranks = range(1 if reduced else n)
-    points = ready_points(buckets) if overlap else [1.0] * len(buckets)
-    spans = [backward_spans(p, r, r, step, points) for r in ranks]
-    last: list[tuple[str, ...]] = [() for _ in ranks]
-    for b, size in enumerate(buckets):
-        last = [(d,) for d in ring(p, f"rs{b}", n, size, reduce_passes, [(spans[r][0][b], *last[r]) for r in ranks],
-                                   reduced)]
-    last = [(p.compute(f"opt{r}", r, step.optimizer_s, (spans[r][1], *last[r])),) for r in ranks]
+    p, last = bucketed(n, buckets, step, overlap, reduced, "rs", reduce_passes)
     for b, size in enumerate(gathers):
         last = [(d,) for d in ring(p, f"ag{b}", n, size, 1, list(last), reduced)]
     return p
