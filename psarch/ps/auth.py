@@ -151,6 +151,10 @@ def remove(folder: KeyFolder | str | None) -> None:
 
 # ---------------------------------------------------------------- sockets
 
+# ZMQ_HEARTBEAT_TTL crosses the wire in deciseconds, in 16 bits (ZMTP 3.1's PING): libzmq refuses more (EINVAL)
+MAX_HEARTBEAT_TTL_MS = 6553500   # 65535 deciseconds
+
+
 def bound(sock: zmq.Socket, heartbeat_s: float, heartbeat_timeout_s: float,
           handshake_timeout_s: float | None = None) -> None:
     """Heartbeats that drop a stalled peer (one that answers no PING, or stops mid-message), and a handshake
@@ -158,7 +162,9 @@ def bound(sock: zmq.Socket, heartbeat_s: float, heartbeat_timeout_s: float,
     if heartbeat_s > 0:
         sock.setsockopt(zmq.HEARTBEAT_IVL, int(heartbeat_s * 1000))
         sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, int(heartbeat_timeout_s * 1000))
-        sock.setsockopt(zmq.HEARTBEAT_TTL, int(heartbeat_timeout_s * 1000))
+        # the peer's own deadline for us: at most what the PING can carry (a heartbeat timeout that dilation
+        # stretched past it still holds here, as HEARTBEAT_TIMEOUT)
+        sock.setsockopt(zmq.HEARTBEAT_TTL, min(int(heartbeat_timeout_s * 1000), MAX_HEARTBEAT_TTL_MS))
     handshake = heartbeat_timeout_s if handshake_timeout_s is None else handshake_timeout_s
     sock.setsockopt(zmq.HANDSHAKE_IVL, max(1, int(handshake * 1000)))
 
