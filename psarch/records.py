@@ -8,6 +8,7 @@ from dataclasses import asdict, dataclass, field, fields
 from typing import TYPE_CHECKING, Any, NotRequired, Required, TypedDict, cast
 
 if TYPE_CHECKING:   # a model's tensors, named in annotations only: reports and config errors never import torch
+    from psarch.timeline import SpanFields
     import torch
 
 
@@ -215,7 +216,7 @@ class RankRecord:
     model_state: dict[str, torch.Tensor] | None = field(default=None, repr=False)   # rank 0: the model
     virtual_device: DeviceFacts | None = None   # a virtual device's FLOPs and nominal times (VirtualDevice.facts)
     frozen_params: int = 0               # parameters that do not train (train.trainable, LoRA's base weights)
-    timeline: list[dict[str, Any]] = field(default_factory=list)   # train.trace_steps' spans (psarch.timeline)
+    timeline: list[SpanFields] = field(default_factory=list)   # train.trace_steps' spans (psarch.timeline)
 
     def to_json(self) -> dict[str, Any]:
         """Everything but the model (saved apart, as model.pt): JSON-able."""
@@ -307,4 +308,4 @@ class Summary(TypedDict, total=False):
     faults: list[Any]               # [faults] struck: psarch.launch.faults.Struck (node, action, step, signal, at_s)
     restarts: list[Any]             # worlds started again (faults.restart): psarch.launch.faults.Restart
     stopped_at_s: float             # a faulted run that stopped: when the launcher found it stopped (as faults' at_s)
-    timeline: list[dict[str, Any]]  # the services' spans of train.trace_steps: into trace.json, not summary.json
+    timeline: list[SpanFields]      # the services' spans of train.trace_steps: into trace.json, not summary.json

@@ -8,7 +8,17 @@ import threading
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any, Iterator
+from typing import Iterator, TypedDict
+
+
+class SpanFields(TypedDict):
+    """A span as JSON (Span.to_dict): what a rank's record and a server's stats carry to the launcher."""
+
+    node: str
+    lane: str
+    name: str
+    start: float
+    end: float
 
 
 @dataclass(frozen=True)
@@ -21,11 +31,11 @@ class Span:
     start: float
     end: float
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self) -> SpanFields:
         return {"node": self.node, "lane": self.lane, "name": self.name, "start": self.start, "end": self.end}
 
     @staticmethod
-    def of(d: dict[str, Any]) -> Span:
+    def of(d: SpanFields) -> Span:
         return Span(d["node"], d["lane"], d["name"], d["start"], d["end"])
 
 

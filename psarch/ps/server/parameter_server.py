@@ -65,7 +65,7 @@ from psarch.ps.server.rows import ServerRows
 from psarch.ps.server.snapshots import Snapshots
 from psarch.ps.server.state import ServerState
 from psarch.ps.server.stats import Command, ServerStats
-from psarch.timeline import Recorder
+from psarch.timeline import Recorder, Span, SpanFields
 
 Handler = Callable[[bytes, wire.Message], None]
 LOST_BY_LAUNCHER = "its process died"
@@ -307,14 +307,14 @@ class ParameterServer:
         final = dense if self.rows is None else self.rows.final(dense)
         return final.numpy().data.cast("B")
 
-    def _rounds(self) -> list[dict[str, Any]]:
+    def _rounds(self) -> list[SpanFields]:
         """The traced rounds' spans in the cluster's time, as the workers' (psarch.launch.runner); none where D was
         not resolved for the servers (torchrun's rank 0 starts them with the config as asked)."""
         try:
             d = dilation(self.state.cfg)
         except RuntimeError:
             return []
-        return [dict(x.to_dict(), start=x.start / d, end=x.end / d)
+        return [Span(x.node, x.lane, x.name, x.start / d, x.end / d).to_dict()
                 for x in self.timeline.take(f"server {self.state.index}")]
 
     def stats(self) -> ServerStats:

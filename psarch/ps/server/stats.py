@@ -2,9 +2,12 @@
 and the figures a server sends back for summary.json (psarch/ps/services.py)."""
 from __future__ import annotations
 
-from typing import Any, NotRequired, TypedDict
+from typing import TYPE_CHECKING, Any, NotRequired, TypedDict
 
 from psarch.records import TrafficFigures
+
+if TYPE_CHECKING:
+    from psarch.timeline import SpanFields
 
 
 class Command(TypedDict):
@@ -43,4 +46,4 @@ class ServerStats(TypedDict):
     skipped_updates: int
     staleness_histogram: dict[str, int]
     ssp: NotRequired[SSPStats]
-    timeline: NotRequired[list[dict[str, Any]]]   # train.trace_steps' rounds (psarch.timeline.Span.to_dict)
+    timeline: NotRequired[list[SpanFields]]   # train.trace_steps' rounds (psarch.timeline.Span.to_dict)
