@@ -147,12 +147,12 @@ def test_batches_are_the_same_at_every_world_size():
      'workload.dlrm.top_mlp = ["a"]: expected a list of widths >= 1'),
     ({"workload.clicks.zipf": -1.0}, "workload.clicks.zipf = -1.0: must be >= 0"),
     ({"backend.kind": "zero", "backend.world_size": 2, "backend.embeddings": "rows"},
-     'backend.embeddings = "rows": backend.kind = "zero" runs "dense"; "rows" runs on backend.kind = "ddp", "ps", '
+     'backend.embeddings = "rows": backend.kind = "zero" runs "dense", "ps"; "rows" runs on backend.kind = "ddp", "ps", '
      '"torch_ddp"'),
     ({"backend.kind": "ddp", "backend.world_size": 2, "backend.embeddings": "rows"},
      'backend.embeddings = "rows": needs the built-in workload.model = "dlrm"'),
     ({"backend.embeddings": "sharded", "backend.kind": "zero"},
-     'backend.embeddings = "sharded": backend.kind = "zero" runs "dense"; "sharded" runs on backend.kind = "ddp"'),
+     'backend.embeddings = "sharded": backend.kind = "zero" runs "dense", "ps"; "sharded" runs on backend.kind = "ddp"'),
     ({"backend.embeddings": "sharded", "backend.kind": "ddp"}, 'backend.embeddings = "sharded": needs the built-in'),
     ({"backend.embeddings": "sharded", "backend.kind": "ddp", "workload.model": "dlrm", "workload.data": "clicks",
       "train.precision": "fp16"}, 'train.precision = "fp16": backend.embeddings = "sharded" runs fp32 or bf16'),
