@@ -8,7 +8,7 @@ names no backend; bench/ and the studies' tables in report/ sit above the backen
                   include (config/backend.py), the [faults] section (config/faults.py), which options a run
                   reads, TOML files and --set, checks across keys
     launch/       `psarch run`: ranks started (ranks.py), one rank's step loop (runner.py), supervision,
-                  [faults] struck and worlds restarted (faults.py), sweeps, the run folder written (outputs.py),
+                  [faults] struck and worlds restarted (faults.py), what a restart cost (failure_cost.py), sweeps, the run folder written (outputs.py),
                   local ranks for tests (spawn.py)
     report/       what a user reads: `psarch compare` and its plots, a run folder read back (runs.py), and
                   the studies' tables, `psarch report crossover | cluster | stragglers | pipeline`; a run's traced
@@ -19,7 +19,7 @@ names no backend; bench/ and the studies' tables in report/ sit above the backen
                   played by theory/simulate.py (max-min fair links, a connection's transfers in turn, α per
                   message; a reduced program for N = 1,024) and in steady state by theory/steady.py; the
                   estimator of `psarch estimate` (theory/estimate.py, its step times theory/estimate_steps.py)
-                  and its command (theory/cli.py)
+                  and its command (theory/cli.py); the steps a failure loses to its checkpoint (failures.py)
     bench/        benchmarks against PyTorch's own peers, `psarch bench NAME` (step, allreduce, ddp, zero,
                   zero-stages, ps, pipeline, tensor); `python -m psarch.bench_step` is `psarch bench step`
     cluster/      the emulated cluster: placement, network namespaces and shaped links (emulated.py,

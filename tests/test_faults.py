@@ -233,6 +233,13 @@ def test_a_replaced_sgd_run_ends_bit_for_bit_with_the_model_of_the_uninterrupted
     assert restart["from_step"] == 4 and restart["steps_lost"] == 1 and restart["error"].startswith("rank 1 was killed")
     assert summary["faults"][0]["at_s"] <= restart["stopped_at_s"] <= restart["at_s"]
     assert "restart: from step 4 " in (out / "report.txt").read_text()
+    # what it cost: measured steps lost as theory.failures predicts for a kill at step 5, checkpoints every 2
+    [cost] = summary["failure_cost"]["restarts"]
+    assert cost["kill_step"] == 5 and cost["steps_lost"] == cost["steps_lost_predicted"] == 1
+    assert cost["detection_s"] >= 0
+    assert cost["detection_s"] == pytest.approx(restart["stopped_at_s"] - summary["faults"][0]["at_s"])
+    assert summary["failure_cost"]["wall_s"] >= restart["at_s"] and summary["failure_cost"]["goodput_steps_per_s"] > 0
+    assert "failure cost: kill at step 5: " in (out / "report.txt").read_text()
     assert [json.loads(x)["step"] for x in (out / "metrics.jsonl").read_text().splitlines()] == list(range(8))
     assert_same_model(torch.load(out / "model.pt", weights_only=True),
                       torch.load(tmp_path / "plain" / "model.pt", weights_only=True), "replaced vs plain",

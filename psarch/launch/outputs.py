@@ -14,6 +14,7 @@ from psarch import registry, theory, throughput
 from psarch.cluster import device
 from psarch.config import Config
 from psarch.records import MetricsRow, Predicted, RankRecord, StepRecord, Summary
+from psarch.launch.failure_cost import failure_cost, report_lines as failure_cost_lines
 from psarch.launch.runner import warmup_steps
 from psarch.report.trace import write_trace
 from psarch.timeline import Span
@@ -199,6 +200,8 @@ def finalize(out: Path, cfg: Config, extra: Summary | None = None, echo: bool = 
     if merged.get("cluster", {}).get("emulated"):
         merged["cluster"]["step_time"] = theory.cluster_step(cfg, cast(Summary, merged))
     summary = cast(Summary, merged)
+    if summary.get("restarts") and "ended_at_s" in summary:   # faults.restart = "replace" restarted the world
+        summary["failure_cost"] = failure_cost(summary, cfg.train.checkpoint_every)
     spans = [Span.of(x) for r in records for x in r.timeline] + [Span.of(x) for x in server_spans]
     if spans:   # train.trace_steps: the ranks' timelines in one file Perfetto opens
         write_trace(out / "trace.json", spans)
@@ -269,6 +272,8 @@ def report(s: Summary) -> str:
     for r in s.get("restarts") or []:
         lines.append(f"restart: from step {r['from_step']} at {r['at_s']:.2f} s ({r['steps_lost']} step(s) done "
                      f"again) after: {r['error']}")
+    if s.get("failure_cost"):
+        lines += failure_cost_lines(s["failure_cost"])
     if s.get("auth") == "none":
         lines.append("auth: none (backend.auth = \"none\": any process on this machine could talk to the servers)")
     pushes = s.get("refused_pushes")

@@ -99,6 +99,8 @@ def run(cfg: Config, out: str | Path | None = None, echo: bool = True, resume: b
     except BaseException as e:  # failed or interrupted (Ctrl-C, SIGTERM): keep the finished steps, say why
         _keep_finished_steps(out_dir, cfg, e, faulted)
         raise
+    if faults(cfg):   # the run's wall time, for failure_cost's goodput
+        faulted["ended_at_s"] = since(t0, time.monotonic(), dilation(ranks_cfg))
     extra.update(faulted)
     if cluster:
         cluster["wall_s"] = time.monotonic() - launched   # what an emulated point costs, at its D

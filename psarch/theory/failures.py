@@ -1,0 +1,18 @@
+"""What a failure costs a run that restarts from its newest checkpoint: the steps done past that checkpoint are
+done again (exact for a fault at a known step; on average over a uniformly random fault step)."""
+from __future__ import annotations
+
+
+def steps_lost(fault_step: int, checkpoint_every: int) -> int:
+    """Steps done again after a fault as step `fault_step` begins: those past the newest checkpoint,
+    fault_step − checkpoint_every·⌊fault_step / checkpoint_every⌋ (every step since 0 where there is none)."""
+    if fault_step < 0:
+        raise ValueError(f"fault step {fault_step}: expected a step >= 0")
+    return fault_step % checkpoint_every if checkpoint_every > 0 else fault_step
+
+
+def mean_steps_lost(checkpoint_every: int) -> float:
+    """steps_lost averaged over a fault step drawn uniformly: (checkpoint_every − 1) / 2, half an interval."""
+    if checkpoint_every <= 0:
+        raise ValueError(f"checkpoint_every = {checkpoint_every}: expected a checkpoint interval > 0")
+    return (checkpoint_every - 1) / 2

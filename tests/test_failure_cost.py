@@ -1,0 +1,47 @@
+"""What a failure costs: theory.failures' steps lost (exact at a known step, and its mean over a uniformly
+random step), and failure_cost's figures from the launcher's records, one restart or two."""
+from __future__ import annotations
+
+import pytest
+
+from psarch.launch.failure_cost import failure_cost, report_lines
+from psarch.theory.failures import mean_steps_lost, steps_lost
+
+
+@pytest.mark.parametrize("step, every, lost", [(5, 2, 1), (4, 2, 0), (7, 4, 3), (3, 10, 3), (0, 3, 0), (6, 0, 6)])
+def test_steps_lost_are_those_past_the_newest_checkpoint(step, every, lost):
+    assert steps_lost(step, every) == lost
+
+
+@pytest.mark.parametrize("every", [1, 2, 5, 8])
+def test_the_mean_is_steps_lost_averaged_over_every_step_of_an_interval(every):
+    steps = range(0, 40 * every)   # whole intervals: a uniformly random fault step
+    assert mean_steps_lost(every) == pytest.approx(sum(steps_lost(k, every) for k in steps) / len(steps))
+
+
+def test_a_bad_step_or_interval_is_one_line():
+    with pytest.raises(ValueError, match=r"^fault step -1: expected a step >= 0$"):
+        steps_lost(-1, 2)
+    with pytest.raises(ValueError, match=r"^checkpoint_every = 0: expected a checkpoint interval > 0$"):
+        mean_steps_lost(0)
+
+
+def test_each_restart_is_costed_from_the_kill_that_ended_its_world():
+    """Two worlds ended: the first by two kills at step 5 (one restart), the second by a kill at step 7."""
+    kill = {"action": "kill", "signal": "SIGKILL"}
+    s = {"steps": 10, "step_time_s": 0.01, "ended_at_s": 4.0,
+         "faults": [dict(kill, node="worker 1", step=5, at_s=1.0), dict(kill, node="worker 2", step=5, at_s=1.0),
+                    {"node": "worker 0", "action": "pause", "step": 6, "at_s": 2.0, "seconds": 0.1},
+                    dict(kill, node="worker 0", step=7, at_s=2.5)],
+         "restarts": [{"error": "", "stopped_at_s": 1.25, "at_s": 1.5, "from_step": 4, "steps_lost": 1, "kills": 2},
+                      {"error": "", "stopped_at_s": None, "at_s": 3.0, "from_step": 6, "steps_lost": 1, "kills": 3}]}
+    c = failure_cost(s, 2)
+    assert c["goodput_steps_per_s"] == 2.5 and c["ideal_steps_per_s"] == pytest.approx(100.0)
+    assert c["mean_steps_lost_predicted"] == 0.5
+    first, second = c["restarts"]
+    assert (first["kill_step"], first["detection_s"], first["relaunch_s"]) == (5, 0.25, 0.25)
+    assert (first["steps_lost"], first["steps_lost_predicted"], first["recompute_s"]) == (1, 1, 0.01)
+    assert (second["kill_step"], second["detection_s"], second["steps_lost_predicted"]) == (7, None, 1)
+    lines = report_lines(c)
+    assert lines[0].startswith("goodput         2.50 steps/s over 4.00 s") and len(lines) == 3
+    assert "kill at step 5: detection 0.25 s, relaunch 0.25 s" in lines[1] and "steps lost 1 | predicted 1" in lines[1]
