@@ -11,6 +11,7 @@ from typing import Any, Callable, TextIO
 import torch
 
 from psarch import checkpoint, registry
+from psarch.checkpoint import finetune
 from psarch.launch import progress
 from psarch import trainer as contract
 from psarch.cluster.device import dilation
@@ -103,7 +104,10 @@ def run_rank(cfg: Config, ctx: DistContext, workload: Workload | None = None, ec
     params = sum(p.numel() for p in workload.model.parameters() if p.requires_grad)
     frozen = [p for p in workload.model.parameters() if not p.requires_grad]
     ckpt = checkpoint.Checkpoint(start) if start is not None else None
-    if ckpt is not None:  # the launcher verified sizes and checksums; check the model before building
+    base = ckpt is not None and not resume and finetune.is_base_start(cfg, ckpt, workload.model)
+    if ckpt is not None and base:   # fine-tuning a base model's checkpoint: its weights, before the backend copies them
+        finetune.load_base(workload.model, ckpt)
+    elif ckpt is not None:  # the launcher verified sizes and checksums; check the model before building
         ckpt.check_model({n: tuple(p.shape) for n, p in workload.model.named_parameters() if p.requires_grad})
         ckpt.check_optimizer(cfg.train.optimizer)
     spec = registry.spec_of(cfg)
@@ -111,7 +115,9 @@ def run_rank(cfg: Config, ctx: DistContext, workload: Workload | None = None, ec
     if slow is not None:   # its compute is the forward and backward less the waits the backend timed in them
         slow.waited = trainer.comm_waited_s
     first, records = 0, []   # this rank's step records
-    if ckpt is not None:
+    if ckpt is not None and base:   # a new run from step 0: its optimizer, generators and data start fresh
+        ckpt.close()
+    elif ckpt is not None:
         trainer.load_checkpoint(ckpt)
         ckpt.restore_rng(ctx.rank, ctx.device)   # dropout goes on drawing where it stopped
         records = ckpt.steps(ctx.rank) if resume else []

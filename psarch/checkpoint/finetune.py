@@ -1,0 +1,53 @@
+"""Fine-tuning from a trained checkpoint: a config with LoRA adapters or frozen parameters (train.lora_rank,
+train.trainable) started `--from` a checkpoint of the base model (every parameter of the config's model before
+adapters and freezing, by name and shape) takes its weights by name; adapters start as LoRA initialises them,
+the optimizer state fresh, at step 0 (a new run: its train.steps, schedule and data count the fine-tuning)."""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from psarch.checkpoint.fragments import PARAM
+from psarch.checkpoint.reader import Checkpoint, CheckpointError
+from psarch.config import Config
+
+ADAPTERS = ("lora_A", "lora_B")
+BACKENDS = ("single", "ddp")   # those whose parity from a base checkpoint is tested (tests/test_lora_from.py)
+
+
+def fine_tunes(cfg: Config) -> bool:
+    """Whether the config trains a subset of its model (adapters added or parameters frozen)."""
+    return bool(cfg.train.lora_rank or cfg.train.trainable)
+
+
+def base_shapes(model: nn.Module) -> dict[str, tuple[int, ...]]:
+    """The model's parameters without its adapters (name -> shape): the base model a full run trained."""
+    return {n: tuple(p.shape) for n, p in model.named_parameters() if n.rpartition(".")[2] not in ADAPTERS}
+
+
+def is_base_start(cfg: Config, ckpt: Checkpoint, model: nn.Module) -> bool:
+    """Whether `ckpt` is the base model's checkpoint for a fine-tuning config: it holds every base parameter
+    (names and shapes) and is not a checkpoint of the config's own trainable set (that one resumes or forks as
+    any other). Raises CheckpointError naming what is missing on a backend not in BACKENDS."""
+    trains = {n for n, p in model.named_parameters() if p.requires_grad}
+    if not fine_tunes(cfg) or set(ckpt.params) == trains:
+        return False
+    base = base_shapes(model)
+    if set(ckpt.params) != set(base) or any(list(s) != ckpt.params[n]["shape"] for n, s in base.items()):
+        return False
+    if cfg.backend.kind not in BACKENDS:
+        raise CheckpointError(f"--from {ckpt.path}: a base model's checkpoint into a LoRA or frozen config is loaded "
+                              f"on backend.kind = {' or '.join(map(repr, BACKENDS))} only; {cfg.backend.kind!r} has "
+                              f"no base-weight load into its layout yet (start it from a checkpoint of its own "
+                              f"trainable set)")
+    return True
+
+
+def load_base(model: nn.Module, ckpt: Checkpoint) -> None:
+    """Copy the checkpoint's fp32 weights by name into the model's base parameters (before a backend builds
+    its buffers from them); adapters are left as LoRA initialised them."""
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name in ckpt.params:
+                numel = ckpt.params[name]["numel"]
+                p.copy_(ckpt.read(name, PARAM, 0, numel).view(p.shape))
