@@ -1,8 +1,8 @@
 """LoRA fine-tuning from a trained checkpoint (psarch/checkpoint/finetune.py): `--from` a full run's checkpoint
 into a LoRA config starts from its weights (the frozen base equal to the checkpoint's, the adapters' B zero, so
-the first loss is the base model's on the same batch), at step 0 with fresh optimizer state; ddp at N = 2 ends
-where `single` does (SGD, parity.SGD_ATOL); a backend without the load, or a checkpoint of another model, is
-refused in one line."""
+the first loss is the base model's on the same batch), at step 0 with fresh optimizer state; ddp, zero 1-3, dp
+and torch's DDP and ZeRO at N = 2 end where `single` does (SGD, parity.SGD_ATOL); a backend without the load
+(ps), or a checkpoint of another model, is refused in one line."""
 from __future__ import annotations
 
 import json
@@ -58,23 +58,29 @@ def test_fine_tuning_starts_from_the_base_checkpoint(base, name, train):
     assert rows[-1]["loss"] != rows[0]["loss"]   # what is trainable trains
 
 
+BACKENDS = {"ddp": {"kind": "ddp", "comm": "ring"}, **{f"zero{s}": {"kind": "zero", "stage": s, "comm": "ring"}
+                                                         for s in (1, 2, 3)},
+            "dp": {"kind": "dp"}, "torch_ddp": {"kind": "torch_ddp"}, "torch_zero": {"kind": "torch_zero"}}
+
+
 @pytest.mark.slow
-def test_ddp_from_the_base_checkpoint_equals_single(base):
+@pytest.mark.parametrize("name", BACKENDS)
+def test_from_the_base_checkpoint_equals_single(base, name):
     out, ckpt = base
     if not (out / "lora" / "model.pt").is_file():
         run(from_dict(config("lora", train=LORA)), out / "lora", echo=False, start=ckpt)
-    run(from_dict(config("ddp", train=LORA, backend={"kind": "ddp", "comm": "ring", "world_size": 2})),
-        out / "ddp", echo=False, start=ckpt)
-    a = torch.load(out / "ddp" / "model.pt", weights_only=True)
+    run(from_dict(config(name, train=LORA, backend=dict(BACKENDS[name], world_size=2))), out / name, echo=False,
+        start=ckpt)
+    a = torch.load(out / name / "model.pt", weights_only=True)
     b = torch.load(out / "lora" / "model.pt", weights_only=True)
-    assert_same_model(a, b, "ddp vs single from the base checkpoint", rtol=0, atol=SGD_ATOL)
+    assert_same_model(a, b, f"{name} vs single from the base checkpoint", rtol=0, atol=SGD_ATOL)
 
 
 def test_other_backends_and_other_models_are_refused(base):
     out, ckpt = base
-    zero = from_dict(config("z", train=LORA, backend={"kind": "zero", "stage": 1, "world_size": 2}))
-    with pytest.raises(CheckpointError, match=r"loaded on backend.kind = 'single' or 'ddp' only; 'zero' has no"):
-        run(zero, out / "z", echo=False, start=ckpt)
+    ps = from_dict(config("p", train=LORA, backend={"kind": "ps", "mode": "sync", "world_size": 2}))
+    with pytest.raises(CheckpointError, match=r"loaded on backend.kind = single, ddp, .* only; 'ps' has no"):
+        run(ps, out / "p", echo=False, start=ckpt)
     other = from_dict(config("o", train=dict(LORA, lora_targets=["*.qkv"]), workload={"gpt": {"n_layer": 1, "n_embd": 8, "n_head": 2}}))
     with pytest.raises(CheckpointError, match=r"parameter .* is not in the checkpoint|has shape"):
         run(other, out / "o", echo=False, start=ckpt)

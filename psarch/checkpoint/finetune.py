@@ -12,7 +12,9 @@ from psarch.checkpoint.reader import Checkpoint, CheckpointError
 from psarch.config import Config
 
 ADAPTERS = ("lora_A", "lora_B")
-BACKENDS = ("single", "ddp")   # those whose parity from a base checkpoint is tested (tests/test_lora_from.py)
+# those that build their model from the rank's workload.model, tested against single (tests/test_lora_from.py); ps
+# servers restore their own shards from the checkpoint, which holds no adapters
+BACKENDS = ("single", "ddp", "zero", "dp", "torch_ddp", "torch_zero")
 
 
 def fine_tunes(cfg: Config) -> bool:
@@ -37,9 +39,9 @@ def is_base_start(cfg: Config, ckpt: Checkpoint, model: nn.Module) -> bool:
         return False
     if cfg.backend.kind not in BACKENDS:
         raise CheckpointError(f"--from {ckpt.path}: a base model's checkpoint into a LoRA or frozen config is loaded "
-                              f"on backend.kind = {' or '.join(map(repr, BACKENDS))} only; {cfg.backend.kind!r} has "
-                              f"no base-weight load into its layout yet (start it from a checkpoint of its own "
-                              f"trainable set)")
+                              f"on backend.kind = {', '.join(BACKENDS)} only; {cfg.backend.kind!r} has no base-weight "
+                              f"load yet (its model is not built from the rank's workload alone; start it from a "
+                              f"checkpoint of its own trainable set)")
     return True
 
 

@@ -92,7 +92,8 @@ def run_rank(cfg: Config, ctx: DistContext, workload: Workload | None = None, ec
              checkpoints: Path | None = None, start: Path | None = None, resume: bool = False,
              metrics: Path | None = None, marks: StepMarks | None = None) -> RankRecord:
     """Train up to step `train.steps` on this rank, from step 0 or from checkpoint `start`'s step and state
-    (with `resume`, also its step records), writing a checkpoint under `checkpoints` every
+    (with `resume`, also its step records; a base model's checkpoint under a LoRA or frozen config: its weights
+    only, from step 0, psarch.checkpoint.finetune), writing a checkpoint under `checkpoints` every
     `train.checkpoint_every` steps; returns the rank's record (step records, memory, traffic, model). With
     `metrics`, the carried records and then each step's record as the step completes are also appended
     there, so a run that fails or is interrupted keeps every finished step. `marks` (an emulated cluster's):
