@@ -84,3 +84,16 @@ def test_other_backends_and_other_models_are_refused(base):
     other = from_dict(config("o", train=dict(LORA, lora_targets=["*.qkv"]), workload={"gpt": {"n_layer": 1, "n_embd": 8, "n_head": 2}}))
     with pytest.raises(CheckpointError, match=r"parameter .* is not in the checkpoint|has shape"):
         run(other, out / "o", echo=False, start=ckpt)
+
+
+def test_a_resumed_fine_tune_keeps_the_base_weights(base, tmp_path):
+    """Its checkpoints hold only the adapters: the frozen weights come again from the base checkpoint it started
+    from, so the resumed run ends where the straight one does, bit for bit."""
+    out, ckpt = base
+    run(from_dict(config("straight", train=LORA)), tmp_path / "straight", echo=False, start=ckpt)
+    half = dict(LORA, checkpoint_every=2)
+    run(from_dict(config("half", train=dict(half, steps=2))), tmp_path / "half", echo=False, start=ckpt)
+    run(from_dict(config("half", train=half)), tmp_path / "half", echo=False, resume=True)
+    a = torch.load(tmp_path / "straight" / "model.pt", weights_only=True)
+    b = torch.load(tmp_path / "half" / "model.pt", weights_only=True)
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)

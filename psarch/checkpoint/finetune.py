@@ -53,3 +53,21 @@ def load_base(model: nn.Module, ckpt: Checkpoint) -> None:
             if name in ckpt.params:
                 numel = ckpt.params[name]["numel"]
                 p.copy_(ckpt.read(name, PARAM, 0, numel).view(p.shape))
+
+
+def restore_base(cfg: Config, model: nn.Module) -> None:
+    """A resumed fine-tune: its checkpoints hold only what trains, so the frozen weights are read again from the
+    base checkpoint it started from (config started_from), not drawn from the seed."""
+    path = cfg.started_from.get("path")
+    if not fine_tunes(cfg) or path is None:
+        return
+    try:
+        base = Checkpoint(path)
+    except CheckpointError as e:
+        raise CheckpointError(f"--resume: the fine-tune's base checkpoint is unreadable, so its frozen weights cannot "
+                              f"be restored ({e})") from None
+    try:
+        if is_base_start(cfg, base, model):
+            load_base(model, base)
+    finally:
+        base.close()

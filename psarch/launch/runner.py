@@ -111,6 +111,8 @@ def run_rank(cfg: Config, ctx: DistContext, workload: Workload | None = None, ec
     elif ckpt is not None:  # the launcher verified sizes and checksums; check the model before building
         ckpt.check_model({n: tuple(p.shape) for n, p in workload.model.named_parameters() if p.requires_grad})
         ckpt.check_optimizer(cfg.train.optimizer)
+        if resume:
+            finetune.restore_base(cfg, workload.model)
     spec = registry.spec_of(cfg)
     trainer = contract.load_trainer(cfg.backend.kind)(workload, cfg, ctx)
     if slow is not None:   # its compute is the forward and backward less the waits the backend timed in them
