@@ -14,7 +14,10 @@ import shutil
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from psarch import registry
+from psarch.checkpoint.finetune import is_base_start
 from psarch.checkpoint.reader import Checkpoint, CheckpointError, latest_complete
 from psarch.checkpoint.writer import METADATA, complete_checkpoints
 from psarch.cluster import device
@@ -92,6 +95,8 @@ def starting_checkpoint(cfg: Config, run_dir: Path, resume: bool, start: str | P
             ckpt.verify()
         except CheckpointError as e:
             raise _offer(e, run_dir, ckpt.step) if resume else e from None
+        if not resume and is_base_start(cfg, ckpt, _meta_model(cfg)):   # fine-tuning: step 0, optimizer fresh
+            return ckpt
         ckpt.check_model(model_shapes(cfg))
         ckpt.check_optimizer(cfg.train.optimizer)
         if ckpt.step >= cfg.train.steps:
@@ -254,7 +259,11 @@ def drop_unfinished(run_dir: Path) -> list[str]:
 def model_shapes(cfg: Config) -> dict[str, tuple[int, ...]]:
     """The config's trainable parameters (name -> shape); a built-in model is made on the meta device (no
     memory), its data sources on CPU (they compute with numpy, which meta tensors cannot feed)."""
+    return {n: tuple(p.shape) for n, p in _meta_model(cfg).named_parameters() if p.requires_grad}
+
+
+def _meta_model(cfg: Config) -> torch.nn.Module:
+    """The config's model (adapters added, frozen parameters marked) on the meta device."""
     from psarch.workload import build_workload
 
-    model = build_workload(cfg, device="meta").model
-    return {n: tuple(p.shape) for n, p in model.named_parameters() if p.requires_grad}
+    return build_workload(cfg, device="meta").model

@@ -11,6 +11,7 @@ from typing import Any, Callable, TextIO
 import torch
 
 from psarch import checkpoint, registry
+from psarch.checkpoint import finetune
 from psarch.launch import progress
 from psarch import trainer as contract
 from psarch.cluster.device import dilation
@@ -91,7 +92,8 @@ def run_rank(cfg: Config, ctx: DistContext, workload: Workload | None = None, ec
              checkpoints: Path | None = None, start: Path | None = None, resume: bool = False,
              metrics: Path | None = None, marks: StepMarks | None = None) -> RankRecord:
     """Train up to step `train.steps` on this rank, from step 0 or from checkpoint `start`'s step and state
-    (with `resume`, also its step records), writing a checkpoint under `checkpoints` every
+    (with `resume`, also its step records; a base model's checkpoint under a LoRA or frozen config: its weights
+    only, from step 0, psarch.checkpoint.finetune), writing a checkpoint under `checkpoints` every
     `train.checkpoint_every` steps; returns the rank's record (step records, memory, traffic, model). With
     `metrics`, the carried records and then each step's record as the step completes are also appended
     there, so a run that fails or is interrupted keeps every finished step. `marks` (an emulated cluster's):
@@ -103,15 +105,22 @@ def run_rank(cfg: Config, ctx: DistContext, workload: Workload | None = None, ec
     params = sum(p.numel() for p in workload.model.parameters() if p.requires_grad)
     frozen = [p for p in workload.model.parameters() if not p.requires_grad]
     ckpt = checkpoint.Checkpoint(start) if start is not None else None
-    if ckpt is not None:  # the launcher verified sizes and checksums; check the model before building
+    base = ckpt is not None and not resume and finetune.is_base_start(cfg, ckpt, workload.model)
+    if ckpt is not None and base:   # fine-tuning a base model's checkpoint: its weights, before the backend copies them
+        finetune.load_base(workload.model, ckpt)
+    elif ckpt is not None:  # the launcher verified sizes and checksums; check the model before building
         ckpt.check_model({n: tuple(p.shape) for n, p in workload.model.named_parameters() if p.requires_grad})
         ckpt.check_optimizer(cfg.train.optimizer)
+        if resume:
+            finetune.restore_base(cfg, workload.model)
     spec = registry.spec_of(cfg)
     trainer = contract.load_trainer(cfg.backend.kind)(workload, cfg, ctx)
     if slow is not None:   # its compute is the forward and backward less the waits the backend timed in them
         slow.waited = trainer.comm_waited_s
     first, records = 0, []   # this rank's step records
-    if ckpt is not None:
+    if ckpt is not None and base:   # a new run from step 0: its optimizer, generators and data start fresh
+        ckpt.close()
+    elif ckpt is not None:
         trainer.load_checkpoint(ckpt)
         ckpt.restore_rng(ctx.rank, ctx.device)   # dropout goes on drawing where it stopped
         records = ckpt.steps(ctx.rank) if resume else []
