@@ -100,6 +100,7 @@ class PSTablesServices:
 class DDPSpec(PSTablesServices, BackendSpec):
     kind = "ddp"
     trains_subsets = True
+    fine_tunes_from_base = True
     trainer = "collective.ddp:DDPTrainer"
     doc = "data parallelism: gradients all-reduced by psarch's ring or torch.distributed's collectives"
     options = DDPOptions
@@ -142,6 +143,7 @@ class DDPSpec(PSTablesServices, BackendSpec):
 class TorchDDPSpec(BackendSpec):
     kind = "torch_ddp"
     trains_subsets = True
+    fine_tunes_from_base = True
     trainer = "collective.torch_ddp:TorchDDPTrainer"
     doc = "PyTorch's DistributedDataParallel (the peer of ddp)"
     options = TorchDDPOptions

@@ -19,6 +19,7 @@ class SingleSpec(BackendSpec):
     bench_peer = "psarch.bench.step:plain_peer"
     needs_process_group = False   # one process: nothing to synchronise with
     trains_subsets = True
+    fine_tunes_from_base = True
 
     def predict(self, cfg: Any, phi: float) -> Prediction:
         return ring_passes(sharded_memory(cfg, phi, 0), cfg, phi, 0)

@@ -42,6 +42,7 @@ class TorchFSDPOptions(ModelUnits, CoreBackendConfig):
 class ZeroSpec(PSTablesServices, BackendSpec):
     kind = "zero"
     trains_subsets = True
+    fine_tunes_from_base = True
     trainer = "zero.trainer:ZeroTrainer"
     doc = "ZeRO stages 1-3: optimizer state, gradients and parameters partitioned over the ranks"
     options = ZeroOptions
@@ -111,6 +112,7 @@ class ZeroSpec(PSTablesServices, BackendSpec):
 class TorchZeroSpec(BackendSpec):
     kind = "torch_zero"
     trains_subsets = True
+    fine_tunes_from_base = True
     trainer = "zero.torch_peers:TorchZeroTrainer"
     doc = "PyTorch's DDP + ZeroRedundancyOptimizer (ZeRO-1; the peer of zero stage 1)"
     options = TorchZeroOptions

@@ -7,14 +7,12 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from psarch import registry
 from psarch.checkpoint.fragments import PARAM
 from psarch.checkpoint.reader import Checkpoint, CheckpointError
 from psarch.config import Config
 
 ADAPTERS = ("lora_A", "lora_B")
-# those that build their model from the rank's workload.model, tested against single (tests/test_lora_from.py); ps
-# servers restore their own shards from the checkpoint, which holds no adapters
-BACKENDS = ("single", "ddp", "zero", "dp", "torch_ddp", "torch_zero")
 
 
 def fine_tunes(cfg: Config) -> bool:
@@ -37,9 +35,10 @@ def is_base_start(cfg: Config, ckpt: Checkpoint, model: nn.Module) -> bool:
     base = base_shapes(model)
     if set(ckpt.params) != set(base) or any(list(s) != ckpt.params[n]["shape"] for n, s in base.items()):
         return False
-    if cfg.backend.kind not in BACKENDS:
+    if not registry.spec_of(cfg).fine_tunes_from_base:   # e.g. PS servers restore their shards from the checkpoint
+        kinds = [s.kind for s in registry.specs() if s.fine_tunes_from_base]
         raise CheckpointError(f"--from {ckpt.path}: a base model's checkpoint into a LoRA or frozen config is loaded "
-                              f"on backend.kind = {', '.join(BACKENDS)} only; {cfg.backend.kind!r} has no base-weight "
+                              f"on backend.kind = {', '.join(kinds)} only; {cfg.backend.kind!r} has no base-weight "
                               f"load yet (its model is not built from the rank's workload alone; start it from a "
                               f"checkpoint of its own trainable set)")
     return True

@@ -53,6 +53,7 @@ class _OneProcess(BackendSpec):
 class DPSpec(_OneProcess):
     kind = "dp"
     trains_subsets = True
+    fine_tunes_from_base = True
     trainer = "psarch.dp.trainer:DPTrainer"
     doc = ("one process, one thread per device (torch.nn.DataParallel's step, written out): the module replicated "
            "from the master each step, inputs scattered, outputs and gradients gathered on the master")
