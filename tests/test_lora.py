@@ -63,11 +63,15 @@ def test_adapters_are_added_where_asked_and_the_rest_frozen():
     assert add_lora(model, 1, 1.0, ["nothing"], 0) == []
 
 
-def test_bad_settings_say_what_was_wrong():
+def test_bad_settings_say_what_was_wrong(tmp_path):
     with pytest.raises(ConfigError, match=r"train.lora_targets = \['\*.nothing'\]: no nn.Linear module of the model matches"):
         build_workload(from_dict(config("x", train=dict(LORA, lora_targets=["*.nothing"]))))
     with pytest.raises(ConfigError, match=r"train.trainable: 'nope.\*' names no parameter of the model"):
         build_workload(from_dict(config("x", train={"trainable": ["nope.*"]})))
+    with pytest.raises(ConfigError, match=r"train.trainable: 'nope.\*' names no parameter"):   # before any rank
+        run(from_dict(config("x", train={"trainable": ["nope.*"]}, backend={"kind": "ddp", "world_size": 2})),
+            tmp_path / "x", echo=False)
+    assert not (tmp_path / "x").exists()
     with pytest.raises(ConfigError, match=r'train.lora_rank = 2: backend.kind = "tensor" trains every parameter'):
         load_config(None, ["train.lora_rank=2", 'backend.kind="tensor"', "backend.world_size=2"])
     with pytest.raises(ConfigError, match=r"train.lora_alpha = 8.0: applies only with LoRA adapters; set train.lora_rank > 0"):

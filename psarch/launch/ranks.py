@@ -64,6 +64,10 @@ def run(cfg: Config, out: str | Path | None = None, echo: bool = True, resume: b
     _check_faults(cfg, resume)
     if not machine_checked:  # once per run: with cluster.emulate it creates and deletes a probe namespace
         check_machine(cfg)  # a missing GPU or text file: one ConfigError now, not a traceback in every rank
+    if (cfg.train.trainable or cfg.train.lora_rank) and not cfg.workload.factory:
+        # the patterns are checked against the model itself, built on the meta device (no memory): one line now,
+        # not an error in every rank (a factory's model is built below, here too)
+        build_workload(cfg, device="meta")
     out_dir = outputs.run_folder(cfg, out)
     spec = registry.spec_of(cfg)
     if (cfg.train.checkpoint_every or resume or start is not None) and not spec.checkpoints:
