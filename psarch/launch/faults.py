@@ -13,11 +13,17 @@ import time
 from pathlib import Path
 from typing import Callable, TypedDict
 
-from psarch.config import Config, from_dict
+from psarch.checkpoint import latest_complete
+from psarch.checkpoint.start import CHECKPOINTS, resolve_start
+from psarch.checkpoint.writer import checkpoint_step
+from psarch.config import Config, ConfigError, from_dict
 from psarch.config.faults import KILL, PAUSE, Fault, faults
 from psarch.cluster.device import dilation
 from psarch.launch import outputs
+from psarch.dist import under_torchrun
+from psarch.errors import RunError
 from psarch.launch.stalls import stopped
+from psarch.records import Summary
 
 
 class Struck(TypedDict, total=False):
@@ -154,3 +160,36 @@ def _streamed(out: Path, rank: int) -> int:
 def since(t0: float, t: float, d: float) -> float:
     """Seconds from t0 to t (time.monotonic()) in the cluster's time (wall clock / dilation d)."""
     return round((t - t0) / d, 6)
+
+
+def check_faults(cfg: Config, resume: bool) -> None:
+    """[faults] strike processes this launcher started, once: not under torchrun, not again in a resume."""
+    if not faults(cfg):
+        return
+    if under_torchrun():
+        raise ConfigError("faults: injected by `psarch run`'s launcher, which torchrun replaces; run the config "
+                          "with `psarch run`, or remove [faults]")
+    if resume:
+        raise ConfigError("--resume: this run injects [faults] at named steps, which a resume would strike again; "
+                          "resume it without them (--set faults.kill=[] --set faults.pause=[])")
+
+
+def restart_world(out: Path, cfg: Config, ranks_cfg: Config, faulted: Summary, restarts: list[Restart],
+                  error: RunError, t0: float, echo: bool) -> tuple[Config, Path | None]:
+    """The config and starting checkpoint of a world started again after `error`, at the same N, from the newest
+    complete checkpoint in the run folder (step 0 where there is none), with only the faults that have not
+    struck; recorded in `restarts` and said on stdout (`echo`)."""
+    again = not_struck(ranks_cfg, faulted["faults"])
+    done = steps_done(out, cfg.backend.world_size)
+    begin = None
+    if latest_complete(out / CHECKPOINTS):
+        again, begin = resolve_start(again, out, True, None, echo=False)
+    step = checkpoint_step(begin) if begin is not None else 0
+    outputs.prepare(out, cfg, keep_checkpoints=True)   # the stopped world's streams and errors go
+    first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+    restarts.append({"error": first, "stopped_at_s": faulted.pop("stopped_at_s", None),
+                     "at_s": since(t0, time.monotonic(), dilation(ranks_cfg)), "from_step": step,
+                     "steps_lost": done - step, "kills": kills(faulted["faults"])})
+    if echo:
+        print(f"psarch: {first}; restarting the world from step {step} (faults.restart = \"replace\")", flush=True)
+    return again, begin

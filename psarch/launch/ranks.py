@@ -28,8 +28,7 @@ import torch.distributed as dist
 from psarch import registry
 from psarch.launch import outputs, supervise
 from psarch.backend import BackendSpec
-from psarch.checkpoint import CheckpointError, latest_complete
-from psarch.checkpoint.writer import checkpoint_step
+from psarch.checkpoint import CheckpointError
 from psarch.checkpoint.start import CHECKPOINTS, resolve_start
 from psarch.cluster.device import CORE, dilation
 from psarch.cluster.placement import Placement, place
@@ -39,7 +38,7 @@ from psarch.config import Config, ConfigError, check_machine, from_dict
 from psarch.dist import abandon_group, init_rank, shutdown, under_torchrun
 from psarch.errors import NON_FINITE_EXIT, NonFiniteError, RunError
 from psarch.config.faults import faults
-from psarch.launch.faults import Injector, Restart, Struck, kills, not_struck, restarts_due, since, steps_done
+from psarch.launch.faults import Injector, Restart, Struck, check_faults, restart_world, restarts_due, since
 from psarch.launch.lifecycle import die_with_parent, leave
 from psarch.records import RankRecord, ServiceFields, ServiceInfo, Summary
 from psarch.launch.runner import run_rank
@@ -61,7 +60,7 @@ def run(cfg: Config, out: str | Path | None = None, echo: bool = True, resume: b
     if cfg.cluster.device == CORE and not cfg.cluster.device_tflops and under_torchrun():
         raise ConfigError(f"cluster.device = \"{CORE}\": under torchrun every rank would measure its own core and "
                           f"pace at its own rate; give the rate (cluster.device_tflops) or use \"cpu-measured\"")
-    _check_faults(cfg, resume)
+    check_faults(cfg, resume)
     if not machine_checked:  # once per run: with cluster.emulate it creates and deletes a probe namespace
         check_machine(cfg)  # a missing GPU or text file: one ConfigError now, not a traceback in every rank
     if (cfg.train.trainable or cfg.train.lora_rank) and not cfg.workload.factory:
@@ -99,7 +98,8 @@ def run(cfg: Config, out: str | Path | None = None, echo: bool = True, resume: b
             except RunError as e:   # faults.restart = "replace": the world starts again from a checkpoint
                 if not restarts_due(cfg, struck, restarts):
                     raise
-                job = _restarted(job, cfg, ranks_cfg, faulted, restarts, e, t0)
+                again, begin = restart_world(Path(job.out), cfg, ranks_cfg, faulted, restarts, e, t0, job.echo)
+                job = dataclasses.replace(job, cfg=again.to_dict(), start=begin, resume=begin is not None)
     except BaseException as e:  # failed or interrupted (Ctrl-C, SIGTERM): keep the finished steps, say why
         _keep_finished_steps(out_dir, cfg, e, faulted)
         raise
@@ -131,40 +131,6 @@ def _world(job: RankJob, spec: BackendSpec, cfg: Config, ranks_cfg: Config, work
                     _spawn(job, spec, where, services, faulted, t0)
             extra = services.finish() if services is not None else Summary()
         return extra, where.report()
-
-
-def _restarted(job: RankJob, cfg: Config, ranks_cfg: Config, faulted: Summary, restarts: list[Restart],
-               error: RunError, t0: float) -> RankJob:
-    """The job of a world started again after `error`, at the same N, from the newest complete checkpoint
-    in the run folder (step 0 where there is none), with only the faults that have not struck; recorded in
-    `restarts` and said on stdout."""
-    out = Path(job.out)
-    again = not_struck(ranks_cfg, faulted["faults"])
-    done = steps_done(out, cfg.backend.world_size)
-    begin = None
-    if latest_complete(out / CHECKPOINTS):
-        again, begin = resolve_start(again, out, True, None, echo=False)
-    step = checkpoint_step(begin) if begin is not None else 0
-    outputs.prepare(out, cfg, keep_checkpoints=True)   # the stopped world's streams and errors go
-    first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
-    restarts.append({"error": first, "stopped_at_s": faulted.pop("stopped_at_s", None),
-                     "at_s": since(t0, time.monotonic(), dilation(ranks_cfg)), "from_step": step,
-                     "steps_lost": done - step, "kills": kills(faulted["faults"])})
-    if job.echo:
-        print(f"psarch: {first}; restarting the world from step {step} (faults.restart = \"replace\")", flush=True)
-    return dataclasses.replace(job, cfg=again.to_dict(), start=begin, resume=begin is not None)
-
-
-def _check_faults(cfg: Config, resume: bool) -> None:
-    """[faults] strike processes this launcher started, once: not under torchrun, not again in a resume."""
-    if not faults(cfg):
-        return
-    if under_torchrun():
-        raise ConfigError("faults: injected by `psarch run`'s launcher, which torchrun replaces; run the config "
-                          "with `psarch run`, or remove [faults]")
-    if resume:
-        raise ConfigError("--resume: this run injects [faults] at named steps, which a resume would strike again; "
-                          "resume it without them (--set faults.kill=[] --set faults.pause=[])")
 
 
 @dataclass
