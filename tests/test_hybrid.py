@@ -19,17 +19,9 @@ from psarch.ps import theory as ps_theory
 from psarch.ps.services import LocalServers
 from psarch.embeddings import embedding_tables
 from psarch.workload import build_workload
+from test_ps_rows import OPTIMIZERS, ROWS_DLRM as DLRM   # the same workload as the PS rows tests
 from timing import scaled
 
-DLRM = {
-    "seed": 5,
-    "workload": {"model": "dlrm", "data": "clicks",
-                 "dlrm": {"num_tables": 2, "rows": 1000, "dim": 8, "bag": 2, "bottom_mlp": [8], "top_mlp": [8]},
-                 "clicks": {"zipf": 1.05, "dense": 4}},
-    "train": {"steps": 4, "global_batch": 24, "log_every": 100},
-}
-OPTIMIZERS = {"sgd": {"optimizer": "sgd", "lr": 0.5},
-              "adagrad": {"optimizer": "adagrad", "lr": 0.1, "eps": 1e-6, "initial_accumulator_value": 0.1}}
 N, SERVERS = 2, 2
 HYBRID = {"kind": "ddp", "embeddings": "ps", "servers": SERVERS, "bucket_cap_mb": 0}   # a bucket per dense parameter
 RUNS = {**{f"hybrid-{comm}-{opt}": (dict(HYBRID, comm=comm), opt) for comm in ("ring", "native") for opt in OPTIMIZERS},
