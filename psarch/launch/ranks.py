@@ -54,24 +54,9 @@ def run(cfg: Config, out: str | Path | None = None, echo: bool = True, resume: b
     begin from that checkpoint. echo: print the summary (and, with `progress`, the progress lines).
     machine_checked: the caller already ran check_machine(cfg) (a sweep checks every point before the first)."""
     launched = time.monotonic()
-    if cfg.cluster.emulate and under_torchrun():
-        raise ConfigError("cluster.emulate = true: not under torchrun, whose machines are the cluster; "
-                          "use `psarch run`, or --set cluster.emulate=false")
-    if cfg.cluster.device == CORE and not cfg.cluster.device_tflops and under_torchrun():
-        raise ConfigError(f"cluster.device = \"{CORE}\": under torchrun every rank would measure its own core and "
-                          f"pace at its own rate; give the rate (cluster.device_tflops) or use \"cpu-measured\"")
-    check_faults(cfg, resume)
-    if not machine_checked:  # once per run: with cluster.emulate it creates and deletes a probe namespace
-        check_machine(cfg)  # a missing GPU or text file: one ConfigError now, not a traceback in every rank
-    if (cfg.train.trainable or cfg.train.lora_rank) and not cfg.workload.factory:
-        # the patterns are checked against the model itself, built on the meta device (no memory): one line now,
-        # not an error in every rank (a factory's model is built below, here too)
-        build_workload(cfg, device="meta")
+    _check(cfg, resume, start is not None, machine_checked)
     out_dir = outputs.run_folder(cfg, out)
     spec = registry.spec_of(cfg)
-    if (cfg.train.checkpoint_every or resume or start is not None) and not spec.checkpoints:
-        raise ConfigError(f"backend.kind = {cfg.backend.kind!r} cannot write or read checkpoints yet "
-                          f"(train.checkpoint_every, --resume, --from)")
     cfg, begin = resolve_start(cfg, out_dir, resume, start, pick, echo, first=os.environ.get("RANK", "0") == "0",
                                move=not under_torchrun())
     # the device measured and D picked once, here, for every rank, service and link, every timeout stretched
@@ -114,6 +99,27 @@ def run(cfg: Config, out: str | Path | None = None, echo: bool = True, resume: b
     if not outputs.has_records(out_dir):   # every worker lost: what the servers measured, and the steps streamed
         raise RunError(outputs.finalize_lost(out_dir, cfg, extra))
     return outputs.finalize(out_dir, cfg, extra, echo)
+
+
+def _check(cfg: Config, resume: bool, forks: bool, machine_checked: bool) -> None:
+    """What stops a run before anything is written or started, as one ConfigError: the launcher's own rules
+    (torchrun, faults, checkpoints), this machine (check_machine), and train.trainable's patterns on the model."""
+    if cfg.cluster.emulate and under_torchrun():
+        raise ConfigError("cluster.emulate = true: not under torchrun, whose machines are the cluster; "
+                          "use `psarch run`, or --set cluster.emulate=false")
+    if cfg.cluster.device == CORE and not cfg.cluster.device_tflops and under_torchrun():
+        raise ConfigError(f"cluster.device = \"{CORE}\": under torchrun every rank would measure its own core and "
+                          f"pace at its own rate; give the rate (cluster.device_tflops) or use \"cpu-measured\"")
+    check_faults(cfg, resume)
+    if not machine_checked:  # once per run: with cluster.emulate it creates and deletes a probe namespace
+        check_machine(cfg)  # a missing GPU or text file: one ConfigError now, not a traceback in every rank
+    if (cfg.train.trainable or cfg.train.lora_rank) and not cfg.workload.factory:
+        # the patterns are checked against the model itself, built on the meta device (no memory): one line now,
+        # not an error in every rank (a factory's model is built below, here too)
+        build_workload(cfg, device="meta")
+    if (cfg.train.checkpoint_every or resume or forks) and not registry.spec_of(cfg).checkpoints:
+        raise ConfigError(f"backend.kind = {cfg.backend.kind!r} cannot write or read checkpoints yet "
+                          f"(train.checkpoint_every, --resume, --from)")
 
 
 def _world(job: RankJob, spec: BackendSpec, cfg: Config, ranks_cfg: Config, workload: Workload | None,
