@@ -156,6 +156,31 @@ def test_default_emulated_device_is_this_core_measured_alone():
     assert not device.modelled(named)
 
 
+def test_this_core_is_timed_in_the_runs_compute_dtype(monkeypatch):
+    """cpu-core's rate is measured on the model as the trainers run it: in bf16 the probe's forward and backward
+    see bf16 weights (a CPU's bf16 is not its fp32), in fp32 fp32 ones."""
+    from psarch.cluster import core
+    from psarch import workload as wl_module
+    seen: list[torch.dtype] = []
+    real = wl_module.build_workload
+
+    def recording(cfg):
+        wl = real(cfg)
+        loss_fn = wl.loss_fn
+
+        def timed(model, batch):
+            seen.append(next(model.parameters()).dtype)
+            return loss_fn(model, batch)
+        return dataclasses.replace(wl, loss_fn=timed)
+    monkeypatch.setattr(wl_module, "build_workload", recording)
+    for precision, dtype in (("bf16", torch.bfloat16), ("fp32", torch.float32)):
+        seen.clear()
+        cfg = from_dict(config("p", backend={"kind": "ddp", "world_size": 2}, cluster={"emulate": True},
+                               train={"precision": precision}))
+        assert core.flops_per_s(cfg) > 0
+        assert seen and set(seen) == {dtype}, (precision, seen)
+
+
 def test_every_timeout_is_stretched_by_d():
     """The ranks' and services' config: every backend timeout x D (backend.timeout_s, the PS's heartbeat and
     handshake timeouts); at D = 1 none."""

@@ -1,7 +1,8 @@
 """cluster.device = "cpu-core": this machine's core measured alone, the device an emulated cluster's workers
 stand for by default. The run's own model, a worker's batch, forward and backward on one thread in this one
 process (the launcher, before any rank starts), its FLOPs counted as the pacing counts them
-(psarch.cluster.flops): FLOPs / seconds is the rate every worker is then paced at."""
+(psarch.cluster.flops): FLOPs / seconds is the rate every worker is then paced at. The model is timed in the
+run's compute dtype (`train.precision`), as its trainers cast it: a CPU's bf16 is not its fp32."""
 from __future__ import annotations
 
 import dataclasses
@@ -12,6 +13,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from psarch.cluster.flops import count
+from psarch.precision import compute_dtype
 
 if TYPE_CHECKING:
     from psarch.config import Config
@@ -36,12 +38,13 @@ def flops_per_s(cfg: Config) -> float:
     try:
         with torch.random.fork_rng(devices=[]):   # the launcher's random state stays as it was
             workload = probe_workload(cfg)
+            model = workload.model.to(compute_dtype(cfg.train.precision))
             batch = workload.batch(0, 0, cfg.backend.world_size)
-            flops = count(workload.model, workload.loss_fn, batch)
+            flops = count(model, workload.loss_fn, batch)
             times = []
             for i in range(WARMUP + TIMED):
                 t0 = time.perf_counter()
-                workload.loss_fn(workload.model, batch).backward()
+                workload.loss_fn(model, batch).backward()
                 if i >= WARMUP:
                     times.append(time.perf_counter() - t0)
     finally:
