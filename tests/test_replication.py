@@ -14,6 +14,7 @@ import psarch
 from parity import assert_same_model
 from ps_setup import config, ps
 from psarch.config import ConfigError, from_dict
+from psarch.errors import RunError
 from psarch.ps.errors import ServiceError
 from psarch.ps.partitions import chain
 from psarch.ps.replication import death, join_held
@@ -125,3 +126,17 @@ def test_with_r0_a_killed_server_still_stops_the_run_in_one_line(tmp_path):
                    tmp_path / "r0", echo=False)
     assert _children() == []
     assert json.loads((tmp_path / "r0" / "summary.json").read_text())["error"] == "server 1 died (exit code -9)"
+
+
+def test_when_every_holder_of_a_partition_is_dead_the_run_stops_in_one_line(tmp_path):
+    """r = 1 over 2 servers: server 0 killed at step 3 (the run goes on with server 1), server 1 at step 5: server
+    0's partitions have no holder left. The launcher names it, or a worker does, whichever sees it first."""
+    out = tmp_path / "both"
+    with pytest.raises(RunError, match=r"^server 1 died \(exit code -9\): server 0's partitions have no live holder "
+                                       r"\(servers 0, 1 are dead; backend.replicas = 1\)$|has no live holder left"):
+        psarch.run(_cfg("both", ps(2, servers=2, replicas=1, timeout_s=10.0),
+                        {"kill": [{"node": "server 0", "step": 3}, {"node": "server 1", "step": 5}]}), out, echo=False)
+    assert _children() == []
+    s = json.loads((out / "summary.json").read_text())
+    assert s["status"] == "failed" and "\n" not in s["error"] and [f["node"] for f in s["faults"]] == ["server 0",
+                                                                                                      "server 1"]

@@ -13,6 +13,12 @@ from pathlib import Path
 import torch
 
 
+def predicted_replica_bytes(s: dict) -> float:
+    """Theory's bytes the replicas receive per step: of every server's (1 + r) x N x S / k, the r copies."""
+    r = s["replication"]["replicas"]
+    return s["predicted"]["traffic_per_step"]["server_received"] * s["servers"] * r / (1 + r)
+
+
 def main(r0: str, r1: str, killed: str) -> None:
     s0, s1, sk = (json.loads((Path(d) / "summary.json").read_text()) for d in (r0, r1, killed))
     rep = s1["replication"]
@@ -21,7 +27,7 @@ def main(r0: str, r1: str, killed: str) -> None:
           f"({rep['sent'] == rep['formula_sent']})")
     per_step = rep["received"] / s1["steps"]
     print(f"  per step: {per_step:.0f} B received by the replicas; theory r x N x S = "
-          f"{s1['predicted']['traffic_per_step']['server_received'] * s1['servers'] / 2:.0f} B (payload only)")
+          f"{predicted_replica_bytes(s1):.0f} B (payload only)")
     same = {k: torch.equal(v, torch.load(Path(r0) / "model.pt", weights_only=True)[k])
             for k, v in torch.load(Path(r1) / "model.pt", weights_only=True).items()}
     print(f"r = 1 model == r = 0 model, bit for bit: {all(same.values())}")

@@ -256,6 +256,9 @@ class LocalServers(Services):
             live = [i for i in range(len(self.conns)) if i not in self.dead]
             flat, same = join_held(self.cfg, dict(zip(live, parts)), sum(p.numel() for p in trainable(model)))
             out["replication"]["copies_identical"] = same
+            if not same:   # e.g. a server stopped past the workers' heartbeat timeout, which went on without it
+                raise ValueError("the live servers' copies of some partition differ: model.pt is rank 0's, fetched "
+                                 "from the servers its workers went on with")
             torch.save(state_from_flat(model, flat), out_dir / "model.pt")
         except Exception as e:  # keep rank 0's model.pt, say why the servers' could not be written
             out["model_from_servers_error"] = f"{type(e).__name__}: {e}"
