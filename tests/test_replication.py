@@ -96,6 +96,16 @@ def test_r1_without_faults_ends_with_the_model_of_r0_and_its_bytes_are_r_times_t
     assert predicted["server_received"] == pytest.approx(2 * base["predicted"]["traffic_per_step"]["server_received"])
 
 
+def test_r1_pushed_after_backward_as_top_k_pairs_ends_with_the_model_of_r0(tmp_path):
+    """A worker's top-k pairs (and their error feedback) are chosen once and sent to every holder."""
+    backend = ps(2, servers=2, overlap_comm=False)
+    train = {"compression": "topk", "topk_ratio": 0.25}
+    psarch.run(_cfg("r0", backend, **train), tmp_path / "r0", echo=False)
+    rep = psarch.run(_cfg("r1", dict(backend, replicas=1), **train), tmp_path / "r1", echo=False)
+    assert rep["replication"]["copies_identical"] and rep["replication"]["received"] > 0
+    _same(tmp_path / "r1", tmp_path / "r0", "top-k, r = 1 vs r = 0")
+
+
 @pytest.mark.parametrize("servers, killed", [(2, 1), (3, 0)])
 def test_a_server_killed_mid_run_with_r1_costs_no_update(tmp_path, servers, killed):
     """Killed as step 3 of 8 begins (worker 0 holds there): its workers go on with its replica, and the run ends
