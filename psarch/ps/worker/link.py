@@ -167,7 +167,8 @@ class ServerLink:
                       f"{', '.join(map(str, p.holders))} are dead)")
 
     def failovers(self) -> list[dict[str, float]]:
-        """Each dead server: when its connection dropped and when an exchange first settled without it (time.time())."""
+        """Each dead server: when this worker saw its connection drop and when an exchange of its first settled after
+        that (time.time())."""
         return [{"server": i, "dropped_at": t, "served_at": self.served.get(i, float("nan"))}
                 for i, t in sorted(self.client.dead.items())]
 
@@ -211,6 +212,11 @@ class ServerLink:
         for parts, r in zip(layout, reqs):
             if r.answered:
                 scatter(r.received, parts, final)
+        got = {p for parts, r in zip(layout, reqs) if r.answered for p in parts}
+        missing = [p for parts in self.servers for p in parts if p not in got]
+        if missing:
+            raise PSError(f"worker {self.client.worker}: fetch: partition [{missing[0][0]}, {missing[0][1]}) has no "
+                          f"live holder left")
         return final
 
     def save(self, step: int, folder: Path) -> None:
