@@ -332,6 +332,7 @@ class Summary(TypedDict, total=False):
     started_from: dict[str, Any]    # Config.started_from: the checkpoint a fork started from
     faults: list[Any]               # [faults] struck: psarch.launch.faults.Struck (node, action, step, signal, at_s)
     restarts: list[Any]             # worlds started again (faults.restart): psarch.launch.faults.Restart
+    replication: dict[str, Any]     # backend.replicas: replication's bytes beside its formula, dead servers
     stopped_at_s: float             # a faulted run that stopped: when the launcher found it stopped (as faults' at_s)
     ended_at_s: float               # a faulted run that finished: when its last world ended (as faults' at_s)
     failure_cost: FailureCost       # faults.restart = "replace": psarch.launch.failure_cost

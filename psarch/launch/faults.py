@@ -35,6 +35,7 @@ class Struck(TypedDict, total=False):
     step: int
     signal: str
     at_s: float
+    at_unix: float        # when, as time.time() (what other processes' wall clocks compare with)
     seconds: float
     resumed_at_s: float
 
@@ -117,7 +118,7 @@ class Injector:
             if pid != held or f.action == KILL:   # the holding worker is stopped already
                 _signal(pid, sig)
             rec: Struck = {"node": f.node, "action": f.action, "step": f.step, "signal": sig.name,
-                           "at_s": self._since(time.monotonic())}
+                           "at_s": self._since(time.monotonic()), "at_unix": time.time()}
             if f.action != KILL:
                 rec["seconds"] = f.seconds
                 self.resume_at.append((time.monotonic() + f.seconds * self.d, pid, rec))

@@ -14,6 +14,8 @@ the workers (backend.server_placement).
     wire.py            message format and its validation; what each request is answered with
     auth.py            who may connect: ZAP with PLAIN or CURVE, credentials, socket bounds
     errors.py          PSError, ServiceError, NonFinitePush
+    replication.py     chain replication (backend.replicas): who holds what, when a dead server stops the run,
+                       model.pt from the live holders, replication's bytes beside its formula
     layout.py          server ranges and their partitions, the initial flat vector, model.pt from the flat vector
     rows.py            embedding tables sharded by row over the servers: keys, the dense part, model.pt from shards
     row_optim.py       row-wise optimizers (SGD, Adagrad, lazy AdamW): a server's shard, a GEO worker's cache

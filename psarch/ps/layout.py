@@ -13,7 +13,8 @@ from psarch.trainer import consolidated_state
 
 # the partition arithmetic, here for the modules that read it from the layout
 from psarch.ps.partitions import (PARTITION_ALIGN, PARTITION_LINK_S, PARTITION_MAX_BYTES, PIPELINE_DEPTH,  # noqa: F401
-                                  held, one_range, partition_bytes, partition_elems, partitions, server_partitions,
+                                  chain, held, held_of, held_partitions, one_range, partition_bytes, partition_elems,
+                                  partitions, server_partitions,
                                   server_ranges)
 
 Layout = list[tuple[str, torch.Size, int]]   # each parameter's name, shape and offset in a flat vector

@@ -91,3 +91,27 @@ def held(parts: list[tuple[int, int]]) -> int:
 def one_range(parts: list[tuple[int, int]]) -> bool:
     """Whether these partitions (in flat order) make one contiguous range."""
     return parts[-1][1] - parts[0][0] == held(parts)
+
+
+def chain(servers: int, replicas: int, i: int) -> list[int]:
+    """The servers that hold server i's partitions with backend.replicas = r (Li et al., OSDI '14: each server's
+    key range on the next r servers of a ring): i first, then i + 1, ..., i + r (mod k)."""
+    return [(i + j) % servers for j in range(replicas + 1)]
+
+
+def held_partitions(cfg: Config, numel: int) -> list[list[tuple[int, int]]]:
+    """Each server's partitions with their replicas: its own (server_partitions) and those of the r servers before
+    it in the ring, in flat order. A server's held vector (what `fetch` and its final report carry) is these
+    partitions joined; with r = 0 it is its own vector."""
+    return held_of(server_partitions(cfg, numel), replicas(cfg))
+
+
+def held_of(own: list[list[tuple[int, int]]], r: int) -> list[list[tuple[int, int]]]:
+    """Each server's partitions, in flat order, when server i owns `own[i]` and r servers keep a replica of each."""
+    k = len(own)
+    return [sorted(p for j in range(k) if i in chain(k, r, j) for p in own[j]) for i in range(k)]
+
+
+def replicas(cfg: Config) -> int:
+    """backend.replicas, 0 for backends whose servers keep no replica (the hybrid's tables)."""
+    return getattr(cfg.backend, "replicas", 0)

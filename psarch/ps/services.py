@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import multiprocessing as mp
 import os
+import sys
 import threading
 import time
 import traceback
@@ -31,6 +32,8 @@ from psarch.config import Config, ConfigError, from_dict
 from psarch.launch.lifecycle import die_with_parent
 from psarch.ps.auth import KEYGEN_HINT, AuthError, Credentials, check_folder, mechanism, remove, run_credentials
 from psarch.ps.errors import ServiceError
+from psarch.ps.partitions import replicas
+from psarch.ps.replication import bytes_summary, death, join_held, survivors
 from psarch.records import LostWorker, ServiceInfo, Summary
 from psarch.trainer import Services
 
@@ -79,10 +82,14 @@ class LocalServers(Services):
         self.cfg, self.out_dir = cfg, Path(out_dir) if out_dir is not None else None
         # a server writes checkpoints only under its run's folder, and only when the run writes them
         ckpts = str(self.out_dir / CHECKPOINTS) if self.out_dir is not None and cfg.train.checkpoint_every else None
+        if start is not None and replicas(cfg):
+            raise ConfigError(f"backend.replicas = {replicas(cfg)}: a run started from a checkpoint (--resume, --from) "
+                              f"has no replicas to start from yet; run it with backend.replicas = 0")
         begin = str(start) if start is not None else None
         self.lost: list[LostWorker] = []
         self.failure: str | None = None
         self.stopped_since: dict[int, float] = {}
+        self.dead: dict[int, str] = {}   # backend.replicas: servers that died while their partitions live on
         self.conns, self.workers = [], []
         where = where or Loopback()   # an emulated cluster puts each server on its own node
         ctx = mp.get_context("spawn")
@@ -174,13 +181,24 @@ class LocalServers(Services):
                         self.failure = self.failure or event["message"]
             except (EOFError, OSError):
                 pass  # the pipe closed: the process is gone, found just below
-            if self.failure is None and not self._alive(i):
-                self.failure = f"server {i} died (exit code {getattr(self.workers[i], 'exitcode', None)})"
-            if self.failure is None and self._stopped_too_long(i):
+            if self.failure is None and i not in self.dead and not self._alive(i):
+                self._died(i, f"server {i} died (exit code {getattr(self.workers[i], 'exitcode', None)})")
+            if self.failure is None and i not in self.dead and self._stopped_too_long(i):
                 self.failure = (f"server {i} (pid {self.workers[i].pid}) has been stopped (SIGSTOP?) for more than "
                                 f"backend.timeout_s = {self.cfg.backend.timeout_s:g} s")
         if self.failure is not None:
             raise ServiceError(self.failure)
+
+    def _died(self, i: int, text: str) -> None:
+        """Server i is dead: the run's error (`text`, one line) unless its partitions live on (backend.replicas,
+        replication.py), then said on stderr and remembered."""
+        k, r = len(self.conns), replicas(self.cfg)
+        self.failure = death(k, r, set(self.dead), i, text)
+        if self.failure is None:
+            self.dead[i] = text
+            print(f"psarch: {text}; its partitions are served by server(s) "
+                  f"{', '.join(map(str, survivors(k, r, i, set(self.dead))))} (backend.replicas = {r})",
+                  file=sys.stderr, flush=True)
 
     def worker_lost(self, rank: int, error: str) -> None:
         """A worker died in a mode that goes on without it: servers stop waiting for it."""
@@ -193,7 +211,7 @@ class LocalServers(Services):
         self.check()
         stats: list[ServerStats] = []
         parts = []
-        for i in range(len(self.conns)):
+        for i in [i for i in range(len(self.conns)) if i not in self.dead]:
             self._send(i, {"cmd": "stats"})
             s = self._wait_event(i, "stats", START_TIMEOUT_S)
             raw = self.conns[i].recv_bytes()
@@ -202,6 +220,9 @@ class LocalServers(Services):
             parts.append(torch.frombuffer(bytearray(raw), dtype=torch.float32) if raw else torch.empty(0))
         out = summarize(stats, self.lost)
         out["auth"] = Credentials.from_dict(self.info.auth).mechanism
+        if replicas(self.cfg):
+            out["replication"] = dict(bytes_summary(self.cfg, [s["traffic"]["ops"] for s in stats]),
+                                      dead_servers=[{"server": i, "error": e} for i, e in self.dead.items()])
         if self.out_dir is not None:
             self._write_outputs(self.out_dir, out, parts)
         return out
@@ -213,6 +234,8 @@ class LocalServers(Services):
             out["ssp"]["trace_file"] = "ssp_trace.json"
         if not all(p.numel() for p in parts):
             return  # no worker ever sent init: rank 0's record (if any) is all there is
+        if replicas(self.cfg):
+            return self._write_replicated(out_dir, out, parts)
         from psarch.ps.layout import join_servers, state_from_flat
         from psarch.ps.rows import join_parts, key_space
         from psarch.workload import build_workload
@@ -221,6 +244,22 @@ class LocalServers(Services):
             state = (join_parts(model, self.cfg, key_space(self.cfg), parts) if self.cfg.backend.embeddings == "rows"
                      else state_from_flat(model, join_servers(self.cfg, parts)))
             torch.save(state, out_dir / "model.pt")
+        except Exception as e:  # keep rank 0's model.pt, say why the servers' could not be written
+            out["model_from_servers_error"] = f"{type(e).__name__}: {e}"
+
+    def _write_replicated(self, out_dir: Path, out: Summary, parts: list[torch.Tensor]) -> None:
+        """model.pt from the live servers' held vectors (backend.replicas), and whether the copies were identical."""
+        from psarch.ps.layout import state_from_flat, trainable
+        from psarch.workload import build_workload
+        try:
+            model = build_workload(self.cfg).model
+            live = [i for i in range(len(self.conns)) if i not in self.dead]
+            flat, same = join_held(self.cfg, dict(zip(live, parts)), sum(p.numel() for p in trainable(model)))
+            out["replication"]["copies_identical"] = same
+            if not same:   # e.g. a server stopped past the workers' heartbeat timeout, which went on without it
+                raise ValueError("the live servers' copies of some partition differ: model.pt is rank 0's, fetched "
+                                 "from the servers its workers went on with")
+            torch.save(state_from_flat(model, flat), out_dir / "model.pt")
         except Exception as e:  # keep rank 0's model.pt, say why the servers' could not be written
             out["model_from_servers_error"] = f"{type(e).__name__}: {e}"
 

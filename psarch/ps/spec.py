@@ -56,6 +56,10 @@ class PSOptions(PSServers, Overlap, CoreBackendConfig):
                                             "step waits for the whole pull", min=0.0)
     server_addresses: list = option([], "'tcp://host:port' of each server started with `psarch server` "
                                         "(empty: `psarch run` starts the servers itself)")
+    replicas: int = option(0, "chain replication (Li et al., OSDI '14): each server's partitions, parameters and "
+                              "optimizer state, also kept on the next r servers of a ring; a worker pushes to all of "
+                              "them and a round is acknowledged once each has applied it, so a dead server's workers "
+                              "go on with its replica (sync only; r < backend.servers)", min=0)
 
     @property
     def barrier(self) -> bool:
@@ -141,6 +145,8 @@ class PSSpec(BackendSpec):
                               f"{cfg.train.precision!r}, embeddings {b.embeddings!r})")
         if b.embeddings == "rows":
             _check_rows(cfg)
+        if b.replicas:
+            _check_replicas(cfg)
         if cfg.train.compression == "topk" and b.mode == "geo":
             raise ConfigError("train.compression = \"topk\": pushes gradients with error feedback; backend.mode = "
                               "\"geo\" pushes deltas, which it does not compress yet; use sync, async or ssp")
@@ -185,7 +191,8 @@ class PSSpec(BackendSpec):
         from psarch.theory import BYTES
 
         b = cfg.backend
-        if b.mode != "sync" or b.embeddings != "dense" or b.server_addresses or cfg.train.compression != "none":
+        if (b.mode != "sync" or b.embeddings != "dense" or b.server_addresses or cfg.train.compression != "none"
+                or b.replicas):
             return None
         slots = program.slots_of(server_partitions(cfg, int(phi)), BYTES[cfg.train.precision], pushes_from_hooks(cfg))
         colocated = b.server_placement == "colocated"
@@ -195,6 +202,24 @@ class PSSpec(BackendSpec):
 
     def summary_fields(self, cfg: Config) -> Summary:
         return {"servers": cfg.backend.servers}
+
+
+def _check_replicas(cfg: Config) -> None:
+    """What chain replication (backend.replicas, psarch/ps/README.md) does not do (yet)."""
+    b = cfg.backend
+    why = (f"must be less than backend.servers = {b.servers} (each server's partitions are kept on the next r of "
+           f"the other servers of the ring)" if b.replicas >= b.servers else
+           f"backend.mode = \"{b.mode}\": replicas are kept for \"sync\" only (a replica is bit for bit its primary "
+           f"because both sum a round in worker order; async, ssp and geo apply pushes in arrival order, which "
+           f"differs from server to server)" if b.mode != "sync" else
+           "backend.embeddings = \"rows\": the rows are not replicated yet" if b.embeddings == "rows" else
+           f"backend.priority_credit_mb = {b.priority_credit_mb:g}: priority's push and pull are not replicated yet"
+           if b.priority_credit_mb else
+           "backend.server_addresses: replicas are kept by the servers `psarch run` starts" if b.server_addresses else
+           f"train.checkpoint_every = {cfg.train.checkpoint_every}: a server's checkpoint part holds no replica yet"
+           if cfg.train.checkpoint_every else None)
+    if why:
+        raise ConfigError(f"backend.replicas = {b.replicas}: {why}")
 
 
 def _check_rows(cfg: Config) -> None:

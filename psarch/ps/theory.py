@@ -10,13 +10,14 @@ hooks, a server's contiguous range is ready within 1/k of backward: only that sh
 (psarch.theory's cluster_step_time, CommModel.ready_share); partitions dealt round robin (BytePS) are ready
 all through backward. An emulated run's step is predicted by the step simulator from the PS's program
 (psarch/ps/program.py), which holds where these phases do not (a colocated node's link carrying pushes and pulls
-the same way at once). BytePS's optimum (`byteps_optimum`) is the reference line. The shared
+the same way at once). With backend.replicas = r every partition's exchange goes to its r + 1 holders: a worker's
+and a server's bytes, and a server's memory, are (1 + r) x those above (`replication`). BytePS's optimum (`byteps_optimum`) is the reference line. The shared
 algebra is psarch.theory's."""
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from psarch.ps.partitions import held, one_range, server_partitions
+from psarch.ps.partitions import held, one_range, replicas, server_partitions
 from psarch.theory import (BYTES, LinkBytes, LinkLoad, MemoryPrediction, Prediction, expected_unique_ids,
                            optimizer_bytes_per_param, table_params, topk_k)
 
@@ -49,10 +50,20 @@ def dense(cfg: Config, phi: float) -> Prediction:
         mem = MemoryPrediction(params=width * phi, grads=width * phi, optimizer=0.0,
                                buffers=width * phi if t.compression == "topk" else 0.0)
     colocated = b.server_placement == "colocated" and not b.server_addresses
-    return Prediction(mem, LinkBytes(up / every, s / every), LinkBytes(n * s / b.servers / every,
-                                                                      n * up / b.servers / every),
-                      rounds=2 / every, messages=2 / every, server_memory=server_mem,
-                      links=colocated_links(n, b.servers, up / every, s / every) if colocated else None)
+    copies = 1 + replicas(cfg)   # chain replication: a worker's exchange goes to each partition's every holder
+    return Prediction(mem, LinkBytes(copies * up / every, copies * s / every),
+                      LinkBytes(copies * n * s / b.servers / every, copies * n * up / b.servers / every),
+                      rounds=2 / every, messages=2 / every, server_memory=copies * server_mem,
+                      links=colocated_links(n, b.servers, copies * up / every, copies * s / every) if colocated else None)
+
+
+def replication(cfg: Config, inbound: float, outbound: float) -> LinkBytes:
+    """Chain replication's bytes on the servers' links (backend.replicas = r, psarch/ps/replication.py): each
+    replica receives what its primary receives and sends what it sends, so r x the servers' inbound and outbound
+    bytes (of the exchanges a replica takes part in: pushes and pulls, not fetch, save or done). With the
+    primaries' counted bytes, this is what the replicas' counters must show, to the byte."""
+    r = replicas(cfg)
+    return LinkBytes(sent=r * outbound, received=r * inbound)
 
 
 def dense_partitions(cfg: Config, phi: float) -> list[list[tuple[int, int]]]:

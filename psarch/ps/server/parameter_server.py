@@ -54,7 +54,7 @@ from psarch.meters import TrafficMeter, peak_memory
 from psarch.ps import auth, wire
 from psarch.ps.auth import Credentials
 from psarch.ps.errors import PSError
-from psarch.ps.layout import gather, held, server_partitions
+from psarch.ps.layout import gather, held, held_partitions, server_partitions
 from psarch.ps.server.connections import Caps, Connections, copy_received_frames, exchange_budget
 from psarch.ps.server.deadlines import Deadlines
 from psarch.ps.server.libc import seed_routing_ids
@@ -91,7 +91,7 @@ class ParameterServer:
         self.sock = self.zctx.socket(zmq.ROUTER)
         self.sock.setsockopt(zmq.LINGER, 0)
         # ZeroMQ drops a connection whose frame exceeds this as the frame's size arrives, before buffering it
-        widest = None if numel is None else max(map(held, server_partitions(cfg, numel)))
+        widest = None if numel is None else max(map(held, held_partitions(cfg, numel)))
         self.sock.setsockopt(zmq.MAXMSGSIZE, auth.max_frame(widest))
         auth.bound(self.sock, b.heartbeat_s, b.heartbeat_timeout_s, b.handshake_timeout_s)
         auth.server_socket(self.sock, self.creds, index)
@@ -127,8 +127,9 @@ class ParameterServer:
         """Start from the whole initial parameter vector (servers of a run build it from the config) and, with
         embedding rows, this server's rows of the initial tables."""
         s = self.state
-        parts = server_partitions(s.cfg, flat.numel())[s.index]
-        s.hold(parts, gather(flat, parts), flat.numel())
+        parts = held_partitions(s.cfg, flat.numel())[s.index]   # its own and, with replicas, the r before it
+        own = server_partitions(s.cfg, flat.numel())[s.index]
+        s.hold(parts, gather(flat, parts), flat.numel(), frozenset(parts) - frozenset(own))
         if self.rows is not None:
             if rows is None:
                 raise ValueError("backend.embeddings = \"rows\": a server starts from its rows of the tables too")
@@ -198,7 +199,7 @@ class ParameterServer:
             self.meter.add("invalid", 0, size)
             text = str(e) if isinstance(e, wire.WireError) else f"undecodable message ({type(e).__name__}: {e})"
             return self.replies.error(ident, "invalid", text)
-        self.meter.add(msg.op, 0, size)
+        self.meter.add(s.booked(msg.op, msg.header.get("offset")), 0, size)
         stranger = auth.stranger(self.creds, body[0], msg.header.get("worker"))
         if stranger:   # a worker acts only as itself; the reply tells it nothing of the state
             s.impostors += 1
@@ -299,7 +300,7 @@ class ParameterServer:
             self.state.stopping = True
 
     def _final(self) -> bytes | memoryview:
-        """The launcher's model.pt: this server's own vector, its partitions joined (then its rows: psarch/ps/rows.py's
+        """The launcher's model.pt: this server's held vector (its own and its replicas' partitions, joined) (then its rows: psarch/ps/rows.py's
         join_parts splits them)."""
         if not self.state.initialised:
             return b""

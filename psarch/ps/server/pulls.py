@@ -90,6 +90,6 @@ class PullQueue:
                 data if s.barrier else data.clone())
             st.remember_sent(w)
             s.pending.remove(p)   # before the reply: an error past this point must not answer it again
-            self.replies.send(p.ident, p.op, header, data)
+            self.replies.send(p.ident, s.booked(p.op, placed.lo), header, data)
             if s.last_seen is not None:  # it waited on us until now: its silence starts here
                 s.last_seen[w] = time.monotonic()

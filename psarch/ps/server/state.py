@@ -26,6 +26,7 @@ from psarch.ps.server.rounds import OrderedSum
 from psarch.ps.server.updates import RangeState
 
 TRACE_LIMIT = 100_000   # ssp: the most trace events a server records
+REPLICA = "replica_"    # how a replica partition's requests and replies are booked in a server's traffic
 
 
 class AckFields(TypedDict, total=False):
@@ -70,6 +71,7 @@ class Partition:
     range: RangeState
     round: Round
     clock: list[int]
+    replica: bool = False   # backend.replicas: a copy of another server's partition, kept as that server keeps it
 
     def slowest(self, live: set[int]) -> int:
         """The fewest pushes of this partition any live worker has made."""
@@ -207,6 +209,12 @@ class ServerState:
         raise PSError(f"op {op!r}: offset {offset} starts none of this server's {len(starts)} partition(s) of "
                       f"{self.span} (offsets {shown})")
 
+    def booked(self, op: str, offset: Any) -> str:
+        """The traffic meter's name for `op` on the partition at `offset`: "replica_<op>" for a replica's
+        (replication's bytes, summary.json's `replication`), else `op`."""
+        part = self.starts.get(offset) if isinstance(offset, int) else None
+        return f"{REPLICA}{op}" if part is not None and part.replica else op
+
     def sender(self, msg: wire.Message) -> int:
         """The worker a request comes from; PSError unless it is one of this run's and not lost."""
         w = msg.header["worker"]
@@ -216,14 +224,16 @@ class ServerState:
             raise PSError(f"worker {w} was declared lost")
         return w
 
-    def hold(self, parts: list[tuple[int, int]], params: torch.Tensor, numel: int) -> None:
-        """Own partitions `parts` ([lo, hi) each) of the flat parameter vector of `numel` elements, starting from
-        `params`, its own vector (their fp32 values, joined)."""
+    def hold(self, parts: list[tuple[int, int]], params: torch.Tensor, numel: int,
+             replicas: frozenset[tuple[int, int]] = frozenset()) -> None:
+        """Hold partitions `parts` ([lo, hi) each) of the flat parameter vector of `numel` elements, starting from
+        `params`, its held vector (their fp32 values, joined); those in `replicas` are other servers' (chain
+        replication)."""
         self.size, self.numel = held(parts), numel
         n, pos, self.parts = self.workers, 0, []
         for a, b in parts:
             self.parts.append(Partition(a, b, RangeState(params[pos:pos + b - a], self.cfg, n), Round(OrderedSum(n)),
-                                        [0] * n))
+                                        [0] * n, (a, b) in replicas))
             pos += b - a
         self.starts = {p.lo: p for p in self.parts}
         self.scratch = torch.empty(max(b - a for a, b in parts), dtype=wire.DTYPES[self.push_dtype])

@@ -14,6 +14,7 @@ from typing import Any, Sequence, cast
 
 import torch
 import zmq
+from zmq.utils.monitor import recv_monitor_message
 
 from psarch.meters import TrafficMeter
 from psarch.ps import auth, wire
@@ -94,8 +95,9 @@ class PSClient:
 
     def __init__(self, addresses: Sequence[str], worker: int, timeout_s: float,
                  creds: Credentials | dict | None = None, heartbeat_s: float = 10.0,
-                 heartbeat_timeout_s: float = 30.0) -> None:
-        """creds: how to authenticate (a Credentials or its dict; None: no auth, loopback servers only)."""
+                 heartbeat_timeout_s: float = 30.0, failover: bool = False) -> None:
+        """creds: how to authenticate (a Credentials or its dict; None: no auth, loopback servers only); failover:
+        a server whose connection drops is dead (backend.replicas: its partitions live on elsewhere, ServerLink)."""
         creds = creds if isinstance(creds, Credentials) else Credentials.from_dict(creds)
         self.addresses = list(addresses)
         self.worker = worker
@@ -114,6 +116,11 @@ class PSClient:
         for s in self.socks:
             self.poller.register(s, zmq.POLLIN)
         self.waiting = [Waiting() for _ in self.socks]   # sent, not yet answered, per server
+        self.dead: dict[int, float] = {}   # failover: each dead server and when its connection dropped (time.time())
+        # failover: a connection that drops (its server's process died: the kernel closed its socket) is an event here
+        self.monitors = ([s.get_monitor_socket(zmq.EVENT_DISCONNECTED) for s in self.socks] if failover else [])
+        for m in self.monitors:
+            self.poller.register(m, zmq.POLLIN)
 
     def exchange(self, requests: Sequence[Sequence[Request]], timeout_s: float | None = None) -> None:
         """Send requests[i] to server i (all servers first), then wait for every reply. Replies land in
@@ -125,7 +132,9 @@ class PSClient:
         self.wait(timeout_s)
 
     def post(self, i: int, r: Request) -> None:
-        """Send request `r` to server i now; its reply is taken by a later `wait`."""
+        """Send request `r` to server i now; its reply is taken by a later `wait` (never, to a dead server)."""
+        if i in self.dead:
+            return
         frames = wire.encode(dict(r.header, worker=self.worker), r.tensor, r.keys)
         self.meter.add(r.header["op"], wire.frames_bytes(frames), 0)
         r.posted_s = time.perf_counter() if RECORDER.on else None
@@ -157,6 +166,13 @@ class PSClient:
             # drain what has arrived (asking EVENTS is much cheaper than a NOBLOCK recv raising Again)
             while self.waiting[i] and sock in events and cast(int, sock.getsockopt(zmq.EVENTS)) & zmq.POLLIN:
                 self._receive(i, sock.recv_multipart(copy=False))
+        for i, m in enumerate(self.monitors):
+            if m in events and i not in self.dead:   # what it answered before it died is taken above
+                recv_monitor_message(m)
+                self.dead[i] = time.time()
+                self.waiting[i] = Waiting()   # never answered: its partitions' other holders answer them
+                self.poller.unregister(self.socks[i])
+                self.poller.unregister(m)
 
     def _receive(self, i: int, frames: list) -> None:
         try:
@@ -188,6 +204,9 @@ class PSClient:
         req.reply = msg.header
 
     def close(self) -> None:
+        for m, s in zip(self.monitors, self.socks):
+            s.disable_monitor()
+            m.close(linger=0)
         for s in self.socks:
             s.close(linger=0)
         self.zctx.term()

@@ -18,7 +18,7 @@ from psarch.checkpoint.reader import CheckpointError
 from psarch.flat import FlatParams
 from psarch.ps import wire
 from psarch.ps.errors import PSError
-from psarch.ps.layout import held, one_range, scatter
+from psarch.ps.layout import chain, held, held_of, one_range, scatter
 from psarch.ps.worker.topk import TopKPushes
 from psarch.ps.worker.client import PSClient, Request
 
@@ -43,6 +43,7 @@ class Part:
     server: int
     lo: int
     hi: int
+    holders: tuple[int, ...] = ()   # every server that holds it: `server`, then its replicas (partitions.chain)
 
 
 class ServerLink:
@@ -50,10 +51,13 @@ class ServerLink:
     what the servers said last (the version each partition sent, the loss scale)."""
 
     def __init__(self, client: PSClient, flat: FlatParams, servers: list[list[tuple[int, int]]], device: torch.device,
-                 dtype: torch.dtype, push_dtype: torch.dtype | None = None, topk: TopKPushes | None = None) -> None:
-        self.client, self.flat, self.servers = client, flat, servers
+                 dtype: torch.dtype, push_dtype: torch.dtype | None = None, topk: TopKPushes | None = None,
+                 replicas: int = 0) -> None:
+        """replicas: backend.replicas, the servers after each in the ring that hold its partitions too (each
+        partition goes to every live holder, and an exchange settles once each has answered: replication.py)."""
+        self.client, self.flat, self.servers, self.replicas = client, flat, servers, replicas
         bounds = sorted((a, b, i) for i, parts in enumerate(servers) for a, b in parts)
-        self.parts = [Part(j, i, a, b) for j, (a, b, i) in enumerate(bounds)]
+        self.parts = [Part(j, i, a, b, tuple(chain(len(servers), replicas, i))) for j, (a, b, i) in enumerate(bounds)]
         self.wire_dtype = wire.DTYPE_NAMES[dtype]
         self.push_dtype = push_dtype or dtype   # train.compression = fp16/bf16: pushes cast to 2 bytes
         self.topk = topk                        # train.compression = topk: pushes as (index, value) pairs
@@ -61,6 +65,8 @@ class ServerLink:
         self.versions = [0] * len(self.parts)   # the version each partition last sent: a push names it
         self.loss_scale = 1.0           # fp16: the servers' loss scale, sent with every pull
         self.posted: list[Request | None] = [None] * len(self.parts)   # this exchange's requests, by partition
+        self.copies: list[list[Request]] = [[] for _ in self.parts]   # ... and those to its replicas
+        self.served: dict[int, float] = {}   # each dead server: when an exchange first settled without it
         self.copied: set[int] = set()   # priority on a GPU: partitions already copied from the host stage
         self.t0 = 0.0
 
@@ -85,6 +91,9 @@ class ServerLink:
                                         offset=p.lo), into))
         self.posted[p.index] = r
         self.client.post(p.server, r)
+        self.copies[p.index] = [Request(dict(r.header), r.tensor, into=into, keys=r.keys) for _ in p.holders[1:]]
+        for h, c in zip(p.holders[1:], self.copies[p.index]):
+            self.client.post(h, c)
 
     def post_push(self, p: Part, pushed: torch.Tensor, step: int) -> Request:
         """Priority (priority.py): push partition p's slice of `pushed`, acknowledged once its server has it, then
@@ -127,10 +136,13 @@ class ServerLink:
         reqs = [r for r in self.posted if r is not None]
         if len(reqs) != len(self.parts):
             raise RuntimeError(f"an exchange posted {len(reqs)} of {len(self.parts)} partitions")
-        self.posted = [None] * len(self.parts)
+        reqs = [self._answered(j, r) for j, r in enumerate(reqs)]
+        self.posted, self.copies = [None] * len(self.parts), [[] for _ in self.parts]
         if self.host is not self.flat.data:
             self.flat.data.copy_(self.host, non_blocking=False)
         self.copied.clear()
+        for i in self.client.dead.keys() - self.served.keys():
+            self.served[i] = time.time()
         replies = [r.reply for r in reqs] + [r.reply for r in acks]
         self.versions = [r.reply["version"] for r in reqs]
         self.loss_scale = min(p.get("scale", 1.0) for p in replies)
@@ -144,6 +156,21 @@ class ServerLink:
         if ahead:
             out["ahead"] = max(ahead)
         return out
+
+    def _answered(self, j: int, r: Request) -> Request:
+        """Partition j's reply of this exchange: its server's, or where that server died, a live replica's."""
+        for c in (r, *self.copies[j]):
+            if c.answered:
+                return c
+        p = self.parts[j]
+        raise PSError(f"worker {self.client.worker}: partition [{p.lo}, {p.hi}) has no live holder left (servers "
+                      f"{', '.join(map(str, p.holders))} are dead)")
+
+    def failovers(self) -> list[dict[str, float]]:
+        """Each dead server: when this worker saw its connection drop and when an exchange of its first settled after
+        that (time.time())."""
+        return [{"server": i, "dropped_at": t, "served_at": self.served.get(i, float("nan"))}
+                for i, t in sorted(self.client.dead.items())]
 
     def exchange(self, pushed: torch.Tensor | None, step: int, header: dict[str, Any],
                  before: list[Request] | None = None) -> Exchange:
@@ -165,6 +192,8 @@ class ServerLink:
     def fetch(self, after: list[Request] | None = None) -> torch.Tensor:
         """The servers' fp32 parameters (after[i], if given, is sent to server i after its fetch)."""
         final = torch.empty(self.flat.numel, dtype=torch.float32)
+        if self.replicas:
+            return self._fetch_held(final, after)
         # a server's own vector lands in place where its partitions are one range, else beside, then in place
         owns = [final[parts[0][0]:parts[-1][1]] if one_range(parts) else torch.empty(held(parts))
                 for parts in self.servers]
@@ -173,6 +202,21 @@ class ServerLink:
         for parts, own in zip(self.servers, owns):
             if not one_range(parts):
                 scatter(own, parts, final)
+        return final
+
+    def _fetch_held(self, final: torch.Tensor, after: list[Request] | None) -> torch.Tensor:
+        """fetch with replicas: each live server's held vector (held_of), its partitions put in place."""
+        layout = held_of(self.servers, self.replicas)
+        reqs = [Request({"op": "fetch"}, into=torch.empty(held(parts))) for parts in layout]
+        self.client.exchange([[r, *([after[i]] if after else [])] for i, r in enumerate(reqs)])
+        for parts, r in zip(layout, reqs):
+            if r.answered:
+                scatter(r.received, parts, final)
+        got = {p for parts, r in zip(layout, reqs) if r.answered for p in parts}
+        missing = [p for parts in self.servers for p in parts if p not in got]
+        if missing:
+            raise PSError(f"worker {self.client.worker}: fetch: partition [{missing[0][0]}, {missing[0][1]}) has no "
+                          f"live holder left")
         return final
 
     def save(self, step: int, folder: Path) -> None:

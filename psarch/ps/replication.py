@@ -1,0 +1,96 @@
+"""Chain replication of the servers (backend.replicas = r; Li et al., OSDI '14, section 4.3): server i's partitions,
+parameters and optimizer state, are also held by servers i + 1, ..., i + r of a ring (partitions.chain).
+
+How it runs (sync only: psarch/ps/spec.py refuses the rest, in one line, before anything starts):
+- every holder of a partition starts from the same initial parameters, and a worker sends each partition's
+  pushpull to every live holder (replication before aggregation: each replica receives exactly what its primary
+  receives, so it costs r x the servers' inbound bytes, and r x their outbound for the pulls it answers);
+- each holder sums a round in worker order and applies the same optimizer step, so the copies stay bit for bit
+  equal; a worker's round is complete (its exchange settles) only once every live holder has answered it, i.e.
+  applied it: no acknowledged update lives on one server only;
+- a worker learns that a server died when its connection drops (ZeroMQ's monitor, worker/client.py), stops
+  waiting for it and never sends to it again; the replica already has the round's pushes (nothing to re-send),
+  so its reply completes the round.
+
+The launcher (services.py) treats a dead server as a lost one where every partition still has a live holder: it
+says so on stderr and goes on; `summary.json`'s `replication.dead_servers` lists it, and model.pt comes from the
+live holders. With r = 0, or once every holder of some partition is dead, the run stops with one line naming
+the server, as before. A server stopped (SIGSTOP) past backend.timeout_s still stops the run: alive, its
+connections stay open, so no worker could tell it from a slow one.
+
+Replication's bytes are booked apart by each server ("replica_<op>", state.py's REPLICA): `bytes_summary`
+compares them with the formula, r x the bytes of the same ops at the primaries, counted exactly.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from psarch.ps.partitions import chain, held, held_partitions
+from psarch.ps.server.state import REPLICA
+
+REPLICATED_OPS = ("pull", "push", "pushpull", "sparsepush", "sparsepushpull")   # what a replica is sent too
+
+
+def orphans(servers: int, r: int, dead: set[int]) -> list[int]:
+    """The servers whose partitions have no live holder left."""
+    return [j for j in range(servers) if all(h in dead for h in chain(servers, r, j))]
+
+
+def death(servers: int, r: int, dead: set[int], i: int, text: str) -> str | None:
+    """The run's error once server i has died (`text`: what happened to it), None where the run goes on: r = 0
+    keeps `text` as the one line; with replicas, it stops only when some partition lost every holder."""
+    if not r:
+        return text
+    lost = orphans(servers, r, dead | {i})
+    if not lost:
+        return None
+    j = lost[0]
+    return (f"{text}: server {j}'s partitions have no live holder (servers "
+            f"{', '.join(map(str, chain(servers, r, j)))} are dead; backend.replicas = {r})")
+
+
+def survivors(servers: int, r: int, i: int, dead: set[int]) -> list[int]:
+    """The live servers that now serve server i's partitions."""
+    return [h for h in chain(servers, r, i) if h not in dead]
+
+
+def join_held(cfg: Any, helds: dict[int, torch.Tensor], numel: int) -> tuple[torch.Tensor, bool]:
+    """The flat fp32 vector from the live servers' held vectors (server i's `helds[i]`: held_partitions joined),
+    and whether every copy of a partition was bit for bit its first copy. ValueError where a partition has no copy."""
+    flat = torch.empty(numel, dtype=torch.float32)
+    seen = torch.zeros(numel, dtype=torch.bool)
+    same = True
+    for i, parts in enumerate(held_partitions(cfg, numel)):
+        if i not in helds:
+            continue
+        own = helds[i]
+        if own.numel() != held(parts):
+            raise ValueError(f"server {i} reported {own.numel()} parameters, its partitions hold {held(parts)}")
+        pos = 0
+        for a, b in parts:
+            copy = own[pos:pos + b - a]
+            if bool(seen[a:b].all()):
+                same = same and torch.equal(flat[a:b].view(torch.int32), copy.view(torch.int32))
+            else:
+                flat[a:b], seen[a:b] = copy, True
+            pos += b - a
+    if not bool(seen.all()):
+        raise ValueError("some partitions have no live holder")
+    return flat, same
+
+
+def bytes_summary(cfg: Any, ops: list[dict[str, Any]]) -> dict[str, Any]:
+    """summary.json's `replication` bytes from the live servers' traffic by op (TrafficReport's `ops`): what the
+    replicas received and sent, beside theory's formula (psarch/ps/theory.py's `replication`: r x what the
+    primaries received and sent on the same ops)."""
+    from psarch.ps.theory import replication
+
+    def total(prefix: str, key: str) -> int:
+        return sum(per.get(prefix + op, {}).get(key, 0) for per in ops for op in REPLICATED_OPS)
+    inbound, outbound = total("", "received"), total("", "sent")
+    formula = replication(cfg, inbound, outbound)
+    return {"replicas": cfg.backend.replicas, "received": total(REPLICA, "received"), "sent": total(REPLICA, "sent"),
+            "primary_received": inbound, "primary_sent": outbound,
+            "formula_received": int(formula.received), "formula_sent": int(formula.sent)}

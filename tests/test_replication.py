@@ -1,0 +1,152 @@
+"""Chain replication of the parameter servers (backend.replicas = r, psarch/ps/replication.py): tiny GPT runs on
+loopback. Without faults r = 1 ends with r = 0's model and its replicas cost r x the servers' bytes, counted; a
+server killed mid-run costs no acknowledged update (the same model, bit for bit, as the run without the fault);
+with r = 0 a dead server still stops the run in one line; configs replication cannot serve are refused in one."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+import psarch
+from parity import assert_same_model
+from ps_setup import config, ps
+from psarch.config import ConfigError, from_dict
+from psarch.errors import RunError
+from psarch.ps.errors import ServiceError
+from psarch.ps.partitions import chain
+from psarch.ps.replication import death, join_held
+from test_ps_faults import _children
+
+SGD = {"optimizer": "sgd", "lr": 0.1, "momentum": 0.9, "steps": 8}
+
+
+def _cfg(name: str, backend: dict, fault: dict | None = None, **train):
+    return from_dict(config(name, train=dict(SGD, **train), backend=backend, faults=fault or {}))
+
+
+def _model(out: Path) -> dict:
+    return torch.load(out / "model.pt", weights_only=True)
+
+
+def _same(a: Path, b: Path, what: str) -> None:
+    assert_same_model(_model(a), _model(b), what, rtol=0.0, atol=0.0)
+
+
+# ------------------------------------------------------------------ the chain, without processes
+
+def test_each_server_s_partitions_are_held_by_the_next_r_servers_of_the_ring():
+    assert chain(3, 1, 2) == [2, 0] and chain(4, 2, 3) == [3, 0, 1] and chain(2, 0, 1) == [1]
+
+
+def test_a_dead_server_stops_the_run_only_when_some_partition_has_no_live_holder():
+    assert death(3, 0, set(), 1, "server 1 died") == "server 1 died"            # r = 0: the one line, as before
+    assert death(3, 1, set(), 1, "server 1 died") is None                       # server 2 holds its partitions
+    assert death(3, 1, {2}, 1, "server 1 died").startswith("server 1 died: server 1's partitions have no live "
+                                                             "holder (servers 1, 2 are dead; backend.replicas = 1)")
+    assert death(3, 2, {2}, 1, "server 1 died") is None
+
+
+def test_copies_that_differ_are_found_when_the_model_is_joined():
+    cfg = _cfg("join", ps(2, servers=2, replicas=1))
+    helds = {0: torch.arange(6.0), 1: torch.arange(6.0)}    # tiny: each server holds the whole vector
+    flat, same = join_held(cfg, helds, 6)
+    assert same and torch.equal(flat, torch.arange(6.0))
+    helds[1][4] = torch.nextafter(helds[1][4], torch.tensor(5.0))   # one ulp
+    assert not join_held(cfg, helds, 6)[1]
+
+
+@pytest.mark.parametrize("backend, train, error", [
+    (ps(2, servers=2, replicas=2), {}, r"^backend.replicas = 2: must be less than backend.servers = 2"),
+    (ps(2, servers=1, replicas=1), {}, r"^backend.replicas = 1: must be less than backend.servers = 1"),
+    (ps(2, "async", servers=2, replicas=1), {}, r'^backend.replicas = 1: backend.mode = "async": replicas are kept '
+                                                r'for "sync" only'),
+    (ps(2, "geo", servers=2, replicas=1), {}, r'backend.mode = "geo": replicas are kept for "sync" only'),
+    (ps(2, servers=2, replicas=1), {"checkpoint_every": 2}, r"^backend.replicas = 1: train.checkpoint_every = 2"),
+    (ps(2, servers=2, replicas=1, priority_credit_mb=1.0), {}, r"^backend.replicas = 1: backend.priority_credit_mb"),
+])
+def test_configs_replication_cannot_serve_are_refused_in_one_line(backend, train, error):
+    with pytest.raises(ConfigError, match=error) as e:
+        _cfg("bad", backend, **train)
+    assert "\n" not in str(e.value)
+
+
+# ------------------------------------------------------------------ runs
+
+def test_r1_without_faults_ends_with_the_model_of_r0_and_its_bytes_are_r_times_the_servers(tmp_path):
+    """3 servers, partitions dealt round robin (each server holds its own and the previous server's)."""
+    backend = dict(ps(2, servers=3), partition_mb=0.01)
+    base = psarch.run(_cfg("r0", backend), tmp_path / "r0", echo=False)
+    rep = psarch.run(_cfg("r1", dict(backend, replicas=1)), tmp_path / "r1", echo=False)
+    assert _children() == []
+    assert rep["status"] == base["status"] == "finished" and "replication" not in base
+    _same(tmp_path / "r1", tmp_path / "r0", "r = 1 vs r = 0")
+    r = rep["replication"]
+    assert r["copies_identical"] and r["dead_servers"] == []
+    # the formula (theory.replication, r x the primaries' bytes of the same ops), exactly, in counted bytes
+    assert r["received"] == r["formula_received"] == r["primary_received"] > 0
+    assert r["sent"] == r["formula_sent"] == r["primary_sent"] > 0
+    # and the primaries' bytes are r = 0's servers' on those ops: replication adds r x, nothing else
+    ops = [s["ops"] for s in base["traffic"]["servers"]]
+    assert r["primary_received"] == sum(o[k]["received"] for o in ops for k in ("pull", "pushpull") if k in o)
+    # theory's (1 + r) x per server and per worker, payloads only: within the headers' share
+    predicted = rep["predicted"]["traffic_per_step"]
+    assert predicted["server_received"] == pytest.approx(2 * base["predicted"]["traffic_per_step"]["server_received"])
+
+
+def test_r1_pushed_after_backward_as_top_k_pairs_ends_with_the_model_of_r0(tmp_path):
+    """A worker's top-k pairs (and their error feedback) are chosen once and sent to every holder."""
+    backend = ps(2, servers=2, overlap_comm=False)
+    train = {"compression": "topk", "topk_ratio": 0.25}
+    psarch.run(_cfg("r0", backend, **train), tmp_path / "r0", echo=False)
+    rep = psarch.run(_cfg("r1", dict(backend, replicas=1), **train), tmp_path / "r1", echo=False)
+    assert rep["replication"]["copies_identical"] and rep["replication"]["received"] > 0
+    _same(tmp_path / "r1", tmp_path / "r0", "top-k, r = 1 vs r = 0")
+
+
+@pytest.mark.parametrize("servers, killed", [(2, 1), (3, 0)])
+def test_a_server_killed_mid_run_with_r1_costs_no_update(tmp_path, servers, killed):
+    """Killed as step 3 of 8 begins (worker 0 holds there): its workers go on with its replica, and the run ends
+    with the model of the run without the fault, bit for bit (SGD with momentum: the optimizer state too)."""
+    backend = ps(2, servers=servers, replicas=1, timeout_s=10.0)
+    psarch.run(_cfg("plain", backend), tmp_path / "plain", echo=False)
+    out = tmp_path / "killed"
+    summary = psarch.run(_cfg("killed", backend, {"kill": [{"node": f"server {killed}", "step": 3}]}), out,
+                         echo=False)
+    assert _children() == []
+    assert summary["status"] == "finished" and summary["steps"] == 8 and summary["lost_workers"] == []
+    assert summary["faults"][0]["node"] == f"server {killed}"
+    [dead] = summary["replication"]["dead_servers"]
+    assert dead == {"server": killed, "error": f"server {killed} died (exit code -9)"}
+    assert summary["replication"]["copies_identical"]
+    assert [s["server"] for s in summary["traffic"]["servers"]] == [i for i in range(servers) if i != killed]
+    _same(out, tmp_path / "plain", "killed vs plain")
+    # every worker went on without it: its connection dropped, then a round was served by the replica
+    for f in summary["extra"]["failovers"]:
+        assert [x["server"] for x in f] == [killed]
+        assert f[0]["served_at"] >= f[0]["dropped_at"] >= summary["faults"][0]["at_unix"]
+    assert [json.loads(x)["step"] for x in (out / "metrics.jsonl").read_text().splitlines()] == list(range(8))
+
+
+def test_with_r0_a_killed_server_still_stops_the_run_in_one_line(tmp_path):
+    with pytest.raises(ServiceError, match=r"^server 1 died \(exit code -9\)$"):
+        psarch.run(_cfg("r0", ps(2, servers=2, timeout_s=3.0), {"kill": [{"node": "server 1", "step": 3}]}),
+                   tmp_path / "r0", echo=False)
+    assert _children() == []
+    assert json.loads((tmp_path / "r0" / "summary.json").read_text())["error"] == "server 1 died (exit code -9)"
+
+
+def test_when_every_holder_of_a_partition_is_dead_the_run_stops_in_one_line(tmp_path):
+    """r = 1 over 2 servers: server 0 killed at step 3 (the run goes on with server 1), server 1 at step 5: server
+    0's partitions have no holder left. The launcher names it, or a worker does, whichever sees it first."""
+    out = tmp_path / "both"
+    with pytest.raises(RunError, match=r"^server 1 died \(exit code -9\): server 0's partitions have no live holder "
+                                       r"\(servers 0, 1 are dead; backend.replicas = 1\)$|has no live holder left"):
+        psarch.run(_cfg("both", ps(2, servers=2, replicas=1, timeout_s=10.0),
+                        {"kill": [{"node": "server 0", "step": 3}, {"node": "server 1", "step": 5}]}), out, echo=False)
+    assert _children() == []
+    s = json.loads((out / "summary.json").read_text())
+    assert s["status"] == "failed" and "\n" not in s["error"] and [f["node"] for f in s["faults"]] == ["server 0",
+                                                                                                      "server 1"]
