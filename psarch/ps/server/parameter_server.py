@@ -69,6 +69,7 @@ from psarch.timeline import Recorder, Span, SpanFields
 
 Handler = Callable[[bytes, wire.Message], None]
 LOST_BY_LAUNCHER = "its process died"
+DEADLINE_PERIOD_S = 0.01   # how often the serve loop checks the clocks (deadlines.py), at most
 
 
 class ParameterServer:
@@ -140,8 +141,10 @@ class ParameterServer:
         poller = zmq.Poller()
         poller.register(self.sock, zmq.POLLIN)
         self.zap.start()
-        if self.pipe is not None:
-            poller.register(self.pipe.fileno(), zmq.POLLIN)
+        pipe_fd = self.pipe.fileno() if self.pipe is not None else None
+        if pipe_fd is not None:
+            poller.register(pipe_fd, zmq.POLLIN)
+        next_check = 0.0
         while not self.state.stopping:
             events = dict(poller.poll(100))
             if self.sock in events:
@@ -152,9 +155,12 @@ class ParameterServer:
                     frames = self.receive()
                     if frames is not None:
                         self.handle(frames)
-            if self.pipe is not None and self.pipe.poll():
+            if pipe_fd in events and self.pipe.poll():   # (the poller says when the pipe has a command)
                 self.command(json.loads(self.pipe.recv_bytes()))
-            self.check_deadlines()
+            now = time.monotonic()
+            if now >= next_check:   # the clocks walk every partition and pull: not after every message
+                next_check = now + DEADLINE_PERIOD_S
+                self.check_deadlines()
         self.close()
 
     def receive(self) -> list | None:

@@ -36,7 +36,7 @@ class AckFields(TypedDict, total=False):
     skipped: bool
 
 
-@dataclass
+@dataclass(eq=False)   # one pull is itself only: removing it from the queue compares identities, not every field
 class Pull:
     """A pull waiting until the mode lets `worker` have partition `part`'s parameters for `step`."""
 
