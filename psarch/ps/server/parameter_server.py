@@ -43,7 +43,7 @@ import sys
 from collections import Counter
 import time
 import traceback
-from typing import Any, Callable, cast
+from typing import Any, Callable
 
 import torch
 import zmq
@@ -150,7 +150,7 @@ class ParameterServer:
             if self.sock in events:
                 # a burst, then look at the launcher's pipe and the clock again
                 for _ in range(64):
-                    if not cast(int, self.sock.getsockopt(zmq.EVENTS)) & zmq.POLLIN:
+                    if not auth.readable(self.sock):
                         break
                     frames = self.receive()
                     if frames is not None:
@@ -255,7 +255,7 @@ class ParameterServer:
         if self.rows is not None:
             self.rows.drop(w)
         s.lost.add(w)
-        s.pending = [p for p in s.pending if p.worker != w]
+        s.pending = {k: p for k, p in s.pending.items() if p.worker != w}
         if s.exit_when_done or why != LOST_BY_LAUNCHER:   # the launcher says why itself
             print(f"psarch server {s.index}: worker {w} lost: {why}", file=sys.stderr, flush=True)
         if s.initialised and s.failure is None:
