@@ -1,19 +1,21 @@
-"""This host's own cost per PS message and per partition: what dilation's D must stretch the cluster past.
+"""This host's own cost per PS message: the PS's per-message and per-partition work on this machine.
 
 One real ParameterServer (its own process, sync, `--workers` workers, backend.auth "auto": PLAIN on loopback) and
 the workers' PSClients in this process, on loopback TCP. A round is what each worker does each step: a `pushpull`
 per partition, all sent back to back, then every `params` reply taken into its flat buffer (a partition's pull is
 answered once every worker pushed it, so the server holds up to workers x partitions waiting pulls). Partitions are
 PARTITION_ALIGN (64) fp32 elements, 256 bytes, so the bytes cost nothing and what is left is the per-message
-work: msgpack framing, validation, the server's handler, ZeroMQ, the wake-ups.
+work: msgpack framing, validation, the server's handler and update, ZeroMQ, the wake-ups.
 
-Per message (one worker's request for one partition, and its reply): wall time of a round / messages, the worker process's CPU time and
-the server process's CPU time (/proc, every thread: ZeroMQ's I/O threads, the server's watchdog and ZAP threads)
-over the same rounds. Medians of `--repeats` runs of `--rounds` rounds each. Also, in this process alone:
-wire.encode + wire.decode of one partition's pushpull (ns per message).
+Per message (one worker's request for one partition, and its reply): wall time of a round / messages, and the CPU
+time of the workers' process and of the server's process (/proc, every thread: ZeroMQ's I/O threads, the server's
+watchdog and ZAP threads, also by thread name) over the same rounds; medians of `--repeats` runs of `--rounds`
+rounds each. Also, in this process alone: wire.encode + wire.decode + the payload copied out with its inf/nan
+check, of one partition's pushpull (`wire_ns`, ns per message).
 
-Library-free of anything this script itself defines, so the same script times any checkout of psarch:
+It uses only what psarch has had since before these were measured, so the same script times any such checkout:
     PYTHONPATH=/path/to/checkout python experiments/cluster_crossover_device/host_cost.py --partitions 64 256
+Results: results/host_cost.md.
 """
 from __future__ import annotations
 
@@ -24,7 +26,12 @@ import os
 import statistics
 import time
 
+from typing import TYPE_CHECKING, Any
+
 import torch
+
+if TYPE_CHECKING:
+    from psarch.config import Config
 
 TICK = os.sysconf("SC_CLK_TCK")
 
@@ -48,14 +55,14 @@ def threads_cpu_s(pid: int) -> dict[str, float]:
     return out
 
 
-def _config(workers: int) -> object:
+def _config(workers: int) -> Config:
     from psarch.config import from_dict
     return from_dict({"train": {"optimizer": "sgd", "lr": 0.0},
                       "backend": {"kind": "ps", "world_size": workers, "servers": 1, "mode": "sync", "timeout_s": 60.0,
                                   "partition_mb": 64 * 4 / 2**20, "partition_assignment": "ranges"}})
 
 
-def _server(conn: object, workers: int, creds: dict, profile: str) -> None:
+def _server(conn: Any, workers: int, creds: dict, profile: str) -> None:
     """A server of its own process, serving until the launcher-side pipe says stop (cProfile'd into `profile`)."""
     from psarch.ps.auth import Credentials
     from psarch.ps.server.start import build_server
@@ -82,6 +89,8 @@ def ps_rounds(partitions: int, workers: int, rounds: int, repeats: int, profile:
                                                                  if profile else ""), daemon=True)
     proc.start()
     address = json.loads(parent.recv_bytes())["address"]
+    pid = proc.pid
+    assert pid is not None   # started
     numel = 64 * partitions
     clients = [PSClient([address], w, timeout_s=60.0, creds=creds) for w in range(workers)]
     grad, flats = torch.randn(numel), [torch.empty(numel) for _ in clients]
@@ -102,22 +111,22 @@ def ps_rounds(partitions: int, workers: int, rounds: int, repeats: int, profile:
     for _ in range(3):
         round_()
     walls, worker_cpu, server_cpu = [], [], []
-    threads0 = threads_cpu_s(proc.pid)
+    threads0 = threads_cpu_s(pid)
     prof = None
     if profile:
         import cProfile
         prof = cProfile.Profile()
         prof.enable()
     for _ in range(repeats):
-        w0, s0, t0 = time.process_time(), cpu_s(proc.pid), time.perf_counter()
+        w0, s0, t0 = time.process_time(), cpu_s(pid), time.perf_counter()
         for _ in range(rounds):
             round_()
-        t1, w1, s1 = time.perf_counter(), time.process_time(), cpu_s(proc.pid)
+        t1, w1, s1 = time.perf_counter(), time.process_time(), cpu_s(pid)
         n = rounds * partitions * workers / 1e6
         walls.append((t1 - t0) / n)
         worker_cpu.append((w1 - w0) / n)
         server_cpu.append((s1 - s0) / n)
-    threads1 = threads_cpu_s(proc.pid)
+    threads1 = threads_cpu_s(pid)
     per = {f"server_{k}_us": (threads1[k] - threads0.get(k, 0.0)) / (repeats * rounds * partitions * workers) * 1e6
            for k in threads1 if threads1[k] - threads0.get(k, 0.0) > 0}
     if prof is not None:
