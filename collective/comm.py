@@ -195,9 +195,10 @@ def posted(work: dist.Work | None) -> dist.Work:
 
 
 def exchange(send: torch.Tensor, dst: int, recv: torch.Tensor, src: int,
-             group: dist.ProcessGroup | None) -> tuple[dist.Work, dist.Work]:
-    """Post a send to global rank `dst` and a receive from global rank `src`; returns (send work, recv work)."""
-    if dist.get_backend(group) == "gloo":  # unbatched cannot deadlock on gloo and costs less; receive posted first
+             group: dist.ProcessGroup | None, backend: str) -> tuple[dist.Work, dist.Work]:
+    """Post a send to global rank `dst` and a receive from global rank `src` of `group`, whose backend the
+    communicator read once (`backend`: not looked up again every ring hop); returns (send work, recv work)."""
+    if backend == "gloo":  # unbatched cannot deadlock on gloo and costs less; receive posted first
         recv_work = posted(dist.irecv(recv, src, group))
         return posted(dist.isend(send, dst, group)), recv_work
     # Posted as one batch: on NCCL an unbatched send and receive to the same peer (a ring of 2) deadlock.

@@ -110,7 +110,7 @@ class RingCommunicator(Communicator):
         if buf is not tensor:  # padded to two equal chunks
             buf[:numel].copy_(tensor)
             buf[numel:].zero_()
-        for work in exchange(buf, self._next, incoming, self._prev, self.group):
+        for work in exchange(buf, self._next, incoming, self._prev, self.group, self.backend):
             work.wait()
         mine, other = slice(self.rank * c, (self.rank + 1) * c), slice((1 - self.rank) * c, (2 - self.rank) * c)
         buf[mine].add_(incoming[mine])
@@ -189,7 +189,7 @@ class RingCommunicator(Communicator):
                 into = region(recv_chunk, j)
                 for work in reading.pop((recv_chunk, j), []):
                     work.wait()
-            send_work, recv_work = exchange(out, self._next, into, self._prev, self.group)
+            send_work, recv_work = exchange(out, self._next, into, self._prev, self.group, self.backend)
             reading.setdefault((send_chunk, j), []).append(send_work)
             in_flight[u] = (recv_work, into)
             sent += out.numel() * out.element_size()

@@ -61,7 +61,7 @@ class PlainRingCommunicator(Communicator):
 
     def _step(self, send: torch.Tensor, recv: torch.Tensor) -> None:
         """Send to the next rank, receive from the previous one, and wait for both."""
-        for w in exchange(send, self._next, recv, self._prev, self.group):
+        for w in exchange(send, self._next, recv, self._prev, self.group, self.backend):
             w.wait()
         self._sent += send.numel() * send.element_size()
         self._received += recv.numel() * recv.element_size()

@@ -30,7 +30,7 @@ import shutil
 import threading
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, cast
 
 import zmq
 import zmq.auth
@@ -150,6 +150,14 @@ def remove(folder: KeyFolder | str | None) -> None:
 
 
 # ---------------------------------------------------------------- sockets
+
+_EVENTS, _POLLIN = int(zmq.EVENTS), int(zmq.POLLIN)   # plain ints: `&` with pyzmq's IntFlag builds an enum a call
+
+
+def readable(sock: zmq.Socket) -> bool:
+    """Whether a whole message waits on `sock` (ZMQ_EVENTS: far cheaper than a NOBLOCK recv raising Again)."""
+    return bool(cast(int, sock.getsockopt(_EVENTS)) & _POLLIN)
+
 
 # ZMQ_HEARTBEAT_TTL crosses the wire in deciseconds, in 16 bits (ZMTP 3.1's PING): libzmq refuses more (EINVAL)
 MAX_HEARTBEAT_TTL_MS = 6553500   # 65535 deciseconds

@@ -110,11 +110,18 @@ def exchange_budget(elements: int, partitions: int, row_bytes: int, max_header: 
 
 def tcp_counters(fd: int) -> tuple[int, int] | None:
     """(bytes received, bytes sent and acknowledged) of TCP socket `fd` (Linux's TCP_INFO); None if it is gone."""
+    # ZeroMQ's own descriptor, borrowed and handed back (detach), not duplicated and closed: the watchdog reads
+    # every connection's counters each PERIOD_S, and fromfd's dup and close would double the syscalls
     try:
-        with socket.fromfd(fd, socket.AF_INET, socket.SOCK_STREAM) as s:
-            info = s.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, 256)
+        s = socket.socket(socket.AF_INET, socket.SOCK_STREAM, 0, fd)
     except OSError:
         return None
+    try:
+        info = s.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, 256)
+    except OSError:
+        return None
+    finally:
+        s.detach()
     if len(info) < 136:
         return None
     acked, received = struct.unpack_from("QQ", info, 120)   # tcpi_bytes_acked, tcpi_bytes_received
@@ -216,7 +223,9 @@ class Connections:
         with self.lock:
             if ident in self.gone:
                 return True
-            conn = self.conns.setdefault(fd, Connection(time.monotonic()))
+            conn = self.conns.get(fd)
+            if conn is None:   # (not setdefault: a Connection built and thrown away per message)
+                conn = self.conns[fd] = Connection(time.monotonic())
             conn.framed += sum(len(f) + framing(len(f), self.curve) for f in frames[1:])
             self.fds[ident] = fd
             if conn.user is None and len(frames) > 1:
@@ -249,11 +258,12 @@ class Connections:
             conn = self.conns.get(fd) if fd is not None else None
             if fd is None or conn is None:
                 return True
-            if conn.sent + nbytes - conn.acked > self.budget():
+            budget = self.budget()
+            if conn.sent + nbytes - conn.acked > budget:
                 counters = tcp_counters(fd)
                 if counters is not None:
                     conn.received, conn.acked = max(conn.received, counters[0]), max(conn.acked, counters[1])
-            if conn.sent + nbytes - conn.acked <= self.budget():
+            if conn.sent + nbytes - conn.acked <= budget:
                 conn.sent += nbytes
                 return True
             self._drop(fd, conn, "unread")

@@ -18,7 +18,7 @@ class Deadlines:
         s = self.state
         if s.last_seen is None:
             return []
-        waiting = {p.worker for p in s.pending}   # a worker waiting on a pull is waiting on us
+        waiting = {p.worker for p in s.pending.values()}   # a worker waiting on a pull is waiting on us
         return [(w, f"no message from it for more than {s.silence_s:g} s ({s.silence_text})")
                 for w in sorted(s.live - s.done - waiting) if now - s.last_seen[w] > s.silence_s]
 
@@ -40,7 +40,7 @@ class Deadlines:
         """Fail the server when a pull has waited more than timeout_s."""
         s = self.state
         t = s.timeout_s
-        for p in s.pending:
+        for p in s.pending.values():
             if now - p.since > t and not s.initialised:
                 return self.replies.fail(f"worker {p.worker} waited more than backend.timeout_s = {t:g} s "
                                          f"for the initial parameters: no worker sent init")

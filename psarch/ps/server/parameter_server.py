@@ -43,7 +43,7 @@ import sys
 from collections import Counter
 import time
 import traceback
-from typing import Any, Callable, cast
+from typing import Any, Callable
 
 import torch
 import zmq
@@ -69,6 +69,7 @@ from psarch.timeline import Recorder, Span, SpanFields
 
 Handler = Callable[[bytes, wire.Message], None]
 LOST_BY_LAUNCHER = "its process died"
+DEADLINE_PERIOD_S = 0.01   # how often the serve loop checks the clocks (deadlines.py), at most
 
 
 class ParameterServer:
@@ -141,21 +142,26 @@ class ParameterServer:
         poller = zmq.Poller()
         poller.register(self.sock, zmq.POLLIN)
         self.zap.start()
-        if self.pipe is not None:
-            poller.register(self.pipe.fileno(), zmq.POLLIN)
+        pipe_fd = self.pipe.fileno() if self.pipe is not None else None
+        if pipe_fd is not None:
+            poller.register(pipe_fd, zmq.POLLIN)
+        next_check = 0.0
         while not self.state.stopping:
             events = dict(poller.poll(100))
             if self.sock in events:
                 # a burst, then look at the launcher's pipe and the clock again
                 for _ in range(64):
-                    if not cast(int, self.sock.getsockopt(zmq.EVENTS)) & zmq.POLLIN:
+                    if not auth.readable(self.sock):
                         break
                     frames = self.receive()
                     if frames is not None:
                         self.handle(frames)
-            if self.pipe is not None and self.pipe.poll():
+            if pipe_fd in events and self.pipe.poll():   # (the poller says when the pipe has a command)
                 self.command(json.loads(self.pipe.recv_bytes()))
-            self.check_deadlines()
+            now = time.monotonic()
+            if now >= next_check:   # the clocks walk every partition and pull: not after every message
+                next_check = now + DEADLINE_PERIOD_S
+                self.check_deadlines()
         self.close()
 
     def receive(self) -> list | None:
@@ -250,7 +256,7 @@ class ParameterServer:
         if self.rows is not None:
             self.rows.drop(w)
         s.lost.add(w)
-        s.pending = [p for p in s.pending if p.worker != w]
+        s.pending = {k: p for k, p in s.pending.items() if p.worker != w}
         if s.exit_when_done or why != LOST_BY_LAUNCHER:   # the launcher says why itself
             print(f"psarch server {s.index}: worker {w} lost: {why}", file=sys.stderr, flush=True)
         if s.initialised and s.failure is None:

@@ -4,7 +4,9 @@ When a pull is answered, per mode (each partition on its own: a pull names its p
 - sync, geo with barrier: once the partition's round `step` is complete, i.e. every live worker pushed it;
 - ssp: once the slowest live worker has pushed at least `step - staleness_bound` steps of the partition;
 - async, geo: at once.
-A worker waits for one pull per partition at a time, so the queue holds at most one such pull per worker.
+A worker waits for one pull per partition at a time, so the queue holds at most one such pull per worker and
+partition, filed by the two (state.py's Pull.key): a push finds its partition's waiting pulls without a walk of
+every partition's.
 """
 from __future__ import annotations
 
@@ -42,22 +44,25 @@ class PullQueue:
 
     def check_one(self, w: int, op: str, part: Partition | None) -> None:
         """A worker waits for one pull of a partition at a time: the queue holds at most one per worker and partition."""
-        for p in self.state.pending:
-            if p.worker == w and p.part is part:
-                raise PSError(f"{op}: worker {w} already has a pull waiting (for step {p.step}); "
-                              f"a worker waits for one pull of a partition at a time")
+        p = self.state.pending.get((w, part.lo if part is not None else None))
+        if p is not None:
+            raise PSError(f"{op}: worker {w} already has a pull waiting (for step {p.step}); "
+                          f"a worker waits for one pull of a partition at a time")
 
     def wait(self, ident: bytes, op: str, worker: int, step: int, extra: AckFields,
              part: Partition | None) -> None:
         """Queue `worker`'s pull of `part` for `step` (answered by the next `serve` that finds it ready)."""
-        self.state.pending.append(Pull(ident, op, worker, step, time.monotonic(), extra, part))
+        pull = Pull(ident, op, worker, step, time.monotonic(), extra, part)
+        self.state.pending[pull.key] = pull
 
     def ready(self, p: Pull) -> bool:
         s = self.state
-        if p.part is None:   # asked before init: the first partition, once there is one
+        if p.part is None:   # asked before init: the first partition, once there is one (then filed under it)
             if not s.initialised:
                 return False
+            del s.pending[p.key]
             p.part = s.parts[0]
+            s.pending[p.key] = p
         if s.barrier:
             return p.part.range.version >= p.step
         if s.mode == "ssp":
@@ -67,8 +72,10 @@ class PullQueue:
     def serve(self, part: Partition | None = None) -> None:
         """Answer every waiting pull (of `part`, when given: nothing else can have become ready) the mode now allows."""
         s = self.state
-        for p in list(s.pending):
-            if part is not None and p.part is not part or not self.ready(p):
+        waiting = (list(s.pending.values()) if part is None else
+                   [p for p in (s.pending.get((w, part.lo)) for w in range(s.workers)) if p is not None])
+        for p in waiting:
+            if not self.ready(p):
                 continue
             placed = p.part
             assert placed is not None   # ready() placed it on a partition
@@ -89,7 +96,7 @@ class PullQueue:
             data = data.to(want) if data.dtype != want else (
                 data if s.barrier else data.clone())
             st.remember_sent(w)
-            s.pending.remove(p)   # before the reply: an error past this point must not answer it again
+            del s.pending[p.key]   # before the reply: an error past this point must not answer it again
             self.replies.send(p.ident, s.booked(p.op, placed.lo), header, data)
             if s.last_seen is not None:  # it waited on us until now: its silence starts here
                 s.last_seen[w] = time.monotonic()

@@ -51,9 +51,9 @@ class Replies:
         s = self.state
         s.failure = text
         s.failed_at = time.monotonic()
-        for p in s.pending:
+        for p in list(s.pending.values()):
             self.error(p.ident, p.op, text)
-        s.pending = []
+        s.pending = {}
         self.notify({"event": "failed", "server": s.index, "message": f"server {s.index}: {text}"})
 
     def notify(self, event: dict[str, Any]) -> None:

@@ -37,7 +37,7 @@ class AckFields(TypedDict, total=False):
     skipped: bool
 
 
-@dataclass
+@dataclass(eq=False)   # one pull is itself only: removing it from the queue compares identities, not every field
 class Pull:
     """A pull waiting until the mode lets `worker` have partition `part`'s parameters for `step`."""
 
@@ -48,6 +48,11 @@ class Pull:
     since: float
     extra: AckFields            # pushpull: what the push's ack would have said
     part: "Partition | None" = None
+
+    @property
+    def key(self) -> tuple[int, int | None]:
+        """Where ServerState.pending files it: its worker and its partition's first element (None: before init)."""
+        return self.worker, self.part.lo if self.part is not None else None
 
 
 @dataclass
@@ -93,7 +98,8 @@ class ServerState:
     refused_non_finite: list[int] = field(init=False)   # pushes refused for inf/nan, per worker
     lost: set[int] = field(default_factory=set)
     done: set[int] = field(default_factory=set)
-    pending: list[Pull] = field(default_factory=list)
+    # the waiting pulls by Pull.key, in arrival order: a partition's are found in O(workers), not by a walk of all
+    pending: dict[tuple[int, int | None], Pull] = field(default_factory=dict)
     failure: str | None = None
     failed_at: float | None = None
     stopping: bool = False

@@ -10,7 +10,7 @@ from __future__ import annotations
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Any, Sequence, cast
+from typing import Any, Sequence
 
 import torch
 import zmq
@@ -163,8 +163,7 @@ class PSClient:
 
     def _drain(self, events: dict) -> None:
         for i, sock in enumerate(self.socks):
-            # drain what has arrived (asking EVENTS is much cheaper than a NOBLOCK recv raising Again)
-            while self.waiting[i] and sock in events and cast(int, sock.getsockopt(zmq.EVENTS)) & zmq.POLLIN:
+            while self.waiting[i] and sock in events and auth.readable(sock):   # drain what has arrived
                 self._receive(i, sock.recv_multipart(copy=False))
         for i, m in enumerate(self.monitors):
             if m in events and i not in self.dead:   # what it answered before it died is taken above
