@@ -301,4 +301,12 @@ def report(s: Summary) -> str:
                          f"link sent {fmt_bytes(n['link_sent'])}, received {fmt_bytes(n['link_received'])} over {over}")
     if s.get("virtual_device"):
         lines += device.report_lines(s["virtual_device"], s.get("cluster", {}).get("alpha_s"))
+    lines += [dropped_line(d) for d in s.get("dropped_workers") or []]
     return "\n".join(lines) + "\n"
+
+
+def dropped_line(d: dict[str, Any]) -> str:
+    """report.txt's line for a worker the servers' rounds went on without (psarch.ps.services.dropped_workers)."""
+    why = "its process died" if d["died"] else "no push within backend.timeout_s"
+    back = f"re-admitted at round {d['readmitted_at']}" if d["readmitted_at"] is not None else "not re-admitted"
+    return f"dropped: worker {d['worker']} from round {d['from_round']} ({why}), {back}"
