@@ -5,12 +5,14 @@ it (a fork, --from), bit for bit; what cannot shrink is refused in one line befo
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pytest
 import torch
 
 import psarch
+from cluster_setup import leftovers, needs_root, watchers
 from parity import assert_same_model, config
 from psarch.config import ConfigError, from_dict
 from psarch.launch.ranks import run
@@ -56,21 +58,26 @@ def test_a_second_kill_names_a_rank_of_the_shrunk_world():
     assert cfg.faults.restart == "shrink"
 
 
-@pytest.mark.parametrize("backend", [{"kind": "ddp", "world_size": 3, "comm": "ring", "timeout_s": 5.0},
-                                     {"kind": "zero", "world_size": 3, "stage": 2, "timeout_s": 5.0}])
-def test_a_shrunk_run_equals_training_at_n_to_the_checkpoint_then_at_n_minus_1_from_it(tmp_path, backend):
+DDP = {"kind": "ddp", "world_size": 3, "comm": "ring", "timeout_s": 5.0}
+
+
+@pytest.mark.parametrize("backend, cluster", [
+    (DDP, {}), ({"kind": "zero", "world_size": 3, "stage": 2, "timeout_s": 5.0}, {}),
+    pytest.param(DDP, {"emulate": True, "link_mbps": 200.0}, marks=needs_root, id="emulated")])
+def test_a_shrunk_run_equals_training_at_n_to_the_checkpoint_then_at_n_minus_1_from_it(tmp_path, backend, cluster):
     """Worker 2 of 3 killed as step 5 begins: the world restarts at N = 2 from checkpoint 4 and finishes. Its model
     is, bit for bit, that of a run at N = 3 to step 4 forked (--from) at N = 2 from that checkpoint (ZeRO's
     optimizer shards resharded from 3 to 2); its metrics hold every step once, steps 0..3 over the 3 ranks and
     equal to the full run's, steps 4..7 over 2 and equal to the fork's."""
-    full = psarch.run(from_dict(config("full", train=dict(SGD, **TRAIN), backend=backend)), tmp_path / "full",
-                      echo=False)
+    full = psarch.run(from_dict(config("full", train=dict(SGD, **TRAIN), backend=backend, cluster=cluster)),
+                      tmp_path / "full", echo=False)
     at2 = dict(backend, world_size=2)
-    fork = run(from_dict(config("fork", train=dict(SGD, **TRAIN), backend=at2)), tmp_path / "fork", echo=False,
+    fork = run(from_dict(config("fork", train=dict(SGD, **TRAIN), backend=at2, cluster=cluster)), tmp_path / "fork",
+               echo=False,
                start=tmp_path / "full" / "checkpoints" / "step_000004")
     out = tmp_path / "shrunk"
-    summary = psarch.run(_cfg("shrunk", backend, SHRINK, train=TRAIN), out, echo=False)
-    assert _children() == []
+    summary = psarch.run(_cfg("shrunk", backend, SHRINK, train=TRAIN, cluster=cluster), out, echo=False)
+    assert _children() == [] and not leftovers(os.getpid()) and not watchers(os.getpid())
     assert summary["status"] == "finished" and summary["steps"] == 8 and summary["world_size"] == 2
     [restart] = summary["restarts"]
     assert restart["world_size"] == 2 and restart["from_step"] == 4 and restart["steps_lost"] == 1
