@@ -274,8 +274,8 @@ class RestartCost(TypedDict):
 
 
 class FailureCost(TypedDict):
-    """summary.json's `failure_cost` (faults.restart = "replace"): goodput over the whole run and each restart's
-    cost; the mean steps a failure at a uniformly random step loses, by theory."""
+    """summary.json's `failure_cost` (faults.restart = "replace" or "shrink"): goodput over the whole run and each
+    restart's cost; the mean steps a failure at a uniformly random step loses, by theory."""
 
     wall_s: float            # the launch of the first world to the end of the last (cluster's time)
     goodput_steps_per_s: float   # steps completed / wall_s

@@ -82,7 +82,8 @@ def test_a_shrunk_run_equals_training_at_n_to_the_checkpoint_then_at_n_minus_1_f
     [restart] = summary["restarts"]
     assert restart["world_size"] == 2 and restart["from_step"] == 4 and restart["steps_lost"] == 1
     assert restart["error"].startswith("rank 2 was killed by SIGKILL")
-    assert "restart: from step 4 at " in (out / "report.txt").read_text() and ", N = 2 (" in (out / "report.txt").read_text()
+    report = (out / "report.txt").read_text()
+    assert "restart: from step 4 at " in report and ", N = 2 (" in report and "N=2," in report.splitlines()[0]
     assert [len(r["memory"]["per_rank"]) for r in (summary, full)] == [2, 3]
     rows = _rows(out)
     assert [r["step"] for r in rows] == list(range(8))
