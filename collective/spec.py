@@ -84,6 +84,12 @@ class PSTablesServices:
     def service_beside(self, cfg: Config, index: int) -> int | None:
         return index if cfg.backend.server_placement == "colocated" else None
 
+    def shrink_refusal(self, cfg: Config) -> str:
+        """Data parallelism restarts at N - 1: a checkpoint reads at any world size (ZeRO's shards resharded);
+        not with embeddings = "ps", whose tables' servers start from the config only."""
+        return "backend.embeddings = \"ps\" starts its servers' tables from the config only (their rows are not in " \
+            "checkpoints yet)" if cfg.backend.embeddings == "ps" else ""
+
     def start_services(self, cfg: Config, out_dir: Path, where: Placement | None = None,
                        start: Path | None = None) -> Services | None:
         """With embeddings = "ps": the PS servers of the tables (psarch/ps/services.py)."""
@@ -151,6 +157,9 @@ class TorchDDPSpec(BackendSpec):
     embeddings = ("dense", "rows")
     compressions = ("none", "fp16", "bf16", "powersgd")   # torch's own DDP communication hooks
     uncompressed_because = "torch ships no top-k DDP communication hook"
+
+    def shrink_refusal(self, cfg: Config) -> str:
+        return ""   # torch's DDP replicates the model: its checkpoint reads at any world size
 
     def check(self, cfg: Config) -> None:
         t = cfg.train

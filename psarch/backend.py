@@ -161,6 +161,12 @@ class BackendSpec(ABC):
         """Whether the run goes on when a worker dies (the services are told, via Services.worker_lost)."""
         return False
 
+    def shrink_refusal(self, cfg: Config) -> str:
+        """Why faults.restart = "shrink" cannot restart this run at world size N - 1 from its checkpoint; '' where it
+        can (every rank holds the model, or an even shard of it that a checkpoint reshards at any N)."""
+        return (f"backend.kind = \"{cfg.backend.kind}\" does not say that its checkpoint restarts at another world "
+                f"size; use \"replace\"")
+
     def worker_holds_tables(self, cfg: Config) -> bool:
         """Whether a worker's model materialises the embedding tables (False: they stay on the meta device
         and the backend builds its rows where they live)."""

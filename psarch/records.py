@@ -154,6 +154,7 @@ class ServerDetail(TypedDict):
     rejected: int
     refused_non_finite: list[int]
     lost: list[int]
+    drops: list[Any]             # psarch.ps.server.readmit.Drop: each worker it dropped, from which round, re-admitted at
     skipped_updates: int
     failure: str | None
 
@@ -273,8 +274,8 @@ class RestartCost(TypedDict):
 
 
 class FailureCost(TypedDict):
-    """summary.json's `failure_cost` (faults.restart = "replace"): goodput over the whole run and each restart's
-    cost; the mean steps a failure at a uniformly random step loses, by theory."""
+    """summary.json's `failure_cost` (faults.restart = "replace" or "shrink"): goodput over the whole run and each
+    restart's cost; the mean steps a failure at a uniformly random step loses, by theory."""
 
     wall_s: float            # the launch of the first world to the end of the last (cluster's time)
     goodput_steps_per_s: float   # steps completed / wall_s
@@ -319,6 +320,7 @@ class Summary(TypedDict, total=False):
     predicted: Predicted
     samples_per_s_is: str        # throughput.definition: what samples_per_s means for this run
     lost_workers: list[LostWorker]
+    dropped_workers: list[Any]      # ps: each drop of a worker from the rounds (psarch.ps.services.dropped_workers)
     extra: dict[str, list[Any]]  # each rank's summary_extra, key by key
     virtual_device: VirtualDeviceSummary
     # what the services measured (BackendSpec.start_services' extra), where a backend has them

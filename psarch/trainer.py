@@ -166,6 +166,11 @@ class Trainer(ABC):
     def close(self) -> None:
         """Release sockets, hooks and threads."""
 
+    def next_step(self, step: int) -> int:
+        """The step this rank takes after `step`: the next, unless the backend moved it on (a ps sync worker dropped
+        from rounds that went on without it takes the round it was re-admitted at)."""
+        return step + 1
+
     def write_checkpoint(self, ctx: Any, root: "Path", step: int, config: dict[str, Any], keep: int,
                          steps: list[StepRecord] | None) -> "Path":
         """Write checkpoint `step` under `root` (every rank calls it after the same step), with this rank's

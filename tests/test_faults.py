@@ -128,18 +128,34 @@ def test_sync_goes_on_with_the_others_when_a_worker_is_killed(tmp_path):
     assert [d["version"] for d in summary["servers_detail"]] == [8] and summary["faults"][0]["node"] == "worker 2"
 
 
-def test_sync_drops_a_worker_paused_past_the_timeout_and_refuses_it_when_it_returns(tmp_path):
-    """The round waits backend.timeout_s for the stopped worker, goes on with the other; the worker, continued,
-    is refused as lost and leaves; the run ends with every round applied."""
+@pytest.mark.parametrize("servers", [1, 2])
+def test_sync_drops_a_worker_paused_past_the_timeout_and_takes_it_back_when_it_returns(tmp_path, servers):
+    """Worker 1 of 2 stopped as step 3 begins, for 2.6 s: round 3 waits backend.timeout_s = 2 s and goes on with
+    worker 0 alone, which then stops as step 5 begins, for 3 s (so that the run is still at round 5 when worker 1
+    returns, whatever the step time). Continued, worker 1 computes step 3, is refused as dropped (the server at
+    round 5), asks to rejoin at round 6, is taken back once worker 0's round 5 is in, pulls round 6's parameters
+    and trains on from there: the run finishes with both workers, none lost, every round applied; each server says
+    from which round it dropped worker 1 and at which it took it back, and so does report.txt's last line."""
     out = tmp_path / "sync-paused"
-    summary = psarch.run(_cfg("paused", ps(2, timeout_s=2.0), {"pause": [{"node": "worker 1", "step": 3,
-                                                                          "seconds": 4.0}]}), out, echo=False)
+    summary = psarch.run(_cfg("paused", ps(2, servers=servers, timeout_s=2.0),
+                              {"pause": [{"node": "worker 1", "step": 3, "seconds": 2.6},
+                                         {"node": "worker 0", "step": 5, "seconds": 3}]},
+                              train={"steps": 10}), out, echo=False)
     assert _children() == []
-    assert [w["rank"] for w in summary["lost_workers"]] == [1]
-    assert "worker 1 was declared lost" in summary["lost_workers"][0]["error"]
-    assert [d["version"] for d in summary["servers_detail"]] == [8] and _streamed(out, 1) == [0, 1, 2]
+    assert summary["status"] == "finished" and summary["lost_workers"] == []
+    assert summary["dropped_workers"] == [{"worker": 1, "from_round": 3, "died": False, "readmitted_at": 6}]
+    assert [d["drops"] for d in summary["servers_detail"]] == [summary["dropped_workers"]] * servers
+    assert [d["version"] for d in summary["servers_detail"]] == [10] * servers
+    # worker 1: step 3 computed and refused, rounds 4 and 5 worker 0's alone, then every round to the end
+    assert _streamed(out, 1) == [0, 1, 2, 3, 6, 7, 8, 9] and _streamed(out, 0) == list(range(10))
+    rank1 = [json.loads(x) for x in (out / "ranks" / "rank1.jsonl").read_text().splitlines()]
+    assert rank1[3]["extra"]["rejoined_at"] == 6
     rank0 = [json.loads(x) for x in (out / "ranks" / "rank0.jsonl").read_text().splitlines()]
     assert rank0[3]["step_time_s"] >= 2.0   # detected: the round of step 3 waited the whole timeout
+    rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [len(r.get("workers", [r])) for r in rows] == [2, 2, 2, 2, 1, 1, 2, 2, 2, 2]
+    assert (out / "report.txt").read_text().splitlines()[-1] == \
+        "dropped: worker 1 from round 3 (no push within backend.timeout_s), re-admitted at round 6"
 
 
 def test_sync_with_a_pause_shorter_than_the_timeout_ends_with_the_model_of_the_run_without_it(tmp_path):

@@ -120,6 +120,9 @@ class TorchZeroSpec(BackendSpec):
     uncompressed_because = "the peer of zero, which compresses nothing"
     precisions = ("fp32",)
 
+    def shrink_refusal(self, cfg: Config) -> str:
+        return ""   # the optimizer's shards, resharded at any world size by the checkpoint
+
     def predict(self, cfg: Config, phi: float) -> Prediction:
         return theory.zero(cfg, phi, 1, 3)
 
@@ -148,6 +151,9 @@ class TorchFSDPSpec(BackendSpec):
     reads = PROCESS_GROUP_OPTIONS
     uncompressed_because = "FSDP2 takes no DDP communication hook"
     precisions = ("fp32",)
+
+    def shrink_refusal(self, cfg: Config) -> str:
+        return ""   # FSDP2's shards, resharded at any world size by the checkpoint
 
     def predict(self, cfg: Config, phi: float) -> Prediction:
         return theory.zero(cfg, phi, 3, 3)

@@ -79,6 +79,10 @@ class PipelineSpec(BackendSpec):
     def check(self, cfg: Config) -> None:
         check_pipeline(cfg, self.kind)
 
+    def shrink_refusal(self, cfg: Config) -> str:
+        return (f"backend.kind = \"{self.kind}\" cuts the model into backend.pipeline_stages stages, each replica's "
+                f"over its own ranks: N - 1 ranks hold no whole pipeline; use \"replace\"")
+
     def predict(self, cfg: Config, phi: float) -> Prediction:
         return _theory().predict(cfg, phi)
 

@@ -91,6 +91,9 @@ class TensorSpec(BackendSpec):
     def check(self, cfg: Config) -> None:
         check_gpt(cfg, self.kind)
 
+    def shrink_refusal(self, cfg: Config) -> str:
+        return tensor_shrink_refusal(cfg, self.kind)
+
     def batch_shard(self, cfg: Config, rank: int, world_size: int) -> tuple[int, int]:
         return replica_shard(cfg, rank)
 
@@ -99,6 +102,12 @@ class TensorSpec(BackendSpec):
 
     def program(self, cfg: Config, phi: float, step: Any, reduced: bool = False) -> Any:
         return _theory().program(cfg, phi, step, reduced)
+
+
+def tensor_shrink_refusal(cfg: Config, kind: str) -> str:
+    """A tensor layout's world is tp_size x dp_size: N - 1 ranks hold no whole tensor-parallel group."""
+    return (f"backend.kind = \"{kind}\" splits every layer over backend.tp_size ranks (backend.world_size = tp_size "
+            f"x dp_size): N - 1 ranks hold no whole tensor-parallel group; use \"replace\"")
 
 
 def replica_shard(cfg: Config, rank: int) -> tuple[int, int]:
@@ -120,6 +129,9 @@ class TorchTensorSpec(BackendSpec):
 
     def check(self, cfg: Config) -> None:
         check_gpt(cfg, self.kind)
+
+    def shrink_refusal(self, cfg: Config) -> str:
+        return tensor_shrink_refusal(cfg, self.kind)
 
     def batch_shard(self, cfg: Config, rank: int, world_size: int) -> tuple[int, int]:
         return replica_shard(cfg, rank)

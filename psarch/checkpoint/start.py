@@ -39,14 +39,16 @@ MEASURED_CORE = ("cluster.device", "cluster.device_tflops")
 
 
 def resolve_start(cfg: Config, run_dir: Path, resume: bool, start: str | Path | None, pick: str | None = None,
-                  echo: bool = True, first: bool = True, move: bool = True) -> tuple[Config, Path | None]:
+                  echo: bool = True, first: bool = True, move: bool = True, shrinks: bool = False
+                  ) -> tuple[Config, Path | None]:
     """Where a run starts, decided here alone: the config it records (a fork's started_from; a resume keeps the
     one its checkpoint holds) and the verified checkpoint folder its state is read from (None: step 0).
 
     The run folder is tidied by the first rank (`first`): a resume removes unfinished checkpoint folders and,
     from an earlier checkpoint (--checkpoint), the later ones; a fork keeps a source that lies in the folder it
-    replaces (moved aside where `move`; under torchrun every rank reads it in place)."""
-    ckpt = starting_checkpoint(cfg, run_dir, resume, start, pick)   # verified before anything is written
+    replaces (moved aside where `move`; under torchrun every rank reads it in place). `shrinks`: a world restarted
+    at fewer ranks (faults.restart = "shrink") resumes the run at its smaller backend.world_size."""
+    ckpt = starting_checkpoint(cfg, run_dir, resume, start, pick, shrinks)   # verified before anything is written
     if resume:
         assert ckpt is not None, "starting_checkpoint finds a --resume's checkpoint or raises"
         if first:
@@ -66,7 +68,7 @@ def resolve_start(cfg: Config, run_dir: Path, resume: bool, start: str | Path | 
 
 
 def starting_checkpoint(cfg: Config, run_dir: Path, resume: bool, start: str | Path | None,
-                        pick: str | None = None) -> Checkpoint | None:
+                        pick: str | None = None, shrinks: bool = False) -> Checkpoint | None:
     """The verified checkpoint a run starts from, or None for a run from step 0. `pick` (--checkpoint): with
     `resume`, which checkpoint of the run (a step_* folder name or a step number) instead of the latest.
     Raises ConfigError (one line, naming the flag) when --resume, --checkpoint or --from names no run or
@@ -90,7 +92,7 @@ def starting_checkpoint(cfg: Config, run_dir: Path, resume: bool, start: str | P
         raise _offer(e, run_dir, int(Path(start).name[5:])) if resume else e from None
     try:
         if resume:
-            check_resumable(cfg, ckpt, run_dir)
+            check_resumable(cfg, ckpt, run_dir, shrinks)
         try:
             ckpt.verify()
         except CheckpointError as e:
@@ -155,10 +157,11 @@ def _intact(path: Path) -> bool:
         ckpt.close()
 
 
-def check_resumable(cfg: Config, ckpt: Checkpoint, run_dir: Path) -> None:
-    """A resume continues the run the checkpoint belongs to: its config may differ only in RESUMABLE options,
-    and every worker must have written its part (a PS worker lost before the checkpoint left none)."""
-    changed = changed_keys(ckpt.config, cfg)
+def check_resumable(cfg: Config, ckpt: Checkpoint, run_dir: Path, shrinks: bool = False) -> None:
+    """A resume continues the run the checkpoint belongs to: its config may differ only in RESUMABLE options (and,
+    where the world `shrinks`, in backend.world_size), and every worker must have written its part (a PS worker
+    lost before the checkpoint left none)."""
+    changed = [c for c in changed_keys(ckpt.config, cfg) if not (shrinks and c[0] == "backend.world_size")]
     if changed:
         key, old, new = changed[0]
         more = f" (and {len(changed) - 1} more)" if len(changed) > 1 else ""

@@ -4,12 +4,20 @@ the checks that refuse a fault no run could meet, before any process starts.
 A fault is timed by a worker's step: `{ node = "worker 2", step = 30 }` strikes worker 2 as it begins step 30
 (steps 0..29 done); a server's fault strikes as worker 0 begins that step. The worker holds itself there
 (SIGSTOP on itself) so the launcher strikes at exactly that step, whatever the step time: a faulted run is
-repeatable."""
+repeatable.
+
+faults.restart = "shrink" restarts a collective world at N - 1 after a kill, as torchrun's elastic agent does when
+a node does not come back: the survivors renumbered 0..N-2 (a later fault names a rank of the world it strikes
+in), the global batch kept (train.global_batch, which must divide by N - 1: every step's batch is the same, cut
+in N - 1 shards instead of N, so the shrunk world sees exactly the data the full one would), the state read from
+the newest checkpoint at N - 1 (ZeRO's shards resharded). Refused before anything starts where it cannot work:
+a layout cut by the world size (pipeline, tensor), a global batch N - 1 does not divide, two faults at a kill's
+step."""
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Callable
 
 from psarch.config.fields import option
 from psarch.errors import ConfigError, show
@@ -18,6 +26,7 @@ if TYPE_CHECKING:
     from psarch.config import Config
 
 KILL, PAUSE = "kill", "pause"
+SHRINK = "shrink"   # faults.restart: the world restarted at N - 1
 _KEYS = {KILL: ("node", "step"), PAUSE: ("node", "step", "seconds")}
 
 
@@ -31,7 +40,9 @@ class FaultsConfig:
                              "cluster's time), e.g. [{ node = \"worker 1\", step = 20, seconds = 5 }]")
     restart: str = option("none", "what the launcher does when a killed node stops the run: 'replace' starts the "
                                   "world again, at the same N, from the newest complete checkpoint in the run folder "
-                                  "(train.checkpoint_every), as torchrun's elastic agent does", choices=("none", "replace"))
+                                  "(train.checkpoint_every), as torchrun's elastic agent does; 'shrink' starts it at "
+                                  "N - 1 (ranks renumbered 0..N-2), the global batch kept and cut in N - 1 shards",
+                          choices=("none", "replace", "shrink"))
 
 
 @dataclass(frozen=True)
@@ -61,6 +72,8 @@ def faults(cfg: Config) -> list[Fault]:
     out.sort(key=lambda f: f.step)
     _check_together(cfg, out)
     _check_restart(cfg)
+    if cfg.faults.restart == SHRINK:
+        _check_shrink(cfg, out)
     return out
 
 
@@ -116,6 +129,41 @@ def _check_restart(cfg: Config) -> None:
                                                          f"{show(cfg.backend.kind)})"))
 
 
+def shrunk(cfg: Config, struck: Callable[[str, dict], bool], n: int | None = None) -> Config:
+    """The config of the world restarted at N - 1 (or `n`) after a kill (faults.restart = "shrink"): the same run,
+    global batch and options at that backend.world_size, with only the faults not `struck(action, entry)`."""
+    from psarch.config import from_dict
+    data = cfg.to_dict()
+    data["backend"]["world_size"] = cfg.backend.world_size - 1 if n is None else n
+    for action in (KILL, PAUSE):
+        data["faults"][action] = [e for e in data["faults"][action] if not struck(action, e)]
+    return from_dict(data)
+
+
+def _check_shrink(cfg: Config, out: list[Fault]) -> None:
+    """A run that shrinks must run at N - 1 after its first kill (the backend's layout, the global batch cut in
+    N - 1 shards, the faults still to strike, each naming a rank of the shrunk world), and so on after each kill
+    (the shrunk world's config is checked the same way)."""
+    from psarch import registry
+    this = f"faults.restart = {show(SHRINK)}"
+    why = registry.spec_of(cfg).shrink_refusal(cfg)
+    if why:
+        raise ConfigError(f"{this}: {why}")
+    kill = next((f for f in out if f.action == KILL), None)
+    if kill is None:
+        return
+    other = next((f for f in out if f.step == kill.step and f is not kill), None)
+    if other is not None:   # which of them strikes before the world stops is timing's: the shrunk world's faults too
+        raise ConfigError(f"{this}: {other.node} {other.action} at step {kill.step}, the step {kill.node} is killed; "
+                          f"a world that shrinks stops at a kill, so give each kill a step of its own")
+    n = cfg.backend.world_size - 1
+    try:
+        shrunk(cfg, lambda action, e: e["step"] <= kill.step)
+    except ConfigError as e:
+        raise ConfigError(f"{this}: {kill.node} killed at step {kill.step} restarts the world at "
+                          f"backend.world_size = {n}, where {e}") from None
+
+
 def _processes(cfg: Config) -> int:
     from psarch import registry
     return registry.spec_of(cfg).processes(cfg)
@@ -127,7 +175,7 @@ def _check_together(cfg: Config, faults: list[Fault]) -> None:
     killed: dict[str, int] = {}
     worker0 = min((f.step for f in faults if f.action == KILL and f.node == "worker 0"), default=None)
     for f in faults:
-        if f.node in killed:
+        if f.node in killed and cfg.faults.restart != SHRINK:   # a shrunk world's "worker i" is another rank
             raise ConfigError(f"faults.{f.action}: {f.node} at step {f.step}: it was killed at step {killed[f.node]}")
         if _processes(cfg) == 1:   # the worker that times every fault would stop the launcher
             why = ("a single worker runs" if cfg.backend.world_size == 1 else

@@ -1,5 +1,5 @@
-"""summary.json's `failure_cost`: what each restart (faults.restart = "replace") cost a finished run, measured
-from the launcher's records (faults[], restarts[], ended_at_s), beside psarch.theory.failures' prediction."""
+"""summary.json's `failure_cost`: what each restart (faults.restart = "replace" or "shrink") cost a finished run,
+measured from the launcher's records (faults[], restarts[], ended_at_s), beside psarch.theory.failures' prediction."""
 from __future__ import annotations
 
 from psarch.records import FailureCost, RestartCost, Summary

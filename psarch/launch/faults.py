@@ -7,6 +7,7 @@ stopped with that many steps streamed, strikes (SIGKILL; SIGSTOP, then SIGCONT a
 the worker go on (SIGCONT) unless the fault was its own."""
 from __future__ import annotations
 
+import json
 import os
 import signal
 import time
@@ -17,13 +18,13 @@ from psarch.checkpoint import latest_complete
 from psarch.checkpoint.start import CHECKPOINTS, resolve_start
 from psarch.checkpoint.writer import checkpoint_step
 from psarch.config import Config, ConfigError, from_dict
-from psarch.config.faults import KILL, PAUSE, Fault, faults
+from psarch.config.faults import KILL, PAUSE, SHRINK, Fault, faults, shrunk
 from psarch.cluster.device import dilation
 from psarch.launch import outputs
 from psarch.dist import under_torchrun
 from psarch.errors import RunError
 from psarch.launch.stalls import stopped
-from psarch.records import Summary
+from psarch.records import StepRecord, Summary
 
 
 class Struck(TypedDict, total=False):
@@ -41,9 +42,10 @@ class Struck(TypedDict, total=False):
 
 
 class Restart(TypedDict):
-    """summary.json's `restarts[]`: a world started again (faults.restart = "replace"): why (the error's first
-    line), when the launcher found the world stopped and when it started the next (as Struck's at_s), from which
-    checkpoint step, the steps done past it, to be done again, and the kills struck by then (all worlds')."""
+    """summary.json's `restarts[]`: a world started again (faults.restart): why (the error's first line), when the
+    launcher found the world stopped and when it started the next (as Struck's at_s), from which checkpoint step,
+    the steps done past it, to be done again, the kills struck by then (all worlds') and the new world's size (N
+    with "replace", one less than the world before with "shrink")."""
 
     error: str
     stopped_at_s: float | None
@@ -51,6 +53,7 @@ class Restart(TypedDict):
     from_step: int
     steps_lost: int
     kills: int
+    world_size: int
 
 
 def kills(struck: list[Struck]) -> int:
@@ -59,18 +62,34 @@ def kills(struck: list[Struck]) -> int:
 
 
 def restarts_due(cfg: Config, struck: list[Struck], restarts: list[Restart]) -> bool:
-    """Whether a world that just stopped is to start again: faults.restart = "replace", and a kill struck since
-    the last start (a failure no kill explains stops the run, however many worlds a kill ended before)."""
-    return cfg.faults.restart == "replace" and kills(struck) > (restarts[-1]["kills"] if restarts else 0)
+    """Whether a world that just stopped is to start again: faults.restart is "replace" or "shrink", and a kill
+    struck since the last start (a failure no kill explains stops the run, however many worlds a kill ended
+    before)."""
+    return cfg.faults.restart != "none" and kills(struck) > (restarts[-1]["kills"] if restarts else 0)
 
 
 def not_struck(cfg: Config, struck: list[Struck]) -> Config:
-    """cfg with only the faults that have not struck: a restarted world must not strike them again."""
+    """cfg with only the faults that have not struck: a restarted world must not strike them again; with
+    faults.restart = "shrink", at one rank fewer (each kill ends a world: psarch/config/faults.py)."""
     done = {(s["node"], s["action"], s["step"]) for s in struck}
+
+    def gone(action: str, e: dict) -> bool:
+        return (e["node"], action, e["step"]) in done
+    if cfg.faults.restart == SHRINK:
+        return shrunk(cfg, gone)
     data = cfg.to_dict()
     for action in (KILL, PAUSE):
-        data["faults"][action] = [e for e in data["faults"][action] if (e["node"], action, e["step"]) not in done]
+        data["faults"][action] = [e for e in data["faults"][action] if not gone(action, e)]
     return from_dict(data)
+
+
+def at_world(cfg: Config, n: int) -> Config:
+    """The run's config as its last world ran it, at world size `n`: what a finished run is reported under (a
+    shrunk run's summary, predictions and report describe the ranks that finished it; restarts[] says when it
+    shrank; config.json keeps the config as asked). Its faults, all struck, are left out."""
+    if n == cfg.backend.world_size:
+        return cfg
+    return shrunk(cfg, lambda action, e: True, n)
 
 
 def steps_done(out: Path, world: int) -> int:
@@ -177,20 +196,44 @@ def check_faults(cfg: Config, resume: bool) -> None:
 
 def restart_world(out: Path, cfg: Config, ranks_cfg: Config, faulted: Summary, restarts: list[Restart],
                   error: RunError, t0: float, echo: bool) -> tuple[Config, Path | None]:
-    """The config and starting checkpoint of a world started again after `error`, at the same N, from the newest
-    complete checkpoint in the run folder (step 0 where there is none), with only the faults that have not
-    struck; recorded in `restarts` and said on stdout (`echo`)."""
+    """The config and starting checkpoint of a world started again after `error` (cfg: the run's, as asked;
+    ranks_cfg: the stopped world's, as its ranks ran it),
+    from the newest complete checkpoint in the run folder (step 0 where there is none), with only the faults that
+    have not struck, at the same N or, with faults.restart = "shrink", at N - 1; recorded in `restarts` and said on
+    stdout (`echo`)."""
     again = not_struck(ranks_cfg, faulted["faults"])
-    done = steps_done(out, cfg.backend.world_size)
+    world, n = ranks_cfg.backend.world_size, again.backend.world_size
+    done = steps_done(out, world)
     begin = None
     if latest_complete(out / CHECKPOINTS):
-        again, begin = resolve_start(again, out, True, None, echo=False)
+        again, begin = resolve_start(again, out, True, None, echo=False, shrinks=n < world)
     step = checkpoint_step(begin) if begin is not None else 0
+    dropped = _dropped_rows(out, begin, n, step)
     outputs.prepare(out, cfg, keep_checkpoints=True)   # the stopped world's streams and errors go
+    for r, rows in dropped.items():   # the history of ranks the shrunk world has not, up to its checkpoint
+        outputs.stream_path(out, r).write_text("".join(json.dumps(x) + "\n" for x in rows))
     first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
     restarts.append({"error": first, "stopped_at_s": faulted.pop("stopped_at_s", None),
                      "at_s": since(t0, time.monotonic(), dilation(ranks_cfg)), "from_step": step,
-                     "steps_lost": done - step, "kills": kills(faulted["faults"])})
+                     "steps_lost": done - step, "kills": kills(faulted["faults"]), "world_size": n})
     if echo:
-        print(f"psarch: {first}; restarting the world from step {step} (faults.restart = \"replace\")", flush=True)
+        print(f"psarch: {first}; restarting the world from step {step} at N = {n} (faults.restart = "
+              f"\"{ranks_cfg.faults.restart}\")", flush=True)
     return again, begin
+
+
+def _dropped_rows(out: Path, begin: Path | None, n: int, step: int) -> dict[int, list[StepRecord]]:
+    """The step records before `step` of every rank >= n (those a shrunk world of n ranks drops): from the
+    checkpoint it starts from where that holds them (a rank of the world that wrote it), else from the stream the
+    launcher kept for it at an earlier shrink."""
+    rows: dict[int, list[StepRecord]] = {}
+    for path in (out / outputs.RANKS_DIR).glob("rank*.jsonl"):
+        r = int(path.stem[4:])
+        if r >= n:
+            rows[r] = [x for x in map(json.loads, path.read_text().splitlines()) if x["step"] < step]
+    if begin is not None:
+        for path in begin.glob("steps*.jsonl"):
+            r = int(path.stem[5:])
+            if r >= n:
+                rows[r] = [json.loads(x) for x in path.read_text().splitlines()]
+    return {r: x for r, x in rows.items() if x}

@@ -107,6 +107,13 @@ def _write_metrics(out: Path, per_rank: list[list[StepRecord]]) -> list[MetricsR
     return rows
 
 
+def _dropped_streams(out: Path, records: list[RankRecord]) -> list[list[StepRecord]]:
+    """The streamed steps of ranks that left no record (faults.restart = "shrink" dropped them)."""
+    have = {r.rank for r in records}
+    ranks = sorted(int(p.stem[4:]) for p in (out / RANKS_DIR).glob("rank*.jsonl"))
+    return [_streamed_steps(out, r) for r in ranks if r not in have]
+
+
 def has_records(out: Path) -> bool:
     """Whether some rank left its record (finalize needs one)."""
     return any((out / RANKS_DIR).glob("rank*.json"))
@@ -154,7 +161,9 @@ def finalize(out: Path, cfg: Config, extra: Summary | None = None, echo: bool = 
     records = _records(out)
     if not records:
         raise RuntimeError(f"{out}: no rank left a record")
-    rows = _write_metrics(out, [[x for x in r.steps if x["step"] < cfg.train.steps] for r in records])
+    # a shrunk world's dropped ranks have no record: their steps before its checkpoint, kept by the launcher
+    dropped = _dropped_streams(out, records) if extra.get("restarts") else []
+    rows = _write_metrics(out, [[x for x in r.steps if x["step"] < cfg.train.steps] for r in records] + dropped)
     by_step = [{x["step"]: x for x in r.steps} for r in records]
     w = warmup_steps(cfg)
     timed = [r["step_time_s"] for r in rows[w:]] or [r["step_time_s"] for r in rows]
@@ -270,8 +279,9 @@ def report(s: Summary) -> str:
         lines.append(f"fault: {f['node']} {f['action']} ({f['signal']}) as step {f['step']} began, at {f['at_s']:.2f} s"
                      + (f", continued at {f['resumed_at_s']:.2f} s" if "resumed_at_s" in f else ""))
     for r in s.get("restarts") or []:
-        lines.append(f"restart: from step {r['from_step']} at {r['at_s']:.2f} s ({r['steps_lost']} step(s) done "
-                     f"again) after: {r['error']}")
+        lines.append(f"restart: from step {r['from_step']} at {r['at_s']:.2f} s"
+                     + (f", N = {r['world_size']}" if "world_size" in r else "")
+                     + f" ({r['steps_lost']} step(s) done again) after: {r['error']}")
     if s.get("failure_cost"):
         lines += failure_cost_lines(s["failure_cost"])
     if s.get("auth") == "none":
@@ -291,4 +301,12 @@ def report(s: Summary) -> str:
                          f"link sent {fmt_bytes(n['link_sent'])}, received {fmt_bytes(n['link_received'])} over {over}")
     if s.get("virtual_device"):
         lines += device.report_lines(s["virtual_device"], s.get("cluster", {}).get("alpha_s"))
+    lines += [dropped_line(d) for d in s.get("dropped_workers") or []]
     return "\n".join(lines) + "\n"
+
+
+def dropped_line(d: dict[str, Any]) -> str:
+    """report.txt's line for a worker the servers' rounds went on without (psarch.ps.services.dropped_workers)."""
+    why = "its process died" if d["died"] else "no push within backend.timeout_s"
+    back = f"re-admitted at round {d['readmitted_at']}" if d["readmitted_at"] is not None else "not re-admitted"
+    return f"dropped: worker {d['worker']} from round {d['from_round']} ({why}), {back}"

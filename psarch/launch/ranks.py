@@ -38,7 +38,8 @@ from psarch.config import Config, ConfigError, check_machine, from_dict
 from psarch.dist import abandon_group, init_rank, shutdown, under_torchrun
 from psarch.errors import NON_FINITE_EXIT, NonFiniteError, RunError
 from psarch.config.faults import faults
-from psarch.launch.faults import Injector, Restart, Struck, check_faults, restart_world, restarts_due, since
+from psarch.launch.faults import (Injector, Restart, Struck, at_world, check_faults, restart_world, restarts_due,
+                                  since)
 from psarch.launch.lifecycle import die_with_parent, leave
 from psarch.records import RankRecord, ServiceFields, ServiceInfo, Summary
 from psarch.launch.runner import run_rank
@@ -75,16 +76,19 @@ def run(cfg: Config, out: str | Path | None = None, echo: bool = True, resume: b
     faulted = Summary(faults=struck, **({"restarts": restarts} if cfg.faults.restart != "none" else {})) \
         if faults(cfg) else Summary()
     t0 = time.monotonic()
+    world_cfg, world_ranks = cfg, ranks_cfg   # the running world's (after a restart: its own, maybe at N - 1)
     try:
         while True:
             try:
-                extra, cluster = _world(job, spec, cfg, ranks_cfg, workload, faulted, t0)
+                extra, cluster = _world(job, spec, world_cfg, world_ranks, workload, faulted, t0)
                 break
-            except RunError as e:   # faults.restart = "replace": the world starts again from a checkpoint
+            except RunError as e:   # faults.restart: the world starts again from a checkpoint (at N or N - 1)
                 if not restarts_due(cfg, struck, restarts):
                     raise
-                again, begin = restart_world(Path(job.out), cfg, ranks_cfg, faulted, restarts, e, t0, job.echo)
-                job = dataclasses.replace(job, cfg=again.to_dict(), start=begin, resume=begin is not None)
+                world_ranks, begin = restart_world(Path(job.out), cfg, world_ranks, faulted, restarts, e, t0,
+                                                   job.echo)
+                world_cfg = world_ranks
+                job = dataclasses.replace(job, cfg=world_ranks.to_dict(), start=begin, resume=begin is not None)
     except BaseException as e:  # failed or interrupted (Ctrl-C, SIGTERM): keep the finished steps, say why
         _keep_finished_steps(out_dir, cfg, e, faulted)
         raise
@@ -98,7 +102,7 @@ def run(cfg: Config, out: str | Path | None = None, echo: bool = True, resume: b
         extra["started_from"] = cfg.started_from
     if not outputs.has_records(out_dir):   # every worker lost: what the servers measured, and the steps streamed
         raise RunError(outputs.finalize_lost(out_dir, cfg, extra))
-    return outputs.finalize(out_dir, cfg, extra, echo)
+    return outputs.finalize(out_dir, at_world(cfg, world_cfg.backend.world_size), extra, echo)
 
 
 def _check(cfg: Config, resume: bool, forks: bool, machine_checked: bool) -> None:

@@ -176,7 +176,8 @@ def _steps(loop: StepLoop, steps: range, records: list[StepRecord], stream: Text
     if marks is not None:
         marks.reached()
     hold = set(holds(loop.cfg, rank))
-    for step in steps:
+    step = steps.start
+    while step < steps.stop:
         if step in hold:   # a [faults] entry strikes here: the launcher (psarch/launch/faults.py) takes it on
             os.kill(os.getpid(), signal.SIGSTOP)
         batch = loop.batch(step)
@@ -206,7 +207,8 @@ def _steps(loop: StepLoop, steps: range, records: list[StepRecord], stream: Text
         check_gradients(step, rank, stats.loss, stats.skipped and not scaling,
                         lambda: non_finite_grads(loop.workload.model))
         log.after(step, records, stats)
-        save(step + 1, records)
+        step = trainer.next_step(step)   # a re-admitted ps worker skips the rounds that went on without it
+        save(step, records)
     if marks is not None:
         marks.reached()
 

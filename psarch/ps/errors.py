@@ -16,3 +16,14 @@ class NonFinitePush(PSError, NonFiniteError):
     """A push whose gradient or delta holds inf/nan: refused, nothing applied; it stops the run."""
 
     code = "non_finite"   # the error reply's `code`, so the worker raises this type again
+
+
+class WorkerLost(PSError):
+    """A request of a worker the server dropped (a barrier round went on without it, or its process died): refused;
+    `version` is the server's then, so that a sync worker that comes back can ask to rejoin (server/readmit.py)."""
+
+    code = "lost"   # the error reply's `code`, so the worker raises this type again
+
+    def __init__(self, message: str, version: int = 0) -> None:
+        super().__init__(message)
+        self.version = version

@@ -333,6 +333,24 @@ def start_services(cfg: Config, out_dir: str | Path | None = None, threads: bool
     return LocalServers(cfg, out_dir, threads, build_model, where, start)
 
 
+def dropped_workers(stats: list[ServerStats]) -> list[dict[str, Any]]:
+    """Each drop of a worker from the rounds, over the servers (each drops a worker on its own clock): the earliest
+    round any server dropped it from, whether its process died, and the round every server took it back at (None:
+    some did not; psarch/ps/server/readmit.py)."""
+    episodes: dict[tuple[int, int], list[Any]] = {}
+    for s in stats:
+        seen: Counter[int] = Counter()
+        for d in s["drops"]:
+            episodes.setdefault((d["worker"], seen[d["worker"]]), []).append(d)
+            seen[d["worker"]] += 1
+    out = []
+    for (w, _), ds in sorted(episodes.items()):
+        back = [d["readmitted_at"] for d in ds]
+        out.append({"worker": w, "from_round": min(d["from_round"] for d in ds), "died": any(d["died"] for d in ds),
+                    "readmitted_at": None if None in back or len(ds) < len(stats) else max(back)})
+    return out
+
+
 def summarize(stats: list[ServerStats], lost: list[LostWorker]) -> Summary:
     """The summary.json entries of the servers: traffic, memory, staleness, lost workers."""
     hist: Counter[int] = Counter()
@@ -344,12 +362,13 @@ def summarize(stats: list[ServerStats], lost: list[LostWorker]) -> Summary:
                                  "ops": s["traffic"]["ops"]} for s in stats]},
         "memory": {"servers": [dict(s["memory"], server=s["server"], range=s["range"], held=s["held"]) for s in stats]},
         "lost_workers": lost,
+        "dropped_workers": dropped_workers(stats),
         # a push goes to every server in slices: a worker's count is the most any one server refused
         "refused_pushes": {"non_finite_per_worker": [max(col) for col in zip(*(s["refused_non_finite"]
                                                                                 for s in stats))]},
         "servers_detail": [{"server": s["server"], "address": s["address"], "range": s["range"],
                             "partitions": s["partitions"], "version": s["version"], "rejected": s["rejected"],
-                            "refused_non_finite": s["refused_non_finite"], "lost": s["lost"],
+                            "refused_non_finite": s["refused_non_finite"], "lost": s["lost"], "drops": s["drops"],
                             "skipped_updates": s["skipped_updates"], "failure": s["failure"]} for s in stats],
     }
     if total:

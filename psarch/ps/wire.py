@@ -70,13 +70,16 @@ SCHEMA: dict[str, tuple[dict[str, str], dict[str, str], str]] = {
     "rows": ({"version": _INT}, {}, "required"),
     "done": ({"worker": _INT}, {}, "forbidden"),
     "save": ({"worker": _INT, "step": _INT, "path": _STR}, {}, "forbidden"),
+    # a sync worker dropped from rounds that went on without it asks to take part again from round `step`
+    "rejoin": ({"worker": _INT, "step": _INT}, {}, "forbidden"),
     "ack": ({"version": _INT}, {"staleness": _INT, "skipped": _BOOL}, "forbidden"),
     "params": ({"version": _INT, "offset": _INT},
                {"scale": _FLOAT, "ahead": _INT, "skipped": _BOOL, "staleness": _INT}, "required"),
-    "error": ({"message": _STR}, {"code": _STR}, "forbidden"),   # code "non_finite": a refused inf/nan push
+    # code "non_finite": a refused inf/nan push; "lost": a dropped worker's request (with the server's version)
+    "error": ({"message": _STR}, {"code": _STR, "version": _INT}, "forbidden"),
 }
 # What each request is answered with.
-REPLY_TO = {"init": "ack", "push": "ack", "pull": "params", "pushpull": "params", "fetch": "params", "done": "ack",
+REPLY_TO = {"init": "ack", "push": "ack", "pull": "params", "pushpull": "params", "fetch": "params", "done": "ack", "rejoin": "ack",
             "rowpull": "rows", "rowpush": "ack", "rowfetch": "rows", "save": "ack", "sparsepush": "ack",
             "sparsepushpull": "params"}
 _TENSOR_FIELDS = {"dtype", "shape", "frames"}

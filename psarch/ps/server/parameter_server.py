@@ -24,8 +24,9 @@ and the launcher stops the run.
 A worker is lost when the launcher says its process died, when a barrier round (sync, GEO with the barrier) has
 waited `backend.timeout_s` for its push (dead, hung or stopped: the round goes on with the others), or (a
 standalone server, which has no launcher) when nothing came from it for `backend.timeout_s` while it had no pull
-waiting; the server then stops waiting for it, and exits once every worker is done or lost. A lost worker that
-comes back is refused ("declared lost") and leaves the run.
+waiting; the server then stops waiting for it, and exits once every worker is done or lost. A lost sync worker
+that comes back (a pause, a slow step) is taken back at a later round (readmit.py); elsewhere, and after its
+process died, a lost worker is refused ("declared lost") and leaves the run.
 
 Who may connect (psarch/ps/auth.py): every connection authenticates (PLAIN or CURVE through ZAP, by
 default), and each request must name the worker its connection authenticated as; one that does not is
@@ -57,6 +58,7 @@ from psarch.ps.errors import PSError
 from psarch.ps.layout import gather, held, held_partitions, server_partitions
 from psarch.ps.server.connections import Caps, Connections, copy_received_frames, exchange_budget
 from psarch.ps.server.deadlines import Deadlines
+from psarch.ps.server.readmit import Readmissions
 from psarch.ps.server.libc import seed_routing_ids
 from psarch.ps.server.pulls import PullQueue
 from psarch.ps.server.pushes import Pushes
@@ -118,11 +120,13 @@ class ParameterServer:
         self.pushes = Pushes(s, replies, self.pulls, self.rows, self.timeline)
         self.snapshots = Snapshots(s, replies, checkpoints, self.rows)
         self.deadlines = Deadlines(s, replies)
+        self.readmit = Readmissions(s, replies)
         self.handlers: dict[str, Handler] = {
             "init": self.pushes.on_init, "push": self.pushes.on_push, "pushpull": self.pushes.on_pushpull,
             "sparsepush": self.pushes.on_push, "sparsepushpull": self.pushes.on_pushpull,
             "pull": self.pulls.on_pull, "fetch": self.pushes.on_fetch, "save": self.snapshots.on_save,
-            "done": self.on_done, **(self.rows.handlers() if self.rows is not None else {})}
+            "done": self.on_done, "rejoin": lambda ident, msg: self.readmit.on_rejoin(ident, msg, self.lose),
+            **(self.rows.handlers() if self.rows is not None else {})}
 
     def initialize(self, flat: torch.Tensor, rows: torch.Tensor | None = None) -> None:
         """Start from the whole initial parameter vector (servers of a run build it from the config) and, with
@@ -224,9 +228,11 @@ class ParameterServer:
                               f"op {msg.op!r} is a reply, not a request")
             handler(ident, msg)
         except (PSError, wire.WireError) as e:
-            self.replies.error(ident, msg.op, str(e), getattr(e, "code", None))
+            self.replies.error(ident, msg.op, str(e), getattr(e, "code", None), getattr(e, "version", None))
         except Exception as e:  # a bug: no request may end the serve loop, and none may hide a bug either
             self._internal_error(ident, msg, e)
+        if self.readmit.held and s.failure is None:   # a round this request completed may be a held rejoin's
+            self.readmit.serve()
 
     def _internal_error(self, ident: bytes, msg: wire.Message, e: Exception) -> None:
         s, who = self.state, msg.header.get("worker")
@@ -247,6 +253,7 @@ class ParameterServer:
     def _exit_if_over(self) -> None:
         if self.state.exit_when_done and self.state.done >= self.state.live:
             self.state.stopping = True
+            self.readmit.refuse_all("every other worker is done")
 
     def lose(self, w: int, why: str) -> None:
         """Go on without worker w: drop its waiting pulls (and its rows of the round), finish what waited for it."""
@@ -256,6 +263,7 @@ class ParameterServer:
         if self.rows is not None:
             self.rows.drop(w)
         s.lost.add(w)
+        self.readmit.dropped(w, why == LOST_BY_LAUNCHER)
         s.pending = {k: p for k, p in s.pending.items() if p.worker != w}
         if s.exit_when_done or why != LOST_BY_LAUNCHER:   # the launcher says why itself
             print(f"psarch server {s.index}: worker {w} lost: {why}", file=sys.stderr, flush=True)
@@ -264,6 +272,7 @@ class ParameterServer:
                 self.pushes.complete_round(part)
             self.pulls.serve()
             self.snapshots.save_if_all()
+            self.readmit.serve()
         self._exit_if_over()
 
     def inflight_budget(self) -> int:
@@ -341,6 +350,7 @@ class ParameterServer:
             "traffic": traffic, "memory": dict(memory, peak=peak, peak_kind=kind,
                                                early_pushes_peak=sum(p.round.sum.peak for p in s.parts)),
             "rejected": s.rejected, "refused_non_finite": s.refused_non_finite, "lost": sorted(s.lost),
+            "drops": self.readmit.drops,
             "dropped_connections": dict(self.connections.dropped),
             # every partition skips a skipped step: the most any partition skipped is the steps skipped
             "failure": s.failure, "skipped_updates": max((p.range.skipped for p in s.parts), default=0),

@@ -40,11 +40,16 @@ class Replies:
         self.meter.add(op, size, 0, calls=0)
         self.sock.send_multipart([ident, *frames], copy=False)
 
-    def error(self, ident: bytes, op: str, text: str, code: str | None = None) -> None:
-        """Refuse request `op` (counted as rejected unless the server has failed); `code` names the kind."""
+    def error(self, ident: bytes, op: str, text: str, code: str | None = None, version: int | None = None) -> None:
+        """Refuse request `op` (counted as rejected unless the server has failed); `code` names the kind, `version`
+        the server's (a dropped worker's request)."""
         self.state.rejected += self.state.failure is None
-        header = {"op": "error", "message": f"server {self.state.index}: {text}"[:4000]}
-        self.send(ident, op, dict(header, code=code) if code else header)
+        header: dict[str, Any] = {"op": "error", "message": f"server {self.state.index}: {text}"[:4000]}
+        if code:
+            header["code"] = code
+        if version is not None:
+            header["version"] = version
+        self.send(ident, op, header)
 
     def fail(self, text: str) -> None:
         """The server can no longer serve: every waiting and later request hears `text`, and so does the launcher."""

@@ -20,7 +20,7 @@ import torch
 from psarch.config import Config
 from psarch.precision import compute_dtype
 from psarch.ps import wire
-from psarch.ps.errors import PSError
+from psarch.ps.errors import PSError, WorkerLost
 from psarch.ps.layout import held, one_range, push_dtype
 from psarch.ps.server.rounds import OrderedSum
 from psarch.ps.server.updates import RangeState
@@ -227,7 +227,7 @@ class ServerState:
         if w >= self.workers:
             raise PSError(f"worker {w}: this run has workers 0..{self.workers - 1}")
         if w in self.lost:
-            raise PSError(f"worker {w} was declared lost")
+            raise WorkerLost(f"worker {w} was declared lost", self.version)
         return w
 
     def hold(self, parts: list[tuple[int, int]], params: torch.Tensor, numel: int,

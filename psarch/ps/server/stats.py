@@ -41,6 +41,7 @@ class ServerStats(TypedDict):
     rejected: int
     refused_non_finite: list[int]   # per worker
     lost: list[int]
+    drops: list[Any]             # readmit.Drop: each worker dropped from the rounds, from which round, re-admitted at
     dropped_connections: dict[str, int]
     failure: str | None
     skipped_updates: int

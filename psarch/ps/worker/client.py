@@ -19,7 +19,7 @@ from zmq.utils.monitor import recv_monitor_message
 from psarch.meters import TrafficMeter
 from psarch.ps import auth, wire
 from psarch.ps.auth import Credentials
-from psarch.ps.errors import NonFinitePush, PSError
+from psarch.ps.errors import NonFinitePush, PSError, WorkerLost
 from psarch.timeline import RECORDER
 from psarch.units import fmt_bytes
 
@@ -189,8 +189,10 @@ class PSClient:
         op = req.header["op"]
         self.meter.add(op, 0, wire.frames_bytes(frames), calls=0)
         if msg.op == "error":
-            kind = NonFinitePush if msg.header.get("code") == NonFinitePush.code else PSError
-            raise kind(f"{op} refused by {msg.header['message']}")
+            text, code = f"{op} refused by {msg.header['message']}", msg.header.get("code")
+            if code == WorkerLost.code:   # a dropped worker: the server's version, for a sync worker's rejoin
+                raise WorkerLost(text, msg.header.get("version", 0))
+            raise (NonFinitePush if code == NonFinitePush.code else PSError)(text)
         req.answered = True
         if req.posted_s is not None:   # a traced step: sent until its reply was taken, on the connection's lane
             RECORDER.add(f"to server {i}", f"{op} {fmt_bytes(req.nbytes)}" if req.nbytes else op, req.posted_s,

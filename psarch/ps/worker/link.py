@@ -17,7 +17,7 @@ import torch
 from psarch.checkpoint.reader import CheckpointError
 from psarch.flat import FlatParams
 from psarch.ps import wire
-from psarch.ps.errors import PSError
+from psarch.ps.errors import PSError, WorkerLost
 from psarch.ps.layout import chain, held, held_of, one_range, scatter
 from psarch.ps.worker.topk import TopKPushes
 from psarch.ps.worker.client import PSClient, Request
@@ -32,6 +32,7 @@ class Exchange(TypedDict, total=False):
     staleness: int               # the largest a server reported
     ahead: int
     tables: dict[str, int]       # the tables' figures of the step (Tables.exchange)
+    rejoined_at: int             # sync: the worker was dropped and taken back at this round (readmit.py)
 
 
 @dataclass(frozen=True)
@@ -184,6 +185,26 @@ class ServerLink:
         for p in self.parts:
             self.post(p, pushed, step, header)
         return self.settle()
+
+    def abandon(self, first: WorkerLost) -> list[int]:
+        """The exchange in flight was refused (`first`: a server dropped this worker): take every other reply; the
+        versions the servers named (in their refusals, or in the parameters they sent)."""
+        versions = [first.version]
+        while any(self.client.waiting):
+            try:
+                self.client.wait()
+            except WorkerLost as e:
+                versions.append(e.version)
+        versions += [r.reply["version"] for r in self.posted if r is not None and r.answered]
+        self.posted = [None] * len(self.parts)
+        self.copied.clear()
+        return versions
+
+    def rejoin(self, at: int) -> None:
+        """Ask every server to take this worker back at round `at` (each answers once its rounds reach it), then
+        pull the parameters of that round."""
+        self.client.exchange([[Request({"op": "rejoin", "step": at})] for _ in self.servers])
+        self.pull(at)
 
     def pull(self, step: int) -> None:
         """The parameters for `step`, pushing nothing (start-up, a fork from a checkpoint)."""

@@ -33,6 +33,7 @@ from psarch.meters import peak_memory, tensor_bytes
 from psarch.precision import compute_dtype, has_inf_or_nan
 from psarch.records import StepRecord
 from psarch.timeline import RECORDER
+from psarch.ps.errors import WorkerLost
 from psarch.ps.layout import push_dtype, server_partitions, trainable
 from psarch.ps.snapshot import WorkerRecord, exact_records, pushes_by, run_shape, views
 from psarch.ps.spec import pushes_from_hooks
@@ -76,7 +77,10 @@ class PSWorker(Trainer):
         self.topk = TopKPushes(cfg.train.topk_ratio) if cfg.train.compression == "topk" else None
         self.link = ServerLink(self.client, self.flat, server_partitions(cfg, self.flat.numel), ctx.device, self.dtype,
                                push_dtype(cfg), self.topk, b.replicas)
-        self.steps = 0        # steps taken
+        # sync, dense tables, one exchange a step: a worker dropped from rounds that went on without it comes back
+        # (not with replicas: each holder would take it back on its own clock)
+        self.rejoins = b.mode == "sync" and b.embeddings != "rows" and not b.priority_credit_mb and not b.replicas
+        self.steps = 0        # steps taken (after a rejoin: the round it was taken back at)
         self.rounds = 0       # geo: deltas pushed
         if not ctx.services.restored:   # else load_checkpoint sets the state
             self.link.pull(0)  # the servers built the same initial model from the config: nothing to send
@@ -104,10 +108,16 @@ class PSWorker(Trainer):
         RECORDER.add("compute", "forward", t1, time.perf_counter())   # nothing unless traced (psarch.timeline)
         if not self.fp16:  # before the push: name the bad loss rather than have a server refuse its gradient
             check_loss(self.steps, self.ctx.rank, float(loss.detach()))
-        info = self._geo_step(self.geo, loss, batch) if self.geo is not None else self._push_step(loss, batch)
+        try:
+            info = self._geo_step(self.geo, loss, batch) if self.geo is not None else self._push_step(loss, batch)
+        except WorkerLost as e:   # sync: dropped from rounds that went on without it (a pause): come back
+            if not self.rejoins:
+                raise
+            info = self._rejoin(e)
         info["comm_s"] += fetch_s
         scale = self.geo.optim.scaler.scale if self.geo is not None else self.link.loss_scale
-        said = (("version", info.get("version")), ("staleness", info.get("staleness")), ("ahead", info.get("ahead")))
+        said = (("version", info.get("version")), ("staleness", info.get("staleness")), ("ahead", info.get("ahead")),
+                ("rejoined_at", info.get("rejoined_at")))
         extra: dict[str, float] = {k: v for k, v in said if v is not None}
         extra.update(info["tables"], t_start=t_start, t_end=time.time())
         return StepStats(float(loss.item()), skipped=bool(info.get("skipped", False)), loss_scale=scale,
@@ -146,6 +156,21 @@ class PSWorker(Trainer):
         RECORDER.add("waits", "push-pull wait", t1, time.perf_counter())
         info["tables"] = figures
         return info
+
+    def _rejoin(self, lost: WorkerLost) -> Exchange:
+        """This step's push was refused: a round went on without this worker (psarch/ps/server/readmit.py). Take
+        every reply of the exchange, ask every server to take it back at the round after the newest they named,
+        pull that round's parameters and take that step next (next_step): this step's gradient counts for
+        nothing, and the rounds between were the others' alone."""
+        t0 = time.perf_counter()
+        at = max(self.link.abandon(lost)) + 1
+        self.link.rejoin(at)
+        self.steps = at
+        return {"comm_s": time.perf_counter() - t0, "version": at, "rejoined_at": at, "tables": {}}
+
+    def next_step(self, step: int) -> int:
+        """The step after `step`, or the round a dropped worker was taken back at (_rejoin)."""
+        return max(step + 1, self.steps)
 
     def _priority_step(self, pushes: PriorityPushes, loss: torch.Tensor, batch: Any) -> Exchange:
         """Priority (priority.py): the previous exchange settled (forward took most of its pulls and posted most
