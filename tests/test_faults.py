@@ -22,6 +22,7 @@ from psarch.launch.faults import restarts_due
 from psarch.launch.ranks import run
 from psarch.ps.errors import ServiceError
 from test_ps_faults import _children
+from timing import scaled
 
 SGD = {"optimizer": "sgd", "lr": 0.1, "steps": 8}
 
@@ -137,9 +138,10 @@ def test_sync_drops_a_worker_paused_past_the_timeout_and_takes_it_back_when_it_r
     and trains on from there: the run finishes with both workers, none lost, every round applied; each server says
     from which round it dropped worker 1 and at which it took it back, and so does report.txt's last line."""
     out = tmp_path / "sync-paused"
-    summary = psarch.run(_cfg("paused", ps(2, servers=servers, timeout_s=2.0),
-                              {"pause": [{"node": "worker 1", "step": 3, "seconds": 2.6},
-                                         {"node": "worker 0", "step": 5, "seconds": 3}]},
+    timeout = scaled(2.0)   # under load a first step alone can take 2 s: the pauses keep their ratios to it
+    summary = psarch.run(_cfg("paused", ps(2, servers=servers, timeout_s=timeout),
+                              {"pause": [{"node": "worker 1", "step": 3, "seconds": 1.3 * timeout},
+                                         {"node": "worker 0", "step": 5, "seconds": 1.5 * timeout}]},
                               train={"steps": 10}), out, echo=False)
     assert _children() == []
     assert summary["status"] == "finished" and summary["lost_workers"] == []
@@ -151,7 +153,7 @@ def test_sync_drops_a_worker_paused_past_the_timeout_and_takes_it_back_when_it_r
     rank1 = [json.loads(x) for x in (out / "ranks" / "rank1.jsonl").read_text().splitlines()]
     assert rank1[3]["extra"]["rejoined_at"] == 6
     rank0 = [json.loads(x) for x in (out / "ranks" / "rank0.jsonl").read_text().splitlines()]
-    assert rank0[3]["step_time_s"] >= 2.0   # detected: the round of step 3 waited the whole timeout
+    assert rank0[3]["step_time_s"] >= timeout   # detected: the round of step 3 waited the whole timeout
     rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
     assert [len(r.get("workers", [r])) for r in rows] == [2, 2, 2, 2, 1, 1, 2, 2, 2, 2]
     assert (out / "report.txt").read_text().splitlines()[-1] == \
