@@ -52,6 +52,8 @@ class PipelineOptions(PipelineSchedule, Communicator, ModelUnits):
 
 class PipelineSpec(BackendSpec):
     kind = "pipeline"
+    trains_subsets = True
+    fine_tunes_from_base = True
     trainer = "collective.pipeline.trainer:PipelineTrainer"
     doc = "pipeline parallelism: the model cut into stages, micro-batches scheduled through them"
     options: ClassVar[type | None] = PipelineOptions

@@ -104,6 +104,7 @@ def run_rank(cfg: Config, ctx: DistContext, workload: Workload | None = None, ec
     # before a backend shards the model: Φ, the parameters that train, and those frozen
     params = sum(p.numel() for p in workload.model.parameters() if p.requires_grad)
     frozen = [p for p in workload.model.parameters() if not p.requires_grad]
+    frozen_count = sum(p.numel() for p in frozen)   # the model's, before a backend drops what its rank does not keep
     ckpt = checkpoint.Checkpoint(start) if start is not None else None
     base = ckpt is not None and not resume and finetune.is_base_start(cfg, ckpt, workload.model)
     if ckpt is not None and base:   # fine-tuning a base model's checkpoint: its weights, before the backend copies them
@@ -150,7 +151,7 @@ def run_rank(cfg: Config, ctx: DistContext, workload: Workload | None = None, ec
                             trainer.summary_extra(), str(ctx.device), ctx.dist_backend, workload.entropy_floor,
                             params, workload.name, state if ctx.rank == 0 else None,
                             virtual_device=slow.facts() if isinstance(slow, (VirtualDevice, CallDevice)) else None,
-                            frozen_params=sum(p.numel() for p in frozen),
+                            frozen_params=frozen_count,
                             timeline=[x.to_dict() for x in timeline])
     finally:
         if stream is not None:
