@@ -142,6 +142,8 @@ class TorchZeroSpec(BackendSpec):
 
 class TorchFSDPSpec(BackendSpec):
     kind = "torch_fsdp"
+    trains_subsets = True
+    fine_tunes_from_base = True
     trainer = "zero.torch_peers:TorchFSDPTrainer"
     doc = "PyTorch's FSDP2 fully_shard per unit (ZeRO-3; the peer of zero stage 3)"
     options = TorchFSDPOptions
