@@ -110,6 +110,8 @@ def replica_shard(cfg: Config, rank: int) -> tuple[int, int]:
 
 class TorchTensorSpec(BackendSpec):
     kind = "torch_tensor"
+    trains_subsets = True
+    fine_tunes_from_base = True
     trainer = "collective.tensor.torch_peer:TorchTensorTrainer"
     doc = "PyTorch's tensor parallelism (ColwiseParallel / RowwiseParallel, loss_parallel; the peer of tensor)"
     options = TensorParallel
