@@ -156,9 +156,9 @@ def check_capabilities(spec: Any, cfg: Config) -> None:
         subsets = [s.kind for s in registry.specs() if s.trains_subsets]
         raise ConfigError(f"{key}: {this} trains every parameter; frozen parameters and LoRA run on backend.kind = "
                           f"{', '.join(json.dumps(k) for k in subsets)}")
-    if (t.trainable or t.lora_rank) and b.embeddings != "dense":
+    if (t.trainable or t.lora_rank) and b.embeddings not in ("dense", "ps"):
         raise ConfigError(f"backend.embeddings = \"{b.embeddings}\": frozen parameters and LoRA (train.trainable, "
-                          f"train.lora_rank) run with dense embeddings only")
+                          f"train.lora_rank) run with dense embeddings or the tables on the PS (\"ps\") only")
     if t.precision not in spec.precisions:
         raise ConfigError(f"train.precision = \"{t.precision}\": {this} runs {' or '.join(spec.precisions)} only")
     if t.compression not in spec.compressions:
