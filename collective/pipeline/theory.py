@@ -234,7 +234,7 @@ def program(cfg: Config, phi: float, step: Any, reduced: bool = False) -> Any:
     scale = phi / (sum(lay.stage_params) or 1)
     params = [x * scale for x in lay.stage_params]
     # compute follows every weight a stage multiplies by, frozen ones too
-    weights = [x + f for x, f in zip(lay.stage_params, lay.stage_frozen or [0] * len(lay.stage_params))]
+    weights = [float(x + f) for x, f in zip(lay.stage_params, lay.stage_frozen or [0] * len(lay.stage_params))]
     fwd, bwd = stage_seconds(pipe, step.forward_s * pipe.p, step.backward_s * pipe.p, weights)
     grads = [width * sum(params[pipe.stage_of(r, c)] for c in range(pipe.v)) for r in range(pipe.p)]
     return pipeline_program(cfg.backend.schedule, pipe, data_parallel(cfg), fwd, bwd,

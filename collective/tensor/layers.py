@@ -108,7 +108,7 @@ class ColumnParallelLinear(_ParallelLinear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = F.linear(copy_to_tp(x, self.mesh), self.weight, self.bias)
-        if self.lora_A is None:
+        if self.lora_A is None or self.lora_B is None:
             return y
         return y + self.scaling * F.linear(copy_to_tp(F.linear(x, self.lora_A), self.mesh), self.lora_B)
 
@@ -121,7 +121,7 @@ class RowParallelLinear(_ParallelLinear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = reduce_from_tp(F.linear(x, self.weight), self.mesh)
         y = y if self.bias is None else y + self.bias
-        if self.lora_A is None:
+        if self.lora_A is None or self.lora_B is None:
             return y
         return y + self.scaling * F.linear(reduce_from_tp(F.linear(x, self.lora_A), self.mesh), self.lora_B)
 
