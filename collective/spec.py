@@ -107,6 +107,7 @@ class PSTablesServices:
 class DDPSpec(PSTablesServices, BackendSpec):
     kind = "ddp"
     trains_subsets = True
+    checkpoints_compression = True
     fine_tunes_from_base = True
     trainer = "collective.ddp:DDPTrainer"
     doc = "data parallelism: gradients all-reduced by psarch's ring or torch.distributed's collectives"

@@ -90,6 +90,9 @@ class BackendSpec(ABC):
     # model's checkpoint takes its weights by name (psarch/checkpoint/finetune.py; tests/test_lora_from.py)
     fine_tunes_from_base: ClassVar[bool] = False
     checkpoints: ClassVar[bool] = True                # it writes and reads psarch.checkpoint checkpoints
+    # its checkpoints hold its gradient compression's state (top-k's and PowerSGD's error feedback, PowerSGD's Q),
+    # so a resumed compressed run goes on as the uninterrupted one
+    checkpoints_compression: ClassVar[bool] = False
     # a rank runs the loss function in parts, several calls a step (a pipeline stage): a virtual device paces
     # each call by its own FLOPs (psarch.cluster.call_pacing), not each by the whole step's
     paced_by_call: ClassVar[bool] = False

@@ -98,10 +98,14 @@ def _check_compression(cfg: Config) -> None:
     if t.compression != "none" and e != "dense":
         raise ConfigError(f"train.compression = \"{t.compression}\": compresses the dense gradients only (the tables' "
                           f"rows move whole); use backend.embeddings = \"dense\", not \"{e}\"")
-    if t.compression in ("topk", "powersgd") and t.checkpoint_every:
+    spec = registry.spec_of(cfg)
+    if t.compression in ("topk", "powersgd") and t.checkpoint_every and t.compression in spec.compressions \
+            and not spec.checkpoints_compression:
+        kinds = [s.kind for s in registry.specs() if s.checkpoints_compression]
         raise ConfigError(f"train.checkpoint_every = {t.checkpoint_every}: the error feedback of train.compression = "
-                          f"\"{t.compression}\" is not in checkpoints yet, so a resumed run would not continue this one; "
-                          f"use 0")
+                          f"\"{t.compression}\" is not in backend.kind = \"{spec.kind}\"'s checkpoints yet, so a "
+                          f"resumed run would not continue this one; use 0 (or backend.kind = "
+                          f"{', '.join(json.dumps(k) for k in kinds)})")
 
 
 def _check_workload(cfg: Config) -> None:
