@@ -156,7 +156,7 @@ class Cut:
     def __init__(self, model: nn.Module, units_attr: str, loss_fn: Callable, micro_batch: Any, stages: int,
                  chunks: list[int]) -> None:
         self.model = model
-        units = find_units(model, units_attr)
+        units = find_units(model, units_attr, frozen_too=True)
         self.blocks = [u.module for u in units[1:] if u.module is not None]   # only the root's is None
         # one stage (gradient accumulation over micro-batches) needs no cut, nor blocks at all
         self.trace = trace(model, self.blocks, loss_fn, micro_batch) if stages > 1 else Trace({}, [], [])
