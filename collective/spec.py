@@ -114,6 +114,7 @@ class DDPSpec(PSTablesServices, BackendSpec):
     options = DDPOptions
     reads = PROCESS_GROUP_OPTIONS
     embeddings = ("dense", "rows", "sharded", "ps")
+    subset_embeddings = ("dense", "ps")   # the hybrid: a frozen or LoRA dense part, the tables training on the PS
     compressions = ("none", "fp16", "bf16", "topk", "powersgd")
     bench_peer = "collective.torch_ddp:plain_ddp_peer"
 

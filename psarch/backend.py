@@ -86,6 +86,7 @@ class BackendSpec(ABC):
     # it trains a model of which only some parameters train (train.trainable, train.lora_rank): it steps, keeps
     # state for and moves only the parameters that require gradients
     trains_subsets: ClassVar[bool] = False
+    subset_embeddings: ClassVar[tuple[str, ...]] = ("dense",)   # the embedding treatments it trains a subset with
     # its ranks build their model from the rank's workload alone, so a LoRA or frozen config started --from the base
     # model's checkpoint takes its weights by name (psarch/checkpoint/finetune.py; tests/test_lora_from.py)
     fine_tunes_from_base: ClassVar[bool] = False

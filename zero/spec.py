@@ -55,6 +55,7 @@ class ZeroSpec(PSTablesServices, BackendSpec):
     reads = {**PROCESS_GROUP_OPTIONS, "backend.reduce_bucket_size": (1, 2), "backend.allgather_bucket_size": (1, 2),
              "backend.prefetch_bucket_size": (3,)}
     embeddings = ("dense", "ps")   # ps: the tables on PS servers (collective/ps_tables.py)
+    subset_embeddings = embeddings
 
     def check(self, cfg: Config) -> None:
         check_ps_tables(cfg)

@@ -97,7 +97,7 @@ def gpt_layout(cfg: Config) -> Layout | None:
         else:
             params[0 if name.startswith(("embed.", "pos.")) or P == 1 else P - 1] += n
     boundary = [0] + [micro_batch_size(cfg) * w.seq_len * w.gpt.n_embd] * (P - 1)
-    return Layout(params, boundary, [len(r) for r in ranges])
+    return Layout(params, boundary, [len(r) for r in ranges], [0] * P)   # nothing frozen (else None above)
 
 
 def _first_micro_batch(batch: Any, m: int) -> Any:

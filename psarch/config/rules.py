@@ -160,9 +160,10 @@ def check_capabilities(spec: Any, cfg: Config) -> None:
         subsets = [s.kind for s in registry.specs() if s.trains_subsets]
         raise ConfigError(f"{key}: {this} trains every parameter; frozen parameters and LoRA run on backend.kind = "
                           f"{', '.join(json.dumps(k) for k in subsets)}")
-    if (t.trainable or t.lora_rank) and b.embeddings not in ("dense", "ps"):
+    if (t.trainable or t.lora_rank) and b.embeddings not in spec.subset_embeddings:
         raise ConfigError(f"backend.embeddings = \"{b.embeddings}\": frozen parameters and LoRA (train.trainable, "
-                          f"train.lora_rank) run with dense embeddings or the tables on the PS (\"ps\") only")
+                          f"train.lora_rank) run on {this} with embeddings "
+                          f"{', '.join(json.dumps(e) for e in spec.subset_embeddings)} only")
     if t.precision not in spec.precisions:
         raise ConfigError(f"train.precision = \"{t.precision}\": {this} runs {' or '.join(spec.precisions)} only")
     if t.compression not in spec.compressions:
