@@ -167,9 +167,11 @@ class PowerSGD(Compression):
         before = grad.clone()
         whole, by_shape = self._split(grad, shapes)
         matrices = [m for ms in by_shape.values() for m in ms]   # grouped by shape, as torch's hook orders them
-        fresh = index not in self.q_memory   # a restored Q (a resumed run) is warm already
+        q_numel = sum(m.shape[1] * self._r(m) for m in matrices)
+        # a restored Q (a resumed run) is warm already; one of another bucket layout (a fork) is drawn afresh
+        fresh = index not in self.q_memory or self.q_memory[index].numel() != q_numel
         if fresh:
-            self.q_memory[index] = grad.new_empty(sum(m.shape[1] * self._r(m) for m in matrices))
+            self.q_memory[index] = grad.new_empty(q_numel)
         if index not in self.p_memory:   # P is computed afresh each step: a buffer, never checkpointed
             self.p_memory[index] = grad.new_empty(sum(m.shape[0] * self._r(m) for m in matrices))
         ps, qs = self._factors(index, matrices)

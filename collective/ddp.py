@@ -165,7 +165,8 @@ class DDPTrainer(Trainer):
         another world size or an uncompressed run's checkpoint starts it fresh)."""
         errors, factors = {}, {}
         grad = self.flat.grad
-        for bucket in self.buckets:
+        same_world = ckpt.meta.get("world_size") == self.n   # another world's residuals are not this one's
+        for bucket in self.buckets if same_world else []:
             names = [self._layout[i] for i in bucket.params]
             if all(ckpt.has(name, error_key(self.ctx.rank)) for name, _, _ in names):
                 errors[bucket.index] = torch.cat([ckpt.read(name, error_key(self.ctx.rank), 0, shape.numel())
