@@ -53,6 +53,18 @@ class Compression(ABC):
         """Bytes kept from step to step (error feedback, PowerSGD's P and Q)."""
         return 0
 
+    # what a checkpoint keeps of that state (collective/ddp.py writes it), so a resumed run goes on as this one
+    def errors(self) -> dict[int, torch.Tensor]:
+        """Each bucket's error feedback: one value per element of its gradient, this rank's own."""
+        return {}
+
+    def factors(self) -> dict[int, torch.Tensor]:
+        """Each bucket's state that every rank holds alike (PowerSGD's Q, its warm start)."""
+        return {}
+
+    def restore(self, step: int, errors: dict[int, torch.Tensor], factors: dict[int, torch.Tensor]) -> None:
+        """Continue after `step` steps with the state a checkpoint kept (a bucket it did not keep starts fresh)."""
+
 
 class Uncompressed(Compression):
     """Divide by N and all-reduce (pre-dividing, as torch DDP does, keeps fp16 sums in range)."""
@@ -109,6 +121,12 @@ class TopK(Compression):
     def state_bytes(self) -> int:
         return sum(e.numel() * e.element_size() for e in self.error.values())
 
+    def errors(self) -> dict[int, torch.Tensor]:
+        return self.error
+
+    def restore(self, step: int, errors: dict[int, torch.Tensor], factors: dict[int, torch.Tensor]) -> None:
+        self.error = dict(errors)
+
 
 def orthogonalize(matrices: torch.Tensor) -> None:
     """Orthonormalise the columns of each (rows x r) matrix of a batch in place, as torch's powerSGD_hook does:
@@ -149,10 +167,13 @@ class PowerSGD(Compression):
         before = grad.clone()
         whole, by_shape = self._split(grad, shapes)
         matrices = [m for ms in by_shape.values() for m in ms]   # grouped by shape, as torch's hook orders them
-        fresh = index not in self.p_memory
+        q_numel = sum(m.shape[1] * self._r(m) for m in matrices)
+        # a restored Q (a resumed run) is warm already; one of another bucket layout (a fork) is drawn afresh
+        fresh = index not in self.q_memory or self.q_memory[index].numel() != q_numel
         if fresh:
+            self.q_memory[index] = grad.new_empty(q_numel)
+        if index not in self.p_memory:   # P is computed afresh each step: a buffer, never checkpointed
             self.p_memory[index] = grad.new_empty(sum(m.shape[0] * self._r(m) for m in matrices))
-            self.q_memory[index] = grad.new_empty(sum(m.shape[1] * self._r(m) for m in matrices))
         ps, qs = self._factors(index, matrices)
         if fresh:
             with torch.random.fork_rng(devices=[]):   # the same draw on every rank, the global RNG untouched
@@ -221,6 +242,17 @@ class PowerSGD(Compression):
 
     def end_step(self) -> None:
         self.step += 1
+
+    def errors(self) -> dict[int, torch.Tensor]:
+        return self.error
+
+    def factors(self) -> dict[int, torch.Tensor]:
+        return self.q_memory
+
+    def restore(self, step: int, errors: dict[int, torch.Tensor], factors: dict[int, torch.Tensor]) -> None:
+        # Q's first draws come from rng in bucket order, all at the first compressed step: a run resumed after
+        # it restores every Q (no draw left), one resumed before it draws them from the same seed
+        self.step, self.error, self.q_memory = step, dict(errors), dict(factors)
 
     def state_bytes(self) -> int:
         return sum(t.numel() * t.element_size() for d in (self.error, self.p_memory, self.q_memory)

@@ -19,7 +19,8 @@ from collective.bucket import Bucket, assign_buckets
 from collective.compression import Finish, make_compression
 from collective.embeddings import make_tables
 from psarch.checkpoint import Checkpoint
-from psarch.checkpoint.fragments import Pieces, master_fragments, restore_optimizer, scaler_state, share_of
+from psarch.checkpoint.fragments import (Fragment, Pieces, master_fragments, restore_optimizer, scaler_state,
+                                         share_of)
 from psarch.config import Config
 from psarch.dist import DistContext
 from psarch.flat import FlatParams, flat_layout
@@ -29,6 +30,13 @@ from psarch.timeline import RECORDER
 from psarch.trainer import consolidated_state
 from psarch.trainer import MemoryReport, StepStats, Trainer, TrafficReport
 from psarch.workload import Workload
+
+FACTOR = "compression_factor"   # a bucket's PowerSGD Q in a checkpoint (a private key: collective's own record)
+
+
+def error_key(rank: int) -> str:
+    """The checkpoint key of rank `rank`'s error feedback (a private key: read only by ddp)."""
+    return f"error_feedback/{rank}"
 
 
 class DDPTrainer(Trainer):
@@ -132,8 +140,43 @@ class DDPTrainer(Trainer):
         frags = self._fragments()
         mine = share_of(frags, self.ctx.rank, self.n) if writing else frags
         params = {n: tuple(s) for n, s, _ in self._layout[::-1]}
-        return Pieces(mine + self.tables.fragments(), {**self.tables.params(), **params},
-                      scaler_state(self.optim.scaler))
+        return Pieces(mine + self.tables.fragments() + self._compression_fragments(),
+                      {**self.tables.params(), **params}, scaler_state(self.optim.scaler))
+
+    def _compression_fragments(self) -> list[Fragment]:
+        """The compression's state (train.compression): this rank's error feedback by parameter, under a key of
+        its own rank (each rank writes its own), and each bucket's Q (every rank's alike: rank 0 writes it)
+        under the bucket's first parameter, from offset 0 (its own numbering, not the parameter's elements)."""
+        out = []
+        for b, error in self.compression.errors().items():
+            bucket = self.buckets[b]
+            for i in bucket.params:
+                name, shape, at = self._layout[i]
+                lo = at - bucket.start
+                out.append(Fragment(name, tuple(shape), 0, {error_key(self.ctx.rank): error[lo:lo + shape.numel()]}))
+        if self.ctx.rank == 0:
+            for b, q in self.compression.factors().items():
+                name, shape, _ = self._layout[self.buckets[b].params[0]]
+                out.append(Fragment(name, tuple(shape), 0, {f"{FACTOR}/{b}": q}))
+        return out
+
+    def _restore_compression(self, ckpt: Checkpoint) -> None:
+        """The compression's state from the checkpoint, where it holds this rank's (a resumed run; a fork onto
+        another world size or an uncompressed run's checkpoint starts it fresh)."""
+        errors, factors = {}, {}
+        grad = self.flat.grad
+        same_world = ckpt.meta.get("world_size") == self.n   # another world's residuals are not this one's
+        for bucket in self.buckets if same_world else []:
+            names = [self._layout[i] for i in bucket.params]
+            if all(ckpt.has(name, error_key(self.ctx.rank)) for name, _, _ in names):
+                errors[bucket.index] = torch.cat([ckpt.read(name, error_key(self.ctx.rank), 0, shape.numel())
+                                                  for name, shape, _ in names]).to(grad.device, grad.dtype)
+            first = names[0][0]
+            numel = ckpt.numel(first, f"{FACTOR}/{bucket.index}")
+            if numel:
+                factors[bucket.index] = ckpt.read(first, f"{FACTOR}/{bucket.index}", 0, numel).to(grad.device,
+                                                                                                 grad.dtype)
+        self.compression.restore(ckpt.step, errors, factors)
 
     def _fragments(self) -> list:
         return master_fragments(self.optim, 0, self._layout, 0, self.flat.numel)
@@ -141,6 +184,7 @@ class DDPTrainer(Trainer):
     def load_checkpoint(self, ckpt: Checkpoint) -> None:
         restore_optimizer(self.optim, ckpt, self._fragments)
         self.tables.load_checkpoint(ckpt)
+        self._restore_compression(ckpt)
 
     def memory(self) -> MemoryReport:
         report = flat_memory(self.ctx.device, self.flat, self.optim.state_bytes())

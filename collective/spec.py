@@ -3,6 +3,7 @@ torch.distributed's collectives) and `torch_ddp` (PyTorch's own DistributedDataP
 from __future__ import annotations
 
 import dataclasses
+import fnmatch
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Mapping
 
@@ -72,6 +73,12 @@ def check_ps_tables(cfg: Config) -> None:
            f"{b.heartbeat_s:g}" if b.heartbeat_s and b.heartbeat_timeout_s <= b.heartbeat_s else None)
     if why:
         raise ConfigError(f"backend.embeddings = \"ps\" with {why}")
+    tables = [f"tables.{i}.weight" for i in range(cfg.workload.dlrm.num_tables)]
+    frozen = [n for n in tables if not any(fnmatch.fnmatchcase(n, pat) for pat in t.trainable)]
+    if (t.trainable or t.lora_rank) and frozen:
+        raise ConfigError(f"train.trainable = {show(t.trainable)}: leaves the table {frozen[0]!r} frozen, but "
+                          f"backend.embeddings = \"ps\" serves the tables to update their rows on the PS; name them "
+                          f"in train.trainable (\"tables.*\") or keep frozen tables whole with embeddings = \"dense\"")
 
 
 class PSTablesServices:
@@ -106,12 +113,14 @@ class PSTablesServices:
 class DDPSpec(PSTablesServices, BackendSpec):
     kind = "ddp"
     trains_subsets = True
+    checkpoints_compression = True
     fine_tunes_from_base = True
     trainer = "collective.ddp:DDPTrainer"
     doc = "data parallelism: gradients all-reduced by psarch's ring or torch.distributed's collectives"
     options = DDPOptions
     reads = PROCESS_GROUP_OPTIONS
     embeddings = ("dense", "rows", "sharded", "ps")
+    subset_embeddings = ("dense", "ps")   # the hybrid: a frozen or LoRA dense part, the tables training on the PS
     compressions = ("none", "fp16", "bf16", "topk", "powersgd")
     bench_peer = "collective.torch_ddp:plain_ddp_peer"
 

@@ -86,10 +86,14 @@ class BackendSpec(ABC):
     # it trains a model of which only some parameters train (train.trainable, train.lora_rank): it steps, keeps
     # state for and moves only the parameters that require gradients
     trains_subsets: ClassVar[bool] = False
+    subset_embeddings: ClassVar[tuple[str, ...]] = ("dense",)   # the embedding treatments it trains a subset with
     # its ranks build their model from the rank's workload alone, so a LoRA or frozen config started --from the base
     # model's checkpoint takes its weights by name (psarch/checkpoint/finetune.py; tests/test_lora_from.py)
     fine_tunes_from_base: ClassVar[bool] = False
     checkpoints: ClassVar[bool] = True                # it writes and reads psarch.checkpoint checkpoints
+    # its checkpoints hold its gradient compression's state (top-k's and PowerSGD's error feedback, PowerSGD's Q),
+    # so a resumed compressed run goes on as the uninterrupted one
+    checkpoints_compression: ClassVar[bool] = False
     # a rank runs the loss function in parts, several calls a step (a pipeline stage): a virtual device paces
     # each call by its own FLOPs (psarch.cluster.call_pacing), not each by the whole step's
     paced_by_call: ClassVar[bool] = False

@@ -24,8 +24,9 @@ class Unit:
     params: list[nn.Parameter]
 
 
-def find_units(model: nn.Module, attr: str = "blocks") -> list[Unit]:
-    """[root, unit 0, unit 1, ...]: the children of `model.<attr>`, and the root holding the rest.
+def find_units(model: nn.Module, attr: str = "blocks", frozen_too: bool = False) -> list[Unit]:
+    """[root, unit 0, unit 1, ...]: the children of `model.<attr>` that hold a parameter that trains (every one
+    with frozen_too: a pipeline cuts the model along all its blocks), and the root holding the rest.
 
     A parameter shared between units (tied weights) would be gathered by one and used by another, so it
     is refused with a message that says what to do."""
@@ -51,7 +52,7 @@ def find_units(model: nn.Module, attr: str = "blocks") -> list[Unit]:
                 raise ValueError(f"backend.zero_units: a parameter is shared by {owner[id(p)]} and {attr}.{i}; "
                                  f"shared parameters must live in one unit (choose coarser units)")
             owner[id(p)] = f"{attr}.{i}"
-        if params:
+        if params or frozen_too:
             units.append(Unit(f"{attr}.{i}", block, params))
     root = [p for p in model.parameters() if p.requires_grad and id(p) not in owner]
     return [Unit("root", None, root)] + units

@@ -72,8 +72,8 @@ def test_bad_settings_say_what_was_wrong(tmp_path):
         run(from_dict(config("x", train={"trainable": ["nope.*"]}, backend={"kind": "ddp", "world_size": 2})),
             tmp_path / "x", echo=False)
     assert not (tmp_path / "x").exists()
-    with pytest.raises(ConfigError, match=r'train.lora_rank = 2: backend.kind = "tensor" trains every parameter'):
-        load_config(None, ["train.lora_rank=2", 'backend.kind="tensor"', "backend.world_size=2"])
+    with pytest.raises(ConfigError, match=r'train.lora_rank = 2: backend.kind = "torch_dp" trains every parameter'):
+        load_config(None, ["train.lora_rank=2", 'backend.kind="torch_dp"', "backend.world_size=2"])
     with pytest.raises(ConfigError, match=r"train.lora_alpha = 8.0: applies only with LoRA adapters; set train.lora_rank > 0"):
         load_config(None, ["train.lora_alpha=8"])
     with pytest.raises(ConfigError, match=r"train.trainable = \[1\]: expected a list of parameter or module names"):

@@ -55,6 +55,7 @@ class ZeroSpec(PSTablesServices, BackendSpec):
     reads = {**PROCESS_GROUP_OPTIONS, "backend.reduce_bucket_size": (1, 2), "backend.allgather_bucket_size": (1, 2),
              "backend.prefetch_bucket_size": (3,)}
     embeddings = ("dense", "ps")   # ps: the tables on PS servers (collective/ps_tables.py)
+    subset_embeddings = embeddings
 
     def check(self, cfg: Config) -> None:
         check_ps_tables(cfg)
@@ -145,6 +146,8 @@ class TorchZeroSpec(BackendSpec):
 
 class TorchFSDPSpec(BackendSpec):
     kind = "torch_fsdp"
+    trains_subsets = True
+    fine_tunes_from_base = True
     trainer = "zero.torch_peers:TorchFSDPTrainer"
     doc = "PyTorch's FSDP2 fully_shard per unit (ZeRO-3; the peer of zero stage 3)"
     options = TorchFSDPOptions

@@ -133,10 +133,13 @@ class TorchFSDPTrainer(Trainer):
         self.model = workload.model.to(ctx.device)
         mesh = (DeviceMesh.from_group(ctx.group, ctx.device.type) if ctx.group is not None
                 else init_device_mesh(ctx.device.type, (ctx.world_size,)))
+        # frozen weights (train.trainable, LoRA's base) stay whole on every rank, outside FSDP, as psarch's ZeRO-3
+        # keeps them: sharding them would all-gather weights that never change twice a step
+        frozen = {p for p in self.model.parameters() if not p.requires_grad}
         for unit in find_units(self.model, cfg.backend.zero_units)[1:]:
             if unit.module is not None:   # only the root unit's is None
-                fully_shard(unit.module, mesh=mesh)
-        fully_shard(self.model, mesh=mesh)
+                fully_shard(unit.module, mesh=mesh, ignored_params=frozen)
+        fully_shard(self.model, mesh=mesh, ignored_params=frozen)
         self.loss_fn = workload.loss_fn
         self.named = [(n, p) for n, p in self.model.named_parameters() if p.requires_grad]
         self.params = [p for _, p in self.named]

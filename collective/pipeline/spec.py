@@ -52,6 +52,8 @@ class PipelineOptions(PipelineSchedule, Communicator, ModelUnits):
 
 class PipelineSpec(BackendSpec):
     kind = "pipeline"
+    trains_subsets = True
+    fine_tunes_from_base = True
     trainer = "collective.pipeline.trainer:PipelineTrainer"
     doc = "pipeline parallelism: the model cut into stages, micro-batches scheduled through them"
     options: ClassVar[type | None] = PipelineOptions
@@ -159,6 +161,23 @@ def check_pipeline(cfg: Config, kind: str) -> None:
             raise ConfigError(f"backend.stages = {p}: the model has {blocks} blocks (workload.{w.model}.n_layer) "
                               f"and every one of the {p * v} stages (x virtual_stages) needs one "
                               f"(backend.kind = \"{kind}\")")
+    if t.trainable or t.lora_rank:
+        _check_stages_train(cfg, kind)
+
+
+def _check_stages_train(cfg: Config, kind: str) -> None:
+    """Every stage holds a parameter that trains: a stage with none would step nothing and its backward would
+    have nothing to differentiate (the cut, made on the meta device, tells)."""
+    try:
+        counts = _theory().layout(cfg).stage_params
+    except ValueError:
+        return   # a model the cut refuses: the rank says why, as it does without trainable patterns
+    idle = [j for j, c in enumerate(counts) if c == 0]
+    if idle:
+        t = cfg.train
+        key = f"train.trainable = {json.dumps(t.trainable)}" if t.trainable else f"train.lora_targets = {json.dumps(t.lora_targets)}"
+        raise ConfigError(f"{key}: pipeline stage {idle[0]} of {len(counts)} holds no parameter that trains, so it would "
+                          f"step nothing (backend.kind = \"{kind}\"); name one of its parameters or use fewer stages")
 
 
 def _check_stages(cfg: Config) -> None:

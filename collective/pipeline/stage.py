@@ -55,11 +55,13 @@ class Trace:
 
 
 def root_modules(model: nn.Module, blocks: list[nn.Module]) -> dict[str, nn.Module]:
-    """Modules outside the blocks that hold trainable parameters of their own (embeddings, norms, head); a
-    trainable parameter of the root held by no such module cannot be placed, and is refused."""
+    """Modules outside the blocks that hold parameters of their own (embeddings, norms, head; frozen ones too, so
+    that only their stage keeps them); a trainable parameter of the root held by no such module cannot be placed,
+    and is refused (a frozen one stays on every stage)."""
     inside = {id(p) for b in blocks for p in b.parameters()}
     out = {name: mod for name, mod in model.named_modules()
-           if any(p.requires_grad and id(p) not in inside for p in mod.parameters(recurse=False))}
+           if any(id(p) not in inside for p in mod.parameters(recurse=False))
+           and (name or any(p.requires_grad for p in mod.parameters(recurse=False)))}
     placed = {id(p) for mod in out.values() for p in mod.parameters(recurse=False)}
     stray = [n for n, p in model.named_parameters() if p.requires_grad and id(p) not in inside | placed]
     if stray or "" in out:
@@ -154,16 +156,20 @@ class Cut:
     def __init__(self, model: nn.Module, units_attr: str, loss_fn: Callable, micro_batch: Any, stages: int,
                  chunks: list[int]) -> None:
         self.model = model
-        units = find_units(model, units_attr)
+        units = find_units(model, units_attr, frozen_too=True)
         self.blocks = [u.module for u in units[1:] if u.module is not None]   # only the root's is None
         # one stage (gradient accumulation over micro-batches) needs no cut, nor blocks at all
         self.trace = trace(model, self.blocks, loss_fn, micro_batch) if stages > 1 else Trace({}, [], [])
         self.ranges = split_blocks(len(self.blocks), stages)
         self.stages, self.chunks = stages, chunks       # the virtual stages this rank holds, by chunk
         self.names = {id(p): n for n, p in model.named_parameters()}
+        self.numels = {id(p): p.numel() for p in model.parameters()}   # before the other stages' are dropped
         self.shapes = {n: tuple(p.shape) for n, p in model.named_parameters() if p.requires_grad}
         self.roots = root_modules(model, self.blocks)
         self.owners = self._owners()
+        # frozen parameters a stage keeps (a frozen one of the root's own stays on every stage, no stage's to export)
+        self.frozen_shapes = {n: tuple(p.shape) for n, p in model.named_parameters()
+                              if not p.requires_grad and id(p) in self.owners}
         self.params = [p for p in model.parameters() if p.requires_grad and self.owners[id(p)] in chunks]
         self._running: Running | None = None
         self._drop_others()
@@ -171,7 +177,7 @@ class Cut:
             self._switch()
 
     def _owners(self) -> dict[int, int]:
-        """The virtual stage of every trainable parameter."""
+        """The virtual stage of every parameter (but a frozen one of the root's own, kept on every stage)."""
         owner = {}
         for j, blocks in enumerate(self.ranges):
             for i in blocks:
@@ -181,19 +187,23 @@ class Cut:
             owner.update({id(p): j for p in mod.parameters(recurse=False)})
         return owner
 
-    def stage_params(self) -> list[int]:
-        """Trainable parameters (elements) of each virtual stage."""
+    def stage_params(self, trainable: bool = True) -> list[int]:
+        """Trainable parameters (elements) of each virtual stage; with trainable False, its frozen ones (a frozen
+        parameter of the root's own, on no stage's module, counts on every stage)."""
         counts = [0] * self.stages
-        for n, p in self.model.named_parameters():
-            if p.requires_grad:
-                counts[self.owners[id(p)]] += torch.Size(self.shapes[n]).numel()
+        for p in self.model.parameters():
+            if p.requires_grad != trainable:
+                continue
+            for j in [self.owners[id(p)]] if id(p) in self.owners else range(self.stages):
+                counts[j] += self.numels[id(p)]
         return counts
 
     def _drop_others(self) -> None:
-        """Free what other stages hold: their parameters become empty (their modules never compute here)."""
+        """Free what other stages hold: their parameters, frozen ones too, become empty (their modules never
+        compute here)."""
         with torch.no_grad():
             for p in self.model.parameters():
-                if p.requires_grad and self.owners[id(p)] not in self.chunks:
+                if id(p) in self.owners and self.owners[id(p)] not in self.chunks:
                     p.data = torch.empty(0, dtype=p.dtype, device=p.device)
 
     def _switch(self) -> None:

@@ -54,11 +54,13 @@ def micro_batch_size(cfg: Config) -> int:
 @dataclass
 class Layout:
     """The cut of the config's model: elements of each virtual stage's parameters, and of the activation each
-    receives per micro-batch (index 0 unused: the first stage reads the data)."""
+    receives per micro-batch (index 0 unused: the first stage reads the data); `stage_frozen`: each virtual
+    stage's frozen parameters (train.trainable, LoRA's base weights), which only that stage keeps."""
 
     stage_params: list[int]
     boundary: list[int]
     blocks: list[int]
+    stage_frozen: list[int] | None = None
 
 
 def layout(cfg: Config) -> Layout:
@@ -71,7 +73,7 @@ def layout(cfg: Config) -> Layout:
     mb = _to_meta(_first_micro_batch(local, pipe.m))
     cut = Cut(workload.model, units_attr(cfg.backend), workload.loss_fn, mb, pipe.virtual, [])
     boundary = [0] + [torch.Size(cut.input_shape(j)[0]).numel() for j in range(1, pipe.virtual)]
-    return Layout(cut.stage_params(), boundary, [len(r) for r in cut.ranges])
+    return Layout(cut.stage_params(), boundary, [len(r) for r in cut.ranges], cut.stage_params(trainable=False))
 
 
 def gpt_layout(cfg: Config) -> Layout | None:
@@ -95,7 +97,7 @@ def gpt_layout(cfg: Config) -> Layout | None:
         else:
             params[0 if name.startswith(("embed.", "pos.")) or P == 1 else P - 1] += n
     boundary = [0] + [micro_batch_size(cfg) * w.seq_len * w.gpt.n_embd] * (P - 1)
-    return Layout(params, boundary, [len(r) for r in ranges])
+    return Layout(params, boundary, [len(r) for r in ranges], [0] * P)   # nothing frozen (else None above)
 
 
 def _first_micro_batch(batch: Any, m: int) -> Any:
@@ -180,6 +182,7 @@ def predict(cfg: Config, phi: float) -> Prediction:
     ranks = []
     for r in range(pipe.p):
         own = sum(lay.stage_params[pipe.stage_of(r, c)] for c in range(pipe.v))
+        frozen = sum((lay.stage_frozen or [0] * pipe.virtual)[pipe.stage_of(r, c)] for c in range(pipe.v))
         figures = {"stage": r, "stage_params": own,
                    "idle_fraction": float(bubble_fraction(cfg.backend.schedule, pipe))}
         per_chunk = [stage_activation_bytes(cfg, pipe.stage_of(r, c), blocks[pipe.stage_of(r, c)])
@@ -187,7 +190,8 @@ def predict(cfg: Config, phi: float) -> Prediction:
         known = [b for b in per_chunk if b is not None]
         if len(known) == len(per_chunk):
             figures["activations_held"] = held_peak(compute_order(cfg.backend.schedule, pipe, r), known)
-        ranks.append(RankPrediction(MemoryPrediction(width * own, width * own, k * own), link_bytes(cfg, lay, r),
+        ranks.append(RankPrediction(MemoryPrediction(width * own, width * own, k * own, frozen=width * frozen),
+                                    link_bytes(cfg, lay, r),
                                     figures))
     ranks = [ranks[i % pipe.p] for i in range(pipe.p * dp)]   # rank = dp_rank x p + stage
     fullest = max(ranks, key=lambda x: x.memory.total)
@@ -229,7 +233,9 @@ def program(cfg: Config, phi: float, step: Any, reduced: bool = False) -> Any:
     lay = gpt_layout(cfg) or layout(cfg)
     scale = phi / (sum(lay.stage_params) or 1)
     params = [x * scale for x in lay.stage_params]
-    fwd, bwd = stage_seconds(pipe, step.forward_s * pipe.p, step.backward_s * pipe.p, params)
+    # compute follows every weight a stage multiplies by, frozen ones too
+    weights = [float(x + f) for x, f in zip(lay.stage_params, lay.stage_frozen or [0] * len(lay.stage_params))]
+    fwd, bwd = stage_seconds(pipe, step.forward_s * pipe.p, step.backward_s * pipe.p, weights)
     grads = [width * sum(params[pipe.stage_of(r, c)] for c in range(pipe.v)) for r in range(pipe.p)]
     return pipeline_program(cfg.backend.schedule, pipe, data_parallel(cfg), fwd, bwd,
                             [width * x for x in lay.boundary], grads, step.optimizer_s, reduced)

@@ -73,7 +73,10 @@ class TorchPipelineTrainer(Trainer):
         gpt = workload.model.to(ctx.device)
         assert isinstance(gpt, GPT)   # TorchPipelineSpec.check: workload.model = "gpt", no factory
         names = {id(x): n for n, x in gpt.named_parameters()}
-        self.shapes = {n: tuple(x.shape) for n, x in gpt.named_parameters()}
+        self.names = list(names.values())
+        # what trains (train.trainable, LoRA) is in the flat buffer; the frozen weights each stage keeps apart
+        self.shapes = {n: tuple(x.shape) for n, x in gpt.named_parameters() if x.requires_grad}
+        self.frozen_shapes = {n: tuple(x.shape) for n, x in gpt.named_parameters() if not x.requires_grad}
         self.pp_group, self.dp_group = self._groups()
         self.ranges = ranges = split_blocks(len(gpt.blocks), self.pipe.virtual)
         self.modules, stages = [], []
@@ -82,7 +85,13 @@ class TorchPipelineTrainer(Trainer):
             mod = GPTStage(gpt, ranges[j], j == 0, j == self.pipe.virtual - 1)
             self.modules.append(mod)
             stages.append(PipelineStage(mod, j, self.pipe.virtual, ctx.device, group=self.pp_group))
-        params = [x for mod in self.modules for x in mod.parameters()]
+        params = [x for mod in self.modules for x in mod.parameters() if x.requires_grad]
+        self.frozen = [x for mod in self.modules for x in mod.parameters() if not x.requires_grad]
+        held = {id(x) for mod in self.modules for x in mod.parameters()}
+        with torch.no_grad():   # the other stages' weights: not kept here (frozen ones included)
+            for x in gpt.parameters():
+                if id(x) not in held:
+                    x.data = torch.empty(0, dtype=x.dtype, device=x.device)
         self.flat = FlatParams(params)
         self.layout = [(names[id(x)], x.shape, o) for x, o in zip(self.flat.params, self.flat.offsets)]
         if self.layout != self._layout_of(self.stage):   # the stage modules keep the model's order
@@ -124,21 +133,27 @@ class TorchPipelineTrainer(Trainer):
         return StepStats(float(loss.item()) / self.dp, skipped=skipped, comm_s=comm_s)
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
-        layouts = [self._layout_of(s) for s in range(self.pipe.p)]
+        layouts = []
+        for s in range(self.pipe.p):   # each stage's trained parameters, then its frozen ones
+            trained = self._layout_of(s)
+            end = sum(shape.numel() for _, shape, _ in trained)
+            layouts.append(trained + [(n, x, o + end) for n, x, o in self._layout_of(s, self.frozen_shapes)])
+        flat = torch.cat([self._master(), *[x.detach().reshape(-1).float() for x in self.frozen]])
         with self.meter.tagged("export"):
-            values = gather_masters(P2P(self.ctx.group, self.meter), self._master(), self.stage, self.dp_rank,
-                                    layouts)
-        return {name: values[name] for name in self.shapes} if values is not None else {}
+            values = gather_masters(P2P(self.ctx.group, self.meter), flat, self.stage, self.dp_rank, layouts)
+        return {name: values[name] for name in self.names} if values is not None else {}
 
-    def _layout_of(self, stage: int) -> list[tuple[str, torch.Size, int]]:
-        """(name, shape, offset) of stage `stage`'s parameters: its modules' order, which is the model's."""
+    def _layout_of(self, stage: int, shapes: dict[str, tuple[int, ...]] | None = None) -> list[tuple[str, torch.Size, int]]:
+        """(name, shape, offset) of stage `stage`'s parameters (of `shapes`: by default those that train): its
+        modules' order, which is the model's."""
+        shapes = self.shapes if shapes is None else shapes
         held = set()
         for c in range(self.pipe.v):
             j = self.pipe.stage_of(stage, c)
             prefixes = ["embed.", "pos."] * (j == 0) + [f"blocks.{i}." for i in self.ranges[j]] + \
                 ["ln_f.", "head."] * (j == self.pipe.virtual - 1)
-            held |= {n for n in self.shapes if n.startswith(tuple(prefixes))}
-        return layout_of(self.shapes, held)
+            held |= {n for n in shapes if n.startswith(tuple(prefixes))}
+        return layout_of(shapes, held)
 
     def _master(self) -> torch.Tensor:
         return self.optim.master.params[0].detach().view(-1)

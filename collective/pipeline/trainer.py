@@ -97,11 +97,18 @@ class PipelineTrainer(Trainer):
         """The global rank of stage `stage` of this rank's pipeline."""
         return self.dp_rank * self.pipe.p + stage
 
-    def _layout_of(self, stage: int) -> list[tuple[str, torch.Size, int]]:
-        """(name, shape, flat offset) of the parameters stage `stage` holds, in the model's order."""
-        chunks = self.chunks_of[stage]
-        return layout_of(self.cut.shapes, {n for n in self.cut.shapes
-                                           if self.cut.owners[id(self.model.get_parameter(n))] in chunks})
+    def _layout_of(self, stage: int, shapes: dict[str, tuple[int, ...]] | None = None) -> list[tuple[str, torch.Size, int]]:
+        """(name, shape, flat offset) of the parameters stage `stage` holds, in the model's order (of `shapes`:
+        by default those that train)."""
+        chunks, shapes = self.chunks_of[stage], self.cut.shapes if shapes is None else shapes
+        return layout_of(shapes, {n for n in shapes if self.cut.owners[id(self.model.get_parameter(n))] in chunks})
+
+    def _export_layout(self, stage: int) -> list[tuple[str, torch.Size, int]]:
+        """What stage `stage` sends to rank 0 for the consolidated model: its trained parameters, then its
+        frozen ones (each only on its own stage)."""
+        trained = self._layout_of(stage)
+        end = sum(shape.numel() for _, shape, _ in trained)
+        return trained + [(n, s, o + end) for n, s, o in self._layout_of(stage, self.cut.frozen_shapes)]
 
     def step(self, batch: Any) -> StepStats:
         self.flat.zero_grad()
@@ -151,9 +158,12 @@ class PipelineTrainer(Trainer):
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """Pipeline 0's stages send their fp32 masters to rank 0 (booked as export traffic)."""
-        layouts = [self._layout_of(s) for s in range(self.pipe.p)]
+        layouts = [self._export_layout(s) for s in range(self.pipe.p)]
+        frozen = [self.model.get_parameter(n).detach().reshape(-1).float()
+                  for n, _, _ in self._layout_of(self.stage, self.cut.frozen_shapes)]
         with self.meter.tagged("export"):
-            values = gather_masters(self.p2p, self._master(), self.stage, self.dp_rank, layouts)
+            values = gather_masters(self.p2p, torch.cat([self._master(), *frozen]), self.stage, self.dp_rank,
+                                    layouts)
         if values is None:
             return {}
         # buffers are every rank's own; parameters as gathered

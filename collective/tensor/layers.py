@@ -9,6 +9,7 @@ each rank's logsumexp and target logit (gather_from_tp), never the full logits.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -75,31 +76,54 @@ def _parameter(t: torch.Tensor | None) -> nn.Parameter | None:
     return nn.Parameter(t.detach().clone()) if t is not None else None
 
 
+@dataclass
+class Adapter:
+    """A LoRA adapter's parts on this rank (psarch/models/lora.py): A (r x in) and B (out x r), each whole or
+    split as the layer's weight is, and its scaling alpha / r."""
+
+    lora_A: torch.Tensor
+    lora_B: torch.Tensor
+    scaling: float
+
+
 class _ParallelLinear(nn.Module):
     """A linear layer's part on this rank: `weight` and `bias` as this rank holds them (copies become its
-    parameters, under the names nn.Linear gives them)."""
+    parameters, under the names nn.Linear and LoRALinear give them), and its LoRA adapter's parts if it has one."""
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, mesh: TensorMesh) -> None:
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, mesh: TensorMesh,
+                 adapter: Adapter | None = None) -> None:
         super().__init__()
         self.mesh = mesh
         self.weight = nn.Parameter(weight.detach().clone())
         self.bias = _parameter(bias)
+        self.scaling = adapter.scaling if adapter is not None else 0.0
+        self.lora_A = _parameter(adapter.lora_A if adapter is not None else None)
+        self.lora_B = _parameter(adapter.lora_B if adapter is not None else None)
 
 
 class ColumnParallelLinear(_ParallelLinear):
-    """y_r = f(x) W_r^T + b_r: this rank's output features (rows of W and b); the output stays split."""
+    """y_r = f(x) W_r^T + b_r: this rank's output features (rows of W and b); the output stays split. With an
+    adapter (A whole, B's rows split): + s · f(A x) B_r^T, f on the rank-r activation A x, so that A's gradient
+    is summed over the ranks (every rank's the same: A stays replicated)."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(copy_to_tp(x, self.mesh), self.weight, self.bias)
+        y = F.linear(copy_to_tp(x, self.mesh), self.weight, self.bias)
+        if self.lora_A is None or self.lora_B is None:
+            return y
+        return y + self.scaling * F.linear(copy_to_tp(F.linear(x, self.lora_A), self.mesh), self.lora_B)
 
 
 class RowParallelLinear(_ParallelLinear):
     """y = g(x_r W_r^T) + b: this rank's input features (columns of W); the bias, whole on every rank, is added
-    once, after the sum."""
+    once, after the sum. With an adapter (A's columns split, B whole): + s · g(x_r A_r^T) B^T, the rank-r
+    activation summed before B, so that B's gradient is every rank's the same (B stays replicated)."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = reduce_from_tp(F.linear(x, self.weight), self.mesh)
-        return y if self.bias is None else y + self.bias
+        y = y if self.bias is None else y + self.bias
+        if self.lora_A is None or self.lora_B is None:
+            return y
+        return y + self.scaling * F.linear(reduce_from_tp(F.linear(x, self.lora_A), self.mesh), self.lora_B)
 
 
 class VocabParallelEmbedding(nn.Module):

@@ -74,6 +74,8 @@ def check_gpt(cfg: Config, kind: str) -> None:
 
 class TensorSpec(BackendSpec):
     kind = "tensor"
+    trains_subsets = True
+    fine_tunes_from_base = True
     trainer = "collective.tensor.trainer:TensorTrainer"
     doc = "tensor parallelism (Megatron): GPT blocks split over tensor_parallel ranks, data parallelism beside it"
     options = TensorOptions
@@ -117,6 +119,8 @@ def replica_shard(cfg: Config, rank: int) -> tuple[int, int]:
 
 class TorchTensorSpec(BackendSpec):
     kind = "torch_tensor"
+    trains_subsets = True
+    fine_tunes_from_base = True
     trainer = "collective.tensor.torch_peer:TorchTensorTrainer"
     doc = "PyTorch's tensor parallelism (ColwiseParallel / RowwiseParallel, loss_parallel; the peer of tensor)"
     options = TensorParallel

@@ -16,15 +16,19 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from collective.tensor.layers import (ColumnParallelLinear, ParallelSelfAttention, RowParallelLinear,
+from collective.tensor.layers import (Adapter, ColumnParallelLinear, ParallelSelfAttention, RowParallelLinear,
                                       VocabParallelEmbedding)
 from collective.tensor.mesh import TensorMesh
 from psarch.checkpoint.fragments import Fragment
 from psarch.models.gpt import GPT, Block, CausalSelfAttention
+from psarch.models.lora import LoRALinear
 
 # module path inside a block -> (split dimension of its weight, how many equal parts its output rows hold)
 BLOCK_SPLITS = {"attn.qkv": (0, 3), "mlp.0": (0, 1), "attn.proj": (1, 1), "mlp.2": (1, 1)}
 VOCAB = ("embed", "head")
+# a LoRA adapter (psarch/models/lora.py) of a split linear: B (out x r) splits as the weight's rows (a
+# column-parallel linear), A (r x in) as its columns (a row-parallel one); the other factor is replicated
+ADAPTER_SPLIT = {"lora_B": 0, "lora_A": 1}
 
 
 @dataclass(frozen=True)
@@ -83,10 +87,14 @@ def vocab_range(vocab: int, tp_size: int, tp_rank: int) -> tuple[int, int]:
 
 
 def _shard(name: str, shape: tuple[int, ...], tp_size: int, tp_rank: int) -> Shard:
-    module = name.rpartition(".")[0]
+    module, _, leaf = name.rpartition(".")
+    inner = module.split(".", 2)[2] if module.startswith("blocks.") else ""
+    if leaf in ADAPTER_SPLIT:
+        split = 0 if module in VOCAB else BLOCK_SPLITS[inner][0] if inner in BLOCK_SPLITS else None
+        if split != ADAPTER_SPLIT[leaf]:
+            return Shard(name, shape)
     if module in VOCAB:
         return Shard(name, shape, 0, (vocab_range(shape[0], tp_size, tp_rank),))
-    inner = module.split(".", 2)[2] if module.startswith("blocks.") else ""
     if inner not in BLOCK_SPLITS or (name.endswith(".bias") and BLOCK_SPLITS[inner][0] == 1):
         return Shard(name, shape)
     dim, parts = BLOCK_SPLITS[inner]
@@ -127,11 +135,18 @@ def split_gpt(model: GPT, plan: dict[str, Shard], mesh: TensorMesh) -> None:
     def bias(path: str) -> torch.Tensor | None:
         return part(f"{path}.bias") if f"{path}.bias" in params else None
 
+    def adapter(path: str) -> Adapter | None:
+        layer = model.get_submodule(path)
+        return Adapter(part(f"{path}.lora_A"), part(f"{path}.lora_B"), layer.scaling) \
+            if isinstance(layer, LoRALinear) else None
+
     def column(path: str) -> ColumnParallelLinear:
-        return ColumnParallelLinear(part(f"{path}.weight"), bias(path), mesh)
+        return ColumnParallelLinear(part(f"{path}.weight"), bias(path), mesh, adapter(path))
 
     def row(path: str) -> RowParallelLinear:
-        return RowParallelLinear(part(f"{path}.weight"), bias(path), mesh)
+        return RowParallelLinear(part(f"{path}.weight"), bias(path), mesh, adapter(path))
+
+    trains = {name: p.requires_grad for name, p in params.items()}
 
     for i, block in enumerate(model.blocks):
         assert isinstance(block, Block)   # check_splittable
@@ -143,3 +158,5 @@ def split_gpt(model: GPT, plan: dict[str, Shard], mesh: TensorMesh) -> None:
     lo = plan["embed.weight"].ranges[0][0]
     model.embed = VocabParallelEmbedding(part("embed.weight"), lo, mesh)   # type: ignore[assignment]  # as above
     model.head = column("head")   # type: ignore[assignment]  # as above
+    for name, p in model.named_parameters():   # the parts train where the whole did (train.trainable, LoRA)
+        p.requires_grad_(trains[name])

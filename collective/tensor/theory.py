@@ -38,20 +38,57 @@ LOSS_BYTES = 4   # the cross-entropy's logsumexps and target logits are fp32 wha
 BLOCK_ACTIVATIONS = "block_activation_bytes"   # the per-rank figure, predicted and measured under this name
 
 
-def gpt_shapes(cfg: Config) -> dict[str, tuple[int, ...]]:
-    """The parameters (name -> shape, in order) of the config's built-in GPT, built on the meta device."""
+def gpt_model(cfg: Config) -> GPT:
+    """The config's built-in GPT on the meta device, with its LoRA adapters and frozen parameters
+    (psarch.models.trainable)."""
+    from psarch.models.trainable import select_trainable
+
     w = cfg.workload
     vocab = w.markov.vocab_size if w.data == "markov" else TextSource.vocab_size
     with torch.device("meta"):
         model = GPT(vocab, w.seq_len, w.gpt.n_layer, w.gpt.n_embd, w.gpt.n_head, w.gpt.mlp_ratio)
-    return {n: tuple(p.shape) for n, p in model.named_parameters()}
+    select_trainable(model, cfg)
+    return model
 
 
-def held_params(cfg: Config, tp_rank: int = 0) -> tuple[int, int]:
-    """(parameters tensor-parallel rank `tp_rank` holds, parameters of the whole model)."""
-    shapes = gpt_shapes(cfg)
+def gpt_shapes(cfg: Config, trains: bool | None = None) -> dict[str, tuple[int, ...]]:
+    """The parameters (name -> shape, in order) of the config's built-in GPT, built on the meta device: all, or
+    those that train (trains True) or are frozen (False)."""
+    return {n: tuple(p.shape) for n, p in gpt_model(cfg).named_parameters()
+            if trains is None or p.requires_grad == trains}
+
+
+def held_params(cfg: Config, tp_rank: int = 0, trains: bool = True) -> tuple[int, int]:
+    """(parameters that train tensor-parallel rank `tp_rank` holds, those of the whole model); trains False: the
+    frozen ones."""
+    shapes = gpt_shapes(cfg, trains)
     plan = shard_plan(shapes, cfg.backend.tp_size, tp_rank)
     return (sum(math.prod(s.local_shape) for s in plan.values()), sum(math.prod(s) for s in shapes.values()))
+
+
+# the split linears of a GPT block: column-parallel ones start with f (an all-reduce backward), row-parallel
+# ones end with g (an all-reduce forward)
+COLUMNS, ROWS = ("attn.qkv", "mlp.0"), ("attn.proj", "mlp.2")
+
+
+def tp_all_reduces(cfg: Config) -> tuple[int, int]:
+    """(all-reduces of b·s·h activations per step, of b·s·r adapter activations). Every g runs forward (the
+    row-parallel linears' and the embedding's); an f's backward runs only where something before it trains
+    (autograd skips a gradient nothing needs: a LoRA run's first qkv). A LoRA adapter of a split linear
+    all-reduces its rank-r activation A x once (collective/tensor/layers.py). 4L + 2 and 0 when all trains."""
+    L = cfg.workload.gpt.n_layer
+    if not (cfg.train.trainable or cfg.train.lora_rank):
+        return 4 * L + 2, 0
+    model = gpt_model(cfg)
+    columns = {f"blocks.{i}.{c}" for i in range(L) for c in COLUMNS} | {"head"}
+    splits = columns | {f"blocks.{i}.{r}" for i in range(L) for r in ROWS}
+    upstream, f = False, 0
+    for name, p in model.named_parameters():   # the forward's order in psarch's GPT
+        module, _, leaf = name.rpartition(".")
+        f += module in columns and leaf == "weight" and upstream
+        upstream = upstream or p.requires_grad
+    adapters = sum(1 for m in splits if hasattr(model.get_submodule(m), "lora_A"))
+    return 2 * L + 1 + f, adapters
 
 
 def step_bytes(cfg: Config, held: float, torch_loss: bool = False) -> tuple[float, int, int]:
@@ -61,8 +98,10 @@ def step_bytes(cfg: Config, held: float, torch_loss: bool = False) -> tuple[floa
     b, w = cfg.backend, BYTES[cfg.train.precision]
     t, dp, g = b.tp_size, b.dp_size, cfg.workload.gpt
     tokens = cfg.train.global_batch // dp * cfg.workload.seq_len
-    all_reduces = 4 * g.n_layer + 2
-    activations = all_reduces * ring_bytes("all_reduce", tokens * g.n_embd, w, t)[0]
+    wide, narrow = tp_all_reduces(cfg)
+    all_reduces = wide + narrow
+    activations = wide * ring_bytes("all_reduce", tokens * g.n_embd, w, t)[0] + \
+        narrow * ring_bytes("all_reduce", tokens * cfg.train.lora_rank, w, t)[0]
     loss = 3 * ring_bytes("all_reduce", tokens, LOSS_BYTES, t)[0] if torch_loss else \
         ring_bytes("all_gather", 2 * tokens, LOSS_BYTES, t)[0]
     grads = ring_bytes("all_reduce", int(held), w, dp)[0]
@@ -79,7 +118,8 @@ def tensor(cfg: Config, phi: float, torch_loss: bool = False) -> Prediction:
     mine, whole = held_params(cfg)
     held = mine * phi / whole
     width, k = BYTES[t.precision], optimizer_bytes_per_param(t.optimizer, t.precision, t.momentum)
-    mem = MemoryPrediction(params=width * held, grads=width * held, optimizer=k * held)
+    frozen = held_params(cfg, trains=False)[0] if t.trainable or t.lora_rank else 0   # its parts of the frozen
+    mem = MemoryPrediction(params=width * held, grads=width * held, optimizer=k * held, frozen=width * frozen)
     v, passes, messages = step_bytes(cfg, held, torch_loss)
     acts = g.n_layer * block_activation_bytes(cfg.workload.seq_len, t.global_batch // cfg.backend.dp_size, g.n_embd,
                                               g.n_head, width, cfg.backend.tp_size)

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
+from torch import nn
 
 from collective.comm import grads_of
 from collective.tensor import theory
@@ -29,6 +30,7 @@ from psarch.config import Config
 from psarch.dist import DistContext
 from psarch.meters import TrafficMeter, local, torch_memory
 from psarch.models.gpt import GPT, Block
+from psarch.models.lora import LoRALinear
 from psarch.optim import build_optimizer
 from psarch.precision import step_if_finite
 from psarch.trainer import MemoryReport, StepStats, Trainer, TrafficReport
@@ -42,7 +44,9 @@ def torch_plan(shapes: dict[str, tuple[int, ...]], tp_size: int, tp_rank: int) -
     """psarch's split, but the vocabulary in torch.chunk's shards (ceil(V/t) rows a rank, the last fewer), as
     torch's Shard(0) places the embedding's and the head's rows."""
     plan = shard_plan(shapes, tp_size, tp_rank)
-    for name in ("embed.weight", "head.weight"):
+    for name in ("embed.weight", "head.weight", "head.lora_B"):
+        if name not in shapes:
+            continue
         rows = shapes[name][0]
         lo = min(rows, tp_rank * -(-rows // tp_size))
         plan[name] = Shard(name, shapes[name], 0, ((lo, min(rows, lo + -(-rows // tp_size))),))
@@ -50,10 +54,11 @@ def torch_plan(shapes: dict[str, tuple[int, ...]], tp_size: int, tp_rank: int) -
 
 
 def qkv_order(shapes: dict[str, tuple[int, ...]], tp_size: int) -> dict[str, torch.Tensor]:
-    """For each qkv weight and bias: the full rows in the order that puts rank r's q, k, v heads in its chunk."""
+    """For each qkv weight and bias (and LoRA's B): the full rows in the order that puts rank r's q, k, v heads in
+    its chunk."""
     plans = [shard_plan(shapes, tp_size, r) for r in range(tp_size)]
     return {name: torch.cat([torch.arange(a, b) for p in plans for a, b in p[name].ranges])
-            for name in shapes if ".attn.qkv." in name}
+            for name in shapes if ".attn.qkv." in name and plans[0][name].dim == 0}
 
 
 def parallelize(model: GPT, tp: DeviceMesh, order: dict[str, torch.Tensor], tp_size: int) -> None:
@@ -73,8 +78,26 @@ def parallelize(model: GPT, tp: DeviceMesh, order: dict[str, torch.Tensor], tp_s
             block.attn.qkv, block.attn.proj, block.attn.n_head // tp_size)
         parallelize_module(block, tp, {"attn.qkv": ColwiseParallel(), "attn.proj": RowwiseParallel(),
                                        "mlp.0": ColwiseParallel(), "mlp.2": RowwiseParallel()})
+        for path, dim in (("attn.qkv", 0), ("mlp.0", 0), ("attn.proj", 1), ("mlp.2", 1)):
+            place_adapter(block.get_submodule(path), tp, dim)
     parallelize_module(model, tp, {"embed": RowwiseParallel(input_layouts=Replicate()),
                                    "head": ColwiseParallel(output_layouts=Sharded(-1), use_local_output=False)})
+    place_adapter(model.head, tp, 0)
+
+
+def place_adapter(layer: nn.Module, tp: DeviceMesh, dim: int) -> None:
+    """A LoRA adapter's factors as collective/tensor/split.py places them: ColwiseParallel (dim 0) shards every
+    parameter of a linear by rows, right for B, but A is replicated; RowwiseParallel (dim 1) leaves both plain: A
+    sharded by columns, B replicated. DTensor's own rules then run the adapter's forward and backward."""
+    from torch.distributed.tensor import DTensor, Replicate, Shard as Sharded, distribute_tensor
+
+    if not isinstance(layer, LoRALinear):
+        return
+    for name, place in (("lora_A", Sharded(1) if dim == 1 else Replicate()),
+                        ("lora_B", Sharded(0) if dim == 0 else Replicate())):
+        p = getattr(layer, name)
+        value = p.redistribute(tp, [place]) if isinstance(p, DTensor) else distribute_tensor(p.detach(), tp, [place])
+        layer.register_parameter(name, nn.Parameter(value, requires_grad=p.requires_grad))
 
 
 class TorchTensorTrainer(Trainer):
@@ -98,7 +121,9 @@ class TorchTensorTrainer(Trainer):
         self.plan = torch_plan(self.shapes, b.tp_size, mesh["tp"].get_local_rank())
         self.model = gpt.to(ctx.device)
         parallelize(self.model, mesh["tp"], self.order, b.tp_size)
-        self.named = list(self.model.named_parameters())
+        # what trains (train.trainable, LoRA) is stepped, reduced and checkpointed; frozen parts are only held
+        trains = set(self.shapes) - {n for n, p in gpt.named_parameters() if not p.requires_grad}
+        self.named = [(n, p) for n, p in self.model.named_parameters() if n in trains]
         self.params = [p for _, p in self.named]
         distributed = [p for p in self.params if hasattr(p, "to_local")]
         plain = [p for p in self.params if not hasattr(p, "to_local")]
@@ -130,7 +155,7 @@ class TorchTensorTrainer(Trainer):
         """Each parameter gathered in turn (a collective in every tensor-parallel group); qkv rows put back in
         the model's order; rank 0 keeps fp32 CPU copies."""
         out = {}
-        for name, p in self.named:
+        for name, p in self.model.named_parameters():
             full = p.full_tensor() if hasattr(p, "full_tensor") else p
             if self.ctx.rank == 0:
                 value = full.detach().float().cpu()
@@ -154,7 +179,7 @@ class TorchTensorTrainer(Trainer):
         frags = self._fragments()
         if writing:
             frags = written_by_me(frags, self.plan, self.ctx.rank, self.ctx.world_size, self.dp_rank, self.dp_size)
-        return Pieces(frags, dict(self.shapes))
+        return Pieces(frags, {n: self.shapes[n] for n, _ in self.named})
 
     def load_checkpoint(self, ckpt: Checkpoint) -> None:
         restore(self.optim, self.params, ckpt, self._fragments)

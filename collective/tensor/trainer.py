@@ -42,12 +42,17 @@ class TensorTrainer(Trainer):
             raise ValueError("tensor parallelism computes the GPT's next-token loss itself (vocabulary-parallel); "
                              "this workload brings its own loss_fn")
         self.mesh = TensorMesh.build(ctx, b.tp_size, b.comm)
-        self.shapes = {n: tuple(p.shape) for n, p in model.named_parameters()}
-        self.plan = shard_plan(self.shapes, self.mesh.tp_size, self.mesh.tp_rank)
-        split_gpt(model, self.plan, self.mesh)
+        shapes = {n: tuple(p.shape) for n, p in model.named_parameters()}
+        plan = shard_plan(shapes, self.mesh.tp_size, self.mesh.tp_rank)
+        trains = {n for n, p in model.named_parameters() if p.requires_grad}
+        split_gpt(model, plan, self.mesh)
         self.model = model.to(ctx.device, compute_dtype(cfg.train.precision))
-        self.vocab_lo = self.plan["head.weight"].ranges[0][0]
-        self.flat = FlatParams(list(self.model.parameters()))
+        self.vocab_lo = plan["head.weight"].ranges[0][0]
+        # what trains (train.trainable, LoRA) is in the flat buffer, stepped and checkpointed; the frozen parts apart
+        self.shapes = {n: s for n, s in shapes.items() if n in trains}
+        self.frozen_shapes = {n: s for n, s in shapes.items() if n not in trains}
+        self.plan = {n: plan[n] for n in self.shapes}
+        self.flat = FlatParams([p for p in self.model.parameters() if p.requires_grad])
         self.optim = MixedPrecisionOptimizer([self.flat.data], cfg.train, cfg.train.precision)
         self.activations = SavedActivationMeter(self._param_storages, scope=list(self.model.blocks)) \
             if b.measure_activations else None
@@ -87,7 +92,13 @@ class TensorTrainer(Trainer):
         """The full fp32 model on rank 0, gathered from the first replica's tensor-parallel ranks."""
         if self.mesh.dp_rank != 0:
             return {}
-        return gather_full(self.shapes, self.optim.master.masters[0], self.mesh, keep=self.ctx.rank == 0)
+        keep = self.ctx.rank == 0
+        full = gather_full(self.shapes, self.optim.master.masters[0], self.mesh, keep)
+        if self.frozen_shapes:
+            frozen = [p.detach().reshape(-1).float() for p in self.model.parameters() if not p.requires_grad]
+            full.update(gather_full(self.frozen_shapes, torch.cat(frozen), self.mesh, keep))
+        order = [n for n, _ in self.model.named_parameters()]
+        return {n: full[n] for n in order} if keep else {}
 
     def _fragments(self) -> list:
         return fragments(self.plan, self.optim.optimizer, self.optim.master.params[0])

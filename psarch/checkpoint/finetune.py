@@ -35,12 +35,17 @@ def is_base_start(cfg: Config, ckpt: Checkpoint, model: nn.Module) -> bool:
     base = base_shapes(model)
     if set(ckpt.params) != set(base) or any(list(s) != ckpt.params[n]["shape"] for n, s in base.items()):
         return False
-    if not registry.spec_of(cfg).fine_tunes_from_base:   # e.g. PS servers restore their shards from the checkpoint
+    spec = registry.spec_of(cfg)
+    if not spec.fine_tunes_from_base:   # e.g. PS servers restore their shards from the checkpoint
         kinds = [s.kind for s in registry.specs() if s.fine_tunes_from_base]
         raise CheckpointError(f"--from {ckpt.path}: a base model's checkpoint into a LoRA or frozen config is loaded "
                               f"on backend.kind = {', '.join(kinds)} only; {cfg.backend.kind!r} has no base-weight "
                               f"load yet (its model is not built from the rank's workload alone; start it from a "
                               f"checkpoint of its own trainable set)")
+    if not spec.worker_holds_tables(cfg):
+        raise CheckpointError(f"--from {ckpt.path}: a base model's checkpoint is loaded into the ranks' models, but "
+                              f"with backend.embeddings = \"{cfg.backend.embeddings}\" the tables are built where they "
+                              f"live (PS servers, row shards) from the seed; fine-tune with embeddings = \"dense\"")
     return True
 
 

@@ -163,6 +163,10 @@ class Checkpoint:
         keep = (pos >= lo) & (pos < hi)
         return block[keep], pos[keep] - lo
 
+    def numel(self, name: str, key: str) -> int:
+        """Elements of `key` stored for `name`, from offset 0 on (0 where none is)."""
+        return max((e["offset"] + e["numel"] for e in self._index.get((name, key), ())), default=0)
+
     def has(self, name: str, key: str) -> bool:
         """Whether any fragment of `key` (PARAM, an optimizer state, a private record) of `name` is stored."""
         return (name, key) in self._index

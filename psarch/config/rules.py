@@ -98,10 +98,14 @@ def _check_compression(cfg: Config) -> None:
     if t.compression != "none" and e != "dense":
         raise ConfigError(f"train.compression = \"{t.compression}\": compresses the dense gradients only (the tables' "
                           f"rows move whole); use backend.embeddings = \"dense\", not \"{e}\"")
-    if t.compression in ("topk", "powersgd") and t.checkpoint_every:
+    spec = registry.spec_of(cfg)
+    if t.compression in ("topk", "powersgd") and t.checkpoint_every and t.compression in spec.compressions \
+            and not spec.checkpoints_compression:
+        kinds = [s.kind for s in registry.specs() if s.checkpoints_compression]
         raise ConfigError(f"train.checkpoint_every = {t.checkpoint_every}: the error feedback of train.compression = "
-                          f"\"{t.compression}\" is not in checkpoints yet, so a resumed run would not continue this one; "
-                          f"use 0")
+                          f"\"{t.compression}\" is not in backend.kind = \"{spec.kind}\"'s checkpoints yet, so a "
+                          f"resumed run would not continue this one; use 0 (or backend.kind = "
+                          f"{', '.join(json.dumps(k) for k in kinds)})")
 
 
 def _check_workload(cfg: Config) -> None:
@@ -156,9 +160,10 @@ def check_capabilities(spec: Any, cfg: Config) -> None:
         subsets = [s.kind for s in registry.specs() if s.trains_subsets]
         raise ConfigError(f"{key}: {this} trains every parameter; frozen parameters and LoRA run on backend.kind = "
                           f"{', '.join(json.dumps(k) for k in subsets)}")
-    if (t.trainable or t.lora_rank) and b.embeddings != "dense":
+    if (t.trainable or t.lora_rank) and b.embeddings not in spec.subset_embeddings:
         raise ConfigError(f"backend.embeddings = \"{b.embeddings}\": frozen parameters and LoRA (train.trainable, "
-                          f"train.lora_rank) run with dense embeddings only")
+                          f"train.lora_rank) run on {this} with embeddings "
+                          f"{', '.join(json.dumps(e) for e in spec.subset_embeddings)} only")
     if t.precision not in spec.precisions:
         raise ConfigError(f"train.precision = \"{t.precision}\": {this} runs {' or '.join(spec.precisions)} only")
     if t.compression not in spec.compressions:

@@ -103,7 +103,10 @@ def run_rank(cfg: Config, ctx: DistContext, workload: Workload | None = None, ec
     workload = slowed(workload, slow)
     # before a backend shards the model: Φ, the parameters that train, and those frozen
     params = sum(p.numel() for p in workload.model.parameters() if p.requires_grad)
-    frozen = [p for p in workload.model.parameters() if not p.requires_grad]
+    # the model's, before a backend drops or splits what its rank does not keep (no reference kept: that would
+    # hold the whole frozen weights alive beside a backend's parts of them)
+    frozen_names = {n for n, p in workload.model.named_parameters() if not p.requires_grad}
+    frozen_count = sum(p.numel() for n, p in workload.model.named_parameters() if n in frozen_names)
     ckpt = checkpoint.Checkpoint(start) if start is not None else None
     base = ckpt is not None and not resume and finetune.is_base_start(cfg, ckpt, workload.model)
     if ckpt is not None and base:   # fine-tuning a base model's checkpoint: its weights, before the backend copies them
@@ -143,14 +146,15 @@ def run_rank(cfg: Config, ctx: DistContext, workload: Workload | None = None, ec
                log, save, timeline)
         state = trainer.full_state_dict()   # a collective call: before the figures, which then include it
         memory = trainer.memory()
-        # frozen weights are the model's own tensors (a DTensor's local shard) wherever the backend keeps them (a
-        # backend holding more copies, dp's replicas, reports them itself)
-        memory.frozen = memory.frozen or tensor_bytes(local(p) for p in frozen)
+        # frozen weights are the model's own tensors as the backend left them (a DTensor's local shard, a tensor
+        # rank's part, a pipeline stage's own; a backend holding more copies, dp's replicas, reports them itself)
+        memory.frozen = memory.frozen or tensor_bytes(local(p) for n, p in workload.model.named_parameters()
+                                                      if n in frozen_names)
         record = RankRecord(ctx.rank, records, memory.to_dict(), trainer.traffic().to_dict(),
                             trainer.summary_extra(), str(ctx.device), ctx.dist_backend, workload.entropy_floor,
                             params, workload.name, state if ctx.rank == 0 else None,
                             virtual_device=slow.facts() if isinstance(slow, (VirtualDevice, CallDevice)) else None,
-                            frozen_params=sum(p.numel() for p in frozen),
+                            frozen_params=frozen_count,
                             timeline=[x.to_dict() for x in timeline])
     finally:
         if stream is not None:

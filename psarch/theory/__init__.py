@@ -117,10 +117,12 @@ def predict(cfg: Config, phi: float, frozen: float = 0.0) -> Prediction:
     """What theory predicts for `cfg` with `phi` parameters that train: the backend's own theory
     (BackendSpec.predict). S = phi x the wire dtype's bytes (the compute precision), N = backend.world_size.
     `frozen` parameters move nowhere and hold no gradient or optimizer state: each copy the backend keeps of the
-    model (BackendSpec.frozen_copies) holds them whole in the compute dtype."""
+    model (BackendSpec.frozen_copies) holds them whole in the compute dtype, unless the backend's theory placed
+    them itself (a pipeline's stages each keep their own)."""
     spec = registry.spec_of(cfg)
     p = spec.predict(cfg, phi)
-    p.memory_per_rank.frozen = frozen * BYTES[cfg.train.precision] * spec.frozen_copies(cfg)
+    if not p.memory_per_rank.frozen:
+        p.memory_per_rank.frozen = frozen * BYTES[cfg.train.precision] * spec.frozen_copies(cfg)
     return p
 
 
