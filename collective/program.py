@@ -43,14 +43,28 @@ def bucketed(n: int, buckets: list[float], step: DataStep, overlap: bool, reduce
     """Backward readying `buckets` (bytes, in that order) among n ranks, each bucket `passes` ring passes from
     backward's hooks (overlap) or after backward, one after another, then the optimizer step: the program, and
     each rank's optimizer step (what comes next waits for)."""
+    return collectives(n, buckets, [[(f"{name}{b}", size, passes)] for b, size in enumerate(buckets)], [], step,
+                       overlap, reduced)
+
+
+Call = tuple[str, float, int]   # one collective: its name, the bytes its ring passes go over, how many passes
+
+
+def collectives(n: int, sizes: list[float], launched: list[list[Call]], later: list[Call], step: DataStep,
+                overlap: bool, reduced: bool) -> tuple[Program, list[tuple[str, ...]]]:
+    """Backward readying buckets of `sizes` (gradient bytes, in that order) among n ranks; once bucket b is ready
+    (overlap: from backward's hooks; else after backward) the ranks issue `launched[b]`, and after backward
+    `later` (PowerSGD's all-reduce of Q), all on one communicator, each collective after the one issued before it.
+    The program, and each rank's optimizer step (what comes next waits for)."""
     p = workers(n, reduced)
     ranks = range(1 if reduced else n)
-    points = ready_points(buckets) if overlap else [1.0] * len(buckets)
+    points = ready_points(sizes) if overlap else [1.0] * len(sizes)
     spans = [backward_spans(p, r, r, step, points) for r in ranks]
     last: list[tuple[str, ...]] = [() for _ in ranks]
-    for b, size in enumerate(buckets):
-        last = [(d,) for d in ring(p, f"{name}{b}", n, size, passes, [(spans[r][0][b], *last[r]) for r in ranks],
-                                   reduced)]
+    issued = [(calls, [spans[r][0][b] for r in ranks]) for b, calls in enumerate(launched)]
+    for calls, ready in issued + [(later, [spans[r][1] for r in ranks])]:
+        for name, nbytes, passes in calls:
+            last = [(d,) for d in ring(p, name, n, nbytes, passes, [(ready[r], *last[r]) for r in ranks], reduced)]
     return p, [(p.compute(f"opt{r}", r, step.optimizer_s, (spans[r][1], *last[r])),) for r in ranks]
 
 

@@ -36,15 +36,18 @@ def reduced_params(cfg: Config, phi: float) -> float:
     return phi if cfg.backend.embeddings == "dense" else phi - table_params(cfg)
 
 
-def ddp_step(cfg: Config, phi: float, step: Any, reduced: bool, overlap: bool) -> Any:
+def ddp_step(cfg: Config, phi: float, step: Any, reduced: bool, overlap: bool, chained: bool = False) -> Any:
     """The dense all-reduce's step program (collective/program.py): buckets of bucket_cap_mb in the order backward
     readies them (the flat buffer holds the parameters in reverse and is cut from its start, so the short bucket is
-    the last); None with embedding tables or compressed gradients (not written yet: their bytes are theory's)."""
+    the last); compressed: collective/theory.py's compressed_program; None with embedding tables (not written yet:
+    their bytes are theory's)."""
     from collective.program import ddp_program
     from psarch.theory.program import chunks
 
-    if cfg.backend.embeddings != "dense" or cfg.train.compression != "none":
+    if cfg.backend.embeddings != "dense":
         return None
+    if cfg.train.compression != "none":
+        return theory.compressed_program(cfg, step, overlap, reduced, chained)
     buckets = chunks(phi * BYTES[cfg.train.precision], cfg.backend.bucket_cap_mb * 2**20)
     return ddp_program(cfg.backend.world_size, buckets, step, overlap, reduced)
 
@@ -182,7 +185,8 @@ class TorchDDPSpec(BackendSpec):
                                     cfg.backend.bucket_cap_mb * 2**20), overlap=True)
 
     def program(self, cfg: Config, phi: float, step: Any, reduced: bool = False) -> Any:
-        return ddp_step(cfg, phi, step, reduced, True)   # torch DDP always sends from backward's hooks
+        # torch DDP always sends from backward's hooks; its powerSGD_hook chains Q's all-reduce to P's
+        return ddp_step(cfg, phi, step, reduced, True, chained=True)
 
 
 DDP = DDPSpec()

@@ -13,6 +13,7 @@ from psarch.theory import (BYTES, LinkBytes, MemoryPrediction, Prediction, expec
 
 if TYPE_CHECKING:
     from psarch.config import Config
+    from psarch.theory.program import DataStep, Program
 
 
 def replicated(cfg: Config, phi: float) -> Prediction:
@@ -137,22 +138,44 @@ def ring_all_reduce_bytes(numel: int, itemsize: int, n: int) -> int:
     return 0 if n == 1 or numel == 0 else 2 * (n - 1) * -(-numel // n) * itemsize
 
 
-def compressed_bucket_bytes(compression: str, shapes: Sequence[Sequence[int]], itemsize: int, n: int,
-                            ratio: float = 0.01, rank: int = 1, compressing: bool = True) -> int:
-    """Bytes one rank sends (= receives) averaging one bucket of gradients of these shapes: fp16/bf16 a ring
-    all-reduce of 2-byte elements; top-k an all-gather of its k (index, value) pairs, (N-1) k (4 + itemsize);
-    PowerSGD (once `compressing`, after its warm-up) three ring all-reduces: the whole tensors, every P (n x r),
-    every Q (m x r)."""
+# one collective of a bucket: (ALL_REDUCE, elements, bytes per element) or (ALL_GATHER, bytes each rank gives, 1)
+ALL_REDUCE, ALL_GATHER = "all_reduce", "all_gather"
+Collective = tuple[str, int, int]
+
+
+def bucket_collectives(compression: str, shapes: Sequence[Sequence[int]], itemsize: int, ratio: float = 0.01,
+                       rank: int = 1, compressing: bool = True) -> tuple[list[Collective], list[Collective]]:
+    """The collectives that average one bucket of gradients of these shapes (collective/compression.py): those
+    launched as the bucket fills, and those issued after backward. fp16/bf16 an all-reduce of 2-byte elements;
+    top-k an all-gather of its k (int32 index, value) pairs; PowerSGD (once `compressing`, after its warm-up) the
+    whole tensors and every P (n x r) all-reduced at once, every Q (m x r) after backward (its finish); else the
+    bucket whole."""
     numel = sum(math.prod(s) for s in shapes)
     if compression in ("fp16", "bf16"):
-        return ring_all_reduce_bytes(numel, 2, n)
+        return [(ALL_REDUCE, numel, 2)], []
     if compression == "topk":
-        return (n - 1) * topk_k(numel, ratio) * (INDEX_BYTES + itemsize)
+        return [(ALL_GATHER, topk_k(numel, ratio) * (INDEX_BYTES + itemsize), 1)], []
     if compression == "powersgd" and compressing:
         whole, factored = powersgd_plan(shapes, rank)
-        return sum(ring_all_reduce_bytes(e, itemsize, n) for e in
-                   (whole, sum(a * r for a, _, r in factored), sum(m * r for _, m, r in factored)))
-    return ring_all_reduce_bytes(numel, itemsize, n)
+        launched = [(ALL_REDUCE, e, itemsize) for e in (whole, sum(a * r for a, _, r in factored)) if e]
+        q = sum(m * r for _, m, r in factored)
+        return launched, [(ALL_REDUCE, q, itemsize)] if q else []
+    return [(ALL_REDUCE, numel, itemsize)], []
+
+
+def collective_bytes(c: Collective, n: int) -> int:
+    """Bytes one rank sends (= receives) in collective `c` among n ranks by ring."""
+    kind, size, itemsize = c
+    return ring_all_reduce_bytes(size, itemsize, n) if kind == ALL_REDUCE else (n - 1) * size
+
+
+def compressed_bucket_bytes(compression: str, shapes: Sequence[Sequence[int]], itemsize: int, n: int,
+                            ratio: float = 0.01, rank: int = 1, compressing: bool = True) -> int:
+    """Bytes one rank sends (= receives) averaging one bucket of gradients of these shapes (bucket_collectives):
+    fp16/bf16 a ring all-reduce of 2-byte elements; top-k an all-gather of its k (index, value) pairs,
+    (N-1) k (4 + itemsize); PowerSGD three ring all-reduces: the whole tensors, every P, every Q."""
+    launched, later = bucket_collectives(compression, shapes, itemsize, ratio, rank, compressing)
+    return sum(collective_bytes(c, n) for c in launched + later)
 
 
 def error_feedback_bytes(compression: str, shapes: Sequence[Sequence[int]], itemsize: int, rank: int = 1) -> int:
@@ -202,3 +225,33 @@ def compressed(cfg: Config, phi: float) -> Prediction:
     if n == 1:
         return Prediction(mem, LinkBytes(), None, rounds=0, messages=0, server_memory=None)
     return Prediction(mem, LinkBytes(v, v), None, rounds=passes, messages=passes * (n - 1), server_memory=None)
+
+
+def compressed_program(cfg: Config, step: DataStep, overlap: bool, reduced: bool, chained: bool = False) -> Program:
+    """ddp's step with train.compression as a program (collective/program.py's collectives): ddp's buckets as its
+    trainer lays them out (ddp_bucket_shapes), each ready at its share of backward's bytes and averaged by its
+    bucket_collectives. The step is the median step's: compressed where most of the run's steps are (PowerSGD's
+    warm-up steps all-reduce whole). chained: every collective of a bucket issued as it fills (torch's
+    powerSGD_hook all-reduces Q as soon as P is in, within backward; psarch's PowerSGD after backward). Not
+    modelled: the compression's own compute (top-k's selection, PowerSGD's products)."""
+    from collective.program import collectives
+
+    t, n = cfg.train, cfg.backend.world_size
+    width = BYTES[t.precision]
+    warm = min(t.powersgd_warmup_steps, t.steps) if t.compression == "powersgd" else 0
+    shapes = ddp_bucket_shapes(cfg)
+    sizes = [float(width * sum(math.prod(s) for s in bucket)) for bucket in shapes]
+    launched, later = [], []
+    for b, bucket in enumerate(shapes):
+        now, after = bucket_collectives(t.compression, bucket, width, t.topk_ratio, t.powersgd_rank,
+                                        2 * (t.steps - warm) >= t.steps)
+        launched.append([_ring_call(f"c{b}.{i}", c, n) for i, c in enumerate(now + after if chained else now)])
+        later += [] if chained else [_ring_call(f"c{b}.{len(now) + i}", c, n) for i, c in enumerate(after)]
+    return collectives(n, sizes, launched, later, step, overlap, reduced)[0]
+
+
+def _ring_call(name: str, c: Collective, n: int) -> tuple[str, float, int]:
+    """Collective `c` as ring passes (collective/program.py's ring): an all-reduce 2 passes over its bytes, an
+    all-gather 1 pass over the n ranks' contributions."""
+    kind, size, itemsize = c
+    return (name, size * itemsize, 2) if kind == ALL_REDUCE else (name, n * size, 1)

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from collective.program import ddp_program
+from collective.program import collectives, ddp_program
 from psarch import registry
 from psarch.config import from_dict
 from psarch.ps.program import Slot, groups_of, ps_program, ps_reduced
@@ -31,7 +31,30 @@ def ps(k: int | str, colocated: bool = False, uneven: bool = False):
     return write
 
 
+def compressed_ddp(later: bool):
+    """4 buckets, each: a top-k all-gather (1 pass over n pairs' worth), or PowerSGD's whole and P all-reduced as
+    it fills and its Q after backward (later) or right after P (torch's hook)."""
+    def write(n: int, reduced: bool):
+        sizes = chunks(S, S / 4)
+        if not later:
+            launched = [[(f"tk{b}", n * size / 50, 1)] for b, size in enumerate(sizes)]
+            return collectives(n, sizes, launched, [], STEP, True, reduced)[0]
+        launched = [[(f"w{b}", size / 20, 2), (f"p{b}", size / 10, 2)] for b, size in enumerate(sizes)]
+        return collectives(n, sizes, launched, [(f"q{b}", size / 10, 2) for b, size in enumerate(sizes)], STEP,
+                           True, reduced)[0]
+    return write
+
+
+def ps_compressed(n: int, reduced: bool):
+    """The PS with n servers whose pushes carry a tenth of the pulls' bytes (top-k)."""
+    servers = [[Slot(x.bytes, x.ready, x.bytes / 10) for x in SLOTS] for _ in range(n)]
+    return ps_reduced(n, groups_of(servers), False, STEP) if reduced else ps_program(n, servers, False, STEP)
+
+
 PROGRAMS = {
+    "ddp, top-k all-gather": compressed_ddp(False),
+    "ddp, PowerSGD": compressed_ddp(True),
+    "ps, n servers, compressed pushes": ps_compressed,
     "ddp, overlap": lambda n, r: ddp_program(n, chunks(S, S / 4), STEP, True, r),
     "ddp, after backward": lambda n, r: ddp_program(n, chunks(S, S / 3), STEP, False, r),
     "zero-1/2": lambda n, r: stage12_program(n, chunks(S, S / 3), chunks(S, S / 2), STEP, True, r),
@@ -80,9 +103,35 @@ def test_specs_write_programs_whose_steps_match_the_formulas():
     assert step("ps", servers=1, partition_mb=s / 2**20) == pytest.approx(2 * n * s / RATE)
 
 
-@pytest.mark.parametrize("kind, options", [("ddp", {}), ("torch_ddp", {}), ("ps", {"servers": 2})])
-def test_a_compressed_step_has_no_program_yet(kind, options):
-    """The programs move uncompressed bytes: a compressed run is left to theory's byte counts, never simulated
-    as if uncompressed."""
-    cfg = from_dict({"train": {"compression": "fp16"}, "backend": {"kind": kind, "world_size": 2, **options}})
-    assert registry.spec_of(cfg).program(cfg, 1e6, DataStep.of(0.1), False) is None
+@pytest.mark.parametrize("kind, compression", [("ddp", "fp16"), ("ddp", "bf16"), ("ddp", "topk"), ("ddp", "powersgd"),
+                                               ("torch_ddp", "fp16"), ("torch_ddp", "powersgd")])
+def test_a_compressed_ddp_program_moves_theorys_bytes(kind, compression):
+    """With compute 0 and no latency a compressed DDP step is its bytes at the link's rate: the program's
+    collectives are theory's (collective/theory.py's bucket_collectives), on ddp's own buckets (several here)."""
+    from psarch.theory import predict
+    from psarch.workload import build_workload
+
+    n = 4
+    warm = {"powersgd_warmup_steps": 2} if compression == "powersgd" else {}
+    backend = {"kind": kind, "world_size": n, "bucket_cap_mb": 0.05}
+    cfg = from_dict({"train": {"compression": compression, "steps": 10, **warm}, "backend": backend})
+    phi = sum(p.numel() for p in build_workload(cfg, device="meta").model.parameters())
+    sent = predict(cfg, phi).worker.sent
+    if warm:   # the mean over the run holds 2 warm-up steps whole; the median step compresses
+        whole = predict(from_dict({"train": {"steps": 10}, "backend": backend}), phi)
+        sent = (10 * sent - 2 * whole.worker.sent) / 8
+    for reduced in (False, True):
+        p = registry.spec_of(cfg).program(cfg, phi, DataStep(0.0, 0.0), reduced)
+        assert simulate(p, Cluster.of(p, RATE)).step_s == pytest.approx(sent / RATE, rel=2e-3)
+
+
+def test_a_compressed_ps_program_pushes_theorys_bytes():
+    """One server, its range whole: N pushes of top-k pairs in through its link, then N pulls of S out."""
+    from psarch.theory import predict
+
+    n, phi = 4, 1e6
+    cfg = from_dict({"train": {"compression": "topk", "topk_ratio": 0.1},
+                     "backend": {"kind": "ps", "world_size": n, "servers": 1, "partition_mb": 0.0}})
+    p, expected = registry.spec_of(cfg).program(cfg, phi, DataStep(0.0, 0.0), False), predict(cfg, phi)
+    assert expected.worker.sent == pytest.approx(0.1 * phi * 12)
+    assert simulate(p, Cluster.of(p, RATE)).step_s == pytest.approx(n * (expected.worker.sent + 4 * phi) / RATE)

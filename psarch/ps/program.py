@@ -15,33 +15,42 @@ workers beside them), the workers alone one node; a slot's pushes and pulls one 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 from psarch.theory.program import BOTH, SERVER, WORKER, DataStep, Program, backward_spans
 
 
 @dataclass(frozen=True)
 class Slot:
-    """One partition of a server: its bytes, and where in backward (a fraction) it is ready."""
+    """One partition of a server: the bytes of its pull, where in backward (a fraction) it is ready, and the bytes
+    of its push (None: as its pull; fewer where train.compression compresses pushes)."""
 
     bytes: float
     ready: float
+    pushed: float | None = None
+
+    @property
+    def push(self) -> float:
+        return self.bytes if self.pushed is None else self.pushed
 
 
-def slots_of(parts: list[list[tuple[int, int]]], width: int, hooks: bool) -> list[list[Slot]]:
-    """Each server's partitions ([lo, hi) of the flat vector) as slots, in the order they are pushed."""
+def slots_of(parts: list[list[tuple[int, int]]], width: int, hooks: bool,
+             pushed: Callable[[int], float] | None = None) -> list[list[Slot]]:
+    """Each server's partitions ([lo, hi) of the flat vector) as slots, in the order they are pushed; `pushed`:
+    the bytes a push of a partition of so many elements carries (None: as its pull)."""
     numel = sum(b - a for server in parts for a, b in server) or 1
-    return [sorted((Slot((b - a) * width, 1 - a / numel if hooks else 1.0) for a, b in server),
-                   key=lambda s: s.ready) for server in parts]
+    return [sorted((Slot((b - a) * width, 1 - a / numel if hooks else 1.0, None if pushed is None else pushed(b - a))
+                    for a, b in server), key=lambda s: s.ready) for server in parts]
 
 
 def groups_of(servers: list[list[Slot]]) -> list[tuple[int, list[Slot]]]:
     """The servers as groups of alike ones for a reduced program: (how many, their slots), servers alike where
     their partitions' bytes are (round robin makes at most two groups: those with one partition more); a slot is
     ready when it is on the last of the group's servers."""
-    groups: dict[tuple[int, ...], list[list[Slot]]] = {}
+    groups: dict[tuple[tuple[int, int], ...], list[list[Slot]]] = {}
     for own in servers:
-        groups.setdefault(tuple(round(x.bytes) for x in own), []).append(own)
-    return [(len(members), [Slot(members[0][i].bytes, max(m[i].ready for m in members))
+        groups.setdefault(tuple((round(x.bytes), round(x.push)) for x in own), []).append(own)
+    return [(len(members), [Slot(members[0][i].bytes, max(m[i].ready for m in members), members[0][i].pushed)
                             for i in range(len(members[0]))]) for members in groups.values()]
 
 
@@ -57,7 +66,7 @@ def ps_program(n: int, servers: list[list[Slot]], colocated: bool, step: DataSte
     got: list[list[str]] = [[spans[w][1]] for w in range(n)]
     for at, (_, j, i) in enumerate(order):
         pushes = tuple(spans[w][0][at] if where[j] == w else
-                       p.transfer(f"push.{w}.{j}.{i}", w, where[j], servers[j][i].bytes, ("push", w, j),
+                       p.transfer(f"push.{w}.{j}.{i}", w, where[j], servers[j][i].push, ("push", w, j),
                                   (spans[w][0][at],)) for w in range(n))
         done = p.join(f"round.{j}.{i}", where[j], pushes)
         for w in range(n):
@@ -84,15 +93,15 @@ def ps_reduced(n: int, groups: list[tuple[int, list[Slot]]], colocated: bool, st
     spans = {node: backward_spans(p, node, node, step, [x for x, _, _ in order]) for node, _, _ in kinds}
     got: dict[int, list[str]] = {node: [spans[node][1]] for node, _, _ in kinds}
     for at, (_, g, i) in enumerate(order):
-        size, where = groups[g][1][i].bytes, servers[g]
+        slot, where = groups[g][1][i], servers[g]
         # each of a kind's `count` workers exchanges with every server of the group but its own
         copies = {node: count * (groups[g][0] - (own == g)) for node, count, own in kinds}
         pushes = [spans[node][0][at] for node, _, own in kinds if own == g]
-        pushes += [p.transfer(f"push.{node}.{g}.{i}", node, where, size, ("push", node, g), (spans[node][0][at],),
+        pushes += [p.transfer(f"push.{node}.{g}.{i}", node, where, slot.push, ("push", node, g), (spans[node][0][at],),
                               copies=copies[node]) for node, _, _ in kinds if copies[node]]
         done = p.join(f"round.{g}.{i}", where, tuple(pushes))
         for node, _, _ in kinds:
-            got[node].append(p.transfer(f"pull.{g}.{i}.{node}", where, node, size, ("pull", g, node), (done,),
+            got[node].append(p.transfer(f"pull.{g}.{i}.{node}", where, node, slot.bytes, ("pull", g, node), (done,),
                                         copies=copies[node]) if copies[node] else done)
     for node, _, _ in kinds:
         p.join(f"end{node}", node, tuple(got[node]))

@@ -178,16 +178,19 @@ class PSSpec(BackendSpec):
 
     def program(self, cfg: Config, phi: float, step: Any, reduced: bool = False) -> Any:
         """psarch/ps/program.py's sync step, from the servers' partitions (partitions.server_partitions) and
-        placement; reduced: alike servers grouped (program.groups_of). None for the other modes, embedding rows,
-        compressed pushes and servers started elsewhere (not written yet: their bytes are theory's)."""
+        placement, each push compressed as train.compression says (theory.pushed_bytes); reduced: alike servers
+        grouped (program.groups_of). None for the other modes, embedding rows and servers started elsewhere (not
+        written yet: their bytes are theory's). Not modelled: compressing a push (top-k's selection)."""
         from psarch.ps import program
         from psarch.ps.partitions import server_partitions
         from psarch.theory import BYTES
 
         b = cfg.backend
-        if b.mode != "sync" or b.embeddings != "dense" or b.server_addresses or cfg.train.compression != "none":
+        if b.mode != "sync" or b.embeddings != "dense" or b.server_addresses:
             return None
-        slots = program.slots_of(server_partitions(cfg, int(phi)), BYTES[cfg.train.precision], pushes_from_hooks(cfg))
+        pushed = None if cfg.train.compression == "none" else lambda numel: _theory().pushed_bytes(cfg, numel)
+        slots = program.slots_of(server_partitions(cfg, int(phi)), BYTES[cfg.train.precision], pushes_from_hooks(cfg),
+                                 pushed)
         colocated = b.server_placement == "colocated"
         if reduced:
             return program.ps_reduced(b.world_size, program.groups_of(slots), colocated, step)

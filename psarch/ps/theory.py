@@ -35,9 +35,7 @@ def dense(cfg: Config, phi: float) -> Prediction:
     b, t = cfg.backend, cfg.train
     n, width = b.world_size, BYTES[t.precision]
     s, every = phi * width, b.push_every
-    up = phi * (2 if t.compression in ("fp16", "bf16") else width)   # pushed: cast to 2 bytes by train.compression
-    if t.compression == "topk":   # each partition's k (int64 index, value) pairs
-        up = sum(topk_k(hi - lo, t.topk_ratio) * (8 + width) for parts in dense_partitions(cfg, phi) for lo, hi in parts)
+    up = sum(pushed_bytes(cfg, hi - lo) for parts in dense_partitions(cfg, phi) for lo, hi in parts)
     k = optimizer_bytes_per_param(t.optimizer, t.precision, t.momentum)
     server_per_param = 4 + (0 if b.mode == "geo" else optimizer_bytes_per_param(t.optimizer, "fp32", t.momentum))
     server_per_param += 4 if b.barrier else 0
@@ -53,6 +51,15 @@ def dense(cfg: Config, phi: float) -> Prediction:
                                                                       n * up / b.servers / every),
                       rounds=2 / every, messages=2 / every, server_memory=server_mem,
                       links=colocated_links(n, b.servers, up / every, s / every) if colocated else None)
+
+
+def pushed_bytes(cfg: Config, numel: int) -> float:
+    """Bytes a push of a partition of `numel` elements carries: cast to 2 bytes (train.compression fp16/bf16), its
+    k (int64 index, value) pairs (top-k), else numel in the wire dtype."""
+    t = cfg.train
+    if t.compression == "topk":
+        return topk_k(numel, t.topk_ratio) * (8 + BYTES[t.precision])
+    return numel * (2 if t.compression in ("fp16", "bf16") else BYTES[t.precision])
 
 
 def dense_partitions(cfg: Config, phi: float) -> list[list[tuple[int, int]]]:
