@@ -182,6 +182,13 @@ class BackendSpec(ABC):
         """How this run's communication meets its compute; `extra`: the summary's per-rank extras."""
         return CommModel()
 
+    def compute_holds_waits(self, cfg: Config) -> bool:
+        """Whether a measured step's compute (the step less the wait its trainer times apart, StepStats.comm_s)
+        holds waits for communication too: collectives that block inside forward and backward and that nothing
+        times (ZeRO-3's gathers, torch's peers). The step simulator then takes as compute what, played with the
+        program's communication, ends when the measured compute ends (psarch.theory.pure_compute)."""
+        return False
+
     def program(self, cfg: Config, phi: float, step: DataStep, reduced: bool = False) -> Program | None:
         """Its training step as a program for the step simulator (psarch.theory.program, played by
         psarch.theory.simulate), ranks computing `step`; reduced: the form in which one node stands for alike ones

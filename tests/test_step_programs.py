@@ -9,6 +9,7 @@ import pytest
 from collective.program import collectives, ddp_program
 from psarch import registry
 from psarch.config import from_dict
+from psarch.dp.program import dp_program
 from psarch.ps.program import Slot, groups_of, ps_program, ps_reduced
 from psarch.theory.program import Cluster, DataStep, chunks
 from psarch.theory.simulate import simulate
@@ -59,6 +60,9 @@ PROGRAMS = {
     "ddp, after backward": lambda n, r: ddp_program(n, chunks(S, S / 3), STEP, False, r),
     "zero-1/2": lambda n, r: stage12_program(n, chunks(S, S / 3), chunks(S, S / 2), STEP, True, r),
     "zero-3": lambda n, r: stage3_program(n, [S / 3] * 3, STEP, r),
+    "zero-3, FSDP2's prefetch and root": lambda n, r: stage3_program(n, [S / 6, S / 3, S / 3, S / 6], STEP, r,
+                                                                     prefetch=1, keep_first=True),
+    "dp, copies to and from the master": lambda n, r: dp_program(n, S, STEP, r),
     "torch_zero": lambda n, r: stage12_program(n, chunks(S, S / 3), [S], STEP, True, r, reduce_passes=2),
     "ps, 1 server": ps(1),
     "ps, 2 servers": ps(2),
@@ -135,3 +139,53 @@ def test_a_compressed_ps_program_pushes_theorys_bytes():
     p, expected = registry.spec_of(cfg).program(cfg, phi, DataStep(0.0, 0.0), False), predict(cfg, phi)
     assert expected.worker.sent == pytest.approx(0.1 * phi * 12)
     assert simulate(p, Cluster.of(p, RATE)).step_s == pytest.approx(n * (expected.worker.sent + 4 * phi) / RATE)
+
+
+def test_fsdp_prefetch_hides_a_gather_behind_the_unit_before_and_keeps_the_root():
+    """FSDP2's program (torch_fsdp): from a config, with compute 0 and no latency, its passes are forward's
+    all-gather of S, backward's of S less the root (kept gathered) and the reduce-scatter of S; with compute, the
+    prefetch of one unit makes the step shorter than ZeRO-3's gather-then-compute."""
+    from psarch.theory import config_for
+    from zero.theory import unit_shares
+
+    n, phi = 4, 25e6
+    cfg = config_for("torch_fsdp", n)
+    root = unit_shares(cfg)[0]
+    assert 0 < root < 1
+    p = registry.spec_of(cfg).program(cfg, phi, DataStep(0.0, 0.0), False)
+    s = 4 * phi
+    assert simulate(p, Cluster.of(p, RATE)).step_s == pytest.approx((3 - root) * (n - 1) / n * s / RATE)
+    units = [s / 4] * 4
+    slow = stage3_program(n, units, DataStep.of(0.2), False)
+    fast = stage3_program(n, units, DataStep.of(0.2), False, prefetch=1)
+    assert simulate(fast, Cluster.of(fast, RATE)).step_s < simulate(slow, Cluster.of(slow, RATE)).step_s - 0.05
+
+
+@pytest.mark.parametrize("kind, options, holds", [("ddp", {}, False), ("zero", {"stage": 3}, True),
+                                                  ("torch_fsdp", {}, True)])
+def test_a_measured_compute_that_holds_blocking_passes_is_taken_apart_from_them(kind, options, holds):
+    """cluster_step's compute from a measured step: where the trainer's measured compute holds waits for collectives
+    (BackendSpec.compute_holds_waits) it is the compute that, played with the program, ends when the measured compute
+    does; elsewhere the measured compute itself."""
+    from psarch.theory import _program_on_links, config_for, pure_compute
+    from psarch.theory.simulate import play
+
+    cfg = config_for(kind, 4, **options)   # 1 Gbit/s links: 4 MB in 3 passes, about 0.07 s of a 0.5 s compute
+    assert registry.spec_of(cfg).compute_holds_waits(cfg) is holds
+    phi, measured = 1e6, 0.5
+    c = pure_compute(cfg, phi, measured, 1e-4)
+    ops, _, end = play(*_program_on_links(cfg, phi, c, None, 1e-4))
+    last = max(end[k] for k, op in ops.items() if getattr(op, "seconds", 0) > 0)
+    assert last == pytest.approx(measured, rel=1e-3)
+    assert (c < measured - 0.01) is holds
+
+
+def test_a_trainer_that_times_no_wait_measured_the_whole_step():
+    """torch_fsdp times no wait apart (comm_s 0): its measured compute is the whole step, so the compute taken apart
+    from it plays a step from idle links as long as the measured one."""
+    from psarch.theory import _program_on_links, config_for, pure_compute
+
+    cfg, phi, measured = config_for("torch_fsdp", 4), 1e6, 0.5
+    c = pure_compute(cfg, phi, measured, 1e-4, whole_step=True)
+    assert c < pure_compute(cfg, phi, measured, 1e-4) < measured
+    assert simulate(*_program_on_links(cfg, phi, c, None, 1e-4)).step_s == pytest.approx(measured, rel=1e-3)

@@ -92,6 +92,9 @@ class ZeroSpec(PSTablesServices, BackendSpec):
         return CommModel(max(1, buckets), b.overlap_comm, hidden_passes=2 if b.stage == 3 else 0,
                          after_passes=0 if b.stage == 3 else 1)
 
+    def compute_holds_waits(self, cfg: Config) -> bool:
+        return cfg.backend.stage == 3   # its forward's and backward's all-gathers block where nothing times them
+
     def program(self, cfg: Config, phi: float, step: Any, reduced: bool = False) -> Any:
         """zero/program.py's step: stages 1-2 in buckets of reduce_bucket_size and allgather_bucket_size elements;
         stage 3 as one unit (the unit count is a property of the model, unknown from Φ). None with embedding
@@ -154,6 +157,19 @@ class TorchFSDPSpec(BackendSpec):
 
     def comm_model(self, cfg: Config, phi: float, extra: Mapping[str, list[Any]]) -> CommModel:
         return CommModel(hidden_passes=2)
+
+    def compute_holds_waits(self, cfg: Config) -> bool:
+        return True   # FSDP2's collectives run inside forward, backward and its step, where nothing times them
+
+    def program(self, cfg: Config, phi: float, step: Any, reduced: bool = False) -> Any:
+        """zero/program.py's ZeRO-3 step over the model's units (root first, its parameters kept gathered from
+        forward through backward, as FSDP2 keeps the root's), scaled to Φ = phi, each unit's all-gather issued as
+        the unit before it starts (FSDP2's prefetch of one)."""
+        from zero.program import stage3_program
+
+        s = phi * BYTES[cfg.train.precision]
+        return stage3_program(cfg.backend.world_size, [s * x for x in theory.unit_shares(cfg)], step, reduced,
+                              prefetch=1, keep_first=True)
 
 
 ZERO = ZeroSpec()

@@ -12,7 +12,6 @@ the command.
 """
 from __future__ import annotations
 
-import dataclasses
 import math
 from dataclasses import dataclass, field
 from typing import Any
@@ -269,24 +268,48 @@ def buckets_of(bytes_reduced: float, cap_bytes: float) -> int:
 def cluster_step(cfg: Config, summary: Summary) -> dict[str, float]:
     """Measured | predicted step time of a finished run on the emulated cluster. Compute is a virtual device's
     modelled forward and backward (summary's virtual_device: cluster time, α / D, nothing of the communication
-    inside it), else the measured step less its communication wait. Where the backend writes its step as a
-    program (BackendSpec.program) the step simulator plays it on the run's links (psarch.theory.simulate);
-    elsewhere (embedding rows, the PS's async modes, torch_pipeline, torch_fsdp, dp, and a measured compute that
-    holds its blocking passes: ZeRO-3, torch_tensor) the α-β sum of cluster_step_time, with the backend's
-    CommModel and its compute stretched by the share its ranks wait by design (CommModel.idle_fraction)."""
+    inside it), else the measured step less its communication wait; where that holds waits too
+    (BackendSpec.compute_holds_waits) the compute that, played with the program, ends when it does (pure_compute).
+    Where the backend writes its step as a program (BackendSpec.program) the step simulator plays it on the run's
+    links (psarch.theory.simulate); elsewhere (embedding rows, the PS's async modes and servers started elsewhere)
+    the α-β sum of cluster_step_time with the backend's CommModel."""
     spec = registry.spec_of(cfg)
-    m = spec.comm_model(cfg, summary["params"], summary.get("extra") or {})
+    phi = summary["params"]
     compute, backward, alpha = step_inputs(summary)
-    if backward is not None:   # modelled compute holds no blocking pass
-        m = dataclasses.replace(m, hidden_passes=0)
     out = {"measured_s": summary["step_time_s"], "compute_s": compute}
-    step = simulated_step(cfg, summary["params"], compute, backward, alpha) if not m.hidden_passes else None
+    if backward is None and spec.compute_holds_waits(cfg):   # a trainer that times no wait measured the whole step
+        compute = pure_compute(cfg, phi, compute, alpha, whole_step=not summary.get("comm_s"))
+    step = simulated_step(cfg, phi, compute, backward, alpha)
     if step is not None:
         return out | {"predicted_s": step.step_s, "predicted_comm_s": step.step_s - compute}
-    # a rank that waits by design (the bubble) computes `compute` in a phase 1 / (1 - idle) as long
-    pred = cluster_step_time(predict(cfg, summary["params"]), compute / (1.0 - m.idle_fraction), cfg.cluster.link_mbps,
-                             cfg.cluster.server_mbps, alpha, m, backward)
+    m = spec.comm_model(cfg, phi, summary.get("extra") or {})
+    pred = cluster_step_time(predict(cfg, phi), compute, cfg.cluster.link_mbps, cfg.cluster.server_mbps, alpha, m,
+                             backward)
     return out | {"predicted_s": pred["step_time_s"], "predicted_comm_s": pred["comm_s"]}
+
+
+def pure_compute(cfg: Config, phi: float, measured_s: float, alpha_s: float, whole_step: bool = False,
+                 tolerance: float = 1e-4) -> float:
+    """The compute per step, communication apart, of a run whose measured compute `measured_s` holds the waits of
+    collectives that block inside forward and backward: the compute c for which the program (played once from idle
+    links) ends its last compute span (whole_step: its last op, where the trainer timed no wait apart) at
+    measured_s, c taken from measured_s by the time by which it falls short (each wait is about independent of c:
+    a few rounds). measured_s itself where the backend writes no program."""
+    from psarch.theory.program import Compute
+    from psarch.theory.simulate import play
+
+    c = measured_s
+    for _ in range(20):
+        got = _program_on_links(cfg, phi, c, None, alpha_s)
+        if got is None:
+            return measured_s
+        ops, _, end = play(*got)
+        last = max((end[n] for n, op in ops.items() if whole_step or isinstance(op, Compute) and op.seconds > 0),
+                   default=0.0)
+        if abs(last - measured_s) <= tolerance * measured_s or c == 0.0:
+            break
+        c = max(0.0, c - (last - measured_s))
+    return c
 
 
 def step_inputs(summary: Summary) -> tuple[float, float | None, float]:
