@@ -47,24 +47,47 @@ def bucketed(n: int, buckets: list[float], step: DataStep, overlap: bool, reduce
                        overlap, reduced)
 
 
-Call = tuple[str, float, int]   # one collective: its name, the bytes its ring passes go over, how many passes
+Call = tuple[str, float, int]   # one collective: its name, bytes, ring passes over them (ALL_TO_ALL: bytes each rank sends)
+ALL_TO_ALL = 0
+
+
+def all_to_all(p: Program, name: str, n: int, nbytes: float, after: list[tuple[str, ...]], reduced: bool) -> list[str]:
+    """An all-to-all among ranks 0..n-1 in which each rank sends `nbytes` in all, an equal share to each other rank,
+    all at once (one α), rank r starting once `after[r]` is done: the op after which each rank has everything."""
+    if n == 1:
+        return [p.join(f"{name}.0", 0, after[0])]
+    if reduced:
+        return [p.transfer(name, 0, 0, nbytes / (n - 1), ("a2a", 0), after[0], copies=n * (n - 1))]
+    sends = {(r, d): p.transfer(f"{name}.{r}.{d}", r, d, nbytes / (n - 1), ("a2a", r, d), after[r])
+             for r in range(n) for d in range(n) if d != r}
+    return [p.join(f"{name}.{r}", r, tuple(x for (a, b), x in sends.items() if r in (a, b))) for r in range(n)]
 
 
 def collectives(n: int, sizes: list[float], launched: list[list[Call]], later: list[Call], step: DataStep,
-                overlap: bool, reduced: bool) -> tuple[Program, list[tuple[str, ...]]]:
+                overlap: bool, reduced: bool, before: list[Call] | None = None) -> tuple[Program, list[tuple[str, ...]]]:
     """Backward readying buckets of `sizes` (gradient bytes, in that order) among n ranks; once bucket b is ready
     (overlap: from backward's hooks; else after backward) the ranks issue `launched[b]`, and after backward
-    `later` (PowerSGD's all-reduce of Q), all on one communicator, each collective after the one issued before it.
-    The program, and each rank's optimizer step (what comes next waits for)."""
+    `later` (PowerSGD's all-reduce of Q, embedding rows' exchange), all on one communicator, each collective after
+    the one issued before it; forward waits for `before` (the rows a step's batch reads, fetched). The program,
+    and each rank's optimizer step (what comes next waits for)."""
     p = workers(n, reduced)
     ranks = range(1 if reduced else n)
-    points = ready_points(sizes) if overlap else [1.0] * len(sizes)
-    spans = [backward_spans(p, r, r, step, points) for r in ranks]
     last: list[tuple[str, ...]] = [() for _ in ranks]
-    issued = [(calls, [spans[r][0][b] for r in ranks]) for b, calls in enumerate(launched)]
-    for calls, ready in issued + [(later, [spans[r][1] for r in ranks])]:
+
+    def issue(calls: list[Call], ready: list[str | None]) -> None:
+        nonlocal last
         for name, nbytes, passes in calls:
-            last = [(d,) for d in ring(p, name, n, nbytes, passes, [(ready[r], *last[r]) for r in ranks], reduced)]
+            wait = [(*((ready[r],) if ready[r] else ()), *last[r]) for r in ranks]
+            got = all_to_all(p, name, n, nbytes, wait, reduced) if passes == ALL_TO_ALL else \
+                ring(p, name, n, nbytes, passes, wait, reduced)
+            last = [(d,) for d in got]
+
+    issue(before or [], [None for _ in ranks])
+    points = ready_points(sizes) if overlap else [1.0] * len(sizes)
+    spans = [backward_spans(p, r, r, step, points, last[r]) for r in ranks]
+    for b, calls in enumerate(launched):
+        issue(calls, [spans[r][0][b] for r in ranks])
+    issue(later, [spans[r][1] for r in ranks])
     return p, [(p.compute(f"opt{r}", r, step.optimizer_s, (spans[r][1], *last[r])),) for r in ranks]
 
 

@@ -255,3 +255,36 @@ def _ring_call(name: str, c: Collective, n: int) -> tuple[str, float, int]:
     all-gather 1 pass over the n ranks' contributions."""
     kind, size, itemsize = c
     return (name, size * itemsize, 2) if kind == ALL_REDUCE else (name, n * size, 1)
+
+
+def rows_program(cfg: Config, phi: float, step: DataStep, overlap: bool, reduced: bool) -> Program:
+    """embeddings = "rows" as a program: the dense layers' buckets ring all-reduced (collective/program.py), then,
+    queued behind them after backward, the three all-gathers of collective/rows.py: each rank's id counts, its u
+    ids and their rows (u the expectation `rows` counts, rows_all_gather_bytes)."""
+    from collective.program import collectives
+    from psarch.theory.program import chunks
+
+    t, d, n = cfg.train, cfg.workload.dlrm, cfg.backend.world_size
+    width, u = BYTES[t.precision], expected_unique_ids(cfg)
+    dense = chunks((phi - table_params(cfg)) * width, cfg.backend.bucket_cap_mb * 2**20)
+    later = [("ag_counts", n * 8.0 * d.num_tables, 1), ("ag_ids", n * 8 * u, 1), ("ag_rows", n * u * d.dim * width, 1)]
+    return collectives(n, dense, [[(f"ar{b}", size, 2)] for b, size in enumerate(dense)], later, step, overlap,
+                       reduced)[0]
+
+
+def sharded_program(cfg: Config, phi: float, step: DataStep, overlap: bool, reduced: bool) -> Program:
+    """embeddings = "sharded" as a program: before forward the all-to-alls of collective/sharded.py's fetch (id
+    counts, the ids asked of their owners, the rows answered), the dense layers' buckets ring all-reduced from
+    backward, then the rows' gradients all-to-all to their owners (sharded_bytes: (N-1)/N of a rank's u ids live
+    elsewhere)."""
+    from collective.program import ALL_TO_ALL, collectives
+    from psarch.theory.program import chunks
+
+    t, d, n = cfg.train, cfg.workload.dlrm, cfg.backend.world_size
+    width, away = BYTES[t.precision], expected_unique_ids(cfg) * (n - 1) / n
+    row = d.dim * width
+    dense = chunks((phi - table_params(cfg)) * width, cfg.backend.bucket_cap_mb * 2**20)
+    before = [("a2a_counts", 8.0 * d.num_tables * (n - 1), ALL_TO_ALL), ("a2a_ids", 8 * away, ALL_TO_ALL),
+              ("a2a_rows", row * away, ALL_TO_ALL)]
+    return collectives(n, dense, [[(f"ar{b}", size, 2)] for b, size in enumerate(dense)],
+                       [("a2a_grads", row * away, ALL_TO_ALL)], step, overlap, reduced, before)[0]

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from collective.program import collectives, ddp_program
+from collective.program import ALL_TO_ALL, collectives, ddp_program
 from psarch import registry
 from psarch.config import from_dict
 from psarch.dp.program import dp_program
@@ -52,7 +52,23 @@ def ps_compressed(n: int, reduced: bool):
     return ps_reduced(n, groups_of(servers), False, STEP) if reduced else ps_program(n, servers, False, STEP)
 
 
+def embedding_rows(sharded: bool):
+    """Dense buckets all-reduced from backward's hooks and embedding rows beside them: all-gathered after backward,
+    or (sharded) all-to-all before forward and after backward."""
+    def write(n: int, reduced: bool):
+        sizes = chunks(S / 4, S / 16)
+        dense = [[(f"ar{b}", size, 2)] for b, size in enumerate(sizes)]
+        if sharded:
+            before = [("counts", 24.0 * (n - 1), ALL_TO_ALL), ("ids", 8e4, ALL_TO_ALL), ("rows", S / 8, ALL_TO_ALL)]
+            return collectives(n, sizes, dense, [("grads", S / 8, ALL_TO_ALL)], STEP, True, reduced, before)[0]
+        later = [("counts", n * 24.0, 1), ("ids", n * 8e4, 1), ("rows", n * S / 8, 1)]
+        return collectives(n, sizes, dense, later, STEP, True, reduced)[0]
+    return write
+
+
 PROGRAMS = {
+    "ddp, embedding rows all-gathered": embedding_rows(False),
+    "ddp, embedding rows sharded (all-to-all)": embedding_rows(True),
     "ddp, top-k all-gather": compressed_ddp(False),
     "ddp, PowerSGD": compressed_ddp(True),
     "ps, n servers, compressed pushes": ps_compressed,
@@ -189,3 +205,19 @@ def test_a_trainer_that_times_no_wait_measured_the_whole_step():
     c = pure_compute(cfg, phi, measured, 1e-4, whole_step=True)
     assert c < pure_compute(cfg, phi, measured, 1e-4) < measured
     assert simulate(*_program_on_links(cfg, phi, c, None, 1e-4)).step_s == pytest.approx(measured, rel=1e-3)
+
+
+@pytest.mark.parametrize("kind, embeddings", [("ddp", "rows"), ("ddp", "sharded"), ("torch_ddp", "rows")])
+def test_an_embedding_rows_program_moves_theorys_bytes(kind, embeddings):
+    """With compute 0 and no latency a step with embedding rows is its bytes at the link's rate: the dense layers'
+    all-reduce and the rows' all-gathers (rows) or all-to-alls (sharded), at theory's expected rows per rank."""
+    from psarch.theory import predict
+
+    cfg = from_dict({"workload": {"model": "dlrm", "data": "clicks", "dlrm": {"rows": 10**5}},
+                     "train": {"optimizer": "adagrad"},
+                     "backend": {"kind": kind, "world_size": 4, "embeddings": embeddings, "bucket_cap_mb": 0.01}})
+    phi = 4 * 10**5 * 16 + 20_000
+    sent = predict(cfg, phi).worker.sent
+    for reduced in (False, True):
+        p = registry.spec_of(cfg).program(cfg, phi, DataStep(0.0, 0.0), reduced)
+        assert simulate(p, Cluster.of(p, RATE)).step_s == pytest.approx(sent / RATE, rel=1e-6)

@@ -35,8 +35,11 @@ def old_step(cfg, phi: float, compute_s: float, alpha_s: float, measured: bool) 
         m = dataclasses.replace(m, hidden_passes=int(predict(cfg, phi).rounds))
     if not measured:
         m = dataclasses.replace(m, hidden_passes=0)
-    written = cfg.backend.kind not in ("torch_fsdp", "torch_pipeline", "torch_tensor") and \
-        not (cfg.train.compression != "none")
+    # the programs written before this comparison: dense, uncompressed, the PS in sync mode with its own servers
+    b = cfg.backend
+    written = (b.kind not in ("torch_fsdp", "torch_pipeline", "torch_tensor", "dp", "torch_dp")
+               and cfg.train.compression == "none" and b.embeddings == "dense"
+               and (b.kind != "ps" or (b.mode == "sync" and not b.server_addresses)))
     if written and not m.hidden_passes:
         step = simulated_step(cfg, phi, compute_s, None, alpha_s)
         if step is not None:
