@@ -21,14 +21,15 @@ S = 40e6          # bytes of gradients
 SLOTS = [Slot(S / 8 / 4, (i + 1) / 4) for i in range(4)]   # a server's 4 partitions, ready through backward
 
 
-def ps(k: int | str, colocated: bool = False, uneven: bool = False):
-    """The PS with k servers of SLOTS each (uneven: every other one a partition short, as round robin deals)."""
+def ps(k: int | str, colocated: bool = False, uneven: bool = False, barrier: bool = True, local_steps: int = 1):
+    """The PS with k servers of SLOTS each (uneven: every other one a partition short, as round robin deals);
+    barrier = False: async; local_steps: GEO's."""
     def write(n: int, reduced: bool):
         count = n if k == "n" else (max(1, n // 2) if k == "n/2" else int(k))
         servers = [SLOTS[:3] if uneven and j % 2 else SLOTS for j in range(count)]
         if reduced:
-            return ps_reduced(n, groups_of(servers), colocated, STEP)
-        return ps_program(n, servers, colocated, STEP)
+            return ps_reduced(n, groups_of(servers), colocated, STEP, barrier, local_steps)
+        return ps_program(n, servers, colocated, STEP, barrier, local_steps)
     return write
 
 
@@ -87,6 +88,10 @@ PROGRAMS = {
     "ps, n/2 colocated": ps("n/2", colocated=True),
     "ps, n servers, uneven": ps("n", uneven=True),
     "ps, n colocated, uneven": ps("n", colocated=True, uneven=True),
+    "ps async, 2 servers": ps(2, barrier=False),
+    "ps async, n/2 colocated, uneven": ps("n/2", colocated=True, uneven=True, barrier=False),
+    "ps geo, k = 3, n servers": ps("n", local_steps=3),
+    "ps geo without barrier, k = 3, n colocated": ps("n", colocated=True, barrier=False, local_steps=3),
 }
 
 
@@ -221,3 +226,30 @@ def test_an_embedding_rows_program_moves_theorys_bytes(kind, embeddings):
     for reduced in (False, True):
         p = registry.spec_of(cfg).program(cfg, phi, DataStep(0.0, 0.0), reduced)
         assert simulate(p, Cluster.of(p, RATE)).step_s == pytest.approx(sent / RATE, rel=1e-6)
+
+
+def test_geo_exchanges_once_in_k_steps_and_async_waits_for_no_round():
+    """From a config with compute 0 and no latency: GEO's step is sync's exchange shared by its k steps; async
+    answers each worker's pull once that worker's own push is in, never after a round, so no step of it is longer
+    than sync's (with every worker alike, as long: the servers' links bind both)."""
+    from psarch.theory import config_for
+
+    phi, n = 25e6, 4
+
+    def step(**backend) -> float:
+        cfg = config_for("ps", n, "fp32", "sgd", servers=2, partition_mb=0.0, **backend)
+        p = registry.spec_of(cfg).program(cfg, phi, DataStep(0.0, 0.0), True)
+        return simulate(p, Cluster.of(p, RATE)).step_s
+
+    assert step(mode="geo", k_steps=4) == pytest.approx(step(mode="sync") / 4)
+    assert step(mode="async") <= step(mode="sync") * (1 + 1e-9)
+    from psarch.theory.program import Transfer
+
+    for mode in ("sync", "async"):
+        cfg = config_for("ps", n, "fp32", "sgd", servers=2, server_placement="colocated", mode=mode)
+        for reduced in (False, True):
+            pulls = [op for op in registry.spec_of(cfg).program(cfg, phi, DataStep.of(0.1), reduced).ops
+                     if isinstance(op, Transfer) and op.name.startswith("pull")]
+            waits = {a.split(".")[0] for op in pulls for a in op.after}
+            # async: the worker's own push (or, beside its own server, its own backward), never a round
+            assert pulls and (waits == {"round"} if mode == "sync" else "round" not in waits and "push" in waits)

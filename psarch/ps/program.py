@@ -54,15 +54,28 @@ def groups_of(servers: list[list[Slot]]) -> list[tuple[int, list[Slot]]]:
                             for i in range(len(members[0]))]) for members in groups.values()]
 
 
-def ps_program(n: int, servers: list[list[Slot]], colocated: bool, step: DataStep) -> Program:
-    """Every worker and server in full: n workers, len(servers) servers (colocated: server j beside worker j)."""
+def local_spans(p: Program, w: int, step: DataStep, points: list[float], local_steps: int) -> tuple[list[str], str]:
+    """Worker w's compute: local_steps - 1 whole steps (GEO's local ones, which push nothing), then a forward and a
+    backward cut at `points` (backward_spans)."""
+    prev: tuple[str, ...] = ()
+    for t in range(local_steps - 1):
+        prev = (p.compute(f"local{w}.{t}", w, step.forward_s + step.backward_s + step.optimizer_s, prev),)
+    return backward_spans(p, w, w, step, points, prev)
+
+
+def ps_program(n: int, servers: list[list[Slot]], colocated: bool, step: DataStep, barrier: bool = True,
+               local_steps: int = 1) -> Program:
+    """Every worker and server in full: n workers, len(servers) servers (colocated: server j beside worker j).
+    barrier = False (async, ssp): a server answers a worker's pull of a partition once that worker's own push of
+    it is in, not the round; local_steps = k (GEO): each worker computes k steps, then exchanges (the program
+    stands for k steps)."""
     k = len(servers)
-    p = Program()
+    p = Program(steps=local_steps)
     for w in range(n):
         p.node(BOTH if colocated and w < k else WORKER)
     where = list(range(k)) if colocated else [p.node(SERVER) for _ in range(k)]
     order = sorted(((s.ready, j, i) for j, own in enumerate(servers) for i, s in enumerate(own)))
-    spans = [backward_spans(p, w, w, step, [x for x, _, _ in order]) for w in range(n)]
+    spans = [local_spans(p, w, step, [x for x, _, _ in order], local_steps) for w in range(n)]
     got: list[list[str]] = [[spans[w][1]] for w in range(n)]
     for at, (_, j, i) in enumerate(order):
         pushes = tuple(spans[w][0][at] if where[j] == w else
@@ -71,16 +84,18 @@ def ps_program(n: int, servers: list[list[Slot]], colocated: bool, step: DataSte
         done = p.join(f"round.{j}.{i}", where[j], pushes)
         for w in range(n):
             got[w].append(done if where[j] == w else
-                          p.transfer(f"pull.{j}.{i}.{w}", where[j], w, servers[j][i].bytes, ("pull", j, w), (done,)))
+                          p.transfer(f"pull.{j}.{i}.{w}", where[j], w, servers[j][i].bytes, ("pull", j, w),
+                                     (done if barrier else pushes[w],)))
     for w in range(n):
         p.join(f"end{w}", w, tuple(got[w]))
     return p
 
 
-def ps_reduced(n: int, groups: list[tuple[int, list[Slot]]], colocated: bool, step: DataStep) -> Program:
+def ps_reduced(n: int, groups: list[tuple[int, list[Slot]]], colocated: bool, step: DataStep, barrier: bool = True,
+               local_steps: int = 1) -> Program:
     """The same step with alike servers grouped (groups_of: how many, their slots): one node per group of servers
     (colocated: with their workers beside them), one for the workers alone, one transfer per slot and pair."""
-    p = Program()
+    p = Program(steps=local_steps)
     if colocated:
         k = sum(c for c, _ in groups)
         servers = [p.node(BOTH, c) for c, _ in groups]
@@ -90,19 +105,22 @@ def ps_reduced(n: int, groups: list[tuple[int, list[Slot]]], colocated: bool, st
         kinds = [(p.node(WORKER, n), n, -1)]
         servers = [p.node(SERVER, c) for c, _ in groups]
     order = sorted((x.ready, g, i) for g, (_, own) in enumerate(groups) for i, x in enumerate(own))
-    spans = {node: backward_spans(p, node, node, step, [x for x, _, _ in order]) for node, _, _ in kinds}
+    spans = {node: local_spans(p, node, step, [x for x, _, _ in order], local_steps) for node, _, _ in kinds}
     got: dict[int, list[str]] = {node: [spans[node][1]] for node, _, _ in kinds}
     for at, (_, g, i) in enumerate(order):
         slot, where = groups[g][1][i], servers[g]
         # each of a kind's `count` workers exchanges with every server of the group but its own
         copies = {node: count * (groups[g][0] - (own == g)) for node, count, own in kinds}
-        pushes = [spans[node][0][at] for node, _, own in kinds if own == g]
-        pushes += [p.transfer(f"push.{node}.{g}.{i}", node, where, slot.push, ("push", node, g), (spans[node][0][at],),
-                              copies=copies[node]) for node, _, _ in kinds if copies[node]]
-        done = p.join(f"round.{g}.{i}", where, tuple(pushes))
+        mine: dict[int, list[str]] = {node: [spans[node][0][at]] if own == g else [] for node, _, own in kinds}
         for node, _, _ in kinds:
-            got[node].append(p.transfer(f"pull.{g}.{i}.{node}", where, node, slot.bytes, ("pull", g, node), (done,),
-                                        copies=copies[node]) if copies[node] else done)
+            if copies[node]:
+                mine[node].append(p.transfer(f"push.{node}.{g}.{i}", node, where, slot.push, ("push", node, g),
+                                             (spans[node][0][at],), copies=copies[node]))
+        done = p.join(f"round.{g}.{i}", where, tuple(x for pushes in mine.values() for x in pushes))
+        for node, _, _ in kinds:
+            got[node].append(p.transfer(f"pull.{g}.{i}.{node}", where, node, slot.bytes, ("pull", g, node),
+                                        (done,) if barrier else tuple(mine[node]), copies=copies[node])
+                             if copies[node] else done if barrier else mine[node][0])
     for node, _, _ in kinds:
         p.join(f"end{node}", node, tuple(got[node]))
     return p

@@ -177,24 +177,29 @@ class PSSpec(BackendSpec):
                          pipeline=_theory().pipeline_slots(cfg, phi), ready_share=_theory().ready_share(cfg, phi))
 
     def program(self, cfg: Config, phi: float, step: Any, reduced: bool = False) -> Any:
-        """psarch/ps/program.py's sync step, from the servers' partitions (partitions.server_partitions) and
-        placement, each push compressed as train.compression says (theory.pushed_bytes); reduced: alike servers
-        grouped (program.groups_of). None for the other modes, embedding rows and servers started elsewhere (not
-        written yet: their bytes are theory's). Not modelled: compressing a push (top-k's selection)."""
+        """psarch/ps/program.py's step, from the servers' partitions (partitions.server_partitions) and placement
+        (servers started elsewhere: each a node of its own), each push compressed as train.compression says
+        (theory.pushed_bytes); reduced: alike servers grouped (program.groups_of). Sync (and GEO with a barrier):
+        a partition's pulls wait for its round. Async and SSP, modelled in steady state with every worker alike:
+        a worker's step is its compute and its own exchange, a pull answered once the worker's own push is in
+        (no round), the servers' links shared by all workers; SSP's bound never binds workers that keep pace
+        (stragglers and staleness are not modelled). GEO: k_steps local steps, then one exchange of deltas, the
+        program standing for the k steps. None with embedding rows (not written yet: their bytes are theory's).
+        Not modelled: compressing a push (top-k's selection), a server's compute."""
         from psarch.ps import program
         from psarch.ps.partitions import server_partitions
         from psarch.theory import BYTES
 
         b = cfg.backend
-        if b.mode != "sync" or b.embeddings != "dense" or b.server_addresses:
+        if b.embeddings != "dense":
             return None
         pushed = None if cfg.train.compression == "none" else lambda numel: _theory().pushed_bytes(cfg, numel)
         slots = program.slots_of(server_partitions(cfg, int(phi)), BYTES[cfg.train.precision], pushes_from_hooks(cfg),
                                  pushed)
-        colocated = b.server_placement == "colocated"
+        colocated = b.server_placement == "colocated" and not b.server_addresses
         if reduced:
-            return program.ps_reduced(b.world_size, program.groups_of(slots), colocated, step)
-        return program.ps_program(b.world_size, slots, colocated, step)
+            return program.ps_reduced(b.world_size, program.groups_of(slots), colocated, step, b.barrier, b.push_every)
+        return program.ps_program(b.world_size, slots, colocated, step, b.barrier, b.push_every)
 
     def summary_fields(self, cfg: Config) -> Summary:
         return {"servers": cfg.backend.servers}
