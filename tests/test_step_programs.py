@@ -188,14 +188,14 @@ def test_a_measured_compute_that_holds_blocking_passes_is_taken_apart_from_them(
     """cluster_step's compute from a measured step: where the trainer's measured compute holds waits for collectives
     (BackendSpec.compute_holds_waits) it is the compute that, played with the program, ends when the measured compute
     does; elsewhere the measured compute itself."""
-    from psarch.theory import _program_on_links, config_for, pure_compute
+    from psarch.theory import program_on_links, config_for, pure_compute
     from psarch.theory.simulate import play
 
     cfg = config_for(kind, 4, **options)   # 1 Gbit/s links: 4 MB in 3 passes, about 0.07 s of a 0.5 s compute
     assert registry.spec_of(cfg).compute_holds_waits(cfg) is holds
     phi, measured = 1e6, 0.5
     c = pure_compute(cfg, phi, measured, 1e-4)
-    ops, _, end = play(*_program_on_links(cfg, phi, c, None, 1e-4))
+    ops, _, end = play(*program_on_links(cfg, phi, c, None, 1e-4))
     last = max(end[k] for k, op in ops.items() if getattr(op, "seconds", 0) > 0)
     assert last == pytest.approx(measured, rel=1e-3)
     assert (c < measured - 0.01) is holds
@@ -204,12 +204,12 @@ def test_a_measured_compute_that_holds_blocking_passes_is_taken_apart_from_them(
 def test_a_trainer_that_times_no_wait_measured_the_whole_step():
     """torch_fsdp times no wait apart (comm_s 0): its measured compute is the whole step, so the compute taken apart
     from it plays a step from idle links as long as the measured one."""
-    from psarch.theory import _program_on_links, config_for, pure_compute
+    from psarch.theory import program_on_links, config_for, pure_compute
 
     cfg, phi, measured = config_for("torch_fsdp", 4), 1e6, 0.5
     c = pure_compute(cfg, phi, measured, 1e-4, whole_step=True)
     assert c < pure_compute(cfg, phi, measured, 1e-4) < measured
-    assert simulate(*_program_on_links(cfg, phi, c, None, 1e-4)).step_s == pytest.approx(measured, rel=1e-3)
+    assert simulate(*program_on_links(cfg, phi, c, None, 1e-4)).step_s == pytest.approx(measured, rel=1e-3)
 
 
 @pytest.mark.parametrize("kind, embeddings", [("ddp", "rows"), ("ddp", "sharded"), ("torch_ddp", "rows")])

@@ -15,9 +15,10 @@ meet a wrong model halfway):
   stream on this machine's loopback, both beside the spinning processes; α paid once per message the busiest
   process handles: a worker's every bucket, or a server's every worker's partitions, `messages`; bytes the
   busiest link carries) must fit inside that link's time on the cluster x D. The messages and bytes are the
-  config's counts (theory.predict's, which a run's kernel counters check exactly), never a time. Where the
-  backend communicates during backward (BackendSpec.comm_model: overlap with several buckets, or passes inside
-  compute), that cost competes with the compute for the same cores, and counts on its side too.
+  config's counts (theory.predict's bytes, which a run's kernel counters check exactly; the messages its step
+  program sends and receives), never a time. Where the program communicates before its compute is over (buckets
+  from backward's hooks, passes inside compute), that cost competes with the compute for the same cores, and
+  counts on its side too.
 D = AUTO_MARGIN x the larger of the two ratios, at least 1, rounded up to two significant digits.
 
 Timeouts are host seconds, and D stretches every legitimate wait D times: `stretched` multiplies every
@@ -117,15 +118,32 @@ def _host_compute_s(workload: Any, batch: Any, threads: int) -> float:
     return max(times[1:])
 
 
-def messages(cfg: Config, p: Any, m: Any) -> float:
-    """Messages the busiest process of a step handles on this host, each paying α once: a worker's, the
-    Prediction's messages in sequence x CommModel.buckets (collectives or partitions per message: a PS worker's
-    request and reply per partition per server); where there are servers, one of them serves every worker's
-    share of its partitions, world_size / servers times a worker's."""
-    worker = p.messages * m.buckets
-    services = registry.spec_of(cfg).service_nodes(cfg)
-    server = worker * cfg.backend.world_size / services if p.server is not None and services else 0.0
-    return max(worker, server)
+def program_load(cfg: Config, phi: float, compute_s: float) -> tuple[float, bool] | None:
+    """From the step's program in full (BackendSpec.program), played once with the modelled compute: the messages
+    the busiest node handles in a step, each paying α once (every message it sends and every one it receives: a
+    ring rank's 2(N-1) of each per bucket, a PS worker's push and pull per partition per server, a server's every
+    worker's share), and whether any of its communication starts before its compute is over (during forward and
+    backward, on the cores the compute needs: buckets from backward's hooks, passes that block inside compute). None
+    where the backend writes no program."""
+    from psarch.theory import program_on_links
+    from psarch.theory.program import Compute, Transfer
+    from psarch.theory.simulate import play
+
+    got = program_on_links(cfg, phi, compute_s, None, 0.0)
+    if got is None:
+        return None
+    ops, start, end = play(*got)
+    handled: dict[int, float] = {}
+    busy_until: dict[int, float] = {}
+    for name, op in ops.items():
+        if isinstance(op, Transfer):
+            for node in (op.src, op.dst):
+                handled[node] = handled.get(node, 0.0) + op.messages
+        elif op.seconds > 0:
+            busy_until[op.node] = max(busy_until.get(op.node, 0.0), end[name])
+    during = any(start[name] < busy_until.get(node, 0.0) * (1 - 1e-9)
+                 for name, op in ops.items() if isinstance(op, Transfer) for node in (op.src, op.dst))
+    return max(handled.values(), default=0.0), during
 
 
 def busiest_link_bytes(p: Prediction) -> tuple[float, bool]:
@@ -174,15 +192,16 @@ def measure(cfg: Config, threads: int = 1, cluster: ModelledStep | None = None) 
     now, beside the run's other processes (`spinning`; a rank computes on `threads` threads)."""
     k = cluster or modelled(cfg)
     p, spec = k.counts, registry.spec_of(cfg)
-    m = spec.comm_model(cfg, sum(x.numel() for x in k.workload.model.parameters() if x.requires_grad), {})
+    phi = sum(x.numel() for x in k.workload.model.parameters() if x.requires_grad)
+    # no program (not written yet): the prediction's messages in sequence, none during compute
+    messages, during = program_load(cfg, phi, k.compute_s) or (p.messages, False)
     probe = int(min(max(p.worker.sent, p.worker.received, MIN_PROBE_BYTES), MAX_PROBE_BYTES))
     with spinning(cfg.backend.world_size + spec.service_nodes(cfg) - 1):
         with torch.random.fork_rng(devices=[]):
             host_compute = _host_compute_s(k.workload, k.batch, threads)
         alpha, rate = (loopback_alpha(), loopback_bytes_per_s(probe)) if k.link_s > 0 else (0.0, 0.0)
-    host_comm = busiest_link_bytes(p)[0] / rate + alpha * messages(cfg, p, m) if k.link_s > 0 else 0.0
-    return Costs(k.compute_s, k.link_s, host_compute, host_comm,
-                 (m.overlap and m.buckets > 1) or m.hidden_passes > 0, alpha, rate)
+    host_comm = busiest_link_bytes(p)[0] / rate + alpha * messages if k.link_s > 0 else 0.0
+    return Costs(k.compute_s, k.link_s, host_compute, host_comm, during, alpha, rate)
 
 
 def stretched(cfg: Config) -> Config:

@@ -300,7 +300,7 @@ def pure_compute(cfg: Config, phi: float, measured_s: float, alpha_s: float, who
 
     c = measured_s
     for _ in range(20):
-        got = _program_on_links(cfg, phi, c, None, alpha_s)
+        got = program_on_links(cfg, phi, c, None, alpha_s)
         if got is None:
             return measured_s
         ops, _, end = play(*got)
@@ -328,7 +328,7 @@ def simulated_step(cfg: Config, phi: float, compute_s: float, backward_s: float 
     emulated links (payload rates, WIRE_OVERHEAD counted); None where the backend writes no program."""
     from psarch.theory.steady import steady_step
 
-    got = _program_on_links(cfg, phi, compute_s, backward_s, alpha_s)
+    got = program_on_links(cfg, phi, compute_s, backward_s, alpha_s)
     return None if got is None else steady_step(*got)
 
 
@@ -337,11 +337,13 @@ def simulated_spans(cfg: Config, phi: float, compute_s: float, backward_s: float
     its emulated links as simulated_step plays it; None where the backend writes no program."""
     from psarch.theory.simulate import spans
 
-    got = _program_on_links(cfg, phi, compute_s, backward_s, alpha_s)
+    got = program_on_links(cfg, phi, compute_s, backward_s, alpha_s)
     return None if got is None else spans(*got)
 
 
-def _program_on_links(cfg: Config, phi: float, compute_s: float, backward_s: float | None, alpha_s: float) -> Any:
+def program_on_links(cfg: Config, phi: float, compute_s: float, backward_s: float | None, alpha_s: float) -> Any:
+    """(program, cluster): `cfg`'s step program in full, ranks computing `compute_s` (`backward_s` of it backward),
+    and its emulated links (payload rates, WIRE_OVERHEAD counted, α per message); None where it writes none."""
     from psarch.theory.program import Cluster, DataStep
 
     program = registry.spec_of(cfg).program(cfg, phi, DataStep.of(compute_s, backward_s), reduced=False)
