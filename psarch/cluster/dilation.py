@@ -126,7 +126,7 @@ def program_load(cfg: Config, phi: float, compute_s: float) -> tuple[float, bool
     backward, on the cores the compute needs: buckets from backward's hooks, passes that block inside compute). None
     where the backend writes no program."""
     from psarch.theory import program_on_links
-    from psarch.theory.program import Compute, Transfer
+    from psarch.theory.program import Transfer
     from psarch.theory.simulate import play
 
     got = program_on_links(cfg, phi, compute_s, None, 0.0)
