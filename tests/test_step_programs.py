@@ -10,7 +10,7 @@ from collective.program import ALL_TO_ALL, collectives, ddp_program
 from psarch import registry
 from psarch.config import from_dict
 from psarch.dp.program import dp_program
-from psarch.ps.program import Slot, groups_of, ps_program, ps_reduced
+from psarch.ps.program import RowBytes, Slot, groups_of, ps_program, ps_reduced
 from psarch.theory.program import Cluster, DataStep, chunks
 from psarch.theory.simulate import simulate
 from zero.program import stage12_program, stage3_program
@@ -21,15 +21,17 @@ S = 40e6          # bytes of gradients
 SLOTS = [Slot(S / 8 / 4, (i + 1) / 4) for i in range(4)]   # a server's 4 partitions, ready through backward
 
 
-def ps(k: int | str, colocated: bool = False, uneven: bool = False, barrier: bool = True, local_steps: int = 1):
+def ps(k: int | str, colocated: bool = False, uneven: bool = False, barrier: bool = True, local_steps: int = 1,
+       rows: bool = False):
     """The PS with k servers of SLOTS each (uneven: every other one a partition short, as round robin deals);
-    barrier = False: async; local_steps: GEO's."""
+    barrier = False: async; local_steps: GEO's; rows: embedding rows pulled before forward, pushed after backward."""
     def write(n: int, reduced: bool):
         count = n if k == "n" else (max(1, n // 2) if k == "n/2" else int(k))
         servers = [SLOTS[:3] if uneven and j % 2 else SLOTS for j in range(count)]
+        rb = RowBytes(8e3 / count, S / 16 / count, S / 16 / count) if rows else None
         if reduced:
-            return ps_reduced(n, groups_of(servers), colocated, STEP, barrier, local_steps)
-        return ps_program(n, servers, colocated, STEP, barrier, local_steps)
+            return ps_reduced(n, groups_of(servers), colocated, STEP, barrier, local_steps, rb)
+        return ps_program(n, servers, colocated, STEP, barrier, local_steps, rb)
     return write
 
 
@@ -89,6 +91,8 @@ PROGRAMS = {
     "ps, n servers, uneven": ps("n", uneven=True),
     "ps, n colocated, uneven": ps("n", colocated=True, uneven=True),
     "ps async, 2 servers": ps(2, barrier=False),
+    "ps, embedding rows, 2 servers": ps(2, rows=True),
+    "ps, embedding rows, n/2 colocated, uneven": ps("n/2", colocated=True, uneven=True, rows=True),
     "ps async, n/2 colocated, uneven": ps("n/2", colocated=True, uneven=True, barrier=False),
     "ps geo, k = 3, n servers": ps("n", local_steps=3),
     "ps geo without barrier, k = 3, n colocated": ps("n", colocated=True, barrier=False, local_steps=3),
@@ -253,3 +257,27 @@ def test_geo_exchanges_once_in_k_steps_and_async_waits_for_no_round():
             waits = {a.split(".")[0] for op in pulls for a in op.after}
             # async: the worker's own push (or, beside its own server, its own backward), never a round
             assert pulls and (waits == {"round"} if mode == "sync" else "round" not in waits and "push" in waits)
+
+
+@pytest.mark.parametrize("options", [{"servers": 1}, {"servers": 2, "mode": "geo", "k_steps": 2},
+                                     {"servers": 4, "server_placement": "colocated", "mode": "async"}])
+def test_a_ps_rows_program_moves_theorys_bytes_and_reduces(options):
+    """The PS with embedding rows, from a config: with compute 0 and no latency through one dedicated server its
+    step is the worker's row pull, then every worker's pushes and pulls through that server's link (theory's
+    bytes); and its full and reduced programs agree within 1% with compute and latency in play."""
+    from psarch.theory import predict
+
+    n = 4
+    cfg = from_dict({"workload": {"model": "dlrm", "data": "clicks", "dlrm": {"rows": 10**5}},
+                     "train": {"optimizer": "adagrad", "global_batch": 64},
+                     "backend": {"kind": "ps", "world_size": n, "embeddings": "rows", "partition_mb": 0.0, **options}})
+    phi = 4 * 10**5 * 16 + 20_000
+    spec = registry.spec_of(cfg)
+    if options["servers"] == 1:
+        link = predict(cfg, phi).worker
+        p = spec.program(cfg, phi, DataStep(0.0, 0.0), False)
+        assert simulate(p, Cluster.of(p, RATE)).step_s == pytest.approx(n * (link.sent + link.received) / RATE,
+                                                                       rel=0.02)
+    full, reduced = (spec.program(cfg, phi, STEP, r) for r in (False, True))
+    a = simulate(full, Cluster.of(full, RATE, ALPHA)).step_s
+    assert simulate(reduced, Cluster.of(reduced, RATE, ALPHA)).step_s == pytest.approx(a, rel=0.01)

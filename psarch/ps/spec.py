@@ -184,22 +184,23 @@ class PSSpec(BackendSpec):
         a worker's step is its compute and its own exchange, a pull answered once the worker's own push is in
         (no round), the servers' links shared by all workers; SSP's bound never binds workers that keep pace
         (stragglers and staleness are not modelled). GEO: k_steps local steps, then one exchange of deltas, the
-        program standing for the k steps. None with embedding rows (not written yet: their bytes are theory's).
-        Not modelled: compressing a push (top-k's selection), a server's compute."""
+        program standing for the k steps. Embedding rows: each worker pulls the rows its batch reads (u expected,
+        theory.row_bytes) from every server before it computes (GEO: the rows of its k batches, once) and pushes
+        their gradients first after backward. Not modelled: compressing a push (top-k's selection), a server's
+        compute."""
         from psarch.ps import program
-        from psarch.ps.partitions import server_partitions
         from psarch.theory import BYTES
 
-        b = cfg.backend
-        if b.embeddings != "dense":
-            return None
-        pushed = None if cfg.train.compression == "none" else lambda numel: _theory().pushed_bytes(cfg, numel)
-        slots = program.slots_of(server_partitions(cfg, int(phi)), BYTES[cfg.train.precision], pushes_from_hooks(cfg),
+        b, t = cfg.backend, _theory()
+        pushed = None if cfg.train.compression == "none" else lambda numel: t.pushed_bytes(cfg, numel)
+        slots = program.slots_of(t.dense_partitions(cfg, phi), BYTES[cfg.train.precision], pushes_from_hooks(cfg),
                                  pushed)
         colocated = b.server_placement == "colocated" and not b.server_addresses
+        rows = t.row_bytes(cfg) if b.embeddings == "rows" else None
         if reduced:
-            return program.ps_reduced(b.world_size, program.groups_of(slots), colocated, step, b.barrier, b.push_every)
-        return program.ps_program(b.world_size, slots, colocated, step, b.barrier, b.push_every)
+            return program.ps_reduced(b.world_size, program.groups_of(slots), colocated, step, b.barrier, b.push_every,
+                                      rows)
+        return program.ps_program(b.world_size, slots, colocated, step, b.barrier, b.push_every, rows)
 
     def summary_fields(self, cfg: Config) -> Summary:
         return {"servers": cfg.backend.servers}

@@ -22,6 +22,7 @@ from psarch.theory import (BYTES, LinkBytes, LinkLoad, MemoryPrediction, Predict
 
 if TYPE_CHECKING:
     from psarch.config import Config
+    from psarch.ps.program import RowBytes
 
 
 def dense(cfg: Config, phi: float) -> Prediction:
@@ -116,6 +117,17 @@ def rows_traffic(u: float, dim: int, dense_params: float, width: int) -> LinkByt
     gradients (GEO: deltas), receives u rows, and pushes and pulls the dense part (headers not counted)."""
     return LinkBytes(sent=u * dim * width + 16 * u + dense_params * width,
                      received=u * dim * width + dense_params * width)
+
+
+def row_bytes(cfg: Config) -> RowBytes:
+    """What a worker exchanges with each server per exchange for its embedding rows (rows_traffic's, spread evenly
+    over the servers: keys are hashed to them): u (GEO: u_k, the rows its k batches read) of them."""
+    from psarch.ps.program import RowBytes
+
+    d, b = cfg.workload.dlrm, cfg.backend
+    u, k = expected_unique_ids(cfg, b.push_every), b.servers
+    row = d.dim * BYTES[cfg.train.precision]
+    return RowBytes(keys=8 * u / k, rows=u * row / k, grads=(u * row + 8 * u) / k)
 
 
 def rows(cfg: Config, phi: float) -> Prediction:
