@@ -7,7 +7,20 @@ bytes to the next at each step, once it has the previous step's chunk from the o
 alike), one transfer of the pass's (N - 1)/N of the bytes standing for N, its steps as messages in sequence."""
 from __future__ import annotations
 
-from psarch.theory.program import WORKER, DataStep, Program, backward_spans, ready_points
+from dataclasses import dataclass
+
+from psarch.ps.program import RowBytes, row_pull
+from psarch.theory.program import BOTH, SERVER, WORKER, DataStep, Program, backward_spans, ready_points
+
+
+@dataclass(frozen=True)
+class TableServers:
+    """Embedding tables on PS servers beside a collective (the hybrid, collective/ps_tables.py): how many servers,
+    whether server j sits on rank j's node, and what each rank exchanges with each (psarch/ps/program.py's RowBytes)."""
+
+    servers: int
+    colocated: bool
+    rows: RowBytes
 
 
 def workers(n: int, reduced: bool) -> Program:
@@ -39,12 +52,12 @@ def ring(p: Program, name: str, n: int, nbytes: float, passes: int, after: list[
 
 
 def bucketed(n: int, buckets: list[float], step: DataStep, overlap: bool, reduced: bool, name: str,
-             passes: int) -> tuple[Program, list[tuple[str, ...]]]:
+             passes: int, tables: TableServers | None = None) -> tuple[Program, list[tuple[str, ...]]]:
     """Backward readying `buckets` (bytes, in that order) among n ranks, each bucket `passes` ring passes from
     backward's hooks (overlap) or after backward, one after another, then the optimizer step: the program, and
-    each rank's optimizer step (what comes next waits for)."""
+    each rank's optimizer step (what comes next waits for); `tables`: embedding rows on PS servers beside it."""
     return collectives(n, buckets, [[(f"{name}{b}", size, passes)] for b, size in enumerate(buckets)], [], step,
-                       overlap, reduced)
+                       overlap, reduced, tables=tables)
 
 
 Call = tuple[str, float, int]   # one collective: its name, bytes, ring passes over them (ALL_TO_ALL: bytes each rank sends)
@@ -64,15 +77,31 @@ def all_to_all(p: Program, name: str, n: int, nbytes: float, after: list[tuple[s
 
 
 def collectives(n: int, sizes: list[float], launched: list[list[Call]], later: list[Call], step: DataStep,
-                overlap: bool, reduced: bool, before: list[Call] | None = None) -> tuple[Program, list[tuple[str, ...]]]:
+                overlap: bool, reduced: bool, before: list[Call] | None = None,
+                tables: TableServers | None = None) -> tuple[Program, list[tuple[str, ...]]]:
     """Backward readying buckets of `sizes` (gradient bytes, in that order) among n ranks; once bucket b is ready
     (overlap: from backward's hooks; else after backward) the ranks issue `launched[b]`, and after backward
     `later` (PowerSGD's all-reduce of Q, embedding rows' exchange), all on one communicator, each collective after
-    the one issued before it; forward waits for `before` (the rows a step's batch reads, fetched). The program,
-    and each rank's optimizer step (what comes next waits for)."""
+    the one issued before it; forward waits for `before` (the rows a step's batch reads, fetched). `tables`: each
+    rank also pulls its rows from every server before forward and pushes their gradients after backward, beside
+    the ring (always written in full: servers beside ranks make the ranks unlike, and the row pushes share a rank's
+    link with the ring's steps, which a reduced ring, paying its messages' α before its bytes, does not time alike:
+    its step parted from the full one's by 1-1.6% at N = 17-25). The program, and each rank's optimizer step (what
+    comes next waits for)."""
+    reduced = reduced and not tables
     p = workers(n, reduced)
     ranks = range(1 if reduced else n)
     last: list[tuple[str, ...]] = [() for _ in ranks]
+    where: list[int] = []
+    if tables:
+        k = tables.servers
+        if tables.colocated:
+            p.nodes[:k] = [(BOTH, 1)] * k
+            where = list(range(k))
+        else:
+            where = [p.node(SERVER) for _ in range(k)]
+        last = [tuple(row_pull(p, r, w, tables.rows, f"{r}.{j}") for j, w in enumerate(where) if w != r)
+                for r in ranks]
 
     def issue(calls: list[Call], ready: list[str | None]) -> None:
         nonlocal last
@@ -88,7 +117,9 @@ def collectives(n: int, sizes: list[float], launched: list[list[Call]], later: l
     for b, calls in enumerate(launched):
         issue(calls, [spans[r][0][b] for r in ranks])
     issue(later, [spans[r][1] for r in ranks])
-    return p, [(p.compute(f"opt{r}", r, step.optimizer_s, (spans[r][1], *last[r])),) for r in ranks]
+    pushed = [tuple(p.transfer(f"rowpush.{r}.{j}", r, w, tables.rows.grads, ("push", r, w), (spans[r][1],))
+                    for j, w in enumerate(where) if w != r) if tables else () for r in ranks]
+    return p, [(p.compute(f"opt{r}", r, step.optimizer_s, (spans[r][1], *last[r], *pushed[r])),) for r in ranks]
 
 
 def ddp_program(n: int, buckets: list[float], step: DataStep, overlap: bool, reduced: bool = False) -> Program:

@@ -39,19 +39,17 @@ def reduced_params(cfg: Config, phi: float) -> float:
 def ddp_step(cfg: Config, phi: float, step: Any, reduced: bool, overlap: bool, chained: bool = False) -> Any:
     """The dense all-reduce's step program (collective/program.py): buckets of bucket_cap_mb in the order backward
     readies them (the flat buffer holds the parameters in reverse and is cut from its start, so the short bucket is
-    the last); compressed: collective/theory.py's compressed_program; embedding rows all-gathered (rows_program) or
-    row-sharded (sharded_program); None with the tables on PS servers or compressed beside tables (not written
-    yet: their bytes are theory's)."""
+    the last); compressed: collective/theory.py's compressed_program; embedding rows all-gathered (rows_program),
+    row-sharded (sharded_program) or on PS servers (ps_tables_program)."""
     from collective.program import ddp_program
     from psarch.theory.program import chunks
 
     e = cfg.backend.embeddings
-    if e == "ps" or (e != "dense" and cfg.train.compression != "none"):
-        return None
-    if cfg.train.compression != "none":
+    if cfg.train.compression != "none":   # as predict: theory.compressed, whatever the tables
         return theory.compressed_program(cfg, step, overlap, reduced, chained)
     if e != "dense":
-        return (theory.rows_program if e == "rows" else theory.sharded_program)(cfg, phi, step, overlap, reduced)
+        write = {"rows": theory.rows_program, "sharded": theory.sharded_program, "ps": theory.ps_tables_program}[e]
+        return write(cfg, phi, step, overlap, reduced)
     buckets = chunks(phi * BYTES[cfg.train.precision], cfg.backend.bucket_cap_mb * 2**20)
     return ddp_program(cfg.backend.world_size, buckets, step, overlap, reduced)
 

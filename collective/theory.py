@@ -12,6 +12,7 @@ from psarch.theory import (BYTES, LinkBytes, MemoryPrediction, Prediction, expec
                            optimizer_bytes_per_param, ring_passes, sharded_memory, table_params, topk_k)
 
 if TYPE_CHECKING:
+    from collective.program import TableServers
     from psarch.config import Config
     from psarch.theory.program import DataStep, Program
 
@@ -288,3 +289,24 @@ def sharded_program(cfg: Config, phi: float, step: DataStep, overlap: bool, redu
               ("a2a_rows", row * away, ALL_TO_ALL)]
     return collectives(n, dense, [[(f"ar{b}", size, 2)] for b, size in enumerate(dense)],
                        [("a2a_grads", row * away, ALL_TO_ALL)], step, overlap, reduced, before)[0]
+
+
+def table_servers(cfg: Config) -> TableServers:
+    """The hybrid's tables on backend.servers PS servers (with_ps_tables): each rank's u expected rows, in fp32."""
+    from collective.program import TableServers
+    from psarch.ps.theory import row_bytes
+
+    b = cfg.backend
+    return TableServers(b.servers, b.server_placement == "colocated",
+                        row_bytes(expected_unique_ids(cfg), cfg.workload.dlrm.dim, 4, b.servers))
+
+
+def ps_tables_program(cfg: Config, phi: float, step: DataStep, overlap: bool, reduced: bool) -> Program:
+    """embeddings = "ps" on ddp (the hybrid) as a program: the dense layers' buckets ring all-reduced, each rank's
+    rows pulled from every server before forward and their gradients pushed after backward."""
+    from collective.program import collectives
+    from psarch.theory.program import chunks
+
+    dense = chunks((phi - table_params(cfg)) * BYTES[cfg.train.precision], cfg.backend.bucket_cap_mb * 2**20)
+    return collectives(cfg.backend.world_size, dense, [[(f"ar{b}", size, 2)] for b, size in enumerate(dense)], [],
+                       step, overlap, reduced, tables=table_servers(cfg))[0]

@@ -281,3 +281,22 @@ def test_a_ps_rows_program_moves_theorys_bytes_and_reduces(options):
     full, reduced = (spec.program(cfg, phi, STEP, r) for r in (False, True))
     a = simulate(full, Cluster.of(full, RATE, ALPHA)).step_s
     assert simulate(reduced, Cluster.of(reduced, RATE, ALPHA)).step_s == pytest.approx(a, rel=0.01)
+
+
+@pytest.mark.parametrize("backend", [{"kind": "ddp"}, {"kind": "ddp", "server_placement": "colocated"},
+                                     {"kind": "zero", "stage": 1}])
+def test_a_hybrid_program_moves_the_rows_beside_the_dense_layers(backend):
+    """ddp and ZeRO-1/2 with the tables on PS servers, from a config: with compute 0 and no latency the step takes
+    at least the dense layers' collectives and each rank's rows through its link, at most the two one after the
+    other (the hybrid is written in full only: collective/program.py's collectives says why)."""
+    from psarch.theory import predict
+
+    n = 4
+    cfg = from_dict({"workload": {"model": "dlrm", "data": "clicks", "dlrm": {"rows": 10**5}},
+                     "train": {"optimizer": "adagrad", "global_batch": 256},
+                     "backend": {"world_size": n, "embeddings": "ps", "servers": 2, **backend}})
+    phi = 4 * 10**5 * 16 + 20_000
+    spec, link = registry.spec_of(cfg), predict(cfg, phi).worker
+    p = spec.program(cfg, phi, DataStep(0.0, 0.0), False)
+    got = simulate(p, Cluster.of(p, RATE)).step_s
+    assert max(link.sent, link.received) / RATE * (1 - 1e-6) <= got <= (link.sent + link.received) / RATE * 1.01

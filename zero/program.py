@@ -6,16 +6,18 @@ in backward, in reverse, all-gather it again, its backward, then reduce-scatter 
 all-gather of the unit before it (one communicator, in the order issued: no pass hides behind compute)."""
 from __future__ import annotations
 
-from collective.program import bucketed, ring, workers
+from collective.program import TableServers, bucketed, ring, workers
 from psarch.theory.program import DataStep, Program
 
 
 def stage12_program(n: int, buckets: list[float], gathers: list[float], step: DataStep, overlap: bool,
-                    reduced: bool = False, reduce_passes: int = 1) -> Program:
+                    reduced: bool = False, reduce_passes: int = 1, tables: TableServers | None = None) -> Program:
     """Reduce-scatter of `buckets` (bytes, in the order backward readies them), the optimizer, the all-gather of
     `gathers` (bytes, in order) among n ranks. reduce_passes = 2: each bucket all-reduced instead (torch's DDP
-    under ZeroRedundancyOptimizer, whose broadcasts of the updated shards move what one all-gather pass does)."""
-    p, last = bucketed(n, buckets, step, overlap, reduced, "rs", reduce_passes)
+    under ZeroRedundancyOptimizer, whose broadcasts of the updated shards move what one all-gather pass does);
+    `tables`: embedding rows on PS servers beside it (the hybrid)."""
+    p, last = bucketed(n, buckets, step, overlap, reduced, "rs", reduce_passes, tables)
+    reduced = reduced and not tables   # written in full there (collectives)
     for b, size in enumerate(gathers):
         last = [(d,) for d in ring(p, f"ag{b}", n, size, 1, list(last), reduced)]
     return p

@@ -189,14 +189,18 @@ class PSSpec(BackendSpec):
         their gradients first after backward. Not modelled: compressing a push (top-k's selection), a server's
         compute."""
         from psarch.ps import program
-        from psarch.theory import BYTES
+        from psarch.theory import BYTES, expected_unique_ids
 
         b, t = cfg.backend, _theory()
         pushed = None if cfg.train.compression == "none" else lambda numel: t.pushed_bytes(cfg, numel)
         slots = program.slots_of(t.dense_partitions(cfg, phi), BYTES[cfg.train.precision], pushes_from_hooks(cfg),
                                  pushed)
         colocated = b.server_placement == "colocated" and not b.server_addresses
-        rows = t.row_bytes(cfg) if b.embeddings == "rows" else None
+        if b.embeddings == "rows":   # GEO: the rows its k batches read
+            rows = t.row_bytes(expected_unique_ids(cfg, b.push_every), cfg.workload.dlrm.dim,
+                               BYTES[cfg.train.precision], b.servers)
+        else:
+            rows = None
         if reduced:
             return program.ps_reduced(b.world_size, program.groups_of(slots), colocated, step, b.barrier, b.push_every,
                                       rows)

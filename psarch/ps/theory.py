@@ -119,15 +119,12 @@ def rows_traffic(u: float, dim: int, dense_params: float, width: int) -> LinkByt
                      received=u * dim * width + dense_params * width)
 
 
-def row_bytes(cfg: Config) -> RowBytes:
-    """What a worker exchanges with each server per exchange for its embedding rows (rows_traffic's, spread evenly
-    over the servers: keys are hashed to them): u (GEO: u_k, the rows its k batches read) of them."""
+def row_bytes(u: float, dim: int, width: int, servers: int) -> RowBytes:
+    """What a worker exchanges with each of `servers` servers per exchange for its u embedding rows of `dim`
+    elements (rows_traffic's, spread evenly over the servers: keys are hashed to them)."""
     from psarch.ps.program import RowBytes
 
-    d, b = cfg.workload.dlrm, cfg.backend
-    u, k = expected_unique_ids(cfg, b.push_every), b.servers
-    row = d.dim * BYTES[cfg.train.precision]
-    return RowBytes(keys=8 * u / k, rows=u * row / k, grads=(u * row + 8 * u) / k)
+    return RowBytes(keys=8 * u / servers, rows=u * dim * width / servers, grads=(u * dim * width + 8 * u) / servers)
 
 
 def rows(cfg: Config, phi: float) -> Prediction:
