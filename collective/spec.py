@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Mapping
+from typing import TYPE_CHECKING, Any
 
 from collective import theory
-from psarch.backend import PROCESS_GROUP_OPTIONS, BackendSpec, CommModel
+from psarch.backend import PROCESS_GROUP_OPTIONS, BackendSpec
 from psarch.config.backend import Buckets, Communicator, CoreBackendConfig, Overlap, PSServers
 from psarch.errors import ConfigError, show
-from psarch.theory import BYTES, Prediction, buckets_of, table_params
+from psarch.theory import BYTES, Prediction
 
 if TYPE_CHECKING:
     from pathlib import Path
@@ -28,12 +28,6 @@ class DDPOptions(PSServers, Communicator, Buckets, Overlap, CoreBackendConfig):
 @dataclass(frozen=True)
 class TorchDDPOptions(Buckets, CoreBackendConfig):
     """torch_ddp's [backend]: buckets (torch's bucket_cap_mb)."""
-
-
-def reduced_params(cfg: Config, phi: float) -> float:
-    """Parameters that go through the bucketed all-reduce: all, or the dense layers where embedding tables
-    move otherwise (rows, sharded, ps)."""
-    return phi if cfg.backend.embeddings == "dense" else phi - table_params(cfg)
 
 
 def ddp_step(cfg: Config, phi: float, step: Any, reduced: bool, overlap: bool, chained: bool = False) -> Any:
@@ -136,11 +130,6 @@ class DDPSpec(PSTablesServices, BackendSpec):
         return theory.rows(cfg, phi) if e == "rows" else theory.sharded(cfg, phi) if e == "sharded" else \
             theory.replicated(cfg, phi)
 
-    def comm_model(self, cfg: Config, phi: float, extra: Mapping[str, list[Any]]) -> CommModel:
-        b = cfg.backend
-        return CommModel(buckets_of(reduced_params(cfg, phi) * BYTES[cfg.train.precision], b.bucket_cap_mb * 2**20),
-                         overlap=b.overlap_comm)
-
     def program(self, cfg: Config, phi: float, step: Any, reduced: bool = False) -> Any:
         return ddp_step(cfg, phi, step, reduced, cfg.backend.overlap_comm)
 
@@ -180,11 +169,6 @@ class TorchDDPSpec(BackendSpec):
             return theory.compressed(cfg, phi)
         return theory.rows(cfg, phi, sparse_grads=True) if cfg.backend.embeddings == "rows" else \
             theory.replicated(cfg, phi)
-
-    def comm_model(self, cfg: Config, phi: float, extra: Mapping[str, list[Any]]) -> CommModel:
-        # torch DDP always sends its buckets from backward's hooks
-        return CommModel(buckets_of(reduced_params(cfg, phi) * BYTES[cfg.train.precision],
-                                    cfg.backend.bucket_cap_mb * 2**20), overlap=True)
 
     def program(self, cfg: Config, phi: float, step: Any, reduced: bool = False) -> Any:
         # torch DDP always sends from backward's hooks; its powerSGD_hook chains Q's all-reduce to P's

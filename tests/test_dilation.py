@@ -121,7 +121,7 @@ def test_d_reads_no_predicted_time(monkeypatch, backend):
 
     def consulted(*a, **k):
         raise AssertionError("dilation consulted the prediction")
-    for f in ("cluster_step", "cluster_step_time", "exchange_time"):
+    for f in ("cluster_step", "simulated_step"):
         monkeypatch.setattr(psarch.theory, f, consulted)
     monkeypatch.setattr("psarch.launch.ranks.run", consulted)
     monkeypatch.setattr(dilation, "spinning", lambda n: contextlib.nullcontext())   # the probes, unhurried

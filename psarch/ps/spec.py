@@ -6,7 +6,7 @@ from pathlib import Path
 from types import ModuleType
 from typing import TYPE_CHECKING, Any
 
-from psarch.backend import PROCESS_GROUP_OPTIONS, BackendSpec, CommModel
+from psarch.backend import PROCESS_GROUP_OPTIONS, BackendSpec
 from psarch.config.backend import CoreBackendConfig, Overlap, PSServers
 from psarch.config.fields import option
 from psarch.errors import ConfigError, show
@@ -164,17 +164,6 @@ class PSSpec(BackendSpec):
 
     def predict(self, cfg: Config, phi: float) -> Prediction:
         return _theory().rows(cfg, phi) if cfg.backend.embeddings == "rows" else _theory().dense(cfg, phi)
-
-    def comm_model(self, cfg: Config, phi: float, extra: Any) -> CommModel:
-        """Push and pull pipelined over each server's partitions; pushes from backward's hooks (overlap_comm), a
-        server's contiguous range ready within 1/k of backward (round robin: its partitions all through it).
-        Priority is modelled as without it: the next forward could hide what it overlaps, but its last module
-        needs the last partition pushed, and the credit's gating (each ack travels behind its server's pulls on
-        one connection) costs about as much."""
-        b = cfg.backend
-        m = _theory().partitions_per_server(cfg, phi)
-        return CommModel(buckets=m * b.servers, overlap=pushes_from_hooks(cfg),
-                         pipeline=_theory().pipeline_slots(cfg, phi), ready_share=_theory().ready_share(cfg, phi))
 
     def program(self, cfg: Config, phi: float, step: Any, reduced: bool = False) -> Any:
         """psarch/ps/program.py's step, from the servers' partitions (partitions.server_partitions) and placement

@@ -1,22 +1,16 @@
 """What theory predicts for the parameter server: each worker pushes S (gradients; GEO: deltas) and pulls S
 each exchange, split evenly over the servers; with embedding tables sharded by row over the servers, only
-the rows a batch touches move. On a cluster (psarch.theory's exchange_time): k dedicated servers load a
-worker's link with S and a server's with N·S/k each way; k servers colocated with workers 0..k-1 keep a
-worker's share for its own server (S/k) and a server's for its own worker off the link, so a node with both
-carries (k-1)/k·S + (N-1)/k·S = (N+k-2)/k·S each way (k = N: 2(N-1)/N·S, as all-reduce). Pipelined in
-partitions the exchange takes about (1 + x/R) × its busiest link and direction's bytes / rate (x: a server's
-largest partition, R: its range; `pipeline_slots`); one after the other, push then pull. Pushed from backward's
-hooks, a server's contiguous range is ready within 1/k of backward: only that share hides its link's exchange
-(psarch.theory's cluster_step_time, CommModel.ready_share); partitions dealt round robin (BytePS) are ready
-all through backward. An emulated run's step is predicted by the step simulator from the PS's program
-(psarch/ps/program.py), which holds where these phases do not (a colocated node's link carrying pushes and pulls
-the same way at once). BytePS's optimum (`byteps_optimum`) is the reference line. The shared
-algebra is psarch.theory's."""
+the rows a batch touches move. k dedicated servers load a worker's link with S and a server's with N·S/k each
+way; k servers colocated with workers 0..k-1 keep a worker's share for its own server (S/k) and a server's for
+its own worker off the link, so a node with both carries (k-1)/k·S + (N-1)/k·S = (N+k-2)/k·S each way (k = N:
+2(N-1)/N·S, as all-reduce; colocated_links). An emulated run's step is predicted by the step simulator from the
+PS's program (psarch/ps/program.py: partitions pipelined, pushes from backward's hooks, servers shared). BytePS's
+optimum (`byteps_optimum`) is the reference line. The shared algebra is psarch.theory's."""
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from psarch.ps.partitions import held, one_range, server_partitions
+from psarch.ps.partitions import server_partitions
 from psarch.theory import (BYTES, LinkBytes, LinkLoad, MemoryPrediction, Prediction, expected_unique_ids,
                            optimizer_bytes_per_param, table_params, topk_k)
 
@@ -67,31 +61,6 @@ def dense_partitions(cfg: Config, phi: float) -> list[list[tuple[int, int]]]:
     """Each server's partitions of the dense parameters (embedding rows have their own keyed path)."""
     dense = int(phi - (table_params(cfg) if cfg.backend.embeddings == "rows" else 0))
     return server_partitions(cfg, dense)
-
-
-def widest_partitions(cfg: Config, phi: float) -> list[tuple[int, int]]:
-    """The partitions of the server that holds the most of the dense parameters (one when partition_mb = 0)."""
-    return max(dense_partitions(cfg, phi), key=held)
-
-
-def ready_share(cfg: Config, phi: float) -> float:
-    """The share of backward in which a server's partitions of the dense parameters become ready: 1/k when each
-    server holds a contiguous range, 1 when they are dealt round robin (spread over the whole model)."""
-    return 1 / cfg.backend.servers if all(one_range(p) for p in dense_partitions(cfg, phi)) else 1.0
-
-
-def partitions_per_server(cfg: Config, phi: float) -> int:
-    """Partitions of the largest server range of the dense parameters (1 when partition_mb = 0)."""
-    return len(widest_partitions(cfg, phi))
-
-
-def pipeline_slots(cfg: Config, phi: float) -> float:
-    """The slots a server's exchange is pipelined over: its widest range over its largest partition (m for m
-    equal partitions; fewer where the last is short). Two stages (push, pull) over partitions x_1..x_m take
-    max_j (x_1 + .. + x_j) + (x_j + .. + x_m) = R + max x: the largest partition, not R / m, fills and drains."""
-    parts = widest_partitions(cfg, phi)
-    widest = held(parts)
-    return widest / max(b - a for a, b in parts) if widest else 1.0
 
 
 def colocated_links(n: int, k: int, s: float, pulled: float | None = None) -> list[LinkLoad]:

@@ -2,7 +2,7 @@
 `predict`: collective/theory.py, zero/theory.py, psarch/ps/theory.py), and the algebra they share here:
 memory per rank by category (the ZeRO paper's Table 1 cells, Rajbhandari et al. 2020), ring passes,
 expected distinct embedding rows, and an emulated run's step time (`cluster_step`: the step simulator's where
-the backend writes its step as a program, else the α-β sum of `cluster_step_time`). Every output beside a
+the backend writes its step as a program). Every output beside a
 measured figure (psarch.launch.outputs, psarch.report.compare, the estimator) calls `predict`; nothing patches
 its result afterwards. Beside it in this package: the step simulator, `program.py` (a step as a program: compute
 spans, transfers, the cluster), `simulate.py` (one program played) and `steady.py` (several steps in a row);
@@ -17,7 +17,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from psarch import registry
-from psarch.backend import CommModel
 from psarch.config import Config, from_dict
 from psarch.records import Predicted, Summary
 from psarch.zipf import expected_unique
@@ -195,74 +194,10 @@ def two_phase_links(p: Prediction) -> list[LinkLoad]:
             LinkLoad(True, LinkBytes(0.0, p.server.received), LinkBytes(p.server.sent, 0.0))]
 
 
-def exchange_time(links: list[LinkLoad], worker_rate: float, server_rate: float, pipeline: float = 1.0) -> float:
-    """Seconds of a push-then-pull exchange over `links` (payload bytes/s of each kind of link). pipeline = 1:
-    the push phase, then the pull phase, each as long as its busiest link and direction. pipeline = m > 1
-    (partitions per server, pushed back to back, each pulled once its round is complete; m = a server's range
-    over its largest partition, psarch/ps/theory.py's pipeline_slots): a 2-stage pipeline over m slots,
-    (push + pull) / m to fill and drain it (the largest partition's push and pull), and (m - 1) / m of the time
-    the busiest link and direction takes to carry push and pull at once (full duplex: m -> inf gives that time
-    alone)."""
-    def busiest(load: Any) -> float:
-        return max(max(b.sent, b.received) / (server_rate if link.server else worker_rate)
-                   for link in links for b in [load(link)])
-    push, pull = busiest(lambda x: x.push), busiest(lambda x: x.pull)
-    both = busiest(lambda x: LinkBytes(x.push.sent + x.pull.sent, x.push.received + x.pull.received))
-    return (push + pull) / pipeline + (pipeline - 1) / pipeline * both
-
-
-def cluster_step_time(p: Prediction, compute_s: float, link_mbps: float, server_mbps: float,
-                      alpha_s: float = 0.0, model: CommModel | None = None,
-                      backward_s: float | None = None) -> dict[str, float]:
-    """Step time on an emulated cluster: compute (measured, or a virtual device's modelled) plus the bytes
-    `p` puts on each link at its rate (with WIRE_OVERHEAD), plus α per message in sequence (α-β model).
-    server_mbps: a PS server's link (ClusterConfig.server_mbps); collectives ignore it. `model`: how the
-    backend's communication meets its compute (BackendSpec.comm_model; None: one collective after compute),
-    whose fields the rest of this says how they count.
-
-    Collectives: every rank sends and receives its volume at once (full duplex). PS: a push then a pull over
-    the links (`exchange_time`; pipelined over `pipeline` partitions per server). Overlap (DDP/ZeRO with
-    overlap_comm and B buckets, a PS pushing B partitions from backward's hooks): buckets of equal size, ready
-    at equal steps through backward (`backward_s`; unknown: 2/3 of compute), on one link: after backward there
-    waits the last bucket's share, or, where the link is the bound, all of it less what backward hides after
-    the first bucket is ready, max(comm / B, comm - backward (B - 1) / B).
-    ready_share: the share of backward in which the busiest link's buckets are ready (a PS server owns a
-    contiguous 1/k of the parameters: its B/k partitions are ready within 1/k of backward, the last server's at
-    its end), so backward hides ready_share (B' - 1) / B' of it, B' = B x ready_share; a pipelined exchange's
-    tail is then its last partition's push and pull, 2 / (pipeline + 1) of it. after_passes: ring passes that
-    start only after the optimizer step (ZeRO-1/2's all-gather of the updated parameters), exposed whole.
-    hidden_passes: ring passes already inside the measured compute (ZeRO-3's forward and backward
-    all-gathers block there, where the comm wait does not see them)."""
-    m = model or CommModel()
-    buckets, pipeline, ready_share = m.buckets, m.pipeline, m.ready_share
-    worker_rate = link_mbps * 1e6 / 8 / WIRE_OVERHEAD   # payload bytes/s
-    server_rate = server_mbps * 1e6 / 8 / WIRE_OVERHEAD
-    if not p.worker.sent and not p.worker.received:
-        return {"compute_s": compute_s, "comm_s": 0.0, "step_time_s": compute_s}
-    backward = 2 / 3 * compute_s if backward_s is None else backward_s
-    after = 0.0
-    if p.server is not None:
-        comm = (exchange_time(p.links or two_phase_links(p), worker_rate, server_rate, pipeline)
-                + p.messages * alpha_s)
-    else:
-        per_pass = (p.worker.sent / worker_rate + p.messages * alpha_s) / p.rounds
-        comm, after = (p.rounds - m.hidden_passes - m.after_passes) * per_pass, m.after_passes * per_pass
-    seen = max(1.0, buckets * ready_share)   # the buckets the busiest link carries
-    hiding = backward * ready_share * (seen - 1) / seen
-    tail = comm * 2 / (pipeline + 1) if pipeline > 1 else comm / seen
-    exposed = (max(comm - hiding, tail) if m.overlap and buckets > 1 else comm) + after
-    return {"compute_s": compute_s, "comm_s": exposed, "step_time_s": compute_s + exposed}
-
-
 def topk_k(numel: int, ratio: float) -> int:
     """Elements top-k (train.compression) sends of a bucket or partition of `numel`: ceil(ratio x numel), at
     least one."""
     return max(1, math.ceil(ratio * numel))
-
-
-def buckets_of(bytes_reduced: float, cap_bytes: float) -> int:
-    """Collectives per pass when `bytes_reduced` go in buckets of `cap_bytes`."""
-    return max(1, -(-int(bytes_reduced) // max(1, int(cap_bytes))))
 
 
 def cluster_step(cfg: Config, summary: Summary) -> dict[str, float]:
@@ -270,9 +205,9 @@ def cluster_step(cfg: Config, summary: Summary) -> dict[str, float]:
     modelled forward and backward (summary's virtual_device: cluster time, α / D, nothing of the communication
     inside it), else the measured step less its communication wait; where that holds waits too
     (BackendSpec.compute_holds_waits) the compute that, played with the program, ends when it does (pure_compute).
-    Where the backend writes its step as a program (BackendSpec.program) the step simulator plays it on the run's
-    links (psarch.theory.simulate); elsewhere (embedding rows, the PS's async modes and servers started elsewhere)
-    the α-β sum of cluster_step_time with the backend's CommModel."""
+    The step simulator plays the backend's step program (BackendSpec.program) on the run's links
+    (psarch.theory.simulate); nan where it writes none (ZeRO-3 with its tables on PS servers, a backend that
+    declares no program)."""
     spec = registry.spec_of(cfg)
     phi = summary["params"]
     compute, backward, alpha = step_inputs(summary)
@@ -280,12 +215,9 @@ def cluster_step(cfg: Config, summary: Summary) -> dict[str, float]:
     if backward is None and spec.compute_holds_waits(cfg):   # a trainer that times no wait measured the whole step
         compute = pure_compute(cfg, phi, compute, alpha, whole_step=not summary.get("comm_s"))
     step = simulated_step(cfg, phi, compute, backward, alpha)
-    if step is not None:
-        return out | {"predicted_s": step.step_s, "predicted_comm_s": step.step_s - compute}
-    m = spec.comm_model(cfg, phi, summary.get("extra") or {})
-    pred = cluster_step_time(predict(cfg, phi), compute, cfg.cluster.link_mbps, cfg.cluster.server_mbps, alpha, m,
-                             backward)
-    return out | {"predicted_s": pred["step_time_s"], "predicted_comm_s": pred["comm_s"]}
+    if step is None:
+        return out | {"predicted_s": math.nan, "predicted_comm_s": math.nan}
+    return out | {"predicted_s": step.step_s, "predicted_comm_s": step.step_s - compute}
 
 
 def pure_compute(cfg: Config, phi: float, measured_s: float, alpha_s: float, whole_step: bool = False,
