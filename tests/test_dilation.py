@@ -227,8 +227,17 @@ def test_a_dilated_ps_run_outlasts_its_own_timeout(tmp_path):
 def test_communication_during_compute_is_read_from_the_program(backend, during):
     """Whether a step's communication competes with its compute for the cores: buckets or partitions sent from
     backward's hooks, ZeRO-3's passes between its units' compute; not one bucket ready at backward's end, not
-    buckets sent after backward, not GEO's exchange after its local steps."""
+    buckets sent after backward, not GEO's exchange after its local steps. And the busiest link's bytes, the
+    prediction's."""
+    from psarch.theory import predict
+
     cfg = from_dict(config("load", backend={"world_size": 4, **backend}))
     phi = sum(p.numel() for p in build_workload(cfg).model.parameters())
-    messages, got = dilation.program_load(cfg, phi, 0.05)
-    assert got is during and messages > 0
+    load = dilation.program_load(cfg, phi, 0.05)
+    assert load is not None and load.during is during and load.messages > 0
+    # the busiest link and direction: a rank's, or a dedicated server's (all workers' pushes in), per step; the
+    # prediction's server is the mean one, the program's busiest holds a partition (512 elements) more
+    p = predict(cfg, phi)
+    links = [p.worker.sent, p.worker.received] + ([p.server.sent, p.server.received] if p.server else [])
+    assert max(links) * (1 - 1e-3) <= load.link_bytes <= max(links) + (4 * 4 * 512 if p.server else 0) + 1e-6
+    assert load.server_link is (p.server is not None)

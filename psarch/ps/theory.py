@@ -3,7 +3,7 @@ each exchange, split evenly over the servers; with embedding tables sharded by r
 the rows a batch touches move. k dedicated servers load a worker's link with S and a server's with N·S/k each
 way; k servers colocated with workers 0..k-1 keep a worker's share for its own server (S/k) and a server's for
 its own worker off the link, so a node with both carries (k-1)/k·S + (N-1)/k·S = (N+k-2)/k·S each way (k = N:
-2(N-1)/N·S, as all-reduce; colocated_links). An emulated run's step is predicted by the step simulator from the
+2(N-1)/N·S, as all-reduce). An emulated run's step is predicted by the step simulator from the
 PS's program (psarch/ps/program.py: partitions pipelined, pushes from backward's hooks, servers shared). BytePS's
 optimum (`byteps_optimum`) is the reference line. The shared algebra is psarch.theory's."""
 from __future__ import annotations
@@ -11,7 +11,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from psarch.ps.partitions import server_partitions
-from psarch.theory import (BYTES, LinkBytes, LinkLoad, MemoryPrediction, Prediction, expected_unique_ids,
+from psarch.theory import (BYTES, LinkBytes, MemoryPrediction, Prediction, expected_unique_ids,
                            optimizer_bytes_per_param, table_params, topk_k)
 
 if TYPE_CHECKING:
@@ -41,11 +41,9 @@ def dense(cfg: Config, phi: float) -> Prediction:
     else:   # top-k keeps the error of every element it has pushed
         mem = MemoryPrediction(params=width * phi, grads=width * phi, optimizer=0.0,
                                buffers=width * phi if t.compression == "topk" else 0.0)
-    colocated = b.server_placement == "colocated" and not b.server_addresses
     return Prediction(mem, LinkBytes(up / every, s / every), LinkBytes(n * s / b.servers / every,
                                                                       n * up / b.servers / every),
-                      rounds=2 / every, messages=2 / every, server_memory=server_mem,
-                      links=colocated_links(n, b.servers, up / every, s / every) if colocated else None)
+                      rounds=2 / every, messages=2 / every, server_memory=server_mem)
 
 
 def pushed_bytes(cfg: Config, numel: int) -> float:
@@ -61,16 +59,6 @@ def dense_partitions(cfg: Config, phi: float) -> list[list[tuple[int, int]]]:
     """Each server's partitions of the dense parameters (embedding rows have their own keyed path)."""
     dense = int(phi - (table_params(cfg) if cfg.backend.embeddings == "rows" else 0))
     return server_partitions(cfg, dense)
-
-
-def colocated_links(n: int, k: int, s: float, pulled: float | None = None) -> list[LinkLoad]:
-    """The links of N workers with k servers beside workers 0..k-1, each pushing S and pulling P (= S unless
-    given) per step: a node with a worker and a server sends (k-1)/k·S of pushes and receives (N-1)/k·S of them,
-    then sends (N-1)/k·P of pulls and receives (k-1)/k·P; a worker alone (k < N) pushes S and pulls P."""
-    p = s if pulled is None else pulled
-    node = LinkLoad(False, LinkBytes((k - 1) / k * s, (n - 1) / k * s), LinkBytes((n - 1) / k * p, (k - 1) / k * p))
-    alone = LinkLoad(False, LinkBytes(s, 0.0), LinkBytes(0.0, p))
-    return [node] if k == n else [node, alone]
 
 
 def byteps_optimum(n: int, k: int, s: float, rate: float) -> float:

@@ -56,15 +56,6 @@ class LinkBytes:
 
 
 @dataclass
-class LinkLoad:
-    """What one link carries per step in each phase of a push-then-pull exchange (sent: up, received: down)."""
-
-    server: bool          # a service's own node's link (cluster.server_link_mbps), else a worker's node's
-    push: LinkBytes
-    pull: LinkBytes
-
-
-@dataclass
 class RankPrediction:
     """What theory says of one rank of a model-parallel run: its model states, its link per step, and the
     backend's own figures, each measured under the same name in summary.json's `extra` (a pipeline stage's
@@ -82,7 +73,7 @@ class RankPrediction:
 @dataclass
 class Prediction:
     """Everything theory says about one run. `worker` and `server` are what one worker's and one PS server's
-    meters count per step; on a cluster each is also its own node's link, unless `links` says otherwise.
+    meters count per step (on a cluster, the step program says which node carries what).
     Model-parallel backends fill `per_rank`, what each rank holds and sends and their own per-rank figures
     (`memory_per_rank` is then the fullest rank's and `worker` the busiest link's)."""
 
@@ -92,9 +83,6 @@ class Prediction:
     rounds: float                       # communication phases per step: a collective pass, a push or a pull
     messages: float                     # messages in sequence per step, each paying the link latency once
     server_memory: float | None         # bytes one PS server holds (None: no servers)
-    # with servers: the links whose load sets the exchange's time, by phase, where processes share a node (a
-    # server beside a worker); None: each worker's and each server's own (two_phase_links)
-    links: list[LinkLoad] | None = None
     per_rank: list[RankPrediction] | None = None
 
     def to_dict(self) -> Predicted:
@@ -183,15 +171,6 @@ def traffic_per_step(kind: str, payload_bytes: float, n: int, **backend: Any) ->
 # Bytes on an Ethernet link per byte of TCP payload: a 1500-byte MTU frame (1514 B with its Ethernet
 # header, as tbf counts it) carries 1448 B of payload after the IP and TCP (with timestamps) headers.
 WIRE_OVERHEAD = 1514 / 1448
-
-
-def two_phase_links(p: Prediction) -> list[LinkLoad]:
-    """Each worker on its own node pushes through its link, then pulls; each server on its own node receives
-    the pushes, then sends the pulls."""
-    if p.server is None:
-        raise ValueError("two_phase_links: the prediction has no servers (Prediction.server is None)")
-    return [LinkLoad(False, LinkBytes(p.worker.sent, 0.0), LinkBytes(0.0, p.worker.received)),
-            LinkLoad(True, LinkBytes(0.0, p.server.received), LinkBytes(p.server.sent, 0.0))]
 
 
 def topk_k(numel: int, ratio: float) -> int:
