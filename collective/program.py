@@ -91,17 +91,7 @@ def collectives(n: int, sizes: list[float], launched: list[list[Call]], later: l
     reduced = reduced and not tables
     p = workers(n, reduced)
     ranks = range(1 if reduced else n)
-    last: list[tuple[str, ...]] = [() for _ in ranks]
-    where: list[int] = []
-    if tables:
-        k = tables.servers
-        if tables.colocated:
-            p.nodes[:k] = [(BOTH, 1)] * k
-            where = list(range(k))
-        else:
-            where = [p.node(SERVER) for _ in range(k)]
-        last = [tuple(row_pull(p, r, w, tables.rows, f"{r}.{j}") for j, w in enumerate(where) if w != r)
-                for r in ranks]
+    where, last = table_servers(p, len(ranks), tables)
 
     def issue(calls: list[Call], ready: list[str | None]) -> None:
         nonlocal last
@@ -117,9 +107,30 @@ def collectives(n: int, sizes: list[float], launched: list[list[Call]], later: l
     for b, calls in enumerate(launched):
         issue(calls, [spans[r][0][b] for r in ranks])
     issue(later, [spans[r][1] for r in ranks])
-    pushed = [tuple(p.transfer(f"rowpush.{r}.{j}", r, w, tables.rows.grads, ("push", r, w), (spans[r][1],))
-                    for j, w in enumerate(where) if w != r) if tables else () for r in ranks]
+    pushed = row_pushes(p, n, tables, where, [spans[r][1] for r in ranks]) if tables else [() for _ in ranks]
     return p, [(p.compute(f"opt{r}", r, step.optimizer_s, (spans[r][1], *last[r], *pushed[r])),) for r in ranks]
+
+
+def table_servers(p: Program, n: int, tables: TableServers | None) -> tuple[list[int], list[tuple[str, ...]]]:
+    """The nodes of `tables`' servers in a program of n ranks (written in full where there are tables: dedicated
+    servers declared here), and each rank's row pull from every server (what its forward waits for; none without
+    tables)."""
+    if not tables:
+        return [], [() for _ in range(n)]
+    k = tables.servers
+    if tables.colocated:
+        p.nodes[:k] = [(BOTH, 1)] * k
+        where = list(range(k))
+    else:
+        where = [p.node(SERVER) for _ in range(k)]
+    return where, [tuple(row_pull(p, r, w, tables.rows, f"{r}.{j}") for j, w in enumerate(where) if w != r)
+                   for r in range(n)]
+
+
+def row_pushes(p: Program, n: int, tables: TableServers, where: list[int], after: list[str]) -> list[tuple[str, ...]]:
+    """Each rank's push of its rows' gradients to every server once `after[r]` (its backward) is done."""
+    return [tuple(p.transfer(f"rowpush.{r}.{j}", r, w, tables.rows.grads, ("push", r, w), (after[r],))
+                  for j, w in enumerate(where) if w != r) for r in range(n)]
 
 
 def ddp_program(n: int, buckets: list[float], step: DataStep, overlap: bool, reduced: bool = False) -> Program:

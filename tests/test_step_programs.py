@@ -284,9 +284,9 @@ def test_a_ps_rows_program_moves_theorys_bytes_and_reduces(options):
 
 
 @pytest.mark.parametrize("backend", [{"kind": "ddp"}, {"kind": "ddp", "server_placement": "colocated"},
-                                     {"kind": "zero", "stage": 1}])
+                                     {"kind": "zero", "stage": 1}, {"kind": "zero", "stage": 3}])
 def test_a_hybrid_program_moves_the_rows_beside_the_dense_layers(backend):
-    """ddp and ZeRO-1/2 with the tables on PS servers, from a config: with compute 0 and no latency the step takes
+    """ddp and ZeRO with the tables on PS servers, from a config: with compute 0 and no latency the step takes
     at least the dense layers' collectives and each rank's rows through its link, at most the two one after the
     other (the hybrid is written in full only: collective/program.py's collectives says why)."""
     from psarch.theory import predict

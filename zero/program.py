@@ -6,7 +6,7 @@ in backward, in reverse, all-gather it again, its backward, then reduce-scatter 
 all-gather of the unit before it (one communicator, in the order issued: no pass hides behind compute)."""
 from __future__ import annotations
 
-from collective.program import TableServers, bucketed, ring, workers
+from collective.program import TableServers, bucketed, ring, row_pushes, table_servers, workers
 from psarch.theory.program import DataStep, Program
 
 
@@ -24,15 +24,17 @@ def stage12_program(n: int, buckets: list[float], gathers: list[float], step: Da
 
 
 def stage3_program(n: int, units: list[float], step: DataStep, reduced: bool = False, prefetch: int = 0,
-                   keep_first: bool = False) -> Program:
+                   keep_first: bool = False, tables: TableServers | None = None) -> Program:
     """ZeRO-3 over `units` (each unit's parameter bytes, in forward order; compute shared by bytes) among n ranks.
     prefetch = k: a unit's all-gather is issued as the unit k before it starts computing (FSDP2 prefetches one),
     not after the unit before it is done; keep_first: the first unit (FSDP2's root) stays gathered from forward
-    through backward."""
+    through backward; `tables`: embedding rows on PS servers beside it (the hybrid: written in full), each rank's
+    pulled before forward (before its first gather) and pushed after backward."""
+    reduced = reduced and not tables
     p = workers(n, reduced)
     ranks = range(1 if reduced else n)
     share = [u / (sum(units) or 1.0) for u in units]
-    comm: list[tuple[str, ...]] = [() for _ in ranks]     # the communicator's last op on each rank
+    where, comm = table_servers(p, len(ranks), tables)   # comm: the communicator's last op on each rank
     done: dict[str, list[str]] = {}                       # each compute span's name on each rank
 
     def gather(name: str, i: int, size: float, issued: str | None) -> None:
@@ -66,6 +68,7 @@ def stage3_program(n: int, units: list[float], step: DataStep, reduced: bool = F
         prev = f"bwd{i}"
         got = ring(p, f"rs{i}", n, units[i], 1, [(*comm[r], done[prev][j]) for j, r in enumerate(ranks)], reduced)
         comm = [(g,) for g in got]
+    pushed = row_pushes(p, n, tables, where, done[prev]) if tables else [() for _ in ranks]
     for j, r in enumerate(ranks):
-        p.compute(f"opt{r}", r, step.optimizer_s, (done[prev][j], *comm[j]))
+        p.compute(f"opt{r}", r, step.optimizer_s, (done[prev][j], *comm[j], *pushed[j]))
     return p

@@ -83,21 +83,18 @@ class ZeroSpec(PSTablesServices, BackendSpec):
     def program(self, cfg: Config, phi: float, step: Any, reduced: bool = False) -> Any:
         """zero/program.py's step: stages 1-2 in buckets of reduce_bucket_size and allgather_bucket_size elements;
         stage 3 as one unit (the unit count is a property of the model, unknown from Φ); embedding tables on PS
-        servers (stages 1-2): each rank's rows pulled before forward, pushed after backward. None for stage 3 with
-        tables on servers (not written yet)."""
+        servers: each rank's rows pulled before forward, pushed after backward."""
         from psarch.theory.program import chunks
         from zero.program import stage12_program, stage3_program
 
         b, width = cfg.backend, BYTES[cfg.train.precision]
         tables = None
         if b.embeddings == "ps":   # ZeRO over the dense layers, the tables on the servers
-            if b.stage == 3:
-                return None
             from collective.theory import table_servers
             phi, tables = phi - table_params(cfg), table_servers(cfg)
         s, n = phi * width, b.world_size
         if b.stage == 3:
-            return stage3_program(n, [s], step, reduced)
+            return stage3_program(n, [s], step, reduced, tables=tables)
         return stage12_program(n, chunks(s, b.reduce_bucket_size * width), chunks(s, b.allgather_bucket_size * width),
                                step, b.overlap_comm, reduced, tables=tables)
 

@@ -185,8 +185,7 @@ def cluster_step(cfg: Config, summary: Summary) -> dict[str, float]:
     inside it), else the measured step less its communication wait; where that holds waits too
     (BackendSpec.compute_holds_waits) the compute that, played with the program, ends when it does (pure_compute).
     The step simulator plays the backend's step program (BackendSpec.program) on the run's links
-    (psarch.theory.simulate); nan where it writes none (ZeRO-3 with its tables on PS servers, a backend that
-    declares no program)."""
+    (psarch.theory.simulate); nan where it writes none (a backend that declares no program)."""
     spec = registry.spec_of(cfg)
     phi = summary["params"]
     compute, backward, alpha = step_inputs(summary)
