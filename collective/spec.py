@@ -30,10 +30,12 @@ class TorchDDPOptions(Buckets, CoreBackendConfig):
     """torch_ddp's [backend]: buckets (torch's bucket_cap_mb)."""
 
 
-def ddp_step(cfg: Config, phi: float, step: Any, reduced: bool, overlap: bool, chained: bool = False) -> Any:
+def ddp_step(cfg: Config, phi: float, step: Any, reduced: bool, overlap: bool, chained: bool = False,
+             own_buckets: bool = False) -> Any:
     """The dense all-reduce's step program (collective/program.py): buckets of bucket_cap_mb in the order backward
     readies them (the flat buffer holds the parameters in reverse and is cut from its start, so the short bucket is
-    the last); compressed: collective/theory.py's compressed_program; embedding rows all-gathered (rows_program),
+    the last); own_buckets (ddp): the trainer's own buckets where the config's model holds phi (theory.trainer_buckets:
+    a bucket closes at a parameter's edge), else cut at the cap from Φ alone; compressed: collective/theory.py's compressed_program; embedding rows all-gathered (rows_program),
     row-sharded (sharded_program) or on PS servers (ps_tables_program)."""
     from collective.program import ddp_program
     from psarch.theory.program import chunks
@@ -44,7 +46,8 @@ def ddp_step(cfg: Config, phi: float, step: Any, reduced: bool, overlap: bool, c
     if e != "dense":
         write = {"rows": theory.rows_program, "sharded": theory.sharded_program, "ps": theory.ps_tables_program}[e]
         return write(cfg, phi, step, overlap, reduced)
-    buckets = chunks(phi * BYTES[cfg.train.precision], cfg.backend.bucket_cap_mb * 2**20)
+    buckets = (theory.trainer_buckets(cfg, phi) if own_buckets else None) or \
+        chunks(phi * BYTES[cfg.train.precision], cfg.backend.bucket_cap_mb * 2**20)
     return ddp_program(cfg.backend.world_size, buckets, step, overlap, reduced)
 
 
@@ -131,7 +134,7 @@ class DDPSpec(PSTablesServices, BackendSpec):
             theory.replicated(cfg, phi)
 
     def program(self, cfg: Config, phi: float, step: Any, reduced: bool = False) -> Any:
-        return ddp_step(cfg, phi, step, reduced, cfg.backend.overlap_comm)
+        return ddp_step(cfg, phi, step, reduced, cfg.backend.overlap_comm, own_buckets=True)
 
 
 class TorchDDPSpec(BackendSpec):

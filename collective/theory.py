@@ -206,6 +206,22 @@ def ddp_bucket_shapes(cfg: Config) -> list[list[tuple[int, ...]]]:
             for b in assign_buckets(params, offsets, cfg.backend.bucket_cap_mb * 2**20)]
 
 
+_BUCKETS: dict[str, tuple[int, list[float]]] = {}   # a model's (trainable parameters, ddp's bucket elements)
+
+
+def trainer_buckets(cfg: Config, phi: float) -> list[float] | None:
+    """The gradient bytes of each of ddp's buckets as its trainer assigns them (ddp_bucket_shapes: collective/bucket.py's
+    assign_buckets, which closes a bucket at a parameter's edge), in the order backward readies them; None where the
+    config's model does not hold `phi` trainable parameters (a Φ asked about alone, as the estimator's)."""
+    t = cfg.train
+    key = repr((cfg.workload, t.trainable, t.lora_rank, t.precision, cfg.backend.bucket_cap_mb))
+    if key not in _BUCKETS:
+        sizes = [sum(math.prod(s) for s in bucket) for bucket in ddp_bucket_shapes(cfg)]
+        _BUCKETS[key] = (sum(sizes), [float(x) for x in sizes])
+    total, elements = _BUCKETS[key]
+    return [x * BYTES[t.precision] for x in elements] if total == int(phi) else None
+
+
 def compressed(cfg: Config, phi: float) -> Prediction:
     """ddp with train.compression: the model replicated, each bucket averaged compressed; bytes per step the mean
     over the run (PowerSGD's warm-up steps all-reduce whole), memory with the error-feedback buffers."""

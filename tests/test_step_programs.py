@@ -4,6 +4,8 @@ within 1% at every N from 2 to 32, with latency, compute and overlap in play; an
 from a config time what their formulas say."""
 from __future__ import annotations
 
+import math
+
 import pytest
 
 from collective.program import ALL_TO_ALL, collectives, ddp_program
@@ -300,3 +302,24 @@ def test_a_hybrid_program_moves_the_rows_beside_the_dense_layers(backend):
     p = spec.program(cfg, phi, DataStep(0.0, 0.0), False)
     got = simulate(p, Cluster.of(p, RATE)).step_s
     assert max(link.sent, link.received) / RATE * (1 - 1e-6) <= got <= (link.sent + link.received) / RATE * 1.01
+
+
+def test_ddps_program_takes_the_trainers_own_buckets():
+    """ddp's trainer closes a bucket at a parameter's edge (collective/bucket.py's assign_buckets): its program
+    all-reduces those buckets, not Φ cut at the cap, where the config's model holds Φ; a Φ asked about alone (the
+    estimator's) is cut at the cap."""
+    from collective.theory import ddp_bucket_shapes
+    from psarch.theory.program import Transfer
+    from psarch.workload import build_workload
+
+    cfg = from_dict({"train": {"steps": 4}, "backend": {"kind": "ddp", "world_size": 4, "bucket_cap_mb": 0.05}})
+    phi = sum(p.numel() for p in build_workload(cfg, device="meta").model.parameters())
+    want = [4.0 * sum(math.prod(s) for s in bucket) for bucket in ddp_bucket_shapes(cfg)]
+
+    def moved(p: float) -> list[float]:
+        program = registry.spec_of(cfg).program(cfg, p, DataStep.of(0.1), True)
+        return [op.bytes * 2 / 3 for op in program.ops if isinstance(op, Transfer)]   # 2(N-1)/N of each bucket
+
+    assert moved(phi) == pytest.approx(want)
+    assert moved(phi) != pytest.approx(chunks(4.0 * phi, 0.05 * 2**20))
+    assert moved(phi + 1) == pytest.approx(chunks(4.0 * (phi + 1), 0.05 * 2**20))
