@@ -7,7 +7,20 @@ bytes to the next at each step, once it has the previous step's chunk from the o
 alike), one transfer of the pass's (N - 1)/N of the bytes standing for N, its steps as messages in sequence."""
 from __future__ import annotations
 
-from psarch.theory.program import WORKER, DataStep, Program, backward_spans, ready_points
+from dataclasses import dataclass
+
+from psarch.ps.program import RowBytes, row_pull
+from psarch.theory.program import BOTH, SERVER, WORKER, DataStep, Program, backward_spans, ready_points
+
+
+@dataclass(frozen=True)
+class TableServers:
+    """Embedding tables on PS servers beside a collective (the hybrid, collective/ps_tables.py): how many servers,
+    whether server j sits on rank j's node, and what each rank exchanges with each (psarch/ps/program.py's RowBytes)."""
+
+    servers: int
+    colocated: bool
+    rows: RowBytes
 
 
 def workers(n: int, reduced: bool) -> Program:
@@ -39,19 +52,85 @@ def ring(p: Program, name: str, n: int, nbytes: float, passes: int, after: list[
 
 
 def bucketed(n: int, buckets: list[float], step: DataStep, overlap: bool, reduced: bool, name: str,
-             passes: int) -> tuple[Program, list[tuple[str, ...]]]:
+             passes: int, tables: TableServers | None = None) -> tuple[Program, list[tuple[str, ...]]]:
     """Backward readying `buckets` (bytes, in that order) among n ranks, each bucket `passes` ring passes from
     backward's hooks (overlap) or after backward, one after another, then the optimizer step: the program, and
-    each rank's optimizer step (what comes next waits for)."""
+    each rank's optimizer step (what comes next waits for); `tables`: embedding rows on PS servers beside it."""
+    return collectives(n, buckets, [[(f"{name}{b}", size, passes)] for b, size in enumerate(buckets)], [], step,
+                       overlap, reduced, tables=tables)
+
+
+Call = tuple[str, float, int]   # one collective: its name, bytes, ring passes over them (ALL_TO_ALL: bytes each rank sends)
+ALL_TO_ALL = 0
+
+
+def all_to_all(p: Program, name: str, n: int, nbytes: float, after: list[tuple[str, ...]], reduced: bool) -> list[str]:
+    """An all-to-all among ranks 0..n-1 in which each rank sends `nbytes` in all, an equal share to each other rank,
+    all at once (one α), rank r starting once `after[r]` is done: the op after which each rank has everything."""
+    if n == 1:
+        return [p.join(f"{name}.0", 0, after[0])]
+    if reduced:
+        return [p.transfer(name, 0, 0, nbytes / (n - 1), ("a2a", 0), after[0], copies=n * (n - 1))]
+    sends = {(r, d): p.transfer(f"{name}.{r}.{d}", r, d, nbytes / (n - 1), ("a2a", r, d), after[r])
+             for r in range(n) for d in range(n) if d != r}
+    return [p.join(f"{name}.{r}", r, tuple(x for (a, b), x in sends.items() if r in (a, b))) for r in range(n)]
+
+
+def collectives(n: int, sizes: list[float], launched: list[list[Call]], later: list[Call], step: DataStep,
+                overlap: bool, reduced: bool, before: list[Call] | None = None,
+                tables: TableServers | None = None) -> tuple[Program, list[tuple[str, ...]]]:
+    """Backward readying buckets of `sizes` (gradient bytes, in that order) among n ranks; once bucket b is ready
+    (overlap: from backward's hooks; else after backward) the ranks issue `launched[b]`, and after backward
+    `later` (PowerSGD's all-reduce of Q, embedding rows' exchange), all on one communicator, each collective after
+    the one issued before it; forward waits for `before` (the rows a step's batch reads, fetched). `tables`: each
+    rank also pulls its rows from every server before forward and pushes their gradients after backward, beside
+    the ring (always written in full: servers beside ranks make the ranks unlike, and the row pushes share a rank's
+    link with the ring's steps, which a reduced ring, paying its messages' α before its bytes, does not time alike:
+    its step parted from the full one's by 1-1.6% at N = 17-25). The program, and each rank's optimizer step (what
+    comes next waits for)."""
+    reduced = reduced and not tables
     p = workers(n, reduced)
     ranks = range(1 if reduced else n)
-    points = ready_points(buckets) if overlap else [1.0] * len(buckets)
-    spans = [backward_spans(p, r, r, step, points) for r in ranks]
-    last: list[tuple[str, ...]] = [() for _ in ranks]
-    for b, size in enumerate(buckets):
-        last = [(d,) for d in ring(p, f"{name}{b}", n, size, passes, [(spans[r][0][b], *last[r]) for r in ranks],
-                                   reduced)]
-    return p, [(p.compute(f"opt{r}", r, step.optimizer_s, (spans[r][1], *last[r])),) for r in ranks]
+    where, last = table_servers(p, len(ranks), tables)
+
+    def issue(calls: list[Call], ready: list[str | None]) -> None:
+        nonlocal last
+        for name, nbytes, passes in calls:
+            wait = [(*((ready[r],) if ready[r] else ()), *last[r]) for r in ranks]
+            got = all_to_all(p, name, n, nbytes, wait, reduced) if passes == ALL_TO_ALL else \
+                ring(p, name, n, nbytes, passes, wait, reduced)
+            last = [(d,) for d in got]
+
+    issue(before or [], [None for _ in ranks])
+    points = ready_points(sizes) if overlap else [1.0] * len(sizes)
+    spans = [backward_spans(p, r, r, step, points, last[r]) for r in ranks]
+    for b, calls in enumerate(launched):
+        issue(calls, [spans[r][0][b] for r in ranks])
+    issue(later, [spans[r][1] for r in ranks])
+    pushed = row_pushes(p, n, tables, where, [spans[r][1] for r in ranks]) if tables else [() for _ in ranks]
+    return p, [(p.compute(f"opt{r}", r, step.optimizer_s, (spans[r][1], *last[r], *pushed[r])),) for r in ranks]
+
+
+def table_servers(p: Program, n: int, tables: TableServers | None) -> tuple[list[int], list[tuple[str, ...]]]:
+    """The nodes of `tables`' servers in a program of n ranks (written in full where there are tables: dedicated
+    servers declared here), and each rank's row pull from every server (what its forward waits for; none without
+    tables)."""
+    if not tables:
+        return [], [() for _ in range(n)]
+    k = tables.servers
+    if tables.colocated:
+        p.nodes[:k] = [(BOTH, 1)] * k
+        where = list(range(k))
+    else:
+        where = [p.node(SERVER) for _ in range(k)]
+    return where, [tuple(row_pull(p, r, w, tables.rows, f"{r}.{j}") for j, w in enumerate(where) if w != r)
+                   for r in range(n)]
+
+
+def row_pushes(p: Program, n: int, tables: TableServers, where: list[int], after: list[str]) -> list[tuple[str, ...]]:
+    """Each rank's push of its rows' gradients to every server once `after[r]` (its backward) is done."""
+    return [tuple(p.transfer(f"rowpush.{r}.{j}", r, w, tables.rows.grads, ("push", r, w), (after[r],))
+                  for j, w in enumerate(where) if w != r) for r in range(n)]
 
 
 def ddp_program(n: int, buckets: list[float], step: DataStep, overlap: bool, reduced: bool = False) -> Program:

@@ -5,13 +5,13 @@ from __future__ import annotations
 import dataclasses
 import fnmatch
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Mapping
+from typing import TYPE_CHECKING, Any
 
 from collective import theory
-from psarch.backend import PROCESS_GROUP_OPTIONS, BackendSpec, CommModel
+from psarch.backend import PROCESS_GROUP_OPTIONS, BackendSpec
 from psarch.config.backend import Buckets, Communicator, CoreBackendConfig, Overlap, PSServers
 from psarch.errors import ConfigError, show
-from psarch.theory import BYTES, Prediction, buckets_of, table_params
+from psarch.theory import BYTES, Prediction
 
 if TYPE_CHECKING:
     from pathlib import Path
@@ -31,22 +31,24 @@ class TorchDDPOptions(Buckets, CoreBackendConfig):
     """torch_ddp's [backend]: buckets (torch's bucket_cap_mb)."""
 
 
-def reduced_params(cfg: Config, phi: float) -> float:
-    """Parameters that go through the bucketed all-reduce: all, or the dense layers where embedding tables
-    move otherwise (rows, sharded, ps)."""
-    return phi if cfg.backend.embeddings == "dense" else phi - table_params(cfg)
-
-
-def ddp_step(cfg: Config, phi: float, step: Any, reduced: bool, overlap: bool) -> Any:
+def ddp_step(cfg: Config, phi: float, step: Any, reduced: bool, overlap: bool, chained: bool = False,
+             own_buckets: bool = False) -> Any:
     """The dense all-reduce's step program (collective/program.py): buckets of bucket_cap_mb in the order backward
     readies them (the flat buffer holds the parameters in reverse and is cut from its start, so the short bucket is
-    the last); None with embedding tables or compressed gradients (not written yet: their bytes are theory's)."""
+    the last); own_buckets (ddp): the trainer's own buckets where the config's model holds phi (theory.trainer_buckets:
+    a bucket closes at a parameter's edge), else cut at the cap from Φ alone; compressed: collective/theory.py's compressed_program; embedding rows all-gathered (rows_program),
+    row-sharded (sharded_program) or on PS servers (ps_tables_program)."""
     from collective.program import ddp_program
     from psarch.theory.program import chunks
 
-    if cfg.backend.embeddings != "dense" or cfg.train.compression != "none":
-        return None
-    buckets = chunks(phi * BYTES[cfg.train.precision], cfg.backend.bucket_cap_mb * 2**20)
+    e = cfg.backend.embeddings
+    if cfg.train.compression != "none":   # as predict: theory.compressed, whatever the tables
+        return theory.compressed_program(cfg, step, overlap, reduced, chained)
+    if e != "dense":
+        write = {"rows": theory.rows_program, "sharded": theory.sharded_program, "ps": theory.ps_tables_program}[e]
+        return write(cfg, phi, step, overlap, reduced)
+    buckets = (theory.trainer_buckets(cfg, phi) if own_buckets else None) or \
+        chunks(phi * BYTES[cfg.train.precision], cfg.backend.bucket_cap_mb * 2**20)
     return ddp_program(cfg.backend.world_size, buckets, step, overlap, reduced)
 
 
@@ -146,13 +148,8 @@ class DDPSpec(PSTablesServices, BackendSpec):
         return theory.rows(cfg, phi) if e == "rows" else theory.sharded(cfg, phi) if e == "sharded" else \
             theory.replicated(cfg, phi)
 
-    def comm_model(self, cfg: Config, phi: float, extra: Mapping[str, list[Any]]) -> CommModel:
-        b = cfg.backend
-        return CommModel(buckets_of(reduced_params(cfg, phi) * BYTES[cfg.train.precision], b.bucket_cap_mb * 2**20),
-                         overlap=b.overlap_comm)
-
     def program(self, cfg: Config, phi: float, step: Any, reduced: bool = False) -> Any:
-        return ddp_step(cfg, phi, step, reduced, cfg.backend.overlap_comm)
+        return ddp_step(cfg, phi, step, reduced, cfg.backend.overlap_comm, own_buckets=True)
 
 
 class TorchDDPSpec(BackendSpec):
@@ -194,13 +191,9 @@ class TorchDDPSpec(BackendSpec):
         return theory.rows(cfg, phi, sparse_grads=True) if cfg.backend.embeddings == "rows" else \
             theory.replicated(cfg, phi)
 
-    def comm_model(self, cfg: Config, phi: float, extra: Mapping[str, list[Any]]) -> CommModel:
-        # torch DDP always sends its buckets from backward's hooks
-        return CommModel(buckets_of(reduced_params(cfg, phi) * BYTES[cfg.train.precision],
-                                    cfg.backend.bucket_cap_mb * 2**20), overlap=True)
-
     def program(self, cfg: Config, phi: float, step: Any, reduced: bool = False) -> Any:
-        return ddp_step(cfg, phi, step, reduced, True)   # torch DDP always sends from backward's hooks
+        # torch DDP always sends from backward's hooks; its powerSGD_hook chains Q's all-reduce to P's
+        return ddp_step(cfg, phi, step, reduced, True, chained=True)
 
 
 DDP = DDPSpec()

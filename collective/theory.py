@@ -12,7 +12,9 @@ from psarch.theory import (BYTES, LinkBytes, MemoryPrediction, Prediction, expec
                            optimizer_bytes_per_param, ring_passes, sharded_memory, table_params, topk_k)
 
 if TYPE_CHECKING:
+    from collective.program import TableServers
     from psarch.config import Config
+    from psarch.theory.program import DataStep, Program
 
 
 def replicated(cfg: Config, phi: float) -> Prediction:
@@ -137,22 +139,44 @@ def ring_all_reduce_bytes(numel: int, itemsize: int, n: int) -> int:
     return 0 if n == 1 or numel == 0 else 2 * (n - 1) * -(-numel // n) * itemsize
 
 
-def compressed_bucket_bytes(compression: str, shapes: Sequence[Sequence[int]], itemsize: int, n: int,
-                            ratio: float = 0.01, rank: int = 1, compressing: bool = True) -> int:
-    """Bytes one rank sends (= receives) averaging one bucket of gradients of these shapes: fp16/bf16 a ring
-    all-reduce of 2-byte elements; top-k an all-gather of its k (index, value) pairs, (N-1) k (4 + itemsize);
-    PowerSGD (once `compressing`, after its warm-up) three ring all-reduces: the whole tensors, every P (n x r),
-    every Q (m x r)."""
+# one collective of a bucket: (ALL_REDUCE, elements, bytes per element) or (ALL_GATHER, bytes each rank gives, 1)
+ALL_REDUCE, ALL_GATHER = "all_reduce", "all_gather"
+Collective = tuple[str, int, int]
+
+
+def bucket_collectives(compression: str, shapes: Sequence[Sequence[int]], itemsize: int, ratio: float = 0.01,
+                       rank: int = 1, compressing: bool = True) -> tuple[list[Collective], list[Collective]]:
+    """The collectives that average one bucket of gradients of these shapes (collective/compression.py): those
+    launched as the bucket fills, and those issued after backward. fp16/bf16 an all-reduce of 2-byte elements;
+    top-k an all-gather of its k (int32 index, value) pairs; PowerSGD (once `compressing`, after its warm-up) the
+    whole tensors and every P (n x r) all-reduced at once, every Q (m x r) after backward (its finish); else the
+    bucket whole."""
     numel = sum(math.prod(s) for s in shapes)
     if compression in ("fp16", "bf16"):
-        return ring_all_reduce_bytes(numel, 2, n)
+        return [(ALL_REDUCE, numel, 2)], []
     if compression == "topk":
-        return (n - 1) * topk_k(numel, ratio) * (INDEX_BYTES + itemsize)
+        return [(ALL_GATHER, topk_k(numel, ratio) * (INDEX_BYTES + itemsize), 1)], []
     if compression == "powersgd" and compressing:
         whole, factored = powersgd_plan(shapes, rank)
-        return sum(ring_all_reduce_bytes(e, itemsize, n) for e in
-                   (whole, sum(a * r for a, _, r in factored), sum(m * r for _, m, r in factored)))
-    return ring_all_reduce_bytes(numel, itemsize, n)
+        launched = [(ALL_REDUCE, e, itemsize) for e in (whole, sum(a * r for a, _, r in factored)) if e]
+        q = sum(m * r for _, m, r in factored)
+        return launched, [(ALL_REDUCE, q, itemsize)] if q else []
+    return [(ALL_REDUCE, numel, itemsize)], []
+
+
+def collective_bytes(c: Collective, n: int) -> int:
+    """Bytes one rank sends (= receives) in collective `c` among n ranks by ring."""
+    kind, size, itemsize = c
+    return ring_all_reduce_bytes(size, itemsize, n) if kind == ALL_REDUCE else (n - 1) * size
+
+
+def compressed_bucket_bytes(compression: str, shapes: Sequence[Sequence[int]], itemsize: int, n: int,
+                            ratio: float = 0.01, rank: int = 1, compressing: bool = True) -> int:
+    """Bytes one rank sends (= receives) averaging one bucket of gradients of these shapes (bucket_collectives):
+    fp16/bf16 a ring all-reduce of 2-byte elements; top-k an all-gather of its k (index, value) pairs,
+    (N-1) k (4 + itemsize); PowerSGD three ring all-reduces: the whole tensors, every P, every Q."""
+    launched, later = bucket_collectives(compression, shapes, itemsize, ratio, rank, compressing)
+    return sum(collective_bytes(c, n) for c in launched + later)
 
 
 def error_feedback_bytes(compression: str, shapes: Sequence[Sequence[int]], itemsize: int, rank: int = 1) -> int:
@@ -182,6 +206,22 @@ def ddp_bucket_shapes(cfg: Config) -> list[list[tuple[int, ...]]]:
             for b in assign_buckets(params, offsets, cfg.backend.bucket_cap_mb * 2**20)]
 
 
+_BUCKETS: dict[str, tuple[int, list[float]]] = {}   # a model's (trainable parameters, ddp's bucket elements)
+
+
+def trainer_buckets(cfg: Config, phi: float) -> list[float] | None:
+    """The gradient bytes of each of ddp's buckets as its trainer assigns them (ddp_bucket_shapes: collective/bucket.py's
+    assign_buckets, which closes a bucket at a parameter's edge), in the order backward readies them; None where the
+    config's model does not hold `phi` trainable parameters (a Φ asked about alone, as the estimator's)."""
+    t = cfg.train
+    key = repr((cfg.workload, t.trainable, t.lora_rank, t.precision, cfg.backend.bucket_cap_mb))
+    if key not in _BUCKETS:
+        sizes = [sum(math.prod(s) for s in bucket) for bucket in ddp_bucket_shapes(cfg)]
+        _BUCKETS[key] = (sum(sizes), [float(x) for x in sizes])
+    total, elements = _BUCKETS[key]
+    return [x * BYTES[t.precision] for x in elements] if total == int(phi) else None
+
+
 def compressed(cfg: Config, phi: float) -> Prediction:
     """ddp with train.compression: the model replicated, each bucket averaged compressed; bytes per step the mean
     over the run (PowerSGD's warm-up steps all-reduce whole), memory with the error-feedback buffers."""
@@ -202,3 +242,87 @@ def compressed(cfg: Config, phi: float) -> Prediction:
     if n == 1:
         return Prediction(mem, LinkBytes(), None, rounds=0, messages=0, server_memory=None)
     return Prediction(mem, LinkBytes(v, v), None, rounds=passes, messages=passes * (n - 1), server_memory=None)
+
+
+def compressed_program(cfg: Config, step: DataStep, overlap: bool, reduced: bool, chained: bool = False) -> Program:
+    """ddp's step with train.compression as a program (collective/program.py's collectives): ddp's buckets as its
+    trainer lays them out (ddp_bucket_shapes), each ready at its share of backward's bytes and averaged by its
+    bucket_collectives. The step is the median step's: compressed where most of the run's steps are (PowerSGD's
+    warm-up steps all-reduce whole). chained: every collective of a bucket issued as it fills (torch's
+    powerSGD_hook all-reduces Q as soon as P is in, within backward; psarch's PowerSGD after backward). Not
+    modelled: the compression's own compute (top-k's selection, PowerSGD's products)."""
+    from collective.program import collectives
+
+    t, n = cfg.train, cfg.backend.world_size
+    width = BYTES[t.precision]
+    warm = min(t.powersgd_warmup_steps, t.steps) if t.compression == "powersgd" else 0
+    shapes = ddp_bucket_shapes(cfg)
+    sizes = [float(width * sum(math.prod(s) for s in bucket)) for bucket in shapes]
+    launched, later = [], []
+    for b, bucket in enumerate(shapes):
+        now, after = bucket_collectives(t.compression, bucket, width, t.topk_ratio, t.powersgd_rank,
+                                        2 * (t.steps - warm) >= t.steps)
+        launched.append([_ring_call(f"c{b}.{i}", c, n) for i, c in enumerate(now + after if chained else now)])
+        later += [] if chained else [_ring_call(f"c{b}.{len(now) + i}", c, n) for i, c in enumerate(after)]
+    return collectives(n, sizes, launched, later, step, overlap, reduced)[0]
+
+
+def _ring_call(name: str, c: Collective, n: int) -> tuple[str, float, int]:
+    """Collective `c` as ring passes (collective/program.py's ring): an all-reduce 2 passes over its bytes, an
+    all-gather 1 pass over the n ranks' contributions."""
+    kind, size, itemsize = c
+    return (name, size * itemsize, 2) if kind == ALL_REDUCE else (name, n * size, 1)
+
+
+def rows_program(cfg: Config, phi: float, step: DataStep, overlap: bool, reduced: bool) -> Program:
+    """embeddings = "rows" as a program: the dense layers' buckets ring all-reduced (collective/program.py), then,
+    queued behind them after backward, the three all-gathers of collective/rows.py: each rank's id counts, its u
+    ids and their rows (u the expectation `rows` counts, rows_all_gather_bytes)."""
+    from collective.program import collectives
+    from psarch.theory.program import chunks
+
+    t, d, n = cfg.train, cfg.workload.dlrm, cfg.backend.world_size
+    width, u = BYTES[t.precision], expected_unique_ids(cfg)
+    dense = chunks((phi - table_params(cfg)) * width, cfg.backend.bucket_cap_mb * 2**20)
+    later = [("ag_counts", n * 8.0 * d.num_tables, 1), ("ag_ids", n * 8 * u, 1), ("ag_rows", n * u * d.dim * width, 1)]
+    return collectives(n, dense, [[(f"ar{b}", size, 2)] for b, size in enumerate(dense)], later, step, overlap,
+                       reduced)[0]
+
+
+def sharded_program(cfg: Config, phi: float, step: DataStep, overlap: bool, reduced: bool) -> Program:
+    """embeddings = "sharded" as a program: before forward the all-to-alls of collective/sharded.py's fetch (id
+    counts, the ids asked of their owners, the rows answered), the dense layers' buckets ring all-reduced from
+    backward, then the rows' gradients all-to-all to their owners (sharded_bytes: (N-1)/N of a rank's u ids live
+    elsewhere)."""
+    from collective.program import ALL_TO_ALL, collectives
+    from psarch.theory.program import chunks
+
+    t, d, n = cfg.train, cfg.workload.dlrm, cfg.backend.world_size
+    width, away = BYTES[t.precision], expected_unique_ids(cfg) * (n - 1) / n
+    row = d.dim * width
+    dense = chunks((phi - table_params(cfg)) * width, cfg.backend.bucket_cap_mb * 2**20)
+    before = [("a2a_counts", 8.0 * d.num_tables * (n - 1), ALL_TO_ALL), ("a2a_ids", 8 * away, ALL_TO_ALL),
+              ("a2a_rows", row * away, ALL_TO_ALL)]
+    return collectives(n, dense, [[(f"ar{b}", size, 2)] for b, size in enumerate(dense)],
+                       [("a2a_grads", row * away, ALL_TO_ALL)], step, overlap, reduced, before)[0]
+
+
+def table_servers(cfg: Config) -> TableServers:
+    """The hybrid's tables on backend.servers PS servers (with_ps_tables): each rank's u expected rows, in fp32."""
+    from collective.program import TableServers
+    from psarch.ps.theory import row_bytes
+
+    b = cfg.backend
+    return TableServers(b.servers, b.server_placement == "colocated",
+                        row_bytes(expected_unique_ids(cfg), cfg.workload.dlrm.dim, 4, b.servers))
+
+
+def ps_tables_program(cfg: Config, phi: float, step: DataStep, overlap: bool, reduced: bool) -> Program:
+    """embeddings = "ps" on ddp (the hybrid) as a program: the dense layers' buckets ring all-reduced, each rank's
+    rows pulled from every server before forward and their gradients pushed after backward."""
+    from collective.program import collectives
+    from psarch.theory.program import chunks
+
+    dense = chunks((phi - table_params(cfg)) * BYTES[cfg.train.precision], cfg.backend.bucket_cap_mb * 2**20)
+    return collectives(cfg.backend.world_size, dense, [[(f"ar{b}", size, 2)] for b, size in enumerate(dense)], [],
+                       step, overlap, reduced, tables=table_servers(cfg))[0]

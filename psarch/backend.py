@@ -17,7 +17,6 @@ Everything else has a default below: overriding one is how a backend says it dif
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar, Mapping, TypedDict
 
@@ -42,25 +41,6 @@ class EstimateRow(TypedDict):
     states: float                # model-state bytes per device
     sent: float                  # bytes per device per step
     bubble: float                # idle fraction
-
-
-@dataclass(frozen=True)
-class CommModel:
-    """How a backend's communication meets its compute on a cluster (theory.cluster_step_time's inputs):
-    collectives (or partitions) per pass, whether backward hides them, ring passes that block inside
-    forward/backward, how many slots a push-then-pull exchange is pipelined over (a server's range over its
-    largest partition; 1: one after the other), the share of the compute phase its ranks wait by design (a
-    pipeline's bubble), the share of backward in which the busiest link's buckets are ready, the ring passes that
-    wait for the optimizer step (backward cannot hide them). Used where a backend writes no step program
-    (BackendSpec.program) or a measured compute holds its blocking passes."""
-
-    buckets: int = 1
-    overlap: bool = False
-    hidden_passes: int = 0
-    pipeline: float = 1.0
-    idle_fraction: float = 0.0
-    ready_share: float = 1.0      # a PS server's contiguous range: 1/k
-    after_passes: int = 0         # ring passes after the optimizer step, hidden by nothing (ZeRO-1/2's all-gather)
 
 
 class BackendSpec(ABC):
@@ -188,9 +168,12 @@ class BackendSpec(ABC):
         `options` (e.g. a pipeline's stages); [] by default (its figures are in the tables already)."""
         return []
 
-    def comm_model(self, cfg: Config, phi: float, extra: Mapping[str, list[Any]]) -> CommModel:
-        """How this run's communication meets its compute; `extra`: the summary's per-rank extras."""
-        return CommModel()
+    def compute_holds_waits(self, cfg: Config) -> bool:
+        """Whether a measured step's compute (the step less the wait its trainer times apart, StepStats.comm_s)
+        holds waits for communication too: collectives that block inside forward and backward and that nothing
+        times (ZeRO-3's gathers, torch's peers). The step simulator then takes as compute what, played with the
+        program's communication, ends when the measured compute ends (psarch.theory.pure_compute)."""
+        return False
 
     def program(self, cfg: Config, phi: float, step: DataStep, reduced: bool = False) -> Program | None:
         """Its training step as a program for the step simulator (psarch.theory.program, played by

@@ -135,12 +135,16 @@ def test_torch_ddp_holds_sparse_table_gradients(runs, n):
         assert results[n][rank]["torch_ddp-sgd0"]["memory"]["grads"] == 4 * dense + touched * (8 + 4 * 4)
 
 
-def test_cluster_model_counts_buckets_of_the_dense_layers_only():
+def test_step_program_counts_buckets_of_the_dense_layers_only():
     """With rows, the tables leave the bucketed all-reduce: at 4 x 10^6 x 16 (256 MB) dense ddp fills
-    ceil(256 MB / 25 MiB) = 10 buckets, ddp rows one (its ~20 KB of dense layers)."""
+    ceil(256 MB / 25 MiB) = 10 buckets, ddp rows one (its ~20 KB of dense layers): the all-reduces of its step
+    program (reduced: one per bucket)."""
+    from psarch.theory.program import DataStep, Transfer
+
     def buckets(embeddings: str) -> int:
         cfg = from_dict({"workload": {"model": "dlrm", "data": "clicks", "dlrm": {"rows": 10**6}},
                          "train": {"optimizer": "adagrad"},
                          "backend": {"kind": "ddp", "world_size": 4, "embeddings": embeddings}})
-        return registry.spec_of(cfg).comm_model(cfg, 4 * 10**6 * 16 + 20_000, {}).buckets
+        p = registry.spec_of(cfg).program(cfg, 4 * 10**6 * 16 + 20_000, DataStep.of(0.1), True)
+        return sum(isinstance(op, Transfer) and op.name.startswith("ar") for op in p.ops)
     assert buckets("dense") == 10 and buckets("rows") == 1

@@ -38,12 +38,14 @@ def test_auto_dilation_rule():
     ({"kind": "ps", "world_size": 4, "servers": 1}, "server"),
     ({"kind": "ps", "world_size": 4, "servers": 2}, "server"),
     ({"kind": "ps", "world_size": 4, "servers": 4}, "either"),
-    ({"kind": "ps", "world_size": 4, "servers": 4, "server_placement": "colocated"}, "either"),
+    ({"kind": "ps", "world_size": 4, "servers": 4, "server_placement": "colocated"}, "node"),
     ({"kind": "ddp", "world_size": 4, "bucket_cap_mb": 0.01}, "worker")])
 def test_auto_pays_alpha_per_message_of_the_busiest_process(monkeypatch, backend, busiest):
     """measure's host communication: α once per message the busiest process handles in a step. A PS worker sends
     one request and takes one reply per partition per server; a server does so for every worker's share of its
-    partitions (N/k times a worker's); a ring rank sends 2(N-1) messages per bucket."""
+    partitions (N/k times a worker's); a ring rank sends 2(N-1) messages per bucket and takes as many; a node with a
+    worker and a server beside it handles both's messages but those between the two, which take no link (counted
+    from the step's program: psarch.cluster.dilation.program_load)."""
     monkeypatch.setattr(dilation, "loopback_alpha", lambda: 1.0)                 # 1 s a message: α dominates
     monkeypatch.setattr(dilation, "loopback_bytes_per_s", lambda nbytes: 1e15)
     monkeypatch.setattr(dilation, "_host_compute_s", lambda *a: 0.0)
@@ -59,10 +61,11 @@ def test_auto_pays_alpha_per_message_of_the_busiest_process(monkeypatch, backend
         assert parts > 1
         worker, server = 2 * parts * k, 2 * parts * n
     else:
-        worker = 2 * (n - 1) * -(-phi * width // int(0.01 * 2**20))
+        worker = 2 * 2 * (n - 1) * -(-phi * width // int(0.01 * 2**20))
         server = 0
-    want = {"worker": worker, "server": server, "either": worker}[busiest]
-    assert max(worker, server) == want
+    node = worker + server - 2 * 2 * -(-(-(-phi // 4)) // 512)   # colocated: less a worker's with its own server
+    want = {"worker": worker, "server": server, "either": worker, "node": node}[busiest]
+    assert max(worker, server) == want or busiest == "node"
     assert dilation.measure(cfg).host_comm_s == pytest.approx(want, rel=1e-6)
 
 
@@ -118,7 +121,7 @@ def test_d_reads_no_predicted_time(monkeypatch, backend):
 
     def consulted(*a, **k):
         raise AssertionError("dilation consulted the prediction")
-    for f in ("cluster_step", "cluster_step_time", "exchange_time"):
+    for f in ("cluster_step", "simulated_step"):
         monkeypatch.setattr(psarch.theory, f, consulted)
     monkeypatch.setattr("psarch.launch.ranks.run", consulted)
     monkeypatch.setattr(dilation, "spinning", lambda n: contextlib.nullcontext())   # the probes, unhurried
@@ -238,3 +241,28 @@ def test_a_dilated_ps_run_outlasts_its_own_timeout(tmp_path):
     summary = run(from_dict(data), tmp_path / "run", echo=False)
     assert summary["virtual_device"]["dilation"] == 20.0 and summary["cluster"]["dilation"] == 20.0
     assert summary["step_time_s"] >= 4 * 0.05                    # the straggler's step, in the cluster's time
+
+
+@pytest.mark.parametrize("backend, during", [({"kind": "ddp", "bucket_cap_mb": 0.01}, True),
+                                             ({"kind": "ddp", "bucket_cap_mb": 0.01, "overlap_comm": False}, False),
+                                             ({"kind": "ddp"}, False),
+                                             ({"kind": "zero", "stage": 3}, True),
+                                             ({"kind": "ps", "servers": 2, "partition_mb": 0.002}, True),
+                                             ({"kind": "ps", "servers": 2, "mode": "geo"}, False)])
+def test_communication_during_compute_is_read_from_the_program(backend, during):
+    """Whether a step's communication competes with its compute for the cores: buckets or partitions sent from
+    backward's hooks, ZeRO-3's passes between its units' compute; not one bucket ready at backward's end, not
+    buckets sent after backward, not GEO's exchange after its local steps. And the busiest link's bytes, the
+    prediction's."""
+    from psarch.theory import predict
+
+    cfg = from_dict(config("load", backend={"world_size": 4, **backend}))
+    phi = sum(p.numel() for p in build_workload(cfg).model.parameters())
+    load = dilation.program_load(cfg, phi, 0.05)
+    assert load is not None and load.during is during and load.messages > 0
+    # the busiest link and direction: a rank's, or a dedicated server's (all workers' pushes in), per step; the
+    # prediction's server is the mean one, the program's busiest holds a partition (512 elements) more
+    p = predict(cfg, phi)
+    links = [p.worker.sent, p.worker.received] + ([p.server.sent, p.server.received] if p.server else [])
+    assert max(links) * (1 - 1e-3) <= load.link_bytes <= max(links) + (4 * 4 * 512 if p.server else 0) + 1e-6
+    assert load.server_link is (p.server is not None)

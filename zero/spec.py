@@ -3,14 +3,14 @@ communicator) and PyTorch's own peers `torch_zero` (DDP + ZeroRedundancyOptimize
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Mapping
+from typing import TYPE_CHECKING, Any
 
-from psarch.backend import PROCESS_GROUP_OPTIONS, BackendSpec, CommModel
+from psarch.backend import PROCESS_GROUP_OPTIONS, BackendSpec
 from collective.spec import PSTablesServices, check_ps_tables
 from psarch.config.backend import (ActivationMemory, Buckets, Communicator, CoreBackendConfig, ModelUnits, Overlap,
                                    PSServers)
 from psarch.config.fields import option
-from psarch.theory import BYTES, Prediction, buckets_of, table_params
+from psarch.theory import BYTES, Prediction, table_params
 from zero import theory
 
 if TYPE_CHECKING:
@@ -78,36 +78,26 @@ class ZeroSpec(PSTablesServices, BackendSpec):
             return with_ps_tables(theory.zero(cfg, dense, stage, theory.passes(stage)), cfg, phi)
         return theory.zero(cfg, phi, stage, theory.passes(stage))
 
-    def comm_model(self, cfg: Config, phi: float, extra: Mapping[str, list[Any]]) -> CommModel:
-        b = cfg.backend
-        phi = phi - table_params(cfg) if b.embeddings == "ps" else phi   # the tables are the servers'
-        groups = extra.get("zero_groups")
-        if groups:                   # the engine's group count: stage 3's groups are its units
-            buckets = groups[0]
-        elif b.stage == 3:           # the unit count is a property of the model: unknown here, no overlap credit
-            buckets = 1
-        else:
-            buckets = buckets_of(phi * BYTES[cfg.train.precision], b.reduce_bucket_size * BYTES[cfg.train.precision])
-        # stage 3's forward and backward all-gathers block inside the measured compute; stages 1-2 all-gather the
-        # updated parameters after the optimizer step (zero/stage12.py's gather_params), where backward hides nothing
-        return CommModel(max(1, buckets), b.overlap_comm, hidden_passes=2 if b.stage == 3 else 0,
-                         after_passes=0 if b.stage == 3 else 1)
+    def compute_holds_waits(self, cfg: Config) -> bool:
+        return cfg.backend.stage == 3   # its forward's and backward's all-gathers block where nothing times them
 
     def program(self, cfg: Config, phi: float, step: Any, reduced: bool = False) -> Any:
         """zero/program.py's step: stages 1-2 in buckets of reduce_bucket_size and allgather_bucket_size elements;
-        stage 3 as one unit (the unit count is a property of the model, unknown from Φ). None with embedding
-        tables."""
+        stage 3 as one unit (the unit count is a property of the model, unknown from Φ); embedding tables on PS
+        servers: each rank's rows pulled before forward, pushed after backward."""
         from psarch.theory.program import chunks
         from zero.program import stage12_program, stage3_program
 
         b, width = cfg.backend, BYTES[cfg.train.precision]
-        if b.embeddings != "dense":
-            return None
+        tables = None
+        if b.embeddings == "ps":   # ZeRO over the dense layers, the tables on the servers
+            from collective.theory import table_servers
+            phi, tables = phi - table_params(cfg), table_servers(cfg)
         s, n = phi * width, b.world_size
         if b.stage == 3:
-            return stage3_program(n, [s], step, reduced)
+            return stage3_program(n, [s], step, reduced, tables=tables)
         return stage12_program(n, chunks(s, b.reduce_bucket_size * width), chunks(s, b.allgather_bucket_size * width),
-                               step, b.overlap_comm, reduced)
+                               step, b.overlap_comm, reduced, tables=tables)
 
 
 class TorchZeroSpec(BackendSpec):
@@ -126,12 +116,6 @@ class TorchZeroSpec(BackendSpec):
 
     def predict(self, cfg: Config, phi: float) -> Prediction:
         return theory.zero(cfg, phi, 1, 3)
-
-    def comm_model(self, cfg: Config, phi: float, extra: Mapping[str, list[Any]]) -> CommModel:
-        # torch DDP, which it wraps, sends its buckets from backward's hooks; ZeroRedundancyOptimizer broadcasts
-        # each updated shard after the optimizer step
-        return CommModel(buckets_of(phi * BYTES[cfg.train.precision], cfg.backend.bucket_cap_mb * 2**20), True,
-                         after_passes=1)
 
     def program(self, cfg: Config, phi: float, step: Any, reduced: bool = False) -> Any:
         """torch DDP's buckets of bucket_cap_mb all-reduced from backward's hooks, the optimizer on the rank's
@@ -161,8 +145,18 @@ class TorchFSDPSpec(BackendSpec):
     def predict(self, cfg: Config, phi: float) -> Prediction:
         return theory.zero(cfg, phi, 3, 3)
 
-    def comm_model(self, cfg: Config, phi: float, extra: Mapping[str, list[Any]]) -> CommModel:
-        return CommModel(hidden_passes=2)
+    def compute_holds_waits(self, cfg: Config) -> bool:
+        return True   # FSDP2's collectives run inside forward, backward and its step, where nothing times them
+
+    def program(self, cfg: Config, phi: float, step: Any, reduced: bool = False) -> Any:
+        """zero/program.py's ZeRO-3 step over the model's units (root first, its parameters kept gathered from
+        forward through backward, as FSDP2 keeps the root's), scaled to Φ = phi, each unit's all-gather issued as
+        the unit before it starts (FSDP2's prefetch of one)."""
+        from zero.program import stage3_program
+
+        s = phi * BYTES[cfg.train.precision]
+        return stage3_program(cfg.backend.world_size, [s * x for x in theory.unit_shares(cfg)], step, reduced,
+                              prefetch=1, keep_first=True)
 
 
 ZERO = ZeroSpec()

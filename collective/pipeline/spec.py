@@ -8,8 +8,8 @@ from dataclasses import dataclass
 from types import ModuleType
 from typing import TYPE_CHECKING, Any, ClassVar, Mapping
 
-from collective.pipeline.schedule import SCHEDULES, bubble_fraction
-from psarch.backend import PROCESS_GROUP_OPTIONS, BackendSpec, CommModel, EstimateRow
+from collective.pipeline.schedule import SCHEDULES
+from psarch.backend import PROCESS_GROUP_OPTIONS, BackendSpec, EstimateRow
 from psarch.cluster import device
 from psarch.config.backend import Communicator, CoreBackendConfig, ModelUnits, units_attr
 from psarch.config.fields import option
@@ -91,10 +91,6 @@ class PipelineSpec(BackendSpec):
     def program(self, cfg: Config, phi: float, step: Any, reduced: bool = False) -> Any:
         return _theory().program(cfg, phi, step, reduced)
 
-    def comm_model(self, cfg: Config, phi: float, extra: Mapping[str, list[Any]]) -> CommModel:
-        # the transfers go on while other micro-batches compute; what a rank waits is the bubble
-        return CommModel(idle_fraction=float(bubble_fraction(cfg.backend.schedule, _theory().pipe_of(cfg))))
-
     def estimate_rows(self, phi: float, world: int, precision: str, optimizer: str,
                       options: Mapping[str, Any]) -> list[EstimateRow]:
         if not options.get("stages"):
@@ -111,10 +107,9 @@ class TorchPipelineSpec(PipelineSpec):
     precisions = ("fp32",)
 
     estimate_rows = BackendSpec.estimate_rows   # the same rows as pipeline's: printed once
-    # its measured compute holds its waits already (torch's receives are not timed apart): no program either,
-    # which would add the bubble and the transfers to it again
-    comm_model = BackendSpec.comm_model
-    program = BackendSpec.program
+
+    def compute_holds_waits(self, cfg: Config) -> bool:
+        return True   # torch's schedule times none of its receives and sends apart: its bubble is in the compute
 
     def dp_comm(self, cfg: Config) -> str:
         return ""   # its dp all-reduce is torch's

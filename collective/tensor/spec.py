@@ -5,9 +5,9 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from types import ModuleType
-from typing import TYPE_CHECKING, Any, Mapping
+from typing import TYPE_CHECKING, Any
 
-from psarch.backend import PROCESS_GROUP_OPTIONS, BackendSpec, CommModel
+from psarch.backend import PROCESS_GROUP_OPTIONS, BackendSpec
 from psarch.config.backend import ActivationMemory, Communicator, CoreBackendConfig
 from psarch.config.fields import option
 from psarch.errors import ConfigError
@@ -146,10 +146,8 @@ class TorchTensorSpec(BackendSpec):
     def program(self, cfg: Config, phi: float, step: Any, reduced: bool = False) -> Any:
         return _theory().program(cfg, phi, step, reduced, torch_loss=True)
 
-    def comm_model(self, cfg: Config, phi: float, extra: Mapping[str, list[Any]]) -> CommModel:
-        # its collectives run inside DTensor's forward and backward and inside its step, where nothing times
-        # them: the measured step holds every pass (its cluster "prediction" is its own step time)
-        return CommModel(hidden_passes=_theory().step_bytes(cfg, 0, torch_loss=True)[1])
+    def compute_holds_waits(self, cfg: Config) -> bool:
+        return True   # its collectives run inside DTensor's forward and backward and its step: nothing times them
 
 
 TENSOR = TensorSpec()

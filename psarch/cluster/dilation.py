@@ -15,9 +15,10 @@ meet a wrong model halfway):
   stream on this machine's loopback, both beside the spinning processes; α paid once per message the busiest
   process handles: a worker's every bucket, or a server's every worker's partitions, `messages`; bytes the
   busiest link carries) must fit inside that link's time on the cluster x D. The messages and bytes are the
-  config's counts (theory.predict's, which a run's kernel counters check exactly), never a time. Where the
-  backend communicates during backward (BackendSpec.comm_model: overlap with several buckets, or passes inside
-  compute), that cost competes with the compute for the same cores, and counts on its side too.
+  config's counts (theory.predict's bytes, which a run's kernel counters check exactly; the messages its step
+  program sends and receives), never a time. Where the program communicates before its compute is over (buckets
+  from backward's hooks, passes inside compute), that cost competes with the compute for the same cores, and
+  counts on its side too.
 D = AUTO_MARGIN x the larger of the two ratios, at least 1, rounded up to two significant digits.
 
 Timeouts are host seconds, and D stretches every legitimate wait D times: `stretched` multiplies every
@@ -117,32 +118,57 @@ def _host_compute_s(workload: Any, batch: Any, threads: int) -> float:
     return max(times[1:])
 
 
-def messages(cfg: Config, p: Any, m: Any) -> float:
-    """Messages the busiest process of a step handles on this host, each paying α once: a worker's, the
-    Prediction's messages in sequence x CommModel.buckets (collectives or partitions per message: a PS worker's
-    request and reply per partition per server); where there are servers, one of them serves every worker's
-    share of its partitions, world_size / servers times a worker's."""
-    worker = p.messages * m.buckets
-    services = registry.spec_of(cfg).service_nodes(cfg)
-    server = worker * cfg.backend.world_size / services if p.server is not None and services else 0.0
-    return max(worker, server)
+@dataclass(frozen=True)
+class Load:
+    """What a step's program puts on the busiest node: the messages it handles (each paying α once), the bytes of its
+    busiest link and direction, whether that link is a service node's (cluster.server_link_mbps), and whether any
+    communication starts before its compute is over."""
+
+    messages: float
+    link_bytes: float
+    server_link: bool
+    during: bool
 
 
-def busiest_link_bytes(p: Prediction) -> tuple[float, bool]:
-    """The bytes per step of the busiest link and direction (a worker's node, a server's, or a node that holds
-    both), and whether that link is a service node's (it runs at cluster.server_link_mbps)."""
-    if p.server is None:
-        return max(p.worker.sent, p.worker.received), False
-    from psarch.theory import two_phase_links
-    loads = [(max(x.push.sent + x.pull.sent, x.push.received + x.pull.received), x.server)
-             for x in p.links or two_phase_links(p)]
-    return max(loads)
+def program_load(cfg: Config, phi: float, compute_s: float) -> Load | None:
+    """From the step's program in full (BackendSpec.program), played once with the modelled compute, per training
+    step: the messages the busiest node handles (every message it sends and every one it receives: a ring rank's
+    2(N-1) of each per bucket, a PS worker's push and pull per partition per server, a server's every worker's
+    share), the bytes of the busiest link and direction (a worker's node, a server's, or a node with both), and
+    whether any communication starts before its node's compute is over (during forward and backward, on the cores
+    the compute needs: buckets from backward's hooks, passes that block inside compute). None where the backend
+    writes no program."""
+    from psarch.theory import program_on_links
+    from psarch.theory.program import SERVER, Transfer
+    from psarch.theory.simulate import play
+
+    got = program_on_links(cfg, phi, compute_s, None, 0.0)
+    if got is None:
+        return None
+    program = got[0]
+    ops, start, end = play(*got)
+    handled: dict[int, float] = {}
+    moved: dict[tuple[int, str], float] = {}
+    busy_until: dict[int, float] = {}
+    for name, op in ops.items():
+        if isinstance(op, Transfer):
+            for node, way in ((op.src, "sent"), (op.dst, "received")):
+                handled[node] = handled.get(node, 0.0) + op.messages
+                moved[node, way] = moved.get((node, way), 0.0) + op.bytes
+        elif op.seconds > 0:
+            busy_until[op.node] = max(busy_until.get(op.node, 0.0), end[name])
+    during = any(start[name] < busy_until.get(node, 0.0) * (1 - 1e-9)
+                 for name, op in ops.items() if isinstance(op, Transfer) for node in (op.src, op.dst))
+    (node, _), nbytes = max(moved.items(), key=lambda x: x[1], default=((0, ""), 0.0))
+    return Load(max(handled.values(), default=0.0) / program.steps, nbytes / program.steps,
+                program.nodes[node][0] == SERVER if moved else False, during)
 
 
 @dataclass(frozen=True)
 class ModelledStep:
     """What the cluster spends on this config, from the device and the link rates (cluster seconds), and what
-    they were counted from: the workload, a worker's batch, the config's bytes and messages (Prediction)."""
+    they were counted from: the workload, a worker's batch, the config's bytes (Prediction) and its step program's
+    load (None: the backend writes no program)."""
 
     workload: Any
     batch: Any
@@ -150,6 +176,7 @@ class ModelledStep:
     compute_s: float   # a worker's modelled forward and backward, a step
     link_s: float      # the busiest link's bytes a step at its rate
     model_s: float     # the model's bytes over a worker's link, twice (its first broadcast, its final gather)
+    load: Load | None = None
 
 
 def modelled(cfg: Config) -> ModelledStep:
@@ -161,12 +188,15 @@ def modelled(cfg: Config) -> ModelledStep:
         batch = workload.batch(0, 0, cfg.backend.world_size)
         flops = count(workload.model, workload.loss_fn, batch)
     params = list(workload.model.parameters())
-    p = predict(cfg, sum(x.numel() for x in params if x.requires_grad))   # what moves
-    nbytes, server = busiest_link_bytes(p)
+    phi = sum(x.numel() for x in params if x.requires_grad)
+    p = predict(cfg, phi)   # what moves
+    compute = (flops.forward + flops.backward) / device.flops_per_s(cfg)
+    load = program_load(cfg, phi, compute)
+    # no program: a worker's bytes, its messages in sequence, none during compute
+    nbytes, server = (load.link_bytes, load.server_link) if load else (max(p.worker.sent, p.worker.received), False)
     c = cfg.cluster
-    return ModelledStep(workload, batch, p, (flops.forward + flops.backward) / device.flops_per_s(cfg),
-                   nbytes * 8 / ((c.server_mbps if server else c.link_mbps) * 1e6),
-                   2 * sum(x.numel() * x.element_size() for x in params) * 8 / (c.link_mbps * 1e6))
+    return ModelledStep(workload, batch, p, compute, nbytes * 8 / ((c.server_mbps if server else c.link_mbps) * 1e6),
+                        2 * sum(x.numel() * x.element_size() for x in params) * 8 / (c.link_mbps * 1e6), load)
 
 
 def measure(cfg: Config, threads: int = 1, cluster: ModelledStep | None = None) -> Costs:
@@ -174,15 +204,15 @@ def measure(cfg: Config, threads: int = 1, cluster: ModelledStep | None = None) 
     now, beside the run's other processes (`spinning`; a rank computes on `threads` threads)."""
     k = cluster or modelled(cfg)
     p, spec = k.counts, registry.spec_of(cfg)
-    m = spec.comm_model(cfg, sum(x.numel() for x in k.workload.model.parameters() if x.requires_grad), {})
+    messages, during = (k.load.messages, k.load.during) if k.load else (p.messages, False)
     probe = int(min(max(p.worker.sent, p.worker.received, MIN_PROBE_BYTES), MAX_PROBE_BYTES))
     with spinning(cfg.backend.world_size + spec.service_nodes(cfg) - 1):
         with torch.random.fork_rng(devices=[]):
             host_compute = _host_compute_s(k.workload, k.batch, threads)
         alpha, rate = (loopback_alpha(), loopback_bytes_per_s(probe)) if k.link_s > 0 else (0.0, 0.0)
-    host_comm = busiest_link_bytes(p)[0] / rate + alpha * messages(cfg, p, m) if k.link_s > 0 else 0.0
-    return Costs(k.compute_s, k.link_s, host_compute, host_comm,
-                 (m.overlap and m.buckets > 1) or m.hidden_passes > 0, alpha, rate)
+    nbytes = k.load.link_bytes if k.load else max(p.worker.sent, p.worker.received)
+    host_comm = nbytes / rate + alpha * messages if k.link_s > 0 else 0.0
+    return Costs(k.compute_s, k.link_s, host_compute, host_comm, during, alpha, rate)
 
 
 def stretched(cfg: Config) -> Config:

@@ -5,7 +5,7 @@ inputs and gathered outputs, which are the workload's, not the model's), and hol
 replica holds parameters and gradients."""
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from psarch.backend import BackendSpec
 from psarch.errors import ConfigError
@@ -48,6 +48,11 @@ class _OneProcess(BackendSpec):
 
     def predict(self, cfg: Config, phi: float) -> Prediction:
         return master_prediction(cfg, phi)
+
+    def program(self, cfg: Config, phi: float, step: Any, reduced: bool = False) -> Any:
+        """psarch/dp/program.py's step: the master's copies out and the gradients back."""
+        from psarch.dp.program import dp_program
+        return dp_program(cfg.backend.world_size, phi * BYTES[cfg.train.precision], step, reduced)
 
 
 class DPSpec(_OneProcess):

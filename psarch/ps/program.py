@@ -15,63 +15,112 @@ workers beside them), the workers alone one node; a slot's pushes and pulls one 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 from psarch.theory.program import BOTH, SERVER, WORKER, DataStep, Program, backward_spans
 
 
 @dataclass(frozen=True)
 class Slot:
-    """One partition of a server: its bytes, and where in backward (a fraction) it is ready."""
+    """One partition of a server: the bytes of its pull, where in backward (a fraction) it is ready, and the bytes
+    of its push (None: as its pull; fewer where train.compression compresses pushes)."""
 
     bytes: float
     ready: float
+    pushed: float | None = None
+
+    @property
+    def push(self) -> float:
+        return self.bytes if self.pushed is None else self.pushed
 
 
-def slots_of(parts: list[list[tuple[int, int]]], width: int, hooks: bool) -> list[list[Slot]]:
-    """Each server's partitions ([lo, hi) of the flat vector) as slots, in the order they are pushed."""
+@dataclass(frozen=True)
+class RowBytes:
+    """What one worker exchanges with one server per exchange for its embedding rows (psarch/ps/worker/rows.py):
+    the keys of the rows it reads (with the row pull), the rows answered, then their gradients with their keys
+    (the row push, first on its connection)."""
+
+    keys: float
+    rows: float
+    grads: float
+
+
+def row_pull(p: Program, w: int, where: int, rb: RowBytes, name: str, copies: int = 1,
+             after: tuple[str, ...] = ()) -> str:
+    """Worker node w's row pull from the server on node `where`: its keys out, the rows back (the op they end with)."""
+    keys = p.transfer(f"rowkeys.{name}", w, where, rb.keys, ("push", w, where), after, copies=copies)
+    return p.transfer(f"rows.{name}", where, w, rb.rows, ("pull", where, w), (keys,), copies=copies)
+
+
+def slots_of(parts: list[list[tuple[int, int]]], width: int, hooks: bool,
+             pushed: Callable[[int], float] | None = None) -> list[list[Slot]]:
+    """Each server's partitions ([lo, hi) of the flat vector) as slots, in the order they are pushed; `pushed`:
+    the bytes a push of a partition of so many elements carries (None: as its pull)."""
     numel = sum(b - a for server in parts for a, b in server) or 1
-    return [sorted((Slot((b - a) * width, 1 - a / numel if hooks else 1.0) for a, b in server),
-                   key=lambda s: s.ready) for server in parts]
+    return [sorted((Slot((b - a) * width, 1 - a / numel if hooks else 1.0, None if pushed is None else pushed(b - a))
+                    for a, b in server), key=lambda s: s.ready) for server in parts]
 
 
 def groups_of(servers: list[list[Slot]]) -> list[tuple[int, list[Slot]]]:
     """The servers as groups of alike ones for a reduced program: (how many, their slots), servers alike where
     their partitions' bytes are (round robin makes at most two groups: those with one partition more); a slot is
     ready when it is on the last of the group's servers."""
-    groups: dict[tuple[int, ...], list[list[Slot]]] = {}
+    groups: dict[tuple[tuple[int, int], ...], list[list[Slot]]] = {}
     for own in servers:
-        groups.setdefault(tuple(round(x.bytes) for x in own), []).append(own)
-    return [(len(members), [Slot(members[0][i].bytes, max(m[i].ready for m in members))
+        groups.setdefault(tuple((round(x.bytes), round(x.push)) for x in own), []).append(own)
+    return [(len(members), [Slot(members[0][i].bytes, max(m[i].ready for m in members), members[0][i].pushed)
                             for i in range(len(members[0]))]) for members in groups.values()]
 
 
-def ps_program(n: int, servers: list[list[Slot]], colocated: bool, step: DataStep) -> Program:
-    """Every worker and server in full: n workers, len(servers) servers (colocated: server j beside worker j)."""
+def local_spans(p: Program, w: int, step: DataStep, points: list[float], local_steps: int,
+                first: tuple[str, ...] = ()) -> tuple[list[str], str]:
+    """Worker w's compute once `first` is done: local_steps - 1 whole steps (GEO's local ones, which push nothing),
+    then a forward and a backward cut at `points` (backward_spans)."""
+    prev: tuple[str, ...] = first
+    for t in range(local_steps - 1):
+        prev = (p.compute(f"local{w}.{t}", w, step.forward_s + step.backward_s + step.optimizer_s, prev),)
+    return backward_spans(p, w, w, step, points, prev)
+
+
+def ps_program(n: int, servers: list[list[Slot]], colocated: bool, step: DataStep, barrier: bool = True,
+               local_steps: int = 1, rows: RowBytes | None = None) -> Program:
+    """Every worker and server in full: n workers, len(servers) servers (colocated: server j beside worker j).
+    barrier = False (async, ssp): a server answers a worker's pull of a partition once that worker's own push of
+    it is in, not the round; local_steps = k (GEO): each worker computes k steps, then exchanges (the program
+    stands for k steps); rows: each worker pulls its embedding rows from every server before it computes and
+    pushes their gradients first after backward."""
     k = len(servers)
-    p = Program()
+    p = Program(steps=local_steps)
     for w in range(n):
         p.node(BOTH if colocated and w < k else WORKER)
     where = list(range(k)) if colocated else [p.node(SERVER) for _ in range(k)]
     order = sorted(((s.ready, j, i) for j, own in enumerate(servers) for i, s in enumerate(own)))
-    spans = [backward_spans(p, w, w, step, [x for x, _, _ in order]) for w in range(n)]
+    fetched = [tuple(row_pull(p, w, where[j], rows, f"{w}.{j}") for j in range(k) if where[j] != w) if rows else ()
+               for w in range(n)]
+    spans = [local_spans(p, w, step, [x for x, _, _ in order], local_steps, fetched[w]) for w in range(n)]
     got: list[list[str]] = [[spans[w][1]] for w in range(n)]
+    for w in range(n):
+        got[w] += [p.transfer(f"rowpush.{w}.{j}", w, where[j], rows.grads, ("push", w, j), (spans[w][1],))
+                   for j in range(k) if rows and where[j] != w]
     for at, (_, j, i) in enumerate(order):
         pushes = tuple(spans[w][0][at] if where[j] == w else
-                       p.transfer(f"push.{w}.{j}.{i}", w, where[j], servers[j][i].bytes, ("push", w, j),
+                       p.transfer(f"push.{w}.{j}.{i}", w, where[j], servers[j][i].push, ("push", w, j),
                                   (spans[w][0][at],)) for w in range(n))
         done = p.join(f"round.{j}.{i}", where[j], pushes)
         for w in range(n):
             got[w].append(done if where[j] == w else
-                          p.transfer(f"pull.{j}.{i}.{w}", where[j], w, servers[j][i].bytes, ("pull", j, w), (done,)))
+                          p.transfer(f"pull.{j}.{i}.{w}", where[j], w, servers[j][i].bytes, ("pull", j, w),
+                                     (done if barrier else pushes[w],)))
     for w in range(n):
         p.join(f"end{w}", w, tuple(got[w]))
     return p
 
 
-def ps_reduced(n: int, groups: list[tuple[int, list[Slot]]], colocated: bool, step: DataStep) -> Program:
+def ps_reduced(n: int, groups: list[tuple[int, list[Slot]]], colocated: bool, step: DataStep, barrier: bool = True,
+               local_steps: int = 1, rows: RowBytes | None = None) -> Program:
     """The same step with alike servers grouped (groups_of: how many, their slots): one node per group of servers
     (colocated: with their workers beside them), one for the workers alone, one transfer per slot and pair."""
-    p = Program()
+    p = Program(steps=local_steps)
     if colocated:
         k = sum(c for c, _ in groups)
         servers = [p.node(BOTH, c) for c, _ in groups]
@@ -81,19 +130,31 @@ def ps_reduced(n: int, groups: list[tuple[int, list[Slot]]], colocated: bool, st
         kinds = [(p.node(WORKER, n), n, -1)]
         servers = [p.node(SERVER, c) for c, _ in groups]
     order = sorted((x.ready, g, i) for g, (_, own) in enumerate(groups) for i, x in enumerate(own))
-    spans = {node: backward_spans(p, node, node, step, [x for x, _, _ in order]) for node, _, _ in kinds}
+    # each of a kind's `count` workers exchanges with every server of a group but its own
+    pairs = {(node, g): count * (c - (own == g)) for node, count, own in kinds for g, (c, _) in enumerate(groups)}
+    fetched = {node: tuple(row_pull(p, node, servers[g], rows, f"{node}.{g}", pairs[node, g])
+                           for g in range(len(groups)) if pairs[node, g]) if rows else () for node, _, _ in kinds}
+    spans = {node: local_spans(p, node, step, [x for x, _, _ in order], local_steps, fetched[node])
+             for node, _, _ in kinds}
     got: dict[int, list[str]] = {node: [spans[node][1]] for node, _, _ in kinds}
+    for node, _, _ in kinds:
+        got[node] += [p.transfer(f"rowpush.{node}.{g}", node, servers[g], rows.grads, ("push", node, g),
+                                 (spans[node][1],), copies=pairs[node, g])
+                      for g in range(len(groups)) if rows and pairs[node, g]]
     for at, (_, g, i) in enumerate(order):
-        size, where = groups[g][1][i].bytes, servers[g]
+        slot, where = groups[g][1][i], servers[g]
         # each of a kind's `count` workers exchanges with every server of the group but its own
         copies = {node: count * (groups[g][0] - (own == g)) for node, count, own in kinds}
-        pushes = [spans[node][0][at] for node, _, own in kinds if own == g]
-        pushes += [p.transfer(f"push.{node}.{g}.{i}", node, where, size, ("push", node, g), (spans[node][0][at],),
-                              copies=copies[node]) for node, _, _ in kinds if copies[node]]
-        done = p.join(f"round.{g}.{i}", where, tuple(pushes))
+        mine: dict[int, list[str]] = {node: [spans[node][0][at]] if own == g else [] for node, _, own in kinds}
         for node, _, _ in kinds:
-            got[node].append(p.transfer(f"pull.{g}.{i}.{node}", where, node, size, ("pull", g, node), (done,),
-                                        copies=copies[node]) if copies[node] else done)
+            if copies[node]:
+                mine[node].append(p.transfer(f"push.{node}.{g}.{i}", node, where, slot.push, ("push", node, g),
+                                             (spans[node][0][at],), copies=copies[node]))
+        done = p.join(f"round.{g}.{i}", where, tuple(x for pushes in mine.values() for x in pushes))
+        for node, _, _ in kinds:
+            got[node].append(p.transfer(f"pull.{g}.{i}.{node}", where, node, slot.bytes, ("pull", g, node),
+                                        (done,) if barrier else tuple(mine[node]), copies=copies[node])
+                             if copies[node] else done if barrier else mine[node][0])
     for node, _, _ in kinds:
         p.join(f"end{node}", node, tuple(got[node]))
     return p

@@ -6,7 +6,7 @@ from pathlib import Path
 from types import ModuleType
 from typing import TYPE_CHECKING, Any
 
-from psarch.backend import PROCESS_GROUP_OPTIONS, BackendSpec, CommModel
+from psarch.backend import PROCESS_GROUP_OPTIONS, BackendSpec
 from psarch.config.backend import CoreBackendConfig, Overlap, PSServers
 from psarch.config.fields import option
 from psarch.errors import ConfigError, show
@@ -171,34 +171,37 @@ class PSSpec(BackendSpec):
     def predict(self, cfg: Config, phi: float) -> Prediction:
         return _theory().rows(cfg, phi) if cfg.backend.embeddings == "rows" else _theory().dense(cfg, phi)
 
-    def comm_model(self, cfg: Config, phi: float, extra: Any) -> CommModel:
-        """Push and pull pipelined over each server's partitions; pushes from backward's hooks (overlap_comm), a
-        server's contiguous range ready within 1/k of backward (round robin: its partitions all through it).
-        Priority is modelled as without it: the next forward could hide what it overlaps, but its last module
-        needs the last partition pushed, and the credit's gating (each ack travels behind its server's pulls on
-        one connection) costs about as much."""
-        b = cfg.backend
-        m = _theory().partitions_per_server(cfg, phi)
-        return CommModel(buckets=m * b.servers, overlap=pushes_from_hooks(cfg),
-                         pipeline=_theory().pipeline_slots(cfg, phi), ready_share=_theory().ready_share(cfg, phi))
-
     def program(self, cfg: Config, phi: float, step: Any, reduced: bool = False) -> Any:
-        """psarch/ps/program.py's sync step, from the servers' partitions (partitions.server_partitions) and
-        placement; reduced: alike servers grouped (program.groups_of). None for the other modes, embedding rows,
-        compressed pushes and servers started elsewhere (not written yet: their bytes are theory's)."""
+        """psarch/ps/program.py's step, from the servers' partitions (partitions.server_partitions) and placement
+        (servers started elsewhere: each a node of its own), each push compressed as train.compression says
+        (theory.pushed_bytes); reduced: alike servers grouped (program.groups_of). Sync (and GEO with a barrier):
+        a partition's pulls wait for its round. Async and SSP, modelled in steady state with every worker alike:
+        a worker's step is its compute and its own exchange, a pull answered once the worker's own push is in
+        (no round), the servers' links shared by all workers; SSP's bound never binds workers that keep pace
+        (stragglers and staleness are not modelled). GEO: k_steps local steps, then one exchange of deltas, the
+        program standing for the k steps. Embedding rows: each worker pulls the rows its batch reads (u expected,
+        theory.row_bytes) from every server before it computes (GEO: the rows of its k batches, once) and pushes
+        their gradients first after backward. Not modelled: compressing a push (top-k's selection), a server's
+        compute."""
         from psarch.ps import program
-        from psarch.ps.partitions import server_partitions
-        from psarch.theory import BYTES
+        from psarch.theory import BYTES, expected_unique_ids
 
-        b = cfg.backend
-        if (b.mode != "sync" or b.embeddings != "dense" or b.server_addresses or cfg.train.compression != "none"
-                or b.replicas):
+        b, t = cfg.backend, _theory()
+        if b.replicas:   # not written yet: each partition's exchange with its every holder
             return None
-        slots = program.slots_of(server_partitions(cfg, int(phi)), BYTES[cfg.train.precision], pushes_from_hooks(cfg))
-        colocated = b.server_placement == "colocated"
+        pushed = None if cfg.train.compression == "none" else lambda numel: t.pushed_bytes(cfg, numel)
+        slots = program.slots_of(t.dense_partitions(cfg, phi), BYTES[cfg.train.precision], pushes_from_hooks(cfg),
+                                 pushed)
+        colocated = b.server_placement == "colocated" and not b.server_addresses
+        if b.embeddings == "rows":   # GEO: the rows its k batches read
+            rows = t.row_bytes(expected_unique_ids(cfg, b.push_every), cfg.workload.dlrm.dim,
+                               BYTES[cfg.train.precision], b.servers)
+        else:
+            rows = None
         if reduced:
-            return program.ps_reduced(b.world_size, program.groups_of(slots), colocated, step)
-        return program.ps_program(b.world_size, slots, colocated, step)
+            return program.ps_reduced(b.world_size, program.groups_of(slots), colocated, step, b.barrier, b.push_every,
+                                      rows)
+        return program.ps_program(b.world_size, slots, colocated, step, b.barrier, b.push_every, rows)
 
     def summary_fields(self, cfg: Config) -> Summary:
         return {"servers": cfg.backend.servers}

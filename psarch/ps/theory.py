@@ -1,28 +1,24 @@
 """What theory predicts for the parameter server: each worker pushes S (gradients; GEO: deltas) and pulls S
 each exchange, split evenly over the servers; with embedding tables sharded by row over the servers, only
-the rows a batch touches move. On a cluster (psarch.theory's exchange_time): k dedicated servers load a
-worker's link with S and a server's with N·S/k each way; k servers colocated with workers 0..k-1 keep a
-worker's share for its own server (S/k) and a server's for its own worker off the link, so a node with both
-carries (k-1)/k·S + (N-1)/k·S = (N+k-2)/k·S each way (k = N: 2(N-1)/N·S, as all-reduce). Pipelined in
-partitions the exchange takes about (1 + x/R) × its busiest link and direction's bytes / rate (x: a server's
-largest partition, R: its range; `pipeline_slots`); one after the other, push then pull. Pushed from backward's
-hooks, a server's contiguous range is ready within 1/k of backward: only that share hides its link's exchange
-(psarch.theory's cluster_step_time, CommModel.ready_share); partitions dealt round robin (BytePS) are ready
-all through backward. An emulated run's step is predicted by the step simulator from the PS's program
-(psarch/ps/program.py), which holds where these phases do not (a colocated node's link carrying pushes and pulls
-the same way at once). With backend.replicas = r every partition's exchange goes to its r + 1 holders: a worker's
-and a server's bytes, and a server's memory, are (1 + r) x those above (`replication`). BytePS's optimum (`byteps_optimum`) is the reference line. The shared
-algebra is psarch.theory's."""
+the rows a batch touches move. k dedicated servers load a worker's link with S and a server's with N·S/k each
+way; k servers colocated with workers 0..k-1 keep a worker's share for its own server (S/k) and a server's for
+its own worker off the link, so a node with both carries (k-1)/k·S + (N-1)/k·S = (N+k-2)/k·S each way (k = N:
+2(N-1)/N·S, as all-reduce). An emulated run's step is predicted by the step simulator from the
+PS's program (psarch/ps/program.py: partitions pipelined, pushes from backward's hooks, servers shared). BytePS's
+optimum (`byteps_optimum`) is the reference line. With backend.replicas = r every partition's exchange
+goes to its r + 1 holders: a worker's and a server's bytes, and a server's memory, are (1 + r) x those above
+(`replication`). The shared algebra is psarch.theory's."""
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from psarch.ps.partitions import held, one_range, replicas, server_partitions
-from psarch.theory import (BYTES, LinkBytes, LinkLoad, MemoryPrediction, Prediction, expected_unique_ids,
+from psarch.ps.partitions import replicas, server_partitions
+from psarch.theory import (BYTES, LinkBytes, MemoryPrediction, Prediction, expected_unique_ids,
                            optimizer_bytes_per_param, table_params, topk_k)
 
 if TYPE_CHECKING:
     from psarch.config import Config
+    from psarch.ps.program import RowBytes
 
 
 def dense(cfg: Config, phi: float) -> Prediction:
@@ -36,9 +32,7 @@ def dense(cfg: Config, phi: float) -> Prediction:
     b, t = cfg.backend, cfg.train
     n, width = b.world_size, BYTES[t.precision]
     s, every = phi * width, b.push_every
-    up = phi * (2 if t.compression in ("fp16", "bf16") else width)   # pushed: cast to 2 bytes by train.compression
-    if t.compression == "topk":   # each partition's k (int64 index, value) pairs
-        up = sum(topk_k(hi - lo, t.topk_ratio) * (8 + width) for parts in dense_partitions(cfg, phi) for lo, hi in parts)
+    up = sum(pushed_bytes(cfg, hi - lo) for parts in dense_partitions(cfg, phi) for lo, hi in parts)
     k = optimizer_bytes_per_param(t.optimizer, t.precision, t.momentum)
     server_per_param = 4 + (0 if b.mode == "geo" else optimizer_bytes_per_param(t.optimizer, "fp32", t.momentum))
     server_per_param += 4 if b.barrier else 0
@@ -49,12 +43,10 @@ def dense(cfg: Config, phi: float) -> Prediction:
     else:   # top-k keeps the error of every element it has pushed
         mem = MemoryPrediction(params=width * phi, grads=width * phi, optimizer=0.0,
                                buffers=width * phi if t.compression == "topk" else 0.0)
-    colocated = b.server_placement == "colocated" and not b.server_addresses
     copies = 1 + replicas(cfg)   # chain replication: a worker's exchange goes to each partition's every holder
     return Prediction(mem, LinkBytes(copies * up / every, copies * s / every),
                       LinkBytes(copies * n * s / b.servers / every, copies * n * up / b.servers / every),
-                      rounds=2 / every, messages=2 / every, server_memory=copies * server_mem,
-                      links=colocated_links(n, b.servers, copies * up / every, copies * s / every) if colocated else None)
+                      rounds=2 / every, messages=2 / every, server_memory=copies * server_mem)
 
 
 def replication(cfg: Config, inbound: float, outbound: float) -> LinkBytes:
@@ -66,45 +58,19 @@ def replication(cfg: Config, inbound: float, outbound: float) -> LinkBytes:
     return LinkBytes(sent=r * outbound, received=r * inbound)
 
 
+def pushed_bytes(cfg: Config, numel: int) -> float:
+    """Bytes a push of a partition of `numel` elements carries: cast to 2 bytes (train.compression fp16/bf16), its
+    k (int64 index, value) pairs (top-k), else numel in the wire dtype."""
+    t = cfg.train
+    if t.compression == "topk":
+        return topk_k(numel, t.topk_ratio) * (8 + BYTES[t.precision])
+    return numel * (2 if t.compression in ("fp16", "bf16") else BYTES[t.precision])
+
+
 def dense_partitions(cfg: Config, phi: float) -> list[list[tuple[int, int]]]:
     """Each server's partitions of the dense parameters (embedding rows have their own keyed path)."""
     dense = int(phi - (table_params(cfg) if cfg.backend.embeddings == "rows" else 0))
     return server_partitions(cfg, dense)
-
-
-def widest_partitions(cfg: Config, phi: float) -> list[tuple[int, int]]:
-    """The partitions of the server that holds the most of the dense parameters (one when partition_mb = 0)."""
-    return max(dense_partitions(cfg, phi), key=held)
-
-
-def ready_share(cfg: Config, phi: float) -> float:
-    """The share of backward in which a server's partitions of the dense parameters become ready: 1/k when each
-    server holds a contiguous range, 1 when they are dealt round robin (spread over the whole model)."""
-    return 1 / cfg.backend.servers if all(one_range(p) for p in dense_partitions(cfg, phi)) else 1.0
-
-
-def partitions_per_server(cfg: Config, phi: float) -> int:
-    """Partitions of the largest server range of the dense parameters (1 when partition_mb = 0)."""
-    return len(widest_partitions(cfg, phi))
-
-
-def pipeline_slots(cfg: Config, phi: float) -> float:
-    """The slots a server's exchange is pipelined over: its widest range over its largest partition (m for m
-    equal partitions; fewer where the last is short). Two stages (push, pull) over partitions x_1..x_m take
-    max_j (x_1 + .. + x_j) + (x_j + .. + x_m) = R + max x: the largest partition, not R / m, fills and drains."""
-    parts = widest_partitions(cfg, phi)
-    widest = held(parts)
-    return widest / max(b - a for a, b in parts) if widest else 1.0
-
-
-def colocated_links(n: int, k: int, s: float, pulled: float | None = None) -> list[LinkLoad]:
-    """The links of N workers with k servers beside workers 0..k-1, each pushing S and pulling P (= S unless
-    given) per step: a node with a worker and a server sends (k-1)/k·S of pushes and receives (N-1)/k·S of them,
-    then sends (N-1)/k·P of pulls and receives (k-1)/k·P; a worker alone (k < N) pushes S and pulls P."""
-    p = s if pulled is None else pulled
-    node = LinkLoad(False, LinkBytes((k - 1) / k * s, (n - 1) / k * s), LinkBytes((n - 1) / k * p, (k - 1) / k * p))
-    alone = LinkLoad(False, LinkBytes(s, 0.0), LinkBytes(0.0, p))
-    return [node] if k == n else [node, alone]
 
 
 def byteps_optimum(n: int, k: int, s: float, rate: float) -> float:
@@ -120,6 +86,14 @@ def rows_traffic(u: float, dim: int, dense_params: float, width: int) -> LinkByt
     gradients (GEO: deltas), receives u rows, and pushes and pulls the dense part (headers not counted)."""
     return LinkBytes(sent=u * dim * width + 16 * u + dense_params * width,
                      received=u * dim * width + dense_params * width)
+
+
+def row_bytes(u: float, dim: int, width: int, servers: int) -> RowBytes:
+    """What a worker exchanges with each of `servers` servers per exchange for its u embedding rows of `dim`
+    elements (rows_traffic's, spread evenly over the servers: keys are hashed to them)."""
+    from psarch.ps.program import RowBytes
+
+    return RowBytes(keys=8 * u / servers, rows=u * dim * width / servers, grads=(u * dim * width + 8 * u) / servers)
 
 
 def rows(cfg: Config, phi: float) -> Prediction:

@@ -2,7 +2,7 @@
 `predict`: collective/theory.py, zero/theory.py, psarch/ps/theory.py), and the algebra they share here:
 memory per rank by category (the ZeRO paper's Table 1 cells, Rajbhandari et al. 2020), ring passes,
 expected distinct embedding rows, and an emulated run's step time (`cluster_step`: the step simulator's where
-the backend writes its step as a program, else the α-β sum of `cluster_step_time`). Every output beside a
+the backend writes its step as a program). Every output beside a
 measured figure (psarch.launch.outputs, psarch.report.compare, the estimator) calls `predict`; nothing patches
 its result afterwards. Beside it in this package: the step simulator, `program.py` (a step as a program: compute
 spans, transfers, the cluster), `simulate.py` (one program played) and `steady.py` (several steps in a row);
@@ -12,13 +12,11 @@ the command.
 """
 from __future__ import annotations
 
-import dataclasses
 import math
 from dataclasses import dataclass, field
 from typing import Any
 
 from psarch import registry
-from psarch.backend import CommModel
 from psarch.config import Config, from_dict
 from psarch.records import Predicted, Summary
 from psarch.zipf import expected_unique
@@ -58,15 +56,6 @@ class LinkBytes:
 
 
 @dataclass
-class LinkLoad:
-    """What one link carries per step in each phase of a push-then-pull exchange (sent: up, received: down)."""
-
-    server: bool          # a service's own node's link (cluster.server_link_mbps), else a worker's node's
-    push: LinkBytes
-    pull: LinkBytes
-
-
-@dataclass
 class RankPrediction:
     """What theory says of one rank of a model-parallel run: its model states, its link per step, and the
     backend's own figures, each measured under the same name in summary.json's `extra` (a pipeline stage's
@@ -84,7 +73,7 @@ class RankPrediction:
 @dataclass
 class Prediction:
     """Everything theory says about one run. `worker` and `server` are what one worker's and one PS server's
-    meters count per step; on a cluster each is also its own node's link, unless `links` says otherwise.
+    meters count per step (on a cluster, the step program says which node carries what).
     Model-parallel backends fill `per_rank`, what each rank holds and sends and their own per-rank figures
     (`memory_per_rank` is then the fullest rank's and `worker` the busiest link's)."""
 
@@ -94,9 +83,6 @@ class Prediction:
     rounds: float                       # communication phases per step: a collective pass, a push or a pull
     messages: float                     # messages in sequence per step, each paying the link latency once
     server_memory: float | None         # bytes one PS server holds (None: no servers)
-    # with servers: the links whose load sets the exchange's time, by phase, where processes share a node (a
-    # server beside a worker); None: each worker's and each server's own (two_phase_links)
-    links: list[LinkLoad] | None = None
     per_rank: list[RankPrediction] | None = None
 
     def to_dict(self) -> Predicted:
@@ -189,106 +175,53 @@ def traffic_per_step(kind: str, payload_bytes: float, n: int, **backend: Any) ->
 WIRE_OVERHEAD = 1514 / 1448
 
 
-def two_phase_links(p: Prediction) -> list[LinkLoad]:
-    """Each worker on its own node pushes through its link, then pulls; each server on its own node receives
-    the pushes, then sends the pulls."""
-    if p.server is None:
-        raise ValueError("two_phase_links: the prediction has no servers (Prediction.server is None)")
-    return [LinkLoad(False, LinkBytes(p.worker.sent, 0.0), LinkBytes(0.0, p.worker.received)),
-            LinkLoad(True, LinkBytes(0.0, p.server.received), LinkBytes(p.server.sent, 0.0))]
-
-
-def exchange_time(links: list[LinkLoad], worker_rate: float, server_rate: float, pipeline: float = 1.0) -> float:
-    """Seconds of a push-then-pull exchange over `links` (payload bytes/s of each kind of link). pipeline = 1:
-    the push phase, then the pull phase, each as long as its busiest link and direction. pipeline = m > 1
-    (partitions per server, pushed back to back, each pulled once its round is complete; m = a server's range
-    over its largest partition, psarch/ps/theory.py's pipeline_slots): a 2-stage pipeline over m slots,
-    (push + pull) / m to fill and drain it (the largest partition's push and pull), and (m - 1) / m of the time
-    the busiest link and direction takes to carry push and pull at once (full duplex: m -> inf gives that time
-    alone)."""
-    def busiest(load: Any) -> float:
-        return max(max(b.sent, b.received) / (server_rate if link.server else worker_rate)
-                   for link in links for b in [load(link)])
-    push, pull = busiest(lambda x: x.push), busiest(lambda x: x.pull)
-    both = busiest(lambda x: LinkBytes(x.push.sent + x.pull.sent, x.push.received + x.pull.received))
-    return (push + pull) / pipeline + (pipeline - 1) / pipeline * both
-
-
-def cluster_step_time(p: Prediction, compute_s: float, link_mbps: float, server_mbps: float,
-                      alpha_s: float = 0.0, model: CommModel | None = None,
-                      backward_s: float | None = None) -> dict[str, float]:
-    """Step time on an emulated cluster: compute (measured, or a virtual device's modelled) plus the bytes
-    `p` puts on each link at its rate (with WIRE_OVERHEAD), plus α per message in sequence (α-β model).
-    server_mbps: a PS server's link (ClusterConfig.server_mbps); collectives ignore it. `model`: how the
-    backend's communication meets its compute (BackendSpec.comm_model; None: one collective after compute),
-    whose fields the rest of this says how they count.
-
-    Collectives: every rank sends and receives its volume at once (full duplex). PS: a push then a pull over
-    the links (`exchange_time`; pipelined over `pipeline` partitions per server). Overlap (DDP/ZeRO with
-    overlap_comm and B buckets, a PS pushing B partitions from backward's hooks): buckets of equal size, ready
-    at equal steps through backward (`backward_s`; unknown: 2/3 of compute), on one link: after backward there
-    waits the last bucket's share, or, where the link is the bound, all of it less what backward hides after
-    the first bucket is ready, max(comm / B, comm - backward (B - 1) / B).
-    ready_share: the share of backward in which the busiest link's buckets are ready (a PS server owns a
-    contiguous 1/k of the parameters: its B/k partitions are ready within 1/k of backward, the last server's at
-    its end), so backward hides ready_share (B' - 1) / B' of it, B' = B x ready_share; a pipelined exchange's
-    tail is then its last partition's push and pull, 2 / (pipeline + 1) of it. after_passes: ring passes that
-    start only after the optimizer step (ZeRO-1/2's all-gather of the updated parameters), exposed whole.
-    hidden_passes: ring passes already inside the measured compute (ZeRO-3's forward and backward
-    all-gathers block there, where the comm wait does not see them)."""
-    m = model or CommModel()
-    buckets, pipeline, ready_share = m.buckets, m.pipeline, m.ready_share
-    worker_rate = link_mbps * 1e6 / 8 / WIRE_OVERHEAD   # payload bytes/s
-    server_rate = server_mbps * 1e6 / 8 / WIRE_OVERHEAD
-    if not p.worker.sent and not p.worker.received:
-        return {"compute_s": compute_s, "comm_s": 0.0, "step_time_s": compute_s}
-    backward = 2 / 3 * compute_s if backward_s is None else backward_s
-    after = 0.0
-    if p.server is not None:
-        comm = (exchange_time(p.links or two_phase_links(p), worker_rate, server_rate, pipeline)
-                + p.messages * alpha_s)
-    else:
-        per_pass = (p.worker.sent / worker_rate + p.messages * alpha_s) / p.rounds
-        comm, after = (p.rounds - m.hidden_passes - m.after_passes) * per_pass, m.after_passes * per_pass
-    seen = max(1.0, buckets * ready_share)   # the buckets the busiest link carries
-    hiding = backward * ready_share * (seen - 1) / seen
-    tail = comm * 2 / (pipeline + 1) if pipeline > 1 else comm / seen
-    exposed = (max(comm - hiding, tail) if m.overlap and buckets > 1 else comm) + after
-    return {"compute_s": compute_s, "comm_s": exposed, "step_time_s": compute_s + exposed}
-
-
 def topk_k(numel: int, ratio: float) -> int:
     """Elements top-k (train.compression) sends of a bucket or partition of `numel`: ceil(ratio x numel), at
     least one."""
     return max(1, math.ceil(ratio * numel))
 
 
-def buckets_of(bytes_reduced: float, cap_bytes: float) -> int:
-    """Collectives per pass when `bytes_reduced` go in buckets of `cap_bytes`."""
-    return max(1, -(-int(bytes_reduced) // max(1, int(cap_bytes))))
-
-
 def cluster_step(cfg: Config, summary: Summary) -> dict[str, float]:
     """Measured | predicted step time of a finished run on the emulated cluster. Compute is a virtual device's
     modelled forward and backward (summary's virtual_device: cluster time, α / D, nothing of the communication
-    inside it), else the measured step less its communication wait. Where the backend writes its step as a
-    program (BackendSpec.program) the step simulator plays it on the run's links (psarch.theory.simulate);
-    elsewhere (embedding rows, the PS's async modes, torch_pipeline, torch_fsdp, dp, and a measured compute that
-    holds its blocking passes: ZeRO-3, torch_tensor) the α-β sum of cluster_step_time, with the backend's
-    CommModel and its compute stretched by the share its ranks wait by design (CommModel.idle_fraction)."""
+    inside it), else the measured step less its communication wait; where that holds waits too
+    (BackendSpec.compute_holds_waits) the compute that, played with the program, ends when it does (pure_compute).
+    The step simulator plays the backend's step program (BackendSpec.program) on the run's links
+    (psarch.theory.simulate); nan where it writes none (a backend that declares no program)."""
     spec = registry.spec_of(cfg)
-    m = spec.comm_model(cfg, summary["params"], summary.get("extra") or {})
+    phi = summary["params"]
     compute, backward, alpha = step_inputs(summary)
-    if backward is not None:   # modelled compute holds no blocking pass
-        m = dataclasses.replace(m, hidden_passes=0)
     out = {"measured_s": summary["step_time_s"], "compute_s": compute}
-    step = simulated_step(cfg, summary["params"], compute, backward, alpha) if not m.hidden_passes else None
-    if step is not None:
-        return out | {"predicted_s": step.step_s, "predicted_comm_s": step.step_s - compute}
-    # a rank that waits by design (the bubble) computes `compute` in a phase 1 / (1 - idle) as long
-    pred = cluster_step_time(predict(cfg, summary["params"]), compute / (1.0 - m.idle_fraction), cfg.cluster.link_mbps,
-                             cfg.cluster.server_mbps, alpha, m, backward)
-    return out | {"predicted_s": pred["step_time_s"], "predicted_comm_s": pred["comm_s"]}
+    if backward is None and spec.compute_holds_waits(cfg):   # a trainer that times no wait measured the whole step
+        compute = pure_compute(cfg, phi, compute, alpha, whole_step=not summary.get("comm_s"))
+    step = simulated_step(cfg, phi, compute, backward, alpha)
+    if step is None:
+        return out | {"predicted_s": math.nan, "predicted_comm_s": math.nan}
+    return out | {"predicted_s": step.step_s, "predicted_comm_s": step.step_s - compute}
+
+
+def pure_compute(cfg: Config, phi: float, measured_s: float, alpha_s: float, whole_step: bool = False,
+                 tolerance: float = 1e-4) -> float:
+    """The compute per step, communication apart, of a run whose measured compute `measured_s` holds the waits of
+    collectives that block inside forward and backward: the compute c for which the program (played once from idle
+    links) ends its last compute span (whole_step: its last op, where the trainer timed no wait apart) at
+    measured_s, c taken from measured_s by the time by which it falls short (each wait is about independent of c:
+    a few rounds). measured_s itself where the backend writes no program."""
+    from psarch.theory.program import Compute
+    from psarch.theory.simulate import play
+
+    c = measured_s
+    for _ in range(20):
+        got = program_on_links(cfg, phi, c, None, alpha_s)
+        if got is None:
+            return measured_s
+        ops, _, end = play(*got)
+        last = max((end[n] for n, op in ops.items() if whole_step or isinstance(op, Compute) and op.seconds > 0),
+                   default=0.0)
+        if abs(last - measured_s) <= tolerance * measured_s or c == 0.0:
+            break
+        c = max(0.0, c - (last - measured_s))
+    return c
 
 
 def step_inputs(summary: Summary) -> tuple[float, float | None, float]:
@@ -307,7 +240,7 @@ def simulated_step(cfg: Config, phi: float, compute_s: float, backward_s: float 
     emulated links (payload rates, WIRE_OVERHEAD counted); None where the backend writes no program."""
     from psarch.theory.steady import steady_step
 
-    got = _program_on_links(cfg, phi, compute_s, backward_s, alpha_s)
+    got = program_on_links(cfg, phi, compute_s, backward_s, alpha_s)
     return None if got is None else steady_step(*got)
 
 
@@ -316,11 +249,13 @@ def simulated_spans(cfg: Config, phi: float, compute_s: float, backward_s: float
     its emulated links as simulated_step plays it; None where the backend writes no program."""
     from psarch.theory.simulate import spans
 
-    got = _program_on_links(cfg, phi, compute_s, backward_s, alpha_s)
+    got = program_on_links(cfg, phi, compute_s, backward_s, alpha_s)
     return None if got is None else spans(*got)
 
 
-def _program_on_links(cfg: Config, phi: float, compute_s: float, backward_s: float | None, alpha_s: float) -> Any:
+def program_on_links(cfg: Config, phi: float, compute_s: float, backward_s: float | None, alpha_s: float) -> Any:
+    """(program, cluster): `cfg`'s step program in full, ranks computing `compute_s` (`backward_s` of it backward),
+    and its emulated links (payload rates, WIRE_OVERHEAD counted, α per message); None where it writes none."""
     from psarch.theory.program import Cluster, DataStep
 
     program = registry.spec_of(cfg).program(cfg, phi, DataStep.of(compute_s, backward_s), reduced=False)

@@ -75,10 +75,12 @@ WORKER, SERVER, BOTH = "worker", "server", "worker+server"   # what runs on a no
 @dataclass
 class Program:
     """A step's ops in the order they were written (ties between ops ready at once go in this order), and its
-    nodes: what runs on each (WORKER, SERVER, BOTH) and how many alike nodes it stands for."""
+    nodes: what runs on each (WORKER, SERVER, BOTH) and how many alike nodes it stands for; `steps`: the training
+    steps one play of it stands for (GEO's k local steps and their one exchange), by which its time is divided."""
 
     ops: list[Op] = field(default_factory=list)
     nodes: list[tuple[str, int]] = field(default_factory=list)
+    steps: int = 1
 
     def node(self, role: str, count: int = 1) -> int:
         """Declare the next node; its index."""

@@ -36,6 +36,10 @@ class StepTime:
     exposed_s: float
     idle_s: float
 
+    def per(self, steps: int) -> StepTime:
+        """This time and its parts shared among `steps` training steps."""
+        return StepTime(self.step_s / steps, self.compute_s / steps, self.exposed_s / steps, self.idle_s / steps)
+
     def to_dict(self) -> dict[str, float]:
         return {"step_time_s": self.step_s, "compute_s": self.compute_s, "comm_s": self.exposed_s,
                 "idle_s": self.idle_s}
@@ -100,9 +104,10 @@ def _check(program: Program, cluster: Cluster) -> dict[str, Op]:
 
 
 def simulate(program: Program, cluster: Cluster) -> StepTime:
-    """Play `program` on `cluster` from idle links and return its step time and parts."""
+    """Play `program` on `cluster` from idle links and return its step time and parts (per training step: a program
+    standing for several, Program.steps, divided by them)."""
     ops, start, end = play(program, cluster)
-    return parts(ops, start, end, 0.0, max(end.values(), default=0.0))
+    return parts(ops, start, end, 0.0, max(end.values(), default=0.0)).per(program.steps)
 
 
 def play(program: Program, cluster: Cluster, began: dict[str, float] | None = None

@@ -34,7 +34,8 @@ def repeat(program: Program, steps: int) -> Program:
 
 
 def steady_step(program: Program, cluster: Cluster, steps: int = STEPS) -> StepTime:
-    """The steady step of `program` on `cluster` (steps >= 4) and its parts over one counted step."""
+    """The steady step of `program` on `cluster` (steps >= 4: plays of it) and its parts over one counted play, per
+    training step (Program.steps)."""
     if steps < 4:
         raise ValueError(f"steady_step: steps = {steps}: at least 4 (the first two are not counted)")
     ops, start, end = play(repeat(program, steps), cluster)
@@ -51,4 +52,5 @@ def steady_step(program: Program, cluster: Cluster, steps: int = STEPS) -> StepT
     step = statistics.median(periods)
     window = min(starts.values(), key=lambda s: s[steps - 2])   # the last whole step of the first node to start it
     got = parts(ops, start, end, window[steps - 2], window[steps - 1])
-    return StepTime(step, got.compute_s, got.exposed_s, max(0.0, step - got.compute_s - got.exposed_s))
+    return StepTime(step, got.compute_s, got.exposed_s,
+                    max(0.0, step - got.compute_s - got.exposed_s)).per(program.steps)
