@@ -83,8 +83,9 @@ def compressed_prediction(run: Run) -> dict:
 
 
 def measured_bytes(run: Run) -> tuple[float, float]:
-    """Bytes one worker sent and received per step, psarch's counters, over the steps the median is of."""
-    s, t = run["summary"], run["config"]["train"]
+    """Bytes one worker sent and received per step, psarch's counters, over every step (PowerSGD: its compressed
+    steps)."""
+    t = run["config"]["train"]
     first = t["powersgd_warmup_steps"] if t.get("compression") == "powersgd" else 0
     rows = [r for r in run["metrics"] if r["step"] >= first]
     n = world(run)
@@ -102,11 +103,8 @@ def predicted_step(run: Run, pred: dict) -> tuple[float, str]:
     st = run["summary"]["cluster"]["step_time"]
     if st.get("predicted_s") and run["config"]["train"].get("compression", "none") == "none":
         return st["predicted_s"], "sim"
-    tr = pred["traffic_per_step"]
-    n, servers = world(run), run["summary"].get("servers") or 0
-    busiest = max(tr["worker_sent"], tr["worker_received"])
-    if servers:   # the servers together take N pushes and send N pulls
-        busiest = max(busiest, n * tr["worker_sent"] / servers, n * tr["worker_received"] / servers)
+    tr = pred["traffic_per_step"]   # a PS server's figures where there are servers
+    busiest = max(tr[k] for k in ("worker_sent", "worker_received", "server_sent", "server_received") if k in tr)
     return st["compute_s"] + busiest * 8 / (link(run) * 1e6), "bound"
 
 
