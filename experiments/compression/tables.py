@@ -5,7 +5,7 @@ Time to target = the steps a loopback run of the same point took to reach the ta
 synchronous run's arithmetic does not depend on the links) x the step time measured on the emulated cluster
 (*_time sweeps; PowerSGD: its warm-up steps at their own measured median, then the compressed ones at theirs).
 Predicted step time: the simulator's (summary's cluster.step_time.predicted_s) where psarch's theory has a step
-program (uncompressed ddp and PS sync), else a bound written here before the runs: the modelled compute plus the
+program (uncompressed ddp and PS sync), else a serial estimate written here before the runs: the modelled compute plus the
 busiest node's predicted bytes over its link, nothing overlapped."""
 from __future__ import annotations
 
@@ -99,13 +99,14 @@ def wire_bytes(run: Run) -> float:
 
 
 def predicted_step(run: Run, pred: dict) -> tuple[float, str]:
-    """(seconds, how): the simulator's where the run has it, else compute + the busiest node's bytes / its link."""
+    """(seconds, how): the simulator's where the run has it, else "serial": compute + the busiest node's bytes / its link
+    (not a bound: pushes from backward's hooks overlap compute)."""
     st = run["summary"]["cluster"]["step_time"]
     if st.get("predicted_s") and run["config"]["train"].get("compression", "none") == "none":
         return st["predicted_s"], "sim"
     tr = pred["traffic_per_step"]   # a PS server's figures where there are servers
     busiest = max(tr[k] for k in ("worker_sent", "worker_received", "server_sent", "server_received") if k in tr)
-    return st["compute_s"] + busiest * 8 / (link(run) * 1e6), "bound"
+    return st["compute_s"] + busiest * 8 / (link(run) * 1e6), "serial"
 
 
 def ms(x: float | None) -> str:
