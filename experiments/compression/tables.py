@@ -114,7 +114,10 @@ def ms(x: float | None) -> str:
 
 
 def compression_table(root: Path, workload: str) -> tuple[str, list[dict]]:
-    steps_runs, time_runs = runs_in(root / f"{workload}_steps"), runs_in(root / f"{workload}_time")
+    steps_runs = runs_in(root / f"{workload}_steps")
+    time_runs = runs_in(root / f"{workload}_time") + runs_in(root / f"{workload}_time_n8")
+    again = {(world(r), link(r), *point(r)): r for r in runs_in(root / f"{workload}_time_fixed_d")}
+    time_runs = [again.get((world(r), link(r), *point(r)), r) for r in time_runs]   # overran at auto D: run again
     if not steps_runs:
         return f"(no {workload}_steps runs)\n", []
     target, reached = steps_to_target(steps_runs, workload)
@@ -122,7 +125,7 @@ def compression_table(root: Path, workload: str) -> tuple[str, list[dict]]:
     head = (f"Target: {WINDOW}-step mean gap < {target:.4f} (loss {floor + target:.4f}; {TARGET[workload]} x the initial "
             f"gap of uncompressed ddp at N = 4).\n\n"
             "| N | link | arch | compression | step time (ms) measured \\| predicted | sent/step measured \\| formula "
-            "| received/step measured \\| formula | on the wire/step | steps to target | time to target (s) | "
+            "| received/step measured \\| formula | on the wire/step (every step) | steps to target | time to target (s) | "
             "vs none | D, overrun |\n|---|---|---|---|---|---|---|---|---|---|---|---|\n")
     rows, lines = [], []
     for r in sorted(time_runs, key=lambda r: (world(r), link(r), point(r))):
@@ -197,7 +200,7 @@ def lora_table(root: Path) -> str:
         pm = p["per_rank"][0]["memory"] if p.get("per_rank") else p["memory_per_rank"]
         sent = statistics.fmean(t["sent_per_step"] for t in s["traffic"]["per_rank"])
         lines.append(f"| {s['label']}{' (full)' if not r['config']['train'].get('lora_rank') else ''} | "
-                     f"{s['params'] - s.get('frozen_params', 0):,} | {s.get('frozen_params', 0):,} | "
+                     f"{s['params']:,} | {s.get('frozen_params', 0):,} | "
                      f"{fmt_bytes(m['params'])} | {fmt_bytes(m['grads'])} | {fmt_bytes(m['optimizer'])} | "
                      f"{fmt_bytes(m.get('frozen', 0))} | {fmt_bytes(m['total'])} \\| {fmt_bytes(pm['total'])} | "
                      f"{fmt_bytes(sent)} \\| {fmt_bytes(p['traffic_per_step']['worker_sent'])} | {s['final_loss']:.4f} |")
