@@ -175,13 +175,13 @@ def plot(all_rows: dict[str, list[dict]], out: Path) -> None:
             xs = [i + 0.4 * j for i in range(len(names))]
             ys = [by.get(p) or 0.0 for p in names]
             ax.bar(xs, ys, width=0.4, label=f"{rate / 1000:g} Gbit/s" if rate >= 1000 else f"{rate:g} Mbit/s")
+            none = by.get(("ddp", "none"))
             for x, y, p in zip(xs, ys, names):
-                if not by.get(p):
-                    ax.text(x, 0, "not\nreached" if p in by else "not\nrun", ha="center", va="bottom", fontsize=6)
+                words = (f"{y / none:.2f}x" if none else "") if y else "not\nreached" if p in by else "not\nrun"
+                ax.text(x, y, words, ha="center", va="bottom", fontsize=6)
         ax.set_xticks([i + 0.2 for i in range(len(names))], [f"{a}\n{c}" for a, c in names], fontsize=7, rotation=45)
-        ax.set_yscale("log")
         ax.set_ylabel("time to target (s, cluster time)")
-        ax.set_title(f"{w}, N = {n}")
+        ax.set_title(f"{w}, N = {n} (labels: time / uncompressed ddp's at that link)")
         ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(out / "time_to_target.png", dpi=110)
