@@ -142,7 +142,8 @@ def compression_table(root: Path, workload: str) -> tuple[str, list[dict]]:
             tt = (min(steps, warm) * warm_t if warm_t else 0.0) + max(0, steps - warm) * t
         tr = pred["traffic_per_step"]
         vd = r["summary"]["virtual_device"]
-        rows.append({"n": n, "link": link(r), "arch": arch, "comp": comp, "time": tt, "steps": steps})
+        rows.append({"n": n, "link": link(r), "arch": arch, "comp": comp, "time": tt, "steps": steps, "step": t,
+                     "pred": p_s, "how": how, "sent": sent, "overrun": vd["overrun_fraction"]})
         st = f"{steps}{' (N=4)' if from4 else ''}" if steps is not None else "not reached"
         lines.append([n, link(r), arch, comp, f"{ms(t)} \\| {ms(p_s)} ({how})",
                       f"{fmt_bytes(sent)} \\| {fmt_bytes(tr['worker_sent'])}",
@@ -156,6 +157,32 @@ def compression_table(root: Path, workload: str) -> tuple[str, list[dict]]:
     body = "".join("| " + " | ".join(str(x) if not isinstance(x, float) else f"{x:g}" for x in line) + " |\n"
                    for line in lines)
     return head + body, rows
+
+
+def short_table(all_rows: dict[str, list[dict]]) -> str:
+    """One line per workload, N and point: steps to target, then per link the step time (measured | predicted), the
+    bytes a worker sent per step and the time to target against uncompressed ddp's at that link."""
+    rates = sorted({r["link"] for rows in all_rows.values() for r in rows})
+    head = "| workload | N | arch | compression | steps to target | " + " | ".join(
+        f"{rate:g} Mbit/s: step (ms) meas. \\| pred. | sent/step | time to target (s) | vs none" for rate in rates) + " |"
+    lines = [head, "|" + "---|" * (5 + 4 * len(rates))]
+    for w, rows in all_rows.items():
+        for key in sorted({(r["n"], r["arch"], r["comp"]) for r in rows}, key=lambda k: (k[0], k[2] != "none", k[2], k[1])):
+            cells = []
+            for rate in rates:
+                r = next((x for x in rows if (x["n"], x["arch"], x["comp"], x["link"]) == (*key, rate)), None)
+                none = next((x for x in rows if (x["n"], x["arch"], x["comp"], x["link"]) == (key[0], "ddp", "none", rate)),
+                            None)
+                if r is None:
+                    cells += ["not run"] + [""] * 3
+                    continue
+                vs = f"**{r['time'] / none['time']:.2f}x**" if r["time"] and none and none["time"] else "-"
+                cells += [f"{ms(r['step'])} \\| {ms(r['pred'])}{'' if r['how'] == 'sim' else ' s'}", fmt_bytes(r["sent"]),
+                          "-" if r["time"] is None else f"{r['time']:.2f}", vs]
+            steps = next((r["steps"] for r in rows if (r["n"], r["arch"], r["comp"]) == key), "-")
+            lines.append(f"| {w} | {key[0]} | {key[1]} | {key[2]} | {steps if steps is not None else 'not reached'} | "
+                         + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
 
 
 def plot(all_rows: dict[str, list[dict]], out: Path) -> None:
@@ -237,6 +264,9 @@ def main() -> None:
         (out / f"{w}.md").write_text(text)
         print(f"## {w}\n\n{text}")
     plot(all_rows, out)
+    text = short_table(all_rows)
+    (out / "summary.md").write_text(text)
+    print(f"## summary\n\n{text}")
     for name, text in (("lora", lora_table(root)), ("hybrid", hybrid_table(root))):
         (out / f"{name}.md").write_text(text)
         print(f"## {name}\n\n{text}")
