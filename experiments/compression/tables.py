@@ -1,0 +1,276 @@
+"""The compression study's tables and plot, from the run folders' summary.json and metrics.jsonl (README.md here):
+    python experiments/compression/tables.py runs/compression experiments/compression/results
+
+Time to target = the steps a loopback run of the same point took to reach the target (*_steps sweeps: a
+synchronous run's arithmetic does not depend on the links) x the step time measured on the emulated cluster
+(*_time sweeps; PowerSGD: its warm-up steps at their own measured median, then the compressed ones at theirs).
+Predicted step time: the simulator's (summary's cluster.step_time.predicted_s) where psarch's theory has a step
+program (uncompressed ddp and PS sync), else a serial estimate written here before the runs: the modelled compute plus the
+busiest node's predicted bytes over its link, nothing overlapped."""
+from __future__ import annotations
+
+import dataclasses
+import statistics
+import sys
+from pathlib import Path
+
+from psarch.report.compare import convergence_of
+from psarch.report.runs import Run, load_run, run_config
+from psarch.theory import predict
+from psarch.units import fmt_bytes
+
+# the targets, each a fraction of the initial gap of the workload's uncompressed ddp run at N = 4, picked from that
+# run alone before any compressed run: the GPT's 10-step mean gap falls below 0.1 x its initial gap near step 41
+# of 120, DLRM's below 0.75 x its initial gap near step 20 of 100 (it plateaus after)
+TARGET = {"gpt": 0.1, "dlrm": 0.75}
+WINDOW = 10   # steps in the trailing mean of the loss that is held against the target
+
+
+def runs_in(folder: Path) -> list[Run]:
+    found = []
+    for f in sorted(folder.glob("*/summary.json")):
+        try:
+            found.append(load_run(f.parent))
+        except ValueError as e:   # a failed point: said, and left out
+            print(f"left out: {e}", file=sys.stderr)
+    return found
+
+
+def point(run: Run) -> tuple[str, str]:
+    """(architecture, compression) of a run, as the tables name them."""
+    t = run["config"]["train"]
+    kind = run["config"]["backend"]["kind"]
+    c = t.get("compression", "none")
+    words = {"none": "none", "fp16": "fp16", "bf16": "bf16", "topk": f"top-k {t.get('topk_ratio')}",
+             "powersgd": f"PowerSGD r={t.get('powersgd_rank')}"}[c]
+    return kind, words
+
+
+def world(run: Run) -> int:
+    return int(run["summary"]["world_size"])
+
+
+def link(run: Run) -> float:
+    return float(run["config"]["cluster"]["link_mbps"])
+
+
+def steps_to_target(steps_runs: list[Run], workload: str) -> tuple[float, dict[tuple[str, str, int], int | None]]:
+    """The target gap and, per (architecture, compression, N), the steps its loopback run took to reach it."""
+    base = next(r for r in steps_runs if point(r) == ("ddp", "none") and world(r) == 4)
+    floor = base["summary"]["entropy_floor"]
+    target = TARGET[workload] * (base["metrics"][0]["loss"] - floor)
+    return target, {(*point(r), world(r)): convergence_of(r, target, window=WINDOW).steps for r in steps_runs}
+
+
+def phases(run: Run) -> tuple[int, float | None, float]:
+    """(warm-up steps, their median step time, the compressed steps' median): PowerSGD all-reduces whole for its
+    first powersgd_warmup_steps; the run's own median (summary) is of steps after train.warmup_steps."""
+    t = run["config"]["train"]
+    measured = run["summary"]["cluster"]["step_time"]["measured_s"]
+    if t.get("compression") != "powersgd":
+        return 0, None, measured
+    warm = t["powersgd_warmup_steps"]
+    times = [r["step_time_s"] for r in run["metrics"] if 3 <= r["step"] < warm]   # past the first 3, as the others
+    return warm, statistics.median(times), measured
+
+
+def compressed_prediction(run: Run) -> dict:
+    """Theory's figures for the run's compressed steps alone (PowerSGD without its warm-up)."""
+    cfg = run_config(run)
+    if cfg.train.compression == "powersgd":
+        cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, powersgd_warmup_steps=0))
+    return predict(cfg, run["summary"]["params"], run["summary"].get("frozen_params", 0)).to_dict()
+
+
+def measured_bytes(run: Run) -> tuple[float, float]:
+    """Bytes one worker sent and received per step, psarch's counters, over every step (PowerSGD: its compressed
+    steps)."""
+    t = run["config"]["train"]
+    first = t["powersgd_warmup_steps"] if t.get("compression") == "powersgd" else 0
+    rows = [r for r in run["metrics"] if r["step"] >= first]
+    n = world(run)
+    return (statistics.fmean(r["workers_sent"] for r in rows) / n, statistics.fmean(r["workers_received"] for r in rows) / n)
+
+
+def wire_bytes(run: Run) -> float:
+    """Bytes on a worker's interface per step (sent, headers included), mean over workers, over all the steps."""
+    nodes = [n for n in run["summary"]["cluster"]["nodes"] if n["role"] == "worker"]
+    return statistics.fmean(n["link_sent"] for n in nodes) / run["summary"]["steps"]
+
+
+def predicted_step(run: Run, pred: dict) -> tuple[float, str]:
+    """(seconds, how): the simulator's where the run has it, else "serial": compute + the busiest node's bytes / its link
+    (not a bound: pushes from backward's hooks overlap compute)."""
+    st = run["summary"]["cluster"]["step_time"]
+    if st.get("predicted_s") and run["config"]["train"].get("compression", "none") == "none":
+        return st["predicted_s"], "sim"
+    tr = pred["traffic_per_step"]   # a PS server's figures where there are servers
+    busiest = max(tr[k] for k in ("worker_sent", "worker_received", "server_sent", "server_received") if k in tr)
+    return st["compute_s"] + busiest * 8 / (link(run) * 1e6), "serial"
+
+
+def ms(x: float | None) -> str:
+    return "-" if x is None else f"{x * 1e3:.1f}"
+
+
+def compression_table(root: Path, workload: str) -> tuple[str, list[dict]]:
+    steps_runs = runs_in(root / f"{workload}_steps")
+    time_runs = runs_in(root / f"{workload}_time") + runs_in(root / f"{workload}_time_n8")
+    again = {(world(r), link(r), *point(r)): r for r in runs_in(root / f"{workload}_time_fixed_d")}
+    time_runs = [again.get((world(r), link(r), *point(r)), r) for r in time_runs]   # overran at auto D: run again
+    if not steps_runs:
+        return f"(no {workload}_steps runs)\n", []
+    target, reached = steps_to_target(steps_runs, workload)
+    floor = steps_runs[0]["summary"]["entropy_floor"]
+    head = (f"Target: {WINDOW}-step mean gap < {target:.4f} (loss {floor + target:.4f}; {TARGET[workload]} x the initial "
+            f"gap of uncompressed ddp at N = 4).\n\n"
+            "| N | link | arch | compression | step time (ms) measured \\| predicted | sent/step measured \\| formula "
+            "| received/step measured \\| formula | on the wire/step (every step) | steps to target | time to target (s) | "
+            "vs none | D, overrun |\n|---|---|---|---|---|---|---|---|---|---|---|---|\n")
+    rows, lines = [], []
+    for r in sorted(time_runs, key=lambda r: (world(r), link(r), point(r))):
+        arch, comp = point(r)
+        n = world(r)
+        steps = reached.get((arch, comp, n), reached.get((arch, comp, 4), "missing"))
+        from4 = (arch, comp, n) not in reached and (arch, comp, 4) in reached
+        pred = compressed_prediction(r)
+        p_s, how = predicted_step(r, pred)
+        warm, warm_t, t = phases(r)
+        sent, recv = measured_bytes(r)
+        tt = None
+        if isinstance(steps, int):
+            tt = (min(steps, warm) * warm_t if warm_t else 0.0) + max(0, steps - warm) * t
+        tr = pred["traffic_per_step"]
+        vd = r["summary"]["virtual_device"]
+        rows.append({"n": n, "link": link(r), "arch": arch, "comp": comp, "time": tt, "steps": steps, "step": t,
+                     "pred": p_s, "how": how, "sent": sent, "overrun": vd["overrun_fraction"]})
+        st = f"{steps}{' (N=4)' if from4 else ''}" if steps is not None else "not reached"
+        lines.append([n, link(r), arch, comp, f"{ms(t)} \\| {ms(p_s)} ({how})",
+                      f"{fmt_bytes(sent)} \\| {fmt_bytes(tr['worker_sent'])}",
+                      f"{fmt_bytes(recv)} \\| {fmt_bytes(tr['worker_received'])}", fmt_bytes(wire_bytes(r)), st,
+                      "-" if tt is None else f"{tt:.2f}", f"D = {vd['dilation']:g}, {vd['overrun_fraction']:.0%}"])
+    for line, row in zip(lines, rows):   # against ddp's uncompressed run at the same N and link
+        none = next((x for x in rows if (x["n"], x["link"], x["arch"], x["comp"]) == (row["n"], row["link"], "ddp",
+                                                                                      "none")), None)
+        ratio = f"{row['time'] / none['time']:.2f}x" if row["time"] and none and none["time"] else "-"
+        line.insert(10, ratio)
+    body = "".join("| " + " | ".join(str(x) if not isinstance(x, float) else f"{x:g}" for x in line) + " |\n"
+                   for line in lines)
+    return head + body, rows
+
+
+def short_table(all_rows: dict[str, list[dict]]) -> str:
+    """One line per workload, N and point: steps to target, then per link the step time (measured | predicted), the
+    bytes a worker sent per step and the time to target against uncompressed ddp's at that link."""
+    rates = sorted({r["link"] for rows in all_rows.values() for r in rows})
+    head = "| workload | N | arch | compression | steps to target | " + " | ".join(
+        f"{rate:g} Mbit/s: step (ms) meas. \\| pred. | sent/step | time to target (s) | vs none" for rate in rates) + " |"
+    lines = [head, "|" + "---|" * (5 + 4 * len(rates))]
+    for w, rows in all_rows.items():
+        for key in sorted({(r["n"], r["arch"], r["comp"]) for r in rows}, key=lambda k: (k[0], k[2] != "none", k[2], k[1])):
+            cells = []
+            for rate in rates:
+                r = next((x for x in rows if (x["n"], x["arch"], x["comp"], x["link"]) == (*key, rate)), None)
+                none = next((x for x in rows if (x["n"], x["arch"], x["comp"], x["link"]) == (key[0], "ddp", "none", rate)),
+                            None)
+                if r is None:
+                    cells += ["not run"] + [""] * 3
+                    continue
+                vs = f"**{r['time'] / none['time']:.2f}x**" if r["time"] and none and none["time"] else "-"
+                cells += [f"{ms(r['step'])} \\| {ms(r['pred'])}{'' if r['how'] == 'sim' else ' s'}", fmt_bytes(r["sent"]),
+                          "-" if r["time"] is None else f"{r['time']:.2f}", vs]
+            steps = next((r["steps"] for r in rows if (r["n"], r["arch"], r["comp"]) == key), "-")
+            lines.append(f"| {w} | {key[0]} | {key[1]} | {key[2]} | {steps if steps is not None else 'not reached'} | "
+                         + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def plot(all_rows: dict[str, list[dict]], out: Path) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    panels = [(w, n) for w in all_rows for n in (4, 8) if any(r["n"] == n for r in all_rows[w])]
+    if not panels:
+        return
+    fig, axes = plt.subplots(1, len(panels), figsize=(6 * len(panels), 4.5), squeeze=False)
+    for ax, (w, n) in zip(axes[0], panels):
+        rows = [r for r in all_rows[w] if r["n"] == n]
+        names = sorted({(r["arch"], r["comp"]) for r in rows}, key=lambda p: (p[1] != "none", p))
+        for j, rate in enumerate(sorted({r["link"] for r in rows})):
+            by = {(r["arch"], r["comp"]): r["time"] for r in rows if r["link"] == rate}
+            xs = [i + 0.4 * j for i in range(len(names))]
+            ys = [by.get(p) or 0.0 for p in names]
+            ax.bar(xs, ys, width=0.4, label=f"{rate / 1000:g} Gbit/s" if rate >= 1000 else f"{rate:g} Mbit/s")
+            none = by.get(("ddp", "none"))
+            for x, y, p in zip(xs, ys, names):
+                words = (f"{y / none:.2f}x" if none else "") if y else "not\nreached" if p in by else "not\nrun"
+                ax.text(x, y, words, ha="center", va="bottom", fontsize=6)
+        ax.set_xticks([i + 0.2 for i in range(len(names))], [f"{a}\n{c}" for a, c in names], fontsize=7, rotation=45)
+        ax.set_ylabel("time to target (s, cluster time)")
+        ax.set_title(f"{w}, N = {n} (labels: time / uncompressed ddp's at that link)")
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(out / "time_to_target.png", dpi=110)
+
+
+def lora_table(root: Path) -> str:
+    runs = runs_in(root / "lora")
+    if not runs:
+        return "(no lora runs)\n"
+    lines = ["| backend | trainable params | frozen params | rank 0: params (trainable) | grads | optimizer | frozen "
+             "| total measured \\| predicted | sent/step measured \\| predicted | final loss |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    for r in runs:
+        s = r["summary"]
+        m, p = s["memory"]["per_rank"][0], s["predicted"]
+        pm = p["per_rank"][0]["memory"] if p.get("per_rank") else p["memory_per_rank"]
+        sent = statistics.fmean(t["sent_per_step"] for t in s["traffic"]["per_rank"])
+        lines.append(f"| {s['label']}{' (full)' if not r['config']['train'].get('lora_rank') else ''} | "
+                     f"{s['params']:,} | {s.get('frozen_params', 0):,} | "
+                     f"{fmt_bytes(m['params'])} | {fmt_bytes(m['grads'])} | {fmt_bytes(m['optimizer'])} | "
+                     f"{fmt_bytes(m.get('frozen', 0))} | {fmt_bytes(m['total'])} \\| {fmt_bytes(pm['total'])} | "
+                     f"{fmt_bytes(sent)} \\| {fmt_bytes(p['traffic_per_step']['worker_sent'])} | {s['final_loss']:.4f} |")
+    return "\n".join(lines) + "\n"
+
+
+def hybrid_table(root: Path) -> str:
+    runs = runs_in(root / "hybrid")
+    if not runs:
+        return "(no hybrid runs)\n"
+    lines = ["| link | run | worker sent/step measured \\| predicted | received measured \\| predicted | server "
+             "received/step | on the wire/step | step time (ms) measured \\| predicted | D, overrun |",
+             "|---|---|---|---|---|---|---|---|"]
+    for r in sorted(runs, key=lambda r: (link(r), r["summary"]["label"])):
+        s = r["summary"]
+        sent, recv = measured_bytes(r)
+        tr = s["predicted"]["traffic_per_step"]
+        servers = s["traffic"].get("servers") or []
+        srv = fmt_bytes(statistics.fmean(x["received"] for x in servers) / s["steps"]) if servers else "-"
+        st, vd = s["cluster"]["step_time"], s["virtual_device"]
+        lines.append(f"| {link(r):g} Mbit/s | {s['label']} | {fmt_bytes(sent)} \\| {fmt_bytes(tr['worker_sent'])} | "
+                     f"{fmt_bytes(recv)} \\| {fmt_bytes(tr['worker_received'])} | {srv} | {fmt_bytes(wire_bytes(r))} | "
+                     f"{ms(st['measured_s'])} \\| {ms(st.get('predicted_s'))} | D = {vd['dilation']:g}, "
+                     f"{vd['overrun_fraction']:.0%} |")
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    root, out = Path(sys.argv[1]), Path(sys.argv[2])
+    out.mkdir(parents=True, exist_ok=True)
+    all_rows = {}
+    for w in TARGET:
+        text, all_rows[w] = compression_table(root, w)
+        (out / f"{w}.md").write_text(text)
+        print(f"## {w}\n\n{text}")
+    plot(all_rows, out)
+    text = short_table(all_rows)
+    (out / "summary.md").write_text(text)
+    print(f"## summary\n\n{text}")
+    for name, text in (("lora", lora_table(root)), ("hybrid", hybrid_table(root))):
+        (out / f"{name}.md").write_text(text)
+        print(f"## {name}\n\n{text}")
+
+
+if __name__ == "__main__":
+    main()
