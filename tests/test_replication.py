@@ -130,6 +130,18 @@ def test_a_server_killed_mid_run_with_r1_costs_no_update(tmp_path, servers, kill
     assert [json.loads(x)["step"] for x in (out / "metrics.jsonl").read_text().splitlines()] == list(range(8))
 
 
+def test_a_server_paused_past_the_heartbeat_timeout_is_waited_for_not_abandoned(tmp_path):
+    """SIGSTOP for 3 s with heartbeats of 0.5 / 1.5 s: with replicas no socket heartbeats, so only a process's
+    death drops a connection; the paused server is waited for and its copies stay its replica's."""
+    backend = ps(2, servers=2, replicas=1, timeout_s=30.0, heartbeat_s=0.5, heartbeat_timeout_s=1.5)
+    summary = psarch.run(_cfg("paused", backend, {"pause": [{"node": "server 1", "step": 3, "seconds": 3}]}),
+                         tmp_path / "paused", echo=False)
+    assert _children() == []
+    assert summary["status"] == "finished" and summary["faults"][0]["node"] == "server 1"
+    assert summary["replication"]["dead_servers"] == [] and summary["replication"]["copies_identical"]
+    assert summary["extra"]["failovers"] == [[], []]
+
+
 def test_with_r0_a_killed_server_still_stops_the_run_in_one_line(tmp_path):
     with pytest.raises(ServiceError, match=r"^server 1 died \(exit code -9\)$"):
         psarch.run(_cfg("r0", ps(2, servers=2, timeout_s=3.0), {"kill": [{"node": "server 1", "step": 3}]}),
