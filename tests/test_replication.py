@@ -5,6 +5,8 @@ with r = 0 a dead server still stops the run in one line; configs replication ca
 from __future__ import annotations
 
 import json
+import os
+import signal
 from pathlib import Path
 
 import pytest
@@ -18,6 +20,7 @@ from psarch.errors import RunError
 from psarch.ps.errors import ServiceError
 from psarch.ps.partitions import chain
 from psarch.ps.replication import death, join_held
+from psarch.ps.services import LocalServers
 from test_ps_faults import _children
 
 SGD = {"optimizer": "sgd", "lr": 0.1, "momentum": 0.9, "steps": 8}
@@ -121,6 +124,9 @@ def test_a_server_killed_mid_run_with_r1_costs_no_update(tmp_path, servers, kill
     [dead] = summary["replication"]["dead_servers"]
     assert dead == {"server": killed, "error": f"server {killed} died (exit code -9)"}
     assert summary["replication"]["copies_identical"]
+    # its byte counters died with it: the formula is marked not applicable rather than compared with a part
+    assert summary["replication"]["formula_received"] is None and summary["replication"]["formula_sent"] is None
+    assert summary["replication"]["formula_note"].startswith(f"not applicable: server(s) {killed} died")
     assert [s["server"] for s in summary["traffic"]["servers"]] == [i for i in range(servers) if i != killed]
     _same(out, tmp_path / "plain", "killed vs plain")
     # every worker went on without it: its connection dropped, then a round was served by the replica
@@ -140,6 +146,26 @@ def test_a_server_paused_past_the_heartbeat_timeout_is_waited_for_not_abandoned(
     assert summary["status"] == "finished" and summary["faults"][0]["node"] == "server 1"
     assert summary["replication"]["dead_servers"] == [] and summary["replication"]["copies_identical"]
     assert summary["extra"]["failovers"] == [[], []]
+
+
+def test_a_server_that_dies_as_its_stats_are_asked_for_is_a_dead_server_with_r1(tmp_path, monkeypatch):
+    """Killed as the launcher asks it for its final measurements (after every worker is done): with r = 1 the run
+    ends with the live server's copy, that server dead in `replication.dead_servers`."""
+    send = LocalServers._send
+
+    def _send(self, i, msg):
+        if msg.get("cmd") == "stats" and i == 1:
+            os.kill(self.workers[i].pid, signal.SIGKILL)
+            self.workers[i].join(5)
+        send(self, i, msg)
+    monkeypatch.setattr(LocalServers, "_send", _send)
+    backend = ps(2, servers=2, replicas=1, timeout_s=10.0)
+    summary = psarch.run(_cfg("late", backend), tmp_path / "late", echo=False)
+    assert _children() == []
+    assert summary["status"] == "finished"
+    assert summary["replication"]["dead_servers"] == [{"server": 1, "error": "server 1 died (exit code -9)"}]
+    assert summary["replication"]["copies_identical"] and "model_from_servers_error" not in summary
+    assert summary["replication"]["formula_received"] is None
 
 
 def test_with_r0_a_killed_server_still_stops_the_run_in_one_line(tmp_path):

@@ -81,16 +81,23 @@ def join_held(cfg: Any, helds: dict[int, torch.Tensor], numel: int) -> tuple[tor
     return flat, same
 
 
-def bytes_summary(cfg: Any, ops: list[dict[str, Any]]) -> dict[str, Any]:
+def bytes_summary(cfg: Any, ops: list[dict[str, Any]], dead: dict[int, str]) -> dict[str, Any]:
     """summary.json's `replication` bytes from the live servers' traffic by op (TrafficReport's `ops`): what the
     replicas received and sent, beside theory's formula (psarch/ps/theory.py's `replication`: r x what the
-    primaries received and sent on the same ops)."""
+    primaries received and sent on the same ops). Where a server died (`dead`) its counters died with it: the
+    live servers' bytes are then no whole run's, and the formula is not applicable (None, `formula_note` says why)."""
     from psarch.ps.theory import replication
 
     def total(prefix: str, key: str) -> int:
         return sum(per.get(prefix + op, {}).get(key, 0) for per in ops for op in REPLICATED_OPS)
     inbound, outbound = total("", "received"), total("", "sent")
     formula = replication(cfg, inbound, outbound)
-    return {"replicas": cfg.backend.replicas, "received": total(REPLICA, "received"), "sent": total(REPLICA, "sent"),
-            "primary_received": inbound, "primary_sent": outbound,
-            "formula_received": int(formula.received), "formula_sent": int(formula.sent)}
+    out = {"replicas": cfg.backend.replicas, "received": total(REPLICA, "received"), "sent": total(REPLICA, "sent"),
+           "primary_received": inbound, "primary_sent": outbound,
+           "formula_received": int(formula.received), "formula_sent": int(formula.sent),
+           "dead_servers": [{"server": i, "error": e} for i, e in sorted(dead.items())]}
+    if dead:
+        out.update(formula_received=None, formula_sent=None,
+                   formula_note=f"not applicable: server(s) {', '.join(map(str, sorted(dead)))} died, and their "
+                                f"byte counters with them; the bytes above are the live servers' only")
+    return out

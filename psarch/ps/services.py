@@ -211,21 +211,38 @@ class LocalServers(Services):
         self.check()
         stats: list[ServerStats] = []
         parts = []
-        for i in [i for i in range(len(self.conns)) if i not in self.dead]:
-            self._send(i, {"cmd": "stats"})
-            s = self._wait_event(i, "stats", START_TIMEOUT_S)
-            raw = self.conns[i].recv_bytes()
-            s.pop("event")
-            stats.append(cast("ServerStats", s))   # what the server's stats() sent
-            parts.append(torch.frombuffer(bytearray(raw), dtype=torch.float32) if raw else torch.empty(0))
+        for i in range(len(self.conns)):
+            got = self._stats(i)
+            if got is not None:
+                stats.append(got[0])
+                parts.append(got[1])
         out = summarize(stats, self.lost)
         out["auth"] = Credentials.from_dict(self.info.auth).mechanism
         if replicas(self.cfg):
-            out["replication"] = dict(bytes_summary(self.cfg, [s["traffic"]["ops"] for s in stats]),
-                                      dead_servers=[{"server": i, "error": e} for i, e in self.dead.items()])
+            out["replication"] = bytes_summary(self.cfg, [s["traffic"]["ops"] for s in stats], self.dead)
         if self.out_dir is not None:
             self._write_outputs(self.out_dir, out, parts)
         return out
+
+    def _stats(self, i: int) -> tuple[ServerStats, torch.Tensor] | None:
+        """Server i's measurements and final parameters; None where it is dead (already, or dying now) and its
+        partitions live on (backend.replicas); ServiceError where it is the run's end."""
+        if i in self.dead:
+            return None
+        self._send(i, {"cmd": "stats"})
+        try:
+            s = self._wait_event(i, "stats", START_TIMEOUT_S)
+            raw = self.conns[i].recv_bytes()
+        except (ServiceError, EOFError, OSError):
+            self.workers[i].join(1)
+            if not replicas(self.cfg) or self._alive(i):
+                raise
+            self._died(i, f"server {i} died (exit code {getattr(self.workers[i], 'exitcode', None)})")
+            if self.failure is not None:
+                raise ServiceError(self.failure) from None
+            return None
+        s.pop("event")
+        return cast("ServerStats", s), torch.frombuffer(bytearray(raw), dtype=torch.float32) if raw else torch.empty(0)
 
     def _write_outputs(self, out_dir: Path, out: Summary, parts: list[torch.Tensor]) -> None:
         """model.pt from the servers' final parameters; the ssp trace beside the summary (in `out_dir`)."""

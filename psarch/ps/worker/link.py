@@ -166,10 +166,10 @@ class ServerLink:
         raise PSError(f"worker {self.client.worker}: partition [{p.lo}, {p.hi}) has no live holder left (servers "
                       f"{', '.join(map(str, p.holders))} are dead)")
 
-    def failovers(self) -> list[dict[str, float]]:
+    def failovers(self) -> list[dict[str, float | None]]:
         """Each dead server: when this worker saw its connection drop and when an exchange of its first settled after
-        that (time.time())."""
-        return [{"server": i, "dropped_at": t, "served_at": self.served.get(i, float("nan"))}
+        that (time.time(); None where none settled since)."""
+        return [{"server": i, "dropped_at": t, "served_at": self.served.get(i)}
                 for i, t in sorted(self.client.dead.items())]
 
     def exchange(self, pushed: torch.Tensor | None, step: int, header: dict[str, Any],
