@@ -19,7 +19,7 @@ from psarch.config import ConfigError, from_dict
 from psarch.errors import RunError
 from psarch.ps.errors import ServiceError
 from psarch.ps.partitions import chain
-from psarch.ps.replication import death, join_held
+from psarch.ps.replication import death, diverged, join_held
 from psarch.ps.services import LocalServers
 from test_ps_faults import _children
 
@@ -50,6 +50,17 @@ def test_a_dead_server_stops_the_run_only_when_some_partition_has_no_live_holder
     assert death(3, 1, {2}, 1, "server 1 died").startswith("server 1 died: server 1's partitions have no live "
                                                              "holder (servers 1, 2 are dead; backend.replicas = 1)")
     assert death(3, 2, {2}, 1, "server 1 died") is None
+
+
+def test_holders_whose_rounds_differ_stop_the_run_in_one_line():
+    """A worker lost on one holder's clock, not the other's: the replies name different push counts."""
+    what = "worker 0: partition [0, 64)"
+    assert diverged(what, [(0, {"version": 3, "summed": 2}), (1, {"version": 3, "summed": 2})]) is None
+    split = diverged(what, [(0, {"version": 3, "summed": 2}), (1, {"version": 3, "summed": 1})])
+    assert split == ("worker 0: partition [0, 64): its holders' copies diverged (server 0: version 3, 2 pushes "
+                     "summed; server 1: version 3, 1 pushes summed): a worker was lost on one holder's clock, not "
+                     "another's")
+    assert diverged(what, [(1, {"version": 4, "summed": 2}), (2, {"version": 3, "summed": 2})]) is not None
 
 
 def test_copies_that_differ_are_found_when_the_model_is_joined():
@@ -97,6 +108,16 @@ def test_r1_without_faults_ends_with_the_model_of_r0_and_its_bytes_are_r_times_t
     # theory's (1 + r) x per server and per worker, payloads only: within the headers' share
     predicted = rep["predicted"]["traffic_per_step"]
     assert predicted["server_received"] == pytest.approx(2 * base["predicted"]["traffic_per_step"]["server_received"])
+
+
+def test_rank_0_fetches_each_partition_from_its_first_holder_with_r0_and_r1_alike(tmp_path, monkeypatch):
+    """The launcher's model.pt from the servers left out: model.pt is rank 0's fetch (partitions dealt round robin:
+    none of a server's vectors is one range), the same with r = 1 as with r = 0."""
+    monkeypatch.setattr(LocalServers, "_write_outputs", lambda self, out_dir, out, parts: None)
+    backend = dict(ps(2, servers=3), partition_mb=0.01)
+    psarch.run(_cfg("r0", backend, steps=3), tmp_path / "r0", echo=False)
+    psarch.run(_cfg("r1", dict(backend, replicas=1), steps=3), tmp_path / "r1", echo=False)
+    _same(tmp_path / "r1", tmp_path / "r0", "rank 0's fetch, r = 1 vs r = 0")
 
 
 def test_r1_pushed_after_backward_as_top_k_pairs_ends_with_the_model_of_r0(tmp_path):
@@ -181,7 +202,8 @@ def test_when_every_holder_of_a_partition_is_dead_the_run_stops_in_one_line(tmp_
     0's partitions have no holder left. The launcher names it, or a worker does, whichever sees it first."""
     out = tmp_path / "both"
     with pytest.raises(RunError, match=r"^server 1 died \(exit code -9\): server 0's partitions have no live holder "
-                                       r"\(servers 0, 1 are dead; backend.replicas = 1\)$|has no live holder left"):
+                                       r"\(servers 0, 1 are dead; backend.replicas = 1\)$|^worker \d: (fetch: )?partition \[\d+, \d+\) has no "
+                                       r"live holder \(servers 0, 1 are dead; backend.replicas = 1\)$"):
         psarch.run(_cfg("both", ps(2, servers=2, replicas=1, timeout_s=10.0),
                         {"kill": [{"node": "server 0", "step": 3}, {"node": "server 1", "step": 5}]}), out, echo=False)
     assert _children() == []

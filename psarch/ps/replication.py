@@ -23,7 +23,7 @@ compares them with the formula, r x the bytes of the same ops at the primaries, 
 """
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Sequence
 
 import torch
 
@@ -38,6 +38,12 @@ def orphans(servers: int, r: int, dead: set[int]) -> list[int]:
     return [j for j in range(servers) if all(h in dead for h in chain(servers, r, j))]
 
 
+def homeless(what: str, holders: Sequence[int]) -> str:
+    """The one line for partitions (`what`) whose every holder is dead."""
+    return (f"{what} no live holder (servers {', '.join(map(str, holders))} are dead; "
+            f"backend.replicas = {len(holders) - 1})")
+
+
 def death(servers: int, r: int, dead: set[int], i: int, text: str) -> str | None:
     """The run's error once server i has died (`text`: what happened to it), None where the run goes on: r = 0
     keeps `text` as the one line; with replicas, it stops only when some partition lost every holder."""
@@ -46,9 +52,20 @@ def death(servers: int, r: int, dead: set[int], i: int, text: str) -> str | None
     lost = orphans(servers, r, dead | {i})
     if not lost:
         return None
-    j = lost[0]
-    return (f"{text}: server {j}'s partitions have no live holder (servers "
-            f"{', '.join(map(str, chain(servers, r, j)))} are dead; backend.replicas = {r})")
+    return homeless(f"{text}: server {lost[0]}'s partitions have", chain(servers, r, lost[0]))
+
+
+def diverged(what: str, replies: Sequence[tuple[int, dict[str, Any]]]) -> str | None:
+    """Where the holders of one partition (`what`) answered one exchange with different rounds, the one line that
+    stops the run (None where they agree). `replies`: each answering holder and its reply's header, whose
+    `summed` (the pushes its last round summed, servers' pulls.py) and `version` must be its first holder's:
+    each holder decides on its own clock when to drop a lost worker from a round, so one may have summed a
+    push another never got."""
+    rounds = [(i, h["version"], h.get("summed")) for i, h in replies]
+    if all(x[1:] == rounds[0][1:] for x in rounds):
+        return None
+    said = "; ".join(f"server {i}: version {v}, {n} pushes summed" for i, v, n in rounds)
+    return f"{what}: its holders' copies diverged ({said}): a worker was lost on one holder's clock, not another's"
 
 
 def survivors(servers: int, r: int, i: int, dead: set[int]) -> list[int]:

@@ -67,7 +67,7 @@ SCHEMA: dict[str, tuple[dict[str, str], dict[str, str], str]] = {
     "save": ({"worker": _INT, "step": _INT, "path": _STR}, {}, "forbidden"),
     "ack": ({"version": _INT}, {"staleness": _INT, "skipped": _BOOL}, "forbidden"),
     "params": ({"version": _INT, "offset": _INT},
-               {"scale": _FLOAT, "ahead": _INT, "skipped": _BOOL, "staleness": _INT}, "required"),
+               {"scale": _FLOAT, "ahead": _INT, "skipped": _BOOL, "staleness": _INT, "summed": _INT}, "required"),
     "error": ({"message": _STR}, {"code": _STR}, "forbidden"),   # code "non_finite": a refused inf/nan push
 }
 # What each request is answered with.
