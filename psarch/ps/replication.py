@@ -8,9 +8,12 @@ How it runs (sync only: psarch/ps/spec.py refuses the rest, in one line, before 
 - each holder sums a round in worker order and applies the same optimizer step, so the copies stay bit for bit
   equal; a worker's round is complete (its exchange settles) only once every live holder has answered it, i.e.
   applied it: no acknowledged update lives on one server only;
-- a worker learns that a server died when its connection drops (ZeroMQ's monitor, worker/client.py), stops
-  waiting for it and never sends to it again; the replica already has the round's pushes (nothing to re-send),
-  so its reply completes the round.
+- a worker learns that a server died when its connection drops (ZeroMQ's monitor, worker/client.py; no socket
+  sends heartbeats with replicas, so only a process's death drops one, not a pause), stops waiting for it and
+  never sends to it again; the replica already has the round's pushes (nothing to re-send), so its reply
+  completes the round;
+- each holder drops a lost worker from a round on its own clock, so the holders may diverge: every pull reply
+  says how many pushes its round summed, and a worker whose holders disagree stops the run (`diverged`).
 
 The launcher (services.py) treats a dead server as a lost one where every partition still has a live holder: it
 says so on stderr and goes on; `summary.json`'s `replication.dead_servers` lists it, and model.pt comes from the
@@ -19,7 +22,9 @@ the server, as before. A server stopped (SIGSTOP) past backend.timeout_s still s
 connections stay open, so no worker could tell it from a slow one.
 
 Replication's bytes are booked apart by each server ("replica_<op>", state.py's REPLICA): `bytes_summary`
-compares them with the formula, r x the bytes of the same ops at the primaries, counted exactly.
+compares them with the formula, r x the bytes of the same ops at the primaries, counted exactly (not applicable
+where a server died: its counters died with it). Every holder answers each pull with the whole partition, so a
+worker's downlink is (1 + r) x that of r = 0.
 """
 from __future__ import annotations
 
@@ -27,7 +32,7 @@ from typing import Any, Sequence
 
 import torch
 
-from psarch.ps.partitions import chain, held, held_partitions
+from psarch.ps.partitions import chain, held, held_partitions, replicas
 from psarch.ps.server.state import REPLICA
 
 REPLICATED_OPS = ("pull", "push", "pushpull", "sparsepush", "sparsepushpull")   # what a replica is sent too
@@ -109,7 +114,7 @@ def bytes_summary(cfg: Any, ops: list[dict[str, Any]], dead: dict[int, str]) -> 
         return sum(per.get(prefix + op, {}).get(key, 0) for per in ops for op in REPLICATED_OPS)
     inbound, outbound = total("", "received"), total("", "sent")
     formula = replication(cfg, inbound, outbound)
-    out = {"replicas": cfg.backend.replicas, "received": total(REPLICA, "received"), "sent": total(REPLICA, "sent"),
+    out = {"replicas": replicas(cfg), "received": total(REPLICA, "received"), "sent": total(REPLICA, "sent"),
            "primary_received": inbound, "primary_sent": outbound,
            "formula_received": int(formula.received), "formula_sent": int(formula.sent),
            "dead_servers": [{"server": i, "error": e} for i, e in sorted(dead.items())]}
