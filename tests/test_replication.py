@@ -5,6 +5,8 @@ with r = 0 a dead server still stops the run in one line; configs replication ca
 from __future__ import annotations
 
 import json
+import os
+import signal
 from pathlib import Path
 
 import pytest
@@ -17,7 +19,8 @@ from psarch.config import ConfigError, from_dict
 from psarch.errors import RunError
 from psarch.ps.errors import ServiceError
 from psarch.ps.partitions import chain
-from psarch.ps.replication import death, join_held
+from psarch.ps.replication import death, diverged, join_held
+from psarch.ps.services import LocalServers
 from test_ps_faults import _children
 
 SGD = {"optimizer": "sgd", "lr": 0.1, "momentum": 0.9, "steps": 8}
@@ -47,6 +50,17 @@ def test_a_dead_server_stops_the_run_only_when_some_partition_has_no_live_holder
     assert death(3, 1, {2}, 1, "server 1 died").startswith("server 1 died: server 1's partitions have no live "
                                                              "holder (servers 1, 2 are dead; backend.replicas = 1)")
     assert death(3, 2, {2}, 1, "server 1 died") is None
+
+
+def test_holders_whose_rounds_differ_stop_the_run_in_one_line():
+    """A worker lost on one holder's clock, not the other's: the replies name different push counts."""
+    what = "worker 0: partition [0, 64)"
+    assert diverged(what, [(0, {"version": 3, "summed": 2}), (1, {"version": 3, "summed": 2})]) is None
+    split = diverged(what, [(0, {"version": 3, "summed": 2}), (1, {"version": 3, "summed": 1})])
+    assert split == ("worker 0: partition [0, 64): its holders' copies diverged (server 0: version 3, 2 pushes "
+                     "summed; server 1: version 3, 1 pushes summed): a worker was lost on one holder's clock, not "
+                     "another's")
+    assert diverged(what, [(1, {"version": 4, "summed": 2}), (2, {"version": 3, "summed": 2})]) is not None
 
 
 def test_copies_that_differ_are_found_when_the_model_is_joined():
@@ -96,6 +110,16 @@ def test_r1_without_faults_ends_with_the_model_of_r0_and_its_bytes_are_r_times_t
     assert predicted["server_received"] == pytest.approx(2 * base["predicted"]["traffic_per_step"]["server_received"])
 
 
+def test_rank_0_fetches_each_partition_from_its_first_holder_with_r0_and_r1_alike(tmp_path, monkeypatch):
+    """The launcher's model.pt from the servers left out: model.pt is rank 0's fetch (partitions dealt round robin:
+    none of a server's vectors is one range), the same with r = 1 as with r = 0."""
+    monkeypatch.setattr(LocalServers, "_write_outputs", lambda self, out_dir, out, parts: None)
+    backend = dict(ps(2, servers=3), partition_mb=0.01)
+    psarch.run(_cfg("r0", backend, steps=3), tmp_path / "r0", echo=False)
+    psarch.run(_cfg("r1", dict(backend, replicas=1), steps=3), tmp_path / "r1", echo=False)
+    _same(tmp_path / "r1", tmp_path / "r0", "rank 0's fetch, r = 1 vs r = 0")
+
+
 def test_r1_pushed_after_backward_as_top_k_pairs_ends_with_the_model_of_r0(tmp_path):
     """A worker's top-k pairs (and their error feedback) are chosen once and sent to every holder."""
     backend = ps(2, servers=2, overlap_comm=False)
@@ -121,6 +145,9 @@ def test_a_server_killed_mid_run_with_r1_costs_no_update(tmp_path, servers, kill
     [dead] = summary["replication"]["dead_servers"]
     assert dead == {"server": killed, "error": f"server {killed} died (exit code -9)"}
     assert summary["replication"]["copies_identical"]
+    # its byte counters died with it: the formula is marked not applicable rather than compared with a part
+    assert summary["replication"]["formula_received"] is None and summary["replication"]["formula_sent"] is None
+    assert summary["replication"]["formula_note"].startswith(f"not applicable: server(s) {killed} died")
     assert [s["server"] for s in summary["traffic"]["servers"]] == [i for i in range(servers) if i != killed]
     _same(out, tmp_path / "plain", "killed vs plain")
     # every worker went on without it: its connection dropped, then a round was served by the replica
@@ -128,6 +155,38 @@ def test_a_server_killed_mid_run_with_r1_costs_no_update(tmp_path, servers, kill
         assert [x["server"] for x in f] == [killed]
         assert f[0]["served_at"] >= f[0]["dropped_at"] >= summary["faults"][0]["at_unix"]
     assert [json.loads(x)["step"] for x in (out / "metrics.jsonl").read_text().splitlines()] == list(range(8))
+
+
+def test_a_server_paused_past_the_heartbeat_timeout_is_waited_for_not_abandoned(tmp_path):
+    """SIGSTOP for 3 s with heartbeats of 0.5 / 1.5 s: with replicas no socket heartbeats, so only a process's
+    death drops a connection; the paused server is waited for and its copies stay its replica's."""
+    backend = ps(2, servers=2, replicas=1, timeout_s=30.0, heartbeat_s=0.5, heartbeat_timeout_s=1.5)
+    summary = psarch.run(_cfg("paused", backend, {"pause": [{"node": "server 1", "step": 3, "seconds": 3}]}),
+                         tmp_path / "paused", echo=False)
+    assert _children() == []
+    assert summary["status"] == "finished" and summary["faults"][0]["node"] == "server 1"
+    assert summary["replication"]["dead_servers"] == [] and summary["replication"]["copies_identical"]
+    assert summary["extra"]["failovers"] == [[], []]
+
+
+def test_a_server_that_dies_as_its_stats_are_asked_for_is_a_dead_server_with_r1(tmp_path, monkeypatch):
+    """Killed as the launcher asks it for its final measurements (after every worker is done): with r = 1 the run
+    ends with the live server's copy, that server dead in `replication.dead_servers`."""
+    send = LocalServers._send
+
+    def _send(self, i, msg):
+        if msg.get("cmd") == "stats" and i == 1:
+            os.kill(self.workers[i].pid, signal.SIGKILL)
+            self.workers[i].join(5)
+        send(self, i, msg)
+    monkeypatch.setattr(LocalServers, "_send", _send)
+    backend = ps(2, servers=2, replicas=1, timeout_s=10.0)
+    summary = psarch.run(_cfg("late", backend), tmp_path / "late", echo=False)
+    assert _children() == []
+    assert summary["status"] == "finished"
+    assert summary["replication"]["dead_servers"] == [{"server": 1, "error": "server 1 died (exit code -9)"}]
+    assert summary["replication"]["copies_identical"] and "model_from_servers_error" not in summary
+    assert summary["replication"]["formula_received"] is None
 
 
 def test_with_r0_a_killed_server_still_stops_the_run_in_one_line(tmp_path):
@@ -143,7 +202,8 @@ def test_when_every_holder_of_a_partition_is_dead_the_run_stops_in_one_line(tmp_
     0's partitions have no holder left. The launcher names it, or a worker does, whichever sees it first."""
     out = tmp_path / "both"
     with pytest.raises(RunError, match=r"^server 1 died \(exit code -9\): server 0's partitions have no live holder "
-                                       r"\(servers 0, 1 are dead; backend.replicas = 1\)$|has no live holder left"):
+                                       r"\(servers 0, 1 are dead; backend.replicas = 1\)$|^worker \d: (fetch: )?partition \[\d+, \d+\) has no "
+                                       r"live holder \(servers 0, 1 are dead; backend.replicas = 1\)$"):
         psarch.run(_cfg("both", ps(2, servers=2, replicas=1, timeout_s=10.0),
                         {"kill": [{"node": "server 0", "step": 3}, {"node": "server 1", "step": 5}]}), out, echo=False)
     assert _children() == []

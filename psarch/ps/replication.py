@@ -8,9 +8,12 @@ How it runs (sync only: psarch/ps/spec.py refuses the rest, in one line, before 
 - each holder sums a round in worker order and applies the same optimizer step, so the copies stay bit for bit
   equal; a worker's round is complete (its exchange settles) only once every live holder has answered it, i.e.
   applied it: no acknowledged update lives on one server only;
-- a worker learns that a server died when its connection drops (ZeroMQ's monitor, worker/client.py), stops
-  waiting for it and never sends to it again; the replica already has the round's pushes (nothing to re-send),
-  so its reply completes the round.
+- a worker learns that a server died when its connection drops (ZeroMQ's monitor, worker/client.py; no socket
+  sends heartbeats with replicas, so only a process's death drops one, not a pause), stops waiting for it and
+  never sends to it again; the replica already has the round's pushes (nothing to re-send), so its reply
+  completes the round;
+- each holder drops a lost worker from a round on its own clock, so the holders may diverge: every pull reply
+  says how many pushes its round summed, and a worker whose holders disagree stops the run (`diverged`).
 
 The launcher (services.py) treats a dead server as a lost one where every partition still has a live holder: it
 says so on stderr and goes on; `summary.json`'s `replication.dead_servers` lists it, and model.pt comes from the
@@ -19,15 +22,17 @@ the server, as before. A server stopped (SIGSTOP) past backend.timeout_s still s
 connections stay open, so no worker could tell it from a slow one.
 
 Replication's bytes are booked apart by each server ("replica_<op>", state.py's REPLICA): `bytes_summary`
-compares them with the formula, r x the bytes of the same ops at the primaries, counted exactly.
+compares them with the formula, r x the bytes of the same ops at the primaries, counted exactly (not applicable
+where a server died: its counters died with it). Every holder answers each pull with the whole partition, so a
+worker's downlink is (1 + r) x that of r = 0.
 """
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Sequence
 
 import torch
 
-from psarch.ps.partitions import chain, held, held_partitions
+from psarch.ps.partitions import chain, held, held_partitions, replicas
 from psarch.ps.server.state import REPLICA
 
 REPLICATED_OPS = ("pull", "push", "pushpull", "sparsepush", "sparsepushpull")   # what a replica is sent too
@@ -38,6 +43,12 @@ def orphans(servers: int, r: int, dead: set[int]) -> list[int]:
     return [j for j in range(servers) if all(h in dead for h in chain(servers, r, j))]
 
 
+def homeless(what: str, holders: Sequence[int]) -> str:
+    """The one line for partitions (`what`) whose every holder is dead."""
+    return (f"{what} no live holder (servers {', '.join(map(str, holders))} are dead; "
+            f"backend.replicas = {len(holders) - 1})")
+
+
 def death(servers: int, r: int, dead: set[int], i: int, text: str) -> str | None:
     """The run's error once server i has died (`text`: what happened to it), None where the run goes on: r = 0
     keeps `text` as the one line; with replicas, it stops only when some partition lost every holder."""
@@ -46,9 +57,20 @@ def death(servers: int, r: int, dead: set[int], i: int, text: str) -> str | None
     lost = orphans(servers, r, dead | {i})
     if not lost:
         return None
-    j = lost[0]
-    return (f"{text}: server {j}'s partitions have no live holder (servers "
-            f"{', '.join(map(str, chain(servers, r, j)))} are dead; backend.replicas = {r})")
+    return homeless(f"{text}: server {lost[0]}'s partitions have", chain(servers, r, lost[0]))
+
+
+def diverged(what: str, replies: Sequence[tuple[int, dict[str, Any]]]) -> str | None:
+    """Where the holders of one partition (`what`) answered one exchange with different rounds, the one line that
+    stops the run (None where they agree). `replies`: each answering holder and its reply's header, whose
+    `summed` (the pushes its last round summed, servers' pulls.py) and `version` must be its first holder's:
+    each holder decides on its own clock when to drop a lost worker from a round, so one may have summed a
+    push another never got."""
+    rounds = [(i, h["version"], h.get("summed")) for i, h in replies]
+    if all(x[1:] == rounds[0][1:] for x in rounds):
+        return None
+    said = "; ".join(f"server {i}: version {v}, {n} pushes summed" for i, v, n in rounds)
+    return f"{what}: its holders' copies diverged ({said}): a worker was lost on one holder's clock, not another's"
 
 
 def survivors(servers: int, r: int, i: int, dead: set[int]) -> list[int]:
@@ -81,16 +103,23 @@ def join_held(cfg: Any, helds: dict[int, torch.Tensor], numel: int) -> tuple[tor
     return flat, same
 
 
-def bytes_summary(cfg: Any, ops: list[dict[str, Any]]) -> dict[str, Any]:
+def bytes_summary(cfg: Any, ops: list[dict[str, Any]], dead: dict[int, str]) -> dict[str, Any]:
     """summary.json's `replication` bytes from the live servers' traffic by op (TrafficReport's `ops`): what the
     replicas received and sent, beside theory's formula (psarch/ps/theory.py's `replication`: r x what the
-    primaries received and sent on the same ops)."""
+    primaries received and sent on the same ops). Where a server died (`dead`) its counters died with it: the
+    live servers' bytes are then no whole run's, and the formula is not applicable (None, `formula_note` says why)."""
     from psarch.ps.theory import replication
 
     def total(prefix: str, key: str) -> int:
         return sum(per.get(prefix + op, {}).get(key, 0) for per in ops for op in REPLICATED_OPS)
     inbound, outbound = total("", "received"), total("", "sent")
     formula = replication(cfg, inbound, outbound)
-    return {"replicas": cfg.backend.replicas, "received": total(REPLICA, "received"), "sent": total(REPLICA, "sent"),
-            "primary_received": inbound, "primary_sent": outbound,
-            "formula_received": int(formula.received), "formula_sent": int(formula.sent)}
+    out = {"replicas": replicas(cfg), "received": total(REPLICA, "received"), "sent": total(REPLICA, "sent"),
+           "primary_received": inbound, "primary_sent": outbound,
+           "formula_received": int(formula.received), "formula_sent": int(formula.sent),
+           "dead_servers": [{"server": i, "error": e} for i, e in sorted(dead.items())]}
+    if dead:
+        out.update(formula_received=None, formula_sent=None,
+                   formula_note=f"not applicable: server(s) {', '.join(map(str, sorted(dead)))} died, and their "
+                                f"byte counters with them; the bytes above are the live servers' only")
+    return out

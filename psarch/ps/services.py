@@ -211,21 +211,38 @@ class LocalServers(Services):
         self.check()
         stats: list[ServerStats] = []
         parts = []
-        for i in [i for i in range(len(self.conns)) if i not in self.dead]:
-            self._send(i, {"cmd": "stats"})
-            s = self._wait_event(i, "stats", START_TIMEOUT_S)
-            raw = self.conns[i].recv_bytes()
-            s.pop("event")
-            stats.append(cast("ServerStats", s))   # what the server's stats() sent
-            parts.append(torch.frombuffer(bytearray(raw), dtype=torch.float32) if raw else torch.empty(0))
+        for i in range(len(self.conns)):
+            got = self._stats(i)
+            if got is not None:
+                stats.append(got[0])
+                parts.append(got[1])
         out = summarize(stats, self.lost)
         out["auth"] = Credentials.from_dict(self.info.auth).mechanism
         if replicas(self.cfg):
-            out["replication"] = dict(bytes_summary(self.cfg, [s["traffic"]["ops"] for s in stats]),
-                                      dead_servers=[{"server": i, "error": e} for i, e in self.dead.items()])
+            out["replication"] = bytes_summary(self.cfg, [s["traffic"]["ops"] for s in stats], self.dead)
         if self.out_dir is not None:
             self._write_outputs(self.out_dir, out, parts)
         return out
+
+    def _stats(self, i: int) -> tuple[ServerStats, torch.Tensor] | None:
+        """Server i's measurements and final parameters; None where it is dead (already, or dying now) and its
+        partitions live on (backend.replicas); ServiceError where it is the run's end."""
+        if i in self.dead:
+            return None
+        self._send(i, {"cmd": "stats"})
+        try:
+            s = self._wait_event(i, "stats", START_TIMEOUT_S)
+            raw = self.conns[i].recv_bytes()
+        except (ServiceError, EOFError, OSError):
+            self.workers[i].join(1)
+            if not replicas(self.cfg) or self._alive(i):
+                raise
+            self._died(i, f"server {i} died (exit code {getattr(self.workers[i], 'exitcode', None)})")
+            if self.failure is not None:
+                raise ServiceError(self.failure) from None
+            return None
+        s.pop("event")
+        return cast("ServerStats", s), torch.frombuffer(bytearray(raw), dtype=torch.float32) if raw else torch.empty(0)
 
     def _write_outputs(self, out_dir: Path, out: Summary, parts: list[torch.Tensor]) -> None:
         """model.pt from the servers' final parameters; the ssp trace beside the summary (in `out_dir`)."""
@@ -234,34 +251,30 @@ class LocalServers(Services):
             out["ssp"]["trace_file"] = "ssp_trace.json"
         if not all(p.numel() for p in parts):
             return  # no worker ever sent init: rank 0's record (if any) is all there is
-        if replicas(self.cfg):
-            return self._write_replicated(out_dir, out, parts)
         from psarch.ps.layout import join_servers, state_from_flat
         from psarch.ps.rows import join_parts, key_space
         from psarch.workload import build_workload
         try:
             model = build_workload(self.cfg).model
-            state = (join_parts(model, self.cfg, key_space(self.cfg), parts) if self.cfg.backend.embeddings == "rows"
-                     else state_from_flat(model, join_servers(self.cfg, parts)))
+            if self.cfg.backend.embeddings == "rows":
+                state = join_parts(model, self.cfg, key_space(self.cfg), parts)
+            else:
+                flat = self._join_replicas(model, out, parts) if replicas(self.cfg) else join_servers(self.cfg, parts)
+                state = state_from_flat(model, flat)
             torch.save(state, out_dir / "model.pt")
         except Exception as e:  # keep rank 0's model.pt, say why the servers' could not be written
             out["model_from_servers_error"] = f"{type(e).__name__}: {e}"
 
-    def _write_replicated(self, out_dir: Path, out: Summary, parts: list[torch.Tensor]) -> None:
-        """model.pt from the live servers' held vectors (backend.replicas), and whether the copies were identical."""
-        from psarch.ps.layout import state_from_flat, trainable
-        from psarch.workload import build_workload
-        try:
-            model = build_workload(self.cfg).model
-            live = [i for i in range(len(self.conns)) if i not in self.dead]
-            flat, same = join_held(self.cfg, dict(zip(live, parts)), sum(p.numel() for p in trainable(model)))
-            out["replication"]["copies_identical"] = same
-            if not same:   # e.g. a server stopped past the workers' heartbeat timeout, which went on without it
-                raise ValueError("the live servers' copies of some partition differ: model.pt is rank 0's, fetched "
-                                 "from the servers its workers went on with")
-            torch.save(state_from_flat(model, flat), out_dir / "model.pt")
-        except Exception as e:  # keep rank 0's model.pt, say why the servers' could not be written
-            out["model_from_servers_error"] = f"{type(e).__name__}: {e}"
+    def _join_replicas(self, model: torch.nn.Module, out: Summary, parts: list[torch.Tensor]) -> torch.Tensor:
+        """The flat vector from the live servers' held vectors (backend.replicas); whether their copies were
+        identical goes into `out`; ValueError where they were not."""
+        from psarch.ps.layout import trainable
+        live = [i for i in range(len(self.conns)) if i not in self.dead]
+        flat, same = join_held(self.cfg, dict(zip(live, parts)), sum(p.numel() for p in trainable(model)))
+        out["replication"]["copies_identical"] = same
+        if not same:
+            raise ValueError("the live servers' copies of some partition differ")
+        return flat
 
     def stop(self) -> None:
         """End every server: ask, then terminate (processes), then kill; close the pipes."""

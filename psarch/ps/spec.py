@@ -210,17 +210,22 @@ class PSSpec(BackendSpec):
 def _check_replicas(cfg: Config) -> None:
     """What chain replication (backend.replicas, psarch/ps/README.md) does not do (yet)."""
     b = cfg.backend
-    why = (f"must be less than backend.servers = {b.servers} (each server's partitions are kept on the next r of "
-           f"the other servers of the ring)" if b.replicas >= b.servers else
-           f"backend.mode = \"{b.mode}\": replicas are kept for \"sync\" only (a replica is bit for bit its primary "
-           f"because both sum a round in worker order; async, ssp and geo apply pushes in arrival order, which "
-           f"differs from server to server)" if b.mode != "sync" else
-           "backend.embeddings = \"rows\": the rows are not replicated yet" if b.embeddings == "rows" else
-           f"backend.priority_credit_mb = {b.priority_credit_mb:g}: priority's push and pull are not replicated yet"
-           if b.priority_credit_mb else
-           "backend.server_addresses: replicas are kept by the servers `psarch run` starts" if b.server_addresses else
-           f"train.checkpoint_every = {cfg.train.checkpoint_every}: a server's checkpoint part holds no replica yet"
-           if cfg.train.checkpoint_every else None)
+    why = None
+    if b.replicas >= b.servers:
+        why = (f"must be less than backend.servers = {b.servers} (each server's partitions are kept on the next r of "
+               f"the other servers of the ring)")
+    elif b.mode != "sync":
+        why = (f"backend.mode = \"{b.mode}\": replicas are kept for \"sync\" only (a replica is bit for bit its "
+               f"primary because both sum a round in worker order; async, ssp and geo apply pushes in arrival order, "
+               f"which differs from server to server)")
+    elif b.embeddings == "rows":
+        why = "backend.embeddings = \"rows\": the rows are not replicated yet"
+    elif b.priority_credit_mb:
+        why = f"backend.priority_credit_mb = {b.priority_credit_mb:g}: priority's push and pull are not replicated yet"
+    elif b.server_addresses:
+        why = "backend.server_addresses: replicas are kept by the servers `psarch run` starts"
+    elif cfg.train.checkpoint_every:
+        why = f"train.checkpoint_every = {cfg.train.checkpoint_every}: a server's checkpoint part holds no replica yet"
     if why:
         raise ConfigError(f"backend.replicas = {b.replicas}: {why}")
 

@@ -74,7 +74,7 @@ SCHEMA: dict[str, tuple[dict[str, str], dict[str, str], str]] = {
     "rejoin": ({"worker": _INT, "step": _INT}, {}, "forbidden"),
     "ack": ({"version": _INT}, {"staleness": _INT, "skipped": _BOOL}, "forbidden"),
     "params": ({"version": _INT, "offset": _INT},
-               {"scale": _FLOAT, "ahead": _INT, "skipped": _BOOL, "staleness": _INT}, "required"),
+               {"scale": _FLOAT, "ahead": _INT, "skipped": _BOOL, "staleness": _INT, "summed": _INT}, "required"),
     # code "non_finite": a refused inf/nan push; "lost": a dropped worker's request (with the server's version)
     "error": ({"message": _STR}, {"code": _STR, "version": _INT}, "forbidden"),
 }

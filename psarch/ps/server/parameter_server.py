@@ -56,6 +56,7 @@ from psarch.ps import auth, wire
 from psarch.ps.auth import Credentials
 from psarch.ps.errors import PSError
 from psarch.ps.layout import gather, held, held_partitions, server_partitions
+from psarch.ps.partitions import replicas
 from psarch.ps.server.connections import Caps, Connections, copy_received_frames, exchange_budget
 from psarch.ps.server.deadlines import Deadlines
 from psarch.ps.server.readmit import Readmissions
@@ -96,12 +97,15 @@ class ParameterServer:
         # ZeroMQ drops a connection whose frame exceeds this as the frame's size arrives, before buffering it
         widest = None if numel is None else max(map(held, held_partitions(cfg, numel)))
         self.sock.setsockopt(zmq.MAXMSGSIZE, auth.max_frame(widest))
-        auth.bound(self.sock, b.heartbeat_s, b.heartbeat_timeout_s, b.handshake_timeout_s)
+        # with replicas no heartbeats, here as at the workers (worker/client.py): a connection drops only where a
+        # process died, not where one was stopped for a while
+        heartbeat_s = 0.0 if replicas(cfg) else b.heartbeat_s
+        auth.bound(self.sock, heartbeat_s, b.heartbeat_timeout_s, b.handshake_timeout_s)
         auth.server_socket(self.sock, self.creds, index)
         self.rows = None   # (set below: the connections' budget reads it)
         caps = Caps(b.max_connections or b.world_size + 16, b.max_connections_per_worker,
                     b.max_pending or b.world_size + 16, b.handshake_timeout_s)
-        self.connections = Connections(self.sock, self.inflight_budget, b.heartbeat_s, caps,
+        self.connections = Connections(self.sock, self.inflight_budget, heartbeat_s, caps,
                                        curve=self.creds.mechanism == "curve")
         self.zap = auth.ZapHandler(self.zctx, self.creds, b.world_size, self.connections.admit)
         if port:

@@ -245,6 +245,7 @@ class Pushes:
                     if with_rows is not None else None)
             if s.mode == "sync":
                 r.last_skipped = st.apply_mean(len(r.pushed), r.inf)
+                r.last_summed = len(r.pushed)
             else:  # workers divide their deltas by N: the mean over the deltas this round actually has
                 st.apply_sum(s.workers / len(r.pushed))
         except NonFiniteUpdate as e:   # no one push is to blame: the round cannot be applied, the run stops

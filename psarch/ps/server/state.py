@@ -64,6 +64,7 @@ class Round:
     since: float = 0.0            # when its first push arrived
     inf: bool = False             # fp16: a push of this round declared inf/nan
     last_skipped: bool = False    # sync: whether the last completed round's update was skipped (fp16)
+    last_summed: int = 0          # sync: how many pushes the last completed round summed (replicas compare it)
 
 
 @dataclass

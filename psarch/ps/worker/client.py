@@ -97,7 +97,10 @@ class PSClient:
                  creds: Credentials | dict | None = None, heartbeat_s: float = 10.0,
                  heartbeat_timeout_s: float = 30.0, failover: bool = False) -> None:
         """creds: how to authenticate (a Credentials or its dict; None: no auth, loopback servers only); failover:
-        a server whose connection drops is dead (backend.replicas: its partitions live on elsewhere, ServerLink)."""
+        a server whose connection drops is dead (backend.replicas: its partitions live on elsewhere, ServerLink).
+        With failover the sockets send no heartbeats: a connection then drops only where the server's process died
+        (the kernel closes its TCP connection), never for a server that is merely stopped (SIGSTOP) or slow, which
+        is waited for like any other, up to timeout_s."""
         creds = creds if isinstance(creds, Credentials) else Credentials.from_dict(creds)
         self.addresses = list(addresses)
         self.worker = worker
@@ -108,7 +111,7 @@ class PSClient:
         for i, addr in enumerate(self.addresses):
             s = self.zctx.socket(zmq.DEALER)
             s.setsockopt(zmq.LINGER, 0)
-            auth.bound(s, heartbeat_s, heartbeat_timeout_s)
+            auth.bound(s, 0.0 if failover else heartbeat_s, heartbeat_timeout_s)
             auth.client_socket(s, creds, worker, i)
             s.connect(addr)
             self.socks.append(s)
@@ -168,10 +171,18 @@ class PSClient:
         for i, m in enumerate(self.monitors):
             if m in events and i not in self.dead:   # what it answered before it died is taken above
                 recv_monitor_message(m)
-                self.dead[i] = time.time()
-                self.waiting[i] = Waiting()   # never answered: its partitions' other holders answer them
-                self.poller.unregister(self.socks[i])
-                self.poller.unregister(m)
+                self._bury(i)
+
+    def _bury(self, i: int) -> None:
+        """Server i died: never wait for it or send to it again, and close its socket (no reconnecting to it)."""
+        self.dead[i] = time.time()
+        self.waiting[i] = Waiting()   # never answered: its partitions' other holders answer them
+        sock, m = self.socks[i], self.monitors[i]
+        self.poller.unregister(sock)
+        self.poller.unregister(m)
+        sock.disable_monitor()
+        m.close(linger=0)
+        sock.close(linger=0)
 
     def _receive(self, i: int, frames: list) -> None:
         try:
@@ -206,8 +217,9 @@ class PSClient:
 
     def close(self) -> None:
         for m, s in zip(self.monitors, self.socks):
-            s.disable_monitor()
-            m.close(linger=0)
+            if not m.closed:
+                s.disable_monitor()
+                m.close(linger=0)
         for s in self.socks:
-            s.close(linger=0)
+            s.close(linger=0)   # closing twice does nothing
         self.zctx.term()

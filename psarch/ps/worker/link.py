@@ -8,6 +8,7 @@ memory)."""
 from __future__ import annotations
 
 import time
+from itertools import accumulate
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Required, Sequence, TypedDict
@@ -18,7 +19,8 @@ from psarch.checkpoint.reader import CheckpointError
 from psarch.flat import FlatParams
 from psarch.ps import wire
 from psarch.ps.errors import PSError, WorkerLost
-from psarch.ps.layout import chain, held, held_of, one_range, scatter
+from psarch.ps.layout import chain, held, held_of, one_range
+from psarch.ps.replication import diverged, homeless
 from psarch.ps.worker.topk import TopKPushes
 from psarch.ps.worker.client import PSClient, Request
 
@@ -159,18 +161,22 @@ class ServerLink:
         return out
 
     def _answered(self, j: int, r: Request) -> Request:
-        """Partition j's reply of this exchange: its server's, or where that server died, a live replica's."""
-        for c in (r, *self.copies[j]):
-            if c.answered:
-                return c
+        """Partition j's reply of this exchange: its first live holder's (its server's, or where that server died, a
+        replica's); PSError where no holder answered, or where the holders' rounds differ (replication.diverged)."""
         p = self.parts[j]
-        raise PSError(f"worker {self.client.worker}: partition [{p.lo}, {p.hi}) has no live holder left (servers "
-                      f"{', '.join(map(str, p.holders))} are dead)")
+        got = [(h, c) for h, c in zip(p.holders, (r, *self.copies[j])) if c.answered]
+        what = f"worker {self.client.worker}: partition [{p.lo}, {p.hi})"
+        if not got:
+            raise PSError(homeless(f"{what} has", p.holders))
+        split = diverged(what, [(h, c.reply) for h, c in got]) if len(got) > 1 else None
+        if split:
+            raise PSError(split)
+        return got[0][1]
 
-    def failovers(self) -> list[dict[str, float]]:
+    def failovers(self) -> list[dict[str, float | None]]:
         """Each dead server: when this worker saw its connection drop and when an exchange of its first settled after
-        that (time.time())."""
-        return [{"server": i, "dropped_at": t, "served_at": self.served.get(i, float("nan"))}
+        that (time.time(); None where none settled since)."""
+        return [{"server": i, "dropped_at": t, "served_at": self.served.get(i)}
                 for i, t in sorted(self.client.dead.items())]
 
     def exchange(self, pushed: torch.Tensor | None, step: int, header: dict[str, Any],
@@ -211,33 +217,36 @@ class ServerLink:
         self.exchange(None, step, {})
 
     def fetch(self, after: list[Request] | None = None) -> torch.Tensor:
-        """The servers' fp32 parameters (after[i], if given, is sent to server i after its fetch)."""
+        """The servers' fp32 parameters (after[i], if given, is sent to server i after its fetch): each live server
+        sends its held vector (held_of: with r = 0 its own partitions), and each partition is taken from the first
+        holder of its chain that answered; with replicas the other holders' copies must equal it, bit for bit."""
         final = torch.empty(self.flat.numel, dtype=torch.float32)
-        if self.replicas:
-            return self._fetch_held(final, after)
-        # a server's own vector lands in place where its partitions are one range, else beside, then in place
-        owns = [final[parts[0][0]:parts[-1][1]] if one_range(parts) else torch.empty(held(parts))
-                for parts in self.servers]
-        self.client.exchange([[Request({"op": "fetch"}, into=own), *([after[i]] if after else [])]
-                              for i, own in enumerate(owns)])
-        for parts, own in zip(self.servers, owns):
-            if not one_range(parts):
-                scatter(own, parts, final)
-        return final
-
-    def _fetch_held(self, final: torch.Tensor, after: list[Request] | None) -> torch.Tensor:
-        """fetch with replicas: each live server's held vector (held_of), its partitions put in place."""
+        dead = self.client.dead
         layout = held_of(self.servers, self.replicas)
-        reqs = [Request({"op": "fetch"}, into=torch.empty(held(parts))) for parts in layout]
+        first = {(p.lo, p.hi): next((h for h in p.holders if h not in dead), None) for p in self.parts}
+        # a server's vector lands in place where its partitions are one range, each taken from it; else beside
+        into = [final[ps[0][0]:ps[-1][1]] if one_range(ps) and all(first[q] == i for q in ps) else torch.empty(held(ps))
+                for i, ps in enumerate(layout)]
+        reqs = [Request({"op": "fetch"}, into=t) for t in into]
         self.client.exchange([[r, *([after[i]] if after else [])] for i, r in enumerate(reqs)])
-        for parts, r in zip(layout, reqs):
-            if r.answered:
-                scatter(r.received, parts, final)
-        got = {p for parts, r in zip(layout, reqs) if r.answered for p in parts}
-        missing = [p for parts in self.servers for p in parts if p not in got]
-        if missing:
-            raise PSError(f"worker {self.client.worker}: fetch: partition [{missing[0][0]}, {missing[0][1]}) has no "
-                          f"live holder left")
+        copies: dict[tuple[int, int], dict[int, torch.Tensor]] = {}   # each partition's copy from each server
+        for i, (ps, r) in enumerate(zip(layout, reqs)):
+            bounds = list(accumulate((b - a for a, b in ps), initial=0))
+            for q, lo, hi in zip(ps, bounds, bounds[1:]):
+                if r.answered:
+                    copies.setdefault(q, {})[i] = r.received[lo:hi]
+        for p in self.parts:
+            held_by = copies.get((p.lo, p.hi), {})
+            what = f"worker {self.client.worker}: fetch: partition [{p.lo}, {p.hi})"
+            if not held_by:
+                raise PSError(homeless(f"{what} has", p.holders))
+            src = [h for h in p.holders if h in held_by]
+            taken = held_by[src[0]]
+            if taken.data_ptr() != final[p.lo:p.hi].data_ptr():   # (else it landed in place)
+                final[p.lo:p.hi] = taken
+            differ = [h for h in src[1:] if not torch.equal(held_by[h].view(torch.int32), taken.view(torch.int32))]
+            if differ:
+                raise PSError(f"{what}: server {differ[0]}'s copy differs from server {src[0]}'s")
         return final
 
     def save(self, step: int, folder: Path) -> None:

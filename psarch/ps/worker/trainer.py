@@ -35,6 +35,7 @@ from psarch.records import StepRecord
 from psarch.timeline import RECORDER
 from psarch.ps.errors import WorkerLost
 from psarch.ps.layout import push_dtype, server_partitions, trainable
+from psarch.ps.partitions import replicas
 from psarch.ps.snapshot import WorkerRecord, exact_records, pushes_by, run_shape, views
 from psarch.ps.spec import pushes_from_hooks
 from psarch.ps.worker.client import PSClient
@@ -64,7 +65,7 @@ class PSWorker(Trainer):
                                f"({addresses}); run through `psarch run`, or list every server in "
                                f"backend.server_addresses")
         self.client = PSClient(addresses, ctx.rank, b.timeout_s, ctx.services.auth, b.heartbeat_s,
-                               b.heartbeat_timeout_s, failover=bool(b.replicas))
+                               b.heartbeat_timeout_s, failover=bool(replicas(cfg)))
         # every parameter a checkpoint holds (with rows: the tables too, which this worker never holds whole)
         self.param_shapes = {n: tuple(p.shape) for n, p in workload.model.named_parameters() if p.requires_grad}
         # the tables leave the model before it moves: only the dense part is ever materialised here
@@ -76,10 +77,10 @@ class PSWorker(Trainer):
         self.layout = flat_layout(self.model, self.flat.params)
         self.topk = TopKPushes(cfg.train.topk_ratio) if cfg.train.compression == "topk" else None
         self.link = ServerLink(self.client, self.flat, server_partitions(cfg, self.flat.numel), ctx.device, self.dtype,
-                               push_dtype(cfg), self.topk, b.replicas)
+                               push_dtype(cfg), self.topk, replicas(cfg))
         # sync, dense tables, one exchange a step: a worker dropped from rounds that went on without it comes back
         # (not with replicas: each holder would take it back on its own clock)
-        self.rejoins = b.mode == "sync" and b.embeddings != "rows" and not b.priority_credit_mb and not b.replicas
+        self.rejoins = b.mode == "sync" and b.embeddings != "rows" and not b.priority_credit_mb and not replicas(cfg)
         self.steps = 0        # steps taken (after a rejoin: the round it was taken back at)
         self.rounds = 0       # geo: deltas pushed
         if not ctx.services.restored:   # else load_checkpoint sets the state
@@ -331,7 +332,7 @@ class PSWorker(Trainer):
     def summary_extra(self) -> dict[str, Any]:
         self._settle()
         out: dict[str, Any] = {"ps_versions": list(self.link.versions)}
-        if self.cfg.backend.replicas:   # chain replication: the servers it went on without (ServerLink.failovers)
+        if replicas(self.cfg):   # chain replication: the servers it went on without (ServerLink.failovers)
             out["failovers"] = self.link.failovers()
         return dict(out, **self.tables.summary())
 
