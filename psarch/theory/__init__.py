@@ -187,25 +187,28 @@ def cluster_step(cfg: Config, summary: Summary) -> dict[str, float]:
     inside it), else the measured step less its communication wait; where that holds waits too
     (BackendSpec.compute_holds_waits) the compute that, played with the program, ends when it does (pure_compute).
     The step simulator plays the backend's step program (BackendSpec.program) on the run's links
-    (psarch.theory.simulate); nan where it writes none (a backend that declares no program)."""
+    (psarch.theory.simulate); nan where it writes none (a backend that declares no program), and where the
+    trainer timed no wait apart from a measured compute that holds them (torch_fsdp, torch_tensor on contended
+    cores): the compute taken from such a step would make the step predicted equal the step measured, by
+    construction, which predicts nothing."""
     spec = registry.spec_of(cfg)
     phi = summary["params"]
     compute, backward, alpha = step_inputs(summary)
     out = {"measured_s": summary["step_time_s"], "compute_s": compute}
-    if backward is None and spec.compute_holds_waits(cfg):   # a trainer that times no wait measured the whole step
-        compute = pure_compute(cfg, phi, compute, alpha, whole_step=not summary.get("comm_s"))
+    if backward is None and spec.compute_holds_waits(cfg):
+        if not summary.get("comm_s"):   # a trainer that times no wait measured the whole step: nothing to predict
+            return out | {"predicted_s": math.nan, "predicted_comm_s": math.nan}
+        compute = pure_compute(cfg, phi, compute, alpha)
     step = simulated_step(cfg, phi, compute, backward, alpha)
     if step is None:
         return out | {"predicted_s": math.nan, "predicted_comm_s": math.nan}
     return out | {"predicted_s": step.step_s, "predicted_comm_s": step.step_s - compute}
 
 
-def pure_compute(cfg: Config, phi: float, measured_s: float, alpha_s: float, whole_step: bool = False,
-                 tolerance: float = 1e-4) -> float:
+def pure_compute(cfg: Config, phi: float, measured_s: float, alpha_s: float, tolerance: float = 1e-4) -> float:
     """The compute per step, communication apart, of a run whose measured compute `measured_s` holds the waits of
     collectives that block inside forward and backward: the compute c for which the program (played once from idle
-    links) ends its last compute span (whole_step: its last op, where the trainer timed no wait apart) at
-    measured_s, c taken from measured_s by the time by which it falls short (each wait is about independent of c:
+    links) ends its last compute span at measured_s, c taken from measured_s by the time by which it falls short (each wait is about independent of c:
     a few rounds). measured_s itself where the backend writes no program."""
     from psarch.theory.program import Compute
     from psarch.theory.simulate import play
@@ -216,8 +219,7 @@ def pure_compute(cfg: Config, phi: float, measured_s: float, alpha_s: float, who
         if got is None:
             return measured_s
         ops, _, end = play(*got)
-        last = max((end[n] for n, op in ops.items() if whole_step or isinstance(op, Compute) and op.seconds > 0),
-                   default=0.0)
+        last = max((end[n] for n, op in ops.items() if isinstance(op, Compute) and op.seconds > 0), default=0.0)
         if abs(last - measured_s) <= tolerance * measured_s or c == 0.0:
             break
         c = max(0.0, c - (last - measured_s))
