@@ -4,9 +4,11 @@
 Time to target = the steps a loopback run of the same point took to reach the target (*_steps sweeps: a
 synchronous run's arithmetic does not depend on the links) x the step time measured on the emulated cluster
 (*_time sweeps; PowerSGD: its warm-up steps at their own measured median, then the compressed ones at theirs).
-Predicted step time: the simulator's (summary's cluster.step_time.predicted_s) where psarch's theory has a step
-program (uncompressed ddp and PS sync), else a serial estimate written here before the runs: the modelled compute plus the
-busiest node's predicted bytes over its link, nothing overlapped."""
+Predicted step time: the step simulator's, recomputed from each run folder with this checkout's theory
+(psarch.theory.cluster_step, as `psarch report cluster` does: every compression's step is a program now; the
+programs for compressed steps were written without these runs' figures); where a backend writes none, the serial
+estimate written here before the runs: the modelled compute plus the busiest node's predicted bytes over its link,
+nothing overlapped (marked "serial")."""
 from __future__ import annotations
 
 import dataclasses
@@ -16,7 +18,7 @@ from pathlib import Path
 
 from psarch.report.compare import convergence_of
 from psarch.report.runs import Run, load_run, run_config
-from psarch.theory import predict
+from psarch.theory import cluster_step, predict
 from psarch.units import fmt_bytes
 
 # the targets, each a fraction of the initial gap of the workload's uncompressed ddp run at N = 4, picked from that
@@ -99,11 +101,12 @@ def wire_bytes(run: Run) -> float:
 
 
 def predicted_step(run: Run, pred: dict) -> tuple[float, str]:
-    """(seconds, how): the simulator's where the run has it, else "serial": compute + the busiest node's bytes / its link
-    (not a bound: pushes from backward's hooks overlap compute)."""
+    """(seconds, how): the simulator's (this checkout's theory) where the backend writes a program, else "serial":
+    compute + the busiest node's bytes / its link (not a bound: pushes from backward's hooks overlap compute)."""
     st = run["summary"]["cluster"]["step_time"]
-    if st.get("predicted_s") and run["config"]["train"].get("compression", "none") == "none":
-        return st["predicted_s"], "sim"
+    sim = cluster_step(run_config(run), run["summary"])["predicted_s"]
+    if sim == sim:   # not nan
+        return sim, "sim"
     tr = pred["traffic_per_step"]   # a PS server's figures where there are servers
     busiest = max(tr[k] for k in ("worker_sent", "worker_received", "server_sent", "server_received") if k in tr)
     return st["compute_s"] + busiest * 8 / (link(run) * 1e6), "serial"
@@ -248,6 +251,7 @@ def hybrid_table(root: Path) -> str:
         servers = s["traffic"].get("servers") or []
         srv = fmt_bytes(statistics.fmean(x["received"] for x in servers) / s["steps"]) if servers else "-"
         st, vd = s["cluster"]["step_time"], s["virtual_device"]
+        st = dict(st, predicted_s=cluster_step(run_config(r), s)["predicted_s"])   # this checkout's theory
         lines.append(f"| {link(r):g} Mbit/s | {s['label']} | {fmt_bytes(sent)} \\| {fmt_bytes(tr['worker_sent'])} | "
                      f"{fmt_bytes(recv)} \\| {fmt_bytes(tr['worker_received'])} | {srv} | {fmt_bytes(wire_bytes(r))} | "
                      f"{ms(st['measured_s'])} \\| {ms(st.get('predicted_s'))} | D = {vd['dilation']:g}, "
