@@ -41,7 +41,8 @@ from psarch.config.faults import faults
 from psarch.launch.faults import Injector, Restart, Struck, check_faults, restart_world, restarts_due, since
 from psarch.launch.lifecycle import die_with_parent, leave
 from psarch.records import RankRecord, ServiceFields, ServiceInfo, Summary
-from psarch.launch.runner import run_rank
+from psarch.launch.runner import run_rank, warmup_steps
+from psarch.launch.worlds import world
 from psarch.trainer import Services
 from psarch.workload import Workload, build_workload, shared_data
 
@@ -74,13 +75,17 @@ def run(cfg: Config, out: str | Path | None = None, echo: bool = True, resume: b
     restarts: list[Restart] = []
     faulted = Summary(faults=struck, **({"restarts": restarts} if cfg.faults.restart != "none" else {})) \
         if faults(cfg) else Summary()
-    t0 = time.monotonic()
+    t0, d = time.monotonic(), dilation(ranks_cfg)
+    faulted["worlds"] = []   # each world's launch and first step (psarch/launch/worlds.py)
     try:
         while True:
+            launched = since(t0, time.monotonic(), d)
             try:
                 extra, cluster = _world(job, spec, cfg, ranks_cfg, workload, faulted, t0)
+                faulted["worlds"].append(world(out_dir, launched, t0, d, warmup_steps(cfg)))
                 break
             except RunError as e:   # faults.restart = "replace": the world starts again from a checkpoint
+                faulted["worlds"].append(world(out_dir, launched, t0, d, warmup_steps(cfg)))
                 if not restarts_due(cfg, struck, restarts):
                     raise
                 again, begin = restart_world(Path(job.out), cfg, ranks_cfg, faulted, restarts, e, t0, job.echo)
@@ -88,8 +93,7 @@ def run(cfg: Config, out: str | Path | None = None, echo: bool = True, resume: b
     except BaseException as e:  # failed or interrupted (Ctrl-C, SIGTERM): keep the finished steps, say why
         _keep_finished_steps(out_dir, cfg, e, faulted)
         raise
-    if faults(cfg):   # the run's wall time, for failure_cost's goodput
-        faulted["ended_at_s"] = since(t0, time.monotonic(), dilation(ranks_cfg))
+    faulted["ended_at_s"] = since(t0, time.monotonic(), d)   # the run's wall time, for goodput
     extra.update(faulted)
     if cluster:
         cluster["wall_s"] = time.monotonic() - launched   # what an emulated point costs, at its D
