@@ -243,6 +243,8 @@ def test_a_replaced_sgd_run_ends_bit_for_bit_with_the_model_of_the_uninterrupted
     assert cost["detection_s"] == pytest.approx(restart["stopped_at_s"] - summary["faults"][0]["at_s"])
     assert summary["failure_cost"]["wall_s"] >= restart["at_s"] and summary["failure_cost"]["goodput_steps_per_s"] > 0
     assert "failure cost: kill at step 5: time lost " in (out / "report.txt").read_text()
+    if cluster:   # what the point cost in wall time: from the launch, not from the epoch of some other clock
+        assert 0 < summary["cluster"]["wall_s"] < 900
     # each world's launch and first step: the first from step 0, struck as step 5 began; the second from checkpoint 4
     first, second = summary["worlds"]
     assert (first["first_step"], first["steps"], second["first_step"], second["steps"]) == (0, 5, 4, 4)

@@ -79,13 +79,13 @@ def run(cfg: Config, out: str | Path | None = None, echo: bool = True, resume: b
     faulted["worlds"] = []   # each world's launch and first step (psarch/launch/worlds.py)
     try:
         while True:
-            launched = since(t0, time.monotonic(), d)
+            world_at = since(t0, time.monotonic(), d)
             try:
                 extra, cluster = _world(job, spec, cfg, ranks_cfg, workload, faulted, t0)
-                faulted["worlds"].append(world(out_dir, launched, t0, d, warmup_steps(cfg)))
+                faulted["worlds"].append(world(out_dir, world_at, t0, d, warmup_steps(cfg)))
                 break
             except RunError as e:   # faults.restart = "replace": the world starts again from a checkpoint
-                faulted["worlds"].append(world(out_dir, launched, t0, d, warmup_steps(cfg)))
+                faulted["worlds"].append(world(out_dir, world_at, t0, d, warmup_steps(cfg)))
                 if not restarts_due(cfg, struck, restarts):
                     raise
                 again, begin = restart_world(Path(job.out), cfg, ranks_cfg, faulted, restarts, e, t0, job.echo)

@@ -1,0 +1,135 @@
+"""The failures study's table and plot, from the run folders' summary.json (README.md here):
+    python experiments/failures/report.py runs/failures
+writes results/table.md, results/goodput.png and results/points.json (the figures each row is made of)."""
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt   # noqa: E402
+
+from psarch.launch.lifecycle import TICK_S   # noqa: E402
+from psarch.theory import failures   # noqa: E402
+
+HERE = Path(__file__).parent / "results"
+
+
+def load(folder: Path) -> dict:
+    s = json.loads((folder / "summary.json").read_text())
+    cfg = json.loads((folder / "config.json").read_text())
+    rows = [json.loads(x) for x in (folder / "metrics.jsonl").read_text().splitlines()] \
+        if (folder / "metrics.jsonl").exists() else []
+    return {"folder": folder.name, "label": s.get("label") or s["backend"], "status": s.get("status"),
+            "error": s.get("error"), "every": cfg["train"]["checkpoint_every"], "steps": s.get("steps"),
+            "final_loss": s.get("final_loss"), "ended_at_s": s.get("ended_at_s"), "stopped_at_s": s.get("stopped_at_s"),
+            "d": s.get("virtual_device", {}).get("dilation", 1.0), "timeout_s": cfg["backend"].get("timeout_s"),
+            "step_time_s": s.get("step_time_s"), "faults": s.get("faults", []), "worlds": s.get("worlds", []),
+            "failure_cost": s.get("failure_cost"), "step_times": {r["step"]: r["step_time_s"] for r in rows},
+            "lost_workers": [w["rank"] for w in s.get("lost_workers", [])], "wall_s": s.get("cluster", {}).get("wall_s")}
+
+
+def points(root: Path) -> list[dict]:
+    return [load(f.parent) for f in sorted(root.glob("**/summary.json"))]
+
+
+def err(m: float | None, p: float | None) -> str:
+    return f"{(m - p) / p * 100:+.0f}%" if m is not None and p else "?"
+
+
+def s3(x: float | None) -> str:
+    return f"{x:.3f}" if x is not None else "?"
+
+
+def collective_row(p: dict, base: dict | None) -> tuple[str, dict]:
+    c = p["failure_cost"]
+    [r] = c["restarts"]
+    m, q = r["time_lost_s"], r["time_lost_predicted_s"]
+    row = (f"| {p['label']} | {p['every']} | {c['goodput_steps_per_s']:.2f} | {s3(m)} \\| {s3(q)} ({err(m, q)}) | "
+           f"{s3(r['detection_s'])} \\| {s3(r['detection_predicted_s'])} | {s3(r['relaunch_s'])} \\| - | "
+           f"{s3(r['startup_s'])} \\| {s3(r['startup_predicted_s'])} | {s3(r['recompute_s'])} \\| "
+           f"{s3(r['recompute_predicted_s'])} | {r['steps_lost']} \\| {r['steps_lost_predicted']} | "
+           f"{p['final_loss']:.4f} \\| {base['final_loss']:.4f} |" if base else "| ? |")
+    return row, {"label": p["label"], "every": p["every"], "goodput": c["goodput_steps_per_s"], "time_lost_s": m,
+                 "time_lost_predicted_s": q, "mean_time_lost_predicted_s": c["mean_time_lost_predicted_s"],
+                 "restart": r, "worlds": p["worlds"], "final_loss": p["final_loss"], "d": p["d"],
+                 "wall_s": p["wall_s"]}
+
+
+def ps_worker_row(p: dict, base: dict | None) -> tuple[str, dict]:
+    """PS sync goes on at N - 1: the round of the kill's step waits backend.timeout_s (the cluster's seconds) for
+    the dead worker; no restart, no step done again. Measured: that step's time less the run's median step."""
+    [k] = [f for f in p["faults"] if f["action"] == "kill"]
+    m = p["step_times"][k["step"]] - p["step_time_s"]
+    q = failures.time_lost(p["timeout_s"], 0.0, 0, p["step_time_s"])
+    goodput = p["steps"] / p["ended_at_s"]
+    row = (f"| {p['label']} (worker killed, goes on at N - 1) | - | {goodput:.2f} | {m:.3f} \\| {q:.3f} ({err(m, q)}) "
+           f"| {m:.3f} \\| {p['timeout_s']:.3f} | - | - | - | 0 \\| 0 | {p['final_loss']:.4f} \\| "
+           f"{base['final_loss']:.4f} |" if base else "| ? |")
+    return row, {"label": p["label"], "goodput": goodput, "time_lost_s": m, "time_lost_predicted_s": q,
+                 "final_loss": p["final_loss"], "lost_workers": p["lost_workers"], "wall_s": p["wall_s"]}
+
+
+def ps_server_row(p: dict) -> tuple[str, dict]:
+    [k] = [f for f in p["faults"] if f["action"] == "kill"]
+    m = round(p["stopped_at_s"] - k["at_s"], 6) if p["stopped_at_s"] is not None else None
+    q = TICK_S / p["d"]
+    row = (f"| {p['label']} (server 1 killed, r = 0) | - | stops: `{p['error']}` | - | {s3(m)} \\| {q:.3f} | - | - "
+           f"| - | - | - |")
+    return row, {"label": p["label"], "status": p["status"], "error": p["error"], "detection_s": m,
+                 "detection_predicted_s": q, "steps": len(p["step_times"]), "wall_s": p["wall_s"]}
+
+
+HEAD = ("| architecture | checkpoint every | goodput (steps/s) | time lost (s) measured \\| predicted (error) | "
+        "detection | relaunch | start-up | recompute | steps lost | final loss \\| no fault |\n"
+        "|---|---|---|---|---|---|---|---|---|---|")
+
+
+def main(root: Path) -> None:
+    HERE.mkdir(exist_ok=True)
+    base = {p["label"]: p for p in points(root / "baseline")}
+    lines, data = [HEAD], {"baseline": {k: {"goodput": v["steps"] / v["ended_at_s"], "final_loss": v["final_loss"],
+                                            "wall_s": v["wall_s"], "d": v["d"]} for k, v in base.items()}}
+    for p in sorted(points(root / "collectives"), key=lambda p: (p["label"], p["every"])):
+        row, d = collective_row(p, base.get(p["label"])) if p["failure_cost"] else (
+            f"| {p['label']} | {p['every']} | {p['status']}: {p['error']} |", {"label": p["label"], "every": p["every"]})
+        lines.append(row)
+        data.setdefault("collectives", []).append(d)
+    for name, rowf in (("ps_worker", ps_worker_row), ("ps_server", None)):
+        for p in points(root / name):
+            row, d = rowf(p, base.get(p["label"])) if rowf else ps_server_row(p)
+            lines.append(row)
+            data[name] = d
+    lines.append("| PS sync (server 1 killed, r = 1) | - | TO BE FILLED once backend.replicas lands "
+                 "(ps_server_r1.toml) | | | | | | | |")
+    for k, v in data["baseline"].items():
+        lines.append(f"| {k}, no fault | - | {v['goodput']:.2f} | - | - | - | - | - | - | {v['final_loss']:.4f} |")
+    (HERE / "table.md").write_text("\n".join(lines) + "\n")
+    (HERE / "points.json").write_text(json.dumps(data, indent=1, default=str) + "\n")
+    plot(data)
+    print("\n".join(lines))
+
+
+def plot(data: dict) -> None:
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    labels = sorted({c["label"] for c in data.get("collectives", []) if "goodput" in c})
+    for i, label in enumerate(labels):
+        pts = sorted((c["every"], c["goodput"]) for c in data["collectives"] if c["label"] == label and "goodput" in c)
+        line, = ax.plot([x for x, _ in pts], [y for _, y in pts], "o-", label=f"{label}, worker killed at step 17")
+        if label in data["baseline"]:
+            ax.axhline(data["baseline"][label]["goodput"], color=line.get_color(), ls=":", lw=1)
+    if "ps_worker" in data:
+        ax.axhline(data["ps_worker"]["goodput"], color="k", ls="--", label="PS sync, worker killed (no checkpoint)")
+    ax.set_xlabel("checkpoint interval (steps)")
+    ax.set_ylabel("goodput (steps / s, the cluster's time)")
+    ax.set_title("Goodput under one failure, N = 4 (dotted: the same run without a fault)")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(HERE / "goodput.png", dpi=120)
+
+
+if __name__ == "__main__":
+    main(Path(sys.argv[1]))
