@@ -76,3 +76,24 @@ def test_a_restart_is_predicted_from_the_first_world_alone():
     assert c["mean_time_lost_predicted_s"] == pytest.approx(TICK_S + 0.5 + 0.5 * 0.04)
     dilated = failure_cost(dict(_two_restarts(), virtual_device={"dilation": 4.0}), 2, {})
     assert dilated["restarts"][0]["detection_predicted_s"] == pytest.approx(TICK_S / 4)   # the cluster's time
+
+
+def test_a_world_is_read_from_its_ranks_marks_and_streams(tmp_path):
+    """The world's first step began when its last rank began it; its steps are its own (not those a checkpoint
+    carried into the streams, nor a record a kill cut short), its step time the slowest rank's median after
+    warm-up; times since t0 in the cluster's (÷ D)."""
+    import json
+    from psarch.launch.worlds import world
+    ranks = tmp_path / "ranks"
+    ranks.mkdir()
+    t0 = 100.0
+    for rank, began_s in ((0, 101.0), (1, 103.0)):
+        (ranks / f"rank{rank}.began").write_text(json.dumps({"step": 4, "at_ns": int(began_s * 1e9)}))
+        carried = [{"step": k, "step_time_s": 9.0} for k in range(4)]   # written first by a resumed rank
+        own = [{"step": k, "step_time_s": 0.1 * (rank + 1) * (k - 3)} for k in range(4, 8)]
+        text = "".join(json.dumps(r) + "\n" for r in carried + own) + '{"step": 8, "step_ti'   # cut by a kill
+        (ranks / f"rank{rank}.jsonl").write_text(text)
+    w = world(tmp_path, 0.5, t0, 2.0, warmup=1)
+    assert w["launched_at_s"] == 0.5 and w["first_step"] == 4 and w["first_step_at_s"] == 1.5
+    assert w["steps"] == 4 and w["step_time_s"] == pytest.approx(0.6)   # rank 1's 0.4, 0.6, 0.8 after step 4
+    assert world(tmp_path / "none", 0.0, t0, 1.0, 1)["first_step_at_s"] is None
