@@ -93,7 +93,7 @@ def test_a_world_is_read_from_its_ranks_marks_and_streams(tmp_path):
         own = [{"step": k, "step_time_s": 0.1 * (rank + 1) * (k - 3)} for k in range(4, 8)]
         text = "".join(json.dumps(r) + "\n" for r in carried + own) + '{"step": 8, "step_ti'   # cut by a kill
         (ranks / f"rank{rank}.jsonl").write_text(text)
-    w = world(tmp_path, 0.5, t0, 2.0, warmup=1)
+    w = world(ranks, 0.5, t0, 2.0, warmup=1)
     assert w["launched_at_s"] == 0.5 and w["first_step"] == 4 and w["first_step_at_s"] == 1.5
     assert w["steps"] == 4 and w["step_time_s"] == pytest.approx(0.6)   # rank 1's 0.4, 0.6, 0.8 after step 4
     assert world(tmp_path / "none", 0.0, t0, 1.0, 1)["first_step_at_s"] is None

@@ -38,11 +38,11 @@ from psarch.config import Config, ConfigError, check_machine, from_dict
 from psarch.dist import abandon_group, init_rank, shutdown, under_torchrun
 from psarch.errors import NON_FINITE_EXIT, NonFiniteError, RunError
 from psarch.config.faults import faults
-from psarch.launch.faults import Injector, Restart, Struck, check_faults, restart_world, restarts_due, since
+from psarch.launch.faults import Injector, Restart, Struck, check_faults, restart_world, restarts_due
 from psarch.launch.lifecycle import die_with_parent, leave
 from psarch.records import RankRecord, ServiceFields, ServiceInfo, Summary
 from psarch.launch.runner import run_rank, warmup_steps
-from psarch.launch.worlds import world
+from psarch.launch.worlds import since, world
 from psarch.trainer import Services
 from psarch.workload import Workload, build_workload, shared_data
 
@@ -82,10 +82,10 @@ def run(cfg: Config, out: str | Path | None = None, echo: bool = True, resume: b
             world_at = since(t0, time.monotonic(), d)
             try:
                 extra, cluster = _world(job, spec, cfg, ranks_cfg, workload, faulted, t0)
-                faulted["worlds"].append(world(out_dir, world_at, t0, d, warmup_steps(cfg)))
+                faulted["worlds"].append(world(out_dir / outputs.RANKS_DIR, world_at, t0, d, warmup_steps(cfg)))
                 break
             except RunError as e:   # faults.restart = "replace": the world starts again from a checkpoint
-                faulted["worlds"].append(world(out_dir, world_at, t0, d, warmup_steps(cfg)))
+                faulted["worlds"].append(world(out_dir / outputs.RANKS_DIR, world_at, t0, d, warmup_steps(cfg)))
                 if not restarts_due(cfg, struck, restarts):
                     raise
                 again, begin = restart_world(Path(job.out), cfg, ranks_cfg, faulted, restarts, e, t0, job.echo)

@@ -31,12 +31,14 @@ def mark_began(stream: Path, step: int) -> None:
     stream.with_suffix(".began").write_text(json.dumps({"step": step, "at_ns": time.monotonic_ns()}) + "\n")
 
 
-def world(out: Path, launched_at_s: float, t0: float, d: float, warmup: int) -> World:
-    """The record of the world that just ended (or stopped) in run folder `out`, from its ranks' marks and metrics
-    streams (read before a restart clears them); t0: the run's time.monotonic() origin, d: its dilation."""
-    from psarch.launch import outputs   # here: outputs imports the runner, which marks with this module
-    from psarch.launch.faults import since
-    ranks = out / outputs.RANKS_DIR
+def since(t0: float, t: float, d: float) -> float:
+    """Seconds from t0 to t (time.monotonic()) in the cluster's time (wall clock / dilation d)."""
+    return round((t - t0) / d, 6)
+
+
+def world(ranks: Path, launched_at_s: float, t0: float, d: float, warmup: int) -> World:
+    """The record of the world that just ended (or stopped), from its ranks' marks and metrics streams in the run
+    folder's `ranks` (read before a restart clears them); t0: the run's time.monotonic() origin, d: its dilation."""
     marks = [json.loads(p.read_text()) for p in sorted(ranks.glob("rank*.began"))]
     first = min((m["step"] for m in marks), default=None)
     at_ns = max((m["at_ns"] for m in marks), default=None)
