@@ -342,5 +342,6 @@ class Summary(TypedDict, total=False):
     stopped_at_s: float             # a faulted run that stopped: when the launcher found it stopped (as faults' at_s)
     ended_at_s: float               # a run that finished: when its last world ended (as faults' at_s)
     worlds: list[Any]               # each world started: launched, first step began (psarch.launch.worlds.World)
+    dilation: float                 # the emulation's D: every time above is the wall clock / D (1 but on virtual devices)
     failure_cost: FailureCost       # faults.restart = "replace": psarch.launch.failure_cost
     timeline: list[SpanFields]      # the services' spans of train.trace_steps: into trace.json, not summary.json

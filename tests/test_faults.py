@@ -227,6 +227,7 @@ def test_a_replaced_sgd_run_ends_bit_for_bit_with_the_model_of_the_uninterrupted
     [only] = plain["worlds"]   # every run records its world: launched at 0, its first step after, then 8 steps
     assert only["launched_at_s"] < 1e-3 and only["first_step"] == 0 and only["steps"] == 8
     assert 0 < only["first_step_at_s"] < plain["ended_at_s"] and only["step_time_s"] > 0
+    assert plain["dilation"] == (plain["virtual_device"]["dilation"] if "virtual_device" in plain else 1.0)
     out = tmp_path / "replaced"
     summary = psarch.run(_cfg("replaced", backend, {"kill": [{"node": "worker 1", "step": 5}], "restart": "replace"},
                               train=train, cluster=cluster), out, echo=False)

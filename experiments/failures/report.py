@@ -27,7 +27,7 @@ def load(folder: Path) -> dict:
     return {"folder": folder, "label": s.get("label") or s["backend"], "status": s.get("status"),
             "error": s.get("error"), "every": cfg["train"]["checkpoint_every"], "steps": s.get("steps"),
             "final_loss": s.get("final_loss"), "ended_at_s": s.get("ended_at_s"), "stopped_at_s": s.get("stopped_at_s"),
-            "d": s.get("virtual_device", {}).get("dilation", 1.0), "timeout_s": cfg["backend"].get("timeout_s"),
+            "d": s.get("dilation") or s.get("virtual_device", {}).get("dilation", 1.0), "timeout_s": cfg["backend"].get("timeout_s"),
             "step_time_s": s.get("step_time_s"), "faults": s.get("faults", []), "worlds": s.get("worlds", []),
             "failure_cost": s.get("failure_cost"), "step_times": {r["step"]: r["step_time_s"] for r in rows},
             "lost_workers": [w["rank"] for w in s.get("lost_workers", [])], "wall_s": s.get("cluster", {}).get("wall_s")}
@@ -75,16 +75,21 @@ def collective_row(p: dict, base: dict | None) -> tuple[str, dict]:
 
 
 def ps_worker_row(p: dict, base: dict | None) -> tuple[str, dict]:
-    """PS sync goes on at N - 1: the round of the kill's step waits backend.timeout_s (the cluster's seconds) for
-    the dead worker; no restart, no step done again. Measured: that step's time less the run's median step."""
-    [k] = [f for f in p["faults"] if f["action"] == "kill"]
-    m = p["step_times"][k["step"]] - p["step_time_s"]
-    q = failures.time_lost(p["timeout_s"], 0.0, 0, p["step_time_s"])
+    """PS sync goes on at N - 1, no restart, no step done again: the round of the fault's step waits until the dead
+    worker is dropped. Killed: the launcher sees its exit within a tick and tells the servers at once (TICK_S / D);
+    stopped (hung, no exit to see): the servers drop it after backend.timeout_s (the cluster's seconds). Measured:
+    that step's time less the run's median step."""
+    [f] = p["faults"]
+    killed = f["action"] == "kill"
+    m = p["step_times"][f["step"]] - p["step_time_s"]
+    detection = TICK_S / p["d"] if killed else p["timeout_s"]
+    q = failures.time_lost(detection, 0.0, 0, p["step_time_s"])
     goodput = p["steps"] / p["ended_at_s"]
-    row = (f"| {p['label']} (worker killed, goes on at N - 1) | - | {goodput:.2f} | {m:.3f} \\| {q:.3f} ({err(m, q)}) "
-           f"| {m:.3f} \\| {p['timeout_s']:.3f} | - | - | - | 0 \\| 0 | {p['final_loss']:.4f} \\| {loss(base)} |")
-    return row, {"label": p["label"], "goodput": goodput, "time_lost_s": m, "time_lost_predicted_s": q,
-                 "final_loss": p["final_loss"], "lost_workers": p["lost_workers"], "wall_s": p["wall_s"]}
+    what = "worker killed" if killed else f"worker stopped {f['seconds']:g} s"
+    row = (f"| {p['label']} ({what}, goes on at N - 1) | - | {goodput:.2f} | {m:.4f} \\| {q:.4f} ({err(m, q)}) "
+           f"| {m:.4f} \\| {q:.4f} | - | - | - | 0 \\| 0 | {p['final_loss']:.4f} \\| {loss(base)} |")
+    return row, {"label": p["label"], "fault": f, "goodput": goodput, "time_lost_s": m, "time_lost_predicted_s": q,
+                 "final_loss": p["final_loss"], "lost_workers": p["lost_workers"], "d": p["d"]}
 
 
 def ps_server_row(p: dict) -> tuple[str, dict]:
@@ -118,7 +123,7 @@ def main(root: Path) -> None:
             lines.append(row.replace(f"| {p['label']} |", f"| {p['label']} (D = {p['d']:g}) |", 1))
             data["collectives"].append(dict(d, set=tag))
     base = {p["label"]: p for p in points(root / "baseline")}
-    for name, rowf in (("ps_worker", ps_worker_row), ("ps_server", None)):
+    for name, rowf in (("ps_worker", ps_worker_row), ("ps_hung", ps_worker_row), ("ps_server", None)):
         for p in points(root / name):
             row, d = rowf(p, base.get(p["label"])) if rowf else ps_server_row(p)
             lines.append(row.replace(f"| {p['label']} (", f"| {p['label']} (D = {p['d']:g}, ", 1))

@@ -15,7 +15,7 @@ def failure_cost(s: Summary, checkpoint_every: int, step_times: dict[int, float]
     step_times: each step's measured time, the slowest rank's, as metrics.jsonl)."""
     kills = [f for f in s["faults"] if f["action"] == "kill"]   # in the order struck
     worlds = s.get("worlds") or []
-    d = s.get("virtual_device", {}).get("dilation", 1.0)
+    d = s.get("dilation") or s.get("virtual_device", {}).get("dilation", 1.0)
     detection_pred = round(TICK_S / d, 6)
     startup_pred = _startup(worlds[0]) if worlds else None
     step_pred = worlds[0]["step_time_s"] if worlds else None   # measured before the failure

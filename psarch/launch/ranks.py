@@ -77,6 +77,7 @@ def run(cfg: Config, out: str | Path | None = None, echo: bool = True, resume: b
         if faults(cfg) else Summary()
     t0, d = time.monotonic(), dilation(ranks_cfg)
     faulted["worlds"] = []   # each world's launch and first step (psarch/launch/worlds.py)
+    faulted["dilation"] = d   # kept where a run fails too: its times (the worlds', the faults') are wall clock / d
     try:
         while True:
             world_at = since(t0, time.monotonic(), d)
