@@ -8,7 +8,8 @@ names no backend; bench/ and the studies' tables in report/ sit above the backen
                   include (config/backend.py), the [faults] section (config/faults.py), which options a run
                   reads, TOML files and --set, checks across keys
     launch/       `psarch run`: ranks started (ranks.py), one rank's step loop (runner.py), supervision,
-                  [faults] struck and worlds restarted (faults.py), what a restart cost (failure_cost.py), sweeps, the run folder written (outputs.py),
+                  [faults] struck and worlds restarted (faults.py), each world's launch and first step (worlds.py),
+                  what a restart cost (failure_cost.py), sweeps, the run folder written (outputs.py),
                   local ranks for tests (spawn.py)
     report/       what a user reads: `psarch compare` and its plots, a run folder read back (runs.py), and
                   the studies' tables, `psarch report crossover | cluster | stragglers | pipeline`; a run's traced

@@ -262,26 +262,33 @@ class ServiceInfo:
 
 class RestartCost(TypedDict):
     """failure_cost.restarts[]: one restart's time lost, measured (seconds in the cluster's time, as Struck's at_s)
-    beside psarch.theory.failures' prediction of its steps lost."""
+    beside psarch.theory.failures' prediction, made from what the first world measured before any failure."""
 
     kill_step: int           # the step the world's first kill struck as it began
     detection_s: float | None   # the kill's at_s to the launcher finding the world stopped (Restart.stopped_at_s)
+    detection_predicted_s: float   # the launcher's poll interval (supervise.TICK_S) in the cluster's time
     relaunch_s: float | None    # stopped_at_s to the next world's launch (Restart.at_s): teardown, checkpoint
-                                # found; that world's start-up to its first step is not in it
+                                # found (not predicted)
+    startup_s: float | None     # the next world's launch to its first step (World)
+    startup_predicted_s: float | None   # the first world's launch to its first step
     steps_lost: int          # measured: Restart.steps_lost (steps done past the checkpoint, done again)
     steps_lost_predicted: int   # theory.failures.steps_lost(kill_step, checkpoint_every)
-    recompute_s: float       # steps_lost × the run's median step time
+    recompute_s: float       # the steps done again, their measured step times summed
+    recompute_predicted_s: float | None   # steps_lost_predicted x the first world's median step time
+    time_lost_s: float | None   # detection + relaunch + start-up + recompute, measured
+    time_lost_predicted_s: float | None   # theory.failures.time_lost of the predicted parts
 
 
 class FailureCost(TypedDict):
     """summary.json's `failure_cost` (faults.restart = "replace" or "shrink"): goodput over the whole run and each
-    restart's cost; the mean steps a failure at a uniformly random step loses, by theory."""
+    restart's cost; the mean steps and time a failure at a uniformly random step loses, by theory."""
 
     wall_s: float            # the launch of the first world to the end of the last (cluster's time)
     goodput_steps_per_s: float   # steps completed / wall_s
     ideal_steps_per_s: float     # 1 / median step time: the run without failures or start-ups
     checkpoint_every: int
     mean_steps_lost_predicted: float   # theory.failures.mean_steps_lost(checkpoint_every)
+    mean_time_lost_predicted_s: float | None   # the same, as time: detection + start-up + its recompute
     restarts: list[RestartCost]
 
 
@@ -336,6 +343,8 @@ class Summary(TypedDict, total=False):
     restarts: list[Any]             # worlds started again (faults.restart): psarch.launch.faults.Restart
     replication: dict[str, Any]     # backend.replicas: replication's bytes beside its formula, dead servers
     stopped_at_s: float             # a faulted run that stopped: when the launcher found it stopped (as faults' at_s)
-    ended_at_s: float               # a faulted run that finished: when its last world ended (as faults' at_s)
+    ended_at_s: float               # a run that finished: when its last world ended (as faults' at_s)
+    worlds: list[Any]               # each world started: launched, first step began (psarch.launch.worlds.World)
+    dilation: float                 # the emulation's D: every time above is the wall clock / D (1 but on virtual devices)
     failure_cost: FailureCost       # faults.restart = "replace": psarch.launch.failure_cost
     timeline: list[SpanFields]      # the services' spans of train.trace_steps: into trace.json, not summary.json

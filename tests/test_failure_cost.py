@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 
 from psarch.launch.failure_cost import failure_cost, report_lines
-from psarch.theory.failures import mean_steps_lost, steps_lost
+from psarch.launch.lifecycle import TICK_S
+from psarch.theory.failures import mean_steps_lost, steps_lost, time_lost
 
 
 @pytest.mark.parametrize("step, every, lost", [(5, 2, 1), (4, 2, 0), (7, 4, 3), (3, 10, 3), (0, 3, 0), (6, 0, 6)])
@@ -26,22 +27,73 @@ def test_a_bad_step_or_interval_is_one_line():
         mean_steps_lost(0)
 
 
-def test_each_restart_is_costed_from_the_kill_that_ended_its_world():
+def test_time_lost_is_detection_start_up_and_the_steps_done_again():
+    assert time_lost(0.25, 2.0, 3, 0.5) == 3.75 and time_lost(0.0, 1.0, 0, 9.0) == 1.0
+
+
+def _two_restarts() -> dict:
     """Two worlds ended: the first by two kills at step 5 (one restart), the second by a kill at step 7."""
     kill = {"action": "kill", "signal": "SIGKILL"}
-    s = {"steps": 10, "step_time_s": 0.01, "ended_at_s": 4.0,
-         "faults": [dict(kill, node="worker 1", step=5, at_s=1.0), dict(kill, node="worker 2", step=5, at_s=1.0),
-                    {"node": "worker 0", "action": "pause", "step": 6, "at_s": 2.0, "seconds": 0.1},
-                    dict(kill, node="worker 0", step=7, at_s=2.5)],
-         "restarts": [{"error": "", "stopped_at_s": 1.25, "at_s": 1.5, "from_step": 4, "steps_lost": 1, "kills": 2},
-                      {"error": "", "stopped_at_s": None, "at_s": 3.0, "from_step": 6, "steps_lost": 1, "kills": 3}]}
-    c = failure_cost(s, 2)
+    return {"steps": 10, "step_time_s": 0.01, "ended_at_s": 4.0,
+            "faults": [dict(kill, node="worker 1", step=5, at_s=1.0), dict(kill, node="worker 2", step=5, at_s=1.0),
+                       {"node": "worker 0", "action": "pause", "step": 6, "at_s": 2.0, "seconds": 0.1},
+                       dict(kill, node="worker 0", step=7, at_s=2.5)],
+            "restarts": [{"error": "", "stopped_at_s": 1.25, "at_s": 1.5, "from_step": 4, "steps_lost": 1,
+                          "kills": 2},
+                         {"error": "", "stopped_at_s": None, "at_s": 3.0, "from_step": 6, "steps_lost": 1,
+                          "kills": 3}],
+            "worlds": [{"launched_at_s": 0.0, "first_step": 0, "first_step_at_s": 0.5, "steps": 5,
+                        "step_time_s": 0.04},
+                       {"launched_at_s": 1.5, "first_step": 4, "first_step_at_s": 2.1, "steps": 3, "step_time_s": 0.01},
+                       {"launched_at_s": 3.0, "first_step": 6, "first_step_at_s": 3.4, "steps": 4, "step_time_s": 0.01}]}
+
+
+def test_each_restart_is_costed_from_the_kill_that_ended_its_world():
+    times = {k: 0.01 for k in range(10)} | {4: 0.03}
+    c = failure_cost(_two_restarts(), 2, times)
     assert c["goodput_steps_per_s"] == 2.5 and c["ideal_steps_per_s"] == pytest.approx(100.0)
     assert c["mean_steps_lost_predicted"] == 0.5
     first, second = c["restarts"]
     assert (first["kill_step"], first["detection_s"], first["relaunch_s"]) == (5, 0.25, 0.25)
-    assert (first["steps_lost"], first["steps_lost_predicted"], first["recompute_s"]) == (1, 1, 0.01)
+    assert (first["steps_lost"], first["steps_lost_predicted"], first["recompute_s"]) == (1, 1, 0.03)
     assert (second["kill_step"], second["detection_s"], second["steps_lost_predicted"]) == (7, None, 1)
     lines = report_lines(c)
     assert lines[0].startswith("goodput         2.50 steps/s over 4.00 s") and len(lines) == 3
-    assert "kill at step 5: detection 0.25 s, relaunch 0.25 s" in lines[1] and "steps lost 1 | predicted 1" in lines[1]
+    assert "kill at step 5: time lost 1.130 s | predicted 0.560 s" in lines[1] and "steps lost 1 | predicted 1" in lines[1]
+
+
+def test_a_restart_is_predicted_from_the_first_world_alone():
+    """Start-up, step time and detection predicted from the first world's launch to first step (0.5 s), its
+    median step time (0.04 s) and the launcher's poll interval; measured from the restarted world's own."""
+    c = failure_cost(_two_restarts(), 2, {k: 0.01 for k in range(10)})
+    first, second = c["restarts"]
+    assert first["startup_s"] == 0.6 and second["startup_s"] == 0.4
+    assert first["startup_predicted_s"] == second["startup_predicted_s"] == 0.5
+    assert first["detection_predicted_s"] == TICK_S and first["recompute_predicted_s"] == 0.04
+    assert first["time_lost_s"] == pytest.approx(0.25 + 0.25 + 0.6 + 0.01)
+    assert first["time_lost_predicted_s"] == pytest.approx(TICK_S + 0.5 + 0.04)
+    assert second["time_lost_s"] is None   # the launcher never found the second world stopped: no detection
+    assert c["mean_time_lost_predicted_s"] == pytest.approx(TICK_S + 0.5 + 0.5 * 0.04)
+    dilated = failure_cost(dict(_two_restarts(), virtual_device={"dilation": 4.0}), 2, {})
+    assert dilated["restarts"][0]["detection_predicted_s"] == pytest.approx(TICK_S / 4)   # the cluster's time
+
+
+def test_a_world_is_read_from_its_ranks_marks_and_streams(tmp_path):
+    """The world's first step began when its last rank began it; its steps are its own (not those a checkpoint
+    carried into the streams, nor a record a kill cut short), its step time the slowest rank's median after
+    warm-up; times since t0 in the cluster's (÷ D)."""
+    import json
+    from psarch.launch.worlds import world
+    ranks = tmp_path / "ranks"
+    ranks.mkdir()
+    t0 = 100.0
+    for rank, began_s in ((0, 101.0), (1, 103.0)):
+        (ranks / f"rank{rank}.began").write_text(json.dumps({"step": 4, "at_ns": int(began_s * 1e9)}))
+        carried = [{"step": k, "step_time_s": 9.0} for k in range(4)]   # written first by a resumed rank
+        own = [{"step": k, "step_time_s": 0.1 * (rank + 1) * (k - 3)} for k in range(4, 8)]
+        text = "".join(json.dumps(r) + "\n" for r in carried + own) + '{"step": 8, "step_ti'   # cut by a kill
+        (ranks / f"rank{rank}.jsonl").write_text(text)
+    w = world(ranks, 0.5, t0, 2.0, warmup=1)
+    assert w["launched_at_s"] == 0.5 and w["first_step"] == 4 and w["first_step_at_s"] == 1.5
+    assert w["steps"] == 4 and w["step_time_s"] == pytest.approx(0.6)   # rank 1's 0.4, 0.6, 0.8 after step 4
+    assert world(tmp_path / "none", 0.0, t0, 1.0, 1)["first_step_at_s"] is None

@@ -240,8 +240,12 @@ def test_a_replaced_sgd_run_ends_bit_for_bit_with_the_model_of_the_uninterrupted
     finishes: the same model, bit for bit, every step's metrics once, the restart in the summary."""
     backend = {"kind": "ddp", "world_size": 2, "comm": "ring", "timeout_s": 5.0}
     train = {"momentum": 0.9, "checkpoint_every": 2}
-    psarch.run(from_dict(config("plain", train=dict(SGD, **train), backend=backend, cluster=cluster)),
-               tmp_path / "plain", echo=False)
+    plain = psarch.run(from_dict(config("plain", train=dict(SGD, **train), backend=backend, cluster=cluster)),
+                       tmp_path / "plain", echo=False)
+    [only] = plain["worlds"]   # every run records its world: launched at 0, its first step after, then 8 steps
+    assert only["launched_at_s"] < 1e-3 and only["first_step"] == 0 and only["steps"] == 8
+    assert 0 < only["first_step_at_s"] < plain["ended_at_s"] and only["step_time_s"] > 0
+    assert plain["dilation"] == (plain["virtual_device"]["dilation"] if "virtual_device" in plain else 1.0)
     out = tmp_path / "replaced"
     summary = psarch.run(_cfg("replaced", backend, {"kill": [{"node": "worker 1", "step": 5}], "restart": "replace"},
                               train=train, cluster=cluster), out, echo=False)
@@ -257,7 +261,24 @@ def test_a_replaced_sgd_run_ends_bit_for_bit_with_the_model_of_the_uninterrupted
     assert cost["detection_s"] >= 0
     assert cost["detection_s"] == pytest.approx(restart["stopped_at_s"] - summary["faults"][0]["at_s"])
     assert summary["failure_cost"]["wall_s"] >= restart["at_s"] and summary["failure_cost"]["goodput_steps_per_s"] > 0
-    assert "failure cost: kill at step 5: " in (out / "report.txt").read_text()
+    assert "failure cost: kill at step 5: time lost " in (out / "report.txt").read_text()
+    if cluster:   # what the point cost in wall time: from the launch, not from the epoch of some other clock
+        assert 0 < summary["cluster"]["wall_s"] < 900
+    # each world's launch and first step: the first from step 0, struck as step 5 began; the second from checkpoint 4
+    first, second = summary["worlds"]
+    assert (first["first_step"], first["steps"], second["first_step"], second["steps"]) == (0, 5, 4, 4)
+    assert first["launched_at_s"] < 1e-3 < first["first_step_at_s"] < summary["faults"][0]["at_s"]
+    assert second["launched_at_s"] >= restart["at_s"] and second["first_step_at_s"] > second["launched_at_s"]
+    # time lost, measured: detection, relaunch, the new world's start-up and step 4 done again (its metrics' time);
+    # predicted from the first world alone: its start-up and step time, the launcher's poll interval
+    step4 = json.loads((out / "metrics.jsonl").read_text().splitlines()[4])["step_time_s"]
+    us = pytest.approx   # to the microsecond the records are rounded to
+    assert cost["startup_s"] == us(second["first_step_at_s"] - second["launched_at_s"], abs=2e-6)
+    assert cost["recompute_s"] == us(step4, abs=1e-6)
+    assert cost["time_lost_s"] == us(cost["detection_s"] + cost["relaunch_s"] + cost["startup_s"] + step4, abs=5e-6)
+    startup = first["first_step_at_s"] - first["launched_at_s"]
+    assert cost["startup_predicted_s"] == us(startup, abs=2e-6)
+    assert cost["time_lost_predicted_s"] == us(cost["detection_predicted_s"] + startup + first["step_time_s"], abs=5e-6)
     assert [json.loads(x)["step"] for x in (out / "metrics.jsonl").read_text().splitlines()] == list(range(8))
     assert_same_model(torch.load(out / "model.pt", weights_only=True),
                       torch.load(tmp_path / "plain" / "model.pt", weights_only=True), "replaced vs plain",

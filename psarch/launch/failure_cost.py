@@ -1,32 +1,61 @@
 """summary.json's `failure_cost`: what each restart (faults.restart = "replace" or "shrink") cost a finished run,
-measured from the launcher's records (faults[], restarts[], ended_at_s), beside psarch.theory.failures' prediction."""
+measured from the launcher's records (faults[], restarts[], worlds[], ended_at_s) and the steps' times, beside
+psarch.theory.failures' prediction. The prediction uses only what the first world measured before any failure:
+its launch to first step (the start-up), its median step time, and the launcher's poll interval (detection)."""
 from __future__ import annotations
 
+from psarch.launch.lifecycle import TICK_S
 from psarch.records import FailureCost, RestartCost, Summary
 from psarch.theory import failures
 
 
-def failure_cost(s: Summary, checkpoint_every: int) -> FailureCost:
-    """Goodput over the whole run and each restart's detection, relaunch and recomputation (s: a finished run's
-    summary with its step_time_s, faults, restarts and ended_at_s)."""
+def failure_cost(s: Summary, checkpoint_every: int, step_times: dict[int, float]) -> FailureCost:
+    """Goodput over the whole run and each restart's detection, relaunch, start-up and recomputation, measured |
+    predicted (s: a finished run's summary with its step_time_s, faults, restarts, worlds and ended_at_s;
+    step_times: each step's measured time, the slowest rank's, as metrics.jsonl)."""
     kills = [f for f in s["faults"] if f["action"] == "kill"]   # in the order struck
-    step_time = s["step_time_s"]
+    worlds = s.get("worlds") or []
+    d = s.get("dilation") or s.get("virtual_device", {}).get("dilation", 1.0)
+    detection_pred = round(TICK_S / d, 6)
+    startup_pred = _startup(worlds[0]) if worlds else None
+    step_pred = worlds[0]["step_time_s"] if worlds else None   # measured before the failure
     costs: list[RestartCost] = []
     before = 0   # the kills struck before this restart's world (the previous restart's count)
-    for r in s["restarts"]:
+    for i, r in enumerate(s["restarts"]):
         first = kills[before]   # the kill that ended this world
         stopped = r["stopped_at_s"]
-        costs.append({"kill_step": first["step"],
-                      "detection_s": round(stopped - first["at_s"], 6) if stopped is not None else None,
-                      "relaunch_s": round(r["at_s"] - stopped, 6) if stopped is not None else None,
-                      "steps_lost": r["steps_lost"],
-                      "steps_lost_predicted": failures.steps_lost(first["step"], checkpoint_every),
-                      "recompute_s": r["steps_lost"] * step_time})
+        detection = round(stopped - first["at_s"], 6) if stopped is not None else None
+        relaunch = round(r["at_s"] - stopped, 6) if stopped is not None else None
+        startup = _startup(worlds[i + 1]) if i + 1 < len(worlds) else None
+        lost_pred = failures.steps_lost(first["step"], checkpoint_every)
+        recompute = round(sum(step_times.get(k, 0.0) for k in range(r["from_step"], first["step"])), 6)
+        parts = (detection, relaunch, startup)
+        costs.append({"kill_step": first["step"], "detection_s": detection, "detection_predicted_s": detection_pred,
+                      "relaunch_s": relaunch, "startup_s": startup, "startup_predicted_s": startup_pred,
+                      "steps_lost": r["steps_lost"], "steps_lost_predicted": lost_pred, "recompute_s": recompute,
+                      "recompute_predicted_s": lost_pred * step_pred if step_pred is not None else None,
+                      "time_lost_s": round(sum(parts) + recompute, 6) if None not in parts else None,   # type: ignore
+                      "time_lost_predicted_s": _predicted(detection_pred, startup_pred, lost_pred, step_pred)})
         before = r["kills"]
     wall = s["ended_at_s"]
+    step_time = s["step_time_s"]
     return {"wall_s": wall, "goodput_steps_per_s": s["steps"] / wall if wall > 0 else 0.0,
             "ideal_steps_per_s": 1 / step_time if step_time > 0 else 0.0, "checkpoint_every": checkpoint_every,
-            "mean_steps_lost_predicted": failures.mean_steps_lost(checkpoint_every), "restarts": costs}
+            "mean_steps_lost_predicted": failures.mean_steps_lost(checkpoint_every),
+            "mean_time_lost_predicted_s": _predicted(detection_pred, startup_pred,
+                                                     failures.mean_steps_lost(checkpoint_every), step_pred),
+            "restarts": costs}
+
+
+def _startup(w: dict) -> float | None:
+    """A world's launch to its first step (None where no step began)."""
+    return round(w["first_step_at_s"] - w["launched_at_s"], 6) if w.get("first_step_at_s") is not None else None
+
+
+def _predicted(detection: float, startup: float | None, steps: float, step_time: float | None) -> float | None:
+    if startup is None or step_time is None:
+        return None
+    return round(failures.time_lost(detection, startup, steps, step_time), 6)
 
 
 def report_lines(c: FailureCost) -> list[str]:
@@ -34,9 +63,14 @@ def report_lines(c: FailureCost) -> list[str]:
     lines = [f"goodput         {c['goodput_steps_per_s']:.2f} steps/s over {c['wall_s']:.2f} s "
              f"(ideal {c['ideal_steps_per_s']:.2f} steps/s at the median step)"]
     for r in c["restarts"]:
-        det = f"{r['detection_s']:.2f} s" if r["detection_s"] is not None else "?"
-        rel = f"{r['relaunch_s']:.2f} s" if r["relaunch_s"] is not None else "?"
-        lines.append(f"failure cost: kill at step {r['kill_step']}: detection {det}, relaunch {rel}, recompute "
-                     f"{r['recompute_s'] * 1e3:.2f} ms; steps lost {r['steps_lost']} | predicted "
+        lines.append(f"failure cost: kill at step {r['kill_step']}: time lost {_s(r['time_lost_s'])} | predicted "
+                     f"{_s(r['time_lost_predicted_s'])}: detection {_s(r['detection_s'])} | "
+                     f"{_s(r['detection_predicted_s'])}, relaunch {_s(r['relaunch_s'])} | -, start-up "
+                     f"{_s(r['startup_s'])} | {_s(r['startup_predicted_s'])}, recompute {_s(r['recompute_s'])} | "
+                     f"{_s(r['recompute_predicted_s'])}; steps lost {r['steps_lost']} | predicted "
                      f"{r['steps_lost_predicted']} (mean over a random step {c['mean_steps_lost_predicted']:.1f})")
     return lines
+
+
+def _s(x: float | None) -> str:
+    return f"{x:.3f} s" if x is not None else "?"

@@ -24,6 +24,7 @@ from psarch.launch import outputs
 from psarch.dist import under_torchrun
 from psarch.errors import RunError
 from psarch.launch.stalls import stopped
+from psarch.launch.worlds import since
 from psarch.records import StepRecord, Summary
 
 
@@ -175,11 +176,6 @@ def _streamed(out: Path, rank: int) -> int:
     except OSError:
         return 0
 
-
-
-def since(t0: float, t: float, d: float) -> float:
-    """Seconds from t0 to t (time.monotonic()) in the cluster's time (wall clock / dilation d)."""
-    return round((t - t0) / d, 6)
 
 
 def check_faults(cfg: Config, resume: bool) -> None:

@@ -9,6 +9,8 @@ import signal
 import sys
 
 _PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
+TICK_S = 0.02   # how often the launcher looks at its processes while it injects faults (supervise.watch): a
+                # killed process is seen within one tick (failure_cost's predicted detection)
 
 
 def die_with_parent() -> None:

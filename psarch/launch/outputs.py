@@ -210,7 +210,8 @@ def finalize(out: Path, cfg: Config, extra: Summary | None = None, echo: bool = 
         merged["cluster"]["step_time"] = theory.cluster_step(cfg, cast(Summary, merged))
     summary = cast(Summary, merged)
     if summary.get("restarts") and "ended_at_s" in summary:   # faults.restart = "replace" restarted the world
-        summary["failure_cost"] = failure_cost(summary, cfg.train.checkpoint_every)
+        summary["failure_cost"] = failure_cost(summary, cfg.train.checkpoint_every,
+                                                {r["step"]: r["step_time_s"] for r in rows})
     spans = [Span.of(x) for r in records for x in r.timeline] + [Span.of(x) for x in server_spans]
     if spans:   # train.trace_steps: the ranks' timelines in one file Perfetto opens
         write_trace(out / "trace.json", spans)

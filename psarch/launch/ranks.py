@@ -38,11 +38,11 @@ from psarch.config import Config, ConfigError, check_machine, from_dict
 from psarch.dist import abandon_group, init_rank, shutdown, under_torchrun
 from psarch.errors import NON_FINITE_EXIT, NonFiniteError, RunError
 from psarch.config.faults import faults
-from psarch.launch.faults import (Injector, Restart, Struck, at_world, check_faults, restart_world, restarts_due,
-                                  since)
+from psarch.launch.faults import Injector, Restart, Struck, at_world, check_faults, restart_world, restarts_due
 from psarch.launch.lifecycle import die_with_parent, leave
 from psarch.records import RankRecord, ServiceFields, ServiceInfo, Summary
-from psarch.launch.runner import run_rank
+from psarch.launch.runner import run_rank, warmup_steps
+from psarch.launch.worlds import since, world
 from psarch.trainer import Services
 from psarch.workload import Workload, build_workload, shared_data
 
@@ -75,14 +75,19 @@ def run(cfg: Config, out: str | Path | None = None, echo: bool = True, resume: b
     restarts: list[Restart] = []
     faulted = Summary(faults=struck, **({"restarts": restarts} if cfg.faults.restart != "none" else {})) \
         if faults(cfg) else Summary()
-    t0 = time.monotonic()
+    t0, d = time.monotonic(), dilation(ranks_cfg)
+    faulted["worlds"] = []   # each world's launch and first step (psarch/launch/worlds.py)
+    faulted["dilation"] = d   # kept where a run fails too: its times (the worlds', the faults') are wall clock / d
     world_cfg, world_ranks = cfg, ranks_cfg   # the running world's (after a restart: its own, maybe at N - 1)
     try:
         while True:
+            world_at = since(t0, time.monotonic(), d)
             try:
                 extra, cluster = _world(job, spec, world_cfg, world_ranks, workload, faulted, t0)
+                faulted["worlds"].append(world(out_dir / outputs.RANKS_DIR, world_at, t0, d, warmup_steps(world_cfg)))
                 break
             except RunError as e:   # faults.restart: the world starts again from a checkpoint (at N or N - 1)
+                faulted["worlds"].append(world(out_dir / outputs.RANKS_DIR, world_at, t0, d, warmup_steps(world_cfg)))
                 if not restarts_due(cfg, struck, restarts):
                     raise
                 world_ranks, begin = restart_world(Path(job.out), cfg, world_ranks, faulted, restarts, e, t0,
@@ -92,8 +97,7 @@ def run(cfg: Config, out: str | Path | None = None, echo: bool = True, resume: b
     except BaseException as e:  # failed or interrupted (Ctrl-C, SIGTERM): keep the finished steps, say why
         _keep_finished_steps(out_dir, cfg, e, faulted)
         raise
-    if faults(cfg):   # the run's wall time, for failure_cost's goodput
-        faulted["ended_at_s"] = since(t0, time.monotonic(), dilation(ranks_cfg))
+    faulted["ended_at_s"] = since(t0, time.monotonic(), d)   # the run's wall time, for goodput
     extra.update(faulted)
     if cluster:
         cluster["wall_s"] = time.monotonic() - launched   # what an emulated point costs, at its D

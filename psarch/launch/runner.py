@@ -13,6 +13,7 @@ import torch
 from psarch import checkpoint, registry
 from psarch.checkpoint import finetune
 from psarch.launch import progress
+from psarch.launch.worlds import mark_began
 from psarch import trainer as contract
 from psarch.cluster.device import dilation
 from psarch.cluster.call_pacing import CallDevice
@@ -143,7 +144,7 @@ def run_rank(cfg: Config, ctx: DistContext, workload: Workload | None = None, ec
         save = _checkpointer(trainer, cfg, ctx, checkpoints)
         timeline: list[Span] = []
         _steps(StepLoop(trainer, workload, cfg, ctx), range(first, cfg.train.steps), records, stream, slow, marks,
-               log, save, timeline)
+               log, save, timeline, metrics)
         state = trainer.full_state_dict()   # a collective call: before the figures, which then include it
         memory = trainer.memory()
         # frozen weights are the model's own tensors as the backend left them (a DTensor's local shard, a tensor
@@ -169,16 +170,20 @@ def run_rank(cfg: Config, ctx: DistContext, workload: Workload | None = None, ec
 
 def _steps(loop: StepLoop, steps: range, records: list[StepRecord], stream: TextIO | None,
            slow: Straggler | VirtualDevice | CallDevice | None, marks: StepMarks | None, log: progress.Progress,
-           save: Callable[[int, list[StepRecord]], None], timeline: list[Span] | None = None) -> None:
+           save: Callable[[int, list[StepRecord]], None], timeline: list[Span] | None = None,
+           metrics: Path | None = None) -> None:
     """The step loop: each step's record appended (and streamed) before its loss and its update are checked,
     so the metrics keep a bad step; progress lines and checkpoints between steps. Times are the cluster's: the
     wall clock / cluster.dilation (1 but on an emulated cluster of virtual devices). The steps train.trace_steps
-    names are recorded into `timeline` (psarch.timeline)."""
+    names are recorded into `timeline` (psarch.timeline). With `metrics` (the stream's path), the moment the first
+    step begins is marked beside it (psarch.launch.worlds: a world's start-up)."""
     trainer, rank, d = loop.trainer, loop.ctx.rank, dilation(loop.cfg)
     traced = traced_steps(loop.cfg.train.steps, loop.cfg.train.trace_steps)
     last = trainer.traffic()  # set-up traffic (e.g. the initial broadcast) is not any step's
     if marks is not None:
         marks.reached()
+    if metrics is not None and len(steps):
+        mark_began(metrics, steps[0])
     hold = set(holds(loop.cfg, rank))
     step = steps.start
     while step < steps.stop:

@@ -18,7 +18,7 @@ from typing import Callable, TypedDict
 
 from psarch.launch import outputs
 from psarch.errors import NON_FINITE_EXIT, NonFiniteGradient, RunError
-from psarch.launch.lifecycle import ended
+from psarch.launch.lifecycle import TICK_S, ended
 from psarch.launch.stalls import Stalls, stopped
 
 ECHO_GRACE_S = 2.0  # how long the launcher waits, after a rank fails, for its peers' errors before it names one
@@ -85,11 +85,11 @@ def watch(procs: list, out: Path, lost: Callable[[list[int]], bool] | None, chec
     """Wait until every rank has exited. A failed rank stops the run with a RunError naming the root cause,
     unless `lost(ranks)` takes the failed ranks as lost workers (the run goes on); `check()` raises when a
     service failed. A rank that makes no progress for 2 x `timeout_s` + 5 s once another has ended is killed.
-    `tick()`, where given, runs every 20 ms (the faults a run injects, psarch/launch/faults.py)."""
+    `tick()`, where given, runs every TICK_S (the faults a run injects, psarch/launch/faults.py)."""
     alive = list(procs)
     stalls = Stalls(procs, out, timeout_s)
     while alive:
-        wait([p.sentinel for p in alive], timeout=0.5 if tick is None else 0.02)
+        wait([p.sentinel for p in alive], timeout=0.5 if tick is None else TICK_S)
         if tick is not None:
             tick()
         failed = _reap(alive, procs)

@@ -16,3 +16,9 @@ def mean_steps_lost(checkpoint_every: int) -> float:
     if checkpoint_every <= 0:
         raise ValueError(f"checkpoint_every = {checkpoint_every}: expected a checkpoint interval > 0")
     return (checkpoint_every - 1) / 2
+
+
+def time_lost(detection_s: float, startup_s: float, steps_lost: float, step_time_s: float) -> float:
+    """Seconds a restart costs: the failure detected, the new world started up to its first step, and the steps
+    past the checkpoint done again at the step time (detection + start-up + steps_lost · step time)."""
+    return detection_s + startup_s + steps_lost * step_time_s
