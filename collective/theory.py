@@ -7,6 +7,7 @@ import dataclasses
 import math
 from typing import TYPE_CHECKING, Sequence
 
+from psarch.throughput import warmup_steps
 from psarch.zipf import expected_unique
 from psarch.theory import (BYTES, LinkBytes, MemoryPrediction, Prediction, expected_unique_ids,
                            optimizer_bytes_per_param, ring_passes, sharded_memory, table_params, topk_k)
@@ -247,8 +248,8 @@ def compressed(cfg: Config, phi: float) -> Prediction:
 def compressed_program(cfg: Config, step: DataStep, overlap: bool, reduced: bool, chained: bool = False) -> Program:
     """ddp's step with train.compression as a program (collective/program.py's collectives): ddp's buckets as its
     trainer lays them out (ddp_bucket_shapes), each ready at its share of backward's bytes and averaged by its
-    bucket_collectives. The step is the median step's: compressed where most of the run's steps are (PowerSGD's
-    warm-up steps all-reduce whole). chained: every collective of a bucket issued as it fills (torch's
+    bucket_collectives. The step is the median step's (of the steps after the run's warm-up, psarch.throughput.
+    warmup_steps): compressed where most of those are (PowerSGD's warm-up steps all-reduce whole). chained: every collective of a bucket issued as it fills (torch's
     powerSGD_hook all-reduces Q as soon as P is in, within backward; psarch's PowerSGD after backward). Not
     modelled: the compression's own compute (top-k's selection, PowerSGD's products)."""
     from collective.program import collectives
@@ -256,12 +257,13 @@ def compressed_program(cfg: Config, step: DataStep, overlap: bool, reduced: bool
     t, n = cfg.train, cfg.backend.world_size
     width = BYTES[t.precision]
     warm = min(t.powersgd_warmup_steps, t.steps) if t.compression == "powersgd" else 0
+    timed = warmup_steps(cfg)   # the median step is of the steps after these
     shapes = ddp_bucket_shapes(cfg)
     sizes = [float(width * sum(math.prod(s) for s in bucket)) for bucket in shapes]
     launched, later = [], []
     for b, bucket in enumerate(shapes):
         now, after = bucket_collectives(t.compression, bucket, width, t.topk_ratio, t.powersgd_rank,
-                                        2 * (t.steps - warm) >= t.steps)
+                                        2 * (t.steps - max(warm, timed)) >= t.steps - timed)
         launched.append([_ring_call(f"c{b}.{i}", c, n) for i, c in enumerate(now + after if chained else now)])
         later += [] if chained else [_ring_call(f"c{b}.{len(now) + i}", c, n) for i, c in enumerate(after)]
     return collectives(n, sizes, launched, later, step, overlap, reduced)[0]

@@ -7,8 +7,12 @@ from __future__ import annotations
 
 import statistics
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 from psarch.records import MetricsRow, StepRecord
+
+if TYPE_CHECKING:
+    from psarch.config import Config
 
 WorkerRow = StepRecord | MetricsRow   # a worker's own row: its StepRecord, or the merged row where it ran alone
 
@@ -16,6 +20,11 @@ LOCKSTEP = "global batch / median step time"
 OWN_PACE = "sum over workers of shard / own median step time"
 RANK_0 = "rank 0's shard / its median step time"   # the progress line of workers at their own pace
 
+
+def warmup_steps(cfg: Config) -> int:
+    """Steps left out of timing medians: train.warmup_steps, or min(5, steps // 5); at least one step is timed."""
+    w = cfg.train.warmup_steps
+    return min(5, cfg.train.steps // 5) if w < 0 else min(w, cfg.train.steps - 1)
 
 def definition(lockstep: bool) -> str:
     """What samples/s means for a run, in the words every report and the progress line use."""

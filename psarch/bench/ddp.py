@@ -18,7 +18,7 @@ from psarch.bench.allreduce import DEFAULT_SIZES, bench_allreduce, format_table
 from psarch.config import from_dict
 from psarch.dist import DistContext
 from psarch.bench.shared import interleaved, medians, trainer_loop
-from psarch.launch.runner import warmup_steps
+from psarch.throughput import warmup_steps
 from psarch.launch.spawn import run_ranks
 
 PEERS = {"psarch ddp (ring)": ("ddp", "ring"), "psarch ddp (native)": ("ddp", "native"), "torch ddp": ("torch_ddp", "")}

@@ -20,7 +20,7 @@ from collective.pipeline.theory import pipe_of
 from psarch.bench.shared import interleaved, trainer_loop
 from psarch.config import from_dict
 from psarch.dist import DistContext
-from psarch.launch.runner import warmup_steps
+from psarch.throughput import warmup_steps
 from psarch.launch.spawn import run_ranks
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved")

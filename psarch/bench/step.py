@@ -38,7 +38,8 @@ from psarch.cluster.flops import count
 from psarch.config import Config, from_dict
 from psarch.dist import DistContext
 from psarch.precision import compute_dtype
-from psarch.launch.runner import to_device, warmup_steps
+from psarch.launch.runner import to_device
+from psarch.throughput import warmup_steps
 from psarch.workload import Workload, build_workload
 
 

@@ -26,7 +26,7 @@ from psarch import theory
 from psarch.config import from_dict
 from psarch.dist import DistContext
 from psarch.bench.shared import interleaved, trainer_loop
-from psarch.launch.runner import warmup_steps
+from psarch.throughput import warmup_steps
 from psarch.launch.spawn import run_ranks
 
 # label -> (backend overrides, the peer it is compared with)

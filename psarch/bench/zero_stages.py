@@ -19,7 +19,7 @@ import torch
 from psarch.config import from_dict
 from psarch.dist import DistContext
 from psarch.bench.shared import interleaved, medians, trainer_loop
-from psarch.launch.runner import warmup_steps
+from psarch.throughput import warmup_steps
 from psarch.launch.spawn import run_ranks
 from psarch.bench.zero import bench_config
 

@@ -15,6 +15,7 @@ a layout cut by the world size (pipeline, tensor), a global batch N - 1 does not
 step."""
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable
@@ -72,8 +73,6 @@ def faults(cfg: Config) -> list[Fault]:
     out.sort(key=lambda f: f.step)
     _check_together(cfg, out)
     _check_restart(cfg)
-    if cfg.faults.restart == SHRINK:
-        _check_shrink(cfg, out)
     return out
 
 
@@ -131,37 +130,13 @@ def _check_restart(cfg: Config) -> None:
 
 def shrunk(cfg: Config, struck: Callable[[str, dict], bool], n: int | None = None) -> Config:
     """The config of the world restarted at N - 1 (or `n`) after a kill (faults.restart = "shrink"): the same run,
-    global batch and options at that backend.world_size, with only the faults not `struck(action, entry)`."""
-    from psarch.config import from_dict
-    data = cfg.to_dict()
-    data["backend"]["world_size"] = cfg.backend.world_size - 1 if n is None else n
-    for action in (KILL, PAUSE):
-        data["faults"][action] = [e for e in data["faults"][action] if not struck(action, e)]
-    return from_dict(data)
-
-
-def _check_shrink(cfg: Config, out: list[Fault]) -> None:
-    """A run that shrinks must run at N - 1 after its first kill (the backend's layout, the global batch cut in
-    N - 1 shards, the faults still to strike, each naming a rank of the shrunk world), and so on after each kill
-    (the shrunk world's config is checked the same way)."""
-    from psarch import registry
-    this = f"faults.restart = {show(SHRINK)}"
-    why = registry.spec_of(cfg).shrink_refusal(cfg)
-    if why:
-        raise ConfigError(f"{this}: {why}")
-    kill = next((f for f in out if f.action == KILL), None)
-    if kill is None:
-        return
-    other = next((f for f in out if f.step == kill.step and f is not kill), None)
-    if other is not None:   # which of them strikes before the world stops is timing's: the shrunk world's faults too
-        raise ConfigError(f"{this}: {other.node} {other.action} at step {kill.step}, the step {kill.node} is killed; "
-                          f"a world that shrinks stops at a kill, so give each kill a step of its own")
-    n = cfg.backend.world_size - 1
-    try:
-        shrunk(cfg, lambda action, e: e["step"] <= kill.step)
-    except ConfigError as e:
-        raise ConfigError(f"{this}: {kill.node} killed at step {kill.step} restarts the world at "
-                          f"backend.world_size = {n}, where {e}") from None
+    global batch and options at that backend.world_size, with only the faults not `struck(action, entry)`. Checked
+    as every config is, before the run starts (psarch.config.rules)."""
+    size = cfg.backend.world_size - 1 if n is None else n
+    f = cfg.faults
+    return dataclasses.replace(cfg, backend=dataclasses.replace(cfg.backend, world_size=size),
+                               faults=dataclasses.replace(f, kill=[e for e in f.kill if not struck(KILL, e)],
+                                                          pause=[e for e in f.pause if not struck(PAUSE, e)]))
 
 
 def _processes(cfg: Config) -> int:

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any
 
 from psarch import registry
 from psarch.cluster import device
-from psarch.config.faults import faults
+from psarch.config.faults import KILL, SHRINK, Fault, faults, shrunk
 from psarch.errors import ConfigError, show
 from psarch.machine import resolve_factory
 
@@ -29,8 +29,33 @@ def validate(cfg: Config) -> Config:
     check_capabilities(spec, cfg)
     _check_embeddings(cfg)
     spec.check(cfg)
-    faults(cfg)   # after the backend's own checks: a server's fault asks the spec how many servers it starts
+    struck = faults(cfg)   # after the backend's own checks: a server's fault asks the spec how many servers it starts
+    if cfg.faults.restart == SHRINK:
+        _check_shrink(cfg, struck)
     return cfg
+
+
+def _check_shrink(cfg: Config, out: list[Fault]) -> None:
+    """A run that shrinks must run at N - 1 after its first kill (the backend's layout, the global batch cut in
+    N - 1 shards, the faults still to strike, each naming a rank of the shrunk world), and so on after each kill
+    (the shrunk world's config is checked the same way)."""
+    this = f"faults.restart = {show(SHRINK)}"
+    why = registry.spec_of(cfg).shrink_refusal(cfg)
+    if why:
+        raise ConfigError(f"{this}: {why}")
+    kill = next((f for f in out if f.action == KILL), None)
+    if kill is None:
+        return
+    other = next((f for f in out if f.step == kill.step and f is not kill), None)
+    if other is not None:   # which of them strikes before the world stops is timing's: the shrunk world's faults too
+        raise ConfigError(f"{this}: {other.node} {other.action} at step {kill.step}, the step {kill.node} is killed; "
+                          f"a world that shrinks stops at a kill, so give each kill a step of its own")
+    n = cfg.backend.world_size - 1
+    try:
+        validate(shrunk(cfg, lambda action, e: e["step"] <= kill.step))   # and so on after its own kills
+    except ConfigError as e:
+        raise ConfigError(f"{this}: {kill.node} killed at step {kill.step} restarts the world at "
+                          f"backend.world_size = {n}, where {e}") from None
 
 
 def _check_name(cfg: Config) -> None:

@@ -15,7 +15,7 @@ from psarch.cluster import device
 from psarch.config import Config
 from psarch.records import MetricsRow, Predicted, RankRecord, StepRecord, Summary
 from psarch.launch.failure_cost import failure_cost, report_lines as failure_cost_lines
-from psarch.launch.runner import warmup_steps
+from psarch.throughput import warmup_steps
 from psarch.report.trace import write_trace
 from psarch.timeline import Span
 from psarch.units import fmt_bytes

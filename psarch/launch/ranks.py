@@ -41,7 +41,8 @@ from psarch.config.faults import faults
 from psarch.launch.faults import Injector, Restart, Struck, at_world, check_faults, restart_world, restarts_due
 from psarch.launch.lifecycle import die_with_parent, leave
 from psarch.records import RankRecord, ServiceFields, ServiceInfo, Summary
-from psarch.launch.runner import run_rank, warmup_steps
+from psarch.launch.runner import run_rank
+from psarch.throughput import warmup_steps
 from psarch.launch.worlds import since, world
 from psarch.trainer import Services
 from psarch.workload import Workload, build_workload, shared_data

@@ -54,12 +54,6 @@ def non_finite_grads(model: torch.nn.Module) -> list[str]:
             if type(p.grad) is torch.Tensor and not bool(torch.isfinite(p.grad).all())]   # not a DTensor
 
 
-def warmup_steps(cfg: Config) -> int:
-    """Steps left out of timing medians: train.warmup_steps, or min(5, steps // 5); at least one step is timed."""
-    w = cfg.train.warmup_steps
-    return min(5, cfg.train.steps // 5) if w < 0 else min(w, cfg.train.steps - 1)
-
-
 class StepLoop:
     """Steps a trainer through steps [first, last) of a workload, timing each step as every figure psarch
     reports times it: the batch made and moved first, the clock around Trainer.step alone (synchronised

@@ -13,7 +13,7 @@ from typing import Any, Callable, TypedDict, TypeVar, cast
 from psarch import throughput
 from psarch.config import Config, from_record
 from psarch.launch.outputs import identity
-from psarch.launch.runner import warmup_steps
+from psarch.throughput import warmup_steps
 from psarch.records import MetricsRow, Summary
 from psarch.theory import predict
 
