@@ -102,6 +102,22 @@ def ps_server_row(p: dict) -> tuple[str, dict]:
                  "detection_predicted_s": q, "steps": len(p["step_times"]), "wall_s": p["wall_s"]}
 
 
+
+def ps_server_r1_row(p: dict, base: dict | None) -> tuple[str, dict]:
+    """PS sync with backend.replicas = 1, server 1 killed: its workers had sent every round to its replica too, which
+    applied it, so nothing is redone and nothing waited for: predicted time lost 0 (a worker learns of the death
+    at its next wait, from the connection the kernel closed, and takes the reply the replica already sent).
+    Measured: the kill step's time less the run's median step."""
+    [k] = [f for f in p["faults"] if f["action"] == "kill"]
+    m = p["step_times"][k["step"]] - p["step_time_s"]
+    goodput = p["steps"] / p["ended_at_s"]
+    times = sorted(p["step_times"].values())
+    row = (f"| {p['label']} (server 1 killed, r = 1, fails over) | - | {goodput:.2f} | {m:.4f} \\| 0 (steps "
+           f"{times[0]:.4f}-{times[-1]:.4f}) | - | - | - | - | 0 \\| 0 | {p['final_loss']:.4f} \\| {loss(base)} "
+           f"({same_model(p, base)}) |")
+    return row, {"label": p["label"], "fault": k, "goodput": goodput, "time_lost_s": m, "time_lost_predicted_s": 0.0,
+                 "final_loss": p["final_loss"], "model_vs_no_fault": same_model(p, base), "d": p["d"]}
+
 HEAD = ("| architecture | checkpoint every | goodput (steps/s) | time lost (s) measured \\| predicted (error) | "
         "detection | relaunch | start-up | recompute | steps lost | final loss \\| no fault (model) |\n"
         "|---|---|---|---|---|---|---|---|---|---|")
@@ -128,8 +144,9 @@ def main(root: Path) -> None:
             row, d = rowf(p, base.get(p["label"])) if rowf else ps_server_row(p)
             lines.append(row.replace(f"| {p['label']} (", f"| {p['label']} (D = {p['d']:g}, ", 1))
             data[name] = d
-    lines.append("| PS sync (server 1 killed, r = 1) | - | TO BE FILLED once backend.replicas lands "
-                 "(ps_server_r1.toml) | | | | | | | |")
+    for p in points(root / "ps_server_r1"):
+        row, data["ps_server_r1"] = ps_server_r1_row(p, base.get(p["label"]))
+        lines.append(row.replace(f"| {p['label']} (", f"| {p['label']} (D = {p['d']:g}, ", 1))
     for k, v in data["baseline"].items():
         lines.append(f"| {v['label']}, no fault (D = {v['d']:g}) | - | {v['goodput']:.2f} | - | - | - | - | - | - | "
                      f"{v['final_loss']:.4f} |")
