@@ -283,3 +283,18 @@ def test_a_replaced_sgd_run_ends_bit_for_bit_with_the_model_of_the_uninterrupted
     assert_same_model(torch.load(out / "model.pt", weights_only=True),
                       torch.load(tmp_path / "plain" / "model.pt", weights_only=True), "replaced vs plain",
                       rtol=0.0, atol=0.0)
+
+
+def test_a_fault_is_timed_by_the_step_a_worker_goes_on_from_not_by_its_streamed_lines(tmp_path):
+    """A re-admitted PS worker skips the rounds that went on without it: its stream reads steps 0-3, 6, 7, so the
+    launcher must hold its step-8 fault against 8 (the last step + 1), not 6 lines; a line cut by a kill is not
+    read."""
+    from psarch.launch import outputs
+    from psarch.launch.faults import _next_step, steps_done
+
+    assert _next_step(tmp_path, 1) == 0
+    path = outputs.stream_path(tmp_path, 1)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("".join(json.dumps({"step": s, "rank": 1}) + "\n" for s in (0, 1, 2, 3, 6, 7)) + '{"step": 8, "ra')
+    assert _next_step(tmp_path, 1) == 8
+    assert steps_done(tmp_path, 2) == 8

@@ -94,8 +94,8 @@ def at_world(cfg: Config, n: int) -> Config:
 
 
 def steps_done(out: Path, world: int) -> int:
-    """The most steps any worker streamed (the run's progress when it stopped)."""
-    return max(_streamed(out, r) for r in range(world))
+    """The furthest any worker got: the step after its last streamed one (the run's progress when it stopped)."""
+    return max(_next_step(out, r) for r in range(world))
 
 
 class Injector:
@@ -124,7 +124,7 @@ class Injector:
         for anchor in sorted({f.anchor for f in self.todo}):
             step = min(f.step for f in self.todo if f.anchor == anchor)
             p = self.workers[anchor]
-            if p.exitcode is None and stopped(p.pid) and _streamed(self.out, anchor) >= step:
+            if p.exitcode is None and stopped(p.pid) and _next_step(self.out, anchor) >= step:
                 self._strike(anchor, [f for f in self.todo if (f.anchor, f.step) == (anchor, step)])
 
     def _strike(self, anchor: int, due: list[Fault]) -> None:
@@ -169,13 +169,15 @@ def _signal(pid: int, sig: signal.Signals) -> None:
         pass
 
 
-def _streamed(out: Path, rank: int) -> int:
-    """Steps worker `rank` has streamed (its metrics stream's complete lines)."""
+def _next_step(out: Path, rank: int) -> int:
+    """The step worker `rank` goes on from, by its metrics stream: its last complete line's step + 1 (0 before
+    any). Not the count of its lines: a re-admitted PS worker skips the rounds that went on without it."""
     try:
-        return outputs.stream_path(out, rank).read_bytes().count(b"\n")
+        data = outputs.stream_path(out, rank).read_bytes()
     except OSError:
         return 0
-
+    end = data.rfind(b"\n")
+    return 0 if end < 0 else json.loads(data[data.rfind(b"\n", 0, end) + 1:end])["step"] + 1
 
 
 def check_faults(cfg: Config, resume: bool) -> None:

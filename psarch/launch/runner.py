@@ -181,7 +181,8 @@ def _steps(loop: StepLoop, steps: range, records: list[StepRecord], stream: Text
     hold = set(holds(loop.cfg, rank))
     step = steps.start
     while step < steps.stop:
-        if step in hold:   # a [faults] entry strikes here: the launcher (psarch/launch/faults.py) takes it on
+        if any(h <= step for h in hold):   # a [faults] entry strikes here, or at the step after those a
+            hold = {h for h in hold if h > step}   # re-admitted PS worker skipped: the launcher takes it on
             os.kill(os.getpid(), signal.SIGSTOP)
         batch = loop.batch(step)
         if slow is not None:
