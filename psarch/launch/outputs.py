@@ -194,15 +194,7 @@ def finalize(out: Path, cfg: Config, extra: Summary | None = None, echo: bool = 
         "predicted": theory.predict(cfg, phi, records[0].frozen_params).to_dict(),
         "lost_workers": [],
     }
-    for r in records:
-        for k, v in (r.extra or {}).items():
-            merged.setdefault("extra", {}).setdefault(k, []).append(v)
-    if extra:
-        for k, v in extra.items():
-            if isinstance(v, dict) and isinstance(merged.get(k), dict):
-                merged[k].update(v)
-            else:
-                merged[k] = v
+    _merge_extra(merged, records, extra)
     vd = device.summary(cfg, records, {r["step"] for r in rows[w:]})
     if vd is not None:   # a virtual device: its FLOPs, D, overrun steps (before theory, which reads them)
         merged["virtual_device"] = vd
@@ -221,6 +213,19 @@ def finalize(out: Path, cfg: Config, extra: Summary | None = None, echo: bool = 
     if echo:
         print(text, end="", flush=True)
     return summary
+
+
+def _merge_extra(merged: dict[str, Any], records: list[RankRecord], extra: Summary) -> None:
+    """Into the summary: each rank's `extra` fields as lists by rank, then the launcher's and services' `extra`
+    (a dict merged into the summary's dict of the same key, anything else set)."""
+    for r in records:
+        for k, v in (r.extra or {}).items():
+            merged.setdefault("extra", {}).setdefault(k, []).append(v)
+    for k, v in extra.items():
+        if isinstance(v, dict) and isinstance(merged.get(k), dict):
+            merged[k].update(v)
+        else:
+            merged[k] = v
 
 
 def predicted_for_rank(predicted: Predicted, rank: int) -> tuple[dict[str, float], float]:
