@@ -327,7 +327,7 @@ class Summary(TypedDict, total=False):
     predicted: Predicted
     samples_per_s_is: str        # throughput.definition: what samples_per_s means for this run
     lost_workers: list[LostWorker]
-    dropped_workers: list[Any]      # ps: each drop of a worker from the rounds (psarch.ps.services.dropped_workers)
+    dropped_workers: list[Any]      # ps: each drop of a worker from the rounds (psarch.ps.servers_summary.dropped_workers)
     extra: dict[str, list[Any]]  # each rank's summary_extra, key by key
     virtual_device: VirtualDeviceSummary
     # what the services measured (BackendSpec.start_services' extra), where a backend has them

@@ -312,7 +312,7 @@ def report(s: Summary) -> str:
 
 
 def dropped_line(d: dict[str, Any]) -> str:
-    """report.txt's line for a worker the servers' rounds went on without (psarch.ps.services.dropped_workers)."""
+    """report.txt's line for a worker the servers' rounds went on without (psarch.ps.servers_summary.dropped_workers)."""
     why = "its process died" if d["died"] else "no push within backend.timeout_s"
     back = f"re-admitted at round {d['readmitted_at']}" if d["readmitted_at"] is not None else "not re-admitted"
     return f"dropped: worker {d['worker']} from round {d['from_round']} ({why}), {back}"

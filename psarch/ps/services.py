@@ -20,7 +20,6 @@ import sys
 import threading
 import time
 import traceback
-from collections import Counter
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
 
@@ -34,6 +33,7 @@ from psarch.ps.auth import KEYGEN_HINT, AuthError, Credentials, check_folder, me
 from psarch.ps.errors import ServiceError
 from psarch.ps.partitions import replicas
 from psarch.ps.replication import bytes_summary, death, join_held, survivors
+from psarch.ps.servers_summary import summarize
 from psarch.records import LostWorker, ServiceInfo, Summary
 from psarch.trainer import Services
 
@@ -344,54 +344,3 @@ def start_services(cfg: Config, out_dir: str | Path | None = None, threads: bool
         raise AuthError(f"torchrun across machines (WORLD_SIZE {world}, LOCAL_WORLD_SIZE {local}): the servers' "
                         f"credentials must be on every machine; {KEYGEN_HINT}")
     return LocalServers(cfg, out_dir, threads, build_model, where, start)
-
-
-def dropped_workers(stats: list[ServerStats]) -> list[dict[str, Any]]:
-    """Each drop of a worker from the rounds, over the servers (each drops a worker on its own clock): the earliest
-    round any server dropped it from, whether its process died, and the round every server took it back at (None:
-    some did not; psarch/ps/server/readmit.py)."""
-    episodes: dict[tuple[int, int], list[Any]] = {}
-    for s in stats:
-        seen: Counter[int] = Counter()
-        for d in s["drops"]:
-            episodes.setdefault((d["worker"], seen[d["worker"]]), []).append(d)
-            seen[d["worker"]] += 1
-    out = []
-    for (w, _), ds in sorted(episodes.items()):
-        back = [d["readmitted_at"] for d in ds]
-        out.append({"worker": w, "from_round": min(d["from_round"] for d in ds), "died": any(d["died"] for d in ds),
-                    "readmitted_at": None if None in back or len(ds) < len(stats) else max(back)})
-    return out
-
-
-def summarize(stats: list[ServerStats], lost: list[LostWorker]) -> Summary:
-    """The summary.json entries of the servers: traffic, memory, staleness, lost workers."""
-    hist: Counter[int] = Counter()
-    for s in stats:
-        hist.update({int(k): v for k, v in s["staleness_histogram"].items()})
-    total = sum(hist.values())
-    out: Summary = {
-        "traffic": {"servers": [{"server": s["server"], "sent": s["sent"], "received": s["received"],
-                                 "ops": s["traffic"]["ops"]} for s in stats]},
-        "memory": {"servers": [dict(s["memory"], server=s["server"], range=s["range"], held=s["held"]) for s in stats]},
-        "lost_workers": lost,
-        "dropped_workers": dropped_workers(stats),
-        # a push goes to every server in slices: a worker's count is the most any one server refused
-        "refused_pushes": {"non_finite_per_worker": [max(col) for col in zip(*(s["refused_non_finite"]
-                                                                                for s in stats))]},
-        "servers_detail": [{"server": s["server"], "address": s["address"], "range": s["range"],
-                            "partitions": s["partitions"], "version": s["version"], "rejected": s["rejected"],
-                            "refused_non_finite": s["refused_non_finite"], "lost": s["lost"], "drops": s["drops"],
-                            "skipped_updates": s["skipped_updates"], "failure": s["failure"]} for s in stats],
-    }
-    if total:
-        out["staleness"] = {"histogram": {str(k): v for k, v in sorted(hist.items())},
-                            "updates": total, "mean": sum(k * v for k, v in hist.items()) / total,
-                            "max": max(hist), "counted": "per update of one partition"}
-    if spans := [x for s in stats for x in s.get("timeline", [])]:
-        out["timeline"] = spans   # into the run's trace.json (psarch.launch.outputs), not summary.json
-    ssp = [s["ssp"] for s in stats if "ssp" in s]
-    if ssp:
-        out["ssp"] = {"staleness_bound": ssp[0]["staleness_bound"],
-                      "max_ahead": max(x["max_ahead"] for x in ssp), "trace": ssp[0]["trace"]}
-    return out

@@ -26,7 +26,7 @@ class SSPStats(TypedDict):
 
 
 class ServerStats(TypedDict):
-    """What one server measured (ParameterServer.stats), sent to the launcher for summary.json (services.summarize)."""
+    """What one server measured (ParameterServer.stats), sent to the launcher for summary.json (psarch.ps.servers_summary)."""
 
     server: int
     address: str
