@@ -34,6 +34,7 @@ the workers (backend.server_placement).
         rounds.py            a barrier round's sum in worker order (bit-identical rounds)
         updates.py           what a server does to its range in each mode (sync mean, async step, DC/lr, geo delta)
         deadlines.py         silent workers lost, overdue rounds and pulls failing the server
+        readmit.py           a sync worker dropped from rounds that went on without it, taken back (`rejoin`)
         snapshots.py         the `save` op, a server's checkpoint part, restoring a server
         rows.py              ServerRows: rowpull, rowpush, rowfetch and the shard's part in rounds and checkpoints
         row_shard.py         RowShard: a server's rows of every table, their optimizer, a round's rows
