@@ -25,8 +25,9 @@ class Unit:
 
 
 def find_units(model: nn.Module, attr: str = "blocks", frozen_too: bool = False) -> list[Unit]:
-    """[root, unit 0, unit 1, ...]: the children of `model.<attr>` that hold a parameter that trains (every one
-    with frozen_too: a pipeline cuts the model along all its blocks), and the root holding the rest.
+    """[root, unit 0, unit 1, ...]: the children of `model.<attr>` that hold a parameter that trains (with
+    frozen_too, every one that holds a parameter: a pipeline cuts the model along all its blocks, frozen ones
+    too; a parameterless module between them still runs on no stage), and the root holding the rest.
 
     A parameter shared between units (tied weights) would be gathered by one and used by another, so it
     is refused with a message that says what to do."""
@@ -52,7 +53,7 @@ def find_units(model: nn.Module, attr: str = "blocks", frozen_too: bool = False)
                 raise ValueError(f"backend.zero_units: a parameter is shared by {owner[id(p)]} and {attr}.{i}; "
                                  f"shared parameters must live in one unit (choose coarser units)")
             owner[id(p)] = f"{attr}.{i}"
-        if params or frozen_too:
+        if params or frozen_too and any(True for _ in block.parameters()):
             units.append(Unit(f"{attr}.{i}", block, params))
     root = [p for p in model.parameters() if p.requires_grad and id(p) not in owner]
     return [Unit("root", None, root)] + units
