@@ -3,6 +3,7 @@ two pulls at once, stale and non-finite pushes, row requests without rows) and c
 spoken to a live server (threads of the test process) over a raw DEALER socket."""
 from __future__ import annotations
 
+import threading
 import time
 
 import pytest
@@ -13,7 +14,9 @@ from psarch.config import from_dict
 from psarch.ps import auth, wire
 from psarch.ps.auth import Credentials
 from psarch.ps.worker.client import PSClient, Request
-from psarch.ps.layout import server_ranges
+from psarch.flat import FlatParams
+from psarch.ps.layout import server_partitions, server_ranges
+from psarch.ps.worker.link import ServerLink
 from psarch.ps.errors import PSError
 from psarch.ps.services import start_services
 from psarch.workload import build_workload
@@ -321,3 +324,24 @@ def test_sync_refuses_a_rejoin_at_a_passed_round_naming_its_newest_and_takes_it_
     assert r is not None and r.op == "ack" and r.header["version"] == 3, r and r.header
     drops = services.finish()["servers_detail"][0]["drops"]
     assert drops == [{"worker": 1, "from_round": 0, "died": False, "readmitted_at": 3}]
+
+
+def test_a_worker_refused_as_late_asks_to_rejoin_again_at_the_round_after_the_servers_newest(server):
+    """The worker's side of the above: ServerLink.rejoin(1) on a server at round 2 is refused as "late", asks again
+    at round 3 and is taken back there (once worker 0's round 3 is in), then pulls round 3's parameters."""
+    services, numel = server("sync", timeout_s=1.0)
+    cfg = services.cfg
+    addr = services.info.addresses[0]
+    w0 = server.raw(addr, 0)
+    _alone(w0, numel, range(2))                                    # worker 1, silent, dropped from round 1
+    round3 = threading.Timer(0.5, _alone, (w0, numel, range(2, 3)))
+    round3.start()
+    flat = FlatParams(list(build_workload(cfg).model.parameters()))
+    client = PSClient(services.info.addresses, 1, 10.0, creds=services.info.auth)
+    try:
+        link = ServerLink(client, flat, server_partitions(cfg, flat.numel), torch.device("cpu"), torch.float32)
+        assert link.rejoin(1) == 3 and link.versions == [3]
+    finally:
+        round3.join()
+        client.close()
+    torch.testing.assert_close(flat.data, _fetch(w0))
