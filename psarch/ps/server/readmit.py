@@ -31,7 +31,7 @@ class Drop(TypedDict):
 
     worker: int
     from_round: int
-    died: bool                   # its process died (the launcher said so), else a round went on without it
+    died: bool                   # its process died (the launcher said so, maybe after a round went on without it)
     readmitted_at: int | None
 
 
