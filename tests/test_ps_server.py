@@ -3,6 +3,7 @@ two pulls at once, stale and non-finite pushes, row requests without rows) and c
 spoken to a live server (threads of the test process) over a raw DEALER socket."""
 from __future__ import annotations
 
+import threading
 import time
 
 import pytest
@@ -13,7 +14,9 @@ from psarch.config import from_dict
 from psarch.ps import auth, wire
 from psarch.ps.auth import Credentials
 from psarch.ps.worker.client import PSClient, Request
-from psarch.ps.layout import server_ranges
+from psarch.flat import FlatParams
+from psarch.ps.layout import server_partitions, server_ranges
+from psarch.ps.worker.link import ServerLink
 from psarch.ps.errors import PSError
 from psarch.ps.services import start_services
 from psarch.workload import build_workload
@@ -269,3 +272,76 @@ def test_a_row_request_to_a_server_without_rows_is_told_so(server):
                            ({"op": "rowfetch", "worker": 0}, None)):
         r = raw.ask(header, tensor)
         assert r.op == "error" and "this server holds no embedding rows" in r.header["message"], r.header
+
+
+def _alone(w0: Raw, numel: int, rounds: range) -> None:
+    """Worker 0 pushes rounds `rounds` (each step's gradient) and pulls each round's parameters: worker 1 is lost
+    (or is dropped within the round's timeout)."""
+    for k in rounds:
+        r = w0.ask({"op": "pushpull", "worker": 0, "step": k, "version": k, "offset": 0}, torch.randn(numel))
+        assert r.op == "params" and r.header["version"] == k + 1, r.header
+
+
+def test_sync_refuses_a_dropped_workers_waiting_pull_as_lost_and_never_takes_back_one_that_died(server):
+    """Worker 1 pushes round 1 and waits for its pull, then asks to rejoin at round 2 (the server drops it): the
+    waiting pull is answered at once as a lost worker's, with the server's version (not left unanswered until the
+    worker's timeout). Its process then dies while its rejoin is held: the rejoin is refused, never taken back
+    once worker 0's rounds reach 2, and the drop says it died."""
+    services, numel = server("sync")
+    addr = services.info.addresses[0]
+    w0, w1 = server.raw(addr, 0), server.raw(addr, 1)
+    w1.send({"op": "pushpull", "worker": 1, "step": 0, "version": 0, "offset": 0}, torch.randn(numel))
+    assert w1.reply(300) is None                                   # round 1 waits for worker 0
+    w1.send({"op": "rejoin", "worker": 1, "step": 2})
+    r = w1.reply()
+    assert r is not None and r.op == "error" and r.header.get("code") == "lost" and r.header["version"] == 0
+    assert w1.reply(300) is None                                   # the rejoin is held until round 2
+    services.worker_lost(1, "killed by the test")
+    r = w1.reply()
+    assert r is not None and r.op == "error" and "died" in r.header["message"], r and r.header
+    _alone(w0, numel, range(2))
+    assert w1.reply(300) is None
+    r = w1.ask({"op": "rejoin", "worker": 1, "step": 3})
+    assert r.op == "error" and "declared lost" in r.header["message"]
+    drops = services.finish()["servers_detail"][0]["drops"]
+    assert drops == [{"worker": 1, "from_round": 0, "died": True, "readmitted_at": None}]
+
+
+def test_sync_refuses_a_rejoin_at_a_passed_round_naming_its_newest_and_takes_it_back_at_the_next(server):
+    """Worker 1, silent, is dropped from round 1 after backend.timeout_s; once worker 0 has taken the server to round
+    2, worker 1's rejoin at round 1 is refused as "late" naming version 2; asked again at round 3, it is taken back
+    there once worker 0's round 3 is in."""
+    services, numel = server("sync", timeout_s=1.0)
+    addr = services.info.addresses[0]
+    w0, w1 = server.raw(addr, 0), server.raw(addr, 1)
+    _alone(w0, numel, range(2))                                    # round 1 goes on without worker 1
+    r = w1.ask({"op": "rejoin", "worker": 1, "step": 1})
+    assert r.op == "error" and r.header.get("code") == "late" and r.header["version"] == 2, r.header
+    w1.send({"op": "rejoin", "worker": 1, "step": 3})
+    assert w1.reply(300) is None                                   # held until round 3
+    _alone(w0, numel, range(2, 3))
+    r = w1.reply()
+    assert r is not None and r.op == "ack" and r.header["version"] == 3, r and r.header
+    drops = services.finish()["servers_detail"][0]["drops"]
+    assert drops == [{"worker": 1, "from_round": 0, "died": False, "readmitted_at": 3}]
+
+
+def test_a_worker_refused_as_late_asks_to_rejoin_again_at_the_round_after_the_servers_newest(server):
+    """The worker's side of the above: ServerLink.rejoin(1) on a server at round 2 is refused as "late", asks again
+    at round 3 and is taken back there (once worker 0's round 3 is in), then pulls round 3's parameters."""
+    services, numel = server("sync", timeout_s=1.0)
+    cfg = services.cfg
+    addr = services.info.addresses[0]
+    w0 = server.raw(addr, 0)
+    _alone(w0, numel, range(2))                                    # worker 1, silent, dropped from round 1
+    round3 = threading.Timer(0.5, _alone, (w0, numel, range(2, 3)))
+    round3.start()
+    flat = FlatParams(list(build_workload(cfg).model.parameters()))
+    client = PSClient(services.info.addresses, 1, 10.0, creds=services.info.auth)
+    try:
+        link = ServerLink(client, flat, server_partitions(cfg, flat.numel), torch.device("cpu"), torch.float32)
+        assert link.rejoin(1) == 3 and link.versions == [3]
+    finally:
+        round3.join()
+        client.close()
+    torch.testing.assert_close(flat.data, _fetch(w0))

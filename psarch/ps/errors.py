@@ -27,3 +27,14 @@ class WorkerLost(PSError):
     def __init__(self, message: str, version: int = 0) -> None:
         super().__init__(message)
         self.version = version
+
+
+class RejoinLate(PSError):
+    """A sync worker's `rejoin` at a round its server has passed (server/readmit.py): refused; `version` is the newest
+    round any of the server's partitions has reached, so that the worker can ask again at the round after it."""
+
+    code = "late"   # the error reply's `code`, so the worker raises this type again
+
+    def __init__(self, message: str, version: int = 0) -> None:
+        super().__init__(message)
+        self.version = version

@@ -54,7 +54,7 @@ from psarch.cluster.device import dilation
 from psarch.meters import TrafficMeter, peak_memory
 from psarch.ps import auth, wire
 from psarch.ps.auth import Credentials
-from psarch.ps.errors import PSError
+from psarch.ps.errors import PSError, WorkerLost
 from psarch.ps.layout import gather, held, held_partitions, server_partitions
 from psarch.ps.partitions import replicas
 from psarch.ps.server.connections import Caps, Connections, copy_received_frames, exchange_budget
@@ -260,15 +260,22 @@ class ParameterServer:
             self.readmit.refuse_all("every other worker is done")
 
     def lose(self, w: int, why: str) -> None:
-        """Go on without worker w: drop its waiting pulls (and its rows of the round), finish what waited for it."""
+        """Go on without worker w: refuse its waiting pulls as a lost worker's (so that it rejoins at once, or
+        leaves), drop its rows of the round, finish what waited for it. A lost worker whose process died is never
+        taken back (its held rejoins are refused)."""
         s = self.state
         if w in s.lost:
+            if why == LOST_BY_LAUNCHER:
+                self.readmit.died(w)
             return
         if self.rows is not None:
             self.rows.drop(w)
         s.lost.add(w)
         self.readmit.dropped(w, why == LOST_BY_LAUNCHER)
-        s.pending = {k: p for k, p in s.pending.items() if p.worker != w}
+        for k, p in list(s.pending.items()):
+            if p.worker == w:
+                del s.pending[k]
+                self.replies.error(p.ident, p.op, f"worker {w} was declared lost", WorkerLost.code, s.version)
         if s.exit_when_done or why != LOST_BY_LAUNCHER:   # the launcher says why itself
             print(f"psarch server {s.index}: worker {w} lost: {why}", file=sys.stderr, flush=True)
         if s.initialised and s.failure is None:

@@ -11,7 +11,9 @@ takes a returning node:
 
 Every round's mean is over the pushes it gets (pushes.py): a round the worker missed is the others' mean; from R
 on it is in every round again. A request to rejoin at a round the server has passed is refused (code "late"); so
-is one from a worker whose process died, or in a mode other than sync (their workers go on alone, or leave).
+is one from a worker whose process died, or in a mode other than sync (their workers go on alone, or leave); a
+"late" refusal names the newest round the server has reached, and the worker asks again at the round after it
+(a few times: psarch/ps/worker/link.py's rejoin).
 What a server records of each drop, `drops` in its stats: the worker, the round it was dropped from (the server's
 version when it was lost), and the round it was re-admitted at (None: not re-admitted)."""
 from __future__ import annotations
@@ -19,7 +21,7 @@ from __future__ import annotations
 from typing import Callable, TypedDict
 
 from psarch.ps import wire
-from psarch.ps.errors import PSError
+from psarch.ps.errors import PSError, RejoinLate
 from psarch.ps.server.replies import Replies
 from psarch.ps.server.state import ServerState
 
@@ -29,7 +31,7 @@ class Drop(TypedDict):
 
     worker: int
     from_round: int
-    died: bool                   # its process died (the launcher said so), else a round went on without it
+    died: bool                   # its process died (the launcher said so, maybe after a round went on without it)
     readmitted_at: int | None
 
 
@@ -48,6 +50,16 @@ class Readmissions:
             self.dead.add(w)
         self.drops.append({"worker": w, "from_round": self.state.version, "died": died, "readmitted_at": None})
 
+    def died(self, w: int) -> None:
+        """Worker w, already dropped, died: never take it back (its held rejoins are refused, its drop says so)."""
+        self.dead.add(w)
+        last = max((i for i, d in enumerate(self.drops) if d["worker"] == w), default=None)
+        if last is not None:
+            self.drops[last]["died"] = True
+        for held in [h for h in self.held if h[1] == w]:
+            self.held.remove(held)
+            self.replies.error(held[0], "rejoin", f"rejoin: worker {w} at round {held[2]}: its process died")
+
     def on_rejoin(self, ident: bytes, msg: wire.Message, lose: Callable[[int, str], None]) -> None:
         """Hold worker w's request to take part again from round `step` (dropping it first, where it is not)."""
         s = self.state
@@ -60,8 +72,8 @@ class Readmissions:
                                           f"backend.mode = \"{s.mode}\", backend.embeddings = "
                                           f"\"{s.cfg.backend.embeddings}\")"))
         if not s.initialised or step > s.cfg.train.steps or any(p.range.version > step for p in s.parts):
-            raise PSError(f"rejoin: worker {w} asked to rejoin at round {step}; this server is at round "
-                          f"{s.version} of {s.cfg.train.steps}: too late")
+            raise RejoinLate(f"rejoin: worker {w} asked to rejoin at round {step}; this server is at round "
+                             f"{s.version} of {s.cfg.train.steps}: too late", self.newest())
         if w not in s.lost:
             lose(w, f"it asked to rejoin at round {step}")
         self.held.append((ident, w, step))
@@ -77,13 +89,18 @@ class Readmissions:
             self.held.remove(held)
             if any(p.range.version > step for p in s.parts):
                 self.replies.error(ident, "rejoin", f"rejoin: worker {w} asked to rejoin at round {step}; this "
-                                                    f"server is at round {s.version}: too late", "late")
+                                                    f"server is at round {s.version}: too late", RejoinLate.code,
+                                   self.newest())
                 continue
             s.lost.discard(w)
             for p in s.parts:
                 p.clock[w] = step
             self.drops[max(i for i, d in enumerate(self.drops) if d["worker"] == w)]["readmitted_at"] = step
             self.replies.send(ident, "rejoin", {"op": "ack", "version": step})
+
+    def newest(self) -> int:
+        """The newest round any partition has reached: a refused rejoin may ask again at the round after it."""
+        return max((p.range.version for p in self.state.parts), default=0)
 
     def refuse_all(self, why: str) -> None:
         """The run is over for this server: no held worker can be taken back."""

@@ -19,7 +19,7 @@ from zmq.utils.monitor import recv_monitor_message
 from psarch.meters import TrafficMeter
 from psarch.ps import auth, wire
 from psarch.ps.auth import Credentials
-from psarch.ps.errors import NonFinitePush, PSError, WorkerLost
+from psarch.ps.errors import NonFinitePush, PSError, RejoinLate, WorkerLost
 from psarch.timeline import RECORDER
 from psarch.units import fmt_bytes
 
@@ -201,8 +201,8 @@ class PSClient:
         self.meter.add(op, 0, wire.frames_bytes(frames), calls=0)
         if msg.op == "error":
             text, code = f"{op} refused by {msg.header['message']}", msg.header.get("code")
-            if code == WorkerLost.code:   # a dropped worker: the server's version, for a sync worker's rejoin
-                raise WorkerLost(text, msg.header.get("version", 0))
+            if code in (WorkerLost.code, RejoinLate.code):   # the server's version, for a sync worker's rejoin
+                raise (WorkerLost if code == WorkerLost.code else RejoinLate)(text, msg.header.get("version", 0))
             raise (NonFinitePush if code == NonFinitePush.code else PSError)(text)
         req.answered = True
         if req.posted_s is not None:   # a traced step: sent until its reply was taken, on the connection's lane

@@ -18,7 +18,7 @@ import torch
 from psarch.checkpoint.reader import CheckpointError
 from psarch.flat import FlatParams
 from psarch.ps import wire
-from psarch.ps.errors import PSError, WorkerLost
+from psarch.ps.errors import PSError, RejoinLate, WorkerLost
 from psarch.ps.layout import chain, held, held_of, one_range
 from psarch.ps.replication import diverged, homeless
 from psarch.ps.worker.topk import TopKPushes
@@ -206,11 +206,32 @@ class ServerLink:
         self.copied.clear()
         return versions
 
-    def rejoin(self, at: int) -> None:
+    def rejoin(self, at: int, tries: int = 3) -> int:
         """Ask every server to take this worker back at round `at` (each answers once its rounds reach it), then
-        pull the parameters of that round."""
-        self.client.exchange([[Request({"op": "rejoin", "step": at})] for _ in self.servers])
-        self.pull(at)
+        pull the parameters of that round; returns the round. A server that had passed it refuses ("late", naming
+        its newest round): every server is asked again at the round after the newest named, up to `tries` times in
+        all (then RejoinLate: the worker is lost)."""
+        for attempt in range(tries):
+            for i in range(len(self.servers)):
+                self.client.post(i, Request({"op": "rejoin", "step": at}))
+            late = self._late()
+            if not late:
+                self.pull(at)
+                return at
+            if attempt == tries - 1:
+                raise late[0]
+            at = max(e.version for e in late) + 1
+        raise AssertionError("tries < 1")
+
+    def _late(self) -> list[RejoinLate]:
+        """Every posted request's reply; the "late" refusals among them."""
+        late: list[RejoinLate] = []
+        while any(self.client.waiting):
+            try:
+                self.client.wait()
+            except RejoinLate as e:
+                late.append(e)
+        return late
 
     def pull(self, step: int) -> None:
         """The parameters for `step`, pushing nothing (start-up, a fork from a checkpoint)."""

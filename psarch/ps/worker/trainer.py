@@ -164,8 +164,7 @@ class PSWorker(Trainer):
         pull that round's parameters and take that step next (next_step): this step's gradient counts for
         nothing, and the rounds between were the others' alone."""
         t0 = time.perf_counter()
-        at = max(self.link.abandon(lost)) + 1
-        self.link.rejoin(at)
+        at = self.link.rejoin(max(self.link.abandon(lost)) + 1)
         self.steps = at
         return {"comm_s": time.perf_counter() - t0, "version": at, "rejoined_at": at, "tables": {}}
 
