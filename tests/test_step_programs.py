@@ -325,3 +325,20 @@ def test_ddps_program_takes_the_trainers_own_buckets():
     assert moved(phi) == pytest.approx(want)
     assert moved(phi) != pytest.approx(chunks(4.0 * phi, 0.05 * 2**20))
     assert moved(phi + 1) == pytest.approx(chunks(4.0 * (phi + 1), 0.05 * 2**20))
+
+
+@pytest.mark.parametrize("kind", ["tensor", "torch_tensor"])
+@pytest.mark.parametrize("train", [{"lora_rank": 4}, {"lora_rank": 2, "lora_alpha": 4.0},
+                                   {"trainable": ["head.weight", "blocks.*.mlp.*"]}, {}])
+def test_a_tensor_program_moves_theorys_bytes_with_lora_and_frozen_parameters(kind, train):
+    """With compute 0 and no latency a tensor-parallel step is its bytes at the link's rate, predict()'s: the f's
+    that nothing upstream needs are skipped and each adapter's rank-r all-reduce is in (tp_linears, one source)."""
+    from psarch.theory import predict
+    from psarch.workload import build_workload
+
+    cfg = from_dict({"train": {"steps": 2, **train}, "backend": {"kind": kind, "world_size": 2}})
+    phi = sum(p.numel() for p in build_workload(cfg, device="meta").model.parameters() if p.requires_grad)
+    sent = predict(cfg, phi).per_rank[0].link.sent
+    for reduced in (False, True):
+        p = registry.spec_of(cfg).program(cfg, phi, DataStep(0.0, 0.0), reduced)
+        assert simulate(p, Cluster.of(p, RATE)).step_s == pytest.approx(sent / RATE, rel=1e-9)
