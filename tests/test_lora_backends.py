@@ -177,3 +177,20 @@ def test_the_hybrid_refuses_a_base_checkpoint(tmp_path):
     cfg = from_dict(config("h", base=ROWS_DLRM, train=DLRM_LORA, backend=HYBRID))
     with pytest.raises(CheckpointError, match=r'with backend.embeddings = "ps" the tables are built where they live'):
         run(cfg, tmp_path / "h", echo=False, start=tmp_path / "b" / "checkpoints" / "step_000001")
+
+
+def test_a_pipeline_stage_holding_no_frozen_parameter_is_predicted_none():
+    """Each stage keeps its own frozen weights (collective/pipeline/theory.py): with blocks 0, 1 and 3 training,
+    stage 0 (embeddings, blocks 0 and 1) holds none, stage 1 block 2's; predict fills in no whole-model figure."""
+    from psarch.theory import predict
+
+    trains = ["embed.*", "pos.*", "blocks.0.*", "blocks.1.*", "blocks.3.*"]
+    cfg = from_dict(config("x", train=dict(OPTIMIZERS["sgd"], trainable=trains), backend=dict(PIPE, world_size=2),
+                           workload={"gpt": dict(GPT2["gpt"], n_layer=4)}))
+    model = build_workload(cfg, device="meta").model
+    phi = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    frozen = {n: p.numel() for n, p in model.named_parameters() if not p.requires_grad}
+    assert frozen and all(n.startswith(("blocks.2.", "ln_f.", "head.")) for n in frozen)
+    p = predict(cfg, phi, sum(frozen.values()))
+    assert [r.memory.frozen for r in p.per_rank] == [0, 4 * sum(frozen.values())]
+    assert p.memory_per_rank.frozen in (0, 4 * sum(frozen.values()))   # one stage's, not filled in
