@@ -1,11 +1,11 @@
 """LoRA and frozen parameters on the model-parallel backends and the peers (tests/test_lora.py covers ddp, zero, ps,
-dp): pipeline (p = 2 at N = 2, LoRA and a frozen set, and dp 2 x p 2 at N = 4), torch_pipeline, tensor (t = 2, LoRA
-and a frozen set), torch_tensor, torch_fsdp, and the hybrid (ddp with embeddings = "ps" on dlrm) each end with
-`single`'s model when both train the same adapters (SGD, within parity.SGD_ATOL = 1e-5 absolute on every parameter); frozen
-weights never move; bytes per step are the backend's formula for the parameters that train (measured where
-psarch counts them: pipeline and tensor, exactly; modelled for torch's peers); memory reports the frozen weights
-a rank keeps apart, equal to theory's (a pipeline stage keeps its own, a tensor rank its parts, FSDP whole).
-Fine-tuning from a base model's checkpoint equals `single`'s fine-tune on each of these backends."""
+dp): pipeline (p = 2 at N = 2, LoRA and a frozen set, and dp 2 x p 2 at N = 4), torch_pipeline, tensor (t = 2, LoRA and
+a frozen set), torch_tensor, torch_fsdp, and the hybrid (ddp with embeddings = "ps" on dlrm) each end with `single`'s
+model when both train the same adapters (SGD, within parity.SGD_ATOL = 1e-5 absolute on every parameter); frozen weights
+never move; bytes per step are the backend's formula for the parameters that train (measured where psarch counts them:
+pipeline and tensor, exactly; modelled for torch's peers); memory reports the frozen weights a rank keeps apart, equal
+to theory's (a pipeline stage keeps its own, a tensor rank its parts, FSDP whole). Fine-tuning from a base model's
+checkpoint equals `single`'s fine-tune on each of these backends."""
 from __future__ import annotations
 
 import pytest
@@ -83,10 +83,10 @@ def test_equals_single_training_the_same_parameters(runs, name):
 
 @pytest.mark.slow
 def test_only_the_trainable_parameters_move(runs):
-    """Measured bytes equal theory's per rank on pipeline and tensor, whose formulas take Φ, the parameters
-    that train: a stage's dp all-reduce of its own trainable parameters (pipeline-dp2); tensor's dp-free step its activations'
-    all-reduces (2L + 1 g's forward, the f's backward where something before them trains, one b·s·r all-reduce
-    per adapter) and the loss's all-gather. torch's peers are modelled: FSDP's 3 ring passes over 4Φ."""
+    """Measured bytes equal theory's per rank on pipeline and tensor, whose formulas take Φ, the parameters that train:
+    a stage's dp all-reduce of its own trainable parameters (pipeline-dp2); tensor's dp-free step its activations'
+    all-reduces (2L + 1 g's forward, the f's backward where something before them trains, one b·s·r all-reduce per
+    adapter) and the loss's all-gather. torch's peers are modelled: FSDP's 3 ring passes over 4Φ."""
     _, s = runs
     for name in RUNS:
         phi, frozen = s[name]["params"], s[name]["frozen_params"]
@@ -129,9 +129,11 @@ def test_memory_reports_frozen_weights_apart(runs):
 
 
 def test_refusals_say_why():
-    with pytest.raises(ConfigError, match=r'train.trainable = \["head.weight"\]: pipeline stage 0 of 2 holds no parameter'):
+    with pytest.raises(ConfigError,
+                       match=r'train.trainable = \["head.weight"\]: pipeline stage 0 of 2 holds no parameter'):
         _config("x", dict(OPTIMIZERS["sgd"], trainable=["head.weight"]), dict(PIPE, world_size=2))
-    with pytest.raises(ConfigError, match=r"leaves the table 'tables.0.weight' frozen, but backend.embeddings = \"ps\""):
+    with pytest.raises(ConfigError,
+                       match=r"leaves the table 'tables.0.weight' frozen, but backend.embeddings = \"ps\""):
         load_config(None, ["train.lora_rank=2", 'workload.model="dlrm"', 'workload.data="clicks"',
                            'backend.kind="ddp"', 'backend.embeddings="ps"', "backend.world_size=2"])
     with pytest.raises(ConfigError, match=r'backend.embeddings = "rows": frozen parameters and LoRA'):

@@ -112,9 +112,10 @@ def test_full_and_reduced_agree_within_1_percent(name):
 
 
 def test_specs_write_programs_whose_steps_match_the_formulas():
-    """From a config, with compute 0 and no latency: the ring moves 2(N-1)/N S per rank, ZeRO-1 the same, ZeRO-3
-    and torch's ZeroRedundancyOptimizer under DDP 3(N-1)/N S, the PS with N dedicated servers S each way at once, pipelined over its 16 partitions per server (plus
-    one slot's pull to drain, 1/16 of S), with one server N S through its link each way."""
+    """From a config, with compute 0 and no latency: the ring moves 2(N-1)/N S per rank, ZeRO-1 the same, ZeRO-3 and
+    torch's ZeroRedundancyOptimizer under DDP 3(N-1)/N S, the PS with N dedicated servers S each way at once, pipelined
+    over its 16 partitions per server (plus one slot's pull to drain, 1/16 of S), with one server N S through its link
+    each way."""
     from psarch import registry, theory
 
     phi, n, net = 25e6, 8, DataStep(0.0, 0.0)
@@ -325,6 +326,26 @@ def test_ddps_program_takes_the_trainers_own_buckets():
     assert moved(phi) == pytest.approx(want)
     assert moved(phi) != pytest.approx(chunks(4.0 * phi, 0.05 * 2**20))
     assert moved(phi + 1) == pytest.approx(chunks(4.0 * (phi + 1), 0.05 * 2**20))
+
+
+def test_ddps_buckets_follow_the_lora_targets():
+    """Adapters on blocks.0.mlp.0 or on blocks.0.mlp.2 train the same Φ in different shapes: each config gets its
+    own trainer's buckets (ddp_bucket_shapes), not the other's from the cache."""
+    from collective.theory import ddp_bucket_shapes, trainer_buckets
+    from psarch.workload import build_workload
+
+    def cfg_of(target: str):
+        return from_dict({"train": {"steps": 4, "lora_rank": 2, "lora_targets": [target]},
+                          "backend": {"kind": "ddp", "world_size": 4, "bucket_cap_mb": 1e-6}})
+
+    cfgs = [cfg_of("blocks.0.mlp.0"), cfg_of("blocks.0.mlp.2")]
+    phis = {sum(p.numel() for p in build_workload(c, device="meta").model.parameters() if p.requires_grad)
+            for c in cfgs}
+    assert len(phis) == 1
+    phi = phis.pop()
+    want = [[4.0 * sum(math.prod(s) for s in bucket) for bucket in ddp_bucket_shapes(c)] for c in cfgs]
+    assert want[0] != want[1]
+    assert [trainer_buckets(c, phi) for c in cfgs] == want
 
 
 @pytest.mark.parametrize("kind", ["tensor", "torch_tensor"])
