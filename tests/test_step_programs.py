@@ -363,3 +363,19 @@ def test_a_tensor_program_moves_theorys_bytes_with_lora_and_frozen_parameters(ki
     for reduced in (False, True):
         p = registry.spec_of(cfg).program(cfg, phi, DataStep(0.0, 0.0), reduced)
         assert simulate(p, Cluster.of(p, RATE)).step_s == pytest.approx(sent / RATE, rel=1e-9)
+
+
+@pytest.mark.parametrize("colocated", [False, True])
+def test_a_ps_workers_rows_ride_the_connections_of_its_pushes_and_pulls(colocated):
+    """Row keys and row pushes ride ("push", worker, server index) as the partitions' pushes do, rows and pulls
+    ("pull", server index, worker): with dedicated servers (server j on node n + j) one connection per pair."""
+    from psarch.theory.program import Transfer
+
+    n, k = 4, 2
+    p = ps_program(n, [SLOTS] * k, colocated, STEP, rows=RowBytes(8e3, 1e5, 1e5))
+    where = list(range(k)) if colocated else [n + j for j in range(k)]
+    transfers = [op for op in p.ops if isinstance(op, Transfer)]
+    assert any(op.name.startswith("rowkeys") for op in transfers)
+    for op in transfers:
+        way, a, b = op.conn
+        assert (op.src, op.dst) == ((a, where[b]) if way == "push" else (where[a], b)), op.name
