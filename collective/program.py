@@ -60,7 +60,8 @@ def bucketed(n: int, buckets: list[float], step: DataStep, overlap: bool, reduce
                        overlap, reduced, tables=tables)
 
 
-Call = tuple[str, float, int]   # one collective: its name, bytes, ring passes over them (ALL_TO_ALL: bytes each rank sends)
+# one collective: its name, bytes, ring passes over them (ALL_TO_ALL: bytes each rank sends)
+Call = tuple[str, float, int]
 ALL_TO_ALL = 0
 
 
@@ -123,13 +124,13 @@ def table_servers(p: Program, n: int, tables: TableServers | None) -> tuple[list
         where = list(range(k))
     else:
         where = [p.node(SERVER) for _ in range(k)]
-    return where, [tuple(row_pull(p, r, w, tables.rows, f"{r}.{j}") for j, w in enumerate(where) if w != r)
+    return where, [tuple(row_pull(p, r, w, j, tables.rows, f"{r}.{j}") for j, w in enumerate(where) if w != r)
                    for r in range(n)]
 
 
 def row_pushes(p: Program, n: int, tables: TableServers, where: list[int], after: list[str]) -> list[tuple[str, ...]]:
     """Each rank's push of its rows' gradients to every server once `after[r]` (its backward) is done."""
-    return [tuple(p.transfer(f"rowpush.{r}.{j}", r, w, tables.rows.grads, ("push", r, w), (after[r],))
+    return [tuple(p.transfer(f"rowpush.{r}.{j}", r, w, tables.rows.grads, ("push", r, j), (after[r],))
                   for j, w in enumerate(where) if w != r) for r in range(n)]
 
 

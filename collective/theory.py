@@ -211,11 +211,13 @@ _BUCKETS: dict[str, tuple[int, list[float]]] = {}   # a model's (trainable param
 
 
 def trainer_buckets(cfg: Config, phi: float) -> list[float] | None:
-    """The gradient bytes of each of ddp's buckets as its trainer assigns them (ddp_bucket_shapes: collective/bucket.py's
-    assign_buckets, which closes a bucket at a parameter's edge), in the order backward readies them; None where the
-    config's model does not hold `phi` trainable parameters (a Φ asked about alone, as the estimator's)."""
+    """The gradient bytes of each of ddp's buckets as its trainer assigns them (ddp_bucket_shapes:
+    collective/bucket.py's assign_buckets, which closes a bucket at a parameter's edge), in the order backward readies
+    them; None where the config's model does not hold `phi` trainable parameters (a Φ asked about alone, as the
+    estimator's)."""
     t = cfg.train
-    key = repr((cfg.workload, t.trainable, t.lora_rank, t.precision, cfg.backend.bucket_cap_mb))
+    # what decides the parameters that train and their shapes (lora_alpha only scales), and the buckets' cut
+    key = repr((cfg.workload, t.trainable, t.lora_rank, t.lora_targets, t.precision, cfg.backend.bucket_cap_mb))
     if key not in _BUCKETS:
         sizes = [sum(math.prod(s) for s in bucket) for bucket in ddp_bucket_shapes(cfg)]
         _BUCKETS[key] = (sum(sizes), [float(x) for x in sizes])
@@ -249,9 +251,10 @@ def compressed_program(cfg: Config, step: DataStep, overlap: bool, reduced: bool
     """ddp's step with train.compression as a program (collective/program.py's collectives): ddp's buckets as its
     trainer lays them out (ddp_bucket_shapes), each ready at its share of backward's bytes and averaged by its
     bucket_collectives. The step is the median step's (of the steps after the run's warm-up, psarch.throughput.
-    warmup_steps): compressed where most of those are (PowerSGD's warm-up steps all-reduce whole). chained: every collective of a bucket issued as it fills (torch's
-    powerSGD_hook all-reduces Q as soon as P is in, within backward; psarch's PowerSGD after backward). Not
-    modelled: the compression's own compute (top-k's selection, PowerSGD's products)."""
+    warmup_steps): compressed where most of those are (PowerSGD's warm-up steps all-reduce whole). chained: every
+    collective of a bucket issued as it fills (torch's powerSGD_hook all-reduces Q as soon as P is in, within backward;
+    psarch's PowerSGD after backward). Not modelled: the compression's own compute (top-k's selection, PowerSGD's
+    products)."""
     from collective.program import collectives
 
     t, n = cfg.train, cfg.backend.world_size

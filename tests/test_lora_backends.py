@@ -1,11 +1,11 @@
 """LoRA and frozen parameters on the model-parallel backends and the peers (tests/test_lora.py covers ddp, zero, ps,
-dp): pipeline (p = 2 at N = 2, LoRA and a frozen set, and dp 2 x p 2 at N = 4), torch_pipeline, tensor (t = 2, LoRA
-and a frozen set), torch_tensor, torch_fsdp, and the hybrid (ddp with embeddings = "ps" on dlrm) each end with
-`single`'s model when both train the same adapters (SGD, within parity.SGD_ATOL = 1e-5 absolute on every parameter); frozen
-weights never move; bytes per step are the backend's formula for the parameters that train (measured where
-psarch counts them: pipeline and tensor, exactly; modelled for torch's peers); memory reports the frozen weights
-a rank keeps apart, equal to theory's (a pipeline stage keeps its own, a tensor rank its parts, FSDP whole).
-Fine-tuning from a base model's checkpoint equals `single`'s fine-tune on each of these backends."""
+dp): pipeline (p = 2 at N = 2, LoRA and a frozen set, and dp 2 x p 2 at N = 4), torch_pipeline, tensor (t = 2, LoRA and
+a frozen set), torch_tensor, torch_fsdp, and the hybrid (ddp with embeddings = "ps" on dlrm) each end with `single`'s
+model when both train the same adapters (SGD, within parity.SGD_ATOL = 1e-5 absolute on every parameter); frozen weights
+never move; bytes per step are the backend's formula for the parameters that train (measured where psarch counts them:
+pipeline and tensor, exactly; modelled for torch's peers); memory reports the frozen weights a rank keeps apart, equal
+to theory's (a pipeline stage keeps its own, a tensor rank its parts, FSDP whole). Fine-tuning from a base model's
+checkpoint equals `single`'s fine-tune on each of these backends."""
 from __future__ import annotations
 
 import pytest
@@ -83,10 +83,10 @@ def test_equals_single_training_the_same_parameters(runs, name):
 
 @pytest.mark.slow
 def test_only_the_trainable_parameters_move(runs):
-    """Measured bytes equal theory's per rank on pipeline and tensor, whose formulas take Φ, the parameters
-    that train: a stage's dp all-reduce of its own trainable parameters (pipeline-dp2); tensor's dp-free step its activations'
-    all-reduces (2L + 1 g's forward, the f's backward where something before them trains, one b·s·r all-reduce
-    per adapter) and the loss's all-gather. torch's peers are modelled: FSDP's 3 ring passes over 4Φ."""
+    """Measured bytes equal theory's per rank on pipeline and tensor, whose formulas take Φ, the parameters that train:
+    a stage's dp all-reduce of its own trainable parameters (pipeline-dp2); tensor's dp-free step its activations'
+    all-reduces (2L + 1 g's forward, the f's backward where something before them trains, one b·s·r all-reduce per
+    adapter) and the loss's all-gather. torch's peers are modelled: FSDP's 3 ring passes over 4Φ."""
     _, s = runs
     for name in RUNS:
         phi, frozen = s[name]["params"], s[name]["frozen_params"]
@@ -129,9 +129,11 @@ def test_memory_reports_frozen_weights_apart(runs):
 
 
 def test_refusals_say_why():
-    with pytest.raises(ConfigError, match=r'train.trainable = \["head.weight"\]: pipeline stage 0 of 2 holds no parameter'):
+    with pytest.raises(ConfigError,
+                       match=r'train.trainable = \["head.weight"\]: pipeline stage 0 of 2 holds no parameter'):
         _config("x", dict(OPTIMIZERS["sgd"], trainable=["head.weight"]), dict(PIPE, world_size=2))
-    with pytest.raises(ConfigError, match=r"leaves the table 'tables.0.weight' frozen, but backend.embeddings = \"ps\""):
+    with pytest.raises(ConfigError,
+                       match=r"leaves the table 'tables.0.weight' frozen, but backend.embeddings = \"ps\""):
         load_config(None, ["train.lora_rank=2", 'workload.model="dlrm"', 'workload.data="clicks"',
                            'backend.kind="ddp"', 'backend.embeddings="ps"', "backend.world_size=2"])
     with pytest.raises(ConfigError, match=r'backend.embeddings = "rows": frozen parameters and LoRA'):
@@ -177,3 +179,20 @@ def test_the_hybrid_refuses_a_base_checkpoint(tmp_path):
     cfg = from_dict(config("h", base=ROWS_DLRM, train=DLRM_LORA, backend=HYBRID))
     with pytest.raises(CheckpointError, match=r'with backend.embeddings = "ps" the tables are built where they live'):
         run(cfg, tmp_path / "h", echo=False, start=tmp_path / "b" / "checkpoints" / "step_000001")
+
+
+def test_a_pipeline_stage_holding_no_frozen_parameter_is_predicted_none():
+    """Each stage keeps its own frozen weights (collective/pipeline/theory.py): with blocks 0, 1 and 3 training,
+    stage 0 (embeddings, blocks 0 and 1) holds none, stage 1 block 2's; predict fills in no whole-model figure."""
+    from psarch.theory import predict
+
+    trains = ["embed.*", "pos.*", "blocks.0.*", "blocks.1.*", "blocks.3.*"]
+    cfg = from_dict(config("x", train=dict(OPTIMIZERS["sgd"], trainable=trains), backend=dict(PIPE, world_size=2),
+                           workload={"gpt": dict(GPT2["gpt"], n_layer=4)}))
+    model = build_workload(cfg, device="meta").model
+    phi = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    frozen = {n: p.numel() for n, p in model.named_parameters() if not p.requires_grad}
+    assert frozen and all(n.startswith(("blocks.2.", "ln_f.", "head.")) for n in frozen)
+    p = predict(cfg, phi, sum(frozen.values()))
+    assert [r.memory.frozen for r in p.per_rank] == [0, 4 * sum(frozen.values())]
+    assert p.memory_per_rank.frozen in (0, 4 * sum(frozen.values()))   # one stage's, not filled in

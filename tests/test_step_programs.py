@@ -112,9 +112,10 @@ def test_full_and_reduced_agree_within_1_percent(name):
 
 
 def test_specs_write_programs_whose_steps_match_the_formulas():
-    """From a config, with compute 0 and no latency: the ring moves 2(N-1)/N S per rank, ZeRO-1 the same, ZeRO-3
-    and torch's ZeroRedundancyOptimizer under DDP 3(N-1)/N S, the PS with N dedicated servers S each way at once, pipelined over its 16 partitions per server (plus
-    one slot's pull to drain, 1/16 of S), with one server N S through its link each way."""
+    """From a config, with compute 0 and no latency: the ring moves 2(N-1)/N S per rank, ZeRO-1 the same, ZeRO-3 and
+    torch's ZeroRedundancyOptimizer under DDP 3(N-1)/N S, the PS with N dedicated servers S each way at once, pipelined
+    over its 16 partitions per server (plus one slot's pull to drain, 1/16 of S), with one server N S through its link
+    each way."""
     from psarch import registry, theory
 
     phi, n, net = 25e6, 8, DataStep(0.0, 0.0)
@@ -325,3 +326,56 @@ def test_ddps_program_takes_the_trainers_own_buckets():
     assert moved(phi) == pytest.approx(want)
     assert moved(phi) != pytest.approx(chunks(4.0 * phi, 0.05 * 2**20))
     assert moved(phi + 1) == pytest.approx(chunks(4.0 * (phi + 1), 0.05 * 2**20))
+
+
+def test_ddps_buckets_follow_the_lora_targets():
+    """Adapters on blocks.0.mlp.0 or on blocks.0.mlp.2 train the same Φ in different shapes: each config gets its
+    own trainer's buckets (ddp_bucket_shapes), not the other's from the cache."""
+    from collective.theory import ddp_bucket_shapes, trainer_buckets
+    from psarch.workload import build_workload
+
+    def cfg_of(target: str):
+        return from_dict({"train": {"steps": 4, "lora_rank": 2, "lora_targets": [target]},
+                          "backend": {"kind": "ddp", "world_size": 4, "bucket_cap_mb": 1e-6}})
+
+    cfgs = [cfg_of("blocks.0.mlp.0"), cfg_of("blocks.0.mlp.2")]
+    phis = {sum(p.numel() for p in build_workload(c, device="meta").model.parameters() if p.requires_grad)
+            for c in cfgs}
+    assert len(phis) == 1
+    phi = phis.pop()
+    want = [[4.0 * sum(math.prod(s) for s in bucket) for bucket in ddp_bucket_shapes(c)] for c in cfgs]
+    assert want[0] != want[1]
+    assert [trainer_buckets(c, phi) for c in cfgs] == want
+
+
+@pytest.mark.parametrize("kind", ["tensor", "torch_tensor"])
+@pytest.mark.parametrize("train", [{"lora_rank": 4}, {"lora_rank": 2, "lora_alpha": 4.0},
+                                   {"trainable": ["head.weight", "blocks.*.mlp.*"]}, {}])
+def test_a_tensor_program_moves_theorys_bytes_with_lora_and_frozen_parameters(kind, train):
+    """With compute 0 and no latency a tensor-parallel step is its bytes at the link's rate, predict()'s: the f's
+    that nothing upstream needs are skipped and each adapter's rank-r all-reduce is in (tp_linears, one source)."""
+    from psarch.theory import predict
+    from psarch.workload import build_workload
+
+    cfg = from_dict({"train": {"steps": 2, **train}, "backend": {"kind": kind, "world_size": 2}})
+    phi = sum(p.numel() for p in build_workload(cfg, device="meta").model.parameters() if p.requires_grad)
+    sent = predict(cfg, phi).per_rank[0].link.sent
+    for reduced in (False, True):
+        p = registry.spec_of(cfg).program(cfg, phi, DataStep(0.0, 0.0), reduced)
+        assert simulate(p, Cluster.of(p, RATE)).step_s == pytest.approx(sent / RATE, rel=1e-9)
+
+
+@pytest.mark.parametrize("colocated", [False, True])
+def test_a_ps_workers_rows_ride_the_connections_of_its_pushes_and_pulls(colocated):
+    """Row keys and row pushes ride ("push", worker, server index) as the partitions' pushes do, rows and pulls
+    ("pull", server index, worker): with dedicated servers (server j on node n + j) one connection per pair."""
+    from psarch.theory.program import Transfer
+
+    n, k = 4, 2
+    p = ps_program(n, [SLOTS] * k, colocated, STEP, rows=RowBytes(8e3, 1e5, 1e5))
+    where = list(range(k)) if colocated else [n + j for j in range(k)]
+    transfers = [op for op in p.ops if isinstance(op, Transfer)]
+    assert any(op.name.startswith("rowkeys") for op in transfers)
+    for op in transfers:
+        way, a, b = op.conn
+        assert (op.src, op.dst) == ((a, where[b]) if way == "push" else (where[a], b)), op.name

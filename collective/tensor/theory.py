@@ -71,24 +71,36 @@ def held_params(cfg: Config, tp_rank: int = 0, trains: bool = True) -> tuple[int
 COLUMNS, ROWS = ("attn.qkv", "mlp.0"), ("attn.proj", "mlp.2")
 
 
-def tp_all_reduces(cfg: Config) -> tuple[int, int]:
-    """(all-reduces of b·s·h activations per step, of b·s·r adapter activations). Every g runs forward (the
-    row-parallel linears' and the embedding's); an f's backward runs only where something before it trains
-    (autograd skips a gradient nothing needs: a LoRA run's first qkv). A LoRA adapter of a split linear
-    all-reduces its rank-r activation A x once (collective/tensor/layers.py). 4L + 2 and 0 when all trains."""
+def tp_linears(cfg: Config) -> dict[str, tuple[int, int]]:
+    """Per split module ("embed", each block's split linears, "head"), in forward order: (its all-reduces of b·s·h
+    activations per step, of b·s·r adapter activations). Every g runs forward (the row-parallel linears' and the
+    embedding's); an f's backward runs only where something before it trains (autograd skips a gradient nothing
+    needs: a LoRA run's first qkv). A LoRA adapter of a split linear all-reduces its rank-r activation A x once
+    (collective/tensor/layers.py). The one source of what moves: step_bytes and the program read it."""
     L = cfg.workload.gpt.n_layer
+    blocks = [f"blocks.{i}.{m}" for i in range(L) for m in ("attn.qkv", "attn.proj", "mlp.0", "mlp.2")]
     if not (cfg.train.trainable or cfg.train.lora_rank):
-        return 4 * L + 2, 0
+        return {m: (1, 0) for m in ["embed", *blocks, "head"]}
     model = gpt_model(cfg)
     columns = {f"blocks.{i}.{c}" for i in range(L) for c in COLUMNS} | {"head"}
-    splits = columns | {f"blocks.{i}.{r}" for i in range(L) for r in ROWS}
-    upstream, f = False, 0
+    linears = {"embed": (1, 0)}
+    upstream = False
     for name, p in model.named_parameters():   # the forward's order in psarch's GPT
         module, _, leaf = name.rpartition(".")
-        f += module in columns and leaf == "weight" and upstream
+        if module in columns and leaf == "weight":
+            linears[module] = (int(upstream), 0)
+        elif module in blocks and leaf == "weight":
+            linears[module] = (1, 0)
         upstream = upstream or p.requires_grad
-    adapters = sum(1 for m in splits if hasattr(model.get_submodule(m), "lora_A"))
-    return 2 * L + 1 + f, adapters
+    return {m: (wide, int(m != "embed" and hasattr(model.get_submodule(m), "lora_A")))
+            for m, (wide, _) in linears.items()}
+
+
+def tp_all_reduces(cfg: Config) -> tuple[int, int]:
+    """(all-reduces of b·s·h activations per step, of b·s·r adapter activations): tp_linears' summed. 4L + 2 and
+    0 when all trains."""
+    linears = tp_linears(cfg).values()
+    return sum(w for w, _ in linears), sum(r for _, r in linears)
 
 
 def step_bytes(cfg: Config, held: float, torch_loss: bool = False) -> tuple[float, int, int]:
@@ -139,4 +151,5 @@ def program(cfg: Config, phi: float, step: DataStep, reduced: bool = False, torc
     tokens = cfg.train.global_batch // b.dp_size * cfg.workload.seq_len
     mine, whole = held_params(cfg)
     return tensor_program(b.tp_size, b.dp_size, cfg.workload.gpt.n_layer, tokens * cfg.workload.gpt.n_embd * w,
-                          2 * tokens * LOSS_BYTES, mine * phi / whole * w, step, reduced, torch_loss)
+                          2 * tokens * LOSS_BYTES, mine * phi / whole * w, step, reduced, torch_loss,
+                          tp_linears(cfg), tokens * cfg.train.lora_rank * w)

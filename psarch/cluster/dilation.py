@@ -15,8 +15,9 @@ meet a wrong model halfway):
   stream on this machine's loopback, both beside the spinning processes; α paid once per message the busiest
   process handles: a worker's every bucket, or a server's every worker's partitions, `messages`; bytes the
   busiest link carries) must fit inside that link's time on the cluster x D. The messages and bytes are the
-  config's counts (theory.predict's bytes, which a run's kernel counters check exactly; the messages its step
-  program sends and receives), never a time. Where the program communicates before its compute is over (buckets
+  config's counts from its step program (program_load: the messages the busiest node sends and receives, the
+  bytes of its busiest link and direction; theory.predict's bytes only where the backend writes no program),
+  never a time. Where the program communicates before its compute is over (buckets
   from backward's hooks, passes inside compute), that cost competes with the compute for the same cores, and
   counts on its side too.
 D = AUTO_MARGIN x the larger of the two ratios, at least 1, rounded up to two significant digits.

@@ -45,11 +45,13 @@ class RowBytes:
     grads: float
 
 
-def row_pull(p: Program, w: int, where: int, rb: RowBytes, name: str, copies: int = 1,
+def row_pull(p: Program, w: int, where: int, server: int, rb: RowBytes, name: str, copies: int = 1,
              after: tuple[str, ...] = ()) -> str:
-    """Worker node w's row pull from the server on node `where`: its keys out, the rows back (the op they end with)."""
-    keys = p.transfer(f"rowkeys.{name}", w, where, rb.keys, ("push", w, where), after, copies=copies)
-    return p.transfer(f"rows.{name}", where, w, rb.rows, ("pull", where, w), (keys,), copies=copies)
+    """Worker node w's row pull from server `server` (index, or group's in a reduced program) on node `where`:
+    its keys out, the rows back (the op they end with), on the connections its pushes and pulls ride
+    (("push", w, server), ("pull", server, w))."""
+    keys = p.transfer(f"rowkeys.{name}", w, where, rb.keys, ("push", w, server), after, copies=copies)
+    return p.transfer(f"rows.{name}", where, w, rb.rows, ("pull", server, w), (keys,), copies=copies)
 
 
 def slots_of(parts: list[list[tuple[int, int]]], width: int, hooks: bool,
@@ -95,7 +97,7 @@ def ps_program(n: int, servers: list[list[Slot]], colocated: bool, step: DataSte
         p.node(BOTH if colocated and w < k else WORKER)
     where = list(range(k)) if colocated else [p.node(SERVER) for _ in range(k)]
     order = sorted(((s.ready, j, i) for j, own in enumerate(servers) for i, s in enumerate(own)))
-    fetched = [tuple(row_pull(p, w, where[j], rows, f"{w}.{j}") for j in range(k) if where[j] != w) if rows else ()
+    fetched = [tuple(row_pull(p, w, where[j], j, rows, f"{w}.{j}") for j in range(k) if where[j] != w) if rows else ()
                for w in range(n)]
     spans = [local_spans(p, w, step, [x for x, _, _ in order], local_steps, fetched[w]) for w in range(n)]
     got: list[list[str]] = [[spans[w][1]] for w in range(n)]
@@ -132,7 +134,7 @@ def ps_reduced(n: int, groups: list[tuple[int, list[Slot]]], colocated: bool, st
     order = sorted((x.ready, g, i) for g, (_, own) in enumerate(groups) for i, x in enumerate(own))
     # each of a kind's `count` workers exchanges with every server of a group but its own
     pairs = {(node, g): count * (c - (own == g)) for node, count, own in kinds for g, (c, _) in enumerate(groups)}
-    fetched = {node: tuple(row_pull(p, node, servers[g], rows, f"{node}.{g}", pairs[node, g])
+    fetched = {node: tuple(row_pull(p, node, servers[g], g, rows, f"{node}.{g}", pairs[node, g])
                            for g in range(len(groups)) if pairs[node, g]) if rows else () for node, _, _ in kinds}
     spans = {node: local_spans(p, node, step, [x for x, _, _ in order], local_steps, fetched[node])
              for node, _, _ in kinds}

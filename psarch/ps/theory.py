@@ -83,14 +83,16 @@ def byteps_optimum(n: int, k: int, s: float, rate: float) -> float:
 def rows_traffic(u: float, dim: int, dense_params: float, width: int) -> LinkBytes:
     """One PS worker's bytes per exchange with embedding rows: it sends the keys of its u distinct rows
     twice (8 B each, with the row pull and with the row push, which names its rows) and u rows of
-    gradients (GEO: deltas), receives u rows, and pushes and pulls the dense part (headers not counted)."""
-    return LinkBytes(sent=u * dim * width + 16 * u + dense_params * width,
-                     received=u * dim * width + dense_params * width)
+    gradients (GEO: deltas), receives u rows, and pushes and pulls the dense part (headers not counted): row_bytes'
+    with every server together."""
+    rows = row_bytes(u, dim, width, 1)
+    return LinkBytes(sent=rows.keys + rows.grads + dense_params * width, received=rows.rows + dense_params * width)
 
 
 def row_bytes(u: float, dim: int, width: int, servers: int) -> RowBytes:
     """What a worker exchanges with each of `servers` servers per exchange for its u embedding rows of `dim`
-    elements (rows_traffic's, spread evenly over the servers: keys are hashed to them)."""
+    elements, spread evenly over the servers (keys are hashed to them): the keys (8 B each) with the row pull, u
+    rows back, their gradients with their keys again in the row push."""
     from psarch.ps.program import RowBytes
 
     return RowBytes(keys=8 * u / servers, rows=u * dim * width / servers, grads=(u * dim * width + 8 * u) / servers)
@@ -121,7 +123,8 @@ def rows(cfg: Config, phi: float) -> Prediction:
         kl = optimizer_bytes_per_param(t.optimizer, t.precision, t.momentum)
         u1 = expected_unique_ids(cfg)
         mem = MemoryPrediction(params=(dense_params + u * d.dim) * width, grads=(dense_params + u1 * d.dim) * width,
-                               optimizer=kl * (dense_params + u * d.dim), buffers=4 * (dense_params + u * d.dim) + 8 * u)
+                               optimizer=kl * (dense_params + u * d.dim),
+                               buffers=4 * (dense_params + u * d.dim) + 8 * u)
     else:
         mem = MemoryPrediction(params=dense_params * width + row_bytes, grads=dense_params * width + row_bytes,
                                optimizer=0.0)

@@ -104,10 +104,11 @@ def predict(cfg: Config, phi: float, frozen: float = 0.0) -> Prediction:
     (BackendSpec.predict). S = phi x the wire dtype's bytes (the compute precision), N = backend.world_size.
     `frozen` parameters move nowhere and hold no gradient or optimizer state: each copy the backend keeps of the
     model (BackendSpec.frozen_copies) holds them whole in the compute dtype, unless the backend's theory placed
-    them itself (a pipeline's stages each keep their own)."""
+    them itself, rank by rank (per_rank: a pipeline's stages each keep their own, a tensor rank its parts; a stage
+    with none keeps none, and memory_per_rank is one of those ranks' own records, never written here)."""
     spec = registry.spec_of(cfg)
     p = spec.predict(cfg, phi)
-    if not p.memory_per_rank.frozen:
+    if p.per_rank is None and not p.memory_per_rank.frozen:
         p.memory_per_rank.frozen = frozen * BYTES[cfg.train.precision] * spec.frozen_copies(cfg)
     return p
 
@@ -152,7 +153,8 @@ def config_for(kind: str, n: int, precision: str = "fp32", optimizer: str = "ada
                **backend: Any) -> Config:
     """A config holding only what `predict` reads: for tables over kinds and world sizes (estimate,
     benchmarks); `backend`: that backend's options (stage, mode, servers, ...)."""
-    return from_dict({"train": {"precision": precision, "optimizer": optimizer, "momentum": momentum, "global_batch": n},
+    return from_dict({"train": {"precision": precision, "optimizer": optimizer, "momentum": momentum,
+                                "global_batch": n},
                       "backend": {"kind": kind, "world_size": n, **backend}})
 
 
@@ -182,15 +184,16 @@ def topk_k(numel: int, ratio: float) -> int:
 
 
 def cluster_step(cfg: Config, summary: Summary) -> dict[str, float]:
-    """Measured | predicted step time of a finished run on the emulated cluster. Compute is a virtual device's
-    modelled forward and backward (summary's virtual_device: cluster time, α / D, nothing of the communication
-    inside it), else the measured step less its communication wait; where that holds waits too
-    (BackendSpec.compute_holds_waits) the compute that, played with the program, ends when it does (pure_compute).
-    The step simulator plays the backend's step program (BackendSpec.program) on the run's links
-    (psarch.theory.simulate); nan where it writes none (a backend that declares no program), and where the
-    trainer timed no wait apart from a measured compute that holds them (torch_fsdp, torch_tensor on contended
-    cores): the compute taken from such a step would make the step predicted equal the step measured, by
-    construction, which predicts nothing."""
+    """Measured | predicted step time of a finished run on the emulated cluster. Compute is a virtual device's modelled
+    forward and backward (summary's virtual_device: cluster time, α / D, nothing of the communication inside it), else
+    the measured step less its communication wait; where that holds waits too (BackendSpec.compute_holds_waits: ZeRO-3,
+    torch_pipeline, torch_tensor, torch_fsdp) the compute that, played with the program, ends when it does
+    (pure_compute). For those backends only what follows the last compute span is predicted: the waits inside the
+    compute are taken from the measurement, not predicted. The step simulator plays the backend's step program
+    (BackendSpec.program) on the run's links (psarch.theory.simulate); nan where it writes none (a backend that declares
+    no program), and where the trainer timed no wait apart from a measured compute that holds them (torch_fsdp,
+    torch_tensor on contended cores): the compute taken from such a step would make the step predicted equal the step
+    measured, by construction, which predicts nothing."""
     spec = registry.spec_of(cfg)
     phi = summary["params"]
     compute, backward, alpha = step_inputs(summary)
@@ -207,9 +210,11 @@ def cluster_step(cfg: Config, summary: Summary) -> dict[str, float]:
 
 def pure_compute(cfg: Config, phi: float, measured_s: float, alpha_s: float, tolerance: float = 1e-4) -> float:
     """The compute per step, communication apart, of a run whose measured compute `measured_s` holds the waits of
-    collectives that block inside forward and backward: the compute c for which the program (played once from idle
-    links) ends its last compute span at measured_s, c taken from measured_s by the time by which it falls short (each wait is about independent of c:
-    a few rounds). measured_s itself where the backend writes no program."""
+    collectives that block inside forward and backward (ZeRO-3, torch_pipeline, ...: BackendSpec.compute_holds_waits):
+    the compute c for which the program (played once from idle links) ends its last compute span at measured_s, c
+    taken from measured_s by the time by which it falls short (each wait is about independent of c: a few rounds).
+    So the waits up to the last compute span come from the measurement, and only what follows it is predicted.
+    measured_s itself where the backend writes no program."""
     from psarch.theory.program import Compute
     from psarch.theory.simulate import play
 
