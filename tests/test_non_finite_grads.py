@@ -9,7 +9,6 @@ import json
 import re
 
 import pytest
-import torch
 
 from parity import TINY_GPT, config, train
 from psarch.launch import supervise
