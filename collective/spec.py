@@ -36,8 +36,9 @@ def ddp_step(cfg: Config, phi: float, step: Any, reduced: bool, overlap: bool, c
     """The dense all-reduce's step program (collective/program.py): buckets of bucket_cap_mb in the order backward
     readies them (the flat buffer holds the parameters in reverse and is cut from its start, so the short bucket is
     the last); own_buckets (ddp): the trainer's own buckets where the config's model holds phi (theory.trainer_buckets:
-    a bucket closes at a parameter's edge), else cut at the cap from Φ alone; compressed: collective/theory.py's compressed_program; embedding rows all-gathered (rows_program),
-    row-sharded (sharded_program) or on PS servers (ps_tables_program)."""
+    a bucket closes at a parameter's edge), else cut at the cap from Φ alone; compressed: collective/theory.py's
+    compressed_program; embedding rows all-gathered (rows_program), row-sharded (sharded_program) or on PS servers
+    (ps_tables_program)."""
     from collective.program import ddp_program
     from psarch.theory.program import chunks
 

@@ -170,9 +170,11 @@ def _check_stages_train(cfg: Config, kind: str) -> None:
     idle = [j for j, c in enumerate(counts) if c == 0]
     if idle:
         t = cfg.train
-        key = f"train.trainable = {json.dumps(t.trainable)}" if t.trainable else f"train.lora_targets = {json.dumps(t.lora_targets)}"
-        raise ConfigError(f"{key}: pipeline stage {idle[0]} of {len(counts)} holds no parameter that trains, so it would "
-                          f"step nothing (backend.kind = \"{kind}\"); name one of its parameters or use fewer stages")
+        key = (f"train.trainable = {json.dumps(t.trainable)}" if t.trainable
+               else f"train.lora_targets = {json.dumps(t.lora_targets)}")
+        raise ConfigError(f"{key}: pipeline stage {idle[0]} of {len(counts)} holds no parameter that trains, so it "
+                          f"would step nothing (backend.kind = \"{kind}\"); name one of its parameters or use fewer "
+                          f"stages")
 
 
 def _check_stages(cfg: Config) -> None:

@@ -79,7 +79,8 @@ SCHEMA: dict[str, tuple[dict[str, str], dict[str, str], str]] = {
     "error": ({"message": _STR}, {"code": _STR, "version": _INT}, "forbidden"),
 }
 # What each request is answered with.
-REPLY_TO = {"init": "ack", "push": "ack", "pull": "params", "pushpull": "params", "fetch": "params", "done": "ack", "rejoin": "ack",
+REPLY_TO = {"init": "ack", "push": "ack", "pull": "params", "pushpull": "params", "fetch": "params", "done": "ack",
+            "rejoin": "ack",
             "rowpull": "rows", "rowpush": "ack", "rowfetch": "rows", "save": "ack", "sparsepush": "ack",
             "sparsepushpull": "params"}
 _TENSOR_FIELDS = {"dtype", "shape", "frames"}

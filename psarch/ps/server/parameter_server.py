@@ -326,8 +326,8 @@ class ParameterServer:
             self.state.stopping = True
 
     def _final(self) -> bytes | memoryview:
-        """The launcher's model.pt: this server's held vector (its own and its replicas' partitions, joined) (then its rows: psarch/ps/rows.py's
-        join_parts splits them)."""
+        """The launcher's model.pt: this server's held vector (its own and its replicas' partitions, joined), then
+        its rows (psarch/ps/rows.py's join_parts splits them)."""
         if not self.state.initialised:
             return b""
         dense = self.state.params()
