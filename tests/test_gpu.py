@@ -1,6 +1,9 @@
 """On a GPU: DDP, ZeRO, the PS (workers on the GPU, servers on the host) and PyTorch's DDP and FSDP2 on CUDA end
 with the CPU `single` reference's model; CUDA peak memory per rank is reported and holds at least the model
-states; NCCL at world size 1; two ranks sharing one GPU over gloo.
+states; NCCL at world size 1; two ranks sharing one GPU over gloo. The fourth wave's paths on CUDA too: DP and
+torch.nn.DataParallel (one device), pipeline and tensor parallelism (two ranks on one GPU, gloo), LoRA (SGD, the
+CPU `single` with the same adapters within parity.SGD_ATOL), and fp16 compression over NCCL, psarch's against
+torch's fp16_compress_hook.
 
 Skipped (with the reason) where no CUDA device is visible; run them alone with `pytest -m gpu`.
 Tolerance: tests/parity.py's (fp32, rtol 1e-4 / atol 1e-5 after 6 steps). CUDA and CPU kernels sum in
@@ -14,7 +17,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from parity import OPTIMIZERS, assert_same_model, config
+import json
+
+from parity import OPTIMIZERS, SGD_ATOL, TINY_GPT, assert_same_model, config
 from psarch.config import from_dict
 from psarch.launch.ranks import run
 
@@ -38,30 +43,39 @@ CASES = [
 ]
 
 
-def _run(tmp: Path, name: str, backend: dict) -> dict:
-    cfg = from_dict(config(name, train=OPTIMIZERS["adamw"], backend=backend))
+def _run(tmp: Path, name: str, backend: dict, train: dict = OPTIMIZERS["adamw"], base: dict = TINY_GPT) -> dict:
+    cfg = from_dict(config(name, base, train=train, backend=backend))
     return run(cfg, tmp / name, echo=False)
+
+
+def _model(tmp: Path, name: str) -> dict:
+    return torch.load(tmp / name / "model.pt", weights_only=True)
+
+
+def _holds_its_states(summary: dict, ranks: int) -> None:
+    assert len(summary["memory"]["per_rank"]) == ranks
+    for m in summary["memory"]["per_rank"]:
+        assert m["peak_kind"] == "cuda_max_allocated", m
+        assert m["peak"] >= m["params"] + m["grads"] + m["optimizer"], m
 
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory) -> tuple[dict, Path]:
     tmp = tmp_path_factory.mktemp("gpu")
     _run(tmp, "single-cpu", {"kind": "single", "device": "cpu"})
-    return torch.load(tmp / "single-cpu" / "model.pt", weights_only=True), tmp
+    return _model(tmp, "single-cpu"), tmp
 
 
 @pytest.mark.parametrize("name,backend", CASES, ids=[c[0] for c in CASES])
 def test_cuda_run_equals_the_cpu_single_reference_and_reports_its_peak(reference, name, backend):
     ref, tmp = reference
     summary = _run(tmp, name, dict(backend, device="cuda"))
-    assert_same_model(torch.load(tmp / name / "model.pt", weights_only=True), ref, f"{name} on CUDA vs CPU single")
+    assert_same_model(_model(tmp, name), ref, f"{name} on CUDA vs CPU single")
+    # the rank's own allocations, on its GPU: at least the model states it holds, as measured and as the formula
+    # has them (the peak adds activations and communication buffers on top)
+    _holds_its_states(summary, backend["world_size"])
     predicted = summary["predicted"]["memory_per_rank"]
-    assert len(summary["memory"]["per_rank"]) == backend["world_size"]
     for m in summary["memory"]["per_rank"]:
-        # the rank's own allocations, on its GPU: at least the model states it holds, as measured and as
-        # the formula has them (the peak adds activations and communication buffers on top)
-        assert m["peak_kind"] == "cuda_max_allocated", m
-        assert m["peak"] >= m["params"] + m["grads"] + m["optimizer"], m
         assert m["peak"] >= predicted["total"], (m, predicted)
 
 
@@ -70,3 +84,43 @@ def test_bench_step_runs_on_cuda():
     from psarch.bench.step import main
 
     main(["--device", "cuda", "--steps", "4", "--warmup", "1", "--n-layer", "1", "--n-embd", "32", "--seq-len", "16"])
+
+
+TWO_LAYERS = json.loads(json.dumps(TINY_GPT))
+TWO_LAYERS["workload"]["gpt"]["n_layer"] = 2   # a block per pipeline stage
+LORA = dict(OPTIMIZERS["sgd"], lora_rank=2, lora_alpha=4.0)
+FP16 = dict(OPTIMIZERS["sgd"], compression="fp16")
+# (name, train, backend); each against the CPU `single` run with the same train section
+WAVE4 = [
+    ("dp-1", OPTIMIZERS["adamw"], {"kind": "dp", "world_size": 1}),
+    ("torch_dp-1", OPTIMIZERS["adamw"], {"kind": "torch_dp", "world_size": 1}),
+    ("pipeline-gloo-2", OPTIMIZERS["adamw"], {"kind": "pipeline", "world_size": 2, "dist_backend": "gloo"}),
+    ("tensor-gloo-2", OPTIMIZERS["adamw"], {"kind": "tensor", "world_size": 2, "dist_backend": "gloo"}),
+    ("ddp-lora-nccl-1", LORA, {"kind": "ddp", "world_size": 1, "dist_backend": "nccl"}),
+    ("zero3-lora-gloo-2", LORA, {"kind": "zero", "stage": 3, "comm": "ring", "world_size": 2, "dist_backend": "gloo"}),
+]
+
+
+@pytest.fixture(scope="module")
+def references(tmp_path_factory) -> Path:
+    tmp = tmp_path_factory.mktemp("gpu4")
+    for name, train in (("single-adamw", OPTIMIZERS["adamw"]), ("single-lora", LORA)):
+        _run(tmp, name, {"kind": "single", "device": "cpu"}, train, TWO_LAYERS)
+    return tmp
+
+
+@pytest.mark.parametrize("name,train,backend", WAVE4, ids=[c[0] for c in WAVE4])
+def test_the_fourth_waves_backends_on_cuda_equal_the_cpu_reference(references, name, train, backend):
+    tmp = references
+    summary = _run(tmp, name, dict(backend, device="cuda"), train, TWO_LAYERS)
+    ref, tol = ("single-lora", {"rtol": 0, "atol": SGD_ATOL}) if train is LORA else ("single-adamw", {})
+    assert_same_model(_model(tmp, name), _model(tmp, ref), f"{name} on CUDA vs CPU single", **tol)
+    _holds_its_states(summary, backend["world_size"])
+
+
+def test_fp16_compression_over_nccl_equals_torchs_hook(tmp_path):
+    """psarch's cast, all-reduce and cast back over NCCL against torch DDP's fp16_compress_hook, both on CUDA."""
+    for name, kind in (("ddp-fp16", "ddp"), ("torch_ddp-fp16", "torch_ddp")):
+        _run(tmp_path, name, {"kind": kind, "world_size": 1, "dist_backend": "nccl", "device": "cuda"}, FP16)
+    assert_same_model(_model(tmp_path, "ddp-fp16"), _model(tmp_path, "torch_ddp-fp16"), "fp16 psarch vs torch hook",
+                      rtol=0, atol=SGD_ATOL)

@@ -32,13 +32,15 @@ MEASURED = "cpu-measured"   # no device model: compute takes what this machine t
 # TF32, as PyTorch runs fp32 matmuls by default. The V100 has no bf16.
 PROFILES: dict[str, dict[str, float]] = {
     "h100": {"fp32": 67.0, "bf16": 989.0, "fp16": 989.0},
+    "h200": {"fp32": 67.0, "bf16": 989.0, "fp16": 989.0},   # the H100's processor with more, faster memory
     "a100": {"fp32": 19.5, "bf16": 312.0, "fp16": 312.0},
     "v100": {"fp32": 15.7, "fp16": 125.0},
 }
-# Device memory of the same SXM parts, from NVIDIA's data sheets: H100 SXM5 80 GB HBM3, A100 SXM4 80 GB HBM2e
+# Device memory of the same SXM parts, from NVIDIA's data sheets: H100 SXM5 80 GB HBM3, H200 SXM 141 GB HBM3e,
+# A100 SXM4 80 GB HBM2e
 # (the 80 GB part), V100 SXM2 32 GB HBM2 (the 32 GB part). Counted as 1e9 bytes a GB, a little under what the
 # parts hold (their GB are nearer 2**30 bytes), so a plan's "fits" errs on the safe side.
-MEMORY_GB: dict[str, float] = {"h100": 80.0, "a100": 80.0, "v100": 32.0}
+MEMORY_GB: dict[str, float] = {"h100": 80.0, "h200": 141.0, "a100": 80.0, "v100": 32.0}
 
 if TYPE_CHECKING:
     from psarch.config import Config
