@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Any
 from collective import theory
 from psarch.backend import PROCESS_GROUP_OPTIONS, BackendSpec
 from psarch.config.backend import Buckets, Communicator, CoreBackendConfig, Overlap, PSServers
+from psarch.config.fields import option
 from psarch.errors import ConfigError, show
 from psarch.theory import BYTES, Prediction
 
@@ -28,7 +29,12 @@ class DDPOptions(PSServers, Communicator, Buckets, Overlap, CoreBackendConfig):
 
 @dataclass(frozen=True)
 class TorchDDPOptions(Buckets, CoreBackendConfig):
-    """torch_ddp's [backend]: buckets (torch's bucket_cap_mb)."""
+    """torch_ddp's [backend]: buckets (torch's bucket_cap_mb) and torch's find_unused_parameters."""
+
+    find_unused_parameters: bool = option(
+        False, "torch DDP's own flag: walk the autograd graph each step for parameters without a gradient; it also "
+        "keeps the first step's bucket layout (no rebuild in the order gradients arrived), so a world restarted from "
+        "a checkpoint sums in the same order as the uninterrupted run")
 
 
 def ddp_step(cfg: Config, phi: float, step: Any, reduced: bool, overlap: bool, chained: bool = False,

@@ -27,7 +27,8 @@ from psarch.workload import Workload
 
 
 class TorchDDPTrainer(Trainer):
-    """torch DDP with its defaults, `bucket_cap_mb` from the config; traffic is the ring volume, modelled."""
+    """torch DDP with its defaults, `bucket_cap_mb` and `find_unused_parameters` from the config; traffic is the ring
+    volume, modelled."""
 
     def __init__(self, workload: Workload, cfg: Config, ctx: DistContext) -> None:
         self.ctx = ctx
@@ -36,7 +37,8 @@ class TorchDDPTrainer(Trainer):
         sparse_rows = TorchSparseRows(module, ctx.world_size) if sparse else None
         self.tables = sparse_rows if sparse_rows is not None else EmbeddingTables()
         self.model = DistributedDataParallel(module, device_ids=[ctx.device] if ctx.device.type == "cuda" else None,
-                                             process_group=ctx.group, bucket_cap_mb=cfg.backend.bucket_cap_mb)
+                                             process_group=ctx.group, bucket_cap_mb=cfg.backend.bucket_cap_mb,
+                                             find_unused_parameters=cfg.backend.find_unused_parameters)
         self.loss_fn = workload.loss_fn
         self.params = [p for p in module.parameters() if p.requires_grad]
         self.optim = MixedPrecisionOptimizer(self.params, cfg.train, cfg.train.precision, fused=not sparse)
