@@ -15,11 +15,12 @@ from psarch.dp.program import dp_program
 from psarch.ps.program import RowBytes, Slot, groups_of, held_slots, ps_program, ps_reduced
 from psarch.theory.program import Cluster, DataStep, chunks
 from psarch.theory.simulate import simulate
-from zero.program import stage12_program, stage3_program
+from zero.program import sharded, stage12_program, stage3_program, zero3_script
 
 RATE, ALPHA = 1e9, 2e-5
 STEP = DataStep.of(0.05)
 S = 40e6          # bytes of gradients
+UNITS = [S / 10] + [0.225 * S] * 4   # ZeRO-3's root and 4 blocks
 SLOTS = [Slot(S / 8 / 4, (i + 1) / 4) for i in range(4)]   # a server's 4 partitions, ready through backward
 
 
@@ -85,6 +86,11 @@ PROGRAMS = {
     "zero-3": lambda n, r: stage3_program(n, [S / 3] * 3, STEP, r),
     "zero-3, FSDP2's prefetch and root": lambda n, r: stage3_program(n, [S / 6, S / 3, S / 3, S / 6], STEP, r,
                                                                      prefetch=1, keep_first=True),
+    "zero-3, the trainer's units, prefetch of one": lambda n, r: sharded(n, zero3_script(UNITS, STEP, 0.2 * S, True, 2),
+                                                                         r),
+    "zero-3, the trainer's units, all prefetched": lambda n, r: sharded(n, zero3_script(UNITS, STEP, S, True, 2), r),
+    "zero-3, the trainer's units, no prefetch, blocking": lambda n, r: sharded(n, zero3_script(UNITS, STEP, 0, False, 2),
+                                                                               r),
     "dp, copies to and from the master": lambda n, r: dp_program(n, S, STEP, r),
     "torch_zero": lambda n, r: stage12_program(n, chunks(S, S / 3), [S], STEP, True, r, reduce_passes=2),
     "ps, 1 server": ps(1),
