@@ -5,6 +5,7 @@ with r = 0 a dead server still stops the run in one line; configs replication ca
 from __future__ import annotations
 
 import json
+import math
 import os
 import signal
 from pathlib import Path
@@ -70,6 +71,65 @@ def test_copies_that_differ_are_found_when_the_model_is_joined():
     assert same and torch.equal(flat, torch.arange(6.0))
     helds[1][4] = torch.nextafter(helds[1][4], torch.tensor(5.0))   # one ulp
     assert not join_held(cfg, helds, 6)[1]
+
+
+def _program_bytes(cfg, phi: float) -> tuple[dict[int, float], dict[int, float]]:
+    """Bytes into and out of each node of cfg's step program written in full (a step, compute 0)."""
+    from psarch import registry
+    from psarch.theory.program import DataStep, Transfer
+
+    into: dict[int, float] = {}
+    out: dict[int, float] = {}
+    for op in registry.spec_of(cfg).program(cfg, phi, DataStep(0.0, 0.0), False).ops:
+        if isinstance(op, Transfer):
+            into[op.dst] = into.get(op.dst, 0.0) + op.bytes
+            out[op.src] = out.get(op.src, 0.0) + op.bytes
+    return into, out
+
+
+@pytest.mark.parametrize("replicas, servers", [(1, 3), (2, 3), (1, 2)])
+def test_the_step_program_moves_the_replication_formulas_bytes_on_every_link(replicas, servers):
+    """psarch/ps/program.py's replicated step, from a config: each server receives and sends what the r = 0 servers
+    whose partitions it holds (the chain) do, so the servers' links carry r x r = 0's on top (theory.replication, the
+    formula counted in test_r1_without_faults...), and each worker (1 + r) x its r = 0 bytes each way."""
+    from psarch.ps.theory import replication
+    from psarch.theory import predict
+
+    n, phi = 2, 1e6
+    base = _cfg("r0", dict(ps(n, servers=servers), partition_mb=0.05))
+    cfg = _cfg("r", dict(ps(n, servers=servers, replicas=replicas), partition_mb=0.05))
+    (in0, out0), (into, out) = _program_bytes(base, phi), _program_bytes(cfg, phi)
+    workers, holders = range(n), range(n, n + servers)   # dedicated servers: nodes n .. n + k - 1
+    for i in range(servers):
+        own = [h for h in range(servers) if i in chain(servers, replicas, h)]
+        assert into[n + i] == pytest.approx(sum(in0[n + h] for h in own), rel=1e-12)
+        assert out[n + i] == pytest.approx(sum(out0[n + h] for h in own), rel=1e-12)
+    extra = replication(cfg, sum(in0[h] for h in holders), sum(out0[h] for h in holders))
+    assert sum(into[h] for h in holders) - sum(in0[h] for h in holders) == pytest.approx(extra.received, rel=1e-12)
+    assert sum(out[h] for h in holders) - sum(out0[h] for h in holders) == pytest.approx(extra.sent, rel=1e-12)
+    for w in workers:
+        assert out[w] == pytest.approx((1 + replicas) * out0[w]) and into[w] == pytest.approx((1 + replicas) * in0[w])
+        assert out[w] == pytest.approx(predict(cfg, phi).worker.sent)
+    assert sum(into[h] for h in holders) == pytest.approx(servers * predict(cfg, phi).server.received)
+
+
+@pytest.mark.parametrize("placement", ["dedicated", "colocated"])
+def test_a_replicated_run_gets_a_predicted_step_longer_than_without_replicas_on_a_slow_link(placement):
+    """cluster_step (what an emulated run's report predicts with) plays the replicated program: a number, not nan, and
+    on 100 Mbit/s links longer than r = 0's by at least the replicas' bytes on a server's link."""
+    from psarch.theory import cluster_step
+
+    def step(r: int) -> float:
+        cfg = from_dict(config("slow", train=SGD, backend=dict(ps(4, servers=2, replicas=r, partition_mb=0.05,
+                                                                   server_placement=placement)),
+                               cluster={"link_mbps": 100.0}))
+        got = cluster_step(cfg, {"params": 1e6, "step_time_s": 0.3, "comm_s": 0.2, "cluster": {"alpha_s": 1e-4}})
+        return got["predicted_s"]
+
+    r0, r1 = step(0), step(1)
+    assert math.isfinite(r1) and r0 > 0.1
+    # r = 1: each of the 2 servers also takes the other's N x S / 2 in (S = 4 MB), at 12.5 MB/s at most: half of it
+    assert r1 > r0 + 0.5 * 4 * 4e6 / 2 / 12.5e6
 
 
 @pytest.mark.parametrize("backend, train, error", [

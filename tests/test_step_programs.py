@@ -12,24 +12,27 @@ from collective.program import ALL_TO_ALL, collectives, ddp_program
 from psarch import registry
 from psarch.config import from_dict
 from psarch.dp.program import dp_program
-from psarch.ps.program import RowBytes, Slot, groups_of, ps_program, ps_reduced
+from psarch.ps.program import RowBytes, Slot, groups_of, held_slots, ps_program, ps_reduced
 from psarch.theory.program import Cluster, DataStep, chunks
 from psarch.theory.simulate import simulate
-from zero.program import stage12_program, stage3_program
+from zero.program import sharded, stage12_program, stage3_program, zero3_script
 
 RATE, ALPHA = 1e9, 2e-5
 STEP = DataStep.of(0.05)
 S = 40e6          # bytes of gradients
+UNITS = [S / 10] + [0.225 * S] * 4   # ZeRO-3's root and 4 blocks
 SLOTS = [Slot(S / 8 / 4, (i + 1) / 4) for i in range(4)]   # a server's 4 partitions, ready through backward
 
 
 def ps(k: int | str, colocated: bool = False, uneven: bool = False, barrier: bool = True, local_steps: int = 1,
-       rows: bool = False):
+       rows: bool = False, replicas: int = 0):
     """The PS with k servers of SLOTS each (uneven: every other one a partition short, as round robin deals);
-    barrier = False: async; local_steps: GEO's; rows: embedding rows pulled before forward, pushed after backward."""
+    barrier = False: async; local_steps: GEO's; rows: embedding rows pulled before forward, pushed after backward;
+    replicas: each server's slots held by the next r servers too (chain replication)."""
     def write(n: int, reduced: bool):
         count = n if k == "n" else (max(1, n // 2) if k == "n/2" else int(k))
         servers = [SLOTS[:3] if uneven and j % 2 else SLOTS for j in range(count)]
+        servers = held_slots(servers, replicas) if replicas else servers
         rb = RowBytes(8e3 / count, S / 16 / count, S / 16 / count) if rows else None
         if reduced:
             return ps_reduced(n, groups_of(servers), colocated, STEP, barrier, local_steps, rb)
@@ -83,6 +86,11 @@ PROGRAMS = {
     "zero-3": lambda n, r: stage3_program(n, [S / 3] * 3, STEP, r),
     "zero-3, FSDP2's prefetch and root": lambda n, r: stage3_program(n, [S / 6, S / 3, S / 3, S / 6], STEP, r,
                                                                      prefetch=1, keep_first=True),
+    "zero-3, the trainer's units, prefetch of one": lambda n, r: sharded(n, zero3_script(UNITS, STEP, 0.2 * S, True, 2),
+                                                                         r),
+    "zero-3, the trainer's units, all prefetched": lambda n, r: sharded(n, zero3_script(UNITS, STEP, S, True, 2), r),
+    "zero-3, the trainer's units, no prefetch, blocking": lambda n, r: sharded(n, zero3_script(UNITS, STEP, 0, False, 2),
+                                                                               r),
     "dp, copies to and from the master": lambda n, r: dp_program(n, S, STEP, r),
     "torch_zero": lambda n, r: stage12_program(n, chunks(S, S / 3), [S], STEP, True, r, reduce_passes=2),
     "ps, 1 server": ps(1),
@@ -98,6 +106,9 @@ PROGRAMS = {
     "ps async, n/2 colocated, uneven": ps("n/2", colocated=True, uneven=True, barrier=False),
     "ps geo, k = 3, n servers": ps("n", local_steps=3),
     "ps geo without barrier, k = 3, n colocated": ps("n", colocated=True, barrier=False, local_steps=3),
+    "ps, n servers, r = 1": ps("n", replicas=1),
+    "ps, 3 servers, r = 2, uneven": ps(3, uneven=True, replicas=2),
+    "ps, n colocated, r = 1, uneven": ps("n", colocated=True, uneven=True, replicas=1),
 }
 
 

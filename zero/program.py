@@ -1,10 +1,20 @@
 """ZeRO's step as a program (psarch.theory.program), on collective's ring passes. Stages 1-2: backward readies
 the gradient buckets, each reduce-scattered (1 pass) from backward's hooks (overlap_comm) or after backward, then
 the optimizer step on the rank's shard and the all-gather of the updated parameters (1 pass, in buckets), which
-nothing hides (zero/stage12.py's gather_params). Stage 3, per unit: all-gather its parameters, then its forward;
-in backward, in reverse, all-gather it again, its backward, then reduce-scatter its gradients, before the
-all-gather of the unit before it (one communicator, in the order issued: no pass hides behind compute)."""
+nothing hides (zero/stage12.py's gather_params).
+
+Stage 3 is written as what a rank's main thread does, in order (a script: `Act`s), played by `sharded`: it issues
+all-gathers and reduce-scatters on its communicator, whose thread runs them one after another in the order issued
+(FIFO), blocks on one until it is done, and computes. `zero3_script` is zero/stage3.py's schedule, unit by unit:
+forward gathers the root, prefetches the next units up to prefetch_bucket_size elements as each unit starts, and
+computes the blocks, then the root's share (its head); backward gathers the root again, prefetches the last units,
+computes the root's share first, then each block in reverse (gathered, or waited for, as its backward starts), and
+reduce-scatters a block's gradients as its backward ends (at most MAX_IN_FLIGHT left in flight; without
+overlap_comm each blocks), the root's last, after backward. `fsdp_script` is FSDP2's (prefetch of k units, the root
+kept gathered). Compute is shared among units by their bytes."""
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 from collective.program import TableServers, bucketed, ring, row_pushes, table_servers, workers
 from psarch.theory.program import DataStep, Program
@@ -23,52 +33,135 @@ def stage12_program(n: int, buckets: list[float], gathers: list[float], step: Da
     return p
 
 
-def stage3_program(n: int, units: list[float], step: DataStep, reduced: bool = False, prefetch: int = 0,
-                   keep_first: bool = False, tables: TableServers | None = None) -> Program:
-    """ZeRO-3 over `units` (each unit's parameter bytes, in forward order; compute shared by bytes) among n ranks.
-    prefetch = k: a unit's all-gather is issued as the unit k before it starts computing (FSDP2 prefetches one),
-    not after the unit before it is done; keep_first: the first unit (FSDP2's root) stays gathered from forward
-    through backward; `tables`: embedding rows on PS servers beside it (the hybrid: written in full), each rank's
-    pulled before forward (before its first gather) and pushed after backward."""
+@dataclass(frozen=True)
+class Act:
+    """One thing a rank's main thread does: GATHER or REDUCE (issue an all-gather or a reduce-scatter of `value`
+    bytes on the communicator, run in the order issued), WAIT (block until collective `name` is done) or COMPUTE
+    (`value` seconds, once every collective waited for since the last compute is done)."""
+
+    kind: str
+    name: str
+    value: float = 0.0
+
+
+GATHER, REDUCE, WAIT, COMPUTE = "gather", "reduce", "wait", "compute"
+
+
+def sharded(n: int, script: list[Act], reduced: bool = False, optimizer_s: float = 0.0,
+            tables: TableServers | None = None) -> Program:
+    """The program of n ranks each acting out `script` (every rank alike; reduced: one node standing for them), then
+    the optimizer step once every collective is done; `tables`: embedding rows on PS servers beside it (the hybrid:
+    written in full), each rank's pulled before its first collective and pushed after its last compute."""
     reduced = reduced and not tables
     p = workers(n, reduced)
     ranks = range(1 if reduced else n)
-    share = [u / (sum(units) or 1.0) for u in units]
     where, comm = table_servers(p, len(ranks), tables)   # comm: the communicator's last op on each rank
-    done: dict[str, list[str]] = {}                       # each compute span's name on each rank
+    at: list[tuple[str, ...]] = [() for _ in ranks]      # what the main thread has done since (and with) its last span
+    issued: dict[str, list[str]] = {}
+    last = ["" for _ in ranks]
+    for act in script:
+        if act.kind in (GATHER, REDUCE):
+            got = ring(p, act.name, n, act.value, 1, [(*comm[j], *at[j]) for j in ranks], reduced)
+            comm, issued[act.name] = [(g,) for g in got], got
+        elif act.kind == WAIT:
+            at = [(*at[j], issued[act.name][j]) for j in ranks]
+        else:
+            last = [p.compute(f"{act.name}.{r}", r, act.value, at[j]) for j, r in enumerate(ranks)]
+            at = [(x,) for x in last]
+    pushed = row_pushes(p, n, tables, where, last) if tables else [() for _ in ranks]
+    for j, r in enumerate(ranks):
+        p.compute(f"opt{r}", r, optimizer_s, (*at[j], *comm[j], *pushed[j]))
+    return p
 
-    def gather(name: str, i: int, size: float, issued: str | None) -> None:
-        nonlocal comm
-        got = ring(p, f"{name}{i}", n, size, 1, [(*comm[r], *((done[issued][r],) if issued else ())) for r in ranks],
-                   reduced)
-        comm, done[f"{name}{i}"] = [(g,) for g in got], got
 
-    def compute(name: str, seconds: float, after: list[tuple[str, ...]]) -> None:
-        done[name] = [p.compute(f"{name}.{r}", r, seconds, after[j]) for j, r in enumerate(ranks)]
-
-    issued_to, prev = -1, ""
-    for i, size in enumerate(units):
-        while issued_to < min(len(units) - 1, i + prefetch):
+def fsdp_script(units: list[float], step: DataStep, prefetch: int = 0, keep_first: bool = False) -> list[Act]:
+    """FSDP2's step over `units` (each unit's parameter bytes, in forward order; compute shared by bytes): in forward
+    and in backward (in reverse), all-gather each unit, compute it; reduce-scatter a unit's gradients once its
+    backward is done. prefetch = k: a unit's all-gather is issued as the unit k before it starts computing (FSDP2
+    prefetches one), not after the unit before it is done; keep_first: the first unit (FSDP2's root) stays gathered
+    from forward through backward."""
+    share = [u / (sum(units) or 1.0) for u in units]
+    out: list[Act] = []
+    issued_to = -1
+    for i in range(len(units)):
+        while issued_to < min(len(units) - 1, i + prefetch):   # issued as the unit `prefetch` before it starts
             issued_to += 1
-            # issued once the unit `prefetch` before it starts, i.e. the one before that is done
-            at = issued_to - 1 - prefetch
-            gather("fag", issued_to, units[issued_to], f"fwd{at}" if at >= 0 else None)
-        compute(f"fwd{i}", step.forward_s * share[i], [(done[f"fag{i}"][j], *((done[prev][j],) if prev else ()))
-                                                       for j, _ in enumerate(ranks)])
-        prev = f"fwd{i}"
+            out.append(Act(GATHER, f"fag{issued_to}", units[issued_to]))
+        out += [Act(WAIT, f"fag{i}"), Act(COMPUTE, f"fwd{i}", step.forward_s * share[i])]
     first = 1 if keep_first else 0
     issued_to = len(units)
     for i in reversed(range(len(units))):
         while issued_to > max(first, i - prefetch):
             issued_to -= 1
-            at = issued_to + 1 + prefetch
-            gather("bag", issued_to, units[issued_to], f"bwd{at}" if at < len(units) else prev)
-        need = f"bag{i}" if i >= first else f"fag{i}"
-        compute(f"bwd{i}", step.backward_s * share[i], [(done[need][j], done[prev][j]) for j, _ in enumerate(ranks)])
-        prev = f"bwd{i}"
-        got = ring(p, f"rs{i}", n, units[i], 1, [(*comm[r], done[prev][j]) for j, r in enumerate(ranks)], reduced)
-        comm = [(g,) for g in got]
-    pushed = row_pushes(p, n, tables, where, done[prev]) if tables else [() for _ in ranks]
-    for j, r in enumerate(ranks):
-        p.compute(f"opt{r}", r, step.optimizer_s, (done[prev][j], *comm[j], *pushed[j]))
-    return p
+            out.append(Act(GATHER, f"bag{issued_to}", units[issued_to]))
+        out += [Act(WAIT, f"bag{i}" if i >= first else f"fag{i}"), Act(COMPUTE, f"bwd{i}", step.backward_s * share[i]),
+                Act(REDUCE, f"rs{i}", units[i])]
+    return out
+
+
+def zero3_script(units: list[float], step: DataStep, prefetch_bytes: float, overlap: bool,
+                 in_flight: int) -> list[Act]:
+    """zero/stage3.py's step over `units` (bytes of each, the root first, then the blocks in forward order):
+    `prefetch_bytes` (prefetch_bucket_size's elements in bytes) gathered ahead of use, each window counting the
+    units already on their way (Stage3._prefetch); reduce-scatters asynchronous (overlap: at most `in_flight` left
+    in flight, the oldest waited for beyond: Stage3._reap) or blocking. Compute shared by bytes, the root's at
+    forward's end and backward's start (its head)."""
+    share = [u / (sum(units) or 1.0) for u in units]
+    blocks = list(range(1, len(units)))
+    out: list[Act] = []
+    on_way: set[int] = set()
+
+    def ensure(i: int, tag: str) -> None:
+        if i not in on_way:
+            gather(i, tag)
+        out.append(Act(WAIT, f"{tag}{i}"))
+
+    def gather(i: int, tag: str) -> None:
+        on_way.add(i)
+        out.append(Act(GATHER, f"{tag}{i}", units[i]))
+
+    def prefetch(order: list[int], tag: str) -> None:
+        budget = prefetch_bytes
+        for i in order:
+            if budget <= 0:
+                return
+            if i not in on_way:
+                gather(i, tag)
+            budget -= units[i]
+
+    ensure(0, "fag")
+    prefetch(blocks, "fag")
+    for pos, i in enumerate(blocks):
+        ensure(i, "fag")
+        prefetch(blocks[pos + 1:], "fag")
+        out.append(Act(COMPUTE, f"fwd{i}", step.forward_s * share[i]))
+    out.append(Act(COMPUTE, "fwd0", step.forward_s * share[0]))
+    on_way.clear()   # every unit freed after its forward, the root after the model's
+    backward = blocks[::-1]
+    ensure(0, "bag")
+    prefetch(backward, "bag")
+    out.append(Act(COMPUTE, "bwd0", step.backward_s * share[0]))
+    pending: list[str] = []
+
+    def reduce(i: int) -> None:
+        out.append(Act(REDUCE, f"rs{i}", units[i]))
+        if not overlap:
+            out.append(Act(WAIT, f"rs{i}"))
+            return
+        pending.append(f"rs{i}")
+        while len(pending) > in_flight:
+            out.append(Act(WAIT, pending.pop(0)))
+
+    for pos, i in enumerate(backward):
+        ensure(i, "bag")
+        prefetch(backward[pos + 1:], "bag")
+        out.append(Act(COMPUTE, f"bwd{i}", step.backward_s * share[i]))
+        reduce(i)
+    reduce(0)
+    return out + [Act(WAIT, x) for x in pending]
+
+
+def stage3_program(n: int, units: list[float], step: DataStep, reduced: bool = False, prefetch: int = 0,
+                   keep_first: bool = False, tables: TableServers | None = None) -> Program:
+    """FSDP2's ZeRO-3 step (fsdp_script) among n ranks; `tables`: embedding rows on PS servers beside it."""
+    return sharded(n, fsdp_script(units, step, prefetch, keep_first), reduced, step.optimizer_s, tables)

@@ -83,10 +83,11 @@ class ZeroSpec(PSTablesServices, BackendSpec):
 
     def program(self, cfg: Config, phi: float, step: Any, reduced: bool = False) -> Any:
         """zero/program.py's step: stages 1-2 in buckets of reduce_bucket_size and allgather_bucket_size elements;
-        stage 3 as one unit (the unit count is a property of the model, unknown from Φ); embedding tables on PS
-        servers: each rank's rows pulled before forward, pushed after backward."""
+        stage 3 unit by unit as zero/stage3.py gathers, prefetches and reduce-scatters them (zero3_script), over
+        the config's model's units (theory.unit_shares) scaled to Φ = phi; embedding tables on PS servers: each
+        rank's rows pulled before forward, pushed after backward."""
         from psarch.theory.program import chunks
-        from zero.program import stage12_program, stage3_program
+        from zero.program import sharded, stage12_program, zero3_script
 
         b, width = cfg.backend, BYTES[cfg.train.precision]
         tables = None
@@ -95,7 +96,11 @@ class ZeroSpec(PSTablesServices, BackendSpec):
             phi, tables = phi - table_params(cfg), table_servers(cfg)
         s, n = phi * width, b.world_size
         if b.stage == 3:
-            return stage3_program(n, [s], step, reduced, tables=tables)
+            from zero.stage12 import MAX_IN_FLIGHT
+
+            script = zero3_script([s * x for x in theory.unit_shares(cfg)], step, b.prefetch_bucket_size * width,
+                                  b.overlap_comm, MAX_IN_FLIGHT)
+            return sharded(n, script, reduced, step.optimizer_s, tables)
         return stage12_program(n, chunks(s, b.reduce_bucket_size * width), chunks(s, b.allgather_bucket_size * width),
                                step, b.overlap_comm, reduced, tables=tables)
 

@@ -24,14 +24,22 @@ def zero(cfg: Config, phi: float, stage: int, ring: int) -> Prediction:
     return ring_passes(sharded_memory(cfg, phi, stage), cfg, phi, ring)
 
 
+_SHARES: dict[str, list[float]] = {}   # unit_shares by what decides them: the estimator asks at every N
+
+
 def unit_shares(cfg: Config) -> list[float]:
     """Each unit's share of the trainable parameters, root first (psarch.model_units.find_units: the units ZeRO-3
     gathers and FSDP2 shards one by one), from the model built on the meta device."""
     from psarch.config.backend import units_attr
-    from psarch.model_units import find_units
-    from psarch.workload import build_workload
 
-    units = find_units(build_workload(cfg, device="meta").model, units_attr(cfg.backend))
-    sizes = [float(sum(p.numel() for p in u.params)) for u in units]
-    total = sum(sizes) or 1.0
-    return [sizes[0] / total] + [x / total for x in sizes[1:] if x]
+    t = cfg.train
+    key = repr((cfg.workload, t.trainable, t.lora_rank, t.lora_targets, units_attr(cfg.backend)))
+    if key not in _SHARES:
+        from psarch.model_units import find_units
+        from psarch.workload import build_workload
+
+        units = find_units(build_workload(cfg, device="meta").model, units_attr(cfg.backend))
+        sizes = [float(sum(p.numel() for p in u.params)) for u in units]
+        total = sum(sizes) or 1.0
+        _SHARES[key] = [sizes[0] / total] + [x / total for x in sizes[1:] if x]
+    return list(_SHARES[key])

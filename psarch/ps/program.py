@@ -11,12 +11,19 @@ worker w takes w's push and answers w's pull without the link. Not modelled: a s
 
 Reduced: alike servers grouped (groups_of), each group one node standing for its servers (colocated: and the
 workers beside them), the workers alone one node; a slot's pushes and pulls one transfer each per pair of nodes.
+
+Chain replication (backend.replicas = r, psarch/ps/replication.py) is the same step over each server's held slots
+(held_slots): a worker sends each partition's pushpull to every holder on its connection to that holder, each holder
+completes its own round of it, and answers every worker's pull with the whole partition; a worker's step ends once
+every holder has answered (ServerLink.settle waits for each copy), so a worker's link and a server's carry (1 + r) x
+the bytes of r = 0.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Callable
 
+from psarch.ps.partitions import chain
 from psarch.theory.program import BOTH, SERVER, WORKER, DataStep, Program, backward_spans
 
 
@@ -61,6 +68,15 @@ def slots_of(parts: list[list[tuple[int, int]]], width: int, hooks: bool,
     numel = sum(b - a for server in parts for a, b in server) or 1
     return [sorted((Slot((b - a) * width, 1 - a / numel if hooks else 1.0, None if pushed is None else pushed(b - a))
                     for a, b in server), key=lambda s: s.ready) for server in parts]
+
+
+def held_slots(servers: list[list[Slot]], r: int) -> list[list[Slot]]:
+    """Each server's slots with r replicas (partitions.chain: server i's partitions on i + 1, ..., i + r too): its own
+    and those of the r servers before it in the ring, in the order they are pushed (by when backward readies them;
+    ties: the earlier server's first)."""
+    k = len(servers)
+    return [sorted((x for j in range(k) if i in chain(k, r, j) for x in servers[j]), key=lambda x: x.ready)
+            for i in range(k)]
 
 
 def groups_of(servers: list[list[Slot]]) -> list[tuple[int, list[Slot]]]:

@@ -181,17 +181,18 @@ class PSSpec(BackendSpec):
         (stragglers and staleness are not modelled). GEO: k_steps local steps, then one exchange of deltas, the
         program standing for the k steps. Embedding rows: each worker pulls the rows its batch reads (u expected,
         theory.row_bytes) from every server before it computes (GEO: the rows of its k batches, once) and pushes
-        their gradients first after backward. Not modelled: compressing a push (top-k's selection), a server's
-        compute."""
+        their gradients first after backward. Chain replication (backend.replicas = r): each server's held slots,
+        its own and its r predecessors' (program.held_slots), exchanged with every worker as its own. Not modelled:
+        compressing a push (top-k's selection), a server's compute."""
         from psarch.ps import program
         from psarch.theory import BYTES, expected_unique_ids
 
         b, t = cfg.backend, _theory()
-        if b.replicas:   # not written yet: each partition's exchange with its every holder
-            return None
         pushed = None if cfg.train.compression == "none" else lambda numel: t.pushed_bytes(cfg, numel)
         slots = program.slots_of(t.dense_partitions(cfg, phi), BYTES[cfg.train.precision], pushes_from_hooks(cfg),
                                  pushed)
+        if b.replicas:   # each partition's exchange with its every holder
+            slots = program.held_slots(slots, b.replicas)
         colocated = b.server_placement == "colocated" and not b.server_addresses
         if b.embeddings == "rows":   # GEO: the rows its k batches read
             rows = t.row_bytes(expected_unique_ids(cfg, b.push_every), cfg.workload.dlrm.dim,
