@@ -42,6 +42,8 @@ VARIANTS = {   # name -> (train, backend extra)
     "geo-fp16": ({"compression": "fp16"}, {}),
     "geo-bf16": ({"compression": "bf16"}, {}),
     "geo-topk-async": ({"compression": "topk", "topk_ratio": RATIO}, {"geo_barrier": False}),
+    # bf16 compute: the pairs' values (both ways) and the error feedback in bf16, the copies fp32
+    "geo-topk-bf16": ({"compression": "topk", "topk_ratio": RATIO, "precision": "bf16"}, {}),
     "geo-topk-long": ({"compression": "topk", "topk_ratio": RATIO, "steps": 40}, {}),
 }
 
@@ -116,18 +118,20 @@ def sizes(name: str, phi: int) -> list[int]:
 
 def formula(name: str, phi: int) -> tuple[int, int]:
     """(bytes a worker pushes, bytes it pulls) per round, payloads only: top-k k = ceil(ratio x partition) pairs of
-    an int64 index and an fp32 value each way; a cast 2 bytes an element each way; else 4 bytes an element."""
+    an int64 index and a value (4 bytes; bf16 compute 2) each way; a cast 2 bytes an element each way; else 4 bytes
+    an element."""
     train_ = VARIANTS[name][0]
     parts = sizes(name, phi)
     if train_.get("compression") == "topk":
-        pairs = sum(math.ceil(train_["topk_ratio"] * size) * (8 + 4) for size in parts)
+        value = 2 if train_.get("precision") == "bf16" else 4
+        pairs = sum(math.ceil(train_["topk_ratio"] * size) * (8 + value) for size in parts)
         return pairs, pairs
     width = 2 if train_.get("compression") in ("fp16", "bf16") else 4
     return width * phi, width * phi
 
 
-@pytest.mark.parametrize("name", ["geo-topk", "geo-topk-parts", "geo-topk-async", "geo-fp16", "geo-bf16",
-                                  "geo-topk-all", "geo-none"])
+@pytest.mark.parametrize("name", ["geo-topk", "geo-topk-parts", "geo-topk-async", "geo-topk-bf16", "geo-fp16",
+                                  "geo-bf16", "geo-topk-all", "geo-none"])
 def test_bytes_per_round_equal_the_formula(runs, name):
     """Every round a worker sends the formula's bytes (+ a header per request) and receives the formula's (+ a
     header per reply), nothing between rounds; the servers receive what the workers send; theory predicts both."""
@@ -147,21 +151,24 @@ def test_bytes_per_round_equal_the_formula(runs, name):
     print(f"{name}: per round {up} B pushed, {down} B pulled (payload; Φ = {phi}, {len(sizes(name, phi))} partitions)")
 
 
-@pytest.mark.parametrize("name", ["geo-topk", "geo-topk-async", "geo-fp16", "geo-none"])
+@pytest.mark.parametrize("name", ["geo-topk", "geo-topk-async", "geo-topk-bf16", "geo-fp16", "geo-none"])
 def test_memory_equals_the_formula(runs, name):
-    """A worker keeps its last synced model (4Φ) and, with top-k, the error of every element it pushes (4Φ); a
-    server keeps, with compressed pulls, each worker's copy of its range (4 N x held), beside the barrier's
-    accumulator (4 x held); theory predicts both."""
+    """A worker keeps its last synced model (4Φ) and, with top-k, the error of every element it pushes (in the
+    compute dtype: 4Φ, bf16 2Φ); a
+    server keeps, with compressed pulls, each worker's copy of its range (4 N x held; with the barrier, where all
+    workers hold the same model, one: 4 x held), beside the barrier's accumulator (4 x held); theory predicts
+    both."""
     from psarch.theory import predict
     _, res, stats = runs
     phi = res[0][name]["params"]
     compression = VARIANTS[name][0].get("compression", "none")
     barrier = VARIANTS[name][1].get("geo_barrier", True)
-    error = 4 * phi if compression == "topk" else 0
+    width = 2 if VARIANTS[name][0].get("precision") == "bf16" else 4
+    error = width * phi if compression == "topk" else 0
     for r in res:
         m = r[name]["memory"]
-        assert (m["error_feedback"], m["buffers"]) == (error, 4 * phi + error), name
-    copies = N if compression != "none" else 0
+        assert (m["error_feedback"], m["buffers"]) == (error, 4 * phi + error), name   # + the fp32 synced copy
+    copies = (1 if barrier else N) if compression != "none" else 0
     servers = stats[name]["memory"]["servers"]
     for m in servers:
         assert m["buffers"] == 4 * m["held"] * (copies + barrier), name
@@ -182,11 +189,11 @@ def test_a_compressed_pull_carries_the_formulas_bytes():
     for dtype, ratio, payload in ((torch.float32, RATIO, math.ceil(RATIO * size) * 12), (torch.float16, None, 2 * size),
                                   (torch.bfloat16, None, 2 * size), (torch.float32, 1.0, size * 12)):
         params = torch.randn(size)
-        server = WorkerCopies(params, 2, dtype, ratio)
+        server = WorkerCopies(params, 2, dtype, ratio, shared=False)
         worker, start = params.clone(), params.clone()
-        for _ in range(5):
+        for version in range(5):
             params += 0.01 * torch.randn(size)
-            keys, values = server.delta(1, params)
+            keys, values = server.delta(1, params, version)
             op = "sparsedelta" if keys is not None else "delta"
             frames = wire.encode({"op": op, "version": 1, "offset": 0}, values, keys)
             assert wire.frames_bytes(frames[1:]) == payload, (dtype, ratio)
@@ -204,11 +211,11 @@ def test_what_a_top_k_pull_leaves_out_goes_with_the_next():
     from psarch.ps.server.deltas import WorkerCopies
     torch.manual_seed(1)
     params = torch.randn(500)
-    server = WorkerCopies(params, 1, torch.float32, RATIO)
+    server = WorkerCopies(params, 1, torch.float32, RATIO, shared=False)
     params += torch.randn(500)
     sent: set[int] = set()
-    for _ in range(math.ceil(1 / RATIO)):
-        keys, _ = server.delta(0, params)
+    for version in range(math.ceil(1 / RATIO)):
+        keys, _ = server.delta(0, params, version)
         assert not sent & set(keys.tolist())   # never the same element twice: what was sent is no longer missing
         sent |= set(keys.tolist())
     assert len(sent) == 500
@@ -279,3 +286,22 @@ def test_a_compressed_geo_program_moves_theorys_bytes_both_ways(compression):
     assert expected.worker.sent == expected.worker.received == (RATIO * phi * 12 if compression == "topk" else 2 * phi)
     p = registry.spec_of(cfg).program(cfg, phi, DataStep(0.0, 0.0), False)
     assert simulate(p, Cluster.of(p, rate)).step_s == pytest.approx(n * 2 * expected.worker.sent / rate)
+
+
+def test_workers_of_a_barrier_share_one_copy_and_each_rounds_delta():
+    """GEO with the barrier: every worker pulls round r's model at version r from the same start-up pull, so the
+    server keeps one copy and sends each worker the same delta, computed once per version (the copy moved once)."""
+    from psarch.ps.server.deltas import WorkerCopies
+    torch.manual_seed(2)
+    params = torch.randn(300)
+    shared, apart = (WorkerCopies(params, 3, torch.float32, RATIO, shared=s) for s in (True, False))
+    assert (shared.nbytes, apart.nbytes) == (4 * 300, 3 * 4 * 300)
+    for version in range(1, 4):
+        params += 0.1 * torch.randn(300)
+        first = shared.delta(0, params, version)
+        for w in range(3):
+            keys, values = shared.delta(w, params, version)
+            assert keys is first[0] and values is first[1]   # the same pairs, not selected again
+            alone = apart.delta(w, params, version)
+            assert torch.equal(keys, alone[0]) and torch.equal(values, alone[1])
+            assert torch.equal(shared.held(w), apart.held(w))

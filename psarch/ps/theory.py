@@ -40,7 +40,8 @@ def dense(cfg: Config, phi: float) -> Prediction:
     server_per_param = 4 + (0 if b.mode == "geo" else optimizer_bytes_per_param(t.optimizer, "fp32", t.momentum))
     server_per_param += 4 if b.barrier else 0
     server_per_param += 4 * n if b.mode in ("async", "ssp") and b.staleness_compensation == "dc" else 0
-    server_per_param += 4 * n if pulls_deltas(cfg) else 0   # GEO's compressed pulls: each worker's copy, fp32
+    # GEO's compressed pulls: what each worker holds, in fp32 (with the barrier all hold the same: one copy)
+    server_per_param += (4 if b.barrier else 4 * n) if pulls_deltas(cfg) else 0
     server_mem = server_per_param * phi / b.servers
     error = width * phi if t.compression == "topk" else 0.0   # top-k keeps the error of every element it pushes
     if b.mode == "geo":

@@ -99,7 +99,7 @@ class PullQueue:
             if p.op in wire.DELTA_PULLS:   # GEO with compression: the change since what the worker holds
                 assert st.copies is not None   # (pushes.py accepts these ops only then)
                 try:
-                    keys, data = st.copies.delta(w, st.params)
+                    keys, data = st.copies.delta(w, st.params, st.version)
                 except NonFiniteDelta as e:
                     return self.replies.fail(f"geo pull of worker {w}, partition [{placed.lo}, {placed.hi}): {e}")
                 header["op"] = wire.REPLY_TO[p.op]

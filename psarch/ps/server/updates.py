@@ -51,7 +51,7 @@ class RangeState:
                        if b.mode in ("async", "ssp") and b.staleness_compensation == "dc" else None)
         # geo with compression: what each worker holds, so that a pull sends the compressed change (deltas.py)
         self.copies = (WorkerCopies(self.params.data, workers, push_dtype(cfg),
-                                    cfg.train.topk_ratio if cfg.train.compression == "topk" else None)
+                                    cfg.train.topk_ratio if cfg.train.compression == "topk" else None, b.barrier)
                        if pulls_deltas(cfg) else None)
         self.staleness: Counter[int] = Counter()
         self.skipped = 0
