@@ -13,8 +13,9 @@ Tolerances:
 - fp16/bf16: each push rounded once per element per round (no error feedback on a cast), each pull's rounding
   carried to the next: within 2 roundings a round of the largest movement of any parameter (fp16_bound);
 - top-k at 0.1 ends more than 100x the tolerance from uncompressed GEO: the compression is real.
-Bytes: a header frame per request and reply is at most HEADER_BOUND (tests/test_ps.py's); payloads are checked
-exactly per message (test_a_compressed_pull_carries_the_formulas_bytes).
+Bytes: a header frame per request and reply is at most HEADER_BOUND (tests/test_ps.py's); payloads, counted with
+the header frames left out, equal the formula exactly, per step (test_payload_bytes_per_step_equal_the_formula_
+exactly) and per message (test_a_compressed_pull_carries_the_formulas_bytes).
 """
 from __future__ import annotations
 
@@ -149,6 +150,44 @@ def test_bytes_per_round_equal_the_formula(runs, name):
     p = predict(from_dict(data(name)), phi)
     assert (p.worker.sent, p.worker.received) == (up / K_STEPS, down / K_STEPS), name
     print(f"{name}: per round {up} B pushed, {down} B pulled (payload; Φ = {phi}, {len(sizes(name, phi))} partitions)")
+
+
+EXACT = ("geo-topk-parts", "geo-topk-async", "geo-topk-bf16", "geo-fp16")
+
+
+def payload_only(rank: int, n: int, out: str, infos: dict) -> dict:
+    """Runs whose workers count each message's payload alone: in this rank process (its own, spawned) the meter's
+    frames_bytes leaves out the header frame, so each row's bytes are the tensors' and keys' bytes on the wire."""
+    from psarch.ps import wire
+    wire.frames_bytes = lambda frames: sum(len(memoryview(f)) for f in frames[1:])
+    return {name: train(rank, n, data(name), infos[name], out) for name in EXACT}
+
+
+@pytest.fixture(scope="module")
+def payloads(tmp_path_factory):
+    from psarch.ps.services import start_services
+    out = tmp_path_factory.mktemp("geo-compression-payloads")
+    services = {name: start_services(from_dict(data(name)), None, threads=True) for name in EXACT}
+    try:
+        res = run_ranks(payload_only, N, str(out), {k: s.info for k, s in services.items()}, timeout=scaled(300))
+        for s in services.values():
+            s.finish()
+    finally:
+        for s in services.values():
+            s.stop()
+    return res
+
+
+@pytest.mark.parametrize("name", EXACT)
+def test_payload_bytes_per_step_equal_the_formula_exactly(payloads, name):
+    """Counted where they are sent and received, headers left out: every round's bytes are the formula's to the
+    byte, each way (top-k: k (8 + value bytes) per partition; a cast: 2 Φ), nothing between rounds."""
+    phi = payloads[0][name]["params"]
+    up, down = formula(name, phi)
+    for r in payloads:
+        rows = r[name]["rows"]
+        assert [row["sent"] for row in rows] == [0, up] * ROUNDS, name
+        assert [row["received"] for row in rows] == [0, down] * ROUNDS, name
 
 
 @pytest.mark.parametrize("name", ["geo-topk", "geo-topk-async", "geo-topk-bf16", "geo-fp16", "geo-none"])
