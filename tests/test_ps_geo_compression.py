@@ -9,9 +9,11 @@ Tolerances:
 - top-k of every element equals uncompressed GEO within SGD's 1e-5: the pushed pairs sum as the dense deltas do
   (bit for bit, tests/test_compression.py), but a pull adds params - copy to the copy, and copy + (params - copy)
   can be one rounding off params where the subtraction rounds (carried to the next pull, not accumulated);
-  measured: 0.0, bitwise (the copy stays within a factor 2 of the parameters, where the subtraction is exact);
+  measured: 0.0, bitwise (params - copy is exact where the two are within a factor 2, Sterbenz's lemma, as they
+  are from round to round);
 - fp16/bf16: each push rounded once per element per round (no error feedback on a cast), each pull's rounding
-  carried to the next: within 2 roundings a round of the largest movement of any parameter (fp16_bound);
+  carried to the next: within 2 roundings a round of the largest movement of any parameter
+  (test_casts_stay_within_their_roundings);
 - top-k at 0.1 ends more than 100x the tolerance from uncompressed GEO: the compression is real.
 Bytes: a header frame per request and reply is at most HEADER_BOUND (tests/test_ps.py's); payloads, counted with
 the header frames left out, equal the formula exactly, per step (test_payload_bytes_per_step_equal_the_formula_
