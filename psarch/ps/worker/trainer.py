@@ -300,6 +300,8 @@ class PSWorker(Trainer):
             self.link.pull(pushes_by(self.cfg, ckpt.step))
             if self.geo is not None:   # GEO: every worker's local optimizer starts from the checkpoint's state
                 self.geo.restore_fork(ckpt, self.layout)
+                if self.link.synced is not None:   # compressed pulls: hold exactly what was pulled, as the servers'
+                    self.geo.pulled()              # copy of it does (bf16: not the checkpoint's fp32 master)
             return
         self.rounds, self.link.versions, self.link.loss_scale = rec["rounds"], list(rec["versions"]), rec["loss_scale"]
         tensors = {own + "param": self.flat.data} if self.geo is None else self.geo.restore_record(own, rec)
