@@ -229,7 +229,6 @@ def test_theory_predicts_the_compressed_bytes_and_memory(runs, n):
     ("zero", {"train.compression": "topk"}, "ZeRO reduce-scatters gradients"),
     ("torch_ddp", {"train.compression": "topk"}, "no top-k DDP communication hook"),
     ("ps", {"train.compression": "powersgd"}, "PowerSGD's two rounds"),
-    ("ps", {"train.compression": "topk", "backend.mode": "geo"}, "pushes deltas"),
     ("ps", {"train.compression": "fp16", "backend.embeddings": "rows", "workload.model": "dlrm",
             "workload.data": "clicks"}, "compresses the dense gradients only"),
     ("single", {"train.compression": "fp16"}, "no gradient moves"),

@@ -62,11 +62,14 @@ def row_pull(p: Program, w: int, where: int, server: int, rb: RowBytes, name: st
 
 
 def slots_of(parts: list[list[tuple[int, int]]], width: int, hooks: bool,
-             pushed: Callable[[int], float] | None = None) -> list[list[Slot]]:
+             pushed: Callable[[int], float] | None = None,
+             pulled: Callable[[int], float] | None = None) -> list[list[Slot]]:
     """Each server's partitions ([lo, hi) of the flat vector) as slots, in the order they are pushed; `pushed`:
-    the bytes a push of a partition of so many elements carries (None: as its pull)."""
+    the bytes a push of a partition of so many elements carries (None: as its pull); `pulled`: a pull's (None: the
+    partition whole, `width` bytes an element)."""
     numel = sum(b - a for server in parts for a, b in server) or 1
-    return [sorted((Slot((b - a) * width, 1 - a / numel if hooks else 1.0, None if pushed is None else pushed(b - a))
+    return [sorted((Slot((b - a) * width if pulled is None else pulled(b - a), 1 - a / numel if hooks else 1.0,
+                         None if pushed is None else pushed(b - a))
                     for a, b in server), key=lambda s: s.ready) for server in parts]
 
 

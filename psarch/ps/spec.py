@@ -87,6 +87,12 @@ def pushes_from_hooks(cfg: Config) -> bool:
             and b.embeddings == "dense")
 
 
+def pulls_deltas(cfg: Config) -> bool:
+    """Whether pulls carry each partition's compressed change since what the worker holds (server/deltas.py), not
+    the partition whole: GEO with train.compression (the other modes pull parameters whole)."""
+    return cfg.backend.mode == "geo" and cfg.train.compression != "none"
+
+
 class PSSpec(BackendSpec):
     kind = "ps"
     trainer = "psarch.ps.worker.trainer:PSWorker"
@@ -98,7 +104,7 @@ class PSSpec(BackendSpec):
              "backend.dc_lambda": ("async", "ssp"), "cluster.server_link_mbps": None,
              "backend.overlap_comm": ("sync", "async", "ssp")}
     embeddings = ("dense", "rows")
-    # pushes cast to 2 bytes, or top-k's (index, value) pairs, summed by the servers in fp32
+    # pushes cast to 2 bytes, or top-k's (index, value) pairs, summed by the servers in fp32 (GEO: pulls too)
     compressions = ("none", "fp16", "bf16", "topk")
     uncompressed_because = "PowerSGD's two rounds of all-reduce have no PS form built yet"
     # async workers must not be tied together by a group that hangs when one dies
@@ -147,9 +153,11 @@ class PSSpec(BackendSpec):
             _check_rows(cfg)
         if b.replicas:
             _check_replicas(cfg)
-        if cfg.train.compression == "topk" and b.mode == "geo":
-            raise ConfigError("train.compression = \"topk\": pushes gradients with error feedback; backend.mode = "
-                              "\"geo\" pushes deltas, which it does not compress yet; use sync, async or ssp")
+        if pulls_deltas(cfg) and cfg.train.checkpoint_every:
+            raise ConfigError(f"train.checkpoint_every = {cfg.train.checkpoint_every}: backend.mode = \"geo\" with "
+                              f"train.compression = \"{cfg.train.compression}\" pulls deltas against each worker's "
+                              f"copy that the servers keep, which no checkpoint holds yet; use 0 or "
+                              f"train.compression = \"none\"")
 
     def service_nodes(self, cfg: Config) -> int:
         return 0 if cfg.backend.server_addresses else cfg.backend.servers
@@ -181,16 +189,18 @@ class PSSpec(BackendSpec):
         (stragglers and staleness are not modelled). GEO: k_steps local steps, then one exchange of deltas, the
         program standing for the k steps. Embedding rows: each worker pulls the rows its batch reads (u expected,
         theory.row_bytes) from every server before it computes (GEO: the rows of its k batches, once) and pushes
-        their gradients first after backward. Chain replication (backend.replicas = r): each server's held slots,
-        its own and its r predecessors' (program.held_slots), exchanged with every worker as its own. Not modelled:
-        compressing a push (top-k's selection), a server's compute."""
+        their gradients first after backward; GEO with compression pulls compressed deltas (theory.pulled_bytes).
+        Chain replication (backend.replicas = r): each server's held slots, its own and its r predecessors'
+        (program.held_slots), exchanged with every worker as its own. Not modelled: compressing a push or a pull
+        (top-k's selection), a server's compute."""
         from psarch.ps import program
         from psarch.theory import BYTES, expected_unique_ids
 
         b, t = cfg.backend, _theory()
         pushed = None if cfg.train.compression == "none" else lambda numel: t.pushed_bytes(cfg, numel)
+        pulled = (lambda numel: t.pulled_bytes(cfg, numel)) if pulls_deltas(cfg) else None
         slots = program.slots_of(t.dense_partitions(cfg, phi), BYTES[cfg.train.precision], pushes_from_hooks(cfg),
-                                 pushed)
+                                 pushed, pulled)
         if b.replicas:   # each partition's exchange with its every holder
             slots = program.held_slots(slots, b.replicas)
         colocated = b.server_placement == "colocated" and not b.server_addresses

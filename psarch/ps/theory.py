@@ -1,5 +1,6 @@
 """What theory predicts for the parameter server: each worker pushes S (gradients; GEO: deltas) and pulls S
-each exchange, split evenly over the servers; with embedding tables sharded by row over the servers, only
+each exchange, split evenly over the servers (compressed as train.compression says: pushes always, pulls in GEO,
+pushed_bytes and pulled_bytes); with embedding tables sharded by row over the servers, only
 the rows a batch touches move. k dedicated servers load a worker's link with S and a server's with N·S/k each
 way; k servers colocated with workers 0..k-1 keep a worker's share for its own server (S/k) and a server's for
 its own worker off the link, so a node with both carries (k-1)/k·S + (N-1)/k·S = (N+k-2)/k·S each way (k = N:
@@ -13,6 +14,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from psarch.ps.partitions import replicas, server_partitions
+from psarch.ps.spec import pulls_deltas
 from psarch.theory import (BYTES, LinkBytes, MemoryPrediction, Prediction, expected_unique_ids,
                            optimizer_bytes_per_param, table_params, topk_k)
 
@@ -31,21 +33,24 @@ def dense(cfg: Config, phi: float) -> Prediction:
     so servers report their peak."""
     b, t = cfg.backend, cfg.train
     n, width = b.world_size, BYTES[t.precision]
-    s, every = phi * width, b.push_every
-    up = sum(pushed_bytes(cfg, hi - lo) for parts in dense_partitions(cfg, phi) for lo, hi in parts)
+    every = b.push_every
+    parts = [hi - lo for server in dense_partitions(cfg, phi) for lo, hi in server]
+    up, down = sum(pushed_bytes(cfg, size) for size in parts), sum(pulled_bytes(cfg, size) for size in parts)
     k = optimizer_bytes_per_param(t.optimizer, t.precision, t.momentum)
     server_per_param = 4 + (0 if b.mode == "geo" else optimizer_bytes_per_param(t.optimizer, "fp32", t.momentum))
     server_per_param += 4 if b.barrier else 0
     server_per_param += 4 * n if b.mode in ("async", "ssp") and b.staleness_compensation == "dc" else 0
+    # GEO's compressed pulls: what each worker holds, in fp32 (with the barrier all hold the same: one copy)
+    server_per_param += (4 if b.barrier else 4 * n) if pulls_deltas(cfg) else 0
     server_mem = server_per_param * phi / b.servers
+    error = width * phi if t.compression == "topk" else 0.0   # top-k keeps the error of every element it pushes
     if b.mode == "geo":
-        mem = MemoryPrediction(params=width * phi, grads=width * phi, optimizer=k * phi, buffers=4 * phi)
-    else:   # top-k keeps the error of every element it has pushed
-        mem = MemoryPrediction(params=width * phi, grads=width * phi, optimizer=0.0,
-                               buffers=width * phi if t.compression == "topk" else 0.0)
+        mem = MemoryPrediction(params=width * phi, grads=width * phi, optimizer=k * phi, buffers=4 * phi + error)
+    else:
+        mem = MemoryPrediction(params=width * phi, grads=width * phi, optimizer=0.0, buffers=error)
     copies = 1 + replicas(cfg)   # chain replication: a worker's exchange goes to each partition's every holder
-    return Prediction(mem, LinkBytes(copies * up / every, copies * s / every),
-                      LinkBytes(copies * n * s / b.servers / every, copies * n * up / b.servers / every),
+    return Prediction(mem, LinkBytes(copies * up / every, copies * down / every),
+                      LinkBytes(copies * n * down / b.servers / every, copies * n * up / b.servers / every),
                       rounds=2 / every, messages=2 / every, server_memory=copies * server_mem)
 
 
@@ -65,6 +70,13 @@ def pushed_bytes(cfg: Config, numel: int) -> float:
     if t.compression == "topk":
         return topk_k(numel, t.topk_ratio) * (8 + BYTES[t.precision])
     return numel * (2 if t.compression in ("fp16", "bf16") else BYTES[t.precision])
+
+
+def pulled_bytes(cfg: Config, numel: int) -> float:
+    """Bytes a pull of a partition of `numel` elements carries: in GEO with compression its change since what the
+    worker holds, compressed as a push is (pushed_bytes: k (index, value) pairs for top-k, 2 bytes an element for
+    fp16/bf16; psarch/ps/server/deltas.py), else the parameters whole in the wire dtype."""
+    return pushed_bytes(cfg, numel) if pulls_deltas(cfg) else numel * BYTES[cfg.train.precision]
 
 
 def dense_partitions(cfg: Config, phi: float) -> list[list[tuple[int, int]]]:

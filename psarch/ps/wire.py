@@ -48,7 +48,8 @@ NUMPY: dict[torch.dtype, type] = {torch.float32: np.float32, torch.float64: np.f
 # Requests (worker -> server): init, push, pull, pushpull (= push + pull in one message), fetch, done,
 # save (write this server's part of checkpoint `step` into `path`, once every worker has asked; snapshot.py);
 # with backend.embeddings = "rows" (psarch/ps/rows.py): rowpull (the tensor is the int64 keys wanted),
-# rowpush (keyed: keys + their rows' gradients or deltas), rowfetch. Replies: ack, params, rows, error.
+# rowpush (keyed: keys + their rows' gradients or deltas), rowfetch. Replies: ack, params, rows, error, and in GEO
+# with compression delta and sparsedelta (keyed).
 # push, pushpull and pull name one partition of the server's range by its `offset` (backend.partition_mb; a pull
 # without one: the first), and a `params` reply to them names it too.
 _INT, _FLOAT, _STR, _BOOL = "int", "float", "str", "bool"
@@ -66,6 +67,11 @@ SCHEMA: dict[str, tuple[dict[str, str], dict[str, str], str]] = {
     # pairs, keyed: the keys, then the values as a (k, 1) tensor
     "sparsepush": ({"worker": _INT, "step": _INT, "version": _INT, "offset": _INT}, {}, "keyed"),
     "sparsepushpull": ({"worker": _INT, "step": _INT, "version": _INT, "offset": _INT}, {}, "keyed"),
+    # GEO with train.compression (psarch/ps/server/deltas.py): a push (cast to 2 bytes, or top-k's pairs), then a
+    # pull answered with the partition's compressed change since what the worker holds: a `delta` (fp16/bf16: the
+    # difference cast) or a keyed `sparsedelta` (top-k: its k (index, value) pairs)
+    "pushpulldelta": ({"worker": _INT, "step": _INT, "version": _INT, "offset": _INT}, {}, "required"),
+    "sparsepushpulldelta": ({"worker": _INT, "step": _INT, "version": _INT, "offset": _INT}, {}, "keyed"),
     "rowfetch": ({"worker": _INT}, {}, "forbidden"),
     "rows": ({"version": _INT}, {}, "required"),
     "done": ({"worker": _INT}, {}, "forbidden"),
@@ -75,6 +81,8 @@ SCHEMA: dict[str, tuple[dict[str, str], dict[str, str], str]] = {
     "ack": ({"version": _INT}, {"staleness": _INT, "skipped": _BOOL}, "forbidden"),
     "params": ({"version": _INT, "offset": _INT},
                {"scale": _FLOAT, "ahead": _INT, "skipped": _BOOL, "staleness": _INT, "summed": _INT}, "required"),
+    "delta": ({"version": _INT, "offset": _INT}, {"scale": _FLOAT, "staleness": _INT}, "required"),
+    "sparsedelta": ({"version": _INT, "offset": _INT}, {"scale": _FLOAT, "staleness": _INT}, "keyed"),
     # code "non_finite": a refused inf/nan push; "lost": a dropped worker's request (with the server's version)
     "error": ({"message": _STR}, {"code": _STR, "version": _INT}, "forbidden"),
 }
@@ -82,7 +90,12 @@ SCHEMA: dict[str, tuple[dict[str, str], dict[str, str], str]] = {
 REPLY_TO = {"init": "ack", "push": "ack", "pull": "params", "pushpull": "params", "fetch": "params", "done": "ack",
             "rejoin": "ack",
             "rowpull": "rows", "rowpush": "ack", "rowfetch": "rows", "save": "ack", "sparsepush": "ack",
-            "sparsepushpull": "params"}
+            "sparsepushpull": "params", "pushpulldelta": "delta", "sparsepushpulldelta": "sparsedelta"}
+# The requests whose pull is answered with a compressed delta (GEO with compression)
+DELTA_PULLS = ("pushpulldelta", "sparsepushpulldelta")
+# The replies that name the partition they answer by its offset (a worker's requests of one exchange are answered
+# in the order their partitions become ready)
+PARTITION_REPLIES = ("params", "delta", "sparsedelta")
 _TENSOR_FIELDS = {"dtype", "shape", "frames"}
 _KEYED_FIELDS = _TENSOR_FIELDS | {"keys"}
 

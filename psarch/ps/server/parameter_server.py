@@ -128,6 +128,7 @@ class ParameterServer:
         self.handlers: dict[str, Handler] = {
             "init": self.pushes.on_init, "push": self.pushes.on_push, "pushpull": self.pushes.on_pushpull,
             "sparsepush": self.pushes.on_push, "sparsepushpull": self.pushes.on_pushpull,
+            "pushpulldelta": self.pushes.on_pushpull, "sparsepushpulldelta": self.pushes.on_pushpull,
             "pull": self.pulls.on_pull, "fetch": self.pushes.on_fetch, "save": self.snapshots.on_save,
             "done": self.on_done, "rejoin": lambda ident, msg: self.readmit.on_rejoin(ident, msg, self.lose),
             **(self.rows.handlers() if self.rows is not None else {})}

@@ -4,6 +4,8 @@ When a pull is answered, per mode (each partition on its own: a pull names its p
 - sync, geo with barrier: once the partition's round `step` is complete, i.e. every live worker pushed it;
 - ssp: once the slowest live worker has pushed at least `step - staleness_bound` steps of the partition;
 - async, geo: at once.
+GEO with train.compression answers a pushpull's pull with the partition's compressed change since what the worker
+holds (deltas.py), a whole pull (start-up) with the parameters.
 A worker waits for one pull per partition at a time, so the queue holds at most one such pull per worker and
 partition, filed by the two (state.py's Pull.key): a push finds its partition's waiting pulls without a walk of
 every partition's.
@@ -16,6 +18,7 @@ from typing import Any
 from psarch.ps import wire
 from psarch.ps.errors import PSError
 from psarch.ps.partitions import replicas
+from psarch.ps.server.deltas import NonFiniteDelta
 from psarch.ps.server.replies import Replies
 from psarch.ps.server.state import TRACE_LIMIT, AckFields, Partition, Pull, ServerState
 
@@ -92,14 +95,25 @@ class PullQueue:
                 header["skipped"] = placed.round.last_skipped or header.get("skipped", False)
                 if replicas(s.cfg):   # a worker checks that every holder's round summed as many pushes
                     header["summed"] = placed.round.last_summed
-            data = st.params.detach()
-            # Zero-copy send: in the barrier modes the parameters cannot change before every worker has
-            # pushed again, i.e. received this reply. Elsewhere another push may land at once: send a copy.
-            want = wire.DTYPES[s.wire_dtype]
-            data = data.to(want) if data.dtype != want else (
-                data if s.barrier else data.clone())
+            keys = None
+            if p.op in wire.DELTA_PULLS:   # GEO with compression: the change since what the worker holds
+                assert st.copies is not None   # (pushes.py accepts these ops only then)
+                try:
+                    keys, data = st.copies.delta(w, st.params, st.version)
+                except NonFiniteDelta as e:
+                    return self.replies.fail(f"geo pull of worker {w}, partition [{placed.lo}, {placed.hi}): {e}")
+                header["op"] = wire.REPLY_TO[p.op]
+            else:
+                data = st.params.detach()
+                # Zero-copy send: in the barrier modes the parameters cannot change before every worker has
+                # pushed again, i.e. received this reply. Elsewhere another push may land at once: send a copy.
+                want = wire.DTYPES[s.wire_dtype]
+                data = data.to(want) if data.dtype != want else (
+                    data if s.barrier else data.clone())
+                if st.copies is not None:   # a whole pull (start-up): the worker holds exactly this now
+                    st.copies.whole(w, data)
             st.remember_sent(w)
             del s.pending[p.key]   # before the reply: an error past this point must not answer it again
-            self.replies.send(p.ident, s.booked(p.op, placed.lo), header, data)
+            self.replies.send(p.ident, s.booked(p.op, placed.lo), header, data, keys)
             if s.last_seen is not None:  # it waited on us until now: its silence starts here
                 s.last_seen[w] = time.monotonic()

@@ -108,7 +108,9 @@ class Pushes:
         part = self._part(msg)
         self.pulls.check_one(self.state.sender(msg), "pushpull", part)
         extra = self.apply(msg, part)
-        self.pulls.wait(ident, "pushpull", msg.header["worker"], msg.header["step"] + 1, extra, part)
+        # GEO with compression: answered with the partition's compressed change (pulls.py, deltas.py)
+        op = msg.op if msg.op in wire.DELTA_PULLS else "pushpull"
+        self.pulls.wait(ident, op, msg.header["worker"], msg.header["step"] + 1, extra, part)
         self.complete_round(part)
         self.pulls.serve(part)
 
@@ -170,6 +172,10 @@ class Pushes:
         if sparse != (s.cfg.train.compression == "topk"):
             raise PSError(f"{msg.op}: this run's pushes are " + ("whole partitions (push, pushpull)" if sparse else
                                                                  "top-k pairs (sparsepush, sparsepushpull)"))
+        if msg.op.endswith(("pushpull", "pushpulldelta")) and (msg.op in wire.DELTA_PULLS) != s.pulls_deltas:
+            raise PSError(f"{msg.op}: this run's pulls " + ("carry compressed deltas (pushpulldelta, "
+                                                            "sparsepushpulldelta: GEO with train.compression)"
+                                                            if s.pulls_deltas else "carry parameters whole"))
         keys = check_pairs(msg, s.push_dtype, part.lo, part.hi, s.cfg.train.topk_ratio) if sparse else None
         if keys is None:
             check_range(msg, s.push_dtype, part.lo, part.hi)

@@ -28,10 +28,11 @@ class Replies:
         """connections: what each connection has in flight (None: unbounded)."""
         self.sock, self.meter, self.state, self.pipe, self.connections = sock, meter, state, pipe, connections
 
-    def send(self, ident: bytes, op: str, header: dict[str, Any], tensor: torch.Tensor | None = None) -> None:
-        """Answer request `op` of connection `ident`; unless its unread replies would go over its budget: then
-        its connection is dropped instead (connections.py)."""
-        frames = wire.encode(header, tensor)
+    def send(self, ident: bytes, op: str, header: dict[str, Any], tensor: torch.Tensor | None = None,
+             keys: torch.Tensor | None = None) -> None:
+        """Answer request `op` of connection `ident` (a keyed reply: `keys` before the tensor); unless its unread
+        replies would go over its budget: then its connection is dropped instead (connections.py)."""
+        frames = wire.encode(header, tensor, keys)
         size = wire.frames_bytes(frames)
         if ident == self.state.current:
             self.state.current_answered = True

@@ -22,6 +22,7 @@ from psarch.precision import compute_dtype
 from psarch.ps import wire
 from psarch.ps.errors import PSError, WorkerLost
 from psarch.ps.layout import held, one_range, push_dtype
+from psarch.ps.spec import pulls_deltas
 from psarch.ps.server.rounds import OrderedSum
 from psarch.ps.server.updates import RangeState
 
@@ -160,6 +161,11 @@ class ServerState:
     def push_dtype(self) -> str:
         """The dtype dense pushes travel in: train.compression's cast, else the wire dtype."""
         return wire.DTYPE_NAMES[push_dtype(self.cfg)]
+
+    @property
+    def pulls_deltas(self) -> bool:
+        """Whether a pushpull's pull is answered with the partition's compressed change (GEO with compression)."""
+        return pulls_deltas(self.cfg)
 
     @property
     def loss_scaling(self) -> bool:

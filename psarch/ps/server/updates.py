@@ -7,7 +7,8 @@
   parameters this server last sent to that worker, kept per worker (N copies of the range, reported
   as server memory), exactly as the paper's server does.
 - geo: the worker's delta is added to the parameters (no optimizer on the server). Workers divide
-  their deltas by N; after a worker was lost the server scales them by N / (workers whose deltas
+  their deltas by N (with train.compression a pull then sends each worker the compressed change since what it
+  holds, deltas.py); after a worker was lost the server scales them by N / (workers whose deltas
   count), so the model still moves by the mean delta of the workers that are left (with the barrier:
   of the round's deltas; without: of the live workers), not by a fraction of it.
 
@@ -23,6 +24,9 @@ import torch
 from psarch.config import Config
 from psarch.meters import tensor_bytes
 from psarch.precision import MixedPrecisionOptimizer
+from psarch.ps.layout import push_dtype
+from psarch.ps.spec import pulls_deltas
+from psarch.ps.server.deltas import WorkerCopies
 from psarch.ps.server.finite import StepProbe, sum_is_finite
 
 
@@ -45,6 +49,10 @@ class RangeState:
         self.acc = torch.zeros_like(self.params.data) if b.barrier else torch.empty(0)
         self.backup = ([torch.zeros_like(self.params.data) for _ in range(workers)]
                        if b.mode in ("async", "ssp") and b.staleness_compensation == "dc" else None)
+        # geo with compression: what each worker holds, so that a pull sends the compressed change (deltas.py)
+        self.copies = (WorkerCopies(self.params.data, workers, push_dtype(cfg),
+                                    cfg.train.topk_ratio if cfg.train.compression == "topk" else None, b.barrier)
+                       if pulls_deltas(cfg) else None)
         self.staleness: Counter[int] = Counter()
         self.skipped = 0
         self.probe = StepProbe(self.optim.optimizer) if self.optim is not None else None
@@ -126,5 +134,5 @@ class RangeState:
         """Bytes this range holds, by category (from the tensors)."""
         params = tensor_bytes([self.params])
         optim = self.optim.state_bytes() if self.optim is not None else 0
-        buffers = tensor_bytes([self.acc] + (self.backup or []))
+        buffers = tensor_bytes([self.acc] + (self.backup or [])) + (self.copies.nbytes if self.copies else 0)
         return {"params": params, "optimizer": optim, "buffers": buffers, "total": params + optim + buffers}

@@ -33,6 +33,7 @@ class Request:
     into: torch.Tensor | None = None
     keys: torch.Tensor | None = None
     reply: dict[str, Any] = field(default_factory=dict)
+    reply_keys: torch.Tensor | None = None   # the int64 keys a keyed reply carried (sparsedelta)
     answered: bool = False
     posted_s: float | None = None   # when it was sent (perf_counter), in a traced step (psarch.timeline)
 
@@ -50,9 +51,9 @@ class Request:
 
     @property
     def key(self) -> tuple[str, int | None]:
-        """What its reply names: the reply op and, for a `params` reply, the offset the request named (if any)."""
+        """What its reply names: the reply op and, for a partition's reply, the offset the request named (if any)."""
         op = wire.REPLY_TO[self.header["op"]]
-        return op, self.header.get("offset") if op == "params" else None
+        return op, self.header.get("offset") if op in wire.PARTITION_REPLIES else None
 
 
 class Waiting:
@@ -73,12 +74,12 @@ class Waiting:
         return next(iter(self.by_key.values()))[0]
 
     def take(self, msg: wire.Message) -> Request | None:
-        """The request reply `msg` answers, removed (a `params` reply names an offset; a request naming none, a
+        """The request reply `msg` answers, removed (a partition's reply names an offset; a request naming none, a
         fetch or a whole-range pull, takes any), or the oldest for an error reply; None if none matches."""
         if msg.op == "error":
             keys = [next(iter(self.by_key))]
         else:
-            keys = [(msg.op, msg.header.get("offset") if msg.op == "params" else None), (msg.op, None)]
+            keys = [(msg.op, msg.header.get("offset") if msg.op in wire.PARTITION_REPLIES else None), (msg.op, None)]
         for key in keys:
             q = self.by_key.get(key)
             if q:
@@ -208,9 +209,10 @@ class PSClient:
         if req.posted_s is not None:   # a traced step: sent until its reply was taken, on the connection's lane
             RECORDER.add(f"to server {i}", f"{op} {fmt_bytes(req.nbytes)}" if req.nbytes else op, req.posted_s,
                          time.perf_counter())
-        if msg.op in ("params", "rows"):
+        if msg.op in ("params", "rows", "delta", "sparsedelta"):
             try:   # a payload of another size than the destination's (a rows reply to a rowpull names no keys)
                 req.into = msg.tensor(req.into)
+                req.reply_keys = msg.keys() if msg.op == "sparsedelta" else None
             except wire.WireError as e:
                 raise PSError(f"worker {self.worker}: bad reply from server {i} to {op!r}: {e}") from None
         req.reply = msg.header

@@ -1,6 +1,7 @@
 """GEO-SGD's worker side (as in PaddlePaddle's GEO): a local optimizer steps the worker's own fp32 master every
 step; every k_steps the worker pushes (local − last synced) / N and continues from the servers' model, which
-it keeps as the new `synced`."""
+it keeps as the new `synced` (with train.compression: from `synced` plus the compressed change the servers sent,
+psarch/ps/server/deltas.py)."""
 from __future__ import annotations
 
 
@@ -28,10 +29,15 @@ class GeoLocal:
         """What a sync pushes: (local − last synced) / N, in the wire's dtype."""
         return ((self.optim.master.masters[0].detach() - self.synced) / workers).to(dtype)
 
-    def pulled(self) -> None:
-        """The flat buffer now holds the servers' model: continue from it."""
+    def pulled(self, deltas: bool = False) -> None:
+        """The flat buffer now holds the servers' model (deltas: the pulled deltas were added to `synced`, which
+        is now the model to go on from): continue from it."""
         master = self.optim.master.masters[0].detach()
         with torch.no_grad():
+            if deltas:
+                master.copy_(self.synced)
+                self.optim.master.copy_to_model()   # (fp32: the master is the flat buffer)
+                return
             if self.optim.master.copies:
                 master.copy_(self.flat.data)   # pulled in the compute dtype
             self.synced.copy_(master)

@@ -4,7 +4,8 @@ when backend.partition_mb = 0). Each partition travels as its own
 request, all sent back to back: a server answers a partition's pull as soon as that partition's round allows,
 so the worker receives partition p while it still sends p + 1 (push and pull pipelined over a full-duplex
 link). Pulled parameters land in the flat buffer (a GPU worker stages them in host memory: the wire is host
-memory)."""
+memory); in GEO with compression a pushpull's pull is the compressed change since the model the worker holds,
+added to it (`synced`)."""
 from __future__ import annotations
 
 import time
@@ -21,6 +22,7 @@ from psarch.ps import wire
 from psarch.ps.errors import PSError, RejoinLate, WorkerLost
 from psarch.ps.layout import chain, held, held_of, one_range
 from psarch.ps.replication import diverged, homeless
+from psarch.ps.sparse import add_delta
 from psarch.ps.worker.topk import TopKPushes
 from psarch.ps.worker.client import PSClient, Request
 
@@ -71,6 +73,9 @@ class ServerLink:
         self.copies: list[list[Request]] = [[] for _ in self.parts]   # ... and those to its replicas
         self.served: dict[int, float] = {}   # each dead server: when an exchange first settled without it
         self.copied: set[int] = set()   # priority on a GPU: partitions already copied from the host stage
+        # GEO with compression: the model this worker holds (GeoLocal.synced, fp32), which a pushpull's pulled deltas
+        # are added to (psarch/ps/server/deltas.py); None: pulls land whole in the flat buffer
+        self.synced: torch.Tensor | None = None
         self.t0 = 0.0
 
     def server_versions(self) -> list[int | None]:
@@ -87,11 +92,13 @@ class ServerLink:
         delta; its slice travels), or a pull of `step` when nothing is pushed."""
         if not any(self.posted):
             self.t0 = time.perf_counter()
-        into = self.host[p.lo:p.hi]
-        r = (Request({"op": "pull", "step": step, "want": self.wire_dtype, "offset": p.lo}, into=into)
-             if pushed is None else
-             self._push(p, pushed, dict(header, op="pushpull", step=step - 1, version=self.versions[p.index],
-                                        offset=p.lo), into))
+        into: torch.Tensor | None = self.host[p.lo:p.hi]
+        if pushed is None:
+            r = Request({"op": "pull", "step": step, "want": self.wire_dtype, "offset": p.lo}, into=into)
+        else:   # a compressed delta is decoded beside, then added to `synced` (settle)
+            op, into = ("pushpull", into) if self.synced is None else ("pushpulldelta", None)
+            r = self._push(p, pushed, dict(header, op=op, step=step - 1, version=self.versions[p.index], offset=p.lo),
+                           into)
         self.posted[p.index] = r
         self.client.post(p.server, r)
         self.copies[p.index] = [Request(dict(r.header), r.tensor, into=into, keys=r.keys) for _ in p.holders[1:]]
@@ -141,7 +148,10 @@ class ServerLink:
             raise RuntimeError(f"an exchange posted {len(reqs)} of {len(self.parts)} partitions")
         reqs = [self._answered(j, r) for j, r in enumerate(reqs)]
         self.posted, self.copies = [None] * len(self.parts), [[] for _ in self.parts]
-        if self.host is not self.flat.data:
+        if any(r.header["op"] in wire.DELTA_PULLS for r in reqs):
+            for p, r in zip(self.parts, reqs):
+                self._add_delta(p, r)
+        elif self.host is not self.flat.data:
             self.flat.data.copy_(self.host, non_blocking=False)
         self.copied.clear()
         for i in self.client.dead.keys() - self.served.keys():
@@ -159,6 +169,17 @@ class ServerLink:
         if ahead:
             out["ahead"] = max(ahead)
         return out
+
+    def _add_delta(self, p: Part, r: Request) -> None:
+        """Add partition p's pulled delta to the model this worker holds, as the server's mirror of it adds it
+        (sparse.add_delta); PSError where the reply does not fit the partition."""
+        assert self.synced is not None
+        values, keys, size = r.received, r.reply_keys, p.hi - p.lo
+        if (keys is None and values.numel() != size) or (keys is not None and keys.numel() and (
+                int(keys.min()) < 0 or int(keys.max()) >= size)):
+            raise PSError(f"worker {self.client.worker}: partition [{p.lo}, {p.hi}): a delta of "
+                          f"{values.numel()} values" + ("" if keys is None else " at keys outside it"))
+        add_delta(self.synced[p.lo:p.hi], keys, values)
 
     def _answered(self, j: int, r: Request) -> Request:
         """Partition j's reply of this exchange: its first live holder's (its server's, or where that server died, a

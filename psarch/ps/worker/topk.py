@@ -1,11 +1,12 @@
-"""A worker's top-k pushes (`train.compression = "topk"`): each partition it pushes goes as its k largest
+"""A worker's top-k pushes (`train.compression = "topk"`): each partition it pushes (its gradient; in GEO its delta)
+goes as its k largest
 (index, value) pairs, k = ceil(topk_ratio x the partition's elements), and what it did not send is added to
 the next push of that partition (error feedback, as DGC's and collective/compression.py's top-k)."""
 from __future__ import annotations
 
 import torch
 
-from psarch.theory import topk_k
+from psarch.ps.sparse import largest
 
 
 class TopKPushes:
@@ -18,7 +19,7 @@ class TopKPushes:
     def pairs(self, index: int, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(int64 indices within the partition, values) of the k largest |grad + error| of partition `index`."""
         acc = grad + self.error[index] if index in self.error else grad.clone()
-        keys = acc.abs().topk(topk_k(acc.numel(), self.ratio), sorted=False).indices
+        keys = largest(acc, self.ratio)
         values = acc[keys]
         acc[keys] = 0
         self.error[index] = acc

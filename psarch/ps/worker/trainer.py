@@ -37,7 +37,7 @@ from psarch.ps.errors import WorkerLost
 from psarch.ps.layout import push_dtype, server_partitions, trainable
 from psarch.ps.partitions import replicas
 from psarch.ps.snapshot import WorkerRecord, exact_records, pushes_by, run_shape, views
-from psarch.ps.spec import pushes_from_hooks
+from psarch.ps.spec import pulls_deltas, pushes_from_hooks
 from psarch.ps.worker.client import PSClient
 from psarch.ps.worker.geo import GeoLocal
 from psarch.ps.worker.link import Exchange, ServerLink
@@ -86,6 +86,8 @@ class PSWorker(Trainer):
         if not ctx.services.restored:   # else load_checkpoint sets the state
             self.link.pull(0)  # the servers built the same initial model from the config: nothing to send
         self.geo = GeoLocal(self.flat, cfg) if b.mode == "geo" else None   # from the pulled model
+        if self.geo is not None and pulls_deltas(cfg):   # pulls add compressed deltas to the model it holds
+            self.link.synced = self.geo.synced
         self.schedule = (PushSchedule(self.flat.params, self.flat.offsets, self.link.parts)
                          if pushes_from_hooks(cfg) else None)
         self.pushes = self.pull_order = None
@@ -227,7 +229,7 @@ class PSWorker(Trainer):
             info = self.link.exchange(delta, self.rounds, {}, before)
         finally:
             self.tables.pushed()
-        geo.pulled()
+        geo.pulled(deltas=self.link.synced is not None)
         return info
 
     # ------------------------------------------------------------------ the model
@@ -298,6 +300,8 @@ class PSWorker(Trainer):
             self.link.pull(pushes_by(self.cfg, ckpt.step))
             if self.geo is not None:   # GEO: every worker's local optimizer starts from the checkpoint's state
                 self.geo.restore_fork(ckpt, self.layout)
+                if self.link.synced is not None:   # compressed pulls: hold exactly what was pulled, as the servers'
+                    self.geo.pulled()              # copy of it does (bf16: not the checkpoint's fp32 master)
             return
         self.rounds, self.link.versions, self.link.loss_scale = rec["rounds"], list(rec["versions"]), rec["loss_scale"]
         tensors = {own + "param": self.flat.data} if self.geo is None else self.geo.restore_record(own, rec)
