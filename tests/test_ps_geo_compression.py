@@ -197,8 +197,9 @@ def test_memory_equals_the_formula(runs, name):
     """A worker keeps its last synced model (4Φ) and, with top-k, the error of every element it pushes (in the
     compute dtype: 4Φ, bf16 2Φ); a
     server keeps, with compressed pulls, each worker's copy of its range (4 N x held; with the barrier, where all
-    workers hold the same model, one: 4 x held), beside the barrier's accumulator (4 x held); theory predicts
-    both."""
+    workers hold the same model, one: 4 x held, and the round's delta, kept for every worker's pull: its wire
+    bytes), beside the barrier's accumulator (4 x held); theory predicts both."""
+    from psarch.ps.theory import dense_partitions, pulled_bytes
     from psarch.theory import predict
     _, res, stats = runs
     phi = res[0][name]["params"]
@@ -211,9 +212,13 @@ def test_memory_equals_the_formula(runs, name):
         assert (m["error_feedback"], m["buffers"]) == (error, 4 * phi + error), name   # + the fp32 synced copy
     copies = (1 if barrier else N) if compression != "none" else 0
     servers = stats[name]["memory"]["servers"]
-    for m in servers:
-        assert m["buffers"] == 4 * m["held"] * (copies + barrier), name
-    p = predict(from_dict(data(name)), phi)
+    cfg = from_dict(data(name))
+    kept = [sum(pulled_bytes(cfg, hi - lo) for lo, hi in parts) if barrier and compression != "none" else 0
+            for parts in dense_partitions(cfg, phi)]
+    assert len(kept) == len(servers) == SERVERS
+    for m, delta in zip(servers, kept):
+        assert m["buffers"] == 4 * m["held"] * (copies + barrier) + delta, name
+    p = predict(cfg, phi)
     assert p.memory_per_rank.buffers == 4 * phi + error, name
     assert SERVERS * p.server_memory == sum(m["total"] for m in servers), name
     print(f"{name}: server buffers {[m['buffers'] for m in servers]} B, held {[m['held'] for m in servers]}")
@@ -346,3 +351,66 @@ def test_workers_of_a_barrier_share_one_copy_and_each_rounds_delta():
             alone = apart.delta(w, params, version)
             assert torch.equal(keys, alone[0]) and torch.equal(values, alone[1])
             assert torch.equal(shared.held(w), apart.held(w))
+
+
+def test_a_checkpoint_is_never_restored_exactly_into_compressed_pulls():
+    """The servers' copies of what each worker holds are in no checkpoint, so a checkpoint of a run of the same
+    shape (here: GEO without compression, which may write one) forks into compressed pulls: every worker pulls
+    whole, which sets the copies. Restored exactly, the copies stayed at the initial model and every later pull
+    sent the whole way from it on top of the checkpoint's model (0.117 apart after one round, found in review)."""
+    from psarch.ps.snapshot import exact_records, run_shape
+
+    class Written:   # a checkpoint's state as an uncompressed GEO run of this shape wrote it
+        def __init__(self, cfg, numel):
+            self.state = {"ps": {"run": run_shape(cfg, numel), "servers": [], "workers": []}}
+
+    plain, topk = (from_dict(config("x", train=dict(SGD, **t), backend=ps(N, "geo", SERVERS)))
+                   for t in ({}, {"compression": "topk", "topk_ratio": 1.0}))
+    assert run_shape(plain, 100) == run_shape(topk, 100)   # compression is not part of the shape...
+    assert exact_records(Written(plain, 100), plain, 100) is not None
+    assert exact_records(Written(plain, 100), topk, 100) is None   # ...but compressed pulls always fork
+
+
+def test_a_whole_pull_after_a_delta_is_refused_where_the_copy_is_shared():
+    """Under the barrier one copy stands for every worker: a worker's whole pull mid-run would reset it to the
+    parameters, and what the other workers' deltas left out would never be sent (review: 0.032 apart after 28
+    rounds). It is refused in one line; the start-up's whole pulls are not."""
+    import zmq
+    from psarch.ps import wire
+    from psarch.ps.services import start_services
+    from psarch.workload import build_workload
+    from test_ps_server import Raw
+    cfg = from_dict(config("srv", train={"optimizer": "sgd", "lr": 0.5, "compression": "topk", "topk_ratio": RATIO},
+                           workload={"model": "mlp"}, backend=ps(2, "geo", 1, geo_barrier=True, k_steps=1)))
+    numel = sum(p.numel() for p in build_workload(cfg).model.parameters())
+    k = math.ceil(RATIO * numel)
+    services, zctx = start_services(cfg, None, threads=True), zmq.Context()
+    try:
+        raws = [Raw(zctx, services.info.addresses[0], services.info.auth, w) for w in range(2)]
+        for w, raw in enumerate(raws):
+            assert raw.ask({"op": "pull", "worker": w, "step": 0, "want": "float32"}).op == "params"
+        for w, raw in enumerate(raws):   # round 0: both push their pairs, then both hear the round's delta
+            raw.sock.send_multipart(wire.encode({"op": "sparsepushpulldelta", "worker": w, "step": 0, "version": 0,
+                                                 "offset": 0}, 0.05 * torch.randn(k, 1), torch.randperm(numel)[:k]))
+        assert [raw.reply().op for raw in raws] == ["sparsedelta"] * 2
+        r = raws[1].ask({"op": "pull", "worker": 1, "step": 1, "want": "float32"})
+        assert r.op == "error" and "whole" in r.header["message"] and "pull deltas" in r.header["message"], r.header
+    finally:
+        services.stop()
+        zctx.destroy(linger=0)
+
+
+def test_a_malformed_delta_reply_is_one_clear_error_and_changes_nothing():
+    """A sparse delta whose keys and values do not pair up, or whose keys are not int64, is refused before it is
+    added to what the worker holds."""
+    from types import SimpleNamespace
+
+    from psarch.ps.errors import PSError
+    from psarch.ps.worker.link import ServerLink
+    link = SimpleNamespace(synced=torch.zeros(10), client=SimpleNamespace(worker=0))
+    part = SimpleNamespace(lo=0, hi=10)
+    for keys, values in ((torch.tensor([1, 2, 3]), torch.ones(2)), (torch.tensor([1, 2], dtype=torch.int32),
+                                                                  torch.ones(2)), (None, torch.ones(9))):
+        with pytest.raises(PSError, match=r"^worker 0: partition \[0, 10\): a delta of "):
+            ServerLink._add_delta(link, part, SimpleNamespace(received=values, reply_keys=keys))
+        assert not link.synced.any()

@@ -24,7 +24,9 @@ row cache: psarch/ps/row_snapshot.py.
 
 Restoring: a checkpoint of a PS run of the same shape (`run_shape`) restores every server and worker record
 exactly; any other (another backend, world size, server count, mode) is a fork: the servers take the
-parameters and optimizer state, every worker starts from them at step K as if it had just pulled.
+parameters and optimizer state, every worker starts from them at step K as if it had just pulled. GEO with
+compressed pulls always forks: its servers' copies of what each worker holds (server/deltas.py) are in no
+checkpoint, and only a whole pull sets them.
 """
 from __future__ import annotations
 
@@ -36,6 +38,7 @@ from psarch.checkpoint import Checkpoint
 from psarch.checkpoint.fragments import Fragment
 from psarch.config import Config
 from psarch.ps.layout import Layout, partition_elems
+from psarch.ps.messages import pulls_deltas
 
 
 class RunShape(TypedDict):
@@ -122,9 +125,9 @@ def run_shape(cfg: Config, numel: int) -> RunShape:
 
 def exact_records(ckpt: Checkpoint, cfg: Config, numel: int) -> PSRecords | None:
     """The checkpoint's PS records when it was written by a PS run of this config's shape (run_shape), else None
-    (a fork)."""
+    (a fork; always with GEO's compressed pulls, whose servers must learn by a whole pull what a worker holds)."""
     ps = ckpt.state.get("ps")
-    return ps if ps is not None and ps["run"] == run_shape(cfg, numel) else None
+    return ps if ps is not None and ps["run"] == run_shape(cfg, numel) and not pulls_deltas(cfg) else None
 
 
 def pushes_by(cfg: Config, step: int) -> int:

@@ -10,6 +10,7 @@ from psarch.backend import PROCESS_GROUP_OPTIONS, BackendSpec
 from psarch.config.backend import CoreBackendConfig, Overlap, PSServers
 from psarch.config.fields import option
 from psarch.errors import ConfigError, show
+from psarch.ps.messages import pulls_deltas, pushes_from_hooks
 from psarch.theory import Prediction
 
 
@@ -76,21 +77,6 @@ class PSOptions(PSServers, Overlap, CoreBackendConfig):
         """Whether the run goes on without a worker that died: every mode (sync's rounds then go on with the
         N - 1 others, each the mean over the gradients it has: psarch/ps/server/pushes.py)."""
         return True
-
-
-def pushes_from_hooks(cfg: Config) -> bool:
-    """Whether workers push each partition from backward's hooks (backend.overlap_comm): in sync, async and ssp,
-    dense, out of fp16 (whose push carries a verdict on the whole gradient, known only after backward) and without
-    embedding rows (their push goes first on each connection, and their gradients are final last)."""
-    b = cfg.backend
-    return (b.overlap_comm and b.mode in ("sync", "async", "ssp") and cfg.train.precision != "fp16"
-            and b.embeddings == "dense")
-
-
-def pulls_deltas(cfg: Config) -> bool:
-    """Whether pulls carry each partition's compressed change since what the worker holds (server/deltas.py), not
-    the partition whole: GEO with train.compression (the other modes pull parameters whole)."""
-    return cfg.backend.mode == "geo" and cfg.train.compression != "none"
 
 
 class PSSpec(BackendSpec):

@@ -14,7 +14,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from psarch.ps.partitions import replicas, server_partitions
-from psarch.ps.spec import pulls_deltas
+from psarch.ps.messages import pulls_deltas
 from psarch.theory import (BYTES, LinkBytes, MemoryPrediction, Prediction, expected_unique_ids,
                            optimizer_bytes_per_param, table_params, topk_k)
 
@@ -27,9 +27,10 @@ def dense(cfg: Config, phi: float) -> Prediction:
     """Each worker pushes S and pulls S, split evenly over the servers; GEO does so once every k_steps steps
     and keeps a local optimizer and the last synced fp32 model. A server holds its fp32 range and, except in
     GEO (deltas are added), the optimizer state for it; barrier modes sum a round's pushes in an fp32
-    accumulator; delay compensation keeps the version last sent to each worker. Not counted: the pushes a
-    barrier server keeps while it waits for a predecessor's (it sums in worker order): none at a round's
-    end, at worst (N - 1) x width x its range mid-round (worker 0 last); how many depends on arrival order,
+    accumulator; delay compensation keeps the version last sent to each worker; GEO's compressed pulls keep
+    what each worker holds (server/deltas.py; under the barrier one copy and the round's delta). Not counted:
+    the pushes a barrier server keeps while it waits for a predecessor's (it sums in worker order): none at a
+    round's end, at worst (N - 1) x width x its range mid-round (worker 0 last); how many depends on arrival order,
     so servers report their peak."""
     b, t = cfg.backend, cfg.train
     n, width = b.world_size, BYTES[t.precision]
@@ -43,6 +44,8 @@ def dense(cfg: Config, phi: float) -> Prediction:
     # GEO's compressed pulls: what each worker holds, in fp32 (with the barrier all hold the same: one copy)
     server_per_param += (4 if b.barrier else 4 * n) if pulls_deltas(cfg) else 0
     server_mem = server_per_param * phi / b.servers
+    if pulls_deltas(cfg) and b.barrier:   # and the round's delta, computed once and kept for every worker's pull
+        server_mem += down / b.servers
     error = width * phi if t.compression == "topk" else 0.0   # top-k keeps the error of every element it pushes
     if b.mode == "geo":
         mem = MemoryPrediction(params=width * phi, grads=width * phi, optimizer=k * phi, buffers=4 * phi + error)

@@ -10,7 +10,8 @@ top-k did not pick) stays in params - copy and goes with a later pull: error fee
 Without the barrier each worker pulls at its own versions: one copy per worker, 4·N·Φ/k bytes on each of k
 servers. With the barrier every worker pulls round r's model at version r (none can push round r + 1 before its
 pull is answered) from the same start-up pull, so every worker holds the same model: one copy is kept, and round
-r's delta is computed once and sent to every worker (4·Φ/k bytes a server; theory.dense).
+r's delta is computed once, kept, and sent to every worker (4·Φ/k bytes a server, and the delta's wire bytes;
+theory.dense).
 """
 from __future__ import annotations
 
@@ -35,13 +36,21 @@ class WorkerCopies:
         self.copies = params.detach().float().repeat(1 if shared else workers, 1)
         self.dtype, self.ratio, self.shared = dtype, ratio, shared
         self.sent: tuple[int, Delta] | None = None   # shared: the version whose delta was last computed, and it
+        self.moved = False   # a delta was sent: the workers no longer hold what a whole pull would reset them to
 
     def held(self, worker: int) -> torch.Tensor:
         """The copy of what `worker` holds."""
         return self.copies[0 if self.shared else worker]
 
+    def takes_whole(self) -> bool:
+        """Whether a whole pull may set a worker's copy: always per worker; shared, only before any delta was sent
+        (start-up, a fork), since one worker's whole pull would otherwise move the copy every other worker is
+        judged by, and what their deltas left out would never be sent."""
+        return not (self.shared and self.moved)
+
     def whole(self, worker: int, sent: torch.Tensor) -> None:
         """The worker was sent the partition whole (`sent`, in the wire dtype): it now holds exactly that."""
+        assert self.takes_whole(), "a whole pull of a shared copy after a delta (PullQueue.on_pull refuses it)"
         self.held(worker).copy_(sent)
         self.sent = None
 
@@ -59,6 +68,7 @@ class WorkerCopies:
             raise NonFiniteDelta(f"a change of the parameters of up to {d.abs().max().item():.3g} does not fit "
                                  f"{str(self.dtype).removeprefix('torch.')}")
         add_delta(copy, keys, values)
+        self.moved = True
         out = (None, values) if keys is None else (keys, values.view(-1, 1))
         if self.shared:
             self.sent = (version, out)
@@ -66,5 +76,6 @@ class WorkerCopies:
 
     @property
     def nbytes(self) -> int:
-        """Bytes of the copies (a shared delta kept for the other workers is a reply's payload, not counted)."""
-        return self.copies.numel() * self.copies.element_size()
+        """Bytes of the copies and of the shared delta kept for the other workers (held from one round to the next)."""
+        kept = [t for t in self.sent[1] if t is not None] if self.sent is not None else []
+        return sum(t.numel() * t.element_size() for t in [self.copies, *kept])

@@ -42,6 +42,10 @@ class PullQueue:
             raise PSError(f"pull: worker {w} asked for step {step}, but has pushed {pushed} step(s): "
                           f"its next step is {pushed}")
         self.check_one(w, "pull", part)
+        if part is not None and part.range.copies is not None and not part.range.copies.takes_whole():
+            raise PSError(f"pull: worker {w} asks for partition [{part.lo}, {part.hi}) whole, but every worker "
+                          f"holds it as moved by compressed deltas since start-up (GEO with the barrier): a whole "
+                          f"pull now would hide what those deltas left out; pull deltas")
         s.changing = True
         self.wait(ident, "pull", w, step, {}, part)
         self.serve(part)

@@ -22,7 +22,7 @@ from psarch.precision import compute_dtype
 from psarch.ps import wire
 from psarch.ps.errors import PSError, WorkerLost
 from psarch.ps.layout import held, one_range, push_dtype
-from psarch.ps.spec import pulls_deltas
+from psarch.ps.messages import pulls_deltas
 from psarch.ps.server.rounds import OrderedSum
 from psarch.ps.server.updates import RangeState
 

@@ -25,7 +25,7 @@ from psarch.config import Config
 from psarch.meters import tensor_bytes
 from psarch.precision import MixedPrecisionOptimizer
 from psarch.ps.layout import push_dtype
-from psarch.ps.spec import pulls_deltas
+from psarch.ps.messages import pulls_deltas
 from psarch.ps.server.deltas import WorkerCopies
 from psarch.ps.server.finite import StepProbe, sum_is_finite
 

@@ -175,10 +175,13 @@ class ServerLink:
         (sparse.add_delta); PSError where the reply does not fit the partition."""
         assert self.synced is not None
         values, keys, size = r.received, r.reply_keys, p.hi - p.lo
-        if (keys is None and values.numel() != size) or (keys is not None and keys.numel() and (
-                int(keys.min()) < 0 or int(keys.max()) >= size)):
-            raise PSError(f"worker {self.client.worker}: partition [{p.lo}, {p.hi}): a delta of "
-                          f"{values.numel()} values" + ("" if keys is None else " at keys outside it"))
+        if not values.is_floating_point() or (keys is None and values.numel() != size) or (keys is not None and (
+                keys.dtype != torch.int64 or keys.numel() != values.numel() or keys.numel() and (
+                    int(keys.min()) < 0 or int(keys.max()) >= size))):
+            raise PSError(f"worker {self.client.worker}: partition [{p.lo}, {p.hi}): a delta of {values.numel()} "
+                          f"{str(values.dtype).removeprefix('torch.')} values" +
+                          ("" if keys is None else f" at {keys.numel()} {str(keys.dtype).removeprefix('torch.')} "
+                           f"keys, not one in-range int64 key each"))
         add_delta(self.synced[p.lo:p.hi], keys, values)
 
     def _answered(self, j: int, r: Request) -> Request:

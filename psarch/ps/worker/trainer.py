@@ -37,7 +37,7 @@ from psarch.ps.errors import WorkerLost
 from psarch.ps.layout import push_dtype, server_partitions, trainable
 from psarch.ps.partitions import replicas
 from psarch.ps.snapshot import WorkerRecord, exact_records, pushes_by, run_shape, views
-from psarch.ps.spec import pulls_deltas, pushes_from_hooks
+from psarch.ps.messages import pulls_deltas, pushes_from_hooks
 from psarch.ps.worker.client import PSClient
 from psarch.ps.worker.geo import GeoLocal
 from psarch.ps.worker.link import Exchange, ServerLink
