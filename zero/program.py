@@ -3,7 +3,8 @@ the gradient buckets, each reduce-scattered (1 pass) from backward's hooks (over
 the optimizer step on the rank's shard and the all-gather of the updated parameters (1 pass, in buckets), which
 nothing hides (zero/stage12.py's gather_params). Stage 3, per unit: all-gather its parameters, then its forward;
 in backward, in reverse, all-gather it again, its backward, then reduce-scatter its gradients, before the
-all-gather of the unit before it (one communicator, in the order issued: no pass hides behind compute)."""
+all-gather of the unit before it (one communicator, in the order issued: no pass hides behind compute). A unit's
+frozen weights (train.trainable, LoRA's base) are all-gathered with it, both times, and never reduce-scattered."""
 from __future__ import annotations
 
 from collective.program import TableServers, bucketed, ring, row_pushes, table_servers, workers
@@ -24,8 +25,10 @@ def stage12_program(n: int, buckets: list[float], gathers: list[float], step: Da
 
 
 def stage3_program(n: int, units: list[float], step: DataStep, reduced: bool = False, prefetch: int = 0,
-                   keep_first: bool = False, tables: TableServers | None = None) -> Program:
-    """ZeRO-3 over `units` (each unit's parameter bytes, in forward order; compute shared by bytes) among n ranks.
+                   keep_first: bool = False, tables: TableServers | None = None,
+                   frozen: list[float] | None = None) -> Program:
+    """ZeRO-3 over `units` (each unit's trainable parameter bytes, in forward order; `frozen`: each unit's frozen
+    bytes, gathered with it; compute shared by all its bytes) among n ranks.
     prefetch = k: a unit's all-gather is issued as the unit k before it starts computing (FSDP2 prefetches one),
     not after the unit before it is done; keep_first: the first unit (FSDP2's root) stays gathered from forward
     through backward; `tables`: embedding rows on PS servers beside it (the hybrid: written in full), each rank's
@@ -33,7 +36,9 @@ def stage3_program(n: int, units: list[float], step: DataStep, reduced: bool = F
     reduced = reduced and not tables
     p = workers(n, reduced)
     ranks = range(1 if reduced else n)
-    share = [u / (sum(units) or 1.0) for u in units]
+    frozen = frozen or [0.0] * len(units)
+    gathered = [u + f for u, f in zip(units, frozen)]
+    share = [g / (sum(gathered) or 1.0) for g in gathered]
     where, comm = table_servers(p, len(ranks), tables)   # comm: the communicator's last op on each rank
     done: dict[str, list[str]] = {}                       # each compute span's name on each rank
 
@@ -52,7 +57,7 @@ def stage3_program(n: int, units: list[float], step: DataStep, reduced: bool = F
             issued_to += 1
             # issued once the unit `prefetch` before it starts, i.e. the one before that is done
             at = issued_to - 1 - prefetch
-            gather("fag", issued_to, units[issued_to], f"fwd{at}" if at >= 0 else None)
+            gather("fag", issued_to, gathered[issued_to], f"fwd{at}" if at >= 0 else None)
         compute(f"fwd{i}", step.forward_s * share[i], [(done[f"fag{i}"][j], *((done[prev][j],) if prev else ()))
                                                        for j, _ in enumerate(ranks)])
         prev = f"fwd{i}"
@@ -62,12 +67,13 @@ def stage3_program(n: int, units: list[float], step: DataStep, reduced: bool = F
         while issued_to > max(first, i - prefetch):
             issued_to -= 1
             at = issued_to + 1 + prefetch
-            gather("bag", issued_to, units[issued_to], f"bwd{at}" if at < len(units) else prev)
+            gather("bag", issued_to, gathered[issued_to], f"bwd{at}" if at < len(units) else prev)
         need = f"bag{i}" if i >= first else f"fag{i}"
         compute(f"bwd{i}", step.backward_s * share[i], [(done[need][j], done[prev][j]) for j, _ in enumerate(ranks)])
         prev = f"bwd{i}"
-        got = ring(p, f"rs{i}", n, units[i], 1, [(*comm[r], done[prev][j]) for j, r in enumerate(ranks)], reduced)
-        comm = [(g,) for g in got]
+        if units[i]:   # a unit of frozen weights only reduces nothing
+            got = ring(p, f"rs{i}", n, units[i], 1, [(*comm[r], done[prev][j]) for j, r in enumerate(ranks)], reduced)
+            comm = [(g,) for g in got]
     pushed = row_pushes(p, n, tables, where, done[prev]) if tables else [() for _ in ranks]
     for j, r in enumerate(ranks):
         p.compute(f"opt{r}", r, step.optimizer_s, (done[prev][j], *comm[j], *pushed[j]))
