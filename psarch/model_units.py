@@ -8,7 +8,7 @@ or '' for the whole model as one unit.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from torch import nn
@@ -17,17 +17,20 @@ from torch.utils.checkpoint import checkpoint
 
 @dataclass
 class Unit:
-    """A module (None for the root) and the trainable parameters it alone owns, in registration order."""
+    """A module (None for the root) and the parameters it alone owns, in registration order: those that train
+    (`params`) and those frozen (`frozen`: train.trainable, LoRA's base weights)."""
 
     name: str
     module: nn.Module | None
     params: list[nn.Parameter]
+    frozen: list[nn.Parameter] = field(default_factory=list)
 
 
 def find_units(model: nn.Module, attr: str = "blocks", frozen_too: bool = False) -> list[Unit]:
     """[root, unit 0, unit 1, ...]: the children of `model.<attr>` that hold a parameter that trains (with
-    frozen_too, every one that holds a parameter: a pipeline cuts the model along all its blocks, frozen ones
-    too; a parameterless module between them still runs on no stage), and the root holding the rest.
+    frozen_too, every one that holds a parameter: a pipeline cuts the model along all its blocks, and ZeRO-3
+    shards them, frozen ones too; a parameterless module between them still runs on no stage), and the root
+    holding the rest (the frozen parameters of a block that is no unit included).
 
     A parameter shared between units (tied weights) would be gathered by one and used by another, so it
     is refused with a message that says what to do."""
@@ -48,15 +51,19 @@ def find_units(model: nn.Module, attr: str = "blocks", frozen_too: bool = False)
     units: list[Unit] = []
     for i, block in enumerate(blocks):
         params = [p for p in block.parameters() if p.requires_grad]
-        for p in params:
+        frozen = [p for p in block.parameters() if not p.requires_grad]
+        if not (params or frozen_too and frozen):
+            continue
+        for p in params + (frozen if frozen_too else []):   # a frozen weight moves only where units hold them
             if id(p) in owner:
                 raise ValueError(f"backend.zero_units: a parameter is shared by {owner[id(p)]} and {attr}.{i}; "
                                  f"shared parameters must live in one unit (choose coarser units)")
             owner[id(p)] = f"{attr}.{i}"
-        if params or frozen_too and any(True for _ in block.parameters()):
-            units.append(Unit(f"{attr}.{i}", block, params))
-    root = [p for p in model.parameters() if p.requires_grad and id(p) not in owner]
-    return [Unit("root", None, root)] + units
+        owner.update((id(p), f"{attr}.{i}") for p in frozen if id(p) not in owner)
+        units.append(Unit(f"{attr}.{i}", block, params, frozen))
+    rest = [p for p in model.parameters() if id(p) not in owner]
+    root = Unit("root", None, [p for p in rest if p.requires_grad], [p for p in rest if not p.requires_grad])
+    return [root] + units
 
 
 def checkpoint_units(units: list[Unit]) -> None:

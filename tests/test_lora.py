@@ -1,9 +1,9 @@
 """Frozen parameters and LoRA (train.trainable, train.lora_*): the adapter's arithmetic; every backend that trains a
 subset ends with `single`'s model when both train the same subset (SGD, within 1e-5 absolute on every parameter,
 parity.SGD_ATOL, at N = 2: ddp ring, zero 1-3 on the ring, ps sync, dp, and torch's DDP and
-ZeroRedundancyOptimizer); only the parameters that train move (bytes per step from their count, not the
-model's) and hold gradients and optimizer state, while the frozen weights are reported apart; bad settings stop
-with one line."""
+ZeroRedundancyOptimizer); only the parameters that train are reduced (bytes per step from their count, not the
+model's) and hold gradients and optimizer state, while the frozen weights are reported apart (ZeRO-3 shards and
+all-gathers them too: tests/test_zero3_frozen.py); bad settings stop with one line."""
 from __future__ import annotations
 
 import math
@@ -18,6 +18,7 @@ from psarch.launch.ranks import run
 from psarch.models.lora import LoRALinear, add_lora
 from psarch.report.runs import load_run
 from psarch.workload import build_workload
+from test_zero3_frozen import frozen_chunks
 
 LORA = dict(OPTIMIZERS["sgd"], lora_rank=2, lora_alpha=4.0)
 HEAD_AND_MLP = dict(OPTIMIZERS["sgd"], trainable=["head.weight", "blocks.*.mlp.*"])
@@ -118,17 +119,19 @@ PASSES = {"ddp": 2, "zero1": 2, "zero2": 2, "zero3": 3, "torch_ddp": 2, "torch_z
 def test_only_the_trainable_parameters_move(runs):
     """Bytes per step from Φ, the parameters that train: ring passes of (N-1)/N · 4Φ (plus at most N - 1
     elements of padding per bucket and pass; torch's peers' bytes are modelled, exactly that), the PS's 4Φ each
-    way plus headers, dp's (N - 1) · 4Φ each way plus the scattered inputs and gathered losses."""
+    way plus headers, dp's (N - 1) · 4Φ each way plus the scattered inputs and gathered losses. ZeRO-3 also
+    all-gathers its chunks of the frozen weights twice (2 (N - 1) chunks each way), and reduce-scatters none."""
     _, s = runs
     for name in RUNS:
         if name.startswith("single"):
             continue
         phi, frozen = s[name]["params"], s[name]["frozen_params"]
         assert phi > 0 and 4 * frozen > 1024   # the frozen weights' bytes would exceed every bound below
-        predicted = s[name]["predicted"]["traffic_per_step"]["worker_sent"]
         kind = name.rpartition("-")[0]
+        frozen_gathers = 2 * (N - 1) * 4 * frozen_chunks(RUNS[name][0], N) if kind == "zero3" else 0
+        predicted = s[name]["predicted"]["traffic_per_step"]["worker_sent"] - frozen_gathers
         for t in s[name]["traffic"]["per_rank"]:
-            sent = t["sent_per_step"]
+            sent = t["sent_per_step"] - frozen_gathers
             if kind in PASSES:
                 assert predicted == PASSES[kind] * (N - 1) / N * 4 * phi
                 assert predicted <= sent <= predicted + PASSES[kind] * (N - 1) * 4 * 16   # 16 buckets' padding
@@ -143,14 +146,16 @@ def test_only_the_trainable_parameters_move(runs):
 @pytest.mark.slow
 def test_memory_reports_frozen_weights_apart(runs):
     """Memory's `frozen` category is the frozen weights' bytes, predicted and measured: every rank keeps them
-    whole (ZeRO-3 shards only what trains); gradients and optimizer state are the formulas' for Φ, the
-    parameters that train (SGD with momentum here: no AdamW step counters)."""
+    whole but under ZeRO-3, whose ranks keep their chunk of each unit's (tests/test_zero3_frozen.py: at N = 2 and 3);
+    gradients and optimizer state are the formulas' for Φ, the parameters that train (SGD with momentum here: no
+    AdamW step counters)."""
     _, s = runs
     for name in RUNS:
         phi, frozen = s[name]["params"], s[name]["frozen_params"]
         copies = N if name.startswith("dp") else 1
         predicted = s[name]["predicted"]["memory_per_rank"]
-        assert predicted["frozen"] == copies * 4 * frozen and 0 < predicted["grads"] <= copies * 4 * phi
+        whole = copies * 4 * frozen if not name.startswith("zero3") else 4 * frozen / N   # N = 2: no padding here
+        assert predicted["frozen"] == whole and 0 < predicted["grads"] <= copies * 4 * phi
         for m in s[name]["memory"]["per_rank"]:
             assert m["frozen"] == predicted["frozen"]
             assert (m["params"], m["grads"], m["optimizer"]) == (predicted["params"], predicted["grads"],

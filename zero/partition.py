@@ -45,6 +45,11 @@ class Group:
         return hi - min(max(self.numel, lo), hi)
 
 
+def padded_size(numel: int, world_size: int) -> int:
+    """A group of `numel` elements padded to a multiple of `world_size` (an empty group still moves one chunk)."""
+    return max(-(-numel // world_size), 1) * world_size
+
+
 class Partition:
     """Groups of parameters, each padded to a multiple of `world_size`; sizes of the full flat buffer
     (`padded_numel`) and of one rank's shard (`shard_numel` = padded_numel / world_size)."""
@@ -60,7 +65,7 @@ class Partition:
             for p in params:
                 offsets.append(n)
                 n += p.numel()
-            padded = max(-(-n // world_size), 1) * world_size   # an empty group still moves one chunk
+            padded = padded_size(n, world_size)
             self.groups.append(Group(i, list(params), offsets, n, padded, flat, shard, world_size))
             flat += padded
             shard += padded // world_size

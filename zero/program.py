@@ -11,7 +11,9 @@ computes the blocks, then the root's share (its head); backward gathers the root
 computes the root's share first, then each block in reverse (gathered, or waited for, as its backward starts), and
 reduce-scatters a block's gradients as its backward ends (at most MAX_IN_FLIGHT left in flight; without
 overlap_comm each blocks), the root's last, after backward. `fsdp_script` is FSDP2's (prefetch of k units, the root
-kept gathered). Compute is shared among units by their bytes."""
+kept gathered). A unit's frozen weights (train.trainable, LoRA's base; `frozen`: each unit's bytes) are all-gathered
+after its trainable ones, in a collective of their own, both times, and never reduce-scattered; a unit of frozen
+weights only reduces nothing. Compute is shared among units by the bytes they gather."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -74,39 +76,60 @@ def sharded(n: int, script: list[Act], reduced: bool = False, optimizer_s: float
     return p
 
 
-def fsdp_script(units: list[float], step: DataStep, prefetch: int = 0, keep_first: bool = False) -> list[Act]:
-    """FSDP2's step over `units` (each unit's parameter bytes, in forward order; compute shared by bytes): in forward
-    and in backward (in reverse), all-gather each unit, compute it; reduce-scatter a unit's gradients once its
-    backward is done. prefetch = k: a unit's all-gather is issued as the unit k before it starts computing (FSDP2
-    prefetches one), not after the unit before it is done; keep_first: the first unit (FSDP2's root) stays gathered
-    from forward through backward."""
-    share = [u / (sum(units) or 1.0) for u in units]
+def fsdp_script(units: list[float], step: DataStep, prefetch: int = 0, keep_first: bool = False,
+                frozen: list[float] | None = None) -> list[Act]:
+    """FSDP2's step over `units` (each unit's trainable parameter bytes, in forward order; `frozen`: its frozen
+    bytes): in forward and in backward (in reverse), all-gather each unit, compute it; reduce-scatter a unit's
+    gradients once its backward is done. prefetch = k: a unit's all-gather is issued as the unit k before it starts
+    computing (FSDP2 prefetches one), not after the unit before it is done; keep_first: the first unit (FSDP2's
+    root) stays gathered from forward through backward."""
+    frozen = frozen or [0.0] * len(units)
+    share = _shares(units, frozen)
     out: list[Act] = []
     issued_to = -1
     for i in range(len(units)):
         while issued_to < min(len(units) - 1, i + prefetch):   # issued as the unit `prefetch` before it starts
             issued_to += 1
-            out.append(Act(GATHER, f"fag{issued_to}", units[issued_to]))
-        out += [Act(WAIT, f"fag{i}"), Act(COMPUTE, f"fwd{i}", step.forward_s * share[i])]
+            out += _gather(f"fag{issued_to}", units[issued_to], frozen[issued_to])
+        out += [*_wait(f"fag{i}", units[i], frozen[i]), Act(COMPUTE, f"fwd{i}", step.forward_s * share[i])]
     first = 1 if keep_first else 0
     issued_to = len(units)
     for i in reversed(range(len(units))):
         while issued_to > max(first, i - prefetch):
             issued_to -= 1
-            out.append(Act(GATHER, f"bag{issued_to}", units[issued_to]))
-        out += [Act(WAIT, f"bag{i}" if i >= first else f"fag{i}"), Act(COMPUTE, f"bwd{i}", step.backward_s * share[i]),
-                Act(REDUCE, f"rs{i}", units[i])]
+            out += _gather(f"bag{issued_to}", units[issued_to], frozen[issued_to])
+        out += [*_wait(f"bag{i}" if i >= first else f"fag{i}", units[i], frozen[i]),
+                Act(COMPUTE, f"bwd{i}", step.backward_s * share[i])]
+        out += [Act(REDUCE, f"rs{i}", units[i])] if units[i] else []
     return out
 
 
+def _shares(units: list[float], frozen: list[float]) -> list[float]:
+    """Each unit's share of the compute: of the bytes it gathers."""
+    gathered = [u + f for u, f in zip(units, frozen)]
+    return [g / (sum(gathered) or 1.0) for g in gathered]
+
+
+def _gather(name: str, trains: float, frozen: float) -> list[Act]:
+    """A unit's all-gathers: its trainable parameters' (where it has any; the root always), then its frozen ones'."""
+    return ([Act(GATHER, name, trains)] if trains or not frozen else []) + ([Act(GATHER, name + "f", frozen)]
+                                                                           if frozen else [])
+
+
+def _wait(name: str, trains: float, frozen: float) -> list[Act]:
+    return [Act(WAIT, x.name) for x in _gather(name, trains, frozen)]
+
+
 def zero3_script(units: list[float], step: DataStep, prefetch_bytes: float, overlap: bool,
-                 in_flight: int) -> list[Act]:
-    """zero/stage3.py's step over `units` (bytes of each, the root first, then the blocks in forward order):
+                 in_flight: int, frozen: list[float] | None = None) -> list[Act]:
+    """zero/stage3.py's step over `units` (trainable bytes of each, the root first, then the blocks in forward order;
+    `frozen`: each unit's frozen bytes, padded as zero/frozen.py shards them):
     `prefetch_bytes` (prefetch_bucket_size's elements in bytes) gathered ahead of use, each window counting the
     units already on their way (Stage3._prefetch); reduce-scatters asynchronous (overlap: at most `in_flight` left
     in flight, the oldest waited for beyond: Stage3._reap) or blocking. Compute shared by bytes, the root's at
     forward's end and backward's start (its head)."""
-    share = [u / (sum(units) or 1.0) for u in units]
+    frozen = frozen or [0.0] * len(units)
+    share = _shares(units, frozen)
     blocks = list(range(1, len(units)))
     out: list[Act] = []
     on_way: set[int] = set()
@@ -114,11 +137,11 @@ def zero3_script(units: list[float], step: DataStep, prefetch_bytes: float, over
     def ensure(i: int, tag: str) -> None:
         if i not in on_way:
             gather(i, tag)
-        out.append(Act(WAIT, f"{tag}{i}"))
+        out.extend(_wait(f"{tag}{i}", units[i], frozen[i]))
 
     def gather(i: int, tag: str) -> None:
         on_way.add(i)
-        out.append(Act(GATHER, f"{tag}{i}", units[i]))
+        out.extend(_gather(f"{tag}{i}", units[i], frozen[i]))
 
     def prefetch(order: list[int], tag: str) -> None:
         budget = prefetch_bytes
@@ -127,7 +150,7 @@ def zero3_script(units: list[float], step: DataStep, prefetch_bytes: float, over
                 return
             if i not in on_way:
                 gather(i, tag)
-            budget -= units[i]
+            budget -= units[i] + frozen[i]
 
     ensure(0, "fag")
     prefetch(blocks, "fag")
@@ -144,6 +167,8 @@ def zero3_script(units: list[float], step: DataStep, prefetch_bytes: float, over
     pending: list[str] = []
 
     def reduce(i: int) -> None:
+        if not units[i]:   # a unit of frozen weights only reduces nothing
+            return
         out.append(Act(REDUCE, f"rs{i}", units[i]))
         if not overlap:
             out.append(Act(WAIT, f"rs{i}"))
@@ -162,6 +187,7 @@ def zero3_script(units: list[float], step: DataStep, prefetch_bytes: float, over
 
 
 def stage3_program(n: int, units: list[float], step: DataStep, reduced: bool = False, prefetch: int = 0,
-                   keep_first: bool = False, tables: TableServers | None = None) -> Program:
+                   keep_first: bool = False, tables: TableServers | None = None,
+                   frozen: list[float] | None = None) -> Program:
     """FSDP2's ZeRO-3 step (fsdp_script) among n ranks; `tables`: embedding rows on PS servers beside it."""
-    return sharded(n, fsdp_script(units, step, prefetch, keep_first), reduced, step.optimizer_s, tables)
+    return sharded(n, fsdp_script(units, step, prefetch, keep_first, frozen), reduced, step.optimizer_s, tables)

@@ -12,6 +12,7 @@ from psarch.config.backend import (ActivationMemory, Buckets, Communicator, Core
 from psarch.config.fields import option
 from psarch.theory import BYTES, Prediction, table_params
 from zero import theory
+from zero.partition import padded_size
 
 if TYPE_CHECKING:
     from psarch.config import Config
@@ -75,8 +76,10 @@ class ZeroSpec(PSTablesServices, BackendSpec):
         if cfg.backend.embeddings == "ps":   # ZeRO over the dense layers, the tables on the servers
             from collective.theory import with_ps_tables
             dense = phi - table_params(cfg)
-            return with_ps_tables(theory.zero(cfg, dense, stage, theory.passes(stage)), cfg, phi)
-        return theory.zero(cfg, phi, stage, theory.passes(stage))
+            p = with_ps_tables(theory.zero(cfg, dense, stage, theory.passes(stage)), cfg, phi)
+        else:
+            p = theory.zero(cfg, phi, stage, theory.passes(stage))
+        return theory.zero3_frozen(p, cfg) if stage == 3 else p   # stages 1-2 keep frozen weights whole
 
     def compute_holds_waits(self, cfg: Config) -> bool:
         return cfg.backend.stage == 3   # its forward's and backward's all-gathers block where nothing times them
@@ -84,7 +87,8 @@ class ZeroSpec(PSTablesServices, BackendSpec):
     def program(self, cfg: Config, phi: float, step: Any, reduced: bool = False) -> Any:
         """zero/program.py's step: stages 1-2 in buckets of reduce_bucket_size and allgather_bucket_size elements;
         stage 3 unit by unit as zero/stage3.py gathers, prefetches and reduce-scatters them (zero3_script), over
-        the config's model's units (theory.unit_shares) scaled to Φ = phi; embedding tables on PS servers: each
+        the config's model's units (theory.unit_sizes), those that train scaled to Φ = phi and the frozen ones
+        gathered with them, each unit padded to N as zero/frozen.py shards it; embedding tables on PS servers: each
         rank's rows pulled before forward, pushed after backward."""
         from psarch.theory.program import chunks
         from zero.program import sharded, stage12_program, zero3_script
@@ -98,8 +102,12 @@ class ZeroSpec(PSTablesServices, BackendSpec):
         if b.stage == 3:
             from zero.stage12 import MAX_IN_FLIGHT
 
-            script = zero3_script([s * x for x in theory.unit_shares(cfg)], step, b.prefetch_bucket_size * width,
-                                  b.overlap_comm, MAX_IN_FLIGHT)
+            sizes = theory.unit_sizes(cfg)
+            sizes = sizes[:1] + [(t, f) for t, f in sizes[1:] if t or f]
+            trains = sum(t for t, _ in sizes) or 1
+            frozen = [float(width * padded_size(f, n)) for _, f in sizes] if theory.trains_a_subset(cfg) else None
+            script = zero3_script([s * t / trains for t, _ in sizes], step, b.prefetch_bucket_size * width,
+                                  b.overlap_comm, MAX_IN_FLIGHT, frozen)
             return sharded(n, script, reduced, step.optimizer_s, tables)
         return stage12_program(n, chunks(s, b.reduce_bucket_size * width), chunks(s, b.allgather_bucket_size * width),
                                step, b.overlap_comm, reduced, tables=tables)
@@ -148,20 +156,23 @@ class TorchFSDPSpec(BackendSpec):
         return ""   # FSDP2's shards, resharded at any world size by the checkpoint
 
     def predict(self, cfg: Config, phi: float) -> Prediction:
-        return theory.zero(cfg, phi, 3, 3)
+        return theory.fsdp2_frozen(theory.zero(cfg, phi, 3, 3), cfg)
 
     def compute_holds_waits(self, cfg: Config) -> bool:
         return True   # FSDP2's collectives run inside forward, backward and its step, where nothing times them
 
     def program(self, cfg: Config, phi: float, step: Any, reduced: bool = False) -> Any:
         """zero/program.py's ZeRO-3 step over the model's units (root first, its parameters kept gathered from
-        forward through backward, as FSDP2 keeps the root's), scaled to Φ = phi, each unit's all-gather issued as
-        the unit before it starts (FSDP2's prefetch of one)."""
+        forward through backward, as FSDP2 keeps the root's), those that train scaled to Φ = phi and the frozen ones
+        gathered with them, each unit's all-gather issued as the unit before it starts (FSDP2's prefetch of one)."""
         from zero.program import stage3_program
 
-        s = phi * BYTES[cfg.train.precision]
-        return stage3_program(cfg.backend.world_size, [s * x for x in theory.unit_shares(cfg)], step, reduced,
-                              prefetch=1, keep_first=True)
+        width = BYTES[cfg.train.precision]
+        sizes = theory.unit_sizes(cfg)
+        sizes = sizes[:1] + [(t, f) for t, f in sizes[1:] if t or f]
+        trains = sum(t for t, _ in sizes) or 1
+        return stage3_program(cfg.backend.world_size, [phi * width * t / trains for t, _ in sizes], step, reduced,
+                              prefetch=1, keep_first=True, frozen=[width * f for _, f in sizes])
 
 
 ZERO = ZeroSpec()

@@ -15,6 +15,11 @@ Schedule of one step, as DeepSpeed's and FSDP's:
             buffer, prefetch the units before it. When all of a unit's gradients have accumulated, free
             its parameters, pre-divide by N and reduce-scatter the buffer into `shard_grad`.
 So every unit moves twice as an all-gather and once as a reduce-scatter: 3(N-1)/N of the padded bytes.
+Frozen weights (train.trainable, LoRA's base) are sharded too (zero/frozen.py; every block holding a parameter is
+then a unit): gathered with their unit, both times, and never reduced, 2(N-1)/N of their padded bytes. Their
+backward computes no gradient of its own, only those flowing past them, so a unit that holds some is freed
+once its gradients are reduced and the block before it has begun its backward (the unit's input gradient is
+then complete), or at the end of backward; a unit of frozen weights only reduces nothing.
 A unit whose parameters loss_fn reads outside the forward (zero.reads) is pinned: gathered on that read and
 kept, with its gradient buffer, until backward has ended; its reduce-scatter, and those after it in
 reduce order, then run after backward.
@@ -34,6 +39,7 @@ from torch.utils._pytree import tree_flatten
 from collective.comm import Communicator, Handle
 from psarch.meters import Transient, WaitClock
 from zero.export import gather_fp32
+from zero.frozen import FrozenShards
 from zero.partition import Partition
 from zero.reads import ReadsOutsideForward
 from zero.stage12 import MAX_IN_FLIGHT
@@ -50,7 +56,8 @@ class Stage3:
         self.comm, self.rank, self.n = comm, comm.rank, comm.world_size
         self.units, self.prefetch_numel, self.overlap = units, prefetch_numel, overlap_comm
         self.part = Partition([u.params for u in units], self.n)
-        first = units[0].params[0] if units[0].params else units[1].params[0]
+        self.trains = [g.numel > 0 for g in self.part.groups]   # a unit of frozen weights only reduces nothing
+        first = next(p for u in units for p in u.params)
         dtype, device = first.dtype, first.device
         self.shard = torch.zeros(self.part.shard_numel, dtype=dtype, device=device)
         self.shard_grad = torch.zeros_like(self.shard)
@@ -65,8 +72,9 @@ class Stage3:
                 self.part.shard_chunk(g, self.shard).copy_(self.part.group_chunk(g, full, self.rank))
                 full.untyped_storage().resize_(0)
                 self.full.append(full)
+        self.frozen = FrozenShards(units, comm)
         self.state = [FREE] * len(units)
-        self._gathers: dict[int, Handle] = {}
+        self._gathers: dict[int, list[Handle]] = {}
         self._grads: dict[int, torch.Tensor] = {}
         self._pending: list[tuple[Handle | None, int]] = []
         self._group_of = {id(p): g for g in self.part.groups for p in g.params}
@@ -76,8 +84,10 @@ class Stage3:
         self.reduce_order = self.forward_order[::-1] + [0]        # the order their gradients complete
         self._next = 0
         self._bwd_started: set[int] = set()
+        self._reduced: set[int] = set()      # units whose gradients are reduced (or that have none)
+        self._inputs_done: set[int] = set()  # blocks whose backward is over: the block before them began its own
         self.pinned: set[int] = set()   # units read outside forward: gathered until their gradients are reduced
-        self._unit_of = {id(p): g.index for g in self.part.groups for p in g.params}
+        self._unit_of = {id(p): i for i, u in enumerate(units) for p in [*u.params, *u.frozen]}
         self.phase = "idle"
         self.transient = Transient()   # gathered units ('gathered') and unit gradient buffers ('grads')
         self.prefetched = 0            # gathers started ahead of their unit's use
@@ -93,19 +103,28 @@ class Stage3:
     # ---- gather and free one unit
 
     def _gather(self, i: int, async_op: bool) -> None:
+        """All-gather unit i: the parameters that train (where it has any), then its frozen weights (where it has
+        any), two collectives issued together."""
         g, full = self.part.groups[i], self.full[i]
-        self._resize(i, g.padded * full.element_size())
+        handles = []
+        if self.trains[i]:
+            self._resize(full, g.padded * full.element_size())
+            handle = self.comm.all_gather(full, self.part.shard_chunk(g, self.shard), async_op=True)
+            assert handle is not None   # async_op=True returns a Handle
+            handles.append(handle)
+        if self.frozen.numel(i):
+            self._resize(self.frozen.full[i], self.frozen.numel(i) * full.element_size())
+            handles.append(self.frozen.gather(i))
         self.state[i] = GATHERING
-        handle = self.comm.all_gather(full, self.part.shard_chunk(g, self.shard), async_op=True)
-        assert handle is not None   # async_op=True returns a Handle
-        self._gathers[i] = handle
+        self._gathers[i] = handles
         if not async_op:
             self._wait(i)
 
     def _wait(self, i: int) -> None:
         if self.state[i] == GATHERING:
             with self.waits:
-                self._gathers.pop(i).wait()
+                for handle in self._gathers.pop(i):
+                    handle.wait()
             self.state[i] = GATHERED
 
     def ensure(self, i: int) -> None:
@@ -118,13 +137,15 @@ class Stage3:
         if self.state[i] == FREE or i in self.pinned:
             return
         self._wait(i)
-        self._resize(i, 0)
+        self._resize(self.full[i], 0)
+        if self.frozen.numel(i):
+            self._resize(self.frozen.full[i], 0)
         self.state[i] = FREE
 
-    def _resize(self, i: int, nbytes: int) -> None:
-        """Resize unit i's full buffer, booking the change of its storage as measured before and after,
+    def _resize(self, full: torch.Tensor, nbytes: int) -> None:
+        """Resize a unit's full buffer, booking the change of its storage as measured before and after,
         so a unit left allocated stays in the gathered count."""
-        st = self.full[i].untyped_storage()
+        st = full.untyped_storage()
         before = st.nbytes()
         st.resize_(nbytes)
         self.transient.add("gathered", st.nbytes() - before)
@@ -138,7 +159,7 @@ class Stage3:
             if self.state[i] == FREE:
                 self._gather(i, async_op=True)
                 self.prefetched += 1
-            budget -= self.part.groups[i].padded
+            budget -= self.part.groups[i].padded + self.frozen.numel(i)
 
     def pin_param(self, t: torch.Tensor) -> None:
         """`t` is read outside the model's forward: if it is a parameter, pin its unit."""
@@ -192,6 +213,10 @@ class Stage3:
     def _pre_backward(self, i: int) -> None:
         if i in self._bwd_started:
             return
+        for k in self._bwd_started - {0} - self._inputs_done:   # the blocks after i: their backward is over
+            self._inputs_done.add(k)
+            if k in self._reduced:
+                self.free(k)
         self._bwd_started.add(i)
         self.phase = "backward"
         self.ensure(i)
@@ -201,7 +226,7 @@ class Stage3:
 
     def _grad_views(self, i: int) -> None:
         """Unit i's gradient buffer (made once a step), its parameters' gradients views into it."""
-        if i in self._grads:
+        if i in self._grads or not self.trains[i]:
             return
         g = self.part.groups[i]
         buf = self._grads[i] = torch.zeros(g.padded, dtype=self.shard.dtype, device=self.shard.device)
@@ -219,12 +244,15 @@ class Stage3:
                                "(reused parameters are not supported)")
         g.ready.add(i)
         while self._next < len(self.reduce_order) and self.part.groups[self.reduce_order[self._next]].full:
-            self._reduce(self.reduce_order[self._next])
-            if self.overlap:  # a blocking reduce-scatter in the hook overlaps nothing
-                self.reduced_in_backward += 1
+            if self._reduce(self.reduce_order[self._next]) and self.overlap:
+                self.reduced_in_backward += 1   # a blocking reduce-scatter in the hook overlaps nothing
 
-    def _reduce(self, i: int) -> None:
+    def _reduce(self, i: int) -> bool:
+        """Reduce-scatter unit i's gradients (whether one was launched: a unit of frozen weights only has none)."""
         self._next += 1
+        if not self.trains[i]:
+            self._release(i)
+            return False
         g = self.part.groups[i]
         buf = self._grads.get(i)
         if buf is None:  # no gradient reached this unit: reduce zeros, as every rank does
@@ -233,12 +261,22 @@ class Stage3:
         for p in g.params:
             p.grad = None
         self.pinned.discard(i)
-        self.free(i)
+        self._release(i)
         buf.div_(self.n)
         with self.waits:   # without overlap_comm the reduce-scatter blocks here, in backward's hook
             handle = self.comm.reduce_scatter(self.part.shard_chunk(g, self.shard_grad), buf, async_op=self.overlap)
         self._pending.append((handle, i))
         self._reap(keep=MAX_IN_FLIGHT)
+        return True
+
+    def _release(self, i: int) -> None:
+        """Unit i's gradients are reduced: free it, unless its frozen weights may still be read by its backward.
+        A frozen weight's backward computes no gradient of its own, only those flowing past it: to the unit's
+        parameters (all accumulated by now) or to the unit's input, which is over once the block before it begins
+        its backward (the root, reduced last, after every block: at once)."""
+        self._reduced.add(i)
+        if not self.frozen.numel(i) or i == 0 or i in self._inputs_done:
+            self.free(i)
 
     def _reap(self, keep: int) -> None:
         while self._pending:
@@ -256,7 +294,8 @@ class Stage3:
         for g in self.part.groups:
             g.ready.clear()
         self._next = 0
-        self._bwd_started.clear()
+        for done in (self._bwd_started, self._reduced, self._inputs_done):
+            done.clear()
         self.phase = "idle"
 
     def reduce_gradients(self) -> None:
@@ -264,6 +303,7 @@ class Stage3:
         while self._next < len(self.reduce_order):
             self._reduce(self.reduce_order[self._next])
         self._reap(keep=0)
+        self.pinned.clear()   # a unit of frozen weights only, read outside forward, is kept until here
         for i in range(len(self.units)):
             self.free(i)
         self.phase = "idle"
@@ -280,7 +320,8 @@ class Stage3:
         """fp32 CPU copies of the parameters (id -> tensor) on ranks with `keep`, gathered one unit at a
         time. Collective."""
         (master,) = masters
-        return gather_fp32(self.comm, self.part, [self.part.shard_chunk(g, master) for g in self.part.groups], keep)
+        trained = gather_fp32(self.comm, self.part, [self.part.shard_chunk(g, master) for g in self.part.groups], keep)
+        return {**trained, **self.frozen.full_params(keep)}
 
     def close(self) -> None:
         for h in self._hooks:

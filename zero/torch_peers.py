@@ -133,13 +133,12 @@ class TorchFSDPTrainer(Trainer):
         self.model = workload.model.to(ctx.device)
         mesh = (DeviceMesh.from_group(ctx.group, ctx.device.type) if ctx.group is not None
                 else init_device_mesh(ctx.device.type, (ctx.world_size,)))
-        # frozen weights (train.trainable, LoRA's base) stay whole on every rank, outside FSDP, as psarch's ZeRO-3
-        # keeps them: sharding them would all-gather weights that never change twice a step
-        frozen = {p for p in self.model.parameters() if not p.requires_grad}
-        for unit in find_units(self.model, cfg.backend.zero_units)[1:]:
+        # frozen weights (train.trainable, LoRA's base) are sharded with their unit, as psarch's ZeRO-3 shards them:
+        # FSDP2 takes a group of mixed requires_grad, all-gathers all of it and reduce-scatters the gradients there are
+        for unit in find_units(self.model, cfg.backend.zero_units, frozen_too=True)[1:]:
             if unit.module is not None:   # only the root unit's is None
-                fully_shard(unit.module, mesh=mesh, ignored_params=frozen)
-        fully_shard(self.model, mesh=mesh, ignored_params=frozen)
+                fully_shard(unit.module, mesh=mesh)
+        fully_shard(self.model, mesh=mesh)
         self.loss_fn = workload.loss_fn
         self.named = [(n, p) for n, p in self.model.named_parameters() if p.requires_grad]
         self.params = [p for _, p in self.named]
@@ -147,14 +146,15 @@ class TorchFSDPTrainer(Trainer):
         self.optim = build_optimizer(self.params, cfg.train, fused=cfg.train.optimizer == "adamw")
         self.meter = TrafficMeter(modelled=True)
         self.payload = sum(p.numel() * p.element_size() for p in self.params)
+        self.frozen_payload = sum(p.numel() * p.element_size() for p in self.model.parameters() if not p.requires_grad)
 
     def step(self, batch: Any) -> StepStats:
         self.optim.zero_grad(set_to_none=True)
         loss = self.loss_fn(self.model, batch)
         loss.backward()        # FSDP reduce-scatters (averages) gradients per unit during backward
         skipped = step_if_finite(self.optim, [local(p.grad) for p in self.params if p.grad is not None])
-        n, s = self.ctx.world_size, self.payload
-        self.meter.add("all_gather", 2 * (n - 1) * s // n, 2 * (n - 1) * s // n, calls=2)
+        n, s, f = self.ctx.world_size, self.payload, self.frozen_payload
+        self.meter.add("all_gather", 2 * (n - 1) * (s + f) // n, 2 * (n - 1) * (s + f) // n, calls=2)
         self.meter.add("reduce_scatter", (n - 1) * s // n, (n - 1) * s // n)
         return StepStats(float(loss.item()), skipped=skipped)
 

@@ -50,7 +50,8 @@ class ZeroTrainer(Trainer):
         self.model = workload.model.to(ctx.device, compute_dtype(cfg.train.precision))
         self.loss_fn = workload.loss_fn
         self.comm = make_communicator(b.comm, ctx.group)
-        self.units = find_units(self.model, b.zero_units)
+        # stage 3 shards frozen weights too (zero/frozen.py): every block that holds a parameter is then a unit
+        self.units = find_units(self.model, b.zero_units, frozen_too=self.stage == 3)
         self.params = [p for u in self.units for p in u.params]
         self.phi = sum(p.numel() for p in self.params)
         if b.activation_checkpointing:
@@ -78,7 +79,8 @@ class ZeroTrainer(Trainer):
 
     def _param_storages(self) -> set[int]:
         if isinstance(self.engine, Stage3):
-            return {f.untyped_storage().data_ptr() for f in self.engine.full if f.untyped_storage().nbytes()}
+            full = [*self.engine.full, *self.engine.frozen.full.values()]
+            return {f.untyped_storage().data_ptr() for f in full if f.untyped_storage().nbytes()}
         return {self.engine.flat.untyped_storage().data_ptr()}
 
     def step(self, batch: Any) -> StepStats:
@@ -166,9 +168,11 @@ class ZeroTrainer(Trainer):
         e, rank = self.engine, self.ctx.rank
         item = e.shard.element_size() if isinstance(e, Stage3) else e.flat.element_size()
         pad_full, pad_shard = e.part.padding * item, e.part.shard_padding(rank) * item
+        frozen = 0   # stages 1-2: the frozen weights are the model's, whole (the runner measures them)
         if isinstance(e, Stage3):
             params, grads = tensor_bytes([e.shard]), tensor_bytes([e.shard_grad])
-            padding = 2 * pad_shard
+            frozen = tensor_bytes([e.frozen.shard])   # this rank's chunk of each unit's frozen weights
+            padding = 2 * pad_shard + e.frozen.part.shard_padding(rank) * item
         else:
             params = tensor_bytes([e.flat])
             grads = tensor_bytes([e.grad]) if isinstance(e, Stage1) else tensor_bytes([e.shard_grad])
@@ -176,7 +180,8 @@ class ZeroTrainer(Trainer):
         peak, kind = peak_memory(self.ctx.device)
         rows = self.tables.memory()   # ps: the last step's rows and their gradients
         params, grads = params + rows.get("params", 0), grads + rows.get("grads", 0)
-        return MemoryReport(params=params, grads=grads, optimizer=self.optim.state_bytes(), working=e.transient.peak.get("working", 0),
+        return MemoryReport(params=params, grads=grads, optimizer=self.optim.state_bytes(), frozen=frozen,
+                            working=e.transient.peak.get("working", 0),
                             gathered_peak=e.transient.peak.get("gathered", 0),
                             grad_buffer_peak=e.transient.peak.get("grads", 0),
                             peak=peak, peak_kind=kind, padding=padding + self._optimizer_padding())

@@ -102,10 +102,11 @@ class Prediction:
 def predict(cfg: Config, phi: float, frozen: float = 0.0) -> Prediction:
     """What theory predicts for `cfg` with `phi` parameters that train: the backend's own theory
     (BackendSpec.predict). S = phi x the wire dtype's bytes (the compute precision), N = backend.world_size.
-    `frozen` parameters move nowhere and hold no gradient or optimizer state: each copy the backend keeps of the
-    model (BackendSpec.frozen_copies) holds them whole in the compute dtype, unless the backend's theory placed
-    them itself, rank by rank (per_rank: a pipeline's stages each keep their own, a tensor rank its parts; a stage
-    with none keeps none, and memory_per_rank is one of those ranks' own records, never written here)."""
+    `frozen` parameters hold no gradient or optimizer state and are reduced nowhere: each copy the backend keeps of
+    the model (BackendSpec.frozen_copies) holds them whole in the compute dtype, unless the backend's theory placed
+    them itself: in memory_per_rank (a sharding backend: each rank its shard, all-gathered where it says) or rank by
+    rank (per_rank: a pipeline's stages each keep their own, a tensor rank its parts; a stage with none keeps none,
+    and memory_per_rank is one of those ranks' own records, never written here)."""
     spec = registry.spec_of(cfg)
     p = spec.predict(cfg, phi)
     if p.per_rank is None and not p.memory_per_rank.frozen:
