@@ -376,6 +376,24 @@ def test_a_tensor_program_moves_theorys_bytes_with_lora_and_frozen_parameters(ki
         assert simulate(p, Cluster.of(p, RATE)).step_s == pytest.approx(sent / RATE, rel=1e-9)
 
 
+@pytest.mark.parametrize("train", [{"lora_rank": 2}, {"trainable": ["head.weight", "blocks.1.*"]}, {}])
+def test_a_zero3_program_gathers_the_frozen_weights_as_predict_counts(train):
+    """With compute 0 and no latency a ZeRO-3 step is its bytes at the link's rate, predict()'s: each unit's
+    trainable parameters gathered twice and reduce-scattered, its frozen ones (padded to N as they are sharded)
+    gathered twice and never reduced; a block of frozen weights only reduces nothing. (FSDP2's keeps its root
+    gathered through backward, which predict's 3 passes do not: test_fsdp_prefetch_hides_a_gather... above.)"""
+    from psarch.theory import predict
+    from psarch.workload import build_workload
+
+    cfg = from_dict({"train": {"steps": 2, "global_batch": 12, **train}, "workload": {"gpt": {"n_layer": 2}},
+                     "backend": {"kind": "zero", "stage": 3, "world_size": 3}})
+    phi = sum(p.numel() for p in build_workload(cfg, device="meta").model.parameters() if p.requires_grad)
+    sent = predict(cfg, phi).worker.sent
+    for reduced in (False, True):
+        p = registry.spec_of(cfg).program(cfg, phi, DataStep(0.0, 0.0), reduced)
+        assert simulate(p, Cluster.of(p, RATE)).step_s == pytest.approx(sent / RATE, rel=1e-3)
+
+
 @pytest.mark.parametrize("colocated", [False, True])
 def test_a_ps_workers_rows_ride_the_connections_of_its_pushes_and_pulls(colocated):
     """Row keys and row pushes ride ("push", worker, server index) as the partitions' pushes do, rows and pulls
