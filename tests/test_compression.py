@@ -169,7 +169,7 @@ def all_reduces_per_step(rank: int, n: int) -> dict[str, list[list[int]]]:
 
     w = build_workload(cfg)
     trainer = DDPTrainer(w, cfg, DistContext(rank, n, rank, torch.device("cpu"), "gloo"))
-    trainer.comm.all_reduce = counted("psarch", trainer.comm.all_reduce)   # type: ignore[method-assign]
+    trainer.comm.all_reduce = counted("psarch", trainer.comm.all_reduce)
     for step in range(4):
         calls["psarch"].append([])
         trainer.step(w.batch(step, rank, n))
@@ -190,8 +190,8 @@ def all_reduces_per_step(rank: int, n: int) -> dict[str, list[list[int]]]:
 
 def test_psarch_powersgd_sends_the_all_reduces_torchs_hook_sends():
     """Per bucket and compressed step, psarch's PowerSGD issues what torch's powerSGD_hook issues: three
-    all-reduces, the tensors sent whole, every P, every Q, each batched into one message of theory's size (not one
-    per matrix); a warm-up step one all-reduce of the bucket."""
+    all-reduces in turn, of the tensors sent whole, of every P and of every Q, each batched into one all-reduce of
+    theory's size (not one per matrix); a warm-up step one all-reduce of the bucket."""
     _, factored = plan(3)
     whole = sum(math.prod(s) for s in shapes()) - sum(a * m for a, m, _ in factored)
     sizes = [4 * whole, 4 * sum(a * r for a, _, r in factored), 4 * sum(m * r for _, m, r in factored)]
