@@ -146,6 +146,60 @@ def test_psarch_fp16_and_powersgd_equal_torchs_hooks(runs, n):
                 assert_same_model(mine, torch_model, what, rtol=0, atol=0.0 if n == 2 else SGD_ATOL)
 
 
+def all_reduces_per_step(rank: int, n: int) -> dict[str, list[list[int]]]:
+    """The bytes of each all-reduce a rank issues in each of 4 steps (PowerSGD rank 3, 2 warm-up steps, the tiny GPT
+    in one bucket): psarch's ddp (its communicator's calls) and torch's DDP with powerSGD_hook (the hook's calls of
+    torch.distributed.all_reduce)."""
+    import torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook as hook
+    from torch.nn.parallel import DistributedDataParallel
+
+    from collective.ddp import DDPTrainer
+    from psarch.dist import DistContext
+    from psarch.workload import build_workload
+
+    cfg = from_dict(config("calls", train={**SGD, "compression": "powersgd", "powersgd_rank": 3,
+                                           "powersgd_warmup_steps": 2}, backend={"kind": "ddp", "world_size": n}))
+    calls: dict[str, list[list[int]]] = {"psarch": [], "torch": []}
+
+    def counted(side: str, all_reduce):
+        def call(tensor, *args, **kwargs):
+            calls[side][-1].append(tensor.numel() * tensor.element_size())
+            return all_reduce(tensor, *args, **kwargs)
+        return call
+
+    w = build_workload(cfg)
+    trainer = DDPTrainer(w, cfg, DistContext(rank, n, rank, torch.device("cpu"), "gloo"))
+    trainer.comm.all_reduce = counted("psarch", trainer.comm.all_reduce)
+    for step in range(4):
+        calls["psarch"].append([])
+        trainer.step(w.batch(step, rank, n))
+    trainer.close()
+    w = build_workload(cfg)
+    ddp = DistributedDataParallel(w.model, bucket_cap_mb=cfg.backend.bucket_cap_mb)
+    ddp.register_comm_hook(hook.PowerSGDState(None, matrix_approximation_rank=3, start_powerSGD_iter=2,
+                                              min_compression_rate=2, random_seed=cfg.seed), hook.powerSGD_hook)
+    real, hook.dist.all_reduce = hook.dist.all_reduce, counted("torch", hook.dist.all_reduce)
+    try:
+        for step in range(4):
+            calls["torch"].append([])
+            w.loss_fn(ddp, w.batch(step, rank, n)).backward()
+    finally:
+        hook.dist.all_reduce = real
+    return calls
+
+
+def test_psarch_powersgd_sends_the_all_reduces_torchs_hook_sends():
+    """Per bucket and compressed step, psarch's PowerSGD issues what torch's powerSGD_hook issues: three
+    all-reduces in turn, of the tensors sent whole, of every P and of every Q, each batched into one all-reduce of
+    theory's size (not one per matrix); a warm-up step one all-reduce of the bucket."""
+    _, factored = plan(3)
+    whole = sum(math.prod(s) for s in shapes()) - sum(a * m for a, m, _ in factored)
+    sizes = [4 * whole, 4 * sum(a * r for a, _, r in factored), 4 * sum(m * r for _, m, r in factored)]
+    calls = run_ranks(all_reduces_per_step, 2, timeout=scaled(120))[0]
+    print(f"all-reduces per step, bytes: psarch {calls['psarch']}, torch's hook {calls['torch']}")
+    assert calls["psarch"] == calls["torch"] == [[4 * sum(math.prod(s) for s in shapes())]] * 2 + [sizes] * 2
+
+
 @pytest.mark.parametrize("n", [2, 3])
 def test_compression_changes_the_model(runs, n):
     """The parity above is not vacuous: lossy compression ends far (100x the tolerance) from exact averaging,

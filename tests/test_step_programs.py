@@ -168,6 +168,26 @@ def test_a_compressed_ddp_program_moves_theorys_bytes(kind, compression):
         assert simulate(p, Cluster.of(p, RATE)).step_s == pytest.approx(sent / RATE, rel=2e-3)
 
 
+@pytest.mark.parametrize("kind", ["ddp", "torch_ddp"])
+def test_a_powersgd_program_pays_alpha_for_each_message_it_sends(kind):
+    """With compute 0 and bytes at no cost a compressed PowerSGD step on one bucket is its messages' α: three ring
+    all-reduces one after another (the tensors sent whole, every P, every Q), 2(N - 1) messages each, as psarch's
+    PowerSGD and torch's hook send them (tests/test_compression.py counts theirs); fp16 one all-reduce. (At 1e15
+    bytes/s a transfer's last bytes once took less time than the clock could count, and the simulator stood still.)"""
+    from psarch.workload import build_workload
+
+    n, alpha = 4, 1e-3
+    for compression, all_reduces in (("powersgd", 3), ("fp16", 1)):
+        warm = {"powersgd_warmup_steps": 2} if compression == "powersgd" else {}
+        cfg = from_dict({"train": {"compression": compression, "steps": 10, **warm},
+                         "backend": {"kind": kind, "world_size": n}})
+        phi = sum(p.numel() for p in build_workload(cfg, device="meta").model.parameters())
+        for reduced in (False, True):
+            p = registry.spec_of(cfg).program(cfg, phi, DataStep(0.0, 0.0), reduced)
+            step = simulate(p, Cluster.of(p, 1e15, alpha)).step_s
+            assert step == pytest.approx(all_reduces * 2 * (n - 1) * alpha, rel=1e-3), (compression, reduced)
+
+
 def test_a_compressed_ps_program_pushes_theorys_bytes():
     """One server, its range whole: N pushes of top-k pairs in through its link, then N pulls of S out."""
     from psarch.theory import predict

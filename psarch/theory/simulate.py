@@ -174,9 +174,13 @@ def play(program: Program, cluster: Cluster, began: dict[str, float] | None = No
         for f, r in zip(flows, rates):
             f.left -= r * (t - now)
         now = t
-        if any(f.left <= DONE * max(1.0, f.op.bytes) for f in flows):
-            complete = [f for f in flows if f.left <= DONE * max(1.0, f.op.bytes)]
-            flows = [f for f in flows if f.left > DONE * max(1.0, f.op.bytes)]
+        # complete: less than DONE of its bytes left, or so little that its time left no longer moves the clock
+        # (a residue of a fast link late in a step: the loop would stand still at `now` for ever)
+        over = [f.left <= DONE * max(1.0, f.op.bytes) or (r > 0 and now + f.left / r <= now)
+                for f, r in zip(flows, rates)]
+        if any(over):
+            complete = [f for f, o in zip(flows, over) if o]
+            flows = [f for f, o in zip(flows, over) if not o]
             rates, changed = [], True
             for f in complete:
                 done(f.op.name)
