@@ -124,3 +124,22 @@ def test_fp16_compression_over_nccl_equals_torchs_hook(tmp_path):
         _run(tmp_path, name, {"kind": kind, "world_size": 1, "dist_backend": "nccl", "device": "cuda"}, FP16)
     assert_same_model(_model(tmp_path, "ddp-fp16"), _model(tmp_path, "torch_ddp-fp16"), "fp16 psarch vs torch hook",
                       rtol=0, atol=SGD_ATOL)
+
+
+# (name, train, backend): the same config on the CPU and on CUDA ends with the same model (SGD, parity.SGD_ATOL)
+SAME = [
+    # GEO's compressed pulls: each worker adds its pulled deltas to a CUDA model, the servers to their fp32 copies
+    # (top-k of every element: which elements a ratio below 1 picks may differ where CUDA's sums round otherwise)
+    ("ps-geo-topk-2", dict(OPTIMIZERS["sgd"], compression="topk", topk_ratio=1.0),
+     {"kind": "ps", "mode": "geo", "geo_barrier": True, "k_steps": 2, "world_size": 2, "servers": 1}),
+    # FSDP2 with LoRA: the frozen base sharded beside the adapters
+    ("torch_fsdp-lora-1", LORA, {"kind": "torch_fsdp", "world_size": 1}),
+]
+
+
+@pytest.mark.parametrize("name,train,backend", SAME, ids=[c[0] for c in SAME])
+def test_a_config_on_cuda_ends_as_on_the_cpu(tmp_path, name, train, backend):
+    for device in ("cpu", "cuda"):
+        _run(tmp_path, f"{name}-{device}", dict(backend, device=device), train, TWO_LAYERS)
+    assert_same_model(_model(tmp_path, f"{name}-cuda"), _model(tmp_path, f"{name}-cpu"), f"{name}: CUDA vs CPU",
+                      rtol=0, atol=SGD_ATOL)
