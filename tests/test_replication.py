@@ -1,12 +1,14 @@
 """Chain replication of the parameter servers (backend.replicas = r, psarch/ps/replication.py): tiny GPT runs on
 loopback. Without faults r = 1 ends with r = 0's model and its replicas cost r x the servers' bytes, counted; a
 server killed mid-run costs no acknowledged update (the same model, bit for bit, as the run without the fault);
-with r = 0 a dead server still stops the run in one line; configs replication cannot serve are refused in one."""
+with r = 0 a dead server still stops the run in one line; a worker killed mid-run is dropped from the same round by
+every holder (its followers sum what its first holder summed); configs replication cannot serve are refused in one."""
 from __future__ import annotations
 
 import json
 import os
 import signal
+import time
 from pathlib import Path
 
 import pytest
@@ -14,12 +16,14 @@ import torch
 
 import psarch
 from parity import assert_same_model
-from ps_setup import config, ps
+from ps_setup import TINY_GPT, config, ps
 from psarch.config import ConfigError, from_dict
 from psarch.errors import RunError
 from psarch.ps.errors import ServiceError
 from psarch.ps.partitions import chain
-from psarch.ps.replication import death, diverged, join_held
+from psarch.ps.replication import death, diverged, join_held, members_of, members_text
+from psarch.ps.worker.client import PSClient
+from psarch.workload import build_workload
 from psarch.ps.services import LocalServers
 from test_ps_faults import _children
 
@@ -52,15 +56,22 @@ def test_a_dead_server_stops_the_run_only_when_some_partition_has_no_live_holder
     assert death(3, 2, {2}, 1, "server 1 died") is None
 
 
+def test_a_round_s_members_travel_as_one_short_string():
+    assert members_text([0, 1, 3]) == "b" and members_of("b", 4) == {0, 1, 3} and members_text([]) == "0"
+    assert members_of(members_text(range(1000)), 1000) == set(range(1000))
+    for bad in ("b", "x", "", "-1"):
+        with pytest.raises(ValueError, match="expected a hexadecimal bit mask of workers 0..2"):
+            members_of(bad, 3)
+
+
 def test_holders_whose_rounds_differ_stop_the_run_in_one_line():
-    """A worker lost on one holder's clock, not the other's: the replies name different push counts."""
+    """The safety net: replies of one exchange that name different rounds."""
     what = "worker 0: partition [0, 64)"
-    assert diverged(what, [(0, {"version": 3, "summed": 2}), (1, {"version": 3, "summed": 2})]) is None
-    split = diverged(what, [(0, {"version": 3, "summed": 2}), (1, {"version": 3, "summed": 1})])
-    assert split == ("worker 0: partition [0, 64): its holders' copies diverged (server 0: version 3, 2 pushes "
-                     "summed; server 1: version 3, 1 pushes summed): a worker was lost on one holder's clock, not "
-                     "another's")
-    assert diverged(what, [(1, {"version": 4, "summed": 2}), (2, {"version": 3, "summed": 2})]) is not None
+    assert diverged(what, [(0, {"version": 3, "summed": "3"}), (1, {"version": 3, "summed": "3"})]) is None
+    split = diverged(what, [(0, {"version": 3, "summed": "3"}), (1, {"version": 3, "summed": "7"})])
+    assert split == ("worker 0: partition [0, 64): its holders' copies diverged (server 0: version 3, workers [0, 1] "
+                     "summed; server 1: version 3, workers [0, 1, 2] summed)")
+    assert diverged(what, [(1, {"version": 4, "summed": "3"}), (2, {"version": 3, "summed": "3"})]) is not None
 
 
 def test_copies_that_differ_are_found_when_the_model_is_joined():
@@ -210,3 +221,39 @@ def test_when_every_holder_of_a_partition_is_dead_the_run_stops_in_one_line(tmp_
     s = json.loads((out / "summary.json").read_text())
     assert s["status"] == "failed" and "\n" not in s["error"] and [f["node"] for f in s["faults"]] == ["server 0",
                                                                                                       "server 1"]
+
+
+def dies_between_its_sends(cfg) -> psarch.Workload:
+    """A tiny GPT whose worker 2 dies as it sends step 3's pushes: the first to reach a server (the copy for a
+    partition's replica, sent first) arrives; the next (the same partition's, to its primary) is never sent."""
+    sent = []
+    post = PSClient.post
+
+    def post_then_die(self, i, r):
+        if self.worker == 2 and r.header["op"] == "pushpull" and r.header["step"] == 3:
+            if sent:
+                time.sleep(0.5)   # ZeroMQ sends the first push meanwhile
+                os._exit(3)
+            sent.append(i)
+        post(self, i, r)
+    PSClient.post = post_then_die
+    return build_workload(from_dict(dict(TINY_GPT, train=cfg.to_dict()["train"])))
+
+
+def test_a_worker_killed_mid_run_is_dropped_from_the_same_round_by_every_holder(tmp_path):
+    """Worker 2 of 3 dies as it sends step 3's pushes, after one of them reached a replica: the partition's primary
+    never had it and sums round 3 over workers 0 and 1; the replica, which has the dead worker's push, sums the
+    same (the survivors' `commit`) and drops it. The run finishes, its copies bit for bit equal, with the model of
+    the r = 0 run whose worker 2 is killed as step 3 begins (round 3 and every later one are workers 0 and 1's in
+    both, SGD with momentum)."""
+    backend = ps(3, servers=2, timeout_s=10.0)
+    psarch.run(_cfg("r0", backend, {"kill": [{"node": "worker 2", "step": 3}]}), tmp_path / "r0", echo=False)
+    cfg = from_dict(config("r1", workload={"factory": "test_replication:dies_between_its_sends"}, train=SGD,
+                           backend=dict(backend, replicas=1)))
+    summary = psarch.run(cfg, tmp_path / "r1", echo=False)
+    assert _children() == []
+    assert summary["status"] == "finished" and summary["steps"] == 8
+    assert [w["rank"] for w in summary["lost_workers"]] == [2] and "exited with code 3" in summary["lost_workers"][0]["error"]
+    assert summary["replication"]["copies_identical"] and summary["replication"]["dead_servers"] == []
+    assert [d["version"] for d in summary["servers_detail"]] == [8, 8]
+    _same(tmp_path / "r1", tmp_path / "r0", "r = 1, died between its sends, vs r = 0, killed as step 3 began")

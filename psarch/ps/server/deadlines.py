@@ -28,6 +28,8 @@ class Deadlines:
         s = self.state
         t = s.timeout_s
         for part in s.parts if s.barrier else []:
+            if part.follows:   # its first holder drops workers from its rounds (psarch/ps/replication.py)
+                continue
             r = part.round
             if r.pushed and now - r.since > t:
                 what = "gradients" if s.mode == "sync" else "deltas"
@@ -44,6 +46,12 @@ class Deadlines:
             if now - p.since > t and not s.initialised:
                 return self.replies.fail(f"worker {p.worker} waited more than backend.timeout_s = {t:g} s "
                                          f"for the initial parameters: no worker sent init")
+            if now - p.since > t and p.part is not None and p.part.round.members is not None:
+                part, missing = p.part, sorted(p.part.round.members - p.part.round.pushed)
+                return self.replies.fail(f"partition [{part.lo}, {part.hi}) step {part.range.version}: its first "
+                                         f"holder summed the push of worker(s) {missing}, which never reached this "
+                                         f"replica within backend.timeout_s = {t:g} s (a worker that died as it "
+                                         f"sent it): the copies cannot agree")
             if now - p.since > t:
                 part = p.part if p.part is not None else s.parts[0]   # asked before init: the first (pulls.ready)
                 slowest = part.slowest(s.live)
