@@ -26,6 +26,8 @@ from psarch.ps.worker.client import PSClient
 from psarch.workload import build_workload
 from psarch.ps.services import LocalServers
 from test_ps_faults import _children
+from test_ps_server import server  # noqa: F401  (the fixture)
+from timing import scaled
 
 SGD = {"optimizer": "sgd", "lr": 0.1, "momentum": 0.9, "steps": 8}
 
@@ -240,20 +242,70 @@ def dies_between_its_sends(cfg) -> psarch.Workload:
     return build_workload(from_dict(dict(TINY_GPT, train=cfg.to_dict()["train"])))
 
 
-def test_a_worker_killed_mid_run_is_dropped_from_the_same_round_by_every_holder(tmp_path):
-    """Worker 2 of 3 dies as it sends step 3's pushes, after one of them reached a replica: the partition's primary
-    never had it and sums round 3 over workers 0 and 1; the replica, which has the dead worker's push, sums the
-    same (the survivors' `commit`) and drops it. The run finishes, its copies bit for bit equal, with the model of
-    the r = 0 run whose worker 2 is killed as step 3 begins (round 3 and every later one are workers 0 and 1's in
-    both, SGD with momentum)."""
-    backend = ps(3, servers=2, timeout_s=10.0)
-    psarch.run(_cfg("r0", backend, {"kill": [{"node": "worker 2", "step": 3}]}), tmp_path / "r0", echo=False)
-    cfg = from_dict(config("r1", workload={"factory": "test_replication:dies_between_its_sends"}, train=SGD,
-                           backend=dict(backend, replicas=1)))
+KILLED_AT_3 = ps(3, servers=2, timeout_s=scaled(3.0))
+
+
+@pytest.fixture(scope="module")
+def r0_killed_at_3(tmp_path_factory) -> Path:
+    """The r = 0 run whose worker 2 of 3 is killed as step 3 begins: rounds 3 to 7 are workers 0 and 1's."""
+    out = tmp_path_factory.mktemp("r0") / "r0"
+    psarch.run(_cfg("r0", KILLED_AT_3, {"kill": [{"node": "worker 2", "step": 3}]}), out, echo=False)
+    return out
+
+
+@pytest.mark.parametrize("how", ["killed", "dies between its sends", "paused"])
+def test_a_worker_lost_mid_run_is_dropped_from_the_same_round_by_every_holder(tmp_path, r0_killed_at_3, how):
+    """Worker 2 of 3 with r = 1, lost at step 3: killed as the step begins; or dead as it sends step 3's pushes,
+    after one of them reached a replica (the partition's primary never had it and sums round 3 over workers 0 and
+    1; the replica, which has the dead worker's push, sums the same, as the survivors' `commit` says, and drops
+    it); or stopped as the step begins for longer than backend.timeout_s (each partition's primary drops it on its
+    own clock, its replica follows; back, it is refused and leaves: no re-admission with replicas). Each run
+    finishes, its copies bit for bit equal, with the model of the r = 0 run whose worker 2 is killed as step 3
+    begins (rounds 3 to 7 are workers 0 and 1's in both; SGD with momentum)."""
+    backend = dict(KILLED_AT_3, replicas=1)
+    t = KILLED_AT_3["timeout_s"]
+    fault = {"killed": {"kill": [{"node": "worker 2", "step": 3}]}, "dies between its sends": {},
+             "paused": {"pause": [{"node": "worker 2", "step": 3, "seconds": 1.7 * t}]}}[how]
+    extra = {"workload": {"factory": "test_replication:dies_between_its_sends"}} if how == "dies between its sends" else {}
+    cfg = from_dict(config("r1", train=SGD, backend=backend, faults=fault, **extra))
     summary = psarch.run(cfg, tmp_path / "r1", echo=False)
     assert _children() == []
     assert summary["status"] == "finished" and summary["steps"] == 8
-    assert [w["rank"] for w in summary["lost_workers"]] == [2] and "exited with code 3" in summary["lost_workers"][0]["error"]
+    assert [w["rank"] for w in summary["lost_workers"]] == [2]
     assert summary["replication"]["copies_identical"] and summary["replication"]["dead_servers"] == []
     assert [d["version"] for d in summary["servers_detail"]] == [8, 8]
-    _same(tmp_path / "r1", tmp_path / "r0", "r = 1, died between its sends, vs r = 0, killed as step 3 began")
+    assert [[d["from_round"] for d in s["drops"]] for s in summary["servers_detail"]] == [[3], [3]]
+    _same(tmp_path / "r1", r0_killed_at_3, f"r = 1, worker 2 {how} at step 3, vs r = 0, killed as step 3 began")
+
+
+def test_a_replica_sums_what_its_first_holder_summed_and_refuses_a_commit_that_differs(request):
+    """Server 1 holds server 0's partition as its replica. Workers 0, 1 and 2 push it there; a commit naming workers
+    0 and 1 (their first holder dropped worker 2) makes the round the mean of their two pushes, summed in worker
+    order, worker 2's kept copy dropped; a later commit naming other workers, a commit of a partition that is the
+    server's own, and worker 2's push of the round that went on without it are refused."""
+    from psarch.ps.layout import server_partitions
+    start = request.getfixturevalue("server")   # test_ps_server's servers in threads, and raw peers
+    services, numel = start("sync", workers=3, servers=2, replicas=1)
+    cfg = from_dict(config("srv", workload={"model": "mlp"}, backend=ps(3, "sync", 2, replicas=1)))
+    [(_, a)] = server_partitions(cfg, numel)[0]    # server 0's partition [0, a): server 1's replica
+    raw = {w: start.raw(services.info.addresses[1], w) for w in range(3)}
+    before = raw[0].ask({"op": "fetch", "worker": 0}).tensor().clone()
+    g = torch.Generator().manual_seed(5)
+    grads = [torch.randn(a, generator=g) * s for s in (1.0, 0.3, 3.0)]
+    for w in (2, 1, 0):   # worker 2's first: each is kept until the round's members are known
+        r = raw[w].ask({"op": "push", "worker": w, "step": 0, "version": 0, "offset": 0}, grads[w])
+        assert r.op == "ack" and r.header["version"] == 0, r.header
+    r = raw[0].ask({"op": "commit", "worker": 0, "step": 0, "offset": 0, "members": members_text([0, 1])})
+    assert r.op == "ack" and r.header["version"] == 1, r.header
+    after = raw[0].ask({"op": "fetch", "worker": 0}).tensor()
+    assert torch.equal(after[:a], before[:a] - 0.5 * (grads[0] + grads[1]) / 2)   # sgd, lr 0.5
+    assert torch.equal(after[a:], before[a:])
+    r = raw[1].ask({"op": "commit", "worker": 1, "step": 0, "offset": 0, "members": members_text([0, 1])})
+    assert r.op == "ack", r.header    # the same round, said again by another worker
+    r = raw[1].ask({"op": "commit", "worker": 1, "step": 0, "offset": 0, "members": members_text([0, 1, 2])})
+    assert r.op == "error" and "its holders' copies diverged (this server's round sums workers [0, 1], the first " \
+                               "live holder's summed workers [0, 1, 2])" in r.header["message"]
+    r = raw[0].ask({"op": "commit", "worker": 0, "step": 0, "offset": a, "members": members_text([0, 1])})
+    assert r.op == "error" and "the partition is this server's own" in r.header["message"]
+    r = raw[2].ask({"op": "push", "worker": 2, "step": 0, "version": 0, "offset": 0}, grads[2])
+    assert r.op == "error" and r.header["code"] == "lost" and "went on without it" in r.header["message"]

@@ -23,8 +23,8 @@ How it runs (sync only: psarch/ps/spec.py refuses the rest, in one line, before 
   stay bit for bit equal. A worker sends each push to the followers first, then to the first holder: where it
   dies between the two, the first holder never had the push, drops it, and the followers drop the copy they
   have. Left: a follower that never received a push its first holder summed (a worker killed as ZeroMQ flushed
-  its sockets in another order) cannot agree; it stops the run within backend.timeout_s with one line saying so
-  (server/deadlines.py). A worker told that its first holder died tells the next live holder to decide
+  its sockets in another order) cannot agree; it stops the run with one line saying so (server/deadlines.py:
+  a follower's pull waits up to 2 x backend.timeout_s, its first holder's detection, then its own). A worker told that its first holder died tells the next live holder to decide
   (`commit` without members). A paused worker dropped with replicas is not taken back (readmit.py: each holder
   would take it back on its own clock); it leaves the run as lost;
 - every pull reply names the workers its round summed, and a worker whose holders disagree anyway stops the
