@@ -274,7 +274,10 @@ class RestartCost(TypedDict):
     steps_lost: int          # measured: Restart.steps_lost (steps done past the checkpoint, done again)
     steps_lost_predicted: int   # theory.failures.steps_lost(kill_step, checkpoint_every)
     recompute_s: float       # the steps done again, their measured step times summed
-    recompute_predicted_s: float | None   # steps_lost_predicted x the first world's median step time
+    world_size: int          # the restarted world's (N, or N - 1 after a shrink)
+    step_predicted_s: float | None   # its predicted step: the first world's median, times the step simulator's
+                                     # ratio at its size where that differs (theory.world_step)
+    recompute_predicted_s: float | None   # steps_lost_predicted x step_predicted_s
     time_lost_s: float | None   # detection + relaunch + start-up + recompute, measured
     time_lost_predicted_s: float | None   # theory.failures.time_lost of the predicted parts
 
@@ -285,10 +288,13 @@ class FailureCost(TypedDict):
 
     wall_s: float            # the launch of the first world to the end of the last (cluster's time)
     goodput_steps_per_s: float   # steps completed / wall_s
+    goodput_predicted_steps_per_s: float | None   # steps / the predicted wall: start-ups, detections, each world's
+                                                  # steps (recomputed ones too) at its predicted step
     ideal_steps_per_s: float     # 1 / median step time: the run without failures or start-ups
     checkpoint_every: int
     mean_steps_lost_predicted: float   # theory.failures.mean_steps_lost(checkpoint_every)
-    mean_time_lost_predicted_s: float | None   # the same, as time: detection + start-up + its recompute
+    mean_time_lost_predicted_s: float | None   # the same, as time: detection + start-up + its recompute (at the
+                                               # restarted world's step)
     restarts: list[RestartCost]
 
 

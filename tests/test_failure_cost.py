@@ -39,13 +39,15 @@ def _two_restarts() -> dict:
                        {"node": "worker 0", "action": "pause", "step": 6, "at_s": 2.0, "seconds": 0.1},
                        dict(kill, node="worker 0", step=7, at_s=2.5)],
             "restarts": [{"error": "", "stopped_at_s": 1.25, "at_s": 1.5, "from_step": 4, "steps_lost": 1,
-                          "kills": 2},
+                          "kills": 2, "world_size": 3},
                          {"error": "", "stopped_at_s": None, "at_s": 3.0, "from_step": 6, "steps_lost": 1,
-                          "kills": 3}],
+                          "kills": 3, "world_size": 3}],
             "worlds": [{"launched_at_s": 0.0, "first_step": 0, "first_step_at_s": 0.5, "steps": 5,
-                        "step_time_s": 0.04},
-                       {"launched_at_s": 1.5, "first_step": 4, "first_step_at_s": 2.1, "steps": 3, "step_time_s": 0.01},
-                       {"launched_at_s": 3.0, "first_step": 6, "first_step_at_s": 3.4, "steps": 4, "step_time_s": 0.01}]}
+                        "step_time_s": 0.04, "world_size": 3},
+                       {"launched_at_s": 1.5, "first_step": 4, "first_step_at_s": 2.1, "steps": 3, "step_time_s": 0.01,
+                        "world_size": 3},
+                       {"launched_at_s": 3.0, "first_step": 6, "first_step_at_s": 3.4, "steps": 4, "step_time_s": 0.01,
+                        "world_size": 3}]}
 
 
 def test_each_restart_is_costed_from_the_kill_that_ended_its_world():
@@ -58,7 +60,8 @@ def test_each_restart_is_costed_from_the_kill_that_ended_its_world():
     assert (first["steps_lost"], first["steps_lost_predicted"], first["recompute_s"]) == (1, 1, 0.03)
     assert (second["kill_step"], second["detection_s"], second["steps_lost_predicted"]) == (7, None, 1)
     lines = report_lines(c)
-    assert lines[0].startswith("goodput         2.50 steps/s over 4.00 s") and len(lines) == 3
+    assert lines[0].startswith("goodput         2.50 | predicted ") and " steps/s over 4.00 s" in lines[0]
+    assert len(lines) == 3
     assert "kill at step 5: time lost 1.130 s | predicted 0.560 s" in lines[1] and "steps lost 1 | predicted 1" in lines[1]
 
 
@@ -74,6 +77,9 @@ def test_a_restart_is_predicted_from_the_first_world_alone():
     assert first["time_lost_predicted_s"] == pytest.approx(TICK_S + 0.5 + 0.04)
     assert second["time_lost_s"] is None   # the launcher never found the second world stopped: no detection
     assert c["mean_time_lost_predicted_s"] == pytest.approx(TICK_S + 0.5 + 0.5 * 0.04)
+    # predicted wall: start-up 0.5, steps 0-4 at 0.04, then per restart detection + start-up, and steps 4-6, 6-9
+    wall = 0.5 + 5 * 0.04 + 2 * (TICK_S + 0.5) + (7 - 4) * 0.04 + (10 - 6) * 0.04
+    assert c["goodput_predicted_steps_per_s"] == pytest.approx(10 / wall)
     dilated = failure_cost(dict(_two_restarts(), virtual_device={"dilation": 4.0}), 2, {})
     assert dilated["restarts"][0]["detection_predicted_s"] == pytest.approx(TICK_S / 4)   # the cluster's time
 
@@ -93,7 +99,49 @@ def test_a_world_is_read_from_its_ranks_marks_and_streams(tmp_path):
         own = [{"step": k, "step_time_s": 0.1 * (rank + 1) * (k - 3)} for k in range(4, 8)]
         text = "".join(json.dumps(r) + "\n" for r in carried + own) + '{"step": 8, "step_ti'   # cut by a kill
         (ranks / f"rank{rank}.jsonl").write_text(text)
-    w = world(ranks, 0.5, t0, 2.0, warmup=1)
+    w = world(ranks, 0.5, t0, 2.0, warmup=1, world_size=2)
     assert w["launched_at_s"] == 0.5 and w["first_step"] == 4 and w["first_step_at_s"] == 1.5
     assert w["steps"] == 4 and w["step_time_s"] == pytest.approx(0.6)   # rank 1's 0.4, 0.6, 0.8 after step 4
-    assert world(tmp_path / "none", 0.0, t0, 1.0, 1)["first_step_at_s"] is None
+    assert w["world_size"] == 2 and world(tmp_path / "none", 0.0, t0, 1.0, 1, 2)["first_step_at_s"] is None
+
+
+def _shrunk_once(step_at) -> dict:
+    """One kill at step 5 of 10 (checkpoints every 2), the world restarted at `n` from checkpoint 4."""
+    def run(n: int) -> dict:
+        s = _two_restarts()
+        s["faults"], s["restarts"] = s["faults"][:2], [dict(s["restarts"][0], world_size=n)]
+        s["worlds"] = [s["worlds"][0], dict(s["worlds"][1], world_size=n, steps=6)]
+        return failure_cost(s, 2, {k: 0.01 for k in range(10)}, step_at)
+    return {"replace": run(3), "shrink": run(2)}
+
+
+def test_a_shrunk_world_is_predicted_at_its_own_step():
+    """The world restarted at N - 1 steps at the first world's measured step times the simulator's ratio of its
+    step at N - 1 to its step at N (here 1.5: each rank computes 3/2 of what it did): its recomputation, its time
+    lost and the run's predicted goodput follow it; "replace" keeps the first world's step."""
+    runs = _shrunk_once({3: 0.02, 2: 0.03}.get)
+    replaced, shrunk = runs["replace"]["restarts"][0], runs["shrink"]["restarts"][0]
+    assert replaced["step_predicted_s"] == 0.04 and shrunk["step_predicted_s"] == pytest.approx(0.06)
+    assert shrunk["recompute_predicted_s"] == pytest.approx(0.06) and replaced["recompute_predicted_s"] == 0.04
+    assert shrunk["time_lost_predicted_s"] == pytest.approx(TICK_S + 0.5 + 0.06)
+    wall = 0.5 + 5 * 0.04 + TICK_S + 0.5 + (10 - 4) * 0.06
+    assert runs["shrink"]["goodput_predicted_steps_per_s"] == pytest.approx(10 / wall)
+    assert runs["shrink"]["goodput_predicted_steps_per_s"] < runs["replace"]["goodput_predicted_steps_per_s"]
+    assert runs["shrink"]["mean_time_lost_predicted_s"] == pytest.approx(TICK_S + 0.5 + 0.5 * 0.06)
+    # no program at N - 1: not predicted, rather than predicted at N's step
+    unknown = _shrunk_once(lambda n: None)["shrink"]
+    assert unknown["restarts"][0]["step_predicted_s"] is None and unknown["goodput_predicted_steps_per_s"] is None
+
+
+def test_the_simulator_predicts_a_longer_step_for_ddp_at_n_minus_1_when_compute_dominates():
+    """theory.world_step: DDP's ring at N = 3 and at 2, the global batch kept: each rank computes 3/2 as much,
+    and its all-reduce moves 2(N - 1)/N x S, a little less; on 100 Gb/s links the compute decides."""
+    from psarch.config import from_dict
+    from psarch.theory import world_step
+    cfg = from_dict({"train": {"global_batch": 12}, "backend": {"kind": "ddp", "world_size": 3, "comm": "ring"},
+                     "cluster": {"link_mbps": 100_000.0}})
+    summary = {"params": 1e6, "worlds": [{"step_time_s": 0.1, "world_size": 3}]}
+    at3, at2 = world_step(cfg, summary, 3), world_step(cfg, summary, 2)
+    assert at3 is not None and at2 is not None and at2 > at3
+    assert at2 / at3 == pytest.approx(1.5, rel=0.05)   # the compute's 3/2, the all-reduce a small part
+    assert world_step(cfg, {"params": 1e6, "worlds": []}, 2) is None

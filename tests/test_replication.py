@@ -1,13 +1,15 @@
 """Chain replication of the parameter servers (backend.replicas = r, psarch/ps/replication.py): tiny GPT runs on
 loopback. Without faults r = 1 ends with r = 0's model and its replicas cost r x the servers' bytes, counted; a
 server killed mid-run costs no acknowledged update (the same model, bit for bit, as the run without the fault);
-with r = 0 a dead server still stops the run in one line; configs replication cannot serve are refused in one."""
+with r = 0 a dead server still stops the run in one line; a worker killed mid-run is dropped from the same round by
+every holder (its followers sum what its first holder summed); configs replication cannot serve are refused in one."""
 from __future__ import annotations
 
 import json
 import math
 import os
 import signal
+import time
 from pathlib import Path
 
 import pytest
@@ -15,14 +17,18 @@ import torch
 
 import psarch
 from parity import assert_same_model
-from ps_setup import config, ps
+from ps_setup import TINY_GPT, config, ps
 from psarch.config import ConfigError, from_dict
 from psarch.errors import RunError
 from psarch.ps.errors import ServiceError
 from psarch.ps.partitions import chain
-from psarch.ps.replication import death, diverged, join_held
+from psarch.ps.replication import death, diverged, join_held, members_of, members_text
+from psarch.ps.worker.client import PSClient
+from psarch.workload import build_workload
 from psarch.ps.services import LocalServers
 from test_ps_faults import _children
+from test_ps_server import server  # noqa: F401  (the fixture)
+from timing import scaled
 
 SGD = {"optimizer": "sgd", "lr": 0.1, "momentum": 0.9, "steps": 8}
 
@@ -53,15 +59,22 @@ def test_a_dead_server_stops_the_run_only_when_some_partition_has_no_live_holder
     assert death(3, 2, {2}, 1, "server 1 died") is None
 
 
+def test_a_round_s_members_travel_as_one_short_string():
+    assert members_text([0, 1, 3]) == "b" and members_of("b", 4) == {0, 1, 3} and members_text([]) == "0"
+    assert members_of(members_text(range(1000)), 1000) == set(range(1000))
+    for bad in ("b", "x", "", "-1"):
+        with pytest.raises(ValueError, match="expected a hexadecimal bit mask of workers 0..2"):
+            members_of(bad, 3)
+
+
 def test_holders_whose_rounds_differ_stop_the_run_in_one_line():
-    """A worker lost on one holder's clock, not the other's: the replies name different push counts."""
+    """The safety net: replies of one exchange that name different rounds."""
     what = "worker 0: partition [0, 64)"
-    assert diverged(what, [(0, {"version": 3, "summed": 2}), (1, {"version": 3, "summed": 2})]) is None
-    split = diverged(what, [(0, {"version": 3, "summed": 2}), (1, {"version": 3, "summed": 1})])
-    assert split == ("worker 0: partition [0, 64): its holders' copies diverged (server 0: version 3, 2 pushes "
-                     "summed; server 1: version 3, 1 pushes summed): a worker was lost on one holder's clock, not "
-                     "another's")
-    assert diverged(what, [(1, {"version": 4, "summed": 2}), (2, {"version": 3, "summed": 2})]) is not None
+    assert diverged(what, [(0, {"version": 3, "summed": "3"}), (1, {"version": 3, "summed": "3"})]) is None
+    split = diverged(what, [(0, {"version": 3, "summed": "3"}), (1, {"version": 3, "summed": "7"})])
+    assert split == ("worker 0: partition [0, 64): its holders' copies diverged (server 0: version 3, workers [0, 1] "
+                     "summed; server 1: version 3, workers [0, 1, 2] summed)")
+    assert diverged(what, [(1, {"version": 4, "summed": "3"}), (2, {"version": 3, "summed": "3"})]) is not None
 
 
 def test_copies_that_differ_are_found_when_the_model_is_joined():
@@ -270,3 +283,89 @@ def test_when_every_holder_of_a_partition_is_dead_the_run_stops_in_one_line(tmp_
     s = json.loads((out / "summary.json").read_text())
     assert s["status"] == "failed" and "\n" not in s["error"] and [f["node"] for f in s["faults"]] == ["server 0",
                                                                                                       "server 1"]
+
+
+def dies_between_its_sends(cfg) -> psarch.Workload:
+    """A tiny GPT whose worker 2 dies as it sends step 3's pushes: the first to reach a server (the copy for a
+    partition's replica, sent first) arrives; the next (the same partition's, to its primary) is never sent."""
+    sent = []
+    post = PSClient.post
+
+    def post_then_die(self, i, r):
+        if self.worker == 2 and r.header["op"] == "pushpull" and r.header["step"] == 3:
+            if sent:
+                time.sleep(0.5)   # ZeroMQ sends the first push meanwhile
+                os._exit(3)
+            sent.append(i)
+        post(self, i, r)
+    PSClient.post = post_then_die
+    return build_workload(from_dict(dict(TINY_GPT, train=cfg.to_dict()["train"])))
+
+
+KILLED_AT_3 = ps(3, servers=2, timeout_s=scaled(3.0))
+
+
+@pytest.fixture(scope="module")
+def r0_killed_at_3(tmp_path_factory) -> Path:
+    """The r = 0 run whose worker 2 of 3 is killed as step 3 begins: rounds 3 to 7 are workers 0 and 1's."""
+    out = tmp_path_factory.mktemp("r0") / "r0"
+    psarch.run(_cfg("r0", KILLED_AT_3, {"kill": [{"node": "worker 2", "step": 3}]}), out, echo=False)
+    return out
+
+
+@pytest.mark.parametrize("how", ["killed", "dies between its sends", "paused"])
+def test_a_worker_lost_mid_run_is_dropped_from_the_same_round_by_every_holder(tmp_path, r0_killed_at_3, how):
+    """Worker 2 of 3 with r = 1, lost at step 3: killed as the step begins; or dead as it sends step 3's pushes,
+    after one of them reached a replica (the partition's primary never had it and sums round 3 over workers 0 and
+    1; the replica, which has the dead worker's push, sums the same, as the survivors' `commit` says, and drops
+    it); or stopped as the step begins for longer than backend.timeout_s (each partition's primary drops it on its
+    own clock, its replica follows; back, it is refused and leaves: no re-admission with replicas). Each run
+    finishes, its copies bit for bit equal, with the model of the r = 0 run whose worker 2 is killed as step 3
+    begins (rounds 3 to 7 are workers 0 and 1's in both; SGD with momentum)."""
+    backend = dict(KILLED_AT_3, replicas=1)
+    t = KILLED_AT_3["timeout_s"]
+    fault = {"killed": {"kill": [{"node": "worker 2", "step": 3}]}, "dies between its sends": {},
+             "paused": {"pause": [{"node": "worker 2", "step": 3, "seconds": 1.7 * t}]}}[how]
+    extra = {"workload": {"factory": "test_replication:dies_between_its_sends"}} if how == "dies between its sends" else {}
+    cfg = from_dict(config("r1", train=SGD, backend=backend, faults=fault, **extra))
+    summary = psarch.run(cfg, tmp_path / "r1", echo=False)
+    assert _children() == []
+    assert summary["status"] == "finished" and summary["steps"] == 8
+    assert [w["rank"] for w in summary["lost_workers"]] == [2]
+    assert summary["replication"]["copies_identical"] and summary["replication"]["dead_servers"] == []
+    assert [d["version"] for d in summary["servers_detail"]] == [8, 8]
+    assert [[d["from_round"] for d in s["drops"]] for s in summary["servers_detail"]] == [[3], [3]]
+    _same(tmp_path / "r1", r0_killed_at_3, f"r = 1, worker 2 {how} at step 3, vs r = 0, killed as step 3 began")
+
+
+def test_a_replica_sums_what_its_first_holder_summed_and_refuses_a_commit_that_differs(request):
+    """Server 1 holds server 0's partition as its replica. Workers 0, 1 and 2 push it there; a commit naming workers
+    0 and 1 (their first holder dropped worker 2) makes the round the mean of their two pushes, summed in worker
+    order, worker 2's kept copy dropped; a later commit naming other workers, a commit of a partition that is the
+    server's own, and worker 2's push of the round that went on without it are refused."""
+    from psarch.ps.layout import server_partitions
+    start = request.getfixturevalue("server")   # test_ps_server's servers in threads, and raw peers
+    services, numel = start("sync", workers=3, servers=2, replicas=1)
+    cfg = from_dict(config("srv", workload={"model": "mlp"}, backend=ps(3, "sync", 2, replicas=1)))
+    [(_, a)] = server_partitions(cfg, numel)[0]    # server 0's partition [0, a): server 1's replica
+    raw = {w: start.raw(services.info.addresses[1], w) for w in range(3)}
+    before = raw[0].ask({"op": "fetch", "worker": 0}).tensor().clone()
+    g = torch.Generator().manual_seed(5)
+    grads = [torch.randn(a, generator=g) * s for s in (1.0, 0.3, 3.0)]
+    for w in (2, 1, 0):   # worker 2's first: each is kept until the round's members are known
+        r = raw[w].ask({"op": "push", "worker": w, "step": 0, "version": 0, "offset": 0}, grads[w])
+        assert r.op == "ack" and r.header["version"] == 0, r.header
+    r = raw[0].ask({"op": "commit", "worker": 0, "step": 0, "offset": 0, "members": members_text([0, 1])})
+    assert r.op == "ack" and r.header["version"] == 1, r.header
+    after = raw[0].ask({"op": "fetch", "worker": 0}).tensor()
+    assert torch.equal(after[:a], before[:a] - 0.5 * (grads[0] + grads[1]) / 2)   # sgd, lr 0.5
+    assert torch.equal(after[a:], before[a:])
+    r = raw[1].ask({"op": "commit", "worker": 1, "step": 0, "offset": 0, "members": members_text([0, 1])})
+    assert r.op == "ack", r.header    # the same round, said again by another worker
+    r = raw[1].ask({"op": "commit", "worker": 1, "step": 0, "offset": 0, "members": members_text([0, 1, 2])})
+    assert r.op == "error" and "its holders' copies diverged (this server's round sums workers [0, 1], the first " \
+                               "live holder's summed workers [0, 1, 2])" in r.header["message"]
+    r = raw[0].ask({"op": "commit", "worker": 0, "step": 0, "offset": a, "members": members_text([0, 1])})
+    assert r.op == "error" and "the partition is this server's own" in r.header["message"]
+    r = raw[2].ask({"op": "push", "worker": 2, "step": 0, "version": 0, "offset": 0}, grads[2])
+    assert r.op == "error" and r.header["code"] == "lost" and "went on without it" in r.header["message"]

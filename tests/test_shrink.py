@@ -15,7 +15,9 @@ import psarch
 from cluster_setup import leftovers, needs_root, watchers
 from parity import assert_same_model, config
 from psarch.config import ConfigError, from_dict
+from psarch.launch.faults import at_world
 from psarch.launch.ranks import run
+from psarch.theory import world_step
 from test_faults import SGD, _cfg
 from test_ps_faults import _children
 
@@ -94,3 +96,10 @@ def test_a_shrunk_run_equals_training_at_n_to_the_checkpoint_then_at_n_minus_1_f
     assert_same_model(torch.load(out / "model.pt", weights_only=True),
                       torch.load(tmp_path / "fork" / "model.pt", weights_only=True), "shrunk vs fork at N = 2",
                       rtol=0.0, atol=0.0)
+    # what it cost, predicted at N - 1's step: the first world's, times the simulator's ratio at 2 to 3 ranks
+    [cost] = summary["failure_cost"]["restarts"]
+    final = at_world(_cfg("shrunk", backend, SHRINK, train=TRAIN, cluster=cluster), 2)
+    ratio = world_step(final, summary, 2) / world_step(final, summary, 3)
+    assert [w["world_size"] for w in summary["worlds"]] == [3, 2] and cost["world_size"] == 2 and ratio > 1
+    assert cost["step_predicted_s"] == pytest.approx(summary["worlds"][0]["step_time_s"] * ratio)
+    assert summary["failure_cost"]["goodput_predicted_steps_per_s"] > 0

@@ -203,7 +203,8 @@ def finalize(out: Path, cfg: Config, extra: Summary | None = None, echo: bool = 
     summary = cast(Summary, merged)
     if summary.get("restarts") and "ended_at_s" in summary:   # faults.restart = "replace" restarted the world
         summary["failure_cost"] = failure_cost(summary, cfg.train.checkpoint_every,
-                                                {r["step"]: r["step_time_s"] for r in rows})
+                                                {r["step"]: r["step_time_s"] for r in rows},
+                                                lambda n: theory.world_step(cfg, summary, n))
     spans = [Span.of(x) for r in records for x in r.timeline] + [Span.of(x) for x in server_spans]
     if spans:   # train.trace_steps: the ranks' timelines in one file Perfetto opens
         write_trace(out / "trace.json", spans)

@@ -85,10 +85,12 @@ def run(cfg: Config, out: str | Path | None = None, echo: bool = True, resume: b
             world_at = since(t0, time.monotonic(), d)
             try:
                 extra, cluster = _world(job, spec, world_cfg, world_ranks, workload, faulted, t0)
-                faulted["worlds"].append(world(out_dir / outputs.RANKS_DIR, world_at, t0, d, warmup_steps(world_cfg)))
+                faulted["worlds"].append(world(out_dir / outputs.RANKS_DIR, world_at, t0, d, warmup_steps(world_cfg),
+                                                 world_ranks.backend.world_size))
                 break
             except RunError as e:   # faults.restart: the world starts again from a checkpoint (at N or N - 1)
-                faulted["worlds"].append(world(out_dir / outputs.RANKS_DIR, world_at, t0, d, warmup_steps(world_cfg)))
+                faulted["worlds"].append(world(out_dir / outputs.RANKS_DIR, world_at, t0, d, warmup_steps(world_cfg),
+                                                 world_ranks.backend.world_size))
                 if not restarts_due(cfg, struck, restarts):
                     raise
                 world_ranks, begin = restart_world(Path(job.out), cfg, world_ranks, faulted, restarts, e, t0,

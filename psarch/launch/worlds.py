@@ -24,6 +24,7 @@ class World(TypedDict):
     first_step_at_s: float | None    # when its last rank began that step
     steps: int                       # the steps it completed (the most of any rank)
     step_time_s: float | None        # its median step time (slowest rank's) after `warmup` steps of its own
+    world_size: int                  # its backend.world_size (N, or less after faults.restart = "shrink")
 
 
 def mark_began(stream: Path, step: int) -> None:
@@ -36,9 +37,10 @@ def since(t0: float, t: float, d: float) -> float:
     return round((t - t0) / d, 6)
 
 
-def world(ranks: Path, launched_at_s: float, t0: float, d: float, warmup: int) -> World:
-    """The record of the world that just ended (or stopped), from its ranks' marks and metrics streams in the run
-    folder's `ranks` (read before a restart clears them); t0: the run's time.monotonic() origin, d: its dilation."""
+def world(ranks: Path, launched_at_s: float, t0: float, d: float, warmup: int, world_size: int) -> World:
+    """The record of the world of `world_size` ranks that just ended (or stopped), from its ranks' marks and metrics
+    streams in the run folder's `ranks` (read before a restart clears them); t0: the run's time.monotonic() origin,
+    d: its dilation."""
     marks = [json.loads(p.read_text()) for p in sorted(ranks.glob("rank*.began"))]
     first = min((m["step"] for m in marks), default=None)
     at_ns = max((m["at_ns"] for m in marks), default=None)
@@ -54,4 +56,4 @@ def world(ranks: Path, launched_at_s: float, t0: float, d: float, warmup: int) -
     timed = times[warmup:] or times
     return {"launched_at_s": launched_at_s, "first_step": first,
             "first_step_at_s": since(t0, at_ns / 1e9, d) if at_ns is not None else None,
-            "steps": len(times), "step_time_s": statistics.median(timed) if timed else None}
+            "steps": len(times), "step_time_s": statistics.median(timed) if timed else None, "world_size": world_size}

@@ -32,6 +32,7 @@ the workers (backend.server_placement).
         pushes.py            init, push, pushpull, fetch; the end of a barrier round
         pulls.py             the pulls waiting until the mode lets a worker have the parameters
         rounds.py            a barrier round's sum in worker order (bit-identical rounds)
+        commits.py           `commit`: a replica's round sums the workers its first live holder's summed
         updates.py           what a server does to its range in each mode (sync mean, async step, DC/lr, geo delta)
         deadlines.py         silent workers lost, overdue rounds and pulls failing the server
         readmit.py           a sync worker dropped from rounds that went on without it, taken back (`rejoin`)

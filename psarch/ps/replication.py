@@ -12,8 +12,23 @@ How it runs (sync only: psarch/ps/spec.py refuses the rest, in one line, before 
   sends heartbeats with replicas, so only a process's death drops one, not a pause), stops waiting for it and
   never sends to it again; the replica already has the round's pushes (nothing to re-send), so its reply
   completes the round;
-- each holder drops a lost worker from a round on its own clock, so the holders may diverge: every pull reply
-  says how many pushes its round summed, and a worker whose holders disagree stops the run (`diverged`).
+- a partition's first live holder (its primary, or once the primary died the next live holder of its chain)
+  decides which workers each of its rounds sums, as a server with no replica does (every live worker's push; a
+  worker is dropped on that holder's clock, or when the launcher says its process died); the other holders
+  follow it. A follower keeps each push of a round unsummed until a worker tells it (`commit`, sent as the first
+  live holder's reply arrives, naming the workers that reply says its round summed: `members_text`) which
+  pushes the round sums; it then sums exactly those, in worker order, and drops the rest. A follower never drops
+  a worker on its own clock, and takes a push from a worker it has lost (the launcher's word may overtake the
+  push). So a worker killed or stopped mid-round is dropped from the same round by every holder, and the copies
+  stay bit for bit equal. A worker sends each push to the followers first, then to the first holder: where it
+  dies between the two, the first holder never had the push, drops it, and the followers drop the copy they
+  have. Left: a follower that never received a push its first holder summed (a worker killed as ZeroMQ flushed
+  its sockets in another order) cannot agree; it stops the run with one line saying so (server/deadlines.py:
+  a follower's pull waits up to 2 x backend.timeout_s, its first holder's detection, then its own). A worker told that its first holder died tells the next live holder to decide
+  (`commit` without members). A paused worker dropped with replicas is not taken back (readmit.py: each holder
+  would take it back on its own clock); it leaves the run as lost;
+- every pull reply names the workers its round summed, and a worker whose holders disagree anyway stops the
+  run (`diverged`).
 
 The launcher (services.py) treats a dead server as a lost one where every partition still has a live holder: it
 says so on stderr and goes on; `summary.json`'s `replication.dead_servers` lists it, and model.pt comes from the
@@ -28,7 +43,7 @@ worker's downlink is (1 + r) x that of r = 0.
 """
 from __future__ import annotations
 
-from typing import Any, Sequence
+from typing import Any, Iterable, Sequence
 
 import torch
 
@@ -60,17 +75,32 @@ def death(servers: int, r: int, dead: set[int], i: int, text: str) -> str | None
     return homeless(f"{text}: server {lost[0]}'s partitions have", chain(servers, r, lost[0]))
 
 
+def members_text(workers: Iterable[int]) -> str:
+    """The workers a round summed, as a `commit` and a pull reply name them: a hexadecimal bit mask (bit w: worker
+    w), so that it stays one short string at any N."""
+    return format(sum(1 << w for w in set(workers)), "x")
+
+
+def members_of(text: str, workers: int) -> frozenset[int]:
+    """The workers a `members_text` names; ValueError unless it is one, naming only workers 0..workers - 1."""
+    mask = int(text, 16) if text and all(c in "0123456789abcdef" for c in text) else -1
+    if mask < 0 or mask >> workers:
+        raise ValueError(f"members {text!r:.40}: expected a hexadecimal bit mask of workers 0..{workers - 1}")
+    return frozenset(w for w in range(workers) if mask >> w & 1)
+
+
 def diverged(what: str, replies: Sequence[tuple[int, dict[str, Any]]]) -> str | None:
     """Where the holders of one partition (`what`) answered one exchange with different rounds, the one line that
     stops the run (None where they agree). `replies`: each answering holder and its reply's header, whose
-    `summed` (the pushes its last round summed, servers' pulls.py) and `version` must be its first holder's:
-    each holder decides on its own clock when to drop a lost worker from a round, so one may have summed a
-    push another never got."""
+    `summed` (the workers its last round summed, servers' pulls.py) and `version` must be its first holder's.
+    The followers sum what the first holder summed, so this is a safety net: it fires only where they could not
+    (a first holder that died mid-round, having answered some workers and not others)."""
     rounds = [(i, h["version"], h.get("summed")) for i, h in replies]
     if all(x[1:] == rounds[0][1:] for x in rounds):
         return None
-    said = "; ".join(f"server {i}: version {v}, {n} pushes summed" for i, v, n in rounds)
-    return f"{what}: its holders' copies diverged ({said}): a worker was lost on one holder's clock, not another's"
+    said = "; ".join(f"server {i}: version {v}" + (f", workers {sorted(members_of(n, 4 * len(n)))} summed" if n else "")
+                     for i, v, n in rounds)
+    return f"{what}: its holders' copies diverged ({said})"
 
 
 def survivors(servers: int, r: int, i: int, dead: set[int]) -> list[int]:

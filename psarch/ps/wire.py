@@ -78,9 +78,13 @@ SCHEMA: dict[str, tuple[dict[str, str], dict[str, str], str]] = {
     "save": ({"worker": _INT, "step": _INT, "path": _STR}, {}, "forbidden"),
     # a sync worker dropped from rounds that went on without it asks to take part again from round `step`
     "rejoin": ({"worker": _INT, "step": _INT}, {}, "forbidden"),
+    # backend.replicas: which workers' pushes round `step` of the partition at `offset` sums, as its first live
+    # holder summed them (`members`, replication.members_text); without members: that holder is dead, the server
+    # told decides the partition's rounds from now on (psarch/ps/replication.py)
+    "commit": ({"worker": _INT, "step": _INT, "offset": _INT}, {"members": _STR}, "forbidden"),
     "ack": ({"version": _INT}, {"staleness": _INT, "skipped": _BOOL}, "forbidden"),
     "params": ({"version": _INT, "offset": _INT},
-               {"scale": _FLOAT, "ahead": _INT, "skipped": _BOOL, "staleness": _INT, "summed": _INT}, "required"),
+               {"scale": _FLOAT, "ahead": _INT, "skipped": _BOOL, "staleness": _INT, "summed": _STR}, "required"),
     "delta": ({"version": _INT, "offset": _INT}, {"scale": _FLOAT, "staleness": _INT}, "required"),
     "sparsedelta": ({"version": _INT, "offset": _INT}, {"scale": _FLOAT, "staleness": _INT}, "keyed"),
     # code "non_finite": a refused inf/nan push; "lost": a dropped worker's request (with the server's version)
@@ -88,7 +92,7 @@ SCHEMA: dict[str, tuple[dict[str, str], dict[str, str], str]] = {
 }
 # What each request is answered with.
 REPLY_TO = {"init": "ack", "push": "ack", "pull": "params", "pushpull": "params", "fetch": "params", "done": "ack",
-            "rejoin": "ack",
+            "rejoin": "ack", "commit": "ack",
             "rowpull": "rows", "rowpush": "ack", "rowfetch": "rows", "save": "ack", "sparsepush": "ack",
             "sparsepushpull": "params", "pushpulldelta": "delta", "sparsepushpulldelta": "sparsedelta"}
 # The requests whose pull is answered with a compressed delta (GEO with compression)

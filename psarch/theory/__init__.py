@@ -252,6 +252,29 @@ def simulated_step(cfg: Config, phi: float, compute_s: float, backward_s: float 
     return None if got is None else steady_step(*got)
 
 
+def world_step(cfg: Config, summary: Summary, n: int) -> float | None:
+    """The step simulator's steady step of `cfg`'s program at backend.world_size = n, the global batch kept: a
+    rank's compute goes as its shard, 1 / n of the batch. The compute it scales: a virtual device's modelled forward
+    and backward at cfg's world size where the run has one, else the first world's median step at its size
+    (summary's worlds[0], measured before any failure; its communication counted as compute, an upper bound). What
+    a world restarted at another size (faults.restart = "shrink") is predicted with (psarch.launch.failure_cost);
+    None where the backend writes no program or nothing measured a step."""
+    import dataclasses
+
+    vd, worlds = summary.get("virtual_device"), summary.get("worlds") or []
+    if vd is not None and vd.get("compute_s") is not None:
+        (compute, backward, alpha), at = step_inputs(summary), cfg.backend.world_size
+    elif worlds and worlds[0].get("step_time_s"):
+        compute, backward, alpha = worlds[0]["step_time_s"], None, (summary.get("cluster") or {}).get("alpha_s", 0.0)
+        at = worlds[0]["world_size"]
+    else:
+        return None
+    k = at / n
+    at_n = dataclasses.replace(cfg, backend=dataclasses.replace(cfg.backend, world_size=n))
+    got = simulated_step(at_n, summary["params"], compute * k, None if backward is None else backward * k, alpha)
+    return None if got is None else float(got.step_s)
+
+
 def simulated_spans(cfg: Config, phi: float, compute_s: float, backward_s: float | None, alpha_s: float) -> Any:
     """The timeline (psarch.timeline.Span list) of one step of `cfg`'s program in full, played from idle links on
     its emulated links as simulated_step plays it; None where the backend writes no program."""

@@ -28,6 +28,8 @@ class Deadlines:
         s = self.state
         t = s.timeout_s
         for part in s.parts if s.barrier else []:
+            if part.follows:   # its first holder drops workers from its rounds (psarch/ps/replication.py)
+                continue
             r = part.round
             if r.pushed and now - r.since > t:
                 what = "gradients" if s.mode == "sync" else "deltas"
@@ -37,16 +39,29 @@ class Deadlines:
         return []
 
     def check_waits(self, now: float) -> None:
-        """Fail the server when a pull has waited more than timeout_s."""
+        """Fail the server when a pull has waited more than timeout_s (a replica's that follows its first holder: twice
+        that, since its first holder may wait timeout_s for a worker before it decides the round)."""
         s = self.state
         t = s.timeout_s
         for p in s.pending.values():
-            if now - p.since > t and not s.initialised:
+            follows = p.part is not None and p.part.follows
+            if now - p.since <= (2 * t if follows else t):
+                continue
+            if not s.initialised:
                 return self.replies.fail(f"worker {p.worker} waited more than backend.timeout_s = {t:g} s "
                                          f"for the initial parameters: no worker sent init")
-            if now - p.since > t:
-                part = p.part if p.part is not None else s.parts[0]   # asked before init: the first (pulls.ready)
-                slowest = part.slowest(s.live)
-                slow = sorted(w for w in s.live if part.clock[w] == slowest)
-                return self.replies.fail(f"worker {p.worker} waited more than backend.timeout_s = {t:g} s "
-                                         f"for step {p.step}; waiting on worker(s) {slow} (at step {slowest})")
+            part = p.part if p.part is not None else s.parts[0]   # asked before init: the first (pulls.ready)
+            if follows and part.round.members is not None:
+                missing = sorted(part.round.members - part.round.pushed)
+                return self.replies.fail(f"partition [{part.lo}, {part.hi}) step {part.range.version}: its first "
+                                         f"holder summed the push of worker(s) {missing}, which never reached this "
+                                         f"replica within 2 x backend.timeout_s = {2 * t:g} s (a worker that died as "
+                                         f"it sent it): the copies cannot agree")
+            if follows:
+                return self.replies.fail(f"partition [{part.lo}, {part.hi}) step {part.range.version}: no worker said "
+                                         f"which pushes its first holder summed within 2 x backend.timeout_s = "
+                                         f"{2 * t:g} s (worker {p.worker} waits for step {p.step})")
+            slowest = part.slowest(s.live)
+            slow = sorted(w for w in s.live if part.clock[w] == slowest)
+            return self.replies.fail(f"worker {p.worker} waited more than backend.timeout_s = {t:g} s "
+                                     f"for step {p.step}; waiting on worker(s) {slow} (at step {slowest})")

@@ -57,6 +57,7 @@ from psarch.ps.auth import Credentials
 from psarch.ps.errors import PSError, WorkerLost
 from psarch.ps.layout import gather, held, held_partitions, server_partitions
 from psarch.ps.partitions import replicas
+from psarch.ps.server.commits import Commits
 from psarch.ps.server.connections import Caps, Connections, copy_received_frames, exchange_budget
 from psarch.ps.server.deadlines import Deadlines
 from psarch.ps.server.readmit import Readmissions
@@ -130,6 +131,7 @@ class ParameterServer:
             "sparsepush": self.pushes.on_push, "sparsepushpull": self.pushes.on_pushpull,
             "pushpulldelta": self.pushes.on_pushpull, "sparsepushpulldelta": self.pushes.on_pushpull,
             "pull": self.pulls.on_pull, "fetch": self.pushes.on_fetch, "save": self.snapshots.on_save,
+            "commit": Commits(s, replies, self.pushes, self.pulls).on_commit,
             "done": self.on_done, "rejoin": lambda ident, msg: self.readmit.on_rejoin(ident, msg, self.lose),
             **(self.rows.handlers() if self.rows is not None else {})}
 

@@ -18,6 +18,7 @@ from typing import Any
 from psarch.ps import wire
 from psarch.ps.errors import PSError
 from psarch.ps.partitions import replicas
+from psarch.ps.replication import members_text
 from psarch.ps.server.deltas import NonFiniteDelta
 from psarch.ps.server.replies import Replies
 from psarch.ps.server.state import TRACE_LIMIT, AckFields, Partition, Pull, ServerState
@@ -97,8 +98,8 @@ class PullQueue:
                     s.trace.append([1, w, step])
             if s.mode == "sync" and st.version:
                 header["skipped"] = placed.round.last_skipped or header.get("skipped", False)
-                if replicas(s.cfg):   # a worker checks that every holder's round summed as many pushes
-                    header["summed"] = placed.round.last_summed
+                if replicas(s.cfg):   # the workers its round summed: its followers sum the same (replication.py)
+                    header["summed"] = members_text(placed.round.last_members)
             keys = None
             if p.op in wire.DELTA_PULLS:   # GEO with compression: the change since what the worker holds
                 assert st.copies is not None   # (pushes.py accepts these ops only then)

@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from psarch.ps import wire
-from psarch.ps.errors import NonFinitePush, PSError
+from psarch.ps.errors import NonFinitePush, PSError, WorkerLost
 from psarch.ps.layout import held, server_partitions
 from psarch.ps.server.pulls import PullQueue
 from psarch.ps.server.replies import Replies
@@ -106,7 +106,7 @@ class Pushes:
     def on_pushpull(self, ident: bytes, msg: wire.Message) -> None:
         """A push, then a pull for the next step, answered by one `params` reply (half the messages)."""
         part = self._part(msg)
-        self.pulls.check_one(self.state.sender(msg), "pushpull", part)
+        self.pulls.check_one(self.state.sender(msg, lost_ok=part.follows), "pushpull", part)
         extra = self.apply(msg, part)
         # GEO with compression: answered with the partition's compressed change (pulls.py, deltas.py)
         op = msg.op if msg.op in wire.DELTA_PULLS else "pushpull"
@@ -138,8 +138,12 @@ class Pushes:
         staleness = st.version - st.sent_version[w]
         skipped = None
         if s.barrier:
-            rnd.sum.add(w, data, st.acc, s.live, rnd.pushed)
-            rnd.inf |= found_inf
+            if part.follows:   # summed once its first holder says with which others (replication.py)
+                rnd.sum.keep(w, data)
+            else:
+                rnd.sum.add(w, data, st.acc, s.live, rnd.pushed)
+            if found_inf:
+                rnd.infs.add(w)
             if not rnd.pushed:
                 rnd.since = time.monotonic()
             rnd.pushed.add(w)
@@ -167,7 +171,7 @@ class Pushes:
     def _checked(self, msg: wire.Message, part: Partition) -> tuple[int, torch.Tensor | Pairs, bool]:
         """(worker, payload decoded, found_inf) of a push that passes every check; PSError, changing nothing, else."""
         s, h = self.state, msg.header
-        w, st = s.sender(msg), part.range
+        w, st = s.sender(msg, lost_ok=part.follows), part.range
         sparse = msg.op.startswith("sparse")
         if sparse != (s.cfg.train.compression == "topk"):
             raise PSError(f"{msg.op}: this run's pushes are " + ("whole partitions (push, pushpull)" if sparse else
@@ -183,6 +187,9 @@ class Pushes:
             raise PSError(f"push: worker {w} says it computed on version {h['version']}, this server last sent "
                           f"it version {st.sent_version[w]}")
         if s.barrier:
+            if part.follows and h["step"] < st.version and w not in part.round.last_members:
+                raise WorkerLost(f"push: worker {w} sent step {h['step']}, which went on without it (server "
+                                 f"{s.index} is at step {st.version})", st.version)
             if h["step"] != st.version:
                 raise PSError(f"push: worker {w} sent step {h['step']}, the current round is step {st.version}")
             if w in part.round.pushed:
@@ -191,8 +198,8 @@ class Pushes:
             raise PSError(f"push: worker {w} sent step {h['step']}, its next step is {part.clock[w]}")
         self._check_scale(w, h, st)
         scratch = s.scratch[:part.hi - part.lo]
-        into = (part.round.sum.destination(w, s.live, part.round.pushed, st.acc, scratch)
-                if s.barrier and keys is None else scratch)
+        into = (scratch if not s.barrier or keys is not None else torch.empty_like(scratch) if part.follows else
+                part.round.sum.destination(w, s.live, part.round.pushed, st.acc, scratch))
         found_inf = bool(h.get("found_inf", False))
         try:  # poison never reaches the parameters: only fp16's declared overflow steps may hold inf/nan
             # (a refused first push of a round leaves acc half-written: the next first push overwrites it)
@@ -229,16 +236,17 @@ class Pushes:
             raise PSError(f"push: scale {scale:g}, this server's loss scale for step {st.version} is {st.scale:g}")
 
     def complete_round(self, part: Partition) -> None:
-        """Apply the partition's round once every live worker has pushed it (the round's rows first, with the
-        first partition to complete it, then the partition's dense sum)."""
+        """Apply the partition's round once every live worker has pushed it (a replica that follows: once it has
+        the pushes its first holder summed), the round's rows first, with the first partition to complete it,
+        then the partition's dense sum."""
         s = self.state
         r, st = part.round, part.range
         if not s.barrier or not r.pushed:
             return
-        r.sum.drain(st.acc, s.live, r.pushed)   # a push or a loss may fill the gap
-        if not r.pushed >= s.live:
+        members = self._members(part)
+        if members is None:
             return
-        if not r.sum.complete(r.pushed):   # a bug: never apply a sum missing a push
+        if not r.sum.complete(members):   # a bug: never apply a sum missing a push
             return self.replies.fail(f"internal error: round {st.version} has pushes {sorted(r.pushed)}, summed "
                                      f"{sorted(r.sum.summed)}, still kept {sorted(r.sum.early)}")
         version = st.version
@@ -247,16 +255,16 @@ class Pushes:
             # sync: the mean gradient over the round's pushes (all N workers', or those left once some were
             # lost: a worker's shard of the global batch goes with it), as the dense range; geo: deltas
             # arrive divided by N
-            rows = (with_rows.round_update(1 / len(r.pushed) if s.mode == "sync" else s.workers / len(r.pushed))
+            rows = (with_rows.round_update(1 / len(members) if s.mode == "sync" else s.workers / len(members))
                     if with_rows is not None else None)
             if s.mode == "sync":
-                r.last_skipped = st.apply_mean(len(r.pushed), r.inf)
-                r.last_summed = len(r.pushed)
+                r.last_skipped = st.apply_mean(len(members), bool(r.infs & members))
+                r.last_members = members
             else:  # workers divide their deltas by N: the mean over the deltas this round actually has
-                st.apply_sum(s.workers / len(r.pushed))
+                st.apply_sum(s.workers / len(members))
         except NonFiniteUpdate as e:   # no one push is to blame: the round cannot be applied, the run stops
             where = f", partition [{part.lo}, {part.hi})" if len(s.parts) > 1 else ""
-            return self.replies.fail(f"{s.mode} step {st.version}{where}: the round of workers {sorted(r.pushed)}: "
+            return self.replies.fail(f"{s.mode} step {st.version}{where}: the round of workers {sorted(members)}: "
                                      f"{e}: not applied")
         if with_rows is not None:
             with_rows.end_round(rows)
@@ -266,4 +274,18 @@ class Pushes:
                               now - (time.monotonic() - r.since), now)
         r.pushed.clear()
         r.sum.clear()
-        r.inf = False
+        r.infs.clear()
+        r.members = None
+
+    def _members(self, part: Partition) -> frozenset[int] | None:
+        """The workers the partition's round sums, once it may complete (None until then), their pushes summed in
+        worker order: every live worker's, or a follower's, those its first holder summed (the rest dropped)."""
+        s, r, acc = self.state, part.round, part.range.acc
+        if part.follows:
+            if r.members is None or not r.pushed >= r.members:
+                return None
+            r.sum.drop(r.pushed - r.members)
+            r.sum.drain(acc, set(r.members), set(r.members))
+            return r.members
+        r.sum.drain(acc, s.live, r.pushed)   # a push or a loss may fill the gap
+        return frozenset(r.pushed) if r.pushed >= s.live else None

@@ -58,17 +58,28 @@ class OrderedSum:
         if w == self.next(live, pushed):
             self._sum(w, data, acc)
         else:
-            self.early[w] = data
-            self.peak = max(self.peak, sum(t.nbytes for t in self.early.values()))
+            self.keep(w, data)
+
+    def keep(self, w: int, data: torch.Tensor | Pairs) -> None:
+        """Keep worker w's checked push unsummed (a replica's round, summed once its first holder says which pushes
+        it sums: psarch/ps/replication.py)."""
+        self.early[w] = data
+        self.peak = max(self.peak, sum(t.nbytes for t in self.early.values()))
+
+    def drop(self, workers: set[int]) -> None:
+        """Forget the kept pushes of `workers` (a replica's round that its first holder summed without them)."""
+        for w in workers:
+            self.early.pop(w, None)
 
     def drain(self, acc: torch.Tensor, live: set[int], pushed: set[int]) -> None:
         """Sum the kept pushes whose predecessors are all in (or lost without pushing), in worker order."""
         while (v := self.next(live, pushed)) in self.early:
             self._sum(v, self.early.pop(v), acc)
 
-    def complete(self, pushed: set[int]) -> bool:
-        """Whether every push of the round is in the sum (after `drain`, once every live worker pushed)."""
-        return not self.early and self.summed == pushed
+    def complete(self, members: set[int] | frozenset[int]) -> bool:
+        """Whether the round's sum holds exactly the pushes of `members` (after `drain`, once every live worker
+        pushed: every push of the round; a replica's: those its first holder summed)."""
+        return not self.early and self.summed == members
 
     def clear(self) -> None:
         self.summed.clear()

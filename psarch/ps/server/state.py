@@ -63,9 +63,10 @@ class Round:
     sum: OrderedSum
     pushed: set[int] = field(default_factory=set)
     since: float = 0.0            # when its first push arrived
-    inf: bool = False             # fp16: a push of this round declared inf/nan
+    infs: set[int] = field(default_factory=set)   # fp16: the workers whose push of this round declared inf/nan
+    members: frozenset[int] | None = None   # a replica's: the workers its first holder summed (a `commit` said)
     last_skipped: bool = False    # sync: whether the last completed round's update was skipped (fp16)
-    last_summed: int = 0          # sync: how many pushes the last completed round summed (replicas compare it)
+    last_members: frozenset[int] = frozenset()   # sync: the workers the last completed round summed
 
 
 @dataclass
@@ -79,6 +80,12 @@ class Partition:
     round: Round
     clock: list[int]
     replica: bool = False   # backend.replicas: a copy of another server's partition, kept as that server keeps it
+    # a replica's rounds sum what its first live holder's summed (a `commit` names them), until a worker says the
+    # holders before it are dead: it then decides them itself (psarch/ps/replication.py)
+    follows: bool = False
+
+    def __post_init__(self) -> None:
+        self.follows = self.replica
 
     def slowest(self, live: set[int]) -> int:
         """The fewest pushes of this partition any live worker has made."""
@@ -228,12 +235,13 @@ class ServerState:
         part = self.starts.get(offset) if isinstance(offset, int) else None
         return f"{REPLICA}{op}" if part is not None and part.replica else op
 
-    def sender(self, msg: wire.Message) -> int:
-        """The worker a request comes from; PSError unless it is one of this run's and not lost."""
+    def sender(self, msg: wire.Message, lost_ok: bool = False) -> int:
+        """The worker a request comes from; PSError unless it is one of this run's and (unless `lost_ok`: a
+        replica's push, psarch/ps/replication.py) not lost."""
         w = msg.header["worker"]
         if w >= self.workers:
             raise PSError(f"worker {w}: this run has workers 0..{self.workers - 1}")
-        if w in self.lost:
+        if w in self.lost and not lost_ok:
             raise WorkerLost(f"worker {w} was declared lost", self.version)
         return w
 

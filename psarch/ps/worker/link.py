@@ -99,11 +99,13 @@ class ServerLink:
             op, into = ("pushpull", into) if self.synced is None else ("pushpulldelta", None)
             r = self._push(p, pushed, dict(header, op=op, step=step - 1, version=self.versions[p.index], offset=p.lo),
                            into)
-        self.posted[p.index] = r
-        self.client.post(p.server, r)
+        # to its replicas first: a worker that dies between the two sends leaves its push with followers only,
+        # which drop it as their first holder does (replication.py)
         self.copies[p.index] = [Request(dict(r.header), r.tensor, into=into, keys=r.keys) for _ in p.holders[1:]]
         for h, c in zip(p.holders[1:], self.copies[p.index]):
             self.client.post(h, c)
+        self.posted[p.index] = r
+        self.client.post(p.server, r)
 
     def post_push(self, p: Part, pushed: torch.Tensor, step: int) -> Request:
         """Priority (priority.py): push partition p's slice of `pushed`, acknowledged once its server has it, then
@@ -142,7 +144,7 @@ class ServerLink:
     def settle(self, since: float | None = None, acks: Sequence[Request] = ()) -> Exchange:
         """Wait for every posted partition's reply (the parameters land in the flat buffer); what they (and
         `acks`, priority's push acknowledgements) said (comm_s: seconds since `since`, or since the first post)."""
-        self.client.wait()
+        self._wait_committed()
         reqs = [r for r in self.posted if r is not None]
         if len(reqs) != len(self.parts):
             raise RuntimeError(f"an exchange posted {len(reqs)} of {len(self.parts)} partitions")
@@ -183,6 +185,35 @@ class ServerLink:
                           ("" if keys is None else f" at {keys.numel()} {str(keys.dtype).removeprefix('torch.')} "
                            f"keys, not one in-range int64 key each"))
         add_delta(self.synced[p.lo:p.hi], keys, values)
+
+    def _wait_committed(self) -> None:
+        """Wait for every reply; with replicas, as each pushed partition's first live holder answers, tell its other
+        holders which workers that round summed (`commit`: they sum the same, replication.py), and tell a replica
+        that became the first live holder (the holders before it died) to decide the partition's rounds."""
+        if not self.replicas:
+            return self.client.wait()
+        told: set[int] = set()
+        led: set[tuple[int, int]] = set()
+        while True:
+            for j, p in enumerate(self.parts):
+                r = self.posted[j]
+                if j in told or r is None or not r.header["op"].endswith("pushpull"):
+                    continue
+                live = [(h, q) for h, q in zip(p.holders, (r, *self.copies[j])) if h not in self.client.dead]
+                if not live:   # no holder left: _answered says so
+                    told.add(j)
+                    continue
+                (first, q), header = live[0], {"op": "commit", "step": r.header["step"], "offset": p.lo}
+                if first != p.server and (j, first) not in led:
+                    led.add((j, first))
+                    self.client.post(first, Request(dict(header)))
+                if q.answered:
+                    for h, _ in live[1:]:
+                        self.client.post(h, Request(dict(header, members=q.reply["summed"])))
+                    told.add(j)
+            if not any(self.client.waiting):
+                return
+            self.client.wait(once=True)
 
     def _answered(self, j: int, r: Request) -> Request:
         """Partition j's reply of this exchange: its first live holder's (its server's, or where that server died, a
