@@ -20,11 +20,15 @@ def ps(n: int, mode: str = "sync", servers: int = 1, **extra) -> dict:
 
 def run_stage(out: Path, services: dict[str, Any], fn: Callable, n: int) -> list:
     """Run `fn` on n worker ranks against each case's started `services`, then finish and stop them."""
+    return run_with_stats(out, services, fn, n)[0]
+
+
+def run_with_stats(out: Path | str, services: dict[str, Any], fn: Callable, n: int) -> tuple[list, dict[str, Any]]:
+    """run_stage, returning the ranks' results and each case's servers' statistics (what finish returns)."""
     try:
         results = run_ranks(fn, n, str(out), {c: s.info for c, s in services.items()}, timeout=scaled(300))
-        for s in services.values():
-            s.finish()
+        stats = {c: s.finish() for c, s in services.items()}
     finally:
         for s in services.values():
             s.stop()
-    return results
+    return results, stats

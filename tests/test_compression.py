@@ -338,7 +338,7 @@ def ps_runs(tmp_path_factory):
     from psarch.ps.services import start_services
     out = tmp_path_factory.mktemp("ps-compression")
     train(0, 1, config("single", train=SGD), {}, str(out))
-    from ps_setup import ps
+    from ps_setup import ps, run_with_stats
     for mode in ("sync", "async"):   # one worker: an async server applies what a sync round would
         one = from_dict(config(f"ps-topk-{mode}-1", train={**SGD, **TOPK}, backend=ps(1, mode, 2)))
         service = start_services(one, None, threads=True)
@@ -349,12 +349,7 @@ def ps_runs(tmp_path_factory):
             service.stop()
     n = 2
     services = {name: start_services(from_dict(ps_data(name, n)), None, threads=True) for name in PS_VARIANTS}
-    try:
-        res = run_ranks(every_ps_variant, n, str(out), {k: s.info for k, s in services.items()}, timeout=scaled(300))
-        stats = {name: s.finish() for name, s in services.items()}
-    finally:
-        for s in services.values():
-            s.stop()
+    res, stats = run_with_stats(out, services, every_ps_variant, n)
     return out, res, stats
 
 

@@ -26,12 +26,10 @@ import math
 import pytest
 import torch
 
-from dist_utils import run_ranks
 from parity import SGD_ATOL, TINY_GPT, assert_same_model, config, model, train
 from psarch.config import apply_overrides, from_dict
 from psarch.errors import ConfigError
-from ps_setup import ps
-from timing import scaled
+from ps_setup import ps, run_with_stats
 
 HEADER_BOUND = 128
 SGD = {"optimizer": "sgd", "lr": 0.1, "momentum": 0.9, "steps": 8}
@@ -66,12 +64,7 @@ def runs(tmp_path_factory):
     from psarch.ps.services import start_services
     out = tmp_path_factory.mktemp("geo-compression")
     services = {name: start_services(from_dict(data(name)), None, threads=True) for name in VARIANTS}
-    try:
-        res = run_ranks(every_variant, N, str(out), {k: s.info for k, s in services.items()}, timeout=scaled(300))
-        stats = {name: s.finish() for name, s in services.items()}
-    finally:
-        for s in services.values():
-            s.stop()
+    res, stats = run_with_stats(out, services, every_variant, N)
     return out, res, stats
 
 
@@ -170,14 +163,7 @@ def payloads(tmp_path_factory):
     from psarch.ps.services import start_services
     out = tmp_path_factory.mktemp("geo-compression-payloads")
     services = {name: start_services(from_dict(data(name)), None, threads=True) for name in EXACT}
-    try:
-        res = run_ranks(payload_only, N, str(out), {k: s.info for k, s in services.items()}, timeout=scaled(300))
-        for s in services.values():
-            s.finish()
-    finally:
-        for s in services.values():
-            s.stop()
-    return res
+    return run_with_stats(out, services, payload_only, N)[0]
 
 
 @pytest.mark.parametrize("name", EXACT)
