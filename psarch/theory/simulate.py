@@ -174,9 +174,12 @@ def play(program: Program, cluster: Cluster, began: dict[str, float] | None = No
         for f, r in zip(flows, rates):
             f.left -= r * (t - now)
         now = t
-        if any(f.left <= DONE * max(1.0, f.op.bytes) for f in flows):
-            complete = [f for f in flows if f.left <= DONE * max(1.0, f.op.bytes)]
-            flows = [f for f in flows if f.left > DONE * max(1.0, f.op.bytes)]
+        # complete: (nearly) no bytes left, or too few for the clock to move by (a tiny transfer late in the step)
+        ended = [f.left <= DONE * max(1.0, f.op.bytes) or (r > 0 and now + f.left / r <= now)
+                 for f, r in zip(flows, rates)]
+        if any(ended):
+            complete = [f for f, e in zip(flows, ended) if e]
+            flows = [f for f, e in zip(flows, ended) if not e]
             rates, changed = [], True
             for f in complete:
                 done(f.op.name)
