@@ -420,3 +420,20 @@ def test_a_ps_workers_rows_ride_the_connections_of_its_pushes_and_pulls(colocate
     for op in transfers:
         way, a, b = op.conn
         assert (op.src, op.dst) == ((a, where[b]) if way == "push" else (where[a], b)), op.name
+
+
+def test_the_hybrids_zero3_units_leave_the_tables_to_the_servers():
+    """ZeRO-3 with the tables on PS servers gathers the dense units alone, as its trainer holds them (the tables
+    frozen placeholders): the DLRM's root, its tables, is empty, its MLP blocks share Φ by their sizes; without
+    the servers the tables are the root's."""
+    from psarch.workload import build_workload
+    from zero.theory import unit_shares
+
+    base = {"workload": {"model": "dlrm", "data": "clicks", "dlrm": {"rows": 10**5}},
+            "train": {"optimizer": "adagrad", "global_batch": 64}}
+    cfg = from_dict({**base, "backend": {"kind": "zero", "stage": 3, "world_size": 4, "embeddings": "ps",
+                                         "servers": 2}})
+    blocks = [sum(p.numel() for p in b.parameters()) for b in build_workload(cfg, device="meta").model.blocks]
+    assert unit_shares(cfg) == pytest.approx([0.0] + [b / sum(blocks) for b in blocks])
+    dense = from_dict({**base, "backend": {"kind": "zero", "stage": 3, "world_size": 4}})
+    assert unit_shares(dense)[0] > 0.99

@@ -29,16 +29,23 @@ _SHARES: dict[str, list[float]] = {}   # unit_shares by what decides them: the e
 
 def unit_shares(cfg: Config) -> list[float]:
     """Each unit's share of the trainable parameters, root first (psarch.model_units.find_units: the units ZeRO-3
-    gathers and FSDP2 shards one by one), from the model built on the meta device."""
+    gathers and FSDP2 shards one by one), from the model built on the meta device; with the tables on PS servers
+    (backend.embeddings = "ps", the hybrid) of the dense ones, as the trainer's units hold them (the tables frozen
+    placeholders, collective/ps_tables.py)."""
     from psarch.config.backend import units_attr
 
     t = cfg.train
-    key = repr((cfg.workload, t.trainable, t.lora_rank, t.lora_targets, units_attr(cfg.backend)))
+    on_servers = getattr(cfg.backend, "embeddings", "dense") == "ps"
+    key = repr((cfg.workload, t.trainable, t.lora_rank, t.lora_targets, units_attr(cfg.backend), on_servers))
     if key not in _SHARES:
+        from psarch.embeddings import embedding_tables
         from psarch.model_units import find_units
         from psarch.workload import build_workload
 
-        units = find_units(build_workload(cfg, device="meta").model, units_attr(cfg.backend))
+        model = build_workload(cfg, device="meta").model
+        for _, table in embedding_tables(model) if on_servers else []:
+            table.weight.requires_grad_(False)
+        units = find_units(model, units_attr(cfg.backend))
         sizes = [float(sum(p.numel() for p in u.params)) for u in units]
         total = sum(sizes) or 1.0
         _SHARES[key] = [sizes[0] / total] + [x / total for x in sizes[1:] if x]
