@@ -214,3 +214,45 @@ def test_estimate_simulates_the_gpts_pipelines_and_tensor_parallelism_beside_the
                            ("tensor/t=2", {"kind": "tensor", "tensor_parallel": 2})):
         step = simulated_step(config(gpt, 8, "fp32", "adamw", backend), gpt.params(), 0.01, 1e9, 1e-5)
         assert step is not None and " ".join(got[label][:2]) == estimate.fmt_time(step[0].step_s)
+
+
+def test_zero3s_simulated_step_gathers_the_units_of_the_gpt_asked_about():
+    """The step-time table's ZeRO-3 gathers one unit per block and the root (embeddings and head) of the GPT given,
+    the root's bytes its own; for Φ asked about alone, of a standard GPT of about Φ (GPT-3's width nearest it)."""
+    from psarch import registry
+    from psarch.theory.estimate_steps import Network, config
+    from psarch.theory.estimate_tensor import GPTShape, standard_shape
+    from psarch.theory.program import DataStep, Transfer
+
+    n = 64
+
+    def gathers(workload: dict, phi: float) -> list[Transfer]:
+        cfg = config("zero", {"stage": 3}, n, "bf16", Network(), None, workload)
+        p = registry.spec_of(cfg).program(cfg, phi, DataStep.of(0.1), True)
+        return [op for op in p.ops if isinstance(op, Transfer) and op.name.startswith("fag")]
+
+    shape = GPTShape(layers=6, hidden=256, heads=4, seq=128, vocab=1000)
+    got = gathers(shape.workload(), shape.params())
+    assert len(got) == 6 + 1
+    root = GPTShape(layers=0, hidden=256, heads=4, seq=128, vocab=1000).params()
+    assert got[0].bytes == pytest.approx(2 * root * (n - 1) / n)   # bf16; a ring moves (N-1)/N of it
+    assumed = standard_shape(7.5e9)
+    assert (assumed.hidden, assumed.heads) == (4096, 32) and assumed.params() == pytest.approx(7.5e9, rel=0.02)
+    assert len(gathers(assumed.workload(), 7.5e9)) == assumed.layers + 1
+    assert f"zero-3 gathers {assumed.layers + 1} units" in estimate._units(7.5e9, None, None)[1]
+    assert "a GPT assumed for Φ" in estimate._units(7.5e9, None, None)[1]
+
+
+def test_cli_estimate_of_a_gpt_shape_takes_its_units_and_its_params(capsys):
+    """A GPT's shape without --params: Φ is the shape's, and the output names the units ZeRO-3 gathers."""
+    from psarch.cli import main
+    from psarch.theory.estimate_tensor import GPTShape
+
+    shape = ["--layers", "6", "--hidden", "256", "--heads", "4", "--seq-len", "128", "--vocab", "1000"]
+    assert main(["estimate", *shape, "--world", "8"]) == 0
+    out = capsys.readouterr().out
+    phi = GPTShape(layers=6, hidden=256, heads=4, seq=128, vocab=1000).params()
+    assert f"Φ = {estimate._params(phi)}, bf16" in out
+    assert "zero-3 gathers 7 units, the root (embeddings, head) and 6 blocks of the GPT given" in out
+    assert main(["estimate", "--layers", "0", "--world", "8"]) == 2
+    assert "--layers" in capsys.readouterr().err

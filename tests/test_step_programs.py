@@ -8,7 +8,7 @@ import math
 
 import pytest
 
-from collective.program import ALL_TO_ALL, collectives, ddp_program
+from collective.program import ALL_TO_ALL, TableServers, bucketed, collectives, ddp_program
 from psarch import registry
 from psarch.config import from_dict
 from psarch.dp.program import dp_program
@@ -74,6 +74,21 @@ def embedding_rows(sharded: bool):
     return write
 
 
+def hybrid(dense: str, k: int | str, colocated: bool = False):
+    """The hybrid: `dense` ("ddp", "zero-1/2", "zero-3") over the dense layers, each rank's embedding rows pulled
+    from k table servers (dedicated or colocated) before forward and their gradients pushed after backward."""
+    def write(n: int, reduced: bool):
+        count = n if k == "n" else (max(1, n // 2) if k == "n/2" else int(k))
+        tables = TableServers(count, colocated, RowBytes(8e3 / count, S / 16 / count, S / 16 / count))
+        sizes = chunks(S / 4, S / 16)
+        if dense == "ddp":
+            return bucketed(n, sizes, STEP, True, reduced, "ar", 2, tables)[0]
+        if dense == "zero-1/2":
+            return stage12_program(n, sizes, chunks(S / 4, S / 8), STEP, True, reduced, tables=tables)
+        return sharded(n, zero3_script([u / 4 for u in UNITS], STEP, 0.05 * S, True, 2), reduced, tables=tables)
+    return write
+
+
 PROGRAMS = {
     "ddp, embedding rows all-gathered": embedding_rows(False),
     "ddp, embedding rows sharded (all-to-all)": embedding_rows(True),
@@ -109,6 +124,15 @@ PROGRAMS = {
     "ps, n servers, r = 1": ps("n", replicas=1),
     "ps, 3 servers, r = 2, uneven": ps(3, uneven=True, replicas=2),
     "ps, n colocated, r = 1, uneven": ps("n", colocated=True, uneven=True, replicas=1),
+    "hybrid ddp, 2 servers": hybrid("ddp", 2),
+    "hybrid ddp, n servers": hybrid("ddp", "n"),
+    "hybrid ddp, n/2 colocated": hybrid("ddp", "n/2", colocated=True),
+    "hybrid ddp, n colocated": hybrid("ddp", "n", colocated=True),
+    "hybrid ddp, 1 colocated": hybrid("ddp", 1, colocated=True),
+    "hybrid zero-1/2, 2 servers": hybrid("zero-1/2", 2),
+    "hybrid zero-1/2, n/2 colocated": hybrid("zero-1/2", "n/2", colocated=True),
+    "hybrid zero-3, 2 servers": hybrid("zero-3", 2),
+    "hybrid zero-3, n/2 colocated": hybrid("zero-3", "n/2", colocated=True),
 }
 
 
@@ -324,7 +348,8 @@ def test_a_ps_rows_program_moves_theorys_bytes_and_reduces(options):
 def test_a_hybrid_program_moves_the_rows_beside_the_dense_layers(backend):
     """ddp and ZeRO with the tables on PS servers, from a config: with compute 0 and no latency the step takes
     at least the dense layers' collectives and each rank's rows through its link, at most the two one after the
-    other (the hybrid is written in full only: collective/program.py's collectives says why)."""
+    other; its reduced program (a node per kind of alike ranks, the ring step by step) times it as the full one
+    does, within 1% with compute and latency in play."""
     from psarch.theory import predict
 
     n = 4
@@ -333,9 +358,14 @@ def test_a_hybrid_program_moves_the_rows_beside_the_dense_layers(backend):
                      "backend": {"world_size": n, "embeddings": "ps", "servers": 2, **backend}})
     phi = 4 * 10**5 * 16 + 20_000
     spec, link = registry.spec_of(cfg), predict(cfg, phi).worker
-    p = spec.program(cfg, phi, DataStep(0.0, 0.0), False)
-    got = simulate(p, Cluster.of(p, RATE)).step_s
-    assert max(link.sent, link.received) / RATE * (1 - 1e-6) <= got <= (link.sent + link.received) / RATE * 1.01
+    for reduced in (False, True):
+        p = spec.program(cfg, phi, DataStep(0.0, 0.0), reduced)
+        got = simulate(p, Cluster.of(p, RATE)).step_s
+        assert max(link.sent, link.received) / RATE * (1 - 1e-6) <= got <= (link.sent + link.received) / RATE * 1.01
+    full, reduced_ = (spec.program(cfg, phi, STEP, r) for r in (False, True))
+    assert len(reduced_.nodes) < len(full.nodes)
+    a = simulate(full, Cluster.of(full, RATE, ALPHA)).step_s
+    assert simulate(reduced_, Cluster.of(reduced_, RATE, ALPHA)).step_s == pytest.approx(a, rel=0.01)
 
 
 def test_ddps_program_takes_the_trainers_own_buckets():
@@ -428,3 +458,20 @@ def test_a_ps_workers_rows_ride_the_connections_of_its_pushes_and_pulls(colocate
     for op in transfers:
         way, a, b = op.conn
         assert (op.src, op.dst) == ((a, where[b]) if way == "push" else (where[a], b)), op.name
+
+
+def test_the_hybrids_zero3_units_leave_the_tables_to_the_servers():
+    """ZeRO-3 with the tables on PS servers gathers the dense units alone, as its trainer holds them (the tables
+    frozen placeholders): the DLRM's root, its tables, is empty, its MLP blocks share Φ by their sizes; without
+    the servers the tables are the root's."""
+    from psarch.workload import build_workload
+    from zero.theory import unit_shares
+
+    base = {"workload": {"model": "dlrm", "data": "clicks", "dlrm": {"rows": 10**5}},
+            "train": {"optimizer": "adagrad", "global_batch": 64}}
+    cfg = from_dict({**base, "backend": {"kind": "zero", "stage": 3, "world_size": 4, "embeddings": "ps",
+                                         "servers": 2}})
+    blocks = [sum(p.numel() for p in b.parameters()) for b in build_workload(cfg, device="meta").model.blocks]
+    assert unit_shares(cfg) == pytest.approx([0.0] + [b / sum(blocks) for b in blocks])
+    dense = from_dict({**base, "backend": {"kind": "zero", "stage": 3, "world_size": 4}})
+    assert unit_shares(dense)[0] > 0.99

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from collective.program import TableServers, bucketed, ring, row_pushes, table_servers, workers
+from collective.program import TableServers, bucketed, placed, rank_layout, row_pushes
 from psarch.theory.program import DataStep, Program
 
 
@@ -29,9 +29,9 @@ def stage12_program(n: int, buckets: list[float], gathers: list[float], step: Da
     under ZeroRedundancyOptimizer, whose broadcasts of the updated shards move what one all-gather pass does);
     `tables`: embedding rows on PS servers beside it (the hybrid)."""
     p, last = bucketed(n, buckets, step, overlap, reduced, "rs", reduce_passes, tables)
-    reduced = reduced and not tables   # written in full there (collectives)
+    layout = rank_layout(n, reduced, tables)   # as bucketed lays the ranks out
     for b, size in enumerate(gathers):
-        last = [(d,) for d in ring(p, f"ag{b}", n, size, 1, list(last), reduced)]
+        last = [(d,) for d in layout.ring(p, f"ag{b}", size, 1, list(last))]
     return p
 
 
@@ -52,25 +52,25 @@ GATHER, REDUCE, WAIT, COMPUTE = "gather", "reduce", "wait", "compute"
 def sharded(n: int, script: list[Act], reduced: bool = False, optimizer_s: float = 0.0,
             tables: TableServers | None = None) -> Program:
     """The program of n ranks each acting out `script` (every rank alike; reduced: one node standing for them), then
-    the optimizer step once every collective is done; `tables`: embedding rows on PS servers beside it (the hybrid:
-    written in full), each rank's pulled before its first collective and pushed after its last compute."""
-    reduced = reduced and not tables
-    p = workers(n, reduced)
-    ranks = range(1 if reduced else n)
-    where, comm = table_servers(p, len(ranks), tables)   # comm: the communicator's last op on each rank
+    the optimizer step once every collective is done; `tables`: embedding rows on PS servers beside it (the hybrid;
+    reduced: its rings step by step, collective/program.py's Ranks), each rank's pulled before its first collective
+    and pushed after its last compute."""
+    layout = rank_layout(n, reduced, tables)
+    p, where, comm = placed(layout, tables)   # comm: the communicator's last op on each rank
+    ranks = layout.nodes
     at: list[tuple[str, ...]] = [() for _ in ranks]      # what the main thread has done since (and with) its last span
     issued: dict[str, list[str]] = {}
     last = ["" for _ in ranks]
     for act in script:
         if act.kind in (GATHER, REDUCE):
-            got = ring(p, act.name, n, act.value, 1, [(*comm[j], *at[j]) for j in ranks], reduced)
+            got = layout.ring(p, act.name, act.value, 1, [(*comm[j], *at[j]) for j in ranks])
             comm, issued[act.name] = [(g,) for g in got], got
         elif act.kind == WAIT:
             at = [(*at[j], issued[act.name][j]) for j in ranks]
         else:
             last = [p.compute(f"{act.name}.{r}", r, act.value, at[j]) for j, r in enumerate(ranks)]
             at = [(x,) for x in last]
-    pushed = row_pushes(p, n, tables, where, last) if tables else [() for _ in ranks]
+    pushed = row_pushes(p, layout, tables, where, last) if tables else [() for _ in ranks]
     for j, r in enumerate(ranks):
         p.compute(f"opt{r}", r, optimizer_s, (*at[j], *comm[j], *pushed[j]))
     return p

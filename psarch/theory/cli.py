@@ -32,14 +32,16 @@ def add_parser(p: argparse.ArgumentParser) -> None:
     plan.add_argument("--device", default="h100", help="the device profile (psarch.cluster.device.PROFILES)")
     plan.add_argument("--mfu", type=float, default=0.4, help="the fraction of the device's peak attained")
     plan.add_argument("--link-gbps", type=float, help="each node's link in Gbit/s (instead of --bandwidth)")
-    gpt = p.add_argument_group("tensor parallelism", "rows for a GPT of this shape at each degree t dividing --world")
+    gpt = p.add_argument_group("a GPT's shape", "the GPT asked about: its units (root and blocks) are ZeRO-3's in the "
+                               "simulated steps (without --params, its Φ is Φ); tensor parallelism's rows at each "
+                               "degree t dividing --world; --plan's model")
     gpt.add_argument("--tensor-parallel", type=int, help="the degree t to mark (rows appear when given)")
     for flag, default, what in (("--layers", 24, "blocks"), ("--hidden", 2048, "width"), ("--heads", 16, "heads"),
                                 ("--seq-len", 2048, "tokens per sequence"),
                                 ("--micro-batch", 8, "sequences per data-parallel replica per step (per device "
                                  "in --plan and the simulated model-parallel steps: one global batch for all)"),
                                 ("--vocab", 50257, "vocabulary")):
-        gpt.add_argument(flag, type=int, default=default, help=f"{what} (default {default})")
+        gpt.add_argument(flag, type=int, help=f"{what} (default {default})")   # None: not given (SHAPE_FLAGS)
 
 
 
@@ -47,9 +49,15 @@ def command(args: argparse.Namespace) -> int:
     from psarch.theory.estimate import measured_compute, report
     if args.plan:
         return _plan(args)
+    given = _shape_given(args)
     from psarch.theory.estimate_steps import Network
     measured = None
     phi, world, precision, optimizer = args.params, args.world, args.precision, args.optimizer
+    try:
+        model = _gpt(args) if given else None
+    except ConfigError as e:
+        print(f"psarch: estimate: {e}", file=sys.stderr)
+        return 2
     compute = args.compute_s
     if args.from_run:
         from psarch.report.runs import load_run, run_config   # imports torch: only for a run folder
@@ -65,13 +73,15 @@ def command(args: argparse.Namespace) -> int:
         phi = phi or summary["params"]
         world, precision, optimizer = cfg.backend.world_size, cfg.train.precision, cfg.train.optimizer
         compute = measured_compute(summary) if compute is None else compute
+    phi = phi or (model.params() if model else None)   # a GPT given alone: its own Φ
     if args.pipeline and (args.pipeline < 1 or world % args.pipeline or args.microbatches < 1):
         print(f"psarch: estimate: --pipeline {args.pipeline} must divide --world {world}, and --microbatches "
               f"must be >= 1", file=sys.stderr)
         return 2
     if not phi or phi <= 0 or world < 1 or args.servers < 1 or args.bandwidth <= 0 or args.latency < 0 \
             or (compute is not None and compute < 0) or (args.partition_mb is not None and args.partition_mb < 0):
-        print("psarch: estimate: --params (> 0) or --from is required; --world, --servers >= 1; "
+        print("psarch: estimate: --params (> 0), a GPT's shape (--layers, ...) or --from is required; "
+              "--world, --servers >= 1; "
               "--bandwidth > 0; --latency, --compute-s, --partition-mb >= 0", file=sys.stderr)
         return 2
     network = Network(args.bandwidth, args.latency, 0.1 if compute is None else compute, args.overlap)
@@ -82,18 +92,34 @@ def command(args: argparse.Namespace) -> int:
         tensor = _tensor_shape(args, world)
         gpt = _gpt(args) if tensor or args.pipeline else None
         print(report(phi, world, precision, optimizer, args.servers, network, args.budget, measured, source, options,
-                     tensor, extra, gpt), end="")
+                     tensor, extra, gpt, model), end="")
     except ConfigError as e:
         print(f"psarch: estimate: {e}", file=sys.stderr)
         return 2
     return 0
 
 
-def _gpt(args: argparse.Namespace) -> Any:
-    """The GPT of --layers .. --vocab (a ConfigError naming the flags when one is below 1)."""
+# the flags that shape the GPT asked about (--micro-batch is the batch, not the model)
+SHAPE_FLAGS = ("layers", "hidden", "heads", "seq_len", "vocab")
+
+
+def _shape_given(args: argparse.Namespace) -> bool:
+    """Whether the command line names the GPT's shape (one of SHAPE_FLAGS)."""
+    return any(getattr(args, f) is not None for f in SHAPE_FLAGS)
+
+
+def _shape(args: argparse.Namespace) -> Any:
+    """The GPT of --layers .. --vocab, each flag not given at GPTShape's default."""
     from psarch.theory.estimate_tensor import GPTShape
 
-    shape = GPTShape(args.layers, args.hidden, args.heads, args.seq_len, args.micro_batch, args.vocab)
+    fields = {"layers": "layers", "hidden": "hidden", "heads": "heads", "seq": "seq_len", "micro_batch": "micro_batch",
+              "vocab": "vocab"}   # GPTShape's field: its flag's
+    return GPTShape(**{f: getattr(args, flag) for f, flag in fields.items() if getattr(args, flag) is not None})
+
+
+def _gpt(args: argparse.Namespace) -> Any:
+    """The GPT of --layers .. --vocab (a ConfigError naming the flags when one is below 1)."""
+    shape = _shape(args)
     if min(shape.layers, shape.hidden, shape.heads, shape.seq, shape.micro_batch, shape.vocab) < 1 \
             or shape.hidden % shape.heads:
         raise ConfigError("--layers, --hidden, --heads, --seq-len, --micro-batch, --vocab: each must be >= 1, and "
@@ -103,12 +129,10 @@ def _gpt(args: argparse.Namespace) -> Any:
 
 def _tensor_shape(args: argparse.Namespace, world: int) -> tuple | None:
     """(the GPT's shape, t) for --tensor-parallel t; a ConfigError naming the flag when it does not fit."""
-    from psarch.theory.estimate_tensor import GPTShape
-
     t = args.tensor_parallel
     if t is None:
         return None
-    shape = GPTShape(args.layers, args.hidden, args.heads, args.seq_len, args.micro_batch, args.vocab)
+    shape = _shape(args)
     if min(shape.layers, shape.hidden, shape.heads, shape.seq, shape.micro_batch, shape.vocab) < 1:
         raise ConfigError("--layers, --hidden, --heads, --seq-len, --micro-batch, --vocab: each must be >= 1")
     if t < 1 or world % t or shape.heads % t or shape.hidden % shape.heads:
@@ -119,11 +143,10 @@ def _tensor_shape(args: argparse.Namespace, world: int) -> tuple | None:
 
 def _plan(args: argparse.Namespace) -> int:
     """`psarch estimate --plan`."""
-    from psarch.theory.estimate_tensor import GPTShape
     from psarch.theory.plan import Hardware, report
 
     bandwidth = args.bandwidth if args.link_gbps is None else args.link_gbps * 1e9 / 8
-    shape = GPTShape(args.layers, args.hidden, args.heads, args.seq_len, args.micro_batch, args.vocab)
+    shape = _shape(args)
     if min(shape.layers, shape.hidden, shape.heads, shape.seq, shape.micro_batch, shape.vocab) < 1 \
             or shape.hidden % shape.heads or args.world < 1 or bandwidth <= 0 or args.latency < 0 \
             or not 0 < args.mfu <= 1 or args.from_run:

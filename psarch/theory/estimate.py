@@ -85,14 +85,17 @@ def backend_rows(phi: float, world: int, precision: str, optimizer: str, options
 def report(phi: float, world: int, precision: str = "bf16", optimizer: str = "adamw", servers: int = 1,
            network: Network | None = None, budget: float | None = None, measured: tuple[Summary, Config] | None = None,
            compute_from: str | None = None, options: dict | None = None,
-           tensor: tuple[GPTShape, int] | None = None, extra: dict | None = None, gpt: GPTShape | None = None) -> str:
+           tensor: tuple[GPTShape, int] | None = None, extra: dict | None = None, gpt: GPTShape | None = None,
+           model: GPTShape | None = None) -> str:
     """Everything `psarch estimate` prints; `measured` is a run's (summary, config), compared with the model
     at the end; `compute_from` names the run the cluster's compute time was measured in, if any; `options`
     the backend options asked for on the command line (a pipeline's stages and micro-batches: the rows
     BackendSpec.estimate_rows adds from Φ alone); `tensor` (a GPT's shape, the degree asked for): tensor
     parallelism's rows, which need the shape (psarch.theory.estimate_tensor); `extra`: backend options for the step
     times, each for the backends that read it (--partition-mb: the PS's partition_mb); `gpt`: the GPT whose
-    pipeline (`options`) and tensor-parallel (`tensor`) steps are simulated beside the ring's. The ZeRO paper's Table 2 (the largest
+    pipeline (`options`) and tensor-parallel (`tensor`) steps are simulated beside the ring's; `model`: the GPT asked
+    about, whose units (its root and blocks) ZeRO-3's simulated step gathers one by one, scaled to Φ (None: a measured
+    run's own model, else a standard GPT of about Φ, standard_shape, named in the output). The ZeRO paper's Table 2 (the largest
     model a device `budget` holds, default 32 GB) is about models of billions of parameters: it is shown for a
     Φ asked about, and for a measured run only when a budget is given."""
     c = network or Network()
@@ -101,7 +104,7 @@ def report(phi: float, world: int, precision: str = "bf16", optimizer: str = "ad
         out += _table2_lines(32e9 if budget is None else budget)
     out += _traffic_lines(phi, world, precision, optimizer, servers)
     out += backend_rows(phi, world, precision, optimizer, options or {})
-    out += _scaling_lines(phi, precision, servers, c, compute_from, extra)
+    out += _scaling_lines(phi, precision, servers, c, compute_from, extra, *_units(phi, model, measured))
     if tensor:
         from psarch.theory.estimate_tensor import tensor_report
 
@@ -184,16 +187,33 @@ def _traffic_lines(phi: float, world: int, precision: str, optimizer: str, serve
     return out + [f"{label:>16} " + " ".join(f"{in_unit(x, scale):>13}" for x in xs) for label, xs in rows]
 
 
+def _units(phi: float, model: GPTShape | None, measured: tuple[Summary, Config] | None) -> tuple[dict, str]:
+    """The model whose units ZeRO-3's step gathers (a config's [workload] section) and a line that says which: a
+    measured run's own, the GPT given, or a standard one of about Φ (standard_shape)."""
+    from psarch.theory.estimate_tensor import standard_shape
+
+    if measured and model is None:
+        return measured[1].to_dict()["workload"], "zero-3 gathers the run's own model's units (its root and blocks)"
+    shape = model or standard_shape(phi)
+    what = "the GPT given" if model else ("a GPT assumed for Φ (GPT-3's width nearest it, blocks to match; "
+                                          "--layers, --hidden, --heads, --seq-len, --vocab give another)")
+    return shape.workload(), (f"zero-3 gathers {shape.layers + 1} units, the root (embeddings, head) and {shape.layers} "
+                              f"blocks of {what}: GPT {shape.layers} x {shape.hidden}, {shape.heads} heads, "
+                              f"{shape.seq} tokens, vocabulary {shape.vocab} (Φ = {_params(shape.params())}), "
+                              f"scaled to Φ = {_params(phi)}")
+
+
 def _scaling_lines(phi: float, precision: str, servers: int, c: Network, compute_from: str | None,
-                   extra: dict | None) -> list[str]:
+                   extra: dict | None, workload: dict | None = None, units: str = "") -> list[str]:
     worlds = [2**k for k in range(11)]
-    rows = scaling_table(phi, precision, c, worlds, servers, extra)
+    rows = scaling_table(phi, precision, c, worlds, servers, extra, workload)
     keys = list(architectures(servers))
     unit, scale = unit_for([r[k] for r in rows for k in keys], TIMES)
     source = f" (measured in {compute_from})" if compute_from else ""
     sent = "from backward's hooks" if c.overlap else "after backward"
     out = ["", f"== step time ({unit}) simulated: compute {fmt_time(c.compute_s)}/step/worker{source} (weak scaling), "
                f"link {fmt_size(c.bandwidth)}/s each way, latency {fmt_time(c.alpha)}, gradients sent {sent}",
+           *([units] if units else []),
            f"{'N':>6} " + " ".join(f"{k:>9}" for k in keys) + "   (ps/n: one server per worker; col: beside it)"]
     for row in rows:
         out.append(f"{row['world']:>6} " + " ".join(f"{row[k] / scale:>9.3g}" for k in keys))

@@ -37,14 +37,16 @@ def architectures(servers: int) -> dict[str, tuple[str, dict[str, Any]]]:
 
 
 def config(kind: str, options: dict[str, Any], n: int, precision: str, net: Network,
-           extra: dict[str, Any] | None = None) -> Config:
+           extra: dict[str, Any] | None = None, workload: dict[str, Any] | None = None) -> Config:
     """The config of one cell: `options` at world size n (servers "n": n), and of `extra` the backend options
-    this backend reads (e.g. the PS's partition_mb)."""
+    this backend reads (e.g. the PS's partition_mb); `workload`: the model asked about (whose units ZeRO-3 gathers),
+    as a config's [workload] section."""
     opts = {k: (n if v == "n" else v) for k, v in options.items()}
-    cfg = theory.config_for(kind, n, precision, "adamw", overlap_comm=net.overlap, **opts)
+    cfg = theory.config_for(kind, n, precision, "adamw", workload=workload, overlap_comm=net.overlap, **opts)
     own = option_keys(registry.spec_of(cfg))
     reads = {k: v for k, v in (extra or {}).items() if f"backend.{k}" in own}
-    return theory.config_for(kind, n, precision, "adamw", overlap_comm=net.overlap, **opts, **reads) if reads else cfg
+    return theory.config_for(kind, n, precision, "adamw", workload=workload, overlap_comm=net.overlap, **opts,
+                             **reads) if reads else cfg
 
 
 def simulated(cfg: Config, phi: float, net: Network, reduced: bool = True) -> StepTime:
@@ -64,10 +66,10 @@ def no_program(cfg: Config) -> Exception:
 
 
 def scaling_table(phi: float, precision: str, net: Network, worlds: list[int], servers: int = 1,
-                  extra: dict[str, Any] | None = None) -> list[dict[str, float]]:
+                  extra: dict[str, Any] | None = None, workload: dict[str, Any] | None = None) -> list[dict[str, float]]:
     """Step seconds of each architecture (architectures(servers)) at each N; `extra`: backend options, each for
-    the backends that read it (e.g. the PS's partition_mb)."""
-    return [{"world": n, **{label: simulated(config(kind, opts, n, precision, net, extra), phi, net).step_s
+    the backends that read it (e.g. the PS's partition_mb); `workload`: the model asked about (config's)."""
+    return [{"world": n, **{label: simulated(config(kind, opts, n, precision, net, extra, workload), phi, net).step_s
                             for label, (kind, opts) in architectures(servers).items()}} for n in worlds]
 
 

@@ -30,11 +30,30 @@ class GPTShape:
             model = GPT(self.vocab, self.seq, self.layers, self.hidden, self.heads)
         return sum(p.numel() for p in model.parameters())
 
+    def workload(self) -> dict:
+        """The config's [workload] section of this GPT (on Markov data of its vocabulary)."""
+        return {"model": "gpt", "data": "markov", "seq_len": self.seq, "markov": {"vocab_size": self.vocab},
+                "gpt": {"n_layer": self.layers, "n_embd": self.hidden, "n_head": self.heads}}
+
+
+# GPT-3's widths and heads by size (Brown et al. 2020, Table 2.1), heads of 128 from 1.3B on (the table's 24 heads
+# do not divide 1.3B's 2,048, nor 40 heads 13B's 5,140: read as 5,120)
+GPT3_WIDTHS = ((125e6, 768, 12), (350e6, 1024, 16), (760e6, 1536, 16), (1.3e9, 2048, 16), (2.7e9, 2560, 32),
+               (6.7e9, 4096, 32), (13e9, 5120, 40), (175e9, 12288, 96))
+
+
+def standard_shape(phi: float) -> GPTShape:
+    """A GPT of about Φ = phi parameters for a Φ asked about alone: the width and heads of GPT-3's size nearest Φ
+    (GPT3_WIDTHS), as many blocks as bring it nearest Φ (at least one), the default sequence and vocabulary."""
+    _, hidden, heads = min(GPT3_WIDTHS, key=lambda row: abs(math.log(phi / row[0])))
+    root = GPTShape(0, hidden, heads).params()
+    block = GPTShape(1, hidden, heads).params() - root
+    return GPTShape(max(1, round((phi - root) / block)), hidden, heads)
+
 
 def tensor_config(shape: GPTShape, t: int, world: int, precision: str, optimizer: str) -> Config:
     """A `tensor` run of this shape: t-way tensor parallelism, world / t replicas of micro_batch sequences each."""
-    return from_dict({"workload": {"model": "gpt", "seq_len": shape.seq, "markov": {"vocab_size": shape.vocab},
-                                   "gpt": {"n_layer": shape.layers, "n_embd": shape.hidden, "n_head": shape.heads}},
+    return from_dict({"workload": shape.workload(),
                       "train": {"precision": precision, "optimizer": optimizer,
                                 "global_batch": shape.micro_batch * world // t},
                       "backend": {"kind": "tensor", "world_size": world, "tensor_parallel": t}})

@@ -90,9 +90,7 @@ def candidates(shape: GPTShape, world: int) -> list[Candidate]:
 
 def config(shape: GPTShape, world: int, precision: str, optimizer: str, backend: dict[str, Any]) -> Config:
     """The candidate's config: the GPT, `micro_batch` sequences per device per step."""
-    return from_dict({"workload": {"model": "gpt", "data": "markov", "seq_len": shape.seq,
-                                   "markov": {"vocab_size": shape.vocab},
-                                   "gpt": {"n_layer": shape.layers, "n_embd": shape.hidden, "n_head": shape.heads}},
+    return from_dict({"workload": shape.workload(),
                       "train": {"precision": precision, "optimizer": optimizer,
                                 "global_batch": shape.micro_batch * world},
                       "backend": {"world_size": world, **backend}})
