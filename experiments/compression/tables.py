@@ -1,5 +1,9 @@
 """The compression study's tables and plot, from the run folders' summary.json and metrics.jsonl (README.md here):
-    python experiments/compression/tables.py runs/compression experiments/compression/results
+    python experiments/compression/tables.py runs/compression experiments/compression/results [TABLE ...]
+
+TABLE (default: all) names the compression tables to write (TABLES: gpt, dlrm, gpt_geo), each from the run
+folders <TABLE>_steps, <TABLE>_time, <TABLE>_time_n8 and <TABLE>_time_fixed_d; with a subset, each one's short
+table goes to <TABLE>_summary.md, and summary.md, the plot and the LoRA and hybrid tables are left as they are.
 
 Time to target = the steps a loopback run of the same point took to reach the target (*_steps sweeps: a
 synchronous run's arithmetic does not depend on the links) x the step time measured on the emulated cluster
@@ -25,6 +29,9 @@ from psarch.units import fmt_bytes
 # run alone before any compressed run: the GPT's 10-step mean gap falls below 0.1 x its initial gap near step 41
 # of 120, DLRM's below 0.75 x its initial gap near step 20 of 100 (it plateaus after)
 TARGET = {"gpt": 0.1, "dlrm": 0.75}
+# each compression table and its workload (whose target it takes): gpt_geo is the PS in GEO mode, which compresses
+# its pulls too, run after the others (gpt_geo_steps.toml, gpt_geo_time.toml)
+TABLES = {"gpt": "gpt", "dlrm": "dlrm", "gpt_geo": "gpt"}
 WINDOW = 10   # steps in the trailing mean of the loss that is held against the target
 
 
@@ -40,8 +47,10 @@ def runs_in(folder: Path) -> list[Run]:
 
 def point(run: Run) -> tuple[str, str]:
     """(architecture, compression) of a run, as the tables name them."""
-    t = run["config"]["train"]
-    kind = run["config"]["backend"]["kind"]
+    t, b = run["config"]["train"], run["config"]["backend"]
+    kind = b["kind"]
+    if kind == "ps" and b.get("mode") == "geo":   # GEO: deltas both ways, a round every k_steps
+        kind = f"ps geo k={b['k_steps']}{', barrier' if b.get('geo_barrier') else ''}"
     c = t.get("compression", "none")
     words = {"none": "none", "fp16": "fp16", "bf16": "bf16", "topk": f"top-k {t.get('topk_ratio')}",
              "powersgd": f"PowerSGD r={t.get('powersgd_rank')}"}[c]
@@ -116,13 +125,14 @@ def ms(x: float | None) -> str:
     return "-" if x is None else f"{x * 1e3:.1f}"
 
 
-def compression_table(root: Path, workload: str) -> tuple[str, list[dict]]:
-    steps_runs = runs_in(root / f"{workload}_steps")
-    time_runs = runs_in(root / f"{workload}_time") + runs_in(root / f"{workload}_time_n8")
-    again = {(world(r), link(r), *point(r)): r for r in runs_in(root / f"{workload}_time_fixed_d")}
+def compression_table(root: Path, table: str) -> tuple[str, list[dict]]:
+    workload = TABLES[table]
+    steps_runs = runs_in(root / f"{table}_steps")
+    time_runs = runs_in(root / f"{table}_time") + runs_in(root / f"{table}_time_n8")
+    again = {(world(r), link(r), *point(r)): r for r in runs_in(root / f"{table}_time_fixed_d")}
     time_runs = [again.get((world(r), link(r), *point(r)), r) for r in time_runs]   # overran at auto D: run again
     if not steps_runs:
-        return f"(no {workload}_steps runs)\n", []
+        return f"(no {table}_steps runs)\n", []
     target, reached = steps_to_target(steps_runs, workload)
     floor = steps_runs[0]["summary"]["entropy_floor"]
     head = (f"Target: {WINDOW}-step mean gap < {target:.4f} (loss {floor + target:.4f}; {TARGET[workload]} x the initial "
@@ -183,8 +193,8 @@ def short_table(all_rows: dict[str, list[dict]]) -> str:
                 cells += [f"{ms(r['step'])} \\| {ms(r['pred'])}{'' if r['how'] == 'sim' else ' s'}", fmt_bytes(r["sent"]),
                           "-" if r["time"] is None else f"{r['time']:.2f}", vs]
             steps = next((r["steps"] for r in rows if (r["n"], r["arch"], r["comp"]) == key), "-")
-            lines.append(f"| {w} | {key[0]} | {key[1]} | {key[2]} | {steps if steps is not None else 'not reached'} | "
-                         + " | ".join(cells) + " |")
+            reached = steps if steps is not None else "not reached"
+            lines.append(f"| {TABLES[w]} | {key[0]} | {key[1]} | {key[2]} | {reached} | " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
 
 
@@ -261,14 +271,23 @@ def hybrid_table(root: Path) -> str:
 
 def main() -> None:
     root, out = Path(sys.argv[1]), Path(sys.argv[2])
+    chosen = sys.argv[3:] or list(TABLES)
+    unknown = [t for t in chosen if t not in TABLES]
+    if unknown:
+        sys.exit(f"table {unknown[0]!r}: expected one of {', '.join(TABLES)}")
     out.mkdir(parents=True, exist_ok=True)
     all_rows = {}
-    for w in TARGET:
+    for w in chosen:
         text, all_rows[w] = compression_table(root, w)
         (out / f"{w}.md").write_text(text)
         print(f"## {w}\n\n{text}")
-    plot(all_rows, out)
     text = short_table(all_rows)
+    if chosen != list(TABLES):
+        for w in chosen:
+            (out / f"{w}_summary.md").write_text(short_table({w: all_rows[w]}))
+        print(f"## summary of {', '.join(chosen)}\n\n{text}")
+        return
+    plot(all_rows, out)
     (out / "summary.md").write_text(text)
     print(f"## summary\n\n{text}")
     for name, text in (("lora", lora_table(root)), ("hybrid", hybrid_table(root))):
