@@ -13,6 +13,8 @@ from typing import Sequence
 
 import torch
 
+from zero.theory import padded_size
+
 
 @dataclass
 class Group:
@@ -43,11 +45,6 @@ class Group:
         """Padding elements inside rank `rank`'s chunk (padding sits at the end of the group)."""
         lo, hi = rank * self.chunk, (rank + 1) * self.chunk
         return hi - min(max(self.numel, lo), hi)
-
-
-def padded_size(numel: int, world_size: int) -> int:
-    """A group of `numel` elements padded to a multiple of `world_size` (an empty group still moves one chunk)."""
-    return max(-(-numel // world_size), 1) * world_size
 
 
 class Partition:

@@ -12,7 +12,6 @@ from psarch.config.backend import (ActivationMemory, Buckets, Communicator, Core
 from psarch.config.fields import option
 from psarch.theory import BYTES, Prediction, table_params
 from zero import theory
-from zero.partition import padded_size
 
 if TYPE_CHECKING:
     from psarch.config import Config
@@ -105,7 +104,7 @@ class ZeroSpec(PSTablesServices, BackendSpec):
             sizes = theory.unit_sizes(cfg)
             sizes = sizes[:1] + [(t, f) for t, f in sizes[1:] if t or f]
             trains = sum(t for t, _ in sizes) or 1
-            frozen = [float(width * padded_size(f, n)) for _, f in sizes] if theory.trains_a_subset(cfg) else None
+            frozen = [float(width * theory.padded_size(f, n)) for _, f in sizes] if theory.trains_a_subset(cfg) else None
             script = zero3_script([s * t / trains for t, _ in sizes], step, b.prefetch_bucket_size * width,
                                   b.overlap_comm, MAX_IN_FLIGHT, frozen)
             return sharded(n, script, reduced, step.optimizer_s, tables)

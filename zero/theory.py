@@ -12,10 +12,15 @@ import math
 from typing import TYPE_CHECKING
 
 from psarch.theory import BYTES, LinkBytes, Prediction, ring_passes, sharded_memory
-from zero.partition import padded_size
 
 if TYPE_CHECKING:
     from psarch.config import Config
+
+
+def padded_size(numel: int, world_size: int) -> int:
+    """A group of `numel` elements padded to a multiple of `world_size` (an empty group still moves one chunk):
+    what zero/partition.py shards, here where theory reads it without torch."""
+    return max(-(-numel // world_size), 1) * world_size
 
 
 def passes(stage: int) -> int:
