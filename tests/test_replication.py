@@ -341,8 +341,10 @@ def test_a_worker_lost_mid_run_is_dropped_from_the_same_round_by_every_holder(tm
 def test_a_replica_sums_what_its_first_holder_summed_and_refuses_a_commit_that_differs(request):
     """Server 1 holds server 0's partition as its replica. Workers 0, 1 and 2 push it there; a commit naming workers
     0 and 1 (their first holder dropped worker 2) makes the round the mean of their two pushes, summed in worker
-    order, worker 2's kept copy dropped; a later commit naming other workers, a commit of a partition that is the
-    server's own, and worker 2's push of the round that went on without it are refused."""
+    order, worker 2's kept copy dropped; a commit naming no worker, a later commit naming other workers, a commit of
+    a partition that is the server's own, and worker 2's push of the round that went on without it are refused; so
+    is worker 2's commit of round 0 once round 1 went on without it too, as a lost worker's (it then leaves, as a
+    worker that stalled past its drop does)."""
     from psarch.ps.layout import server_partitions
     start = request.getfixturevalue("server")   # test_ps_server's servers in threads, and raw peers
     services, numel = start("sync", workers=3, servers=2, replicas=1)
@@ -355,6 +357,8 @@ def test_a_replica_sums_what_its_first_holder_summed_and_refuses_a_commit_that_d
     for w in (2, 1, 0):   # worker 2's first: each is kept until the round's members are known
         r = raw[w].ask({"op": "push", "worker": w, "step": 0, "version": 0, "offset": 0}, grads[w])
         assert r.op == "ack" and r.header["version"] == 0, r.header
+    r = raw[0].ask({"op": "commit", "worker": 0, "step": 0, "offset": 0, "members": "0"})   # a round of no one
+    assert r.op == "error" and "expected a hexadecimal bit mask of some of workers 0..2" in r.header["message"]
     r = raw[0].ask({"op": "commit", "worker": 0, "step": 0, "offset": 0, "members": members_text([0, 1])})
     assert r.op == "ack" and r.header["version"] == 1, r.header
     after = raw[0].ask({"op": "fetch", "worker": 0}).tensor()
@@ -369,3 +373,10 @@ def test_a_replica_sums_what_its_first_holder_summed_and_refuses_a_commit_that_d
     assert r.op == "error" and "the partition is this server's own" in r.header["message"]
     r = raw[2].ask({"op": "push", "worker": 2, "step": 0, "version": 0, "offset": 0}, grads[2])
     assert r.op == "error" and r.header["code"] == "lost" and "went on without it" in r.header["message"]
+    for w in (0, 1):   # round 1 without worker 2; then worker 2, stalled since round 0, commits it: it leaves as lost
+        r = raw[w].ask({"op": "push", "worker": w, "step": 1, "version": 0, "offset": 0}, grads[w])
+        assert r.op == "ack", r.header
+    r = raw[0].ask({"op": "commit", "worker": 0, "step": 1, "offset": 0, "members": members_text([0, 1])})
+    assert r.op == "ack" and r.header["version"] == 2, r.header
+    r = raw[2].ask({"op": "commit", "worker": 2, "step": 0, "offset": 0, "members": members_text([0, 1])})
+    assert r.op == "error" and r.header["code"] == "lost" and "was dropped" in r.header["message"], r.header

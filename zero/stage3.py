@@ -113,7 +113,7 @@ class Stage3:
             assert handle is not None   # async_op=True returns a Handle
             handles.append(handle)
         if self.frozen.numel(i):
-            self._resize(self.frozen.full[i], self.frozen.numel(i) * full.element_size())
+            self._resize(self.frozen.full[i], self.frozen.numel(i) * self.frozen.full[i].element_size())
             handles.append(self.frozen.gather(i))
         self.state[i] = GATHERING
         self._gathers[i] = handles

@@ -82,10 +82,12 @@ def members_text(workers: Iterable[int]) -> str:
 
 
 def members_of(text: str, workers: int) -> frozenset[int]:
-    """The workers a `members_text` names; ValueError unless it is one, naming only workers 0..workers - 1."""
+    """The workers a `members_text` names; ValueError unless it is one, naming at least one of workers
+    0..workers - 1 (a round sums at least one push: an empty one would divide its sum by 0)."""
     mask = int(text, 16) if text and all(c in "0123456789abcdef" for c in text) else -1
-    if mask < 0 or mask >> workers:
-        raise ValueError(f"members {text!r:.40}: expected a hexadecimal bit mask of workers 0..{workers - 1}")
+    if mask <= 0 or mask >> workers:
+        raise ValueError(f"members {text!r:.40}: expected a hexadecimal bit mask of some of workers "
+                         f"0..{workers - 1}")
     return frozenset(w for w in range(workers) if mask >> w & 1)
 
 

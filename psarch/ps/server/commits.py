@@ -8,7 +8,7 @@ as its primary did."""
 from __future__ import annotations
 
 from psarch.ps import wire
-from psarch.ps.errors import PSError
+from psarch.ps.errors import PSError, WorkerLost
 from psarch.ps.replication import members_of
 from psarch.ps.server.pulls import PullQueue
 from psarch.ps.server.pushes import Pushes
@@ -24,7 +24,7 @@ class Commits:
 
     def on_commit(self, ident: bytes, msg: wire.Message) -> None:
         s, h = self.state, msg.header
-        s.sender(msg, lost_ok=True)   # a worker lost here may still be in its first holder's rounds
+        w = s.sender(msg, lost_ok=True)   # a worker lost here may still be in its first holder's rounds
         if not s.initialised:
             raise PSError("commit before init: no parameters yet")
         part = s.part_at(h["offset"], "commit")
@@ -32,6 +32,9 @@ class Commits:
         what = f"commit: partition [{part.lo}, {part.hi}) step {step}"
         if not part.replica:
             raise PSError(f"{what}: the partition is this server's own; its rounds are decided here")
+        if step < st.version - 1 and w not in r.last_members:   # stalled past the drop: leave as a lost worker
+            raise WorkerLost(f"{what}: worker {w} was dropped from the rounds that went on without it (this server "
+                             f"is at step {st.version} of it)", st.version)
         if step > st.version or step < st.version - 1:
             raise PSError(f"{what}: this server is at step {st.version} of it")
         s.changing = True
