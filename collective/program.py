@@ -116,12 +116,14 @@ def ring_steps(p: Program, name: str, n: int, kinds: tuple[tuple[int, int], ...]
 
 
 def bucketed(n: int, buckets: list[float], step: DataStep, overlap: bool, reduced: bool, name: str,
-             passes: int, tables: TableServers | None = None) -> tuple[Program, list[tuple[str, ...]]]:
+             passes: int, tables: TableServers | None = None,
+             wire_share: float = 1.0) -> tuple[Program, list[tuple[str, ...]]]:
     """Backward readying `buckets` (bytes, in that order) among n ranks, each bucket `passes` ring passes from
     backward's hooks (overlap) or after backward, one after another, then the optimizer step: the program, and
-    each rank's optimizer step (what comes next waits for); `tables`: embedding rows on PS servers beside it."""
-    return collectives(n, buckets, [[(f"{name}{b}", size, passes)] for b, size in enumerate(buckets)], [], step,
-                       overlap, reduced, tables=tables)
+    each rank's optimizer step (what comes next waits for); `tables`: embedding rows on PS servers beside it;
+    `wire_share`: the share of a bucket's bytes its passes move (0.5: fp32 gradients cast to 2 bytes)."""
+    return collectives(n, buckets, [[(f"{name}{b}", size * wire_share, passes)] for b, size in enumerate(buckets)],
+                       [], step, overlap, reduced, tables=tables)
 
 
 # one collective: its name, bytes, ring passes over them (ALL_TO_ALL: bytes each rank sends)

@@ -192,6 +192,26 @@ def test_a_compressed_ddp_program_moves_theorys_bytes(kind, compression):
         assert simulate(p, Cluster.of(p, RATE)).step_s == pytest.approx(sent / RATE, rel=2e-3)
 
 
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_a_zero_program_with_cast_gradients_moves_theorys_bytes(stage):
+    """ZeRO with train.compression = "fp16" (zero/wire.py), from a config, with compute 0 and no latency: the step is
+    predict's bytes at the link's rate, and predict's bytes are the uncompressed ones less half the reduce-scatter's,
+    (N - 1)/N · 2Φ (the reduce-scatters cast to 2 bytes, several buckets in stages 1-2; the all-gathers in fp32)."""
+    from psarch.theory import predict
+
+    n, phi = 4, 25e6
+    backend = {"kind": "zero", "stage": stage, "world_size": n, "reduce_bucket_size": 10**6,
+               "allgather_bucket_size": 3 * 10**6}
+    cfg = from_dict({"train": {"compression": "fp16"}, "backend": backend})
+    sent = predict(cfg, phi).worker.sent
+    passes = 3 if stage == 3 else 2
+    assert sent == pytest.approx((passes - 0.5) * (n - 1) / n * 4 * phi, rel=1e-12)
+    assert predict(from_dict({"backend": backend}), phi).worker.sent - sent == pytest.approx((n - 1) / n * 2 * phi)
+    for reduced in (False, True):
+        p = registry.spec_of(cfg).program(cfg, phi, DataStep(0.0, 0.0), reduced)
+        assert simulate(p, Cluster.of(p, RATE)).step_s == pytest.approx(sent / RATE, rel=2e-3), reduced
+
+
 @pytest.mark.parametrize("kind", ["ddp", "torch_ddp"])
 def test_a_powersgd_program_pays_alpha_for_each_message_it_sends(kind):
     """With compute 0 and bytes at no cost a compressed PowerSGD step on one bucket is its messages' α: three ring

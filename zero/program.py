@@ -23,12 +23,14 @@ from psarch.theory.program import DataStep, Program
 
 
 def stage12_program(n: int, buckets: list[float], gathers: list[float], step: DataStep, overlap: bool,
-                    reduced: bool = False, reduce_passes: int = 1, tables: TableServers | None = None) -> Program:
+                    reduced: bool = False, reduce_passes: int = 1, tables: TableServers | None = None,
+                    grad_share: float = 1.0) -> Program:
     """Reduce-scatter of `buckets` (bytes, in the order backward readies them), the optimizer, the all-gather of
     `gathers` (bytes, in order) among n ranks. reduce_passes = 2: each bucket all-reduced instead (torch's DDP
     under ZeroRedundancyOptimizer, whose broadcasts of the updated shards move what one all-gather pass does);
-    `tables`: embedding rows on PS servers beside it (the hybrid)."""
-    p, last = bucketed(n, buckets, step, overlap, reduced, "rs", reduce_passes, tables)
+    `tables`: embedding rows on PS servers beside it (the hybrid); grad_share: the share of a bucket's bytes its
+    reduce-scatter moves (0.5: train.compression casts fp32 gradients to 2 bytes, zero/wire.py)."""
+    p, last = bucketed(n, buckets, step, overlap, reduced, "rs", reduce_passes, tables, grad_share)
     layout = rank_layout(n, reduced, tables)   # as bucketed lays the ranks out
     for b, size in enumerate(gathers):
         last = [(d,) for d in layout.ring(p, f"ag{b}", size, 1, list(last))]
@@ -121,12 +123,13 @@ def _wait(name: str, trains: float, frozen: float) -> list[Act]:
 
 
 def zero3_script(units: list[float], step: DataStep, prefetch_bytes: float, overlap: bool,
-                 in_flight: int, frozen: list[float] | None = None) -> list[Act]:
+                 in_flight: int, frozen: list[float] | None = None, grad_share: float = 1.0) -> list[Act]:
     """zero/stage3.py's step over `units` (trainable bytes of each, the root first, then the blocks in forward order;
     `frozen`: each unit's frozen bytes, padded as zero/frozen.py shards them):
     `prefetch_bytes` (prefetch_bucket_size's elements in bytes) gathered ahead of use, each window counting the
     units already on their way (Stage3._prefetch); reduce-scatters asynchronous (overlap: at most `in_flight` left
-    in flight, the oldest waited for beyond: Stage3._reap) or blocking. Compute shared by bytes, the root's at
+    in flight, the oldest waited for beyond: Stage3._reap) or blocking, each of grad_share x its unit's bytes (0.5:
+    train.compression casts fp32 gradients to 2 bytes, zero/wire.py). Compute shared by bytes, the root's at
     forward's end and backward's start (its head)."""
     frozen = frozen or [0.0] * len(units)
     share = _shares(units, frozen)
@@ -169,7 +172,7 @@ def zero3_script(units: list[float], step: DataStep, prefetch_bytes: float, over
     def reduce(i: int) -> None:
         if not units[i]:   # a unit of frozen weights only reduces nothing
             return
-        out.append(Act(REDUCE, f"rs{i}", units[i]))
+        out.append(Act(REDUCE, f"rs{i}", units[i] * grad_share))
         if not overlap:
             out.append(Act(WAIT, f"rs{i}"))
             return

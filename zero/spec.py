@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from psarch.backend import PROCESS_GROUP_OPTIONS, BackendSpec
+from psarch.backend import PROCESS_GROUP_OPTIONS, BackendSpec, compression_label
 from collective.spec import PSTablesServices, check_ps_tables
 from psarch.config.backend import (ActivationMemory, Buckets, Communicator, CoreBackendConfig, ModelUnits, Overlap,
                                    PSServers)
@@ -49,9 +49,9 @@ class ZeroSpec(PSTablesServices, BackendSpec):
     variant_key = "stage"
     bench_peer = "zero.torch_peers:plain_fsdp2_peer"
     bench_options = {"stage": 3}
+    compressions = ("none", "fp16", "bf16")   # the gradients' reduce-scatter in 2 bytes (zero/wire.py)
     uncompressed_because = ("ZeRO reduce-scatters gradients, adding chunks hop by hop: a ring cannot add top-k's sparse "
-                            "(index, value) pairs on the way, PowerSGD factors whole matrices, not a rank's shard, "
-                            "and fp16/bf16 reduce-scatters are not built")
+                            "(index, value) pairs on the way, and PowerSGD factors whole matrices, not a rank's shard")
     reads = {**PROCESS_GROUP_OPTIONS, "backend.reduce_bucket_size": (1, 2), "backend.allgather_bucket_size": (1, 2),
              "backend.prefetch_bucket_size": (3,)}
     embeddings = ("dense", "ps")   # ps: the tables on PS servers (collective/ps_tables.py)
@@ -68,7 +68,8 @@ class ZeroSpec(PSTablesServices, BackendSpec):
 
     def label(self, cfg: Config) -> str:
         text = f"zero-{cfg.backend.stage} {cfg.backend.comm}"
-        return text if cfg.backend.embeddings == "dense" else f"{text}, embeddings {cfg.backend.embeddings}"
+        text = text if cfg.backend.embeddings == "dense" else f"{text}, embeddings {cfg.backend.embeddings}"
+        return text + compression_label(cfg)
 
     def predict(self, cfg: Config, phi: float) -> Prediction:
         stage = cfg.backend.stage
@@ -88,11 +89,13 @@ class ZeroSpec(PSTablesServices, BackendSpec):
         stage 3 unit by unit as zero/stage3.py gathers, prefetches and reduce-scatters them (zero3_script), over
         the config's model's units (theory.unit_sizes), those that train scaled to Φ = phi and the frozen ones
         gathered with them, each unit padded to N as zero/frozen.py shards it; embedding tables on PS servers: each
-        rank's rows pulled before forward, pushed after backward."""
+        rank's rows pulled before forward, pushed after backward. The reduce-scatters move gradient_width's bytes per
+        element (2 where train.compression casts), the all-gathers the compute dtype's."""
         from psarch.theory.program import chunks
         from zero.program import sharded, stage12_program, zero3_script
 
         b, width = cfg.backend, BYTES[cfg.train.precision]
+        grad_share = theory.gradient_width(cfg) / width   # 0.5 where train.compression casts fp32 gradients
         tables = None
         if b.embeddings == "ps":   # ZeRO over the dense layers, the tables on the servers
             from collective.theory import table_servers
@@ -106,10 +109,10 @@ class ZeroSpec(PSTablesServices, BackendSpec):
             trains = sum(t for t, _ in sizes) or 1
             frozen = [float(width * theory.padded_size(f, n)) for _, f in sizes] if theory.trains_a_subset(cfg) else None
             script = zero3_script([s * t / trains for t, _ in sizes], step, b.prefetch_bucket_size * width,
-                                  b.overlap_comm, MAX_IN_FLIGHT, frozen)
+                                  b.overlap_comm, MAX_IN_FLIGHT, frozen, grad_share)
             return sharded(n, script, reduced, step.optimizer_s, tables)
         return stage12_program(n, chunks(s, b.reduce_bucket_size * width), chunks(s, b.allgather_bucket_size * width),
-                               step, b.overlap_comm, reduced, tables=tables)
+                               step, b.overlap_comm, reduced, tables=tables, grad_share=grad_share)
 
 
 class TorchZeroSpec(BackendSpec):

@@ -19,8 +19,8 @@ class Stage1(Stage12):
 
     def __init__(self, params: list[torch.nn.Parameter], comm: Communicator, reduce_bucket_size: int,
                  overlap_comm: bool, allgather_bucket_size: int = 5 * 10**8,
-                 unit_of: dict[int, int] | None = None) -> None:
-        super().__init__(params, comm, reduce_bucket_size, overlap_comm, allgather_bucket_size, unit_of)
+                 unit_of: dict[int, int] | None = None, compression: str = "none") -> None:
+        super().__init__(params, comm, reduce_bucket_size, overlap_comm, allgather_bucket_size, unit_of, compression)
         self.reduce_in_hook = overlap_comm
         self.grad = torch.zeros_like(self.flat)
         for g in self.part.groups:

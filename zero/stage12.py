@@ -6,7 +6,8 @@ parameters end and another's begin (psarch.model_units), so that checkpoint expo
 by bucket, never holds more than one unit's full parameters at once; each bucket is padded to a multiple of N
 and rank r owns chunk r of every bucket (zero.partition). After backward each rank holds the averaged
 gradient of its chunks only, its optimizer updates them, and the updated chunks are all-gathered back
-into every rank's full buffer: reduce-scatter + all-gather = 2(N-1)/N of the (padded) bytes, per step.
+into every rank's full buffer: reduce-scatter + all-gather = 2(N-1)/N of the (padded) bytes, per step; with
+train.compression = "fp16"/"bf16" the reduce-scatter moves a 2-byte copy of the gradients (zero/wire.py).
 The all-gathers go bucket by bucket, as many in flight as fit in `allgather_bucket_size` elements.
 
 Where a bucket's gradient is kept and where its reduced chunk lands is what tells the stages apart:
@@ -24,6 +25,7 @@ from collective.comm import Communicator
 from psarch.meters import Transient, WaitClock
 from zero.export import gather_fp32
 from zero.partition import Group, Partition, bucket_params
+from zero.wire import GradientWire, Land
 
 # Reduce-scatters left in flight when a new one is launched; beyond that the oldest is waited for. Bounds
 # the transient gradient buffers, as DeepSpeed bounds its reduction buckets by double-buffering them.
@@ -38,7 +40,7 @@ class Stage12(ABC):
 
     def __init__(self, params: list[torch.nn.Parameter], comm: Communicator, reduce_bucket_size: int,
                  overlap_comm: bool, allgather_bucket_size: int = 5 * 10**8,
-                 unit_of: dict[int, int] | None = None) -> None:
+                 unit_of: dict[int, int] | None = None, compression: str = "none") -> None:
         self.comm, self.overlap = comm, overlap_comm
         self.allgather_numel = allgather_bucket_size
         self.rank, self.n = comm.rank, comm.world_size
@@ -54,9 +56,11 @@ class Stage12(ABC):
         self._group_of = {id(p): g for g in self.part.groups for p in g.params}
         self._index_in_group = {id(p): i for g in self.part.groups for i, p in enumerate(g.params)}
         self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad) for p in params]
-        self._pending: list[tuple[Any, Group, torch.Tensor, torch.Tensor]] = []   # (handle, group, input, output)
+        # (handle, group, input, output, land: the output in its place once the handle is done)
+        self._pending: list[tuple[Any, Group, torch.Tensor, torch.Tensor, Land]] = []
         self._next = 0
         self.transient = Transient()
+        self.wire = GradientWire(self.n, compression, self.transient)   # whole, or cast to 2 bytes
         self.reduced_in_backward = 0   # asynchronous reduce-scatters launched from gradient hooks: the overlap
         self.waits = WaitClock()       # time blocked on collectives, hooks included (a straggler leaves it out)
 
@@ -120,22 +124,23 @@ class Stage12(ABC):
     def _launch(self, g: Group) -> None:
         self._next += 1
         grad, out = self._reduce_pair(g)
-        grad.div_(self.n)  # average by pre-dividing (keeps fp16 sums in range), as DDP does
+        sent, received, land = self.wire.send(grad, out)
         with self.waits:   # without overlap_comm the reduce-scatter blocks here, in backward's hook
-            handle = self.comm.reduce_scatter(out, grad, async_op=self.overlap)
-        self._pending.append((handle, g, grad, out))
+            handle = self.comm.reduce_scatter(received, sent, async_op=self.overlap)
+        self._pending.append((handle, g, grad, out, land))
         self._reap(keep=MAX_IN_FLIGHT)
 
     def _reap(self, keep: int) -> None:
         """Finish reduce-scatters in launch order: those already done, and more until at most `keep` remain."""
         while self._pending:
-            handle, g, grad, out = self._pending[0]
+            handle, g, grad, out, land = self._pending[0]
             if handle is not None:
                 if len(self._pending) <= keep and not handle.is_completed():
                     return
                 with self.waits:
                     handle.wait()
             self._pending.pop(0)
+            land()
             self._reduced(g, grad, out)
 
     def reduce_gradients(self) -> None:

@@ -24,8 +24,8 @@ class Stage2(Stage12):
 
     def __init__(self, params: list[torch.nn.Parameter], comm: Communicator, reduce_bucket_size: int,
                  overlap_comm: bool, allgather_bucket_size: int = 5 * 10**8,
-                 unit_of: dict[int, int] | None = None) -> None:
-        super().__init__(params, comm, reduce_bucket_size, overlap_comm, allgather_bucket_size, unit_of)
+                 unit_of: dict[int, int] | None = None, compression: str = "none") -> None:
+        super().__init__(params, comm, reduce_bucket_size, overlap_comm, allgather_bucket_size, unit_of, compression)
         self.shard_grad = torch.zeros(self.part.shard_numel, dtype=self.flat.dtype, device=self.flat.device)
         self._held: dict[int, torch.Tensor] = {}      # group index -> its buffer, from first gradient to reduced
 

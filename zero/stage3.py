@@ -13,7 +13,8 @@ Schedule of one step, as DeepSpeed's and FSDP's:
             units; when the gradient of a unit's output arrives (a tensor hook: before any of the unit's
             backward runs), gather it, give its parameters gradient views into a transient unit-sized
             buffer, prefetch the units before it. When all of a unit's gradients have accumulated, free
-            its parameters, pre-divide by N and reduce-scatter the buffer into `shard_grad`.
+            its parameters, pre-divide by N and reduce-scatter the buffer into `shard_grad` (with train.compression =
+            "fp16"/"bf16" a 2-byte copy of it, zero/wire.py).
 So every unit moves twice as an all-gather and once as a reduce-scatter: 3(N-1)/N of the padded bytes.
 Frozen weights (train.trainable, LoRA's base) are sharded too (zero/frozen.py; every block holding a parameter is
 then a unit): gathered with their unit, both times, and never reduced, 2(N-1)/N of their padded bytes. Their
@@ -43,6 +44,7 @@ from zero.frozen import FrozenShards
 from zero.partition import Partition
 from zero.reads import ReadsOutsideForward
 from zero.stage12 import MAX_IN_FLIGHT
+from zero.wire import GradientWire, Land
 from psarch.model_units import Unit
 
 FREE, GATHERING, GATHERED = "free", "gathering", "gathered"
@@ -52,7 +54,7 @@ class Stage3:
     """Sharded parameters, gathered unit by unit around forward and backward, on one rank."""
 
     def __init__(self, model: nn.Module, units: list[Unit], comm: Communicator, prefetch_numel: int,
-                 overlap_comm: bool) -> None:
+                 overlap_comm: bool, compression: str = "none") -> None:
         self.comm, self.rank, self.n = comm, comm.rank, comm.world_size
         self.units, self.prefetch_numel, self.overlap = units, prefetch_numel, overlap_comm
         self.part = Partition([u.params for u in units], self.n)
@@ -76,7 +78,7 @@ class Stage3:
         self.state = [FREE] * len(units)
         self._gathers: dict[int, list[Handle]] = {}
         self._grads: dict[int, torch.Tensor] = {}
-        self._pending: list[tuple[Handle | None, int]] = []
+        self._pending: list[tuple[Handle | None, int, Land]] = []   # (handle, unit, what lands its reduced chunk)
         self._group_of = {id(p): g for g in self.part.groups for p in g.params}
         self._index_in_group = {id(p): i for g in self.part.groups for i, p in enumerate(g.params)}
         self.forward_order = list(range(1, len(units)))          # blocks, as registered
@@ -90,6 +92,7 @@ class Stage3:
         self._unit_of = {id(p): i for i, u in enumerate(units) for p in [*u.params, *u.frozen]}
         self.phase = "idle"
         self.transient = Transient()   # gathered units ('gathered') and unit gradient buffers ('grads')
+        self.wire = GradientWire(self.n, compression, self.transient)   # gradients whole, or cast to 2 bytes
         self.prefetched = 0            # gathers started ahead of their unit's use
         self.reduced_in_backward = 0   # asynchronous reduce-scatters launched from gradient hooks: the overlap
         self.waits = WaitClock()       # time blocked on gathers and reductions, inside forward and backward too
@@ -262,10 +265,10 @@ class Stage3:
             p.grad = None
         self.pinned.discard(i)
         self._release(i)
-        buf.div_(self.n)
+        sent, received, land = self.wire.send(buf, self.part.shard_chunk(g, self.shard_grad))
         with self.waits:   # without overlap_comm the reduce-scatter blocks here, in backward's hook
-            handle = self.comm.reduce_scatter(self.part.shard_chunk(g, self.shard_grad), buf, async_op=self.overlap)
-        self._pending.append((handle, i))
+            handle = self.comm.reduce_scatter(received, sent, async_op=self.overlap)
+        self._pending.append((handle, i, land))
         self._reap(keep=MAX_IN_FLIGHT)
         return True
 
@@ -280,13 +283,14 @@ class Stage3:
 
     def _reap(self, keep: int) -> None:
         while self._pending:
-            handle, i = self._pending[0]
+            handle, i, land = self._pending[0]
             if handle is not None:
                 if len(self._pending) <= keep and not handle.is_completed():
                     return
                 with self.waits:
                     handle.wait()
             self._pending.pop(0)
+            land()
             buf = self._grads.pop(i)
             self.transient.sub("grads", buf.numel() * buf.element_size())
 

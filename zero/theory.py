@@ -1,7 +1,8 @@
 """What theory predicts for ZeRO (Rajbhandari et al. 2020) and PyTorch's own sharded peers: memory by
 category from the stage (Table 1's cells, psarch/theory.sharded_memory) and ring passes per step: stages 1-2
 reduce-scatter gradients and all-gather parameters (2 passes, 2(N−1)/N · S), stage 3 all-gathers in forward,
-again in backward, and reduce-scatters (3 passes). torch_zero is DDP's full all-reduce (2 passes) plus
+again in backward, and reduce-scatters (3 passes); with train.compression = "fp16"/"bf16" the reduce-scatter's pass
+carries 2 bytes per element (zero/wire.py: the gradients cast, the parameters' all-gathers not). torch_zero is DDP's full all-reduce (2 passes) plus
 ZeroRedundancyOptimizer's broadcast of each updated shard (an all-gather's volume, 1 pass) over ZeRO-1
 memory; torch_fsdp (FSDP2) is ZeRO-3. Under ZeRO-3 and FSDP2 the frozen weights (train.trainable, LoRA's base) are
 sharded too: a rank keeps its part of them and all-gathers them with their unit, in forward and again in backward,
@@ -28,9 +29,22 @@ def passes(stage: int) -> int:
     return 3 if stage == 3 else 2
 
 
+def gradient_width(cfg: Config) -> int:
+    """Bytes per gradient element in ZeRO's reduce-scatter: 2 where train.compression casts (zero/wire.py), else
+    the compute dtype's."""
+    t = cfg.train
+    return BYTES[t.compression] if t.compression in ("fp16", "bf16") else BYTES[t.precision]
+
+
 def zero(cfg: Config, phi: float, stage: int, ring: int) -> Prediction:
-    """ZeRO-`stage` memory with `ring` ring passes per step."""
-    return ring_passes(sharded_memory(cfg, phi, stage), cfg, phi, ring)
+    """ZeRO-`stage` memory with `ring` ring passes per step, one of them the gradients' reduce-scatter: in
+    gradient_width's bytes, (N−1)/N · Φ · 2 where train.compression casts."""
+    p = ring_passes(sharded_memory(cfg, phi, stage), cfg, phi, ring)
+    n, saved = cfg.backend.world_size, BYTES[cfg.train.precision] - gradient_width(cfg)
+    if p.rounds and saved:
+        v = p.worker.sent - (n - 1) / n * phi * saved
+        p.worker = LinkBytes(v, v)
+    return p
 
 
 _SIZES: dict[str, list[tuple[int, int]]] = {}   # unit_sizes by what decides them: the estimator asks at every N

@@ -58,13 +58,14 @@ class ZeroTrainer(Trainer):
             checkpoint_units(self.units)
         if self.stage == 3:
             self.engine: Stage1 | Stage2 | Stage3 = Stage3(self.model, self.units, self.comm,
-                                                            b.prefetch_bucket_size, b.overlap_comm)
+                                                            b.prefetch_bucket_size, b.overlap_comm,
+                                                            cfg.train.compression)
         else:
             unit_of = {id(p): i for i, u in enumerate(self.units) for p in u.params}
             stages: dict[int, type[Stage1] | type[Stage2]] = {1: Stage1, 2: Stage2}
             self.engine = stages[self.stage](
                 [p for p in self.model.parameters() if p.requires_grad], self.comm, b.reduce_bucket_size,
-                b.overlap_comm, b.allgather_bucket_size, unit_of)
+                b.overlap_comm, b.allgather_bucket_size, unit_of, cfg.train.compression)
         self.optim = MixedPrecisionOptimizer(self.engine.param_shards(), cfg.train, cfg.train.precision)
         self.names = {id(p): n for n, p in self.model.named_parameters()}
         self.activations = SavedActivationMeter(self._param_storages) if b.measure_activations else None
