@@ -32,8 +32,9 @@ names no backend; bench/ and the studies' tables in report/ sit above the backen
     ps/           the parameter-server backend: server/ (parameter_server.py's handler table; a push is
                   handled in server/pushes.py, applied in server/updates.py; GEO's compressed pulls:
                   server/deltas.py), worker/ (top-k pushes: topk.py), sparse.py (what compressed traffic carries,
-                  alike on both ends), wire.py, its spec and theory, partitions.py (which server holds what, no torch) and program.py
-                  (its sync step as a program for the simulator)
+                  alike on both ends), messages.py (what a config implies for the messages), wire.py, its spec
+                  and theory, partitions.py (which server holds what, no torch) and program.py (its step as a
+                  program for the simulator)
     backend.py, registry.py   BackendSpec, how a backend declares itself, and the registered backends
     trainer.py, workload.py   the Trainer contract (and consolidated_state, the fp32 model it hands back),
                   the Workload (model, loss, batch of a step)
