@@ -198,8 +198,8 @@ def test_theory_uses_the_modelled_compute():
 
 
 @pytest.mark.parametrize("cluster, message", [
-    ({"device": "k80"}, 'cluster.device = "k80": allowed values are "auto", "cpu-core", "cpu-measured", "h100", "a100", '
-                           '"v100"'),
+    ({"device": "k80"}, 'cluster.device = "k80": allowed values are "auto", "cpu-core", "cpu-measured", "h100", "h200", '
+                           '"a100", "v100"'),
     ({"device": "h100", "mfu": 0.0}, "cluster.mfu = 0.0: must be in (0, 1]"),
     ({"device": "h100", "mfu": 1.5}, "cluster.mfu = 1.5: must be <= 1"),
     ({"device": "h100", "emulate": True, "dilation": 0.5}, "cluster.dilation = 0.5: must be >= 1"),
