@@ -174,10 +174,7 @@ def play(program: Program, cluster: Cluster, began: dict[str, float] | None = No
         for f, r in zip(flows, rates):
             f.left -= r * (t - now)
         now = t
-        # complete: less than DONE of its bytes left, or so little that its time left no longer moves the clock
-        # (a residue of a fast link late in a step: the loop would stand still at `now` for ever)
-        over = [f.left <= DONE * max(1.0, f.op.bytes) or (r > 0 and now + f.left / r <= now)
-                for f, r in zip(flows, rates)]
+        over = [_complete(f, r, now) for f, r in zip(flows, rates)]
         if any(over):
             complete = [f for f, o in zip(flows, over) if o]
             flows = [f for f, o in zip(flows, over) if not o]
@@ -195,6 +192,12 @@ def play(program: Program, cluster: Cluster, began: dict[str, float] | None = No
     if stuck := [n for n in ops if n not in end]:
         raise ValueError(f"step program: op {stuck[0]!r} never ran (its waits form a cycle)")
     return ops, start, end
+
+
+def _complete(f: _Flow, rate: float, now: float) -> bool:
+    """Whether a flow is done: less than DONE of its bytes left, or so little that its time left no longer moves the
+    clock (a residue of a fast link late in a step: the loop would stand still at `now` for ever)."""
+    return f.left <= DONE * max(1.0, f.op.bytes) or (rate > 0 and now + f.left / rate <= now)
 
 
 def parts(ops: dict[str, Op], start: dict[str, float], end: dict[str, float], lo: float, hi: float) -> StepTime:
