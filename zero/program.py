@@ -113,9 +113,9 @@ def _shares(units: list[float], frozen: list[float]) -> list[float]:
 
 
 def _gather(name: str, trains: float, frozen: float) -> list[Act]:
-    """A unit's all-gathers: its trainable parameters' (where it has any; the root always), then its frozen ones'."""
-    return ([Act(GATHER, name, trains)] if trains or not frozen else []) + ([Act(GATHER, name + "f", frozen)]
-                                                                           if frozen else [])
+    """A unit's all-gathers, as zero/stage3.py issues them: its trainable parameters' (where it has any), then its
+    frozen ones' (where it has any)."""
+    return ([Act(GATHER, name, trains)] if trains else []) + ([Act(GATHER, name + "f", frozen)] if frozen else [])
 
 
 def _wait(name: str, trains: float, frozen: float) -> list[Act]:
