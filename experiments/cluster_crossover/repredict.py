@@ -12,11 +12,15 @@ now, / the row's D; the host's α over the emulated links was not recorded; at t
 every step). Prints measured | recorded prediction | simulated per row, each error, and the largest; with
 --plot, the plot of measured against simulated step time beside the table.
 
-    python experiments/cluster_crossover/repredict.py TABLE CONFIG [CONFIG ...] [--plot PNG]
+    python experiments/cluster_crossover/repredict.py TABLE CONFIG [CONFIG ...] [--set KEY=VALUE ...]
+        [--label RECORDED=TODAY ...] [--plot PNG] [--step-plot PNG]
 
 A row is matched to the point of the same architecture label, N and link rate in the CONFIGs (the sweeps the
-table's runs were made from); the PS's labels now end in its partitions' assignment (", ranges"), which every
-recorded PS point used (pinned in its config) and its label did not yet say.
+table's runs were made from, with the runs' own --set overrides); the PS's labels now say its partitions'
+assignment (", ranges"), which every recorded PS point used (pinned in its config) and its label did not yet say.
+Labels recorded before today's wording ("DDP (ring)", or a default partition size that went unsaid) are named by
+--label as today's label of the same point. A row whose point no config holds is printed as such, not guessed.
+With --step-plot, `psarch report cluster`'s plot (step time against N, measured and predicted now) of the rows.
 """
 from __future__ import annotations
 
@@ -53,16 +57,17 @@ def recorded(table: Path) -> list[dict[str, Any]]:
     return out
 
 
-def points(configs: list[str]) -> dict[tuple[str, int, float], Any]:
-    """The sweeps' configs by (architecture label, as recorded, N, link Mbit/s)."""
+def points(configs: list[str], overrides: list[str]) -> dict[tuple[str, int, float], Any]:
+    """The sweeps' configs (the runs' `overrides` first, then each point's) by (architecture label, as recorded,
+    N, link Mbit/s)."""
     out = {}
     for config in configs:
         sweep = read_sweep(config)
         if sweep is None:
             raise SystemExit(f"{config}: no [sweep]")
-        for point in expand(config, sweep):
-            cfg = load_config(config, point_overrides(None, point.overrides))
-            label = registry.spec_of(cfg).label(cfg).removesuffix(", ranges")
+        for point in expand(config, sweep, overrides):
+            cfg = load_config(config, point_overrides(overrides, point.overrides))
+            label = registry.spec_of(cfg).label(cfg).replace(", ranges", "")
             out[(label, cfg.backend.world_size, cfg.cluster.link_mbps)] = cfg
     return out
 
@@ -94,35 +99,57 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("table", type=Path)
     ap.add_argument("configs", nargs="+")
+    ap.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                    help="the runs' own --set overrides, applied to every config")
+    ap.add_argument("--label", action="append", default=[], metavar="RECORDED=TODAY",
+                    help="a label as recorded, and today's label of the same point")
     ap.add_argument("--plot", type=Path)
+    ap.add_argument("--step-plot", type=Path)
     a = ap.parse_args()
-    cfgs, cache, alpha = points(a.configs), {}, loopback_alpha()
+    renamed = dict(pair.split("=", 1) for pair in a.label)
+    cfgs, cache, alpha = points(a.configs, a.overrides), {}, loopback_alpha()
     print(f"| architecture | N | link Mbit/s | measured | recorded prediction | predicted now | error (now) |"
           f"   (α {alpha * 1e6:.0f} us / D)")
     print("|---|---:|---:|---:|---:|---:|---:|")
-    done, worst, worst_old = [], 0.0, 0.0
-    for r in recorded(a.table):
-        cfg = cfgs.get((r["arch"], r["n"], r["mbps"]))
-        if cfg is None:
-            print(f"| {r['arch']} | {r['n']} | {r['mbps']:g} | {r['measured'] * 1e3:.0f} ms | "
-                  f"{r['predicted'] * 1e3:.0f} ms | (not a point of the configs) | |")
-            continue
-        phi, share = model_facts(cfg, cache)
-        step = cluster_step(cfg, summary(r, phi, share, alpha))["predicted_s"]
-        if math.isnan(step):   # e.g. a trainer that times no wait apart, from a contended compute
-            print(f"| {r['arch']} | {r['n']} | {r['mbps']:g} | {r['measured'] * 1e3:.0f} ms | "
-                  f"{r['predicted'] * 1e3:.0f} ms | (none: cluster_step gives no prediction) | |")
-            continue
-        err = r["measured"] / step - 1
-        worst, worst_old = max(worst, abs(err)), max(worst_old, abs(r["measured"] / r["predicted"] - 1))
-        done.append((r, step))
+    rows = recorded(a.table)
+    done = []
+    for r in rows:
+        cfg = cfgs.get((renamed.get(r["arch"], r["arch"]), r["n"], r["mbps"]))
+        step = math.nan
+        if cfg is not None:
+            phi, share = model_facts(cfg, cache)
+            step = cluster_step(cfg, summary(r, phi, share, alpha))["predicted_s"]
         print(f"| {r['arch']} | {r['n']} | {r['mbps']:g} | {r['measured'] * 1e3:.0f} ms | {r['predicted'] * 1e3:.0f} ms"
-              f" | {step * 1e3:.0f} ms | {err:+.1%} |")
-    print(f"\n{len(done)} points re-predicted; largest error: predicted now {worst:.1%}, recorded prediction "
-          f"{worst_old:.1%}")
+              f" | {row_result(cfg, step, r['measured'])} |")
+        if not math.isnan(step):
+            done.append((r, step))
+    print("\n" + tally(rows, done))
     if a.plot and done:
         plot(done, a.plot)
         print(f"written {a.plot}")
+    if a.step_plot and done:
+        step_plot(done, a.step_plot)
+        print(f"written {a.step_plot}")
+
+
+def row_result(cfg: Any, step: float, measured: float) -> str:
+    """A row's last two cells: predicted now and its error (measured / predicted - 1), or why there is none."""
+    if cfg is None:
+        return "(not a point of the configs) |"
+    if math.isnan(step):   # e.g. a trainer that times no wait apart, from a contended compute
+        return "(none: cluster_step gives no prediction) |"
+    return f"{step * 1e3:.0f} ms | {measured / step - 1:+.1%}"
+
+
+def tally(rows: list[dict[str, Any]], done: list[tuple[dict[str, Any], float]]) -> str:
+    """How many points are within 10% now and how many were with the recorded prediction, and the largest errors."""
+    now = [abs(r["measured"] / s - 1) for r, s in done]
+    old = [abs(r["measured"] / r["predicted"] - 1) for r, _ in done]
+    every = [abs(r["measured"] / r["predicted"] - 1) for r in rows]
+    return (f"{len(done)} of {len(rows)} points re-predicted; within 10%: {sum(e <= 0.1 for e in now)} now, "
+            f"{sum(e <= 0.1 for e in old)} with the recorded prediction (of all {len(rows)} rows: "
+            f"{sum(e <= 0.1 for e in every)}); largest error: predicted now {max(now, default=math.nan):.1%}, "
+            f"recorded prediction {max(old, default=math.nan):.1%}")
 
 
 def plot(done: list[tuple[dict[str, Any], float]], path: Path) -> None:
@@ -144,6 +171,15 @@ def plot(done: list[tuple[dict[str, Any], float]], path: Path) -> None:
     ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
+
+
+def step_plot(done: list[tuple[dict[str, Any], float]], path: Path) -> None:
+    """`psarch report cluster`'s plot of the same rows: step time against N per architecture (as recorded) and
+    link rate, measured and predicted now."""
+    from psarch.report.cluster import plot as cluster_plot
+    cluster_plot([{"arch": r["arch"], "n": r["n"], "mbps": r["mbps"], "measured": r["measured"], "predicted": s,
+                   "compute": r["compute"], "busiest_link": math.nan, "dilation": r["dilation"], "overrun": None,
+                   "wall": None} for r, s in done], path)
 
 
 if __name__ == "__main__":
