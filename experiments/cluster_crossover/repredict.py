@@ -9,17 +9,20 @@ recorded and from its config: its model's Φ (the config's workload), its comput
 device's modelled compute, or the measured step less its wait), a backward share (a virtual device's modelled
 backward over its forward and backward; none for measured compute) and α (this machine's loopback α, measured
 now, / the row's D; the host's α over the emulated links was not recorded; at these link rates it is under 1% of
-every step). Prints measured | recorded prediction | simulated per row, each error, and the largest; with
+every step). Prints measured | recorded prediction | simulated per row, each error, how many are within 10% now
+and with the recorded prediction, and the largest; with
 --plot, the plot of measured against simulated step time beside the table.
 
     python experiments/cluster_crossover/repredict.py TABLE CONFIG [CONFIG ...] [--set KEY=VALUE ...]
-        [--label RECORDED=TODAY ...] [--plot PNG] [--step-plot PNG]
+        [--label RECORDED=TODAY ...] [--auto-depth K] [--plot PNG] [--step-plot PNG]
 
 A row is matched to the point of the same architecture label, N and link rate in the CONFIGs (the sweeps the
-table's runs were made from, with the runs' own --set overrides); the PS's labels now say its partitions'
-assignment (", ranges"), which every recorded PS point used (pinned in its config) and its label did not yet say.
+table's runs were made from, with the runs' own --set overrides); the PS's labels now say ", ranges" where each
+server's range is its own (round robin, the default now, goes unsaid): a row is also matched to the point whose
+label less ", ranges" it is, where no point holds that label itself.
 Labels recorded before today's wording ("DDP (ring)", or a default partition size that went unsaid) are named by
---label as today's label of the same point. A row whose point no config holds is printed as such, not guessed.
+--label as today's label of the same point; --auto-depth gives "auto" partitions as they were when the runs ran.
+A row whose point no config holds is printed as such, not guessed.
 With --step-plot, `psarch report cluster`'s plot (step time against N, measured and predicted now) of the rows.
 """
 from __future__ import annotations
@@ -35,6 +38,7 @@ from psarch.cluster.alpha import loopback_alpha
 from psarch.cluster.flops import count
 from psarch.config import load_config
 from psarch.launch.sweep import expand, point_overrides, read_sweep
+from psarch.ps import partitions
 from psarch.theory import cluster_step
 from psarch.workload import build_workload
 
@@ -58,18 +62,20 @@ def recorded(table: Path) -> list[dict[str, Any]]:
 
 
 def points(configs: list[str], overrides: list[str]) -> dict[tuple[str, int, float], Any]:
-    """The sweeps' configs (the runs' `overrides` first, then each point's) by (architecture label, as recorded,
-    N, link Mbit/s)."""
-    out = {}
+    """The sweeps' configs (the runs' `overrides` first, then each point's) by (architecture label, N, link Mbit/s):
+    today's label, and as recorded before it said the partitions' assignment (", ranges" left out) where no point
+    holds that label today."""
+    out, unsaid = {}, {}
     for config in configs:
         sweep = read_sweep(config)
         if sweep is None:
             raise SystemExit(f"{config}: no [sweep]")
         for point in expand(config, sweep, overrides):
             cfg = load_config(config, point_overrides(overrides, point.overrides))
-            label = registry.spec_of(cfg).label(cfg).replace(", ranges", "")
+            label = registry.spec_of(cfg).label(cfg)
             out[(label, cfg.backend.world_size, cfg.cluster.link_mbps)] = cfg
-    return out
+            unsaid[(label.replace(", ranges", ""), cfg.backend.world_size, cfg.cluster.link_mbps)] = cfg
+    return unsaid | out
 
 
 def model_facts(cfg: Any, cache: dict[str, tuple[int, float]]) -> tuple[int, float]:
@@ -103,9 +109,14 @@ def main() -> None:
                     help="the runs' own --set overrides, applied to every config")
     ap.add_argument("--label", action="append", default=[], metavar="RECORDED=TODAY",
                     help="a label as recorded, and today's label of the same point")
+    ap.add_argument("--auto-depth", type=int, metavar="K",
+                    help="the PS's \"auto\" partitions a server's range / K, what \"auto\" was when the table's runs "
+                         "ran (8 before commit 65cb074; now PIPELINE_DEPTH)")
     ap.add_argument("--plot", type=Path)
     ap.add_argument("--step-plot", type=Path)
     a = ap.parse_args()
+    if a.auto_depth:   # the one figure of "auto" that changed since; the library keeps no history of its own
+        partitions.PIPELINE_DEPTH = a.auto_depth
     renamed = dict(pair.split("=", 1) for pair in a.label)
     cfgs, cache, alpha = points(a.configs, a.overrides), {}, loopback_alpha()
     print(f"| architecture | N | link Mbit/s | measured | recorded prediction | predicted now | error (now) |"
