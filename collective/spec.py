@@ -17,6 +17,7 @@ from psarch.theory import BYTES, Prediction
 if TYPE_CHECKING:
     from pathlib import Path
 
+    from psarch.cluster.messages import MessageProbe
     from psarch.cluster.placement import Placement
     from psarch.config import Config
     from psarch.trainer import Services
@@ -90,6 +91,16 @@ def check_ps_tables(cfg: Config) -> None:
                           f"in train.trainable (\"tables.*\") or keep frozen tables whole with embeddings = \"dense\"")
 
 
+class RingHops:
+    """A collective backend whose messages are ring hops over gloo, for dilation's probe (BackendSpec.message_probe;
+    collective/probe.py)."""
+
+    def message_probe(self, cfg: Config, phi: float) -> MessageProbe:
+        from collective.probe import hop_s
+        from psarch.cluster.messages import MessageProbe
+        return MessageProbe("a ring hop over gloo", hop_s)
+
+
 class PSTablesServices:
     """A collective backend's PS servers with embeddings = "ps" (the hybrid, collective/ps_tables.py): its
     services, placed as the PS's (BackendSpec's methods, put before it in a spec's bases)."""
@@ -119,7 +130,7 @@ class PSTablesServices:
         return LocalServers(cfg, None, where=where)
 
 
-class DDPSpec(PSTablesServices, BackendSpec):
+class DDPSpec(RingHops, PSTablesServices, BackendSpec):
     kind = "ddp"
     trains_subsets = True
     checkpoints_compression = True

@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, Mapping, TypedDict
 
 if TYPE_CHECKING:   # the core's types: their modules import this one (through the registry), so only the type
     # checker, which never runs them, imports them here
+    from psarch.cluster.messages import MessageProbe
     from psarch.cluster.placement import Placement
     from psarch.config import Config
     from psarch.records import Summary
@@ -184,6 +185,13 @@ class BackendSpec(ABC):
     def summary_fields(self, cfg: Config) -> Summary:
         """Fields this backend adds to summary.json's top level (e.g. the PS's server count)."""
         return {}
+
+    # ---------------------------------------------------------------- this machine
+
+    def message_probe(self, cfg: Config, phi: float) -> MessageProbe | None:
+        """How its messages move, for dilation's probe of this machine's cost per message (psarch.cluster.messages:
+        its own code path, e.g. a real server's exchange, a ring hop); None: a TCP ping-pong's on loopback."""
+        return None
 
 
 def compression_label(cfg: Config) -> str:

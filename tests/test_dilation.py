@@ -41,12 +41,13 @@ def test_auto_dilation_rule():
     ({"kind": "ps", "world_size": 4, "servers": 4, "server_placement": "colocated"}, "node"),
     ({"kind": "ddp", "world_size": 4, "bucket_cap_mb": 0.01}, "worker")])
 def test_auto_pays_alpha_per_message_of_the_busiest_process(monkeypatch, backend, busiest):
-    """measure's host communication: α once per message the busiest process handles in a step. A PS worker sends
+    """measure's host communication: the probe's cost per message once per message the busiest process handles in a
+    step. A PS worker sends
     one request and takes one reply per partition per server; a server does so for every worker's share of its
     partitions (N/k times a worker's); a ring rank sends 2(N-1) messages per bucket and takes as many; a node with a
     worker and a server beside it handles both's messages but those between the two, which take no link (counted
     from the step's program: psarch.cluster.dilation.program_load)."""
-    monkeypatch.setattr(dilation, "loopback_alpha", lambda: 1.0)                 # 1 s a message: α dominates
+    monkeypatch.setattr(dilation, "per_message_s", lambda probe, n: 1.0)        # 1 s a message: messages dominate
     monkeypatch.setattr(dilation, "loopback_bytes_per_s", lambda nbytes: 1e15)
     monkeypatch.setattr(dilation, "_host_compute_s", lambda *a: 0.0)
     monkeypatch.setattr(dilation, "spinning", lambda n: contextlib.nullcontext())
@@ -67,6 +68,42 @@ def test_auto_pays_alpha_per_message_of_the_busiest_process(monkeypatch, backend
     want = {"worker": worker, "server": server, "either": worker, "node": node}[busiest]
     assert max(worker, server) == want or busiest == "node"
     assert dilation.measure(cfg).host_comm_s == pytest.approx(want, rel=1e-6)
+
+
+@pytest.mark.parametrize("backend, family", [
+    ({"kind": "ps", "world_size": 4, "servers": 2, "partition_mb": 0.002}, "a parameter server's pushpull"),
+    ({"kind": "ddp", "world_size": 4, "bucket_cap_mb": 0.01}, "a ring hop over gloo"),
+    ({"kind": "zero", "stage": 1, "world_size": 4, "reduce_bucket_size": 2000, "allgather_bucket_size": 2000},
+     "a ring hop over gloo")])
+def test_d_grows_with_the_probed_cost_per_message(monkeypatch, backend, family):
+    """D comes from the backend's own probe of a message (BackendSpec.message_probe), asked with the run's workers
+    and a server's partitions: a probe that says 1 us gives a small D, one that says 10 ms a D that covers the busiest
+    process's messages at 10 ms each, x AUTO_MARGIN."""
+    asked = []
+
+    def probe(message_s):
+        def measured(p, processes):
+            asked.append((p, processes))
+            return message_s
+        return measured
+    monkeypatch.setattr(dilation, "loopback_bytes_per_s", lambda nbytes: 1e15)
+    monkeypatch.setattr(dilation, "_host_compute_s", lambda *a: 0.0)
+    monkeypatch.setattr(dilation, "spinning", lambda n: contextlib.nullcontext())
+    cfg = from_dict(config("probed", backend=backend, cluster={"emulate": True, "device": "v100", "link_mbps": 100.0}))
+    k = dilation.modelled(cfg)
+    monkeypatch.setattr(dilation, "per_message_s", probe(1e-6))
+    small = resolve(cfg, echo=False).cluster.dilation
+    monkeypatch.setattr(dilation, "per_message_s", probe(1e-2))
+    large = resolve(cfg, echo=False).cluster.dilation
+    assert k.load is not None and k.load.messages > 0
+    host = 1e-2 * k.load.messages
+    want = round_up(AUTO_MARGIN * max(host / k.compute_s if k.load.during else 0.0, host / k.link_s))
+    assert large == want and large > 10 * small, (small, large, want)
+    (p, processes), _ = asked
+    assert p.family == family and processes == 4 + (2 if backend["kind"] == "ps" else 0)
+    if backend["kind"] == "ps":   # 4 workers; a server's partitions of 512 elements (2 KiB of fp32)
+        held = -(-(-(-k.phi // 2)) // 512)
+        assert p.args == (4, held, cfg.train.optimizer)
 
 
 def test_spinning_processes_take_cpu_and_go():

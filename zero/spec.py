@@ -6,7 +6,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from psarch.backend import PROCESS_GROUP_OPTIONS, BackendSpec, compression_label
-from collective.spec import PSTablesServices, check_ps_tables
+from collective.spec import PSTablesServices, RingHops, check_ps_tables
 from psarch.config.backend import (ActivationMemory, Buckets, Communicator, CoreBackendConfig, ModelUnits, Overlap,
                                    PSServers)
 from psarch.config.fields import option
@@ -39,7 +39,7 @@ class TorchFSDPOptions(ModelUnits, CoreBackendConfig):
     """torch_fsdp's [backend]: the units fully_shard wraps."""
 
 
-class ZeroSpec(PSTablesServices, BackendSpec):
+class ZeroSpec(RingHops, PSTablesServices, BackendSpec):
     kind = "zero"
     trains_subsets = True
     fine_tunes_from_base = True

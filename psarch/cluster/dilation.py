@@ -11,13 +11,16 @@ meet a wrong model halfway):
 - compute: a worker's real forward and backward on one thread, beside the spinning processes (the slowest
   of COMPUTE_PASSES: the run meets the worst of the load that comes and goes), must fit
   inside its modelled compute x D;
-- communication: the host's own cost of the step's messages (α of a TCP ping-pong and bytes/s of one
-  stream on this machine's loopback, both beside the spinning processes; α paid once per message the busiest
-  process handles: a worker's every bucket, or a server's every worker's partitions, `messages`; bytes the
-  busiest link carries) must fit inside that link's time on the cluster x D. The messages and bytes are the
-  config's counts from its step program (program_load: the messages the busiest node sends and receives, the
-  bytes of its busiest link and direction; theory.predict's bytes only where the backend writes no program),
-  never a time. Where the program communicates before its compute is over (buckets
+- communication: the host's own cost of the step's messages must fit inside that link's time on the cluster x
+  D: a cost per message, paid once per message the busiest process handles (a worker's every bucket, or a
+  server's every worker's partitions, `messages`), and bytes/s of one stream on this machine's loopback for
+  the bytes the busiest link carries. The cost per message is timed on the backend's own code path
+  (BackendSpec.message_probe, psarch.cluster.messages: a PS's pushpulls through a real server with the run's
+  workers and partitions, a ring hop over gloo), its two processes beside `processes - 2` spinning ones (so as
+  many busy as the run's); a backend that names none pays α of a TCP ping-pong on loopback. The messages and
+  bytes are the config's counts from its step program (program_load: the messages the busiest node sends and
+  receives, the bytes of its busiest link and direction; theory.predict's bytes only where the backend writes no
+  program), never a time. Where the program communicates before its compute is over (buckets
   from backward's hooks, passes inside compute), that cost competes with the compute for the same cores, and
   counts on its side too.
 D = AUTO_MARGIN x the larger of the two ratios, at least 1, rounded up to two significant digits.
@@ -48,6 +51,7 @@ from psarch import registry
 from psarch.cluster import device
 from psarch.cluster.alpha import loopback_alpha, loopback_bytes_per_s
 from psarch.cluster.flops import count
+from psarch.cluster.messages import per_message_s
 
 AUTO_MARGIN = 2.0
 COMPUTE_PASSES = 5   # a worker's forward and backward timed beside the spinning processes, the slowest taken
@@ -57,6 +61,7 @@ MIN_PROBE_BYTES, MAX_PROBE_BYTES = 8 * 2**20, 32 * 2**20
 HOUR_S = 3600.0   # a run estimated past this says so before it starts
 
 if TYPE_CHECKING:
+    from psarch.backend import BackendSpec
     from psarch.config import Config
     from psarch.theory import Prediction
 
@@ -68,10 +73,11 @@ class Costs:
     modelled_compute_s: float
     modelled_comm_s: float
     host_compute_s: float      # forward + backward, one process among the run's, timed now
-    host_comm_s: float         # the step's messages through this machine's loopback: α and bytes/s
+    host_comm_s: float         # the step's messages on this machine: a cost per message and bytes/s
     overlapped: bool           # communication runs during backward, on the cores the compute needs
-    alpha_s: float = 0.0       # the probes: α and bytes/s of this machine's loopback beside the spinning processes
-    host_bytes_per_s: float = 0.0
+    message_s: float = 0.0     # the probes: a message's cost on the backend's code path (`message_path`) and bytes/s
+    host_bytes_per_s: float = 0.0   # of this machine's loopback, beside the spinning processes
+    message_path: str = ""
 
 
 def round_up(x: float) -> float:
@@ -174,6 +180,7 @@ class ModelledStep:
     workload: Any
     batch: Any
     counts: Prediction
+    phi: float         # the parameters that train
     compute_s: float   # a worker's modelled forward and backward, a step
     link_s: float      # the busiest link's bytes a step at its rate
     model_s: float     # the model's bytes over a worker's link, twice (its first broadcast, its final gather)
@@ -196,7 +203,8 @@ def modelled(cfg: Config) -> ModelledStep:
     # no program: a worker's bytes, its messages in sequence, none during compute
     nbytes, server = (load.link_bytes, load.server_link) if load else (max(p.worker.sent, p.worker.received), False)
     c = cfg.cluster
-    return ModelledStep(workload, batch, p, compute, nbytes * 8 / ((c.server_mbps if server else c.link_mbps) * 1e6),
+    return ModelledStep(workload, batch, p, phi, compute,
+                        nbytes * 8 / ((c.server_mbps if server else c.link_mbps) * 1e6),
                         2 * sum(x.numel() * x.element_size() for x in params) * 8 / (c.link_mbps * 1e6), load)
 
 
@@ -207,13 +215,26 @@ def measure(cfg: Config, threads: int = 1, cluster: ModelledStep | None = None) 
     p, spec = k.counts, registry.spec_of(cfg)
     messages, during = (k.load.messages, k.load.during) if k.load else (p.messages, False)
     probe = int(min(max(p.worker.sent, p.worker.received, MIN_PROBE_BYTES), MAX_PROBE_BYTES))
-    with spinning(cfg.backend.world_size + spec.service_nodes(cfg) - 1):
+    processes = cfg.backend.world_size + spec.service_nodes(cfg)
+    with spinning(processes - 1):
         with torch.random.fork_rng(devices=[]):
             host_compute = _host_compute_s(k.workload, k.batch, threads)
-        alpha, rate = (loopback_alpha(), loopback_bytes_per_s(probe)) if k.link_s > 0 else (0.0, 0.0)
+        rate = loopback_bytes_per_s(probe) if k.link_s > 0 else 0.0
+    message, path = message_cost(cfg, spec, k.phi, processes) if k.link_s > 0 else (0.0, "")
     nbytes = k.load.link_bytes if k.load else max(p.worker.sent, p.worker.received)
-    host_comm = nbytes / rate + alpha * messages if k.link_s > 0 else 0.0
-    return Costs(k.compute_s, k.link_s, host_compute, host_comm, during, alpha, rate)
+    host_comm = nbytes / rate + message * messages if k.link_s > 0 else 0.0
+    return Costs(k.compute_s, k.link_s, host_compute, host_comm, during, message, rate, path)
+
+
+def message_cost(cfg: Config, spec: BackendSpec, phi: float, processes: int) -> tuple[float, str]:
+    """Seconds per message on this machine and what was timed: the backend's own code path (its probe's two
+    processes beside `processes - 2` spinning), else α of a TCP ping-pong on loopback (beside `processes - 1`)."""
+    probe = spec.message_probe(cfg, phi)
+    if probe is None:
+        with spinning(processes - 1):
+            return loopback_alpha(), "a TCP ping-pong on loopback"
+    with spinning(max(0, processes - 2)):
+        return per_message_s(probe, processes), probe.family
 
 
 def stretched(cfg: Config) -> Config:
@@ -271,9 +292,10 @@ def resolve(cfg: Config, echo: bool = True, threads: int = 1) -> Config:
         d = choose(costs)
         why = (f"beside the run's other processes a worker's step computes here in {costs.host_compute_s * 1e3:.3g} ms "
                f"against {costs.modelled_compute_s * 1e3:.3g} ms modelled, and its messages cost "
-               f"{costs.host_comm_s * 1e3:.3g} ms on loopback (alpha {costs.alpha_s * 1e6:.0f} us, "
-               f"{costs.host_bytes_per_s / 1e6:.0f} MB/s) against {costs.modelled_comm_s * 1e3:.3g} ms on the busiest "
-               f"link{' (during backward)' if costs.overlapped else ''}; margin x{AUTO_MARGIN:g}")
+               f"{costs.host_comm_s * 1e3:.3g} ms here ({costs.message_s * 1e6:.0f} us a message, timed on "
+               f"{costs.message_path}; loopback at {costs.host_bytes_per_s / 1e6:.0f} MB/s) against "
+               f"{costs.modelled_comm_s * 1e3:.3g} ms on the busiest link"
+               f"{' (during backward)' if costs.overlapped else ''}; margin x{AUTO_MARGIN:g}")
     else:
         d, why = float(c.dilation), "as given"
     cfg = stretched(dataclasses.replace(cfg, cluster=dataclasses.replace(c, dilation=d)))

@@ -22,6 +22,7 @@ def _theory() -> ModuleType:
 
 
 if TYPE_CHECKING:
+    from psarch.cluster.messages import MessageProbe
     from psarch.cluster.placement import Placement
     from psarch.config import Config
     from psarch.records import Summary
@@ -202,6 +203,16 @@ class PSSpec(BackendSpec):
 
     def summary_fields(self, cfg: Config) -> Summary:
         return {"servers": cfg.backend.servers}
+
+    def message_probe(self, cfg: Config, phi: float) -> MessageProbe:
+        """Pushpulls through a real server with the run's workers and its busiest server's partition count
+        (psarch/ps/probe.py)."""
+        from psarch.cluster.messages import MessageProbe
+        from psarch.ps.partitions import server_partitions
+        from psarch.ps.probe import message_s
+        held = max(len(p) for p in server_partitions(cfg, int(phi)))
+        return MessageProbe("a parameter server's pushpull", message_s,
+                            (cfg.backend.world_size, held, cfg.train.optimizer))
 
 
 def _check_replicas(cfg: Config) -> None:
