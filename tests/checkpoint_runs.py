@@ -67,13 +67,13 @@ def toml(path: Path, data: dict) -> Path:
 
 
 def _run(rank: int, n: int, data: dict, out: Path, checkpoints: Path | None = None, start: Path | None = None,
-         resume: bool = False, services: ServiceInfo | dict | None = None) -> dict:
+         resume: bool = False, services: ServiceInfo | dict | None = None, keys: tuple[str, ...] = ROW_KEYS) -> dict:
     ctx = DistContext(rank, n, rank, torch.device("cpu"), "gloo")
     ctx.services = services if isinstance(services, ServiceInfo) else ServiceInfo.from_dict(services)
     record = run_rank(from_dict(data), ctx, echo=False, checkpoints=checkpoints, start=start, resume=resume)
     if rank == 0:
         torch.save(record.model_state, out / f"{data['name']}.pt")
-    return {"rows": [{k: r.get(k) for k in ROW_KEYS} for r in record.steps]}
+    return {"rows": [{k: r.get(k) for k in keys} for r in record.steps]}
 
 
 def straight_and_resumed(rank: int, n: int, out: Path, name: str, precision: str, backend: dict) -> dict:

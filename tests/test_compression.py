@@ -112,9 +112,14 @@ def cast_bound(unit_roundoff: float) -> dict[str, torch.Tensor]:
         for k, p in w.model.named_parameters():
             torch.maximum(biggest[k], p.grad.abs(), out=biggest[k])
         opt.step()
+    return {k: 2 * carried() * 2 * unit_roundoff * g for k, g in biggest.items()}
+
+
+def carried() -> float:
+    """How much of a per-step gradient error SGD with momentum carries into a parameter over SGD's steps:
+    lr x sum_t (1 - beta^t) / (1 - beta)."""
     beta = SGD["momentum"]
-    carried = SGD["lr"] * sum((1 - beta**t) / (1 - beta) for t in range(1, SGD["steps"] + 1))
-    return {k: 2 * carried * 2 * unit_roundoff * g for k, g in biggest.items()}
+    return SGD["lr"] * sum((1 - beta**t) / (1 - beta) for t in range(1, SGD["steps"] + 1))
 
 
 def assert_within(a: dict, b: dict, bound: dict, what: str) -> float:

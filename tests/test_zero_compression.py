@@ -40,19 +40,24 @@ VARIANTS = {   # name -> (backend, compression)
 UNIT_ROUNDOFF = {"fp16": 2.0**-11, "bf16": 2.0**-8}
 
 
-def data(name: str, n: int) -> dict:
-    backend, compression = VARIANTS[name]
+def data(name: str, n: int, variants: dict = VARIANTS) -> dict:
+    backend, compression = variants[name]
     return config(f"{name}-{n}", train={**SGD, "compression": compression}, backend={**backend, "world_size": n})
 
 
-def every_variant(rank: int, n: int, out: str) -> dict:
-    return {name: train(rank, n, data(name, n), {}, out) for name in VARIANTS}
+def every_variant(rank: int, n: int, out: str, variants: dict) -> dict:
+    return {name: train(rank, n, data(name, n, variants), {}, out) for name in variants}
+
+
+def run_variants(out, variants: dict) -> dict:
+    """Each of `variants` (name -> (backend, compression)) at N = 2 and 3, in one process group per world size."""
+    return {n: run_ranks(every_variant, n, str(out), variants, timeout=scaled(300)) for n in (2, 3)}
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     out = tmp_path_factory.mktemp("zero-compression")
-    return out, {n: run_ranks(every_variant, n, str(out), timeout=scaled(300)) for n in (2, 3)}
+    return out, run_variants(out, VARIANTS)
 
 
 def largest_difference(a: dict, b: dict) -> float:

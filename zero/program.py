@@ -79,12 +79,13 @@ def sharded(n: int, script: list[Act], reduced: bool = False, optimizer_s: float
 
 
 def fsdp_script(units: list[float], step: DataStep, prefetch: int = 0, keep_first: bool = False,
-                frozen: list[float] | None = None) -> list[Act]:
+                frozen: list[float] | None = None, grad_share: float = 1.0) -> list[Act]:
     """FSDP2's step over `units` (each unit's trainable parameter bytes, in forward order; `frozen`: its frozen
     bytes): in forward and in backward (in reverse), all-gather each unit, compute it; reduce-scatter a unit's
     gradients once its backward is done. prefetch = k: a unit's all-gather is issued as the unit k before it starts
     computing (FSDP2 prefetches one), not after the unit before it is done; keep_first: the first unit (FSDP2's
-    root) stays gathered from forward through backward."""
+    root) stays gathered from forward through backward; grad_share: each reduce-scatter's share of its unit's bytes
+    (0.5: fp32 gradients reduced in 2 bytes, FSDP2's reduce_dtype)."""
     frozen = frozen or [0.0] * len(units)
     share = _shares(units, frozen)
     out: list[Act] = []
@@ -102,7 +103,7 @@ def fsdp_script(units: list[float], step: DataStep, prefetch: int = 0, keep_firs
             out += _gather(f"bag{issued_to}", units[issued_to], frozen[issued_to])
         out += [*_wait(f"bag{i}" if i >= first else f"fag{i}", units[i], frozen[i]),
                 Act(COMPUTE, f"bwd{i}", step.backward_s * share[i])]
-        out += [Act(REDUCE, f"rs{i}", units[i])] if units[i] else []
+        out += [Act(REDUCE, f"rs{i}", units[i] * grad_share)] if units[i] else []
     return out
 
 
@@ -191,6 +192,7 @@ def zero3_script(units: list[float], step: DataStep, prefetch_bytes: float, over
 
 def stage3_program(n: int, units: list[float], step: DataStep, reduced: bool = False, prefetch: int = 0,
                    keep_first: bool = False, tables: TableServers | None = None,
-                   frozen: list[float] | None = None) -> Program:
+                   frozen: list[float] | None = None, grad_share: float = 1.0) -> Program:
     """FSDP2's ZeRO-3 step (fsdp_script) among n ranks; `tables`: embedding rows on PS servers beside it."""
-    return sharded(n, fsdp_script(units, step, prefetch, keep_first, frozen), reduced, step.optimizer_s, tables)
+    return sharded(n, fsdp_script(units, step, prefetch, keep_first, frozen, grad_share), reduced, step.optimizer_s,
+                   tables)

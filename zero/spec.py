@@ -17,6 +17,11 @@ if TYPE_CHECKING:
     from psarch.config import Config
 
 
+CASTS = ("none", "fp16", "bf16")   # what zero and its torch peers compress: the gradients cast to 2 bytes
+UNCOMPRESSED_BECAUSE = ("ZeRO reduce-scatters gradients, adding chunks hop by hop: a ring cannot add top-k's sparse "
+                        "(index, value) pairs on the way, and PowerSGD factors whole matrices, not a rank's shard")
+
+
 @dataclass(frozen=True)
 class ZeroOptions(PSServers, Communicator, Overlap, ModelUnits, ActivationMemory, CoreBackendConfig):
     """zero's [backend]: its own options, named as DeepSpeed names them, a communicator, overlap, the model's
@@ -49,9 +54,8 @@ class ZeroSpec(RingHops, PSTablesServices, BackendSpec):
     variant_key = "stage"
     bench_peer = "zero.torch_peers:plain_fsdp2_peer"
     bench_options = {"stage": 3}
-    compressions = ("none", "fp16", "bf16")   # the gradients' reduce-scatter in 2 bytes (zero/wire.py)
-    uncompressed_because = ("ZeRO reduce-scatters gradients, adding chunks hop by hop: a ring cannot add top-k's sparse "
-                            "(index, value) pairs on the way, and PowerSGD factors whole matrices, not a rank's shard")
+    compressions = CASTS   # the gradients' reduce-scatter in 2 bytes (zero/wire.py)
+    uncompressed_because = UNCOMPRESSED_BECAUSE
     reads = {**PROCESS_GROUP_OPTIONS, "backend.reduce_bucket_size": (1, 2), "backend.allgather_bucket_size": (1, 2),
              "backend.prefetch_bucket_size": (3,)}
     embeddings = ("dense", "ps")   # ps: the tables on PS servers (collective/ps_tables.py)
@@ -123,24 +127,27 @@ class TorchZeroSpec(BackendSpec):
     doc = "PyTorch's DDP + ZeroRedundancyOptimizer (ZeRO-1; the peer of zero stage 1)"
     options = TorchZeroOptions
     reads = PROCESS_GROUP_OPTIONS
-    uncompressed_because = "the peer of zero, which compresses nothing"
+    compressions = CASTS   # torch's fp16_compress_hook / bf16_compress_hook on its DDP (collective/torch_ddp.py)
+    uncompressed_because = f"the peer of zero: {UNCOMPRESSED_BECAUSE}"
     precisions = ("fp32",)
 
     def shrink_refusal(self, cfg: Config) -> str:
         return ""   # the optimizer's shards, resharded at any world size by the checkpoint
 
     def predict(self, cfg: Config, phi: float) -> Prediction:
-        return theory.zero(cfg, phi, 1, 3)
+        return theory.zero(cfg, phi, 1, 3, gradient_passes=2)   # the all-reduce's 2 passes carry the gradients
 
     def program(self, cfg: Config, phi: float, step: Any, reduced: bool = False) -> Any:
-        """torch DDP's buckets of bucket_cap_mb all-reduced from backward's hooks, the optimizer on the rank's
-        shard, then the shards' broadcasts (one all-gather pass over the parameters)."""
+        """torch DDP's buckets of bucket_cap_mb all-reduced from backward's hooks (in 2 bytes where train.compression
+        casts), the optimizer on the rank's shard, then the shards' broadcasts (one all-gather pass over the
+        parameters)."""
         from psarch.theory.program import chunks
         from zero.program import stage12_program
 
-        s = phi * BYTES[cfg.train.precision]
+        width = BYTES[cfg.train.precision]
+        s = phi * width
         return stage12_program(cfg.backend.world_size, chunks(s, cfg.backend.bucket_cap_mb * 2**20), [s], step,
-                               True, reduced, reduce_passes=2)
+                               True, reduced, reduce_passes=2, grad_share=theory.gradient_width(cfg) / width)
 
 
 class TorchFSDPSpec(BackendSpec):
@@ -151,7 +158,8 @@ class TorchFSDPSpec(BackendSpec):
     doc = "PyTorch's FSDP2 fully_shard per unit (ZeRO-3; the peer of zero stage 3)"
     options = TorchFSDPOptions
     reads = PROCESS_GROUP_OPTIONS
-    uncompressed_because = "FSDP2 takes no DDP communication hook"
+    compressions = CASTS   # MixedPrecisionPolicy(reduce_dtype=fp16/bf16): the reduce-scatter in 2 bytes
+    uncompressed_because = f"the peer of zero: {UNCOMPRESSED_BECAUSE}"
     precisions = ("fp32",)
 
     def shrink_refusal(self, cfg: Config) -> str:
@@ -166,7 +174,8 @@ class TorchFSDPSpec(BackendSpec):
     def program(self, cfg: Config, phi: float, step: Any, reduced: bool = False) -> Any:
         """zero/program.py's ZeRO-3 step over the model's units (root first, its parameters kept gathered from
         forward through backward, as FSDP2 keeps the root's), those that train scaled to Φ = phi and the frozen ones
-        gathered with them, each unit's all-gather issued as the unit before it starts (FSDP2's prefetch of one)."""
+        gathered with them, each unit's all-gather issued as the unit before it starts (FSDP2's prefetch of one); the
+        reduce-scatters in gradient_width's bytes (2 where train.compression casts: FSDP2's reduce_dtype)."""
         from zero.program import stage3_program
 
         width = BYTES[cfg.train.precision]
@@ -174,7 +183,8 @@ class TorchFSDPSpec(BackendSpec):
         sizes = sizes[:1] + [(t, f) for t, f in sizes[1:] if t or f]
         trains = sum(t for t, _ in sizes) or 1
         return stage3_program(cfg.backend.world_size, [phi * width * t / trains for t, _ in sizes], step, reduced,
-                              prefetch=1, keep_first=True, frozen=[width * f for _, f in sizes])
+                              prefetch=1, keep_first=True, frozen=[width * f for _, f in sizes],
+                              grad_share=theory.gradient_width(cfg) / width)
 
 
 ZERO = ZeroSpec()

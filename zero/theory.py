@@ -2,11 +2,13 @@
 category from the stage (Table 1's cells, psarch/theory.sharded_memory) and ring passes per step: stages 1-2
 reduce-scatter gradients and all-gather parameters (2 passes, 2(N−1)/N · S), stage 3 all-gathers in forward,
 again in backward, and reduce-scatters (3 passes); with train.compression = "fp16"/"bf16" the reduce-scatter's pass
-carries 2 bytes per element (zero/wire.py: the gradients cast, the parameters' all-gathers not). torch_zero is DDP's full all-reduce (2 passes) plus
-ZeroRedundancyOptimizer's broadcast of each updated shard (an all-gather's volume, 1 pass) over ZeRO-1
-memory; torch_fsdp (FSDP2) is ZeRO-3. Under ZeRO-3 and FSDP2 the frozen weights (train.trainable, LoRA's base) are
-sharded too: a rank keeps its part of them and all-gathers them with their unit, in forward and again in backward,
-and never reduce-scatters them; stages 1-2 and torch_zero keep them whole (psarch.theory.predict)."""
+carries 2 bytes per element (zero/wire.py: the gradients cast, the parameters' all-gathers not). torch_zero is DDP's
+full all-reduce (2 passes, both in 2 bytes under torch's fp16/bf16_compress_hook) plus ZeroRedundancyOptimizer's
+broadcast of each updated shard (an all-gather's volume, 1 pass) over ZeRO-1 memory; torch_fsdp (FSDP2) is ZeRO-3,
+its reduce-scatter in 2 bytes under MixedPrecisionPolicy(reduce_dtype=...). Under ZeRO-3 and FSDP2 the frozen weights
+(train.trainable, LoRA's base) are sharded too: a rank keeps its part of them and all-gathers them with their unit, in
+forward and again in backward, and never reduce-scatters them; stages 1-2 and torch_zero keep them whole
+(psarch.theory.predict)."""
 from __future__ import annotations
 
 import math
@@ -36,13 +38,14 @@ def gradient_width(cfg: Config) -> int:
     return BYTES[t.compression] if t.compression in ("fp16", "bf16") else BYTES[t.precision]
 
 
-def zero(cfg: Config, phi: float, stage: int, ring: int) -> Prediction:
-    """ZeRO-`stage` memory with `ring` ring passes per step, one of them the gradients' reduce-scatter: in
-    gradient_width's bytes, (N−1)/N · Φ · 2 where train.compression casts."""
+def zero(cfg: Config, phi: float, stage: int, ring: int, gradient_passes: int = 1) -> Prediction:
+    """ZeRO-`stage` memory with `ring` ring passes per step, `gradient_passes` of them the gradients' (psarch's
+    reduce-scatter; torch_zero's DDP all-reduce, 2): in gradient_width's bytes, (N−1)/N · Φ · 2 each where
+    train.compression casts."""
     p = ring_passes(sharded_memory(cfg, phi, stage), cfg, phi, ring)
     n, saved = cfg.backend.world_size, BYTES[cfg.train.precision] - gradient_width(cfg)
     if p.rounds and saved:
-        v = p.worker.sent - (n - 1) / n * phi * saved
+        v = p.worker.sent - gradient_passes * (n - 1) / n * phi * saved
         p.worker = LinkBytes(v, v)
     return p
 

@@ -10,7 +10,11 @@ Both checkpoint by parameter name and flat offset (psarch.checkpoint): torch_zer
 parameters whose optimizer state they own, torch_fsdp's ranks their DTensors' local shards.
 
 Both run fp32 (what parity and the benchmark need), with the optimizer class and hyper-parameters of
-psarch.optim.build_optimizer. Traffic is the algorithm's volume, marked modelled: the wire is torch's.
+psarch.optim.build_optimizer. train.compression = "fp16" | "bf16" casts the gradients' collective to 2 bytes, as
+psarch's ZeRO does (zero/wire.py): torch_zero's DDP takes torch's fp16_compress_hook / bf16_compress_hook (the same
+mapping as torch_ddp's, collective/torch_ddp.py), torch_fsdp reduce-scatters in that dtype
+(MixedPrecisionPolicy(reduce_dtype=...), the parameters kept fp32). Traffic is the algorithm's volume, marked
+modelled: the wire is torch's.
 """
 from __future__ import annotations
 
@@ -20,17 +24,19 @@ from typing import Any
 import torch
 from torch.nn.parallel import DistributedDataParallel
 
+from collective.torch_ddp import register_compression
 from psarch.checkpoint import Checkpoint
 from psarch.checkpoint.fragments import PARAM, Fragment, Pieces, local_views, restore, whole_parameters
 from psarch.config import Config
 from psarch.dist import DistContext
 from psarch.meters import TrafficMeter, local, optimizer_state_bytes, peak_memory, tensor_bytes, torch_memory
 from psarch.optim import build_optimizer
-from psarch.precision import step_if_finite
+from psarch.precision import DTYPES, step_if_finite
 from psarch.trainer import consolidated_state
 from psarch.trainer import MemoryReport, StepStats, Trainer, TrafficReport
 from psarch.workload import Workload
 from psarch.model_units import find_units
+from zero.theory import gradient_width
 
 
 def optimizer_spec(cfg: Config) -> tuple[type[torch.optim.Optimizer], dict[str, Any]]:
@@ -43,7 +49,7 @@ def optimizer_spec(cfg: Config) -> tuple[type[torch.optim.Optimizer], dict[str, 
 
 
 class TorchZeroTrainer(Trainer):
-    """torch DDP with ZeroRedundancyOptimizer over build_optimizer's optimizer."""
+    """torch DDP with ZeroRedundancyOptimizer over build_optimizer's optimizer; train.compression's hook on the DDP."""
 
     def __init__(self, workload: Workload, cfg: Config, ctx: DistContext) -> None:
         from torch.distributed.optim import ZeroRedundancyOptimizer
@@ -58,6 +64,9 @@ class TorchZeroTrainer(Trainer):
         self.optim = ZeroRedundancyOptimizer(self.params, optimizer_class=cls, process_group=ctx.group, **kwargs)
         self.meter = TrafficMeter(modelled=True)
         self.payload = sum(p.numel() * p.element_size() for p in self.params)
+        self.compressed = cfg.train.compression != "none"
+        if self.compressed:   # the hook counts each bucket's all-reduce in 2 bytes
+            register_compression(self.model, cfg, ctx.group, self.meter)
 
     def step(self, batch: Any) -> StepStats:
         for p in self.params:
@@ -67,7 +76,8 @@ class TorchZeroTrainer(Trainer):
         # local step on this rank's parameters, then each rank broadcasts its own
         skipped = step_if_finite(self.optim, [p.grad for p in self.params if p.grad is not None])
         n = self.ctx.world_size
-        self.meter.add("all_reduce", 2 * (n - 1) * self.payload // n, 2 * (n - 1) * self.payload // n)
+        if not self.compressed:
+            self.meter.add("all_reduce", 2 * (n - 1) * self.payload // n, 2 * (n - 1) * self.payload // n)
         self.meter.add("broadcast", (n - 1) * self.payload // n, (n - 1) * self.payload // n)
         return StepStats(float(loss.item()), skipped=skipped)
 
@@ -123,22 +133,26 @@ def _row_offset(name: str, p: torch.Tensor) -> int:
 
 
 class TorchFSDPTrainer(Trainer):
-    """FSDP2: fully_shard per unit, then the root; build_optimizer over the sharded (DTensor) parameters."""
+    """FSDP2: fully_shard per unit, then the root; build_optimizer over the sharded (DTensor) parameters; with
+    train.compression the gradients reduce-scattered in its 2-byte dtype."""
 
     def __init__(self, workload: Workload, cfg: Config, ctx: DistContext) -> None:
         from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-        from torch.distributed.fsdp import fully_shard
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
         self.ctx = ctx
         self.model = workload.model.to(ctx.device)
         mesh = (DeviceMesh.from_group(ctx.group, ctx.device.type) if ctx.group is not None
                 else init_device_mesh(ctx.device.type, (ctx.world_size,)))
+        compression = cfg.train.compression
+        # param_dtype None: the parameters stay fp32, only the gradients' reduce-scatter is cast (as zero/wire.py)
+        policy = MixedPrecisionPolicy(reduce_dtype=None if compression == "none" else DTYPES[compression])
         # frozen weights (train.trainable, LoRA's base) are sharded with their unit, as psarch's ZeRO-3 shards them:
         # FSDP2 takes a group of mixed requires_grad, all-gathers all of it and reduce-scatters the gradients there are
         for unit in find_units(self.model, cfg.backend.zero_units, frozen_too=True)[1:]:
             if unit.module is not None:   # only the root unit's is None
-                fully_shard(unit.module, mesh=mesh)
-        fully_shard(self.model, mesh=mesh)
+                fully_shard(unit.module, mesh=mesh, mp_policy=policy)
+        fully_shard(self.model, mesh=mesh, mp_policy=policy)
         self.loss_fn = workload.loss_fn
         self.named = [(n, p) for n, p in self.model.named_parameters() if p.requires_grad]
         self.params = [p for _, p in self.named]
@@ -146,6 +160,7 @@ class TorchFSDPTrainer(Trainer):
         self.optim = build_optimizer(self.params, cfg.train, fused=cfg.train.optimizer == "adamw")
         self.meter = TrafficMeter(modelled=True)
         self.payload = sum(p.numel() * p.element_size() for p in self.params)
+        self.grad_payload = sum(p.numel() for p in self.params) * gradient_width(cfg)
         self.frozen_payload = sum(p.numel() * p.element_size() for p in self.model.parameters() if not p.requires_grad)
 
     def step(self, batch: Any) -> StepStats:
@@ -155,7 +170,8 @@ class TorchFSDPTrainer(Trainer):
         skipped = step_if_finite(self.optim, [local(p.grad) for p in self.params if p.grad is not None])
         n, s, f = self.ctx.world_size, self.payload, self.frozen_payload
         self.meter.add("all_gather", 2 * (n - 1) * (s + f) // n, 2 * (n - 1) * (s + f) // n, calls=2)
-        self.meter.add("reduce_scatter", (n - 1) * s // n, (n - 1) * s // n)
+        g = self.grad_payload
+        self.meter.add("reduce_scatter", (n - 1) * g // n, (n - 1) * g // n)
         return StepStats(float(loss.item()), skipped=skipped)
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
