@@ -115,83 +115,114 @@ def play(program: Program, cluster: Cluster, began: dict[str, float] | None = No
     """Play `program` on `cluster` from idle links: its ops by name, and when each started (became ready) and
     ended; with `began`, also when each transfer reached the head of its connection's queue (its α paid from
     then, its bytes after)."""
-    ops = _check(program, cluster)
-    waiting = {name: len(set(op.after)) for name, op in ops.items()}
-    needed_by: dict[str, list[str]] = defaultdict(list)
-    for op in program.ops:   # in program order, so that ops ready at once start in it
-        for a in set(op.after):
-            needed_by[a].append(op.name)
-    queues: dict[Hashable, deque[Transfer]] = defaultdict(deque)
-    busy: set[Hashable] = set()
-    flows: list[_Flow] = []
-    events: list[tuple[float, int, int, str]] = []       # (time, order, kind 0 end / 1 flow starts, op)
-    seq = itertools.count()
-    start: dict[str, float] = {}
-    end: dict[str, float] = {}
-    now = 0.0
+    player = _Player(program, cluster, began)
+    player.run()
+    return player.ops, player.start, player.end
 
-    def ready(name: str) -> None:
-        op = ops[name]
-        start[name] = now
+
+class _Player:
+    """One play of a program: each op waits for those it needs, a transfer queues on its connection, the flows
+    moving share the links, and events (a compute span's end, a transfer's α paid) come due in time order."""
+
+    def __init__(self, program: Program, cluster: Cluster, began: dict[str, float] | None) -> None:
+        self.ops = _check(program, cluster)
+        self.cluster, self.began = cluster, began
+        self.waiting = {name: len(set(op.after)) for name, op in self.ops.items()}
+        self.needed_by: dict[str, list[str]] = defaultdict(list)
+        for op in program.ops:   # in program order, so that ops ready at once start in it
+            for a in set(op.after):
+                self.needed_by[a].append(op.name)
+        self.queues: dict[Hashable, deque[Transfer]] = defaultdict(deque)
+        self.busy: set[Hashable] = set()
+        self.flows: list[_Flow] = []
+        self.events: list[tuple[float, int, int, str]] = []   # (time, order, kind 0 end / 1 flow starts, op)
+        self.seq = itertools.count()
+        self.start: dict[str, float] = {}
+        self.end: dict[str, float] = {}
+        self.now = 0.0
+
+    def run(self) -> None:
+        """Play every op to its end."""
+        for name in [n for n, w in self.waiting.items() if not w]:
+            self.ready(name)
+        rates: list[float] = []
+        changed = False
+        while self.flows or self.events:
+            if changed:   # rates hold until a flow starts or ends
+                rates = fair_rates(self.flows, self.cluster)
+            self.advance(rates)
+            changed = self.finish_flows(rates)
+            changed = self.fire_events() or changed
+        if stuck := [n for n in self.ops if n not in self.end]:
+            raise ValueError(f"step program: op {stuck[0]!r} never ran (its waits form a cycle)")
+
+    def ready(self, name: str) -> None:
+        """Op `name` has all it waits for: a compute span starts, a transfer joins its connection's queue."""
+        op = self.ops[name]
+        self.start[name] = self.now
         if isinstance(op, Compute):
-            heapq.heappush(events, (now + op.seconds, next(seq), 0, name))
+            heapq.heappush(self.events, (self.now + op.seconds, next(self.seq), 0, name))
         else:
-            queues[op.conn].append(op)
-            serve(op.conn)
+            self.queues[op.conn].append(op)
+            self.serve(op.conn)
 
-    def serve(conn: Hashable) -> None:
-        if conn in busy or not queues[conn]:
+    def serve(self, conn: Hashable) -> None:
+        """An idle connection takes the head of its queue: its α is paid before its bytes flow."""
+        if conn in self.busy or not self.queues[conn]:
             return
-        op = queues[conn][0]
-        busy.add(conn)
-        if began is not None:
-            began[op.name] = now
-        heapq.heappush(events, (now + cluster.alpha_s * op.messages, next(seq), 1, op.name))
+        op = self.queues[conn][0]
+        self.busy.add(conn)
+        if self.began is not None:
+            self.began[op.name] = self.now
+        heapq.heappush(self.events, (self.now + self.cluster.alpha_s * op.messages, next(self.seq), 1, op.name))
 
-    def done(name: str) -> None:
-        end[name] = now
-        op = ops[name]
+    def done(self, name: str) -> None:
+        """Op `name` ended: its connection serves the next transfer, the ops waiting for it may start."""
+        self.end[name] = self.now
+        op = self.ops[name]
         if isinstance(op, Transfer):
-            queues[op.conn].popleft()
-            busy.discard(op.conn)
-            serve(op.conn)
-        for d in needed_by[name]:
-            waiting[d] -= 1
-            if not waiting[d]:
-                ready(d)
+            self.queues[op.conn].popleft()
+            self.busy.discard(op.conn)
+            self.serve(op.conn)
+        for d in self.needed_by[name]:
+            self.waiting[d] -= 1
+            if not self.waiting[d]:
+                self.ready(d)
 
-    for name in [n for n, w in waiting.items() if not w]:
-        ready(name)
-    rates: list[float] = []
-    changed = False
-    while flows or events:
-        if changed:   # rates hold until a flow starts or ends
-            rates, changed = fair_rates(flows, cluster), False
-        t = min([now + f.left / r if r > 0 else float("inf") for f, r in zip(flows, rates)]
-                + ([events[0][0]] if events else []))
+    def advance(self, rates: list[float]) -> None:
+        """The clock to the next moment a flow may end or an event comes due, every flow's bytes moved with it."""
+        t = min([self.now + f.left / r if r > 0 else float("inf") for f, r in zip(self.flows, rates)]
+                + ([self.events[0][0]] if self.events else []))
         if t == float("inf"):
             raise ValueError("step program: a transfer can never move (a link of rate 0)")
-        for f, r in zip(flows, rates):
-            f.left -= r * (t - now)
-        now = t
-        over = [_complete(f, r, now) for f, r in zip(flows, rates)]
-        if any(over):
-            complete = [f for f, o in zip(flows, over) if o]
-            flows = [f for f, o in zip(flows, over) if not o]
-            rates, changed = [], True
-            for f in complete:
-                done(f.op.name)
-        while events and events[0][0] <= now:
-            _, _, kind, name = heapq.heappop(events)
-            op = ops[name]
+        for f, r in zip(self.flows, rates):
+            f.left -= r * (t - self.now)
+        self.now = t
+
+    def finish_flows(self, rates: list[float]) -> bool:
+        """End the flows complete now; whether any did."""
+        over = [_complete(f, r, self.now) for f, r in zip(self.flows, rates)]
+        if not any(over):
+            return False
+        complete = [f for f, o in zip(self.flows, over) if o]
+        self.flows = [f for f, o in zip(self.flows, over) if not o]
+        for f in complete:
+            self.done(f.op.name)
+        return True
+
+    def fire_events(self) -> bool:
+        """Take the events due now: a transfer with bytes, its α paid, starts its flow; any other op ends.
+        Whether a flow started."""
+        started = False
+        while self.events and self.events[0][0] <= self.now:
+            _, _, kind, name = heapq.heappop(self.events)
+            op = self.ops[name]
             if kind == 1 and isinstance(op, Transfer) and op.bytes > 0:
-                flows.append(_Flow(op, cluster))
-                rates, changed = [], True
+                self.flows.append(_Flow(op, self.cluster))
+                started = True
             else:
-                done(name)
-    if stuck := [n for n in ops if n not in end]:
-        raise ValueError(f"step program: op {stuck[0]!r} never ran (its waits form a cycle)")
-    return ops, start, end
+                self.done(name)
+        return started
 
 
 def _complete(f: _Flow, rate: float, now: float) -> bool:
