@@ -148,8 +148,8 @@ class RingCommunicator(Communicator):
     def _pipeline(self, buf: torch.Tensor, c: int, steps: Sequence[Step]) -> tuple[int, int]:
         """Run ring steps over buf's chunks of c elements, segment by segment; returns bytes (sent, received).
 
-        buf counts as zero-padded to n * c elements: segments reaching past its end are worked on in padded
-        copies, written back at the end, so the tensor itself is never copied whole.
+        buf counts as zero-padded to n * c elements (_PaddedChunks: segments past its end are worked on in padded
+        copies, written back at the end, so the tensor itself is never copied whole).
 
         Unit u = (step u // K, segment u % K). Its send needs unit u - K (the same segment one step earlier)
         received and reduced; posting unit u + W right after finishing unit u, with W <= K, guarantees that,
@@ -165,28 +165,19 @@ class RingCommunicator(Communicator):
         incoming = self._scratch(w * seg, buf) if steps[0][2] else buf.new_empty(0)   # no step reduces: unused
         in_flight: dict[int, tuple[dist.Work, torch.Tensor]] = {}
         reading: dict[tuple[int, int], list[dist.Work]] = {}  # sends still reading a region of buf
-        padded: dict[int, torch.Tensor] = {}  # start -> padded copy of a segment past buf's end
+        chunks = _PaddedChunks(buf, c, bounds)
         sent = received = 0
-
-        def region(chunk: int, j: int) -> torch.Tensor:
-            lo, hi = chunk * c + bounds[j][0], chunk * c + bounds[j][1]
-            if hi <= buf.numel():
-                return buf[lo:hi]
-            if lo not in padded:
-                padded[lo] = torch.zeros(hi - lo, dtype=buf.dtype, device=buf.device)
-                padded[lo][:len(buf[lo:])].copy_(buf[lo:])  # empty past the end: all padding
-            return padded[lo]
 
         def post(u: int) -> None:
             nonlocal sent, received
             s, j = divmod(u, k)
             send_chunk, recv_chunk, reduce = steps[s]
-            out = region(send_chunk, j)
+            out = chunks.region(send_chunk, j)
             if reduce:  # received into a window slot, then added; the slot's last user was unit u - w
                 slot = u % w
                 into = incoming[slot * seg:slot * seg + out.numel()]
             else:  # received in place, once this rank's earlier sends from there have gone
-                into = region(recv_chunk, j)
+                into = chunks.region(recv_chunk, j)
                 for work in reading.pop((recv_chunk, j), []):
                     work.wait()
             send_work, recv_work = exchange(out, self._next, into, self._prev, self.group, self.backend)
@@ -202,14 +193,13 @@ class RingCommunicator(Communicator):
             recv_work.wait()
             s, j = divmod(u, k)
             if steps[s][2]:
-                region(steps[s][1], j).add_(into)
+                chunks.region(steps[s][1], j).add_(into)
             if u + w < units:
                 post(u + w)
         for works in reading.values():
             for work in works:
                 work.wait()
-        for lo, part in padded.items():
-            buf[lo:].copy_(part[:len(buf[lo:])])
+        chunks.write_back()
         return sent, received
 
     def _broadcast(self, tensor: torch.Tensor, src: int) -> tuple[int, int]:
@@ -242,3 +232,29 @@ class RingCommunicator(Communicator):
         for work in sends:
             work.wait()
         return sent, received
+
+
+class _PaddedChunks:
+    """A buffer seen as chunks of c elements cut into segments (bounds), zero-padded to whole chunks: a segment
+    reaching past its end is worked on in a padded copy, written back by write_back, so the buffer itself is
+    never copied whole."""
+
+    def __init__(self, buf: torch.Tensor, c: int, bounds: list[tuple[int, int]]) -> None:
+        self.buf, self.c, self.bounds = buf, c, bounds
+        self.padded: dict[int, torch.Tensor] = {}  # start -> padded copy of a segment past buf's end
+
+    def region(self, chunk: int, j: int) -> torch.Tensor:
+        """Segment j of chunk `chunk`: a view of the buffer, or its padded copy."""
+        buf = self.buf
+        lo, hi = chunk * self.c + self.bounds[j][0], chunk * self.c + self.bounds[j][1]
+        if hi <= buf.numel():
+            return buf[lo:hi]
+        if lo not in self.padded:
+            self.padded[lo] = torch.zeros(hi - lo, dtype=buf.dtype, device=buf.device)
+            self.padded[lo][:len(buf[lo:])].copy_(buf[lo:])  # empty past the end: all padding
+        return self.padded[lo]
+
+    def write_back(self) -> None:
+        """The padded copies' parts within the buffer, into it."""
+        for lo, part in self.padded.items():
+            self.buf[lo:].copy_(part[:len(self.buf[lo:])])
