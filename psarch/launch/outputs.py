@@ -240,17 +240,25 @@ def predicted_for_rank(predicted: Predicted, rank: int) -> tuple[dict[str, float
 
 def report(s: Summary) -> str:
     """The short human-readable report of one run."""
-    p = s["predicted"]
+    lines = _headline(s) + [""] + _rank_table(s) + _server_lines(s) + _fault_lines(s)
+    if s.get("auth") == "none":
+        lines.append("auth: none (backend.auth = \"none\": any process on this machine could talk to the servers)")
+    pushes = s.get("refused_pushes")
+    refused = (pushes.get("non_finite_per_worker") if pushes else None) or []
+    if any(refused):
+        lines.append(f"pushes refused for inf/nan, per worker: {refused}")
+    lines += _cluster_lines(s)
+    if s.get("virtual_device"):
+        lines += device.report_lines(s["virtual_device"], s.get("cluster", {}).get("alpha_s"))
+    lines += [dropped_line(d) for d in s.get("dropped_workers") or []]
+    return "\n".join(lines) + "\n"
+
+
+def _headline(s: Summary) -> list[str]:
+    """The run (name, architecture, N, workload, params, precision, optimizer), its final loss and its step time."""
     kind = s.get("label") or s["backend"] + (f" ({s['variant']})" if s["variant"] else "")
     gap = f"  (gap to entropy floor {s['gap']:.4f})" if s.get("gap") is not None else ""
-    # padding (inside total) and transient peaks (outside it: gathered units, gradient buffers, both
-    # together as working) get a column only where some rank has them, so other backends' reports stay narrow
-    per_rank = s["memory"]["per_rank"]
-    optional = [(k, head) for k, head in (("frozen", "frozen"), ("padding", "padding"), ("error_feedback", "error fb"),
-                                          ("gathered_peak", "gathered"),
-                                          ("grad_buffer_peak", "grad bufs"), ("working", "working"))
-                if any(m.get(k) for m in per_rank)]
-    lines = [
+    return [
         f"== {s['name']}: {kind}, N={s['world_size']}" + (f", servers={s['servers']}" if s["servers"] and not s.get("label") else "")
         + f", {s['workload']}, {s['params']:,} params"
         + (f" (+{s['frozen_params']:,} frozen)" if s.get("frozen_params") else "") + f", {s['precision']}, {s['optimizer']}",
@@ -258,28 +266,50 @@ def report(s: Summary) -> str:
         f"step time       {s['step_time_s'] * 1e3:.2f} ms median   {s['samples_per_s']:.1f} samples/s"
         + (f" ({s['samples_per_s_is']})" if s.get("samples_per_s_is") else "")
         + (f"   comm wait {s['comm_s'] * 1e3:.2f} ms" if s.get("comm_s") else ""),
-        "",
-        f"{'rank':>4}  {'params':>11} {'grads':>11} {'optimizer':>11} {'total':>11} {'predicted':>11}"
-        + "".join(f" {head:>11}" for _, head in optional)
-        + f" {'peak':>11}  {'sent/step':>11} {'predicted':>11}",
     ]
+
+
+def _rank_table(s: Summary) -> list[str]:
+    """Each rank's memory by category and bytes sent per step, beside theory's."""
+    # padding (inside total) and transient peaks (outside it: gathered units, gradient buffers, both
+    # together as working) get a column only where some rank has them, so other backends' reports stay narrow
+    per_rank = s["memory"]["per_rank"]
+    optional = [(k, head) for k, head in (("frozen", "frozen"), ("padding", "padding"), ("error_feedback", "error fb"),
+                                          ("gathered_peak", "gathered"),
+                                          ("grad_buffer_peak", "grad bufs"), ("working", "working"))
+                if any(m.get(k) for m in per_rank)]
+    lines = [f"{'rank':>4}  {'params':>11} {'grads':>11} {'optimizer':>11} {'total':>11} {'predicted':>11}"
+             + "".join(f" {head:>11}" for _, head in optional)
+             + f" {'peak':>11}  {'sent/step':>11} {'predicted':>11}"]
     for i, (m, t) in enumerate(zip(per_rank, s["traffic"]["per_rank"])):
-        pm, sent = predicted_for_rank(p, i)
+        pm, sent = predicted_for_rank(s["predicted"], i)
         modelled = " (modelled)" if t.get("modelled") else ""
         lines.append(f"{m['rank']:>4}  {fmt_bytes(m['params']):>11} {fmt_bytes(m['grads']):>11} {fmt_bytes(m['optimizer']):>11} "
                      f"{fmt_bytes(m['total']):>11} {fmt_bytes(pm['total']):>11}"
                      + "".join(f" {fmt_bytes(m.get(k, 0)):>11}" for k, _ in optional)
                      + f" {fmt_bytes(m.get('peak')):>11}  "
                      f"{fmt_bytes(t['sent_per_step']):>11} {fmt_bytes(sent):>11}{modelled}")
+    return lines
+
+
+def _server_lines(s: Summary) -> list[str]:
+    """Each server's bytes over the run and what it holds (beside theory's), and the updates' staleness."""
+    lines = []
     mem = {m.get("server"): m for m in s.get("memory", {}).get("servers") or []}
     for srv in s.get("traffic", {}).get("servers", []) or []:
         held = mem.get(srv.get("server"), {}).get("total")
         lines.append(f"server {srv.get('server', '?')}: sent {fmt_bytes(srv['sent'])}, received "
                      f"{fmt_bytes(srv['received'])} over the run; holds {fmt_bytes(held)} "
-                     f"(predicted {fmt_bytes(p.get('server_memory'))})")
+                     f"(predicted {fmt_bytes(s['predicted'].get('server_memory'))})")
     if s.get("staleness"):
         st = s["staleness"]
         lines.append(f"staleness histogram {st['histogram']} (mean {st['mean']:.2f}, max {st['max']})")
+    return lines
+
+
+def _fault_lines(s: Summary) -> list[str]:
+    """The workers lost, the faults struck, the worlds restarted and what failures cost."""
+    lines = []
     if s.get("lost_workers"):
         lines.append(f"lost workers: {s['lost_workers']}")
     for f in s.get("faults") or []:
@@ -291,25 +321,22 @@ def report(s: Summary) -> str:
                      + f" ({r['steps_lost']} step(s) done again) after: {r['error']}")
     if s.get("failure_cost"):
         lines += failure_cost_lines(s["failure_cost"])
-    if s.get("auth") == "none":
-        lines.append("auth: none (backend.auth = \"none\": any process on this machine could talk to the servers)")
-    pushes = s.get("refused_pushes")
-    refused = (pushes.get("non_finite_per_worker") if pushes else None) or []
-    if any(refused):
-        lines.append(f"pushes refused for inf/nan, per worker: {refused}")
-    if s.get("cluster", {}).get("emulated"):
-        c, step = s["cluster"], s["cluster"]["step_time"]
-        lines.append(f"emulated cluster: alpha {c['alpha_s'] * 1e6:.0f} us; step time measured "
-                     f"{step['measured_s'] * 1e3:.2f} ms | predicted {step['predicted_s'] * 1e3:.2f} ms "
-                     f"(compute {step['compute_s'] * 1e3:.2f} ms)")
-        over = "the steps" if c.get("counted_over") == "steps" else "the whole run"
-        for n in c["nodes"]:
-            lines.append(f"  {n['role']} {n.get('rank', n.get('server'))} ({n['address']}, {n['link_mbps']:g} Mbit/s): "
-                         f"link sent {fmt_bytes(n['link_sent'])}, received {fmt_bytes(n['link_received'])} over {over}")
-    if s.get("virtual_device"):
-        lines += device.report_lines(s["virtual_device"], s.get("cluster", {}).get("alpha_s"))
-    lines += [dropped_line(d) for d in s.get("dropped_workers") or []]
-    return "\n".join(lines) + "\n"
+    return lines
+
+
+def _cluster_lines(s: Summary) -> list[str]:
+    """An emulated cluster's step time measured beside predicted, and the bytes each node's link carried."""
+    if not s.get("cluster", {}).get("emulated"):
+        return []
+    c, step = s["cluster"], s["cluster"]["step_time"]
+    lines = [f"emulated cluster: alpha {c['alpha_s'] * 1e6:.0f} us; step time measured "
+             f"{step['measured_s'] * 1e3:.2f} ms | predicted {step['predicted_s'] * 1e3:.2f} ms "
+             f"(compute {step['compute_s'] * 1e3:.2f} ms)"]
+    over = "the steps" if c.get("counted_over") == "steps" else "the whole run"
+    for n in c["nodes"]:
+        lines.append(f"  {n['role']} {n.get('rank', n.get('server'))} ({n['address']}, {n['link_mbps']:g} Mbit/s): "
+                     f"link sent {fmt_bytes(n['link_sent'])}, received {fmt_bytes(n['link_received'])} over {over}")
+    return lines
 
 
 def dropped_line(d: dict[str, Any]) -> str:
