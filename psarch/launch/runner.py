@@ -102,28 +102,12 @@ def run_rank(cfg: Config, ctx: DistContext, workload: Workload | None = None, ec
     # hold the whole frozen weights alive beside a backend's parts of them)
     frozen_names = {n for n, p in workload.model.named_parameters() if not p.requires_grad}
     frozen_count = sum(p.numel() for n, p in workload.model.named_parameters() if n in frozen_names)
-    ckpt = checkpoint.Checkpoint(start) if start is not None else None
-    base = ckpt is not None and not resume and finetune.is_base_start(cfg, ckpt, workload.model)
-    if ckpt is not None and base:   # fine-tuning a base model's checkpoint: its weights, before the backend copies them
-        finetune.load_base(workload.model, ckpt)
-    elif ckpt is not None:  # the launcher verified sizes and checksums; check the model before building
-        ckpt.check_model({n: tuple(p.shape) for n, p in workload.model.named_parameters() if p.requires_grad})
-        ckpt.check_optimizer(cfg.train.optimizer)
-        if resume:
-            finetune.restore_base(cfg, workload.model)
+    ckpt, base = _open_start(cfg, workload, start, resume)
     spec = registry.spec_of(cfg)
     trainer = contract.load_trainer(cfg.backend.kind)(workload, cfg, ctx)
     if slow is not None:   # its compute is the forward and backward less the waits the backend timed in them
         slow.waited = trainer.comm_waited_s
-    first, records = 0, []   # this rank's step records
-    if ckpt is not None and base:   # a new run from step 0: its optimizer, generators and data start fresh
-        ckpt.close()
-    elif ckpt is not None:
-        trainer.load_checkpoint(ckpt)
-        ckpt.restore_rng(ctx.rank, ctx.device)   # dropout goes on drawing where it stopped
-        records = ckpt.steps(ctx.rank) if resume else []
-        first = ckpt.step  # data is a function of (seed, step): continuing the step continues the data
-        ckpt.close()
+    first, records = _restore(trainer, ctx, ckpt, base, resume)   # records: this rank's step records
     stream = open(metrics, "a", buffering=1) if metrics is not None else None  # line-buffered: a record per write
     board = None
     try:
@@ -160,6 +144,39 @@ def run_rank(cfg: Config, ctx: DistContext, workload: Workload | None = None, ec
         if slow is not None:
             slow.close()
     return record
+
+
+def _open_start(cfg: Config, workload: Workload, start: Path | None, resume: bool
+                ) -> tuple[checkpoint.Checkpoint | None, bool]:
+    """The checkpoint this rank starts from (None: step 0), and whether it is a base model's under a LoRA or frozen
+    config (its weights loaded into the model here); any other is checked against the model. Both before a
+    backend copies the model."""
+    ckpt = checkpoint.Checkpoint(start) if start is not None else None
+    base = ckpt is not None and not resume and finetune.is_base_start(cfg, ckpt, workload.model)
+    if ckpt is not None and base:   # fine-tuning a base model's checkpoint: its weights, before the backend copies them
+        finetune.load_base(workload.model, ckpt)
+    elif ckpt is not None:  # the launcher verified sizes and checksums; check the model before building
+        ckpt.check_model({n: tuple(p.shape) for n, p in workload.model.named_parameters() if p.requires_grad})
+        ckpt.check_optimizer(cfg.train.optimizer)
+        if resume:
+            finetune.restore_base(cfg, workload.model)
+    return ckpt, base
+
+
+def _restore(trainer: Trainer, ctx: DistContext, ckpt: checkpoint.Checkpoint | None, base: bool, resume: bool
+             ) -> tuple[int, list[StepRecord]]:
+    """The trainer's state from the starting checkpoint, which is then closed: the first step and the step records
+    carried on (with `resume`); step 0 and none without a checkpoint or from a base model's."""
+    first, records = 0, []
+    if ckpt is not None and base:   # a new run from step 0: its optimizer, generators and data start fresh
+        ckpt.close()
+    elif ckpt is not None:
+        trainer.load_checkpoint(ckpt)
+        ckpt.restore_rng(ctx.rank, ctx.device)   # dropout goes on drawing where it stopped
+        records = ckpt.steps(ctx.rank) if resume else []
+        first = ckpt.step  # data is a function of (seed, step): continuing the step continues the data
+        ckpt.close()
+    return first, records
 
 
 def _steps(loop: StepLoop, steps: range, records: list[StepRecord], stream: TextIO | None,
