@@ -1,6 +1,7 @@
 """Start every rank of a run: spawned on this machine (`psarch run`; one rank runs in this process), or one
-rank under torchrun. Every rank does the same (`_rank`): join the group, train (psarch.launch.runner), leave its
-record, leave the group; the services a backend declares (its spec's start_services) start first.
+rank under torchrun (psarch.launch.torchrun). Every rank does the same (`_rank`): join the group, train
+(psarch.launch.runner), leave its record, leave the group; the services a backend declares (its spec's
+start_services) start first. What every rank is given: psarch.launch.job's RankJob.
 
 A rank that fails stops the whole run with that rank's error; nothing is left running (psarch.launch.supervise).
 A spawned rank that has written everything leaves with os._exit: the interpreter's finalisation, where
@@ -9,18 +10,12 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import json
 import multiprocessing as mp
 import os
-import signal
-import sys
-import threading
 import time
-import traceback
-from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
-from typing import Any, Iterator, Mapping, cast
+from typing import Any, Iterator
 
 import torch
 import torch.distributed as dist
@@ -34,14 +29,16 @@ from psarch.cluster.device import CORE, dilation
 from psarch.cluster.placement import Placement, place
 from psarch.cluster.dilation import resolve as resolve_dilation
 from psarch.cluster.window import StepMarks
-from psarch.config import Config, ConfigError, check_machine, from_dict
+from psarch.config import Config, ConfigError, check_machine
 from psarch.dist import abandon_group, init_rank, shutdown, under_torchrun
 from psarch.errors import NON_FINITE_EXIT, NonFiniteError, RunError
 from psarch.config.faults import faults
 from psarch.launch.faults import Injector, Restart, Struck, at_world, check_faults, restart_world, restarts_due
 from psarch.launch.lifecycle import die_with_parent, leave
-from psarch.records import RankRecord, ServiceFields, ServiceInfo, Summary
+from psarch.records import ServiceInfo, Summary
+from psarch.launch.job import RankJob
 from psarch.launch.runner import run_rank
+from psarch.launch.torchrun import torchrun_rank
 from psarch.throughput import warmup_steps
 from psarch.launch.worlds import since, world
 from psarch.trainer import Services
@@ -67,7 +64,7 @@ def run(cfg: Config, out: str | Path | None = None, echo: bool = True, resume: b
     job = RankJob(ranks_cfg.to_dict(), str(out_dir), echo and progress,
                   out_dir / CHECKPOINTS if cfg.train.checkpoint_every else None, begin, resume, registry.plugins())
     if under_torchrun():
-        return _torchrun_rank(cfg, spec, job, echo)
+        return torchrun_rank(cfg, spec, job, echo)
     # A user's factory runs here once (no process group yet), so a wrong return type is one ConfigError
     # before any rank starts; a single in-process rank then trains this very workload.
     workload = build_workload(cfg) if cfg.workload.factory else None
@@ -98,7 +95,7 @@ def run(cfg: Config, out: str | Path | None = None, echo: bool = True, resume: b
                 world_cfg = world_ranks
                 job = dataclasses.replace(job, cfg=world_ranks.to_dict(), start=begin, resume=begin is not None)
     except BaseException as e:  # failed or interrupted (Ctrl-C, SIGTERM): keep the finished steps, say why
-        _keep_finished_steps(out_dir, cfg, e, faulted)
+        supervise.keep_finished_steps(out_dir, cfg, e, faulted)
         raise
     faulted["ended_at_s"] = since(t0, time.monotonic(), d)   # the run's wall time, for goodput
     extra.update(faulted)
@@ -148,27 +145,6 @@ def _world(job: RankJob, spec: BackendSpec, cfg: Config, ranks_cfg: Config, work
                     _spawn(job, spec, where, services, faulted, t0)
             extra = services.finish() if services is not None else Summary()
         return extra, where.report()
-
-
-@dataclass
-class RankJob:
-    """What every rank of a run is given (JSON-able and picklable: it crosses to spawned ranks): the config,
-    the run folder, where checkpoints go (None: nowhere), the checkpoint the run starts from (None: step 0)
-    and whether that start resumes the run (its step records carried on) or forks it; the spec classes of
-    backends registered outside psarch, and the services' info (ServiceInfo.to_dict())."""
-
-    cfg: dict[str, Any]
-    out: str
-    echo: bool
-    checkpoints: Path | None
-    start: Path | None
-    resume: bool
-    plugins: list[str]
-    info: ServiceFields = field(default_factory=lambda: ServiceFields())
-
-    def config(self) -> Config:
-        registry.import_plugins(self.plugins)   # before the config names a backend registered outside psarch
-        return from_dict(self.cfg)
 
 
 @contextlib.contextmanager
@@ -278,92 +254,3 @@ def _spawn(job: RankJob, spec: BackendSpec, where: Placement, services: Services
         if injector is not None:
             injector.release()   # nothing stays stopped
         supervise.stop(procs)
-
-
-def _keep_finished_steps(out: Path, cfg: Config, e: BaseException, extra: Summary | None = None) -> None:
-    status = "interrupted" if isinstance(e, KeyboardInterrupt) else "failed"
-    error = str(e) if isinstance(e, RunError) else f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
-    try:
-        outputs.finalize_stopped(out, cfg, status, error, extra)
-    except Exception as w:  # never hide the run's own error behind this one
-        print(f"psarch: could not write the {status} run's summary: {type(w).__name__}: {w}", file=sys.stderr)
-
-
-def _torchrun_rank(cfg: Config, spec: BackendSpec, job: RankJob, echo: bool) -> Summary:
-    """One rank of a torchrun job. Services (the parameter servers of `ps` without
-    backend.server_addresses) are started by rank 0, which is also worker 0, as `psarch run` starts
-    them; their addresses reach every rank as JSON over the process group (no pickle) before any
-    trainer is built. A rank that fails prints its error and exits at once: a barrier here would
-    only wait for peers stuck in a collective and replace the error with its own timeout."""
-    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    if world != spec.processes(cfg):
-        if spec.processes(cfg) == 1:
-            raise RunError(f"backend.kind = {cfg.backend.kind!r} runs in one process (its workers are threads): "
-                           f"use `psarch run`, not torchrun")
-        raise RunError(f"backend.world_size = {cfg.backend.world_size}: torchrun started WORLD_SIZE = {world} ranks")
-    local_rank = int(os.environ.get("LOCAL_RANK", rank))
-    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world))
-    out = Path(job.out)
-    services = None
-    try:
-        if rank == 0:
-            outputs.prepare(out, cfg, keep_checkpoints=job.resume)
-        ctx = init_rank(cfg, rank, world, local_rank, local_world, None, launched_by="torchrun", needs_group=True)
-        # every rank takes part in the gather: only rank 0 knows whether the backend started services
-        if rank == 0:
-            services = spec.start_services(cfg, out, start=job.start)
-            if services is not None:
-                info = services.info.to_dict()
-                info["addresses"] = [_reachable(a) for a in services.info.addresses]
-                job.info = info
-        ctx.services = ServiceInfo.from_dict(cast(ServiceFields, _gather_json(ctx, job.info)[0]))   # rank 0's
-        # ranks on other machines stream only where the run folder is shared (rank 0 made it before init_rank)
-        stream = outputs.stream_path(out, rank) if (out / outputs.RANKS_DIR).is_dir() else None
-        record = run_rank(cfg, ctx, echo=job.echo, metrics=stream, checkpoints=job.checkpoints, start=job.start,
-                          resume=job.resume)
-        records = _gather_json(ctx, record.to_json())   # every rank is done with the servers past this point
-        extra: Summary | None = None
-        if rank == 0:
-            outputs.save_record(out, record)
-            for r in records[1:]:
-                outputs.save_record(out, RankRecord.from_json(r))
-            if services is not None:
-                extra = services.finish()   # the servers' measurements; model.pt from their parameters
-                services.stop()
-                services = None
-    except BaseException as e:  # say why, then leave without the teardown barrier (torchrun stops the peers)
-        if rank == 0 and threading.current_thread() is threading.main_thread():
-            signal.signal(signal.SIGTERM, signal.SIG_IGN)   # torchrun's stop for the peers must not cut this short
-        print(f"rank {rank} failed: {type(e).__name__}: {e}\n{traceback.format_exc()}", file=sys.stderr, flush=True)
-        if rank == 0 and (out / outputs.RANKS_DIR).is_dir():   # the steps streamed so far, as `psarch run` keeps them
-            _keep_finished_steps(out, cfg, e)
-        if services is not None:
-            services.stop()
-        leave(1)
-    shutdown(ctx)
-    if rank == 0 and cfg.started_from:
-        extra = extra if extra is not None else Summary()
-        extra["started_from"] = cfg.started_from
-    return outputs.finalize(out, cfg, extra, echo) if rank == 0 else {}
-
-
-def _reachable(address: str) -> str:
-    """A server bound to every interface (backend.host = 0.0.0.0) is reached at rank 0's host, which
-    torchrun names in MASTER_ADDR."""
-    scheme, _, rest = address.partition("://")
-    host, _, port = rest.rpartition(":")
-    return f"{scheme}://{os.environ['MASTER_ADDR']}:{port}" if host in ("0.0.0.0", "*") else address
-
-
-def _gather_json(ctx: Any, obj: Mapping[str, object]) -> list[dict]:
-    """Every rank's JSON-able dict, on every rank (JSON over all_gather: no pickle on the wire)."""
-    dev = ctx.device if ctx.dist_backend == "nccl" else torch.device("cpu")
-    data = torch.frombuffer(bytearray(json.dumps(obj).encode()), dtype=torch.uint8).to(dev)
-    sizes = [torch.zeros(1, dtype=torch.int64, device=dev) for _ in range(ctx.world_size)]
-    dist.all_gather(sizes, torch.tensor([data.numel()], dtype=torch.int64, device=dev))
-    longest = int(max(s.item() for s in sizes))
-    padded = torch.zeros(longest, dtype=torch.uint8, device=dev)
-    padded[:data.numel()] = data
-    bufs = [torch.empty(longest, dtype=torch.uint8, device=dev) for _ in range(ctx.world_size)]
-    dist.all_gather(bufs, padded)
-    return [json.loads(bytes(b[:int(s.item())].cpu().numpy())) for b, s in zip(bufs, sizes)]

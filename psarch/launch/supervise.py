@@ -6,20 +6,24 @@ monotonic clock); a rank that left none was killed, and the launcher says by wha
 
 Every wait is bounded: once some rank has ended, a rank that streams no step and uses no CPU for
 2 x backend.timeout_s + 5 s (stopped by SIGSTOP, hung) is killed, named in its error record and on stderr
-(psarch.launch.stalls)."""
+(psarch.launch.stalls). A run that stops, spawned or under torchrun, keeps the steps its ranks finished
+(keep_finished_steps)."""
 from __future__ import annotations
 
 import json
+import sys
 import time
 import traceback
 from multiprocessing.connection import wait
 from pathlib import Path
 from typing import Callable, TypedDict
 
+from psarch.config import Config
 from psarch.launch import outputs
 from psarch.errors import NON_FINITE_EXIT, NonFiniteGradient, RunError
 from psarch.launch.lifecycle import TICK_S, ended
 from psarch.launch.stalls import Stalls, stopped
+from psarch.records import Summary
 
 ECHO_GRACE_S = 2.0  # how long the launcher waits, after a rank fails, for its peers' errors before it names one
 
@@ -131,3 +135,14 @@ def _reap(alive: list, procs: list) -> list[int]:
     for p in exited:
         alive.remove(p)
     return [procs.index(p) for p in exited if p.exitcode != 0]
+
+
+def keep_finished_steps(out: Path, cfg: Config, e: BaseException, extra: Summary | None = None) -> None:
+    """A run that failed or was interrupted by `e`: its summary says so and why, beside the steps its ranks finished
+    (outputs.finalize_stopped); a failure to write them is printed, never raised over `e`."""
+    status = "interrupted" if isinstance(e, KeyboardInterrupt) else "failed"
+    error = str(e) if isinstance(e, RunError) else f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
+    try:
+        outputs.finalize_stopped(out, cfg, status, error, extra)
+    except Exception as w:  # never hide the run's own error behind this one
+        print(f"psarch: could not write the {status} run's summary: {type(w).__name__}: {w}", file=sys.stderr)
