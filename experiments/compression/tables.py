@@ -85,14 +85,26 @@ def phases(run: Run) -> tuple[int, float | None, float]:
     t = run["config"]["train"]
     measured = run["summary"]["cluster"]["step_time"]["measured_s"]
     if t.get("compression") != "powersgd":
-        every = run["config"]["backend"].get("k_steps", 1) if run["config"]["backend"].get("mode") == "geo" else 1
-        if every > 1:   # GEO's rounds (k_steps - 1 local steps, then an exchange): the mean over whole rounds
-            times = [r["step_time_s"] for r in run["metrics"] if r["step"] >= t["warmup_steps"]]
-            return 0, None, statistics.fmean(times[:len(times) // every * every])
+        if round_steps(run) > 1:
+            return 0, None, statistics.fmean(r["step_time_s"] for r in whole_rounds(run))
         return 0, None, measured
     warm = t["powersgd_warmup_steps"]
     times = [r["step_time_s"] for r in run["metrics"] if 3 <= r["step"] < warm]   # past the first 3, as the others
     return warm, statistics.median(times), measured
+
+
+def round_steps(run: Run) -> int:
+    """Steps between a worker's exchanges: k_steps in GEO, else 1."""
+    b = run["config"]["backend"]
+    return int(b.get("k_steps", 1)) if b.get("mode") == "geo" else 1
+
+
+def whole_rounds(run: Run) -> list[dict]:
+    """The metrics rows after train.warmup_steps, cut to whole rounds: GEO with k_steps > 1 computes k_steps - 1
+    local steps and then exchanges, so its step time and bytes per step are means over rounds, not medians."""
+    every = round_steps(run)
+    rows = [r for r in run["metrics"] if r["step"] >= run["config"]["train"]["warmup_steps"]]
+    return rows[:len(rows) // every * every]
 
 
 def compressed_prediction(run: Run) -> dict:
@@ -105,10 +117,10 @@ def compressed_prediction(run: Run) -> dict:
 
 def measured_bytes(run: Run) -> tuple[float, float]:
     """Bytes one worker sent and received per step, psarch's counters, over every step (PowerSGD: its compressed
-    steps)."""
+    steps; GEO with k_steps > 1: whole rounds)."""
     t = run["config"]["train"]
     first = t["powersgd_warmup_steps"] if t.get("compression") == "powersgd" else 0
-    rows = [r for r in run["metrics"] if r["step"] >= first]
+    rows = whole_rounds(run) if round_steps(run) > 1 else [r for r in run["metrics"] if r["step"] >= first]
     n = world(run)
     return (statistics.fmean(r["workers_sent"] for r in rows) / n, statistics.fmean(r["workers_received"] for r in rows) / n)
 
