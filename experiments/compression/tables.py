@@ -1,9 +1,13 @@
 """The compression study's tables and plot, from the run folders' summary.json and metrics.jsonl (README.md here):
     python experiments/compression/tables.py runs/compression experiments/compression/results [TABLE ...]
+    python experiments/compression/tables.py --update runs/compression experiments/compression/results TABLE FOLDER ...
 
 TABLE (default: all) names the compression tables to write (TABLES: gpt, dlrm, gpt_geo), each from the run
 folders <TABLE>_steps, <TABLE>_time, <TABLE>_time_n8 and <TABLE>_time_fixed_d; with a subset, each one's short
 table goes to <TABLE>_summary.md, and summary.md, the plot and the LoRA and hybrid tables are left as they are.
+--update reads results/<TABLE>.md back and puts the runs of runs/compression/<FOLDER>s in place of its rows of the
+same N, link, arch and compression (or beside them), the other rows as written (their run folders are gone), then
+writes the summary again from the tables (gpt and dlrm: summary.md and the plot).
 
 Time to target = the steps a loopback run of the same point took to reach the target (*_steps sweeps: a
 synchronous run's arithmetic does not depend on the links) x the step time measured on the emulated cluster
@@ -16,6 +20,7 @@ nothing overlapped (marked "serial")."""
 from __future__ import annotations
 
 import dataclasses
+import re
 import statistics
 import sys
 from pathlib import Path
@@ -75,14 +80,31 @@ def steps_to_target(steps_runs: list[Run], workload: str) -> tuple[float, dict[t
 
 def phases(run: Run) -> tuple[int, float | None, float]:
     """(warm-up steps, their median step time, the compressed steps' median): PowerSGD all-reduces whole for its
-    first powersgd_warmup_steps; the run's own median (summary) is of steps after train.warmup_steps."""
+    first powersgd_warmup_steps; the run's own median (summary) is of steps after train.warmup_steps; GEO with
+    k_steps > 1: the mean of the steps after train.warmup_steps, over whole rounds."""
     t = run["config"]["train"]
     measured = run["summary"]["cluster"]["step_time"]["measured_s"]
     if t.get("compression") != "powersgd":
+        if round_steps(run) > 1:
+            return 0, None, statistics.fmean(r["step_time_s"] for r in whole_rounds(run))
         return 0, None, measured
     warm = t["powersgd_warmup_steps"]
     times = [r["step_time_s"] for r in run["metrics"] if 3 <= r["step"] < warm]   # past the first 3, as the others
     return warm, statistics.median(times), measured
+
+
+def round_steps(run: Run) -> int:
+    """Steps between a worker's exchanges: k_steps in GEO, else 1."""
+    b = run["config"]["backend"]
+    return int(b.get("k_steps", 1)) if b.get("mode") == "geo" else 1
+
+
+def whole_rounds(run: Run) -> list[dict]:
+    """The metrics rows after train.warmup_steps, cut to whole rounds: GEO with k_steps > 1 computes k_steps - 1
+    local steps and then exchanges, so its step time and bytes per step are means over rounds, not medians."""
+    every = round_steps(run)
+    rows = [r for r in run["metrics"] if r["step"] >= run["config"]["train"]["warmup_steps"]]
+    return rows[:len(rows) // every * every]
 
 
 def compressed_prediction(run: Run) -> dict:
@@ -95,10 +117,10 @@ def compressed_prediction(run: Run) -> dict:
 
 def measured_bytes(run: Run) -> tuple[float, float]:
     """Bytes one worker sent and received per step, psarch's counters, over every step (PowerSGD: its compressed
-    steps)."""
+    steps; GEO with k_steps > 1: whole rounds)."""
     t = run["config"]["train"]
     first = t["powersgd_warmup_steps"] if t.get("compression") == "powersgd" else 0
-    rows = [r for r in run["metrics"] if r["step"] >= first]
+    rows = whole_rounds(run) if round_steps(run) > 1 else [r for r in run["metrics"] if r["step"] >= first]
     n = world(run)
     return (statistics.fmean(r["workers_sent"] for r in rows) / n, statistics.fmean(r["workers_received"] for r in rows) / n)
 
@@ -125,6 +147,42 @@ def ms(x: float | None) -> str:
     return "-" if x is None else f"{x * 1e3:.1f}"
 
 
+def line_of(r: Run, reached: dict[tuple[str, str, int], int | None]) -> tuple[list, dict]:
+    """One run's cells in its table (all but "vs none") and its row for the short table and the plot."""
+    arch, comp = point(r)
+    n = world(r)
+    steps = reached.get((arch, comp, n), reached.get((arch, comp, 4), "missing"))
+    from4 = (arch, comp, n) not in reached and (arch, comp, 4) in reached
+    pred = compressed_prediction(r)
+    p_s, how = predicted_step(r, pred)
+    warm, warm_t, t = phases(r)
+    sent, recv = measured_bytes(r)
+    tt = None
+    if isinstance(steps, int):
+        tt = (min(steps, warm) * warm_t if warm_t else 0.0) + max(0, steps - warm) * t
+    tr = pred["traffic_per_step"]
+    vd = r["summary"]["virtual_device"]
+    row = {"n": n, "link": link(r), "arch": arch, "comp": comp, "time": tt, "steps": steps, "step": t,
+           "pred": p_s, "how": how, "sent": sent, "overrun": vd["overrun_fraction"]}
+    st = f"{steps}{' (N=4)' if from4 else ''}" if steps is not None else "not reached"
+    return [n, link(r), arch, comp, f"{ms(t)} \\| {ms(p_s)} ({how})",
+            f"{fmt_bytes(sent)} \\| {fmt_bytes(tr['worker_sent'])}",
+            f"{fmt_bytes(recv)} \\| {fmt_bytes(tr['worker_received'])}", fmt_bytes(wire_bytes(r)), st,
+            "-" if tt is None else f"{tt:.2f}", f"D = {vd['dilation']:g}, {vd['overrun_fraction']:.0%}"], row
+
+
+def vs_none(lines: list[list], rows: list[dict]) -> None:
+    """Insert each line's time to target against ddp's uncompressed run at the same N and link."""
+    for line, row in zip(lines, rows):
+        none = next((x for x in rows if (x["n"], x["link"], x["arch"], x["comp"]) == (row["n"], row["link"], "ddp",
+                                                                                      "none")), None)
+        ratio = f"{row['time'] / none['time']:.2f}x" if row["time"] and none and none["time"] else "-"
+        if "vs_written" in row and none and "vs_written" in none:   # both read back from a table: as written there
+            ratio = row["vs_written"]
+        row["vs"] = ratio
+        line.insert(10, ratio)
+
+
 def compression_table(root: Path, table: str) -> tuple[str, list[dict]]:
     workload = TABLES[table]
     steps_runs = runs_in(root / f"{table}_steps")
@@ -142,34 +200,65 @@ def compression_table(root: Path, table: str) -> tuple[str, list[dict]]:
             "vs none | D, overrun |\n|---|---|---|---|---|---|---|---|---|---|---|---|\n")
     rows, lines = [], []
     for r in sorted(time_runs, key=lambda r: (world(r), link(r), point(r))):
-        arch, comp = point(r)
-        n = world(r)
-        steps = reached.get((arch, comp, n), reached.get((arch, comp, 4), "missing"))
-        from4 = (arch, comp, n) not in reached and (arch, comp, 4) in reached
-        pred = compressed_prediction(r)
-        p_s, how = predicted_step(r, pred)
-        warm, warm_t, t = phases(r)
-        sent, recv = measured_bytes(r)
-        tt = None
-        if isinstance(steps, int):
-            tt = (min(steps, warm) * warm_t if warm_t else 0.0) + max(0, steps - warm) * t
-        tr = pred["traffic_per_step"]
-        vd = r["summary"]["virtual_device"]
-        rows.append({"n": n, "link": link(r), "arch": arch, "comp": comp, "time": tt, "steps": steps, "step": t,
-                     "pred": p_s, "how": how, "sent": sent, "overrun": vd["overrun_fraction"]})
-        st = f"{steps}{' (N=4)' if from4 else ''}" if steps is not None else "not reached"
-        lines.append([n, link(r), arch, comp, f"{ms(t)} \\| {ms(p_s)} ({how})",
-                      f"{fmt_bytes(sent)} \\| {fmt_bytes(tr['worker_sent'])}",
-                      f"{fmt_bytes(recv)} \\| {fmt_bytes(tr['worker_received'])}", fmt_bytes(wire_bytes(r)), st,
-                      "-" if tt is None else f"{tt:.2f}", f"D = {vd['dilation']:g}, {vd['overrun_fraction']:.0%}"])
-    for line, row in zip(lines, rows):   # against ddp's uncompressed run at the same N and link
-        none = next((x for x in rows if (x["n"], x["link"], x["arch"], x["comp"]) == (row["n"], row["link"], "ddp",
-                                                                                      "none")), None)
-        ratio = f"{row['time'] / none['time']:.2f}x" if row["time"] and none and none["time"] else "-"
-        line.insert(10, ratio)
-    body = "".join("| " + " | ".join(str(x) if not isinstance(x, float) else f"{x:g}" for x in line) + " |\n"
+        line, row = line_of(r, reached)
+        lines.append(line)
+        rows.append(row)
+    vs_none(lines, rows)
+    return head + body_of(lines), rows
+
+
+def body_of(lines: list[list]) -> str:
+    return "".join("| " + " | ".join(str(x) if not isinstance(x, float) else f"{x:g}" for x in line) + " |\n"
                    for line in lines)
-    return head + body, rows
+
+
+UNITS = {"B": 1, "KiB": 1024, "MiB": 1024 ** 2, "GiB": 1024 ** 3}
+
+
+def stored(path: Path) -> tuple[str, list[list], list[dict]]:
+    """A table this script wrote, read back: its head, each point's cells (but "vs none") and its row, figures to the
+    digits written; for tables whose older run folders are no longer on this machine."""
+    text = path.read_text()
+    cut = text.index("|---")
+    cut = text.index("\n", cut) + 1
+    lines, rows = [], []
+    for t in text[cut:].splitlines():
+        cells = t.strip()[2:-2].split(" | ")
+        vs = cells.pop(10)   # vs none: recomputed where the row or its uncompressed row is new
+        lines.append(cells)
+        rows.append(dict(stored_row(cells), vs=vs, vs_written=vs))
+    return text[:cut], lines, rows
+
+
+def stored_row(cells: list[str]) -> dict:
+    step, pred, how = re.fullmatch(r"(\S+) \\\| (\S+) \((\w+)\)", cells[4]).groups()
+    value, unit = cells[5].split(" \\| ")[0].split(" ")
+    first = cells[8].split(" ")[0]
+    return {"n": int(cells[0]), "link": float(cells[1]), "arch": cells[2], "comp": cells[3],
+            "time": None if cells[9] == "-" else float(cells[9]),
+            "steps": int(first) if first.isdigit() else None if cells[8] == "not reached" else cells[8],
+            "step": float(step) / 1e3, "pred": float(pred) / 1e3, "how": how, "sent": float(value) * UNITS[unit],
+            "overrun": float(cells[-1].rsplit(", ", 1)[1].rstrip("%")) / 100}
+
+
+def updated_table(root: Path, out: Path, table: str, folders: list[str]) -> tuple[str, list[dict]]:
+    """results/<table>.md with the emulated runs in root/<folder>s in place of (or beside) its rows of the same N,
+    link, arch and compression; steps to target from the folders' loopback runs, else from the table's own rows of
+    the same point (N = 4's where N has none)."""
+    head, lines, rows = stored(out / f"{table}.md")
+    reached = {(r["arch"], r["comp"], r["n"]): r["steps"] for line, r in zip(lines, rows) if "(N=4)" not in line[8]}
+    points = {(r["n"], r["link"], r["arch"], r["comp"]): (line, r) for line, r in zip(lines, rows)}
+    runs = [run for folder in folders for run in runs_in(root / folder)]
+    steps_runs = [run for run in runs if not run["config"]["cluster"].get("emulate")]
+    if steps_runs:   # loopback runs of new points (with uncompressed ddp at N = 4 for the target): steps to target
+        reached.update(steps_to_target(steps_runs, TABLES[table])[1])
+    for run in runs:
+        if run["config"]["cluster"].get("emulate"):
+            line, r = line_of(run, reached)
+            points[(r["n"], r["link"], r["arch"], r["comp"])] = (line, r)
+    lines, rows = [list(points[k][0]) for k in sorted(points)], [points[k][1] for k in sorted(points)]
+    vs_none(lines, rows)
+    return head + body_of(lines), rows
 
 
 def short_table(all_rows: dict[str, list[dict]]) -> str:
@@ -184,12 +273,10 @@ def short_table(all_rows: dict[str, list[dict]]) -> str:
             cells = []
             for rate in rates:
                 r = next((x for x in rows if (x["n"], x["arch"], x["comp"], x["link"]) == (*key, rate)), None)
-                none = next((x for x in rows if (x["n"], x["arch"], x["comp"], x["link"]) == (key[0], "ddp", "none", rate)),
-                            None)
                 if r is None:
                     cells += ["not run"] + [""] * 3
                     continue
-                vs = f"**{r['time'] / none['time']:.2f}x**" if r["time"] and none and none["time"] else "-"
+                vs = f"**{r['vs']}**" if r["vs"] != "-" else "-"
                 cells += [f"{ms(r['step'])} \\| {ms(r['pred'])}{'' if r['how'] == 'sim' else ' s'}", fmt_bytes(r["sent"]),
                           "-" if r["time"] is None else f"{r['time']:.2f}", vs]
             steps = next((r["steps"] for r in rows if (r["n"], r["arch"], r["comp"]) == key), "-")
@@ -211,13 +298,12 @@ def plot(all_rows: dict[str, list[dict]], out: Path) -> None:
         rows = [r for r in all_rows[w] if r["n"] == n]
         names = sorted({(r["arch"], r["comp"]) for r in rows}, key=lambda p: (p[1] != "none", p))
         for j, rate in enumerate(sorted({r["link"] for r in rows})):
-            by = {(r["arch"], r["comp"]): r["time"] for r in rows if r["link"] == rate}
+            by = {(r["arch"], r["comp"]): r for r in rows if r["link"] == rate}
             xs = [i + 0.4 * j for i in range(len(names))]
-            ys = [by.get(p) or 0.0 for p in names]
+            ys = [by[p]["time"] or 0.0 if p in by else 0.0 for p in names]
             ax.bar(xs, ys, width=0.4, label=f"{rate / 1000:g} Gbit/s" if rate >= 1000 else f"{rate:g} Mbit/s")
-            none = by.get(("ddp", "none"))
             for x, y, p in zip(xs, ys, names):
-                words = (f"{y / none:.2f}x" if none else "") if y else "not\nreached" if p in by else "not\nrun"
+                words = by[p]["vs"].strip("-") if y else "not\nreached" if p in by else "not\nrun"
                 ax.text(x, y, words, ha="center", va="bottom", fontsize=6)
         ax.set_xticks([i + 0.2 for i in range(len(names))], [f"{a}\n{c}" for a, c in names], fontsize=7, rotation=45)
         ax.set_ylabel("time to target (s, cluster time)")
@@ -269,7 +355,26 @@ def hybrid_table(root: Path) -> str:
     return "\n".join(lines) + "\n"
 
 
+def update(root: Path, out: Path, table: str, folders: list[str]) -> None:
+    """results/<table>.md updated with the runs in root/<folder>s, then its summary (summary.md and the plot for the
+    first sweeps' tables, gpt and dlrm, read back from their files; else <table>_summary.md)."""
+    if table not in TABLES or not folders:
+        sys.exit(f"--update {table!r} {' '.join(folders)}: expected a table ({', '.join(TABLES)}) and run folders")
+    text, rows = updated_table(root, out, table, folders)
+    (out / f"{table}.md").write_text(text)
+    print(f"## {table}\n\n{text}")
+    if table != TABLES[table]:
+        (out / f"{table}_summary.md").write_text(short_table({table: rows}))
+        return
+    all_rows = {w: rows if w == table else stored(out / f"{w}.md")[2] for w in TABLES if w == TABLES[w]}
+    plot(all_rows, out)
+    (out / "summary.md").write_text(short_table(all_rows))
+
+
 def main() -> None:
+    if sys.argv[1:2] == ["--update"]:
+        update(Path(sys.argv[2]), Path(sys.argv[3]), sys.argv[4], sys.argv[5:])
+        return
     root, out = Path(sys.argv[1]), Path(sys.argv[2])
     chosen = sys.argv[3:] or list(TABLES)
     unknown = [t for t in chosen if t not in TABLES]
