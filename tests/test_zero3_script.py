@@ -12,6 +12,7 @@ from psarch.config import from_dict
 from psarch.model_units import find_units
 from psarch.theory.program import DataStep
 from psarch.workload import build_workload
+from test_zero3_backward_reach import LATE_LORA, MIDDLE
 from zero.program import COMPUTE, GATHER, WAIT, zero3_script
 from zero.stage12 import MAX_IN_FLIGHT
 from zero.stage3 import Stage3
@@ -84,10 +85,6 @@ def test_zero3_script_is_the_order_stage3_issues_and_waits_in(prefetch, overlap)
     done, said = trainer_order(prefetch, overlap)
     assert sum(1 for x in done if x[0] == "gather") == 2 * 4 and sum(1 for x in done if x[0] == "reduce") == 4
     assert said == done
-
-
-LATE_LORA = {"lora_rank": 2, "lora_alpha": 4.0, "lora_targets": ["blocks.2.*", "blocks.3.*"]}   # blocks 0, 1 frozen
-MIDDLE = {"trainable": ["blocks.1.*", "head.weight"]}   # block 0 unreached; blocks 2, 3 frozen but reached
 
 
 @pytest.mark.parametrize("prefetch", ["none", "one", "all"])
