@@ -13,6 +13,7 @@ one's by 1-1.6% at N = 17-25). Its ranks are then kinds of alike ones (Ranks): e
 beside the first k < N ranks, those k and the others."""
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from psarch.ps.program import RowBytes, row_pull
@@ -145,19 +146,22 @@ def all_to_all(p: Program, name: str, n: int, nbytes: float, after: list[tuple[s
 
 def collectives(n: int, sizes: list[float], launched: list[list[Call]], later: list[Call], step: DataStep,
                 overlap: bool, reduced: bool, before: list[Call] | None = None,
-                tables: TableServers | None = None) -> tuple[Program, list[tuple[str, ...]]]:
+                tables: TableServers | None = None, hooks_s: list[float] | None = None,
+                finish_s: float = 0.0) -> tuple[Program, list[tuple[str, ...]]]:
     """Backward readying buckets of `sizes` (gradient bytes, in that order) among n ranks; once bucket b is ready
     (overlap: from backward's hooks; else after backward) the ranks issue `launched[b]`, and after backward
     `later` (PowerSGD's all-reduce of Q, embedding rows' exchange), all on one communicator, each collective after
     the one issued before it; forward waits for `before` (the rows a step's batch reads, fetched). `tables`: each
     rank also pulls its rows from every server before forward and pushes their gradients after backward, beside
-    the ring (reduced: its ring step by step, Ranks). The program, and each rank's optimizer step (what comes next
-    waits for)."""
+    the ring (reduced: its ring step by step, Ranks). hooks_s: seconds each bucket's hook computes as it is ready
+    (a compression's, before its collectives), delaying the rest of backward; finish_s: seconds computed after
+    backward and the launched collectives, before `later` and the optimizer (PowerSGD's second half, top-k's sums).
+    The program, and each rank's optimizer step (what comes next waits for)."""
     layout = rank_layout(n, reduced, tables)
     p, where, last = placed(layout, tables)
     ranks = layout.nodes
 
-    def issue(calls: list[Call], ready: list[str | None]) -> None:
+    def issue(calls: list[Call], ready: Sequence[str | None]) -> None:
         nonlocal last
         for name, nbytes, passes in calls:
             wait = [(*((ready[r],) if ready[r] else ()), *last[r]) for r in ranks]
@@ -169,12 +173,14 @@ def collectives(n: int, sizes: list[float], launched: list[list[Call]], later: l
 
     issue(before or [], [None for _ in ranks])
     points = ready_points(sizes) if overlap else [1.0] * len(sizes)
-    spans = [backward_spans(p, r, r, step, points, last[r]) for r in ranks]
+    spans = [backward_spans(p, r, r, step, points, last[r], hooks_s) for r in ranks]
     for b, calls in enumerate(launched):
         issue(calls, [spans[r][0][b] for r in ranks])
-    issue(later, [spans[r][1] for r in ranks])
+    ends = [p.compute(f"finish{r}", r, finish_s, (spans[r][1], *last[r])) if finish_s else spans[r][1]
+            for r in ranks]
+    issue(later, ends)
     pushed = row_pushes(p, layout, tables, where, [spans[r][1] for r in ranks]) if tables else [() for _ in ranks]
-    return p, [(p.compute(f"opt{r}", r, step.optimizer_s, (spans[r][1], *last[r], *pushed[r])),) for r in ranks]
+    return p, [(p.compute(f"opt{r}", r, step.optimizer_s, (ends[r], *last[r], *pushed[r])),) for r in ranks]
 
 
 def placed(layout: Ranks, tables: TableServers | None) -> tuple[Program, list[int], list[tuple[str, ...]]]:

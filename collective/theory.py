@@ -165,6 +165,30 @@ def bucket_collectives(compression: str, shapes: Sequence[Sequence[int]], itemsi
     return [(ALL_REDUCE, numel, itemsize)], []
 
 
+# Top-k's passes over its bucket in device memory (collective/compression.py's TopK): as the bucket is ready, the
+# error added (2 read, 1 written), |g| (1 read, 1 written), the selection (1 read: at least one pass) and the new
+# error (1 read, 1 written); after the all-gather, the bucket zeroed before the pairs are added (1 written)
+TOPK_PASSES = (8, 1)
+
+
+def compression_work(compression: str, shapes: Sequence[Sequence[int]], itemsize: int, ratio: float = 0.01,
+                     rank: int = 1, compressing: bool = True) -> tuple[tuple[float, float], tuple[float, float]]:
+    """A bucket's compression work, (FLOPs, bytes moved in device memory), as it is ready and after backward
+    (collective/compression.py). PowerSGD (once `compressing`), per n x m matrix factored at rank r: Q
+    orthonormalised (Gram-Schmidt, 2 m r² FLOPs; QR where r > 2 costs about as much) and P = M Q (2 n m r) as it is
+    ready; then P orthonormalised (2 n r²), Q = Mᵀ P (2 n m r) and the approximation P Qᵀ (2 n m r). Top-k: memory-
+    bound, TOPK_PASSES over the bucket's bytes. fp16/bf16 casts and the bucket whole: nothing counted."""
+    numel = sum(math.prod(s) for s in shapes)
+    if compression == "topk":
+        return (0.0, TOPK_PASSES[0] * numel * itemsize), (0.0, TOPK_PASSES[1] * numel * itemsize)
+    if compression == "powersgd" and compressing:
+        _, factored = powersgd_plan(shapes, rank)
+        ready = sum(2.0 * m * r * r + 2.0 * n * m * r for n, m, r in factored)
+        after = sum(2.0 * n * r * r + 4.0 * n * m * r for n, m, r in factored)
+        return (ready, 0.0), (after, 0.0)
+    return (0.0, 0.0), (0.0, 0.0)
+
+
 def collective_bytes(c: Collective, n: int) -> int:
     """Bytes one rank sends (= receives) in collective `c` among n ranks by ring."""
     kind, size, itemsize = c
@@ -253,23 +277,28 @@ def compressed_program(cfg: Config, step: DataStep, overlap: bool, reduced: bool
     bucket_collectives. The step is the median step's (of the steps after the run's warm-up, psarch.throughput.
     warmup_steps): compressed where most of those are (PowerSGD's warm-up steps all-reduce whole). chained: every
     collective of a bucket issued as it fills (torch's powerSGD_hook all-reduces Q as soon as P is in, within backward;
-    psarch's PowerSGD after backward). Not modelled: the compression's own compute (top-k's selection, PowerSGD's
-    products)."""
+    psarch's PowerSGD after backward). The compression's own work (compression_work), priced by the step's device
+    rates: each bucket's first part in its hook as it is ready, delaying backward; its second part after backward
+    (chained: in the hook too, torch's hook computing Q as P is in)."""
     from collective.program import collectives
 
     t, n = cfg.train, cfg.backend.world_size
     width = BYTES[t.precision]
     warm = min(t.powersgd_warmup_steps, t.steps) if t.compression == "powersgd" else 0
     timed = warmup_steps(cfg)   # the median step is of the steps after these
+    compressing = 2 * (t.steps - max(warm, timed)) >= t.steps - timed
     shapes = ddp_bucket_shapes(cfg)
     sizes = [float(width * sum(math.prod(s) for s in bucket)) for bucket in shapes]
-    launched, later = [], []
+    launched, later, hooks, finish = [], [], [], 0.0
     for b, bucket in enumerate(shapes):
-        now, after = bucket_collectives(t.compression, bucket, width, t.topk_ratio, t.powersgd_rank,
-                                        2 * (t.steps - max(warm, timed)) >= t.steps - timed)
+        now, after = bucket_collectives(t.compression, bucket, width, t.topk_ratio, t.powersgd_rank, compressing)
         launched.append([_ring_call(f"c{b}.{i}", c, n) for i, c in enumerate(now + after if chained else now)])
         later += [] if chained else [_ring_call(f"c{b}.{len(now) + i}", c, n) for i, c in enumerate(after)]
-    return collectives(n, sizes, launched, later, step, overlap, reduced)[0]
+        ready, rest = (step.seconds(*w) for w in compression_work(t.compression, bucket, width, t.topk_ratio,
+                                                                    t.powersgd_rank, compressing))
+        hooks.append(ready + rest if chained else ready)
+        finish += 0.0 if chained else rest
+    return collectives(n, sizes, launched, later, step, overlap, reduced, hooks_s=hooks, finish_s=finish)[0]
 
 
 def _ring_call(name: str, c: Collective, n: int) -> tuple[str, float, int]:

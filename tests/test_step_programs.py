@@ -446,11 +446,15 @@ def test_a_tensor_program_moves_theorys_bytes_with_lora_and_frozen_parameters(ki
         assert simulate(p, Cluster.of(p, RATE)).step_s == pytest.approx(sent / RATE, rel=1e-9)
 
 
-@pytest.mark.parametrize("train", [{"lora_rank": 2}, {"trainable": ["head.weight", "blocks.1.*"]}, {}])
+@pytest.mark.parametrize("train", [{"lora_rank": 2}, {"trainable": ["head.weight", "blocks.1.*"]}, {},
+                                   {"trainable": ["head.weight", "blocks.0.*"]},
+                                   {"lora_rank": 2, "lora_targets": ["blocks.1.*"]}])
 def test_a_zero3_program_gathers_the_frozen_weights_as_predict_counts(train):
     """With compute 0 and no latency a ZeRO-3 step is its bytes at the link's rate, predict()'s: each unit's
     trainable parameters gathered twice and reduce-scattered, its frozen ones (padded to N as they are sharded)
-    gathered twice and never reduced; a block of frozen weights only reduces nothing. (FSDP2's keeps its root
+    gathered twice and never reduced, once where backward never reaches the unit (block 0 where only block 1 and the
+    head train, or LoRA adapts block 1 alone: nothing trains in it or before it); a block of frozen weights only
+    reduces nothing. (FSDP2's keeps its root
     gathered through backward, which predict's 3 passes do not: test_fsdp_prefetch_hides_a_gather... above.)"""
     from psarch.theory import predict
     from psarch.workload import build_workload

@@ -3,8 +3,9 @@
 Each unit's frozen parameters form one group of their own partition (zero.partition), padded to N chunks; a
 rank keeps its chunk of every group (`shard`, 1/N of the frozen weights) and the unit's full buffer exists
 only while the unit is gathered, its storage resized to 0 when freed (the parameters are views into it, as
-the trainable ones are into theirs). Stage 3 gathers them with their unit, in forward and again in backward,
-as FSDP2 all-gathers a unit's frozen parameters with the rest; they have no gradient, no optimizer state
+the trainable ones are into theirs). Stage 3 gathers them with their unit, in forward and again in backward
+where backward reaches the unit (zero/stage3.py), as FSDP2 all-gathers a unit's frozen parameters with the rest;
+they have no gradient, no optimizer state
 and no reduce-scatter. A unit with no frozen parameter (or only empty placeholders) has no group and moves
 nothing more.
 """

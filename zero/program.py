@@ -13,7 +13,9 @@ reduce-scatters a block's gradients as its backward ends (at most MAX_IN_FLIGHT 
 overlap_comm each blocks), the root's last, after backward. `fsdp_script` is FSDP2's (prefetch of k units, the root
 kept gathered). A unit's frozen weights (train.trainable, LoRA's base; `frozen`: each unit's bytes) are all-gathered
 after its trainable ones, in a collective of their own, both times, and never reduce-scattered; a unit of frozen
-weights only reduces nothing. Compute is shared among units by the bytes they gather."""
+weights only reduces nothing. A unit backward never reaches (it trains nothing, nor does any before it: `reached`)
+has no backward: psarch's ZeRO-3 does not gather it there, FSDP2 only where the unit after it prefetches it.
+Compute is shared among units by the bytes they gather (backward's among the units it reaches)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -79,15 +81,21 @@ def sharded(n: int, script: list[Act], reduced: bool = False, optimizer_s: float
 
 
 def fsdp_script(units: list[float], step: DataStep, prefetch: int = 0, keep_first: bool = False,
-                frozen: list[float] | None = None, grad_share: float = 1.0) -> list[Act]:
+                frozen: list[float] | None = None, grad_share: float = 1.0,
+                reached: list[bool] | None = None) -> list[Act]:
     """FSDP2's step over `units` (each unit's trainable parameter bytes, in forward order; `frozen`: its frozen
     bytes): in forward and in backward (in reverse), all-gather each unit, compute it; reduce-scatter a unit's
     gradients once its backward is done. prefetch = k: a unit's all-gather is issued as the unit k before it starts
     computing (FSDP2 prefetches one), not after the unit before it is done; keep_first: the first unit (FSDP2's
     root) stays gathered from forward through backward; grad_share: each reduce-scatter's share of its unit's bytes
-    (0.5: fp32 gradients reduced in 2 bytes, FSDP2's reduce_dtype)."""
+    (0.5: fp32 gradients reduced in 2 bytes, FSDP2's reduce_dtype). `reached`: whether backward reaches each unit
+    (all: None); one it does not has no backward and is gathered there only where a unit it reaches prefetches it
+    (FSDP2's unit after it, which prefetches the one before it in forward's order, whether backward reaches that or
+    not)."""
     frozen = frozen or [0.0] * len(units)
+    reached = reached or [True] * len(units)
     share = _shares(units, frozen)
+    back = _shares(units, frozen, reached)
     out: list[Act] = []
     issued_to = -1
     for i in range(len(units)):
@@ -97,19 +105,20 @@ def fsdp_script(units: list[float], step: DataStep, prefetch: int = 0, keep_firs
         out += [*_wait(f"fag{i}", units[i], frozen[i]), Act(COMPUTE, f"fwd{i}", step.forward_s * share[i])]
     first = 1 if keep_first else 0
     issued_to = len(units)
-    for i in reversed(range(len(units))):
+    for i in [k for k in reversed(range(len(units))) if reached[k]]:
         while issued_to > max(first, i - prefetch):
             issued_to -= 1
-            out += _gather(f"bag{issued_to}", units[issued_to], frozen[issued_to])
+            if any(reached[issued_to:issued_to + prefetch + 1]):   # reached, or prefetched by a unit that is
+                out += _gather(f"bag{issued_to}", units[issued_to], frozen[issued_to])
         out += [*_wait(f"bag{i}" if i >= first else f"fag{i}", units[i], frozen[i]),
-                Act(COMPUTE, f"bwd{i}", step.backward_s * share[i])]
+                Act(COMPUTE, f"bwd{i}", step.backward_s * back[i])]
         out += [Act(REDUCE, f"rs{i}", units[i] * grad_share)] if units[i] else []
     return out
 
 
-def _shares(units: list[float], frozen: list[float]) -> list[float]:
-    """Each unit's share of the compute: of the bytes it gathers."""
-    gathered = [u + f for u, f in zip(units, frozen)]
+def _shares(units: list[float], frozen: list[float], reached: list[bool] | None = None) -> list[float]:
+    """Each unit's share of the compute: of the bytes it gathers (`reached`: among the units backward reaches)."""
+    gathered = [u + f if reached is None or reached[i] else 0.0 for i, (u, f) in enumerate(zip(units, frozen))]
     return [g / (sum(gathered) or 1.0) for g in gathered]
 
 
@@ -124,16 +133,21 @@ def _wait(name: str, trains: float, frozen: float) -> list[Act]:
 
 
 def zero3_script(units: list[float], step: DataStep, prefetch_bytes: float, overlap: bool,
-                 in_flight: int, frozen: list[float] | None = None, grad_share: float = 1.0) -> list[Act]:
+                 in_flight: int, frozen: list[float] | None = None, grad_share: float = 1.0,
+                 reached: list[bool] | None = None) -> list[Act]:
     """zero/stage3.py's step over `units` (trainable bytes of each, the root first, then the blocks in forward order;
     `frozen`: each unit's frozen bytes, padded as zero/frozen.py shards them):
     `prefetch_bytes` (prefetch_bucket_size's elements in bytes) gathered ahead of use, each window counting the
     units already on their way (Stage3._prefetch); reduce-scatters asynchronous (overlap: at most `in_flight` left
     in flight, the oldest waited for beyond: Stage3._reap) or blocking, each of grad_share x its unit's bytes (0.5:
     train.compression casts fp32 gradients to 2 bytes, zero/wire.py). Compute shared by bytes, the root's at
-    forward's end and backward's start (its head)."""
+    forward's end and backward's start (its head). `reached`: whether backward reaches each unit (all: None); one it
+    does not (no parameter that trains in it or before it) is neither gathered nor prefetched there, and backward's
+    compute is shared among those it reaches."""
     frozen = frozen or [0.0] * len(units)
+    reached = reached or [True] * len(units)
     share = _shares(units, frozen)
+    back = _shares(units, frozen, reached)
     blocks = list(range(1, len(units)))
     out: list[Act] = []
     on_way: set[int] = set()
@@ -164,10 +178,10 @@ def zero3_script(units: list[float], step: DataStep, prefetch_bytes: float, over
         out.append(Act(COMPUTE, f"fwd{i}", step.forward_s * share[i]))
     out.append(Act(COMPUTE, "fwd0", step.forward_s * share[0]))
     on_way.clear()   # every unit freed after its forward, the root after the model's
-    backward = blocks[::-1]
+    backward = [i for i in blocks[::-1] if reached[i]]
     ensure(0, "bag")
     prefetch(backward, "bag")
-    out.append(Act(COMPUTE, "bwd0", step.backward_s * share[0]))
+    out.append(Act(COMPUTE, "bwd0", step.backward_s * back[0]))
     pending: list[str] = []
 
     def reduce(i: int) -> None:
@@ -184,7 +198,7 @@ def zero3_script(units: list[float], step: DataStep, prefetch_bytes: float, over
     for pos, i in enumerate(backward):
         ensure(i, "bag")
         prefetch(backward[pos + 1:], "bag")
-        out.append(Act(COMPUTE, f"bwd{i}", step.backward_s * share[i]))
+        out.append(Act(COMPUTE, f"bwd{i}", step.backward_s * back[i]))
         reduce(i)
     reduce(0)
     return out + [Act(WAIT, x) for x in pending]
@@ -192,7 +206,9 @@ def zero3_script(units: list[float], step: DataStep, prefetch_bytes: float, over
 
 def stage3_program(n: int, units: list[float], step: DataStep, reduced: bool = False, prefetch: int = 0,
                    keep_first: bool = False, tables: TableServers | None = None,
-                   frozen: list[float] | None = None, grad_share: float = 1.0) -> Program:
+                   frozen: list[float] | None = None, grad_share: float = 1.0,
+                   reached: list[bool] | None = None) -> Program:
     """FSDP2's ZeRO-3 step (fsdp_script) among n ranks; `tables`: embedding rows on PS servers beside it."""
-    return sharded(n, fsdp_script(units, step, prefetch, keep_first, frozen, grad_share), reduced, step.optimizer_s,
+    return sharded(n, fsdp_script(units, step, prefetch, keep_first, frozen, grad_share, reached), reduced,
+                   step.optimizer_s,
                    tables)

@@ -92,7 +92,8 @@ class ZeroSpec(RingHops, PSTablesServices, BackendSpec):
         """zero/program.py's step: stages 1-2 in buckets of reduce_bucket_size and allgather_bucket_size elements;
         stage 3 unit by unit as zero/stage3.py gathers, prefetches and reduce-scatters them (zero3_script), over
         the config's model's units (theory.unit_sizes), those that train scaled to Φ = phi and the frozen ones
-        gathered with them, each unit padded to N as zero/frozen.py shards it; embedding tables on PS servers: each
+        gathered with them, each unit padded to N as zero/frozen.py shards it, backward gathering only the units it
+        reaches (theory.backward_reaches); embedding tables on PS servers: each
         rank's rows pulled before forward, pushed after backward. The reduce-scatters move gradient_width's bytes per
         element (2 where train.compression casts), the all-gathers the compute dtype's."""
         from psarch.theory.program import chunks
@@ -108,12 +109,11 @@ class ZeroSpec(RingHops, PSTablesServices, BackendSpec):
         if b.stage == 3:
             from zero.stage12 import MAX_IN_FLIGHT
 
-            sizes = theory.unit_sizes(cfg)
-            sizes = sizes[:1] + [(t, f) for t, f in sizes[1:] if t or f]
+            sizes, reached = _units(cfg)
             trains = sum(t for t, _ in sizes) or 1
             frozen = [float(width * theory.padded_size(f, n)) for _, f in sizes] if theory.trains_a_subset(cfg) else None
             script = zero3_script([s * t / trains for t, _ in sizes], step, b.prefetch_bucket_size * width,
-                                  b.overlap_comm, MAX_IN_FLIGHT, frozen, grad_share)
+                                  b.overlap_comm, MAX_IN_FLIGHT, frozen, grad_share, reached)
             return sharded(n, script, reduced, step.optimizer_s, tables)
         return stage12_program(n, chunks(s, b.reduce_bucket_size * width), chunks(s, b.allgather_bucket_size * width),
                                step, b.overlap_comm, reduced, tables=tables, grad_share=grad_share)
@@ -175,16 +175,24 @@ class TorchFSDPSpec(BackendSpec):
         """zero/program.py's ZeRO-3 step over the model's units (root first, its parameters kept gathered from
         forward through backward, as FSDP2 keeps the root's), those that train scaled to Φ = phi and the frozen ones
         gathered with them, each unit's all-gather issued as the unit before it starts (FSDP2's prefetch of one); the
-        reduce-scatters in gradient_width's bytes (2 where train.compression casts: FSDP2's reduce_dtype)."""
+        reduce-scatters in gradient_width's bytes (2 where train.compression casts: FSDP2's reduce_dtype); backward
+        reaches only the units theory.backward_reaches names."""
         from zero.program import stage3_program
 
         width = BYTES[cfg.train.precision]
-        sizes = theory.unit_sizes(cfg)
-        sizes = sizes[:1] + [(t, f) for t, f in sizes[1:] if t or f]
+        sizes, reached = _units(cfg)
         trains = sum(t for t, _ in sizes) or 1
         return stage3_program(cfg.backend.world_size, [phi * width * t / trains for t, _ in sizes], step, reduced,
                               prefetch=1, keep_first=True, frozen=[width * f for _, f in sizes],
-                              grad_share=theory.gradient_width(cfg) / width)
+                              grad_share=theory.gradient_width(cfg) / width, reached=reached)
+
+
+def _units(cfg: Config) -> tuple[list[tuple[int, int]], list[bool]]:
+    """The model's units that hold a parameter (the root always), as (trainable, frozen) sizes, and whether
+    backward reaches each (theory.unit_sizes, theory.backward_reaches)."""
+    kept = [(size, r) for i, (size, r) in enumerate(zip(theory.unit_sizes(cfg), theory.backward_reaches(cfg)))
+            if i == 0 or size[0] or size[1]]
+    return [size for size, _ in kept], [r for _, r in kept]
 
 
 ZERO = ZeroSpec()

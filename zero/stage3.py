@@ -17,7 +17,11 @@ Schedule of one step, as DeepSpeed's and FSDP's:
             "fp16"/"bf16" a 2-byte copy of it, zero/wire.py).
 So every unit moves twice as an all-gather and once as a reduce-scatter: 3(N-1)/N of the padded bytes.
 Frozen weights (train.trainable, LoRA's base) are sharded too (zero/frozen.py; every block holding a parameter is
-then a unit): gathered with their unit, both times, and never reduced, 2(N-1)/N of their padded bytes. Their
+then a unit): gathered with their unit, both times, and never reduced, 2(N-1)/N of their padded bytes; except
+that a unit whose forward output requires no grad (it trains nothing, nor does anything before it: the leading
+blocks of a model whose first layers are frozen) is never reached by backward, and is neither gathered nor
+prefetched there: its frozen weights move once, (N-1)/N. A frozen unit after one that trains is reached (the
+gradient flows through it to the earlier one) and is gathered both times. Their
 backward computes no gradient of its own, only those flowing past them, so a unit that holds some is freed
 once its gradients are reduced and the block before it has begun its backward (the unit's input gradient is
 then complete), or at the end of backward; a unit of frozen weights only reduces nothing.
@@ -86,6 +90,7 @@ class Stage3:
         self.reduce_order = self.forward_order[::-1] + [0]        # the order their gradients complete
         self._next = 0
         self._bwd_started: set[int] = set()
+        self._reached: set[int] = set()      # units whose output requires grad in this forward: backward reaches them
         self._reduced: set[int] = set()      # units whose gradients are reduced (or that have none)
         self._inputs_done: set[int] = set()  # blocks whose backward is over: the block before them began its own
         self.pinned: set[int] = set()   # units read outside forward: gathered until their gradients are reduced
@@ -207,8 +212,11 @@ class Stage3:
             self.phase = "between"
 
     def _on_output_grad(self, output: Any, i: int) -> None:
+        """Gather unit i for backward when its output's gradient arrives. An output that requires no grad (the unit
+        trains nothing, nor does anything before it) is never reached by backward: the unit is not gathered again."""
         for t in tree_flatten(output)[0]:
             if torch.is_tensor(t) and t.requires_grad:
+                self._reached.add(i)
                 t.register_hook(lambda grad, i=i: self._pre_backward(i))
 
     # ---- backward
@@ -225,7 +233,7 @@ class Stage3:
         self.ensure(i)
         self._grad_views(i)
         pos = self.backward_order.index(i)
-        self._prefetch(self.backward_order[pos + 1:])
+        self._prefetch([k for k in self.backward_order[pos + 1:] if k in self._reached])
 
     def _grad_views(self, i: int) -> None:
         """Unit i's gradient buffer (made once a step), its parameters' gradients views into it."""
@@ -298,7 +306,7 @@ class Stage3:
         for g in self.part.groups:
             g.ready.clear()
         self._next = 0
-        for done in (self._bwd_started, self._reduced, self._inputs_done):
+        for done in (self._bwd_started, self._reached, self._reduced, self._inputs_done):
             done.clear()
         self.phase = "idle"
 

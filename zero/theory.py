@@ -7,8 +7,9 @@ full all-reduce (2 passes, both in 2 bytes under torch's fp16/bf16_compress_hook
 broadcast of each updated shard (an all-gather's volume, 1 pass) over ZeRO-1 memory; torch_fsdp (FSDP2) is ZeRO-3,
 its reduce-scatter in 2 bytes under MixedPrecisionPolicy(reduce_dtype=...). Under ZeRO-3 and FSDP2 the frozen weights
 (train.trainable, LoRA's base) are sharded too: a rank keeps its part of them and all-gathers them with their unit, in
-forward and again in backward, and never reduce-scatters them; stages 1-2 and torch_zero keep them whole
-(psarch.theory.predict)."""
+forward and again in backward, and never reduce-scatters them, but for the units backward never reaches
+(backward_reaches: nothing trains in them or before them), gathered in forward only (FSDP2: unless the unit after them
+prefetches them, fsdp2_unreached); stages 1-2 and torch_zero keep them whole (psarch.theory.predict)."""
 from __future__ import annotations
 
 import math
@@ -50,29 +51,49 @@ def zero(cfg: Config, phi: float, stage: int, ring: int, gradient_passes: int = 
     return p
 
 
-_SIZES: dict[str, list[tuple[int, int]]] = {}   # unit_sizes by what decides them: the estimator asks at every N
+_UNITS: dict[str, tuple[list[tuple[int, int]], list[bool]]] = {}   # by what decides them: the estimator asks at every N
 
 
-def unit_sizes(cfg: Config) -> list[tuple[int, int]]:
-    """(trainable, frozen) parameters of each unit, root first (psarch.model_units.find_units with frozen_too: the
-    units ZeRO-3 gathers and FSDP2 shards one by one), from the model built on the meta device; with the tables on
-    PS servers (embeddings = "ps") the root's trainable ones without the tables, which leave the model before its
-    units are found (zero/trainer.py)."""
+def _units(cfg: Config) -> tuple[list[tuple[int, int]], list[bool]]:
+    """unit_sizes and backward_reaches, from the model built on the meta device (once per model and subset)."""
     from psarch.config.backend import units_attr
     from psarch.theory import table_params
 
     t, b = cfg.train, cfg.backend
     key = repr((cfg.workload, t.trainable, t.lora_rank, t.lora_targets, units_attr(b), b.embeddings))
-    if key not in _SIZES:
+    if key not in _UNITS:
         from psarch.model_units import find_units
         from psarch.workload import build_workload
 
-        units = find_units(build_workload(cfg, device="meta").model, units_attr(b), frozen_too=True)
+        model = build_workload(cfg, device="meta").model
+        units = find_units(model, units_attr(b), frozen_too=True)
         sizes = [(sum(p.numel() for p in u.params), sum(p.numel() for p in u.frozen)) for u in units]
         if b.embeddings == "ps":
             sizes[0] = (sizes[0][0] - int(table_params(cfg)), sizes[0][1])
-        _SIZES[key] = sizes
-    return list(_SIZES[key])
+        order = {id(p): k for k, p in enumerate(model.parameters())}
+        first = min((order[id(p)] for u in units[1:] for p in [*u.params, *u.frozen]), default=len(order))
+        flowing = any(order[id(p)] < first for p in units[0].params)   # the embeddings train
+        reached = [True]   # the root: the head's backward starts it
+        for u in units[1:]:   # once a block trains, backward goes through every block after it
+            flowing = flowing or bool(u.params)
+            reached.append(flowing)
+        _UNITS[key] = (sizes, reached)
+    return _UNITS[key]
+
+
+def unit_sizes(cfg: Config) -> list[tuple[int, int]]:
+    """(trainable, frozen) parameters of each unit, root first (psarch.model_units.find_units with frozen_too: the
+    units ZeRO-3 gathers and FSDP2 shards one by one); with the tables on PS servers (embeddings = "ps") the root's
+    trainable ones without the tables, which leave the model before its units are found (zero/trainer.py)."""
+    return list(_units(cfg)[0])
+
+
+def backward_reaches(cfg: Config) -> list[bool]:
+    """Whether backward reaches each unit of unit_sizes (zero/stage3.py gathers no other in backward): the root
+    always; a block once it trains, or a block before it does, or a root parameter registered before the blocks
+    (the embeddings, upstream of them) trains. Registration order stands for the order of execution, as in the
+    built-in models; the trainer decides from its forward's outputs, which require grad exactly there."""
+    return list(_units(cfg)[1])
 
 
 def unit_shares(cfg: Config) -> list[float]:
@@ -87,11 +108,14 @@ def trains_a_subset(cfg: Config) -> bool:
     return bool(cfg.train.trainable or cfg.train.lora_rank)
 
 
-def zero3_frozen_chunks(cfg: Config) -> int:
+def zero3_frozen_chunks(cfg: Config, reached_only: bool = False) -> int:
     """Frozen elements one ZeRO-3 rank keeps: its chunk of each unit's frozen weights, each unit padded to N
-    (zero.partition; zero/frozen.py)."""
+    (zero.partition; zero/frozen.py); reached_only: of the units backward reaches, those gathered again there."""
+    if not trains_a_subset(cfg):
+        return 0
     n = cfg.backend.world_size
-    return sum(padded_size(f, n) // n for _, f in unit_sizes(cfg) if f) if trains_a_subset(cfg) else 0
+    kept = backward_reaches(cfg) if reached_only else [True] * len(unit_sizes(cfg))
+    return sum(padded_size(f, n) // n for (_, f), keep in zip(unit_sizes(cfg), kept) if f and keep)
 
 
 def _frozen_shapes(cfg: Config) -> list[tuple[int, ...]]:
@@ -110,28 +134,46 @@ def fsdp2_frozen_rows(cfg: Config) -> int:
     return sum(-(-s[0] // n) * math.prod(s[1:]) if s else 1 for s in _frozen_shapes(cfg))
 
 
-def with_sharded_frozen(p: Prediction, cfg: Config, held: float, pass_sent: float) -> Prediction:
+def with_sharded_frozen(p: Prediction, cfg: Config, held: float, forward_sent: float,
+                        backward_sent: float) -> Prediction:
     """`p` with frozen weights sharded: `held` elements on each rank (its memory's frozen category), all-gathered
-    with their units in forward and again in backward (2 passes, each sending `pass_sent` elements per rank and
-    receiving as many); no gradient, optimizer state or reduce-scatter."""
+    with their units in forward (sending `forward_sent` elements per rank and receiving as many) and again in
+    backward, where it reaches them (`backward_sent`); no gradient, optimizer state or reduce-scatter."""
     width, n = BYTES[cfg.train.precision], cfg.backend.world_size
     p.memory_per_rank.frozen = width * held
     if n > 1 and held:
-        v = 2 * width * pass_sent
+        v = width * (forward_sent + backward_sent)
         p.worker = LinkBytes(p.worker.sent + v, p.worker.received + v)
-        p.messages += 2 * (n - 1)   # one more all-gather beside each pass's (one unit)
+        p.messages += (n - 1) * ((forward_sent > 0) + (backward_sent > 0))   # one more all-gather beside a pass's
     return p
 
 
 def zero3_frozen(p: Prediction, cfg: Config) -> Prediction:
     """psarch's ZeRO-3: each rank's chunks of the frozen groups, N - 1 chunks sent per all-gather (padding included,
-    as the ring sends it)."""
-    held = zero3_frozen_chunks(cfg)
-    return with_sharded_frozen(p, cfg, held, (cfg.backend.world_size - 1) * held)
+    as the ring sends it): all of them in forward, in backward those of the units it reaches (zero/stage3.py)."""
+    n = cfg.backend.world_size
+    return with_sharded_frozen(p, cfg, zero3_frozen_chunks(cfg), (n - 1) * zero3_frozen_chunks(cfg),
+                               (n - 1) * zero3_frozen_chunks(cfg, reached_only=True))
+
+
+def fsdp2_unreached(cfg: Config) -> list[bool]:
+    """Whether FSDP2 leaves each unit (root first) ungathered in backward for want of a backward: a block backward
+    does not reach (backward_reaches), unless the block after it is reached, whose pre-backward prefetches the one
+    before it (tests/test_zero3_backward_reach.py counts FSDP2's own all-gathers; zero/program.fsdp_script)."""
+    reached = backward_reaches(cfg)
+    return [False] + [not (r or after) for r, after in zip(reached[1:], reached[2:] + [False])]
+
+
+def fsdp2_unreached_frozen(cfg: Config) -> int:
+    """Frozen elements of the units fsdp2_unreached names: all-gathered in forward only."""
+    if not trains_a_subset(cfg):
+        return 0
+    return sum(f for (_, f), skip in zip(unit_sizes(cfg), fsdp2_unreached(cfg)) if skip)
 
 
 def fsdp2_frozen(p: Prediction, cfg: Config) -> Prediction:
     """torch_fsdp: FSDP2's padded rows held; its all-gathers modelled as its trainable ones are (TorchFSDPTrainer's
-    meter), (N - 1)/N of the frozen elements per pass."""
+    meter), (N - 1)/N of the frozen elements per pass, the backward's without fsdp2_unreached_frozen."""
     n, frozen = cfg.backend.world_size, sum(math.prod(s) for s in _frozen_shapes(cfg))
-    return with_sharded_frozen(p, cfg, fsdp2_frozen_rows(cfg), (n - 1) / n * frozen)
+    return with_sharded_frozen(p, cfg, fsdp2_frozen_rows(cfg), (n - 1) / n * frozen,
+                               (n - 1) / n * (frozen - fsdp2_unreached_frozen(cfg)))

@@ -41,6 +41,8 @@ PROFILES: dict[str, dict[str, float]] = {
 # (the 80 GB part), V100 SXM2 32 GB HBM2 (the 32 GB part). Counted as 1e9 bytes a GB, a little under what the
 # parts hold (their GB are nearer 2**30 bytes), so a plan's "fits" errs on the safe side.
 MEMORY_GB: dict[str, float] = {"h100": 80.0, "h200": 141.0, "a100": 80.0, "v100": 32.0}
+# Their memory bandwidth in GB/s, from the same data sheets: what prices memory-bound work (top-k's selection)
+MEMORY_GBPS: dict[str, float] = {"h100": 3350.0, "h200": 4800.0, "a100": 2039.0, "v100": 900.0}
 
 if TYPE_CHECKING:
     from psarch.config import Config
@@ -90,6 +92,14 @@ def mfu(cfg: Config) -> float:
 def flops_per_s(cfg: Config) -> float:
     """The rate the modelled device computes at: peak x mfu, in FLOP/s."""
     return peak_tflops(cfg) * mfu(cfg) * 1e12
+
+
+def rates(cfg: Config) -> tuple[float, float]:
+    """(FLOP/s, memory bytes/s) of the modelled device, each 0 where it is not known: no modelled device, this core
+    not measured yet, or no memory bandwidth (a custom device, this core)."""
+    c = cfg.cluster
+    flops = flops_per_s(cfg) if modelled(cfg) and (c.device_tflops or chosen(cfg) in PROFILES) else 0.0
+    return flops, MEMORY_GBPS.get(chosen(cfg), 0.0) * 1e9
 
 
 def dilation(cfg: Config) -> float:

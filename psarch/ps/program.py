@@ -29,12 +29,14 @@ from psarch.theory.program import BOTH, SERVER, WORKER, DataStep, Program, backw
 
 @dataclass(frozen=True)
 class Slot:
-    """One partition of a server: the bytes of its pull, where in backward (a fraction) it is ready, and the bytes
-    of its push (None: as its pull; fewer where train.compression compresses pushes)."""
+    """One partition of a server: the bytes of its pull, where in backward (a fraction) it is ready, the bytes
+    of its push (None: as its pull; fewer where train.compression compresses pushes), and the bytes compressing
+    the push moves in the worker's device memory (top-k's selection, computed as the partition is ready)."""
 
     bytes: float
     ready: float
     pushed: float | None = None
+    work: float = 0.0
 
     @property
     def push(self) -> float:
@@ -63,13 +65,14 @@ def row_pull(p: Program, w: int, where: int, server: int, rb: RowBytes, name: st
 
 def slots_of(parts: list[list[tuple[int, int]]], width: int, hooks: bool,
              pushed: Callable[[int], float] | None = None,
-             pulled: Callable[[int], float] | None = None) -> list[list[Slot]]:
+             pulled: Callable[[int], float] | None = None,
+             work: Callable[[int], float] | None = None) -> list[list[Slot]]:
     """Each server's partitions ([lo, hi) of the flat vector) as slots, in the order they are pushed; `pushed`:
     the bytes a push of a partition of so many elements carries (None: as its pull); `pulled`: a pull's (None: the
-    partition whole, `width` bytes an element)."""
+    partition whole, `width` bytes an element); `work`: the bytes compressing its push moves (None: nothing)."""
     numel = sum(b - a for server in parts for a, b in server) or 1
     return [sorted((Slot((b - a) * width if pulled is None else pulled(b - a), 1 - a / numel if hooks else 1.0,
-                         None if pushed is None else pushed(b - a))
+                         None if pushed is None else pushed(b - a), 0.0 if work is None else work(b - a))
                     for a, b in server), key=lambda s: s.ready) for server in parts]
 
 
@@ -89,18 +92,20 @@ def groups_of(servers: list[list[Slot]]) -> list[tuple[int, list[Slot]]]:
     groups: dict[tuple[tuple[int, int], ...], list[list[Slot]]] = {}
     for own in servers:
         groups.setdefault(tuple((round(x.bytes), round(x.push)) for x in own), []).append(own)
-    return [(len(members), [Slot(members[0][i].bytes, max(m[i].ready for m in members), members[0][i].pushed)
+    return [(len(members), [Slot(members[0][i].bytes, max(m[i].ready for m in members), members[0][i].pushed,
+                                 members[0][i].work)
                             for i in range(len(members[0]))]) for members in groups.values()]
 
 
-def local_spans(p: Program, w: int, step: DataStep, points: list[float], local_steps: int,
+def local_spans(p: Program, w: int, step: DataStep, slots: list[Slot], local_steps: int,
                 first: tuple[str, ...] = ()) -> tuple[list[str], str]:
     """Worker w's compute once `first` is done: local_steps - 1 whole steps (GEO's local ones, which push nothing),
-    then a forward and a backward cut at `points` (backward_spans)."""
+    then a forward and a backward cut where `slots` are ready (backward_spans), each push's compression computed
+    there at the device's memory bandwidth."""
     prev: tuple[str, ...] = first
     for t in range(local_steps - 1):
         prev = (p.compute(f"local{w}.{t}", w, step.forward_s + step.backward_s + step.optimizer_s, prev),)
-    return backward_spans(p, w, w, step, points, prev)
+    return backward_spans(p, w, w, step, [x.ready for x in slots], prev, [step.seconds(0.0, x.work) for x in slots])
 
 
 def ps_program(n: int, servers: list[list[Slot]], colocated: bool, step: DataStep, barrier: bool = True,
@@ -118,7 +123,7 @@ def ps_program(n: int, servers: list[list[Slot]], colocated: bool, step: DataSte
     order = sorted(((s.ready, j, i) for j, own in enumerate(servers) for i, s in enumerate(own)))
     fetched = [tuple(row_pull(p, w, where[j], j, rows, f"{w}.{j}") for j in range(k) if where[j] != w) if rows else ()
                for w in range(n)]
-    spans = [local_spans(p, w, step, [x for x, _, _ in order], local_steps, fetched[w]) for w in range(n)]
+    spans = [local_spans(p, w, step, [servers[j][i] for _, j, i in order], local_steps, fetched[w]) for w in range(n)]
     got: list[list[str]] = [[spans[w][1]] for w in range(n)]
     for w in range(n):
         got[w] += [p.transfer(f"rowpush.{w}.{j}", w, where[j], rows.grads, ("push", w, j), (spans[w][1],))
@@ -155,7 +160,7 @@ def ps_reduced(n: int, groups: list[tuple[int, list[Slot]]], colocated: bool, st
     pairs = {(node, g): count * (c - (own == g)) for node, count, own in kinds for g, (c, _) in enumerate(groups)}
     fetched = {node: tuple(row_pull(p, node, servers[g], g, rows, f"{node}.{g}", pairs[node, g])
                            for g in range(len(groups)) if pairs[node, g]) if rows else () for node, _, _ in kinds}
-    spans = {node: local_spans(p, node, step, [x for x, _, _ in order], local_steps, fetched[node])
+    spans = {node: local_spans(p, node, step, [groups[g][1][i] for _, g, i in order], local_steps, fetched[node])
              for node, _, _ in kinds}
     got: dict[int, list[str]] = {node: [spans[node][1]] for node, _, _ in kinds}
     for node, _, _ in kinds:

@@ -178,8 +178,9 @@ class PSSpec(BackendSpec):
         theory.row_bytes) from every server before it computes (GEO: the rows of its k batches, once) and pushes
         their gradients first after backward; GEO with compression pulls compressed deltas (theory.pulled_bytes).
         Chain replication (backend.replicas = r): each server's held slots, its own and its r predecessors'
-        (program.held_slots), exchanged with every worker as its own. Not modelled: compressing a push or a pull
-        (top-k's selection), a server's compute."""
+        (program.held_slots), exchanged with every worker as its own. A top-k push's selection is computed on the
+        worker as its partition is ready (theory.compressing_bytes at the device's memory bandwidth). Not modelled:
+        compressing a GEO pull (the server's), a server's compute."""
         from psarch.ps import program
         from psarch.theory import BYTES, expected_unique_ids
 
@@ -187,7 +188,7 @@ class PSSpec(BackendSpec):
         pushed = None if cfg.train.compression == "none" else lambda numel: t.pushed_bytes(cfg, numel)
         pulled = (lambda numel: t.pulled_bytes(cfg, numel)) if pulls_deltas(cfg) else None
         slots = program.slots_of(t.dense_partitions(cfg, phi), BYTES[cfg.train.precision], pushes_from_hooks(cfg),
-                                 pushed, pulled)
+                                 pushed, pulled, lambda numel: t.compressing_bytes(cfg, numel))
         if b.replicas:   # each partition's exchange with its every holder
             slots = program.held_slots(slots, b.replicas)
         colocated = b.server_placement == "colocated" and not b.server_addresses

@@ -75,6 +75,18 @@ def pushed_bytes(cfg: Config, numel: int) -> float:
     return numel * (2 if t.compression in ("fp16", "bf16") else BYTES[t.precision])
 
 
+# A top-k push's passes over its partition in device memory (psarch/ps/worker/topk.py): the error added (2 read,
+# 1 written), |acc| (1 read, 1 written) and the selection (1 read: at least one pass)
+TOPK_PUSH_PASSES = 6
+
+
+def compressing_bytes(cfg: Config, numel: int) -> float:
+    """Bytes compressing a push of `numel` elements moves in device memory: top-k's TOPK_PUSH_PASSES over the
+    partition (memory-bound); a cast's, nothing counted."""
+    t = cfg.train
+    return TOPK_PUSH_PASSES * numel * BYTES[t.precision] if t.compression == "topk" else 0.0
+
+
 def pulled_bytes(cfg: Config, numel: int) -> float:
     """Bytes a pull of a partition of `numel` elements carries: in GEO with compression its change since what the
     worker holds, compressed as a push is (pushed_bytes: k (index, value) pairs for top-k, 2 bytes an element for

@@ -287,11 +287,17 @@ def simulated_spans(cfg: Config, phi: float, compute_s: float, backward_s: float
 
 
 def program_on_links(cfg: Config, phi: float, compute_s: float, backward_s: float | None, alpha_s: float) -> Any:
-    """(program, cluster): `cfg`'s step program in full, ranks computing `compute_s` (`backward_s` of it backward),
-    and its emulated links (payload rates, WIRE_OVERHEAD counted, α per message); None where it writes none."""
+    """(program, cluster): `cfg`'s step program in full, ranks computing `compute_s` (`backward_s` of it backward)
+    on the config's modelled device (its rates price what a program adds, a compression's work), and its emulated
+    links (payload rates, WIRE_OVERHEAD counted, α per message); None where it writes none."""
+    import dataclasses
+
+    from psarch.cluster.device import rates
     from psarch.theory.program import Cluster, DataStep
 
-    program = registry.spec_of(cfg).program(cfg, phi, DataStep.of(compute_s, backward_s), reduced=False)
+    flops, memory = rates(cfg)
+    step = dataclasses.replace(DataStep.of(compute_s, backward_s), flops_per_s=flops, memory_bytes_per_s=memory)
+    program = registry.spec_of(cfg).program(cfg, phi, step, reduced=False)
     if program is None:
         return None
     c = cfg.cluster

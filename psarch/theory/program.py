@@ -103,11 +103,20 @@ class Program:
 
 @dataclass(frozen=True)
 class DataStep:
-    """What a data-parallel rank computes in a step, in seconds: forward, backward, the optimizer step."""
+    """What a data-parallel rank computes in a step, in seconds: forward, backward, the optimizer step; and the
+    device's rates, which price the compute a program adds to these (a gradient compression's): FLOP/s (peak x mfu)
+    and memory bytes/s, 0 where the device is not modelled (that compute is then left out)."""
 
     forward_s: float
     backward_s: float
     optimizer_s: float = 0.0
+    flops_per_s: float = 0.0
+    memory_bytes_per_s: float = 0.0
+
+    def seconds(self, flops: float, nbytes: float) -> float:
+        """The time of `flops` at the device's FLOP rate plus `nbytes` moved at its memory bandwidth."""
+        return (flops / self.flops_per_s if self.flops_per_s else 0.0) + \
+            (nbytes / self.memory_bytes_per_s if self.memory_bytes_per_s else 0.0)
 
     @staticmethod
     def of(compute_s: float, backward_s: float | None = None) -> DataStep:
@@ -117,15 +126,22 @@ class DataStep:
 
 
 def backward_spans(p: Program, rank: int, node: int, step: DataStep, points: list[float],
-                   after: tuple[str, ...] = ()) -> tuple[list[str], str]:
+                   after: tuple[str, ...] = (), extra_s: list[float] | None = None) -> tuple[list[str], str]:
     """Forward, then backward cut at `points` (fractions of backward, each clamped to [0, 1]): the names of the
-    ops that end at each point, in the order of `points`, and the name of the op that ends backward."""
+    ops that end at each point, in the order of `points`, and the name of the op that ends backward. extra_s:
+    seconds computed at each point (a hook's work on the bucket ready there), delaying the rest of backward."""
+    clamp = [min(1.0, max(0.0, x)) for x in points]
+    extra: dict[float, float] = {}
+    for x, s in zip(clamp, extra_s or []):
+        extra[x] = extra.get(x, 0.0) + s
     prev = p.compute(f"fwd{rank}", node, step.forward_s, after)
     named, at = {}, 0.0
-    for i, x in enumerate(sorted({min(1.0, max(0.0, x)) for x in points} | {1.0})):
+    for i, x in enumerate(sorted(set(clamp) | {1.0})):
         prev = p.compute(f"bwd{rank}.{i}", node, step.backward_s * (x - at), (prev,))
+        if extra.get(x):
+            prev = p.compute(f"hook{rank}.{i}", node, extra[x], (prev,))
         named[x], at = prev, x
-    return [named[min(1.0, max(0.0, x))] for x in points], prev
+    return [named[x] for x in clamp], prev
 
 
 def chunks(total: float, cap: float) -> list[float]:
