@@ -96,6 +96,9 @@ class PSSpec(BackendSpec):
     # async workers must not be tied together by a group that hangs when one dies
     needs_process_group = False
     trains_subsets = True
+    # the servers build their range of what trains from the base checkpoint (psarch/ps/layout.py's initial_flat),
+    # the workers their frozen weights (psarch/checkpoint/finetune.py)
+    fine_tunes_from_base = True
 
     def variant(self, cfg: Config) -> str:
         return cfg.backend.mode
