@@ -122,11 +122,14 @@ class PSTablesServices:
         """With embeddings = "ps": the PS servers of the tables (psarch/ps/services.py)."""
         if cfg.backend.embeddings != "ps":
             return None
-        if start is not None:
+        from psarch.checkpoint.finetune import starts_from_base
+        if start is not None and not starts_from_base(cfg, start):
             raise ConfigError(f"--resume/--from {start}: backend.embeddings = \"ps\" starts its servers' tables from the "
-                              f"config only (their rows are not in checkpoints yet)")
+                              f"config, or a fine-tune's from a base model's checkpoint, only (their rows are not in "
+                              f"checkpoints yet)")
         from psarch.ps.services import LocalServers
-        # no out_dir: rank 0 writes model.pt (its tables fetched from the servers), not the servers
+        # no out_dir: rank 0 writes model.pt (its tables fetched from the servers), not the servers; a fine-tune's
+        # servers read the base checkpoint the run started from (config started_from: psarch/ps/server/start.py)
         return LocalServers(cfg, None, where=where)
 
 
@@ -141,6 +144,7 @@ class DDPSpec(RingHops, PSTablesServices, BackendSpec):
     reads = PROCESS_GROUP_OPTIONS
     embeddings = ("dense", "rows", "sharded", "ps")
     subset_embeddings = ("dense", "ps")   # the hybrid: a frozen or LoRA dense part, the tables training on the PS
+    base_embeddings = subset_embeddings
     compressions = ("none", "fp16", "bf16", "topk", "powersgd")
     bench_peer = "collective.torch_ddp:plain_ddp_peer"
 

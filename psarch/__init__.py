@@ -27,7 +27,8 @@ names no backend; bench/ and the studies' tables in report/ sit above the backen
                   netns.py), the virtual device (cluster/device.py, paced by pacing.py; by default this
                   machine's core measured alone, core.py), stragglers, dilation (D and the stretched timeouts)
     checkpoint/   checkpoints any backend writes in parallel and any backend reads at any world size;
-                  finetune.py: a LoRA/frozen config --from a base model's checkpoint (not ps or the hybrid yet)
+                  finetune.py: a LoRA/frozen config --from a base model's checkpoint (the PS's and the hybrid's
+                  servers build what they hold from it too)
     models/, data/  built-in models (gpt, mlp, dlrm) and data (markov, text, clicks)
     ps/           the parameter-server backend: server/ (parameter_server.py's handler table; a push is
                   handled in server/pushes.py, applied in server/updates.py; GEO's compressed pulls:

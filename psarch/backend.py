@@ -68,9 +68,13 @@ class BackendSpec(ABC):
     # state for and moves only the parameters that require gradients
     trains_subsets: ClassVar[bool] = False
     subset_embeddings: ClassVar[tuple[str, ...]] = ("dense",)   # the embedding treatments it trains a subset with
-    # its ranks build their model from the rank's workload alone, so a LoRA or frozen config started --from the base
-    # model's checkpoint takes its weights by name (psarch/checkpoint/finetune.py; tests/test_lora_from.py)
+    # a LoRA or frozen config started --from the base model's checkpoint takes its weights by name: its ranks' models
+    # load them (psarch/checkpoint/finetune.py; tests/test_lora_from.py), and its services, if any, build what they
+    # hold from the same checkpoint (the PS's servers: config started_from, psarch/ps/layout.py's initial_flat)
     fine_tunes_from_base: ClassVar[bool] = False
+    # the embedding treatments it fine-tunes from a base checkpoint with: where the tables do not live in the ranks'
+    # models, its services build them from the checkpoint (the hybrid's PS servers, psarch/ps/server/start.py)
+    base_embeddings: ClassVar[tuple[str, ...]] = ("dense",)
     checkpoints: ClassVar[bool] = True                # it writes and reads psarch.checkpoint checkpoints
     # its checkpoints hold its gradient compression's state (top-k's and PowerSGD's error feedback, PowerSGD's Q),
     # so a resumed compressed run goes on as the uninterrupted one

@@ -294,7 +294,6 @@ def test_theory_predicts_the_compressed_bytes_and_memory(runs, n):
     ("ddp", {"train.topk_ratio": 0.5}, "train.topk_ratio = 0.5: only train.compression = \"topk\""),
     ("ddp", {"train.compression": "fp16", "train.precision": "bf16"}, "already 2 bytes"),
     ("ddp", {"train.compression": "topk", "train.precision": "fp16"}, "loss scale"),
-    ("ps", {"train.compression": "topk", "train.checkpoint_every": 2}, "is not in backend.kind = \"ps\"'s checkpoints"),
     ("torch_ddp", {"train.compression": "powersgd", "train.checkpoint_every": 2},
      "is not in backend.kind = \"torch_ddp\"'s checkpoints yet"),
     ("torch_ddp", {"train.compression": "powersgd", "train.powersgd_warmup_steps": 1}, "step 2 at the earliest"),

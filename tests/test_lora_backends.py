@@ -6,7 +6,7 @@ never move; bytes per step are the backend's formula for the parameters that tra
 pipeline and tensor, exactly; modelled for torch's peers, FSDP2's all-gathers carrying the frozen weights too); memory
 reports the frozen weights a rank keeps apart, equal to theory's (a pipeline stage keeps its own, a tensor rank its
 parts, FSDP2 its shard of each: they are sharded with their unit, as psarch's ZeRO-3 shards them). Fine-tuning from a base model's
-checkpoint equals `single`'s fine-tune on each of these backends."""
+checkpoint equals `single`'s fine-tune on each of these backends (the hybrid's: tests/test_hybrid_lora_from.py)."""
 from __future__ import annotations
 
 import pytest
@@ -14,7 +14,6 @@ import torch
 
 from collective.tensor.theory import tp_all_reduces
 from parity import OPTIMIZERS, SGD_ATOL, assert_same_model, config
-from psarch.checkpoint.reader import CheckpointError
 from psarch.config import ConfigError, from_dict, load_config
 from psarch.launch.ranks import run
 from psarch.workload import build_workload
@@ -174,16 +173,6 @@ def test_from_the_base_checkpoint_equals_single(base, name):
     assert_same_model(a, b, f"{name} vs single from the base checkpoint", rtol=0, atol=SGD_ATOL)
     fresh = build_workload(_config("x", TUNE, {"kind": "single"})).model.state_dict()
     assert not torch.equal(a["blocks.0.attn.qkv.weight"], fresh["blocks.0.attn.qkv.weight"])   # the base's, frozen
-
-
-def test_the_hybrid_refuses_a_base_checkpoint(tmp_path):
-    """Its tables are built on the PS servers from the seed, so a base model's weights would not reach them."""
-    run(from_dict(config("b", base=ROWS_DLRM, train={"optimizer": "sgd", "lr": 0.5, "steps": 1, "checkpoint_every": 1},
-                         backend={"kind": "single"})),
-        tmp_path / "b", echo=False)
-    cfg = from_dict(config("h", base=ROWS_DLRM, train=DLRM_LORA, backend=HYBRID))
-    with pytest.raises(CheckpointError, match=r'with backend.embeddings = "ps" the tables are built where they live'):
-        run(cfg, tmp_path / "h", echo=False, start=tmp_path / "b" / "checkpoints" / "step_000001")
 
 
 def test_a_pipeline_stage_holding_no_frozen_parameter_is_predicted_none():

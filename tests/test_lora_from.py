@@ -15,6 +15,7 @@ from psarch import registry
 from psarch.checkpoint.reader import CheckpointError, consolidated_state_dict
 from psarch.config import from_dict
 from psarch.launch.ranks import run
+from psarch.single_spec import SingleSpec
 from psarch.workload import build_workload
 
 LORA = dict(OPTIMIZERS["sgd"], lora_rank=2, lora_alpha=4.0, steps=4)
@@ -76,11 +77,22 @@ def test_from_the_base_checkpoint_equals_single(base, name):
     assert_same_model(a, b, f"{name} vs single from the base checkpoint", rtol=0, atol=SGD_ATOL)
 
 
+class NoBaseLoad(SingleSpec):
+    """A backend that trains subsets but declares no base-weight load (fine_tunes_from_base): a test's backend."""
+
+    kind = "noload"
+    fine_tunes_from_base = False
+
+
 def test_other_backends_and_other_models_are_refused(base):
     out, ckpt = base
-    ps = from_dict(config("p", train=LORA, backend={"kind": "ps", "mode": "sync", "world_size": 2}))
-    with pytest.raises(CheckpointError, match=r"loaded on backend.kind = single, ddp, .* only; 'ps' has no"):
-        run(ps, out / "p", echo=False, start=ckpt)
+    registry.register(NoBaseLoad())
+    try:
+        other = from_dict(config("p", train=LORA, backend={"kind": "noload"}))
+        with pytest.raises(CheckpointError, match=r"loaded on backend.kind = single, ddp, .*ps.* only; 'noload' has no"):
+            run(other, out / "p", echo=False, start=ckpt)
+    finally:
+        registry.unregister("noload")
     other = from_dict(config("o", train=dict(LORA, lora_targets=["*.qkv"]), workload={"gpt": {"n_layer": 1, "n_embd": 8, "n_head": 2}}))
     with pytest.raises(CheckpointError, match=r"parameter .* is not in the checkpoint|has shape"):
         run(other, out / "o", echo=False, start=ckpt)

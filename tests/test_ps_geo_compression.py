@@ -26,9 +26,8 @@ import math
 import pytest
 import torch
 
-from parity import SGD_ATOL, TINY_GPT, assert_same_model, config, model, train
-from psarch.config import apply_overrides, from_dict
-from psarch.errors import ConfigError
+from parity import SGD_ATOL, assert_same_model, config, model, train
+from psarch.config import from_dict
 from ps_setup import ps, run_with_stats
 
 HEADER_BOUND = 128
@@ -254,17 +253,6 @@ def test_what_a_top_k_pull_leaves_out_goes_with_the_next():
     torch.testing.assert_close(server.copies[0], params, rtol=0, atol=1e-6)
 
 
-@pytest.mark.parametrize("sets, words", [
-    ({"train.compression": "fp16", "train.checkpoint_every": 2}, "pulls deltas against each worker's copy"),
-    ({"train.compression": "topk", "train.checkpoint_every": 2}, "is not in backend.kind = \"ps\"'s checkpoints"),
-])
-def test_refusals_are_one_line(sets, words):
-    base = {**TINY_GPT, "backend": ps(2, "geo", 2)}
-    with pytest.raises(ConfigError) as e:
-        from_dict(apply_overrides(base, sets))
-    assert words in str(e.value) and "\n" not in str(e.value)
-
-
 def test_a_geo_server_with_compression_answers_a_pushpull_with_the_cast_change_only():
     """Driven on the wire: a whole pull (start-up) sets what the worker holds; a `pushpull` (whole parameters back)
     is refused in one line; a `pushpulldelta` of fp16 d is added to the parameters and answered with the fp16 change
@@ -339,22 +327,24 @@ def test_workers_of_a_barrier_share_one_copy_and_each_rounds_delta():
             assert torch.equal(shared.held(w), apart.held(w))
 
 
-def test_a_checkpoint_is_never_restored_exactly_into_compressed_pulls():
-    """The servers' copies of what each worker holds are in no checkpoint, so a checkpoint of a run of the same
-    shape (here: GEO without compression, which may write one) forks into compressed pulls: every worker pulls
-    whole, which sets the copies. Restored exactly, the copies stayed at the initial model and every later pull
-    sent the whole way from it on top of the checkpoint's model (0.117 apart after one round, found in review)."""
+def test_only_a_checkpoint_of_the_same_compression_is_restored_exactly_into_compressed_pulls():
+    """The servers' copies of what each worker holds are in a compressed GEO run's checkpoints (tests/
+    test_ps_compression_checkpoint.py), not in an uncompressed one's: a checkpoint of GEO without compression (or
+    with another) forks into compressed pulls, where every worker pulls whole, which sets the copies. Restored
+    exactly, the copies stayed at the initial model and every later pull sent the whole way from it on top of the
+    checkpoint's model (0.117 apart after one round, found in review)."""
     from psarch.ps.snapshot import exact_records, run_shape
 
-    class Written:   # a checkpoint's state as an uncompressed GEO run of this shape wrote it
+    class Written:   # a checkpoint's state as a GEO run of `cfg`'s shape wrote it
         def __init__(self, cfg, numel):
             self.state = {"ps": {"run": run_shape(cfg, numel), "servers": [], "workers": []}}
 
-    plain, topk = (from_dict(config("x", train=dict(SGD, **t), backend=ps(N, "geo", SERVERS)))
-                   for t in ({}, {"compression": "topk", "topk_ratio": 1.0}))
-    assert run_shape(plain, 100) == run_shape(topk, 100)   # compression is not part of the shape...
+    plain, topk, fp16 = (from_dict(config("x", train=dict(SGD, **t), backend=ps(N, "geo", SERVERS)))
+                         for t in ({}, {"compression": "topk", "topk_ratio": 1.0}, {"compression": "fp16"}))
     assert exact_records(Written(plain, 100), plain, 100) is not None
-    assert exact_records(Written(plain, 100), topk, 100) is None   # ...but compressed pulls always fork
+    assert exact_records(Written(plain, 100), topk, 100) is None   # no copies in it: a fork
+    assert exact_records(Written(fp16, 100), topk, 100) is None
+    assert exact_records(Written(topk, 100), topk, 100) is not None   # its copies are in it
 
 
 def test_a_whole_pull_after_a_delta_is_refused_where_the_copy_is_shared():

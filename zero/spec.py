@@ -60,6 +60,7 @@ class ZeroSpec(RingHops, PSTablesServices, BackendSpec):
              "backend.prefetch_bucket_size": (3,)}
     embeddings = ("dense", "ps")   # ps: the tables on PS servers (collective/ps_tables.py)
     subset_embeddings = embeddings
+    base_embeddings = embeddings
 
     def check(self, cfg: Config) -> None:
         check_ps_tables(cfg)

@@ -75,12 +75,16 @@ SEED_LOCK = threading.Lock()
 
 def initial_flat(cfg: Config) -> torch.Tensor:
     """The run's initial parameters as one fp32 vector, built from the config exactly as every worker
-    builds its model (same seed; rounded to the compute dtype, as the workers' fp32 masters are). Servers
-    start from it, so no worker has to send the model."""
+    builds its model (same seed; a fine-tune's base weights from the base checkpoint it starts from; rounded to
+    the compute dtype, as the workers' fp32 masters are). Servers start from it, so no worker has to send the
+    model."""
+    from psarch.checkpoint.finetune import restore_base
     from psarch.workload import build_workload
 
     with SEED_LOCK:  # build_workload seeds torch's global generator: servers run as threads must take turns
-        model = build_workload(cfg).model.to(compute_dtype(cfg.train.precision))
+        model = build_workload(cfg).model
+    restore_base(cfg, model)   # a frozen config's trainable base parameters start as the base checkpoint's
+    model = model.to(compute_dtype(cfg.train.precision))
     return torch.cat([p.detach().reshape(-1).float() for p in trainable(model)])
 
 

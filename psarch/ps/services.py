@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Any, cast
 
 import torch
 
+from psarch.checkpoint.finetune import restore_base, starts_from_base
 from psarch.checkpoint.start import CHECKPOINTS
 from psarch.cluster.placement import Loopback, Placement
 from psarch.config import Config, ConfigError, from_dict
@@ -82,10 +83,13 @@ class LocalServers(Services):
         self.cfg, self.out_dir = cfg, Path(out_dir) if out_dir is not None else None
         # a server writes checkpoints only under its run's folder, and only when the run writes them
         ckpts = str(self.out_dir / CHECKPOINTS) if self.out_dir is not None and cfg.train.checkpoint_every else None
-        if start is not None and replicas(cfg):
+        # a fine-tune --from a base model's checkpoint: the servers build their range from it (layout.initial_flat)
+        # as a run from step 0 does from the seed, and the workers pull it; any other checkpoint is restored
+        begin = str(start) if start is not None and not starts_from_base(cfg, Path(start)) else None
+        if begin is not None and replicas(cfg):
             raise ConfigError(f"backend.replicas = {replicas(cfg)}: a run started from a checkpoint (--resume, --from) "
-                              f"has no replicas to start from yet; run it with backend.replicas = 0")
-        begin = str(start) if start is not None else None
+                              f"has no replicas to start from yet; run it with backend.replicas = 0 (a fine-tune from "
+                              f"a base model's checkpoint builds them)")
         self.lost: list[LostWorker] = []
         self.failure: str | None = None
         self.stopped_since: dict[int, float] = {}
@@ -119,7 +123,7 @@ class LocalServers(Services):
             self.stop()
             raise
         # restored: the servers start from a checkpoint, so a worker takes its state from it, not a first pull
-        self.info = ServiceInfo(addresses, creds.to_dict(), restored=start is not None)
+        self.info = ServiceInfo(addresses, creds.to_dict(), restored=begin is not None)
 
     def _wait_event(self, i: int, kind: str, timeout: float) -> dict[str, Any]:
         deadline = time.monotonic() + timeout
@@ -256,6 +260,7 @@ class LocalServers(Services):
         from psarch.workload import build_workload
         try:
             model = build_workload(self.cfg).model
+            restore_base(self.cfg, model)   # a fine-tune's frozen weights: its base checkpoint's, as the workers'
             if self.cfg.backend.embeddings == "rows":
                 state = join_parts(model, self.cfg, key_space(self.cfg), parts)
             else:

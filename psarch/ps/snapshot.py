@@ -22,11 +22,14 @@ scale.
 With row tables (backend.embeddings = "rows") servers add their shard of every table and workers (GEO) their
 row cache: psarch/ps/row_snapshot.py.
 
+Compression: a top-k worker adds its error feedback (what its pushes left out, by partition: "workerR/topk_error"
+and its record's topk_parts); GEO's servers with compressed pulls their copies of what the workers hold
+(server/deltas.py: "geo_copy/W", one per worker, or one with the barrier) and whether a delta was sent.
+
 Restoring: a checkpoint of a PS run of the same shape (`run_shape`) restores every server and worker record
-exactly; any other (another backend, world size, server count, mode) is a fork: the servers take the
-parameters and optimizer state, every worker starts from them at step K as if it had just pulled. GEO with
-compressed pulls always forks: its servers' copies of what each worker holds (server/deltas.py) are in no
-checkpoint, and only a whole pull sets them.
+exactly; any other (another backend, world size, server count, mode, GEO's compression) is a fork: the servers
+take the parameters and optimizer state, every worker starts from them at step K as if it had just pulled (GEO
+with compressed pulls: a whole pull, which sets the servers' copies).
 """
 from __future__ import annotations
 
@@ -53,6 +56,7 @@ class RunShape(TypedDict):
     compensation: str | None
     partition_elems: int
     partition_assignment: str
+    compression: NotRequired[str]   # GEO with compressed pulls (the copies the servers keep depend on it)
 
 
 class GeoRecord(TypedDict):
@@ -81,6 +85,7 @@ class WorkerRecord(TypedDict):
     local_scalars: NotRequired[dict[str, float]]
     scaler: NotRequired[dict[str, float]]
     cache_keys: NotRequired[list[int]]
+    topk_parts: NotRequired[list[int]]   # top-k: the partitions whose error feedback it holds ("workerR/topk_error")
 
 
 class PartitionRecord(TypedDict):
@@ -93,6 +98,7 @@ class PartitionRecord(TypedDict):
     staleness: dict[str, int]    # the histogram so far
     skipped: int
     scaler: NotRequired[dict[str, float]]
+    copies_moved: NotRequired[bool]   # GEO with compressed pulls: a delta was sent (WorkerCopies.moved)
 
 
 class ServerRecord(TypedDict):
@@ -117,17 +123,21 @@ def run_shape(cfg: Config, numel: int) -> RunShape:
     """What a PS checkpoint's records depend on (`numel`: elements of the flat vector the servers hold): a run of
     the same shape restores them exactly."""
     b, geo = cfg.backend, cfg.backend.mode == "geo"
-    return {"mode": b.mode, "world_size": b.world_size, "servers": b.servers, "precision": cfg.train.precision,
-            "k_steps": b.k_steps if geo else None, "geo_barrier": b.geo_barrier if geo else None,
-            "compensation": b.staleness_compensation if b.mode in ("async", "ssp") else None,
-            "partition_elems": partition_elems(cfg, numel), "partition_assignment": b.partition_assignment}
+    shape: RunShape = {"mode": b.mode, "world_size": b.world_size, "servers": b.servers,
+                       "precision": cfg.train.precision, "k_steps": b.k_steps if geo else None,
+                       "geo_barrier": b.geo_barrier if geo else None,
+                       "compensation": b.staleness_compensation if b.mode in ("async", "ssp") else None,
+                       "partition_elems": partition_elems(cfg, numel), "partition_assignment": b.partition_assignment}
+    if pulls_deltas(cfg):
+        shape["compression"] = cfg.train.compression
+    return shape
 
 
 def exact_records(ckpt: Checkpoint, cfg: Config, numel: int) -> PSRecords | None:
     """The checkpoint's PS records when it was written by a PS run of this config's shape (run_shape), else None
-    (a fork; always with GEO's compressed pulls, whose servers must learn by a whole pull what a worker holds)."""
+    (a fork: with GEO's compressed pulls, the servers learn by a whole pull what a worker holds)."""
     ps = ckpt.state.get("ps")
-    return ps if ps is not None and ps["run"] == run_shape(cfg, numel) and not pulls_deltas(cfg) else None
+    return ps if ps is not None and ps["run"] == run_shape(cfg, numel) else None
 
 
 def pushes_by(cfg: Config, step: int) -> int:

@@ -94,9 +94,15 @@ class PSSpec(BackendSpec):
     # pushes cast to 2 bytes, or top-k's (index, value) pairs, summed by the servers in fp32 (GEO: pulls too)
     compressions = ("none", "fp16", "bf16", "topk")
     uncompressed_because = "PowerSGD's two rounds of all-reduce have no PS form built yet"
+    # top-k's error feedback (each worker's) and GEO's copies of what each worker holds (the servers') are in its
+    # checkpoints (psarch/ps/snapshot.py)
+    checkpoints_compression = True
     # async workers must not be tied together by a group that hangs when one dies
     needs_process_group = False
     trains_subsets = True
+    # the servers build their range of what trains from the base checkpoint (psarch/ps/layout.py's initial_flat),
+    # the workers their frozen weights (psarch/checkpoint/finetune.py)
+    fine_tunes_from_base = True
 
     def variant(self, cfg: Config) -> str:
         return cfg.backend.mode
@@ -140,11 +146,6 @@ class PSSpec(BackendSpec):
             _check_rows(cfg)
         if b.replicas:
             _check_replicas(cfg)
-        if pulls_deltas(cfg) and cfg.train.checkpoint_every:
-            raise ConfigError(f"train.checkpoint_every = {cfg.train.checkpoint_every}: backend.mode = \"geo\" with "
-                              f"train.compression = \"{cfg.train.compression}\" pulls deltas against each worker's "
-                              f"copy that the servers keep, which no checkpoint holds yet; use 0 or "
-                              f"train.compression = \"none\"")
 
     def service_nodes(self, cfg: Config) -> int:
         return 0 if cfg.backend.server_addresses else cfg.backend.servers

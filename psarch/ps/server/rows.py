@@ -258,6 +258,13 @@ class ServerRows:
         for name, rows in zip(self.table_names, self.space.rows):
             pieces.params[name] = (rows, self.space.dim)
 
+    def load_base(self, ckpt: Checkpoint) -> None:
+        """A fine-tune from a base model's checkpoint: this server's rows of its tables, their optimizer state
+        fresh."""
+        with torch.no_grad():
+            for f in shard_fragments(self.space, self.state.index, self.table_names, {PARAM: self.held.rows}, {}):
+                ckpt.fill(f)
+
     def restore(self, ckpt: Checkpoint) -> None:
         """This server's rows and their optimizer state (each state the checkpoint holds for the tables; lazy
         AdamW's steps from the dense step without it), after the dense range was restored."""

@@ -16,6 +16,7 @@ from psarch.ps.layout import Layout
 from psarch.ps import wire
 from psarch.ps.errors import PSError
 from psarch.ps.layout import param_layout
+from psarch.ps.server.deltas import WorkerCopies
 from psarch.ps.server.replies import Replies
 from psarch.ps.server.state import ServerState
 from psarch.ps.snapshot import PartitionRecord, ServerRecord, exact_records, pushes_by, shapes, views
@@ -128,11 +129,15 @@ class Snapshots:
                 fragments += views(layout, {PARAM: st.params}, lo, hi)
             if st.backup is not None:
                 fragments += views(layout, {f"dc_backup/{w}": b for w, b in enumerate(st.backup)}, lo, hi)
+            if st.copies is not None:
+                fragments += views(layout, _copies(st.copies), lo, hi)
             rec: PartitionRecord = {"range": [lo, hi], "version": st.version, "sent_version": list(st.sent_version),
                    "clock": list(part.clock), "staleness": {str(k): v for k, v in sorted(st.staleness.items())},
                    "skipped": st.skipped}
             if st.optim is not None and st.optim.scaler.enabled:
                 rec["scaler"] = st.optim.scaler.state_dict()
+            if st.copies is not None:
+                rec["copies_moved"] = st.copies.moved
             records.append(rec)
         record: ServerRecord = {"server": s.index, "held": s.size, "max_ahead": s.max_ahead, "partitions": records}
         if "scaler" in records[0]:   # what a fork onto another backend takes (every partition's is alike in sync)
@@ -194,3 +199,13 @@ class Snapshots:
                     for f in views(self.layout, {f"dc_backup/{w}": b for w, b in enumerate(st.backup)},
                                    part.lo, part.hi):
                         ckpt.fill(f)
+            if st.copies is not None:   # exactly what each worker holds, and whether a whole pull may still set it
+                with torch.no_grad():
+                    for f in views(self.layout, _copies(st.copies), part.lo, part.hi):
+                        ckpt.fill(f)
+                st.copies.moved = r["copies_moved"]
+
+
+def _copies(copies: WorkerCopies) -> dict[str, torch.Tensor]:
+    """GEO's copies of what the workers hold of a partition, by checkpoint key (one per worker; the barrier's one)."""
+    return {f"geo_copy/{i}": c for i, c in enumerate(copies.copies)}

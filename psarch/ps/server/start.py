@@ -5,8 +5,9 @@ from __future__ import annotations
 
 from typing import Any
 
+from psarch.checkpoint.finetune import base_checkpoint
 from psarch.config import Config
-from psarch.ps.layout import SEED_LOCK, initial_flat
+from psarch.ps.layout import SEED_LOCK, initial_flat, meta_model
 from psarch.ps.rows import dense_flat, server_config
 from psarch.ps.server.parameter_server import ParameterServer
 from psarch.ps.server.row_shard import initial_shard
@@ -42,10 +43,17 @@ def row_server(index: int, cfg: Config, host: str, port: int, **kwargs: Any) -> 
 
 
 def table_server(index: int, cfg: Config, host: str, port: int, **kwargs: Any) -> ParameterServer:
-    """The hybrid's server (collective/ps_tables.py): its shard of the initial tables, no dense range; it runs
-    as a sync PS server with rows (psarch/ps/server/rows.py, tables_only) of the config the servers read."""
+    """The hybrid's server (collective/ps_tables.py): its shard of the initial tables (a fine-tune's: of the base
+    checkpoint it started from), no dense range; it runs as a sync PS server with rows (psarch/ps/server/rows.py,
+    tables_only) of the config the servers read."""
     ps_cfg = server_config(cfg)
     server = ParameterServer(index, ps_cfg, host, port, numel=None, tables_only=True, **kwargs)
     assert server.rows is not None
     server.rows.start(initial_shard(ps_cfg, server.rows.space, index))
+    base = base_checkpoint(cfg, meta_model(cfg))
+    if base is not None:
+        try:
+            server.rows.load_base(base)
+        finally:
+            base.close()
     return server

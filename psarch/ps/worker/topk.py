@@ -4,9 +4,17 @@ goes as its k largest
 the next push of that partition (error feedback, as DGC's and collective/compression.py's top-k)."""
 from __future__ import annotations
 
+from typing import Sequence
+
 import torch
 
+from psarch.checkpoint import Checkpoint
+from psarch.checkpoint.fragments import Fragment
+from psarch.ps.layout import Layout
+from psarch.ps.snapshot import views
 from psarch.ps.sparse import largest
+
+ERROR = "topk_error"   # a worker's error feedback in its checkpoint part, under "worker<R>/"
 
 
 class TopKPushes:
@@ -27,3 +35,17 @@ class TopKPushes:
 
     def state_bytes(self) -> int:
         return sum(e.numel() * e.element_size() for e in self.error.values())
+
+    def fragments(self, own: str, layout: Layout, bounds: Sequence[tuple[int, int]]) -> list[Fragment]:
+        """The error feedback of each partition pushed so far (`bounds`: each partition's [lo, hi) in the flat
+        vector), as a checkpoint's fragments under `own`."""
+        return [f for j in sorted(self.error) for f in views(layout, {own + ERROR: self.error[j]}, *bounds[j])]
+
+    def restore(self, ckpt: Checkpoint, own: str, layout: Layout, bounds: Sequence[tuple[int, int]],
+                parts: list[int], like: torch.Tensor) -> None:
+        """The error feedback of partitions `parts` from a checkpoint (tensors like `like`: dtype and device)."""
+        self.error = {j: like.new_zeros(bounds[j][1] - bounds[j][0]) for j in parts}
+        with torch.no_grad():
+            for j in parts:
+                for f in views(layout, {own + ERROR: self.error[j]}, *bounds[j]):
+                    ckpt.fill(f)

@@ -263,8 +263,16 @@ class PSWorker(Trainer):
             tensors = self.geo.tensors(own)
             record.update(self.geo.record())
         record.update(self.tables.record())
-        return Pieces(views(self.layout, tensors, 0, self.flat.numel) + self.tables.fragments(), self.param_shapes,
-                      dict(record))   # the part's JSON state
+        fragments = views(self.layout, tensors, 0, self.flat.numel) + self.tables.fragments()
+        if self.topk is not None:   # its error feedback, by partition
+            record["topk_parts"] = sorted(self.topk.error)
+            fragments += self.topk.fragments(own, self.layout, self._bounds)
+        return Pieces(fragments, self.param_shapes, dict(record))   # the part's JSON state
+
+    @property
+    def _bounds(self) -> list[tuple[int, int]]:
+        """Each partition's [lo, hi) in the flat vector, by its index."""
+        return [(p.lo, p.hi) for p in self.link.parts]
 
     def write_checkpoint(self, ctx: DistContext, root: Path, step: int, config: dict[str, Any], keep: int,
                          steps: list[StepRecord] | None) -> Path:
@@ -310,6 +318,8 @@ class PSWorker(Trainer):
                 ckpt.fill(f)
         if self.geo is not None:
             self.geo.optim.master.copy_to_model()
+        if self.topk is not None:
+            self.topk.restore(ckpt, own, self.layout, self._bounds, rec.get("topk_parts", []), self.flat.grad)
 
     # ------------------------------------------------------------------ figures
 

@@ -1,0 +1,68 @@
+"""The hybrid (backend.embeddings = "ps": the tables on PS servers, the dense part on ddp or ZeRO) fine-tuning `--from`
+a base model's checkpoint (psarch/checkpoint/finetune.py): the ranks load the dense base weights into their models,
+each server its shard of the tables' rows (psarch/ps/server/start.py's table_server), the row optimizer fresh. LoRA
+adapters on the dense layers with the tables training on the servers end where `single`'s fine-tune from the same
+checkpoint does (SGD, parity.SGD_ATOL), at N = 2 with 2 servers; a checkpoint that is not a base model's is refused."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from parity import SGD_ATOL, assert_same_model, config
+from psarch.checkpoint.reader import consolidated_state_dict
+from psarch.config import ConfigError, from_dict
+from psarch.launch.ranks import run
+from psarch.workload import build_workload
+from test_ps_rows import ROWS_DLRM
+
+SGD = dict(optimizer="sgd", lr=0.5, momentum=0.0, weight_decay=0.0)
+LORA = dict(SGD, lora_rank=2, lora_alpha=4.0, trainable=["tables.*"])   # the tables train on the PS servers
+HYBRIDS = {"ddp": {"kind": "ddp", "comm": "ring"}, "zero3": {"kind": "zero", "stage": 3, "comm": "ring"}}
+
+
+@pytest.fixture(scope="module")
+def base(tmp_path_factory):
+    """A full single DLRM run of 3 SGD steps, checkpointed at step 3, and `single`'s LoRA fine-tune from it."""
+    out = tmp_path_factory.mktemp("hybridfrom")
+    run(from_dict(config("base", base=ROWS_DLRM, train=dict(SGD, steps=3, checkpoint_every=3))), out / "base",
+        echo=False)
+    ckpt = out / "base" / "checkpoints" / "step_000003"
+    run(from_dict(config("single", base=ROWS_DLRM, train=LORA)), out / "single", echo=False, start=ckpt)
+    return out, ckpt
+
+
+@pytest.mark.parametrize("name", HYBRIDS)
+def test_hybrid_from_the_base_checkpoint_equals_single(base, name):
+    out, ckpt = base
+    backend = dict(HYBRIDS[name], embeddings="ps", servers=2, world_size=2)
+    cfg = from_dict(config(name, base=ROWS_DLRM, train=LORA, backend=backend))
+    run(cfg, out / name, echo=False, start=ckpt)
+    a = torch.load(out / name / "model.pt", weights_only=True)
+    b = torch.load(out / "single" / "model.pt", weights_only=True)
+    assert_same_model(a, b, f"hybrid {name} vs single from the base checkpoint", rtol=0, atol=SGD_ATOL)
+    print(f"hybrid {name}: max |hybrid - single| = {max(float((a[k] - b[k]).abs().max()) for k in a):.3g}")
+    weights = dict(consolidated_state_dict(ckpt))
+    model = build_workload(cfg, device="meta").model
+    frozen = {n for n, p in model.named_parameters() if not p.requires_grad}
+    assert frozen and all(torch.equal(a[k], weights[k]) for k in frozen)   # the dense base: the checkpoint's
+    # B = 0: each rank's first loss is the base model's (its dense part and the tables' rows the checkpoint's)
+    plain = build_workload(from_dict(config("plain", base=ROWS_DLRM, train=SGD)))
+    plain.model.load_state_dict(weights)
+    for r in range(2):
+        first = json.loads((out / name / "ranks" / f"rank{r}.jsonl").read_text().splitlines()[0])
+        with torch.no_grad():
+            expected = float(plain.loss_fn(plain.model, plain.batch(0, r, 2)))
+        assert first["step"] == 0 and first["loss"] == pytest.approx(expected, rel=1e-6)
+
+
+def test_a_checkpoint_not_of_the_base_is_refused(base, tmp_path):
+    out, ckpt = base
+    lora = from_dict(config("lora", base=ROWS_DLRM, train=dict(LORA, steps=2, checkpoint_every=2)))
+    run(lora, tmp_path / "lora", echo=False, start=ckpt)
+    hybrid = from_dict(config("h", base=ROWS_DLRM, train=LORA,
+                              backend={"kind": "ddp", "embeddings": "ps", "servers": 2, "world_size": 2}))
+    with pytest.raises(ConfigError, match=r"^--resume/--from .*: backend.embeddings = \"ps\" starts its servers' "
+                                          r"tables from the config, or a fine-tune's from a base model's checkpoint"):
+        run(hybrid, tmp_path / "h", echo=False, start=tmp_path / "lora" / "checkpoints" / "step_000002")
