@@ -219,7 +219,10 @@ def test_estimate_simulates_the_gpts_pipelines_and_tensor_parallelism_beside_the
 def test_zero3s_simulated_step_gathers_the_units_of_the_gpt_asked_about():
     """The step-time table's ZeRO-3 gathers one unit per block and the root (embeddings and head) of the GPT given,
     the root's bytes its own; for Φ asked about alone, of a standard GPT of about Φ (GPT-3's width nearest it)."""
+    import torch
+
     from psarch import registry
+    from psarch.models.gpt import GPT
     from psarch.theory.estimate_steps import Network, config
     from psarch.theory.estimate_tensor import GPTShape, standard_shape
     from psarch.theory.program import DataStep, Transfer
@@ -234,7 +237,8 @@ def test_zero3s_simulated_step_gathers_the_units_of_the_gpt_asked_about():
     shape = GPTShape(layers=6, hidden=256, heads=4, seq=128, vocab=1000)
     got = gathers(shape.workload(), shape.params())
     assert len(got) == 6 + 1
-    root = GPTShape(layers=0, hidden=256, heads=4, seq=128, vocab=1000).params()
+    with torch.device("meta"):   # the root alone: a GPT of no block, built as psarch.models.gpt builds it
+        root = sum(p.numel() for p in GPT(1000, 128, 0, 256, 4).parameters())
     assert got[0].bytes == pytest.approx(2 * root * (n - 1) / n)   # bf16; a ring moves (N-1)/N of it
     assumed = standard_shape(7.5e9)
     assert (assumed.hidden, assumed.heads) == (4096, 32) and assumed.params() == pytest.approx(7.5e9, rel=0.02)

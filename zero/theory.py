@@ -62,9 +62,9 @@ def unit_sizes(cfg: Config) -> list[tuple[int, int]]:
     key = repr((cfg.workload, t.trainable, t.lora_rank, t.lora_targets, units_attr(b), b.embeddings))
     if key not in _SIZES:
         from psarch.model_units import find_units
-        from psarch.workload import build_workload
+        from psarch.workload import theory_model
 
-        units = find_units(build_workload(cfg, device="meta").model, units_attr(b), frozen_too=True)
+        units = find_units(theory_model(cfg), units_attr(b), frozen_too=True)
         sizes = [(sum(p.numel() for p in u.params), sum(p.numel() for p in u.frozen)) for u in units]
         if b.embeddings == "ps":
             sizes[0] = (sizes[0][0] - int(table_params(cfg)), sizes[0][1])
@@ -95,9 +95,9 @@ def _frozen_shapes(cfg: Config) -> list[tuple[int, ...]]:
     """The shapes of the config's frozen parameters (none unless it trains a subset), from the meta model."""
     if not trains_a_subset(cfg):
         return []
-    from psarch.workload import build_workload
+    from psarch.workload import theory_model
 
-    return [tuple(p.shape) for p in build_workload(cfg, device="meta").model.parameters() if not p.requires_grad]
+    return [tuple(p.shape) for p in theory_model(cfg).parameters() if not p.requires_grad]
 
 
 def fsdp2_frozen_rows(cfg: Config) -> int:
