@@ -259,12 +259,11 @@ def ranked(phi: float, world: int, precision: str, optimizer: str, servers: int,
 def _ranked_lines(phi: float, world: int, precision: str, optimizer: str, servers: int, c: Network,
                   extra: dict | None, workload: dict | None, per_rank: int) -> list[str]:
     rows = ranked(phi, world, precision, optimizer, servers, c, extra, workload, per_rank)
-    unit, scale = size_unit([x for r in rows for x in (r["memory"], r["link"])])
     out = ["", f"== at N = {world}, ranked by simulated step: model states per device (a colocated server's "
-               f"included), {unit}, and the bytes the busiest node sends a step, {unit}",
-           f"{'#':>3} {'architecture':>12} {'step':>9} {'memory':>10} {'sent/link':>10}"]
-    return out + [f"{i:>3} {r['label']:>12} {fmt_time(r['step']):>9} {in_unit(r['memory'], scale):>10} "
-                  f"{in_unit(r['link'], scale):>10}" for i, r in enumerate(rows, 1)]
+               f"included) and the bytes the busiest node sends a step",
+           f"{'#':>3} {'architecture':>12} {'step':>10} {'memory':>10} {'sent/link':>10}"]
+    return out + [f"{i:>3} {r['label']:>12} {fmt_time(r['step']):>10} {fmt_size(r['memory']):>10} "
+                  f"{fmt_size(r['link']):>10}" for i, r in enumerate(rows, 1)]
 
 
 def measured_vs_model(summary: Summary, cfg: Config, c: Network) -> str:
