@@ -11,6 +11,7 @@ from typing import Any, Callable
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.overrides import TorchFunctionMode
 
 from psarch import registry
 from psarch.config import Config, ConfigError, resolve_factory
@@ -99,7 +100,29 @@ def _build(cfg: Config, device: str | None) -> Workload:
 
 
 def _on(device: str | None) -> contextlib.AbstractContextManager:
-    return torch.device(device) if device else contextlib.nullcontext()
+    """Build on `device`; on the meta device without initialising (_NoInit)."""
+    if device != "meta":
+        return torch.device(device) if device else contextlib.nullcontext()
+    stack = contextlib.ExitStack()
+    stack.enter_context(torch.device("meta"))
+    stack.enter_context(_NoInit())
+    return stack
+
+
+class _NoInit(TorchFunctionMode):
+    """Skips filling meta tensors (torch.nn.init's functions, a tensor's in-place random draws and fills): a meta
+    tensor has no values to fill, and torch's meta kernel for a draw imports torch._dynamo (1.7 s of CPU) at the
+    first one."""
+
+    FILLS = {getattr(nn.init, name) for name in dir(nn.init) if name.endswith("_") and not name.startswith("_")} | \
+        {getattr(torch.Tensor, name) for name in ("normal_", "uniform_", "random_", "bernoulli_", "exponential_",
+                                                  "geometric_", "cauchy_", "log_normal_", "zero_", "fill_")}
+
+    def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        tensor = args[0] if args else (kwargs or {}).get("tensor")
+        if func in self.FILLS and isinstance(tensor, torch.Tensor) and tensor.is_meta:
+            return tensor
+        return func(*args, **(kwargs or {}))
 
 
 def _click_workload(cfg: Config, device: str | None) -> Workload:

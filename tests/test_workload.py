@@ -291,3 +291,27 @@ def test_theory_model_is_built_once_per_model(monkeypatch):
     other = wl.theory_model(tiny_cfg("workload.gpt.n_layer=2"))
     assert other is not a and calls == ["meta", "meta"] and all(p.is_meta for p in other.parameters())
     assert len(other.blocks) == 2 and len(a.blocks) == 1
+
+
+@pytest.mark.parametrize("model", ["gpt", "mlp", "dlrm"])
+def test_a_meta_build_has_the_real_builds_parameters_without_initialising_them(model):
+    """Built on the meta device, without the fills that have nothing to fill there: the same parameters (names,
+    shapes, dtypes, which train) as the real build."""
+    extra = ["workload.model=dlrm", "workload.data=clicks", "workload.dlrm.rows=100"] if model == "dlrm" else \
+        [f"workload.model={model}"]
+    meta, real = (build_workload(tiny_cfg(*extra), device=d).model for d in ("meta", None))
+    assert all(p.is_meta for p in meta.parameters())
+    assert [(n, p.shape, p.dtype, p.requires_grad) for n, p in meta.named_parameters()] == \
+        [(n, p.shape, p.dtype, p.requires_grad) for n, p in real.named_parameters()]
+
+
+def test_a_meta_build_does_not_import_torchs_compiler(tmp_path):
+    """torch's meta kernel for a random draw imports torch._dynamo at its first call (about 1.7 s of CPU); a meta
+    build draws nothing."""
+    import subprocess
+
+    code = ("import sys\nfrom psarch.config import load_config\nfrom psarch.workload import build_workload\n"
+            "build_workload(load_config(None, ['workload.gpt.n_layer=2']), device='meta')\n"
+            "print('torch._dynamo' in sys.modules)\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
+    assert out.stdout.strip() == "False", out.stderr
