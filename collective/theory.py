@@ -218,12 +218,15 @@ def error_feedback_bytes(compression: str, shapes: Sequence[Sequence[int]], item
 def ddp_bucket_shapes(cfg: Config) -> list[list[tuple[int, ...]]]:
     """The shapes of each of ddp's buckets, as collective/ddp.py lays them out (parameters in reverse order, cut at
     bucket_cap_mb), from the model built on the meta device."""
+    import torch
+
     from collective.bucket import assign_buckets
     from psarch.precision import compute_dtype
-    from psarch.workload import build_workload
+    from psarch.workload import theory_model
 
-    model = build_workload(cfg, device="meta").model.to(compute_dtype(cfg.train.precision))
-    params = [p for p in model.parameters() if p.requires_grad][::-1]
+    dtype = compute_dtype(cfg.train.precision)   # the shared model is not cast: its shapes are, as the trainer's
+    params = [torch.empty(p.shape, dtype=dtype, device="meta") for p in theory_model(cfg).parameters()
+              if p.requires_grad][::-1]
     offsets = [0]
     for p in params[:-1]:
         offsets.append(offsets[-1] + p.numel())

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import inspect
 from dataclasses import dataclass
 from pathlib import Path
@@ -10,6 +11,7 @@ from typing import Any, Callable
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.overrides import TorchFunctionMode
 
 from psarch import registry
 from psarch.config import Config, ConfigError, resolve_factory
@@ -40,10 +42,31 @@ def next_token_loss(model: nn.Module, tokens: torch.Tensor) -> torch.Tensor:
 def build_workload(cfg: Config, device: str | None = None) -> Workload:
     """The workload a config names: a user's factory, or a built-in model on built-in data. `device` ("meta":
     shapes without memory) places a built-in model's parameters; data sources, and a factory, stay on CPU.
-    The parameters train.trainable and train.lora_* leave out are frozen (psarch.models.trainable)."""
+    The parameters train.trainable and train.lora_* leave out are frozen (psarch.models.trainable). A meta build
+    builds its data source at its first batch, and knows no entropy floor (None)."""
     workload = _build(cfg, device)
     select_trainable(workload.model, cfg)
     return workload
+
+
+_THEORY_MODELS: dict[str, nn.Module] = {}
+THEORY_MODELS_KEPT = 32
+
+
+def theory_model(cfg: Config) -> nn.Module:
+    """The config's model on the meta device (names and shapes, no memory), built once per model for theory's
+    reads (parameter counts, buckets, units) and shared by them: it is not to be changed. A factory's model is
+    built at every call (its function may change under the same name)."""
+    if cfg.workload.factory:
+        return build_workload(cfg, device="meta").model
+    t = cfg.train
+    holds = registry.spec_of(cfg).worker_holds_tables(cfg) if cfg.workload.model == "dlrm" else None
+    key = repr((cfg.workload, cfg.seed, t.trainable, t.lora_rank, t.lora_alpha, t.lora_targets, holds))
+    if key not in _THEORY_MODELS:
+        if len(_THEORY_MODELS) >= THEORY_MODELS_KEPT:
+            _THEORY_MODELS.pop(next(iter(_THEORY_MODELS)))
+        _THEORY_MODELS[key] = build_workload(cfg, device="meta").model
+    return _THEORY_MODELS[key]
 
 
 def _build(cfg: Config, device: str | None) -> Workload:
@@ -52,26 +75,54 @@ def _build(cfg: Config, device: str | None) -> Workload:
         return _from_factory(cfg)   # it may make its data eagerly, which the meta device cannot hold
     if w.model == "dlrm":
         return _click_workload(cfg, device)
-    source = (MarkovSource(w.markov.vocab_size, w.markov.branching, cfg.seed, w.markov.concentration)
-              if w.data == "markov" else TextSource(w.text.path))
+
+    @functools.cache   # built when first read: a meta build (shapes) reads none
+    def source() -> MarkovSource | TextSource:
+        return (MarkovSource(w.markov.vocab_size, w.markov.branching, cfg.seed, w.markov.concentration)
+                if w.data == "markov" else TextSource(w.text.path))
+
+    vocab = w.markov.vocab_size if w.data == "markov" else TextSource.vocab_size
     torch.manual_seed(cfg.seed)  # the same initial model on every rank and every backend
     with _on(device):
         if w.model == "gpt":
             g = w.gpt
-            model: nn.Module = GPT(source.vocab_size, w.seq_len, g.n_layer, g.n_embd, g.n_head, g.mlp_ratio)
+            model: nn.Module = GPT(vocab, w.seq_len, g.n_layer, g.n_embd, g.n_head, g.mlp_ratio)
         else:
             m = w.mlp
-            model = MLP(source.vocab_size, m.n_embd, m.hidden, m.n_layer)
+            model = MLP(vocab, m.n_embd, m.hidden, m.n_layer)
     global_batch, length, seed = cfg.train.global_batch, w.seq_len + 1, cfg.seed
 
     def batch(step: int, shard: int, num_shards: int) -> torch.Tensor:
-        return shard_batch(source.sample(global_batch, length, step_generator(seed, step)), shard, num_shards)
+        return shard_batch(source().sample(global_batch, length, step_generator(seed, step)), shard, num_shards)
 
-    return Workload(model, next_token_loss, batch, source.entropy_rate, f"{w.model}/{w.data}")
+    floor = None if device == "meta" else source().entropy_rate
+    return Workload(model, next_token_loss, batch, floor, f"{w.model}/{w.data}")
 
 
 def _on(device: str | None) -> contextlib.AbstractContextManager:
-    return torch.device(device) if device else contextlib.nullcontext()
+    """Build on `device`; on the meta device without initialising (_NoInit)."""
+    if device != "meta":
+        return torch.device(device) if device else contextlib.nullcontext()
+    stack = contextlib.ExitStack()
+    stack.enter_context(torch.device("meta"))
+    stack.enter_context(_NoInit())
+    return stack
+
+
+class _NoInit(TorchFunctionMode):
+    """Skips filling meta tensors (torch.nn.init's functions, a tensor's in-place random draws and fills): a meta
+    tensor has no values to fill, and torch's meta kernel for a draw imports torch._dynamo (1.7 s of CPU) at the
+    first one."""
+
+    FILLS = {getattr(nn.init, name) for name in dir(nn.init) if name.endswith("_") and not name.startswith("_")} | \
+        {getattr(torch.Tensor, name) for name in ("normal_", "uniform_", "random_", "bernoulli_", "exponential_",
+                                                  "geometric_", "cauchy_", "log_normal_", "zero_", "fill_")}
+
+    def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        tensor = args[0] if args else (kwargs or {}).get("tensor")
+        if func in self.FILLS and isinstance(tensor, torch.Tensor) and tensor.is_meta:
+            return tensor
+        return func(*args, **(kwargs or {}))
 
 
 def _click_workload(cfg: Config, device: str | None) -> Workload:

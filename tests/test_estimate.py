@@ -219,7 +219,10 @@ def test_estimate_simulates_the_gpts_pipelines_and_tensor_parallelism_beside_the
 def test_zero3s_simulated_step_gathers_the_units_of_the_gpt_asked_about():
     """The step-time table's ZeRO-3 gathers one unit per block and the root (embeddings and head) of the GPT given,
     the root's bytes its own; for Φ asked about alone, of a standard GPT of about Φ (GPT-3's width nearest it)."""
+    import torch
+
     from psarch import registry
+    from psarch.models.gpt import GPT
     from psarch.theory.estimate_steps import Network, config
     from psarch.theory.estimate_tensor import GPTShape, standard_shape
     from psarch.theory.program import DataStep, Transfer
@@ -234,7 +237,8 @@ def test_zero3s_simulated_step_gathers_the_units_of_the_gpt_asked_about():
     shape = GPTShape(layers=6, hidden=256, heads=4, seq=128, vocab=1000)
     got = gathers(shape.workload(), shape.params())
     assert len(got) == 6 + 1
-    root = GPTShape(layers=0, hidden=256, heads=4, seq=128, vocab=1000).params()
+    with torch.device("meta"):   # the root alone: a GPT of no block, built as psarch.models.gpt builds it
+        root = sum(p.numel() for p in GPT(1000, 128, 0, 256, 4).parameters())
     assert got[0].bytes == pytest.approx(2 * root * (n - 1) / n)   # bf16; a ring moves (N-1)/N of it
     assumed = standard_shape(7.5e9)
     assert (assumed.hidden, assumed.heads) == (4096, 32) and assumed.params() == pytest.approx(7.5e9, rel=0.02)
@@ -256,3 +260,77 @@ def test_cli_estimate_of_a_gpt_shape_takes_its_units_and_its_params(capsys):
     assert "zero-3 gathers 7 units, the root (embeddings, head) and 6 blocks of the GPT given" in out
     assert main(["estimate", "--layers", "0", "--world", "8"]) == 2
     assert "--layers" in capsys.readouterr().err
+
+
+# ---------------------------------------------------------------- the hybrid (embeddings = "ps")
+
+DLRM = {"model": "dlrm", "data": "clicks", "dlrm": {"num_tables": 4, "rows": 100_000, "dim": 16}}
+HYBRIDS = (("ddp+ps/n", {"kind": "ddp"}), ("zero-3+ps/n", {"kind": "zero", "stage": 3}))
+
+
+def _hybrid(backend: dict, n: int, per_rank: int):
+    """The hybrid's own config at N = n: the tables on n servers beside the workers, the dense part by `backend`."""
+    from psarch.config import from_dict
+
+    return from_dict({"workload": DLRM, "train": {"precision": "fp32", "optimizer": "adamw",
+                                                  "global_batch": per_rank * n},
+                      "backend": {**backend, "world_size": n, "embeddings": "ps", "servers": n,
+                                  "server_placement": "colocated", "overlap_comm": True}})
+
+
+def test_the_hybrids_columns_are_the_simulators_step_of_its_config():
+    """A model with embedding tables adds the hybrid's columns to the step-time table (ddp and ZeRO-3 over the dense
+    part, the rows on a PS server beside each worker); each is the step simulator's for the hybrid's own config,
+    played in full where that is small (N = 2, 8) and reduced at N = 64."""
+    from psarch import registry
+    from psarch.theory.estimate_steps import Network, scaling_table
+    from psarch.theory.program import Cluster, DataStep
+    from psarch.theory.simulate import simulate
+
+    net, per_rank = Network(bandwidth=1.25e9, alpha=1e-5, compute_s=0.01), 32
+    phi = 4 * 100_000 * 16 + 10_000   # the tables and some dense layers
+    rows = {r["world"]: r for r in scaling_table(phi, "fp32", net, [2, 8, 64], workload=DLRM, per_rank=per_rank)}
+    for n in (2, 8, 64):
+        for label, backend in HYBRIDS:
+            cfg = _hybrid(backend, n, per_rank)
+            program = registry.spec_of(cfg).program(cfg, phi, DataStep.of(net.compute_s), n > 8)
+            step = simulate(program, Cluster.of(program, net.bandwidth, net.alpha)).step_s
+            assert rows[n][label] == pytest.approx(step, rel=1e-9), (n, label)
+            assert rows[n][label] < rows[n]["ddp ring"]   # the rows it touches against the whole tables
+
+
+def test_the_hybrid_is_ranked_with_its_memory_and_link_and_left_out_where_refused(tmp_path):
+    """`estimate --from CONFIG.toml` of a DLRM: the hybrid ranked beside the others at the config's N, its memory a
+    worker's model states plus its colocated server's share of the tables (theory.predict's), its link the busiest
+    node's bytes in the program; in bf16, which the hybrid's rows refuse, it is left out in one line; a GPT has no
+    tables and no hybrid."""
+    from psarch import theory
+    from psarch.theory.estimate import ranked
+    from psarch.theory.estimate_steps import Network, config
+
+    net = Network(compute_s=0.01)
+    phi = 4 * 100_000 * 16 + 10_000
+    got = {r["label"]: r for r in ranked(phi, 8, "fp32", "adamw", 1, net, None, DLRM, 32)}
+    for label, backend in HYBRIDS:
+        p = theory.predict(_hybrid(backend, 8, 32), phi)
+        assert p.server_memory and got[label]["memory"] == pytest.approx(p.memory_per_rank.total + p.server_memory)
+        assert got[label]["link"] < got["ddp ring"]["link"] / 100
+    assert [r["label"] for r in ranked(phi, 8, "fp32", "adamw", 1, net, None, DLRM, 32)][:2] == \
+        sorted(["ddp+ps/n", "zero-3+ps/n"], key=lambda k: got[k]["step"])
+    gpt = ranked(1e8, 8, "fp32", "adamw", 1, net)
+    assert not any("+ps" in r["label"] for r in gpt) and len(gpt) == 7   # ring, ZeRO 1-3, ps/1, ps/n (col)
+    assert config("ddp", {}, 8, "fp32", net, None, DLRM, 32).train.global_batch == 256
+
+    toml = tmp_path / "dlrm.toml"
+    toml.write_text('[workload]\nmodel = "dlrm"\ndata = "clicks"\n[workload.dlrm]\nrows = 100000\n'
+                    '[train]\nglobal_batch = 256\nprecision = "{}"\n[backend]\nkind = "ddp"\nworld_size = 8\n')
+    for precision in ("fp32", "bf16"):
+        (tmp_path / f"{precision}.toml").write_text(toml.read_text().replace("{}", precision))
+        est = [sys.executable, "-m", "psarch.cli", "estimate", "--from", str(tmp_path / f"{precision}.toml")]
+        out = subprocess.run(est, capture_output=True, text=True, timeout=scaled(120), check=True).stdout
+        assert "== at N = 8, ranked by simulated step" in out
+        if precision == "fp32":
+            assert "32 samples per worker" in out and " ddp+ps/n " in out and " zero-3+ps/n " in out
+        else:
+            assert "ddp+ps/n left out: backend.embeddings = \"ps\" with train.precision = \"bf16\"" in out
+            assert " ddp+ps/n " not in out.split("left out")[-1]

@@ -250,3 +250,68 @@ def test_factory_wrong_return_type_is_reported_before_any_rank_starts(factory_mo
     with pytest.raises(ConfigError, match="returned dict, expected psarch.Workload"):
         run(cfg, tmp_path / "out", echo=False)
     assert not (tmp_path / "out").exists()   # nothing prepared, no rank spawned
+
+
+# ---------------------------------------------------------------- builds for theory (the meta device)
+
+def test_a_meta_build_builds_its_data_source_at_its_first_batch(monkeypatch):
+    """Theory's builds (shapes on the meta device) read no data: the Markov source, seconds at a GPT's vocabulary,
+    is built when a batch first needs it; a real build knows its floor, a meta build none."""
+    import psarch.workload as wl
+
+    built = []
+
+    def counted(*args, **kwargs):
+        built.append(args)
+        return MarkovSource(*args, **kwargs)
+
+    monkeypatch.setattr(wl, "MarkovSource", counted)
+    meta = build_workload(tiny_cfg(), device="meta")
+    assert built == [] and meta.entropy_floor is None
+    assert meta.model.head.weight.shape[0] == 16   # the vocabulary from the config, no source read
+    cfg = tiny_cfg()
+    real = build_workload(cfg)
+    m = cfg.workload.markov
+    assert len(built) == 1 and real.entropy_floor == MarkovSource(16, m.branching, cfg.seed, m.concentration).entropy_rate
+    assert torch.equal(meta.batch(2, 0, 1), real.batch(2, 0, 1)) and len(built) == 2
+    meta.batch(3, 0, 1)
+    assert len(built) == 2   # built once
+
+
+def test_theory_model_is_built_once_per_model(monkeypatch):
+    """theory_model: one meta build per model, whatever the backend and world size around it."""
+    import psarch.workload as wl
+
+    calls = []
+    real = wl.build_workload
+    monkeypatch.setattr(wl, "build_workload", lambda cfg, device=None: calls.append(device) or real(cfg, device))
+    monkeypatch.setattr(wl, "_THEORY_MODELS", {})
+    a = wl.theory_model(tiny_cfg("backend.kind=ddp", "backend.world_size=2"))
+    assert wl.theory_model(tiny_cfg("backend.kind=zero", "backend.world_size=4")) is a and calls == ["meta"]
+    other = wl.theory_model(tiny_cfg("workload.gpt.n_layer=2"))
+    assert other is not a and calls == ["meta", "meta"] and all(p.is_meta for p in other.parameters())
+    assert len(other.blocks) == 2 and len(a.blocks) == 1
+
+
+@pytest.mark.parametrize("model", ["gpt", "mlp", "dlrm"])
+def test_a_meta_build_has_the_real_builds_parameters_without_initialising_them(model):
+    """Built on the meta device, without the fills that have nothing to fill there: the same parameters (names,
+    shapes, dtypes, which train) as the real build."""
+    extra = ["workload.model=dlrm", "workload.data=clicks", "workload.dlrm.rows=100"] if model == "dlrm" else \
+        [f"workload.model={model}"]
+    meta, real = (build_workload(tiny_cfg(*extra), device=d).model for d in ("meta", None))
+    assert all(p.is_meta for p in meta.parameters())
+    assert [(n, p.shape, p.dtype, p.requires_grad) for n, p in meta.named_parameters()] == \
+        [(n, p.shape, p.dtype, p.requires_grad) for n, p in real.named_parameters()]
+
+
+def test_a_meta_build_does_not_import_torchs_compiler(tmp_path):
+    """torch's meta kernel for a random draw imports torch._dynamo at its first call (about 1.7 s of CPU); a meta
+    build draws nothing."""
+    import subprocess
+
+    code = ("import sys\nfrom psarch.config import load_config\nfrom psarch.workload import build_workload\n"
+            "build_workload(load_config(None, ['workload.gpt.n_layer=2']), device='meta')\n"
+            "print('torch._dynamo' in sys.modules)\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
+    assert out.stdout.strip() == "False", out.stderr

@@ -63,9 +63,9 @@ def _units(cfg: Config) -> tuple[list[tuple[int, int]], list[bool]]:
     key = repr((cfg.workload, t.trainable, t.lora_rank, t.lora_targets, units_attr(b), b.embeddings))
     if key not in _UNITS:
         from psarch.model_units import find_units
-        from psarch.workload import build_workload
+        from psarch.workload import theory_model
 
-        model = build_workload(cfg, device="meta").model
+        model = theory_model(cfg)
         units = find_units(model, units_attr(b), frozen_too=True)
         sizes = [(sum(p.numel() for p in u.params), sum(p.numel() for p in u.frozen)) for u in units]
         if b.embeddings == "ps":
@@ -122,9 +122,9 @@ def _frozen_shapes(cfg: Config) -> list[tuple[int, ...]]:
     """The shapes of the config's frozen parameters (none unless it trains a subset), from the meta model."""
     if not trains_a_subset(cfg):
         return []
-    from psarch.workload import build_workload
+    from psarch.workload import theory_model
 
-    return [tuple(p.shape) for p in build_workload(cfg, device="meta").model.parameters() if not p.requires_grad]
+    return [tuple(p.shape) for p in theory_model(cfg).parameters() if not p.requires_grad]
 
 
 def fsdp2_frozen_rows(cfg: Config) -> int:

@@ -151,13 +151,14 @@ def table_params(cfg: Config) -> int:
 
 
 def config_for(kind: str, n: int, precision: str = "fp32", optimizer: str = "adamw", momentum: float = 0.0,
-               workload: dict | None = None, **backend: Any) -> Config:
+               workload: dict | None = None, per_rank: int = 1, **backend: Any) -> Config:
     """A config holding only what `predict` reads: for tables over kinds and world sizes (estimate,
     benchmarks); `backend`: that backend's options (stage, mode, servers, ...); `workload`: its [workload] section
-    (the model whose units ZeRO-3 gathers; default the default config's)."""
+    (the model whose units ZeRO-3 gathers; default the default config's); `per_rank`: samples per rank a step (the
+    rows a rank touches where tables are on servers)."""
     return from_dict({**({"workload": workload} if workload else {}),
                       "train": {"precision": precision, "optimizer": optimizer, "momentum": momentum,
-                                "global_batch": n},
+                                "global_batch": n * per_rank},
                       "backend": {"kind": kind, "world_size": n, **backend}})
 
 

@@ -25,7 +25,9 @@ def add_parser(p: argparse.ArgumentParser) -> None:
     p.add_argument("--partition-mb", type=float, help="the PS's partitions, MiB (default: its own, backend.partition_mb)")
     p.add_argument("--budget", type=float, help="device memory for the ZeRO paper's Table 2, bytes (default 32e9; "
                    "with --from, the table is shown only when a budget is given)")
-    p.add_argument("--from", dest="from_run", help="take Φ, N, precision and compute time from a run folder")
+    p.add_argument("--from", dest="from_run", help="take Φ, N, precision and compute time from a run folder, or the "
+                   "model (embedding tables: the hybrid's columns), samples per worker, Φ, N and precision from a "
+                   "config file (.toml)")
     plan = p.add_argument_group("plan", "--plan: every architecture for the GPT of --layers .. --vocab on --world "
                                 "devices, ranked by simulated step time")
     plan.add_argument("--plan", action="store_true", help="print the plan instead of the tables")
@@ -59,20 +61,18 @@ def command(args: argparse.Namespace) -> int:
         print(f"psarch: estimate: {e}", file=sys.stderr)
         return 2
     compute = args.compute_s
+    asked = None
     if args.from_run:
-        from psarch.report.runs import load_run, run_config   # imports torch: only for a run folder
-
         try:
-            run = load_run(args.from_run)
-            cfg = run_config(run)
+            asked, summary = _asked(args.from_run)
         except (FileNotFoundError, ValueError) as e:   # ConfigError is a ValueError
             print(f"psarch: estimate --from {args.from_run}: {e}", file=sys.stderr)
             return 2
-        summary = run["summary"]
-        measured = (summary, cfg)
-        phi = phi or summary["params"]
-        world, precision, optimizer = cfg.backend.world_size, cfg.train.precision, cfg.train.optimizer
-        compute = measured_compute(summary) if compute is None else compute
+        if summary is not None:
+            measured = (summary, asked)
+            compute = measured_compute(summary) if compute is None else compute
+        phi = phi or (summary["params"] if summary else _trainable(asked))
+        world, precision, optimizer = asked.backend.world_size, asked.train.precision, asked.train.optimizer
     phi = phi or (model.params() if model else None)   # a GPT given alone: its own Φ
     if args.pipeline and (args.pipeline < 1 or world % args.pipeline or args.microbatches < 1):
         print(f"psarch: estimate: --pipeline {args.pipeline} must divide --world {world}, and --microbatches "
@@ -92,11 +92,30 @@ def command(args: argparse.Namespace) -> int:
         tensor = _tensor_shape(args, world)
         gpt = _gpt(args) if tensor or args.pipeline else None
         print(report(phi, world, precision, optimizer, args.servers, network, args.budget, measured, source, options,
-                     tensor, extra, gpt, model), end="")
+                     tensor, extra, gpt, model, asked), end="")
     except ConfigError as e:
         print(f"psarch: estimate: {e}", file=sys.stderr)
         return 2
     return 0
+
+
+def _asked(path: str) -> tuple[Any, Any]:
+    """(the config, the run's summary) of --from: a run folder, or a config file (.toml: nothing measured)."""
+    if path.endswith(".toml"):
+        from psarch.config import load_config
+
+        return load_config(path), None
+    from psarch.report.runs import load_run, run_config   # imports torch: only for a run folder
+
+    run = load_run(path)
+    return run_config(run), run["summary"]
+
+
+def _trainable(cfg: Any) -> int:
+    """Φ of a config's model: its parameters that train (counted on the meta device)."""
+    from psarch.workload import theory_model
+
+    return sum(p.numel() for p in theory_model(cfg).parameters() if p.requires_grad)
 
 
 # the flags that shape the GPT asked about (--micro-batch is the batch, not the model)

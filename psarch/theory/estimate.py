@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 from psarch import registry, theory
 from psarch.config import Config, ConfigError
 from psarch.records import Summary
-from psarch.theory.estimate_steps import Network, architectures, crossover, scaling_table, simulated
+from psarch.theory.estimate_steps import Network, accepted, config, crossover, scaling_table, simulated
 from psarch.units import TIMES, fmt_size, fmt_time, in_unit, size_unit, unit_for
 
 if TYPE_CHECKING:   # imported where used: it needs torch (the GPT's own parameter count), the tables do not
@@ -86,7 +86,7 @@ def report(phi: float, world: int, precision: str = "bf16", optimizer: str = "ad
            network: Network | None = None, budget: float | None = None, measured: tuple[Summary, Config] | None = None,
            compute_from: str | None = None, options: dict | None = None,
            tensor: tuple[GPTShape, int] | None = None, extra: dict | None = None, gpt: GPTShape | None = None,
-           model: GPTShape | None = None) -> str:
+           model: GPTShape | None = None, asked: Config | None = None) -> str:
     """Everything `psarch estimate` prints; `measured` is a run's (summary, config), compared with the model
     at the end; `compute_from` names the run the cluster's compute time was measured in, if any; `options`
     the backend options asked for on the command line (a pipeline's stages and micro-batches: the rows
@@ -95,7 +95,9 @@ def report(phi: float, world: int, precision: str = "bf16", optimizer: str = "ad
     times, each for the backends that read it (--partition-mb: the PS's partition_mb); `gpt`: the GPT whose
     pipeline (`options`) and tensor-parallel (`tensor`) steps are simulated beside the ring's; `model`: the GPT asked
     about, whose units (its root and blocks) ZeRO-3's simulated step gathers one by one, scaled to Φ (None: a measured
-    run's own model, else a standard GPT of about Φ, standard_shape, named in the output). The ZeRO paper's Table 2 (the largest
+    run's own model, else a standard GPT of about Φ, standard_shape, named in the output); `asked`: the config of the
+    model asked about (a config file's; default a measured run's): its model and samples per worker, and with
+    embedding tables the hybrid's steps (the tables on PS servers). The ZeRO paper's Table 2 (the largest
     model a device `budget` holds, default 32 GB) is about models of billions of parameters: it is shown for a
     Φ asked about, and for a measured run only when a budget is given."""
     c = network or Network()
@@ -104,7 +106,11 @@ def report(phi: float, world: int, precision: str = "bf16", optimizer: str = "ad
         out += _table2_lines(32e9 if budget is None else budget)
     out += _traffic_lines(phi, world, precision, optimizer, servers)
     out += backend_rows(phi, world, precision, optimizer, options or {})
-    out += _scaling_lines(phi, precision, servers, c, compute_from, extra, *_units(phi, model, measured))
+    asked = asked or (measured[1] if measured else None)
+    per_rank = max(1, asked.train.global_batch // asked.backend.world_size) if asked else 1
+    workload, units = _units(phi, model, asked)
+    out += _scaling_lines(phi, precision, servers, c, compute_from, extra, workload, units, per_rank, optimizer)
+    out += _ranked_lines(phi, world, precision, optimizer, servers, c, extra, workload, per_rank)
     if tensor:
         from psarch.theory.estimate_tensor import tensor_report
 
@@ -187,13 +193,13 @@ def _traffic_lines(phi: float, world: int, precision: str, optimizer: str, serve
     return out + [f"{label:>16} " + " ".join(f"{in_unit(x, scale):>13}" for x in xs) for label, xs in rows]
 
 
-def _units(phi: float, model: GPTShape | None, measured: tuple[Summary, Config] | None) -> tuple[dict, str]:
-    """The model whose units ZeRO-3's step gathers (a config's [workload] section) and a line that says which: a
-    measured run's own, the GPT given, or a standard one of about Φ (standard_shape)."""
+def _units(phi: float, model: GPTShape | None, asked: Config | None) -> tuple[dict, str]:
+    """The model whose units ZeRO-3's step gathers (a config's [workload] section) and a line that says which: the
+    config's own (a measured run's, a config file's), the GPT given, or a standard one of about Φ (standard_shape)."""
     from psarch.theory.estimate_tensor import standard_shape
 
-    if measured and model is None:
-        return measured[1].to_dict()["workload"], "zero-3 gathers the run's own model's units (its root and blocks)"
+    if asked and model is None:
+        return asked.to_dict()["workload"], "zero-3 gathers the asked config's own model's units (its root and blocks)"
     shape = model or standard_shape(phi)
     what = "the GPT given" if model else ("a GPT assumed for Φ (GPT-3's width nearest it, blocks to match; "
                                           "--layers, --hidden, --heads, --seq-len, --vocab give another)")
@@ -204,16 +210,21 @@ def _units(phi: float, model: GPTShape | None, measured: tuple[Summary, Config] 
 
 
 def _scaling_lines(phi: float, precision: str, servers: int, c: Network, compute_from: str | None,
-                   extra: dict | None, workload: dict | None = None, units: str = "") -> list[str]:
+                   extra: dict | None, workload: dict | None = None, units: str = "", per_rank: int = 1,
+                   optimizer: str = "adamw") -> list[str]:
     worlds = [2**k for k in range(11)]
-    rows = scaling_table(phi, precision, c, worlds, servers, extra, workload)
-    keys = list(architectures(servers))
+    rows = scaling_table(phi, precision, c, worlds, servers, extra, workload, per_rank, optimizer)
+    cells, refused = accepted(precision, c, servers, extra, workload, per_rank, optimizer)
+    keys = list(cells)
     unit, scale = unit_for([r[k] for r in rows for k in keys], TIMES)
     source = f" (measured in {compute_from})" if compute_from else ""
     sent = "from backward's hooks" if c.overlap else "after backward"
     out = ["", f"== step time ({unit}) simulated: compute {fmt_time(c.compute_s)}/step/worker{source} (weak scaling), "
                f"link {fmt_size(c.bandwidth)}/s each way, latency {fmt_time(c.alpha)}, gradients sent {sent}",
            *([units] if units else []),
+           *(["the hybrid (+ps/n): the tables' rows on a PS server beside each worker, "
+              f"{per_rank} samples per worker"] if any(k.endswith("+ps/n") for k in keys) else []),
+           *[f"{k} left out: {why}" for k, why in refused.items()],
            f"{'N':>6} " + " ".join(f"{k:>9}" for k in keys) + "   (ps/n: one server per worker; col: beside it)"]
     for row in rows:
         out.append(f"{row['world']:>6} " + " ".join(f"{row[k] / scale:>9.3g}" for k in keys))
@@ -222,6 +233,37 @@ def _scaling_lines(phi: float, precision: str, servers: int, c: Network, compute
         out.append(f"{k} overtakes ring all-reduce at N = {n}" if n else
                    f"{k} does not overtake ring all-reduce up to N = {worlds[-1]}")
     return out
+
+
+def ranked(phi: float, world: int, precision: str, optimizer: str, servers: int, c: Network,
+           extra: dict | None = None, workload: dict | None = None, per_rank: int = 1) -> list[dict]:
+    """Every architecture of the step-time table at N = world, ranked by its simulated step: its step, model states
+    per device (with a colocated server's share: the PS's, the hybrid's tables) and the bytes the busiest node
+    sends a step (psarch.theory.plan.sent_per_node)."""
+    from psarch.theory.plan import sent_per_node, simulated_step
+
+    rows = []
+    for label, (kind, opts) in accepted(precision, c, servers, extra, workload, per_rank, optimizer)[0].items():
+        cfg = config(kind, opts, world, precision, c, extra, workload, per_rank, optimizer)
+        timed = simulated_step(cfg, phi, c.compute_s, c.bandwidth, c.alpha)
+        if timed is None:
+            continue
+        p = theory.predict(cfg, phi)
+        colocated = getattr(cfg.backend, "server_placement", "") == "colocated"
+        rows.append({"label": label, "step": timed[0].step_s,
+                     "memory": p.memory_per_rank.total + (p.server_memory or 0.0 if colocated else 0.0),
+                     "link": max(sent_per_node(timed[1]))})
+    return sorted(rows, key=lambda r: r["step"])
+
+
+def _ranked_lines(phi: float, world: int, precision: str, optimizer: str, servers: int, c: Network,
+                  extra: dict | None, workload: dict | None, per_rank: int) -> list[str]:
+    rows = ranked(phi, world, precision, optimizer, servers, c, extra, workload, per_rank)
+    out = ["", f"== at N = {world}, ranked by simulated step: model states per device (a colocated server's "
+               f"included) and the bytes the busiest node sends a step",
+           f"{'#':>3} {'architecture':>12} {'step':>10} {'memory':>10} {'sent/link':>10}"]
+    return out + [f"{i:>3} {r['label']:>12} {fmt_time(r['step']):>10} {fmt_size(r['memory']):>10} "
+                  f"{fmt_size(r['link']):>10}" for i, r in enumerate(rows, 1)]
 
 
 def measured_vs_model(summary: Summary, cfg: Config, c: Network) -> str:

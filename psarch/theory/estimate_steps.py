@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from psarch import registry, theory
-from psarch.config import Config, option_keys
+from psarch.config import Config, ConfigError, option_keys
 from psarch.theory.program import Cluster, DataStep
 from psarch.theory.simulate import StepTime, simulate
 
@@ -24,8 +24,14 @@ class Network:
     overlap: bool = True          # buckets and partitions sent from backward's hooks (backend.overlap_comm)
 
 
-def architectures(servers: int) -> dict[str, tuple[str, dict[str, Any]]]:
-    """The columns of the step-time table: label -> (backend.kind, its options; servers "n": one per worker)."""
+# the hybrid (backend.embeddings = "ps"): the tables' rows on a PS server beside each worker, the dense part
+# all-reduced (ddp) or sharded (ZeRO-3)
+HYBRID = {"embeddings": "ps", "servers": "n", "server_placement": "colocated"}
+
+
+def architectures(servers: int, tables: bool = False) -> dict[str, tuple[str, dict[str, Any]]]:
+    """The columns of the step-time table: label -> (backend.kind, its options; servers "n": one per worker);
+    `tables`: the model has embedding tables, and the hybrid's columns are added."""
     out: dict[str, tuple[str, dict[str, Any]]] = {
         RING: ("ddp", {}), "zero-1": ("zero", {"stage": 1}), "zero-2": ("zero", {"stage": 2}),
         "zero-3": ("zero", {"stage": 3}), "ps/1": ("ps", {"servers": 1})}
@@ -33,20 +39,30 @@ def architectures(servers: int) -> dict[str, tuple[str, dict[str, Any]]]:
         out[f"ps/{servers}"] = ("ps", {"servers": servers})
     out["ps/n"] = ("ps", {"servers": "n"})
     out["ps/n col"] = ("ps", {"servers": "n", "server_placement": "colocated"})
+    if tables:
+        out["ddp+ps/n"] = ("ddp", HYBRID)
+        out["zero-3+ps/n"] = ("zero", {"stage": 3, **HYBRID})
     return out
 
 
+def has_tables(workload: dict[str, Any] | None) -> bool:
+    """Whether the model of a config's [workload] section has embedding tables (the built-in DLRM's)."""
+    return (workload or {}).get("model") == "dlrm"
+
+
 def config(kind: str, options: dict[str, Any], n: int, precision: str, net: Network,
-           extra: dict[str, Any] | None = None, workload: dict[str, Any] | None = None) -> Config:
+           extra: dict[str, Any] | None = None, workload: dict[str, Any] | None = None, per_rank: int = 1,
+           optimizer: str = "adamw") -> Config:
     """The config of one cell: `options` at world size n (servers "n": n), and of `extra` the backend options
     this backend reads (e.g. the PS's partition_mb); `workload`: the model asked about (whose units ZeRO-3 gathers),
-    as a config's [workload] section."""
+    as a config's [workload] section; `per_rank`: its samples per worker a step."""
     opts = {k: (n if v == "n" else v) for k, v in options.items()}
-    cfg = theory.config_for(kind, n, precision, "adamw", workload=workload, overlap_comm=net.overlap, **opts)
+    cfg = theory.config_for(kind, n, precision, optimizer, workload=workload, per_rank=per_rank,
+                            overlap_comm=net.overlap, **opts)
     own = option_keys(registry.spec_of(cfg))
     reads = {k: v for k, v in (extra or {}).items() if f"backend.{k}" in own}
-    return theory.config_for(kind, n, precision, "adamw", workload=workload, overlap_comm=net.overlap, **opts,
-                             **reads) if reads else cfg
+    return theory.config_for(kind, n, precision, optimizer, workload=workload, per_rank=per_rank,
+                             overlap_comm=net.overlap, **opts, **reads) if reads else cfg
 
 
 def simulated(cfg: Config, phi: float, net: Network, reduced: bool = True) -> StepTime:
@@ -66,11 +82,31 @@ def no_program(cfg: Config) -> Exception:
 
 
 def scaling_table(phi: float, precision: str, net: Network, worlds: list[int], servers: int = 1,
-                  extra: dict[str, Any] | None = None, workload: dict[str, Any] | None = None) -> list[dict[str, float]]:
-    """Step seconds of each architecture (architectures(servers)) at each N; `extra`: backend options, each for
-    the backends that read it (e.g. the PS's partition_mb); `workload`: the model asked about (config's)."""
-    return [{"world": n, **{label: simulated(config(kind, opts, n, precision, net, extra, workload), phi, net).step_s
-                            for label, (kind, opts) in architectures(servers).items()}} for n in worlds]
+                  extra: dict[str, Any] | None = None, workload: dict[str, Any] | None = None,
+                  per_rank: int = 1, optimizer: str = "adamw") -> list[dict[str, float]]:
+    """Step seconds of each architecture (accepted(...)) at each N; `extra`: backend options, each for the
+    backends that read it (e.g. the PS's partition_mb); `workload`: the model asked about (config's); `per_rank`:
+    its samples per worker a step."""
+    cells = accepted(precision, net, servers, extra, workload, per_rank, optimizer)[0]
+    return [{"world": n, **{label: simulated(config(kind, opts, n, precision, net, extra, workload, per_rank,
+                                                    optimizer), phi, net).step_s
+                            for label, (kind, opts) in cells.items()}} for n in worlds]
+
+
+def accepted(precision: str, net: Network, servers: int = 1, extra: dict[str, Any] | None = None,
+             workload: dict[str, Any] | None = None, per_rank: int = 1,
+             optimizer: str = "adamw") -> tuple[dict[str, tuple[str, dict[str, Any]]], dict[str, str]]:
+    """The architectures (architectures(servers, tables: the model's)) whose config their backend accepts for the
+    model asked about, and the one-line reason of each it refuses (the hybrid's rows move in fp32 only)."""
+    cells, refused = {}, {}
+    for label, (kind, opts) in architectures(servers, has_tables(workload)).items():
+        try:
+            config(kind, opts, 2, precision, net, extra, workload, per_rank, optimizer)
+        except ConfigError as e:
+            refused[label] = str(e)
+            continue
+        cells[label] = (kind, opts)
+    return cells, refused
 
 
 def crossover(rows: list[dict[str, float]], label: str) -> int | None:

@@ -6,11 +6,9 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-import torch
-
 from psarch import theory
 from psarch.config import Config, from_dict
-from psarch.models.gpt import GPT
+from psarch.workload import theory_model
 
 
 @dataclass(frozen=True)
@@ -26,9 +24,8 @@ class GPTShape:
     vocab: int = 50257
 
     def params(self) -> int:
-        with torch.device("meta"):
-            model = GPT(self.vocab, self.seq, self.layers, self.hidden, self.heads)
-        return sum(p.numel() for p in model.parameters())
+        """Φ: the parameters of the GPT the config's workload builds (psarch.workload.theory_model, built once)."""
+        return sum(p.numel() for p in theory_model(from_dict({"workload": self.workload()})).parameters())
 
     def workload(self) -> dict:
         """The config's [workload] section of this GPT (on Markov data of its vocabulary)."""
@@ -46,8 +43,9 @@ def standard_shape(phi: float) -> GPTShape:
     """A GPT of about Φ = phi parameters for a Φ asked about alone: the width and heads of GPT-3's size nearest Φ
     (GPT3_WIDTHS), as many blocks as bring it nearest Φ (at least one), the default sequence and vocabulary."""
     _, hidden, heads = min(GPT3_WIDTHS, key=lambda row: abs(math.log(phi / row[0])))
-    root = GPTShape(0, hidden, heads).params()
-    block = GPTShape(1, hidden, heads).params() - root
+    one, two = (GPTShape(k, hidden, heads).params() for k in (1, 2))
+    block = two - one
+    root = one - block
     return GPTShape(max(1, round((phi - root) / block)), hidden, heads)
 
 
