@@ -20,6 +20,7 @@ from parity import assert_same_model
 from ps_setup import TINY_GPT, config, ps
 from psarch.config import ConfigError, from_dict
 from psarch.errors import RunError
+from psarch.ps import wire
 from psarch.ps.errors import ServiceError
 from psarch.ps.partitions import chain
 from psarch.ps.replication import death, diverged, join_held, members_of, members_text
@@ -62,9 +63,11 @@ def test_a_dead_server_stops_the_run_only_when_some_partition_has_no_live_holder
 def test_a_round_s_members_travel_as_one_short_string():
     assert members_text([0, 1, 3]) == "b" and members_of("b", 4) == {0, 1, 3} and members_text([]) == "0"
     assert members_of(members_text(range(1000)), 1000) == set(range(1000))
-    for bad in ("b", "x", "", "-1", "0"):   # "0": a round of no one, whose mean would divide by 0
+    for bad in ("x", "", "-1", "0", "B"):   # "0": a round of no one, whose mean would divide by 0
         with pytest.raises(ValueError, match="expected a hexadecimal bit mask of some of workers 0..2"):
             members_of(bad, 3)
+    with pytest.raises(ValueError, match=r"^members 'b' name worker 3: this run has workers 0..2$"):
+        members_of("b", 3)
 
 
 def test_holders_whose_rounds_differ_stop_the_run_in_one_line():
@@ -86,18 +89,60 @@ def test_copies_that_differ_are_found_when_the_model_is_joined():
     assert not join_held(cfg, helds, 6)[1]
 
 
-def _program_bytes(cfg, phi: float) -> tuple[dict[int, float], dict[int, float]]:
-    """Bytes into and out of each node of cfg's step program written in full (a step, compute 0)."""
+def _transfers(cfg, phi: float) -> list:
+    """The transfers of cfg's step program written in full (a step, compute 0)."""
     from psarch import registry
     from psarch.theory.program import DataStep, Transfer
 
+    return [op for op in registry.spec_of(cfg).program(cfg, phi, DataStep(0.0, 0.0), False).ops
+            if isinstance(op, Transfer)]
+
+
+def _program_bytes(cfg, phi: float) -> tuple[dict[int, float], dict[int, float]]:
+    """Bytes into and out of each node of cfg's step program written in full, its pushes and pulls (not the
+    replicas' commits and their acks)."""
     into: dict[int, float] = {}
     out: dict[int, float] = {}
-    for op in registry.spec_of(cfg).program(cfg, phi, DataStep(0.0, 0.0), False).ops:
-        if isinstance(op, Transfer):
+    for op in _transfers(cfg, phi):
+        if not op.name.startswith(("commit.", "ack.")):
             into[op.dst] = into.get(op.dst, 0.0) + op.bytes
             out[op.src] = out.get(op.src, 0.0) + op.bytes
     return into, out
+
+
+def test_a_commit_and_its_ack_cost_what_the_wire_sends():
+    """messages.commit_bytes and ack_bytes (what the step program charges) against wire.encode of the header a worker
+    sends (ServerLink, messages.commit_header) and the ack a server answers, at the edges of msgpack's int and str
+    sizes."""
+    from psarch.ps.messages import ack_bytes, commit_bytes, commit_header
+    for workers, step, offset, worker in [(2, 0, 0, 1), (4, 127, 128, 3), (32, 255, 65_536, 31),
+                                          (200, 70_000, 2**32, 199), (1024, 10**6, 7, 1023)]:
+        header = dict(commit_header(step, offset, members_text(range(workers))), worker=worker)
+        assert commit_bytes(workers, step, offset, worker) == wire.frames_bytes(wire.encode(header))
+        assert wire.decode(wire.encode(header)).op == "commit"
+    for version in (0, 127, 128, 2**16, 2**40):
+        assert ack_bytes(version) == wire.frames_bytes(wire.encode({"op": "ack", "version": version}))
+
+
+@pytest.mark.parametrize("colocated", [False, True])
+def test_the_step_program_sends_each_follower_one_commit_per_partition_and_worker(colocated):
+    """With r replicas each worker sends, per step, one commit to each of a partition's r other holders and takes one
+    ack back, as ServerLink does (test_r1_without_faults counts them in a run), each of messages.commit_bytes's and
+    ack_bytes's bytes (the run's largest commit: its last step and partition, its last worker)."""
+    from psarch.ps.layout import server_partitions
+    from psarch.ps.messages import ack_bytes, commit_bytes
+
+    n, servers, r, phi = 4, 3, 2, 1e6
+    placement = "colocated" if colocated else "dedicated"
+    cfg = _cfg("r", dict(ps(n, servers=servers, replicas=r), partition_mb=0.05, server_placement=placement))
+    parts = server_partitions(cfg, int(phi))
+    count = sum(map(len, parts))
+    ops = _transfers(cfg, phi)
+    last = max(a for own in parts for a, _ in own)
+    for kind, size in (("commit.", commit_bytes(n, SGD["steps"] - 1, last, n - 1)), ("ack.", ack_bytes(SGD["steps"]))):
+        sent = [op for op in ops if op.name.startswith(kind)]
+        # colocated: each of a partition's r followers has a worker beside it, whose commit crosses no link
+        assert len(sent) == (n - colocated) * count * r and {op.bytes for op in sent} == {size}
 
 
 @pytest.mark.parametrize("replicas, servers", [(1, 3), (2, 3), (1, 2)])
@@ -166,7 +211,8 @@ def test_r1_without_faults_ends_with_the_model_of_r0_and_its_bytes_are_r_times_t
     """3 servers, partitions dealt round robin (each server holds its own and the previous server's)."""
     backend = dict(ps(2, servers=3), partition_mb=0.01)
     base = psarch.run(_cfg("r0", backend), tmp_path / "r0", echo=False)
-    rep = psarch.run(_cfg("r1", dict(backend, replicas=1)), tmp_path / "r1", echo=False)
+    rep_cfg = _cfg("r1", dict(backend, replicas=1))
+    rep = psarch.run(rep_cfg, tmp_path / "r1", echo=False)
     assert _children() == []
     assert rep["status"] == base["status"] == "finished" and "replication" not in base
     _same(tmp_path / "r1", tmp_path / "r0", "r = 1 vs r = 0")
@@ -175,6 +221,16 @@ def test_r1_without_faults_ends_with_the_model_of_r0_and_its_bytes_are_r_times_t
     # the formula (theory.replication, r x the primaries' bytes of the same ops), exactly, in counted bytes
     assert r["received"] == r["formula_received"] == r["primary_received"] > 0
     assert r["sent"] == r["formula_sent"] == r["primary_sent"] > 0
+    # each worker's commits, as the step program sends them: one per step, partition and follower, and its ack;
+    # each of messages.commit_bytes's and ack_bytes's bytes (the round summed every worker)
+    from psarch.ps.layout import server_partitions
+    from psarch.ps.messages import ack_bytes, commit_bytes
+    starts = sorted(a for own in server_partitions(rep_cfg, rep["params"]) for a, _ in own)
+    for w, per in enumerate(rep["traffic"]["per_rank"]):
+        c = per["ops"]["commit"]
+        assert c["calls"] == rep["steps"] * len(starts) * 1
+        assert c["sent"] == sum(commit_bytes(2, step, a, w) for step in range(rep["steps"]) for a in starts)
+        assert c["received"] == sum(ack_bytes(step + 1) for step in range(rep["steps"]) for _ in starts)
     # and the primaries' bytes are r = 0's servers' on those ops: replication adds r x, nothing else
     ops = [s["ops"] for s in base["traffic"]["servers"]]
     assert r["primary_received"] == sum(o[k]["received"] for o in ops for k in ("pull", "pushpull") if k in o)
@@ -313,19 +369,15 @@ def r0_killed_at_3(tmp_path_factory) -> Path:
     return out
 
 
-@pytest.mark.parametrize("how", ["killed", "dies between its sends", "paused"])
+@pytest.mark.parametrize("how", ["killed", "dies between its sends"])
 def test_a_worker_lost_mid_run_is_dropped_from_the_same_round_by_every_holder(tmp_path, r0_killed_at_3, how):
     """Worker 2 of 3 with r = 1, lost at step 3: killed as the step begins; or dead as it sends step 3's pushes,
     after one of them reached a replica (the partition's primary never had it and sums round 3 over workers 0 and
     1; the replica, which has the dead worker's push, sums the same, as the survivors' `commit` says, and drops
-    it); or stopped as the step begins for longer than backend.timeout_s (each partition's primary drops it on its
-    own clock, its replica follows; back, it is refused and leaves: no re-admission with replicas). Each run
-    finishes, its copies bit for bit equal, with the model of the r = 0 run whose worker 2 is killed as step 3
-    begins (rounds 3 to 7 are workers 0 and 1's in both; SGD with momentum)."""
+    it). Each run finishes, its copies bit for bit equal, with the model of the r = 0 run whose worker 2 is killed
+    as step 3 begins (rounds 3 to 7 are workers 0 and 1's in both; SGD with momentum)."""
     backend = dict(KILLED_AT_3, replicas=1)
-    t = KILLED_AT_3["timeout_s"]
-    fault = {"killed": {"kill": [{"node": "worker 2", "step": 3}]}, "dies between its sends": {},
-             "paused": {"pause": [{"node": "worker 2", "step": 3, "seconds": 1.7 * t}]}}[how]
+    fault = {"killed": {"kill": [{"node": "worker 2", "step": 3}]}, "dies between its sends": {}}[how]
     extra = {"workload": {"factory": "test_replication:dies_between_its_sends"}} if how == "dies between its sends" else {}
     cfg = from_dict(config("r1", train=SGD, backend=backend, faults=fault, **extra))
     summary = psarch.run(cfg, tmp_path / "r1", echo=False)
@@ -336,6 +388,39 @@ def test_a_worker_lost_mid_run_is_dropped_from_the_same_round_by_every_holder(tm
     assert [d["version"] for d in summary["servers_detail"]] == [8, 8]
     assert [[d["from_round"] for d in s["drops"]] for s in summary["servers_detail"]] == [[3], [3]]
     _same(tmp_path / "r1", r0_killed_at_3, f"r = 1, worker 2 {how} at step 3, vs r = 0, killed as step 3 began")
+
+
+def _paused_and_back(name: str, out: Path, replicas: int) -> dict:
+    """Worker 2 of 3 stopped as step 3 begins for 1.2 x backend.timeout_s (each partition's first holder drops it
+    from round 3), workers 0 and 1 as step 5 begins (about backend.timeout_s later) for 0.7 x (so that the run is
+    still at round 5 when worker 2 returns, whatever the step time, and its rejoin is held for less than its own
+    timeout): back, worker 2's push of step 3 is refused, it asks to rejoin at round 6, and every server takes it
+    back there once round 5 is in (test_faults' r = 0 test, with 3 workers)."""
+    t = scaled(2.0)
+    fault = {"pause": [{"node": "worker 2", "step": 3, "seconds": 1.2 * t},
+                       {"node": "worker 0", "step": 5, "seconds": 0.7 * t},
+                       {"node": "worker 1", "step": 5, "seconds": 0.7 * t}]}
+    return psarch.run(_cfg(name, ps(3, servers=2, timeout_s=t, replicas=replicas), fault, steps=10), out, echo=False)
+
+
+def test_a_paused_worker_that_returns_is_taken_back_at_the_same_round_by_every_holder(tmp_path):
+    """r = 1, 3 workers, 2 servers (each holds both partitions: its own and the other's replica). Worker 2 is dropped
+    from round 3 by each partition's first holder, its replicas following their commits; back, it is re-admitted at
+    round 6 by both servers, and each holder's round 6 sums it again (the first holder decides, its follower sums
+    what the commit names). The run finishes with no worker lost, the copies bit for bit equal, and the model of
+    the r = 0 run with the same pauses (the same rounds: 0-2 and 6-9 all three workers', 3-5 workers 0 and 1's)."""
+    base = _paused_and_back("r0", tmp_path / "r0", 0)
+    rep = _paused_and_back("r1", tmp_path / "r1", 1)
+    assert _children() == []
+    drop = [{"worker": 2, "from_round": 3, "died": False, "readmitted_at": 6}]
+    for s in (base, rep):
+        assert s["status"] == "finished" and s["lost_workers"] == [] and s["dropped_workers"] == drop
+        assert [d["drops"] for d in s["servers_detail"]] == [drop, drop]
+        assert [d["version"] for d in s["servers_detail"]] == [10, 10]
+    assert rep["replication"]["copies_identical"] and rep["replication"]["dead_servers"] == []
+    rank2 = [json.loads(x) for x in (tmp_path / "r1" / "ranks" / "rank2.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rank2] == [0, 1, 2, 3, 6, 7, 8, 9] and rank2[3]["extra"]["rejoined_at"] == 6
+    _same(tmp_path / "r1", tmp_path / "r0", "r = 1 vs r = 0, worker 2 paused at step 3 and taken back at round 6")
 
 
 def test_a_replica_sums_what_its_first_holder_summed_and_refuses_a_commit_that_differs(request):
@@ -380,3 +465,82 @@ def test_a_replica_sums_what_its_first_holder_summed_and_refuses_a_commit_that_d
     assert r.op == "ack" and r.header["version"] == 2, r.header
     r = raw[2].ask({"op": "commit", "worker": 2, "step": 0, "offset": 0, "members": members_text([0, 1])})
     assert r.op == "error" and r.header["code"] == "lost" and "was dropped" in r.header["message"], r.header
+
+
+def _follower(request, **backend):
+    """Servers 0 and 1 (threads), r = 1, 3 workers: server 1 holds server 0's partition [0, a) as its replica. Returns
+    (services, a, raw peers of workers 0..2 on server 1, push(w, step, op), commit(w, step, members))."""
+    from psarch.ps.layout import server_partitions
+    start = request.getfixturevalue("server")
+    services, numel = start("sync", workers=3, servers=2, replicas=1, **backend)
+    cfg = from_dict(config("srv", workload={"model": "mlp"}, backend=ps(3, "sync", 2, replicas=1)))
+    [(_, a)] = server_partitions(cfg, numel)[0]
+    raw = {w: start.raw(services.info.addresses[1], w) for w in range(3)}
+
+    def push(w: int, step: int, op: str = "push", offset: int = 0) -> None:
+        size = a if offset == 0 else numel - a
+        raw[w].send({"op": op, "worker": w, "step": step, "version": 0, "offset": offset}, torch.ones(size))
+        if op == "push":
+            r = raw[w].reply()
+            assert r is not None and r.op == "ack", r and r.header
+
+    def commit(w: int, step: int, members) -> wire.Message:
+        text = members if isinstance(members, str) else members_text(members)
+        return raw[w].ask({"op": "commit", "worker": w, "step": step, "offset": 0, "members": text})
+    return services, a, raw, push, commit
+
+
+def test_a_replica_refuses_at_once_a_commit_naming_a_worker_that_cannot_push_the_round_here(request):
+    """A commit naming a worker out of range, one whose pushes here stopped before the round before (a round went on
+    without it and this server has not taken it back), or one that asked this server to rejoin at a later round (its
+    earlier requests are all handled) is refused at once, in one line naming the worker and why; the refusal
+    changes nothing (the right commit then completes the round)."""
+    services, a, raw, push, commit = _follower(request)
+    r = commit(0, 0, "8")
+    assert r.op == "error" and r.header["message"] == (f"server 1: commit: partition [0, {a}) step 0: members '8' "
+                                                       f"name worker 3: this run has workers 0..2"), r.header
+    for w in range(3):
+        push(w, 0)
+    assert commit(0, 0, [0, 1, 2]).header["version"] == 1
+    raw[2].send({"op": "rejoin", "worker": 2, "step": 3})   # held until round 3: worker 2 sends nothing meanwhile
+    assert raw[2].reply(300) is None
+    push(0, 1)
+    push(1, 1)
+    r = commit(0, 1, [0, 1, 2])
+    assert r.op == "error" and r.header["message"] == (
+        f"server 1: commit: partition [0, {a}) step 1: its first holder's round sums worker 2, which cannot push it "
+        f"here (it asked this server to rejoin at round 3): the copies cannot agree"), r.header
+    assert commit(1, 1, [0, 1]).header["version"] == 2   # refused, nothing changed: the round is still open
+    push(0, 2)
+    push(1, 2)
+    r = commit(1, 2, [0, 1, 2])
+    assert r.op == "error" and r.header["message"] == (
+        f"server 1: commit: partition [0, {a}) step 2: its first holder's round sums worker 2, which cannot push it "
+        f"here (its last push here was of step 0: a round went on without it, and this server has not taken it "
+        f"back): the copies cannot agree"), r.header
+    assert "\n" not in r.header["message"] and commit(0, 2, [0, 1]).header["version"] == 3
+
+
+@pytest.mark.parametrize("how", ["died", "dropped", "live"])
+def test_a_replica_that_waits_in_vain_for_a_push_names_the_worker_and_why(request, how):
+    """A commit naming worker 2, which may still push (died as it sent, as far as this server knows; dropped from this
+    server's own rounds on its clock, which a stopped worker comes back from; live) is waited for; after 2 x
+    backend.timeout_s the replica stops, in one line naming worker 2 and what it knows of it."""
+    services, a, raw, push, commit = _follower(request, timeout_s=1.0)
+    why = {"died": "its process died (the launcher said so)",
+           "dropped": "this server dropped it from its own rounds at round 0 (dead, hung or stopped)",
+           "live": "it is live here, its push of the round not sent or still on its way"}[how]
+    if how == "died":
+        services.worker_lost(2, "killed by the test")
+    if how == "dropped":   # server 1's own partition's round 0 waits backend.timeout_s for worker 2, then drops it
+        push(0, 0, offset=a)
+        push(1, 0, offset=a)
+        time.sleep(1.5)
+    push(0, 0, "pushpull")   # its pull waits for the round
+    push(1, 0)
+    assert commit(1, 0, [0, 1, 2]).op == "ack"   # worker 2's push may still come
+    r = raw[0].reply(8000)
+    assert r is not None and r.op == "error", r and r.header
+    assert r.header["message"] == (f"server 1: partition [0, {a}) step 0: its first holder summed pushes that never "
+                                   f"reached this replica within 2 x backend.timeout_s = 2 s (worker 2: {why}): the "
+                                   f"copies cannot agree"), r.header

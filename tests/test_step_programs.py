@@ -12,7 +12,7 @@ from collective.program import ALL_TO_ALL, TableServers, bucketed, collectives, 
 from psarch import registry
 from psarch.config import from_dict
 from psarch.dp.program import dp_program
-from psarch.ps.program import RowBytes, Slot, groups_of, held_slots, ps_program, ps_reduced
+from psarch.ps.program import CommitBytes, RowBytes, Slot, groups_of, held_slots, ps_program, ps_reduced
 from psarch.theory.program import Cluster, DataStep, chunks
 from psarch.theory.simulate import simulate
 from zero.program import sharded, stage12_program, stage3_program, zero3_script
@@ -34,9 +34,10 @@ def ps(k: int | str, colocated: bool = False, uneven: bool = False, barrier: boo
         servers = [SLOTS[:3] if uneven and j % 2 else SLOTS for j in range(count)]
         servers = held_slots(servers, replicas) if replicas else servers
         rb = RowBytes(8e3 / count, S / 16 / count, S / 16 / count) if rows else None
+        cb = CommitBytes(50.0, 17.0) if replicas else None
         if reduced:
-            return ps_reduced(n, groups_of(servers), colocated, STEP, barrier, local_steps, rb)
-        return ps_program(n, servers, colocated, STEP, barrier, local_steps, rb)
+            return ps_reduced(n, groups_of(servers), colocated, STEP, barrier, local_steps, rb, cb)
+        return ps_program(n, servers, colocated, STEP, barrier, local_steps, rb, cb)
     return write
 
 

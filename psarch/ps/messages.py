@@ -2,7 +2,9 @@
 alike (a module of its own: the servers' state must not import the spec, which starts services)."""
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
+
+import msgpack
 
 if TYPE_CHECKING:
     from psarch.config import Config
@@ -21,3 +23,25 @@ def pulls_deltas(cfg: Config) -> bool:
     """Whether pulls carry each partition's compressed change since what the worker holds (server/deltas.py), not
     the partition whole: GEO with train.compression (the other modes pull parameters whole)."""
     return cfg.backend.mode == "geo" and cfg.train.compression != "none"
+
+
+def commit_header(step: int, offset: int, members: str | None = None) -> dict[str, Any]:
+    """A `commit` as a worker sends it (worker/link.py; chain replication, psarch/ps/replication.py): the round
+    `step` of the partition at `offset` sums the workers `members` names (replication.members_text); without
+    members, the holders before the one it goes to are dead."""
+    header: dict[str, Any] = {"op": "commit", "step": step, "offset": offset}
+    if members is not None:
+        header["members"] = members
+    return header
+
+
+def commit_bytes(workers: int, step: int, offset: int, worker: int) -> int:
+    """Bytes of worker `worker`'s commit of round `step` of the partition at `offset` on the wire (its one frame, the
+    header as wire.encode packs it), where the round summed all of `workers` workers."""
+    members = format((1 << workers) - 1, "x")
+    return len(msgpack.packb(dict(commit_header(step, offset, members), worker=worker), use_bin_type=True))
+
+
+def ack_bytes(version: int) -> int:
+    """Bytes of the `ack` a server answers a commit with (its version after it) on the wire."""
+    return len(msgpack.packb({"op": "ack", "version": version}, use_bin_type=True))

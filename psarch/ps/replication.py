@@ -22,11 +22,16 @@ How it runs (sync only: psarch/ps/spec.py refuses the rest, in one line, before 
   push). So a worker killed or stopped mid-round is dropped from the same round by every holder, and the copies
   stay bit for bit equal. A worker sends each push to the followers first, then to the first holder: where it
   dies between the two, the first holder never had the push, drops it, and the followers drop the copy they
-  have. Left: a follower that never received a push its first holder summed (a worker killed as ZeroMQ flushed
-  its sockets in another order) cannot agree; it stops the run with one line saying so (server/deadlines.py:
-  a follower's pull waits up to 2 x backend.timeout_s, its first holder's detection, then its own). A worker told that its first holder died tells the next live holder to decide
-  (`commit` without members). A paused worker dropped with replicas is not taken back (readmit.py: each holder
-  would take it back on its own clock); it leaves the run as lost;
+  have. A commit naming a worker that cannot push the round to the follower (out of range; its pushes there stopped
+  before the round before; it asked that server to rejoin at a later round) is refused at once, in one line naming
+  the worker (server/commits.py). Left: a follower that never received a push its first holder summed (a worker
+  killed as ZeroMQ flushed its sockets in another order) cannot agree; it stops the run with one line naming the
+  worker and what the follower knows of it (server/deadlines.py: a follower's pull waits up to 2 x
+  backend.timeout_s, its first holder's detection, then its own). A worker told that its first holder died tells
+  the next live holder to decide (`commit` without members). A paused worker that returns is taken back as without
+  replicas (readmit.py): every server takes it back at the same round R or refuses it as late (it then asks again
+  at a later round, and a server that took it back drops it again), and from then on a partition's first holder
+  sums its pushes and its followers sum what the commits name, so every holder's rounds agree;
 - every pull reply names the workers its round summed, and a worker whose holders disagree anyway stops the
   run (`diverged`).
 
@@ -85,7 +90,10 @@ def members_of(text: str, workers: int) -> frozenset[int]:
     """The workers a `members_text` names; ValueError unless it is one, naming at least one of workers
     0..workers - 1 (a round sums at least one push: an empty one would divide its sum by 0)."""
     mask = int(text, 16) if text and all(c in "0123456789abcdef" for c in text) else -1
-    if mask <= 0 or mask >> workers:
+    if mask > 0 and mask >> workers:
+        raise ValueError(f"members {text!r:.40} name worker {mask.bit_length() - 1}: this run has workers "
+                         f"0..{workers - 1}")
+    if mask <= 0:
         raise ValueError(f"members {text!r:.40}: expected a hexadecimal bit mask of some of workers "
                          f"0..{workers - 1}")
     return frozenset(w for w in range(workers) if mask >> w & 1)

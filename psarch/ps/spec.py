@@ -10,7 +10,7 @@ from psarch.backend import PROCESS_GROUP_OPTIONS, BackendSpec
 from psarch.config.backend import CoreBackendConfig, Overlap, PSServers
 from psarch.config.fields import option
 from psarch.errors import ConfigError, show
-from psarch.ps.messages import pulls_deltas, pushes_from_hooks
+from psarch.ps.messages import ack_bytes, commit_bytes, pulls_deltas, pushes_from_hooks
 from psarch.theory import Prediction
 
 
@@ -179,7 +179,9 @@ class PSSpec(BackendSpec):
         theory.row_bytes) from every server before it computes (GEO: the rows of its k batches, once) and pushes
         their gradients first after backward; GEO with compression pulls compressed deltas (theory.pulled_bytes).
         Chain replication (backend.replicas = r): each server's held slots, its own and its r predecessors'
-        (program.held_slots), exchanged with every worker as its own. A top-k push's selection is computed on the
+        (program.held_slots), exchanged with every worker as its own, and each worker's commit to a partition's
+        other holders and their acks (messages.commit_bytes: the run's largest, of its last step and partition and
+        its last worker, a few bytes over the others at most). A top-k push's selection is computed on the
         worker as its partition is ready (theory.compressing_bytes at the device's memory bandwidth). Not modelled:
         compressing a GEO pull (the server's), a server's compute."""
         from psarch.ps import program
@@ -190,7 +192,11 @@ class PSSpec(BackendSpec):
         pulled = (lambda numel: t.pulled_bytes(cfg, numel)) if pulls_deltas(cfg) else None
         slots = program.slots_of(t.dense_partitions(cfg, phi), BYTES[cfg.train.precision], pushes_from_hooks(cfg),
                                  pushed, pulled, lambda numel: t.compressing_bytes(cfg, numel))
-        if b.replicas:   # each partition's exchange with its every holder
+        commits = None
+        if b.replicas:   # each partition's exchange with its every holder, and the commits to its followers
+            last = max(a for own in t.dense_partitions(cfg, phi) for a, _ in own)
+            commits = program.CommitBytes(commit_bytes(b.world_size, cfg.train.steps - 1, last, b.world_size - 1),
+                                          ack_bytes(cfg.train.steps))
             slots = program.held_slots(slots, b.replicas)
         colocated = b.server_placement == "colocated" and not b.server_addresses
         if b.embeddings == "rows":   # GEO: the rows its k batches read
@@ -200,8 +206,8 @@ class PSSpec(BackendSpec):
             rows = None
         if reduced:
             return program.ps_reduced(b.world_size, program.groups_of(slots), colocated, step, b.barrier, b.push_every,
-                                      rows)
-        return program.ps_program(b.world_size, slots, colocated, step, b.barrier, b.push_every, rows)
+                                      rows, commits)
+        return program.ps_program(b.world_size, slots, colocated, step, b.barrier, b.push_every, rows, commits)
 
     def summary_fields(self, cfg: Config) -> Summary:
         return {"servers": cfg.backend.servers}

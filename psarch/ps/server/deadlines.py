@@ -3,6 +3,7 @@ has waited more than `backend.timeout_s` for (the round goes on without it), and
 `backend.timeout_s` fails the server with an error naming the workers it waits for."""
 from __future__ import annotations
 
+from psarch.ps.server.readmit import Readmissions
 from psarch.ps.server.replies import Replies
 from psarch.ps.server.state import ServerState
 
@@ -10,8 +11,8 @@ from psarch.ps.server.state import ServerState
 class Deadlines:
     """Checked by the serve loop between requests (ParameterServer.check_deadlines)."""
 
-    def __init__(self, state: ServerState, replies: Replies) -> None:
-        self.state, self.replies = state, replies
+    def __init__(self, state: ServerState, replies: Replies, readmit: Readmissions) -> None:
+        self.state, self.replies, self.readmit = state, replies, readmit
 
     def silent(self, now: float) -> list[tuple[int, str]]:
         """(worker, why) of each live worker silent for more than silence_s, with no pull waiting on us."""
@@ -52,11 +53,11 @@ class Deadlines:
                                          f"for the initial parameters: no worker sent init")
             part = p.part if p.part is not None else s.parts[0]   # asked before init: the first (pulls.ready)
             if follows and part.round.members is not None:
-                missing = sorted(part.round.members - part.round.pushed)
+                missing = "; ".join(f"worker {w}: {self.readmit.why_absent(w)}"
+                                    for w in sorted(part.round.members - part.round.pushed))
                 return self.replies.fail(f"partition [{part.lo}, {part.hi}) step {part.range.version}: its first "
-                                         f"holder summed the push of worker(s) {missing}, which never reached this "
-                                         f"replica within 2 x backend.timeout_s = {2 * t:g} s (a worker that died as "
-                                         f"it sent it): the copies cannot agree")
+                                         f"holder summed pushes that never reached this replica within 2 x "
+                                         f"backend.timeout_s = {2 * t:g} s ({missing}): the copies cannot agree")
             if follows:
                 return self.replies.fail(f"partition [{part.lo}, {part.hi}) step {part.range.version}: no worker said "
                                          f"which pushes its first holder summed within 2 x backend.timeout_s = "

@@ -124,14 +124,14 @@ class ParameterServer:
         self.timeline.on = bool(cfg.train.trace_steps)
         self.pushes = Pushes(s, replies, self.pulls, self.rows, self.timeline)
         self.snapshots = Snapshots(s, replies, checkpoints, self.rows)
-        self.deadlines = Deadlines(s, replies)
         self.readmit = Readmissions(s, replies)
+        self.deadlines = Deadlines(s, replies, self.readmit)
         self.handlers: dict[str, Handler] = {
             "init": self.pushes.on_init, "push": self.pushes.on_push, "pushpull": self.pushes.on_pushpull,
             "sparsepush": self.pushes.on_push, "sparsepushpull": self.pushes.on_pushpull,
             "pushpulldelta": self.pushes.on_pushpull, "sparsepushpulldelta": self.pushes.on_pushpull,
             "pull": self.pulls.on_pull, "fetch": self.pushes.on_fetch, "save": self.snapshots.on_save,
-            "commit": Commits(s, replies, self.pushes, self.pulls).on_commit,
+            "commit": Commits(s, replies, self.pushes, self.pulls, self.readmit).on_commit,
             "done": self.on_done, "rejoin": lambda ident, msg: self.readmit.on_rejoin(ident, msg, self.lose),
             **(self.rows.handlers() if self.rows is not None else {})}
 

@@ -10,7 +10,10 @@ takes a returning node:
 3. it pulls the parameters of version R and pushes round R with the others.
 
 Every round's mean is over the pushes it gets (pushes.py): a round the worker missed is the others' mean; from R
-on it is in every round again. A request to rejoin at a round the server has passed is refused (code "late"); so
+on it is in every round again. With replicas (psarch/ps/replication.py) every server, each partition's first
+holder and its followers alike, takes the worker back at R: a first holder's round R sums its push, and a follower's
+sums what the commits name (commits.py), so the copies stay equal.
+A request to rejoin at a round the server has passed is refused (code "late"); so
 is one from a worker whose process died, or in a mode other than sync (their workers go on alone, or leave); a
 "late" refusal names the newest round the server has reached, and the worker asks again at the round after it
 (a few times: psarch/ps/worker/link.py's rejoin).
@@ -97,6 +100,19 @@ class Readmissions:
                 p.clock[w] = step
             self.drops[max(i for i, d in enumerate(self.drops) if d["worker"] == w)]["readmitted_at"] = step
             self.replies.send(ident, "rejoin", {"op": "ack", "version": step})
+
+    def held_round(self, w: int) -> int | None:
+        """The round worker w's held rejoin asks for (None: none held): every request it sent before is handled."""
+        return next((step for _, v, step in self.held if v == w), None)
+
+    def why_absent(self, w: int) -> str:
+        """What this server knows of worker w, whose push a follower's round waits for in vain (deadlines.py)."""
+        if w in self.dead:
+            return "its process died (the launcher said so)"
+        last = next((d for d in reversed(self.drops) if d["worker"] == w), None)
+        if w in self.state.lost and last is not None:
+            return f"this server dropped it from its own rounds at round {last['from_round']} (dead, hung or stopped)"
+        return "it is live here, its push of the round not sent or still on its way"
 
     def newest(self) -> int:
         """The newest round any partition has reached: a refused rejoin may ask again at the round after it."""

@@ -21,6 +21,7 @@ from psarch.flat import FlatParams
 from psarch.ps import wire
 from psarch.ps.errors import PSError, RejoinLate, WorkerLost
 from psarch.ps.layout import chain, held, held_of, one_range
+from psarch.ps.messages import commit_header
 from psarch.ps.replication import diverged, homeless
 from psarch.ps.sparse import add_delta
 from psarch.ps.worker.topk import TopKPushes
@@ -203,13 +204,13 @@ class ServerLink:
                 if not live:   # no holder left: _answered says so
                     told.add(j)
                     continue
-                (first, q), header = live[0], {"op": "commit", "step": r.header["step"], "offset": p.lo}
+                (first, q), step = live[0], r.header["step"]
                 if first != p.server and (j, first) not in led:
                     led.add((j, first))
-                    self.client.post(first, Request(dict(header)))
+                    self.client.post(first, Request(commit_header(step, p.lo)))
                 if q.answered:
                     for h, _ in live[1:]:
-                        self.client.post(h, Request(dict(header, members=q.reply["summed"])))
+                        self.client.post(h, Request(commit_header(step, p.lo, q.reply["summed"])))
                     told.add(j)
             if not any(self.client.waiting):
                 return

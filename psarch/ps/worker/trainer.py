@@ -79,8 +79,9 @@ class PSWorker(Trainer):
         self.link = ServerLink(self.client, self.flat, server_partitions(cfg, self.flat.numel), ctx.device, self.dtype,
                                push_dtype(cfg), self.topk, replicas(cfg))
         # sync, dense tables, one exchange a step: a worker dropped from rounds that went on without it comes back
-        # (not with replicas: each holder would take it back on its own clock)
-        self.rejoins = b.mode == "sync" and b.embeddings != "rows" and not b.priority_credit_mb and not replicas(cfg)
+        # (with replicas too: each partition's first holder decides the round it is taken back at, its followers sum
+        # what its commits name, psarch/ps/replication.py)
+        self.rejoins = b.mode == "sync" and b.embeddings != "rows" and not b.priority_credit_mb
         self.steps = 0        # steps taken (after a rejoin: the round it was taken back at)
         self.rounds = 0       # geo: deltas pushed
         if not ctx.services.restored:   # else load_checkpoint sets the state
