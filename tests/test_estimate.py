@@ -12,6 +12,7 @@ import time
 import pytest
 
 from psarch.theory import estimate
+from in_process import psarch_cli
 from timing import scaled
 from tiny import tiny
 
@@ -100,17 +101,8 @@ def test_crossover_reads_the_table():
 
 
 def estimate_cli(capsys, *args: str) -> tuple[int, str, str]:
-    """`psarch estimate ARGS` in this process (psarch.cli.main, as `python -m psarch.cli` calls it; an argument
-    parser's error exits as it would there): its exit code, stdout and stderr. The interpreter and torch are not
-    started again for each call; one call below runs as a command."""
-    from psarch.cli import main
-
-    try:
-        code = main(["estimate", *args])
-    except SystemExit as e:
-        code = e.code if isinstance(e.code, int) else 1
-    got = capsys.readouterr()
-    return code, got.out, got.err
+    """`psarch estimate ARGS` in this process (in_process.py); one call below runs as a command."""
+    return psarch_cli(capsys, "estimate", *args)
 
 
 def test_cli_estimate_prints_the_tables(capsys):
@@ -194,7 +186,6 @@ def test_estimate_from_a_small_run_prints_its_own_units_and_no_billion_parameter
 
     (tmp_path / "tiny.toml").write_text(TINY_RUN)
     assert main(["run", str(tmp_path / "tiny.toml"), "--out", str(tmp_path / "tiny"), "--quiet"]) == 0
-    capsys.readouterr()
     est = ["--from", str(tmp_path / "tiny")]
     code, out, err = estimate_cli(capsys, *est)
     assert code == 0, err
