@@ -3,13 +3,11 @@ numbers and every plot is a non-empty PNG."""
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 
 import pytest
 
 from psarch.launch.sweep import expand, read_sweep, run_sweep
-from timing import scaled
+from in_process import psarch_cli
 
 TINY = """
 name = "sw"
@@ -69,13 +67,12 @@ def test_sweep_axes_must_be_lists(tmp_path):
         expand(tmp_path / "bad.toml", read_sweep(tmp_path / "bad.toml"))
 
 
-def test_compare_writes_report_and_plots(sweep_run, tmp_path):
+def test_compare_writes_report_and_plots(sweep_run, tmp_path, capsys):
     root, points = sweep_run
     runs = [str(root / "out" / n) for n in ("single", "ddp-commring", "ddp-commnative")]
     out = tmp_path / "cmp"
-    res = subprocess.run([sys.executable, "-m", "psarch.cli", "compare", *runs, "--out", str(out)],
-                         capture_output=True, text=True, timeout=scaled(120))
-    assert res.returncode == 0, res.stderr
+    code, _, err = psarch_cli(capsys, "compare", *runs, "--out", str(out))
+    assert code == 0, err
     report = (out / "report.md").read_text()
     for run in runs:   # each named by its folder, not by the config's name all three share ("sw/...")
         s = json.loads((root / "out" / run.split("/")[-1] / "summary.json").read_text())
@@ -245,33 +242,31 @@ def test_compare_refuses_a_target_gap_that_is_not_positive(async_run, tmp_path, 
     assert len(err) == 1 and "--target-gap 0: must be a number > 0" in err[0], err
 
 
-def test_estimate_from_a_measured_run(async_run):
+def test_estimate_from_a_measured_run(async_run, capsys):
     from psarch.units import fmt_size, fmt_time
-    out = subprocess.run([sys.executable, "-m", "psarch.cli", "estimate", "--from", str(async_run)],
-                         capture_output=True, text=True, timeout=scaled(60))
-    assert out.returncode == 0, out.stderr
+    code, out, err = psarch_cli(capsys, "estimate", "--from", str(async_run))
+    assert code == 0, err
     s = json.loads((async_run / "summary.json").read_text())
     label = s.get("label") or "ps async"
-    assert f"== measured run {s['name']} ({label}, N = 2): compute " in out.stdout
-    assert f"step time  measured {s['step_time_s'] * 1e3:.2f} ms" in out.stdout
+    assert f"== measured run {s['name']} ({label}, N = 2): compute " in out
+    assert f"step time  measured {s['step_time_s'] * 1e3:.2f} ms" in out
     sent = sum(t["sent_per_step"] for t in s["traffic"]["per_rank"]) / 2
-    assert f"sent/step  measured {fmt_size(sent)}   model {fmt_size(s['params'] * 4)}" in out.stdout
+    assert f"sent/step  measured {fmt_size(sent)}   model {fmt_size(s['params'] * 4)}" in out
     # the step-time table takes compute from the run: at N = 1 nothing is communicated, so a step is
     # the run's own step time less its communication wait
     compute = s["step_time_s"] - s["comm_s"]
-    assert f"compute {fmt_time(compute)}/step/worker (measured in {async_run})" in out.stdout
-    assert "== step time (ms)" in out.stdout
-    row = next(line.split() for line in out.stdout.split("== step time")[1].splitlines() if line.split()[:1] == ["1"])
+    assert f"compute {fmt_time(compute)}/step/worker (measured in {async_run})" in out
+    assert "== step time (ms)" in out
+    row = next(line.split() for line in out.split("== step time")[1].splitlines() if line.split()[:1] == ["1"])
     assert row[1] == f"{compute * 1e3:.3g}", row
-    missing = subprocess.run([sys.executable, "-m", "psarch.cli", "estimate", "--from", str(async_run.parent)],
-                             capture_output=True, text=True, timeout=scaled(60))
-    assert missing.returncode == 2 and "no summary.json" in missing.stderr
+    code, _, err = psarch_cli(capsys, "estimate", "--from", str(async_run.parent))
+    assert code == 2 and "no summary.json" in err
 
 
-def test_compare_writes_under_runs_by_default(async_run, tmp_path):
-    res = subprocess.run([sys.executable, "-m", "psarch.cli", "compare", str(async_run)], cwd=tmp_path,
-                         capture_output=True, text=True, timeout=scaled(120))
-    assert res.returncode == 0, res.stderr
+def test_compare_writes_under_runs_by_default(async_run, tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    code, _, err = psarch_cli(capsys, "compare", str(async_run))
+    assert code == 0, err
     assert (tmp_path / "runs" / "compare" / "psasync" / "report.md").is_file()
     assert not (tmp_path / "compare").exists()
 

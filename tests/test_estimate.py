@@ -12,6 +12,7 @@ import time
 import pytest
 
 from psarch.theory import estimate
+from in_process import psarch_cli
 from timing import scaled
 from tiny import tiny
 
@@ -99,37 +100,39 @@ def test_crossover_reads_the_table():
     assert crossover(rows, "ps/1") is None
 
 
-def test_cli_estimate_prints_the_tables():
-    """And it answers for Φ = 7.5B at N = 1,024 (step times to N = 1,024 simulated) within 10 s of an idle machine."""
+def estimate_cli(capsys, *args: str) -> tuple[int, str, str]:
+    """`psarch estimate ARGS` in this process (in_process.py); one call below runs as a command."""
+    return psarch_cli(capsys, "estimate", *args)
+
+
+def test_cli_estimate_prints_the_tables(capsys):
+    """And it answers for Φ = 7.5B at N = 1,024 (step times to N = 1,024 simulated) within 10 s of an idle machine,
+    as a command."""
     start = time.monotonic()
     big = subprocess.run([sys.executable, "-m", "psarch.cli", "estimate", "--params", "7.5e9", "--world", "1024"],
                          capture_output=True, text=True, timeout=scaled(60))
     assert big.returncode == 0, big.stderr
     assert time.monotonic() - start < scaled(10)
     assert "ps/n overtakes ring all-reduce at N = " in big.stdout
-    out = subprocess.run([sys.executable, "-m", "psarch.cli", "estimate", "--params", "7.5e9", "--world", "64"],
-                         capture_output=True, text=True, timeout=scaled(60))
-    assert out.returncode == 0, out.stderr
-    line = next(l for l in out.stdout.splitlines() if l.strip().startswith("64 ") and "<-" in l)
+    code, out, err = estimate_cli(capsys, "--params", "7.5e9", "--world", "64")
+    assert code == 0, err
+    line = next(l for l in out.splitlines() if l.strip().startswith("64 ") and "<-" in l)
     assert line.split()[1:5] == ["120", "31.4", "16.6", "1.88"]
-    bad = subprocess.run([sys.executable, "-m", "psarch.cli", "estimate", "--world", "4"],
-                         capture_output=True, text=True, timeout=scaled(60))
-    assert bad.returncode == 2 and "--params" in bad.stderr
+    code, _, err = estimate_cli(capsys, "--world", "4")
+    assert code == 2 and "--params" in err
 
 
-def test_cli_estimate_adds_pipeline_rows():
+def test_cli_estimate_adds_pipeline_rows(capsys):
     """--pipeline p --microbatches m: p stages of Φ/p, (2 x 2 + K = 12) bytes per parameter in bf16 + AdamW; each
     stage's gradients ring all-reduced over dp = N / p; bubble (p-1)/(m+p-1), interleaved (v = 2) (p-1)/(v·m+p-1)."""
-    out = subprocess.run([sys.executable, "-m", "psarch.cli", "estimate", "--params", "7.5e9", "--world", "64",
-                          "--pipeline", "4", "--microbatches", "8"], capture_output=True, text=True, timeout=scaled(60))
-    assert out.returncode == 0, out.stderr
-    rows = {l.split(" p=")[0].strip(): l.split()[-3:] for l in out.stdout.splitlines() if "pipeline " in l}
+    code, out, err = estimate_cli(capsys, "--params", "7.5e9", "--world", "64", "--pipeline", "4", "--microbatches", "8")
+    assert code == 0, err
+    rows = {l.split(" p=")[0].strip(): l.split()[-3:] for l in out.splitlines() if "pipeline " in l}
     states, sends = (4 + 12) * 7.5e9 / 4 / 1e9, 2 * 15 / 16 * 7.5e9 / 4 * 2 / 1e9
     assert rows["pipeline 1f1b"] == [f"{states:.3g}", f"{sends:.3g}", f"{3 / 11:.3f}"]
     assert rows["pipeline interleaved"][2] == f"{3 / 19:.3f}"
-    bad = subprocess.run([sys.executable, "-m", "psarch.cli", "estimate", "--params", "1e9", "--world", "64",
-                          "--pipeline", "3"], capture_output=True, text=True, timeout=scaled(60))
-    assert bad.returncode == 2 and "--pipeline 3 must divide --world 64" in bad.stderr
+    code, _, err = estimate_cli(capsys, "--params", "1e9", "--world", "64", "--pipeline", "3")
+    assert code == 2 and "--pipeline 3 must divide --world 64" in err
 
 
 def test_tensor_parallel_rows_follow_megatron():
@@ -155,15 +158,16 @@ def test_tensor_parallel_rows_follow_megatron():
         assert rows[t]["activations"] == pytest.approx(L * per_block)
 
 
-def test_cli_estimate_tensor_parallel_rows_and_their_errors():
-    args = [sys.executable, "-m", "psarch.cli", "estimate", "--params", "1e9", "--world", "8", "--layers", "2",
-            "--hidden", "64", "--heads", "4", "--seq-len", "32", "--vocab", "128"]
-    out = subprocess.run(args + ["--tensor-parallel", "2"], capture_output=True, text=True, check=True).stdout
+def test_cli_estimate_tensor_parallel_rows_and_their_errors(capsys):
+    args = ["--params", "1e9", "--world", "8", "--layers", "2", "--hidden", "64", "--heads", "4", "--seq-len", "32",
+            "--vocab", "128"]
+    code, out, err = estimate_cli(capsys, *args, "--tensor-parallel", "2")
+    assert code == 0, err
     assert "== tensor parallelism (Megatron) at N = 8: GPT 2 x 64, 4 heads" in out
     assert [line.split()[0] for line in out.splitlines() if line.endswith("<- --tensor-parallel")] == ["2"]
-    bad = subprocess.run(args + ["--tensor-parallel", "8"], capture_output=True, text=True)
-    assert bad.returncode == 2
-    assert bad.stderr.strip() == ("psarch: estimate: --tensor-parallel 8: must divide --world 8 and --heads 4 "
+    code, _, err = estimate_cli(capsys, *args, "--tensor-parallel", "8")
+    assert code == 2
+    assert err.strip() == ("psarch: estimate: --tensor-parallel 8: must divide --world 8 and --heads 4 "
                                   "(and --heads must divide --hidden 64)")
 
 
@@ -173,7 +177,7 @@ def test_sizes_read_in_the_unit_of_their_magnitude_to_3_significant_figures():
     assert [estimate.fmt_time(t) for t in (9.5e-4, 0.0214, 3.0, 1e-5)] == ["950 us", "21.4 ms", "3 s", "10 us"]
 
 
-def test_estimate_from_a_small_run_prints_its_own_units_and_no_billion_parameter_table(tmp_path):
+def test_estimate_from_a_small_run_prints_its_own_units_and_no_billion_parameter_table(tmp_path, capsys):
     """A 3,952-parameter run: its tables in KB (not GB with 7 decimals), its times in ms, and no ZeRO Table 2
     for 32 GB devices unless a --budget asks for it."""
     import re
@@ -182,15 +186,17 @@ def test_estimate_from_a_small_run_prints_its_own_units_and_no_billion_parameter
 
     (tmp_path / "tiny.toml").write_text(TINY_RUN)
     assert main(["run", str(tmp_path / "tiny.toml"), "--out", str(tmp_path / "tiny"), "--quiet"]) == 0
-    est = [sys.executable, "-m", "psarch.cli", "estimate", "--from", str(tmp_path / "tiny")]
-    out = subprocess.run(est, capture_output=True, text=True, timeout=scaled(60), check=True).stdout
+    est = ["--from", str(tmp_path / "tiny")]
+    code, out, err = estimate_cli(capsys, *est)
+    assert code == 0, err
     assert "== model states per device, KB: Φ = 3.952k" in out
     assert "== traffic per step at N = 1, KB (S = 15.8 KB of fp32 gradients)" in out
     assert "== step time (ms) simulated: compute " in out
     assert not re.search(r"\d\.\d{5,}|e-0\d", out), out     # no figure with 5+ decimals or an exponent
     assert "Table 2" not in out
-    budget = subprocess.run(est + ["--budget", "80e9"], capture_output=True, text=True, timeout=scaled(60), check=True)
-    assert "== largest model per device budget 80 GB, DP = 64 (ZeRO paper Table 2)" in budget.stdout
+    code, budget, err = estimate_cli(capsys, *est, "--budget", "80e9")
+    assert code == 0, err
+    assert "== largest model per device budget 80 GB, DP = 64 (ZeRO paper Table 2)" in budget
 
 
 TINY_RUN = tiny(steps=4)

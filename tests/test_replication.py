@@ -207,15 +207,31 @@ def test_configs_replication_cannot_serve_are_refused_in_one_line(backend, train
 
 # ------------------------------------------------------------------ runs
 
-def test_r1_without_faults_ends_with_the_model_of_r0_and_its_bytes_are_r_times_the_servers(tmp_path):
+PARTITIONED = {"partition_mb": 0.01}   # partitions dealt round robin: none of a server's vectors is one range
+
+
+@pytest.fixture(scope="module")
+def fault_free(tmp_path_factory):
+    """The runs without faults several tests compare with, each run once for the module: (replicas, servers) ->
+    (its folder, its summary); 2 workers, partitions dealt round robin, 8 steps of SGD with momentum."""
+    runs: dict[tuple[int, int], tuple[Path, dict]] = {}
+
+    def get(replicas: int, servers: int) -> tuple[Path, dict]:
+        if (replicas, servers) not in runs:
+            backend = dict(ps(2, servers=servers), **PARTITIONED, **({"replicas": replicas} if replicas else {}))
+            out = tmp_path_factory.mktemp(f"r{replicas}-{servers}") / "run"
+            runs[replicas, servers] = out, psarch.run(_cfg(f"r{replicas}", backend), out, echo=False)
+        return runs[replicas, servers]
+    return get
+
+
+def test_r1_without_faults_ends_with_the_model_of_r0_and_its_bytes_are_r_times_the_servers(fault_free):
     """3 servers, partitions dealt round robin (each server holds its own and the previous server's)."""
-    backend = dict(ps(2, servers=3), partition_mb=0.01)
-    base = psarch.run(_cfg("r0", backend), tmp_path / "r0", echo=False)
-    rep_cfg = _cfg("r1", dict(backend, replicas=1))
-    rep = psarch.run(rep_cfg, tmp_path / "r1", echo=False)
+    (r0, base), (r1, rep) = fault_free(0, 3), fault_free(1, 3)
+    rep_cfg = _cfg("r1", dict(ps(2, servers=3), **PARTITIONED, replicas=1))   # as fault_free ran it
     assert _children() == []
     assert rep["status"] == base["status"] == "finished" and "replication" not in base
-    _same(tmp_path / "r1", tmp_path / "r0", "r = 1 vs r = 0")
+    _same(r1, r0, "r = 1 vs r = 0")
     r = rep["replication"]
     assert r["copies_identical"] and r["dead_servers"] == []
     # the formula (theory.replication, r x the primaries' bytes of the same ops), exactly, in counted bytes
@@ -243,7 +259,7 @@ def test_rank_0_fetches_each_partition_from_its_first_holder_with_r0_and_r1_alik
     """The launcher's model.pt from the servers left out: model.pt is rank 0's fetch (partitions dealt round robin:
     none of a server's vectors is one range), the same with r = 1 as with r = 0."""
     monkeypatch.setattr(LocalServers, "_write_outputs", lambda self, out_dir, out, parts: None)
-    backend = dict(ps(2, servers=3), partition_mb=0.01)
+    backend = dict(ps(2, servers=3), **PARTITIONED)
     psarch.run(_cfg("r0", backend, steps=3), tmp_path / "r0", echo=False)
     psarch.run(_cfg("r1", dict(backend, replicas=1), steps=3), tmp_path / "r1", echo=False)
     _same(tmp_path / "r1", tmp_path / "r0", "rank 0's fetch, r = 1 vs r = 0")
@@ -260,11 +276,11 @@ def test_r1_pushed_after_backward_as_top_k_pairs_ends_with_the_model_of_r0(tmp_p
 
 
 @pytest.mark.parametrize("servers, killed", [(2, 1), (3, 0)])
-def test_a_server_killed_mid_run_with_r1_costs_no_update(tmp_path, servers, killed):
+def test_a_server_killed_mid_run_with_r1_costs_no_update(tmp_path, fault_free, servers, killed):
     """Killed as step 3 of 8 begins (worker 0 holds there): its workers go on with its replica, and the run ends
     with the model of the run without the fault, bit for bit (SGD with momentum: the optimizer state too)."""
-    backend = ps(2, servers=servers, replicas=1, timeout_s=10.0)
-    psarch.run(_cfg("plain", backend), tmp_path / "plain", echo=False)
+    backend = dict(ps(2, servers=servers, replicas=1, timeout_s=10.0), **PARTITIONED)
+    plain, _ = fault_free(1, servers)
     out = tmp_path / "killed"
     summary = psarch.run(_cfg("killed", backend, {"kill": [{"node": f"server {killed}", "step": 3}]}), out,
                          echo=False)
@@ -278,7 +294,7 @@ def test_a_server_killed_mid_run_with_r1_costs_no_update(tmp_path, servers, kill
     assert summary["replication"]["formula_received"] is None and summary["replication"]["formula_sent"] is None
     assert summary["replication"]["formula_note"].startswith(f"not applicable: server(s) {killed} died")
     assert [s["server"] for s in summary["traffic"]["servers"]] == [i for i in range(servers) if i != killed]
-    _same(out, tmp_path / "plain", "killed vs plain")
+    _same(out, plain, "killed vs plain")
     # every worker went on without it: its connection dropped, then a round was served by the replica
     for f in summary["extra"]["failovers"]:
         assert [x["server"] for x in f] == [killed]
@@ -298,9 +314,11 @@ def test_a_server_paused_past_the_heartbeat_timeout_is_waited_for_not_abandoned(
     assert summary["extra"]["failovers"] == [[], []]
 
 
-def test_a_server_that_dies_as_its_stats_are_asked_for_is_a_dead_server_with_r1(tmp_path, monkeypatch):
+def test_a_server_that_dies_as_its_stats_are_asked_for_is_a_dead_server_with_r1(tmp_path, monkeypatch, fault_free):
     """Killed as the launcher asks it for its final measurements (after every worker is done): with r = 1 the run
-    ends with the live server's copy, that server dead in `replication.dead_servers`."""
+    ends with the live server's copy (the model of the run without the fault), that server dead in
+    `replication.dead_servers`."""
+    plain, _ = fault_free(1, 2)   # before the patch: the run without the fault asks its servers as usual
     send = LocalServers._send
 
     def _send(self, i, msg):
@@ -309,13 +327,14 @@ def test_a_server_that_dies_as_its_stats_are_asked_for_is_a_dead_server_with_r1(
             self.workers[i].join(5)
         send(self, i, msg)
     monkeypatch.setattr(LocalServers, "_send", _send)
-    backend = ps(2, servers=2, replicas=1, timeout_s=10.0)
+    backend = dict(ps(2, servers=2, replicas=1, timeout_s=10.0), **PARTITIONED)
     summary = psarch.run(_cfg("late", backend), tmp_path / "late", echo=False)
     assert _children() == []
     assert summary["status"] == "finished"
     assert summary["replication"]["dead_servers"] == [{"server": 1, "error": "server 1 died (exit code -9)"}]
     assert summary["replication"]["copies_identical"] and "model_from_servers_error" not in summary
     assert summary["replication"]["formula_received"] is None
+    _same(tmp_path / "late", plain, "server 1 dead at the end vs plain")
 
 
 def test_with_r0_a_killed_server_still_stops_the_run_in_one_line(tmp_path):
@@ -358,7 +377,7 @@ def dies_between_its_sends(cfg) -> psarch.Workload:
     return build_workload(from_dict(dict(TINY_GPT, train=cfg.to_dict()["train"])))
 
 
-KILLED_AT_3 = ps(3, servers=2, timeout_s=scaled(3.0))
+KILLED_AT_3 = ps(3, servers=2, timeout_s=scaled(2.0))   # each run waits it out once: the lost worker's drop
 
 
 @pytest.fixture(scope="module")
