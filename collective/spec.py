@@ -92,13 +92,15 @@ def check_ps_tables(cfg: Config) -> None:
 
 
 class RingHops:
-    """A collective backend whose messages are ring hops over gloo, for dilation's probe (BackendSpec.message_probe;
-    collective/probe.py)."""
+    """A collective backend whose messages are ring hops over gloo (backend.comm "ring") or gloo's own collectives
+    ("native"), for dilation's probe (BackendSpec.message_probe; collective/probe.py)."""
 
     def message_probe(self, cfg: Config, phi: float) -> MessageProbe:
         from collective.probe import hop_s
         from psarch.cluster.messages import MessageProbe
-        return MessageProbe("a ring hop over gloo", hop_s)
+        native = cfg.backend.comm == "native"
+        return MessageProbe("gloo's own all-reduce" if native else "a ring hop over gloo", hop_s,
+                            ("native" if native else "ring",))
 
 
 class PSTablesServices:

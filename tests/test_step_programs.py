@@ -172,7 +172,8 @@ def test_specs_write_programs_whose_steps_match_the_formulas():
 
 
 @pytest.mark.parametrize("kind, compression", [("ddp", "fp16"), ("ddp", "bf16"), ("ddp", "topk"), ("ddp", "powersgd"),
-                                               ("torch_ddp", "fp16"), ("torch_ddp", "powersgd")])
+                                               ("torch_ddp", "fp16"), ("torch_ddp", "powersgd"),
+                                               ("torch_zero", "fp16"), ("torch_zero", "bf16")])
 def test_a_compressed_ddp_program_moves_theorys_bytes(kind, compression):
     """With compute 0 and no latency a compressed DDP step is its bytes at the link's rate: the program's
     collectives are theory's (collective/theory.py's bucket_collectives), on ddp's own buckets (several here)."""

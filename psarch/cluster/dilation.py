@@ -36,14 +36,11 @@ cluster's time than on the host. The emulated cluster's α is α / D (reported b
 """
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import math
-import subprocess
-import sys
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Iterator
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -51,7 +48,7 @@ from psarch import registry
 from psarch.cluster import device
 from psarch.cluster.alpha import loopback_alpha, loopback_bytes_per_s
 from psarch.cluster.flops import count
-from psarch.cluster.messages import per_message_s
+from psarch.cluster.messages import per_message_s, spinning
 
 AUTO_MARGIN = 2.0
 COMPUTE_PASSES = 5   # a worker's forward and backward timed beside the spinning processes, the slowest taken
@@ -95,18 +92,6 @@ def choose(costs: Costs) -> float:
     ratios = [host / costs.modelled_compute_s if costs.modelled_compute_s > 0 else 0.0,
               costs.host_comm_s / costs.modelled_comm_s if costs.modelled_comm_s > 0 else 0.0]
     return round_up(AUTO_MARGIN * max(ratios))
-
-
-@contextlib.contextmanager
-def spinning(n: int) -> Iterator[None]:
-    """`n` processes spinning on the CPU for the block: the run's other processes, all computing."""
-    procs = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(n)]
-    try:
-        yield
-    finally:
-        for p in procs:
-            p.kill()
-            p.wait()
 
 
 def _host_compute_s(workload: Any, batch: Any, threads: int) -> float:
@@ -233,8 +218,7 @@ def message_cost(cfg: Config, spec: BackendSpec, phi: float, processes: int) -> 
     if probe is None:
         with spinning(processes - 1):
             return loopback_alpha(), "a TCP ping-pong on loopback"
-    with spinning(max(0, processes - 2)):
-        return per_message_s(probe, processes), probe.family
+    return per_message_s(probe, processes), probe.family   # spins beside the probe where it measures
 
 
 def stretched(cfg: Config) -> Config:

@@ -14,10 +14,11 @@ import contextlib
 import functools
 import json
 import multiprocessing as mp
+import subprocess
 import sys
 import time
 from dataclasses import dataclass
-from multiprocessing.connection import Connection
+from multiprocessing.connection import Connection, wait
 from typing import Any, Callable, Iterator
 
 from psarch.launch.lifecycle import die_with_parent, leave
@@ -31,8 +32,13 @@ class MessageProbe:
     the path (said in the run's first line); `args` what its cost depends on (workers, partitions a server holds)."""
 
     family: str
-    run: Callable[..., float]
+    run: Callable[..., float]   # a module-level function, so that probes alike share one measurement
     args: tuple = ()
+
+    def __post_init__(self) -> None:
+        if not (isinstance(self.args, tuple) and all(isinstance(a, (str, int, float)) for a in self.args)):
+            raise ValueError(f"MessageProbe {self.family!r}: args must be a tuple of str, int or float (it keys "
+                             f"the probe's cache), not {self.args!r}")
 
 
 class ProbeError(RuntimeError):
@@ -41,9 +47,22 @@ class ProbeError(RuntimeError):
 
 @functools.lru_cache(maxsize=None)
 def per_message_s(probe: MessageProbe, processes: int) -> float:
-    """`probe`'s seconds per message, measured the first time it is asked for beside `processes` busy processes
-    (psarch.cluster.dilation.spinning), then remembered."""
-    return probe.run(*probe.args)
+    """`probe`'s seconds per message, measured the first time it is asked for, its two processes beside
+    `processes - 2` busy ones (spinning), then remembered (a hit starts nothing)."""
+    with spinning(max(0, processes - 2)):
+        return probe.run(*probe.args)
+
+
+@contextlib.contextmanager
+def spinning(n: int) -> Iterator[None]:
+    """`n` processes spinning on the CPU for the block: the run's other processes, all computing."""
+    procs = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(n)]
+    try:
+        yield
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait()
 
 
 @contextlib.contextmanager
@@ -84,15 +103,26 @@ def answer(conn: Connection, **fields: Any) -> None:
     conn.send_bytes(json.dumps(fields).encode())
 
 
-def receive(conn: Connection, who: str, deadline: float) -> dict[str, Any]:
-    """The answer of `who` on `conn` by `deadline` (time.monotonic()); a failure, an exit or silence raises."""
-    if not conn.poll(max(0.0, deadline - time.monotonic())):
-        raise ProbeError(f"cluster.dilation = \"auto\": {who} did not answer within {LIMIT_S:g} s (this machine "
-                         f"is too loaded to probe its cost per message; set a number for cluster.dilation)")
-    try:
-        got = json.loads(conn.recv_bytes())
-    except (EOFError, OSError):
-        raise ProbeError(f"cluster.dilation = \"auto\": {who} exited before it answered") from None
-    if "error" in got:
-        raise ProbeError(f"cluster.dilation = \"auto\": {who} failed: {got['error']}")
-    return got
+def receive(conn: Connection, who: str, deadline: float, *others: tuple[Connection, str]) -> dict[str, Any]:
+    """The answer of `who` on `conn` by `deadline` (time.monotonic()); a failure, an exit or silence raises, and so
+    does a failure of any of the probe's `others` sides (conn, who) meanwhile, naming that side (one that says
+    nothing and ends, as a ring's rank 1 does once the exchanges are over, is let go)."""
+    sides = {conn: who, **dict(others)}
+    while True:
+        ready = wait(list(sides), max(0.0, deadline - time.monotonic()))
+        if not ready:
+            raise ProbeError(f"cluster.dilation = \"auto\": {who} did not answer within {LIMIT_S:g} s (this "
+                             f"machine is too loaded to probe its cost per message; set a number for "
+                             f"cluster.dilation)")
+        for c in sorted(ready, key=lambda c: c is conn):   # another side's failure first: it is the cause
+            try:
+                got = json.loads(c.recv_bytes())   # type: ignore[union-attr]
+            except (EOFError, OSError):
+                if c is not conn:
+                    del sides[c]
+                    continue
+                raise ProbeError(f"cluster.dilation = \"auto\": {who} exited before it answered") from None
+            if "error" in got:
+                raise ProbeError(f"cluster.dilation = \"auto\": {sides[c]} failed: {got['error']}")
+            if c is conn:
+                return got

@@ -30,7 +30,7 @@ import torch.distributed as dist
 from psarch.launch.lifecycle import die_with_parent, ended, leave
 
 # Every rank is on this machine: talk over loopback, whatever the hostname resolves to.
-_LOOPBACK = "lo0" if sys.platform == "darwin" else "lo"
+LOOPBACK = "lo0" if sys.platform == "darwin" else "lo"
 
 
 class RankError(RuntimeError):
@@ -45,7 +45,7 @@ def _rank_main(fn: Callable[..., Any], rank: int, world_size: int, port: int, ti
     die_with_parent()  # a test run that is killed leaves no ranks behind
     code = 0
     try:
-        os.environ.setdefault("GLOO_SOCKET_IFNAME", _LOOPBACK)
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", LOOPBACK)
         torch.set_num_threads(1)
         store = dist.TCPStore("127.0.0.1", port, world_size + 1, is_master=False,
                               timeout=timedelta(seconds=timeout))

@@ -40,7 +40,8 @@ def message_s(workers: int, partitions: int, optimizer: str) -> float:
     with forked(_server, cfg.to_dict()) as server:
         address = receive(server, "the PS probe's server", deadline)["address"]
         with forked(_workers, cfg.to_dict(), address, partitions) as clients:
-            return float(receive(clients, "the PS probe's workers", deadline)["seconds"])
+            return float(receive(clients, "the PS probe's workers", deadline,
+                                 (server, "the PS probe's server"))["seconds"])
 
 
 def _server(conn: Connection, cfg: dict) -> None:
