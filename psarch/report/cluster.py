@@ -33,8 +33,8 @@ def rows(sweep: Path) -> list[ClusterRow]:
     out: list[ClusterRow] = []
     for f in sorted(sweep.glob("*/summary.json")):
         s = json.loads(f.read_text())
-        if not s.get("cluster", {}).get("emulated"):
-            continue
+        if not s.get("cluster", {}).get("emulated") or s.get("status", "finished") != "finished":
+            continue   # a failed or interrupted run has no step time to set beside theory's (`psarch report runs` lists it)
         cfg = from_record(json.loads((f.parent / "config.json").read_text()))
         b, st = cfg.backend, cluster_step(cfg, s)   # recomputed: the theory of this checkout
         arch = registry.spec_of(cfg).label(cfg)   # the one label of the run's architecture
