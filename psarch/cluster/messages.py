@@ -114,9 +114,9 @@ def receive(conn: Connection, who: str, deadline: float, *others: tuple[Connecti
             raise ProbeError(f"cluster.dilation = \"auto\": {who} did not answer within {LIMIT_S:g} s (this "
                              f"machine is too loaded to probe its cost per message; set a number for "
                              f"cluster.dilation)")
-        for c in sorted(ready, key=lambda c: c is conn):   # another side's failure first: it is the cause
+        for c in sorted((c for c in sides if c in ready), key=lambda c: c is conn):   # another side's first: the cause
             try:
-                got = json.loads(c.recv_bytes())   # type: ignore[union-attr]
+                got = json.loads(c.recv_bytes())
             except (EOFError, OSError):
                 if c is not conn:
                     del sides[c]
