@@ -132,6 +132,48 @@ def _wait(name: str, trains: float, frozen: float) -> list[Act]:
     return [Act(WAIT, x.name) for x in _gather(name, trains, frozen)]
 
 
+class _Stage3Script:
+    """The actions of zero3_script as they are taken: gathers (each unit's at most once while it stays on its way),
+    waits, prefetch windows and the reduce-scatters left in flight."""
+
+    def __init__(self, units: list[float], frozen: list[float], prefetch_bytes: float, overlap: bool,
+                 in_flight: int, grad_share: float) -> None:
+        self.units, self.frozen, self.prefetch_bytes = units, frozen, prefetch_bytes
+        self.overlap, self.in_flight, self.grad_share = overlap, in_flight, grad_share
+        self.out: list[Act] = []
+        self.on_way: set[int] = set()
+        self.pending: list[str] = []
+
+    def gather(self, i: int, tag: str) -> None:
+        self.on_way.add(i)
+        self.out.extend(_gather(f"{tag}{i}", self.units[i], self.frozen[i]))
+
+    def ensure(self, i: int, tag: str) -> None:
+        if i not in self.on_way:
+            self.gather(i, tag)
+        self.out.extend(_wait(f"{tag}{i}", self.units[i], self.frozen[i]))
+
+    def prefetch(self, order: list[int], tag: str) -> None:
+        budget = self.prefetch_bytes
+        for i in order:
+            if budget <= 0:
+                return
+            if i not in self.on_way:
+                self.gather(i, tag)
+            budget -= self.units[i] + self.frozen[i]
+
+    def reduce(self, i: int) -> None:
+        if not self.units[i]:   # a unit of frozen weights only reduces nothing
+            return
+        self.out.append(Act(REDUCE, f"rs{i}", self.units[i] * self.grad_share))
+        if not self.overlap:
+            self.out.append(Act(WAIT, f"rs{i}"))
+            return
+        self.pending.append(f"rs{i}")
+        while len(self.pending) > self.in_flight:
+            self.out.append(Act(WAIT, self.pending.pop(0)))
+
+
 def zero3_script(units: list[float], step: DataStep, prefetch_bytes: float, overlap: bool,
                  in_flight: int, frozen: list[float] | None = None, grad_share: float = 1.0,
                  reached: list[bool] | None = None) -> list[Act]:
@@ -149,59 +191,26 @@ def zero3_script(units: list[float], step: DataStep, prefetch_bytes: float, over
     share = _shares(units, frozen)
     back = _shares(units, frozen, reached)
     blocks = list(range(1, len(units)))
-    out: list[Act] = []
-    on_way: set[int] = set()
-
-    def ensure(i: int, tag: str) -> None:
-        if i not in on_way:
-            gather(i, tag)
-        out.extend(_wait(f"{tag}{i}", units[i], frozen[i]))
-
-    def gather(i: int, tag: str) -> None:
-        on_way.add(i)
-        out.extend(_gather(f"{tag}{i}", units[i], frozen[i]))
-
-    def prefetch(order: list[int], tag: str) -> None:
-        budget = prefetch_bytes
-        for i in order:
-            if budget <= 0:
-                return
-            if i not in on_way:
-                gather(i, tag)
-            budget -= units[i] + frozen[i]
-
-    ensure(0, "fag")
-    prefetch(blocks, "fag")
+    s = _Stage3Script(units, frozen, prefetch_bytes, overlap, in_flight, grad_share)
+    s.ensure(0, "fag")
+    s.prefetch(blocks, "fag")
     for pos, i in enumerate(blocks):
-        ensure(i, "fag")
-        prefetch(blocks[pos + 1:], "fag")
-        out.append(Act(COMPUTE, f"fwd{i}", step.forward_s * share[i]))
-    out.append(Act(COMPUTE, "fwd0", step.forward_s * share[0]))
-    on_way.clear()   # every unit freed after its forward, the root after the model's
+        s.ensure(i, "fag")
+        s.prefetch(blocks[pos + 1:], "fag")
+        s.out.append(Act(COMPUTE, f"fwd{i}", step.forward_s * share[i]))
+    s.out.append(Act(COMPUTE, "fwd0", step.forward_s * share[0]))
+    s.on_way.clear()   # every unit freed after its forward, the root after the model's
     backward = [i for i in blocks[::-1] if reached[i]]
-    ensure(0, "bag")
-    prefetch(backward, "bag")
-    out.append(Act(COMPUTE, "bwd0", step.backward_s * back[0]))
-    pending: list[str] = []
-
-    def reduce(i: int) -> None:
-        if not units[i]:   # a unit of frozen weights only reduces nothing
-            return
-        out.append(Act(REDUCE, f"rs{i}", units[i] * grad_share))
-        if not overlap:
-            out.append(Act(WAIT, f"rs{i}"))
-            return
-        pending.append(f"rs{i}")
-        while len(pending) > in_flight:
-            out.append(Act(WAIT, pending.pop(0)))
-
+    s.ensure(0, "bag")
+    s.prefetch(backward, "bag")
+    s.out.append(Act(COMPUTE, "bwd0", step.backward_s * back[0]))
     for pos, i in enumerate(backward):
-        ensure(i, "bag")
-        prefetch(backward[pos + 1:], "bag")
-        out.append(Act(COMPUTE, f"bwd{i}", step.backward_s * back[i]))
-        reduce(i)
-    reduce(0)
-    return out + [Act(WAIT, x) for x in pending]
+        s.ensure(i, "bag")
+        s.prefetch(backward[pos + 1:], "bag")
+        s.out.append(Act(COMPUTE, f"bwd{i}", step.backward_s * back[i]))
+        s.reduce(i)
+    s.reduce(0)
+    return s.out + [Act(WAIT, x) for x in s.pending]
 
 
 def stage3_program(n: int, units: list[float], step: DataStep, reduced: bool = False, prefetch: int = 0,
