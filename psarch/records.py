@@ -155,6 +155,7 @@ class ServerDetail(TypedDict):
     refused_non_finite: list[int]
     lost: list[int]
     drops: list[Any]             # psarch.ps.server.readmit.Drop: each worker it dropped, from which round, re-admitted at
+    dropped_connections: dict[str, int]   # connections it shut down, by why (psarch/ps/server/connections.py)
     skipped_updates: int
     failure: str | None
 
