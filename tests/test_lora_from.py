@@ -13,7 +13,7 @@ import torch
 from parity import OPTIMIZERS, SGD_ATOL, assert_same_model, config
 from psarch import registry
 from psarch.checkpoint.reader import CheckpointError, consolidated_state_dict
-from psarch.config import from_dict
+from psarch.config import ConfigError, from_dict
 from psarch.launch.ranks import run
 from psarch.single_spec import SingleSpec
 from psarch.workload import build_workload
@@ -109,3 +109,15 @@ def test_a_resumed_fine_tune_keeps_the_base_weights(base, tmp_path):
     a = torch.load(tmp_path / "straight" / "model.pt", weights_only=True)
     b = torch.load(tmp_path / "half" / "model.pt", weights_only=True)
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_a_fork_of_a_fine_tune_from_a_base_is_refused(base, tmp_path):
+    """Its checkpoint holds only the adapters and a fork records it, not the base, as where it started: its frozen
+    weights would be drawn from the seed. Refused in one line naming the base; a --resume finds the base again."""
+    out, ckpt = base
+    run(from_dict(config("tuned", train=dict(LORA, steps=2, checkpoint_every=2))), tmp_path / "tuned", echo=False,
+        start=ckpt)
+    tuned = tmp_path / "tuned" / "checkpoints" / "step_000002"
+    with pytest.raises(ConfigError, match=r"a checkpoint of a fine-tune started from a base model's checkpoint "
+                                          r"\(.*step_000003\) holds only what trains"):
+        run(from_dict(config("fork", train=LORA)), tmp_path / "fork", echo=False, start=tuned)

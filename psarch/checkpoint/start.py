@@ -59,6 +59,8 @@ def resolve_start(cfg: Config, run_dir: Path, resume: bool, start: str | Path | 
                   flush=True)
         ckpt.close()
         return dataclasses.replace(cfg, started_from=ckpt.config.get("started_from", {})), ckpt.path
+    if ckpt is not None:
+        _refuse_fork_of_fine_tune_from_base(cfg, ckpt)
     path = keep_fork_source(ckpt, run_dir, move)
     if ckpt is None:
         return cfg, None
@@ -210,6 +212,18 @@ def _flat(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
     for k, v in d.items():
         out.update(_flat(v, f"{prefix}{k}.") if isinstance(v, dict) else {prefix + k: v})
     return out
+
+
+def _refuse_fork_of_fine_tune_from_base(cfg: Config, ckpt: Checkpoint) -> None:
+    """--from a checkpoint of a fine-tune that started from a base model's checkpoint: it holds only what trains,
+    and a fork records the fine-tune's checkpoint, not the base, as where it started, so its frozen weights would be
+    drawn from the seed, not the base's: refused (a --resume of that run finds its base again)."""
+    train = ckpt.config.get("train", {})
+    if (train.get("lora_rank") or train.get("trainable")) and ckpt.config.get("started_from", {}).get("path") \
+            and (cfg.train.lora_rank or cfg.train.trainable):
+        raise ConfigError(f"--from {ckpt.path}: a checkpoint of a fine-tune started from a base model's checkpoint "
+                          f"({ckpt.config['started_from']['path']}) holds only what trains, so a fork would draw the "
+                          f"frozen weights from the seed; --resume that run, or start --from the base checkpoint")
 
 
 def provenance(ckpt: Checkpoint, path: Path) -> dict[str, Any]:
