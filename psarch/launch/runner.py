@@ -152,7 +152,12 @@ def _open_start(cfg: Config, workload: Workload, start: Path | None, resume: boo
     config (its weights loaded into the model here); any other is checked against the model. Both before a
     backend copies the model."""
     ckpt = checkpoint.Checkpoint(start) if start is not None else None
-    base = ckpt is not None and not resume and finetune.is_base_start(cfg, ckpt, workload.model)
+    try:
+        base = ckpt is not None and not resume and finetune.is_base_start(cfg, ckpt, workload.model)
+    except checkpoint.CheckpointError:   # refused: the checkpoint is closed before the error goes on
+        assert ckpt is not None
+        ckpt.close()
+        raise
     if ckpt is not None and base:   # fine-tuning a base model's checkpoint: its weights, before the backend copies them
         finetune.load_base(workload.model, ckpt)
     elif ckpt is not None:  # the launcher verified sizes and checksums; check the model before building
