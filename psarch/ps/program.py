@@ -101,7 +101,9 @@ def held_slots(servers: list[list[Slot]], r: int) -> list[list[Slot]]:
     held = [sorted(((x.ready, (h - j) % k, j, i) for j in range(k) if h in chain(k, r, j)
                     for i, x in enumerate(servers[j])), key=lambda t: t[:2]) for h in range(k)]
     at = {(j, i): pos for j in range(k) for pos, (_, _, jj, i) in enumerate(held[j]) if jj == j}
-    return [[replace(servers[j][i], first=None if j == h else (j, at[j, i])) for _, _, j, i in held[h]]
+    return [[replace(servers[j][i], first=None if j == h else (j, at[j, i]),
+                     work=servers[j][i].work if j == h else 0.0)   # a push is compressed once, sent to each holder
+             for _, _, j, i in held[h]]
             for h in range(k)]
 
 
