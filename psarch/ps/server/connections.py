@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import socket
 import struct
+import sys
 import threading
 import time
 from collections import Counter
@@ -56,6 +57,11 @@ SLACK = 2**18         # bytes of the default budget beyond two exchanges
 GONE = 4096           # routing ids of closed connections remembered
 PER_PARTITION = 1024  # bytes each way of one partition's messages beyond its elements: a push (or pushpull) in,
                       # its ack and its pull's reply out, each a header of ~130 bytes and its frames' ZMTP framing
+# why a connection was shut down, as its worker's line says it (`dropped` counts them by these keys)
+WHY = {"unread": "replies not read past the in-flight budget (backend.inflight_mb)",
+       "inflight": "a message unfinished past the in-flight budget (backend.inflight_mb)",
+       "frames": "a message of too many frames", "over_cap": "past a connection cap",
+       "pending": "pending past the cap"}
 _FAILED = zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL | zmq.EVENT_HANDSHAKE_FAILED_AUTH
 _EVENTS = zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED | zmq.EVENT_HANDSHAKE_SUCCEEDED | _FAILED
 ZMQ_ZERO_COPY_RECV = 10   # a context option of libzmq's (zmq.h lists it as a draft; pyzmq names it not)
@@ -156,7 +162,7 @@ class Connections:
     `dropped` counts drops by reason."""
 
     def __init__(self, sock: zmq.Socket, budget: Callable[[], int], heartbeat_s: float, caps: Caps,
-                 curve: bool = False) -> None:
+                 curve: bool = False, name: str = "server") -> None:
         self.monitor = sock.get_monitor_socket(_EVENTS)
         self.budget, self.heartbeat_s, self.caps, self.curve = budget, heartbeat_s, caps, curve
         self.conns: dict[int, Connection] = {}
@@ -165,8 +171,10 @@ class Connections:
         self.gone: dict[bytes, None] = {}
         self.admitted: dict[str, list[float]] = {}   # worker -> when ZAP let a connection of it in, not yet proven
         self.lock = threading.Lock()
+        self.monitor_lock = threading.Lock()   # the monitor socket, read by the watchdog and by a first message
         self.failed = 0
         self.dropped: Counter[str] = Counter()
+        self.name, self.told = name, set[tuple[str, str]]()   # (worker, why) of the drops already said
         self._trim_at: float | None = None
         self.cycle, self.cycles = threading.Condition(), 0   # watchdog passes, for admit
         self._stop = threading.Event()
@@ -220,6 +228,12 @@ class Connections:
         if fd < 0:
             return True
         ident = frames[0].bytes
+        if ident not in self.fds:
+            # a connection's first message: its descriptor may be one a connection that just closed had, whose
+            # DISCONNECTED the watchdog has not read yet; read it now (ZeroMQ queued it, and this connection's
+            # ACCEPTED, before this message could arrive), or it would mark this connection's routing id gone
+            # and its replies would never be sent
+            self._events()
         with self.lock:
             if ident in self.gone:
                 return True
@@ -275,8 +289,19 @@ class Connections:
             conn.dropped = True
             self.dropped[why] += 1
             shut(fd)
+            if conn.user is not None and (conn.user, why) not in self.told:   # a worker's: said once per why
+                self.told.add((conn.user, why))
+                who = f"worker {conn.user}'s" if conn.user else "a worker's"
+                print(f"{self.name}: shut down {who} connection ({WHY[why]}); a request it had sent is not "
+                      f"answered, and its worker waits for it up to backend.timeout_s", file=sys.stderr, flush=True)
 
     def _events(self) -> None:
+        """Read the monitor's events (the watchdog's and a first message's thread: one at a time)."""
+        with self.monitor_lock:
+            if not self.monitor.closed:
+                self._read_events()
+
+    def _read_events(self) -> None:
         while self.monitor.poll(0):
             msg = parse_monitor_message(self.monitor.recv_multipart())
             event, fd = msg["event"], msg["value"]
@@ -342,7 +367,8 @@ class Connections:
     def close(self) -> None:
         self._stop.set()
         self._thread.join(2)
-        self.monitor.close(0)
+        with self.monitor_lock:
+            self.monitor.close(0)
 
 
 def _user_id(frame: Any) -> str:

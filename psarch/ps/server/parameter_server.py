@@ -107,7 +107,7 @@ class ParameterServer:
         caps = Caps(b.max_connections or b.world_size + 16, b.max_connections_per_worker,
                     b.max_pending or b.world_size + 16, b.handshake_timeout_s)
         self.connections = Connections(self.sock, self.inflight_budget, heartbeat_s, caps,
-                                       curve=self.creds.mechanism == "curve")
+                                       curve=self.creds.mechanism == "curve", name=f"server {index}")
         self.zap = auth.ZapHandler(self.zctx, self.creds, b.world_size, self.connections.admit)
         if port:
             self.sock.bind(f"tcp://{host}:{port}")
