@@ -260,7 +260,7 @@ def test_a_geo_server_with_compression_answers_a_pushpull_with_the_cast_change_o
     import zmq
     from psarch.ps.services import start_services
     from psarch.workload import build_workload
-    from test_ps_server import Raw
+    from ps_setup import Raw
     zctx, started = zmq.Context(), []
     try:
         for mode in ("geo", "sync"):
@@ -355,7 +355,7 @@ def test_a_whole_pull_after_a_delta_is_refused_where_the_copy_is_shared():
     from psarch.ps import wire
     from psarch.ps.services import start_services
     from psarch.workload import build_workload
-    from test_ps_server import Raw
+    from ps_setup import Raw
     cfg = from_dict(config("srv", train={"optimizer": "sgd", "lr": 0.5, "compression": "topk", "topk_ratio": RATIO},
                            workload={"model": "mlp"}, backend=ps(2, "geo", 1, geo_barrier=True, k_steps=1)))
     numel = sum(p.numel() for p in build_workload(cfg).model.parameters())

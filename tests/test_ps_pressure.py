@@ -19,40 +19,12 @@ import zmq
 from psarch.config import from_dict
 from psarch.ps import auth, wire
 from psarch.ps.auth import Credentials
-from psarch.ps.layout import initial_flat
-from psarch.ps.server.parameter_server import ParameterServer
 from psarch.ps.services import start_services
-from ps_setup import config, ps
+from ps_setup import config, pressure_config, ps
 from zmtp_raw import RawPeer, closed, frame
 from timing import scaled
 
 MiB = 2**20
-
-
-def _cfg(mode: str = "async", optimizer: str = "sgd", workers: int = 2, **backend):
-    return from_dict(config("pressure", train={"optimizer": optimizer, "lr": 0.5}, workload={"model": "mlp"},
-                            backend=ps(workers, mode, auth=backend.pop("auth", "plain"), **backend)))
-
-
-@pytest.fixture
-def serve(tmp_path):
-    """serve(mode, optimizer, **backend) -> server: a ParameterServer thread (PLAIN, keys in tmp_path)."""
-    started, keys = [], auth.keygen(tmp_path / "keys", 2, 1)
-
-    def make(mode: str = "async", optimizer: str = "sgd", **backend) -> ParameterServer:
-        cfg = _cfg(mode, optimizer, keys=str(keys), **backend)
-        flat = initial_flat(cfg)
-        srv = ParameterServer(0, cfg, creds=Credentials("plain", str(keys)), numel=flat.numel())
-        srv.initialize(flat)
-        thread = threading.Thread(target=srv.serve, daemon=True)
-        thread.start()
-        started.append((srv, thread))
-        return srv
-
-    yield make
-    for srv, thread in started:
-        srv.stop()
-        thread.join(5)
 
 
 def _password(creds: Credentials, worker: int) -> str:
@@ -92,7 +64,7 @@ def test_a_routing_id_chosen_to_collide_does_not_abort_the_server(mechanism):
     ids it generates for peers that name none) once made the next worker's connection collide with one of
     them: libzmq asserted and the server process died with SIGABRT (exit -6), under plain and curve alike.
     The server now draws that counter from a seed no peer knows: the worker is served, the server lives."""
-    services = start_services(_cfg(auth=mechanism, max_connections=100, max_connections_per_worker=100), None)
+    services = start_services(pressure_config(auth=mechanism, max_connections=100, max_connections_per_worker=100), None)
     zctx = zmq.Context()
     try:
         address, creds = services.info.addresses[0], Credentials.from_dict(services.info.auth)
@@ -277,7 +249,7 @@ def test_a_server_process_holds_at_most_its_budget_under_each_attack():
     each, then 200 fetches never read (200 x 350 kB): it grows by at most the connections' budgets (4 MiB
     each) + 32 MiB of slack, and the memory is given back once they are gone. Before: +256 MiB held by the
     senders, kept after they closed; +70 MiB of replies."""
-    services = start_services(_cfg(inflight_mb=4.0, max_connections_per_worker=5), None)   # 4 senders + a reader
+    services = start_services(pressure_config(inflight_mb=4.0, max_connections_per_worker=5), None)   # 4 senders + a reader
     try:
         pid, port = services.workers[0].pid, int(services.info.addresses[0].rsplit(":", 1)[1])
         password = _password(Credentials.from_dict(services.info.auth), 0)
@@ -324,7 +296,7 @@ def test_handshakes_never_finished_hold_no_worker_slot_and_time_out():
     """40 TCP connections that never start their handshake once filled backend.max_connections (world_size + 16):
     a worker (re)connecting then got no answer for the 30 s of the heartbeat timeout. Now only authenticated
     connections count, and an unfinished handshake is dropped after backend.handshake_timeout_s."""
-    services = start_services(_cfg(handshake_timeout_s=0.5), None)
+    services = start_services(pressure_config(handshake_timeout_s=0.5), None)
     zctx = zmq.Context()
     holders = []
     try:

@@ -13,7 +13,7 @@ from psarch.config import from_dict
 from psarch.ps import auth, wire
 from psarch.ps.auth import Credentials
 from ps_setup import config, ps
-from test_ps_pressure import MiB, Dealer, serve  # noqa: F401  (serve: the fixture)
+from test_ps_pressure import MiB, Dealer
 from timing import scaled
 
 PARTITION_64 = 64 * 4 / MiB   # backend.partition_mb of the smallest partitions, 64 fp32 elements

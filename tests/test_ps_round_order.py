@@ -11,7 +11,6 @@ from psarch.config import from_dict
 from psarch.ps.rows import key_space
 from psarch.ps.server.row_shard import RowShard
 from test_ps_rows import ROWS_DLRM
-from test_ps_server import server  # noqa: F401  (the fixture)
 from ps_setup import config
 
 N = 4

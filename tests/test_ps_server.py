@@ -8,61 +8,16 @@ import time
 
 import pytest
 import torch
-import zmq
 
 from psarch.config import from_dict
-from psarch.ps import auth, wire
 from psarch.ps.auth import Credentials
 from psarch.ps.worker.client import PSClient, Request
 from psarch.flat import FlatParams
 from psarch.ps.layout import server_partitions, server_ranges
 from psarch.ps.worker.link import ServerLink
 from psarch.ps.errors import PSError
-from psarch.ps.services import start_services
 from psarch.workload import build_workload
-from ps_setup import config, ps
-
-
-class Raw:
-    """One DEALER speaking the wire directly to a server, for requests a PSClient would never send;
-    authenticated as `worker` with the run's credentials `creds` (None: no handshake)."""
-
-    def __init__(self, zctx: zmq.Context, address: str, creds: dict | None = None, worker: int = 0) -> None:
-        self.sock = zctx.socket(zmq.DEALER)
-        self.sock.setsockopt(zmq.LINGER, 0)
-        auth.client_socket(self.sock, Credentials.from_dict(creds), worker, 0)
-        self.sock.connect(address)
-
-    def send(self, header: dict, tensor: torch.Tensor | None = None) -> None:
-        self.sock.send_multipart(wire.encode(header, tensor))
-
-    def reply(self, timeout_ms: int = 5000) -> wire.Message | None:
-        return wire.decode(self.sock.recv_multipart()) if self.sock.poll(timeout_ms) else None
-
-    def ask(self, header: dict, tensor: torch.Tensor | None = None) -> wire.Message:
-        self.send(header, tensor)
-        r = self.reply()
-        assert r is not None, f"no reply to {header}"
-        return r
-
-
-@pytest.fixture
-def server():
-    """server(mode, precision, workers, servers, **backend) -> (services, numel); everything stopped after."""
-    started, zctx = [], zmq.Context()
-
-    def make(mode: str, precision: str = "fp32", workers: int = 2, servers: int = 1, **extra):
-        cfg = from_dict(config("srv", train={"optimizer": "sgd", "lr": 0.5, "precision": precision},
-                               workload={"model": "mlp"}, backend=ps(workers, mode, servers, **extra)))
-        started.append(start_services(cfg, None, threads=True))
-        return started[-1], sum(p.numel() for p in build_workload(cfg).model.parameters())
-
-    # a raw peer authenticated as `worker` with the last started servers' credentials
-    make.raw = lambda address, worker=0: Raw(zctx, address, started[-1].info.auth if started else None, worker)
-    yield make
-    for s in started:
-        s.stop()
-    zctx.destroy(linger=0)
+from ps_setup import Raw, config, ps
 
 
 def _fetch(raw: Raw) -> torch.Tensor:

@@ -28,7 +28,6 @@ from psarch.ps.worker.client import PSClient
 from psarch.workload import build_workload
 from psarch.ps.services import LocalServers
 from test_ps_faults import _children
-from test_ps_server import server  # noqa: F401  (the fixture)
 from timing import scaled
 
 SGD = {"optimizer": "sgd", "lr": 0.1, "momentum": 0.9, "steps": 8}
@@ -258,7 +257,7 @@ def test_r1_without_faults_ends_with_the_model_of_r0_and_its_bytes_are_r_times_t
 def test_rank_0_fetches_each_partition_from_its_first_holder_with_r0_and_r1_alike(tmp_path, monkeypatch):
     """The launcher's model.pt from the servers left out: model.pt is rank 0's fetch (partitions dealt round robin:
     none of a server's vectors is one range), the same with r = 1 as with r = 0."""
-    monkeypatch.setattr(LocalServers, "_write_outputs", lambda self, out_dir, out, parts: None)
+    monkeypatch.setattr("psarch.ps.services.write_outputs", lambda cfg, out_dir, out, parts, live: None)
     backend = dict(ps(2, servers=3), **PARTITIONED)
     psarch.run(_cfg("r0", backend, steps=3), tmp_path / "r0", echo=False)
     psarch.run(_cfg("r1", dict(backend, replicas=1), steps=3), tmp_path / "r1", echo=False)

@@ -25,7 +25,7 @@ from torch import nn
 from torch.utils.flop_counter import FlopCounterMode, sdpa_flop_count
 
 from psarch.cluster.flops import FlopCount
-from psarch.records import DeviceFacts, PacedFields
+from psarch.cluster.records import DeviceFacts, PacedFields
 
 
 def _cpu_flash_attention(query: Any, key: Any, value: Any, *args: Any, out_shape: Any = None, **kwargs: Any) -> int:

@@ -23,7 +23,8 @@ from typing import TYPE_CHECKING
 from psarch.errors import ConfigError, show
 
 if TYPE_CHECKING:   # records imports torch; this module does not
-    from psarch.records import RankRecord, VirtualDeviceSummary
+    from psarch.cluster.records import VirtualDeviceSummary
+    from psarch.records import RankRecord
 
 AUTO = "auto"               # the default: CORE on an emulated cluster, MEASURED on loopback
 CORE = "cpu-core"           # this machine's core measured alone, paced as a virtual device (dilation applies)

@@ -37,7 +37,7 @@ from typing import TYPE_CHECKING, Sequence
 from psarch.cluster import netns
 
 if TYPE_CHECKING:
-    from psarch.records import NodeReport
+    from psarch.cluster.records import NodeReport
 
 PREFIX = "psarch-"
 IFNAME = "eth0"                 # every node's interface: GLOO_SOCKET_IFNAME names it

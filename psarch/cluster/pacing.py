@@ -33,7 +33,7 @@ import torch
 from torch import nn
 
 from psarch.cluster.flops import FlopCount
-from psarch.records import DeviceFacts, PacedFields
+from psarch.cluster.records import DeviceFacts, PacedFields
 
 # Inside a phase, the worker waits only where it is more than this share of the budget ahead: a launch at
 # most 5% early, and a few wake-ups per phase rather than one per module (each costs a scheduling delay on

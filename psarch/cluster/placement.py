@@ -25,7 +25,7 @@ from psarch.config import Config
 
 if TYPE_CHECKING:
     from psarch.cluster.emulated import Node
-    from psarch.records import ClusterReport, NodeReport
+    from psarch.cluster.records import ClusterReport, NodeReport
 
 
 class Loopback:

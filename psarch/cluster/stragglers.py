@@ -41,7 +41,7 @@ from psarch.cluster.call_pacing import CallDevice
 from psarch.cluster.flops import count
 from psarch.cluster.pacing import VirtualDevice
 from psarch.config import Config
-from psarch.records import PacedFields
+from psarch.cluster.records import PacedFields
 from psarch.workload import Workload
 
 

@@ -23,9 +23,11 @@ the workers (backend.server_placement).
     row_snapshot.py    checkpoints of the embedding rows: a server's shard, a GEO worker's cache
     services.py        the launcher's side: starting, watching and stopping the servers of a local run
     servers_summary.py the servers' stats as summary.json's entries (traffic, memory, staleness, dropped workers)
+    servers_outputs.py model.pt from the servers' final parameters, the SSP trace
     standalone.py      `psarch server`: one server as its own process, for runs across machines
     server/            one server, built by composition
-        parameter_server.py  ParameterServer: sockets, the serve loop, the handler table, lost workers, stats
+        parameter_server.py  ParameterServer: sockets, the serve loop, the handler table, lost workers
+        stats.py             the launcher's commands; what a server sends back: its stats, its final parameters
         start.py             a run's server holding its part of the initial model (dense range; rows' shard)
         state.py             ServerState: what the parts share (and the config's facts, as properties); Partition
         replies.py           replies and errors on the socket, events on the launcher's pipe, failing
@@ -40,7 +42,8 @@ the workers (backend.server_placement).
         rows.py              ServerRows: rowpull, rowpush, rowfetch and the shard's part in rounds and checkpoints
         row_shard.py         RowShard: a server's rows of every table, their optimizer, a round's rows
     worker/            one worker, built by composition
-        trainer.py           PSWorker, the backend's Trainer: steps, the model, checkpoints, figures
+        trainer.py           PSWorker, the backend's Trainer: steps, the model, figures
+        snapshots.py         a worker's checkpoint part, rank 0's merge, continuing from a checkpoint
         link.py              ServerLink: the flat parameters' pushpull (a request per partition), pull, fetch, save, done
         schedule.py          PushSchedule: each partition pushed from backward's hooks once its gradients are final
         client.py            the worker's sockets: requests to all servers in parallel, replies matched, frames counted

@@ -6,7 +6,7 @@ a thread) that talks to the launcher over a pipe carrying JSON and raw bytes onl
 "ready"/"failed"/"stats" events one way, "lost"/"stats"/"stop" commands the other. `check()` raises
 when a server failed (e.g. a sync timeout naming the missing worker) or died; `finish()` returns the
 servers' traffic, memory and staleness for summary.json and writes model.pt from the servers' final
-parameters (so a run whose rank 0 was lost still has its model); `stop()` always ends every server.
+parameters (servers_outputs.py); `stop()` always ends every server.
 
 With `backend.server_addresses` set, the servers were started elsewhere (`psarch server`): nothing is
 started or stopped here, and the summary has only what the workers measured.
@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any, cast
 
 import torch
 
-from psarch.checkpoint.finetune import restore_base, starts_from_base
+from psarch.checkpoint.finetune import starts_from_base
 from psarch.checkpoint.start import CHECKPOINTS
 from psarch.cluster.placement import Loopback, Placement
 from psarch.config import Config, ConfigError, from_dict
@@ -33,7 +33,8 @@ from psarch.launch.lifecycle import die_with_parent
 from psarch.ps.auth import KEYGEN_HINT, AuthError, Credentials, check_folder, mechanism, remove, run_credentials
 from psarch.ps.errors import ServiceError
 from psarch.ps.partitions import replicas
-from psarch.ps.replication import bytes_summary, death, join_held, survivors
+from psarch.ps.replication import bytes_summary, death, survivors
+from psarch.ps.servers_outputs import write_outputs
 from psarch.ps.servers_summary import summarize
 from psarch.records import LostWorker, ServiceInfo, Summary
 from psarch.trainer import Services
@@ -225,7 +226,8 @@ class LocalServers(Services):
         if replicas(self.cfg):
             out["replication"] = bytes_summary(self.cfg, [s["traffic"]["ops"] for s in stats], self.dead)
         if self.out_dir is not None:
-            self._write_outputs(self.out_dir, out, parts)
+            live = [i for i in range(len(self.conns)) if i not in self.dead]   # in the order of `parts`
+            write_outputs(self.cfg, self.out_dir, out, parts, live)
         return out
 
     def _stats(self, i: int) -> tuple[ServerStats, torch.Tensor] | None:
@@ -247,39 +249,6 @@ class LocalServers(Services):
             return None
         s.pop("event")
         return cast("ServerStats", s), torch.frombuffer(bytearray(raw), dtype=torch.float32) if raw else torch.empty(0)
-
-    def _write_outputs(self, out_dir: Path, out: Summary, parts: list[torch.Tensor]) -> None:
-        """model.pt from the servers' final parameters; the ssp trace beside the summary (in `out_dir`)."""
-        if "ssp" in out:
-            (out_dir / "ssp_trace.json").write_text(json.dumps(out["ssp"].pop("trace")))
-            out["ssp"]["trace_file"] = "ssp_trace.json"
-        if not all(p.numel() for p in parts):
-            return  # no worker ever sent init: rank 0's record (if any) is all there is
-        from psarch.ps.layout import join_servers, state_from_flat
-        from psarch.ps.rows import join_parts, key_space
-        from psarch.workload import build_workload
-        try:
-            model = build_workload(self.cfg).model
-            restore_base(self.cfg, model)   # a fine-tune's frozen weights: its base checkpoint's, as the workers'
-            if self.cfg.backend.embeddings == "rows":
-                state = join_parts(model, self.cfg, key_space(self.cfg), parts)
-            else:
-                flat = self._join_replicas(model, out, parts) if replicas(self.cfg) else join_servers(self.cfg, parts)
-                state = state_from_flat(model, flat)
-            torch.save(state, out_dir / "model.pt")
-        except Exception as e:  # keep rank 0's model.pt, say why the servers' could not be written
-            out["model_from_servers_error"] = f"{type(e).__name__}: {e}"
-
-    def _join_replicas(self, model: torch.nn.Module, out: Summary, parts: list[torch.Tensor]) -> torch.Tensor:
-        """The flat vector from the live servers' held vectors (backend.replicas); whether their copies were
-        identical goes into `out`; ValueError where they were not."""
-        from psarch.ps.layout import trainable
-        live = [i for i in range(len(self.conns)) if i not in self.dead]
-        flat, same = join_held(self.cfg, dict(zip(live, parts)), sum(p.numel() for p in trainable(model)))
-        out["replication"]["copies_identical"] = same
-        if not same:
-            raise ValueError("the live servers' copies of some partition differ")
-        return flat
 
     def stop(self) -> None:
         """End every server: ask, then terminate (processes), then kill; close the pipes."""

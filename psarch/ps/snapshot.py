@@ -1,6 +1,6 @@
 """Checkpoints of a parameter-server run, in psarch.checkpoint's format: every server writes its range, every
-worker what it holds, in parallel (servers: psarch/ps/server/snapshots.py; workers: PSWorker's checkpoint methods,
-psarch/ps/worker/trainer.py). What both sides share is here.
+worker what it holds, in parallel (servers: psarch/ps/server/snapshots.py; workers: psarch/ps/worker/snapshots.py).
+What both sides share is here.
 
 The servers share no process group with the workers, so the `save` op is the barrier. After step K:
  1. every worker writes its part (rankR.bin/.json, its step records) into `<run>/checkpoints/.tmp_step_K`, then sends
@@ -74,7 +74,7 @@ class RowsRecord(TypedDict, total=False):
 
 
 class WorkerRecord(TypedDict):
-    """A PS worker's record in a checkpoint (PSTrainer.checkpoint_pieces), with its GEO and tables' parts."""
+    """A PS worker's record in a checkpoint (psarch/ps/worker/snapshots.py's pieces), with its GEO and tables' parts."""
 
     rank: int
     steps: int

@@ -54,6 +54,7 @@ def serve(config: str, index: int, port: int, host: str | None = None, overrides
         return 2
     from psarch.ps.auth import AuthError
     from psarch.ps.server.start import build_server
+    from psarch.ps.server.stats import server_stats
 
     try:
         server = build_server(index, cfg, host or b.host, port, exit_when_done=True)
@@ -66,7 +67,7 @@ def serve(config: str, index: int, port: int, host: str | None = None, overrides
     except KeyboardInterrupt:
         server.close()
         print(f"psarch server {index}: interrupted", file=sys.stderr)
-    stats = server.stats()
+    stats = server_stats(server)
     if "ssp" in stats:
         stats["ssp"]["trace"] = stats["ssp"]["trace"][:1000]
     print(json.dumps(stats), flush=True)

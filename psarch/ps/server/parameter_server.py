@@ -41,7 +41,6 @@ from __future__ import annotations
 
 import json
 import sys
-from collections import Counter
 import time
 import traceback
 from typing import Any, Callable
@@ -50,8 +49,7 @@ import torch
 import zmq
 
 from psarch.config import Config
-from psarch.cluster.device import dilation
-from psarch.meters import TrafficMeter, peak_memory
+from psarch.meters import TrafficMeter
 from psarch.ps import auth, wire
 from psarch.ps.auth import Credentials
 from psarch.ps.errors import PSError, WorkerLost
@@ -68,8 +66,8 @@ from psarch.ps.server.replies import Replies
 from psarch.ps.server.rows import ServerRows
 from psarch.ps.server.snapshots import Snapshots
 from psarch.ps.server.state import ServerState
-from psarch.ps.server.stats import Command, ServerStats
-from psarch.timeline import Recorder, Span, SpanFields
+from psarch.ps.server.stats import Command, final_params, server_stats
+from psarch.timeline import Recorder
 
 Handler = Callable[[bytes, wire.Message], None]
 LOST_BY_LAUNCHER = "its process died"
@@ -323,58 +321,7 @@ class ParameterServer:
         if cmd.get("cmd") == "lost":
             self.lose(int(cmd["worker"]), LOST_BY_LAUNCHER)
         elif cmd.get("cmd") == "stats":
-            self.replies.notify({"event": "stats", **self.stats()})
-            self.replies.payload(self._final())
+            self.replies.notify({"event": "stats", **server_stats(self)})
+            self.replies.payload(final_params(self))
         elif cmd.get("cmd") == "stop":
             self.state.stopping = True
-
-    def _final(self) -> bytes | memoryview:
-        """The launcher's model.pt: this server's held vector (its own and its replicas' partitions, joined), then
-        its rows (psarch/ps/rows.py's join_parts splits them)."""
-        if not self.state.initialised:
-            return b""
-        dense = self.state.params()
-        final = dense if self.rows is None else self.rows.final(dense)
-        return final.numpy().data.cast("B")
-
-    def _rounds(self) -> list[SpanFields]:
-        """The traced rounds' spans in the cluster's time, as the workers' (psarch.launch.runner); none where D was
-        not resolved for the servers (torchrun's rank 0 starts them with the config as asked)."""
-        try:
-            d = dilation(self.state.cfg)
-        except RuntimeError:
-            return []
-        return [Span(x.node, x.lane, x.name, x.start / d, x.end / d).to_dict()
-                for x in self.timeline.take(f"server {self.state.index}")]
-
-    def stats(self) -> ServerStats:
-        """What this server measured: traffic, memory, staleness, rejected requests, lost workers."""
-        s = self.state
-        traffic = self.meter.report().to_dict()
-        peak, kind = peak_memory(torch.device("cpu"))
-        memory: Counter[str] = Counter({"total": 0})
-        staleness: Counter[int] = Counter()
-        for part in s.parts:
-            memory.update(part.range.memory())
-            staleness.update(part.range.staleness)
-        out: ServerStats = {
-            "server": s.index, "address": self.address, "range": [s.parts[0].lo, s.parts[-1].hi] if s.parts else [0, 0],
-            "held": s.size, "partitions": len(s.parts),
-            "version": s.version, "sent": traffic["sent"], "received": traffic["received"],
-            "traffic": traffic, "memory": dict(memory, peak=peak, peak_kind=kind,
-                                               early_pushes_peak=sum(p.round.sum.peak for p in s.parts)),
-            "rejected": s.rejected, "refused_non_finite": s.refused_non_finite, "lost": sorted(s.lost),
-            "drops": self.readmit.drops,
-            "dropped_connections": dict(self.connections.dropped),
-            # every partition skips a skipped step: the most any partition skipped is the steps skipped
-            "failure": s.failure, "skipped_updates": max((p.range.skipped for p in s.parts), default=0),
-            "staleness_histogram": {str(k): v for k, v in sorted(staleness.items())},
-        }
-        if self.timeline.on:
-            out["timeline"] = self._rounds()
-        if s.mode == "ssp":
-            out["ssp"] = {"staleness_bound": s.cfg.backend.staleness_bound, "max_ahead": s.max_ahead,
-                          "trace": s.trace}
-        if self.rows is not None:
-            self.rows.add_memory(out["memory"])
-        return out

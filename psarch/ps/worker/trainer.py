@@ -12,8 +12,8 @@ S = Φ·bytes(compute dtype) each way, as theory's traffic assumes. In fp16 the 
 the servers' (sent with every pull); the worker checks its whole gradient for inf/nan and sends the
 verdict with the push, so that every server skips the same steps.
 
-Checkpoints (the protocol: psarch/ps/snapshot.py): each worker writes its part, then its `save` to every
-server is the barrier; rank 0 merges the parts once every server has acked.
+Checkpoints (the protocol: psarch/ps/snapshot.py; the worker's side: snapshots.py): each worker writes its part,
+then its `save` to every server is the barrier; rank 0 merges the parts once every server has acked.
 """
 from __future__ import annotations
 
@@ -23,8 +23,7 @@ from typing import Any
 
 import torch
 
-from psarch.checkpoint import Checkpoint, Pieces, rng
-from psarch.checkpoint.writer import merge, part_state, publish, step_dir, tmp_dir, write_part, write_steps
+from psarch.checkpoint import Checkpoint, Pieces
 from psarch.config import Config
 from psarch.dist import DistContext
 from psarch.errors import check_loss
@@ -36,8 +35,8 @@ from psarch.timeline import RECORDER
 from psarch.ps.errors import WorkerLost
 from psarch.ps.layout import push_dtype, server_partitions, trainable
 from psarch.ps.partitions import replicas
-from psarch.ps.snapshot import WorkerRecord, exact_records, pushes_by, run_shape, views
 from psarch.ps.messages import pulls_deltas, pushes_from_hooks
+from psarch.ps.worker import snapshots
 from psarch.ps.worker.client import PSClient
 from psarch.ps.worker.geo import GeoLocal
 from psarch.ps.worker.link import Exchange, ServerLink
@@ -184,7 +183,7 @@ class PSWorker(Trainer):
         schedule, pull_order = self.schedule, self.pull_order
         assert schedule is not None and pull_order is not None   # priority pushes from hooks, pulls before forward
         t0 = time.perf_counter()
-        info = self._settle()
+        info = self.settle()
         settled = time.perf_counter() - t0
         self.flat.zero_grad()
         pushes.arm(self.steps + 1)
@@ -199,7 +198,7 @@ class PSWorker(Trainer):
         info["comm_s"], info["tables"] = time.perf_counter() - since + waited + settled, figures
         return info
 
-    def _settle(self) -> Exchange:
+    def settle(self) -> Exchange:
         """Priority: post the pushes still queued and take the rest of the exchange in flight (if any); what its
         replies said."""
         if self.pushes is None or not (any(self.link.posted) or self.pushes.ready):
@@ -240,7 +239,7 @@ class PSWorker(Trainer):
         Every rank then tells the servers it is done."""
         if self.geo is not None and self.steps % self.cfg.backend.push_every:
             self._geo_sync(self.geo)
-        self._settle()
+        self.settle()
         state: dict[str, torch.Tensor] = {}
         if self.ctx.rank == 0:   # tables the model does not hold, from the servers, under their names
             masters = {id(p): v for p, v in zip(self.flat.params, self.flat.views(self.link.fetch()))}
@@ -248,79 +247,20 @@ class PSWorker(Trainer):
         self.link.done()
         return state
 
-    # ------------------------------------------------------------------ checkpoints
+    # ------------------------------------------------------------------ checkpoints (snapshots.py)
 
     def checkpoint_pieces(self, writing: bool = True) -> Pieces:
-        """This worker's part: the model it computes on next (GEO: its local training state; with rows, its
-        row cache) and its record (the servers write the parameters and optimizer state)."""
-        self._settle()
-        rank = self.ctx.rank
-        own = f"worker{rank}/"
-        record: WorkerRecord = {"rank": rank, "steps": self.steps, "rounds": self.rounds,
-                                  "versions": list(self.link.versions), "loss_scale": self.link.loss_scale}
-        if self.geo is None:
-            tensors = {own + "param": self.flat.data}
-        else:
-            tensors = self.geo.tensors(own)
-            record.update(self.geo.record())
-        record.update(self.tables.record())
-        fragments = views(self.layout, tensors, 0, self.flat.numel) + self.tables.fragments()
-        if self.topk is not None:   # its error feedback, by partition
-            record["topk_parts"] = sorted(self.topk.error)
-            fragments += self.topk.fragments(own, self.layout, self._bounds)
-        return Pieces(fragments, self.param_shapes, dict(record))   # the part's JSON state
-
-    @property
-    def _bounds(self) -> list[tuple[int, int]]:
-        """Each partition's [lo, hi) in the flat vector, by its index."""
-        return [(p.lo, p.hi) for p in self.link.parts]
+        """This worker's part: the model it computes on next and its record (snapshots.pieces)."""
+        return snapshots.pieces(self)
 
     def write_checkpoint(self, ctx: DistContext, root: Path, step: int, config: dict[str, Any], keep: int,
                          steps: list[StepRecord] | None) -> Path:
         """Write checkpoint `step` (every worker calls it after the same step), with this rank's step records."""
-        rank, tmp = self.ctx.rank, tmp_dir(Path(root), step)
-        tmp.mkdir(parents=True, exist_ok=True)
-        pieces = self.checkpoint_pieces()
-        write_part(pieces, tmp, f"rank{rank}", rng.capture(self.ctx.device))   # dropout's stream goes on
-        write_steps(tmp, rank, steps)
-        self.link.save(step, tmp)
-        final = step_dir(Path(root), step)
-        if rank == 0:
-            # every live worker wrote its part before its save; a lost worker's part is missing
-            workers = [f"rank{r}" for r in range(self.n) if (tmp / f"rank{r}.json").is_file()]
-            servers = [f"server{i}" for i in range(len(self.link.servers))]
-            records = {p: part_state(tmp, p) for p in workers + servers}
-            scaler = next((records[p]["scaler"] for p in servers + workers if "scaler" in records[p]), None)
-            state = {"ps": {"run": run_shape(self.cfg, self.flat.numel), "servers": [records[p] for p in servers],
-                            "workers": [records[p] for p in workers]}, **({"scaler": scaler} if scaler else {})}
-            merge(tmp, workers + servers, step, config, pieces.params, state)
-            publish(tmp, final, keep)
-        return final
+        return snapshots.write(self, Path(root), step, config, keep, steps)
 
     def load_checkpoint(self, ckpt: Checkpoint) -> None:
-        """Continue from a checkpoint (the servers restored themselves when they started): this worker's own
-        record exactly when this run's shape wrote it, else a fork, as if it had just pulled at step K."""
-        ps, rank, own = exact_records(ckpt, self.cfg, self.flat.numel), self.ctx.rank, f"worker{self.ctx.rank}/"
-        self.steps = ckpt.step
-        rec = next((r for r in ps["workers"] if r["rank"] == rank), None) if ps is not None else None
-        self.tables.restore(ckpt, rec)
-        if rec is None:
-            self.rounds = pushes_by(self.cfg, ckpt.step) if self.geo is not None else 0
-            self.link.pull(pushes_by(self.cfg, ckpt.step))
-            if self.geo is not None:   # GEO: every worker's local optimizer starts from the checkpoint's state
-                self.geo.restore_fork(ckpt, self.layout)
-                if self.link.synced is not None:   # compressed pulls: hold exactly what was pulled, as the servers'
-                    self.geo.pulled()              # copy of it does (bf16: not the checkpoint's fp32 master)
-            return
-        self.rounds, self.link.versions, self.link.loss_scale = rec["rounds"], list(rec["versions"]), rec["loss_scale"]
-        tensors = {own + "param": self.flat.data} if self.geo is None else self.geo.restore_record(own, rec)
-        with torch.no_grad():
-            for f in views(self.layout, tensors, 0, self.flat.numel):
-                ckpt.fill(f)
-        if self.geo is not None:
-            self.geo.optim.master.copy_to_model()
-        if self.topk is not None:
-            self.topk.restore(ckpt, own, self.layout, self._bounds, rec.get("topk_parts", []), self.flat.grad)
+        """Continue from a checkpoint (the servers restored themselves when they started): snapshots.load."""
+        snapshots.load(self, ckpt)
 
     # ------------------------------------------------------------------ figures
 
@@ -344,7 +284,7 @@ class PSWorker(Trainer):
         return self.pull_order.total_s if self.pull_order is not None else 0.0
 
     def summary_extra(self) -> dict[str, Any]:
-        self._settle()
+        self.settle()
         out: dict[str, Any] = {"ps_versions": list(self.link.versions)}
         if replicas(self.cfg):   # chain replication: the servers it went on without (ServerLink.failovers)
             out["failovers"] = self.link.failovers()
