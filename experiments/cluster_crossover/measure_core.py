@@ -1,6 +1,5 @@
 """This CPU's measured speed on cluster_crossover.toml's model, per N (a worker's batch is global_batch / N):
 psarch.cluster.core.flops_per_s, what the default device measures at each run's start."""
-import sys
 from psarch.config import load_config
 from psarch.cluster import core
 for n in (2, 4, 8):
