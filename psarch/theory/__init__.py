@@ -157,22 +157,6 @@ class Prediction:
             out["per_rank"] = [node.to_dict() for node in per_rank]
         return cast(Predicted, out)
 
-    # ---- the old shape's names, while their readers move (removed once none reads them)
-
-    @property
-    def worker(self) -> LinkBytes:
-        return self.link
-
-    @property
-    def server(self) -> LinkBytes | None:
-        node = self.nodes.get("server")
-        return None if node is None else node.link
-
-    @property
-    def server_memory(self) -> float | None:
-        node = self.nodes.get("server")
-        return None if node is None else node.memory.total
-
 
 def predict(cfg: Config, phi: float, frozen: float = 0.0) -> Prediction:
     """What theory predicts for `cfg` with `phi` parameters that train: the backend's own theory
