@@ -1,5 +1,7 @@
 """What theory predicts for a run: `predict(cfg, phi)`, answered by the backend's own theory (its spec's
-`predict`: collective/theory.py, zero/theory.py, psarch/ps/theory.py), and the algebra they share here:
+`predict`: collective/theory.py, zero/theory.py, psarch/ps/theory.py), as a Prediction of the nodes it names by
+role (the core asks which rank is the fullest or the busiest, never which role is which), and the algebra they
+share here:
 memory per rank by category (the ZeRO paper's Table 1 cells, Rajbhandari et al. 2020), ring passes,
 expected distinct embedding rows, and an emulated run's step time (`cluster_step`: the step simulator's where
 the backend writes its step as a program). Every output beside a
