@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Sequence
 
 from psarch.throughput import warmup_steps
 from psarch.zipf import expected_unique
-from psarch.theory import (BYTES, LinkBytes, MemoryPrediction, Prediction, expected_unique_ids,
+from psarch.theory import (BYTES, LinkBytes, MemoryPrediction, NodePrediction, Prediction, expected_unique_ids,
                            optimizer_bytes_per_param, ring_passes, sharded_memory, table_params, topk_k)
 
 if TYPE_CHECKING:
@@ -45,11 +45,11 @@ def rows(cfg: Config, phi: float, sparse_grads: bool = False) -> Prediction:
         grads = width * dense + touched * (8 + width * d.dim)
     mem = MemoryPrediction(params=width * phi, grads=grads, optimizer=k * phi)
     if n == 1:
-        return Prediction(mem, LinkBytes(), None, rounds=0, messages=0, server_memory=None)
+        return Prediction.alike(mem, LinkBytes(), n, rounds=0, messages=0)
     u = expected_unique_ids(cfg)
     v = 2 * (n - 1) / n * dense * width + rows_all_gather_bytes(n, d.num_tables, u, u * d.dim, width)
     # a ring all-reduce (2 passes), then three all-gathers: id counts, ids, rows
-    return Prediction(mem, LinkBytes(v, v), None, rounds=5, messages=5 * (n - 1), server_memory=None)
+    return Prediction.alike(mem, LinkBytes(v, v), n, rounds=5, messages=5 * (n - 1))
 
 
 def ps_tables(cfg: Config, phi: float) -> Prediction:
@@ -63,7 +63,7 @@ def with_ps_tables(dense: Prediction, cfg: Config, phi: float) -> Prediction:
     PS servers: a rank also pulls its u expected rows and pushes their gradients (the PS's rows_traffic with no
     dense part, headers not counted) and holds the u rows and their gradients; a server its 1/S of the tables
     and their row-wise optimizer state; three more phases: the row pull, its rows, the row push."""
-    from psarch.ps.theory import rows_traffic
+    from psarch.ps.theory import colocated, rows_traffic
 
     t, d, b = cfg.train, cfg.workload.dlrm, cfg.backend
     n, u = b.world_size, expected_unique_ids(cfg)
@@ -72,10 +72,14 @@ def with_ps_tables(dense: Prediction, cfg: Config, phi: float) -> Prediction:
     mem = dataclasses.replace(m, params=m.params + rows, grads=m.grads + rows)
     link = rows_traffic(u, d.dim, 0, 4)
     steps = 8 * d.num_tables * d.rows if t.optimizer == "adamw" else 0   # lazy AdamW's step per row
-    table = (4 + optimizer_bytes_per_param(t.optimizer, "fp32", t.momentum)) * table_params(cfg) + steps
-    return Prediction(mem, LinkBytes(dense.worker.sent + link.sent, dense.worker.received + link.received),
-                      LinkBytes(sent=n * link.received / b.servers, received=n * link.sent / b.servers),
-                      rounds=dense.rounds + 3, messages=dense.messages + 3, server_memory=table / b.servers)
+    k = optimizer_bytes_per_param(t.optimizer, "fp32", t.momentum)
+    table = MemoryPrediction(params=4 * table_params(cfg) / b.servers, grads=0.0,
+                             optimizer=(k * table_params(cfg) + steps) / b.servers)
+    worker = NodePrediction(mem, LinkBytes(dense.link.sent + link.sent, dense.link.received + link.received),
+                            ranks=range(n))
+    server = NodePrediction(table, LinkBytes(sent=n * link.received / b.servers, received=n * link.sent / b.servers),
+                            host=colocated(cfg))
+    return Prediction({"worker": worker, "server": server}, rounds=dense.rounds + 3, messages=dense.messages + 3)
 
 
 def sharded_bytes(ids_out: float, ids_in: float, tables: int, dim: int, width: int, n: int) -> tuple[float, float]:
@@ -101,14 +105,14 @@ def sharded(cfg: Config, phi: float) -> Prediction:
     held = dense + d.num_tables * -(-d.rows // n) * d.dim
     mem = MemoryPrediction(params=width * held, grads=width * held, optimizer=k * held)
     if n == 1:
-        return Prediction(mem, LinkBytes(), None, rounds=0, messages=0, server_memory=None)
+        return Prediction.alike(mem, LinkBytes(), n, rounds=0, messages=0)
     u = expected_unique_ids(cfg)
     sent, received = sharded_bytes(u * (n - 1) / n, u * (n - 1) / n, d.num_tables, d.dim, width, n)
     ring = 2 * (n - 1) / n * dense * width
     # two ring passes of N - 1 messages in sequence; each all-to-all (counts, ids, rows, gradients) sends
     # its N - 1 messages at once, paying the latency once
-    return Prediction(mem, LinkBytes(ring + sent, ring + received), None, rounds=2 + 4,
-                      messages=2 * (n - 1) + 4, server_memory=None)
+    return Prediction.alike(mem, LinkBytes(ring + sent, ring + received), n, rounds=2 + 4,
+                            messages=2 * (n - 1) + 4)
 
 
 # ---------------------------------------------------------------- gradient compression (train.compression)
@@ -270,8 +274,8 @@ def compressed(cfg: Config, phi: float) -> Prediction:
         mem.buffers = sum(error_feedback_bytes(t.compression, s, width, t.powersgd_rank) for s in buckets)
     passes = {"fp16": 2, "bf16": 2, "topk": 1, "powersgd": 6}.get(t.compression, 2)
     if n == 1:
-        return Prediction(mem, LinkBytes(), None, rounds=0, messages=0, server_memory=None)
-    return Prediction(mem, LinkBytes(v, v), None, rounds=passes, messages=passes * (n - 1), server_memory=None)
+        return Prediction.alike(mem, LinkBytes(), n, rounds=0, messages=0)
+    return Prediction.alike(mem, LinkBytes(v, v), n, rounds=passes, messages=passes * (n - 1))
 
 
 def compressed_program(cfg: Config, step: DataStep, overlap: bool, reduced: bool, chained: bool = False) -> Program:

@@ -109,14 +109,16 @@ class SSPSummary(TypedDict):
 
 
 class Predicted(TypedDict):
-    """summary.json's `predicted`: theory.Prediction.to_dict()."""
+    """summary.json's `predicted`: theory.Prediction.to_dict(). Each serving role (a node with no rank) adds
+    ROLE_sent and ROLE_received to traffic_per_step and ROLE_memory here, under the name its backend gives it: a
+    PS's and the hybrid's are `server_sent`, `server_received` and `server_memory`."""
 
-    memory_per_rank: dict[str, float]    # params, grads, optimizer, buffers and their total
-    traffic_per_step: dict[str, float]   # worker_sent, worker_received (and server_sent, server_received)
+    memory_per_rank: dict[str, float]    # the fullest rank's params, grads, optimizer, buffers and their total
+    traffic_per_step: dict[str, float]   # worker_sent, worker_received: the busiest rank's (and each serving role's)
     rounds_per_step: float
     messages_per_step: float
-    server_memory: NotRequired[float]    # with servers
-    per_rank: NotRequired[list[dict[str, Any]]]   # RankPrediction.to_dict(): memory, sent, received, own figures
+    server_memory: NotRequired[float]    # a serving role's memory (ROLE_memory), here the PS's servers'
+    per_rank: NotRequired[list[dict[str, Any]]]   # where ranks are told apart: NodePrediction.to_dict() of each
 
 
 class LostWorker(TypedDict):

@@ -280,7 +280,7 @@ def test_theory_predicts_the_compressed_bytes_and_memory(runs, n):
         r = results[n][0][name]
         p = predict(from_dict(data(name, n)), r["params"])
         mean = sum(row["sent"] for row in r["rows"]) / len(r["rows"])
-        assert p.worker.sent == pytest.approx(mean, rel=1e-12), name
+        assert p.link.sent == pytest.approx(mean, rel=1e-12), name
         assert p.memory_per_rank.buffers == r["memory"]["error_feedback"], name
 
 
@@ -412,7 +412,7 @@ def test_ps_top_k_bytes_and_error_feedback_equal_the_formula(ps_runs):
             assert SGD["steps"] * pairs < sent <= SGD["steps"] * (pairs + 2 * len(sizes) * header_bound), name
             assert r[name]["memory"]["error_feedback"] == 4 * phi, name
         p = predict(from_dict(ps_data(name, 2)), res[0][name]["params"])
-        assert (p.worker.sent, p.memory_per_rank.buffers) == (pairs, 4 * phi), name
+        assert (p.link.sent, p.memory_per_rank.buffers) == (pairs, 4 * phi), name
 
 
 def test_ps_pushes_half_the_bytes_and_pulls_whole(ps_runs):
@@ -435,7 +435,7 @@ def test_ps_pushes_half_the_bytes_and_pulls_whole(ps_runs):
         assert sum(s["received"] for s in stats[name]["traffic"]["servers"]) == \
             sum(r[name]["traffic"]["sent"] for r in res)
         p = predict(from_dict(ps_data(name, 2)), res[0][name]["params"])
-        assert (p.worker.sent, p.worker.received) == (2 * phi, 4 * phi)
+        assert (p.link.sent, p.link.received) == (2 * phi, 4 * phi)
 
 
 def test_a_round_sums_top_k_pairs_sparsely_as_it_would_dense():

@@ -116,7 +116,7 @@ def test_prediction_is_the_formula_at_the_expected_unique_ids(runs):
     u = 3 * expected_unique(40, 1.0, 6 * 2)
     dense = phi - 3 * 40 * 4
     want = (dense * 4 + collective_theory.rows_all_gather_bytes(2, 3, u, u * 4, 4))
-    assert theory.predict(cfg, phi).worker.sent == pytest.approx(want)
+    assert theory.predict(cfg, phi).link.sent == pytest.approx(want)
     measured = [r["extra"]["unique_ids"] for rank in results[2] for r in rank["torch_ddp-sgd0"]["rows"]]
     assert sum(measured) / len(measured) == pytest.approx(u, rel=0.25)
 

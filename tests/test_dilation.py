@@ -300,6 +300,7 @@ def test_communication_during_compute_is_read_from_the_program(backend, during):
     # the busiest link and direction: a rank's, or a dedicated server's (all workers' pushes in), per step; the
     # prediction's server is the mean one, the program's busiest holds a partition (512 elements) more
     p = predict(cfg, phi)
-    links = [p.worker.sent, p.worker.received] + ([p.server.sent, p.server.received] if p.server else [])
-    assert max(links) * (1 - 1e-3) <= load.link_bytes <= max(links) + (4 * 4 * 512 if p.server else 0) + 1e-6
-    assert load.server_link is (p.server is not None)
+    server = p.nodes.get("server")
+    links = [p.link.sent, p.link.received] + ([server.link.sent, server.link.received] if server else [])
+    assert max(links) * (1 - 1e-3) <= load.link_bytes <= max(links) + (4 * 4 * 512 if server else 0) + 1e-6
+    assert load.server_link is (server is not None)

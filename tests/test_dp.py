@@ -48,7 +48,7 @@ def test_bytes_are_the_masters_copies(runs, n):
     s = 4 * r["params"]
     tokens = build_workload(cfg).batch(0, 0, 1)
     inputs = (n - 1) * tokens.numel() * tokens.element_size() // n
-    predicted = theory.predict(cfg, r["params"]).worker
+    predicted = theory.predict(cfg, r["params"]).link
     assert predicted.sent == predicted.received == (n - 1) * s
     for row in r["rows"]:
         assert row["sent"] == (n - 1) * s + inputs + (n - 1) * 4

@@ -133,9 +133,9 @@ def test_prediction_is_the_formula_at_the_expected_unique_ids(runs):
     u = theory.expected_unique_ids(cfg)
     ring = 2 * (N - 1) / N * 4 * dense
     p = DDP.predict(cfg, phi)
-    assert p.worker.sent == pytest.approx(ring + 16 * u + 4 * u * d.dim)
-    assert p.worker.received == pytest.approx(ring + 4 * u * d.dim)
-    assert p.server is not None and p.server.received == pytest.approx(N * (16 * u + 4 * u * d.dim) / SERVERS)
+    assert p.link.sent == pytest.approx(ring + 16 * u + 4 * u * d.dim)
+    assert p.link.received == pytest.approx(ring + 4 * u * d.dim)
+    assert p.nodes["server"].link.received == pytest.approx(N * (16 * u + 4 * u * d.dim) / SERVERS)
     measured = [row["extra"]["unique_ids"] for r in results[name] for row in r["rows"]]
     assert sum(measured) / len(measured) == pytest.approx(u, rel=0.15)
 

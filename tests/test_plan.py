@@ -40,8 +40,8 @@ def test_each_row_is_its_configs_simulated_step_and_theorys_memory(rows):
         cfg = config(SHAPE, WORLD, "bf16", "adamw", r.backend)
         p = theory.predict(cfg, phi)
         acts = activations(cfg, p)
-        extra = p.server_memory if r.backend.get("server_placement") == "colocated" else 0.0
-        assert r.memory == pytest.approx(p.memory_per_rank.total + acts + (extra or 0.0))
+        extra = p.nodes["server"].memory.total if r.backend.get("server_placement") == "colocated" else 0.0
+        assert r.memory == pytest.approx(p.memory_per_rank.total + acts + extra)
         assert r.fits == (r.memory <= limit), r.label
         if r.backend["kind"] == "ddp":   # every block's activations on its 16 sequences
             assert acts == pytest.approx(SHAPE.layers * block_activation_bytes(1024, 16, 4096, 32, 2))
@@ -51,7 +51,7 @@ def test_each_row_is_its_configs_simulated_step_and_theorys_memory(rows):
         assert r.step_s == pytest.approx(simulate(program, Cluster.of(program, HW.bandwidth, HW.alpha)).step_s)
         assert r.link == pytest.approx(max(sent_per_node(program)))
         if r.backend["kind"] in ("ddp", "zero", "tensor"):   # the program sends what theory counts
-            assert r.link == pytest.approx(p.worker.sent, rel=1e-3), r.label
+            assert r.link == pytest.approx(p.link.sent, rel=1e-3), r.label
 
 
 def test_report_prints_the_ranking_and_checks_the_best_fitting(rows):

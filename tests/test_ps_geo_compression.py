@@ -142,7 +142,7 @@ def test_bytes_per_round_equal_the_formula(runs, name):
             assert up < row["sent"] <= up + headers, (name, row["sent"], up)
             assert down < row["received"] <= down + headers, (name, row["received"], down)
     p = predict(from_dict(data(name)), phi)
-    assert (p.worker.sent, p.worker.received) == (up / K_STEPS, down / K_STEPS), name
+    assert (p.link.sent, p.link.received) == (up / K_STEPS, down / K_STEPS), name
     print(f"{name}: per round {up} B pushed, {down} B pulled (payload; Φ = {phi}, {len(sizes(name, phi))} partitions)")
 
 
@@ -205,7 +205,7 @@ def test_memory_equals_the_formula(runs, name):
         assert m["buffers"] == 4 * m["held"] * (copies + barrier) + delta, name
     p = predict(cfg, phi)
     assert p.memory_per_rank.buffers == 4 * phi + error, name
-    assert SERVERS * p.server_memory == sum(m["total"] for m in servers), name
+    assert SERVERS * p.nodes["server"].memory.total == sum(m["total"] for m in servers), name
     print(f"{name}: server buffers {[m['buffers'] for m in servers]} B, held {[m['held'] for m in servers]}")
 
 
@@ -303,9 +303,9 @@ def test_a_compressed_geo_program_moves_theorys_bytes_both_ways(compression):
     cfg = from_dict({"train": {"compression": compression, **ratio},
                      "backend": ps(n, "geo", 1, k_steps=1, geo_barrier=True)})
     expected = predict(cfg, phi)
-    assert expected.worker.sent == expected.worker.received == (RATIO * phi * 12 if compression == "topk" else 2 * phi)
+    assert expected.link.sent == expected.link.received == (RATIO * phi * 12 if compression == "topk" else 2 * phi)
     p = registry.spec_of(cfg).program(cfg, phi, DataStep(0.0, 0.0), False)
-    assert simulate(p, Cluster.of(p, rate)).step_s == pytest.approx(n * 2 * expected.worker.sent / rate)
+    assert simulate(p, Cluster.of(p, rate)).step_s == pytest.approx(n * 2 * expected.link.sent / rate)
 
 
 def test_workers_of_a_barrier_share_one_copy_and_each_rounds_delta():

@@ -191,7 +191,7 @@ def test_a_worker_holds_a_small_part_of_the_tables_and_the_servers_hold_them(run
         assert sum(m["embedding_bytes"] for m in mem) == table
         if name not in (f"rows-{opt}-{n}" for opt in OPTIMIZERS for n in SIZES):
             continue
-        predicted = theory.predict(from_dict(_data(name, name.split("-")[1], int(name[-1]))), phi).server_memory
+        predicted = theory.predict(from_dict(_data(name, name.split("-")[1], int(name[-1]))), phi).nodes["server"].memory.total
         for m in mem:   # + a step counter per optimizer tensor
             assert predicted - 4 * d["dim"] * 4 <= m["total"] <= predicted + 4 * d["dim"] * 4 + 64, (name, m, predicted)
 

@@ -166,8 +166,8 @@ def test_the_step_program_moves_the_replication_formulas_bytes_on_every_link(rep
     assert sum(out[h] for h in holders) - sum(out0[h] for h in holders) == pytest.approx(extra.sent, rel=1e-12)
     for w in workers:
         assert out[w] == pytest.approx((1 + replicas) * out0[w]) and into[w] == pytest.approx((1 + replicas) * in0[w])
-        assert out[w] == pytest.approx(predict(cfg, phi).worker.sent)
-    assert sum(into[h] for h in holders) == pytest.approx(servers * predict(cfg, phi).server.received)
+        assert out[w] == pytest.approx(predict(cfg, phi).link.sent)
+    assert sum(into[h] for h in holders) == pytest.approx(servers * predict(cfg, phi).nodes["server"].link.received)
 
 
 @pytest.mark.parametrize("placement", ["dedicated", "colocated"])

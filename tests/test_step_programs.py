@@ -185,10 +185,10 @@ def test_a_compressed_ddp_program_moves_theorys_bytes(kind, compression):
     backend = {"kind": kind, "world_size": n, "bucket_cap_mb": 0.05}
     cfg = from_dict({"train": {"compression": compression, "steps": 10, **warm}, "backend": backend})
     phi = sum(p.numel() for p in build_workload(cfg, device="meta").model.parameters())
-    sent = predict(cfg, phi).worker.sent
+    sent = predict(cfg, phi).link.sent
     if warm:   # the mean over the run holds 2 warm-up steps whole; the median step compresses
         whole = predict(from_dict({"train": {"steps": 10}, "backend": backend}), phi)
-        sent = (10 * sent - 2 * whole.worker.sent) / 8
+        sent = (10 * sent - 2 * whole.link.sent) / 8
     for reduced in (False, True):
         p = registry.spec_of(cfg).program(cfg, phi, DataStep(0.0, 0.0), reduced)
         assert simulate(p, Cluster.of(p, RATE)).step_s == pytest.approx(sent / RATE, rel=2e-3)
@@ -205,10 +205,10 @@ def test_a_zero_program_with_cast_gradients_moves_theorys_bytes(stage):
     backend = {"kind": "zero", "stage": stage, "world_size": n, "reduce_bucket_size": 10**6,
                "allgather_bucket_size": 3 * 10**6}
     cfg = from_dict({"train": {"compression": "fp16"}, "backend": backend})
-    sent = predict(cfg, phi).worker.sent
+    sent = predict(cfg, phi).link.sent
     passes = 3 if stage == 3 else 2
     assert sent == pytest.approx((passes - 0.5) * (n - 1) / n * 4 * phi, rel=1e-12)
-    assert predict(from_dict({"backend": backend}), phi).worker.sent - sent == pytest.approx((n - 1) / n * 2 * phi)
+    assert predict(from_dict({"backend": backend}), phi).link.sent - sent == pytest.approx((n - 1) / n * 2 * phi)
     for reduced in (False, True):
         p = registry.spec_of(cfg).program(cfg, phi, DataStep(0.0, 0.0), reduced)
         assert simulate(p, Cluster.of(p, RATE)).step_s == pytest.approx(sent / RATE, rel=2e-3), reduced
@@ -242,8 +242,8 @@ def test_a_compressed_ps_program_pushes_theorys_bytes():
     cfg = from_dict({"train": {"compression": "topk", "topk_ratio": 0.1},
                      "backend": {"kind": "ps", "world_size": n, "servers": 1, "partition_mb": 0.0}})
     p, expected = registry.spec_of(cfg).program(cfg, phi, DataStep(0.0, 0.0), False), predict(cfg, phi)
-    assert expected.worker.sent == pytest.approx(0.1 * phi * 12)
-    assert simulate(p, Cluster.of(p, RATE)).step_s == pytest.approx(n * (expected.worker.sent + 4 * phi) / RATE)
+    assert expected.link.sent == pytest.approx(0.1 * phi * 12)
+    assert simulate(p, Cluster.of(p, RATE)).step_s == pytest.approx(n * (expected.link.sent + 4 * phi) / RATE)
 
 
 def test_fsdp_prefetch_hides_a_gather_behind_the_unit_before_and_keeps_the_root():
@@ -308,7 +308,7 @@ def test_an_embedding_rows_program_moves_theorys_bytes(kind, embeddings):
                      "train": {"optimizer": "adagrad"},
                      "backend": {"kind": kind, "world_size": 4, "embeddings": embeddings, "bucket_cap_mb": 0.01}})
     phi = 4 * 10**5 * 16 + 20_000
-    sent = predict(cfg, phi).worker.sent
+    sent = predict(cfg, phi).link.sent
     for reduced in (False, True):
         p = registry.spec_of(cfg).program(cfg, phi, DataStep(0.0, 0.0), reduced)
         assert simulate(p, Cluster.of(p, RATE)).step_s == pytest.approx(sent / RATE, rel=1e-6)
@@ -356,7 +356,7 @@ def test_a_ps_rows_program_moves_theorys_bytes_and_reduces(options):
     phi = 4 * 10**5 * 16 + 20_000
     spec = registry.spec_of(cfg)
     if options["servers"] == 1:
-        link = predict(cfg, phi).worker
+        link = predict(cfg, phi).link
         p = spec.program(cfg, phi, DataStep(0.0, 0.0), False)
         assert simulate(p, Cluster.of(p, RATE)).step_s == pytest.approx(n * (link.sent + link.received) / RATE,
                                                                        rel=0.02)
@@ -379,7 +379,7 @@ def test_a_hybrid_program_moves_the_rows_beside_the_dense_layers(backend):
                      "train": {"optimizer": "adagrad", "global_batch": 256},
                      "backend": {"world_size": n, "embeddings": "ps", "servers": 2, **backend}})
     phi = 4 * 10**5 * 16 + 20_000
-    spec, link = registry.spec_of(cfg), predict(cfg, phi).worker
+    spec, link = registry.spec_of(cfg), predict(cfg, phi).link
     for reduced in (False, True):
         p = spec.program(cfg, phi, DataStep(0.0, 0.0), reduced)
         got = simulate(p, Cluster.of(p, RATE)).step_s
@@ -464,7 +464,7 @@ def test_a_zero3_program_gathers_the_frozen_weights_as_predict_counts(train):
     cfg = from_dict({"train": {"steps": 2, "global_batch": 12, **train}, "workload": {"gpt": {"n_layer": 2}},
                      "backend": {"kind": "zero", "stage": 3, "world_size": 3}})
     phi = sum(p.numel() for p in build_workload(cfg, device="meta").model.parameters() if p.requires_grad)
-    sent = predict(cfg, phi).worker.sent
+    sent = predict(cfg, phi).link.sent
     for reduced in (False, True):
         p = registry.spec_of(cfg).program(cfg, phi, DataStep(0.0, 0.0), reduced)
         assert simulate(p, Cluster.of(p, RATE)).step_s == pytest.approx(sent / RATE, rel=1e-3)

@@ -81,7 +81,7 @@ def test_bytes_and_memory_equal_theory(runs, name, n):
     for rank in range(n):
         r = results[name][rank]
         assert r["traffic"]["modelled"] == ("native" in name)
-        assert {(x["sent"], x["received"]) for x in r["rows"]} == {(p.worker.sent, p.worker.received)}, rank
+        assert {(x["sent"], x["received"]) for x in r["rows"]} == {(p.link.sent, p.link.received)}, rank
         m, pm = r["memory"], p.memory_per_rank
         counter = 0 if name.endswith("sgd") else 4   # AdamW's step count of the one flat tensor it steps
         assert (m["params"], m["grads"], m["optimizer"] - counter) == (pm.params, pm.grads, pm.optimizer), rank

@@ -68,18 +68,19 @@ def test_predict_matches_the_formulas(case):
     p = theory.predict(cfg(kind, **dict(backend)), PHI)
     m = p.memory_per_rank
     assert (m.params, m.grads, m.optimizer, m.buffers) == pytest.approx(memory), case
-    assert (p.worker.sent, p.worker.received) == pytest.approx((sent, sent)), case
+    assert (p.link.sent, p.link.received) == pytest.approx((sent, sent)), case
     assert p.rounds == pytest.approx(rounds), case
     if kind == "ps":
         every = backend.get("k_steps", 1) if backend["mode"] == "geo" else 1
         # every worker's push reaches the servers, each taking its 1/SERVERS share
-        assert (p.server.received, p.server.sent) == pytest.approx((N * S / SERVERS / every,) * 2)
+        server = p.nodes["server"]
+        assert (server.link.received, server.link.sent) == pytest.approx((N * S / SERVERS / every,) * 2)
         # a server keeps fp32 parameters, (except GEO, which adds deltas) AdamW's two fp32 moments, and in
         # sync an fp32 accumulator for the round's pushes
         per_param = {"sync": 4 + 8 + 4, "async": 4 + 8, "ssp": 4 + 8, "geo": 4}[backend["mode"]]
-        assert p.server_memory == pytest.approx(per_param * PHI / SERVERS)
+        assert server.memory.total == pytest.approx(per_param * PHI / SERVERS)
     else:
-        assert p.server is None and p.server_memory is None
+        assert not p.services   # no node serves the ranks
 
 
 # backends whose theory reads the model itself (a pipeline's stages are its units), tested with it
@@ -93,9 +94,9 @@ def test_every_registered_backend_kind_is_covered():
 def test_server_buffers_follow_the_mode():
     """GEO with a barrier sums a round's deltas; delay compensation keeps each worker's last-sent version."""
     geo = theory.predict(cfg("ps", mode="geo", k_steps=4, geo_barrier=True), PHI)
-    assert geo.server_memory == pytest.approx((4 + 4) * PHI / SERVERS)
+    assert geo.nodes["server"].memory.total == pytest.approx((4 + 4) * PHI / SERVERS)
     dc = theory.predict(cfg("ps", mode="async", staleness_compensation="dc"), PHI)
-    assert dc.server_memory == pytest.approx((4 + 8 + 4 * N) * PHI / SERVERS)
+    assert dc.nodes["server"].memory.total == pytest.approx((4 + 8 + 4 * N) * PHI / SERVERS)
 
 
 def test_precision_sets_the_wire_and_the_masters():
@@ -103,9 +104,9 @@ def test_precision_sets_the_wire_and_the_masters():
     p = theory.predict(cfg("zero", stage=2, precision="bf16"), PHI)
     assert (p.memory_per_rank.params, p.memory_per_rank.grads, p.memory_per_rank.optimizer) == \
         pytest.approx((2 * PHI, 2 * PHI / N, 12 * PHI / N))
-    assert p.worker.sent == pytest.approx(2 * (N - 1) / N * 2 * PHI)
+    assert p.link.sent == pytest.approx(2 * (N - 1) / N * 2 * PHI)
     ps = theory.predict(cfg("ps", mode="sync", precision="bf16"), PHI)
-    assert ps.worker.sent == 2 * PHI and ps.server_memory == pytest.approx(16 * PHI / SERVERS)
+    assert ps.link.sent == 2 * PHI and ps.nodes["server"].memory.total == pytest.approx(16 * PHI / SERVERS)
 
 
 def test_summary_prediction_is_predict_itself():
@@ -114,6 +115,36 @@ def test_summary_prediction_is_predict_itself():
     assert d["traffic_per_step"] == {"worker_sent": S / 4, "worker_received": S / 4,
                                      "server_sent": N * S / SERVERS / 4, "server_received": N * S / SERVERS / 4}
     assert d["server_memory"] == 4 * PHI / SERVERS and d["rounds_per_step"] == 0.5
+
+
+def test_a_prediction_asks_no_role_by_name():
+    """The core's questions of a Prediction read its nodes, whatever the backend names them: the fullest and busiest
+    rank, each rank's node in rank order, the fullest device with what it hosts, and summary.json's keys (the busiest
+    rank's link as worker_*, each serving role's under its own name)."""
+    mem = theory.MemoryPrediction
+    a = theory.NodePrediction(mem(4, 4, 8), theory.LinkBytes(30, 10), {"held": 1.0}, ranks=[0, 2])
+    b = theory.NodePrediction(mem(8, 8, 16), theory.LinkBytes(20, 40), {"held": 2.0}, ranks=[1, 3])
+    cache = theory.NodePrediction(mem(100, 0, 0), theory.LinkBytes(5, 6), host="odd")
+    p = theory.Prediction({"even": a, "odd": b, "cache": cache}, rounds=2, messages=3)
+    assert (p.fullest, p.busiest, p.memory_per_rank, p.link) == ("odd", "even", b.memory, a.link)
+    assert list(p.services) == ["cache"] and p.rank_by_rank and p.per_rank == [a, b, a, b]
+    assert p.device_memory() == 32 + 100   # the odd ranks' device holds the cache too
+    d = p.to_dict()
+    assert d["traffic_per_step"] == {"worker_sent": 30, "worker_received": 10, "cache_sent": 5, "cache_received": 6}
+    assert d["memory_per_rank"]["total"] == 32 and d["cache_memory"] == 100   # type: ignore[typeddict-item]
+    assert [r["held"] for r in d["per_rank"]] == [1.0, 2.0, 1.0, 2.0] and "server_memory" not in d
+    alike = theory.Prediction.alike(mem(1, 1, 2), theory.LinkBytes(7, 7), 3, rounds=1, messages=2)
+    assert alike.per_rank is None and "per_rank" not in alike.to_dict() and alike.device_memory() == 4
+
+
+@pytest.mark.parametrize("placement", ["dedicated", "colocated"])
+def test_a_colocated_server_is_on_its_workers_device(placement):
+    """A colocated server's range (fp32, AdamW's K = 8, the round's fp32 accumulator) counts on its worker's device;
+    a dedicated one's on a node of its own."""
+    p = theory.predict(cfg("ps", server_placement=placement, n=SERVERS), PHI)
+    assert p.nodes["server"].memory.total == pytest.approx((4 + 8 + 4) * PHI / SERVERS)
+    server = p.nodes["server"].memory.total if placement == "colocated" else 0.0
+    assert p.device_memory() == pytest.approx(p.memory_per_rank.total + server)
 
 
 def test_unknown_kind_is_one_line():
@@ -152,7 +183,7 @@ def test_optimizer_bytes_per_param():
 def test_ps_memory():
     w = theory.memory_per_rank("ps", 1000, 4, "fp32", "adamw")
     assert (w.params, w.grads, w.optimizer) == (4000, 4000, 0)
-    server = theory.predict(theory.config_for("ps", 1, "fp32", "adamw", servers=2), 1000).server_memory
+    server = theory.predict(theory.config_for("ps", 1, "fp32", "adamw", servers=2), 1000).nodes["server"].memory.total
     assert server == (4 + 8 + 4) * 1000 / 2   # + the sync accumulator
 
 

@@ -52,7 +52,7 @@ class ToySpec(BackendSpec):
         return f"echo{cfg.backend.toy_echo}"
 
     def predict(self, cfg: Any, phi: float) -> Prediction:
-        return Prediction(sharded_memory(cfg, phi, 0), LinkBytes(), None, rounds=0, messages=0, server_memory=None)
+        return Prediction.alike(sharded_memory(cfg, phi, 0), LinkBytes(), cfg.backend.world_size, rounds=0, messages=0)
 
 
 @pytest.fixture

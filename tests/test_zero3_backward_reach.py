@@ -95,4 +95,4 @@ def test_fsdp2_prediction_leaves_out_the_unreached_frozen_bytes(train, unreached
     frozen = sum(f for _, f in sizes)
     trains = sum(t for t, _ in sizes)
     p = TORCH_FSDP.predict(cfg, trains)
-    assert p.worker.sent == pytest.approx(1 / 2 * 4 * (3 * trains + 2 * frozen - skipped), rel=1e-12)
+    assert p.link.sent == pytest.approx(1 / 2 * 4 * (3 * trains + 2 * frozen - skipped), rel=1e-12)

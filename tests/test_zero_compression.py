@@ -111,7 +111,7 @@ def test_bytes_per_step_equal_the_formula(runs, n):
             assert [row["received"] for row in r["rows"]] == [rs + ag] * steps, (name, rank)
             ops = r["traffic"]["ops"]
             assert ops["reduce_scatter"]["sent"] == steps * rs and ops["all_gather"]["sent"] == steps * ag, name
-            predicted = predict(from_dict(data(name, n)), phi).worker.sent
+            predicted = predict(from_dict(data(name, n)), phi).link.sent
             assert predicted <= rs + ag <= predicted + (3 * (n - 1) * (padded - phi) * 4) / n + 1, name
             if rank == 0:
                 print(f"{name} N={n}: sent per step {rs + ag} B (reduce-scatter {rs}, all-gathers {ag}); predicted "

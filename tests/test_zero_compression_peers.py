@@ -125,7 +125,7 @@ def test_the_peers_bytes_per_step_are_the_2_byte_formula(runs, n):
                 assert abs(2 * ops[op]["sent"] - whole[op]["sent"]) <= 2 * steps * passes * (n - 1) * 2 * buckets
                 other = "all_gather" if kind == "torch_fsdp" else "broadcast"
                 assert ops[other] == whole[other], (kind, other)
-                predicted = predict(from_dict(data(f"{kind}-{compression}", n)), phi).worker.sent
+                predicted = predict(from_dict(data(f"{kind}-{compression}", n)), phi).link.sent
                 per_step = sum(v["sent"] for v in ops.values()) / steps
                 assert predicted - 1 <= per_step <= predicted + passes * (n - 1) * 2 * buckets + 1, (kind, compression)
                 if rank == 0:

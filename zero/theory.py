@@ -46,8 +46,8 @@ def zero(cfg: Config, phi: float, stage: int, ring: int, gradient_passes: int = 
     p = ring_passes(sharded_memory(cfg, phi, stage), cfg, phi, ring)
     n, saved = cfg.backend.world_size, BYTES[cfg.train.precision] - gradient_width(cfg)
     if p.rounds and saved:
-        v = p.worker.sent - gradient_passes * (n - 1) / n * phi * saved
-        p.worker = LinkBytes(v, v)
+        v = p.link.sent - gradient_passes * (n - 1) / n * phi * saved
+        p.nodes["worker"].link = LinkBytes(v, v)
     return p
 
 
@@ -143,7 +143,7 @@ def with_sharded_frozen(p: Prediction, cfg: Config, held: float, forward_sent: f
     p.memory_per_rank.frozen = width * held
     if n > 1 and held:
         v = width * (forward_sent + backward_sent)
-        p.worker = LinkBytes(p.worker.sent + v, p.worker.received + v)
+        p.nodes["worker"].link = LinkBytes(p.link.sent + v, p.link.received + v)
         p.messages += (n - 1) * ((forward_sent > 0) + (backward_sent > 0))   # one more all-gather beside a pass's
     return p
 

@@ -27,7 +27,7 @@ from collective.pipeline.stage import Cut
 from psarch.config.backend import units_attr
 from psarch.activations import block_activation_bytes
 from psarch.backend import EstimateRow
-from psarch.theory import (BYTES, LinkBytes, MemoryPrediction, Prediction, RankPrediction,
+from psarch.theory import (BYTES, LinkBytes, MemoryPrediction, NodePrediction, Prediction,
                            optimizer_bytes_per_param)
 
 if TYPE_CHECKING:
@@ -173,13 +173,13 @@ def link_bytes(cfg: Config, lay: Layout, rank: int) -> LinkBytes:
 
 
 def predict(cfg: Config, phi: float) -> Prediction:
-    """Every stage's memory, link bytes, idle fraction and activations held; memory_per_rank is the fullest
-    stage's, `worker` the busiest link."""
+    """Every stage's memory, link bytes, idle fraction and activations held: a role per stage ("stage 0", ...),
+    each standing for its dp ranks."""
     pipe, t, dp = pipe_of(cfg), cfg.train, data_parallel(cfg)
     lay = gpt_layout(cfg) or layout(cfg)
     width, k = BYTES[t.precision], optimizer_bytes_per_param(t.optimizer, t.precision, t.momentum)
     blocks = lay.blocks
-    ranks = []
+    stages: dict[str, NodePrediction] = {}
     for r in range(pipe.p):
         own = sum(lay.stage_params[pipe.stage_of(r, c)] for c in range(pipe.v))
         frozen = sum((lay.stage_frozen or [0] * pipe.virtual)[pipe.stage_of(r, c)] for c in range(pipe.v))
@@ -190,18 +190,14 @@ def predict(cfg: Config, phi: float) -> Prediction:
         known = [b for b in per_chunk if b is not None]
         if len(known) == len(per_chunk):
             figures["activations_held"] = held_peak(compute_order(cfg.backend.schedule, pipe, r), known)
-        ranks.append(RankPrediction(MemoryPrediction(width * own, width * own, k * own, frozen=width * frozen),
-                                    link_bytes(cfg, lay, r),
-                                    figures))
-    ranks = [ranks[i % pipe.p] for i in range(pipe.p * dp)]   # rank = dp_rank x p + stage
-    fullest = max(ranks, key=lambda x: x.memory.total)
-    busiest = max(ranks, key=lambda x: x.link.sent)
+        memory = MemoryPrediction(width * own, width * own, k * own, frozen=width * frozen)
+        ranks = range(r, pipe.p * dp, pipe.p)   # rank = dp_rank x p + stage
+        stages[f"stage {r}"] = NodePrediction(memory, link_bytes(cfg, lay, r), figures, ranks=ranks)
     # phases per step: activations forward and gradients backward along the pipeline, then the ring's two
     # passes; messages: the busiest rank's transfers (one per micro-batch, boundary and direction) and the ring's
     transfers = max(2 * pipe.m * len(boundaries(pipe, r)) for r in range(pipe.p))
     ring = 2 * (dp - 1) if dp > 1 else 0
-    return Prediction(fullest.memory, busiest.link, None, rounds=2 + (2 if dp > 1 else 0),
-                      messages=transfers + ring, server_memory=None, per_rank=ranks)
+    return Prediction(stages, rounds=2 + (2 if dp > 1 else 0), messages=transfers + ring)
 
 
 def size_estimate(phi: float, world: int, p: int, m: int, precision: str, optimizer: str) -> list[EstimateRow]:

@@ -29,7 +29,7 @@ from collective.tensor.split import shard_plan
 from psarch.activations import block_activation_bytes
 from psarch.data.text import TextSource
 from psarch.models.gpt import GPT
-from psarch.theory import BYTES, LinkBytes, MemoryPrediction, Prediction, RankPrediction, optimizer_bytes_per_param
+from psarch.theory import BYTES, LinkBytes, MemoryPrediction, NodePrediction, Prediction, optimizer_bytes_per_param
 
 if TYPE_CHECKING:
     from psarch.config import Config
@@ -136,9 +136,8 @@ def tensor(cfg: Config, phi: float, torch_loss: bool = False) -> Prediction:
     acts = g.n_layer * block_activation_bytes(cfg.workload.seq_len, t.global_batch // cfg.backend.dp_size, g.n_embd,
                                               g.n_head, width, cfg.backend.tp_size)
     # every rank holds the same shapes (tensor-parallel rank 0's counted) and sends what it receives
-    rank = RankPrediction(mem, LinkBytes(v, v), {BLOCK_ACTIVATIONS: acts})
-    return Prediction(mem, LinkBytes(v, v), None, rounds=passes, messages=messages, server_memory=None,
-                      per_rank=[rank] * cfg.backend.world_size)
+    rank = NodePrediction(mem, LinkBytes(v, v), {BLOCK_ACTIVATIONS: acts}, ranks=range(cfg.backend.world_size))
+    return Prediction({"rank": rank}, rounds=passes, messages=messages)
 
 
 def program(cfg: Config, phi: float, step: DataStep, reduced: bool = False, torch_loss: bool = False) -> Program:

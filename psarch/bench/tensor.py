@@ -52,7 +52,7 @@ def _rank(rank: int, world_size: int, tp: int, steps: int) -> dict:
         p = theory.predict(configs[label], held_params(configs[label])[1])   # Φ: the whole model's
         out[label] = {"step_s": statistics.median(times[label]), "model_state": m.total,
                       "sent": (tr.sent - before[label]) / steps, "modelled": tr.modelled,
-                      "predicted_sent": p.worker.sent, "predicted_state": p.memory_per_rank.total}
+                      "predicted_sent": p.link.sent, "predicted_state": p.memory_per_rank.total}
         loop.trainer.close()
     return out
 

@@ -186,7 +186,7 @@ def modelled(cfg: Config) -> ModelledStep:
     compute = (flops.forward + flops.backward) / device.flops_per_s(cfg)
     load = program_load(cfg, phi, compute)
     # no program: a worker's bytes, its messages in sequence, none during compute
-    nbytes, server = (load.link_bytes, load.server_link) if load else (max(p.worker.sent, p.worker.received), False)
+    nbytes, server = (load.link_bytes, load.server_link) if load else (max(p.link.sent, p.link.received), False)
     c = cfg.cluster
     return ModelledStep(workload, batch, p, phi, compute,
                         nbytes * 8 / ((c.server_mbps if server else c.link_mbps) * 1e6),
@@ -199,14 +199,14 @@ def measure(cfg: Config, threads: int = 1, cluster: ModelledStep | None = None) 
     k = cluster or modelled(cfg)
     p, spec = k.counts, registry.spec_of(cfg)
     messages, during = (k.load.messages, k.load.during) if k.load else (p.messages, False)
-    probe = int(min(max(p.worker.sent, p.worker.received, MIN_PROBE_BYTES), MAX_PROBE_BYTES))
+    probe = int(min(max(p.link.sent, p.link.received, MIN_PROBE_BYTES), MAX_PROBE_BYTES))
     processes = cfg.backend.world_size + spec.service_nodes(cfg)
     with spinning(processes - 1):
         with torch.random.fork_rng(devices=[]):
             host_compute = _host_compute_s(k.workload, k.batch, threads)
         rate = loopback_bytes_per_s(probe) if k.link_s > 0 else 0.0
     message, path = message_cost(cfg, spec, k.phi, processes) if k.link_s > 0 else (0.0, "")
-    nbytes = k.load.link_bytes if k.load else max(p.worker.sent, p.worker.received)
+    nbytes = k.load.link_bytes if k.load else max(p.link.sent, p.link.received)
     host_comm = nbytes / rate + message * messages if k.link_s > 0 else 0.0
     return Costs(k.compute_s, k.link_s, host_compute, host_comm, during, message, rate, path)
 

@@ -22,8 +22,7 @@ def master_prediction(cfg: Config, phi: float) -> Prediction:
     mem = sharded_memory(cfg, phi, 0)
     mem.params, mem.grads = n * mem.params, n * mem.grads
     v = (n - 1) * s
-    return Prediction(mem, LinkBytes(v, v), None, rounds=2 if n > 1 else 0, messages=2 * (n - 1),
-                      server_memory=None)
+    return Prediction.alike(mem, LinkBytes(v, v), 1, rounds=2 if n > 1 else 0, messages=2 * (n - 1), role="process")
 
 
 class _OneProcess(BackendSpec):

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 
 from psarch.ps.partitions import replicas, server_partitions
 from psarch.ps.messages import pulls_deltas
-from psarch.theory import (BYTES, LinkBytes, MemoryPrediction, Prediction, expected_unique_ids,
+from psarch.theory import (BYTES, LinkBytes, MemoryPrediction, NodePrediction, Prediction, expected_unique_ids,
                            optimizer_bytes_per_param, table_params, topk_k)
 
 if TYPE_CHECKING:
@@ -38,23 +38,31 @@ def dense(cfg: Config, phi: float) -> Prediction:
     parts = [hi - lo for server in dense_partitions(cfg, phi) for lo, hi in server]
     up, down = sum(pushed_bytes(cfg, size) for size in parts), sum(pulled_bytes(cfg, size) for size in parts)
     k = optimizer_bytes_per_param(t.optimizer, t.precision, t.momentum)
-    server_per_param = 4 + (0 if b.mode == "geo" else optimizer_bytes_per_param(t.optimizer, "fp32", t.momentum))
-    server_per_param += 4 if b.barrier else 0
-    server_per_param += 4 * n if b.mode in ("async", "ssp") and b.staleness_compensation == "dc" else 0
+    server_k = 0 if b.mode == "geo" else optimizer_bytes_per_param(t.optimizer, "fp32", t.momentum)
+    kept = 4 if b.barrier else 0
+    kept += 4 * n if b.mode in ("async", "ssp") and b.staleness_compensation == "dc" else 0
     # GEO's compressed pulls: what each worker holds, in fp32 (with the barrier all hold the same: one copy)
-    server_per_param += (4 if b.barrier else 4 * n) if pulls_deltas(cfg) else 0
-    server_mem = server_per_param * phi / b.servers
+    kept += (4 if b.barrier else 4 * n) if pulls_deltas(cfg) else 0
+    kept_bytes = kept * phi / b.servers
     if pulls_deltas(cfg) and b.barrier:   # and the round's delta, computed once and kept for every worker's pull
-        server_mem += down / b.servers
+        kept_bytes += down / b.servers
     error = width * phi if t.compression == "topk" else 0.0   # top-k keeps the error of every element it pushes
     if b.mode == "geo":
         mem = MemoryPrediction(params=width * phi, grads=width * phi, optimizer=k * phi, buffers=4 * phi + error)
     else:
         mem = MemoryPrediction(params=width * phi, grads=width * phi, optimizer=0.0, buffers=error)
     copies = 1 + replicas(cfg)   # chain replication: a worker's exchange goes to each partition's every holder
-    return Prediction(mem, LinkBytes(copies * up / every, copies * down / every),
-                      LinkBytes(copies * n * down / b.servers / every, copies * n * up / b.servers / every),
-                      rounds=2 / every, messages=2 / every, server_memory=copies * server_mem)
+    held = MemoryPrediction(params=copies * 4 * phi / b.servers, grads=0.0,
+                            optimizer=copies * server_k * phi / b.servers, buffers=copies * kept_bytes)
+    worker = NodePrediction(mem, LinkBytes(copies * up / every, copies * down / every), ranks=range(n))
+    server = NodePrediction(held, LinkBytes(copies * n * down / b.servers / every, copies * n * up / b.servers / every),
+                            host=colocated(cfg))
+    return Prediction({"worker": worker, "server": server}, rounds=2 / every, messages=2 / every)
+
+
+def colocated(cfg: Config) -> str | None:
+    """The role whose device a server shares: a worker's where backend.server_placement = "colocated"."""
+    return "worker" if cfg.backend.server_placement == "colocated" else None
 
 
 def replication(cfg: Config, inbound: float, outbound: float) -> LinkBytes:
@@ -144,7 +152,9 @@ def rows(cfg: Config, phi: float) -> Prediction:
     # pushes kept early for worker-order sums, at worst (N - 1) x width x the dense range, they are not counted)
     barrier = 4 if b.barrier else 0
     steps = 8 * d.num_tables * d.rows if t.optimizer == "adamw" and not geo else 0   # lazy AdamW's step per row
-    server_mem = ((4 + k + barrier) * dense_params + (4 + k) * table + steps) / b.servers
+    held = MemoryPrediction(params=4 * (dense_params + table) / b.servers, grads=0.0,
+                            optimizer=(k * (dense_params + table) + steps) / b.servers,
+                            buffers=barrier * dense_params / b.servers)
     row_bytes = u * d.dim * width
     if geo:   # + the dense part's local optimizer and last synced copy, as a dense GEO worker
         kl = optimizer_bytes_per_param(t.optimizer, t.precision, t.momentum)
@@ -156,5 +166,7 @@ def rows(cfg: Config, phi: float) -> Prediction:
         mem = MemoryPrediction(params=dense_params * width + row_bytes, grads=dense_params * width + row_bytes,
                                optimizer=0.0)
     # a server receives what workers send and sends what they receive; phases: row pull, rows, push, pull
-    return Prediction(mem, link, LinkBytes(sent=n * link.received / b.servers, received=n * link.sent / b.servers),
-                      rounds=4 / every, messages=4 / every, server_memory=server_mem)
+    server = NodePrediction(held, LinkBytes(sent=n * link.received / b.servers, received=n * link.sent / b.servers),
+                            host=colocated(cfg))
+    return Prediction({"worker": NodePrediction(mem, link, ranks=range(n)), "server": server},
+                      rounds=4 / every, messages=4 / every)

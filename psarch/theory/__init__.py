@@ -1,5 +1,7 @@
 """What theory predicts for a run: `predict(cfg, phi)`, answered by the backend's own theory (its spec's
-`predict`: collective/theory.py, zero/theory.py, psarch/ps/theory.py), and the algebra they share here:
+`predict`: collective/theory.py, zero/theory.py, psarch/ps/theory.py), as a Prediction of the nodes it names by
+role (the core asks which rank is the fullest or the busiest, never which role is which), and the algebra they
+share here:
 memory per rank by category (the ZeRO paper's Table 1 cells, Rajbhandari et al. 2020), ring passes,
 expected distinct embedding rows, and an emulated run's step time (`cluster_step`: the step simulator's where
 the backend writes its step as a program). Every output beside a
@@ -14,7 +16,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Sequence, cast
 
 from psarch import registry
 from psarch.config import Config, from_dict
@@ -56,14 +58,18 @@ class LinkBytes:
 
 
 @dataclass
-class RankPrediction:
-    """What theory says of one rank of a model-parallel run: its model states, its link per step, and the
-    backend's own figures, each measured under the same name in summary.json's `extra` (a pipeline stage's
-    idle fraction and activations held, a tensor shard's blocks' activation bytes)."""
+class NodePrediction:
+    """What theory says of one node of a role (every node of the role alike): the model states it holds, its link
+    per step, and the backend's own figures of it, each measured under the same name in summary.json's `extra` (a
+    pipeline stage's idle fraction and activations held, a tensor rank's blocks' activation bytes). `ranks`: the
+    training ranks the role stands for (none: a node that serves them, as a PS server); `host`: the role whose
+    device this node shares, where it has none of its own (a server colocated with a worker)."""
 
     memory: MemoryPrediction
-    link: LinkBytes
+    link: LinkBytes = field(default_factory=LinkBytes)
     figures: dict[str, float] = field(default_factory=dict)
+    ranks: Sequence[int] = ()
+    host: str | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return {"memory": self.memory.to_dict(), "sent": self.link.sent, "received": self.link.received,
@@ -72,45 +78,101 @@ class RankPrediction:
 
 @dataclass
 class Prediction:
-    """Everything theory says about one run. `worker` and `server` are what one worker's and one PS server's
-    meters count per step (on a cluster, the step program says which node carries what).
-    Model-parallel backends fill `per_rank`, what each rank holds and sends and their own per-rank figures
-    (`memory_per_rank` is then the fullest rank's and `worker` the busiest link's)."""
+    """Everything theory says about one run: each role's node (`nodes`, keyed by the role's name, which the backend
+    chooses: "worker", "server", "stage 0", ...; what one node's meters count per step; on a cluster the step
+    program says which node carries what), and the step's communication phases and messages. The core asks
+    which rank is the fullest and which the busiest, never which role is which."""
 
-    memory_per_rank: MemoryPrediction   # model states one worker holds
-    worker: LinkBytes                   # one worker's link, per step
-    server: LinkBytes | None            # one PS server's link, per step (None: no servers)
+    nodes: dict[str, NodePrediction]
     rounds: float                       # communication phases per step: a collective pass, a push or a pull
     messages: float                     # messages in sequence per step, each paying the link latency once
-    server_memory: float | None         # bytes one PS server holds (None: no servers)
-    per_rank: list[RankPrediction] | None = None
+
+    @classmethod
+    def alike(cls, memory: MemoryPrediction, link: LinkBytes, world: int, rounds: float, messages: float,
+              role: str = "worker") -> Prediction:
+        """A run whose `world` ranks are alike: one role holding `memory` and carrying `link` each."""
+        return cls({role: NodePrediction(memory, link, ranks=range(world))}, rounds=rounds, messages=messages)
+
+    @property
+    def trainers(self) -> dict[str, NodePrediction]:
+        """The roles that train (their nodes are ranks), in the backend's order."""
+        return {name: node for name, node in self.nodes.items() if node.ranks}
+
+    @property
+    def services(self) -> dict[str, NodePrediction]:
+        """The roles that serve the ranks (no rank of their own: a PS's servers)."""
+        return {name: node for name, node in self.nodes.items() if not node.ranks}
+
+    @property
+    def fullest(self) -> str:
+        """The role of the rank whose model states are the most (the first where several are)."""
+        return max(self.trainers.items(), key=lambda kv: kv[1].memory.total)[0]
+
+    @property
+    def busiest(self) -> str:
+        """The role of the rank whose link sends the most a step (the first where several do)."""
+        return max(self.trainers.items(), key=lambda kv: kv[1].link.sent)[0]
+
+    @property
+    def memory_per_rank(self) -> MemoryPrediction:
+        """The model states of the fullest rank (every rank's where ranks are alike)."""
+        return self.nodes[self.fullest].memory
+
+    @property
+    def link(self) -> LinkBytes:
+        """The link of the busiest rank, per step (every rank's where ranks are alike)."""
+        return self.nodes[self.busiest].link
+
+    @property
+    def rank_by_rank(self) -> bool:
+        """Whether the ranks are told apart: they differ (more than one role trains) or carry the backend's own
+        figures, which are per rank."""
+        trainers = self.trainers
+        return len(trainers) > 1 or any(node.figures for node in trainers.values())
+
+    @property
+    def per_rank(self) -> list[NodePrediction] | None:
+        """Each rank's node in rank order where ranks are told apart (rank_by_rank), else None."""
+        if not self.rank_by_rank:
+            return None
+        of = {r: node for node in self.trainers.values() for r in node.ranks}
+        return [of[r] for r in range(len(of))]
+
+    def device_memory(self) -> float:
+        """Model states on the fullest device: a rank's with those of the nodes it hosts (a colocated server's)."""
+        return max(node.memory.total + sum(s.memory.total for s in self.nodes.values() if s.host == name)
+                   for name, node in self.trainers.items())
 
     def to_dict(self) -> Predicted:
-        """The `predicted` entry of summary.json."""
-        traffic = {"worker_sent": self.worker.sent, "worker_received": self.worker.received}
-        if self.server is not None:
-            traffic.update(server_sent=self.server.sent, server_received=self.server.received)
-        out: Predicted = {"memory_per_rank": self.memory_per_rank.to_dict(), "traffic_per_step": traffic,
-                          "rounds_per_step": self.rounds, "messages_per_step": self.messages}
-        if self.server_memory is not None:
-            out["server_memory"] = self.server_memory
-        if self.per_rank is not None:
-            out["per_rank"] = [r.to_dict() for r in self.per_rank]
-        return out
+        """The `predicted` entry of summary.json, in the keys readers know: the fullest rank's memory, the busiest
+        rank's link as `worker_sent`/`worker_received`, each serving role's link and memory under its own name
+        (`server_sent`, `server_received`, `server_memory`), and every rank's where ranks are told apart."""
+        link = self.link
+        traffic = {"worker_sent": link.sent, "worker_received": link.received}
+        out: dict[str, Any] = {"memory_per_rank": self.memory_per_rank.to_dict(), "traffic_per_step": traffic,
+                               "rounds_per_step": self.rounds, "messages_per_step": self.messages}
+        for name, node in self.services.items():
+            traffic.update({f"{name}_sent": node.link.sent, f"{name}_received": node.link.received})
+            out[f"{name}_memory"] = node.memory.total
+        per_rank = self.per_rank
+        if per_rank is not None:
+            out["per_rank"] = [node.to_dict() for node in per_rank]
+        return cast(Predicted, out)
 
 
 def predict(cfg: Config, phi: float, frozen: float = 0.0) -> Prediction:
     """What theory predicts for `cfg` with `phi` parameters that train: the backend's own theory
     (BackendSpec.predict). S = phi x the wire dtype's bytes (the compute precision), N = backend.world_size.
     `frozen` parameters hold no gradient or optimizer state and are reduced nowhere: each copy the backend keeps of
-    the model (BackendSpec.frozen_copies) holds them whole in the compute dtype, unless the backend's theory placed
-    them itself: in memory_per_rank (a sharding backend: each rank its shard, all-gathered where it says) or rank by
-    rank (per_rank: a pipeline's stages each keep their own, a tensor rank its parts; a stage with none keeps none,
-    and memory_per_rank is one of those ranks' own records, never written here)."""
+    the model (BackendSpec.frozen_copies) holds them whole in the compute dtype on each rank's node, unless the
+    backend's theory placed them itself: in its ranks' memory (a sharding backend: each rank its shard, all-gathered
+    where it says) or rank by rank (rank_by_rank: a pipeline's stages each keep their own, a tensor rank its parts; a
+    stage with none keeps none, never written here). Serving nodes hold none."""
     spec = registry.spec_of(cfg)
     p = spec.predict(cfg, phi)
-    if p.per_rank is None and not p.memory_per_rank.frozen:
-        p.memory_per_rank.frozen = frozen * BYTES[cfg.train.precision] * spec.frozen_copies(cfg)
+    if not p.rank_by_rank and not p.memory_per_rank.frozen:
+        for node in p.trainers.values():
+            node.memory.frozen = frozen * BYTES[cfg.train.precision] * spec.frozen_copies(cfg)
     return p
 
 
@@ -131,9 +193,9 @@ def ring_passes(mem: MemoryPrediction, cfg: Config, phi: float, passes: int) -> 
     (N - 1)/N x S per pass per worker."""
     n, s = cfg.backend.world_size, phi * BYTES[cfg.train.precision]
     if n == 1 or passes == 0:
-        return Prediction(mem, LinkBytes(), None, rounds=0, messages=0, server_memory=None)
+        return Prediction.alike(mem, LinkBytes(), n, rounds=0, messages=0)
     v = passes * (n - 1) / n * s
-    return Prediction(mem, LinkBytes(v, v), None, rounds=passes, messages=passes * (n - 1), server_memory=None)
+    return Prediction.alike(mem, LinkBytes(v, v), n, rounds=passes, messages=passes * (n - 1))
 
 
 def expected_unique_ids(cfg: Config, steps: int = 1) -> float:

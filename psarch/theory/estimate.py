@@ -183,14 +183,15 @@ def _traffic_lines(phi: float, world: int, precision: str, optimizer: str, serve
                        ("zero-1/2", _setup(1, world, precision, optimizer)),
                        ("zero-3", _setup(3, world, precision, optimizer)),
                        (f"ps, {servers} server(s)", theory.config_for("ps", world, precision, optimizer, servers=servers))):
-        p = theory.predict(cfg, phi)
-        srv = p.server or theory.LinkBytes()
-        rows.append((label, (p.worker.sent, p.worker.received, srv.received, srv.sent)))
+        p = theory.predict(cfg, phi)   # the busiest rank's link, then each serving node's, by the role's own name
+        links = [(p.busiest, p.link)] + [(role, node.link) for role, node in p.services.items()]
+        rows += [(label if i == 0 else "", role, (link.sent, link.received)) for i, (role, link) in enumerate(links)]
     payload = phi * theory.BYTES[precision]
-    unit, scale = size_unit([payload] + [x for _, xs in rows for x in xs])
+    unit, scale = size_unit([payload] + [x for _, _, xs in rows for x in xs])
     out = ["", f"== traffic per step at N = {world}, {unit} (S = {fmt_size(payload)} of {precision} gradients)",
-           f"{'architecture':>16} {'worker sends':>13} {'worker recvs':>13} {'server recvs':>13} {'server sends':>13}"]
-    return out + [f"{label:>16} " + " ".join(f"{in_unit(x, scale):>13}" for x in xs) for label, xs in rows]
+           f"{'architecture':>16} {'node':>8} {'sends':>13} {'receives':>13}"]
+    return out + [f"{label:>16} {role:>8} " + " ".join(f"{in_unit(x, scale):>13}" for x in xs)
+                  for label, role, xs in rows]
 
 
 def _units(phi: float, model: GPTShape | None, asked: Config | None) -> tuple[dict, str]:
@@ -248,10 +249,7 @@ def ranked(phi: float, world: int, precision: str, optimizer: str, servers: int,
         timed = simulated_step(cfg, phi, c.compute_s, c.bandwidth, c.alpha)
         if timed is None:
             continue
-        p = theory.predict(cfg, phi)
-        colocated = getattr(cfg.backend, "server_placement", "") == "colocated"
-        rows.append({"label": label, "step": timed[0].step_s,
-                     "memory": p.memory_per_rank.total + (p.server_memory or 0.0 if colocated else 0.0),
+        rows.append({"label": label, "step": timed[0].step_s, "memory": theory.predict(cfg, phi).device_memory(),
                      "link": max(sent_per_node(timed[1]))})
     return sorted(rows, key=lambda r: r["step"])
 
@@ -281,4 +279,4 @@ def measured_vs_model(summary: Summary, cfg: Config, c: Network) -> str:
     return (f"== measured run {summary['name']} ({label}, N = {summary['world_size']}): "
             f"compute {compute * 1e3:.2f} ms\n"
             f"step time  measured {summary['step_time_s'] * 1e3:.2f} ms   model {model}\n"
-            f"sent/step  measured {fmt_size(sum(sent) / len(sent))}   model {fmt_size(p.worker.sent)}")
+            f"sent/step  measured {fmt_size(sum(sent) / len(sent))}   model {fmt_size(p.link.sent)}")

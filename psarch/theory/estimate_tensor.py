@@ -70,7 +70,7 @@ def tensor_rows(shape: GPTShape, world: int, precision: str, optimizer: str) -> 
         p = theory.predict(tensor_config(shape, t, world, precision, optimizer), phi)
         assert p.per_rank is not None, "the tensor backend predicts each rank (Prediction.per_rank)"
         rows.append({"t": t, "replicas": world // t, "states": p.memory_per_rank.total,
-                     "activations": p.per_rank[0].figures["block_activation_bytes"], "sent": p.worker.sent})
+                     "activations": p.per_rank[0].figures["block_activation_bytes"], "sent": p.link.sent})
     return rows
 
 

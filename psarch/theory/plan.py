@@ -121,8 +121,9 @@ def activations(cfg: Config, prediction: theory.Prediction) -> float:
     from collective.tensor.theory import BLOCK_ACTIVATIONS
 
     for key in ("activations_held", BLOCK_ACTIVATIONS):
-        if prediction.per_rank and key in prediction.per_rank[0].figures:
-            return max(float(r.figures[key]) for r in prediction.per_rank)
+        held = [float(node.figures[key]) for node in prediction.trainers.values() if key in node.figures]
+        if held:
+            return max(held)
     w, g = cfg.workload, cfg.workload.gpt
     b = cfg.train.global_batch // cfg.backend.world_size
     return g.n_layer * block_activation_bytes(w.seq_len, b, g.n_embd, g.n_head, theory.BYTES[cfg.train.precision])
@@ -131,7 +132,8 @@ def activations(cfg: Config, prediction: theory.Prediction) -> float:
 def plan(shape: GPTShape, world: int, hw: Hardware, precision: str = "bf16",
          optimizer: str = "adamw") -> list[Candidate]:
     """Every candidate that can run (a config its backend accepts), timed and sized, ranked: those that fit the
-    device's memory first, each group by step time. Memory: the fullest rank's model states plus the most
+    device's memory first, each group by step time. Memory: the fullest device's model states (a rank's with the
+    nodes it hosts: a colocated server, Prediction.device_memory) plus the most
     activations any rank keeps (pipeline stages differ: a bound where the two are different stages)."""
     phi, rate = shape.params(), hw.flops(precision)
     memory = MEMORY_GB[hw.device] * 1e9
@@ -147,11 +149,11 @@ def plan(shape: GPTShape, world: int, hw: Hardware, precision: str = "bf16",
         got, program = timed
         p = theory.predict(cfg, phi)
         c.step_s, c.exposed_s, c.idle_s = got.step_s, got.exposed_s, got.idle_s
-        c.memory = p.memory_per_rank.total + activations(cfg, p) + \
-            (p.server_memory or 0.0 if c.backend.get("server_placement") == "colocated" else 0.0)
+        c.memory = p.device_memory() + activations(cfg, p)
         c.link = max(sent_per_node(program))
-        if p.per_rank and "idle_fraction" in p.per_rank[0].figures:
-            c.bubble = float(p.per_rank[0].figures["idle_fraction"])
+        idle = [float(node.figures["idle_fraction"]) for node in p.trainers.values() if "idle_fraction" in node.figures]
+        if idle:
+            c.bubble = max(idle)
         c.fits = c.memory <= memory
         done.append(c)
     return sorted(done, key=lambda c: (not c.fits, c.step_s))
