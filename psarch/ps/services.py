@@ -57,7 +57,8 @@ def _server_main(index: int, cfg_dict: dict, host: str, conn: Any, threads: int 
         from psarch.ps.server.start import build_server
         server = build_server(index, from_dict(cfg_dict), host, 0, build, pipe=conn,
                               creds=Credentials.from_dict(creds), checkpoints=checkpoints)
-        if start is not None and server.state.initialised:   # the launcher verified it (metadata, model)
+        # the launcher verified it (metadata, model); the hybrid's servers (rows, no dense range) restore their rows
+        if start is not None and (server.state.initialised or server.rows is not None):
             from psarch.checkpoint import Checkpoint
             ckpt = Checkpoint(start)
             server.snapshots.restore(ckpt)
@@ -253,8 +254,10 @@ class LocalServers(Services):
         if "ssp" in out:
             (out_dir / "ssp_trace.json").write_text(json.dumps(out["ssp"].pop("trace")))
             out["ssp"]["trace_file"] = "ssp_trace.json"
-        if not all(p.numel() for p in parts):
-            return  # no worker ever sent init: rank 0's record (if any) is all there is
+        if not all(p.numel() for p in parts) or self.cfg.backend.kind != "ps":
+            # no worker ever sent init, or the hybrid's servers (a collective backend's tables, whose rank 0 writes
+            # model.pt with them fetched): rank 0's record (if any) is all there is
+            return
         from psarch.ps.layout import join_servers, state_from_flat
         from psarch.ps.rows import join_parts, key_space
         from psarch.workload import build_workload

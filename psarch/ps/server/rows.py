@@ -237,8 +237,20 @@ class ServerRows:
     def table_names(self) -> list[str]:
         return self._model_layout()[1]
 
+    def check_save(self, w: int, step: int) -> None:
+        """Tables only: worker w may ask for checkpoint `step` once it has pushed its rows of rounds 0 .. step - 1
+        (the last applied, or waiting for the other workers' rows): the part is written once every live worker
+        asked, so after round step - 1 is applied and before any row of round `step` arrives."""
+        pushed = self.rounds + (w in self.round_pushed)
+        if pushed != step:
+            raise PSError(f"save: worker {w} has pushed the rows of {pushed} round(s); a checkpoint at step {step} "
+                          f"follows {step}")
+
     def _table_scalars(self) -> dict[str, float]:
-        """The dense optimizer's numbers (its step), which a dense backend forking from the tables needs."""
+        """The dense optimizer's numbers (its step), which a dense backend forking from the tables needs (tables
+        only: AdamW's step is the rounds applied, one a step)."""
+        if self.tables_only:
+            return {"step": float(self.rounds)} if self.state.cfg.train.optimizer == "adamw" else {}
         st = self.state.parts[0].range   # every partition of the dense range has stepped as often
         return optimizer_views(st.optim.optimizer, st.optim.master.params[0])[1] if st.optim is not None else {}
 
@@ -267,7 +279,10 @@ class ServerRows:
 
     def restore(self, ckpt: Checkpoint) -> None:
         """This server's rows and their optimizer state (each state the checkpoint holds for the tables; lazy
-        AdamW's steps from the dense step without it), after the dense range was restored."""
+        AdamW's steps from the dense step without it), after the dense range was restored; tables only, the
+        rounds applied: the checkpoint's step (one round a step)."""
+        if self.tables_only:
+            self.rounds = ckpt.step
         tensors = self._tensors()
         frags = shard_fragments(self.space, self.state.index, self.table_names, tensors, {})
         with torch.no_grad():
