@@ -21,7 +21,9 @@ worker's rowpush for it is in, and a `rowpull` for step s waits until round s - 
 Keys must be int64, one-dimensional, strictly increasing and owned by this server; values must be the
 wire dtype, one row of `dim` per key, finite. Anything else is an error reply and changes nothing.
 A server with rows builds its initial model from the config: `init` is refused. Its checkpoint part holds
-its shard of every table (the format: psarch/ps/row_snapshot.py).
+its shard of every table (the format: psarch/ps/row_snapshot.py); the hybrid's server writes it when every rank
+asks `save` for step K, each having pushed its rows of rounds 0 .. K - 1 (so round K - 1 is applied and no row of
+round K is in), and starts from a checkpoint with K rounds applied.
 """
 from __future__ import annotations
 
