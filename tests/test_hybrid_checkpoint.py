@@ -3,8 +3,8 @@ part on 2 ranks; collective/ps_tables.py): each rank writes its dense part, each
 (psarch/ps/server/snapshots.py, after the step's round), rank 0 merges and renames. Resumed from step 3 the run ends
 with the uninterrupted run's model.pt, bit for bit (SGD, dlrm/clicks as tests/test_hybrid.py); so does a run whose
 rank or server was SIGKILLed after a checkpoint (faults.kill), resumed with --resume or restarted by the launcher;
-a world restarted at N - 1 (faults.restart = "shrink") equals a fork at N - 1 from the checkpoint, bit for bit; a
-checkpoint without a server's part is refused in one line naming it."""
+a world restarted at N - 1 (faults.restart = "shrink") equals a fork at N - 1 from the checkpoint, bit for bit; the
+checkpoint forks onto `single` and onto 3 servers; one without a server's part is refused in one line naming it."""
 from __future__ import annotations
 
 import json
@@ -15,7 +15,7 @@ import pytest
 import torch
 
 import psarch
-from parity import config
+from parity import SGD_ATOL, assert_same_model, config
 from psarch.checkpoint.reader import CheckpointError, consolidated_state_dict
 from psarch.config import from_dict
 from psarch.launch.ranks import run
@@ -116,6 +116,21 @@ def test_a_shrunk_world_equals_a_fork_at_n_minus_1(tmp_path):
     assert restart["world_size"] == 2 and restart["from_step"] == 3 and summary["world_size"] == 2
     assert _same(_model(out), _model(fork))
     assert not _same(_model(out), _model(full))
+
+
+def test_a_hybrid_checkpoint_forks_onto_single_and_onto_3_servers(straight, tmp_path):
+    """--from step 3: `single` reads the tables from the servers' strided parts, a hybrid with 3 servers deals them
+    again by key mod 3; both end within SGD's parity tolerance of the straight hybrid run (the hybrid equals single)."""
+    ckpt = straight("ddp") / "checkpoints" / "step_000003"
+    run(from_dict(config("single", base=ROWS_DLRM, train=SGD)), tmp_path / "single", echo=False, start=ckpt)
+    cfg = from_dict(config("three", base=ROWS_DLRM, train=SGD, backend=dict(
+        HYBRIDS["ddp"], embeddings="ps", servers=3, world_size=2, timeout_s=30.0)))
+    run(cfg, tmp_path / "three", echo=False, start=ckpt)
+    for name in ("single", "three"):
+        assert_same_model(_model(tmp_path / name), _model(straight("ddp")), f"{name} from step 3 vs straight",
+                          rtol=0, atol=SGD_ATOL)
+    stored = dict(consolidated_state_dict(ckpt))
+    assert not torch.equal(_model(tmp_path / "three")["tables.0.weight"], stored["tables.0.weight"])   # it trained on
 
 
 def _drop_server(ckpt: Path, index: int) -> None:
