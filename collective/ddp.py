@@ -10,6 +10,7 @@ collective/compression.py's (`train.compression`).
 from __future__ import annotations
 
 import time
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -185,6 +186,9 @@ class DDPTrainer(Trainer):
         restore_optimizer(self.optim, ckpt, self._fragments)
         self.tables.load_checkpoint(ckpt)
         self._restore_compression(ckpt)
+
+    def save_services(self, step: int, folder: Path) -> list[str]:
+        return self.tables.save_services(step, folder)   # ps: the servers' rows
 
     def memory(self) -> MemoryReport:
         report = flat_memory(self.ctx.device, self.flat, self.optim.state_bytes())

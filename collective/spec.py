@@ -75,20 +75,46 @@ def check_ps_tables(cfg: Config) -> None:
            if t.precision != "fp32" else
            f"train.momentum = {t.momentum:g}: row-wise SGD has no momentum (it would move untouched rows)"
            if t.optimizer == "sgd" and (t.momentum or t.nesterov) else
-           f"train.checkpoint_every = {t.checkpoint_every}: the servers' rows are not in checkpoints yet; use 0"
-           if t.checkpoint_every else
            f"backend.server_placement = \"colocated\" needs backend.servers <= backend.world_size (here "
            f"{b.servers} > {b.world_size})" if b.server_placement == "colocated" and b.servers > b.world_size else
            f"backend.heartbeat_timeout_s = {b.heartbeat_timeout_s:g}: must be longer than backend.heartbeat_s = "
            f"{b.heartbeat_s:g}" if b.heartbeat_s and b.heartbeat_timeout_s <= b.heartbeat_s else None)
     if why:
         raise ConfigError(f"backend.embeddings = \"ps\" with {why}")
-    tables = [f"tables.{i}.weight" for i in range(cfg.workload.dlrm.num_tables)]
-    frozen = [n for n in tables if not any(fnmatch.fnmatchcase(n, pat) for pat in t.trainable)]
+    frozen = [n for n in table_names(cfg) if not any(fnmatch.fnmatchcase(n, pat) for pat in t.trainable)]
     if (t.trainable or t.lora_rank) and frozen:
         raise ConfigError(f"train.trainable = {show(t.trainable)}: leaves the table {frozen[0]!r} frozen, but "
                           f"backend.embeddings = \"ps\" serves the tables to update their rows on the PS; name them "
                           f"in train.trainable (\"tables.*\") or keep frozen tables whole with embeddings = \"dense\"")
+
+
+def table_names(cfg: Config) -> list[str]:
+    """The dlrm model's tables, by parameter name."""
+    return [f"tables.{i}.weight" for i in range(cfg.workload.dlrm.num_tables)]
+
+
+def missing_rows(cfg: Config, start: Path) -> str:
+    """Why the hybrid's servers cannot start from the checkpoint at `start` ('' where they can): each table's rows
+    must be stored whole (a hybrid's checkpoint: every server's part; a PS rows or dense checkpoint: its tables)."""
+    from psarch.checkpoint.fragments import PARAM
+    from psarch.checkpoint.reader import Checkpoint
+
+    ckpt = Checkpoint(start)
+    try:
+        wrote = ckpt.config.get("backend", {})
+        if wrote.get("embeddings") == "ps" and wrote.get("kind") != "ps":   # a hybrid's: a part from each server
+            lost = [i for i in range(wrote.get("servers", 1)) if f"server{i}.bin" not in ckpt.meta["files"]]
+            if lost:
+                return (f"the checkpoint {ckpt.path.name} holds no part of server(s) {', '.join(map(str, lost))} "
+                        f"(their shards of the tables' rows)")
+        for name in table_names(cfg):
+            stored = sum(e["numel"] for e in ckpt.meta["fragments"] if e["name"] == name and e["key"] == PARAM)
+            whole = ckpt.params[name]["numel"] if name in ckpt.params else 0
+            if stored != whole or not whole:
+                return f"the checkpoint {ckpt.path.name} holds {stored} of {whole} elements of {name}'s rows"
+        return ""
+    finally:
+        ckpt.close()
 
 
 class RingHops:
@@ -114,10 +140,10 @@ class PSTablesServices:
         return index if cfg.backend.server_placement == "colocated" else None
 
     def shrink_refusal(self, cfg: Config) -> str:
-        """Data parallelism restarts at N - 1: a checkpoint reads at any world size (ZeRO's shards resharded);
-        not with embeddings = "ps", whose tables' servers start from the config only."""
-        return "backend.embeddings = \"ps\" starts its servers' tables from the config only (their rows are not in " \
-            "checkpoints yet)" if cfg.backend.embeddings == "ps" else ""
+        """Data parallelism restarts at N - 1: a checkpoint reads at any world size (ZeRO's shards resharded), and
+        with embeddings = "ps" the servers read their rows back from it, dealt by key mod backend.servers, which
+        N does not change."""
+        return ""
 
     def start_services(self, cfg: Config, out_dir: Path, where: Placement | None = None,
                        start: Path | None = None) -> Services | None:
@@ -125,14 +151,17 @@ class PSTablesServices:
         if cfg.backend.embeddings != "ps":
             return None
         from psarch.checkpoint.finetune import starts_from_base
+        from psarch.checkpoint.reader import CheckpointError
         if start is not None and not starts_from_base(cfg, start):
-            raise ConfigError(f"--resume/--from {start}: backend.embeddings = \"ps\" starts its servers' tables from the "
-                              f"config, or a fine-tune's from a base model's checkpoint, only (their rows are not in "
-                              f"checkpoints yet)")
+            why = missing_rows(cfg, start)
+            if why:
+                raise CheckpointError(f"--resume/--from {start}: {why}; backend.embeddings = \"ps\" starts its "
+                                      f"servers from every table's rows")
         from psarch.ps.services import LocalServers
-        # no out_dir: rank 0 writes model.pt (its tables fetched from the servers), not the servers; a fine-tune's
-        # servers read the base checkpoint the run started from (config started_from: psarch/ps/server/start.py)
-        return LocalServers(cfg, None, where=where)
+        # out_dir: the servers write their parts of the run's checkpoints (rank 0 writes model.pt, its tables
+        # fetched from them); they restore the checkpoint the run starts from, or a fine-tune's servers read the
+        # base checkpoint it started from (config started_from: psarch/ps/server/start.py)
+        return LocalServers(cfg, out_dir, where=where, start=start)
 
 
 class DDPSpec(RingHops, PSTablesServices, BackendSpec):

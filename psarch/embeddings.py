@@ -19,6 +19,8 @@ import torch
 from torch import nn
 
 if TYPE_CHECKING:
+    from pathlib import Path
+
     from psarch.checkpoint.fragments import Fragment
     from psarch.trainer import OpTraffic
 
@@ -62,6 +64,12 @@ class EmbeddingTables:
 
     def load_checkpoint(self, ckpt: Any) -> None:
         """Fill what this treatment holds itself from any checkpoint."""
+
+    def save_services(self, step: int, folder: Path) -> list[str]:
+        """Have the services that hold this treatment's state (the hybrid's PS servers) write their parts of
+        checkpoint `step` into `folder`, the checkpoint's temporary folder (every rank asks, after its own part is
+        written); the parts' names, which rank 0 merges with the ranks'."""
+        return []
 
     def memory(self) -> dict[str, int]:
         """Bytes it holds itself, by MemoryReport category (added to the trainer's)."""

@@ -177,7 +177,12 @@ class Trainer(ABC):
         step records so far: by default checkpoint_pieces() through psarch.checkpoint.save over the ranks'
         process group."""
         from psarch.checkpoint import save
-        return save(self.checkpoint_pieces(), ctx, root, step, config, keep, steps)
+        return save(self.checkpoint_pieces(), ctx, root, step, config, keep, steps, self.save_services)
+
+    def save_services(self, step: int, folder: "Path") -> list[str]:
+        """The services' parts of checkpoint `step`, written into `folder` (EmbeddingTables.save_services: the
+        hybrid's PS servers); none by default."""
+        return []
 
     def summary_extra(self) -> dict[str, Any]:
         """Backend-specific figures for summary.json's `extra` (one list entry per rank)."""

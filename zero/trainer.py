@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import time
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -145,7 +146,9 @@ class ZeroTrainer(Trainer):
         """This rank's chunk of every group, by parameter name: each rank writes (and holds) its own shard."""
         held = {id(p) for p in self.params}
         params = {n: tuple(p.shape) for n, p in self.model.named_parameters() if id(p) in held}
-        return Pieces(self._fragments(), params, scaler_state(self.optim.scaler))
+        # ps: the tables, whose rows their servers write (save_services)
+        return Pieces(self._fragments() + self.tables.fragments(), {**self.tables.params(), **params},
+                      scaler_state(self.optim.scaler))
 
     def _fragments(self) -> list:
         part, r = self.engine.part, self.ctx.rank
@@ -160,8 +163,12 @@ class ZeroTrainer(Trainer):
     def load_checkpoint(self, ckpt: Checkpoint) -> None:
         """Fill this rank's chunks from any checkpoint; stages 1-2 then all-gather the full parameters (collective)."""
         restore_optimizer(self.optim, ckpt, self._fragments)
+        self.tables.load_checkpoint(ckpt)   # ps: the step its servers' rows are at (they restored them)
         if not isinstance(self.engine, Stage3):
             self.engine.gather_params()
+
+    def save_services(self, step: int, folder: Path) -> list[str]:
+        return self.tables.save_services(step, folder)   # ps: the servers' rows
 
     # ---- reports
 

@@ -10,7 +10,7 @@ import json
 import os
 import shutil
 from pathlib import Path
-from typing import Any, TypedDict
+from typing import Any, Callable, TypedDict
 
 import torch
 import torch.distributed as dist
@@ -77,9 +77,12 @@ def complete_checkpoints(root: Path) -> list[Path]:
 
 
 def save(pieces: Pieces, ctx: DistContext, root: Path, step: int, config: dict[str, Any], keep: int = 0,
-         steps: list[StepRecord] | None = None) -> Path:
+         steps: list[StepRecord] | None = None, services: Callable[[int, Path], list[str]] | None = None) -> Path:
     """Write this rank's `pieces` (the fragments it must write) and its step records so far into checkpoint
-    `step` under `root`; a collective call: every rank makes it. Rank 0 keeps the newest `keep` (0: all)."""
+    `step` under `root`; a collective call: every rank makes it. Rank 0 keeps the newest `keep` (0: all).
+    `services(step, folder)`: has the services beside the ranks (the hybrid's PS servers) write their parts into
+    the temporary folder once this rank's is written, and names them; rank 0 merges them with the ranks' (their
+    JSON states under the metadata's state `services`), so the folder is renamed only once every part is in."""
     final, tmp = step_dir(root, step), tmp_dir(root, step)
     if ctx.rank == 0:
         shutil.rmtree(tmp, ignore_errors=True)  # an earlier attempt's leftovers
@@ -87,9 +90,11 @@ def save(pieces: Pieces, ctx: DistContext, root: Path, step: int, config: dict[s
     _barrier(ctx)
     write_part(pieces, tmp, f"rank{ctx.rank}", rng.capture(ctx.device))
     write_steps(tmp, ctx.rank, steps)
+    others = services(step, tmp) if services is not None else []
     _barrier(ctx)
     if ctx.rank == 0:
-        merge(tmp, [f"rank{r}" for r in range(ctx.world_size)], step, config, pieces.params, pieces.state)
+        state = dict(pieces.state, services=[part_state(tmp, p) for p in others]) if others else pieces.state
+        merge(tmp, [f"rank{r}" for r in range(ctx.world_size)] + others, step, config, pieces.params, state)
         publish(tmp, final, keep)
     _barrier(ctx)  # no rank reports the checkpoint written before it is
     return final

@@ -20,8 +20,10 @@ def write_outputs(cfg: Config, out_dir: Path, out: Summary, parts: list[torch.Te
     if "ssp" in out:
         (out_dir / "ssp_trace.json").write_text(json.dumps(out["ssp"].pop("trace")))
         out["ssp"]["trace_file"] = "ssp_trace.json"
-    if not all(p.numel() for p in parts):
-        return  # no worker ever sent init: rank 0's record (if any) is all there is
+    if not all(p.numel() for p in parts) or cfg.backend.embeddings == "ps":
+        # no worker ever sent init, or the hybrid's servers (a collective backend's tables, whose rank 0 writes
+        # model.pt with them fetched): rank 0's record (if any) is all there is
+        return
     from psarch.ps.layout import join_servers, state_from_flat
     from psarch.ps.rows import join_parts, key_space
     from psarch.workload import build_workload

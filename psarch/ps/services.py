@@ -58,7 +58,8 @@ def _server_main(index: int, cfg_dict: dict, host: str, conn: Any, threads: int 
         from psarch.ps.server.start import build_server
         server = build_server(index, from_dict(cfg_dict), host, 0, build, pipe=conn,
                               creds=Credentials.from_dict(creds), checkpoints=checkpoints)
-        if start is not None and server.state.initialised:   # the launcher verified it (metadata, model)
+        # the launcher verified it (metadata, model); the hybrid's servers (rows, no dense range) restore their rows
+        if start is not None and (server.state.initialised or server.rows is not None):
             from psarch.checkpoint import Checkpoint
             ckpt = Checkpoint(start)
             server.snapshots.restore(ckpt)

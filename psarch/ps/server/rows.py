@@ -21,7 +21,9 @@ worker's rowpush for it is in, and a `rowpull` for step s waits until round s - 
 Keys must be int64, one-dimensional, strictly increasing and owned by this server; values must be the
 wire dtype, one row of `dim` per key, finite. Anything else is an error reply and changes nothing.
 A server with rows builds its initial model from the config: `init` is refused. Its checkpoint part holds
-its shard of every table (the format: psarch/ps/row_snapshot.py).
+its shard of every table (the format: psarch/ps/row_snapshot.py); the hybrid's server writes it when every rank
+asks `save` for step K, each having pushed its rows of rounds 0 .. K - 1 (so round K - 1 is applied and no row of
+round K is in), and starts from a checkpoint with K rounds applied.
 """
 from __future__ import annotations
 
@@ -237,8 +239,20 @@ class ServerRows:
     def table_names(self) -> list[str]:
         return self._model_layout()[1]
 
+    def check_save(self, w: int, step: int) -> None:
+        """Tables only: worker w may ask for checkpoint `step` once it has pushed its rows of rounds 0 .. step - 1
+        (the last applied, or waiting for the other workers' rows): the part is written once every live worker
+        asked, so after round step - 1 is applied and before any row of round `step` arrives."""
+        pushed = self.rounds + (w in self.round_pushed)
+        if pushed != step:
+            raise PSError(f"save: worker {w} has pushed the rows of {pushed} round(s); a checkpoint at step {step} "
+                          f"follows {step}")
+
     def _table_scalars(self) -> dict[str, float]:
-        """The dense optimizer's numbers (its step), which a dense backend forking from the tables needs."""
+        """The dense optimizer's numbers (its step), which a dense backend forking from the tables needs (tables
+        only: AdamW's step is the rounds applied, one a step)."""
+        if self.tables_only:
+            return {"step": float(self.rounds)} if self.state.cfg.train.optimizer == "adamw" else {}
         st = self.state.parts[0].range   # every partition of the dense range has stepped as often
         return optimizer_views(st.optim.optimizer, st.optim.master.params[0])[1] if st.optim is not None else {}
 
@@ -267,7 +281,10 @@ class ServerRows:
 
     def restore(self, ckpt: Checkpoint) -> None:
         """This server's rows and their optimizer state (each state the checkpoint holds for the tables; lazy
-        AdamW's steps from the dense step without it), after the dense range was restored."""
+        AdamW's steps from the dense step without it), after the dense range was restored; tables only, the
+        rounds applied: the checkpoint's step (one round a step)."""
+        if self.tables_only:
+            self.rounds = ckpt.step
         tensors = self._tensors()
         frags = shard_fragments(self.space, self.state.index, self.table_names, tensors, {})
         with torch.no_grad():

@@ -51,7 +51,8 @@ class Snapshots:
         w, step = s.sender(msg), msg.header["step"]
         if self.checkpoints is None:
             raise PSError("save: this server was started without a run folder, so it writes no checkpoints")
-        if not s.initialised:
+        tables = self.rows is not None and self.rows.tables_only   # the hybrid's server: rows, no dense range
+        if not s.initialised and not tables:
             raise PSError("save before init: no parameters yet")
         folder = tmp_dir(self.checkpoints, step)
         try:
@@ -66,7 +67,9 @@ class Snapshots:
         if self.saves and step != self.step:
             raise PSError(f"save: worker {w} asks for step {step}, other workers for step {self.step}")
         clocks = {p.clock[w] for p in s.parts}
-        if clocks != {pushes_by(s.cfg, step)}:
+        if tables and self.rows is not None:
+            self.rows.check_save(w, step)
+        elif clocks != {pushes_by(s.cfg, step)}:
             raise PSError(f"save: worker {w} has pushed {'/'.join(map(str, sorted(clocks)))} time(s) (by partition); "
                           f"a checkpoint at step {step} follows {pushes_by(s.cfg, step)}")
         if step == self.written:   # a worker's second ask (its key on two connections): the part is written
@@ -118,7 +121,12 @@ class Snapshots:
 
     def pieces(self) -> Pieces:
         """This server's part: each partition's range (with optimizer state, DC backups) and record; its rows' shard."""
-        s, layout = self.state, self.layout
+        s = self.state
+        if self.rows is not None and self.rows.tables_only:   # the hybrid's server: its rows' shard and rounds
+            pieces = Pieces([], {}, {"server": s.index, "rounds": self.rows.rounds})
+            self.rows.add_pieces(pieces)
+            return pieces
+        layout = self.layout
         fragments: list = []
         records: list[PartitionRecord] = []
         for part in s.parts:
@@ -149,7 +157,11 @@ class Snapshots:
 
     def restore(self, ckpt: Checkpoint) -> None:
         """Start from a checkpoint: its parameters and optimizer state for this range (and rows); the server's
-        records exactly when a PS run of this shape wrote it, else those of a run whose workers all just pulled."""
+        records exactly when a PS run of this shape wrote it, else those of a run whose workers all just pulled.
+        The hybrid's server (tables only): its rows and their optimizer state, `step` rounds applied."""
+        if self.rows is not None and self.rows.tables_only:
+            self.rows.restore(ckpt)
+            return
         self._restore_range(ckpt)
         ps = exact_records(ckpt, self.state.cfg, self.state.numel)
         if ps is None:
