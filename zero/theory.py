@@ -57,23 +57,26 @@ _UNITS: dict[str, tuple[list[tuple[int, int]], list[bool], list[int]]] = {}   # 
 
 
 def _units(cfg: Config) -> tuple[list[tuple[int, int]], list[bool], list[int]]:
-    """unit_sizes, backward_reaches and forward_order, from the model on the meta device and one forward of it
-    (once per model and subset)."""
+    """unit_sizes, backward_reaches and forward_order, from the model on the meta device and, where it trains a
+    subset, one forward of it (once per model and subset)."""
     from psarch.config.backend import units_attr
     from psarch.theory import table_params
 
     t, b = cfg.train, cfg.backend
     key = repr((cfg.workload, t.trainable, t.lora_rank, t.lora_targets, units_attr(b), b.embeddings))
     if key not in _UNITS:
-        from psarch.model_units import find_units, forward_reach
-        from psarch.workload import theory_loss
+        from psarch.model_units import ForwardReach, find_units, forward_reach
+        from psarch.workload import theory_loss, theory_model
 
-        model, loss = theory_loss(cfg)
+        subset = trains_a_subset(cfg)
+        model, loss = theory_loss(cfg) if subset else (theory_model(cfg), None)
         units = find_units(model, units_attr(b), frozen_too=True)
         sizes = [(sum(p.numel() for p in u.params), sum(p.numel() for p in u.frozen)) for u in units]
         if b.embeddings == "ps":
             sizes[0] = (sizes[0][0] - int(table_params(cfg)), sizes[0][1])
-        ran = forward_reach(model, units, loss)
+        # nothing frozen: every unit trains, so backward reaches each (a meta forward of a large GPT costs seconds)
+        ran = forward_reach(model, units, loss) if loss else ForwardReach([*range(1, len(units)), 0],
+                                                                          [True] * len(units))
         _UNITS[key] = (sizes, ran.reached, ran.order)
     return _UNITS[key]
 
@@ -86,16 +89,17 @@ def unit_sizes(cfg: Config) -> list[tuple[int, int]]:
 
 
 def backward_reaches(cfg: Config) -> list[bool]:
-    """Whether backward reaches each unit of unit_sizes (zero/stage3.py gathers no other in backward): whether the
-    unit's output requires grad in a forward of the model on the meta device (psarch.model_units.forward_reach), as
-    the trainer decides from its own forward's outputs: a parameter that trains is used in the unit or upstream of
-    it. A unit that never runs is not reached."""
+    """Whether backward reaches each unit of unit_sizes (zero/stage3.py gathers no other in backward): where the
+    config trains a subset, whether the unit's output requires grad in a forward of the model on the meta device
+    (psarch.model_units.forward_reach), as the trainer decides from its own forward's outputs: a parameter that
+    trains is used in the unit or upstream of it (a unit that never runs is not reached); with nothing frozen every
+    unit trains, and each is reached."""
     return list(_units(cfg)[1])
 
 
 def forward_order(cfg: Config) -> list[int]:
     """The units of unit_sizes in the order their forward ends in that forward, the root last (left out: a unit
-    that never runs)."""
+    that never runs); with nothing frozen (no forward run) the order they are registered in."""
     return list(_units(cfg)[2])
 
 
