@@ -9,9 +9,11 @@ or '' for the whole model as one unit.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
+import torch
 from torch import nn
+from torch.utils._pytree import tree_flatten
 from torch.utils.checkpoint import checkpoint
 
 
@@ -64,6 +66,41 @@ def find_units(model: nn.Module, attr: str = "blocks", frozen_too: bool = False)
     rest = [p for p in model.parameters() if id(p) not in owner]
     root = Unit("root", None, [p for p in rest if p.requires_grad], [p for p in rest if not p.requires_grad])
     return [root] + units
+
+
+@dataclass
+class ForwardReach:
+    """What one forward does with the units of find_units (root first): `order`, the units in the order their
+    forward ends (the root last; a unit that never runs is left out), and `reached`, whether backward reaches each."""
+
+    order: list[int]
+    reached: list[bool]
+
+
+def forward_reach(model: nn.Module, units: list[Unit], run: Callable[[], Any]) -> ForwardReach:
+    """Runs `run` (a loss through `model`: on the meta device, shapes alone) once with forward hooks on the model
+    and each unit, and reads which units backward reaches as zero/stage3.py decides it: those whose output requires
+    grad (a parameter that trains is used in them or upstream of them); the root's output is the model's. Reach
+    follows what the forward does, not the order the units are registered in (DLRM's tables, registered first, run
+    after its bottom MLP)."""
+    order: list[int] = []
+    reached = [False] * len(units)
+
+    def hook(i: int) -> Callable[..., None]:
+        def after(module: nn.Module, args: Any, output: Any) -> None:
+            if i not in order:
+                order.append(i)
+            reached[i] = reached[i] or any(torch.is_tensor(t) and t.requires_grad for t in tree_flatten(output)[0])
+        return after
+
+    handles = [model.register_forward_hook(hook(0))]
+    handles += [u.module.register_forward_hook(hook(i)) for i, u in enumerate(units) if i and u.module is not None]
+    try:
+        run()
+    finally:
+        for h in handles:
+            h.remove()
+    return ForwardReach([i for i in order if i] + [i for i in order if not i], reached)
 
 
 def checkpoint_units(units: list[Unit]) -> None:

@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.overrides import TorchFunctionMode
+from torch.utils._pytree import tree_map
 
 from psarch import registry
 from psarch.config import Config, ConfigError, resolve_factory
@@ -67,6 +68,25 @@ def theory_model(cfg: Config) -> nn.Module:
             _THEORY_MODELS.pop(next(iter(_THEORY_MODELS)))
         _THEORY_MODELS[key] = build_workload(cfg, device="meta").model
     return _THEORY_MODELS[key]
+
+
+def theory_loss(cfg: Config) -> tuple[nn.Module, Callable[[], torch.Tensor]]:
+    """theory_model and a call that computes its loss once: a built-in model's on one sample on the meta device
+    (shapes alone, no data drawn), a factory's on a rank's shard of its first batch, where the factory's model is.
+    For theory's reads of what a forward does (psarch.model_units.forward_reach)."""
+    if cfg.workload.factory:
+        w = build_workload(cfg, device="meta")
+        where = next((p.device for p in w.model.parameters()), torch.device("cpu"))
+        sample = tree_map(lambda t: t.to(where) if torch.is_tensor(t) else t, w.batch(0, 0, cfg.backend.world_size))
+        return w.model, lambda: w.loss_fn(w.model, sample)
+    model, meta = theory_model(cfg), torch.device("meta")
+    if cfg.workload.model == "dlrm":
+        d = cfg.workload.dlrm
+        clicks = (torch.empty(1, cfg.workload.clicks.dense, device=meta),
+                  torch.empty(1, d.num_tables, d.bag, dtype=torch.long, device=meta), torch.empty(1, device=meta))
+        return model, lambda: click_loss(model, clicks)
+    tokens = torch.empty(1, cfg.workload.seq_len + 1, dtype=torch.long, device=meta)
+    return model, lambda: next_token_loss(model, tokens)
 
 
 def _build(cfg: Config, device: str | None) -> Workload:

@@ -87,7 +87,10 @@ def test_only_the_trainable_parameters_move(runs):
     a stage's dp all-reduce of its own trainable parameters (pipeline-dp2); tensor's dp-free step its activations'
     all-reduces (2L + 1 g's forward, the f's backward where something before them trains, one b·s·r all-reduce per
     adapter) and the loss's all-gather. torch's peers are modelled: FSDP's 3 ring passes over 4Φ and 2 (its
-    all-gathers) over the frozen weights' 4F."""
+    all-gathers) over the frozen weights' 4F, less backward's all-gather of its root (Φ_root trainable, F_root
+    frozen), which FSDP2 keeps gathered from forward through backward."""
+    from zero.theory import unit_sizes
+
     _, s = runs
     for name in RUNS:
         phi, frozen = s[name]["params"], s[name]["frozen_params"]
@@ -95,7 +98,9 @@ def test_only_the_trainable_parameters_move(runs):
         predicted = s[name]["predicted"]
         for r, t in enumerate(s[name]["traffic"]["per_rank"]):
             if name == "torch_fsdp":
-                assert t["sent_per_step"] == 3 * (2 - 1) / 2 * 4 * phi + 2 * (2 - 1) / 2 * 4 * frozen
+                root, root_frozen = unit_sizes(_config(name, *RUNS[name][:2]))[0]
+                assert t["sent_per_step"] == (2 - 1) / 2 * 4 * (3 * phi - root + 2 * frozen - root_frozen)
+                assert t["sent_per_step"] == predicted["traffic_per_step"]["worker_sent"]
             else:
                 assert t["sent_per_step"] == predicted["per_rank"][r]["sent"], (name, r)
         if name.startswith(("pipeline", "torch_pipeline")):

@@ -451,18 +451,19 @@ def test_a_tensor_program_moves_theorys_bytes_with_lora_and_frozen_parameters(ki
 @pytest.mark.parametrize("train", [{"lora_rank": 2}, {"trainable": ["head.weight", "blocks.1.*"]}, {},
                                    {"trainable": ["head.weight", "blocks.0.*"]},
                                    {"lora_rank": 2, "lora_targets": ["blocks.1.*"]}])
-def test_a_zero3_program_gathers_the_frozen_weights_as_predict_counts(train):
+@pytest.mark.parametrize("backend", [{"kind": "zero", "stage": 3}, {"kind": "torch_fsdp"}], ids=["zero3", "fsdp2"])
+def test_a_zero3_program_gathers_the_frozen_weights_as_predict_counts(train, backend):
     """With compute 0 and no latency a ZeRO-3 step is its bytes at the link's rate, predict()'s: each unit's
     trainable parameters gathered twice and reduce-scattered, its frozen ones (padded to N as they are sharded)
     gathered twice and never reduced, once where backward never reaches the unit (block 0 where only block 1 and the
     head train, or LoRA adapts block 1 alone: nothing trains in it or before it); a block of frozen weights only
-    reduces nothing. (FSDP2's keeps its root
-    gathered through backward, which predict's 3 passes do not: test_fsdp_prefetch_hides_a_gather... above.)"""
+    reduces nothing. FSDP2's (torch_fsdp) gathers its root once, kept from forward through backward, and the frozen
+    weights of a block backward does not reach where the block after it prefetches them."""
     from psarch.theory import predict
     from psarch.workload import build_workload
 
     cfg = from_dict({"train": {"steps": 2, "global_batch": 12, **train}, "workload": {"gpt": {"n_layer": 2}},
-                     "backend": {"kind": "zero", "stage": 3, "world_size": 3}})
+                     "backend": {**backend, "world_size": 3}})
     phi = sum(p.numel() for p in build_workload(cfg, device="meta").model.parameters() if p.requires_grad)
     sent = predict(cfg, phi).link.sent
     for reduced in (False, True):

@@ -28,6 +28,7 @@ V, SEQ, L, H = 64, 32, 2, 64
 WHOLE = 2 * V * H + SEQ * H + L * (12 * H * H + 13 * H) + 2 * H
 HELD = (2 * V * H + L * (12 * H * H + 7 * H)) / N + SEQ * H + L * 6 * H + 2 * H
 TOKENS = N * SEQ
+ROOT = 2 * V * H + SEQ * H + 2 * H   # the elements outside the blocks
 # per step, 4 all-reduces of TOKENS x H fp32 activations per block and 2 more (embedding, head), each 2(t-1)/t of
 # the buffer; one all-gather of each rank's 2 x TOKENS fp32 logsumexps and target logits, (t-1) times that
 TENSOR_SENT = (4 * L + 2) * 2 * (N - 1) / N * TOKENS * H * 4 + (N - 1) * 2 * TOKENS * 4
@@ -40,8 +41,9 @@ CASES = {
     "zero3": ({"stage": 3}, (4 * PHI / N, 4 * PHI / N, 8 * PHI / N, 0), 3 * RING, 3),
     # ZeroRedundancyOptimizer: ZeRO-1 memory, DDP's all-reduce plus a broadcast of every shard
     "torch_zero": ({}, (4 * PHI, 4 * PHI, 8 * PHI / N, 0), 3 * RING, 3),
-    # FSDP2 fully_shard: ZeRO-3
-    "torch_fsdp": ({}, (4 * PHI / N, 4 * PHI / N, 8 * PHI / N, 0), 3 * RING, 3),
+    # FSDP2 fully_shard: ZeRO-3, but its root (embeddings, final norm, head: ROOT of WHOLE) kept gathered from
+    # forward through backward, all-gathered once
+    "torch_fsdp": ({}, (4 * PHI / N, 4 * PHI / N, 8 * PHI / N, 0), (3 - ROOT / WHOLE) * RING, 3),
     # a PS worker holds parameters and gradients; it pushes S and pulls S every step (split over servers)
     "ps-sync": ({"mode": "sync"}, (4 * PHI, 4 * PHI, 0, 0), S, 2),
     "ps-async": ({"mode": "async"}, (4 * PHI, 4 * PHI, 0, 0), S, 2),

@@ -167,7 +167,7 @@ class TorchFSDPSpec(BackendSpec):
         return ""   # FSDP2's shards, resharded at any world size by the checkpoint
 
     def predict(self, cfg: Config, phi: float) -> Prediction:
-        return theory.fsdp2_frozen(theory.zero(cfg, phi, 3, 3), cfg)
+        return theory.fsdp2(cfg, phi)
 
     def compute_holds_waits(self, cfg: Config) -> bool:
         return True   # FSDP2's collectives run inside forward, backward and its step, where nothing times them

@@ -8,8 +8,10 @@ broadcast of each updated shard (an all-gather's volume, 1 pass) over ZeRO-1 mem
 its reduce-scatter in 2 bytes under MixedPrecisionPolicy(reduce_dtype=...). Under ZeRO-3 and FSDP2 the frozen weights
 (train.trainable, LoRA's base) are sharded too: a rank keeps its part of them and all-gathers them with their unit, in
 forward and again in backward, and never reduce-scatters them, but for the units backward never reaches
-(backward_reaches: nothing trains in them or before them), gathered in forward only (FSDP2: unless the unit after them
-prefetches them, fsdp2_unreached); stages 1-2 and torch_zero keep them whole (psarch.theory.predict)."""
+(backward_reaches: no parameter that trains is used in them or upstream of them), gathered in forward only (FSDP2:
+unless the unit after them prefetches them, fsdp2_backward_gathers); stages 1-2 and torch_zero keep them whole
+(psarch.theory.predict). FSDP2 keeps its root gathered from forward through backward: its root moves in forward only
+(fsdp2)."""
 from __future__ import annotations
 
 import math
@@ -51,33 +53,31 @@ def zero(cfg: Config, phi: float, stage: int, ring: int, gradient_passes: int = 
     return p
 
 
-_UNITS: dict[str, tuple[list[tuple[int, int]], list[bool]]] = {}   # by what decides them: the estimator asks at every N
+_UNITS: dict[str, tuple[list[tuple[int, int]], list[bool], list[int]]] = {}   # the estimator asks at every N
 
 
-def _units(cfg: Config) -> tuple[list[tuple[int, int]], list[bool]]:
-    """unit_sizes and backward_reaches, from the model built on the meta device (once per model and subset)."""
+def _units(cfg: Config) -> tuple[list[tuple[int, int]], list[bool], list[int]]:
+    """unit_sizes, backward_reaches and forward_order, from the model on the meta device and, where it trains a
+    subset, one forward of it (once per model and subset)."""
     from psarch.config.backend import units_attr
     from psarch.theory import table_params
 
     t, b = cfg.train, cfg.backend
     key = repr((cfg.workload, t.trainable, t.lora_rank, t.lora_targets, units_attr(b), b.embeddings))
     if key not in _UNITS:
-        from psarch.model_units import find_units
-        from psarch.workload import theory_model
+        from psarch.model_units import ForwardReach, find_units, forward_reach
+        from psarch.workload import theory_loss, theory_model
 
-        model = theory_model(cfg)
+        subset = trains_a_subset(cfg)
+        model, loss = theory_loss(cfg) if subset else (theory_model(cfg), None)
         units = find_units(model, units_attr(b), frozen_too=True)
         sizes = [(sum(p.numel() for p in u.params), sum(p.numel() for p in u.frozen)) for u in units]
         if b.embeddings == "ps":
             sizes[0] = (sizes[0][0] - int(table_params(cfg)), sizes[0][1])
-        order = {id(p): k for k, p in enumerate(model.parameters())}
-        first = min((order[id(p)] for u in units[1:] for p in [*u.params, *u.frozen]), default=len(order))
-        flowing = any(order[id(p)] < first for p in units[0].params)   # the embeddings train
-        reached = [True]   # the root: the head's backward starts it
-        for u in units[1:]:   # once a block trains, backward goes through every block after it
-            flowing = flowing or bool(u.params)
-            reached.append(flowing)
-        _UNITS[key] = (sizes, reached)
+        # nothing frozen: every unit trains, so backward reaches each (a meta forward of a large GPT costs seconds)
+        ran = forward_reach(model, units, loss) if loss else ForwardReach([*range(1, len(units)), 0],
+                                                                          [True] * len(units))
+        _UNITS[key] = (sizes, ran.reached, ran.order)
     return _UNITS[key]
 
 
@@ -89,11 +89,18 @@ def unit_sizes(cfg: Config) -> list[tuple[int, int]]:
 
 
 def backward_reaches(cfg: Config) -> list[bool]:
-    """Whether backward reaches each unit of unit_sizes (zero/stage3.py gathers no other in backward): the root
-    always; a block once it trains, or a block before it does, or a root parameter registered before the blocks
-    (the embeddings, upstream of them) trains. Registration order stands for the order of execution, as in the
-    built-in models; the trainer decides from its forward's outputs, which require grad exactly there."""
+    """Whether backward reaches each unit of unit_sizes (zero/stage3.py gathers no other in backward): where the
+    config trains a subset, whether the unit's output requires grad in a forward of the model on the meta device
+    (psarch.model_units.forward_reach), as the trainer decides from its own forward's outputs: a parameter that
+    trains is used in the unit or upstream of it (a unit that never runs is not reached); with nothing frozen every
+    unit trains, and each is reached."""
     return list(_units(cfg)[1])
+
+
+def forward_order(cfg: Config) -> list[int]:
+    """The units of unit_sizes in the order their forward ends in that forward, the root last (left out: a unit
+    that never runs); with nothing frozen (no forward run) the order they are registered in."""
+    return list(_units(cfg)[2])
 
 
 def unit_shares(cfg: Config) -> list[float]:
@@ -156,24 +163,40 @@ def zero3_frozen(p: Prediction, cfg: Config) -> Prediction:
                                (n - 1) * zero3_frozen_chunks(cfg, reached_only=True))
 
 
-def fsdp2_unreached(cfg: Config) -> list[bool]:
-    """Whether FSDP2 leaves each unit (root first) ungathered in backward for want of a backward: a block backward
-    does not reach (backward_reaches), unless the block after it is reached, whose pre-backward prefetches the one
-    before it (tests/test_zero3_backward_reach.py counts FSDP2's own all-gathers; zero/program.fsdp_script)."""
-    reached = backward_reaches(cfg)
-    return [False] + [not (r or after) for r, after in zip(reached[1:], reached[2:] + [False])]
+def fsdp2_backward_gathers(cfg: Config) -> list[bool]:
+    """Whether FSDP2 all-gathers each unit (root first) in backward. Never the root: fully_shard keeps the root's
+    parameters gathered from forward through backward (reshard_after_forward left None, FSDP2's lazy init makes it
+    False for the root module: torch/distributed/fsdp/_fully_shard/_fsdp_state.py, _lazy_init). A block where
+    backward reaches it (backward_reaches), or where the block after it in forward's order is reached, whose
+    pre-backward prefetches the one before it (tests/test_zero3_backward_reach.py counts FSDP2's own all-gathers;
+    zero/program.fsdp_script)."""
+    reached, order = backward_reaches(cfg), [i for i in forward_order(cfg) if i]
+    after = dict(zip(order, order[1:]))
+    return [False] + [r or (i in after and reached[after[i]]) for i, r in enumerate(reached[1:], 1)]
 
 
-def fsdp2_unreached_frozen(cfg: Config) -> int:
-    """Frozen elements of the units fsdp2_unreached names: all-gathered in forward only."""
-    if not trains_a_subset(cfg):
-        return 0
-    return sum(f for (_, f), skip in zip(unit_sizes(cfg), fsdp2_unreached(cfg)) if skip)
+def fsdp2_forward_only(cfg: Config) -> tuple[int, int]:
+    """(trainable, frozen) elements of the units FSDP2 all-gathers in forward only (fsdp2_backward_gathers): the
+    root's, and the frozen weights of the blocks backward neither reaches nor prefetches."""
+    once = [(t, f) for (t, f), again in zip(unit_sizes(cfg), fsdp2_backward_gathers(cfg)) if not again]
+    return sum(t for t, _ in once), sum(f for _, f in once)
+
+
+def fsdp2(cfg: Config, phi: float) -> Prediction:
+    """torch_fsdp: ZeRO-3's three passes over Φ = phi (zero) less the backward all-gather of the root's trainable
+    share of it (FSDP2 gathers the root once a step: fsdp2_backward_gathers), with its frozen weights (fsdp2_frozen)."""
+    p, n = zero(cfg, phi, 3, 3), cfg.backend.world_size
+    if p.rounds:
+        trains = sum(t for t, _ in unit_sizes(cfg)) or 1
+        v = p.link.sent - (n - 1) / n * phi * fsdp2_forward_only(cfg)[0] / trains * BYTES[cfg.train.precision]
+        p.nodes["worker"].link = LinkBytes(v, v)
+    return fsdp2_frozen(p, cfg)
 
 
 def fsdp2_frozen(p: Prediction, cfg: Config) -> Prediction:
-    """torch_fsdp: FSDP2's padded rows held; its all-gathers modelled as its trainable ones are (TorchFSDPTrainer's
-    meter), (N - 1)/N of the frozen elements per pass, the backward's without fsdp2_unreached_frozen."""
+    """torch_fsdp's frozen weights: FSDP2's padded rows held; its all-gathers modelled as its trainable ones are
+    (TorchFSDPTrainer's meter), (N - 1)/N of the frozen elements per pass, the backward's without those it gathers
+    in forward only (fsdp2_forward_only)."""
     n, frozen = cfg.backend.world_size, sum(math.prod(s) for s in _frozen_shapes(cfg))
-    return with_sharded_frozen(p, cfg, fsdp2_frozen_rows(cfg), (n - 1) / n * frozen,
-                               (n - 1) / n * (frozen - fsdp2_unreached_frozen(cfg)))
+    once = fsdp2_forward_only(cfg)[1] if frozen else 0
+    return with_sharded_frozen(p, cfg, fsdp2_frozen_rows(cfg), (n - 1) / n * frozen, (n - 1) / n * (frozen - once))

@@ -37,7 +37,7 @@ from psarch.trainer import consolidated_state
 from psarch.trainer import MemoryReport, StepStats, Trainer, TrafficReport
 from psarch.workload import Workload
 from psarch.model_units import find_units
-from zero.theory import fsdp2_unreached_frozen, gradient_width
+from zero.theory import fsdp2_forward_only, gradient_width
 
 
 def optimizer_spec(cfg: Config) -> tuple[type[torch.optim.Optimizer], dict[str, Any]]:
@@ -163,8 +163,9 @@ class TorchFSDPTrainer(Trainer):
         self.payload = sum(p.numel() * p.element_size() for p in self.params)
         self.grad_payload = sum(p.numel() for p in self.params) * gradient_width(cfg)
         self.frozen_payload = sum(p.numel() * p.element_size() for p in self.model.parameters() if not p.requires_grad)
-        # frozen weights of the units backward never reaches (nor prefetches) are gathered in forward only
-        self.unreached_payload = fsdp2_unreached_frozen(cfg) * BYTES[cfg.train.precision]
+        # the root (kept gathered through backward) and the frozen weights of the units backward never reaches (nor
+        # prefetches) are gathered in forward only
+        self.once_payload = sum(fsdp2_forward_only(cfg)) * BYTES[cfg.train.precision]
 
     def step(self, batch: Any) -> StepStats:
         self.optim.zero_grad(set_to_none=True)
@@ -172,7 +173,7 @@ class TorchFSDPTrainer(Trainer):
         loss.backward()        # FSDP reduce-scatters (averages) gradients per unit during backward
         skipped = step_if_finite(self.optim, [local(p.grad) for p in self.params if p.grad is not None])
         n, s, f = self.ctx.world_size, self.payload, self.frozen_payload
-        gathered = (n - 1) * (2 * (s + f) - self.unreached_payload) // n
+        gathered = (n - 1) * (2 * (s + f) - self.once_payload) // n
         self.meter.add("all_gather", gathered, gathered, calls=2)
         g = self.grad_payload
         self.meter.add("reduce_scatter", (n - 1) * g // n, (n - 1) * g // n)

@@ -28,7 +28,8 @@ def add_parser(p: argparse.ArgumentParser) -> None:
     p.add_argument("--from", dest="from_run", help="take Φ, N, precision and compute time from a run folder, or the "
                    "model (embedding tables: the hybrid's columns), samples per worker, Φ, N and precision from a "
                    "config file (.toml)")
-    plan = p.add_argument_group("plan", "--plan: every architecture for the GPT of --layers .. --vocab on --world "
+    plan = p.add_argument_group("plan", "--plan: every architecture for the GPT of --layers .. --vocab (or, with "
+                                "--from CONFIG.toml, that config's model: a DLRM's tables add the hybrid) on --world "
                                 "devices, ranked by simulated step time")
     plan.add_argument("--plan", action="store_true", help="print the plan instead of the tables")
     plan.add_argument("--device", default="h100", help="the device profile (psarch.cluster.device.PROFILES)")
@@ -161,21 +162,37 @@ def _tensor_shape(args: argparse.Namespace, world: int) -> tuple | None:
 
 
 def _plan(args: argparse.Namespace) -> int:
-    """`psarch estimate --plan`."""
-    from psarch.theory.plan import Hardware, report
+    """`psarch estimate --plan`: the GPT of the shape flags, or with --from CONFIG.toml that config's model (its
+    samples per device, precision and optimizer)."""
+    from psarch.theory.plan import ConfigModel, Hardware, report
 
     bandwidth = args.bandwidth if args.link_gbps is None else args.link_gbps * 1e9 / 8
-    shape = _shape(args)
-    if min(shape.layers, shape.hidden, shape.heads, shape.seq, shape.micro_batch, shape.vocab) < 1 \
-            or shape.hidden % shape.heads or args.world < 1 or bandwidth <= 0 or args.latency < 0 \
-            or not 0 < args.mfu <= 1 or args.from_run:
+    precision, optimizer, bad_shape = args.precision, args.optimizer, False
+    if args.from_run:
+        if not args.from_run.endswith(".toml") or _shape_given(args):
+            print("psarch: estimate --plan --from: a config file (.toml), without a GPT's shape flags (--layers ...)",
+                  file=sys.stderr)
+            return 2
+        try:
+            asked = _asked(args.from_run)[0]
+        except (FileNotFoundError, ValueError) as e:   # ConfigError is a ValueError
+            print(f"psarch: estimate --plan --from {args.from_run}: {e}", file=sys.stderr)
+            return 2
+        shape: Any = ConfigModel(asked.to_dict()["workload"], asked.train.global_batch // asked.backend.world_size,
+                                 args.from_run)
+        precision, optimizer = asked.train.precision, asked.train.optimizer
+    else:
+        shape = _shape(args)
+        bad_shape = min(shape.layers, shape.hidden, shape.heads, shape.seq, shape.micro_batch, shape.vocab) < 1 \
+            or shape.hidden % shape.heads != 0
+    if bad_shape or args.world < 1 or bandwidth <= 0 or args.latency < 0 or not 0 < args.mfu <= 1:
         print("psarch: estimate --plan: --layers, --hidden, --heads (dividing --hidden), --seq-len, --micro-batch, "
               "--vocab, --world >= 1; --link-gbps or --bandwidth > 0; --latency >= 0; --mfu in (0, 1]; "
-              "no --from", file=sys.stderr)
+              "--from a config file only", file=sys.stderr)
         return 2
     try:
-        print(report(shape, args.world, Hardware(args.device, args.mfu, bandwidth, args.latency), args.precision,
-                     args.optimizer), end="")
+        print(report(shape, args.world, Hardware(args.device, args.mfu, bandwidth, args.latency), precision,
+                     optimizer), end="")
     except ConfigError as e:
         print(f"psarch: estimate --plan: {e}", file=sys.stderr)
         return 2
