@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from psarch.launch.failure_cost import failure_cost, report_lines
-from psarch.launch.lifecycle import TICK_S
+from psarch.launch.failure_cost import detection_predicted, failure_cost, report_lines
+from psarch.launch.lifecycle import ECHO_GRACE_S, TICK_S
 from psarch.theory.failures import mean_steps_lost, steps_lost, time_lost
 
 
@@ -34,7 +34,7 @@ def test_time_lost_is_detection_start_up_and_the_steps_done_again():
 def _two_restarts() -> dict:
     """Two worlds ended: the first by two kills at step 5 (one restart), the second by a kill at step 7."""
     kill = {"action": "kill", "signal": "SIGKILL"}
-    return {"steps": 10, "step_time_s": 0.01, "ended_at_s": 4.0,
+    return {"steps": 10, "step_time_s": 0.01, "ended_at_s": 4.0, "startup_probe_s": 0.5,
             "faults": [dict(kill, node="worker 1", step=5, at_s=1.0), dict(kill, node="worker 2", step=5, at_s=1.0),
                        {"node": "worker 0", "action": "pause", "step": 6, "at_s": 2.0, "seconds": 0.1},
                        dict(kill, node="worker 0", step=7, at_s=2.5)],
@@ -62,26 +62,42 @@ def test_each_restart_is_costed_from_the_kill_that_ended_its_world():
     lines = report_lines(c)
     assert lines[0].startswith("goodput         2.50 | predicted ") and " steps/s over 4.00 s" in lines[0]
     assert len(lines) == 3
-    assert "kill at step 5: time lost 1.130 s | predicted 0.560 s" in lines[1] and "steps lost 1 | predicted 1" in lines[1]
+    assert "kill at step 5: time lost 1.130 s | predicted 2.560 s" in lines[1] and "steps lost 1 | predicted 1" in lines[1]
 
 
-def test_a_restart_is_predicted_from_the_first_world_alone():
-    """Start-up, step time and detection predicted from the first world's launch to first step (0.5 s), its
-    median step time (0.04 s) and the launcher's poll interval; measured from the restarted world's own."""
-    c = failure_cost(_two_restarts(), 2, {k: 0.01 for k in range(10)})
+GRACE = TICK_S + ECHO_GRACE_S   # a killed worker: seen within a tick, then its peers' errors waited for
+
+
+def test_a_restart_is_predicted_from_the_probe_the_launchers_waits_and_the_first_worlds_step():
+    """Start-up predicted by the probe taken before the run (0.5 s; the first world's own, set to 0.3 s here, is
+    not used), the step time by the first world's median before the kill (0.04 s), detection by the
+    launcher's tick and its grace for the peers' errors; measured from the restarted world's own."""
+    runs = _two_restarts()
+    runs["worlds"][0]["first_step_at_s"] = 0.3
+    c = failure_cost(runs, 2, {k: 0.01 for k in range(10)})
     first, second = c["restarts"]
     assert first["startup_s"] == 0.6 and second["startup_s"] == 0.4
     assert first["startup_predicted_s"] == second["startup_predicted_s"] == 0.5
-    assert first["detection_predicted_s"] == TICK_S and first["recompute_predicted_s"] == 0.04
+    assert first["detection_predicted_s"] == GRACE and first["recompute_predicted_s"] == 0.04
     assert first["time_lost_s"] == pytest.approx(0.25 + 0.25 + 0.6 + 0.01)
-    assert first["time_lost_predicted_s"] == pytest.approx(TICK_S + 0.5 + 0.04)
+    assert first["time_lost_predicted_s"] == pytest.approx(GRACE + 0.5 + 0.04)
     assert second["time_lost_s"] is None   # the launcher never found the second world stopped: no detection
-    assert c["mean_time_lost_predicted_s"] == pytest.approx(TICK_S + 0.5 + 0.5 * 0.04)
+    assert c["mean_time_lost_predicted_s"] == pytest.approx(GRACE + 0.5 + 0.5 * 0.04)
     # predicted wall: start-up 0.5, steps 0-4 at 0.04, then per restart detection + start-up, and steps 4-6, 6-9
-    wall = 0.5 + 5 * 0.04 + 2 * (TICK_S + 0.5) + (7 - 4) * 0.04 + (10 - 6) * 0.04
+    wall = 0.5 + 5 * 0.04 + 2 * (GRACE + 0.5) + (7 - 4) * 0.04 + (10 - 6) * 0.04
     assert c["goodput_predicted_steps_per_s"] == pytest.approx(10 / wall)
     dilated = failure_cost(dict(_two_restarts(), virtual_device={"dilation": 4.0}), 2, {})
-    assert dilated["restarts"][0]["detection_predicted_s"] == pytest.approx(TICK_S / 4)   # the cluster's time
+    assert dilated["restarts"][0]["detection_predicted_s"] == pytest.approx(GRACE / 4)   # the cluster's time
+    unprobed = failure_cost({k: v for k, v in _two_restarts().items() if k != "startup_probe_s"}, 2, {})
+    assert unprobed["restarts"][0]["time_lost_predicted_s"] is None and unprobed["goodput_predicted_steps_per_s"] is None
+
+
+def test_only_a_killed_workers_detection_waits_for_its_peers_errors():
+    """The grace is the launcher's clock (not stretched by D): ÷ D in the cluster's time; a server's death is raised
+    by the services' check at once, one tick."""
+    assert detection_predicted("worker 2", 32.0) == pytest.approx((TICK_S + ECHO_GRACE_S) / 32, abs=1e-6)
+    assert detection_predicted("server 1", 32.0) == pytest.approx(TICK_S / 32, abs=1e-6)
+    assert detection_predicted("worker 0", 1.0) > ECHO_GRACE_S
 
 
 def test_a_world_is_read_from_its_ranks_marks_and_streams(tmp_path):
@@ -123,11 +139,11 @@ def test_a_shrunk_world_is_predicted_at_its_own_step():
     replaced, shrunk = runs["replace"]["restarts"][0], runs["shrink"]["restarts"][0]
     assert replaced["step_predicted_s"] == 0.04 and shrunk["step_predicted_s"] == pytest.approx(0.06)
     assert shrunk["recompute_predicted_s"] == pytest.approx(0.06) and replaced["recompute_predicted_s"] == 0.04
-    assert shrunk["time_lost_predicted_s"] == pytest.approx(TICK_S + 0.5 + 0.06)
-    wall = 0.5 + 5 * 0.04 + TICK_S + 0.5 + (10 - 4) * 0.06
+    assert shrunk["time_lost_predicted_s"] == pytest.approx(GRACE + 0.5 + 0.06)
+    wall = 0.5 + 5 * 0.04 + GRACE + 0.5 + (10 - 4) * 0.06
     assert runs["shrink"]["goodput_predicted_steps_per_s"] == pytest.approx(10 / wall)
     assert runs["shrink"]["goodput_predicted_steps_per_s"] < runs["replace"]["goodput_predicted_steps_per_s"]
-    assert runs["shrink"]["mean_time_lost_predicted_s"] == pytest.approx(TICK_S + 0.5 + 0.5 * 0.06)
+    assert runs["shrink"]["mean_time_lost_predicted_s"] == pytest.approx(GRACE + 0.5 + 0.5 * 0.06)
     # no program at N - 1: not predicted, rather than predicted at N's step
     unknown = _shrunk_once(lambda n: None)["shrink"]
     assert unknown["restarts"][0]["step_predicted_s"] is None and unknown["goodput_predicted_steps_per_s"] is None
@@ -145,3 +161,26 @@ def test_the_simulator_predicts_a_longer_step_for_ddp_at_n_minus_1_when_compute_
     assert at3 is not None and at2 is not None and at2 > at3
     assert at2 / at3 == pytest.approx(1.5, rel=0.05)   # the compute's 3/2, the all-reduce a small part
     assert world_step(cfg, {"params": 1e6, "worlds": []}, 2) is None
+
+
+def test_the_start_up_probe_times_one_spawned_rank_to_its_first_batch_and_fails_in_one_line():
+    """A spawned interpreter that imports what a rank imports and builds the workload: seconds, more than the spawn
+    alone; a workload it cannot build is one line naming the probe."""
+    import time
+
+    from psarch.cluster.messages import ProbeError
+    from psarch.config import from_dict
+    from psarch.launch.startup_probe import startup_s
+    cfg = from_dict({"train": {"steps": 2, "global_batch": 4}, "backend": {"kind": "ddp", "world_size": 2}})
+    began = time.monotonic()
+    took = startup_s(cfg, threads=1)
+    assert 0 < took <= time.monotonic() - began
+    bad = from_dict({"workload": {"factory": "test_failure_cost:unbuildable"}, "backend": {"kind": "ddp",
+                                                                                           "world_size": 2}})
+    with pytest.raises(ProbeError, match=r"^faults.restart: the start-up probe failed: RuntimeError: no model here$"):
+        startup_s(bad, threads=1)
+
+
+def unbuildable():
+    """A workload factory that fails, as the probe's rank builds it."""
+    raise RuntimeError("no model here")

@@ -18,11 +18,11 @@ from ps_setup import config, ps
 from psarch.config import ConfigError, from_dict
 from psarch.config.faults import faults, holds
 from psarch.errors import RunError
+from psarch.launch.failure_cost import detection_predicted
 from psarch.launch.faults import restarts_due
 from psarch.launch.ranks import run
 from psarch.ps.errors import ServiceError
 from test_ps_faults import _children
-from timing import scaled
 
 SGD = {"optimizer": "sgd", "lr": 0.1, "steps": 8}
 
@@ -129,19 +129,32 @@ def test_sync_goes_on_with_the_others_when_a_worker_is_killed(tmp_path):
     assert [d["version"] for d in summary["servers_detail"]] == [8] and summary["faults"][0]["node"] == "worker 2"
 
 
+def _slowest_step(out: Path) -> float:
+    """The slowest step of a finished run (metrics.jsonl, the first step's warm-up included), seconds."""
+    return max(json.loads(x)["step_time_s"] for x in (out / "metrics.jsonl").read_text().splitlines())
+
+
 @pytest.mark.parametrize("servers", [1, 2])
 def test_sync_drops_a_worker_paused_past_the_timeout_and_takes_it_back_when_it_returns(tmp_path, servers):
-    """Worker 1 of 2 stopped as step 3 begins, for 2.6 s: round 3 waits backend.timeout_s = 2 s and goes on with
-    worker 0 alone, which then stops as step 5 begins, for 3 s (so that the run is still at round 5 when worker 1
-    returns, whatever the step time). Continued, worker 1 computes step 3, is refused as dropped (the server at
-    round 5), asks to rejoin at round 6, is taken back once worker 0's round 5 is in, pulls round 6's parameters
-    and trains on from there: the run finishes with both workers, none lost, every round applied; each server says
-    from which round it dropped worker 1 and at which it took it back, and so does report.txt's last line."""
+    """Worker 1 of 2 stopped as step 3 begins, past backend.timeout_s: round 3 waits the timeout and goes on with
+    worker 0 alone, which then stops as step 5 begins (so that the run is still at round 5 when worker 1 returns).
+    Continued, worker 1 computes step 3, is refused as dropped (the server at round 5), asks to rejoin at round 6,
+    is taken back once worker 0's round 5 is in, pulls round 6's parameters and trains on from there: the run
+    finishes with both workers, none lost, every round applied; each server says from which round it dropped
+    worker 1 and at which it took it back, and so does report.txt's last line.
+    Every wait is set from the slowest step s of the same run without the pauses, measured here first: the timeout
+    5 s (no round of the run waits that long for a worker that is not stopped); worker 1 back 4 s after it (worker
+    0 has done round 4, one step, and stopped by then); worker 0 stopped for the timeout (worker 1's step 3 and
+    its rejoin, about 2 s, are in 3 s before worker 0 returns, and its rejoin is held less than the timeout)."""
+    plain = tmp_path / "plain"
+    psarch.run(from_dict(config("plain", train=dict(SGD, steps=10), backend=ps(2, servers=servers))), plain,
+               echo=False)
+    step = _slowest_step(plain)
+    timeout = max(1.0, 5 * step)
     out = tmp_path / "sync-paused"
-    timeout = scaled(2.0)   # under load a first step alone can take 2 s: the pauses keep their ratios to it
     summary = psarch.run(_cfg("paused", ps(2, servers=servers, timeout_s=timeout),
-                              {"pause": [{"node": "worker 1", "step": 3, "seconds": 1.3 * timeout},
-                                         {"node": "worker 0", "step": 5, "seconds": 1.5 * timeout}]},
+                              {"pause": [{"node": "worker 1", "step": 3, "seconds": timeout + 4 * step},
+                                         {"node": "worker 0", "step": 5, "seconds": timeout}]},
                               train={"steps": 10}), out, echo=False)
     assert _children() == []
     assert summary["status"] == "finished" and summary["lost_workers"] == []
@@ -270,15 +283,16 @@ def test_a_replaced_sgd_run_ends_bit_for_bit_with_the_model_of_the_uninterrupted
     assert first["launched_at_s"] < 1e-3 < first["first_step_at_s"] < summary["faults"][0]["at_s"]
     assert second["launched_at_s"] >= restart["at_s"] and second["first_step_at_s"] > second["launched_at_s"]
     # time lost, measured: detection, relaunch, the new world's start-up and step 4 done again (its metrics' time);
-    # predicted from the first world alone: its start-up and step time, the launcher's poll interval
+    # predicted by the start-up probe taken before the run, the launcher's waits and the first world's step time
     step4 = json.loads((out / "metrics.jsonl").read_text().splitlines()[4])["step_time_s"]
     us = pytest.approx   # to the microsecond the records are rounded to
     assert cost["startup_s"] == us(second["first_step_at_s"] - second["launched_at_s"], abs=2e-6)
     assert cost["recompute_s"] == us(step4, abs=1e-6)
     assert cost["time_lost_s"] == us(cost["detection_s"] + cost["relaunch_s"] + cost["startup_s"] + step4, abs=5e-6)
-    startup = first["first_step_at_s"] - first["launched_at_s"]
-    assert cost["startup_predicted_s"] == us(startup, abs=2e-6)
-    assert cost["time_lost_predicted_s"] == us(cost["detection_predicted_s"] + startup + first["step_time_s"], abs=5e-6)
+    probe = summary["startup_probe_s"]
+    assert probe > 0 and cost["startup_predicted_s"] == probe
+    assert cost["detection_predicted_s"] == us(detection_predicted("worker 1", summary["dilation"]), abs=1e-6)
+    assert cost["time_lost_predicted_s"] == us(cost["detection_predicted_s"] + probe + first["step_time_s"], abs=5e-6)
     assert [json.loads(x)["step"] for x in (out / "metrics.jsonl").read_text().splitlines()] == list(range(8))
     assert_same_model(torch.load(out / "model.pt", weights_only=True),
                       torch.load(tmp_path / "plain" / "model.pt", weights_only=True), "replaced vs plain",

@@ -1,6 +1,6 @@
 """The failures study's table and plot, from the run folders' summary.json (README.md here):
-    python experiments/failures/report.py runs/failures
-writes results/table.md, results/goodput.png and results/points.json (the figures each row is made of)."""
+    python experiments/failures/report.py runs/failures [OUT]
+writes table.md, goodput.png and points.json (the figures each row is made of) into OUT (default results/)."""
 from __future__ import annotations
 
 import json
@@ -29,7 +29,7 @@ def load(folder: Path) -> dict:
             "final_loss": s.get("final_loss"), "ended_at_s": s.get("ended_at_s"), "stopped_at_s": s.get("stopped_at_s"),
             "d": s.get("dilation") or s.get("virtual_device", {}).get("dilation", 1.0), "timeout_s": cfg["backend"].get("timeout_s"),
             "step_time_s": s.get("step_time_s"), "faults": s.get("faults", []), "worlds": s.get("worlds", []),
-            "failure_cost": s.get("failure_cost"), "step_times": {r["step"]: r["step_time_s"] for r in rows},
+            "failure_cost": s.get("failure_cost"), "startup_probe_s": s.get("startup_probe_s"), "step_times": {r["step"]: r["step_time_s"] for r in rows},
             "lost_workers": [w["rank"] for w in s.get("lost_workers", [])], "wall_s": s.get("cluster", {}).get("wall_s")}
 
 
@@ -58,17 +58,29 @@ def s3(x: float | None) -> str:
     return f"{x:.3f}" if x is not None else "?"
 
 
+def first_world_model(p: dict, r: dict) -> float | None:
+    """The time lost the model before the start-up probe predicted (2026-11-28): one tick of detection and the first
+    world's own launch to first step as the restart's start-up, beside the same recomputation; None where the run
+    has no first world's start-up or no predicted recomputation."""
+    w = p["worlds"][0] if p["worlds"] else {}
+    if w.get("first_step_at_s") is None or r["recompute_predicted_s"] is None:
+        return None
+    return TICK_S / p["d"] + w["first_step_at_s"] - w["launched_at_s"] + r["recompute_predicted_s"]
+
+
 def collective_row(p: dict, base: dict | None) -> tuple[str, dict]:
     c = p["failure_cost"]
     [r] = c["restarts"]
-    m, q = r["time_lost_s"], r["time_lost_predicted_s"]
+    m, q, old = r["time_lost_s"], r["time_lost_predicted_s"], first_world_model(p, r)
     row = (f"| {p['label']} | {p['every']} | {c['goodput_steps_per_s']:.2f} | {s3(m)} \\| {s3(q)} ({err(m, q)}) | "
+           f"{s3(old)} ({err(m, old)}) | "
            f"{s3(r['detection_s'])} \\| {s3(r['detection_predicted_s'])} | {s3(r['relaunch_s'])} \\| - | "
            f"{s3(r['startup_s'])} \\| {s3(r['startup_predicted_s'])} | {s3(r['recompute_s'])} \\| "
            f"{s3(r['recompute_predicted_s'])} | {r['steps_lost']} \\| {r['steps_lost_predicted']} | "
            f"{p['final_loss']:.4f} \\| {loss(base)} ({same_model(p, base)}) |")
     return row, {"label": p["label"], "every": p["every"], "goodput": c["goodput_steps_per_s"], "time_lost_s": m,
-                 "time_lost_predicted_s": q, "mean_time_lost_predicted_s": c["mean_time_lost_predicted_s"],
+                 "time_lost_predicted_s": q, "first_world_model_s": old,
+                 "startup_probe_s": p["startup_probe_s"], "mean_time_lost_predicted_s": c["mean_time_lost_predicted_s"],
                  "restart": r, "worlds": p["worlds"], "final_loss": p["final_loss"], "d": p["d"],
                  "model_vs_no_fault": same_model(p, base),
                  "wall_s": p["wall_s"]}
@@ -86,7 +98,7 @@ def ps_worker_row(p: dict, base: dict | None) -> tuple[str, dict]:
     q = failures.time_lost(detection, 0.0, 0, p["step_time_s"])
     goodput = p["steps"] / p["ended_at_s"]
     what = "worker killed" if killed else f"worker stopped {f['seconds']:g} s"
-    row = (f"| {p['label']} ({what}, goes on at N - 1) | - | {goodput:.2f} | {m:.4f} \\| {q:.4f} ({err(m, q)}) "
+    row = (f"| {p['label']} ({what}, goes on at N - 1) | - | {goodput:.2f} | {m:.4f} \\| {q:.4f} ({err(m, q)}) | - "
            f"| {m:.4f} \\| {q:.4f} | - | - | - | 0 \\| 0 | {p['final_loss']:.4f} \\| {loss(base)} |")
     return row, {"label": p["label"], "fault": f, "goodput": goodput, "time_lost_s": m, "time_lost_predicted_s": q,
                  "final_loss": p["final_loss"], "lost_workers": p["lost_workers"], "d": p["d"]}
@@ -96,7 +108,7 @@ def ps_server_row(p: dict) -> tuple[str, dict]:
     [k] = [f for f in p["faults"] if f["action"] == "kill"]
     m = round(p["stopped_at_s"] - k["at_s"], 6) if p["stopped_at_s"] is not None else None
     q = TICK_S / p["d"]
-    row = (f"| {p['label']} (server 1 killed, r = 0) | - | stops: `{p['error']}` | - | {s3(m)} \\| {q:.3f} | - | - "
+    row = (f"| {p['label']} (server 1 killed, r = 0) | - | stops: `{p['error']}` | - | - | {s3(m)} \\| {q:.3f} | - | - "
            f"| - | - | - |")
     return row, {"label": p["label"], "status": p["status"], "error": p["error"], "detection_s": m,
                  "detection_predicted_s": q, "steps": len(p["step_times"]), "wall_s": p["wall_s"]}
@@ -113,18 +125,19 @@ def ps_server_r1_row(p: dict, base: dict | None) -> tuple[str, dict]:
     goodput = p["steps"] / p["ended_at_s"]
     times = sorted(p["step_times"].values())
     row = (f"| {p['label']} (server 1 killed, r = 1, fails over) | - | {goodput:.2f} | {m:.4f} \\| 0 (steps "
-           f"{times[0]:.4f}-{times[-1]:.4f}) | - | - | - | - | 0 \\| 0 | {p['final_loss']:.4f} \\| {loss(base)} "
+           f"{times[0]:.4f}-{times[-1]:.4f}) | - | - | - | - | - | 0 \\| 0 | {p['final_loss']:.4f} \\| {loss(base)} "
            f"({same_model(p, base)}) |")
     return row, {"label": p["label"], "fault": k, "goodput": goodput, "time_lost_s": m, "time_lost_predicted_s": 0.0,
                  "final_loss": p["final_loss"], "model_vs_no_fault": same_model(p, base), "d": p["d"]}
 
 HEAD = ("| architecture | checkpoint every | goodput (steps/s) | time lost (s) measured \\| predicted (error) | "
-        "detection | relaunch | start-up | recompute | steps lost | final loss \\| no fault (model) |\n"
-        "|---|---|---|---|---|---|---|---|---|---|")
+        "old model: tick + first world's start-up (error) | detection | relaunch | start-up | recompute | steps lost "
+        "| final loss \\| no fault (model) |\n"
+        "|---|---|---|---|---|---|---|---|---|---|---|")
 
 
-def main(root: Path) -> None:
-    HERE.mkdir(exist_ok=True)
+def main(root: Path, here: Path = HERE) -> None:
+    here.mkdir(exist_ok=True)
     data: dict = {"baseline": {}, "collectives": []}
     lines = [HEAD]
     for folder in sorted(root.glob("collectives*")):   # collectives (D auto per point), collectives_d32 (D = 32)
@@ -148,15 +161,15 @@ def main(root: Path) -> None:
         row, data["ps_server_r1"] = ps_server_r1_row(p, base.get(p["label"]))
         lines.append(row.replace(f"| {p['label']} (", f"| {p['label']} (D = {p['d']:g}, ", 1))
     for k, v in data["baseline"].items():
-        lines.append(f"| {v['label']}, no fault (D = {v['d']:g}) | - | {v['goodput']:.2f} | - | - | - | - | - | - | "
+        lines.append(f"| {v['label']}, no fault (D = {v['d']:g}) | - | {v['goodput']:.2f} | - | - | - | - | - | - | - | "
                      f"{v['final_loss']:.4f} |")
-    (HERE / "table.md").write_text("\n".join(lines) + "\n")
-    (HERE / "points.json").write_text(json.dumps(data, indent=1, default=str) + "\n")
-    plot(data)
+    (here / "table.md").write_text("\n".join(lines) + "\n")
+    (here / "points.json").write_text(json.dumps(data, indent=1, default=str) + "\n")
+    plot(data, here)
     print("\n".join(lines))
 
 
-def plot(data: dict) -> None:
+def plot(data: dict, here: Path) -> None:
     """Goodput against the checkpoint interval, from the points at one fixed D where there are (in the cluster's
     time a start-up on this host counts 1/D: points at different D do not compare)."""
     tag = "_d32" if any(c.get("set") == "_d32" for c in data["collectives"]) else "_auto"
@@ -174,8 +187,8 @@ def plot(data: dict) -> None:
     ax.set_xticks(sorted({c["every"] for c in pts}))
     ax.legend(fontsize=8)
     fig.tight_layout()
-    fig.savefig(HERE / "goodput.png", dpi=120)
+    fig.savefig(here / "goodput.png", dpi=120)
 
 
 if __name__ == "__main__":
-    main(Path(sys.argv[1]))
+    main(Path(sys.argv[1]), Path(sys.argv[2]) if len(sys.argv) > 2 else HERE)

@@ -11,6 +11,8 @@ import sys
 _PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 TICK_S = 0.02   # how often the launcher looks at its processes while it injects faults (supervise.watch): a
                 # killed process is seen within one tick (failure_cost's predicted detection)
+ECHO_GRACE_S = 2.0  # how long the launcher waits (this machine's clock, not stretched by D), after a rank fails, for
+                    # its peers' errors before it names one (supervise.watch; part of a restart's detection)
 
 
 def die_with_parent() -> None:

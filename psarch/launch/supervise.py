@@ -21,11 +21,9 @@ from typing import Callable, TypedDict
 from psarch.config import Config
 from psarch.launch import outputs
 from psarch.errors import NON_FINITE_EXIT, NonFiniteGradient, RunError
-from psarch.launch.lifecycle import TICK_S, ended
+from psarch.launch.lifecycle import ECHO_GRACE_S, TICK_S, ended
 from psarch.launch.stalls import Stalls, stopped
 from psarch.records import Summary
-
-ECHO_GRACE_S = 2.0  # how long the launcher waits, after a rank fails, for its peers' errors before it names one
 
 # How a peer's failure reaches a rank that did nothing wrong: its sockets close, its collectives time out.
 _PEER_ECHOES = ("connection reset by peer", "connection closed by peer", "broken pipe", "connection refused",

@@ -1,6 +1,6 @@
 """Each world a run's launcher starts (the first, and each one faults.restart = "replace" starts again): when it
 was launched, when its first step began, its steps and its median step time, for summary.json's `worlds[]` and
-failure_cost's prediction of a restart's start-up (the first world's own, measured before any failure).
+failure_cost (each restart's start-up, measured; the first world's median step, a restart's predicted step).
 
 A rank marks the moment its first step begins in ranks/rank<R>.began (CLOCK_MONOTONIC, one clock for every process
 of this machine, as supervise's error records); a world's first step began when its last rank began it (no step
