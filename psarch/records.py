@@ -204,8 +204,8 @@ class ServiceInfo:
 
 class RestartCost(TypedDict):
     """failure_cost.restarts[]: one restart's time lost, measured (seconds in the cluster's time, as Struck's at_s)
-    beside psarch.theory.failures' prediction, made from the start-up probe taken before the run, the launcher's
-    waits and the first world's step time before any failure."""
+    beside psarch.theory.failures' prediction, made from what the first world measured before any failure (its
+    start-up and step time) and the launcher's waits."""
 
     kill_step: int           # the step the world's first kill struck as it began
     detection_s: float | None   # the kill's at_s to the launcher finding the world stopped (Restart.stopped_at_s)
@@ -214,7 +214,7 @@ class RestartCost(TypedDict):
     relaunch_s: float | None    # stopped_at_s to the next world's launch (Restart.at_s): teardown, checkpoint
                                 # found (not predicted)
     startup_s: float | None     # the next world's launch to its first step (World)
-    startup_predicted_s: float | None   # the start-up probe's (Summary.startup_probe_s), taken before the run
+    startup_predicted_s: float | None   # the first world's launch to its first step
     steps_lost: int          # measured: Restart.steps_lost (steps done past the checkpoint, done again)
     steps_lost_predicted: int   # theory.failures.steps_lost(kill_step, checkpoint_every)
     recompute_s: float       # the steps done again, their measured step times summed
@@ -296,7 +296,5 @@ class Summary(TypedDict, total=False):
     ended_at_s: float               # a run that finished: when its last world ended (as faults' at_s)
     worlds: list[Any]               # each world started: launched, first step began (psarch.launch.worlds.World)
     dilation: float                 # the emulation's D: every time above is the wall clock / D (1 but on virtual devices)
-    startup_probe_s: float          # faults.restart: one rank's spawn to its first batch, probed before the run
-                                    # (psarch.launch.startup_probe), ÷ D: a restart's predicted start-up
     failure_cost: FailureCost       # faults.restart = "replace": psarch.launch.failure_cost
     timeline: list[SpanFields]      # the services' spans of train.trace_steps: into trace.json, not summary.json

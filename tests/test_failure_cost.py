@@ -34,7 +34,7 @@ def test_time_lost_is_detection_start_up_and_the_steps_done_again():
 def _two_restarts() -> dict:
     """Two worlds ended: the first by two kills at step 5 (one restart), the second by a kill at step 7."""
     kill = {"action": "kill", "signal": "SIGKILL"}
-    return {"steps": 10, "step_time_s": 0.01, "ended_at_s": 4.0, "startup_probe_s": 0.5,
+    return {"steps": 10, "step_time_s": 0.01, "ended_at_s": 4.0,
             "faults": [dict(kill, node="worker 1", step=5, at_s=1.0), dict(kill, node="worker 2", step=5, at_s=1.0),
                        {"node": "worker 0", "action": "pause", "step": 6, "at_s": 2.0, "seconds": 0.1},
                        dict(kill, node="worker 0", step=7, at_s=2.5)],
@@ -68,13 +68,11 @@ def test_each_restart_is_costed_from_the_kill_that_ended_its_world():
 GRACE = TICK_S + ECHO_GRACE_S   # a killed worker: seen within a tick, then its peers' errors waited for
 
 
-def test_a_restart_is_predicted_from_the_probe_the_launchers_waits_and_the_first_worlds_step():
-    """Start-up predicted by the probe taken before the run (0.5 s; the first world's own, set to 0.3 s here, is
-    not used), the step time by the first world's median before the kill (0.04 s), detection by the
-    launcher's tick and its grace for the peers' errors; measured from the restarted world's own."""
-    runs = _two_restarts()
-    runs["worlds"][0]["first_step_at_s"] = 0.3
-    c = failure_cost(runs, 2, {k: 0.01 for k in range(10)})
+def test_a_restart_is_predicted_from_the_first_world_and_the_launchers_waits():
+    """Start-up and step time predicted from the first world's launch to first step (0.5 s) and its median step
+    time (0.04 s), detection from the launcher's tick and its grace for the peers' errors; measured from the
+    restarted world's own."""
+    c = failure_cost(_two_restarts(), 2, {k: 0.01 for k in range(10)})
     first, second = c["restarts"]
     assert first["startup_s"] == 0.6 and second["startup_s"] == 0.4
     assert first["startup_predicted_s"] == second["startup_predicted_s"] == 0.5
@@ -88,8 +86,6 @@ def test_a_restart_is_predicted_from_the_probe_the_launchers_waits_and_the_first
     assert c["goodput_predicted_steps_per_s"] == pytest.approx(10 / wall)
     dilated = failure_cost(dict(_two_restarts(), virtual_device={"dilation": 4.0}), 2, {})
     assert dilated["restarts"][0]["detection_predicted_s"] == pytest.approx(GRACE / 4)   # the cluster's time
-    unprobed = failure_cost({k: v for k, v in _two_restarts().items() if k != "startup_probe_s"}, 2, {})
-    assert unprobed["restarts"][0]["time_lost_predicted_s"] is None and unprobed["goodput_predicted_steps_per_s"] is None
 
 
 def test_only_a_killed_workers_detection_waits_for_its_peers_errors():
@@ -161,26 +157,3 @@ def test_the_simulator_predicts_a_longer_step_for_ddp_at_n_minus_1_when_compute_
     assert at3 is not None and at2 is not None and at2 > at3
     assert at2 / at3 == pytest.approx(1.5, rel=0.05)   # the compute's 3/2, the all-reduce a small part
     assert world_step(cfg, {"params": 1e6, "worlds": []}, 2) is None
-
-
-def test_the_start_up_probe_times_one_spawned_rank_to_its_first_batch_and_fails_in_one_line():
-    """A spawned interpreter that imports what a rank imports and builds the workload: seconds, more than the spawn
-    alone; a workload it cannot build is one line naming the probe."""
-    import time
-
-    from psarch.cluster.messages import ProbeError
-    from psarch.config import from_dict
-    from psarch.launch.startup_probe import startup_s
-    cfg = from_dict({"train": {"steps": 2, "global_batch": 4}, "backend": {"kind": "ddp", "world_size": 2}})
-    began = time.monotonic()
-    took = startup_s(cfg, threads=1)
-    assert 0 < took <= time.monotonic() - began
-    bad = from_dict({"workload": {"factory": "test_failure_cost:unbuildable"}, "backend": {"kind": "ddp",
-                                                                                           "world_size": 2}})
-    with pytest.raises(ProbeError, match=r"^faults.restart: the start-up probe failed: RuntimeError: no model here$"):
-        startup_s(bad, threads=1)
-
-
-def unbuildable():
-    """A workload factory that fails, as the probe's rank builds it."""
-    raise RuntimeError("no model here")

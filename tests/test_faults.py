@@ -283,16 +283,17 @@ def test_a_replaced_sgd_run_ends_bit_for_bit_with_the_model_of_the_uninterrupted
     assert first["launched_at_s"] < 1e-3 < first["first_step_at_s"] < summary["faults"][0]["at_s"]
     assert second["launched_at_s"] >= restart["at_s"] and second["first_step_at_s"] > second["launched_at_s"]
     # time lost, measured: detection, relaunch, the new world's start-up and step 4 done again (its metrics' time);
-    # predicted by the start-up probe taken before the run, the launcher's waits and the first world's step time
+    # predicted from the first world's start-up and step time and the launcher's waits
     step4 = json.loads((out / "metrics.jsonl").read_text().splitlines()[4])["step_time_s"]
     us = pytest.approx   # to the microsecond the records are rounded to
     assert cost["startup_s"] == us(second["first_step_at_s"] - second["launched_at_s"], abs=2e-6)
     assert cost["recompute_s"] == us(step4, abs=1e-6)
     assert cost["time_lost_s"] == us(cost["detection_s"] + cost["relaunch_s"] + cost["startup_s"] + step4, abs=5e-6)
-    probe = summary["startup_probe_s"]
-    assert probe > 0 and cost["startup_predicted_s"] == probe
+    probe = us(first["first_step_at_s"] - first["launched_at_s"], abs=2e-6)
+    assert cost["startup_predicted_s"] == probe
     assert cost["detection_predicted_s"] == us(detection_predicted("worker 1", summary["dilation"]), abs=1e-6)
-    assert cost["time_lost_predicted_s"] == us(cost["detection_predicted_s"] + probe + first["step_time_s"], abs=5e-6)
+    assert cost["time_lost_predicted_s"] == us(cost["detection_predicted_s"] + cost["startup_predicted_s"]
+                                               + first["step_time_s"], abs=5e-6)
     assert [json.loads(x)["step"] for x in (out / "metrics.jsonl").read_text().splitlines()] == list(range(8))
     assert_same_model(torch.load(out / "model.pt", weights_only=True),
                       torch.load(tmp_path / "plain" / "model.pt", weights_only=True), "replaced vs plain",

@@ -59,9 +59,9 @@ def s3(x: float | None) -> str:
 
 
 def first_world_model(p: dict, r: dict) -> float | None:
-    """The time lost the model before the start-up probe predicted (2026-11-28): one tick of detection and the first
-    world's own launch to first step as the restart's start-up, beside the same recomputation; None where the run
-    has no first world's start-up or no predicted recomputation."""
+    """The time lost the first model predicted (before 2026-11-28): one tick of detection and the first world's own
+    launch to first step as the restart's start-up, beside the same recomputation; None where the run has no first
+    world's start-up or no predicted recomputation."""
     w = p["worlds"][0] if p["worlds"] else {}
     if w.get("first_step_at_s") is None or r["recompute_predicted_s"] is None:
         return None

@@ -1,9 +1,9 @@
 """summary.json's `failure_cost`: what each restart (faults.restart = "replace" or "shrink") cost a finished run,
 measured from the launcher's records (faults[], restarts[], worlds[], ended_at_s) and the steps' times, beside
-psarch.theory.failures' prediction. The prediction uses nothing the run measured after it began but the first
-world's median step time before any failure: a restart's start-up is the start-up probe's (one rank spawned to its
-first batch before the run, psarch.launch.startup_probe), its detection the launcher's own waits (a tick, and for a
-killed worker the grace it gives the peers' errors). A world restarted at another size (shrink: N - 1) steps at
+psarch.theory.failures' prediction. The prediction uses only what the first world measured before any failure
+(its launch to first step, the start-up, and its median step time) and the launcher's own waits (detection: a
+tick, and for a killed worker the grace it gives the peers' errors). A probe of one rank's start-up taken before
+the run was tried instead of the first world's and put every restart 25-58% short (experiments/failures/README.md). A world restarted at another size (shrink: N - 1) steps at
 the first world's step times the step simulator's ratio of its step at that size to its step at the first world's
 (`step_at`: theory.world_step, the global batch kept), in its recomputation and in the predicted goodput."""
 from __future__ import annotations
@@ -26,7 +26,7 @@ def failure_cost(s: Summary, checkpoint_every: int, step_times: dict[int, float]
     kills = [f for f in s["faults"] if f["action"] == "kill"]   # in the order struck
     worlds = s.get("worlds") or []
     d = s.get("dilation") or s.get("virtual_device", {}).get("dilation", 1.0)
-    startup_pred = s.get("startup_probe_s")
+    startup_pred = _startup(worlds[0]) if worlds else None
     step_pred = _step_predicted(worlds, step_at)
     costs: list[RestartCost] = []
     before = 0   # the kills struck before this restart's world (the previous restart's count)
@@ -88,7 +88,7 @@ def _step_predicted(worlds: list, step_at: StepAt | None) -> Callable[[int | Non
 
 def _goodput(s: Summary, costs: list[RestartCost], startup: float | None,
              step_at: Callable[[int | None], float | None]) -> float | None:
-    """Steps over the predicted wall time: the probed start-up (each world's, the first's too), each world's steps at
+    """Steps over the predicted wall time: the first world's start-up (each world's), each world's steps at
     its predicted step (the first from step 0 to its kill, each restarted one from the checkpoint before that kill
     to the next kill or the end), and each restart's predicted detection (theory.failures.time_lost's parts; the
     relaunch is not predicted). None where a part is not predicted."""

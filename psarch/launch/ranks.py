@@ -38,7 +38,6 @@ from psarch.launch.lifecycle import die_with_parent, leave
 from psarch.records import ServiceInfo, Summary
 from psarch.launch.job import RankJob
 from psarch.launch.runner import run_rank
-from psarch.launch.startup_probe import startup_s
 from psarch.launch.torchrun import torchrun_rank
 from psarch.throughput import warmup_steps
 from psarch.launch.worlds import since, world
@@ -74,13 +73,6 @@ def run(cfg: Config, out: str | Path | None = None, echo: bool = True, resume: b
     restarts: list[Restart] = []
     faulted = Summary(faults=struck, **({"restarts": restarts} if cfg.faults.restart != "none" else {})) \
         if faults(cfg) else Summary()
-    if "restarts" in faulted:   # a restart's start-up, predicted by a probe taken now, before the run
-        faulted["startup_probe_s"] = round(startup_s(ranks_cfg, _threads(ranks_cfg.backend.world_size))
-                                           / dilation(ranks_cfg), 6)   # the cluster's time, as every time
-        if echo:
-            print(f"psarch: one rank starts here in {faulted['startup_probe_s'] * dilation(ranks_cfg):.1f} s "
-                  f"(spawned to its first batch, beside {ranks_cfg.backend.world_size - 1} busy processes): a "
-                  f"restart's predicted start-up", flush=True)
     t0, d = time.monotonic(), dilation(ranks_cfg)
     faulted["worlds"] = []   # each world's launch and first step (psarch/launch/worlds.py)
     faulted["dilation"] = d   # kept where a run fails too: its times (the worlds', the faults') are wall clock / d
