@@ -29,6 +29,7 @@ from psarch.checkpoint.finetune import restore_base, starts_from_base
 from psarch.checkpoint.start import CHECKPOINTS
 from psarch.cluster.placement import Loopback, Placement
 from psarch.config import Config, ConfigError, from_dict
+from psarch.launch import processes
 from psarch.launch.lifecycle import die_with_parent
 from psarch.ps.auth import KEYGEN_HINT, AuthError, Credentials, check_folder, mechanism, remove, run_credentials
 from psarch.ps.errors import ServiceError
@@ -96,7 +97,7 @@ class LocalServers(Services):
         self.dead: dict[int, str] = {}   # backend.replicas: servers that died while their partitions live on
         self.conns, self.workers = [], []
         where = where or Loopback()   # an emulated cluster puts each server on its own node
-        ctx = mp.get_context("spawn")
+        ctx = where.context()
         # backend.host, not a node's address: an emulated cluster's network exists only inside this run's
         # namespaces, as private as loopback, so auth = "auto" keeps PLAIN there.
         # The folder's path travels (spawn args, services info), never a secret: each process reads its own
@@ -110,8 +111,8 @@ class LocalServers(Services):
                                               args=(i, cfg.to_dict(), host, child, None, build_model,
                                                     creds.to_dict(), ckpts, begin))
                 else:
-                    w = ctx.Process(target=_server_main, name=f"psarch-server{i}",
-                                    args=(i, cfg.to_dict(), host, child, 1, build_model, creds.to_dict(), ckpts, begin))
+                    w = processes.process(ctx, _server_main, (i, cfg.to_dict(), host, child, 1, build_model,
+                                                              creds.to_dict(), ckpts, begin), name=f"psarch-server{i}")
                 with where.node("server", i):
                     w.start()
                 if not threads:
