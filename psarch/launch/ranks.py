@@ -1,5 +1,6 @@
-"""Start every rank of a run: spawned on this machine (`psarch run`; one rank runs in this process), or one
-rank under torchrun (psarch.launch.torchrun). Every rank does the same (`_rank`): join the group, train
+"""Start every rank of a run: on this machine (`psarch run`: from the placement's context, psarch's forkserver on
+loopback, psarch.launch.processes; one rank runs in this process), or one rank under torchrun
+(psarch.launch.torchrun). Every rank does the same (`_rank`): join the group, train
 (psarch.launch.runner), leave its record, leave the group; the services a backend declares (its spec's
 start_services) start first. What every rank is given: psarch.launch.job's RankJob.
 

@@ -1,8 +1,9 @@
 """Start the parameter servers of a local run, watch them, gather what they measured, stop them.
 
-The launcher calls `start_services(cfg, out_dir)` before it spawns the workers and hands
-`services.info` (a psarch.records.ServiceInfo: addresses, credentials) to every rank. Each server is a spawned process (or, for tests,
-a thread) that talks to the launcher over a pipe carrying JSON and raw bytes only (no pickle):
+The launcher calls `start_services(cfg, out_dir)` before it starts the workers and hands `services.info` (a
+psarch.records.ServiceInfo: addresses, credentials) to every rank. Each server is a process of its own
+(psarch.launch.processes; or, for tests, a thread) that talks to the launcher over a pipe carrying JSON and raw
+bytes only (no pickle):
 "ready"/"failed"/"stats" events one way, "lost"/"stats"/"stop" commands the other. `check()` raises
 when a server failed (e.g. a sync timeout naming the missing worker) or died; `finish()` returns the
 servers' traffic, memory and staleness for summary.json and writes model.pt from the servers' final
