@@ -1,12 +1,13 @@
 """Where the processes psarch starts on this machine come from (ranks, parameter servers, run_ranks' ranks): a
-forkserver that imported torch and psarch once, so a child starts in milliseconds instead of importing torch
-again (a second or two of CPU per process on a small machine).
+forkserver that imported torch once, so a child starts in a fraction of a second instead of importing torch again
+(two to four CPU-s per process on a small machine).
 
 A child started here gets what a spawned one got: the launcher's environment as it is at start() (the
 forkserver's own is the one it started with), its standard output and error as they are then (a redirected
 run, pytest's capture), its working folder and sys.path (multiprocessing sends those), and a parent that ends
-with the launcher (psarch.launch.lifecycle.die_with_parent). The forkserver only imports: it starts no thread of
-its own, no ZeroMQ context, no process group and no CUDA context, so a fork of it holds none either.
+with the launcher (psarch.launch.lifecycle.die_with_parent). The forkserver only imports: no ZeroMQ context, no
+process group and no CUDA context (torch's import starts none), so a fork of it holds none either; the one thread
+the import starts, OpenBLAS's, OpenBLAS itself stops around a fork (pthread_atfork).
 
 A child that must be born where the launcher's thread stands (inside an emulated cluster's node, a network
 namespace that thread entered) is spawned instead (`spawn`): a forkserver's children are born where it is."""
@@ -19,13 +20,11 @@ from multiprocessing.context import BaseContext
 from multiprocessing.process import BaseProcess
 from typing import Any, Callable
 
-# What every child needs, imported once in the forkserver: torch; torch._dynamo, which torch.optim imports when a
-# process builds its first optimizer (as much CPU again as torch itself); the entry points of ranks and servers;
-# the built-in backends (psarch.registry.BUILTIN) and what their ranks import first thing.
-PRELOAD = ("torch", "torch.distributed", "torch._dynamo", "psarch.launch.ranks", "psarch.ps.services",
-           "psarch.launch.spawn", "psarch.registry", "psarch.single_spec", "collective.spec", "zero.spec",
-           "psarch.ps.spec", "collective.pipeline.spec", "collective.tensor.spec", "psarch.dp.spec",
-           "collective.ddp", "zero.trainer", "psarch.ps.worker.trainer")
+# What every child imports anyway and what costs it most, imported once in the forkserver: torch, and torch._dynamo,
+# which torch.optim imports when a process builds its first optimizer (as much CPU again as torch itself). Not
+# psarch: a child imports psarch's modules itself (about 0.2 CPU-s), in the order a spawned child does, so a
+# workload factory that patches a psarch function before another module imports it by name works as it did.
+PRELOAD = ("torch", "torch.distributed", "torch._dynamo")
 
 
 def context() -> BaseContext:
