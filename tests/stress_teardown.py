@@ -3,9 +3,9 @@ interpreter finalisation on torch 2.13, pytorch/pytorch#179291, even after destr
 
     PSARCH_THREADS=1 python tests/stress_teardown.py --runs 200 [--backends ddp,zero,...,control]
 
-Each psarch run is `psarch.launch.ranks.run` in this process: its two ranks are spawned as `psarch run` spawns
-them and end through psarch's exit path (psarch.launch.lifecycle.leave). `control` is the same kind of run
-without that path: two spawned ranks train PyTorch's DDP over gloo for two steps, destroy_process_group()
+Each psarch run is `psarch.launch.ranks.run` in this process: its two ranks are started as `psarch run` starts
+them (forked from psarch's forkserver, psarch.launch.processes) and end through psarch's exit path
+(psarch.launch.lifecycle.leave). `control` is the same kind of run without that path: two spawned ranks train PyTorch's DDP over gloo for two steps, destroy_process_group()
 and return, so the interpreter finalises them as any plain script's processes. Not collected by pytest
 (its name is no test_*.py); tests/test_teardown.py runs a few of these teardowns in the suite.
 """
@@ -88,7 +88,7 @@ def control_run(out: Path) -> list[tuple[int | None, bool]]:
 
     out.mkdir(parents=True, exist_ok=True)
     store = dist.TCPStore("127.0.0.1", 0, 3, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=60))
-    ctx = mp.get_context("spawn")   # as psarch spawns its ranks: a fresh interpreter, finalised at exit
+    ctx = mp.get_context("spawn")   # a fresh interpreter, finalised at exit as any plain script's processes
     done = [out / f"rank{r}.done" for r in range(2)]
     procs = [ctx.Process(target=_control_rank, args=(r, store.port, str(done[r]))) for r in range(2)]
     for p in procs:

@@ -61,17 +61,19 @@ def _with_batch_hook(cfg, hook) -> psarch.Workload:
 
 
 def _children() -> list[str]:
-    """Processes whose parent is this one (multiprocessing's resource tracker excepted)."""
-    me, found = os.getpid(), []
+    """Processes this one started that still exist: its children (multiprocessing's resource tracker and forkserver
+    excepted) and the forkserver's children (the ranks and servers psarch.launch.processes starts are those)."""
+    me, table = os.getpid(), {}
     for pid in filter(str.isdigit, os.listdir("/proc")):
         try:
             stat = Path(f"/proc/{pid}/stat").read_text()
             cmd = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
         except OSError:
             continue
-        if int(stat.rsplit(")", 1)[1].split()[1]) == me and "resource_tracker" not in cmd:
-            found.append(f"{pid}: {cmd[:120]}")
-    return found
+        table[int(pid)] = (int(stat.rsplit(")", 1)[1].split()[1]), cmd)
+    servers = {pid for pid, (ppid, cmd) in table.items() if ppid == me and "multiprocessing.forkserver" in cmd}
+    return [f"{pid}: {cmd[:120]}" for pid, (ppid, cmd) in table.items()
+            if ppid in servers or (ppid == me and pid not in servers and "resource_tracker" not in cmd)]
 
 
 def launch(tmp_path: Path, name: str, **sections) -> tuple[dict, Path]:

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from dist_utils import RankError, run_ranks
-from psarch.launch import supervise
+from psarch.launch import processes, supervise
 from psarch.config import load_config
 from psarch.errors import RunError
 from psarch.launch.ranks import run
@@ -44,8 +44,17 @@ def _aborts(rank: int, world_size: int) -> None:
     os.kill(os.getpid(), signal.SIGABRT)
 
 
+@pytest.fixture(params=["forkserver", "spawn"])
+def started(request, monkeypatch):
+    """How psarch starts a child: forked from its forkserver (where multiprocessing ends the child with os._exit
+    too), or spawned (an emulated cluster's processes), where only psarch's own leave() keeps finalisation away."""
+    if request.param == "spawn":
+        monkeypatch.setattr(processes, "context", processes.spawn)
+    return request.param
+
+
 @pytest.mark.slow
-def test_run_ranks_keeps_the_results_and_its_ranks_leave_without_finalisation(tmp_path):
+def test_run_ranks_keeps_the_results_and_its_ranks_leave_without_finalisation(tmp_path, started):
     marker = str(tmp_path / "finalised")
     assert run_ranks(_aborts_if_finalised, 2, marker, timeout=scaled(60)) == [{"rank": 0}, {"rank": 1}]
     assert not list(tmp_path.glob("finalised*")), "a rank went through the interpreter's finalisation"
@@ -78,9 +87,9 @@ def test_a_rank_that_left_no_record_is_named_by_how_it_ended(tmp_path, code, say
 
 
 @pytest.mark.slow
-def test_spawned_ranks_leave_without_finalisation(tmp_path):
+def test_spawned_ranks_leave_without_finalisation(tmp_path, started):
     """Ranks that would abort at finalisation (factories:aborts_if_finalised) finish their run: psarch's
-    spawned ranks end with os._exit once their records are written."""
+    ranks, forked or spawned, end with os._exit once their records are written."""
     cfg = load_config(None, dict(TINY, **{"backend.kind": "ddp", "workload.factory": "factories:aborts_if_finalised"}))
     summary = run(cfg, tmp_path / "out", echo=False)
     assert summary["status"] == "finished" and len(summary["memory"]["per_rank"]) == 2
@@ -114,7 +123,7 @@ def test_a_rank_killed_by_sigabrt_fails_the_run_with_the_signals_name(tmp_path):
 @pytest.mark.stress
 @pytest.mark.slow
 def test_two_rank_runs_of_every_collective_backend_end_without_an_abort(tmp_path):
-    """Two runs per backend: ten two-rank teardowns, every rank spawned and leaving as `psarch run`'s do (every
+    """Two runs per backend: ten two-rank teardowns, every rank started and leaving as `psarch run`'s do (every
     other multi-process test's ranks leave the same way, hundreds in the suite); tests/stress_teardown.py runs
     hundreds of these alone."""
     tallies = [stress(b, 2, tmp_path) for b in BACKENDS]

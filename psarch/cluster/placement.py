@@ -5,7 +5,7 @@ The launcher's one interface to this package is `place(cfg)`, a context manager 
     with place(cfg) as p:
         with p.rendezvous(): store = TCPStore(...)            # ranks reach it at p.rendezvous_host
         marks = p.step_marks(ranks)                           # rank r: marks[r].reached() around its steps
-        with p.node("worker", rank): process.start()          # the process starts on its node
+        with p.node("worker", rank): process.start()          # the process (from p.context()) starts on its node
         host = p.host("server", i, cfg.backend.host)          # the address service i (a PS server) binds
         p.worker_lost()                                       # a worker died and the run goes on
         summary["cluster"] = p.report()
@@ -22,8 +22,11 @@ from psarch import registry
 from psarch.cluster import device
 from psarch.cluster.window import StepMarks, StepWindow
 from psarch.config import Config
+from psarch.launch import processes
 
 if TYPE_CHECKING:
+    from multiprocessing.context import BaseContext
+
     from psarch.cluster.emulated import Node
     from psarch.cluster.records import ClusterReport, NodeReport
 
@@ -32,6 +35,10 @@ class Loopback:
     """Every process on this machine's loopback: today's behaviour, and the default."""
 
     rendezvous_host = "127.0.0.1"
+
+    def context(self) -> BaseContext:
+        """Where the run's processes come from: the forkserver (psarch.launch.processes)."""
+        return processes.context()
 
     def rendezvous(self) -> contextlib.AbstractContextManager:
         return contextlib.nullcontext()
@@ -75,6 +82,12 @@ class Emulated:
         self.alpha_s = measure_alpha(self.cluster.hub, w0.ns, w0.address)
         self._start = self.cluster.counters()   # links idle: only the kernel's own chatter so far
         self._window: StepWindow | None = None
+
+    def context(self) -> BaseContext:
+        """Where the run's processes come from: each spawned from the launcher's thread inside its node's namespace
+        (node()), and with its environment (c10 logging read at torch's import); a forkserver's child is born in
+        the forkserver's namespace."""
+        return processes.spawn()
 
     # The emulated network has no name service: torch's c10d reverse-resolves every address it connects to or
     # accepts from, and warns once per process that it cannot ("The hostname of the client socket cannot be
@@ -120,9 +133,8 @@ class Emulated:
 
     def step_marks(self, ranks: int) -> list[StepMarks]:
         """The marks each of `ranks` ranks reaches around its steps; every link is read when all have (once a run)."""
-        import multiprocessing as mp
         if self._window is None:
-            self._window = StepWindow(mp.get_context("spawn"), ranks, self.cluster.counters)
+            self._window = StepWindow(self.context(), ranks, self.cluster.counters)
         return self._window.marks
 
     def worker_lost(self) -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import ctypes
 import multiprocessing as mp
+from multiprocessing import forkserver
 import os
 import signal
 import sys
@@ -16,16 +17,27 @@ ECHO_GRACE_S = 2.0  # how long the launcher waits (this machine's clock, not str
 
 
 def die_with_parent() -> None:
-    """Call first thing in a spawned child. On Linux the kernel sends this process SIGKILL when the thread
-    that spawned it ends (the launcher's main thread); elsewhere it does nothing. If the parent died before
-    the signal was armed, exit now: the kernel will not send it any more."""
+    """Call first thing in a child process. On Linux the kernel sends this process SIGKILL when its parent ends:
+    a spawned child's parent is the launcher's thread that started it; a forkserver's child's
+    (psarch.launch.processes) is the forkserver, which ends when the launcher does (when its "alive" pipe has no
+    writer left: this child lets go of its copy here). Elsewhere it does nothing. If the launcher died before the
+    signal was armed, exit now: the kernel will not send it any more."""
     if not sys.platform.startswith("linux"):
         return
     parent = mp.parent_process()
+    if forkserver.get_inherited_fds() is not None:   # a forkserver's child
+        # private: multiprocessing hands a forkserver's child the launcher's end of the forkserver's "alive" pipe
+        # (to start children of its own through it) and gives no public way to let go of it
+        alive = getattr(forkserver._forkserver, "_forkserver_alive_fd", None)
+        if alive is not None:
+            os.close(alive)
+            setattr(forkserver._forkserver, "_forkserver_alive_fd", None)
     libc = ctypes.CDLL(None, use_errno=True)
     if libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) != 0:
         return  # not permitted here (a sandbox): the launcher's own clean-up still ends this process
-    if parent is not None and os.getppid() != parent.pid:
+    # the launcher is gone: a spawned child's parent has changed; a forkserver's child's launcher end of its pipe
+    # has closed (its parent, the forkserver, is another process)
+    if parent is not None and os.getppid() != parent.pid and not parent.is_alive():
         os._exit(1)
 
 

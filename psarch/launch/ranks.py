@@ -1,5 +1,6 @@
-"""Start every rank of a run: spawned on this machine (`psarch run`; one rank runs in this process), or one
-rank under torchrun (psarch.launch.torchrun). Every rank does the same (`_rank`): join the group, train
+"""Start every rank of a run: on this machine (`psarch run`: from the placement's context, psarch's forkserver on
+loopback, psarch.launch.processes; one rank runs in this process), or one rank under torchrun
+(psarch.launch.torchrun). Every rank does the same (`_rank`): join the group, train
 (psarch.launch.runner), leave its record, leave the group; the services a backend declares (its spec's
 start_services) start first. What every rank is given: psarch.launch.job's RankJob.
 
@@ -10,7 +11,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import multiprocessing as mp
 import os
 import time
 from datetime import timedelta
@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 
 from psarch import registry
-from psarch.launch import outputs, supervise
+from psarch.launch import outputs, processes, supervise
 from psarch.backend import BackendSpec
 from psarch.checkpoint import CheckpointError
 from psarch.checkpoint.start import CHECKPOINTS, resolve_start
@@ -218,11 +218,11 @@ def _spawn(job: RankJob, spec: BackendSpec, where: Placement, services: Services
             store = dist.TCPStore(where.rendezvous_host, 0, n + 1, is_master=True, wait_for_workers=False,
                                   timeout=timedelta(seconds=cfg.backend.timeout_s))
     port = store.port if store is not None else 0
-    ctx = mp.get_context("spawn")
+    ctx = where.context()
     marks = where.step_marks(n)   # an emulated cluster reads its links before the first step and after the last
-    procs = [ctx.Process(target=_rank_main, name=f"psarch-rank{r}",
-                         args=(job, r, n, where.rendezvous_host, port, _threads(n), store is not None,
-                               marks[r] if marks else None))
+    procs = [processes.process(ctx, _rank_main, (job, r, n, where.rendezvous_host, port, _threads(n),
+                                                 store is not None, marks[r] if marks else None),
+                               name=f"psarch-rank{r}")
              for r in range(n)]
     out = Path(job.out)
 

@@ -27,6 +27,7 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
+from psarch.launch import processes
 from psarch.launch.lifecycle import die_with_parent, ended, leave
 
 # Every rank is on this machine: talk over loopback, whatever the hostname resolves to.
@@ -89,13 +90,13 @@ def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout: floa
     """
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
-    ctx = mp.get_context("spawn")
+    ctx = processes.context()
     # The parent hosts the store on a free port, so concurrent test runs never collide on a port.
     store = dist.TCPStore("127.0.0.1", 0, world_size + 1, is_master=True, wait_for_workers=False,
                           timeout=timedelta(seconds=timeout))
     results: mp.Queue = ctx.Queue()
-    procs = [ctx.Process(target=_rank_main, args=(fn, r, world_size, store.port, timeout, results, args),
-                         name=f"rank{r}", daemon=True) for r in range(world_size)]
+    procs = [processes.process(ctx, _rank_main, (fn, r, world_size, store.port, timeout, results, args),
+                               name=f"rank{r}", daemon=True) for r in range(world_size)]
     outcomes: dict[int, tuple[str, str]] = {}
     deadline = time.monotonic() + timeout
 

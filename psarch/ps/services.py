@@ -1,8 +1,9 @@
 """Start the parameter servers of a local run, watch them, gather what they measured, stop them.
 
-The launcher calls `start_services(cfg, out_dir)` before it spawns the workers and hands
-`services.info` (a psarch.records.ServiceInfo: addresses, credentials) to every rank. Each server is a spawned process (or, for tests,
-a thread) that talks to the launcher over a pipe carrying JSON and raw bytes only (no pickle):
+The launcher calls `start_services(cfg, out_dir)` before it starts the workers and hands `services.info` (a
+psarch.records.ServiceInfo: addresses, credentials) to every rank. Each server is a process of its own
+(psarch.launch.processes; or, for tests, a thread) that talks to the launcher over a pipe carrying JSON and raw
+bytes only (no pickle):
 "ready"/"failed"/"stats" events one way, "lost"/"stats"/"stop" commands the other. `check()` raises
 when a server failed (e.g. a sync timeout naming the missing worker) or died; `finish()` returns the
 servers' traffic, memory and staleness for summary.json and writes model.pt from the servers' final
@@ -29,6 +30,7 @@ from psarch.checkpoint.finetune import starts_from_base
 from psarch.checkpoint.start import CHECKPOINTS
 from psarch.cluster.placement import Loopback, Placement
 from psarch.config import Config, ConfigError, from_dict
+from psarch.launch import processes
 from psarch.launch.lifecycle import die_with_parent
 from psarch.ps.auth import KEYGEN_HINT, AuthError, Credentials, check_folder, mechanism, remove, run_credentials
 from psarch.ps.errors import ServiceError
@@ -98,7 +100,7 @@ class LocalServers(Services):
         self.dead: dict[int, str] = {}   # backend.replicas: servers that died while their partitions live on
         self.conns, self.workers = [], []
         where = where or Loopback()   # an emulated cluster puts each server on its own node
-        ctx = mp.get_context("spawn")
+        ctx = where.context()
         # backend.host, not a node's address: an emulated cluster's network exists only inside this run's
         # namespaces, as private as loopback, so auth = "auto" keeps PLAIN there.
         # The folder's path travels (spawn args, services info), never a secret: each process reads its own
@@ -112,8 +114,8 @@ class LocalServers(Services):
                                               args=(i, cfg.to_dict(), host, child, None, build_model,
                                                     creds.to_dict(), ckpts, begin))
                 else:
-                    w = ctx.Process(target=_server_main, name=f"psarch-server{i}",
-                                    args=(i, cfg.to_dict(), host, child, 1, build_model, creds.to_dict(), ckpts, begin))
+                    w = processes.process(ctx, _server_main, (i, cfg.to_dict(), host, child, 1, build_model,
+                                                              creds.to_dict(), ckpts, begin), name=f"psarch-server{i}")
                 with where.node("server", i):
                     w.start()
                 if not threads:
