@@ -23,7 +23,7 @@ def test_column_blocks_reassemble_into_any_range_and_fill_any_other_split(tmp_pa
         block = weight[:, 2 * r:2 * r + 2].contiguous()
         write_part(Pieces([Fragment("w", (5, 6), 2 * r, {PARAM: block.view(-1), "sum": (2 * block).view(-1)},
                                     columns=(2 * r, 2 * r + 2))], {"w": (5, 6)}), tmp_path, f"rank{r}")
-    merge(tmp_path, [f"rank{r}" for r in range(ranks)], 1, {}, {"w": (5, 6)}, {})
+    merge(tmp_path, [f"rank{r}" for r in range(ranks)], 1, {}, {"w": (5, 6)}, {}, ranks)
     ckpt = Checkpoint(tmp_path)
     ckpt.verify()
     assert [e["columns"] for e in ckpt.meta["fragments"] if e["key"] == PARAM] == [[0, 2], [2, 4], [4, 6]]
@@ -54,7 +54,7 @@ def test_a_bad_column_block_is_refused_in_one_line(tmp_path, edit, says):
     write_part(Pieces([Fragment("w", (4, 6), 0, {PARAM: weight[:, :2].reshape(-1)}, columns=(0, 2)),
                        Fragment("w", (4, 6), 2, {PARAM: weight[:, 2:].reshape(-1)}, columns=(2, 6))],
                       {"w": (4, 6)}), tmp_path, "rank0")
-    merge(tmp_path, ["rank0"], 1, {}, {"w": (4, 6)}, {})
+    merge(tmp_path, ["rank0"], 1, {}, {"w": (4, 6)}, {}, 1)
     meta = json.loads((tmp_path / "metadata.json").read_text())
     meta["fragments"][1].update(edit)
     (tmp_path / "metadata.json").write_text(json.dumps(meta))

@@ -77,3 +77,27 @@ def test_a_workers_dropped_connection_is_said_once_per_why(capsys):
         conns.close()
         router.close()
         ctx.term()
+
+
+def test_a_connection_past_the_cap_is_dropped_and_said(capsys):
+    ctx = zmq.Context()
+    router = ctx.socket(zmq.ROUTER)
+    router.linger = 0
+    router.bind("tcp://127.0.0.1:0")
+    addr = router.getsockopt(zmq.LAST_ENDPOINT).decode()
+    conns = Connections(router, lambda: 2**20, 0.0, Caps(total=1, per_worker=1, pending=64, prove_s=5.0),
+                        name="server 0")
+    peers: list[zmq.Socket] = []
+    try:
+        _, first = _first_message(ctx, router, addr, b"a", peers)
+        assert conns.received(first)
+        _, second = _first_message(ctx, router, addr, b"b", peers)
+        assert not conns.received(second)   # over backend.max_connections = 1: ignored, its connection shut
+        assert conns.dropped["over_cap"] == 1
+        assert capsys.readouterr().err.startswith("server 0: shut down a worker's connection (past a connection cap)")
+    finally:
+        for peer in peers:
+            peer.close()
+        conns.close()
+        router.close()
+        ctx.term()

@@ -105,7 +105,7 @@ def test_strided_fragments_reassemble_into_any_range_and_any_other_stride(tmp_pa
         shard = table[s::servers].clone()
         write_part(Pieces([Fragment("t", (7, 3), s * 3, {PARAM: shard.view(-1), "sum": (2 * shard).view(-1)},
                                     row_stride=servers)], {"t": (7, 3)}), tmp_path, f"server{s}")
-    merge(tmp_path, [f"server{s}" for s in range(servers)], 1, {}, {"t": (7, 3)}, {})
+    merge(tmp_path, [f"server{s}" for s in range(servers)], 1, {}, {"t": (7, 3)}, {}, 0)
     ckpt = Checkpoint(tmp_path)
     ckpt.verify()
     flat = table.view(-1)
@@ -130,7 +130,7 @@ def test_a_bad_strided_fragment_is_refused_in_one_line(tmp_path, edit, says):
     table = torch.randn(4, 3)
     write_part(Pieces([Fragment("t", (4, 3), 0, {PARAM: table.view(-1)}, row_stride=1)], {"t": (4, 3)}),
                tmp_path, "server0")
-    merge(tmp_path, ["server0"], 1, {}, {"t": (4, 3)}, {})
+    merge(tmp_path, ["server0"], 1, {}, {"t": (4, 3)}, {}, 0)
     meta = json.loads((tmp_path / "metadata.json").read_text())
     meta["fragments"][0].update(edit)
     (tmp_path / "metadata.json").write_text(json.dumps(meta))

@@ -29,7 +29,7 @@ def load(folder: Path) -> dict:
             "final_loss": s.get("final_loss"), "ended_at_s": s.get("ended_at_s"), "stopped_at_s": s.get("stopped_at_s"),
             "d": s.get("dilation") or s.get("virtual_device", {}).get("dilation", 1.0), "timeout_s": cfg["backend"].get("timeout_s"),
             "step_time_s": s.get("step_time_s"), "faults": s.get("faults", []), "worlds": s.get("worlds", []),
-            "failure_cost": s.get("failure_cost"), "startup_probe_s": s.get("startup_probe_s"), "step_times": {r["step"]: r["step_time_s"] for r in rows},
+            "failure_cost": s.get("failure_cost"), "step_times": {r["step"]: r["step_time_s"] for r in rows},
             "lost_workers": [w["rank"] for w in s.get("lost_workers", [])], "wall_s": s.get("cluster", {}).get("wall_s")}
 
 
@@ -80,7 +80,7 @@ def collective_row(p: dict, base: dict | None) -> tuple[str, dict]:
            f"{p['final_loss']:.4f} \\| {loss(base)} ({same_model(p, base)}) |")
     return row, {"label": p["label"], "every": p["every"], "goodput": c["goodput_steps_per_s"], "time_lost_s": m,
                  "time_lost_predicted_s": q, "first_world_model_s": old,
-                 "startup_probe_s": p["startup_probe_s"], "mean_time_lost_predicted_s": c["mean_time_lost_predicted_s"],
+                 "mean_time_lost_predicted_s": c["mean_time_lost_predicted_s"],
                  "restart": r, "worlds": p["worlds"], "final_loss": p["final_loss"], "d": p["d"],
                  "model_vs_no_fault": same_model(p, base),
                  "wall_s": p["wall_s"]}

@@ -94,7 +94,8 @@ def save(pieces: Pieces, ctx: DistContext, root: Path, step: int, config: dict[s
     _barrier(ctx)
     if ctx.rank == 0:
         state = dict(pieces.state, services=[part_state(tmp, p) for p in others]) if others else pieces.state
-        merge(tmp, [f"rank{r}" for r in range(ctx.world_size)] + others, step, config, pieces.params, state)
+        merge(tmp, [f"rank{r}" for r in range(ctx.world_size)] + others, step, config, pieces.params, state,
+              ctx.world_size)
         publish(tmp, final, keep)
     _barrier(ctx)  # no rank reports the checkpoint written before it is
     return final
@@ -157,9 +158,10 @@ def part_state(folder: Path, part: str) -> dict[str, Any]:
 
 
 def merge(folder: Path, parts: list[str], step: int, config: dict[str, Any], shapes: dict[str, tuple[int, ...]],
-          state: dict[str, Any]) -> None:
+          state: dict[str, Any], world_size: int) -> None:
     """metadata.json from the parts' indices, after checking every parameter is covered exactly once; files
-    in the folder that no part wrote (an earlier attempt's) are removed."""
+    in the folder that no part wrote (an earlier attempt's) are removed. `world_size`: the ranks that wrote it (its
+    parts may hold services' too: a PS's, the hybrid's servers)."""
     files, scalars, generators = {}, {}, {}
     entries: list[FragmentEntry] = []
     for name in parts:
@@ -183,7 +185,7 @@ def merge(folder: Path, parts: list[str], step: int, config: dict[str, Any], sha
         if covered.get(name) != p["numel"]:  # a backend's fragments overlap or leave a gap: its bug, say so
             raise RuntimeError(f"checkpoint step {step}: parameter {name!r} has {covered.get(name, 0)} of "
                                f"{p['numel']} elements written")
-    meta = {"format": FORMAT, "version": VERSION, "step": step, "world_size": len(parts),
+    meta = {"format": FORMAT, "version": VERSION, "step": step, "world_size": world_size,
             "state_keys": sorted(k for k in keys - {PARAM} if not private(k)), "params": params, "files": files,
             "state": state, "rng": generators,
             "config": config, "fragments": entries}

@@ -2,8 +2,9 @@
 measured from the launcher's records (faults[], restarts[], worlds[], ended_at_s) and the steps' times, beside
 psarch.theory.failures' prediction. The prediction uses only what the first world measured before any failure
 (its launch to first step, the start-up, and its median step time) and the launcher's own waits (detection: a
-tick, and for a killed worker the grace it gives the peers' errors). A probe of one rank's start-up taken before
-the run was tried instead of the first world's and put every restart 25-58% short (experiments/failures/README.md). A world restarted at another size (shrink: N - 1) steps at
+tick, and for a killed worker the grace it gives the peers' errors). (A probe of one rank's start-up taken before
+the run, tried instead of the first world's, left out most of what a world's start-up is: the other ranks, their
+rendezvous and process groups, the checkpoint read.) A world restarted at another size (shrink: N - 1) steps at
 the first world's step times the step simulator's ratio of its step at that size to its step at the first world's
 (`step_at`: theory.world_step, the global batch kept), in its recomputation and in the predicted goodput."""
 from __future__ import annotations

@@ -2,8 +2,9 @@
 forkserver that imported torch once, so a child starts in a fraction of a second instead of importing torch again
 (two to four CPU-s per process on a small machine).
 
-A child started here gets what a spawned one got: the launcher's environment as it is at start() (the
-forkserver's own is the one it started with), its standard output and error as they are then (a redirected
+A child started here gets what a spawned one got: the launcher's environment as it is at start() (set before its
+target's module is imported; what torch read at its import, such as OMP_NUM_THREADS or TORCH_CPP_LOG_LEVEL, is the
+environment the forkserver started with, once a launcher), its standard output and error as they are then (a redirected
 run, pytest's capture), its working folder and sys.path (multiprocessing sends those), and a parent that ends
 with the launcher (psarch.launch.lifecycle.die_with_parent). The forkserver only imports: no ZeroMQ context, no
 process group and no CUDA context (torch's import starts none), so a fork of it holds none either; the one thread
@@ -15,7 +16,7 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
-from multiprocessing import reduction
+from multiprocessing import forkserver, reduction
 from multiprocessing.context import BaseContext
 from multiprocessing.process import BaseProcess
 from typing import Any, Callable
@@ -32,6 +33,13 @@ def context() -> BaseContext:
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(list(PRELOAD))
     return ctx
+
+
+def start_server() -> None:
+    """Start the forkserver now, its imports (seconds) with it, so that no world's start-up pays for them: the first
+    world's would, and a restart's, found it running, would be predicted from it (psarch.launch.failure_cost)."""
+    context()
+    forkserver.ensure_running()
 
 
 def spawn() -> BaseContext:

@@ -73,6 +73,8 @@ def run(cfg: Config, out: str | Path | None = None, echo: bool = True, resume: b
     restarts: list[Restart] = []
     faulted = Summary(faults=struck, **({"restarts": restarts} if cfg.faults.restart != "none" else {})) \
         if faults(cfg) else Summary()
+    if not ranks_cfg.cluster.emulate and (spec.processes(ranks_cfg) > 1 or spec.service_nodes(ranks_cfg)):
+        processes.start_server()   # before the first world's clock starts (an emulated cluster spawns its ranks)
     t0, d = time.monotonic(), dilation(ranks_cfg)
     faulted["worlds"] = []   # each world's launch and first step (psarch/launch/worlds.py)
     faulted["dilation"] = d   # kept where a run fails too: its times (the worlds', the faults') are wall clock / d

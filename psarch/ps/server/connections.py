@@ -60,8 +60,7 @@ PER_PARTITION = 1024  # bytes each way of one partition's messages beyond its el
 # why a connection was shut down, as its worker's line says it (`dropped` counts them by these keys)
 WHY = {"unread": "replies not read past the in-flight budget (backend.inflight_mb)",
        "inflight": "a message unfinished past the in-flight budget (backend.inflight_mb)",
-       "frames": "a message of too many frames", "over_cap": "past a connection cap",
-       "pending": "pending past the cap"}
+       "frames": "a message of too many frames", "over_cap": "past a connection cap"}   # (pending ones: no worker)
 _FAILED = zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL | zmq.EVENT_HANDSHAKE_FAILED_AUTH
 _EVENTS = zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED | zmq.EVENT_HANDSHAKE_SUCCEEDED | _FAILED
 ZMQ_ZERO_COPY_RECV = 10   # a context option of libzmq's (zmq.h lists it as a draft; pyzmq names it not)
@@ -249,6 +248,7 @@ class Connections:
                     times.pop(0)
                 held = self._held(time.monotonic())
                 if sum(held.values()) >= self.caps.total or (user and held[user] >= self.caps.per_worker):
+                    conn.user = user   # named in the drop's line (a dropped connection holds no slot)
                     self._drop(fd, conn, "over_cap")
                     return False
                 conn.user = user
@@ -257,6 +257,8 @@ class Connections:
     def drop_sender(self, frame: Any, why: str) -> None:
         """Shut down the connection a message (its routing id frame `frame`) came on."""
         fd = frame.get(zmq.SRCFD) if hasattr(frame, "get") else -1
+        if fd >= 0 and frame.bytes not in self.fds:
+            self._events()   # a first message: its descriptor's earlier connection's close first, as in received()
         with self.lock:
             conn = self.conns.setdefault(fd, Connection(time.monotonic())) if fd >= 0 else None
             if conn is not None:

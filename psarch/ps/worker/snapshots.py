@@ -62,7 +62,7 @@ def write(w: PSWorker, root: Path, step: int, config: dict[str, Any], keep: int,
         scaler = next((records[p]["scaler"] for p in servers + workers if "scaler" in records[p]), None)
         state = {"ps": {"run": run_shape(w.cfg, w.flat.numel), "servers": [records[p] for p in servers],
                         "workers": [records[p] for p in workers]}, **({"scaler": scaler} if scaler else {})}
-        merge(tmp, workers + servers, step, config, part.params, state)
+        merge(tmp, workers + servers, step, config, part.params, state, w.n)
         publish(tmp, final, keep)
     return final
 
