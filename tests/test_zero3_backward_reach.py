@@ -155,3 +155,20 @@ def test_backward_reaches_the_units_a_real_backward_reaches(case):
         if u.params:
             assert any(p.grad is not None for p in u.params) == real[i], (case, u.name)
     assert forward_order(cfg) == ended + [0]
+
+
+def test_fsdp2s_program_takes_the_units_in_forward_order(monkeypatch):
+    """FSDP2 prefetches the unit after a unit in forward's order: its program lists the units in that order (the
+    root first), not in the order they were registered, where the two differ (a model whose forward runs its
+    blocks in another order than it registers them)."""
+    from zero import spec, theory
+    cfg = _config({})
+    sizes = theory.unit_sizes(cfg)
+    assert len(sizes) >= 3
+    registered = spec._units(cfg)[0]
+    assert registered == [s for s in sizes if s[0] or s[1]]
+    ran = list(reversed(range(1, len(sizes))))   # the blocks' forwards in the reverse of their registration
+    monkeypatch.setattr(theory, "forward_order", lambda c: ran + [0])
+    expected = [sizes[0]] + [sizes[i] for i in ran if sizes[i][0] or sizes[i][1]]
+    assert spec._units(cfg, in_forward_order=True)[0] == expected
+    assert spec._units(cfg)[0] == registered   # psarch's own ZeRO-3 gathers in registration order

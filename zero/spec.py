@@ -181,18 +181,24 @@ class TorchFSDPSpec(BackendSpec):
         from zero.program import stage3_program
 
         width = BYTES[cfg.train.precision]
-        sizes, reached = _units(cfg)
+        sizes, reached = _units(cfg, in_forward_order=True)
         trains = sum(t for t, _ in sizes) or 1
         return stage3_program(cfg.backend.world_size, [phi * width * t / trains for t, _ in sizes], step, reduced,
                               prefetch=1, keep_first=True, frozen=[width * f for _, f in sizes],
                               grad_share=theory.gradient_width(cfg) / width, reached=reached)
 
 
-def _units(cfg: Config) -> tuple[list[tuple[int, int]], list[bool]]:
-    """The model's units that hold a parameter (the root always), as (trainable, frozen) sizes, and whether
-    backward reaches each (theory.unit_sizes, theory.backward_reaches)."""
-    kept = [(size, r) for i, (size, r) in enumerate(zip(theory.unit_sizes(cfg), theory.backward_reaches(cfg)))
-            if i == 0 or size[0] or size[1]]
+def _units(cfg: Config, in_forward_order: bool = False) -> tuple[list[tuple[int, int]], list[bool]]:
+    """The model's units that hold a parameter (the root always, first), as (trainable, frozen) sizes, and whether
+    backward reaches each (theory.unit_sizes, theory.backward_reaches); in the order they are registered, or
+    (in_forward_order: FSDP2 prefetches by it) the order their forwards run in (theory.forward_order; a unit that
+    never runs last)."""
+    sizes, reached = theory.unit_sizes(cfg), theory.backward_reaches(cfg)
+    order = list(range(len(sizes)))
+    if in_forward_order:
+        ran = [i for i in theory.forward_order(cfg) if i]
+        order = [0] + ran + [i for i in order[1:] if i not in ran]
+    kept = [(sizes[i], reached[i]) for i in order if i == 0 or sizes[i][0] or sizes[i][1]]
     return [size for size, _ in kept], [r for _, r in kept]
 
 
