@@ -17,7 +17,7 @@ from psarch.config import from_dict
 from psarch.ps import auth, wire
 from psarch.ps.auth import Credentials
 from psarch.ps.layout import initial_flat
-from psarch.ps.server.connections import FRAME_COST, framing
+from psarch.ps.server.tcp_bytes import FRAME_COST, framing
 from psarch.ps.server.parameter_server import ParameterServer
 from psarch.ps.services import start_services
 from ps_setup import config, ps

@@ -126,7 +126,7 @@ def test_the_default_budget_holds_two_partitioned_exchanges():
     its frames' framing. Counting two headers an exchange, as before partitions, a server of 2^20 elements in
     64-element partitions held 9.25 MiB of budget against 15.5 MiB of two exchanges of its own workers' pushes."""
     from psarch.ps.layout import partitions
-    from psarch.ps.server.connections import exchange_budget, framing
+    from psarch.ps.server.tcp_bytes import exchange_budget, framing
     n, big = 2**20, 10**6
     flat, parts = torch.zeros(n), partitions(0, n, 64)
 

@@ -31,6 +31,8 @@ the workers (backend.server_placement).
         start.py             a run's server holding its part of the initial model (dense range; rows' shard)
         state.py             ServerState: what the parts share (and the config's facts, as properties); Partition
         replies.py           replies and errors on the socket, events on the launcher's pipe, failing
+        connections.py       every connection: who it is, the caps, the watchdog that drops one past its budget
+        tcp_bytes.py         what one connection holds in flight, as ZeroMQ holds it; the default budget
         pushes.py            init, push, pushpull, fetch; the end of a barrier round
         pulls.py             the pulls waiting until the mode lets a worker have the parameters
         rounds.py            a barrier round's sum in worker order (bit-identical rounds)

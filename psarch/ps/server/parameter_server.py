@@ -56,7 +56,8 @@ from psarch.ps.errors import PSError, WorkerLost
 from psarch.ps.layout import gather, held, held_partitions, server_partitions
 from psarch.ps.partitions import replicas
 from psarch.ps.server.commits import Commits
-from psarch.ps.server.connections import Caps, Connections, copy_received_frames, exchange_budget
+from psarch.ps.server.connections import Caps, Connections
+from psarch.ps.server.tcp_bytes import copy_received_frames, exchange_budget
 from psarch.ps.server.deadlines import Deadlines
 from psarch.ps.server.readmit import Readmissions
 from psarch.ps.server.libc import seed_routing_ids
@@ -290,7 +291,7 @@ class ParameterServer:
     def inflight_budget(self) -> int:
         """Bytes one connection may have in flight each way (connections.py): backend.inflight_mb, or twice the
         largest exchange of a worker with this server, every partition of its range in flight
-        (connections.exchange_budget); 2 GiB while a server started without parameters waits for `init`."""
+        (tcp_bytes.exchange_budget); 2 GiB while a server started without parameters waits for `init`."""
         b, s = self.state.cfg.backend, self.state
         if b.inflight_mb:
             return int(b.inflight_mb * 2**20)
