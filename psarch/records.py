@@ -209,8 +209,7 @@ class RestartCost(TypedDict):
 
     kill_step: int           # the step the world's first kill struck as it began
     detection_s: float | None   # the kill's at_s to the launcher finding the world stopped (Restart.stopped_at_s)
-    detection_predicted_s: float   # the launcher's poll interval (lifecycle.TICK_S), and for a killed worker its
-                                   # wait for the peers' errors (lifecycle.ECHO_GRACE_S, at most), ÷ D
+    detection_predicted_s: float   # the launcher's poll interval (lifecycle.TICK_S) in the cluster's time
     relaunch_s: float | None    # stopped_at_s to the next world's launch (Restart.at_s): teardown, checkpoint
                                 # found (not predicted)
     startup_s: float | None     # the next world's launch to its first step (World)

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from psarch.launch.failure_cost import detection_predicted, failure_cost, report_lines
-from psarch.launch.lifecycle import ECHO_GRACE_S, TICK_S
+from psarch.launch.failure_cost import failure_cost, report_lines
+from psarch.launch.lifecycle import TICK_S
 from psarch.theory.failures import mean_steps_lost, steps_lost, time_lost
 
 
@@ -62,38 +62,26 @@ def test_each_restart_is_costed_from_the_kill_that_ended_its_world():
     lines = report_lines(c)
     assert lines[0].startswith("goodput         2.50 | predicted ") and " steps/s over 4.00 s" in lines[0]
     assert len(lines) == 3
-    assert "kill at step 5: time lost 1.130 s | predicted 2.560 s" in lines[1] and "steps lost 1 | predicted 1" in lines[1]
+    assert "kill at step 5: time lost 1.130 s | predicted 0.560 s" in lines[1] and "steps lost 1 | predicted 1" in lines[1]
 
 
-GRACE = TICK_S + ECHO_GRACE_S   # a killed worker: seen within a tick, then its peers' errors waited for
-
-
-def test_a_restart_is_predicted_from_the_first_world_and_the_launchers_waits():
-    """Start-up and step time predicted from the first world's launch to first step (0.5 s) and its median step
-    time (0.04 s), detection from the launcher's tick and its grace for the peers' errors; measured from the
-    restarted world's own."""
+def test_a_restart_is_predicted_from_the_first_world_alone():
+    """Start-up, step time and detection predicted from the first world's launch to first step (0.5 s), its
+    median step time (0.04 s) and the launcher's poll interval; measured from the restarted world's own."""
     c = failure_cost(_two_restarts(), 2, {k: 0.01 for k in range(10)})
     first, second = c["restarts"]
     assert first["startup_s"] == 0.6 and second["startup_s"] == 0.4
     assert first["startup_predicted_s"] == second["startup_predicted_s"] == 0.5
-    assert first["detection_predicted_s"] == GRACE and first["recompute_predicted_s"] == 0.04
+    assert first["detection_predicted_s"] == TICK_S and first["recompute_predicted_s"] == 0.04
     assert first["time_lost_s"] == pytest.approx(0.25 + 0.25 + 0.6 + 0.01)
-    assert first["time_lost_predicted_s"] == pytest.approx(GRACE + 0.5 + 0.04)
+    assert first["time_lost_predicted_s"] == pytest.approx(TICK_S + 0.5 + 0.04)
     assert second["time_lost_s"] is None   # the launcher never found the second world stopped: no detection
-    assert c["mean_time_lost_predicted_s"] == pytest.approx(GRACE + 0.5 + 0.5 * 0.04)
+    assert c["mean_time_lost_predicted_s"] == pytest.approx(TICK_S + 0.5 + 0.5 * 0.04)
     # predicted wall: start-up 0.5, steps 0-4 at 0.04, then per restart detection + start-up, and steps 4-6, 6-9
-    wall = 0.5 + 5 * 0.04 + 2 * (GRACE + 0.5) + (7 - 4) * 0.04 + (10 - 6) * 0.04
+    wall = 0.5 + 5 * 0.04 + 2 * (TICK_S + 0.5) + (7 - 4) * 0.04 + (10 - 6) * 0.04
     assert c["goodput_predicted_steps_per_s"] == pytest.approx(10 / wall)
     dilated = failure_cost(dict(_two_restarts(), virtual_device={"dilation": 4.0}), 2, {})
-    assert dilated["restarts"][0]["detection_predicted_s"] == pytest.approx(GRACE / 4)   # the cluster's time
-
-
-def test_only_a_killed_workers_detection_waits_for_its_peers_errors():
-    """The grace is the launcher's clock (not stretched by D): ÷ D in the cluster's time; a server's death is raised
-    by the services' check at once, one tick."""
-    assert detection_predicted("worker 2", 32.0) == pytest.approx((TICK_S + ECHO_GRACE_S) / 32, abs=1e-6)
-    assert detection_predicted("server 1", 32.0) == pytest.approx(TICK_S / 32, abs=1e-6)
-    assert detection_predicted("worker 0", 1.0) > ECHO_GRACE_S
+    assert dilated["restarts"][0]["detection_predicted_s"] == pytest.approx(TICK_S / 4)   # the cluster's time
 
 
 def test_a_world_is_read_from_its_ranks_marks_and_streams(tmp_path):
@@ -135,11 +123,11 @@ def test_a_shrunk_world_is_predicted_at_its_own_step():
     replaced, shrunk = runs["replace"]["restarts"][0], runs["shrink"]["restarts"][0]
     assert replaced["step_predicted_s"] == 0.04 and shrunk["step_predicted_s"] == pytest.approx(0.06)
     assert shrunk["recompute_predicted_s"] == pytest.approx(0.06) and replaced["recompute_predicted_s"] == 0.04
-    assert shrunk["time_lost_predicted_s"] == pytest.approx(GRACE + 0.5 + 0.06)
-    wall = 0.5 + 5 * 0.04 + GRACE + 0.5 + (10 - 4) * 0.06
+    assert shrunk["time_lost_predicted_s"] == pytest.approx(TICK_S + 0.5 + 0.06)
+    wall = 0.5 + 5 * 0.04 + TICK_S + 0.5 + (10 - 4) * 0.06
     assert runs["shrink"]["goodput_predicted_steps_per_s"] == pytest.approx(10 / wall)
     assert runs["shrink"]["goodput_predicted_steps_per_s"] < runs["replace"]["goodput_predicted_steps_per_s"]
-    assert runs["shrink"]["mean_time_lost_predicted_s"] == pytest.approx(GRACE + 0.5 + 0.5 * 0.06)
+    assert runs["shrink"]["mean_time_lost_predicted_s"] == pytest.approx(TICK_S + 0.5 + 0.5 * 0.06)
     # no program at N - 1: not predicted, rather than predicted at N's step
     unknown = _shrunk_once(lambda n: None)["shrink"]
     assert unknown["restarts"][0]["step_predicted_s"] is None and unknown["goodput_predicted_steps_per_s"] is None

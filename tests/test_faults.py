@@ -18,8 +18,8 @@ from ps_setup import config, ps
 from psarch.config import ConfigError, from_dict
 from psarch.config.faults import faults, holds
 from psarch.errors import RunError
-from psarch.launch.failure_cost import detection_predicted
 from psarch.launch.faults import restarts_due
+from psarch.launch.lifecycle import TICK_S
 from psarch.launch.ranks import run
 from psarch.ps.errors import ServiceError
 from test_ps_faults import _children
@@ -291,7 +291,7 @@ def test_a_replaced_sgd_run_ends_bit_for_bit_with_the_model_of_the_uninterrupted
     assert cost["time_lost_s"] == us(cost["detection_s"] + cost["relaunch_s"] + cost["startup_s"] + step4, abs=5e-6)
     probe = us(first["first_step_at_s"] - first["launched_at_s"], abs=2e-6)
     assert cost["startup_predicted_s"] == probe
-    assert cost["detection_predicted_s"] == us(detection_predicted("worker 1", summary["dilation"]), abs=1e-6)
+    assert cost["detection_predicted_s"] == us(TICK_S / summary["dilation"], abs=1e-6)
     assert cost["time_lost_predicted_s"] == us(cost["detection_predicted_s"] + cost["startup_predicted_s"]
                                                + first["step_time_s"], abs=5e-6)
     assert [json.loads(x)["step"] for x in (out / "metrics.jsonl").read_text().splitlines()] == list(range(8))

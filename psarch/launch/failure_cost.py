@@ -1,17 +1,18 @@
 """summary.json's `failure_cost`: what each restart (faults.restart = "replace" or "shrink") cost a finished run,
 measured from the launcher's records (faults[], restarts[], worlds[], ended_at_s) and the steps' times, beside
-psarch.theory.failures' prediction. The prediction uses only what the first world measured before any failure
-(its launch to first step, the start-up, and its median step time) and the launcher's own waits (detection: a
-tick, and for a killed worker the grace it gives the peers' errors). (A probe of one rank's start-up taken before
-the run, tried instead of the first world's, left out most of what a world's start-up is: the other ranks, their
-rendezvous and process groups, the checkpoint read.) A world restarted at another size (shrink: N - 1) steps at
-the first world's step times the step simulator's ratio of its step at that size to its step at the first world's
-(`step_at`: theory.world_step, the global batch kept), in its recomputation and in the predicted goodput."""
+psarch.theory.failures' prediction. The prediction uses only what the first world measured before any failure:
+its launch to first step (the start-up), its median step time, and the launcher's poll interval (detection). A
+world restarted at another size (shrink: N - 1) steps at the first world's step times the step simulator's ratio
+of its step at that size to its step at the first world's (`step_at`: theory.world_step, the global batch kept),
+in its recomputation and in the predicted goodput. Detection is the lower bound, a tick: a killed worker's world
+stops once its peers have failed too, which the launcher waits for up to lifecycle.ECHO_GRACE_S, but they
+usually exit far sooner, and how soon depends on this machine's load, which nothing before the failure shows
+(the grace as the prediction, and a probe of one rank's start-up, were tried: experiments/failures/README.md)."""
 from __future__ import annotations
 
 from typing import Callable
 
-from psarch.launch.lifecycle import ECHO_GRACE_S, TICK_S
+from psarch.launch.lifecycle import TICK_S
 from psarch.records import FailureCost, RestartCost, Summary
 from psarch.theory import failures
 
@@ -27,13 +28,13 @@ def failure_cost(s: Summary, checkpoint_every: int, step_times: dict[int, float]
     kills = [f for f in s["faults"] if f["action"] == "kill"]   # in the order struck
     worlds = s.get("worlds") or []
     d = s.get("dilation") or s.get("virtual_device", {}).get("dilation", 1.0)
+    detection_pred = round(TICK_S / d, 6)
     startup_pred = _startup(worlds[0]) if worlds else None
     step_pred = _step_predicted(worlds, step_at)
     costs: list[RestartCost] = []
     before = 0   # the kills struck before this restart's world (the previous restart's count)
     for i, r in enumerate(s["restarts"]):
         first = kills[before]   # the kill that ended this world
-        detection_pred = detection_predicted(first["node"], d)
         stopped = r["stopped_at_s"]
         detection = round(stopped - first["at_s"], 6) if stopped is not None else None
         relaunch = round(r["at_s"] - stopped, 6) if stopped is not None else None
@@ -53,24 +54,13 @@ def failure_cost(s: Summary, checkpoint_every: int, step_times: dict[int, float]
     wall = s["ended_at_s"]
     step_time = s["step_time_s"]
     after = step_pred(s["restarts"][0]["world_size"]) if s["restarts"] else step_pred(None)
-    worker = detection_predicted("worker", d)   # a failure at a random step: a worker's, as the study's
     return {"wall_s": wall, "goodput_steps_per_s": s["steps"] / wall if wall > 0 else 0.0,
-            "goodput_predicted_steps_per_s": _goodput(s, costs, startup_pred, step_pred),
+            "goodput_predicted_steps_per_s": _goodput(s, costs, startup_pred, step_pred, detection_pred),
             "ideal_steps_per_s": 1 / step_time if step_time > 0 else 0.0, "checkpoint_every": checkpoint_every,
             "mean_steps_lost_predicted": failures.mean_steps_lost(checkpoint_every),
-            "mean_time_lost_predicted_s": _predicted(worker, startup_pred,
+            "mean_time_lost_predicted_s": _predicted(detection_pred, startup_pred,
                                                      failures.mean_steps_lost(checkpoint_every), after),
             "restarts": costs}
-
-
-def detection_predicted(node: str, d: float) -> float:
-    """A kill of `node` ("worker 2", "server 1") to the launcher finding the world stopped, predicted in the cluster's
-    time at dilation d: the launcher sees the exit within a tick (lifecycle.TICK_S); a worker's then stops the world
-    only after its peers' errors (supervise.watch waits up to lifecycle.ECHO_GRACE_S for them to name the cause;
-    peers that all exit sooner end the wait sooner: an upper bound), while a server's is raised by the services'
-    check at once. Both waits are this machine's clock, not stretched by D: ÷ D in the cluster's time."""
-    wait = TICK_S + (ECHO_GRACE_S if node.startswith("worker") else 0.0)
-    return round(wait / d, 6)
 
 
 def _step_predicted(worlds: list, step_at: StepAt | None) -> Callable[[int | None], float | None]:
@@ -88,11 +78,11 @@ def _step_predicted(worlds: list, step_at: StepAt | None) -> Callable[[int | Non
 
 
 def _goodput(s: Summary, costs: list[RestartCost], startup: float | None,
-             step_at: Callable[[int | None], float | None]) -> float | None:
-    """Steps over the predicted wall time: the first world's start-up (each world's), each world's steps at
-    its predicted step (the first from step 0 to its kill, each restarted one from the checkpoint before that kill
-    to the next kill or the end), and each restart's predicted detection (theory.failures.time_lost's parts; the
-    relaunch is not predicted). None where a part is not predicted."""
+             step_at: Callable[[int | None], float | None], detection: float) -> float | None:
+    """Steps over the predicted wall time: the first world's start-up, each world's steps at its predicted step (the
+    first from step 0 to its kill, each restarted one from the checkpoint before that kill to the next kill or the
+    end), and each restart's detection and start-up (theory.failures.time_lost's parts; the relaunch is not
+    predicted). None where a part is not predicted."""
     if startup is None:
         return None
     wall, begin, size = startup, 0, None
@@ -100,7 +90,7 @@ def _goodput(s: Summary, costs: list[RestartCost], startup: float | None,
         step = step_at(size)
         if step is None:
             return None
-        wall += (c["kill_step"] - begin) * step + c["detection_predicted_s"] + startup
+        wall += (c["kill_step"] - begin) * step + detection + startup
         begin, size = c["kill_step"] - c["steps_lost_predicted"], c["world_size"]
     last = step_at(size)
     if last is None:
