@@ -5,7 +5,7 @@ Each follows torch's DDP communication hook of the same name where torch has one
 psarch's ddp and torch_ddp with the hook train the same model (tests/test_compression.py):
 - fp16/bf16 (torch's fp16_compress_hook): cast, divide by N, all-reduce in 2 bytes, cast back;
 - PowerSGD (torch's powerSGD_hook): add the error of the last step, view each tensor as n x m (n its first
-  dimension) and factor those where that saves 2x (collective/theory.py's powersgd_plan), all-reduce the rest
+  dimension) and factor those where that saves 2x (collective/compression_theory.py's powersgd_plan), all-reduce the rest
   whole and P = M Q, orthonormalise P, all-reduce Q = M^T P, M ~ P Q^T / N; the error is what this rank had
   minus what all agreed on. Q is drawn once (seeded alike on every rank), then reused: the warm start;
 - top-k (no torch hook; DGC, Lin et al., ICLR '18): add the error, send the k largest |g| of the bucket as
@@ -22,7 +22,7 @@ import numpy as np
 import torch
 
 from collective.comm import Communicator, Handle
-from collective.theory import INDEX_BYTES, MIN_COMPRESSION_RATE
+from collective.compression_theory import INDEX_BYTES, MIN_COMPRESSION_RATE
 from psarch.theory import topk_k
 
 Finish = Callable[[], None]   # waits for a bucket's collectives and leaves its average in the gradient

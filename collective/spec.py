@@ -7,7 +7,7 @@ import fnmatch
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from collective import theory
+from collective import compression_theory, theory
 from psarch.backend import PROCESS_GROUP_OPTIONS, BackendSpec
 from psarch.config.backend import Buckets, Communicator, CoreBackendConfig, Overlap, PSServers
 from psarch.config.fields import option
@@ -43,15 +43,15 @@ def ddp_step(cfg: Config, phi: float, step: Any, reduced: bool, overlap: bool, c
     """The dense all-reduce's step program (collective/program.py): buckets of bucket_cap_mb in the order backward
     readies them (the flat buffer holds the parameters in reverse and is cut from its start, so the short bucket is
     the last); own_buckets (ddp): the trainer's own buckets where the config's model holds phi (theory.trainer_buckets:
-    a bucket closes at a parameter's edge), else cut at the cap from Φ alone; compressed: collective/theory.py's
+    a bucket closes at a parameter's edge), else cut at the cap from Φ alone; compressed: collective/compression_theory.py's
     compressed_program; embedding rows all-gathered (rows_program), row-sharded (sharded_program) or on PS servers
     (ps_tables_program)."""
     from collective.program import ddp_program
     from psarch.theory.program import chunks
 
     e = cfg.backend.embeddings
-    if cfg.train.compression != "none":   # as predict: theory.compressed, whatever the tables
-        return theory.compressed_program(cfg, step, overlap, reduced, chained)
+    if cfg.train.compression != "none":   # as predict: compression_theory.compressed, whatever the tables
+        return compression_theory.compressed_program(cfg, step, overlap, reduced, chained)
     if e != "dense":
         write = {"rows": theory.rows_program, "sharded": theory.sharded_program, "ps": theory.ps_tables_program}[e]
         return write(cfg, phi, step, overlap, reduced)
@@ -195,7 +195,7 @@ class DDPSpec(RingHops, PSTablesServices, BackendSpec):
     def predict(self, cfg: Config, phi: float) -> Prediction:
         e = cfg.backend.embeddings
         if cfg.train.compression != "none":
-            return theory.compressed(cfg, phi)
+            return compression_theory.compressed(cfg, phi)
         if e == "ps":
             return theory.ps_tables(cfg, phi)
         return theory.rows(cfg, phi) if e == "rows" else theory.sharded(cfg, phi) if e == "sharded" else \
@@ -240,7 +240,7 @@ class TorchDDPSpec(BackendSpec):
 
     def predict(self, cfg: Config, phi: float) -> Prediction:
         if cfg.train.compression != "none":   # torch's buckets differ from ddp's only by a few elements of padding
-            return theory.compressed(cfg, phi)
+            return compression_theory.compressed(cfg, phi)
         return theory.rows(cfg, phi, sparse_grads=True) if cfg.backend.embeddings == "rows" else \
             theory.replicated(cfg, phi)
 

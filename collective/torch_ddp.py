@@ -10,7 +10,7 @@ from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import bf16_compr
 from torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook import PowerSGDState, powerSGD_hook
 from torch.nn.parallel import DistributedDataParallel
 
-from collective.theory import MIN_COMPRESSION_RATE, compressed_bucket_bytes
+from collective.compression_theory import MIN_COMPRESSION_RATE, compressed_bucket_bytes
 
 from psarch.checkpoint import Checkpoint
 from psarch.checkpoint.fragments import Pieces, master_fragments, restore_optimizer, scaler_state, share_of
@@ -100,7 +100,7 @@ def register_compression(model: DistributedDataParallel, cfg: Config, group: Any
                          meter: TrafficMeter) -> PowerSGDState | None:
     """torch's own hook for train.compression (fp16_compress_hook, bf16_compress_hook, powerSGD_hook with the
     same rank, warm-up and seed as psarch's), wrapped to count each bucket's modelled bytes by
-    collective/theory.py's formula; the PowerSGD state, whose buffers are memory, where it is PowerSGD."""
+    collective/compression_theory.py's formula; the PowerSGD state, whose buffers are memory, where it is PowerSGD."""
     t, n = cfg.train, dist.get_world_size(group)
     state: Any = group
     hook: Callable[[Any, dist.GradBucket], torch.futures.Future[torch.Tensor]]

@@ -1,6 +1,6 @@
 """A compression's own work is in the step programs of the backends that compress: PowerSGD's products and
 orthonormalisations priced at the device's FLOP rate (peak x mfu), top-k's selection, memory-bound, at its memory
-bandwidth (collective/theory.py's compression_work, psarch/ps/theory.py's compressing_bytes). With the links all but
+bandwidth (collective/compression_theory.py's compression_work, psarch/ps/theory.py's compressing_bytes). With the links all but
 free, the simulated step of ddp (psarch's ring), torch_ddp (its PowerSGD hook) and the PS (top-k pushes) grows by
 exactly that work's time over the same program priced on a device of unknown rates (the work left out)."""
 from __future__ import annotations
@@ -10,7 +10,8 @@ import math
 
 import pytest
 
-from collective.theory import TOPK_PASSES, compression_work, ddp_bucket_shapes, powersgd_plan
+from collective.compression_theory import TOPK_PASSES, compression_work, powersgd_plan
+from collective.theory import ddp_bucket_shapes
 from psarch import registry
 from psarch.cluster.device import rates
 from psarch.config import from_dict
