@@ -79,7 +79,7 @@ def test_shards_written_as_fragments_read_back_as_the_full_model(tmp_path):
             frags = [f for f in frags if plan[f.name].dim is not None]
         write_part(Pieces(frags, shapes()), tmp_path, f"rank{r}")
         names.append(f"rank{r}")
-    merge(tmp_path, names, 3, {}, shapes(), {})
+    merge(tmp_path, names, 3, {}, shapes(), {}, len(names))
     ckpt = Checkpoint(tmp_path)
     ckpt.verify()
     assert any("columns" in e for e in ckpt.meta["fragments"])
