@@ -82,11 +82,17 @@ def init_rank(cfg: Config, rank: int, world_size: int, local_rank: int, local_wo
     return ctx
 
 
-def shutdown(ctx: DistContext) -> None:
+def shutdown(ctx: DistContext, destroy: bool = True) -> None:
+    """Leave the run's group once every rank is here (no rank tears its sockets down while a peer still talks
+    to it). A process that ends next with os._exit (lifecycle.leave) passes destroy=False and keeps its group:
+    destroying it just after the last step can run the group's destructor on one of gloo's own threads (one a
+    comm hook's callback ran on, still holding a reference), which then joins itself and aborts a process whose
+    work is done ("Resource deadlock avoided", torch 2.13)."""
     if ctx.distributed and dist.is_initialized():
-        dist.barrier(group=ctx.group)  # no rank tears its sockets down while a peer still talks to it
-        dist.destroy_process_group()
-        ctx.dist_backend = None
+        dist.barrier(group=ctx.group)
+        if destroy:
+            dist.destroy_process_group()
+            ctx.dist_backend = None
 
 
 def under_torchrun() -> bool:

@@ -16,12 +16,9 @@ alone is slower than gloo's own all-reduce, so no ring over it can match gloo th
 from __future__ import annotations
 
 import argparse
-import multiprocessing as mp
 import os
 import statistics
-import sys
 import time
-from datetime import timedelta
 from typing import Any, Sequence
 
 import torch
@@ -29,6 +26,7 @@ import torch.distributed as dist
 
 from collective.comm import posted
 from collective.communicators import make_communicator
+from psarch.launch.spawn import run_ranks
 
 DEFAULT_SIZES = tuple(4 ** k * 1024 for k in range(1, 9))  # 4 KiB ... 64 MiB
 RATIOS = (("ring", "native"), ("ring", "p2p"), ("p2p", "native"))  # time ratios, when both kinds ran
@@ -43,43 +41,37 @@ def _p2p_schedule(t: torch.Tensor, recv: torch.Tensor, rank: int, n: int) -> Non
             r.wait()
 
 
-def _rank(rank: int, world_size: int, port: int, sizes: Sequence[int], iters: int, kinds: Sequence[str],
-          ring_options: dict[str, int], results: Any) -> None:
-    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo0" if sys.platform == "darwin" else "lo")
-    torch.set_num_threads(1)
-    store = dist.TCPStore("127.0.0.1", port, world_size + 1, is_master=False, timeout=timedelta(seconds=300))
-    dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size, timeout=timedelta(seconds=300))
-    try:
-        comms = {k: make_communicator(k, None, **(ring_options if k == "ring" else {})) for k in kinds if k != "p2p"}
-        rows = []
-        for size in sizes:
-            t = torch.randn(size // 4)  # fp32
-            # Big sizes take long enough that fewer iterations give a steady median within the time budget.
-            n_iter = max(5, min(iters, (512 << 20) // size))
-            times: dict[str, list[float]] = {k: [] for k in kinds}
-            cpu: dict[str, list[float]] = {k: [] for k in kinds}
-            recv = torch.empty(t.numel() // world_size)
-            ops = {k: (comms[k].all_reduce if k != "p2p" else lambda x: _p2p_schedule(x, recv, rank, world_size))
-                   for k in kinds}
-            for i in range(n_iter + 2):  # the first two are warm-up
-                for kind, op in ops.items():
-                    dist.barrier()
-                    c0, t0 = time.process_time(), time.perf_counter()
-                    op(t)
-                    if i >= 2:
-                        times[kind].append(time.perf_counter() - t0)
-                        cpu[kind].append(time.process_time() - c0)
-                    t.div_(world_size)  # keep values bounded across iterations
-            cpu_sum = torch.tensor([statistics.median(cpu[k]) for k in kinds], dtype=torch.float64)
-            dist.all_reduce(cpu_sum)  # CPU of all ranks: on shared cores that is what the time is made of
-            rows.append({"bytes": size, "iters": n_iter, **{k: statistics.median(v) for k, v in times.items()},
-                         **{f"{k} cpu": float(c) for k, c in zip(kinds, cpu_sum)}})
-        for comm in comms.values():
-            comm.close()
-        if rank == 0:
-            results.put(rows)
-    finally:
-        dist.destroy_process_group()
+def _rank(rank: int, world_size: int, sizes: Sequence[int], iters: int, kinds: Sequence[str],
+          ring_options: dict[str, int]) -> list[dict] | None:
+    """One rank of the benchmark (psarch.launch.spawn.run_ranks: gloo joined, one thread); rank 0 returns
+    its medians per size."""
+    comms = {k: make_communicator(k, None, **(ring_options if k == "ring" else {})) for k in kinds if k != "p2p"}
+    rows = []
+    for size in sizes:
+        t = torch.randn(size // 4)  # fp32
+        # Big sizes take long enough that fewer iterations give a steady median within the time budget.
+        n_iter = max(5, min(iters, (512 << 20) // size))
+        times: dict[str, list[float]] = {k: [] for k in kinds}
+        cpu: dict[str, list[float]] = {k: [] for k in kinds}
+        recv = torch.empty(t.numel() // world_size)
+        ops = {k: (comms[k].all_reduce if k != "p2p" else lambda x: _p2p_schedule(x, recv, rank, world_size))
+               for k in kinds}
+        for i in range(n_iter + 2):  # the first two are warm-up
+            for kind, op in ops.items():
+                dist.barrier()
+                c0, t0 = time.process_time(), time.perf_counter()
+                op(t)
+                if i >= 2:
+                    times[kind].append(time.perf_counter() - t0)
+                    cpu[kind].append(time.process_time() - c0)
+                t.div_(world_size)  # keep values bounded across iterations
+        cpu_sum = torch.tensor([statistics.median(cpu[k]) for k in kinds], dtype=torch.float64)
+        dist.all_reduce(cpu_sum)  # CPU of all ranks: on shared cores that is what the time is made of
+        rows.append({"bytes": size, "iters": n_iter, **{k: statistics.median(v) for k, v in times.items()},
+                     **{f"{k} cpu": float(c) for k, c in zip(kinds, cpu_sum)}})
+    for comm in comms.values():
+        comm.close()
+    return rows if rank == 0 else None
 
 
 def bench_allreduce(world_size: int = 2, sizes: Sequence[int] = DEFAULT_SIZES, iters: int = 50,
@@ -87,20 +79,7 @@ def bench_allreduce(world_size: int = 2, sizes: Sequence[int] = DEFAULT_SIZES, i
     """Median all-reduce time per size and kind; rows with algbw, busbw (bytes/s), CPU time and time ratios.
 
     ring_options (segment_bytes, window) go to the ring communicator; left out, its defaults hold."""
-    ctx = mp.get_context("spawn")
-    store = dist.TCPStore("127.0.0.1", 0, world_size + 1, is_master=True, wait_for_workers=False)
-    results = ctx.Queue()
-    procs = [ctx.Process(target=_rank, args=(r, world_size, store.port, tuple(sizes), iters, tuple(kinds),
-                                             ring_options, results), daemon=True) for r in range(world_size)]
-    for p in procs:
-        p.start()
-    try:
-        raw = results.get(timeout=600)
-    finally:
-        for p in procs:
-            p.join(10)
-            if p.is_alive():
-                p.kill()
+    raw = run_ranks(_rank, world_size, tuple(sizes), iters, tuple(kinds), ring_options, timeout=600)[0]
     return measured_rows(raw, world_size, kinds)
 
 

@@ -161,15 +161,16 @@ def _services(spec: BackendSpec, cfg: Config, out: Path, where: Placement, start
 
 
 def _rank(job: RankJob, cfg: Config, rank: int, world: int, store: Any, marks: StepMarks | None,
-          workload: Workload | None = None) -> None:
+          workload: Workload | None = None, process_ends: bool = True) -> None:
     """One rank of a local run: join the group (where a store is given), train, write the rank's record,
-    leave the group."""
+    leave the group (destroyed only where this process lives on: dist.shutdown)."""
     out = Path(job.out)
     ctx = init_rank(cfg, rank, world, rank, world, store, needs_group=store is not None)
     ctx.services = ServiceInfo.from_dict(job.info)
     outputs.save_record(out, run_rank(cfg, ctx, workload, echo=job.echo, metrics=outputs.stream_path(out, rank),
                                       marks=marks, checkpoints=job.checkpoints, start=job.start, resume=job.resume))
-    shutdown(ctx)   # not after a failure: its barrier would wait for peers stuck in a collective
+    shutdown(ctx, destroy=not process_ends)   # not after a failure: its barrier would wait for peers stuck in a
+    #                                          collective
 
 
 def _in_process(job: RankJob, spec: BackendSpec, where: Placement, workload: Workload | None) -> None:
@@ -181,7 +182,7 @@ def _in_process(job: RankJob, spec: BackendSpec, where: Placement, workload: Wor
     marks = where.step_marks(1)   # outside the node: the counters' reader is no node's
     try:
         with where.node("worker", 0):
-            _rank(job, cfg, 0, 1, store, marks[0] if marks else None, workload)
+            _rank(job, cfg, 0, 1, store, marks[0] if marks else None, workload, process_ends=False)
     except BaseException:
         abandon_group()   # this process lives on (a test, a sweep's next point): leave no group behind
         raise

@@ -41,8 +41,9 @@ class RankError(RuntimeError):
 def _rank_main(fn: Callable[..., Any], rank: int, world_size: int, port: int, timeout: float,
                results: mp.Queue, args: tuple) -> None:
     """Entry point of one spawned rank: join the group, run fn, report ("ok", json) or ("error", traceback).
-    It never returns: once its report is in the pipe it leaves with os._exit (psarch.launch.lifecycle.leave), so
-    gloo's threads never meet the interpreter's finalisation, where they can abort a finished process."""
+    It never returns: once its report is in the pipe it leaves with os._exit (psarch.launch.lifecycle.leave), its
+    group never destroyed (psarch.dist.shutdown says why), so gloo's threads never meet a destructor or the
+    interpreter's finalisation, where they can abort a finished process."""
     die_with_parent()  # a test run that is killed leaves no ranks behind
     code = 0
     try:
@@ -52,13 +53,11 @@ def _rank_main(fn: Callable[..., Any], rank: int, world_size: int, port: int, ti
                               timeout=timedelta(seconds=timeout))
         dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size,
                                 timeout=timedelta(seconds=timeout))
-        try:
-            out = json.dumps(fn(rank, world_size, *args))
-            sys.stdout.flush()  # the parent may terminate this rank as soon as it has every result
-            sys.stderr.flush()
-            results.put((rank, "ok", out))
-        finally:
-            dist.destroy_process_group()
+        out = json.dumps(fn(rank, world_size, *args))
+        dist.barrier()      # no rank leaves while a peer still talks to it
+        sys.stdout.flush()  # the parent may terminate this rank as soon as it has every result
+        sys.stderr.flush()
+        results.put((rank, "ok", out))
     except BaseException:
         results.put((rank, "error", traceback.format_exc()))
         code = 1
