@@ -1,7 +1,8 @@
-"""The hybrid's checkpoints (backend.embeddings = "ps" on ddp and ZeRO-1: the tables' rows on 2 PS servers, the dense
-part on 2 ranks; collective/ps_tables.py): each rank writes its dense part, each server its shard of the tables' rows
-(psarch/ps/server/snapshots.py, after the step's round), rank 0 merges and renames. Resumed from step 3 the run ends
-with the uninterrupted run's model.pt, bit for bit (SGD, dlrm/clicks as tests/test_hybrid.py); so does a run whose
+"""The hybrid's checkpoints (backend.embeddings = "ps" on ddp and ZeRO-1/2/3: the tables' rows on 2 PS servers, the
+dense part on 2 ranks; collective/ps_tables.py): each rank writes its dense part, each server its shard of the tables'
+rows and their optimizer state (psarch/ps/server/snapshots.py, after the step's round), rank 0 merges and renames.
+Resumed from step 3 the run ends with the uninterrupted run's model.pt, bit for bit (SGD, Adagrad and AdamW, whose
+state on the ranks and on the servers must come back; dlrm/clicks as tests/test_hybrid.py); so does a run whose
 rank or server was SIGKILLed after a checkpoint (faults.kill), resumed with --resume or restarted by the launcher;
 a world restarted at N - 1 (faults.restart = "shrink") equals a fork at N - 1 from the checkpoint, bit for bit; the
 checkpoint forks onto `single` and onto 3 servers; one without a server's part is refused in one line naming it."""
@@ -24,12 +25,18 @@ from psarch.workload import build_workload
 from test_ps_rows import ROWS_DLRM
 
 SGD = {"optimizer": "sgd", "lr": 0.5, "steps": 6, "checkpoint_every": 3}
-HYBRIDS = {"ddp": {"kind": "ddp", "comm": "ring"}, "zero1": {"kind": "zero", "stage": 1, "comm": "ring"}}
+OPTIMIZERS = {"sgd": {}, "adagrad": {"optimizer": "adagrad", "lr": 0.1}, "adamw": {"optimizer": "adamw", "lr": 0.01}}
+HYBRIDS = {"ddp": {"kind": "ddp", "comm": "ring"}, "zero1": {"kind": "zero", "stage": 1, "comm": "ring"},
+           "zero2": {"kind": "zero", "stage": 2, "comm": "ring"}, "zero3": {"kind": "zero", "stage": 3, "comm": "ring"}}
+# (hybrid, optimizer) resumed: Adagrad's sums and AdamW's moments and steps, on the ranks and on the servers
+RESUMED = [("ddp", "sgd"), ("zero1", "sgd"), ("ddp", "adagrad"), ("ddp", "adamw"), ("zero2", "adamw"),
+           ("zero3", "adagrad")]
 
 
-def _cfg(name: str, kind: str, n: int = 2, train: dict | None = None, **sections) -> psarch.Config:
+def _cfg(name: str, kind: str, n: int = 2, train: dict | None = None, opt: str = "sgd", **sections) -> psarch.Config:
     backend = dict(HYBRIDS[kind], embeddings="ps", servers=2, world_size=n, timeout_s=30.0)
-    return from_dict(config(name, base=ROWS_DLRM, train=dict(SGD, **(train or {})), backend=backend, **sections))
+    train = dict(SGD, **OPTIMIZERS[opt], **(train or {}))
+    return from_dict(config(name, base=ROWS_DLRM, train=train, backend=backend, **sections))
 
 
 def _model(out: Path) -> dict[str, torch.Tensor]:
@@ -49,28 +56,32 @@ def straight(tmp_path_factory):
     """Each hybrid's uninterrupted run of 6 steps, checkpointed at steps 3 and 6, run once when first asked for."""
     out, runs = tmp_path_factory.mktemp("hybridckpt"), {}
 
-    def get(kind: str) -> Path:
-        if kind not in runs:
-            run(_cfg(kind, kind), out / kind, echo=False)
-            runs[kind] = out / kind
-        return runs[kind]
+    def get(kind: str, opt: str = "sgd") -> Path:
+        if (kind, opt) not in runs:
+            run(_cfg(kind, kind, opt=opt), out / f"{kind}-{opt}", echo=False)
+            runs[kind, opt] = out / f"{kind}-{opt}"
+        return runs[kind, opt]
     return get
 
 
-@pytest.mark.parametrize("kind", HYBRIDS)
-def test_a_resume_from_step_3_ends_with_the_straight_model(straight, tmp_path, kind):
-    full = straight(kind)
+@pytest.mark.parametrize("kind, opt", RESUMED)
+def test_a_resume_from_step_3_ends_with_the_straight_model(straight, tmp_path, kind, opt):
+    full = straight(kind, opt)
     ckpt = full / "checkpoints" / "step_000003"
-    # the servers' parts are in it: every table's rows, from both servers, as trained to step 3 (not the seed's)
-    assert {"server0.bin", "server1.bin", "rank0.bin", "rank1.bin"} <= set(json.loads(
-        (ckpt / "metadata.json").read_text())["files"])
+    # the servers' parts are in it: every table's rows, from both servers, as trained to step 3 (not the seed's),
+    # with the optimizer's state the ranks keep for the dense part (Adagrad's sum, AdamW's moments)
+    meta = json.loads((ckpt / "metadata.json").read_text())
+    assert {"server0.bin", "server1.bin", "rank0.bin", "rank1.bin"} <= set(meta["files"])
+    dense = {f["key"] for f in meta["fragments"] if f["file"] == "rank0.bin"}
+    assert len(dense) == {"sgd": 1, "adagrad": 2, "adamw": 3}[opt]
+    assert all(dense <= {f["key"] for f in meta["fragments"] if f["file"] == f"server{i}.bin"} for i in range(2))
     stored = dict(consolidated_state_dict(ckpt))
     init = build_workload(from_dict(ROWS_DLRM)).model.state_dict()
     tables = [k for k in init if k.startswith("tables.")]
     assert tables and all(stored[k].shape == init[k].shape and not torch.equal(stored[k], init[k]) for k in tables)
     resumed = tmp_path / "resumed"
     shutil.copytree(full, resumed)
-    summary = run(_cfg(kind, kind), resumed, echo=False, resume=True, pick="3")
+    summary = run(_cfg(kind, kind, opt=opt), resumed, echo=False, resume=True, pick="3")
     assert summary["status"] == "finished"
     assert _same(_model(resumed), _model(full))
     assert _steps(resumed) == list(range(6))
