@@ -1,8 +1,9 @@
 """Chain replication of the parameter servers (backend.replicas = r, psarch/ps/replication.py): tiny GPT runs on
 loopback. Without faults r = 1 ends with r = 0's model and its replicas cost r x the servers' bytes, counted; a
 server killed mid-run costs no acknowledged update (the same model, bit for bit, as the run without the fault);
-with r = 0 a dead server still stops the run in one line; a worker killed mid-run is dropped from the same round by
-every holder (its followers sum what its first holder summed). Without processes: test_replication_chain.py."""
+with r = 0 a dead server still stops the run in one line; a replica sums what its first holder summed and refuses a
+commit that differs. Workers lost or paused: test_replication_workers.py; without processes:
+test_replication_chain.py."""
 from __future__ import annotations
 
 import json
@@ -16,19 +17,16 @@ import torch
 
 import psarch
 from parity import assert_same_model
-from ps_setup import TINY_GPT, config, ps
+from ps_setup import config, ps
 from psarch.config import from_dict
 from psarch.errors import RunError
 from psarch.ps import wire
 from psarch.ps.errors import ServiceError
 from psarch.ps.replication import members_text
-from psarch.ps.worker.client import PSClient
-from psarch.workload import build_workload
 from psarch.ps.services import LocalServers
 from test_ps_faults import _children
-from timing import scaled
+from test_replication_chain import _cfg, _model
 
-from test_replication_chain import SGD, _cfg, _model
 
 def _same(a: Path, b: Path, what: str) -> None:
     assert_same_model(_model(a), _model(b), what, rtol=0.0, atol=0.0)
@@ -185,88 +183,6 @@ def test_when_every_holder_of_a_partition_is_dead_the_run_stops_in_one_line(tmp_
     s = json.loads((out / "summary.json").read_text())
     assert s["status"] == "failed" and "\n" not in s["error"] and [f["node"] for f in s["faults"]] == ["server 0",
                                                                                                       "server 1"]
-
-
-def dies_between_its_sends(cfg) -> psarch.Workload:
-    """A tiny GPT whose worker 2 dies as it sends step 3's pushes: the first to reach a server (the copy for a
-    partition's replica, sent first) arrives; the next (the same partition's, to its primary) is never sent."""
-    sent = []
-    post = PSClient.post
-
-    def post_then_die(self, i, r):
-        if self.worker == 2 and r.header["op"] == "pushpull" and r.header["step"] == 3:
-            if sent:
-                time.sleep(0.5)   # ZeroMQ sends the first push meanwhile
-                os._exit(3)
-            sent.append(i)
-        post(self, i, r)
-    PSClient.post = post_then_die
-    return build_workload(from_dict(dict(TINY_GPT, train=cfg.to_dict()["train"])))
-
-
-KILLED_AT_3 = ps(3, servers=2, timeout_s=scaled(2.0))   # each run waits it out once: the lost worker's drop
-
-
-@pytest.fixture(scope="module")
-def r0_killed_at_3(tmp_path_factory) -> Path:
-    """The r = 0 run whose worker 2 of 3 is killed as step 3 begins: rounds 3 to 7 are workers 0 and 1's."""
-    out = tmp_path_factory.mktemp("r0") / "r0"
-    psarch.run(_cfg("r0", KILLED_AT_3, {"kill": [{"node": "worker 2", "step": 3}]}), out, echo=False)
-    return out
-
-
-@pytest.mark.parametrize("how", ["killed", "dies between its sends"])
-def test_a_worker_lost_mid_run_is_dropped_from_the_same_round_by_every_holder(tmp_path, r0_killed_at_3, how):
-    """Worker 2 of 3 with r = 1, lost at step 3: killed as the step begins; or dead as it sends step 3's pushes,
-    after one of them reached a replica (the partition's primary never had it and sums round 3 over workers 0 and
-    1; the replica, which has the dead worker's push, sums the same, as the survivors' `commit` says, and drops
-    it). Each run finishes, its copies bit for bit equal, with the model of the r = 0 run whose worker 2 is killed
-    as step 3 begins (rounds 3 to 7 are workers 0 and 1's in both; SGD with momentum)."""
-    backend = dict(KILLED_AT_3, replicas=1)
-    fault = {"killed": {"kill": [{"node": "worker 2", "step": 3}]}, "dies between its sends": {}}[how]
-    extra = {"workload": {"factory": "test_replication:dies_between_its_sends"}} if how == "dies between its sends" else {}
-    cfg = from_dict(config("r1", train=SGD, backend=backend, faults=fault, **extra))
-    summary = psarch.run(cfg, tmp_path / "r1", echo=False)
-    assert _children() == []
-    assert summary["status"] == "finished" and summary["steps"] == 8
-    assert [w["rank"] for w in summary["lost_workers"]] == [2]
-    assert summary["replication"]["copies_identical"] and summary["replication"]["dead_servers"] == []
-    assert [d["version"] for d in summary["servers_detail"]] == [8, 8]
-    assert [[d["from_round"] for d in s["drops"]] for s in summary["servers_detail"]] == [[3], [3]]
-    _same(tmp_path / "r1", r0_killed_at_3, f"r = 1, worker 2 {how} at step 3, vs r = 0, killed as step 3 began")
-
-
-def _paused_and_back(name: str, out: Path, replicas: int) -> dict:
-    """Worker 2 of 3 stopped as step 3 begins for 1.2 x backend.timeout_s (each partition's first holder drops it
-    from round 3), workers 0 and 1 as step 5 begins (about backend.timeout_s later) for 0.7 x (so that the run is
-    still at round 5 when worker 2 returns, whatever the step time, and its rejoin is held for less than its own
-    timeout): back, worker 2's push of step 3 is refused, it asks to rejoin at round 6, and every server takes it
-    back there once round 5 is in (test_faults' r = 0 test, with 3 workers)."""
-    t = scaled(2.0)
-    fault = {"pause": [{"node": "worker 2", "step": 3, "seconds": 1.2 * t},
-                       {"node": "worker 0", "step": 5, "seconds": 0.7 * t},
-                       {"node": "worker 1", "step": 5, "seconds": 0.7 * t}]}
-    return psarch.run(_cfg(name, ps(3, servers=2, timeout_s=t, replicas=replicas), fault, steps=10), out, echo=False)
-
-
-def test_a_paused_worker_that_returns_is_taken_back_at_the_same_round_by_every_holder(tmp_path):
-    """r = 1, 3 workers, 2 servers (each holds both partitions: its own and the other's replica). Worker 2 is dropped
-    from round 3 by each partition's first holder, its replicas following their commits; back, it is re-admitted at
-    round 6 by both servers, and each holder's round 6 sums it again (the first holder decides, its follower sums
-    what the commit names). The run finishes with no worker lost, the copies bit for bit equal, and the model of
-    the r = 0 run with the same pauses (the same rounds: 0-2 and 6-9 all three workers', 3-5 workers 0 and 1's)."""
-    base = _paused_and_back("r0", tmp_path / "r0", 0)
-    rep = _paused_and_back("r1", tmp_path / "r1", 1)
-    assert _children() == []
-    drop = [{"worker": 2, "from_round": 3, "died": False, "readmitted_at": 6}]
-    for s in (base, rep):
-        assert s["status"] == "finished" and s["lost_workers"] == [] and s["dropped_workers"] == drop
-        assert [d["drops"] for d in s["servers_detail"]] == [drop, drop]
-        assert [d["version"] for d in s["servers_detail"]] == [10, 10]
-    assert rep["replication"]["copies_identical"] and rep["replication"]["dead_servers"] == []
-    rank2 = [json.loads(x) for x in (tmp_path / "r1" / "ranks" / "rank2.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in rank2] == [0, 1, 2, 3, 6, 7, 8, 9] and rank2[3]["extra"]["rejoined_at"] == 6
-    _same(tmp_path / "r1", tmp_path / "r0", "r = 1 vs r = 0, worker 2 paused at step 3 and taken back at round 6")
 
 
 def test_a_replica_sums_what_its_first_holder_summed_and_refuses_a_commit_that_differs(request):
