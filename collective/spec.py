@@ -182,6 +182,9 @@ class DDPSpec(RingHops, PSTablesServices, BackendSpec):
     def variant(self, cfg: Config) -> str:
         return cfg.backend.comm
 
+    def all_reduce(self, cfg: Config) -> str | None:
+        return cfg.backend.comm if cfg.backend.embeddings == "dense" else None
+
     def check(self, cfg: Config) -> None:
         check_ps_tables(cfg)
         if cfg.backend.embeddings == "sharded" and cfg.train.precision == "fp16":
@@ -219,6 +222,9 @@ class TorchDDPSpec(BackendSpec):
 
     def shrink_refusal(self, cfg: Config) -> str:
         return ""   # torch's DDP replicates the model: its checkpoint reads at any world size
+
+    def all_reduce(self, cfg: Config) -> str | None:
+        return "native" if cfg.backend.embeddings == "dense" else None
 
     def check(self, cfg: Config) -> None:
         t = cfg.train

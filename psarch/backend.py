@@ -186,6 +186,12 @@ class BackendSpec(ABC):
         (for large N). None where it has none written yet."""
         return None
 
+    def all_reduce(self, cfg: Config) -> str | None:
+        """How its step all-reduces the whole gradients, each rank keeping the whole model and nothing beside it
+        ("ring": psarch's own ring; "native": torch's collective): data parallelism's reference, against which a
+        parameter server is set (BytePS's bound is over all-reduce's time); None where its step is another."""
+        return None
+
     def summary_fields(self, cfg: Config) -> Summary:
         """Fields this backend adds to summary.json's top level (e.g. the PS's server count)."""
         return {}

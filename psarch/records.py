@@ -119,6 +119,8 @@ class Predicted(TypedDict):
     messages_per_step: float
     server_memory: NotRequired[float]    # a serving role's memory (ROLE_memory), here the PS's servers'
     per_rank: NotRequired[list[dict[str, Any]]]   # where ranks are told apart: NodePrediction.to_dict() of each
+    # each role's node by name: NodePrediction.to_dict() with its ranks, its count of nodes and its host
+    nodes: NotRequired[dict[str, dict[str, Any]]]
 
 
 class LostWorker(TypedDict):
@@ -274,6 +276,9 @@ class Summary(TypedDict, total=False):
     memory: dict[str, Any]       # per_rank[]: MemoryReport dicts with their rank; servers[] for PS
     traffic: dict[str, Any]      # per_rank[]: TrafficReport dicts with per-step means; servers[] for PS
     predicted: Predicted
+    # each role's nodes as measured, by the names the prediction's nodes have (psarch.report.nodes): a node's
+    # memory by category and its bytes sent and received, over the run and per step, with its rank or index
+    nodes: dict[str, list[dict[str, Any]]]
     samples_per_s_is: str        # throughput.definition: what samples_per_s means for this run
     lost_workers: list[LostWorker]
     dropped_workers: list[Any]      # ps: each drop of a worker from the rounds (psarch.ps.servers_summary.dropped_workers)

@@ -117,8 +117,8 @@ def predicted_step(run: Run, pred: dict) -> tuple[float, str]:
     sim = cluster_step(run_config(run), run["summary"])["predicted_s"]
     if sim == sim:   # not nan
         return sim, "sim"
-    tr = pred["traffic_per_step"]   # a PS server's figures where there are servers
-    busiest = max(tr[k] for k in ("worker_sent", "worker_received", "server_sent", "server_received") if k in tr)
+    # the busiest node of any role (a PS server where there are servers), either way
+    busiest = max(max(n["sent"], n["received"]) for n in pred["nodes"].values())
     return st["compute_s"] + busiest * 8 / (link(run) * 1e6), "serial"
 
 

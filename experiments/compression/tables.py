@@ -27,6 +27,7 @@ import statistics
 import sys
 from pathlib import Path
 
+from psarch.report.nodes import serving
 from psarch.report.runs import Run, run_config
 from psarch.theory import cluster_step
 from psarch.units import fmt_bytes
@@ -235,8 +236,8 @@ def hybrid_table(root: Path) -> str:
         s = r["summary"]
         sent, recv = measured_bytes(r)
         tr = s["predicted"]["traffic_per_step"]
-        servers = s["traffic"].get("servers") or []
-        srv = fmt_bytes(statistics.fmean(x["received"] for x in servers) / s["steps"]) if servers else "-"
+        # one node of each serving role (the hybrid's PS servers): received per step, run total over the steps
+        srv = "; ".join(fmt_bytes(m) for role in serving(s) if (m := role.mean("received")[0]) is not None) or "-"
         st, vd = s["cluster"]["step_time"], s["virtual_device"]
         st = dict(st, predicted_s=cluster_step(run_config(r), s)["predicted_s"])   # this checkout's theory
         lines.append(f"| {link(r):g} Mbit/s | {s['label']} | {fmt_bytes(sent)} \\| {fmt_bytes(tr['worker_sent'])} | "

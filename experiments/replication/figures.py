@@ -12,11 +12,14 @@ from pathlib import Path
 
 import torch
 
+from psarch.report.nodes import serving
+
 
 def predicted_replica_bytes(s: dict) -> float:
-    """Theory's bytes the replicas receive per step: of every server's (1 + r) x N x S / k, the r copies."""
+    """Theory's bytes the replicas receive per step: of every serving node's (every server's (1 + r) x N x S / k),
+    the r copies."""
     r = s["replication"]["replicas"]
-    return s["predicted"]["traffic_per_step"]["server_received"] * s["servers"] * r / (1 + r)
+    return sum(role.total("received")[1] for role in serving(s)) * r / (1 + r)
 
 
 def main(r0: str, r1: str, killed: str) -> None:

@@ -16,6 +16,7 @@ from psarch.config import Config
 from psarch.records import MetricsRow, Predicted, RankRecord, StepRecord, Summary
 from psarch.launch.failure_cost import failure_cost, report_lines as failure_cost_lines
 from psarch.throughput import warmup_steps
+from psarch.report.nodes import measured_nodes, serving
 from psarch.report.trace import write_trace
 from psarch.timeline import Span
 from psarch.units import fmt_bytes
@@ -195,6 +196,7 @@ def finalize(out: Path, cfg: Config, extra: Summary | None = None, echo: bool = 
         "lost_workers": [],
     }
     _merge_extra(merged, records, extra)
+    merged["nodes"] = measured_nodes(cast(Summary, merged))   # each role's nodes, as the prediction names them
     vd = device.summary(cfg, records, {r["step"] for r in rows[w:]})
     if vd is not None:   # a virtual device: its FLOPs, D, overrun steps (before theory, which reads them)
         merged["virtual_device"] = vd
@@ -293,14 +295,13 @@ def _rank_table(s: Summary) -> list[str]:
 
 
 def _server_lines(s: Summary) -> list[str]:
-    """Each server's bytes over the run and what it holds (beside theory's), and the updates' staleness."""
+    """Each serving node's bytes over the run and what it holds (beside theory's), and the updates' staleness."""
     lines = []
-    mem = {m.get("server"): m for m in s.get("memory", {}).get("servers") or []}
-    for srv in s.get("traffic", {}).get("servers", []) or []:
-        held = mem.get(srv.get("server"), {}).get("total")
-        lines.append(f"server {srv.get('server', '?')}: sent {fmt_bytes(srv['sent'])}, received "
-                     f"{fmt_bytes(srv['received'])} over the run; holds {fmt_bytes(held)} "
-                     f"(predicted {fmt_bytes(s['predicted'].get('server_memory'))})")
+    for role in serving(s):
+        for n in role.measured:
+            lines.append(f"{role.name} {n.get('index', '?')}: sent {fmt_bytes(n['sent'])}, received "
+                         f"{fmt_bytes(n['received'])} over the run; holds {fmt_bytes(n['memory'].get('total'))} "
+                         f"(predicted {fmt_bytes(role.mean('memory')[1])})")
     if s.get("staleness"):
         st = s["staleness"]
         lines.append(f"staleness histogram {st['histogram']} (mean {st['mean']:.2f}, max {st['max']})")

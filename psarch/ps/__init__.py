@@ -22,7 +22,7 @@ the workers (backend.server_placement).
     snapshot.py        checkpoints: the protocol (the `save` barrier) and what servers and workers share
     row_snapshot.py    checkpoints of the embedding rows: a server's shard, a GEO worker's cache
     services.py        the launcher's side: starting, watching and stopping the servers of a local run
-    servers_summary.py the servers' stats as summary.json's entries (traffic, memory, staleness, dropped workers)
+    servers_summary.py the servers' stats as summary.json's entries (traffic, memory, nodes, staleness, dropped workers)
     servers_outputs.py model.pt from the servers' final parameters, the SSP trace
     standalone.py      `psarch server`: one server as its own process, for runs across machines
     server/            one server, built by composition

@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections import Counter
 from typing import TYPE_CHECKING, Any
 
+from psarch.ps.theory import SERVER
 from psarch.records import LostWorker, Summary
 
 if TYPE_CHECKING:
@@ -30,7 +31,7 @@ def dropped_workers(stats: list[ServerStats]) -> list[dict[str, Any]]:
 
 
 def summarize(stats: list[ServerStats], lost: list[LostWorker]) -> Summary:
-    """The summary.json entries of the servers: traffic, memory, staleness, lost workers."""
+    """The summary.json entries of the servers: traffic, memory, their nodes, staleness, lost workers."""
     hist: Counter[int] = Counter()
     for s in stats:
         hist.update({int(k): v for k, v in s["staleness_histogram"].items()})
@@ -39,6 +40,9 @@ def summarize(stats: list[ServerStats], lost: list[LostWorker]) -> Summary:
         "traffic": {"servers": [{"server": s["server"], "sent": s["sent"], "received": s["received"],
                                  "ops": s["traffic"]["ops"]} for s in stats]},
         "memory": {"servers": [dict(s["memory"], server=s["server"], range=s["range"], held=s["held"]) for s in stats]},
+        # each server as a node of the role theory names (psarch.report.nodes: the launcher adds its bytes per step)
+        "nodes": {SERVER: [{"index": s["server"], "memory": s["memory"], "sent": s["sent"], "received": s["received"]}
+                           for s in stats]},
         "lost_workers": lost,
         "dropped_workers": dropped_workers(stats),
         # a push goes to every server in slices: a worker's count is the most any one server refused

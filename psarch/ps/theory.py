@@ -22,6 +22,8 @@ if TYPE_CHECKING:
     from psarch.config import Config
     from psarch.ps.program import RowBytes
 
+SERVER = "server"   # the role a PS server plays in a prediction's nodes and in summary.json's measured nodes
+
 
 def dense(cfg: Config, phi: float) -> Prediction:
     """Each worker pushes S and pulls S, split evenly over the servers; GEO does so once every k_steps steps
@@ -56,8 +58,8 @@ def dense(cfg: Config, phi: float) -> Prediction:
                             optimizer=copies * server_k * phi / b.servers, buffers=copies * kept_bytes)
     worker = NodePrediction(mem, LinkBytes(copies * up / every, copies * down / every), ranks=range(n))
     server = NodePrediction(held, LinkBytes(copies * n * down / b.servers / every, copies * n * up / b.servers / every),
-                            host=colocated(cfg))
-    return Prediction({"worker": worker, "server": server}, rounds=2 / every, messages=2 / every)
+                            host=colocated(cfg), instances=b.servers)
+    return Prediction({"worker": worker, SERVER: server}, rounds=2 / every, messages=2 / every)
 
 
 def colocated(cfg: Config) -> str | None:
@@ -167,6 +169,6 @@ def rows(cfg: Config, phi: float) -> Prediction:
                                optimizer=0.0)
     # a server receives what workers send and sends what they receive; phases: row pull, rows, push, pull
     server = NodePrediction(held, LinkBytes(sent=n * link.received / b.servers, received=n * link.sent / b.servers),
-                            host=colocated(cfg))
-    return Prediction({"worker": NodePrediction(mem, link, ranks=range(n)), "server": server},
+                            host=colocated(cfg), instances=b.servers)
+    return Prediction({"worker": NodePrediction(mem, link, ranks=range(n)), SERVER: server},
                       rounds=4 / every, messages=4 / every)

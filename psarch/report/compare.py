@@ -8,13 +8,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
 
-from psarch.report import plots
+from psarch.report import nodes, plots
 from psarch.report.links import links_table
 from psarch.report.ranks import has_per_rank, rank_table
 from psarch.report.sparse import embedding_scaling, is_sparse_run, sparse_table
 from psarch.report.curves import diverged
 from psarch.report.runs import (Run, fraction_of, label, load_run, name_runs, predicted_rank0_memory,
-                                predicted_worker_sent, server_received_per_step, step_clock, target_fraction,
+                                predicted_worker_sent, step_clock, target_fraction,
                                 target_gaps, target_words, trailing_mean, worker_sent_per_step)
 from psarch.report.seeds import config_key, interval, seed_groups, study_key
 from psarch.throughput import LOCKSTEP, OWN_PACE
@@ -43,24 +43,26 @@ def comparability_warnings(runs: list[Run]) -> list[str]:
 
 
 def table(runs: list[Run]) -> str:
-    """The comparison table, in Markdown; rank 0's memory and the mean worker's traffic."""
+    """The comparison table, in Markdown; rank 0's memory and the mean worker's traffic, and a column for each role
+    whose nodes serve the ranks in some run (a PS's servers): what one of its nodes receives per step."""
+    serving = list(dict.fromkeys(r.name for run in runs for r in nodes.serving(run["summary"])))
     head = ("| run | architecture | N | samples/s | step time (ms) | final loss (last step) | gap | model states/rank "
-            "measured \\| predicted | sent/worker/step measured \\| predicted | server recv/step measured \\| predicted "
-            "| peak memory |")
-    lines = [head, "|" + "---|" * 11]
+            "measured \\| predicted | sent/worker/step measured \\| predicted | "
+            + "".join(f"{name} recv/step measured \\| predicted | " for name in serving) + "peak memory |")
+    lines = [head, "|" + "---|" * (10 + len(serving))]
     for run in runs:
         s = run["summary"]
         m0 = s["memory"]["per_rank"][0]
         pm = predicted_rank0_memory(s)
         sent = worker_sent_per_step(s)
         modelled = " (modelled)" if s["traffic"]["per_rank"][0].get("modelled") else ""
-        pt = s["predicted"]["traffic_per_step"]
-        recv = server_received_per_step(s)
-        srv = f"{fmt_bytes(recv)} \\| {fmt_bytes(pt.get('server_received'))}" if recv is not None else "-"
+        roles = nodes.roles(s)
+        received = [roles[name].mean("received") if name in roles else (None, None) for name in serving]
+        srv = "".join(f"{fmt_bytes(m)} \\| {fmt_bytes(p)} | " if m is not None else "- | " for m, p in received)
         gap = f"{s['gap']:.4f}" if s.get("gap") is not None else "-"
         lines.append(f"| {run['run_label']} | {s['label']} | {s['world_size']} | "
                      f"{s['samples_per_s']:.1f} | {s['step_time_s'] * 1e3:.2f} | {s['final_loss']:.4f} | {gap} | "
-                     f"{fmt_bytes(m0['total'])} \\| {fmt_bytes(pm)} | {fmt_bytes(sent)}{modelled} \\| {fmt_bytes(predicted_worker_sent(s))} | {srv} | "
+                     f"{fmt_bytes(m0['total'])} \\| {fmt_bytes(pm)} | {fmt_bytes(sent)}{modelled} \\| {fmt_bytes(predicted_worker_sent(s))} | {srv}"
                      f"{fmt_bytes(m0.get('peak'))} |")
     return "\n".join(lines)
 
@@ -226,7 +228,7 @@ def compare(run_dirs: Sequence[str | Path], out: str | Path, target_gap: float |
         text += ["**Warning: these runs are not directly comparable.**", ""] + [f"- {w}" for w in warnings] + [""]
     text += [table(runs), "", f"Runs: by folder (or config `label`). {rate_note(runs)} Memory: rank 0's model "
              "states (params + grads + optimizer incl. fp32 masters). Traffic: mean over workers; native collectives "
-             "are modelled, not measured. PS servers' memory and the whole system's (workers + servers): memory.png. "
+             "are modelled, not measured. Serving nodes' memory (a PS's servers) and the whole system's: memory.png. "
              "Predictions: theory.predict on each run's config.", ""]
     forks = [f"- {r['run_label']} started from {f['path']} (step {f['step']}, config sha256 "
              f"{f['config_sha256'][:12]})" for r in runs if (f := (r["config"] or {}).get("started_from"))]

@@ -49,19 +49,30 @@ def runs(sweep: Path) -> list[CrossoverRun]:
 
 
 def table(found: list[CrossoverRun]) -> str:
-    """PS rows against their ring DDP peer (same N, same link rate); rows without a peer show '-'."""
+    """Each run with servers (BackendSpec.service_nodes) against its ring peer, the run at the same N and link rate
+    whose step is a ring all-reduce (BackendSpec.all_reduce), and the all-reduce runs themselves; rows without a
+    peer show '-', runs of neither kind are left out."""
     def key(r: CrossoverRun) -> tuple[int, float]:
         return r["cfg"].backend.world_size, r["cfg"].cluster.link_mbps
-    ring = {key(r): r for r in found if r["cfg"].backend.kind == "ddp" and r["cfg"].backend.comm == "ring"}
+
+    def all_reduce(r: CrossoverRun) -> str | None:
+        return registry.spec_of(r["cfg"]).all_reduce(r["cfg"])
+
+    def servers(r: CrossoverRun) -> tuple[int, bool]:
+        """(k servers, whether they share the workers' nodes)"""
+        spec, cfg = registry.spec_of(r["cfg"]), r["cfg"]
+        k = spec.service_nodes(cfg)
+        return k, k > 0 and spec.service_beside(cfg, 0) is not None
+    ring = {key(r): r for r in found if all_reduce(r) == "ring"}
     lines = ["| link Mbit/s | N | architecture | step time measured \\| predicted | error | PS/ring measured \\| "
              "predicted | BytePS bound |", "|---:|---:|---|---:|---:|---:|---:|"]
-    for r in sorted(found, key=lambda r: (key(r)[1], key(r)[0], r["cfg"].backend.kind != "ddp", r["label"])):
-        b, peer = r["cfg"].backend, ring.get(key(r))
+    for r in sorted(found, key=lambda r: (key(r)[1], key(r)[0], all_reduce(r) is None, r["label"])):
+        (k, colocated), peer = servers(r), ring.get(key(r))
         ratio, ref = "-", "-"
-        if b.kind == "ps" and peer is not None:
+        if k and peer is not None:
             ratio = f"{r['measured_s'] / peer['measured_s']:.2f} \\| {r['predicted_s'] / peer['predicted_s']:.2f}"
-            ref = f"{bound(b.world_size, b.servers, b.server_placement == 'colocated'):.2f}"
-        elif b.kind != "ps" and b.kind != "ddp":
+            ref = f"{bound(key(r)[0], k, colocated):.2f}"
+        elif not k and all_reduce(r) is None:
             continue
         lines.append(f"| {key(r)[1]:g} | {key(r)[0]} | {r['label']} | {r['measured_s'] * 1e3:.0f} ms \\| "
                      f"{r['predicted_s'] * 1e3:.0f} ms | {(r['predicted_s'] / r['measured_s'] - 1) * 100:+.0f}% | "

@@ -10,10 +10,9 @@ import matplotlib.pyplot as plt
 from matplotlib.patches import Patch
 
 from psarch.records import Summary
-from psarch.report import curves
+from psarch.report import curves, nodes
 from psarch.report.style import Palette, legend_below, save
-from psarch.report.runs import (Run, predicted_rank0_memory, predicted_system_memory, predicted_worker_sent,
-                                server_memory, server_received_per_step, system_memory, worker_sent_per_step)
+from psarch.report.runs import Run, predicted_rank0_memory, predicted_worker_sent, worker_sent_per_step
 from psarch.throughput import LOCKSTEP, OWN_PACE
 from psarch.units import fmt_bytes
 
@@ -65,60 +64,75 @@ def value_label(ax: Any, y: int, value: float, text: str, tick: float | None = N
     ax.annotate(text, (x, y), xytext=(4, 0), textcoords="offset points", va="center", fontsize=7)
 
 
+def _serving(runs: list[Run], figure: str) -> list[str]:
+    """The roles whose nodes serve the ranks (a PS's servers) and measured `figure` in some run, in the runs'
+    order: a panel each."""
+    return list(dict.fromkeys(r.name for run in runs for r in nodes.serving(run["summary"])
+                              if r.mean(figure)[0] is not None))
+
+
+def _role_mean(run: Run, role: str, figure: str) -> tuple[float | None, float]:
+    """(measured, predicted) of one node of `role` in this run (nodes.Role.mean); (None, 0) where it has none."""
+    found = nodes.roles(run["summary"]).get(role)
+    measured, predicted = found.mean(figure) if found else (None, None)
+    return measured, predicted or 0.0
+
+
 def memory_figure(runs: list[Run], palette: Palette) -> Any:
-    """Model states per worker (rank 0) by category, per PS server, and the whole system (every worker and
-    server): a PS worker holds no optimizer state, but its servers do."""
-    has_servers = any(server_memory(r["summary"]) for r in runs)
-    fig, axes = _bars(runs, 3 if has_servers else 2)
+    """Model states per worker (rank 0) by category, per node of each serving role (a PS's servers), and the whole
+    system (every node of every role): a PS worker holds no optimizer state, but its servers do."""
+    serving = _serving(runs, "memory")
+    fig, axes = _bars(runs, 2 + len(serving))
     worker_ax, system_ax = axes[0], axes[-1]
     ends: dict[int, list[float]] = {id(ax): [] for ax in axes}
     for y, run in enumerate(runs):
         s, colour = run["summary"], palette.colour(run)
-        m, p = s["memory"]["per_rank"][0], s["predicted"]
+        m = s["memory"]["per_rank"][0]
         left = 0.0
         for cat, hatch in CATEGORIES:
             worker_ax.barh(y, m.get(cat, 0) / MIB, left=left, color=colour, hatch=hatch, edgecolor="white")
             left += m.get(cat, 0) / MIB
         _formula(worker_ax, y, predicted_rank0_memory(s) / MIB, y == 0)
         ends[id(worker_ax)] += [left, predicted_rank0_memory(s) / MIB]
-        servers = server_memory(s)
-        if has_servers and servers:
-            axes[1].barh(y, sum(servers) / len(servers) / MIB, color=colour)
-            _formula(axes[1], y, (p.get("server_memory") or 0) / MIB, False)
-            ends[id(axes[1])] += [sum(servers) / len(servers) / MIB, (p.get("server_memory") or 0) / MIB]
-        workers_total = sum(x["total"] for x in s["memory"]["per_rank"]) / MIB
-        system_ax.barh(y, workers_total, color=colour)
-        if servers:
-            system_ax.barh(y, system_memory(s) / MIB - workers_total, left=workers_total, color=colour, alpha=0.45,
+        for ax, role in zip(axes[1:], serving):
+            held, predicted = _role_mean(run, role, "memory")
+            if held is not None:
+                ax.barh(y, held / MIB, color=colour)
+                _formula(ax, y, predicted / MIB, False)
+                ends[id(ax)] += [held / MIB, predicted / MIB]
+        roles = nodes.roles(s).values()
+        ranks_total = sum(r.total("memory")[0] for r in roles if not r.serves) / MIB
+        measured, predicted = nodes.system(s)
+        system_ax.barh(y, ranks_total, color=colour)
+        if any(r.serves and r.measured for r in roles):
+            system_ax.barh(y, measured / MIB - ranks_total, left=ranks_total, color=colour, alpha=0.45,
                            hatch="oo", edgecolor="white")
-        _formula(system_ax, y, predicted_system_memory(s) / MIB, False)
-        ends[id(system_ax)] += [system_memory(s) / MIB, predicted_system_memory(s) / MIB]
+        _formula(system_ax, y, predicted / MIB, False)
+        ends[id(system_ax)] += [measured / MIB, predicted / MIB]
     worker_ax.set_title("one worker (rank 0), by category", fontsize=9)
-    if has_servers:
-        axes[1].set_title("one PS server (mean over servers)", fontsize=9)
-    system_ax.set_title("whole system: all workers + all servers", fontsize=9)
+    for ax, role in zip(axes[1:], serving):
+        ax.set_title(f"one {role} (mean over its nodes)", fontsize=9)
+    system_ax.set_title("whole system: every node of every role", fontsize=9)
     for ax in axes:
         ax.set_xlim(0, max(ends[id(ax)], default=1.0) * 1.08 or 1.0)   # no bar runs into the frame
         ax.set_xlabel("model states (MiB)", fontsize=8)
     _run_ticks(worker_ax, runs, palette)
     shown = [cat for cat, _ in CATEGORIES if any(r["summary"]["memory"]["per_rank"][0].get(cat) for r in runs)]
     legend_below(fig, [worker_ax], {cat: Patch(facecolor="0.55", hatch=h, edgecolor="white")
-                                    for cat, h in CATEGORIES + (("servers", "oo"),)
-                                    if cat in shown or cat == "servers" and has_servers})
+                                    for cat, h in CATEGORIES + ((" + ".join(serving), "oo"),)
+                                    if cat in shown or cat == " + ".join(serving) and serving})
     return fig
 
 
 def traffic_figure(runs: list[Run], palette: Palette) -> Any:
-    """Bytes one worker sends per step and one PS server receives per step, beside theory's, each bar's value
-    written beside it; a log axis where the bars span orders of magnitude."""
-    has_servers = any(server_received_per_step(r["summary"]) is not None for r in runs)
-    fig, axes = _bars(runs, 2 if has_servers else 1)
-    # (measured, predicted) per run; a run without servers has no measured server bytes
+    """Bytes one worker sends per step and one node of each serving role (a PS's servers) receives per step,
+    beside theory's, each bar's value written beside it; a log axis where the bars span orders of magnitude."""
+    serving = _serving(runs, "received")
+    fig, axes = _bars(runs, 1 + len(serving))
+    # (measured, predicted) per run; a run without the role has no measured bytes
     panels: list[list[tuple[float | None, float]]] = [
         [(worker_sent_per_step(r["summary"]), predicted_worker_sent(r["summary"])) for r in runs]]
-    if has_servers:
-        panels.append([(server_received_per_step(r["summary"]),
-                        r["summary"]["predicted"]["traffic_per_step"].get("server_received", 0)) for r in runs])
+    panels += [[_role_mean(r, role, "received") for r in runs] for role in serving]
     for i, (ax, bars) in enumerate(zip(axes, panels)):
         unit = frame(ax, [b / MIB for pair in bars for b in pair if b is not None], "MiB per step")
         for y, (run, (value, predicted)) in enumerate(zip(runs, bars)):
@@ -131,8 +145,8 @@ def traffic_figure(runs: list[Run], palette: Palette) -> Any:
             value_label(ax, y, value / MIB, fmt_bytes(value), predicted / MIB)
         ax.set_xlabel(unit, fontsize=8)
     axes[0].set_title("one worker: sent per step (mean over workers)", fontsize=9)
-    if has_servers:
-        axes[1].set_title("one PS server: received per step\n(run total incl. set-up / steps)", fontsize=9)
+    for ax, role in zip(axes[1:], serving):
+        ax.set_title(f"one {role}: received per step\n(run total incl. set-up / steps)", fontsize=9)
     _run_ticks(axes[0], runs, palette)
     legend_below(fig, list(axes))
     return fig

@@ -13,6 +13,7 @@ from typing import Any, Callable, TypedDict, TypeVar, cast
 from psarch import throughput
 from psarch.config import Config, from_record
 from psarch.launch.outputs import identity
+from psarch.report import nodes
 from psarch.throughput import warmup_steps
 from psarch.records import MetricsRow, Summary
 from psarch.theory import predict
@@ -105,52 +106,19 @@ def step_clock(rows: list[MetricsRow]) -> list[float]:
 
 
 def worker_sent_per_step(summary: Summary) -> float:
-    """Bytes one worker sent per step, mean over workers of each one's `sent_per_step`."""
-    tr = summary["traffic"]["per_rank"]
-    return sum(t["sent_per_step"] for t in tr) / len(tr)
+    """Bytes one worker sent per step, mean over the ranks (every training role's nodes) of each one's."""
+    return nodes.ranks_mean(summary, "sent")[0] or 0.0
 
 
 def predicted_worker_sent(summary: Summary) -> float:
-    """Theory's bytes one worker sends per step, as worker_sent_per_step measures them: the mean over the
-    ranks where ranks differ (Prediction.per_rank), else every worker's."""
-    p = summary["predicted"]
-    if p.get("per_rank"):
-        return sum(r["sent"] for r in p["per_rank"]) / len(p["per_rank"])
-    return p["traffic_per_step"]["worker_sent"]
+    """Theory's bytes one worker sends per step, as worker_sent_per_step measures them: the mean over the ranks
+    of each one's (its role's)."""
+    return nodes.ranks_mean(summary, "sent")[1] or 0.0
 
 
 def predicted_rank0_memory(summary: Summary) -> float:
-    """Theory's model-state bytes of rank 0 (its own where ranks differ)."""
-    p = summary["predicted"]
-    return p["per_rank"][0]["memory"]["total"] if p.get("per_rank") else p["memory_per_rank"]["total"]
-
-
-def server_received_per_step(summary: Summary) -> float | None:
-    """Bytes one PS server received per step: the servers' run totals (set-up included), mean over
-    servers, divided by the steps; None without servers."""
-    servers = summary.get("traffic", {}).get("servers") or []
-    if not servers:
-        return None
-    return sum(x["received"] for x in servers) / len(servers) / max(1, summary["steps"])
-
-
-def server_memory(summary: Summary) -> list[float]:
-    """Each PS server's model-state bytes (its parameter range and optimizer state); [] without servers."""
-    return [m["total"] for m in summary.get("memory", {}).get("servers") or []]
-
-
-def system_memory(summary: Summary) -> float:
-    """Model-state bytes of the whole system: every worker's plus every server's."""
-    return sum(m["total"] for m in summary["memory"]["per_rank"]) + sum(server_memory(summary))
-
-
-def predicted_system_memory(summary: Summary) -> float:
-    """Theory's model-state bytes of the whole system: N workers' plus the servers'."""
-    p = summary["predicted"]
-    servers = summary.get("servers") or 0
-    workers = sum(r["memory"]["total"] for r in p["per_rank"]) if p.get("per_rank") else \
-        summary["world_size"] * p["memory_per_rank"]["total"]
-    return workers + servers * (p.get("server_memory") or 0.0)
+    """Theory's model-state bytes of rank 0 (its role's)."""
+    return float(nodes.predicted_of_rank(summary, 0)["memory"]["total"])
 
 
 def workload_of(run: Run) -> str:

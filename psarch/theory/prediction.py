@@ -49,13 +49,20 @@ class NodePrediction:
     per step, and the backend's own figures of it, each measured under the same name in summary.json's `extra` (a
     pipeline stage's idle fraction and activations held, a tensor rank's blocks' activation bytes). `ranks`: the
     training ranks the role stands for (none: a node that serves them, as a PS server); `host`: the role whose
-    device this node shares, where it has none of its own (a server colocated with a worker)."""
+    device this node shares, where it has none of its own (a server colocated with a worker); `instances`: how many
+    nodes play a role without ranks (a PS's k servers; a role with ranks has one node per rank)."""
 
     memory: MemoryPrediction
     link: LinkBytes = field(default_factory=LinkBytes)
     figures: dict[str, float] = field(default_factory=dict)
     ranks: Sequence[int] = ()
     host: str | None = None
+    instances: int = 1
+
+    @property
+    def count(self) -> int:
+        """How many nodes play this role: one per rank, else `instances`."""
+        return len(self.ranks) or self.instances
 
     def to_dict(self) -> dict[str, Any]:
         return {"memory": self.memory.to_dict(), "sent": self.link.sent, "received": self.link.received,
@@ -132,7 +139,8 @@ class Prediction:
     def to_dict(self) -> Predicted:
         """The `predicted` entry of summary.json, in the keys readers know: the fullest rank's memory, the busiest
         rank's link as `worker_sent`/`worker_received`, each serving role's link and memory under its own name
-        (`server_sent`, `server_received`, `server_memory`), and every rank's where ranks are told apart."""
+        (`server_sent`, `server_received`, `server_memory`), and every rank's where ranks are told apart; and
+        `nodes`: each role's node by its name, with the ranks it stands for, how many nodes play it and its host."""
         link = self.link
         traffic = {"worker_sent": link.sent, "worker_received": link.received}
         out: dict[str, Any] = {"memory_per_rank": self.memory_per_rank.to_dict(), "traffic_per_step": traffic,
@@ -143,4 +151,6 @@ class Prediction:
         per_rank = self.per_rank
         if per_rank is not None:
             out["per_rank"] = [node.to_dict() for node in per_rank]
+        out["nodes"] = {name: {**node.to_dict(), "ranks": list(node.ranks), "count": node.count, "host": node.host}
+                        for name, node in self.nodes.items()}
         return cast(Predicted, out)
