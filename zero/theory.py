@@ -59,7 +59,8 @@ _UNITS: dict[str, tuple[list[tuple[int, int]], list[bool], list[int]]] = {}   # 
 
 def _units(cfg: Config) -> tuple[list[tuple[int, int]], list[bool], list[int]]:
     """unit_sizes, backward_reaches and forward_order, from one forward of the model on the meta device (once per
-    model and subset; the global random state left as it was: a trainer reads the order too)."""
+    model and subset; the global random state left as it was: a trainer reads the order too), where it trains a
+    subset or is the user's own (a factory's)."""
     from psarch.config.backend import units_attr
     from psarch.theory import table_params
 
@@ -68,13 +69,17 @@ def _units(cfg: Config) -> tuple[list[tuple[int, int]], list[bool], list[int]]:
     if key not in _UNITS:
         import torch
 
-        from psarch.model_units import find_units, forward_reach
-        from psarch.workload import theory_loss
+        from psarch.model_units import ForwardReach, find_units, forward_reach
+        from psarch.workload import theory_loss, theory_model
 
+        # a built-in model training everything runs every block, in the order registered, and backward reaches each
+        # (a meta forward costs seconds: torch imports its compiler for it); test_zero3_backward_reach checks this
+        runs = trains_a_subset(cfg) or bool(cfg.workload.factory)
         with torch.random.fork_rng(devices=[]):   # a model's build seeds torch's generator
-            model, loss = theory_loss(cfg)
+            model, loss = theory_loss(cfg) if runs else (theory_model(cfg), None)
             units = find_units(model, units_attr(b), frozen_too=True)
-            ran = forward_reach(model, units, loss)
+            ran = forward_reach(model, units, loss) if loss else ForwardReach([*range(1, len(units)), 0],
+                                                                              [True] * len(units))
         sizes = [(sum(p.numel() for p in u.params), sum(p.numel() for p in u.frozen)) for u in units]
         if b.embeddings == "ps":
             sizes[0] = (sizes[0][0] - int(table_params(cfg)), sizes[0][1])
@@ -91,15 +96,15 @@ def unit_sizes(cfg: Config) -> list[tuple[int, int]]:
 
 def backward_reaches(cfg: Config) -> list[bool]:
     """Whether backward reaches each unit of unit_sizes (zero/stage3.py gathers no other in backward): whether the
-    unit's output requires grad in a forward of the model on the meta device (psarch.model_units.forward_reach), as
+    unit's output requires grad in a forward of the model on the meta device (_units, forward_reach), as
     the trainer decides from its own forward's outputs: a parameter that trains is used in the unit or upstream of
     it (a unit that never runs is not reached)."""
     return list(_units(cfg)[1])
 
 
 def forward_order(cfg: Config) -> list[int]:
-    """The units of unit_sizes in the order their forward ends in that forward, the root last (left out: a unit
-    that never runs): the order zero/stage3.py gathers and prefetches them in, as FSDP2 does (zero/trainer.py)."""
+    """The units of unit_sizes in the order their forward ends in that forward (_units), the root last (left out: a
+    unit that never runs): the order zero/stage3.py gathers and prefetches them in, as FSDP2 does (zero/trainer.py)."""
     return list(_units(cfg)[2])
 
 
