@@ -274,3 +274,28 @@ def dropout_regression(cfg) -> psarch.Workload:
         return x + 0.01 * noise, y
 
     return psarch.Workload(model, wl.loss_fn, batch, wl.entropy_floor, "dropout")
+
+
+class ShuffledBlocks(nn.Module):
+    """Blocks registered 0, 1, 2, 3 (each of its own width) and run 2, 0, 1: block 3 never runs, and the order forward
+    runs them in is not the order they are registered in. Every parameter's first dimension is even: at N = 2 neither
+    ZeRO-3 nor FSDP2 pads, so bytes counted are bytes predicted to the byte."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp = nn.Linear(6, 8)
+        self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(8, h), nn.Tanh(), nn.Linear(h, 8)) for h in (4, 8, 12, 16))
+        self.head = nn.Linear(8, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.inp(x)
+        for i in (2, 0, 1):
+            x = self.blocks[i](x)
+        return self.head(x).sum(-1, keepdim=True)
+
+
+def shuffled_blocks(cfg) -> psarch.Workload:
+    """regression's data and loss through ShuffledBlocks."""
+    wl = regression(cfg)
+    torch.manual_seed(cfg.seed)
+    return psarch.Workload(ShuffledBlocks(), wl.loss_fn, wl.batch, wl.entropy_floor, "shuffled")

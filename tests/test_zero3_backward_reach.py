@@ -157,18 +157,16 @@ def test_backward_reaches_the_units_a_real_backward_reaches(case):
     assert forward_order(cfg) == ended + [0]
 
 
-def test_fsdp2s_program_takes_the_units_in_forward_order(monkeypatch):
-    """FSDP2 prefetches the unit after a unit in forward's order: its program lists the units in that order (the
-    root first), not in the order they were registered, where the two differ (a model whose forward runs its
-    blocks in another order than it registers them)."""
+def test_zero3_programs_take_the_units_in_forward_order(monkeypatch):
+    """FSDP2 prefetches the unit after a unit in forward's order, and psarch's ZeRO-3 gathers by it too (zero/stage3.py,
+    given theory.forward_order): both programs list the units in that order (the root first), not in the order they
+    were registered in, where the two differ (a model whose forward runs its blocks in another order than it registers
+    them), and leave out a unit forward never runs."""
     from zero import spec, theory
     cfg = _config({})
     sizes = theory.unit_sizes(cfg)
     assert len(sizes) >= 3
-    registered = spec._units(cfg)[0]
-    assert registered == [s for s in sizes if s[0] or s[1]]
-    ran = list(reversed(range(1, len(sizes))))   # the blocks' forwards in the reverse of their registration
+    assert spec._units(cfg)[0] == sizes   # the GPT runs its blocks as it registers them
+    ran = list(reversed(range(2, len(sizes))))   # the blocks' forwards in the reverse of their registration, 1 unrun
     monkeypatch.setattr(theory, "forward_order", lambda c: ran + [0])
-    expected = [sizes[0]] + [sizes[i] for i in ran if sizes[i][0] or sizes[i][1]]
-    assert spec._units(cfg, in_forward_order=True)[0] == expected
-    assert spec._units(cfg)[0] == registered   # psarch's own ZeRO-3 gathers in registration order
+    assert spec._units(cfg)[0] == [sizes[0]] + [sizes[i] for i in ran]

@@ -15,6 +15,7 @@ kept gathered). A unit's frozen weights (train.trainable, LoRA's base; `frozen`:
 after its trainable ones, in a collective of their own, both times, and never reduce-scattered; a unit of frozen
 weights only reduces nothing. A unit backward never reaches (it trains nothing, nor does any before it: `reached`)
 has no backward: psarch's ZeRO-3 does not gather it there, FSDP2 only where the unit after it prefetches it.
+Both take the units in the order forward runs them (zero/spec.py's _units), and neither has a unit forward never runs.
 Compute is shared among units by the bytes they gather (backward's among the units it reaches)."""
 from __future__ import annotations
 

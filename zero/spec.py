@@ -81,9 +81,11 @@ class ZeroSpec(RingHops, PSTablesServices, BackendSpec):
         if cfg.backend.embeddings == "ps":   # ZeRO over the dense layers, the tables on the servers
             from collective.theory import with_ps_tables
             dense = phi - table_params(cfg)
-            p = with_ps_tables(theory.zero(cfg, dense, stage, theory.passes(stage)), cfg, phi)
+            p = theory.zero(cfg, dense, stage, theory.passes(stage))
+            p = with_ps_tables(theory.without_never_run(p, cfg, dense) if stage == 3 else p, cfg, phi)
         else:
             p = theory.zero(cfg, phi, stage, theory.passes(stage))
+            p = theory.without_never_run(p, cfg, phi) if stage == 3 else p   # its trainer skips them too
         return theory.zero3_frozen(p, cfg) if stage == 3 else p   # stages 1-2 keep frozen weights whole
 
     def compute_holds_waits(self, cfg: Config) -> bool:
@@ -92,7 +94,7 @@ class ZeroSpec(RingHops, PSTablesServices, BackendSpec):
     def program(self, cfg: Config, phi: float, step: Any, reduced: bool = False) -> Any:
         """zero/program.py's step: stages 1-2 in buckets of reduce_bucket_size and allgather_bucket_size elements;
         stage 3 unit by unit as zero/stage3.py gathers, prefetches and reduce-scatters them (zero3_script), over
-        the config's model's units (theory.unit_sizes), those that train scaled to Φ = phi and the frozen ones
+        the config's model's units in forward's order (_units), those that train scaled to Φ = phi and the frozen ones
         gathered with them, each unit padded to N as zero/frozen.py shards it, backward gathering only the units it
         reaches (theory.backward_reaches); embedding tables on PS servers: each
         rank's rows pulled before forward, pushed after backward. The reduce-scatters move gradient_width's bytes per
@@ -111,7 +113,7 @@ class ZeroSpec(RingHops, PSTablesServices, BackendSpec):
             from zero.stage12 import MAX_IN_FLIGHT
 
             sizes, reached = _units(cfg)
-            trains = sum(t for t, _ in sizes) or 1
+            trains = sum(t for t, _ in theory.unit_sizes(cfg)) or 1   # those left out included
             frozen = [float(width * theory.padded_size(f, n)) for _, f in sizes] if theory.trains_a_subset(cfg) else None
             script = zero3_script([s * t / trains for t, _ in sizes], step, b.prefetch_bucket_size * width,
                                   b.overlap_comm, MAX_IN_FLIGHT, frozen, grad_share, reached)
@@ -173,33 +175,29 @@ class TorchFSDPSpec(BackendSpec):
         return True   # FSDP2's collectives run inside forward, backward and its step, where nothing times them
 
     def program(self, cfg: Config, phi: float, step: Any, reduced: bool = False) -> Any:
-        """zero/program.py's ZeRO-3 step over the model's units (root first, its parameters kept gathered from
-        forward through backward, as FSDP2 keeps the root's), those that train scaled to Φ = phi and the frozen ones
+        """zero/program.py's ZeRO-3 step over the model's units in forward's order (_units; the root first, kept
+        gathered from forward through backward, as FSDP2 keeps the root's), those that train scaled to Φ = phi and the frozen ones
         gathered with them, each unit's all-gather issued as the unit before it starts (FSDP2's prefetch of one); the
         reduce-scatters in gradient_width's bytes (2 where train.compression casts: FSDP2's reduce_dtype); backward
         reaches only the units theory.backward_reaches names."""
         from zero.program import stage3_program
 
         width = BYTES[cfg.train.precision]
-        sizes, reached = _units(cfg, in_forward_order=True)
-        trains = sum(t for t, _ in sizes) or 1
+        sizes, reached = _units(cfg)
+        trains = sum(t for t, _ in theory.unit_sizes(cfg)) or 1   # those left out included
         return stage3_program(cfg.backend.world_size, [phi * width * t / trains for t, _ in sizes], step, reduced,
                               prefetch=1, keep_first=True, frozen=[width * f for _, f in sizes],
                               grad_share=theory.gradient_width(cfg) / width, reached=reached)
 
 
-def _units(cfg: Config, in_forward_order: bool = False) -> tuple[list[tuple[int, int]], list[bool]]:
-    """The model's units that hold a parameter (the root always, first), as (trainable, frozen) sizes, and whether
-    backward reaches each (theory.unit_sizes, theory.backward_reaches); in the order they are registered, or
-    (in_forward_order: FSDP2 prefetches by it) the order their forwards run in (theory.forward_order; a unit that
-    never runs last)."""
+def _units(cfg: Config) -> tuple[list[tuple[int, int]], list[bool]]:
+    """The model's units as (trainable, frozen) sizes and whether backward reaches each (theory.unit_sizes,
+    theory.backward_reaches), the root first, then the blocks in the order their forwards run (theory.forward_order:
+    zero/stage3.py gathers and prefetches by it, as FSDP2 does); a unit forward never runs is left out (neither
+    gathers it: theory.never_run)."""
     sizes, reached = theory.unit_sizes(cfg), theory.backward_reaches(cfg)
-    order = list(range(len(sizes)))
-    if in_forward_order:
-        ran = [i for i in theory.forward_order(cfg) if i]
-        order = [0] + ran + [i for i in order[1:] if i not in ran]
-    kept = [(sizes[i], reached[i]) for i in order if i == 0 or sizes[i][0] or sizes[i][1]]
-    return [size for size, _ in kept], [r for _, r in kept]
+    order = [0] + [i for i in theory.forward_order(cfg) if i]
+    return [sizes[i] for i in order], [reached[i] for i in order]
 
 
 ZERO = ZeroSpec()

@@ -30,6 +30,8 @@ kept, with its gradient buffer, until backward has ended; its reduce-scatter, an
 reduce order, then run after backward.
 With overlap_comm = false the reduce-scatters block in the hook; prefetch_bucket_size = 0 turns
 prefetching off (every gather then waits where the unit is needed): the plain schedule.
+Units are gathered and prefetched in the order forward runs them (`order`: zero.theory.forward_order, as FSDP2 does),
+not as registered; a unit forward never runs is neither gathered nor reduce-scattered (its gradient chunk is zero).
 All collectives are issued in the same order on every rank (they follow the model's execution, which is
 the same everywhere), and the ring runs them FIFO on its thread, overlapping the main thread's compute.
 """
@@ -58,7 +60,7 @@ class Stage3:
     """Sharded parameters, gathered unit by unit around forward and backward, on one rank."""
 
     def __init__(self, model: nn.Module, units: list[Unit], comm: Communicator, prefetch_numel: int,
-                 overlap_comm: bool, compression: str = "none") -> None:
+                 overlap_comm: bool, compression: str = "none", order: list[int] | None = None) -> None:
         self.comm, self.rank, self.n = comm, comm.rank, comm.world_size
         self.units, self.prefetch_numel, self.overlap = units, prefetch_numel, overlap_comm
         self.part = Partition([u.params for u in units], self.n)
@@ -85,9 +87,10 @@ class Stage3:
         self._pending: list[tuple[Handle | None, int, Land]] = []   # (handle, unit, what lands its reduced chunk)
         self._group_of = {id(p): g for g in self.part.groups for p in g.params}
         self._index_in_group = {id(p): i for g in self.part.groups for i, p in enumerate(g.params)}
-        self.forward_order = list(range(1, len(units)))          # blocks, as registered
+        self.forward_order = list(range(1, len(units))) if order is None else [i for i in order if i]   # blocks run
+        self.idle = set(range(1, len(units))) - set(self.forward_order)   # units forward never runs
         self.backward_order = [0] + self.forward_order[::-1]      # the order units start backward
-        self.reduce_order = self.forward_order[::-1] + [0]        # the order their gradients complete
+        self.reduce_order = self.forward_order[::-1] + [0] + sorted(self.idle)   # the order their gradients complete
         self._next = 0
         self._bwd_started: set[int] = set()
         self._reached: set[int] = set()      # units whose output requires grad in this forward: backward reaches them
@@ -194,8 +197,7 @@ class Stage3:
         def hook(module: nn.Module, args: Any) -> None:
             if self.phase == "forward":
                 self.ensure(i)
-                pos = self.forward_order.index(i)
-                self._prefetch(self.forward_order[pos + 1:])
+                self._prefetch(_after(self.forward_order, i))
         return hook
 
     def _unit_post(self, i: int):
@@ -232,8 +234,7 @@ class Stage3:
         self.phase = "backward"
         self.ensure(i)
         self._grad_views(i)
-        pos = self.backward_order.index(i)
-        self._prefetch([k for k in self.backward_order[pos + 1:] if k in self._reached])
+        self._prefetch([k for k in _after(self.backward_order, i) if k in self._reached])
 
     def _grad_views(self, i: int) -> None:
         """Unit i's gradient buffer (made once a step), its parameters' gradients views into it."""
@@ -261,11 +262,12 @@ class Stage3:
     def _reduce(self, i: int) -> bool:
         """Reduce-scatter unit i's gradients (whether one was launched: a unit of frozen weights only has none)."""
         self._next += 1
-        if not self.trains[i]:
-            self._release(i)
-            return False
         g = self.part.groups[i]
         buf = self._grads.get(i)
+        if not self.trains[i] or buf is None and i in self.idle:   # frozen only, or never run (on any rank): no gradient
+            self.part.shard_chunk(g, self.shard_grad).zero_()
+            self._release(i)
+            return False
         if buf is None:  # no gradient reached this unit: reduce zeros, as every rank does
             buf = self._grads[i] = torch.zeros(g.padded, dtype=self.shard.dtype, device=self.shard.device)
             self.transient.add("grads", buf.numel() * buf.element_size())
@@ -338,3 +340,8 @@ class Stage3:
     def close(self) -> None:
         for h in self._hooks:
             h.remove()
+
+
+def _after(order: list[int], i: int) -> list[int]:
+    """The units after unit i in `order` (none where i is not in it: a unit run though forward's order had not)."""
+    return order[order.index(i) + 1:] if i in order else []

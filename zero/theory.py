@@ -11,7 +11,8 @@ forward and again in backward, and never reduce-scatters them, but for the units
 (backward_reaches: no parameter that trains is used in them or upstream of them), gathered in forward only (FSDP2:
 unless the unit after them prefetches them, fsdp2_backward_gathers); stages 1-2 and torch_zero keep them whole
 (psarch.theory.predict). FSDP2 keeps its root gathered from forward through backward: its root moves in forward only
-(fsdp2)."""
+(fsdp2). A unit forward never runs (a block registered and unused: never_run) is neither all-gathered nor
+reduce-scattered, by either (without_never_run)."""
 from __future__ import annotations
 
 import math
@@ -57,26 +58,31 @@ _UNITS: dict[str, tuple[list[tuple[int, int]], list[bool], list[int]]] = {}   # 
 
 
 def _units(cfg: Config) -> tuple[list[tuple[int, int]], list[bool], list[int]]:
-    """unit_sizes, backward_reaches and forward_order, from the model on the meta device and, where it trains a
-    subset, one forward of it (once per model and subset)."""
+    """unit_sizes, backward_reaches and forward_order, from one forward of the model on the meta device (once per
+    model and subset; the global random state left as it was: a trainer reads the order too), where it trains a
+    subset or is the user's own (a factory's)."""
     from psarch.config.backend import units_attr
     from psarch.theory import table_params
 
     t, b = cfg.train, cfg.backend
     key = repr((cfg.workload, t.trainable, t.lora_rank, t.lora_targets, units_attr(b), b.embeddings))
     if key not in _UNITS:
+        import torch
+
         from psarch.model_units import ForwardReach, find_units, forward_reach
         from psarch.workload import theory_loss, theory_model
 
-        subset = trains_a_subset(cfg)
-        model, loss = theory_loss(cfg) if subset else (theory_model(cfg), None)
-        units = find_units(model, units_attr(b), frozen_too=True)
+        # a built-in model training everything runs every block, in the order registered, and backward reaches each
+        # (a meta forward costs seconds: torch imports its compiler for it); test_zero3_backward_reach checks this
+        runs = trains_a_subset(cfg) or bool(cfg.workload.factory)
+        with torch.random.fork_rng(devices=[]):   # a model's build seeds torch's generator
+            model, loss = theory_loss(cfg) if runs else (theory_model(cfg), None)
+            units = find_units(model, units_attr(b), frozen_too=True)
+            ran = forward_reach(model, units, loss) if loss else ForwardReach([*range(1, len(units)), 0],
+                                                                              [True] * len(units))
         sizes = [(sum(p.numel() for p in u.params), sum(p.numel() for p in u.frozen)) for u in units]
         if b.embeddings == "ps":
             sizes[0] = (sizes[0][0] - int(table_params(cfg)), sizes[0][1])
-        # nothing frozen: every unit trains, so backward reaches each (a meta forward of a large GPT costs seconds)
-        ran = forward_reach(model, units, loss) if loss else ForwardReach([*range(1, len(units)), 0],
-                                                                          [True] * len(units))
         _UNITS[key] = (sizes, ran.reached, ran.order)
     return _UNITS[key]
 
@@ -89,18 +95,41 @@ def unit_sizes(cfg: Config) -> list[tuple[int, int]]:
 
 
 def backward_reaches(cfg: Config) -> list[bool]:
-    """Whether backward reaches each unit of unit_sizes (zero/stage3.py gathers no other in backward): where the
-    config trains a subset, whether the unit's output requires grad in a forward of the model on the meta device
-    (psarch.model_units.forward_reach), as the trainer decides from its own forward's outputs: a parameter that
-    trains is used in the unit or upstream of it (a unit that never runs is not reached); with nothing frozen every
-    unit trains, and each is reached."""
+    """Whether backward reaches each unit of unit_sizes (zero/stage3.py gathers no other in backward): whether the
+    unit's output requires grad in a forward of the model on the meta device (_units, forward_reach), as
+    the trainer decides from its own forward's outputs: a parameter that trains is used in the unit or upstream of
+    it (a unit that never runs is not reached)."""
     return list(_units(cfg)[1])
 
 
 def forward_order(cfg: Config) -> list[int]:
-    """The units of unit_sizes in the order their forward ends in that forward, the root last (left out: a unit
-    that never runs); with nothing frozen (no forward run) the order they are registered in."""
+    """The units of unit_sizes in the order their forward ends in that forward (_units), the root last (left out: a
+    unit that never runs): the order zero/stage3.py gathers and prefetches them in, as FSDP2 does (zero/trainer.py)."""
     return list(_units(cfg)[2])
+
+
+def forward_runs(cfg: Config) -> list[bool]:
+    """Whether that forward runs each unit of unit_sizes (the root always: the model's own forward)."""
+    ran = set(forward_order(cfg))
+    return [i == 0 or i in ran for i in range(len(unit_sizes(cfg)))]
+
+
+def never_run(cfg: Config) -> tuple[int, int]:
+    """(trainable, frozen) elements of the units forward never runs (a block registered and unused): neither
+    zero/stage3.py nor FSDP2 all-gathers them, nor reduce-scatters their gradients (they get none)."""
+    idle = [size for size, runs in zip(unit_sizes(cfg), forward_runs(cfg)) if not runs]
+    return sum(t for t, _ in idle), sum(f for _, f in idle)
+
+
+def without_never_run(p: Prediction, cfg: Config, phi: float) -> Prediction:
+    """`p` (ZeRO-3's three passes over Φ = phi trainable elements) less those passes over the units forward never
+    runs (never_run): two all-gathers in the compute dtype, one reduce-scatter in gradient_width's bytes."""
+    idle = never_run(cfg)[0]
+    if p.rounds and idle:
+        n, trains = cfg.backend.world_size, sum(t for t, _ in unit_sizes(cfg)) or 1
+        v = p.link.sent - (n - 1) / n * phi * idle / trains * (2 * BYTES[cfg.train.precision] + gradient_width(cfg))
+        p.nodes["worker"].link = LinkBytes(v, v)
+    return p
 
 
 def unit_shares(cfg: Config) -> list[float]:
@@ -115,13 +144,14 @@ def trains_a_subset(cfg: Config) -> bool:
     return bool(cfg.train.trainable or cfg.train.lora_rank)
 
 
-def zero3_frozen_chunks(cfg: Config, reached_only: bool = False) -> int:
+def zero3_frozen_chunks(cfg: Config, kept: list[bool] | None = None) -> int:
     """Frozen elements one ZeRO-3 rank keeps: its chunk of each unit's frozen weights, each unit padded to N
-    (zero.partition; zero/frozen.py); reached_only: of the units backward reaches, those gathered again there."""
+    (zero.partition; zero/frozen.py); `kept`: of those units only (forward_runs: gathered in forward;
+    backward_reaches: gathered again in backward)."""
     if not trains_a_subset(cfg):
         return 0
     n = cfg.backend.world_size
-    kept = backward_reaches(cfg) if reached_only else [True] * len(unit_sizes(cfg))
+    kept = kept or [True] * len(unit_sizes(cfg))
     return sum(padded_size(f, n) // n for (_, f), keep in zip(unit_sizes(cfg), kept) if f and keep)
 
 
@@ -157,10 +187,11 @@ def with_sharded_frozen(p: Prediction, cfg: Config, held: float, forward_sent: f
 
 def zero3_frozen(p: Prediction, cfg: Config) -> Prediction:
     """psarch's ZeRO-3: each rank's chunks of the frozen groups, N - 1 chunks sent per all-gather (padding included,
-    as the ring sends it): all of them in forward, in backward those of the units it reaches (zero/stage3.py)."""
+    as the ring sends it): in forward those of the units it runs, in backward those of the units it reaches
+    (zero/stage3.py)."""
     n = cfg.backend.world_size
-    return with_sharded_frozen(p, cfg, zero3_frozen_chunks(cfg), (n - 1) * zero3_frozen_chunks(cfg),
-                               (n - 1) * zero3_frozen_chunks(cfg, reached_only=True))
+    return with_sharded_frozen(p, cfg, zero3_frozen_chunks(cfg), (n - 1) * zero3_frozen_chunks(cfg, forward_runs(cfg)),
+                               (n - 1) * zero3_frozen_chunks(cfg, backward_reaches(cfg)))
 
 
 def fsdp2_backward_gathers(cfg: Config) -> list[bool]:
@@ -177,26 +208,29 @@ def fsdp2_backward_gathers(cfg: Config) -> list[bool]:
 
 def fsdp2_forward_only(cfg: Config) -> tuple[int, int]:
     """(trainable, frozen) elements of the units FSDP2 all-gathers in forward only (fsdp2_backward_gathers): the
-    root's, and the frozen weights of the blocks backward neither reaches nor prefetches."""
-    once = [(t, f) for (t, f), again in zip(unit_sizes(cfg), fsdp2_backward_gathers(cfg)) if not again]
+    root's, and the frozen weights of the blocks forward runs and backward neither reaches nor prefetches."""
+    once = [(t, f) for (t, f), again, runs in zip(unit_sizes(cfg), fsdp2_backward_gathers(cfg), forward_runs(cfg))
+            if runs and not again]
     return sum(t for t, _ in once), sum(f for _, f in once)
 
 
 def fsdp2(cfg: Config, phi: float) -> Prediction:
     """torch_fsdp: ZeRO-3's three passes over Φ = phi (zero) less the backward all-gather of the root's trainable
-    share of it (FSDP2 gathers the root once a step: fsdp2_backward_gathers), with its frozen weights (fsdp2_frozen)."""
+    share of it (FSDP2 gathers the root once a step: fsdp2_backward_gathers) and the passes over the units forward
+    never runs (without_never_run), with its frozen weights (fsdp2_frozen)."""
     p, n = zero(cfg, phi, 3, 3), cfg.backend.world_size
     if p.rounds:
         trains = sum(t for t, _ in unit_sizes(cfg)) or 1
         v = p.link.sent - (n - 1) / n * phi * fsdp2_forward_only(cfg)[0] / trains * BYTES[cfg.train.precision]
         p.nodes["worker"].link = LinkBytes(v, v)
-    return fsdp2_frozen(p, cfg)
+    return fsdp2_frozen(without_never_run(p, cfg, phi), cfg)
 
 
 def fsdp2_frozen(p: Prediction, cfg: Config) -> Prediction:
     """torch_fsdp's frozen weights: FSDP2's padded rows held; its all-gathers modelled as its trainable ones are
-    (TorchFSDPTrainer's meter), (N - 1)/N of the frozen elements per pass, the backward's without those it gathers
-    in forward only (fsdp2_forward_only)."""
+    (TorchFSDPTrainer's meter), (N - 1)/N of the frozen elements per pass: in forward those of the units it runs, in
+    backward less those it gathers in forward only (fsdp2_forward_only)."""
     n, frozen = cfg.backend.world_size, sum(math.prod(s) for s in _frozen_shapes(cfg))
+    ran = frozen - never_run(cfg)[1] if frozen else 0
     once = fsdp2_forward_only(cfg)[1] if frozen else 0
-    return with_sharded_frozen(p, cfg, fsdp2_frozen_rows(cfg), (n - 1) / n * frozen, (n - 1) / n * (frozen - once))
+    return with_sharded_frozen(p, cfg, fsdp2_frozen_rows(cfg), (n - 1) / n * ran, (n - 1) / n * (ran - once))

@@ -37,7 +37,7 @@ from psarch.trainer import consolidated_state
 from psarch.trainer import MemoryReport, StepStats, Trainer, TrafficReport
 from psarch.workload import Workload
 from psarch.model_units import find_units
-from zero.theory import fsdp2_forward_only, gradient_width
+from zero.theory import fsdp2_forward_only, gradient_width, never_run
 
 
 def optimizer_spec(cfg: Config) -> tuple[type[torch.optim.Optimizer], dict[str, Any]]:
@@ -166,6 +166,10 @@ class TorchFSDPTrainer(Trainer):
         # the root (kept gathered through backward) and the frozen weights of the units backward never reaches (nor
         # prefetches) are gathered in forward only
         self.once_payload = sum(fsdp2_forward_only(cfg)) * BYTES[cfg.train.precision]
+        idle, idle_frozen = never_run(cfg)   # units forward never runs: FSDP2 neither gathers nor reduces them
+        self.payload -= idle * BYTES[cfg.train.precision]
+        self.frozen_payload -= idle_frozen * BYTES[cfg.train.precision]
+        self.grad_payload -= idle * gradient_width(cfg)
 
     def step(self, batch: Any) -> StepStats:
         self.optim.zero_grad(set_to_none=True)

@@ -36,7 +36,8 @@ from psarch.workload import Workload
 from zero.stage3 import Stage3
 from zero.stage1 import Stage1
 from zero.stage2 import Stage2
-from psarch.model_units import checkpoint_units, find_units
+from zero.theory import forward_order, unit_sizes
+from psarch.model_units import Unit, checkpoint_units, find_units
 
 
 class ZeroTrainer(Trainer):
@@ -60,7 +61,7 @@ class ZeroTrainer(Trainer):
         if self.stage == 3:
             self.engine: Stage1 | Stage2 | Stage3 = Stage3(self.model, self.units, self.comm,
                                                             b.prefetch_bucket_size, b.overlap_comm,
-                                                            cfg.train.compression)
+                                                            cfg.train.compression, _forward_order(cfg, self.units))
         else:
             unit_of = {id(p): i for i, u in enumerate(self.units) for p in u.params}
             stages: dict[int, type[Stage1] | type[Stage2]] = {1: Stage1, 2: Stage2}
@@ -221,3 +222,12 @@ class ZeroTrainer(Trainer):
         self.tables.close()
         self.engine.close()
         self.comm.close()
+
+
+def _forward_order(cfg: Config, units: list[Unit]) -> list[int]:
+    """The order forward runs the units in (zero.theory.forward_order: one forward on the meta device, the source the
+    step program reads too), checked to name these units."""
+    if len(unit_sizes(cfg)) != len(units):
+        raise RuntimeError(f"ZeRO-3: the model has {len(units)} units, its meta copy {len(unit_sizes(cfg))}; "
+                           "the model must be built the same on the meta device")
+    return forward_order(cfg)
