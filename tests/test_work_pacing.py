@@ -13,10 +13,13 @@ from collective.comm import Communicator, Handle
 from collective.compression import PowerSGD, TopK
 from collective.compression_theory import compression_work
 from psarch.cluster.device import rates
+from psarch.cluster.flops import count
 from psarch.cluster.pacing import VirtualDevice
 from psarch.cluster.stragglers import pacer
 from psarch.cluster.work_pacing import WorkClock
 from psarch.config import from_dict
+from psarch.ps.theory import compressing_bytes
+from psarch.ps.worker.topk import TopKPushes
 from psarch.workload import build_workload
 
 SHAPES = [torch.Size([64, 32]), torch.Size([32])]   # a weight PowerSGD factors at rank 4, a bias it sends whole
@@ -117,3 +120,36 @@ def test_work_on_another_thread_does_not_move_the_models_deadlines():
     t.join()
     assert here >= 0.01 and clock.spent_s == here
     assert clock.modelled_s == pytest.approx(0.02)
+
+
+def test_work_in_a_gradients_hook_delays_the_rest_of_backward():
+    """Work in a post-accumulate hook (where a bucket's compression runs) moves backward's later deadlines: the
+    backward takes its modelled time plus the work's, not the two overlapped, and the work is not its compute."""
+    model = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.ReLU(), torch.nn.Linear(32, 4))
+    loss_fn = lambda m, x: m(x).sum()   # noqa: E731
+    flops = count(model, loss_fn, torch.randn(3, 8))
+    clock = WorkClock(1000.0, 0.0, 1.0)
+    vd = VirtualDevice(model, flops, (flops.forward + flops.backward) / 0.3, 1.0, lambda step: 1.0, clock)
+
+    def compress(param: torch.Tensor) -> None:
+        with clock.work(100.0):   # 0.1 s on the device, as the last layer's bucket leaves
+            pass
+    model[2].weight.register_post_accumulate_grad_hook(compress)
+    loss = vd.wrap(loss_fn)(model, torch.randn(3, 8))
+    t1 = time.perf_counter()
+    loss.backward()
+    took = time.perf_counter() - t1
+    assert took >= vd.backward_s + 0.1 * 0.999
+    assert vd.fields()["work_s"] == pytest.approx(0.1) and vd.bwd.host < vd.backward_s
+    vd.close()
+
+
+def test_a_ps_workers_top_k_push_waits_its_selections_bytes():
+    """The PS worker's top-k selection is paced at psarch/ps/theory.py's compressing_bytes at the memory bandwidth."""
+    cfg = from_dict({"train": {"compression": "topk"}, "backend": {"kind": "ps", "world_size": 2}})
+    pushes = TopKPushes(0.1, lambda numel: compressing_bytes(cfg, numel))
+    pushes.clock = clock = WorkClock(0.0, compressing_bytes(cfg, 1000) / 0.03, D)   # 30 ms for 1,000 elements
+    t0 = time.perf_counter()
+    keys, values = pushes.pairs(0, torch.randn(1000))
+    assert time.perf_counter() - t0 >= 0.03 * D and len(keys) == 100
+    assert clock.modelled_s == pytest.approx(0.03, rel=1e-9) and compressing_bytes(cfg, 1000) > 0
