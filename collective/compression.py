@@ -11,19 +11,26 @@ psarch's ddp and torch_ddp with the hook train the same model (tests/test_compre
 - top-k (no torch hook; DGC, Lin et al., ICLR '18): add the error, send the k largest |g| of the bucket as
   (int32 index, value) pairs by all-gather (a ring cannot add sparse chunks on the way), every rank sums all
   ranks' pairs; the error is what was not sent.
+On a virtual device (Compression.clock, psarch/cluster/work_pacing.py), each piece of a compression's own work is
+paced where it is done, at what collective/compression_theory.py prices it: PowerSGD's products and orthonormalisations
+by their FLOPs (powersgd_work), top-k's passes by their bytes (compression_work).
 """
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections import defaultdict
-from typing import Callable, Sequence
+from contextlib import AbstractContextManager, nullcontext
+from typing import TYPE_CHECKING, Callable, Sequence
 
 import numpy as np
 import torch
 
 from collective.comm import Communicator, Handle
-from collective.compression_theory import INDEX_BYTES, MIN_COMPRESSION_RATE
+from collective.compression_theory import INDEX_BYTES, MIN_COMPRESSION_RATE, compression_work, powersgd_work
 from psarch.theory import topk_k
+
+if TYPE_CHECKING:
+    from psarch.cluster.work_pacing import WorkClock
 
 Finish = Callable[[], None]   # waits for a bucket's collectives and leaves its average in the gradient
 
@@ -41,6 +48,11 @@ class Compression(ABC):
 
     def __init__(self, comm: Communicator) -> None:
         self.comm, self.n = comm, comm.world_size
+        self.clock: WorkClock | None = None   # a virtual device's (the runner's, by DDPTrainer.pace_work)
+
+    def work(self, flops: float, nbytes: float = 0.0) -> AbstractContextManager[None]:
+        """A block of the compression's own work: paced on the virtual device's clock, if there is one."""
+        return nullcontext() if self.clock is None else self.clock.work(flops, nbytes)
 
     @abstractmethod
     def launch(self, index: int, grad: torch.Tensor, shapes: Sequence[torch.Size]) -> Finish:
@@ -100,11 +112,13 @@ class TopK(Compression):
         else:
             self.error[index] = torch.zeros_like(grad)
         k = topk_k(grad.numel(), self.ratio)
-        idx = grad.abs().topk(k, sorted=False).indices
-        values = grad[idx].div_(self.n)
-        error = self.error[index]
-        error.copy_(grad)
-        error[idx] = 0
+        ready, after = compression_work("topk", shapes, grad.element_size(), self.ratio)
+        with self.work(*ready):
+            idx = grad.abs().topk(k, sorted=False).indices
+            values = grad[idx].div_(self.n)
+            error = self.error[index]
+            error.copy_(grad)
+            error[idx] = 0
         # an int32 index travels as the bits of 1 (fp32) or 2 (bf16) elements of the gradient's dtype
         width = INDEX_BYTES // grad.element_size()
         payload = torch.cat([idx.to(torch.int32).view(grad.dtype), values])
@@ -112,10 +126,11 @@ class TopK(Compression):
         handle = self.comm.all_gather(gathered, payload, async_op=True)
 
         def add_up() -> None:
-            grad.zero_()
-            for pairs in gathered.view(self.n, -1):   # in rank order: the same sums on every rank
-                ids = pairs[:k * width].clone().view(torch.int32)   # cloned: a bf16 offset may not align to int32
-                grad.index_add_(0, ids.long(), pairs[k * width:])
+            with self.work(*after):
+                grad.zero_()
+                for pairs in gathered.view(self.n, -1):   # in rank order: the same sums on every rank
+                    ids = pairs[:k * width].clone().view(torch.int32)   # cloned: bf16 offsets may not align to int32
+                    grad.index_add_(0, ids.long(), pairs[k * width:])
         return _waited(handle, add_up)
 
     def state_bytes(self) -> int:
@@ -175,17 +190,19 @@ class PowerSGD(Compression):
         if index not in self.p_memory:   # P is computed afresh each step: a buffer, never checkpointed
             self.p_memory[index] = grad.new_empty(sum(m.shape[0] * self._r(m) for m in matrices))
         ps, qs = self._factors(index, matrices)
-        if fresh:
-            with torch.random.fork_rng(devices=[]):   # the same draw on every rank, the global RNG untouched
-                torch.manual_seed(self.rng.randint(1_000_000_000))
+        ready, before_q, after_q = powersgd_work([(m.shape[0], m.shape[1], self._r(m)) for m in matrices])
+        with self.work(ready):
+            if fresh:
+                with torch.random.fork_rng(devices=[]):   # the same draw on every rank, the global RNG untouched
+                    torch.manual_seed(self.rng.randint(1_000_000_000))
+                    for q in qs:
+                        q.copy_(torch.randn(*q.shape, device="cpu", dtype=grad.dtype))
+                        orthogonalize(q)
+            else:
                 for q in qs:
-                    q.copy_(torch.randn(*q.shape, device="cpu", dtype=grad.dtype))
                     orthogonalize(q)
-        else:
-            for q in qs:
-                orthogonalize(q)
-        for m, q, p in zip(matrices, qs, ps):
-            torch.bmm(m.unsqueeze(0), q, out=p)
+            for m, q, p in zip(matrices, qs, ps):
+                torch.bmm(m.unsqueeze(0), q, out=p)
         flat_whole = torch.cat([t.reshape(-1) for t in whole]) if whole else grad.new_empty(0)
         h_whole = self.comm.all_reduce(flat_whole, async_op=True) if whole else None
         h_p = self.comm.all_reduce(self.p_memory[index], async_op=True)
@@ -200,14 +217,16 @@ class PowerSGD(Compression):
                 at += t.numel()
             assert h_p is not None
             h_p.wait()
-            for p in ps:   # P is not divided by N: orthonormalising it undoes any scale
-                orthogonalize(p)
-            for m, p, q in zip(matrices, ps, qs):
-                torch.bmm(m.unsqueeze(0).transpose(1, 2), p, out=q)
+            with self.work(before_q):
+                for p in ps:   # P is not divided by N: orthonormalising it undoes any scale
+                    orthogonalize(p)
+                for m, p, q in zip(matrices, ps, qs):
+                    torch.bmm(m.unsqueeze(0).transpose(1, 2), p, out=q)
             self.comm.all_reduce(self.q_memory[index])
             self.q_memory[index].div_(self.n)
-            for p, q, m in zip(ps, qs, matrices):
-                torch.bmm(p, q.transpose(1, 2), out=m.unsqueeze(0))
+            with self.work(after_q):
+                for p, q, m in zip(ps, qs, matrices):
+                    torch.bmm(p, q.transpose(1, 2), out=m.unsqueeze(0))
             torch.sub(before, grad, out=self.error[index])
         return decompress
 

@@ -85,11 +85,18 @@ def compression_work(compression: str, shapes: Sequence[Sequence[int]], itemsize
     if compression == "topk":
         return (0.0, TOPK_PASSES[0] * numel * itemsize), (0.0, TOPK_PASSES[1] * numel * itemsize)
     if compression == "powersgd" and compressing:
-        _, factored = powersgd_plan(shapes, rank)
-        ready = sum(2.0 * m * r * r + 2.0 * n * m * r for n, m, r in factored)
-        after = sum(2.0 * n * r * r + 4.0 * n * m * r for n, m, r in factored)
-        return (ready, 0.0), (after, 0.0)
+        ready, before_q, after_q = powersgd_work(powersgd_plan(shapes, rank)[1])
+        return (ready, 0.0), (before_q + after_q, 0.0)
     return (0.0, 0.0), (0.0, 0.0)
+
+
+def powersgd_work(factored: Sequence[tuple[int, int, int]]) -> tuple[float, float, float]:
+    """PowerSGD's FLOPs over the (n, m, r) matrices it factors: as the bucket is ready (Q orthonormalised, 2 m r²;
+    P = M Q, 2 n m r), then before Q's all-reduce (P orthonormalised, 2 n r²; Q = Mᵀ P, 2 n m r) and after it
+    (the approximation P Qᵀ, 2 n m r)."""
+    return (sum(2.0 * m * r * r + 2.0 * n * m * r for n, m, r in factored),
+            sum(2.0 * n * r * r + 2.0 * n * m * r for n, m, r in factored),
+            sum(2.0 * n * m * r for n, m, r in factored))
 
 
 def collective_bytes(c: Collective, n: int) -> int:

@@ -20,6 +20,7 @@ from collective.bucket import Bucket, assign_buckets
 from collective.compression import Finish, make_compression
 from collective.embeddings import make_tables
 from psarch.checkpoint import Checkpoint
+from psarch.cluster.work_pacing import WorkClock
 from psarch.checkpoint.fragments import (Fragment, Pieces, master_fragments, restore_optimizer, scaler_state,
                                          share_of)
 from psarch.config import Config
@@ -72,6 +73,9 @@ class DDPTrainer(Trainer):
         self._hooks = [p.register_post_accumulate_grad_hook(self._hook(i)) for i, p in enumerate(params)]
         self.optim = MixedPrecisionOptimizer([self.flat.data], cfg.train, cfg.train.precision)
         self._layout = flat_layout(self.model, self.flat.params)
+
+    def pace_work(self, clock: WorkClock) -> None:
+        self.compression.clock = clock
 
     def _hook(self, i: int):
         def on_grad_ready(param: torch.Tensor) -> None:

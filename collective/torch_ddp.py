@@ -2,7 +2,7 @@
 psarch's DDP is checked against for parity and speed, driven by the same runner on the same data."""
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 import torch.distributed as dist
@@ -10,7 +10,7 @@ from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import bf16_compr
 from torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook import PowerSGDState, powerSGD_hook
 from torch.nn.parallel import DistributedDataParallel
 
-from collective.compression_theory import MIN_COMPRESSION_RATE, compressed_bucket_bytes
+from collective.compression_theory import MIN_COMPRESSION_RATE, compressed_bucket_bytes, powersgd_plan, powersgd_work
 
 from psarch.checkpoint import Checkpoint
 from psarch.checkpoint.fragments import Pieces, master_fragments, restore_optimizer, scaler_state, share_of
@@ -24,6 +24,9 @@ from collective.embeddings import TorchSparseRows
 from psarch.embeddings import EmbeddingTables
 from psarch.trainer import MemoryReport, StepStats, Trainer, TrafficReport
 from psarch.workload import Workload
+
+if TYPE_CHECKING:
+    from psarch.cluster.work_pacing import WorkClock
 
 
 class TorchDDPTrainer(Trainer):
@@ -48,8 +51,12 @@ class TorchDDPTrainer(Trainer):
         names = {id(p): n for n, p in module.named_parameters()}
         self.named = [(names[id(p)], p) for p in self.params]
         self.compression = cfg.train.compression
-        self.powersgd = register_compression(self.model, cfg, ctx.group, self.meter) \
+        self.clock: WorkClock | None = None   # a virtual device's, for the hook's own work (pace_work)
+        self.powersgd = register_compression(self.model, cfg, ctx.group, self.meter, lambda: self.clock) \
             if self.compression != "none" else None
+
+    def pace_work(self, clock: WorkClock) -> None:
+        self.clock = clock
 
     def step(self, batch: Any) -> StepStats:
         for p in self.params:
@@ -96,11 +103,14 @@ class TorchDDPTrainer(Trainer):
         pass
 
 
-def register_compression(model: DistributedDataParallel, cfg: Config, group: Any,
-                         meter: TrafficMeter) -> PowerSGDState | None:
+def register_compression(model: DistributedDataParallel, cfg: Config, group: Any, meter: TrafficMeter,
+                         clock: Callable[[], WorkClock | None] = lambda: None) -> PowerSGDState | None:
     """torch's own hook for train.compression (fp16_compress_hook, bf16_compress_hook, powerSGD_hook with the
     same rank, warm-up and seed as psarch's), wrapped to count each bucket's modelled bytes by
-    collective/compression_theory.py's formula; the PowerSGD state, whose buffers are memory, where it is PowerSGD."""
+    collective/compression_theory.py's formula; the PowerSGD state, whose buffers are memory, where it is PowerSGD.
+    On a virtual device (`clock()`), PowerSGD's own work is paced around torch's hook, which cannot be entered: its
+    first part (powersgd_work's, up to P's all-reduce) waited in full before the hook, the rest after the hook's
+    future (after Q's all-reduce); torch's real work, done between, adds its host time / D to the step."""
     t, n = cfg.train, dist.get_world_size(group)
     state: Any = group
     hook: Callable[[Any, dist.GradBucket], torch.futures.Future[torch.Tensor]]
@@ -119,10 +129,23 @@ def register_compression(model: DistributedDataParallel, cfg: Config, group: Any
         volume = compressed_bucket_bytes(t.compression, [g.shape for g in grads], grads[0].element_size(), n,
                                          rank=t.powersgd_rank, compressing=compressing)
         meter.add("all_reduce", volume, volume)
-        return hook(state, bucket)
+        c = clock()
+        if c is None or not (compressing and isinstance(state, PowerSGDState)):
+            return hook(state, bucket)
+        ready, before_q, after_q = powersgd_work(powersgd_plan([g.shape for g in grads], t.powersgd_rank)[1])
+        with c.work(ready):
+            pass
+        return hook(state, bucket).then(lambda fut: _after(c, before_q + after_q, fut))
 
     model.register_comm_hook(state, counted)
     return state if isinstance(state, PowerSGDState) else None
+
+
+def _after(clock: WorkClock, flops: float, fut: torch.futures.Future[torch.Tensor]) -> torch.Tensor:
+    """The rest of torch's PowerSGD work paced once its hook's future is done; its value passed on."""
+    with clock.work(flops):
+        pass
+    return fut.value()
 
 
 def plain_ddp_peer(cfg: Config, device: torch.device) -> tuple[str, Any]:

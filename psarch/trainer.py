@@ -16,6 +16,7 @@ if TYPE_CHECKING:
     from pathlib import Path
 
     from psarch.checkpoint import Checkpoint, Pieces
+    from psarch.cluster.work_pacing import WorkClock
     from psarch.config import Config
     from psarch.dist import DistContext
     from psarch.workload import Workload
@@ -187,6 +188,11 @@ class Trainer(ABC):
     def summary_extra(self) -> dict[str, Any]:
         """Backend-specific figures for summary.json's `extra` (one list entry per rank)."""
         return {}
+
+    def pace_work(self, clock: WorkClock) -> None:
+        """Pace the backend's own work beside forward and backward (a gradient compression's) on a virtual device's
+        clock (psarch/cluster/work_pacing.py): each piece run inside clock.work(its FLOPs, its bytes); none by
+        default."""
 
     def comm_waited_s(self) -> float:
         """Seconds this rank has blocked on communication so far, where it blocks inside forward or backward

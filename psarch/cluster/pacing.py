@@ -15,7 +15,9 @@ phase's deadlines are spread where its FLOPs fall (psarch.cluster.flops):
   end (which would have every bucket launched at once, after the real, much shorter, backward).
 - at the end of each phase, the worker waits for the rest of the budget.
 Time a phase spends blocked on communication (Trainer.comm_waited_s: ZeRO's gathers and hook reductions)
-is not compute: it moves every later deadline of the phase.
+is not compute: it moves every later deadline of the phase. So does the time of a backend's own work paced by the
+device's WorkClock (`work`: a compression's, in a bucket's hook; psarch/cluster/work_pacing.py), which delays the
+rest of backward as it would on the device.
 
 A phase whose real compute (its time neither asleep here nor blocked on communication) exceeded its
 budget overran: this machine, not the device, set its time; the step is counted as overrun. How late
@@ -34,6 +36,7 @@ from torch import nn
 
 from psarch.cluster.flops import FlopCount
 from psarch.cluster.records import DeviceFacts, PacedFields
+from psarch.cluster.work_pacing import WorkClock
 
 # Inside a phase, the worker waits only where it is more than this share of the budget ahead: a launch at
 # most 5% early, and a few wake-ups per phase rather than one per module (each costs a scheduling delay on
@@ -77,20 +80,26 @@ class VirtualDevice:
     """Paces one worker's forward and backward to its modelled device (hooks on `model`)."""
 
     def __init__(self, model: nn.Module, flops: FlopCount, flops_per_s: float, dilation: float,
-                 factor: Callable[[int], float]) -> None:
+                 factor: Callable[[int], float], work: WorkClock | None = None) -> None:
         self.forward_s, self.backward_s = flops.forward / flops_per_s, flops.backward / flops_per_s   # cluster time
         self.flops, self.dilation, self.factor = flops, dilation, factor
         self.step = 0                  # set by the runner: this step's straggler factor is drawn for it
         self.waited: Callable[[], float] = lambda: 0.0   # the trainer's comm_waited_s, once it is built
         self.modelled_s = 0.0          # this step's modelled compute, cluster time (the factor included)
         self.late = [0.0, 0.0]         # wall seconds its forward and backward ended after their modelled end
-        self.fwd, self.bwd = Phase(lambda: self.waited()), Phase(lambda: self.waited())
+        # the backend's own work (a compression's) at the device's rates; None: priced at nothing
+        self.work = work or WorkClock(0.0, 0.0, dilation)
+        self.fwd, self.bwd = Phase(self._not_compute), Phase(self._not_compute)
         # 0: the phase's start. A gradient ready at 1, the end of backward, still waits in its hook: the bucket
         # its post-accumulate hook launches must not leave before the modelled backward is over.
         self._handles = [m.register_forward_pre_hook(self._at(self.fwd, f))
                          for m, f in zip(model.modules(), flops.module_marks) if f]
         self._handles += [p.register_hook(self._at(self.bwd, f))
                           for p, f in zip(model.parameters(), flops.param_marks) if f and p.requires_grad]
+
+    def _not_compute(self) -> float:
+        """Wall seconds so far not the model's compute: blocked on communication, or in the backend's paced work."""
+        return self.waited() + self.work.spent_s
 
     def _at(self, phase: Phase, fraction: float) -> Callable:
         def hook(*args: Any) -> None:
@@ -102,6 +111,7 @@ class VirtualDevice:
         def paced(model: nn.Module, batch: Any) -> torch.Tensor:
             m = self.factor(self.step)
             self.modelled_s, self.late, self.bwd.host = (self.forward_s + self.backward_s) * m, [0.0, 0.0], 0.0
+            self.work.new_step()
             self.fwd.start(self.forward_s * m * self.dilation)
             loss = loss_fn(model, batch)
             self.late[0] = self.fwd.end()
@@ -119,14 +129,16 @@ class VirtualDevice:
 
     @property
     def overrun(self) -> bool:
-        """Whether this step's forward or backward computed for longer than its modelled time x D."""
-        return any(p.host > p.budget for p in (self.fwd, self.bwd))
+        """Whether this step's forward or backward (or a piece of the backend's paced work) computed for longer than
+        its modelled time x D."""
+        return any(p.host > p.budget for p in (self.fwd, self.bwd)) or self.work.overran
 
     def fields(self) -> PacedFields:
         """What the step record carries, in cluster time: the step's modelled compute, this machine's real
-        compute beside it, whether either phase's exceeded its modelled time, and how late they ended."""
+        compute beside it, whether either phase's exceeded its modelled time, and how late they ended; the
+        backend's paced work apart (`work_s`, at the device's rates; not in modelled_s, which is the model's)."""
         return {"modelled_s": self.modelled_s, "host_s": (self.fwd.host + self.bwd.host) / self.dilation,
-                "overrun": self.overrun, "late_s": sum(self.late) / self.dilation}
+                "overrun": self.overrun, "late_s": sum(self.late) / self.dilation, "work_s": self.work.modelled_s}
 
     def facts(self) -> DeviceFacts:
         """The device's per-step facts for the rank's record: FLOPs, nominal times (cluster time) and D."""

@@ -15,6 +15,7 @@ class PacedFields(TypedDict, total=False):
     overrun: bool                # its real compute overran the modelled time: the host set the step's time
     host_s: float                # this machine's real compute beside it (cluster time: wall / D)
     late_s: float                # by how much its forward and backward ended after their modelled ends
+    work_s: float                # the backend's own work it paced this step (a compression's), cluster time
 
 
 class DeviceFacts(TypedDict):

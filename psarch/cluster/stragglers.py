@@ -42,6 +42,7 @@ from psarch.cluster.flops import count
 from psarch.cluster.pacing import VirtualDevice
 from psarch.config import Config
 from psarch.cluster.records import PacedFields
+from psarch.cluster.work_pacing import WorkClock
 from psarch.workload import Workload
 
 
@@ -115,7 +116,8 @@ def pacer(cfg: Config, rank: int, workload: Workload) -> "Straggler | VirtualDev
         return CallDevice(flops, device.flops_per_s(cfg), device.dilation(cfg),
                           lambda step: factor(cfg.seed, rank, step, slow, c.jitter))
     return VirtualDevice(workload.model, flops, device.flops_per_s(cfg), device.dilation(cfg),
-                         lambda step: factor(cfg.seed, rank, step, slow, c.jitter))
+                         lambda step: factor(cfg.seed, rank, step, slow, c.jitter),
+                         WorkClock(*device.rates(cfg), device.dilation(cfg)))
 
 
 def straggler(cfg: Config, rank: int) -> Straggler | None:

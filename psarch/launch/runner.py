@@ -107,6 +107,8 @@ def run_rank(cfg: Config, ctx: DistContext, workload: Workload | None = None, ec
     trainer = contract.load_trainer(cfg.backend.kind)(workload, cfg, ctx)
     if slow is not None:   # its compute is the forward and backward less the waits the backend timed in them
         slow.waited = trainer.comm_waited_s
+    if isinstance(slow, VirtualDevice):   # a compression's own work, at the device's rates where it is done
+        trainer.pace_work(slow.work)
     first, records = _restore(trainer, ctx, ckpt, base, resume)   # records: this rank's step records
     stream = open(metrics, "a", buffering=1) if metrics is not None else None  # line-buffered: a record per write
     board = None

@@ -24,6 +24,7 @@ from typing import Any
 import torch
 
 from psarch.checkpoint import Checkpoint, Pieces
+from psarch.cluster.work_pacing import WorkClock
 from psarch.config import Config
 from psarch.dist import DistContext
 from psarch.errors import check_loss
@@ -35,6 +36,7 @@ from psarch.timeline import RECORDER
 from psarch.ps.errors import WorkerLost
 from psarch.ps.layout import push_dtype, server_partitions, trainable
 from psarch.ps.partitions import replicas
+from psarch.ps.theory import compressing_bytes
 from psarch.ps.messages import pulls_deltas, pushes_from_hooks
 from psarch.ps.worker import snapshots
 from psarch.ps.worker.client import PSClient
@@ -74,7 +76,8 @@ class PSWorker(Trainer):
         self.loss_fn = workload.loss_fn
         self.flat = FlatParams(trainable(self.model))
         self.layout = flat_layout(self.model, self.flat.params)
-        self.topk = TopKPushes(cfg.train.topk_ratio) if cfg.train.compression == "topk" else None
+        self.topk = TopKPushes(cfg.train.topk_ratio, lambda numel: compressing_bytes(cfg, numel)) \
+            if cfg.train.compression == "topk" else None
         self.link = ServerLink(self.client, self.flat, server_partitions(cfg, self.flat.numel), ctx.device, self.dtype,
                                push_dtype(cfg), self.topk, replicas(cfg))
         # sync, dense tables, one exchange a step: a worker dropped from rounds that went on without it comes back
@@ -277,6 +280,10 @@ class PSWorker(Trainer):
 
     def traffic(self) -> TrafficReport:
         return self.client.meter.report()
+
+    def pace_work(self, clock: WorkClock) -> None:
+        if self.topk is not None:
+            self.topk.clock = clock
 
     def comm_waited_s(self) -> float:
         """Priority: the next forward's waits for its modules' pulls (forward pre-hooks) are communication, not
