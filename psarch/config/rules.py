@@ -120,13 +120,11 @@ def _check_compression(cfg: Config) -> None:
         raise ConfigError(f"train.compression = \"{t.compression}\": its error feedback would carry gradients scaled "
                           f"by fp16's changing loss scale; use train.precision = \"fp32\" or \"bf16\"")
     e = cfg.backend.embeddings
-    if t.compression != "none" and e == "ps":
-        raise ConfigError(f"train.compression = \"{t.compression}\" with backend.embeddings = \"ps\" (the hybrid): "
-                          f"not supported yet (compressed buckets beside the servers' rows are neither tested nor "
-                          f"predicted); use backend.embeddings = \"dense\" or train.compression = \"none\"")
     if t.compression != "none" and e != "dense":
-        raise ConfigError(f"train.compression = \"{t.compression}\": compresses the dense gradients only (the tables' "
-                          f"rows move whole); use backend.embeddings = \"dense\", not \"{e}\"")
+        raise ConfigError(f"train.compression = \"{t.compression}\" with backend.embeddings = \"{e}\": not supported "
+                          f"(it compresses the dense gradients only; compressed buckets beside the tables' rows, which "
+                          f"move whole, are neither tested nor predicted); use backend.embeddings = \"dense\" or "
+                          f"train.compression = \"none\"")
     spec = registry.spec_of(cfg)
     if t.compression in ("topk", "powersgd") and t.checkpoint_every and t.compression in spec.compressions \
             and not spec.checkpoints_compression:
