@@ -1,0 +1,87 @@
+"""Compressed steps' programs from a config (ddp and torch_ddp with casts, top-k and PowerSGD; ZeRO with cast
+gradients; the PS with top-k pushes), with compute 0 and no latency: their bytes at the link's rate are theory's,
+and PowerSGD pays α for each message it sends."""
+from __future__ import annotations
+
+import pytest
+
+from psarch import registry
+from psarch.config import from_dict
+from psarch.theory.program import Cluster, DataStep
+from psarch.theory.simulate import simulate
+from test_step_programs import RATE
+
+
+@pytest.mark.parametrize("kind, compression", [("ddp", "fp16"), ("ddp", "bf16"), ("ddp", "topk"), ("ddp", "powersgd"),
+                                               ("torch_ddp", "fp16"), ("torch_ddp", "powersgd"),
+                                               ("torch_zero", "fp16"), ("torch_zero", "bf16")])
+def test_a_compressed_ddp_program_moves_theorys_bytes(kind, compression):
+    """With compute 0 and no latency a compressed DDP step is its bytes at the link's rate: the program's
+    collectives are theory's (collective/theory.py's bucket_collectives), on ddp's own buckets (several here)."""
+    from psarch.theory import predict
+    from psarch.workload import build_workload
+
+    n = 4
+    warm = {"powersgd_warmup_steps": 2} if compression == "powersgd" else {}
+    backend = {"kind": kind, "world_size": n, "bucket_cap_mb": 0.05}
+    cfg = from_dict({"train": {"compression": compression, "steps": 10, **warm}, "backend": backend})
+    phi = sum(p.numel() for p in build_workload(cfg, device="meta").model.parameters())
+    sent = predict(cfg, phi).link.sent
+    if warm:   # the mean over the run holds 2 warm-up steps whole; the median step compresses
+        whole = predict(from_dict({"train": {"steps": 10}, "backend": backend}), phi)
+        sent = (10 * sent - 2 * whole.link.sent) / 8
+    for reduced in (False, True):
+        p = registry.spec_of(cfg).program(cfg, phi, DataStep(0.0, 0.0), reduced)
+        assert simulate(p, Cluster.of(p, RATE)).step_s == pytest.approx(sent / RATE, rel=2e-3)
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_a_zero_program_with_cast_gradients_moves_theorys_bytes(stage):
+    """ZeRO with train.compression = "fp16" (zero/wire.py), from a config, with compute 0 and no latency: the step is
+    predict's bytes at the link's rate, and predict's bytes are the uncompressed ones less half the reduce-scatter's,
+    (N - 1)/N · 2Φ (the reduce-scatters cast to 2 bytes, several buckets in stages 1-2; the all-gathers in fp32)."""
+    from psarch.theory import predict
+
+    n, phi = 4, 25e6
+    backend = {"kind": "zero", "stage": stage, "world_size": n, "reduce_bucket_size": 10**6,
+               "allgather_bucket_size": 3 * 10**6}
+    cfg = from_dict({"train": {"compression": "fp16"}, "backend": backend})
+    sent = predict(cfg, phi).link.sent
+    passes = 3 if stage == 3 else 2
+    assert sent == pytest.approx((passes - 0.5) * (n - 1) / n * 4 * phi, rel=1e-12)
+    assert predict(from_dict({"backend": backend}), phi).link.sent - sent == pytest.approx((n - 1) / n * 2 * phi)
+    for reduced in (False, True):
+        p = registry.spec_of(cfg).program(cfg, phi, DataStep(0.0, 0.0), reduced)
+        assert simulate(p, Cluster.of(p, RATE)).step_s == pytest.approx(sent / RATE, rel=2e-3), reduced
+
+
+@pytest.mark.parametrize("kind", ["ddp", "torch_ddp"])
+def test_a_powersgd_program_pays_alpha_for_each_message_it_sends(kind):
+    """With compute 0 and bytes at no cost a compressed PowerSGD step on one bucket is its messages' α: three ring
+    all-reduces one after another (the tensors sent whole, every P, every Q), 2(N - 1) messages each, as psarch's
+    PowerSGD and torch's hook send them (tests/test_compression.py counts theirs); fp16 one all-reduce. (At 1e15
+    bytes/s a transfer's last bytes once took less time than the clock could count, and the simulator stood still.)"""
+    from psarch.workload import build_workload
+
+    n, alpha = 4, 1e-3
+    for compression, all_reduces in (("powersgd", 3), ("fp16", 1)):
+        warm = {"powersgd_warmup_steps": 2} if compression == "powersgd" else {}
+        cfg = from_dict({"train": {"compression": compression, "steps": 10, **warm},
+                         "backend": {"kind": kind, "world_size": n}})
+        phi = sum(p.numel() for p in build_workload(cfg, device="meta").model.parameters())
+        for reduced in (False, True):
+            p = registry.spec_of(cfg).program(cfg, phi, DataStep(0.0, 0.0), reduced)
+            step = simulate(p, Cluster.of(p, 1e15, alpha)).step_s
+            assert step == pytest.approx(all_reduces * 2 * (n - 1) * alpha, rel=1e-3), (compression, reduced)
+
+
+def test_a_compressed_ps_program_pushes_theorys_bytes():
+    """One server, its range whole: N pushes of top-k pairs in through its link, then N pulls of S out."""
+    from psarch.theory import predict
+
+    n, phi = 4, 1e6
+    cfg = from_dict({"train": {"compression": "topk", "topk_ratio": 0.1},
+                     "backend": {"kind": "ps", "world_size": n, "servers": 1, "partition_mb": 0.0}})
+    p, expected = registry.spec_of(cfg).program(cfg, phi, DataStep(0.0, 0.0), False), predict(cfg, phi)
+    assert expected.link.sent == pytest.approx(0.1 * phi * 12)
+    assert simulate(p, Cluster.of(p, RATE)).step_s == pytest.approx(n * (expected.link.sent + 4 * phi) / RATE)
