@@ -12,7 +12,7 @@ import pytest
 
 from cluster_setup import leftovers, needs_root
 from psarch.cluster import netns
-from psarch.cluster.emulated import IFNAME, EmulatedCluster, gso_segments, plan, tsq_bytes
+from psarch.cluster.emulated import BUCKET_S, IFNAME, EmulatedCluster, gso_segments, plan, tsq_bytes
 from psarch.cluster.preflight import missing
 from psarch.config import ConfigError, check_machine, from_dict
 from timing import scaled
@@ -94,6 +94,34 @@ def test_shaping_is_real_and_counted():
     sent = after[c.nodes[0].ns][0] - before[c.nodes[0].ns][0]
     received = after[c.nodes[1].ns][1] - before[c.nodes[1].ns][1]
     assert size < sent < size * 1.08 and size < received < size * 1.08, (sent, received)
+    assert not leftovers(os.getpid())
+
+
+@needs_root
+def test_a_message_after_an_idle_spell_waits_its_bytes_at_the_link_rate():
+    """A real link has no bucket to spend after an idle spell: 60 kB sent on an idle 10 Mbit/s link take their 48 ms
+    less at most the shaper's bucket (2 ms, or two GSO segments; a 64 KiB bucket let them through in under 1 ms).
+    Load can only slow a shaped link, so the bound holds on a busy machine."""
+    mbps, size = 10.0, 60_000
+    c = EmulatedCluster(2, 0, mbps, mbps)
+    try:
+        ready, port, got = threading.Event(), [], []
+        t = threading.Thread(target=_serve, args=(c.nodes[1].ns, ready, port, got), daemon=True)
+        t.start()
+        ready.wait(10)
+        with netns.inside(c.nodes[0].ns):
+            s = socket.create_connection((c.nodes[1].address, port[0]), timeout=scaled(30))
+        time.sleep(0.5)   # the handshake's few bytes long gone: the bucket is full
+        t0 = time.perf_counter()
+        s.sendall(os.urandom(size))
+        s.close()
+        t.join(30)
+        n, t1 = got[0]
+    finally:
+        c.close()
+    bucket = max(tsq_bytes(mbps), mbps * 1e6 / 8 * BUCKET_S)
+    assert n == size
+    assert t1 - t0 >= (size - bucket) * 8 / (mbps * 1e6), (t1 - t0, bucket)
     assert not leftovers(os.getpid())
 
 

@@ -46,6 +46,7 @@ MAX_NODES = 250                 # host numbers 1..250 in each of the 10.213.1 an
 QUEUE_S = 0.2                   # the bulk queue, as time at the link rate: long enough that TCP is not starved
 SHORT_PACKET = 128              # IP packets shorter than this (acknowledgements, SYNs) go first
 SEGMENT_S = 0.001               # the longest one GSO segment holds a link
+BUCKET_S = 0.002                # what a link's shaper may send at once after an idle spell (`shaper`)
 WIRE = 1514                     # a 1500-byte IP packet on the wire (Ethernet header included)
 TSQ_SYSCTL = "/proc/sys/net/ipv4/tcp_limit_output_bytes"
 
@@ -81,12 +82,14 @@ def plan(pid: int, workers: int, servers: int, link_mbps: float, server_mbps: fl
 
 def shaper(dev: str, mbps: float, senders: Sequence[str] = ()) -> list[list[str]]:
     """The `tc` commands (each after `tc -n <namespace>`) that limit `dev`'s egress to `mbps` Mbit/s: an htb
-    class at the rate whose bucket holds >= 2 ms of traffic (and a 64 KiB GSO segment, so the kernel timer's
-    granularity does not cap the rate). Short packets are served first (a u32 filter on the IP length); the rest
+    class at the rate whose bucket holds 2 ms of traffic (the kernel timer's slack; at least two of the link's GSO
+    segments, `tsq_bytes`). A real link has no bucket: what it holds goes at once after an idle spell, so it is
+    kept that small (it was 64 KiB, a tbf's floor for a whole GSO segment, which let 52 ms of a 10 Mbit/s link's
+    traffic through at once; htb sends a packet larger than its bucket and owes the difference). Short packets are served first (a u32 filter on the IP length); the rest
     wait in FIFOs of QUEUE_S at the rate, in bytes: one per address in `senders`, shared fairly (htb's
     round robin; each may use the whole rate alone), and one for everything else."""
     rate = f"{mbps * 1000:.0f}kbit"
-    burst = str(max(64 * 1024, int(mbps * 1e6 / 8 * 0.002)))
+    burst = str(max(tsq_bytes(mbps), int(mbps * 1e6 / 8 * BUCKET_S)))
     bucket = ["rate", rate, "ceil", rate, "burst", burst, "cburst", burst]
     queue = str(max(10 * WIRE, int(mbps * 1e6 / 8 * QUEUE_S)))
     out = [["qdisc", "add", "dev", dev, "root", "handle", "1:", "htb", "default", "20"],
