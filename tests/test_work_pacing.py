@@ -12,7 +12,7 @@ import torch
 from collective.comm import Communicator, Handle
 from collective.compression import PowerSGD, TopK
 from collective.compression_theory import compression_work
-from psarch.cluster.device import rates
+from psarch.cluster.device import as_paced, rates
 from psarch.cluster.flops import count
 from psarch.cluster.pacing import VirtualDevice
 from psarch.cluster.stragglers import pacer
@@ -20,6 +20,7 @@ from psarch.cluster.work_pacing import WorkClock
 from psarch.config import from_dict
 from psarch.ps.theory import compressing_bytes
 from psarch.ps.worker.topk import TopKPushes
+from psarch.theory import cluster_step
 from psarch.workload import build_workload
 
 SHAPES = [torch.Size([64, 32]), torch.Size([32])]   # a weight PowerSGD factors at rank 4, a bias it sends whole
@@ -102,6 +103,23 @@ def test_the_runner_paces_only_on_a_virtual_device_at_the_predictions_rates():
     assert (vd.work.flops_per_s, vd.work.memory_bytes_per_s, vd.work.dilation) == (*rates(cfg), 1.0)
     assert vd.work.flops_per_s == pytest.approx(0.5e6)
     vd.close()
+
+
+def test_a_run_on_this_core_is_predicted_at_the_rate_its_ranks_were_paced_at():
+    """The default emulated device (this core, measured at the run's start) leaves the launcher's config without a
+    rate; the run's summary holds the one its ranks paced their compression work at. Predicted from the summary, the
+    step prices that work as the same run with the rate given explicitly does, not at 0 (the rate unknown)."""
+    base = {"backend": {"kind": "ddp", "world_size": 2}, "train": {"compression": "powersgd", "global_batch": 4},
+            "workload": {"gpt": {"n_layer": 1, "n_embd": 64, "n_head": 2}}, "cluster": {"emulate": True}}
+    asked = from_dict(base)
+    explicit = from_dict({**base, "cluster": {"emulate": True, "device": "cpu-core", "device_tflops": 1e-4}})
+    assert rates(asked)[0] == 0.0 and rates(explicit)[0] == pytest.approx(1e8)
+    assert rates(as_paced(asked, {"peak_tflops": 1e-4}))[0] == pytest.approx(1e8)
+    vd = {"peak_tflops": 1e-4, "compute_s": 0.05, "forward_s": 1.0, "backward_s": 2.0, "dilation": 4.0}
+    summary = {"params": 10_000, "step_time_s": 0.1, "virtual_device": vd, "cluster": {"alpha_s": 4e-4}}
+    paced, given = cluster_step(asked, summary)["predicted_s"], cluster_step(explicit, summary)["predicted_s"]
+    unpriced = cluster_step(asked, {**summary, "virtual_device": {**vd, "peak_tflops": 0.0}})["predicted_s"]
+    assert paced == pytest.approx(given) and paced > unpriced
 
 
 def test_work_on_another_thread_does_not_move_the_models_deadlines():

@@ -103,6 +103,17 @@ def rates(cfg: Config) -> tuple[float, float]:
     return flops, MEMORY_GBPS.get(chosen(cfg), 0.0) * 1e9
 
 
+def as_paced(cfg: Config, facts: dict | None) -> Config:
+    """`cfg` as a finished run's ranks were paced: this core's rate from its summary's `virtual_device` (`facts`)
+    where the config left it to be measured (CORE without device_tflops: the launcher's config keeps what was
+    asked), so a prediction prices a compression's work at the rate the ranks paced it at; else `cfg`."""
+    import dataclasses
+    if facts is None or chosen(cfg) != CORE or cfg.cluster.device_tflops or not facts.get("peak_tflops"):
+        return cfg
+    return dataclasses.replace(cfg, cluster=dataclasses.replace(cfg.cluster, device=CORE,
+                                                                device_tflops=facts["peak_tflops"]))
+
+
 def dilation(cfg: Config) -> float:
     """D: 1 without a modelled device or without emulate; the number the config (or the launcher's
     psarch.cluster.dilation.resolve) gives otherwise."""

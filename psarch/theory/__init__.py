@@ -125,6 +125,9 @@ def cluster_step(cfg: Config, summary: Summary) -> dict[str, float]:
     no program), and where the trainer timed no wait apart from a measured compute that holds them (torch_fsdp,
     torch_tensor on contended cores): the compute taken from such a step would make the step predicted equal the step
     measured, by construction, which predicts nothing."""
+    from psarch.cluster.device import as_paced
+
+    cfg = as_paced(cfg, summary.get("virtual_device"))   # this core's rate, where the run measured it
     spec = registry.spec_of(cfg)
     phi = summary["params"]
     compute, backward, alpha = step_inputs(summary)
@@ -191,7 +194,10 @@ def world_step(cfg: Config, summary: Summary, n: int) -> float | None:
     None where the backend writes no program or nothing measured a step."""
     import dataclasses
 
+    from psarch.cluster.device import as_paced
+
     vd, worlds = summary.get("virtual_device"), summary.get("worlds") or []
+    cfg = as_paced(cfg, vd)
     if vd is not None and vd.get("compute_s") is not None:
         (compute, backward, alpha), at = step_inputs(summary), cfg.backend.world_size
     elif worlds and worlds[0].get("step_time_s"):
