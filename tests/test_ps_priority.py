@@ -9,6 +9,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from psarch.cluster.work_pacing import WorkClock
 from psarch.config import from_dict
 from psarch.errors import ConfigError
 from psarch.ps.worker.client import Request
@@ -131,3 +132,22 @@ def test_priority_forward_waits_for_pulls_count_as_communication():
     order.waited_s = 0.0   # the trainer takes a step's waits
     model(torch.zeros(1, 4))
     assert order.waited_s >= 0.04 and order.total_s >= 0.08 and order.total_s > order.waited_s
+
+
+def test_priority_paced_work_inside_a_forward_wait_is_not_counted_as_the_wait():
+    """A forward pre-hook's wait may compress a push (top-k's selection, paced by the virtual device's WorkClock,
+    which counts its own time as work): that time is the clock's, not communication's, so a virtual device does
+    not move its deadlines by it twice."""
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 1))
+    clock = WorkClock(0.0, 1000.0, 1.0)   # 20 bytes of work: 20 ms
+
+    def wait_for(j: int) -> None:
+        with clock.work(0.0, 20.0):
+            pass
+        time.sleep(0.01)   # and then 10 ms waiting for the pull
+    link = SimpleNamespace(parts=[Part(0, 0, 0, 20), Part(1, 0, 20, 25)], landed=lambda j: None)
+    offsets = {id(p): o for p, o in zip(model.parameters(), [0, 16, 20, 24])}
+    order = PullOrder(model, link, offsets, SimpleNamespace(wait_for=wait_for))
+    order.clock = clock
+    model(torch.zeros(1, 4))
+    assert clock.spent_s >= 0.04 and 0.02 <= order.total_s < clock.spent_s, (order.total_s, clock.spent_s)

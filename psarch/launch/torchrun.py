@@ -76,7 +76,7 @@ def torchrun_rank(cfg: Config, spec: BackendSpec, job: RankJob, echo: bool) -> S
         if services is not None:
             services.stop()
         leave(1)
-    shutdown(ctx, destroy=False)   # the CLI leaves next (psarch.launch.cli), without finalisation
+    shutdown(ctx)   # destroyed: this process may run another (a sweep's next point, the Python API)
     if rank == 0 and cfg.started_from:
         extra = extra if extra is not None else Summary()
         extra["started_from"] = cfg.started_from

@@ -20,12 +20,15 @@ from __future__ import annotations
 import bisect
 import heapq
 import time
-from typing import Any, Sequence
+from typing import TYPE_CHECKING, Any, Sequence
 
 import torch
 
 from psarch.ps.worker.client import Request
 from psarch.ps.worker.link import Part, ServerLink
+
+if TYPE_CHECKING:
+    from psarch.cluster.work_pacing import WorkClock
 
 
 class PriorityPushes:
@@ -96,6 +99,7 @@ class PullOrder:
                  pushes: PriorityPushes | None = None) -> None:
         self.link, self.pushes, self.waited_s = link, pushes, 0.0   # waited_s: this step's (the trainer takes it)
         self.total_s = 0.0                     # every wait so far (a virtual device's clock reads it live)
+        self.clock: WorkClock | None = None    # a virtual device's: its paced work inside a wait is not the wait's
         starts = [p.lo for p in link.parts]
         self.hooks = []
         for module in model.modules():
@@ -106,12 +110,12 @@ class PullOrder:
 
     def _hook(self, covers: list[int]) -> Any:
         def before_forward(module: torch.nn.Module, args: Any) -> None:
-            t0 = time.perf_counter()
+            t0, worked = time.perf_counter(), self.clock.spent_s if self.clock is not None else 0.0
             for j in covers:
                 if self.pushes is not None:
-                    self.pushes.wait_for(j)
+                    self.pushes.wait_for(j)   # may compress a push here (top-k): work the clock counts itself
                 self.link.landed(j)
-            dt = time.perf_counter() - t0
+            dt = time.perf_counter() - t0 - (self.clock.spent_s - worked if self.clock is not None else 0.0)
             self.waited_s += dt
             self.total_s += dt
         return before_forward

@@ -284,6 +284,8 @@ class PSWorker(Trainer):
     def pace_work(self, clock: WorkClock) -> None:
         if self.topk is not None:
             self.topk.clock = clock
+        if self.pull_order is not None:
+            self.pull_order.clock = clock
 
     def comm_waited_s(self) -> float:
         """Priority: the next forward's waits for its modules' pulls (forward pre-hooks) are communication, not
