@@ -299,3 +299,13 @@ def shuffled_blocks(cfg) -> psarch.Workload:
     wl = regression(cfg)
     torch.manual_seed(cfg.seed)
     return psarch.Workload(ShuffledBlocks(), wl.loss_fn, wl.batch, wl.entropy_floor, "shuffled")
+
+
+def loss_only_in_training(cfg) -> psarch.Workload:
+    """shuffled_blocks whose loss refuses to run before training has begun (a user's loss that reads state its
+    training sets up): what ZeRO-3's reading of the forward order meets as one clear error."""
+    w = shuffled_blocks(cfg)
+
+    def loss_fn(model, batch):
+        raise RuntimeError("this loss runs only in training\nsecond line")
+    return psarch.Workload(w.model, loss_fn, w.batch, w.entropy_floor, "refusing")

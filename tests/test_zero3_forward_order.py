@@ -22,6 +22,7 @@ from psarch.workload import build_workload
 from test_zero3_script import Recorder
 from zero.program import COMPUTE, GATHER, REDUCE, WAIT, fsdp_script, zero3_script
 from zero.stage12 import MAX_IN_FLIGHT
+from psarch.errors import ConfigError
 from zero.stage3 import Stage3
 from zero.theory import backward_reaches, forward_order, forward_runs, never_run, unit_sizes
 
@@ -46,6 +47,13 @@ def test_theory_reads_the_order_forward_runs_the_blocks_in():
     assert forward_runs(cfg) == [True, True, True, True, False]
     assert never_run(cfg) == (unit_sizes(cfg)[4][0], 0) and unit_sizes(cfg)[4][0] > 0
     assert backward_reaches(cfg) == [True, True, True, True, False]
+
+
+def test_a_factory_whose_loss_cannot_run_for_the_order_is_one_clear_error():
+    cfg = from_dict(config("order", workload={"factory": "factories:loss_only_in_training"}, backend=ZERO3))
+    with pytest.raises(ConfigError, match=r"workload.factory = \"factories:loss_only_in_training\": its loss did not run "
+                                          r"once .*RuntimeError: this loss runs only in training$"):
+        forward_order(cfg)
 
 
 class Counting(Recorder):

@@ -18,6 +18,7 @@ from __future__ import annotations
 import math
 from typing import TYPE_CHECKING
 
+from psarch.errors import ConfigError, show
 from psarch.theory import BYTES, LinkBytes, Prediction, ring_passes, sharded_memory
 
 if TYPE_CHECKING:
@@ -78,8 +79,15 @@ def _units(cfg: Config) -> tuple[list[tuple[int, int]], list[bool], list[int]]:
         with torch.random.fork_rng(devices=[]):   # a model's build seeds torch's generator
             model, loss = theory_loss(cfg) if runs else (theory_model(cfg), None)
             units = find_units(model, units_attr(b), frozen_too=True)
-            ran = forward_reach(model, units, loss) if loss else ForwardReach([*range(1, len(units)), 0],
-                                                                              [True] * len(units))
+            try:
+                ran = forward_reach(model, units, loss) if loss else ForwardReach([*range(1, len(units)), 0],
+                                                                                  [True] * len(units))
+            except Exception as e:   # a user's loss that cannot run once on its first batch shard here
+                if not cfg.workload.factory:
+                    raise
+                raise ConfigError(f"workload.factory = {show(cfg.workload.factory)}: its loss did not run once on "
+                                  f"rank 0's first batch shard, which gives ZeRO-3 and FSDP2 the order its forward "
+                                  f"runs the units in: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}") from e
         sizes = [(sum(p.numel() for p in u.params), sum(p.numel() for p in u.frozen)) for u in units]
         if b.embeddings == "ps":
             sizes[0] = (sizes[0][0] - int(table_params(cfg)), sizes[0][1])

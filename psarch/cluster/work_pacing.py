@@ -33,6 +33,7 @@ class WorkClock:
         self.flops_per_s, self.memory_bytes_per_s, self.dilation = flops_per_s, memory_bytes_per_s, dilation
         self.spent_s = 0.0      # wall seconds inside work on this thread since now (moves the phases' deadlines)
         self.thread = threading.get_ident()
+        self.lock = threading.Lock()   # work is also done on communication threads (a future's callback)
         self.new_step()
 
     def new_step(self) -> None:
@@ -59,8 +60,9 @@ class WorkClock:
             modelled = self.seconds(flops, nbytes)
             if modelled * self.dilation > host:
                 time.sleep(modelled * self.dilation - host)
-            self.modelled_s += modelled
-            self.host_s += host
-            self.overran |= modelled > 0 and host > modelled * self.dilation
+            with self.lock:
+                self.modelled_s += modelled
+                self.host_s += host
+                self.overran |= modelled > 0 and host > modelled * self.dilation
             if threading.get_ident() == self.thread:
                 self.spent_s += time.perf_counter() - t0
