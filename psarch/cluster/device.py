@@ -103,7 +103,7 @@ def rates(cfg: Config) -> tuple[float, float]:
     return flops, MEMORY_GBPS.get(chosen(cfg), 0.0) * 1e9
 
 
-def as_paced(cfg: Config, facts: dict | None) -> Config:
+def as_paced(cfg: Config, facts: VirtualDeviceSummary | None) -> Config:
     """`cfg` as a finished run's ranks were paced: this core's rate from its summary's `virtual_device` (`facts`)
     where the config left it to be measured (CORE without device_tflops: the launcher's config keeps what was
     asked), so a prediction prices a compression's work at the rate the ranks paced it at; else `cfg`."""
