@@ -66,6 +66,25 @@ def _serve(ns: str, ready: threading.Event, port: list, got: list) -> None:
     srv.close()
 
 
+def _send(c: EmulatedCluster, size: int, idle_s: float = 0.0) -> tuple[int, float, dict, dict]:
+    """`size` bytes from node 0 to node 1 over TCP, `idle_s` after connecting: (bytes received, seconds from the
+    first byte sent to the last received, the link counters before connecting and after)."""
+    ready, port, got = threading.Event(), [], []
+    t = threading.Thread(target=_serve, args=(c.nodes[1].ns, ready, port, got), daemon=True)
+    t.start()
+    ready.wait(10)
+    before = c.counters()
+    with netns.inside(c.nodes[0].ns):
+        s = socket.create_connection((c.nodes[1].address, port[0]), timeout=scaled(30))
+    time.sleep(idle_s)
+    t0 = time.perf_counter()
+    s.sendall(os.urandom(size))
+    s.close()
+    t.join(30)
+    n, t1 = got[0]
+    return n, t1 - t0, before, c.counters()
+
+
 @needs_root
 def test_shaping_is_real_and_counted():
     """X bytes between two nodes at L Mbit/s take at least X*8/L seconds and not much more; the link
@@ -73,24 +92,12 @@ def test_shaping_is_real_and_counted():
     mbps, size = 20.0, 2_500_000            # 1.0 s at the link rate
     c = EmulatedCluster(2, 0, mbps, mbps)
     try:
-        ready, port, got = threading.Event(), [], []
-        t = threading.Thread(target=_serve, args=(c.nodes[1].ns, ready, port, got), daemon=True)
-        t.start()
-        ready.wait(10)
-        before = c.counters()
-        with netns.inside(c.nodes[0].ns):
-            s = socket.create_connection((c.nodes[1].address, port[0]), timeout=scaled(30))
-        t0 = time.perf_counter()
-        s.sendall(os.urandom(size))
-        s.close()
-        t.join(30)
-        n, t1 = got[0]
-        after = c.counters()
+        n, took, before, after = _send(c, size)
     finally:
         c.close()
     ideal = size * 8 / (mbps * 1e6)
     assert n == size
-    assert ideal * 0.97 <= t1 - t0 <= ideal * 1.3 + 0.2, (t1 - t0, ideal)
+    assert ideal * 0.97 <= took <= ideal * 1.3 + 0.2, (took, ideal)
     sent = after[c.nodes[0].ns][0] - before[c.nodes[0].ns][0]
     received = after[c.nodes[1].ns][1] - before[c.nodes[1].ns][1]
     assert size < sent < size * 1.08 and size < received < size * 1.08, (sent, received)
@@ -105,23 +112,12 @@ def test_a_message_after_an_idle_spell_waits_its_bytes_at_the_link_rate():
     mbps, size = 10.0, 60_000
     c = EmulatedCluster(2, 0, mbps, mbps)
     try:
-        ready, port, got = threading.Event(), [], []
-        t = threading.Thread(target=_serve, args=(c.nodes[1].ns, ready, port, got), daemon=True)
-        t.start()
-        ready.wait(10)
-        with netns.inside(c.nodes[0].ns):
-            s = socket.create_connection((c.nodes[1].address, port[0]), timeout=scaled(30))
-        time.sleep(0.5)   # the handshake's few bytes long gone: the bucket is full
-        t0 = time.perf_counter()
-        s.sendall(os.urandom(size))
-        s.close()
-        t.join(30)
-        n, t1 = got[0]
+        n, took, _, _ = _send(c, size, idle_s=0.5)   # the handshake's few bytes long gone: the bucket is full
     finally:
         c.close()
     bucket = max(tsq_bytes(mbps), mbps * 1e6 / 8 * BUCKET_S)
     assert n == size
-    assert t1 - t0 >= (size - bucket) * 8 / (mbps * 1e6), (t1 - t0, bucket)
+    assert took >= (size - bucket) * 8 / (mbps * 1e6), (took, bucket)
     assert not leftovers(os.getpid())
 
 
