@@ -135,6 +135,11 @@ class BackendSpec(ABC):
         of its own unless `service_beside` puts it on a worker's."""
         return 0
 
+    def services_hold_the_model(self, cfg: Config) -> bool:
+        """Whether its services (service_nodes) hold the dense model, every worker pushing its gradients to them and
+        pulling parameters back (a parameter server), rather than a part beside a collective step (tables' rows)."""
+        return False
+
     def service_beside(self, cfg: Config, index: int) -> int | None:
         """The rank of the worker whose node service `index` shares on an emulated cluster (and so its link), or
         None for a node of its own."""

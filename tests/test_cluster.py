@@ -312,12 +312,14 @@ def test_crossover_table_divides_each_ps_run_by_its_ring_peer():
     assert bound(4, 4, False) == pytest.approx(2 / 3) and bound(8, 8, False) == pytest.approx(4 / 7)
     assert bound(4, 1, False) == pytest.approx(16 / 18) and bound(4, 4, True) == pytest.approx(1.0)
 
-    def run(backend: dict, measured: float, predicted: float) -> dict:
-        cfg = from_dict({"backend": {"world_size": 4, **backend}, "cluster": {"link_mbps": 100.0}})
+    def run(backend: dict, measured: float, predicted: float, workload: dict | None = None) -> dict:
+        cfg = from_dict({"backend": {"world_size": 4, **backend}, "cluster": {"link_mbps": 100.0},
+                         "workload": workload or {}})
         return {"cfg": cfg, "label": backend["kind"], "measured_s": measured, "predicted_s": predicted}
+    hybrid = run({"kind": "ddp", "embeddings": "ps", "servers": 2}, 0.7, 0.7, {"model": "dlrm", "data": "clicks"})
     rows = table([run({"kind": "ps", "servers": 4}, 0.6, 0.5), run({"kind": "ddp", "comm": "ring"}, 1.0, 0.8),
-                  run({"kind": "zero"}, 0.9, 0.9)]).splitlines()
-    assert len(rows) == 4 and rows[2].startswith("| 100 | 4 | ddp |")   # zero left out, the ring first
+                  run({"kind": "zero"}, 0.9, 0.9), hybrid]).splitlines()
+    assert len(rows) == 4 and rows[2].startswith("| 100 | 4 | ddp |")   # zero and the hybrid left out, the ring first
     assert "| 0.60 \\| 0.62 | 0.67 |" in rows[3]
 
 

@@ -150,6 +150,9 @@ class PSSpec(BackendSpec):
     def service_nodes(self, cfg: Config) -> int:
         return 0 if cfg.backend.server_addresses else cfg.backend.servers
 
+    def services_hold_the_model(self, cfg: Config) -> bool:
+        return True
+
     def service_beside(self, cfg: Config, index: int) -> int | None:
         return index if cfg.backend.server_placement == "colocated" else None
 

@@ -49,7 +49,8 @@ def runs(sweep: Path) -> list[CrossoverRun]:
 
 
 def table(found: list[CrossoverRun]) -> str:
-    """Each run with servers (BackendSpec.service_nodes) against its ring peer, the run at the same N and link rate
+    """Each run with servers that hold the model (BackendSpec.service_nodes, services_hold_the_model) against its ring
+    peer, the run at the same N and link rate
     whose step is a ring all-reduce (BackendSpec.all_reduce), and the all-reduce runs themselves; rows without a
     peer show '-', runs of neither kind are left out."""
     def key(r: CrossoverRun) -> tuple[int, float]:
@@ -61,7 +62,7 @@ def table(found: list[CrossoverRun]) -> str:
     def servers(r: CrossoverRun) -> tuple[int, bool]:
         """(k servers, whether they share the workers' nodes)"""
         spec, cfg = registry.spec_of(r["cfg"]), r["cfg"]
-        k = spec.service_nodes(cfg)
+        k = spec.service_nodes(cfg) if spec.services_hold_the_model(cfg) else 0   # not a hybrid's tables
         return k, k > 0 and spec.service_beside(cfg, 0) is not None
     ring = {key(r): r for r in found if all_reduce(r) == "ring"}
     lines = ["| link Mbit/s | N | architecture | step time measured \\| predicted | error | PS/ring measured \\| "
