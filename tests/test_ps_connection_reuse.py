@@ -93,3 +93,16 @@ def test_a_connection_past_the_cap_is_dropped_and_said(capsys):
         assert not r.conns.received(second)   # over backend.max_connections = 1: ignored, its connection shut
         assert r.conns.dropped["over_cap"] == 1
         assert capsys.readouterr().err.startswith("server 0: shut down a worker's connection (past a connection cap)")
+
+
+def test_a_workers_handshake_refused_at_its_cap_is_said_once(capsys):
+    """ZeroMQ never retries a handshake ZAP refused: what the worker sent that server is lost, so the server says so
+    (issue 31: a worker whose connections had dropped twice within handshake_timeout_s was refused in silence)."""
+    with router(Caps(total=64, per_worker=2, pending=64, prove_s=5.0), name="server 5") as r:
+        assert r.conns.admit("3") is None and r.conns.admit("3") is None   # two handshakes no request proved yet
+        for _ in range(2):
+            assert r.conns.admit("3") == "worker 3 holds backend.max_connections_per_worker = 2"
+        assert r.conns.admit("4") is None
+        err = capsys.readouterr().err.splitlines()
+        assert len(err) == 1 and err[0].startswith("server 5: refused a handshake of worker 3 (worker 3 holds "
+                                                   "backend.max_connections_per_worker = 2;")

@@ -144,12 +144,17 @@ class Connections:
         now = time.monotonic()
         with self.lock:
             held = self._held(now)
-            if sum(held.values()) >= self.caps.total:
-                return f"over backend.max_connections = {self.caps.total}"
-            if user and held[user] >= self.caps.per_worker:
-                return f"worker {user} holds backend.max_connections_per_worker = {self.caps.per_worker}"
-            self.admitted.setdefault(user, []).append(now)
-        return None
+            over = (f"over backend.max_connections = {self.caps.total}" if sum(held.values()) >= self.caps.total else
+                    f"worker {user} holds backend.max_connections_per_worker = {self.caps.per_worker}"
+                    if user and held[user] >= self.caps.per_worker else None)
+            if over is None:
+                self.admitted.setdefault(user, []).append(now)
+            elif (user, "refused") not in self.told:   # a worker's: said once (ZeroMQ gives up on that server)
+                self.told.add((user, "refused"))
+                print(f"{self.name}: refused a handshake of {f'worker {user}' if user else 'a worker'} ({over}; "
+                      f"handshakes not yet proven by a request count for backend.handshake_timeout_s): ZeroMQ never "
+                      f"retries it, so what that worker sends this server is not answered", file=sys.stderr, flush=True)
+        return over
 
     def received(self, frames: list[Any]) -> bool:
         """A message arrived (routing id first): count its bytes against its connection; its first proves who the
