@@ -115,11 +115,15 @@ class Connections:
 
     def _held(self, now: float) -> Counter[str]:
         """Slots held, by worker: open connections their first message proved, and handshakes ZAP let in within
-        prove_s (called holding the lock)."""
+        prove_s, no more of them than connections are open unproven: a handshake's connection that closed before
+        its first message holds none (ZeroMQ never retries a refused worker, and a worker whose connection dropped
+        twice would otherwise be refused its next one; which worker's it was, the monitor does not say) (called
+        holding the lock)."""
         held: Counter[str] = Counter(c.user for c in self.conns.values() if c.user is not None and not c.dropped)
+        unproven = sum(1 for c in self.conns.values() if c.user is None and not c.dropped)
         for user, times in self.admitted.items():
             times[:] = [t for t in times if now - t <= self.caps.prove_s]
-            held[user] += len(times)
+            held[user] += min(len(times), unproven)
         return held
 
     @property
