@@ -308,13 +308,16 @@ def test_a_non_ascii_plain_password_is_refused_and_the_server_stays_up(serve):
 
 
 def test_a_dilated_heartbeat_timeout_past_what_a_ping_carries_binds():
-    """A heartbeat timeout that dilation stretched past ZMTP's 16-bit TTL (6553.5 s; 30 s x D = 230) still makes
-    a socket: the peer is told the most a PING carries, the local timeout holds the whole."""
+    """A heartbeat timeout that dilation stretched past what a PING carries whole (655 deciseconds: the peer's
+    libzmq multiplies it by 100 in 16 bits; 30 s x D = 230) still makes a socket: the peer is told no deadline (0,
+    not a wrapped or shorter one), the local timeout holds the whole; one a PING carries is told as it is."""
     ctx = zmq.Context.instance()
     sock = ctx.socket(zmq.ROUTER)
     try:
         auth.bound(sock, 10.0 * 230, 30.0 * 230)
-        assert sock.getsockopt(zmq.HEARTBEAT_TTL) == auth.MAX_HEARTBEAT_TTL_MS
+        assert sock.getsockopt(zmq.HEARTBEAT_TTL) == 0
         assert sock.getsockopt(zmq.HEARTBEAT_TIMEOUT) == 30 * 230 * 1000
+        auth.bound(sock, 10.0, auth.MAX_HEARTBEAT_TTL_MS / 1000)
+        assert sock.getsockopt(zmq.HEARTBEAT_TTL) == auth.MAX_HEARTBEAT_TTL_MS
     finally:
         sock.close(linger=0)

@@ -13,6 +13,7 @@ from typing import Iterator
 import zmq
 
 from psarch.ps.server.connections import Caps, Connections
+from timing import scaled
 
 CAPS = Caps(total=64, per_worker=64, pending=64, prove_s=5.0)
 
@@ -93,3 +94,51 @@ def test_a_connection_past_the_cap_is_dropped_and_said(capsys):
         assert not r.conns.received(second)   # over backend.max_connections = 1: ignored, its connection shut
         assert r.conns.dropped["over_cap"] == 1
         assert capsys.readouterr().err.startswith("server 0: shut down a worker's connection (past a connection cap)")
+
+
+def silent(r: Router, n: int) -> list[zmq.Socket]:
+    """n connections that send nothing (as a worker's in its handshake), once the watchdog has read them."""
+    peers = []
+    for _ in range(n):
+        peer = r.ctx.socket(zmq.DEALER)
+        peer.linger = 0
+        peer.connect(r.addr)
+        peers.append(peer)
+    r.peers += peers
+    wait_for(lambda: r.conns.pending() == n)
+    return peers
+
+
+def wait_for(done, limit_s: float = 5.0) -> None:
+    end = time.monotonic() + scaled(limit_s)
+    while not done():
+        assert time.monotonic() < end, "the watchdog did not read the connections' events"
+        time.sleep(0.01)
+
+
+def test_a_workers_handshake_refused_at_its_cap_is_said_once(capsys):
+    """ZeroMQ never retries a handshake ZAP refused: what the worker sent that server is lost, so the server says so
+    (issue 31: workers whose connections had dropped were refused in silence)."""
+    with router(Caps(total=64, per_worker=2, pending=64, prove_s=5.0), name="server 5") as r:
+        silent(r, 3)   # two admitted handshakes no request proved yet, and a third's
+        assert r.conns.admit("3") is None and r.conns.admit("3") is None
+        for _ in range(2):
+            assert r.conns.admit("3") == "worker 3 holds backend.max_connections_per_worker = 2"
+        assert r.conns.admit("4") is None
+        err = capsys.readouterr().err.splitlines()
+        assert len(err) == 1 and err[0].startswith("server 5: refused a handshake of worker 3 (worker 3 holds "
+                                                   "backend.max_connections_per_worker = 2;")
+
+
+def test_handshakes_whose_connections_closed_unproven_hold_no_slot():
+    """A worker whose connection dropped before its first message, twice within prove_s, is let in again (issue 31:
+    such handshakes held their slots for prove_s, and ZeroMQ never retried the worker its cap refused)."""
+    with router(Caps(total=64, per_worker=2, pending=64, prove_s=60.0)) as r:
+        for _ in range(2):
+            peer, = silent(r, 1)
+            assert r.conns.admit("3") is None
+            peer.close()
+            r.peers.remove(peer)
+            wait_for(lambda: r.conns.pending() == 0)
+        silent(r, 1)
+        assert r.conns.admit("3") is None

@@ -159,8 +159,12 @@ def readable(sock: zmq.Socket) -> bool:
     return bool(cast(int, sock.getsockopt(_EVENTS)) & _POLLIN)
 
 
-# ZMQ_HEARTBEAT_TTL crosses the wire in deciseconds, in 16 bits (ZMTP 3.1's PING): libzmq refuses more (EINVAL)
-MAX_HEARTBEAT_TTL_MS = 6553500   # 65535 deciseconds
+# ZMQ_HEARTBEAT_TTL crosses the wire in deciseconds, in 16 bits (ZMTP 3.1's PING), and the peer's libzmq (4.3.5)
+# multiplies it by 100 into the same 16 bits to arm its timer in ms: a TTL past 655 deciseconds wraps there (330 s,
+# 30 s x D = 11: 2.32 s), and the peer drops a connection that is merely quiet between two heartbeats, with the
+# requests in flight on it (ZeroMQ resends none); its reconnections then reach ZAP's per-worker cap, which refuses
+# the worker for good (issue 31's lost replies)
+MAX_HEARTBEAT_TTL_MS = 65500
 
 
 def bound(sock: zmq.Socket, heartbeat_s: float, heartbeat_timeout_s: float,
@@ -170,9 +174,10 @@ def bound(sock: zmq.Socket, heartbeat_s: float, heartbeat_timeout_s: float,
     if heartbeat_s > 0:
         sock.setsockopt(zmq.HEARTBEAT_IVL, int(heartbeat_s * 1000))
         sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, int(heartbeat_timeout_s * 1000))
-        # the peer's own deadline for us: at most what the PING can carry (a heartbeat timeout that dilation
-        # stretched past it still holds here, as HEARTBEAT_TIMEOUT)
-        sock.setsockopt(zmq.HEARTBEAT_TTL, min(int(heartbeat_timeout_s * 1000), MAX_HEARTBEAT_TTL_MS))
+        # the peer's own deadline for us, where a PING carries it whole; past that none (0), not a shorter one: the
+        # peer's own HEARTBEAT_TIMEOUT (a psarch peer's is this one) keeps the deadline dilation stretched
+        ttl = int(heartbeat_timeout_s * 1000)
+        sock.setsockopt(zmq.HEARTBEAT_TTL, ttl if ttl <= MAX_HEARTBEAT_TTL_MS else 0)
     handshake = heartbeat_timeout_s if handshake_timeout_s is None else handshake_timeout_s
     sock.setsockopt(zmq.HANDSHAKE_IVL, max(1, int(handshake * 1000)))
 

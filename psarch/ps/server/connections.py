@@ -115,11 +115,15 @@ class Connections:
 
     def _held(self, now: float) -> Counter[str]:
         """Slots held, by worker: open connections their first message proved, and handshakes ZAP let in within
-        prove_s (called holding the lock)."""
+        prove_s, no more of them than connections are open unproven: a handshake's connection that closed before
+        its first message holds none (ZeroMQ never retries a refused worker, and a worker whose connection dropped
+        twice would otherwise be refused its next one; which worker's it was, the monitor does not say) (called
+        holding the lock)."""
         held: Counter[str] = Counter(c.user for c in self.conns.values() if c.user is not None and not c.dropped)
+        unproven = sum(1 for c in self.conns.values() if c.user is None and not c.dropped)
         for user, times in self.admitted.items():
             times[:] = [t for t in times if now - t <= self.caps.prove_s]
-            held[user] += len(times)
+            held[user] += min(len(times), unproven)
         return held
 
     @property
@@ -144,12 +148,17 @@ class Connections:
         now = time.monotonic()
         with self.lock:
             held = self._held(now)
-            if sum(held.values()) >= self.caps.total:
-                return f"over backend.max_connections = {self.caps.total}"
-            if user and held[user] >= self.caps.per_worker:
-                return f"worker {user} holds backend.max_connections_per_worker = {self.caps.per_worker}"
-            self.admitted.setdefault(user, []).append(now)
-        return None
+            over = (f"over backend.max_connections = {self.caps.total}" if sum(held.values()) >= self.caps.total else
+                    f"worker {user} holds backend.max_connections_per_worker = {self.caps.per_worker}"
+                    if user and held[user] >= self.caps.per_worker else None)
+            if over is None:
+                self.admitted.setdefault(user, []).append(now)
+            elif (user, "refused") not in self.told:   # a worker's: said once (ZeroMQ gives up on that server)
+                self.told.add((user, "refused"))
+                print(f"{self.name}: refused a handshake of {f'worker {user}' if user else 'a worker'} ({over}; "
+                      f"handshakes not yet proven by a request count for backend.handshake_timeout_s): ZeroMQ never "
+                      f"retries it, so what that worker sends this server is not answered", file=sys.stderr, flush=True)
+        return over
 
     def received(self, frames: list[Any]) -> bool:
         """A message arrived (routing id first): count its bytes against its connection; its first proves who the

@@ -8,7 +8,7 @@ request it answers (same reply op; for `params`, the same offset)."""
 from __future__ import annotations
 
 import time
-from collections import deque
+from collections import Counter, deque
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
@@ -22,6 +22,13 @@ from psarch.ps.auth import Credentials
 from psarch.ps.errors import NonFinitePush, PSError, RejoinLate, WorkerLost
 from psarch.timeline import RECORDER
 from psarch.units import fmt_bytes
+
+# what a connection's monitor says that may lose a request (ZeroMQ resends nothing), as the timeout's line says it
+_LOSSES = {int(zmq.EVENT_DISCONNECTED): "dropped",
+           int(zmq.EVENT_HANDSHAKE_FAILED_AUTH): "handshake refused by the server",
+           int(zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL): "handshake failed",
+           int(zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL): "handshake failed"}
+
 
 @dataclass
 class Request:
@@ -121,8 +128,13 @@ class PSClient:
             self.poller.register(s, zmq.POLLIN)
         self.waiting = [Waiting() for _ in self.socks]   # sent, not yet answered, per server
         self.dead: dict[int, float] = {}   # failover: each dead server and when its connection dropped (time.time())
-        # failover: a connection that drops (its server's process died: the kernel closed its socket) is an event here
-        self.monitors = ([s.get_monitor_socket(zmq.EVENT_DISCONNECTED) for s in self.socks] if failover else [])
+        # failover: a connection that drops (its server's process died: the kernel closed its socket) is an event here;
+        # else each connection's drops and refused handshakes are counted and named where a reply never comes
+        # (ZeroMQ resends nothing a dropped connection carried, and never retries a refused handshake)
+        self.failover = failover
+        watched = zmq.EVENT_DISCONNECTED if failover else sum(_LOSSES)   # (distinct bits: their sum is their union)
+        self.monitors = [s.get_monitor_socket(watched) for s in self.socks]
+        self.losses: list[Counter[str]] = [Counter() for _ in self.socks]
         for m in self.monitors:
             self.poller.register(m, zmq.POLLIN)
 
@@ -154,7 +166,8 @@ class PSClient:
             wait_ms = max(0, int((deadline - time.monotonic()) * 1000))
             events = dict(self.poller.poll(wait_ms))
             if not events and time.monotonic() >= deadline:
-                names = ", ".join(f"server {i} ({self.addresses[i]})" for i, w in enumerate(self.waiting) if w)
+                names = ", ".join(f"server {i} ({self.addresses[i]}){self._lost_on(i)}"
+                                  for i, w in enumerate(self.waiting) if w)
                 raise PSError(f"worker {self.worker}: no reply from {names} within {limit:g} s")
             self._drain(events)
             if once and events:
@@ -170,9 +183,19 @@ class PSClient:
             while self.waiting[i] and sock in events and auth.readable(sock):   # drain what has arrived
                 self._receive(i, sock.recv_multipart(copy=False))
         for i, m in enumerate(self.monitors):
-            if m in events and i not in self.dead:   # what it answered before it died is taken above
+            if m not in events:
+                continue
+            if not self.failover:
+                while m.poll(0):
+                    self.losses[i][_LOSSES[int(recv_monitor_message(m)["event"])]] += 1
+            elif i not in self.dead:   # what it answered before it died is taken above
                 recv_monitor_message(m)
                 self._bury(i)
+
+    def _lost_on(self, i: int) -> str:
+        """What happened to server i's connection that may have lost a request ("" for nothing)."""
+        said = ", ".join(f"{why} {n} x" for why, n in self.losses[i].items())
+        return f" [its connection: {said}; what it carried then is lost]" if said else ""
 
     def _bury(self, i: int) -> None:
         """Server i died: never wait for it or send to it again, and close its socket (no reconnecting to it)."""
