@@ -169,8 +169,8 @@ def _rank(job: RankJob, cfg: Config, rank: int, world: int, store: Any, marks: S
     ctx.services = ServiceInfo.from_dict(job.info)
     outputs.save_record(out, run_rank(cfg, ctx, workload, echo=job.echo, metrics=outputs.stream_path(out, rank),
                                       marks=marks, checkpoints=job.checkpoints, start=job.start, resume=job.resume))
-    shutdown(ctx, destroy=not process_ends)   # not after a failure: its barrier would wait for peers stuck in a
-    #                                          collective
+    # not after a failure: its barrier would wait for peers stuck in a collective
+    shutdown(ctx, destroy=not process_ends)
 
 
 def _in_process(job: RankJob, spec: BackendSpec, where: Placement, workload: Workload | None) -> None:
