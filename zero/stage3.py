@@ -34,6 +34,8 @@ Units are gathered and prefetched in the order forward runs them (`order`: zero.
 not as registered; a unit forward never runs is neither gathered nor reduce-scattered (its gradient chunk is zero).
 All collectives are issued in the same order on every rank (they follow the model's execution, which is
 the same everywhere), and the ring runs them FIFO on its thread, overlapping the main thread's compute.
+A model whose use of a unit depends on the data (one rank runs a unit in a step that another skips) breaks that
+order, as it breaks FSDP's: not supported. A unit outside `order` that every rank runs is gathered where it runs.
 """
 from __future__ import annotations
 
