@@ -97,10 +97,10 @@ def flops_per_s(cfg: Config) -> float:
 
 def rates(cfg: Config) -> tuple[float, float]:
     """(FLOP/s, memory bytes/s) of the modelled device, each 0 where it is not known: no modelled device, this core
-    not measured yet, or no memory bandwidth (a custom device, this core)."""
+    not measured yet, or no memory bandwidth (a custom device or this core without cluster.device_mem_gbps)."""
     c = cfg.cluster
     flops = flops_per_s(cfg) if modelled(cfg) and (c.device_tflops or chosen(cfg) in PROFILES) else 0.0
-    return flops, MEMORY_GBPS.get(chosen(cfg), 0.0) * 1e9
+    return flops, (c.device_mem_gbps or MEMORY_GBPS.get(chosen(cfg), 0.0)) * 1e9
 
 
 def as_paced(cfg: Config, facts: VirtualDeviceSummary | None) -> Config:
@@ -142,6 +142,13 @@ def check(cfg: Config) -> None:
         raise ConfigError(f"cluster.device_tflops = {c.device_tflops:g}: a custom device replaces a profile; set "
                           f"cluster.device = \"{MEASURED}\" with it, or cluster.device_tflops = 0 with "
                           f"cluster.device = {show(c.device)}")
+    if c.device in PROFILES and c.device_mem_gbps > 0:
+        raise ConfigError(f"cluster.device_mem_gbps = {c.device_mem_gbps:g}: {show(c.device)}'s memory bandwidth is its "
+                          f"data sheet's ({MEMORY_GBPS[c.device]:g} GB/s); give it to a custom device "
+                          f"(cluster.device_tflops) or \"{CORE}\"")
+    if c.device_mem_gbps > 0 and not modelled(cfg):
+        raise ConfigError(f"cluster.device_mem_gbps = {c.device_mem_gbps:g}: needs a modelled device (cluster.device = "
+                          f"\"{CORE}\" or cluster.device_tflops): measured compute prices nothing")
     if c.device in PROFILES and precision not in PROFILES[c.device]:
         raise ConfigError(f"cluster.device = {show(c.device)}: has no {precision} peak; it runs "
                           f"{', '.join(PROFILES[c.device])} (train.precision), or give cluster.device_tflops")

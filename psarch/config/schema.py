@@ -81,6 +81,9 @@ class ClusterConfig:
     device_tflops: float = option(0.0, "a custom device's peak TFLOPS at train.precision (with 'auto' or "
                                        "'cpu-measured'), or cpu-core's rate instead of measuring it (0: measured; "
                                        "mfu does not apply to it)", min=0.0)
+    device_mem_gbps: float = option(0.0, "a custom device's (or cpu-core's) memory bandwidth in GB/s: what prices "
+                                         "memory-bound work, top-k's selection (0: not known, that work unpriced; a "
+                                         "profile's is its data sheet's)", min=0.0)
     mfu: float = option(0.4, "model FLOPs utilisation in (0, 1]: the fraction of the device's peak the workload "
                              "attains", min=0.0, max=1.0)
     dilation: float | str = option("auto", "the emulation runs D times slower than the cluster: links at link_mbps / D, "
