@@ -94,6 +94,8 @@ class PSSpec(BackendSpec):
     # pushes cast to 2 bytes, or top-k's (index, value) pairs, summed by the servers in fp32 (GEO: pulls too)
     compressions = ("none", "fp16", "bf16", "topk")
     uncompressed_because = "PowerSGD's two rounds of all-reduce have no PS form built yet"
+    uncompressed_embeddings_because = ("with rows, its compressed dense pushes beside the rows' pushes, GEO's row cache "
+                                       "and its compressed pulls are neither tested nor predicted yet")
     # top-k's error feedback (each worker's) and GEO's copies of what each worker holds (the servers') are in its
     # checkpoints (psarch/ps/snapshot.py)
     checkpoints_compression = True
