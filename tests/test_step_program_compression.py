@@ -150,3 +150,18 @@ def test_a_compressed_hybrid_program_moves_the_rows_beside_the_compressed_bucket
     full, reduced_ = (spec.program(cfg, phi, STEP, r) for r in (False, True))
     a = simulate(full, Cluster.of(full, RATE, ALPHA)).step_s
     assert simulate(reduced_, Cluster.of(reduced_, RATE, ALPHA)).step_s == pytest.approx(a, rel=0.01)
+
+
+@pytest.mark.parametrize("compression", ["fp16", "topk"])
+def test_a_compressed_ps_rows_program_moves_theorys_bytes(compression):
+    """The PS with embedding rows (sync) and compressed dense pushes, through one dedicated server, with compute 0
+    and no latency: every worker's row pull, rows, compressed push and whole pull through that server's link,
+    theory's bytes (as test_step_program_embeddings.py's uncompressed rows, within 2%)."""
+    from psarch.theory import predict
+
+    cfg, phi = _dlrm({"kind": "ps", "embeddings": "rows", "servers": 1, "partition_mb": 0.0}, compression)
+    link = predict(cfg, phi).link
+    whole = predict(_dlrm({"kind": "ps", "embeddings": "rows", "servers": 1, "partition_mb": 0.0}, "none")[0], phi)
+    assert link.sent < whole.link.sent and link.received == pytest.approx(whole.link.received)
+    p = registry.spec_of(cfg).program(cfg, phi, DataStep(0.0, 0.0), False)
+    assert simulate(p, Cluster.of(p, RATE)).step_s == pytest.approx(4 * (link.sent + link.received) / RATE, rel=0.02)
