@@ -4,12 +4,13 @@ PowerSGD's two all-reduces of P and Q), their bytes, the compression's own work,
 compressed step as a program. The uncompressed ring and the embeddings' treatments are collective/theory.py's."""
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import TYPE_CHECKING, Sequence
 
 from collective.theory import ddp_bucket_shapes
 from psarch.throughput import warmup_steps
-from psarch.theory import BYTES, LinkBytes, Prediction, sharded_memory, topk_k
+from psarch.theory import BYTES, LinkBytes, Prediction, sharded_memory, table_params, topk_k
 
 if TYPE_CHECKING:
     from psarch.config import Config
@@ -127,7 +128,25 @@ def error_feedback_bytes(compression: str, shapes: Sequence[Sequence[int]], item
 
 def compressed(cfg: Config, phi: float) -> Prediction:
     """ddp with train.compression: the model replicated, each bucket averaged compressed; bytes per step the mean
-    over the run (PowerSGD's warm-up steps all-reduce whole), memory with the error-feedback buffers."""
+    over the run (PowerSGD's warm-up steps all-reduce whole), memory with the error-feedback buffers. With embeddings
+    other than "dense" the buckets hold the dense layers alone (ddp_bucket_shapes) and the tables' rows move whole
+    beside them, as the treatment moves them uncompressed (collective/theory.py's beside_dense)."""
+    from collective.theory import beside_dense, rows, sharded
+
+    e = cfg.backend.embeddings
+    if e == "dense":
+        return _compressed_buckets(cfg, phi)
+    dense = _compressed_buckets(cfg, phi - table_params(cfg))
+    if e != "ps":   # the model as the treatment holds it (rows: whole; sharded: its rows' shard), and the buffers
+        held = (rows if e == "rows" else sharded)(cfg, phi).memory_per_rank
+        buffers = dense.memory_per_rank.buffers
+        dense = Prediction.alike(dataclasses.replace(held, buffers=held.buffers + buffers), dense.link,
+                                 cfg.backend.world_size, rounds=dense.rounds, messages=dense.messages)
+    return beside_dense(dense, cfg, phi)
+
+
+def _compressed_buckets(cfg: Config, phi: float) -> Prediction:
+    """The replicated model of `phi` parameters, ddp's buckets (ddp_bucket_shapes) averaged compressed."""
     t, n = cfg.train, cfg.backend.world_size
     width = BYTES[t.precision]
     buckets = ddp_bucket_shapes(cfg)
@@ -155,8 +174,11 @@ def compressed_program(cfg: Config, step: DataStep, overlap: bool, reduced: bool
     collective of a bucket issued as it fills (torch's powerSGD_hook all-reduces Q as soon as P is in, within backward;
     psarch's PowerSGD after backward). The compression's own work (compression_work), priced by the step's device
     rates: each bucket's first part in its hook as it is ready, delaying backward; its second part after backward
-    (chained: in the hook too, torch's hook computing Q as P is in)."""
+    (chained: in the hook too, torch's hook computing Q as P is in). Embedding rows (collective/theory.py's
+    embedding_calls) move whole: fetched before forward, exchanged after backward as the trainer does, behind the
+    last bucket's launched collectives and before the finish (PowerSGD's Q, top-k's sums), or on PS servers."""
     from collective.program import collectives
+    from collective.theory import embedding_calls
 
     t, n = cfg.train, cfg.backend.world_size
     width = BYTES[t.precision]
@@ -174,7 +196,10 @@ def compressed_program(cfg: Config, step: DataStep, overlap: bool, reduced: bool
                                                                     t.powersgd_rank, compressing))
         hooks.append(ready + rest if chained else ready)
         finish += 0.0 if chained else rest
-    return collectives(n, sizes, launched, later, step, overlap, reduced, hooks_s=hooks, finish_s=finish)[0]
+    before, rows, tables = embedding_calls(cfg)
+    launched[-1] += rows
+    return collectives(n, sizes, launched, later, step, overlap, reduced, before, tables, hooks_s=hooks,
+                       finish_s=finish)[0]
 
 
 def _ring_call(name: str, c: Collective, n: int) -> tuple[str, float, int]:

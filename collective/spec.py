@@ -44,17 +44,15 @@ def ddp_step(cfg: Config, phi: float, step: Any, reduced: bool, overlap: bool, c
     readies them (the flat buffer holds the parameters in reverse and is cut from its start, so the short bucket is
     the last); own_buckets (ddp): the trainer's own buckets where the config's model holds phi (theory.trainer_buckets:
     a bucket closes at a parameter's edge), else cut at the cap from Φ alone; compressed: collective/compression_theory.py's
-    compressed_program; embedding rows all-gathered (rows_program), row-sharded (sharded_program) or on PS servers
-    (ps_tables_program)."""
+    compressed_program; embedding rows all-gathered, row-sharded or on PS servers beside the buckets, compressed or
+    not (theory.embedding_calls)."""
     from collective.program import ddp_program
     from psarch.theory.program import chunks
 
-    e = cfg.backend.embeddings
-    if cfg.train.compression != "none":   # as predict: compression_theory.compressed, whatever the tables
+    if cfg.train.compression != "none":   # as predict: compression_theory.compressed, the tables' rows beside
         return compression_theory.compressed_program(cfg, step, overlap, reduced, chained)
-    if e != "dense":
-        write = {"rows": theory.rows_program, "sharded": theory.sharded_program, "ps": theory.ps_tables_program}[e]
-        return write(cfg, phi, step, overlap, reduced)
+    if cfg.backend.embeddings != "dense":
+        return theory.embeddings_program(cfg, phi, step, overlap, reduced)
     buckets = (theory.trainer_buckets(cfg, phi) if own_buckets else None) or \
         chunks(phi * BYTES[cfg.train.precision], cfg.backend.bucket_cap_mb * 2**20)
     return ddp_program(cfg.backend.world_size, buckets, step, overlap, reduced)
@@ -177,6 +175,9 @@ class DDPSpec(RingHops, PSTablesServices, BackendSpec):
     subset_embeddings = ("dense", "ps")   # the hybrid: a frozen or LoRA dense part, the tables training on the PS
     base_embeddings = subset_embeddings
     compressions = ("none", "fp16", "bf16", "topk", "powersgd")
+    # every treatment keeps the tables out of the compressed buckets: rows all-gathered (excluded), sharded and ps
+    # taken out of the model; their rows move whole beside them
+    compressed_embeddings = embeddings
     bench_peer = "collective.torch_ddp:plain_ddp_peer"
 
     def variant(self, cfg: Config) -> str:
@@ -219,6 +220,8 @@ class TorchDDPSpec(BackendSpec):
     embeddings = ("dense", "rows")
     compressions = ("none", "fp16", "bf16", "powersgd")   # torch's own DDP communication hooks
     uncompressed_because = "torch ships no top-k DDP communication hook"
+    uncompressed_embeddings_because = ("torch's communication hook would get the tables' sparse gradients in its "
+                                       "buckets, to compress as it does the dense ones")
 
     def shrink_refusal(self, cfg: Config) -> str:
         return ""   # torch's DDP replicates the model: its checkpoint reads at any world size

@@ -13,7 +13,7 @@ from psarch.theory import (BYTES, LinkBytes, MemoryPrediction, NodePrediction, P
                            optimizer_bytes_per_param, ring_passes, sharded_memory, table_params)
 
 if TYPE_CHECKING:
-    from collective.program import TableServers
+    from collective.program import Call, TableServers
     from psarch.config import Config
     from psarch.theory.program import DataStep, Program
 
@@ -36,7 +36,7 @@ def rows(cfg: Config, phi: float, sparse_grads: bool = False) -> Prediction:
     the busiest rank's u, so its measured bytes sit a little above). sparse_grads (torch_ddp): the tables'
     gradients are torch sparse tensors, after gloo's sum one (id, row) per id the global batch touched."""
     t, d = cfg.train, cfg.workload.dlrm
-    n, width = cfg.backend.world_size, BYTES[t.precision]
+    width = BYTES[t.precision]
     k = optimizer_bytes_per_param(t.optimizer, t.precision, t.momentum)
     dense = phi - table_params(cfg)
     grads = width * phi
@@ -44,12 +44,7 @@ def rows(cfg: Config, phi: float, sparse_grads: bool = False) -> Prediction:
         touched = d.num_tables * expected_unique(d.rows, cfg.workload.clicks.zipf, t.global_batch * d.bag)
         grads = width * dense + touched * (8 + width * d.dim)
     mem = MemoryPrediction(params=width * phi, grads=grads, optimizer=k * phi)
-    if n == 1:
-        return Prediction.alike(mem, LinkBytes(), n, rounds=0, messages=0)
-    u = expected_unique_ids(cfg)
-    v = 2 * (n - 1) / n * dense * width + rows_all_gather_bytes(n, d.num_tables, u, u * d.dim, width)
-    # a ring all-reduce (2 passes), then three all-gathers: id counts, ids, rows
-    return Prediction.alike(mem, LinkBytes(v, v), n, rounds=5, messages=5 * (n - 1))
+    return beside_dense(ring_passes(mem, cfg, dense, 2), cfg)   # a ring all-reduce (2 passes), then the rows'
 
 
 def ps_tables(cfg: Config, phi: float) -> Prediction:
@@ -104,29 +99,59 @@ def sharded(cfg: Config, phi: float) -> Prediction:
     dense = phi - table_params(cfg)
     held = dense + d.num_tables * -(-d.rows // n) * d.dim
     mem = MemoryPrediction(params=width * held, grads=width * held, optimizer=k * held)
+    return beside_dense(ring_passes(mem, cfg, dense, 2), cfg)   # a ring all-reduce (2 passes), then the rows'
+
+
+def rows_link(cfg: Config) -> tuple[LinkBytes, float, float]:
+    """What the tables' rows move per rank and step beside the dense layers' collectives, (bytes, rounds, messages
+    in sequence), at theory's expected distinct ids per rank u: embeddings = "rows" three all-gathers (id counts,
+    ids, rows: rows_all_gather_bytes), of N - 1 messages each; "sharded" four all-to-alls (counts, ids, rows,
+    gradients: sharded_bytes, (N-1)/N of the u ids living elsewhere), each sending its N - 1 messages at once,
+    paying the latency once. The rows move whole in the compute dtype, whatever train.compression does to the
+    dense layers' buckets."""
+    d, n, width = cfg.workload.dlrm, cfg.backend.world_size, BYTES[cfg.train.precision]
+    if n == 1:
+        return LinkBytes(), 0, 0
+    u = expected_unique_ids(cfg)
+    if cfg.backend.embeddings == "rows":
+        v = rows_all_gather_bytes(n, d.num_tables, u, u * d.dim, width)
+        return LinkBytes(v, v), 3, 3 * (n - 1)
+    sent, received = sharded_bytes(u * (n - 1) / n, u * (n - 1) / n, d.num_tables, d.dim, width, n)
+    return LinkBytes(sent, received), 4, 4
+
+
+def beside_dense(dense: Prediction, cfg: Config, phi: float = 0.0) -> Prediction:
+    """ddp's prediction with embeddings = "rows", "sharded" or "ps" from `dense`, what the dense layers' collectives
+    move (uncompressed, or as train.compression does) and the memory of the model as the treatment holds it: the
+    rows' bytes, rounds and messages added (rows_link); with "ps" the tables on the servers (with_ps_tables, of
+    the model's `phi` parameters)."""
+    if cfg.backend.embeddings == "ps":
+        return with_ps_tables(dense, cfg, phi)
+    link, rounds, messages = rows_link(cfg)
+    mem, n = dense.memory_per_rank, cfg.backend.world_size
     if n == 1:
         return Prediction.alike(mem, LinkBytes(), n, rounds=0, messages=0)
-    u = expected_unique_ids(cfg)
-    sent, received = sharded_bytes(u * (n - 1) / n, u * (n - 1) / n, d.num_tables, d.dim, width, n)
-    ring = 2 * (n - 1) / n * dense * width
-    # two ring passes of N - 1 messages in sequence; each all-to-all (counts, ids, rows, gradients) sends
-    # its N - 1 messages at once, paying the latency once
-    return Prediction.alike(mem, LinkBytes(ring + sent, ring + received), n, rounds=2 + 4,
-                            messages=2 * (n - 1) + 4)
+    return Prediction.alike(mem, LinkBytes(dense.link.sent + link.sent, dense.link.received + link.received), n,
+                            rounds=dense.rounds + rounds, messages=dense.messages + messages)
 
 
 def ddp_bucket_shapes(cfg: Config) -> list[list[tuple[int, ...]]]:
     """The shapes of each of ddp's buckets, as collective/ddp.py lays them out (parameters in reverse order, cut at
-    bucket_cap_mb), from the model built on the meta device."""
+    bucket_cap_mb; the embedding tables left out where backend.embeddings moves them apart), from the model built on
+    the meta device."""
     import torch
 
     from collective.bucket import assign_buckets
+    from psarch.embeddings import embedding_tables
     from psarch.precision import compute_dtype
     from psarch.workload import theory_model
 
     dtype = compute_dtype(cfg.train.precision)   # the shared model is not cast: its shapes are, as the trainer's
-    params = [torch.empty(p.shape, dtype=dtype, device="meta") for p in theory_model(cfg).parameters()
-              if p.requires_grad][::-1]
+    model = theory_model(cfg)
+    # the tables move apart from the buckets with any embeddings but "dense" (collective/embeddings.py)
+    apart = {id(t.weight) for _, t in embedding_tables(model)} if cfg.backend.embeddings != "dense" else set()
+    params = [torch.empty(p.shape, dtype=dtype, device="meta") for p in model.parameters()
+              if p.requires_grad and id(p) not in apart][::-1]
     offsets = [0]
     for p in params[:-1]:
         offsets.append(offsets[-1] + p.numel())
@@ -144,7 +169,8 @@ def trainer_buckets(cfg: Config, phi: float) -> list[float] | None:
     estimator's)."""
     t = cfg.train
     # what decides the parameters that train and their shapes (lora_alpha only scales), and the buckets' cut
-    key = repr((cfg.workload, t.trainable, t.lora_rank, t.lora_targets, t.precision, cfg.backend.bucket_cap_mb))
+    key = repr((cfg.workload, t.trainable, t.lora_rank, t.lora_targets, t.precision, cfg.backend.bucket_cap_mb,
+                cfg.backend.embeddings))
     if key not in _BUCKETS:
         sizes = [sum(math.prod(s) for s in bucket) for bucket in ddp_bucket_shapes(cfg)]
         _BUCKETS[key] = (sum(sizes), [float(x) for x in sizes])
@@ -152,37 +178,38 @@ def trainer_buckets(cfg: Config, phi: float) -> list[float] | None:
     return [x * BYTES[t.precision] for x in elements] if total == int(phi) else None
 
 
-def rows_program(cfg: Config, phi: float, step: DataStep, overlap: bool, reduced: bool) -> Program:
-    """embeddings = "rows" as a program: the dense layers' buckets ring all-reduced (collective/program.py), then,
-    queued behind them after backward, the three all-gathers of collective/rows.py: each rank's id counts, its u
-    ids and their rows (u the expectation `rows` counts, rows_all_gather_bytes)."""
+def embedding_calls(cfg: Config) -> tuple[list[Call], list[Call], TableServers | None]:
+    """What the tables' rows add to ddp's step as a program (collective/program.py's collectives), whatever averages
+    the dense layers' buckets: the collectives before forward (sharded: the all-to-alls of collective/sharded.py's
+    fetch, id counts, the ids asked of their owners, the rows answered), those after backward, queued behind the
+    buckets' (rows: collective/rows.py's all-gathers of each rank's id counts, its u ids and their rows; sharded:
+    the rows' gradients all-to-all to their owners) and the PS servers of the hybrid's tables (ps: each rank's
+    rows pulled from every server before forward, their gradients pushed after backward). u is theory's
+    expectation (rows_link's bytes)."""
+    from collective.program import ALL_TO_ALL
+
+    t, d, n, e = cfg.train, cfg.workload.dlrm, cfg.backend.world_size, cfg.backend.embeddings
+    width, u = BYTES[t.precision], expected_unique_ids(cfg) if e != "dense" else 0.0
+    if e == "rows":
+        return [], [("ag_counts", n * 8.0 * d.num_tables, 1), ("ag_ids", n * 8 * u, 1),
+                    ("ag_rows", n * u * d.dim * width, 1)], None
+    if e == "sharded":
+        away, row = u * (n - 1) / n, d.dim * width
+        return [("a2a_counts", 8.0 * d.num_tables * (n - 1), ALL_TO_ALL), ("a2a_ids", 8 * away, ALL_TO_ALL),
+                ("a2a_rows", row * away, ALL_TO_ALL)], [("a2a_grads", row * away, ALL_TO_ALL)], None
+    return [], [], table_servers(cfg) if e == "ps" else None
+
+
+def embeddings_program(cfg: Config, phi: float, step: DataStep, overlap: bool, reduced: bool) -> Program:
+    """ddp with embeddings = "rows", "sharded" or "ps" as a program: the dense layers' buckets ring all-reduced from
+    backward (or after it), the rows' exchanges as embedding_calls says."""
     from collective.program import collectives
     from psarch.theory.program import chunks
 
-    t, d, n = cfg.train, cfg.workload.dlrm, cfg.backend.world_size
-    width, u = BYTES[t.precision], expected_unique_ids(cfg)
-    dense = chunks((phi - table_params(cfg)) * width, cfg.backend.bucket_cap_mb * 2**20)
-    later = [("ag_counts", n * 8.0 * d.num_tables, 1), ("ag_ids", n * 8 * u, 1), ("ag_rows", n * u * d.dim * width, 1)]
-    return collectives(n, dense, [[(f"ar{b}", size, 2)] for b, size in enumerate(dense)], later, step, overlap,
-                       reduced)[0]
-
-
-def sharded_program(cfg: Config, phi: float, step: DataStep, overlap: bool, reduced: bool) -> Program:
-    """embeddings = "sharded" as a program: before forward the all-to-alls of collective/sharded.py's fetch (id
-    counts, the ids asked of their owners, the rows answered), the dense layers' buckets ring all-reduced from
-    backward, then the rows' gradients all-to-all to their owners (sharded_bytes: (N-1)/N of a rank's u ids live
-    elsewhere)."""
-    from collective.program import ALL_TO_ALL, collectives
-    from psarch.theory.program import chunks
-
-    t, d, n = cfg.train, cfg.workload.dlrm, cfg.backend.world_size
-    width, away = BYTES[t.precision], expected_unique_ids(cfg) * (n - 1) / n
-    row = d.dim * width
-    dense = chunks((phi - table_params(cfg)) * width, cfg.backend.bucket_cap_mb * 2**20)
-    before = [("a2a_counts", 8.0 * d.num_tables * (n - 1), ALL_TO_ALL), ("a2a_ids", 8 * away, ALL_TO_ALL),
-              ("a2a_rows", row * away, ALL_TO_ALL)]
-    return collectives(n, dense, [[(f"ar{b}", size, 2)] for b, size in enumerate(dense)],
-                       [("a2a_grads", row * away, ALL_TO_ALL)], step, overlap, reduced, before)[0]
+    dense = chunks((phi - table_params(cfg)) * BYTES[cfg.train.precision], cfg.backend.bucket_cap_mb * 2**20)
+    before, after, tables = embedding_calls(cfg)
+    return collectives(cfg.backend.world_size, dense, [[(f"ar{b}", size, 2)] for b, size in enumerate(dense)],
+                       after, step, overlap, reduced, before, tables=tables)[0]
 
 
 def table_servers(cfg: Config) -> TableServers:
@@ -193,14 +220,3 @@ def table_servers(cfg: Config) -> TableServers:
     b = cfg.backend
     return TableServers(b.servers, b.server_placement == "colocated",
                         row_bytes(expected_unique_ids(cfg), cfg.workload.dlrm.dim, 4, b.servers))
-
-
-def ps_tables_program(cfg: Config, phi: float, step: DataStep, overlap: bool, reduced: bool) -> Program:
-    """embeddings = "ps" on ddp (the hybrid) as a program: the dense layers' buckets ring all-reduced, each rank's
-    rows pulled from every server before forward and their gradients pushed after backward."""
-    from collective.program import collectives
-    from psarch.theory.program import chunks
-
-    dense = chunks((phi - table_params(cfg)) * BYTES[cfg.train.precision], cfg.backend.bucket_cap_mb * 2**20)
-    return collectives(cfg.backend.world_size, dense, [[(f"ar{b}", size, 2)] for b, size in enumerate(dense)], [],
-                       step, overlap, reduced, tables=table_servers(cfg))[0]

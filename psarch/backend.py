@@ -62,6 +62,10 @@ class BackendSpec(ABC):
     # train.compression values it applies, and why the others do not (said in the one line that refuses them)
     compressions: ClassVar[tuple[str, ...]] = ("none",)
     uncompressed_because: ClassVar[str] = "its gradients move uncompressed"
+    # the embedding treatments (backend.embeddings) its compression runs beside: those whose tables move apart from
+    # the compressed gradients (their rows whole), and why the others do not (said in the one line that refuses them)
+    compressed_embeddings: ClassVar[tuple[str, ...]] = ("dense",)
+    uncompressed_embeddings_because: ClassVar[str] = "its compression beside embedding rows is not written"
     max_world_size: ClassVar[int | None] = None
     needs_process_group: ClassVar[bool] = True        # the launcher joins the ranks in a torch.distributed group
     # it trains a model of which only some parameters train (train.trainable, train.lora_rank): it steps, keeps

@@ -1,5 +1,5 @@
 """The runs test_ps_rows_checkpoint.py looks at: two workers, two row servers (threads of the test process), a
-small dlrm (2 tables x 100 rows). Stage 1 runs every case 4 steps with a checkpoint every 3 (and a dense ddp
+small dlrm (2 tables x 100 rows; sync-topk with top-k dense pushes). Stage 1 runs every case 4 steps with a checkpoint every 3 (and a dense ddp
 run). Stage 2 resumes the sync cases from step 3, restores async and GEO (mid-round: its RowCache holds rows)
 and writes them again as checkpoint 3 of another folder, forks sync-adagrad's checkpoint onto ddp rows,
 ddp sharded and single, and the dense ddp checkpoint onto ps rows."""
@@ -28,12 +28,15 @@ DLRM = {"seed": 5,
         "train": {"steps": STEPS, "global_batch": 16, "log_every": 100}}
 OPTIMIZERS = {"sgd": {"optimizer": "sgd", "lr": 0.5},
               "adagrad": {"optimizer": "adagrad", "lr": 0.1, "eps": 1e-6, "initial_accumulator_value": 0.1},
-              "adamw": {"optimizer": "adamw", "lr": 1e-2, "weight_decay": 0.1, "eps": 1e-6}}   # lazy on the rows
+              "adamw": {"optimizer": "adamw", "lr": 1e-2, "weight_decay": 0.1, "eps": 1e-6},   # lazy on the rows
+              # top-k dense pushes beside the rows: each worker's error feedback must come back
+              "sgd-topk": {"optimizer": "sgd", "lr": 0.5, "compression": "topk", "topk_ratio": 0.25}}
 PS = {"kind": "ps", "servers": SERVERS, "timeout_s": 60.0, "embeddings": "rows"}
 CASES = {"sync-sgd": ("sgd", dict(PS, mode="sync")), "sync-adagrad": ("adagrad", dict(PS, mode="sync")),
+         "sync-topk": ("sgd-topk", dict(PS, mode="sync")),
          "async-adamw": ("adamw", dict(PS, mode="async")),
          "geo-adagrad": ("adagrad", dict(PS, mode="geo", k_steps=2))}   # checkpoint 3: mid-round
-EXACT, RESTORED = ["sync-sgd", "sync-adagrad"], ["async-adamw", "geo-adagrad"]
+EXACT, RESTORED = ["sync-sgd", "sync-adagrad", "sync-topk"], ["async-adamw", "geo-adagrad"]
 DENSE = ("adagrad", {"kind": "ddp", "comm": "ring"})                     # forked onto ps rows
 FORKS = {"to-ddp-rows": ("adagrad", {"kind": "ddp", "comm": "ring", "embeddings": "rows", "bucket_cap_mb": 0}),
          "to-ddp-sharded": ("adagrad", {"kind": "ddp", "comm": "ring", "embeddings": "sharded"}),

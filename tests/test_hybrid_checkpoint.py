@@ -5,7 +5,8 @@ Resumed from step 3 the run ends with the uninterrupted run's model.pt, bit for 
 state on the ranks and on the servers must come back; dlrm/clicks as tests/test_hybrid.py); so does a run whose
 rank or server was SIGKILLed after a checkpoint (faults.kill), resumed with --resume or restarted by the launcher;
 a world restarted at N - 1 (faults.restart = "shrink") equals a fork at N - 1 from the checkpoint, bit for bit; the
-checkpoint forks onto `single` and onto 3 servers; one without a server's part is refused in one line naming it."""
+checkpoint forks onto `single` and onto 3 servers; one without a server's part is refused in one line naming it; with
+top-k on the dense layers the ranks' error feedback comes back too."""
 from __future__ import annotations
 
 import json
@@ -169,3 +170,22 @@ def test_a_checkpoint_without_a_servers_part_is_refused_in_one_line(straight, tm
     with pytest.raises(CheckpointError, match=r"holds 4000 of 8000 elements of tables\.\d\.weight's rows") as e:
         run(_cfg("fork", "ddp"), tmp_path / "fork", echo=False, start=src)
     assert "\n" not in str(e.value)
+
+
+def test_a_compressed_hybrid_resumes_with_its_error_feedback(tmp_path):
+    """Top-k on the dense layers (ddp writes each rank's error feedback into its part: collective/ddp.py) beside the
+    servers' rows: the checkpoint at step 3 holds both ranks' error feedback, and resumed from it the run ends with
+    the uninterrupted run's model, bit for bit (a lost error feedback would change the steps after 3)."""
+    from collective.ddp import error_key
+
+    topk = {"compression": "topk", "topk_ratio": 0.25}
+    full = tmp_path / "full"
+    run(_cfg("topk", "ddp", train=topk), full, echo=False)
+    meta = json.loads((full / "checkpoints" / "step_000003" / "metadata.json").read_text())
+    assert {error_key(0), error_key(1)} <= {f["key"] for f in meta["fragments"]}
+    resumed = tmp_path / "resumed"
+    shutil.copytree(full, resumed)
+    summary = run(_cfg("topk", "ddp", train=topk), resumed, echo=False, resume=True, pick="3")
+    assert summary["status"] == "finished"
+    assert _same(_model(resumed), _model(full))
+    assert _steps(resumed) == list(range(6))

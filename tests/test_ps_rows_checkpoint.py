@@ -1,5 +1,5 @@
 """Checkpoints of the parameter server's embedding rows (psarch/ps/row_snapshot.py): ps rows sync resumes bit for
-bit at N = 2 (SGD, Adagrad); async (lazy AdamW) and GEO (mid-round, its RowCache full) restore exactly the
+bit at N = 2 (SGD, Adagrad, SGD with top-k dense pushes and their error feedback); async (lazy AdamW) and GEO (mid-round, its RowCache full) restore exactly the
 state they saved; a ps rows checkpoint forks onto ddp rows, ddp sharded and single, and a dense ddp one
 onto ps rows, within tests/parity.py's tolerance; every server writes its shard of each table as one strided fragment."""
 from __future__ import annotations

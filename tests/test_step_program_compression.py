@@ -1,6 +1,6 @@
 """Compressed steps' programs from a config (ddp and torch_ddp with casts, top-k and PowerSGD; ZeRO with cast
-gradients; the PS with top-k pushes), with compute 0 and no latency: their bytes at the link's rate are theory's,
-and PowerSGD pays α for each message it sends."""
+gradients; the PS with top-k pushes; ddp's compressed buckets beside embedding rows, and the hybrids'), with compute 0
+and no latency: their bytes at the link's rate are theory's, and PowerSGD pays α for each message it sends."""
 from __future__ import annotations
 
 import pytest
@@ -9,7 +9,10 @@ from psarch import registry
 from psarch.config import from_dict
 from psarch.theory.program import Cluster, DataStep
 from psarch.theory.simulate import simulate
-from test_step_programs import RATE
+from test_step_programs import ALPHA, RATE, STEP
+
+DLRM = {"workload": {"model": "dlrm", "data": "clicks", "dlrm": {"rows": 10**5}},
+        "train": {"optimizer": "adagrad", "global_batch": 256, "steps": 10}}
 
 
 @pytest.mark.parametrize("kind, compression", [("ddp", "fp16"), ("ddp", "bf16"), ("ddp", "topk"), ("ddp", "powersgd"),
@@ -85,3 +88,80 @@ def test_a_compressed_ps_program_pushes_theorys_bytes():
     p, expected = registry.spec_of(cfg).program(cfg, phi, DataStep(0.0, 0.0), False), predict(cfg, phi)
     assert expected.link.sent == pytest.approx(0.1 * phi * 12)
     assert simulate(p, Cluster.of(p, RATE)).step_s == pytest.approx(n * (expected.link.sent + 4 * phi) / RATE)
+
+
+def _dlrm(backend: dict, compression: str) -> tuple:
+    """A dlrm config with `compression` (PowerSGD from the first step: every step's bytes are the compressed step's)
+    and its trainable parameters."""
+    from psarch.workload import theory_model
+
+    warm = {"powersgd_warmup_steps": 0} if compression == "powersgd" else {}
+    cfg = from_dict({**DLRM, "train": {**DLRM["train"], "compression": compression, **warm},
+                     "backend": {"world_size": 4, **backend}})
+    return cfg, sum(p.numel() for p in theory_model(cfg).parameters() if p.requires_grad)
+
+
+@pytest.mark.parametrize("embeddings", ["rows", "sharded"])
+@pytest.mark.parametrize("compression", ["fp16", "topk", "powersgd"])
+def test_a_compressed_program_beside_embedding_rows_moves_theorys_bytes(embeddings, compression):
+    """ddp's compressed buckets (the dense layers alone, several here) and, whole, the rows' all-gathers (rows) or
+    all-to-alls (sharded): with compute 0 and no latency the step is theory's bytes at the link's rate, the
+    compressed dense part plus what the rows move without compression."""
+    from collective.theory import rows_link
+
+    from psarch.theory import predict
+
+    backend = {"kind": "ddp", "embeddings": embeddings, "bucket_cap_mb": 0.01}
+    cfg, phi = _dlrm(backend, compression)
+    sent = predict(cfg, phi).link.sent
+    uncompressed, _ = _dlrm(backend, "none")
+    assert rows_link(cfg)[0] == rows_link(uncompressed)[0]   # the rows move whole
+    for reduced in (False, True):
+        p = registry.spec_of(cfg).program(cfg, phi, DataStep(0.0, 0.0), reduced)
+        assert simulate(p, Cluster.of(p, RATE)).step_s == pytest.approx(sent / RATE, rel=2e-3), reduced
+
+
+@pytest.mark.parametrize("backend, compression", [({"kind": "ddp"}, "fp16"), ({"kind": "ddp"}, "topk"),
+                                                  ({"kind": "ddp", "server_placement": "colocated"}, "powersgd"),
+                                                  ({"kind": "zero", "stage": 2}, "bf16")])
+def test_a_compressed_hybrid_program_moves_the_rows_beside_the_compressed_buckets(backend, compression):
+    """ddp or ZeRO over the dense layers, compressed, the tables on 2 PS servers: in the full program the last rank
+    sends theory's bytes (the compressed collectives and its rows: predict's, within the ring chunks' padding, which
+    predict counts and the program does not); with compute 0 and no latency the step takes at least the busiest
+    link's bytes (a rank's, or a server's: the rows of every rank), at most every link's one after the other; its
+    reduced program times it as the full one does, within 1% with compute and latency in play."""
+    from psarch.theory import predict
+    from psarch.theory.program import Transfer
+
+    backend = {**backend, "embeddings": "ps", "servers": 2}
+    cfg, phi = _dlrm(backend, compression)
+    p = predict(cfg, phi)
+    rank, server = p.nodes["worker"].link, p.nodes["server"].link
+    spec = registry.spec_of(cfg)
+    full = spec.program(cfg, phi, DataStep(0.0, 0.0), False)
+    last = cfg.backend.world_size - 1   # a rank with no server beside it (colocated: servers on ranks 0 and 1)
+    sent = sum(op.bytes for op in full.ops if isinstance(op, Transfer) and op.src == last and op.dst != last)
+    assert sent == pytest.approx(rank.sent, rel=2e-3)
+    for reduced in (False, True):
+        prog = spec.program(cfg, phi, DataStep(0.0, 0.0), reduced)
+        got = simulate(prog, Cluster.of(prog, RATE)).step_s * RATE
+        assert max(rank.sent, rank.received, server.sent, server.received) * (1 - 1e-3) <= got \
+            <= (rank.sent + rank.received + server.sent + server.received) * 1.01, reduced
+    full, reduced_ = (spec.program(cfg, phi, STEP, r) for r in (False, True))
+    a = simulate(full, Cluster.of(full, RATE, ALPHA)).step_s
+    assert simulate(reduced_, Cluster.of(reduced_, RATE, ALPHA)).step_s == pytest.approx(a, rel=0.01)
+
+
+@pytest.mark.parametrize("compression", ["fp16", "topk"])
+def test_a_compressed_ps_rows_program_moves_theorys_bytes(compression):
+    """The PS with embedding rows (sync) and compressed dense pushes, through one dedicated server, with compute 0
+    and no latency: every worker's row pull, rows, compressed push and whole pull through that server's link,
+    theory's bytes (as test_step_program_embeddings.py's uncompressed rows, within 2%)."""
+    from psarch.theory import predict
+
+    cfg, phi = _dlrm({"kind": "ps", "embeddings": "rows", "servers": 1, "partition_mb": 0.0}, compression)
+    link = predict(cfg, phi).link
+    whole = predict(_dlrm({"kind": "ps", "embeddings": "rows", "servers": 1, "partition_mb": 0.0}, "none")[0], phi)
+    assert link.sent < whole.link.sent and link.received == pytest.approx(whole.link.received)
+    p = registry.spec_of(cfg).program(cfg, phi, DataStep(0.0, 0.0), False)
+    assert simulate(p, Cluster.of(p, RATE)).step_s == pytest.approx(4 * (link.sent + link.received) / RATE, rel=0.02)

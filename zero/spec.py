@@ -59,6 +59,7 @@ class ZeroSpec(RingHops, PSTablesServices, BackendSpec):
     reads = {**PROCESS_GROUP_OPTIONS, "backend.reduce_bucket_size": (1, 2), "backend.allgather_bucket_size": (1, 2),
              "backend.prefetch_bucket_size": (3,)}
     embeddings = ("dense", "ps")   # ps: the tables on PS servers (collective/ps_tables.py)
+    compressed_embeddings = embeddings   # the servers' rows move whole beside the cast reduce-scatters
     subset_embeddings = embeddings
     base_embeddings = embeddings
 

@@ -119,12 +119,6 @@ def _check_compression(cfg: Config) -> None:
     if t.compression in ("topk", "powersgd") and t.precision == "fp16":
         raise ConfigError(f"train.compression = \"{t.compression}\": its error feedback would carry gradients scaled "
                           f"by fp16's changing loss scale; use train.precision = \"fp32\" or \"bf16\"")
-    e = cfg.backend.embeddings
-    if t.compression != "none" and e != "dense":
-        raise ConfigError(f"train.compression = \"{t.compression}\" with backend.embeddings = \"{e}\": not supported "
-                          f"(it compresses the dense gradients only; compressed buckets beside the tables' rows, which "
-                          f"move whole, are neither tested nor predicted); use backend.embeddings = \"dense\" or "
-                          f"train.compression = \"none\"")
     spec = registry.spec_of(cfg)
     if t.compression in ("topk", "powersgd") and t.checkpoint_every and t.compression in spec.compressions \
             and not spec.checkpoints_compression:
@@ -198,6 +192,13 @@ def check_capabilities(spec: Any, cfg: Config) -> None:
         raise ConfigError(f"train.compression = \"{t.compression}\": {this} runs "
                           f"{', '.join(json.dumps(c) for c in spec.compressions)} only ({spec.uncompressed_because}); "
                           f"\"{t.compression}\" runs on backend.kind = {', '.join(json.dumps(k) for k in others)}")
+    e = b.embeddings
+    if t.compression != "none" and e in spec.embeddings and e not in spec.compressed_embeddings:
+        others = [s.kind for s in registry.specs() if t.compression in s.compressions and e in s.compressed_embeddings]
+        raise ConfigError(f"train.compression = \"{t.compression}\" with backend.embeddings = \"{e}\": {this} "
+                          f"compresses beside embeddings {', '.join(json.dumps(x) for x in spec.compressed_embeddings)} "
+                          f"only ({spec.uncompressed_embeddings_because}); use backend.kind = "
+                          f"{', '.join(json.dumps(k) for k in others) or 'none yet'} or train.compression = \"none\"")
     if b.embeddings not in spec.embeddings:
         others = [s.kind for s in registry.specs() if b.embeddings in s.embeddings]
         raise ConfigError(f"backend.embeddings = \"{b.embeddings}\": {this} runs "

@@ -45,7 +45,8 @@ class TrainConfig:
     compression: str = option("none", "how gradients are compressed on the wire: cast to 2 bytes ('fp16', 'bf16'), the "
                                       "largest topk_ratio of each bucket with error feedback ('topk'), or PowerSGD's "
                                       "rank-r factors with error feedback and warm start ('powersgd'); PS GEO "
-                                      "compresses its deltas both ways (pushes and pulls)",
+                                      "compresses its deltas both ways (pushes and pulls); beside embedding rows "
+                                      "(backend.embeddings) the dense gradients only, the rows moving whole",
                               choices=("none", "fp16", "bf16", "topk", "powersgd"))
     topk_ratio: float = option(0.01, "compression = 'topk': the fraction of each bucket's elements sent", min=1e-9, max=1.0)
     powersgd_rank: int = option(1, "compression = 'powersgd': the rank r of each gradient matrix's approximation", min=1)

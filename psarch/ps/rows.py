@@ -64,11 +64,14 @@ def key_space(cfg: Config) -> KeySpace:
 def server_config(cfg: Config) -> Config:
     """The PS config the hybrid's servers (and its ranks' rows) run, from a collective backend's config with
     embeddings = "ps" (collective/ps_tables.py): sync, embeddings = "rows", its servers' options (PSServers), its
-    workload and [train] (but its frozen parameters and LoRA adapters: the collective ranks' dense part), no [faults]."""
+    workload and [train] (but its frozen parameters, LoRA adapters and gradient compression: the collective ranks'
+    dense part's; the rows move whole), no [faults]."""
     b = cfg.backend
     data = cfg.to_dict()
     defaults = type(cfg.train)()
-    data["train"].update({k: getattr(defaults, k) for k in ("trainable", "lora_rank", "lora_alpha", "lora_targets")})
+    data["train"].update({k: getattr(defaults, k) for k in ("trainable", "lora_rank", "lora_alpha", "lora_targets",
+                                                            "compression", "topk_ratio", "powersgd_rank",
+                                                            "powersgd_warmup_steps")})
     data.pop("faults", None)   # the launcher strikes them (and restarts the collective world), not a PS run
     data["backend"] = {"kind": "ps", "mode": "sync", "embeddings": "rows", "world_size": b.world_size,
                        "timeout_s": b.timeout_s, "device": b.device,

@@ -94,6 +94,8 @@ class PSSpec(BackendSpec):
     # pushes cast to 2 bytes, or top-k's (index, value) pairs, summed by the servers in fp32 (GEO: pulls too)
     compressions = ("none", "fp16", "bf16", "topk")
     uncompressed_because = "PowerSGD's two rounds of all-reduce have no PS form built yet"
+    # with rows the dense partitions' pushes are compressed, the rows' pushes move whole (sync only: check)
+    compressed_embeddings = ("dense", "rows")
     # top-k's error feedback (each worker's) and GEO's copies of what each worker holds (the servers') are in its
     # checkpoints (psarch/ps/snapshot.py)
     checkpoints_compression = True
@@ -123,6 +125,11 @@ class PSSpec(BackendSpec):
 
     def check(self, cfg: Config) -> None:
         b = cfg.backend
+        if cfg.train.compression != "none" and b.embeddings == "rows" and b.mode != "sync":
+            raise ConfigError(f"train.compression = \"{cfg.train.compression}\" with backend.embeddings = \"rows\": "
+                              f"runs with backend.mode = \"sync\" only (compressed pushes beside the rows in "
+                              f"\"{b.mode}\", GEO's row cache beside compressed deltas, are neither tested nor "
+                              f"predicted yet)")
         if b.heartbeat_s and b.heartbeat_timeout_s <= b.heartbeat_s:
             raise ConfigError(f"backend.heartbeat_timeout_s = {b.heartbeat_timeout_s:g}: must be longer than "
                               f"backend.heartbeat_s = {b.heartbeat_s:g} (a peer gets at least one PING to answer)")

@@ -139,7 +139,8 @@ def rows(cfg: Config, phi: float) -> Prediction:
     """The embedding tables sharded by row over the servers (psarch/ps/rows.py): a worker holds the dense
     parameters and the u rows of its step (and their gradients); each server a 1/S share of the dense part
     and of every table, with their optimizer state; traffic from rows_traffic with the expected u, spread
-    evenly over the servers (keys are hashed to servers). GEO exchanges once every k steps the rows its k
+    evenly over the servers (keys are hashed to servers), the dense partitions pushed as train.compression says
+    (pushed_bytes; sync only) beside the rows, which move whole. GEO exchanges once every k steps the rows its k
     batches read (u_k of them: each is pulled once, when first read, and its delta pushed at the sync), and
     keeps them, their pulled copies and their local optimizer state."""
     b, t, d = cfg.backend, cfg.train, cfg.workload.dlrm
@@ -147,8 +148,10 @@ def rows(cfg: Config, phi: float) -> Prediction:
     every = b.push_every
     table = table_params(cfg)
     dense_params, u = phi - table, expected_unique_ids(cfg, every)
-    once = rows_traffic(u, d.dim, dense_params, width)
-    link = LinkBytes(once.sent / every, once.received / every)
+    once = rows_traffic(u, d.dim, 0, width)   # the rows whole; the dense partitions as train.compression pushes them
+    parts = [hi - lo for server in dense_partitions(cfg, phi) for lo, hi in server]
+    up, down = sum(pushed_bytes(cfg, size) for size in parts), sum(pulled_bytes(cfg, size) for size in parts)
+    link = LinkBytes((once.sent + up) / every, (once.received + down) / every)
     k = 0 if geo else optimizer_bytes_per_param(t.optimizer, "fp32", t.momentum)
     # the dense range's round accumulator (a round's rows are held only until the round ends; like the
     # pushes kept early for worker-order sums, at worst (N - 1) x width x the dense range, they are not counted)
@@ -164,9 +167,9 @@ def rows(cfg: Config, phi: float) -> Prediction:
         mem = MemoryPrediction(params=(dense_params + u * d.dim) * width, grads=(dense_params + u1 * d.dim) * width,
                                optimizer=kl * (dense_params + u * d.dim),
                                buffers=4 * (dense_params + u * d.dim) + 8 * u)
-    else:
+    else:   # top-k keeps the error of every dense element it pushes (the rows' pushes are whole)
         mem = MemoryPrediction(params=dense_params * width + row_bytes, grads=dense_params * width + row_bytes,
-                               optimizer=0.0)
+                               optimizer=0.0, buffers=width * dense_params if t.compression == "topk" else 0.0)
     # a server receives what workers send and sends what they receive; phases: row pull, rows, push, pull
     server = NodePrediction(held, LinkBytes(sent=n * link.received / b.servers, received=n * link.sent / b.servers),
                             host=colocated(cfg), instances=b.servers)

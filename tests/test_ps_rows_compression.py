@@ -1,0 +1,119 @@
+"""Compressed pushes beside the PS's embedding rows (backend.kind = "ps", embeddings = "rows", sync): the dense
+partitions' pushes cast to 2 bytes or sent as top-k pairs (psarch/ps/worker/topk.py), the rows' pulls and pushes
+whole, on dlrm/clicks at N = 2, one server holding the dense range whole, SGD, 4 steps, one thread per rank.
+
+Tolerances: with one server holding one partition the PS selects what ddp's one bucket selects (as
+tests/test_ps_compression.py finds without tables), so its top-k run equals ddp rows with top-k within SGD's 1e-5,
+both summing the rows' gradients in fp32; fp16 (each worker's gradient rounded once at 2^-11, summed in fp32, |g| < 1,
+4 SGD steps at lr 0.5) within 4 x 0.5 x 2^-11 ~ 1e-3 of the uncompressed run, and not equal to it."""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from dist_utils import run_ranks
+from parity import SGD_ATOL, assert_same_model, config, model, train
+from psarch.config import ConfigError, from_dict
+from psarch.ps import theory as ps_theory
+from psarch.ps.services import LocalServers
+from ps_setup import ps
+from test_compression_embeddings import dense_shapes
+from test_ps_rows import OPTIMIZERS, ROWS_DLRM as DLRM
+from timing import scaled
+
+N, RATIO = 2, 0.25
+STEPS, LR = DLRM["train"]["steps"], OPTIMIZERS["sgd"]["lr"]
+FP16_ATOL = STEPS * LR * 2.0**-11
+HEADER_BOUND = 128   # tests/test_ps.py's measured bound on a header frame
+COMPRESSIONS = {"none": {}, "fp16": {"compression": "fp16"}, "topk": {"compression": "topk", "topk_ratio": RATIO}}
+RUNS = {**{f"ps-rows-{c}": (ps(N, "sync", 1, embeddings="rows"), c) for c in COMPRESSIONS},
+        "ddp-rows-topk": ({"kind": "ddp", "embeddings": "rows", "world_size": N}, "topk")}
+
+
+def _data(name: str) -> dict:
+    backend, c = RUNS[name]
+    return config(name, base=DLRM, train={**OPTIMIZERS["sgd"], **COMPRESSIONS[c]}, backend=backend)
+
+
+def _ranks(rank: int, n: int, out: str, plan: dict, infos: dict) -> dict:
+    torch.set_num_threads(1)
+    return {name: train(rank, n, data, infos[name], out) for name, data in plan.items()}
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    torch.set_num_threads(1)
+    out = tmp_path_factory.mktemp("ps_rows_compression")
+    plan = {name: _data(name) for name in RUNS}
+    services = {name: LocalServers(from_dict(d), None, threads=True) for name, d in plan.items() if name[:2] == "ps"}
+    try:
+        infos = {name: services[name].info.to_dict() if name in services else {} for name in plan}
+        res = run_ranks(_ranks, N, str(out), plan, infos, timeout=scaled(300))
+    finally:
+        for s in services.values():
+            s.stop()
+    return out, {name: [r[name] for r in res] for name in plan}
+
+
+def pushed(compression: str) -> int:
+    """Bytes of a worker's dense push a step: the range whole in fp32, cast to 2 bytes, or k (int64 index, fp32
+    value) pairs."""
+    d = sum(math.prod(s) for s in dense_shapes())
+    return {"none": 4 * d, "fp16": 2 * d, "topk": math.ceil(RATIO * d) * (8 + 4)}[compression]
+
+
+def test_top_k_beside_the_rows_equals_ddp_rows_and_fp16_stays_near(runs):
+    out, _ = runs
+    assert_same_model(model(out, "ps-rows-topk"), model(out, "ddp-rows-topk"), "ps rows vs ddp rows, topk", rtol=0,
+                      atol=SGD_ATOL)
+    none = model(out, "ps-rows-none")
+    for c in ("topk", "fp16"):
+        far = max((model(out, f"ps-rows-{c}")[k] - v).abs().max().item() for k, v in none.items())
+        print(f"ps rows {c}: largest difference from uncompressed {far:.3g}")
+        assert far > (100 * SGD_ATOL if c == "topk" else 0), c
+    assert_same_model(model(out, "ps-rows-fp16"), none, "ps rows fp16 vs uncompressed", rtol=0, atol=FP16_ATOL)
+
+
+@pytest.mark.parametrize("compression", ["fp16", "topk"])
+def test_the_rows_move_whole_and_the_dense_push_compressed(runs, compression):
+    """The rows' requests carry the uncompressed run's bytes to the byte; the dense push its formula plus a header
+    a step (fp16: the same request as uncompressed, exactly 2 bytes an element fewer); pulls stay whole."""
+    _, results = runs
+    push = "sparsepushpull" if compression == "topk" else "pushpull"
+    for rank in range(N):
+        got = results[f"ps-rows-{compression}"][rank]["traffic"]["ops"]
+        ref = results["ps-rows-none"][rank]["traffic"]["ops"]
+        for op in ("rowpull", "rowpush", "rowfetch"):
+            assert got.get(op) == ref.get(op), (compression, rank, op)   # rowfetch: rank 0 alone
+        assert 0 < got[push]["sent"] - STEPS * pushed(compression) <= STEPS * HEADER_BOUND
+        assert got[push]["received"] == ref["pushpull"]["received"]   # the dense range pulled whole
+        if compression == "fp16":
+            assert ref["pushpull"]["sent"] - got[push]["sent"] == STEPS * (pushed("none") - pushed("fp16"))
+
+
+@pytest.mark.parametrize("compression", ["fp16", "topk"])
+def test_theory_predicts_the_compressed_push_beside_the_rows(runs, compression):
+    """predict: the push's formula and the dense pull whole, plus rows_traffic at E[u] (headers not counted); its
+    buffers top-k's error feedback, one fp32 error per dense element, as measured."""
+    from psarch.theory import expected_unique_ids, predict
+
+    _, results = runs
+    name = f"ps-rows-{compression}"
+    cfg, r = from_dict(_data(name)), results[name][0]
+    p = predict(cfg, r["params"])
+    rows = ps_theory.rows_traffic(expected_unique_ids(cfg), cfg.workload.dlrm.dim, 0, 4)
+    assert p.link.sent - rows.sent == pytest.approx(pushed(compression), rel=1e-12)
+    assert p.link.received - rows.received == pytest.approx(pushed("none"), rel=1e-12)
+    d = sum(math.prod(s) for s in dense_shapes())
+    assert p.memory_per_rank.buffers == r["memory"]["error_feedback"] == (4 * d if compression == "topk" else 0)
+
+
+@pytest.mark.parametrize("mode", [{"mode": "async"}, {"mode": "ssp", "staleness_bound": 1},
+                                  {"mode": "geo", "k_steps": 2}])
+def test_other_modes_are_refused_in_one_line(mode):
+    backend = ps(N, servers=1, embeddings="rows", **mode)
+    with pytest.raises(ConfigError) as e:
+        from_dict(config("x", base=DLRM, train={**OPTIMIZERS["sgd"], "compression": "fp16"}, backend=backend))
+    assert 'runs with backend.mode = "sync" only' in str(e.value) and "\n" not in str(e.value), str(e.value)
