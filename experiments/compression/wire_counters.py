@@ -22,6 +22,8 @@ import re
 import statistics
 import subprocess
 import sys
+import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -98,6 +100,46 @@ def snapshot(c: emulated.EmulatedCluster) -> Snapshot:
                                                  "net.ipv4.tcp_congestion_control").strip() for n in c.nodes}
         snap["plan"] = [dict(n.to_dict(), port=n.port) for n in c.nodes]
     return snap
+
+
+POLLS: list[dict[str, Any]] = []   # the hub's qdisc drops and port bytes every POLL_S, wall-clock stamped
+
+
+POLL_S = 0.5
+
+
+def _poll(stop: threading.Event) -> None:
+    """Every POLL_S while a run's hub exists: each hub port's qdisc drops and bytes in from its node."""
+    while not stop.wait(POLL_S):
+        hubs = netns.names(f"{emulated.PREFIX}{os.getpid()}-hub")
+        if not hubs:
+            continue
+        t = time.time()
+        drops: dict[str, int] = {}
+        for q in _qdiscs(hubs[0]):
+            if q["kind"] == "bfifo":
+                drops[q["dev"]] = drops.get(q["dev"], 0) + (q["drops"] or 0)
+        links = _links(hubs[0])
+        POLLS.append({"t": t, "drops": drops, "rx_bytes": {k: v["rx_bytes"] for k, v in links.items()}})
+
+
+def per_step(run: Path) -> str:
+    """Each step's time beside the drops at the hub's queues and the bytes into the hub while it ran (the polls
+    between the first worker's start and the last worker's end of the step)."""
+    metrics = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    out = ["| step | step (ms) | drops at the hub's queues (packets) | into the hub from the workers (KiB) |",
+           "|---:|---:|---:|---:|"]
+    for r in metrics:
+        t0 = min(w["extra"]["t_start"] for w in r["workers"])
+        t1 = max(w["extra"]["t_end"] for w in r["workers"])
+        inside = [p for p in POLLS if t0 - POLL_S <= p["t"] <= t1 + POLL_S]
+        if len(inside) < 2:
+            continue
+        a, b = inside[0], inside[-1]
+        drops = sum(b["drops"].values()) - sum(a["drops"].values())
+        into = sum(b["rx_bytes"][k] - a["rx_bytes"].get(k, 0) for k in b["rx_bytes"] if k.startswith("w"))
+        out.append(f"| {r['step']} | {r['step_time_s'] * 1e3:.1f} | {drops} | {into / 1024 / len(r['workers']):.1f} a worker |")
+    return "\n".join(out) + "\n"
 
 
 def _install() -> None:
@@ -204,14 +246,19 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--set", dest="overrides", action="append", default=[])
     args = ap.parse_args(argv)
     _install()
+    stop = threading.Event()
+    poller = threading.Thread(target=_poll, args=(stop,), daemon=True)
+    poller.start()
     from psarch import cli
     code = cli.main(["run", args.config, "--out", args.out, "--overwrite", "--quiet",
                      *[x for o in args.overrides for x in ("--set", o)]])
+    stop.set()
+    poller.join()
     out = Path(args.out)
-    (out / "wire_counters.json").write_text(json.dumps(SNAPSHOTS))
+    (out / "wire_counters.json").write_text(json.dumps({"snapshots": SNAPSHOTS, "polls": POLLS}))
     left = netns.names(f"{emulated.PREFIX}{os.getpid()}-")   # this run's own: none once it ended
     if code == 0 and len(SNAPSHOTS) >= 2:
-        table = analyse(out, SNAPSHOTS)
+        table = analyse(out, SNAPSHOTS) + "\nPer step (the hub polled every 0.5 s, wall clock):\n\n" + per_step(out)
         (out / "wire_counters.md").write_text(table)
         print(table)
     print(f"psarch exit {code}; this run's namespaces left: {left or 'none'}", file=sys.stderr)
