@@ -130,6 +130,8 @@ def per_step(run: Path) -> str:
     out = ["| step | step (ms) | drops at the hub's queues (packets) | into the hub from the workers (KiB) |",
            "|---:|---:|---:|---:|"]
     for r in metrics:
+        if not all("t_start" in w.get("extra", {}) for w in r["workers"]):   # the PS's workers say when a step ran
+            continue
         t0 = min(w["extra"]["t_start"] for w in r["workers"])
         t1 = max(w["extra"]["t_end"] for w in r["workers"])
         inside = [p for p in POLLS if t0 - POLL_S <= p["t"] <= t1 + POLL_S]
@@ -201,7 +203,7 @@ def analyse(run: Path, snaps: list[Snapshot]) -> str:
     def row(what: str, x: float) -> None:
         out.append(f"| {what} | {x:,.0f} | {x / 1024:.2f} | {x / mean['link']:.1%} |")
 
-    row("counted by the PS (frames sent)", counted)
+    row("counted by the backend (what its workers sent)", counted)
     row("TCP payload sent once, beyond the counted frames (ZMTP framing, heartbeats, the store)", first - counted)
     row("TCP payload retransmitted (tcpi_bytes_retrans)", mean["bytes_retrans"])
     row(f"headers of every packet ({mean['packets']:,.0f} packets: {mean['data_segs_out']:,.0f} with data)", headers)
