@@ -1,7 +1,7 @@
 """An emulated cluster on one Linux machine: a network namespace per node, a veth from each node to one
 bridge, and a rate-limiting qdisc on both ends of each veth so each direction runs at the link rate (`shaper`:
 htb at the link rate, TCP's acknowledgements and other short packets served first, the rest in queues of
-QUEUE_S at the link rate, one per sender into a node).
+QUEUE_S at the cluster's link rate, one per sender into a node).
 
 Layout of run <pid>: namespace `psarch-<pid>-hub` holds the bridge `br0` (10.213.0.1, where the launcher
 hosts the rendezvous store) and the bridge end of every veth (`w<i>`, `s<i>`); node namespaces
@@ -43,7 +43,7 @@ PREFIX = "psarch-"
 IFNAME = "eth0"                 # every node's interface: GLOO_SOCKET_IFNAME names it
 HUB_ADDRESS = "10.213.0.1"
 MAX_NODES = 250                 # host numbers 1..250 in each of the 10.213.1 and 10.213.2 subnets
-QUEUE_S = 0.2                   # the bulk queue, as time at the link rate: long enough that TCP is not starved
+QUEUE_S = 0.2                   # the bulk queue, as time at the cluster's link rate: long enough that TCP is not starved
 SHORT_PACKET = 128              # IP packets shorter than this (acknowledgements, SYNs) go first
 SEGMENT_S = 0.001               # the longest one GSO segment holds a link
 BUCKET_S = 0.002                # what a link's shaper may send at once after an idle spell (`shaper`)
@@ -80,18 +80,23 @@ def plan(pid: int, workers: int, servers: int, link_mbps: float, server_mbps: fl
                for i in range(servers)])
 
 
-def shaper(dev: str, mbps: float, senders: Sequence[str] = ()) -> list[list[str]]:
+def shaper(dev: str, mbps: float, senders: Sequence[str] = (), dilation: float = 1.0) -> list[list[str]]:
     """The `tc` commands (each after `tc -n <namespace>`) that limit `dev`'s egress to `mbps` Mbit/s: an htb
     class at the rate whose bucket holds 2 ms of traffic (the kernel timer's slack; at least two of the link's GSO
     segments, `tsq_bytes`). A real link has no bucket: what it holds goes at once after an idle spell, so it is
     kept that small (it was 64 KiB, a tbf's floor for a whole GSO segment, which let 52 ms of a 10 Mbit/s link's
     traffic through at once; htb sends a packet larger than its bucket and owes the difference). Short packets are served first (a u32 filter on the IP length); the rest
     wait in FIFOs of QUEUE_S at the rate, in bytes: one per address in `senders`, shared fairly (htb's
-    round robin; each may use the whole rate alone), and one for everything else."""
+    round robin; each may use the whole rate alone), and one for everything else.
+    `dilation`: D of a link shaped to the cluster's rate / D. Time dilation slows rates and times, never bytes (a
+    message, a TCP window, what a switch's queue holds): the FIFOs hold QUEUE_S at the cluster's rate, mbps x D. At
+    the shaped rate they held D times fewer bytes, and the windows N workers' pushes opened into one server were
+    dropped there, as the cluster's queues would not drop them (the bucket and the segments stay at the shaped
+    rate: they are the kernel's timer and the link's time, wall clock)."""
     rate = f"{mbps * 1000:.0f}kbit"
     burst = str(max(tsq_bytes(mbps), int(mbps * 1e6 / 8 * BUCKET_S)))
     bucket = ["rate", rate, "ceil", rate, "burst", burst, "cburst", burst]
-    queue = str(max(10 * WIRE, int(mbps * 1e6 / 8 * QUEUE_S)))
+    queue = str(max(10 * WIRE, int(mbps * dilation * 1e6 / 8 * QUEUE_S)))
     out = [["qdisc", "add", "dev", dev, "root", "handle", "1:", "htb", "default", "20"],
            ["class", "add", "dev", dev, "parent", "1:", "classid", "1:1", "htb", *bucket],
            ["class", "add", "dev", dev, "parent", "1:1", "classid", "1:10", "htb", *bucket, "prio", "0"],
@@ -153,8 +158,10 @@ class EmulatedCluster:
     """Create the nodes of a run; `close()` removes them. A watcher process removes them if this
     process dies without closing (SIGKILL); a later run removes any a dead run left (remove_stale)."""
 
-    def __init__(self, workers: int, servers: int, link_mbps: float, server_mbps: float) -> None:
+    def __init__(self, workers: int, servers: int, link_mbps: float, server_mbps: float, dilation: float = 1.0) -> None:
+        """link_mbps, server_mbps: the rates the links are shaped to (the cluster's / `dilation`, D)."""
         self.pid = os.getpid()
+        self.dilation = dilation
         self.prefix = f"{PREFIX}{self.pid}-"
         self.hub = f"{self.prefix}hub"
         self.nodes = plan(self.pid, workers, servers, link_mbps, server_mbps)
@@ -187,9 +194,10 @@ class EmulatedCluster:
             netns.run("ip", "-n", n.ns, "addr", "add", f"{n.address}/16", "dev", IFNAME)
             netns.run("ip", "-n", n.ns, "link", "set", IFNAME, "up")
             netns.run("ip", "-n", n.ns, "link", "set", "lo", "up")
-            tc_batch(n.ns, shaper(IFNAME, n.mbps))     # node -> bridge
+            tc_batch(n.ns, shaper(IFNAME, n.mbps, dilation=self.dilation))     # node -> bridge
             # bridge -> node: every other node's traffic into this link in a queue of its own, fairly shared
-            tc_batch(hub, shaper(n.port, n.mbps, [m.address for m in self.nodes if m.address != n.address]))
+            tc_batch(hub, shaper(n.port, n.mbps, [m.address for m in self.nodes if m.address != n.address],
+                                 self.dilation))
             segments = str(gso_segments(n.mbps))
             netns.run("ip", "-n", n.ns, "link", "set", IFNAME, "gso_max_segs", segments)
             netns.run("ip", "-n", hub, "link", "set", n.port, "gso_max_segs", segments)

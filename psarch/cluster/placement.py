@@ -75,7 +75,7 @@ class Emulated:
         own = [i for i, w in enumerate(self.beside) if w is None]
         self.own = {i: j for j, i in enumerate(own)}   # service index -> its own node's index
         self.dilation = device.dilation(cfg)           # the links run D times slower than the cluster's
-        self.cluster = EmulatedCluster(cfg.backend.world_size, len(own), *device.shaped_mbps(cfg))
+        self.cluster = EmulatedCluster(cfg.backend.world_size, len(own), *device.shaped_mbps(cfg), dilation=self.dilation)
         self.rendezvous_host = HUB_ADDRESS
         from psarch.cluster.alpha import measure_alpha
         w0 = self.cluster.node("worker", 0)     # the hub to a node: one link each way, as a ring's hop
