@@ -8,7 +8,7 @@ import threading
 
 from cluster_setup import leftovers, needs_root
 from psarch.cluster import netns
-from psarch.cluster.emulated import QUEUE_S, EmulatedCluster, shaper
+from psarch.cluster.emulated import QUEUE_MAX, QUEUE_S, EmulatedCluster, shaper
 from timing import scaled
 
 
@@ -22,6 +22,12 @@ def test_a_dilated_links_queues_hold_the_clusters_bytes():
     senders = ["10.213.1.1", "10.213.1.2"]
     dilated = _bfifo_limits(shaper("eth0", 100.0 / 32, senders, dilation=32.0))
     assert dilated == _bfifo_limits(shaper("eth0", 100.0, senders)) == [int(100e6 / 8 * QUEUE_S)] * 3, dilated
+
+
+def test_a_fast_clusters_queues_stay_within_bfifos_limit():
+    """bfifo's limit is a u32: a 400 Gbit/s cluster's QUEUE_S (10 GB) is held at QUEUE_MAX, which `tc` takes."""
+    limits = _bfifo_limits(shaper("eth0", 400e3 / 40, ["10.213.1.1"], dilation=40.0))
+    assert limits == [QUEUE_MAX] * 2 and QUEUE_MAX < 2**32, limits
 
 
 def _drain(ns: str, ready: threading.Event, port: list, got: list) -> None:

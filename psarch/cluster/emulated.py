@@ -44,6 +44,7 @@ IFNAME = "eth0"                 # every node's interface: GLOO_SOCKET_IFNAME nam
 HUB_ADDRESS = "10.213.0.1"
 MAX_NODES = 250                 # host numbers 1..250 in each of the 10.213.1 and 10.213.2 subnets
 QUEUE_S = 0.2                   # the bulk queue, as time at the cluster's link rate: long enough that TCP is not starved
+QUEUE_MAX = 2**31                # bytes: bfifo's limit is a u32 (past 172 Gbit/s QUEUE_S would not fit); no window fills it
 SHORT_PACKET = 128              # IP packets shorter than this (acknowledgements, SYNs) go first
 SEGMENT_S = 0.001               # the longest one GSO segment holds a link
 BUCKET_S = 0.002                # what a link's shaper may send at once after an idle spell (`shaper`)
@@ -96,7 +97,7 @@ def shaper(dev: str, mbps: float, senders: Sequence[str] = (), dilation: float =
     rate = f"{mbps * 1000:.0f}kbit"
     burst = str(max(tsq_bytes(mbps), int(mbps * 1e6 / 8 * BUCKET_S)))
     bucket = ["rate", rate, "ceil", rate, "burst", burst, "cburst", burst]
-    queue = str(max(10 * WIRE, int(mbps * dilation * 1e6 / 8 * QUEUE_S)))
+    queue = str(min(QUEUE_MAX, max(10 * WIRE, int(mbps * dilation * 1e6 / 8 * QUEUE_S))))
     out = [["qdisc", "add", "dev", dev, "root", "handle", "1:", "htb", "default", "20"],
            ["class", "add", "dev", dev, "parent", "1:", "classid", "1:1", "htb", *bucket],
            ["class", "add", "dev", dev, "parent", "1:1", "classid", "1:10", "htb", *bucket, "prio", "0"],
