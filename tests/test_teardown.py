@@ -47,7 +47,8 @@ def _aborts(rank: int, world_size: int) -> None:
 @pytest.fixture(params=["forkserver", "spawn"])
 def started(request, monkeypatch):
     """How psarch starts a child: forked from its forkserver (where multiprocessing ends the child with os._exit
-    too), or spawned (an emulated cluster's processes), where only psarch's own leave() keeps finalisation away."""
+    too), or spawned (an emulated cluster's, where the forkserver cannot serve its nodes:
+    psarch.launch.processes.serves), where only psarch's own leave() keeps finalisation away."""
     if request.param == "spawn":
         monkeypatch.setattr(processes, "context", processes.spawn)
     return request.param

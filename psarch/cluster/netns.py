@@ -34,6 +34,14 @@ def _setns(fd: int) -> None:
         raise OSError(err, f"setns: {os.strerror(err)}")
 
 
+def enter(fd: int) -> None:
+    """Move this thread, for good, into the network namespace `fd` refers to (an open /proc/.../ns/net or
+    /run/netns file); nothing where it is there already (no privilege needed then)."""
+    here, there = os.stat("/proc/thread-self/ns/net"), os.fstat(fd)
+    if (here.st_dev, here.st_ino) != (there.st_dev, there.st_ino):
+        _setns(fd)
+
+
 @contextlib.contextmanager
 def inside(ns: str) -> Iterator[None]:
     """Run the block with this thread in namespace `ns`. A network namespace belongs to a thread: sockets

@@ -84,10 +84,11 @@ class Emulated:
         self._window: StepWindow | None = None
 
     def context(self) -> BaseContext:
-        """Where the run's processes come from: each spawned from the launcher's thread inside its node's namespace
-        (node()), and with its environment (c10 logging read at torch's import); a forkserver's child is born in
-        the forkserver's namespace."""
-        return processes.spawn()
+        """Where the run's processes come from: psarch's forkserver (its child enters the namespace of the node the
+        launcher's thread is in when it starts it, node()), where the forkserver imported torch as a node's process
+        must (imports_env: c10's log level); else each spawned from inside its node, a fresh interpreter that
+        imports torch itself (seconds of CPU per process, in every world's start-up)."""
+        return processes.context() if processes.serves(imports_env(True)) else processes.spawn()
 
     # The emulated network has no name service: torch's c10d reverse-resolves every address it connects to or
     # accepts from, and warns once per process that it cannot ("The hostname of the client socket cannot be
@@ -106,7 +107,7 @@ class Emulated:
         from psarch.cluster.emulated import IFNAME
 
         env = {"GLOO_SOCKET_IFNAME": IFNAME,   # gloo uses the node's link, whatever the hostname says
-               "TORCH_CPP_LOG_LEVEL": os.environ.get("TORCH_CPP_LOG_LEVEL", "ERROR")}
+               **imports_env(True)}
         before = {k: os.environ.get(k) for k in env}
         os.environ.update(env)
         try:
@@ -185,6 +186,13 @@ def _stderr_closed() -> Iterator[None]:
 
 
 Placement = Loopback | Emulated   # what the launcher and the PS services are given
+
+
+def imports_env(emulate: bool) -> dict[str, str]:
+    """What a run's processes must find in their environment when they import torch (psarch.launch.processes'
+    forkserver imports it for them): on an emulated cluster, c10 logging at ERROR unless the user set its level
+    (the name lookups that cannot succeed there, above); on loopback, nothing."""
+    return {"TORCH_CPP_LOG_LEVEL": os.environ.get("TORCH_CPP_LOG_LEVEL", "ERROR")} if emulate else {}
 
 
 @contextlib.contextmanager

@@ -1,6 +1,6 @@
-"""Start every rank of a run: on this machine (`psarch run`: from the placement's context, psarch's forkserver on
-loopback, psarch.launch.processes; one rank runs in this process), or one rank under torchrun
-(psarch.launch.torchrun). Every rank does the same (`_rank`): join the group, train
+"""Start every rank of a run: on this machine (`psarch run`: from the placement's context, psarch's forkserver,
+psarch.launch.processes, each rank on its node of an emulated cluster; one rank runs in this process), or one rank
+under torchrun (psarch.launch.torchrun). Every rank does the same (`_rank`): join the group, train
 (psarch.launch.runner), leave its record, leave the group; the services a backend declares (its spec's
 start_services) start first. What every rank is given: psarch.launch.job's RankJob.
 
@@ -26,7 +26,7 @@ from psarch.backend import BackendSpec
 from psarch.checkpoint import CheckpointError
 from psarch.checkpoint.start import CHECKPOINTS, resolve_start
 from psarch.cluster.device import CORE, dilation
-from psarch.cluster.placement import Placement, place
+from psarch.cluster.placement import Placement, imports_env, place
 from psarch.cluster.dilation import resolve as resolve_dilation
 from psarch.cluster.window import StepMarks
 from psarch.config import Config, ConfigError, check_machine
@@ -73,8 +73,8 @@ def run(cfg: Config, out: str | Path | None = None, echo: bool = True, resume: b
     restarts: list[Restart] = []
     faulted = Summary(faults=struck, **({"restarts": restarts} if cfg.faults.restart != "none" else {})) \
         if faults(cfg) else Summary()
-    if not ranks_cfg.cluster.emulate and (spec.processes(ranks_cfg) > 1 or spec.service_nodes(ranks_cfg)):
-        processes.start_server()   # before the first world's clock starts (an emulated cluster spawns its ranks)
+    if spec.processes(ranks_cfg) > 1 or spec.service_nodes(ranks_cfg):
+        processes.start_server(imports_env(ranks_cfg.cluster.emulate))   # before the first world's clock starts
     t0, d = time.monotonic(), dilation(ranks_cfg)
     faulted["worlds"] = []   # each world's launch and first step (psarch/launch/worlds.py)
     faulted["dilation"] = d   # kept where a run fails too: its times (the worlds', the faults') are wall clock / d
