@@ -1,6 +1,7 @@
 """The pipelined ring: the plain ring's schedule, with each chunk cut into segments kept in flight."""
 from __future__ import annotations
 
+import time
 from typing import Sequence
 
 import torch
@@ -8,6 +9,7 @@ import torch.distributed as dist
 
 from collective.comm import (Communicator, Handle, SerialExecutor, check_flat, check_scatter_pair, check_src,
                              call_started, exchange, posted, record_call, ring_chunk, stage_on_host)
+from psarch.timeline import RECORDER
 
 # One ring step: (chunk this rank sends, chunk it receives, whether the received chunk is added or copied).
 Step = tuple[int, int, bool]
@@ -167,9 +169,12 @@ class RingCommunicator(Communicator):
         reading: dict[tuple[int, int], list[dist.Work]] = {}  # sends still reading a region of buf
         chunks = _PaddedChunks(buf, c, bounds)
         sent = received = 0
+        posted_at: dict[int, float] = {}   # a traced step's units: when each was posted (psarch.timeline)
 
         def post(u: int) -> None:
             nonlocal sent, received
+            if RECORDER.on:
+                posted_at[u] = time.perf_counter()
             s, j = divmod(u, k)
             send_chunk, recv_chunk, reduce = steps[s]
             out = chunks.region(send_chunk, j)
@@ -194,6 +199,9 @@ class RingCommunicator(Communicator):
             s, j = divmod(u, k)
             if steps[s][2]:
                 chunks.region(steps[s][1], j).add_(into)
+            if u in posted_at:   # a ring step from its post to its chunk received (and added)
+                RECORDER.add("ring steps", f"step {s}.{j} {into.numel() * into.element_size()} B", posted_at.pop(u),
+                             time.perf_counter())
             if u + w < units:
                 post(u + w)
         for works in reading.values():

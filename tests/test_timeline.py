@@ -141,7 +141,7 @@ def test_one_step_cuts_the_window_of_a_traced_step_and_names_a_step_not_traced()
 
 
 @pytest.mark.parametrize("backend, lanes", [
-    ({"kind": "zero", "stage": 2, "comm": "ring"}, {"step", "compute", "ring", "waits"}),
+    ({"kind": "zero", "stage": 2, "comm": "ring"}, {"step", "compute", "ring", "ring steps", "waits"}),
     ({"kind": "ddp", "comm": "native", "bucket_cap_mb": 0.01}, {"step", "compute", "native", "waits"}),
     ({"kind": "ps", "servers": 2, "partition_mb": 0.01}, {"step", "compute", "to server 0", "to server 1", "waits"}),
 ], ids=["zero2", "ddp-native", "ps"])
@@ -156,7 +156,12 @@ def test_zero_native_and_ps_runs_trace_their_communication_calls(tmp_path, backe
         assert {s.lane for s in mine} == lanes
         step = next(s for s in mine if s.lane == "step")
         assert step.name == "step 1" and all(step.start - 1e-6 <= s.start <= s.end <= step.end + 1e-6 for s in mine)
-    names = {s.name.split()[0] for s in got if s.lane not in ("step", "compute", "waits", "rounds")}
+        # the ring's own steps (world size 2, one segment: one a reduce-scatter or all-gather), each in its call
+        ring_calls, ring_steps = [s for s in mine if s.lane == "ring"], [s for s in mine if s.lane == "ring steps"]
+        pipelined = [c for c in ring_calls if c.name.split()[0] in ("reduce_scatter", "all_gather")]
+        assert len(ring_steps) == len(pipelined) and (ring_steps or "ring" not in lanes)
+        assert all(any(c.start - 1e-6 <= s.start <= s.end <= c.end + 1e-6 for c in pipelined) for s in ring_steps)
+    names = {s.name.split()[0] for s in got if s.lane not in ("step", "compute", "waits", "rounds", "ring steps")}
     calls = {"zero": {"reduce_scatter", "all_gather"}, "ddp": {"all_reduce"}, "ps": {"pushpull"}}
     assert names == calls[backend["kind"]]
     if backend["kind"] == "ps":   # each server's rounds of the traced step, one per partition it holds
