@@ -50,7 +50,8 @@ class PSTableRows(WorkerRows):
         if len(addresses) != b.servers:
             raise RuntimeError(f"backend.servers = {b.servers}: {len(addresses)} server address(es) known; "
                                f"backend.embeddings = \"ps\" runs through `psarch run`, which starts the servers")
-        client = PSClient(addresses, ctx.rank, b.timeout_s, ctx.services.auth, b.heartbeat_s, b.heartbeat_timeout_s)
+        client = PSClient(addresses, ctx.rank, b.timeout_s, ctx.services.auth, b.heartbeat_s, b.heartbeat_timeout_s,
+                          resend_s=b.resend_timeout_s or None)
         super().__init__(model, ps, client, torch.float32, ctx.device, ctx.rank)
 
     def exchange(self, batch: Any, grads: list[torch.Tensor]) -> dict[str, int]:

@@ -95,6 +95,8 @@ class ServerDetail(TypedDict):
     lost: list[int]
     drops: list[Any]             # psarch.ps.server.readmit.Drop: each worker it dropped, from which round, re-admitted at
     dropped_connections: dict[str, int]   # connections it shut down, by why (psarch/ps/server/connections.py)
+    applied_pushes: int          # pushes it applied, a partition's each; repeats answered without applying them
+    repeats: int                 # (psarch/ps/server/repeats.py)
     skipped_updates: int
     failure: str | None
 

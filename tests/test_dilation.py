@@ -223,14 +223,14 @@ def test_this_core_is_timed_in_the_runs_compute_dtype(monkeypatch):
 
 
 def test_every_timeout_is_stretched_by_d():
-    """The ranks' and services' config: every backend timeout x D (backend.timeout_s, the PS's heartbeat and
-    handshake timeouts); at D = 1 none."""
-    cfg = from_dict(config("w", backend={"kind": "ps", "world_size": 2, "timeout_s": 3.0},
+    """The ranks' and services' config: every backend timeout x D (backend.timeout_s, the PS's heartbeat, handshake
+    and resend timeouts); at D = 1 none."""
+    cfg = from_dict(config("w", backend={"kind": "ps", "world_size": 2, "timeout_s": 3.0, "resend_timeout_s": 1.5},
                            cluster={"emulate": True, "device": "v100", "dilation": 20.0}))
     got = resolve(cfg, echo=False)
     b = got.backend
-    assert (b.timeout_s, b.heartbeat_timeout_s, b.handshake_timeout_s) == \
-        (60.0, 20 * cfg.backend.heartbeat_timeout_s, 20 * cfg.backend.handshake_timeout_s)
+    assert (b.timeout_s, b.heartbeat_timeout_s, b.handshake_timeout_s, b.resend_timeout_s) == \
+        (60.0, 20 * cfg.backend.heartbeat_timeout_s, 20 * cfg.backend.handshake_timeout_s, 30.0)
     assert b.heartbeat_s == cfg.backend.heartbeat_s                     # an interval, not a wait
     loopback = resolve(from_dict(config("l", backend={"kind": "ps", "world_size": 2, "timeout_s": 3.0})), echo=False)
     assert loopback.backend.timeout_s == 3.0

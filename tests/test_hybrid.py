@@ -30,8 +30,9 @@ RUNS = {**{f"hybrid-{comm}-{opt}": (dict(HYBRID, comm=comm), opt) for comm in ("
         "hybrid-zero2-adagrad": ({"kind": "zero", "stage": 2, "embeddings": "ps", "servers": SERVERS}, "adagrad"),
         **{f"ddp-rows-{opt}": ({"kind": "ddp", "embeddings": "rows"}, opt) for opt in OPTIMIZERS}}
 # header bytes per server per step: rowpull + rowpush sent (their headers), rows + ack received (measured: 67 + 72
-# and 49 + 17, a few bytes more or less with the integers' msgpack sizes)
-SENT_HEADERS, RECEIVED_HEADERS = (125, 155), (60, 90)
+# and 49 + 17, a few bytes more or less with the integers' msgpack sizes, before every header named a request's id:
+# 13 bytes more each, psarch/ps/messages.py's RID)
+SENT_HEADERS, RECEIVED_HEADERS = (125 + 26, 155 + 26), (60 + 26, 90 + 26)
 
 
 def _data(name: str, opt: str, backend: dict | None = None, n: int = N) -> dict:

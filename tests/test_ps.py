@@ -9,7 +9,7 @@ A missing or wrong synchronisation moves parameters by about one learning rate, 
 
 Header overhead bound: each step a worker sends one `pushpull` request to each server and gets one
 `params` reply; every header frame is at most HEADER_BOUND = 128 bytes (measured: pushpull 79-105,
-params 78-94 bytes), so per step a worker sends at most S + servers·128 bytes and receives at most as
+params 78-94 bytes, before each named its request's id: 13 bytes more), so per step a worker sends at most S + servers·128 bytes and receives at most as
 much (S: the gradients / parameters in the wire dtype).
 """
 from __future__ import annotations

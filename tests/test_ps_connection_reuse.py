@@ -94,8 +94,8 @@ def test_a_workers_dropped_connection_is_said_once_per_why(capsys):
             r.conns.drop_sender(frames[0], "frames")
         assert r.conns.dropped["frames"] == 2
         assert capsys.readouterr().err.splitlines() == [
-            "server 3: shut down a worker's connection (a message of too many frames); a request it had sent is not "
-            "answered, and its worker waits for it up to backend.timeout_s"]
+            "server 3: shut down a worker's connection (a message of too many frames); a request it had sent is "
+            "answered once its worker sends it again, on its next connection"]
 
 
 def test_a_connection_past_the_cap_is_dropped_and_said(capsys):

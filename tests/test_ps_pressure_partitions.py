@@ -134,11 +134,13 @@ def test_the_default_budget_holds_two_partitioned_exchanges():
         frames = wire.encode(header, tensor)
         return wire.frames_bytes(frames) + sum(framing(len(f), curve=True) for f in frames)   # CURVE's, the most
 
+    rid = 1 << 61   # the largest request id a worker sends (psarch/ps/worker/resend.py)
     pushes = sum(size({"op": "pushpull", "worker": 7, "step": big, "version": big, "offset": a, "scale": 65536.0,
-                       "found_inf": False}, flat[a:b]) for a, b in parts)
-    replies = sum(size({"op": "ack", "version": big, "staleness": 3, "ahead": 2, "scale": 65536.0, "skipped": False})
+                       "found_inf": False, "rid": rid}, flat[a:b]) for a, b in parts)
+    replies = sum(size({"op": "ack", "version": big, "staleness": 3, "ahead": 2, "scale": 65536.0, "skipped": False,
+                        "rid": rid})
                   + size({"op": "params", "version": big, "offset": a, "staleness": 3, "ahead": 2, "scale": 65536.0,
-                          "skipped": False}, flat[a:b]) for a, b in parts)
+                          "skipped": False, "rid": rid}, flat[a:b]) for a, b in parts)
     budget = exchange_budget(n, len(parts), 0, wire.MAX_HEADER)
     assert 2 * pushes <= budget and 2 * replies <= budget, (pushes, replies, budget)
     assert exchange_budget(n, 1, 0, wire.MAX_HEADER) < 2 * (4 * n + 2 * wire.MAX_HEADER + 4096) + MiB   # whole

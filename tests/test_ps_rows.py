@@ -34,10 +34,12 @@ OPTIMIZERS = {"sgd": {"optimizer": "sgd", "lr": 0.5},
 SIZES = (2, 3)
 # Header bytes per server per step (measured: a worker sends rowpull 67 + rowpush 72 + pushpull 76 and
 # receives rows 49 + ack 17 + params 75, a few bytes more or less with the integers' msgpack sizes;
-# async and ssp replies also name staleness and how far ahead)
-SENT_HEADERS, RECEIVED_HEADERS = (195, 240), (125, 185)
+# async and ssp replies also name staleness and how far ahead; measured before every header named a request's id,
+# 13 bytes more each: psarch/ps/messages.py's RID)
+SENT_HEADERS, RECEIVED_HEADERS = (195 + 39, 240 + 39), (125 + 39, 185 + 39)
 # per request: (its header's bytes, its reply header's bytes), lowest and highest (geo replies name staleness)
-HEADERS = {"rowpull": ((60, 75), (45, 55)), "rowpush": ((65, 80), (15, 35)), "pushpull": ((70, 85), (70, 100))}
+HEADERS = {op: tuple((lo + 13, hi + 13) for lo, hi in sizes) for op, sizes in {
+    "rowpull": ((60, 75), (45, 55)), "rowpush": ((65, 80), (15, 35)), "pushpull": ((70, 85), (70, 100))}.items()}
 
 
 def _data(name: str, opt: str, n: int = 1, **backend) -> dict:

@@ -96,13 +96,15 @@ def test_a_commit_and_its_ack_cost_what_the_wire_sends():
     sends (ServerLink, messages.commit_header) and the ack a server answers, at the edges of msgpack's int and str
     sizes."""
     from psarch.ps.messages import ack_bytes, commit_bytes, commit_header
-    for workers, step, offset, worker in [(2, 0, 0, 1), (4, 127, 128, 3), (32, 255, 65_536, 31),
-                                          (200, 70_000, 2**32, 199), (1024, 10**6, 7, 1023)]:
-        header = dict(commit_header(step, offset, members_text(range(workers))), worker=worker)
+    from psarch.ps.worker.resend import session
+    rids = [session(), session() + 2**32 - 1, 1 << 32, (2**29 - 1 << 32) + 2**32 - 1]   # a session's first and last
+    for (workers, step, offset, worker), rid in zip([(2, 0, 0, 1), (4, 127, 128, 3), (32, 255, 65_536, 31),
+                                                     (200, 70_000, 2**32, 199), (1024, 10**6, 7, 1023)], rids * 2):
+        header = dict(commit_header(step, offset, members_text(range(workers))), worker=worker, rid=rid)
         assert commit_bytes(workers, step, offset, worker) == wire.frames_bytes(wire.encode(header))
         assert wire.decode(wire.encode(header)).op == "commit"
-    for version in (0, 127, 128, 2**16, 2**40):
-        assert ack_bytes(version) == wire.frames_bytes(wire.encode({"op": "ack", "version": version}))
+    for version, rid in zip((0, 127, 128, 2**16, 2**40), rids * 2):
+        assert ack_bytes(version) == wire.frames_bytes(wire.encode({"op": "ack", "version": version, "rid": rid}))
 
 
 @pytest.mark.parametrize("colocated", [False, True])

@@ -26,7 +26,7 @@ meet a wrong model halfway):
 D = AUTO_MARGIN x the larger of the two ratios, at least 1, rounded up to two significant digits.
 
 Timeouts are host seconds, and D stretches every legitimate wait D times: `stretched` multiplies every
-backend option that is a timeout (`*timeout_s`: backend.timeout_s, a PS's heartbeat and handshake
+backend option that is a timeout (`*timeout_s`: backend.timeout_s, a PS's heartbeat, handshake and resend
 timeouts) by D in the config the ranks and services get, so the process group's and the store's waits,
 the PS's barrier, save and pull deadlines and the launcher's stall limit all count in the cluster's time.
 

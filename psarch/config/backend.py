@@ -73,6 +73,9 @@ class PSServers:
                                               "mid-handshake) is dropped", min=0.1)
     handshake_timeout_s: float = option(5.0, "a connection still in its handshake after this long is dropped",
                                         min=0.01)
+    resend_timeout_s: float = option(0.0, "a worker's request unanswered this long is sent again under its id, which "
+                                          "the server applies once (as on every reconnection; 0: timeout_s / 2)",
+                                     min=0.0)
     max_connections: int = option(0, "most connections past their handshake per server; handshakes in progress or "
                                      "refused hold none (0: world_size + 16)", min=0)
     max_connections_per_worker: int = option(2, "most connections past their handshake per server that one worker's "

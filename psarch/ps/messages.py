@@ -9,6 +9,12 @@ import msgpack
 if TYPE_CHECKING:
     from psarch.config import Config
 
+# a request's id: its client's session (drawn at random per server) from this bit up, then its number in the session
+# (psarch/ps/worker/resend.py, psarch/ps/server/repeats.py)
+SESSION_BITS = 32
+# an id as a worker sends it and its reply names it: 9 bytes packed, whatever its session and number
+RID = 1 << SESSION_BITS
+
 
 def pushes_from_hooks(cfg: Config) -> bool:
     """Whether workers push each partition from backward's hooks (backend.overlap_comm): in sync, async and ssp,
@@ -39,9 +45,9 @@ def commit_bytes(workers: int, step: int, offset: int, worker: int) -> int:
     """Bytes of worker `worker`'s commit of round `step` of the partition at `offset` on the wire (its one frame, the
     header as wire.encode packs it), where the round summed all of `workers` workers."""
     members = format((1 << workers) - 1, "x")
-    return len(msgpack.packb(dict(commit_header(step, offset, members), worker=worker), use_bin_type=True))
+    return len(msgpack.packb(dict(commit_header(step, offset, members), worker=worker, rid=RID), use_bin_type=True))
 
 
 def ack_bytes(version: int) -> int:
-    """Bytes of the `ack` a server answers a commit with (its version after it) on the wire."""
-    return len(msgpack.packb({"op": "ack", "version": version}, use_bin_type=True))
+    """Bytes of the `ack` a server answers a commit with (its version after it, the commit's id) on the wire."""
+    return len(msgpack.packb({"op": "ack", "version": version, "rid": RID}, use_bin_type=True))

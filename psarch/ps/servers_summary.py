@@ -51,7 +51,9 @@ def summarize(stats: list[ServerStats], lost: list[LostWorker]) -> Summary:
         "servers_detail": [{"server": s["server"], "address": s["address"], "range": s["range"],
                             "partitions": s["partitions"], "version": s["version"], "rejected": s["rejected"],
                             "refused_non_finite": s["refused_non_finite"], "lost": s["lost"], "drops": s["drops"],
-                            "dropped_connections": s["dropped_connections"], "skipped_updates": s["skipped_updates"], "failure": s["failure"]} for s in stats],
+                            "dropped_connections": s["dropped_connections"], "applied_pushes": s["applied_pushes"],
+                            "repeats": s["repeats"], "skipped_updates": s["skipped_updates"], "failure": s["failure"]}
+                           for s in stats],
     }
     if total:
         out["staleness"] = {"histogram": {str(k): v for k, v in sorted(hist.items())},

@@ -90,6 +90,10 @@ SCHEMA: dict[str, tuple[dict[str, str], dict[str, str], str]] = {
     # code "non_finite": a refused inf/nan push; "lost": a dropped worker's request (with the server's version)
     "error": ({"message": _STR}, {"code": _STR, "version": _INT}, "forbidden"),
 }
+# Every message may name a request's id (a worker's number for it, and a reply's for the request it answers): a request
+# sent again keeps its id, and a server applies it once (psarch/ps/server/repeats.py)
+for _fields in SCHEMA.values():
+    _fields[1]["rid"] = _INT
 # What each request is answered with.
 REPLY_TO = {"init": "ack", "push": "ack", "pull": "params", "pushpull": "params", "fetch": "params", "done": "ack",
             "rejoin": "ack", "commit": "ack",

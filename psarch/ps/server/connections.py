@@ -236,8 +236,8 @@ class Connections:
             if conn.user is not None and (conn.user, why) not in self.told:   # a worker's: said once per why
                 self.told.add((conn.user, why))
                 who = f"worker {conn.user}'s" if conn.user else "a worker's"
-                print(f"{self.name}: shut down {who} connection ({WHY[why]}); a request it had sent is not "
-                      f"answered, and its worker waits for it up to backend.timeout_s", file=sys.stderr, flush=True)
+                print(f"{self.name}: shut down {who} connection ({WHY[why]}); a request it had sent is answered "
+                      f"once its worker sends it again, on its next connection", file=sys.stderr, flush=True)
 
     def _events(self) -> None:
         """Read the monitor's events (the watchdog's and a first message's thread: one at a time)."""

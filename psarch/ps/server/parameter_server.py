@@ -6,7 +6,9 @@ follows from the total size and this server's index). Requests (see psarch/ps/wi
 server started without parameters: a client sends them), `push` (gradients, or deltas in geo),
 `pull` (the parameters for the worker's next step; answered when the mode allows), `pushpull` (both
 in one message: what workers send each step), `fetch` (an fp32 snapshot at once), `done`, `save` (snapshots.py).
-Every request gets exactly one reply, in order: `ack`, `params` or `error` (replies.py). A request that fails any
+Every request gets exactly one reply, in order: `ack`, `params` or `error` (replies.py); a request its worker sent
+again (the same id: its connection dropped, or no reply came in backend.resend_timeout_s) is applied once
+(repeats.py). A request that fails any
 check gets an error reply and changes nothing; only a pull that waits past backend.timeout_s fails the server
 (and a bug caught while a request was being applied: the state can no longer be trusted).
 
@@ -63,6 +65,7 @@ from psarch.ps.server.readmit import Readmissions
 from psarch.ps.server.libc import seed_routing_ids
 from psarch.ps.server.pulls import PullQueue
 from psarch.ps.server.pushes import Pushes
+from psarch.ps.server.repeats import Repeats
 from psarch.ps.server.replies import Replies
 from psarch.ps.server.rows import ServerRows
 from psarch.ps.server.snapshots import Snapshots
@@ -124,6 +127,7 @@ class ParameterServer:
         self.pushes = Pushes(s, replies, self.pulls, self.rows, self.timeline)
         self.snapshots = Snapshots(s, replies, checkpoints, self.rows)
         self.readmit = Readmissions(s, replies)
+        self.repeats = Repeats(s, replies, self.pulls)
         self.deadlines = Deadlines(s, replies, self.readmit)
         self.handlers: dict[str, Handler] = {
             "init": self.pushes.on_init, "push": self.pushes.on_push, "pushpull": self.pushes.on_pushpull,
@@ -225,6 +229,11 @@ class ParameterServer:
         s.changing = False
         s.current, s.current_answered = ident, False
         try:
+            if "rid" in msg.header:   # a request its worker may send again: a repeat is applied once (repeats.py)
+                ret = self.repeats.arrived(ident, msg)
+                if ret is None:
+                    return
+                s.current = ident = ret
             if s.failure is not None:
                 raise PSError(s.failure)
             handler = self.handlers.get(msg.op)

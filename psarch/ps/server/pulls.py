@@ -15,6 +15,8 @@ from __future__ import annotations
 import time
 from typing import Any
 
+import torch
+
 from psarch.ps import wire
 from psarch.ps.errors import PSError
 from psarch.ps.partitions import replicas
@@ -64,6 +66,14 @@ class PullQueue:
         pull = Pull(ident, op, worker, step, time.monotonic(), extra, part)
         self.state.pending[pull.key] = pull
 
+    def params(self, part: Partition) -> torch.Tensor:
+        """Partition `part`'s parameters as a pull's reply carries them, in the wire dtype. Zero-copy: in the barrier
+        modes the parameters cannot change before every worker has pushed again, i.e. received this reply.
+        Elsewhere another push may land at once: a copy."""
+        s, data = self.state, part.range.params.detach()
+        want = wire.DTYPES[s.wire_dtype]
+        return data.to(want) if data.dtype != want else data if s.barrier else data.clone()
+
     def ready(self, p: Pull) -> bool:
         s = self.state
         if p.part is None:   # asked before init: the first partition, once there is one (then filed under it)
@@ -109,12 +119,7 @@ class PullQueue:
                     return self.replies.fail(f"geo pull of worker {w}, partition [{placed.lo}, {placed.hi}): {e}")
                 header["op"] = wire.REPLY_TO[p.op]
             else:
-                data = st.params.detach()
-                # Zero-copy send: in the barrier modes the parameters cannot change before every worker has
-                # pushed again, i.e. received this reply. Elsewhere another push may land at once: send a copy.
-                want = wire.DTYPES[s.wire_dtype]
-                data = data.to(want) if data.dtype != want else (
-                    data if s.barrier else data.clone())
+                data = self.params(placed)
                 if st.copies is not None:   # a whole pull (start-up): the worker holds exactly this now
                     st.copies.whole(w, data)
             st.remember_sent(w)

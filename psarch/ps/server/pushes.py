@@ -73,6 +73,7 @@ class Pushes:
         # train.trace_steps: each barrier round of a traced step, from its first push to its update applied
         self.timeline = timeline
         self.traced = traced_steps(state.cfg.train.steps, state.cfg.train.trace_steps)
+        self.applied = 0   # pushes applied, a partition's each (a repeat is not: repeats.py)
 
     def on_init(self, ident: bytes, msg: wire.Message) -> None:
         """A server started without parameters (benchmarks, tests) takes them from one `init`."""
@@ -158,6 +159,7 @@ class Pushes:
                 s.refused_non_finite[w] += 1
                 raise NonFinitePush(f"push: worker {w}'s {'delta' if s.mode == 'geo' else 'gradient'} for step "
                                     f"{h['step']}: {e}: refused, nothing applied") from None
+        self.applied += 1
         part.clock[w] = h["step"] + 1
         if s.mode == "ssp" and len(s.trace) < TRACE_LIMIT:
             s.trace.append([0, w, part.clock[w]])

@@ -1,7 +1,8 @@
 """What a server says: replies on its ROUTER socket (every frame counted) and events on the launcher's pipe.
 
 Every request gets exactly one reply, in order: `ack`, `params`, `rows` or `error` (unless its connection is
-dropped for leaving too many unread: connections.py). A failed server answers
+dropped for leaving too many unread: connections.py; the worker then sends it again, and its repeat is answered
+without being applied again: repeats.py). A failed server answers
 every waiting pull with its failure and tells the launcher (event `failed`); the pipe carries JSON, never pickle.
 """
 from __future__ import annotations
@@ -16,6 +17,7 @@ import zmq
 from psarch.meters import TrafficMeter
 from psarch.ps import wire
 from psarch.ps.server.connections import Connections
+from psarch.ps.server.repeats import Return
 from psarch.ps.server.state import ServerState
 
 
@@ -32,10 +34,16 @@ class Replies:
              keys: torch.Tensor | None = None) -> None:
         """Answer request `op` of connection `ident` (a keyed reply: `keys` before the tensor); unless its unread
         replies would go over its budget: then its connection is dropped instead (connections.py)."""
+        if type(ident) is Return:   # a request that named its id: the reply names it, and is kept for a repeat
+            header["rid"] = ident.rid
+            ident.entry.answered(op, header, tensor, keys, self.state.pulls_deltas)
+            if ident == self.state.current:
+                self.state.current_answered = True
+            ident = ident.route   # where a repeat came from, once one did (repeats.py)
+        elif ident == self.state.current:
+            self.state.current_answered = True
         frames = wire.encode(header, tensor, keys)
         size = wire.frames_bytes(frames)
-        if ident == self.state.current:
-            self.state.current_answered = True
         if self.connections is not None and not self.connections.may_send(ident, size):
             return
         self.meter.add(op, size, 0, calls=0)

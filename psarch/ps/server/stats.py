@@ -50,6 +50,8 @@ class ServerStats(TypedDict):
     lost: list[int]
     drops: list[Any]             # readmit.Drop: each worker dropped from the rounds, from which round, re-admitted at
     dropped_connections: dict[str, int]
+    applied_pushes: int          # pushes applied (each partition's its own), and repeats answered without applying
+    repeats: int
     failure: str | None
     skipped_updates: int
     staleness_histogram: dict[str, int]
@@ -76,6 +78,7 @@ def server_stats(server: ParameterServer) -> ServerStats:
         "rejected": s.rejected, "refused_non_finite": s.refused_non_finite, "lost": sorted(s.lost),
         "drops": server.readmit.drops,
         "dropped_connections": dict(server.connections.dropped),
+        "applied_pushes": server.pushes.applied, "repeats": server.repeats.repeats,
         # every partition skips a skipped step: the most any partition skipped is the steps skipped
         "failure": s.failure, "skipped_updates": max((p.range.skipped for p in s.parts), default=0),
         "staleness_histogram": {str(k): v for k, v in sorted(staleness.items())},

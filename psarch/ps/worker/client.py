@@ -3,12 +3,12 @@ is awaited, so pushes (and pulls) to all servers travel in parallel. Every frame
 
 `post` sends a request at once and `wait` collects replies, so a worker may send while it computes (pushes
 from backward's hooks) and take the replies later. A server answers a connection's requests in the order
-their partitions become ready, not always in the order they were sent: a reply goes to the first waiting
-request it answers (same reply op; for `params`, the same offset)."""
+their partitions become ready, not always in the order they were sent: a reply goes to the request whose id it
+names. A request unanswered when its connection comes back, or after backend.resend_timeout_s, is sent again under
+its id (resend.py; the server applies it once)."""
 from __future__ import annotations
 
 import time
-from collections import Counter, deque
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
@@ -20,10 +20,12 @@ from psarch.meters import TrafficMeter
 from psarch.ps import auth, wire
 from psarch.ps.auth import Credentials
 from psarch.ps.errors import NonFinitePush, PSError, RejoinLate, WorkerLost
+from psarch.ps.worker.resend import Connection, Waiting, session
 from psarch.timeline import RECORDER
 from psarch.units import fmt_bytes
 
-# what a connection's monitor says that may lose a request (ZeroMQ resends nothing), as the timeout's line says it
+# what a connection's monitor says that may lose a request (ZeroMQ resends nothing), as the timeout's line says it;
+# a handshake that succeeds after one brings the connection back (resend.py)
 _LOSSES = {int(zmq.EVENT_DISCONNECTED): "dropped",
            int(zmq.EVENT_HANDSHAKE_FAILED_AUTH): "handshake refused by the server",
            int(zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL): "handshake failed",
@@ -43,6 +45,8 @@ class Request:
     reply_keys: torch.Tensor | None = None   # the int64 keys a keyed reply carried (sparsedelta)
     answered: bool = False
     posted_s: float | None = None   # when it was sent (perf_counter), in a traced step (psarch.timeline)
+    rid: int = -1                   # its id to its server (resend.py), and when it was last sent (monotonic)
+    sent_s: float = 0.0
 
     @property
     def nbytes(self) -> int:
@@ -63,52 +67,18 @@ class Request:
         return op, self.header.get("offset") if op in wire.PARTITION_REPLIES else None
 
 
-class Waiting:
-    """The requests sent to one server and not yet answered, found by what their replies name."""
-
-    def __init__(self) -> None:
-        self.by_key: dict[tuple[str, int | None], deque[Request]] = {}
-        self.count = 0
-
-    def __len__(self) -> int:
-        return self.count
-
-    def add(self, r: Request) -> None:
-        self.by_key.setdefault(r.key, deque()).append(r)
-        self.count += 1
-
-    def oldest(self) -> Request:
-        return next(iter(self.by_key.values()))[0]
-
-    def take(self, msg: wire.Message) -> Request | None:
-        """The request reply `msg` answers, removed (a partition's reply names an offset; a request naming none, a
-        fetch or a whole-range pull, takes any), or the oldest for an error reply; None if none matches."""
-        if msg.op == "error":
-            keys = [next(iter(self.by_key))]
-        else:
-            keys = [(msg.op, msg.header.get("offset") if msg.op in wire.PARTITION_REPLIES else None), (msg.op, None)]
-        for key in keys:
-            q = self.by_key.get(key)
-            if q:
-                r = q.popleft()
-                if not q:
-                    del self.by_key[key]
-                self.count -= 1
-                return r
-        return None
-
-
 class PSClient:
     """A worker's connections to the servers (addresses like 'tcp://127.0.0.1:5555')."""
 
     def __init__(self, addresses: Sequence[str], worker: int, timeout_s: float,
                  creds: Credentials | dict | None = None, heartbeat_s: float = 10.0,
-                 heartbeat_timeout_s: float = 30.0, failover: bool = False) -> None:
+                 heartbeat_timeout_s: float = 30.0, failover: bool = False, resend_s: float | None = None) -> None:
         """creds: how to authenticate (a Credentials or its dict; None: no auth, loopback servers only); failover:
         a server whose connection drops is dead (backend.replicas: its partitions live on elsewhere, ServerLink).
         With failover the sockets send no heartbeats: a connection then drops only where the server's process died
         (the kernel closes its TCP connection), never for a server that is merely stopped (SIGSTOP) or slow, which
-        is waited for like any other, up to timeout_s."""
+        is waited for like any other, up to timeout_s. resend_s: a request unanswered this long is sent again
+        (None: timeout_s / 2; 0: only when its connection comes back; never with failover: resend.py)."""
         creds = creds if isinstance(creds, Credentials) else Credentials.from_dict(creds)
         self.addresses = list(addresses)
         self.worker = worker
@@ -127,14 +97,18 @@ class PSClient:
         for s in self.socks:
             self.poller.register(s, zmq.POLLIN)
         self.waiting = [Waiting() for _ in self.socks]   # sent, not yet answered, per server
+        self.rids = [session() for _ in self.socks]      # each server's next request id
+        self.resend_s = 0.0 if failover else timeout_s / 2 if resend_s is None else resend_s
+        self.check_at = 0.0   # when requests waiting longer than resend_s are next looked for
         self.dead: dict[int, float] = {}   # failover: each dead server and when its connection dropped (time.time())
         # failover: a connection that drops (its server's process died: the kernel closed its socket) is an event here;
-        # else each connection's drops and refused handshakes are counted and named where a reply never comes
-        # (ZeroMQ resends nothing a dropped connection carried, and never retries a refused handshake)
+        # else each connection's drops and refused handshakes are counted (named where a reply never comes), and what
+        # it carried is sent again once it is back (ZeroMQ resends nothing, and never retries a refused handshake)
         self.failover = failover
-        watched = zmq.EVENT_DISCONNECTED if failover else sum(_LOSSES)   # (distinct bits: their sum is their union)
+        watched = (zmq.EVENT_DISCONNECTED if failover else   # (distinct bits: their sum is their union)
+                   sum(_LOSSES) + zmq.EVENT_HANDSHAKE_SUCCEEDED)
         self.monitors = [s.get_monitor_socket(watched) for s in self.socks]
-        self.losses: list[Counter[str]] = [Counter() for _ in self.socks]
+        self.connections = [Connection() for _ in self.socks]
         for m in self.monitors:
             self.poller.register(m, zmq.POLLIN)
 
@@ -151,11 +125,23 @@ class PSClient:
         """Send request `r` to server i now; its reply is taken by a later `wait` (never, to a dead server)."""
         if i in self.dead:
             return
-        frames = wire.encode(dict(r.header, worker=self.worker), r.tensor, r.keys)
-        self.meter.add(r.header["op"], wire.frames_bytes(frames), 0)
+        r.rid, self.rids[i] = self.rids[i], self.rids[i] + 1
         r.posted_s = time.perf_counter() if RECORDER.on else None
-        self.socks[i].send_multipart(frames, copy=False)
+        self._send(i, r, r.header["op"])
         self.waiting[i].add(r)
+
+    def _send(self, i: int, r: Request, booked: str) -> None:
+        frames = wire.encode(dict(r.header, worker=self.worker, rid=r.rid), r.tensor, r.keys)
+        self.meter.add(booked, wire.frames_bytes(frames), 0)
+        r.sent_s = time.monotonic()
+        self.socks[i].send_multipart(frames, copy=False)
+
+    def _resend(self, i: int, due: float | None = None) -> None:
+        """Send server i's waiting requests again, under their ids (those last sent before `due`, when given)."""
+        for r in list(self.waiting[i].by_rid.values()):
+            if due is None or r.sent_s <= due:
+                self._send(i, r, "resend")
+                self.connections[i].resent += 1
 
     def wait(self, timeout_s: float | None = None, until: Request | None = None, once: bool = False) -> None:
         """Take replies until every posted request is answered (or `until` is; with `once`, until any reply is
@@ -163,15 +149,25 @@ class PSClient:
         limit = self.timeout_s + 5.0 if timeout_s is None else timeout_s  # a server's own timeout fires first
         deadline = time.monotonic() + limit
         while any(self.waiting) and (until is None or not until.answered):
-            wait_ms = max(0, int((deadline - time.monotonic()) * 1000))
-            events = dict(self.poller.poll(wait_ms))
+            now = time.monotonic()
+            if self.resend_s and now >= self.check_at:
+                self._resend_overdue(now)
+            until_s = min(deadline, self.check_at) if self.resend_s else deadline
+            events = dict(self.poller.poll(max(0, int((until_s - now) * 1000))))
             if not events and time.monotonic() >= deadline:
-                names = ", ".join(f"server {i} ({self.addresses[i]}){self._lost_on(i)}"
+                names = ", ".join(f"server {i} ({self.addresses[i]}){self.connections[i].said()}"
                                   for i, w in enumerate(self.waiting) if w)
                 raise PSError(f"worker {self.worker}: no reply from {names} within {limit:g} s")
             self._drain(events)
             if once and events:
                 return
+
+    def _resend_overdue(self, now: float) -> None:
+        """Send again what has waited resend_s since it was last sent, on each connection not known to be down."""
+        self.check_at = now + self.resend_s / 4
+        for i, c in enumerate(self.connections):
+            if self.waiting[i] and not c.down and i not in self.dead:
+                self._resend(i, due=now - self.resend_s)
 
     def take_arrived(self) -> None:
         """Take the replies already here, waiting for none (priority's pushes, between backward's hooks)."""
@@ -187,15 +183,14 @@ class PSClient:
                 continue
             if not self.failover:
                 while m.poll(0):
-                    self.losses[i][_LOSSES[int(recv_monitor_message(m)["event"])]] += 1
+                    event = int(recv_monitor_message(m)["event"])
+                    if event != zmq.EVENT_HANDSHAKE_SUCCEEDED:
+                        self.connections[i].lost(_LOSSES[event])
+                    elif self.connections[i].came_back():
+                        self._resend(i)
             elif i not in self.dead:   # what it answered before it died is taken above
                 recv_monitor_message(m)
                 self._bury(i)
-
-    def _lost_on(self, i: int) -> str:
-        """What happened to server i's connection that may have lost a request ("" for nothing)."""
-        said = ", ".join(f"{why} {n} x" for why, n in self.losses[i].items())
-        return f" [its connection: {said}; what it carried then is lost]" if said else ""
 
     def _bury(self, i: int) -> None:
         """Server i died: never wait for it or send to it again, and close its socket (no reconnecting to it)."""
@@ -215,8 +210,10 @@ class PSClient:
             op = self.waiting[i].oldest().header["op"]
             self.meter.add(op, 0, wire.frames_bytes(frames), calls=0)
             raise PSError(f"worker {self.worker}: bad reply from server {i} to {op!r}: {e}") from None
-        # an error names no offset: taken as the answer to the oldest request (the run stops anyway)
         req = self.waiting[i].take(msg)
+        if req is None and "rid" in msg.header:   # a request answered already: the reply to its repeat, or the first
+            self.meter.add("resend", 0, wire.frames_bytes(frames), calls=0)
+            return
         if req is None:
             op = self.waiting[i].oldest().header["op"]
             raise PSError(f"worker {self.worker}: server {i} answered {op!r} with {msg.op!r}"
