@@ -217,7 +217,7 @@ class RestartCost(TypedDict):
     relaunch_s: float | None    # stopped_at_s to the next world's launch (Restart.at_s): teardown, checkpoint
                                 # found (not predicted)
     startup_s: float | None     # the next world's launch to its first step (World)
-    startup_predicted_s: float | None   # the first world's launch to its first step
+    startup_predicted_s: float | None   # faults.startup_s where set, else the first world's launch to its first step
     steps_lost: int          # measured: Restart.steps_lost (steps done past the checkpoint, done again)
     steps_lost_predicted: int   # theory.failures.steps_lost(kill_step, checkpoint_every)
     recompute_s: float       # the steps done again, their measured step times summed
@@ -303,4 +303,5 @@ class Summary(TypedDict, total=False):
     worlds: list[Any]               # each world started: launched, first step began (psarch.launch.worlds.World)
     dilation: float                 # the emulation's D: every time above is the wall clock / D (1 but on virtual devices)
     failure_cost: FailureCost       # faults.restart = "replace": psarch.launch.failure_cost
+    startup: dict[str, Any]         # faults.startup_s: the paced start-up and its overrun worlds (psarch.cluster.startup)
     timeline: list[SpanFields]      # the services' spans of train.trace_steps: into trace.json, not summary.json

@@ -84,6 +84,18 @@ def test_a_restart_is_predicted_from_the_first_world_alone():
     assert dilated["restarts"][0]["detection_predicted_s"] == pytest.approx(TICK_S / 4)   # the cluster's time
 
 
+def test_a_paced_start_up_is_the_predicted_one():
+    """faults.startup_s (every world paced to it): the restart's predicted start-up, in its time lost, the mean
+    time lost and the predicted goodput, in place of the first world's measured one (0.5 s); measured as before."""
+    c = failure_cost(_two_restarts(), 2, {k: 0.01 for k in range(10)}, startup_s=3.0)
+    first, second = c["restarts"]
+    assert first["startup_predicted_s"] == second["startup_predicted_s"] == 3.0 and first["startup_s"] == 0.6
+    assert first["time_lost_predicted_s"] == pytest.approx(TICK_S + 3.0 + 0.04)
+    assert c["mean_time_lost_predicted_s"] == pytest.approx(TICK_S + 3.0 + 0.5 * 0.04)
+    wall = 3.0 + 5 * 0.04 + 2 * (TICK_S + 3.0) + (7 - 4) * 0.04 + (10 - 6) * 0.04
+    assert c["goodput_predicted_steps_per_s"] == pytest.approx(10 / wall)
+
+
 def test_a_world_is_read_from_its_ranks_marks_and_streams(tmp_path):
     """The world's first step began when its last rank began it; its steps are its own (not those a checkpoint
     carried into the streams, nor a record a kill cut short), its step time the slowest rank's median after
@@ -103,6 +115,11 @@ def test_a_world_is_read_from_its_ranks_marks_and_streams(tmp_path):
     assert w["launched_at_s"] == 0.5 and w["first_step"] == 4 and w["first_step_at_s"] == 1.5
     assert w["steps"] == 4 and w["step_time_s"] == pytest.approx(0.6)   # rank 1's 0.4, 0.6, 0.8 after step 4
     assert w["world_size"] == 2 and world(tmp_path / "none", 0.0, t0, 1.0, 1, 2)["first_step_at_s"] is None
+    assert w["startup_late_s"] is None   # marks without a deadline: the start-up was not paced
+    for rank, late in ((0, 0.0), (1, 0.5)):   # paced: rank 1 was ready 0.5 s of wall clock after the deadline
+        mark = json.loads((ranks / f"rank{rank}.began").read_text())
+        (ranks / f"rank{rank}.began").write_text(json.dumps(dict(mark, late_s=late)))
+    assert world(ranks, 0.5, t0, 2.0, warmup=1, world_size=2)["startup_late_s"] == 0.25   # the cluster's time
 
 
 def _shrunk_once(step_at) -> dict:

@@ -12,7 +12,11 @@ in), the global batch kept (train.global_batch, which must divide by N - 1: ever
 in N - 1 shards instead of N, so the shrunk world sees exactly the data the full one would), the state read from
 the newest checkpoint at N - 1 (ZeRO's shards resharded). Refused before anything starts where it cannot work:
 a layout cut by the world size (pipeline, tensor), a global batch N - 1 does not divide, two faults at a kill's
-step."""
+step.
+
+faults.startup_s paces each world's start-up as the cluster's, as a virtual device paces its compute
+(psarch/cluster/startup.py): the restart's start-up is then an input, the cluster's, not this host's / D.
+"""
 from __future__ import annotations
 
 import dataclasses
@@ -44,6 +48,12 @@ class FaultsConfig:
                                   "(train.checkpoint_every), as torchrun's elastic agent does; 'shrink' starts it at "
                                   "N - 1 (ranks renumbered 0..N-2), the global batch kept and cut in N - 1 shards",
                           choices=("none", "replace", "shrink"))
+    startup_s: float = option(0.0, "the cluster's time from a world's launch to its first step (seconds): every world, the "
+                                   "first and each restarted one, holds its first step until its launch + startup_s x "
+                                   "cluster.dilation of wall clock (a world whose ranks arrive later is reported as a "
+                                   "start-up overrun), and failure costs predict a restart's start-up as this; 0: the "
+                                   "host's own start-up / D, predicted by the first world's. Needs virtual devices on "
+                                   "an emulated cluster", min=0.0)
 
 
 @dataclass(frozen=True)
@@ -106,6 +116,15 @@ def _parse(cfg: Config, action: str, i: int, entry: Any) -> Fault:
                             or not math.isfinite(seconds) or seconds <= 0):
         raise ConfigError(f"{key}.seconds = {show(seconds)}: expected a number of seconds > 0")
     return Fault(action, kind, int(index), step, float(seconds))
+
+
+def check_startup(cfg: Config) -> None:
+    """faults.startup_s is the cluster's time: it needs the virtual devices and the dilation of an emulated cluster."""
+    from psarch.cluster import device
+    if cfg.faults.startup_s and not (device.modelled(cfg) and cfg.cluster.emulate):
+        raise ConfigError(f"faults.startup_s = {cfg.faults.startup_s:g}: paces a world's start-up as the cluster's, "
+                          f"which needs virtual devices on an emulated cluster (cluster.emulate = true and a modelled "
+                          f"cluster.device or cluster.device_tflops); remove it, or set faults.startup_s = 0")
 
 
 def _servers(cfg: Config) -> int:

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any
 
 from psarch import registry
 from psarch.cluster import device
-from psarch.config.faults import KILL, SHRINK, Fault, faults, shrunk
+from psarch.config.faults import KILL, SHRINK, Fault, check_startup, faults, shrunk
 from psarch.errors import ConfigError, show
 from psarch.machine import resolve_factory
 
@@ -29,6 +29,7 @@ def validate(cfg: Config) -> Config:
     check_capabilities(spec, cfg)
     _check_embeddings(cfg)
     spec.check(cfg)
+    check_startup(cfg)
     struck = faults(cfg)   # after the backend's own checks: a server's fault asks the spec how many servers it starts
     if cfg.faults.restart == SHRINK:
         _check_shrink(cfg, struck)

@@ -7,7 +7,9 @@ of its step at that size to its step at the first world's (`step_at`: theory.wor
 in its recomputation and in the predicted goodput. Detection is the lower bound, a tick: a killed worker's world
 stops once its peers have failed too, which the launcher waits for up to lifecycle.ECHO_GRACE_S, but they
 usually exit far sooner, and how soon depends on this machine's load, which nothing before the failure shows
-(the grace as the prediction, and a probe of one rank's start-up, were tried: experiments/failures/README.md)."""
+(the grace as the prediction, and a probe of one rank's start-up, were tried: experiments/failures/README.md).
+Where faults.startup_s paces every world's start-up as the cluster's (psarch.cluster.startup), that is the
+predicted start-up: an input, so the prediction's check is of detection, relaunch and recomputation."""
 from __future__ import annotations
 
 from typing import Callable
@@ -20,16 +22,17 @@ StepAt = Callable[[int], "float | None"]   # the simulated step at a world size 
 
 
 def failure_cost(s: Summary, checkpoint_every: int, step_times: dict[int, float],
-                 step_at: StepAt | None = None) -> FailureCost:
+                 step_at: StepAt | None = None, startup_s: float = 0.0) -> FailureCost:
     """Goodput over the whole run and each restart's detection, relaunch, start-up and recomputation, measured |
     predicted (s: a finished run's summary with its step_time_s, faults, restarts, worlds and ended_at_s;
     step_times: each step's measured time, the slowest rank's, as metrics.jsonl; step_at: the simulated step at a
-    world size, for worlds restarted at another size than the first's)."""
+    world size, for worlds restarted at another size than the first's; startup_s: faults.startup_s, the start-up
+    every world was paced to, 0 where it was not)."""
     kills = [f for f in s["faults"] if f["action"] == "kill"]   # in the order struck
     worlds = s.get("worlds") or []
     d = s.get("dilation") or s.get("virtual_device", {}).get("dilation", 1.0)
     detection_pred = round(TICK_S / d, 6)
-    startup_pred = _startup(worlds[0]) if worlds else None
+    startup_pred = startup_s or (_startup(worlds[0]) if worlds else None)
     step_pred = _step_predicted(worlds, step_at)
     costs: list[RestartCost] = []
     before = 0   # the kills struck before this restart's world (the previous restart's count)

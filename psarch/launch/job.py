@@ -15,7 +15,8 @@ class RankJob:
     """What every rank of a run is given (JSON-able and picklable: it crosses to spawned ranks): the config,
     the run folder, where checkpoints go (None: nowhere), the checkpoint the run starts from (None: step 0)
     and whether that start resumes the run (its step records carried on) or forks it; the spec classes of
-    backends registered outside psarch, and the services' info (ServiceInfo.to_dict())."""
+    backends registered outside psarch, the services' info (ServiceInfo.to_dict()) and when the launcher launched
+this world (time.monotonic(); None under torchrun): its start-up deadline's origin (faults.startup_s)."""
 
     cfg: dict[str, Any]
     out: str
@@ -25,6 +26,7 @@ class RankJob:
     resume: bool
     plugins: list[str]
     info: ServiceFields = field(default_factory=lambda: ServiceFields())
+    launched: float | None = None
 
     def config(self) -> Config:
         registry.import_plugins(self.plugins)   # before the config names a backend registered outside psarch

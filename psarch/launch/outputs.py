@@ -11,7 +11,7 @@ from typing import Any, cast
 import torch
 
 from psarch import registry, theory, throughput
-from psarch.cluster import device
+from psarch.cluster import device, startup
 from psarch.config import Config
 from psarch.records import MetricsRow, Predicted, RankRecord, StepRecord, Summary
 from psarch.launch.failure_cost import failure_cost, report_lines as failure_cost_lines
@@ -203,10 +203,12 @@ def finalize(out: Path, cfg: Config, extra: Summary | None = None, echo: bool = 
     if merged.get("cluster", {}).get("emulated"):
         merged["cluster"]["step_time"] = theory.cluster_step(cfg, cast(Summary, merged))
     summary = cast(Summary, merged)
+    if cfg.faults.startup_s:   # each world's start-up paced as the cluster's, its overruns
+        summary["startup"] = startup.summary(cfg, summary.get("worlds") or [])
     if summary.get("restarts") and "ended_at_s" in summary:   # faults.restart = "replace" restarted the world
         summary["failure_cost"] = failure_cost(summary, cfg.train.checkpoint_every,
                                                 {r["step"]: r["step_time_s"] for r in rows},
-                                                lambda n: theory.world_step(cfg, summary, n))
+                                                lambda n: theory.world_step(cfg, summary, n), cfg.faults.startup_s)
     spans = [Span.of(x) for r in records for x in r.timeline] + [Span.of(x) for x in server_spans]
     if spans:   # train.trace_steps: the ranks' timelines in one file Perfetto opens
         write_trace(out / "trace.json", spans)
@@ -320,6 +322,7 @@ def _fault_lines(s: Summary) -> list[str]:
         lines.append(f"restart: from step {r['from_step']} at {r['at_s']:.2f} s"
                      + (f", N = {r['world_size']}" if "world_size" in r else "")
                      + f" ({r['steps_lost']} step(s) done again) after: {r['error']}")
+    lines += startup.report_lines(s["startup"]) if s.get("startup") else []
     if s.get("failure_cost"):
         lines += failure_cost_lines(s["failure_cost"])
     return lines

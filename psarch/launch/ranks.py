@@ -81,7 +81,9 @@ def run(cfg: Config, out: str | Path | None = None, echo: bool = True, resume: b
     world_cfg, world_ranks = cfg, ranks_cfg   # the running world's (after a restart: its own, maybe at N - 1)
     try:
         while True:
-            world_at = since(t0, time.monotonic(), d)
+            launch = time.monotonic()
+            world_at = since(t0, launch, d)
+            job.launched = launch   # every rank's start-up deadline counts from here (faults.startup_s)
             try:
                 extra, cluster = _world(job, spec, world_cfg, world_ranks, workload, faulted, t0)
                 faulted["worlds"].append(world(out_dir / outputs.RANKS_DIR, world_at, t0, d, warmup_steps(world_cfg),
@@ -168,7 +170,8 @@ def _rank(job: RankJob, cfg: Config, rank: int, world: int, store: Any, marks: S
     ctx = init_rank(cfg, rank, world, rank, world, store, needs_group=store is not None)
     ctx.services = ServiceInfo.from_dict(job.info)
     outputs.save_record(out, run_rank(cfg, ctx, workload, echo=job.echo, metrics=outputs.stream_path(out, rank),
-                                      marks=marks, checkpoints=job.checkpoints, start=job.start, resume=job.resume))
+                                      marks=marks, checkpoints=job.checkpoints, start=job.start, resume=job.resume,
+                                      launched=job.launched))
     # not after a failure: its barrier would wait for peers stuck in a collective
     shutdown(ctx, destroy=not process_ends)
 

@@ -15,6 +15,7 @@ from psarch.checkpoint import finetune
 from psarch.launch import progress
 from psarch.launch.worlds import mark_began
 from psarch import trainer as contract
+from psarch.cluster import startup
 from psarch.cluster.device import dilation
 from psarch.cluster.call_pacing import CallDevice
 from psarch.cluster.pacing import VirtualDevice
@@ -85,14 +86,16 @@ class StepLoop:
 
 def run_rank(cfg: Config, ctx: DistContext, workload: Workload | None = None, echo: bool = True,
              checkpoints: Path | None = None, start: Path | None = None, resume: bool = False,
-             metrics: Path | None = None, marks: StepMarks | None = None) -> RankRecord:
+             metrics: Path | None = None, marks: StepMarks | None = None, launched: float | None = None) -> RankRecord:
     """Train up to step `train.steps` on this rank, from step 0 or from checkpoint `start`'s step and state
     (with `resume`, also its step records; a base model's checkpoint under a LoRA or frozen config: its weights
     only, from step 0, psarch.checkpoint.finetune), writing a checkpoint under `checkpoints` every
     `train.checkpoint_every` steps; returns the rank's record (step records, memory, traffic, model). With
     `metrics`, the carried records and then each step's record as the step completes are also appended
     there, so a run that fails or is interrupted keeps every finished step. `marks` (an emulated cluster's):
-    reached right before the first step and right after the last, where the launcher reads the links' counters."""
+    reached right before the first step and right after the last, where the launcher reads the links' counters.
+    `launched`: when the launcher launched this world (time.monotonic()), the origin of its start-up's deadline
+    (faults.startup_s, psarch.cluster.startup)."""
     workload = workload or build_workload(cfg)
     slow = pacer(cfg, ctx.rank, workload)   # a virtual device, slow_workers, jitter: the backend never knows
     workload = slowed(workload, slow)
@@ -124,7 +127,7 @@ def run_rank(cfg: Config, ctx: DistContext, workload: Workload | None = None, ec
         save = _checkpointer(trainer, cfg, ctx, checkpoints)
         timeline: list[Span] = []
         _steps(StepLoop(trainer, workload, cfg, ctx), range(first, cfg.train.steps), records, stream, slow, marks,
-               log, save, timeline, metrics)
+               log, save, timeline, metrics, startup.deadline(cfg, launched))
         state = trainer.full_state_dict()   # a collective call: before the figures, which then include it
         memory = trainer.memory()
         # frozen weights are the model's own tensors as the backend left them (a DTensor's local shard, a tensor
@@ -189,19 +192,21 @@ def _restore(trainer: Trainer, ctx: DistContext, ckpt: checkpoint.Checkpoint | N
 def _steps(loop: StepLoop, steps: range, records: list[StepRecord], stream: TextIO | None,
            slow: Straggler | VirtualDevice | CallDevice | None, marks: StepMarks | None, log: progress.Progress,
            save: Callable[[int, list[StepRecord]], None], timeline: list[Span] | None = None,
-           metrics: Path | None = None) -> None:
+           metrics: Path | None = None, start_by: float | None = None) -> None:
     """The step loop: each step's record appended (and streamed) before its loss and its update are checked,
     so the metrics keep a bad step; progress lines and checkpoints between steps. Times are the cluster's: the
     wall clock / cluster.dilation (1 but on an emulated cluster of virtual devices). The steps train.trace_steps
     names are recorded into `timeline` (psarch.timeline). With `metrics` (the stream's path), the moment the first
-    step begins is marked beside it (psarch.launch.worlds: a world's start-up)."""
+    step begins is marked beside it (psarch.launch.worlds: a world's start-up). With `start_by` (time.monotonic(),
+    faults.startup_s), the first step waits for it: the world's start-up paced as the cluster's."""
     trainer, rank, d = loop.trainer, loop.ctx.rank, dilation(loop.cfg)
     traced = traced_steps(loop.cfg.train.steps, loop.cfg.train.trace_steps)
     last = trainer.traffic()  # set-up traffic (e.g. the initial broadcast) is not any step's
     if marks is not None:
         marks.reached()
+    late = startup.hold(start_by)   # after every rank is here (marks): the world's first step at its deadline
     if metrics is not None and len(steps):
-        mark_began(metrics, steps[0])
+        mark_began(metrics, steps[0], late)
     hold = set(holds(loop.cfg, rank))
     step = steps.start
     while step < steps.stop:

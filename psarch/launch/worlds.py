@@ -4,7 +4,8 @@ failure_cost (each restart's start-up, measured; the first world's median step, 
 
 A rank marks the moment its first step begins in ranks/rank<R>.began (CLOCK_MONOTONIC, one clock for every process
 of this machine, as supervise's error records); a world's first step began when its last rank began it (no step
-of a lockstep world can end before)."""
+of a lockstep world can end before). Where faults.startup_s paces the start-up (psarch.cluster.startup), the mark
+also says how late the rank was ready past the world's deadline."""
 from __future__ import annotations
 
 import json
@@ -25,11 +26,15 @@ class World(TypedDict):
     steps: int                       # the steps it completed (the most of any rank)
     step_time_s: float | None        # its median step time (slowest rank's) after `warmup` steps of its own
     world_size: int                  # its backend.world_size (N, or less after faults.restart = "shrink")
+    startup_late_s: float | None     # faults.startup_s: how late its last rank was ready past launch + startup_s
+                                     # (> 0: a start-up overrun; 0: on time), None where the start-up is not paced
 
 
-def mark_began(stream: Path, step: int) -> None:
-    """A rank's mark, beside its metrics stream, that its first step (`step`) begins now."""
-    stream.with_suffix(".began").write_text(json.dumps({"step": step, "at_ns": time.monotonic_ns()}) + "\n")
+def mark_began(stream: Path, step: int, late_s: float | None = None) -> None:
+    """A rank's mark, beside its metrics stream, that its first step (`step`) begins now; `late_s`: how late it was
+    ready past its world's start-up deadline (wall seconds), where there is one."""
+    stream.with_suffix(".began").write_text(json.dumps({"step": step, "at_ns": time.monotonic_ns(),
+                                                        "late_s": late_s}) + "\n")
 
 
 def since(t0: float, t: float, d: float) -> float:
@@ -44,6 +49,7 @@ def world(ranks: Path, launched_at_s: float, t0: float, d: float, warmup: int, w
     marks = [json.loads(p.read_text()) for p in sorted(ranks.glob("rank*.began"))]
     first = min((m["step"] for m in marks), default=None)
     at_ns = max((m["at_ns"] for m in marks), default=None)
+    late = [m["late_s"] for m in marks if m.get("late_s") is not None]
     per_step: dict[int, float] = {}
     for p in ranks.glob("rank*.jsonl"):
         for line in p.read_text().splitlines(keepends=True):
@@ -56,4 +62,5 @@ def world(ranks: Path, launched_at_s: float, t0: float, d: float, warmup: int, w
     timed = times[warmup:] or times
     return {"launched_at_s": launched_at_s, "first_step": first,
             "first_step_at_s": since(t0, at_ns / 1e9, d) if at_ns is not None else None,
-            "steps": len(times), "step_time_s": statistics.median(timed) if timed else None, "world_size": world_size}
+            "steps": len(times), "step_time_s": statistics.median(timed) if timed else None, "world_size": world_size,
+            "startup_late_s": round(max(late) / d, 6) if late else None}

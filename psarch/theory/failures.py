@@ -20,5 +20,6 @@ def mean_steps_lost(checkpoint_every: int) -> float:
 
 def time_lost(detection_s: float, startup_s: float, steps_lost: float, step_time_s: float) -> float:
     """Seconds a restart costs: the failure detected, the new world started up to its first step, and the steps
-    past the checkpoint done again at the step time (detection + start-up + steps_lost · step time)."""
+    past the checkpoint done again at the step time (detection + start-up + steps_lost · step time). The start-up
+    is the cluster's where a run paces it (faults.startup_s), else the first world's as measured."""
     return detection_s + startup_s + steps_lost * step_time_s
