@@ -1,6 +1,8 @@
 """End to end, what stops `python -m psarch.cli run`: config errors (exit 2 before anything starts), a failing rank
 (the run stops with its error, nothing left running) and an unforeseen error (one line; a traceback with
-PSARCH_DEBUG=1). Every run is a subprocess, as in tests/test_cli.py."""
+PSARCH_DEBUG=1). Every run is a subprocess, as in tests/test_cli.py, but the config errors: `psarch run` in this
+process (in_process.py: an interpreter and torch's import a call saved), as a bare command line would run it, and
+one missing file as a command (its exit code and its one line from a process of its own)."""
 from __future__ import annotations
 
 import json
@@ -13,12 +15,25 @@ import pytest
 import torch
 
 from factories import FAILING_FACTORY
+from in_process import psarch_cli
 from procs import alive, descendants
 from test_cli import CWD_FACTORY, ENV, TINY, cli_args, psarch
 from timing import scaled
 
 
 # ---------------------------------------------------------------- (c) config errors
+
+@pytest.fixture
+def bare_cli(tmp_path, capsys, monkeypatch):
+    """`psarch ARGS` in this process, in tmp_path, with the environment test_cli.ENV gives a command: (exit code,
+    stdout, stderr)."""
+    monkeypatch.chdir(tmp_path)
+    for k in set(os.environ) - set(ENV):
+        monkeypatch.delenv(k)
+    for k, v in ENV.items():
+        monkeypatch.setenv(k, v)
+    return lambda *args: psarch_cli(capsys, *args)
+
 
 @pytest.mark.parametrize("overrides, key", [
     (["train.stepz=5"], "train.stepz"),                                       # unknown key
@@ -35,18 +50,18 @@ from timing import scaled
                  marks=pytest.mark.skipif(torch.cuda.is_available(), reason="needs a CPU-only machine")),
     (["backend.kind=ddp", "backend.world_size=3"], "train.global_batch"),     # 4 samples over 3 workers
 ])
-def test_config_error_exits_2_before_anything_starts(tmp_path, overrides, key):
+def test_config_error_exits_2_before_anything_starts(tmp_path, bare_cli, overrides, key):
     (tmp_path / "tiny.toml").write_text(TINY)
     (tmp_path / "short.txt").write_text("12345")
     args = ["run", "tiny.toml", "--out", "out/x"]
     for o in overrides:
         args += ["--set", o]
-    proc = psarch(tmp_path, *args, timeout=scaled(60))
-    assert proc.returncode == 2, (proc.returncode, proc.stdout, proc.stderr)
-    lines = proc.stderr.strip().splitlines()
-    assert len(lines) == 1, proc.stderr
+    code, out, err = bare_cli(*args)
+    assert code == 2, (code, out, err)
+    lines = err.strip().splitlines()
+    assert len(lines) == 1, err
     assert key in lines[0] and "config error" in lines[0]
-    assert proc.stdout == ""
+    assert out == ""
     assert not (tmp_path / "out").exists() and not (tmp_path / "runs").exists()
 
 
@@ -57,13 +72,13 @@ def test_config_error_exits_2_before_anything_starts(tmp_path, overrides, key):
     # one bad point stops the sweep before any point runs
     (TINY.encode() + b'[sweep]\n"train.steps" = [2, 0]\n', "sweep point steps0: train.steps = 0"),
 ])
-def test_bad_config_file_exits_2_before_anything_starts(tmp_path, text, what):
+def test_bad_config_file_exits_2_before_anything_starts(tmp_path, bare_cli, text, what):
     (tmp_path / "tiny.toml").write_bytes(text)
-    proc = psarch(tmp_path, "run", "tiny.toml", timeout=scaled(60))
-    assert proc.returncode == 2, (proc.returncode, proc.stdout, proc.stderr)
-    lines = proc.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("psarch: config error: ") and what in lines[0], proc.stderr
-    assert proc.stdout == "" and not (tmp_path / "runs").exists()
+    code, out, err = bare_cli("run", "tiny.toml")
+    assert code == 2, (code, out, err)
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("psarch: config error: ") and what in lines[0], err
+    assert out == "" and not (tmp_path / "runs").exists()
 
 
 def test_missing_config_file_exits_2(tmp_path):

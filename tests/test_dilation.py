@@ -264,20 +264,21 @@ def test_the_first_line_says_device_d_why_and_wall_time(capsys):
 
 @needs_root
 def test_a_dilated_ps_run_outlasts_its_own_timeout(tmp_path):
-    """A PS at D = 20 on an emulated cluster, a 4x straggler: worker 0's pull waits 3 x 50 ms of modelled compute
-    x D = 3 s of wall clock a step for worker 1's push, past backend.timeout_s = 1 s (the server's deadline on
+    """A PS at D = 10 on an emulated cluster, a 4x straggler: worker 0's pull waits 3 x 50 ms of modelled compute
+    x D = 1.5 s of wall clock a step for worker 1's push, past backend.timeout_s = 1 s (the server's deadline on
     the round, as written). Stretched by D with every other timeout, the run completes; a server whose
-    deadline stayed 1 s of host time refused the round (checked once by hand: "no gradients from worker(s) [1]
-    within backend.timeout_s = 1 s")."""
-    data = config("d20", workload={"factory": "factories:regression"}, train={"steps": 3, "global_batch": 4},
+    deadline stayed 1 s of host time refused the round (checked once by hand at D = 20: "no gradients from
+    worker(s) [1] within backend.timeout_s = 1 s"). D = 10, not 20: each step's wait is still past the timeout,
+    in half the wall time."""
+    data = config("d10", workload={"factory": "factories:regression"}, train={"steps": 3, "global_batch": 4},
                   backend={"kind": "ps", "world_size": 2, "servers": 1, "timeout_s": 1.0},
-                  cluster={"emulate": True, "link_mbps": 100.0, "device_tflops": 1.0, "mfu": 1.0, "dilation": 20.0,
+                  cluster={"emulate": True, "link_mbps": 100.0, "device_tflops": 1.0, "mfu": 1.0, "dilation": 10.0,
                            "slow_workers": [1], "slowdown": 4.0})
     wl = build_workload(from_dict(data))
     f = count(wl.model, wl.loss_fn, wl.batch(0, 0, 2))
     data["cluster"]["device_tflops"] = (f.forward + f.backward) / 0.05 / 1e12   # 50 ms a step
     summary = run(from_dict(data), tmp_path / "run", echo=False)
-    assert summary["virtual_device"]["dilation"] == 20.0 and summary["cluster"]["dilation"] == 20.0
+    assert summary["virtual_device"]["dilation"] == 10.0 and summary["cluster"]["dilation"] == 10.0
     assert summary["step_time_s"] >= 4 * 0.05                    # the straggler's step, in the cluster's time
 
 

@@ -305,7 +305,7 @@ def test_the_hybrids_columns_are_the_simulators_step_of_its_config():
             assert rows[n][label] < rows[n]["ddp ring"]   # the rows it touches against the whole tables
 
 
-def test_the_hybrid_is_ranked_with_its_memory_and_link_and_left_out_where_refused(tmp_path):
+def test_the_hybrid_is_ranked_with_its_memory_and_link_and_left_out_where_refused(tmp_path, capsys):
     """`estimate --from CONFIG.toml` of a DLRM: the hybrid ranked beside the others at the config's N, its memory a
     worker's model states plus its colocated server's share of the tables (theory.predict's), its link the busiest
     node's bytes in the program; in bf16, which the hybrid's rows refuse, it is left out in one line; a GPT has no
@@ -333,8 +333,8 @@ def test_the_hybrid_is_ranked_with_its_memory_and_link_and_left_out_where_refuse
                     '[train]\nglobal_batch = 256\nprecision = "{}"\n[backend]\nkind = "ddp"\nworld_size = 8\n')
     for precision in ("fp32", "bf16"):
         (tmp_path / f"{precision}.toml").write_text(toml.read_text().replace("{}", precision))
-        est = [sys.executable, "-m", "psarch.cli", "estimate", "--from", str(tmp_path / f"{precision}.toml")]
-        out = subprocess.run(est, capture_output=True, text=True, timeout=scaled(120), check=True).stdout
+        code, out, err = estimate_cli(capsys, "--from", str(tmp_path / f"{precision}.toml"))
+        assert code == 0, err
         assert "== at N = 8, ranked by simulated step" in out
         if precision == "fp32":
             assert "32 samples per worker" in out and " ddp+ps/n " in out and " zero-3+ps/n " in out

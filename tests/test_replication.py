@@ -9,7 +9,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import time
 from pathlib import Path
 
 import pytest
@@ -26,6 +25,7 @@ from psarch.ps.replication import members_text
 from psarch.ps.services import LocalServers
 from test_ps_faults import _children
 from test_replication_chain import _cfg, _model
+from timing import scaled
 
 
 def _same(a: Path, b: Path, what: str) -> None:
@@ -295,9 +295,11 @@ def test_a_replica_that_waits_in_vain_for_a_push_names_the_worker_and_why(reques
     if how == "died":
         services.worker_lost(2, "killed by the test")
     if how == "dropped":   # server 1's own partition's round 0 waits backend.timeout_s for worker 2, then drops it
-        push(0, 0, offset=a)
         push(1, 0, offset=a)
-        time.sleep(1.5)
+        push(0, 0, "pushpull", offset=a)   # answered when that round goes on without worker 2: its drop, seen
+        r = raw[0].reply(int(scaled(10) * 1000))
+        assert r is not None and r.op == "params" and r.header["version"] == 1 and r.header["offset"] == a, \
+            r and r.header
     push(0, 0, "pushpull")   # its pull waits for the round
     push(1, 0)
     assert commit(1, 0, [0, 1, 2]).op == "ack"   # worker 2's push may still come

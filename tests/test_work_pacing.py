@@ -81,13 +81,17 @@ def test_a_compressed_bucket_waits_its_priced_work_times_d(kind):
 
 
 def test_powersgd_warm_up_steps_and_no_clock_pace_nothing():
-    """PowerSGD's warm-up steps all-reduce whole (no work priced); without a virtual device no clock is set."""
+    """PowerSGD's warm-up steps all-reduce whole (no work priced, nothing factored); a PowerSGD handed no clock (no
+    virtual device: the next test) does the work a clock would price, unpaced."""
     clock = WorkClock(1.0, 0.0, D)   # 1 FLOP/s: any priced work would take hours
     warming = PowerSGD(Alone(), rank=4, warmup=1, seed=0)
     warming.clock = clock
-    assert _step(warming) < 1.0 and clock.modelled_s == 0.0
+    assert _step(warming) < 1.0 and clock.modelled_s == 0.0 and warming.errors() == {}
     unpaced = PowerSGD(Alone(), rank=4, warmup=0, seed=0)
-    assert unpaced.clock is None and _step(unpaced) < 1.0
+    assert _step(unpaced) < 1.0
+    # it factored the bucket (the error feedback holds what rank 4 left out), work priced at > 0 FLOPs
+    ready, after = compression_work("powersgd", SHAPES, 4, ratio=0.1, rank=4)
+    assert unpaced.errors()[0].norm() > 0 and ready[0] + after[0] > 0
 
 
 def test_the_runner_paces_only_on_a_virtual_device_at_the_predictions_rates():
