@@ -51,7 +51,7 @@ class PSTableRows(WorkerRows):
             raise RuntimeError(f"backend.servers = {b.servers}: {len(addresses)} server address(es) known; "
                                f"backend.embeddings = \"ps\" runs through `psarch run`, which starts the servers")
         client = PSClient(addresses, ctx.rank, b.timeout_s, ctx.services.auth, b.heartbeat_s, b.heartbeat_timeout_s,
-                          resend_s=b.resend_timeout_s or None)
+                          resend_s=b.resend_timeout_s)
         super().__init__(model, ps, client, torch.float32, ctx.device, ctx.rank)
 
     def exchange(self, batch: Any, grads: list[torch.Tensor]) -> dict[str, int]:

@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Any
 
 from collective import compression_theory, theory
 from psarch.backend import PROCESS_GROUP_OPTIONS, BackendSpec
-from psarch.config.backend import Buckets, Communicator, CoreBackendConfig, Overlap, PSServers
+from psarch.config.backend import Buckets, Communicator, CoreBackendConfig, Overlap, PSServers, resend_problem
 from psarch.config.fields import option
 from psarch.errors import ConfigError, show
 from psarch.theory import BYTES, Prediction
@@ -76,7 +76,7 @@ def check_ps_tables(cfg: Config) -> None:
            f"backend.server_placement = \"colocated\" needs backend.servers <= backend.world_size (here "
            f"{b.servers} > {b.world_size})" if b.server_placement == "colocated" and b.servers > b.world_size else
            f"backend.heartbeat_timeout_s = {b.heartbeat_timeout_s:g}: must be longer than backend.heartbeat_s = "
-           f"{b.heartbeat_s:g}" if b.heartbeat_s and b.heartbeat_timeout_s <= b.heartbeat_s else None)
+           f"{b.heartbeat_s:g}" if b.heartbeat_s and b.heartbeat_timeout_s <= b.heartbeat_s else resend_problem(b))
     if why:
         raise ConfigError(f"backend.embeddings = \"ps\" with {why}")
     frozen = [n for n in table_names(cfg) if not any(fnmatch.fnmatchcase(n, pat) for pat in t.trainable)]

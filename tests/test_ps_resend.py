@@ -190,6 +190,31 @@ def test_a_repeat_of_a_waiting_pull_is_answered_on_the_connection_it_came_on():
             zctx.destroy(linger=0)
 
 
+def test_a_copy_read_late_off_an_older_connection_does_not_take_the_reply_back_to_it():
+    """sync: worker 1's waiting pushpull comes on connection A, again on a newer B, then once more on A (a copy
+    still queued on a dropped connection, read after its repeat): the round's reply goes to B, the newer."""
+    with serving("sync", 2) as srv:
+        zctx = zmq.Context()
+        try:
+            lo, hi = srv.state.parts[0].lo, srv.state.parts[0].hi
+            g0, g1 = gradient(0, 0, hi - lo), gradient(1, 0, hi - lo)
+            push = {"op": "pushpull", "worker": 1, "step": 0, "version": 0, "offset": lo, "rid": 5}
+            old, new = Raw(zctx, srv.address, None, worker=1), Raw(zctx, srv.address, None, worker=1)
+            old.send(push, g1)
+            assert old.reply(300) is None
+            new.send(push, g1)
+            assert new.reply(300) is None
+            old.send(push, g1)                                   # the late copy
+            assert old.reply(300) is None
+            w0 = Raw(zctx, srv.address, None, worker=0)
+            assert w0.ask(dict(push, worker=0, rid=1), g0).op == "params"
+            r = new.reply(int(scaled(5) * 1000))
+            assert r is not None and r.op == "params" and r.header["rid"] == 5, "the reply did not reach B"
+            assert old.reply(300) is None and srv.pushes.applied == 2 and srv.repeats.repeats == 2
+        finally:
+            zctx.destroy(linger=0)
+
+
 def test_an_id_older_than_every_one_kept_is_refused_and_another_clients_ids_are_its_own():
     """A server keeps LIMIT + 2 per partition of a worker's ids (past twice that, down to it): an id older than those
     cannot be told applied or not, and is refused; a new client (another session in the id's high bits) starts anew."""
@@ -236,3 +261,16 @@ def test_a_run_whose_server_stopped_past_the_heartbeat_timeout_ends_with_the_mod
     assert_same_model(torch.load(tmp_path / "paused" / "model.pt", weights_only=True),
                       torch.load(tmp_path / "plain" / "model.pt", weights_only=True), "paused vs plain", rtol=0.0,
                       atol=0.0)
+
+
+@pytest.mark.parametrize("backend, said", [
+    ({"kind": "ps", "world_size": 2, "timeout_s": 10.0, "resend_timeout_s": 10.0}, "must be shorter than backend.timeout_s"),
+    ({"kind": "ps", "world_size": 2, "servers": 2, "replicas": 1, "resend_timeout_s": 1.0}, "with backend.replicas"),
+    ({"kind": "ddp", "world_size": 2, "embeddings": "ps", "timeout_s": 2.0, "resend_timeout_s": 3.0},
+     "must be shorter than backend.timeout_s")])
+def test_a_resend_timeout_that_cannot_hold_is_refused(backend, said):
+    """A timer resend at or past the run's own timeout, or with replicas (which send nothing again), is refused."""
+    from psarch.config import ConfigError
+    workload = {"model": "dlrm", "data": "clicks"} if backend.get("embeddings") == "ps" else {"model": "mlp"}
+    with pytest.raises(ConfigError, match=f"backend.resend_timeout_s = .*{said}"):
+        from_dict(config("r", backend=backend, workload=workload))

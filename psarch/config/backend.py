@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+from typing import Any
 
 from psarch import registry
 from psarch.config.fields import option
@@ -74,8 +75,9 @@ class PSServers:
     handshake_timeout_s: float = option(5.0, "a connection still in its handshake after this long is dropped",
                                         min=0.01)
     resend_timeout_s: float = option(0.0, "a worker's request unanswered this long is sent again under its id, which "
-                                          "the server applies once (as on every reconnection; 0: timeout_s / 2)",
-                                     min=0.0)
+                                          "the server applies once, as on every reconnection (0: only on "
+                                          "reconnection; a live connection loses nothing, and a server may hold a "
+                                          "request on purpose: a sync round waiting for a slow worker)", min=0.0)
     max_connections: int = option(0, "most connections past their handshake per server; handshakes in progress or "
                                      "refused hold none (0: world_size + 16)", min=0)
     max_connections_per_worker: int = option(2, "most connections past their handshake per server that one worker's "
@@ -88,6 +90,17 @@ class PSServers:
                                      "yet complete, replies not yet read); over it, the connection is dropped "
                                      "(0: twice the largest exchange of a worker with that server, every partition "
                                      "in flight, + 0.25)", min=0.0)
+
+
+def resend_problem(b: Any) -> str | None:
+    """Why backend `b`'s resend_timeout_s cannot hold (a PS's servers' keys: PSServers), or None."""
+    if b.resend_timeout_s and b.resend_timeout_s >= b.timeout_s:
+        return (f"backend.resend_timeout_s = {b.resend_timeout_s:g}: must be shorter than backend.timeout_s = "
+                f"{b.timeout_s:g} (a request is sent again before the run gives up on its reply)")
+    if b.resend_timeout_s and getattr(b, "replicas", 0):
+        return (f"backend.resend_timeout_s = {b.resend_timeout_s:g}: with backend.replicas a worker sends nothing "
+                f"again (a dead server's partitions are served by their other holders); use 0")
+    return None
 
 
 @dataclass(frozen=True)

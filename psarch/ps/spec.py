@@ -7,7 +7,7 @@ from types import ModuleType
 from typing import TYPE_CHECKING, Any
 
 from psarch.backend import PROCESS_GROUP_OPTIONS, BackendSpec
-from psarch.config.backend import CoreBackendConfig, Overlap, PSServers
+from psarch.config.backend import CoreBackendConfig, Overlap, PSServers, resend_problem
 from psarch.config.fields import option
 from psarch.errors import ConfigError, show
 from psarch.ps.messages import ack_bytes, commit_bytes, pulls_deltas, pushes_from_hooks
@@ -130,6 +130,8 @@ class PSSpec(BackendSpec):
                               f"runs with backend.mode = \"sync\" only (compressed pushes beside the rows in "
                               f"\"{b.mode}\", GEO's row cache beside compressed deltas, are neither tested nor "
                               f"predicted yet)")
+        if (why := resend_problem(b)) is not None:
+            raise ConfigError(why)
         if b.heartbeat_s and b.heartbeat_timeout_s <= b.heartbeat_s:
             raise ConfigError(f"backend.heartbeat_timeout_s = {b.heartbeat_timeout_s:g}: must be longer than "
                               f"backend.heartbeat_s = {b.heartbeat_s:g} (a peer gets at least one PING to answer)")

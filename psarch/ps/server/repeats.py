@@ -46,6 +46,7 @@ if TYPE_CHECKING:   # (they send through a Return: replies.py imports this modul
 
 LIMIT = 32          # entries kept per worker beyond 2 per partition
 SESSIONS = 2        # sessions kept per worker: its client's, and one that connected beside it or before it
+CONNECTIONS = 4     # connections remembered per worker (which is newer), SESSIONS and more
 READS = ("fetch", "rowpull", "rowfetch")   # change nothing: handled again
 
 
@@ -108,6 +109,10 @@ class Repeats:
         self.state, self.replies, self.pulls = state, replies, pulls
         self.sessions: list[dict[int, Session]] = [{} for _ in range(state.workers)]   # per worker, by session
         self.repeats = 0   # repeats answered without being applied again
+        # each worker's latest connections, numbered as each first brought a request: a copy late off a connection
+        # since dropped (read after its repeat on the new one) must not take the reply back to it
+        self.seen: list[dict[bytes, int]] = [{} for _ in range(state.workers)]
+        self.count = 0
 
     def arrived(self, ident: bytes, msg: wire.Message) -> bytes | None:
         """Request `msg` (which names an id) came on `ident`: the address to handle it with (its Return), or None
@@ -116,6 +121,12 @@ class Repeats:
         w, rid = msg.header.get("worker"), msg.header["rid"]
         if not isinstance(w, int) or not 0 <= w < len(self.sessions):
             return ident   # (a reply op names no worker)
+        seen = self.seen[w]
+        if ident not in seen:
+            self.count += 1
+            seen[ident] = self.count
+            if len(seen) > CONNECTIONS:
+                del seen[next(iter(seen))]
         sessions = self.sessions[w]
         kept = sessions.get(rid >> SESSION_BITS)
         if kept is None:
@@ -129,8 +140,9 @@ class Repeats:
                               f"server keeps: it cannot tell whether it was applied")
             return self._new(kept, rid, ident, msg)
         self.repeats += 1
-        if entry.header is None:   # still waiting: answered on the connection the repeat came on
-            entry.ret.route = ident
+        if entry.header is None:   # still waiting: answered on the newer of its connections
+            if seen[ident] > seen.get(entry.ret.route, 0):
+                entry.ret.route = ident
             return None
         ret, said = returned(ident, rid, entry), entry.header
         tensor = entry.tensor

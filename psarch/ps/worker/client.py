@@ -72,13 +72,13 @@ class PSClient:
 
     def __init__(self, addresses: Sequence[str], worker: int, timeout_s: float,
                  creds: Credentials | dict | None = None, heartbeat_s: float = 10.0,
-                 heartbeat_timeout_s: float = 30.0, failover: bool = False, resend_s: float | None = None) -> None:
+                 heartbeat_timeout_s: float = 30.0, failover: bool = False, resend_s: float = 0.0) -> None:
         """creds: how to authenticate (a Credentials or its dict; None: no auth, loopback servers only); failover:
         a server whose connection drops is dead (backend.replicas: its partitions live on elsewhere, ServerLink).
         With failover the sockets send no heartbeats: a connection then drops only where the server's process died
         (the kernel closes its TCP connection), never for a server that is merely stopped (SIGSTOP) or slow, which
         is waited for like any other, up to timeout_s. resend_s: a request unanswered this long is sent again
-        (None: timeout_s / 2; 0: only when its connection comes back; never with failover: resend.py)."""
+        (0: only when its connection comes back; never with failover: resend.py)."""
         creds = creds if isinstance(creds, Credentials) else Credentials.from_dict(creds)
         self.addresses = list(addresses)
         self.worker = worker
@@ -98,7 +98,7 @@ class PSClient:
             self.poller.register(s, zmq.POLLIN)
         self.waiting = [Waiting() for _ in self.socks]   # sent, not yet answered, per server
         self.rids = [session() for _ in self.socks]      # each server's next request id
-        self.resend_s = 0.0 if failover else timeout_s / 2 if resend_s is None else resend_s
+        self.resend_s = 0.0 if failover else resend_s   # 0: only on reconnection
         self.check_at = 0.0   # when requests waiting longer than resend_s are next looked for
         self.dead: dict[int, float] = {}   # failover: each dead server and when its connection dropped (time.time())
         # failover: a connection that drops (its server's process died: the kernel closed its socket) is an event here;

@@ -6,7 +6,7 @@ backend.inflight_mb), that a heartbeat expired or that TCP reset is lost with it
 names an id (`rid`: a session drawn at random per client and server, SESSION_BITS up, then a counter), and a worker
 sends again, under the same id, every request still unanswered
 - when its connection comes back (ZeroMQ's monitor: a handshake succeeded after a drop), and
-- when one has waited `backend.resend_timeout_s` (0: half of backend.timeout_s; a timeout, so dilation stretches it
+- when one has waited `backend.resend_timeout_s` (0, the default: never; a timeout, so dilation stretches it
   like every other: psarch/cluster/dilation.py's `stretched`), at most once per that interval; a connection known
   to be down is left to its reconnection.
 The server applies a request once, however many times it comes (psarch/ps/server/repeats.py), and every reply

@@ -66,7 +66,7 @@ class PSWorker(Trainer):
                                f"({addresses}); run through `psarch run`, or list every server in "
                                f"backend.server_addresses")
         self.client = PSClient(addresses, ctx.rank, b.timeout_s, ctx.services.auth, b.heartbeat_s,
-                               b.heartbeat_timeout_s, failover=bool(replicas(cfg)), resend_s=b.resend_timeout_s or None)
+                               b.heartbeat_timeout_s, failover=bool(replicas(cfg)), resend_s=b.resend_timeout_s)
         # every parameter a checkpoint holds (with rows: the tables too, which this worker never holds whole)
         self.param_shapes = {n: tuple(p.shape) for n, p in workload.model.named_parameters() if p.requires_grad}
         # the tables leave the model before it moves: only the dense part is ever materialised here
