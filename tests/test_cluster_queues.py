@@ -64,7 +64,7 @@ def test_incast_at_a_dilated_rate_drops_nothing():
         ready, port, got = threading.Event(), [], []
         t = threading.Thread(target=_drain, args=(server.ns, ready, port, got), daemon=True)
         t.start()
-        ready.wait(10)
+        assert ready.wait(scaled(10)), "the receiving node did not listen"
         socks = []
         for i in range(4):
             with netns.inside(c.node("worker", i).ns):
