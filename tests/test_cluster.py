@@ -92,7 +92,10 @@ def test_shaping_is_real_and_counted():
     mbps, size = 20.0, 2_500_000            # 1.0 s at the link rate
     c = EmulatedCluster(2, 0, mbps, mbps)
     try:
+        wire0 = c.wire()
         n, took, before, after = _send(c, size)
+        wire1 = c.wire()
+        snmp = netns.run("ip", "netns", "exec", c.nodes[0].ns, "cat", "/proc/net/snmp").split("\n")
     finally:
         c.close()
     ideal = size * 8 / (mbps * 1e6)
@@ -101,6 +104,13 @@ def test_shaping_is_real_and_counted():
     sent = after[c.nodes[0].ns][0] - before[c.nodes[0].ns][0]
     received = after[c.nodes[1].ns][1] - before[c.nodes[1].ns][1]
     assert size < sent < size * 1.08 and size < received < size * 1.08, (sent, received)
+    # wire(): every packet is its payload plus 66 B of headers (Ethernet, IPv4, TCP with timestamps; within one
+    # packet's headers over 1,700: the SYN's options, ARP), what TCP sent again adds to the payload; the node's own
+    # TCP counters, not the machine's
+    (p0, q0, r0), (p1, q1, r1) = wire0[c.nodes[0].ns], wire1[c.nodes[0].ns]
+    tcp = [line.split() for line in snmp if line.startswith("Tcp:")]
+    assert r1 == int(dict(zip(tcp[0], tcp[1]))["RetransSegs"])
+    assert -66 <= sent - size - 66 * (p1 - p0) <= 66 + 1448 * (r1 - r0) and q1 - q0 > 0, (sent, size, p1 - p0, r1 - r0)
     assert not leftovers(os.getpid())
 
 

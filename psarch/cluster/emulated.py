@@ -217,6 +217,13 @@ class EmulatedCluster:
         ports = netns.link_bytes(self.hub)
         return {n.ns: (ports[n.port][1], ports[n.port][0]) for n in self.nodes}
 
+    def wire(self) -> dict[str, tuple[int, int, int]]:
+        """{node namespace: (packets the node sent, packets it received, TCP segments it retransmitted)} so far:
+        what its link's bytes hold beside the messages (each packet's headers, data or acknowledgement, and the
+        payload TCP sent again), read as `counters` reads the bytes."""
+        ports = netns.link_stats(self.hub)
+        return {n.ns: (ports[n.port][1][1], ports[n.port][0][1], netns.tcp_retransmitted(n.ns)) for n in self.nodes}
+
     def close(self) -> None:
         """Remove every namespace of this run (killing what still runs there), then end the watcher."""
         for ns in [n.ns for n in self.nodes] + [self.hub]:

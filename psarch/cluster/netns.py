@@ -82,5 +82,19 @@ def remove(ns: str) -> None:
 
 def link_bytes(ns: str) -> dict[str, tuple[int, int]]:
     """{interface: (bytes transmitted, bytes received)} in `ns`, from the kernel's counters (headers included)."""
+    return {name: (tx[0], rx[0]) for name, (tx, rx) in link_stats(ns).items()}
+
+
+def link_stats(ns: str) -> dict[str, tuple[tuple[int, int], tuple[int, int]]]:
+    """{interface: ((bytes, packets) transmitted, (bytes, packets) received)} in `ns`, the kernel's counters."""
     out = json.loads(run("ip", "-n", ns, "-s", "-j", "link", "show"))
-    return {d["ifname"]: (d["stats64"]["tx"]["bytes"], d["stats64"]["rx"]["bytes"]) for d in out}
+    return {d["ifname"]: ((d["stats64"]["tx"]["bytes"], d["stats64"]["tx"]["packets"]),
+                          (d["stats64"]["rx"]["bytes"], d["stats64"]["rx"]["packets"])) for d in out}
+
+
+def tcp_retransmitted(ns: str) -> int:
+    """TCP segments `ns` has retransmitted (/proc/net/snmp's Tcp RetransSegs, what `nstat` shows as
+    TcpRetransSegs: timeouts, fast retransmits and tail loss probes alike), read from inside `ns`."""
+    with inside(ns):
+        lines = [line.split() for line in open("/proc/thread-self/net/snmp") if line.startswith("Tcp:")]
+    return int(dict(zip(lines[0], lines[1]))["RetransSegs"])

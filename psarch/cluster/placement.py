@@ -30,6 +30,9 @@ if TYPE_CHECKING:
     from psarch.cluster.emulated import Node
     from psarch.cluster.records import ClusterReport, NodeReport
 
+# at a step mark, {node namespace: (bytes sent, bytes received)} and {node: (packets sent, received, retransmitted)}
+Marks = tuple[dict[str, tuple[int, int]], dict[str, tuple[int, int, int]]]
+
 
 class Loopback:
     """Every process on this machine's loopback: today's behaviour, and the default."""
@@ -81,7 +84,7 @@ class Emulated:
         w0 = self.cluster.node("worker", 0)     # the hub to a node: one link each way, as a ring's hop
         self.alpha_s = measure_alpha(self.cluster.hub, w0.ns, w0.address)
         self._start = self.cluster.counters()   # links idle: only the kernel's own chatter so far
-        self._window: StepWindow | None = None
+        self._window: StepWindow[Marks] | None = None
 
     def context(self) -> BaseContext:
         """Where the run's processes come from: psarch's forkserver (its child enters the namespace of the node the
@@ -135,8 +138,12 @@ class Emulated:
     def step_marks(self, ranks: int) -> list[StepMarks]:
         """The marks each of `ranks` ranks reaches around its steps; every link is read when all have (once a run)."""
         if self._window is None:
-            self._window = StepWindow(self.context(), ranks, self.cluster.counters)
+            self._window = StepWindow(self.context(), ranks, self._marks)
         return self._window.marks
+
+    def _marks(self) -> Marks:
+        """At a mark: every link's bytes, then its packets and its node's TCP retransmissions."""
+        return self.cluster.counters(), self.cluster.wire()
 
     def worker_lost(self) -> None:
         """A worker died and the run goes on: the others must not wait for it at the last mark."""
@@ -149,16 +156,21 @@ class Emulated:
         host's, as measured (the cluster's is alpha_s / dilation).
         link_sent/received: over the steps alone, from before the first step to after the last, as the
         per-step meters count (`counted_over` says "run" where a lost worker left no such window);
-        run_link_sent/received: the whole run, rendezvous, initial broadcast and final export included."""
+        run_link_sent/received: the whole run, rendezvous, initial broadcast and final export included;
+        link_packets_sent/received, retransmitted_segments: over the steps' window (absent without one), what
+        the link's bytes hold beside the messages: each packet's headers, and the payload TCP sent again."""
         now = self.cluster.counters()
         window = self._window.steps() if self._window is not None else None
         nodes: list[NodeReport] = []
         for n in self.cluster.nodes:
             (s0, r0), (s1, r1) = self._start[n.ns], now[n.ns]
             run = {"run_link_sent": s1 - s0, "run_link_received": r1 - r0}
-            if window is not None:
-                (s0, r0), (s1, r1) = window[0][n.ns], window[1][n.ns]
             node = n.to_dict()
+            if window is not None:
+                (s0, r0), (s1, r1) = window[0][0][n.ns], window[1][0][n.ns]
+                (p0, q0, t0), (p1, q1, t1) = window[0][1][n.ns], window[1][1][n.ns]
+                node["link_packets_sent"], node["link_packets_received"] = p1 - p0, q1 - q0
+                node["retransmitted_segments"] = t1 - t0
             node["link_sent"], node["link_received"] = s1 - s0, r1 - r0
             node["run_link_sent"], node["run_link_received"] = run["run_link_sent"], run["run_link_received"]
             nodes.append(node)

@@ -58,6 +58,9 @@ class NodeReport(TypedDict, total=False):
     link_received: int
     run_link_sent: int           # over the whole run
     run_link_received: int
+    link_packets_sent: int       # over the steps (absent where counted_over is "run"): data and acknowledgements
+    link_packets_received: int
+    retransmitted_segments: int  # over the steps, by the node's TCP (Tcp RetransSegs)
 
 
 class ClusterReport(TypedDict, total=False):

@@ -14,9 +14,9 @@ from __future__ import annotations
 
 import threading
 from multiprocessing.connection import Connection, wait
-from typing import Any, Callable
+from typing import Any, Callable, Generic, TypeVar
 
-Counters = dict[str, tuple[int, int]]   # {node namespace: (bytes sent, bytes received)}
+Counters = TypeVar("Counters")   # what `read` returns: the placement's counters of every node
 
 
 class StepMarks:
@@ -36,7 +36,7 @@ class StepMarks:
             pass
 
 
-class StepWindow:
+class StepWindow(Generic[Counters]):
     """The launcher's side: reads the counters at both marks of `ranks` ranks (a thread of its own);
     `marks[r]` is rank r's side."""
 
