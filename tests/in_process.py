@@ -8,9 +8,11 @@ def psarch_cli(capsys, *args: str) -> tuple[int, str, str]:
     from psarch.cli import main
 
     capsys.readouterr()   # what the test printed before is not the command's
+    said = ""
     try:
         code = main(list(args))
-    except SystemExit as e:
-        code = e.code if isinstance(e.code, int) else 1
+    except SystemExit as e:   # as the interpreter exits: None is 0, a message is said on stderr with 1
+        code = 0 if e.code is None else e.code if isinstance(e.code, int) else 1
+        said = "" if e.code is None or isinstance(e.code, int) else f"{e.code}\n"
     got = capsys.readouterr()
-    return code, got.out, got.err
+    return code, got.out, got.err + said
