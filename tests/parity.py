@@ -63,3 +63,9 @@ def train(rank: int, n: int, data: dict, info: dict, out: str, **run) -> dict:
     return {"traffic": record.traffic, "memory": record.memory, "params": record.params,
             "extra": record.extra, "rows": [{k: r[k] for k in ("loss", "sent", "received", "extra")}
                                                for r in record.steps]}
+
+
+def train_plan(rank: int, n: int, out: str, plan: dict, infos: dict) -> dict:
+    """Each of `plan`'s configs (name -> config dict) in turn on this rank, one thread, with its services' `infos`."""
+    torch.set_num_threads(1)
+    return {name: train(rank, n, data, infos[name], out) for name, data in plan.items()}

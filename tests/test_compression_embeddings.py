@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from dist_utils import run_ranks
-from parity import SGD_ATOL, assert_same_model, config, model, train
+from parity import SGD_ATOL, assert_same_model, config, model, train_plan
 from psarch.config import ConfigError, from_dict
 from psarch.embeddings import embedding_tables
 from psarch.ps import theory as ps_theory
@@ -43,11 +43,6 @@ def _data(name: str) -> dict:
     return config(name, base=DLRM, train={**OPTIMIZERS["sgd"], **COMPRESSIONS[c]}, backend={**backend, "world_size": N})
 
 
-def _ranks(rank: int, n: int, out: str, plan: dict, infos: dict) -> dict:
-    torch.set_num_threads(1)
-    return {name: train(rank, n, data, infos[name], out) for name, data in plan.items()}
-
-
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     torch.set_num_threads(1)
@@ -56,7 +51,7 @@ def runs(tmp_path_factory):
     services = {name: LocalServers(from_dict(d), None, threads=True) for name, d in plan.items() if "hybrid" in name}
     try:
         infos = {name: services[name].info.to_dict() if name in services else {} for name in plan}
-        res = run_ranks(_ranks, N, str(out), plan, infos, timeout=scaled(300))
+        res = run_ranks(train_plan, N, str(out), plan, infos, timeout=scaled(300))
     finally:
         for s in services.values():
             s.stop()

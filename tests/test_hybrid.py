@@ -12,7 +12,7 @@ import torch
 from collective.comm import ring_bytes
 from collective.spec import DDP
 from dist_utils import run_ranks
-from parity import ATOL, SGD_ATOL, assert_same_model, config, model, train
+from parity import ATOL, SGD_ATOL, assert_same_model, config, model, train, train_plan
 from psarch import theory
 from psarch.config import ConfigError, from_dict
 from psarch.ps import theory as ps_theory
@@ -40,11 +40,6 @@ def _data(name: str, opt: str, backend: dict | None = None, n: int = N) -> dict:
     return config(name, base=DLRM, train=OPTIMIZERS[opt], backend=b)
 
 
-def _ranks(rank: int, n: int, out: str, plan: dict, infos: dict) -> dict:
-    torch.set_num_threads(1)
-    return {name: train(rank, n, data, infos[name], out) for name, data in plan.items()}
-
-
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     torch.set_num_threads(1)
@@ -55,7 +50,7 @@ def runs(tmp_path_factory):
     services = {name: LocalServers(from_dict(d), None, threads=True) for name, d in plan.items() if "hybrid" in name}
     try:
         infos = {name: services[name].info.to_dict() if name in services else {} for name in plan}
-        res = run_ranks(_ranks, N, str(out), plan, infos, timeout=scaled(300))
+        res = run_ranks(train_plan, N, str(out), plan, infos, timeout=scaled(300))
         servers = {name: s.finish() for name, s in services.items()}
     finally:
         for s in services.values():
@@ -240,7 +235,7 @@ def test_three_ranks_and_three_servers_equal_single(tmp_path):
     data = _data("hybrid3", "sgd", dict(HYBRID, servers=3), n=3)
     services = LocalServers(from_dict(data), None, threads=True)
     try:
-        run_ranks(_ranks, 3, str(tmp_path), {"hybrid3": data}, {"hybrid3": services.info.to_dict()},
+        run_ranks(train_plan, 3, str(tmp_path), {"hybrid3": data}, {"hybrid3": services.info.to_dict()},
                   timeout=scaled(300))
     finally:
         services.stop()

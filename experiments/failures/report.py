@@ -170,9 +170,10 @@ def main(root: Path, here: Path = HERE) -> None:
 
 
 def plot(data: dict, here: Path) -> None:
-    """Goodput against the checkpoint interval, from the points at one fixed D where there are (in the cluster's
-    time a start-up on this host counts 1/D: points at different D do not compare)."""
-    tag = "_d32" if any(c.get("set") == "_d32" for c in data["collectives"]) else "_auto"
+    """Goodput against the checkpoint interval, from the points whose start-up was paced where there are (the
+    cluster's own), else at one fixed D (in the cluster's time a start-up on this host counts 1/D: points at different
+    D do not compare)."""
+    tag = next((t for t in ("_paced", "_d32") if any(c.get("set") == t for c in data["collectives"])), "_auto")
     fig, ax = plt.subplots(figsize=(7, 4.5))
     pts = [c for c in data["collectives"] if c.get("set") == tag and "goodput" in c]
     for label in sorted({c["label"] for c in pts}):
@@ -182,7 +183,7 @@ def plot(data: dict, here: Path) -> None:
             ax.axhline(data["baseline"][f"{label}{tag}"]["goodput"], color=line.get_color(), ls=":", lw=1)
     ax.set_xlabel("checkpoint interval (steps)")
     ax.set_ylabel("goodput (steps / s, the cluster's time)")
-    d = "D = 32" if tag == "_d32" else "D auto per point"
+    d = {"_paced": "the start-up paced (faults.startup_s)", "_d32": "D = 32"}.get(tag, "D auto per point")
     ax.set_title(f"Goodput under one failure, N = 4, {d}\n(dotted: the same backend without a fault)", fontsize=10)
     ax.set_xticks(sorted({c["every"] for c in pts}))
     ax.legend(fontsize=8)
@@ -191,4 +192,7 @@ def plot(data: dict, here: Path) -> None:
 
 
 if __name__ == "__main__":
-    main(Path(sys.argv[1]), Path(sys.argv[2]) if len(sys.argv) > 2 else HERE)
+    if sys.argv[1] == "--plot":   # the plot again from a table's points.json: report.py --plot results/paced
+        plot(json.loads((Path(sys.argv[2]) / "points.json").read_text()), Path(sys.argv[2]))
+    else:
+        main(Path(sys.argv[1]), Path(sys.argv[2]) if len(sys.argv) > 2 else HERE)

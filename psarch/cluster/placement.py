@@ -111,17 +111,8 @@ class Emulated:
 
         env = {"GLOO_SOCKET_IFNAME": IFNAME,   # gloo uses the node's link, whatever the hostname says
                **imports_env(True)}
-        before = {k: os.environ.get(k) for k in env}
-        os.environ.update(env)
-        try:
-            with netns.inside(self._node(role, index).ns):
-                yield
-        finally:
-            for k, v in before.items():
-                if v is None:
-                    os.environ.pop(k, None)
-                else:
-                    os.environ[k] = v
+        with processes.environ(env), netns.inside(self._node(role, index).ns):
+            yield
 
     def host(self, role: str, index: int, default: str) -> str:
         return self._node(role, index).address

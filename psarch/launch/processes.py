@@ -18,19 +18,21 @@ c10's log level (imports_env), so the forkserver serves them only where it impor
 spawned child otherwise, `spawn`)."""
 from __future__ import annotations
 
+import contextlib
 import multiprocessing as mp
 import os
 import weakref
 from multiprocessing import forkserver, reduction
 from multiprocessing.context import BaseContext
 from multiprocessing.process import BaseProcess
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 # What every child imports anyway and what costs it most, imported once in the forkserver: torch, and torch._dynamo,
 # which torch.optim imports when a process builds its first optimizer (as much CPU again as torch itself). Not
 # psarch: a child imports psarch's modules itself (about 0.2 CPU-s), in the order a spawned child does, so a
 # workload factory that patches a psarch function before another module imports it by name works as it did.
 PRELOAD = ("torch", "torch.distributed", "torch._dynamo")
+READY_S = 600.0   # the forkserver's imports and first child, however loaded the machine: past this it is stuck
 
 
 # What the forkserver's torch read at its import, of IMPORT_KEYS (None: not started by this module yet)
@@ -54,17 +56,28 @@ def start_server(env: dict[str, str] | None = None) -> None:
     global _imported_with
     if _imported_with is not None:
         return
-    before = {k: os.environ.get(k) for k in env or {}}
-    os.environ.update(env or {})
-    try:
+    with environ(env or {}):
         ctx = mp.get_context("forkserver")
         ctx.set_forkserver_preload(list(PRELOAD))
         forkserver.ensure_running()
         # ensure_running returns at once, its imports under way: the first child waits for them. This one, here.
         first = ctx.Process(target=_nothing, name="psarch-forkserver-ready")  # type: ignore[attr-defined]
         first.start()
-        first.join()
+        first.join(READY_S)
+        if first.exitcode != 0:
+            first.kill()
+            raise RuntimeError(f"psarch's forkserver did not start a child within {READY_S:g} s (its first child: "
+                               f"exit code {first.exitcode}; None: still running)")
         _imported_with = {k: os.environ.get(k) for k in IMPORT_KEYS}
+
+
+@contextlib.contextmanager
+def environ(env: dict[str, str]) -> Iterator[None]:
+    """This process's environment with `env` set, as it was again when the block ends."""
+    before = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    try:
+        yield
     finally:
         for k, v in before.items():
             if v is None:
@@ -128,6 +141,12 @@ def _adopt(environ: dict[str, str], out: Any, err: Any, namespace: Any = None) -
     """In the child, as it unpickles its target: the launcher's environment, standard streams and network namespace."""
     os.environ.clear()
     os.environ.update(environ)
+    for fd, held in ((1, out), (2, err)):   # first: a namespace that cannot be entered is said where the launcher reads
+        if held is not None:
+            got = held.detach()
+            if got != fd:   # a forkserver's child receives a new descriptor; a spawned one, fd itself
+                os.dup2(got, fd)
+                os.close(got)
     if namespace is not None:
         from psarch.cluster import netns
         fd = namespace.detach()
@@ -135,12 +154,6 @@ def _adopt(environ: dict[str, str], out: Any, err: Any, namespace: Any = None) -
             netns.enter(fd)
         finally:
             os.close(fd)
-    for fd, held in ((1, out), (2, err)):
-        if held is not None:
-            got = held.detach()
-            if got != fd:   # a forkserver's child receives a new descriptor; a spawned one, fd itself
-                os.dup2(got, fd)
-                os.close(got)
 
 
 def _run(_: None, target: Callable[..., Any], args: tuple) -> None:
