@@ -81,9 +81,8 @@ def run(cfg: Config, out: str | Path | None = None, echo: bool = True, resume: b
     world_cfg, world_ranks = cfg, ranks_cfg   # the running world's (after a restart: its own, maybe at N - 1)
     try:
         while True:
-            launch = time.monotonic()
+            job.launched = launch = time.monotonic()   # each start-up deadline counts from here (faults.startup_s)
             world_at = since(t0, launch, d)
-            job.launched = launch   # every rank's start-up deadline counts from here (faults.startup_s)
             try:
                 extra, cluster = _world(job, spec, world_cfg, world_ranks, workload, faulted, t0)
                 faulted["worlds"].append(world(out_dir / outputs.RANKS_DIR, world_at, t0, d, warmup_steps(world_cfg),
