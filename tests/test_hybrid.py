@@ -16,6 +16,7 @@ from parity import ATOL, SGD_ATOL, assert_same_model, config, model, train, trai
 from psarch import theory
 from psarch.config import ConfigError, from_dict
 from psarch.ps import theory as ps_theory
+from psarch.ps.messages import RID_BYTES
 from psarch.ps.services import LocalServers
 from psarch.embeddings import embedding_tables
 from psarch.workload import build_workload
@@ -32,7 +33,7 @@ RUNS = {**{f"hybrid-{comm}-{opt}": (dict(HYBRID, comm=comm), opt) for comm in ("
 # header bytes per server per step: rowpull + rowpush sent (their headers), rows + ack received (measured: 67 + 72
 # and 49 + 17, a few bytes more or less with the integers' msgpack sizes, before every header named a request's id:
 # 13 bytes more each, psarch/ps/messages.py's RID)
-SENT_HEADERS, RECEIVED_HEADERS = (125 + 26, 155 + 26), (60 + 26, 90 + 26)
+SENT_HEADERS, RECEIVED_HEADERS = (125 + 2 * RID_BYTES, 155 + 2 * RID_BYTES), (60 + 2 * RID_BYTES, 90 + 2 * RID_BYTES)
 
 
 def _data(name: str, opt: str, backend: dict | None = None, n: int = N) -> dict:

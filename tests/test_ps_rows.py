@@ -14,6 +14,7 @@ from dist_utils import run_ranks
 from parity import ATOL, assert_same_model, config, model, train
 from psarch import theory
 from psarch.ps import theory as ps_theory
+from psarch.ps.messages import RID_BYTES
 from psarch.config import from_dict
 from psarch.ps.services import start_services
 from psarch.workload import build_workload
@@ -36,9 +37,9 @@ SIZES = (2, 3)
 # receives rows 49 + ack 17 + params 75, a few bytes more or less with the integers' msgpack sizes;
 # async and ssp replies also name staleness and how far ahead; measured before every header named a request's id,
 # 13 bytes more each: psarch/ps/messages.py's RID)
-SENT_HEADERS, RECEIVED_HEADERS = (195 + 39, 240 + 39), (125 + 39, 185 + 39)
+SENT_HEADERS, RECEIVED_HEADERS = (195 + 3 * RID_BYTES, 240 + 3 * RID_BYTES), (125 + 3 * RID_BYTES, 185 + 3 * RID_BYTES)
 # per request: (its header's bytes, its reply header's bytes), lowest and highest (geo replies name staleness)
-HEADERS = {op: tuple((lo + 13, hi + 13) for lo, hi in sizes) for op, sizes in {
+HEADERS = {op: tuple((lo + RID_BYTES, hi + RID_BYTES) for lo, hi in sizes) for op, sizes in {
     "rowpull": ((60, 75), (45, 55)), "rowpush": ((65, 80), (15, 35)), "pushpull": ((70, 85), (70, 100))}.items()}
 
 

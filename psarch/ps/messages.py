@@ -14,6 +14,7 @@ if TYPE_CHECKING:
 SESSION_BITS = 32
 # an id as a worker sends it and its reply names it: 9 bytes packed, whatever its session and number
 RID = 1 << SESSION_BITS
+RID_BYTES = len(msgpack.packb({"rid": RID})) - 1   # what the id adds to a header (the map's own byte left out): 13
 
 
 def pushes_from_hooks(cfg: Config) -> bool:
