@@ -11,6 +11,7 @@ same sum of two 2-byte values). fp16 against the uncompressed hybrid: each step'
 x 2^-11 ~ 2e-3, and not equal (the cast is applied)."""
 from __future__ import annotations
 
+import functools
 import math
 
 import pytest
@@ -58,11 +59,13 @@ def runs(tmp_path_factory):
     return out, {name: [r[name] for r in res] for name in plan}
 
 
-def dense_shapes() -> list[tuple[int, ...]]:
-    """The dense layers' parameter shapes in ddp's bucket order (reversed), the tables left out."""
+@functools.cache
+def dense_shapes() -> tuple[tuple[int, ...], ...]:
+    """The dense layers' parameter shapes in ddp's bucket order (reversed), the tables left out (built once: the
+    byte checks ask it for every rank, step and direction)."""
     m = build_workload(from_dict(config("x", base=DLRM)), device="meta").model
     tables = {id(t.weight) for _, t in embedding_tables(m)}
-    return [tuple(p.shape) for p in m.parameters() if id(p) not in tables][::-1]
+    return tuple(tuple(p.shape) for p in m.parameters() if id(p) not in tables)[::-1]
 
 
 def ring(numel: int, itemsize: int = 4) -> int:
