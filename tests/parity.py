@@ -69,3 +69,21 @@ def train_plan(rank: int, n: int, out: str, plan: dict, infos: dict) -> dict:
     """Each of `plan`'s configs (name -> config dict) in turn on this rank, one thread, with its services' `infos`."""
     torch.set_num_threads(1)
     return {name: train(rank, n, data, infos[name], out) for name, data in plan.items()}
+
+
+def run_plan(plan: dict, served: set, n: int, out: Path) -> dict:
+    """`plan`'s configs (name -> config dict) on n ranks, those in `served` with PS servers of their own (threads
+    here): each name's per-rank results (train_plan's)."""
+    from dist_utils import run_ranks
+    from psarch.ps.services import LocalServers
+    from timing import scaled
+    torch.set_num_threads(1)
+    services = {name: LocalServers(from_dict(plan[name]), None, threads=True) for name in served}
+    try:
+        infos = {name: services[name].info.to_dict() if name in services else {} for name in plan}
+        res = run_ranks(train_plan, n, str(out), plan, infos, timeout=scaled(300))
+    finally:
+        for s in services.values():
+            s.stop()
+    return {name: [r[name] for r in res] for name in plan}
+

@@ -17,6 +17,7 @@ Tolerances (each world size's runs in one spawned process group, the tiny GPT, S
 from __future__ import annotations
 
 import math
+from typing import Sequence
 
 import pytest
 import torch
@@ -78,10 +79,11 @@ def shapes() -> list[tuple[int, ...]]:
     return [tuple(p.shape) for p in build_workload(from_dict(config("x", train=SGD)), device="meta").model.parameters()][::-1]
 
 
-def plan(rank: int) -> tuple[int, list[tuple[int, int, int]]]:
-    """PowerSGD's plan, counted here by hand from its rule: n x m factored where 2 (n + m) r < n m."""
+def plan(rank: int, of: Sequence[tuple[int, ...]] | None = None) -> tuple[int, list[tuple[int, int, int]]]:
+    """PowerSGD's plan of the shapes `of` (the tiny GPT's by default), counted here by hand from its rule: n x m
+    factored at r = min(n, m, rank) where 2 (n + m) r < n m; the rest sent whole."""
     whole, factored = 0, []
-    for s in shapes():
+    for s in shapes() if of is None else of:
         n, m = s[0], math.prod(s) // s[0]
         r = min(n, m, rank)
         if 2 * (n + m) * r < n * m:

@@ -15,17 +15,14 @@ import functools
 import math
 
 import pytest
-import torch
 
-from dist_utils import run_ranks
-from parity import SGD_ATOL, assert_same_model, config, model, train_plan
+from parity import SGD_ATOL, assert_same_model, config, model, run_plan
 from psarch.config import ConfigError, from_dict
 from psarch.embeddings import embedding_tables
 from psarch.ps import theory as ps_theory
-from psarch.ps.services import LocalServers
 from psarch.workload import build_workload
+from test_compression import plan as powersgd_by_hand
 from test_ps_rows import OPTIMIZERS, ROWS_DLRM as DLRM
-from timing import scaled
 
 N, SERVERS, RATIO, RANK, WARMUP = 2, 2, 0.25, 1, 1
 STEPS, LR = DLRM["train"]["steps"], OPTIMIZERS["sgd"]["lr"]
@@ -46,17 +43,8 @@ def _data(name: str) -> dict:
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    torch.set_num_threads(1)
     out = tmp_path_factory.mktemp("compression_embeddings")
-    plan = {name: _data(name) for name in RUNS}
-    services = {name: LocalServers(from_dict(d), None, threads=True) for name, d in plan.items() if "hybrid" in name}
-    try:
-        infos = {name: services[name].info.to_dict() if name in services else {} for name in plan}
-        res = run_ranks(train_plan, N, str(out), plan, infos, timeout=scaled(300))
-    finally:
-        for s in services.values():
-            s.stop()
-    return out, {name: [r[name] for r in res] for name in plan}
+    return out, run_plan({name: _data(name) for name in RUNS}, {name for name in RUNS if "hybrid" in name}, N, out)
 
 
 @functools.cache
@@ -73,16 +61,8 @@ def ring(numel: int, itemsize: int = 4) -> int:
 
 
 def plan() -> tuple[int, list[tuple[int, int, int]]]:
-    """PowerSGD's plan by hand from its rule: n x m factored at r = min(n, m, rank) where 2 (n + m) r < n m."""
-    whole, factored = 0, []
-    for s in dense_shapes():
-        n, m = s[0], math.prod(s) // s[0]
-        r = min(n, m, RANK)
-        if 2 * (n + m) * r < n * m:
-            factored.append((n, m, r))
-        else:
-            whole += math.prod(s)
-    return whole, factored
+    """PowerSGD's plan of the dense layers, by hand from its rule (test_compression.plan)."""
+    return powersgd_by_hand(RANK, dense_shapes())
 
 
 def dense_bytes(compression: str, step: int) -> int:

@@ -11,17 +11,13 @@ from __future__ import annotations
 import math
 
 import pytest
-import torch
 
-from dist_utils import run_ranks
-from parity import SGD_ATOL, assert_same_model, config, model, train_plan
+from parity import SGD_ATOL, assert_same_model, config, model, run_plan
 from psarch.config import ConfigError, from_dict
 from psarch.ps import theory as ps_theory
-from psarch.ps.services import LocalServers
 from ps_setup import ps
 from test_compression_embeddings import dense_shapes
 from test_ps_rows import OPTIMIZERS, ROWS_DLRM as DLRM
-from timing import scaled
 
 N, RATIO = 2, 0.25
 STEPS, LR = DLRM["train"]["steps"], OPTIMIZERS["sgd"]["lr"]
@@ -39,17 +35,8 @@ def _data(name: str) -> dict:
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    torch.set_num_threads(1)
     out = tmp_path_factory.mktemp("ps_rows_compression")
-    plan = {name: _data(name) for name in RUNS}
-    services = {name: LocalServers(from_dict(d), None, threads=True) for name, d in plan.items() if name[:2] == "ps"}
-    try:
-        infos = {name: services[name].info.to_dict() if name in services else {} for name in plan}
-        res = run_ranks(train_plan, N, str(out), plan, infos, timeout=scaled(300))
-    finally:
-        for s in services.values():
-            s.stop()
-    return out, {name: [r[name] for r in res] for name in plan}
+    return out, run_plan({name: _data(name) for name in RUNS}, {name for name in RUNS if name[:2] == "ps"}, N, out)
 
 
 def pushed(compression: str) -> int:
