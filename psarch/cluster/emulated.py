@@ -1,6 +1,6 @@
 """An emulated cluster on one Linux machine: a network namespace per node, a veth from each node to one
 bridge, and a rate-limiting qdisc on both ends of each veth so each direction runs at the link rate (`shaper`:
-htb at the link rate, TCP's acknowledgements and other short packets served first, the rest in queues of
+htb at the link rate, TCP's acknowledgements and other short packets served first beside it, the rest in queues of
 QUEUE_S at the cluster's link rate, one per sender into a node).
 
 Layout of run <pid>: namespace `psarch-<pid>-hub` holds the bridge `br0` (10.213.0.1, where the launcher
@@ -86,7 +86,13 @@ def shaper(dev: str, mbps: float, senders: Sequence[str] = (), dilation: float =
     class at the rate whose bucket holds 2 ms of traffic (the kernel timer's slack; at least two of the link's GSO
     segments, `tsq_bytes`). A real link has no bucket: what it holds goes at once after an idle spell, so it is
     kept that small (it was 64 KiB, a tbf's floor for a whole GSO segment, which let 52 ms of a 10 Mbit/s link's
-    traffic through at once; htb sends a packet larger than its bucket and owes the difference). Short packets are served first (a u32 filter on the IP length); the rest
+    traffic through at once; htb sends a packet larger than its bucket and owes the difference). Short packets are
+    served first (a u32 filter on the IP length), from a class beside the link's, not under it: their bytes are not
+    counted in the link's rate (an acknowledgement is 66 B against 2 data frames, about 2% of the reverse way),
+    as they were not on a node's own end, where nothing borrows. Under the link's class on the bridge's end each
+    sender into a node borrows above its fair share, and waited there until the link's class had paid for the
+    short packets it had also been charged: about a frame a message in a ring of messages of a few frames
+    (tests/test_cluster.py `test_a_ring_of_short_messages_runs_at_the_wire_time`). The rest
     wait in FIFOs of QUEUE_S at the rate, in bytes: one per address in `senders`, shared fairly (htb's
     round robin; each may use the whole rate alone), and one for everything else.
     `dilation`: D of a link shaped to the cluster's rate / D. Time dilation slows rates and times, never bytes (a
@@ -100,7 +106,7 @@ def shaper(dev: str, mbps: float, senders: Sequence[str] = (), dilation: float =
     queue = str(min(QUEUE_MAX, max(10 * WIRE, int(mbps * dilation * 1e6 / 8 * QUEUE_S))))
     out = [["qdisc", "add", "dev", dev, "root", "handle", "1:", "htb", "default", "20"],
            ["class", "add", "dev", dev, "parent", "1:", "classid", "1:1", "htb", *bucket],
-           ["class", "add", "dev", dev, "parent", "1:1", "classid", "1:10", "htb", *bucket, "prio", "0"],
+           ["class", "add", "dev", dev, "parent", "1:", "classid", "1:10", "htb", *bucket, "prio", "0"],
            ["class", "add", "dev", dev, "parent", "1:1", "classid", "1:20", "htb", *bucket, "prio", "1"],
            ["qdisc", "add", "dev", dev, "parent", "1:20", "bfifo", "limit", queue],
            ["filter", "add", "dev", dev, "parent", "1:", "protocol", "ip", "prio", "1", "u32",
