@@ -8,9 +8,8 @@ table goes to <TABLE>_summary.md, and summary.md, the plot and the LoRA and hybr
 --update reads results/<TABLE>.md back and puts the runs of runs/compression/<FOLDER>s in place of its rows of the
 same N, link, arch and compression (or beside them), the other rows as written (their run folders are gone), then
 writes the summary again from the tables (gpt and dlrm: summary.md and the plot).
-    python experiments/compression/tables.py --repredict experiments/compression/results
-puts repredict.py's predicted step (this checkout's theory, from the study's configs) in every stored table's rows
-and writes the summaries and the plot again.
+    python experiments/compression/tables.py --hybrid runs/compression experiments/compression/results FOLDER ...
+writes results/hybrid.md from the hybrid runs in runs/compression/<FOLDER>s (one per link).
 
 Time to target = the steps a loopback run of the same point took to reach the target (*_steps sweeps: a
 synchronous run's arithmetic does not depend on the links) x the step time measured on the emulated cluster
@@ -231,8 +230,8 @@ def lora_table(root: Path) -> str:
     return "\n".join(lines) + "\n"
 
 
-def hybrid_table(root: Path) -> str:
-    runs = runs_in(root / "hybrid")
+def hybrid_table(folders: list[Path]) -> str:
+    runs = [run for folder in folders for run in runs_in(folder)]
     if not runs:
         return "(no hybrid runs)\n"
     lines = ["| link | run | worker sent/step measured \\| predicted | received measured \\| predicted | server "
@@ -269,32 +268,14 @@ def update(root: Path, out: Path, table: str, folders: list[str]) -> None:
     (out / "summary.md").write_text(short_table(all_rows))
 
 
-def repredict(out: Path) -> None:
-    """Every compression table in `out` read back with each row's predicted step replaced by repredict.py's (this
-    checkout's theory from the study's configs and the row's D, the compression's own work priced), then the
-    summaries (summary.md, gpt_geo_summary.md) and the plot written again; the measured cells as written."""
-    from repredict import predicted_now
-    all_rows = {}
-    for table in TABLES:
-        head, lines, rows = stored(out / f"{table}.md")
-        for line, row in zip(lines, rows):
-            d = float(line[-1].split(",")[0].removeprefix("D = "))
-            row["pred"] = predicted_now(table, row["n"], row["link"], row["arch"], row["comp"], d)
-            line[4] = f"{ms(row['step'])} \\| {ms(row['pred'])} ({row['how']})"
-        vs_none(lines, rows)
-        (out / f"{table}.md").write_text(head + body_of(lines))
-        all_rows[table] = rows
-    (out / "gpt_geo_summary.md").write_text(short_table({"gpt_geo": all_rows.pop("gpt_geo")}))
-    plot(all_rows, out)
-    (out / "summary.md").write_text(short_table(all_rows))
-
-
 def main() -> None:
     if sys.argv[1:2] == ["--update"]:
         update(Path(sys.argv[2]), Path(sys.argv[3]), sys.argv[4], sys.argv[5:])
         return
-    if sys.argv[1:2] == ["--repredict"]:
-        repredict(Path(sys.argv[2]))
+    if sys.argv[1:2] == ["--hybrid"]:
+        text = hybrid_table([Path(sys.argv[2]) / f for f in sys.argv[4:]])
+        (Path(sys.argv[3]) / "hybrid.md").write_text(text)
+        print(text)
         return
     root, out = Path(sys.argv[1]), Path(sys.argv[2])
     chosen = sys.argv[3:] or list(TABLES)
@@ -316,7 +297,7 @@ def main() -> None:
     plot(all_rows, out)
     (out / "summary.md").write_text(text)
     print(f"## summary\n\n{text}")
-    for name, text in (("lora", lora_table(root)), ("hybrid", hybrid_table(root))):
+    for name, text in (("lora", lora_table(root)), ("hybrid", hybrid_table([root / "hybrid"]))):
         (out / f"{name}.md").write_text(text)
         print(f"## {name}\n\n{text}")
 
