@@ -19,7 +19,7 @@ from psarch.ps.layout import initial_flat
 from psarch.ps.sparse import add_delta
 from psarch.ps.server.parameter_server import ParameterServer
 from psarch.ps.messages import SESSION_BITS
-from psarch.ps.server.repeats import LIMIT
+from psarch.ps.server.repeats import LIMIT, SESSIONS
 from psarch.ps.worker.client import PSClient, Request
 from ps_setup import Raw, config, ps
 from timing import scaled
@@ -236,6 +236,39 @@ def test_an_id_older_than_every_one_kept_is_refused_and_another_clients_ids_are_
                 r = raw.ask(header)   # refused as without an id, no internal error
                 assert r.op == "error" and said in r.header["message"] and "internal" not in r.header["message"]
             assert srv.state.failure is None
+        finally:
+            zctx.destroy(linger=0)
+
+
+def test_a_request_of_a_session_forgotten_after_newer_ones_is_refused_not_handled_again():
+    """async: worker 0's client session A pulls version 0; SESSIONS newer clients of worker 0 come (A's entries
+    forgotten), the newest pushes step 0 on version 0. A's pull comes again, id and all (a copy read late off its
+    dead client's connection), and a new request of A's: both refused in one line, and the server's record of what
+    the worker holds is unchanged, so the live client's next push on version 0 is applied (before: A's pull was
+    answered as new, the record moved to version 1 and the live client's push was refused)."""
+    with serving("async", 1) as srv:
+        zctx = zmq.Context()
+        try:
+            raw = Raw(zctx, srv.address, None, worker=0)
+            part = srv.state.parts[0]
+            g = gradient(0, 0, part.hi - part.lo)
+            pull = {"op": "pull", "worker": 0, "step": 0, "want": "float32", "offset": part.lo,
+                    "rid": 3 << SESSION_BITS}
+            assert raw.ask(pull).header["version"] == 0
+            live = [(4 + n) << SESSION_BITS for n in range(SESSIONS)]
+            for rid in live[:-1]:
+                assert raw.ask({"op": "fetch", "worker": 0, "rid": rid}).op == "params"
+            push = {"op": "push", "worker": 0, "step": 0, "version": 0, "offset": part.lo, "rid": live[-1]}
+            assert raw.ask(push, g).op == "ack" and part.range.version == 1
+            for again in (pull, dict(pull, rid=pull["rid"] + 1)):   # the repeat, and a new id of A's
+                r = raw.ask(again)
+                assert r.op == "error", (r.op, r.header)
+                assert (f"worker 0's request {again['rid']} is of a client session this server has forgotten "
+                        f"({SESSIONS} newer ones came since): it cannot tell") in r.header["message"]
+            assert part.range.sent_version[0] == 0                      # what the server records the worker holds
+            r = raw.ask(dict(push, step=1, rid=live[-1] + 1), g)        # the live client, on the version it holds
+            assert r.op == "ack", r.header
+            assert srv.pushes.applied == 2 and srv.state.failure is None
         finally:
             zctx.destroy(linger=0)
 

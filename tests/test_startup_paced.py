@@ -96,6 +96,27 @@ def test_each_world_of_a_replaced_run_starts_up_in_the_paced_time_and_the_restar
 
 
 @needs_root
+def test_a_paced_start_up_past_every_timeout_of_a_ps_run_is_waited_out(tmp_path, monkeypatch):
+    """A sync PS run whose hold before the first step (startup_s x D) is longer than each of its waits
+    (backend.timeout_s, heartbeat_timeout_s, handshake_timeout_s, all x D): its servers, which do not hold, and its
+    workers finish every step, no worker lost, every push applied once, the first step at the deadline. No wait runs
+    across the hold (psarch/cluster/startup.py): those of the start-up end before it, a step's begin after it."""
+    monkeypatch.setenv("PSARCH_THREADS", "1")
+    paced, waits = 4.0, {"timeout_s": 2.5, "heartbeat_s": 0.25, "heartbeat_timeout_s": 0.75, "handshake_timeout_s": 1.0}
+    cfg = from_dict(config("ps_paced", train=dict(SGD, steps=4), cluster=EMULATED, faults={"startup_s": paced},
+                           backend={"kind": "ps", "world_size": 2, "mode": "sync", "servers": 1, **waits}))
+    assert all(paced > getattr(cfg.backend, k) for k in waits if k.endswith("timeout_s"))
+    s = psarch.run(cfg, tmp_path / "ps_paced", echo=False)
+    assert _children() == [] and not leftovers(os.getpid()) and not watchers(os.getpid())
+    assert s["status"] == "finished" and s["steps"] == 4 and s["dilation"] == 4
+    [srv] = s["servers_detail"]
+    assert srv["failure"] is None and srv["lost"] == [] and srv["drops"] == []
+    assert srv["applied_pushes"] == 2 * 4 * srv["partitions"] and srv["repeats"] == 0   # each once
+    [late] = s["startup"]["late_s"]   # one world
+    assert paced - 2e-6 <= _startups(s)[0] <= paced + (late if late else WAKE_S / s["dilation"]) + 2e-6
+
+
+@needs_root
 def test_a_start_up_this_host_cannot_meet_is_reported_as_an_overrun(tmp_path, monkeypatch):
     """1 ms of the cluster's time (4 ms of wall clock) from launch to first step: no world of processes starts that
     fast, so the world is late, and the summary and the report say so."""

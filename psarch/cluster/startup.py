@@ -7,7 +7,16 @@ overran: this host, not the cluster, set the world's start-up; the world is repo
 The deadline's origin is the launcher's (time.monotonic() as it launched the world, handed to every rank in its
 RankJob): CLOCK_MONOTONIC is one clock for every process of this machine, as the ranks' first-step marks. The
 virtual device's Phase (psarch.cluster.pacing) keeps its own origin in the rank, so the wait is the same sleep to
-a deadline, here against the launcher's origin."""
+a deadline, here against the launcher's origin.
+
+startup_s may be longer than any timeout of the run: no wait runs across the hold. Those of the start-up end
+before it (the rendezvous and the process group's set-up, the PS workers' first pull, ZeroMQ's handshakes: the
+host's start-up, which backend.timeout_s and handshake_timeout_s bound), and those of a step begin after it,
+every rank leaving the hold at the same deadline (a collective, a sync round, a reply); ZeroMQ's heartbeats go on
+in its own threads while a rank sleeps; the PS servers, which do not hold, have nothing pending meanwhile (no pull,
+no round begun), and the silence of a worker is watched by standalone servers only (no launcher, no deadline). So
+nothing is refused or stretched for it (tests/test_startup_paced.py runs a sync PS through a hold past each of its
+timeouts). Every timeout is the cluster's time too (x D, psarch/cluster/dilation.py)."""
 from __future__ import annotations
 
 import time

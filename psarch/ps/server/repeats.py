@@ -20,7 +20,11 @@ became of it (`Entry`), and answers a repeat without applying it again:
 A sync round so never counts one worker's push twice.
 
 Memory. Ids are a session (drawn at random per client and server: SESSION_BITS up) and a count, so a worker's new
-client is told from its old one (SESSIONS kept per worker). A worker has at most one request per partition in
+client is told from its old one (SESSIONS kept per worker). A session forgotten (SESSIONS newer ones of its worker
+came since) is remembered by its id (the newest RETIRED per worker): a request of it (a copy read late off a dead
+client's connection, or a superseded client's) is refused, as the server cannot tell whether it was applied, never
+taken for a new client's and handled again (a pull would move what the server records the worker holds). Only a
+session older than RETIRED + SESSIONS clients of its worker would go unrecognised. A worker has at most one request per partition in
 flight to a server each way (a priority push and its pull: two), and a few more (rows, commits, a save), so a server
 keeps LIMIT + 2 x its partitions entries per worker, and past twice that forgets the oldest answered ones, down to
 that. Each holds the request's and the reply's headers; a GEO reply's tensor is dropped at that partition's next
@@ -46,6 +50,7 @@ if TYPE_CHECKING:   # (they send through a Return: replies.py imports this modul
 
 LIMIT = 32          # entries kept per worker beyond 2 per partition
 SESSIONS = 2        # sessions kept per worker: its client's, and one that connected beside it or before it
+RETIRED = 32        # sessions forgotten per worker whose requests are still recognised (and refused)
 CONNECTIONS = 4     # connections remembered per worker (which is newer), SESSIONS and more
 READS = ("fetch", "rowpull", "rowfetch")   # change nothing: handled again
 
@@ -108,6 +113,7 @@ class Repeats:
     def __init__(self, state: ServerState, replies: Replies, pulls: PullQueue) -> None:
         self.state, self.replies, self.pulls = state, replies, pulls
         self.sessions: list[dict[int, Session]] = [{} for _ in range(state.workers)]   # per worker, by session
+        self.retired: list[dict[int, None]] = [{} for _ in range(state.workers)]   # per worker, oldest first
         self.repeats = 0   # repeats answered without being applied again
         # each worker's latest connections, numbered as each first brought a request: a copy late off a connection
         # since dropped (read after its repeat on the new one) must not take the reply back to it
@@ -128,11 +134,20 @@ class Repeats:
             if len(seen) > CONNECTIONS:
                 del seen[next(iter(seen))]
         sessions = self.sessions[w]
-        kept = sessions.get(rid >> SESSION_BITS)
+        sid = rid >> SESSION_BITS
+        kept = sessions.get(sid)
         if kept is None:
-            kept = sessions[rid >> SESSION_BITS] = Session()
+            retired = self.retired[w]
+            if sid in retired:
+                raise PSError(f"{msg.op}: worker {w}'s request {rid} is of a client session this server has "
+                              f"forgotten ({SESSIONS} newer ones came since): it cannot tell whether it was applied")
+            kept = sessions[sid] = Session()
             if len(sessions) > SESSIONS:
-                del sessions[next(iter(sessions))]
+                gone = next(iter(sessions))
+                del sessions[gone]
+                retired[gone] = None
+                if len(retired) > RETIRED:
+                    del retired[next(iter(retired))]
         entry = kept.entries.get(rid)
         if entry is None:
             if rid <= kept.floor:
