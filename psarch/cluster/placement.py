@@ -88,10 +88,11 @@ class Emulated:
 
     def context(self) -> BaseContext:
         """Where the run's processes come from: psarch's forkserver (its child enters the namespace of the node the
-        launcher's thread is in when it starts it, node()), where the forkserver imported torch as a node's process
-        must (imports_env: c10's log level); else each spawned from inside its node, a fresh interpreter that
-        imports torch itself (seconds of CPU per process, in every world's start-up)."""
-        return processes.context() if processes.serves(imports_env(True)) else processes.spawn()
+        launcher's thread is in when it starts it, node()), started to import torch as a node's process must
+        (imports_env: c10's log level); where it cannot serve a node, each spawned from inside its node, a fresh
+        interpreter that imports torch itself (seconds of CPU per process, in every world's start-up; said in one
+        line: psarch.launch.processes.node_context)."""
+        return processes.node_context(imports_env(True))
 
     # The emulated network has no name service: torch's c10d reverse-resolves every address it connects to or
     # accepts from, and warns once per process that it cannot ("The hostname of the client socket cannot be

@@ -14,16 +14,21 @@ A child also runs in the network namespace the launcher's thread stands in when 
 node, a namespace that thread entered): the launcher hands it that namespace, and a forkserver's child, born in the
 forkserver's, enters it before its target runs (psarch.cluster.netns.enter; nothing to do where they are the same).
 What such a child cannot take from the launcher is what torch read at its import: an emulated run's nodes need
-c10's log level (imports_env), so the forkserver serves them only where it imported torch with it (`serves`; a
-spawned child otherwise, `spawn`)."""
+c10's log level (imports_env), so the forkserver serves them only where it imported torch with it; start_server
+starts it again with it where one started otherwise (a loopback run's, earlier in this process) runs. It serves a
+node only where it listens on a path, which a thread inside a node reaches (Python's since 3.11), not on an abstract
+socket name, which belongs to one network namespace (`serves`, on its own address). Where it cannot serve, each
+child is spawned (`spawn`) and node_context says so in one line."""
 from __future__ import annotations
 
 import contextlib
 import multiprocessing as mp
 import os
+import sys
+import threading
 import weakref
-from multiprocessing import forkserver, reduction
-from multiprocessing.context import BaseContext
+from multiprocessing import forkserver, reduction, util
+from multiprocessing.context import BaseContext, ForkServerProcess
 from multiprocessing.process import BaseProcess
 from typing import Any, Callable, Iterator
 
@@ -35,9 +40,10 @@ PRELOAD = ("torch", "torch.distributed", "torch._dynamo")
 READY_S = 600.0   # the forkserver's imports and first child, however loaded the machine: past this it is stuck
 
 
-# What the forkserver's torch read at its import, of IMPORT_KEYS (None: not started by this module yet)
+# The forkserver this module started: its pid and what its torch read at its import, of IMPORT_KEYS (None: none yet)
 IMPORT_KEYS = ("TORCH_CPP_LOG_LEVEL",)
-_imported_with: dict[str, str | None] | None = None
+_started: tuple[int, dict[str, str | None]] | None = None
+_said: set[str] = set()   # node_context's notes, each said once a process
 
 
 def context() -> BaseContext:
@@ -51,10 +57,15 @@ def context() -> BaseContext:
 def start_server(env: dict[str, str] | None = None) -> None:
     """Start the forkserver now, its imports (seconds) with it, so that no world's start-up pays for them: the first
     world's would, and a restart's, found it running, would be predicted from it (psarch.launch.failure_cost).
-    `env`: variables of IMPORT_KEYS its imports read (an emulated node's c10 log level), set for its start only;
-    a forkserver already running keeps what it read (`serves` tells)."""
-    global _imported_with
-    if _imported_with is not None:
+    `env`: variables of IMPORT_KEYS its imports read (an emulated node's c10 log level), set for its start only.
+    One running that this module started with other values of them (a loopback run's, before an emulated one) is
+    replaced; one whose children still run is kept (`serves` tells). Call it outside any node: the forkserver lives
+    in this machine's own network namespace."""
+    global _started
+    imported = _imported()
+    if imported is not None and all(imported.get(k) == v for k, v in (env or {}).items() if k in IMPORT_KEYS):
+        return
+    if address() is not None and not _retire():
         return
     with environ(env or {}):
         ctx = mp.get_context("forkserver")
@@ -68,7 +79,56 @@ def start_server(env: dict[str, str] | None = None) -> None:
             first.kill()
             raise RuntimeError(f"psarch's forkserver did not start a child within {READY_S:g} s (its first child: "
                                f"exit code {first.exitcode}; None: still running)")
-        _imported_with = {k: os.environ.get(k) for k in IMPORT_KEYS}
+        _started = (_server()._forkserver_pid, {k: os.environ.get(k) for k in IMPORT_KEYS})
+
+
+def _server() -> Any:
+    """multiprocessing's forkserver, this process's (multiprocessing.forkserver's module state: its pid, the address
+    it listens on, the pipe that keeps it alive; private, the same in Python 3.11 to 3.14, where 3.14 adds an
+    authentication key)."""
+    return forkserver._forkserver
+
+
+def address() -> str | bytes | None:
+    """The address the running forkserver listens on, as multiprocessing connects to it (None: none started in this
+    process): a path, or a name in the abstract namespace (beginning with a NUL byte)."""
+    return _server()._forkserver_address
+
+
+def _imported() -> dict[str, str | None] | None:
+    """What the running forkserver's torch read at its import, where this module started it (None where it did not,
+    or where multiprocessing has started another since)."""
+    if _started is None or _server()._forkserver_pid != _started[0]:
+        return None
+    return _started[1]
+
+
+def _retire() -> bool:
+    """Stop using the running forkserver, without waiting for it: it ends when its last child has (each holds its
+    alive pipe) and a thread here reaps it; multiprocessing's own stop (ForkServer._stop) would wait for all of them.
+    False, and nothing done, while a child it forked runs: its exit code comes back through the forkserver, which
+    could end before it said it."""
+    if any(isinstance(p, ForkServerProcess) for p in mp.active_children()):
+        return False
+    fs = _server()
+    with fs._lock:
+        pid, where, alive = fs._forkserver_pid, fs._forkserver_address, fs._forkserver_alive_fd
+        for attr in ("_forkserver_pid", "_forkserver_address", "_forkserver_alive_fd", "_forkserver_authkey"):
+            if hasattr(fs, attr):
+                setattr(fs, attr, None)
+    if alive is not None:
+        os.close(alive)
+    if where is not None and not util.is_abstract_socket_namespace(where):
+        with contextlib.suppress(OSError):
+            os.unlink(where)
+    if pid is not None:
+        threading.Thread(target=_reap, args=(pid,), name="psarch-forkserver-reaper", daemon=True).start()
+    return True
+
+
+def _reap(pid: int) -> None:
+    with contextlib.suppress(ChildProcessError):
+        os.waitpid(pid, 0)
 
 
 @contextlib.contextmanager
@@ -87,14 +147,42 @@ def environ(env: dict[str, str]) -> Iterator[None]:
 
 
 def serves(env: dict[str, str]) -> bool:
-    """Whether the forkserver (started here) makes the children a thread in any network namespace would spawn with
-    `env`: it imported torch with env's values of IMPORT_KEYS, and it listens on a path (Python 3.11's), which a
-    thread inside a node reaches, not on an abstract socket name, which belongs to one network namespace."""
-    from multiprocessing import connection
-    # where the forkserver's address comes from (multiprocessing's own helper; typeshed does not list it)
-    path = not connection.arbitrary_address("AF_UNIX").startswith("\0")  # type: ignore[attr-defined]
-    return path and _imported_with is not None and all(_imported_with.get(k) == v for k, v in env.items()
-                                                       if k in IMPORT_KEYS)
+    """Whether the running forkserver makes the children a thread in any network namespace would spawn with `env`."""
+    return not _cannot_serve(env)
+
+
+def _cannot_serve(env: dict[str, str]) -> str:
+    """Why the running forkserver cannot serve a node's processes with `env` ('' where it can): it listens on a
+    path, which a thread inside a node reaches, not on an abstract socket name, which belongs to this machine's
+    network namespace; this module started it, and its torch read env's values of IMPORT_KEYS."""
+    imported, where = _imported(), address()
+    if where is None:
+        return "psarch's forkserver is not running"
+    if imported is None:
+        return "the running forkserver is not the one psarch started, and a child it forked still runs"
+    if util.is_abstract_socket_namespace(where):
+        return f"psarch's forkserver listens on an abstract socket name ({where!r}), which no node reaches"
+    wrong = {k: v for k, v in env.items() if k in IMPORT_KEYS and imported.get(k) != v}
+    if wrong:
+        had = ", ".join(f"{k} unset" if imported.get(k) is None else f"{k}={imported.get(k)}" for k in wrong)
+        return (f"psarch's forkserver imported torch with {had}, not {', '.join(f'{k}={v}' for k, v in wrong.items())}"
+                f", and a child it forked still runs")
+    return ""
+
+
+def node_context(env: dict[str, str]) -> BaseContext:
+    """Where the processes started inside an emulated cluster's nodes come from: the forkserver, (re)started to
+    import torch with `env` (start_server); where it cannot serve them, a spawned interpreter each (seconds of CPU
+    more in every start-up), said once in one line on standard error."""
+    start_server(env)
+    why = _cannot_serve(env)
+    if not why:
+        return context()
+    if why not in _said:
+        _said.add(why)
+        print(f"psarch: note: {why}: each process on a node is spawned (it imports torch itself)", file=sys.stderr,
+              flush=True)
+    return spawn()
 
 
 def spawn() -> BaseContext:
