@@ -102,7 +102,7 @@ def test_a_paced_start_up_past_every_timeout_of_a_ps_run_is_waited_out(tmp_path,
     workers finish every step, no worker lost, every push applied once, the first step at the deadline. No wait runs
     across the hold (psarch/cluster/startup.py): those of the start-up end before it, a step's begin after it."""
     monkeypatch.setenv("PSARCH_THREADS", "1")
-    paced, waits = 4.0, {"timeout_s": 2.5, "heartbeat_s": 0.25, "heartbeat_timeout_s": 0.75, "handshake_timeout_s": 1.0}
+    paced, waits = 3.0, {"timeout_s": 2.5, "heartbeat_s": 0.25, "heartbeat_timeout_s": 0.75, "handshake_timeout_s": 1.0}
     cfg = from_dict(config("ps_paced", train=dict(SGD, steps=4), cluster=EMULATED, faults={"startup_s": paced},
                            backend={"kind": "ps", "world_size": 2, "mode": "sync", "servers": 1, **waits}))
     assert all(paced > getattr(cfg.backend, k) for k in waits if k.endswith("timeout_s"))
