@@ -1,15 +1,15 @@
 """The compression study's tables and plot, from the run folders' summary.json and metrics.jsonl (README.md here):
-    python experiments/compression/tables.py runs/compression experiments/compression/results [TABLE ...]
     python experiments/compression/tables.py --update runs/compression experiments/compression/results TABLE FOLDER ...
-
-TABLE (default: all) names the compression tables to write (TABLES: gpt, dlrm, gpt_geo), each from the run
-folders <TABLE>_steps, <TABLE>_time, <TABLE>_time_n8 and <TABLE>_time_fixed_d; with a subset, each one's short
-table goes to <TABLE>_summary.md, and summary.md, the plot and the LoRA and hybrid tables are left as they are.
---update reads results/<TABLE>.md back and puts the runs of runs/compression/<FOLDER>s in place of its rows of the
-same N, link, arch and compression (or beside them), the other rows as written (their run folders are gone), then
-writes the summary again from the tables (gpt and dlrm: summary.md and the plot).
+reads results/<TABLE>.md back (TABLES: gpt, dlrm, gpt_geo) and puts the runs of runs/compression/<FOLDER>s in place
+of its rows of the same N, link, arch and compression (or beside them), the other rows as written (their run folders
+are gone), steps to target from the folders' loopback runs (with uncompressed ddp at N = 4, which fixes the target)
+else from the table's rows, then writes the summary again (gpt and dlrm: summary.md and the plot);
     python experiments/compression/tables.py --hybrid runs/compression experiments/compression/results FOLDER ...
-writes results/hybrid.md from the hybrid runs in runs/compression/<FOLDER>s (one per link).
+    python experiments/compression/tables.py --lora runs/compression experiments/compression/results FOLDER
+write results/hybrid.md from the hybrid runs in the FOLDERs (one per link) and results/lora.md from the LoRA sweep's;
+    python experiments/compression/tables.py runs/compression experiments/compression/results [TABLE ...]
+builds each table from scratch from the folders <TABLE>_steps and <TABLE>_time (the first sweeps' names), and
+refuses, writing nothing, where they hold no runs.
 
 Time to target = the steps a loopback run of the same point took to reach the target (*_steps sweeps: a
 synchronous run's arithmetic does not depend on the links) x the step time measured on the emulated cluster
@@ -77,9 +77,7 @@ def vs_none(lines: list[list], rows: list[dict]) -> None:
 def compression_table(root: Path, table: str) -> tuple[str, list[dict]]:
     workload = TABLES[table]
     steps_runs = runs_in(root / f"{table}_steps")
-    time_runs = runs_in(root / f"{table}_time") + runs_in(root / f"{table}_time_n8")
-    again = {(world(r), link(r), *point(r)): r for r in runs_in(root / f"{table}_time_fixed_d")}
-    time_runs = [again.get((world(r), link(r), *point(r)), r) for r in time_runs]   # overran at auto D: run again
+    time_runs = runs_in(root / f"{table}_time")
     if not steps_runs:
         return f"(no {table}_steps runs)\n", []
     target, reached = steps_to_target(steps_runs, workload)
@@ -210,8 +208,8 @@ def plot(all_rows: dict[str, list[dict]], out: Path) -> None:
     fig.savefig(out / "time_to_target.png", dpi=110)
 
 
-def lora_table(root: Path) -> str:
-    runs = runs_in(root / "lora")
+def lora_table(folder: Path) -> str:
+    runs = runs_in(folder)
     if not runs:
         return "(no lora runs)\n"
     lines = ["| backend | trainable params | frozen params | rank 0: params (trainable) | grads | optimizer | frozen "
@@ -269,23 +267,35 @@ def update(root: Path, out: Path, table: str, folders: list[str]) -> None:
 
 
 def main() -> None:
-    if sys.argv[1:2] == ["--update"]:
-        update(Path(sys.argv[2]), Path(sys.argv[3]), sys.argv[4], sys.argv[5:])
+    mode, args = (sys.argv[1], sys.argv[2:]) if sys.argv[1:2] and sys.argv[1].startswith("--") else ("", sys.argv[1:])
+    if mode in ("--update", "--hybrid", "--lora") and len(args) < (4 if mode == "--update" else 3):
+        sys.exit(f"{mode}: expected ROOT OUT {'TABLE ' if mode == '--update' else ''}FOLDER ... (see this script's help)")
+    if mode == "--update":
+        update(Path(args[0]), Path(args[1]), args[2], args[3:])
         return
-    if sys.argv[1:2] == ["--hybrid"]:
-        text = hybrid_table([Path(sys.argv[2]) / f for f in sys.argv[4:]])
-        (Path(sys.argv[3]) / "hybrid.md").write_text(text)
+    if mode in ("--hybrid", "--lora"):
+        root, out, name = Path(args[0]), Path(args[1]), mode[2:]
+        text = hybrid_table([root / f for f in args[2:]]) if name == "hybrid" else lora_table(root / args[2])
+        if text.startswith("(no "):
+            sys.exit(f"{mode}: no runs in {', '.join(args[2:])} under {root}: {out / name}.md left as it is")
+        (out / f"{name}.md").write_text(text)
         print(text)
         return
-    root, out = Path(sys.argv[1]), Path(sys.argv[2])
-    chosen = sys.argv[3:] or list(TABLES)
+    if mode or len(args) < 2:
+        sys.exit(__doc__)
+    root, out = Path(args[0]), Path(args[1])
+    chosen = args[2:] or list(TABLES)
     unknown = [t for t in chosen if t not in TABLES]
     if unknown:
         sys.exit(f"table {unknown[0]!r}: expected one of {', '.join(TABLES)}")
+    tables = {w: compression_table(root, w) for w in chosen}
+    empty = [w for w, (_, rows) in tables.items() if not rows]
+    if empty:
+        sys.exit(f"no {empty[0]}_steps or {empty[0]}_time runs under {root}: nothing written (--update puts new runs "
+                 f"in a stored table)")
     out.mkdir(parents=True, exist_ok=True)
     all_rows = {}
-    for w in chosen:
-        text, all_rows[w] = compression_table(root, w)
+    for w, (text, all_rows[w]) in tables.items():
         (out / f"{w}.md").write_text(text)
         print(f"## {w}\n\n{text}")
     text = short_table(all_rows)
@@ -297,9 +307,6 @@ def main() -> None:
     plot(all_rows, out)
     (out / "summary.md").write_text(text)
     print(f"## summary\n\n{text}")
-    for name, text in (("lora", lora_table(root)), ("hybrid", hybrid_table([root / "hybrid"]))):
-        (out / f"{name}.md").write_text(text)
-        print(f"## {name}\n\n{text}")
 
 
 if __name__ == "__main__":

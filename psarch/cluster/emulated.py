@@ -1,6 +1,6 @@
 """An emulated cluster on one Linux machine: a network namespace per node, a veth from each node to one
 bridge, and a rate-limiting qdisc on both ends of each veth so each direction runs at the link rate (`shaper`:
-htb at the link rate, TCP's acknowledgements and other short packets served first beside it, the rest in queues of
+htb at the link rate, IP packets under 128 B (TCP's acknowledgements) served first beside it, the rest in queues of
 QUEUE_S at the cluster's link rate, one per sender into a node).
 
 Layout of run <pid>: namespace `psarch-<pid>-hub` holds the bridge `br0` (10.213.0.1, where the launcher
@@ -87,8 +87,9 @@ def shaper(dev: str, mbps: float, senders: Sequence[str] = (), dilation: float =
     segments, `tsq_bytes`). A real link has no bucket: what it holds goes at once after an idle spell, so it is
     kept that small (it was 64 KiB, a tbf's floor for a whole GSO segment, which let 52 ms of a 10 Mbit/s link's
     traffic through at once; htb sends a packet larger than its bucket and owes the difference). Short packets are
-    served first (a u32 filter on the IP length), from a class beside the link's, not under it: their bytes are not
-    counted in the link's rate (an acknowledgement is 66 B against 2 data frames, about 2% of the reverse way),
+    served first (a u32 filter: IP packets under SHORT_PACKET bytes), from a class of their own at the rate, beside the
+    link's class, not under it: their bytes are not counted in the link's rate (an acknowledgement is 66 B against 2
+    data frames, about 2% of the reverse way; a flood of small messages could use a second link's worth),
     as they were not on a node's own end, where nothing borrows. Under the link's class on the bridge's end each
     sender into a node borrows above its fair share, and waited there until the link's class had paid for the
     short packets it had also been charged: about a frame a message in a ring of messages of a few frames
