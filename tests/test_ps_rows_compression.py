@@ -1,6 +1,8 @@
 """Compressed pushes beside the PS's embedding rows (backend.kind = "ps", embeddings = "rows", sync): the dense
 partitions' pushes cast to 2 bytes or sent as top-k pairs (psarch/ps/worker/topk.py), the rows' pulls and pushes
-whole, on dlrm/clicks at N = 2, one server holding the dense range whole, SGD, 4 steps, one thread per rank.
+whole, on dlrm/clicks at N = 2, one server holding the dense range whole, SGD, 4 steps, one thread per rank; the same
+in async and ssp (bound 1), whose workers push and pull as sync's do, the server applying each push (top-k: its pairs
+made dense) as it arrives. GEO with compression beside the rows is refused.
 
 Tolerances: with one server holding one partition the PS selects what ddp's one bucket selects (as
 tests/test_ps_compression.py finds without tables), so its top-k run equals ddp rows with top-k within SGD's 1e-5,
@@ -11,6 +13,7 @@ from __future__ import annotations
 import math
 
 import pytest
+import torch
 
 from parity import SGD_ATOL, assert_same_model, config, model, run_plan
 from psarch.config import ConfigError, from_dict
@@ -24,7 +27,10 @@ STEPS, LR = DLRM["train"]["steps"], OPTIMIZERS["sgd"]["lr"]
 FP16_ATOL = STEPS * LR * 2.0**-11
 HEADER_BOUND = 128   # tests/test_ps.py's measured bound on a header frame
 COMPRESSIONS = {"none": {}, "fp16": {"compression": "fp16"}, "topk": {"compression": "topk", "topk_ratio": RATIO}}
+MODES = {"sync": {}, "async": {"mode": "async"}, "ssp": {"mode": "ssp", "staleness_bound": 1}}
 RUNS = {**{f"ps-rows-{c}": (ps(N, "sync", 1, embeddings="rows"), c) for c in COMPRESSIONS},
+        **{f"ps-rows-{m}-{c}": (ps(N, servers=1, embeddings="rows", **MODES[m]), c) for m in ("async", "ssp")
+           for c in COMPRESSIONS},
         "ddp-rows-topk": ({"kind": "ddp", "embeddings": "rows", "world_size": N}, "topk")}
 
 
@@ -58,31 +64,52 @@ def test_top_k_beside_the_rows_equals_ddp_rows_and_fp16_stays_near(runs):
     assert_same_model(model(out, "ps-rows-fp16"), none, "ps rows fp16 vs uncompressed", rtol=0, atol=FP16_ATOL)
 
 
+def _name(mode: str, compression: str) -> str:
+    return f"ps-rows-{compression}" if mode == "sync" else f"ps-rows-{mode}-{compression}"
+
+
+@pytest.mark.parametrize("mode", ["async", "ssp"])
+def test_async_and_ssp_train_beside_the_rows_with_compression(runs, mode):
+    """Every step taken, every loss finite, the model finite and moved from the uncompressed run's (top-k: far)."""
+    out, results = runs
+    none = model(out, _name(mode, "none"))
+    for c in ("fp16", "topk"):
+        final = model(out, _name(mode, c))
+        assert all(torch.isfinite(v).all() for v in final.values()), (mode, c)
+        for rank in results[_name(mode, c)]:
+            assert len(rank["rows"]) == STEPS and all(math.isfinite(r["loss"]) for r in rank["rows"]), (mode, c)
+        far = max((final[k] - v).abs().max().item() for k, v in none.items())
+        print(f"ps rows {mode} {c}: largest difference from uncompressed {far:.3g}")
+        assert far > (100 * SGD_ATOL if c == "topk" else 0), (mode, c)
+
+
+@pytest.mark.parametrize("mode", list(MODES))
 @pytest.mark.parametrize("compression", ["fp16", "topk"])
-def test_the_rows_move_whole_and_the_dense_push_compressed(runs, compression):
+def test_the_rows_move_whole_and_the_dense_push_compressed(runs, mode, compression):
     """The rows' requests carry the uncompressed run's bytes to the byte; the dense push its formula plus a header
     a step (fp16: the same request as uncompressed, exactly 2 bytes an element fewer); pulls stay whole."""
     _, results = runs
     push = "sparsepushpull" if compression == "topk" else "pushpull"
     for rank in range(N):
-        got = results[f"ps-rows-{compression}"][rank]["traffic"]["ops"]
-        ref = results["ps-rows-none"][rank]["traffic"]["ops"]
+        got = results[_name(mode, compression)][rank]["traffic"]["ops"]
+        ref = results[_name(mode, "none")][rank]["traffic"]["ops"]
         for op in ("rowpull", "rowpush", "rowfetch"):
-            assert got.get(op) == ref.get(op), (compression, rank, op)   # rowfetch: rank 0 alone
+            assert got.get(op) == ref.get(op), (mode, compression, rank, op)   # rowfetch: rank 0 alone
         assert 0 < got[push]["sent"] - STEPS * pushed(compression) <= STEPS * HEADER_BOUND
         assert got[push]["received"] == ref["pushpull"]["received"]   # the dense range pulled whole
         if compression == "fp16":
             assert ref["pushpull"]["sent"] - got[push]["sent"] == STEPS * (pushed("none") - pushed("fp16"))
 
 
+@pytest.mark.parametrize("mode", list(MODES))
 @pytest.mark.parametrize("compression", ["fp16", "topk"])
-def test_theory_predicts_the_compressed_push_beside_the_rows(runs, compression):
+def test_theory_predicts_the_compressed_push_beside_the_rows(runs, mode, compression):
     """predict: the push's formula and the dense pull whole, plus rows_traffic at E[u] (headers not counted); its
     buffers top-k's error feedback, one fp32 error per dense element, as measured."""
     from psarch.theory import expected_unique_ids, predict
 
     _, results = runs
-    name = f"ps-rows-{compression}"
+    name = _name(mode, compression)
     cfg, r = from_dict(_data(name)), results[name][0]
     p = predict(cfg, r["params"])
     rows = ps_theory.rows_traffic(expected_unique_ids(cfg), cfg.workload.dlrm.dim, 0, 4)
@@ -92,10 +119,27 @@ def test_theory_predicts_the_compressed_push_beside_the_rows(runs, compression):
     assert p.memory_per_rank.buffers == r["memory"]["error_feedback"] == (4 * d if compression == "topk" else 0)
 
 
-@pytest.mark.parametrize("mode", [{"mode": "async"}, {"mode": "ssp", "staleness_bound": 1},
-                                  {"mode": "geo", "k_steps": 2}])
-def test_other_modes_are_refused_in_one_line(mode):
-    backend = ps(N, servers=1, embeddings="rows", **mode)
+def test_geo_is_refused_in_one_line():
+    backend = ps(N, servers=1, embeddings="rows", mode="geo", k_steps=2)
     with pytest.raises(ConfigError) as e:
         from_dict(config("x", base=DLRM, train={**OPTIMIZERS["sgd"], "compression": "fp16"}, backend=backend))
-    assert 'runs with backend.mode = "sync" only' in str(e.value) and "\n" not in str(e.value), str(e.value)
+    assert 'not "geo"' in str(e.value) and "\n" not in str(e.value), str(e.value)
+
+
+@pytest.mark.parametrize("mode", list(MODES))
+@pytest.mark.parametrize("compression", ["fp16", "topk"])
+def test_the_step_program_sends_what_predict_says(mode, compression):
+    """The step simulator's program (spec.program, in-process) has worker 0 send predict's bytes a step: the rows'
+    keys and gradients, and the dense push as compressed, in every mode the combination runs in."""
+    from psarch import registry
+    from psarch.theory import predict
+    from psarch.theory.program import DataStep, Transfer
+    from psarch.workload import build_workload
+
+    backend, c = RUNS[_name(mode, compression)]
+    cfg = from_dict(config("x", base=DLRM, train={**OPTIMIZERS["sgd"], **COMPRESSIONS[c]}, backend=backend))
+    phi = sum(p.numel() for p in build_workload(cfg, device="meta").model.parameters())
+    program = registry.spec_of(cfg).program(cfg, phi, DataStep.of(0.1), False)
+    sent = sum(op.bytes * op.copies for op in program.ops if isinstance(op, Transfer) and op.src == 0)
+    assert sent == pytest.approx(predict(cfg, phi).link.sent, rel=1e-12), (mode, compression)
+    assert predict(cfg, phi).link.sent < predict(from_dict(_data(_name(mode, "none"))), phi).link.sent

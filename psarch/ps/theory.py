@@ -140,9 +140,9 @@ def rows(cfg: Config, phi: float) -> Prediction:
     parameters and the u rows of its step (and their gradients); each server a 1/S share of the dense part
     and of every table, with their optimizer state; traffic from rows_traffic with the expected u, spread
     evenly over the servers (keys are hashed to servers), the dense partitions pushed as train.compression says
-    (pushed_bytes; sync only) beside the rows, which move whole. GEO exchanges once every k steps the rows its k
-    batches read (u_k of them: each is pulled once, when first read, and its delta pushed at the sync), and
-    keeps them, their pulled copies and their local optimizer state."""
+    (pushed_bytes; sync, async and ssp alike: GEO with compression is refused) beside the rows, which move whole.
+    GEO exchanges once every k steps the rows its k batches read (u_k of them: each is pulled once, when first
+    read, and its delta pushed at the sync), and keeps them, their pulled copies and their local optimizer state."""
     b, t, d = cfg.backend, cfg.train, cfg.workload.dlrm
     width, n, geo = BYTES[t.precision], b.world_size, b.mode == "geo"
     every = b.push_every
