@@ -290,8 +290,6 @@ def test_theory_predicts_the_compressed_bytes_and_memory(runs, n):
     ("zero", {"train.compression": "topk"}, "ZeRO reduce-scatters gradients"),
     ("torch_ddp", {"train.compression": "topk"}, "no top-k DDP communication hook"),
     ("ps", {"train.compression": "powersgd"}, "PowerSGD's two rounds"),
-    ("ps", {"train.compression": "fp16", "backend.embeddings": "rows", "backend.mode": "geo",
-            "workload.model": "dlrm", "workload.data": "clicks"}, "not \"geo\" (GEO's row cache"),
     ("single", {"train.compression": "fp16"}, "no gradient moves"),
     ("ddp", {"train.topk_ratio": 0.5}, "train.topk_ratio = 0.5: only train.compression = \"topk\""),
     ("ddp", {"train.compression": "fp16", "train.precision": "bf16"}, "already 2 bytes"),

@@ -172,8 +172,6 @@ def test_theory_predicts_the_compressed_bucket_plus_the_rows(runs, name):
     ({"kind": "torch_ddp", "embeddings": "rows"}, {"compression": "fp16"}, "tables' sparse gradients in its buckets"),
     ({"kind": "torch_ddp", "embeddings": "rows"}, {"compression": "powersgd", "powersgd_warmup_steps": 2},
      "tables' sparse gradients in its buckets"),
-    ({"kind": "ps", "embeddings": "rows", "servers": SERVERS, "mode": "geo"}, {"compression": "topk"},
-     "neither tested nor predicted yet"),
     ({"kind": "zero", "embeddings": "ps", "servers": SERVERS}, {"compression": "topk"}, "ZeRO reduce-scatters"),
 ])
 def test_the_combinations_that_remain_are_refused_in_one_line(backend, train_, words):

@@ -2,7 +2,8 @@
 partitions' pushes cast to 2 bytes or sent as top-k pairs (psarch/ps/worker/topk.py), the rows' pulls and pushes
 whole, on dlrm/clicks at N = 2, one server holding the dense range whole, SGD, 4 steps, one thread per rank; the same
 in async and ssp (bound 1), whose workers push and pull as sync's do, the server applying each push (top-k: its pairs
-made dense) as it arrives. GEO with compression beside the rows is refused.
+made dense) as it arrives; and in GEO (k = 1 with the barrier, k = 2 without), whose workers push each round's dense
+delta compressed and pull the servers' compressed change since what they hold (pushpulldelta), the rows whole.
 
 Tolerances: with one server holding one partition the PS selects what ddp's one bucket selects (as
 tests/test_ps_compression.py finds without tables), so its top-k run equals ddp rows with top-k within SGD's 1e-5,
@@ -16,7 +17,7 @@ import pytest
 import torch
 
 from parity import SGD_ATOL, assert_same_model, config, model, run_plan
-from psarch.config import ConfigError, from_dict
+from psarch.config import from_dict
 from psarch.ps import theory as ps_theory
 from ps_setup import ps
 from test_compression_embeddings import dense_shapes
@@ -119,27 +120,110 @@ def test_theory_predicts_the_compressed_push_beside_the_rows(runs, mode, compres
     assert p.memory_per_rank.buffers == r["memory"]["error_feedback"] == (4 * d if compression == "topk" else 0)
 
 
-def test_geo_is_refused_in_one_line():
-    backend = ps(N, servers=1, embeddings="rows", mode="geo", k_steps=2)
-    with pytest.raises(ConfigError) as e:
-        from_dict(config("x", base=DLRM, train={**OPTIMIZERS["sgd"], "compression": "fp16"}, backend=backend))
-    assert 'not "geo"' in str(e.value) and "\n" not in str(e.value), str(e.value)
+# GEO: k = 1 with the barrier (the servers keep one copy of what the workers hold and the round's delta), k = 2
+# without (a copy for each worker); each beside its uncompressed run
+GEO = {"geo1": {"mode": "geo", "k_steps": 1, "geo_barrier": True}, "geo2": {"mode": "geo", "k_steps": 2}}
+GEO_RUNS = {f"ps-rows-{m}-{c}": (ps(N, servers=1, embeddings="rows", **GEO[m]), c) for m in GEO for c in COMPRESSIONS}
 
 
-@pytest.mark.parametrize("mode", list(MODES))
+def _geo_data(name: str) -> dict:
+    backend, c = GEO_RUNS[name]
+    return config(name, base=DLRM, train={**OPTIMIZERS["sgd"], **COMPRESSIONS[c]}, backend=backend)
+
+
+def _geo_ranks(rank: int, n: int, out: str, infos: dict) -> dict:
+    from parity import train_plan
+    return train_plan(rank, n, out, {name: _geo_data(name) for name in GEO_RUNS}, infos)
+
+
+@pytest.fixture(scope="module")
+def geo_runs(tmp_path_factory):
+    """GEO_RUNS on N ranks, with the servers' statistics (their memory)."""
+    from psarch.ps.services import start_services
+    from ps_setup import run_with_stats
+
+    out = tmp_path_factory.mktemp("ps_rows_geo_compression")
+    services = {name: start_services(from_dict(_geo_data(name)), None, threads=True) for name in GEO_RUNS}
+    results, stats = run_with_stats(out, services, _geo_ranks, N)
+    return out, {name: [r[name] for r in results] for name in GEO_RUNS}, stats
+
+
+@pytest.mark.parametrize("mode", list(GEO))
+def test_geo_trains_beside_the_rows_with_compression(geo_runs, mode):
+    """Every step taken, every loss finite, the model finite and moved from uncompressed GEO's (top-k: far)."""
+    out, results, _ = geo_runs
+    none = model(out, _name(mode, "none"))
+    for c in ("fp16", "topk"):
+        final = model(out, _name(mode, c))
+        assert all(torch.isfinite(v).all() for v in final.values()), (mode, c)
+        for rank in results[_name(mode, c)]:
+            assert len(rank["rows"]) == STEPS and all(math.isfinite(r["loss"]) for r in rank["rows"]), (mode, c)
+        far = max((final[k] - v).abs().max().item() for k, v in none.items())
+        print(f"ps rows {mode} {c}: largest difference from uncompressed {far:.3g}")
+        assert far > (100 * SGD_ATOL if c == "topk" else 0), (mode, c)
+
+
+@pytest.mark.parametrize("mode", list(GEO))
+@pytest.mark.parametrize("compression", ["fp16", "topk"])
+def test_geo_moves_the_rows_whole_and_the_dense_deltas_compressed(geo_runs, mode, compression):
+    """The rows' requests carry uncompressed GEO's bytes to the byte; each round's dense delta is pushed, and the
+    servers' change since what the worker holds pulled, compressed: their formula plus a header each."""
+    _, results, _ = geo_runs
+    rounds = STEPS // GEO[mode]["k_steps"]
+    op = "sparsepushpulldelta" if compression == "topk" else "pushpulldelta"
+    for rank in range(N):
+        got = results[_name(mode, compression)][rank]["traffic"]["ops"]
+        ref = results[_name(mode, "none")][rank]["traffic"]["ops"]
+        for row_op in ("rowpull", "rowpush", "rowfetch"):
+            assert got.get(row_op) == ref.get(row_op), (mode, compression, rank, row_op)
+        assert "pushpull" not in got and got[op]["calls"] == ref["pushpull"]["calls"] == rounds
+        for way in ("sent", "received"):
+            assert 0 < got[op][way] - rounds * pushed(compression) <= rounds * HEADER_BOUND, (mode, compression, way)
+
+
+@pytest.mark.parametrize("mode", list(GEO))
+@pytest.mark.parametrize("compression", ["fp16", "topk"])
+def test_theory_predicts_geo_beside_the_rows_with_compression(geo_runs, mode, compression):
+    """predict: the dense delta compressed both ways a round, plus rows_traffic at E[u_k] (headers not counted); a
+    worker's top-k error feedback (one fp32 error per dense element) and a server's copies of what the workers hold
+    of the dense part (one with the barrier, and its round's delta's wire bytes; else one a worker), as measured."""
+    from psarch.theory import expected_unique_ids, predict
+
+    _, results, stats = geo_runs
+    name, every = _name(mode, compression), GEO[mode]["k_steps"]
+    cfg, r = from_dict(_geo_data(name)), results[name][0]
+    p, ref = predict(cfg, r["params"]), predict(from_dict(_geo_data(_name(mode, "none"))), r["params"])
+    rows = ps_theory.rows_traffic(expected_unique_ids(cfg, every), cfg.workload.dlrm.dim, 0, 4)
+    assert every * p.link.sent - rows.sent == pytest.approx(pushed(compression), rel=1e-12)
+    assert every * p.link.received - rows.received == pytest.approx(pushed(compression), rel=1e-12)
+    d = sum(math.prod(s) for s in dense_shapes())
+    error = 4 * d if compression == "topk" else 0
+    assert r["memory"]["error_feedback"] == error
+    assert p.memory_per_rank.buffers - ref.memory_per_rank.buffers == error
+    barrier = GEO[mode].get("geo_barrier", False)
+    kept = 4 * d + pushed(compression) if barrier else 4 * N * d
+    server, server_ref = stats[name]["memory"]["servers"][0], stats[_name(mode, "none")]["memory"]["servers"][0]
+    assert server["buffers"] - server_ref["buffers"] == kept, (mode, compression)
+    assert (p.nodes["server"].memory.buffers - ref.nodes["server"].memory.buffers) == kept
+    assert p.nodes["server"].memory.buffers == server["buffers"], (mode, compression)
+
+
+@pytest.mark.parametrize("mode", [*MODES, *GEO])
 @pytest.mark.parametrize("compression", ["fp16", "topk"])
 def test_the_step_program_sends_what_predict_says(mode, compression):
-    """The step simulator's program (spec.program, in-process) has worker 0 send predict's bytes a step: the rows'
-    keys and gradients, and the dense push as compressed, in every mode the combination runs in."""
+    """The step simulator's program (spec.program, in-process) has worker 0 send predict's bytes a step (GEO: a
+    round's): the rows' keys and gradients, and the dense push as compressed, in every mode the combination runs in."""
     from psarch import registry
     from psarch.theory import predict
     from psarch.theory.program import DataStep, Transfer
     from psarch.workload import build_workload
 
-    backend, c = RUNS[_name(mode, compression)]
+    backend, c = {**RUNS, **GEO_RUNS}[_name(mode, compression)]
     cfg = from_dict(config("x", base=DLRM, train={**OPTIMIZERS["sgd"], **COMPRESSIONS[c]}, backend=backend))
     phi = sum(p.numel() for p in build_workload(cfg, device="meta").model.parameters())
     program = registry.spec_of(cfg).program(cfg, phi, DataStep.of(0.1), False)
     sent = sum(op.bytes * op.copies for op in program.ops if isinstance(op, Transfer) and op.src == 0)
-    assert sent == pytest.approx(predict(cfg, phi).link.sent, rel=1e-12), (mode, compression)
-    assert predict(cfg, phi).link.sent < predict(from_dict(_data(_name(mode, "none"))), phi).link.sent
+    # GEO's program is a round's: k steps
+    assert sent == pytest.approx(cfg.backend.push_every * predict(cfg, phi).link.sent, rel=1e-12), (mode, compression)
+    data = _geo_data if mode in GEO else _data
+    assert predict(cfg, phi).link.sent < predict(from_dict(data(_name(mode, "none"))), phi).link.sent

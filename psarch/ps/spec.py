@@ -94,7 +94,7 @@ class PSSpec(BackendSpec):
     # pushes cast to 2 bytes, or top-k's (index, value) pairs, summed by the servers in fp32 (GEO: pulls too)
     compressions = ("none", "fp16", "bf16", "topk")
     uncompressed_because = "PowerSGD's two rounds of all-reduce have no PS form built yet"
-    # with rows the dense partitions' pushes are compressed, the rows' pushes move whole (not GEO: check)
+    # with rows the dense partitions' pushes are compressed, the rows' pushes move whole (GEO: its deltas both ways)
     compressed_embeddings = ("dense", "rows")
     # top-k's error feedback (each worker's) and GEO's copies of what each worker holds (the servers') are in its
     # checkpoints (psarch/ps/snapshot.py)
@@ -125,10 +125,6 @@ class PSSpec(BackendSpec):
 
     def check(self, cfg: Config) -> None:
         b = cfg.backend
-        if cfg.train.compression != "none" and b.embeddings == "rows" and b.mode == "geo":
-            raise ConfigError(f"train.compression = \"{cfg.train.compression}\" with backend.embeddings = \"rows\": "
-                              f"runs with backend.mode = \"sync\", \"async\" or \"ssp\", not \"geo\" (GEO's row "
-                              f"cache beside compressed deltas is neither tested nor predicted yet)")
         if (why := resend_problem(b)) is not None:
             raise ConfigError(why)
         if b.heartbeat_s and b.heartbeat_timeout_s <= b.heartbeat_s:

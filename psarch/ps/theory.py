@@ -140,9 +140,11 @@ def rows(cfg: Config, phi: float) -> Prediction:
     parameters and the u rows of its step (and their gradients); each server a 1/S share of the dense part
     and of every table, with their optimizer state; traffic from rows_traffic with the expected u, spread
     evenly over the servers (keys are hashed to servers), the dense partitions pushed as train.compression says
-    (pushed_bytes; sync, async and ssp alike: GEO with compression is refused) beside the rows, which move whole.
-    GEO exchanges once every k steps the rows its k batches read (u_k of them: each is pulled once, when first
-    read, and its delta pushed at the sync), and keeps them, their pulled copies and their local optimizer state."""
+    (pushed_bytes; GEO: deltas, pulled as compressed deltas too, pulled_bytes) beside the rows, which move whole;
+    top-k keeps the error of every dense element it pushes. GEO exchanges once every k steps the rows its k
+    batches read (u_k of them: each is pulled once, when first read, and its delta pushed at the sync), and keeps
+    them, their pulled copies and their local optimizer state; with compression its servers keep what each worker
+    holds of the dense part (and the barrier's round delta), as dense counts them."""
     b, t, d = cfg.backend, cfg.train, cfg.workload.dlrm
     width, n, geo = BYTES[t.precision], b.world_size, b.mode == "geo"
     every = b.push_every
@@ -157,19 +159,22 @@ def rows(cfg: Config, phi: float) -> Prediction:
     # pushes kept early for worker-order sums, at worst (N - 1) x width x the dense range, they are not counted)
     barrier = 4 if b.barrier else 0
     steps = 8 * d.num_tables * d.rows if t.optimizer == "adamw" and not geo else 0   # lazy AdamW's step per row
+    # GEO's compressed pulls: what each worker holds of the dense part, and the barrier's round delta, as dense's
+    kept = ((4 if b.barrier else 4 * n) * dense_params + (down if b.barrier else 0)) if pulls_deltas(cfg) else 0.0
     held = MemoryPrediction(params=4 * (dense_params + table) / b.servers, grads=0.0,
                             optimizer=(k * (dense_params + table) + steps) / b.servers,
-                            buffers=barrier * dense_params / b.servers)
+                            buffers=(barrier * dense_params + kept) / b.servers)
     row_bytes = u * d.dim * width
+    error = width * dense_params if t.compression == "topk" else 0.0   # top-k's error feedback (rows move whole)
     if geo:   # + the dense part's local optimizer and last synced copy, as a dense GEO worker
         kl = optimizer_bytes_per_param(t.optimizer, t.precision, t.momentum)
         u1 = expected_unique_ids(cfg)
         mem = MemoryPrediction(params=(dense_params + u * d.dim) * width, grads=(dense_params + u1 * d.dim) * width,
                                optimizer=kl * (dense_params + u * d.dim),
-                               buffers=4 * (dense_params + u * d.dim) + 8 * u)
-    else:   # top-k keeps the error of every dense element it pushes (the rows' pushes are whole)
+                               buffers=4 * (dense_params + u * d.dim) + 8 * u + error)
+    else:
         mem = MemoryPrediction(params=dense_params * width + row_bytes, grads=dense_params * width + row_bytes,
-                               optimizer=0.0, buffers=width * dense_params if t.compression == "topk" else 0.0)
+                               optimizer=0.0, buffers=error)
     # a server receives what workers send and sends what they receive; phases: row pull, rows, push, pull
     server = NodePrediction(held, LinkBytes(sent=n * link.received / b.servers, received=n * link.sent / b.servers),
                             host=colocated(cfg), instances=b.servers)
