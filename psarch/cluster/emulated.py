@@ -93,7 +93,7 @@ def shaper(dev: str, mbps: float, senders: Sequence[str] = (), dilation: float =
     as they were not on a node's own end, where nothing borrows. Under the link's class on the bridge's end each
     sender into a node borrows above its fair share, and waited there until the link's class had paid for the
     short packets it had also been charged: about a frame a message in a ring of messages of a few frames
-    (tests/test_cluster.py `test_a_ring_of_short_messages_runs_at_the_wire_time`). The rest
+    (tests/test_cluster_ring.py). The rest
     wait in FIFOs of QUEUE_S at the rate, in bytes: one per address in `senders`, shared fairly (htb's
     round robin; each may use the whole rate alone), and one for everything else.
     `dilation`: D of a link shaped to the cluster's rate / D. Time dilation slows rates and times, never bytes (a
