@@ -69,10 +69,8 @@ def _name(mode: str, compression: str) -> str:
     return f"ps-rows-{compression}" if mode == "sync" else f"ps-rows-{mode}-{compression}"
 
 
-@pytest.mark.parametrize("mode", ["async", "ssp"])
-def test_async_and_ssp_train_beside_the_rows_with_compression(runs, mode):
-    """Every step taken, every loss finite, the model finite and moved from the uncompressed run's (top-k: far)."""
-    out, results = runs
+def _trained_beside_the_rows(out, results: dict, mode: str) -> None:
+    """Every step taken, every loss finite, the model finite and moved from `mode`'s uncompressed run (top-k: far)."""
     none = model(out, _name(mode, "none"))
     for c in ("fp16", "topk"):
         final = model(out, _name(mode, c))
@@ -82,6 +80,13 @@ def test_async_and_ssp_train_beside_the_rows_with_compression(runs, mode):
         far = max((final[k] - v).abs().max().item() for k, v in none.items())
         print(f"ps rows {mode} {c}: largest difference from uncompressed {far:.3g}")
         assert far > (100 * SGD_ATOL if c == "topk" else 0), (mode, c)
+
+
+@pytest.mark.parametrize("mode", ["async", "ssp"])
+def test_async_and_ssp_train_beside_the_rows_with_compression(runs, mode):
+    """Every step taken, every loss finite, the model finite and moved from the uncompressed run's (top-k: far)."""
+    out, results = runs
+    _trained_beside_the_rows(out, results, mode)
 
 
 @pytest.mark.parametrize("mode", list(MODES))
@@ -152,15 +157,7 @@ def geo_runs(tmp_path_factory):
 def test_geo_trains_beside_the_rows_with_compression(geo_runs, mode):
     """Every step taken, every loss finite, the model finite and moved from uncompressed GEO's (top-k: far)."""
     out, results, _ = geo_runs
-    none = model(out, _name(mode, "none"))
-    for c in ("fp16", "topk"):
-        final = model(out, _name(mode, c))
-        assert all(torch.isfinite(v).all() for v in final.values()), (mode, c)
-        for rank in results[_name(mode, c)]:
-            assert len(rank["rows"]) == STEPS and all(math.isfinite(r["loss"]) for r in rank["rows"]), (mode, c)
-        far = max((final[k] - v).abs().max().item() for k, v in none.items())
-        print(f"ps rows {mode} {c}: largest difference from uncompressed {far:.3g}")
-        assert far > (100 * SGD_ATOL if c == "topk" else 0), (mode, c)
+    _trained_beside_the_rows(out, results, mode)
 
 
 @pytest.mark.parametrize("mode", list(GEO))
