@@ -38,6 +38,11 @@ _plugins: list[str] = []     # "module:Class" of the specs registered from outsi
 _loaded = False
 
 
+def builtin_modules() -> list[str]:
+    """The modules of the built-in backends' specs (what a launcher's forkserver imports ahead: launch.processes)."""
+    return sorted(_BUILTIN_MODULES)
+
+
 def _object(path: str) -> Any:
     module, _, name = path.partition(":")
     return getattr(importlib.import_module(module), name)

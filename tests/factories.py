@@ -246,7 +246,9 @@ def hangs_at_step(cfg) -> psarch.Workload:
             write_part(pieces, folder, part, *args)
             if folder.name.endswith(writer.step_dir(folder.parent, in_checkpoint).name):   # under its temporary name
                 stop_here(int(part.removeprefix("rank")))
-        writer.write_part = slow_write
+        writer.write_part = slow_write   # where it is looked up: the writer's own save, and the PS worker's
+        from psarch.ps.worker import snapshots as worker_snapshots
+        worker_snapshots.write_part = slow_write
 
     if server_in_checkpoint >= 0:   # (servers build the workload too: this runs in their processes)
         from psarch.ps.server import snapshots

@@ -48,6 +48,9 @@ class ZipfSampler:
         return self.perm[torch.arange(tables).view(1, tables, 1), ranks]
 
 
+_FLOORS: dict[tuple, tuple[float, float]] = {}   # (entropy rate, its standard error) by ClickSource's arguments
+
+
 class ClickSource:
     """Samples (dense features, ids, clicks) and knows the true model behind the clicks."""
 
@@ -62,7 +65,10 @@ class ClickSource:
         self.sampler = ZipfSampler(rows, zipf, hidden.perm)
         self.row_weights, self.dense_weights = hidden.row_weights, hidden.dense_weights
         self.bias = TRUE_BIAS
-        self.entropy_rate, self.floor_stderr = self._floor(torch.Generator().manual_seed(seed + 0xF100))
+        key = (num_tables, rows, bag, dense, zipf, seed)   # all the hidden model and the sampler depend on
+        if key not in _FLOORS:   # a quarter of a CPU-s: once a process (a test's, a sweep's runs build it often)
+            _FLOORS[key] = self._floor(torch.Generator().manual_seed(seed + 0xF100))
+        self.entropy_rate, self.floor_stderr = _FLOORS[key]
 
     def sparse_term(self, ids: torch.Tensor) -> torch.Tensor:
         """Σ_t mean over the bag of w_t[id], float64, for ids of shape (n, tables, bag)."""

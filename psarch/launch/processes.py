@@ -1,6 +1,6 @@
 """Where the processes psarch starts on this machine come from (ranks, parameter servers, run_ranks' ranks): a
-forkserver that imported torch once, so a child starts in a fraction of a second instead of importing torch again
-(two to four CPU-s per process on a small machine).
+forkserver that imported torch and psarch's modules once, so a child starts in a fraction of a second instead of
+importing them again (two to four CPU-s per process on a small machine).
 
 A child started here gets what a spawned one got: the launcher's environment as it is at start() (set before its
 target's module is imported; what torch read at its import, such as OMP_NUM_THREADS or TORCH_CPP_LOG_LEVEL, is the
@@ -32,11 +32,12 @@ from multiprocessing.context import BaseContext, ForkServerProcess
 from multiprocessing.process import BaseProcess
 from typing import Any, Callable, Iterator
 
-# What every child imports anyway and what costs it most, imported once in the forkserver: torch, and torch._dynamo,
-# which torch.optim imports when a process builds its first optimizer (as much CPU again as torch itself). Not
-# psarch: a child imports psarch's modules itself (about 0.2 CPU-s), in the order a spawned child does, so a
-# workload factory that patches a psarch function before another module imports it by name works as it did.
-PRELOAD = ("torch", "torch.distributed", "torch._dynamo")
+# What every child imports anyway, imported once in the forkserver: torch, and torch._dynamo, which torch.optim imports
+# when a process builds its first optimizer (as much CPU again as torch itself); and psarch's modules a rank or a
+# server runs (preload()), most of a small run's start-up else (a child's own imports of them: about 0.4 s each). A
+# workload factory that patches a psarch function must patch it where it is looked up, in each module that imported
+# it by name, as with any module imported before it (unittest.mock's "where to patch").
+TORCH_PRELOAD = ("torch", "torch.distributed", "torch._dynamo")
 READY_S = 600.0   # the forkserver's imports and first child, however loaded the machine: past this it is stuck
 
 
@@ -46,10 +47,17 @@ _started: tuple[int, dict[str, str | None]] | None = None
 _said: set[str] = set()   # node_context's notes, each said once a process
 
 
+def preload() -> list[str]:
+    """What the forkserver imports before its first child: torch's modules, the launcher's entry points of a rank
+    and of a server, and the built-in backends' specs (not a plugin's: its module is the user's)."""
+    from psarch import registry
+    return [*TORCH_PRELOAD, "psarch.launch.ranks", "psarch.ps.services", *registry.builtin_modules()]
+
+
 def context() -> BaseContext:
     """The forkserver context, its preload set, the forkserver started (start_server)."""
     ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(list(PRELOAD))
+    ctx.set_forkserver_preload(preload())
     start_server()
     return ctx
 
@@ -69,7 +77,7 @@ def start_server(env: dict[str, str] | None = None) -> None:
         return
     with environ(env or {}):
         ctx = mp.get_context("forkserver")
-        ctx.set_forkserver_preload(list(PRELOAD))
+        ctx.set_forkserver_preload(preload())
         forkserver.ensure_running()
         # ensure_running returns at once, its imports under way: the first child waits for them. This one, here.
         first = ctx.Process(target=_nothing, name="psarch-forkserver-ready")  # type: ignore[attr-defined]
