@@ -134,8 +134,23 @@ def _slowest_step(out: Path) -> float:
     return max(json.loads(x)["step_time_s"] for x in (out / "metrics.jsonl").read_text().splitlines())
 
 
+@pytest.fixture(scope="module")
+def plain(tmp_path_factory):
+    """Sync runs of 2 workers, 10 steps, without faults, each run once for the module: servers -> (its folder, its
+    summary)."""
+    runs: dict[int, tuple[Path, dict]] = {}
+
+    def get(servers: int) -> tuple[Path, dict]:
+        if servers not in runs:
+            out = tmp_path_factory.mktemp(f"plain{servers}") / "plain"
+            runs[servers] = out, psarch.run(from_dict(config("plain", train=dict(SGD, steps=10),
+                                                             backend=ps(2, servers=servers))), out, echo=False)
+        return runs[servers]
+    return get
+
+
 @pytest.mark.parametrize("servers", [1, 2])
-def test_sync_drops_a_worker_paused_past_the_timeout_and_takes_it_back_when_it_returns(tmp_path, servers):
+def test_sync_drops_a_worker_paused_past_the_timeout_and_takes_it_back_when_it_returns(tmp_path, plain, servers):
     """Worker 1 of 2 stopped as step 3 begins, past backend.timeout_s: round 3 waits the timeout and goes on with
     worker 0 alone, which then stops as step 5 begins (so that the run is still at round 5 when worker 1 returns).
     Continued, worker 1 computes step 3, is refused as dropped (the server at round 5), asks to rejoin at round 6,
@@ -146,10 +161,7 @@ def test_sync_drops_a_worker_paused_past_the_timeout_and_takes_it_back_when_it_r
     5 s (no round of the run waits that long for a worker that is not stopped); worker 1 back 4 s after it (worker
     0 has done round 4, one step, and stopped by then); worker 0 stopped for the timeout (worker 1's step 3 and
     its rejoin, about 2 s, are in 3 s before worker 0 returns, and its rejoin is held less than the timeout)."""
-    plain = tmp_path / "plain"
-    psarch.run(from_dict(config("plain", train=dict(SGD, steps=10), backend=ps(2, servers=servers))), plain,
-               echo=False)
-    step = _slowest_step(plain)
+    step = _slowest_step(plain(servers)[0])
     timeout = max(1.0, 5 * step)
     out = tmp_path / "sync-paused"
     summary = psarch.run(_cfg("paused", ps(2, servers=servers, timeout_s=timeout),
@@ -173,15 +185,15 @@ def test_sync_drops_a_worker_paused_past_the_timeout_and_takes_it_back_when_it_r
         "dropped: worker 1 from round 3 (no push within backend.timeout_s), re-admitted at round 6"
 
 
-def test_sync_with_a_pause_shorter_than_the_timeout_ends_with_the_model_of_the_run_without_it(tmp_path):
-    base = psarch.run(from_dict(config("plain", train=SGD, backend=ps(2))), tmp_path / "plain", echo=False)
+def test_sync_with_a_pause_shorter_than_the_timeout_ends_with_the_model_of_the_run_without_it(tmp_path, plain):
+    base_out, base = plain(1)
     out = tmp_path / "paused"
-    summary = psarch.run(_cfg("paused", ps(2), {"pause": [{"node": "worker 1", "step": 4, "seconds": 1.0}]}), out,
-                         echo=False)
+    summary = psarch.run(_cfg("paused", ps(2), {"pause": [{"node": "worker 1", "step": 4, "seconds": 1.0}]},
+                              train={"steps": 10}), out, echo=False)
     assert _children() == []
-    assert summary["steps"] == base["steps"] == 8 and summary["faults"][0]["resumed_at_s"] > 0
+    assert summary["steps"] == base["steps"] == 10 and summary["faults"][0]["resumed_at_s"] > 0
     assert_same_model(torch.load(out / "model.pt", weights_only=True),
-                      torch.load(tmp_path / "plain" / "model.pt", weights_only=True), "paused vs plain", rtol=0.0, atol=0.0)
+                      torch.load(base_out / "model.pt", weights_only=True), "paused vs plain", rtol=0.0, atol=0.0)
 
 
 def test_a_killed_server_stops_the_run_with_one_line_naming_it(tmp_path):

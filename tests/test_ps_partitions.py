@@ -25,6 +25,9 @@ from ps_setup import config, ps
 from timing import scaled
 
 PARTS = 0.001   # MiB: 256 fp32 elements per partition
+# a small MLP (6,544 parameters): 26 partitions of PARTS, 13 per server of 2; the default one's 342 make every
+# request-per-partition test a few thousand messages, not more checks
+MLP = {"model": "mlp", "mlp": {"n_embd": 16, "hidden": 64}}
 
 
 def test_partitions_split_each_range_at_aligned_offsets():
@@ -84,7 +87,7 @@ class Run:
     def __init__(self, mode: str, mb: float, workers: int = 2, servers: int = 1, train: dict | None = None,
                  **backend) -> None:
         backend.setdefault("partition_assignment", "ranges")
-        cfg = from_dict(config("parts", workload={"model": "mlp"},
+        cfg = from_dict(config("parts", workload=MLP,
                                train=train or {"optimizer": "sgd", "lr": 0.5},
                                backend=ps(workers, mode, servers, partition_mb=mb, **backend)))
         self.numel = sum(p.numel() for p in build_workload(cfg).model.parameters())

@@ -128,10 +128,11 @@ def test_a_server_killed_mid_run_with_r1_costs_no_update(tmp_path, fault_free, s
 
 
 def test_a_server_paused_past_the_heartbeat_timeout_is_waited_for_not_abandoned(tmp_path):
-    """SIGSTOP for 3 s with heartbeats of 0.5 / 1.5 s: with replicas no socket heartbeats, so only a process's
-    death drops a connection; the paused server is waited for and its copies stay its replica's."""
-    backend = ps(2, servers=2, replicas=1, timeout_s=30.0, heartbeat_s=0.5, heartbeat_timeout_s=1.5)
-    summary = psarch.run(_cfg("paused", backend, {"pause": [{"node": "server 1", "step": 3, "seconds": 3}]}),
+    """SIGSTOP for 1.5 s with heartbeats of 0.25 / 0.75 s (stopped twice their timeout): with replicas no socket
+    heartbeats, so only a process's death drops a connection; the paused server is waited for and its copies stay
+    its replica's."""
+    backend = ps(2, servers=2, replicas=1, timeout_s=30.0, heartbeat_s=0.25, heartbeat_timeout_s=0.75)
+    summary = psarch.run(_cfg("paused", backend, {"pause": [{"node": "server 1", "step": 3, "seconds": 1.5}]}),
                          tmp_path / "paused", echo=False)
     assert _children() == []
     assert summary["status"] == "finished" and summary["faults"][0]["node"] == "server 1"
@@ -288,7 +289,7 @@ def test_a_replica_that_waits_in_vain_for_a_push_names_the_worker_and_why(reques
     """A commit naming worker 2, which may still push (died as it sent, as far as this server knows; dropped from this
     server's own rounds on its clock, which a stopped worker comes back from; live) is waited for; after 2 x
     backend.timeout_s the replica stops, in one line naming worker 2 and what it knows of it."""
-    services, a, raw, push, commit = _follower(request, timeout_s=1.0)
+    services, a, raw, push, commit = _follower(request, timeout_s=0.5)
     why = {"died": "its process died (the launcher said so)",
            "dropped": "this server dropped it from its own rounds at round 0 (dead, hung or stopped)",
            "live": "it is live here, its push of the round not sent or still on its way"}[how]
@@ -306,5 +307,5 @@ def test_a_replica_that_waits_in_vain_for_a_push_names_the_worker_and_why(reques
     r = raw[0].reply(8000)
     assert r is not None and r.op == "error", r and r.header
     assert r.header["message"] == (f"server 1: partition [0, {a}) step 0: its first holder summed pushes that never "
-                                   f"reached this replica within 2 x backend.timeout_s = 2 s (worker 2: {why}): the "
+                                   f"reached this replica within 2 x backend.timeout_s = 1 s (worker 2: {why}): the "
                                    f"copies cannot agree"), r.header

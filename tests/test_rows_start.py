@@ -90,14 +90,37 @@ print(json.dumps((resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) *
 """
 
 
-@pytest.mark.parametrize("who,limit", [("worker", TABLE_BYTES // 64), ("server", TABLE_BYTES // 4),
-                                       ("sharded", 3 * TABLE_BYTES // 8)])
-def test_start_up_peak_memory_is_far_below_the_tables(who, limit):
+LIMITS = {"worker": TABLE_BYTES // 64, "server": TABLE_BYTES // 4, "sharded": 3 * TABLE_BYTES // 8}
+
+
+@pytest.fixture(scope="module")
+def peaks():
+    """Each builder's own process, the three started together (each measures only its own peak RSS); who -> the
+    finished process (its return code, stdout, stderr)."""
+    started = {}
+    for who in LIMITS:
+        cfg = json.dumps(_config("ddp" if who == "sharded" else "ps", BIG, servers=8))
+        started[who] = subprocess.Popen([sys.executable, "-c", _PEAK, who, cfg], stdout=subprocess.PIPE,
+                                        stderr=subprocess.PIPE, text=True, cwd=ROOT,
+                                        env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin", "OMP_NUM_THREADS": "1"})
+    done = {}
+    try:
+        for who, p in started.items():
+            out, err = p.communicate(timeout=scaled(240))
+            done[who] = subprocess.CompletedProcess(p.args, p.returncode, out, err)
+    finally:
+        for p in started.values():
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    return done
+
+
+@pytest.mark.parametrize("who,limit", LIMITS.items())
+def test_start_up_peak_memory_is_far_below_the_tables(peaks, who, limit):
     # 8 servers, or 8 ddp ranks: server 0 / rank 0 holds 1/8 of the rows (64 MB), computed a block at a time;
     # a sharded rank also holds its shard's gradient (another 64 MB)
-    cfg = json.dumps(_config("ddp" if who == "sharded" else "ps", BIG, servers=8))
-    out = subprocess.run([sys.executable, "-c", _PEAK, who, cfg], capture_output=True, text=True, timeout=scaled(240),
-                         cwd=ROOT, env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin", "OMP_NUM_THREADS": "1"})
+    out = peaks[who]
     assert out.returncode == 0, out.stderr[-2000:]
     grown = json.loads(out.stdout.strip().splitlines()[-1])
     assert grown < limit, f"{who}: peak RSS grew by {grown / 2**20:.0f} MiB; the tables are {TABLE_BYTES / 2**20:.0f} MiB"
