@@ -6,7 +6,7 @@ import functools
 import inspect
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import torch
 import torch.nn.functional as F
@@ -17,6 +17,7 @@ from torch.utils._pytree import tree_map
 from psarch import registry
 from psarch.config import Config, ConfigError, resolve_factory
 from psarch.data import ClickSource, MarkovSource, TextSource, clicks_hidden, shard_batch, step_generator
+from psarch.data.clicks import share_floor
 from psarch.models import DLRM, GPT, MLP
 from psarch.models.dlrm import click_loss
 from psarch.models.trainable import select_trainable
@@ -157,13 +158,18 @@ def _click_workload(cfg: Config, device: str | None) -> Workload:
     return Workload(model, click_loss, batch, source.entropy_rate, "dlrm/clicks")
 
 
-def shared_data(cfg: Config, folder: Path) -> contextlib.AbstractContextManager:
+@contextlib.contextmanager
+def shared_data(cfg: Config, folder: Path) -> Iterator[None]:
     """Within: the ranks a launcher starts map what its data source would make each of them build (the clicks
-    source's hidden model, psarch/data/clicks_hidden.py), written once into `folder`."""
+    source's hidden model, psarch/data/clicks_hidden.py, and its entropy floor), written once into `folder`."""
     w = cfg.workload
     if w.factory or w.model != "dlrm" or cfg.backend.world_size == 1:
-        return contextlib.nullcontext()
-    return clicks_hidden.shared(folder, w.dlrm.num_tables, w.dlrm.rows, w.clicks.dense, cfg.seed)
+        yield
+        return
+    d = w.dlrm
+    with clicks_hidden.shared(folder, d.num_tables, d.rows, w.clicks.dense, cfg.seed):
+        share_floor(d.num_tables, d.rows, d.bag, w.clicks.dense, w.clicks.zipf, cfg.seed)
+        yield
 
 
 def click_model(cfg: Config, device: str | None = None) -> DLRM:

@@ -229,3 +229,27 @@ def test_the_launcher_shares_the_hidden_model_only_where_ranks_would_each_build_
             assert (os.environ.get(clicks_hidden.ENV) == str(tmp_path / "shared")) == shares
             assert (tmp_path / "shared" / "key.json").is_file() == shares
         assert clicks_hidden.ENV not in os.environ and not (tmp_path / "shared").exists()
+
+
+def test_ranks_read_the_floor_the_launcher_shares_instead_of_computing_it(tmp_path, monkeypatch):
+    """The floor (a quarter of a CPU-s of sampling) is computed once by the launcher within shared_data and read by
+    every rank, the same float bit for bit; a rank of another source (seed) computes its own."""
+    from psarch.data import clicks
+    cfg = from_dict({"seed": 7, "workload": {"model": "dlrm", "data": "clicks",
+                                             "dlrm": {"num_tables": 2, "rows": 30, "dim": 4, "bag": 3}},
+                     "backend": {"kind": "ddp", "world_size": 2}})
+    c = cfg.workload.clicks
+    args = dict(num_tables=2, rows=30, bag=3, dense=c.dense, zipf=c.zipf, seed=7)
+    monkeypatch.setattr(clicks, "_FLOORS", {})
+    computed = ClickSource(**args)
+    computed_floor = (computed.entropy_rate, computed.floor_stderr)
+    with shared_data(cfg, tmp_path / "shared"):
+        assert (tmp_path / "shared" / clicks.FLOOR_FILE).is_file()
+        monkeypatch.setattr(clicks, "_FLOORS", {})   # a rank: a fresh process
+        sampled = []
+        real_floor = ClickSource._floor
+        monkeypatch.setattr(ClickSource, "_floor", lambda self, gen: sampled.append(1) or real_floor(self, gen))
+        rank = ClickSource(**args)
+        assert sampled == [] and (rank.entropy_rate, rank.floor_stderr) == computed_floor
+        other = ClickSource(**dict(args, seed=8))
+        assert sampled == [1] and other.entropy_rate != rank.entropy_rate

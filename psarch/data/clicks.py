@@ -15,6 +15,10 @@ sample of FLOOR_SAMPLES draws, whose standard error is kept in `floor_stderr` (~
 """
 from __future__ import annotations
 
+import json
+import os
+from pathlib import Path
+
 import numpy as np
 import torch
 
@@ -49,6 +53,26 @@ class ZipfSampler:
 
 
 _FLOORS: dict[tuple, tuple[float, float]] = {}   # (entropy rate, its standard error) by ClickSource's arguments
+FLOOR_FILE = "floor.json"   # the floor the launcher shares beside the hidden model (clicks_hidden.ENV)
+
+
+def share_floor(num_tables: int, rows: int, bag: int, dense: int, zipf: float, seed: int) -> None:
+    """Write this source's floor into the folder the launcher shares its hidden model in (within
+    clicks_hidden.shared), so that its ranks read it instead of each computing it."""
+    key = (num_tables, rows, bag, dense, zipf, seed)
+    source = ClickSource(*key)
+    (Path(os.environ[clicks_hidden.ENV]) / FLOOR_FILE).write_text(
+        json.dumps({"key": key, "floor": [source.entropy_rate, source.floor_stderr]}))
+
+
+def _shared_floor(key: tuple) -> tuple[float, float] | None:
+    """The floor of this source where the launcher shared it (share_floor), else None."""
+    folder = os.environ.get(clicks_hidden.ENV)
+    try:
+        shared = json.loads((Path(folder) / FLOOR_FILE).read_text()) if folder else None
+    except (OSError, ValueError):
+        return None
+    return (float(shared["floor"][0]), float(shared["floor"][1])) if shared and shared["key"] == list(key) else None
 
 
 class ClickSource:
@@ -67,7 +91,7 @@ class ClickSource:
         self.bias = TRUE_BIAS
         key = (num_tables, rows, bag, dense, zipf, seed)   # all the hidden model and the sampler depend on
         if key not in _FLOORS:   # a quarter of a CPU-s: once a process (a test's, a sweep's runs build it often)
-            _FLOORS[key] = self._floor(torch.Generator().manual_seed(seed + 0xF100))
+            _FLOORS[key] = _shared_floor(key) or self._floor(torch.Generator().manual_seed(seed + 0xF100))
         self.entropy_rate, self.floor_stderr = _FLOORS[key]
 
     def sparse_term(self, ids: torch.Tensor) -> torch.Tensor:
