@@ -1,13 +1,14 @@
 """End to end, what stops `python -m psarch.cli run`: config errors (exit 2 before anything starts), a failing rank
 (the run stops with its error, nothing left running) and an unforeseen error (one line; a traceback with
-PSARCH_DEBUG=1). Every run is a subprocess, as in tests/test_cli.py, but the config errors: `psarch run` in this
-process (in_process.py: an interpreter and torch's import a call saved), as a bare command line would run it, and
-one missing file as a command (its exit code and its one line from a process of its own)."""
+PSARCH_DEBUG=1). Every run is a subprocess, as in tests/test_cli.py, but the config errors and the unforeseen error:
+`psarch run` in this process (in_process.py: an interpreter and torch's import a call saved), as a bare command line
+would run it, and one missing file as a command (its exit code and its one line from a process of its own)."""
 from __future__ import annotations
 
 import json
 import os
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -156,15 +157,20 @@ def test_failing_rank_stops_the_run_with_its_error(tmp_path):
 
 # ---------------------------------------------------------------- unforeseen errors
 
-def test_unforeseen_error_is_one_line_and_a_traceback_with_psarch_debug(tmp_path):
+def test_unforeseen_error_is_one_line_and_a_traceback_with_psarch_debug(tmp_path, bare_cli, monkeypatch):
+    """As the command runs it, in this process: one line; with PSARCH_DEBUG=1 the error leaves main(), which the
+    interpreter then prints with its traceback."""
     (tmp_path / "my_cwd_factory.py").write_text(CWD_FACTORY)
     (tmp_path / "tiny.toml").write_text(TINY)
+    monkeypatch.setattr(sys, "path", list(sys.path))   # the launcher adds the working folder to find the factory
     args = ["run", "tiny.toml", "--quiet", "--set", "workload.factory=my_cwd_factory:broken"]
-    proc = psarch(tmp_path, *args, timeout=scaled(60))
-    assert proc.returncode == 1, proc.stderr
-    assert [line for line in proc.stderr.strip().splitlines() if not line.startswith("psarch: note:")] == [
-        "psarch: run failed: KeyError: 'no such key' (PSARCH_DEBUG=1 shows the traceback)"], proc.stderr
-    debug = subprocess.run(cli_args(*args), cwd=tmp_path, env=dict(ENV, PSARCH_DEBUG="1"), capture_output=True,
-                           text=True, timeout=scaled(60))
-    assert debug.returncode != 0 and "Traceback" in debug.stderr and "KeyError" in debug.stderr
-
+    try:
+        code, _, err = bare_cli(*args)
+        assert code == 1, err
+        assert [line for line in err.strip().splitlines() if not line.startswith("psarch: note:")] == [
+            "psarch: run failed: KeyError: 'no such key' (PSARCH_DEBUG=1 shows the traceback)"], err
+        monkeypatch.setenv("PSARCH_DEBUG", "1")
+        with pytest.raises(KeyError, match="no such key"):
+            bare_cli(*args)
+    finally:
+        sys.modules.pop("my_cwd_factory", None)   # another test's folder may hold a module of that name

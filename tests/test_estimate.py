@@ -5,12 +5,16 @@ The paper prints rounded, sometimes truncated, figures: each cell is checked to 
 printed digit."""
 from __future__ import annotations
 
+import contextlib
+import io
+import re
 import subprocess
 import sys
 import time
 
 import pytest
 
+from psarch.cli import main
 from psarch.theory import estimate
 from in_process import psarch_cli
 from timing import scaled
@@ -50,8 +54,7 @@ def test_table2_every_cell():
     rows = {r["mp"]: r for r in estimate.table2(32e9)}
     for mp, cells in TABLE2.items():
         for (name, _), printed in zip(estimate.STAGES, cells):
-            scale = {"B": 1e9, "T": 1e12}[printed[-1]]
-            paper = float(printed[:-1])
+            scale, paper = {"B": 1e9, "T": 1e12}[printed[-1]], float(printed[:-1])
             ours = rows[mp][name] / scale
             assert abs(ours - paper) <= last_digit(paper), f"MP={mp} {name}: {ours:g} vs paper {printed}"
             assert abs(ours - paper) <= 0.025 * paper  # "1T" is 1.024T: the paper truncates
@@ -105,7 +108,16 @@ def estimate_cli(capsys, *args: str) -> tuple[int, str, str]:
     return psarch_cli(capsys, "estimate", *args)
 
 
-def test_cli_estimate_prints_the_tables(capsys):
+@pytest.fixture(scope="module")
+def at_64() -> tuple[int, str, str]:
+    """`psarch estimate` at Φ = 7.5B, N = 64, p = 4, m = 8, once in this process (its step table takes seconds)."""
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        code = main(["estimate", "--params", "7.5e9", "--world", "64", "--pipeline", "4", "--microbatches", "8"])
+    return code, out.getvalue(), err.getvalue()
+
+
+def test_cli_estimate_prints_the_tables(capsys, at_64):
     """And it answers for Φ = 7.5B at N = 1,024 (step times to N = 1,024 simulated) within 10 s of an idle machine,
     as a command."""
     start = time.monotonic()
@@ -114,7 +126,7 @@ def test_cli_estimate_prints_the_tables(capsys):
     assert big.returncode == 0, big.stderr
     assert time.monotonic() - start < scaled(10)
     assert "ps/n overtakes ring all-reduce at N = " in big.stdout
-    code, out, err = estimate_cli(capsys, "--params", "7.5e9", "--world", "64")
+    code, out, err = at_64
     assert code == 0, err
     line = next(l for l in out.splitlines() if l.strip().startswith("64 ") and "<-" in l)
     assert line.split()[1:5] == ["120", "31.4", "16.6", "1.88"]
@@ -122,10 +134,10 @@ def test_cli_estimate_prints_the_tables(capsys):
     assert code == 2 and "--params" in err
 
 
-def test_cli_estimate_adds_pipeline_rows(capsys):
+def test_cli_estimate_adds_pipeline_rows(capsys, at_64):
     """--pipeline p --microbatches m: p stages of Φ/p, (2 x 2 + K = 12) bytes per parameter in bf16 + AdamW; each
     stage's gradients ring all-reduced over dp = N / p; bubble (p-1)/(m+p-1), interleaved (v = 2) (p-1)/(v·m+p-1)."""
-    code, out, err = estimate_cli(capsys, "--params", "7.5e9", "--world", "64", "--pipeline", "4", "--microbatches", "8")
+    code, out, err = at_64   # --params 7.5e9 --world 64 --pipeline 4 --microbatches 8
     assert code == 0, err
     rows = {l.split(" p=")[0].strip(): l.split()[-3:] for l in out.splitlines() if "pipeline " in l}
     states, sends = (4 + 12) * 7.5e9 / 4 / 1e9, 2 * 15 / 16 * 7.5e9 / 4 * 2 / 1e9
@@ -180,10 +192,6 @@ def test_sizes_read_in_the_unit_of_their_magnitude_to_3_significant_figures():
 def test_estimate_from_a_small_run_prints_its_own_units_and_no_billion_parameter_table(tmp_path, capsys):
     """A 3,952-parameter run: its tables in KB (not GB with 7 decimals), its times in ms, and no ZeRO Table 2
     for 32 GB devices unless a --budget asks for it."""
-    import re
-
-    from psarch.cli import main
-
     (tmp_path / "tiny.toml").write_text(TINY_RUN)
     assert main(["run", str(tmp_path / "tiny.toml"), "--out", str(tmp_path / "tiny"), "--quiet"]) == 0
     est = ["--from", str(tmp_path / "tiny")]
@@ -255,7 +263,6 @@ def test_zero3s_simulated_step_gathers_the_units_of_the_gpt_asked_about():
 
 def test_cli_estimate_of_a_gpt_shape_takes_its_units_and_its_params(capsys):
     """A GPT's shape without --params: Φ is the shape's, and the output names the units ZeRO-3 gathers."""
-    from psarch.cli import main
     from psarch.theory.estimate_tensor import GPTShape
 
     shape = ["--layers", "6", "--hidden", "256", "--heads", "4", "--seq-len", "128", "--vocab", "1000"]

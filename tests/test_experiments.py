@@ -15,6 +15,20 @@ EXPERIMENTS = sorted(ROOT.rglob("*.toml"), key=lambda p: p.relative_to(ROOT).par
 STUDIES = sorted(p for p in ROOT.iterdir() if p.is_dir())
 
 
+@pytest.fixture(scope="module", autouse=True)
+def one_preflight():
+    """check_machine asks, for each point with cluster.emulate, whether this machine can emulate: the real probe
+    (13 commands: a scratch namespace, its veth and its shaper) answers once here, its answer given to every
+    point (the machine does not change between them)."""
+    import functools
+
+    import psarch.cluster.preflight as preflight
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(preflight, "missing", functools.cache(preflight.missing))
+        yield
+
+
 def test_the_experiments_exist():
     names = {p.stem for p in EXPERIMENTS}
     assert {"quickstart", "architectures", "async_convergence", "memory_scaling", "traffic_scaling"} <= names

@@ -8,9 +8,11 @@ import subprocess
 import sys
 import time
 
+import pytest
 import torch
 
 from factories import FAILING_FACTORY
+from in_process import psarch_cli
 from timing import scaled
 
 TINY = """
@@ -38,12 +40,23 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def test_torchrun_matches_local_launch(tmp_path):
+@pytest.fixture
+def local(tmp_path, capsys, monkeypatch):
+    """`psarch run CONFIG --out local` in tmp_path, in this process (in_process.py: an interpreter and torch's
+    import saved; its ranks are spawned as a command's are), one thread per rank as under torchrun below."""
+    def run(config: str) -> None:
+        monkeypatch.chdir(tmp_path)
+        monkeypatch.setenv("PSARCH_THREADS", "1")
+        monkeypatch.setenv("OMP_NUM_THREADS", "1")
+        code, _, err = psarch_cli(capsys, "run", config, "--out", "local")
+        assert code == 0, err
+    return run
+
+
+def test_torchrun_matches_local_launch(tmp_path, local):
     (tmp_path / "tiny.toml").write_text(TINY)
+    local("tiny.toml")
     env = dict(os.environ, PSARCH_THREADS="1", OMP_NUM_THREADS="1")
-    local = subprocess.run([sys.executable, "-m", "psarch.cli", "run", "tiny.toml", "--out", "local"],
-                           cwd=tmp_path, env=env, capture_output=True, text=True, timeout=scaled(120))
-    assert local.returncode == 0, local.stderr
     tr = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
                          "--master_addr", "127.0.0.1", "--master_port", str(free_port()),
                          "-m", "psarch.cli", "run", "tiny.toml", "--out", "torchrun"],
@@ -78,15 +91,12 @@ def torchrun(tmp_path, *args, timeout=None, env_extra=None):
                           timeout=timeout or scaled(180))
 
 
-def test_torchrun_ps_rank0_starts_the_servers_and_matches_the_local_launch(tmp_path):
+def test_torchrun_ps_rank0_starts_the_servers_and_matches_the_local_launch(tmp_path, local):
     """kind = "ps" with no backend.server_addresses: under torchrun rank 0 starts the servers (and is
     worker 0); every rank learns their addresses over the process group. Sync PS with 2 workers sums
     two gradients (commutative), so both launches end with the same model bit for bit."""
     (tmp_path / "ps.toml").write_text(TINY.replace('kind = "ddp"', 'kind = "ps"\nmode = "sync"\nservers = 2'))
-    env = dict(os.environ, PSARCH_THREADS="1", OMP_NUM_THREADS="1")
-    local = subprocess.run([sys.executable, "-m", "psarch.cli", "run", "ps.toml", "--out", "local"],
-                           cwd=tmp_path, env=env, capture_output=True, text=True, timeout=scaled(120))
-    assert local.returncode == 0, local.stderr
+    local("ps.toml")
     tr = torchrun(tmp_path, "ps.toml", "--out", "torchrun")
     assert tr.returncode == 0, tr.stderr[-3000:]
     a = torch.load(tmp_path / "local" / "model.pt", weights_only=True)
