@@ -17,9 +17,10 @@ if TYPE_CHECKING:
     from psarch.config import Config
 
 
-def check_machine(cfg: Config) -> Config:
+def check_machine(cfg: Config, probed: dict[str, str | None] | None = None) -> Config:
     """Checks against this machine, made before any process starts: the device, the text file, and what an
-    emulated cluster needs (root, iproute2, the htb, bfifo and u32 traffic control modules).
+    emulated cluster needs (root, iproute2, the htb, bfifo and u32 traffic control modules). `probed`: the
+    emulation probe's answer kept for the caller's next configs (a sweep's points: 13 commands each otherwise).
     Not part of validate(): a config written for GPU ranks stays valid on a CPU-only machine that only
     loads it (a standalone parameter server, a test reading config.json)."""
     b, w = cfg.backend, cfg.workload
@@ -35,7 +36,10 @@ def check_machine(cfg: Config) -> Config:
                           "pip install psarch[tensorboard]")
     if cfg.cluster.emulate:
         from psarch.cluster.preflight import missing
-        if problem := missing():
+        answers = {} if probed is None else probed
+        if "emulate" not in answers:
+            answers["emulate"] = missing()
+        if problem := answers["emulate"]:
             raise ConfigError(problem)
     if w.data == "text" and not w.factory:
         path = Path(w.text.path)

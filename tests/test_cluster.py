@@ -227,8 +227,8 @@ def test_server_link_defaults_to_link():
 
 
 def test_machine_checked_once_per_run(tmp_path, monkeypatch):
-    """With cluster.emulate, check_machine creates and deletes a probe namespace: once per run (a single
-    run and each sweep point), never again in `psarch run` or the launcher."""
+    """With cluster.emulate, check_machine creates and deletes a probe namespace: once per run, once for all of
+    a sweep's points, never again in `psarch run` or the launcher."""
     import psarch.cluster.preflight as preflight
     import psarch.launch.ranks as launch
     from psarch.cli import main
@@ -249,7 +249,7 @@ def test_machine_checked_once_per_run(tmp_path, monkeypatch):
     probes.clear()
     (tmp_path / "sweep.toml").write_text('name = "s"\n[sweep]\n"train.lr" = [0.1, 0.2]\n')
     assert main(["run", str(tmp_path / "sweep.toml"), *one, "--out", str(tmp_path / "sweep")]) == 1
-    assert len(probes) == 2                                                                     # one per point
+    assert len(probes) == 1                                                      # once for both points
 
 
 def test_step_window_reads_while_every_rank_waits_at_a_mark():

@@ -17,9 +17,9 @@ STUDIES = sorted(p for p in ROOT.iterdir() if p.is_dir())
 
 @pytest.fixture(scope="module", autouse=True)
 def one_preflight():
-    """check_machine asks, for each point with cluster.emulate, whether this machine can emulate: the real probe
+    """check_machine asks, once a sweep with cluster.emulate, whether this machine can emulate: the real probe
     (13 commands: a scratch namespace, its veth and its shaper) answers once here, its answer given to every
-    point (the machine does not change between them)."""
+    experiment (the machine does not change between them)."""
     import functools
 
     import psarch.cluster.preflight as preflight

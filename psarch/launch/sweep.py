@@ -107,6 +107,7 @@ def expand(path: str | Path, sweep: dict[str, Any], overrides: list[str] | None 
     if not isinstance(explicit, list) or not all(isinstance(p, dict) for p in explicit):
         raise ConfigError("sweep.points: expected a list of tables of overrides")
     points: dict[str, Point] = {}  # by the point's kept overrides
+    probed: dict[str, str | None] = {}   # the machine's emulation probe, once for every point
     used: dict[str, bool] = {k: False for k in explicit_keys(top_table(Path(path)), overrides)}
     for base in explicit:
         base = {_dotted(k): v for k, v in base.items()}
@@ -127,7 +128,7 @@ def expand(path: str | Path, sweep: dict[str, Any], overrides: list[str] | None 
                 continue
             points[key] = Point(_point_name(kept), kept)
             try:
-                check_machine(load_config(path, point_overrides(overrides, kept)))
+                check_machine(load_config(path, point_overrides(overrides, kept)), probed)
             except ConfigError as e:
                 points[key].error = str(e)
     unused = [k for k, hit in used.items() if not hit]
