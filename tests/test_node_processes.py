@@ -181,3 +181,22 @@ def test_a_forkserver_with_a_running_child_is_kept_and_replaced_once_it_ended():
     assert proc.returncode == 0 and proc.stdout.split()[-1:] == ["ok"], proc.stderr[-3000:]
     notes = [line for line in proc.stderr.splitlines() if line.startswith("psarch: note:")]
     assert len(notes) == 1 and "TORCH_CPP_LOG_LEVEL unset, not TORCH_CPP_LOG_LEVEL=ERROR" in notes[0], proc.stderr
+
+
+def test_the_forkserver_preloads_the_launchers_psarch_not_another_its_own_path_finds(tmp_path):
+    """Python 3.11's forkserver ignores the sys.path multiprocessing hands it: where $PYTHONPATH named another
+    psarch (a decoy here) and the launcher put its own first at run time, it preloaded the decoy's package beside
+    the launcher's modules (the editable install's finder found those), and a child ran that mix. It imports from
+    the launcher's sys.path (processes._import_path): a child holds the launcher's psarch, package and modules."""
+    (tmp_path / "decoy" / "psarch").mkdir(parents=True)
+    (tmp_path / "decoy" / "psarch" / "__init__.py").write_text("")
+    (tmp_path / "report.py").write_text("import sys\n\ndef report():\n    m = sys.modules\n"
+                                        "    print(m['psarch'].__file__, m['psarch.launch.ranks'].__file__)\n")
+    root = TESTS.parent
+    script = (f"import sys; sys.path.insert(0, {str(root)!r})\n"
+              "import report\nfrom psarch.launch import processes\nctx = processes.context()\n"
+              "p = processes.process(ctx, report.report, ())\np.start(); p.join(); sys.exit(p.exitcode)\n")
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, cwd=tmp_path,
+                         env=dict(os.environ, PYTHONPATH=str(tmp_path / "decoy")), timeout=scaled(300))
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split() == [str(root / "psarch" / "__init__.py"), str(root / "psarch" / "launch" / "ranks.py")]

@@ -5,7 +5,8 @@ importing them again (two to four CPU-s per process on a small machine).
 A child started here gets what a spawned one got: the launcher's environment as it is at start() (set before its
 target's module is imported; what torch read at its import, such as OMP_NUM_THREADS or TORCH_CPP_LOG_LEVEL, is the
 environment the forkserver started with, once a launcher), its standard output and error as they are then (a redirected
-run, pytest's capture), its working folder and sys.path (multiprocessing sends those), and a parent that ends
+run, pytest's capture), its working folder and sys.path (multiprocessing sends those; the modules the forkserver
+preloaded come from the launcher's sys.path as it was at start_server: _import_path), and a parent that ends
 with the launcher (psarch.launch.lifecycle.die_with_parent). The forkserver only imports: no ZeroMQ context, no
 process group and no CUDA context (torch's import starts none), so a fork of it holds none either; the one thread
 the import starts, OpenBLAS's, OpenBLAS itself stops around a fork (pthread_atfork).
@@ -75,7 +76,7 @@ def start_server(env: dict[str, str] | None = None) -> None:
         return
     if address() is not None and not _retire():
         return
-    with environ(env or {}):
+    with environ({**(env or {}), **_import_path()}):
         ctx = mp.get_context("forkserver")
         ctx.set_forkserver_preload(preload())
         forkserver.ensure_running()
@@ -88,6 +89,13 @@ def start_server(env: dict[str, str] | None = None) -> None:
             raise RuntimeError(f"psarch's forkserver did not start a child within {READY_S:g} s (its first child: "
                                f"exit code {first.exitcode}; None: still running)")
         _started = (_server()._forkserver_pid, {k: os.environ.get(k) for k in IMPORT_KEYS})
+
+
+def _import_path() -> dict[str, str]:
+    """The environment that makes the forkserver import from this process's sys.path, in its order: Python 3.11's
+    forkserver ignores the sys.path multiprocessing hands it, and would take its own (its working folder first,
+    then $PYTHONPATH), so the psarch it preloads could be another checkout's than the launcher's."""
+    return {"PYTHONPATH": os.pathsep.join(p or os.getcwd() for p in sys.path), "PYTHONSAFEPATH": "1"}
 
 
 def _server() -> Any:
