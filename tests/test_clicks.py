@@ -3,6 +3,7 @@ model's loss on sampled clicks, and approached by training), and batches that do
 world size."""
 from __future__ import annotations
 
+import json
 import math
 import os
 
@@ -233,7 +234,8 @@ def test_the_launcher_shares_the_hidden_model_only_where_ranks_would_each_build_
 
 def test_ranks_read_the_floor_the_launcher_shares_instead_of_computing_it(tmp_path, monkeypatch):
     """The floor (a quarter of a CPU-s of sampling) is computed once by the launcher within shared_data and read by
-    every rank, the same float bit for bit; a rank of another source (seed) computes its own."""
+    every rank, the same float bit for bit (an earlier run's file never passed on); a rank of another source (seed)
+    computes its own."""
     from psarch.data import clicks
     cfg = from_dict({"seed": 7, "workload": {"model": "dlrm", "data": "clicks",
                                              "dlrm": {"num_tables": 2, "rows": 30, "dim": 4, "bag": 3}},
@@ -243,6 +245,8 @@ def test_ranks_read_the_floor_the_launcher_shares_instead_of_computing_it(tmp_pa
     monkeypatch.setattr(clicks, "_FLOORS", {})
     computed = ClickSource(**args)
     computed_floor = (computed.entropy_rate, computed.floor_stderr)
+    (tmp_path / "shared").mkdir()   # a crashed earlier run's file, of the same source: never passed on
+    (tmp_path / "shared" / clicks.FLOOR_FILE).write_text(json.dumps({"key": list(args.values()), "floor": [9.0, 0.0]}))
     with shared_data(cfg, tmp_path / "shared"):
         assert (tmp_path / "shared" / clicks.FLOOR_FILE).is_file()
         monkeypatch.setattr(clicks, "_FLOORS", {})   # a rank: a fresh process

@@ -60,9 +60,12 @@ def share_floor(num_tables: int, rows: int, bag: int, dense: int, zipf: float, s
     """Write this source's floor into the folder the launcher shares its hidden model in (within
     clicks_hidden.shared), so that its ranks read it instead of each computing it."""
     key = (num_tables, rows, bag, dense, zipf, seed)
+    path = Path(os.environ[clicks_hidden.ENV]) / FLOOR_FILE
+    path.unlink(missing_ok=True)   # an earlier run's, left by a crash: never passed on, computed (or kept) here
     source = ClickSource(*key)
-    (Path(os.environ[clicks_hidden.ENV]) / FLOOR_FILE).write_text(
-        json.dumps({"key": key, "floor": [source.entropy_rate, source.floor_stderr]}))
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps({"key": key, "floor": [source.entropy_rate, source.floor_stderr]}))
+    os.replace(tmp, path)   # whole or absent
 
 
 def _shared_floor(key: tuple) -> tuple[float, float] | None:
@@ -70,9 +73,9 @@ def _shared_floor(key: tuple) -> tuple[float, float] | None:
     folder = os.environ.get(clicks_hidden.ENV)
     try:
         shared = json.loads((Path(folder) / FLOOR_FILE).read_text()) if folder else None
-    except (OSError, ValueError):
+        return (float(shared["floor"][0]), float(shared["floor"][1])) if shared and shared["key"] == list(key) else None
+    except (OSError, ValueError, KeyError, TypeError, IndexError):   # absent, or not one this module wrote
         return None
-    return (float(shared["floor"][0]), float(shared["floor"][1])) if shared and shared["key"] == list(key) else None
 
 
 class ClickSource:
