@@ -43,7 +43,7 @@ def free_port() -> int:
 @pytest.fixture
 def local(tmp_path, capsys, monkeypatch):
     """`psarch run CONFIG --out local` in tmp_path, in this process (in_process.py: an interpreter and torch's
-    import saved; its ranks are spawned as a command's are), one thread per rank as under torchrun below."""
+    import saved; its ranks are started as a command's are, from psarch's forkserver), one thread per rank as under torchrun below."""
     def run(config: str) -> None:
         monkeypatch.chdir(tmp_path)
         monkeypatch.setenv("PSARCH_THREADS", "1")
