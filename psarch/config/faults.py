@@ -58,22 +58,22 @@ class FaultsConfig:
 
 @dataclass(frozen=True)
 class Fault:
-    """One fault: `action` (kill, pause) on node (`kind` "worker" or "server", `index`) as `step` begins on
+    """One fault: `action` (kill, pause) on node (`role` "worker" or "server", `index`) as `step` begins on
     worker `anchor` (the worker itself, or worker 0 for a server); `seconds` of a pause."""
 
     action: str
-    kind: str
+    role: str
     index: int
     step: int
     seconds: float = 0.0
 
     @property
     def node(self) -> str:
-        return f"{self.kind} {self.index}"
+        return f"{self.role} {self.index}"
 
     @property
     def anchor(self) -> int:
-        return self.index if self.kind == "worker" else 0
+        return self.index if self.role == "worker" else 0
 
 
 def faults(cfg: Config) -> list[Fault]:
@@ -96,14 +96,14 @@ def _parse(cfg: Config, action: str, i: int, entry: Any) -> Fault:
     example = "{ node = \"worker 1\", step = 10" + (", seconds = 5 }" if action == PAUSE else " }")
     if not isinstance(entry, dict) or set(entry) != set(keys):
         raise ConfigError(f"{key} = {show(entry)}: expected a table with {', '.join(keys)}, e.g. {example}")
-    kind, _, index = str(entry["node"]).partition(" ")
+    role, _, index = str(entry["node"]).partition(" ")
     n, servers = cfg.backend.world_size, _servers(cfg)
-    if kind not in ("worker", "server") or not index.isdigit():
+    if role not in ("worker", "server") or not index.isdigit():
         raise ConfigError(f"{key}.node = {show(entry['node'])}: expected \"worker I\" or \"server I\"")
-    if kind == "worker" and int(index) >= n:
+    if role == "worker" and int(index) >= n:
         raise ConfigError(f"{key}.node = {show(entry['node'])}: unknown node; workers are 0..{n - 1} "
                           f"(backend.world_size = {n})")
-    if kind == "server" and int(index) >= servers:
+    if role == "server" and int(index) >= servers:
         raise ConfigError(f"{key}.node = {show(entry['node'])}: unknown node; " + (
             f"servers are 0..{servers - 1} (backend.servers = {servers})" if servers else
             f"backend.kind = {show(cfg.backend.kind)} runs no server that `psarch run` starts"))
@@ -115,7 +115,7 @@ def _parse(cfg: Config, action: str, i: int, entry: Any) -> Fault:
     if action == PAUSE and (not isinstance(seconds, (int, float)) or isinstance(seconds, bool)
                             or not math.isfinite(seconds) or seconds <= 0):
         raise ConfigError(f"{key}.seconds = {show(seconds)}: expected a number of seconds > 0")
-    return Fault(action, kind, int(index), step, float(seconds))
+    return Fault(action, role, int(index), step, float(seconds))
 
 
 def check_startup(cfg: Config) -> None:
@@ -176,7 +176,7 @@ def _check_together(cfg: Config, faults: list[Fault]) -> None:
                    f"backend.kind = {show(cfg.backend.kind)} runs its {cfg.backend.world_size} workers as threads")
             raise ConfigError(f"faults.{f.action}: {f.node}: {why} in the launcher's own process, which cannot hold "
                               f"itself for a fault; faults need workers in processes of their own")
-        if f.kind == "server" and worker0 is not None and worker0 < f.step:
+        if f.role == "server" and worker0 is not None and worker0 < f.step:
             raise ConfigError(f"faults.{f.action}: {f.node} at step {f.step}: a server's fault is timed by worker 0, "
                               f"killed at step {worker0}")
         if f.action == KILL:

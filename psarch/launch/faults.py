@@ -131,7 +131,7 @@ class Injector:
         held = self.workers[anchor].pid
         for f in due:
             self.todo.remove(f)
-            pid = held if f.kind == "worker" else self.service_pid(f.index)
+            pid = held if f.role == "worker" else self.service_pid(f.index)
             if pid is None:
                 continue   # refused by the config's checks: a server this launcher did not start
             sig = signal.SIGKILL if f.action == KILL else signal.SIGSTOP
@@ -143,7 +143,7 @@ class Injector:
                 rec["seconds"] = f.seconds
                 self.resume_at.append((time.monotonic() + f.seconds * self.d, pid, rec))
             self.struck.append(rec)
-        if not any(f.kind == "worker" for f in due):   # the worker held only to time a server's fault
+        if not any(f.role == "worker" for f in due):   # the worker held only to time a server's fault
             _signal(held, signal.SIGCONT)
 
     def _since(self, t: float) -> float:
