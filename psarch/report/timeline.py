@@ -51,9 +51,9 @@ def draw(ax, spans: list[Span], title: str) -> None:   # noqa: ANN001 (a matplot
 
 
 def _node_order(node: str) -> tuple[int, int, str]:
-    kind, _, rest = node.partition(" ")
+    role, _, rest = node.partition(" ")
     number = rest.split()[0] if rest else ""
-    return (kind != "rank", int(number) if number.isdigit() else 0, node)
+    return (role != "rank", int(number) if number.isdigit() else 0, node)
 
 
 def picture(panels: list[tuple[list[Span], str]], path: Path) -> Path:
