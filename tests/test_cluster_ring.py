@@ -50,11 +50,15 @@ def test_a_ring_of_short_messages_runs_at_the_wire_time():
     """8 nodes pass two-frame messages round a ring at 1 Mbit/s, each after a one-byte ready notice (gloo's ring),
     one process a node: a step takes the message's wire time, not a frame more. On the bridge's end each sender's
     class borrows above its share (1/7 of the link) from the link's class; with the short packets' class under the
-    link's class too, a borrowed frame waited for the notices' and acknowledgements' charge: 0.30-0.57 frames over
-    the wire time a step (the mean of 55 steps, 6 runs, quiet machine), 0.02-0.16 with it beside the link's (8 runs).
-    The wire time counts the notice's two hops. Load adds the host's delays to a step, so the bound, 0.25 frames on
-    an idle machine, is stretched by the load."""
-    n, mbps, size, steps = 8, 1.0, 2756, 60
+    link's class too, a borrowed frame waited for the notices' and acknowledgements' charge. The share of steps (of
+    145) late by more than 0.6 frames over the wire time, 2026-11-29 on this 2-core machine: that shaper 0.28-0.42
+    (4 runs), 0.34-0.51 beside 4 busy processes (4); this one 0.01-0.04 (4), 0.03-0.09 beside 4 busy processes (4).
+    The mean step over the wire time (what this test checked before CI's one failure, 0.29 frames on this shaper)
+    separated less: that shaper 0.42-0.55, this one -0.01-0.08 quiet but 0.19-0.26 beside the busy processes, whose
+    delays fall on every step a little, the borrowed frame's wait on a third to a half of them by most of a frame.
+    The wire time counts the notice's two hops. Load adds the host's delays, so the bound, 15% of the steps on an
+    idle machine, is stretched by the load."""
+    n, mbps, size, steps = 8, 1.0, 2756, 150
     c = EmulatedCluster(n, 0, mbps, mbps)
     try:
         addresses = ",".join(node.address for node in c.nodes)
@@ -65,11 +69,12 @@ def test_a_ring_of_short_messages_runs_at_the_wire_time():
     finally:
         c.close()
     assert [len(t) for t in took] == [steps] * n, took
-    # a step ends at its last rank (as a collective's ring steps wait on the slowest): the mean of 55 such steps. The
-    # ring's period alone (a rank's total time / steps) hardly moves (old shaper +0.03-0.05 frames, new -0.04-0.07):
-    # the borrowed frame's wait falls on one rank or another, and each of a collective's steps waits for it
-    step = sum(max(t[i] for t in took) for i in range(5, steps)) / (steps - 5)
+    # a step ends at its last rank (as a collective's ring steps wait on the slowest). The ring's period alone (a
+    # rank's total time / steps) hardly moves: the borrowed frame's wait falls on one rank or another, and each of a
+    # collective's steps waits for it
     frame = WIRE * 8 / (mbps * 1e6)
     wire = (size + 2 * 66 + 2 * 67) * 8 / (mbps * 1e6)      # two packets' headers; the notice's 67 B, twice
-    assert step - wire < 0.25 * frame * load_factor(), (step, wire, frame, load_factor())
+    over = [(max(t[i] for t in took) - wire) / frame for i in range(5, steps)]
+    late = sum(x > 0.6 for x in over) / len(over)
+    assert late < 0.15 * load_factor(), (late, sorted(over)[len(over) // 2], load_factor())
     assert not leftovers(os.getpid())
