@@ -140,10 +140,11 @@ def test_segments_and_small_queues_are_sized_to_the_link():
 
 @needs_root
 def test_each_node_is_set_to_its_link():
-    """Both ends of a node's veth are shaped at its rate, short packets first, and cut segments as gso_segments
-    says; on the bridge's end every other node's traffic has a leaf of its own; the node's TCP small queues hold
-    tsq_bytes: read back from the kernel, two workers on 12 Mbit/s beside a server on 1 Gbit/s. After a bulk
-    transfer, the data went by its sender's leaf and the acknowledgements by the short packets' class."""
+    """Both ends of a node's veth are shaped at its rate, acknowledgements first, and cut segments as gso_segments
+    says; on each end every other node's traffic has a leaf of its own (by destination on the node's end, by source
+    on the bridge's); the node's TCP small queues hold tsq_bytes: read back from the kernel, two workers on 12
+    Mbit/s beside a server on 1 Gbit/s. After a bulk transfer, the data went by its destination's leaf and its
+    sender's, and the acknowledgements by the acknowledgements' class."""
     c = EmulatedCluster(2, 1, 12.0, 1000.0)
     try:
         for n in c.nodes:
@@ -152,19 +153,19 @@ def test_each_node_is_set_to_its_link():
             for shown in (node_end, bridge_end):
                 assert f"gso_max_segs {gso_segments(n.mbps)} " in shown, shown
             rate = "12Mbit" if n.mbps == 12.0 else "1Gbit"
-            for ns, dev in ((n.ns, IFNAME), (c.hub, n.port)):
+            for ns, dev, offset in ((n.ns, IFNAME, 16), (c.hub, n.port, 12)):
                 classes = netns.run("tc", "-n", ns, "class", "show", "dev", dev)
                 assert classes.count(f"rate {rate} ceil {rate}") == 3, classes
+                assert classes.count(f"ceil {rate}") == 3 + 2, classes
                 filters = netns.run("tc", "-n", ns, "filter", "show", "dev", dev)
-                # IP total length (bytes 2-3 of the header) below 128: the short packets' class
-                assert "flowid 1:10" in filters and "match 00000000/0000ff80 at 0" in filters, filters
+                # IPv4 without options, total length (bytes 2-3) below 128; TCP; neither PSH nor FIN (byte 33)
+                assert "flowid 1:10" in filters and "match 45000000/ff00ff80 at 0" in filters, filters
+                assert "match 00060000/00ff0000 at 8" in filters and "match 00000000/00090000 at 32" in filters
                 assert "class htb 1:10 root prio 0" in classes, classes    # beside the link's class, not under it
-            classes = netns.run("tc", "-n", c.hub, "class", "show", "dev", n.port)
-            filters = netns.run("tc", "-n", c.hub, "filter", "show", "dev", n.port)
-            assert classes.count(f"ceil {rate}") == 3 + 2 and "flowid 1:101" in filters, (classes, filters)
-            for other in c.nodes:    # a source-address match (at IP offset 12) per other node
-                want = "".join(f"{int(b):02x}" for b in other.address.split("."))
-                assert (f"match {want}/ffffffff at 12" in filters) == (other is not n), (other, filters)
+                assert "flowid 1:101" in filters, filters
+                for other in c.nodes:    # a destination (IP offset 16) or source (12) address match per other node
+                    want = "".join(f"{int(b):02x}" for b in other.address.split("."))
+                    assert (f"match {want}/ffffffff at {offset}" in filters) == (other is not n), (other, filters)
             tsq = netns.run("ip", "netns", "exec", n.ns, "cat", "/proc/sys/net/ipv4/tcp_limit_output_bytes")
             assert int(tsq) == tsq_bytes(n.mbps), (n, tsq)
         worker, _, server = c.nodes
@@ -179,8 +180,9 @@ def test_each_node_is_set_to_its_link():
         t.join(30)
         assert got[0][0] == 300_000
         sent = {n.ns: _class_bytes(n.ns, IFNAME) for n in c.nodes}
-        assert sent[worker.ns]["1:20"] > 300_000 and sent[server.ns]["1:10"] > 0, sent   # data; its acks
-        assert sent[server.ns]["1:20"] < 10_000, sent        # nothing long went back
+        # worker 0's peers are worker 1 and the server: the server's leaf is its second
+        assert sent[worker.ns]["1:101"] > 300_000 and sent[server.ns]["1:10"] > 0, sent   # data; its acks
+        assert sent[server.ns]["1:100"] < 10_000, sent        # nothing long went back
         into_server = _class_bytes(c.hub, server.port)      # worker 0 is the first of the server's senders
         assert into_server["1:100"] > 300_000 and into_server["1:101"] == 0, into_server
     finally:

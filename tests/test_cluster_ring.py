@@ -1,8 +1,9 @@
-"""A ring of short messages on the emulated links (psarch/cluster/emulated.py's shaper): the short packets' class
+"""A ring of short messages on the emulated links (psarch/cluster/emulated.py's shaper): the acknowledgements' class
 beside the link's, so that a sender borrowing above its share into a node does not wait for their charge."""
 from __future__ import annotations
 
 import os
+import statistics
 import subprocess
 import sys
 
@@ -10,9 +11,9 @@ from cluster_setup import leftovers, needs_root
 from psarch.cluster.emulated import WIRE, EmulatedCluster, shaper
 from timing import load_factor, scaled
 
-def test_short_packets_are_served_beside_the_links_class():
-    """The short packets' class hangs from the root, beside the link's class that the bulk classes (and each
-    sender's, on the bridge's end) borrow from: charged to it, a borrowed frame waited for them."""
+def test_acknowledgements_are_served_beside_the_links_class():
+    """The acknowledgements' class hangs from the root, beside the link's class that the bulk classes (each
+    peer's) borrow from: charged to it, a borrowed frame waited for them."""
     parents = {c[c.index("classid") + 1]: c[c.index("parent") + 1] for c in shaper("eth0", 100.0, ["10.213.1.1"])
                if c[:2] == ["class", "add"]}
     assert parents == {"1:1": "1:", "1:10": "1:", "1:20": "1:1", "1:100": "1:1"}, parents
@@ -48,16 +49,16 @@ print(" ".join(map(str, took)))
 @needs_root
 def test_a_ring_of_short_messages_runs_at_the_wire_time():
     """8 nodes pass two-frame messages round a ring at 1 Mbit/s, each after a one-byte ready notice (gloo's ring),
-    one process a node: a step takes the message's wire time, not a frame more. On the bridge's end each sender's
-    class borrows above its share (1/7 of the link) from the link's class; with the short packets' class under the
-    link's class too, a borrowed frame waited for the notices' and acknowledgements' charge. The share of steps (of
-    145) late by more than 0.6 frames over the wire time, 2026-11-29 on this 2-core machine: that shaper 0.28-0.42
-    (4 runs), 0.34-0.51 beside 4 busy processes (4); this one 0.01-0.04 (4), 0.03-0.09 beside 4 busy processes (4).
-    The mean step over the wire time (what this test checked before CI's one failure, 0.29 frames on this shaper)
-    separated less: that shaper 0.42-0.55, this one -0.01-0.08 quiet but 0.19-0.26 beside the busy processes, whose
-    delays fall on every step a little, the borrowed frame's wait on a third to a half of them by most of a frame.
-    The wire time counts the notice's two hops. Load adds the host's delays, so the bound, 15% of the steps on an
-    idle machine, is stretched by the load."""
+    one process a node: a step takes the message's wire time and a fraction of a frame. On each end of a link each
+    peer's class borrows above its share (1/7 of the link) from the link's class; with the acknowledgements' class
+    under the link's class too, a borrowed frame waited for their charge. The median step (of 145) over the wire
+    time, in frames, 2026-11-29 on this 2-core machine: with that class under the link's, 0.33-0.48 (4 runs),
+    0.30-0.63 beside 4 busy processes (4); beside it, 0.01-0.11 (4), 0.13-0.33 beside 4 busy processes (4; load
+    1.1-3.2). A notice is data: it waits in its peer's queue, as on a switch's port, where (before 2026-11-29) it
+    went first with the acknowledgements, and some steps take most of a frame more (12-20% of them over 0.6
+    frames, quiet); the median, not the mean, is what the acknowledgements' charge moved. The wire time counts
+    the notice's two hops. Load adds the host's delays to a step, so the bound, 0.25 frames on an idle machine,
+    is stretched by the load."""
     n, mbps, size, steps = 8, 1.0, 2756, 150
     c = EmulatedCluster(n, 0, mbps, mbps)
     try:
@@ -74,7 +75,6 @@ def test_a_ring_of_short_messages_runs_at_the_wire_time():
     # collective's steps waits for it
     frame = WIRE * 8 / (mbps * 1e6)
     wire = (size + 2 * 66 + 2 * 67) * 8 / (mbps * 1e6)      # two packets' headers; the notice's 67 B, twice
-    over = [(max(t[i] for t in took) - wire) / frame for i in range(5, steps)]
-    late = sum(x > 0.6 for x in over) / len(over)
-    assert late < 0.15 * load_factor(), (late, sorted(over)[len(over) // 2], load_factor())
+    over = statistics.median((max(t[i] for t in took) - wire) / frame for i in range(5, steps))
+    assert over < 0.25 * load_factor(), (over, load_factor())
     assert not leftovers(os.getpid())

@@ -1,7 +1,7 @@
 """An emulated cluster on one Linux machine: a network namespace per node, a veth from each node to one
 bridge, and a rate-limiting qdisc on both ends of each veth so each direction runs at the link rate (`shaper`:
-htb at the link rate, IP packets under 128 B (TCP's acknowledgements) served first beside it, the rest in queues of
-QUEUE_S at the cluster's link rate, one per sender into a node).
+htb at the link rate, TCP's acknowledgements served first beside it, the rest in queues of QUEUE_S at the cluster's
+link rate, one per peer: per destination out of a node, per sender into it).
 
 Layout of run <pid>: namespace `psarch-<pid>-hub` holds the bridge `br0` (10.213.0.1, where the launcher
 hosts the rendezvous store) and the bridge end of every veth (`w<i>`, `s<i>`); node namespaces
@@ -16,9 +16,11 @@ into k < N nodes too: the device crossover study's duplex_flows.py measures it):
 - fair shares into a node: on the bridge's end of its link each other node's traffic waits in a FIFO of its
   own, served round robin. In one FIFO a flow that fell behind stayed behind (TCP's shares are unequal in a
   deep queue); a PS server, which answers a partition's pulls once every worker's push of it is in, then
-  waited on the slowest worker for every partition;
+  waited on the slowest worker for every partition. Out of a node, a FIFO per destination, as a host's
+  fair-queueing qdisc keeps a flow's: a small message to one peer does not wait behind a large one to another;
 - acknowledgements first: on a plain token bucket (`tbf`) a node's acknowledgements wait behind its own
-  bulk data, up to QUEUE_S, and the flows they clock stall (worst where N/k senders fill one server's queue);
+  bulk data, up to QUEUE_S, and the flows they clock stall (worst where N/k senders fill one server's queue).
+  Only segments without data: a flow's packets keep their order (tests/test_cluster_order.py);
 - GSO segments cut to what the link sends in SEGMENT_S (one MTU at 12 Mbit/s; a 64 KiB segment holds such a
   link 44 ms), a NIC's segment at the link's rate (`gso_segments`);
 - TCP small queues (net.ipv4.tcp_limit_output_bytes, 4 MiB by default) of two such segments (`tsq_bytes`),
@@ -45,7 +47,11 @@ HUB_ADDRESS = "10.213.0.1"
 MAX_NODES = 250                 # host numbers 1..250 in each of the 10.213.1 and 10.213.2 subnets
 QUEUE_S = 0.2                   # the bulk queue, as time at the cluster's link rate: long enough that TCP is not starved
 QUEUE_MAX = 2**31                # bytes: bfifo's limit is a u32 (past 172 Gbit/s QUEUE_S would not fit); no window fills it
-SHORT_PACKET = 128              # IP packets shorter than this (acknowledgements, SYNs) go first
+SHORT_PACKET = 128              # IP packets shorter than this without data (acknowledgements, SYNs) go first
+# u32 matches of a TCP segment (IPv4 with no options) under SHORT_PACKET bytes whose flags hold neither PSH nor FIN
+ACKNOWLEDGEMENT = ["match", "u8", "0x45", "0xff", "at", "0",
+                   "match", "u16", "0x0000", f"0x{0xffff & ~(SHORT_PACKET - 1):04x}", "at", "2",
+                   "match", "ip", "protocol", "6", "0xff", "match", "u8", "0x00", "0x09", "at", "33"]
 SEGMENT_S = 0.001               # the longest one GSO segment holds a link
 BUCKET_S = 0.002                # what a link's shaper may send at once after an idle spell (`shaper`)
 WIRE = 1514                     # a 1500-byte IP packet on the wire (Ethernet header included)
@@ -81,26 +87,32 @@ def plan(pid: int, workers: int, servers: int, link_mbps: float, server_mbps: fl
                for i in range(servers)])
 
 
-def shaper(dev: str, mbps: float, senders: Sequence[str] = (), dilation: float = 1.0) -> list[list[str]]:
+def shaper(dev: str, mbps: float, peers: Sequence[str] = (), dilation: float = 1.0,
+           by: str = "src") -> list[list[str]]:
     """The `tc` commands (each after `tc -n <namespace>`) that limit `dev`'s egress to `mbps` Mbit/s: an htb
     class at the rate whose bucket holds 2 ms of traffic (the kernel timer's slack; at least two of the link's GSO
     segments, `tsq_bytes`). A real link has no bucket: what it holds goes at once after an idle spell, so it is
     kept that small (it was 64 KiB, a tbf's floor for a whole GSO segment, which let 52 ms of a 10 Mbit/s link's
-    traffic through at once; htb sends a packet larger than its bucket and owes the difference). Short packets are
-    served first (a u32 filter: IP packets under SHORT_PACKET bytes), from a class of their own at the rate, beside the
-    link's class, not under it: their bytes are not counted in the link's rate (an acknowledgement is 66 B against 2
-    data frames, about 2% of the reverse way; a flood of small messages could use a second link's worth),
-    as they were not on a node's own end, where nothing borrows. Under the link's class on the bridge's end each
-    sender into a node borrows above its fair share, and waited there until the link's class had paid for the
-    short packets it had also been charged: about a frame a message in a ring of messages of a few frames
-    (tests/test_cluster_ring.py). The rest
-    wait in FIFOs of QUEUE_S at the rate, in bytes: one per address in `senders`, shared fairly (htb's
-    round robin; each may use the whole rate alone), and one for everything else.
+    traffic through at once; htb sends a packet larger than its bucket and owes the difference).
+    TCP's acknowledgements are served first (a u32 filter: TCP segments under SHORT_PACKET bytes with neither PSH
+    nor FIN, which no segment that carries a send's data lacks), from a class of their own at the rate, beside the
+    link's class, not under it: their bytes are not counted in the link's rate (an acknowledgement is 66 B against
+    2 data frames, about 2% of the reverse way). Under the link's class each peer's traffic borrows above its fair
+    share, and waited there until the link's class had paid for the acknowledgements it had also been charged:
+    about a frame a message in a ring of messages of a few frames (tests/test_cluster_ring.py). Data is never
+    served first, however short: a flow's short segment (a message's last bytes, a small message behind a large
+    one) overtook its own flow's queued data, and TCP took the reordering for loss and sent data again
+    (experiments/compression/README.md, "Three defects of the emulation").
+    The rest wait in FIFOs of QUEUE_S at the rate, in bytes: one per address in `peers` (the packets' source
+    address where `by` is "src", their destination's where it is "dst"), shared fairly (htb's round robin;
+    each may use the whole rate alone), and one for everything else.
     `dilation`: D of a link shaped to the cluster's rate / D. Time dilation slows rates and times, never bytes (a
     message, a TCP window, what a switch's queue holds): the FIFOs hold QUEUE_S at the cluster's rate, mbps x D. At
     the shaped rate they held D times fewer bytes, and the windows N workers' pushes opened into one server were
     dropped there, as the cluster's queues would not drop them (the bucket and the segments stay at the shaped
     rate: they are the kernel's timer and the link's time, wall clock)."""
+    if by not in ("src", "dst"):
+        raise ValueError(f"shaper: by must be 'src' or 'dst', not {by!r}")
     rate = f"{mbps * 1000:.0f}kbit"
     burst = str(max(tsq_bytes(mbps), int(mbps * 1e6 / 8 * BUCKET_S)))
     bucket = ["rate", rate, "ceil", rate, "burst", burst, "cburst", burst]
@@ -110,16 +122,16 @@ def shaper(dev: str, mbps: float, senders: Sequence[str] = (), dilation: float =
            ["class", "add", "dev", dev, "parent", "1:", "classid", "1:10", "htb", *bucket, "prio", "0"],
            ["class", "add", "dev", dev, "parent", "1:1", "classid", "1:20", "htb", *bucket, "prio", "1"],
            ["qdisc", "add", "dev", dev, "parent", "1:20", "bfifo", "limit", queue],
-           ["filter", "add", "dev", dev, "parent", "1:", "protocol", "ip", "prio", "1", "u32",
-            "match", "u16", "0x0000", f"0x{0xffff & ~(SHORT_PACKET - 1):04x}", "at", "2", "flowid", "1:10"]]
-    share = f"{mbps * 1000 / max(1, len(senders)):.0f}kbit"
-    for j, address in enumerate(senders):
+           ["filter", "add", "dev", dev, "parent", "1:", "protocol", "ip", "prio", "1", "u32", *ACKNOWLEDGEMENT,
+            "flowid", "1:10"]]
+    share = f"{mbps * 1000 / max(1, len(peers)):.0f}kbit"
+    for j, address in enumerate(peers):
         leaf = f"1:{0x100 + j:x}"
         out += [["class", "add", "dev", dev, "parent", "1:1", "classid", leaf, "htb", "rate", share, "ceil", rate,
                  "burst", burst, "cburst", burst, "prio", "1"],
                 ["qdisc", "add", "dev", dev, "parent", leaf, "bfifo", "limit", queue],
                 ["filter", "add", "dev", dev, "parent", "1:", "protocol", "ip", "prio", "2", "u32",
-                 "match", "ip", "src", f"{address}/32", "flowid", leaf]]
+                 "match", "ip", by, f"{address}/32", "flowid", leaf]]
     return out
 
 
@@ -202,10 +214,11 @@ class EmulatedCluster:
             netns.run("ip", "-n", n.ns, "addr", "add", f"{n.address}/16", "dev", IFNAME)
             netns.run("ip", "-n", n.ns, "link", "set", IFNAME, "up")
             netns.run("ip", "-n", n.ns, "link", "set", "lo", "up")
-            tc_batch(n.ns, shaper(IFNAME, n.mbps, dilation=self.dilation))     # node -> bridge
-            # bridge -> node: every other node's traffic into this link in a queue of its own, fairly shared
-            tc_batch(hub, shaper(n.port, n.mbps, [m.address for m in self.nodes if m.address != n.address],
-                                 self.dilation))
+            others = [m.address for m in self.nodes if m.address != n.address]
+            # node -> bridge: its traffic to each other node in a queue of its own, fairly shared, as a host's
+            # fair-queueing qdisc keeps a flow's; bridge -> node: each other node's into this link, the same
+            tc_batch(n.ns, shaper(IFNAME, n.mbps, others, self.dilation, by="dst"))
+            tc_batch(hub, shaper(n.port, n.mbps, others, self.dilation))
             segments = str(gso_segments(n.mbps))
             netns.run("ip", "-n", n.ns, "link", "set", IFNAME, "gso_max_segs", segments)
             netns.run("ip", "-n", hub, "link", "set", n.port, "gso_max_segs", segments)
