@@ -140,7 +140,7 @@ def test_segments_and_small_queues_are_sized_to_the_link():
 
 @needs_root
 def test_each_node_is_set_to_its_link():
-    """Both ends of a node's veth are shaped at its rate, acknowledgements first, and cut segments as gso_segments
+    """Both ends of a node's veth are shaped at its rate, segments without data first, and cut segments as gso_segments
     says; on each end every other node's traffic has a leaf of its own (by destination on the node's end, by source
     on the bridge's); the node's TCP small queues hold tsq_bytes: read back from the kernel, two workers on 12
     Mbit/s beside a server on 1 Gbit/s. After a bulk transfer, the data went by its destination's leaf and its
@@ -158,9 +158,12 @@ def test_each_node_is_set_to_its_link():
                 assert classes.count(f"rate {rate} ceil {rate}") == 3, classes
                 assert classes.count(f"ceil {rate}") == 3 + 2, classes
                 filters = netns.run("tc", "-n", ns, "filter", "show", "dev", dev)
-                # IPv4 without options, total length (bytes 2-3) below 128; TCP; neither PSH nor FIN (byte 33)
-                assert "flowid 1:10" in filters and "match 45000000/ff00ff80 at 0" in filters, filters
-                assert "match 00060000/00ff0000 at 8" in filters and "match 00000000/00090000 at 32" in filters
+                # IPv4 without options and TCP, whose total length (bytes 2-3) is the two headers' (the TCP
+                # header's length: the data offset, byte 32's high half): no data; neither FIN nor RST (byte 33)
+                assert "flowid 1:10" in filters and "match 00060000/00ff0000 at 8" in filters, filters
+                for words in range(5, 16):
+                    assert f"match 4500{20 + 4 * words:04x}/ff00ffff at 0" in filters, (words, filters)
+                    assert f"match {words << 4:02x}000000/f0050000 at 32" in filters, (words, filters)
                 assert "class htb 1:10 root prio 0" in classes, classes    # beside the link's class, not under it
                 assert "flowid 1:101" in filters, filters
                 for other in c.nodes:    # a destination (IP offset 16) or source (12) address match per other node

@@ -47,18 +47,17 @@ print(" ".join(map(str, took)))
 
 
 @needs_root
-def test_a_ring_of_short_messages_runs_at_the_wire_time():
+def test_a_ring_of_short_messages_runs_near_the_wire_time():
     """8 nodes pass two-frame messages round a ring at 1 Mbit/s, each after a one-byte ready notice (gloo's ring),
-    one process a node: a step takes the message's wire time and a fraction of a frame. On each end of a link each
-    peer's class borrows above its share (1/7 of the link) from the link's class; with the acknowledgements' class
-    under the link's class too, a borrowed frame waited for their charge. The median step (of 145) over the wire
-    time, in frames, 2026-11-29 on this 2-core machine: with that class under the link's, 0.33-0.48 (4 runs),
-    0.30-0.63 beside 4 busy processes (4); beside it, 0.01-0.11 (4), 0.13-0.33 beside 4 busy processes (4; load
-    1.1-3.2). A notice is data: it waits in its peer's queue, as on a switch's port, where (before 2026-11-29) it
-    went first with the acknowledgements, and some steps take most of a frame more (12-20% of them over 0.6
-    frames, quiet); the median, not the mean, is what the acknowledgements' charge moved. The wire time counts
-    the notice's two hops. Load adds the host's delays to a step, so the bound, 0.25 frames on an idle machine,
-    is stretched by the load."""
+    one process a node: a step takes the message's wire time and at most a fraction of a frame. A notice is data:
+    it waits in its peer's queue beside the other sender's chunk into that node (as on a switch's port), so some
+    steps take most of a frame more. The median step (of 145) over the wire time, in frames, 2026-11-29 on this
+    2-core machine, this shaper: 0.03-0.26 (8 runs), 0.11-0.32 beside 4 busy processes (3; load 0.9-2.4). With the
+    acknowledgements' class under the link's class (the peers' classes, borrowing above their shares, then waited
+    for the acknowledgements' charge): 0.21-0.58 (8), 0.28-0.41 (3). The two overlap since notices queue with
+    data (before, 0.02-0.16 against 0.30-0.57), so the class's place is checked above and this bounds the ring's
+    step. The wire time counts the notice's two hops. Load adds the host's delays to a step, so the bound, 0.4
+    frames on an idle machine, is stretched by the load."""
     n, mbps, size, steps = 8, 1.0, 2756, 150
     c = EmulatedCluster(n, 0, mbps, mbps)
     try:
@@ -76,5 +75,5 @@ def test_a_ring_of_short_messages_runs_at_the_wire_time():
     frame = WIRE * 8 / (mbps * 1e6)
     wire = (size + 2 * 66 + 2 * 67) * 8 / (mbps * 1e6)      # two packets' headers; the notice's 67 B, twice
     over = statistics.median((max(t[i] for t in took) - wire) / frame for i in range(5, steps))
-    assert over < 0.25 * load_factor(), (over, load_factor())
+    assert over < 0.4 * load_factor(), (over, load_factor())
     assert not leftovers(os.getpid())

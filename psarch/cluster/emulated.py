@@ -16,8 +16,8 @@ into k < N nodes too: the device crossover study's duplex_flows.py measures it):
 - fair shares into a node: on the bridge's end of its link each other node's traffic waits in a FIFO of its
   own, served round robin. In one FIFO a flow that fell behind stayed behind (TCP's shares are unequal in a
   deep queue); a PS server, which answers a partition's pulls once every worker's push of it is in, then
-  waited on the slowest worker for every partition. Out of a node, a FIFO per destination, as a host's
-  fair-queueing qdisc keeps a flow's: a small message to one peer does not wait behind a large one to another;
+  waited on the slowest worker for every partition. Out of a node, a FIFO per peer it sends to (a host's
+  fair-queueing qdisc keeps one per flow): a small message to one peer does not wait behind a large one to another;
 - acknowledgements first: on a plain token bucket (`tbf`) a node's acknowledgements wait behind its own
   bulk data, up to QUEUE_S, and the flows they clock stall (worst where N/k senders fill one server's queue).
   Only segments without data: a flow's packets keep their order (tests/test_cluster_order.py);
@@ -47,11 +47,13 @@ HUB_ADDRESS = "10.213.0.1"
 MAX_NODES = 250                 # host numbers 1..250 in each of the 10.213.1 and 10.213.2 subnets
 QUEUE_S = 0.2                   # the bulk queue, as time at the cluster's link rate: long enough that TCP is not starved
 QUEUE_MAX = 2**31                # bytes: bfifo's limit is a u32 (past 172 Gbit/s QUEUE_S would not fit); no window fills it
-SHORT_PACKET = 128              # IP packets shorter than this without data (acknowledgements, SYNs) go first
-# u32 matches of a TCP segment (IPv4 with no options) under SHORT_PACKET bytes whose flags hold neither PSH nor FIN
-ACKNOWLEDGEMENT = ["match", "u8", "0x45", "0xff", "at", "0",
-                   "match", "u16", "0x0000", f"0x{0xffff & ~(SHORT_PACKET - 1):04x}", "at", "2",
-                   "match", "ip", "protocol", "6", "0xff", "match", "u8", "0x00", "0x09", "at", "33"]
+# u32 matches, one per TCP header length (data offset 5-15 words), of a TCP segment in IPv4 without options that
+# carries no data (its IP total length is the two headers') and is neither FIN nor RST: TCP's acknowledgements, SYNs
+ACKNOWLEDGEMENTS = [["match", "u8", "0x45", "0xff", "at", "0",
+                      "match", "u16", f"0x{20 + 4 * words:04x}", "0xffff", "at", "2",
+                      "match", "ip", "protocol", "6", "0xff",
+                      "match", "u8", f"0x{words << 4:02x}", "0xf0", "at", "32",
+                      "match", "u8", "0x00", "0x05", "at", "33"] for words in range(5, 16)]
 SEGMENT_S = 0.001               # the longest one GSO segment holds a link
 BUCKET_S = 0.002                # what a link's shaper may send at once after an idle spell (`shaper`)
 WIRE = 1514                     # a 1500-byte IP packet on the wire (Ethernet header included)
@@ -94,18 +96,17 @@ def shaper(dev: str, mbps: float, peers: Sequence[str] = (), dilation: float = 1
     segments, `tsq_bytes`). A real link has no bucket: what it holds goes at once after an idle spell, so it is
     kept that small (it was 64 KiB, a tbf's floor for a whole GSO segment, which let 52 ms of a 10 Mbit/s link's
     traffic through at once; htb sends a packet larger than its bucket and owes the difference).
-    TCP's acknowledgements are served first (a u32 filter: TCP segments under SHORT_PACKET bytes with neither PSH
-    nor FIN, which no segment that carries a send's data lacks), from a class of their own at the rate, beside the
-    link's class, not under it: their bytes are not counted in the link's rate (an acknowledgement is 66 B against
-    2 data frames, about 2% of the reverse way). Under the link's class each peer's traffic borrows above its fair
-    share, and waited there until the link's class had paid for the acknowledgements it had also been charged:
-    about a frame a message in a ring of messages of a few frames (tests/test_cluster_ring.py). Data is never
-    served first, however short: a flow's short segment (a message's last bytes, a small message behind a large
-    one) overtook its own flow's queued data, and TCP took the reordering for loss and sent data again
-    (experiments/compression/README.md, "Three defects of the emulation").
-    The rest wait in FIFOs of QUEUE_S at the rate, in bytes: one per address in `peers` (the packets' source
-    address where `by` is "src", their destination's where it is "dst"), shared fairly (htb's round robin;
-    each may use the whole rate alone), and one for everything else.
+    TCP's acknowledgements are served first (u32 filters: TCP segments that carry no data, neither FIN nor RST,
+    ACKNOWLEDGEMENTS), from a class of their own at the rate, beside the link's class, not under it: their bytes are
+    not counted in the link's rate (an acknowledgement is 66 B against 2 data frames, about 2% of the reverse way).
+    Under the link's class each peer's traffic borrows above its fair share, and waited there until the link's class
+    had paid for the acknowledgements it had also been charged: about a frame a message in a ring of messages of a
+    few frames (tests/test_cluster_ring.py). Data is never served first, however short: a flow's short segment (a
+    message's last bytes, a small message behind a large one) overtook its own flow's queued data, and TCP took the
+    reordering for loss and sent data again (experiments/compression/README.md, "Three defects of the emulation").
+    The rest wait in FIFOs of QUEUE_S at the rate, in bytes: one per address in `peers` (the packets' source address
+    where `by` is "src", their destination's where it is "dst"), shared fairly (htb's round robin; each may use the
+    whole rate alone), and one for everything else.
     `dilation`: D of a link shaped to the cluster's rate / D. Time dilation slows rates and times, never bytes (a
     message, a TCP window, what a switch's queue holds): the FIFOs hold QUEUE_S at the cluster's rate, mbps x D. At
     the shaped rate they held D times fewer bytes, and the windows N workers' pushes opened into one server were
@@ -122,8 +123,8 @@ def shaper(dev: str, mbps: float, peers: Sequence[str] = (), dilation: float = 1
            ["class", "add", "dev", dev, "parent", "1:", "classid", "1:10", "htb", *bucket, "prio", "0"],
            ["class", "add", "dev", dev, "parent", "1:1", "classid", "1:20", "htb", *bucket, "prio", "1"],
            ["qdisc", "add", "dev", dev, "parent", "1:20", "bfifo", "limit", queue],
-           ["filter", "add", "dev", dev, "parent", "1:", "protocol", "ip", "prio", "1", "u32", *ACKNOWLEDGEMENT,
-            "flowid", "1:10"]]
+           *(["filter", "add", "dev", dev, "parent", "1:", "protocol", "ip", "prio", "1", "u32", *ack, "flowid", "1:10"]
+             for ack in ACKNOWLEDGEMENTS)]
     share = f"{mbps * 1000 / max(1, len(peers)):.0f}kbit"
     for j, address in enumerate(peers):
         leaf = f"1:{0x100 + j:x}"
@@ -136,7 +137,7 @@ def shaper(dev: str, mbps: float, peers: Sequence[str] = (), dilation: float = 1
 
 
 def tc_batch(ns: str, commands: list[list[str]]) -> None:
-    """Run `tc` commands in namespace `ns` in one process (`tc -batch`): a cluster of 16 nodes has ~800."""
+    """Run `tc` commands in namespace `ns` in one process (`tc -batch`): a cluster of 16 nodes has ~2,000."""
     p = subprocess.run(["tc", "-n", ns, "-batch", "-"], input="\n".join(" ".join(c) for c in commands) + "\n",
                        capture_output=True, text=True)
     if p.returncode != 0:
@@ -215,8 +216,8 @@ class EmulatedCluster:
             netns.run("ip", "-n", n.ns, "link", "set", IFNAME, "up")
             netns.run("ip", "-n", n.ns, "link", "set", "lo", "up")
             others = [m.address for m in self.nodes if m.address != n.address]
-            # node -> bridge: its traffic to each other node in a queue of its own, fairly shared, as a host's
-            # fair-queueing qdisc keeps a flow's; bridge -> node: each other node's into this link, the same
+            # node -> bridge: its traffic to each other node in a queue of its own, fairly shared (a host's
+            # fair-queueing qdisc keeps one per flow); bridge -> node: each other node's into this link, the same
             tc_batch(n.ns, shaper(IFNAME, n.mbps, others, self.dilation, by="dst"))
             tc_batch(hub, shaper(n.port, n.mbps, others, self.dilation))
             segments = str(gso_segments(n.mbps))
