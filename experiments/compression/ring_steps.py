@@ -1,7 +1,7 @@
-"""Where a traced PowerSGD step's communication goes, measured against the step simulator (README.md here, "Two
-defects of the emulation"): for each run folder (gpt_powersgd_n8_probe.toml's, with
-trace.json), per all-reduce of a traced compressed step (the whole tensors, every P, every Q): its time on the ranks
-(the "ring" lane, mean over ranks), its ring steps' (the "ring steps" lane: from a step's post to its chunk received
+"""Where a traced PowerSGD step's communication goes, measured against the step simulator (README.md here, "Three
+defects of the emulation"): for each run folder (gpt_powersgd_n8_probe.toml's, with trace.json), per all-reduce of a
+traced compressed step (the whole tensors, every P, every Q): its time on the ranks (the "ring" lane, mean over
+ranks), its ring steps' (the "ring steps" lane: from a step's post to its chunk received
 and added), and what the simulator gives the same all-reduce (its transfers' sum, trace_predicted's "to rank" lanes).
 Times are the cluster's (wall / D); `extra/step` is (measured - predicted) / ring steps, beside one 1514-byte frame at
 the link rate. A ring ddp run's (torch_ddp's trace holds no ring lanes).
