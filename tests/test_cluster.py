@@ -158,10 +158,9 @@ def test_each_node_is_set_to_its_link():
                 assert classes.count(f"rate {rate} ceil {rate}") == 3, classes
                 assert classes.count(f"ceil {rate}") == 3 + 2, classes
                 filters = netns.run("tc", "-n", ns, "filter", "show", "dev", dev)
-                # IPv4 without options and TCP, whose total length (bytes 2-3) is the two headers' (the TCP
-                # header's length: the data offset, byte 32's high half): no data; neither FIN nor RST (byte 33)
+                # TCP in IPv4 without options, its length (bytes 2-3) the headers' (TCP's: byte 32's data offset)
                 assert "flowid 1:10" in filters and "match 00060000/00ff0000 at 8" in filters, filters
-                for words in range(5, 16):
+                for words in range(5, 16):   # ... and neither FIN nor RST (byte 33)
                     assert f"match 4500{20 + 4 * words:04x}/ff00ffff at 0" in filters, (words, filters)
                     assert f"match {words << 4:02x}000000/f0050000 at 32" in filters, (words, filters)
                 assert "class htb 1:10 root prio 0" in classes, classes    # beside the link's class, not under it
@@ -183,8 +182,7 @@ def test_each_node_is_set_to_its_link():
         t.join(30)
         assert got[0][0] == 300_000
         sent = {n.ns: _class_bytes(n.ns, IFNAME) for n in c.nodes}
-        # worker 0's peers are worker 1 and the server: the server's leaf is its second
-        assert sent[worker.ns]["1:101"] > 300_000 and sent[server.ns]["1:10"] > 0, sent   # data; its acks
+        assert sent[worker.ns]["1:101"] > 300_000 and sent[server.ns]["1:10"] > 0, sent   # data (to the server); acks
         assert sent[server.ns]["1:100"] < 10_000, sent        # nothing long went back
         into_server = _class_bytes(c.hub, server.port)      # worker 0 is the first of the server's senders
         assert into_server["1:100"] > 300_000 and into_server["1:101"] == 0, into_server
