@@ -15,18 +15,6 @@ from psarch.cluster.emulated import EmulatedCluster
 from timing import scaled
 
 
-def _tcp(ns: str) -> dict[str, int]:
-    """{"Tcp.RetransSegs": n, "TcpExt.TCPOFOQueue": n, ...}: namespace `ns`'s TCP counters (what `nstat -az` shows)."""
-    out: dict[str, int] = {}
-    with netns.inside(ns):
-        for path in ("/proc/thread-self/net/snmp", "/proc/thread-self/net/netstat"):
-            lines = open(path).read().splitlines()
-            for names, values in zip(lines[::2], lines[1::2]):
-                group, *keys = names.split()
-                out.update({f"{group.rstrip(':')}.{k}": int(v) for k, v in zip(keys, values.split()[1:])})
-    return out
-
-
 SIOCOUTQNSD = 0x894B   # linux/sockios.h: bytes a socket holds not yet sent
 
 
@@ -64,7 +52,7 @@ def test_a_flows_short_segments_wait_behind_its_own_data():
         with netns.inside(worker.ns):
             s = socket.create_connection((server.address, port[0]), timeout=scaled(60))
         s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        before = (_tcp(worker.ns), _tcp(server.ns))
+        before = (netns.tcp_counters(worker.ns), netns.tcp_counters(server.ns))
         for _ in range(20):
             s.sendall(bytes(64 * 1024))
             deadline = time.monotonic() + scaled(60)
@@ -74,7 +62,7 @@ def test_a_flows_short_segments_wait_behind_its_own_data():
             s.sendall(b"0123456789")
         s.close()
         t.join(scaled(60))
-        after = (_tcp(worker.ns), _tcp(server.ns))
+        after = (netns.tcp_counters(worker.ns), netns.tcp_counters(server.ns))
     finally:
         c.close()
     assert got == [20 * (64 * 1024 + 10)], got

@@ -41,19 +41,6 @@ def _out(*argv: str) -> str:
     return subprocess.run(argv, capture_output=True, text=True).stdout
 
 
-def _mib(ns: str) -> dict[str, int]:
-    """{"Tcp.OutSegs": n, "TcpExt.TCPTimeouts": n, ...} of namespace `ns` (nstat's source files)."""
-    text = _out("ip", "netns", "exec", ns, "cat", "/proc/net/snmp", "/proc/net/netstat")
-    out: dict[str, int] = {}
-    lines = text.splitlines()
-    for names, values in zip(lines[::2], lines[1::2]):
-        group, *keys = names.split()
-        _, *vals = values.split()
-        for k, v in zip(keys, vals):
-            out[f"{group.rstrip(':')}.{k}"] = int(v)
-    return out
-
-
 def _sockets(ns: str) -> dict[str, dict[str, Any]]:
     """{"local peer": tcp_info fields} of every TCP socket in `ns` (`ss -tinH`: a state line, then its info line)."""
     out: dict[str, dict[str, Any]] = {}
@@ -93,7 +80,7 @@ def snapshot(c: emulated.EmulatedCluster) -> Snapshot:
     """Every namespace's TCP counters, sockets, links and qdiscs now."""
     snap: Snapshot = {"hub": {"links": _links(c.hub), "qdiscs": _qdiscs(c.hub)}, "nodes": {}}
     for n in c.nodes:
-        snap["nodes"][n.ns] = {"mib": _mib(n.ns), "sockets": _sockets(n.ns), "links": _links(n.ns),
+        snap["nodes"][n.ns] = {"mib": netns.tcp_counters(n.ns), "sockets": _sockets(n.ns), "links": _links(n.ns),
                                "qdiscs": _qdiscs(n.ns)}
     if not SNAPSHOTS:
         snap["congestion_control"] = {n.ns: _out("ip", "netns", "exec", n.ns, "sysctl", "-n",

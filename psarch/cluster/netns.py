@@ -92,9 +92,19 @@ def link_stats(ns: str) -> dict[str, tuple[tuple[int, int], tuple[int, int]]]:
                           (d["stats64"]["rx"]["bytes"], d["stats64"]["rx"]["packets"])) for d in out}
 
 
-def tcp_retransmitted(ns: str) -> int:
-    """TCP segments `ns` has retransmitted (/proc/net/snmp's Tcp RetransSegs, what `nstat` shows as
-    TcpRetransSegs: timeouts, fast retransmits and tail loss probes alike), read from inside `ns`."""
+def tcp_counters(ns: str) -> dict[str, int]:
+    """{"Tcp.RetransSegs": n, "TcpExt.TCPSACKReorder": n, ...}: namespace `ns`'s protocol counters
+    (/proc/net/snmp and /proc/net/netstat, what `nstat -az` shows), read from inside `ns`."""
+    out: dict[str, int] = {}
     with inside(ns):
-        lines = [line.split() for line in open("/proc/thread-self/net/snmp") if line.startswith("Tcp:")]
-    return int(dict(zip(lines[0], lines[1]))["RetransSegs"])
+        for path in ("/proc/thread-self/net/snmp", "/proc/thread-self/net/netstat"):
+            lines = open(path).read().splitlines()
+            for names, values in zip(lines[::2], lines[1::2]):
+                group, *keys = names.split()
+                out.update({f"{group.rstrip(':')}.{k}": int(v) for k, v in zip(keys, values.split()[1:])})
+    return out
+
+
+def tcp_retransmitted(ns: str) -> int:
+    """TCP segments `ns` has retransmitted (Tcp RetransSegs: timeouts, fast retransmits and tail loss probes alike)."""
+    return tcp_counters(ns)["Tcp.RetransSegs"]
